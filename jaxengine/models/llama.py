@@ -1,0 +1,405 @@
+"""A Llama-family decoder in Flax NNX that reads and writes a slot-addressed KV cache.
+
+Covers the architecture of Llama 2/3 and SmolLM (without rope scaling): token embedding, a stack
+of pre-norm decoder layers (RMSNorm, grouped-query attention with rotary embeddings, SwiGLU MLP),
+a final RMSNorm, and an output projection that may be tied to the embedding.
+
+One call serves both prefill and decode. Each row of the batch names a cache slot and gives the
+absolute position of each of its tokens; the call writes the new keys/values at
+``(slot, position)`` and every query attends to the cached positions of its own slot up to and
+including its own position. Padding (prefill length buckets) is handled by positions alone: see
+`Llama.__call__`.
+
+Shape letters used in comments: ``B`` batch rows, ``T`` tokens per row in this call, ``S``
+``max_model_len`` (cache positions per slot), ``H`` query heads, ``K`` key/value heads,
+``G = H // K`` query heads sharing one key/value head, ``D`` head_dim, ``E`` hidden_size,
+``F`` intermediate_size, ``V`` vocab_size, ``L`` layers.
+
+References:
+  Touvron et al., "Llama 2: Open Foundation and Fine-Tuned Chat Models", 2023.
+  Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+  Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models", 2023.
+  Shazeer, "GLU Variants Improve Transformer", 2020.
+  Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+  """Hyper-parameters of a Llama-family model.
+
+  Hashable, so it can be a static argument or live in an NNX graph definition.
+
+  Attributes:
+    vocab_size: rows of the embedding (and of the output projection).
+    hidden_size: width ``E`` of the residual stream.
+    intermediate_size: width ``F`` of the SwiGLU MLP.
+    num_hidden_layers: number of decoder layers ``L``.
+    num_attention_heads: query heads ``H``.
+    num_key_value_heads: key/value heads ``K``; must divide ``H`` (grouped-query attention).
+    head_dim: per-head width ``D``; must be even (rotary embedding rotates pairs).
+    rope_theta: rotary base; frequency ``i`` is ``rope_theta ** (-2 i / D)``.
+    rms_norm_eps: epsilon added to the mean square in every RMSNorm.
+    tie_word_embeddings: if True the output projection reuses the embedding matrix.
+    max_position_embeddings: context length the model was trained for (informational; the
+      cache's ``max_model_len`` is what bounds positions at run time).
+    bos_token_id: beginning-of-sequence token id.
+    eos_token_id: end-of-sequence token id.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = True
+  max_position_embeddings: int = 2048
+  bos_token_id: int = 1
+  eos_token_id: int = 2
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+          f"num_key_value_heads={self.num_key_value_heads}"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+  @property
+  def num_queries_per_kv(self) -> int:
+    """``G``: query heads that share one key/value head."""
+    return self.num_attention_heads // self.num_key_value_heads
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
+  """Gaussian init with standard deviation ``fan_in ** -0.5`` (keeps activations O(1))."""
+  return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotates pairs of features by position-dependent angles (RoPE).
+
+  Uses the "half-split" pairing of Hugging Face checkpoints: feature ``i`` is paired with feature
+  ``i + D/2``, and the pair is rotated by ``position * theta ** (-2 i / D)``. GGUF files store the
+  query/key projections with rows permuted for the interleaved pairing ``(2i, 2i+1)``; the GGUF
+  loader undoes that permutation so both sources share this convention.
+
+  Args:
+    x: ``[B, T, N, D]`` queries or keys (any float dtype).
+    positions: ``[B, T] int32`` absolute positions.
+    theta: rotary base (``rope_theta``).
+
+  Returns:
+    ``[B, T, N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
+  """
+  d = x.shape[-1]
+  # A host constant, so it folds into the executable instead of being a traced input.
+  inv_freq = (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [B, T, N, D/2]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square normalisation with a learned per-feature scale, computed in float32.
+
+  ``y = x / sqrt(mean(x**2) + eps) * scale`` (Zhang & Sennrich, 2019). The scale is kept in
+  float32 whatever the model dtype; the result is cast back to the input dtype.
+  """
+
+  def __init__(self, dim: int, *, eps: float):
+    """Args: dim: feature width. eps: added to the mean square."""
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Normalises ``[..., dim]`` and returns the same shape and dtype."""
+    x32 = x.astype(jnp.float32)
+    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(mean_square + self.eps) * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention over a slot-addressed KV cache.
+
+  Attributes:
+    wq: ``[E, H, D]`` query projection.
+    wk: ``[E, K, D]`` key projection.
+    wv: ``[E, K, D]`` value projection.
+    wo: ``[H, D, E]`` output projection.
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    e, h, k, d = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    self.config = config
+    self.dtype = dtype
+    self.wq = nnx.Param(_normal(rngs, (e, h, d), e, dtype))
+    self.wk = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
+    self.wv = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
+    self.wo = nnx.Param(_normal(rngs, (h, d, e), h * d, dtype))
+
+  def __call__(
+      self,
+      x: jax.Array,
+      positions: jax.Array,
+      cache_slots: jax.Array,
+      key_cache: jax.Array,
+      value_cache: jax.Array,
+      layer: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes this call's keys/values into the cache, then attends causally over the slot.
+
+    Args:
+      x: ``[B, T, E]`` normalised hidden states, model dtype.
+      positions: ``[B, T] int32`` absolute position of each token.
+      cache_slots: ``[B] int32`` cache slot of each row.
+      key_cache: ``[L, num_slots, S, K, D]`` keys of every layer.
+      value_cache: ``[L, num_slots, S, K, D]`` values of every layer.
+      layer: ``[] int32`` index of this layer in the cache (traced: one executable for all layers).
+
+    Returns:
+      ``([B, T, E] attention output in model dtype, updated key_cache, updated value_cache)``.
+    """
+    cfg = self.config
+    b, t, _ = x.shape
+    s = key_cache.shape[2]
+    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
+    k = jnp.einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
+    v = jnp.einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
+    q = rotary_embedding(q, positions, cfg.rope_theta)
+    k = rotary_embedding(k, positions, cfg.rope_theta)
+
+    # Scatter the new keys/values to (layer, slot, position). Index arrays broadcast to [B, T].
+    # Positions >= S are dropped, so a row can be made write-free with position S.
+    slots = cache_slots[:, None]  # [B, 1]
+    key_cache = key_cache.at[layer, slots, positions].set(k.astype(key_cache.dtype), mode="drop")
+    value_cache = value_cache.at[layer, slots, positions].set(
+        v.astype(value_cache.dtype), mode="drop"
+    )
+
+    # Gather each row's whole slot: [B, S, K, D]. Reading after writing lets the tokens of one
+    # prefill chunk attend to each other.
+    keys = key_cache[layer, cache_slots].astype(self.dtype)
+    values = value_cache[layer, cache_slots].astype(self.dtype)
+
+    q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_queries_per_kv, cfg.head_dim)
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32
+    )  # [B, K, G, T, S] float32
+    scores = scores * cfg.head_dim**-0.5
+    # Causal over absolute positions: key position s is visible to a query at position p iff s <= p.
+    visible = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
+    out = out.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # [B, T, H, D]
+    return jnp.einsum("bthd,hde->bte", out, self.wo[...]), key_cache, value_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward block: ``down(silu(x @ gate) * (x @ up))`` (Shazeer, 2020).
+
+  Attributes:
+    w_gate: ``[E, F]`` gate projection.
+    w_up: ``[E, F]`` up projection.
+    w_down: ``[F, E]`` down projection.
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    e, f = config.hidden_size, config.intermediate_size
+    self.w_gate = nnx.Param(_normal(rngs, (e, f), e, dtype))
+    self.w_up = nnx.Param(_normal(rngs, (e, f), e, dtype))
+    self.w_down = nnx.Param(_normal(rngs, (f, e), f, dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
+    gate = x @ self.w_gate[...]  # [B, T, F]
+    up = x @ self.w_up[...]  # [B, T, F]
+    return (jax.nn.silu(gate) * up) @ self.w_down[...]
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm transformer layer: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+  def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    self.attn = Attention(config, dtype=dtype, rngs=rngs)
+    self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, positions, cache_slots, key_cache, value_cache, layer):
+    """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
+    h, key_cache, value_cache = self.attn(
+        self.input_norm(x), positions, cache_slots, key_cache, value_cache, layer
+    )
+    x = x + h
+    x = x + self.mlp(self.post_attention_norm(x))
+    return x, key_cache, value_cache
+
+
+class Llama(nnx.Module):
+  """Llama-family decoder reading and writing a `KVCache`.
+
+  The decoder layers are stored stacked (every parameter of ``layers`` has a leading ``[L]``
+  axis) and applied with `jax.lax.scan`, so the forward pass compiles one layer body however deep
+  the model is.
+
+  Attributes:
+    config: the model's `LlamaConfig` (static).
+    dtype: compute and parameter dtype of the matrices (norm scales stay float32).
+    embed: ``[V, E]`` token embedding.
+    layers: `DecoderLayer` whose parameters carry a leading ``[L]`` axis.
+    final_norm: RMSNorm applied to the last layer's output.
+    lm_head: ``[V, E]`` output projection, or None when tied to ``embed``.
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    """Builds a model with random weights (Gaussian, std ``fan_in ** -0.5``; norm scales 1).
+
+    Args:
+      config: hyper-parameters.
+      dtype: parameter and compute dtype, ``jnp.float32`` (default) or ``jnp.bfloat16``. Norms,
+        softmax and logits are computed in float32 either way.
+      rngs: random streams for initialisation (``params``, falling back to ``default``).
+    """
+    self.config = config
+    self.dtype = dtype
+    e, v = config.hidden_size, config.vocab_size
+    self.embed = nnx.Param(_normal(rngs, (v, e), e, dtype))
+
+    @nnx.split_rngs(splits=config.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+      return DecoderLayer(config, dtype=dtype, rngs=rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
+    self.lm_head = None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
+
+  def __call__(
+      self,
+      token_ids: jax.Array,
+      positions: jax.Array,
+      kv_cache: KVCache,
+      cache_slots: jax.Array,
+  ) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder over a batch of token rows, updating the KV cache.
+
+    Each token's key/value is written at ``(cache_slots[b], positions[b, t])`` in every layer,
+    then each token attends to the positions ``<= positions[b, t]`` of its row's slot. So a
+    prefill is a call with a row's prompt at positions ``0..n-1`` and a decode step is a call with
+    ``T = 1`` at position ``n``; chunked prefill works the same way.
+
+    Contract for the caller (the engine):
+
+    * Every row must point at a valid slot ``0 <= slot < kv_cache.num_slots``, and two rows must
+      not share a slot unless their positions never collide (rows in the same slot overwrite each
+      other). Inactive decode rows should either point at a scratch slot (allocate one extra
+      slot) or use position ``kv_cache.max_model_len``: positions ``>= max_model_len`` write
+      nothing (out-of-range updates are dropped) and their outputs are meaningless.
+    * Positions must be non-negative. Padding tokens (prefill length buckets) should take the
+      positions after the prompt (``n, n+1, ...``): they write garbage there, which no real token
+      reads, because a real token only sees positions ``<=`` its own and the next decode step
+      overwrites position ``n`` before attending to it. Padding at positions *before* a real
+      token would corrupt it.
+    * Token ids outside ``[0, vocab_size)`` are clipped (padding may use any id); the cache must
+      stay finite since masked positions still enter the attention matmul with weight 0.
+
+    Args:
+      token_ids: ``[B, T] int32`` input tokens.
+      positions: ``[B, T] int32`` absolute position of each token in its sequence.
+      kv_cache: the cache to read and update (donate it under jit).
+      cache_slots: ``[B] int32`` cache slot of each row.
+
+    Returns:
+      ``(hidden, kv_cache)``: ``[B, T, E]`` hidden states after the final RMSNorm, in the model
+      dtype (feed them to `compute_logits`), and the updated cache.
+    """
+    cfg = self.config
+    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]
+    layers_def, layers_weights = nnx.split(self.layers)
+
+    def layer_step(carry, xs):
+      x, key_cache, value_cache = carry
+      weights, layer = xs
+      block = nnx.merge(layers_def, weights)
+      return block(x, positions, cache_slots, key_cache, value_cache, layer), None
+
+    layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+    (x, key_cache, value_cache), _ = jax.lax.scan(
+        layer_step, (x, kv_cache.key, kv_cache.value), (layers_weights, layer_ids)
+    )
+    hidden = self.final_norm(x)
+    return hidden, dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
+
+  def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    """Projects hidden states onto the vocabulary.
+
+    Kept apart from `__call__` so prefill can project only the positions it needs (the last
+    one, or all of them when prompt logprobs are requested).
+
+    Args:
+      hidden: ``[..., E]`` hidden states returned by `__call__`.
+
+    Returns:
+      ``[..., V] float32`` logits (float32 accumulation even for a bfloat16 model).
+    """
+    w = self.embed[...] if self.lm_head is None else self.lm_head[...]  # [V, E]
+    return jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def forward(
+    graphdef: nnx.GraphDef,
+    weights: nnx.State,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache,
+    cache_slots: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+  """Pure form of `Llama.__call__` for the split/merge pattern.
+
+  Jit it once with the graph definition static and the cache donated, e.g.
+  ``jax.jit(forward, static_argnums=0, donate_argnames="kv_cache")``, where
+  ``graphdef, weights = nnx.split(model)``.
+
+  Args:
+    graphdef: static structure from `nnx.split`.
+    weights: the model's parameter state from `nnx.split`.
+    token_ids: ``[B, T] int32``.
+    positions: ``[B, T] int32``.
+    kv_cache: `KVCache`, consumed.
+    cache_slots: ``[B] int32``.
+
+  Returns:
+    ``(hidden [B, T, E], updated KVCache)``, as `Llama.__call__`.
+  """
+  return nnx.merge(graphdef, weights)(token_ids, positions, kv_cache, cache_slots)
+
+
+def compute_logits(graphdef: nnx.GraphDef, weights: nnx.State, hidden: jax.Array) -> jax.Array:
+  """Pure form of `Llama.compute_logits`: ``[..., E]`` hidden -> ``[..., V] float32`` logits."""
+  return nnx.merge(graphdef, weights).compute_logits(hidden)
