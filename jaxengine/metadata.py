@@ -1,0 +1,112 @@
+"""`SamplingMetadata`: what the sampler needs beyond `BatchState`, rebuilt only on composition change.
+
+`refresh_metadata` is one jitted function of the batch state and the live-row mask. `InputBatch`
+calls it after a step's adds, removes, condense or swaps, and on a step without such a change hands
+the sampler the very same object (vLLM PR #13244's rule). The sampler never mutates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.params import SAMPLING_EPS
+from jaxengine.state import BatchState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingMetadata:
+  """Effective per-row sampling values and the batch-wide "is any row using X" flags.
+
+  Per-row values are already resolved for the sampler: greedy and free rows get temperature 1 (the
+  division is a no-op) and neutral filters, free rows neutral penalties, so the sampler needs no
+  per-row branching. The flags are traced `[] bool` arrays that drive `lax.cond`, so one compiled
+  step serves every mix of requests.
+
+  Attributes:
+    is_live: `[R] bool` rows that hold a request.
+    is_greedy: `[R] bool` live rows sampling greedily.
+    temperature: `[R] float32` divisor, 1 for greedy and free rows.
+    top_k: `[R] int32`, `V` (disabled) for greedy and free rows.
+    top_p: `[R] float32`, 1 (disabled) for greedy and free rows.
+    min_p: `[R] float32`, 0 (disabled) for greedy and free rows.
+    presence_penalty: `[R] float32`, 0 for free rows.
+    frequency_penalty: `[R] float32`, 0 for free rows.
+    repetition_penalty: `[R] float32`, 1 for free rows.
+    any_greedy, any_random, any_top_k, any_top_k_beyond_candidates, any_top_p, any_min_p,
+    any_penalties, any_logit_bias, any_allowed_token_ids, any_bad_words, any_min_tokens,
+    any_logprobs: `[] bool` whether some live row uses the feature.
+  """
+
+  is_live: jax.Array
+  is_greedy: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  repetition_penalty: jax.Array
+  any_greedy: jax.Array
+  any_random: jax.Array
+  any_top_k: jax.Array
+  any_top_k_beyond_candidates: jax.Array
+  any_top_p: jax.Array
+  any_min_p: jax.Array
+  any_penalties: jax.Array
+  any_logit_bias: jax.Array
+  any_allowed_token_ids: jax.Array
+  any_bad_words: jax.Array
+  any_min_tokens: jax.Array
+  any_logprobs: jax.Array
+
+
+@jax.jit
+def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
+  """Derives `SamplingMetadata` from the batch state.
+
+  Args:
+    state: the batch state.
+    is_live: `[max_num_reqs] bool` rows that hold a request (holes and free rows are False).
+
+  Returns:
+    New metadata whose arrays own their buffers (no leaf aliases the state).
+  """
+  V = state.vocab_size
+  is_greedy = is_live & (state.temperature < SAMPLING_EPS)
+  is_random = is_live & ~is_greedy
+  top_k = jnp.where(is_random & (state.top_k > 0) & (state.top_k < V), state.top_k, V)
+  top_p = jnp.where(is_random, state.top_p, 1.0)
+  min_p = jnp.where(is_random, state.min_p, 0.0)
+  presence = jnp.where(is_live, state.presence_penalty, 0.0)
+  frequency = jnp.where(is_live, state.frequency_penalty, 0.0)
+  repetition = jnp.where(is_live, state.repetition_penalty, 1.0)
+  has_bias = (state.logit_bias_token_ids < V).any(axis=1)
+  has_bad_words = (state.bad_words_last < V).any(axis=1)
+  has_min_tokens = (state.min_tokens > 0) & (state.stop_token_ids < V).any(axis=1)
+  return SamplingMetadata(
+      is_live=is_live,
+      is_greedy=is_greedy,
+      temperature=jnp.where(is_random, state.temperature, 1.0),
+      top_k=top_k,
+      top_p=top_p,
+      min_p=min_p,
+      presence_penalty=presence,
+      frequency_penalty=frequency,
+      repetition_penalty=repetition,
+      any_greedy=is_greedy.any(),
+      any_random=is_random.any(),
+      any_top_k=(top_k < V).any(),
+      any_top_k_beyond_candidates=((top_k < V) & (top_k > state.num_topk_candidates)).any(),
+      any_top_p=(top_p < 1.0).any(),
+      any_min_p=(min_p > 0.0).any(),
+      any_penalties=((presence != 0) | (frequency != 0) | (repetition != 1)).any(),
+      any_logit_bias=(is_live & has_bias).any(),
+      any_allowed_token_ids=(is_live & state.has_allowed_token_ids).any(),
+      any_bad_words=(is_live & has_bad_words).any(),
+      any_min_tokens=(is_live & has_min_tokens).any(),
+      any_logprobs=(is_live & (state.num_logprobs >= 0)).any(),
+  )

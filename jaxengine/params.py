@@ -1,0 +1,259 @@
+"""Per-request sampling parameters, validated on the host.
+
+`SamplingParams` mirrors vLLM V1's class of the same name (field names, defaults, sentinels and
+validation rules as of vLLM HEAD, early 2026; see `shared/spec/behaviour.md` §2). It is a frozen
+dataclass: construction normalises and validates every field and raises `ValueError` naming the
+field and the offending value. Checks that need the batch (token ids against the vocabulary,
+lists against the batch's capacities) happen in `InputBatch.add_request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+
+#: Temperatures below this are greedy (vLLM's sampling epsilon).
+SAMPLING_EPS = 1e-5
+#: Positive temperatures below this are raised to it, with a warning (vLLM behaviour).
+MIN_TEMPERATURE = 1e-2
+
+_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def _as_int_tuple(field: str, values: Sequence[int] | None) -> tuple[int, ...] | None:
+  if values is None:
+    return None
+  if isinstance(values, (str, bytes)):
+    raise ValueError(f"{field} must be a sequence of ints, got {values!r}")
+  out = []
+  for value in values:
+    if isinstance(value, bool) or not isinstance(value, int):
+      try:
+        import numpy as np  # numpy integers are fine
+
+        if isinstance(value, np.integer):
+          out.append(int(value))
+          continue
+      except ImportError:  # pragma: no cover
+        pass
+      raise ValueError(f"{field} must contain ints, got {value!r}")
+    out.append(int(value))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """Sampling parameters of one request (vLLM V1 names, defaults and sentinels).
+
+  Attributes:
+    n: Number of completions to return for the prompt (engine level). Child `j` of a seeded
+      request gets the seed `seed + j`. Must be 1 for greedy requests.
+    temperature: Softmax temperature, `>= 0`. `0` (anything below 1e-5) means greedy; a positive
+      value below 0.01 is raised to 0.01 with a warning (vLLM does the same).
+    top_p: Nucleus mass in `(0, 1]`; `1.0` disables. Keeps the smallest set of most likely tokens
+      whose probability mass reaches `top_p`, plus every token tied with the last one kept.
+    top_k: Keep the tokens whose logit is at least the k-th largest (ties kept); `0` or `-1`
+      disables, as does any value `>= vocab_size`.
+    min_p: In `[0, 1]`; drops tokens whose probability is below `min_p * max_probability`;
+      `0` disables.
+    presence_penalty: In `[-2, 2]`; subtracted once from the logit of every token present in the
+      output so far. `0` disables.
+    frequency_penalty: In `[-2, 2]`; subtracted per occurrence of a token in the output so far.
+      `0` disables.
+    repetition_penalty: `> 0`; logits of tokens seen in the prompt or output are divided by it
+      when positive and multiplied by it otherwise. `1` disables.
+    seed: Per-request random seed (any int; `-1` means None). A seeded request's tokens depend only
+      on the seed, its logits and how many tokens it has generated, never on its batch slot or
+      neighbours.
+    max_tokens: Maximum number of generated tokens, `>= 1`, or None for "until max_model_len".
+    min_tokens: Generate at least this many tokens before EOS / stop ids may be produced; `>= 0`
+      and `<= max_tokens`.
+    stop: Stop strings (engine level, matched on detokenized text). Must not contain "".
+    stop_token_ids: Token ids that end generation (kept in the output), masked while fewer than
+      `min_tokens` tokens have been generated.
+    bad_words: Words that must never be generated (engine level: tokenized by the engine into
+      `bad_words_token_ids`).
+    bad_words_token_ids: Token-id sequences that must never appear in the output: when the last
+      `len(seq) - 1` output tokens equal `seq[:-1]`, token `seq[-1]` is masked.
+    include_stop_str_in_output: Keep a matched stop string in the returned text.
+    ignore_eos: Do not stop at EOS (engine level).
+    skip_special_tokens: Drop special tokens when detokenizing (engine level).
+    logprobs: Number of top log-probabilities to return per generated token besides the sampled
+      token's own: None (off), `0` (sampled token only), `k > 0`, or `-1` (the whole vocabulary,
+      only when the batch was built with `max_num_logprobs=-1`). `True` means 1.
+    prompt_logprobs: Same, for each prompt token (engine level; computed from the prefill logits).
+    logit_bias: `{token_id: bias}` added to the logits before penalties.
+    allowed_token_ids: If not None, every other token is masked. Must not be empty.
+
+  Raises:
+    ValueError: On construction, for any out-of-range value; the message names the field.
+  """
+
+  n: int = 1
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  seed: int | None = None
+  max_tokens: int | None = 16
+  min_tokens: int = 0
+  stop: tuple[str, ...] | None = None
+  stop_token_ids: tuple[int, ...] | None = None
+  bad_words: tuple[str, ...] | None = None
+  bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+  include_stop_str_in_output: bool = False
+  ignore_eos: bool = False
+  skip_special_tokens: bool = True
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
+  logit_bias: Mapping[int, float] | None = None
+  allowed_token_ids: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
+    # vLLM's order: clamp tiny temperature, seed -1 -> None, normalise lists, True -> 1,
+    # validate, then reset the knobs greedy sampling ignores.
+    _check_number("temperature", self.temperature)
+    if SAMPLING_EPS <= self.temperature < MIN_TEMPERATURE:
+      warnings.warn(
+          f"temperature {self.temperature} is below {MIN_TEMPERATURE}; using {MIN_TEMPERATURE}",
+          stacklevel=3)
+      set_("temperature", MIN_TEMPERATURE)
+    if self.seed == -1:
+      set_("seed", None)
+    if isinstance(self.stop, str):
+      set_("stop", (self.stop,))
+    elif self.stop is not None:
+      set_("stop", tuple(self.stop))
+    if isinstance(self.bad_words, str):
+      set_("bad_words", (self.bad_words,))
+    elif self.bad_words is not None:
+      set_("bad_words", tuple(self.bad_words))
+    set_("stop_token_ids", _as_int_tuple("stop_token_ids", self.stop_token_ids))
+    set_("allowed_token_ids", _as_int_tuple("allowed_token_ids", self.allowed_token_ids))
+    if self.bad_words_token_ids is not None:
+      set_("bad_words_token_ids", tuple(
+          _as_int_tuple("bad_words_token_ids", seq) for seq in self.bad_words_token_ids))
+    if self.logit_bias is not None:
+      set_("logit_bias", _normalise_logit_bias(self.logit_bias))
+    if self.logprobs is True:
+      set_("logprobs", 1)
+    if self.prompt_logprobs is True:
+      set_("prompt_logprobs", 1)
+    self._validate()
+    if self.temperature < SAMPLING_EPS:
+      set_("top_p", 1.0)
+      set_("top_k", 0)
+      set_("min_p", 0.0)
+
+  def _validate(self):
+    _check_int("n", self.n)
+    if self.n < 1:
+      raise ValueError(f"n must be at least 1, got {self.n}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+    _check_number("top_p", self.top_p)
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    _check_int("top_k", self.top_k)
+    if self.top_k < -1:
+      raise ValueError(f"top_k must be -1 (disable), 0 (disable), or at least 1, got {self.top_k}")
+    _check_number("min_p", self.min_p)
+    if not 0.0 <= self.min_p <= 1.0:
+      raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+      value = getattr(self, name)
+      _check_number(name, value)
+      if not -2.0 <= value <= 2.0:
+        raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    _check_number("repetition_penalty", self.repetition_penalty)
+    if not self.repetition_penalty > 0.0:
+      raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+    if self.seed is not None:
+      _check_int("seed", self.seed)
+    if self.max_tokens is not None:
+      _check_int("max_tokens", self.max_tokens)
+      if self.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+    _check_int("min_tokens", self.min_tokens)
+    if self.min_tokens < 0:
+      raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+    if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+      raise ValueError(
+          f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+          f"got {self.min_tokens}")
+    for name in ("logprobs", "prompt_logprobs"):
+      value = getattr(self, name)
+      if value is not None:
+        _check_int(name, value)
+        if value < -1:
+          raise ValueError(f"{name} must be non-negative or -1 (whole vocabulary), got {value}")
+    if self.stop is not None:
+      for s in self.stop:
+        if not isinstance(s, str) or not s:
+          raise ValueError(f"stop cannot contain an empty string or a non-string, got {self.stop!r}")
+    if self.bad_words is not None:
+      for word in self.bad_words:
+        if not isinstance(word, str):
+          raise ValueError(f"bad_words must be strings, got {word!r}")
+    if self.bad_words_token_ids is not None:
+      for seq in self.bad_words_token_ids:
+        if not seq:
+          raise ValueError(f"bad_words_token_ids cannot contain an empty sequence, got "
+                           f"{self.bad_words_token_ids!r}")
+    if self.allowed_token_ids is not None and not self.allowed_token_ids:
+      raise ValueError("allowed_token_ids is not None and empty!")
+    if self.temperature < SAMPLING_EPS and self.n > 1:
+      raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got n={self.n}")
+
+  @property
+  def is_greedy(self) -> bool:
+    """True when the request samples greedily (temperature below 1e-5)."""
+    return self.temperature < SAMPLING_EPS
+
+  def replace(self, **changes) -> "SamplingParams":
+    """Returns a copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+def _check_int(field: str, value) -> None:
+  import numpy as np
+
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{field} must be an int, got {value!r}")
+
+
+def _check_number(field: str, value) -> None:
+  import math
+
+  import numpy as np
+
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise ValueError(f"{field} must be a number, got {value!r}")
+  if math.isnan(float(value)):
+    raise ValueError(f"{field} must not be NaN, got {value!r}")
+
+
+def _normalise_logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
+  if not isinstance(bias, Mapping):
+    raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+  out: dict[int, float] = {}
+  for token, value in bias.items():
+    try:
+      token_id = int(token)  # the OpenAI front end sends string keys
+    except (TypeError, ValueError):
+      raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+    _check_number(f"logit_bias[{token_id}]", value)
+    out[token_id] = float(value)
+  return out
+
+
+def validate_logprobs_mode(mode: str) -> str:
+  """Returns `mode` if it is one of vLLM's four logprobs modes, else raises ValueError."""
+  if mode not in _LOGPROBS_MODES:
+    raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {mode!r}")
+  return mode

@@ -1,0 +1,455 @@
+"""The per-step sampler: vLLM V1's pipeline as one compiled function for every batch mix.
+
+`sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `shared/spec/behaviour.md` §1.4):
+
+  1. cast the logits to float32 (the input itself is the raw_* logprobs source);
+  2. allowed_token_ids: every other token -> -inf;
+  3. bad words: the last token of each banned sequence whose prefix ends the output -> -inf;
+  4. min_tokens: stop ids -> -inf while fewer than min_tokens tokens were generated;
+  5. logit_bias: added;
+  6. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
+  7. greedy argmax (first maximal index) for greedy rows;
+  8. temperature (greedy rows divide by 1);
+  9. min_p, 10. top-k, 11. top-p: each keeps the tokens at or above a per-row threshold, so the
+     three combine into one threshold; masked tokens are -inf in the processed_* logprobs;
+  12. random draw: inverse CDF of the kept distribution with one uniform per row, drawn from
+     `fold_in(request_key, num_output_tokens)`;
+  13. logprobs: the sampled token's value and rank plus the top `max_num_logprobs` values from the
+     mode's source.
+
+Every stage no live row uses is skipped at run time by `lax.cond` on a traced flag of
+`SamplingMetadata`, so one executable serves every mix without recompiling.
+
+No full-vocabulary sort: top-k and top-p thresholds come from `lax.top_k` candidates (a static
+budget per row, `BatchState.num_topk_candidates`), with an exact fallback when a row's cut lies
+beyond them: a 32-step binary search over the float32 bit pattern (each step one masked reduction
+over the vocabulary), as the TPU samplers do. The draw needs one exponential pass over the
+vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxengine.metadata import SamplingMetadata
+from jaxengine.state import BatchState
+
+_NEG_INF = float("-inf")
+# Block width of the blocked inverse-CDF draw: the vocabulary is summed in blocks of this many
+# tokens, then only the chosen block is scanned. 256 divides 49152 and 128256.
+_DRAW_BLOCK = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogprobsTensors:
+  """Log-probabilities of the sampled token and the top tokens of each row.
+
+  Attributes:
+    token_ids: `[num_rows, k + 1] int32`; column 0 is the sampled token, columns 1..k the top k
+      tokens by value, best first.
+    logprobs: `[num_rows, k + 1] float32` the values of those tokens in the batch's logprobs mode
+      (raw log-softmax of the model's logits by default).
+    ranks: `[num_rows] int32` the sampled token's rank: how many tokens have a value `>=` its own
+      (1 is best; ties count against it), as in vLLM.
+  """
+
+  token_ids: jax.Array
+  logprobs: jax.Array
+  ranks: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerOutput:
+  """What one sample step returns.
+
+  From `sample_step` the arrays are device arrays over all `max_num_reqs` rows (rows that hold no
+  request carry garbage) and `logprobs` is always present (zeros when no row asked). From
+  `InputBatch.sample` they are NumPy arrays over the `num_reqs` live rows in `req_ids` order, and
+  `logprobs` is None when no request asked for logprobs.
+
+  Attributes:
+    sampled_token_ids: `[num_rows] int32`.
+    logprobs: `LogprobsTensors` or None.
+  """
+
+  sampled_token_ids: jax.Array
+  logprobs: LogprobsTensors | None
+
+
+# --- stages 2-6: logits processors ------------------------------------------------------------
+
+
+def _row_index(x: jax.Array) -> jax.Array:
+  return jnp.arange(x.shape[0])[:, None]
+
+
+def apply_allowed_token_ids(x, state: BatchState, md: SamplingMetadata):
+  """Masks every token outside a row's allowed_token_ids (rows without a list are untouched)."""
+  allowed = state.allowed_token_mask | ~state.has_allowed_token_ids[:, None]
+  return jnp.where(allowed, x, _NEG_INF)
+
+
+def apply_bad_words(x, state: BatchState, md: SamplingMetadata):
+  """Masks the last token of every banned sequence whose prefix ends the row's output tokens.
+
+  Only output tokens count (a prefix spanning the prompt/output boundary is not detected, as in
+  vLLM); single-token sequences are always banned.
+  """
+  num_prefix = state.bad_words_prefix.shape[-1]
+  positions = state.num_tokens[:, None] + jnp.arange(-num_prefix, 0)  # [R, P]
+  tail = jnp.take_along_axis(state.token_ids, jnp.clip(positions, 0, state.max_model_len - 1), 1)
+  tail = jnp.where(positions >= state.num_prompt_tokens[:, None], tail, -1)  # -1: no output token
+  prefix = state.bad_words_prefix  # [R, W, P], -1 = no constraint at this position
+  matches = ((prefix < 0) | (prefix == tail[:, None, :])).all(-1)  # [R, W]
+  banned = jnp.where(matches & md.is_live[:, None], state.bad_words_last, state.vocab_size)
+  return x.at[_row_index(x), banned].set(_NEG_INF, mode="drop")
+
+
+def apply_min_tokens(x, state: BatchState, md: SamplingMetadata):
+  """Masks the stop set (stop ids and EOS) of rows that have generated fewer than min_tokens."""
+  active = md.is_live & (state.num_output_tokens < state.min_tokens)
+  stop_ids = jnp.where(active[:, None], state.stop_token_ids, state.vocab_size)
+  return x.at[_row_index(x), stop_ids].set(_NEG_INF, mode="drop")
+
+
+def apply_logit_bias(x, state: BatchState, md: SamplingMetadata):
+  """Adds each row's logit_bias entries."""
+  token_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, state.vocab_size)
+  return x.at[_row_index(x), token_ids].add(state.logit_bias, mode="drop")
+
+
+def apply_penalties(x, state: BatchState, md: SamplingMetadata):
+  """Repetition, then frequency, then presence penalties, in one elementwise pass.
+
+  Repetition (CTRL, Keskar et al. 2019, as vLLM applies it): for tokens in the prompt or the
+  output, `x / r` where `x > 0` else `x * r`. Frequency and presence (OpenAI's definition):
+  `x - f * count - p * (count > 0)` with counts over output tokens only.
+  """
+  counts = state.output_token_counts
+  seen_in_output = counts > 0
+  seen = state.prompt_token_mask | seen_in_output
+  r = md.repetition_penalty[:, None]
+  x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+  return (x - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
+          - md.presence_penalty[:, None] * seen_in_output.astype(jnp.float32))
+
+
+def _maybe(flag, stage, x, state, md):
+  return lax.cond(flag, stage, lambda x, *_: x, x, state, md)
+
+
+def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Array:
+  """Stages 1-6: `[R, V]` logits of any float dtype -> processed `[R, V] float32` logits."""
+  x = logits.astype(jnp.float32)
+  x = _maybe(md.any_allowed_token_ids, apply_allowed_token_ids, x, state, md)
+  x = _maybe(md.any_bad_words, apply_bad_words, x, state, md)
+  x = _maybe(md.any_min_tokens, apply_min_tokens, x, state, md)
+  x = _maybe(md.any_logit_bias, apply_logit_bias, x, state, md)
+  x = _maybe(md.any_penalties, apply_penalties, x, state, md)
+  return x
+
+
+# --- exact thresholds without sorting ---------------------------------------------------------
+
+
+def _ordered_bits(y: jax.Array) -> jax.Array:
+  """float32 -> uint32 with the same order (for -0.0 == +0.0 too)."""
+  bits = lax.bitcast_convert_type(jnp.where(y == 0, 0.0, y), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_ordered_bits(key: jax.Array) -> jax.Array:
+  bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_threshold(y: jax.Array, reaches) -> jax.Array:
+  """The largest value `t` of each row of `y` with `reaches(y >= t)` true, by bisection.
+
+  `reaches(kept_mask [R, V] bool) -> [R] bool` must be monotone (true for every smaller t) and true
+  for the whole row. 32 halvings of the uint32 order-preserving bit pattern land exactly on a value
+  of the row, so the result is exact with no sort: each step is one masked reduction.
+  """
+  keys = _ordered_bits(y)
+  rows = y.shape[0]
+
+  def halve(_, bounds):
+    lo, hi = bounds  # invariant: reaches(lo); the answer lies in [lo, hi]
+    gap = hi - lo
+    mid = lo + gap // 2 + (gap & 1)
+    ok = reaches(keys >= mid[:, None])
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+  lo = jnp.zeros((rows,), jnp.uint32)
+  hi = jnp.full((rows,), 0xFFFFFFFF, jnp.uint32)
+  lo, _ = lax.fori_loop(0, 32, halve, (lo, hi))
+  return _from_ordered_bits(lo)
+
+
+def kth_largest(y: jax.Array, k: jax.Array) -> jax.Array:
+  """`[R]` the k-th largest value of each row of `y [R, V]` (ties counted), exact, no sort."""
+  return _largest_threshold(y, lambda kept: kept.sum(-1) >= k)
+
+
+def top_p_threshold(y, row_max, threshold, top_p) -> jax.Array:
+  """`[R]` the smallest value kept by top-p among the tokens with `y >= threshold`, exact, no sort.
+
+  A token is kept when the probability mass of the tokens strictly above its value is below
+  `top_p` (vLLM's rule; tokens tied with the last one kept are kept too), so the cut is the largest
+  `t` whose mass of `y >= t` reaches `top_p` of the total.
+  """
+  weights = jnp.where(y >= threshold[:, None], jnp.exp(y - row_max[:, None]), 0.0)
+  target = top_p * weights.sum(-1)
+  return _largest_threshold(y, lambda kept: jnp.where(kept, weights, 0.0).sum(-1) >= target)
+
+
+# --- stages 9-12: filters and the draw --------------------------------------------------------
+
+
+def _last_positive(weights: jax.Array) -> jax.Array:
+  """`[R]` index of the last positive entry of each row (0 if none)."""
+  n = weights.shape[-1]
+  return n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+
+
+def _inverse_cdf(weights: jax.Array, target: jax.Array) -> jax.Array:
+  """`[R]` first index whose inclusive cumulative weight exceeds `target`, never a zero weight."""
+  cumulative = jnp.cumsum(weights, axis=-1)
+  index = (cumulative <= target[:, None]).sum(-1)
+  return jnp.minimum(index, _last_positive(weights))
+
+
+def _draw_from_candidates(values, ids, row_max, threshold, u):
+  weights = jnp.where(values >= threshold[:, None], jnp.exp(values - row_max[:, None]), 0.0)
+  index = _inverse_cdf(weights, u * weights.sum(-1))
+  return jnp.take_along_axis(ids, index[:, None], 1)[:, 0]
+
+
+def _draw_from_vocab(y, row_max, threshold, u):
+  """Blocked inverse CDF over the whole vocabulary: one exp pass plus one block of `_DRAW_BLOCK`."""
+  rows, vocab = y.shape
+  pad = -vocab % _DRAW_BLOCK
+  if pad:
+    y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=_NEG_INF)
+  blocks = y.reshape(rows, -1, _DRAW_BLOCK)  # [R, num_blocks, block]
+
+  def weigh(v):
+    shape = (rows,) + (1,) * (v.ndim - 1)
+    return jnp.where(v >= threshold.reshape(shape), jnp.exp(v - row_max.reshape(shape)), 0.0)
+
+  block_mass = weigh(blocks).sum(-1)  # [R, num_blocks]
+  block_cumulative = jnp.cumsum(block_mass, axis=-1)
+  target = u * block_cumulative[:, -1]
+  block = jnp.minimum((block_cumulative <= target[:, None]).sum(-1), _last_positive(block_mass))
+  before = jnp.where(
+      block > 0, jnp.take_along_axis(block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)[:, 0],
+      0.0)
+  chosen = jnp.take_along_axis(blocks, block[:, None, None], 1)[:, 0]  # [R, block]
+  return block * _DRAW_BLOCK + _inverse_cdf(weigh(chosen), target - before)
+
+
+def _candidate_filters(y, row_max, threshold, md: SamplingMetadata, num_candidates: int, u):
+  """Top-k then top-p thresholds from `lax.top_k` candidates, with exact fallbacks.
+
+  Returns the combined threshold `[R]`, whether the row's kept set lies inside its candidates
+  (so it is drawn from them) `[R] bool`, and that draw `[R] int32`.
+  """
+  vocab = y.shape[-1]
+  values, ids = lax.top_k(y, num_candidates)  # [R, K], best first
+
+  # Top-k: keep everything at or above the k-th largest value (all ties kept).
+  k = md.top_k
+  kth = jnp.take_along_axis(values, jnp.clip(k - 1, 0, num_candidates - 1)[:, None], 1)[:, 0]
+  top_k_cut = jnp.where(k < vocab, kth, _NEG_INF)
+  beyond = (k < vocab) & (k > num_candidates)
+  top_k_cut = lax.cond(md.any_top_k_beyond_candidates,
+                       lambda: jnp.where(beyond, kth_largest(y, k), top_k_cut), lambda: top_k_cut)
+  threshold = jnp.maximum(threshold, top_k_cut)
+
+  def apply_top_p(threshold):
+    # The mass of the kept set is known from the candidates when every kept token is a candidate
+    # or ties with the last candidate (then the missing tokens all weigh exp(threshold - max)).
+    kept = values >= threshold[:, None]
+    weights = jnp.where(kept, jnp.exp(values - row_max[:, None]), 0.0)
+    num_outside = (y >= threshold[:, None]).sum(-1) - kept.sum(-1)
+    ties_last = values[:, -1] == threshold
+    known = (num_outside == 0) | ties_last
+    total = weights.sum(-1) + jnp.where(ties_last, num_outside * jnp.exp(threshold - row_max), 0.0)
+    reached = jnp.cumsum(weights, -1) >= (md.top_p * total)[:, None]
+    cut = jnp.where(reached.any(-1),
+                    jnp.take_along_axis(values, jnp.argmax(reached, -1)[:, None], 1)[:, 0],
+                    threshold)  # not reached inside: the cut is the tied tail, `threshold` itself
+    active = md.top_p < 1.0
+    exact = active & ~known
+    cut = jnp.where(active, jnp.maximum(threshold, cut), threshold)
+    return lax.cond(exact.any(),
+                    lambda: jnp.where(exact, top_p_threshold(y, row_max, threshold, md.top_p), cut),
+                    lambda: cut)
+
+  threshold = lax.cond(md.any_top_p, apply_top_p, lambda t: t, threshold)
+  # Rows filtered by top-k or top-p are drawn from their candidates when the kept set fits; the
+  # choice depends on the row alone, so a seeded row's token never depends on its neighbours.
+  filtered = (md.top_k < vocab) | (md.top_p < 1.0)
+  fits = (y >= threshold[:, None]).sum(-1) == (values >= threshold[:, None]).sum(-1)
+  from_candidates = filtered & fits
+  tokens = _draw_from_candidates(values, ids, row_max, threshold, u)
+  return threshold, from_candidates, tokens
+
+
+def _sample_random(x, md: SamplingMetadata, u, num_candidates: int):
+  """Stages 8-12 for every row. Returns (tokens `[R] int32`, kept threshold `[R] float32`).
+
+  A row keeps the tokens whose temperature-scaled logit is `>=` its threshold.
+  """
+  rows, vocab = x.shape
+  y = x / md.temperature[:, None]
+  row_max = y.max(-1)
+  # min_p (vLLM): drop p < min_p * max(p), i.e. y < max(y) + log(min_p).
+  threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), _NEG_INF)
+  no_candidates = (threshold, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32))
+  threshold, from_candidates, candidate_tokens = lax.cond(
+      md.any_top_k | md.any_top_p,
+      lambda t: _candidate_filters(y, row_max, t, md, num_candidates, u),
+      lambda t: no_candidates, threshold)
+  from_vocab = md.is_live & ~md.is_greedy & ~from_candidates
+  vocab_tokens = lax.cond(from_vocab.any(), lambda: _draw_from_vocab(y, row_max, threshold, u),
+                          lambda: jnp.zeros((rows,), jnp.int32))
+  return jnp.where(from_candidates, candidate_tokens, vocab_tokens).astype(jnp.int32), threshold
+
+
+def _uniforms(state: BatchState) -> jax.Array:
+  """`[R] float32` in [0, 1): the t-th output token of a request uses `fold_in(its key, t)`."""
+  keys = jax.random.wrap_key_data(state.key_data)
+  step_keys = jax.vmap(jax.random.fold_in)(keys, state.num_output_tokens.astype(jnp.uint32))
+  return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys)
+
+
+# --- stage 13: logprobs ------------------------------------------------------------------------
+
+
+def _logprobs_source(logits, x, md: SamplingMetadata, threshold, mode: str):
+  if mode.startswith("raw"):
+    source = logits.astype(jnp.float32)
+  else:  # the values the token was drawn from; greedy rows: post-penalty logits
+    y = x / md.temperature[:, None]
+    source = jnp.where(y >= threshold[:, None], y, _NEG_INF)
+  if mode.endswith("logprobs"):
+    source = jax.nn.log_softmax(source, axis=-1)
+  return source
+
+
+def gather_logprobs(source: jax.Array, token_ids: jax.Array, num_logprobs: int) -> LogprobsTensors:
+  """The sampled token's value and rank plus the top `num_logprobs` values of each row.
+
+  Args:
+    source: `[R, V] float32` values (log-probabilities or logits).
+    token_ids: `[R] int32` the sampled (or, for prompt logprobs, the actual next) tokens.
+    num_logprobs: static number of top entries.
+
+  Returns:
+    `LogprobsTensors` with `[R, num_logprobs + 1]` columns, column 0 the given token.
+  """
+  token_value = jnp.take_along_axis(source, token_ids[:, None], 1)  # [R, 1]
+  ranks = (source >= token_value).sum(-1).astype(jnp.int32)
+  top_values, top_ids = lax.top_k(source, num_logprobs)
+  return LogprobsTensors(
+      token_ids=jnp.concatenate([token_ids[:, None], top_ids], 1).astype(jnp.int32),
+      logprobs=jnp.concatenate([token_value, top_values], 1),
+      ranks=ranks,
+  )
+
+
+# --- the step ----------------------------------------------------------------------------------
+
+
+def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
+  """Rows whose every token was masked: the best token of the allowed set by raw logit.
+
+  Soft constraints (bad words, min_tokens, penalties) cannot all be met, but the hard one,
+  allowed_token_ids, still holds: the token is never outside the row's allowed set.
+  """
+  x = logits.astype(jnp.float32)
+  allowed = state.allowed_token_mask | ~state.has_allowed_token_ids[:, None]
+  finite = jnp.where(jnp.isneginf(x) | jnp.isnan(x), jnp.finfo(jnp.float32).min, x)
+  return jnp.argmax(jnp.where(allowed, finite, _NEG_INF), axis=-1).astype(jnp.int32)
+
+
+def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -> BatchState:
+  """Appends each live row's token and counts it for the penalties (one scatter each)."""
+  rows = jnp.arange(state.max_num_reqs)
+  appended = md.is_live & (state.num_tokens < state.max_model_len)
+  position = jnp.where(appended, state.num_tokens, state.max_model_len)
+  return dataclasses.replace(
+      state,
+      token_ids=state.token_ids.at[rows, position].set(tokens, mode="drop"),
+      num_tokens=state.num_tokens + appended.astype(jnp.int32),
+      output_token_counts=state.output_token_counts.at[rows, tokens].add(
+          appended.astype(jnp.int32)),
+  )
+
+
+def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
+  """Un-jitted body of `sample_step` (for callers composing their own transformations)."""
+  rows, vocab = state.max_num_reqs, state.vocab_size
+  if logits.shape != (rows, vocab):
+    raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
+                     f"got {logits.shape}")
+  x = apply_logits_processors(logits, state, md)
+  greedy_tokens = lax.cond(md.any_greedy, lambda: jnp.argmax(x, -1).astype(jnp.int32),
+                           lambda: jnp.zeros((rows,), jnp.int32))
+  u = _uniforms(state)
+  random_tokens, threshold = lax.cond(
+      md.any_random, lambda: _sample_random(x, md, u, state.num_topk_candidates),
+      lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)))
+  tokens = jnp.where(md.is_greedy, greedy_tokens, random_tokens)
+  all_masked = md.is_live & jnp.isneginf(jnp.take_along_axis(x, tokens[:, None], 1)[:, 0])
+  tokens = lax.cond(all_masked.any(),
+                    lambda: jnp.where(all_masked, _fallback_for_masked_rows(logits, state), tokens),
+                    lambda: tokens)
+
+  num_logprobs = state.max_num_logprobs
+
+  def logprobs_branch():
+    source = _logprobs_source(logits, x, md, threshold, state.logprobs_mode)
+    return gather_logprobs(source, tokens, num_logprobs)
+
+  def no_logprobs():
+    return LogprobsTensors(token_ids=jnp.zeros((rows, num_logprobs + 1), jnp.int32),
+                           logprobs=jnp.zeros((rows, num_logprobs + 1), jnp.float32),
+                           ranks=jnp.zeros((rows,), jnp.int32))
+
+  logprobs = lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
+  state = _append_tokens(state, md, tokens)
+  return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+
+sample_step = jax.jit(sample, donate_argnames=("state",))
+sample_step.__doc__ = """Samples one token per row and appends it to the batch state (jitted, donates `state`).
+
+The pure function under `InputBatch.sample`, usable inside a caller's own `jax.jit` or
+`lax.scan` (e.g. an RL rollout loop that keeps `state` in its carry). It compiles once per
+`BatchState` capacity; no per-request value or feature flag causes a recompile.
+
+Args:
+  state: the batch state (donated: do not read it after the call).
+  metadata: `SamplingMetadata` from `refresh_metadata(state, is_live)`; it depends only on the
+    batch composition, so a loop without adds or removals reuses it for every step.
+  logits: `[max_num_reqs, vocab_size]` float logits (any float dtype; computed in float32).
+    Rows that hold no request are ignored.
+
+Returns:
+  `(new_state, SamplerOutput)`: the state with each live row's sampled token appended (and
+  counted for penalties), and device arrays over all rows: `sampled_token_ids [max_num_reqs]
+  int32` and `logprobs` (`LogprobsTensors` with `max_num_logprobs + 1` columns; zeros when no
+  live row asked for logprobs).
+
+Raises:
+  ValueError: at trace time, if `logits` does not have shape `[max_num_reqs, vocab_size]`.
+"""

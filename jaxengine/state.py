@@ -1,0 +1,262 @@
+"""`BatchState`: the device side of the persistent batch, a frozen pytree of fixed-capacity arrays.
+
+Every per-request value is a traced array with a leading `max_num_reqs` axis, so no value a request
+carries can trigger a compile; only capacities (array shapes) and three sampler settings are
+static. Rows are written whole by `write_row` (a request never inherits a previous occupant's
+state) and moved by `move_rows` (condense and swap); both are jitted and donate the state.
+
+`InputBatch` (batch.py) owns one `BatchState` and is the only host code that touches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Shape of one `jax.random.key` as raw uint32 words (threefry: (2,)). Keys are stored as raw words
+# so that rows can be gathered, scattered and compared like any other array.
+KEY_DATA_SHAPE = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def _static(**kwargs):
+  return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchState:
+  """Per-row state of the persistent batch (`R = max_num_reqs`, `V = vocab_size`, `L = max_model_len`).
+
+  A field named like a `SamplingParams` field holds that parameter for the request in each row,
+  with vLLM's "disabled" sentinels: `top_k == V`, `top_p == 1`, `min_p == 0`, penalties `(0, 0, 1)`.
+  Rows that hold no request contain stale values that are never read (the metadata's `is_live`
+  mask excludes them) and are overwritten entirely when a request is added.
+
+  Attributes:
+    token_ids: `[R, L] int32` prompt then output tokens of each row.
+    num_tokens: `[R] int32` prompt plus output tokens so far.
+    num_prompt_tokens: `[R] int32`.
+    cache_slot: `[R] int32` KV-cache slot of the row's request, so reordering rows never moves
+      cached keys and values.
+    temperature: `[R] float32`, `0` for greedy requests.
+    top_k: `[R] int32`, `V` when disabled.
+    top_p: `[R] float32`, `1` when disabled.
+    min_p: `[R] float32`, `0` when disabled.
+    presence_penalty: `[R] float32`.
+    frequency_penalty: `[R] float32`.
+    repetition_penalty: `[R] float32`.
+    key_data: `[R, 2] uint32` raw words of the request's base `jax.random.key`; the key for its
+      t-th output token is `fold_in(key, t)`.
+    num_logprobs: `[R] int32` requested logprobs, `-1` for none, `V` for the whole vocabulary.
+    min_tokens: `[R] int32`.
+    stop_token_ids: `[R, max_num_stop_token_ids] int32` the min_tokens stop set (the request's
+      stop ids and the batch's EOS ids), padded with `V`.
+    logit_bias_token_ids: `[R, max_num_logit_bias] int32`, padded with `V`.
+    logit_bias: `[R, max_num_logit_bias] float32`, padded with `0`.
+    has_allowed_token_ids: `[R] bool`.
+    allowed_token_mask: `[R, V] bool`, True where a token is allowed (all True without a list).
+    bad_words_prefix: `[R, max_num_bad_words, max_bad_word_len - 1] int32` each banned sequence
+      without its last token, right-aligned and left-padded with `-1` (matches anything).
+    bad_words_last: `[R, max_num_bad_words] int32` last token of each banned sequence, padded
+      with `V`.
+    output_token_counts: `[R, V] int32` occurrences of each token in the output so far (for the
+      frequency and presence penalties), updated by every sample step.
+    prompt_token_mask: `[R, V] bool` tokens present in the prompt (for the repetition penalty).
+    logprobs_mode: static; one of raw_logprobs, raw_logits, processed_logprobs, processed_logits.
+    max_num_logprobs: static; number of top logprobs computed per row (`V` for the whole vocab).
+    num_topk_candidates: static; how many top values `lax.top_k` gathers per row for the sorting-free
+      top-k / top-p path (rows whose cut lies deeper use an exact bit-pattern search).
+  """
+
+  token_ids: jax.Array
+  num_tokens: jax.Array
+  num_prompt_tokens: jax.Array
+  cache_slot: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  repetition_penalty: jax.Array
+  key_data: jax.Array
+  num_logprobs: jax.Array
+  min_tokens: jax.Array
+  stop_token_ids: jax.Array
+  logit_bias_token_ids: jax.Array
+  logit_bias: jax.Array
+  has_allowed_token_ids: jax.Array
+  allowed_token_mask: jax.Array
+  bad_words_prefix: jax.Array
+  bad_words_last: jax.Array
+  output_token_counts: jax.Array
+  prompt_token_mask: jax.Array
+  logprobs_mode: str = _static(default="raw_logprobs")
+  max_num_logprobs: int = _static(default=20)
+  num_topk_candidates: int = _static(default=64)
+
+  @property
+  def max_num_reqs(self) -> int:
+    return self.token_ids.shape[0]
+
+  @property
+  def max_model_len(self) -> int:
+    return self.token_ids.shape[1]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.prompt_token_mask.shape[1]
+
+  @property
+  def num_output_tokens(self) -> jax.Array:
+    """`[R] int32` tokens generated so far by each row's request."""
+    return self.num_tokens - self.num_prompt_tokens
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      max_num_reqs: int,
+      max_model_len: int,
+      vocab_size: int,
+      max_num_stop_token_ids: int,
+      max_num_logit_bias: int,
+      max_num_bad_words: int,
+      max_bad_word_len: int,
+      logprobs_mode: str,
+      max_num_logprobs: int,
+      num_topk_candidates: int,
+  ) -> "BatchState":
+    """Returns an empty state (every row free) with the given static capacities."""
+    R, V = max_num_reqs, vocab_size
+    i32 = lambda *shape, fill=0: jnp.full(shape, fill, jnp.int32)
+    f32 = lambda *shape, fill=0.0: jnp.full(shape, fill, jnp.float32)
+    return cls(
+        token_ids=i32(R, max_model_len),
+        num_tokens=i32(R),
+        num_prompt_tokens=i32(R),
+        cache_slot=jnp.arange(R, dtype=jnp.int32),
+        temperature=f32(R, fill=1.0),
+        top_k=i32(R, fill=V),
+        top_p=f32(R, fill=1.0),
+        min_p=f32(R),
+        presence_penalty=f32(R),
+        frequency_penalty=f32(R),
+        repetition_penalty=f32(R, fill=1.0),
+        key_data=jnp.zeros((R, *KEY_DATA_SHAPE), jnp.uint32),
+        num_logprobs=i32(R, fill=-1),
+        min_tokens=i32(R),
+        stop_token_ids=i32(R, max_num_stop_token_ids, fill=V),
+        logit_bias_token_ids=i32(R, max_num_logit_bias, fill=V),
+        logit_bias=f32(R, max_num_logit_bias),
+        has_allowed_token_ids=jnp.zeros((R,), bool),
+        allowed_token_mask=jnp.ones((R, V), bool),
+        bad_words_prefix=i32(R, max_num_bad_words, max(max_bad_word_len - 1, 0), fill=-1),
+        bad_words_last=i32(R, max_num_bad_words, fill=V),
+        output_token_counts=i32(R, V),
+        prompt_token_mask=jnp.zeros((R, V), bool),
+        logprobs_mode=logprobs_mode,
+        max_num_logprobs=max_num_logprobs,
+        num_topk_candidates=num_topk_candidates,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowUpdate:
+  """Everything `write_row` needs to fill one row, prepared on the host as NumPy arrays.
+
+  Field names and meanings follow `BatchState` (one row of each), plus:
+
+  Attributes:
+    seed_words: `[2] uint32` low and high 32 bits of the request's seed (seeded requests).
+    is_seeded: `[] bool`.
+    serial: `[] uint32` the batch's running request number, which keys unseeded requests.
+  """
+
+  token_ids: jax.Array
+  num_tokens: jax.Array
+  num_prompt_tokens: jax.Array
+  cache_slot: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  repetition_penalty: jax.Array
+  num_logprobs: jax.Array
+  min_tokens: jax.Array
+  stop_token_ids: jax.Array
+  logit_bias_token_ids: jax.Array
+  logit_bias: jax.Array
+  has_allowed_token_ids: jax.Array
+  allowed_token_mask: jax.Array
+  bad_words_prefix: jax.Array
+  bad_words_last: jax.Array
+  seed_words: jax.Array
+  is_seeded: jax.Array
+  serial: jax.Array
+
+
+def request_key_data(batch_key_data: jax.Array, update: RowUpdate) -> jax.Array:
+  """Raw words of a request's base key.
+
+  A seeded request gets `jax.random.key(seed)` (for seeds in `[0, 2**32)`; larger seeds fold their
+  high word in), so its stream depends on nothing but the seed. An unseeded request gets
+  `fold_in(batch_key, serial)`: distinct serials never share a stream.
+  """
+  low, high = update.seed_words[0], update.seed_words[1]
+  seeded = jax.random.key(low)
+  seeded = jax.random.key_data(seeded), jax.random.key_data(jax.random.fold_in(seeded, high))
+  seeded = jnp.where(high == 0, seeded[0], seeded[1])
+  unseeded = jax.random.key_data(
+      jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), update.serial))
+  return jnp.where(update.is_seeded, seeded, unseeded)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_row(state: BatchState, row: jax.Array, update: RowUpdate,
+              batch_key_data: jax.Array) -> BatchState:
+  """Overwrites every per-row field of `row` (a `[] int32` array) from `update`.
+
+  Token counts for the penalties are rebuilt from the row's own tokens here, once per admission;
+  afterwards the sample step keeps them current.
+  """
+  V = state.vocab_size
+  positions = jnp.arange(state.max_model_len)
+  is_prompt = positions < update.num_prompt_tokens
+  is_output = (positions >= update.num_prompt_tokens) & (positions < update.num_tokens)
+  counts = jnp.zeros((V,), jnp.int32).at[update.token_ids].add(is_output.astype(jnp.int32))
+  prompt_mask = jnp.zeros((V,), bool).at[jnp.where(is_prompt, update.token_ids, V)].set(
+      True, mode="drop")
+  values = {f.name: getattr(update, f.name) for f in dataclasses.fields(RowUpdate)}
+  values.update(
+      output_token_counts=counts,
+      prompt_token_mask=prompt_mask,
+      key_data=request_key_data(batch_key_data, update),
+  )
+  new_fields = {}
+  for f in dataclasses.fields(BatchState):
+    if f.metadata.get("static"):
+      continue
+    old = getattr(state, f.name)
+    new_fields[f.name] = old.at[row].set(values[f.name].astype(old.dtype))
+  return dataclasses.replace(state, **new_fields)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def move_rows(state: BatchState, src: jax.Array, dst: jax.Array) -> BatchState:
+  """Copies row `src[i]` to row `dst[i]` for every i, reading all sources before writing.
+
+  `src`, `dst`: `[max_num_reqs] int32`; entries with `dst == max_num_reqs` are padding and ignored.
+  Condense passes its moves; a swap passes `src = [i, j]`, `dst = [j, i]`. Only the moved rows are
+  written (a scatter into the donated buffers), never the whole state.
+  """
+  def move(leaf):
+    return leaf.at[dst].set(leaf[src], mode="drop")
+
+  return jax.tree.map(move, state)
