@@ -16,6 +16,7 @@ Two GGUF conventions matter here:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -57,6 +58,34 @@ def default_model_path() -> str:
       f"{'has no such file' if locations else 'is not installed'}). Install it with: "
       f"{INSTALL_COMMAND}"
   )
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+  del mtime_ns, size  # Only part of the cache key: a rewritten file is read again.
+  return gguf.GGUFReader(path)
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+  """Opens (memory-maps) a GGUF file, reusing the reader of a recent call on the same file.
+
+  Parsing the metadata of a 49k-token vocabulary takes a couple of seconds, and both the model
+  and the tokenizer need it, so the last two readers are kept.
+
+  Args:
+    path: the ``.gguf`` file.
+
+  Returns:
+    A `gguf.GGUFReader` (treat it as read-only).
+
+  Raises:
+    FileNotFoundError: no file at ``path``.
+  """
+  path = os.path.abspath(os.fspath(path))
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no GGUF file at {path!r}")
+  stat = os.stat(path)
+  return _open_cached(path, stat.st_mtime_ns, stat.st_size)
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -203,10 +232,7 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple
     FileNotFoundError: no file at ``path`` (or the default model is not installed).
     ValueError: unsupported architecture, or a tensor with an unexpected shape.
   """
-  path = os.fspath(path) if path is not None else default_model_path()
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"no GGUF file at {path!r}")
-  reader = gguf.GGUFReader(path)
+  reader = open_gguf(path if path is not None else default_model_path())
   config = read_config(reader)
   abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)

