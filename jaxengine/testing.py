@@ -14,8 +14,8 @@ def tiny_llama_config(vocab_size: int = 256, **overrides) -> LlamaConfig:
   """A Llama config small enough to compile and run in well under a second on CPU.
 
   Defaults: 2 layers, hidden 64, 4 query heads over 2 key/value heads of width 16 (so grouped
-  query attention is exercised), MLP width 128, rope_theta 10000, untied output projection off
-  (tied embeddings, like SmolLM2), BOS 1, EOS 2.
+  query attention is exercised), MLP width 128, rope_theta 10000, tied input/output embeddings
+  (like SmolLM2), BOS 1, EOS 2.
 
   Args:
     vocab_size: vocabulary size.

