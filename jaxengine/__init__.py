@@ -1,23 +1,38 @@
 """jaxengine: a persistent-batch LLM sampler and inference engine in JAX with vLLM V1 semantics.
 
-Public names:
+Core (no model needed):
   SamplingParams       per-request sampling parameters (params.py)
   InputBatch           the persistent batch, host side (batch.py)
   BatchState           the persistent batch, device side (state.py)
-  SamplingMetadata     derived per-composition sampler inputs; refresh_metadata builds it (metadata.py)
-  sample_step          the pure jitted sampler step; SamplerOutput, LogprobsTensors its output (sampler.py)
+  SamplingMetadata     sampler inputs derived per batch composition; refresh_metadata (metadata.py)
+  sample_step          the pure jitted sampler step; SamplerOutput, LogprobsTensors (sampler.py)
+
+Engine (imported on first use; pulls in the model, tokenizer and transformers):
+  LLM                  offline generate / chat (llm.py)
+  LLMEngine            continuous batching step loop (engine.py)
+  RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
 """
+
+import importlib
 
 from jaxengine.batch import InputBatch
 from jaxengine.metadata import SamplingMetadata, refresh_metadata
+from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.params import SamplingParams
 from jaxengine.sampler import LogprobsTensors, SamplerOutput, gather_logprobs, sample_step
 from jaxengine.state import BatchState
 
+_LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine"}
+
 __all__ = [
     "BatchState",
+    "CompletionOutput",
     "InputBatch",
+    "LLM",
+    "LLMEngine",
+    "Logprob",
     "LogprobsTensors",
+    "RequestOutput",
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingParams",
@@ -27,3 +42,9 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'jaxengine' has no attribute {name!r}")
