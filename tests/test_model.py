@@ -34,8 +34,10 @@ FIXTURES = Path(
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # Jitted once per session; graphdef is static, so each model structure compiles its own executable.
-forward_jit = jax.jit(llama.forward, static_argnums=0)
-forward_donating = jax.jit(llama.forward, static_argnums=0, donate_argnames="kv_cache")
+forward_jit = jax.jit(llama.forward, static_argnums=0, static_argnames="attention_len")
+forward_donating = jax.jit(
+    llama.forward, static_argnums=0, static_argnames="attention_len", donate_argnames="kv_cache"
+)
 logits_jit = jax.jit(llama.compute_logits, static_argnums=0)
 
 
@@ -133,8 +135,11 @@ def tiny():
   return model, cfg, graphdef, weights
 
 
-def _run(graphdef, weights, cache, token_ids, positions, slots):
-  hidden, cache = forward_jit(graphdef, weights, i32(token_ids), i32(positions), cache, i32(slots))
+def _run(graphdef, weights, cache, token_ids, positions, slots, attention_len=None):
+  hidden, cache = forward_jit(
+      graphdef, weights, i32(token_ids), i32(positions), cache, i32(slots),
+      attention_len=attention_len,
+  )
   return np.asarray(logits_jit(graphdef, weights, hidden)), cache
 
 
@@ -150,17 +155,19 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
   np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
 
 
-def test_prefill_then_decode_matches_full_forward(tiny):
+@pytest.mark.parametrize("attention_len", [None, 12, 16])
+def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
   model, cfg, graphdef, weights = tiny
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
   full, _ = _run(graphdef, weights, KVCache.create(cfg, 3, 32), ids[None], np.arange(12)[None], [2])
 
   n = 7
   cache = KVCache.create(cfg, 3, 32)
-  prefill, cache = _run(graphdef, weights, cache, ids[None, :n], np.arange(n)[None], [2])
+  run = lambda cache, ids, positions: _run(graphdef, weights, cache, ids, positions, [2], attention_len)
+  prefill, cache = run(cache, ids[None, :n], np.arange(n)[None])
   steps = [prefill[0]]
   for pos in range(n, 12):
-    step, cache = _run(graphdef, weights, cache, ids[None, pos : pos + 1], [[pos]], [2])
+    step, cache = run(cache, ids[None, pos : pos + 1], [[pos]])
     steps.append(step[0])
   np.testing.assert_allclose(np.concatenate(steps), full[0], atol=1e-5, rtol=1e-5)
 

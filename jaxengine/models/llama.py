@@ -170,6 +170,7 @@ class Attention(nnx.Module):
       key_cache: jax.Array,
       value_cache: jax.Array,
       layer: jax.Array,
+      attention_len: int | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this call's keys/values into the cache, then attends causally over the slot.
 
@@ -180,13 +181,14 @@ class Attention(nnx.Module):
       key_cache: ``[L, num_slots, S, K, D]`` keys of every layer.
       value_cache: ``[L, num_slots, S, K, D]`` values of every layer.
       layer: ``[] int32`` index of this layer in the cache (traced: one executable for all layers).
+      attention_len: static; read only the first ``attention_len`` positions of each slot
+        (``S`` if None). See `Llama.__call__`.
 
     Returns:
       ``([B, T, E] attention output in model dtype, updated key_cache, updated value_cache)``.
     """
     cfg = self.config
     b, t, _ = x.shape
-    s = key_cache.shape[2]
     q = jnp.einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
     k = jnp.einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
     v = jnp.einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
@@ -201,10 +203,11 @@ class Attention(nnx.Module):
         v.astype(value_cache.dtype), mode="drop"
     )
 
-    # Gather each row's whole slot: [B, S, K, D]. Reading after writing lets the tokens of one
-    # prefill chunk attend to each other.
-    keys = key_cache[layer, cache_slots].astype(self.dtype)
-    values = value_cache[layer, cache_slots].astype(self.dtype)
+    # Gather each row's slot, [B, S', K, D] with S' = attention_len or S. Reading after writing
+    # lets the tokens of one prefill chunk attend to each other.
+    keys = key_cache[layer, cache_slots, :attention_len].astype(self.dtype)
+    values = value_cache[layer, cache_slots, :attention_len].astype(self.dtype)
+    s = keys.shape[1]
 
     q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_queries_per_kv, cfg.head_dim)
     scores = jnp.einsum(
@@ -251,10 +254,10 @@ class DecoderLayer(nnx.Module):
     self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, positions, cache_slots, key_cache, value_cache, layer):
+  def __call__(self, x, positions, cache_slots, key_cache, value_cache, layer, attention_len=None):
     """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
     h, key_cache, value_cache = self.attn(
-        self.input_norm(x), positions, cache_slots, key_cache, value_cache, layer
+        self.input_norm(x), positions, cache_slots, key_cache, value_cache, layer, attention_len
     )
     x = x + h
     x = x + self.mlp(self.post_attention_norm(x))
@@ -307,6 +310,8 @@ class Llama(nnx.Module):
       positions: jax.Array,
       kv_cache: KVCache,
       cache_slots: jax.Array,
+      *,
+      attention_len: int | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a batch of token rows, updating the KV cache.
 
@@ -329,12 +334,19 @@ class Llama(nnx.Module):
       token would corrupt it.
     * Token ids outside ``[0, vocab_size)`` are clipped (padding may use any id); the cache must
       stay finite since masked positions still enter the attention matmul with weight 0.
+    * Attention reads ``attention_len`` positions of every row's slot (all ``max_model_len`` by
+      default), so its cost grows with that length, not with the tokens actually cached. To pay
+      only for what is used, pass a bucketed ``attention_len`` greater than every real token's
+      position (e.g. the next power of two above the longest live sequence). It is a
+      compile-time constant: each distinct value compiles once.
 
     Args:
       token_ids: ``[B, T] int32`` input tokens.
       positions: ``[B, T] int32`` absolute position of each token in its sequence.
       kv_cache: the cache to read and update (donate it under jit).
       cache_slots: ``[B] int32`` cache slot of each row.
+      attention_len: static; positions ``0..attention_len-1`` of each slot are attended to
+        (None: all of them). Must exceed the position of every token whose output is used.
 
     Returns:
       ``(hidden, kv_cache)``: ``[B, T, E]`` hidden states after the final RMSNorm, in the model
@@ -348,7 +360,7 @@ class Llama(nnx.Module):
       x, key_cache, value_cache = carry
       weights, layer = xs
       block = nnx.merge(layers_def, weights)
-      return block(x, positions, cache_slots, key_cache, value_cache, layer), None
+      return block(x, positions, cache_slots, key_cache, value_cache, layer, attention_len), None
 
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
     (x, key_cache, value_cache), _ = jax.lax.scan(
@@ -380,12 +392,14 @@ def forward(
     positions: jax.Array,
     kv_cache: KVCache,
     cache_slots: jax.Array,
+    *,
+    attention_len: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Pure form of `Llama.__call__` for the split/merge pattern.
 
   Jit it once with the graph definition static and the cache donated, e.g.
-  ``jax.jit(forward, static_argnums=0, donate_argnames="kv_cache")``, where
-  ``graphdef, weights = nnx.split(model)``.
+  ``jax.jit(forward, static_argnums=0, static_argnames="attention_len",
+  donate_argnames="kv_cache")``, where ``graphdef, weights = nnx.split(model)``.
 
   Args:
     graphdef: static structure from `nnx.split`.
@@ -394,11 +408,13 @@ def forward(
     positions: ``[B, T] int32``.
     kv_cache: `KVCache`, consumed.
     cache_slots: ``[B] int32``.
+    attention_len: static; cache positions read per slot (None: all). See `Llama.__call__`.
 
   Returns:
     ``(hidden [B, T, E], updated KVCache)``, as `Llama.__call__`.
   """
-  return nnx.merge(graphdef, weights)(token_ids, positions, kv_cache, cache_slots)
+  model = nnx.merge(graphdef, weights)
+  return model(token_ids, positions, kv_cache, cache_slots, attention_len=attention_len)
 
 
 def compute_logits(graphdef: nnx.GraphDef, weights: nnx.State, hidden: jax.Array) -> jax.Array:
