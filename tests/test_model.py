@@ -135,6 +135,14 @@ def tiny():
   return model, cfg, graphdef, weights
 
 
+# One cache shape for the tiny tests, so executables are shared between them.
+NUM_SLOTS, MAX_MODEL_LEN = 4, 32
+
+
+def _cache(cfg) -> KVCache:
+  return KVCache.create(cfg, NUM_SLOTS, MAX_MODEL_LEN)
+
+
 def _run(graphdef, weights, cache, token_ids, positions, slots, attention_len=None):
   hidden, cache = forward_jit(
       graphdef, weights, i32(token_ids), i32(positions), cache, i32(slots),
@@ -149,7 +157,7 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
   assert (model.lm_head is None) == tie_word_embeddings
   graphdef, weights = nnx.split(model)
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
-  cache = KVCache.create(cfg, num_slots=2, max_model_len=16)
+  cache = _cache(cfg)
   logits, _ = _run(graphdef, weights, cache, ids[None], np.arange(11)[None], [1])
   chex.assert_shape(logits, (1, 11, cfg.vocab_size))
   np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
@@ -159,10 +167,10 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
 def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
   model, cfg, graphdef, weights = tiny
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
-  full, _ = _run(graphdef, weights, KVCache.create(cfg, 3, 32), ids[None], np.arange(12)[None], [2])
+  full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(12)[None], [2])
 
   n = 7
-  cache = KVCache.create(cfg, 3, 32)
+  cache = _cache(cfg)
   run = lambda cache, ids, positions: _run(graphdef, weights, cache, ids, positions, [2], attention_len)
   prefill, cache = run(cache, ids[None, :n], np.arange(n)[None])
   steps = [prefill[0]]
@@ -176,8 +184,8 @@ def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
 def test_chunked_prefill_matches_full_forward(tiny, chunk):
   model, cfg, graphdef, weights = tiny
   ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 10)
-  full, _ = _run(graphdef, weights, KVCache.create(cfg, 1, 16), ids[None], np.arange(10)[None], [0])
-  cache = KVCache.create(cfg, 1, 16)
+  full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(10)[None], [0])
+  cache = _cache(cfg)
   first, cache = _run(graphdef, weights, cache, ids[None, :chunk], np.arange(chunk)[None], [0])
   rest, cache = _run(graphdef, weights, cache, ids[None, chunk:], np.arange(chunk, 10)[None], [0])
   np.testing.assert_allclose(np.concatenate([first[0], rest[0]]), full[0], atol=1e-5, rtol=1e-5)
@@ -189,13 +197,13 @@ def test_padding_does_not_change_real_positions(tiny):
   ids = rng.integers(0, cfg.vocab_size, 5)
   next_id = int(rng.integers(0, cfg.vocab_size))
 
-  cache = KVCache.create(cfg, 2, 16)
+  cache = _cache(cfg)
   plain, cache = _run(graphdef, weights, cache, ids[None], np.arange(5)[None], [1])
   plain_next, _ = _run(graphdef, weights, cache, [[next_id]], [[5]], [1])
 
   # Bucket of 8: three padding tokens (arbitrary ids, one out of vocab) at positions 5, 6, 7.
   padded_ids = np.concatenate([ids, [7, cfg.vocab_size + 3, 0]])
-  cache = KVCache.create(cfg, 2, 16)
+  cache = _cache(cfg)
   padded, cache = _run(graphdef, weights, cache, padded_ids[None], np.arange(8)[None], [1])
   np.testing.assert_allclose(padded[0, :5], plain[0], atol=1e-6, rtol=1e-6)
   # Decode overwrites position 5 before reading it; the garbage at 6 and 7 is never visible.
@@ -210,7 +218,7 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
   a_next, b_next = rng.integers(0, cfg.vocab_size, 3), rng.integers(0, cfg.vocab_size, 3)
 
   def alone(ids, nexts, slot):
-    cache = KVCache.create(cfg, 4, 32)
+    cache = _cache(cfg)
     logits, cache = _run(graphdef, weights, cache, ids[None], np.arange(len(ids))[None], [slot])
     out = [logits[0, -1]]
     for i, tok in enumerate(nexts):
@@ -219,7 +227,7 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
     return np.stack(out)
 
   # Together: one bucketed prefill of two rows (row b padded to 9), then joint decode steps.
-  cache = KVCache.create(cfg, 4, 32)
+  cache = _cache(cfg)
   ids = np.stack([a, np.concatenate([b, np.zeros(5, int)])])
   positions = np.stack([np.arange(9), np.arange(9)])
   logits, cache = _run(graphdef, weights, cache, ids, positions, [3, 0])
@@ -236,11 +244,11 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
 
 def test_position_past_cache_writes_nothing(tiny):
   model, cfg, graphdef, weights = tiny
-  cache = KVCache.create(cfg, 2, 8)
+  cache = _cache(cfg)
   _, cache = _run(graphdef, weights, cache, [[5, 6, 7]], [[0, 1, 2]], [0])
   before = jax.tree.map(np.asarray, cache)
-  # Row 0 is "inactive": position max_model_len (8) in slot 0. Row 1 writes slot 1, position 0.
-  _, cache = _run(graphdef, weights, cache, [[9], [10]], [[8], [0]], [0, 1])
+  # Row 0 is "inactive": position max_model_len in slot 0. Row 1 writes slot 1, position 0.
+  _, cache = _run(graphdef, weights, cache, [[9], [10]], [[MAX_MODEL_LEN], [0]], [0, 1])
   after = jax.tree.map(np.asarray, cache)
   np.testing.assert_array_equal(after.key[:, 0], before.key[:, 0])
   np.testing.assert_array_equal(after.value[:, 0], before.value[:, 0])
@@ -256,8 +264,8 @@ def test_nnx_jit_module_call_matches_pure_forward(tiny):
     return model.compute_logits(hidden[:, -1]), kv_cache
 
   ids, positions, slots = i32([[3, 1, 4, 1, 5]]), i32([np.arange(5)]), i32([0])
-  logits, cache = step(model, ids, positions, KVCache.create(cfg, 1, 8), slots)
-  hidden, cache2 = forward_jit(graphdef, weights, ids, positions, KVCache.create(cfg, 1, 8), slots)
+  logits, cache = step(model, ids, positions, _cache(cfg), slots)
+  hidden, cache2 = forward_jit(graphdef, weights, ids, positions, _cache(cfg), slots)
   chex.assert_trees_all_close(logits, logits_jit(graphdef, weights, hidden[:, -1]), atol=1e-6)
   chex.assert_trees_all_close(cache, cache2, atol=1e-6)
   chex.assert_type(logits, jnp.float32)
@@ -265,7 +273,7 @@ def test_nnx_jit_module_call_matches_pure_forward(tiny):
 
 def test_decode_steps_do_not_recompile(tiny):
   model, cfg, graphdef, weights = tiny
-  cache = KVCache.create(cfg, 4, 16)
+  cache = _cache(cfg)
   slots = i32([0, 1, 2, 3])
 
   def step(cache, token, pos):
