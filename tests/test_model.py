@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import chex
+import gguf
 import jax
 import jax.monitoring
 import jax.numpy as jnp
@@ -319,6 +320,81 @@ def test_unpermute_inverts_gguf_rotary_permutation():
   stored = hf.reshape(num_heads, 2, d // 2, cols).transpose(0, 2, 1, 3).reshape(hf.shape)
   assert stored[1, 0] == hf[d // 2, 0]  # GGUF row 1 of head 0 is HF row D/2
   np.testing.assert_array_equal(gguf_loader._unpermute_rotary_rows(stored, num_heads), hf)
+
+
+def _write_gguf(path, model: llama.Llama, qtype: gguf.GGMLQuantizationType) -> None:
+  """Writes ``model`` as a llama GGUF file the way the Hugging Face converter lays it out."""
+  cfg = model.config
+  e, h, k, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  w = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  writer = gguf.GGUFWriter(str(path), arch="llama")
+  writer.add_block_count(cfg.num_hidden_layers)
+  writer.add_context_length(cfg.max_position_embeddings)
+  writer.add_embedding_length(e)
+  writer.add_feed_forward_length(cfg.intermediate_size)
+  writer.add_head_count(h)
+  writer.add_head_count_kv(k)
+  writer.add_rope_dimension_count(d)
+  writer.add_rope_freq_base(cfg.rope_theta)
+  writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  writer.add_bos_token_id(cfg.bos_token_id)
+  writer.add_eos_token_id(cfg.eos_token_id)
+
+  def add(name, array, quantize=True):
+    array = np.ascontiguousarray(array, np.float32)
+    if not quantize or qtype == gguf.GGMLQuantizationType.F32:
+      writer.add_tensor(name, array)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+      writer.add_tensor(name, array.astype(np.float16))
+    else:
+      writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+  def rotary_permute(hf_rows, num_heads):  # half-split rows -> interleaved pairs, per head
+    return hf_rows.reshape(num_heads, 2, d // 2, e).swapaxes(1, 2).reshape(hf_rows.shape)
+
+  add("token_embd.weight", w["embed"])
+  add("output_norm.weight", w["final_norm"]["scale"], quantize=False)
+  if "lm_head" in w:
+    add("output.weight", w["lm_head"])
+  for i in range(cfg.num_hidden_layers):
+    layer = jax.tree.map(lambda a: a[i], w["layers"])
+    attn, mlp = layer["attn"], layer["mlp"]
+    add(f"blk.{i}.attn_norm.weight", layer["input_norm"]["scale"], quantize=False)
+    add(f"blk.{i}.ffn_norm.weight", layer["post_attention_norm"]["scale"], quantize=False)
+    add(f"blk.{i}.attn_q.weight", rotary_permute(attn["wq"].reshape(e, h * d).T, h))
+    add(f"blk.{i}.attn_k.weight", rotary_permute(attn["wk"].reshape(e, k * d).T, k))
+    add(f"blk.{i}.attn_v.weight", attn["wv"].reshape(e, k * d).T)
+    add(f"blk.{i}.attn_output.weight", attn["wo"].reshape(h * d, e).T)
+    add(f"blk.{i}.ffn_gate.weight", mlp["w_gate"].T)
+    add(f"blk.{i}.ffn_up.weight", mlp["w_up"].T)
+    add(f"blk.{i}.ffn_down.weight", mlp["w_down"].T)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+@pytest.mark.parametrize(
+    "qtype, atol",
+    [
+        (gguf.GGMLQuantizationType.F32, 0.0),
+        (gguf.GGMLQuantizationType.F16, 2e-3),
+        (gguf.GGMLQuantizationType.Q8_0, 2e-2),
+    ],
+    ids=["F32", "F16", "Q8_0"],
+)
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_load_gguf_round_trip(tmp_path, qtype, atol, tie_word_embeddings):
+  model, cfg = tiny_llama(seed=2, tie_word_embeddings=tie_word_embeddings)
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, model, qtype)
+  loaded, loaded_cfg = gguf_loader.load_gguf(path)
+  assert loaded_cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)  # stored as float32
+  assert dataclasses.replace(loaded_cfg, rms_norm_eps=cfg.rms_norm_eps) == cfg
+  expected = nnx.to_pure_dict(nnx.state(model))
+  actual = nnx.to_pure_dict(nnx.state(loaded))
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  chex.assert_trees_all_close(actual, expected, atol=atol, rtol=0)
 
 
 def test_default_model_path_names_install_command(monkeypatch):
