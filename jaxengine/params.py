@@ -49,8 +49,8 @@ class SamplingParams:
   Attributes:
     n: Number of completions to return for the prompt (engine level). Child `j` of a seeded
       request gets the seed `seed + j`. Must be 1 for greedy requests.
-    temperature: Softmax temperature, `>= 0`. `0` (anything below 1e-5) means greedy; a positive
-      value below 0.01 is raised to 0.01 with a warning (vLLM does the same).
+    temperature: Softmax temperature, `>= 0`. `0` means greedy; a positive value below 0.01 is
+      raised to 0.01 with a warning (vLLM does the same), so 1e-6 samples at 0.01, not greedily.
     top_p: Nucleus mass in `(0, 1]`; `1.0` disables. Keeps the smallest set of most likely tokens
       whose probability mass reaches `top_p`, plus every token tied with the last one kept.
     top_k: Keep the tokens whose logit is at least the k-th largest (ties kept); `0` or `-1`
@@ -118,7 +118,7 @@ class SamplingParams:
     # vLLM's order: clamp tiny temperature, seed -1 -> None, normalise lists, True -> 1,
     # validate, then reset the knobs greedy sampling ignores.
     _check_number("temperature", self.temperature)
-    if SAMPLING_EPS <= self.temperature < MIN_TEMPERATURE:
+    if 0 < self.temperature < MIN_TEMPERATURE:
       warnings.warn(
           f"temperature {self.temperature} is below {MIN_TEMPERATURE}; using {MIN_TEMPERATURE}",
           stacklevel=3)

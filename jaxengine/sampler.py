@@ -90,17 +90,35 @@ def _row_index(x: jax.Array) -> jax.Array:
   return jnp.arange(x.shape[0])[:, None]
 
 
-def apply_allowed_token_ids(x, state: BatchState, md: SamplingMetadata):
-  """Masks every token outside a row's allowed_token_ids (rows without a list are untouched)."""
-  allowed = state.allowed_token_mask | ~state.has_allowed_token_ids[:, None]
-  return jnp.where(allowed, x, _NEG_INF)
+def _penalize(x, counts, in_prompt, md: SamplingMetadata):
+  """Repetition, then frequency, then presence penalties on `x` (any trailing shape per row).
+
+  Repetition (CTRL, Keskar et al. 2019, as vLLM applies it): for tokens in the prompt or the
+  output, `x / r` where `x > 0` else `x * r`. Frequency and presence (OpenAI's definition):
+  `x - f * count - p * (count > 0)`, counting output tokens only. Neutral values (1, 0, 0) leave
+  `x` bit-for-bit unchanged, and `-inf` stays `-inf`.
+  """
+  in_output = counts > 0
+  r = md.repetition_penalty[:, None]
+  x = jnp.where(in_prompt | in_output, jnp.where(x > 0, x / r, x * r), x)
+  return (x - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
+          - md.presence_penalty[:, None] * in_output.astype(jnp.float32))
 
 
-def apply_bad_words(x, state: BatchState, md: SamplingMetadata):
-  """Masks the last token of every banned sequence whose prefix ends the row's output tokens.
+def _is_allowed(state: BatchState, token_ids=None) -> jax.Array:
+  """`[R, V]` (or `[R, n]` at `token_ids`) True where a row's allowed_token_ids permit the token."""
+  mask = state.allowed_token_mask
+  if token_ids is not None:
+    mask = jnp.take_along_axis(mask, jnp.minimum(token_ids, state.vocab_size - 1), 1)
+  return mask | ~state.has_allowed_token_ids[:, None]
 
-  Only output tokens count (a prefix spanning the prompt/output boundary is not detected, as in
-  vLLM); single-token sequences are always banned.
+
+def _bad_word_bans(state: BatchState, md: SamplingMetadata) -> jax.Array:
+  """`[R, max_num_bad_words]` tokens banned now (`V` where nothing is banned).
+
+  A banned sequence bans its last token when its prefix equals the end of the row's output
+  tokens. Only output tokens count (a prefix spanning the prompt/output boundary is not detected,
+  as in vLLM); single-token sequences are always banned.
   """
   num_prefix = state.bad_words_prefix.shape[-1]
   positions = state.num_tokens[:, None] + jnp.arange(-num_prefix, 0)  # [R, P]
@@ -108,52 +126,54 @@ def apply_bad_words(x, state: BatchState, md: SamplingMetadata):
   tail = jnp.where(positions >= state.num_prompt_tokens[:, None], tail, -1)  # -1: no output token
   prefix = state.bad_words_prefix  # [R, W, P], -1 = no constraint at this position
   matches = ((prefix < 0) | (prefix == tail[:, None, :])).all(-1)  # [R, W]
-  banned = jnp.where(matches & md.is_live[:, None], state.bad_words_last, state.vocab_size)
-  return x.at[_row_index(x), banned].set(_NEG_INF, mode="drop")
+  return jnp.where(matches & md.is_live[:, None], state.bad_words_last, state.vocab_size)
 
 
-def apply_min_tokens(x, state: BatchState, md: SamplingMetadata):
-  """Masks the stop set (stop ids and EOS) of rows that have generated fewer than min_tokens."""
+def _min_tokens_bans(state: BatchState, md: SamplingMetadata) -> jax.Array:
+  """`[R, max_num_stop_token_ids]` the stop set of rows below min_tokens (`V` elsewhere)."""
   active = md.is_live & (state.num_output_tokens < state.min_tokens)
-  stop_ids = jnp.where(active[:, None], state.stop_token_ids, state.vocab_size)
-  return x.at[_row_index(x), stop_ids].set(_NEG_INF, mode="drop")
-
-
-def apply_logit_bias(x, state: BatchState, md: SamplingMetadata):
-  """Adds each row's logit_bias entries."""
-  token_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, state.vocab_size)
-  return x.at[_row_index(x), token_ids].add(state.logit_bias, mode="drop")
-
-
-def apply_penalties(x, state: BatchState, md: SamplingMetadata):
-  """Repetition, then frequency, then presence penalties, in one elementwise pass.
-
-  Repetition (CTRL, Keskar et al. 2019, as vLLM applies it): for tokens in the prompt or the
-  output, `x / r` where `x > 0` else `x * r`. Frequency and presence (OpenAI's definition):
-  `x - f * count - p * (count > 0)` with counts over output tokens only.
-  """
-  counts = state.output_token_counts
-  seen_in_output = counts > 0
-  seen = state.prompt_token_mask | seen_in_output
-  r = md.repetition_penalty[:, None]
-  x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
-  return (x - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
-          - md.presence_penalty[:, None] * seen_in_output.astype(jnp.float32))
-
-
-def _maybe(flag, stage, x, state, md):
-  return lax.cond(flag, stage, lambda x, *_: x, x, state, md)
+  return jnp.where(active[:, None], state.stop_token_ids, state.vocab_size)
 
 
 def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Array:
-  """Stages 1-6: `[R, V]` logits of any float dtype -> processed `[R, V] float32` logits."""
+  """Stages 2-6: `[R, V]` logits -> processed `[R, V] float32` logits (vLLM HEAD semantics).
+
+  Computed as one fused elementwise pass plus three small scatters, in an order that gives
+  exactly HEAD's result (allowed mask -> bad words -> min_tokens -> logit_bias -> penalties):
+  masks set `-inf`, which every later stage keeps, so they commute with the rest; a biased
+  token's penalised value is recomputed from its biased logit and scattered over the pass.
+  """
+  rows = _row_index(logits)
+  vocab = state.vocab_size
+  counts, in_prompt = state.output_token_counts, state.prompt_token_mask
   x = logits.astype(jnp.float32)
-  x = _maybe(md.any_allowed_token_ids, apply_allowed_token_ids, x, state, md)
-  x = _maybe(md.any_bad_words, apply_bad_words, x, state, md)
-  x = _maybe(md.any_min_tokens, apply_min_tokens, x, state, md)
-  x = _maybe(md.any_logit_bias, apply_logit_bias, x, state, md)
-  x = _maybe(md.any_penalties, apply_penalties, x, state, md)
-  return x
+  processed = jnp.where(_is_allowed(state), _penalize(x, counts, in_prompt, md), _NEG_INF)
+  # logit_bias: penalties apply to the biased logit.
+  bias_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, vocab)  # [R, NB]
+  safe_ids = jnp.minimum(bias_ids, vocab - 1)
+  take = lambda a: jnp.take_along_axis(a, safe_ids, 1)
+  biased = _penalize(take(x) + state.logit_bias, take(counts), take(in_prompt), md)
+  biased = jnp.where(_is_allowed(state, bias_ids), biased, _NEG_INF)
+  processed = processed.at[rows, bias_ids].set(biased, mode="drop")
+  processed = processed.at[rows, _bad_word_bans(state, md)].set(_NEG_INF, mode="drop")
+  return processed.at[rows, _min_tokens_bans(state, md)].set(_NEG_INF, mode="drop")
+
+
+def argmax(x: jax.Array, block: int = _DRAW_BLOCK) -> jax.Array:
+  """`[R]` first index of each row's maximum, as `jnp.argmax`, in about one max-reduction's time.
+
+  XLA's CPU argmax (a two-operand reduction) is far slower than a max; here the row is cut into
+  blocks, the first block holding the maximum is found on `[R, V / block]` block maxima, and only
+  that block is searched.
+  """
+  rows, vocab = x.shape
+  pad = -vocab % block
+  if pad:
+    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=_NEG_INF)
+  blocks = x.reshape(rows, -1, block)
+  best_block = jnp.argmax(blocks.max(-1), axis=-1)
+  chosen = jnp.take_along_axis(blocks, best_block[:, None, None], 1)[:, 0]
+  return (best_block * block + jnp.argmax(chosen, axis=-1)).astype(jnp.int32)
 
 
 # --- exact thresholds without sorting ---------------------------------------------------------
@@ -378,7 +398,7 @@ def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
   x = logits.astype(jnp.float32)
   allowed = state.allowed_token_mask | ~state.has_allowed_token_ids[:, None]
   finite = jnp.where(jnp.isneginf(x) | jnp.isnan(x), jnp.finfo(jnp.float32).min, x)
-  return jnp.argmax(jnp.where(allowed, finite, _NEG_INF), axis=-1).astype(jnp.int32)
+  return argmax(jnp.where(allowed, finite, _NEG_INF))
 
 
 def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -> BatchState:
@@ -395,16 +415,11 @@ def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -
   )
 
 
-def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
-  """Un-jitted body of `sample_step` (for callers composing their own transformations)."""
-  rows, vocab = state.max_num_reqs, state.vocab_size
-  if logits.shape != (rows, vocab):
-    raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
-                     f"got {logits.shape}")
-  x = apply_logits_processors(logits, state, md)
-  greedy_tokens = lax.cond(md.any_greedy, lambda: jnp.argmax(x, -1).astype(jnp.int32),
-                           lambda: jnp.zeros((rows,), jnp.int32))
-  u = _uniforms(state)
+def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata, u):
+  """Stages 7-13 on processed logits `x`. Every `lax.cond` here returns only `[R]`-sized or
+  `[R, k]`-sized results: a branch that returned an `[R, V]` array unchanged would cost a copy."""
+  rows = state.max_num_reqs
+  greedy_tokens = lax.cond(md.any_greedy, lambda: argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
   random_tokens, threshold = lax.cond(
       md.any_random, lambda: _sample_random(x, md, u, state.num_topk_candidates),
       lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)))
@@ -413,7 +428,6 @@ def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   tokens = lax.cond(all_masked.any(),
                     lambda: jnp.where(all_masked, _fallback_for_masked_rows(logits, state), tokens),
                     lambda: tokens)
-
   num_logprobs = state.max_num_logprobs
 
   def logprobs_branch():
@@ -425,7 +439,25 @@ def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
                            logprobs=jnp.zeros((rows, num_logprobs + 1), jnp.float32),
                            ranks=jnp.zeros((rows,), jnp.int32))
 
-  logprobs = lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
+  return tokens, lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
+
+
+def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
+  """Un-jitted body of `sample_step` (for callers composing their own transformations)."""
+  rows, vocab = state.max_num_reqs, state.vocab_size
+  if logits.shape != (rows, vocab):
+    raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
+                     f"got {logits.shape}")
+  u = _uniforms(state)
+  any_processing = (md.any_allowed_token_ids | md.any_bad_words | md.any_min_tokens
+                    | md.any_logit_bias | md.any_penalties)
+  # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
+  # they are instead of paying for a processed copy.
+  tokens, logprobs = lax.cond(
+      any_processing,
+      lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md,
+                                   u),
+      lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md, u))
   state = _append_tokens(state, md, tokens)
   return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 

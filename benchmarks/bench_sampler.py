@@ -1,0 +1,200 @@
+"""Sampler benchmark: `InputBatch.sample` against a max pass and a log_softmax pass, same run.
+
+For each batch size B, vocabulary size V and parameter mix, prints the median wall time of one
+`InputBatch.sample(logits)` call (host round trip included: dispatch, the jitted step, copying the
+sampled tokens and logprobs back), its ratio to one jitted max-reduction and to one jitted
+`jax.nn.log_softmax` over the same `[B, V]` float32 logits measured in the same run, and the
+number of XLA compiles during the timed calls (must be 0). Then the cost of a composition change
+(remove + add + condense + metadata refresh) against a step, and the host overhead of a tiny step
+against a bare jitted identity call.
+
+Usage:
+  python benchmarks/bench_sampler.py                    # full table (several minutes on 2 cores)
+  python benchmarks/bench_sampler.py --quick            # B=256, V=49152 only
+  python benchmarks/bench_sampler.py --batch-sizes 8 --vocab-sizes 49152 --mixes chat greedy
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxengine as je
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _mix_params(name: str, i: int, vocab: int) -> je.SamplingParams:
+  """Row i's parameters under mix `name`."""
+  if name == "greedy":
+    return je.SamplingParams(temperature=0.0)
+  if name == "temperature":
+    return je.SamplingParams(temperature=0.8)
+  if name == "chat":
+    return je.SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
+  if name == "top_p":
+    return je.SamplingParams(top_p=0.95)
+  if name == "min_p":
+    return je.SamplingParams(min_p=0.05)
+  if name == "penalties":
+    return je.SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
+  if name == "everything":
+    # Every stage in use somewhere; half the rows seeded; 5 logprobs.
+    kind = i % 8
+    seed = i if i % 2 == 0 else None
+    common = dict(seed=seed, logprobs=5)
+    if kind == 0:
+      return je.SamplingParams(temperature=0.0, logprobs=5)
+    if kind == 1:
+      return je.SamplingParams(temperature=0.7, top_k=50, top_p=0.9, **common)
+    if kind == 2:
+      return je.SamplingParams(temperature=1.0, top_p=0.95, **common)
+    if kind == 3:
+      return je.SamplingParams(temperature=0.9, min_p=0.05, **common)
+    if kind == 4:
+      return je.SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5,
+                               repetition_penalty=1.2, **common)
+    if kind == 5:
+      return je.SamplingParams(temperature=0.8, min_tokens=4, stop_token_ids=[7, 8, 9],
+                               logit_bias={11: 2.0, 12: -3.0}, **common)
+    if kind == 6:
+      return je.SamplingParams(temperature=0.8, allowed_token_ids=list(range(0, vocab, 3)),
+                               **common)
+    return je.SamplingParams(temperature=0.8, top_k=20,
+                             bad_words_token_ids=[[5], [6, 7], [8, 9, 10]], **common)
+  raise ValueError(f"unknown mix {name!r}")
+
+
+MIXES = ["greedy", "temperature", "chat", "top_p", "min_p", "penalties", "everything"]
+
+
+class _Compiles:
+  def __init__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+  def _listen(self, event, duration, **kwargs):
+    if event == COMPILE_EVENT:
+      self.count += 1
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def _fill(batch: je.InputBatch, mix: str, rng: np.random.Generator) -> None:
+  for i in range(batch.max_num_reqs):
+    prompt = rng.integers(0, batch.vocab_size, size=16).tolist()
+    outputs = rng.integers(0, batch.vocab_size, size=8).tolist()
+    batch.add_request(f"r{i}", prompt, _mix_params(mix, i, batch.vocab_size), outputs)
+
+
+def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -> list[dict]:
+  rows = []
+  max_pass = jax.jit(lambda x: x.max(-1))
+  log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
+  for vocab in vocab_sizes:
+    for size in batch_sizes:
+      rng = np.random.default_rng(0)
+      logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32) * 4.0)
+      max_ms = _median_ms(lambda: max_pass(logits), repeats)
+      softmax_ms = _median_ms(lambda: log_softmax(logits), repeats)
+      for mix in mixes:
+        batch = je.InputBatch(size, 4096, vocab)
+        _fill(batch, mix, rng)
+        batch.sample(logits)  # warm up (compiles)
+        before = compiles.count
+        ms = _median_ms(lambda: batch.sample(logits), repeats)
+        row = dict(B=size, V=vocab, mix=mix, ms=ms, x_max=ms / max_ms, x_log_softmax=ms / softmax_ms,
+                   compiles=compiles.count - before, max_ms=max_ms, log_softmax_ms=softmax_ms)
+        rows.append(row)
+        print(f"B={size:4d} V={vocab:6d} {mix:12s} {ms:9.2f} ms  {row['x_max']:7.1f}x max "
+              f"({max_ms:.2f} ms)  {row['x_log_softmax']:5.2f}x log_softmax ({softmax_ms:.1f} ms)"
+              f"  compiles={row['compiles']}", flush=True)
+  return rows
+
+
+def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) -> dict:
+  """A composition change (remove one, add one, condense, metadata refresh) against a step."""
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32))
+  batch = je.InputBatch(size, 4096, vocab)
+  _fill(batch, "chat", rng)
+  counter = iter(range(10**9))
+  params = _mix_params("chat", 0, vocab)
+
+  def change():
+    victim = batch.req_ids[int(rng.integers(batch.num_reqs))]
+    batch.remove_request(victim)
+    batch.remove_request(batch.req_ids[0])
+    batch.condense()
+    batch.add_request(f"n{next(counter)}", [1, 2, 3], params)
+    batch.add_request(f"n{next(counter)}", [4, 5], params)
+    return batch.sampling_metadata
+
+  def step():
+    return batch.sample(logits)
+
+  step(), change()
+  before = compiles.count
+  change_ms = _median_ms(change, repeats)
+  step_ms = _median_ms(step, repeats)
+  result = dict(change_ms=change_ms, step_ms=step_ms, compiles=compiles.count - before)
+  print(f"composition change (2 removes + condense + 2 adds + refresh) at B={size} V={vocab}: "
+        f"{change_ms:.2f} ms vs chat step {step_ms:.2f} ms ({change_ms / step_ms:.2f}x); "
+        f"compiles={result['compiles']}", flush=True)
+  return result
+
+
+def bench_host_overhead(repeats: int, compiles: _Compiles, size=8, vocab=256) -> dict:
+  """A tiny greedy step against a bare jitted identity call (dispatch + copy back)."""
+  rng = np.random.default_rng(2)
+  logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32))
+  batch = je.InputBatch(size, 4096, vocab)
+  _fill(batch, "greedy", rng)
+  identity = jax.jit(lambda x: x)
+  bare_ms = _median_ms(lambda: np.asarray(identity(logits)), repeats * 10)
+  batch.sample(logits)
+  before = compiles.count
+  step_ms = _median_ms(lambda: batch.sample(logits), repeats * 10)
+  result = dict(step_ms=step_ms, bare_ms=bare_ms, compiles=compiles.count - before)
+  print(f"host overhead B={size} V={vocab}: step {step_ms:.3f} ms vs bare jitted identity "
+        f"{bare_ms:.3f} ms ({step_ms / bare_ms:.2f}x); compiles={result['compiles']}", flush=True)
+  return result
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
+  parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[49152, 128256])
+  parser.add_argument("--mixes", nargs="+", default=MIXES, choices=MIXES)
+  parser.add_argument("--repeats", type=int, default=7, help="timed calls per cell (median)")
+  parser.add_argument("--quick", action="store_true", help="only B=256, V=49152")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.batch_sizes, args.vocab_sizes = [256], [49152]
+  print(f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()} "
+        f"({jax.devices()[0].device_kind}), {platform.processor() or platform.machine()}, "
+        f"{datetime.date.today()}", flush=True)
+  compiles = _Compiles()
+  bench_table(args.batch_sizes, args.vocab_sizes, args.mixes, args.repeats, compiles)
+  bench_composition(args.repeats, compiles)
+  bench_host_overhead(args.repeats, compiles)
+
+
+if __name__ == "__main__":
+  main()
