@@ -168,6 +168,6 @@ class BatchMachine(RuleBasedStateMachine):
 
 
 BatchMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=30, deadline=None,
+    max_examples=40, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 TestBatchStateMachine = BatchMachine.TestCase

@@ -1,8 +1,8 @@
 """Statistical and reproducibility tests of the random draw.
 
 * Empirical token frequencies vs the exact float64 reference distribution for temperature, top-k
-  (with ties at the cut), top-p, min-p and all three combined. 12 rows per configuration x 100 steps
-  = 1200 draws each;
+  (with ties at the cut), top-p, min-p, all three combined, and seeded rows. 10 rows per
+  configuration x 100 steps = 1000 draws each;
   every token's frequency must lie within 4.5 binomial standard deviations (+ 2e-3) of its
   probability, tokens of probability 0 must never appear, and the chi-square statistic over tokens
   with expected count >= 5 must stay below df + 6 sqrt(2 df) (about a 1e-5 tail for these df).
@@ -31,7 +31,9 @@ GROUPS = [
     dict(temperature=1.3, top_p=0.6),
     dict(temperature=0.9, min_p=0.15),
     dict(temperature=1.0, top_k=12, top_p=0.8, min_p=0.05),
+    dict(temperature=0.8, top_p=0.9, seed=None),  # seeded rows: seed = 1000 + row (see below)
 ]
+SEEDED_GROUP = len(GROUPS) - 1
 ROWS_PER_GROUP = RD // len(GROUPS)
 
 
@@ -54,7 +56,8 @@ def test_empirical_distribution_matches_reference():
     for g, kw in enumerate(GROUPS):
         for j in range(ROWS_PER_GROUP):
             rid = f"g{g}-{j}"
-            b.add_request(rid, [0], je.SamplingParams(max_tokens=STEPS + 1, **kw))
+            seed = 1000 + j if g == SEEDED_GROUP else None
+            b.add_request(rid, [0], je.SamplingParams(max_tokens=STEPS + 1, **dict(kw, seed=seed)))
             group_of[rid] = g
             logits_rows[rid] = group_logits[g]
     logits = padded_logits(logits_rows, b, vocab_size=V, max_num_reqs=RD)
@@ -181,3 +184,14 @@ def test_unseeded_replacement_gets_a_fresh_stream():
     b.add_request("b", [1], je.SamplingParams(temperature=1.0))
     second = [int(b.sample(logits).sampled_token_ids[0]) for _ in range(8)]
     assert first != second
+
+
+def test_large_seeds_are_accepted_and_distinct():
+    """No range check on seeds (behaviour.md §2.2); seeds differing only above bit 32 must differ."""
+    b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+    seeds = [5, 5 + 2**32, 2**40, 2**63 - 1, -5, 0]
+    for i, s in enumerate(seeds):
+        b.add_request(f"s{i}", [1], je.SamplingParams(temperature=1.0, seed=s))
+    logits = np.zeros((R, V), dtype=np.float32)
+    streams = np.stack([b.sample(logits).sampled_token_ids for _ in range(8)], axis=1)
+    assert len({tuple(s) for s in streams.tolist()}) == len(seeds), streams

@@ -19,24 +19,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_utils import EOS, R, V, check_row, full_rows, make_batch, padded_logits
+from batch_utils import R, V, check_row, full_rows, make_batch, padded_logits
 from reference import reference_row
 
 DISCRETE_LOGITS = np.array([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0], dtype=np.float32)
 
-token = st.integers(0, V - 1)
-
-
 @st.composite
-def request(draw):
+def request(draw, vocab_size=V):
     """(prompt, outputs, SamplingParams kwargs) with a random mix of every row-level feature."""
+    token = st.integers(0, vocab_size - 1)
     prompt = draw(st.lists(token, min_size=1, max_size=8))
     outputs = draw(st.lists(token, max_size=8))
     kw: dict = {"logprobs": -1}
     kw["temperature"] = draw(st.one_of(
         st.just(0.0), st.sampled_from([0.3, 0.5, 0.8, 1.0, 1.3, 2.0]), st.floats(0.3, 3.0)))
     if draw(st.booleans()):
-        kw["top_k"] = draw(st.one_of(st.sampled_from([0, -1, V, V + 3]), st.integers(1, V - 1)))
+        kw["top_k"] = draw(st.one_of(st.sampled_from([0, -1, vocab_size, vocab_size + 3]),
+                                    st.integers(1, vocab_size - 1)))
     if draw(st.booleans()):
         kw["top_p"] = draw(st.one_of(st.just(1.0), st.floats(0.05, 1.0)))
     if draw(st.booleans()):
@@ -50,7 +49,7 @@ def request(draw):
     if draw(st.booleans()):
         kw["logit_bias"] = draw(st.dictionaries(token, st.floats(-3.0, 3.0), min_size=1, max_size=6))
     if draw(st.integers(0, 3)) == 0:
-        kw["allowed_token_ids"] = draw(st.lists(token, min_size=1, max_size=V, unique=True))
+        kw["allowed_token_ids"] = draw(st.lists(token, min_size=1, max_size=vocab_size, unique=True))
     if draw(st.booleans()):
         words = draw(st.lists(st.lists(token, min_size=1, max_size=3), min_size=1, max_size=4))
         if outputs and draw(st.booleans()):
@@ -74,30 +73,33 @@ class Case:
     order: list  # interleaving of first/junk adds: True = live, False = junk
     logit_seed: int
     discrete: bool
+    vocab_size: int = V
 
 
 @st.composite
-def batch_case(draw):
+def batch_case(draw, vocab_size=V):
     n_first = draw(st.integers(0, R))
     n_junk = draw(st.integers(0, R - n_first))
     n_second = draw(st.integers(1 if n_first == 0 else 0, R - n_first))
-    first = [draw(request()) for _ in range(n_first)]
-    junk = [draw(request()) for _ in range(n_junk)]
-    second = [draw(request()) for _ in range(n_second)]
+    first = [draw(request(vocab_size)) for _ in range(n_first)]
+    junk = [draw(request(vocab_size)) for _ in range(n_junk)]
+    second = [draw(request(vocab_size)) for _ in range(n_second)]
     order = draw(st.permutations([True] * n_first + [False] * n_junk))
-    return Case(first, junk, second, list(order), draw(st.integers(0, 2**32 - 1)), draw(st.booleans()))
+    return Case(first, junk, second, list(order), draw(st.integers(0, 2**32 - 1)), draw(st.booleans()),
+                vocab_size)
 
 
-def _logit_row(rng, discrete):
+def _logit_row(rng, discrete, vocab_size=V):
     if discrete:  # few distinct values -> many exact ties (top-k / top-p tie rules, greedy first index)
-        return rng.choice(DISCRETE_LOGITS, size=V)
-    return rng.uniform(-3.0, 3.0, size=V).astype(np.float32)
+        return rng.choice(DISCRETE_LOGITS, size=vocab_size)
+    return rng.uniform(-3.0, 3.0, size=vocab_size).astype(np.float32)
 
 
 def _build(case, mode):
     import jaxengine as je
 
-    b = make_batch(logprobs_mode=mode)
+    vs = case.vocab_size
+    b = make_batch(logprobs_mode=mode, vocab_size=vs, eos_token_ids=(vs - 1,))
     live = {}
     it_first, it_junk = iter(case.first), iter(case.junk)
     junk_ids = []
@@ -124,23 +126,24 @@ def _build(case, mode):
 
 def _run_case(case, mode):
     b, live = _build(case, mode)
+    vs = case.vocab_size
     rng = np.random.default_rng(case.logit_seed)
     for step in range(2):
-        rows = {rid: _logit_row(rng, case.discrete) for rid in live}
+        rows = {rid: _logit_row(rng, case.discrete, vs) for rid in live}
         # Rows >= num_reqs hold garbage that must be ignored.
-        logits = padded_logits(rows, b, fill=0.0)
-        logits[b.num_reqs:] = rng.uniform(-50, 50, size=(R - b.num_reqs, V))
+        logits = padded_logits(rows, b, vocab_size=vs, fill=0.0)
+        logits[b.num_reqs:] = rng.uniform(-50, 50, size=(R - b.num_reqs, vs))
         order = list(b.req_ids)
         out = b.sample(logits)
         assert out.sampled_token_ids.shape == (len(order),)
-        got = full_rows(out)
+        got = full_rows(out, vs)
         for i, rid in enumerate(order):
             prompt, outputs, kw = live[rid]
-            ref = reference_row(rows[rid], prompt=prompt, outputs=outputs, eos_token_ids=EOS, **kw)
+            ref = reference_row(rows[rid], prompt=prompt, outputs=outputs, eos_token_ids=(vs - 1,), **kw)
             token = int(out.sampled_token_ids[i])
             assert int(out.logprobs.token_ids[i, 0]) == token
             check_row(ref, kw, token, got[i], int(out.logprobs.ranks[i]), out.logprobs.logprobs[i, 0],
-                       processed=(mode == "processed_logprobs"),
+                       processed=(mode == "processed_logprobs"), vocab_size=vs,
                        context=f"step {step} row {i} req {rid} params {kw} prompt {prompt} outputs {outputs}")
             outputs.append(token)
         assert list(b.req_ids) == order
@@ -151,17 +154,28 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
                 derandomize=False)
 
 
-@settings(max_examples=35, **SETTINGS)
+@settings(max_examples=50, **SETTINGS)
 @given(case=batch_case())
 def test_processed_logprobs_match_reference(case):
     _run_case(case, "processed_logprobs")
 
 
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(case=batch_case())
 def test_raw_mode_tokens_respect_reference(case):
     """raw_logprobs mode: tokens still obey every constraint; the rows are log_softmax of the input."""
     _run_case(case, "raw_logprobs")
+
+
+# A vocabulary wider than the sampler's default top-k candidate budget (64), so that deep top-k /
+# top-p cuts (flat discrete logits, large k, p near 1) also go through the exact fallback path.
+V_WIDE = 160
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(case=batch_case(V_WIDE))
+def test_processed_logprobs_match_reference_wide_vocab(case):
+    _run_case(case, "processed_logprobs")
 
 
 def test_raw_logprobs_are_log_softmax_of_input():

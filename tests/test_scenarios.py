@@ -735,3 +735,134 @@ def test_sampled_token_ids_dtype_and_output_lists():
     assert isinstance(out.sampled_token_ids, np.ndarray)
     assert out.sampled_token_ids.dtype == np.int32 and out.sampled_token_ids.shape == (2,)
     assert [list(o) for o in b.req_output_token_ids] == [[3, 6], [6]]
+
+
+# --------------------------------------------------------------------------------------------------
+# deep top-k / top-p cuts on a vocabulary wider than the default candidate budget (64)
+
+VW = 160
+
+
+def test_deep_topk_topp_cuts_wide_vocab():
+    b = make_batch(vocab_size=VW, eos_token_ids=(VW - 1,))
+    logits = np.zeros((R, VW), dtype=np.float32)
+    logits[:, :100] = 1.0  # 100 tokens tied at the top
+    logits[:, 100:] = np.linspace(-1.0, 0.5, VW - 100, dtype=np.float32)
+    cases = [dict(top_k=90), dict(top_k=120), dict(top_p=0.97), dict(top_p=0.5), dict(top_k=150, top_p=0.99),
+             dict(min_p=0.5, top_p=0.999), dict(top_k=101), dict(top_p=0.9999)]
+    for i, kw in enumerate(cases):
+        add(b, f"r{i}", temperature=1.0, logprobs=-1, **kw)
+    out = b.sample(logits)
+    rows = full_rows(out, VW)
+    for i, kw in enumerate(cases):
+        ref = reference_row(logits[i], temperature=1.0, **kw)
+        assert not ref.ambiguous, ref.ambiguous
+        check_row(ref, kw, int(out.sampled_token_ids[i]), rows[i], int(out.logprobs.ranks[i]),
+                  out.logprobs.logprobs[i, 0], processed=True, context=f"{kw}", vocab_size=VW)
+    assert np.isfinite(rows[0][:100]).all() and np.isneginf(rows[0][100:]).all()  # ties at k kept
+
+
+# --------------------------------------------------------------------------------------------------
+# the pure jitted step underneath InputBatch.sample
+
+
+def test_sample_step_matches_input_batch_and_runs_in_scan():
+    import jax
+    import jax.numpy as jnp
+
+    def build():
+        b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+        add(b, "g", [1, 2], temperature=0.0, frequency_penalty=1.0)
+        add(b, "s", [3], temperature=0.8, seed=9, top_k=5, logprobs=2)
+        add(b, "t", [4], temperature=1.2, seed=10, min_p=0.1, bad_words_token_ids=[[7]])
+        b.condense()
+        return b
+
+    rng = np.random.default_rng(12)
+    steps = [rng.normal(0, 1.5, size=(R, V)).astype(np.float32) for _ in range(4)]
+    b1 = build()
+    want = [b1.sample(l).sampled_token_ids.tolist() for l in steps]
+
+    b2 = build()
+    state = jax.tree.map(jnp.copy, b2.state)
+    meta = b2.sampling_metadata
+    state, out = je.sample_step(state, meta, jnp.asarray(steps[0]))
+    assert np.asarray(out.sampled_token_ids)[:3].tolist() == want[0]
+
+    def body(st, logits):
+        st, o = je.sample_step(st, meta, logits)
+        return st, o.sampled_token_ids
+
+    _, toks = jax.jit(lambda st, ls: jax.lax.scan(body, st, ls))(state, jnp.stack(steps[1:]))
+    assert np.asarray(toks)[:, :3].tolist() == want[1:]
+
+
+# --------------------------------------------------------------------------------------------------
+# -inf already in the incoming logits (a grammar bitmask applied by the model runner), min_p = 1
+
+
+def test_negative_infinity_input_logits():
+    b = make_batch()
+    rng = np.random.default_rng(13)
+    kws = [dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=-2.0, frequency_penalty=-2.0),
+           dict(temperature=1.0, top_p=0.7, presence_penalty=-2.0, frequency_penalty=-2.0),
+           dict(temperature=0.5, min_p=0.2, top_k=3, repetition_penalty=0.5),
+           dict(temperature=2.0, logit_bias={0: 5.0, 1: 5.0}),
+           dict(temperature=1.0)]
+    prompt, outputs = [0, 1, 2, 3], [0, 1, 1, 4]
+    for i, kw in enumerate(kws):
+        add(b, f"r{i}", prompt, outputs, logprobs=-1, **kw)
+    logits = rng.uniform(-2, 2, size=(R, V)).astype(np.float32)
+    logits[:, :2] = -np.inf  # forbidden by the "grammar", and they are in prompt and outputs
+    logits[4, 6:] = -np.inf  # only tokens 2..5 possible
+    out = b.sample(logits)
+    rows = full_rows(out)
+    for i, kw in enumerate(kws):
+        tok = int(out.sampled_token_ids[i])
+        assert tok >= 2 and (i != 4 or tok < 6)
+        ref = reference_row(logits[i], prompt=prompt, outputs=outputs, eos_token_ids=EOS, **kw)
+        check_row(ref, kw, tok, rows[i], int(out.logprobs.ranks[i]), out.logprobs.logprobs[i, 0],
+                  processed=True, context=f"row {i} {kw}")
+
+
+def test_min_p_one_keeps_only_ties_with_max():
+    b = processed_logits_batch()
+    add(b, "a", temperature=0.9, min_p=1.0, logprobs=-1)
+    logits = np.zeros((R, V), dtype=np.float32)
+    logits[0, [3, 17, 25]] = 2.0
+    logits[0, 4] = 1.999
+    out = b.sample(logits)
+    row = full_rows(out)[0]
+    assert set(np.nonzero(np.isfinite(row))[0].tolist()) == {3, 17, 25}
+    assert int(out.sampled_token_ids[0]) in (3, 17, 25)
+
+
+def test_bfloat16_logits_are_accepted():
+    import jax.numpy as jnp
+
+    b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+    add(b, "g", temperature=0.0, logprobs=3)
+    add(b, "r", temperature=0.7, seed=1, logprobs=3)
+    rng = np.random.default_rng(14)
+    logits = jnp.asarray(rng.normal(0, 2, size=(R, V)), dtype=jnp.bfloat16)
+    out = b.sample(logits)
+    f32 = np.asarray(logits.astype(jnp.float32))
+    assert int(out.sampled_token_ids[0]) == int(np.argmax(f32[0]))
+    for i in range(2):
+        np.testing.assert_allclose(out.logprobs.logprobs[i], log_softmax(f32[i])[out.logprobs.token_ids[i]],
+                                   atol=1e-4)
+
+
+def test_empty_batch_samples_zero_rows_and_ids_can_be_reused():
+    b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+    logits = np.tile(one_hot_logits(3), (R, 1))
+    out = b.sample(logits)
+    assert out.sampled_token_ids.shape == (0,) and b.num_reqs == 0 and b.req_ids == []
+    add(b, "a", temperature=0.0, logprobs=2)
+    assert b.remove_request("a") == 0
+    assert b.remove_request("a") is None
+    out = b.sample(logits)
+    assert out.sampled_token_ids.shape == (0,) and out.logprobs is None
+    assert add(b, "a", temperature=0.0) == 0  # the id is free again
+    assert b.sample(logits).sampled_token_ids.tolist() == [3]
+    assert [list(o) for o in b.req_output_token_ids] == [[3]]
