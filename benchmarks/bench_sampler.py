@@ -138,9 +138,8 @@ def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) 
   params = _mix_params("chat", 0, vocab)
 
   def change():
-    victim = batch.req_ids[int(rng.integers(batch.num_reqs))]
-    batch.remove_request(victim)
-    batch.remove_request(batch.req_ids[0])
+    for victim in rng.choice(batch.req_ids, size=2, replace=False):
+      batch.remove_request(str(victim))
     batch.condense()
     batch.add_request(f"n{next(counter)}", [1, 2, 3], params)
     batch.add_request(f"n{next(counter)}", [4, 5], params)

@@ -252,34 +252,101 @@ def _draw_from_candidates(values, ids, row_max, threshold, u):
   return jnp.take_along_axis(ids, index[:, None], 1)[:, 0]
 
 
-def _draw_from_vocab(y, row_max, threshold, u):
-  """Blocked inverse CDF over the whole vocabulary: one exp pass plus one block of `_DRAW_BLOCK`."""
-  rows, vocab = y.shape
-  pad = -vocab % _DRAW_BLOCK
+def _blocked(y: jax.Array) -> jax.Array:
+  """`[R, V]` -> `[R, num_blocks, _DRAW_BLOCK]`, padding the vocabulary with -inf."""
+  pad = -y.shape[1] % _DRAW_BLOCK
   if pad:
     y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=_NEG_INF)
-  blocks = y.reshape(rows, -1, _DRAW_BLOCK)  # [R, num_blocks, block]
+  return y.reshape(y.shape[0], -1, _DRAW_BLOCK)
 
-  def weigh(v):
-    shape = (rows,) + (1,) * (v.ndim - 1)
-    return jnp.where(v >= threshold.reshape(shape), jnp.exp(v - row_max.reshape(shape)), 0.0)
 
-  block_mass = weigh(blocks).sum(-1)  # [R, num_blocks]
-  block_cumulative = jnp.cumsum(block_mass, axis=-1)
-  target = u * block_cumulative[:, -1]
-  block = jnp.minimum((block_cumulative <= target[:, None]).sum(-1), _last_positive(block_mass))
-  before = jnp.where(
-      block > 0, jnp.take_along_axis(block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)[:, 0],
-      0.0)
-  chosen = jnp.take_along_axis(blocks, block[:, None, None], 1)[:, 0]  # [R, block]
-  return block * _DRAW_BLOCK + _inverse_cdf(weigh(chosen), target - before)
+def _weigh(values, row_max, threshold):
+  """Unnormalised probabilities `exp(v - max)` of the kept values (`v >= threshold`), else 0."""
+  shape = (values.shape[0],) + (1,) * (values.ndim - 1)
+  return jnp.where(values >= threshold.reshape(shape),
+                   jnp.exp(values - row_max.reshape(shape)), 0.0)
+
+
+class _VocabSampler:
+  """Blocked inverse CDF over the whole vocabulary: block masses once (one exp pass), then each
+  draw scans one block of `_DRAW_BLOCK` tokens."""
+
+  def __init__(self, y, row_max, threshold):
+    self.blocks = _blocked(y)  # [R, num_blocks, block]
+    self.row_max, self.threshold = row_max, threshold
+    self.block_mass = _weigh(self.blocks, row_max, threshold).sum(-1)  # [R, num_blocks]
+    self.block_cumulative = jnp.cumsum(self.block_mass, axis=-1)
+    self.total = self.block_cumulative[:, -1]
+
+  def draw(self, u: jax.Array) -> jax.Array:
+    """`[R] int32` the token whose cumulative mass first exceeds `u * total`."""
+    target = u * self.total
+    block = jnp.minimum((self.block_cumulative <= target[:, None]).sum(-1),
+                        _last_positive(self.block_mass))
+    before = jnp.take_along_axis(self.block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)
+    before = jnp.where(block > 0, before[:, 0], 0.0)
+    chosen = jnp.take_along_axis(self.blocks, block[:, None, None], 1)[:, 0]  # [R, block]
+    index = _inverse_cdf(_weigh(chosen, self.row_max, self.threshold), target - before)
+    return (block * _DRAW_BLOCK + index).astype(jnp.int32)
+
+
+def _draw_from_vocab(y, row_max, threshold, u):
+  return _VocabSampler(y, row_max, threshold).draw(u)
+
+
+# Attempts of the top-p rejection draw before the remaining rows take the exact bisection.
+_MAX_REJECTION_ATTEMPTS = 16
+
+
+def _draw_top_p_by_rejection(y, row_max, threshold, top_p, active, step_keys, u):
+  """Exact top-p draws for rows whose nucleus lies beyond the candidates, without finding the cut.
+
+  Drawing from the distribution kept so far (`y >= threshold`) and accepting the token only if the
+  mass strictly above its value is below `top_p` (vLLM's keep rule) samples exactly the top-p
+  distribution. Acceptance has probability at least `top_p`, so a few attempts suffice; each
+  costs one masked reduction (the block masses are computed once). Attempt `a > 0` of a row draws
+  `uniform(fold_in(step_key, a))`, so rows stay independent of their neighbours. Rows still
+  unaccepted after `_MAX_REJECTION_ATTEMPTS` use the exact bisection cut.
+  """
+  rows = y.shape[0]
+  sampler = _VocabSampler(y, row_max, threshold)
+  weights = _weigh(y, row_max, threshold)  # [R, V]
+  target = top_p * sampler.total
+
+  def attempt(carry):
+    a, tokens, done = carry
+    retry_u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, a), ()))(step_keys)
+    drawn = sampler.draw(jnp.where(a == 0, u, retry_u))
+    value = jnp.take_along_axis(y, drawn[:, None], 1)
+    accepted = jnp.where(y > value, weights, 0.0).sum(-1) < target
+    take = ~done & accepted
+    return a + 1, jnp.where(take, drawn, tokens), done | accepted
+
+  def pending(carry):
+    a, _, done = carry
+    return (a < _MAX_REJECTION_ATTEMPTS) & (active & ~done).any()
+
+  _, tokens, done = lax.while_loop(
+      pending, attempt, (jnp.int32(0), jnp.zeros((rows,), jnp.int32), ~active))
+  stuck = ~done
+
+  def exact():
+    cut = jnp.where(stuck, top_p_threshold(y, row_max, threshold, top_p), threshold)
+    return jnp.where(stuck, _draw_from_vocab(y, row_max, cut, u), tokens)
+
+  return lax.cond(stuck.any(), exact, lambda: tokens)
 
 
 def _candidate_filters(y, row_max, threshold, md: SamplingMetadata, num_candidates: int, u):
-  """Top-k then top-p thresholds from `lax.top_k` candidates, with exact fallbacks.
+  """Top-k then top-p thresholds from `lax.top_k` candidates.
 
-  Returns the combined threshold `[R]`, whether the row's kept set lies inside its candidates
-  (so it is drawn from them) `[R] bool`, and that draw `[R] int32`.
+  Top-k is always resolved exactly (by bisection when k exceeds the candidates). Top-p is
+  resolved from the candidates when they hold the needed mass; rows where they do not are
+  reported as unresolved, with their threshold before top-p.
+
+  Returns:
+    threshold `[R]`, from_candidates `[R] bool` (the kept set lies inside the candidates, so the
+    row is drawn from them), that draw `[R] int32`, and top_p_unresolved `[R] bool`.
   """
   vocab = y.shape[-1]
   values, ids = lax.top_k(y, num_candidates)  # [R, K], best first
@@ -307,48 +374,66 @@ def _candidate_filters(y, row_max, threshold, md: SamplingMetadata, num_candidat
                     jnp.take_along_axis(values, jnp.argmax(reached, -1)[:, None], 1)[:, 0],
                     threshold)  # not reached inside: the cut is the tied tail, `threshold` itself
     active = md.top_p < 1.0
-    exact = active & ~known
-    cut = jnp.where(active, jnp.maximum(threshold, cut), threshold)
-    return lax.cond(exact.any(),
-                    lambda: jnp.where(exact, top_p_threshold(y, row_max, threshold, md.top_p), cut),
-                    lambda: cut)
+    resolved = jnp.where(known, jnp.maximum(threshold, cut), threshold)
+    return jnp.where(active, resolved, threshold), active & ~known
 
-  threshold = lax.cond(md.any_top_p, apply_top_p, lambda t: t, threshold)
+  threshold, unresolved = lax.cond(md.any_top_p, apply_top_p,
+                                   lambda t: (t, jnp.zeros(t.shape, bool)), threshold)
   # Rows filtered by top-k or top-p are drawn from their candidates when the kept set fits; the
   # choice depends on the row alone, so a seeded row's token never depends on its neighbours.
   filtered = (md.top_k < vocab) | (md.top_p < 1.0)
   fits = (y >= threshold[:, None]).sum(-1) == (values >= threshold[:, None]).sum(-1)
-  from_candidates = filtered & fits
+  from_candidates = filtered & fits & ~unresolved
   tokens = _draw_from_candidates(values, ids, row_max, threshold, u)
-  return threshold, from_candidates, tokens
+  return threshold, from_candidates, tokens, unresolved
 
 
-def _sample_random(x, md: SamplingMetadata, u, num_candidates: int):
+def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int,
+                   needs_threshold: bool):
   """Stages 8-12 for every row. Returns (tokens `[R] int32`, kept threshold `[R] float32`).
 
-  A row keeps the tokens whose temperature-scaled logit is `>=` its threshold.
+  A row keeps the tokens whose temperature-scaled logit is `>=` its threshold. With
+  `needs_threshold` (processed logprobs modes) every row's exact threshold is computed; otherwise
+  top-p rows whose cut lies beyond the candidates are drawn by rejection and report their
+  threshold before top-p.
   """
   rows, vocab = x.shape
   y = x / md.temperature[:, None]
   row_max = y.max(-1)
   # min_p (vLLM): drop p < min_p * max(p), i.e. y < max(y) + log(min_p).
   threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), _NEG_INF)
-  no_candidates = (threshold, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32))
-  threshold, from_candidates, candidate_tokens = lax.cond(
+  nothing = jnp.zeros((rows,), bool)
+  threshold, from_candidates, candidate_tokens, unresolved = lax.cond(
       md.any_top_k | md.any_top_p,
       lambda t: _candidate_filters(y, row_max, t, md, num_candidates, u),
-      lambda t: no_candidates, threshold)
-  from_vocab = md.is_live & ~md.is_greedy & ~from_candidates
+      lambda t: (t, nothing, jnp.zeros((rows,), jnp.int32), nothing), threshold)
+  if needs_threshold:
+    threshold = lax.cond(
+        unresolved.any(),
+        lambda: jnp.where(unresolved, top_p_threshold(y, row_max, threshold, md.top_p), threshold),
+        lambda: threshold)
+    unresolved = nothing
+  rejection_tokens = lax.cond(
+      unresolved.any(),
+      lambda: _draw_top_p_by_rejection(y, row_max, threshold, md.top_p, unresolved, step_keys, u),
+      lambda: jnp.zeros((rows,), jnp.int32))
+  from_vocab = md.is_live & ~md.is_greedy & ~from_candidates & ~unresolved
   vocab_tokens = lax.cond(from_vocab.any(), lambda: _draw_from_vocab(y, row_max, threshold, u),
                           lambda: jnp.zeros((rows,), jnp.int32))
-  return jnp.where(from_candidates, candidate_tokens, vocab_tokens).astype(jnp.int32), threshold
+  tokens = jnp.where(from_candidates, candidate_tokens,
+                     jnp.where(unresolved, rejection_tokens, vocab_tokens))
+  return tokens.astype(jnp.int32), threshold
 
 
-def _uniforms(state: BatchState) -> jax.Array:
-  """`[R] float32` in [0, 1): the t-th output token of a request uses `fold_in(its key, t)`."""
+def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
+  """Each row's key for this step and its uniform draw `[R] float32` in [0, 1).
+
+  The t-th output token of a request uses `fold_in(request_key, t)`: its stream depends on
+  nothing but the request's seed (or serial) and how many tokens it has generated.
+  """
   keys = jax.random.wrap_key_data(state.key_data)
   step_keys = jax.vmap(jax.random.fold_in)(keys, state.num_output_tokens.astype(jnp.uint32))
-  return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys)
+  return step_keys, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys)
 
 
 # --- stage 13: logprobs ------------------------------------------------------------------------
@@ -415,13 +500,15 @@ def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -
   )
 
 
-def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata, u):
+def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata, step_keys, u):
   """Stages 7-13 on processed logits `x`. Every `lax.cond` here returns only `[R]`-sized or
   `[R, k]`-sized results: a branch that returned an `[R, V]` array unchanged would cost a copy."""
   rows = state.max_num_reqs
   greedy_tokens = lax.cond(md.any_greedy, lambda: argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
   random_tokens, threshold = lax.cond(
-      md.any_random, lambda: _sample_random(x, md, u, state.num_topk_candidates),
+      md.any_random,
+      lambda: _sample_random(x, md, step_keys, u, state.num_topk_candidates,
+                             needs_threshold=state.logprobs_mode.startswith("processed")),
       lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)))
   tokens = jnp.where(md.is_greedy, greedy_tokens, random_tokens)
   all_masked = md.is_live & jnp.isneginf(jnp.take_along_axis(x, tokens[:, None], 1)[:, 0])
@@ -448,7 +535,7 @@ def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   if logits.shape != (rows, vocab):
     raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
                      f"got {logits.shape}")
-  u = _uniforms(state)
+  step_keys, u = _step_keys(state)
   any_processing = (md.any_allowed_token_ids | md.any_bad_words | md.any_min_tokens
                     | md.any_logit_bias | md.any_penalties)
   # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
@@ -456,8 +543,8 @@ def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   tokens, logprobs = lax.cond(
       any_processing,
       lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md,
-                                   u),
-      lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md, u))
+                                   step_keys, u),
+      lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md, step_keys, u))
   state = _append_tokens(state, md, tokens)
   return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 

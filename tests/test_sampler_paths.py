@@ -1,0 +1,124 @@
+"""The sorting-free top-k / top-p paths agree with each other and with exact probabilities.
+
+The sampler resolves top-k and top-p from a static budget of `lax.top_k` candidates and falls back
+to exact methods when a row's cut lies deeper: bisection over the float bit pattern for the
+threshold (processed logprobs modes, top-k beyond the budget) and a rejection draw for top-p.
+With small vocabularies the default budget covers everything, so these tests shrink the budget
+(`num_topk_candidates`) to force every path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jaxengine as je
+from reference import reference_row
+
+V = 48
+R = 16
+
+
+def _batch(num_topk_candidates: int, mode: str = "processed_logprobs") -> je.InputBatch:
+  return je.InputBatch(R, 64, V, max_num_logprobs=-1, logprobs_mode=mode,
+                       num_topk_candidates=num_topk_candidates)
+
+
+def _full_rows(out: je.SamplerOutput) -> np.ndarray:
+  rows = np.full((len(out.sampled_token_ids), V), -np.inf)
+  for i, (ids, values) in enumerate(zip(out.logprobs.token_ids, out.logprobs.logprobs)):
+    rows[i, ids[1:]] = values[1:]
+  return rows
+
+
+def _params(rng: np.random.Generator) -> je.SamplingParams:
+  return je.SamplingParams(
+      temperature=float(rng.choice([0.5, 1.0, 1.7])),
+      top_k=int(rng.choice([0, 1, 3, 7, 20, 40])),
+      top_p=float(rng.choice([1.0, 0.3, 0.7, 0.95, 0.999])),
+      min_p=float(rng.choice([0.0, 0.0, 0.02])),
+      logprobs=-1, seed=int(rng.integers(1 << 30)))
+
+
+@pytest.mark.parametrize("num_topk_candidates", [1, 2, 5])
+def test_small_candidate_budget_gives_the_same_processed_rows(num_topk_candidates):
+  rng = np.random.default_rng(num_topk_candidates)
+  # Few distinct values: ties at the top-k and top-p cuts are common.
+  logits = rng.choice(np.linspace(-3, 3, 9), size=(R, V)).astype(np.float32)
+  params = [_params(rng) for _ in range(R)]
+  outputs = []
+  for budget in (num_topk_candidates, V):
+    batch = _batch(budget)
+    for i, p in enumerate(params):
+      batch.add_request(f"r{i}", [1, 2], p)
+    outputs.append(batch.sample(logits))
+  narrow, wide = map(_full_rows, outputs)
+  np.testing.assert_array_equal(np.isneginf(narrow), np.isneginf(wide))
+  np.testing.assert_allclose(narrow, wide, atol=1e-5)
+  for i, p in enumerate(params):
+    ref = reference_row(logits[i], prompt=[1, 2], **dataclasses.asdict(p))
+    if not ref.ambiguous:
+      np.testing.assert_array_equal(np.isneginf(narrow[i]), np.isneginf(ref.final),
+                                    err_msg=f"row {i} {p}")
+
+
+def test_rejection_top_p_draw_matches_exact_probabilities():
+  """Raw mode with a 2-token budget: every top-p row is drawn by rejection."""
+  rows, steps = 256, 24
+  rng = np.random.default_rng(7)
+  row_logits = rng.normal(size=V).astype(np.float32) * 1.5
+  params = je.SamplingParams(temperature=1.0, top_p=0.8)
+  batch = je.InputBatch(rows, steps + 4, V, num_topk_candidates=2)
+  for i in range(rows):
+    batch.add_request(f"r{i}", [0], params.replace(seed=i))
+  logits = np.tile(row_logits, (rows, 1))
+  counts = np.zeros(V)
+  for _ in range(steps):
+    counts += np.bincount(batch.sample(logits).sampled_token_ids, minlength=V)
+  ref = reference_row(row_logits, prompt=[0], **dataclasses.asdict(params))
+  expected = ref.probs * rows * steps
+  assert counts[expected == 0].sum() == 0, "a token outside the nucleus was drawn"
+  kept = expected > 0
+  chi2 = (((counts - expected) ** 2)[kept] / expected[kept]).sum()
+  # chi-square with (kept - 1) degrees of freedom; 99.9th percentile is below dof + 5 sqrt(2 dof).
+  dof = kept.sum() - 1
+  assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+
+
+def test_rejection_draw_is_batch_invariant():
+  params = je.SamplingParams(temperature=1.0, top_p=0.9, seed=123)
+  rng = np.random.default_rng(3)
+  row_logits = rng.normal(size=V).astype(np.float32)
+
+  def stream(position, neighbours):
+    batch = je.InputBatch(8, 32, V, num_topk_candidates=2)
+    ids = []
+    for i in range(8):
+      if i == position:
+        batch.add_request("seeded", [0], params)
+      elif i < neighbours:
+        batch.add_request(f"n{i}", [0], je.SamplingParams(temperature=0.7, top_p=0.5))
+    tokens = []
+    for _ in range(10):
+      logits = rng.normal(size=(8, V)).astype(np.float32)
+      logits[batch.req_id_to_index["seeded"]] = row_logits
+      out = batch.sample(logits)
+      tokens.append(int(out.sampled_token_ids[batch.req_id_to_index["seeded"]]))
+    return tokens
+
+  assert stream(0, 0) == stream(5, 8) == stream(3, 4)
+
+
+def test_top_k_beyond_the_budget_is_exact():
+  rng = np.random.default_rng(11)
+  logits = rng.choice(np.linspace(-2, 2, 7), size=(R, V)).astype(np.float32)
+  batch = _batch(4, mode="processed_logits")
+  ks = [5, 6, 9, 13, 20, 30, 47, 1, 2, 3, 4, 8, 10, 16, 24, 40]
+  for i, k in enumerate(ks):
+    batch.add_request(f"r{i}", [1], je.SamplingParams(top_k=k, logprobs=-1))
+  rows = _full_rows(batch.sample(logits))
+  for i, k in enumerate(ks):
+    kth = np.sort(logits[i])[::-1][k - 1]
+    np.testing.assert_array_equal(np.isfinite(rows[i]), logits[i] >= kth, err_msg=f"k={k}")
