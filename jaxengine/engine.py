@@ -12,8 +12,9 @@ One `LLMEngine.step()`:
      stop_token_ids, stop strings, never before min_tokens; max_tokens, max_model_len), remove
      finished sequences (the next step condenses and admits more).
 
-Compiles: one decode step, one prefill per (batch bucket, length bucket) used, one prompt-logprobs
-gather per length bucket used, plus the batch's row write, row move and metadata refresh.
+Compiles: one decode step per length bucket reached (attention reads only that many cache
+positions), one prefill per (batch bucket, length bucket) used, with or without prompt logprobs,
+plus the batch's row write, row move and metadata refresh.
 """
 
 from __future__ import annotations
@@ -40,29 +41,35 @@ from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 _MIN_PREFILL_BUCKET = 16
 
 
-def _decode_and_sample(graphdef, state, metadata, weights, kv_cache):
-  """Model forward on each row's last token, then the sampler: one executable per step."""
+def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_len):
+  """Model forward on each row's last token, then the sampler: one executable per step.
+
+  `attention_len` (static) is the bucket of cache positions attended to, above every live row's
+  length, so a step costs what the longest sequence needs rather than `max_model_len`.
+  """
   rows = jnp.arange(state.max_num_reqs)
   last = jnp.maximum(state.num_tokens - 1, 0)
   token_ids = state.token_ids[rows, last]
   # Rows without a request write nothing: positions >= max_model_len are dropped by the cache.
   positions = jnp.where(metadata.is_live, last, state.max_model_len)
   hidden, kv_cache = llama.forward(graphdef, weights, token_ids[:, None], positions[:, None],
-                                   kv_cache, state.cache_slot)
+                                   kv_cache, state.cache_slot, attention_len=attention_len)
   logits = llama.compute_logits(graphdef, weights, hidden[:, 0])
   state, output = sample(state, metadata, logits)
   return state, output, kv_cache
 
 
 def _prefill(graphdef, weights, kv_cache, token_ids, positions, cache_slots):
-  _, kv_cache = llama.forward(graphdef, weights, token_ids, positions, kv_cache, cache_slots)
+  _, kv_cache = llama.forward(graphdef, weights, token_ids, positions, kv_cache, cache_slots,
+                              attention_len=token_ids.shape[1])
   return kv_cache
 
 
 def _prefill_with_prompt_logprobs(graphdef, num_logprobs, weights, kv_cache, token_ids, positions,
                                   cache_slots, next_token_ids):
   """Prefill that also returns raw log-softmax logprobs of each next prompt token ([B, T, k+1])."""
-  hidden, kv_cache = llama.forward(graphdef, weights, token_ids, positions, kv_cache, cache_slots)
+  hidden, kv_cache = llama.forward(graphdef, weights, token_ids, positions, kv_cache, cache_slots,
+                                   attention_len=token_ids.shape[1])
   logits = llama.compute_logits(graphdef, weights, hidden)  # [B, T, V]
   batch, length, vocab = logits.shape
   source = jax.nn.log_softmax(logits.reshape(batch * length, vocab), axis=-1)
@@ -160,7 +167,7 @@ class LLMEngine:
     dtype = model.embed[...].dtype
     self._kv_cache = KVCache.create(config, max_num_reqs, max_model_len, dtype)
     self._decode = jax.jit(functools.partial(_decode_and_sample, self._graphdef),
-                           donate_argnames=("state", "kv_cache"))
+                           static_argnames=("attention_len",), donate_argnames=("state", "kv_cache"))
     self._prefill = jax.jit(functools.partial(_prefill, self._graphdef),
                             donate_argnames=("kv_cache",))
     self._prefill_logprobs = jax.jit(
@@ -276,7 +283,10 @@ class LLMEngine:
       self._prefill_sequences(new)
     if not self._running:
       return []
-    output, self._kv_cache = self.batch.run(self._decode, self._weights, self._kv_cache)
+    longest = max(self.batch.num_tokens(seq_id) for seq_id in self._running)
+    attention_len = _bucket(longest, self._length_buckets)
+    output, self._kv_cache = self.batch.run(self._decode, self._weights, self._kv_cache,
+                                            attention_len)
     advanced = {}
     for row, seq_id in enumerate(self.batch.req_ids):
       seq = self._running[seq_id]
