@@ -109,3 +109,12 @@ def test_steady_state_compiles_nothing(compile_counter):
             add()
         b.sample(logits())
     assert compile_counter.count == 0, f"{compile_counter.count} compiles in {steps} steady-state steps"
+
+
+def test_compile_counter_sees_compiles(compile_counter):
+    import jax
+    import jax.numpy as jnp
+
+    compile_counter.reset()
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))
+    assert compile_counter.count >= 1
