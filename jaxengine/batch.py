@@ -309,7 +309,8 @@ class InputBatch:
   def sample(self, logits) -> SamplerOutput:
     """Samples one token per request and appends it to the request's outputs.
 
-    Condenses first if removals left holes.
+    Condenses first if removals left holes; logits rows follow the condensed `req_ids`, so call
+    `condense()` yourself before computing logits after a removal.
 
     Args:
       logits: `[max_num_reqs, vocab_size]` (rows `>= num_reqs` ignored; never recompiles) or
@@ -324,6 +325,8 @@ class InputBatch:
       ValueError: for logits of another shape, or a request already at `max_model_len` tokens
         (its token would have nowhere to go). Nothing is changed then.
     """
+    if any(rid is None for rid in self._req_ids):
+      self.condense()
     shape = tuple(getattr(logits, "shape", ()))
     num_reqs = self.num_reqs
     if len(shape) != 2 or shape[1] != self.vocab_size or shape[0] not in (

