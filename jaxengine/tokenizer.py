@@ -17,7 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 import gguf
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+
+# transformers advises at import time that PyTorch is missing; jaxengine uses only its tokenizer
+# classes, so that advice is noise for our users (an explicit setting of the variable wins).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
 _CONTROL = int(gguf.TokenType.CONTROL)
