@@ -1,4 +1,9 @@
-"""What the engine returns: vLLM's offline output classes, by the same names and fields."""
+"""What the engine returns: vLLM's offline output classes, by the same names and fields.
+
+`LLM.generate` / `LLM.chat` return one `RequestOutput` per prompt; each holds `n`
+`CompletionOutput`s, whose optional per-token logprobs are dicts of `Logprob`. Everything here is
+plain host data (Python ints, floats and strings), never device arrays.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,16 @@ class Logprob:
   """One token's log-probability as reported to the user (vLLM `Logprob`).
 
   Attributes:
-    logprob: the value in the engine's logprobs mode (raw log-softmax of the model's logits by
-      default), a float.
-    rank: 1-based rank among the vocabulary (ties count against the token), or None.
-    decoded_token: the token's text, or None.
+    logprob: Python float, in nats, in the engine's `logprobs_mode`: by default
+      ("raw_logprobs") the log-softmax of the model's unmodified logits, so it ignores temperature,
+      filters and penalties; "processed_logprobs" gives the log-probability under the distribution
+      the token was drawn from (`-inf` for a filtered token); the two `*_logits` modes report the
+      logit itself, not a log-probability. Prompt logprobs are always raw log-softmax values.
+    rank: 1-based rank of the token among the whole vocabulary by that value: 1 is the best, and
+      tokens tied with it count against it (vLLM's rule). The sampled (or prompt) token carries
+      its true rank; the top-k entries carry `1..k` in order. None if unknown.
+    decoded_token: the token's text on its own (special tokens included), or None when the engine
+      has no tokenizer.
   """
 
   logprob: float
@@ -21,9 +32,11 @@ class Logprob:
   decoded_token: str | None = None
 
 
-#: Per-position logprobs: token id -> Logprob (the chosen token plus the top k).
+#: Per generated token, `{token_id: Logprob}`: the sampled token plus the top k, so k + 1 entries,
+#: or k when the sampled token is itself among the top k (it then keeps its top-k entry).
 SampleLogprobs = list[dict[int, Logprob]]
-#: Per-prompt-position logprobs; the first entry is None (no context predicts it).
+#: Per prompt token, the same kind of dict for the prompt token and the top k; the first entry is
+#: None (nothing predicts the first token).
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
@@ -32,16 +45,20 @@ class CompletionOutput:
   """One completion of a request (vLLM `CompletionOutput`).
 
   Attributes:
-    index: which of the request's `n` completions this is.
+    index: which of the request's `n` completions this is, `0..n-1`. Completion `j` of a seeded
+      request was sampled with seed `seed + j`.
     text: generated text (a matched stop string is left out unless include_stop_str_in_output;
-      EOS and other special tokens are not shown).
-    token_ids: generated token ids (a stop token id or EOS that ended generation is kept).
-    cumulative_logprob: sum of the sampled tokens' logprobs, or None without `logprobs`.
-    logprobs: per generated token, `{token_id: Logprob}` holding the sampled token and the top
-      `logprobs` tokens; None without `logprobs`.
+      special tokens such as EOS are left out when skip_special_tokens, the default).
+    token_ids: generated token ids (a stop token id or EOS that ended generation is kept, and so
+      is the token that completed a stop string, even though `text` is cut before it).
+    cumulative_logprob: sum of the sampled tokens' `Logprob.logprob` values (nats, in the engine's
+      logprobs mode), or None when the request did not ask for `logprobs`.
+    logprobs: `SampleLogprobs`, one dict per generated token holding the sampled token and the top
+      `logprobs` tokens (the whole vocabulary for `logprobs=-1`); None without `logprobs`.
     finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or
       max_model_len), or None while running.
-    stop_reason: the stop string or stop token id that ended generation; None for EOS or length.
+    stop_reason: the stop string (str) or stop token id (int) that ended generation; None for EOS,
+      for "length", and while running.
   """
 
   index: int
@@ -53,6 +70,7 @@ class CompletionOutput:
   stop_reason: int | str | None = None
 
   def finished(self) -> bool:
+    """True once the completion has a `finish_reason`."""
     return self.finish_reason is not None
 
 
@@ -61,11 +79,13 @@ class RequestOutput:
   """Everything generated for one prompt (vLLM `RequestOutput`).
 
   Attributes:
-    request_id: the request's id.
-    prompt: the prompt text (None when the prompt was given as token ids).
-    prompt_token_ids: the prompt's token ids.
-    prompt_logprobs: with `prompt_logprobs=k`, one entry per prompt token, the first None, each a
-      dict holding the prompt token and the top k; else None.
+    request_id: the request's id (the engine numbers requests "0", "1", ... unless given one).
+    prompt: the prompt text (None when the prompt was given as token ids, e.g. by `LLM.chat`).
+    prompt_token_ids: the prompt's token ids, as fed to the model (BOS included if the tokenizer
+      adds one).
+    prompt_logprobs: with `prompt_logprobs=k`, a `PromptLogprobs` list with one entry per prompt
+      token (the first None), each a dict holding the prompt token and the top k, as raw
+      log-softmax values whatever the engine's logprobs mode; else None.
     outputs: the `n` completions, by index.
     finished: whether every completion has finished.
   """
