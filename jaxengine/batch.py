@@ -28,7 +28,7 @@ import numpy as np
 from jaxengine.metadata import SamplingMetadata, refresh_metadata
 from jaxengine.params import SamplingParams, validate_logprobs_mode
 from jaxengine.sampler import LogprobsTensors, SamplerOutput, sample
-from jaxengine.state import BatchState, RowUpdate, move_rows, write_row
+from jaxengine.state import BatchState, move_rows, write_row
 
 
 class InputBatch:
@@ -209,8 +209,7 @@ class InputBatch:
     # Validated: from here on nothing can fail on bad input.
     row = next((i for i, rid in enumerate(self._req_ids) if rid is None), len(self._req_ids))
     cache_slot = self._free_cache_slots.pop(0)
-    update = dataclasses.replace(update, cache_slot=np.int32(cache_slot),
-                                 serial=np.uint32(next(self._serials) % 2**32))
+    update.update(cache_slot=np.int32(cache_slot), serial=np.uint32(next(self._serials) % 2**32))
     self._state = write_row(self._state, jnp.int32(row), update, self._batch_key_data)
     if row == len(self._req_ids):
       self._req_ids.append(req_id)
@@ -402,7 +401,7 @@ class InputBatch:
                        "of this batch")
 
   def _prepare_row(self, prompt_token_ids, sampling_params, output_token_ids):
-    """Validates a request against the batch; returns (prompt, outputs, RowUpdate)."""
+    """Validates a request against the batch; returns (prompt, outputs, row for `write_row`)."""
     if not isinstance(sampling_params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params)}")
     prompt = self._token_array("prompt_token_ids", prompt_token_ids)
@@ -414,7 +413,7 @@ class InputBatch:
     return prompt, outputs, self._row_update(sampling_params, prompt, outputs)
 
   def _row_update(self, params: SamplingParams, prompt: np.ndarray,
-                  outputs: np.ndarray) -> RowUpdate:
+                  outputs: np.ndarray) -> dict[str, np.ndarray]:
     """Validates `params` against the batch and builds the row's values (host NumPy only)."""
     V = self.vocab_size
     self._check_num_logprobs("logprobs", params.logprobs)
@@ -457,7 +456,7 @@ class InputBatch:
     token_ids[len(prompt):len(prompt) + len(outputs)] = outputs
     seed = 0 if params.seed is None else params.seed % 2**64
     f32 = np.float32
-    return RowUpdate(
+    return dict(
         token_ids=token_ids,
         num_tokens=np.int32(len(prompt) + len(outputs)),
         num_prompt_tokens=np.int32(len(prompt)),

@@ -164,87 +164,64 @@ class BatchState:
     )
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RowUpdate:
-  """Everything `write_row` needs to fill one row, prepared on the host as NumPy arrays.
-
-  Field names and meanings follow `BatchState` (one row of each), plus:
-
-  Attributes:
-    seed_words: `[2] uint32` low and high 32 bits of the request's seed (seeded requests).
-    is_seeded: `[] bool`.
-    serial: `[] uint32` the batch's running request number, which keys unseeded requests.
-  """
-
-  token_ids: jax.Array
-  num_tokens: jax.Array
-  num_prompt_tokens: jax.Array
-  cache_slot: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  min_p: jax.Array
-  presence_penalty: jax.Array
-  frequency_penalty: jax.Array
-  repetition_penalty: jax.Array
-  num_logprobs: jax.Array
-  min_tokens: jax.Array
-  stop_token_ids: jax.Array
-  logit_bias_token_ids: jax.Array
-  logit_bias: jax.Array
-  has_allowed_token_ids: jax.Array
-  allowed_token_mask: jax.Array
-  bad_words_prefix: jax.Array
-  bad_words_last: jax.Array
-  seed_words: jax.Array
-  is_seeded: jax.Array
-  serial: jax.Array
+#: Per-row fields `write_row` computes itself rather than taking from the host.
+DERIVED_ROW_FIELDS = ("key_data", "output_token_counts", "prompt_token_mask")
+#: What the host passes besides one row of every other `BatchState` field: the request's seed as
+#: `[2] uint32` (low, high words), `[] bool` whether it is seeded, and `[] uint32` the batch's
+#: running request number, which keys unseeded requests.
+KEY_INPUTS = ("seed_words", "is_seeded", "serial")
 
 
-def request_key_data(batch_key_data: jax.Array, update: RowUpdate) -> jax.Array:
+def request_key_data(batch_key_data: jax.Array, row: dict[str, jax.Array]) -> jax.Array:
   """Raw words of a request's base key.
 
   A seeded request gets `jax.random.key(seed)` (for seeds in `[0, 2**32)`; larger seeds fold their
   high word in), so its stream depends on nothing but the seed. An unseeded request gets
   `fold_in(batch_key, serial)`: distinct serials never share a stream.
   """
-  low, high = update.seed_words[0], update.seed_words[1]
+  low, high = row["seed_words"][0], row["seed_words"][1]
   seeded = jax.random.key(low)
   seeded = jax.random.key_data(seeded), jax.random.key_data(jax.random.fold_in(seeded, high))
   seeded = jnp.where(high == 0, seeded[0], seeded[1])
   unseeded = jax.random.key_data(
-      jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), update.serial))
-  return jnp.where(update.is_seeded, seeded, unseeded)
+      jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), row["serial"]))
+  return jnp.where(row["is_seeded"], seeded, unseeded)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def write_row(state: BatchState, row: jax.Array, update: RowUpdate,
+def write_row(state: BatchState, index: jax.Array, row: dict[str, jax.Array],
               batch_key_data: jax.Array) -> BatchState:
-  """Overwrites every per-row field of `row` (a `[] int32` array) from `update`.
+  """Overwrites every per-row field of row `index` (a `[] int32` array).
+
+  Args:
+    state: the batch state (donated).
+    index: the row to write.
+    row: one row of every `BatchState` field except `DERIVED_ROW_FIELDS`, keyed by field name,
+      plus the `KEY_INPUTS`.
+    batch_key_data: raw words of the batch key that unseeded requests derive theirs from.
 
   Token counts for the penalties are rebuilt from the row's own tokens here, once per admission;
   afterwards the sample step keeps them current.
   """
   V = state.vocab_size
   positions = jnp.arange(state.max_model_len)
-  is_prompt = positions < update.num_prompt_tokens
-  is_output = (positions >= update.num_prompt_tokens) & (positions < update.num_tokens)
-  counts = jnp.zeros((V,), jnp.int32).at[update.token_ids].add(is_output.astype(jnp.int32))
-  prompt_mask = jnp.zeros((V,), bool).at[jnp.where(is_prompt, update.token_ids, V)].set(
-      True, mode="drop")
-  values = {f.name: getattr(update, f.name) for f in dataclasses.fields(RowUpdate)}
-  values.update(
-      output_token_counts=counts,
-      prompt_token_mask=prompt_mask,
-      key_data=request_key_data(batch_key_data, update),
+  token_ids, num_prompt = row["token_ids"], row["num_prompt_tokens"]
+  is_prompt = positions < num_prompt
+  is_output = (positions >= num_prompt) & (positions < row["num_tokens"])
+  values = dict(
+      row,
+      output_token_counts=jnp.zeros((V,), jnp.int32).at[token_ids].add(
+          is_output.astype(jnp.int32)),
+      prompt_token_mask=jnp.zeros((V,), bool).at[jnp.where(is_prompt, token_ids, V)].set(
+          True, mode="drop"),
+      key_data=request_key_data(batch_key_data, row),
   )
   new_fields = {}
   for f in dataclasses.fields(BatchState):
     if f.metadata.get("static"):
       continue
     old = getattr(state, f.name)
-    new_fields[f.name] = old.at[row].set(values[f.name].astype(old.dtype))
+    new_fields[f.name] = old.at[index].set(values[f.name].astype(old.dtype))
   return dataclasses.replace(state, **new_fields)
 
 
