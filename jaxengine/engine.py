@@ -72,8 +72,8 @@ def _prefill_with_prompt_logprobs(graphdef, num_logprobs, weights, kv_cache, tok
                                    attention_len=token_ids.shape[1])
   logits = llama.compute_logits(graphdef, weights, hidden)  # [B, T, V]
   batch, length, vocab = logits.shape
-  source = jax.nn.log_softmax(logits.reshape(batch * length, vocab), axis=-1)
-  logprobs = gather_logprobs(source, next_token_ids.reshape(-1), num_logprobs)
+  logprobs = gather_logprobs(logits.reshape(batch * length, vocab), next_token_ids.reshape(-1),
+                             num_logprobs)
   return kv_cache, jax.tree.map(lambda a: a.reshape(batch, length, *a.shape[1:]), logprobs)
 
 

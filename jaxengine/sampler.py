@@ -269,14 +269,22 @@ def _weigh(values, row_max, threshold):
 
 class _VocabSampler:
   """Blocked inverse CDF over the whole vocabulary: block masses once (one exp pass), then each
-  draw scans one block of `_DRAW_BLOCK` tokens."""
+  draw scans one block of `_DRAW_BLOCK` tokens.
 
-  def __init__(self, y, row_max, threshold):
-    self.blocks = _blocked(y)  # [R, num_blocks, block]
-    self.row_max, self.threshold = row_max, threshold
-    self.block_mass = _weigh(self.blocks, row_max, threshold).sum(-1)  # [R, num_blocks]
+  Takes the unscaled logits and the temperature rather than their quotient, so the division is
+  fused into the passes that read it instead of being written out as another `[R, V]` array.
+  """
+
+  def __init__(self, x, inv_temperature, row_max, threshold):
+    self.blocks = _blocked(x)  # [R, num_blocks, block]
+    self.inv_temperature, self.row_max, self.threshold = inv_temperature, row_max, threshold
+    self.block_mass = self._weigh(self.blocks).sum(-1)  # [R, num_blocks]
     self.block_cumulative = jnp.cumsum(self.block_mass, axis=-1)
     self.total = self.block_cumulative[:, -1]
+
+  def _weigh(self, blocks):
+    shape = (blocks.shape[0],) + (1,) * (blocks.ndim - 1)
+    return _weigh(blocks * self.inv_temperature.reshape(shape), self.row_max, self.threshold)
 
   def draw(self, u: jax.Array) -> jax.Array:
     """`[R] int32` the token whose cumulative mass first exceeds `u * total`."""
@@ -286,19 +294,20 @@ class _VocabSampler:
     before = jnp.take_along_axis(self.block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)
     before = jnp.where(block > 0, before[:, 0], 0.0)
     chosen = jnp.take_along_axis(self.blocks, block[:, None, None], 1)[:, 0]  # [R, block]
-    index = _inverse_cdf(_weigh(chosen, self.row_max, self.threshold), target - before)
+    index = _inverse_cdf(self._weigh(chosen), target - before)
     return (block * _DRAW_BLOCK + index).astype(jnp.int32)
 
 
-def _draw_from_vocab(y, row_max, threshold, u):
-  return _VocabSampler(y, row_max, threshold).draw(u)
+def _draw_from_vocab(x, inv_temperature, row_max, threshold, u):
+  return _VocabSampler(x, inv_temperature, row_max, threshold).draw(u)
 
 
 # Attempts of the top-p rejection draw before the remaining rows take the exact bisection.
 _MAX_REJECTION_ATTEMPTS = 16
 
 
-def _draw_top_p_by_rejection(y, row_max, threshold, top_p, active, step_keys, u):
+def _draw_top_p_by_rejection(x, inv_temperature, row_max, threshold, top_p, active, step_keys,
+                             u):
   """Exact top-p draws for rows whose nucleus lies beyond the candidates, without finding the cut.
 
   Drawing from the distribution kept so far (`y >= threshold`) and accepting the token only if the
@@ -308,8 +317,9 @@ def _draw_top_p_by_rejection(y, row_max, threshold, top_p, active, step_keys, u)
   `uniform(fold_in(step_key, a))`, so rows stay independent of their neighbours. Rows still
   unaccepted after `_MAX_REJECTION_ATTEMPTS` use the exact bisection cut.
   """
-  rows = y.shape[0]
-  sampler = _VocabSampler(y, row_max, threshold)
+  rows = x.shape[0]
+  y = x * inv_temperature[:, None]
+  sampler = _VocabSampler(x, inv_temperature, row_max, threshold)
   weights = _weigh(y, row_max, threshold)  # [R, V]
   target = top_p * sampler.total
 
@@ -332,12 +342,12 @@ def _draw_top_p_by_rejection(y, row_max, threshold, top_p, active, step_keys, u)
 
   def exact():
     cut = jnp.where(stuck, top_p_threshold(y, row_max, threshold, top_p), threshold)
-    return jnp.where(stuck, _draw_from_vocab(y, row_max, cut, u), tokens)
+    return jnp.where(stuck, _draw_from_vocab(x, inv_temperature, row_max, cut, u), tokens)
 
   return lax.cond(stuck.any(), exact, lambda: tokens)
 
 
-def _candidate_filters(y, row_max, threshold, md: SamplingMetadata, num_candidates: int, u):
+def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidates: int, u):
   """Top-k then top-p thresholds from `lax.top_k` candidates.
 
   Top-k is always resolved exactly (by bisection when k exceeds the candidates). Top-p is
@@ -348,7 +358,8 @@ def _candidate_filters(y, row_max, threshold, md: SamplingMetadata, num_candidat
     threshold `[R]`, from_candidates `[R] bool` (the kept set lies inside the candidates, so the
     row is drawn from them), that draw `[R] int32`, and top_p_unresolved `[R] bool`.
   """
-  vocab = y.shape[-1]
+  vocab = x.shape[-1]
+  y = x * _inverse_temperature(md)[:, None]
   values, ids = lax.top_k(y, num_candidates)  # [R, K], best first
 
   # Top-k: keep everything at or above the k-th largest value (all ties kept).
@@ -388,37 +399,51 @@ def _candidate_filters(y, row_max, threshold, md: SamplingMetadata, num_candidat
   return threshold, from_candidates, tokens, unresolved
 
 
+def _inverse_temperature(md: SamplingMetadata) -> jax.Array:
+  """`[R]` 1 / temperature. Every place computes `y = x * (1 / T)` in this one form so that `y`
+  rounds identically wherever it is recomputed (XLA would rewrite `x / T` so anyway)."""
+  return 1.0 / md.temperature
+
+
 def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int,
                    needs_threshold: bool):
   """Stages 8-12 for every row. Returns (tokens `[R] int32`, kept threshold `[R] float32`).
 
-  A row keeps the tokens whose temperature-scaled logit is `>=` its threshold. With
+  A row keeps the tokens whose temperature-scaled logit `y = x / T` is `>=` its threshold. With
   `needs_threshold` (processed logprobs modes) every row's exact threshold is computed; otherwise
   top-p rows whose cut lies beyond the candidates are drawn by rejection and report their
-  threshold before top-p.
+  threshold before top-p. `y` is recomputed inside each branch that needs it, never passed
+  between them, so it is not written out as one more `[R, V]` array.
   """
   rows, vocab = x.shape
-  y = x / md.temperature[:, None]
-  row_max = y.max(-1)
+  inv_temperature = _inverse_temperature(md)
+  row_max = x.max(-1) * inv_temperature  # == max(y): scaling by a positive number is monotone
   # min_p (vLLM): drop p < min_p * max(p), i.e. y < max(y) + log(min_p).
   threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), _NEG_INF)
   nothing = jnp.zeros((rows,), bool)
   threshold, from_candidates, candidate_tokens, unresolved = lax.cond(
       md.any_top_k | md.any_top_p,
-      lambda t: _candidate_filters(y, row_max, t, md, num_candidates, u),
+      lambda t: _candidate_filters(x, row_max, t, md, num_candidates, u),
       lambda t: (t, nothing, jnp.zeros((rows,), jnp.int32), nothing), threshold)
+  # Every filter keeps the most likely token; the clamp guards that against rounding.
+  threshold = jnp.minimum(threshold, row_max)
   if needs_threshold:
     threshold = lax.cond(
         unresolved.any(),
-        lambda: jnp.where(unresolved, top_p_threshold(y, row_max, threshold, md.top_p), threshold),
+        lambda: jnp.where(unresolved,
+                          top_p_threshold(x * inv_temperature[:, None], row_max, threshold,
+                                          md.top_p),
+                          threshold),
         lambda: threshold)
     unresolved = nothing
   rejection_tokens = lax.cond(
       unresolved.any(),
-      lambda: _draw_top_p_by_rejection(y, row_max, threshold, md.top_p, unresolved, step_keys, u),
+      lambda: _draw_top_p_by_rejection(x, inv_temperature, row_max, threshold, md.top_p,
+                                       unresolved, step_keys, u),
       lambda: jnp.zeros((rows,), jnp.int32))
   from_vocab = md.is_live & ~md.is_greedy & ~from_candidates & ~unresolved
-  vocab_tokens = lax.cond(from_vocab.any(), lambda: _draw_from_vocab(y, row_max, threshold, u),
+  vocab_tokens = lax.cond(from_vocab.any(),
+                          lambda: _draw_from_vocab(x, inv_temperature, row_max, threshold, u),
                           lambda: jnp.zeros((rows,), jnp.int32))
   tokens = jnp.where(from_candidates, candidate_tokens,
                      jnp.where(unresolved, rejection_tokens, vocab_tokens))
@@ -439,34 +464,45 @@ def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
 # --- stage 13: logprobs ------------------------------------------------------------------------
 
 
-def _logprobs_source(logits, x, md: SamplingMetadata, threshold, mode: str):
+def _logprobs_scores(logits, x, md: SamplingMetadata, threshold, mode: str) -> jax.Array:
+  """`[R, V]` the values logprobs report, before normalisation (vLLM's logprobs modes).
+
+  raw_*: the model's logits. processed_*: the values the token was drawn from (temperature-scaled,
+  filtered tokens -inf); for greedy rows the post-penalty logits.
+  """
   if mode.startswith("raw"):
-    source = logits.astype(jnp.float32)
-  else:  # the values the token was drawn from; greedy rows: post-penalty logits
-    y = x / md.temperature[:, None]
-    source = jnp.where(y >= threshold[:, None], y, _NEG_INF)
-  if mode.endswith("logprobs"):
-    source = jax.nn.log_softmax(source, axis=-1)
-  return source
+    return logits.astype(jnp.float32)
+  y = x * _inverse_temperature(md)[:, None]
+  return jnp.where(y >= threshold[:, None], y, _NEG_INF)
 
 
-def gather_logprobs(source: jax.Array, token_ids: jax.Array, num_logprobs: int) -> LogprobsTensors:
-  """The sampled token's value and rank plus the top `num_logprobs` values of each row.
+def gather_logprobs(scores: jax.Array, token_ids: jax.Array, num_logprobs: int, *,
+                    normalize: bool = True) -> LogprobsTensors:
+  """The given token's value and rank plus the top `num_logprobs` values of each row.
+
+  Ranks and the top entries are found on `scores` directly and only the gathered values are
+  normalised, so the `[R, V]` log-softmax is never written out.
 
   Args:
-    source: `[R, V] float32` values (log-probabilities or logits).
+    scores: `[R, V] float32` logits (or any scores).
     token_ids: `[R] int32` the sampled (or, for prompt logprobs, the actual next) tokens.
-    num_logprobs: static number of top entries.
+    num_logprobs: static number of top entries. `V` means a full sort of each row.
+    normalize: report log-probabilities `scores - logsumexp(scores)` (True) or the scores.
 
   Returns:
-    `LogprobsTensors` with `[R, num_logprobs + 1]` columns, column 0 the given token.
+    `LogprobsTensors`: `token_ids` and `logprobs` `[R, num_logprobs + 1]` (column 0 the given
+    token, then the top entries by value, best first) and `ranks` `[R] int32` (entries `>=` the
+    given token's value; 1 is best, ties count against it).
   """
-  token_value = jnp.take_along_axis(source, token_ids[:, None], 1)  # [R, 1]
-  ranks = (source >= token_value).sum(-1).astype(jnp.int32)
-  top_values, top_ids = lax.top_k(source, num_logprobs)
+  token_score = jnp.take_along_axis(scores, token_ids[:, None], 1)  # [R, 1]
+  ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
+  top_scores, top_ids = lax.top_k(scores, num_logprobs)
+  values = jnp.concatenate([token_score, top_scores], 1)
+  if normalize:
+    values = values - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
   return LogprobsTensors(
       token_ids=jnp.concatenate([token_ids[:, None], top_ids], 1).astype(jnp.int32),
-      logprobs=jnp.concatenate([token_value, top_values], 1),
+      logprobs=values,
       ranks=ranks,
   )
 
@@ -518,8 +554,9 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata, ste
   num_logprobs = state.max_num_logprobs
 
   def logprobs_branch():
-    source = _logprobs_source(logits, x, md, threshold, state.logprobs_mode)
-    return gather_logprobs(source, tokens, num_logprobs)
+    mode = state.logprobs_mode
+    scores = _logprobs_scores(logits, x, md, threshold, mode)
+    return gather_logprobs(scores, tokens, num_logprobs, normalize=mode.endswith("logprobs"))
 
   def no_logprobs():
     return LogprobsTensors(token_ids=jnp.zeros((rows, num_logprobs + 1), jnp.int32),
