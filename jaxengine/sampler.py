@@ -354,21 +354,43 @@ def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidat
   resolved from the candidates when they hold the needed mass; rows where they do not are
   reported as unresolved, with their threshold before top-p.
 
+  A token outside the candidates is never above the last candidate, so a row's kept set
+  `y >= threshold` lies inside its candidates when the threshold is above the last candidate,
+  may not when it is below, and is decided by counting the whole row only when the two are equal
+  (ties): that count runs under `lax.cond`, so a typical step never reads the vocabulary again.
+
   Returns:
     threshold `[R]`, from_candidates `[R] bool` (the kept set lies inside the candidates, so the
     row is drawn from them), that draw `[R] int32`, and top_p_unresolved `[R] bool`.
   """
   vocab = x.shape[-1]
-  y = x * _inverse_temperature(md)[:, None]
-  values, ids = lax.top_k(y, num_candidates)  # [R, K], best first
+  inv_temperature = _inverse_temperature(md)
+  top_logits, ids = lax.top_k(x, num_candidates)  # [R, K]; same order as y = x * (1 / T)
+  values = top_logits * inv_temperature[:, None]  # the top K values of y, best first
+  last = values[:, -1]
+  filtered = (md.top_k < vocab) | (md.top_p < 1.0)
+
+  def num_outside(threshold):
+    """`[R]` tokens with `y >= threshold` that are not candidates (exact where it matters)."""
+    at_edge = filtered & (last == threshold)
+
+    def count():
+      y = x * inv_temperature[:, None]
+      outside = (y >= threshold[:, None]).sum(-1) - (values >= threshold[:, None]).sum(-1)
+      return jnp.where(at_edge, outside, 0)
+
+    beyond = jnp.where(last > threshold, vocab, 0)  # unknown, and possibly many
+    return beyond + lax.cond(at_edge.any(), count, lambda: jnp.zeros_like(beyond))
 
   # Top-k: keep everything at or above the k-th largest value (all ties kept).
   k = md.top_k
   kth = jnp.take_along_axis(values, jnp.clip(k - 1, 0, num_candidates - 1)[:, None], 1)[:, 0]
   top_k_cut = jnp.where(k < vocab, kth, _NEG_INF)
   beyond = (k < vocab) & (k > num_candidates)
-  top_k_cut = lax.cond(md.any_top_k_beyond_candidates,
-                       lambda: jnp.where(beyond, kth_largest(y, k), top_k_cut), lambda: top_k_cut)
+  top_k_cut = lax.cond(
+      md.any_top_k_beyond_candidates,
+      lambda: jnp.where(beyond, kth_largest(x * inv_temperature[:, None], k), top_k_cut),
+      lambda: top_k_cut)
   threshold = jnp.maximum(threshold, top_k_cut)
 
   def apply_top_p(threshold):
@@ -376,10 +398,10 @@ def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidat
     # or ties with the last candidate (then the missing tokens all weigh exp(threshold - max)).
     kept = values >= threshold[:, None]
     weights = jnp.where(kept, jnp.exp(values - row_max[:, None]), 0.0)
-    num_outside = (y >= threshold[:, None]).sum(-1) - kept.sum(-1)
-    ties_last = values[:, -1] == threshold
-    known = (num_outside == 0) | ties_last
-    total = weights.sum(-1) + jnp.where(ties_last, num_outside * jnp.exp(threshold - row_max), 0.0)
+    ties_last = last == threshold
+    known = last <= threshold
+    missing = jnp.where(ties_last, num_outside(threshold), 0)
+    total = weights.sum(-1) + missing * jnp.exp(threshold - row_max)
     reached = jnp.cumsum(weights, -1) >= (md.top_p * total)[:, None]
     cut = jnp.where(reached.any(-1),
                     jnp.take_along_axis(values, jnp.argmax(reached, -1)[:, None], 1)[:, 0],
@@ -392,8 +414,7 @@ def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidat
                                    lambda t: (t, jnp.zeros(t.shape, bool)), threshold)
   # Rows filtered by top-k or top-p are drawn from their candidates when the kept set fits; the
   # choice depends on the row alone, so a seeded row's token never depends on its neighbours.
-  filtered = (md.top_k < vocab) | (md.top_p < 1.0)
-  fits = (y >= threshold[:, None]).sum(-1) == (values >= threshold[:, None]).sum(-1)
+  fits = num_outside(threshold) == 0
   from_candidates = filtered & fits & ~unresolved
   tokens = _draw_from_candidates(values, ids, row_max, threshold, u)
   return threshold, from_candidates, tokens, unresolved
