@@ -252,14 +252,6 @@ def _draw_from_candidates(values, ids, row_max, threshold, u):
   return jnp.take_along_axis(ids, index[:, None], 1)[:, 0]
 
 
-def _blocked(y: jax.Array) -> jax.Array:
-  """`[R, V]` -> `[R, num_blocks, _DRAW_BLOCK]`, padding the vocabulary with -inf."""
-  pad = -y.shape[1] % _DRAW_BLOCK
-  if pad:
-    y = jnp.pad(y, ((0, 0), (0, pad)), constant_values=_NEG_INF)
-  return y.reshape(y.shape[0], -1, _DRAW_BLOCK)
-
-
 def _weigh(values, row_max, threshold):
   """Unnormalised probabilities `exp(v - max)` of the kept values (`v >= threshold`), else 0."""
   shape = (values.shape[0],) + (1,) * (values.ndim - 1)
@@ -268,23 +260,22 @@ def _weigh(values, row_max, threshold):
 
 
 class _VocabSampler:
-  """Blocked inverse CDF over the whole vocabulary: block masses once (one exp pass), then each
-  draw scans one block of `_DRAW_BLOCK` tokens.
+  """Blocked inverse CDF over the whole vocabulary.
 
-  Takes the unscaled logits and the temperature rather than their quotient, so the division is
-  fused into the passes that read it instead of being written out as another `[R, V]` array.
+  The kept tokens' weights are written once (`[R, V]`, one exp pass) and summed per block of
+  `_DRAW_BLOCK` tokens; a draw then finds its block on the `[R, num_blocks]` cumulative masses and
+  scans that one block.
   """
 
-  def __init__(self, x, inv_temperature, row_max, threshold):
-    self.blocks = _blocked(x)  # [R, num_blocks, block]
-    self.inv_temperature, self.row_max, self.threshold = inv_temperature, row_max, threshold
-    self.block_mass = self._weigh(self.blocks).sum(-1)  # [R, num_blocks]
+  def __init__(self, y, row_max, threshold):
+    rows, vocab = y.shape
+    self.weights = _weigh(y, row_max, threshold)  # [R, V]
+    pad = -vocab % _DRAW_BLOCK
+    padded = jnp.pad(self.weights, ((0, 0), (0, pad))) if pad else self.weights
+    self.blocks = padded.reshape(rows, -1, _DRAW_BLOCK)  # [R, num_blocks, block]
+    self.block_mass = self.blocks.sum(-1)  # [R, num_blocks]
     self.block_cumulative = jnp.cumsum(self.block_mass, axis=-1)
     self.total = self.block_cumulative[:, -1]
-
-  def _weigh(self, blocks):
-    shape = (blocks.shape[0],) + (1,) * (blocks.ndim - 1)
-    return _weigh(blocks * self.inv_temperature.reshape(shape), self.row_max, self.threshold)
 
   def draw(self, u: jax.Array) -> jax.Array:
     """`[R] int32` the token whose cumulative mass first exceeds `u * total`."""
@@ -294,57 +285,58 @@ class _VocabSampler:
     before = jnp.take_along_axis(self.block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)
     before = jnp.where(block > 0, before[:, 0], 0.0)
     chosen = jnp.take_along_axis(self.blocks, block[:, None, None], 1)[:, 0]  # [R, block]
-    index = _inverse_cdf(self._weigh(chosen), target - before)
+    index = _inverse_cdf(chosen, target - before)
     return (block * _DRAW_BLOCK + index).astype(jnp.int32)
-
-
-def _draw_from_vocab(x, inv_temperature, row_max, threshold, u):
-  return _VocabSampler(x, inv_temperature, row_max, threshold).draw(u)
 
 
 # Attempts of the top-p rejection draw before the remaining rows take the exact bisection.
 _MAX_REJECTION_ATTEMPTS = 16
 
 
-def _draw_top_p_by_rejection(x, inv_temperature, row_max, threshold, top_p, active, step_keys,
-                             u):
-  """Exact top-p draws for rows whose nucleus lies beyond the candidates, without finding the cut.
+def _draw_from_vocab(x, inv_temperature, row_max, threshold, u, top_p, rejecting, step_keys):
+  """Draws every row from its kept distribution (`y >= threshold`), and exact top-p for the
+  `rejecting` rows, whose nucleus lies beyond the candidates, without finding their cut.
 
-  Drawing from the distribution kept so far (`y >= threshold`) and accepting the token only if the
-  mass strictly above its value is below `top_p` (vLLM's keep rule) samples exactly the top-p
-  distribution. Acceptance has probability at least `top_p`, so a few attempts suffice; each
-  costs one masked reduction (the block masses are computed once). Attempt `a > 0` of a row draws
-  `uniform(fold_in(step_key, a))`, so rows stay independent of their neighbours. Rows still
-  unaccepted after `_MAX_REJECTION_ATTEMPTS` use the exact bisection cut.
+  Drawing from the distribution kept so far and accepting the token only if the mass strictly
+  above it is below `top_p` (vLLM's keep rule) samples exactly the top-p distribution.
+  Acceptance has probability at least `top_p`, so a few attempts suffice; each costs one masked
+  reduction over the weights already written (the comparison is on weights, which order tokens as
+  their logits do). Attempt `a > 0` of a row draws `uniform(fold_in(step_key, a))`, so rows stay
+  independent of their neighbours. Rows still unaccepted after `_MAX_REJECTION_ATTEMPTS` use the
+  exact bisection cut.
   """
-  rows = x.shape[0]
-  y = x * inv_temperature[:, None]
-  sampler = _VocabSampler(x, inv_temperature, row_max, threshold)
-  weights = _weigh(y, row_max, threshold)  # [R, V]
+  sampler = _VocabSampler(x * inv_temperature[:, None], row_max, threshold)
+  tokens = sampler.draw(u)
   target = top_p * sampler.total
+
+  def accepted(drawn):
+    weight = jnp.take_along_axis(sampler.weights, drawn[:, None], 1)
+    return jnp.where(sampler.weights > weight, sampler.weights, 0.0).sum(-1) < target
 
   def attempt(carry):
     a, tokens, done = carry
     retry_u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, a), ()))(step_keys)
-    drawn = sampler.draw(jnp.where(a == 0, u, retry_u))
-    value = jnp.take_along_axis(y, drawn[:, None], 1)
-    accepted = jnp.where(y > value, weights, 0.0).sum(-1) < target
-    take = ~done & accepted
-    return a + 1, jnp.where(take, drawn, tokens), done | accepted
+    drawn = sampler.draw(retry_u)
+    ok = accepted(drawn)
+    return a + 1, jnp.where(~done & ok, drawn, tokens), done | ok
 
   def pending(carry):
     a, _, done = carry
-    return (a < _MAX_REJECTION_ATTEMPTS) & (active & ~done).any()
+    return (a < _MAX_REJECTION_ATTEMPTS) & (~done).any()
 
-  _, tokens, done = lax.while_loop(
-      pending, attempt, (jnp.int32(0), jnp.zeros((rows,), jnp.int32), ~active))
-  stuck = ~done
+  def reject():
+    done = ~rejecting | accepted(tokens)
+    _, drawn, done = lax.while_loop(pending, attempt, (jnp.int32(1), tokens, done))
+    stuck = ~done
 
-  def exact():
-    cut = jnp.where(stuck, top_p_threshold(y, row_max, threshold, top_p), threshold)
-    return jnp.where(stuck, _draw_from_vocab(x, inv_temperature, row_max, cut, u), tokens)
+    def exact():
+      y = x * inv_temperature[:, None]  # recomputed here rather than kept as a branch operand
+      cut = jnp.where(stuck, top_p_threshold(y, row_max, threshold, top_p), threshold)
+      return jnp.where(stuck, _VocabSampler(y, row_max, cut).draw(u), drawn)
 
-  return lax.cond(stuck.any(), exact, lambda: tokens)
+    return lax.cond(stuck.any(), exact, lambda: drawn)
+
+  return lax.cond(rejecting.any(), reject, lambda: tokens)
 
 
 def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidates: int, u):
@@ -457,17 +449,13 @@ def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int,
                           threshold),
         lambda: threshold)
     unresolved = nothing
-  rejection_tokens = lax.cond(
-      unresolved.any(),
-      lambda: _draw_top_p_by_rejection(x, inv_temperature, row_max, threshold, md.top_p,
-                                       unresolved, step_keys, u),
+  from_vocab = md.is_live & ~md.is_greedy & ~from_candidates
+  vocab_tokens = lax.cond(
+      from_vocab.any(),
+      lambda: _draw_from_vocab(x, inv_temperature, row_max, threshold, u, md.top_p, unresolved,
+                               step_keys),
       lambda: jnp.zeros((rows,), jnp.int32))
-  from_vocab = md.is_live & ~md.is_greedy & ~from_candidates & ~unresolved
-  vocab_tokens = lax.cond(from_vocab.any(),
-                          lambda: _draw_from_vocab(x, inv_temperature, row_max, threshold, u),
-                          lambda: jnp.zeros((rows,), jnp.int32))
-  tokens = jnp.where(from_candidates, candidate_tokens,
-                     jnp.where(unresolved, rejection_tokens, vocab_tokens))
+  tokens = jnp.where(from_candidates, candidate_tokens, vocab_tokens)
   return tokens.astype(jnp.int32), threshold
 
 
