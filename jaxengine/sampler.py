@@ -176,6 +176,34 @@ def argmax(x: jax.Array, block: int = _DRAW_BLOCK) -> jax.Array:
   return (best_block * block + jnp.argmax(chosen, axis=-1)).astype(jnp.int32)
 
 
+# Block width of `top_k`'s first stage.
+_TOP_K_BLOCK = 32
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k` over the last axis of `[R, V]` in two stages: the same values, a third the time.
+
+  The k blocks of `_TOP_K_BLOCK` tokens with the largest maxima hold k values at least as large as
+  any token outside them (each of those blocks has a maximum at least that large), so the top k of
+  their `k * _TOP_K_BLOCK` tokens are the top k of the row (among equal values, which ids are
+  reported may differ from `lax.top_k`). XLA's CPU top-k costs about the same whatever k, per
+  element scanned, so scanning `[R, V / block]` maxima and then `[R, k * block]` tokens is the
+  cheaper way. Falls back to `lax.top_k` when the blocks would not save anything.
+
+  Returns:
+    `(values [R, k], indices [R, k] int32)`, values descending.
+  """
+  rows, vocab = x.shape
+  if k == 0 or vocab % _TOP_K_BLOCK or 4 * k * _TOP_K_BLOCK > vocab:
+    return lax.top_k(x, k)
+  blocks = x.reshape(rows, -1, _TOP_K_BLOCK)
+  _, best_blocks = lax.top_k(blocks.max(-1), k)  # [R, k]
+  gathered = jnp.take_along_axis(blocks, best_blocks[:, :, None], 1)  # [R, k, block]
+  values, index = lax.top_k(gathered.reshape(rows, k * _TOP_K_BLOCK), k)
+  block = jnp.take_along_axis(best_blocks, index // _TOP_K_BLOCK, 1)
+  return values, (block * _TOP_K_BLOCK + index % _TOP_K_BLOCK).astype(jnp.int32)
+
+
 # --- exact thresholds without sorting ---------------------------------------------------------
 
 
@@ -357,7 +385,7 @@ def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidat
   """
   vocab = x.shape[-1]
   inv_temperature = _inverse_temperature(md)
-  top_logits, ids = lax.top_k(x, num_candidates)  # [R, K]; same order as y = x * (1 / T)
+  top_logits, ids = top_k(x, num_candidates)  # [R, K]; same order as y = x * (1 / T)
   values = top_logits * inv_temperature[:, None]  # the top K values of y, best first
   last = values[:, -1]
   filtered = (md.top_k < vocab) | (md.top_p < 1.0)
@@ -505,7 +533,7 @@ def gather_logprobs(scores: jax.Array, token_ids: jax.Array, num_logprobs: int, 
   """
   token_score = jnp.take_along_axis(scores, token_ids[:, None], 1)  # [R, 1]
   ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
-  top_scores, top_ids = lax.top_k(scores, num_logprobs)
+  top_scores, top_ids = top_k(scores, num_logprobs)
   values = jnp.concatenate([token_score, top_scores], 1)
   if normalize:
     values = values - jax.nn.logsumexp(scores, axis=-1, keepdims=True)

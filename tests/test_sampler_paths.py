@@ -122,3 +122,20 @@ def test_top_k_beyond_the_budget_is_exact():
   for i, k in enumerate(ks):
     kth = np.sort(logits[i])[::-1][k - 1]
     np.testing.assert_array_equal(np.isfinite(rows[i]), logits[i] >= kth, err_msg=f"k={k}")
+
+
+@pytest.mark.parametrize("k", [1, 5, 20, 64])
+def test_two_stage_top_k_matches_lax_top_k(k):
+  from jax import lax
+  from jaxengine.sampler import top_k
+
+  rng = np.random.default_rng(k)
+  # Few distinct values (many ties) and some -inf, across a vocabulary wide enough for two stages.
+  x = rng.choice(np.array([-np.inf, -1.0, 0.0, 0.5, 2.0, 3.0], np.float32), size=(6, 8192),
+                 p=[0.1, 0.5, 0.3, 0.07, 0.02, 0.01])
+  x[0] = rng.normal(size=8192)
+  values, ids = top_k(x, k)
+  want, _ = lax.top_k(x, k)
+  np.testing.assert_array_equal(values, want)
+  np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), values)
+  assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
