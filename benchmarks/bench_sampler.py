@@ -86,14 +86,26 @@ class _Compiles:
 
 
 def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
+  return _interleaved_ms([fn], repeats, warmup)[0]
+
+
+def _warm(*fns, times: int = 2) -> None:
+  for fn in fns:
+    for _ in range(times):
+      jax.block_until_ready(fn())
+
+
+def _interleaved_ms(fns, repeats: int, warmup: int = 2) -> list[float]:
+  """Median wall time of each function, calling them in turn so that drifts in machine speed
+  (other processes, frequency scaling) touch all of them alike."""
+  _warm(*fns, times=warmup)
+  times = [[] for _ in fns]
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
+    for fn, samples in zip(fns, times):
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      samples.append(time.perf_counter() - start)
+  return [statistics.median(samples) * 1e3 for samples in times]
 
 
 def _fill(batch: je.InputBatch, mix: str, rng: np.random.Generator) -> None:
@@ -111,14 +123,13 @@ def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -
     for size in batch_sizes:
       rng = np.random.default_rng(0)
       logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32) * 4.0)
-      max_ms = _median_ms(lambda: max_pass(logits), repeats)
-      softmax_ms = _median_ms(lambda: log_softmax(logits), repeats)
       for mix in mixes:
         batch = je.InputBatch(size, 4096, vocab)
         _fill(batch, mix, rng)
-        batch.sample(logits)  # warm up (compiles)
+        fns = [lambda: max_pass(logits), lambda: log_softmax(logits), lambda: batch.sample(logits)]
+        _warm(*fns)  # compiles
         before = compiles.count
-        ms = _median_ms(lambda: batch.sample(logits), repeats)
+        max_ms, softmax_ms, ms = _interleaved_ms(fns, repeats)
         row = dict(B=size, V=vocab, mix=mix, ms=ms, x_max=ms / max_ms, x_log_softmax=ms / softmax_ms,
                    compiles=compiles.count - before, max_ms=max_ms, log_softmax_ms=softmax_ms)
         rows.append(row)
@@ -148,10 +159,9 @@ def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) 
   def step():
     return batch.sample(logits)
 
-  step(), change()
+  _warm(step, change)
   before = compiles.count
-  change_ms = _median_ms(change, repeats)
-  step_ms = _median_ms(step, repeats)
+  change_ms, step_ms = _interleaved_ms([change, step], repeats)
   result = dict(change_ms=change_ms, step_ms=step_ms, compiles=compiles.count - before)
   print(f"composition change (2 removes + condense + 2 adds + refresh) at B={size} V={vocab}: "
         f"{change_ms:.2f} ms vs chat step {step_ms:.2f} ms ({change_ms / step_ms:.2f}x); "
@@ -166,10 +176,10 @@ def bench_host_overhead(repeats: int, compiles: _Compiles, size=8, vocab=256) ->
   batch = je.InputBatch(size, 4096, vocab)
   _fill(batch, "greedy", rng)
   identity = jax.jit(lambda x: x)
-  bare_ms = _median_ms(lambda: np.asarray(identity(logits)), repeats * 10)
-  batch.sample(logits)
+  fns = [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)]
+  _warm(*fns)
   before = compiles.count
-  step_ms = _median_ms(lambda: batch.sample(logits), repeats * 10)
+  bare_ms, step_ms = _interleaved_ms(fns, repeats * 20)
   result = dict(step_ms=step_ms, bare_ms=bare_ms, compiles=compiles.count - before)
   print(f"host overhead B={size} V={vocab}: step {step_ms:.3f} ms vs bare jitted identity "
         f"{bare_ms:.3f} ms ({step_ms / bare_ms:.2f}x); compiles={result['compiles']}", flush=True)
@@ -181,7 +191,7 @@ def main(argv=None) -> None:
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
   parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[49152, 128256])
   parser.add_argument("--mixes", nargs="+", default=MIXES, choices=MIXES)
-  parser.add_argument("--repeats", type=int, default=7, help="timed calls per cell (median)")
+  parser.add_argument("--repeats", type=int, default=15, help="timed calls per cell (median)")
   parser.add_argument("--quick", action="store_true", help="only B=256, V=49152")
   args = parser.parse_args(argv)
   if args.quick:

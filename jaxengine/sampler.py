@@ -159,21 +159,36 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
   return processed.at[rows, _min_tokens_bans(state, md)].set(_NEG_INF, mode="drop")
 
 
-def argmax(x: jax.Array, block: int = _DRAW_BLOCK) -> jax.Array:
-  """`[R]` first index of each row's maximum, as `jnp.argmax`, in about one max-reduction's time.
+def _block_width(vocab: int, widest: int = _DRAW_BLOCK) -> int:
+  """The widest power of two `<= widest` dividing `vocab` (so rows reshape into blocks without a
+  padded copy), or `widest` when only small ones do (then the row is padded)."""
+  width = widest
+  while width > 16 and vocab % width:
+    width //= 2
+  return width if vocab % width == 0 else widest
 
-  XLA's CPU argmax (a two-operand reduction) is far slower than a max; here the row is cut into
-  blocks, the first block holding the maximum is found on `[R, V / block]` block maxima, and only
-  that block is searched.
+
+def _blocks(x: jax.Array, width: int, fill: float) -> jax.Array:
+  """`[R, V]` -> `[R, ceil(V / width), width]`, padding the last block with `fill`."""
+  pad = -x.shape[1] % width
+  if pad:
+    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill)
+  return x.reshape(x.shape[0], -1, width)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+  """`[R] int32` first index of each row's maximum, as `jnp.argmax`, in about one max's time.
+
+  XLA's CPU argmax (a two-operand reduction) is far slower than a max. So the row is cut into
+  blocks; the first block holding the maximum is found on the `[R, V / block]`
+  block maxima, and only that block is searched.
   """
   rows, vocab = x.shape
-  pad = -vocab % block
-  if pad:
-    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=_NEG_INF)
-  blocks = x.reshape(rows, -1, block)
-  best_block = jnp.argmax(blocks.max(-1), axis=-1)
+  width = _block_width(vocab)
+  blocks = _blocks(x, width, _NEG_INF)
+  best_block = jnp.argmax(blocks.max(-1), axis=-1)  # a small argmax: [R, V / block]
   chosen = jnp.take_along_axis(blocks, best_block[:, None, None], 1)[:, 0]
-  return (best_block * block + jnp.argmax(chosen, axis=-1)).astype(jnp.int32)
+  return (best_block * width + jnp.argmax(chosen, axis=-1)).astype(jnp.int32)
 
 
 # Block width of `top_k`'s first stage.
@@ -290,17 +305,15 @@ def _weigh(values, row_max, threshold):
 class _VocabSampler:
   """Blocked inverse CDF over the whole vocabulary.
 
-  The kept tokens' weights are written once (`[R, V]`, one exp pass) and summed per block of
-  `_DRAW_BLOCK` tokens; a draw then finds its block on the `[R, num_blocks]` cumulative masses and
+  The kept tokens' weights are written once (`[R, V]`, one exp pass) and summed per block of up
+  to `_DRAW_BLOCK` tokens; a draw then finds its block on the `[R, num_blocks]` cumulative masses and
   scans that one block.
   """
 
   def __init__(self, y, row_max, threshold):
-    rows, vocab = y.shape
     self.weights = _weigh(y, row_max, threshold)  # [R, V]
-    pad = -vocab % _DRAW_BLOCK
-    padded = jnp.pad(self.weights, ((0, 0), (0, pad))) if pad else self.weights
-    self.blocks = padded.reshape(rows, -1, _DRAW_BLOCK)  # [R, num_blocks, block]
+    self.width = _block_width(y.shape[1])
+    self.blocks = _blocks(self.weights, self.width, 0.0)  # [R, num_blocks, width]
     self.block_mass = self.blocks.sum(-1)  # [R, num_blocks]
     self.block_cumulative = jnp.cumsum(self.block_mass, axis=-1)
     self.total = self.block_cumulative[:, -1]
@@ -314,7 +327,7 @@ class _VocabSampler:
     before = jnp.where(block > 0, before[:, 0], 0.0)
     chosen = jnp.take_along_axis(self.blocks, block[:, None, None], 1)[:, 0]  # [R, block]
     index = _inverse_cdf(chosen, target - before)
-    return (block * _DRAW_BLOCK + index).astype(jnp.int32)
+    return (block * self.width + index).astype(jnp.int32)
 
 
 # Attempts of the top-p rejection draw before the remaining rows take the exact bisection.
@@ -573,14 +586,14 @@ def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -
   )
 
 
-def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata, step_keys, u):
+def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
   """Stages 7-13 on processed logits `x`. Every `lax.cond` here returns only `[R]`-sized or
   `[R, k]`-sized results: a branch that returned an `[R, V]` array unchanged would cost a copy."""
   rows = state.max_num_reqs
   greedy_tokens = lax.cond(md.any_greedy, lambda: argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
   random_tokens, threshold = lax.cond(
       md.any_random,
-      lambda: _sample_random(x, md, step_keys, u, state.num_topk_candidates,
+      lambda: _sample_random(x, md, *_step_keys(state), state.num_topk_candidates,
                              needs_threshold=state.logprobs_mode.startswith("processed")),
       lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)))
   tokens = jnp.where(md.is_greedy, greedy_tokens, random_tokens)
@@ -609,16 +622,14 @@ def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   if logits.shape != (rows, vocab):
     raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
                      f"got {logits.shape}")
-  step_keys, u = _step_keys(state)
   any_processing = (md.any_allowed_token_ids | md.any_bad_words | md.any_min_tokens
                     | md.any_logit_bias | md.any_penalties)
   # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
   # they are instead of paying for a processed copy.
   tokens, logprobs = lax.cond(
       any_processing,
-      lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md,
-                                   step_keys, u),
-      lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md, step_keys, u))
+      lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
+      lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md))
   state = _append_tokens(state, md, tokens)
   return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
