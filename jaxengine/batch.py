@@ -333,7 +333,7 @@ class InputBatch:
       raise ValueError(f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
                        f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}")
     if shape[0] != self.max_num_reqs:
-      logits = _pad_rows(jnp.asarray(logits), self.max_num_reqs)
+      logits = _pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
     output, _ = self.run(_sample_logits, logits)
     return output
 

@@ -13,18 +13,25 @@
   9. min_p, 10. top-k, 11. top-p: each keeps the tokens at or above a per-row threshold, so the
      three combine into one threshold; masked tokens are -inf in the processed_* logprobs;
   12. random draw: inverse CDF of the kept distribution with one uniform per row, drawn from
-     `fold_in(request_key, num_output_tokens)`;
+     `fold_in(request_key, num_output_tokens)` (a top-p rejection retry `a` draws from
+     `fold_in(that key, a)`);
   13. logprobs: the sampled token's value and rank plus the top `max_num_logprobs` values from the
      mode's source.
 
-Every stage no live row uses is skipped at run time by `lax.cond` on a traced flag of
-`SamplingMetadata`, so one executable serves every mix without recompiling.
+Stages 2-6 run as one fused pass (plus small scatters) only when some live row uses one of them;
+greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
+`SamplingMetadata`. So one executable serves every mix without recompiling, and a batch pays only
+for what its rows use. No branch returns a `[R, V]` array (an untaken branch would pay a copy).
 
-No full-vocabulary sort: top-k and top-p thresholds come from `lax.top_k` candidates (a static
-budget per row, `BatchState.num_topk_candidates`), with an exact fallback when a row's cut lies
-beyond them: a 32-step binary search over the float32 bit pattern (each step one masked reduction
-over the vocabulary), as the TPU samplers do. The draw needs one exponential pass over the
-vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
+No full-vocabulary sort. Top-k and top-p come from `top_k` candidates (a static budget per row,
+`BatchState.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
+top-k cut deeper than the budget is found exactly by a 32-step bisection over the float32 bit
+pattern (each step one masked reduction), as the TPU samplers do. A top-p nucleus deeper than the
+budget is sampled exactly by rejection: draw from the distribution kept so far and accept when
+the mass strictly above the token is below top_p (bisection again only for rows that keep
+refusing, and for the processed_* logprobs modes, which need the cut itself). The draw needs one
+exponential pass over the vocabulary (blocked inverse CDF) or, when the kept set lies inside the
+candidates, none.
 """
 
 from __future__ import annotations
@@ -616,12 +623,16 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
   return tokens, lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
 
 
-def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
-  """Un-jitted body of `sample_step` (for callers composing their own transformations)."""
+def sample(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
+  """The body of `sample_step`, not jitted (for callers composing their own transformations).
+
+  Same arguments, results and errors as `sample_step`.
+  """
   rows, vocab = state.max_num_reqs, state.vocab_size
   if logits.shape != (rows, vocab):
     raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
                      f"got {logits.shape}")
+  md = metadata
   any_processing = (md.any_allowed_token_ids | md.any_bad_words | md.any_min_tokens
                     | md.any_logit_bias | md.any_penalties)
   # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
@@ -634,26 +645,28 @@ def sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
 
-sample_step = jax.jit(sample, donate_argnames=("state",))
-sample_step.__doc__ = """Samples one token per row and appends it to the batch state (jitted, donates `state`).
+@functools.partial(jax.jit, donate_argnames=("state",))
+def sample_step(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
+  """Samples one token per row and appends it to the batch state (jitted, donates `state`).
 
-The pure function under `InputBatch.sample`, usable inside a caller's own `jax.jit` or
-`lax.scan` (e.g. an RL rollout loop that keeps `state` in its carry). It compiles once per
-`BatchState` capacity; no per-request value or feature flag causes a recompile.
+  The pure function under `InputBatch.sample`, usable inside a caller's own `jax.jit` or
+  `lax.scan` (e.g. an RL rollout loop that keeps `state` in its carry). It compiles once per
+  `BatchState` capacity; no per-request value or feature flag causes a recompile.
 
-Args:
-  state: the batch state (donated: do not read it after the call).
-  metadata: `SamplingMetadata` from `refresh_metadata(state, is_live)`; it depends only on the
-    batch composition, so a loop without adds or removals reuses it for every step.
-  logits: `[max_num_reqs, vocab_size]` float logits (any float dtype; computed in float32).
-    Rows that hold no request are ignored.
+  Args:
+    state: the batch state (donated: do not read it after the call).
+    metadata: `SamplingMetadata` from `refresh_metadata(state, is_live)`; it depends only on the
+      batch composition, so a loop without adds or removals reuses it for every step.
+    logits: `[max_num_reqs, vocab_size]` float logits (any float dtype; computed in float32).
+      Rows that hold no request are ignored.
 
-Returns:
-  `(new_state, SamplerOutput)`: the state with each live row's sampled token appended (and
-  counted for penalties), and device arrays over all rows: `sampled_token_ids [max_num_reqs]
-  int32` and `logprobs` (`LogprobsTensors` with `max_num_logprobs + 1` columns; zeros when no
-  live row asked for logprobs).
+  Returns:
+    `(new_state, SamplerOutput)`: the state with each live row's sampled token appended (and
+    counted for penalties), and device arrays over all rows: `sampled_token_ids [max_num_reqs]
+    int32` and `logprobs` (`LogprobsTensors` with `max_num_logprobs + 1` columns; zeros when no
+    live row asked for logprobs).
 
-Raises:
-  ValueError: at trace time, if `logits` does not have shape `[max_num_reqs, vocab_size]`.
-"""
+  Raises:
+    ValueError: at trace time, if `logits` does not have shape `[max_num_reqs, vocab_size]`.
+  """
+  return sample(state, metadata, logits)
