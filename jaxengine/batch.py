@@ -40,7 +40,8 @@ class InputBatch:
     vocab_size: width of the logits.
     max_num_logprobs: largest `logprobs` / `prompt_logprobs` a request may ask for (vLLM's
       `max_logprobs`, default 20); `-1` allows the whole vocabulary. Sets the static number of top
-      entries computed per step.
+      entries computed per step in which some request wants logprobs; `-1` makes that a full
+      sort of every row, so keep it for small vocabularies or analysis.
     logprobs_mode: what logprobs report: "raw_logprobs" (log-softmax of the model's logits, the
       default), "raw_logits", "processed_logprobs" or "processed_logits" (after every processor,
       temperature and filter: the distribution the token was drawn from; masked tokens -inf).
@@ -50,12 +51,19 @@ class InputBatch:
     max_num_logit_bias: capacity of a request's logit_bias entries.
     max_num_bad_words: capacity of a request's bad_words_token_ids sequences.
     max_bad_word_len: longest banned sequence, in tokens.
-    num_topk_candidates: per-row `lax.top_k` budget of the sorting-free top-k / top-p path; cuts
-      deeper than this use an exact (slower) bit-pattern search.
+    num_topk_candidates: per-row top-k budget of the sorting-free top-k / top-p path; deeper
+      cuts use exact but slower methods (see `jaxengine.sampler`).
     seed: seed of the batch key from which unseeded requests' keys are derived.
 
+  The batch samples; it does not decide when a request ends. `SamplingParams` fields that act at
+  the engine level (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`,
+  `include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs` values) are accepted and
+  ignored here; `LLMEngine` applies them. A request keeps sampling until it is removed or reaches
+  `max_model_len`.
+
   Raises:
-    ValueError: for non-positive capacities or an unknown logprobs_mode.
+    ValueError: for non-positive capacities, `max_num_logprobs < -1`, EOS ids outside the
+      vocabulary, or an unknown logprobs_mode.
   """
 
   def __init__(
@@ -159,7 +167,11 @@ class InputBatch:
     return self._metadata
 
   def cache_slot(self, req_id: str) -> int:
-    """The KV-cache slot held by `req_id` (stable for the request's lifetime in the batch)."""
+    """The KV-cache slot held by `req_id` (stable for the request's lifetime in the batch).
+
+    Raises:
+      KeyError: for an id not in the batch (as do `num_tokens` and `output_token_ids`).
+    """
     return self._cache_slots[req_id]
 
   def num_tokens(self, req_id: str) -> int:
@@ -342,9 +354,13 @@ class InputBatch:
 
     This is how an engine fuses its model's forward pass with sampling into one executable:
     `step_fn(state, metadata, *args) -> (state, SamplerOutput, extra)` must be jitted, donate
-    `state`, and sample with `sample_step` (or `jaxengine.sampler.sample`) inside.
+    `state`, and sample with `jaxengine.sampler.sample` inside.
 
     Condenses first if removals left holes.
+
+    Args:
+      step_fn: the jitted step, called as `step_fn(state, metadata, *args)`.
+      *args: its other arguments (model weights, KV cache, ...).
 
     Returns:
       `(SamplerOutput of NumPy arrays over the live rows, extra)`.

@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _stream(llm, prompts: list, params: SamplingParams, out=sys.stdout) -> list:
+def _stream(llm, prompts: list, params: SamplingParams, out=None) -> list:
   """Runs the engine, streaming text when there is a single completion; returns the outputs."""
+  out = out or sys.stdout  # looked up per call, so redirected output is honoured
   engine = llm.llm_engine
   ids = engine.add_requests([(None, p, params) for p in prompts])
   streaming = len(ids) == 1 and params.n == 1
@@ -117,8 +118,9 @@ def _stream(llm, prompts: list, params: SamplingParams, out=sys.stdout) -> list:
   return [finished[i] for i in ids]
 
 
-def _print_logprobs(outputs, out=sys.stdout) -> None:
+def _print_logprobs(outputs, out=None) -> None:
   """Prints, per completion with logprobs, one line per token: text, logprob, rank, top others."""
+  out = out or sys.stdout
   for output in outputs:
     for completion in output.outputs:
       if completion.logprobs is None:
@@ -141,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit status: 0 on success (or end of input in interactive chat), 1 when the model file
-    is missing (the message on stderr gives the install command), 2 for invalid sampling values.
+    is missing (the message on stderr gives the install command), 2 for invalid sampling values
+    or a request the engine refuses (e.g. a prompt longer than `--max-model-len`).
 
   Raises:
     SystemExit: from argparse, for `--help` (status 0) and usage errors (status 2).
@@ -160,6 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 1
+  try:
+    return _run(llm, args, params)
+  except ValueError as error:  # a request the engine refuses (e.g. a prompt that is too long)
+    print(f"jaxengine: {error}", file=sys.stderr)
+    return 2
+
+
+def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:
   tokenizer = llm.get_tokenizer()
   if args.command == "generate":
     _print_logprobs(_stream(llm, list(args.prompts), params))

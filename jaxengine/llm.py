@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from jaxengine.engine import LLMEngine
 from jaxengine.models import Llama, load_gguf
