@@ -6,6 +6,7 @@ Core (no model needed):
   BatchState           the persistent batch, device side (state.py)
   SamplingMetadata     sampler inputs derived per batch composition; refresh_metadata (metadata.py)
   sample_step          the pure jitted sampler step; SamplerOutput, LogprobsTensors (sampler.py)
+  gather_logprobs      a token's logprob and rank plus the top-k, from any logits (sampler.py)
 
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)

@@ -142,6 +142,9 @@ class LLMEngine:
     logprobs_mode: see `InputBatch`.
     seed: seed of the engine key (unseeded requests derive their keys from it).
     eos_token_id: overrides the tokenizer's / model config's EOS id.
+
+  Raises:
+    ValueError: `max_model_len` above the model's `max_position_embeddings`.
   """
 
   def __init__(self, model: llama.Llama, tokenizer: Tokenizer | None = None, *,
@@ -256,10 +259,12 @@ class LLMEngine:
     return params.replace(bad_words_token_ids=tuple(sequences))
 
   def has_unfinished_requests(self) -> bool:
+    """Whether any request is waiting or running."""
     return bool(self._waiting or self._running)
 
   @property
   def num_unfinished_requests(self) -> int:
+    """Requests with at least one completion not yet finished."""
     return sum(not r.output().finished for r in self._requests.values())
 
   def pop_finished(self) -> list[RequestOutput]:

@@ -68,16 +68,20 @@ class KVCache:
 
   @property
   def num_layers(self) -> int:
+    """Decoder layers."""
     return self.key.shape[0]
 
   @property
   def num_slots(self) -> int:
+    """Requests the cache can hold at once."""
     return self.key.shape[1]
 
   @property
   def max_model_len(self) -> int:
+    """Positions per slot."""
     return self.key.shape[2]
 
   @property
   def dtype(self) -> jnp.dtype:
+    """Storage dtype."""
     return self.key.dtype

@@ -36,8 +36,12 @@ class LLM:
     logprobs_mode: "raw_logprobs" (default), "raw_logits", "processed_logprobs",
       "processed_logits".
 
+  `dtype="auto"` means float32.
+
   Raises:
     FileNotFoundError: the default model is not installed (the message gives the command).
+    ValueError: `max_model_len` above the model's `max_position_embeddings`, or invalid batch
+      settings.
   """
 
   def __init__(self, model: str | os.PathLike | Llama | None = None, *,
@@ -56,6 +60,7 @@ class LLM:
                                 logprobs_mode=logprobs_mode, seed=seed)
 
   def get_tokenizer(self) -> Tokenizer | None:
+    """The engine's `Tokenizer` (None for a model given without one)."""
     return self.llm_engine.tokenizer
 
   def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -102,6 +107,9 @@ class LLM:
 
     Returns:
       One `RequestOutput` per conversation.
+
+    Raises:
+      ValueError: without a tokenizer, or for an invalid request.
     """
     tokenizer = self.get_tokenizer()
     if tokenizer is None:

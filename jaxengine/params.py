@@ -82,7 +82,8 @@ class SamplingParams:
     logprobs: Number of top log-probabilities to return per generated token besides the sampled
       token's own: None (off), `0` (sampled token only), `k > 0`, or `-1` (the whole vocabulary,
       only when the batch was built with `max_num_logprobs=-1`). `True` means 1.
-    prompt_logprobs: Same, for each prompt token (engine level; computed from the prefill logits).
+    prompt_logprobs: Same, for each prompt token (engine level; computed from the prefill logits,
+      always the raw log-softmax whatever the logprobs mode, as in vLLM).
     logit_bias: `{token_id: bias}` added to the logits before penalties.
     allowed_token_ids: If not None, every other token is masked. Must not be empty.
 
@@ -216,7 +217,11 @@ class SamplingParams:
     return self.temperature < SAMPLING_EPS
 
   def replace(self, **changes) -> "SamplingParams":
-    """Returns a copy with `changes` applied (validated again)."""
+    """Returns a copy with `changes` applied (validated again).
+
+    Raises:
+      ValueError: if a changed value is out of range.
+    """
     return dataclasses.replace(self, **changes)
 
 

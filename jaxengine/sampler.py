@@ -149,6 +149,14 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
   exactly HEAD's result (allowed mask -> bad words -> min_tokens -> logit_bias -> penalties):
   masks set `-inf`, which every later stage keeps, so they commute with the rest; a biased
   token's penalised value is recomputed from its biased logit and scattered over the pass.
+
+  Args:
+    logits: `[R, V]` model logits, any float dtype.
+    state: the batch state (allowed masks, bad words, stop sets, biases, token counts).
+    md: the metadata (live rows and effective penalty values).
+
+  Returns:
+    `[R, V] float32` processed logits; masked tokens are `-inf`.
   """
   rows = _row_index(logits)
   vocab = state.vocab_size
@@ -264,7 +272,12 @@ def _largest_threshold(y: jax.Array, reaches) -> jax.Array:
 
 
 def kth_largest(y: jax.Array, k: jax.Array) -> jax.Array:
-  """`[R]` the k-th largest value of each row of `y [R, V]` (ties counted), exact, no sort."""
+  """`[R] float32` the k-th largest value of each row of `y` (ties counted), exact, no sort.
+
+  Args:
+    y: `[R, V] float32`.
+    k: `[R] int32`, each in `[1, V]`.
+  """
   return _largest_threshold(y, lambda kept: kept.sum(-1) >= k)
 
 
@@ -274,6 +287,12 @@ def top_p_threshold(y, row_max, threshold, top_p) -> jax.Array:
   A token is kept when the probability mass of the tokens strictly above its value is below
   `top_p` (vLLM's rule; tokens tied with the last one kept are kept too), so the cut is the largest
   `t` whose mass of `y >= t` reaches `top_p` of the total.
+
+  Args:
+    y: `[R, V] float32` temperature-scaled logits.
+    row_max: `[R] float32` the maximum of each row of `y`.
+    threshold: `[R] float32` the cut before top-p (min-p, top-k; `-inf` for none).
+    top_p: `[R] float32` in `(0, 1]`.
   """
   weights = jnp.where(y >= threshold[:, None], jnp.exp(y - row_max[:, None]), 0.0)
   target = top_p * weights.sum(-1)

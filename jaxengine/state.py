@@ -48,8 +48,9 @@ class BatchState:
     presence_penalty: `[R] float32`.
     frequency_penalty: `[R] float32`.
     repetition_penalty: `[R] float32`.
-    key_data: `[R, 2] uint32` raw words of the request's base `jax.random.key`; the key for its
-      t-th output token is `fold_in(key, t)`.
+    key_data: `[R, *KEY_DATA_SHAPE] uint32` raw words of the request's base `jax.random.key`
+      (`[R, 2]` for the default threefry implementation); the key for its t-th output token is
+      `fold_in(key, t)`.
     num_logprobs: `[R] int32` requested logprobs, `-1` for none, `V` for the whole vocabulary.
     min_tokens: `[R] int32`.
     stop_token_ids: `[R, max_num_stop_token_ids] int32` the min_tokens stop set (the request's
@@ -100,14 +101,17 @@ class BatchState:
 
   @property
   def max_num_reqs(self) -> int:
+    """Rows of the batch (static: read off the array shapes)."""
     return self.token_ids.shape[0]
 
   @property
   def max_model_len(self) -> int:
+    """Token capacity of a row."""
     return self.token_ids.shape[1]
 
   @property
   def vocab_size(self) -> int:
+    """Width of the logits."""
     return self.prompt_token_mask.shape[1]
 
   @property
@@ -130,7 +134,14 @@ class BatchState:
       max_num_logprobs: int,
       num_topk_candidates: int,
   ) -> "BatchState":
-    """Returns an empty state (every row free) with the given static capacities."""
+    """Returns an empty state (every row free) with the given static capacities.
+
+    Args:
+      max_num_reqs, max_model_len, vocab_size: array extents (see the class docstring).
+      max_num_stop_token_ids, max_num_logit_bias, max_num_bad_words, max_bad_word_len: per-row
+        list capacities.
+      logprobs_mode, max_num_logprobs, num_topk_candidates: the static sampler settings.
+    """
     R, V = max_num_reqs, vocab_size
     i32 = lambda *shape, fill=0: jnp.full(shape, fill, jnp.int32)
     f32 = lambda *shape, fill=0.0: jnp.full(shape, fill, jnp.float32)
@@ -175,9 +186,16 @@ KEY_INPUTS = ("seed_words", "is_seeded", "serial")
 def request_key_data(batch_key_data: jax.Array, row: dict[str, jax.Array]) -> jax.Array:
   """Raw words of a request's base key.
 
-  A seeded request gets `jax.random.key(seed)` (for seeds in `[0, 2**32)`; larger seeds fold their
-  high word in), so its stream depends on nothing but the seed. An unseeded request gets
-  `fold_in(batch_key, serial)`: distinct serials never share a stream.
+  A seeded request gets `jax.random.key(seed)` (for seeds in `[0, 2**32)`; a seed is taken modulo
+  2**64, and a nonzero high word is folded in), so its stream depends on nothing but the seed. An
+  unseeded request gets `fold_in(batch_key, serial)`: distinct serials never share a stream.
+
+  Args:
+    batch_key_data: raw words of the batch's key.
+    row: the row's fields, with the `KEY_INPUTS`.
+
+  Returns:
+    `[*KEY_DATA_SHAPE] uint32` raw words of the request's key.
   """
   low, high = row["seed_words"][0], row["seed_words"][1]
   seeded = jax.random.key(low)
@@ -228,6 +246,8 @@ def write_row(state: BatchState, index: jax.Array, row: dict[str, jax.Array],
 @functools.partial(jax.jit, donate_argnames=("state",))
 def move_rows(state: BatchState, src: jax.Array, dst: jax.Array) -> BatchState:
   """Copies row `src[i]` to row `dst[i]` for every i, reading all sources before writing.
+
+  Donates `state`: do not read the old state after the call.
 
   `src`, `dst`: `[max_num_reqs] int32`; entries with `dst == max_num_reqs` are padding and ignored.
   Condense passes its moves; a swap passes `src = [i, j]`, `dst = [j, i]`. Only the moved rows are

@@ -150,18 +150,22 @@ class Tokenizer:
 
   @property
   def eos_token_id(self) -> int | None:
+    """End-of-sequence id (SmolLM2: 2, `<|im_end|>`), or None."""
     return self.hf_tokenizer.eos_token_id
 
   @property
   def bos_token_id(self) -> int | None:
+    """Beginning-of-sequence id, or None."""
     return self.hf_tokenizer.bos_token_id
 
   @property
   def pad_token_id(self) -> int | None:
+    """Padding id, or None."""
     return self.hf_tokenizer.pad_token_id
 
   @property
   def chat_template(self) -> str | None:
+    """The Jinja chat template from the GGUF metadata, or None."""
     return self.hf_tokenizer.chat_template
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -178,7 +182,12 @@ class Tokenizer:
     return self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
   def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-    """Text of ``token_ids`` (invalid UTF-8 at the end shows as U+FFFD)."""
+    """Text of ``token_ids`` (invalid UTF-8 at the end shows as U+FFFD).
+
+    Args:
+      token_ids: the ids to decode.
+      skip_special_tokens: drop special tokens such as ``<|im_end|>``.
+    """
     return self.hf_tokenizer.decode(
         [int(t) for t in token_ids],
         skip_special_tokens=skip_special_tokens,
@@ -248,6 +257,7 @@ class IncrementalDetokenizer:
     output_text: the text of the output tokens emitted so far.
     prefix_offset: start of the decoding context window in ``token_ids``.
     read_offset: end of the tokens already turned into ``output_text``.
+    skip_special_tokens: whether special tokens are dropped from the text.
   """
 
   def __init__(
@@ -257,6 +267,13 @@ class IncrementalDetokenizer:
       *,
       skip_special_tokens: bool = True,
   ):
+    """Starts an empty output after `prompt_token_ids` (used as decoding context).
+
+    Args:
+      tokenizer: the `Tokenizer`.
+      prompt_token_ids: the prompt; its last few tokens are decoded with the first new ones.
+      skip_special_tokens: drop special tokens from the output text.
+    """
     self.tokenizer = tokenizer
     self.token_ids = [int(t) for t in prompt_token_ids]
     self.num_prompt_tokens = len(self.token_ids)
