@@ -85,14 +85,18 @@ class _Compiles:
       self.count += 1
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-  return _interleaved_ms([fn], repeats, warmup)[0]
-
-
 def _warm(*fns, times: int = 2) -> None:
   for fn in fns:
     for _ in range(times):
       jax.block_until_ready(fn())
+
+
+def _measure(fns, repeats: int, compiles: "_Compiles") -> tuple[list[float], int]:
+  """Warms up (compiles) every function, then returns their interleaved medians in ms and the
+  number of compiles seen while timing them."""
+  _warm(*fns)
+  before = compiles.count
+  return _interleaved_ms(fns, repeats, warmup=0), compiles.count - before
 
 
 def _interleaved_ms(fns, repeats: int, warmup: int = 2) -> list[float]:
@@ -126,12 +130,11 @@ def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -
       for mix in mixes:
         batch = je.InputBatch(size, 4096, vocab)
         _fill(batch, mix, rng)
-        fns = [lambda: max_pass(logits), lambda: log_softmax(logits), lambda: batch.sample(logits)]
-        _warm(*fns)  # compiles
-        before = compiles.count
-        max_ms, softmax_ms, ms = _interleaved_ms(fns, repeats)
+        (max_ms, softmax_ms, ms), num_compiles = _measure(
+            [lambda: max_pass(logits), lambda: log_softmax(logits), lambda: batch.sample(logits)],
+            repeats, compiles)
         row = dict(B=size, V=vocab, mix=mix, ms=ms, x_max=ms / max_ms, x_log_softmax=ms / softmax_ms,
-                   compiles=compiles.count - before, max_ms=max_ms, log_softmax_ms=softmax_ms)
+                   compiles=num_compiles, max_ms=max_ms, log_softmax_ms=softmax_ms)
         rows.append(row)
         print(f"B={size:4d} V={vocab:6d} {mix:12s} {ms:9.2f} ms  {row['x_max']:7.1f}x max "
               f"({max_ms:.2f} ms)  {row['x_log_softmax']:5.2f}x log_softmax ({softmax_ms:.1f} ms)"
@@ -159,10 +162,8 @@ def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) 
   def step():
     return batch.sample(logits)
 
-  _warm(step, change)
-  before = compiles.count
-  change_ms, step_ms = _interleaved_ms([change, step], repeats)
-  result = dict(change_ms=change_ms, step_ms=step_ms, compiles=compiles.count - before)
+  (change_ms, step_ms), num_compiles = _measure([change, step], repeats, compiles)
+  result = dict(change_ms=change_ms, step_ms=step_ms, compiles=num_compiles)
   print(f"composition change (2 removes + condense + 2 adds + refresh) at B={size} V={vocab}: "
         f"{change_ms:.2f} ms vs chat step {step_ms:.2f} ms ({change_ms / step_ms:.2f}x); "
         f"compiles={result['compiles']}", flush=True)
@@ -176,11 +177,9 @@ def bench_host_overhead(repeats: int, compiles: _Compiles, size=8, vocab=256) ->
   batch = je.InputBatch(size, 4096, vocab)
   _fill(batch, "greedy", rng)
   identity = jax.jit(lambda x: x)
-  fns = [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)]
-  _warm(*fns)
-  before = compiles.count
-  bare_ms, step_ms = _interleaved_ms(fns, repeats * 20)
-  result = dict(step_ms=step_ms, bare_ms=bare_ms, compiles=compiles.count - before)
+  (bare_ms, step_ms), num_compiles = _measure(
+      [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)], repeats * 20, compiles)
+  result = dict(step_ms=step_ms, bare_ms=bare_ms, compiles=num_compiles)
   print(f"host overhead B={size} V={vocab}: step {step_ms:.3f} ms vs bare jitted identity "
         f"{bare_ms:.3f} ms ({step_ms / bare_ms:.2f}x); compiles={result['compiles']}", flush=True)
   return result
