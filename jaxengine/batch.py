@@ -16,17 +16,16 @@ before any device work, so a rejected call leaves the batch exactly as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.metadata import SamplingMetadata, refresh_metadata
-from jaxengine.params import SamplingParams, validate_logprobs_mode
+from jaxengine.params import SamplingParams, is_int, validate_logprobs_mode
 from jaxengine.sampler import LogprobsTensors, SamplerOutput, sample
 from jaxengine.state import BatchState, move_rows, write_row
 
@@ -207,10 +206,14 @@ class InputBatch:
       The row the request occupies.
 
     Raises:
-      ValueError: (the batch is left unchanged) for a duplicate `req_id`, a full batch, token ids
-        outside `[0, vocab_size)` in any field, more than `max_model_len` tokens, lists longer
-        than the batch's capacities, or logprobs above `max_num_logprobs`.
+      ValueError: (the batch is left unchanged) for a `req_id` that is not a str or is already
+        present, a full batch, token ids that are not ints in `[0, vocab_size)` in any field, more
+        than `max_model_len` tokens, lists longer than the batch's capacities, logprobs above
+        `max_num_logprobs`, or constraints that ban every token whatever the output (an allowlist
+        covered by single-token bad words, or by them plus the stop set under min_tokens).
     """
+    if not isinstance(req_id, str):
+      raise ValueError(f"req_id must be a str, got {req_id!r}")
     if req_id in self.req_id_to_index:
       raise ValueError(f"req_id {req_id!r} is already in the batch")
     if self.num_reqs >= self.max_num_reqs:
@@ -344,6 +347,8 @@ class InputBatch:
         self.max_num_reqs, num_reqs):
       raise ValueError(f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
                        f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+      raise ValueError(f"logits must have a float dtype, got {logits.dtype}")
     if shape[0] != self.max_num_reqs:
       logits = _pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
     output, _ = self.run(_sample_logits, logits)
@@ -397,10 +402,13 @@ class InputBatch:
   # --- validation and row preparation --------------------------------------------------------
 
   def _token_array(self, field: str, token_ids: Sequence[int]) -> np.ndarray:
-    try:
-      array = np.asarray(list(token_ids), dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError, OverflowError):
-      raise ValueError(f"{field} must be a sequence of ints, got {token_ids!r}") from None
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+      raise ValueError(f"{field} must be a sequence of ints, got {token_ids!r}")
+    token_ids = list(token_ids)
+    not_ints = [t for t in token_ids if not is_int(t)]
+    if not_ints:
+      raise ValueError(f"{field} must hold only int token ids, got {not_ints[:5]!r}")
+    array = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     bad = array[(array < 0) | (array >= self.vocab_size)]
     if bad.size:
       raise ValueError(f"{field} holds token ids outside [0, {self.vocab_size}): {bad.tolist()}")
@@ -427,6 +435,22 @@ class InputBatch:
       raise ValueError(f"prompt_token_ids plus output_token_ids hold {num_tokens} tokens, more "
                        f"than max_model_len={self.max_model_len}")
     return prompt, outputs, self._row_update(sampling_params, prompt, outputs)
+
+  @staticmethod
+  def _check_satisfiable(params: SamplingParams, allowed: set[int], stop_ids: list[int]) -> None:
+    """Rejects a request whose constraints ban every token it may sample, whatever it generates.
+
+    `allowed` is the allowlist, or the whole vocabulary. Constraints that conflict only after
+    some outputs (multi-token bad words) are left to the sampler, whose defined result is then the
+    best allowed token by raw logit (see `jaxengine.sampler`).
+    """
+    always_banned = {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}
+    if allowed <= always_banned:
+      raise ValueError("bad_words_token_ids ban every token allowed_token_ids (or the vocabulary) "
+                       f"permits ({len(allowed)} tokens): no token could ever be sampled")
+    if params.min_tokens > 0 and allowed <= always_banned | set(stop_ids):
+      raise ValueError(f"allowed_token_ids permit only banned or stop tokens, but "
+                       f"min_tokens={params.min_tokens} forbids stopping first")
 
   def _row_update(self, params: SamplingParams, prompt: np.ndarray,
                   outputs: np.ndarray) -> dict[str, np.ndarray]:
@@ -466,6 +490,8 @@ class InputBatch:
       if len(word) > 1:
         bad_prefix[i, prefix_len - (len(word) - 1):] = word[:-1]
       bad_last[i] = word[-1]
+    allowed = params.allowed_token_ids
+    self._check_satisfiable(params, set(range(V) if allowed is None else allowed), stop_ids)
 
     token_ids = np.zeros((self.max_model_len,), np.int32)
     token_ids[:len(prompt)] = prompt

@@ -23,6 +23,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--max-num-reqs", type=int, default=16, help="sequences decoded at once")
   group.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
   group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  group.add_argument("--engine-seed", type=int, default=0,
+                     help="seed from which unseeded requests draw (the same seed repeats a run)")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -38,7 +40,8 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
   group.add_argument("--repetition-penalty", type=float, default=1.0)
   group.add_argument("--max-tokens", type=int, default=max_tokens)
   group.add_argument("--min-tokens", type=int, default=0)
-  group.add_argument("--seed", type=int, default=None)
+  group.add_argument("--seed", type=int, default=None,
+                     help="per-request seed (unseeded requests follow --engine-seed)")
   group.add_argument("--n", type=int, default=1, help="completions per prompt")
   group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
   group.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
@@ -72,12 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
   """
   parser = argparse.ArgumentParser(
       prog="jaxengine", description="Generate text with a Llama-family GGUF model on JAX.")
+  formatter = argparse.ArgumentDefaultsHelpFormatter
   commands = parser.add_subparsers(dest="command", required=True)
-  generate = commands.add_parser("generate", help="continue one or more prompts")
+  generate = commands.add_parser("generate", help="continue one or more prompts",
+                                 formatter_class=formatter)
   generate.add_argument("prompts", nargs="+", metavar="PROMPT")
   _add_sampling_flags(generate, max_tokens=64)
   _add_engine_flags(generate)
-  chat = commands.add_parser("chat", help="chat with the model (interactive without MESSAGE)")
+  chat = commands.add_parser("chat", help="chat with the model (interactive without MESSAGE)",
+                             formatter_class=formatter)
   chat.add_argument("message", nargs="?", default=None, metavar="MESSAGE")
   chat.add_argument("--system", default=None, help="system prompt")
   _add_sampling_flags(chat, max_tokens=256)
@@ -111,7 +117,9 @@ def _stream(llm, prompts: list, params: SamplingParams, out=None) -> list:
       if not streaming:
         for completion in output.outputs:
           header = output.prompt if output.prompt is not None else output.prompt_token_ids
-          out.write(f"--- [{output.request_id}.{completion.index}] {header!s}\n")
+          header = str(header).replace("\n", " ")
+          header = header if len(header) <= 60 else "..." + header[-57:]
+          out.write(f"--- [{output.request_id}.{completion.index}] {header}\n")
           out.write(completion.text + "\n")
   if streaming:
     out.write("\n")
@@ -159,10 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     llm = LLM(args.model, max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
-              dtype=args.dtype, max_num_logprobs=max(20, args.logprobs or 0))
+              dtype=args.dtype, seed=args.engine_seed,
+              max_num_logprobs=-1 if args.logprobs == -1 else max(20, args.logprobs or 0))
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 1
+  except ValueError as error:  # bad engine settings, or a file that is not a usable GGUF model
+    print(f"jaxengine: {error}", file=sys.stderr)
+    return 2
   try:
     return _run(llm, args, params)
   except ValueError as error:  # a request the engine refuses (e.g. a prompt that is too long)
@@ -182,7 +194,8 @@ def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     if message is None:
       return 0
     history.append({"role": "user", "content": message})
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(history), add_special_tokens=False)
+    text = tokenizer.apply_chat_template(history)
+    prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     outputs = _stream(llm, [prompt], params)
     _print_logprobs(outputs)
     history.append({"role": "assistant", "content": outputs[0].outputs[0].text})
@@ -196,4 +209,6 @@ def _read_message() -> str | None:
     line = input(">>> ")
   except EOFError:
     return None
-  return None if line.strip() in ("/exit", "/quit") else line
+  if line.strip() in ("/exit", "/quit"):
+    return None
+  return line if line.strip() else _read_message()  # an empty line sends nothing

@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from jaxengine.batch import InputBatch
 from jaxengine.kv_cache import KVCache
 from jaxengine.models import llama
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import SamplingParams, is_int
 from jaxengine.sampler import gather_logprobs, sample
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -204,28 +204,29 @@ class LLMEngine:
       ValueError: as `add_request`; if any request is invalid, none is queued.
     """
     made = []
-    for request_id, prompt, params in requests:
+    for index, (request_id, prompt, params) in enumerate(requests):
       request_id = str(next(self._ids)) if request_id is None else str(request_id)
       if request_id in self._requests or any(r.request_id == request_id for r in made):
         raise ValueError(f"request_id {request_id!r} is already in the engine")
-      made.append(self._make_request(request_id, prompt, params or SamplingParams()))
+      try:
+        made.append(self._make_request(request_id, prompt, params or SamplingParams()))
+      except ValueError as error:
+        where = f"prompt {index}" if len(requests) > 1 else "the prompt"
+        raise ValueError(f"{where}: {error}") from None
     for request in made:
       self._requests[request.request_id] = request
       self._waiting.extend(request.sequences)
     return [r.request_id for r in made]
 
   def _make_request(self, request_id: str, prompt, params: SamplingParams) -> "_Request":
-    if isinstance(prompt, str):
-      if self.tokenizer is None:
-        raise ValueError("text prompts need a tokenizer; pass token ids")
-      text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
-    else:
-      text, prompt_token_ids = None, [int(t) for t in prompt]
+    if not isinstance(params, SamplingParams):
+      raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+    text, prompt_token_ids = self._prompt_text_and_ids(prompt)
     if not prompt_token_ids:
-      raise ValueError(f"prompt of request {request_id!r} is empty")
+      raise ValueError("the prompt is empty")
     if len(prompt_token_ids) >= self.max_model_len:
-      raise ValueError(f"prompt of request {request_id!r} has {len(prompt_token_ids)} tokens; "
-                       f"it must be shorter than max_model_len={self.max_model_len}")
+      raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
+                       f"max_model_len={self.max_model_len}")
     if (params.stop or params.bad_words) and self.tokenizer is None:
       raise ValueError("stop strings and bad_words need a tokenizer")
     params = self._with_bad_words(params)
@@ -243,6 +244,33 @@ class LLMEngine:
           logprobs=None if params.logprobs is None else [],
           cumulative_logprob=None if params.logprobs is None else 0.0))
     return request
+
+  def _prompt_text_and_ids(self, prompt) -> tuple[str | None, list[int]]:
+    """A prompt as (text or None, token ids): a string, a token-id sequence, or vLLM's prompt dicts
+    `{"prompt": text}` and `{"prompt_token_ids": ids}` (optionally with `"prompt"` for the
+    outputs)."""
+    if isinstance(prompt, dict):
+      unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+      if unknown or not prompt:
+        raise ValueError(f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got "
+                         f"{sorted(map(str, prompt))}")
+      if "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
+      prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError("text prompts need a tokenizer; pass token ids")
+      return prompt, self.tokenizer.encode(prompt)
+    return None, self._token_ids(prompt)
+
+  @staticmethod
+  def _token_ids(token_ids) -> list[int]:
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+      raise ValueError(f"a prompt must be a string or a sequence of token ids, got {token_ids!r}")
+    token_ids = list(token_ids)
+    if not all(is_int(t) for t in token_ids):
+      raise ValueError(f"prompt_token_ids must hold only ints, got {token_ids[:8]!r}")
+    return [int(t) for t in token_ids]
 
   def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
     """Turns `bad_words` strings into token-id sequences (vLLM's rule: the word without leading

@@ -11,12 +11,12 @@ from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ip
 from jaxengine.engine import LLMEngine
 from jaxengine.models import Llama, load_gguf
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping  # text, token ids, or {"prompt": ..., "prompt_token_ids": ...}
 Message = Mapping[str, str]
 
 
@@ -48,7 +48,12 @@ class LLM:
                tokenizer: Tokenizer | None = None, max_num_reqs: int = 16,
                max_model_len: int = 1024, dtype="float32", seed: int = 0,
                max_num_logprobs: int = 20, logprobs_mode: str = "raw_logprobs"):
-    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str):
+      if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+      dtype = _DTYPES[dtype]
+    elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if isinstance(model, Llama):
       llama = model
     else:
@@ -69,7 +74,8 @@ class LLM:
     """Generates completions for one or many prompts with continuous batching.
 
     Args:
-      prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
+      prompts: a string, a list of token ids, vLLM's prompt dict (`{"prompt": text}` or
+        `{"prompt_token_ids": ids}`), or a list of any of these.
       sampling_params: one `SamplingParams` for all prompts or one per prompt; default
         `SamplingParams()`.
       use_tqdm: show a progress bar over finished requests.
@@ -115,16 +121,23 @@ class LLM:
     if tokenizer is None:
       raise ValueError("chat needs a tokenizer with a chat template")
     conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
-                                add_special_tokens=False) for c in conversations]
+    prompts = []
+    for conversation in conversations:
+      text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+      # The template writes its own special tokens: encode without adding more.
+      prompts.append({"prompt": text,
+                      "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-  if isinstance(prompts, str):
+  if isinstance(prompts, (str, Mapping)):
     return [prompts]
+  if not isinstance(prompts, Sequence):
+    raise ValueError(f"prompts must be a string, token ids, a prompt dict or a list of these, "
+                     f"got {prompts!r}")
   prompts = list(prompts)
-  if prompts and all(isinstance(t, int) for t in prompts):
+  if prompts and all(is_int(t) for t in prompts):
     return [prompts]  # one prompt given as token ids
   return prompts
 
@@ -134,6 +147,8 @@ def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
     return [SamplingParams()] * num_prompts
   if isinstance(params, SamplingParams):
     return [params] * num_prompts
+  if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+    raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
   params = list(params)
   if len(params) != num_prompts:
     raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")

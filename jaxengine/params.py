@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
 
 #: Temperatures below this are greedy (vLLM's sampling epsilon).
 SAMPLING_EPS = 1e-5
@@ -21,25 +24,21 @@ MIN_TEMPERATURE = 1e-2
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
+def is_int(value) -> bool:
+  """True for Python and NumPy integers, False for bools and everything else."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _as_int_tuple(field: str, values: Sequence[int] | None) -> tuple[int, ...] | None:
   if values is None:
     return None
-  if isinstance(values, (str, bytes)):
+  if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
     raise ValueError(f"{field} must be a sequence of ints, got {values!r}")
-  out = []
+  values = tuple(values)
   for value in values:
-    if isinstance(value, bool) or not isinstance(value, int):
-      try:
-        import numpy as np  # numpy integers are fine
-
-        if isinstance(value, np.integer):
-          out.append(int(value))
-          continue
-      except ImportError:  # pragma: no cover
-        pass
+    if not is_int(value):
       raise ValueError(f"{field} must contain ints, got {value!r}")
-    out.append(int(value))
-  return tuple(out)
+  return tuple(int(v) for v in values)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,7 +83,7 @@ class SamplingParams:
       only when the batch was built with `max_num_logprobs=-1`). `True` means 1.
     prompt_logprobs: Same, for each prompt token (engine level; computed from the prefill logits,
       always the raw log-softmax whatever the logprobs mode, as in vLLM).
-    logit_bias: `{token_id: bias}` added to the logits before penalties.
+    logit_bias: `{token_id: bias}` added to the logits before penalties; biases must be finite.
     allowed_token_ids: If not None, every other token is masked. Must not be empty.
 
   Raises:
@@ -137,6 +136,10 @@ class SamplingParams:
     set_("stop_token_ids", _as_int_tuple("stop_token_ids", self.stop_token_ids))
     set_("allowed_token_ids", _as_int_tuple("allowed_token_ids", self.allowed_token_ids))
     if self.bad_words_token_ids is not None:
+      if isinstance(self.bad_words_token_ids, (str, bytes)) or not isinstance(
+          self.bad_words_token_ids, Iterable):
+        raise ValueError(f"bad_words_token_ids must be a list of token-id sequences, got "
+                         f"{self.bad_words_token_ids!r}")
       set_("bad_words_token_ids", tuple(
           _as_int_tuple("bad_words_token_ids", seq) for seq in self.bad_words_token_ids))
     if self.logit_bias is not None:
@@ -226,17 +229,11 @@ class SamplingParams:
 
 
 def _check_int(field: str, value) -> None:
-  import numpy as np
-
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+  if not is_int(value):
     raise ValueError(f"{field} must be an int, got {value!r}")
 
 
 def _check_number(field: str, value) -> None:
-  import math
-
-  import numpy as np
-
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
     raise ValueError(f"{field} must be a number, got {value!r}")
   if math.isnan(float(value)):
@@ -253,6 +250,9 @@ def _normalise_logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
     except (TypeError, ValueError):
       raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
     _check_number(f"logit_bias[{token_id}]", value)
+    if not math.isfinite(float(value)):
+      raise ValueError(f"logit_bias[{token_id}] must be finite (use allowed_token_ids or "
+                       f"bad_words_token_ids to forbid or force tokens), got {value!r}")
     out[token_id] = float(value)
   return out
 

@@ -598,8 +598,10 @@ def gather_logprobs(scores: jax.Array, token_ids: jax.Array, num_logprobs: int, 
 def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
   """Rows whose every token was masked: the best token of the allowed set by raw logit.
 
-  Soft constraints (bad words, min_tokens, penalties) cannot all be met, but the hard one,
-  allowed_token_ids, still holds: the token is never outside the row's allowed set.
+  `InputBatch` refuses requests whose constraints ban everything whatever they generate, so this
+  happens only when a multi-token bad word completes the ban after some outputs (or when the
+  model's logits are all -inf or NaN). The constraints cannot all be met then; allowed_token_ids
+  still holds: the token is never outside the row's allowed set.
   """
   x = logits.astype(jnp.float32)
   allowed = state.allowed_token_mask | ~state.has_allowed_token_ids[:, None]

@@ -634,16 +634,22 @@ def test_tiny_temperature_is_random_not_greedy():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_fully_masked_row_stays_inside_allowlist(temperature):
     b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
-    add(b, "a", temperature=temperature, allowed_token_ids=[4], bad_words_token_ids=[[4]])
-    add(b, "b", temperature=temperature, allowed_token_ids=[6, 8], min_tokens=3, stop_token_ids=[6, 8])
-    add(b, "c", temperature=temperature, bad_words_token_ids=[[t] for t in range(V)])
+    # Constraints that ban everything whatever the output are refused when the request is added...
+    for kw in (dict(allowed_token_ids=[4], bad_words_token_ids=[[4]]),
+               dict(allowed_token_ids=[6, 8], min_tokens=3, stop_token_ids=[6, 8]),
+               dict(bad_words_token_ids=[[t] for t in range(V)])):
+        with pytest.raises(ValueError):
+            add(b, "refused", temperature=temperature, **kw)
+    # ...those that ban everything only after some outputs fall back to the allowed set.
+    add(b, "a", outputs=[9], temperature=temperature, allowed_token_ids=[4, 5],
+        bad_words_token_ids=[[4], [9, 5]])
+    add(b, "b", outputs=[9], temperature=temperature, bad_words_token_ids=[[t] for t in range(1, V)]
+        + [[9, 0]])
     add(b, "d", temperature=temperature)
     rng = np.random.default_rng(8)
-    for _ in range(2):
-        toks = b.sample(rng.uniform(-1, 1, size=(R, V)).astype(np.float32)).sampled_token_ids.tolist()
-        assert toks[0] == 4
-        assert toks[1] in (6, 8)
-        assert 0 <= toks[2] < V
+    toks = b.sample(rng.uniform(-1, 1, size=(R, V)).astype(np.float32)).sampled_token_ids.tolist()
+    assert toks[0] in (4, 5)
+    assert 0 <= toks[1] < V
 
 
 def test_padding_rows_are_ignored():
