@@ -201,18 +201,9 @@ def argmax(x: jax.Array) -> jax.Array:
   rows, vocab = x.shape
   width = _block_width(vocab)
   blocks = _blocks(x, width, _NEG_INF)
-  # The barrier keeps XLA from recomputing the block maxima inside each consumer.
-  block_max = lax.optimization_barrier(blocks.max(-1))  # [R, V / block]
-  row_max = block_max.max(-1, keepdims=True)
-  best_block = _first_index(block_max == row_max)
-  chosen = jnp.take_along_axis(blocks, best_block[:, None, None], 1)[:, 0]  # [R, block]
-  return best_block * width + _first_index(chosen == row_max)
-
-
-def _first_index(mask: jax.Array) -> jax.Array:
-  """`[R] int32` first True position of each row (rows here always hold one)."""
-  positions = jnp.arange(mask.shape[-1], dtype=jnp.int32)
-  return jnp.minimum(jnp.where(mask, positions, mask.shape[-1]).min(-1), mask.shape[-1] - 1)
+  best_block = jnp.argmax(blocks.max(-1), axis=-1)  # a small argmax: [R, V / block]
+  chosen = jnp.take_along_axis(blocks, best_block[:, None, None], 1)[:, 0]
+  return (best_block * width + jnp.argmax(chosen, axis=-1)).astype(jnp.int32)
 
 
 # Block width of `top_k`'s first stage.
