@@ -27,7 +27,7 @@ import numpy as np
 from jaxengine.metadata import SamplingMetadata, refresh_metadata
 from jaxengine.params import SamplingParams, is_int, validate_logprobs_mode
 from jaxengine.sampler import LogprobsTensors, SamplerOutput, sample
-from jaxengine.state import BatchState, move_rows, write_row
+from jaxengine.state import MOVE_CHUNK, BatchState, move_rows, write_row
 
 
 class InputBatch:
@@ -312,8 +312,9 @@ class InputBatch:
     self._composition_changed()
 
   def _move_device_rows(self, moves: list[tuple[int, int]]) -> None:
-    src = np.zeros((self.max_num_reqs,), np.int32)
-    dst = np.full((self.max_num_reqs,), self.max_num_reqs, np.int32)  # padding: dropped
+    size = -(-self.max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK  # one shape: one compile
+    src = np.zeros((size,), np.int32)
+    dst = np.full((size,), self.max_num_reqs, np.int32)  # padding: dropped
     for i, (a, b) in enumerate(moves):
       src[i], dst[i] = a, b
     self._state = move_rows(self._state, src, dst)

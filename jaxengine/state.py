@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Shape of one `jax.random.key` as raw uint32 words (threefry: (2,)). Keys are stored as raw words
 # so that rows can be gathered, scattered and compared like any other array.
@@ -243,17 +244,34 @@ def write_row(state: BatchState, index: jax.Array, row: dict[str, jax.Array],
   return dataclasses.replace(state, **new_fields)
 
 
+#: Rows `move_rows` gathers and scatters at a time.
+MOVE_CHUNK = 8
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def move_rows(state: BatchState, src: jax.Array, dst: jax.Array) -> BatchState:
-  """Copies row `src[i]` to row `dst[i]` for every i, reading all sources before writing.
+  """Copies row `src[i]` to row `dst[i]` for each real move, in chunks of `MOVE_CHUNK` moves.
 
   Donates `state`: do not read the old state after the call.
 
-  `src`, `dst`: `[max_num_reqs] int32`; entries with `dst == max_num_reqs` are padding and ignored.
-  Condense passes its moves; a swap passes `src = [i, j]`, `dst = [j, i]`. Only the moved rows are
-  written (a scatter into the donated buffers), never the whole state.
-  """
-  def move(leaf):
-    return leaf.at[dst].set(leaf[src], mode="drop")
+  Args:
+    state: the batch state.
+    src, dst: `[n] int32` with `n` a multiple of `MOVE_CHUNK`: the moves first, then padding with
+      `dst == max_num_reqs` (ignored). Within a chunk all sources are read before any row is
+      written (a swap is the chunk `src = [i, j]`, `dst = [j, i]`); across chunks no source may be
+      an earlier destination, which condense's moves (highest live rows into lowest holes)
+      satisfy.
 
-  return jax.tree.map(move, state)
+  Only the moved rows are read and written (a gather and a scatter on the donated buffers, for as
+  many chunks as there are moves), never the whole state.
+  """
+  rows = state.max_num_reqs
+  num_chunks = ((dst < rows).sum() + MOVE_CHUNK - 1) // MOVE_CHUNK
+
+  def move_chunk(chunk, state):
+    start = (chunk * MOVE_CHUNK,)
+    chunk_src = lax.dynamic_slice(src, start, (MOVE_CHUNK,))
+    chunk_dst = lax.dynamic_slice(dst, start, (MOVE_CHUNK,))
+    return jax.tree.map(lambda leaf: leaf.at[chunk_dst].set(leaf[chunk_src], mode="drop"), state)
+
+  return lax.fori_loop(0, num_chunks, move_chunk, state)

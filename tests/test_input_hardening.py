@@ -97,3 +97,19 @@ def test_llm_rejects_unsupported_dtype():
   model, _ = tiny_llama(vocab_size=64)
   with pytest.raises(ValueError, match="dtype"):
     je.LLM(model, dtype="int8")
+
+
+def test_condense_with_many_moves_keeps_every_request_with_its_row():
+  """More moves than `move_rows` handles per chunk: every field follows its request."""
+  batch = je.InputBatch(32, 16, 64)
+  for i in range(32):  # request i may only sample token i, and was seeded i
+    batch.add_request(f"r{i}", [1], je.SamplingParams(allowed_token_ids=[i], seed=i))
+  for i in list(range(0, 32, 2)) + list(range(1, 12, 2)):
+    batch.remove_request(f"r{i}")
+  moves = batch.condense()
+  assert len(moves) > 8 and batch.num_reqs == 10
+  tokens = batch.sample(np.zeros((32, 64), np.float32)).sampled_token_ids
+  assert [f"r{t}" for t in tokens.tolist()] == batch.req_ids
+  batch.swap_states(0, 9)
+  tokens = batch.sample(np.zeros((32, 64), np.float32)).sampled_token_ids
+  assert [f"r{t}" for t in tokens.tolist()] == batch.req_ids
