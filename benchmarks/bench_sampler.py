@@ -142,12 +142,18 @@ def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -
   return rows
 
 
-def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) -> dict:
-  """A composition change (remove one, add one, condense, metadata refresh) against a step."""
-  rng = np.random.default_rng(1)
+def _full_batch(size: int, vocab: int, mix: str, seed: int):
+  """`(rng, [size, vocab] logits, an InputBatch filled with `mix` requests)`."""
+  rng = np.random.default_rng(seed)
   logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32))
   batch = je.InputBatch(size, 4096, vocab)
-  _fill(batch, "chat", rng)
+  _fill(batch, mix, rng)
+  return rng, logits, batch
+
+
+def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) -> dict:
+  """A composition change (remove two, condense, add two, metadata refresh) against a step."""
+  rng, logits, batch = _full_batch(size, vocab, "chat", seed=1)
   counter = iter(range(10**9))
   params = _mix_params("chat", 0, vocab)
 
@@ -172,10 +178,7 @@ def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) 
 
 def bench_host_overhead(repeats: int, compiles: _Compiles, size=8, vocab=256) -> dict:
   """A tiny greedy step against a bare jitted identity call (dispatch + copy back)."""
-  rng = np.random.default_rng(2)
-  logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32))
-  batch = je.InputBatch(size, 4096, vocab)
-  _fill(batch, "greedy", rng)
+  _, logits, batch = _full_batch(size, vocab, "greedy", seed=2)
   identity = jax.jit(lambda x: x)
   (bare_ms, step_ms), num_compiles = _measure(
       [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)], repeats * 20, compiles)
