@@ -340,8 +340,6 @@ class InputBatch:
       ValueError: for logits of another shape, or a request already at `max_model_len` tokens
         (its token would have nowhere to go). Nothing is changed then.
     """
-    if any(rid is None for rid in self._req_ids):
-      self.condense()
     shape = tuple(getattr(logits, "shape", ()))
     num_reqs = self.num_reqs
     if len(shape) != 2 or shape[1] != self.vocab_size or shape[0] not in (

@@ -182,6 +182,7 @@ class LLMEngine:
     self._running: dict[str, _Sequence] = {}
     self._requests: dict[str, _Request] = {}
     self._ids = itertools.count()
+    self._decoded_tokens: dict[int, str] = {}
 
   # --- requests -----------------------------------------------------------------------------
 
@@ -397,8 +398,14 @@ class LLMEngine:
     return out
 
   def _decoded(self, token_id: int) -> str | None:
-    return None if self.tokenizer is None else self.tokenizer.decode([token_id],
-                                                                     skip_special_tokens=False)
+    """A token's text for `Logprob.decoded_token` (memoised: top-k entries repeat a lot)."""
+    if self.tokenizer is None:
+      return None
+    text = self._decoded_tokens.get(token_id)
+    if text is None:
+      text = self._decoded_tokens[token_id] = self.tokenizer.decode([token_id],
+                                                                    skip_special_tokens=False)
+    return text
 
   def _append(self, seq: _Sequence, row: int, output) -> None:
     token = int(output.sampled_token_ids[row])
@@ -412,19 +419,22 @@ class LLMEngine:
       seq.cumulative_logprob += float(lp.logprobs[row, 0])
     num_output = len(seq.token_ids)
     may_stop = num_output >= params.min_tokens
-    if may_stop and not params.ignore_eos and token == self.eos_token_id:
+    # vLLM's order: the length limits first, then EOS and stop ids (whose token is kept in
+    # token_ids but not detokenized), then stop strings in the new text.
+    max_tokens = params.max_tokens or self.max_model_len
+    if num_output >= max_tokens or self.batch.num_tokens(seq.seq_id) >= self.max_model_len:
+      seq.finish_reason = "length"
+    elif may_stop and not params.ignore_eos and token == self.eos_token_id:
       seq.finish_reason = "stop"
+      return
     elif may_stop and params.stop_token_ids and token in params.stop_token_ids:
       seq.finish_reason, seq.stop_reason = "stop", token
-    elif seq.detokenizer is not None:
+      return
+    if seq.detokenizer is not None:
       delta = seq.detokenizer.add_tokens([token])
       seq.text += delta
       if may_stop and params.stop and delta:
         self._check_stop_strings(seq, len(delta))
-    if seq.finish_reason is None:
-      max_tokens = params.max_tokens or self.max_model_len
-      if num_output >= max_tokens or self.batch.num_tokens(seq.seq_id) >= self.max_model_len:
-        seq.finish_reason = "length"
 
   def _check_stop_strings(self, seq: _Sequence, delta_len: int) -> None:
     params = seq.params

@@ -370,7 +370,7 @@ def _draw_from_vocab(x, inv_temperature, row_max, threshold, u, top_p, rejecting
   reduction over the weights already written (the comparison is on weights, which order tokens as
   their logits do). Attempt `a > 0` of a row draws `uniform(fold_in(step_key, a))`, so rows stay
   independent of their neighbours. Rows still unaccepted after `_MAX_REJECTION_ATTEMPTS` use the
-  exact bisection cut.
+  exact bisection cut and a fresh uniform, `fold_in(step_key, _MAX_REJECTION_ATTEMPTS)`.
   """
   sampler = _VocabSampler(x * inv_temperature[:, None], row_max, threshold)
   tokens = sampler.draw(u)
@@ -399,7 +399,11 @@ def _draw_from_vocab(x, inv_temperature, row_max, threshold, u, top_p, rejecting
     def exact():
       y = x * inv_temperature[:, None]  # recomputed here rather than kept as a branch operand
       cut = jnp.where(stuck, top_p_threshold(y, row_max, threshold, top_p), threshold)
-      return jnp.where(stuck, _VocabSampler(y, row_max, cut).draw(u), drawn)
+      # A fresh uniform: the row's earlier ones are known to have landed outside the nucleus, so
+      # reusing any of them would bias the draw.
+      fresh_u = jax.vmap(lambda key: jax.random.uniform(
+          jax.random.fold_in(key, _MAX_REJECTION_ATTEMPTS), ()))(step_keys)
+      return jnp.where(stuck, _VocabSampler(y, row_max, cut).draw(fresh_u), drawn)
 
     return lax.cond(stuck.any(), exact, lambda: drawn)
 

@@ -139,3 +139,26 @@ def test_two_stage_top_k_matches_lax_top_k(k):
   np.testing.assert_array_equal(values, want)
   np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), values)
   assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
+
+
+def test_top_p_after_rejection_gives_up_is_unbiased():
+  """A nearly flat row with a small top_p: about 18% of draws exhaust the rejection attempts and
+  take the exact cut, which must draw a fresh uniform (reusing the first one, known to have
+  landed outside the nucleus, under-samples the lowest ids)."""
+  vocab, rows, steps, top_p = 64, 256, 40, 0.1
+  row_logits = np.linspace(0.0, -0.1, vocab).astype(np.float32)
+  params = je.SamplingParams(top_p=top_p)
+  batch = je.InputBatch(rows, steps + 2, vocab)
+  for i in range(rows):
+    batch.add_request(f"r{i}", [0], params.replace(seed=i))
+  logits = np.tile(row_logits, (rows, 1))
+  counts = np.zeros(vocab)
+  for _ in range(steps):
+    counts += np.bincount(batch.sample(logits).sampled_token_ids, minlength=vocab)
+  ref = reference_row(row_logits, prompt=[0], **dataclasses.asdict(params))
+  expected = ref.probs * rows * steps
+  assert counts[expected == 0].sum() == 0
+  kept = expected > 0
+  chi2 = (((counts - expected) ** 2)[kept] / expected[kept]).sum()
+  dof = kept.sum() - 1
+  assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof, counts[kept], expected[kept])
