@@ -64,27 +64,32 @@ def test_small_candidate_budget_gives_the_same_processed_rows(num_topk_candidate
                                     err_msg=f"row {i} {p}")
 
 
-def test_rejection_top_p_draw_matches_exact_probabilities():
-  """Raw mode with a 2-token budget: every top-p row is drawn by rejection."""
-  rows, steps = 256, 24
-  rng = np.random.default_rng(7)
-  row_logits = rng.normal(size=V).astype(np.float32) * 1.5
-  params = je.SamplingParams(temperature=1.0, top_p=0.8)
-  batch = je.InputBatch(rows, steps + 4, V, num_topk_candidates=2)
+def _assert_draws_match_exact(row_logits, params, rows, steps, **batch_kwargs):
+  """Samples `rows` seeded copies of one request for `steps` steps and compares the token counts
+  with the reference distribution: nothing outside it, and a chi-square with (kept - 1) degrees of
+  freedom below dof + 5 sqrt(2 dof) (beyond its 99.9th percentile)."""
+  vocab = len(row_logits)
+  batch = je.InputBatch(rows, steps + 2, vocab, **batch_kwargs)
   for i in range(rows):
     batch.add_request(f"r{i}", [0], params.replace(seed=i))
   logits = np.tile(row_logits, (rows, 1))
-  counts = np.zeros(V)
+  counts = np.zeros(vocab)
   for _ in range(steps):
-    counts += np.bincount(batch.sample(logits).sampled_token_ids, minlength=V)
+    counts += np.bincount(batch.sample(logits).sampled_token_ids, minlength=vocab)
   ref = reference_row(row_logits, prompt=[0], **dataclasses.asdict(params))
   expected = ref.probs * rows * steps
-  assert counts[expected == 0].sum() == 0, "a token outside the nucleus was drawn"
+  assert counts[expected == 0].sum() == 0, "a token outside the kept set was drawn"
   kept = expected > 0
   chi2 = (((counts - expected) ** 2)[kept] / expected[kept]).sum()
-  # chi-square with (kept - 1) degrees of freedom; 99.9th percentile is below dof + 5 sqrt(2 dof).
   dof = kept.sum() - 1
-  assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+  assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof, counts[kept], expected[kept])
+
+
+def test_rejection_top_p_draw_matches_exact_probabilities():
+  """Raw mode with a 2-token budget: every top-p row is drawn by rejection."""
+  row_logits = np.random.default_rng(7).normal(size=V).astype(np.float32) * 1.5
+  _assert_draws_match_exact(row_logits, je.SamplingParams(temperature=1.0, top_p=0.8), rows=256,
+                            steps=24, num_topk_candidates=2)
 
 
 def test_rejection_draw_is_batch_invariant():
@@ -145,20 +150,5 @@ def test_top_p_after_rejection_gives_up_is_unbiased():
   """A nearly flat row with a small top_p: about 18% of draws exhaust the rejection attempts and
   take the exact cut, which must draw a fresh uniform (reusing the first one, known to have
   landed outside the nucleus, under-samples the lowest ids)."""
-  vocab, rows, steps, top_p = 64, 256, 40, 0.1
-  row_logits = np.linspace(0.0, -0.1, vocab).astype(np.float32)
-  params = je.SamplingParams(top_p=top_p)
-  batch = je.InputBatch(rows, steps + 2, vocab)
-  for i in range(rows):
-    batch.add_request(f"r{i}", [0], params.replace(seed=i))
-  logits = np.tile(row_logits, (rows, 1))
-  counts = np.zeros(vocab)
-  for _ in range(steps):
-    counts += np.bincount(batch.sample(logits).sampled_token_ids, minlength=vocab)
-  ref = reference_row(row_logits, prompt=[0], **dataclasses.asdict(params))
-  expected = ref.probs * rows * steps
-  assert counts[expected == 0].sum() == 0
-  kept = expected > 0
-  chi2 = (((counts - expected) ** 2)[kept] / expected[kept]).sum()
-  dof = kept.sum() - 1
-  assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof, counts[kept], expected[kept])
+  row_logits = np.linspace(0.0, -0.1, 64).astype(np.float32)
+  _assert_draws_match_exact(row_logits, je.SamplingParams(top_p=0.1), rows=256, steps=40)
