@@ -291,11 +291,6 @@ class LLMEngine:
     """Whether any request is waiting or running."""
     return bool(self._waiting or self._running)
 
-  @property
-  def num_unfinished_requests(self) -> int:
-    """Requests with at least one completion not yet finished."""
-    return sum(not r.output().finished for r in self._requests.values())
-
   def pop_finished(self) -> list[RequestOutput]:
     """Returns and forgets every finished request."""
     done = [r for r in self._requests.values()
