@@ -29,10 +29,12 @@ PARAMS = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
 
 
 def _prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
-  text = ("The history of science is the study of the development of science and scientific "
-          "knowledge, including both the natural and social sciences. ") * 8
+  text = (
+    "The history of science is the study of the development of science and scientific "
+    "knowledge, including both the natural and social sciences. "
+  ) * 8
   ids = tokenizer.encode(text)
-  return [ids[i % 7:i % 7 + length] for i in range(batch)]
+  return [ids[i % 7 : i % 7 + length] for i in range(batch)]
 
 
 def _generate(engine, prompts, params):
@@ -63,8 +65,9 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   """(sampler ms, fused decode step ms) over the engine's current (full) batch."""
   batch = engine.batch
   rng = np.random.default_rng(0)
-  logits = jnp.asarray(rng.standard_normal((batch.max_num_reqs, batch.vocab_size),
-                                           dtype=np.float32))
+  logits = jnp.asarray(
+    rng.standard_normal((batch.max_num_reqs, batch.vocab_size), dtype=np.float32)
+  )
   state = jax.tree.map(jnp.copy, batch.state)
   metadata = batch.sampling_metadata
 
@@ -96,9 +99,12 @@ def main(argv=None) -> None:
   parser.add_argument("--max-model-len", type=int, default=256)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   args = parser.parse_args(argv)
-  print(f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"SmolLM2-135M-Instruct {args.dtype}, prompt {args.prompt_len} tokens, "
-        f"{args.max_tokens} new tokens per request", flush=True)
+  print(
+    f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
+    f"SmolLM2-135M-Instruct {args.dtype}, prompt {args.prompt_len} tokens, "
+    f"{args.max_tokens} new tokens per request",
+    flush=True,
+  )
   params = je.SamplingParams(max_tokens=args.max_tokens, **PARAMS)
   for size in args.batch_sizes:
     llm = je.LLM(max_num_reqs=size, max_model_len=args.max_model_len, dtype=args.dtype)
@@ -112,10 +118,13 @@ def main(argv=None) -> None:
     engine.add_requests([(None, p, params.replace(max_tokens=10**4 // 2)) for p in prompts])
     engine.step()
     sampler_ms, step_ms = _sampler_share(engine)
-    print(f"B={size:3d}  prefill {prefill_tps:9.1f} tok/s ({prefill_s * 1e3:7.1f} ms)   "
-          f"decode {decode_tps:8.1f} tok/s ({decode_s / steps * 1e3:6.1f} ms/step)   "
-          f"sampler {sampler_ms:6.2f} ms of a {step_ms:6.1f} ms step "
-          f"({100 * sampler_ms / step_ms:4.1f}%)", flush=True)
+    print(
+      f"B={size:3d}  prefill {prefill_tps:9.1f} tok/s ({prefill_s * 1e3:7.1f} ms)   "
+      f"decode {decode_tps:8.1f} tok/s ({decode_s / steps * 1e3:6.1f} ms/step)   "
+      f"sampler {sampler_ms:6.2f} ms of a {step_ms:6.1f} ms step "
+      f"({100 * sampler_ms / step_ms:4.1f}%)",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -59,16 +59,28 @@ def _mix_params(name: str, i: int, vocab: int) -> je.SamplingParams:
     if kind == 3:
       return je.SamplingParams(temperature=0.9, min_p=0.05, **common)
     if kind == 4:
-      return je.SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5,
-                               repetition_penalty=1.2, **common)
+      return je.SamplingParams(
+        temperature=0.8,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        **common,
+      )
     if kind == 5:
-      return je.SamplingParams(temperature=0.8, min_tokens=4, stop_token_ids=[7, 8, 9],
-                               logit_bias={11: 2.0, 12: -3.0}, **common)
+      return je.SamplingParams(
+        temperature=0.8,
+        min_tokens=4,
+        stop_token_ids=[7, 8, 9],
+        logit_bias={11: 2.0, 12: -3.0},
+        **common,
+      )
     if kind == 6:
-      return je.SamplingParams(temperature=0.8, allowed_token_ids=list(range(0, vocab, 3)),
-                               **common)
-    return je.SamplingParams(temperature=0.8, top_k=20,
-                             bad_words_token_ids=[[5], [6, 7], [8, 9, 10]], **common)
+      return je.SamplingParams(
+        temperature=0.8, allowed_token_ids=list(range(0, vocab, 3)), **common
+      )
+    return je.SamplingParams(
+      temperature=0.8, top_k=20, bad_words_token_ids=[[5], [6, 7], [8, 9, 10]], **common
+    )
   raise ValueError(f"unknown mix {name!r}")
 
 
@@ -91,7 +103,7 @@ def _warm(*fns, times: int = 2) -> None:
       jax.block_until_ready(fn())
 
 
-def _measure(fns, repeats: int, compiles: "_Compiles") -> tuple[list[float], int]:
+def _measure(fns, repeats: int, compiles: _Compiles) -> tuple[list[float], int]:
   """Warms up (compiles) every function, then returns their interleaved medians in ms and the
   number of compiles seen while timing them."""
   _warm(*fns)
@@ -131,14 +143,28 @@ def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -
         batch = je.InputBatch(size, 4096, vocab)
         _fill(batch, mix, rng)
         (max_ms, softmax_ms, ms), num_compiles = _measure(
-            [lambda: max_pass(logits), lambda: log_softmax(logits), lambda: batch.sample(logits)],
-            repeats, compiles)
-        row = dict(B=size, V=vocab, mix=mix, ms=ms, x_max=ms / max_ms, x_log_softmax=ms / softmax_ms,
-                   compiles=num_compiles, max_ms=max_ms, log_softmax_ms=softmax_ms)
+          [lambda: max_pass(logits), lambda: log_softmax(logits), lambda: batch.sample(logits)],
+          repeats,
+          compiles,
+        )
+        row = dict(
+          B=size,
+          V=vocab,
+          mix=mix,
+          ms=ms,
+          x_max=ms / max_ms,
+          x_log_softmax=ms / softmax_ms,
+          compiles=num_compiles,
+          max_ms=max_ms,
+          log_softmax_ms=softmax_ms,
+        )
         rows.append(row)
-        print(f"B={size:4d} V={vocab:6d} {mix:12s} {ms:9.2f} ms  {row['x_max']:7.1f}x max "
-              f"({max_ms:.2f} ms)  {row['x_log_softmax']:5.2f}x log_softmax ({softmax_ms:.1f} ms)"
-              f"  compiles={row['compiles']}", flush=True)
+        print(
+          f"B={size:4d} V={vocab:6d} {mix:12s} {ms:9.2f} ms  {row['x_max']:7.1f}x max "
+          f"({max_ms:.2f} ms)  {row['x_log_softmax']:5.2f}x log_softmax ({softmax_ms:.1f} ms)"
+          f"  compiles={row['compiles']}",
+          flush=True,
+        )
   return rows
 
 
@@ -170,9 +196,12 @@ def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) 
 
   (change_ms, step_ms), num_compiles = _measure([change, step], repeats, compiles)
   result = dict(change_ms=change_ms, step_ms=step_ms, compiles=num_compiles)
-  print(f"composition change (2 removes + condense + 2 adds + refresh) at B={size} V={vocab}: "
-        f"{change_ms:.2f} ms vs chat step {step_ms:.2f} ms ({change_ms / step_ms:.2f}x); "
-        f"compiles={result['compiles']}", flush=True)
+  print(
+    f"composition change (2 removes + condense + 2 adds + refresh) at B={size} V={vocab}: "
+    f"{change_ms:.2f} ms vs chat step {step_ms:.2f} ms ({change_ms / step_ms:.2f}x); "
+    f"compiles={result['compiles']}",
+    flush=True,
+  )
   return result
 
 
@@ -181,10 +210,14 @@ def bench_host_overhead(repeats: int, compiles: _Compiles, size=8, vocab=256) ->
   _, logits, batch = _full_batch(size, vocab, "greedy", seed=2)
   identity = jax.jit(lambda x: x)
   (bare_ms, step_ms), num_compiles = _measure(
-      [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)], repeats * 20, compiles)
+    [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)], repeats * 20, compiles
+  )
   result = dict(step_ms=step_ms, bare_ms=bare_ms, compiles=num_compiles)
-  print(f"host overhead B={size} V={vocab}: step {step_ms:.3f} ms vs bare jitted identity "
-        f"{bare_ms:.3f} ms ({step_ms / bare_ms:.2f}x); compiles={result['compiles']}", flush=True)
+  print(
+    f"host overhead B={size} V={vocab}: step {step_ms:.3f} ms vs bare jitted identity "
+    f"{bare_ms:.3f} ms ({step_ms / bare_ms:.2f}x); compiles={result['compiles']}",
+    flush=True,
+  )
   return result
 
 
@@ -198,9 +231,12 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.quick:
     args.batch_sizes, args.vocab_sizes = [256], [49152]
-  print(f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()} "
-        f"({jax.devices()[0].device_kind}), {platform.processor() or platform.machine()}, "
-        f"{datetime.date.today()}", flush=True)
+  print(
+    f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()} "
+    f"({jax.devices()[0].device_kind}), {platform.processor() or platform.machine()}, "
+    f"{datetime.date.today()}",
+    flush=True,
+  )
   compiles = _Compiles()
   bench_table(args.batch_sizes, args.vocab_sizes, args.mixes, args.repeats, compiles)
   bench_composition(args.repeats, compiles)

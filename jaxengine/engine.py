@@ -52,28 +52,39 @@ def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_l
   token_ids = state.token_ids[rows, last]
   # Rows without a request write nothing: positions >= max_model_len are dropped by the cache.
   positions = jnp.where(metadata.is_live, last, state.max_model_len)
-  hidden, kv_cache = llama.forward(graphdef, weights, token_ids[:, None], positions[:, None],
-                                   kv_cache, state.cache_slot, attention_len=attention_len)
+  hidden, kv_cache = llama.forward(
+    graphdef,
+    weights,
+    token_ids[:, None],
+    positions[:, None],
+    kv_cache,
+    state.cache_slot,
+    attention_len=attention_len,
+  )
   logits = llama.compute_logits(graphdef, weights, hidden[:, 0])
   state, output = sample(state, metadata, logits)
   return state, output, kv_cache
 
 
 def _prefill(graphdef, weights, kv_cache, token_ids, positions, cache_slots):
-  _, kv_cache = llama.forward(graphdef, weights, token_ids, positions, kv_cache, cache_slots,
-                              attention_len=token_ids.shape[1])
+  _, kv_cache = llama.forward(
+    graphdef, weights, token_ids, positions, kv_cache, cache_slots, attention_len=token_ids.shape[1]
+  )
   return kv_cache
 
 
-def _prefill_with_prompt_logprobs(graphdef, num_logprobs, weights, kv_cache, token_ids, positions,
-                                  cache_slots, next_token_ids):
+def _prefill_with_prompt_logprobs(
+  graphdef, num_logprobs, weights, kv_cache, token_ids, positions, cache_slots, next_token_ids
+):
   """Prefill that also returns raw log-softmax logprobs of each next prompt token ([B, T, k+1])."""
-  hidden, kv_cache = llama.forward(graphdef, weights, token_ids, positions, kv_cache, cache_slots,
-                                   attention_len=token_ids.shape[1])
+  hidden, kv_cache = llama.forward(
+    graphdef, weights, token_ids, positions, kv_cache, cache_slots, attention_len=token_ids.shape[1]
+  )
   logits = llama.compute_logits(graphdef, weights, hidden)  # [B, T, V]
   batch, length, vocab = logits.shape
-  logprobs = gather_logprobs(logits.reshape(batch * length, vocab), next_token_ids.reshape(-1),
-                             num_logprobs)
+  logprobs = gather_logprobs(
+    logits.reshape(batch * length, vocab), next_token_ids.reshape(-1), num_logprobs
+  )
   return kv_cache, jax.tree.map(lambda a: a.reshape(batch, length, *a.shape[1:]), logprobs)
 
 
@@ -94,7 +105,7 @@ class _Sequence:
   """One completion being generated: a row of the batch while running."""
 
   seq_id: str
-  request: "_Request"
+  request: _Request
   index: int
   params: SamplingParams
   detokenizer: IncrementalDetokenizer | None
@@ -106,10 +117,15 @@ class _Sequence:
   stop_reason: int | str | None = None
 
   def output(self) -> CompletionOutput:
-    return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
-                            cumulative_logprob=self.cumulative_logprob,
-                            logprobs=None if self.logprobs is None else list(self.logprobs),
-                            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+    return CompletionOutput(
+      index=self.index,
+      text=self.text,
+      token_ids=list(self.token_ids),
+      cumulative_logprob=self.cumulative_logprob,
+      logprobs=None if self.logprobs is None else list(self.logprobs),
+      finish_reason=self.finish_reason,
+      stop_reason=self.stop_reason,
+    )
 
 
 @dataclasses.dataclass
@@ -122,11 +138,14 @@ class _Request:
   prompt_logprobs: list | None = None
 
   def output(self) -> RequestOutput:
-    return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                         prompt_token_ids=list(self.prompt_token_ids),
-                         prompt_logprobs=self.prompt_logprobs,
-                         outputs=[s.output() for s in self.sequences],
-                         finished=all(s.finish_reason is not None for s in self.sequences))
+    return RequestOutput(
+      request_id=self.request_id,
+      prompt=self.prompt,
+      prompt_token_ids=list(self.prompt_token_ids),
+      prompt_logprobs=self.prompt_logprobs,
+      outputs=[s.output() for s in self.sequences],
+      finished=all(s.finish_reason is not None for s in self.sequences),
+    )
 
 
 class LLMEngine:
@@ -147,14 +166,24 @@ class LLMEngine:
     ValueError: `max_model_len` above the model's `max_position_embeddings`.
   """
 
-  def __init__(self, model: llama.Llama, tokenizer: Tokenizer | None = None, *,
-               max_num_reqs: int = 16, max_model_len: int = 1024, max_num_logprobs: int = 20,
-               logprobs_mode: str = "raw_logprobs", seed: int = 0,
-               eos_token_id: int | None = None):
+  def __init__(
+    self,
+    model: llama.Llama,
+    tokenizer: Tokenizer | None = None,
+    *,
+    max_num_reqs: int = 16,
+    max_model_len: int = 1024,
+    max_num_logprobs: int = 20,
+    logprobs_mode: str = "raw_logprobs",
+    seed: int = 0,
+    eos_token_id: int | None = None,
+  ):
     config = model.config
     if max_model_len > config.max_position_embeddings:
-      raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                       f"max_position_embeddings={config.max_position_embeddings}")
+      raise ValueError(
+        f"max_model_len={max_model_len} exceeds the model's "
+        f"max_position_embeddings={config.max_position_embeddings}"
+      )
     self.config = config
     self.tokenizer = tokenizer
     if eos_token_id is None:
@@ -162,20 +191,32 @@ class LLMEngine:
     self.eos_token_id = eos_token_id
     self.max_num_reqs = max_num_reqs
     self.max_model_len = max_model_len
-    self.batch = InputBatch(max_num_reqs, max_model_len, config.vocab_size,
-                            max_num_logprobs=max_num_logprobs, logprobs_mode=logprobs_mode,
-                            eos_token_ids=() if eos_token_id is None else (eos_token_id,),
-                            seed=seed)
+    self.batch = InputBatch(
+      max_num_reqs,
+      max_model_len,
+      config.vocab_size,
+      max_num_logprobs=max_num_logprobs,
+      logprobs_mode=logprobs_mode,
+      eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+      seed=seed,
+    )
     self._graphdef, self._weights = nnx.split(model)
     dtype = model.embed[...].dtype
     self._kv_cache = KVCache.create(config, max_num_reqs, max_model_len, dtype)
-    self._decode = jax.jit(functools.partial(_decode_and_sample, self._graphdef),
-                           static_argnames=("attention_len",), donate_argnames=("state", "kv_cache"))
-    self._prefill = jax.jit(functools.partial(_prefill, self._graphdef),
-                            donate_argnames=("kv_cache",))
+    self._decode = jax.jit(
+      functools.partial(_decode_and_sample, self._graphdef),
+      static_argnames=("attention_len",),
+      donate_argnames=("state", "kv_cache"),
+    )
+    self._prefill = jax.jit(
+      functools.partial(_prefill, self._graphdef), donate_argnames=("kv_cache",)
+    )
     self._prefill_logprobs = jax.jit(
-        functools.partial(_prefill_with_prompt_logprobs, self._graphdef,
-                          self.batch.state.max_num_logprobs), donate_argnames=("kv_cache",))
+      functools.partial(
+        _prefill_with_prompt_logprobs, self._graphdef, self.batch.state.max_num_logprobs
+      ),
+      donate_argnames=("kv_cache",),
+    )
     self._length_buckets = _buckets(max_model_len, min(_MIN_PREFILL_BUCKET, max_model_len))
     self._batch_buckets = _buckets(max_num_reqs, 1)
     self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -186,8 +227,9 @@ class LLMEngine:
 
   # --- requests -----------------------------------------------------------------------------
 
-  def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                  params: SamplingParams | None = None) -> str:
+  def add_request(
+    self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams | None = None
+  ) -> str:
     """Queues a prompt (text or token ids); returns its request id.
 
     Raises:
@@ -197,8 +239,9 @@ class LLMEngine:
     """
     return self.add_requests([(request_id, prompt, params)])[0]
 
-  def add_requests(self, requests: Sequence[tuple[str | None, str | Sequence[int],
-                                                  SamplingParams | None]]) -> list[str]:
+  def add_requests(
+    self, requests: Sequence[tuple[str | None, str | Sequence[int], SamplingParams | None]]
+  ) -> list[str]:
     """Validates every `(request_id, prompt, params)` first, then queues them all.
 
     Raises:
@@ -219,15 +262,17 @@ class LLMEngine:
       self._waiting.extend(request.sequences)
     return [r.request_id for r in made]
 
-  def _make_request(self, request_id: str, prompt, params: SamplingParams) -> "_Request":
+  def _make_request(self, request_id: str, prompt, params: SamplingParams) -> _Request:
     if not isinstance(params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
     text, prompt_token_ids = self._prompt_text_and_ids(prompt)
     if not prompt_token_ids:
       raise ValueError("the prompt is empty")
     if len(prompt_token_ids) >= self.max_model_len:
-      raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
-                       f"max_model_len={self.max_model_len}")
+      raise ValueError(
+        f"the prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
+        f"max_model_len={self.max_model_len}"
+      )
     if (params.stop or params.bad_words) and self.tokenizer is None:
       raise ValueError("stop strings and bad_words need a tokenizer")
     params = self._with_bad_words(params)
@@ -238,12 +283,24 @@ class LLMEngine:
       # vLLM's parallel sampling: child j of a seeded request uses seed + j.
       child = params if params.seed is None or j == 0 else params.replace(seed=params.seed + j)
       seq_id = request_id if params.n == 1 else f"{request_id}#{j}"
-      detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
-          self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
-      request.sequences.append(_Sequence(
-          seq_id, request, j, child, detokenizer,
+      detokenizer = (
+        None
+        if self.tokenizer is None
+        else IncrementalDetokenizer(
+          self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+        )
+      )
+      request.sequences.append(
+        _Sequence(
+          seq_id,
+          request,
+          j,
+          child,
+          detokenizer,
           logprobs=None if params.logprobs is None else [],
-          cumulative_logprob=None if params.logprobs is None else 0.0))
+          cumulative_logprob=None if params.logprobs is None else 0.0,
+        )
+      )
     return request
 
   def _prompt_text_and_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -253,8 +310,10 @@ class LLMEngine:
     if isinstance(prompt, dict):
       unknown = set(prompt) - {"prompt", "prompt_token_ids"}
       if unknown or not prompt:
-        raise ValueError(f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got "
-                         f"{sorted(map(str, prompt))}")
+        raise ValueError(
+          f"a prompt dict takes the keys 'prompt' and/or 'prompt_token_ids', got "
+          f"{sorted(map(str, prompt))}"
+        )
       if "prompt_token_ids" in prompt:
         return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
       prompt = prompt["prompt"]
@@ -293,8 +352,9 @@ class LLMEngine:
 
   def pop_finished(self) -> list[RequestOutput]:
     """Returns and forgets every finished request."""
-    done = [r for r in self._requests.values()
-            if all(s.finish_reason is not None for s in r.sequences)]
+    done = [
+      r for r in self._requests.values() if all(s.finish_reason is not None for s in r.sequences)
+    ]
     for request in done:
       del self._requests[request.request_id]
     return [r.output() for r in done]
@@ -314,8 +374,9 @@ class LLMEngine:
       return []
     longest = max(self.batch.num_tokens(seq_id) for seq_id in self._running)
     attention_len = _bucket(longest, self._length_buckets)
-    output, self._kv_cache = self.batch.run(self._decode, self._weights, self._kv_cache,
-                                            attention_len)
+    output, self._kv_cache = self.batch.run(
+      self._decode, self._weights, self._kv_cache, attention_len
+    )
     advanced = {}
     for row, seq_id in enumerate(self.batch.req_ids):
       seq = self._running[seq_id]
@@ -347,7 +408,7 @@ class LLMEngine:
         seq.request.prompt_logprobs = [None]
     for (length, wants_logprobs), group in sorted(by_bucket.items()):
       for start in range(0, len(group), self.max_num_reqs):
-        self._prefill_group(group[start:start + self.max_num_reqs], length, wants_logprobs)
+        self._prefill_group(group[start : start + self.max_num_reqs], length, wants_logprobs)
 
   def _prefill_group(self, group: list[_Sequence], length: int, wants_logprobs: bool) -> None:
     size = _bucket(len(group), self._batch_buckets)
@@ -367,15 +428,19 @@ class LLMEngine:
     if not wants_logprobs:
       self._kv_cache = self._prefill(self._weights, self._kv_cache, token_ids, positions, slots)
       return
-    self._kv_cache, logprobs = self._prefill_logprobs(self._weights, self._kv_cache, token_ids,
-                                                      positions, slots, next_token_ids)
+    self._kv_cache, logprobs = self._prefill_logprobs(
+      self._weights, self._kv_cache, token_ids, positions, slots, next_token_ids
+    )
     logprobs = jax.device_get(logprobs)
     for i, seq in enumerate(group):
       n = len(seq.request.prompt_token_ids) - 1
       k = self._resolve_k(seq.params.prompt_logprobs)
       seq.request.prompt_logprobs = [None] + [
-          self._logprob_dict(logprobs.token_ids[i, t], logprobs.logprobs[i, t],
-                             int(logprobs.ranks[i, t]), k) for t in range(n)]
+        self._logprob_dict(
+          logprobs.token_ids[i, t], logprobs.logprobs[i, t], int(logprobs.ranks[i, t]), k
+        )
+        for t in range(n)
+      ]
 
   # --- host bookkeeping -------------------------------------------------------------------------
 
@@ -385,10 +450,10 @@ class LLMEngine:
   def _logprob_dict(self, token_ids, values, rank: int, k: int) -> dict[int, Logprob]:
     """vLLM's per-position dict: the chosen token with its rank, then the top k by position
     (a chosen token inside the top k keeps its top-k entry)."""
-    ids = [int(t) for t in token_ids[:k + 1]]
+    ids = [int(t) for t in token_ids[: k + 1]]
     ranks = [rank] + list(range(1, k + 1))
     out = {}
-    for token_id, value, r in zip(ids, values[:k + 1], ranks):
+    for token_id, value, r in zip(ids, values[: k + 1], ranks):
       out[token_id] = Logprob(float(value), r, self._decoded(token_id))
     return out
 
@@ -398,8 +463,9 @@ class LLMEngine:
       return None
     text = self._decoded_tokens.get(token_id)
     if text is None:
-      text = self._decoded_tokens[token_id] = self.tokenizer.decode([token_id],
-                                                                    skip_special_tokens=False)
+      text = self._decoded_tokens[token_id] = self.tokenizer.decode(
+        [token_id], skip_special_tokens=False
+      )
     return text
 
   def _append(self, seq: _Sequence, row: int, output) -> None:
@@ -409,8 +475,9 @@ class LLMEngine:
     if seq.logprobs is not None:
       lp = output.logprobs
       k = self._resolve_k(params.logprobs)
-      seq.logprobs.append(self._logprob_dict(lp.token_ids[row], lp.logprobs[row],
-                                             int(lp.ranks[row]), k))
+      seq.logprobs.append(
+        self._logprob_dict(lp.token_ids[row], lp.logprobs[row], int(lp.ranks[row]), k)
+      )
       seq.cumulative_logprob += float(lp.logprobs[row, 0])
     num_output = len(seq.token_ids)
     may_stop = num_output >= params.min_tokens
@@ -439,5 +506,5 @@ class LLMEngine:
     hits = [(i, s) for i, s in hits if i >= 0]
     if hits:
       index, stop = min(hits)
-      seq.text = seq.text[:index + len(stop) if params.include_stop_str_in_output else index]
+      seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
       seq.finish_reason, seq.stop_reason = "stop", stop

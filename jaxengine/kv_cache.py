@@ -37,11 +37,11 @@ class KVCache:
 
   @classmethod
   def create(
-      cls,
-      config: LlamaConfig,
-      num_slots: int,
-      max_model_len: int,
-      dtype: jnp.dtype = jnp.float32,
+    cls,
+    config: LlamaConfig,
+    num_slots: int,
+    max_model_len: int,
+    dtype: jnp.dtype = jnp.float32,
   ) -> KVCache:
     """Allocates a zero-filled cache.
 
@@ -57,11 +57,11 @@ class KVCache:
       A ``KVCache`` whose two leaves are separate buffers (so both can be donated).
     """
     shape = (
-        config.num_hidden_layers,
-        num_slots,
-        max_model_len,
-        config.num_key_value_heads,
-        config.head_dim,
+      config.num_hidden_layers,
+      num_slots,
+      max_model_len,
+      config.num_key_value_heads,
+      config.head_dim,
     )
     # Two separate allocations: aliased leaves would break buffer donation.
     return cls(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype))

@@ -16,7 +16,9 @@ from jaxengine.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
 
-Prompt = str | Sequence[int] | Mapping  # text, token ids, or {"prompt": ..., "prompt_token_ids": ...}
+Prompt = (
+  str | Sequence[int] | Mapping
+)  # text, token ids, or {"prompt": ..., "prompt_token_ids": ...}
 Message = Mapping[str, str]
 
 
@@ -44,10 +46,18 @@ class LLM:
       settings.
   """
 
-  def __init__(self, model: str | os.PathLike | Llama | None = None, *,
-               tokenizer: Tokenizer | None = None, max_num_reqs: int = 16,
-               max_model_len: int = 1024, dtype="float32", seed: int = 0,
-               max_num_logprobs: int = 20, logprobs_mode: str = "raw_logprobs"):
+  def __init__(
+    self,
+    model: str | os.PathLike | Llama | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    max_num_reqs: int = 16,
+    max_model_len: int = 1024,
+    dtype="float32",
+    seed: int = 0,
+    max_num_logprobs: int = 20,
+    logprobs_mode: str = "raw_logprobs",
+  ):
     if isinstance(dtype, str):
       if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -60,17 +70,27 @@ class LLM:
       llama, _ = load_gguf(None if model is None else os.fspath(model), dtype=dtype)
       if tokenizer is None:
         tokenizer = Tokenizer.from_gguf(None if model is None else os.fspath(model))
-    self.llm_engine = LLMEngine(llama, tokenizer, max_num_reqs=max_num_reqs,
-                                max_model_len=max_model_len, max_num_logprobs=max_num_logprobs,
-                                logprobs_mode=logprobs_mode, seed=seed)
+    self.llm_engine = LLMEngine(
+      llama,
+      tokenizer,
+      max_num_reqs=max_num_reqs,
+      max_model_len=max_model_len,
+      max_num_logprobs=max_num_logprobs,
+      logprobs_mode=logprobs_mode,
+      seed=seed,
+    )
 
   def get_tokenizer(self) -> Tokenizer | None:
     """The engine's `Tokenizer` (None for a model given without one)."""
     return self.llm_engine.tokenizer
 
-  def generate(self, prompts: Prompt | Sequence[Prompt],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               use_tqdm: bool = True) -> list[RequestOutput]:
+  def generate(
+    self,
+    prompts: Prompt | Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    use_tqdm: bool = True,
+  ) -> list[RequestOutput]:
     """Generates completions for one or many prompts with continuous batching.
 
     Args:
@@ -91,8 +111,9 @@ class LLM:
     engine = self.llm_engine
     ids = engine.add_requests([(None, p, sp) for p, sp in zip(prompts, params)])
     outputs: dict[str, RequestOutput] = {}
-    with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm,
-              dynamic_ncols=True) as progress:
+    with tqdm(
+      total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True
+    ) as progress:
       while engine.has_unfinished_requests():
         engine.step()
         for output in engine.pop_finished():
@@ -100,9 +121,14 @@ class LLM:
           progress.update(1)
     return [outputs[i] for i in ids]
 
-  def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
-           sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-           use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+  def chat(
+    self,
+    messages: Sequence[Message] | Sequence[Sequence[Message]],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    use_tqdm: bool = True,
+    add_generation_prompt: bool = True,
+  ) -> list[RequestOutput]:
     """Generates replies to one conversation or a list of them, using the model's chat template.
 
     Args:
@@ -125,8 +151,9 @@ class LLM:
     for conversation in conversations:
       text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
       # The template writes its own special tokens: encode without adding more.
-      prompts.append({"prompt": text,
-                      "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+      prompts.append(
+        {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+      )
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
@@ -134,8 +161,9 @@ def _as_prompt_list(prompts) -> list[Prompt]:
   if isinstance(prompts, (str, Mapping)):
     return [prompts]
   if not isinstance(prompts, Sequence):
-    raise ValueError(f"prompts must be a string, token ids, a prompt dict or a list of these, "
-                     f"got {prompts!r}")
+    raise ValueError(
+      f"prompts must be a string, token ids, a prompt dict or a list of these, got {prompts!r}"
+    )
   prompts = list(prompts)
   if prompts and all(is_int(t) for t in prompts):
     return [prompts]  # one prompt given as token ids

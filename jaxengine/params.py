@@ -10,8 +10,8 @@ lists against the batch's capacities) happen in `InputBatch.add_request`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -120,8 +120,9 @@ class SamplingParams:
     _check_number("temperature", self.temperature)
     if 0 < self.temperature < MIN_TEMPERATURE:
       warnings.warn(
-          f"temperature {self.temperature} is below {MIN_TEMPERATURE}; using {MIN_TEMPERATURE}",
-          stacklevel=3)
+        f"temperature {self.temperature} is below {MIN_TEMPERATURE}; using {MIN_TEMPERATURE}",
+        stacklevel=3,
+      )
       set_("temperature", MIN_TEMPERATURE)
     if self.seed == -1:
       set_("seed", None)
@@ -137,11 +138,16 @@ class SamplingParams:
     set_("allowed_token_ids", _as_int_tuple("allowed_token_ids", self.allowed_token_ids))
     if self.bad_words_token_ids is not None:
       if isinstance(self.bad_words_token_ids, (str, bytes)) or not isinstance(
-          self.bad_words_token_ids, Iterable):
-        raise ValueError(f"bad_words_token_ids must be a list of token-id sequences, got "
-                         f"{self.bad_words_token_ids!r}")
-      set_("bad_words_token_ids", tuple(
-          _as_int_tuple("bad_words_token_ids", seq) for seq in self.bad_words_token_ids))
+        self.bad_words_token_ids, Iterable
+      ):
+        raise ValueError(
+          f"bad_words_token_ids must be a list of token-id sequences, got "
+          f"{self.bad_words_token_ids!r}"
+        )
+      set_(
+        "bad_words_token_ids",
+        tuple(_as_int_tuple("bad_words_token_ids", seq) for seq in self.bad_words_token_ids),
+      )
     if self.logit_bias is not None:
       set_("logit_bias", _normalise_logit_bias(self.logit_bias))
     if self.logprobs is True:
@@ -176,7 +182,9 @@ class SamplingParams:
         raise ValueError(f"{name} must be in [-2, 2], got {value}")
     _check_number("repetition_penalty", self.repetition_penalty)
     if not self.repetition_penalty > 0.0:
-      raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+      raise ValueError(
+        f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
+      )
     if self.seed is not None:
       _check_int("seed", self.seed)
     if self.max_tokens is not None:
@@ -188,8 +196,9 @@ class SamplingParams:
       raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
     if self.max_tokens is not None and self.min_tokens > self.max_tokens:
       raise ValueError(
-          f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-          f"got {self.min_tokens}")
+        f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+        f"got {self.min_tokens}"
+      )
     for name in ("logprobs", "prompt_logprobs"):
       value = getattr(self, name)
       if value is not None:
@@ -199,7 +208,9 @@ class SamplingParams:
     if self.stop is not None:
       for s in self.stop:
         if not isinstance(s, str) or not s:
-          raise ValueError(f"stop cannot contain an empty string or a non-string, got {self.stop!r}")
+          raise ValueError(
+            f"stop cannot contain an empty string or a non-string, got {self.stop!r}"
+          )
     if self.bad_words is not None:
       for word in self.bad_words:
         if not isinstance(word, str):
@@ -207,8 +218,10 @@ class SamplingParams:
     if self.bad_words_token_ids is not None:
       for seq in self.bad_words_token_ids:
         if not seq:
-          raise ValueError(f"bad_words_token_ids cannot contain an empty sequence, got "
-                           f"{self.bad_words_token_ids!r}")
+          raise ValueError(
+            f"bad_words_token_ids cannot contain an empty sequence, got "
+            f"{self.bad_words_token_ids!r}"
+          )
     if self.allowed_token_ids is not None and not self.allowed_token_ids:
       raise ValueError("allowed_token_ids is not None and empty!")
     if self.temperature < SAMPLING_EPS and self.n > 1:
@@ -219,7 +232,7 @@ class SamplingParams:
     """True when the request samples greedily (temperature below 1e-5)."""
     return self.temperature < SAMPLING_EPS
 
-  def replace(self, **changes) -> "SamplingParams":
+  def replace(self, **changes) -> SamplingParams:
     """Returns a copy with `changes` applied (validated again).
 
     Raises:
@@ -251,8 +264,10 @@ def _normalise_logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
       raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
     _check_number(f"logit_bias[{token_id}]", value)
     if not math.isfinite(float(value)):
-      raise ValueError(f"logit_bias[{token_id}] must be finite (use allowed_token_ids or "
-                       f"bad_words_token_ids to forbid or force tokens), got {value!r}")
+      raise ValueError(
+        f"logit_bias[{token_id}] must be finite (use allowed_token_ids or "
+        f"bad_words_token_ids to forbid or force tokens), got {value!r}"
+      )
     out[token_id] = float(value)
   return out
 

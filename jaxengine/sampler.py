@@ -108,8 +108,11 @@ def _penalize(x, counts, in_prompt, md: SamplingMetadata):
   in_output = counts > 0
   r = md.repetition_penalty[:, None]
   x = jnp.where(in_prompt | in_output, jnp.where(x > 0, x / r, x * r), x)
-  return (x - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
-          - md.presence_penalty[:, None] * in_output.astype(jnp.float32))
+  return (
+    x
+    - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
+    - md.presence_penalty[:, None] * in_output.astype(jnp.float32)
+  )
 
 
 def _is_allowed(state: BatchState, token_ids=None) -> jax.Array:
@@ -198,7 +201,7 @@ def argmax(x: jax.Array) -> jax.Array:
   blocks; the first block holding the maximum is found on the `[R, V / block]`
   block maxima, and only that block is searched.
   """
-  rows, vocab = x.shape
+  _rows, vocab = x.shape
   width = _block_width(vocab)
   blocks = _blocks(x, width, _NEG_INF)
   best_block = jnp.argmax(blocks.max(-1), axis=-1)  # a small argmax: [R, V / block]
@@ -324,8 +327,9 @@ def _draw_from_candidates(values, ids, row_max, threshold, u):
 def _weigh(values, row_max, threshold):
   """Unnormalised probabilities `exp(v - max)` of the kept values (`v >= threshold`), else 0."""
   shape = (values.shape[0],) + (1,) * (values.ndim - 1)
-  return jnp.where(values >= threshold.reshape(shape),
-                   jnp.exp(values - row_max.reshape(shape)), 0.0)
+  return jnp.where(
+    values >= threshold.reshape(shape), jnp.exp(values - row_max.reshape(shape)), 0.0
+  )
 
 
 class _VocabSampler:
@@ -347,8 +351,9 @@ class _VocabSampler:
   def draw(self, u: jax.Array) -> jax.Array:
     """`[R] int32` the token whose cumulative mass first exceeds `u * total`."""
     target = u * self.total
-    block = jnp.minimum((self.block_cumulative <= target[:, None]).sum(-1),
-                        _last_positive(self.block_mass))
+    block = jnp.minimum(
+      (self.block_cumulative <= target[:, None]).sum(-1), _last_positive(self.block_mass)
+    )
     before = jnp.take_along_axis(self.block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)
     before = jnp.where(block > 0, before[:, 0], 0.0)
     chosen = jnp.take_along_axis(self.blocks, block[:, None, None], 1)[:, 0]  # [R, block]
@@ -401,8 +406,9 @@ def _draw_from_vocab(x, inv_temperature, row_max, threshold, u, top_p, rejecting
       cut = jnp.where(stuck, top_p_threshold(y, row_max, threshold, top_p), threshold)
       # A fresh uniform: the row's earlier ones are known to have landed outside the nucleus, so
       # reusing any of them would bias the draw.
-      fresh_u = jax.vmap(lambda key: jax.random.uniform(
-          jax.random.fold_in(key, _MAX_REJECTION_ATTEMPTS), ()))(step_keys)
+      fresh_u = jax.vmap(
+        lambda key: jax.random.uniform(jax.random.fold_in(key, _MAX_REJECTION_ATTEMPTS), ())
+      )(step_keys)
       return jnp.where(stuck, _VocabSampler(y, row_max, cut).draw(fresh_u), drawn)
 
     return lax.cond(stuck.any(), exact, lambda: drawn)
@@ -451,9 +457,10 @@ def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidat
   top_k_cut = jnp.where(k < vocab, kth, _NEG_INF)
   beyond = (k < vocab) & (k > num_candidates)
   top_k_cut = lax.cond(
-      md.any_top_k_beyond_candidates,
-      lambda: jnp.where(beyond, kth_largest(x * inv_temperature[:, None], k), top_k_cut),
-      lambda: top_k_cut)
+    md.any_top_k_beyond_candidates,
+    lambda: jnp.where(beyond, kth_largest(x * inv_temperature[:, None], k), top_k_cut),
+    lambda: top_k_cut,
+  )
   threshold = jnp.maximum(threshold, top_k_cut)
 
   def apply_top_p(threshold):
@@ -466,15 +473,18 @@ def _candidate_filters(x, row_max, threshold, md: SamplingMetadata, num_candidat
     missing = jnp.where(ties_last, num_outside(threshold), 0)
     total = weights.sum(-1) + missing * jnp.exp(threshold - row_max)
     reached = jnp.cumsum(weights, -1) >= (md.top_p * total)[:, None]
-    cut = jnp.where(reached.any(-1),
-                    jnp.take_along_axis(values, jnp.argmax(reached, -1)[:, None], 1)[:, 0],
-                    threshold)  # not reached inside: the cut is the tied tail, `threshold` itself
+    cut = jnp.where(
+      reached.any(-1),
+      jnp.take_along_axis(values, jnp.argmax(reached, -1)[:, None], 1)[:, 0],
+      threshold,
+    )  # not reached inside: the cut is the tied tail, `threshold` itself
     active = md.top_p < 1.0
     resolved = jnp.where(known, jnp.maximum(threshold, cut), threshold)
     return jnp.where(active, resolved, threshold), active & ~known
 
-  threshold, unresolved = lax.cond(md.any_top_p, apply_top_p,
-                                   lambda t: (t, jnp.zeros(t.shape, bool)), threshold)
+  threshold, unresolved = lax.cond(
+    md.any_top_p, apply_top_p, lambda t: (t, jnp.zeros(t.shape, bool)), threshold
+  )
   # Rows filtered by top-k or top-p are drawn from their candidates when the kept set fits; the
   # choice depends on the row alone, so a seeded row's token never depends on its neighbours.
   fits = num_outside(threshold) == 0
@@ -489,8 +499,9 @@ def _inverse_temperature(md: SamplingMetadata) -> jax.Array:
   return 1.0 / md.temperature
 
 
-def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int,
-                   needs_threshold: bool):
+def _sample_random(
+  x, md: SamplingMetadata, step_keys, u, num_candidates: int, needs_threshold: bool
+):
   """Stages 8-12 for every row. Returns (tokens `[R] int32`, kept threshold `[R] float32`).
 
   A row keeps the tokens whose temperature-scaled logit `y = x / T` is `>=` its threshold. With
@@ -499,33 +510,39 @@ def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int,
   threshold before top-p. `y` is recomputed inside each branch that needs it, never passed
   between them, so it is not written out as one more `[R, V]` array.
   """
-  rows, vocab = x.shape
+  rows, _vocab = x.shape
   inv_temperature = _inverse_temperature(md)
   row_max = x.max(-1) * inv_temperature  # == max(y): scaling by a positive number is monotone
   # min_p (vLLM): drop p < min_p * max(p), i.e. y < max(y) + log(min_p).
   threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), _NEG_INF)
   nothing = jnp.zeros((rows,), bool)
   threshold, from_candidates, candidate_tokens, unresolved = lax.cond(
-      md.any_top_k | md.any_top_p,
-      lambda t: _candidate_filters(x, row_max, t, md, num_candidates, u),
-      lambda t: (t, nothing, jnp.zeros((rows,), jnp.int32), nothing), threshold)
+    md.any_top_k | md.any_top_p,
+    lambda t: _candidate_filters(x, row_max, t, md, num_candidates, u),
+    lambda t: (t, nothing, jnp.zeros((rows,), jnp.int32), nothing),
+    threshold,
+  )
   # Every filter keeps the most likely token; the clamp guards that against rounding.
   threshold = jnp.minimum(threshold, row_max)
   if needs_threshold:
     threshold = lax.cond(
-        unresolved.any(),
-        lambda: jnp.where(unresolved,
-                          top_p_threshold(x * inv_temperature[:, None], row_max, threshold,
-                                          md.top_p),
-                          threshold),
-        lambda: threshold)
+      unresolved.any(),
+      lambda: jnp.where(
+        unresolved,
+        top_p_threshold(x * inv_temperature[:, None], row_max, threshold, md.top_p),
+        threshold,
+      ),
+      lambda: threshold,
+    )
     unresolved = nothing
   from_vocab = md.is_live & ~md.is_greedy & ~from_candidates
   vocab_tokens = lax.cond(
-      from_vocab.any(),
-      lambda: _draw_from_vocab(x, inv_temperature, row_max, threshold, u, md.top_p, unresolved,
-                               step_keys),
-      lambda: jnp.zeros((rows,), jnp.int32))
+    from_vocab.any(),
+    lambda: _draw_from_vocab(
+      x, inv_temperature, row_max, threshold, u, md.top_p, unresolved, step_keys
+    ),
+    lambda: jnp.zeros((rows,), jnp.int32),
+  )
   tokens = jnp.where(from_candidates, candidate_tokens, vocab_tokens)
   return tokens.astype(jnp.int32), threshold
 
@@ -556,8 +573,9 @@ def _logprobs_scores(logits, x, md: SamplingMetadata, threshold, mode: str) -> j
   return jnp.where(y >= threshold[:, None], y, _NEG_INF)
 
 
-def gather_logprobs(scores: jax.Array, token_ids: jax.Array, num_logprobs: int, *,
-                    normalize: bool = True) -> LogprobsTensors:
+def gather_logprobs(
+  scores: jax.Array, token_ids: jax.Array, num_logprobs: int, *, normalize: bool = True
+) -> LogprobsTensors:
   """The given token's value and rank plus the top `num_logprobs` values of each row.
 
   Ranks and the top entries are found on `scores` directly and only the gathered values are
@@ -581,9 +599,9 @@ def gather_logprobs(scores: jax.Array, token_ids: jax.Array, num_logprobs: int, 
   if normalize:
     values = values - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
   return LogprobsTensors(
-      token_ids=jnp.concatenate([token_ids[:, None], top_ids], 1).astype(jnp.int32),
-      logprobs=values,
-      ranks=ranks,
+    token_ids=jnp.concatenate([token_ids[:, None], top_ids], 1).astype(jnp.int32),
+    logprobs=values,
+    ranks=ranks,
   )
 
 
@@ -610,11 +628,10 @@ def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -
   appended = md.is_live & (state.num_tokens < state.max_model_len)
   position = jnp.where(appended, state.num_tokens, state.max_model_len)
   return dataclasses.replace(
-      state,
-      token_ids=state.token_ids.at[rows, position].set(tokens, mode="drop"),
-      num_tokens=state.num_tokens + appended.astype(jnp.int32),
-      output_token_counts=state.output_token_counts.at[rows, tokens].add(
-          appended.astype(jnp.int32)),
+    state,
+    token_ids=state.token_ids.at[rows, position].set(tokens, mode="drop"),
+    num_tokens=state.num_tokens + appended.astype(jnp.int32),
+    output_token_counts=state.output_token_counts.at[rows, tokens].add(appended.astype(jnp.int32)),
   )
 
 
@@ -624,15 +641,23 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
   rows = state.max_num_reqs
   greedy_tokens = lax.cond(md.any_greedy, lambda: argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
   random_tokens, threshold = lax.cond(
-      md.any_random,
-      lambda: _sample_random(x, md, *_step_keys(state), state.num_topk_candidates,
-                             needs_threshold=state.logprobs_mode.startswith("processed")),
-      lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)))
+    md.any_random,
+    lambda: _sample_random(
+      x,
+      md,
+      *_step_keys(state),
+      state.num_topk_candidates,
+      needs_threshold=state.logprobs_mode.startswith("processed"),
+    ),
+    lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)),
+  )
   tokens = jnp.where(md.is_greedy, greedy_tokens, random_tokens)
   all_masked = md.is_live & jnp.isneginf(jnp.take_along_axis(x, tokens[:, None], 1)[:, 0])
-  tokens = lax.cond(all_masked.any(),
-                    lambda: jnp.where(all_masked, _fallback_for_masked_rows(logits, state), tokens),
-                    lambda: tokens)
+  tokens = lax.cond(
+    all_masked.any(),
+    lambda: jnp.where(all_masked, _fallback_for_masked_rows(logits, state), tokens),
+    lambda: tokens,
+  )
   num_logprobs = state.max_num_logprobs
 
   def logprobs_branch():
@@ -641,9 +666,11 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
     return gather_logprobs(scores, tokens, num_logprobs, normalize=mode.endswith("logprobs"))
 
   def no_logprobs():
-    return LogprobsTensors(token_ids=jnp.zeros((rows, num_logprobs + 1), jnp.int32),
-                           logprobs=jnp.zeros((rows, num_logprobs + 1), jnp.float32),
-                           ranks=jnp.zeros((rows,), jnp.int32))
+    return LogprobsTensors(
+      token_ids=jnp.zeros((rows, num_logprobs + 1), jnp.int32),
+      logprobs=jnp.zeros((rows, num_logprobs + 1), jnp.float32),
+      ranks=jnp.zeros((rows,), jnp.int32),
+    )
 
   return tokens, lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
 
@@ -655,17 +682,24 @@ def sample(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
   """
   rows, vocab = state.max_num_reqs, state.vocab_size
   if logits.shape != (rows, vocab):
-    raise ValueError(f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, "
-                     f"got {logits.shape}")
+    raise ValueError(
+      f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, got {logits.shape}"
+    )
   md = metadata
-  any_processing = (md.any_allowed_token_ids | md.any_bad_words | md.any_min_tokens
-                    | md.any_logit_bias | md.any_penalties)
+  any_processing = (
+    md.any_allowed_token_ids
+    | md.any_bad_words
+    | md.any_min_tokens
+    | md.any_logit_bias
+    | md.any_penalties
+  )
   # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
   # they are instead of paying for a processed copy.
   tokens, logprobs = lax.cond(
-      any_processing,
-      lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
-      lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md))
+    any_processing,
+    lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
+    lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md),
+  )
   state = _append_tokens(state, md, tokens)
   return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 

@@ -122,19 +122,19 @@ class BatchState:
 
   @classmethod
   def create(
-      cls,
-      *,
-      max_num_reqs: int,
-      max_model_len: int,
-      vocab_size: int,
-      max_num_stop_token_ids: int,
-      max_num_logit_bias: int,
-      max_num_bad_words: int,
-      max_bad_word_len: int,
-      logprobs_mode: str,
-      max_num_logprobs: int,
-      num_topk_candidates: int,
-  ) -> "BatchState":
+    cls,
+    *,
+    max_num_reqs: int,
+    max_model_len: int,
+    vocab_size: int,
+    max_num_stop_token_ids: int,
+    max_num_logit_bias: int,
+    max_num_bad_words: int,
+    max_bad_word_len: int,
+    logprobs_mode: str,
+    max_num_logprobs: int,
+    num_topk_candidates: int,
+  ) -> BatchState:
     """Returns an empty state (every row free) with the given static capacities.
 
     Args:
@@ -147,32 +147,32 @@ class BatchState:
     i32 = lambda *shape, fill=0: jnp.full(shape, fill, jnp.int32)
     f32 = lambda *shape, fill=0.0: jnp.full(shape, fill, jnp.float32)
     return cls(
-        token_ids=i32(R, max_model_len),
-        num_tokens=i32(R),
-        num_prompt_tokens=i32(R),
-        cache_slot=jnp.arange(R, dtype=jnp.int32),
-        temperature=f32(R, fill=1.0),
-        top_k=i32(R, fill=V),
-        top_p=f32(R, fill=1.0),
-        min_p=f32(R),
-        presence_penalty=f32(R),
-        frequency_penalty=f32(R),
-        repetition_penalty=f32(R, fill=1.0),
-        key_data=jnp.zeros((R, *KEY_DATA_SHAPE), jnp.uint32),
-        num_logprobs=i32(R, fill=-1),
-        min_tokens=i32(R),
-        stop_token_ids=i32(R, max_num_stop_token_ids, fill=V),
-        logit_bias_token_ids=i32(R, max_num_logit_bias, fill=V),
-        logit_bias=f32(R, max_num_logit_bias),
-        has_allowed_token_ids=jnp.zeros((R,), bool),
-        allowed_token_mask=jnp.ones((R, V), bool),
-        bad_words_prefix=i32(R, max_num_bad_words, max(max_bad_word_len - 1, 0), fill=-1),
-        bad_words_last=i32(R, max_num_bad_words, fill=V),
-        output_token_counts=i32(R, V),
-        prompt_token_mask=jnp.zeros((R, V), bool),
-        logprobs_mode=logprobs_mode,
-        max_num_logprobs=max_num_logprobs,
-        num_topk_candidates=num_topk_candidates,
+      token_ids=i32(R, max_model_len),
+      num_tokens=i32(R),
+      num_prompt_tokens=i32(R),
+      cache_slot=jnp.arange(R, dtype=jnp.int32),
+      temperature=f32(R, fill=1.0),
+      top_k=i32(R, fill=V),
+      top_p=f32(R, fill=1.0),
+      min_p=f32(R),
+      presence_penalty=f32(R),
+      frequency_penalty=f32(R),
+      repetition_penalty=f32(R, fill=1.0),
+      key_data=jnp.zeros((R, *KEY_DATA_SHAPE), jnp.uint32),
+      num_logprobs=i32(R, fill=-1),
+      min_tokens=i32(R),
+      stop_token_ids=i32(R, max_num_stop_token_ids, fill=V),
+      logit_bias_token_ids=i32(R, max_num_logit_bias, fill=V),
+      logit_bias=f32(R, max_num_logit_bias),
+      has_allowed_token_ids=jnp.zeros((R,), bool),
+      allowed_token_mask=jnp.ones((R, V), bool),
+      bad_words_prefix=i32(R, max_num_bad_words, max(max_bad_word_len - 1, 0), fill=-1),
+      bad_words_last=i32(R, max_num_bad_words, fill=V),
+      output_token_counts=i32(R, V),
+      prompt_token_mask=jnp.zeros((R, V), bool),
+      logprobs_mode=logprobs_mode,
+      max_num_logprobs=max_num_logprobs,
+      num_topk_candidates=num_topk_candidates,
     )
 
 
@@ -203,13 +203,15 @@ def request_key_data(batch_key_data: jax.Array, row: dict[str, jax.Array]) -> ja
   seeded = jax.random.key_data(seeded), jax.random.key_data(jax.random.fold_in(seeded, high))
   seeded = jnp.where(high == 0, seeded[0], seeded[1])
   unseeded = jax.random.key_data(
-      jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), row["serial"]))
+    jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), row["serial"])
+  )
   return jnp.where(row["is_seeded"], seeded, unseeded)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def write_row(state: BatchState, index: jax.Array, row: dict[str, jax.Array],
-              batch_key_data: jax.Array) -> BatchState:
+def write_row(
+  state: BatchState, index: jax.Array, row: dict[str, jax.Array], batch_key_data: jax.Array
+) -> BatchState:
   """Overwrites every per-row field of row `index` (a `[] int32` array).
 
   Args:
@@ -228,12 +230,12 @@ def write_row(state: BatchState, index: jax.Array, row: dict[str, jax.Array],
   is_prompt = positions < num_prompt
   is_output = (positions >= num_prompt) & (positions < row["num_tokens"])
   values = dict(
-      row,
-      output_token_counts=jnp.zeros((V,), jnp.int32).at[token_ids].add(
-          is_output.astype(jnp.int32)),
-      prompt_token_mask=jnp.zeros((V,), bool).at[jnp.where(is_prompt, token_ids, V)].set(
-          True, mode="drop"),
-      key_data=request_key_data(batch_key_data, row),
+    row,
+    output_token_counts=jnp.zeros((V,), jnp.int32).at[token_ids].add(is_output.astype(jnp.int32)),
+    prompt_token_mask=jnp.zeros((V,), bool)
+    .at[jnp.where(is_prompt, token_ids, V)]
+    .set(True, mode="drop"),
+    key_data=request_key_data(batch_key_data, row),
   )
   new_fields = {}
   for f in dataclasses.fields(BatchState):

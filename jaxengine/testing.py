@@ -25,19 +25,19 @@ def tiny_llama_config(vocab_size: int = 256, **overrides) -> LlamaConfig:
     The `LlamaConfig`.
   """
   fields = dict(
-      vocab_size=vocab_size,
-      hidden_size=64,
-      intermediate_size=128,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      head_dim=16,
-      rope_theta=10000.0,
-      rms_norm_eps=1e-5,
-      tie_word_embeddings=True,
-      max_position_embeddings=256,
-      bos_token_id=1,
-      eos_token_id=2,
+    vocab_size=vocab_size,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
   )
   unknown = set(overrides) - {f.name for f in dataclasses.fields(LlamaConfig)}
   if unknown:
@@ -47,11 +47,11 @@ def tiny_llama_config(vocab_size: int = 256, **overrides) -> LlamaConfig:
 
 
 def tiny_llama(
-    seed: int = 0,
-    config: LlamaConfig | None = None,
-    *,
-    dtype=jnp.float32,
-    **config_overrides,
+  seed: int = 0,
+  config: LlamaConfig | None = None,
+  *,
+  dtype=jnp.float32,
+  **config_overrides,
 ) -> tuple[Llama, LlamaConfig]:
   """A randomly initialised tiny `Llama`.
 

@@ -21,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 # transformers advises at import time that PyTorch is missing; jaxengine uses only its tokenizer
 # classes, so that advice is noise for our users (an explicit setting of the variable wins).
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast
 
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
 _CONTROL = int(gguf.TokenType.CONTROL)
@@ -43,7 +43,7 @@ def _build_backend(reader: gguf.GGUFReader) -> tokenizers.Tokenizer:
   model_type = _field(reader, "tokenizer.ggml.model")
   if model_type != "gpt2":
     raise NotImplementedError(
-        f"tokenizer.ggml.model={model_type!r}: only byte-level BPE ('gpt2') is implemented"
+      f"tokenizer.ggml.model={model_type!r}: only byte-level BPE ('gpt2') is implemented"
     )
   pre = _field(reader, "tokenizer.ggml.pre", "default")
   tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
@@ -52,14 +52,14 @@ def _build_backend(reader: gguf.GGUFReader) -> tokenizers.Tokenizer:
 
   # GGUF stores byte-level BPE tokens already spelled in the GPT-2 byte alphabet ("Ġthe").
   backend = tokenizers.Tokenizer(
-      models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
   )
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   if pre in _GPT2_PRE:
     backend.pre_tokenizer = byte_level
   elif pre in _DIGITS_THEN_GPT2_PRE:
     backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level]
+      [pre_tokenizers.Digits(individual_digits=True), byte_level]
     )
   else:
     raise NotImplementedError(f"tokenizer.ggml.pre={pre!r} is not implemented")
@@ -67,18 +67,18 @@ def _build_backend(reader: gguf.GGUFReader) -> tokenizers.Tokenizer:
 
   # Special tokens must match whole, never be split by BPE.
   backend.add_special_tokens(
-      [
-          tokenizers.AddedToken(t, special=True, normalized=False)
-          for t, kind in zip(tokens, token_types)
-          if kind == _CONTROL
-      ]
+    [
+      tokenizers.AddedToken(t, special=True, normalized=False)
+      for t, kind in zip(tokens, token_types)
+      if kind == _CONTROL
+    ]
   )
   backend.add_tokens(
-      [
-          tokenizers.AddedToken(t, special=False, normalized=False)
-          for t, kind in zip(tokens, token_types)
-          if kind == _USER_DEFINED
-      ]
+    [
+      tokenizers.AddedToken(t, special=False, normalized=False)
+      for t, kind in zip(tokens, token_types)
+      if kind == _USER_DEFINED
+    ]
   )
 
   bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -133,13 +133,13 @@ class Tokenizer:
       return None if token_id is None else tokens[token_id]
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=_build_backend(reader),
-        bos_token=token("bos_token_id"),
-        eos_token=token("eos_token_id"),
-        unk_token=token("unknown_token_id"),
-        pad_token=token("padding_token_id"),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
+      tokenizer_object=_build_backend(reader),
+      bos_token=token("bos_token_id"),
+      eos_token=token("eos_token_id"),
+      unk_token=token("unknown_token_id"),
+      pad_token=token("padding_token_id"),
+      chat_template=_field(reader, "tokenizer.chat_template"),
+      clean_up_tokenization_spaces=False,
     )
     return cls(hf)
 
@@ -189,9 +189,9 @@ class Tokenizer:
       skip_special_tokens: drop special tokens such as ``<|im_end|>``.
     """
     return self.hf_tokenizer.decode(
-        [int(t) for t in token_ids],
-        skip_special_tokens=skip_special_tokens,
-        clean_up_tokenization_spaces=False,
+      [int(t) for t in token_ids],
+      skip_special_tokens=skip_special_tokens,
+      clean_up_tokenization_spaces=False,
     )
 
   def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
@@ -199,7 +199,7 @@ class Tokenizer:
     return self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids])
 
   def apply_chat_template(
-      self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
   ) -> str:
     """Renders a conversation with the file's chat template, as transformers does.
 
@@ -211,15 +211,15 @@ class Tokenizer:
       The prompt text (encode it with `encode`; the template writes its own special tokens).
     """
     return self.hf_tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+      [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
     )
 
   def decode_incremental(
-      self,
-      token_ids: Sequence[int],
-      prefix_offset: int,
-      read_offset: int,
-      skip_special_tokens: bool = True,
+    self,
+    token_ids: Sequence[int],
+    prefix_offset: int,
+    read_offset: int,
+    skip_special_tokens: bool = True,
   ) -> tuple[str, int, int]:
     """New text produced by the tokens after ``read_offset``, without splitting characters.
 
@@ -261,11 +261,11 @@ class IncrementalDetokenizer:
   """
 
   def __init__(
-      self,
-      tokenizer: Tokenizer,
-      prompt_token_ids: Sequence[int] = (),
-      *,
-      skip_special_tokens: bool = True,
+    self,
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int] = (),
+    *,
+    skip_special_tokens: bool = True,
   ):
     """Starts an empty output after `prompt_token_ids` (used as decoding context).
 
@@ -288,7 +288,7 @@ class IncrementalDetokenizer:
     for token_id in token_ids:
       self.token_ids.append(int(token_id))
       text, self.prefix_offset, self.read_offset = self.tokenizer.decode_incremental(
-          self.token_ids, self.prefix_offset, self.read_offset, self.skip_special_tokens
+        self.token_ids, self.prefix_offset, self.read_offset, self.skip_special_tokens
       )
       new_text.append(text)
     delta = "".join(new_text)

@@ -14,8 +14,11 @@ from jaxengine.testing import tiny_llama
 
 
 def _fixtures() -> Path:
-  return Path(os.environ.get("JAXENGINE_FIXTURES",
-                             Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+  return Path(
+    os.environ.get(
+      "JAXENGINE_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    )
+  )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +52,11 @@ def test_greedy_and_seeded_tokens_do_not_depend_on_batch_mates(llm, greedy_fixtu
   alone = llm.generate([prompt, prompt], [GREEDY, seeded], use_tqdm=False)
   mates = ["Once upon a time", "def fibonacci(n):", "The best way to learn", "1, 2, 3,"]
   mate_params = [je.SamplingParams(temperature=0.9, top_k=20, max_tokens=n) for n in (3, 9, 17, 5)]
-  crowded = llm.generate(mates[:2] + [prompt] + mates[2:] + [prompt],
-                         mate_params[:2] + [GREEDY] + mate_params[2:] + [seeded], use_tqdm=False)
+  crowded = llm.generate(
+    mates[:2] + [prompt] + mates[2:] + [prompt],
+    mate_params[:2] + [GREEDY] + mate_params[2:] + [seeded],
+    use_tqdm=False,
+  )
   assert _tokens(crowded[2]) == _tokens(alone[0]) == greedy_fixture["new_ids"]
   assert _tokens(crowded[5]) == _tokens(alone[1])
 
@@ -71,8 +77,9 @@ def test_stop_string_is_cut_from_text(llm, greedy_fixture):
   (out,) = llm.generate(prompt, GREEDY.replace(stop=["answer"]), use_tqdm=False)
   assert out.outputs[0].text == " Paris.\n\nThe "
   assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", "answer")
-  (out,) = llm.generate(prompt, GREEDY.replace(stop=["answer"], include_stop_str_in_output=True),
-                        use_tqdm=False)
+  (out,) = llm.generate(
+    prompt, GREEDY.replace(stop=["answer"], include_stop_str_in_output=True), use_tqdm=False
+  )
   assert out.outputs[0].text == " Paris.\n\nThe answer"
 
 
@@ -84,8 +91,10 @@ def test_eos_ends_chat_reply_and_min_tokens_and_ignore_eos_defer_it(llm):
   completion = out.outputs[0]
   assert completion.finish_reason == "stop" and completion.stop_reason is None
   assert completion.token_ids[-1] == tokenizer.eos_token_id
-  assert "Paris" in completion.text and tokenizer.decode([tokenizer.eos_token_id],
-                                                         skip_special_tokens=False) not in completion.text
+  assert (
+    "Paris" in completion.text
+    and tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) not in completion.text
+  )
   natural_length = len(completion.token_ids)
 
   min_tokens = natural_length + 3
@@ -93,16 +102,18 @@ def test_eos_ends_chat_reply_and_min_tokens_and_ignore_eos_defer_it(llm):
   assert len(out.outputs[0].token_ids) >= min_tokens
   assert tokenizer.eos_token_id not in out.outputs[0].token_ids[:min_tokens]
 
-  (out,) = llm.chat(messages, params.replace(ignore_eos=True, max_tokens=natural_length + 4),
-                    use_tqdm=False)
+  (out,) = llm.chat(
+    messages, params.replace(ignore_eos=True, max_tokens=natural_length + 4), use_tqdm=False
+  )
   assert len(out.outputs[0].token_ids) == natural_length + 4
   assert out.outputs[0].finish_reason == "length"
 
 
 def test_max_model_len_ends_with_length():
   llm = je.LLM(max_num_reqs=2, max_model_len=9)
-  (out,) = llm.generate("The capital of France is", je.SamplingParams(temperature=0, max_tokens=50),
-                        use_tqdm=False)
+  (out,) = llm.generate(
+    "The capital of France is", je.SamplingParams(temperature=0, max_tokens=50), use_tqdm=False
+  )
   assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 9
   assert out.outputs[0].finish_reason == "length"
 
@@ -112,8 +123,9 @@ def test_n_children_are_seeded_seed_plus_j(llm, greedy_fixture):
   params = je.SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=8)
   (out,) = llm.generate(prompt, params, use_tqdm=False)
   assert [c.index for c in out.outputs] == [0, 1, 2]
-  singles = llm.generate([prompt] * 3, [params.replace(n=1, seed=7 + j) for j in range(3)],
-                         use_tqdm=False)
+  singles = llm.generate(
+    [prompt] * 3, [params.replace(n=1, seed=7 + j) for j in range(3)], use_tqdm=False
+  )
   assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
 
 
@@ -139,22 +151,26 @@ def test_logprobs_and_prompt_logprobs_follow_vllm_format(llm, greedy_fixture):
 def test_bad_input_raises_before_anything_is_queued(llm):
   engine = llm.llm_engine
   with pytest.raises(ValueError, match="allowed_token_ids"):
-    llm.generate(["fine", "bad"], [je.SamplingParams(),
-                                   je.SamplingParams(allowed_token_ids=[10**7])], use_tqdm=False)
+    llm.generate(
+      ["fine", "bad"],
+      [je.SamplingParams(), je.SamplingParams(allowed_token_ids=[10**7])],
+      use_tqdm=False,
+    )
   with pytest.raises(ValueError, match="max_model_len"):
     llm.generate("word " * 200, use_tqdm=False)
   assert not engine.has_unfinished_requests()
 
 
 def test_engine_compiles_are_bounded_and_steady(compile_counter):
-  model, config = tiny_llama(vocab_size=64)
+  model, _config = tiny_llama(vocab_size=64)
   engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]
-  mixes = [je.SamplingParams(temperature=0, max_tokens=3),
-           je.SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=6, logprobs=2),
-           je.SamplingParams(temperature=1.0, top_p=0.5, presence_penalty=1.0, max_tokens=4),
-           je.SamplingParams(temperature=0.5, min_p=0.1, max_tokens=2, min_tokens=1,
-                             prompt_logprobs=1)]
+  mixes = [
+    je.SamplingParams(temperature=0, max_tokens=3),
+    je.SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=6, logprobs=2),
+    je.SamplingParams(temperature=1.0, top_p=0.5, presence_penalty=1.0, max_tokens=4),
+    je.SamplingParams(temperature=0.5, min_p=0.1, max_tokens=2, min_tokens=1, prompt_logprobs=1),
+  ]
 
   def run(offset):
     # Requests arrive while others run and finish at different times.

@@ -17,20 +17,35 @@ def batch():
   return b
 
 
-@pytest.mark.parametrize("req_id, prompt, params, field", [
+@pytest.mark.parametrize(
+  "req_id, prompt, params, field",
+  [
     (None, [1], je.SamplingParams(), "req_id"),
     (7, [1], je.SamplingParams(), "req_id"),
     ("x", [1.9, 2.2], je.SamplingParams(), "prompt_token_ids"),
     ("x", [[1, 2], [3, 4]], je.SamplingParams(), "prompt_token_ids"),
     ("x", [True, False], je.SamplingParams(), "prompt_token_ids"),
     ("x", 5, je.SamplingParams(), "prompt_token_ids"),
-    ("x", [1], je.SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [6]]),
-     "bad_words_token_ids"),
-    ("x", [1], je.SamplingParams(bad_words_token_ids=[[t] for t in range(10)]),
-     "bad_words_token_ids"),
-    ("x", [1], je.SamplingParams(allowed_token_ids=[2, 5], bad_words_token_ids=[[5]],
-                                 min_tokens=1), "min_tokens"),
-])
+    (
+      "x",
+      [1],
+      je.SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [6]]),
+      "bad_words_token_ids",
+    ),
+    (
+      "x",
+      [1],
+      je.SamplingParams(bad_words_token_ids=[[t] for t in range(10)]),
+      "bad_words_token_ids",
+    ),
+    (
+      "x",
+      [1],
+      je.SamplingParams(allowed_token_ids=[2, 5], bad_words_token_ids=[[5]], min_tokens=1),
+      "min_tokens",
+    ),
+  ],
+)
 def test_add_request_rejects_and_changes_nothing(batch, req_id, prompt, params, field):
   before = (batch.req_ids, dict(batch.req_id_to_index), batch.sampling_metadata)
   with pytest.raises(ValueError, match=field):
@@ -41,18 +56,23 @@ def test_add_request_rejects_and_changes_nothing(batch, req_id, prompt, params, 
 
 def test_satisfiable_allowlists_are_accepted(batch):
   # A multi-token bad word bans its last token only after its prefix: the allowlist stays usable.
-  batch.add_request("b", [1], je.SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[4, 5]]))
+  batch.add_request(
+    "b", [1], je.SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[4, 5]])
+  )
   batch.add_request("c", [1], je.SamplingParams(allowed_token_ids=[2, 5], min_tokens=1))
   assert batch.sample(np.zeros((4, 10), np.float32)).sampled_token_ids.tolist()[1:] == [5, 5]
 
 
-@pytest.mark.parametrize("kwargs, field", [
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [
     (dict(logit_bias={5: float("-inf")}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"),
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
     (dict(bad_words_token_ids=5), "bad_words_token_ids"),
-])
+  ],
+)
 def test_sampling_params_rejects_malformed_values(kwargs, field):
   with pytest.raises(ValueError, match=field):
     je.SamplingParams(**kwargs)
@@ -72,21 +92,25 @@ def tiny_llm():
 
 def test_generate_accepts_vllm_prompt_dicts(tiny_llm):
   greedy = je.SamplingParams(temperature=0, max_tokens=3)
-  (from_dict,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7], "prompt": "five six seven"},
-                                   greedy, use_tqdm=False)
+  (from_dict,) = tiny_llm.generate(
+    {"prompt_token_ids": [5, 6, 7], "prompt": "five six seven"}, greedy, use_tqdm=False
+  )
   (from_ids,) = tiny_llm.generate([5, 6, 7], greedy, use_tqdm=False)
   assert from_dict.prompt == "five six seven" and from_dict.prompt_token_ids == [5, 6, 7]
   assert from_dict.outputs[0].token_ids == from_ids.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("call, message", [
+@pytest.mark.parametrize(
+  "call, message",
+  [
     (lambda llm: llm.generate([5, 6], {"temperature": 0}), "sampling_params"),
     (lambda llm: llm.generate(5), "prompts"),
     (lambda llm: llm.generate(None), "prompts"),
     (lambda llm: llm.generate({"foo": [1]}), "prompt dict"),
     (lambda llm: llm.generate([[5, 6], [1] * 40]), "prompt 1: .*max_model_len"),
     (lambda llm: llm.generate("text without a tokenizer"), "tokenizer"),
-])
+  ],
+)
 def test_generate_rejects_bad_arguments_before_running(tiny_llm, call, message):
   with pytest.raises(ValueError, match=message):
     call(tiny_llm)

@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent("""
 
 def test_sample_step_under_a_mesh_matches_one_device():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=300, env=env)
+  result = subprocess.run(
+    [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().endswith("ok")

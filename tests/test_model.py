@@ -29,15 +29,15 @@ from jaxengine.models import gguf_loader, llama
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
 FIXTURES = Path(
-    os.environ.get("JAXENGINE_FIXTURES")
-    or Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+  os.environ.get("JAXENGINE_FIXTURES")
+  or Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 )
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # Jitted once per session; graphdef is static, so each model structure compiles its own executable.
 forward_jit = jax.jit(llama.forward, static_argnums=0, static_argnames="attention_len")
 forward_donating = jax.jit(
-    llama.forward, static_argnums=0, static_argnames="attention_len", donate_argnames="kv_cache"
+  llama.forward, static_argnums=0, static_argnames="attention_len", donate_argnames="kv_cache"
 )
 logits_jit = jax.jit(llama.compute_logits, static_argnums=0)
 
@@ -146,8 +146,13 @@ def _cache(cfg) -> KVCache:
 
 def _run(graphdef, weights, cache, token_ids, positions, slots, attention_len=None):
   hidden, cache = forward_jit(
-      graphdef, weights, i32(token_ids), i32(positions), cache, i32(slots),
-      attention_len=attention_len,
+    graphdef,
+    weights,
+    i32(token_ids),
+    i32(positions),
+    cache,
+    i32(slots),
+    attention_len=attention_len,
   )
   return np.asarray(logits_jit(graphdef, weights, hidden)), cache
 
@@ -166,13 +171,15 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
 
 @pytest.mark.parametrize("attention_len", [None, 12, 16])
 def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
-  model, cfg, graphdef, weights = tiny
+  _model, cfg, graphdef, weights = tiny
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
   full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(12)[None], [2])
 
   n = 7
   cache = _cache(cfg)
-  run = lambda cache, ids, positions: _run(graphdef, weights, cache, ids, positions, [2], attention_len)
+  run = lambda cache, ids, positions: _run(
+    graphdef, weights, cache, ids, positions, [2], attention_len
+  )
   prefill, cache = run(cache, ids[None, :n], np.arange(n)[None])
   steps = [prefill[0]]
   for pos in range(n, 12):
@@ -183,7 +190,7 @@ def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
 
 @pytest.mark.parametrize("chunk", [1, 4, 9])
 def test_chunked_prefill_matches_full_forward(tiny, chunk):
-  model, cfg, graphdef, weights = tiny
+  _model, cfg, graphdef, weights = tiny
   ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 10)
   full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(10)[None], [0])
   cache = _cache(cfg)
@@ -193,7 +200,7 @@ def test_chunked_prefill_matches_full_forward(tiny, chunk):
 
 
 def test_padding_does_not_change_real_positions(tiny):
-  model, cfg, graphdef, weights = tiny
+  _model, cfg, graphdef, weights = tiny
   rng = np.random.default_rng(3)
   ids = rng.integers(0, cfg.vocab_size, 5)
   next_id = int(rng.integers(0, cfg.vocab_size))
@@ -213,7 +220,7 @@ def test_padding_does_not_change_real_positions(tiny):
 
 
 def test_rows_in_different_slots_do_not_interfere(tiny):
-  model, cfg, graphdef, weights = tiny
+  _model, cfg, graphdef, weights = tiny
   rng = np.random.default_rng(4)
   a, b = rng.integers(0, cfg.vocab_size, 9), rng.integers(0, cfg.vocab_size, 4)
   a_next, b_next = rng.integers(0, cfg.vocab_size, 3), rng.integers(0, cfg.vocab_size, 3)
@@ -244,7 +251,7 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
 
 
 def test_position_past_cache_writes_nothing(tiny):
-  model, cfg, graphdef, weights = tiny
+  _model, cfg, graphdef, weights = tiny
   cache = _cache(cfg)
   _, cache = _run(graphdef, weights, cache, [[5, 6, 7]], [[0, 1, 2]], [0])
   before = jax.tree.map(np.asarray, cache)
@@ -273,14 +280,14 @@ def test_nnx_jit_module_call_matches_pure_forward(tiny):
 
 
 def test_decode_steps_do_not_recompile(tiny):
-  model, cfg, graphdef, weights = tiny
+  _model, cfg, graphdef, weights = tiny
   cache = _cache(cfg)
   slots = i32([0, 1, 2, 3])
 
   def step(cache, token, pos):
     ids = jnp.full((4, 1), token, jnp.int32)
     positions = jnp.full((4, 1), pos, jnp.int32)
-    hidden, cache = forward_donating(graphdef, weights, ids, positions, cache, slots)
+    _hidden, cache = forward_donating(graphdef, weights, ids, positions, cache, slots)
     return cache
 
   cache = step(cache, 1, 0)  # warm-up compile
@@ -295,7 +302,9 @@ def test_bfloat16_tiny_model_dtypes():
   model, cfg = tiny_llama(seed=0, dtype=jnp.bfloat16)
   graphdef, weights = nnx.split(model)
   cache = KVCache.create(cfg, 1, 8, dtype=jnp.bfloat16)
-  hidden, cache = forward_jit(graphdef, weights, i32([[1, 2, 3]]), i32([[0, 1, 2]]), cache, i32([0]))
+  hidden, cache = forward_jit(
+    graphdef, weights, i32([[1, 2, 3]]), i32([[0, 1, 2]]), cache, i32([0])
+  )
   logits = logits_jit(graphdef, weights, hidden)
   chex.assert_type([hidden, cache.key, logits], [jnp.bfloat16, jnp.bfloat16, jnp.float32])
   chex.assert_tree_all_finite(logits)
@@ -375,13 +384,13 @@ def _write_gguf(path, model: llama.Llama, qtype: gguf.GGMLQuantizationType) -> N
 
 
 @pytest.mark.parametrize(
-    "qtype, atol",
-    [
-        (gguf.GGMLQuantizationType.F32, 0.0),
-        (gguf.GGMLQuantizationType.F16, 2e-3),
-        (gguf.GGMLQuantizationType.Q8_0, 2e-2),
-    ],
-    ids=["F32", "F16", "Q8_0"],
+  "qtype, atol",
+  [
+    (gguf.GGMLQuantizationType.F32, 0.0),
+    (gguf.GGMLQuantizationType.F16, 2e-3),
+    (gguf.GGMLQuantizationType.Q8_0, 2e-2),
+  ],
+  ids=["F32", "F16", "Q8_0"],
 )
 @pytest.mark.parametrize("tie_word_embeddings", [True, False])
 def test_load_gguf_round_trip(tmp_path, qtype, atol, tie_word_embeddings):
@@ -425,7 +434,9 @@ def _last_logits(graphdef, weights, cfg, prompt_ids, dtype=jnp.float32):
   """Prefill of one prompt in slot 0: ``([V] float32 last-position logits, cache)``."""
   cache = KVCache.create(cfg, 1, 32, dtype=dtype)
   n = len(prompt_ids)
-  hidden, cache = forward_jit(graphdef, weights, i32([prompt_ids]), i32([np.arange(n)]), cache, i32([0]))
+  hidden, cache = forward_jit(
+    graphdef, weights, i32([prompt_ids]), i32([np.arange(n)]), cache, i32([0])
+  )
   return np.asarray(logits_jit(graphdef, weights, hidden[:, -1])[0]), cache
 
 
@@ -459,7 +470,9 @@ def test_smollm2_greedy_generation_matches_reference(smollm2, greedy_fixture):
   new_ids = [int(logits.argmax())]
   start = time.perf_counter()
   for pos in range(n, n + len(expected) - 1):
-    hidden, cache = forward_jit(graphdef, weights, i32([[new_ids[-1]]]), i32([[pos]]), cache, i32([0]))
+    hidden, cache = forward_jit(
+      graphdef, weights, i32([[new_ids[-1]]]), i32([[pos]]), cache, i32([0])
+    )
     new_ids.append(int(jnp.argmax(logits_jit(graphdef, weights, hidden[:, -1])[0])))
   elapsed = time.perf_counter() - start
   print(f"\nSmolLM2 decode: {len(expected) - 1} steps in {elapsed:.2f} s (incl. first compile)")
@@ -500,8 +513,9 @@ def test_tokenizer_encodes_fixture_prompt(tokenizer, greedy_fixture):
 
 
 def test_tokenizer_decode_round_trip(tokenizer, greedy_fixture):
-  assert tokenizer.decode(greedy_fixture["prompt_ids"] + greedy_fixture["new_ids"]) == (
-      greedy_fixture["text"]
+  assert (
+    tokenizer.decode(greedy_fixture["prompt_ids"] + greedy_fixture["new_ids"])
+    == (greedy_fixture["text"])
   )
   for text in ["Hello, world!", "  two spaces\nnew line\ttab", "héllo 日本語 🙂 2018-01-22"]:
     assert tokenizer.decode(tokenizer.encode(text)) == text
@@ -520,8 +534,8 @@ def test_chat_template_renders_smollm2_format(tokenizer):
   assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
   assert prompt.startswith("<|im_start|>system\n")  # SmolLM2 adds its default system prompt
   with_system = tokenizer.apply_chat_template(
-      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-      add_generation_prompt=False,
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    add_generation_prompt=False,
   )
   assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 

@@ -49,7 +49,8 @@ def test_notebook_is_stored_without_outputs(path):
   for cell in notebook.cells:
     if cell.cell_type == "code":
       assert not cell.outputs and cell.execution_count is None, (
-          f"{path.name}: clear outputs and execution counts before committing")
+        f"{path.name}: clear outputs and execution counts before committing"
+      )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
@@ -57,9 +58,9 @@ def test_notebook_runs(path, kernel_name, monkeypatch):
   monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernel inherits the environment
   notebook = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(
-      notebook,
-      kernel_name=kernel_name,
-      timeout=CELL_TIMEOUT_S,
-      resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},  # cwd of the kernel
+    notebook,
+    kernel_name=kernel_name,
+    timeout=CELL_TIMEOUT_S,
+    resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},  # cwd of the kernel
   )
   client.execute()

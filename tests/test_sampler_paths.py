@@ -13,17 +13,18 @@ import dataclasses
 
 import numpy as np
 import pytest
+from reference import reference_row
 
 import jaxengine as je
-from reference import reference_row
 
 V = 48
 R = 16
 
 
 def _batch(num_topk_candidates: int, mode: str = "processed_logprobs") -> je.InputBatch:
-  return je.InputBatch(R, 64, V, max_num_logprobs=-1, logprobs_mode=mode,
-                       num_topk_candidates=num_topk_candidates)
+  return je.InputBatch(
+    R, 64, V, max_num_logprobs=-1, logprobs_mode=mode, num_topk_candidates=num_topk_candidates
+  )
 
 
 def _full_rows(out: je.SamplerOutput) -> np.ndarray:
@@ -35,11 +36,13 @@ def _full_rows(out: je.SamplerOutput) -> np.ndarray:
 
 def _params(rng: np.random.Generator) -> je.SamplingParams:
   return je.SamplingParams(
-      temperature=float(rng.choice([0.5, 1.0, 1.7])),
-      top_k=int(rng.choice([0, 1, 3, 7, 20, 40])),
-      top_p=float(rng.choice([1.0, 0.3, 0.7, 0.95, 0.999])),
-      min_p=float(rng.choice([0.0, 0.0, 0.02])),
-      logprobs=-1, seed=int(rng.integers(1 << 30)))
+    temperature=float(rng.choice([0.5, 1.0, 1.7])),
+    top_k=int(rng.choice([0, 1, 3, 7, 20, 40])),
+    top_p=float(rng.choice([1.0, 0.3, 0.7, 0.95, 0.999])),
+    min_p=float(rng.choice([0.0, 0.0, 0.02])),
+    logprobs=-1,
+    seed=int(rng.integers(1 << 30)),
+  )
 
 
 @pytest.mark.parametrize("num_topk_candidates", [1, 2, 5])
@@ -60,8 +63,9 @@ def test_small_candidate_budget_gives_the_same_processed_rows(num_topk_candidate
   for i, p in enumerate(params):
     ref = reference_row(logits[i], prompt=[1, 2], **dataclasses.asdict(p))
     if not ref.ambiguous:
-      np.testing.assert_array_equal(np.isneginf(narrow[i]), np.isneginf(ref.final),
-                                    err_msg=f"row {i} {p}")
+      np.testing.assert_array_equal(
+        np.isneginf(narrow[i]), np.isneginf(ref.final), err_msg=f"row {i} {p}"
+      )
 
 
 def _assert_draws_match_exact(row_logits, params, rows, steps, **batch_kwargs):
@@ -88,8 +92,13 @@ def _assert_draws_match_exact(row_logits, params, rows, steps, **batch_kwargs):
 def test_rejection_top_p_draw_matches_exact_probabilities():
   """Raw mode with a 2-token budget: every top-p row is drawn by rejection."""
   row_logits = np.random.default_rng(7).normal(size=V).astype(np.float32) * 1.5
-  _assert_draws_match_exact(row_logits, je.SamplingParams(temperature=1.0, top_p=0.8), rows=256,
-                            steps=24, num_topk_candidates=2)
+  _assert_draws_match_exact(
+    row_logits,
+    je.SamplingParams(temperature=1.0, top_p=0.8),
+    rows=256,
+    steps=24,
+    num_topk_candidates=2,
+  )
 
 
 def test_rejection_draw_is_batch_invariant():
@@ -99,7 +108,6 @@ def test_rejection_draw_is_batch_invariant():
 
   def stream(position, neighbours):
     batch = je.InputBatch(8, 32, V, num_topk_candidates=2)
-    ids = []
     for i in range(8):
       if i == position:
         batch.add_request("seeded", [0], params)
@@ -132,12 +140,16 @@ def test_top_k_beyond_the_budget_is_exact():
 @pytest.mark.parametrize("k", [1, 5, 20, 64])
 def test_two_stage_top_k_matches_lax_top_k(k):
   from jax import lax
+
   from jaxengine.sampler import top_k
 
   rng = np.random.default_rng(k)
   # Few distinct values (many ties) and some -inf, across a vocabulary wide enough for two stages.
-  x = rng.choice(np.array([-np.inf, -1.0, 0.0, 0.5, 2.0, 3.0], np.float32), size=(6, 8192),
-                 p=[0.1, 0.5, 0.3, 0.07, 0.02, 0.01])
+  x = rng.choice(
+    np.array([-np.inf, -1.0, 0.0, 0.5, 2.0, 3.0], np.float32),
+    size=(6, 8192),
+    p=[0.1, 0.5, 0.3, 0.07, 0.02, 0.01],
+  )
   x[0] = rng.normal(size=8192)
   values, ids = top_k(x, k)
   want, _ = lax.top_k(x, k)

