@@ -12,6 +12,14 @@ Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
   LLMEngine            continuous batching step loop (engine.py)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
+
+Shape legend (every module, docstring and shape comment uses these letters):
+  R  rows of the persistent batch (`max_num_reqs`)     N  live rows (`num_reqs`)
+  V  vocabulary (`vocab_size`)                         S  cache positions per slot (`max_model_len`)
+  T  tokens per row in one model call                  C  top-k candidates per row (static budget)
+  B  rows of one model call (a bucket of R or a prefill group)
+  L  decoder layers   H  query heads   K  key/value heads   D  head dim
+  E  hidden size      F  MLP intermediate size              W  block width of a blocked reduction
 """
 
 import importlib
