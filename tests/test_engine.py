@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,11 +13,8 @@ from jaxengine.testing import tiny_llama
 
 
 def _fixtures() -> Path:
-  return Path(
-    os.environ.get(
-      "JAXENGINE_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-    )
-  )
+  """Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md)."""
+  return Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture(scope="module")

