@@ -5,16 +5,18 @@ One `LLMEngine.step()`:
   1. admit waiting sequences into free rows of the `InputBatch` (each gets a KV-cache slot);
   2. prefill the new sequences' prompts except their last token, padded to a length bucket and a
      batch-size bucket (compiles are bounded by the buckets);
-  3. decode: one jitted call over all `max_num_reqs` rows runs the model on each row's last token
-     (for a new sequence, its last prompt token) read from the batch state on device, and samples
-     the next token with the core sampler, in the same executable;
+  3. decode: one jitted call over a power-of-two bucket of rows holding every live row runs the
+     model on each row's last token (for a new sequence, its last prompt token) read from the
+     batch state on device, and samples the next token with the core sampler, in the same
+     executable;
   4. on the host: append tokens, detokenize, check stop conditions (EOS unless ignore_eos,
      stop_token_ids, stop strings, never before min_tokens; max_tokens, max_model_len), remove
      finished sequences (the next step condenses and admits more).
 
-Compiles: one decode step per length bucket reached (attention reads only that many cache
-positions), one prefill per (batch bucket, length bucket) used, with or without prompt logprobs,
-plus the batch's row write, row move and metadata refresh.
+Compiles: one decode step per (row bucket, length bucket) reached (rows: powers of two up to
+`max_num_reqs`; attention reads only a length bucket of cache positions), one prefill per
+(batch bucket, length bucket) used, with or without prompt logprobs, plus the batch's row write,
+row move and metadata refresh.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,29 +44,43 @@ from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 _MIN_PREFILL_BUCKET = 16
 
 
-def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_len):
-  """Model forward on each row's last token, then the sampler: one executable per step.
+def _leading_rows(tree, num_rows: int):
+  """Every leaf with a leading row axis cut to its first `num_rows` rows (0-d flags kept)."""
+  return jax.tree.map(lambda a: a[:num_rows] if a.ndim else a, tree)
 
-  `attention_len` (static) is the bucket of cache positions attended to, above every live row's
-  length, so a step costs what the longest sequence needs rather than `max_model_len`.
+
+def _write_leading_rows(full, part):
+  """`full` with its first rows replaced by `part` (in place when `full` is donated)."""
+  return jax.tree.map(lambda a, b: a.at[: b.shape[0]].set(b) if a.ndim else a, full, part)
+
+
+def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_len, num_rows):
+  """Model forward on each live row's last token, then the sampler: one executable per step.
+
+  Only the first `num_rows` rows (static: a power-of-two bucket above `num_reqs`; the batch is
+  condensed, so every live row is among them) are computed, so one request costs about what it
+  costs alone whatever `max_num_reqs` is. `attention_len` (static) is the bucket of cache
+  positions attended to, above every live row's length, so a step costs what the longest
+  sequence needs rather than `max_model_len`.
   """
-  rows = jnp.arange(state.max_num_reqs)
-  last = jnp.maximum(state.num_tokens - 1, 0)
-  token_ids = state.token_ids[rows, last]
+  rows_state = _leading_rows(state, num_rows)
+  rows_metadata = _leading_rows(metadata, num_rows)
+  last = jnp.maximum(rows_state.num_tokens - 1, 0)
+  token_ids = rows_state.token_ids[jnp.arange(num_rows), last]
   # Rows without a request write nothing: positions >= max_model_len are dropped by the cache.
-  positions = jnp.where(metadata.is_live, last, state.max_model_len)
+  positions = jnp.where(rows_metadata.is_live, last, state.max_model_len)
   hidden, kv_cache = llama.forward(
     graphdef,
     weights,
     token_ids[:, None],
     positions[:, None],
     kv_cache,
-    state.cache_slot,
+    rows_state.cache_slot,
     attention_len=attention_len,
   )
   logits = llama.compute_logits(graphdef, weights, hidden[:, 0])
-  state, output = sample(state, metadata, logits)
-  return state, output, kv_cache
+  rows_state, output = sample(rows_state, rows_metadata, logits)
+  return _write_leading_rows(state, rows_state), output, kv_cache
 
 
 def _prefill(graphdef, weights, kv_cache, token_ids, positions, cache_slots):
@@ -115,6 +132,8 @@ class _Sequence:
   text: str = ""
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  # Where stop strings may start: the end of the text of the first min_tokens tokens.
+  stop_search_start: int = 0
 
   def output(self) -> CompletionOutput:
     return CompletionOutput(
@@ -205,7 +224,7 @@ class LLMEngine:
     self._kv_cache = KVCache.create(config, max_num_reqs, max_model_len, dtype)
     self._decode = jax.jit(
       functools.partial(_decode_and_sample, self._graphdef),
-      static_argnames=("attention_len",),
+      static_argnames=("attention_len", "num_rows"),
       donate_argnames=("state", "kv_cache"),
     )
     self._prefill = jax.jit(
@@ -255,8 +274,9 @@ class LLMEngine:
       try:
         made.append(self._make_request(request_id, prompt, params or SamplingParams()))
       except ValueError as error:
-        where = f"prompt {index}" if len(requests) > 1 else "the prompt"
-        raise ValueError(f"{where}: {error}") from None
+        if len(requests) == 1:
+          raise
+        raise ValueError(f"request {index} (of {len(requests)}): {error}") from None
     for request in made:
       self._requests[request.request_id] = request
       self._waiting.extend(request.sequences)
@@ -270,8 +290,8 @@ class LLMEngine:
       raise ValueError("the prompt is empty")
     if len(prompt_token_ids) >= self.max_model_len:
       raise ValueError(
-        f"the prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
-        f"max_model_len={self.max_model_len}"
+        f"the prompt has {len(prompt_token_ids)} tokens; it must have fewer than "
+        f"max_model_len={self.max_model_len} (room for at least one generated token)"
       )
     if (params.stop or params.bad_words) and self.tokenizer is None:
       raise ValueError("stop strings and bad_words need a tokenizer")
@@ -374,8 +394,9 @@ class LLMEngine:
       return []
     longest = max(self.batch.num_tokens(seq_id) for seq_id in self._running)
     attention_len = _bucket(longest, self._length_buckets)
+    num_rows = _bucket(len(self._running), self._batch_buckets)
     output, self._kv_cache = self.batch.run(
-      self._decode, self._weights, self._kv_cache, attention_len
+      self._decode, self._weights, self._kv_cache, attention_len, num_rows
     )
     advanced = {}
     for row, seq_id in enumerate(self.batch.req_ids):
@@ -482,29 +503,62 @@ class LLMEngine:
     num_output = len(seq.token_ids)
     may_stop = num_output >= params.min_tokens
     # vLLM's order: the length limits first, then EOS and stop ids (whose token is kept in
-    # token_ids but not detokenized), then stop strings in the new text.
+    # token_ids, and in the text only with include_stop_str_in_output), then stop strings in the
+    # new text.
     max_tokens = params.max_tokens or self.max_model_len
+    stop_token = False
     if num_output >= max_tokens or self.batch.num_tokens(seq.seq_id) >= self.max_model_len:
       seq.finish_reason = "length"
     elif may_stop and not params.ignore_eos and token == self.eos_token_id:
-      seq.finish_reason = "stop"
-      return
+      seq.finish_reason, stop_token = "stop", True
     elif may_stop and params.stop_token_ids and token in params.stop_token_ids:
-      seq.finish_reason, seq.stop_reason = "stop", token
+      seq.finish_reason, seq.stop_reason, stop_token = "stop", token, True
+    if seq.detokenizer is None or (stop_token and not params.include_stop_str_in_output):
       return
-    if seq.detokenizer is not None:
-      delta = seq.detokenizer.add_tokens([token])
-      seq.text += delta
-      if may_stop and params.stop and delta:
-        self._check_stop_strings(seq, len(delta))
+    delta = seq.detokenizer.add_tokens([token])
+    seq.text += delta
+    if num_output == params.min_tokens:
+      seq.stop_search_start = len(seq.text)
+    # vLLM (PR #22014): stop strings count only once more than min_tokens tokens exist, and
+    # never in the text of the first min_tokens tokens.
+    if params.stop and delta and not stop_token and num_output > params.min_tokens:
+      match = find_stop_string(seq.text, len(delta), params.stop, seq.stop_search_start)
+      if match is not None:
+        end = match.end if params.include_stop_str_in_output else match.start
+        seq.text = seq.text[:end]
+        seq.finish_reason, seq.stop_reason = "stop", match.stop
 
-  def _check_stop_strings(self, seq: _Sequence, delta_len: int) -> None:
-    params = seq.params
-    longest = max(len(s) for s in params.stop)
-    search_from = max(0, len(seq.text) - delta_len - longest + 1)
-    hits = [(seq.text.find(s, search_from), s) for s in params.stop]
-    hits = [(i, s) for i, s in hits if i >= 0]
-    if hits:
-      index, stop = min(hits)
-      seq.text = seq.text[: index + len(stop) if params.include_stop_str_in_output else index]
-      seq.finish_reason, seq.stop_reason = "stop", stop
+
+class StopMatch(NamedTuple):
+  """Where a stop string occurs in a sequence's text: `text[start:end] == stop`."""
+
+  stop: str
+  start: int
+  end: int
+
+
+def find_stop_string(
+  text: str, num_new_chars: int, stops: Sequence[str], search_start: int = 0
+) -> StopMatch | None:
+  """The stop string that the last `num_new_chars` characters of `text` complete, if any.
+
+  Each stop string is looked for only where it would end inside the new characters (its own
+  length back from them, not the longest stop string's), and never before `search_start` (the
+  text of the first min_tokens tokens). When several complete on the same token, the one that
+  ends first in the text wins, then the earliest in `stops` (vLLM's rule).
+
+  Args:
+    text: the output text so far, new characters included.
+    num_new_chars: characters the latest token added.
+    stops: the request's stop strings.
+    search_start: first character a match may start at.
+
+  Returns:
+    The `StopMatch`, or None.
+  """
+  best = None
+  for stop in stops:
+    start = text.find(stop, max(search_start, len(text) - num_new_chars - len(stop) + 1))
+    if start >= 0 and (best is None or start + len(stop) < best.end):
+      best = StopMatch(stop, start, start + len(stop))
+  return best

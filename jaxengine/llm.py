@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from jaxengine.engine import LLMEngine
@@ -158,13 +159,23 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
+  """One prompt or a list of them, as a list. Token ids may come as a NumPy (or JAX) integer
+  array: 1-D is one prompt, 2-D one prompt per row."""
+  if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):
+    if not np.issubdtype(prompts.dtype, np.integer) or prompts.ndim not in (1, 2):
+      raise ValueError(
+        f"token-id prompts given as an array must be 1-D or 2-D integers, got "
+        f"{prompts.ndim}-D {prompts.dtype}"
+      )
+    prompts = prompts.tolist()
+    return [prompts] if prompts and not isinstance(prompts[0], list) else prompts
   if isinstance(prompts, (str, Mapping)):
     return [prompts]
   if not isinstance(prompts, Sequence):
     raise ValueError(
       f"prompts must be a string, token ids, a prompt dict or a list of these, got {prompts!r}"
     )
-  prompts = list(prompts)
+  prompts = [p.tolist() if hasattr(p, "ndim") and hasattr(p, "tolist") else p for p in prompts]
   if prompts and all(is_int(t) for t in prompts):
     return [prompts]  # one prompt given as token ids
   return prompts

@@ -80,7 +80,9 @@ class RequestOutput:
 
   Attributes:
     request_id: the request's id (the engine numbers requests "0", "1", ... unless given one).
-    prompt: the prompt text (None when the prompt was given as token ids, e.g. by `LLM.chat`).
+    prompt: the prompt text: the text given to `LLM.generate`, or for `LLM.chat` the
+      conversation rendered by the chat template; None when the prompt was given as token ids
+      only.
     prompt_token_ids: the prompt's token ids, as fed to the model (BOS included if the tokenizer
       adds one).
     prompt_logprobs: with `prompt_logprobs=k`, a `PromptLogprobs` list with one entry per prompt

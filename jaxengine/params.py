@@ -213,8 +213,10 @@ class SamplingParams:
           )
     if self.bad_words is not None:
       for word in self.bad_words:
-        if not isinstance(word, str):
-          raise ValueError(f"bad_words must be strings, got {word!r}")
+        if not isinstance(word, str) or not word.strip():
+          raise ValueError(
+            f"bad_words must be non-empty strings (not only whitespace), got {word!r}"
+          )
     if self.bad_words_token_ids is not None:
       for seq in self.bad_words_token_ids:
         if not seq:

@@ -181,9 +181,9 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
   first = run(0)
   assert len(first) == len(prompts) and all(o.finished for o in first)
   # Prefill: at most (batch buckets {1, 2, 4}) x (length buckets {16, 32}) shapes, each with or
-  # without prompt logprobs; decode+sample once per length bucket; write_row, move_rows and the
-  # metadata refresh once each.
-  bound = 3 * 2 * 2 + 2 + 3
+  # without prompt logprobs; decode+sample once per (row bucket {1, 2, 4}, length bucket);
+  # write_row, move_rows and the metadata refresh once each.
+  bound = 3 * 2 * 2 + 3 * 2 + 3
   assert compile_counter.count <= bound
   run(1)  # meets the remaining prefill shapes (other mixes land in other buckets)
   compile_counter.reset()
@@ -191,3 +191,73 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
     run(offset)
   # Every shape has been seen: arrivals, finishes and parameter mixes compile nothing.
   assert compile_counter.count == 0
+
+
+def _recording_decode(engine):
+  """Wraps the engine's jitted decode step to record the row bucket of every call."""
+  buckets, decode = [], engine._decode
+
+  def record(*args):
+    buckets.append(args[-1])
+    return decode(*args)
+
+  engine._decode = record
+  return buckets
+
+
+def test_decode_runs_over_a_bucket_of_live_rows_not_every_row():
+  model, _config = tiny_llama(vocab_size=64)
+  wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32)
+  narrow = LLMEngine(model, None, max_num_reqs=1, max_model_len=32)
+  buckets = _recording_decode(wide)
+  params = je.SamplingParams(temperature=0, max_tokens=6)
+  outputs = []
+  for engine in (wide, narrow):
+    engine.add_request("a", [5, 6, 7], params)
+    while engine.has_unfinished_requests():
+      engine.step()
+    outputs.append(engine.pop_finished()[0].outputs[0].token_ids)
+  assert buckets == [1] * 6  # one live request: a one-row step, whatever max_num_reqs is
+  assert outputs[0] == outputs[1]
+
+  buckets.clear()
+  for i in range(3):
+    wide.add_request(f"b{i}", [5, 6, 7 + i], params.replace(max_tokens=2 + 2 * i))
+  while wide.has_unfinished_requests():
+    wide.step()
+  # Three rows take the 4-row bucket; as requests finish the bucket shrinks with them.
+  assert buckets == [4, 4, 2, 2, 1, 1]
+
+
+def test_error_messages_name_the_problem_once():
+  model, _config = tiny_llama(vocab_size=64)
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  with pytest.raises(ValueError) as error:
+    llm.generate([1] * 20, use_tqdm=False)
+  assert str(error.value).startswith("the prompt has 20 tokens")
+  assert str(error.value).count("prompt") == 1
+  with pytest.raises(ValueError) as error:
+    llm.generate([1, 2], je.SamplingParams(logprobs=10**6), use_tqdm=False)
+  assert str(error.value).startswith("logprobs=1000000")
+  with pytest.raises(ValueError, match=r"request 1 \(of 2\): the prompt has 20 tokens"):
+    llm.generate([[1, 2], [1] * 20], use_tqdm=False)
+  with pytest.raises(ValueError, match="bad_words"):
+    je.SamplingParams(bad_words=[""])
+  with pytest.raises(ValueError, match="bad_words"):
+    je.SamplingParams(bad_words=["ok", "  "])
+
+
+def test_token_id_prompts_may_be_numpy_arrays():
+  import numpy as np
+
+  model, _config = tiny_llama(vocab_size=64)
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  params = je.SamplingParams(temperature=0, max_tokens=3)
+  (from_list,) = llm.generate([5, 6, 7], params, use_tqdm=False)
+  (from_array,) = llm.generate(np.array([5, 6, 7]), params, use_tqdm=False)
+  two = llm.generate(np.array([[5, 6, 7], [5, 6, 7]], np.int32), params, use_tqdm=False)
+  assert from_array.prompt_token_ids == [5, 6, 7]
+  assert from_array.outputs[0].token_ids == from_list.outputs[0].token_ids
+  assert [o.outputs[0].token_ids for o in two] == [from_list.outputs[0].token_ids] * 2
+  with pytest.raises(ValueError, match="integers"):
+    llm.generate(np.array([5.0, 6.0]), params, use_tqdm=False)

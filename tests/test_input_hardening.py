@@ -107,7 +107,7 @@ def test_generate_accepts_vllm_prompt_dicts(tiny_llm):
     (lambda llm: llm.generate(5), "prompts"),
     (lambda llm: llm.generate(None), "prompts"),
     (lambda llm: llm.generate({"foo": [1]}), "prompt dict"),
-    (lambda llm: llm.generate([[5, 6], [1] * 40]), "prompt 1: .*max_model_len"),
+    (lambda llm: llm.generate([[5, 6], [1] * 40]), r"request 1 \(of 2\): .*max_model_len"),
     (lambda llm: llm.generate("text without a tokenizer"), "tokenizer"),
   ],
 )
