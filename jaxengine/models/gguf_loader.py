@@ -80,12 +80,17 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
 
   Raises:
     FileNotFoundError: no file at ``path``.
+    ValueError: the file is not a GGUF file, or one the reader cannot parse (the message names
+      the file).
   """
   path = os.path.abspath(os.fspath(path))
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no GGUF file at {path!r}")
   stat = os.stat(path)
-  return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+  try:
+    return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+  except (ValueError, IndexError, KeyError, EOFError) as error:  # what the reader raises on junk
+    raise ValueError(f"{path!r} is not a valid GGUF file ({error})") from error
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -233,7 +238,7 @@ def load_gguf(
 
   Raises:
     FileNotFoundError: no file at ``path`` (or the default model is not installed).
-    ValueError: unsupported architecture, or a tensor with an unexpected shape.
+    ValueError: not a GGUF file, unsupported architecture, or a tensor with an unexpected shape.
   """
   reader = open_gguf(path if path is not None else default_model_path())
   config = read_config(reader)
