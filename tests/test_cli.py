@@ -1,11 +1,21 @@
-"""The `jaxengine` command on the real default model."""
+"""The `jaxengine` command: on the real default model, and on a tiny model for the chat loop."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 from jaxengine import cli
+from jaxengine import llm as llm_module
+from jaxengine.models import gguf_loader
+from jaxengine.testing import tiny_llama
+from jaxengine.tokenizer import Tokenizer
 
 
 def test_generate_streams_a_continuation_naming_paris(capsys):
@@ -83,3 +93,163 @@ def test_python_dash_m_help_is_fast_and_lists_sampling_flags():
     "--n",
   ):
     assert flag in result.stdout
+
+
+# --------------------------------------------------------------------------- tiny model, no load
+
+_CHATML = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_tokenizer() -> Tokenizer:
+  """One token per byte plus three specials (ids 0-2, EOS 2), with a ChatML template."""
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+  vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in specials])
+  hf = PreTrainedTokenizerFast(
+    tokenizer_object=backend, eos_token="<|im_end|>", chat_template=_CHATML
+  )
+  return Tokenizer(hf)
+
+
+@pytest.fixture
+def tiny_llm(monkeypatch):
+  """Makes `cli.main` build its `LLM` on a random tiny model; yields the `--model` values seen."""
+  tokenizer = _tiny_tokenizer()
+  model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
+  real_llm = llm_module.LLM
+  models_asked = []
+
+  def make_llm(model_path, **kwargs):
+    models_asked.append(model_path)
+    return real_llm(model, tokenizer=tokenizer, **kwargs)
+
+  monkeypatch.setattr(llm_module, "LLM", make_llm)
+  return models_asked
+
+
+def _no_model_load(monkeypatch):
+  def refuse(*args, **kwargs):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+  monkeypatch.setattr(llm_module, "LLM", refuse)
+
+
+def test_read_message_skips_thousands_of_blank_lines(monkeypatch):
+  monkeypatch.setattr(sys, "stdin", io.StringIO("\n" * 3000 + "  \nhello\n"))
+  assert cli._read_message() == "hello"
+  assert cli._read_message() is None  # end of input
+
+
+def test_interactive_chat_reads_past_blank_lines(monkeypatch, capsys, tiny_llm):
+  monkeypatch.setattr(sys, "stdin", io.StringIO("\n" * 3000 + "hi\n/quit\nnever read\n"))
+  assert cli.main(["chat", "--max-tokens", "3", "--ignore-eos", "--max-model-len", "64"]) == 0
+  assert capsys.readouterr().out.count(">>> ") == 3002
+
+
+def test_interactive_chat_outgrowing_max_model_len_drops_oldest_turns(
+  monkeypatch, capsys, tiny_llm
+):
+  # Each turn is about 40 tokens (a byte per token), so the second message no longer fits with
+  # the first turn and room for 16 new tokens; the long message does not fit even alone.
+  lines = ["first question", "second question", "x" * 200, "third question", "fourth question"]
+  monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+  argv = ["chat", "--system", "Be brief.", "--max-tokens", "16", "--ignore-eos"]
+  assert cli.main([*argv, "--max-model-len", "96", "--max-num-reqs", "1"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out.count(">>> ") == len(lines) + 1  # every line was read, then end of input
+  notices = captured.err.splitlines()
+  assert "jaxengine: dropped the oldest 1 turn(s) of the conversation" in notices[0]
+  assert sum("dropped the oldest" in n for n in notices) == 3  # second, third, fourth question
+  (refusal,) = [n for n in notices if "does not fit" in n]
+  assert "--max-model-len is 96" in refusal and "not sent" in refusal
+
+
+def test_chat_prompt_keeps_the_system_prompt_and_the_latest_message():
+  tokenizer = _tiny_tokenizer()
+  messages = [{"role": "system", "content": "S"}]
+  for i in range(5):
+    messages += [{"role": "user", "content": f"q{i}" * 5}, {"role": "assistant", "content": "a"}]
+  messages.append({"role": "user", "content": "last"})
+  prompt = cli._chat_prompt(tokenizer, messages, max_model_len=80, room=1000)
+  assert prompt.messages[0] == messages[0] and prompt.messages[-1] == messages[-1]
+  assert prompt.messages[1:] == messages[len(messages) - len(prompt.messages) + 1 :]
+  assert prompt.num_dropped == (len(messages) - len(prompt.messages)) // 2 > 0
+  assert len(prompt.prompt_token_ids) + 40 <= 80  # room is capped at half of max_model_len
+  assert prompt.prompt_token_ids == tokenizer.encode(prompt.text, add_special_tokens=False)
+  assert len(messages) == 12  # the caller's list is left alone
+
+
+def test_one_shot_chat_that_does_not_fit_exits_2(capsys, tiny_llm):
+  assert cli.main(["chat", "x" * 100, "--max-model-len", "64"]) == 2
+  err = capsys.readouterr().err
+  assert "does not fit" in err and "--max-model-len is 64" in err
+
+
+@pytest.mark.parametrize(
+  "flags, expected",
+  [
+    (["--stop-token-ids", "2"], [2]),
+    (["--stop-token-ids", "2,3"], [2, 3]),
+    (["--stop-token-ids", "2", "--stop-token-ids", "3,4"], [2, 3, 4]),
+    ([], None),
+  ],
+)
+def test_stop_token_ids_leave_the_prompt_alone(flags, expected):
+  args = cli.build_parser().parse_args(["generate", *flags, "Hi"])
+  assert args.prompts == ["Hi"] and args.stop_token_ids == expected
+  assert cli._sampling_params(args).stop_token_ids == (
+    None if expected is None else tuple(expected)
+  )
+
+
+@pytest.mark.parametrize(
+  "flags, named",
+  [
+    (["--stop-token-ids", "two"], "--stop-token-ids"),
+    (["--stop-token-ids", "2,,3"], "--stop-token-ids"),
+    (["--stop-token-ids", "-1"], "--stop-token-ids"),
+    (["--max-num-reqs", "0"], "--max-num-reqs"),
+    (["--max-num-reqs", "many"], "--max-num-reqs"),
+    (["--max-model-len", "-5"], "--max-model-len"),
+    (["--dtype", "float16"], "--dtype"),
+  ],
+)
+def test_bad_engine_and_stop_flags_are_usage_errors_before_loading(
+  monkeypatch, capsys, flags, named
+):
+  _no_model_load(monkeypatch)
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["generate", *flags, "Hi"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f"argument {named}:" in err and repr(flags[1]) in err
+
+
+def test_model_that_is_not_gguf_is_named(tmp_path, capsys):
+  path = tmp_path / "README.md"
+  path.write_text("# not a model\n")
+  with pytest.raises(ValueError, match=r"README\.md.* is not a valid GGUF file"):
+    gguf_loader.open_gguf(path)
+  assert cli.main(["generate", "Hi", "--model", str(path)]) == 2
+  err = capsys.readouterr().err
+  assert str(path) in err and "not a valid GGUF file" in err
+
+
+def test_help_of_each_command_reads_well(capsys):
+  for argv, words in [
+    ([], ["generate", "chat"]),
+    (["generate"], ["PROMPT", "--stop-token-ids IDS", "comma-separated", "--max-num-reqs"]),
+    (["chat"], ["MESSAGE", "--system", "--stop-token-ids IDS", "--max-model-len"]),
+  ]:
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(word in out for word in words), out
+    assert all(len(line) <= 100 for line in out.splitlines())
