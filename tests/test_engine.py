@@ -195,13 +195,13 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
 
 def _recording_decode(engine):
   """Wraps the engine's jitted decode step to record the row bucket of every call."""
-  buckets, decode = [], engine._decode
+  buckets, decode = [], engine.runner._decode
 
   def record(*args):
     buckets.append(args[-1])
     return decode(*args)
 
-  engine._decode = record
+  engine.runner._decode = record
   return buckets
 
 

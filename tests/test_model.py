@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxengine.kv_cache import KVCache
-from jaxengine.models import gguf_loader, llama
+from jaxengine.models import KVCache, gguf_loader, llama
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
 # Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md).
@@ -138,7 +137,7 @@ NUM_SLOTS, MAX_MODEL_LEN = 4, 32
 
 
 def _cache(cfg) -> KVCache:
-  return KVCache.create(cfg, NUM_SLOTS, MAX_MODEL_LEN)
+  return KVCache.create(cfg.kv_cache_spec(), NUM_SLOTS, MAX_MODEL_LEN)
 
 
 def _run(graphdef, weights, cache, token_ids, positions, slots, attention_len=None):
@@ -298,7 +297,7 @@ def test_decode_steps_do_not_recompile(tiny):
 def test_bfloat16_tiny_model_dtypes():
   model, cfg = tiny_llama(seed=0, dtype=jnp.bfloat16)
   graphdef, weights = nnx.split(model)
-  cache = KVCache.create(cfg, 1, 8, dtype=jnp.bfloat16)
+  cache = KVCache.create(cfg.kv_cache_spec(jnp.bfloat16), 1, 8)
   hidden, cache = forward_jit(
     graphdef, weights, i32([[1, 2, 3]]), i32([[0, 1, 2]]), cache, i32([0])
   )
@@ -311,7 +310,7 @@ def test_bfloat16_tiny_model_dtypes():
 
 def test_kv_cache_create_shapes():
   cfg = tiny_llama_config()
-  cache = KVCache.create(cfg, num_slots=3, max_model_len=10, dtype=jnp.bfloat16)
+  cache = KVCache.create(cfg.kv_cache_spec(jnp.bfloat16), num_slots=3, max_model_len=10)
   shape = (cfg.num_hidden_layers, 3, 10, cfg.num_key_value_heads, cfg.head_dim)
   chex.assert_shape([cache.key, cache.value], shape)
   assert (cache.num_layers, cache.num_slots, cache.max_model_len) == (2, 3, 10)
@@ -429,7 +428,7 @@ def greedy_fixture():
 
 def _last_logits(graphdef, weights, cfg, prompt_ids, dtype=jnp.float32):
   """Prefill of one prompt in slot 0: ``([V] float32 last-position logits, cache)``."""
-  cache = KVCache.create(cfg, 1, 32, dtype=dtype)
+  cache = KVCache.create(cfg.kv_cache_spec(dtype), 1, 32)
   n = len(prompt_ids)
   hidden, cache = forward_jit(
     graphdef, weights, i32([prompt_ids]), i32([np.arange(n)]), cache, i32([0])

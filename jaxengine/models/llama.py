@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.kv_cache import KVCache
+from jaxengine.models.kv_cache import KVCache, KVCacheSpec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +85,15 @@ class LlamaConfig:
   def num_queries_per_kv(self) -> int:
     """``G``: query heads that share one key/value head."""
     return self.num_attention_heads // self.num_key_value_heads
+
+  def kv_cache_spec(self, dtype=jnp.float32) -> KVCacheSpec:
+    """The `KVCacheSpec` of a model with this config storing keys and values in `dtype`."""
+    return KVCacheSpec(
+      num_layers=self.num_hidden_layers,
+      num_kv_heads=self.num_key_value_heads,
+      head_dim=self.head_dim,
+      dtype=dtype,
+    )
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
@@ -265,7 +274,7 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """Llama-family decoder reading and writing a `KVCache`.
+  """Llama-family decoder reading and writing a `KVCache`; implements `jaxengine.models.Model`.
 
   The decoder layers are stored stacked (every parameter of ``layers`` has a leading ``[L]``
   axis) and applied with `jax.lax.scan`, so the forward pass compiles one layer body however deep
@@ -305,6 +314,26 @@ class Llama(nnx.Module):
     self.lm_head = (
       None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
     )
+
+  @property
+  def vocab_size(self) -> int:
+    """Width of the logits."""
+    return self.config.vocab_size
+
+  @property
+  def eos_token_id(self) -> int | None:
+    """The config's end-of-sequence id."""
+    return self.config.eos_token_id
+
+  @property
+  def max_position_embeddings(self) -> int:
+    """Context length the model was trained for."""
+    return self.config.max_position_embeddings
+
+  @property
+  def kv_cache_spec(self) -> KVCacheSpec:
+    """Layers, key/value heads and head dim of the config, in the model's dtype."""
+    return self.config.kv_cache_spec(self.dtype)
 
   def __call__(
     self,

@@ -8,13 +8,27 @@ condensing batch rows moves a few integers and never the cached keys and values 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-  from jaxengine.models.llama import LlamaConfig
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+  """What a model stores per cached token: its cache's layout, without the cache.
+
+  Attributes:
+    num_layers: decoder layers `L`.
+    num_kv_heads: key/value heads `K`.
+    head_dim: width `D` of one head.
+    dtype: storage dtype of keys and values (normally the model's compute dtype).
+  """
+
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: Any = jnp.float32
 
 
 @jax.tree_util.register_dataclass
@@ -27,44 +41,30 @@ class KVCache:
   beyond the query's own, so stale data from a previous owner of the slot is harmless.
 
   Attributes:
-    key: ``[num_layers, num_slots, max_model_len, num_kv_heads, head_dim]`` keys after rotary
+    key: ``[L, num_slots, S, K, D]`` keys after rotary
       embedding, in the cache dtype.
-    value: ``[num_layers, num_slots, max_model_len, num_kv_heads, head_dim]`` values, same dtype.
+    value: ``[L, num_slots, S, K, D]`` values, same dtype.
   """
 
   key: jax.Array
   value: jax.Array
 
   @classmethod
-  def create(
-    cls,
-    config: LlamaConfig,
-    num_slots: int,
-    max_model_len: int,
-    dtype: jnp.dtype = jnp.float32,
-  ) -> KVCache:
+  def create(cls, spec: KVCacheSpec, num_slots: int, max_model_len: int) -> KVCache:
     """Allocates a zero-filled cache.
 
     Args:
-      config: model hyper-parameters; uses ``num_hidden_layers``, ``num_key_value_heads`` and
-        ``head_dim``.
+      spec: the model's `KVCacheSpec` (layers, key/value heads, head dim, dtype).
       num_slots: number of requests the cache can hold at once (usually ``max_num_reqs``, plus one
         if the caller wants a scratch slot for inactive rows).
       max_model_len: positions per slot (prompt plus generated tokens).
-      dtype: storage dtype, normally the model's compute dtype.
 
     Returns:
       A ``KVCache`` whose two leaves are separate buffers (so both can be donated).
     """
-    shape = (
-      config.num_hidden_layers,
-      num_slots,
-      max_model_len,
-      config.num_key_value_heads,
-      config.head_dim,
-    )
+    shape = (spec.num_layers, num_slots, max_model_len, spec.num_kv_heads, spec.head_dim)
     # Two separate allocations: aliased leaves would break buffer donation.
-    return cls(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype))
+    return cls(key=jnp.zeros(shape, spec.dtype), value=jnp.zeros(shape, spec.dtype))
 
   @property
   def num_layers(self) -> int:

@@ -1,0 +1,15 @@
+"""The engine, split by job as vLLM's V1 engine is.
+
+requests.py          host records: a `Request` and its `Completion`s
+input_processor.py   prompts and `SamplingParams` -> validated `Request`s
+scheduler.py         which completions run (first come, first served, within the batch's rows)
+runner.py            `ModelRunner`: weights, KV cache, persistent batch, jitted prefill/decode
+output_processor.py  tokens -> logprob dicts, text and stop rules
+core.py              `LLMEngine`, which wires them together
+"""
+
+from jaxengine.engine.core import LLMEngine
+from jaxengine.engine.output_processor import find_stop_string
+from jaxengine.engine.runner import ModelRunner
+
+__all__ = ["LLMEngine", "ModelRunner", "find_stop_string"]

@@ -1,0 +1,173 @@
+"""`LLMEngine`: continuous batching, wiring the input processor, scheduler, runner and output
+processor together.
+
+One `step()`:
+
+  1. the scheduler admits waiting completions into free rows;
+  2. the runner adds them to the persistent batch and prefills their prompts;
+  3. the runner decodes one token for every running completion (one fused model + sampler
+     executable over a bucket of live rows);
+  4. the output processor appends the tokens (logprob dicts, text, stop rules), and finished
+     completions leave the scheduler and the batch (the next step condenses and admits more).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from jaxengine.batch import InputBatch
+from jaxengine.engine.input_processor import InputProcessor
+from jaxengine.engine.output_processor import OutputProcessor
+from jaxengine.engine.requests import Request
+from jaxengine.engine.runner import ModelRunner
+from jaxengine.engine.scheduler import Scheduler
+from jaxengine.models.interface import Model, check_model
+from jaxengine.outputs import RequestOutput
+from jaxengine.params import SamplingParams
+from jaxengine.tokenizer import Tokenizer
+
+#: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`.
+RequestSpec = tuple[str | None, object, SamplingParams | None]
+
+
+class LLMEngine:
+  """Continuous batching over a persistent `InputBatch` and a slot-addressed KV cache.
+
+  Args:
+    model: a `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`), weights loaded.
+    tokenizer: its `Tokenizer`, or None (then prompts must be token ids, no text is produced and
+      stop strings / bad_words strings are rejected).
+    max_num_reqs: rows of the batch (sequences decoded at once).
+    max_model_len: longest prompt plus output, in tokens (KV-cache length per slot).
+    max_num_logprobs: largest logprobs / prompt_logprobs a request may ask for (`-1`: whole vocab).
+    logprobs_mode: see `InputBatch`.
+    seed: seed of the engine key (unseeded requests derive their keys from it).
+    eos_token_id: overrides the tokenizer's / model's EOS id.
+
+  Raises:
+    ValueError: a model that does not implement `Model`, `max_model_len` above the model's
+      `max_position_embeddings`, or invalid batch settings.
+  """
+
+  def __init__(
+    self,
+    model: Model,
+    tokenizer: Tokenizer | None = None,
+    *,
+    max_num_reqs: int = 16,
+    max_model_len: int = 1024,
+    max_num_logprobs: int = 20,
+    logprobs_mode: str = "raw_logprobs",
+    seed: int = 0,
+    eos_token_id: int | None = None,
+  ):
+    check_model(model)
+    if eos_token_id is None:
+      eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
+    self.tokenizer = tokenizer
+    self.eos_token_id = eos_token_id
+    batch = InputBatch(
+      max_num_reqs,
+      max_model_len,
+      model.vocab_size,
+      max_num_logprobs=max_num_logprobs,
+      logprobs_mode=logprobs_mode,
+      eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+      seed=seed,
+    )
+    self.runner = ModelRunner(model, batch)
+    self.max_num_reqs = batch.max_num_reqs
+    self.max_model_len = batch.max_model_len
+    self.input_processor = InputProcessor(tokenizer, self.max_model_len, batch.validate_request)
+    self.scheduler = Scheduler(self.max_num_reqs)
+    self.output_processor = OutputProcessor(
+      tokenizer, eos_token_id, self.max_model_len, model.vocab_size
+    )
+    self._requests: dict[str, Request] = {}
+    self._ids = itertools.count()
+
+  # --- requests -------------------------------------------------------------------------------
+
+  def add_request(
+    self, request_id: str | None, prompt, params: SamplingParams | None = None
+  ) -> str:
+    """Queues a prompt (text, token ids or a vLLM prompt dict); returns its request id.
+
+    Raises:
+      ValueError: (nothing queued) for a duplicate id or anything `InputProcessor.process`
+        refuses (an empty or too long prompt, ids outside the vocabulary, text without a
+        tokenizer, parameters the batch cannot hold).
+    """
+    return self.add_requests([(request_id, prompt, params)])[0]
+
+  def add_requests(self, requests: Sequence[RequestSpec]) -> list[str]:
+    """Validates every `(request_id, prompt, params)` first, then queues them all.
+
+    Raises:
+      ValueError: as `add_request`; if any request is invalid, none is queued. With several
+        requests the message starts with the failing one's position.
+    """
+    made: list[Request] = []
+    for index, (request_id, prompt, params) in enumerate(requests):
+      request_id = str(next(self._ids)) if request_id is None else str(request_id)
+      try:
+        if request_id in self._requests or any(r.request_id == request_id for r in made):
+          raise ValueError(f"request_id {request_id!r} is already in the engine")
+        made.append(self.input_processor.process(request_id, prompt, params or SamplingParams()))
+      except ValueError as error:
+        if len(requests) == 1:
+          raise
+        raise ValueError(f"request {index} (of {len(requests)}): {error}") from None
+    for request in made:
+      self._requests[request.request_id] = request
+      self.scheduler.add_request(request)
+    return [r.request_id for r in made]
+
+  def has_unfinished_requests(self) -> bool:
+    """Whether any request is waiting or running."""
+    return self.scheduler.has_unfinished()
+
+  def pop_finished(self) -> list[RequestOutput]:
+    """Returns and forgets every finished request."""
+    done = [r for r in self._requests.values() if r.finished]
+    for request in done:
+      del self._requests[request.request_id]
+    return [r.output() for r in done]
+
+  # --- the step -------------------------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Admits, prefills, decodes one token for every running completion, applies stop rules.
+
+    Returns:
+      A `RequestOutput` (cumulative so far) for every request that advanced this step.
+    """
+    admitted = self.scheduler.schedule().admitted
+    for completion in admitted:
+      self.runner.add(completion)
+    if admitted:
+      prompt_logprobs = self.runner.prefill(admitted)
+      for completion in admitted:
+        self._set_prompt_logprobs(completion, prompt_logprobs)
+    if not self.scheduler.running:
+      return []
+    decoded = self.runner.decode()
+    advanced: dict[str, Request] = {}
+    for row, seq_id in enumerate(decoded.req_ids):
+      completion = self.scheduler.running[seq_id]
+      self.output_processor.append(completion, row, decoded.sampled)
+      advanced[completion.request.request_id] = completion.request
+      if completion.finish_reason is not None:
+        self.scheduler.finish(completion)
+        self.runner.remove(seq_id)
+    return [r.output() for r in advanced.values()]
+
+  def _set_prompt_logprobs(self, completion, prompt_logprobs) -> None:
+    request = completion.request
+    if completion.index != 0 or completion.params.prompt_logprobs is None:
+      return
+    if request.request_id in prompt_logprobs:
+      self.output_processor.prompt_logprobs(completion, prompt_logprobs[request.request_id])
+    else:  # a one-token prompt: nothing predicts its only token
+      request.prompt_logprobs = [None]

@@ -1,0 +1,97 @@
+"""Host records of the requests an engine is working on: a `Request` and its `Completion`s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from jaxengine.params import SamplingParams
+from jaxengine.tokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class Completion:
+  """One of a request's `n` completions: a row of the batch while it runs.
+
+  Attributes:
+    seq_id: the row's id in the batch (the request id, or `"{request_id}#{index}"` for n > 1).
+    request: the request it belongs to.
+    index: `0..n-1`.
+    params: its sampling parameters (child `j` of a seeded request has seed `seed + j`).
+    detokenizer: turns its tokens into text; None without a tokenizer.
+    token_ids: generated tokens so far.
+    logprobs: per-token logprob dicts, or None when the request did not ask for logprobs.
+    cumulative_logprob: sum of the sampled tokens' logprobs, or None.
+    text: generated text so far (cut at a matched stop string).
+    finish_reason: "stop", "length", or None while running.
+    stop_reason: the stop string or stop token id that ended it, else None.
+    stop_search_start: first character of `text` a stop string may start at: the end of the
+      text of the first `min_tokens` tokens.
+  """
+
+  seq_id: str
+  request: Request
+  index: int
+  params: SamplingParams
+  detokenizer: IncrementalDetokenizer | None
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: SampleLogprobs | None = None
+  cumulative_logprob: float | None = None
+  text: str = ""
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+  stop_search_start: int = 0
+
+  @property
+  def num_tokens(self) -> int:
+    """Prompt plus generated tokens."""
+    return len(self.request.prompt_token_ids) + len(self.token_ids)
+
+  def output(self) -> CompletionOutput:
+    """A snapshot as vLLM's `CompletionOutput`."""
+    return CompletionOutput(
+      index=self.index,
+      text=self.text,
+      token_ids=list(self.token_ids),
+      cumulative_logprob=self.cumulative_logprob,
+      logprobs=None if self.logprobs is None else list(self.logprobs),
+      finish_reason=self.finish_reason,
+      stop_reason=self.stop_reason,
+    )
+
+
+@dataclasses.dataclass
+class Request:
+  """A prompt and its sampling parameters, validated, with its completions.
+
+  Attributes:
+    request_id: unique within the engine.
+    prompt: the prompt text, or None for a token-id prompt.
+    prompt_token_ids: the prompt as fed to the model.
+    params: the request's sampling parameters (bad_words already tokenized).
+    completions: its `n` completions.
+    prompt_logprobs: filled by prefill when the request asked for `prompt_logprobs`.
+  """
+
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  completions: list[Completion] = dataclasses.field(default_factory=list)
+  prompt_logprobs: PromptLogprobs | None = None
+
+  @property
+  def finished(self) -> bool:
+    """Whether every completion has finished."""
+    return all(c.finish_reason is not None for c in self.completions)
+
+  def output(self) -> RequestOutput:
+    """A snapshot as vLLM's `RequestOutput`."""
+    return RequestOutput(
+      request_id=self.request_id,
+      prompt=self.prompt,
+      prompt_token_ids=list(self.prompt_token_ids),
+      prompt_logprobs=self.prompt_logprobs,
+      outputs=[c.output() for c in self.completions],
+      finished=self.finished,
+    )
