@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxengine as je
-from jaxengine.sampler import sample_step
 
 PARAMS = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
 
@@ -40,15 +39,17 @@ def _prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
 def _generate(engine, prompts, params):
   """Runs one generation; returns (prefill seconds, decode seconds, decode steps)."""
   prefill = [0.0]
-  run_prefill = engine._prefill_sequences
+  runner = engine.runner
+  run_prefill = runner.prefill  # the runner's public prefill step, timed on its own
 
-  def timed_prefill(sequences):
+  def timed_prefill(completions):
     start = time.perf_counter()
-    run_prefill(sequences)
-    jax.block_until_ready(engine._kv_cache)
+    result = run_prefill(completions)
+    jax.block_until_ready(runner.kv_cache)
     prefill[0] += time.perf_counter() - start
+    return result
 
-  engine._prefill_sequences = timed_prefill
+  runner.prefill = timed_prefill
   engine.add_requests([(None, p, params) for p in prompts])
   start = time.perf_counter()
   steps = 0
@@ -56,14 +57,14 @@ def _generate(engine, prompts, params):
     engine.step()
     steps += 1
   total = time.perf_counter() - start
-  engine._prefill_sequences = run_prefill
+  runner.prefill = run_prefill
   engine.pop_finished()
   return prefill[0], total - prefill[0], steps
 
 
 def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   """(sampler ms, fused decode step ms) over the engine's current (full) batch."""
-  batch = engine.batch
+  batch = engine.runner.input_batch
   rng = np.random.default_rng(0)
   logits = jnp.asarray(
     rng.standard_normal((batch.max_num_reqs, batch.vocab_size), dtype=np.float32)
@@ -73,7 +74,7 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
 
   def sampler():
     nonlocal state
-    state, out = sample_step(state, metadata, logits)
+    state, out = je.sample_step(state, metadata, logits)
     return out.sampled_token_ids
 
   def step():
