@@ -357,7 +357,10 @@ def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     if message is None:
       return 0
     prompt = _chat_prompt(
-      tokenizer, [*history, {"role": "user", "content": message}], max_model_len, params.max_tokens
+      tokenizer,
+      [*history, {"role": "user", "content": message}],
+      max_model_len,
+      params.max_tokens or max_model_len,
     )
     if len(prompt.prompt_token_ids) >= max_model_len:  # the engine would refuse it
       print(

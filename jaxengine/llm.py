@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -147,7 +148,10 @@ class LLM:
     tokenizer = self.get_tokenizer()
     if tokenizer is None:
       raise ValueError("chat needs a tokenizer with a chat template")
-    conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+    conversations = cast(
+      Sequence[Sequence[Message]],
+      [messages] if messages and isinstance(messages[0], Mapping) else messages,
+    )
     prompts = []
     for conversation in conversations:
       text = tokenizer.apply_chat_template(conversation, add_generation_prompt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import gguf
 import tokenizers
@@ -188,15 +189,18 @@ class Tokenizer:
       token_ids: the ids to decode.
       skip_special_tokens: drop special tokens such as ``<|im_end|>``.
     """
-    return self.hf_tokenizer.decode(
-      [int(t) for t in token_ids],
-      skip_special_tokens=skip_special_tokens,
-      clean_up_tokenization_spaces=False,
+    return cast(
+      str,
+      self.hf_tokenizer.decode(
+        [int(t) for t in token_ids],
+        skip_special_tokens=skip_special_tokens,
+        clean_up_tokenization_spaces=False,
+      ),
     )
 
   def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
     """Vocabulary strings of ``token_ids`` (byte-level spelling, e.g. ``"Ġthe"``)."""
-    return self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids])
+    return cast(list[str], self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids]))
 
   def apply_chat_template(
     self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
@@ -210,9 +214,10 @@ class Tokenizer:
     Returns:
       The prompt text (encode it with `encode`; the template writes its own special tokens).
     """
-    return self.hf_tokenizer.apply_chat_template(
+    text = self.hf_tokenizer.apply_chat_template(
       [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
     )
+    return cast(str, text)
 
   def decode_incremental(
     self,

@@ -78,7 +78,7 @@ class OutputProcessor:
 
   def prompt_logprobs(self, completion: Completion, logprobs: LogprobsTensors) -> None:
     """Sets the request's `prompt_logprobs` (vLLM's list: None, then one dict per token)."""
-    k = self._resolve_k(completion.params.prompt_logprobs)
+    k = self._resolve_k(completion.params.prompt_logprobs or 0)
     completion.request.prompt_logprobs = [None] + [
       self._logprob_dict(logprobs.token_ids[t], logprobs.logprobs[t], int(logprobs.ranks[t]), k)
       for t in range(len(logprobs.ranks))
@@ -89,13 +89,15 @@ class OutputProcessor:
     token = int(sampled.sampled_token_ids[row])
     params = completion.params
     completion.token_ids.append(token)
-    if completion.logprobs is not None:
+    if completion.logprobs is not None and sampled.logprobs is not None:
       lp = sampled.logprobs
-      k = self._resolve_k(params.logprobs)
+      k = self._resolve_k(params.logprobs or 0)
       completion.logprobs.append(
         self._logprob_dict(lp.token_ids[row], lp.logprobs[row], int(lp.ranks[row]), k)
       )
-      completion.cumulative_logprob += float(lp.logprobs[row, 0])
+      completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + float(
+        lp.logprobs[row, 0]
+      )
     stop_token = self._check_length_and_stop_tokens(completion, token)
     if completion.detokenizer is None or (stop_token and not params.include_stop_str_in_output):
       return
@@ -126,7 +128,7 @@ class OutputProcessor:
   def _check_stop_strings(self, completion: Completion, num_new_chars: int) -> None:
     params = completion.params
     match = find_stop_string(
-      completion.text, num_new_chars, params.stop, completion.stop_search_start
+      completion.text, num_new_chars, params.stop or (), completion.stop_search_start
     )
     if match is not None:
       end = match.end if params.include_stop_str_in_output else match.start

@@ -201,7 +201,7 @@ class ModelRunner:
       the logprobs of prompt tokens `1..`, keyed by request id.
     """
     groups = collections.defaultdict(list)
-    prompt_logprobs = {}
+    prompt_logprobs: dict[str, LogprobsTensors | None] = {}
     for completion in completions:
       length = len(completion.request.prompt_token_ids) - 1
       wants_logprobs = completion.index == 0 and completion.params.prompt_logprobs is not None
