@@ -35,6 +35,9 @@ from jaxengine.sampler import LogprobsTensors, SamplerOutput, gather_logprobs, s
 
 #: Smallest prefill length bucket, in tokens.
 MIN_LENGTH_BUCKET = 16
+#: Smallest decode attention bucket, in cache positions. Attending to 128 positions costs little
+#: next to reading the weights, and it spares most short generations a second decode compile.
+MIN_ATTENTION_BUCKET = 128
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -174,6 +177,9 @@ class ModelRunner:
       donate_argnames=("kv_cache",),
     )
     self.length_buckets = buckets(self.max_model_len, min(MIN_LENGTH_BUCKET, self.max_model_len))
+    self.attention_buckets = buckets(
+      self.max_model_len, min(MIN_ATTENTION_BUCKET, self.max_model_len)
+    )
     self.row_buckets = buckets(self.max_num_reqs, 1)
 
   # --- composition ------------------------------------------------------------------------------
@@ -253,7 +259,7 @@ class ModelRunner:
     """
     batch = self.input_batch
     longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
-    attention_len = bucket(longest, self.length_buckets)
+    attention_len = bucket(longest, self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     sampled, self.kv_cache = batch.run(
       self._decode, self.weights, self.kv_cache, attention_len, num_rows
