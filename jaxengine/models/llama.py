@@ -198,9 +198,12 @@ class Attention(nnx.Module):
     """
     cfg = self.config
     b, t, _ = x.shape
-    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
-    k = jnp.einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
-    v = jnp.einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
+    # Projections as plain 2-D matmuls over row-major weights (the reshapes are free): written as
+    # einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
+    e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = (x @ self.wq[...].reshape(e, h * d)).reshape(b, t, h, d)  # [B, T, H, D]
+    k = (x @ self.wk[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
+    v = (x @ self.wv[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
     q = rotary_embedding(q, positions, cfg.rope_theta)
     k = rotary_embedding(k, positions, cfg.rope_theta)
 
@@ -228,8 +231,8 @@ class Attention(nnx.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
-    out = out.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # [B, T, H, D]
-    return jnp.einsum("bthd,hde->bte", out, self.wo[...]), key_cache, value_cache
+    out = out.reshape(b, t, h * d) @ self.wo[...].reshape(h * d, e)  # [B, T, E]
+    return out, key_cache, value_cache
 
 
 class MLP(nnx.Module):
