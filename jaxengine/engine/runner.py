@@ -182,6 +182,11 @@ class ModelRunner:
     )
     self.row_buckets = buckets(self.max_num_reqs, 1)
 
+  @property
+  def model(self) -> Model:
+    """The model with the runner's current weights (a new module sharing the weight arrays)."""
+    return nnx.merge(self._graphdef, self.weights)
+
   # --- composition ------------------------------------------------------------------------------
 
   def add(self, completion: Completion) -> None:
