@@ -209,7 +209,8 @@ class InputBatch:
 
     Args:
       req_id: unique id of the request.
-      prompt_token_ids: the prompt, ids in `[0, vocab_size)`.
+      prompt_token_ids: the prompt, at least one id, ids in `[0, vocab_size)` (an empty prompt
+        is refused, as `LLMEngine` refuses it: the first token would have nothing to follow).
       sampling_params: the request's `SamplingParams`.
       output_token_ids: tokens already generated (a resumed request); they count for penalties,
         bad words and min_tokens, and the request's key continues from their number.
@@ -219,8 +220,8 @@ class InputBatch:
 
     Raises:
       ValueError: (the batch is left unchanged) for a `req_id` that is not a str or is already
-        present, a full batch, token ids that are not ints in `[0, vocab_size)` in any field, more
-        than `max_model_len` tokens, lists longer than the batch's capacities, logprobs above
+        present, a full batch, an empty prompt, token ids that are not ints in `[0, vocab_size)` in
+        any field, more than `max_model_len` tokens, lists longer than the batch's capacities, logprobs above
         `max_num_logprobs`, or constraints that ban every token whatever the output (an allowlist
         covered by single-token bad words, or by them plus the stop set under min_tokens).
     """
@@ -313,11 +314,15 @@ class InputBatch:
     """Exchanges the requests in rows `i1` and `i2` (every per-row field).
 
     Raises:
-      ValueError: if a row is outside `[0, len(req_ids))`.
+      ValueError: naming the argument, if `i1` or `i2` is not an int (bools are refused) in
+        `[0, len(req_ids))`. Nothing is changed then.
     """
-    for row in (i1, i2):
-      if not 0 <= row < len(self._req_ids):
-        raise ValueError(f"swap_states row must lie in [0, {len(self._req_ids)}), got {row}")
+    for name, row in (("i1", i1), ("i2", i2)):
+      if not is_int(row) or not 0 <= row < len(self._req_ids):
+        raise ValueError(
+          f"swap_states {name} must be an int row in [0, {len(self._req_ids)}), got {row!r}"
+        )
+    i1, i2 = int(i1), int(i2)
     if i1 == i2:
       return
     for rows in (self._req_ids, self._req_output_token_ids):
@@ -455,6 +460,8 @@ class InputBatch:
     if not isinstance(sampling_params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params)}")
     prompt = self._token_array("prompt_token_ids", prompt_token_ids)
+    if not len(prompt):
+      raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
     outputs = self._token_array("output_token_ids", output_token_ids)
     num_tokens = len(prompt) + len(outputs)
     if num_tokens > self.max_model_len:

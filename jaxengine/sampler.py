@@ -2,7 +2,8 @@
 
 `sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `shared/spec/behaviour.md` §1.4):
 
-  1. cast the logits to float32 (the input itself is the raw_* logprobs source);
+  1. cast the logits to float32 (the input itself is the raw_* logprobs source; a NaN logit counts
+     as -inf, see `sample_step`);
   2. allowed_token_ids: every other token -> -inf;
   3. bad words: the last token of each banned sequence whose prefix ends the output -> -inf;
   4. min_tokens: stop ids -> -inf while fewer than min_tokens tokens were generated;
@@ -84,13 +85,23 @@ class SamplerOutput:
   Attributes:
     sampled_token_ids: `[num_rows] int32`.
     logprobs: `LogprobsTensors` or None.
+    is_appended: `[num_rows] bool` from `sample_step`: True where the token was appended to the
+      row (a live row below `max_model_len`). A live row with False was already full: its token
+      was drawn but dropped. None from `InputBatch.sample`, which refuses full rows.
   """
 
   sampled_token_ids: jax.Array
   logprobs: LogprobsTensors | None
+  is_appended: jax.Array | None = None
 
 
 # --- stages 2-6: logits processors ------------------------------------------------------------
+
+
+def as_float32(logits: jax.Array) -> jax.Array:
+  """`[R, V]` logits as float32 with NaN as `-inf`: a NaN logit is never sampled (stage 1)."""
+  x = logits.astype(jnp.float32)
+  return jnp.where(jnp.isnan(x), _NEG_INF, x)
 
 
 def _row_index(x: jax.Array) -> jax.Array:
@@ -164,7 +175,7 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
   rows = _row_index(logits)
   vocab = state.vocab_size
   counts, in_prompt = state.output_token_counts, state.prompt_token_mask
-  x = logits.astype(jnp.float32)
+  x = as_float32(logits)
   processed = jnp.where(_is_allowed(state), _penalize(x, counts, in_prompt, md), _NEG_INF)
   # logit_bias: penalties apply to the biased logit.
   bias_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, vocab)  # [R, NB]
@@ -502,7 +513,12 @@ def _inverse_temperature(md: SamplingMetadata) -> jax.Array:
 def _sample_random(
   x, md: SamplingMetadata, step_keys, u, num_candidates: int, needs_threshold: bool
 ):
-  """Stages 8-12 for every row. Returns (tokens `[R] int32`, kept threshold `[R] float32`).
+  """Stages 8-12 for every row.
+
+  Returns:
+    tokens `[R] int32`, the kept threshold `[R] float32` and each row's largest scaled logit
+    `[R] float32` (`+inf` flags a row whose distribution is undefined; see `sample_step`).
+
 
   A row keeps the tokens whose temperature-scaled logit `y = x / T` is `>=` its threshold. With
   `needs_threshold` (processed logprobs modes) every row's exact threshold is computed; otherwise
@@ -544,7 +560,7 @@ def _sample_random(
     lambda: jnp.zeros((rows,), jnp.int32),
   )
   tokens = jnp.where(from_candidates, candidate_tokens, vocab_tokens)
-  return tokens.astype(jnp.int32), threshold
+  return tokens.astype(jnp.int32), threshold, row_max
 
 
 def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
@@ -622,25 +638,57 @@ def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
   return argmax(jnp.where(allowed, finite, _NEG_INF))
 
 
-def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array) -> BatchState:
-  """Appends each live row's token and counts it for the penalties (one scatter each)."""
+def _repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: SamplingMetadata):
+  """Replaces the tokens of rows whose distribution is undefined (see `sample_step`).
+
+  Args:
+    logits: `[R, V]` the model's logits.
+    x: `[R, V] float32` processed logits.
+    tokens: `[R] int32` the greedy or random draw of each row.
+    row_max: `[R] float32` each random row's largest temperature-scaled logit.
+    state, md: the batch state and metadata.
+
+  Returns:
+    `[R] int32` tokens, each in `[0, V)` and inside its row's allowed set: a row whose token is
+    out of range or masked (`-inf`) gets `_fallback_for_masked_rows`; a random row whose largest
+    scaled logit is `+inf` gets its first maximal processed token, as a greedy row would.
+  """
+  vocab = state.vocab_size
+  value = jnp.take_along_axis(x, jnp.clip(tokens, 0, vocab - 1)[:, None], 1)[:, 0]
+  unsampleable = md.is_live & ((tokens < 0) | (tokens >= vocab) | ~(value > _NEG_INF))
+  infinite = md.is_live & ~md.is_greedy & jnp.isposinf(row_max)
+
+  def repair():
+    fallback = jnp.where(unsampleable, _fallback_for_masked_rows(logits, state), tokens)
+    return jnp.where(infinite, argmax(jnp.where(jnp.isnan(x), _NEG_INF, x)), fallback)
+
+  return lax.cond((unsampleable | infinite).any(), repair, lambda: tokens)
+
+
+def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array):
+  """Appends each live row's token and counts it for the penalties (one scatter each).
+
+  Returns:
+    `(state, is_appended [R] bool)`: rows that are not live, or already hold `max_model_len`
+    tokens, are left unchanged.
+  """
   rows = jnp.arange(state.max_num_reqs)
   appended = md.is_live & (state.num_tokens < state.max_model_len)
   position = jnp.where(appended, state.num_tokens, state.max_model_len)
-  return dataclasses.replace(
+  state = dataclasses.replace(
     state,
     token_ids=state.token_ids.at[rows, position].set(tokens, mode="drop"),
     num_tokens=state.num_tokens + appended.astype(jnp.int32),
     output_token_counts=state.output_token_counts.at[rows, tokens].add(appended.astype(jnp.int32)),
   )
+  return state, appended
 
 
-def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
-  """Stages 7-13 on processed logits `x`. Every `lax.cond` here returns only `[R]`-sized or
-  `[R, k]`-sized results: a branch that returned an `[R, V]` array unchanged would cost a copy."""
+def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
+  """Stages 7-12 on processed logits `x`: `(tokens [R] int32, threshold [R], row_max [R])`."""
   rows = state.max_num_reqs
   greedy_tokens = lax.cond(md.any_greedy, lambda: argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
-  random_tokens, threshold = lax.cond(
+  random_tokens, threshold, row_max = lax.cond(
     md.any_random,
     lambda: _sample_random(
       x,
@@ -649,15 +697,38 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
       state.num_topk_candidates,
       needs_threshold=state.logprobs_mode.startswith("processed"),
     ),
-    lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF)),
+    lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), _NEG_INF), jnp.zeros((rows,))),
   )
-  tokens = jnp.where(md.is_greedy, greedy_tokens, random_tokens)
-  all_masked = md.is_live & jnp.isneginf(jnp.take_along_axis(x, tokens[:, None], 1)[:, 0])
-  tokens = lax.cond(
-    all_masked.any(),
-    lambda: jnp.where(all_masked, _fallback_for_masked_rows(logits, state), tokens),
-    lambda: tokens,
-  )
+  return jnp.where(md.is_greedy, greedy_tokens, random_tokens), threshold, row_max
+
+
+def _draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
+  """`_draw_tokens`, redone with NaN as `-inf` for the rows a NaN logit touched.
+
+  The common path never pays for the NaN check over `[R, V]`: a NaN shows itself in the result
+  (the row maximum, or the token's own value, is NaN, or the token is out of range), and only
+  then are the tokens drawn again from the cleaned logits. A row's draw depends on the row alone,
+  so the rows without NaN keep their tokens.
+  """
+  drawn = _draw_tokens(x, state, md)
+  tokens, _, row_max = drawn
+  vocab = state.vocab_size
+  value = jnp.take_along_axis(x, jnp.clip(tokens, 0, vocab - 1)[:, None], 1)[:, 0]
+  touched = md.is_live & (jnp.isnan(value) | jnp.isnan(row_max) | (tokens < 0) | (tokens >= vocab))
+
+  def redraw():
+    clean = _draw_tokens(jnp.where(jnp.isnan(x), _NEG_INF, x), state, md)
+    return jax.tree.map(lambda a, b: jnp.where(touched, a, b), clean, drawn)
+
+  return lax.cond(touched.any(), redraw, lambda: drawn)
+
+
+def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
+  """Stages 7-13 on processed logits `x`. Every `lax.cond` here returns only `[R]`-sized or
+  `[R, k]`-sized results: a branch that returned an `[R, V]` array unchanged would cost a copy."""
+  rows = state.max_num_reqs
+  tokens, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
+  tokens = _repair_degenerate_rows(logits, x, tokens, row_max, state, md)
   num_logprobs = state.max_num_logprobs
 
   def logprobs_branch():
@@ -700,8 +771,8 @@ def sample(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
     lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
     lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md),
   )
-  state = _append_tokens(state, md, tokens)
-  return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+  state, is_appended = _append_tokens(state, md, tokens)
+  return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs, is_appended=is_appended)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -722,8 +793,25 @@ def sample_step(state: BatchState, metadata: SamplingMetadata, logits: jax.Array
   Returns:
     `(new_state, SamplerOutput)`: the state with each live row's sampled token appended (and
     counted for penalties), and device arrays over all rows: `sampled_token_ids [max_num_reqs]
-    int32` and `logprobs` (`LogprobsTensors` with `max_num_logprobs + 1` columns; zeros when no
-    live row asked for logprobs).
+    int32`, `logprobs` (`LogprobsTensors` with `max_num_logprobs + 1` columns; zeros when no
+    live row asked for logprobs) and `is_appended [max_num_reqs] bool`.
+
+  Full rows: a live row that already holds `max_model_len` tokens has nowhere to put a token.
+  It is still sampled (from an unchanged key, as its output count does not grow), but nothing is
+  appended: its `new_state.num_tokens` stays `max_model_len` and `is_appended` is False. A caller
+  looping in `lax.scan` sees such rows by either sign and should mask them out (or end them);
+  `InputBatch.sample` refuses to sample with such a row instead.
+
+  Non-finite logits (the defined result; every token lies in `[0, vocab_size)` and in the row's
+  allowed set whatever the logits hold):
+    - a NaN logit counts as `-inf`: it is never sampled while the row has another token left
+      (and the rows without NaN keep exactly the tokens they would have drawn);
+    - a row whose largest (processed, temperature-scaled) logit is `+inf` takes its first `+inf`
+      token, greedy or not;
+    - a row with nothing left (every token `-inf`, NaN or masked) takes the best allowed token by
+      raw logit (NaN and `-inf` as the lowest float), i.e. its first allowed token when none is
+      finite.
+  Logprobs report the values as they are (a NaN logit gives NaN raw logprobs).
 
   Raises:
     ValueError: at trace time, if `logits` does not have shape `[max_num_reqs, vocab_size]`.
