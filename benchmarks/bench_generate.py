@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxengine as je
-from jaxengine.sampler import sample_step
+from jaxengine.sample import sample_step
 
 PARAMS = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
 

@@ -35,7 +35,7 @@ from jaxengine.kv_cache import KVCache
 from jaxengine.models import llama
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.params import SamplingParams, is_int
-from jaxengine.sampler import gather_logprobs, sample
+from jaxengine.sample import gather_logprobs, sample
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _MIN_PREFILL_BUCKET = 16
