@@ -4,7 +4,9 @@ For each batch size B, vocabulary size V and parameter mix, prints the median wa
 `InputBatch.sample(logits)` call (host round trip included: dispatch, the jitted step, copying the
 sampled tokens and logprobs back), its ratio to one jitted max-reduction and to one jitted
 `jax.nn.log_softmax` over the same `[B, V]` float32 logits measured in the same run, and the
-number of XLA compiles during the timed calls (must be 0). Then the cost of a composition change
+number of XLA compiles during the timed calls (must be 0; `jaxengine.testing.count_compiles`
+counts them). Mixes `top_k_50` and `top_k_1024` compare a shallow and a deep top-k row, and
+`everything_deep` is `everything` with each top-k drawn from 20..1024. Then the cost of a composition change
 (remove + add + condense + metadata refresh) against a step, and the host overhead of a tiny step
 against a bare jitted identity call.
 
@@ -27,8 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxengine as je
+from jaxengine.testing import CompileCounter, count_compiles
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+def _deep_top_k(i: int) -> int:
+  """Row i's top_k in the deep mixes: drawn from 20..1024, the same for every run."""
+  return int(np.random.default_rng(i).integers(20, 1025))
 
 
 def _mix_params(name: str, i: int, vocab: int) -> je.SamplingParams:
@@ -45,56 +51,61 @@ def _mix_params(name: str, i: int, vocab: int) -> je.SamplingParams:
     return je.SamplingParams(min_p=0.05)
   if name == "penalties":
     return je.SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
-  if name == "everything":
-    # Every stage in use somewhere; half the rows seeded; 5 logprobs.
-    kind = i % 8
-    seed = i if i % 2 == 0 else None
-    common = dict(seed=seed, logprobs=5)
-    if kind == 0:
-      return je.SamplingParams(temperature=0.0, logprobs=5)
-    if kind == 1:
-      return je.SamplingParams(temperature=0.7, top_k=50, top_p=0.9, **common)
-    if kind == 2:
-      return je.SamplingParams(temperature=1.0, top_p=0.95, **common)
-    if kind == 3:
-      return je.SamplingParams(temperature=0.9, min_p=0.05, **common)
-    if kind == 4:
-      return je.SamplingParams(
-        temperature=0.8,
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-        repetition_penalty=1.2,
-        **common,
-      )
-    if kind == 5:
-      return je.SamplingParams(
-        temperature=0.8,
-        min_tokens=4,
-        stop_token_ids=[7, 8, 9],
-        logit_bias={11: 2.0, 12: -3.0},
-        **common,
-      )
-    if kind == 6:
-      return je.SamplingParams(
-        temperature=0.8, allowed_token_ids=list(range(0, vocab, 3)), **common
-      )
-    return je.SamplingParams(
-      temperature=0.8, top_k=20, bad_words_token_ids=[[5], [6, 7], [8, 9, 10]], **common
-    )
+  if name == "top_k_50":
+    return je.SamplingParams(temperature=0.8, top_k=50)
+  if name == "top_k_1024":
+    return je.SamplingParams(temperature=0.8, top_k=1024)
+  if name in ("everything", "everything_deep"):
+    return _everything_params(i, vocab, deep=name == "everything_deep")
   raise ValueError(f"unknown mix {name!r}")
 
 
-MIXES = ["greedy", "temperature", "chat", "top_p", "min_p", "penalties", "everything"]
+def _everything_params(i: int, vocab: int, deep: bool) -> je.SamplingParams:
+  """Every stage in use somewhere; half the rows seeded; 5 logprobs. `deep`: every row that
+  takes a top-k draws it from 20..1024, and the top-p and min-p rows take one too."""
+  kind = i % 8
+  seed = i if i % 2 == 0 else None
+  common = dict(seed=seed, logprobs=5)
+  top_k = (lambda shallow: _deep_top_k(i)) if deep else (lambda shallow: shallow)
+  if kind == 0:
+    return je.SamplingParams(temperature=0.0, logprobs=5)
+  if kind == 1:
+    return je.SamplingParams(temperature=0.7, top_k=top_k(50), top_p=0.9, **common)
+  if kind == 2:
+    return je.SamplingParams(temperature=1.0, top_p=0.95, top_k=top_k(0), **common)
+  if kind == 3:
+    return je.SamplingParams(temperature=0.9, min_p=0.05, top_k=top_k(0), **common)
+  if kind == 4:
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+    return je.SamplingParams(temperature=0.8, **penalties, top_k=top_k(0), **common)
+  if kind == 5:
+    return je.SamplingParams(
+      temperature=0.8,
+      min_tokens=4,
+      stop_token_ids=[7, 8, 9],
+      logit_bias={11: 2.0, 12: -3.0},
+      top_k=top_k(0),
+      **common,
+    )
+  if kind == 6:
+    return je.SamplingParams(temperature=0.8, allowed_token_ids=list(range(0, vocab, 3)), **common)
+  return je.SamplingParams(
+    temperature=0.8, top_k=top_k(20), bad_words_token_ids=[[5], [6, 7], [8, 9, 10]], **common
+  )
 
 
-class _Compiles:
-  def __init__(self):
-    self.count = 0
-    jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-  def _listen(self, event, duration, **kwargs):
-    if event == COMPILE_EVENT:
-      self.count += 1
+MIXES = [
+  "greedy",
+  "temperature",
+  "chat",
+  "top_p",
+  "min_p",
+  "penalties",
+  "top_k_50",
+  "top_k_1024",
+  "everything",
+  "everything_deep",
+]
 
 
 def _warm(*fns, times: int = 2) -> None:
@@ -103,7 +114,7 @@ def _warm(*fns, times: int = 2) -> None:
       jax.block_until_ready(fn())
 
 
-def _measure(fns, repeats: int, compiles: _Compiles) -> tuple[list[float], int]:
+def _measure(fns, repeats: int, compiles: CompileCounter) -> tuple[list[float], int]:
   """Warms up (compiles) every function, then returns their interleaved medians in ms and the
   number of compiles seen while timing them."""
   _warm(*fns)
@@ -131,7 +142,7 @@ def _fill(batch: je.InputBatch, mix: str, rng: np.random.Generator) -> None:
     batch.add_request(f"r{i}", prompt, _mix_params(mix, i, batch.vocab_size), outputs)
 
 
-def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -> list[dict]:
+def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: CompileCounter) -> list[dict]:
   rows = []
   max_pass = jax.jit(lambda x: x.max(-1))
   log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
@@ -160,7 +171,7 @@ def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: _Compiles) -
         )
         rows.append(row)
         print(
-          f"B={size:4d} V={vocab:6d} {mix:12s} {ms:9.2f} ms  {row['x_max']:7.1f}x max "
+          f"B={size:4d} V={vocab:6d} {mix:15s} {ms:9.2f} ms  {row['x_max']:7.1f}x max "
           f"({max_ms:.2f} ms)  {row['x_log_softmax']:5.2f}x log_softmax ({softmax_ms:.1f} ms)"
           f"  compiles={row['compiles']}",
           flush=True,
@@ -177,7 +188,7 @@ def _full_batch(size: int, vocab: int, mix: str, seed: int):
   return rng, logits, batch
 
 
-def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) -> dict:
+def bench_composition(repeats: int, compiles: CompileCounter, size=256, vocab=49152) -> dict:
   """A composition change (remove two, condense, add two, metadata refresh) against a step."""
   rng, logits, batch = _full_batch(size, vocab, "chat", seed=1)
   counter = iter(range(10**9))
@@ -205,7 +216,7 @@ def bench_composition(repeats: int, compiles: _Compiles, size=256, vocab=49152) 
   return result
 
 
-def bench_host_overhead(repeats: int, compiles: _Compiles, size=8, vocab=256) -> dict:
+def bench_host_overhead(repeats: int, compiles: CompileCounter, size=8, vocab=256) -> dict:
   """A tiny greedy step against a bare jitted identity call (dispatch + copy back)."""
   _, logits, batch = _full_batch(size, vocab, "greedy", seed=2)
   identity = jax.jit(lambda x: x)
@@ -237,10 +248,10 @@ def main(argv=None) -> None:
     f"{datetime.date.today()}",
     flush=True,
   )
-  compiles = _Compiles()
-  bench_table(args.batch_sizes, args.vocab_sizes, args.mixes, args.repeats, compiles)
-  bench_composition(args.repeats, compiles)
-  bench_host_overhead(args.repeats, compiles)
+  with count_compiles() as compiles:
+    bench_table(args.batch_sizes, args.vocab_sizes, args.mixes, args.repeats, compiles)
+    bench_composition(args.repeats, compiles)
+    bench_host_overhead(args.repeats, compiles)
 
 
 if __name__ == "__main__":

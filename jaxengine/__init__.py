@@ -2,11 +2,14 @@
 
 Core (no model needed):
   SamplingParams       per-request sampling parameters (params.py)
-  InputBatch           the persistent batch, host side (batch.py)
-  BatchState           the persistent batch, device side (state.py)
-  SamplingMetadata     sampler inputs derived per batch composition; refresh_metadata (metadata.py)
-  sample_step          the pure jitted sampler step; SamplerOutput, LogprobsTensors (sampler.py)
-  gather_logprobs      a token's logprob and rank plus the top-k, from any logits (sampler.py)
+  BatchConfig          capacities and static settings of a batch, validated once (config.py)
+  InputBatch           the persistent batch, host side; HostSamplerOutput, LogprobsArrays (batch/)
+  BatchState           the persistent batch, device side (sample/state.py)
+  SamplingMetadata     sampler inputs derived per batch composition; refresh_metadata
+                       (sample/metadata.py)
+  sample_step          the pure jitted sampler step; SamplerOutput (sample/step.py)
+  gather_logprobs      a token's logprob and rank plus the top-k, from any logits; LogprobsTensors
+                       (sample/logprobs.py)
 
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
@@ -24,22 +27,32 @@ Shape legend (every module, docstring and shape comment uses these letters):
 
 import importlib
 
-from jaxengine.batch import InputBatch
-from jaxengine.metadata import SamplingMetadata, refresh_metadata
+from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
+from jaxengine.config import BatchConfig
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.params import SamplingParams
-from jaxengine.sampler import LogprobsTensors, SamplerOutput, gather_logprobs, sample_step
-from jaxengine.state import BatchState
+from jaxengine.sample import (
+  BatchState,
+  LogprobsTensors,
+  SamplerOutput,
+  SamplingMetadata,
+  gather_logprobs,
+  refresh_metadata,
+  sample_step,
+)
 
 _LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine"}
 
 __all__ = [
   "LLM",
+  "BatchConfig",
   "BatchState",
   "CompletionOutput",
+  "HostSamplerOutput",
   "InputBatch",
   "LLMEngine",
   "Logprob",
+  "LogprobsArrays",
   "LogprobsTensors",
   "RequestOutput",
   "SamplerOutput",

@@ -1,13 +1,80 @@
-"""Tiny configurations and randomly initialised models for fast, hermetic tests and notebooks."""
+"""Helpers for tests, benchmarks and notebooks: a compile counter, tiny hermetic models.
+
+  count_compiles()       counts XLA compiles while active (`with count_compiles() as compiles:`)
+  tiny_llama_config()    a Llama config small enough to compile and run in well under a second
+  tiny_llama()           a randomly initialised tiny `Llama`
+
+The model helpers import flax and the model code on first use, so the compile counter stays a
+light import.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
+import jax.monitoring
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxengine.models.llama import Llama, LlamaConfig
+if TYPE_CHECKING:
+  from jaxengine.models.llama import Llama, LlamaConfig
+
+#: The event `jax.monitoring` records, with its duration, for every XLA backend compile.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+  """Counts XLA backend compiles (in the whole process) while it is active.
+
+  A context manager (`with count_compiles() as compiles: ...`), or `start()` / `stop()` where a
+  `with` block does not fit (a notebook's cells).
+
+  Attributes:
+    count: compiles seen while active.
+    seconds: their total backend compile time.
+  """
+
+  def __init__(self) -> None:
+    self.count = 0
+    self.seconds = 0.0
+    self._active = False
+
+  def _listen(self, event: str, duration_secs: float, **kwargs) -> None:
+    if self._active and event == BACKEND_COMPILE_EVENT:
+      self.count += 1
+      self.seconds += duration_secs
+
+  def start(self) -> CompileCounter:
+    """Starts counting (registers a `jax.monitoring` listener); returns self."""
+    if not self._active:
+      self._active = True
+      jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def stop(self) -> None:
+    """Stops counting (unregisters the listener); the count is kept."""
+    if self._active:
+      self._active = False
+      jax.monitoring.unregister_event_duration_listener(self._listen)
+
+  def reset(self) -> None:
+    """Sets the count and time back to zero."""
+    self.count, self.seconds = 0, 0.0
+
+  def __enter__(self) -> CompileCounter:
+    return self.start()
+
+  def __exit__(self, *exc_info) -> None:
+    self.stop()
+
+
+def count_compiles() -> CompileCounter:
+  """A new `CompileCounter`, to use as `with count_compiles() as compiles: ...; compiles.count`.
+
+  JAX records `BACKEND_COMPILE_EVENT` through `jax.monitoring` for every XLA compile (cache hits
+  record nothing), so after warm-up a steady-state loop should leave the count at zero.
+  """
+  return CompileCounter()
 
 
 def tiny_llama_config(vocab_size: int = 256, **overrides) -> LlamaConfig:
@@ -39,6 +106,8 @@ def tiny_llama_config(vocab_size: int = 256, **overrides) -> LlamaConfig:
     bos_token_id=1,
     eos_token_id=2,
   )
+  from jaxengine.models.llama import LlamaConfig
+
   unknown = set(overrides) - {f.name for f in dataclasses.fields(LlamaConfig)}
   if unknown:
     raise TypeError(f"unknown LlamaConfig fields: {sorted(unknown)}")
@@ -64,6 +133,10 @@ def tiny_llama(
   Returns:
     ``(model, config)``.
   """
+  from flax import nnx
+
+  from jaxengine.models.llama import Llama
+
   if config is None:
     config = tiny_llama_config(**config_overrides)
   elif config_overrides:

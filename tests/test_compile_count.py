@@ -137,3 +137,24 @@ def test_compile_counter_sees_compiles(compile_counter):
   compile_counter.reset()
   jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))
   assert compile_counter.count >= 1
+
+
+def test_count_compiles_counts_only_while_active():
+  import jax
+  import jax.numpy as jnp
+
+  from jaxengine.testing import count_compiles
+
+  x, x_int = jnp.arange(5.0), jnp.arange(5)
+  jax.block_until_ready((x, x_int))
+  with count_compiles() as compiles:
+    jax.jit(lambda x: x * 5 - 2)(x)
+    jax.jit(lambda x: x * 5 - 2)(x_int)
+  assert compiles.count == 2 and compiles.seconds > 0
+  jax.jit(lambda x: x * 7 - 2)(x)
+  assert compiles.count == 2
+  compiles.reset()
+  compiles.start()
+  jax.jit(lambda x: x * 9 - 2)(x)
+  compiles.stop()
+  assert compiles.count == 1

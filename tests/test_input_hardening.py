@@ -3,6 +3,8 @@ field, raised before anything changes."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,8 @@ def batch():
     ("x", [[1, 2], [3, 4]], je.SamplingParams(), "prompt_token_ids"),
     ("x", [True, False], je.SamplingParams(), "prompt_token_ids"),
     ("x", 5, je.SamplingParams(), "prompt_token_ids"),
+    ("x", [], je.SamplingParams(), "prompt_token_ids"),
+    ("x", np.zeros((0,), np.int32), je.SamplingParams(), "prompt_token_ids"),
     (
       "x",
       [1],
@@ -52,6 +56,40 @@ def test_add_request_rejects_and_changes_nothing(batch, req_id, prompt, params, 
     batch.add_request(req_id, prompt, params)
   assert (batch.req_ids, batch.req_id_to_index) == before[:2]
   assert batch.sampling_metadata is before[2]
+
+
+def test_validate_request_refuses_an_empty_prompt(batch):
+  with pytest.raises(ValueError, match="prompt_token_ids"):
+    batch.validate_request([], je.SamplingParams(), output_token_ids=[1, 2])
+
+
+@pytest.mark.parametrize(
+  "i1, i2, name",
+  [
+    ("0", 0, "i1"),
+    (0, "1", "i2"),
+    (True, 0, "i1"),
+    (0, np.bool_(False), "i2"),
+    (0.0, 0, "i1"),
+    (None, 0, "i1"),
+    (0, -1, "i2"),
+    (1, 0, "i1"),
+    (0, [0], "i2"),
+  ],
+)
+def test_swap_states_refuses_bad_rows_with_a_value_error(batch, i1, i2, name):
+  before = (batch.req_ids, dict(batch.req_id_to_index), batch.sampling_metadata)
+  bad = i1 if name == "i1" else i2
+  with pytest.raises(ValueError, match=rf"swap_states {name} .*got {re.escape(repr(bad))}"):
+    batch.swap_states(i1, i2)
+  assert (batch.req_ids, batch.req_id_to_index) == before[:2]
+  assert batch.sampling_metadata is before[2]
+
+
+def test_swap_states_accepts_numpy_ints(batch):
+  batch.add_request("b", [3], je.SamplingParams())
+  batch.swap_states(np.int64(0), np.int32(1))
+  assert batch.req_ids == ["b", "a"]
 
 
 def test_satisfiable_allowlists_are_accepted(batch):

@@ -27,7 +27,7 @@ def _batch(num_topk_candidates: int, mode: str = "processed_logprobs") -> je.Inp
   )
 
 
-def _full_rows(out: je.SamplerOutput) -> np.ndarray:
+def _full_rows(out: je.HostSamplerOutput) -> np.ndarray:
   rows = np.full((len(out.sampled_token_ids), V), -np.inf)
   for i, (ids, values) in enumerate(zip(out.logprobs.token_ids, out.logprobs.logprobs)):
     rows[i, ids[1:]] = values[1:]
@@ -141,7 +141,7 @@ def test_top_k_beyond_the_budget_is_exact():
 def test_two_stage_top_k_matches_lax_top_k(k):
   from jax import lax
 
-  from jaxengine.sampler import top_k
+  from jaxengine.sample.blocked import blocked_top_k as top_k
 
   rng = np.random.default_rng(k)
   # Few distinct values (many ties) and some -inf, across a vocabulary wide enough for two stages.

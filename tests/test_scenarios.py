@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from batch_utils import (
   EOS,
+  MML,
   R,
   V,
   check_row,
@@ -160,7 +161,7 @@ def test_sampling_metadata_in_input_batch(batch_size):
   b = make_batch()
   reqs = {}
   for i in range(batch_size):
-    prompt = rng.integers(0, V, size=int(rng.integers(0, 10))).tolist()
+    prompt = rng.integers(0, V, size=int(rng.integers(1, 10))).tolist()
     outputs = rng.integers(0, V, size=int(rng.integers(0, 6))).tolist()
     kw = dict(
       top_k=int(rng.integers(1, 10)),
@@ -920,6 +921,31 @@ def test_sample_step_matches_input_batch_and_runs_in_scan():
 
   _, toks = jax.jit(lambda st, ls: jax.lax.scan(body, st, ls))(state, jnp.stack(steps[1:]))
   assert np.asarray(toks)[:, :3].tolist() == want[1:]
+
+
+def test_sample_step_in_scan_reports_rows_that_reached_max_model_len():
+  """A row at max_model_len inside a caller's scan: nothing appended, and the output says so."""
+  import jax
+  import jax.numpy as jnp
+
+  b = make_batch(max_num_logprobs=20)
+  add(b, "long", [1] * (MML - 3), temperature=0.0)  # room for 3 more tokens
+  add(b, "short", [1], temperature=0.0)
+  meta = b.sampling_metadata
+  state = jax.tree.map(jnp.copy, b.state)
+  logits = jnp.asarray(np.tile(one_hot_logits(5), (R, 1)))
+
+  def body(st, _):
+    st, o = je.sample_step(st, meta, logits)
+    return st, (o.is_appended, st.num_tokens)
+
+  state, (appended, num_tokens) = jax.lax.scan(body, state, None, length=5)
+  appended, num_tokens = np.asarray(appended), np.asarray(num_tokens)
+  assert appended[:, 0].tolist() == [True, True, True, False, False]
+  assert num_tokens[:, 0].tolist() == [MML - 2, MML - 1, MML, MML, MML]
+  assert appended[:, 1].all() and num_tokens[-1, 1] == 6
+  assert not appended[:, 2:].any()  # rows without a request
+  assert np.asarray(state.token_ids)[0, MML - 3 :].tolist() == [5, 5, 5]
 
 
 # --------------------------------------------------------------------------------------------------

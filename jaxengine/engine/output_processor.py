@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from jaxengine.batch import HostSamplerOutput, LogprobsArrays
 from jaxengine.engine.requests import Completion
 from jaxengine.outputs import Logprob
-from jaxengine.sampler import LogprobsTensors, SamplerOutput
 from jaxengine.tokenizer import Tokenizer
 
 
@@ -76,7 +76,7 @@ class OutputProcessor:
     self.vocab_size = vocab_size
     self._decoded_tokens: dict[int, str] = {}
 
-  def prompt_logprobs(self, completion: Completion, logprobs: LogprobsTensors) -> None:
+  def prompt_logprobs(self, completion: Completion, logprobs: LogprobsArrays) -> None:
     """Sets the request's `prompt_logprobs` (vLLM's list: None, then one dict per token)."""
     k = self._resolve_k(completion.params.prompt_logprobs or 0)
     completion.request.prompt_logprobs = [None] + [
@@ -84,7 +84,7 @@ class OutputProcessor:
       for t in range(len(logprobs.ranks))
     ]
 
-  def append(self, completion: Completion, row: int, sampled: SamplerOutput) -> None:
+  def append(self, completion: Completion, row: int, sampled: HostSamplerOutput) -> None:
     """Appends row `row`'s sampled token to `completion` and applies the stop rules."""
     token = int(sampled.sampled_token_ids[row])
     params = completion.params

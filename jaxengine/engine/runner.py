@@ -5,7 +5,7 @@ Everything that runs on the device for the engine goes through here:
 - `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last), padded to
   a (row bucket, length bucket) shape, and returns prompt logprobs for requests that asked;
 - `decode()`: one fused executable over a power-of-two bucket of rows holding every live row:
-  the model on each row's last token, then the sampler (`jaxengine.sampler.sample`), which
+  the model on each row's last token, then the sampler (`jaxengine.sample.sample`), which
   appends the token on device;
 - `add` / `remove`: composition changes of the `InputBatch`.
 
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.batch import InputBatch
+from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.engine.requests import Completion
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
-from jaxengine.sampler import LogprobsTensors, SamplerOutput, gather_logprobs, sample
+from jaxengine.sample import SamplingMetadata, gather_logprobs, sample
 
 #: Smallest prefill length bucket, in tokens.
 MIN_LENGTH_BUCKET = 16
@@ -64,20 +64,15 @@ class DecodeOutput:
   """
 
   req_ids: list[str]
-  sampled: SamplerOutput
+  sampled: HostSamplerOutput
 
 
 # --- pure device functions ---------------------------------------------------------------------
 
 
-def _leading_rows(tree, num_rows: int):
-  """Every leaf with a leading row axis cut to its first `num_rows` rows (0-d flags kept)."""
-  return jax.tree.map(lambda a: a[:num_rows] if a.ndim else a, tree)
-
-
-def _write_leading_rows(full, part):
-  """`full` with its first rows replaced by `part` (in place when `full` is donated)."""
-  return jax.tree.map(lambda a, b: a.at[: b.shape[0]].set(b) if a.ndim else a, full, part)
+def _leading_rows(metadata: SamplingMetadata, num_rows: int) -> SamplingMetadata:
+  """Metadata of the first `num_rows` rows (the batch-wide `any_*` flags kept)."""
+  return jax.tree.map(lambda a: a[:num_rows] if a.ndim else a, metadata)
 
 
 def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_len, num_rows):
@@ -88,7 +83,7 @@ def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_l
   whatever `max_num_reqs` is. `attention_len` (static) is a bucket of cache positions above every
   live row's length, so a step costs what the longest sequence needs rather than `max_model_len`.
   """
-  rows_state = _leading_rows(state, num_rows)
+  rows_state = state.leading_rows(num_rows)
   rows_metadata = _leading_rows(metadata, num_rows)
   last = jnp.maximum(rows_state.num_tokens - 1, 0)
   token_ids = rows_state.token_ids[jnp.arange(num_rows), last]
@@ -103,7 +98,7 @@ def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_l
     attention_len=attention_len,
   )
   rows_state, output = sample(rows_state, rows_metadata, model.compute_logits(hidden[:, 0]))
-  return _write_leading_rows(state, rows_state), output, kv_cache
+  return state.with_leading_rows(rows_state), output, kv_cache
 
 
 def _prefill(graphdef, weights, kv_cache, token_ids, positions, cache_slots):
@@ -200,7 +195,7 @@ class ModelRunner:
 
   # --- device steps -----------------------------------------------------------------------------
 
-  def prefill(self, completions: Sequence[Completion]) -> dict[str, LogprobsTensors]:
+  def prefill(self, completions: Sequence[Completion]) -> dict[str, LogprobsArrays]:
     """Writes the KV cache of every prompt token but the last (the decode step feeds that one).
 
     Args:
@@ -208,11 +203,11 @@ class ModelRunner:
 
     Returns:
       For each request that asked for `prompt_logprobs` (prefilled once, by its first
-      completion), NumPy `LogprobsTensors` of `[num_prompt_tokens - 1, max_num_logprobs + 1]`:
+      completion), `LogprobsArrays` of `[num_prompt_tokens - 1, max_num_logprobs + 1]`:
       the logprobs of prompt tokens `1..`, keyed by request id.
     """
     groups = collections.defaultdict(list)
-    prompt_logprobs: dict[str, LogprobsTensors | None] = {}
+    prompt_logprobs: dict[str, LogprobsArrays | None] = {}
     for completion in completions:
       length = len(completion.request.prompt_token_ids) - 1
       wants_logprobs = completion.index == 0 and completion.params.prompt_logprobs is not None
@@ -228,7 +223,7 @@ class ModelRunner:
 
   def _prefill_group(
     self, group: list[Completion], length: int, wants_logprobs: bool
-  ) -> dict[str, LogprobsTensors]:
+  ) -> dict[str, LogprobsArrays]:
     size = bucket(len(group), self.row_buckets)
     token_ids = np.zeros((size, length), np.int32)
     next_token_ids = np.zeros((size, length), np.int32)
@@ -253,7 +248,11 @@ class ModelRunner:
     out = {}
     for i, completion in enumerate(group):
       n = len(completion.request.prompt_token_ids) - 1
-      out[completion.request.request_id] = jax.tree.map(lambda a, i=i, n=n: a[i, :n], logprobs)
+      out[completion.request.request_id] = LogprobsArrays(
+        token_ids=logprobs.token_ids[i, :n],
+        logprobs=logprobs.logprobs[i, :n],
+        ranks=logprobs.ranks[i, :n],
+      )
     return out
 
   def decode(self) -> DecodeOutput:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.params import SAMPLING_EPS
-from jaxengine.state import BatchState
+from jaxengine.sample.state import BatchState
 
 
 @jax.tree_util.register_dataclass
@@ -64,13 +64,22 @@ class SamplingMetadata:
   any_logprobs: jax.Array
 
 
+def inverse_temperature(md: SamplingMetadata) -> jax.Array:
+  """`[R] float32` 1 / temperature (1 for greedy and free rows).
+
+  Every place computes the scaled logits `y = x * (1 / T)` in this one form so that `y` rounds
+  identically wherever it is recomputed (XLA would rewrite `x / T` so anyway).
+  """
+  return 1.0 / md.temperature
+
+
 @jax.jit
 def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
   """Derives `SamplingMetadata` from the batch state.
 
   Args:
     state: the batch state.
-    is_live: `[max_num_reqs] bool` rows that hold a request (holes and free rows are False).
+    is_live: `[R] bool` rows that hold a request (holes and free rows are False).
 
   Returns:
     New metadata whose arrays own their buffers (no leaf aliases the state).
@@ -100,7 +109,7 @@ def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
     any_greedy=is_greedy.any(),
     any_random=is_random.any(),
     any_top_k=(top_k < V).any(),
-    any_top_k_beyond_candidates=((top_k < V) & (top_k > state.num_topk_candidates)).any(),
+    any_top_k_beyond_candidates=((top_k < V) & (top_k > state.config.num_candidates)).any(),
     any_top_p=(top_p < 1.0).any(),
     any_min_p=(min_p > 0.0).any(),
     any_penalties=((presence != 0) | (frequency != 0) | (repetition != 1)).any(),

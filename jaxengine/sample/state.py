@@ -1,11 +1,11 @@
 """`BatchState`: the device side of the persistent batch, a frozen pytree of fixed-capacity arrays.
 
-Every per-request value is a traced array with a leading `max_num_reqs` axis, so no value a request
-carries can trigger a compile; only capacities (array shapes) and three sampler settings are
-static. Rows are written whole by `write_row` (a request never inherits a previous occupant's
-state) and moved by `move_rows` (condense and swap); both are jitted and donate the state.
-
-`InputBatch` (batch.py) owns one `BatchState` and is the only host code that touches it.
+Every per-request value is a traced array with a leading `R` (`max_num_reqs`) axis, so no value a
+request carries can trigger a compile; the only static field is the `BatchConfig`. Rows are
+written whole by `write_row` from a typed `RowUpdate` (a request never inherits a previous
+occupant's state) and moved by `move_rows` (condense and swap); both are jitted and donate the
+state. `InputBatch` (`jaxengine.batch`) owns one `BatchState` and is the only host code that
+updates it.
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.config import BatchConfig
+
 # Shape of one `jax.random.key` as raw uint32 words (threefry: (2,)). Keys are stored as raw words
 # so that rows can be gathered, scattered and compared like any other array.
 KEY_DATA_SHAPE = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
-def _static(**kwargs):
-  return dataclasses.field(metadata=dict(static=True), **kwargs)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BatchState:
-  """Per-row state of the persistent batch (`R = max_num_reqs`, `V = vocab_size`, `L = max_model_len`).
+  """Per-row state of the persistent batch (shape legend: `R` rows, `S` positions, `V` vocab).
 
   A field named like a `SamplingParams` field holds that parameter for the request in each row,
   with vLLM's "disabled" sentinels: `top_k == V`, `top_p == 1`, `min_p == 0`, penalties `(0, 0, 1)`.
@@ -37,7 +35,7 @@ class BatchState:
   mask excludes them) and are overwritten entirely when a request is added.
 
   Attributes:
-    token_ids: `[R, L] int32` prompt then output tokens of each row.
+    token_ids: `[R, S] int32` prompt then output tokens of each row.
     num_tokens: `[R] int32` prompt plus output tokens so far.
     num_prompt_tokens: `[R] int32`.
     cache_slot: `[R] int32` KV-cache slot of the row's request, so reordering rows never moves
@@ -67,10 +65,7 @@ class BatchState:
     output_token_counts: `[R, V] int32` occurrences of each token in the output so far (for the
       frequency and presence penalties), updated by every sample step.
     prompt_token_mask: `[R, V] bool` tokens present in the prompt (for the repetition penalty).
-    logprobs_mode: static; one of raw_logprobs, raw_logits, processed_logprobs, processed_logits.
-    max_num_logprobs: static; number of top logprobs computed per row (`V` for the whole vocab).
-    num_topk_candidates: static; how many top values `lax.top_k` gathers per row for the sorting-free
-      top-k / top-p path (rows whose cut lies deeper use an exact bit-pattern search).
+    config: static; the `BatchConfig` (capacities, logprobs mode, candidate budget).
   """
 
   token_ids: jax.Array
@@ -96,58 +91,55 @@ class BatchState:
   bad_words_last: jax.Array
   output_token_counts: jax.Array
   prompt_token_mask: jax.Array
-  logprobs_mode: str = _static(default="raw_logprobs")
-  max_num_logprobs: int = _static(default=20)
-  num_topk_candidates: int = _static(default=64)
+  config: BatchConfig = dataclasses.field(metadata=dict(static=True))
 
   @property
   def max_num_reqs(self) -> int:
-    """Rows of the batch (static: read off the array shapes)."""
-    return self.token_ids.shape[0]
+    """`R`, rows of the batch."""
+    return self.config.max_num_reqs
 
   @property
   def max_model_len(self) -> int:
-    """Token capacity of a row."""
-    return self.token_ids.shape[1]
+    """`S`, token capacity of a row."""
+    return self.config.max_model_len
 
   @property
   def vocab_size(self) -> int:
-    """Width of the logits."""
-    return self.prompt_token_mask.shape[1]
+    """`V`, width of the logits."""
+    return self.config.vocab_size
+
+  @property
+  def max_num_logprobs(self) -> int:
+    """Top logprobs computed per row (`config.num_top_logprobs`: `V` for the whole vocabulary)."""
+    return self.config.num_top_logprobs
 
   @property
   def num_output_tokens(self) -> jax.Array:
     """`[R] int32` tokens generated so far by each row's request."""
     return self.num_tokens - self.num_prompt_tokens
 
-  @classmethod
-  def create(
-    cls,
-    *,
-    max_num_reqs: int,
-    max_model_len: int,
-    vocab_size: int,
-    max_num_stop_token_ids: int,
-    max_num_logit_bias: int,
-    max_num_bad_words: int,
-    max_bad_word_len: int,
-    logprobs_mode: str,
-    max_num_logprobs: int,
-    num_topk_candidates: int,
-  ) -> BatchState:
-    """Returns an empty state (every row free) with the given static capacities.
+  def leading_rows(self, num_rows: int) -> BatchState:
+    """The state of the first `num_rows` rows, as a batch of `num_rows` rows (static count).
 
-    Args:
-      max_num_reqs, max_model_len, vocab_size: array extents (see the class docstring).
-      max_num_stop_token_ids, max_num_logit_bias, max_num_bad_words, max_bad_word_len: per-row
-        list capacities.
-      logprobs_mode, max_num_logprobs, num_topk_candidates: the static sampler settings.
+    An engine that samples only a bucket of rows holding every live one (the batch is condensed)
+    computes on this smaller state, then writes it back with `with_leading_rows`.
     """
-    R, V = max_num_reqs, vocab_size
+    rows = jax.tree.map(lambda a: a[:num_rows], self)
+    return dataclasses.replace(rows, config=self.config.replace(max_num_reqs=num_rows))
+
+  def with_leading_rows(self, rows: BatchState) -> BatchState:
+    """This state with its first rows replaced by `rows` (in place when this state is donated)."""
+    return jax.tree.map(lambda a, b: a.at[: b.shape[0]].set(b), self, rows)
+
+  @classmethod
+  def create(cls, config: BatchConfig) -> BatchState:
+    """Returns an empty state (every row free) with the capacities of `config`."""
+    R, S, V = config.max_num_reqs, config.max_model_len, config.vocab_size
     i32 = lambda *shape, fill=0: jnp.full(shape, fill, jnp.int32)
     f32 = lambda *shape, fill=0.0: jnp.full(shape, fill, jnp.float32)
+    num_bad_words, prefix_len = config.max_num_bad_words, config.max_bad_word_len - 1
     return cls(
-      token_ids=i32(R, max_model_len),
+      token_ids=i32(R, S),
       num_tokens=i32(R),
       num_prompt_tokens=i32(R),
       cache_slot=jnp.arange(R, dtype=jnp.int32),
@@ -161,30 +153,62 @@ class BatchState:
       key_data=jnp.zeros((R, *KEY_DATA_SHAPE), jnp.uint32),
       num_logprobs=i32(R, fill=-1),
       min_tokens=i32(R),
-      stop_token_ids=i32(R, max_num_stop_token_ids, fill=V),
-      logit_bias_token_ids=i32(R, max_num_logit_bias, fill=V),
-      logit_bias=f32(R, max_num_logit_bias),
+      stop_token_ids=i32(R, config.max_num_stop_token_ids, fill=V),
+      logit_bias_token_ids=i32(R, config.max_num_logit_bias, fill=V),
+      logit_bias=f32(R, config.max_num_logit_bias),
       has_allowed_token_ids=jnp.zeros((R,), bool),
       allowed_token_mask=jnp.ones((R, V), bool),
-      bad_words_prefix=i32(R, max_num_bad_words, max(max_bad_word_len - 1, 0), fill=-1),
-      bad_words_last=i32(R, max_num_bad_words, fill=V),
+      bad_words_prefix=i32(R, num_bad_words, prefix_len, fill=-1),
+      bad_words_last=i32(R, num_bad_words, fill=V),
       output_token_counts=i32(R, V),
       prompt_token_mask=jnp.zeros((R, V), bool),
-      logprobs_mode=logprobs_mode,
-      max_num_logprobs=max_num_logprobs,
-      num_topk_candidates=num_topk_candidates,
+      config=config,
     )
 
 
-#: Per-row fields `write_row` computes itself rather than taking from the host.
-DERIVED_ROW_FIELDS = ("key_data", "output_token_counts", "prompt_token_mask")
-#: What the host passes besides one row of every other `BatchState` field: the request's seed as
-#: `[2] uint32` (low, high words), `[] bool` whether it is seeded, and `[] uint32` the batch's
-#: running request number, which keys unseeded requests.
-KEY_INPUTS = ("seed_words", "is_seeded", "serial")
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowUpdate:
+  """One request encoded as a row: every `BatchState` field `write_row` does not derive itself.
+
+  Built on the host from NumPy values of explicit dtypes (so passing one never retraces); the
+  fields named like `BatchState` fields hold that field's row (shapes without the leading `R`).
+  `write_row` derives the rest: `key_data` from the three key inputs below, and
+  `output_token_counts` and `prompt_token_mask` from `token_ids`.
+
+  Attributes:
+    token_ids: `[S] int32`; the rest of the row fields as in `BatchState`.
+    seed_words: `[2] uint32` the request's seed modulo 2**64 as (low, high) words.
+    is_seeded: `[] bool` whether the request has a seed.
+    serial: `[] uint32` the batch's running request number, which keys unseeded requests.
+  """
+
+  token_ids: jax.Array
+  num_tokens: jax.Array
+  num_prompt_tokens: jax.Array
+  cache_slot: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  repetition_penalty: jax.Array
+  num_logprobs: jax.Array
+  min_tokens: jax.Array
+  stop_token_ids: jax.Array
+  logit_bias_token_ids: jax.Array
+  logit_bias: jax.Array
+  has_allowed_token_ids: jax.Array
+  allowed_token_mask: jax.Array
+  bad_words_prefix: jax.Array
+  bad_words_last: jax.Array
+  seed_words: jax.Array
+  is_seeded: jax.Array
+  serial: jax.Array
 
 
-def request_key_data(batch_key_data: jax.Array, row: dict[str, jax.Array]) -> jax.Array:
+def request_key_data(batch_key_data: jax.Array, row: RowUpdate) -> jax.Array:
   """Raw words of a request's base key.
 
   A seeded request gets `jax.random.key(seed)` (for seeds in `[0, 2**32)`; a seed is taken modulo
@@ -193,50 +217,59 @@ def request_key_data(batch_key_data: jax.Array, row: dict[str, jax.Array]) -> ja
 
   Args:
     batch_key_data: raw words of the batch's key.
-    row: the row's fields, with the `KEY_INPUTS`.
+    row: the request's row.
 
   Returns:
     `[*KEY_DATA_SHAPE] uint32` raw words of the request's key.
   """
-  low, high = row["seed_words"][0], row["seed_words"][1]
+  low, high = row.seed_words[0], row.seed_words[1]
   seeded = jax.random.key(low)
   seeded = jax.random.key_data(seeded), jax.random.key_data(jax.random.fold_in(seeded, high))
   seeded = jnp.where(high == 0, seeded[0], seeded[1])
   unseeded = jax.random.key_data(
-    jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), row["serial"])
+    jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), row.serial)
   )
-  return jnp.where(row["is_seeded"], seeded, unseeded)
+  return jnp.where(row.is_seeded, seeded, unseeded)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def write_row(
-  state: BatchState, index: jax.Array, row: dict[str, jax.Array], batch_key_data: jax.Array
-) -> BatchState:
-  """Overwrites every per-row field of row `index` (a `[] int32` array).
-
-  Args:
-    state: the batch state (donated).
-    index: the row to write.
-    row: one row of every `BatchState` field except `DERIVED_ROW_FIELDS`, keyed by field name,
-      plus the `KEY_INPUTS`.
-    batch_key_data: raw words of the batch key that unseeded requests derive theirs from.
+def _derived_fields(state: BatchState, row: RowUpdate, batch_key_data: jax.Array) -> dict:
+  """The row's `key_data`, `output_token_counts` `[V]` and `prompt_token_mask` `[V]`.
 
   Token counts for the penalties are rebuilt from the row's own tokens here, once per admission;
   afterwards the sample step keeps them current.
   """
   V = state.vocab_size
   positions = jnp.arange(state.max_model_len)
-  token_ids, num_prompt = row["token_ids"], row["num_prompt_tokens"]
-  is_prompt = positions < num_prompt
-  is_output = (positions >= num_prompt) & (positions < row["num_tokens"])
-  values = dict(
-    row,
-    output_token_counts=jnp.zeros((V,), jnp.int32).at[token_ids].add(is_output.astype(jnp.int32)),
-    prompt_token_mask=jnp.zeros((V,), bool)
-    .at[jnp.where(is_prompt, token_ids, V)]
-    .set(True, mode="drop"),
+  is_prompt = positions < row.num_prompt_tokens
+  is_output = (positions >= row.num_prompt_tokens) & (positions < row.num_tokens)
+  return dict(
     key_data=request_key_data(batch_key_data, row),
+    output_token_counts=jnp.zeros((V,), jnp.int32)
+    .at[row.token_ids]
+    .add(is_output.astype(jnp.int32)),
+    prompt_token_mask=jnp.zeros((V,), bool)
+    .at[jnp.where(is_prompt, row.token_ids, V)]
+    .set(True, mode="drop"),
   )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_row(
+  state: BatchState, index: jax.Array, row: RowUpdate, batch_key_data: jax.Array
+) -> BatchState:
+  """Overwrites every per-row field of row `index` (a `[] int32` array).
+
+  Args:
+    state: the batch state (donated: do not read it after the call).
+    index: the row to write.
+    row: the request's row values.
+    batch_key_data: raw words of the batch key that unseeded requests derive theirs from.
+
+  Returns:
+    The new state.
+  """
+  values = {f.name: getattr(row, f.name) for f in dataclasses.fields(RowUpdate)}
+  values.update(_derived_fields(state, row, batch_key_data))
   new_fields = {}
   for f in dataclasses.fields(BatchState):
     if f.metadata.get("static"):
@@ -254,18 +287,16 @@ MOVE_CHUNK = 8
 def move_rows(state: BatchState, src: jax.Array, dst: jax.Array) -> BatchState:
   """Copies row `src[i]` to row `dst[i]` for each real move, in chunks of `MOVE_CHUNK` moves.
 
-  Donates `state`: do not read the old state after the call.
-
   Args:
-    state: the batch state.
+    state: the batch state (donated: do not read it after the call).
     src, dst: `[n] int32` with `n` a multiple of `MOVE_CHUNK`: the moves first, then padding with
-      `dst == max_num_reqs` (ignored). Within a chunk all sources are read before any row is
-      written (a swap is the chunk `src = [i, j]`, `dst = [j, i]`); across chunks no source may be
-      an earlier destination, which condense's moves (highest live rows into lowest holes)
-      satisfy.
+      `dst == R` (ignored). Within a chunk all sources are read before any row is written (a swap
+      is the chunk `src = [i, j]`, `dst = [j, i]`); across chunks no source may be an earlier
+      destination, which condense's moves (highest live rows into lowest holes) satisfy.
 
-  Only the moved rows are read and written (a gather and a scatter on the donated buffers, for as
-  many chunks as there are moves), never the whole state.
+  Returns:
+    The new state. Only the moved rows are read and written (a gather and a scatter on the
+    donated buffers, for as many chunks as there are moves), never the whole state.
   """
   rows = state.max_num_reqs
   num_chunks = ((dst < rows).sum() + MOVE_CHUNK - 1) // MOVE_CHUNK

@@ -1,0 +1,11 @@
+"""The host side of the persistent batch: `InputBatch` and the encoding of a request as a row.
+
+input_batch.py   InputBatch: rows, ids, cache slots, composition changes, sampling on the host
+rows.py          validating one request and encoding it as a `RowUpdate`
+host_output.py   HostSamplerOutput, LogprobsArrays: NumPy results over the live rows
+"""
+
+from jaxengine.batch.host_output import HostSamplerOutput, LogprobsArrays
+from jaxengine.batch.input_batch import InputBatch
+
+__all__ = ["HostSamplerOutput", "InputBatch", "LogprobsArrays"]

@@ -1,0 +1,60 @@
+"""Sampler results on the host: NumPy arrays over the live rows of an `InputBatch`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxengine.sample import SamplerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobsArrays:
+  """Logprobs of the live rows, on the host (`N` live rows, `k` the largest requested count).
+
+  Attributes:
+    token_ids: `[N, k + 1] int32`; column 0 the sampled token, then the top k by value.
+    logprobs: `[N, k + 1] float32` their values in the batch's logprobs mode.
+    ranks: `[N] int32` the sampled token's rank (1 is best; ties count against it).
+  """
+
+  token_ids: np.ndarray
+  logprobs: np.ndarray
+  ranks: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSamplerOutput:
+  """What `InputBatch.sample` and `InputBatch.run` return: NumPy over the live rows, in
+  `req_ids` order.
+
+  Attributes:
+    sampled_token_ids: `[N] int32`, already appended to each request's outputs.
+    logprobs: `LogprobsArrays`, or None when no request asked for logprobs.
+  """
+
+  sampled_token_ids: np.ndarray
+  logprobs: LogprobsArrays | None
+
+
+def to_host(output: SamplerOutput, num_reqs: int, num_logprobs: int | None) -> HostSamplerOutput:
+  """Fetches the first `num_reqs` rows of a device `SamplerOutput`.
+
+  Args:
+    output: `sample_step`'s device output over all `R` rows.
+    num_reqs: `N`, the live rows (the first `N` rows, after condense).
+    num_logprobs: `k`, the largest logprobs count a live request asked for, or None (then the
+      logprobs are not fetched at all).
+  """
+  logprobs = None if num_logprobs is None else output.logprobs
+  tokens, logprobs = jax.device_get((output.sampled_token_ids, logprobs))
+  if logprobs is not None:
+    columns = num_logprobs + 1
+    logprobs = LogprobsArrays(
+      token_ids=logprobs.token_ids[:num_reqs, :columns],
+      logprobs=logprobs.logprobs[:num_reqs, :columns],
+      ranks=logprobs.ranks[:num_reqs],
+    )
+  return HostSamplerOutput(sampled_token_ids=np.asarray(tokens)[:num_reqs], logprobs=logprobs)

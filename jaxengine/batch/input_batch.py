@@ -1,0 +1,451 @@
+"""`InputBatch`: the host side of the persistent batch (vLLM V1's class of the same name).
+
+The host keeps the bookkeeping a scheduler talks to (`req_ids`, `req_id_to_index`, free rows,
+each request's output tokens) and turns every composition change into one call of a jitted,
+donating update of the device-side `BatchState`:
+
+  add_request      -> `write_row` (every per-row field overwritten: no stale state is inherited)
+  remove_request   -> host only (the row becomes a hole; its stale values are never read)
+  condense         -> `move_rows` (highest live rows into the lowest holes; order not preserved)
+  swap_states      -> `move_rows`
+
+`SamplingMetadata` is rebuilt by one jitted call the first time it is needed after such a change;
+a step without one reuses the same object. Every check of user input happens here, on the host,
+before any device work, so a refused call leaves the batch exactly as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.batch.host_output import HostSamplerOutput, to_host
+from jaxengine.batch.rows import encode_request, eos_tuple, resolve_num_logprobs
+from jaxengine.config import DEFAULT_NUM_TOPK_CANDIDATES, BatchConfig
+from jaxengine.params import SamplingParams, is_int
+from jaxengine.sample import (
+  MOVE_CHUNK,
+  BatchState,
+  SamplerOutput,
+  SamplingMetadata,
+  move_rows,
+  refresh_metadata,
+  sample,
+  write_row,
+)
+
+
+class InputBatch:
+  """A fixed-capacity batch of running requests with per-request sampling parameters.
+
+  Args:
+    max_num_reqs, max_model_len, vocab_size, max_num_logprobs, logprobs_mode,
+    max_num_stop_token_ids, max_num_logit_bias, max_num_bad_words, max_bad_word_len,
+    num_topk_candidates: the `BatchConfig` fields (see there); `InputBatch.from_config` takes a
+      built config instead.
+    eos_token_ids: EOS ids added to every request's min_tokens stop set (as vLLM's engine does,
+      even with `ignore_eos`).
+    seed: seed of the batch key from which unseeded requests' keys are derived.
+
+  The batch samples; it does not decide when a request ends. `SamplingParams` fields that act at
+  the engine level (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`,
+  `include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs` values) are accepted and
+  ignored here; `LLMEngine` applies them. A request keeps sampling until it is removed or reaches
+  `max_model_len`.
+
+  Raises:
+    ValueError: naming the field and value, for a bad `BatchConfig` field or EOS ids outside
+      the vocabulary.
+  """
+
+  def __init__(
+    self,
+    max_num_reqs: int,
+    max_model_len: int,
+    vocab_size: int,
+    max_num_logprobs: int = 20,
+    logprobs_mode: str = "raw_logprobs",
+    *,
+    eos_token_ids: Sequence[int] | int | None = (),
+    max_num_stop_token_ids: int = 32,
+    max_num_logit_bias: int = 128,
+    max_num_bad_words: int = 32,
+    max_bad_word_len: int = 16,
+    num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES,
+    seed: int = 0,
+  ):
+    config = BatchConfig(
+      max_num_reqs=max_num_reqs,
+      max_model_len=max_model_len,
+      vocab_size=vocab_size,
+      max_num_logprobs=max_num_logprobs,
+      logprobs_mode=logprobs_mode,
+      max_num_stop_token_ids=max_num_stop_token_ids,
+      max_num_logit_bias=max_num_logit_bias,
+      max_num_bad_words=max_num_bad_words,
+      max_bad_word_len=max_bad_word_len,
+      num_topk_candidates=num_topk_candidates,
+    )
+    self._init(config, eos_token_ids, seed)
+
+  @classmethod
+  def from_config(
+    cls, config: BatchConfig, *, eos_token_ids: Sequence[int] | int | None = (), seed: int = 0
+  ) -> InputBatch:
+    """An empty batch of the given configuration (for an engine that builds the config once).
+
+    Raises:
+      ValueError: for EOS ids outside the vocabulary, or a `config` that is not a BatchConfig.
+    """
+    if not isinstance(config, BatchConfig):
+      raise ValueError(f"config must be a BatchConfig, got {type(config)}")
+    batch = cls.__new__(cls)
+    batch._init(config, eos_token_ids, seed)
+    return batch
+
+  def _init(self, config: BatchConfig, eos_token_ids, seed: int) -> None:
+    self.eos_token_ids = eos_tuple(eos_token_ids, config.vocab_size)
+    self.config = config
+    self._state = BatchState.create(config)
+    self._batch_key_data = jax.random.key_data(jax.random.key(seed))
+    self._serials = itertools.count()
+    # Row-indexed host bookkeeping; None marks a hole (a removed request not yet condensed).
+    self._req_ids: list[str | None] = []
+    self._req_output_token_ids: list[list[int] | None] = []
+    self.req_id_to_index: dict[str, int] = {}
+    # Request-keyed bookkeeping (follows the request through moves without re-keying).
+    self._num_prompt_tokens: dict[str, int] = {}
+    self._num_logprobs: dict[str, int] = {}
+    self._cache_slots: dict[str, int] = {}
+    self._free_cache_slots = list(range(config.max_num_reqs))
+    self._metadata: SamplingMetadata | None = None
+
+  # --- views ------------------------------------------------------------------------------------
+
+  @property
+  def max_num_reqs(self) -> int:
+    """`R`, rows of the batch."""
+    return self.config.max_num_reqs
+
+  @property
+  def max_model_len(self) -> int:
+    """`S`, maximum prompt plus output tokens of a request."""
+    return self.config.max_model_len
+
+  @property
+  def vocab_size(self) -> int:
+    """`V`, width of the logits."""
+    return self.config.vocab_size
+
+  @property
+  def max_num_logprobs(self) -> int:
+    """Largest logprobs a request may ask for (`-1`: the whole vocabulary)."""
+    return self.config.max_num_logprobs
+
+  @property
+  def logprobs_mode(self) -> str:
+    """What logprobs report (see `BatchConfig`)."""
+    return self.config.logprobs_mode
+
+  @property
+  def num_reqs(self) -> int:
+    """Number of requests in the batch."""
+    return len(self.req_id_to_index)
+
+  @property
+  def req_ids(self) -> list[str]:
+    """Request ids by row. After `condense` its length is `num_reqs`; before, holes are None."""
+    return list(self._req_ids)
+
+  @property
+  def req_output_token_ids(self) -> list[list[int] | None]:
+    """Each row's output tokens so far (the live lists the batch appends to)."""
+    return list(self._req_output_token_ids)
+
+  @property
+  def state(self) -> BatchState:
+    """The device-side state (read it, do not keep it: the next update donates its buffers)."""
+    return self._state
+
+  @property
+  def sampling_metadata(self) -> SamplingMetadata:
+    """Metadata for the current composition; the same object until the composition changes."""
+    if self._metadata is None:
+      self._metadata = refresh_metadata(self._state, jnp.asarray(self._is_live()))
+    return self._metadata
+
+  def cache_slot(self, req_id: str) -> int:
+    """The KV-cache slot held by `req_id` (stable for the request's lifetime in the batch).
+
+    Raises:
+      KeyError: for an id not in the batch (as do `num_tokens` and `output_token_ids`).
+    """
+    return self._cache_slots[req_id]
+
+  def num_tokens(self, req_id: str) -> int:
+    """Prompt plus output tokens of `req_id` so far."""
+    return self._num_prompt_tokens[req_id] + len(self.output_token_ids(req_id))
+
+  def output_token_ids(self, req_id: str) -> list[int]:
+    """The output tokens of `req_id` so far (the live list)."""
+    return self._req_output_token_ids[self.req_id_to_index[req_id]]
+
+  def _is_live(self) -> np.ndarray:
+    live = np.zeros((self.max_num_reqs,), bool)
+    live[list(self.req_id_to_index.values())] = True
+    return live
+
+  def _composition_changed(self) -> None:
+    self._metadata = None
+
+  # --- composition changes ------------------------------------------------------------------------
+
+  def add_request(
+    self,
+    req_id: str,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    output_token_ids: Sequence[int] = (),
+  ) -> int:
+    """Adds a request in the lowest free row and returns that row.
+
+    Args:
+      req_id: unique id of the request.
+      prompt_token_ids: the prompt, at least one id, ids in `[0, vocab_size)` (an empty prompt
+        is refused, as `LLMEngine` refuses it: the first token would have nothing to follow).
+      sampling_params: the request's `SamplingParams`.
+      output_token_ids: tokens already generated (a resumed request); they count for penalties,
+        bad words and min_tokens, and the request's key continues from their number.
+
+    Returns:
+      The row the request occupies.
+
+    Raises:
+      ValueError: (the batch is left unchanged) for a `req_id` that is not a str or is already
+        present, a full batch, an empty prompt, token ids that are not ints in `[0, vocab_size)` in
+        any field, more than `max_model_len` tokens, lists longer than the batch's capacities,
+        logprobs above `max_num_logprobs`, or constraints that ban every token whatever the output
+        (an allowlist covered by single-token bad words, or by them plus the stop set under
+        min_tokens).
+    """
+    if not isinstance(req_id, str):
+      raise ValueError(f"req_id must be a str, got {req_id!r}")
+    if req_id in self.req_id_to_index:
+      raise ValueError(f"req_id {req_id!r} is already in the batch")
+    if self.num_reqs >= self.max_num_reqs:
+      raise ValueError(
+        f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}"
+      )
+    request = self._encode(prompt_token_ids, sampling_params, output_token_ids)
+
+    # Validated: from here on nothing can fail on bad input.
+    row = next((i for i, rid in enumerate(self._req_ids) if rid is None), len(self._req_ids))
+    cache_slot = self._free_cache_slots.pop(0)
+    update = dataclasses.replace(
+      request.row,
+      cache_slot=np.int32(cache_slot),
+      serial=np.uint32(next(self._serials) % 2**32),
+    )
+    self._state = write_row(self._state, jnp.int32(row), update, self._batch_key_data)
+    outputs = list(request.output_token_ids.tolist())
+    if row == len(self._req_ids):
+      self._req_ids.append(req_id)
+      self._req_output_token_ids.append(outputs)
+    else:
+      self._req_ids[row] = req_id
+      self._req_output_token_ids[row] = outputs
+    self.req_id_to_index[req_id] = row
+    self._num_prompt_tokens[req_id] = len(request.prompt_token_ids)
+    self._cache_slots[req_id] = cache_slot
+    if sampling_params.logprobs is not None:
+      self._num_logprobs[req_id] = resolve_num_logprobs(self.config, sampling_params.logprobs)
+    self._composition_changed()
+    return row
+
+  def validate_request(
+    self,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    output_token_ids: Sequence[int] = (),
+  ) -> None:
+    """Runs every check of `add_request` that does not depend on the batch's occupancy.
+
+    Raises:
+      ValueError: as `add_request` would (token ids, lengths, capacities, logprobs).
+    """
+    self._encode(prompt_token_ids, sampling_params, output_token_ids)
+
+  def _encode(self, prompt_token_ids, sampling_params, output_token_ids):
+    return encode_request(
+      self.config, self.eos_token_ids, prompt_token_ids, sampling_params, output_token_ids
+    )
+
+  def remove_request(self, req_id: str) -> int | None:
+    """Removes a request, leaving a hole; returns its row, or None for an unknown id.
+
+    Call `condense` before sampling (`sample` does it if you do not).
+    """
+    row = self.req_id_to_index.pop(req_id, None)
+    if row is None:
+      return None
+    self._req_ids[row] = None
+    self._req_output_token_ids[row] = None
+    del self._num_prompt_tokens[req_id]
+    self._num_logprobs.pop(req_id, None)
+    self._free_cache_slots.append(self._cache_slots.pop(req_id))
+    self._free_cache_slots.sort()
+    self._composition_changed()
+    return row
+
+  def condense(self) -> list[tuple[int, int]]:
+    """Moves the highest live rows into the lowest holes until rows `[0, num_reqs)` are dense.
+
+    Order is not preserved (vLLM's rule): `[A, B, C, D, E]` minus B and D becomes `[A, E, C]`.
+
+    Returns:
+      The `(from_row, to_row)` moves made.
+    """
+    moves = []
+    holes = [i for i, rid in enumerate(self._req_ids) if rid is None]
+    live_rows = [i for i, rid in enumerate(self._req_ids) if rid is not None]
+    while holes and live_rows and holes[0] < live_rows[-1]:
+      src, dst = live_rows.pop(), holes.pop(0)
+      moves.append((src, dst))
+      req_id = self._req_ids[src]
+      self._req_ids[dst], self._req_ids[src] = req_id, None
+      self._req_output_token_ids[dst] = self._req_output_token_ids[src]
+      self._req_output_token_ids[src] = None
+      self.req_id_to_index[req_id] = dst
+    del self._req_ids[self.num_reqs :]
+    del self._req_output_token_ids[self.num_reqs :]
+    if moves:
+      self._move_device_rows(moves)
+      self._composition_changed()
+    return moves
+
+  def swap_states(self, i1: int, i2: int) -> None:
+    """Exchanges the requests in rows `i1` and `i2` (every per-row field).
+
+    Raises:
+      ValueError: naming the argument, if `i1` or `i2` is not an int (bools are refused) in
+        `[0, len(req_ids))`. Nothing is changed then.
+    """
+    for name, row in (("i1", i1), ("i2", i2)):
+      if not is_int(row) or not 0 <= row < len(self._req_ids):
+        raise ValueError(
+          f"swap_states {name} must be an int row in [0, {len(self._req_ids)}), got {row!r}"
+        )
+    i1, i2 = int(i1), int(i2)
+    if i1 == i2:
+      return
+    for rows in (self._req_ids, self._req_output_token_ids):
+      rows[i1], rows[i2] = rows[i2], rows[i1]
+    for row in (i1, i2):
+      if self._req_ids[row] is not None:
+        self.req_id_to_index[self._req_ids[row]] = row
+    self._move_device_rows([(i1, i2), (i2, i1)])
+    self._composition_changed()
+
+  def _move_device_rows(self, moves: list[tuple[int, int]]) -> None:
+    size = -(-self.max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK  # one shape: one compile
+    src = np.zeros((size,), np.int32)
+    dst = np.full((size,), self.max_num_reqs, np.int32)  # padding: dropped
+    for i, (a, b) in enumerate(moves):
+      src[i], dst[i] = a, b
+    self._state = move_rows(self._state, src, dst)
+
+  # --- sampling ------------------------------------------------------------------------------
+
+  def sample(self, logits) -> HostSamplerOutput:
+    """Samples one token per request and appends it to the request's outputs.
+
+    Condenses first if removals left holes; logits rows follow the condensed `req_ids`, so call
+    `condense()` yourself before computing logits after a removal.
+
+    Args:
+      logits: `[max_num_reqs, vocab_size]` (rows `>= num_reqs` ignored; never recompiles) or
+        `[num_reqs, vocab_size]` (padded on device; compiles once per distinct `num_reqs`), any
+        float dtype, rows in `req_ids` order.
+
+    Returns:
+      `HostSamplerOutput` of NumPy arrays: `sampled_token_ids [num_reqs] int32` and `logprobs`
+      (None unless a request asked; else `[num_reqs, k + 1]` with k the largest requested count).
+
+    Raises:
+      ValueError: for logits of another shape or a non-float dtype, or a request already at
+        `max_model_len` tokens (its token would have nowhere to go). Nothing is changed then.
+    """
+    shape = tuple(getattr(logits, "shape", ()))
+    num_reqs = self.num_reqs
+    if (
+      len(shape) != 2
+      or shape[1] != self.vocab_size
+      or shape[0] not in (self.max_num_reqs, num_reqs)
+    ):
+      raise ValueError(
+        f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
+        f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}"
+      )
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+      raise ValueError(f"logits must have a float dtype, got {logits.dtype}")
+    if shape[0] != self.max_num_reqs:
+      logits = _pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
+    output, _ = self.run(_sample_logits, logits)
+    return output
+
+  def run(self, step_fn, *args) -> tuple[HostSamplerOutput, object]:
+    """Runs a jitted step that samples from the batch, then does the host bookkeeping.
+
+    This is how an engine fuses its model's forward pass with sampling into one executable:
+    `step_fn(state, metadata, *args) -> (state, SamplerOutput, extra)` must be jitted, donate
+    `state`, and sample with `jaxengine.sample.sample` inside.
+
+    Condenses first if removals left holes.
+
+    Args:
+      step_fn: the jitted step, called as `step_fn(state, metadata, *args)`.
+      *args: its other arguments (model weights, KV cache, ...).
+
+    Returns:
+      `(HostSamplerOutput over the live rows, extra)`.
+
+    Raises:
+      ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+    """
+    full = [rid for rid in self.req_id_to_index if self.num_tokens(rid) >= self.max_model_len]
+    if full:
+      raise ValueError(
+        f"requests {full} already hold max_model_len={self.max_model_len} tokens; "
+        "remove them before sampling"
+      )
+    if any(rid is None for rid in self._req_ids):
+      self.condense()
+    metadata = self.sampling_metadata
+    self._state, output, extra = step_fn(self._state, metadata, *args)
+    return self._to_host(output), extra
+
+  def _to_host(self, output: SamplerOutput) -> HostSamplerOutput:
+    """Device output over all rows -> NumPy over live rows; appends the tokens on the host."""
+    num_logprobs = max(self._num_logprobs.values(), default=None)
+    host = to_host(output, self.num_reqs, num_logprobs)
+    for row, token in enumerate(host.sampled_token_ids.tolist()):
+      self._req_output_token_ids[row].append(token)
+    return host
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _sample_logits(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
+  state, output = sample(state, metadata, logits)
+  return state, output, None
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_rows(logits: jax.Array, max_num_reqs: int) -> jax.Array:
+  """`[N, V]` -> `[R, V]` with zero rows (ignored by the sampler)."""
+  return jnp.pad(logits, ((0, max_num_reqs - logits.shape[0]), (0, 0)))

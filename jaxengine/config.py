@@ -1,0 +1,92 @@
+"""`BatchConfig`: the one validated configuration of the persistent batch and its sampler.
+
+Every value here is a compile-time constant: an array extent, a list capacity or a static sampler
+setting. It is built (and checked) once, frozen and hashable, so it can ride in `BatchState` as a
+static pytree field; `InputBatch` builds it from its arguments, and an engine can build it once and
+hand it to `InputBatch.from_config`. Per-request values never live here: they are traced arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxengine.params import validate_logprobs_mode
+
+#: Candidate budget of the sorting-free top-k / top-p path (see `jaxengine.sample.filters`).
+DEFAULT_NUM_TOPK_CANDIDATES = 64
+
+
+def _is_positive_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+  """Capacities and static settings of a persistent batch (`R`, `S`, `V` of the shape legend).
+
+  Attributes:
+    max_num_reqs: `R`, rows (requests that can run at once).
+    max_model_len: `S`, maximum prompt plus output tokens of a request.
+    vocab_size: `V`, width of the logits.
+    max_num_logprobs: largest `logprobs` / `prompt_logprobs` a request may ask for (vLLM's
+      `max_logprobs`); `-1` allows the whole vocabulary, which makes every step with logprobs a
+      full sort of each row: keep it for small vocabularies or analysis.
+    logprobs_mode: what logprobs report: "raw_logprobs" (log-softmax of the model's logits),
+      "raw_logits", "processed_logprobs" or "processed_logits" (after every processor,
+      temperature and filter: the distribution the token was drawn from; masked tokens -inf).
+    max_num_stop_token_ids: capacity of a request's min_tokens stop set (its stop_token_ids plus
+      the batch's EOS ids).
+    max_num_logit_bias: capacity of a request's logit_bias entries.
+    max_num_bad_words: capacity of a request's bad_words_token_ids sequences.
+    max_bad_word_len: longest banned sequence, in tokens.
+    num_topk_candidates: `C`, per-row candidate budget of the sorting-free top-k / top-p path;
+      deeper cuts use exact but slower methods. At most `V` in effect (see `num_candidates`).
+
+  Raises:
+    ValueError: naming the field and value, for a capacity that is not a positive int (bools
+      refused), `max_num_logprobs` below -1, or an unknown `logprobs_mode`.
+  """
+
+  max_num_reqs: int
+  max_model_len: int
+  vocab_size: int
+  max_num_logprobs: int = 20
+  logprobs_mode: str = "raw_logprobs"
+  max_num_stop_token_ids: int = 32
+  max_num_logit_bias: int = 128
+  max_num_bad_words: int = 32
+  max_bad_word_len: int = 16
+  num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if field.name in ("max_num_logprobs", "logprobs_mode"):
+        continue
+      value = getattr(self, field.name)
+      if not _is_positive_int(value):
+        raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+      object.__setattr__(self, field.name, int(value))  # NumPy ints hash and print as ints
+    logprobs = self.max_num_logprobs
+    if isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer)) or logprobs < -1:
+      raise ValueError(f"max_num_logprobs must be >= 0 or -1 (whole vocabulary), got {logprobs!r}")
+    object.__setattr__(self, "max_num_logprobs", int(logprobs))
+    validate_logprobs_mode(self.logprobs_mode)
+
+  @property
+  def num_top_logprobs(self) -> int:
+    """Top entries the sampler computes per row when some row wants logprobs (static): the
+    largest request allowed, `V` for the whole vocabulary."""
+    if self.max_num_logprobs == -1:
+      return self.vocab_size
+    return min(self.max_num_logprobs, self.vocab_size)
+
+  @property
+  def num_candidates(self) -> int:
+    """`C`, the candidate budget in effect: `num_topk_candidates`, at most `V`."""
+    return min(self.num_topk_candidates, self.vocab_size)
+
+  def replace(self, **changes) -> BatchConfig:
+    """A copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)

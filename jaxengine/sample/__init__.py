@@ -1,0 +1,35 @@
+"""The device core of jaxengine: the batch state and the sampler, model-agnostic.
+
+Modules, in pipeline order (each imports only the ones above it):
+  state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row, move_rows
+  metadata.py     SamplingMetadata and refresh_metadata (per composition: flags, effective values)
+  processors.py   stages 1-6: float32, allowed ids, bad words, min_tokens, logit_bias, penalties
+  blocked.py      blocked_argmax, blocked_top_k: two-stage reductions over vocabulary blocks
+  thresholds.py   exact bisection thresholds: kth_largest, top_p_threshold
+  filters.py      stages 9-11: min-p / top-k / top-p cuts from candidates (Candidates, Cut)
+  draw.py         stage 12: inverse-CDF draws from candidates or the vocabulary, top-p rejection
+  logprobs.py     stage 13: LogprobsTensors, gather_logprobs
+  step.py         the pipeline: sample (unjitted), sample_step (jitted), SamplerOutput
+
+Nothing here imports the host batch (`jaxengine.batch`), the engine or the models.
+"""
+
+from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs
+from jaxengine.sample.metadata import SamplingMetadata, refresh_metadata
+from jaxengine.sample.state import MOVE_CHUNK, BatchState, RowUpdate, move_rows, write_row
+from jaxengine.sample.step import SamplerOutput, sample, sample_step
+
+__all__ = [
+  "MOVE_CHUNK",
+  "BatchState",
+  "LogprobsTensors",
+  "RowUpdate",
+  "SamplerOutput",
+  "SamplingMetadata",
+  "gather_logprobs",
+  "move_rows",
+  "refresh_metadata",
+  "sample",
+  "sample_step",
+  "write_row",
+]

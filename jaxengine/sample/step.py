@@ -1,0 +1,338 @@
+"""The per-step sampler: vLLM V1's pipeline as one compiled function for every batch mix.
+
+`sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `behaviour.md` §1.4):
+
+  1. cast the logits to float32 (the input itself is the raw_* logprobs source; a NaN logit counts
+     as -inf, see `sample_step`);
+  2. allowed_token_ids: every other token -> -inf;                            (processors.py)
+  3. bad words: the last token of each banned sequence whose prefix ends the output -> -inf;
+  4. min_tokens: stop ids -> -inf while fewer than min_tokens tokens were generated;
+  5. logit_bias: added;
+  6. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
+  7. greedy argmax (first maximal index) for greedy rows;                      (blocked.py)
+  8. temperature (greedy rows divide by 1);
+  9. min_p, 10. top-k, 11. top-p: each keeps the tokens at or above a per-row threshold, so the
+     three combine into one threshold; masked tokens are -inf in the processed_* logprobs;
+                                                                   (filters.py, thresholds.py)
+  12. random draw: inverse CDF of the kept distribution with one uniform per row, drawn from
+     `fold_in(request_key, num_output_tokens)` (a top-p rejection retry `a` draws from
+     `fold_in(that key, a)`);                                                   (draw.py)
+  13. logprobs: the sampled token's value and rank plus the top `num_top_logprobs` values from
+     the mode's source.                                                         (logprobs.py)
+
+Stages 2-6 run as one fused pass (plus small scatters) only when some live row uses one of them;
+greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
+`SamplingMetadata`. So one executable serves every mix without recompiling, and a batch pays only
+for what its rows use. No branch returns a `[R, V]` array (an untaken branch would pay a copy).
+
+No full-vocabulary sort. Top-k and top-p come from `C` candidates per row (a static budget,
+`BatchConfig.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
+top-k cut deeper than the budget is found exactly by a 32-step bisection over the float32 bit
+pattern (each step one masked reduction), as the TPU samplers do. A top-p nucleus deeper than the
+budget is sampled exactly by rejection: draw from the distribution kept so far and accept when
+the mass strictly above the token is below top_p (bisection again only for rows that keep
+refusing, and for the processed_* logprobs modes, which need the cut itself). The draw needs one
+exponential pass over the vocabulary (blocked inverse CDF) or, when the kept set lies inside the
+candidates, none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxengine.sample.blocked import blocked_argmax
+from jaxengine.sample.draw import draw_from_candidates, draw_from_vocab
+from jaxengine.sample.filters import Cut, cut_with_candidates, find_candidates
+from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs, logprobs_scores
+from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
+from jaxengine.sample.processors import (
+  NEG_INF,
+  any_processing,
+  apply_logits_processors,
+  is_allowed,
+  nan_as_neg_inf,
+)
+from jaxengine.sample.state import BatchState
+from jaxengine.sample.thresholds import top_p_threshold
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerOutput:
+  """What one `sample_step` returns: device arrays over all `R` rows (rows that hold no request
+  carry garbage). `InputBatch.sample` turns it into a `HostSamplerOutput` over the live rows.
+
+  Attributes:
+    sampled_token_ids: `[R] int32`.
+    logprobs: `LogprobsTensors` with `num_top_logprobs + 1` columns (zeros when no live row asked
+      for logprobs).
+    is_appended: `[R] bool` True where the token was appended to the row (a live row below
+      `max_model_len`). A live row with False was already full: its token was drawn but dropped.
+  """
+
+  sampled_token_ids: jax.Array
+  logprobs: LogprobsTensors
+  is_appended: jax.Array
+
+
+def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
+  """Each row's key for this step `[R]` and its uniform draw `[R] float32` in [0, 1).
+
+  The t-th output token of a request uses `fold_in(request_key, t)`: its stream depends on
+  nothing but the request's seed (or serial) and how many tokens it has generated.
+  """
+  keys = jax.random.wrap_key_data(state.key_data)
+  step_keys = jax.vmap(jax.random.fold_in)(keys, state.num_output_tokens.astype(jnp.uint32))
+  return step_keys, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys)
+
+
+def _cut_and_draw_candidates(x, md: SamplingMetadata, row_max, threshold, u, num_candidates):
+  """Stages 10-11 from the candidates, and each row's draw from them: `(Cut, tokens [R])`."""
+  candidates = find_candidates(x, md, num_candidates)
+  cut = cut_with_candidates(x, md, candidates, row_max, threshold)
+  return cut, draw_from_candidates(candidates, row_max, cut.threshold, u)
+
+
+def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int, exact_top_p: bool):
+  """Stages 8-12 for every row.
+
+  A row keeps the tokens whose temperature-scaled logit `y = x / T` is `>=` its threshold. With
+  `exact_top_p` (processed logprobs modes) every row's exact threshold is computed; otherwise
+  top-p rows whose cut lies beyond the candidates are drawn by rejection and report their
+  threshold before top-p. `y` is recomputed inside each branch that needs it, never passed
+  between them, so it is not written out as one more `[R, V]` array.
+
+  Returns:
+    tokens `[R] int32`, the kept threshold `[R] float32` and each row's largest scaled logit
+    `[R] float32` (`+inf` flags a row whose distribution is undefined; see `sample_step`).
+  """
+  rows = x.shape[0]
+  inv_temperature = inverse_temperature(md)
+  row_max = x.max(-1) * inv_temperature  # == max(y): scaling by a positive number is monotone
+  # min_p (vLLM): drop p < min_p * max(p), i.e. y < max(y) + log(min_p).
+  threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), NEG_INF)
+  nothing = jnp.zeros((rows,), bool)
+  no_cut = Cut(threshold=threshold, in_candidates=nothing, top_p_unresolved=nothing)
+  cut, candidate_tokens = lax.cond(
+    md.any_top_k | md.any_top_p,
+    lambda: _cut_and_draw_candidates(x, md, row_max, threshold, u, num_candidates),
+    lambda: (no_cut, jnp.zeros((rows,), jnp.int32)),
+  )
+  # Every filter keeps the most likely token; the clamp guards that against rounding.
+  threshold, unresolved = jnp.minimum(cut.threshold, row_max), cut.top_p_unresolved
+  if exact_top_p:
+    y_fn = lambda: x * inv_temperature[:, None]
+    threshold = lax.cond(
+      unresolved.any(),
+      lambda: jnp.where(
+        unresolved, top_p_threshold(y_fn(), row_max, threshold, md.top_p), threshold
+      ),
+      lambda: threshold,
+    )
+    unresolved = nothing
+  from_vocab = md.is_live & ~md.is_greedy & ~cut.in_candidates
+  vocab_tokens = lax.cond(
+    from_vocab.any(),
+    lambda: draw_from_vocab(
+      x, inv_temperature, row_max, threshold, u, md.top_p, unresolved, step_keys
+    ),
+    lambda: jnp.zeros((rows,), jnp.int32),
+  )
+  tokens = jnp.where(cut.in_candidates, candidate_tokens, vocab_tokens)
+  return tokens.astype(jnp.int32), threshold, row_max
+
+
+def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
+  """Stages 7-12 on processed logits `x`: `(tokens [R] int32, threshold [R], row_max [R])`."""
+  rows = state.max_num_reqs
+  greedy_tokens = lax.cond(
+    md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32)
+  )
+  random_tokens, threshold, row_max = lax.cond(
+    md.any_random,
+    lambda: _sample_random(
+      x,
+      md,
+      *_step_keys(state),
+      state.config.num_candidates,
+      exact_top_p=state.config.logprobs_mode.startswith("processed"),
+    ),
+    lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), NEG_INF), jnp.zeros((rows,))),
+  )
+  return jnp.where(md.is_greedy, greedy_tokens, random_tokens), threshold, row_max
+
+
+def _draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
+  """`_draw_tokens`, redone with NaN as `-inf` for the rows a NaN logit touched.
+
+  The common path never pays for a NaN check over `[R, V]`: a NaN shows itself in the result
+  (the row maximum, or the token's own value, is NaN, or the token is out of range), and only
+  then are the tokens drawn again from the cleaned logits. A row's draw depends on the row alone,
+  so the rows without NaN keep their tokens.
+  """
+  drawn = _draw_tokens(x, state, md)
+  tokens, _, row_max = drawn
+  vocab = state.vocab_size
+  value = jnp.take_along_axis(x, jnp.clip(tokens, 0, vocab - 1)[:, None], 1)[:, 0]
+  touched = md.is_live & (jnp.isnan(value) | jnp.isnan(row_max) | (tokens < 0) | (tokens >= vocab))
+
+  def redraw():
+    clean = _draw_tokens(nan_as_neg_inf(x), state, md)
+    return jax.tree.map(lambda a, b: jnp.where(touched, a, b), clean, drawn)
+
+  return lax.cond(touched.any(), redraw, lambda: drawn)
+
+
+def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
+  """`[R] int32` for rows whose every token was masked: the best allowed token by raw logit.
+
+  `InputBatch` refuses requests whose constraints ban everything whatever they generate, so this
+  happens only when a multi-token bad word completes the ban after some outputs (or when the
+  model's logits are all -inf or NaN). The constraints cannot all be met then; allowed_token_ids
+  still holds: the token is never outside the row's allowed set.
+  """
+  x = logits.astype(jnp.float32)
+  finite = jnp.where(jnp.isneginf(x) | jnp.isnan(x), jnp.finfo(jnp.float32).min, x)
+  return blocked_argmax(jnp.where(is_allowed(state), finite, NEG_INF))
+
+
+def _repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: SamplingMetadata):
+  """Replaces the tokens of rows whose distribution is undefined (see `sample_step`).
+
+  Args:
+    logits: `[R, V]` the model's logits.
+    x: `[R, V] float32` processed logits.
+    tokens: `[R] int32` the greedy or random draw of each row.
+    row_max: `[R] float32` each random row's largest temperature-scaled logit.
+    state, md: the batch state and metadata.
+
+  Returns:
+    `[R] int32` tokens, each in `[0, V)` and inside its row's allowed set: a row whose token is
+    out of range or masked (`-inf`) gets `_fallback_for_masked_rows`; a random row whose largest
+    scaled logit is `+inf` gets its first maximal processed token, as a greedy row would.
+  """
+  vocab = state.vocab_size
+  value = jnp.take_along_axis(x, jnp.clip(tokens, 0, vocab - 1)[:, None], 1)[:, 0]
+  unsampleable = md.is_live & ((tokens < 0) | (tokens >= vocab) | ~(value > NEG_INF))
+  infinite = md.is_live & ~md.is_greedy & jnp.isposinf(row_max)
+
+  def repair():
+    fallback = jnp.where(unsampleable, _fallback_for_masked_rows(logits, state), tokens)
+    return jnp.where(infinite, blocked_argmax(nan_as_neg_inf(x)), fallback)
+
+  return lax.cond((unsampleable | infinite).any(), repair, lambda: tokens)
+
+
+def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array):
+  """Appends each live row's token and counts it for the penalties (one scatter each).
+
+  Returns:
+    `(state, is_appended [R] bool)`: rows that are not live, or already hold `max_model_len`
+    tokens, are left unchanged.
+  """
+  rows = jnp.arange(state.max_num_reqs)
+  appended = md.is_live & (state.num_tokens < state.max_model_len)
+  position = jnp.where(appended, state.num_tokens, state.max_model_len)
+  state = dataclasses.replace(
+    state,
+    token_ids=state.token_ids.at[rows, position].set(tokens, mode="drop"),
+    num_tokens=state.num_tokens + appended.astype(jnp.int32),
+    output_token_counts=state.output_token_counts.at[rows, tokens].add(appended.astype(jnp.int32)),
+  )
+  return state, appended
+
+
+def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
+  """Stages 7-13 on processed logits `x`: `(tokens [R] int32, LogprobsTensors)`.
+
+  Every `lax.cond` here returns only `[R]`-sized or `[R, k]`-sized results: a branch that
+  returned an `[R, V]` array unchanged would cost a copy.
+  """
+  config = state.config
+  tokens, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
+  tokens = _repair_degenerate_rows(logits, x, tokens, row_max, state, md)
+
+  def logprobs_branch():
+    mode = config.logprobs_mode
+    scores = logprobs_scores(logits, x, md, threshold, mode)
+    return gather_logprobs(
+      scores, tokens, config.num_top_logprobs, normalize=mode.endswith("logprobs")
+    )
+
+  no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)
+  return tokens, lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
+
+
+def sample(
+  state: BatchState, metadata: SamplingMetadata, logits: jax.Array
+) -> tuple[BatchState, SamplerOutput]:
+  """The body of `sample_step`, not jitted (for callers composing their own transformations).
+
+  Same arguments, results and errors as `sample_step`.
+  """
+  rows, vocab = state.max_num_reqs, state.vocab_size
+  if logits.shape != (rows, vocab):
+    raise ValueError(
+      f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, got {logits.shape}"
+    )
+  md = metadata
+  # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
+  # they are instead of paying for a processed copy.
+  tokens, logprobs = lax.cond(
+    any_processing(md),
+    lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
+    lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md),
+  )
+  state, is_appended = _append_tokens(state, md, tokens)
+  return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs, is_appended=is_appended)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def sample_step(
+  state: BatchState, metadata: SamplingMetadata, logits: jax.Array
+) -> tuple[BatchState, SamplerOutput]:
+  """Samples one token per row and appends it to the batch state (jitted, donates `state`).
+
+  The pure function under `InputBatch.sample`, usable inside a caller's own `jax.jit` or
+  `lax.scan` (e.g. an RL rollout loop that keeps `state` in its carry). It compiles once per
+  `BatchConfig`; no per-request value or feature flag causes a recompile.
+
+  Args:
+    state: the batch state (donated: do not read it after the call).
+    metadata: `SamplingMetadata` from `refresh_metadata(state, is_live)`; it depends only on the
+      batch composition, so a loop without adds or removals reuses it for every step.
+    logits: `[R, V]` float logits (any float dtype; computed in float32). Rows that hold no
+      request are ignored.
+
+  Returns:
+    `(new_state, SamplerOutput)`: the state with each live row's sampled token appended (and
+    counted for penalties), and device arrays over all rows: `sampled_token_ids [R] int32`,
+    `logprobs` (`LogprobsTensors` with `num_top_logprobs + 1` columns; zeros when no live row
+    asked for logprobs) and `is_appended [R] bool`.
+
+  Full rows: a live row that already holds `max_model_len` tokens has nowhere to put a token.
+  It is still sampled (from an unchanged key, as its output count does not grow), but nothing is
+  appended: its `new_state.num_tokens` stays `max_model_len` and `is_appended` is False. A caller
+  looping in `lax.scan` sees such rows by either sign and should mask them out (or end them);
+  `InputBatch.sample` refuses to sample with such a row instead.
+
+  Non-finite logits (the defined result; every token lies in `[0, V)` and in the row's allowed
+  set whatever the logits hold):
+    - a NaN logit counts as `-inf`: it is never sampled while the row has another token left
+      (and the rows without NaN keep exactly the tokens they would have drawn);
+    - a row whose largest (processed, temperature-scaled) logit is `+inf` takes its first `+inf`
+      token, greedy or not;
+    - a row with nothing left (every token `-inf`, NaN or masked) takes the best allowed token by
+      raw logit (NaN and `-inf` as the lowest float), i.e. its first allowed token when none is
+      finite.
+  Logprobs report the values as they are (a NaN logit gives NaN raw logprobs).
+
+  Raises:
+    ValueError: at trace time, if `logits` does not have shape `[R, V]`.
+  """
+  return sample(state, metadata, logits)
