@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -265,7 +266,8 @@ class ModelRunner:
     longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
     attention_len = bucket(longest, self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
-    sampled, self.kv_cache = batch.run(
+    sampled, kv_cache = batch.run(
       self._decode, self.weights, self.kv_cache, attention_len, num_rows
     )
+    self.kv_cache = cast(KVCache, kv_cache)
     return DecodeOutput(req_ids=batch.req_ids, sampled=sampled)

@@ -129,6 +129,7 @@ class BatchState:
 
   def with_leading_rows(self, rows: BatchState) -> BatchState:
     """This state with its first rows replaced by `rows` (in place when this state is donated)."""
+    rows = dataclasses.replace(rows, config=self.config)  # same static part, so the trees match
     return jax.tree.map(lambda a, b: a.at[: b.shape[0]].set(b), self, rows)
 
   @classmethod
