@@ -186,7 +186,7 @@ def _rotate(x, positions, inv_freq):
 def reference_logits(c: dict, tensors: dict[str, np.ndarray], token_ids) -> np.ndarray:
   """``[T, V]`` float64 logits of one sequence at positions ``0..T-1`` (no cache)."""
   w = {name: np.asarray(t, np.float64) for name, t in tensors.items()}
-  e, h, k, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], _head_dim(c)
+  h, k, d = c["num_attention_heads"], c["num_key_value_heads"], _head_dim(c)
   eps = c["rms_norm_eps"]
   rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
   inv_freq = reference_inv_freq(d, rope.get("rope_theta", c.get("rope_theta", 10000.0)), rope)
