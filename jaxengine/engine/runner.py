@@ -168,12 +168,8 @@ class ModelRunner:
     self.input_batch = input_batch
     self.max_num_reqs = input_batch.max_num_reqs
     self.max_model_len = input_batch.max_model_len
-    self._graphdef, weights = nnx.split(model)
-    # Committed to their devices once: `load_weights` commits every new leaf to the same
-    # sharding, so the executables see one argument signature (uncommitted and committed
-    # arguments are cached apart, so a mix would compile again).
-    self.weights = jax.device_put(weights, jax.tree.map(lambda a: a.sharding, weights))
-    self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, weights)}
+    self._graphdef, self.weights = nnx.split(model)
+    self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
     self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
     self._decode = jax.jit(
       functools.partial(_decode_and_sample, self._graphdef),
@@ -209,10 +205,13 @@ class ModelRunner:
       the engine's model: for trainers that hold the same NNX module.
 
     Arrays may be NumPy (converted on the host, then put on the device) or JAX arrays (converted
-    on their devices, then put on the engine's sharding: no round trip through the host). Any
-    floating dtype is cast to the parameter's dtype. A JAX array that already has the
-    parameter's layout, dtype and sharding is used as it is, not copied: do not delete or donate
-    it afterwards (copy it first if your training step donates its parameters).
+    on their devices, then placed as the engine's weights are: no round trip through the host).
+    Any floating dtype is cast to the parameter's dtype. A JAX array that already has the
+    parameter's layout, dtype and placement is used as it is, not copied: do not delete or donate
+    it afterwards (copy it first if your training step donates its parameters). Nothing
+    recompiles as long as the arrays are placed as the engine's weights are (on one device:
+    uncommitted, as arrays made by `jnp` and by jitted functions of such arrays are; see
+    `jaxengine.models.weights.put`).
 
     Running requests continue with the new weights (their cached keys and values stay as the
     old weights wrote them, as in vLLM).

@@ -260,7 +260,7 @@ def assemble_leaf(old: jax.Array, parts: LeafParts) -> jax.Array:
     parts: ``{layer or None: (spec, tensor)}`` for this leaf.
 
   Returns:
-    The new leaf, committed to `old.sharding`.
+    The new leaf, placed as `old` is (see `put`).
   """
   dtype = old.dtype
   if None in parts:
@@ -275,13 +275,20 @@ def assemble_leaf(old: jax.Array, parts: LeafParts) -> jax.Array:
 
 
 def put(value, like: jax.Array) -> jax.Array:
-  """`value` as a committed array on `like`'s sharding in `like`'s dtype (no copy if it is one).
+  """`value` in `like`'s dtype, placed as `like` is (no copy when it already is).
 
-  The runner commits its weights to their shardings once, so a replaced leaf matches the
-  executables' argument signature exactly (an uncommitted argument would compile anew).
+  A leaf committed to a sharding (an engine on a mesh) gets `value` moved to that sharding. An
+  uncommitted leaf (one device, the default) gets an uncommitted array: NumPy is copied to the
+  default device and an uncommitted JAX array is used as it is, so the executables see the same
+  argument signature as before (JAX caches committed and uncommitted arguments apart). A JAX
+  array committed to a device (`jax.device_put(x, device)`) stays committed and makes the steps
+  compile once more, as any jitted function does when its arguments' placement changes.
   """
-  value = value.astype(like.dtype) if value.dtype != like.dtype else value
-  return jax.device_put(value, like.sharding)
+  if value.dtype != like.dtype:
+    value = value.astype(like.dtype)
+  if like.committed or (isinstance(value, jax.Array) and value.committed):
+    return jax.device_put(value, like.sharding)
+  return jnp.asarray(value)
 
 
 def named_weights(model: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
