@@ -216,7 +216,7 @@ def test_paths_that_are_not_models_are_refused(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
     je.LLM(tmp_path)
   (tmp_path / "weights.bin").write_bytes(b"not a model")
-  with pytest.raises(ValueError, match="is not a GGUF file"):
+  with pytest.raises(ValueError, match="is not a valid GGUF file"):
     je.LLM(tmp_path / "weights.bin")
   (tmp_path / "config.json").write_text(json.dumps(config_dict(hf_config("LlamaForCausalLM"))))
   with pytest.raises(FileNotFoundError, match=r"no model.safetensors or model.safetensors.index"):
@@ -433,6 +433,10 @@ def test_your_own_nnx_model_generates_and_takes_weights():
   first, second = llm.generate([prompt, [5, 5]], params, use_tqdm=False)
   assert _tokens(first) == expected[len(prompt) :]
 
+  # The engine holds its own references: changing the module does not reach it by itself.
+  model.out[...] = jnp.zeros_like(model.out[...])
+  assert _tokens(llm.generate(prompt, params, use_tqdm=False)[0]) == _tokens(first)
+  model.out[...] = jnp.asarray(out)
   # Without weight_specs, names are the model's dotted NNX paths.
   llm.load_weights({"out": np.zeros_like(out)})
   assert _tokens(llm.generate(prompt, params, use_tqdm=False)[0]) == [0] * 6  # all ties: id 0

@@ -144,7 +144,9 @@ class ModelRunner:
   """Owns a model's weights, its KV cache, the persistent batch and the jitted steps.
 
   Args:
-    model: a `jaxengine.models.Model` (an `nnx.Module`), weights loaded.
+    model: a `jaxengine.models.Model` (an `nnx.Module`), weights loaded. The runner keeps its
+      own references to the arrays: changing the module afterwards does not change the engine
+      (use `load_weights`).
     input_batch: the persistent batch the runner samples into (its `max_num_reqs` rows each hold
       a KV-cache slot).
 
@@ -168,7 +170,10 @@ class ModelRunner:
     self.input_batch = input_batch
     self.max_num_reqs = input_batch.max_num_reqs
     self.max_model_len = input_batch.max_model_len
-    self._graphdef, self.weights = nnx.split(model)
+    self._graphdef, weights = nnx.split(model)
+    # The engine's own variables around the same arrays (no copy): later in-place updates of
+    # `model` (an optimizer step) do not reach the engine; `load_weights` does.
+    self.weights = jax.tree.map(lambda a: a, weights)
     self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
     self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
     self._decode = jax.jit(

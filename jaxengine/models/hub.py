@@ -32,11 +32,6 @@ class ResolvedModel:
   path: str
 
 
-def _is_gguf_file(path: str) -> bool:
-  with open(path, "rb") as f:
-    return f.read(4) == b"GGUF"
-
-
 def resolve_model(
   model: str | os.PathLike, *, revision: str | None = None, download_dir: str | None = None
 ) -> ResolvedModel:
@@ -48,18 +43,15 @@ def resolve_model(
     download_dir: the hub cache to use instead of ``HF_HUB_CACHE``.
 
   Returns:
-    The `ResolvedModel`.
+    The `ResolvedModel` (any file is taken for GGUF: the GGUF reader refuses one that is not).
 
   Raises:
     FileNotFoundError: no such file or directory and not a hub id; a directory without
       ``config.json``; a hub id that is neither in the cache nor downloadable (the message names
       the id and the reason).
-    ValueError: a file that is not GGUF.
   """
   path = os.fspath(model)
-  if os.path.isfile(path):
-    if not _is_gguf_file(path):
-      raise ValueError(f"{path!r} is not a GGUF file (give a .gguf file or a model directory)")
+  if os.path.isfile(path):  # the GGUF reader names a file that is not GGUF
     return ResolvedModel("gguf", path)
   if os.path.isdir(path):
     if not os.path.isfile(os.path.join(path, "config.json")):
