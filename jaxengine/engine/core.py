@@ -67,12 +67,12 @@ class LLMEngine:
     check_model(model)
     if eos_token_id is None:
       eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
-    eos_token_ids = [] if eos_token_id is None else [eos_token_id]
     if isinstance(eos_token_id, Sequence):
       eos_token_ids = list(dict.fromkeys(int(t) for t in eos_token_id))
-      eos_token_id = eos_token_ids[0] if eos_token_ids else None
+    else:
+      eos_token_ids = [] if eos_token_id is None else [int(eos_token_id)]
     self.tokenizer = tokenizer
-    self.eos_token_id = eos_token_id
+    self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
     batch = InputBatch(
       max_num_reqs,
       max_model_len,
@@ -88,7 +88,7 @@ class LLMEngine:
     self.input_processor = InputProcessor(tokenizer, self.max_model_len, batch.validate_request)
     self.scheduler = Scheduler(self.max_num_reqs)
     self.output_processor = OutputProcessor(
-      tokenizer, eos_token_id, self.max_model_len, model.vocab_size, eos_token_ids[1:]
+      tokenizer, self.eos_token_id, self.max_model_len, model.vocab_size, eos_token_ids[1:]
     )
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()

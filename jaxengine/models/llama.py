@@ -308,9 +308,9 @@ class Attention(nnx.Module):
     q = jnp.einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
     k = jnp.einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
     v = jnp.einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
-    if self.bq is not None:
+    if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-    if self.q_norm is not None:
+    if self.q_norm is not None and self.k_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_frequencies(cfg)  # [D/2] host constant, computed at trace time
     q = rotary_embedding(q, positions, inv_freq)
@@ -543,7 +543,7 @@ class Llama(nnx.Module):
       WeightSpec("lm_head.weight", None if cfg.tie_word_embeddings else ("lm_head",), None, (v, e)),
     ]
     # (checkpoint suffix, leaf path under `layers`, checkpoint shape, transposed)
-    per_layer = [
+    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...], bool]] = [
       ("input_layernorm.weight", ("input_norm", "scale"), (e,), False),
       ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e), True),
       ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e), True),

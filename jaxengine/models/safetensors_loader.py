@@ -133,11 +133,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
       required field.
   """
   architectures = hf.get("architectures") or []
-  architecture = architectures[0] if architectures else None
+  architecture = str(architectures[0]) if architectures else None
   if architecture is None:  # configs written without it still name their model_type
     by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
-    architecture = by_type.get(hf.get("model_type"))
-  family = SUPPORTED_ARCHITECTURES.get(architecture)
+    architecture = by_type.get(str(hf.get("model_type")))
+  family = SUPPORTED_ARCHITECTURES.get(architecture or "")
   if family is None:
     named = architectures[0] if architectures else f"model_type={hf.get('model_type')!r}"
     raise ValueError(

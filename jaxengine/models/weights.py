@@ -204,7 +204,8 @@ def collect_named_weights(
   for item in items:
     if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
       raise ValueError(f"weights must be (name, array) pairs or a mapping, got an item {item!r}")
-    name, tensor = item
+    name: str = item[0]
+    tensor = item[1]
     spec = specs.get(name)
     if spec is None:
       close = [n for n in specs if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
@@ -266,7 +267,7 @@ def assemble_leaf(old: jax.Array, parts: LeafParts) -> jax.Array:
   if None in parts:
     spec, tensor = parts[None]
     return put(spec.to_param(tensor, old.shape).astype(dtype), old)
-  layers = sorted(parts)
+  layers = sorted(i for i in parts if i is not None)
   values = [parts[i][0].to_param(parts[i][1], old.shape[1:]).astype(dtype) for i in layers]
   if layers == list(range(old.shape[0])):
     on_host = all(isinstance(v, np.ndarray) for v in values)
