@@ -1,5 +1,12 @@
 """End-to-end benchmark: SmolLM2-135M-Instruct tokens per second at several batch sizes.
 
+With `--compare-hf`: the peer comparison instead. For each batch size, B prompts of
+`--prompt-len` tokens generate exactly `--max-tokens` tokens each, greedily, all submitted at once,
+timed as wall time including prefill, back to back: jaxengine `LLM(max_num_reqs=32)` (what a user
+batching up to 32 would set, whatever B is) against Hugging Face transformers `generate` (PyTorch
+CPU, float32, the same weights; needs `pip install torch`, see benchmarks/hf_baseline.py). Each
+system runs the workload once to warm up, then `--repeats` times; the best run counts.
+
 For each batch size B, B prompts of `--prompt-len` tokens generate `--max-tokens` tokens each
 (ignore_eos, chat-style sampling: temperature 0.7, top-k 50, top-p 0.9). Reports prefill tokens
 per second (prompt tokens / prefill time), decode tokens per second (generated tokens / decode
@@ -92,6 +99,41 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   return times["sampler"], times["step"]
 
 
+def compare_hf(args) -> None:
+  """jaxengine vs HF `generate`, back to back, greedy, tokens/s including prefill."""
+  import hf_baseline
+
+  llm = je.LLM(max_num_reqs=32, max_model_len=args.max_model_len, dtype=args.dtype)
+  hf = hf_baseline.hf_model(llm)
+  greedy = je.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+  print(
+    "| batch | jaxengine tok/s | HF generate tok/s | ratio |\n|---:|---:|---:|---:|", flush=True
+  )
+  for size in args.batch_sizes:
+    prompts = _prompts(llm.get_tokenizer(), size, args.prompt_len)
+    tokens = size * args.max_tokens
+
+    def ours(prompts=prompts):
+      start = time.perf_counter()
+      outputs = llm.generate(prompts, greedy, use_tqdm=False)
+      assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
+      return time.perf_counter() - start
+
+    def theirs(prompts=prompts):
+      return hf_baseline.hf_generate_seconds(hf, prompts, args.max_tokens)
+
+    best: dict[str, float] = {}
+    for run in (ours, theirs):
+      run()  # warm-up (compiles)
+    for _ in range(args.repeats):  # interleaved, so drifts in machine speed touch both alike
+      for name, run in (("ours", ours), ("theirs", theirs)):
+        best[name] = min(best.get(name, float("inf")), run())
+    ours_tps, theirs_tps = tokens / best["ours"], tokens / best["theirs"]
+    print(
+      f"| {size} | {ours_tps:.1f} | {theirs_tps:.1f} | {ours_tps / theirs_tps:.2f}x |", flush=True
+    )
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -99,6 +141,8 @@ def main(argv=None) -> None:
   parser.add_argument("--max-tokens", type=int, default=64)
   parser.add_argument("--max-model-len", type=int, default=256)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--compare-hf", action="store_true", help="jaxengine vs HF generate")
+  parser.add_argument("--repeats", type=int, default=2, help="timed runs per system (--compare-hf)")
   args = parser.parse_args(argv)
   print(
     f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -106,6 +150,9 @@ def main(argv=None) -> None:
     f"{args.max_tokens} new tokens per request",
     flush=True,
   )
+  if args.compare_hf:
+    compare_hf(args)
+    return
   params = je.SamplingParams(max_tokens=args.max_tokens, **PARAMS)
   for size in args.batch_sizes:
     llm = je.LLM(max_num_reqs=size, max_model_len=args.max_model_len, dtype=args.dtype)

@@ -36,6 +36,7 @@ import jaxengine as je
 from jaxengine.models import (
   KVCache,
   KVCacheSpec,
+  WeightSpec,
   config_from_hf,
   gguf_loader,
   load_safetensors,
@@ -155,7 +156,7 @@ def test_bfloat16_sharded_checkpoint_loads_as_float32_or_bfloat16(tmp_path):
   np.testing.assert_allclose(_forward_logits(model, PROMPT)[-1], reference[-1], atol=1e-4)
 
   model16, _ = load_safetensors(tmp_path, dtype=jnp.bfloat16)
-  assert model16.layers.attn.bq[...].dtype == jnp.bfloat16
+  assert model16.layers[0].attn.bq[...].dtype == jnp.bfloat16
   assert model16.final_norm.scale[...].dtype == jnp.float32  # norms stay float32
   logits16 = _forward_logits(model16, PROMPT)[-1]
   assert np.abs(logits16 - reference[-1]).max() < 0.1 * np.abs(reference[-1]).max()
@@ -340,7 +341,7 @@ def test_load_weights_refuses_bad_input_and_changes_nothing(qwen2_llm):
   zeros = np.zeros_like(tensors[name])
   bad = [
     ({"model.layers.7.self_attn.q_proj.weight": zeros}, "unknown weight name 'model.layers.7"),
-    ({"layers.attn.wq": zeros}, "unknown weight name 'layers.attn.wq'"),
+    ({"layers.0.attn.wq": zeros}, "unknown weight name 'layers.0.attn.wq'"),
     ([(name, zeros), (name, zeros)], f"weight '{name}' is given twice"),
     ({name: zeros[:, :10]}, rf"{name}: expected shape \(64, 64\), got \(64, 10\)"),
     ({name: zeros.astype(np.int8)}, f"{name}: expected a floating-point array, got dtype int8"),
@@ -361,7 +362,8 @@ def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):
   llm, directory, tensors = qwen2_llm
   baseline = _run(llm)
   trainer_model, _ = load_safetensors(directory)  # the trainer's copy of the same module
-  trainer_model.layers.mlp.w_up[...] = trainer_model.layers.mlp.w_up[...] * 0.5
+  for layer in trainer_model.layers:
+    layer.mlp.w_up[...] = layer.mlp.w_up[...] * 0.5
   llm.load_weights(nnx.state(trainer_model))
   halved = _run(llm)
   assert halved[1] != baseline[1]
@@ -380,12 +382,12 @@ def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):
   assert _run(llm) == baseline
 
   wrong = nnx.state(restored)
-  wrong["layers"]["mlp"]["w_up"] = nnx.Param(jnp.zeros((2, 64, 7)))
-  with pytest.raises(ValueError, match=r"layers.mlp.w_up: expected shape \(2, 64, 96\)"):
+  wrong["layers"][1]["mlp"]["w_up"] = nnx.Param(jnp.zeros((64, 7)))
+  with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_up: expected shape \(64, 96\)"):
     llm.load_weights(wrong)
   partial = nnx.state(restored)
-  del partial["layers"]["mlp"]
-  with pytest.raises(ValueError, match=r"the state has no leaf 'layers\.mlp\.w_down'"):
+  del partial["layers"][1]["mlp"]
+  with pytest.raises(ValueError, match=r"the state has no leaf 'layers\.1\.mlp\.w_down'"):
     llm.load_weights(partial)
   assert _run(llm) == baseline
 
@@ -445,6 +447,60 @@ def test_your_own_nnx_model_generates_and_takes_weights():
   llm.load_weights(nnx.state(model))
   again, again_second = llm.generate([prompt, [5, 5]], params, use_tqdm=False)
   assert (_tokens(again), _tokens(again_second)) == (_tokens(first), _tokens(second))
+
+
+class MixedMeanOfEmbeddings(MeanOfEmbeddings):
+  """The toy model with two mixing matrices stacked in one ``[2, 8, 8]`` leaf, as a model that
+  scans over its layers holds them, and checkpoint-style names for its weights."""
+
+  def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs):
+    super().__init__(vocab_size, dim, rngs=rngs)
+    self.mix = nnx.Param(jax.random.normal(rngs.params(), (2, dim, dim)) * dim**-0.5)
+
+  def compute_logits(self, hidden):
+    mix = self.mix[...]
+    return hidden @ mix[0] @ mix[1] @ self.out[...]
+
+  def weight_specs(self):
+    dim, vocab_size = self.out.shape
+    return [
+      WeightSpec("embed.weight", ("embed",), None, (vocab_size, dim)),
+      WeightSpec("head.weight", ("out",), None, (vocab_size, dim), transpose=True),
+      *(WeightSpec(f"mix.{i}.weight", ("mix",), i, (dim, dim), transpose=True) for i in (0, 1)),
+    ]
+
+
+def _mixed_greedy(model, prompt, num_tokens):
+  embed, out = np.asarray(model.embed[...]), np.asarray(model.out[...])
+  mix = np.asarray(model.mix[...])
+  ids = list(prompt)
+  for _ in range(num_tokens):
+    ids.append(int(np.argmax(embed[ids].mean(0) @ mix[0] @ mix[1] @ out)))
+  return ids[len(prompt) :]
+
+
+def test_your_own_weight_specs_fill_layers_of_a_stacked_leaf():
+  model = MixedMeanOfEmbeddings(32, 8, rngs=nnx.Rngs(1))
+  other = MixedMeanOfEmbeddings(32, 8, rngs=nnx.Rngs(2))
+  prompt, params = [3, 9, 27, 1], je.SamplingParams(temperature=0, max_tokens=6)
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  generate = lambda: _tokens(llm.generate(prompt, params, use_tqdm=False)[0])
+  assert generate() == _mixed_greedy(model, prompt, 6)
+
+  exported = dict(named_weights(model))  # checkpoint layout: mix.i.weight is mix[i] transposed
+  np.testing.assert_array_equal(exported["mix.1.weight"], np.asarray(model.mix[...][1]).T)
+  np.testing.assert_array_equal(exported["head.weight"], np.asarray(model.out[...]).T)
+
+  # One layer of the stacked leaf, from NumPy: the other layer keeps its values.
+  new_mix = np.asarray(other.mix[...][1])
+  llm.load_weights({"mix.1.weight": new_mix.T})
+  model.mix[...] = model.mix[...].at[1].set(new_mix)
+  assert generate() == _mixed_greedy(model, prompt, 6)
+  # Every tensor of another model, as JAX arrays in checkpoint layout.
+  llm.load_weights(named_weights(other))
+  assert generate() == _mixed_greedy(other, prompt, 6)
+  with pytest.raises(ValueError, match=r"mix\.0\.weight: expected shape \(8, 8\), got \(8, 4\)"):
+    llm.load_weights({"mix.0.weight": np.zeros((8, 4), np.float32)})
 
 
 # --------------------------------------------------------------------------- logprobs

@@ -180,10 +180,13 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
   compile_counter.reset()
   first = run(0)
   assert len(first) == len(prompts) and all(o.finished for o in first)
-  # Prefill: at most (batch buckets {1, 2, 4}) x (length buckets {16, 32}) shapes, each with or
-  # without prompt logprobs; decode+sample once per (row bucket {1, 2, 4}, length bucket);
+  # Prefill: at most (row buckets {1, 2, 4}) x (length buckets {16, 32}) shapes, each with or
+  # without prompt logprobs; decode+sample once per (row bucket, attention bucket {32});
   # write_row, move_rows and the metadata refresh once each.
-  bound = 3 * 2 * 2 + 3 * 2 + 3
+  runner = engine.runner
+  assert (runner.row_buckets, runner.length_buckets) == ([1, 2, 4], [16, 32])
+  assert runner.attention_buckets == [32]
+  bound = 3 * 2 * 2 + 3 * 1 + 3
   assert compile_counter.count <= bound
   run(1)  # meets the remaining prefill shapes (other mixes land in other buckets)
   compile_counter.reset()

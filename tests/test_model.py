@@ -100,7 +100,7 @@ def reference_logits(model: llama.Llama, token_ids) -> np.ndarray:
   causal = np.tril(np.ones((t, t), bool))
   x = w["embed"][ids]
   for i in range(cfg.num_hidden_layers):
-    layer = jax.tree.map(lambda a: a[i], w["layers"])
+    layer = w["layers"][i]
     attn = layer["attn"]
     h = _rms_norm(x, layer["input_norm"]["scale"], cfg.rms_norm_eps)
     q = _rope(np.einsum("te,ehd->thd", h, attn["wq"]), positions, cfg.rope_theta)
@@ -362,7 +362,7 @@ def _write_gguf(path, model: llama.Llama, qtype: gguf.GGMLQuantizationType) -> N
   if "lm_head" in w:
     add("output.weight", w["lm_head"])
   for i in range(cfg.num_hidden_layers):
-    layer = jax.tree.map(lambda a: a[i], w["layers"])
+    layer = w["layers"][i]
     attn, mlp = layer["attn"], layer["mlp"]
     add(f"blk.{i}.attn_norm.weight", layer["input_norm"]["scale"], quantize=False)
     add(f"blk.{i}.ffn_norm.weight", layer["post_attention_norm"]["scale"], quantize=False)

@@ -46,6 +46,9 @@ from jaxengine.sampler import LogprobsTensors, SamplerOutput, gather_logprobs, s
 
 #: Smallest prefill length bucket, in tokens.
 MIN_LENGTH_BUCKET = 16
+#: Smallest decode attention bucket, in cache positions. Attending to 128 positions costs little
+#: next to reading the weights, and it spares most short generations a second decode compile.
+MIN_ATTENTION_BUCKET = 128
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -191,7 +194,15 @@ class ModelRunner:
       donate_argnames=("kv_cache",),
     )
     self.length_buckets = buckets(self.max_model_len, min(MIN_LENGTH_BUCKET, self.max_model_len))
+    self.attention_buckets = buckets(
+      self.max_model_len, min(MIN_ATTENTION_BUCKET, self.max_model_len)
+    )
     self.row_buckets = buckets(self.max_num_reqs, 1)
+
+  @property
+  def model(self) -> Model:
+    """The model with the runner's current weights (a new module sharing the weight arrays)."""
+    return nnx.merge(self._graphdef, self.weights)
 
   # --- weights ----------------------------------------------------------------------------------
 
@@ -205,7 +216,7 @@ class ModelRunner:
     - named tensors, ``{name: array}`` or ``(name, array)`` pairs, names and layouts as in the
       checkpoint (for `jaxengine.models.Llama` the Hugging Face names, vLLM's `load_weights`
       convention; for a model without `weight_specs`, its dotted NNX paths such as
-      ``"layers.attn.wq"``). Tensors may be a subset: the rest stay as they are.
+      ``"layers.0.attn.wq"``). Tensors may be a subset: the rest stay as they are.
     - a whole `nnx.State` (``nnx.state(module)``) or the module itself, of the same structure as
       the engine's model: for trainers that hold the same NNX module.
 
@@ -313,7 +324,7 @@ class ModelRunner:
     """
     batch = self.input_batch
     longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
-    attention_len = bucket(longest, self.length_buckets)
+    attention_len = bucket(longest, self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     sampled, self.kv_cache = batch.run(
       self._decode, self.weights, self.kv_cache, attention_len, num_rows

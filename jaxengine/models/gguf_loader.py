@@ -191,25 +191,28 @@ def _weights_from_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> dict:
   def get(name: str) -> np.ndarray:
     return _dequantize(tensors[name])
 
-  def per_layer(suffix: str, transform) -> np.ndarray:
-    return np.stack([transform(get(f"blk.{i}.{suffix}")) for i in range(config.num_hidden_layers)])
+  def layer(i: int) -> dict:
+    # nn.Linear-style (out, in) arrays become this model's (in, ...) kernels.
+    def blk(suffix: str) -> np.ndarray:
+      return get(f"blk.{i}.{suffix}")
 
-  # nn.Linear-style (out, in) arrays become this model's (in, ...) kernels.
-  layers = {
-    "input_norm": {"scale": per_layer("attn_norm.weight", lambda w: w)},
-    "attn": {
-      "wq": per_layer("attn_q.weight", lambda w: _unpermute_rotary_rows(w, h).T.reshape(e, h, d)),
-      "wk": per_layer("attn_k.weight", lambda w: _unpermute_rotary_rows(w, k).T.reshape(e, k, d)),
-      "wv": per_layer("attn_v.weight", lambda w: w.T.reshape(e, k, d)),
-      "wo": per_layer("attn_output.weight", lambda w: w.T.reshape(h, d, e)),
-    },
-    "post_attention_norm": {"scale": per_layer("ffn_norm.weight", lambda w: w)},
-    "mlp": {
-      "w_gate": per_layer("ffn_gate.weight", lambda w: w.T),
-      "w_up": per_layer("ffn_up.weight", lambda w: w.T),
-      "w_down": per_layer("ffn_down.weight", lambda w: w.T),
-    },
-  }
+    return {
+      "input_norm": {"scale": blk("attn_norm.weight")},
+      "attn": {
+        "wq": _unpermute_rotary_rows(blk("attn_q.weight"), h).T.reshape(e, h, d),
+        "wk": _unpermute_rotary_rows(blk("attn_k.weight"), k).T.reshape(e, k, d),
+        "wv": blk("attn_v.weight").T.reshape(e, k, d),
+        "wo": blk("attn_output.weight").T.reshape(h, d, e),
+      },
+      "post_attention_norm": {"scale": blk("ffn_norm.weight")},
+      "mlp": {
+        "w_gate": blk("ffn_gate.weight").T,
+        "w_up": blk("ffn_up.weight").T,
+        "w_down": blk("ffn_down.weight").T,
+      },
+    }
+
+  layers = {i: layer(i) for i in range(config.num_hidden_layers)}
   weights = {
     "embed": get("token_embd.weight"),  # [V, E]
     "layers": layers,

@@ -13,7 +13,7 @@ The cache is yours to use as the model likes (it is a `[L, num_slots, S, K, D]` 
 buffer); the engine only allocates it from `kv_cache_spec`, donates it and points each row at its
 slot. Optional: a `weight_specs()` method returning `jaxengine.models.WeightSpec`s names the
 parameters for `LLM.load_weights` (checkpoint names and layouts); without it the names are the
-dotted NNX paths of the model's state (``"layers.attn.wq"``) and tensors are taken whole.
+dotted NNX paths of the model's state (``"layers.0.attn.wq"``) and tensors are taken whole.
 """
 
 from __future__ import annotations

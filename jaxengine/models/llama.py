@@ -285,7 +285,7 @@ class Attention(nnx.Module):
     cache_slots: jax.Array,
     key_cache: jax.Array,
     value_cache: jax.Array,
-    layer: jax.Array,
+    layer: int,
     attention_len: int | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this call's keys/values into the cache, then attends causally over the slot.
@@ -296,7 +296,7 @@ class Attention(nnx.Module):
       cache_slots: ``[B] int32`` cache slot of each row.
       key_cache: ``[L, num_slots, S, K, D]`` keys of every layer.
       value_cache: ``[L, num_slots, S, K, D]`` values of every layer.
-      layer: ``[] int32`` index of this layer in the cache (traced: one executable for all layers).
+      layer: index of this layer in the cache (static).
       attention_len: static; read only the first ``attention_len`` positions of each slot
         (``S`` if None). See `Llama.__call__`.
 
@@ -305,9 +305,12 @@ class Attention(nnx.Module):
     """
     cfg = self.config
     b, t, _ = x.shape
-    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
-    k = jnp.einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
-    v = jnp.einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
+    # Projections as plain 2-D matmuls over row-major weights (the reshapes are free): written as
+    # einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
+    e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = (x @ self.wq[...].reshape(e, h * d)).reshape(b, t, h, d)  # [B, T, H, D]
+    k = (x @ self.wk[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
+    v = (x @ self.wv[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -344,8 +347,7 @@ class Attention(nnx.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
-    out = out.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # [B, T, H, D]
-    out = jnp.einsum("bthd,hde->bte", out, self.wo[...])  # [B, T, E]
+    out = out.reshape(b, t, h * d) @ self.wo[...].reshape(h * d, e)  # [B, T, E]
     if self.bo is not None:
       out = out + self.bo[...]
     return out, key_cache, value_cache
@@ -395,15 +397,17 @@ class DecoderLayer(nnx.Module):
 class Llama(nnx.Module):
   """Llama-family decoder reading and writing a `KVCache`; implements `jaxengine.models.Model`.
 
-  The decoder layers are stored stacked (every parameter of ``layers`` has a leading ``[L]``
-  axis) and applied with `jax.lax.scan`, so the forward pass compiles one layer body however deep
-  the model is.
+  The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied by an
+  unrolled Python loop. A `lax.scan` over stacked ``[L, ...]`` weights compiles one layer body,
+  but XLA then copies each layer's weights out of the stack before its matmuls (a dynamic slice
+  is not fused into a dot): at batch 1 that doubled the weight traffic of a decode step, measured
+  2x slower on CPU for the MLP weights of SmolLM2. Compile time grows with depth instead.
 
   Attributes:
     config: the model's `LlamaConfig` (static).
     dtype: compute and parameter dtype of the matrices (norm scales stay float32).
     embed: ``[V, E]`` token embedding.
-    layers: `DecoderLayer` whose parameters carry a leading ``[L]`` axis.
+    layers: ``L`` `DecoderLayer` modules (an `nnx.List`).
     final_norm: RMSNorm applied to the last layer's output.
     lm_head: ``[V, E]`` output projection, or None when tied to ``embed``.
   """
@@ -423,12 +427,9 @@ class Llama(nnx.Module):
     e, v = config.hidden_size, config.vocab_size
     self.embed = nnx.Param(_normal(rngs, (v, e), e, dtype))
 
-    @nnx.split_rngs(splits=config.num_hidden_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-      return DecoderLayer(config, dtype=dtype, rngs=rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = nnx.List(
+      [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
+    )
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
     self.lm_head = (
       None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
@@ -502,20 +503,12 @@ class Llama(nnx.Module):
       ``(hidden, kv_cache)``: ``[B, T, E]`` hidden states after the final RMSNorm, in the model
       dtype (feed them to `compute_logits`), and the updated cache.
     """
-    cfg = self.config
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]
-    layers_def, layers_weights = nnx.split(self.layers)
-
-    def layer_step(carry, xs):
-      x, key_cache, value_cache = carry
-      weights, layer = xs
-      block = nnx.merge(layers_def, weights)
-      return block(x, positions, cache_slots, key_cache, value_cache, layer, attention_len), None
-
-    layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-    (x, key_cache, value_cache), _ = jax.lax.scan(
-      layer_step, (x, kv_cache.key, kv_cache.value), (layers_weights, layer_ids)
-    )
+    key_cache, value_cache = kv_cache.key, kv_cache.value
+    for index, layer in enumerate(self.layers):
+      x, key_cache, value_cache = layer(
+        x, positions, cache_slots, key_cache, value_cache, index, attention_len
+      )
     hidden = self.final_norm(x)
     return hidden, dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
 
@@ -569,7 +562,7 @@ class Llama(nnx.Module):
       ]
     for i in range(cfg.num_hidden_layers):
       specs += [
-        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", *path), i, shape, transposed)
+        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape, transposed)
         for suffix, path, shape, transposed in per_layer
       ]
     return specs

@@ -13,8 +13,8 @@ Llama-family module with config switches:
 
 Tensors are named as in the checkpoint (`jaxengine.models.Llama.weight_specs`, the same mapping
 `LLM.load_weights` uses) and read one at a time with ``safetensors.safe_open`` (memory-mapped),
-each converted straight into a host buffer of the one stacked leaf being filled: the host never
-holds a second full copy of the weights. Both ``config.json`` styles are read: transformers 4
+each converted and moved to the device before the next: the host never holds a second full copy
+of the weights. Both ``config.json`` styles are read: transformers 4
 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``).
 """
 
@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
@@ -255,8 +254,9 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Llama,
   """Loads a Hugging Face Llama-family model directory into a `Llama`.
 
   The model is built abstractly (`nnx.eval_shape`: no random weights), every expected name is
-  checked against the files' names first, then each leaf is filled tensor by tensor from the
-  memory-mapped files and moved to the device before the next leaf is read.
+  checked against the files' names first, then each tensor is read from the memory-mapped files,
+  converted to its parameter's layout and dtype on the host and moved to the device before the
+  next one is read.
 
   Args:
     path: the directory (``config.json`` plus ``model.safetensors`` or sharded files with
@@ -288,38 +288,22 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Llama,
       more = f" and {len(names) - 5} more" if len(names) > 5 else ""
       raise ValueError(f"the checkpoint in {os.fspath(path)!r} {problem} {listed}{more}")
 
-  by_leaf: dict[tuple, list] = {}
-  for spec in specs:
-    if spec.path is not None:
-      by_leaf.setdefault(spec.path, []).append(spec)
   arrays = {}
   with contextlib.ExitStack() as stack:
     handles = {
       file: stack.enter_context(safe_open(file, framework="numpy"))
       for file in sorted(set(files.values()))
     }
-
-    def read(spec) -> np.ndarray:
-      handle = handles[files[spec.name]]
+    for spec in specs:
+      if spec.path is None:
+        continue
+      handle, file = handles[files[spec.name]], files[spec.name]
       dtype_name = handle.get_slice(spec.name).get_dtype()
       if dtype_name not in _FLOAT_DTYPES:
-        raise ValueError(f"{spec.name} in {files[spec.name]}: dtype {dtype_name} is not floating")
-      tensor = handle.get_tensor(spec.name)
+        raise ValueError(f"{spec.name} in {file}: dtype {dtype_name} is not floating")
+      tensor = handle.get_tensor(spec.name)  # one tensor on the host at a time
       if tuple(tensor.shape) != spec.shape:
-        raise ValueError(
-          f"{spec.name} in {files[spec.name]}: expected shape {spec.shape}, got {tensor.shape}"
-        )
-      return tensor
-
-    for leaf_path, leaf_specs in by_leaf.items():
-      leaf = leaves[leaf_path]
-      if leaf_specs[0].layer is None:
-        (spec,) = leaf_specs
-        buffer = spec.to_param(read(spec), leaf.shape).astype(leaf.dtype)
-      else:  # one stacked [L, ...] host buffer, filled layer by layer
-        buffer = np.empty(leaf.shape, leaf.dtype)
-        for spec in leaf_specs:
-          buffer[spec.layer] = spec.to_param(read(spec), leaf.shape[1:])
-      arrays[leaf_path] = jnp.asarray(buffer)
-      del buffer  # the device copy is what remains
+        raise ValueError(f"{spec.name} in {file}: expected shape {spec.shape}, got {tensor.shape}")
+      leaf = leaves[spec.path]
+      arrays[spec.path] = jnp.asarray(spec.to_param(tensor, leaf.shape).astype(leaf.dtype))
   return nnx.merge(graphdef, replace_leaves(state, arrays)), config

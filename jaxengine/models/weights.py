@@ -1,12 +1,13 @@
 """Named checkpoint tensors <-> the parameter leaves of an NNX model.
 
 A checkpoint names its tensors (``model.layers.3.self_attn.q_proj.weight``) and stores them in
-its own layout (a PyTorch ``nn.Linear`` weight is ``(out, in)``, one tensor per layer); an NNX
-model holds differently shaped leaves (a ``[L, E, H, D]`` query kernel for all layers at once). A
-`WeightSpec` links one named tensor to the leaf it fills. A model lists its specs with an
+its own layout (a PyTorch ``nn.Linear`` weight is ``(out, in)``); an NNX model holds differently
+shaped leaves (an ``[E, H, D]`` query kernel; a model that scans over layers stacks them as
+``[L, ...]``). A `WeightSpec` links one named tensor to the leaf, or the layer of a stacked leaf,
+it fills. A model lists its specs with an
 optional `weight_specs()` method (`jaxengine.models.Llama` names its parameters as Hugging Face
 checkpoints do); any other model gets `default_weight_specs`: one spec per leaf, named by its
-dotted NNX path (``"layers.attn.wq"``), taken whole.
+dotted NNX path (``"layers.0.attn.wq"``), taken whole.
 
 The same specs serve the safetensors loader and `ModelRunner.load_weights`, so a name means the
 same thing in both places. This module also holds the host-side checks and the assembly of new
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-#: Path of a leaf in an `nnx.State`, e.g. ``("layers", "attn", "wq")``.
+#: Path of a leaf in an `nnx.State`, e.g. ``("layers", 0, "attn", "wq")``.
 LeafPath = tuple[str | int, ...]
 
 
@@ -35,7 +36,7 @@ class WeightSpec:
 
   Attributes:
     name: the tensor's name in the checkpoint (``"model.layers.0.mlp.up_proj.weight"``).
-    path: the leaf in ``nnx.state(model)`` (``("layers", "mlp", "w_up")``), or None for a tensor
+    path: the leaf in ``nnx.state(model)`` (``("layers", 0, "mlp", "w_up")``), or None for a tensor
       that is accepted and ignored (the output projection of a model with tied embeddings).
     layer: index along the leaf's leading stacked-layer axis the tensor fills, or None when the
       tensor is the whole leaf.
@@ -103,7 +104,7 @@ def replace_leaves(state: nnx.State, new: Mapping[LeafPath, Any]) -> nnx.State:
 
 
 def dotted(path: LeafPath) -> str:
-  """``("layers", "attn", "wq")`` -> ``"layers.attn.wq"``."""
+  """``("layers", 0, "attn", "wq")`` -> ``"layers.0.attn.wq"``."""
   return ".".join(str(p) for p in path)
 
 

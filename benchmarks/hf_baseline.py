@@ -1,0 +1,81 @@
+"""Hugging Face `generate` (PyTorch, CPU, float32) on the same SmolLM2 weights, as a baseline.
+
+The weights come from the jaxengine model loaded from the GGUF file (so both systems run exactly
+the same numbers), converted to transformers' `LlamaForCausalLM` layout. Needs the `bench` extra
+(`pip install torch==2.13.0` on this CPU VM: a plain `torch` would fetch a CUDA build).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def hf_model(llm):
+  """A transformers `LlamaForCausalLM` holding the weights of `llm`'s (Llama) model."""
+  import torch
+  import transformers
+
+  model = llm.llm_engine.runner.model
+  cfg = model.config
+  hf_config = transformers.LlamaConfig(
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.hidden_size,
+    intermediate_size=cfg.intermediate_size,
+    num_hidden_layers=cfg.num_hidden_layers,
+    num_attention_heads=cfg.num_attention_heads,
+    num_key_value_heads=cfg.num_key_value_heads,
+    head_dim=cfg.head_dim,
+    rope_theta=cfg.rope_theta,
+    rms_norm_eps=cfg.rms_norm_eps,
+    tie_word_embeddings=cfg.tie_word_embeddings,
+    max_position_embeddings=cfg.max_position_embeddings,
+    bos_token_id=cfg.bos_token_id,
+    eos_token_id=cfg.eos_token_id,
+  )
+  e = cfg.hidden_size
+
+  def t(array, transpose=True):
+    a = np.asarray(array, np.float32)
+    return torch.from_numpy(np.ascontiguousarray(a.reshape(e, -1).T if transpose else a).copy())
+
+  state = {"model.embed_tokens.weight": t(model.embed[...], False)}
+  for i, layer in enumerate(model.layers):
+    p = f"model.layers.{i}."
+    state[p + "input_layernorm.weight"] = t(layer.input_norm.scale[...], False)
+    state[p + "post_attention_layernorm.weight"] = t(layer.post_attention_norm.scale[...], False)
+    state[p + "self_attn.q_proj.weight"] = t(layer.attn.wq[...])
+    state[p + "self_attn.k_proj.weight"] = t(layer.attn.wk[...])
+    state[p + "self_attn.v_proj.weight"] = t(layer.attn.wv[...])
+    state[p + "self_attn.o_proj.weight"] = t(np.asarray(layer.attn.wo[...]).reshape(-1, e).T, False)
+    state[p + "mlp.gate_proj.weight"] = t(layer.mlp.w_gate[...])
+    state[p + "mlp.up_proj.weight"] = t(layer.mlp.w_up[...])
+    state[p + "mlp.down_proj.weight"] = t(np.asarray(layer.mlp.w_down[...]).T, False)
+  state["model.norm.weight"] = t(model.final_norm.scale[...], False)
+  hf = transformers.LlamaForCausalLM(hf_config).eval()
+  missing, unexpected = hf.load_state_dict(state, strict=False)
+  assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), missing
+  if cfg.tie_word_embeddings:
+    hf.tie_weights()
+  return hf
+
+
+def hf_generate_seconds(hf, prompts: list[list[int]], max_tokens: int) -> float:
+  """Wall seconds of one greedy `generate` of `max_tokens` tokens for every prompt at once."""
+  import torch
+
+  ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
+  with torch.inference_mode():
+    start = time.perf_counter()
+    out = hf.generate(
+      ids,
+      attention_mask=torch.ones_like(ids),
+      max_new_tokens=max_tokens,
+      min_new_tokens=max_tokens,
+      do_sample=False,
+      pad_token_id=0,
+    )
+    seconds = time.perf_counter() - start
+  assert out.shape == (len(prompts), len(prompts[0]) + max_tokens)
+  return seconds
