@@ -113,10 +113,11 @@ class LLM:
       weights: named tensors, ``{name: array}`` or an iterable of ``(name, array)`` pairs, with
         the checkpoint's names and layouts (Hugging Face names such as
         ``"model.layers.0.self_attn.q_proj.weight"`` for the Llama family, as vLLM's
-        `load_weights`; a subset is fine); or a whole `nnx.State` (``nnx.state(module)``) or
-        module of the engine's own model structure. NumPy or JAX arrays of any floating dtype
-        (cast to the model's); JAX arrays are converted on their devices and put on the
-        engine's sharding, never through the host. See `ModelRunner.load_weights`.
+        `load_weights`; a subset is fine); or a whole `nnx.State` (``nnx.state(module)``), its
+        pure dict or the module, of the engine's own model structure. NumPy or JAX arrays of
+        any floating dtype (cast to the model's); JAX arrays are converted on their devices and
+        placed as the engine's weights are, never through the host. See
+        `ModelRunner.load_weights`.
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor

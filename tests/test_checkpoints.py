@@ -378,7 +378,9 @@ def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):
   assert exported.keys() == tensors.keys() - {"lm_head.weight"}
   for name, array in exported.items():
     np.testing.assert_array_equal(array, tensors[name], err_msg=name)
-  llm.load_weights(restored)  # a module works as its state
+  llm.load_weights(trainer_model)  # a module works as its state
+  assert _run(llm) == halved
+  llm.load_weights(nnx.to_pure_dict(nnx.state(restored)))  # and so does its pure dict
   assert _run(llm) == baseline
 
   wrong = nnx.state(restored)

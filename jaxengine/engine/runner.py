@@ -217,8 +217,9 @@ class ModelRunner:
       checkpoint (for `jaxengine.models.Llama` the Hugging Face names, vLLM's `load_weights`
       convention; for a model without `weight_specs`, its dotted NNX paths such as
       ``"layers.0.attn.wq"``). Tensors may be a subset: the rest stay as they are.
-    - a whole `nnx.State` (``nnx.state(module)``) or the module itself, of the same structure as
-      the engine's model: for trainers that hold the same NNX module.
+    - a whole `nnx.State` (``nnx.state(module)``), its nested pure dict
+      (``nnx.to_pure_dict``) or the module itself, of the same structure as the engine's model:
+      for trainers that hold the same NNX module.
 
     Arrays may be NumPy (converted on the host, then put on the device) or JAX arrays (converted
     on their devices, then placed as the engine's weights are: no round trip through the host).
@@ -239,7 +240,10 @@ class ModelRunner:
         exactly as it was.
     """
     leaves = state_leaves(self.weights)
-    if isinstance(weights, (nnx.State, nnx.Module)):
+    is_pure_dict = isinstance(weights, Mapping) and any(
+      isinstance(v, Mapping) for v in weights.values()
+    )
+    if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
       given = collect_state(weights, leaves)
       new = {path: put(given[path], leaves[path]) for path in leaves}
     else:
