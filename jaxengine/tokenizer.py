@@ -1,4 +1,8 @@
-"""Tokenizer read from a GGUF file, plus incremental detokenization for streaming.
+"""Tokenizer read from a GGUF file or a Hugging Face directory, plus incremental detokenization.
+
+A Hugging Face directory's ``tokenizer.json`` (with ``tokenizer_config.json`` and the chat
+template, ``chat_template.jinja`` or the config's ``chat_template``) is read by transformers'
+`PreTrainedTokenizerFast` as it is, offline and without torch (`Tokenizer.from_pretrained`).
 
 Why not ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``: in transformers 5.x that path
 reads the GGUF metadata through ``transformers.integrations.gguf.reader``, which imports torch,
@@ -107,7 +111,7 @@ class Tokenizer:
   """
 
   def __init__(self, hf_tokenizer: PreTrainedTokenizerFast):
-    """Wraps a transformers fast tokenizer (use `from_gguf` to read one from a GGUF file)."""
+    """Wraps a transformers fast tokenizer (`from_gguf` and `from_pretrained` build one)."""
     self.hf_tokenizer = hf_tokenizer
 
   @classmethod
@@ -144,6 +148,31 @@ class Tokenizer:
     )
     return cls(hf)
 
+  @classmethod
+  def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+    """Reads the tokenizer of a Hugging Face model directory.
+
+    Needs ``tokenizer.json`` (the fast tokenizer: normalizer, pre-tokenizer, BPE or Unigram
+    model, post-processor adding BOS where the model wants it); takes special tokens from
+    ``tokenizer_config.json`` / ``special_tokens_map.json`` and the chat template from
+    ``chat_template.jinja`` or ``tokenizer_config.json``. Never touches the network.
+
+    Args:
+      path: the model directory.
+
+    Returns:
+      The `Tokenizer`.
+
+    Raises:
+      FileNotFoundError: `path` has no ``tokenizer.json`` (a slow-only sentencepiece
+        ``tokenizer.model`` is not read).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+      raise FileNotFoundError(f"no tokenizer.json in {path!r}")
+    hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return cls(hf)
+
   @property
   def vocab_size(self) -> int:
     """Number of token ids, special tokens included."""
@@ -166,7 +195,7 @@ class Tokenizer:
 
   @property
   def chat_template(self) -> str | None:
-    """The Jinja chat template from the GGUF metadata, or None."""
+    """The Jinja chat template (GGUF metadata or the directory's files), or None."""
     return self.hf_tokenizer.chat_template
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -43,7 +43,9 @@ class LLMEngine:
     max_num_logprobs: largest logprobs / prompt_logprobs a request may ask for (`-1`: whole vocab).
     logprobs_mode: see `InputBatch`.
     seed: seed of the engine key (unseeded requests derive their keys from it).
-    eos_token_id: overrides the tokenizer's / model's EOS id.
+    eos_token_id: overrides the tokenizer's / model's EOS id; a list gives the EOS id first and
+      more ids that also end generation (a checkpoint's `generation_config.json` lists several):
+      like vLLM, those finish with `stop_reason` set to the id, unless `ignore_eos`.
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
@@ -60,20 +62,24 @@ class LLMEngine:
     max_num_logprobs: int = 20,
     logprobs_mode: str = "raw_logprobs",
     seed: int = 0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
   ):
     check_model(model)
     if eos_token_id is None:
       eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
+    if isinstance(eos_token_id, Sequence):
+      eos_token_ids = list(dict.fromkeys(int(t) for t in eos_token_id))
+    else:
+      eos_token_ids = [] if eos_token_id is None else [int(eos_token_id)]
     self.tokenizer = tokenizer
-    self.eos_token_id = eos_token_id
+    self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
     batch = InputBatch(
       max_num_reqs,
       max_model_len,
       model.vocab_size,
       max_num_logprobs=max_num_logprobs,
       logprobs_mode=logprobs_mode,
-      eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+      eos_token_ids=eos_token_ids,
       seed=seed,
     )
     self.runner = ModelRunner(model, batch)
@@ -82,7 +88,7 @@ class LLMEngine:
     self.input_processor = InputProcessor(tokenizer, self.max_model_len, batch.validate_request)
     self.scheduler = Scheduler(self.max_num_reqs)
     self.output_processor = OutputProcessor(
-      tokenizer, eos_token_id, self.max_model_len, model.vocab_size
+      tokenizer, self.eos_token_id, self.max_model_len, model.vocab_size, eos_token_ids[1:]
     )
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
@@ -134,6 +140,14 @@ class LLMEngine:
     for request in done:
       del self._requests[request.request_id]
     return [r.output() for r in done]
+
+  def load_weights(self, weights) -> None:
+    """New model weights, no recompilation: see `ModelRunner.load_weights`.
+
+    Raises:
+      ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype.
+    """
+    self.runner.load_weights(weights)
 
   # --- the step -------------------------------------------------------------------------------
 

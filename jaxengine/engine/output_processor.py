@@ -61,6 +61,9 @@ class OutputProcessor:
     eos_token_id: the EOS id, or None.
     max_model_len: a completion whose prompt plus output reaches it finishes with "length".
     vocab_size: what `logprobs=-1` (the whole vocabulary) resolves to.
+    extra_eos_token_ids: more ids that end generation like EOS (unless `ignore_eos`, never
+      before `min_tokens`) but report themselves as `stop_reason`, as vLLM treats the EOS ids
+      of a checkpoint's generation config.
   """
 
   def __init__(
@@ -69,9 +72,11 @@ class OutputProcessor:
     eos_token_id: int | None,
     max_model_len: int,
     vocab_size: int,
+    extra_eos_token_ids: Sequence[int] = (),
   ) -> None:
     self.tokenizer = tokenizer
     self.eos_token_id = eos_token_id
+    self.extra_eos_token_ids = frozenset(extra_eos_token_ids) - {eos_token_id}
     self.max_model_len = max_model_len
     self.vocab_size = vocab_size
     self._decoded_tokens: dict[int, str] = {}
@@ -120,7 +125,10 @@ class OutputProcessor:
     elif may_stop and not params.ignore_eos and token == self.eos_token_id:
       completion.finish_reason = "stop"
       return True
-    elif may_stop and params.stop_token_ids and token in params.stop_token_ids:
+    elif may_stop and (
+      (params.stop_token_ids and token in params.stop_token_ids)
+      or (not params.ignore_eos and token in self.extra_eos_token_ids)
+    ):
       completion.finish_reason, completion.stop_reason = "stop", token
       return True
     return False

@@ -7,7 +7,8 @@ Everything that runs on the device for the engine goes through here:
 - `decode()`: one fused executable over a power-of-two bucket of rows holding every live row:
   the model on each row's last token, then the sampler (`jaxengine.sample.sample`), which
   appends the token on device;
-- `add` / `remove`: composition changes of the `InputBatch`.
+- `add` / `remove`: composition changes of the `InputBatch`;
+- `load_weights`: new weights for the same executables (nothing recompiles).
 
 The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
 jitted with the cache and batch state donated. Compiles are bounded by the buckets: one decode
@@ -20,8 +21,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,15 @@ from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.engine.requests import Completion
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.weights import (
+  assemble_leaf,
+  collect_named_weights,
+  collect_state,
+  model_weight_specs,
+  put,
+  replace_leaves,
+  state_leaves,
+)
 from jaxengine.sample import SamplingMetadata, gather_logprobs, sample
 
 #: Smallest prefill length bucket, in tokens.
@@ -132,7 +142,9 @@ class ModelRunner:
   """Owns a model's weights, its KV cache, the persistent batch and the jitted steps.
 
   Args:
-    model: a `jaxengine.models.Model` (an `nnx.Module`), weights loaded.
+    model: a `jaxengine.models.Model` (an `nnx.Module`), weights loaded. The runner keeps its
+      own references to the arrays: changing the module afterwards does not change the engine
+      (use `load_weights`).
     input_batch: the persistent batch the runner samples into (its `max_num_reqs` rows each hold
       a KV-cache slot).
 
@@ -156,7 +168,11 @@ class ModelRunner:
     self.input_batch = input_batch
     self.max_num_reqs = input_batch.max_num_reqs
     self.max_model_len = input_batch.max_model_len
-    self._graphdef, self.weights = nnx.split(model)
+    self._graphdef, weights = nnx.split(model)
+    # The engine's own variables around the same arrays (no copy): later in-place updates of
+    # `model` (an optimizer step) do not reach the engine; `load_weights` does.
+    self.weights = jax.tree.map(lambda a: a, weights)
+    self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
     self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
     self._decode = jax.jit(
       functools.partial(_decode_and_sample, self._graphdef),
@@ -182,6 +198,53 @@ class ModelRunner:
   def model(self) -> Model:
     """The model with the runner's current weights (a new module sharing the weight arrays)."""
     return nnx.merge(self._graphdef, self.weights)
+
+  # --- weights ----------------------------------------------------------------------------------
+
+  def load_weights(
+    self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | nnx.State | nnx.Module
+  ) -> None:
+    """Replaces some or all of the model's weights; the compiled steps are reused as they are.
+
+    Two forms:
+
+    - named tensors, ``{name: array}`` or ``(name, array)`` pairs, names and layouts as in the
+      checkpoint (for `jaxengine.models.Llama` the Hugging Face names, vLLM's `load_weights`
+      convention; for a model without `weight_specs`, its dotted NNX paths such as
+      ``"layers.0.attn.wq"``). Tensors may be a subset: the rest stay as they are.
+    - a whole `nnx.State` (``nnx.state(module)``), its nested pure dict
+      (``nnx.to_pure_dict``) or the module itself, of the same structure as the engine's model:
+      for trainers that hold the same NNX module.
+
+    Arrays may be NumPy (converted on the host, then put on the device) or JAX arrays (converted
+    on their devices, then placed as the engine's weights are: no round trip through the host).
+    Any floating dtype is cast to the parameter's dtype. A JAX array that already has the
+    parameter's layout, dtype and placement is used as it is, not copied: do not delete or donate
+    it afterwards (copy it first if your training step donates its parameters). Nothing
+    recompiles as long as the arrays are placed as the engine's weights are (on one device:
+    uncommitted, as arrays made by `jnp` and by jitted functions of such arrays are; see
+    `jaxengine.models.weights.put`).
+
+    Running requests continue with the new weights (their cached keys and values stay as the
+    old weights wrote them, as in vLLM).
+
+    Raises:
+      ValueError: naming the first unknown or repeated name, missing or extra state leaf, or
+        tensor of the wrong type, shape or dtype. Everything is checked on the host before any
+        conversion, and the weights change all at once at the end: after an error the model is
+        exactly as it was.
+    """
+    leaves = state_leaves(self.weights)
+    is_pure_dict = isinstance(weights, Mapping) and any(
+      isinstance(v, Mapping) for v in weights.values()
+    )
+    if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
+      given = collect_state(weights, leaves)
+      new = {path: put(given[path], leaves[path]) for path in leaves}
+    else:
+      grouped = collect_named_weights(weights, self.weight_specs, leaves)
+      new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
+    self.weights = replace_leaves(self.weights, new)
 
   # --- composition ------------------------------------------------------------------------------
 

@@ -3,7 +3,17 @@
 The engine knows nothing of a model's architecture, and the model nothing of sampling. A model is
 a Flax NNX module with the methods and properties of `Model`; the runner splits it once
 (`nnx.split`) and jits pure functions of `(graphdef, weights, ...)`, so its weights can be
-replaced without recompiling. `jaxengine.models.Llama` implements it; so can your own module.
+replaced without recompiling. `jaxengine.models.Llama` implements it; so can your own module:
+
+    class MyModel(nnx.Module):          # vocab_size, eos_token_id, max_position_embeddings,
+      ...                               # kv_cache_spec, __call__, compute_logits as below
+    llm = jaxengine.LLM(MyModel(...), tokenizer=jaxengine.tokenizer.Tokenizer.from_pretrained(d))
+
+The cache is yours to use as the model likes (it is a `[L, num_slots, S, K, D]` key and value
+buffer); the engine only allocates it from `kv_cache_spec`, donates it and points each row at its
+slot. Optional: a `weight_specs()` method returning `jaxengine.models.WeightSpec`s names the
+parameters for `LLM.load_weights` (checkpoint names and layouts); without it the names are the
+dotted NNX paths of the model's state (``"layers.0.attn.wq"``) and tensors are taken whole.
 """
 
 from __future__ import annotations

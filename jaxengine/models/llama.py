@@ -1,8 +1,19 @@
 """A Llama-family decoder in Flax NNX that reads and writes a slot-addressed KV cache.
 
-Covers the architecture of Llama 2/3 and SmolLM (without rope scaling): token embedding, a stack
-of pre-norm decoder layers (RMSNorm, grouped-query attention with rotary embeddings, SwiGLU MLP),
-a final RMSNorm, and an output projection that may be tied to the embedding.
+One module covers the Llama family of Hugging Face checkpoints: token embedding, a stack of
+pre-norm decoder layers (RMSNorm, grouped-query attention with rotary embeddings, SwiGLU MLP), a
+final RMSNorm, and an output projection that may be tied to the embedding. Config switches add
+what the relatives differ by:
+
+- Llama 3.1 / 3.2: ``rope_scaling`` (`Llama3RopeScaling`), rescaled rotary frequencies;
+- Mistral: ``sliding_window``, each query sees only the last ``sliding_window`` positions;
+- Qwen2 / Qwen2.5: ``attention_bias``, biases on the query, key and value projections;
+- Qwen3: ``qk_norm``, an RMSNorm over each query and key head before the rotary embedding, and an
+  explicit ``head_dim`` (``H * D`` need not equal ``E``).
+
+`Llama.weight_specs` names every parameter as Hugging Face checkpoints do (``model.layers.0.
+self_attn.q_proj.weight``, ...): the one mapping used by the safetensors loader and by
+`LLM.load_weights`.
 
 One call serves both prefill and decode. Each row of the batch names a cache slot and gives the
 absolute position of each of its tokens; the call writes the new keys/values at
@@ -18,6 +29,9 @@ Shape letters used in comments: ``B`` batch rows, ``T`` tokens per row in this c
 References:
   Touvron et al., "Llama 2: Open Foundation and Fine-Tuned Chat Models", 2023.
   Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+  Meta, "The Llama 3 Herd of Models", 2024 (rope scaling: `Llama3RopeScaling`).
+  Jiang et al., "Mistral 7B", 2023 (sliding-window attention).
+  Qwen Team, "Qwen2 Technical Report", 2024 and "Qwen3 Technical Report", 2025.
   Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models", 2023.
   Shazeer, "GLU Variants Improve Transformer", 2020.
   Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
@@ -26,6 +40,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +48,39 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.weights import WeightSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+  """Llama 3.1's rescaling of rotary frequencies for long contexts (``rope_type: "llama3"``).
+
+  Attributes:
+    factor: how much longer the new context is than the original (Llama 3.1: 8, Llama 3.2: 32).
+    low_freq_factor: wavelengths above ``original_max_position_embeddings / low_freq_factor``
+      are divided by ``factor`` (Llama 3.1: 1).
+    high_freq_factor: wavelengths below ``original_max_position_embeddings / high_freq_factor``
+      are kept (Llama 3.1: 4); those in between are interpolated.
+    original_max_position_embeddings: the context length before scaling (Llama 3.1: 8192).
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    if not self.factor > 0 or not 0 < self.low_freq_factor < self.high_freq_factor:
+      raise ValueError(
+        f"llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor, got "
+        f"factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
+        f"high_freq_factor={self.high_freq_factor}"
+      )
+    if self.original_max_position_embeddings <= 0:
+      raise ValueError(
+        f"original_max_position_embeddings must be positive, got "
+        f"{self.original_max_position_embeddings}"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,8 +102,16 @@ class LlamaConfig:
     tie_word_embeddings: if True the output projection reuses the embedding matrix.
     max_position_embeddings: context length the model was trained for (informational; the
       cache's ``max_model_len`` is what bounds positions at run time).
-    bos_token_id: beginning-of-sequence token id.
-    eos_token_id: end-of-sequence token id.
+    bos_token_id: beginning-of-sequence token id, or None.
+    eos_token_id: end-of-sequence token id, or None.
+    rope_scaling: Llama 3.1 rotary frequency scaling, or None (plain RoPE).
+    attention_bias: biases on the query, key and value projections (Qwen2).
+    attention_output_bias: a bias on the attention output projection (Hugging Face Llama's
+      ``attention_bias`` sets both this and ``attention_bias``).
+    qk_norm: RMSNorm (a learned ``[D]`` scale shared by the heads) over every query and key head
+      before the rotary embedding (Qwen3).
+    sliding_window: each query attends to itself and the ``sliding_window - 1`` positions before
+      it (Mistral), or None: every earlier position.
   """
 
   vocab_size: int
@@ -69,8 +125,13 @@ class LlamaConfig:
   rms_norm_eps: float = 1e-5
   tie_word_embeddings: bool = True
   max_position_embeddings: int = 2048
-  bos_token_id: int = 1
-  eos_token_id: int = 2
+  bos_token_id: int | None = 1
+  eos_token_id: int | None = 2
+  rope_scaling: Llama3RopeScaling | None = None
+  attention_bias: bool = False
+  attention_output_bias: bool = False
+  qk_norm: bool = False
+  sliding_window: int | None = None
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -80,6 +141,8 @@ class LlamaConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
 
   @property
   def num_queries_per_kv(self) -> int:
@@ -101,25 +164,57 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.A
   return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+  """The rotary angle per position of each feature pair, ``[D/2] float64`` (a host constant).
+
+  Plain RoPE (Su et al., 2021): pair ``i`` turns by ``rope_theta ** (-2 i / D)`` radians per
+  position. With `Llama3RopeScaling` each frequency ``f`` (wavelength ``w = 2 pi / f``) becomes,
+  following Meta's reference ``apply_scaling`` (Llama 3.1 release, "The Llama 3 Herd of
+  Models", 2024), with ``n = original_max_position_embeddings``:
+
+  - ``f`` if ``w < n / high_freq_factor`` (high frequencies, short wavelengths, are kept);
+  - ``f / factor`` if ``w > n / low_freq_factor`` (low frequencies are interpolated);
+  - otherwise ``(1 - s) f / factor + s f`` with ``s = (n / w - low_freq_factor) /
+    (high_freq_factor - low_freq_factor)``, a smooth blend of the two.
+
+  The attention scale is unchanged by this scaling.
+  """
+  d = config.head_dim
+  inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
+  scaling = config.rope_scaling
+  if scaling is None:
+    return inv_freq
+  n = scaling.original_max_position_embeddings
+  wavelength = 2 * math.pi / inv_freq
+  smooth = (n / wavelength - scaling.low_freq_factor) / (
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
+  blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  return np.where(
+    wavelength < n / scaling.high_freq_factor,
+    inv_freq,
+    np.where(wavelength > n / scaling.low_freq_factor, inv_freq / scaling.factor, blended),
+  )
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
   """Rotates pairs of features by position-dependent angles (RoPE).
 
   Uses the "half-split" pairing of Hugging Face checkpoints: feature ``i`` is paired with feature
-  ``i + D/2``, and the pair is rotated by ``position * theta ** (-2 i / D)``. GGUF files store the
+  ``i + D/2``, and the pair is rotated by ``position * inv_freq[i]``. GGUF files store the
   query/key projections with rows permuted for the interleaved pairing ``(2i, 2i+1)``; the GGUF
   loader undoes that permutation so both sources share this convention.
 
   Args:
     x: ``[B, T, N, D]`` queries or keys (any float dtype).
     positions: ``[B, T] int32`` absolute positions.
-    theta: rotary base (``rope_theta``).
+    inv_freq: ``[D/2]`` host array of angles per position (`rope_frequencies`).
 
   Returns:
     ``[B, T, N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
   """
-  d = x.shape[-1]
   # A host constant, so it folds into the executable instead of being a traced input.
-  inv_freq = (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)
+  inv_freq = np.asarray(inv_freq, np.float32)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -155,6 +250,10 @@ class Attention(nnx.Module):
     wk: ``[E, K, D]`` key projection.
     wv: ``[E, K, D]`` value projection.
     wo: ``[H, D, E]`` output projection.
+    bq, bk, bv: ``[H, D]``, ``[K, D]``, ``[K, D]`` projection biases (``attention_bias``), or
+      None.
+    bo: ``[E]`` output bias (``attention_output_bias``), or None.
+    q_norm, k_norm: per-head RMSNorms over ``D`` (``qk_norm``), or None.
   """
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
@@ -170,6 +269,14 @@ class Attention(nnx.Module):
     self.wk = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
     self.wv = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
     self.wo = nnx.Param(_normal(rngs, (h, d, e), h * d, dtype))
+    bias = lambda *shape: nnx.Param(jnp.zeros(shape, dtype))
+    has_bias = config.attention_bias
+    self.bq = bias(h, d) if has_bias else None
+    self.bk = bias(k, d) if has_bias else None
+    self.bv = bias(k, d) if has_bias else None
+    self.bo = bias(e) if config.attention_output_bias else None
+    self.q_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.qk_norm else None
+    self.k_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.qk_norm else None
 
   def __call__(
     self,
@@ -204,8 +311,13 @@ class Attention(nnx.Module):
     q = (x @ self.wq[...].reshape(e, h * d)).reshape(b, t, h, d)  # [B, T, H, D]
     k = (x @ self.wk[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
     v = (x @ self.wv[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
-    q = rotary_embedding(q, positions, cfg.rope_theta)
-    k = rotary_embedding(k, positions, cfg.rope_theta)
+    if self.bq is not None and self.bk is not None and self.bv is not None:
+      q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+    if self.q_norm is not None and self.k_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_frequencies(cfg)  # [D/2] host constant, computed at trace time
+    q = rotary_embedding(q, positions, inv_freq)
+    k = rotary_embedding(k, positions, inv_freq)
 
     # Scatter the new keys/values to (layer, slot, position). Index arrays broadcast to [B, T].
     # Positions >= S are dropped, so a row can be made write-free with position S.
@@ -226,12 +338,18 @@ class Attention(nnx.Module):
       "btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32
     )  # [B, K, G, T, S] float32
     scores = scores * cfg.head_dim**-0.5
-    # Causal over absolute positions: key position s is visible to a query at position p iff s <= p.
-    visible = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    # Causal over absolute positions: key position s is visible to a query at position p iff
+    # s <= p (and, with a sliding window W, p - s < W).
+    key_positions = jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    visible = key_positions <= positions[:, :, None]  # [B, T, S]
+    if cfg.sliding_window is not None:
+      visible &= key_positions > positions[:, :, None] - cfg.sliding_window
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
     out = out.reshape(b, t, h * d) @ self.wo[...].reshape(h * d, e)  # [B, T, E]
+    if self.bo is not None:
+      out = out + self.bo[...]
     return out, key_cache, value_cache
 
 
@@ -284,7 +402,6 @@ class Llama(nnx.Module):
   but XLA then copies each layer's weights out of the stack before its matmuls (a dynamic slice
   is not fused into a dot): at batch 1 that doubled the weight traffic of a decode step, measured
   2x slower on CPU for the MLP weights of SmolLM2. Compile time grows with depth instead.
-  the model is.
 
   Attributes:
     config: the model's `LlamaConfig` (static).
@@ -394,6 +511,61 @@ class Llama(nnx.Module):
       )
     hidden = self.final_norm(x)
     return hidden, dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
+
+  def weight_specs(self) -> list[WeightSpec]:
+    """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).
+
+    PyTorch ``nn.Linear`` weights are ``(out, in)``: they are transposed into this model's
+    ``(in, ...)`` kernels, and the query/key/value/output matrices reshaped per head. Names:
+    ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` (accepted and
+    ignored when the embeddings are tied, as Hugging Face does), and per layer ``i`` under
+    ``model.layers.{i}.``: ``input_layernorm.weight``, ``post_attention_layernorm.weight``,
+    ``self_attn.{q,k,v,o}_proj.weight`` (and ``.bias`` with ``attention_bias`` /
+    ``attention_output_bias``), ``self_attn.{q,k}_norm.weight`` (``qk_norm``), and
+    ``mlp.{gate,up,down}_proj.weight``.
+
+    Returns:
+      The `WeightSpec`s used by the safetensors loader and by `LLM.load_weights`.
+    """
+    cfg = self.config
+    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    specs = [
+      WeightSpec("model.embed_tokens.weight", ("embed",), None, (v, e)),
+      WeightSpec("model.norm.weight", ("final_norm", "scale"), None, (e,)),
+      WeightSpec("lm_head.weight", None if cfg.tie_word_embeddings else ("lm_head",), None, (v, e)),
+    ]
+    # (checkpoint suffix, leaf path under `layers`, checkpoint shape, transposed)
+    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...], bool]] = [
+      ("input_layernorm.weight", ("input_norm", "scale"), (e,), False),
+      ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e), True),
+      ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e), True),
+      ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e), True),
+      ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d), True),
+      ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,), False),
+      ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e), True),
+      ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e), True),
+      ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f), True),
+    ]
+    if cfg.attention_bias:
+      per_layer += [
+        ("self_attn.q_proj.bias", ("attn", "bq"), (h * d,), False),
+        ("self_attn.k_proj.bias", ("attn", "bk"), (k * d,), False),
+        ("self_attn.v_proj.bias", ("attn", "bv"), (k * d,), False),
+      ]
+    if cfg.attention_output_bias:
+      per_layer.append(("self_attn.o_proj.bias", ("attn", "bo"), (e,), False))
+    if cfg.qk_norm:
+      per_layer += [
+        ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,), False),
+        ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,), False),
+      ]
+    for i in range(cfg.num_hidden_layers):
+      specs += [
+        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape, transposed)
+        for suffix, path, shape, transposed in per_layer
+      ]
+    return specs
 
   def compute_logits(self, hidden: jax.Array) -> jax.Array:
     """Projects hidden states onto the vocabulary.

@@ -1,0 +1,81 @@
+"""Model names -> local files: a GGUF file, a Hugging Face directory, or a hub id.
+
+`resolve_model` decides what ``LLM(model)`` was given. A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``)
+goes through `huggingface_hub.snapshot_download`, as transformers resolves it: it downloads the
+files jaxengine reads when the Hub is reachable, and otherwise (``HF_HUB_OFFLINE=1``, no network)
+returns the snapshot already in the local cache (``HF_HUB_CACHE``, or ``download_dir``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+#: What jaxengine reads from a hub repository (configs, tokenizer files, chat templates and the
+#: Hugging Face-format weights; not ``consolidated.safetensors`` copies or other formats).
+HUB_FILES = ["*.json", "model*.safetensors", "*.jinja"]
+#: ``owner/name`` as the Hub spells repository ids.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+  """Where a model's files are.
+
+  Attributes:
+    kind: ``"gguf"`` (a GGUF file) or ``"hf"`` (a Hugging Face model directory).
+    path: the file or directory.
+  """
+
+  kind: str
+  path: str
+
+
+def resolve_model(
+  model: str | os.PathLike, *, revision: str | None = None, download_dir: str | None = None
+) -> ResolvedModel:
+  """Finds a model given as a path or a Hugging Face hub id.
+
+  Args:
+    model: a ``.gguf`` file, a directory with ``config.json``, or a hub id ``owner/name``.
+    revision: the hub branch, tag or commit (default ``main``); ignored for local paths.
+    download_dir: the hub cache to use instead of ``HF_HUB_CACHE``.
+
+  Returns:
+    The `ResolvedModel` (any file is taken for GGUF: the GGUF reader refuses one that is not).
+
+  Raises:
+    FileNotFoundError: no such file or directory and not a hub id; a directory without
+      ``config.json``; a hub id that is neither in the cache nor downloadable (the message names
+      the id and the reason).
+  """
+  path = os.fspath(model)
+  if os.path.isfile(path):  # the GGUF reader names a file that is not GGUF
+    return ResolvedModel("gguf", path)
+  if os.path.isdir(path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+      raise FileNotFoundError(f"the directory {path!r} has no config.json")
+    return ResolvedModel("hf", path)
+  if not _HUB_ID.fullmatch(path) or path.endswith(".gguf"):
+    raise FileNotFoundError(f"no file or directory at {path!r}")
+  return ResolvedModel("hf", download(path, revision=revision, download_dir=download_dir))
+
+
+def download(repo_id: str, *, revision: str | None = None, download_dir: str | None = None) -> str:
+  """The local snapshot directory of a hub repository (`HUB_FILES` only).
+
+  Raises:
+    FileNotFoundError: naming `repo_id` when it is neither cached nor downloadable.
+  """
+  from huggingface_hub import snapshot_download
+
+  try:
+    return snapshot_download(
+      repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES
+    )
+  except Exception as error:  # not found, gated, offline without a cached copy, network down
+    raise FileNotFoundError(
+      f"{repo_id!r} is not a local path, and as a Hugging Face hub id it is neither in the local "
+      f"cache nor downloadable ({type(error).__name__}: {error})"
+    ) from error

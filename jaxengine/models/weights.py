@@ -1,0 +1,315 @@
+"""Named checkpoint tensors <-> the parameter leaves of an NNX model.
+
+A checkpoint names its tensors (``model.layers.3.self_attn.q_proj.weight``) and stores them in
+its own layout (a PyTorch ``nn.Linear`` weight is ``(out, in)``); an NNX model holds differently
+shaped leaves (an ``[E, H, D]`` query kernel; a model that scans over layers stacks them as
+``[L, ...]``). A `WeightSpec` links one named tensor to the leaf, or the layer of a stacked leaf,
+it fills. A model lists its specs with an
+optional `weight_specs()` method (`jaxengine.models.Llama` names its parameters as Hugging Face
+checkpoints do); any other model gets `default_weight_specs`: one spec per leaf, named by its
+dotted NNX path (``"layers.0.attn.wq"``), taken whole.
+
+The same specs serve the safetensors loader and `ModelRunner.load_weights`, so a name means the
+same thing in both places. This module also holds the host-side checks and the assembly of new
+leaves that `load_weights` runs; it imports nothing from the rest of jaxengine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+#: Path of a leaf in an `nnx.State`, e.g. ``("layers", 0, "attn", "wq")``.
+LeafPath = tuple[str | int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+  """One named checkpoint tensor and the parameter leaf it fills.
+
+  Attributes:
+    name: the tensor's name in the checkpoint (``"model.layers.0.mlp.up_proj.weight"``).
+    path: the leaf in ``nnx.state(model)`` (``("layers", 0, "mlp", "w_up")``), or None for a tensor
+      that is accepted and ignored (the output projection of a model with tied embeddings).
+    layer: index along the leaf's leading stacked-layer axis the tensor fills, or None when the
+      tensor is the whole leaf.
+    shape: the tensor's shape in the checkpoint.
+    transpose: the checkpoint stores the transpose of the (reshaped) parameter: a 2-D
+      ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape.
+  """
+
+  name: str
+  path: LeafPath | None
+  layer: int | None
+  shape: tuple[int, ...]
+  transpose: bool = False
+
+  def to_param(self, tensor, param_shape: tuple[int, ...]):
+    """The checkpoint tensor in the parameter's layout (NumPy stays NumPy, JAX stays JAX).
+
+    Args:
+      tensor: NumPy or JAX array of shape `shape`.
+      param_shape: shape of the leaf (without its layer axis when `layer` is set).
+
+    Returns:
+      The same values, shape `param_shape`, in the input's dtype.
+    """
+    if self.transpose:
+      tensor = tensor.T
+    return tensor.reshape(param_shape)
+
+  def from_param(self, value):
+    """The inverse of `to_param`: a parameter (one layer's slice) in the checkpoint's layout."""
+    if self.transpose:
+      return value.reshape(self.shape[::-1]).T
+    return value.reshape(self.shape)
+
+
+def leaf_path(key_path) -> LeafPath:
+  """A JAX key path into an `nnx.State` as a plain tuple (the trailing ``.value`` dropped)."""
+  parts = []
+  for key in key_path:
+    if isinstance(key, jax.tree_util.DictKey):
+      parts.append(key.key)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(key.idx)
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      if key.name != "value":
+        parts.append(key.name)
+    else:  # FlattenedIndexKey and friends
+      parts.append(str(key))
+  return tuple(parts)
+
+
+def state_leaves(state: nnx.State) -> dict[LeafPath, Any]:
+  """Every leaf of `state` (arrays, or shape structs of an abstract state) by `leaf_path`."""
+  return {leaf_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def replace_leaves(state: nnx.State, new: Mapping[LeafPath, Any]) -> nnx.State:
+  """A new `nnx.State` like `state` with the leaves at the paths of `new` replaced.
+
+  `state` itself is left as it was (its variables are not mutated).
+  """
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  leaves = [new.get(leaf_path(p), leaf) for p, leaf in paths_and_leaves]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def dotted(path: LeafPath) -> str:
+  """``("layers", 0, "attn", "wq")`` -> ``"layers.0.attn.wq"``."""
+  return ".".join(str(p) for p in path)
+
+
+def default_weight_specs(state: nnx.State) -> list[WeightSpec]:
+  """One spec per leaf of `state`, named by its dotted path and taken whole, unchanged."""
+  return [
+    WeightSpec(dotted(path), path, None, tuple(leaf.shape))
+    for path, leaf in state_leaves(state).items()
+  ]
+
+
+def model_weight_specs(model: Any, state: nnx.State) -> list[WeightSpec]:
+  """The model's own `weight_specs()` when it has one, else `default_weight_specs(state)`.
+
+  Every spec is checked against `state`: its leaf exists, its layer index lies inside the leaf's
+  leading axis, and its tensor holds as many numbers as the leaf (or layer slice) it fills.
+
+  Raises:
+    ValueError: a duplicate name or a spec that does not fit `state` (a bug in the model's
+      `weight_specs`), naming the spec.
+  """
+  specs = list(model.weight_specs()) if hasattr(model, "weight_specs") else None
+  if specs is None:
+    return default_weight_specs(state)
+  leaves = state_leaves(state)
+  seen = set()
+  for spec in specs:
+    if spec.name in seen:
+      raise ValueError(f"weight_specs names {spec.name!r} twice")
+    seen.add(spec.name)
+    if spec.path is None:
+      continue
+    if spec.path not in leaves:
+      raise ValueError(f"weight spec {spec.name!r}: the model has no leaf {dotted(spec.path)!r}")
+    shape = _param_shape(leaves[spec.path], spec)
+    if shape is None or math.prod(shape) != math.prod(spec.shape):
+      raise ValueError(
+        f"weight spec {spec.name!r} ({spec.shape}) does not fit leaf {dotted(spec.path)!r} "
+        f"{tuple(leaves[spec.path].shape)} at layer {spec.layer}"
+      )
+  return specs
+
+
+def _param_shape(leaf, spec: WeightSpec) -> tuple[int, ...] | None:
+  """Shape the spec's tensor takes in the leaf (None if the layer index is out of range)."""
+  shape = tuple(leaf.shape)
+  if spec.layer is None:
+    return shape
+  if not shape or not 0 <= spec.layer < shape[0]:
+    return None
+  return shape[1:]
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _check_tensor(name: str, tensor, shape: tuple[int, ...], leaf_dtype) -> None:
+  """ValueError naming `name` unless `tensor` is an array of `shape` with an acceptable dtype."""
+  if not _is_array(tensor):
+    raise ValueError(f"{name}: expected a NumPy or JAX array, got {type(tensor).__name__}")
+  if tuple(tensor.shape) != tuple(shape):
+    raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
+  if jnp.issubdtype(leaf_dtype, jnp.floating):
+    if not jnp.issubdtype(tensor.dtype, jnp.floating):
+      raise ValueError(f"{name}: expected a floating-point array, got dtype {tensor.dtype}")
+  elif tensor.dtype != leaf_dtype:
+    raise ValueError(f"{name}: expected dtype {leaf_dtype}, got {tensor.dtype}")
+
+
+#: Tensors of one leaf to write: `{layer (None: the whole leaf): (spec, tensor)}`.
+LeafParts = dict[int | None, tuple[WeightSpec, Any]]
+
+
+def collect_named_weights(
+  weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+  specs: Mapping[str, WeightSpec],
+  leaves: Mapping[LeafPath, Any],
+) -> dict[LeafPath, LeafParts]:
+  """Checks named tensors against the specs and groups them by the leaf they fill (host only).
+
+  Args:
+    weights: ``{name: array}`` or ``(name, array)`` pairs; NumPy or JAX arrays in the
+      checkpoint's layout, any floating dtype for floating leaves.
+    specs: the model's specs by name.
+    leaves: the model's current leaves by path (for dtypes and stacked shapes).
+
+  Returns:
+    ``{leaf path: {layer or None: (spec, array)}}``; ignored names (spec path None) dropped.
+
+  Raises:
+    ValueError: naming the first unknown or repeated name, or the first tensor whose type,
+      shape or dtype is wrong. Nothing is converted or moved before every tensor is checked.
+  """
+  items = weights.items() if isinstance(weights, Mapping) else weights
+  grouped: dict[LeafPath, LeafParts] = {}
+  seen: set[str] = set()
+  for item in items:
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+      raise ValueError(f"weights must be (name, array) pairs or a mapping, got an item {item!r}")
+    name: str = item[0]
+    tensor = item[1]
+    spec = specs.get(name)
+    if spec is None:
+      close = [n for n in specs if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
+      hint = f" (names look like {close})" if close else ""
+      raise ValueError(f"unknown weight name {name!r}{hint}")
+    if name in seen:
+      raise ValueError(f"weight {name!r} is given twice")
+    seen.add(name)
+    leaf = None if spec.path is None else leaves[spec.path]
+    _check_tensor(name, tensor, spec.shape, jnp.float32 if leaf is None else leaf.dtype)
+    if spec.path is not None:
+      grouped.setdefault(spec.path, {})[spec.layer] = (spec, tensor)
+  return grouped
+
+
+def collect_state(state: Any, leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, Any]:
+  """Checks a whole state of the model's own structure leaf by leaf (host only).
+
+  Args:
+    state: an `nnx.State` (``nnx.state(module)``), an NNX module, or its pure dict
+      (``nnx.to_pure_dict``), with exactly the leaves of the model.
+    leaves: the model's current leaves by path.
+
+  Returns:
+    ``{leaf path: array}`` for every leaf.
+
+  Raises:
+    ValueError: naming the first missing or extra leaf, or one whose type, shape or dtype is
+      wrong.
+  """
+  if isinstance(state, nnx.Module):
+    state = nnx.state(state)
+  given = state_leaves(state)
+  for path in leaves:
+    if path not in given:
+      raise ValueError(f"the state has no leaf {dotted(path)!r}")
+  for path, tensor in given.items():
+    if path not in leaves:
+      raise ValueError(f"the state has a leaf {dotted(path)!r} the model does not")
+    _check_tensor(dotted(path), tensor, tuple(leaves[path].shape), leaves[path].dtype)
+  return given
+
+
+def assemble_leaf(old: jax.Array, parts: LeafParts) -> jax.Array:
+  """The new value of one leaf from checked checkpoint tensors (see `collect_named_weights`).
+
+  NumPy tensors are converted on the host (so a full set of them compiles nothing); JAX arrays
+  stay on their devices. The result has `old`'s shape, dtype and sharding. Layers not in `parts`
+  keep `old`'s values.
+
+  Args:
+    old: the leaf now, ``[L, ...]`` when stacked.
+    parts: ``{layer or None: (spec, tensor)}`` for this leaf.
+
+  Returns:
+    The new leaf, placed as `old` is (see `put`).
+  """
+  dtype = old.dtype
+  if None in parts:
+    spec, tensor = parts[None]
+    return put(spec.to_param(tensor, old.shape).astype(dtype), old)
+  layers = sorted(i for i in parts if i is not None)
+  values = [parts[i][0].to_param(parts[i][1], old.shape[1:]).astype(dtype) for i in layers]
+  if layers == list(range(old.shape[0])):
+    on_host = all(isinstance(v, np.ndarray) for v in values)
+    return put(np.stack(values) if on_host else jnp.stack(values), old)
+  return put(old.at[np.asarray(layers)].set(jnp.stack(values)), old)
+
+
+def put(value, like: jax.Array) -> jax.Array:
+  """`value` in `like`'s dtype, placed as `like` is (no copy when it already is).
+
+  A leaf committed to a sharding (an engine on a mesh) gets `value` moved to that sharding. An
+  uncommitted leaf (one device, the default) gets an uncommitted array: NumPy is copied to the
+  default device and an uncommitted JAX array is used as it is, so the executables see the same
+  argument signature as before (JAX caches committed and uncommitted arguments apart). A JAX
+  array committed to a device (`jax.device_put(x, device)`) stays committed and makes the steps
+  compile once more, as any jitted function does when its arguments' placement changes.
+  """
+  if value.dtype != like.dtype:
+    value = value.astype(like.dtype)
+  if like.committed or (isinstance(value, jax.Array) and value.committed):
+    return jax.device_put(value, like.sharding)
+  return jnp.asarray(value)
+
+
+def named_weights(model: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
+  """The model's parameters as ``(checkpoint name, array)`` pairs in the checkpoint layout.
+
+  The inverse of loading: `LLM.load_weights(named_weights(module))` puts a module's weights into
+  an engine serving the same architecture (names from the module's `weight_specs`, or its dotted
+  NNX paths). Arrays stay on their devices; transposed tensors are new arrays.
+
+  Args:
+    model: an NNX module (e.g. `jaxengine.models.Llama`).
+
+  Yields:
+    ``(name, array)`` with ``array.shape == spec.shape`` in the parameter's dtype.
+  """
+  state = nnx.state(model)
+  leaves = state_leaves(state)
+  for spec in model_weight_specs(model, state):
+    if spec.path is None:
+      continue
+    leaf = leaves[spec.path]
+    yield spec.name, spec.from_param(leaf if spec.layer is None else leaf[spec.layer])
