@@ -16,6 +16,8 @@ from jaxengine.params import validate_logprobs_mode
 
 #: Candidate budget of the sorting-free top-k / top-p path (see `jaxengine.sample.filters`).
 DEFAULT_NUM_TOPK_CANDIDATES = 64
+#: Larger budgets for rows whose top_k exceeds it (see `jaxengine.sample.budgets`).
+DEFAULT_DEEP_CANDIDATE_BUDGETS = (256, 1024)
 
 
 def _is_positive_int(value) -> bool:
@@ -41,8 +43,14 @@ class BatchConfig:
     max_num_logit_bias: capacity of a request's logit_bias entries.
     max_num_bad_words: capacity of a request's bad_words_token_ids sequences.
     max_bad_word_len: longest banned sequence, in tokens.
-    num_topk_candidates: `C`, per-row candidate budget of the sorting-free top-k / top-p path;
-      deeper cuts use exact but slower methods. At most `V` in effect (see `num_candidates`).
+    num_topk_candidates: `C`, per-row candidate budget of the sorting-free top-k / top-p path
+      (the shallow list, computed whenever some row filters). At most `V` in effect (see
+      `num_candidates`).
+    deep_candidate_budgets: larger budgets for rows whose top_k exceeds `num_topk_candidates`:
+      such a row reads its cut off the smallest budget that holds its top_k, and a step pays for
+      the largest budget its rows need (`candidate_budgets` has the budgets in effect). A top_k
+      beyond all of them is found by an exact bisection over the row (about 32 masked passes).
+      `()` turns the deep lists off.
 
   Raises:
     ValueError: naming the field and value, for a capacity that is not a positive int (bools
@@ -59,10 +67,11 @@ class BatchConfig:
   max_num_bad_words: int = 32
   max_bad_word_len: int = 16
   num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES
+  deep_candidate_budgets: tuple[int, ...] = DEFAULT_DEEP_CANDIDATE_BUDGETS
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      if field.name in ("max_num_logprobs", "logprobs_mode"):
+      if field.name in ("max_num_logprobs", "logprobs_mode", "deep_candidate_budgets"):
         continue
       value = getattr(self, field.name)
       if not _is_positive_int(value):
@@ -73,6 +82,12 @@ class BatchConfig:
       raise ValueError(f"max_num_logprobs must be >= 0 or -1 (whole vocabulary), got {logprobs!r}")
     object.__setattr__(self, "max_num_logprobs", int(logprobs))
     validate_logprobs_mode(self.logprobs_mode)
+    budgets = self.deep_candidate_budgets
+    if isinstance(budgets, (str, bytes)) or not isinstance(budgets, (tuple, list)):
+      raise ValueError(f"deep_candidate_budgets must be a tuple of positive ints, got {budgets!r}")
+    if not all(_is_positive_int(budget) for budget in budgets):
+      raise ValueError(f"deep_candidate_budgets must be a tuple of positive ints, got {budgets!r}")
+    object.__setattr__(self, "deep_candidate_budgets", tuple(int(b) for b in budgets))
 
   @property
   def num_top_logprobs(self) -> int:
@@ -86,6 +101,14 @@ class BatchConfig:
   def num_candidates(self) -> int:
     """`C`, the candidate budget in effect: `num_topk_candidates`, at most `V`."""
     return min(self.num_topk_candidates, self.vocab_size)
+
+  @property
+  def candidate_budgets(self) -> tuple[int, ...]:
+    """The budgets in effect, ascending: `num_candidates`, then each deep budget above it (each
+    at most `V`, duplicates dropped). A row's candidate level indexes this tuple."""
+    shallow = self.num_candidates
+    deep = {min(budget, self.vocab_size) for budget in self.deep_candidate_budgets}
+    return (shallow, *sorted(budget for budget in deep if budget > shallow))
 
   def replace(self, **changes) -> BatchConfig:
     """A copy with `changes` applied (validated again)."""

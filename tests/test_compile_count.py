@@ -4,6 +4,7 @@ compile nothing, whatever the mix of per-request parameters (design.md §1, §3;
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from batch_utils import MML, R, V, make_batch
 
 import jaxengine as je
@@ -48,9 +49,14 @@ def _add_random(b, rng, rid):
   return b.add_request(rid, prompt, _random_params(rng), output_token_ids=outputs)
 
 
-def test_steady_state_compiles_nothing(compile_counter):
+@pytest.mark.parametrize(
+  "budgets",
+  [{}, dict(num_topk_candidates=3, deep_candidate_budgets=(7, 13))],
+  ids=["default budgets", "small budgets: every candidate level and the bisection"],
+)
+def test_steady_state_compiles_nothing(compile_counter, budgets):
   rng = np.random.default_rng(0)
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20, **budgets)
   serial = 0
 
   def add():

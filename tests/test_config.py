@@ -101,3 +101,31 @@ def test_a_row_update_and_the_derived_fields_cover_every_state_field():
   row_fields = {f.name for f in dataclasses.fields(RowUpdate)}
   state_fields = {f.name for f in dataclasses.fields(BatchState)} - {"config"}
   assert row_fields - key_inputs | derived == state_fields
+
+
+def test_candidate_budgets_in_effect():
+  config = je.BatchConfig(max_num_reqs=4, max_model_len=16, vocab_size=49152)
+  assert config.candidate_budgets == (64, 256, 1024)
+  assert config.replace(vocab_size=300).candidate_budgets == (64, 256, 300)
+  assert config.replace(vocab_size=40).candidate_budgets == (40,)
+  assert config.replace(deep_candidate_budgets=[2048, 16, 64, 512]).candidate_budgets == (
+    64,
+    512,
+    2048,
+  )
+  assert config.replace(deep_candidate_budgets=()).candidate_budgets == (64,)
+  for bad in (5, "256", (0,), (True,), (1.5,)):
+    with pytest.raises(ValueError, match="deep_candidate_budgets"):
+      config.replace(deep_candidate_budgets=bad)
+
+
+def test_each_row_reads_the_smallest_budget_holding_its_top_k():
+  batch = je.InputBatch(8, 16, 100, num_topk_candidates=4, deep_candidate_budgets=(10, 30))
+  for i, top_k in enumerate([0, 4, 5, 10, 11, 30, 31, 99]):
+    batch.add_request(f"r{i}", [1], je.SamplingParams(top_k=top_k))
+  md = batch.sampling_metadata
+  assert np.asarray(md.candidate_level).tolist() == [0, 0, 1, 1, 2, 2, 0, 0]
+  assert int(md.max_candidate_level) == 2 and bool(md.any_top_k_beyond_candidates)
+  batch.remove_request("r6")
+  batch.remove_request("r7")
+  assert not bool(batch.sampling_metadata.any_top_k_beyond_candidates)

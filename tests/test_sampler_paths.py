@@ -1,10 +1,11 @@
 """The sorting-free top-k / top-p paths agree with each other and with exact probabilities.
 
-The sampler resolves top-k and top-p from a static budget of `lax.top_k` candidates and falls back
-to exact methods when a row's cut lies deeper: bisection over the float bit pattern for the
-threshold (processed logprobs modes, top-k beyond the budget) and a rejection draw for top-p.
-With small vocabularies the default budget covers everything, so these tests shrink the budget
-(`num_topk_candidates`) to force every path.
+The sampler resolves top-k and top-p from a static budget of candidates (the shallow list), reads
+deeper top-k cuts off larger lists (the deep budgets, one list per step chosen by `lax.switch`),
+and falls back to exact methods beyond them: bisection over the float bit pattern for the
+threshold (processed logprobs modes, top-k beyond every budget) and a rejection draw for top-p.
+With small vocabularies the default budgets cover everything, so these tests shrink the budgets
+(`num_topk_candidates`, `deep_candidate_budgets`) to force every path.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ V = 48
 R = 16
 
 
-def _batch(num_topk_candidates: int, mode: str = "processed_logprobs") -> je.InputBatch:
+def _batch(num_topk_candidates: int, mode: str = "processed_logprobs", deep=()) -> je.InputBatch:
   return je.InputBatch(
-    R, 64, V, max_num_logprobs=-1, logprobs_mode=mode, num_topk_candidates=num_topk_candidates
+    R,
+    64,
+    V,
+    max_num_logprobs=-1,
+    logprobs_mode=mode,
+    num_topk_candidates=num_topk_candidates,
+    deep_candidate_budgets=deep,
   )
 
 
@@ -45,15 +52,17 @@ def _params(rng: np.random.Generator) -> je.SamplingParams:
   )
 
 
-@pytest.mark.parametrize("num_topk_candidates", [1, 2, 5])
-def test_small_candidate_budget_gives_the_same_processed_rows(num_topk_candidates):
-  rng = np.random.default_rng(num_topk_candidates)
+@pytest.mark.parametrize(
+  "num_topk_candidates, deep", [(1, ()), (2, ()), (5, ()), (1, (3, 9)), (2, (4, 21, 30))]
+)
+def test_small_candidate_budget_gives_the_same_processed_rows(num_topk_candidates, deep):
+  rng = np.random.default_rng(num_topk_candidates + len(deep))
   # Few distinct values: ties at the top-k and top-p cuts are common.
   logits = rng.choice(np.linspace(-3, 3, 9), size=(R, V)).astype(np.float32)
   params = [_params(rng) for _ in range(R)]
   outputs = []
-  for budget in (num_topk_candidates, V):
-    batch = _batch(budget)
+  for budget, deep_budgets in ((num_topk_candidates, deep), (V, ())):
+    batch = _batch(budget, deep=deep_budgets)
     for i, p in enumerate(params):
       batch.add_request(f"r{i}", [1, 2], p)
     outputs.append(batch.sample(logits))
@@ -101,6 +110,42 @@ def test_rejection_top_p_draw_matches_exact_probabilities():
   )
 
 
+@pytest.mark.parametrize("top_k, top_p", [(7, 1.0), (11, 0.7), (20, 0.95)])
+def test_deep_list_draw_matches_exact_probabilities(top_k, top_p):
+  """A 2-token shallow list and deep lists of 8 and 24: the rows draw from a deep list."""
+  row_logits = np.random.default_rng(top_k).normal(size=V).astype(np.float32)
+  row_logits[[3, 9, 30]] = row_logits[5]  # ties
+  _assert_draws_match_exact(
+    row_logits,
+    je.SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p),
+    rows=256,
+    steps=12,
+    num_topk_candidates=2,
+    deep_candidate_budgets=(8, 24),
+  )
+
+
+@pytest.mark.parametrize("top_k", [3, 6, 15])
+def test_deep_list_rows_are_batch_invariant(top_k):
+  """A seeded row reads its own budget's list whichever deep list its neighbours make the step
+  build (or none): the lists are nested, ties included."""
+  params = je.SamplingParams(temperature=1.0, top_k=top_k, top_p=0.9, seed=77)
+  rng = np.random.default_rng(top_k)
+  # Few distinct values: many ties inside and at the edge of every list.
+  steps = [rng.choice(np.linspace(-1, 1, 5), size=(8, V)).astype(np.float32) for _ in range(12)]
+
+  def stream(neighbour_top_k):
+    batch = je.InputBatch(8, 32, V, num_topk_candidates=2, deep_candidate_budgets=(4, 8, 20))
+    batch.add_request("seeded", [0], params)
+    for i in range(5):
+      neighbour = je.SamplingParams(temperature=0.7, top_k=neighbour_top_k)
+      batch.add_request(f"n{i}", [0], neighbour)
+    return [int(batch.sample(logits).sampled_token_ids[0]) for logits in steps]
+
+  levels = {k: stream(k) for k in (0, 2, 4, 8, 20, 40)}  # none, shallow, each list, beyond
+  assert all(tokens == levels[0] for tokens in levels.values()), levels
+
+
 def test_rejection_draw_is_batch_invariant():
   params = je.SamplingParams(temperature=1.0, top_p=0.9, seed=123)
   rng = np.random.default_rng(3)
@@ -124,10 +169,12 @@ def test_rejection_draw_is_batch_invariant():
   assert stream(0, 0) == stream(5, 8) == stream(3, 4)
 
 
-def test_top_k_beyond_the_budget_is_exact():
+@pytest.mark.parametrize("deep", [(), (6, 16), (5, 9, 13, 30, 46)])
+def test_top_k_beyond_the_budget_is_exact(deep):
+  """Ties at every cut; the cut is read off a deep list where one holds it, else bisected."""
   rng = np.random.default_rng(11)
   logits = rng.choice(np.linspace(-2, 2, 7), size=(R, V)).astype(np.float32)
-  batch = _batch(4, mode="processed_logits")
+  batch = _batch(4, mode="processed_logits", deep=deep)
   ks = [5, 6, 9, 13, 20, 30, 47, 1, 2, 3, 4, 8, 10, 16, 24, 40]
   for i, k in enumerate(ks):
     batch.add_request(f"r{i}", [1], je.SamplingParams(top_k=k, logprobs=-1))

@@ -120,10 +120,9 @@ def _add(b, rid, prompt, kw, outputs):
     raise
 
 
-def _build(case, mode):
-
+def _build(case, mode, **batch_kwargs):
   vs = case.vocab_size
-  b = make_batch(logprobs_mode=mode, vocab_size=vs, eos_token_ids=(vs - 1,))
+  b = make_batch(logprobs_mode=mode, vocab_size=vs, eos_token_ids=(vs - 1,), **batch_kwargs)
   live = {}
   it_first, it_junk = iter(case.first), iter(case.junk)
   junk_ids = []
@@ -148,8 +147,8 @@ def _build(case, mode):
   return b, live
 
 
-def _run_case(case, mode):
-  b, live = _build(case, mode)
+def _run_case(case, mode, **batch_kwargs):
+  b, live = _build(case, mode, **batch_kwargs)
   vs = case.vocab_size
   rng = np.random.default_rng(case.logit_seed)
   for step in range(2):
@@ -202,8 +201,9 @@ def test_raw_mode_tokens_respect_reference(case):
   _run_case(case, "raw_logprobs")
 
 
-# A vocabulary wider than the sampler's default top-k candidate budget (64), so that deep top-k /
-# top-p cuts (flat discrete logits, large k, p near 1) also go through the exact fallback path.
+# A vocabulary wider than the sampler's default top-k candidate budget (64), so that deep top-k
+# cuts (flat discrete logits, large k) go through the deep list (the default deep budgets clip to
+# V = 160) and deep top-p cuts (p near 1) through the rejection draw.
 V_WIDE = 160
 
 
@@ -211,6 +211,23 @@ V_WIDE = 160
 @given(case=batch_case(V_WIDE))
 def test_processed_logprobs_match_reference_wide_vocab(case):
   _run_case(case, "processed_logprobs")
+
+
+# Small budgets over the standard vocabulary: the shallow list (3), two deep lists (7 and 13) and,
+# beyond them, the bisection; top-p nuclei deeper than 3 candidates are drawn by rejection.
+SMALL_BUDGETS = dict(num_topk_candidates=3, deep_candidate_budgets=(7, 13))
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(case=batch_case())
+def test_processed_logprobs_match_reference_with_small_candidate_budgets(case):
+  _run_case(case, "processed_logprobs", **SMALL_BUDGETS)
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(case=batch_case())
+def test_raw_mode_tokens_respect_reference_with_small_candidate_budgets(case):
+  _run_case(case, "raw_logprobs", **SMALL_BUDGETS)
 
 
 def test_raw_logprobs_are_log_softmax_of_input():

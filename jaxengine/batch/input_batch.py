@@ -27,7 +27,11 @@ import numpy as np
 
 from jaxengine.batch.host_output import HostSamplerOutput, to_host
 from jaxengine.batch.rows import encode_request, eos_tuple, resolve_num_logprobs
-from jaxengine.config import DEFAULT_NUM_TOPK_CANDIDATES, BatchConfig
+from jaxengine.config import (
+  DEFAULT_DEEP_CANDIDATE_BUDGETS,
+  DEFAULT_NUM_TOPK_CANDIDATES,
+  BatchConfig,
+)
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.sample import (
   MOVE_CHUNK,
@@ -47,8 +51,8 @@ class InputBatch:
   Args:
     max_num_reqs, max_model_len, vocab_size, max_num_logprobs, logprobs_mode,
     max_num_stop_token_ids, max_num_logit_bias, max_num_bad_words, max_bad_word_len,
-    num_topk_candidates: the `BatchConfig` fields (see there); `InputBatch.from_config` takes a
-      built config instead.
+    num_topk_candidates, deep_candidate_budgets: the `BatchConfig` fields (see there);
+      `InputBatch.from_config` takes a built config instead.
     eos_token_ids: EOS ids added to every request's min_tokens stop set (as vLLM's engine does,
       even with `ignore_eos`).
     seed: seed of the batch key from which unseeded requests' keys are derived.
@@ -78,6 +82,7 @@ class InputBatch:
     max_num_bad_words: int = 32,
     max_bad_word_len: int = 16,
     num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES,
+    deep_candidate_budgets: Sequence[int] = DEFAULT_DEEP_CANDIDATE_BUDGETS,
     seed: int = 0,
   ):
     config = BatchConfig(
@@ -91,6 +96,7 @@ class InputBatch:
       max_num_bad_words=max_num_bad_words,
       max_bad_word_len=max_bad_word_len,
       num_topk_candidates=num_topk_candidates,
+      deep_candidate_budgets=deep_candidate_budgets,
     )
     self._init(config, eos_token_ids, seed)
 

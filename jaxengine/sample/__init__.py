@@ -8,6 +8,7 @@ Modules, in pipeline order (each imports only the ones above it):
   thresholds.py   exact bisection thresholds: kth_largest, top_p_threshold
   filters.py      stages 9-11: min-p / top-k / top-p cuts from candidates (Candidates, Cut)
   draw.py         stage 12: inverse-CDF draws from candidates or the vocabulary, top-p rejection
+  budgets.py      which candidate list each row reads: the shallow list, or a deep one by lax.switch
   logprobs.py     stage 13: LogprobsTensors, gather_logprobs
   step.py         the pipeline: sample (unjitted), sample_step (jitted), SamplerOutput
 

@@ -4,7 +4,8 @@ Each filter keeps the tokens whose temperature-scaled logit `y = x / T` is at or
 threshold, so the three combine into one threshold. Top-k and top-p are read off the `C` largest
 values of each row (`blocked_top_k`, a static budget), never from a sort of the vocabulary:
 
-- top-k with `k <= C` is the k-th candidate; deeper, an exact bisection (`kth_largest`) finds it;
+- top-k with `k <= C` is the k-th candidate; a deeper one is read off a deep list
+  (`jaxengine.sample.budgets`), and beyond every budget an exact bisection (`kth_largest`) finds it;
 - top-p is resolved from the candidates when they hold the kept mass; rows whose nucleus lies
   beyond them are reported unresolved (the draw samples them exactly by rejection, or the
   processed_* logprobs modes find the cut by bisection).
@@ -66,16 +67,21 @@ class Cut:
   top_p_unresolved: jax.Array
 
 
+def scale_candidates(top_logits, ids, md: SamplingMetadata) -> Candidates:
+  """`Candidates` from the top processed logits `[R, C]` (descending) and their ids `[R, C]`:
+  the values scaled by `1 / T` (which keeps their order)."""
+  return Candidates(values=top_logits * inverse_temperature(md)[:, None], ids=ids)
+
+
 def find_candidates(x: jax.Array, md: SamplingMetadata, num_candidates: int) -> Candidates:
-  """The top `num_candidates` of each row of `y = x / T`.
+  """The top `num_candidates` of each row of `y = x / T` (`blocked_top_k`: the shallow list).
 
   Args:
     x: `[R, V] float32` processed logits.
     md: the metadata (temperatures).
     num_candidates: static `C`.
   """
-  top_logits, ids = blocked_top_k(x, num_candidates)  # [R, C]; same order as y = x * (1 / T)
-  return Candidates(values=top_logits * inverse_temperature(md)[:, None], ids=ids)
+  return scale_candidates(*blocked_top_k(x, num_candidates), md)
 
 
 def _num_outside(x, md: SamplingMetadata, candidates: Candidates, threshold) -> jax.Array:

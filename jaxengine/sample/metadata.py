@@ -36,9 +36,14 @@ class SamplingMetadata:
     presence_penalty: `[R] float32`, 0 for free rows.
     frequency_penalty: `[R] float32`, 0 for free rows.
     repetition_penalty: `[R] float32`, 1 for free rows.
-    any_greedy, any_random, any_top_k, any_top_k_beyond_candidates, any_top_p, any_min_p,
-    any_penalties, any_logit_bias, any_allowed_token_ids, any_bad_words, any_min_tokens,
-    any_logprobs: `[] bool` whether some live row uses the feature.
+    candidate_level: `[R] int32` which candidate list a row's top-k is read from: `l >= 1` for
+      the deep budget `config.candidate_budgets[l]` (the smallest holding its top_k), 0 for the
+      shallow list, no top-k, or a top_k beyond every budget (found by bisection).
+    max_candidate_level: `[] int32` the largest `candidate_level`: the deep list a step builds.
+    any_greedy, any_random, any_top_k, any_top_p, any_min_p, any_penalties, any_logit_bias,
+    any_allowed_token_ids, any_bad_words, any_min_tokens, any_logprobs: `[] bool` whether some
+    live row uses the feature.
+    any_top_k_beyond_candidates: `[] bool` whether some live row's top_k exceeds every budget.
   """
 
   is_live: jax.Array
@@ -50,6 +55,8 @@ class SamplingMetadata:
   presence_penalty: jax.Array
   frequency_penalty: jax.Array
   repetition_penalty: jax.Array
+  candidate_level: jax.Array
+  max_candidate_level: jax.Array
   any_greedy: jax.Array
   any_random: jax.Array
   any_top_k: jax.Array
@@ -71,6 +78,19 @@ def inverse_temperature(md: SamplingMetadata) -> jax.Array:
   identically wherever it is recomputed (XLA would rewrite `x / T` so anyway).
   """
   return 1.0 / md.temperature
+
+
+def candidate_level(top_k: jax.Array, budgets: tuple[int, ...], vocab_size: int) -> jax.Array:
+  """`[R] int32` each row's candidate level (see `SamplingMetadata.candidate_level`).
+
+  Args:
+    top_k: `[R] int32` effective top_k (`V` when disabled).
+    budgets: static `BatchConfig.candidate_budgets`.
+    vocab_size: static `V`.
+  """
+  deep = (top_k < vocab_size) & (top_k > budgets[0]) & (top_k <= budgets[-1])
+  level = sum((top_k > budget).astype(jnp.int32) for budget in budgets[:-1])
+  return jnp.where(deep, level, 0).astype(jnp.int32)
 
 
 @jax.jit
@@ -96,6 +116,8 @@ def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
   has_bias = (state.logit_bias_token_ids < V).any(axis=1)
   has_bad_words = (state.bad_words_last < V).any(axis=1)
   has_min_tokens = (state.min_tokens > 0) & (state.stop_token_ids < V).any(axis=1)
+  budgets = state.config.candidate_budgets
+  level = candidate_level(top_k, budgets, V)
   return SamplingMetadata(
     is_live=is_live,
     is_greedy=is_greedy,
@@ -106,10 +128,12 @@ def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
     presence_penalty=presence,
     frequency_penalty=frequency,
     repetition_penalty=repetition,
+    candidate_level=level,
+    max_candidate_level=level.max(),
     any_greedy=is_greedy.any(),
     any_random=is_random.any(),
     any_top_k=(top_k < V).any(),
-    any_top_k_beyond_candidates=((top_k < V) & (top_k > state.config.num_candidates)).any(),
+    any_top_k_beyond_candidates=((top_k < V) & (top_k > budgets[-1])).any(),
     any_top_p=(top_p < 1.0).any(),
     any_min_p=(min_p > 0.0).any(),
     any_penalties=((presence != 0) | (frequency != 0) | (repetition != 1)).any(),

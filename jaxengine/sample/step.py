@@ -13,7 +13,7 @@
   8. temperature (greedy rows divide by 1);
   9. min_p, 10. top-k, 11. top-p: each keeps the tokens at or above a per-row threshold, so the
      three combine into one threshold; masked tokens are -inf in the processed_* logprobs;
-                                                                   (filters.py, thresholds.py)
+                                                       (budgets.py, filters.py, thresholds.py)
   12. random draw: inverse CDF of the kept distribution with one uniform per row, drawn from
      `fold_in(request_key, num_output_tokens)` (a top-p rejection retry `a` draws from
      `fold_in(that key, a)`);                                                   (draw.py)
@@ -27,13 +27,14 @@ for what its rows use. No branch returns a `[R, V]` array (an untaken branch wou
 
 No full-vocabulary sort. Top-k and top-p come from `C` candidates per row (a static budget,
 `BatchConfig.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
-top-k cut deeper than the budget is found exactly by a 32-step bisection over the float32 bit
-pattern (each step one masked reduction), as the TPU samplers do. A top-p nucleus deeper than the
-budget is sampled exactly by rejection: draw from the distribution kept so far and accept when
-the mass strictly above the token is below top_p (bisection again only for rows that keep
-refusing, and for the processed_* logprobs modes, which need the cut itself). The draw needs one
-exponential pass over the vocabulary (blocked inverse CDF) or, when the kept set lies inside the
-candidates, none.
+top-k deeper than that is read off a deep list (`BatchConfig.deep_candidate_budgets`, 256 and 1024
+by default; one `lax.top_k` list per step, for the deepest row: budgets.py), and one deeper than
+every budget is found exactly by a 32-step bisection over the float32 bit pattern (each step one
+masked reduction), as the TPU samplers do. A top-p nucleus deeper than the shallow list is sampled
+exactly by rejection: draw from the distribution kept so far and accept when the mass strictly
+above the token is below top_p (bisection again only for rows that keep refusing, and for the
+processed_* logprobs modes, which need the cut itself). The draw needs one exponential pass over
+the vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxengine.sample.blocked import blocked_argmax
-from jaxengine.sample.draw import draw_from_candidates, draw_from_vocab
-from jaxengine.sample.filters import Cut, cut_with_candidates, find_candidates
+from jaxengine.sample.budgets import cut_and_draw
+from jaxengine.sample.draw import draw_from_vocab
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs, logprobs_scores
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
 from jaxengine.sample.processors import (
@@ -91,14 +92,7 @@ def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
   return step_keys, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys)
 
 
-def _cut_and_draw_candidates(x, md: SamplingMetadata, row_max, threshold, u, num_candidates):
-  """Stages 10-11 from the candidates, and each row's draw from them: `(Cut, tokens [R])`."""
-  candidates = find_candidates(x, md, num_candidates)
-  cut = cut_with_candidates(x, md, candidates, row_max, threshold)
-  return cut, draw_from_candidates(candidates, row_max, cut.threshold, u)
-
-
-def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int, exact_top_p: bool):
+def _sample_random(x, md: SamplingMetadata, step_keys, u, budgets: tuple[int, ...], exact_top_p):
   """Stages 8-12 for every row.
 
   A row keeps the tokens whose temperature-scaled logit `y = x / T` is `>=` its threshold. With
@@ -117,12 +111,7 @@ def _sample_random(x, md: SamplingMetadata, step_keys, u, num_candidates: int, e
   # min_p (vLLM): drop p < min_p * max(p), i.e. y < max(y) + log(min_p).
   threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), NEG_INF)
   nothing = jnp.zeros((rows,), bool)
-  no_cut = Cut(threshold=threshold, in_candidates=nothing, top_p_unresolved=nothing)
-  cut, candidate_tokens = lax.cond(
-    md.any_top_k | md.any_top_p,
-    lambda: _cut_and_draw_candidates(x, md, row_max, threshold, u, num_candidates),
-    lambda: (no_cut, jnp.zeros((rows,), jnp.int32)),
-  )
+  cut, candidate_tokens = cut_and_draw(x, md, row_max, threshold, u, budgets)
   # Every filter keeps the most likely token; the clamp guards that against rounding.
   threshold, unresolved = jnp.minimum(cut.threshold, row_max), cut.top_p_unresolved
   if exact_top_p:
@@ -159,7 +148,7 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
       x,
       md,
       *_step_keys(state),
-      state.config.num_candidates,
+      state.config.candidate_budgets,
       exact_top_p=state.config.logprobs_mode.startswith("processed"),
     ),
     lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), NEG_INF), jnp.zeros((rows,))),
