@@ -17,6 +17,8 @@ def hf_model(llm):
   import torch
   import transformers
 
+  from jaxengine.models.weights import named_weights
+
   model = llm.llm_engine.runner.model
   cfg = model.config
   hf_config = transformers.LlamaConfig(
@@ -34,25 +36,9 @@ def hf_model(llm):
     bos_token_id=cfg.bos_token_id,
     eos_token_id=cfg.eos_token_id,
   )
-  e = cfg.hidden_size
-
-  def t(array, transpose=True):
-    a = np.asarray(array, np.float32)
-    return torch.from_numpy(np.ascontiguousarray(a.reshape(e, -1).T if transpose else a).copy())
-
-  state = {"model.embed_tokens.weight": t(model.embed[...], False)}
-  for i, layer in enumerate(model.layers):
-    p = f"model.layers.{i}."
-    state[p + "input_layernorm.weight"] = t(layer.input_norm.scale[...], False)
-    state[p + "post_attention_layernorm.weight"] = t(layer.post_attention_norm.scale[...], False)
-    state[p + "self_attn.q_proj.weight"] = t(layer.attn.wq[...])
-    state[p + "self_attn.k_proj.weight"] = t(layer.attn.wk[...])
-    state[p + "self_attn.v_proj.weight"] = t(layer.attn.wv[...])
-    state[p + "self_attn.o_proj.weight"] = t(np.asarray(layer.attn.wo[...]).reshape(-1, e).T, False)
-    state[p + "mlp.gate_proj.weight"] = t(layer.mlp.w_gate[...])
-    state[p + "mlp.up_proj.weight"] = t(layer.mlp.w_up[...])
-    state[p + "mlp.down_proj.weight"] = t(np.asarray(layer.mlp.w_down[...]).T, False)
-  state["model.norm.weight"] = t(model.final_norm.scale[...], False)
+  state = {
+    name: torch.from_numpy(np.array(array, np.float32)) for name, array in named_weights(model)
+  }
   hf = transformers.LlamaForCausalLM(hf_config).eval()
   missing, unexpected = hf.load_state_dict(state, strict=False)
   assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), missing
