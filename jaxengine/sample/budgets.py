@@ -80,14 +80,22 @@ def _shallow(x, md, row_max, threshold, u, num_candidates: int):
   )
 
 
+def _list_width(budget: int, vocab_size: int) -> int:
+  """Entries of a deep list: one beyond its budget where the row has one, so that a top_k equal
+  to the budget sees the next value and needs no count of ties beyond the list."""
+  return min(budget + 1, vocab_size)
+
+
 def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...], level: int):
-  """Rows of candidate levels `1 .. level`, from one list of `budgets[level]` candidates."""
+  """Rows of candidate levels `1 .. level`, from one list for `budgets[level]`."""
+  vocab_size = x.shape[-1]
   # Nested for every budget (see the module doc). The barrier keeps XLA:CPU's top-k kernel: used
   # through more than one slice, a top-k falls back to a full sort of the row (~20x slower).
-  values, ids = lax.optimization_barrier(lax.top_k(x, budgets[level]))
+  top_k = lax.top_k(x, _list_width(budgets[level], vocab_size))
+  values, ids = lax.optimization_barrier(top_k)
   result = _no_cut(threshold)
   for lower in range(1, level + 1):
-    width = budgets[lower]
+    width = _list_width(budgets[lower], vocab_size)
     candidates = scale_candidates(values[:, :width], ids[:, :width], md)
     rows = md.candidate_level == lower
     level_md = restrict_filters(md, rows, x.shape[-1], deep=True)
