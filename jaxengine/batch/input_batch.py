@@ -186,6 +186,13 @@ class InputBatch:
       self._metadata = refresh_metadata(self._state, jnp.asarray(self._is_live()))
     return self._metadata
 
+  def place_state(self, shardings) -> None:
+    """Moves the device-side state to `shardings` (a `BatchState` tree of `jax.sharding`s: an
+    engine on a mesh puts rows over its data axis once, at start-up; the batch's own updates keep
+    that placement)."""
+    self._state = jax.device_put(self._state, shardings)
+    self._metadata = None
+
   def cache_slot(self, req_id: str) -> int:
     """The KV-cache slot held by `req_id` (stable for the request's lifetime in the batch).
 
