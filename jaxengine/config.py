@@ -21,7 +21,7 @@ DEFAULT_DEEP_CANDIDATE_BUDGETS = (256, 1024)
 
 
 def _is_positive_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+  return bool(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

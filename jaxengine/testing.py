@@ -11,7 +11,7 @@ light import.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax.monitoring
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def tiny_llama_config(vocab_size: int = 256, **overrides) -> LlamaConfig:
   Returns:
     The `LlamaConfig`.
   """
-  fields = dict(
+  fields: dict[str, Any] = dict(
     vocab_size=vocab_size,
     hidden_size=64,
     intermediate_size=128,

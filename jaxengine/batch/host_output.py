@@ -48,13 +48,14 @@ def to_host(output: SamplerOutput, num_reqs: int, num_logprobs: int | None) -> H
     num_logprobs: `k`, the largest logprobs count a live request asked for, or None (then the
       logprobs are not fetched at all).
   """
-  logprobs = None if num_logprobs is None else output.logprobs
-  tokens, logprobs = jax.device_get((output.sampled_token_ids, logprobs))
-  if logprobs is not None:
+  device_logprobs = None if num_logprobs is None else output.logprobs
+  tokens, fetched = jax.device_get((output.sampled_token_ids, device_logprobs))
+  logprobs: LogprobsArrays | None = None
+  if fetched is not None and num_logprobs is not None:
     columns = num_logprobs + 1
     logprobs = LogprobsArrays(
-      token_ids=logprobs.token_ids[:num_reqs, :columns],
-      logprobs=logprobs.logprobs[:num_reqs, :columns],
-      ranks=logprobs.ranks[:num_reqs],
+      token_ids=fetched.token_ids[:num_reqs, :columns],
+      logprobs=fetched.logprobs[:num_reqs, :columns],
+      ranks=fetched.ranks[:num_reqs],
     )
   return HostSamplerOutput(sampled_token_ids=np.asarray(tokens)[:num_reqs], logprobs=logprobs)

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +97,7 @@ class InputBatch:
       max_num_bad_words=max_num_bad_words,
       max_bad_word_len=max_bad_word_len,
       num_topk_candidates=num_topk_candidates,
-      deep_candidate_budgets=deep_candidate_budgets,
+      deep_candidate_budgets=tuple(deep_candidate_budgets),
     )
     self._init(config, eos_token_ids, seed)
 
@@ -167,7 +168,7 @@ class InputBatch:
   @property
   def req_ids(self) -> list[str]:
     """Request ids by row. After `condense` its length is `num_reqs`; before, holes are None."""
-    return list(self._req_ids)
+    return cast(list[str], list(self._req_ids))  # holes only between a removal and condense
 
   @property
   def req_output_token_ids(self) -> list[list[int] | None]:
@@ -207,7 +208,9 @@ class InputBatch:
 
   def output_token_ids(self, req_id: str) -> list[int]:
     """The output tokens of `req_id` so far (the live list)."""
-    return self._req_output_token_ids[self.req_id_to_index[req_id]]
+    tokens = self._req_output_token_ids[self.req_id_to_index[req_id]]
+    assert tokens is not None  # a live request's row is never a hole
+    return tokens
 
   def _is_live(self) -> np.ndarray:
     live = np.zeros((self.max_num_reqs,), bool)
@@ -331,6 +334,7 @@ class InputBatch:
       src, dst = live_rows.pop(), holes.pop(0)
       moves.append((src, dst))
       req_id = self._req_ids[src]
+      assert req_id is not None  # src is a live row
       self._req_ids[dst], self._req_ids[src] = req_id, None
       self._req_output_token_ids[dst] = self._req_output_token_ids[src]
       self._req_output_token_ids[src] = None
@@ -357,11 +361,13 @@ class InputBatch:
     i1, i2 = int(i1), int(i2)
     if i1 == i2:
       return
-    for rows in (self._req_ids, self._req_output_token_ids):
-      rows[i1], rows[i2] = rows[i2], rows[i1]
+    ids, outputs = self._req_ids, self._req_output_token_ids
+    ids[i1], ids[i2] = ids[i2], ids[i1]
+    outputs[i1], outputs[i2] = outputs[i2], outputs[i1]
     for row in (i1, i2):
-      if self._req_ids[row] is not None:
-        self.req_id_to_index[self._req_ids[row]] = row
+      req_id = ids[row]
+      if req_id is not None:
+        self.req_id_to_index[req_id] = row
     self._move_device_rows([(i1, i2), (i2, i1)])
     self._composition_changed()
 
@@ -448,7 +454,9 @@ class InputBatch:
     num_logprobs = max(self._num_logprobs.values(), default=None)
     host = to_host(output, self.num_reqs, num_logprobs)
     for row, token in enumerate(host.sampled_token_ids.tolist()):
-      self._req_output_token_ids[row].append(token)
+      tokens = self._req_output_token_ids[row]
+      assert tokens is not None  # rows [0, num_reqs) are live after condense
+      tokens.append(token)
     return host
 
 

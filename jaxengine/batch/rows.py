@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -107,8 +108,8 @@ def _padded(values: list, size: int, fill, dtype) -> np.ndarray:
 
 def _stop_set(config: BatchConfig, params: SamplingParams, eos_token_ids) -> list[int]:
   """The min_tokens stop set: the request's stop ids, then the batch's EOS ids, once each."""
-  stop_ids = token_array("stop_token_ids", params.stop_token_ids or (), config.vocab_size)
-  stop_ids = list(dict.fromkeys(stop_ids.tolist() + list(eos_token_ids)))
+  requested = token_array("stop_token_ids", params.stop_token_ids or (), config.vocab_size)
+  stop_ids = list(dict.fromkeys(requested.tolist() + list(eos_token_ids)))
   if len(stop_ids) > config.max_num_stop_token_ids:
     raise ValueError(
       f"stop_token_ids plus EOS ids hold {len(stop_ids)} ids, more than "
@@ -155,8 +156,8 @@ def _bad_words(config: BatchConfig, params: SamplingParams) -> tuple[np.ndarray,
   prefix_len = config.max_bad_word_len - 1
   prefix = np.full((config.max_num_bad_words, prefix_len), -1, np.int32)
   last = np.full((config.max_num_bad_words,), config.vocab_size, np.int32)
-  for i, word in enumerate(bad_words):
-    word = token_array("bad_words_token_ids", word, config.vocab_size)
+  for i, sequence in enumerate(bad_words):
+    word = token_array("bad_words_token_ids", sequence, config.vocab_size)
     if len(word) > config.max_bad_word_len:
       raise ValueError(
         f"bad_words_token_ids sequence {word.tolist()} is longer than "
@@ -176,7 +177,7 @@ def _token_row(config: BatchConfig, prompt: np.ndarray, outputs: np.ndarray) -> 
   return token_ids
 
 
-def _sampling_fields(config: BatchConfig, params: SamplingParams) -> dict[str, np.ndarray]:
+def _sampling_fields(config: BatchConfig, params: SamplingParams) -> dict[str, Any]:
   """The scalar sampling parameters of a row, with vLLM's "disabled" sentinels."""
   f32, vocab = np.float32, config.vocab_size
   num_logprobs = -1 if params.logprobs is None else resolve_num_logprobs(config, params.logprobs)
@@ -193,7 +194,7 @@ def _sampling_fields(config: BatchConfig, params: SamplingParams) -> dict[str, n
   )
 
 
-def _key_fields(params: SamplingParams) -> dict[str, np.ndarray]:
+def _key_fields(params: SamplingParams) -> dict[str, Any]:
   """The seed as two uint32 words (taken modulo 2**64) and whether there is one."""
   seed = 0 if params.seed is None else params.seed % 2**64
   return dict(

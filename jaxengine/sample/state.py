@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,11 @@ class BatchState:
     )
 
 
+#: A `RowUpdate` field: NumPy values on the host (one row, built by `jaxengine.batch.rows`), traced
+#: `jax.Array`s inside `write_row`.
+RowArray = Any
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RowUpdate:
@@ -184,29 +190,29 @@ class RowUpdate:
     serial: `[] uint32` the batch's running request number, which keys unseeded requests.
   """
 
-  token_ids: jax.Array
-  num_tokens: jax.Array
-  num_prompt_tokens: jax.Array
-  cache_slot: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  min_p: jax.Array
-  presence_penalty: jax.Array
-  frequency_penalty: jax.Array
-  repetition_penalty: jax.Array
-  num_logprobs: jax.Array
-  min_tokens: jax.Array
-  stop_token_ids: jax.Array
-  logit_bias_token_ids: jax.Array
-  logit_bias: jax.Array
-  has_allowed_token_ids: jax.Array
-  allowed_token_mask: jax.Array
-  bad_words_prefix: jax.Array
-  bad_words_last: jax.Array
-  seed_words: jax.Array
-  is_seeded: jax.Array
-  serial: jax.Array
+  token_ids: RowArray
+  num_tokens: RowArray
+  num_prompt_tokens: RowArray
+  cache_slot: RowArray
+  temperature: RowArray
+  top_k: RowArray
+  top_p: RowArray
+  min_p: RowArray
+  presence_penalty: RowArray
+  frequency_penalty: RowArray
+  repetition_penalty: RowArray
+  num_logprobs: RowArray
+  min_tokens: RowArray
+  stop_token_ids: RowArray
+  logit_bias_token_ids: RowArray
+  logit_bias: RowArray
+  has_allowed_token_ids: RowArray
+  allowed_token_mask: RowArray
+  bad_words_prefix: RowArray
+  bad_words_last: RowArray
+  seed_words: RowArray
+  is_seeded: RowArray
+  serial: RowArray
 
 
 def request_key_data(batch_key_data: jax.Array, row: RowUpdate) -> jax.Array:
@@ -224,9 +230,9 @@ def request_key_data(batch_key_data: jax.Array, row: RowUpdate) -> jax.Array:
     `[*KEY_DATA_SHAPE] uint32` raw words of the request's key.
   """
   low, high = row.seed_words[0], row.seed_words[1]
-  seeded = jax.random.key(low)
-  seeded = jax.random.key_data(seeded), jax.random.key_data(jax.random.fold_in(seeded, high))
-  seeded = jnp.where(high == 0, seeded[0], seeded[1])
+  key = jax.random.key(low)
+  plain, folded = jax.random.key_data(key), jax.random.key_data(jax.random.fold_in(key, high))
+  seeded = jnp.where(high == 0, plain, folded)
   unseeded = jax.random.key_data(
     jax.random.fold_in(jax.random.wrap_key_data(batch_key_data), row.serial)
   )
