@@ -1,6 +1,6 @@
-"""The batch under a `jax.sharding.Mesh` (design.md §6), on 8 host CPU devices.
+"""The batch and the engine under a `jax.sharding.Mesh` (design.md §6), on 8 host CPU devices.
 
-Runs in a subprocess because the device count must be set before JAX starts.
+Each test runs in a subprocess because the device count must be set before JAX starts.
 """
 
 from __future__ import annotations
@@ -42,10 +42,80 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sample_step_under_a_mesh_matches_one_device():
+# The engine with tensor and data parallelism: the same tokens (greedy, seeded top-k/top-p/min-p,
+# penalties), logprobs and ranks as one device; weights, cache and rows really sharded; nothing
+# compiles after warm-up; t = 3 over 4 query heads refused. t = 4 exceeds the 2 kv heads, so the
+# cache is replicated over the model axis there.
+ENGINE_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np
+from jax.sharding import PartitionSpec as P
+import jaxengine as je
+from jaxengine.testing import count_compiles, tiny_llama
+
+model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 kv heads
+prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3, 4]]
+params = [
+  je.SamplingParams(temperature=0, max_tokens=5, logprobs=2, prompt_logprobs=1),
+  je.SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=6, logprobs=2),
+  je.SamplingParams(temperature=1.0, min_p=0.1, seed=2, presence_penalty=1.0, max_tokens=4),
+  je.SamplingParams(temperature=1.0, seed=3, max_tokens=7, repetition_penalty=1.2),
+]
+def run(llm):
+  outs = llm.generate(prompts, params, use_tqdm=False)
+  return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+def logprobs(entries):
+  ranks = [(t, v.rank) for e in entries if e for t, v in e.items()]
+  return ranks, [v.logprob for e in entries if e for v in e.values()]
+kw = dict(max_num_reqs=2, max_model_len=16)
+want = run(je.LLM(model, **kw))
+for t, d in [(2, 1), (1, 2), (4, 2)]:
+  llm = je.LLM(model, tensor_parallel_size=t, data_parallel_size=d, **kw)
+  runner = llm.llm_engine.runner
+  got = run(llm)
+  for (a, la, pa), (b, lb, pb) in zip(got, want):
+    assert a == b, (t, d, a, b)
+    for x, y in ((la, lb), (pa, pb)):
+      if y is not None:
+        assert logprobs(x)[0] == logprobs(y)[0]
+        np.testing.assert_allclose(logprobs(x)[1], logprobs(y)[1], atol=1e-5)
+  with count_compiles() as compiles:
+    assert [g[0] for g in run(llm)] == [g[0] for g in got]
+  assert compiles.count == 0, (t, d, compiles.count)
+  layer = runner.weights["layers"][0]
+  specs = (layer["attn"]["wq"][...].sharding.spec, layer["mlp"]["w_down"][...].sharding.spec,
+           runner.weights["embed"][...].sharding.spec, runner.kv_cache.key.sharding.spec,
+           runner.input_batch.state.token_ids.sharding.spec)
+  split = (P(None, "model", None), P("model", None), P("model", None)) if t > 1 else (P(),) * 3
+  assert specs[:3] == split, specs
+  assert specs[3] == P(None, "data" if d > 1 else None, None, "model" if t == 2 else None, None)
+  assert specs[4] == (P("data") if d > 1 else P()), specs
+  print(t, d, specs)
+try:
+  je.LLM(model, tensor_parallel_size=3, **kw)
+except ValueError as e:
+  assert "tensor_parallel_size=3" in str(e) and "num_attention_heads=4" in str(e), e
+else:
+  raise AssertionError("t=3 over 4 heads accepted")
+print("ok")
+"""
+
+
+def _run(script: str) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run(
-    [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env
+    [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip().endswith("ok")
+  return result.stdout
+
+
+def test_sample_step_under_a_mesh_matches_one_device():
+  assert _run(SCRIPT).strip().endswith("ok")
+
+
+def test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up():
+  out = _run(ENGINE_SCRIPT)
+  assert out.strip().endswith("ok")
+  assert out.count("P(") >= 15  # one line of specs per configuration
