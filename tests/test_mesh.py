@@ -38,6 +38,23 @@ SCRIPT = textwrap.dedent("""
       assert np.array_equal(got.sampled_token_ids, want.sampled_token_ids), spec
       np.testing.assert_allclose(got.logprobs.logprobs, want.logprobs.logprobs, rtol=1e-6)
       assert len(new_state.token_ids.sharding.device_set) == 8
+
+    # Exact summaries of vocabulary-sharded logits (jaxengine.sample.sharded): equal to the
+    # gathered row's, ties (rounded logits) to the lower id, and no collective of V per row.
+    from jaxengine.sample.sharded import sharded_argmax, sharded_max, sharded_top_k
+    grid = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    tied = np.round(logits * 2) / 2
+    tied[3] = 1.0  # a whole row tied
+    x = jax.device_put(tied, NamedSharding(grid, P("data", "model")))
+    for k in (1, 7, 40):
+      values, ids = sharded_top_k(x, k, grid, rows="data")
+      want_values, want_ids = jax.lax.top_k(tied, k)
+      assert np.array_equal(values, want_values) and np.array_equal(ids, want_ids), k
+    assert np.array_equal(sharded_argmax(x, grid, rows="data"), np.argmax(tied, -1))
+    assert np.array_equal(sharded_max(x, grid, rows="data"), tied.max(-1))
+    hlo = jax.jit(lambda x: sharded_top_k(x, 7, grid, rows="data")).lower(x).compile().as_text()
+    gathers = [l for l in hlo.splitlines() if "all-gather" in l and "=" in l]
+    assert gathers and all(f"[{R // 2},{4 * 7}]" in l for l in gathers), gathers
     print("ok")
 """)
 
