@@ -106,6 +106,9 @@ class LLM:
       t = parallel.axis_size(mesh, parallel.MODEL)
     elif (t, d) != (1, 1):
       mesh = parallel.make_mesh(t, d)
+    d = 1 if mesh is None else parallel.axis_size(mesh, parallel.DATA)
+    if is_int(max_num_reqs) and max_num_reqs > 0 and max_num_reqs % d:
+      raise ValueError(f"data_parallel_size={d} must divide max_num_reqs={max_num_reqs}")
     if isinstance(model, Model) and num_attention_heads(model) is not None:
       parallel.check_heads(cast(int, num_attention_heads(model)), t)
     if isinstance(dtype, str):
