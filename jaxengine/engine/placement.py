@@ -73,7 +73,6 @@ class MeshPlacement:
     self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
     self._replicated = NamedSharding(mesh, P())
-    self._by_row = NamedSharding(mesh, P(parallel.DATA) if d > 1 else P())
 
   def create_kv_cache(self, spec: KVCacheSpec) -> KVCache:
     """A zero cache allocated directly in its shards (never whole on one device)."""
@@ -90,21 +89,22 @@ class MeshPlacement:
 
     decode ``(state, metadata, weights, kv_cache) -> (state, SamplerOutput, kv_cache)``: state and
     metadata by row, the sampler's output replicated (it goes to the host). prefill
-    ``(weights, kv_cache, token_ids, positions, cache_slots[, next_token_ids])``: prompt rows over
-    ``"data"``, prompt logprobs replicated.
+    ``(weights, kv_cache, token_ids, positions, cache_slots[, next_token_ids])``: the host's
+    prompt arrays replicated (NumPy inputs, the same on every process under `jax.distributed`;
+    small next to the cache), prompt logprobs replicated.
     """
-    rep, row = self._replicated, self._by_row
+    rep = self._replicated
     return {
       "decode": {
         "in_shardings": (self.state, self.metadata, self.weights, self.kv_cache),
         "out_shardings": (self.state, rep, self.kv_cache),
       },
       "prefill": {
-        "in_shardings": (self.weights, self.kv_cache, row, row, row),
+        "in_shardings": (self.weights, self.kv_cache, rep, rep, rep),
         "out_shardings": self.kv_cache,
       },
       "prefill_logprobs": {
-        "in_shardings": (self.weights, self.kv_cache, row, row, row, row),
+        "in_shardings": (self.weights, self.kv_cache, rep, rep, rep, rep),
         "out_shardings": (self.kv_cache, rep),
       },
     }
