@@ -75,7 +75,10 @@ class LLM:
       without weights, or the default model is not installed (the message gives the command).
     ValueError: an unsupported architecture or rope type (named), a checkpoint whose tensors do
       not match its config, `max_model_len` above the model's `max_position_embeddings`, or
-      invalid batch settings.
+      invalid batch settings; a `tensor_parallel_size` that does not divide the query heads
+      (both numbers named, before any tensor is read for a Hugging Face directory), a
+      `data_parallel_size` that does not divide `max_num_reqs`, more devices than there are, or a
+      mesh without the axes ``("data", "model")``.
   """
 
   def __init__(
