@@ -115,6 +115,19 @@ except ValueError as e:
   assert "tensor_parallel_size=3" in str(e) and "num_attention_heads=4" in str(e), e
 else:
   raise AssertionError("t=3 over 4 heads accepted")
+# A Hugging Face directory is refused from its config.json, before any tensor is read.
+import json, tempfile
+folder = tempfile.mkdtemp()
+with open(os.path.join(folder, "config.json"), "w") as f:
+  json.dump({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}, f)
+with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+  f.write(b"not a checkpoint: never read")
+try:
+  je.LLM(folder, tensor_parallel_size=3)
+except ValueError as e:
+  assert "tensor_parallel_size=3" in str(e) and "num_attention_heads=4" in str(e), e
+else:
+  raise AssertionError("t=3 over 4 heads accepted from a directory")
 print("ok")
 """
 
