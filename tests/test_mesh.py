@@ -69,6 +69,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je
+from jaxengine.models.weights import named_weights
 from jaxengine.testing import count_compiles, tiny_llama
 
 model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 kv heads
@@ -87,7 +88,7 @@ def logprobs(entries):
   return ranks, [v.logprob for e in entries if e for v in e.values()]
 kw = dict(max_num_reqs=2, max_model_len=16)
 want = run(je.LLM(model, **kw))
-for t, d in [(2, 1), (1, 2), (4, 2)]:
+for t, d in [(2, 1), (4, 2)]:  # (2, 2) runs across two processes in test_multihost.py
   llm = je.LLM(model, tensor_parallel_size=t, data_parallel_size=d, **kw)
   runner = llm.llm_engine.runner
   got = run(llm)
@@ -97,6 +98,12 @@ for t, d in [(2, 1), (1, 2), (4, 2)]:
       if y is not None:
         assert logprobs(x)[0] == logprobs(y)[0]
         np.testing.assert_allclose(logprobs(x)[1], logprobs(y)[1], atol=1e-5)
+  with count_compiles() as compiles:
+    assert [g[0] for g in run(llm)] == [g[0] for g in got]
+  assert compiles.count == 0, (t, d, compiles.count)
+  # New weights (JAX arrays in HF layout; their conversion compiles small ops) are put on the
+  # engine's shardings: the steps run as compiled.
+  llm.load_weights(named_weights(model))
   with count_compiles() as compiles:
     assert [g[0] for g in run(llm)] == [g[0] for g in got]
   assert compiles.count == 0, (t, d, compiles.count)
@@ -148,4 +155,4 @@ def test_sample_step_under_a_mesh_matches_one_device():
 def test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up():
   out = _run(ENGINE_SCRIPT)
   assert out.strip().endswith("ok")
-  assert out.count("P(") >= 15  # one line of specs per configuration
+  assert out.count("P(") >= 10  # one line of specs per configuration
