@@ -41,7 +41,7 @@ from jaxengine.sample import (
   sample_step,
 )
 
-_LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine"}
+_LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine", "make_mesh": "jaxengine.parallel"}
 
 __all__ = [
   "LLM",
@@ -59,6 +59,7 @@ __all__ = [
   "SamplingMetadata",
   "SamplingParams",
   "gather_logprobs",
+  "make_mesh",
   "refresh_metadata",
   "sample_step",
 ]
@@ -69,4 +70,6 @@ __version__ = "0.1.0"
 def __getattr__(name):
   if name in _LAZY:
     return getattr(importlib.import_module(_LAZY[name]), name)
+  if name == "parallel":  # the submodule, as `je.parallel`
+    return importlib.import_module("jaxengine.parallel")
   raise AttributeError(f"module 'jaxengine' has no attribute {name!r}")

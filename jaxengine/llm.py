@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
+from jaxengine import parallel
 from jaxengine.engine import LLMEngine
+from jaxengine.engine.placement import num_attention_heads
 from jaxengine.models import Model, load_gguf
 from jaxengine.models.hub import resolve_model
 from jaxengine.models.safetensors_loader import auto_dtype, eos_token_ids, load_safetensors
@@ -56,6 +60,12 @@ class LLM:
       "processed_logits".
     revision: hub branch, tag or commit of a hub id (default `main`).
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
+    tensor_parallel_size: devices splitting each layer (heads, intermediate size, vocabulary;
+      see `jaxengine.parallel`); must divide the model's query heads.
+    data_parallel_size: devices splitting the batch rows (and their KV-cache slots); must
+      divide `max_num_reqs`.
+    mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
+      ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -65,7 +75,10 @@ class LLM:
       without weights, or the default model is not installed (the message gives the command).
     ValueError: an unsupported architecture or rope type (named), a checkpoint whose tensors do
       not match its config, `max_model_len` above the model's `max_position_embeddings`, or
-      invalid batch settings.
+      invalid batch settings; a `tensor_parallel_size` that does not divide the query heads
+      (both numbers named, before any tensor is read for a Hugging Face directory), a
+      `data_parallel_size` that does not divide `max_num_reqs`, more devices than there are, or a
+      mesh without the axes ``("data", "model")``.
   """
 
   def __init__(
@@ -81,7 +94,26 @@ class LLM:
     logprobs_mode: str = "raw_logprobs",
     revision: str | None = None,
     download_dir: str | None = None,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    mesh: jax.sharding.Mesh | None = None,
   ):
+    t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
+    if mesh is not None:
+      if (t, d) != (1, 1):
+        raise ValueError(
+          f"give either mesh or tensor_parallel_size/data_parallel_size, got mesh and "
+          f"tensor_parallel_size={t}, data_parallel_size={d}"
+        )
+      mesh = parallel.check_mesh(mesh)
+      t = parallel.axis_size(mesh, parallel.MODEL)
+    elif (t, d) != (1, 1):
+      mesh = parallel.make_mesh(t, d)
+    d = 1 if mesh is None else parallel.axis_size(mesh, parallel.DATA)
+    if is_int(max_num_reqs) and max_num_reqs > 0 and max_num_reqs % d:
+      raise ValueError(f"data_parallel_size={d} must divide max_num_reqs={max_num_reqs}")
+    if isinstance(model, Model) and num_attention_heads(model) is not None:
+      parallel.check_heads(cast(int, num_attention_heads(model)), t)
     if isinstance(dtype, str):
       if dtype not in (*_DTYPES, "auto"):
         raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}")
@@ -91,7 +123,7 @@ class LLM:
     eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
       model, tokenizer, eos_token_id = _load_model(
-        model, tokenizer, dtype, revision=revision, download_dir=download_dir
+        model, tokenizer, dtype, revision=revision, download_dir=download_dir, tp=t
       )
     self.llm_engine = LLMEngine(
       model,
@@ -102,6 +134,7 @@ class LLM:
       logprobs_mode=logprobs_mode,
       seed=seed,
       eos_token_id=eos_token_id,
+      mesh=mesh,
     )
 
   def load_weights(self, weights) -> None:
@@ -213,6 +246,7 @@ def _load_model(
   *,
   revision: str | None,
   download_dir: str | None,
+  tp: int = 1,
 ) -> tuple[Model, Tokenizer | None, list[int] | None]:
   """Builds the model a path or hub id names (None: the default GGUF file).
 
@@ -229,6 +263,12 @@ def _load_model(
     model, _ = load_gguf(path, dtype=jnp.float32 if dtype == "auto" else dtype)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
   directory = resolved.path
+  config_path = os.path.join(directory, "config.json")
+  if tp > 1 and os.path.isfile(config_path):  # refused before any tensor is read
+    with open(config_path) as f:
+      heads = json.load(f).get("num_attention_heads")
+    if isinstance(heads, int):
+      parallel.check_heads(heads, tp)
   model, _ = load_safetensors(directory, dtype=auto_dtype(directory) if dtype == "auto" else dtype)
   if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     tokenizer = Tokenizer.from_pretrained(directory)

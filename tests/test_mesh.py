@@ -1,6 +1,6 @@
-"""The batch under a `jax.sharding.Mesh` (design.md §6), on 8 host CPU devices.
+"""The batch and the engine under a `jax.sharding.Mesh` (design.md §6), on 8 host CPU devices.
 
-Runs in a subprocess because the device count must be set before JAX starts.
+Each test runs in a subprocess because the device count must be set before JAX starts.
 """
 
 from __future__ import annotations
@@ -38,14 +38,121 @@ SCRIPT = textwrap.dedent("""
       assert np.array_equal(got.sampled_token_ids, want.sampled_token_ids), spec
       np.testing.assert_allclose(got.logprobs.logprobs, want.logprobs.logprobs, rtol=1e-6)
       assert len(new_state.token_ids.sharding.device_set) == 8
+
+    # Exact summaries of vocabulary-sharded logits (jaxengine.sample.sharded): equal to the
+    # gathered row's, ties (rounded logits) to the lower id, and no collective of V per row.
+    from jaxengine.sample.sharded import sharded_argmax, sharded_max, sharded_top_k
+    grid = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    tied = np.round(logits * 2) / 2
+    tied[3] = 1.0  # a whole row tied
+    x = jax.device_put(tied, NamedSharding(grid, P("data", "model")))
+    for k in (1, 7, 40):
+      values, ids = sharded_top_k(x, k, grid, rows="data")
+      want_values, want_ids = jax.lax.top_k(tied, k)
+      assert np.array_equal(values, want_values) and np.array_equal(ids, want_ids), k
+    assert np.array_equal(sharded_argmax(x, grid, rows="data"), np.argmax(tied, -1))
+    assert np.array_equal(sharded_max(x, grid, rows="data"), tied.max(-1))
+    hlo = jax.jit(lambda x: sharded_top_k(x, 7, grid, rows="data")).lower(x).compile().as_text()
+    gathers = [l for l in hlo.splitlines() if "all-gather" in l and "=" in l]
+    assert gathers and all(f"[{R // 2},{4 * 7}]" in l for l in gathers), gathers
     print("ok")
 """)
 
 
-def test_sample_step_under_a_mesh_matches_one_device():
+# The engine with tensor and data parallelism: the same tokens (greedy, seeded top-k/top-p/min-p,
+# penalties), logprobs and ranks as one device; weights, cache and rows really sharded; nothing
+# compiles after warm-up; t = 3 over 4 query heads refused. t = 4 exceeds the 2 kv heads, so the
+# cache is replicated over the model axis there.
+ENGINE_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np
+from jax.sharding import PartitionSpec as P
+import jaxengine as je
+from jaxengine.models.weights import named_weights
+from jaxengine.testing import count_compiles, tiny_llama
+
+model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 kv heads
+prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3, 4]]
+params = [
+  je.SamplingParams(temperature=0, max_tokens=5, logprobs=2, prompt_logprobs=1),
+  je.SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=6, logprobs=2),
+  je.SamplingParams(temperature=1.0, min_p=0.1, seed=2, presence_penalty=1.0, max_tokens=4),
+  je.SamplingParams(temperature=1.0, seed=3, max_tokens=7, repetition_penalty=1.2),
+]
+def run(llm):
+  outs = llm.generate(prompts, params, use_tqdm=False)
+  return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+def logprobs(entries):
+  ranks = [(t, v.rank) for e in entries if e for t, v in e.items()]
+  return ranks, [v.logprob for e in entries if e for v in e.values()]
+kw = dict(max_num_reqs=2, max_model_len=16)
+want = run(je.LLM(model, **kw))
+for t, d in [(2, 1), (4, 2)]:  # (2, 2) runs across two processes in test_multihost.py
+  llm = je.LLM(model, tensor_parallel_size=t, data_parallel_size=d, **kw)
+  runner = llm.llm_engine.runner
+  got = run(llm)
+  for (a, la, pa), (b, lb, pb) in zip(got, want):
+    assert a == b, (t, d, a, b)
+    for x, y in ((la, lb), (pa, pb)):
+      if y is not None:
+        assert logprobs(x)[0] == logprobs(y)[0]
+        np.testing.assert_allclose(logprobs(x)[1], logprobs(y)[1], atol=1e-5)
+  with count_compiles() as compiles:
+    assert [g[0] for g in run(llm)] == [g[0] for g in got]
+  assert compiles.count == 0, (t, d, compiles.count)
+  # New weights (JAX arrays in HF layout; their conversion compiles small ops) are put on the
+  # engine's shardings: the steps run as compiled.
+  llm.load_weights(named_weights(model))
+  with count_compiles() as compiles:
+    assert [g[0] for g in run(llm)] == [g[0] for g in got]
+  assert compiles.count == 0, (t, d, compiles.count)
+  layer = runner.weights["layers"][0]
+  specs = (layer["attn"]["wq"][...].sharding.spec, layer["mlp"]["w_down"][...].sharding.spec,
+           runner.weights["embed"][...].sharding.spec, runner.kv_cache.key.sharding.spec,
+           runner.input_batch.state.token_ids.sharding.spec)
+  split = (P(None, "model", None), P("model", None), P("model", None)) if t > 1 else (P(),) * 3
+  assert specs[:3] == split, specs
+  assert specs[3] == P(None, "data" if d > 1 else None, None, "model" if t == 2 else None, None)
+  assert specs[4] == (P("data") if d > 1 else P()), specs
+  print(t, d, specs)
+try:
+  je.LLM(model, tensor_parallel_size=3, **kw)
+except ValueError as e:
+  assert "tensor_parallel_size=3" in str(e) and "num_attention_heads=4" in str(e), e
+else:
+  raise AssertionError("t=3 over 4 heads accepted")
+# A Hugging Face directory is refused from its config.json, before any tensor is read.
+import json, tempfile
+folder = tempfile.mkdtemp()
+with open(os.path.join(folder, "config.json"), "w") as f:
+  json.dump({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}, f)
+with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+  f.write(b"not a checkpoint: never read")
+try:
+  je.LLM(folder, tensor_parallel_size=3)
+except ValueError as e:
+  assert "tensor_parallel_size=3" in str(e) and "num_attention_heads=4" in str(e), e
+else:
+  raise AssertionError("t=3 over 4 heads accepted from a directory")
+print("ok")
+"""
+
+
+def _run(script: str) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run(
-    [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env
+    [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip().endswith("ok")
+  return result.stdout
+
+
+def test_sample_step_under_a_mesh_matches_one_device():
+  assert _run(SCRIPT).strip().endswith("ok")
+
+
+def test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up():
+  out = _run(ENGINE_SCRIPT)
+  assert out.strip().endswith("ok")
+  assert out.count("P(") >= 10  # one line of specs per configuration

@@ -17,7 +17,6 @@ before any device work, so a refused call leaves the batch exactly as it was.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Sequence
 from typing import cast
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.batch.host_output import HostSamplerOutput, to_host
+from jaxengine.batch.jitted import pad_rows, sample_logits
 from jaxengine.batch.rows import encode_request, eos_tuple, resolve_num_logprobs
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
@@ -41,7 +41,6 @@ from jaxengine.sample import (
   SamplingMetadata,
   move_rows,
   refresh_metadata,
-  sample,
   write_row,
 )
 
@@ -186,6 +185,11 @@ class InputBatch:
     if self._metadata is None:
       self._metadata = refresh_metadata(self._state, jnp.asarray(self._is_live()))
     return self._metadata
+
+  def place_state(self, shardings) -> None:
+    """Puts the device state on `shardings` (a `BatchState` tree: an engine on a mesh, once at
+    start-up; the batch's own updates keep that placement)."""
+    self._state, self._metadata = jax.device_put(self._state, shardings), None
 
   def cache_slot(self, req_id: str) -> int:
     """The KV-cache slot held by `req_id` (stable for the request's lifetime in the batch).
@@ -407,8 +411,8 @@ class InputBatch:
     if not jnp.issubdtype(logits.dtype, jnp.floating):
       raise ValueError(f"logits must have a float dtype, got {logits.dtype}")
     if shape[0] != self.max_num_reqs:
-      logits = _pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
-    output, _ = self.run(_sample_logits, logits)
+      logits = pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
+    output, _ = self.run(sample_logits, logits)
     return output
 
   def run(self, step_fn, *args) -> tuple[HostSamplerOutput, object]:
@@ -451,15 +455,3 @@ class InputBatch:
       assert tokens is not None  # rows [0, num_reqs) are live after condense
       tokens.append(token)
     return host
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _sample_logits(state: BatchState, metadata: SamplingMetadata, logits: jax.Array):
-  state, output = sample(state, metadata, logits)
-  return state, output, None
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pad_rows(logits: jax.Array, max_num_reqs: int) -> jax.Array:
-  """`[N, V]` -> `[R, V]` with zero rows (ignored by the sampler)."""
-  return jnp.pad(logits, ((0, max_num_reqs - logits.shape[0]), (0, 0)))

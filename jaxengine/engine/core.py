@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import jax
+
 from jaxengine.batch import InputBatch
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
@@ -46,6 +48,8 @@ class LLMEngine:
     eos_token_id: overrides the tokenizer's / model's EOS id; a list gives the EOS id first and
       more ids that also end generation (a checkpoint's `generation_config.json` lists several):
       like vLLM, those finish with `stop_reason` set to the id, unless `ignore_eos`.
+    mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``: see
+      `ModelRunner` and `jaxengine.parallel`.
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
@@ -63,6 +67,7 @@ class LLMEngine:
     logprobs_mode: str = "raw_logprobs",
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
   ):
     check_model(model)
     if eos_token_id is None:
@@ -82,7 +87,7 @@ class LLMEngine:
       eos_token_ids=eos_token_ids,
       seed=seed,
     )
-    self.runner = ModelRunner(model, batch)
+    self.runner = ModelRunner(model, batch, mesh)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
     self.input_processor = InputProcessor(tokenizer, self.max_model_len, batch.validate_request)

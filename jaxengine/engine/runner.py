@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine import parallel
 from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
+from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.requests import Completion
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
@@ -147,13 +149,21 @@ class ModelRunner:
       (use `load_weights`).
     input_batch: the persistent batch the runner samples into (its `max_num_reqs` rows each hold
       a KV-cache slot).
+    mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``
+      (`jaxengine.parallel.make_mesh`): weights, KV cache and batch state are placed on it once
+      here with `jaxengine.parallel`'s partition specs, and every jitted step declares those
+      shardings for its inputs and outputs (so serving compiles nothing warm-up did not).
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary that differs from the
-      batch's, or a `max_model_len` above the model's `max_position_embeddings`.
+      batch's, a `max_model_len` above the model's `max_position_embeddings`; on a mesh, a
+      tensor-parallel size that does not divide the query heads, or a data-parallel size that
+      does not divide `max_num_reqs`.
   """
 
-  def __init__(self, model: Model, input_batch: InputBatch) -> None:
+  def __init__(
+    self, model: Model, input_batch: InputBatch, mesh: jax.sharding.Mesh | None = None
+  ) -> None:
     check_model(model)
     if model.vocab_size != input_batch.vocab_size:
       raise ValueError(
@@ -173,26 +183,41 @@ class ModelRunner:
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
     self.weights = jax.tree.map(lambda a: a, weights)
     self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
-    self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
+    self.mesh = mesh
+    self._placement: MeshPlacement | None = None
+    if mesh is None:
+      self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
+      jit_args: dict[str, dict[str, Any]] = {"decode": {}, "prefill": {}, "prefill_logprobs": {}}
+    else:
+      self._placement = MeshPlacement(model, self.weights, input_batch, parallel.check_mesh(mesh))
+      self.weights = jax.device_put(self.weights, self._placement.weights)
+      self.kv_cache = self._placement.create_kv_cache(model.kv_cache_spec)
+      input_batch.place_state(self._placement.state)
+      jit_args = self._placement.jit_shardings()
     self._decode = jax.jit(
       functools.partial(_decode_and_sample, self._graphdef),
       static_argnames=("attention_len", "num_rows"),
       donate_argnames=("state", "kv_cache"),
+      **jit_args["decode"],
     )
     self._prefill = jax.jit(
-      functools.partial(_prefill, self._graphdef), donate_argnames=("kv_cache",)
+      functools.partial(_prefill, self._graphdef),
+      donate_argnames=("kv_cache",),
+      **jit_args["prefill"],
     )
     self._prefill_logprobs = jax.jit(
       functools.partial(
         _prefill_with_prompt_logprobs, self._graphdef, input_batch.state.max_num_logprobs
       ),
       donate_argnames=("kv_cache",),
+      **jit_args["prefill_logprobs"],
     )
     self.length_buckets = buckets(self.max_model_len, min(MIN_LENGTH_BUCKET, self.max_model_len))
     self.attention_buckets = buckets(
       self.max_model_len, min(MIN_ATTENTION_BUCKET, self.max_model_len)
     )
-    self.row_buckets = buckets(self.max_num_reqs, 1)
+    # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
+    self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
 
   @property
   def model(self) -> Model:
@@ -329,8 +354,15 @@ class ModelRunner:
     longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
     attention_len = bucket(longest, self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
-    sampled, kv_cache = batch.run(
-      self._decode, self.weights, self.kv_cache, attention_len, num_rows
-    )
+    step = self._decode if self._placement is None else self._placed_decode
+    sampled, kv_cache = batch.run(step, self.weights, self.kv_cache, attention_len, num_rows)
     self.kv_cache = cast(KVCache, kv_cache)
     return DecodeOutput(req_ids=batch.req_ids, sampled=sampled)
+
+  def _placed_decode(self, state, metadata, *args):
+    """The decode step on a mesh, state and metadata first put on their declared shardings (a
+    no-op when the batch's own updates kept them, as they do)."""
+    assert self._placement is not None
+    state = jax.device_put(state, self._placement.state)
+    metadata = jax.device_put(metadata, self._placement.metadata)
+    return self._decode(state, metadata, *args)

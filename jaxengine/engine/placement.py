@@ -1,0 +1,110 @@
+"""Where a `ModelRunner` on a `jax.sharding.Mesh` puts everything, fixed once at start-up.
+
+The specs themselves are `jaxengine.parallel`'s; this module turns them into the concrete
+`NamedSharding` trees of one runner (weights, KV cache, batch state, sampling metadata) and the
+`in_shardings` / `out_shardings` of its jitted steps. Declaring both sides on every step is what
+keeps warm-up and serving on the same executables: an argument whose sharding drifted would be
+refused by `jax.jit` rather than silently recompiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxengine import parallel
+from jaxengine.batch import InputBatch
+from jaxengine.models.interface import Model
+from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+
+
+def num_attention_heads(model: Any) -> int | None:
+  """The model's query heads (from its `config`), or None when it does not say."""
+  config = getattr(model, "config", None)
+  heads = getattr(config, "num_attention_heads", None)
+  return heads if isinstance(heads, int) else None
+
+
+class MeshPlacement:
+  """The shardings of one runner on `mesh` (axes ``("data", "model")``).
+
+  Args:
+    model: the runner's model (its query heads are checked against the model axis).
+    weights: its `nnx.State` (as `nnx.split` returns it).
+    input_batch: the runner's batch (`max_num_reqs` must be a multiple of the data axis).
+    mesh: the mesh.
+
+  Attributes:
+    mesh: the mesh.
+    rows: the data-parallel size `d`: the smallest row bucket (buckets are multiples of it).
+    weights: `NamedSharding` tree of the model's `nnx.State` (`parallel.weight_shardings`).
+    kv_cache: `KVCache` of `NamedSharding` (`parallel.kv_cache_spec`).
+    state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
+    metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
+
+  Raises:
+    ValueError: the model axis does not divide the query heads (both numbers named), or the
+      data axis does not divide `max_num_reqs`.
+  """
+
+  def __init__(self, model: Model, weights: Any, input_batch: InputBatch, mesh: Mesh) -> None:
+    t = parallel.axis_size(mesh, parallel.MODEL)
+    d = parallel.axis_size(mesh, parallel.DATA)
+    heads = num_attention_heads(model)
+    if heads is not None:
+      parallel.check_heads(heads, t)
+    num_rows = input_batch.max_num_reqs
+    if num_rows % d:
+      raise ValueError(
+        f"data_parallel_size={d} must divide max_num_reqs={num_rows} (each data shard holds "
+        "the same number of rows)"
+      )
+    self.mesh = mesh
+    self.rows = d
+    self._num_slots, self._max_model_len = num_rows, input_batch.max_model_len
+    self.weights = parallel.weight_shardings(weights, mesh)
+    spec = model.kv_cache_spec
+    cache = NamedSharding(mesh, parallel.kv_cache_spec(num_rows, spec.num_kv_heads, mesh))
+    # A KVCache-shaped tree of shardings (for jit's in/out_shardings).
+    self.kv_cache = KVCache(key=cast(Any, cache), value=cast(Any, cache))
+    self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
+    self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
+    self._replicated = NamedSharding(mesh, P())
+
+  def create_kv_cache(self, spec: KVCacheSpec) -> KVCache:
+    """A zero cache allocated directly in its shards (never whole on one device)."""
+    return jax.jit(self._create, static_argnums=(0, 1, 2), out_shardings=self.kv_cache)(
+      spec, self._num_slots, self._max_model_len
+    )
+
+  @staticmethod
+  def _create(spec: KVCacheSpec, num_slots: int, max_model_len: int) -> KVCache:
+    return KVCache.create(spec, num_slots, max_model_len)
+
+  def jit_shardings(self) -> dict[str, dict[str, Any]]:
+    """`in_shardings` / `out_shardings` of the runner's three jitted steps.
+
+    decode ``(state, metadata, weights, kv_cache) -> (state, SamplerOutput, kv_cache)``: state and
+    metadata by row, the sampler's output replicated (it goes to the host). prefill
+    ``(weights, kv_cache, token_ids, positions, cache_slots[, next_token_ids])``: the host's
+    prompt arrays replicated (NumPy inputs, the same on every process under `jax.distributed`;
+    small next to the cache), prompt logprobs replicated.
+    """
+    rep = self._replicated
+    return {
+      "decode": {
+        "in_shardings": (self.state, self.metadata, self.weights, self.kv_cache),
+        "out_shardings": (self.state, rep, self.kv_cache),
+      },
+      "prefill": {
+        "in_shardings": (self.weights, self.kv_cache, rep, rep, rep),
+        "out_shardings": self.kv_cache,
+      },
+      "prefill_logprobs": {
+        "in_shardings": (self.weights, self.kv_cache, rep, rep, rep, rep),
+        "out_shardings": (self.kv_cache, rep),
+      },
+    }

@@ -1,0 +1,202 @@
+"""Tensor and data parallelism: the engine's `jax.sharding.Mesh` and its partition specs.
+
+The mesh has two named axes, ``("data", "model")`` (`DATA`, `MODEL`), of sizes
+``data_parallel_size`` (`d`) and ``tensor_parallel_size`` (`t`). Everything is placed once at
+start-up (`ModelRunner`) and the jitted steps declare the same shardings for their inputs and
+outputs, so warm-up and serving compile the same executables.
+
+Partition specs (Megatron-style, Shoeybi et al. 2019; a dimension that `t` does not divide is
+replicated instead):
+
+============================  =====================  ==========================================
+array                         shape                  spec
+============================  =====================  ==========================================
+``wq``                        ``[E, H, D]``          ``P(None, "model", None)``  (query heads)
+``wk``, ``wv``                ``[E, K, D]``          ``P(None, "model", None)``  (kv heads; ``P()``
+                                                     when ``t`` does not divide ``K``)
+``bq`` / ``bk``, ``bv``       ``[H, D]`` / ``[K, D]``  ``P("model", None)`` as their matrices
+``wo``                        ``[H, D, E]``          ``P("model", None, None)``  (its input)
+``w_gate``, ``w_up``          ``[E, F]``             ``P(None, "model")``  (intermediate)
+``w_down``                    ``[F, E]``             ``P("model", None)``  (its input)
+``embed``, ``lm_head``        ``[V, E]``             ``P("model", None)``  (vocabulary)
+norms, ``bo``, others         any                    ``P()``  (replicated)
+KV cache ``key``/``value``    ``[L, R, S, K, D]``    ``P(None, "data", None, "model", None)``
+                                                     (``K`` replicated when ``t`` does not
+                                                     divide it, as vLLM does for ``t > K``)
+`BatchState` / metadata rows  ``[R, ...]``           ``P("data")``; scalars ``P()``
+============================  =====================  ==========================================
+
+With these specs XLA's SPMD partitioner inserts the collectives: one all-reduce over ``model``
+after ``wo`` and after ``w_down`` per layer, and the logits come out sharded over the vocabulary
+(the sampler then runs on them as GSPMD partitions it; see `jaxengine.sample` and the README for
+the vocabulary-sharded sampler's design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+#: Name of the mesh axis over batch rows (data parallelism).
+DATA = "data"
+#: Name of the mesh axis over heads, intermediate size and vocabulary (tensor parallelism).
+MODEL = "model"
+
+# Which dimension of each named parameter is split over MODEL (by its last path name).
+_MODEL_DIM = {
+  "wq": 1,
+  "wk": 1,
+  "wv": 1,
+  "bq": 0,
+  "bk": 0,
+  "bv": 0,
+  "wo": 0,
+  "w_gate": 1,
+  "w_up": 1,
+  "w_down": 0,
+  "embed": 0,
+  "lm_head": 0,
+}
+
+
+def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
+  """Both sizes as ints.
+
+  Raises:
+    ValueError: naming the field and value, for a size that is not a positive int.
+  """
+  sizes = []
+  for name, value in (
+    ("tensor_parallel_size", tensor_parallel_size),
+    ("data_parallel_size", data_parallel_size),
+  ):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+    sizes.append(int(value))
+  return sizes[0], sizes[1]
+
+
+def check_heads(num_attention_heads: int, tensor_parallel_size: int) -> None:
+  """Raises ValueError unless `tensor_parallel_size` divides `num_attention_heads`."""
+  if num_attention_heads % tensor_parallel_size:
+    raise ValueError(
+      f"tensor_parallel_size={tensor_parallel_size} must divide the model's "
+      f"num_attention_heads={num_attention_heads}"
+    )
+
+
+def make_mesh(
+  tensor_parallel_size: int = 1,
+  data_parallel_size: int = 1,
+  devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+  """A ``(data, model)`` mesh of ``data_parallel_size x tensor_parallel_size`` devices.
+
+  Args:
+    tensor_parallel_size: devices along `MODEL` (consecutive devices: the fastest links).
+    data_parallel_size: devices along `DATA`.
+    devices: devices to use (default `jax.devices()`, every process's devices under
+      `jax.distributed`); the first ``d * t`` are taken.
+
+  Raises:
+    ValueError: a size that is not a positive int, or more devices asked than there are.
+  """
+  t, d = check_sizes(tensor_parallel_size, data_parallel_size)
+  devices = list(jax.devices() if devices is None else devices)
+  if d * t > len(devices):
+    raise ValueError(
+      f"tensor_parallel_size={t} x data_parallel_size={d} needs {d * t} devices, "
+      f"only {len(devices)} available"
+    )
+  return Mesh(np.array(devices[: d * t]).reshape(d, t), (DATA, MODEL))
+
+
+def check_mesh(mesh: Any) -> Mesh:
+  """`mesh` if it is a `Mesh` with the `DATA` and `MODEL` axes (either may have size 1).
+
+  Raises:
+    ValueError: naming the mesh's axes otherwise.
+  """
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if set(mesh.axis_names) != {DATA, MODEL}:
+    raise ValueError(
+      f"mesh must have exactly the axes ({DATA!r}, {MODEL!r}), got {tuple(mesh.axis_names)}"
+    )
+  return mesh
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+  """Devices along `axis` of `mesh`."""
+  return int(mesh.shape[axis])
+
+
+def _split(shape: tuple[int, ...], dim: int, axis: str, size: int) -> P:
+  """A spec splitting `dim` over `axis` when `size` divides it, else replicated."""
+  if dim >= len(shape) or shape[dim] % size:
+    return P()
+  return P(*(axis if i == dim else None for i in range(len(shape))))
+
+
+def weight_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+  """The partition spec of one parameter, by its last path name (see the module's table).
+
+  Args:
+    name: the parameter's attribute name (``"wq"``, ``"w_down"``, ``"embed"``, ...); an unknown
+      name is replicated.
+    shape: its shape. For stacked layers (a leading layer axis) the split dimension shifts
+      by the extra rank: a ``[L, E, H, D]`` ``wq`` splits dimension 2.
+    tensor_parallel_size: `t`.
+  """
+  if name not in _MODEL_DIM or tensor_parallel_size == 1:
+    return P()
+  base_rank = {"wq": 3, "wk": 3, "wv": 3, "wo": 3, "bq": 2, "bk": 2, "bv": 2}.get(name, 2)
+  dim = _MODEL_DIM[name] + max(len(shape) - base_rank, 0)
+  return _split(shape, dim, MODEL, tensor_parallel_size)
+
+
+def weight_shardings(weights: Any, mesh: Mesh) -> Any:
+  """`NamedSharding`s for a model's weights (an `nnx.State` or any pytree of arrays).
+
+  Each leaf's spec comes from `weight_spec` on the last name of its path.
+  """
+  t = axis_size(mesh, MODEL)
+
+  def one(path, leaf):
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names = [n for n in names if isinstance(n, str) and n != "value"]
+    name = names[-1] if names else ""
+    return NamedSharding(mesh, weight_spec(name, tuple(leaf.shape), t))
+
+  return jax.tree_util.tree_map_with_path(one, weights)
+
+
+def kv_cache_spec(num_slots: int, num_kv_heads: int, mesh: Mesh) -> P:
+  """Spec of a ``[L, slots, S, K, D]`` cache leaf: slots over `DATA`, kv heads over `MODEL`."""
+  d, t = axis_size(mesh, DATA), axis_size(mesh, MODEL)
+  slots = DATA if num_slots % d == 0 and d > 1 else None
+  heads = MODEL if num_kv_heads % t == 0 and t > 1 else None
+  return P(None, slots, None, heads, None)
+
+
+def row_shardings(tree: Any, num_rows: int, mesh: Mesh) -> Any:
+  """`NamedSharding`s for batch state or metadata: leaves of leading dimension `num_rows` over
+  `DATA`, every other leaf (scalars, batch-wide flags) replicated."""
+  d = axis_size(mesh, DATA)
+
+  def one(leaf):
+    shape = getattr(leaf, "shape", ())
+    by_row = len(shape) >= 1 and shape[0] == num_rows and num_rows % d == 0 and d > 1
+    return NamedSharding(mesh, P(DATA) if by_row else P())
+
+  return jax.tree.map(one, tree)
+
+
+def replicated(tree: Any, mesh: Mesh) -> Any:
+  """A replicated `NamedSharding` for every leaf of `tree`."""
+  return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
