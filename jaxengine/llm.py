@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
+from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
 from jaxengine.models import Model, load_gguf
 from jaxengine.models.hub import resolve_model
@@ -56,6 +57,15 @@ class LLM:
       "processed_logits".
     revision: hub branch, tag or commit of a hub id (default `main`).
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
+    compilation_cache: JAX's persistent compilation cache, so a second process start reads the
+      compiled steps from disk instead of compiling them again. True (default): the directory
+      of the `JAXENGINE_COMPILATION_CACHE` environment variable (`off` disables it), else
+      `$XDG_CACHE_HOME/jaxengine/xla` (`~/.cache/jaxengine/xla`); a path: that directory;
+      False: no cache. A directory already configured in JAX (`jax_compilation_cache_dir`,
+      `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
+    precompile: compile every prefill and decode bucket now (with a progress bar),
+      so no request waits for a compile later. Off by default: most runs reach few buckets.
+    num_decode_steps: see `LLMEngine`.
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -81,6 +91,9 @@ class LLM:
     logprobs_mode: str = "raw_logprobs",
     revision: str | None = None,
     download_dir: str | None = None,
+    compilation_cache: bool | str | os.PathLike = True,
+    precompile: bool = False,
+    num_decode_steps: int = 1,
   ):
     if isinstance(dtype, str):
       if dtype not in (*_DTYPES, "auto"):
@@ -88,6 +101,8 @@ class LLM:
       dtype = _DTYPES.get(dtype, dtype)
     elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    # Before anything compiles (loading a model does): every executable then goes to the cache.
+    self.compilation_cache_dir = enable_compilation_cache(compilation_cache)
     eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
       model, tokenizer, eos_token_id = _load_model(
@@ -102,7 +117,10 @@ class LLM:
       logprobs_mode=logprobs_mode,
       seed=seed,
       eos_token_id=eos_token_id,
+      num_decode_steps=num_decode_steps,
     )
+    if precompile:
+      self.llm_engine.precompile()
 
   def load_weights(self, weights) -> None:
     """Puts new weights into the engine's model without recompiling anything.
