@@ -79,7 +79,7 @@ def enable_compilation_cache(compilation_cache: bool | str | os.PathLike = True)
     ValueError: as `resolve_cache_dir`.
   """
   wanted = resolve_cache_dir(compilation_cache)
-  configured = jax.config.jax_compilation_cache_dir
+  configured = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
   if configured:
     return Path(configured)
   if wanted is None:

@@ -85,22 +85,22 @@ def _steps_to_host(batch: InputBatch, output: MultiStepOutput) -> HostMultiStepO
   num_reqs = batch.num_reqs
   num_logprobs = max(batch._num_logprobs.values(), default=None)
   logprobs = None if num_logprobs is None else output.logprobs
-  tokens, counts, logprobs = jax.device_get(
-    (output.sampled_token_ids, output.num_sampled, logprobs)
-  )
+  tokens, counts, fetched = jax.device_get((output.sampled_token_ids, output.num_sampled, logprobs))
   tokens, counts = np.asarray(tokens)[:, :num_reqs], np.asarray(counts)[:num_reqs]
   num_steps = int(counts.max(initial=0))
   steps = []
   for j in range(num_steps):
     step_logprobs = None
-    if logprobs is not None:
+    if fetched is not None and num_logprobs is not None:
       columns = num_logprobs + 1
       step_logprobs = LogprobsArrays(
-        token_ids=logprobs.token_ids[j, :num_reqs, :columns],
-        logprobs=logprobs.logprobs[j, :num_reqs, :columns],
-        ranks=logprobs.ranks[j, :num_reqs],
+        token_ids=fetched.token_ids[j, :num_reqs, :columns],
+        logprobs=fetched.logprobs[j, :num_reqs, :columns],
+        ranks=fetched.ranks[j, :num_reqs],
       )
     steps.append(HostSamplerOutput(sampled_token_ids=tokens[j], logprobs=step_logprobs))
   for row, count in enumerate(counts.tolist()):
-    batch._req_output_token_ids[row].extend(tokens[:count, row].tolist())
+    row_tokens = batch._req_output_token_ids[row]
+    assert row_tokens is not None  # rows [0, num_reqs) are live after condense
+    row_tokens.extend(tokens[:count, row].tolist())
   return HostMultiStepOutput(steps=steps, num_sampled=counts)
