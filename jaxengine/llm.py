@@ -65,7 +65,7 @@ class LLM:
       `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
     precompile: compile every prefill and decode bucket now (with a progress bar),
       so no request waits for a compile later. Off by default: most runs reach few buckets.
-    num_decode_steps: see `LLMEngine`.
+    num_decode_steps, prefill_once_per_request: see `LLMEngine`.
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -94,6 +94,7 @@ class LLM:
     compilation_cache: bool | str | os.PathLike = True,
     precompile: bool = False,
     num_decode_steps: int = 1,
+    prefill_once_per_request: bool = True,
   ):
     if isinstance(dtype, str):
       if dtype not in (*_DTYPES, "auto"):
@@ -118,6 +119,7 @@ class LLM:
       seed=seed,
       eos_token_id=eos_token_id,
       num_decode_steps=num_decode_steps,
+      prefill_once_per_request=prefill_once_per_request,
     )
     if precompile:
       self.llm_engine.precompile()

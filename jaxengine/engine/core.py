@@ -53,6 +53,9 @@ class LLMEngine:
       what follows a match is discarded). While requests wait for a row, a dispatch ends as soon
       as some row finishes, so a freed row is refilled at once; a request added while the
       batch runs waits at most one dispatch of `k` steps.
+    prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
+      share one prefill of the prompt: the others take a device copy of its cached keys and
+      values (default True; False prefills every sample, as before).
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
@@ -71,11 +74,13 @@ class LLMEngine:
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
     num_decode_steps: int = 1,
+    prefill_once_per_request: bool = True,
   ):
     check_model(model)
     if not is_int(num_decode_steps) or num_decode_steps < 1:
       raise ValueError(f"num_decode_steps must be an int >= 1, got {num_decode_steps!r}")
     self.num_decode_steps = int(num_decode_steps)
+    self.prefill_once_per_request = bool(prefill_once_per_request)
     if eos_token_id is None:
       eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
     if isinstance(eos_token_id, Sequence):
@@ -181,7 +186,12 @@ class LLMEngine:
     for completion in admitted:
       self.runner.add(completion)
     if admitted:
-      prompt_logprobs = self.runner.prefill(admitted)
+      prefill = (
+        self.runner.prefill_once_per_request
+        if self.prefill_once_per_request
+        else self.runner.prefill
+      )
+      prompt_logprobs = prefill(admitted)
       for completion in admitted:
         self._set_prompt_logprobs(completion, prompt_logprobs)
     if not self.scheduler.running:

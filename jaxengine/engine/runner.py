@@ -34,6 +34,7 @@ from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.batch.multi_step import HostMultiStepOutput, run_steps
 from jaxengine.engine.multi_step import decode_steps, device_stop_rules, stop_rule_arrays
 from jaxengine.engine.requests import Completion
+from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.weights import (
@@ -313,6 +314,20 @@ class ModelRunner:
         chunk = group[start : start + self.max_num_reqs]
         prompt_logprobs.update(self._prefill_group(chunk, length, wants_logprobs))
     return {k: v for k, v in prompt_logprobs.items() if v is not None}
+
+  def prefill_once_per_request(
+    self, completions: Sequence[Completion]
+  ) -> dict[str, LogprobsArrays]:
+    """`prefill`, once per request: the other samples of a request admitted together take a
+    copy of its cached prompt (`engine/shared_prefill.py`). Same arguments and result."""
+    prefilled, copies = plan_shared_prefill(completions)
+    prompt_logprobs = self.prefill(prefilled)
+    if copies:
+      slot = self.input_batch.cache_slot
+      pairs = [(slot(source.seq_id), slot(target.seq_id)) for source, target in copies]
+      src, dst = copy_plan_arrays(pairs, self.max_num_reqs, self.kv_cache.num_slots)
+      self.kv_cache = copy_slots(self.kv_cache, src, dst)
+    return prompt_logprobs
 
   def _prefill_group(
     self, group: list[Completion], length: int, wants_logprobs: bool
