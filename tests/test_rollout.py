@@ -118,9 +118,10 @@ def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, co
 
 
 def test_stop_strings_and_min_tokens_are_checked_on_the_host_after_the_loop():
-  # The real tokenizer on a tiny random model: text full of short pieces for stop strings to hit.
+  # The real tokenizer on a tiny random model of its first 512 ids (bytes and short pieces such
+  # as "e", "th", " a"): text full of short pieces for stop strings to hit.
   tokenizer = Tokenizer.from_gguf()
-  model = tiny_llama(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1)[0]
+  model = tiny_llama(vocab_size=512, hidden_size=32, num_hidden_layers=1)[0]
   mixes = [
     je.SamplingParams(temperature=1.0, seed=s, max_tokens=16, stop=stop, min_tokens=m, **extra)
     for s, (stop, m, extra) in enumerate(
@@ -131,7 +132,7 @@ def test_stop_strings_and_min_tokens_are_checked_on_the_host_after_the_loop():
       ]
     )
   ]
-  prompts = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
+  prompts = [[100, 200, 300], [400, 401], [50, 60, 70, 80]]
   outputs = [
     _run(
       LLMEngine(model, tokenizer, max_num_reqs=2, max_model_len=32, num_decode_steps=k),
