@@ -48,14 +48,17 @@ class LLMEngine:
       like vLLM, those finish with `stop_reason` set to the id, unless `ignore_eos`.
     num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
       loop (default 1: one token per step). Larger values pay the host round trip once per `k`
-      tokens; outputs are identical (rows stop on the device at EOS, stop ids and the length
-      limits, never before `min_tokens`; stop strings are checked on the host afterwards and
-      what follows a match is discarded). While requests wait for a row, a dispatch ends as soon
-      as some row finishes, so a freed row is refilled at once; a request added while the
-      batch runs waits at most one dispatch of `k` steps.
+      tokens. Tokens, text and finish reasons are those of k = 1 (rows stop on the device at
+      EOS, stop ids and the length limits, never before `min_tokens`; stop strings are checked
+      on the host afterwards and what follows a match is discarded); logprob values agree to
+      float32 rounding (a finished row leaves the row bucket at the end of the dispatch).
+      While requests wait for a row, a dispatch ends as soon as some row finishes, so a freed
+      row is refilled at once; a request added while the batch runs waits at most one
+      dispatch of `k` steps.
     prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
       share one prefill of the prompt: the others take a device copy of its cached keys and
-      values (default True; False prefills every sample, as before).
+      values (default True; False prefills every sample, as before). Same outputs (logprob
+      values to float32 rounding: the prefill runs in another row bucket).
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
