@@ -14,8 +14,20 @@ time), and the share of one decode step spent in the sampler (a jitted sampler s
 `[max_num_reqs, vocab]` logits over the same batch, against the fused forward + sample step).
 A warm-up generation of the same shapes runs first, so compile time is excluded.
 
+With `--grpo`: an RL-rollout workload instead (issue 14). `--grpo-prompts` prompts of
+`--prompt-len` tokens, the first `--prefix-len` of them a shared system prefix, `--n` samples
+each, `--max-tokens` new tokens (temperature 1, ignore_eos, logprobs of the sampled token), all
+submitted at once. Engine variants, each warmed up once and then timed interleaved with the
+others (`--repeats` rounds, best run counts): the baseline (one decode step per dispatch, every
+sample prefilled), `+ k steps` (`num_decode_steps=K`), `+ one prefill for n`
+(`prefill_once_per_request`). Reports tokens/s (generated tokens / wall time) and the mean time
+to first token, and checks that every variant produced the same tokens.
+The issue's full shape is `--grpo-prompts 64 --prompt-len 256 --prefix-len 200 --n 8
+--max-tokens 128`; the defaults are scaled down to run in minutes on a 2-core CPU.
+
 Usage:
   python benchmarks/bench_generate.py                         # B = 1, 8, 32
+  python benchmarks/bench_generate.py --grpo --num-decode-steps 8
   python benchmarks/bench_generate.py --batch-sizes 8 --max-tokens 32
 """
 
@@ -134,6 +146,78 @@ def compare_hf(args) -> None:
     )
 
 
+def _grpo_prompts(tokenizer, args) -> list[list[int]]:
+  text = "You are a careful assistant. Think step by step and answer briefly. " * 64
+  prefix = tokenizer.encode(text)[: args.prefix_len]
+  words = tokenizer.encode("Solve the following problem about numbers and shapes. " * 64)
+  return [
+    prefix + words[i : i + args.prompt_len - args.prefix_len] for i in range(args.grpo_prompts)
+  ]
+
+
+def _rollout(engine, prompts, params) -> tuple[float, float, list[list[int]]]:
+  """One rollout: (wall seconds, mean seconds to first token, token ids per completion)."""
+  start = time.perf_counter()
+  ids = engine.add_requests([(None, p, params) for p in prompts])
+  first_token: dict[str, float] = {}
+  while engine.has_unfinished_requests():
+    for output in engine.step():
+      if output.request_id not in first_token and any(c.token_ids for c in output.outputs):
+        first_token[output.request_id] = time.perf_counter() - start
+  wall = time.perf_counter() - start
+  outputs = {o.request_id: o for o in engine.pop_finished()}
+  tokens = [c.token_ids for i in ids for c in outputs[i].outputs]
+  return wall, statistics.mean(first_token.values()), tokens
+
+
+def grpo(args) -> None:
+  """Tokens/s and time to first token of an RL-rollout workload, per engine variant."""
+  from jaxengine.engine import LLMEngine
+
+  llm = je.LLM(max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len, dtype=args.dtype)
+  model, tokenizer = llm.llm_engine.runner.model, llm.get_tokenizer()
+  prompts = _grpo_prompts(tokenizer, args)
+  params = je.SamplingParams(
+    temperature=1.0, n=args.n, seed=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0
+  )
+  variants = {
+    "baseline (k=1, n prefills)": dict(num_decode_steps=1, prefill_once_per_request=False),
+    f"+ k={args.num_decode_steps} steps": dict(
+      num_decode_steps=args.num_decode_steps, prefill_once_per_request=False
+    ),
+    "+ one prefill for n": dict(
+      num_decode_steps=args.num_decode_steps, prefill_once_per_request=True
+    ),
+  }
+  engines = {
+    name: LLMEngine(
+      model, tokenizer, max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len, **kw
+    )
+    for name, kw in variants.items()
+  }
+  results: dict[str, tuple[float, float]] = {}
+  reference = None
+  for name, engine in engines.items():  # warm-up: compiles every shape used below
+    _, _, tokens = _rollout(engine, prompts, params)
+    reference = reference or tokens
+    differ = sum(a != b for a, b in zip(tokens, reference))
+    print(f"# {name}: {differ} of {len(tokens)} completions differ from the baseline", flush=True)
+  for _ in range(args.repeats):  # interleaved, so drifts in machine speed touch all alike
+    for name, engine in engines.items():
+      wall, ttft, _ = _rollout(engine, prompts, params)
+      if name not in results or wall < results[name][0]:
+        results[name] = (wall, ttft)
+  generated = len(prompts) * args.n * args.max_tokens
+  base = results[next(iter(results))][0]
+  print(
+    f"# GRPO-shaped: {len(prompts)} prompts x n={args.n}, prompt {args.prompt_len} tokens "
+    f"({args.prefix_len} shared), {args.max_tokens} new tokens, {args.max_num_reqs} rows"
+  )
+  print("| variant | tok/s | vs baseline | mean TTFT s |\n|---|---:|---:|---:|")
+  for name, (wall, ttft) in results.items():
+    print(f"| {name} | {generated / wall:.1f} | {base / wall:.2f}x | {ttft:.2f} |", flush=True)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -142,6 +226,12 @@ def main(argv=None) -> None:
   parser.add_argument("--max-model-len", type=int, default=256)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--compare-hf", action="store_true", help="jaxengine vs HF generate")
+  parser.add_argument("--grpo", action="store_true", help="the RL-rollout workload (issue 14)")
+  parser.add_argument("--grpo-prompts", type=int, default=4)
+  parser.add_argument("--prefix-len", type=int, default=48)
+  parser.add_argument("--n", type=int, default=4)
+  parser.add_argument("--max-num-reqs", type=int, default=16)
+  parser.add_argument("--num-decode-steps", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=2, help="timed runs per system (--compare-hf)")
   args = parser.parse_args(argv)
   print(
@@ -152,6 +242,9 @@ def main(argv=None) -> None:
   )
   if args.compare_hf:
     compare_hf(args)
+    return
+  if args.grpo:
+    grpo(args)
     return
   params = je.SamplingParams(max_tokens=args.max_tokens, **PARAMS)
   for size in args.batch_sizes:

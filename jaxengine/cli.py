@@ -51,7 +51,8 @@ def _token_id_list(text: str) -> list[int]:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-  """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype.
+  """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype,
+  --compilation-cache, --precompile, --num-decode-steps, --engine-seed.
 
   The counts are checked while parsing, so a bad value is a usage error before any model loads.
   """
@@ -74,6 +75,23 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     default="auto",
     choices=["auto", "float32", "bfloat16"],
     help="weights and KV cache (auto: float32 on CPU, the checkpoint's dtype on accelerators)",
+  )
+  group.add_argument(
+    "--compilation-cache",
+    metavar="DIR",
+    default=None,
+    help="persistent compilation cache directory, or 'off' (default: $JAXENGINE_COMPILATION_CACHE,"
+    " else ~/.cache/jaxengine/xla)",
+  )
+  group.add_argument(
+    "--precompile", action="store_true", help="compile every prefill and decode bucket at start"
+  )
+  group.add_argument(
+    "--num-decode-steps",
+    metavar="K",
+    type=_positive_int,
+    default=1,
+    help="decode steps per device dispatch (outputs are the same for every K)",
   )
   group.add_argument(
     "--engine-seed",
@@ -335,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       dtype=args.dtype,
       seed=args.engine_seed,
       max_num_logprobs=-1 if args.logprobs == -1 else max(20, args.logprobs or 0),
+      compilation_cache=_compilation_cache(args.compilation_cache),
+      precompile=args.precompile,
+      num_decode_steps=args.num_decode_steps,
     )
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
@@ -347,6 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as error:  # a request the engine refuses (e.g. a prompt that is too long)
     print(f"jaxengine: {error}", file=sys.stderr)
     return 2
+
+
+def _compilation_cache(value: str | None) -> bool | str:
+  """`--compilation-cache`: None -> True (the default directory), "off" -> False, else a path."""
+  if value is None:
+    return True
+  return False if value.strip().lower() in ("off", "0", "false", "no") else value
 
 
 def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from jaxengine import parallel
+from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.placement import num_attention_heads
 from jaxengine.models import Model, load_gguf
@@ -66,6 +67,15 @@ class LLM:
       divide `max_num_reqs`.
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
+    compilation_cache: JAX's persistent compilation cache, so a second process start reads the
+      compiled steps from disk instead of compiling them again. True (default): the directory
+      of the `JAXENGINE_COMPILATION_CACHE` environment variable (`off` disables it), else
+      `$XDG_CACHE_HOME/jaxengine/xla` (`~/.cache/jaxengine/xla`); a path: that directory;
+      False: no cache. A directory already configured in JAX (`jax_compilation_cache_dir`,
+      `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
+    precompile: compile every prefill and decode bucket now (with a progress bar),
+      so no request waits for a compile later. Off by default: most runs reach few buckets.
+    num_decode_steps, prefill_once_per_request: see `LLMEngine`.
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -97,6 +107,10 @@ class LLM:
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     mesh: jax.sharding.Mesh | None = None,
+    compilation_cache: bool | str | os.PathLike = True,
+    precompile: bool = False,
+    num_decode_steps: int = 1,
+    prefill_once_per_request: bool = True,
   ):
     t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
     if mesh is not None:
@@ -120,6 +134,8 @@ class LLM:
       dtype = _DTYPES.get(dtype, dtype)
     elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    # Before anything compiles (loading a model does): every executable then goes to the cache.
+    self.compilation_cache_dir = enable_compilation_cache(compilation_cache)
     eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
       model, tokenizer, eos_token_id = _load_model(
@@ -135,7 +151,11 @@ class LLM:
       seed=seed,
       eos_token_id=eos_token_id,
       mesh=mesh,
+      num_decode_steps=num_decode_steps,
+      prefill_once_per_request=prefill_once_per_request,
     )
+    if precompile:
+      self.llm_engine.precompile()
 
   def load_weights(self, weights) -> None:
     """Puts new weights into the engine's model without recompiling anything.

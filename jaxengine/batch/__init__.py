@@ -3,6 +3,7 @@
 input_batch.py   InputBatch: rows, ids, cache slots, composition changes, sampling on the host
 rows.py          validating one request and encoding it as a `RowUpdate`
 host_output.py   HostSamplerOutput, LogprobsArrays: NumPy results over the live rows
+multi_step.py    run_steps: host bookkeeping of a k-step device loop (up to k tokens per row)
 """
 
 from jaxengine.batch.host_output import HostSamplerOutput, LogprobsArrays

@@ -4,6 +4,8 @@ requests.py          host records: a `Request` and its `Completion`s
 input_processor.py   prompts and `SamplingParams` -> validated `Request`s
 scheduler.py         which completions run (first come, first served, within the batch's rows)
 runner.py            `ModelRunner`: weights, KV cache, persistent batch, jitted prefill/decode
+multi_step.py        k decode-and-sample steps in one device loop, rows stopping on the device
+shared_prefill.py    one prefill for the n samples of a request (KV copied between slots)
 output_processor.py  tokens -> logprob dicts, text and stop rules
 core.py              `LLMEngine`, which wires them together
 """

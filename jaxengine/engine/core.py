@@ -26,7 +26,7 @@ from jaxengine.engine.runner import ModelRunner
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
 
 #: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`.
@@ -50,6 +50,19 @@ class LLMEngine:
       like vLLM, those finish with `stop_reason` set to the id, unless `ignore_eos`.
     mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``: see
       `ModelRunner` and `jaxengine.parallel`.
+    num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
+      loop (default 1: one token per step). Larger values pay the host round trip once per `k`
+      tokens. Tokens, text and finish reasons are those of k = 1 (rows stop on the device at
+      EOS, stop ids and the length limits, never before `min_tokens`; stop strings are checked
+      on the host afterwards and what follows a match is discarded); logprob values agree to
+      float32 rounding (a finished row leaves the row bucket at the end of the dispatch).
+      While requests wait for a row, a dispatch ends as soon as some row finishes, so a freed
+      row is refilled at once; a request added while the batch runs waits at most one
+      dispatch of `k` steps.
+    prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
+      share one prefill of the prompt: the others take a device copy of its cached keys and
+      values (default True; False prefills every sample, as before). Same outputs (logprob
+      values to float32 rounding: the prefill runs in another row bucket).
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
@@ -68,8 +81,19 @@ class LLMEngine:
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    num_decode_steps: int = 1,
+    prefill_once_per_request: bool = True,
   ):
     check_model(model)
+    if not is_int(num_decode_steps) or num_decode_steps < 1:
+      raise ValueError(f"num_decode_steps must be an int >= 1, got {num_decode_steps!r}")
+    if num_decode_steps > 1 and mesh is not None:
+      raise ValueError(
+        f"num_decode_steps={num_decode_steps} is not supported on a mesh yet (its device loop "
+        "has no sharding annotations); use num_decode_steps=1 with a mesh"
+      )
+    self.num_decode_steps = int(num_decode_steps)
+    self.prefill_once_per_request = bool(prefill_once_per_request)
     if eos_token_id is None:
       eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
     if isinstance(eos_token_id, Sequence):
@@ -154,6 +178,15 @@ class LLMEngine:
     """
     self.runner.load_weights(weights)
 
+  def precompile(self, use_tqdm: bool = True) -> int:
+    """Compiles every prefill and decode bucket (see `ModelRunner.precompile`); returns how
+    many step shapes ran.
+
+    Raises:
+      ValueError: if requests are running (precompile before adding any).
+    """
+    return self.runner.precompile(self.num_decode_steps, use_tqdm=use_tqdm)
+
   # --- the step -------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
@@ -166,11 +199,18 @@ class LLMEngine:
     for completion in admitted:
       self.runner.add(completion)
     if admitted:
-      prompt_logprobs = self.runner.prefill(admitted)
+      prefill = (
+        self.runner.prefill_once_per_request
+        if self.prefill_once_per_request
+        else self.runner.prefill
+      )
+      prompt_logprobs = prefill(admitted)
       for completion in admitted:
         self._set_prompt_logprobs(completion, prompt_logprobs)
     if not self.scheduler.running:
       return []
+    if self.num_decode_steps > 1:
+      return self._apply_steps()
     decoded = self.runner.decode()
     advanced: dict[str, Request] = {}
     for row, seq_id in enumerate(decoded.req_ids):
@@ -180,6 +220,26 @@ class LLMEngine:
       if completion.finish_reason is not None:
         self.scheduler.finish(completion)
         self.runner.remove(seq_id)
+    return [r.output() for r in advanced.values()]
+
+  def _apply_steps(self) -> list[RequestOutput]:
+    """Runs up to `num_decode_steps` steps on the device, then applies each row's tokens in
+    order; a completion that finishes (a stop string the device could not see) drops the rest."""
+    decoded = self.runner.decode_steps(
+      self.num_decode_steps, end_on_first_finish=bool(self.scheduler.waiting)
+    )
+    completions = [self.scheduler.running[seq_id] for seq_id in decoded.req_ids]
+    num_sampled = decoded.sampled.num_sampled.tolist()
+    for j, sampled in enumerate(decoded.sampled.steps):
+      for row, completion in enumerate(completions):
+        if j < num_sampled[row] and completion.finish_reason is None:
+          self.output_processor.append(completion, row, sampled)
+    advanced: dict[str, Request] = {}
+    for completion in completions:
+      advanced[completion.request.request_id] = completion.request
+      if completion.finish_reason is not None:
+        self.scheduler.finish(completion)
+        self.runner.remove(completion.seq_id)
     return [r.output() for r in advanced.values()]
 
   def _set_prompt_logprobs(self, completion, prompt_logprobs) -> None:

@@ -28,11 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from jaxengine import parallel
 from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
+from jaxengine.batch.multi_step import HostMultiStepOutput, run_steps
+from jaxengine.engine.multi_step import decode_steps, device_stop_rules, stop_rule_arrays
 from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.requests import Completion
+from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.weights import (
@@ -65,6 +69,19 @@ def buckets(limit: int, start: int) -> list[int]:
 def bucket(n: int, sizes: list[int]) -> int:
   """The smallest of `sizes` holding `n`."""
   return next(b for b in sizes if b >= n)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiStepOutput:
+  """Several decode steps on the host.
+
+  Attributes:
+    req_ids: the batch's row ids (`num_reqs`), the order of the arrays below.
+    sampled: per step, the sampler's host output over those rows, and each row's valid steps.
+  """
+
+  req_ids: list[str]
+  sampled: HostMultiStepOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +229,15 @@ class ModelRunner:
       donate_argnames=("kv_cache",),
       **jit_args["prefill_logprobs"],
     )
+    self._decode_steps = jax.jit(
+      functools.partial(decode_steps, self._graphdef),
+      static_argnames=("attention_len", "num_rows", "num_steps"),
+      donate_argnames=("state", "kv_cache"),
+    )
+    self._stop_rules: dict[str, tuple[int, tuple[int, ...]]] = {}
+    self.max_num_device_stop_ids = input_batch.config.max_num_stop_token_ids + len(
+      input_batch.eos_token_ids
+    )
     self.length_buckets = buckets(self.max_model_len, min(MIN_LENGTH_BUCKET, self.max_model_len))
     self.attention_buckets = buckets(
       self.max_model_len, min(MIN_ATTENTION_BUCKET, self.max_model_len)
@@ -277,10 +303,14 @@ class ModelRunner:
     """Gives a completion a row of the batch (and its KV-cache slot)."""
     request = completion.request
     self.input_batch.add_request(completion.seq_id, request.prompt_token_ids, completion.params)
+    self._stop_rules[completion.seq_id] = device_stop_rules(
+      completion.params, self.input_batch.eos_token_ids, self.max_model_len
+    )
 
   def remove(self, seq_id: str) -> None:
     """Frees a completion's row; the next step condenses the batch."""
     self.input_batch.remove_request(seq_id)
+    self._stop_rules.pop(seq_id, None)
 
   # --- device steps -----------------------------------------------------------------------------
 
@@ -309,6 +339,20 @@ class ModelRunner:
         chunk = group[start : start + self.max_num_reqs]
         prompt_logprobs.update(self._prefill_group(chunk, length, wants_logprobs))
     return {k: v for k, v in prompt_logprobs.items() if v is not None}
+
+  def prefill_once_per_request(
+    self, completions: Sequence[Completion]
+  ) -> dict[str, LogprobsArrays]:
+    """`prefill`, once per request: the other samples of a request admitted together take a
+    copy of its cached prompt (`engine/shared_prefill.py`). Same arguments and result."""
+    prefilled, copies = plan_shared_prefill(completions)
+    prompt_logprobs = self.prefill(prefilled)
+    if copies:
+      slot = self.input_batch.cache_slot
+      pairs = [(slot(source.seq_id), slot(target.seq_id)) for source, target in copies]
+      src, dst = copy_plan_arrays(pairs, self.max_num_reqs, self.kv_cache.num_slots)
+      self.kv_cache = copy_slots(self.kv_cache, src, dst)
+    return prompt_logprobs
 
   def _prefill_group(
     self, group: list[Completion], length: int, wants_logprobs: bool
@@ -366,3 +410,92 @@ class ModelRunner:
     state = jax.device_put(state, self._placement.state)
     metadata = jax.device_put(metadata, self._placement.metadata)
     return self._decode(state, metadata, *args)
+
+  def decode_steps(self, num_steps: int, end_on_first_finish: bool = False) -> MultiStepOutput:
+    """Up to `num_steps` decode-and-sample steps in one device loop (`engine/multi_step.py`).
+
+    Rows stop on the device at their length limits, EOS and stop ids (never before
+    `min_tokens`); every valid token is appended to the batch.
+
+    Args:
+      num_steps: `k`, the most steps (static: one executable per value).
+      end_on_first_finish: end the loop once some row stops (requests are waiting for a row).
+
+    Raises:
+      ValueError: if a row already holds `max_model_len` tokens (nothing changes then).
+    """
+    batch = self.input_batch
+    longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
+    # The last step feeds position longest + k - 2 and attends to every position up to it.
+    attention_len = bucket(min(longest + num_steps - 1, self.max_model_len), self.attention_buckets)
+    num_rows = bucket(batch.num_reqs, self.row_buckets)
+    if any(rid is None for rid in batch.req_ids):
+      batch.condense()
+    rules = [self._stop_rules[seq_id] for seq_id in batch.req_ids]
+    max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, self.max_num_device_stop_ids)
+    output, kv_cache = run_steps(
+      batch,
+      self._decode_steps,
+      self.weights,
+      self.kv_cache,
+      max_output_tokens,
+      stop_ids,
+      np.bool_(end_on_first_finish),
+      attention_len=attention_len,
+      num_rows=num_rows,
+      num_steps=num_steps,
+    )
+    self.kv_cache = cast(KVCache, kv_cache)
+    return MultiStepOutput(req_ids=batch.req_ids, sampled=output)
+
+  def precompile(self, num_decode_steps: int = 1, use_tqdm: bool = True) -> int:
+    """Compiles every prefill and decode bucket now, so no request waits for a compile later.
+
+    Runs each step once on an empty batch (prefill writes go past `max_model_len`, where the
+    cache drops them; decode has no live row), which also fills JAX's persistent compilation
+    cache when it is on. Prefill with prompt logprobs is left to compile when first asked for.
+
+    Args:
+      num_decode_steps: the engine's `k`: the one-step decode for 1, else the `k`-step loop.
+      use_tqdm: show a progress bar.
+
+    Returns:
+      The number of step shapes run.
+
+    Raises:
+      ValueError: if the batch holds requests (precompile before adding any).
+    """
+    batch = self.input_batch
+    if batch.num_reqs:
+      raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
+    shapes = [("prefill", rows, n) for rows in self.row_buckets for n in self.length_buckets]
+    shapes += [("decode", rows, n) for rows in self.row_buckets for n in self.attention_buckets]
+    for kind, rows, n in tqdm(shapes, desc="Compiling", disable=not use_tqdm, dynamic_ncols=True):
+      if kind == "prefill":
+        self.kv_cache = self._prefill(
+          self.weights,
+          self.kv_cache,
+          np.zeros((rows, n), np.int32),
+          np.full((rows, n), self.max_model_len, np.int32),
+          np.zeros((rows,), np.int32),
+        )
+      elif num_decode_steps == 1:
+        _, kv_cache = batch.run(self._decode, self.weights, self.kv_cache, n, rows)
+        self.kv_cache = cast(KVCache, kv_cache)
+      else:
+        max_output_tokens, stop_ids = stop_rule_arrays([], rows, self.max_num_device_stop_ids)
+        _, kv_cache = run_steps(
+          batch,
+          self._decode_steps,
+          self.weights,
+          self.kv_cache,
+          max_output_tokens,
+          stop_ids,
+          np.bool_(False),
+          attention_len=n,
+          num_rows=rows,
+          num_steps=num_decode_steps,
+        )
+        self.kv_cache = cast(KVCache, kv_cache)
+    jax.block_until_ready(self.kv_cache)
+    return len(shapes)

@@ -1,0 +1,240 @@
+"""Rollout throughput: several decode steps per dispatch, precompile, the persistent compile cache.
+
+Every feature must leave the outputs exactly as they are without it (tokens, logprobs, text,
+finish and stop reasons), so each test runs the same requests with the feature on and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxengine as je
+from jaxengine.compilation_cache import ENV_VAR, resolve_cache_dir
+from jaxengine.engine import LLMEngine
+from jaxengine.testing import tiny_llama
+from jaxengine.tokenizer import Tokenizer
+
+EOS = 3
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [4], [20, 21, 22, 23], [30] * 17, [40, 41]]
+MIXES = [
+  je.SamplingParams(temperature=0, max_tokens=13),
+  je.SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=16, logprobs=2),
+  je.SamplingParams(
+    temperature=1.0, top_p=0.5, seed=3, presence_penalty=1.0, max_tokens=24, stop_token_ids=[7, 9]
+  ),
+  je.SamplingParams(
+    temperature=0.5, seed=4, max_tokens=12, min_tokens=5, prompt_logprobs=1,
+    stop_token_ids=[1, 2, 4, 5, 6],
+  ),
+  je.SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=40, logprobs=0),
+  je.SamplingParams(temperature=1.0, seed=6, max_tokens=30, ignore_eos=True, min_tokens=2),
+]  # fmt: skip
+
+
+def assert_same_outputs(got, expected):
+  """Equal in every field; logprob values equal up to float32 rounding (1e-5 relative).
+
+  A row's logits and logprobs come from executables compiled for its row bucket; the bucket
+  around a given step can differ between k = 1 (finished rows leave at once) and k > 1 (they
+  leave at the end of the dispatch), and between a prefill of 1 or of n rows, and XLA may
+  round a reduction differently in another executable (as with other batch mates at k = 1).
+  Tokens, ranks, text and finish reasons must be exactly equal.
+  """
+  assert len(got) == len(expected)
+  for a, b in zip(got, expected):
+    assert dataclasses.replace(a, outputs=[]) == dataclasses.replace(b, outputs=[])
+    for ca, cb in zip(a.outputs, b.outputs, strict=True):
+      fields = ("index", "text", "token_ids", "finish_reason", "stop_reason")
+      assert [getattr(ca, f) for f in fields] == [getattr(cb, f) for f in fields]
+      assert (ca.logprobs is None) == (cb.logprobs is None)
+      if ca.logprobs is None:
+        assert ca.cumulative_logprob == cb.cumulative_logprob
+        continue
+      np.testing.assert_allclose(ca.cumulative_logprob, cb.cumulative_logprob, rtol=1e-5)
+      for da, db in zip(ca.logprobs, cb.logprobs, strict=True):
+        assert [(t, v.rank, v.decoded_token) for t, v in da.items()] == [
+          (t, v.rank, v.decoded_token) for t, v in db.items()
+        ]
+        np.testing.assert_allclose(
+          [v.logprob for v in da.values()], [v.logprob for v in db.values()], rtol=1e-5
+        )
+
+
+def _run(engine: LLMEngine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=False):
+  for i, prompt in enumerate(prompts):
+    engine.add_request(str(i), prompt, mixes[i % len(mixes)])
+    if arrive_while_running:
+      engine.step()
+  while engine.has_unfinished_requests():
+    engine.step()
+  return sorted(engine.pop_finished(), key=lambda o: int(o.request_id))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  return tiny_llama(vocab_size=64)[0]
+
+
+def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, compile_counter):
+  # Two rows for ten completions, arriving while others run: requests wait, rows stop at EOS,
+  # stop ids, max_tokens and max_model_len (ignore_eos reaches 32) at different steps.
+  def engine(k):
+    return LLMEngine(
+      tiny_model, max_num_reqs=2, max_model_len=32, eos_token_id=EOS, num_decode_steps=k
+    )
+
+  single, multi = engine(1), engine(4)
+  expected = _run(single, arrive_while_running=True)
+  compile_counter.reset()
+  assert_same_outputs(_run(multi, arrive_while_running=True), expected)
+  reasons = {(c.finish_reason, c.stop_reason) for o in expected for c in o.outputs}
+  assert {("length", None), ("stop", None)} <= reasons and any(
+    isinstance(r, int) for _, r in reasons
+  )
+  # The compile bound of one step (tests/test_engine.py) with the k-step loop in place of the
+  # decode step: prefill (row buckets) x (length buckets) x (with/without prompt logprobs), the
+  # loop once per (row bucket, attention bucket), write_row, move_rows, the metadata refresh.
+  runner = multi.runner
+  assert (runner.row_buckets, runner.length_buckets, runner.attention_buckets) == (
+    [1, 2],
+    [16, 32],
+    [32],
+  )
+  assert compile_counter.count <= 2 * 2 * 2 + 2 * 1 + 3
+  # Steady: once all-at-once arrival has been seen too (other prefill shapes), the same
+  # arrivals and finishes compile nothing and give the same outputs.
+  assert_same_outputs(_run(multi), expected)
+  compile_counter.reset()
+  assert_same_outputs(_run(multi, arrive_while_running=True), expected)
+  assert_same_outputs(_run(multi), expected)
+  assert compile_counter.count == 0
+
+
+def test_stop_strings_and_min_tokens_are_checked_on_the_host_after_the_loop():
+  # The real tokenizer on a tiny random model of its first 512 ids (bytes and short pieces such
+  # as "e", "th", " a"): text full of short pieces for stop strings to hit.
+  tokenizer = Tokenizer.from_gguf()
+  model = tiny_llama(vocab_size=512, hidden_size=32, num_hidden_layers=1)[0]
+  mixes = [
+    je.SamplingParams(temperature=1.0, seed=s, max_tokens=16, stop=stop, min_tokens=m, **extra)
+    for s, (stop, m, extra) in enumerate(
+      [
+        (["e"], 0, {}),
+        (["a", "th"], 3, {"include_stop_str_in_output": True, "n": 2}),
+        (["o", "i", " "], 6, {"logprobs": 1}),
+      ]
+    )
+  ]
+  prompts = [[100, 200, 300], [400, 401], [50, 60, 70, 80]]
+  outputs = [
+    _run(
+      LLMEngine(model, tokenizer, max_num_reqs=2, max_model_len=32, num_decode_steps=k),
+      prompts,
+      mixes,
+    )
+    for k in (1, 5)
+  ]
+  assert_same_outputs(outputs[1], outputs[0])
+  assert any(isinstance(c.stop_reason, str) for o in outputs[0] for c in o.outputs)
+
+
+def test_one_prefill_for_the_n_samples_of_a_request(tiny_model):
+  mixes = [
+    je.SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=6, logprobs=1, prompt_logprobs=2),
+    je.SamplingParams(temperature=0.5, seed=1, n=2, max_tokens=5),
+    je.SamplingParams(temperature=0.9, n=3, max_tokens=7, top_k=8),  # unseeded: engine key
+  ]
+  prompts = [list(range(5, 25)), [8, 9, 10], [11, 12, 13, 14]]
+  prefilled_rows = {}
+  outputs = {}
+  for shared in (False, True):
+    engine = LLMEngine(
+      tiny_model, max_num_reqs=4, max_model_len=32, prefill_once_per_request=shared
+    )
+    prefill, rows = engine.runner.prefill, []
+    engine.runner.prefill = lambda completions, prefill=prefill, rows=rows: (
+      rows.append(len(completions)) or prefill(completions)
+    )
+    outputs[shared] = _run(engine, prompts, mixes)
+    prefilled_rows[shared] = sum(rows)
+  assert_same_outputs(outputs[True], outputs[False])
+  # Rows 4 + 2 + 3 + (2 + 1 when rows free up): the samples admitted together prefill once.
+  assert prefilled_rows[False] == 9 and prefilled_rows[True] < prefilled_rows[False]
+  assert len({tuple(c.token_ids) for c in outputs[True][0].outputs}) > 1  # seeds seed + j
+
+
+def test_precompile_leaves_nothing_to_compile_for_plain_requests(tiny_model, compile_counter):
+  engine = LLMEngine(tiny_model, max_num_reqs=2, max_model_len=32, num_decode_steps=2)
+  assert engine.precompile(use_tqdm=False) == 2 * 2 + 2 * 1
+  compile_counter.reset()
+  _run(engine, PROMPTS[:5], [je.SamplingParams(temperature=0.7, seed=1, max_tokens=5)])
+  # Only the batch's own row write and row move (no prompt logprobs were asked for).
+  assert compile_counter.count <= 2
+  engine.add_request("x", [1, 2], je.SamplingParams(max_tokens=50))
+  engine.step()
+  with pytest.raises(ValueError, match="precompile needs an empty batch, it holds 1 requests"):
+    engine.precompile(use_tqdm=False)
+
+
+def test_bad_options_are_refused_by_name(tiny_model):
+  with pytest.raises(ValueError, match="num_decode_steps must be an int >= 1, got 0"):
+    LLMEngine(tiny_model, num_decode_steps=0)
+  with pytest.raises(ValueError, match="compilation_cache must be True, False or a directory"):
+    je.LLM(tiny_model, compilation_cache=3)
+
+
+def test_cache_directory_resolution(monkeypatch, tmp_path):
+  monkeypatch.delenv(ENV_VAR, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert resolve_cache_dir() == tmp_path / "jaxengine" / "xla"
+  assert resolve_cache_dir(False) is None
+  assert resolve_cache_dir(tmp_path / "mine") == tmp_path / "mine"
+  monkeypatch.setenv(ENV_VAR, "off")
+  assert resolve_cache_dir() is None
+  monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
+  assert resolve_cache_dir() == tmp_path / "env"
+
+
+_CHILD = textwrap.dedent(
+  """
+  import json, sys
+  import jax
+  hits = []
+  jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None
+  )
+  import jaxengine as je
+  from jaxengine.testing import tiny_llama
+  llm = je.LLM(tiny_llama(vocab_size=64)[0], max_num_reqs=2, max_model_len=32,
+               compilation_cache=sys.argv[1])
+  out = llm.generate([[5, 6, 7]], je.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+  print(json.dumps({"dir": str(llm.compilation_cache_dir), "hits": len(hits),
+                    "tokens": out[0].outputs[0].token_ids}))
+  """
+)
+
+
+def test_the_persistent_cache_is_used_on_a_second_process_start(tmp_path):
+  cache = tmp_path / "xla"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+  runs = []
+  for _ in range(2):
+    done = subprocess.run(
+      [sys.executable, "-c", _CHILD, str(cache)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  assert runs[0]["dir"] == runs[1]["dir"] == str(cache)
+  assert runs[0]["hits"] == 0 and any(cache.iterdir())
+  assert runs[1]["hits"] >= 3  # prefill, decode, the batch's steps: read back, not compiled
+  assert runs[0]["tokens"] == runs[1]["tokens"]
