@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jaxengine import parallel
 from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.batch.multi_step import HostMultiStepOutput, run_steps
 from jaxengine.engine.multi_step import decode_steps, device_stop_rules, stop_rule_arrays
 from jaxengine.engine.placement import MeshPlacement
+from jaxengine.engine.precompile import precompile_buckets
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
 from jaxengine.models.interface import Model, check_model
@@ -465,37 +465,4 @@ class ModelRunner:
     Raises:
       ValueError: if the batch holds requests (precompile before adding any).
     """
-    batch = self.input_batch
-    if batch.num_reqs:
-      raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
-    shapes = [("prefill", rows, n) for rows in self.row_buckets for n in self.length_buckets]
-    shapes += [("decode", rows, n) for rows in self.row_buckets for n in self.attention_buckets]
-    for kind, rows, n in tqdm(shapes, desc="Compiling", disable=not use_tqdm, dynamic_ncols=True):
-      if kind == "prefill":
-        self.kv_cache = self._prefill(
-          self.weights,
-          self.kv_cache,
-          np.zeros((rows, n), np.int32),
-          np.full((rows, n), self.max_model_len, np.int32),
-          np.zeros((rows,), np.int32),
-        )
-      elif num_decode_steps == 1:
-        _, kv_cache = batch.run(self._decode, self.weights, self.kv_cache, n, rows)
-        self.kv_cache = cast(KVCache, kv_cache)
-      else:
-        max_output_tokens, stop_ids = stop_rule_arrays([], rows, self.max_num_device_stop_ids)
-        _, kv_cache = run_steps(
-          batch,
-          self._decode_steps,
-          self.weights,
-          self.kv_cache,
-          max_output_tokens,
-          stop_ids,
-          np.bool_(False),
-          attention_len=n,
-          num_rows=rows,
-          num_steps=num_decode_steps,
-        )
-        self.kv_cache = cast(KVCache, kv_cache)
-    jax.block_until_ready(self.kv_cache)
-    return len(shapes)
+    return precompile_buckets(self, num_decode_steps, use_tqdm)

@@ -1,0 +1,52 @@
+"""Compiling every bucket of a `ModelRunner` ahead of the first request (`LLM(precompile=True)`)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxengine.batch.multi_step import run_steps
+from jaxengine.engine.multi_step import stop_rule_arrays
+from jaxengine.models.kv_cache import KVCache
+
+
+def precompile_buckets(runner: Any, num_decode_steps: int, use_tqdm: bool) -> int:
+  """Runs each prefill and decode shape of `runner` (a `ModelRunner`, which calls this: typed
+  loosely so the two modules do not import each other) once; see `ModelRunner.precompile`."""
+  batch = runner.input_batch
+  if batch.num_reqs:
+    raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
+  shapes = [("prefill", rows, n) for rows in runner.row_buckets for n in runner.length_buckets]
+  shapes += [("decode", rows, n) for rows in runner.row_buckets for n in runner.attention_buckets]
+  for kind, rows, n in tqdm(shapes, desc="Compiling", disable=not use_tqdm, dynamic_ncols=True):
+    if kind == "prefill":
+      runner.kv_cache = runner._prefill(
+        runner.weights,
+        runner.kv_cache,
+        np.zeros((rows, n), np.int32),
+        np.full((rows, n), runner.max_model_len, np.int32),
+        np.zeros((rows,), np.int32),
+      )
+    elif num_decode_steps == 1:
+      _, kv_cache = batch.run(runner._decode, runner.weights, runner.kv_cache, n, rows)
+      runner.kv_cache = cast(KVCache, kv_cache)
+    else:
+      max_output_tokens, stop_ids = stop_rule_arrays([], rows, runner.max_num_device_stop_ids)
+      _, kv_cache = run_steps(
+        batch,
+        runner._decode_steps,
+        runner.weights,
+        runner.kv_cache,
+        max_output_tokens,
+        stop_ids,
+        np.bool_(False),
+        attention_len=n,
+        num_rows=rows,
+        num_steps=num_decode_steps,
+      )
+      runner.kv_cache = cast(KVCache, kv_cache)
+  jax.block_until_ready(runner.kv_cache)
+  return len(shapes)
