@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.batch.host_output import HostSamplerOutput, to_host
+from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.batch.rows import encode_request, eos_tuple, resolve_num_logprobs
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
@@ -56,6 +57,8 @@ class InputBatch:
     eos_token_ids: EOS ids added to every request's min_tokens stop set (as vLLM's engine does,
       even with `ignore_eos`).
     seed: seed of the batch key from which unseeded requests' keys are derived.
+    logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
+      instances or `"module:Class"` strings (see `jaxengine.sample.custom`).
 
   The batch samples; it does not decide when a request ends. `SamplingParams` fields that act at
   the engine level (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`,
@@ -84,6 +87,7 @@ class InputBatch:
     num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES,
     deep_candidate_budgets: Sequence[int] = DEFAULT_DEEP_CANDIDATE_BUDGETS,
     seed: int = 0,
+    logits_processors: Sequence | None = None,
   ):
     config = BatchConfig(
       max_num_reqs=max_num_reqs,
@@ -97,6 +101,7 @@ class InputBatch:
       max_bad_word_len=max_bad_word_len,
       num_topk_candidates=num_topk_candidates,
       deep_candidate_budgets=deep_candidate_budgets,
+      logits_processors=resolve_logits_processors(logits_processors),
     )
     self._init(config, eos_token_ids, seed)
 
@@ -289,7 +294,12 @@ class InputBatch:
 
   def _encode(self, prompt_token_ids, sampling_params, output_token_ids):
     return encode_request(
-      self.config, self.eos_token_ids, prompt_token_ids, sampling_params, output_token_ids
+      self.config,
+      self.eos_token_ids,
+      prompt_token_ids,
+      sampling_params,
+      output_token_ids,
+      self._state.logits_processor_states,
     )
 
   def remove_request(self, req_id: str) -> int | None:
@@ -365,6 +375,18 @@ class InputBatch:
     for i, (a, b) in enumerate(moves):
       src[i], dst[i] = a, b
     self._state = move_rows(self._state, src, dst)
+
+  def set_grammar_bitmask(self, bitmask) -> None:
+    """The allowed tokens of rows with structured outputs for the next step (host to device).
+
+    Args:
+      bitmask: `[max_num_reqs, ceil(vocab_size / 32)] int32` packed in `req_ids` row order; read
+        only in rows whose request has `structured_outputs`.
+    """
+    bitmask = jnp.asarray(bitmask, jnp.int32)
+    if bitmask.shape != self._state.grammar_bitmask.shape:
+      raise ValueError(f"bitmask must have shape {self._state.grammar_bitmask.shape}")
+    self._state = dataclasses.replace(self._state, grammar_bitmask=bitmask)
 
   # --- sampling ------------------------------------------------------------------------------
 
