@@ -52,6 +52,8 @@ class LLM:
       float32, and a built model keep float32 / their own dtype.
     seed: engine seed for unseeded requests.
     max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM `max_logprobs`).
+    logits_processors: your `jaxengine.LogitsProcessor`s (classes built with no arguments,
+      instances, or `"module:Class"` strings); requests opt in through `SamplingParams`.
     logprobs_mode: "raw_logprobs" (default), "raw_logits", "processed_logprobs",
       "processed_logits".
     revision: hub branch, tag or commit of a hub id (default `main`).
@@ -81,6 +83,7 @@ class LLM:
     logprobs_mode: str = "raw_logprobs",
     revision: str | None = None,
     download_dir: str | None = None,
+    logits_processors: Sequence | None = None,
   ):
     if isinstance(dtype, str):
       if dtype not in (*_DTYPES, "auto"):
@@ -102,6 +105,7 @@ class LLM:
       logprobs_mode=logprobs_mode,
       seed=seed,
       eos_token_id=eos_token_id,
+      logits_processors=logits_processors,
     )
 
   def load_weights(self, weights) -> None:

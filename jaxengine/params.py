@@ -288,7 +288,9 @@ class StructuredOutputsParams:
         raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
       object.__setattr__(self, "choice", tuple(self.choice))
       if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-        raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        raise ValueError(
+          f"choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+        )
     for name in ("regex", "grammar"):
       value = getattr(self, name)
       if value is not None and not isinstance(value, str):

@@ -171,7 +171,7 @@ def update_processor_states(state, md, tokens: jax.Array, appended: jax.Array) -
   return tuple(new_states)
 
 
-def apply_grammar_bitmask(x: jax.Array, state) -> jax.Array:
+def apply_grammar_bitmask(x: jax.Array, state, is_live: jax.Array) -> jax.Array:
   """Masks the tokens a row's grammar forbids: `-inf` where the row's bit is 0.
 
   Args:
@@ -186,5 +186,5 @@ def apply_grammar_bitmask(x: jax.Array, state) -> jax.Array:
   words = jnp.repeat(state.grammar_bitmask, 32, axis=1, total_repeat_length=32 * (-(-vocab // 32)))
   shifts = (jnp.arange(vocab, dtype=jnp.int32) % 32)[None, :]
   allowed = lax.shift_right_logical(words[:, :vocab], shifts) & 1
-  forbidden = state.has_grammar[:, None] & (allowed == 0)
+  forbidden = (state.has_grammar & is_live)[:, None] & (allowed == 0)
   return jnp.where(forbidden, jnp.asarray(NEG_INF, x.dtype), x)

@@ -93,6 +93,7 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
 
   Each addition sits behind a traced flag: without a live grammar row the bitmask is not read,
   and without a live row using a custom processor the fused pass runs as before.
+  A row with a grammar bans what its bitmask forbids; rows without one are unchanged.
 
   Args:
     logits: `[R, V]` model logits, any float dtype.
@@ -101,23 +102,15 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
   Returns:
     `[R, V] float32` processed logits.
   """
-  x = logits.astype(jnp.float32)
-  any_grammar = md.any_grammar
-  masked = lambda: apply_grammar_bitmask(x, state)
+  # The bitmask costs one read of `[R, V / 32]` fused into the pass below; without a live
+  # grammar row (and no other processing) the whole branch is skipped by the caller.
+  x = apply_grammar_bitmask(logits.astype(jnp.float32), state, md.is_live)
   if not has_processors(state.config, argmax_invariant=False):
-    return lax.cond(
-      any_grammar,
-      lambda: _fused_processors(masked(), state, md),
-      lambda: _fused_processors(x, state, md),
-    )
+    return _fused_processors(x, state, md)
   return lax.cond(
     any_custom(md, state.config, argmax_invariant=False),
-    lambda: _processors_with_custom(masked(), state, md),
-    lambda: lax.cond(
-      any_grammar,
-      lambda: _fused_processors(masked(), state, md),
-      lambda: _fused_processors(x, state, md),
-    ),
+    lambda: _processors_with_custom(x, state, md),
+    lambda: _fused_processors(x, state, md),
   )
 
 

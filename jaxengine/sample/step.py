@@ -12,8 +12,9 @@
   6. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
   7. greedy argmax (first maximal index) for greedy rows;                      (blocked.py)
   8. temperature (greedy rows divide by 1);
-  9. min_p (and your argmax-invariant processors, random rows only), 10. top-k, 11. top-p: each keeps the tokens at or above a per-row threshold, so the
-     three combine into one threshold; masked tokens are -inf in the processed_* logprobs;
+  9. min_p (your argmax-invariant processors first, random rows only), 10. top-k, 11. top-p:
+     each keeps the tokens at or above a per-row threshold, so the three combine into one
+     threshold; masked tokens are -inf in the processed_* logprobs;
                                                        (budgets.py, filters.py, thresholds.py)
   12. random draw: inverse CDF of the kept distribution with one uniform per row, drawn from
      `fold_in(request_key, num_output_tokens)` (a top-p rejection retry `a` draws from
