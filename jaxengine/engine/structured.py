@@ -23,6 +23,12 @@ from jaxengine.params import StructuredOutputsParams
 from jaxengine.tokenizer import Tokenizer
 
 
+#: JSON compile options: compact separators, no free whitespace between tokens (small models
+#: otherwise tend to fill a document with whitespace until max_tokens). A schema's `x-guidance`
+#: overrides them.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
 def grammar_source(so: StructuredOutputsParams) -> str:
   """The llguidance grammar (a JSON string) for one constraint, not yet validated.
 
@@ -37,9 +43,9 @@ def grammar_source(so: StructuredOutputsParams) -> str:
         schema = json.loads(schema)
       except json.JSONDecodeError as error:
         raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
-    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
   if kind == "json_object":
-    return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
   if kind == "regex":
     return llguidance.LLMatcher.grammar_from_regex(so.regex)
   if kind == "choice":
