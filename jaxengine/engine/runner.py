@@ -321,7 +321,7 @@ class ModelRunner:
     return out
 
   def decode(
-    self, grammar_bitmask: Callable[[list[str | None]], np.ndarray | None] | None = None
+    self, grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None
   ) -> DecodeOutput:
     """One decode-and-sample step over every live row; the tokens are appended to the batch.
 

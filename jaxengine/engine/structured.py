@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import llguidance
+import llguidance.gbnf_to_lark
 import llguidance.hf
 import llguidance.numpy
 import numpy as np
@@ -22,11 +24,10 @@ import numpy as np
 from jaxengine.params import StructuredOutputsParams
 from jaxengine.tokenizer import Tokenizer
 
-
 #: JSON compile options: compact separators, no free whitespace between tokens (small models
 #: otherwise tend to fill a document with whitespace until max_tokens). A schema's `x-guidance`
 #: overrides them.
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
 def grammar_source(so: StructuredOutputsParams) -> str:
@@ -37,7 +38,7 @@ def grammar_source(so: StructuredOutputsParams) -> str:
   """
   kind = so.kind
   if kind == "json":
-    schema = so.json
+    schema: Any = so.json
     if isinstance(schema, str):
       try:
         schema = json.loads(schema)
@@ -47,7 +48,7 @@ def grammar_source(so: StructuredOutputsParams) -> str:
   if kind == "json_object":
     return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
   if kind == "regex":
-    return llguidance.LLMatcher.grammar_from_regex(so.regex)
+    return llguidance.LLMatcher.grammar_from_regex(so.regex or "")
   if kind == "choice":
     # Lark string literals take JSON escapes, so each choice is matched literally.
     return llguidance.LLMatcher.grammar_from_lark(
@@ -55,7 +56,10 @@ def grammar_source(so: StructuredOutputsParams) -> str:
     )
   grammar = so.grammar or ""
   if "::=" in grammar:  # GBNF (llama.cpp) -> Lark
-    grammar = llguidance.gbnf_to_lark(grammar)
+    try:
+      grammar = llguidance.gbnf_to_lark.gbnf_to_lark(grammar)
+    except Exception as error:  # GbnfToLarkError and the parser's own errors
+      raise ValueError(f"structured_outputs.grammar is not valid GBNF: {error}") from None
   return llguidance.LLMatcher.grammar_from_lark(grammar)
 
 
