@@ -182,9 +182,9 @@ def apply_grammar_bitmask(x: jax.Array, state, is_live: jax.Array) -> jax.Array:
   Returns:
     `[R, V]` logits of the same dtype; rows without a grammar unchanged.
   """
-  vocab = x.shape[-1]
-  words = jnp.repeat(state.grammar_bitmask, 32, axis=1, total_repeat_length=32 * (-(-vocab // 32)))
-  shifts = (jnp.arange(vocab, dtype=jnp.int32) % 32)[None, :]
-  allowed = lax.shift_right_logical(words[:, :vocab], shifts) & 1
+  rows, vocab = x.shape
+  shifts = jnp.arange(32, dtype=jnp.int32)[None, None, :]
+  bits = lax.shift_right_logical(state.grammar_bitmask[:, :, None], shifts) & 1  # [R, W, 32]
+  allowed = bits.reshape(rows, -1)[:, :vocab]
   forbidden = (state.has_grammar & is_live)[:, None] & (allowed == 0)
   return jnp.where(forbidden, jnp.asarray(NEG_INF, x.dtype), x)
