@@ -365,11 +365,11 @@ class InputBatch:
     self._state = move_rows(self._state, src, dst)
 
   def set_grammar_bitmask(self, bitmask) -> None:
-    """`[R, ceil(V / 32)] int32` packed allowed tokens by row for the next steps, read only in
-    rows with `structured_outputs` (ValueError for another shape)."""
+    """`[R, ceil(V / 32)] int32` packed allowed tokens by row for the next steps (copied), read
+    only in rows with `structured_outputs`. Raises ValueError for another shape."""
     if np.shape(bitmask) != (shape := self._state.grammar_bitmask.shape):
       raise ValueError(f"bitmask must have shape {shape}, got {np.shape(bitmask)}")
-    self._state = dataclasses.replace(self._state, grammar_bitmask=jnp.asarray(bitmask, jnp.int32))
+    self._state = dataclasses.replace(self._state, grammar_bitmask=jnp.array(bitmask, jnp.int32))
 
   # --- sampling ------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from jaxengine.params import SamplingParams, StructuredOutputsParams, is_int
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 #: Checks a request against the batch's capacities: `(prompt_token_ids, params)`; raises ValueError.
-RequestValidator = Callable[[Sequence[int], SamplingParams], None]
+RequestValidator = Callable[[Sequence[int], SamplingParams], object]
 
 
 class InputProcessor:
