@@ -1,7 +1,10 @@
-"""Stages 1-6 of the sampler: float32 logits, then the logits processors in vLLM HEAD's order.
+"""Stages 0-6 of the sampler: the grammar bitmask, float32 logits, then the logits processors
+in vLLM HEAD's order.
 
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties (repetition, frequency,
-presence), computed as one fused elementwise pass over `[R, V]` plus three small scatters.
+presence), computed as one fused elementwise pass over `[R, V]` plus three small scatters (the
+grammar bitmask fused into it). When a live row uses one of your non-argmax-invariant
+`LogitsProcessor`s, the stages run one after another instead, with yours before the penalties.
 """
 
 from __future__ import annotations
