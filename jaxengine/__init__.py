@@ -1,7 +1,8 @@
 """jaxengine: a persistent-batch LLM sampler and inference engine in JAX with vLLM V1 semantics.
 
 Core (no model needed):
-  SamplingParams       per-request sampling parameters (params.py)
+  SamplingParams       per-request sampling parameters; StructuredOutputsParams (params.py)
+  LogitsProcessor      your own JAX logits processor, row state in the batch (sample/custom.py)
   BatchConfig          capacities and static settings of a batch, validated once (config.py)
   InputBatch           the persistent batch, host side; HostSamplerOutput, LogprobsArrays (batch/)
   BatchState           the persistent batch, device side (sample/state.py)
@@ -30,9 +31,10 @@ import importlib
 from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.config import BatchConfig
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import SamplingParams, StructuredOutputsParams
 from jaxengine.sample import (
   BatchState,
+  LogitsProcessor,
   LogprobsTensors,
   SamplerOutput,
   SamplingMetadata,
@@ -51,6 +53,7 @@ __all__ = [
   "HostSamplerOutput",
   "InputBatch",
   "LLMEngine",
+  "LogitsProcessor",
   "Logprob",
   "LogprobsArrays",
   "LogprobsTensors",
@@ -58,6 +61,7 @@ __all__ = [
   "SamplerOutput",
   "SamplingMetadata",
   "SamplingParams",
+  "StructuredOutputsParams",
   "gather_logprobs",
   "make_mesh",
   "refresh_metadata",

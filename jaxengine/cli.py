@@ -10,11 +10,14 @@ Engine and sampling flags are checked before the model loads.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
-from jaxengine.params import SamplingParams
+from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -189,9 +192,41 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
   )
 
 
+def _add_structured_flags(parser: argparse.ArgumentParser) -> None:
+  """Adds --json-schema, --regex, --choice (structured outputs), --logits-processor, --extra-args."""
+  group = parser.add_argument_group("structured outputs and logits processors")
+  group.add_argument("--json-schema", metavar="SCHEMA", help="JSON schema (text or a file path)")
+  group.add_argument("--regex", metavar="PATTERN", help="regex the output must fully match")
+  group.add_argument("--choice", metavar="TEXT", action="append", help="allowed output (repeat)")
+  group.add_argument(
+    "--logits-processor", metavar="MODULE:CLASS", action="append", help="a LogitsProcessor (repeat)"
+  )
+  group.add_argument("--extra-args", metavar="JSON", help="SamplingParams.extra_args as JSON")
+
+
+def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+  """`StructuredOutputsParams` from the flags, or None. Raises `ValueError` for bad values."""
+  schema = args.json_schema
+  if schema is not None and not schema.lstrip().startswith("{") and os.path.isfile(schema):
+    schema = Path(schema).read_text()
+  given = dict(json=schema, regex=args.regex, choice=args.choice)
+  if all(v is None for v in given.values()):
+    return None
+  return StructuredOutputsParams(**given)
+
+
+def _extra_args(text: str | None) -> dict | None:
+  try:
+    return None if text is None else json.loads(text)
+  except json.JSONDecodeError as error:
+    raise ValueError(f"--extra-args must be a JSON object: {error}") from None
+
+
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
   """The `SamplingParams` the parsed flags describe. Raises `ValueError` for invalid values."""
   return SamplingParams(
+    structured_outputs=_structured_outputs(args),
+    extra_args=_extra_args(args.extra_args),
     temperature=args.temperature,
     top_p=args.top_p,
     top_k=args.top_k,
@@ -244,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
   _add_sampling_flags(generate, max_tokens=64)
+  _add_structured_flags(generate)
   _add_engine_flags(generate)
   chat = commands.add_parser(
     "chat",
@@ -260,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   chat.add_argument("--system", metavar="TEXT", default=None, help="system prompt")
   _add_sampling_flags(chat, max_tokens=256)
+  _add_structured_flags(chat)
   _add_engine_flags(chat)
   return parser
 
@@ -356,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       compilation_cache=_compilation_cache(args.compilation_cache),
       precompile=args.precompile,
       num_decode_steps=args.num_decode_steps,
+      logits_processors=args.logits_processor,
     )
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)

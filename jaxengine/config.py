@@ -51,6 +51,8 @@ class BatchConfig:
       the largest budget its rows need (`candidate_budgets` has the budgets in effect). A top_k
       beyond all of them is found by an exact bisection over the row (about 32 masked passes).
       `()` turns the deep lists off.
+    logits_processors: the batch's `jaxengine.LogitsProcessor` instances, in order (static: the
+      processors' code is part of the compiled step; their per-row values are traced state).
 
   Raises:
     ValueError: naming the field and value, for a capacity that is not a positive int (bools
@@ -68,10 +70,16 @@ class BatchConfig:
   max_bad_word_len: int = 16
   num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES
   deep_candidate_budgets: tuple[int, ...] = DEFAULT_DEEP_CANDIDATE_BUDGETS
+  logits_processors: tuple = ()
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      if field.name in ("max_num_logprobs", "logprobs_mode", "deep_candidate_budgets"):
+      if field.name in (
+        "max_num_logprobs",
+        "logprobs_mode",
+        "deep_candidate_budgets",
+        "logits_processors",
+      ):
         continue
       value = getattr(self, field.name)
       if not _is_positive_int(value):
@@ -88,6 +96,7 @@ class BatchConfig:
     if not all(_is_positive_int(budget) for budget in budgets):
       raise ValueError(f"deep_candidate_budgets must be a tuple of positive ints, got {budgets!r}")
     object.__setattr__(self, "deep_candidate_budgets", tuple(int(b) for b in budgets))
+    object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
 
   @property
   def num_top_logprobs(self) -> int:

@@ -57,6 +57,8 @@ class LLM:
       float32, and a built model keep float32 / their own dtype.
     seed: engine seed for unseeded requests.
     max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM `max_logprobs`).
+    logits_processors: your `jaxengine.LogitsProcessor`s (classes built with no arguments,
+      instances, or `"module:Class"` strings); requests opt in through `SamplingParams`.
     logprobs_mode: "raw_logprobs" (default), "raw_logits", "processed_logprobs",
       "processed_logits".
     revision: hub branch, tag or commit of a hub id (default `main`).
@@ -111,6 +113,7 @@ class LLM:
     precompile: bool = False,
     num_decode_steps: int = 1,
     prefill_once_per_request: bool = True,
+    logits_processors: Sequence | None = None,
   ):
     t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
     if mesh is not None:
@@ -153,6 +156,7 @@ class LLM:
       mesh=mesh,
       num_decode_steps=num_decode_steps,
       prefill_once_per_request=prefill_once_per_request,
+      logits_processors=logits_processors,
     )
     if precompile:
       self.llm_engine.precompile()

@@ -85,6 +85,10 @@ class SamplingParams:
       always the raw log-softmax whatever the logprobs mode, as in vLLM).
     logit_bias: `{token_id: bias}` added to the logits before penalties; biases must be finite.
     allowed_token_ids: If not None, every other token is masked. Must not be empty.
+    extra_args: Free-form options for your own logits processors (a dict, read by their
+      `row_state`), as vLLM's `extra_args`.
+    structured_outputs: A `StructuredOutputsParams`: constrain the output to a JSON schema, a
+      regex, a choice or a grammar (engine level; needs a tokenizer).
 
   Raises:
     ValueError: On construction, for any out-of-range value; the message names the field.
@@ -112,6 +116,8 @@ class SamplingParams:
   prompt_logprobs: int | None = None
   logit_bias: Mapping[int, float] | None = None
   allowed_token_ids: tuple[int, ...] | None = None
+  extra_args: dict | None = None
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
@@ -228,6 +234,11 @@ class SamplingParams:
       raise ValueError("allowed_token_ids is not None and empty!")
     if self.temperature < SAMPLING_EPS and self.n > 1:
       raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got n={self.n}")
+    if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
+      raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
+    so = self.structured_outputs
+    if so is not None and not isinstance(so, StructuredOutputsParams):
+      raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
 
   @property
   def is_greedy(self) -> bool:
@@ -241,6 +252,68 @@ class SamplingParams:
       ValueError: if a changed value is out of range.
     """
     return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+  """Constrains a request's output to a format (vLLM's `StructuredOutputsParams` names).
+
+  Exactly one constraint must be given. The engine compiles it with llguidance when the request
+  is added; an invalid schema, pattern or grammar is a `ValueError` then, before anything is
+  queued. EOS is allowed only where the constraint may end; a finished constraint ends the
+  request with finish_reason "stop".
+
+  Attributes:
+    json: a JSON schema, as a dict or a JSON string.
+    regex: a regular expression the whole output must match.
+    choice: a non-empty list of strings; the output is exactly one of them.
+    grammar: a Lark grammar (llguidance's dialect; a GBNF grammar is converted when it has a
+      `root ::=` rule).
+    json_object: True for any JSON object.
+
+  Raises:
+    ValueError: naming the field, when no constraint or several are given, or one has the
+      wrong type.
+  """
+
+  json: str | dict | None = None
+  regex: str | None = None
+  choice: tuple[str, ...] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+
+  def __post_init__(self):
+    if self.choice is not None:
+      if isinstance(self.choice, str) or not isinstance(self.choice, Iterable):
+        raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
+      object.__setattr__(self, "choice", tuple(self.choice))
+      if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+        raise ValueError(
+          f"choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+        )
+    for name in ("regex", "grammar"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {value!r}")
+    if self.json is not None and not isinstance(self.json, (str, dict)):
+      raise ValueError(f"json must be a dict or a JSON string, got {self.json!r}")
+    if self.json_object not in (None, True, False):
+      raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+    given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+    given += ["json_object"] if self.json_object else []
+    if len(given) != 1:
+      raise ValueError(
+        "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+        f"got {given or 'none'}"
+      )
+
+  @property
+  def kind(self) -> str:
+    """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+    for name in ("json", "regex", "choice", "grammar"):
+      if getattr(self, name) is not None:
+        return name
+    return "json_object"
 
 
 def _check_int(field: str, value) -> None:

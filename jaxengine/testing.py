@@ -3,6 +3,7 @@
   count_compiles()       counts XLA compiles while active (`with count_compiles() as compiles:`)
   tiny_llama_config()    a Llama config small enough to compile and run in well under a second
   tiny_llama()           a randomly initialised tiny `Llama`
+  TargetOnly             an example `LogitsProcessor`: extra_args["target_token"] is all a row emits
 
 The model helpers import flax and the model code on first use, so the compile counter stays a
 light import.
@@ -15,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax.monitoring
 import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.sample.custom import LogitsProcessor
 
 if TYPE_CHECKING:
   from jaxengine.models.llama import Llama, LlamaConfig
@@ -142,3 +146,24 @@ def tiny_llama(
   elif config_overrides:
     raise TypeError("pass either config or config overrides, not both")
   return Llama(config, dtype=dtype, rngs=nnx.Rngs(seed)), config
+
+
+class TargetOnly(LogitsProcessor):
+  """Example processor (design.md §7): a request with `extra_args={"target_token": t}` emits only
+  `t`; other requests are untouched. Refuses a target outside the vocabulary."""
+
+  def init_state(self, max_num_reqs: int, vocab_size: int) -> dict:
+    self.vocab_size = vocab_size
+    return {"target": jnp.zeros((max_num_reqs,), jnp.int32)}
+
+  def row_state(self, params, prompt_token_ids) -> dict | None:
+    target = (params.extra_args or {}).get("target_token")
+    if target is None:
+      return None
+    if not isinstance(target, int) or not 0 <= target < self.vocab_size:
+      raise ValueError(f"extra_args['target_token'] must be a token id, got {target!r}")
+    return {"target": np.int32(target)}
+
+  def apply(self, state, active, logits):
+    keep = jnp.arange(logits.shape[-1]) == state["target"][:, None]
+    return jnp.where(active[:, None] & ~keep, -jnp.inf, logits)

@@ -92,11 +92,14 @@ def test_config_is_static_in_the_state_pytree():
   state = BatchState.create(je.BatchConfig(**BASE))
   leaves = jax.tree.leaves(state)
   assert all(isinstance(leaf, jax.Array) for leaf in leaves)
-  assert len(leaves) == len(dataclasses.fields(BatchState)) - 1
+  # every field is one leaf but the static config and the (empty, without processors) tuple of
+  # logits-processor states
+  assert len(leaves) == len(dataclasses.fields(BatchState)) - 2
+  assert state.logits_processor_states == ()
 
 
 def test_a_row_update_and_the_derived_fields_cover_every_state_field():
-  derived = {"key_data", "output_token_counts", "prompt_token_mask"}
+  derived = {"key_data", "output_token_counts", "prompt_token_mask", "grammar_bitmask"}
   key_inputs = {"seed_words", "is_seeded", "serial"}
   row_fields = {f.name for f in dataclasses.fields(RowUpdate)}
   state_fields = {f.name for f in dataclasses.fields(BatchState)} - {"config"}

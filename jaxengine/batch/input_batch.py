@@ -9,9 +9,8 @@ donating update of the device-side `BatchState`:
   condense         -> `move_rows` (highest live rows into the lowest holes; order not preserved)
   swap_states      -> `move_rows`
 
-`SamplingMetadata` is rebuilt by one jitted call the first time it is needed after such a change;
-a step without one reuses the same object. Every check of user input happens here, on the host,
-before any device work, so a refused call leaves the batch exactly as it was.
+`SamplingMetadata` is rebuilt by one jitted call when first needed after such a change (else the
+same object is reused). Every check of user input happens on the host before any device work.
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ import numpy as np
 
 from jaxengine.batch.host_output import HostSamplerOutput, to_host
 from jaxengine.batch.jitted import pad_rows, sample_logits
-from jaxengine.batch.rows import encode_request, eos_tuple, resolve_num_logprobs
+from jaxengine.batch.logits_processors import resolve_logits_processors
+from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple, resolve_num_logprobs
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
   DEFAULT_NUM_TOPK_CANDIDATES,
@@ -56,12 +56,13 @@ class InputBatch:
     eos_token_ids: EOS ids added to every request's min_tokens stop set (as vLLM's engine does,
       even with `ignore_eos`).
     seed: seed of the batch key from which unseeded requests' keys are derived.
+    logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
+      instances or `"module:Class"` strings (see `jaxengine.sample.custom`).
 
-  The batch samples; it does not decide when a request ends. `SamplingParams` fields that act at
-  the engine level (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`,
-  `include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs` values) are accepted and
-  ignored here; `LLMEngine` applies them. A request keeps sampling until it is removed or reaches
-  `max_model_len`.
+  The batch samples; it does not decide when a request ends. Engine-level `SamplingParams` fields
+  (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`, `include_stop_str_in_output`,
+  `skip_special_tokens`, `prompt_logprobs` values, the grammar of `structured_outputs`: see
+  `set_grammar_bitmask`) are left to `LLMEngine`. A request samples until removed or full.
 
   Raises:
     ValueError: naming the field and value, for a bad `BatchConfig` field or EOS ids outside
@@ -84,6 +85,7 @@ class InputBatch:
     num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES,
     deep_candidate_budgets: Sequence[int] = DEFAULT_DEEP_CANDIDATE_BUDGETS,
     seed: int = 0,
+    logits_processors: Sequence | None = None,
   ):
     config = BatchConfig(
       max_num_reqs=max_num_reqs,
@@ -97,6 +99,7 @@ class InputBatch:
       max_bad_word_len=max_bad_word_len,
       num_topk_candidates=num_topk_candidates,
       deep_candidate_budgets=tuple(deep_candidate_budgets),
+      logits_processors=resolve_logits_processors(logits_processors),
     )
     self._init(config, eos_token_ids, seed)
 
@@ -210,9 +213,7 @@ class InputBatch:
     return tokens
 
   def _is_live(self) -> np.ndarray:
-    live = np.zeros((self.max_num_reqs,), bool)
-    live[list(self.req_id_to_index.values())] = True
-    return live
+    return np.isin(np.arange(self.max_num_reqs), list(self.req_id_to_index.values()))
 
   def _composition_changed(self) -> None:
     self._metadata = None
@@ -255,7 +256,7 @@ class InputBatch:
       raise ValueError(
         f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}"
       )
-    request = self._encode(prompt_token_ids, sampling_params, output_token_ids)
+    request = self.validate_request(prompt_token_ids, sampling_params, output_token_ids)
 
     # Validated: from here on nothing can fail on bad input.
     row = next((i for i, rid in enumerate(self._req_ids) if rid is None), len(self._req_ids))
@@ -286,17 +287,14 @@ class InputBatch:
     prompt_token_ids: Sequence[int],
     sampling_params: SamplingParams,
     output_token_ids: Sequence[int] = (),
-  ) -> None:
+  ) -> EncodedRequest:
     """Runs every check of `add_request` that does not depend on the batch's occupancy.
 
-    Raises:
-      ValueError: as `add_request` would (token ids, lengths, capacities, logprobs).
+    Returns the request encoded as a row. Raises `ValueError` as `add_request` would.
     """
-    self._encode(prompt_token_ids, sampling_params, output_token_ids)
-
-  def _encode(self, prompt_token_ids, sampling_params, output_token_ids):
+    args = (prompt_token_ids, sampling_params, output_token_ids)
     return encode_request(
-      self.config, self.eos_token_ids, prompt_token_ids, sampling_params, output_token_ids
+      self.config, self.eos_token_ids, *args, self._state.logits_processor_states
     )
 
   def remove_request(self, req_id: str) -> int | None:
@@ -375,6 +373,13 @@ class InputBatch:
     for i, (a, b) in enumerate(moves):
       src[i], dst[i] = a, b
     self._state = move_rows(self._state, src, dst)
+
+  def set_grammar_bitmask(self, bitmask) -> None:
+    """`[R, ceil(V / 32)] int32` packed allowed tokens by row for the next steps (copied), read
+    only in rows with `structured_outputs`. Raises ValueError for another shape."""
+    if np.shape(bitmask) != (shape := self._state.grammar_bitmask.shape):
+      raise ValueError(f"bitmask must have shape {shape}, got {np.shape(bitmask)}")
+    self._state = dataclasses.replace(self._state, grammar_bitmask=jnp.array(bitmask, jnp.int32))
 
   # --- sampling ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxengine.batch.logits_processors import encode_processor_rows
 from jaxengine.config import BatchConfig
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.sample.state import RowUpdate
@@ -210,6 +211,7 @@ def encode_request(
   prompt_token_ids,
   sampling_params: SamplingParams,
   output_token_ids=(),
+  processor_states: tuple = (),
 ) -> EncodedRequest:
   """Validates a request against the batch and encodes it as a row (host NumPy only).
 
@@ -217,7 +219,8 @@ def encode_request(
     ValueError: naming the field, for a `sampling_params` that is not a `SamplingParams`, an
       empty prompt, token ids that are not ints in `[0, V)` in any field, more than `S` tokens,
       lists longer than the batch's capacities, logprobs above `max_num_logprobs`, or constraints
-      that ban every token whatever the output.
+      that ban every token whatever the output; or from a logits processor refusing it
+      (`processor_states`: the batch's `logits_processor_states`, read for shapes and dtypes).
   """
   if not isinstance(sampling_params, SamplingParams):
     raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params)}")
@@ -240,6 +243,9 @@ def encode_request(
   bad_prefix, bad_last = _bad_words(config, params)
   allowed = params.allowed_token_ids
   _check_satisfiable(params, set(range(vocab) if allowed is None else allowed), stop_ids)
+  processor_rows, processor_active = encode_processor_rows(
+    config.logits_processors, processor_states, params, prompt.tolist()
+  )
   row = RowUpdate(
     token_ids=_token_row(config, prompt, outputs),
     num_tokens=np.int32(num_tokens),
@@ -254,5 +260,8 @@ def encode_request(
     bad_words_prefix=bad_prefix,
     bad_words_last=bad_last,
     **_key_fields(params),
+    logits_processor_states=processor_rows,
+    logits_processor_active=processor_active,
+    has_grammar=np.bool_(params.structured_outputs is not None),
   )
   return EncodedRequest(prompt_token_ids=prompt, output_token_ids=outputs, row=row)

@@ -24,6 +24,7 @@ from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.requests import Request
 from jaxengine.engine.runner import ModelRunner
 from jaxengine.engine.scheduler import Scheduler
+from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
@@ -63,6 +64,8 @@ class LLMEngine:
       share one prefill of the prompt: the others take a device copy of its cached keys and
       values (default True; False prefills every sample, as before). Same outputs (logprob
       values to float32 rounding: the prefill runs in another row bucket).
+    logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
+      instances or `"module:Class"` strings.
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
@@ -83,6 +86,7 @@ class LLMEngine:
     mesh: jax.sharding.Mesh | None = None,
     num_decode_steps: int = 1,
     prefill_once_per_request: bool = True,
+    logits_processors: Sequence | None = None,
   ):
     check_model(model)
     if not is_int(num_decode_steps) or num_decode_steps < 1:
@@ -110,11 +114,22 @@ class LLMEngine:
       logprobs_mode=logprobs_mode,
       eos_token_ids=eos_token_ids,
       seed=seed,
+      logits_processors=logits_processors,
     )
     self.runner = ModelRunner(model, batch, mesh)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
-    self.input_processor = InputProcessor(tokenizer, self.max_model_len, batch.validate_request)
+    self.structured: StructuredOutputs | None = None
+    if tokenizer is not None:
+      self.structured = StructuredOutputs(
+        tokenizer, model.vocab_size, self.eos_token_id, self.max_num_reqs
+      )
+    self.input_processor = InputProcessor(
+      tokenizer,
+      self.max_model_len,
+      batch.validate_request,
+      None if self.structured is None else self.structured.compile,
+    )
     self.scheduler = Scheduler(self.max_num_reqs)
     self.output_processor = OutputProcessor(
       tokenizer, self.eos_token_id, self.max_model_len, model.vocab_size, eos_token_ids[1:]
@@ -196,8 +211,11 @@ class LLMEngine:
       A `RequestOutput` (cumulative so far) for every request that advanced this step.
     """
     admitted = self.scheduler.schedule().admitted
+    structured = self.structured
     for completion in admitted:
       self.runner.add(completion)
+      if structured is not None and completion.request.grammar is not None:
+        structured.add(completion.seq_id, completion.request.grammar)
     if admitted:
       prefill = (
         self.runner.prefill_once_per_request
@@ -209,17 +227,23 @@ class LLMEngine:
         self._set_prompt_logprobs(completion, prompt_logprobs)
     if not self.scheduler.running:
       return []
-    if self.num_decode_steps > 1:
+    bitmask = structured.bitmask if structured is not None and len(structured) else None
+    if self.num_decode_steps > 1 and bitmask is None:
       return self._apply_steps()
-    decoded = self.runner.decode()
+    decoded = self.runner.decode(bitmask)
     advanced: dict[str, Request] = {}
     for row, seq_id in enumerate(decoded.req_ids):
       completion = self.scheduler.running[seq_id]
       self.output_processor.append(completion, row, decoded.sampled)
+      token = int(decoded.sampled.sampled_token_ids[row])
+      if structured is not None and structured.advance(seq_id, token):
+        completion.finish_reason = completion.finish_reason or "stop"
       advanced[completion.request.request_id] = completion.request
       if completion.finish_reason is not None:
         self.scheduler.finish(completion)
         self.runner.remove(seq_id)
+        if structured is not None:
+          structured.remove(seq_id)
     return [r.output() for r in advanced.values()]
 
   def _apply_steps(self) -> list[RequestOutput]:

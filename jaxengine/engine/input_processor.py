@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from jaxengine.engine.requests import Completion, Request
-from jaxengine.params import SamplingParams, is_int
+from jaxengine.params import SamplingParams, StructuredOutputsParams, is_int
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 #: Checks a request against the batch's capacities: `(prompt_token_ids, params)`; raises ValueError.
-RequestValidator = Callable[[Sequence[int], SamplingParams], None]
+RequestValidator = Callable[[Sequence[int], SamplingParams], object]
 
 
 class InputProcessor:
@@ -26,12 +26,19 @@ class InputProcessor:
       bad_words are refused).
     max_model_len: prompts must be shorter (room for one generated token).
     validate: the batch's check of a request's token ids, lists and logprobs.
+    compile_grammar: compiles a request's `structured_outputs` (raises ValueError when invalid);
+      None refuses structured outputs (an engine without a tokenizer).
   """
 
   def __init__(
-    self, tokenizer: Tokenizer | None, max_model_len: int, validate: RequestValidator
+    self,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    validate: RequestValidator,
+    compile_grammar: Callable[[StructuredOutputsParams], str] | None = None,
   ) -> None:
     self.tokenizer = tokenizer
+    self._compile_grammar = compile_grammar
     self.max_model_len = max_model_len
     self._validate = validate
 
@@ -41,7 +48,8 @@ class InputProcessor:
     Raises:
       ValueError: for parameters that are not a `SamplingParams`, an empty prompt, a prompt of
         `max_model_len` tokens or more, token ids outside the vocabulary, text, stop strings or
-        bad_words without a tokenizer, or parameters the batch cannot hold.
+        bad_words without a tokenizer, parameters the batch cannot hold, or invalid
+        `structured_outputs` (or structured outputs without a tokenizer).
     """
     if not isinstance(params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
@@ -57,7 +65,12 @@ class InputProcessor:
       raise ValueError("stop strings and bad_words need a tokenizer")
     params = self._with_bad_words(params)
     self._validate(prompt_token_ids, params)
-    request = Request(request_id, text, prompt_token_ids, params)
+    grammar = None
+    if params.structured_outputs is not None:
+      if self._compile_grammar is None:
+        raise ValueError("structured_outputs need a tokenizer")
+      grammar = self._compile_grammar(params.structured_outputs)
+    request = Request(request_id, text, prompt_token_ids, params, grammar=grammar)
     request.completions = [self._completion(request, j) for j in range(params.n)]
     return request
 

@@ -27,7 +27,7 @@ from jax import lax
 
 from jaxengine.batch.multi_step import MultiStepOutput
 from jaxengine.params import SamplingParams
-from jaxengine.sample import LogprobsTensors, SamplingMetadata, sample
+from jaxengine.sample import LogprobsTensors, sample
 
 
 def device_stop_rules(
@@ -66,10 +66,6 @@ def stop_rule_arrays(
   return max_output_tokens, stop_ids
 
 
-def _leading_metadata_rows(metadata: SamplingMetadata, num_rows: int) -> SamplingMetadata:
-  return jax.tree.map(lambda a: a[:num_rows] if a.ndim else a, metadata)
-
-
 def decode_steps(
   graphdef,
   state,
@@ -104,7 +100,7 @@ def decode_steps(
   """
   model = nnx.merge(graphdef, weights)
   rows_state = state.leading_rows(num_rows)
-  rows_metadata = _leading_metadata_rows(metadata, num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
   max_model_len = state.max_model_len
   num_columns = state.max_num_logprobs + 1
   logprobs = LogprobsTensors(

@@ -71,6 +71,7 @@ class Request:
     params: the request's sampling parameters (bad_words already tokenized).
     completions: its `n` completions.
     prompt_logprobs: filled by prefill when the request asked for `prompt_logprobs`.
+    grammar: the compiled llguidance grammar of its `structured_outputs`, else None.
   """
 
   request_id: str
@@ -79,6 +80,7 @@ class Request:
   params: SamplingParams
   completions: list[Completion] = dataclasses.field(default_factory=list)
   prompt_logprobs: PromptLogprobs | None = None
+  grammar: str | None = None
 
   @property
   def finished(self) -> bool:

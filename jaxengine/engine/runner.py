@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -48,7 +48,7 @@ from jaxengine.models.weights import (
   replace_leaves,
   state_leaves,
 )
-from jaxengine.sample import SamplingMetadata, gather_logprobs, sample
+from jaxengine.sample import gather_logprobs, sample
 
 #: Smallest prefill length bucket, in tokens.
 MIN_LENGTH_BUCKET = 16
@@ -100,11 +100,6 @@ class DecodeOutput:
 # --- pure device functions ---------------------------------------------------------------------
 
 
-def _leading_rows(metadata: SamplingMetadata, num_rows: int) -> SamplingMetadata:
-  """Metadata of the first `num_rows` rows (the batch-wide `any_*` flags kept)."""
-  return jax.tree.map(lambda a: a[:num_rows] if a.ndim else a, metadata)
-
-
 def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_len, num_rows):
   """Model forward on each live row's last token, then the sampler: one executable per step.
 
@@ -114,7 +109,7 @@ def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_l
   live row's length, so a step costs what the longest sequence needs rather than `max_model_len`.
   """
   rows_state = state.leading_rows(num_rows)
-  rows_metadata = _leading_rows(metadata, num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
   last = jnp.maximum(rows_state.num_tokens - 1, 0)
   token_ids = rows_state.token_ids[jnp.arange(num_rows), last]
   # Rows without a request write nothing: positions >= max_model_len are dropped by the cache.
@@ -388,13 +383,23 @@ class ModelRunner:
       )
     return out
 
-  def decode(self) -> DecodeOutput:
+  def decode(
+    self, grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None
+  ) -> DecodeOutput:
     """One decode-and-sample step over every live row; the tokens are appended to the batch.
+
+    Args:
+      grammar_bitmask: called with the condensed batch's `req_ids`; returns the packed
+        `[R, ceil(V / 32)] int32` allowed tokens of rows with structured outputs, or None (the
+        step then leaves the bitmask as it is and reads it nowhere).
 
     Raises:
       ValueError: if a row already holds `max_model_len` tokens (nothing changes then).
     """
     batch = self.input_batch
+    batch.condense()
+    if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
+      batch.set_grammar_bitmask(bitmask)
     longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
     attention_len = bucket(longest, self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)

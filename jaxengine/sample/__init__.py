@@ -2,6 +2,7 @@
 
 Modules, in pipeline order (each imports only the ones above it):
   state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row, move_rows
+  custom.py       LogitsProcessor (your own, row state in the batch), the grammar bitmask
   metadata.py     SamplingMetadata and refresh_metadata (per composition: flags, effective values)
   processors.py   stages 1-6: float32, allowed ids, bad words, min_tokens, logit_bias, penalties
   blocked.py      blocked_argmax, blocked_top_k: two-stage reductions over vocabulary blocks
@@ -15,6 +16,7 @@ Modules, in pipeline order (each imports only the ones above it):
 Nothing here imports the host batch (`jaxengine.batch`), the engine or the models.
 """
 
+from jaxengine.sample.custom import LogitsProcessor
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs
 from jaxengine.sample.metadata import SamplingMetadata, refresh_metadata
 from jaxengine.sample.state import MOVE_CHUNK, BatchState, RowUpdate, move_rows, write_row
@@ -23,6 +25,7 @@ from jaxengine.sample.step import SamplerOutput, sample, sample_step
 __all__ = [
   "MOVE_CHUNK",
   "BatchState",
+  "LogitsProcessor",
   "LogprobsTensors",
   "RowUpdate",
   "SamplerOutput",

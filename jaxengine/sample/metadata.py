@@ -44,6 +44,8 @@ class SamplingMetadata:
     any_allowed_token_ids, any_bad_words, any_min_tokens, any_logprobs: `[] bool` whether some
     live row uses the feature.
     any_top_k_beyond_candidates: `[] bool` whether some live row's top_k exceeds every budget.
+    any_logits_processor: `[P] bool` whether some live row uses processor `p`.
+    any_grammar: `[] bool` whether some live row has structured outputs.
   """
 
   is_live: jax.Array
@@ -69,6 +71,15 @@ class SamplingMetadata:
   any_bad_words: jax.Array
   any_min_tokens: jax.Array
   any_logprobs: jax.Array
+  any_logits_processor: jax.Array
+
+  def leading_rows(self, num_rows: int) -> SamplingMetadata:
+    """Metadata of the first `num_rows` rows (see `BatchState.leading_rows`); the batch-wide
+    flags (`any_*`, including the per-processor `[P]` ones) are kept whole."""
+    rows = jax.tree.map(lambda a: a[:num_rows] if a.ndim else a, self)
+    return dataclasses.replace(rows, any_logits_processor=self.any_logits_processor)
+
+  any_grammar: jax.Array
 
 
 def inverse_temperature(md: SamplingMetadata) -> jax.Array:
@@ -142,4 +153,6 @@ def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
     any_bad_words=(is_live & has_bad_words).any(),
     any_min_tokens=(is_live & has_min_tokens).any(),
     any_logprobs=(is_live & (state.num_logprobs >= 0)).any(),
+    any_logits_processor=(is_live[:, None] & state.logits_processor_active).any(axis=0),
+    any_grammar=(is_live & state.has_grammar).any(),
   )

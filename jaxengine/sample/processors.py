@@ -1,14 +1,24 @@
-"""Stages 1-6 of the sampler: float32 logits, then the logits processors in vLLM HEAD's order.
+"""Stages 0-6 of the sampler: the grammar bitmask, float32 logits, then the logits processors
+in vLLM HEAD's order.
 
 allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties (repetition, frequency,
-presence), computed as one fused elementwise pass over `[R, V]` plus three small scatters.
+presence), computed as one fused elementwise pass over `[R, V]` plus three small scatters (the
+grammar bitmask fused into it). When a live row uses one of your non-argmax-invariant
+`LogitsProcessor`s, the stages run one after another instead, with yours before the penalties.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jaxengine.sample.custom import (
+  any_custom,
+  apply_custom_processors,
+  apply_grammar_bitmask,
+  has_processors,
+)
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.state import BatchState
 
@@ -81,6 +91,47 @@ def _min_tokens_bans(state: BatchState, md: SamplingMetadata) -> jax.Array:
 
 
 def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Array:
+  """Stages 0-6: the grammar bitmask (rows with structured outputs), then stages 2-6 with the
+  custom non-argmax-invariant processors between logit_bias and the penalties.
+
+  Each addition sits behind a traced flag: without a live grammar row the bitmask is not read,
+  and without a live row using a custom processor the fused pass runs as before.
+  A row with a grammar bans what its bitmask forbids; rows without one are unchanged.
+
+  Args:
+    logits: `[R, V]` model logits, any float dtype.
+    state, md: the batch state and metadata.
+
+  Returns:
+    `[R, V] float32` processed logits.
+  """
+  # The bitmask costs one read of `[R, V / 32]` fused into the pass below; without a live
+  # grammar row (and no other processing) the whole branch is skipped by the caller.
+  x = apply_grammar_bitmask(logits.astype(jnp.float32), state, md.is_live)
+  if not has_processors(state.config, argmax_invariant=False):
+    return _fused_processors(x, state, md)
+  return lax.cond(
+    any_custom(md, state.config, argmax_invariant=False),
+    lambda: _processors_with_custom(x, state, md),
+    lambda: _fused_processors(x, state, md),
+  )
+
+
+def _processors_with_custom(x, state: BatchState, md: SamplingMetadata) -> jax.Array:
+  """Stages 2-6 one after another, with the custom processors before the penalties (vLLM's
+  order: allowed, bad words, min_tokens, logit_bias, custom, penalties). `x` may hold the grammar
+  mask already (applying it twice, or the grammar before the other masks, is the same)."""
+  rows, vocab = _row_index(x), state.vocab_size
+  x = jnp.where(is_allowed(state), nan_as_neg_inf(x), NEG_INF)
+  x = x.at[rows, _bad_word_bans(state, md)].set(NEG_INF, mode="drop")
+  x = x.at[rows, _min_tokens_bans(state, md)].set(NEG_INF, mode="drop")
+  bias_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, vocab)
+  x = x.at[rows, bias_ids].add(state.logit_bias, mode="drop")
+  x = apply_custom_processors(x, state, md, argmax_invariant=False)
+  return _penalize(x, state.output_token_counts, state.prompt_token_mask, md)
+
+
+def _fused_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Array:
   """Stages 2-6: `[R, V]` logits -> processed `[R, V] float32` logits (vLLM HEAD semantics).
 
   Computed as one fused elementwise pass plus three small scatters, in an order that gives
@@ -112,10 +163,14 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
   return processed.at[rows, _min_tokens_bans(state, md)].set(NEG_INF, mode="drop")
 
 
-def any_processing(md: SamplingMetadata) -> jax.Array:
-  """`[] bool` whether some live row uses a stage 2-6 processor."""
+def any_processing(md: SamplingMetadata, config=None) -> jax.Array:
+  """`[] bool` whether some live row uses the grammar bitmask, a stage 2-6 processor or (with the
+  batch's `config`) a custom non-argmax-invariant processor."""
+  custom = any_custom(md, config, argmax_invariant=False) if config is not None else False
   return (
-    md.any_allowed_token_ids
+    md.any_grammar
+    | custom
+    | md.any_allowed_token_ids
     | md.any_bad_words
     | md.any_min_tokens
     | md.any_logit_bias

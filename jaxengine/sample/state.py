@@ -66,6 +66,13 @@ class BatchState:
     output_token_counts: `[R, V] int32` occurrences of each token in the output so far (for the
       frequency and presence penalties), updated by every sample step.
     prompt_token_mask: `[R, V] bool` tokens present in the prompt (for the repetition penalty).
+    logits_processor_states: one pytree per `config.logits_processors` entry (its `init_state`),
+      every leaf `[R, ...]`: the processor's row state moves with its row.
+    logits_processor_active: `[R, P] bool` whether processor `p` acts on the row's request.
+    has_grammar: `[R] bool` whether the row's request has structured outputs.
+    grammar_bitmask: `[R, ceil(V / 32)] int32` allowed tokens of grammar rows, packed (bit
+      `t % 32` of word `t // 32`); written by the host before each step (see
+      `InputBatch.set_grammar_bitmask`), read only where `has_grammar`.
     config: static; the `BatchConfig` (capacities, logprobs mode, candidate budget).
   """
 
@@ -92,6 +99,10 @@ class BatchState:
   bad_words_last: jax.Array
   output_token_counts: jax.Array
   prompt_token_mask: jax.Array
+  logits_processor_states: tuple
+  logits_processor_active: jax.Array
+  has_grammar: jax.Array
+  grammar_bitmask: jax.Array
   config: BatchConfig = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -164,6 +175,12 @@ class BatchState:
       bad_words_last=i32(R, num_bad_words, fill=V),
       output_token_counts=i32(R, V),
       prompt_token_mask=jnp.zeros((R, V), bool),
+      logits_processor_states=tuple(
+        jax.tree.map(jnp.asarray, p.init_state(R, V)) for p in config.logits_processors
+      ),
+      logits_processor_active=jnp.zeros((R, len(config.logits_processors)), bool),
+      has_grammar=jnp.zeros((R,), bool),
+      grammar_bitmask=jnp.full((R, -(-V // 32)), -1, jnp.int32),
       config=config,
     )
 
@@ -188,6 +205,9 @@ class RowUpdate:
     seed_words: `[2] uint32` the request's seed modulo 2**64 as (low, high) words.
     is_seeded: `[] bool` whether the request has a seed.
     serial: `[] uint32` the batch's running request number, which keys unseeded requests.
+    logits_processor_states: a tuple of each processor's row (leaves without the leading `R`).
+    logits_processor_active: `[P] bool`.
+    has_grammar: `[] bool`.
   """
 
   token_ids: RowArray
@@ -213,6 +233,9 @@ class RowUpdate:
   seed_words: RowArray
   is_seeded: RowArray
   serial: RowArray
+  logits_processor_states: tuple
+  logits_processor_active: RowArray
+  has_grammar: RowArray
 
 
 def request_key_data(batch_key_data: jax.Array, row: RowUpdate) -> jax.Array:
@@ -240,7 +263,8 @@ def request_key_data(batch_key_data: jax.Array, row: RowUpdate) -> jax.Array:
 
 
 def _derived_fields(state: BatchState, row: RowUpdate, batch_key_data: jax.Array) -> dict:
-  """The row's `key_data`, `output_token_counts` `[V]` and `prompt_token_mask` `[V]`.
+  """The row's `key_data`, `output_token_counts` `[V]`, `prompt_token_mask` `[V]` and an
+  all-allowed `grammar_bitmask` row.
 
   Token counts for the penalties are rebuilt from the row's own tokens here, once per admission;
   afterwards the sample step keeps them current.
@@ -257,6 +281,7 @@ def _derived_fields(state: BatchState, row: RowUpdate, batch_key_data: jax.Array
     prompt_token_mask=jnp.zeros((V,), bool)
     .at[jnp.where(is_prompt, row.token_ids, V)]
     .set(True, mode="drop"),
+    grammar_bitmask=jnp.full(state.grammar_bitmask.shape[1:], -1, jnp.int32),
   )
 
 
@@ -281,8 +306,11 @@ def write_row(
   for f in dataclasses.fields(BatchState):
     if f.metadata.get("static"):
       continue
-    old = getattr(state, f.name)
-    new_fields[f.name] = old.at[index].set(values[f.name].astype(old.dtype))
+    new_fields[f.name] = jax.tree.map(
+      lambda old, new: old.at[index].set(jnp.asarray(new).astype(old.dtype)),
+      getattr(state, f.name),
+      values[f.name],
+    )
   return dataclasses.replace(state, **new_fields)
 
 

@@ -2,17 +2,19 @@
 
 `sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `behaviour.md` §1.4):
 
+  0. the grammar bitmask of rows with structured outputs (`custom.py`);
   1. cast the logits to float32 (the input itself is the raw_* logprobs source; a NaN logit counts
      as -inf, see `sample_step`);
   2. allowed_token_ids: every other token -> -inf;                            (processors.py)
   3. bad words: the last token of each banned sequence whose prefix ends the output -> -inf;
   4. min_tokens: stop ids -> -inf while fewer than min_tokens tokens were generated;
-  5. logit_bias: added;
+  5. logit_bias: added; then your `LogitsProcessor`s with `argmax_invariant = False`;
   6. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
   7. greedy argmax (first maximal index) for greedy rows;                      (blocked.py)
   8. temperature (greedy rows divide by 1);
-  9. min_p, 10. top-k, 11. top-p: each keeps the tokens at or above a per-row threshold, so the
-     three combine into one threshold; masked tokens are -inf in the processed_* logprobs;
+  9. min_p (your argmax-invariant processors first, random rows only), 10. top-k, 11. top-p:
+     each keeps the tokens at or above a per-row threshold, so the three combine into one
+     threshold; masked tokens are -inf in the processed_* logprobs;
                                                        (budgets.py, filters.py, thresholds.py)
   12. random draw: inverse CDF of the kept distribution with one uniform per row, drawn from
      `fold_in(request_key, num_output_tokens)` (a top-p rejection retry `a` draws from
@@ -48,6 +50,11 @@ from jax import lax
 
 from jaxengine.sample.blocked import blocked_argmax
 from jaxengine.sample.budgets import cut_and_draw
+from jaxengine.sample.custom import (
+  apply_invariant_processors,
+  has_processors,
+  update_processor_states,
+)
 from jaxengine.sample.draw import draw_from_vocab
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs, logprobs_scores
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
@@ -142,10 +149,13 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
   greedy_tokens = lax.cond(
     md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32)
   )
+  x_random = x
+  if has_processors(state.config, argmax_invariant=True):
+    x_random = apply_invariant_processors(x, state, md, inverse_temperature(md))
   random_tokens, threshold, row_max = lax.cond(
     md.any_random,
     lambda: _sample_random(
-      x,
+      x_random,
       md,
       *_step_keys(state),
       state.config.candidate_budgets,
@@ -273,11 +283,14 @@ def sample(
   # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
   # they are instead of paying for a processed copy.
   tokens, logprobs = lax.cond(
-    any_processing(md),
+    any_processing(md, state.config),
     lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
     lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md),
   )
   state, is_appended = _append_tokens(state, md, tokens)
+  if state.config.logits_processors:
+    states = update_processor_states(state, md, tokens, is_appended)
+    state = dataclasses.replace(state, logits_processor_states=states)
   return state, SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs, is_appended=is_appended)
 
 

@@ -1,0 +1,137 @@
+"""Structured outputs on the host: llguidance grammars, one matcher per completion, the bitmask.
+
+A request's `StructuredOutputsParams` is compiled to an llguidance grammar when the request is
+added (`compile`, a `ValueError` before anything is queued). When its completion enters the
+batch it gets a matcher (`add`); before each decode step `bitmask` packs each grammar row's
+allowed tokens as `[R, ceil(V / 32)] int32` (filled by llguidance's thread pool), which
+`InputBatch.set_grammar_bitmask` hands to the compiled step; after the step `advance` feeds each
+grammar row its token. The grammar allows EOS only where it may end; a matcher that will accept
+nothing but EOS after a token ends its completion (finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.gbnf_to_lark
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from jaxengine.params import StructuredOutputsParams
+from jaxengine.tokenizer import Tokenizer
+
+#: JSON compile options: compact separators, no free whitespace between tokens (small models
+#: otherwise tend to fill a document with whitespace until max_tokens). A schema's `x-guidance`
+#: overrides them.
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
+
+
+def grammar_source(so: StructuredOutputsParams) -> str:
+  """The llguidance grammar (a JSON string) for one constraint, not yet validated.
+
+  Raises:
+    ValueError: for a `json` schema string that is not JSON.
+  """
+  kind = so.kind
+  if kind == "json":
+    schema: Any = so.json
+    if isinstance(schema, str):
+      try:
+        schema = json.loads(schema)
+      except json.JSONDecodeError as error:
+        raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+  if kind == "json_object":
+    return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+  if kind == "regex":
+    return llguidance.LLMatcher.grammar_from_regex(so.regex or "")
+  if kind == "choice":
+    # Lark string literals take JSON escapes, so each choice is matched literally.
+    return llguidance.LLMatcher.grammar_from_lark(
+      "start: " + " | ".join(json.dumps(c) for c in so.choice or ())
+    )
+  grammar = so.grammar or ""
+  if "::=" in grammar:  # GBNF (llama.cpp) -> Lark
+    try:
+      grammar = llguidance.gbnf_to_lark.gbnf_to_lark(grammar)
+    except Exception as error:  # GbnfToLarkError and the parser's own errors
+      raise ValueError(f"structured_outputs.grammar is not valid GBNF: {error}") from None
+  return llguidance.LLMatcher.grammar_from_lark(grammar)
+
+
+class StructuredOutputs:
+  """The matchers of the completions with structured outputs, and the bitmask they make.
+
+  Args:
+    tokenizer: the model's tokenizer (its vocabulary, extended to `vocab_size`).
+    vocab_size: `V`, the model's logits width (the bitmask covers it: ids past the tokenizer's
+      vocabulary are never allowed).
+    eos_token_id: the EOS id the grammar allows where it may end.
+    max_num_reqs: `R`, rows of the bitmask.
+  """
+
+  def __init__(
+    self, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int | None, max_num_reqs: int
+  ) -> None:
+    self.vocab_size, self.max_num_reqs = vocab_size, max_num_reqs
+    self.ll_tokenizer = llguidance.hf.from_tokenizer(
+      tokenizer.hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_id
+    )
+    self._executor = llguidance.LLExecutor()
+    self._matchers: dict[str, llguidance.LLMatcher] = {}
+    self._bitmask = llguidance.numpy.allocate_token_bitmask(max_num_reqs, vocab_size)
+
+  def compile(self, so: StructuredOutputsParams) -> str:
+    """The validated grammar of a request.
+
+    Raises:
+      ValueError: naming the constraint and llguidance's message, for an invalid schema,
+        pattern or grammar.
+    """
+    grammar = grammar_source(so)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+      grammar, self.ll_tokenizer
+    )
+    if is_error:
+      raise ValueError(f"structured_outputs.{so.kind} is invalid: {messages[0]}")
+    return grammar
+
+  def add(self, seq_id: str, grammar: str) -> None:
+    """A fresh matcher for a completion entering the batch."""
+    matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+      raise ValueError(f"structured_outputs: {matcher.get_error()}")
+    self._matchers[seq_id] = matcher
+
+  def remove(self, seq_id: str) -> None:
+    """Forgets a completion's matcher (no-op without one)."""
+    self._matchers.pop(seq_id, None)
+
+  def __contains__(self, seq_id: str) -> bool:
+    return seq_id in self._matchers
+
+  def __len__(self) -> int:
+    return len(self._matchers)
+
+  def bitmask(self, req_ids: Sequence[str | None]) -> np.ndarray | None:
+    """`[R, ceil(V / 32)] int32` each grammar row's allowed tokens (rows in `req_ids` order), or
+    None when no row has a grammar (the step then skips the mask). Other rows are left as they
+    are: the step reads only grammar rows."""
+    rows = [(self._matchers[rid], row) for row, rid in enumerate(req_ids) if rid in self._matchers]
+    if not rows:
+      return None
+    llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, self._bitmask)
+    return self._bitmask
+
+  def advance(self, seq_id: str, token: int) -> bool:
+    """Feeds a completion's sampled token to its matcher; True when the grammar is finished
+    (it will accept nothing but EOS, or the token was EOS). False without a matcher."""
+    matcher = self._matchers.get(seq_id)
+    if matcher is None:
+      return False
+    matcher.consume_token(int(token))
+    return matcher.is_stopped()

@@ -1,0 +1,178 @@
+"""Your own logits processors in the persistent batch (tiny vocabularies, no model)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxengine as je
+from jaxengine.testing import TargetOnly, count_compiles
+
+V, R, S = 40, 8, 64
+
+
+class Countdown(je.LogitsProcessor):
+  """Emits `start, start + 1, ...` (mod V): exercises `update_state` moving with its row."""
+
+  def init_state(self, max_num_reqs, vocab_size):
+    return {"next": jnp.zeros((max_num_reqs,), jnp.int32)}
+
+  def row_state(self, params, prompt_token_ids):
+    start = (params.extra_args or {}).get("start")
+    return None if start is None else {"next": start}
+
+  def apply(self, state, active, logits):
+    keep = jnp.arange(logits.shape[-1]) == state["next"][:, None]
+    return jnp.where(active[:, None] & ~keep, -jnp.inf, logits)
+
+  def update_state(self, state, sampled_token_ids, active):
+    return {"next": jnp.where(active, (sampled_token_ids + 1) % V, state["next"])}
+
+
+class KeepTop1(je.LogitsProcessor):
+  """Argmax invariant: keeps only the largest logit (so a random row samples its argmax)."""
+
+  argmax_invariant = True
+
+  def init_state(self, max_num_reqs, vocab_size):
+    return {}
+
+  def row_state(self, params, prompt_token_ids):
+    return {} if (params.extra_args or {}).get("top1") else None
+
+  def apply(self, state, active, logits):
+    keep = logits >= logits.max(-1, keepdims=True)
+    return jnp.where(active[:, None] & ~keep, -jnp.inf, logits)
+
+
+def _logits(step: int) -> np.ndarray:
+  return np.random.default_rng(step).normal(size=(R, V)).astype(np.float32) * 3
+
+
+def _params(i: int, target: bool) -> je.SamplingParams:
+  extra = {"target_token": (7 * i) % V} if target else None
+  if i % 3 == 0:
+    return je.SamplingParams(temperature=0, extra_args=extra)
+  return je.SamplingParams(seed=100 + i, top_k=5 if i % 2 else 0, extra_args=extra)
+
+
+def test_target_rows_emit_their_target_and_other_rows_are_unchanged():
+  with_lp = je.InputBatch(R, S, V, logits_processors=[TargetOnly])
+  without = je.InputBatch(R, S, V)
+  for i in range(6):
+    with_lp.add_request(f"r{i}", [1, 2, 3], _params(i, target=i % 2 == 0))
+    without.add_request(f"r{i}", [1, 2, 3], _params(i, target=False))
+  for step in range(4):
+    a = with_lp.sample(_logits(step)).sampled_token_ids
+    b = without.sample(_logits(step)).sampled_token_ids
+    for i in range(6):
+      if i % 2 == 0:
+        assert a[i] == (7 * i) % V
+      else:
+        assert a[i] == b[i]
+
+
+def test_processor_state_follows_requests_through_add_remove_condense_swap():
+  batch = je.InputBatch(R, S, V, logits_processors=[TargetOnly(), "jaxengine.testing:TargetOnly"])
+  rng = np.random.default_rng(0)
+  targets: dict[str, int | None] = {}
+  greedy_plain: set[str] = set()
+  serial = 0
+  compiles = None
+  for step in range(24):
+    if step == 6:
+      compiles = count_compiles().start()  # everything below has been compiled once
+    if batch.num_reqs < R and (rng.random() < 0.6 or batch.num_reqs == 0):
+      rid, serial = f"q{serial}", serial + 1
+      target = int(rng.integers(V)) if rng.random() < 0.5 else None
+      params = je.SamplingParams(
+        temperature=0 if target is None else 1.0,
+        extra_args=None if target is None else {"target_token": target},
+      )
+      batch.add_request(rid, [int(rng.integers(V))], params)
+      targets[rid] = target
+      if target is None:
+        greedy_plain.add(rid)
+    if batch.num_reqs > 1 and rng.random() < 0.3:
+      batch.remove_request(list(batch.req_id_to_index)[int(rng.integers(batch.num_reqs))])
+    batch.condense()
+    if batch.num_reqs > 1 and rng.random() < 0.5:
+      batch.swap_states(0, batch.num_reqs - 1)
+    logits = _logits(step)
+    out = batch.sample(logits).sampled_token_ids
+    for row, rid in enumerate(batch.req_ids):
+      if targets[rid] is not None:
+        assert out[row] == targets[rid], (step, rid)
+      else:
+        assert out[row] == int(np.argmax(logits[row])), (step, rid)
+  assert compiles is not None
+  compiles.stop()
+  assert compiles.count == 0
+
+
+def test_update_state_moves_with_its_row_and_one_executable_serves_every_mix():
+  batch = je.InputBatch(R, S, V, logits_processors=[Countdown, KeepTop1])
+  batch.add_request("a", [1], je.SamplingParams(extra_args={"start": 5}))
+  batch.add_request("plain", [1], je.SamplingParams(temperature=0))
+  batch.add_request("b", [1], je.SamplingParams(extra_args={"start": 30}))
+  batch.sample(_logits(0))
+  batch.swap_states(0, 2)
+  with count_compiles() as compiles:
+    for step in range(1, 4):
+      batch.sample(_logits(step))
+    batch.add_request("top1", [2], je.SamplingParams(seed=1, extra_args={"top1": True}))
+    batch.remove_request("plain")
+    batch.condense()
+    logits = _logits(9)
+    out = batch.sample(logits).sampled_token_ids
+  assert compiles.count == 0  # adds, removes and moves after warm-up compile nothing
+  assert batch.output_token_ids("a") == [5, 6, 7, 8, 9]
+  assert batch.output_token_ids("b") == [30, 31, 32, 33, 34]
+  row = batch.req_id_to_index["top1"]
+  assert out[row] == int(np.argmax(logits[row]))
+
+
+def test_refused_request_leaves_the_batch_unchanged():
+  batch = je.InputBatch(R, S, V, logits_processors=[TargetOnly])
+  batch.add_request("a", [1], je.SamplingParams(extra_args={"target_token": 3}))
+  before = jax.tree.map(np.asarray, batch.state)
+  with pytest.raises(ValueError, match="target_token"):
+    batch.add_request("bad", [1], je.SamplingParams(extra_args={"target_token": V}))
+  assert batch.req_ids == ["a"] and batch.num_reqs == 1
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, batch.state))
+  assert batch.sample(_logits(0)).sampled_token_ids.tolist() == [3]
+
+
+@pytest.mark.parametrize("spec", ["no_such_module:X", "jaxengine.testing:nothing", 3, object])
+def test_bad_processor_specs_are_refused(spec):
+  with pytest.raises(ValueError, match="logits_processors"):
+    je.InputBatch(R, S, V, logits_processors=[spec])
+
+
+def test_grammar_bitmask_masks_only_grammar_rows():
+  batch = je.InputBatch(4, S, V)
+  so = je.StructuredOutputsParams(regex="a")
+  batch.add_request("g", [1], je.SamplingParams(temperature=0, structured_outputs=so))
+  batch.add_request("p", [1], je.SamplingParams(temperature=0))
+  bitmask = np.zeros((4, -(-V // 32)), np.int32)
+  bitmask[0, 33 // 32] = 1 << (33 % 32)  # only token 33 for the grammar row
+  bitmask[1] = 0  # read nowhere: the plain row has no grammar
+  batch.set_grammar_bitmask(bitmask)
+  logits = _logits(3)[:4]
+  out = batch.sample(logits).sampled_token_ids
+  assert out.tolist() == [33, int(np.argmax(logits[1]))]
+
+
+def test_extra_args_and_structured_outputs_are_validated():
+  with pytest.raises(ValueError, match="extra_args"):
+    je.SamplingParams(extra_args=[1])
+  with pytest.raises(ValueError, match="exactly one"):
+    je.StructuredOutputsParams(regex="a", choice=["b"])
+  with pytest.raises(ValueError, match="exactly one"):
+    je.StructuredOutputsParams()
+  with pytest.raises(ValueError, match="choice"):
+    je.StructuredOutputsParams(choice=[])
+  with pytest.raises(ValueError, match="structured_outputs"):
+    je.SamplingParams(structured_outputs={"regex": "a"})

@@ -1,0 +1,111 @@
+"""Structured outputs (llguidance) and a custom processor on the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+import jaxengine as je
+from jaxengine.cli import _sampling_params, build_parser
+from jaxengine.testing import TargetOnly
+
+SCHEMA = {
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+  },
+  "required": ["name", "age", "pets"],
+  "additionalProperties": False,
+}
+PHONE = r"\d{3}-\d{4}"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return je.LLM(max_num_reqs=8, max_model_len=128, logits_processors=[TargetOnly])
+
+
+def _so(**kwargs) -> je.SamplingParams:
+  extra = {k: kwargs.pop(k) for k in ("temperature", "seed", "extra_args") if k in kwargs}
+  so = je.StructuredOutputsParams(**kwargs) if kwargs else None
+  return je.SamplingParams(max_tokens=48, structured_outputs=so, **extra)
+
+
+def test_structured_and_plain_requests_side_by_side(llm):
+  engine = llm.llm_engine
+  for so in (
+    je.StructuredOutputsParams(json={"type": "nonsense-type"}),
+    je.StructuredOutputsParams(json="{not json"),
+    je.StructuredOutputsParams(regex="(unclosed"),
+    je.StructuredOutputsParams(grammar="start: undefined_rule"),
+  ):
+    with pytest.raises(ValueError, match="structured_outputs"):
+      engine.add_request(None, "Hi", je.SamplingParams(structured_outputs=so))
+  with pytest.raises(ValueError, match="target_token"):
+    engine.add_request(None, "Hi", je.SamplingParams(extra_args={"target_token": -1}))
+  assert not engine.has_unfinished_requests()
+  # The engine keeps working: structured, plain and processor requests in one batch.
+  reference = json.loads((Path(__file__).parent / "fixtures" / "smollm2_greedy.json").read_text())
+  plain = je.SamplingParams(temperature=0, max_tokens=len(reference["new_ids"]))
+  prompts = [
+    "Describe a person as JSON:",
+    "Describe a person as JSON:",
+    "Describe a person as JSON:",
+    "A phone number:",
+    "Review: great film! Sentiment:",
+    reference["prompt"],
+    "Say anything:",
+    "Is the sky blue?",
+  ]
+  params = [
+    _so(json=SCHEMA, temperature=0),
+    _so(json=json.dumps(SCHEMA), seed=1),
+    _so(json=SCHEMA, seed=2, temperature=1.2),
+    _so(regex=PHONE, seed=3),
+    _so(choice=CHOICES, temperature=0),
+    plain,
+    _so(extra_args={"target_token": 42}, seed=4),
+    _so(json_object=True, temperature=0),
+  ]
+  outs = llm.generate(prompts, params, use_tqdm=False)
+  for out in outs[:3]:
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop", completion
+    jsonschema.validate(json.loads(completion.text), SCHEMA)
+  assert re.fullmatch(PHONE, outs[3].outputs[0].text)
+  assert outs[3].outputs[0].finish_reason == "stop"
+  assert outs[4].outputs[0].text in CHOICES
+  # A plain request beside structured ones emits exactly what it emits alone.
+  assert outs[5].outputs[0].token_ids == reference["new_ids"]
+  assert set(outs[6].outputs[0].token_ids) == {42}
+  if outs[7].outputs[0].finish_reason == "stop":
+    assert isinstance(json.loads(outs[7].outputs[0].text), dict)
+
+
+@pytest.mark.parametrize(
+  "flags, expected",
+  [
+    (["--regex", PHONE], je.StructuredOutputsParams(regex=PHONE)),
+    (["--choice", "a", "--choice", "b c"], je.StructuredOutputsParams(choice=["a", "b c"])),
+    (["--json-schema", json.dumps(SCHEMA)], je.StructuredOutputsParams(json=json.dumps(SCHEMA))),
+  ],
+)
+def test_cli_structured_output_flags(flags, expected):
+  args = build_parser().parse_args(["generate", "x", *flags, "--extra-args", '{"k": 1}'])
+  params = _sampling_params(args)
+  assert params.structured_outputs == expected
+  assert params.extra_args == {"k": 1}
+
+
+def test_cli_json_schema_from_a_file(tmp_path):
+  path = tmp_path / "schema.json"
+  path.write_text(json.dumps(SCHEMA))
+  args = build_parser().parse_args(["generate", "x", "--json-schema", str(path)])
+  assert json.loads(_sampling_params(args).structured_outputs.json) == SCHEMA
