@@ -445,10 +445,8 @@ class InputBatch:
         f"requests {full} already hold max_model_len={self.max_model_len} tokens; "
         "remove them before sampling"
       )
-    if any(rid is None for rid in self._req_ids):
-      self.condense()
-    metadata = self.sampling_metadata
-    self._state, output, extra = step_fn(self._state, metadata, *args)
+    self.condense()  # a no-op without holes
+    self._state, output, extra = step_fn(self._state, self.sampling_metadata, *args)
     return self._to_host(output), extra
 
   def _to_host(self, output: SamplerOutput) -> HostSamplerOutput:
