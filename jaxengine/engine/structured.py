@@ -78,12 +78,31 @@ class StructuredOutputs:
     self, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int | None, max_num_reqs: int
   ) -> None:
     self.vocab_size, self.max_num_reqs = vocab_size, max_num_reqs
-    self.ll_tokenizer = llguidance.hf.from_tokenizer(
-      tokenizer.hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_id
-    )
+    self._tokenizer, self._eos_token_id = tokenizer, eos_token_id
+    self._ll_tokenizer: llguidance.LLTokenizer | None = None
     self._executor = llguidance.LLExecutor()
     self._matchers: dict[str, llguidance.LLMatcher] = {}
     self._bitmask = llguidance.numpy.allocate_token_bitmask(max_num_reqs, vocab_size)
+
+  @property
+  def ll_tokenizer(self) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary, built on the first structured request (it takes a
+    moment, and engines without structured requests never need it).
+
+    Raises:
+      ValueError: if the tokenizer has more tokens than the model's logits (`vocab_size`).
+    """
+    if self._ll_tokenizer is None:
+      try:
+        self._ll_tokenizer = llguidance.hf.from_tokenizer(
+          self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_id
+        )
+      except ValueError as error:
+        raise ValueError(
+          f"structured_outputs need a tokenizer that fits the model's vocab_size="
+          f"{self.vocab_size}: {error}"
+        ) from None
+    return self._ll_tokenizer
 
   def compile(self, so: StructuredOutputsParams) -> str:
     """The validated grammar of a request.
