@@ -427,17 +427,17 @@ class InputBatch:
     `step_fn(state, metadata, *args) -> (state, SamplerOutput, extra)` must be jitted, donate
     `state`, and sample with `jaxengine.sample.sample` inside.
 
-    Condenses first if removals left holes.
+    Checks and condenses first (`prepare_step`, whose ValueError it raises). `*args` are the
+    step's other arguments (weights, KV cache, ...). Returns `(HostSamplerOutput over the live
+    rows, extra)`.
+    """
+    metadata = self.prepare_step()
+    self._state, output, extra = step_fn(self._state, metadata, *args)
+    return self._to_host(output), extra
 
-    Args:
-      step_fn: the jitted step, called as `step_fn(state, metadata, *args)`.
-      *args: its other arguments (model weights, KV cache, ...).
-
-    Returns:
-      `(HostSamplerOutput over the live rows, extra)`.
-
-    Raises:
-      ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+  def prepare_step(self) -> SamplingMetadata:
+    """Checks that every row has room for a token, condenses, and returns the metadata. Raises:
+    ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
     """
     full = [rid for rid in self.req_id_to_index if self.num_tokens(rid) >= self.max_model_len]
     if full:
@@ -446,8 +446,7 @@ class InputBatch:
         "remove them before sampling"
       )
     self.condense()  # a no-op without holes
-    self._state, output, extra = step_fn(self._state, self.sampling_metadata, *args)
-    return self._to_host(output), extra
+    return self.sampling_metadata
 
   def _to_host(self, output: SamplerOutput) -> HostSamplerOutput:
     """Device output over all rows -> NumPy over live rows; appends the tokens on the host."""

@@ -68,15 +68,7 @@ def run_steps(batch: InputBatch, step_fn, *args, **kwargs) -> tuple[HostMultiSte
   Raises:
     ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
   """
-  full = [rid for rid in batch.req_id_to_index if batch.num_tokens(rid) >= batch.max_model_len]
-  if full:
-    raise ValueError(
-      f"requests {full} already hold max_model_len={batch.max_model_len} tokens; "
-      "remove them before sampling"
-    )
-  if any(rid is None for rid in batch.req_ids):
-    batch.condense()
-  metadata = batch.sampling_metadata
+  metadata = batch.prepare_step()
   batch._state, output, extra = step_fn(batch._state, metadata, *args, **kwargs)
   return _steps_to_host(batch, output), extra
 
