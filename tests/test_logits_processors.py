@@ -176,3 +176,25 @@ def test_extra_args_and_structured_outputs_are_validated():
     je.StructuredOutputsParams(choice=[])
   with pytest.raises(ValueError, match="structured_outputs"):
     je.SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_processed_logprobs_include_argmax_invariant_processors():
+  """vLLM applies argmax-invariant processors before its top-k / top-p sampler, so processed_*
+  logprobs see them: a random row that keeps only its top token has logprob 0 for it, and every
+  other token is -inf; a greedy row is untouched by them."""
+  batch = je.InputBatch(R, S, V, logprobs_mode="processed_logprobs", logits_processors=[KeepTop1])
+  batch.add_request("random", [1, 2], je.SamplingParams(seed=1, logprobs=3, extra_args={"top1": 1}))
+  batch.add_request("greedy", [1, 2], je.SamplingParams(temperature=0, logprobs=3))
+  logits = _logits(0)
+  out = batch.sample(logits)
+  assert out.logprobs is not None
+  row = batch.req_id_to_index["random"]
+  assert out.sampled_token_ids[row] == int(np.argmax(logits[row]))
+  np.testing.assert_array_equal(out.logprobs.logprobs[row, :2], [0.0, 0.0])
+  assert np.all(np.isneginf(out.logprobs.logprobs[row, 2:]))
+  greedy = batch.req_id_to_index["greedy"]
+  expected = jax.nn.log_softmax(jnp.asarray(logits[greedy]))
+  np.testing.assert_allclose(
+    out.logprobs.logprobs[greedy, 0], expected[out.sampled_token_ids[greedy]], rtol=1e-5
+  )
+  assert np.all(np.isfinite(out.logprobs.logprobs[greedy]))

@@ -149,13 +149,10 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
   greedy_tokens = lax.cond(
     md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32)
   )
-  x_random = x
-  if has_processors(state.config, argmax_invariant=True):
-    x_random = apply_invariant_processors(x, state, md, inverse_temperature(md))
   random_tokens, threshold, row_max = lax.cond(
     md.any_random,
     lambda: _sample_random(
-      x_random,
+      x,
       md,
       *_step_keys(state),
       state.config.candidate_budgets,
@@ -253,6 +250,10 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
   returned an `[R, V]` array unchanged would cost a copy.
   """
   config = state.config
+  if has_processors(config, argmax_invariant=True):
+    # Greedy rows keep `x` bit for bit; random rows draw from, and processed_* logprobs report,
+    # the values after these processors (vLLM applies them before its top-k / top-p sampler).
+    x = apply_invariant_processors(x, state, md, inverse_temperature(md))
   tokens, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
   tokens = _repair_degenerate_rows(logits, x, tokens, row_max, state, md)
 

@@ -1,0 +1,177 @@
+"""Where a decode step's time goes: SmolLM2-135M at B = 1, 8 and 32 live rows (issue 15).
+
+Each part of the engine's decode step is jitted on its own and timed on the same inputs, so the
+parts add up to (about) the fused step; what XLA fuses across the parts is the difference.
+
+  engine step   `LLMEngine.step()` with B running requests: host bookkeeping + the device step
+  device step   the runner's jitted decode-and-sample alone (`ModelRunner.decode`'s executable)
+  forward + LM head   the model alone, without the sampler
+  dense         the seven projections of every layer (q, k, v, o, gate, up, down), nothing else
+  LM head       `[B, E] x [E, V]` logits
+  rest of forward   forward + LM head - dense - LM head: embedding, norms, rotary embedding,
+                every layer's KV-cache write, slot gather and attention over 128 positions
+  sampler       `jaxengine.sample.sample` on `[B, V]` logits (the benchmark's chat-style mix)
+  host          engine step - device step
+
+The weight-reading floor: the machine's read bandwidth (a jitted sum over 1 GiB, measured in the
+same run) against the bytes one step must read (every weight once, plus the live KV).
+
+Usage:
+  python benchmarks/profile_decode.py [--batch-sizes 1 8 32] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxengine as je
+from jaxengine.sample import sample
+
+CHAT = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
+ATTENTION_LEN = 128
+
+
+def _median_ms(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def read_bandwidth_gbs(repeats: int) -> float:
+  """GB/s of a jitted float32 sum over 1 GiB (a read-only stream through memory)."""
+  data = jnp.ones((256, 1024, 1024), jnp.float32)
+  total = jax.jit(jnp.sum)
+  seconds = _median_ms(lambda: total(data), max(3, repeats // 4)) / 1e3
+  return data.nbytes / seconds / 1e9
+
+
+def _dense(model, x):
+  """The seven projections of every layer on `[B, 1, E]`, chained so none is dead code."""
+  cfg = model.config
+  e, h, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  for layer in model.layers:
+    attn, mlp = layer.attn, layer.mlp
+    q = x @ attn.wq[...].reshape(e, h * d)
+    k = x @ attn.wk[...].reshape(e, kv * d)
+    v = x @ attn.wv[...].reshape(e, kv * d)
+    x = x + q @ attn.wo[...].reshape(h * d, e) + (k.sum() + v.sum()) * 1e-9
+    x = x + (jax.nn.silu(x @ mlp.w_gate[...]) * (x @ mlp.w_up[...])) @ mlp.w_down[...]
+  return x
+
+
+def _forward(graphdef, weights, kv_cache, token_ids, positions, slots):
+  """The decoder and the LM head on `[B, 1]` tokens (the decode step without the sampler)."""
+  model = nnx.merge(graphdef, weights)
+  hidden, kv_cache = model(token_ids, positions, kv_cache, slots, attention_len=ATTENTION_LEN)
+  return model.compute_logits(hidden[:, 0]), kv_cache
+
+
+@dataclasses.dataclass
+class Breakdown:
+  batch: int
+  parts_ms: dict[str, float]
+
+
+def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
+  engine = llm.llm_engine
+  runner = engine.runner
+  model = runner.model
+  cfg = model.config
+  prompt = list(range(100, 164))
+  params = je.SamplingParams(max_tokens=repeats + 8, **CHAT)  # ends soon after the timing
+  for _ in range(batch):
+    engine.add_request(None, prompt, params)
+  for _ in range(3):  # prefill, then decode steps (compiled for this bucket)
+    engine.step()
+  parts = {"engine step": _median_ms(lambda: engine.step() or 0, repeats)}
+
+  input_batch = runner.input_batch
+  num_rows = batch
+  metadata = input_batch.sampling_metadata
+  state = jax.tree.map(jnp.copy, input_batch.state)
+  kv_cache = jax.tree.map(jnp.copy, runner.kv_cache)
+
+  def device_step():
+    nonlocal state, kv_cache
+    state, out, kv_cache = runner._decode(
+      state, metadata, runner.weights, kv_cache, attention_len=ATTENTION_LEN, num_rows=num_rows
+    )
+    return out.sampled_token_ids
+
+  parts["device step"] = _median_ms(device_step, repeats)
+
+  graphdef, weights = runner._graphdef, runner.weights
+  rng = np.random.default_rng(0)
+  e = cfg.hidden_size
+  x = jnp.asarray(rng.standard_normal((batch, 1, e), np.float32))
+  dense = jax.jit(lambda w, x: _dense(nnx.merge(graphdef, w), x))
+  parts["dense"] = _median_ms(lambda: dense(weights, x), repeats)
+
+  forward = jax.jit(functools.partial(_forward, graphdef), donate_argnames=("kv_cache",))
+  token_ids = jnp.full((batch, 1), 100, jnp.int32)
+  positions = jnp.full((batch, 1), 70, jnp.int32)
+  slots = jnp.arange(batch, dtype=jnp.int32)
+
+  def model_forward():
+    nonlocal kv_cache
+    logits, kv_cache = forward(weights, kv_cache, token_ids, positions, slots)
+    return logits
+
+  parts["forward + LM head"] = _median_ms(model_forward, repeats)
+  hidden = x[:, 0]
+  head = jax.jit(lambda w, h: nnx.merge(graphdef, w).compute_logits(h))
+  parts["LM head"] = _median_ms(lambda: head(weights, hidden), repeats)
+
+  logits = jnp.asarray(rng.standard_normal((batch, cfg.vocab_size), np.float32))
+  rows_state = state.leading_rows(num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
+  sampler = jax.jit(sample)
+  parts["sampler"] = _median_ms(lambda: sampler(rows_state, rows_metadata, logits)[1], repeats)
+  parts["rest of forward"] = parts["forward + LM head"] - parts["dense"] - parts["LM head"]
+  parts["host"] = parts["engine step"] - parts["device step"]
+  while engine.has_unfinished_requests():
+    engine.step()
+  return Breakdown(batch=batch, parts_ms=parts)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+  parser.add_argument("--repeats", type=int, default=20)
+  args = parser.parse_args(argv)
+  bandwidth = read_bandwidth_gbs(args.repeats)
+  llm = je.LLM(max_num_reqs=32, compilation_cache=False)
+  weights_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.llm_engine.runner.weights))
+  floor_ms = weights_bytes / (bandwidth * 1e9) * 1e3
+  print(f"{jax.devices()[0].device_kind}, {jax.__version__}")
+  print(
+    f"read bandwidth {bandwidth:.1f} GB/s; weights {weights_bytes / 1e6:.0f} MB -> "
+    f"weight-reading floor {floor_ms:.1f} ms/step ({1e3 / floor_ms:.1f} steps/s)"
+  )
+  results = [profile(llm, batch, args.repeats) for batch in args.batch_sizes]
+  names = list(results[0].parts_ms)
+  print("| part | " + " | ".join(f"B={r.batch} ms (share)" for r in results) + " |")
+  print("|---|" + "---:|" * len(results))
+  for name in names:
+    cells = []
+    for r in results:
+      ms = r.parts_ms[name]
+      cells.append(f"{ms:.1f} ({ms / r.parts_ms['engine step']:.0%})")
+    print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+  main()
