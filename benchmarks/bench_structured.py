@@ -8,6 +8,11 @@ Device: one jitted `sample_step` over `[64, 49152]` logits, greedy rows, against
 with every row holding a grammar (the bitmask unpacked and applied in the processing pass), and
 the bitmask's host-to-device copy. Warm-up first; the median of `--repeats` runs counts.
 
+Built-in stages against the same stage as a `LogitsProcessor` (issue 12: should the built-in
+stages go through the plug-in interface?): one jitted `sample` step over `[64, 49152]` random
+(seeded, temperature 1) rows, every row using min_p 0.1 (argmax invariant) or a logit bias on one
+token (not invariant), built in versus a processor doing the same, timed interleaved.
+
 Usage:
   python benchmarks/bench_structured.py [--repeats 20]
 """
@@ -20,6 +25,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxengine as je
@@ -94,6 +100,67 @@ def device_cost(repeats: int) -> tuple[float, float, float]:
   return plain, masked, penalized, both, copy
 
 
+class MinP(je.LogitsProcessor):
+  """min_p as a plug-in: keeps `y >= max(y) + log(min_p)` on temperature-scaled logits."""
+
+  argmax_invariant = True
+
+  def init_state(self, max_num_reqs, vocab_size):
+    return {"min_p": np.zeros((max_num_reqs,), np.float32)}
+
+  def row_state(self, params, prompt_token_ids):
+    value = (params.extra_args or {}).get("min_p")
+    return None if value is None else {"min_p": np.float32(value)}
+
+  def apply(self, state, active, logits):
+    cut = logits.max(-1) + jnp.log(jnp.maximum(state["min_p"], 1e-30))
+    return jnp.where(active[:, None] & (logits < cut[:, None]), -jnp.inf, logits)
+
+
+class OneBias(je.LogitsProcessor):
+  """A logit bias on one token as a plug-in (not argmax invariant)."""
+
+  def init_state(self, max_num_reqs, vocab_size):
+    return {
+      "id": np.zeros((max_num_reqs,), np.int32),
+      "bias": np.zeros((max_num_reqs,), np.float32),
+    }
+
+  def row_state(self, params, prompt_token_ids):
+    bias = (params.extra_args or {}).get("bias")
+    return None if bias is None else {"id": np.int32(bias[0]), "bias": np.float32(bias[1])}
+
+  def apply(self, state, active, logits):
+    rows = jnp.arange(logits.shape[0])
+    return logits.at[rows, state["id"]].add(jnp.where(active, state["bias"], 0.0))
+
+
+def builtin_vs_processor(repeats: int) -> dict[str, tuple[float, float]]:
+  """`{stage: (built-in ms, processor ms)}`, each pair timed interleaved."""
+  logits = jax.device_put(np.random.default_rng(0).normal(size=(R, V)).astype(np.float32))
+  variants = {
+    "min_p 0.1": (dict(min_p=0.1), MinP, {"min_p": 0.1}),
+    "logit_bias": (dict(logit_bias={7: 2.0}), OneBias, {"bias": (7, 2.0)}),
+  }
+  results = {}
+  for name, (builtin, processor, extra) in variants.items():
+    batches = []
+    for kwargs, processors in ((builtin, ()), ({"extra_args": extra}, (processor,))):
+      batch = je.InputBatch(R, 2 * repeats + 8, V, logits_processors=processors)
+      for i in range(R):
+        batch.add_request(f"r{i}", [1, 2], je.SamplingParams(seed=i, **kwargs))
+      batches.append(batch)
+    times: list[list[float]] = [[], []]
+    for round_ in range(repeats + 1):
+      for index, batch in enumerate(batches):
+        start = time.perf_counter()
+        batch.run(_step, logits)
+        if round_:
+          times[index].append(1000 * (time.perf_counter() - start))
+    results[name] = (statistics.median(times[0]), statistics.median(times[1]))
+  return results
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _step(state, metadata, logits):
   return *sample(state, metadata, logits), None
@@ -110,6 +177,11 @@ def main() -> None:
   print(f"device: sample step [{R}, {V}] greedy: plain {plain:.3f} ms, masked {masked:.3f} ms")
   print(f"device: with a presence penalty: plain {penalized:.3f} ms, masked {both:.3f} ms")
   print(f"device: bitmask host->device copy {copy:.3f} ms")
+  for name, (builtin, plugin) in builtin_vs_processor(args.repeats).items():
+    print(
+      f"device: {name}: built in {builtin:.2f} ms, as a LogitsProcessor {plugin:.2f} ms "
+      f"({plugin / builtin:.2f}x)"
+    )
 
 
 if __name__ == "__main__":
