@@ -21,6 +21,9 @@ SAMPLING_EPS = 1e-5
 #: Positive temperatures below this are raised to it, with a warning (vLLM behaviour).
 MIN_TEMPERATURE = 1e-2
 
+#: Seeds are taken as 64-bit integers: `[SEED_MIN, SEED_MAX)` maps one-to-one onto the key words.
+SEED_MIN, SEED_MAX = -(2**63), 2**63
+
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -62,12 +65,14 @@ class SamplingParams:
       `0` disables.
     repetition_penalty: `> 0`; logits of tokens seen in the prompt or output are divided by it
       when positive and multiplied by it otherwise. `1` disables.
-    seed: Per-request random seed (any int; `-1` means None). A seeded request's tokens depend only
-      on the seed, its logits and how many tokens it has generated, never on its batch slot or
-      neighbours.
+    seed: Per-request random seed, an int in `[-2**63, 2**63)` (`-1` means None; distinct seeds
+      in that range give distinct random streams, so anything outside it is refused). A seeded
+      request's tokens depend only on the seed, its logits and how many tokens it has generated,
+      never on its batch slot or neighbours.
     max_tokens: Maximum number of generated tokens, `>= 1`, or None for "until max_model_len".
     min_tokens: Generate at least this many tokens before EOS / stop ids may be produced; `>= 0`
-      and `<= max_tokens`.
+      and `<= max_tokens`. Must be 0 with `structured_outputs` (a finished grammar ends the
+      request whatever min_tokens says).
     stop: Stop strings (engine level, matched on detokenized text). Must not contain "".
     stop_token_ids: Token ids that end generation (kept in the output), masked while fewer than
       `min_tokens` tokens have been generated.
@@ -76,11 +81,13 @@ class SamplingParams:
     bad_words_token_ids: Token-id sequences that must never appear in the output: when the last
       `len(seq) - 1` output tokens equal `seq[:-1]`, token `seq[-1]` is masked.
     include_stop_str_in_output: Keep a matched stop string in the returned text.
-    ignore_eos: Do not stop at EOS (engine level).
+    ignore_eos: Do not stop at EOS (engine level). A finished `structured_outputs` constraint
+      still ends the request (finish_reason "stop"): the grammar allows nothing after its end.
     skip_special_tokens: Drop special tokens when detokenizing (engine level).
     logprobs: Number of top log-probabilities to return per generated token besides the sampled
       token's own: None (off), `0` (sampled token only), `k > 0`, or `-1` (the whole vocabulary,
-      only when the batch was built with `max_num_logprobs=-1`). `True` means 1.
+      only when the batch was built with `max_num_logprobs=-1`). `True` means 1 (as in vLLM);
+      `False` is refused (ambiguous: pass None or 0).
     prompt_logprobs: Same, for each prompt token (engine level; computed from the prefill logits,
       always the raw log-softmax whatever the logprobs mode, as in vLLM).
     logit_bias: `{token_id: bias}` added to the logits before penalties; biases must be finite.
@@ -88,7 +95,10 @@ class SamplingParams:
     extra_args: Free-form options for your own logits processors (a dict, read by their
       `row_state`), as vLLM's `extra_args`.
     structured_outputs: A `StructuredOutputsParams`: constrain the output to a JSON schema, a
-      regex, a choice or a grammar (engine level; needs a tokenizer).
+      regex, a choice or a grammar (engine level; needs a tokenizer). Cannot be combined with
+      `min_tokens > 0`; a sampled token the grammar rejects (another constraint such as
+      `allowed_token_ids` or a logits processor left nothing the grammar allows) is dropped and
+      ends the request with finish_reason "abort", with a warning.
 
   Raises:
     ValueError: On construction, for any out-of-range value; the message names the field.
@@ -156,10 +166,11 @@ class SamplingParams:
       )
     if self.logit_bias is not None:
       set_("logit_bias", _normalise_logit_bias(self.logit_bias))
-    if self.logprobs is True:
-      set_("logprobs", 1)
-    if self.prompt_logprobs is True:
-      set_("prompt_logprobs", 1)
+    for name in ("logprobs", "prompt_logprobs"):  # vLLM's True -> 1; False is ambiguous
+      if getattr(self, name) is True:
+        set_(name, 1)
+      elif getattr(self, name) is False:
+        raise ValueError(f"{name} must be None (off) or an int (0: sampled token only), got False")
     self._validate()
     if self.temperature < SAMPLING_EPS:
       set_("top_p", 1.0)
@@ -193,6 +204,11 @@ class SamplingParams:
       )
     if self.seed is not None:
       _check_int("seed", self.seed)
+      if not SEED_MIN <= self.seed < SEED_MAX:
+        raise ValueError(
+          f"seed must be in [-2**63, 2**63) (distinct seeds there give distinct random "
+          f"streams), got {self.seed}"
+        )
     if self.max_tokens is not None:
       _check_int("max_tokens", self.max_tokens)
       if self.max_tokens < 1:
@@ -239,6 +255,11 @@ class SamplingParams:
     so = self.structured_outputs
     if so is not None and not isinstance(so, StructuredOutputsParams):
       raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
+    if so is not None and self.min_tokens > 0:
+      raise ValueError(
+        f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: a finished "
+        "grammar allows only EOS, which min_tokens forbids (use min_tokens=0)"
+      )
 
   @property
   def is_greedy(self) -> bool:
@@ -261,7 +282,10 @@ class StructuredOutputsParams:
   Exactly one constraint must be given. The engine compiles it with llguidance when the request
   is added; an invalid schema, pattern or grammar is a `ValueError` then, before anything is
   queued. EOS is allowed only where the constraint may end; a finished constraint ends the
-  request with finish_reason "stop".
+  request with finish_reason "stop", even with `ignore_eos` (the grammar allows nothing more).
+  `min_tokens` must be 0 with a constraint. If another constraint (`allowed_token_ids`, a logits
+  processor) leaves the sampler only tokens the grammar rejects, the rejected token is dropped
+  and the request ends with finish_reason "abort" (a warning says why).
 
   Attributes:
     json: a JSON schema, as a dict or a JSON string.
@@ -333,10 +357,16 @@ def _normalise_logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
     raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
   out: dict[int, float] = {}
   for token, value in bias.items():
-    try:
-      token_id = int(token)  # the OpenAI front end sends string keys
-    except (TypeError, ValueError):
-      raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+    token_id = None
+    if is_int(token):
+      token_id = int(token)
+    elif isinstance(token, str):  # the OpenAI front end sends string keys
+      try:
+        token_id = int(token)
+      except ValueError:
+        pass
+    if token_id is None:
+      raise ValueError(f"logit_bias keys must be token ids (ints), got {token!r}")
     _check_number(f"logit_bias[{token_id}]", value)
     if not math.isfinite(float(value)):
       raise ValueError(

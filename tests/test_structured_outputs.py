@@ -109,3 +109,26 @@ def test_cli_json_schema_from_a_file(tmp_path):
   path.write_text(json.dumps(SCHEMA))
   args = build_parser().parse_args(["generate", "x", "--json-schema", str(path)])
   assert json.loads(_sampling_params(args).structured_outputs.json) == SCHEMA
+
+
+def test_a_token_the_grammar_rejects_is_dropped_and_aborts(llm):
+  """Another constraint that leaves only tokens the grammar forbids never yields text the grammar
+  forbids: refused at add time where it can be checked (allowed_token_ids), else the token is
+  dropped and the request ends with "abort" and a warning."""
+  yes_no = je.StructuredOutputsParams(choice=["yes", "no"])
+  sp = lambda **kw: je.SamplingParams(structured_outputs=yes_no, temperature=0, max_tokens=4, **kw)
+  with pytest.raises(ValueError, match="allowed_token_ids .* leave nothing to sample"):
+    llm.generate("Is water wet?", sp(allowed_token_ids=[42]), use_tqdm=False)
+  with pytest.warns(RuntimeWarning, match="does not allow"):
+    (out,) = llm.generate("Is water wet?", sp(extra_args={"target_token": 42}), use_tqdm=False)
+  assert (out.outputs[0].text, out.outputs[0].token_ids, out.outputs[0].finish_reason) == (
+    "",
+    [],
+    "abort",
+  )
+  tokenizer = llm.get_tokenizer()
+  (yes,) = tokenizer.encode("yes", add_special_tokens=False)
+  (out,) = llm.generate(
+    "Is water wet?", sp(allowed_token_ids=[yes, tokenizer.eos_token_id]), use_tqdm=False
+  )
+  assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("yes", "stop")

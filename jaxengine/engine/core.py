@@ -14,6 +14,7 @@ One `step()`:
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -235,10 +236,13 @@ class LLMEngine:
     advanced: dict[str, Request] = {}
     for row, seq_id in enumerate(decoded.req_ids):
       completion = self.scheduler.running[seq_id]
-      self.output_processor.append(completion, row, decoded.sampled)
       token = int(decoded.sampled.sampled_token_ids[row])
-      if structured is not None and structured.advance(seq_id, token):
-        completion.finish_reason = completion.finish_reason or "stop"
+      if structured is not None and not structured.accepts(seq_id, token):
+        _abort_rejected(completion, token)  # never emit what the grammar forbids
+      else:
+        self.output_processor.append(completion, row, decoded.sampled)
+        if structured is not None and structured.advance(seq_id, token):
+          completion.finish_reason = completion.finish_reason or "stop"
       advanced[completion.request.request_id] = completion.request
       if completion.finish_reason is not None:
         self.scheduler.finish(completion)
@@ -275,3 +279,17 @@ class LLMEngine:
       self.output_processor.prompt_logprobs(completion, prompt_logprobs[request.request_id])
     else:  # a one-token prompt: nothing predicts its only token
       request.prompt_logprobs = [None]
+
+
+def _abort_rejected(completion, token: int) -> None:
+  """Ends a completion whose sampled token its grammar rejects: the token is dropped and the
+  finish reason is "abort" (vLLM's name for an aborted request), with a warning."""
+  completion.finish_reason = "abort"
+  warnings.warn(
+    f"request {completion.request.request_id!r}: sampled token {token}, which its "
+    f"structured_outputs grammar does not allow (another constraint, such as "
+    f"allowed_token_ids or a logits processor, masked every token the grammar allows); the "
+    f"token is dropped and the request aborted",
+    RuntimeWarning,
+    stacklevel=3,
+  )

@@ -16,6 +16,8 @@ from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 #: Checks a request against the batch's capacities: `(prompt_token_ids, params)`; raises ValueError.
 RequestValidator = Callable[[Sequence[int], SamplingParams], object]
+#: Compiles `(structured_outputs, allowed_token_ids)` to a grammar; raises ValueError.
+GrammarCompiler = Callable[[StructuredOutputsParams, Sequence[int] | None], str]
 
 
 class InputProcessor:
@@ -26,8 +28,9 @@ class InputProcessor:
       bad_words are refused).
     max_model_len: prompts must be shorter (room for one generated token).
     validate: the batch's check of a request's token ids, lists and logprobs.
-    compile_grammar: compiles a request's `structured_outputs` (raises ValueError when invalid);
-      None refuses structured outputs (an engine without a tokenizer).
+    compile_grammar: compiles a request's `structured_outputs`, given its `allowed_token_ids`
+      (raises ValueError when invalid); None refuses structured outputs (an engine without a
+      tokenizer).
   """
 
   def __init__(
@@ -35,7 +38,7 @@ class InputProcessor:
     tokenizer: Tokenizer | None,
     max_model_len: int,
     validate: RequestValidator,
-    compile_grammar: Callable[[StructuredOutputsParams], str] | None = None,
+    compile_grammar: GrammarCompiler | None = None,
   ) -> None:
     self.tokenizer = tokenizer
     self._compile_grammar = compile_grammar
@@ -69,7 +72,7 @@ class InputProcessor:
     if params.structured_outputs is not None:
       if self._compile_grammar is None:
         raise ValueError("structured_outputs need a tokenizer")
-      grammar = self._compile_grammar(params.structured_outputs)
+      grammar = self._compile_grammar(params.structured_outputs, params.allowed_token_ids)
     request = Request(request_id, text, prompt_token_ids, params, grammar=grammar)
     request.completions = [self._completion(request, j) for j in range(params.n)]
     return request

@@ -23,7 +23,7 @@ class Completion:
     logprobs: per-token logprob dicts, or None when the request did not ask for logprobs.
     cumulative_logprob: sum of the sampled tokens' logprobs, or None.
     text: generated text so far (cut at a matched stop string).
-    finish_reason: "stop", "length", or None while running.
+    finish_reason: "stop", "length", "abort" (a token its grammar rejects), or None while running.
     stop_reason: the stop string or stop token id that ended it, else None.
     stop_search_start: first character of `text` a stop string may start at: the end of the
       text of the first `min_tokens` tokens.

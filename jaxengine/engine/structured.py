@@ -6,7 +6,10 @@ batch it gets a matcher (`add`); before each decode step `bitmask` packs each gr
 allowed tokens as `[R, ceil(V / 32)] int32` (filled by llguidance's thread pool), which
 `InputBatch.set_grammar_bitmask` hands to the compiled step; after the step `advance` feeds each
 grammar row its token. The grammar allows EOS only where it may end; a matcher that will accept
-nothing but EOS after a token ends its completion (finish_reason "stop").
+nothing but EOS after a token ends its completion (finish_reason "stop"). A sampled token the
+matcher rejects (another constraint, such as allowed_token_ids or a logits processor, left only
+tokens the grammar forbids) is never emitted: `accepts` lets the engine drop it and abort the
+completion instead.
 """
 
 from __future__ import annotations
@@ -104,12 +107,19 @@ class StructuredOutputs:
         ) from None
     return self._ll_tokenizer
 
-  def compile(self, so: StructuredOutputsParams) -> str:
+  def compile(
+    self, so: StructuredOutputsParams, allowed_token_ids: Sequence[int] | None = None
+  ) -> str:
     """The validated grammar of a request.
+
+    Args:
+      so: the request's constraint.
+      allowed_token_ids: the request's `allowed_token_ids`, if any: at least one must be a
+        token the grammar allows first.
 
     Raises:
       ValueError: naming the constraint and llguidance's message, for an invalid schema,
-        pattern or grammar.
+        pattern or grammar; or when no allowed_token_ids can start the grammar's output.
     """
     grammar = grammar_source(so)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
@@ -117,7 +127,24 @@ class StructuredOutputs:
     )
     if is_error:
       raise ValueError(f"structured_outputs.{so.kind} is invalid: {messages[0]}")
+    if allowed_token_ids is not None:
+      self._check_first_token(so, grammar, allowed_token_ids)
     return grammar
+
+  def _check_first_token(
+    self, so: StructuredOutputsParams, grammar: str, allowed_token_ids: Sequence[int]
+  ) -> None:
+    """Raises ValueError when none of `allowed_token_ids` may start the grammar's output."""
+    words = np.frombuffer(
+      llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0).compute_bitmask(), np.uint32
+    )
+    ids = np.asarray(allowed_token_ids, np.int64)
+    ids = ids[(ids >= 0) & (ids < 32 * len(words))]
+    if not np.any((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1):
+      raise ValueError(
+        f"allowed_token_ids {list(allowed_token_ids)[:8]} and structured_outputs.{so.kind} "
+        "leave nothing to sample: the grammar allows none of these ids as its first token"
+      )
 
   def add(self, seq_id: str, grammar: str) -> None:
     """A fresh matcher for a completion entering the batch."""
@@ -145,6 +172,13 @@ class StructuredOutputs:
       return None
     llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, self._bitmask)
     return self._bitmask
+
+  def accepts(self, seq_id: str, token: int) -> bool:
+    """Whether a completion's matcher accepts `token` next (True without a matcher). A
+    completion's sampled token can be rejected only when another constraint (allowed_token_ids,
+    a logits processor) masked every token the grammar allows."""
+    matcher = self._matchers.get(seq_id)
+    return matcher is None or matcher.validate_tokens([int(token)]) == 1
 
   def advance(self, seq_id: str, token: int) -> bool:
     """Feeds a completion's sampled token to its matcher; True when the grammar is finished
