@@ -21,6 +21,7 @@ from jaxengine.models.hub import resolve_model
 from jaxengine.models.safetensors_loader import auto_dtype, eos_token_ids, load_safetensors
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
+from jaxengine.sample import batch_key_data
 from jaxengine.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -55,7 +56,7 @@ class LLM:
       (XLA's CPU backend runs bfloat16 matmuls far slower) and the checkpoint's dtype on
       accelerators (bfloat16 for a bfloat16 or float16 checkpoint); a GGUF file, dequantized to
       float32, and a built model keep float32 / their own dtype.
-    seed: engine seed for unseeded requests.
+    seed: engine seed for unseeded requests, an int in `[-2**63, 2**63)`.
     max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM `max_logprobs`).
     logits_processors: your `jaxengine.LogitsProcessor`s (classes built with no arguments,
       instances, or `"module:Class"` strings); requests opt in through `SamplingParams`.
@@ -115,6 +116,7 @@ class LLM:
     prefill_once_per_request: bool = True,
     logits_processors: Sequence | None = None,
   ):
+    batch_key_data(seed)  # a bad seed is refused before the model loads
     t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
     if mesh is not None:
       if (t, d) != (1, 1):

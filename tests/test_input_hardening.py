@@ -109,11 +109,53 @@ def test_satisfiable_allowlists_are_accepted(batch):
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
     (dict(bad_words_token_ids=5), "bad_words_token_ids"),
+    # Seeds outside the 64-bit range would share a random stream with one inside it.
+    (dict(seed=2**64 + 1), r"seed must be in \[-2\*\*63, 2\*\*63\)"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    # Bools are refused wherever a count or a token id is expected (vLLM's logprobs=True -> 1
+    # stays; False is ambiguous between None and 0).
+    (dict(logprobs=False), "logprobs"),
+    (dict(prompt_logprobs=False), "prompt_logprobs"),
+    (dict(logit_bias={True: 1.0}), "logit_bias"),
+    (dict(logit_bias={5.5: 1.0}), "logit_bias"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(allowed_token_ids=[np.bool_(True)]), "allowed_token_ids"),
+    (dict(n=True), "n"),
+    # A finished grammar ends the request, so min_tokens could never hold.
+    (
+      dict(min_tokens=2, structured_outputs=je.StructuredOutputsParams(choice=["a"])),
+      "min_tokens=2 cannot be combined with structured_outputs",
+    ),
   ],
 )
 def test_sampling_params_rejects_malformed_values(kwargs, field):
   with pytest.raises(ValueError, match=field):
     je.SamplingParams(**kwargs)
+
+
+def test_seed_range_ends_and_string_logit_bias_keys_are_accepted():
+  assert je.SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+  assert je.SamplingParams(seed=-(2**63)).seed == -(2**63)
+  assert je.SamplingParams(logit_bias={"5": 1.0, np.int64(6): 2.0}).logit_bias == {5: 1.0, 6: 2.0}
+  assert je.SamplingParams(logprobs=True).logprobs == 1
+
+
+@pytest.mark.parametrize("seed", ["x", 1.0, True, 2**63])
+def test_engine_seed_must_be_a_64_bit_int(seed):
+  with pytest.raises(ValueError, match=r"seed must be an int in \[-2\*\*63, 2\*\*63\)"):
+    je.InputBatch(2, 8, 10, seed=seed)
+  with pytest.raises(ValueError, match="seed must be an int"):
+    je.LLM(tiny_llama(vocab_size=16)[0], seed=seed)
+
+
+def test_engine_seeds_past_32_bits_give_distinct_keys():
+  a, b = (je.InputBatch(2, 16, 10, seed=s) for s in (5, 5 + 2**32))
+  for batch in (a, b):
+    batch.add_request("r", [1], je.SamplingParams())
+  logits = np.zeros((2, 10), np.float32)
+  draws = [[x.sample(logits).sampled_token_ids[0] for _ in range(8)] for x in (a, b)]
+  assert draws[0] != draws[1]
 
 
 def test_integer_logits_are_rejected(batch):

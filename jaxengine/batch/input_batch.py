@@ -39,6 +39,7 @@ from jaxengine.sample import (
   BatchState,
   SamplerOutput,
   SamplingMetadata,
+  batch_key_data,
   move_rows,
   refresh_metadata,
   write_row,
@@ -122,7 +123,7 @@ class InputBatch:
     self.eos_token_ids = eos_tuple(eos_token_ids, config.vocab_size)
     self.config = config
     self._state = BatchState.create(config)
-    self._batch_key_data = jax.random.key_data(jax.random.key(seed))
+    self._batch_key_data = batch_key_data(seed)
     self._serials = itertools.count()
     # Row-indexed host bookkeeping; None marks a hole (a removed request not yet condensed).
     self._req_ids: list[str | None] = []

@@ -19,7 +19,14 @@ Nothing here imports the host batch (`jaxengine.batch`), the engine or the model
 from jaxengine.sample.custom import LogitsProcessor
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs
 from jaxengine.sample.metadata import SamplingMetadata, refresh_metadata
-from jaxengine.sample.state import MOVE_CHUNK, BatchState, RowUpdate, move_rows, write_row
+from jaxengine.sample.state import (
+  MOVE_CHUNK,
+  BatchState,
+  RowUpdate,
+  batch_key_data,
+  move_rows,
+  write_row,
+)
 from jaxengine.sample.step import SamplerOutput, sample, sample_step
 
 __all__ = [
@@ -30,6 +37,7 @@ __all__ = [
   "RowUpdate",
   "SamplerOutput",
   "SamplingMetadata",
+  "batch_key_data",
   "gather_logprobs",
   "move_rows",
   "refresh_metadata",

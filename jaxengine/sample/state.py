@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxengine.config import BatchConfig
+from jaxengine.params import SEED_MAX, SEED_MIN, is_int
 
 # Shape of one `jax.random.key` as raw uint32 words (threefry: (2,)). Keys are stored as raw words
 # so that rows can be gathered, scattered and compared like any other array.
@@ -236,6 +237,20 @@ class RowUpdate:
   logits_processor_states: tuple
   logits_processor_active: RowArray
   has_grammar: RowArray
+
+
+def batch_key_data(seed) -> jax.Array:
+  """Raw words of the batch key for an engine `seed` (low word keyed, high word folded in, as a
+  request's seed).
+
+  Raises:
+    ValueError: for a seed that is not an int in `[-2**63, 2**63)` (bools refused).
+  """
+  if not is_int(seed) or not SEED_MIN <= seed < SEED_MAX:
+    raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed!r}")
+  seed = int(seed) % 2**64
+  key = jax.random.key(seed & 0xFFFFFFFF)
+  return jax.random.key_data(key if seed >> 32 == 0 else jax.random.fold_in(key, seed >> 32))
 
 
 def request_key_data(batch_key_data: jax.Array, row: RowUpdate) -> jax.Array:
