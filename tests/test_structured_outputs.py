@@ -117,7 +117,7 @@ def test_a_token_the_grammar_rejects_is_dropped_and_aborts(llm):
   dropped and the request ends with "abort" and a warning."""
   yes_no = je.StructuredOutputsParams(choice=["yes", "no"])
   sp = lambda **kw: je.SamplingParams(structured_outputs=yes_no, temperature=0, max_tokens=4, **kw)
-  with pytest.raises(ValueError, match="allowed_token_ids .* leave nothing to sample"):
+  with pytest.raises(ValueError, match=r"allowed_token_ids .* leave nothing to sample"):
     llm.generate("Is water wet?", sp(allowed_token_ids=[42]), use_tqdm=False)
   with pytest.warns(RuntimeWarning, match="does not allow"):
     (out,) = llm.generate("Is water wet?", sp(extra_args={"target_token": 42}), use_tqdm=False)
