@@ -198,3 +198,43 @@ def test_processed_logprobs_include_argmax_invariant_processors():
     out.logprobs.logprobs[greedy, 0], expected[out.sampled_token_ids[greedy]], rtol=1e-5
   )
   assert np.all(np.isfinite(out.logprobs.logprobs[greedy]))
+
+
+class _WrongWidth(TargetOnly):
+  def apply(self, state, active, logits):
+    return logits[:, :5]
+
+
+class _IntLogits(TargetOnly):
+  def apply(self, state, active, logits):
+    return logits.astype(jnp.int32)
+
+
+class _NoRowAxis(TargetOnly):
+  def init_state(self, max_num_reqs, vocab_size):
+    return {"target": jnp.zeros((), jnp.int32)}
+
+
+class _BadUpdate(TargetOnly):
+  def update_state(self, state, sampled_token_ids, active):
+    return {"target": state["target"][:1]}
+
+
+class _Raises(TargetOnly):
+  def apply(self, state, active, logits):
+    return logits + state["missing"]
+
+
+@pytest.mark.parametrize(
+  "processor, message",
+  [
+    (_WrongWidth, r"_WrongWidth: apply must return float logits of shape \(8, 40\)"),
+    (_IntLogits, "_IntLogits: apply must return float logits"),
+    (_NoRowAxis, "_NoRowAxis: init_state leaves need the leading axis max_num_reqs=8"),
+    (_BadUpdate, "_BadUpdate: update_state must return"),
+    (_Raises, "_Raises: tracing it failed"),
+  ],
+)
+def test_a_processor_of_the_wrong_shape_is_refused_when_the_batch_is_built(processor, message):
+  with pytest.raises(ValueError, match=message):
+    je.InputBatch(R, S, V, logits_processors=[processor])

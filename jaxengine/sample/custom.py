@@ -88,6 +88,48 @@ class LogitsProcessor:
     return state
 
 
+def checked_init_state(processor: LogitsProcessor, max_num_reqs: int, vocab_size: int) -> Any:
+  """The processor's `init_state` as JAX arrays, after checking by `jax.eval_shape` that its
+  leaves have the leading axis `R`, that `apply` returns `[R, V]` floats and that `update_state`
+  keeps the state's structure and shapes, so a wrong processor fails when the batch is built,
+  naming itself, rather than deep inside the compiled step.
+
+  Raises:
+    ValueError: naming the processor and what is wrong.
+  """
+  name = type(processor).__name__
+  state = jax.tree.map(jnp.asarray, processor.init_state(max_num_reqs, vocab_size))
+  for leaf in jax.tree.leaves(state):
+    if leaf.ndim == 0 or leaf.shape[0] != max_num_reqs:
+      raise ValueError(
+        f"logits processor {name}: init_state leaves need the leading axis "
+        f"max_num_reqs={max_num_reqs}, got a leaf of shape {leaf.shape}"
+      )
+  rows = lambda dtype: jax.ShapeDtypeStruct((max_num_reqs,), dtype)
+  logits = jax.ShapeDtypeStruct((max_num_reqs, vocab_size), jnp.float32)
+  try:
+    out = jax.eval_shape(processor.apply, state, rows(jnp.bool_), logits)
+    new = jax.eval_shape(processor.update_state, state, rows(jnp.int32), rows(jnp.bool_))
+  except Exception as error:  # whatever tracing the user's code raises
+    raise ValueError(f"logits processor {name}: tracing it failed: {error}") from error
+  if not (
+    isinstance(out, jax.ShapeDtypeStruct)
+    and out.shape == logits.shape
+    and jnp.issubdtype(out.dtype, jnp.floating)
+  ):
+    raise ValueError(
+      f"logits processor {name}: apply must return float logits of shape "
+      f"{logits.shape} ([max_num_reqs, vocab_size]), got {out}"
+    )
+  shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)
+  if jax.tree.structure(new) != jax.tree.structure(state) or shapes(new) != shapes(state):
+    raise ValueError(
+      f"logits processor {name}: update_state must return a state of init_state's structure "
+      f"and shapes {shapes(state)}, got {shapes(new)}"
+    )
+  return state
+
+
 def processor_active(state, md, index: int) -> jax.Array:
   """`[R] bool` live rows processor `index` acts on."""
   return state.logits_processor_active[:, index] & md.is_live

@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxengine.config import BatchConfig
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int
+from jaxengine.sample.custom import checked_init_state
 
 # Shape of one `jax.random.key` as raw uint32 words (threefry: (2,)). Keys are stored as raw words
 # so that rows can be gathered, scattered and compared like any other array.
@@ -176,9 +177,7 @@ class BatchState:
       bad_words_last=i32(R, num_bad_words, fill=V),
       output_token_counts=i32(R, V),
       prompt_token_mask=jnp.zeros((R, V), bool),
-      logits_processor_states=tuple(
-        jax.tree.map(jnp.asarray, p.init_state(R, V)) for p in config.logits_processors
-      ),
+      logits_processor_states=tuple(checked_init_state(p, R, V) for p in config.logits_processors),
       logits_processor_active=jnp.zeros((R, len(config.logits_processors)), bool),
       has_grammar=jnp.zeros((R,), bool),
       grammar_bitmask=jnp.full((R, -(-V // 32)), -1, jnp.int32),
