@@ -122,7 +122,8 @@ def checked_init_state(processor: LogitsProcessor, max_num_reqs: int, vocab_size
       f"{logits.shape} ([max_num_reqs, vocab_size]), got {out}"
     )
   shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)
-  if jax.tree.structure(new) != jax.tree.structure(state) or shapes(new) != shapes(state):
+  same_structure = jax.tree.structure(new) == jax.tree.structure(state)
+  if not same_structure or shapes(new) != shapes(state):
     raise ValueError(
       f"logits processor {name}: update_state must return a state of init_state's structure "
       f"and shapes {shapes(state)}, got {shapes(new)}"
