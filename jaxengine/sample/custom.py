@@ -122,7 +122,7 @@ def checked_init_state(processor: LogitsProcessor, max_num_reqs: int, vocab_size
       f"{logits.shape} ([max_num_reqs, vocab_size]), got {out}"
     )
   shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)
-  same_structure = jax.tree.structure(new) == jax.tree.structure(state)
+  same_structure = str(jax.tree.structure(new)) == str(jax.tree.structure(state))
   if not same_structure or shapes(new) != shapes(state):
     raise ValueError(
       f"logits processor {name}: update_state must return a state of init_state's structure "
