@@ -176,7 +176,9 @@ class LLM:
         pure dict or the module, of the engine's own model structure. NumPy or JAX arrays of
         any floating dtype (cast to the model's); JAX arrays are converted on their devices and
         placed as the engine's weights are, never through the host. See
-        `ModelRunner.load_weights`.
+        `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
+        output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
+        and ignored, as vLLM does.
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor

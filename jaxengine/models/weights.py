@@ -242,10 +242,13 @@ def collect_state(state: Any, leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, 
   given = state_leaves(state)
   for path in leaves:
     if path not in given:
-      raise ValueError(f"the state has no leaf {dotted(path)!r}")
+      raise ValueError(
+        f"the given weights are missing leaf {dotted(path)!r} (a whole state must hold every "
+        "leaf of the model; pass named tensors for a subset)"
+      )
   for path, tensor in given.items():
     if path not in leaves:
-      raise ValueError(f"the state has a leaf {dotted(path)!r} the model does not")
+      raise ValueError(f"the given weights have a leaf {dotted(path)!r} the model does not")
     _check_tensor(dotted(path), tensor, tuple(leaves[path].shape), leaves[path].dtype)
   return given
 
