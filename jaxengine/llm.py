@@ -13,6 +13,7 @@ import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
 from jaxengine import parallel
+from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.placement import num_attention_heads
@@ -235,36 +236,44 @@ class LLM:
     *,
     use_tqdm: bool = True,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
   ) -> list[RequestOutput]:
     """Generates replies to one conversation or a list of them, using the model's chat template.
 
     Args:
       messages: `[{"role": "user", "content": "..."}]`, or a list of such conversations.
+        Content is a string or a list of OpenAI text parts (`[{"type": "text", "text":
+        "..."}]`, joined with newlines); other part types (images, audio) are not supported.
       sampling_params: as in `generate`.
       use_tqdm: show a progress bar.
       add_generation_prompt: open the assistant's turn after the messages.
+      continue_final_message: leave the last message open so the reply continues it (needs
+        `add_generation_prompt=False`).
+      chat_template: a Jinja chat template to use instead of the tokenizer's.
+      chat_template_kwargs: more template variables (e.g. `{"enable_thinking": False}` for
+        Qwen3).
 
     Returns:
       One `RequestOutput` per conversation.
 
     Raises:
-      ValueError: without a tokenizer, or for an invalid request.
+      ValueError: without a tokenizer; for malformed messages (naming the conversation and
+        message index and what is wrong), a failing template, or an invalid request.
     """
     tokenizer = self.get_tokenizer()
     if tokenizer is None:
       raise ValueError("chat needs a tokenizer with a chat template")
-    conversations = cast(
-      Sequence[Sequence[Message]],
-      [messages] if messages and isinstance(messages[0], Mapping) else messages,
+    prompts = render_prompts(
+      tokenizer,
+      as_conversations(messages),
+      add_generation_prompt=add_generation_prompt,
+      continue_final_message=continue_final_message,
+      chat_template=chat_template,
+      chat_template_kwargs=chat_template_kwargs,
     )
-    prompts = []
-    for conversation in conversations:
-      text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
-      # The template writes its own special tokens: encode without adding more.
-      prompts.append(
-        {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-      )
-    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    return self.generate(cast(list[Prompt], prompts), sampling_params, use_tqdm=use_tqdm)
 
 
 def _load_model(

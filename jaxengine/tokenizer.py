@@ -232,19 +232,34 @@ class Tokenizer:
     return cast(list[str], self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids]))
 
   def apply_chat_template(
-    self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    self,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = True,
+    *,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    **template_kwargs,
   ) -> str:
     """Renders a conversation with the file's chat template, as transformers does.
 
     Args:
       messages: ``[{"role": "user", "content": "..."}, ...]``.
       add_generation_prompt: append the opening of the assistant's turn.
+      chat_template: a Jinja template to use instead of the file's.
+      continue_final_message: leave the last message open (no end-of-turn), so the reply
+        continues it.
+      **template_kwargs: more variables for the template (e.g. Qwen3's ``enable_thinking``).
 
     Returns:
       The prompt text (encode it with `encode`; the template writes its own special tokens).
     """
     text = self.hf_tokenizer.apply_chat_template(
-      [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+      [dict(m) for m in messages],
+      tokenize=False,
+      add_generation_prompt=add_generation_prompt,
+      chat_template=chat_template,
+      continue_final_message=continue_final_message,
+      **template_kwargs,
     )
     return cast(str, text)
 

@@ -217,3 +217,52 @@ def test_condense_with_many_moves_keeps_every_request_with_its_row():
   batch.swap_states(0, 9)
   tokens = batch.sample(np.zeros((32, 64), np.float32)).sampled_token_ids
   assert [f"r{t}" for t in tokens.tolist()] == batch.req_ids
+
+
+@pytest.fixture(scope="module")
+def chat_llm():
+  from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
+
+  tokenizer = _tiny_tokenizer()
+  model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
+  return je.LLM(model, tokenizer=tokenizer, max_num_reqs=2, max_model_len=96)
+
+
+@pytest.mark.parametrize(
+  "messages, message",
+  [
+    ("Hi", "messages must be a list of {'role': ..., 'content': ...} dicts"),
+    ({"role": "user", "content": "Hi"}, "messages must be a list"),
+    ([{"role": "user"}], "message 0: needs 'content'"),
+    ([{"content": "Hi"}], "message 0: needs a 'role' string"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "content part 0 must be .* text"),
+    ([{"role": "user", "content": None}], "message 0: content must be a string"),
+    ([[{"role": "user", "content": "a"}], [{"role": "user", "content": 3}]], "conversation 1"),
+    ([[]], "conversation 0: the conversation is empty"),
+  ],
+)
+def test_chat_rejects_malformed_messages_naming_where(chat_llm, messages, message):
+  with pytest.raises(ValueError, match=message):
+    chat_llm.chat(messages, use_tqdm=False)
+  assert not chat_llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_takes_text_parts_and_template_options(chat_llm):
+  sp = je.SamplingParams(temperature=0, max_tokens=1)
+  chat = lambda messages, **kw: chat_llm.chat(messages, sp, use_tqdm=False, **kw)[0].prompt
+  parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+  assert chat([{"role": "user", "content": parts}]) == chat(
+    [{"role": "user", "content": "Hi\nthere"}]
+  )
+  template = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ tail }}"
+  user = {"role": "user", "content": "Hi"}
+  assert chat([user], chat_template=template, chat_template_kwargs={"tail": "!"}) == "[user:Hi]!"
+  opened = [user, {"role": "assistant", "content": "Hel"}]
+  kept_open = chat(opened, add_generation_prompt=False, continue_final_message=True)
+  assert kept_open.endswith("<|im_start|>assistant\nHel")
+  with pytest.raises(ValueError, match="cannot both be True"):
+    chat(opened, continue_final_message=True)
+  with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+    chat([user], chat_template_kwargs={"tokenize": True})
+  with pytest.raises(ValueError, match="conversation 0: the chat template failed"):
+    chat([user], chat_template="{{ raise_exception('roles must alternate') }}")
