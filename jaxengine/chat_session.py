@@ -3,6 +3,7 @@ model's context (the oldest turns leave first)."""
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 
@@ -57,11 +58,13 @@ def chat_prompt(tokenizer, messages: list[dict], max_model_len: int, room: int) 
 def read_message() -> str | None:
   """The next interactive chat line, or None on end of input, `/exit` or `/quit`.
 
-  Blank lines send nothing: they are skipped.
+  Blank lines send nothing: they are skipped. The `>>> ` prompt is shown only when stdin is a
+  terminal (piped input prints just the replies).
   """
+  prompt = ">>> " if sys.stdin.isatty() else ""
   while True:
     try:
-      line = input(">>> ")
+      line = input(prompt)
     except EOFError:
       return None
     if line.strip() in ("/exit", "/quit"):

@@ -2,22 +2,23 @@
 
 Also `python -m jaxengine`. Sampling flags mirror `SamplingParams` field names (`--top-p` is
 `top_p`), with one difference: `--temperature` defaults to 0 (greedy) where `SamplingParams`
-defaults to 1. Text streams to stdout as it is generated when there is one completion; with
-several, each is printed when it finishes. `--logprobs N` prints a per-token table afterwards.
-Engine and sampling flags are checked before the model loads.
+defaults to 1; a sampling-only flag (`--top-k`, `--top-p`, `--min-p`, `--seed`) without
+`--temperature` is then an error, not silently ignored. Text streams to stdout as it is
+generated when there is one completion; with several, each is printed when it finishes.
+`--logprobs N` prints a per-token table afterwards. Engine and sampling flags, and a
+`--json-schema` file or text, are checked before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from jaxengine.chat_session import chat_prompt as _chat_prompt
 from jaxengine.chat_session import read_message as _read_message
+from jaxengine.cli_checks import check_greedy_default, completion_header, read_json_schema
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
@@ -113,25 +114,30 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
     "--temperature",
     metavar="T",
     type=float,
-    default=0.0,
-    help="0 = greedy (SamplingParams defaults to 1.0)",
+    default=None,
+    help="default 0 = greedy (SamplingParams defaults to 1.0); --top-p, --top-k, --min-p, "
+    "--seed and --n > 1 need a temperature > 0",
   )
   group.add_argument(
     "--top-p",
     metavar="P",
     type=float,
     default=1.0,
-    help="keep the most likely tokens up to this mass; 1 = off",
+    help="keep the most likely tokens up to this mass; 1 = off (needs --temperature)",
   )
   group.add_argument(
-    "--top-k", metavar="K", type=int, default=0, help="keep the K most likely tokens; 0 = off"
+    "--top-k",
+    metavar="K",
+    type=int,
+    default=0,
+    help="keep the K most likely tokens; 0 = off (needs --temperature)",
   )
   group.add_argument(
     "--min-p",
     metavar="P",
     type=float,
     default=0.0,
-    help="drop tokens below min-p x the top probability",
+    help="drop tokens below min-p x the top probability (needs --temperature)",
   )
   group.add_argument(
     "--presence-penalty",
@@ -169,7 +175,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
     metavar="SEED",
     type=int,
     default=None,
-    help="per-request seed (unset: drawn from --engine-seed)",
+    help="per-request seed (unset: drawn from --engine-seed; needs --temperature)",
   )
   group.add_argument("--n", metavar="N", type=int, default=1, help="completions per prompt")
   group.add_argument(
@@ -206,10 +212,9 @@ def _add_structured_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
-  """`StructuredOutputsParams` from the flags, or None. Raises `ValueError` for bad values."""
-  schema = args.json_schema
-  if schema is not None and not schema.lstrip().startswith("{") and os.path.isfile(schema):
-    schema = Path(schema).read_text()
+  """`StructuredOutputsParams` from the flags, or None. Raises `ValueError` for bad values
+  (a `--json-schema` that is neither a file nor JSON, before any model loads)."""
+  schema = None if args.json_schema is None else read_json_schema(args.json_schema)
   given = dict(json=schema, regex=args.regex, choice=args.choice)
   if all(v is None for v in given.values()):
     return None
@@ -225,10 +230,10 @@ def _extra_args(text: str | None) -> dict | None:
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
   """The `SamplingParams` the parsed flags describe. Raises `ValueError` for invalid values."""
-  return SamplingParams(
+  params = SamplingParams(
     structured_outputs=_structured_outputs(args),
     extra_args=_extra_args(args.extra_args),
-    temperature=args.temperature,
+    temperature=0.0 if args.temperature is None else args.temperature,
     top_p=args.top_p,
     top_k=args.top_k,
     min_p=args.min_p,
@@ -244,6 +249,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     ignore_eos=args.ignore_eos,
     logprobs=args.logprobs,
   )
+  check_greedy_default(args)  # after the values' own checks
+  return params
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   Subcommands: `generate PROMPT [PROMPT ...]` (`--max-tokens` default 64) and `chat [MESSAGE]`
   (`--system`; `--max-tokens` default 256; interactive without MESSAGE). Both take the sampling
-  flags (`--temperature` default 0, `--top-p`, `--top-k`, `--min-p`, the three penalties,
+  flags (`--temperature` default 0, greedy: then `--top-p`, `--top-k`, `--min-p`, `--seed`
+  and `--n` > 1 are refused; `--top-p`, `--top-k`, `--min-p`, the three penalties,
   `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids` (comma-separated,
   repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path, Hugging
   Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens,
@@ -302,8 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _stream(llm, prompts: list, params: SamplingParams, out=None) -> list:
-  """Runs the engine, streaming text when there is a single completion; returns the outputs."""
+def _stream(llm, prompts: list, params: SamplingParams, out=None, label_prompts=True) -> list:
+  """Runs the engine, streaming text when there is a single completion; returns the outputs.
+
+  Several completions are printed as each finishes, under `--- [request.sample] prompt` (or
+  `--- sample i of n` with `label_prompts=False`: a chat's prompt is template text)."""
   out = out or sys.stdout  # looked up per call, so redirected output is honoured
   engine = llm.llm_engine
   ids = engine.add_requests([(None, p, params) for p in prompts])
@@ -327,10 +338,7 @@ def _stream(llm, prompts: list, params: SamplingParams, out=None) -> list:
       finished[output.request_id] = output
       if not streaming:
         for completion in output.outputs:
-          header = output.prompt if output.prompt is not None else output.prompt_token_ids
-          header = str(header).replace("\n", " ")
-          header = header if len(header) <= 60 else "..." + header[-57:]
-          out.write(f"--- [{output.request_id}.{completion.index}] {header}\n")
+          out.write(completion_header(output, completion, params.n, label_prompts))
           out.write(completion.text + "\n")
   if streaming:
     out.write("\n")
@@ -454,7 +462,10 @@ def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:
       )
     history = prompt.messages
     outputs = _stream(
-      llm, [{"prompt": prompt.text, "prompt_token_ids": prompt.prompt_token_ids}], params
+      llm,
+      [{"prompt": prompt.text, "prompt_token_ids": prompt.prompt_token_ids}],
+      params,
+      label_prompts=False,
     )
     _print_logprobs(outputs)
     history.append({"role": "assistant", "content": outputs[0].outputs[0].text})

@@ -146,10 +146,51 @@ def test_read_message_skips_thousands_of_blank_lines(monkeypatch):
   assert cli._read_message() is None  # end of input
 
 
+class _Terminal(io.StringIO):
+  """Input that says it is a terminal."""
+
+  def isatty(self) -> bool:
+    return True
+
+
 def test_interactive_chat_reads_past_blank_lines(monkeypatch, capsys, tiny_llm):
-  monkeypatch.setattr(sys, "stdin", io.StringIO("\n" * 3000 + "hi\n/quit\nnever read\n"))
+  monkeypatch.setattr(sys, "stdin", _Terminal("\n" * 3000 + "hi\n/quit\nnever read\n"))
   assert cli.main(["chat", "--max-tokens", "3", "--ignore-eos", "--max-model-len", "64"]) == 0
   assert capsys.readouterr().out.count(">>> ") == 3002
+
+
+def test_piped_chat_prints_no_prompts_and_labels_samples_by_index(monkeypatch, capsys, tiny_llm):
+  monkeypatch.setattr(sys, "stdin", io.StringIO("Name a river.\n"))
+  argv = ["chat", "--n", "2", "--temperature", "1", "--max-tokens", "3", "--ignore-eos"]
+  assert cli.main([*argv, "--max-model-len", "64"]) == 0
+  out = capsys.readouterr().out
+  assert ">>>" not in out and "im_start" not in out
+  assert "--- sample 1 of 2\n" in out and "--- sample 2 of 2\n" in out
+
+
+@pytest.mark.parametrize(
+  "flags", [["--top-k", "5"], ["--top-p", "0.9"], ["--min-p", "0.1"], ["--seed", "1"]]
+)
+def test_sampling_only_flags_without_temperature_are_refused_before_loading(
+  monkeypatch, capsys, flags
+):
+  _no_model_load(monkeypatch)
+  assert cli.main(["generate", "Hello", *flags]) == 2
+  assert capsys.readouterr().err == (
+    f"jaxengine: {flags[0]} has no effect with greedy sampling (--temperature defaults to 0): "
+    "pass --temperature\n"
+  )
+  args = cli.build_parser().parse_args(["generate", "Hello", *flags, "--temperature", "0.5"])
+  assert cli._sampling_params(args).temperature == 0.5
+  assert cli._sampling_params(cli.build_parser().parse_args(["generate", "Hi"])).is_greedy
+
+
+def test_json_schema_that_is_neither_a_file_nor_json_is_refused_before_loading(monkeypatch, capsys):
+  _no_model_load(monkeypatch)
+  assert cli.main(["generate", "x", "--json-schema", "schema.json"]) == 2
+  assert "no file 'schema.json', and not valid JSON: " in capsys.readouterr().err
+  assert cli.main(["generate", "x", "--json-schema", '{"type": "object"']) == 2
+  assert "--json-schema is not valid JSON" in capsys.readouterr().err
 
 
 def test_interactive_chat_outgrowing_max_model_len_drops_oldest_turns(
@@ -162,7 +203,7 @@ def test_interactive_chat_outgrowing_max_model_len_drops_oldest_turns(
   argv = ["chat", "--system", "Be brief.", "--max-tokens", "16", "--ignore-eos"]
   assert cli.main([*argv, "--max-model-len", "96", "--max-num-reqs", "1"]) == 0
   captured = capsys.readouterr()
-  assert captured.out.count(">>> ") == len(lines) + 1  # every line was read, then end of input
+  assert ">>>" not in captured.out  # piped input: no prompts
   notices = captured.err.splitlines()
   assert "jaxengine: dropped the oldest 1 turn(s) of the conversation" in notices[0]
   assert sum("dropped the oldest" in n for n in notices) == 3  # second, third, fourth question
