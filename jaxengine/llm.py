@@ -30,7 +30,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 Prompt = (
   str | Sequence[int] | Mapping
 )  # text, token ids, or {"prompt": ..., "prompt_token_ids": ...}
-Message = Mapping[str, str]
+Message = Mapping[str, object]  # {"role": ..., "content": text or text parts}
 
 
 class LLM:
