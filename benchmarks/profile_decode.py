@@ -85,6 +85,19 @@ class Breakdown:
   parts_ms: dict[str, float]
 
 
+def _interleaved_ms(parts: dict, repeats: int) -> dict[str, float]:
+  """Median ms of each callable, one call of each per round (so load changes hit all alike)."""
+  for fn in parts.values():
+    jax.block_until_ready(fn())
+  times: dict[str, list[float]] = {name: [] for name in parts}
+  for _ in range(repeats):
+    for name, fn in parts.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
 def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   engine = llm.llm_engine
   runner = engine.runner
@@ -96,50 +109,48 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
     engine.add_request(None, prompt, params)
   for _ in range(3):  # prefill, then decode steps (compiled for this bucket)
     engine.step()
-  parts = {"engine step": _median_ms(lambda: engine.step() or 0, repeats)}
 
   input_batch = runner.input_batch
-  num_rows = batch
   metadata = input_batch.sampling_metadata
   state = jax.tree.map(jnp.copy, input_batch.state)
-  kv_cache = jax.tree.map(jnp.copy, runner.kv_cache)
+  caches = [jax.tree.map(jnp.copy, runner.kv_cache) for _ in range(2)]
+  graphdef, weights = runner._graphdef, runner.weights
 
   def device_step():
-    nonlocal state, kv_cache
-    state, out, kv_cache = runner._decode(
-      state, metadata, runner.weights, kv_cache, attention_len=ATTENTION_LEN, num_rows=num_rows
+    nonlocal state
+    state, out, caches[0] = runner._decode(
+      state, metadata, weights, caches[0], attention_len=ATTENTION_LEN, num_rows=batch
     )
     return out.sampled_token_ids
 
-  parts["device step"] = _median_ms(device_step, repeats)
-
-  graphdef, weights = runner._graphdef, runner.weights
   rng = np.random.default_rng(0)
-  e = cfg.hidden_size
-  x = jnp.asarray(rng.standard_normal((batch, 1, e), np.float32))
+  x = jnp.asarray(rng.standard_normal((batch, 1, cfg.hidden_size), np.float32))
   dense = jax.jit(lambda w, x: _dense(nnx.merge(graphdef, w), x))
-  parts["dense"] = _median_ms(lambda: dense(weights, x), repeats)
-
   forward = jax.jit(functools.partial(_forward, graphdef), donate_argnames=("kv_cache",))
   token_ids = jnp.full((batch, 1), 100, jnp.int32)
   positions = jnp.full((batch, 1), 70, jnp.int32)
   slots = jnp.arange(batch, dtype=jnp.int32)
 
   def model_forward():
-    nonlocal kv_cache
-    logits, kv_cache = forward(weights, kv_cache, token_ids, positions, slots)
+    logits, caches[1] = forward(weights, caches[1], token_ids, positions, slots)
     return logits
 
-  parts["forward + LM head"] = _median_ms(model_forward, repeats)
-  hidden = x[:, 0]
   head = jax.jit(lambda w, h: nnx.merge(graphdef, w).compute_logits(h))
-  parts["LM head"] = _median_ms(lambda: head(weights, hidden), repeats)
-
   logits = jnp.asarray(rng.standard_normal((batch, cfg.vocab_size), np.float32))
-  rows_state = state.leading_rows(num_rows)
-  rows_metadata = metadata.leading_rows(num_rows)
+  rows_state = jax.tree.map(jnp.copy, state).leading_rows(batch)  # `state` is donated below
+  rows_metadata = metadata.leading_rows(batch)
   sampler = jax.jit(sample)
-  parts["sampler"] = _median_ms(lambda: sampler(rows_state, rows_metadata, logits)[1], repeats)
+  parts = _interleaved_ms(
+    {
+      "engine step": lambda: engine.step() or 0,
+      "device step": device_step,
+      "forward + LM head": model_forward,
+      "dense": lambda: dense(weights, x),
+      "LM head": lambda: head(weights, x[:, 0]),
+      "sampler": lambda: sampler(rows_state, rows_metadata, logits)[1],
+    },
+    repeats,
+  )
   parts["rest of forward"] = parts["forward + LM head"] - parts["dense"] - parts["LM head"]
   parts["host"] = parts["engine step"] - parts["device step"]
   while engine.has_unfinished_requests():
