@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sample import sharded
 from jaxengine.sample.draw import draw_from_candidates
 from jaxengine.sample.filters import (
   Candidates,
@@ -91,7 +92,8 @@ def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...], level: int):
   vocab_size = x.shape[-1]
   # Nested for every budget (see the module doc). The barrier keeps XLA:CPU's top-k kernel: used
   # through more than one slice, a top-k falls back to a full sort of the row (~20x slower).
-  top_k = lax.top_k(x, _list_width(budgets[level], vocab_size))
+  width = _list_width(budgets[level], vocab_size)
+  top_k = sharded.top_k_along_vocab(x, width) or lax.top_k(x, width)
   values, ids = lax.optimization_barrier(top_k)
   result = _no_cut(threshold)
   for lower in range(1, level + 1):

@@ -44,10 +44,15 @@ GSPMD partitions it, which all-gathers the logits. The design for wiring them in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -70,7 +75,7 @@ def sharded_top_k(
 
   Args:
     logits: ``[R, V] float32``, sharded ``P(rows, axis)``; `V` divisible by the axis size.
-    k: candidates per row (static), at most ``V / t``.
+    k: candidates per row (static), at most ``V`` (each shard sends ``min(k, V / t)``).
     mesh: the mesh holding `axis` (and `rows` if given).
     axis: the mesh axis over the vocabulary.
     rows: the mesh axis over rows, or None (rows replicated).
@@ -80,11 +85,11 @@ def sharded_top_k(
     sharded ``P(rows)``, replicated over `axis`.
 
   Raises:
-    ValueError: `k` above the shard width ``V / t``.
+    ValueError: `k` outside ``[1, V]``.
   """
-  width = logits.shape[-1] // mesh.shape[axis]
-  if not 0 < k <= width:
-    raise ValueError(f"k must be in [1, {width}] (the vocabulary shard width), got k={k}")
+  vocab = logits.shape[-1]
+  if not 0 < k <= vocab:
+    raise ValueError(f"k must be in [1, {vocab}] (the vocabulary size), got k={k}")
   fn = jax.shard_map(
     lambda x: _local_top_k(x, k, axis),
     mesh=mesh,
@@ -115,3 +120,151 @@ def sharded_max(
     out_specs=P(rows),
   )
   return fn(logits)
+
+
+# --- the sampler's vocabulary operations, on shards while `vocab_sharded` is active -------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSharding:
+  """How the sampler's ``[R, V]`` arrays are laid out while it traces (`vocab_sharded`).
+
+  Attributes:
+    mesh: the mesh.
+    axis: the mesh axis over the vocabulary (size ``t > 1``, dividing ``V``).
+    rows: the mesh axis over rows, or None (rows replicated).
+  """
+
+  mesh: Mesh
+  axis: str
+  rows: str | None
+
+  @property
+  def size(self) -> int:
+    """``t``: shards of the vocabulary."""
+    return int(self.mesh.shape[self.axis])
+
+  def map(self, fn, in_specs, out_specs):
+    """`jax.shard_map` of `fn` on this mesh (specs as tuples of axis names)."""
+    return jax.shard_map(
+      fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+
+_CURRENT: contextvars.ContextVar[VocabSharding | None] = contextvars.ContextVar(
+  "jaxengine_vocab_sharding", default=None
+)
+
+
+def current() -> VocabSharding | None:
+  """The active `VocabSharding` (while `sample` traces with a mesh), else None."""
+  return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def vocab_sharded(
+  mesh: Mesh | None, num_rows: int, vocab_size: int, axis: str = "model", rows: str = "data"
+) -> Iterator[VocabSharding | None]:
+  """While tracing under this context, the sampler's vocabulary reductions run per shard.
+
+  Nothing is activated (the sampler runs as on one device, GSPMD partitioning it) when `mesh` is
+  None, its `axis` has size 1 or does not divide `vocab_size`. Rows are split over `rows` when
+  that axis has size above 1 and divides `num_rows`.
+  """
+  spec = None
+  if mesh is not None and axis in mesh.shape and mesh.shape[axis] > 1:
+    if vocab_size % mesh.shape[axis] == 0:
+      d = mesh.shape.get(rows, 1)
+      spec = VocabSharding(mesh, axis, rows if d > 1 and num_rows % d == 0 else None)
+  token = _CURRENT.set(spec)
+  try:
+    yield spec
+  finally:
+    _CURRENT.reset(token)
+
+
+def _psum_owned(value: jax.Array, owned: jax.Array, axis: str) -> jax.Array:
+  """The owning shard's `value` on every shard: a ``psum`` where the others add zeros (exact)."""
+  zero = jnp.zeros((), value.dtype)
+  if value.dtype == jnp.bool_:
+    return lax.psum(jnp.where(owned, value, False).astype(jnp.int32), axis) > 0
+  return lax.psum(jnp.where(owned, value, zero), axis)
+
+
+def take_along_vocab(x: jax.Array, ids: jax.Array) -> jax.Array:
+  """``jnp.take_along_axis(x, ids, 1)``: ``[R, V]`` at ``ids [R, n]`` (in ``[0, V)``) ->
+  ``[R, n]``. Sharded: each value comes from the shard owning it (one ``psum`` of ``[R, n]``)."""
+  spec = current()
+  if spec is None:
+    return jnp.take_along_axis(x, ids, 1)
+
+  def local(x, ids):
+    width = x.shape[-1]
+    at = ids - lax.axis_index(spec.axis) * width
+    owned = (at >= 0) & (at < width)
+    return _psum_owned(jnp.take_along_axis(x, jnp.clip(at, 0, width - 1), 1), owned, spec.axis)
+
+  return spec.map(local, (P(spec.rows, spec.axis), P(spec.rows)), P(spec.rows))(x, ids)
+
+
+def scatter_vocab(x: jax.Array, ids: jax.Array, values, add: bool = False) -> jax.Array:
+  """``x.at[rows, ids].set(values, mode="drop")`` (or ``.add``) on ``[R, V]`` at ``ids [R, n]``
+  (ids outside ``[0, V)`` dropped). Sharded: each shard writes the ids it owns, no collective."""
+  values = jnp.broadcast_to(jnp.asarray(values, x.dtype), ids.shape)
+  rows = lambda a: jnp.arange(a.shape[0])[:, None]
+
+  def write(x, at, values):
+    ref = x.at[rows(x), at]
+    return ref.add(values, mode="drop") if add else ref.set(values, mode="drop")
+
+  spec = current()
+  if spec is None:
+    return write(x, ids, values)
+
+  def local(x, ids, values):
+    width = x.shape[-1]
+    at = ids - lax.axis_index(spec.axis) * width
+    return write(x, jnp.where((at >= 0) & (at < width), at, width), values)
+
+  by_row, by_token = P(spec.rows), P(spec.rows, spec.axis)
+  return spec.map(local, (by_token, by_row, by_row), by_token)(x, ids, values)
+
+
+def block_along_vocab(x_blocks: jax.Array, block: jax.Array) -> jax.Array:
+  """``[R, V / W, W]`` blocks -> ``[R, W]`` the block at ``block [R]`` of each row. Sharded
+  (whole blocks per shard): from the owning shard, one ``psum`` of ``[R, W]``."""
+  spec = current()
+  if spec is None or x_blocks.shape[1] % spec.size:
+    return jnp.take_along_axis(x_blocks, block[:, None, None], 1)[:, 0]
+
+  def local(x_blocks, block):
+    n = x_blocks.shape[1]
+    at = block - lax.axis_index(spec.axis) * n
+    chosen = jnp.take_along_axis(x_blocks, jnp.clip(at, 0, n - 1)[:, None, None], 1)[:, 0]
+    return _psum_owned(chosen, ((at >= 0) & (at < n))[:, None], spec.axis)
+
+  in_specs = (P(spec.rows, spec.axis, None), P(spec.rows))
+  return spec.map(local, in_specs, P(spec.rows))(x_blocks, block)
+
+
+def whole_rows(x: jax.Array) -> jax.Array:
+  """`x` (``[R, ...]``) replicated over the vocabulary axis when sharded (an all-gather of
+  whatever `x` holds: used on ``[R, V / W]`` block masses, or as the documented fallback)."""
+  spec = current()
+  if spec is None:
+    return x
+  return lax.with_sharding_constraint(x, NamedSharding(spec.mesh, P(spec.rows)))
+
+
+def vocab_blocks_fit(vocab_size: int, width: int) -> bool:
+  """Whether blocks of `width` tokens lie whole inside each shard (always on one device)."""
+  spec = current()
+  return spec is None or (vocab_size // spec.size) % width == 0
+
+
+def top_k_along_vocab(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array] | None:
+  """`sharded_top_k` of ``[R, V]`` when sharded (``lax.top_k``'s result), else None."""
+  spec = current()
+  if spec is None or k == 0:
+    return None
+  return sharded_top_k(x, k, spec.mesh, spec.axis, spec.rows)
