@@ -172,10 +172,10 @@ def vocab_sharded(
   that axis has size above 1 and divides `num_rows`.
   """
   spec = None
-  if mesh is not None and axis in mesh.shape and mesh.shape[axis] > 1:
-    if vocab_size % mesh.shape[axis] == 0:
-      d = mesh.shape.get(rows, 1)
-      spec = VocabSharding(mesh, axis, rows if d > 1 and num_rows % d == 0 else None)
+  t = mesh.shape.get(axis, 1) if mesh is not None else 1
+  if mesh is not None and t > 1 and vocab_size % t == 0:
+    d = mesh.shape.get(rows, 1)
+    spec = VocabSharding(mesh, axis, rows if d > 1 and num_rows % d == 0 else None)
   token = _CURRENT.set(spec)
   try:
     yield spec
