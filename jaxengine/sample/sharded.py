@@ -156,6 +156,29 @@ _CURRENT: contextvars.ContextVar[VocabSharding | None] = contextvars.ContextVar(
 )
 
 
+_MULTI_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "jaxengine_multi_device", default=False
+)
+
+
+def multi_device() -> bool:
+  """Whether the sampler is tracing for more than one device (`vocab_sharded` with a mesh of
+  several devices, or `across_devices`)."""
+  return _MULTI_DEVICE.get()
+
+
+@contextlib.contextmanager
+def across_devices() -> Iterator[None]:
+  """Marks the sampler traced under it as running on several devices (e.g. inside a caller's
+  `jax.shard_map`): XLA 0.10.2 aborts compiling an ``optimization_barrier`` inside a ``cond`` in
+  a multi-device program, so the deep top-k list goes without its barrier there."""
+  token = _MULTI_DEVICE.set(True)
+  try:
+    yield
+  finally:
+    _MULTI_DEVICE.reset(token)
+
+
 def current() -> VocabSharding | None:
   """The active `VocabSharding` (while `sample` traces with a mesh), else None."""
   return _CURRENT.get()
@@ -177,9 +200,11 @@ def vocab_sharded(
     d = mesh.shape.get(rows, 1)
     spec = VocabSharding(mesh, axis, rows if d > 1 and num_rows % d == 0 else None)
   token = _CURRENT.set(spec)
+  several = _MULTI_DEVICE.set(multi_device() or (mesh is not None and mesh.size > 1))
   try:
     yield spec
   finally:
+    _MULTI_DEVICE.reset(several)
     _CURRENT.reset(token)
 
 
