@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 
 _KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
@@ -67,11 +66,30 @@ def collective_bytes(hlo: str) -> dict[str, int]:
   return out
 
 
+_MIXES = ("greedy", "chat", "everything")
+
+
+def _params(mix: str, i: int, vocab: int):
+  """Row i's `SamplingParams` in `mix`: greedy; chat (temperature 0.7, top_k 50, top_p 0.9,
+  seeded); everything (chat plus min_p, penalties, logit_bias and 5 logprobs, one row in 8
+  greedy)."""
+  import jaxengine as je
+
+  if mix == "greedy" or (mix == "everything" and i % 8 == 0):
+    return je.SamplingParams(temperature=0.0, logprobs=5 if mix == "everything" else None)
+  kw = dict(temperature=0.7, top_k=50, top_p=0.9, seed=i)
+  if mix == "everything":
+    kw |= dict(min_p=0.05, presence_penalty=0.5, repetition_penalty=1.1, logprobs=5)
+    kw |= dict(logit_bias={(7 * i) % vocab: 1.0})
+  return je.SamplingParams(**kw)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=256)
   parser.add_argument("--vocab", type=int, default=49152)
   parser.add_argument("--tensor-parallel", type=int, default=4)
+  parser.add_argument("--mixes", nargs="+", default=list(_MIXES), choices=_MIXES)
   args = parser.parse_args()
   t = args.tensor_parallel
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={t}"
@@ -87,42 +105,44 @@ def main() -> None:
 
   rows, vocab = args.rows, args.vocab
   mesh = parallel.make_mesh(t, 1)
-  batch = je.InputBatch(rows, 64, vocab, 20, "raw_logprobs")
   logits = jax.device_put(
     np.zeros((rows, vocab), np.float32), NamedSharding(mesh, P(None, parallel.MODEL))
   )
-  state, metadata = jax.device_put((batch.state, batch.sampling_metadata), NamedSharding(mesh, P()))
-  found = {}
 
-  def gather(s, m, x):  # each device gathers the logits, then samples the whole rows
-    with sharded.across_devices():
-      return sample(s, m, jax.lax.all_gather(x, parallel.MODEL, axis=1, tiled=True))
+  def gathered(s, m, x):  # each device gathers the logits, then samples the whole rows
+    def local(s, x):
+      with sharded.across_devices():
+        return sample(s, m, jax.lax.all_gather(x, parallel.MODEL, axis=1, tiled=True))
 
-  def gathered_step(s, m, x):
-    specs = (P(), P(), P(None, parallel.MODEL))
-    return jax.shard_map(gather, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(s, m, x)
+    specs = (P(), P(None, parallel.MODEL))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(s, x)
 
-  sharded_step = lambda s, m, x: sample(s, m, x, mesh=mesh)
-  for name, fn in (("gathered", gathered_step), ("vocabulary-sharded", sharded_step)):
-    step = jax.jit(fn)
-    hlo = step.lower(state, metadata, logits).compile().as_text()
-    found[name] = collective_bytes(hlo)
+  steps = {"gathered": gathered, "sharded": lambda s, m, x: sample(s, m, x, mesh=mesh)}
   print(f"R = {rows}, V = {vocab}, t = {t}; logits {rows * vocab * 4 / 2**20:.1f} MiB float32")
-  print(
-    f"{'sampler':<20} {'collectives':>11} {'operand MiB':>12} {'result MiB':>11} {'largest MiB':>12}"
-  )
-  for name, b in found.items():
-    mib = lambda n: f"{n / 2**20:.3f}"
-    print(
-      f"{name:<20} {b['count']:>11} {mib(b['operand']):>12} {mib(b['result']):>11} "
-      f"{mib(b['largest']):>12}"
-    )
-  gathered, shard = found["gathered"], found["vocabulary-sharded"]
-  print(
-    f"ratio (gathered / sharded): operand {gathered['operand'] / shard['operand']:.1f}x, "
-    f"result {gathered['result'] / shard['result']:.1f}x"
-  )
-  sys.stdout.flush()
+  print("bytes per device per step, summed over the collectives the mix's executable keeps")
+  print(f"{'mix':<11} {'sampler':<9} {'collectives':>11} {'sent KiB':>10} {'received KiB':>13}")
+  for mix in args.mixes:
+    batch = je.InputBatch(rows, 64, vocab, 20, "raw_logprobs")
+    for i in range(rows):
+      batch.add_request(f"r{i}", [1, 2, 3], _params(mix, i, vocab))
+    # The metadata as constants: XLA drops the `lax.cond` branches the mix never takes.
+    metadata = jax.tree.map(np.asarray, batch.sampling_metadata)
+    state = jax.device_put(batch.state, NamedSharding(mesh, P()))
+    found = {}
+    for name, fn in steps.items():
+      step = jax.jit(lambda s, x, fn=fn: fn(s, metadata, x))
+      hlo = step.lower(state, logits).compile().as_text()
+      if os.environ.get("DUMP_HLO"):
+        open(f"{os.environ['DUMP_HLO']}/{mix}_{name}.txt", "w").write(hlo)
+      found[name] = collective_bytes(hlo)
+      b = found[name]
+      print(
+        f"{mix:<11} {name:<9} {b['count']:>11} {b['operand'] / 1024:>10.1f} "
+        f"{b['result'] / 1024:>13.1f}",
+        flush=True,
+      )
+    ratio = found["gathered"]["result"] / max(found["sharded"]["result"], 1)
+    print(f"{mix:<11} received gathered / sharded: {ratio:.0f}x", flush=True)
 
 
 if __name__ == "__main__":
