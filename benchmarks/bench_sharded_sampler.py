@@ -132,8 +132,6 @@ def main() -> None:
     for name, fn in steps.items():
       step = jax.jit(lambda s, x, fn=fn: fn(s, metadata, x))
       hlo = step.lower(state, logits).compile().as_text()
-      if os.environ.get("DUMP_HLO"):
-        open(f"{os.environ['DUMP_HLO']}/{mix}_{name}.txt", "w").write(hlo)
       found[name] = collective_bytes(hlo)
       b = found[name]
       print(

@@ -117,8 +117,8 @@ def draw_from_cdf(cdf: VocabCdf, u: jax.Array) -> jax.Array:
   )
   before = jnp.take_along_axis(cdf.block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)
   before = jnp.where(block > 0, before[:, 0], 0.0)
-  chosen = sharded.block_along_vocab(cdf.blocks, block)  # [R, W]
-  index = inverse_cdf(chosen, target - before)
+  # Within the chosen block of W tokens (on the shard owning it when the vocabulary is sharded).
+  index = sharded.in_block_along_vocab(cdf.blocks, block, inverse_cdf, target - before)
   return (block * cdf.width + index).astype(jnp.int32)
 
 

@@ -255,21 +255,22 @@ def scatter_vocab(x: jax.Array, ids: jax.Array, values, add: bool = False) -> ja
   return spec.map(local, (by_token, by_row, by_row), by_token)(x, ids, values)
 
 
-def block_along_vocab(x_blocks: jax.Array, block: jax.Array) -> jax.Array:
-  """``[R, V / W, W]`` blocks -> ``[R, W]`` the block at ``block [R]`` of each row. Sharded
-  (whole blocks per shard): from the owning shard, one ``psum`` of ``[R, W]``."""
+def in_block_along_vocab(x_blocks: jax.Array, block: jax.Array, fn, arg: jax.Array) -> jax.Array:
+  """``fn(chosen [R, W], arg [R]) -> [R]`` on each row's block at ``block [R]`` of ``[R, V / W,
+  W]`` blocks. Sharded (whole blocks per shard): computed by the shard owning the block, on the
+  same values as one device, then one ``psum`` of ``[R]``."""
   spec = current()
   if spec is None or x_blocks.shape[1] % spec.size:
-    return jnp.take_along_axis(x_blocks, block[:, None, None], 1)[:, 0]
+    return fn(jnp.take_along_axis(x_blocks, block[:, None, None], 1)[:, 0], arg)
 
-  def local(x_blocks, block):
+  def local(x_blocks, block, arg):
     n = x_blocks.shape[1]
     at = block - lax.axis_index(spec.axis) * n
     chosen = jnp.take_along_axis(x_blocks, jnp.clip(at, 0, n - 1)[:, None, None], 1)[:, 0]
-    return _psum_owned(chosen, ((at >= 0) & (at < n))[:, None], spec.axis)
+    return _psum_owned(fn(chosen, arg), (at >= 0) & (at < n), spec.axis)
 
-  in_specs = (P(spec.rows, spec.axis, None), P(spec.rows))
-  return spec.map(local, in_specs, P(spec.rows))(x_blocks, block)
+  in_specs = (P(spec.rows, spec.axis, None), P(spec.rows), P(spec.rows))
+  return spec.map(local, in_specs, P(spec.rows))(x_blocks, block, arg)
 
 
 def whole_rows(x: jax.Array) -> jax.Array:
