@@ -97,3 +97,37 @@ def _run(script: str) -> str:
 
 def test_vocabulary_sharded_sampler_matches_one_device():
   assert _run(SCRIPT).strip().endswith("ok")
+
+
+# SmolLM2 (9 query heads, 3 kv heads, vocabulary 49152) under t = 3: the fixture's greedy tokens
+# (an independent PyTorch implementation's), and the same seeded samples as one device.
+SMOLLM2_SCRIPT = textwrap.dedent("""
+    import os, json, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+    import jaxengine as je
+    fixture = json.load(open(sys.argv[1]))
+    greedy = je.SamplingParams(temperature=0, max_tokens=20)
+    seeded = je.SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=8, logprobs=2)
+    def run(llm):
+      outs = llm.generate([fixture["prompt"]] * 2, [greedy, seeded], use_tqdm=False)
+      return [o.outputs[0].token_ids for o in outs]
+    one = run(je.LLM(max_num_reqs=2, max_model_len=64))
+    got = run(je.LLM(max_num_reqs=2, max_model_len=64, tensor_parallel_size=3))
+    assert got[0] == fixture["new_ids"], got[0]
+    assert got == one, (got, one)
+    print("ok")
+""")
+
+
+def test_smollm2_under_tensor_parallel_3_matches_fixture_and_one_device():
+  fixture = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_greedy.json")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+    [sys.executable, "-c", SMOLLM2_SCRIPT, fixture],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip().endswith("ok")
