@@ -37,6 +37,10 @@ exactly by rejection: draw from the distribution kept so far and accept when the
 above the token is below top_p (bisection again only for rows that keep refusing, and for the
 processed_* logprobs modes, which need the cut itself). The draw needs one exponential pass over
 the vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
+
+On a mesh (`sample(..., mesh=)`, logits sharded over the vocabulary) the same pipeline runs with
+its whole-row operations (argmax, top-k, values at token ids, scatters, the chosen block of the
+draw) done per shard under `jax.shard_map` (`sharded.py`): only per-row summaries cross devices.
 """
 
 from __future__ import annotations
