@@ -27,9 +27,9 @@ KV cache ``key``/``value``    ``[L, R, S, K, D]``    ``P(None, "data", None, "mo
 ============================  =====================  ==========================================
 
 With these specs XLA's SPMD partitioner inserts the collectives: one all-reduce over ``model``
-after ``wo`` and after ``w_down`` per layer, and the logits come out sharded over the vocabulary
-(the sampler then runs on them as GSPMD partitions it; see `jaxengine.sample` and the README for
-the vocabulary-sharded sampler's design).
+after ``wo`` and after ``w_down`` per layer, and the logits come out sharded over the vocabulary,
+where the decode step samples them without gathering them (`jaxengine.sample.sharded`: only
+per-row summaries cross devices).
 """
 
 from __future__ import annotations

@@ -100,8 +100,13 @@ class DecodeOutput:
 # --- pure device functions ---------------------------------------------------------------------
 
 
-def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_len, num_rows):
+def _decode_and_sample(
+  graphdef, state, metadata, weights, kv_cache, attention_len, num_rows, mesh=None
+):
   """Model forward on each live row's last token, then the sampler: one executable per step.
+
+  On a `mesh` (static) the logits stay sharded over the vocabulary and the sampler reduces them
+  per shard (`jaxengine.sample.sharded`): only per-row summaries cross devices.
 
   Only the first `num_rows` rows (static, a bucket above `num_reqs`; the batch is condensed, so
   every live row is among them) are computed, so one request costs about what it costs alone
@@ -122,7 +127,8 @@ def _decode_and_sample(graphdef, state, metadata, weights, kv_cache, attention_l
     rows_state.cache_slot,
     attention_len=attention_len,
   )
-  rows_state, output = sample(rows_state, rows_metadata, model.compute_logits(hidden[:, 0]))
+  logits = model.compute_logits(hidden[:, 0])
+  rows_state, output = sample(rows_state, rows_metadata, logits, mesh=mesh)
   return state.with_leading_rows(rows_state), output, kv_cache
 
 
@@ -207,7 +213,7 @@ class ModelRunner:
       input_batch.place_state(self._placement.state)
       jit_args = self._placement.jit_shardings()
     self._decode = jax.jit(
-      functools.partial(_decode_and_sample, self._graphdef),
+      functools.partial(_decode_and_sample, self._graphdef, mesh=mesh),
       static_argnames=("attention_len", "num_rows"),
       donate_argnames=("state", "kv_cache"),
       **jit_args["decode"],

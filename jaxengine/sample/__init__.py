@@ -4,6 +4,7 @@ Modules, in pipeline order (each imports only the ones above it):
   state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row, move_rows
   custom.py       LogitsProcessor (your own, row state in the batch), the grammar bitmask
   metadata.py     SamplingMetadata and refresh_metadata (per composition: flags, effective values)
+  sharded.py      vocabulary-sharded top-k / argmax / scatters / draw under shard_map (mesh=)
   processors.py   stages 1-6: float32, allowed ids, bad words, min_tokens, logit_bias, penalties
   blocked.py      blocked_argmax, blocked_top_k: two-stage reductions over vocabulary blocks
   thresholds.py   exact bisection thresholds: kth_largest, top_p_threshold

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sample import sharded
+
 NEG_INF = float("-inf")
 #: Widest block of `blocked_argmax` and of the vocabulary draw (`jaxengine.sample.draw`). 256
 #: divides 49152 and 128256.
@@ -45,6 +47,9 @@ def blocked_argmax(x: jax.Array) -> jax.Array:
   Args:
     x: `[R, V] float32`.
   """
+  spec = sharded.current()
+  if spec is not None:  # vocabulary-sharded: the top 1 of each shard's top 1 (same rule)
+    return sharded.sharded_argmax(x, spec.mesh, spec.axis, spec.rows)
   _rows, vocab = x.shape
   width = block_width(vocab)
   x_blocks = blocks(x, width, NEG_INF)  # [R, V / W, W]
@@ -70,6 +75,9 @@ def blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   Returns:
     `(values [R, k] float32, indices [R, k] int32)`, values descending.
   """
+  found = sharded.top_k_along_vocab(x, k)  # vocabulary-sharded: exactly `lax.top_k`'s result
+  if found is not None:
+    return found
   rows, vocab = x.shape
   if k == 0 or vocab % TOP_K_BLOCK or 4 * k * TOP_K_BLOCK > vocab:
     return lax.top_k(x, k)

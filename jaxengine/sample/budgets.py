@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sample import sharded
 from jaxengine.sample.draw import draw_from_candidates
 from jaxengine.sample.filters import (
   Candidates,
@@ -90,9 +91,15 @@ def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...], level: int):
   """Rows of candidate levels `1 .. level`, from one list for `budgets[level]`."""
   vocab_size = x.shape[-1]
   # Nested for every budget (see the module doc). The barrier keeps XLA:CPU's top-k kernel: used
-  # through more than one slice, a top-k falls back to a full sort of the row (~20x slower).
-  top_k = lax.top_k(x, _list_width(budgets[level], vocab_size))
-  values, ids = lax.optimization_barrier(top_k)
+  # through more than one slice, a top-k falls back to a full sort of the row (~20x slower). On
+  # several devices it is left out (XLA aborts compiling it inside a cond there) and, with the
+  # vocabulary sharded, the list is `sharded_top_k`'s.
+  width = _list_width(budgets[level], vocab_size)
+  found = sharded.top_k_along_vocab(x, width)
+  if found is None:
+    found = lax.top_k(x, width)
+    found = found if sharded.multi_device() else lax.optimization_barrier(found)
+  values, ids = found
   result = _no_cut(threshold)
   for lower in range(1, level + 1):
     width = _list_width(budgets[lower], vocab_size)

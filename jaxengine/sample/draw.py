@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sample import sharded
 from jaxengine.sample.blocked import block_width, blocks
 from jaxengine.sample.filters import Candidates
 from jaxengine.sample.thresholds import top_p_threshold
@@ -94,8 +95,10 @@ def vocab_cdf(y: jax.Array, row_max: jax.Array, threshold: jax.Array) -> VocabCd
   """The `VocabCdf` of `y [R, V]` keeping `y >= threshold`."""
   weights = weigh(y, row_max, threshold)  # [R, V]
   width = block_width(y.shape[1])
+  if not sharded.vocab_blocks_fit(y.shape[1], width):
+    weights = sharded.whole_rows(weights)  # blocks straddle shards: gathered (same sums)
   weight_blocks = blocks(weights, width, 0.0)  # [R, V / W, W]
-  block_mass = weight_blocks.sum(-1)
+  block_mass = sharded.whole_rows(weight_blocks.sum(-1))  # [R, V / W]: summed in one order
   return VocabCdf(
     weights=weights,
     blocks=weight_blocks,
@@ -114,8 +117,8 @@ def draw_from_cdf(cdf: VocabCdf, u: jax.Array) -> jax.Array:
   )
   before = jnp.take_along_axis(cdf.block_cumulative, jnp.maximum(block - 1, 0)[:, None], 1)
   before = jnp.where(block > 0, before[:, 0], 0.0)
-  chosen = jnp.take_along_axis(cdf.blocks, block[:, None, None], 1)[:, 0]  # [R, W]
-  index = inverse_cdf(chosen, target - before)
+  # Within the chosen block of W tokens (on the shard owning it when the vocabulary is sharded).
+  index = sharded.in_block_along_vocab(cdf.blocks, block, inverse_cdf, target - before)
   return (block * cdf.width + index).astype(jnp.int32)
 
 
@@ -128,7 +131,7 @@ def attempt_uniform(step_keys: jax.Array, attempt) -> jax.Array:
 def _in_nucleus(cdf: VocabCdf, drawn: jax.Array, target: jax.Array) -> jax.Array:
   """`[R] bool` whether the mass strictly above each drawn token is below `target` (top-p's keep
   rule; compared on weights, which order tokens as their logits do). One masked reduction."""
-  weight = jnp.take_along_axis(cdf.weights, drawn[:, None], 1)
+  weight = sharded.take_along_vocab(cdf.weights, drawn[:, None])
   return jnp.where(cdf.weights > weight, cdf.weights, 0.0).sum(-1) < target
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxengine.sample import sharded
 from jaxengine.sample.blocked import blocked_top_k
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
 
@@ -80,7 +81,7 @@ def gather_logprobs(
     token, then the top entries by value, best first) and `ranks` `[R] int32` (entries `>=` the
     given token's value; 1 is best, ties count against it).
   """
-  token_score = jnp.take_along_axis(scores, token_ids[:, None], 1)  # [R, 1]
+  token_score = sharded.take_along_vocab(scores, token_ids[:, None])  # [R, 1]
   ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
   top_scores, top_ids = blocked_top_k(scores, num_logprobs)
   values = jnp.concatenate([token_score, top_scores], 1)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sample import sharded
 from jaxengine.sample.custom import (
   any_custom,
   apply_custom_processors,
@@ -28,11 +29,6 @@ NEG_INF = float("-inf")
 def nan_as_neg_inf(x: jax.Array) -> jax.Array:
   """`x` with every NaN replaced by `-inf` (the sampler's reading of a NaN logit)."""
   return jnp.where(jnp.isnan(x), NEG_INF, x)
-
-
-def _row_index(x: jax.Array) -> jax.Array:
-  """`[R, 1]` row numbers, for scatters at per-row columns."""
-  return jnp.arange(x.shape[0])[:, None]
 
 
 def _penalize(x, counts, in_prompt, md: SamplingMetadata) -> jax.Array:
@@ -121,12 +117,12 @@ def _processors_with_custom(x, state: BatchState, md: SamplingMetadata) -> jax.A
   """Stages 2-6 one after another, with the custom processors before the penalties (vLLM's
   order: allowed, bad words, min_tokens, logit_bias, custom, penalties). `x` may hold the grammar
   mask already (applying it twice, or the grammar before the other masks, is the same)."""
-  rows, vocab = _row_index(x), state.vocab_size
+  vocab = state.vocab_size
   x = jnp.where(is_allowed(state), nan_as_neg_inf(x), NEG_INF)
-  x = x.at[rows, _bad_word_bans(state, md)].set(NEG_INF, mode="drop")
-  x = x.at[rows, _min_tokens_bans(state, md)].set(NEG_INF, mode="drop")
+  x = sharded.scatter_vocab(x, _bad_word_bans(state, md), NEG_INF)
+  x = sharded.scatter_vocab(x, _min_tokens_bans(state, md), NEG_INF)
   bias_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, vocab)
-  x = x.at[rows, bias_ids].add(state.logit_bias, mode="drop")
+  x = sharded.scatter_vocab(x, bias_ids, state.logit_bias, add=True)
   x = apply_custom_processors(x, state, md, argmax_invariant=False)
   return _penalize(x, state.output_token_counts, state.prompt_token_mask, md)
 
@@ -147,7 +143,6 @@ def _fused_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Ar
   Returns:
     `[R, V] float32` processed logits; masked tokens and NaN logits are `-inf`.
   """
-  rows = _row_index(logits)
   vocab = state.vocab_size
   counts, in_prompt = state.output_token_counts, state.prompt_token_mask
   x = nan_as_neg_inf(logits.astype(jnp.float32))
@@ -155,12 +150,14 @@ def _fused_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Ar
   # logit_bias: penalties apply to the biased logit.
   bias_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, vocab)
   safe_ids = jnp.minimum(bias_ids, vocab - 1)  # [R, max_num_logit_bias]
-  take = lambda a: jnp.take_along_axis(a, safe_ids, 1)
-  biased = _penalize(take(x) + state.logit_bias, take(counts), take(in_prompt), md)
+  take = lambda a: jnp.take_along_axis(a, safe_ids, 1)  # counts and prompt: whole rows
+  biased = _penalize(
+    sharded.take_along_vocab(x, safe_ids) + state.logit_bias, take(counts), take(in_prompt), md
+  )
   biased = jnp.where(is_allowed(state, bias_ids), biased, NEG_INF)
-  processed = processed.at[rows, bias_ids].set(biased, mode="drop")
-  processed = processed.at[rows, _bad_word_bans(state, md)].set(NEG_INF, mode="drop")
-  return processed.at[rows, _min_tokens_bans(state, md)].set(NEG_INF, mode="drop")
+  processed = sharded.scatter_vocab(processed, bias_ids, biased)
+  processed = sharded.scatter_vocab(processed, _bad_word_bans(state, md), NEG_INF)
+  return sharded.scatter_vocab(processed, _min_tokens_bans(state, md), NEG_INF)
 
 
 def any_processing(md: SamplingMetadata, config=None) -> jax.Array:

@@ -37,6 +37,10 @@ exactly by rejection: draw from the distribution kept so far and accept when the
 above the token is below top_p (bisection again only for rows that keep refusing, and for the
 processed_* logprobs modes, which need the cut itself). The draw needs one exponential pass over
 the vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
+
+On a mesh (`sample(..., mesh=)`, logits sharded over the vocabulary) the same pipeline runs with
+its whole-row operations (argmax, top-k, values at token ids, scatters, the chosen block of the
+draw) done per shard under `jax.shard_map` (`sharded.py`): only per-row summaries cross devices.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 
+from jaxengine.sample import sharded
 from jaxengine.sample.blocked import blocked_argmax
 from jaxengine.sample.budgets import cut_and_draw
 from jaxengine.sample.custom import (
@@ -174,7 +180,7 @@ def _draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
   drawn = _draw_tokens(x, state, md)
   tokens, _, row_max = drawn
   vocab = state.vocab_size
-  value = jnp.take_along_axis(x, jnp.clip(tokens, 0, vocab - 1)[:, None], 1)[:, 0]
+  value = sharded.take_along_vocab(x, jnp.clip(tokens, 0, vocab - 1)[:, None])[:, 0]
   touched = md.is_live & (jnp.isnan(value) | jnp.isnan(row_max) | (tokens < 0) | (tokens >= vocab))
 
   def redraw():
@@ -213,7 +219,7 @@ def _repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: S
     scaled logit is `+inf` gets its first maximal processed token, as a greedy row would.
   """
   vocab = state.vocab_size
-  value = jnp.take_along_axis(x, jnp.clip(tokens, 0, vocab - 1)[:, None], 1)[:, 0]
+  value = sharded.take_along_vocab(x, jnp.clip(tokens, 0, vocab - 1)[:, None])[:, 0]
   unsampleable = md.is_live & ((tokens < 0) | (tokens >= vocab) | ~(value > NEG_INF))
   infinite = md.is_live & ~md.is_greedy & jnp.isposinf(row_max)
 
@@ -269,18 +275,28 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
 
 
 def sample(
-  state: BatchState, metadata: SamplingMetadata, logits: jax.Array
+  state: BatchState, metadata: SamplingMetadata, logits: jax.Array, mesh: Mesh | None = None
 ) -> tuple[BatchState, SamplerOutput]:
   """The body of `sample_step`, not jitted (for callers composing their own transformations).
 
-  Same arguments, results and errors as `sample_step`.
+  Same arguments, results and errors as `sample_step`, plus `mesh` (static): the
+  ``("data", "model")`` mesh of logits sharded ``P("data", "model")`` (rows over ``data``, the
+  vocabulary over ``model``). With a model axis above 1 that divides `V`, the vocabulary
+  reductions run per shard and only per-row summaries cross devices
+  (`jaxengine.sample.sharded`): the same tokens as one device, logprobs equal up to the
+  rounding of their normaliser.
   """
   rows, vocab = state.max_num_reqs, state.vocab_size
   if logits.shape != (rows, vocab):
     raise ValueError(
       f"logits must have shape [max_num_reqs, vocab_size] = {(rows, vocab)}, got {logits.shape}"
     )
-  md = metadata
+  with sharded.vocab_sharded(mesh, rows, vocab):
+    return _sample(state, metadata, logits)
+
+
+def _sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
+  """`sample`'s pipeline (under `vocab_sharded` when on a mesh)."""
   # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
   # they are instead of paying for a processed copy.
   tokens, logprobs = lax.cond(
