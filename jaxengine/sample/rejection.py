@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.sample.blocked import block_width, blocks
-from jaxengine.sample.budgets import cut_and_draw
+from jaxengine.sample.blocked import block_width, blocked_argmax, blocks
 from jaxengine.sample.custom import (
   apply_invariant_processors,
   has_processors,
@@ -52,8 +51,7 @@ from jaxengine.sample.processors import (
 )
 from jaxengine.sample.spec_history import PositionView, expand_positions
 from jaxengine.sample.state import BatchState
-from jaxengine.sample.step import _draw_tokens_nan_as_neg_inf, _repair_degenerate_rows, _step_keys
-from jaxengine.sample.thresholds import top_p_threshold
+from jaxengine.sample.step import _repair_degenerate_rows, _sample_random, _step_keys
 
 #: `fold_in` data deriving a position's acceptance key from its draw key (top-p retries use
 #: small attempt numbers, so this never collides with them).
@@ -97,38 +95,34 @@ class _Target:
   mass: jax.Array
 
 
-def _exact_threshold(x, md: SamplingMetadata, u, budgets):
-  """`(threshold, row_max)` `[R'] float32`: the exact kept threshold of each row, as the main
-  sampler computes it in the processed_* logprobs modes (min-p, then the candidates' top-k /
-  top-p cut, then bisection for the top-p rows the candidates cannot resolve)."""
-  inv_temperature = inverse_temperature(md)
-  row_max = x.max(-1) * inv_temperature
-  threshold = jnp.where(md.min_p > 0, row_max + jnp.log(md.min_p), NEG_INF)
-  cut, _ = cut_and_draw(x, md, row_max, threshold, u, budgets)
-  threshold, unresolved = jnp.minimum(cut.threshold, row_max), cut.top_p_unresolved
-  y_fn = lambda: x * inv_temperature[:, None]
-  threshold = lax.cond(
-    unresolved.any(),
-    lambda: jnp.where(unresolved, top_p_threshold(y_fn(), row_max, threshold, md.top_p), threshold),
-    lambda: threshold,
-  )
-  return threshold, row_max
+def _draw(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, _Target]:
+  """Stages 7-12 at every position: `(drawn [R'] int32, the target distribution)`.
 
-
-def _target(x, view: PositionView, u) -> _Target:
-  """The kept target distribution of every position (random rows; greedy rows get no cut)."""
+  As `sample` draws (greedy argmax, argmax-invariant processors, min-p / top-k / top-p cut and
+  inverse-CDF draw, repair of degenerate rows), with the exact top-p cut of the processed_*
+  modes for every row, since acceptance needs each position's whole distribution. NaN logits
+  count as `-inf` up front. So a position draws `sample`'s token, except a top-p row whose
+  nucleus is deeper than the candidates in the raw_* modes (`sample` draws it by rejection: an
+  equally exact draw from the same distribution, with another token).
+  """
   state, md = view.state, view.metadata
-  x = nan_as_neg_inf(x)
-  if has_processors(state.config, argmax_invariant=True):
-    x = apply_invariant_processors(x, state, md, inverse_temperature(md))
   rows = x.shape[0]
-  threshold, row_max = lax.cond(
+  x = nan_as_neg_inf(x)
+  greedy = lax.cond(md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
+  x_random = x
+  if has_processors(state.config, argmax_invariant=True):
+    x_random = apply_invariant_processors(x, state, md, inverse_temperature(md))
+  budgets = state.config.candidate_budgets
+  random, threshold, row_max = lax.cond(
     md.any_random,
-    lambda: _exact_threshold(x, md, u, state.config.candidate_budgets),
-    lambda: (jnp.full((rows,), NEG_INF), x.max(-1)),
+    lambda: _sample_random(x_random, md, step_keys, u, budgets, exact_top_p=True),
+    lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), NEG_INF), x_random.max(-1)),
   )
-  weights = _weigh(x * inverse_temperature(md)[:, None], row_max, threshold)
-  return _Target(x=x, row_max=row_max, threshold=threshold, mass=weights.sum(-1))
+  drawn = jnp.where(md.is_greedy, greedy, random)
+  drawn = _repair_degenerate_rows(logits, x, drawn, row_max, state, md)
+  weights = _weigh(x_random * inverse_temperature(md)[:, None], row_max, threshold)
+  target = _Target(x=x_random, row_max=row_max, threshold=threshold, mass=weights.sum(-1))
+  return drawn, target
 
 
 def _weigh(y, row_max, threshold):
@@ -317,13 +311,11 @@ def rejection_sample(
     lambda: apply_logits_processors(logits, view_state, md),
     lambda: logits.astype(jnp.float32),
   )
-  drawn, _, drawn_max = _draw_tokens_nan_as_neg_inf(x, view_state, md)
-  drawn = _repair_degenerate_rows(logits, x, drawn, drawn_max, view_state, md)
   step_keys, u = _step_keys(view_state)
   accept_u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT), ()))(
     step_keys
   )
-  target = _target(x, view, u)
+  drawn, target = _draw(logits, x, view, step_keys, u)
   raw_drafts = draft_token_ids.astype(jnp.int32)
   accepted = _accepted(view, target, drawn, raw_drafts, num_drafts, draft_probs, accept_u)
   num_accepted, final = _final_tokens(
