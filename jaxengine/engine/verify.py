@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.batch.multi_step import MultiStepOutput
-from jaxengine.engine._rejection_stub import rejection_sample  # TEMP
+from jaxengine.sample import rejection_sample
 
 
 def verify_and_sample(

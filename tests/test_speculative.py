@@ -1,0 +1,183 @@
+"""N-gram speculative decoding in the engine: the config, the proposer, and outputs that equal
+plain decoding (greedy), keep every sampling parameter's meaning and compile a bounded set."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxengine as je
+from jaxengine.engine import LLMEngine
+from jaxengine.engine.speculative import SpeculativeConfig, draft_limits, ngram_draft
+from jaxengine.testing import count_compiles, tiny_llama
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# A random tiny model falls into loops under greedy decoding, which prompt lookup then copies.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 4, 3, 4, 3], list(range(20, 40))]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_llama(seed=0)[0]
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+  return je.LLM(model, max_num_reqs=4, max_model_len=128, compilation_cache=False)
+
+
+@pytest.fixture(scope="module")
+def spec(model):
+  return je.LLM(
+    model, max_num_reqs=4, max_model_len=128, compilation_cache=False, speculative_config=SPEC
+  )
+
+
+def _tokens(outputs):
+  return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+# --- config ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "config, message",
+  [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "draft_model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    (
+      {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+       "prompt_lookup_min": 3},
+      "prompt_lookup_min=3",
+    ),  # fmt: skip
+    ("ngram", "dict"),
+  ],
+)
+def test_invalid_config_names_field_and_value(config, message):
+  with pytest.raises(ValueError, match=message):
+    SpeculativeConfig.build(config)
+
+
+def test_config_defaults_and_engine_refusals(model):
+  config = SpeculativeConfig.build({"method": "ngram", "num_speculative_tokens": 5})
+  assert (config.prompt_lookup_max, config.prompt_lookup_min) == (4, 2)
+  high = SpeculativeConfig.build(
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 6}
+  )
+  assert (high.prompt_lookup_max, high.prompt_lookup_min) == (6, 6)
+  with pytest.raises(ValueError, match="num_decode_steps=2"):
+    LLMEngine(model, num_decode_steps=2, max_model_len=64, speculative_config=SPEC)
+
+
+# --- proposer ----------------------------------------------------------------------------------
+
+
+def test_ngram_draft_copies_after_the_longest_suffix_match():
+  tokens = np.array([1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 6, 1, 2, 3], np.int32)
+  # "1 2 3" (n = 3) occurs at the start, "2 3" also later: the longer match wins.
+  assert ngram_draft(tokens, 2, 3, 3).tolist() == [9, 9, 7]
+  assert ngram_draft(tokens, 2, 2, 3).tolist() == [4, 5, 6]  # last occurrence of "2 3"
+  assert ngram_draft(tokens, 4, 4, 3).tolist() == []  # no 4-gram repeats
+  assert ngram_draft(tokens, 2, 3, 1).tolist() == [9]
+  assert ngram_draft(np.array([5, 5], np.int32), 2, 3, 3).tolist() == []
+
+
+def test_ngram_draft_in_a_periodic_tail_takes_a_full_draft():
+  tokens = np.array([8, 1, 2, 1, 2, 1, 2, 1, 2], np.int32)
+  assert ngram_draft(tokens, 2, 4, 3).tolist() == [1, 2, 1]
+  assert ngram_draft(np.array([7, 7, 7, 7], np.int32), 2, 2, 3).tolist() == [7, 7]  # the earliest
+
+
+def test_draft_limits_keep_max_tokens_and_max_model_len(spec):
+  class Fake:
+    def __init__(self, max_tokens, num_output, num_prompt):
+      self.params = je.SamplingParams(max_tokens=max_tokens)
+      self.token_ids = [0] * num_output
+      self.num_tokens = num_prompt + num_output
+
+  completions = [Fake(10, 9, 5), Fake(10, 8, 5), Fake(100, 0, 5), Fake(100, 0, 125)]
+  assert draft_limits(completions, 128, 3) == [0, 1, 3, 2]
+
+
+# --- engine ------------------------------------------------------------------------------------
+
+
+def test_greedy_output_equals_plain_decoding_and_drafts_are_accepted(plain, spec):
+  params = je.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+  before = spec.llm_engine.spec_decode_stats.num_accepted_tokens
+  expected = plain.generate(PROMPTS, params, use_tqdm=False)
+  got = spec.generate(PROMPTS, params, use_tqdm=False)
+  assert _tokens(got) == _tokens(expected)
+  stats = spec.llm_engine.spec_decode_stats
+  assert stats.num_accepted_tokens - before > 10
+  assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+  assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+  assert stats.num_spec_steps < stats.num_steps
+  for a, b in zip(got, expected):
+    lp_a, lp_b = a.outputs[0].logprobs, b.outputs[0].logprobs
+    assert len(lp_a) == len(lp_b) == 40  # one entry per emitted token
+    for x, y in zip(lp_a, lp_b):
+      assert x.keys() == y.keys()
+      np.testing.assert_allclose(
+        [v.logprob for v in x.values()], [v.logprob for v in y.values()], atol=1e-4
+      )
+
+
+def test_max_tokens_min_tokens_and_stop_ids_keep_their_meaning(plain, spec):
+  greedy = je.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+  reference = _tokens(plain.generate(PROMPTS, greedy, use_tqdm=False))
+  for max_tokens in (1, 2, 7):
+    params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    got = _tokens(spec.generate(PROMPTS, params, use_tqdm=False))
+    assert got == [[r[0][:max_tokens]] for r in reference]
+  # Stop at a token that appears early (inside a run of accepted drafts), and not before
+  # min_tokens.
+  stop = reference[0][0][3]
+  params = je.SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], min_tokens=5)
+  expected = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+  got = spec.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+  assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason
+  assert got.token_ids[-1] == stop and len(got.token_ids) > 5
+
+
+def test_seeded_sampling_repeats_and_n_gives_n_completions(spec):
+  params = je.SamplingParams(temperature=0.8, max_tokens=24, seed=7, n=2, ignore_eos=True)
+  first = _tokens(spec.generate(PROMPTS, params, use_tqdm=False))
+  second = _tokens(spec.generate(PROMPTS, params, use_tqdm=False))
+  assert first == second
+  assert all(len(c) == 2 and all(len(t) == 24 for t in c) for c in first)
+
+
+def test_verify_steps_compile_once_per_bucket(model):
+  llm = je.LLM(
+    model, max_num_reqs=4, max_model_len=64, compilation_cache=False, speculative_config=SPEC
+  )
+  runner = llm.llm_engine.runner
+  num_shapes = llm.llm_engine.precompile(use_tqdm=False)
+  pairs = len(runner.row_buckets) * len(runner.attention_buckets)
+  assert num_shapes == len(runner.row_buckets) * len(runner.length_buckets) + 2 * pairs
+  params = [
+    je.SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=s)
+    for t, m, s in ((0, 20, None), (1.0, 9, 3), (0.5, 30, None))
+  ]
+  with count_compiles() as compiles:
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
+  assert llm.llm_engine.spec_decode_stats.num_spec_steps > 0
+  assert compiles.count == 0
+
+
+_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_greedy.json"
+
+
+def test_smollm2_fixture_greedy_output_is_unchanged():
+  fixture = json.loads(_FIXTURE.read_text())
+  llm = je.LLM(max_num_reqs=2, max_model_len=128, speculative_config=SPEC)
+  params = je.SamplingParams(temperature=0, max_tokens=len(fixture["new_ids"]))
+  (out,) = llm.generate(fixture["prompt"], params, use_tqdm=False)
+  assert out.outputs[0].token_ids == fixture["new_ids"]
