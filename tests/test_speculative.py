@@ -60,7 +60,7 @@ def _tokens(outputs):
         "prompt_lookup_min": 3,
       },
       "prompt_lookup_min=3",
-    ),  # fmt: skip
+    ),
     ("ngram", "dict"),
   ],
 )
