@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -63,14 +64,14 @@ class SpeculativeConfig:
     method = config.get("method")
     if method not in METHODS:
       raise ValueError(f"speculative_config: method must be one of {list(METHODS)}, got {method!r}")
-    values = {}
+    values: dict[str, int] = {}
     for key in _KEYS[1:]:
       value = config.get(key)
       if value is None and key != "num_speculative_tokens":
         continue
-      if not is_int(value) or value < 1:
+      if not is_int(value) or int(cast(int, value)) < 1:
         raise ValueError(f"speculative_config: {key} must be an int >= 1, got {value!r}")
-      values[key] = int(value)
+      values[key] = int(cast(int, value))
     high, low = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")
     high = max(4, low or 0) if high is None else high
     low = min(2, high) if low is None else low
