@@ -6,7 +6,12 @@ import pytest
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.speculative import SpeculativeConfig, draft_limits, ngram_draft
+from jaxengine.engine.speculative import (
+  NgramProposer,
+  SpeculativeConfig,
+  draft_limits,
+  ngram_draft,
+)
 from jaxengine.testing import count_compiles, tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -99,7 +104,29 @@ def test_ngram_draft_in_a_periodic_tail_takes_a_full_draft():
   assert ngram_draft(np.array([7, 7, 7, 7], np.int32), 2, 2, 3).tolist() == [7, 7]  # the earliest
 
 
-def test_draft_limits_keep_max_tokens_and_max_model_len(spec):
+def test_proposer_follows_outputs_and_starts_afresh_for_a_new_completion():
+  class Fake:
+    def __init__(self, prompt):
+      self.seq_id = "a"
+      self.request = type("R", (), {"prompt_token_ids": prompt})()
+      self.token_ids = []
+
+  config = SpeculativeConfig.build({"method": "ngram", "num_speculative_tokens": 2})
+  proposer = NgramProposer(config, max_model_len=32)
+  first = Fake([1, 2, 3, 4, 1])
+  assert proposer.propose([first], [2]).num_draft_tokens.tolist() == [0]
+  first.token_ids += [2]  # "1 2" now repeats: draft "3 4"
+  drafts = proposer.propose([first], [2])
+  assert drafts.token_ids.tolist() == [[3, 4]] and drafts.num_draft_tokens.tolist() == [2]
+  assert proposer.propose([first], [1]).token_ids.tolist() == [[3, 0]]
+  second = Fake([7, 8, 9])  # the same id, a new completion
+  assert proposer.propose([second], [2]).num_draft_tokens.tolist() == [0]
+  second.token_ids += [7, 8]
+  assert proposer.propose([second], [2]).token_ids.tolist() == [[9, 7]]
+  assert proposer.propose([], []).token_ids.shape == (0, 2) and not proposer._buffers
+
+
+def test_draft_limits_keep_max_tokens_and_max_model_len():
   class Fake:
     def __init__(self, max_tokens, num_output, num_prompt):
       self.params = je.SamplingParams(max_tokens=max_tokens)

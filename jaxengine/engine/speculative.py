@@ -131,7 +131,8 @@ class SpecDecodingStats:
     num_accepted_tokens: draft tokens the target model accepted.
     num_accepted_tokens_per_pos: accepted drafts by position `0..k-1`.
     num_spec_steps: steps that ran the verify pass (the others decoded one token per row).
-    num_steps: decode steps in all.
+    num_steps: steps that looked for drafts (a step while a structured-output row runs does
+      not: it decodes one token per row).
     draft_time_s: host seconds spent proposing drafts.
   """
 
@@ -176,6 +177,16 @@ class Drafts:
   num_draft_tokens: np.ndarray
 
 
+@dataclasses.dataclass
+class _Buffer:
+  """One completion's tokens on the host: `tokens[:length]`, the prompt then the output."""
+
+  completion: object
+  tokens: np.ndarray
+  length: int
+  num_prompt: int
+
+
 class NgramProposer:
   """Per-completion token buffers on the host and the n-gram lookup over them.
 
@@ -187,27 +198,25 @@ class NgramProposer:
   def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
     self.config = config
     self.max_model_len = max_model_len
-    self._tokens: dict[str, np.ndarray] = {}
-    self._lengths: dict[str, int] = {}
-    self._num_prompt: dict[str, int] = {}
+    self._buffers: dict[str, _Buffer] = {}
 
   def _sync(self, completion) -> np.ndarray:
-    """The completion's tokens so far: its buffer, started with the prompt on first sight and
-    extended with the output tokens it does not hold yet."""
-    seq_id = completion.seq_id
-    if seq_id not in self._tokens:
+    """The completion's tokens so far: its buffer, started with the prompt on first sight (a
+    reused id with a new completion starts afresh) and extended with the output tokens it does
+    not hold yet."""
+    buffer = self._buffers.get(completion.seq_id)
+    if buffer is None or buffer.completion is not completion:
       prompt = completion.request.prompt_token_ids
-      self._tokens[seq_id] = np.zeros((self.max_model_len,), np.int32)
-      self._tokens[seq_id][: len(prompt)] = prompt
-      self._lengths[seq_id] = len(prompt)
-      self._num_prompt[seq_id] = len(prompt)
-    buffer, length = self._tokens[seq_id], self._lengths[seq_id]
-    output = completion.token_ids
-    new = output[length - self._num_prompt[seq_id] :]
+      tokens = np.zeros((self.max_model_len,), np.int32)
+      tokens[: len(prompt)] = prompt
+      buffer = self._buffers[completion.seq_id] = _Buffer(
+        completion, tokens, len(prompt), len(prompt)
+      )
+    new = completion.token_ids[buffer.length - buffer.num_prompt :]
     if new:
-      buffer[length : length + len(new)] = new
-      length = self._lengths[seq_id] = length + len(new)
-    return buffer[:length]
+      buffer.tokens[buffer.length : buffer.length + len(new)] = new
+      buffer.length += len(new)
+    return buffer.tokens[: buffer.length]
 
   def propose(self, completions: Sequence, limits: Sequence[int]) -> Drafts:
     """Drafts for each running completion, at most `limits[i]` (and `k`) for the i-th.
@@ -233,9 +242,9 @@ class NgramProposer:
       draft = ngram_draft(tokens, config.prompt_lookup_min, config.prompt_lookup_max, min(k, limit))
       token_ids[row, : len(draft)] = draft
       counts[row] = len(draft)
-    if len(self._tokens) > len(completions):
-      for seq_id in set(self._tokens) - {c.seq_id for c in completions}:
-        del self._tokens[seq_id], self._lengths[seq_id], self._num_prompt[seq_id]
+    if len(self._buffers) > len(completions):
+      for seq_id in set(self._buffers) - {c.seq_id for c in completions}:
+        del self._buffers[seq_id]
     return Drafts(token_ids=token_ids, num_draft_tokens=counts)
 
 
