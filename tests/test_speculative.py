@@ -11,6 +11,7 @@ from jaxengine.engine.speculative import (
   SpeculativeConfig,
   draft_limits,
   ngram_draft,
+  worth_verifying,
 )
 from jaxengine.testing import count_compiles, tiny_llama
 
@@ -28,6 +29,7 @@ def _llm(model, **kwargs):
   llm = je.LLM(model, max_num_reqs=4, max_model_len=64, compilation_cache=False, **kwargs)
   # One row bucket: every step compiles once whatever the live rows (keeps the tests fast).
   llm.llm_engine.runner.row_buckets = [4]
+  llm.llm_engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
   return llm
 
 
@@ -126,6 +128,32 @@ def test_proposer_follows_outputs_and_starts_afresh_for_a_new_completion():
   assert proposer.propose([], []).token_ids.shape == (0, 2) and not proposer._buffers
 
 
+def test_cost_model_verifies_when_expected_drafts_pay_for_the_wider_pass():
+  # One row, k = 4 on a CPU-like crossover of 4 tokens: verify costs 9 / 5 of a decode step.
+  assert worth_verifying(0.9, 1, 1, 4, 4) and not worth_verifying(0.7, 1, 1, 4, 4)
+  # 32 rows: verify costs 164 / 36 of a decode: only nearly perfect drafts pay on such a machine.
+  assert worth_verifying(4 * 32, 32, 32, 4, 4) and not worth_verifying(3 * 32, 32, 32, 4, 4)
+  # Bound by reading the weights (an accelerator): verify costs 416 / 288 of a decode.
+  assert worth_verifying(16, 32, 32, 4, 256) and not worth_verifying(8, 32, 32, 4, 256)
+
+
+def test_acceptance_estimate_follows_verify_outcomes():
+  class Fake:
+    def __init__(self, seq_id):
+      self.seq_id = seq_id
+      self.request = type("R", (), {"prompt_token_ids": [1, 2, 3, 1, 2]})()
+      self.token_ids = []
+
+  config = SpeculativeConfig.build({"method": "ngram", "num_speculative_tokens": 3})
+  proposer = NgramProposer(config, max_model_len=32)
+  good, bad = Fake("good"), Fake("bad")
+  drafts = proposer.propose([good, bad], [3, 3])
+  assert drafts.num_draft_tokens.tolist() == [3, 3]
+  assert proposer.expected_gain([good, bad], drafts) == pytest.approx(2 * (0.5 + 0.25 + 0.125))
+  proposer.record([good, bad], np.array([3, 3]), np.array([4, 1]))  # all accepted / none
+  assert proposer._buffers["good"].acceptance > 0.8 > 0.3 > proposer._buffers["bad"].acceptance
+
+
 def test_draft_limits_keep_max_tokens_and_max_model_len():
   class Fake:
     def __init__(self, max_tokens, num_output, num_prompt):
@@ -150,7 +178,7 @@ def test_greedy_output_equals_plain_decoding_and_drafts_are_accepted(plain, spec
   assert stats.num_accepted_tokens - before > 10
   assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
   assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
-  assert stats.num_spec_steps < stats.num_steps
+  assert stats.num_spec_steps < stats.num_steps and stats.num_declined_steps == 0
   for a, b in zip(got, expected):
     lp_a, lp_b = a.outputs[0].logprobs, b.outputs[0].logprobs
     assert len(lp_a) == len(lp_b) == 40  # one entry per emitted token
@@ -205,6 +233,7 @@ def test_precompile_covers_the_verify_step(model):
   llm = je.LLM(
     model, max_num_reqs=1, max_model_len=16, compilation_cache=False, speculative_config=SPEC
   )
+  llm.llm_engine.spec_crossover_tokens = 10**9
   runner = llm.llm_engine.runner
   assert llm.llm_engine.precompile(use_tqdm=False) == 3
   steps = [runner._prefill, runner._decode, runner._verify]

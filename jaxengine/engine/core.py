@@ -6,7 +6,9 @@ One `step()`:
   1. the scheduler admits waiting completions into free rows;
   2. the runner adds them to the persistent batch and prefills their prompts;
   3. the runner decodes one token for every running completion (one fused model + sampler
-     executable over a bucket of live rows);
+     executable over a bucket of live rows); with a `speculative_config`, when some row has
+     n-gram drafts, it verifies them instead (one model pass over k + 1 positions per row and
+     the rejection sampler: one to k + 1 tokens per row);
   4. the output processor appends the tokens (logprob dicts, text, stop rules), and finished
      completions leave the scheduler and the batch (the next step condenses and admits more).
 """
@@ -22,14 +24,17 @@ from jaxengine.batch import InputBatch
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.requests import Request
-from jaxengine.engine.runner import ModelRunner, MultiStepOutput
+from jaxengine.engine.runner import ModelRunner, MultiStepOutput, bucket
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.speculative import (
+  CROSSOVER_TOKENS,
+  DEFAULT_CROSSOVER_TOKENS,
   NgramProposer,
   SpecDecodingStats,
   SpeculativeConfig,
   draft_limits,
   timed_propose,
+  worth_verifying,
 )
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.models.interface import Model, check_model
@@ -79,8 +84,10 @@ class LLMEngine:
       drafts up to k tokens per running completion from its own prompt and output, verifies
       them in one model pass over k + 1 positions and keeps what the rejection sampler accepts
       (one to k + 1 tokens per row and step; the output distribution is unchanged, greedy
-      output is that of plain decoding up to float rounding). A step where no row has a draft
-      decodes one token as usual, and so does every step while a row with structured outputs
+      output is that of plain decoding up to float rounding). A step decodes one token per row
+      as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
+      each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
+      (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
       runs. Not with `num_decode_steps > 1` or on a mesh. Counters: `spec_decode_stats`.
 
   Raises:
@@ -162,6 +169,11 @@ class LLMEngine:
     self._ids = itertools.count()
     self.spec_decode_stats = SpecDecodingStats()
     self._proposer: NgramProposer | None = None
+    #: The verify decision's cost model (`engine/speculative.py`): set it high to verify
+    #: whenever some row has a draft.
+    self.spec_crossover_tokens = CROSSOVER_TOKENS.get(
+      jax.default_backend(), DEFAULT_CROSSOVER_TOKENS
+    )
     if self.speculative_config is not None:
       self._proposer = NgramProposer(self.speculative_config, self.max_model_len)
 
@@ -292,7 +304,8 @@ class LLMEngine:
 
   def _speculative_step(self) -> list[RequestOutput] | None:
     """Drafts for every running completion and one verify pass; None (nothing run) when no
-    row has a draft, so the caller decodes one token as usual."""
+    row has a draft or the cost model expects too little of them, so the caller decodes one
+    token as usual."""
     assert self._proposer is not None and self.speculative_config is not None
     stats = self.spec_decode_stats
     stats.num_steps += 1
@@ -304,8 +317,14 @@ class LLMEngine:
     drafts = timed_propose(self._proposer, stats, completions, limits)
     if not drafts.num_draft_tokens.any():
       return None
+    gain = self._proposer.expected_gain(completions, drafts)
+    num_rows = bucket(len(completions), self.runner.row_buckets)
+    if not worth_verifying(gain, len(completions), num_rows, k, self.spec_crossover_tokens):
+      stats.num_declined_steps += 1
+      return None
     decoded = self.runner.verify(drafts.token_ids, drafts.num_draft_tokens)
     stats.record(drafts.num_draft_tokens, decoded.sampled.num_sampled)
+    self._proposer.record(completions, drafts.num_draft_tokens, decoded.sampled.num_sampled)
     return self._apply_tokens(decoded)
 
   def _apply_tokens(self, decoded: MultiStepOutput) -> list[RequestOutput]:

@@ -23,6 +23,15 @@ from jaxengine.params import is_int
 
 #: The drafting methods `SpeculativeConfig` knows.
 METHODS = ("ngram",)
+#: The acceptance estimate's prior (accepted draft tokens out of trials) and decays: per verify
+#: of the row, and per step (so a row whose drafts failed tries again after a while).
+PRIOR_ACCEPTED, PRIOR_TRIALS = 0.5, 1.0
+VERIFY_DECAY, STEP_DECAY = 0.8, 0.97
+#: The verify decision's cost model, per backend: the batch tokens whose compute costs as much as
+#: one read of the weights (`ModelRunner` passes cost `crossover + tokens`). Small on CPUs, where
+#: compute dominates at once; large on accelerators, where a pass is bound by reading the weights.
+CROSSOVER_TOKENS = {"cpu": 4}
+DEFAULT_CROSSOVER_TOKENS = 256
 #: Its keys, vLLM's names.
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
@@ -131,6 +140,8 @@ class SpecDecodingStats:
     num_accepted_tokens: draft tokens the target model accepted.
     num_accepted_tokens_per_pos: accepted drafts by position `0..k-1`.
     num_spec_steps: steps that ran the verify pass (the others decoded one token per row).
+    num_declined_steps: steps with drafts that decoded one token instead, the cost model
+      expecting too few accepted drafts to pay for the wider pass (`worth_verifying`).
     num_steps: steps that looked for drafts (a step while a structured-output row runs does
       not: it decodes one token per row).
     draft_time_s: host seconds spent proposing drafts.
@@ -141,6 +152,7 @@ class SpecDecodingStats:
   num_accepted_tokens: int = 0
   num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
   num_spec_steps: int = 0
+  num_declined_steps: int = 0
   num_steps: int = 0
   draft_time_s: float = 0.0
 
@@ -185,6 +197,13 @@ class _Buffer:
   tokens: np.ndarray
   length: int
   num_prompt: int
+  accepted: float = 0.0  # decayed counts of accepted drafts ...
+  trials: float = 0.0  # ... and of draft positions decided (accepted, or the first rejected)
+
+  @property
+  def acceptance(self) -> float:
+    """Estimated chance that the next draft token is accepted (a prior of 1/2 to start)."""
+    return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
 
 
 class NgramProposer:
@@ -237,6 +256,9 @@ class NgramProposer:
     counts = np.zeros((len(completions),), np.int32)
     for row, (completion, limit) in enumerate(zip(completions, limits)):
       tokens = self._sync(completion)
+      buffer = self._buffers[completion.seq_id]
+      buffer.accepted *= STEP_DECAY
+      buffer.trials *= STEP_DECAY
       if limit <= 0:
         continue
       draft = ngram_draft(tokens, config.prompt_lookup_min, config.prompt_lookup_max, min(k, limit))
@@ -246,6 +268,40 @@ class NgramProposer:
       for seq_id in set(self._buffers) - {c.seq_id for c in completions}:
         del self._buffers[seq_id]
     return Drafts(token_ids=token_ids, num_draft_tokens=counts)
+
+  def record(self, completions: Sequence, num_draft: np.ndarray, num_sampled: np.ndarray) -> None:
+    """Updates each row's acceptance estimate after a verify step (`[N]` drafts and emitted
+    tokens per row, rows in `completions` order)."""
+    for completion, drafted, emitted in zip(completions, num_draft.tolist(), num_sampled.tolist()):
+      if drafted <= 0:
+        continue
+      accepted = min(max(emitted - 1, 0), drafted)
+      buffer = self._buffers[completion.seq_id]
+      buffer.accepted = buffer.accepted * VERIFY_DECAY + accepted
+      buffer.trials = buffer.trials * VERIFY_DECAY + accepted + (accepted < drafted)
+
+  def expected_gain(self, completions: Sequence, drafts: Drafts) -> float:
+    """Draft tokens the rows are expected to have accepted: `sum_i sum_{j <= d_i} a_i^j`, `a_i`
+    row i's acceptance estimate (accepting draft j needs drafts 1..j accepted)."""
+    gain = 0.0
+    for completion, drafted in zip(completions, drafts.num_draft_tokens.tolist()):
+      a = self._buffers[completion.seq_id].acceptance
+      gain += sum(a**j for j in range(1, drafted + 1))
+    return gain
+
+
+def worth_verifying(
+  gain: float, num_reqs: int, num_rows: int, k: int, crossover_tokens: float
+) -> bool:
+  """Whether a verify pass is expected to emit tokens faster than a one-token decode step.
+
+  A pass over `T` batch tokens is modelled to cost `crossover_tokens + T`: decode computes
+  `num_rows` tokens (the row bucket) and emits `num_reqs`; verify computes `num_rows * (k + 1)`
+  and emits `num_reqs + gain`. The decision depends on the rows' tokens only (no timing), so
+  seeded outputs repeat from run to run.
+  """
+  verify_rate = (num_reqs + gain) / (crossover_tokens + num_rows * (k + 1))
+  return verify_rate > num_reqs / (crossover_tokens + num_rows)
 
 
 def draft_limits(completions: Sequence, max_model_len: int, k: int) -> list[int]:
