@@ -32,8 +32,9 @@ workloads: "repetitive" (chat prompts asking the model to repeat a paragraph or 
 of the prompt, greedy) and "chat" (ordinary questions, temperature 0.7, top-k 50, top-p 0.9).
 Both stop at EOS or `--max-tokens`. Reports tokens/s (generated tokens / wall time), the
 speedup, the acceptance rate (accepted / proposed draft tokens), vLLM's mean acceptance length
-(tokens a row emits per verify pass) and the proposer's host time per step; checks that the
-greedy outputs agree.
+(tokens a row emits per verify pass), the share of steps that ran the verify pass (the others
+decoded one token: no draft, or the cost model declined) and the proposer's host time per step;
+checks that the greedy outputs agree.
 
 Usage:
   python benchmarks/bench_generate.py                         # B = 1, 8, 32
@@ -305,7 +306,7 @@ def speculative(args) -> None:
   print(
     f"# n-gram speculation k={args.speculative} vs plain decoding, {max_rows} rows, best of "
     f"{args.repeats}\n| workload | batch | plain tok/s | spec tok/s | speedup | acceptance "
-    "| mean accepted length | draft ms/step |\n|---|---:|---:|---:|---:|---:|---:|---:|",
+    "| mean accepted length | verify steps | draft ms/step |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     flush=True,
   )
   for workload, (texts, params) in workloads.items():
@@ -328,11 +329,12 @@ def speculative(args) -> None:
       # vLLM's mean acceptance length: tokens a row emits per verify pass.
       mean_length = 1 + accepted / max(stats.num_drafts - before.num_drafts, 1)
       draft_ms = (stats.draft_time_s - before.draft_time_s) / max(steps, 1) * 1e3
+      verified = (stats.num_spec_steps - before.num_spec_steps) / max(steps, 1)
       same = "" if workload == "chat" or outputs["plain"] == outputs["spec"] else " (differ!)"
       print(
         f"| {workload}{same} | {size} | {rate['plain']:.1f} | {rate['spec']:.1f} | "
         f"{rate['spec'] / rate['plain']:.2f}x | {accepted / max(drafted, 1):.2f} | "
-        f"{mean_length:.2f} | {draft_ms:.2f} |",
+        f"{mean_length:.2f} | {verified:.0%} | {draft_ms:.2f} |",
         flush=True,
       )
 

@@ -23,9 +23,10 @@ from jaxengine.params import is_int
 
 #: The drafting methods `SpeculativeConfig` knows.
 METHODS = ("ngram",)
-#: The acceptance estimate's prior (accepted draft tokens out of trials) and decays: per verify
-#: of the row, and per step (so a row whose drafts failed tries again after a while).
-PRIOR_ACCEPTED, PRIOR_TRIALS = 0.5, 1.0
+#: The acceptance estimate's prior (accepted draft tokens out of trials: optimistic, so a new row
+#: gets verified and shows what its drafts are worth) and decays: per verify of the row, and per
+#: step (so a row whose drafts failed is tried again after a while).
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 1.0
 VERIFY_DECAY, STEP_DECAY = 0.8, 0.97
 #: The verify decision's cost model, per backend: the batch tokens whose compute costs as much as
 #: one read of the weights (`ModelRunner` passes cost `crossover + tokens`). Small on CPUs, where
@@ -202,7 +203,7 @@ class _Buffer:
 
   @property
   def acceptance(self) -> float:
-    """Estimated chance that the next draft token is accepted (a prior of 1/2 to start)."""
+    """Estimated chance that the next draft token is accepted (1 to start)."""
     return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
 
 
