@@ -45,27 +45,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.sample.blocked import block_width, blocked_argmax, blocks
 from jaxengine.sample.custom import (
-  apply_invariant_processors,
-  has_processors,
   update_processor_states,
 )
-from jaxengine.sample.draw import VocabCdf, draw_from_cdf, inverse_cdf
-from jaxengine.sample.filters import Candidates, find_candidates
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs, logprobs_scores
-from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
+from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.processors import (
   any_processing,
   apply_logits_processors,
-  nan_as_neg_inf,
 )
 from jaxengine.sample.spec_history import PositionView, expand_positions
+from jaxengine.sample.spec_probs import Target, draw_exact, recovered, row_at, target_probability
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.step import (
   _draw_tokens_nan_as_neg_inf,
   _repair_degenerate_rows,
-  _sample_random,
   _step_keys,
 )
 
@@ -93,49 +87,7 @@ class RejectionOutput:
   logprobs: LogprobsTensors
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Target:
-  """The target distribution at every position (rows of the position view, `R' = R * (P + 1)`).
-
-  Attributes:
-    x: `[R', V] float32` processed logits (NaN as `-inf`, argmax-invariant processors applied).
-    row_max: `[R'] float32` largest scaled logit `y = x / T`.
-    threshold: `[R'] float32` exact kept threshold on `y` (min-p, top-k, top-p).
-    mass: `[R'] float32` kept mass `sum exp(y - row_max)` over `y >= threshold`.
-    candidates: the `C` largest `y` of each row (`Candidates`, `[R', C]`).
-    inside: `[R'] bool` the kept set lies inside the candidates (its threshold is above the
-      last one), so its mass and draws need no pass over the vocabulary.
-  """
-
-  x: jax.Array
-  row_max: jax.Array
-  threshold: jax.Array
-  mass: jax.Array
-  candidates: Candidates
-  inside: jax.Array
-
-
-def _random_target(x, md: SamplingMetadata, step_keys, u, config):
-  """`(tokens, _Target fields)` for the random rows: `sample`'s draw with the exact cut, and the
-  kept mass from the candidates (one exponential pass over the vocabulary only for rows whose
-  kept set reaches beyond them, e.g. plain temperature sampling)."""
-  tokens, threshold, row_max = _sample_random(
-    x, md, step_keys, u, config.candidate_budgets, exact_top_p=True
-  )
-  candidates = find_candidates(x, md, config.num_candidates)
-  inside = (threshold > candidates.last) | (config.num_candidates >= x.shape[1])
-  mass = _weigh(candidates.values, row_max, threshold).sum(-1)
-  outside = md.is_live & ~md.is_greedy & ~inside
-  full_mass = lambda: _weigh(x * inverse_temperature(md)[:, None], row_max, threshold).sum(-1)
-  mass = lax.cond(outside.any(), lambda: jnp.where(inside, mass, full_mass()), lambda: mass)
-  fields = dict(
-    row_max=row_max, threshold=threshold, mass=mass, candidates=candidates, inside=inside
-  )
-  return tokens, fields
-
-
-def _draw(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, jax.Array]:
+def _draw(logits, x, view: PositionView) -> tuple[jax.Array, jax.Array]:
   """`sample`'s stages 7-12 at every position: `(drawn [R'] int32, threshold [R'] float32)`.
 
   `sample`'s own code (greedy argmax, argmax-invariant processors, min-p / top-k / top-p cut,
@@ -143,61 +95,12 @@ def _draw(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, jax.A
   position `j` draws exactly the token `sample` would draw there; the threshold is exact in the
   processed_* logprobs modes, as `sample`'s.
   """
-  del step_keys, u  # `sample`'s code derives the same keys from the view's state
   state, md = view.state, view.metadata
   drawn, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
   return _repair_degenerate_rows(logits, x, drawn, row_max, state, md), threshold
 
 
-def _draw_exact(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, _Target]:
-  """Stages 7-12 at every position with the whole target distribution, for drafts with
-  probabilities: `(drawn [R'] int32, _Target)`.
-
-  As `_draw`, but with the exact top-p cut of the processed_* modes for every row (acceptance
-  needs each position's distribution) and NaN logits cleaned up front. So a position draws
-  `sample`'s token, except a top-p row whose nucleus is deeper than the candidates in the raw_*
-  modes (`sample` draws it by rejection: an equally exact draw from the same distribution).
-  """
-  md = view.metadata
-  rows, config = x.shape[0], view.config
-  x = nan_as_neg_inf(x)
-  greedy = lax.cond(md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
-  x_random = x
-  if has_processors(config, argmax_invariant=True):
-    x_random = apply_invariant_processors(x, view.state, md, inverse_temperature(md))
-
-  def no_random():
-    num_candidates, zeros = config.num_candidates, jnp.zeros((rows,))
-    candidates = Candidates(
-      values=jnp.zeros((rows, num_candidates)), ids=jnp.zeros((rows, num_candidates), jnp.int32)
-    )
-    fields = dict(
-      row_max=zeros, threshold=zeros, mass=zeros, candidates=candidates, inside=zeros > 0
-    )
-    return jnp.zeros((rows,), jnp.int32), fields
-
-  random, fields = lax.cond(
-    md.any_random, lambda: _random_target(x_random, md, step_keys, u, config), no_random
-  )
-  target = _Target(x=x_random, **fields)  # `x` never leaves a branch: that would cost a copy
-  drawn = jnp.where(md.is_greedy, greedy, random)
-  drawn = _repair_degenerate_rows(logits, x, drawn, target.row_max, view.state, md)
-  return drawn, target
-
-
-def _weigh(y, row_max, threshold):
-  """`[R, n]` unnormalised kept probabilities `exp(y - row_max)` where `y >= threshold`."""
-  return jnp.where(y >= threshold[:, None], jnp.exp(y - row_max[:, None]), 0.0)
-
-
-def _target_probability(target: _Target, md: SamplingMetadata, tokens) -> jax.Array:
-  """`[R'] float32` the target probability of `tokens [R'] int32` (in `[0, V)`)."""
-  y = jnp.take_along_axis(target.x, tokens[:, None], 1)[:, 0] * inverse_temperature(md)
-  weight = jnp.where(y >= target.threshold, jnp.exp(y - target.row_max), 0.0)
-  return weight / target.mass
-
-
-def _accepted(view, target: _Target | None, drawn, drafts, num_drafts, draft_probs, accept_u):
+def _accepted(view, target: Target | None, drawn, drafts, num_drafts, draft_probs, accept_u):
   """`[R, P + 1] bool` whether the draft at each position is accepted (False at `j >= n`).
 
   Point-mass drafts (`draft_probs` None): accepted when the position drew the draft itself.
@@ -217,7 +120,7 @@ def _accepted(view, target: _Target | None, drawn, drafts, num_drafts, draft_pro
     assert target is not None
     # A point-mass target (greedy rows, an infinite logit, nothing kept) accepts only its token.
     point_mass = md.is_greedy | ~jnp.isfinite(target.row_max) | ~(target.mass > 0)
-    p_target = _target_probability(target, md, safe)
+    p_target = target_probability(target, md, safe)
     flat = jnp.concatenate([draft_probs, jnp.zeros((rows, 1, vocab), draft_probs.dtype)], 1)
     flat = flat.reshape(rows * positions, vocab)
     p_draft = jnp.take_along_axis(flat, safe[:, None], 1)[:, 0].astype(jnp.float32)
@@ -225,69 +128,6 @@ def _accepted(view, target: _Target | None, drawn, drafts, num_drafts, draft_pro
     accept = jnp.where(point_mass, accept, valid & random_accept)
   j = jnp.arange(positions)[None, :]
   return accept.reshape(rows, positions) & (j < num_drafts[:, None])
-
-
-def _row_at(a: jax.Array, index: jax.Array, positions: int) -> jax.Array:
-  """`a [R * positions, ...]` at position `index [R]` of each row: `[R, ...]`."""
-  flat = jnp.arange(index.shape[0]) * positions + index
-  return a[flat]
-
-
-def _residual(weights, mass, ids, draft, row_probs):
-  """`[R, n]` unnormalised `max(p_target - p_draft, 0)` over tokens `ids [R, n]` of kept
-  weights `weights [R, n]`: the point-mass draft's token removed when `row_probs` is None."""
-  if row_probs is None:
-    return jnp.where(ids == draft[:, None], 0.0, weights)
-  p_draft = jnp.take_along_axis(row_probs, ids, 1).astype(jnp.float32)
-  return jnp.maximum(weights / mass[:, None] - p_draft, 0.0)
-
-
-def _vocab_draw(weights, u):
-  """`[R] int32` inverse-CDF draw over the vocabulary (blocked) from `weights [R, V]`."""
-  width = block_width(weights.shape[1])
-  weight_blocks = blocks(weights, width, 0.0)
-  block_mass = weight_blocks.sum(-1)
-  cdf = VocabCdf(
-    weights=weights,
-    blocks=weight_blocks,
-    block_mass=block_mass,
-    block_cumulative=jnp.cumsum(block_mass, -1),
-    width=width,
-  )
-  return jnp.where(cdf.total > 0, draw_from_cdf(cdf, u), -1)
-
-
-def _recovered(target: _Target, md, at, recover, drafts, draft_probs, u, positions):
-  """`[R] int32` each row's draw from `normalize(max(p_target - p_draft, 0))` at position `at`
-  (meaningful where `recover`; `-1` where that residual has no mass).
-
-  The residual lies inside the kept set, so a row whose kept set lies inside its candidates
-  draws from them; the others (under `lax.cond`) from the vocabulary.
-  """
-  rows, vocab = at.shape[0], target.x.shape[1]
-  pick = lambda a: _row_at(a, at, positions)
-  row_max, threshold, mass = pick(target.row_max), pick(target.threshold), pick(target.mass)
-  index = jnp.minimum(at, drafts.shape[1] - 1)
-  draft = jnp.take_along_axis(drafts, index[:, None], 1)[:, 0]
-  row_probs = None if draft_probs is None else draft_probs[jnp.arange(rows), index]
-  u = pick(u)
-  ids, values = pick(target.candidates.ids), pick(target.candidates.values)
-  residual = _residual(_weigh(values, row_max, threshold), mass, ids, draft, row_probs)
-  total = residual.sum(-1)
-  chosen = jnp.take_along_axis(ids, inverse_cdf(residual, u * total)[:, None], 1)[:, 0]
-  from_candidates = jnp.where(total > 0, chosen, -1)
-  inside = pick(target.inside)
-
-  def from_vocab():
-    weights = _weigh(pick(target.x) * pick(inverse_temperature(md))[:, None], row_max, threshold)
-    all_ids = jnp.broadcast_to(jnp.arange(vocab), (rows, vocab))
-    return _vocab_draw(_residual(weights, mass, all_ids, draft, row_probs), u)
-
-  return lax.cond(
-    (recover & ~inside).any(),
-    lambda: jnp.where(inside, from_candidates, from_vocab()),
-    lambda: from_candidates,
-  )
 
 
 def _final_tokens(view, target, drawn, accepted, drafts, num_drafts, draft_probs, u):
@@ -299,18 +139,18 @@ def _final_tokens(view, target, drawn, accepted, drafts, num_drafts, draft_probs
   positions = drafts.shape[1] + 1
   md = view.metadata
   num_accepted = jnp.cumprod(accepted, axis=1).sum(1).astype(jnp.int32)
-  bonus = _row_at(drawn, num_accepted, positions)
+  bonus = row_at(drawn, num_accepted, positions)
   if draft_probs is None:
     return num_accepted, bonus
   rejected = num_accepted < num_drafts
   point_mass = md.is_greedy | ~jnp.isfinite(target.row_max) | ~(target.mass > 0)
-  recover = rejected & ~_row_at(point_mass, num_accepted, positions)
-  recovered = lax.cond(
+  recover = rejected & ~row_at(point_mass, num_accepted, positions)
+  residual = lax.cond(
     recover.any(),
-    lambda: _recovered(target, md, num_accepted, recover, drafts, draft_probs, u, positions),
+    lambda: recovered(target, md, num_accepted, recover, drafts, draft_probs, u, positions),
     lambda: jnp.full_like(bonus, -1),
   )
-  return num_accepted, jnp.where(recover & (recovered >= 0), recovered, bonus)
+  return num_accepted, jnp.where(recover & (residual >= 0), residual, bonus)
 
 
 def _logprobs(logits, x, view: PositionView, threshold, emitted) -> LogprobsTensors:
@@ -374,9 +214,9 @@ def _verify(logits, x, view: PositionView, inputs: _Inputs):
   drafts, num_drafts, draft_probs = inputs.drafts, inputs.num_drafts, inputs.draft_probs
   target = None
   if draft_probs is None:
-    drawn, threshold = _draw(logits, x, view, step_keys, u)
+    drawn, threshold = _draw(logits, x, view)  # `sample`'s code: the same keys
   else:
-    drawn, target = _draw_exact(logits, x, view, step_keys, u)
+    drawn, target = draw_exact(logits, x, view, step_keys, u)
     threshold = target.threshold
   accepted = _accepted(view, target, drawn, drafts, num_drafts, draft_probs, accept_u)
   num_accepted, final = _final_tokens(
