@@ -370,3 +370,9 @@ def test_bad_inputs_are_value_errors_that_change_nothing(match, change):
   after = jax.device_get(batch.state)
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("value", [-1, 129, True, 2.0, "4", None])
+def test_bad_max_spec_len_is_a_value_error(value):
+  with pytest.raises(ValueError, match=r"^max_spec_len must be an int in \[0, 128\], got "):
+    je.BatchConfig(max_num_reqs=2, max_model_len=8, vocab_size=V, max_spec_len=value)

@@ -18,7 +18,7 @@ from jaxengine.batch.host_output import LogprobsArrays
 from jaxengine.batch.jitted import check_logits, pad_rows
 from jaxengine.config import BatchConfig
 from jaxengine.params import is_int
-from jaxengine.sample import RejectionOutput
+from jaxengine.sample import RejectionOutput, rejection_sample_step
 
 #: How far a draft distribution's sum may be from 1 (float32 softmax outputs pass).
 PROBABILITY_SUM_TOLERANCE = 1e-3
@@ -160,3 +160,31 @@ def spec_to_host(
   for row, count in enumerate(num.tolist()):
     outputs[row].extend(tokens[row, :count].tolist())
   return HostRejectionOutput(sampled_token_ids=tokens, num_sampled=num, logprobs=host_logprobs)
+
+
+def run_rejection(batch, step_fn, *args, **kwargs) -> tuple[HostRejectionOutput, object]:
+  """Runs a step that verifies drafts on `batch`, then appends the emitted tokens on the host.
+
+  How an engine fuses its target model's forward pass over `P + 1` positions with the rejection
+  sampler into one executable (as `InputBatch.run` does for `sample`): `step_fn(state, metadata,
+  *args, **kwargs) -> (state, RejectionOutput, extra)` must donate `state` and call
+  `jaxengine.sample.rejection_sample` inside its own `jax.jit`. A friend of `InputBatch` (like
+  `run_steps`): it replaces the batch's device state and appends to its output records.
+
+  Checks and condenses first (`InputBatch.prepare_step`). Returns `(HostRejectionOutput over
+  the live rows, extra)`.
+
+  Raises:
+    ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+  """
+  metadata = batch.prepare_step()
+  batch._state, output, extra = step_fn(batch._state, metadata, *args, **kwargs)
+  return spec_to_host(output, batch._req_output_token_ids, batch._max_logprobs()), extra
+
+
+def sample_drafts(state, metadata, inputs: SpecInputs):
+  """`InputBatch.rejection_sample`'s step: `rejection_sample_step` as `run_rejection` calls a
+  step (`(state, RejectionOutput, None)`)."""
+  arrays = (inputs.target_logits, inputs.draft_token_ids, inputs.num_draft_tokens)
+  state, output = rejection_sample_step(state, metadata, *arrays, inputs.draft_probs)
+  return state, output, None

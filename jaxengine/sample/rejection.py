@@ -290,6 +290,7 @@ def rejection_sample(
   _check_shapes(state, target_logits, draft_token_ids, num_draft_tokens, draft_probs)
   rows, num_spec = draft_token_ids.shape
   positions, vocab = num_spec + 1, state.vocab_size
+  draft_probs = draft_probs if num_spec else None  # no draft position: nothing to verify
   drafts = jnp.clip(draft_token_ids.astype(jnp.int32), 0, vocab - 1)
   num_drafts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, num_spec)
   num_drafts = jnp.where(state.has_grammar, 0, num_drafts)

@@ -1,4 +1,4 @@
-"""The draft-position view of a batch: one virtual row per (row, position) for the rejection sampler.
+"""The draft-position view of a batch: one virtual row per (row, draft position), for speculation.
 
 Speculative decoding scores `P + 1` positions of each row at once (`P = max_spec_len` drafts, then
 the bonus position). Position `j` of row `r` must be processed exactly as the main sampler would
