@@ -121,9 +121,10 @@ def _accepted(view, target: Target | None, drawn, drafts, num_drafts, draft_prob
     # A point-mass target (greedy rows, an infinite logit, nothing kept) accepts only its token.
     point_mass = md.is_greedy | ~jnp.isfinite(target.row_max) | ~(target.mass > 0)
     p_target = target_probability(target, md, safe)
-    flat = jnp.concatenate([draft_probs, jnp.zeros((rows, 1, vocab), draft_probs.dtype)], 1)
-    flat = flat.reshape(rows * positions, vocab)
-    p_draft = jnp.take_along_axis(flat, safe[:, None], 1)[:, 0].astype(jnp.float32)
+    # p_draft(d) gathered in place ([R, P, V] is never copied); the bonus position has none.
+    position = jnp.minimum(jnp.arange(positions), num_spec - 1)[None, :]
+    p_draft = draft_probs[jnp.arange(rows)[:, None], position, safe.reshape(rows, positions)]
+    p_draft = p_draft.reshape(-1).astype(jnp.float32)
     random_accept = (p_target > 0) & (p_draft > 0) & (p_target >= accept_u * p_draft)
     accept = jnp.where(point_mass, accept, valid & random_accept)
   j = jnp.arange(positions)[None, :]
