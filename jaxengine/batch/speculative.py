@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.batch.host_output import LogprobsArrays
@@ -20,7 +21,8 @@ from jaxengine.config import BatchConfig
 from jaxengine.params import is_int
 from jaxengine.sample import RejectionOutput, rejection_sample_step
 
-#: How far a draft distribution's sum may be from 1 (float32 softmax outputs pass).
+#: How far a draft distribution's sum may be from 1 (float32 softmax outputs pass; a lower
+#: precision dtype allows its own epsilon, e.g. 2**-7 for bfloat16).
 PROBABILITY_SUM_TOLERANCE = 1e-3
 
 
@@ -90,13 +92,14 @@ def _check_draft_probs(config: BatchConfig, num_reqs: int, probs, num: np.ndarra
   rows = (config.max_num_reqs, num_reqs)
   trailing = {"max_spec_len": config.max_spec_len, "vocab_size": config.vocab_size}
   check_logits("draft_probs", probs, rows, trailing)
+  tolerance = max(PROBABILITY_SUM_TOLERANCE, float(jnp.finfo(probs.dtype).eps))
   values = np.asarray(jax.device_get(probs), np.float64)[:num_reqs]
   for i in range(num_reqs):
     row = values[i, : num[i]]
-    if not np.isfinite(row).all() or (row < 0).any() or (row > 1 + PROBABILITY_SUM_TOLERANCE).any():
+    if not np.isfinite(row).all() or (row < 0).any() or (row > 1 + tolerance).any():
       raise ValueError(f"draft_probs[{i}] must hold probabilities in [0, 1], got {row.tolist()}")
     sums = row.sum(-1)
-    bad = np.abs(sums - 1) > PROBABILITY_SUM_TOLERANCE
+    bad = np.abs(sums - 1) > tolerance
     if bad.any():
       j = int(np.argmax(bad))
       raise ValueError(f"draft_probs[{i}][{j}] must sum to 1, sums to {sums[j]}")
@@ -113,7 +116,8 @@ def check_spec_inputs(
     target_logits: `[R or N, P + 1, V]` float.
     draft_token_ids: `N` lists (in `req_ids` order) of at most `P` ids in `[0, V)`.
     draft_probs: None, or `[R or N, P, V]` float where each real draft position holds a
-      distribution (entries in `[0, 1]`, summing to 1 within 1e-3; fetched to the host to check).
+      distribution (entries in `[0, 1]`, summing to 1 within 1e-3 or the dtype's epsilon;
+      fetched to the host to check).
 
   Raises:
     ValueError: naming the argument and value, for any other shape, dtype or value.
