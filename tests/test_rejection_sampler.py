@@ -22,8 +22,31 @@ RUNNER_UP = 15
 GREEDY = je.SamplingParams(temperature=0)
 
 
+class NoRepeat(je.LogitsProcessor):
+  """Bans the row's previous token (state: that token), for rows with `extra_args["no_repeat"]`:
+  a processor whose state must advance one step per draft."""
+
+  def init_state(self, max_num_reqs, vocab_size):
+    return {"last": jnp.zeros((max_num_reqs,), jnp.int32)}
+
+  def row_state(self, params, prompt_token_ids):
+    return {"last": prompt_token_ids[-1]} if (params.extra_args or {}).get("no_repeat") else None
+
+  def apply(self, state, active, logits):
+    banned = jnp.arange(logits.shape[-1]) == state["last"][:, None]
+    return jnp.where(active[:, None] & banned, -jnp.inf, logits)
+
+  def update_state(self, state, sampled_token_ids, active):
+    return {"last": jnp.where(active, sampled_token_ids, state["last"])}
+
+
+NO_REPEAT = NoRepeat()  # one instance: one BatchConfig, so every test shares the executables
+
+
 def _batch(params, *, prompts=None, outputs=None):
-  batch = je.InputBatch(R, MML, V, -1, "processed_logprobs", max_spec_len=P)
+  batch = je.InputBatch(
+    R, MML, V, -1, "processed_logprobs", max_spec_len=P, logits_processors=[NO_REPEAT]
+  )
   for i, p in enumerate(params):
     batch.add_request(f"r{i}", prompts[i] if prompts else [3, 4], p, outputs[i] if outputs else ())
   return batch
@@ -105,6 +128,29 @@ def test_allowed_token_ids_and_min_tokens_by_position():
   out = batch.rejection_sample(logits, [[1, 2, 10], [10, 5, 3], [7, 10, 3], [3, 10, 12]])
   expected = [[15], [10, 5, 10], [7, 10, 3, 5], [15]]
   np.testing.assert_array_equal(out.sampled_token_ids, _padded(expected))
+
+
+def test_custom_processor_state_advances_per_draft():
+  params = je.SamplingParams(temperature=0, extra_args={"no_repeat": True})
+  batch = _batch([params, GREEDY])
+  # Position 0 bans 4 (the prompt's last token); position 1 bans draft 5, so 15 wins there.
+  out = batch.rejection_sample(_greedy_logits([[5, 5, 7, 8], [5, 5, 7, 8]]), [[5, 5, 7]] * 2)
+  np.testing.assert_array_equal(out.sampled_token_ids, _padded([[5, 15], [5, 5, 7, 8]]))
+  # The state followed the emitted tokens: 15 is banned at the next step's first position.
+  logits = _greedy_logits([[15, 9], [15, 9]])
+  logits[:, 0, 8] = 99.5
+  out = batch.rejection_sample(logits, [[15], [15]])
+  np.testing.assert_array_equal(out.sampled_token_ids, _padded([[8], [15, 9]]))
+
+
+def test_rows_with_structured_outputs_ignore_their_drafts():
+  batch = _batch([GREEDY, GREEDY])
+  state = jax.tree.map(jnp.copy, batch.state)
+  state = dataclasses.replace(state, has_grammar=state.has_grammar.at[0].set(True))
+  ids, num = np.ones((R, P), np.int32), np.full((R,), P, np.int32)
+  logits = _greedy_logits([[1, 1, 1, 1]] * 2)
+  _, out = rejection_sample_step(state, batch.sampling_metadata, logits, ids, num, None)
+  np.testing.assert_array_equal(out.sampled_token_ids[:2], _padded([[1], [1, 1, 1, 1]]))
 
 
 def test_max_model_len_overflow_emits_what_fits():
@@ -324,3 +370,9 @@ def test_bad_inputs_are_value_errors_that_change_nothing(match, change):
   after = jax.device_get(batch.state)
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("value", [-1, 129, True, 2.0, "4", None])
+def test_bad_max_spec_len_is_a_value_error(value):
+  with pytest.raises(ValueError, match=r"^max_spec_len must be an int in \[0, 128\], got "):
+    je.BatchConfig(max_num_reqs=2, max_model_len=8, vocab_size=V, max_spec_len=value)

@@ -28,7 +28,12 @@ from jaxengine.batch.host_output import HostSamplerOutput, to_host
 from jaxengine.batch.jitted import check_logits, move_plan, pad_rows, sample_logits
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple, resolve_num_logprobs
-from jaxengine.batch.speculative import HostRejectionOutput, check_spec_inputs, spec_to_host
+from jaxengine.batch.speculative import (
+  HostRejectionOutput,
+  check_spec_inputs,
+  run_rejection,
+  sample_drafts,
+)
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
   DEFAULT_MAX_SPEC_LEN,
@@ -41,7 +46,6 @@ from jaxengine.sample import (
   SamplingMetadata,
   move_rows,
   refresh_metadata,
-  rejection_sample_step,
   write_row,
 )
 
@@ -416,14 +420,12 @@ class InputBatch:
     ids, `draft_probs` None (point-mass drafts) or `[.., max_spec_len, V]`. Returns a
     `HostRejectionOutput` (`sampled_token_ids [num_reqs, max_spec_len + 1]`, -1 after the last
     emitted token); raises ValueError, nothing changed, for bad arguments (see
-    `jaxengine.batch.speculative`) or a full request."""
+    `jaxengine.batch.speculative`) or a full request. Engines fusing the target model's forward
+    pass with the sampler call `jaxengine.batch.speculative.run_rejection` instead."""
     inputs = check_spec_inputs(
       self.config, self.num_reqs, target_logits, draft_token_ids, draft_probs
     )
-    metadata = self.prepare_step()
-    arrays = (inputs.target_logits, inputs.draft_token_ids, inputs.num_draft_tokens)
-    self._state, out = rejection_sample_step(self._state, metadata, *arrays, inputs.draft_probs)
-    return spec_to_host(out, self._req_output_token_ids, self._max_logprobs())
+    return run_rejection(self, sample_drafts, inputs)[0]
 
   def run(self, step_fn, *args) -> tuple[HostSamplerOutput, object]:
     """Runs a jitted step that samples from the batch, then does the host bookkeeping.

@@ -12,15 +12,17 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.batch.host_output import LogprobsArrays
 from jaxengine.batch.jitted import check_logits, pad_rows
 from jaxengine.config import BatchConfig
 from jaxengine.params import is_int
-from jaxengine.sample import RejectionOutput
+from jaxengine.sample import RejectionOutput, rejection_sample_step
 
-#: How far a draft distribution's sum may be from 1 (float32 softmax outputs pass).
+#: How far a draft distribution's sum may be from 1 (float32 softmax outputs pass; a lower
+#: precision dtype allows its own epsilon, e.g. 2**-7 for bfloat16).
 PROBABILITY_SUM_TOLERANCE = 1e-3
 
 
@@ -90,13 +92,14 @@ def _check_draft_probs(config: BatchConfig, num_reqs: int, probs, num: np.ndarra
   rows = (config.max_num_reqs, num_reqs)
   trailing = {"max_spec_len": config.max_spec_len, "vocab_size": config.vocab_size}
   check_logits("draft_probs", probs, rows, trailing)
+  tolerance = max(PROBABILITY_SUM_TOLERANCE, float(jnp.finfo(probs.dtype).eps))
   values = np.asarray(jax.device_get(probs), np.float64)[:num_reqs]
   for i in range(num_reqs):
     row = values[i, : num[i]]
-    if not np.isfinite(row).all() or (row < 0).any() or (row > 1 + PROBABILITY_SUM_TOLERANCE).any():
+    if not np.isfinite(row).all() or (row < 0).any() or (row > 1 + tolerance).any():
       raise ValueError(f"draft_probs[{i}] must hold probabilities in [0, 1], got {row.tolist()}")
     sums = row.sum(-1)
-    bad = np.abs(sums - 1) > PROBABILITY_SUM_TOLERANCE
+    bad = np.abs(sums - 1) > tolerance
     if bad.any():
       j = int(np.argmax(bad))
       raise ValueError(f"draft_probs[{i}][{j}] must sum to 1, sums to {sums[j]}")
@@ -113,7 +116,8 @@ def check_spec_inputs(
     target_logits: `[R or N, P + 1, V]` float.
     draft_token_ids: `N` lists (in `req_ids` order) of at most `P` ids in `[0, V)`.
     draft_probs: None, or `[R or N, P, V]` float where each real draft position holds a
-      distribution (entries in `[0, 1]`, summing to 1 within 1e-3; fetched to the host to check).
+      distribution (entries in `[0, 1]`, summing to 1 within 1e-3 or the dtype's epsilon;
+      fetched to the host to check).
 
   Raises:
     ValueError: naming the argument and value, for any other shape, dtype or value.
@@ -160,3 +164,31 @@ def spec_to_host(
   for row, count in enumerate(num.tolist()):
     outputs[row].extend(tokens[row, :count].tolist())
   return HostRejectionOutput(sampled_token_ids=tokens, num_sampled=num, logprobs=host_logprobs)
+
+
+def run_rejection(batch, step_fn, *args, **kwargs) -> tuple[HostRejectionOutput, object]:
+  """Runs a step that verifies drafts on `batch`, then appends the emitted tokens on the host.
+
+  How an engine fuses its target model's forward pass over `P + 1` positions with the rejection
+  sampler into one executable (as `InputBatch.run` does for `sample`): `step_fn(state, metadata,
+  *args, **kwargs) -> (state, RejectionOutput, extra)` must donate `state` and call
+  `jaxengine.sample.rejection_sample` inside its own `jax.jit`. A friend of `InputBatch` (like
+  `run_steps`): it replaces the batch's device state and appends to its output records.
+
+  Checks and condenses first (`InputBatch.prepare_step`). Returns `(HostRejectionOutput over
+  the live rows, extra)`.
+
+  Raises:
+    ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+  """
+  metadata = batch.prepare_step()
+  batch._state, output, extra = step_fn(batch._state, metadata, *args, **kwargs)
+  return spec_to_host(output, batch._req_output_token_ids, batch._max_logprobs()), extra
+
+
+def sample_drafts(state, metadata, inputs: SpecInputs):
+  """`InputBatch.rejection_sample`'s step: `rejection_sample_step` as `run_rejection` calls a
+  step (`(state, RejectionOutput, None)`)."""
+  arrays = (inputs.target_logits, inputs.draft_token_ids, inputs.num_draft_tokens)
+  state, output = rejection_sample_step(state, metadata, *arrays, inputs.draft_probs)
+  return state, output, None

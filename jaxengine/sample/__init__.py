@@ -13,6 +13,7 @@ Modules, in pipeline order (each imports only the ones above it):
   logprobs.py     stage 13: LogprobsTensors, gather_logprobs
   step.py         the pipeline: sample (unjitted), sample_step (jitted), SamplerOutput
   spec_history.py the draft-position view of the batch (one virtual row per row and position)
+  spec_probs.py   drafts with probabilities: target distributions, acceptance, residual draws
   rejection.py    speculative decoding: rejection_sample(_step), RejectionOutput
 
 Nothing here imports the host batch (`jaxengine.batch`), the engine or the models.

@@ -10,21 +10,32 @@ verifies each row's `n <= P` draft tokens against the target model's logits at `
      parameter applies: allowed ids, logit_bias, min_p, top-k, top-p, temperature.
   2. Greedy rows walk the positions: emit the target argmax at each; stop after the first
      position whose draft differs from it (that position still emits the argmax).
-  3. Random rows accept draft `d` at position `j` when `p_target(d) >= u * p_draft(d)` with one
-     uniform `u` per position (`p_draft` is a point mass on `d` without `draft_probs`; a draft
-     with `p_draft(d) = 0` or `p_target(d) = 0` is rejected). At the first rejection the row emits
-     a recovered token drawn from `normalize(max(p_target - p_draft, 0))` and stops.
-  4. A row whose every draft is accepted emits a bonus token drawn from position `n` exactly as
-     `sample` draws: a row with no drafts emits the very token `sample` would emit.
+  3. Random rows accept draft `d` at position `j` with probability `min(1, p_target(d) /
+     p_draft(d))` and at the first rejection emit a recovered token drawn from
+     `normalize(max(p_target - p_draft, 0))`, then stop. So every emitted token follows the
+     target distribution whatever the drafts (Leviathan et al. 2023; Chen et al. 2023).
+  4. A row whose every draft is accepted emits a bonus token drawn at position `n`.
+
+How (random rows):
+  - point-mass drafts (`draft_probs` None, e.g. n-gram): every position draws a token with
+    `sample`'s own code and key; the draft is accepted when the position drew it, and the first
+    position that drew another token emits that token (it is distributed as `p_target` without
+    `d`, renormalised: vLLM's recovered distribution). This needs no probabilities at all, costs
+    what `sample` costs per position, and makes each emitted token the very token `sample` would
+    have drawn at that point: a row with no drafts emits `sample`'s token.
+  - drafts with probabilities: the acceptance test `p_target(d) >= u * p_draft(d)` with its own
+    uniform `u` (a draft with `p_target(d) = 0` or `p_draft(d) = 0` is rejected), each
+    position's exact kept distribution (the processed_* modes' exact top-p cut), and the
+    residual drawn from the candidates when the kept set lies inside them (else the vocabulary).
 
 Keys: position `j` of a row uses `fold_in(request_key, num_output_tokens + j)`, the key `sample`
-would use for that output token. Its uniform draws the bonus or recovered token; the acceptance
-uniform comes from `fold_in(that key, ACCEPT_SALT)`. A row's tokens depend on its own inputs only.
+would use for that output token: its draw gives the position's token; the acceptance uniform
+comes from `fold_in(that key, ACCEPT_SALT)`. A row's tokens depend on its own inputs only.
 
 Beyond vLLM (which refuses min_p, logit_bias and min_tokens with drafts) every parameter is
-supported. Rows with structured outputs ignore their drafts: the grammar bitmask covers one
-position, so such a row emits one token as `sample` would.
-"""
+supported, custom `LogitsProcessor`s included (their state advances one step per draft). Rows
+with structured outputs ignore their drafts: the grammar bitmask covers one position, so such a
+row emits one token, as `sample` would."""
 
 from __future__ import annotations
 
@@ -34,24 +45,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.sample.blocked import block_width, blocked_argmax, blocks
 from jaxengine.sample.custom import (
-  apply_invariant_processors,
-  has_processors,
   update_processor_states,
 )
-from jaxengine.sample.draw import VocabCdf, draw_from_cdf
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs, logprobs_scores
-from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
+from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.processors import (
-  NEG_INF,
   any_processing,
   apply_logits_processors,
-  nan_as_neg_inf,
 )
 from jaxengine.sample.spec_history import PositionView, expand_positions
+from jaxengine.sample.spec_probs import Target, draw_exact, recovered, row_at, target_probability
 from jaxengine.sample.state import BatchState
-from jaxengine.sample.step import _repair_degenerate_rows, _sample_random, _step_keys
+from jaxengine.sample.step import (
+  _draw_tokens_nan_as_neg_inf,
+  _repair_degenerate_rows,
+  _step_keys,
+)
 
 #: `fold_in` data deriving a position's acceptance key from its draw key (top-p retries use
 #: small attempt numbers, so this never collides with them).
@@ -77,143 +87,76 @@ class RejectionOutput:
   logprobs: LogprobsTensors
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Target:
-  """The target distribution at every position (rows of the position view, `R * (P + 1)`).
+def _draw(logits, x, view: PositionView) -> tuple[jax.Array, jax.Array]:
+  """`sample`'s stages 7-12 at every position: `(drawn [R'] int32, threshold [R'] float32)`.
 
-  Attributes:
-    x: `[R', V] float32` processed logits (NaN as `-inf`, argmax-invariant processors applied).
-    row_max: `[R'] float32` largest scaled logit `y = x / T`.
-    threshold: `[R'] float32` exact kept threshold on `y` (min-p, top-k, top-p).
-    mass: `[R'] float32` kept mass `sum exp(y - row_max)` over `y >= threshold`.
-  """
-
-  x: jax.Array
-  row_max: jax.Array
-  threshold: jax.Array
-  mass: jax.Array
-
-
-def _draw(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, _Target]:
-  """Stages 7-12 at every position: `(drawn [R'] int32, the target distribution)`.
-
-  As `sample` draws (greedy argmax, argmax-invariant processors, min-p / top-k / top-p cut and
-  inverse-CDF draw, repair of degenerate rows), with the exact top-p cut of the processed_*
-  modes for every row, since acceptance needs each position's whole distribution. NaN logits
-  count as `-inf` up front. So a position draws `sample`'s token, except a top-p row whose
-  nucleus is deeper than the candidates in the raw_* modes (`sample` draws it by rejection: an
-  equally exact draw from the same distribution, with another token).
+  `sample`'s own code (greedy argmax, argmax-invariant processors, min-p / top-k / top-p cut,
+  inverse-CDF draw with the position's key, NaN as `-inf`, repair of degenerate rows), so
+  position `j` draws exactly the token `sample` would draw there; the threshold is exact in the
+  processed_* logprobs modes, as `sample`'s.
   """
   state, md = view.state, view.metadata
-  rows = x.shape[0]
-  x = nan_as_neg_inf(x)
-  greedy = lax.cond(md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
-  x_random = x
-  if has_processors(state.config, argmax_invariant=True):
-    x_random = apply_invariant_processors(x, state, md, inverse_temperature(md))
-  budgets = state.config.candidate_budgets
-  random, threshold, row_max = lax.cond(
-    md.any_random,
-    lambda: _sample_random(x_random, md, step_keys, u, budgets, exact_top_p=True),
-    lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), NEG_INF), x_random.max(-1)),
-  )
-  drawn = jnp.where(md.is_greedy, greedy, random)
-  drawn = _repair_degenerate_rows(logits, x, drawn, row_max, state, md)
-  weights = _weigh(x_random * inverse_temperature(md)[:, None], row_max, threshold)
-  target = _Target(x=x_random, row_max=row_max, threshold=threshold, mass=weights.sum(-1))
-  return drawn, target
+  drawn, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
+  return _repair_degenerate_rows(logits, x, drawn, row_max, state, md), threshold
 
 
-def _weigh(y, row_max, threshold):
-  """`[R, V]` unnormalised kept probabilities `exp(y - row_max)` where `y >= threshold`."""
-  return jnp.where(y >= threshold[:, None], jnp.exp(y - row_max[:, None]), 0.0)
+def _accepted(view, target: Target | None, drawn, drafts, num_drafts, draft_probs, accept_u):
+  """`[R, P + 1] bool` whether the draft at each position is accepted (False at `j >= n`).
 
-
-def _target_probability(target: _Target, md: SamplingMetadata, tokens) -> jax.Array:
-  """`[R'] float32` the target probability of `tokens [R'] int32` (in `[0, V)`)."""
-  y = jnp.take_along_axis(target.x, tokens[:, None], 1)[:, 0] * inverse_temperature(md)
-  weight = jnp.where(y >= target.threshold, jnp.exp(y - target.row_max), 0.0)
-  return weight / target.mass
-
-
-def _accepted(view, target: _Target, drawn, drafts, num_drafts, draft_probs, accept_u):
-  """`[R, P + 1] bool` whether the draft at each position is accepted (False at `j >= n`)."""
+  Point-mass drafts (`draft_probs` None): accepted when the position drew the draft itself.
+  That is vLLM's rule in distribution: accepted with probability `p_target(d)`, and a position
+  that drew another token drew it from `p_target` without `d`, renormalised: the recovered
+  token. Greedy rows draw their argmax: the greedy walk.
+  """
   rows, num_spec = drafts.shape
   positions = num_spec + 1
   md = view.metadata
-  vocab = view.state.vocab_size
+  vocab = view.base.vocab_size
   padded = jnp.concatenate([drafts, jnp.full((rows, 1), -1, drafts.dtype)], 1).reshape(-1)
   valid = (padded >= 0) & (padded < vocab)
   safe = jnp.clip(padded, 0, vocab - 1)
-  # A point-mass target (greedy rows, an infinite logit, nothing kept) accepts only its token.
-  point_mass = md.is_greedy | ~jnp.isfinite(target.row_max) | ~(target.mass > 0)
-  p_target = _target_probability(target, md, safe)
-  if draft_probs is None:
-    p_draft = jnp.ones_like(p_target)
-  else:
-    flat = jnp.concatenate([draft_probs, jnp.zeros((rows, 1, vocab), draft_probs.dtype)], 1)
-    flat = flat.reshape(rows * positions, vocab)
-    p_draft = jnp.take_along_axis(flat, safe[:, None], 1)[:, 0].astype(jnp.float32)
-  random_accept = (p_target > 0) & (p_draft > 0) & (p_target >= accept_u * p_draft)
-  accept = valid & jnp.where(point_mass, safe == drawn, random_accept)
+  accept = valid & (safe == drawn)
+  if draft_probs is not None:
+    assert target is not None
+    # A point-mass target (greedy rows, an infinite logit, nothing kept) accepts only its token.
+    point_mass = md.is_greedy | ~jnp.isfinite(target.row_max) | ~(target.mass > 0)
+    p_target = target_probability(target, md, safe)
+    # p_draft(d) gathered in place ([R, P, V] is never copied); the bonus position has none.
+    position = jnp.minimum(jnp.arange(positions), num_spec - 1)[None, :]
+    p_draft = draft_probs[jnp.arange(rows)[:, None], position, safe.reshape(rows, positions)]
+    p_draft = p_draft.reshape(-1).astype(jnp.float32)
+    random_accept = (p_target > 0) & (p_draft > 0) & (p_target >= accept_u * p_draft)
+    accept = jnp.where(point_mass, accept, valid & random_accept)
   j = jnp.arange(positions)[None, :]
   return accept.reshape(rows, positions) & (j < num_drafts[:, None])
 
 
-def _row_at(a: jax.Array, index: jax.Array, positions: int) -> jax.Array:
-  """`a [R * positions, ...]` at position `index [R]` of each row: `[R, ...]`."""
-  flat = jnp.arange(index.shape[0]) * positions + index
-  return a[flat]
-
-
-def _recovered(target: _Target, md, at, drafts, draft_probs, u, positions):
-  """`[R] int32` each row's draw from `normalize(max(p_target - p_draft, 0))` at position `at`
-  (meaningful where a draft was rejected there; `-1` where that residual has no mass)."""
-  rows, vocab = at.shape[0], target.x.shape[1]
-  pick = lambda a: _row_at(a, at, positions)
-  inv_t = pick(inverse_temperature(md))
-  weights = _weigh(pick(target.x) * inv_t[:, None], pick(target.row_max), pick(target.threshold))
-  draft = jnp.take_along_axis(drafts, jnp.minimum(at, drafts.shape[1] - 1)[:, None], 1)
-  if draft_probs is None:
-    residual = jnp.where(jnp.arange(vocab)[None, :] == draft, 0.0, weights)
-  else:
-    row_probs = draft_probs[jnp.arange(rows), jnp.minimum(at, drafts.shape[1] - 1)]
-    p_target = weights / pick(target.mass)[:, None]
-    residual = jnp.maximum(p_target - row_probs.astype(jnp.float32), 0.0)
-  width = block_width(vocab)
-  weight_blocks = blocks(residual, width, 0.0)
-  block_mass = weight_blocks.sum(-1)
-  cdf = VocabCdf(
-    weights=residual,
-    blocks=weight_blocks,
-    block_mass=block_mass,
-    block_cumulative=jnp.cumsum(block_mass, -1),
-    width=width,
-  )
-  return jnp.where(cdf.total > 0, draw_from_cdf(cdf, pick(u)), -1)
-
-
 def _final_tokens(view, target, drawn, accepted, drafts, num_drafts, draft_probs, u):
-  """`(num_accepted [R] int32, final [R] int32)`: the recovered or bonus token of each row."""
+  """`(num_accepted [R] int32, final [R] int32)`: the recovered or bonus token of each row.
+
+  The bonus token, and with point-mass drafts the recovered one too, is the token the position
+  drew; with draft probabilities a random row that rejected draws from the residual.
+  """
   positions = drafts.shape[1] + 1
   md = view.metadata
   num_accepted = jnp.cumprod(accepted, axis=1).sum(1).astype(jnp.int32)
-  bonus = _row_at(drawn, num_accepted, positions)
+  bonus = row_at(drawn, num_accepted, positions)
+  if draft_probs is None:
+    return num_accepted, bonus
   rejected = num_accepted < num_drafts
   point_mass = md.is_greedy | ~jnp.isfinite(target.row_max) | ~(target.mass > 0)
-  recover = rejected & ~_row_at(point_mass, num_accepted, positions)
-  recovered = lax.cond(
+  recover = rejected & ~row_at(point_mass, num_accepted, positions)
+  residual = lax.cond(
     recover.any(),
-    lambda: _recovered(target, md, num_accepted, drafts, draft_probs, u, positions),
+    lambda: recovered(target, md, num_accepted, recover, drafts, draft_probs, u, positions),
     lambda: jnp.full_like(bonus, -1),
   )
-  return num_accepted, jnp.where(recover & (recovered >= 0), recovered, bonus)
+  return num_accepted, jnp.where(recover & (residual >= 0), residual, bonus)
 
 
 def _logprobs(logits, x, view: PositionView, threshold, emitted) -> LogprobsTensors:
   """Logprobs of `emitted [R'] int32` at every position (same format as `sample`'s)."""
-  config = view.state.config
+  config = view.config
   mode = config.logprobs_mode
   scores = logprobs_scores(logits, x, view.metadata, threshold, mode)
   return gather_logprobs(
@@ -243,6 +186,54 @@ def _append(state: BatchState, md, tokens, num_sampled, view: PositionView, fina
   appended = md.is_live & (num_sampled > num_accepted)
   states = update_processor_states(at_prefix, md, final, appended)
   return dataclasses.replace(new, logits_processor_states=states)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Inputs:
+  """The drafts: `drafts [R, P] int32` as given (ids outside `[0, V)` are rejected),
+  `num_drafts [R] int32` in `[0, P]`, `draft_probs` None or `[R, P, V]`."""
+
+  drafts: jax.Array
+  num_drafts: jax.Array
+  draft_probs: jax.Array | None
+
+
+def _verify(logits, x, view: PositionView, inputs: _Inputs):
+  """Stages 7-13 at every position and the verification, on processed logits `x [R', V]`.
+
+  Returns `(tokens [R, P + 1] int32, num_accepted [R] int32, final [R] int32, LogprobsTensors
+  [R', k + 1])`: the accepted drafts then the final (recovered or bonus) token, 0 after it.
+  Only small arrays leave it, so it can be a `lax.cond` branch.
+  """
+  rows, num_spec = inputs.drafts.shape
+  md = view.metadata
+  step_keys, u = _step_keys(view.state)
+  accept_u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT), ()))(
+    step_keys
+  )
+  drafts, num_drafts, draft_probs = inputs.drafts, inputs.num_drafts, inputs.draft_probs
+  target = None
+  if draft_probs is None:
+    drawn, threshold = _draw(logits, x, view)  # `sample`'s code: the same keys
+  else:
+    drawn, target = draw_exact(logits, x, view, step_keys, u)
+    threshold = target.threshold
+  accepted = _accepted(view, target, drawn, drafts, num_drafts, draft_probs, accept_u)
+  num_accepted, final = _final_tokens(
+    view, target, drawn, accepted, drafts, num_drafts, draft_probs, u
+  )
+  j = jnp.arange(num_spec + 1)[None, :]
+  padded = jnp.concatenate([view.drafts, jnp.zeros((rows, 1), jnp.int32)], 1)
+  at_final = jnp.where(j == num_accepted[:, None], final[:, None], 0)
+  tokens = jnp.where(j < num_accepted[:, None], padded, at_final)
+  config = view.config
+  logprobs = lax.cond(
+    md.any_logprobs,
+    lambda: _logprobs(logits, x, view, threshold, tokens.reshape(-1)),
+    lambda: LogprobsTensors.zeros(rows * (num_spec + 1), config.num_top_logprobs),
+  )
+  return tokens, num_accepted, final, logprobs
 
 
 def _check_shapes(state: BatchState, target_logits, draft_token_ids, num_draft_tokens, draft_probs):
@@ -300,38 +291,27 @@ def rejection_sample(
   _check_shapes(state, target_logits, draft_token_ids, num_draft_tokens, draft_probs)
   rows, num_spec = draft_token_ids.shape
   positions, vocab = num_spec + 1, state.vocab_size
+  draft_probs = draft_probs if num_spec else None  # no draft position: nothing to verify
   drafts = jnp.clip(draft_token_ids.astype(jnp.int32), 0, vocab - 1)
   num_drafts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, num_spec)
   num_drafts = jnp.where(state.has_grammar, 0, num_drafts)
   view = expand_positions(state, metadata, drafts, num_drafts)
-  view_state, md = view.state, view.metadata
   logits = target_logits.reshape(rows * positions, vocab)
-  x = lax.cond(
-    any_processing(md, view_state.config),
-    lambda: apply_logits_processors(logits, view_state, md),
-    lambda: logits.astype(jnp.float32),
+  inputs = _Inputs(
+    drafts=draft_token_ids.astype(jnp.int32), num_drafts=num_drafts, draft_probs=draft_probs
   )
-  step_keys, u = _step_keys(view_state)
-  accept_u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT), ()))(
-    step_keys
-  )
-  drawn, target = _draw(logits, x, view, step_keys, u)
-  raw_drafts = draft_token_ids.astype(jnp.int32)
-  accepted = _accepted(view, target, drawn, raw_drafts, num_drafts, draft_probs, accept_u)
-  num_accepted, final = _final_tokens(
-    view, target, drawn, accepted, raw_drafts, num_drafts, draft_probs, u
+  # Two copies of the verification, as in `sample`: a branch returning `[R', V]` processed
+  # logits would cost a copy of the logits when no row needs processing.
+  tokens, num_accepted, final, logprobs = lax.cond(
+    any_processing(view.metadata, view.config),
+    lambda: _verify(
+      logits, apply_logits_processors(logits, view.state, view.metadata), view, inputs
+    ),
+    lambda: _verify(logits, logits.astype(jnp.float32), view, inputs),
   )
   j = jnp.arange(positions)[None, :]
-  padded = jnp.concatenate([drafts, jnp.zeros((rows, 1), jnp.int32)], 1)
-  at_final = jnp.where(j == num_accepted[:, None], final[:, None], 0)
-  tokens = jnp.where(j < num_accepted[:, None], padded, at_final)
   room = jnp.maximum(state.max_model_len - state.num_tokens, 0)
   num_sampled = jnp.where(metadata.is_live, jnp.minimum(num_accepted + 1, room), 0)
-  logprobs = lax.cond(
-    metadata.any_logprobs,
-    lambda: _logprobs(logits, x, view, target.threshold, tokens.reshape(-1)),
-    lambda: LogprobsTensors.zeros(rows * positions, state.config.num_top_logprobs),
-  )
   logprobs = jax.tree.map(lambda a: a.reshape(rows, positions, *a.shape[1:]), logprobs)
   new_state = _append(state, metadata, tokens, num_sampled, view, final, num_accepted)
   output = RejectionOutput(

@@ -1,4 +1,4 @@
-"""The draft-position view of a batch: one virtual row per (row, position) for the rejection sampler.
+"""The draft-position view of a batch: one virtual row per (row, draft position), for speculation.
 
 Speculative decoding scores `P + 1` positions of each row at once (`P = max_spec_len` drafts, then
 the bonus position). Position `j` of row `r` must be processed exactly as the main sampler would
@@ -8,7 +8,7 @@ their state after it, and its random key is that of output token `num_output_tok
 
 `expand_positions` builds that view as an ordinary `BatchState` of `R * (P + 1)` rows (row `r`'s
 positions are rows `r * (P + 1) + j`) and its `SamplingMetadata`, so every sampler stage runs on
-it unchanged, and position `j` of a row gets bit for bit what `sample` would compute in its place.
+it unchanged, and position `j` of a row gets what `sample` would compute in its place.
 """
 
 from __future__ import annotations
@@ -24,23 +24,45 @@ from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.state import BatchState
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PositionView:
-  """The batch seen per draft position (shape legend: `R` rows, `P` draft positions).
+  """The batch seen per draft position (shape legend: `R` rows, `P` draft positions, `V` vocab).
+
+  Traced values only (built inside the caller's jit). `state` is built where it is read, so the
+  `[R * (P + 1), V]` arrays it repeats are computed inside the branch that needs them (the
+  logits-processing `lax.cond`) and fused into their consumers, never written out as operands.
 
   Attributes:
-    state: `BatchState` of `R * (P + 1)` rows; row `r * (P + 1) + j` is row `r` with its first
-      `j` drafts appended (tokens, counts, `num_tokens`, processor states).
-    metadata: its `SamplingMetadata`; position `j` of row `r` is live when row `r` is and
-      `j <= num_draft_tokens[r]`.
+    base: the batch state (`R` rows).
+    metadata: `SamplingMetadata` of the `R * (P + 1)` positions; position `j` of row `r` is live
+      when row `r` is and `j <= num_drafts[r]`.
+    drafts: `[R, P] int32` draft ids in `[0, V)`.
+    num_drafts: `[R] int32` in `[0, P]`.
     processor_states: each custom processor's state after each draft prefix, leaves
       `[P + 1, R, ...]` (`()` without processors).
   """
 
-  state: BatchState
+  base: BatchState
   metadata: SamplingMetadata
+  drafts: jax.Array
+  num_drafts: jax.Array
   processor_states: tuple
+
+  @property
+  def positions(self) -> int:
+    """`P + 1`, positions per row."""
+    return self.drafts.shape[1] + 1
+
+  @property
+  def config(self):
+    """The `BatchConfig` of the view (`max_num_reqs = R * (P + 1)`)."""
+    return self.base.config.replace(max_num_reqs=self.base.max_num_reqs * self.positions)
+
+  @property
+  def state(self) -> BatchState:
+    """`BatchState` of `R * (P + 1)` rows; row `r * (P + 1) + j` is row `r` with its first `j`
+    drafts appended (tokens, output counts, `num_tokens`, processor states)."""
+    return _view_state(self)
 
 
 def repeat_rows(a: jax.Array, positions: int) -> jax.Array:
@@ -48,22 +70,44 @@ def repeat_rows(a: jax.Array, positions: int) -> jax.Array:
   return jnp.repeat(a, positions, axis=0, total_repeat_length=a.shape[0] * positions)
 
 
-def _prefix_scatter_indices(state: BatchState, drafts, num_drafts):
-  """Where each position's draft prefix goes: `(rows, columns, tokens)`, each
-  `[R * (P + 1), P]`; `columns` is the token position, `max_model_len` (dropped) outside the
-  prefix."""
+def _prefix_mask(drafts, num_drafts) -> jax.Array:
+  """`[R * (P + 1), P] bool` whether draft `i` is in the history of each position."""
   rows, num_spec = drafts.shape
-  positions = num_spec + 1
-  j = jnp.arange(positions)[None, :, None]  # position
+  j = jnp.arange(num_spec + 1)[None, :, None]  # position
   i = jnp.arange(num_spec)[None, None, :]  # draft index
   in_prefix = (i < j) & (i < num_drafts[:, None, None])
-  columns = jnp.where(in_prefix, state.num_tokens[:, None, None] + i, state.max_model_len)
-  tokens = jnp.broadcast_to(drafts[:, None, :], (rows, positions, num_spec))
-  virtual_rows = jnp.broadcast_to(
-    jnp.arange(rows * positions).reshape(rows, positions, 1), columns.shape
+  return in_prefix.reshape(rows * (num_spec + 1), num_spec)
+
+
+def _view_state(view: PositionView) -> BatchState:
+  """Builds `view.state` (see `PositionView`)."""
+  state, drafts = view.base, view.drafts
+  rows, num_spec = drafts.shape
+  positions = num_spec + 1
+  in_prefix = _prefix_mask(drafts, view.num_drafts)  # [R', P]
+  view_drafts = repeat_rows(drafts, positions)  # [R', P]
+  repeated = jax.tree.map(lambda a: repeat_rows(a, positions), state)
+  # Output counts plus the draft prefix, elementwise (fused into the penalty pass, no scatter).
+  vocab_ids = jnp.arange(state.vocab_size, dtype=jnp.int32)[None, :]
+  prefix_counts = sum(
+    ((view_drafts[:, i : i + 1] == vocab_ids) & in_prefix[:, i : i + 1]).astype(jnp.int32)
+    for i in range(num_spec)
   )
-  flat = lambda a: a.reshape(rows * positions, num_spec)
-  return flat(virtual_rows), flat(columns), flat(tokens), flat(in_prefix)
+  columns = jnp.where(
+    in_prefix, repeated.num_tokens[:, None] + jnp.arange(num_spec), state.max_model_len
+  )
+  row_ids = jnp.arange(rows * positions)[:, None]
+  processor_states = jax.tree.map(
+    lambda a: jnp.swapaxes(a, 0, 1).reshape(rows * positions, *a.shape[2:]), view.processor_states
+  )
+  return dataclasses.replace(
+    repeated,
+    token_ids=repeated.token_ids.at[row_ids, columns].set(view_drafts, mode="drop"),
+    num_tokens=repeated.num_tokens + jnp.tile(jnp.arange(positions, dtype=jnp.int32), rows),
+    output_token_counts=repeated.output_token_counts + prefix_counts,
+    logits_processor_states=processor_states,
+    config=view.config,
+  )
 
 
 def prefix_processor_states(state: BatchState, md: SamplingMetadata, drafts, num_drafts) -> tuple:
@@ -103,32 +147,16 @@ def expand_positions(
   """The `PositionView` of the batch for drafts `drafts [R, P] int32` (ids in `[0, V)`),
   `num_drafts [R] int32` in `[0, P]` of them real.
 
-  Costs one copy of the per-row state for each position (`[R * (P + 1), V]` token counts and
-  masks, `[R * (P + 1), max_model_len]` tokens) plus small scatters of the draft prefixes.
+  Eager work: the `[R * (P + 1)]` metadata and the processors' states after each prefix (a
+  `lax.scan` of `update_state` over the `P` drafts). The view's state is built where it is read.
   """
-  rows, num_spec = drafts.shape
-  positions = num_spec + 1
+  positions = drafts.shape[1] + 1
   j = jnp.arange(positions)
   live = (md.is_live[:, None] & (j[None, :] <= num_drafts[:, None])).reshape(-1)
-  virtual_rows, columns, tokens, in_prefix = _prefix_scatter_indices(state, drafts, num_drafts)
-  vocab = state.vocab_size
-  repeated = jax.tree.map(lambda a: repeat_rows(a, positions), state)
-  processor_states = prefix_processor_states(state, md, drafts, num_drafts)
-  view_processor_states = jax.tree.map(
-    lambda a: jnp.swapaxes(a, 0, 1).reshape(rows * positions, *a.shape[2:]), processor_states
-  )
-  view = dataclasses.replace(
-    repeated,
-    token_ids=repeated.token_ids.at[virtual_rows, columns].set(tokens, mode="drop"),
-    num_tokens=repeated.num_tokens + jnp.tile(j, rows),
-    output_token_counts=repeated.output_token_counts.at[
-      virtual_rows, jnp.where(in_prefix, tokens, vocab)
-    ].add(1, mode="drop"),
-    logits_processor_states=view_processor_states,
-    config=state.config.replace(max_num_reqs=rows * positions),
-  )
   return PositionView(
-    state=view,
+    base=state,
     metadata=_expand_metadata(md, positions, live),
-    processor_states=processor_states,
+    drafts=drafts,
+    num_drafts=num_drafts,
+    processor_states=prefix_processor_states(state, md, drafts, num_drafts),
   )
