@@ -9,6 +9,9 @@ Core (no model needed):
   SamplingMetadata     sampler inputs derived per batch composition; refresh_metadata
                        (sample/metadata.py)
   sample_step          the pure jitted sampler step; SamplerOutput (sample/step.py)
+  rejection_sample_step  speculative decoding's rejection sampler, pure and jitted;
+                       RejectionOutput (sample/rejection.py); on the batch:
+                       InputBatch.rejection_sample -> HostRejectionOutput (batch/speculative.py)
   gather_logprobs      a token's logprob and rank plus the top-k, from any logits; LogprobsTensors
                        (sample/logprobs.py)
 
@@ -22,13 +25,14 @@ Shape legend (every module, docstring and shape comment uses these letters):
   V  vocabulary (`vocab_size`)                         S  cache positions per slot (`max_model_len`)
   T  tokens per row in one model call                  C  top-k candidates per row (static budget)
   B  rows of one model call (a bucket of R or a prefill group)
+  P  draft positions per row in speculative decoding (`max_spec_len`)
   L  decoder layers   H  query heads   K  key/value heads   D  head dim
   E  hidden size      F  MLP intermediate size              W  block width of a blocked reduction
 """
 
 import importlib
 
-from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
+from jaxengine.batch import HostRejectionOutput, HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.config import BatchConfig
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.params import SamplingParams, StructuredOutputsParams
@@ -36,10 +40,12 @@ from jaxengine.sample import (
   BatchState,
   LogitsProcessor,
   LogprobsTensors,
+  RejectionOutput,
   SamplerOutput,
   SamplingMetadata,
   gather_logprobs,
   refresh_metadata,
+  rejection_sample_step,
   sample_step,
 )
 
@@ -50,6 +56,7 @@ __all__ = [
   "BatchConfig",
   "BatchState",
   "CompletionOutput",
+  "HostRejectionOutput",
   "HostSamplerOutput",
   "InputBatch",
   "LLMEngine",
@@ -57,6 +64,7 @@ __all__ = [
   "Logprob",
   "LogprobsArrays",
   "LogprobsTensors",
+  "RejectionOutput",
   "RequestOutput",
   "SamplerOutput",
   "SamplingMetadata",
@@ -65,6 +73,7 @@ __all__ = [
   "gather_logprobs",
   "make_mesh",
   "refresh_metadata",
+  "rejection_sample_step",
   "sample_step",
 ]
 

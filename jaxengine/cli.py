@@ -55,9 +55,21 @@ def _token_id_list(text: str) -> list[int]:
   return ids
 
 
+def _speculative_config(text: str) -> dict:
+  """argparse type of `--speculative-config`: a JSON object, checked by `SpeculativeConfig`."""
+  from jaxengine.engine.speculative import SpeculativeConfig
+
+  try:
+    config = json.loads(text)
+    SpeculativeConfig.build(config)
+  except ValueError as error:  # json.JSONDecodeError is a ValueError
+    raise argparse.ArgumentTypeError(f"{error} (given {text!r})") from None
+  return config
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
   """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype,
-  --compilation-cache, --precompile, --num-decode-steps, --engine-seed.
+  --compilation-cache, --precompile, --num-decode-steps, --speculative-config, --engine-seed.
 
   The counts are checked while parsing, so a bad value is a usage error before any model loads.
   """
@@ -97,6 +109,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     type=_positive_int,
     default=1,
     help="decode steps per device dispatch (outputs are the same for every K)",
+  )
+  group.add_argument(
+    "--speculative-config",
+    metavar="JSON",
+    type=_speculative_config,
+    default=None,
+    help='n-gram speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
+    '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min")',
   )
   group.add_argument(
     "--engine-seed",
@@ -402,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       compilation_cache=_compilation_cache(args.compilation_cache),
       precompile=args.precompile,
       num_decode_steps=args.num_decode_steps,
+      speculative_config=args.speculative_config,
       logits_processors=args.logits_processor,
     )
   except FileNotFoundError as error:

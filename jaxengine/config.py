@@ -18,6 +18,10 @@ from jaxengine.params import validate_logprobs_mode
 DEFAULT_NUM_TOPK_CANDIDATES = 64
 #: Larger budgets for rows whose top_k exceeds it (see `jaxengine.sample.budgets`).
 DEFAULT_DEEP_CANDIDATE_BUDGETS = (256, 1024)
+#: Draft tokens per row `InputBatch.rejection_sample` verifies at most (speculative decoding).
+DEFAULT_MAX_SPEC_LEN = 4
+#: Largest `max_spec_len` (vLLM's bound on speculative tokens per step).
+MAX_SPEC_LEN_LIMIT = 128
 
 
 def _is_positive_int(value) -> bool:
@@ -51,12 +55,17 @@ class BatchConfig:
       the largest budget its rows need (`candidate_budgets` has the budgets in effect). A top_k
       beyond all of them is found by an exact bisection over the row (about 32 masked passes).
       `()` turns the deep lists off.
+    max_spec_len: `P`, draft tokens per row `InputBatch.rejection_sample` verifies at most
+      (speculative decoding; vLLM's `num_speculative_tokens`), an int in `[0, 128]`. Its target
+      logits are `[R, P + 1, V]`: one executable per `(max_num_reqs, max_spec_len)`. Only the
+      rejection sampler reads it.
     logits_processors: the batch's `jaxengine.LogitsProcessor` instances, in order (static: the
       processors' code is part of the compiled step; their per-row values are traced state).
 
   Raises:
     ValueError: naming the field and value, for a capacity that is not a positive int (bools
-      refused), `max_num_logprobs` below -1, or an unknown `logprobs_mode`.
+      refused), `max_num_logprobs` below -1, `max_spec_len` outside `[0, 128]`, or an unknown
+      `logprobs_mode`.
   """
 
   max_num_reqs: int
@@ -70,6 +79,7 @@ class BatchConfig:
   max_bad_word_len: int = 16
   num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES
   deep_candidate_budgets: tuple[int, ...] = DEFAULT_DEEP_CANDIDATE_BUDGETS
+  max_spec_len: int = DEFAULT_MAX_SPEC_LEN
   logits_processors: tuple = ()
 
   def __post_init__(self):
@@ -78,6 +88,7 @@ class BatchConfig:
         "max_num_logprobs",
         "logprobs_mode",
         "deep_candidate_budgets",
+        "max_spec_len",
         "logits_processors",
       ):
         continue
@@ -90,6 +101,11 @@ class BatchConfig:
       raise ValueError(f"max_num_logprobs must be >= 0 or -1 (whole vocabulary), got {logprobs!r}")
     object.__setattr__(self, "max_num_logprobs", int(logprobs))
     validate_logprobs_mode(self.logprobs_mode)
+    spec = self.max_spec_len
+    is_count = isinstance(spec, (int, np.integer)) and not isinstance(spec, bool)
+    if not is_count or not 0 <= spec <= MAX_SPEC_LEN_LIMIT:
+      raise ValueError(f"max_spec_len must be an int in [0, {MAX_SPEC_LEN_LIMIT}], got {spec!r}")
+    object.__setattr__(self, "max_spec_len", int(spec))
     budgets = self.deep_candidate_budgets
     if isinstance(budgets, (str, bytes)) or not isinstance(budgets, (tuple, list)):
       raise ValueError(f"deep_candidate_budgets must be a tuple of positive ints, got {budgets!r}")

@@ -80,6 +80,9 @@ class LLM:
     precompile: compile every prefill and decode bucket now (with a progress bar),
       so no request waits for a compile later. Off by default: most runs reach few buckets.
     num_decode_steps, prefill_once_per_request: see `LLMEngine`.
+    speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
+      ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+      "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -116,6 +119,7 @@ class LLM:
     num_decode_steps: int = 1,
     prefill_once_per_request: bool = True,
     logits_processors: Sequence | None = None,
+    speculative_config: Mapping | None = None,
   ):
     batch_key_data(seed)  # a bad seed is refused before the model loads
     t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
@@ -160,6 +164,7 @@ class LLM:
       num_decode_steps=num_decode_steps,
       prefill_once_per_request=prefill_once_per_request,
       logits_processors=logits_processors,
+      speculative_config=speculative_config,
     )
     if precompile:
       self.llm_engine.precompile()

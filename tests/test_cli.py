@@ -259,6 +259,8 @@ def test_stop_token_ids_leave_the_prompt_alone(flags, expected):
     (["--max-num-reqs", "many"], "--max-num-reqs"),
     (["--max-model-len", "-5"], "--max-model-len"),
     (["--dtype", "float16"], "--dtype"),
+    (["--speculative-config", "ngram"], "--speculative-config"),
+    (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
   ],
 )
 def test_bad_engine_and_stop_flags_are_usage_errors_before_loading(

@@ -39,15 +39,18 @@ class HostSamplerOutput:
   logprobs: LogprobsArrays | None
 
 
-def to_host(output: SamplerOutput, num_reqs: int, num_logprobs: int | None) -> HostSamplerOutput:
-  """Fetches the first `num_reqs` rows of a device `SamplerOutput`.
+def to_host(output: SamplerOutput, outputs: list, num_logprobs: int | None) -> HostSamplerOutput:
+  """Fetches the live rows of a device `SamplerOutput` and appends each row's token to its list
+  in `outputs`.
 
   Args:
     output: `sample_step`'s device output over all `R` rows.
-    num_reqs: `N`, the live rows (the first `N` rows, after condense).
+    outputs: the batch's output token lists by row; its length is `N`, the live rows (the first
+      `N` rows, after condense).
     num_logprobs: `k`, the largest logprobs count a live request asked for, or None (then the
       logprobs are not fetched at all).
   """
+  num_reqs = len(outputs)
   device_logprobs = None if num_logprobs is None else output.logprobs
   tokens, fetched = jax.device_get((output.sampled_token_ids, device_logprobs))
   logprobs: LogprobsArrays | None = None
@@ -58,4 +61,7 @@ def to_host(output: SamplerOutput, num_reqs: int, num_logprobs: int | None) -> H
       logprobs=fetched.logprobs[:num_reqs, :columns],
       ranks=fetched.ranks[:num_reqs],
     )
-  return HostSamplerOutput(sampled_token_ids=np.asarray(tokens)[:num_reqs], logprobs=logprobs)
+  tokens = np.asarray(tokens)[:num_reqs]
+  for row, token in enumerate(tokens.tolist()):
+    outputs[row].append(token)
+  return HostSamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)

@@ -25,19 +25,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.batch.host_output import HostSamplerOutput, to_host
-from jaxengine.batch.jitted import pad_rows, sample_logits
+from jaxengine.batch.jitted import check_logits, move_plan, pad_rows, sample_logits
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple, resolve_num_logprobs
+from jaxengine.batch.speculative import (
+  HostRejectionOutput,
+  check_spec_inputs,
+  run_rejection,
+  sample_drafts,
+)
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
+  DEFAULT_MAX_SPEC_LEN,
   DEFAULT_NUM_TOPK_CANDIDATES,
   BatchConfig,
 )
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.sample import (
-  MOVE_CHUNK,
   BatchState,
-  SamplerOutput,
   SamplingMetadata,
   batch_key_data,
   move_rows,
@@ -52,7 +57,7 @@ class InputBatch:
   Args:
     max_num_reqs, max_model_len, vocab_size, max_num_logprobs, logprobs_mode,
     max_num_stop_token_ids, max_num_logit_bias, max_num_bad_words, max_bad_word_len,
-    num_topk_candidates, deep_candidate_budgets: the `BatchConfig` fields (see there);
+    num_topk_candidates, deep_candidate_budgets, max_spec_len: the `BatchConfig` fields (see there);
       `InputBatch.from_config` takes a built config instead.
     eos_token_ids: EOS ids added to every request's min_tokens stop set (as vLLM's engine does,
       even with `ignore_eos`).
@@ -85,6 +90,7 @@ class InputBatch:
     max_bad_word_len: int = 16,
     num_topk_candidates: int = DEFAULT_NUM_TOPK_CANDIDATES,
     deep_candidate_budgets: Sequence[int] = DEFAULT_DEEP_CANDIDATE_BUDGETS,
+    max_spec_len: int = DEFAULT_MAX_SPEC_LEN,
     seed: int = 0,
     logits_processors: Sequence | None = None,
   ):
@@ -100,6 +106,7 @@ class InputBatch:
       max_bad_word_len=max_bad_word_len,
       num_topk_candidates=num_topk_candidates,
       deep_candidate_budgets=tuple(deep_candidate_budgets),
+      max_spec_len=max_spec_len,
       logits_processors=resolve_logits_processors(logits_processors),
     )
     self._init(config, eos_token_ids, seed)
@@ -368,12 +375,7 @@ class InputBatch:
     self._composition_changed()
 
   def _move_device_rows(self, moves: list[tuple[int, int]]) -> None:
-    size = -(-self.max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK  # one shape: one compile
-    src = np.zeros((size,), np.int32)
-    dst = np.full((size,), self.max_num_reqs, np.int32)  # padding: dropped
-    for i, (a, b) in enumerate(moves):
-      src[i], dst[i] = a, b
-    self._state = move_rows(self._state, src, dst)
+    self._state = move_rows(self._state, *move_plan(moves, self.max_num_reqs))
 
   def set_grammar_bitmask(self, bitmask) -> None:
     """`[R, ceil(V / 32)] int32` packed allowed tokens by row for the next steps (copied), read
@@ -403,23 +405,28 @@ class InputBatch:
       ValueError: for logits of another shape or a non-float dtype, or a request already at
         `max_model_len` tokens (its token would have nowhere to go). Nothing is changed then.
     """
-    shape = tuple(getattr(logits, "shape", ()))
-    num_reqs = self.num_reqs
-    if (
-      len(shape) != 2
-      or shape[1] != self.vocab_size
-      or shape[0] not in (self.max_num_reqs, num_reqs)
-    ):
-      raise ValueError(
-        f"logits must have shape [max_num_reqs={self.max_num_reqs} or "
-        f"num_reqs={num_reqs}, vocab_size={self.vocab_size}], got {shape}"
-      )
-    if not jnp.issubdtype(logits.dtype, jnp.floating):
-      raise ValueError(f"logits must have a float dtype, got {logits.dtype}")
-    if shape[0] != self.max_num_reqs:
+    rows = (self.max_num_reqs, self.num_reqs)
+    check_logits("logits", logits, rows, {"vocab_size": self.vocab_size})
+    if logits.shape[0] != self.max_num_reqs:
       logits = pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
     output, _ = self.run(sample_logits, logits)
     return output
+
+  def rejection_sample(
+    self, target_logits, draft_token_ids, draft_probs=None
+  ) -> HostRejectionOutput:
+    """Speculative decoding: verifies each request's drafts (vLLM V1's rejection sampler) and
+    appends the emitted tokens. `target_logits [max_num_reqs or num_reqs, max_spec_len + 1, V]`,
+    `draft_token_ids` a list per request (condensed `req_ids` order) of at most `max_spec_len`
+    ids, `draft_probs` None (point-mass drafts) or `[.., max_spec_len, V]`. Returns a
+    `HostRejectionOutput` (`sampled_token_ids [num_reqs, max_spec_len + 1]`, -1 after the last
+    emitted token); raises ValueError, nothing changed, for bad arguments (see
+    `jaxengine.batch.speculative`) or a full request. Engines fusing the target model's forward
+    pass with the sampler call `jaxengine.batch.speculative.run_rejection` instead."""
+    inputs = check_spec_inputs(
+      self.config, self.num_reqs, target_logits, draft_token_ids, draft_probs
+    )
+    return run_rejection(self, sample_drafts, inputs)[0]
 
   def run(self, step_fn, *args) -> tuple[HostSamplerOutput, object]:
     """Runs a jitted step that samples from the batch, then does the host bookkeeping.
@@ -434,7 +441,7 @@ class InputBatch:
     """
     metadata = self.prepare_step()
     self._state, output, extra = step_fn(self._state, metadata, *args)
-    return self._to_host(output), extra
+    return to_host(output, self._req_output_token_ids, self._max_logprobs()), extra
 
   def prepare_step(self) -> SamplingMetadata:
     """Checks that every row has room for a token, condenses, and returns the metadata. Raises:
@@ -449,12 +456,5 @@ class InputBatch:
     self.condense()  # a no-op without holes
     return self.sampling_metadata
 
-  def _to_host(self, output: SamplerOutput) -> HostSamplerOutput:
-    """Device output over all rows -> NumPy over live rows; appends the tokens on the host."""
-    num_logprobs = max(self._num_logprobs.values(), default=None)
-    host = to_host(output, self.num_reqs, num_logprobs)
-    for row, token in enumerate(host.sampled_token_ids.tolist()):
-      tokens = self._req_output_token_ids[row]
-      assert tokens is not None  # rows [0, num_reqs) are live after condense
-      tokens.append(token)
-    return host
+  def _max_logprobs(self) -> int | None:
+    return max(self._num_logprobs.values(), default=None)

@@ -1,4 +1,4 @@
-"""The jitted helpers of `InputBatch.sample`: the sampler as a step, and row padding."""
+"""Helpers of `InputBatch`: the sampler as a step, the logits check, row padding, move plans."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxengine.sample import BatchState, SamplingMetadata, sample
+from jaxengine.sample import MOVE_CHUNK, BatchState, SamplingMetadata, sample
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -17,7 +18,33 @@ def sample_logits(state: BatchState, metadata: SamplingMetadata, logits: jax.Arr
   return state, output, None
 
 
+def check_logits(name: str, logits, rows: tuple[int, int], trailing: dict[str, int]) -> None:
+  """Raises ValueError unless `logits` is a float array of shape `[rows[0] or rows[1],
+  *trailing.values()]` (`rows` = (max_num_reqs, num_reqs); `trailing` names each extent),
+  naming the argument and what it got."""
+  shape, extents = tuple(getattr(logits, "shape", ())), tuple(trailing.values())
+  if len(shape) != 1 + len(extents) or shape[1:] != extents or shape[0] not in rows:
+    names = ", ".join(f"{label}={n}" for label, n in trailing.items())
+    raise ValueError(
+      f"{name} must have shape [max_num_reqs={rows[0]} or num_reqs={rows[1]}, {names}], got {shape}"
+    )
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"{name} must have a float dtype, got {logits.dtype}")
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def pad_rows(logits: jax.Array, max_num_reqs: int) -> jax.Array:
-  """`[N, V]` -> `[R, V]` with zero rows (ignored by the sampler)."""
-  return jnp.pad(logits, ((0, max_num_reqs - logits.shape[0]), (0, 0)))
+  """`[N, ...]` -> `[R, ...]` with zero rows (ignored by the sampler)."""
+  padding = ((0, max_num_reqs - logits.shape[0]),) + ((0, 0),) * (logits.ndim - 1)
+  return jnp.pad(logits, padding)
+
+
+def move_plan(moves: list[tuple[int, int]], max_num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(src, dst)` `[n] int32` for `move_rows`: the `(from_row, to_row)` moves, then padding
+  (`dst == R`, dropped) to a multiple of `MOVE_CHUNK` covering `R` (one shape: one compile)."""
+  size = -(-max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK
+  src = np.zeros((size,), np.int32)
+  dst = np.full((size,), max_num_reqs, np.int32)
+  for i, (a, b) in enumerate(moves):
+    src[i], dst[i] = a, b
+  return src, dst

@@ -6,7 +6,9 @@ One `step()`:
   1. the scheduler admits waiting completions into free rows;
   2. the runner adds them to the persistent batch and prefills their prompts;
   3. the runner decodes one token for every running completion (one fused model + sampler
-     executable over a bucket of live rows);
+     executable over a bucket of live rows); with a `speculative_config`, when some row has
+     n-gram drafts, it verifies them instead (one model pass over k + 1 positions per row and
+     the rejection sampler: one to k + 1 tokens per row);
   4. the output processor appends the tokens (logprob dicts, text, stop rules), and finished
      completions leave the scheduler and the batch (the next step condenses and admits more).
 """
@@ -23,8 +25,18 @@ from jaxengine.batch import InputBatch
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.requests import Request
-from jaxengine.engine.runner import ModelRunner
+from jaxengine.engine.runner import ModelRunner, MultiStepOutput, bucket
 from jaxengine.engine.scheduler import Scheduler
+from jaxengine.engine.speculative import (
+  CROSSOVER_TOKENS,
+  DEFAULT_CROSSOVER_TOKENS,
+  NgramProposer,
+  SpecDecodingStats,
+  SpeculativeConfig,
+  draft_limits,
+  timed_propose,
+  worth_verifying,
+)
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
@@ -68,10 +80,21 @@ class LLMEngine:
       values to float32 rounding: the prefill runs in another row bucket).
     logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
       instances or `"module:Class"` strings.
+    speculative_config: None, or vLLM's dict ``{"method": "ngram", "num_speculative_tokens": k,
+      "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (`engine/speculative.py`): each step
+      drafts up to k tokens per running completion from its own prompt and output, verifies
+      them in one model pass over k + 1 positions and keeps what the rejection sampler accepts
+      (one to k + 1 tokens per row and step; the output distribution is unchanged, greedy
+      output is that of plain decoding up to float rounding). A step decodes one token per row
+      as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
+      each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
+      (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
+      runs. Not with `num_decode_steps > 1` or on a mesh. Counters: `spec_decode_stats`.
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
-      `max_position_embeddings`, or invalid batch settings.
+      `max_position_embeddings`, invalid batch settings, or an invalid `speculative_config`
+      (or one combined with a mesh or `num_decode_steps > 1`).
   """
 
   def __init__(
@@ -89,8 +112,15 @@ class LLMEngine:
     num_decode_steps: int = 1,
     prefill_once_per_request: bool = True,
     logits_processors: Sequence | None = None,
+    speculative_config=None,
   ):
     check_model(model)
+    self.speculative_config = SpeculativeConfig.build(speculative_config)
+    if self.speculative_config is not None and (mesh is not None or num_decode_steps != 1):
+      raise ValueError(
+        "speculative_config works with num_decode_steps=1 on one device, got "
+        f"num_decode_steps={num_decode_steps!r}" + (" and a mesh" if mesh is not None else "")
+      )
     if not is_int(num_decode_steps) or num_decode_steps < 1:
       raise ValueError(f"num_decode_steps must be an int >= 1, got {num_decode_steps!r}")
     if num_decode_steps > 1 and mesh is not None:
@@ -138,6 +168,15 @@ class LLMEngine:
     )
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
+    self.spec_decode_stats = SpecDecodingStats()
+    self._proposer: NgramProposer | None = None
+    #: The verify decision's cost model (`engine/speculative.py`): set it high to verify
+    #: whenever some row has a draft.
+    self.spec_crossover_tokens = CROSSOVER_TOKENS.get(
+      jax.default_backend(), DEFAULT_CROSSOVER_TOKENS
+    )
+    if self.speculative_config is not None:
+      self._proposer = NgramProposer(self.speculative_config, self.max_model_len)
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -202,7 +241,12 @@ class LLMEngine:
     Raises:
       ValueError: if requests are running (precompile before adding any).
     """
-    return self.runner.precompile(self.num_decode_steps, use_tqdm=use_tqdm)
+    spec = self.speculative_config
+    return self.runner.precompile(
+      self.num_decode_steps,
+      use_tqdm=use_tqdm,
+      num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+    )
 
   # --- the step -------------------------------------------------------------------------------
 
@@ -232,6 +276,10 @@ class LLMEngine:
     bitmask = structured.bitmask if structured is not None and len(structured) else None
     if self.num_decode_steps > 1 and bitmask is None:
       return self._apply_steps()
+    if self._proposer is not None and bitmask is None:
+      verified = self._speculative_step()
+      if verified is not None:
+        return verified
     decoded = self.runner.decode(bitmask)
     advanced: dict[str, Request] = {}
     for row, seq_id in enumerate(decoded.req_ids):
@@ -252,11 +300,40 @@ class LLMEngine:
     return [r.output() for r in advanced.values()]
 
   def _apply_steps(self) -> list[RequestOutput]:
-    """Runs up to `num_decode_steps` steps on the device, then applies each row's tokens in
-    order; a completion that finishes (a stop string the device could not see) drops the rest."""
+    """Runs up to `num_decode_steps` steps on the device, then applies each row's tokens."""
     decoded = self.runner.decode_steps(
       self.num_decode_steps, end_on_first_finish=bool(self.scheduler.waiting)
     )
+    return self._apply_tokens(decoded)
+
+  def _speculative_step(self) -> list[RequestOutput] | None:
+    """Drafts for every running completion and one verify pass; None (nothing run) when no
+    row has a draft or the cost model expects too little of them, so the caller decodes one
+    token as usual."""
+    assert self._proposer is not None and self.speculative_config is not None
+    stats = self.spec_decode_stats
+    stats.num_steps += 1
+    batch = self.runner.input_batch
+    batch.condense()
+    completions = [self.scheduler.running[seq_id] for seq_id in batch.req_ids]
+    k = self.speculative_config.num_speculative_tokens
+    limits = draft_limits(completions, self.max_model_len, k)
+    drafts = timed_propose(self._proposer, stats, completions, limits)
+    if not drafts.num_draft_tokens.any():
+      return None
+    gain = self._proposer.expected_gain(completions, drafts)
+    num_rows = bucket(len(completions), self.runner.row_buckets)
+    if not worth_verifying(gain, len(completions), num_rows, k, self.spec_crossover_tokens):
+      stats.num_declined_steps += 1
+      return None
+    decoded = self.runner.verify(drafts.token_ids, drafts.num_draft_tokens)
+    stats.record(drafts.num_draft_tokens, decoded.sampled.num_sampled)
+    self._proposer.record(completions, drafts.num_draft_tokens, decoded.sampled.num_sampled)
+    return self._apply_tokens(decoded)
+
+  def _apply_tokens(self, decoded: MultiStepOutput) -> list[RequestOutput]:
+    """Applies several tokens per row in order; a completion that finishes (a stop the device
+    could not see) drops the rest."""
     completions = [self.scheduler.running[seq_id] for seq_id in decoded.req_ids]
     num_sampled = decoded.sampled.num_sampled.tolist()
     for j, sampled in enumerate(decoded.sampled.steps):

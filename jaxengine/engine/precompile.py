@@ -13,7 +13,9 @@ from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.models.kv_cache import KVCache
 
 
-def precompile_buckets(runner: Any, num_decode_steps: int, use_tqdm: bool) -> int:
+def precompile_buckets(
+  runner: Any, num_decode_steps: int, use_tqdm: bool, num_speculative_tokens: int = 0
+) -> int:
   """Runs each prefill and decode shape of `runner` (a `ModelRunner`, which calls this: typed
   loosely so the two modules do not import each other) once; see `ModelRunner.precompile`."""
   batch = runner.input_batch
@@ -21,6 +23,8 @@ def precompile_buckets(runner: Any, num_decode_steps: int, use_tqdm: bool) -> in
     raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
   shapes = [("prefill", rows, n) for rows in runner.row_buckets for n in runner.length_buckets]
   shapes += [("decode", rows, n) for rows in runner.row_buckets for n in runner.attention_buckets]
+  if num_speculative_tokens:
+    shapes += [("verify", rows, n) for rows in runner.row_buckets for n in runner.attention_buckets]
   for kind, rows, n in tqdm(shapes, desc="Compiling", disable=not use_tqdm, dynamic_ncols=True):
     if kind == "prefill":
       runner.kv_cache = runner._prefill(
@@ -30,6 +34,13 @@ def precompile_buckets(runner: Any, num_decode_steps: int, use_tqdm: bool) -> in
         np.full((rows, n), runner.max_model_len, np.int32),
         np.zeros((rows,), np.int32),
       )
+    elif kind == "verify":
+      drafts = np.zeros((rows, num_speculative_tokens), np.int32)
+      _, kv_cache = run_steps(
+        batch, runner._verify, runner.weights, runner.kv_cache, drafts,
+        np.zeros((rows,), np.int32), attention_len=n, num_rows=rows,
+      )  # fmt: skip
+      runner.kv_cache = cast(KVCache, kv_cache)
     elif num_decode_steps == 1:
       _, kv_cache = batch.run(runner._decode, runner.weights, runner.kv_cache, n, rows)
       runner.kv_cache = cast(KVCache, kv_cache)

@@ -12,8 +12,9 @@ Everything that runs on the device for the engine goes through here:
 
 The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
 jitted with the cache and batch state donated. Compiles are bounded by the buckets: one decode
-per (row bucket, length bucket) reached, one prefill per (row bucket, length bucket) used with and
-without prompt logprobs, plus the batch's row write, row move and metadata refresh.
+per (row bucket, length bucket) reached (and with speculation one verify per such pair), one
+prefill per (row bucket, length bucket) used with and without prompt logprobs, plus the batch's
+row write, row move and metadata refresh.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.precompile import precompile_buckets
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
+from jaxengine.engine.verify import pad_rows, verify_and_sample
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.weights import (
@@ -233,6 +235,11 @@ class ModelRunner:
     self._decode_steps = jax.jit(
       functools.partial(decode_steps, self._graphdef),
       static_argnames=("attention_len", "num_rows", "num_steps"),
+      donate_argnames=("state", "kv_cache"),
+    )
+    self._verify = jax.jit(
+      functools.partial(verify_and_sample, self._graphdef),
+      static_argnames=("attention_len", "num_rows"),
       donate_argnames=("state", "kv_cache"),
     )
     self._stop_rules: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -459,7 +466,25 @@ class ModelRunner:
     self.kv_cache = cast(KVCache, kv_cache)
     return MultiStepOutput(req_ids=batch.req_ids, sampled=output)
 
-  def precompile(self, num_decode_steps: int = 1, use_tqdm: bool = True) -> int:
+  def verify(self, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray) -> MultiStepOutput:
+    """Verifies the live rows' drafts (`[num_reqs, k]`, counts `[num_reqs]`, `req_ids` order,
+    `n + count < max_model_len`) in one pass (`engine/verify.py`); appends the emitted tokens."""
+    batch = self.input_batch
+    longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
+    k = draft_token_ids.shape[1]
+    attention_len = bucket(min(longest + k, self.max_model_len), self.attention_buckets)
+    num_rows = bucket(batch.num_reqs, self.row_buckets)
+    drafts, counts = pad_rows(draft_token_ids, num_rows), pad_rows(num_draft_tokens, num_rows)
+    output, kv_cache = run_steps(
+      batch, self._verify, self.weights, self.kv_cache, drafts, counts,
+      attention_len=attention_len, num_rows=num_rows,
+    )  # fmt: skip
+    self.kv_cache = cast(KVCache, kv_cache)
+    return MultiStepOutput(req_ids=batch.req_ids, sampled=output)
+
+  def precompile(
+    self, num_decode_steps: int = 1, use_tqdm: bool = True, num_speculative_tokens: int = 0
+  ) -> int:
     """Compiles every prefill and decode bucket now, so no request waits for a compile later.
 
     Runs each step once on an empty batch (prefill writes go past `max_model_len`, where the
@@ -469,6 +494,7 @@ class ModelRunner:
     Args:
       num_decode_steps: the engine's `k`: the one-step decode for 1, else the `k`-step loop.
       use_tqdm: show a progress bar.
+      num_speculative_tokens: also the verify step of that many drafts (0: none).
 
     Returns:
       The number of step shapes run.
@@ -476,4 +502,4 @@ class ModelRunner:
     Raises:
       ValueError: if the batch holds requests (precompile before adding any).
     """
-    return precompile_buckets(self, num_decode_steps, use_tqdm)
+    return precompile_buckets(self, num_decode_steps, use_tqdm, num_speculative_tokens)

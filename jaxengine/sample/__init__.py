@@ -13,6 +13,9 @@ Modules, in pipeline order (each imports only the ones above it):
   budgets.py      which candidate list each row reads: the shallow list, or a deep one by lax.switch
   logprobs.py     stage 13: LogprobsTensors, gather_logprobs
   step.py         the pipeline: sample (unjitted), sample_step (jitted), SamplerOutput
+  spec_history.py the draft-position view of the batch (one virtual row per row and position)
+  spec_probs.py   drafts with probabilities: target distributions, acceptance, residual draws
+  rejection.py    speculative decoding: rejection_sample(_step), RejectionOutput
 
 Nothing here imports the host batch (`jaxengine.batch`), the engine or the models.
 """
@@ -20,6 +23,7 @@ Nothing here imports the host batch (`jaxengine.batch`), the engine or the model
 from jaxengine.sample.custom import LogitsProcessor
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs
 from jaxengine.sample.metadata import SamplingMetadata, refresh_metadata
+from jaxengine.sample.rejection import RejectionOutput, rejection_sample, rejection_sample_step
 from jaxengine.sample.state import (
   MOVE_CHUNK,
   BatchState,
@@ -35,6 +39,7 @@ __all__ = [
   "BatchState",
   "LogitsProcessor",
   "LogprobsTensors",
+  "RejectionOutput",
   "RowUpdate",
   "SamplerOutput",
   "SamplingMetadata",
@@ -42,6 +47,8 @@ __all__ = [
   "gather_logprobs",
   "move_rows",
   "refresh_metadata",
+  "rejection_sample",
+  "rejection_sample_step",
   "sample",
   "sample_step",
   "write_row",
