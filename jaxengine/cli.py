@@ -56,7 +56,8 @@ def _token_id_list(text: str) -> list[int]:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
   """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype,
-  --compilation-cache, --precompile, --num-decode-steps, --engine-seed.
+  --compilation-cache, --precompile, --num-decode-steps, --[no-]enable-prefix-caching,
+  --engine-seed.
 
   The counts are checked while parsing, so a bad value is a usage error before any model loads.
   """
@@ -96,6 +97,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     type=_positive_int,
     default=1,
     help="decode steps per device dispatch (outputs are the same for every K)",
+  )
+  group.add_argument(
+    "--enable-prefix-caching",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="reuse the cached keys and values of shared prompt prefixes (default: on)",
   )
   group.add_argument(
     "--engine-seed",
@@ -394,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       compilation_cache=_compilation_cache(args.compilation_cache),
       precompile=args.precompile,
       num_decode_steps=args.num_decode_steps,
+      enable_prefix_caching=args.enable_prefix_caching,
       logits_processors=args.logits_processor,
     )
   except FileNotFoundError as error:

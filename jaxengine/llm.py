@@ -77,7 +77,8 @@ class LLM:
       `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
     precompile: compile every prefill and decode bucket now (with a progress bar),
       so no request waits for a compile later. Off by default: most runs reach few buckets.
-    num_decode_steps, prefill_once_per_request: see `LLMEngine`.
+    num_decode_steps, prefill_once_per_request, enable_prefix_caching,
+    num_prefix_cache_blocks: see `LLMEngine` (prefix caching is on by default, as in vLLM V1).
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -114,6 +115,8 @@ class LLM:
     num_decode_steps: int = 1,
     prefill_once_per_request: bool = True,
     logits_processors: Sequence | None = None,
+    enable_prefix_caching: bool | None = None,
+    num_prefix_cache_blocks: int | None = None,
   ):
     t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
     if mesh is not None:
@@ -157,6 +160,8 @@ class LLM:
       num_decode_steps=num_decode_steps,
       prefill_once_per_request=prefill_once_per_request,
       logits_processors=logits_processors,
+      enable_prefix_caching=enable_prefix_caching,
+      num_prefix_cache_blocks=num_prefix_cache_blocks,
     )
     if precompile:
       self.llm_engine.precompile()
@@ -174,7 +179,8 @@ class LLM:
         pure dict or the module, of the engine's own model structure. NumPy or JAX arrays of
         any floating dtype (cast to the model's); JAX arrays are converted on their devices and
         placed as the engine's weights are, never through the host. See
-        `ModelRunner.load_weights`.
+        `ModelRunner.load_weights`. The prefix cache is emptied (its keys and values were
+        computed with the old weights).
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
@@ -182,6 +188,11 @@ class LLM:
         the model is then exactly as it was.
     """
     self.llm_engine.load_weights(weights)
+
+  def reset_prefix_cache(self) -> bool:
+    """Empties the prefix cache (as `load_weights` does); returns True. Counters stay in
+    `llm.llm_engine.prefix_cache_stats`."""
+    return self.llm_engine.reset_prefix_cache()
 
   def get_tokenizer(self) -> Tokenizer | None:
     """The engine's `Tokenizer` (None for a model given without one)."""
