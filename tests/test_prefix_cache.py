@@ -15,16 +15,16 @@ from jaxengine.tokenizer import Tokenizer
 
 RNG = np.random.default_rng(0)
 PREFIX = RNG.integers(4, 500, 40).tolist()  # two full blocks and 8 tokens
-OWN = [RNG.integers(4, 500, k).tolist() for k in (3, 24, 8, 0, 17, 9)]
+OWN = [RNG.integers(4, 500, k).tolist() for k in (3, 8, 2, 0, 17, 9)]
 PROMPTS = [
   PREFIX + OWN[0],
-  PREFIX + OWN[1],  # 64 tokens: exactly 4 blocks
+  PREFIX + OWN[1],  # 48 tokens: exactly 3 blocks
   PREFIX[:32],  # exactly the two blocks the others start with: entirely a cached prefix
-  PREFIX + OWN[2],  # 48 tokens: exactly 3 blocks
+  PREFIX + OWN[2],
   PREFIX + OWN[3],
   PREFIX[:32] + OWN[4],
   PREFIX + OWN[5],
-  OWN[1],  # no shared prefix
+  OWN[4],  # no shared prefix
 ]
 MIXES = [
   je.SamplingParams(temperature=0, max_tokens=9),
@@ -42,13 +42,17 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-  return Tokenizer.from_gguf()  # real text for stop strings (the model uses its first 512 ids)
-
-
-def _engine(model, tokenizer=None, **kwargs):
-  kwargs = {"max_num_reqs": 4, "max_model_len": 96, "num_prefix_cache_blocks": 32, **kwargs}
-  return LLMEngine(model, tokenizer, **kwargs)
+def engines(model):
+  """Two engines shared by the tests (each engine compiles its own steps): prefix caching off,
+  and on with a pool of 6 blocks. Two rows: later samples of n > 1 and later prompts find the
+  blocks of earlier ones. Tests leave the weights as they found them and look at differences of
+  the cumulative counters."""
+  tokenizer = Tokenizer.from_gguf()  # real text for stop strings (the model uses 512 ids)
+  kwargs = {"max_num_reqs": 2, "max_model_len": 64}
+  return {
+    "off": LLMEngine(model, tokenizer, enable_prefix_caching=False, **kwargs),
+    "on": LLMEngine(model, tokenizer, num_prefix_cache_blocks=6, **kwargs),  # on by default
+  }
 
 
 def _run(engine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=True):
@@ -61,6 +65,13 @@ def _run(engine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=True):
   return sorted(engine.pop_finished(), key=lambda o: int(o.request_id))
 
 
+def _counts(engine, before=None):
+  """(requests, queries, hits, evictions, resets) since `before`."""
+  stats = engine.prefix_cache_stats
+  now = (stats.requests, stats.queries, stats.hits, stats.evictions, stats.resets)
+  return now if before is None else tuple(a - b for a, b in zip(now, before))
+
+
 def test_block_hashes_chain_over_full_blocks():
   tokens = list(range(40))
   hashes = block_hashes(tokens)
@@ -71,48 +82,67 @@ def test_block_hashes_chain_over_full_blocks():
   assert other[0] != hashes[0] and other[1] != hashes[1]
 
 
-def test_identical_outputs_with_prefix_caching_on_and_off(model, tokenizer):
-  off = _run(_engine(model, tokenizer, enable_prefix_caching=False))
-  engine = _engine(model, tokenizer)  # on by default
-  assert engine.prefix_cache_stats is not None
-  assert_same_outputs(_run(engine), off)
-  stats = engine.prefix_cache_stats
-  assert stats.hits > 0 and stats.evictions == 0
-  assert any(isinstance(c.stop_reason, str) for o in off for c in o.outputs)
-  # Again, everything but the last prompt now starts with a cached block; all at once this time
-  # (prompts sharing uncached blocks in one step are prefilled in waves).
+def test_identical_outputs_with_prefix_caching_on_and_off(engines, compile_counter):
+  off, on = engines["off"], engines["on"]
+  expected = _run(off)
+  assert any(isinstance(c.stop_reason, str) for o in expected for c in o.outputs)
+  on.reset_prefix_cache()
+  before = _counts(on)
+  assert_same_outputs(_run(on), expected)
+  assert _counts(on, before)[2] > 0  # hits
+  # Again with the pool holding the last prompts' blocks, then all at once (prompts sharing
+  # uncached blocks in one step are prefilled in waves: the first stores them, the others load).
+  assert_same_outputs(_run(on), expected)
+  on.reset_prefix_cache()
+  assert_same_outputs(_run(on, arrive_while_running=False), expected)
+  assert _counts(on, before)[4] == 1  # resets
+  # Compile bound (per row bucket {1, 2}: a prefill per pair (length, attention >= length) of
+  # {16, 32, 64}: 6, and 3 with prompt logprobs, which start at 0; a decode per attention
+  # bucket {64}); block loads and stores once per copy bucket {8}.
+  runner = on.runner
+  assert (runner.row_buckets, runner.length_buckets) == ([1, 2], [16, 32, 64])
+  assert runner.prefix_cache is not None and runner.prefix_cache.copy_buckets == [8]
+  assert runner._prefill._cache_size() <= 2 * 6 and runner._prefill_logprobs._cache_size() <= 6
+  assert runner._decode._cache_size() <= 2
+  # Steady: the same arrivals compile nothing more.
+  compile_counter.reset()
+  for arrive in (True, False):
+    on.reset_prefix_cache()
+    assert_same_outputs(_run(on, arrive_while_running=arrive), expected)
+  assert compile_counter.count == 0
+
+
+def test_hits_are_counted_in_tokens_and_a_whole_cached_prompt_is_not_prefilled(engines):
+  engine = engines["on"]
   engine.reset_prefix_cache()
-  assert_same_outputs(_run(engine, arrive_while_running=False), off)
-  assert_same_outputs(_run(engine), off)
-  assert engine.prefix_cache_stats.resets == 1
-
-
-def test_hits_are_counted_in_tokens_and_a_whole_cached_prompt_is_not_prefilled(model):
-  engine = _engine(model)
   prefilled = []  # (first position, end) of every prompt prefilled
-  prefill_group = engine.runner._prefill_group
-  engine.runner._prefill_group = lambda group, *args: (
+  runner = engine.runner
+  prefill_group = runner._prefill_group
+  runner._prefill_group = lambda group, *args: (
     prefilled.extend((start, end) for _, start, end in group) or prefill_group(group, *args)
   )
-  greedy = je.SamplingParams(temperature=0, max_tokens=3)
-  first = _run(engine, [PREFIX + OWN[2]], [greedy])  # 48 tokens: all three blocks stored
-  stats = engine.prefix_cache_stats
-  assert (stats.requests, stats.queries, stats.hits, stats.stored_blocks) == (1, 48, 0, 3)
-  assert prefilled == [(0, 48)]  # through the last block (decode writes position 47 again)
-  _run(engine, [PREFIX[:32] + [7, 8, 9]], [greedy])
-  assert (engine.prefix_cache_stats.queries, engine.prefix_cache_stats.hits) == (48 + 35, 32)
-  assert prefilled[-1] == (32, 34)  # the remainder only; the last token is decode's
-  again = _run(engine, [PREFIX + OWN[2]], [greedy])
-  assert engine.prefix_cache_stats.hits == 32 + 48 and len(prefilled) == 2  # nothing to prefill
-  assert_same_outputs(again, first)
-  # Prompt logprobs need every position: no lookup, but the blocks are stored.
-  _run(engine, [PREFIX + OWN[1]], [je.SamplingParams(max_tokens=2, prompt_logprobs=0)])
-  assert engine.prefix_cache_stats.requests == 3 and prefilled[-1] == (0, 63)
-  # One new block (its fourth ends at position 63, which the decode step writes).
-  assert engine.prefix_cache_stats.stored_blocks == 3 + 1
+  try:
+    greedy = je.SamplingParams(temperature=0, max_tokens=3)
+    before = _counts(engine)
+    first = _run(engine, [PREFIX + OWN[1]], [greedy])  # 48 tokens: all three blocks stored
+    assert _counts(engine, before)[:3] == (1, 48, 0)
+    assert engine.prefix_cache_stats.stored_blocks == 3
+    assert prefilled == [(0, 48)]  # through the last block (decode writes position 47 again)
+    _run(engine, [PREFIX[:32] + [7, 8, 9]], [greedy])
+    assert _counts(engine, before)[:3] == (2, 48 + 35, 32)
+    assert prefilled[-1] == (32, 34)  # the remainder only; the last token is decode's
+    again = _run(engine, [PREFIX + OWN[1]], [greedy])
+    assert _counts(engine, before)[2] == 32 + 48 and len(prefilled) == 2  # nothing prefilled
+    assert_same_outputs(again, first)
+    # Prompt logprobs need every position: no lookup, but the blocks are stored.
+    _run(engine, [PREFIX + OWN[4]], [je.SamplingParams(max_tokens=2, prompt_logprobs=0)])
+    assert _counts(engine, before)[0] == 3 and prefilled[-1] == (0, 56)
+    assert engine.prefix_cache_stats.stored_blocks == 3 + 1  # the first two were held
+  finally:
+    del runner._prefill_group
 
 
-def test_least_recently_used_blocks_are_evicted_last_blocks_first(model):
+def test_least_recently_used_blocks_are_evicted_last_blocks_first(engines):
   cache = PrefixCache(num_blocks=4)
   a, b, c = (block_hashes(RNG.integers(0, 500, n).tolist()) for n in (48, 32, 32))
   assert [i for i, _ in cache.store(a)] == [0, 1, 2]
@@ -122,60 +152,45 @@ def test_least_recently_used_blocks_are_evicted_last_blocks_first(model):
   assert len(cache.match(b, 32)) == 0 and len(cache.match(a, 48)) == 2
   assert cache.stats.evictions == 3
   assert len(cache.store(block_hashes(RNG.integers(0, 500, 96).tolist()))) == 4  # room cut
-  # Through the engine: a pool of 3 blocks holds one 48-token prompt's blocks at a time.
-  engine = _engine(model, num_prefix_cache_blocks=3)
+  # Through the engine: its pool of 6 blocks holds two 48-token prompts' blocks.
+  engine = engines["on"]
+  engine.reset_prefix_cache()
   greedy = je.SamplingParams(temperature=0, max_tokens=2)
-  x = PREFIX + OWN[2]
-  y = x[::-1]
-  expected = _run(_engine(model, enable_prefix_caching=False), [x, y, x], [greedy])
-  assert_same_outputs(_run(engine, [x, y, x], [greedy]), expected)
-  stats = engine.prefix_cache_stats
-  assert (stats.hits, stats.evictions, stats.stored_blocks) == (0, 6, 3)
+  x = PREFIX + OWN[1]
+  prompts = [x, x[::-1], x[1:] + x[:1], x, x[::-1]]
+  expected = _run(engines["off"], prompts, [greedy])
+  before = _counts(engine)
+  assert_same_outputs(_run(engine, prompts, [greedy]), expected)
+  # The third evicts the first's blocks (least recently used), the first then the second's, the
+  # second the third's.
+  assert _counts(engine, before)[2:4] == (0, 9)
 
 
-def test_load_weights_empties_the_cache(model):
-  engine = _engine(model)
-  prompts, greedy = (
-    [PREFIX + OWN[0], PREFIX + OWN[5]],
-    je.SamplingParams(temperature=0, max_tokens=8),
-  )
-  before = _run(engine, prompts, [greedy])
-  assert engine.prefix_cache_stats.hits == 32
+def test_load_weights_empties_the_cache(model, engines):
+  off, on = engines["off"], engines["on"]
+  prompts = [PREFIX + OWN[0], PREFIX + OWN[5]]
+  greedy = je.SamplingParams(temperature=0, max_tokens=8)
+  on.reset_prefix_cache()
+  before = _counts(on)
+  old = _run(on, prompts, [greedy])
+  assert _counts(on, before)[2] == 32
   embed = np.asarray(model.embed[...])
-  new = {"model.embed_tokens.weight": RNG.standard_normal(embed.shape).astype(np.float32)}
-  engine.load_weights(new)
-  after = _run(engine, prompts, [greedy])
-  fresh = _engine(model, enable_prefix_caching=False)
-  fresh.load_weights(new)
-  assert_same_outputs(after, _run(fresh, prompts, [greedy]))
-  assert after[0].outputs[0].token_ids != before[0].outputs[0].token_ids
-  stats = engine.prefix_cache_stats
-  assert stats.resets == 1 and stats.hits == 32 + 32  # the second prompt hit the first's only
-
-
-def test_compiles_are_bounded_and_steady(model, tokenizer, compile_counter):
-  engine = _engine(model, tokenizer, max_model_len=64)
-  runner = engine.runner
-  assert (runner.row_buckets, runner.length_buckets) == ([1, 2, 4], [16, 32, 64])
-  assert runner.prefix_cache is not None and runner.prefix_cache.copy_buckets == [8, 16]
-  prompts = [p[:60] for p in PROMPTS]
-  mixes = MIXES
-  compile_counter.reset()
-  expected = _run(engine, prompts, mixes)
-  _run(engine, prompts, mixes, arrive_while_running=False)
-  # Prefill per row bucket: a (length, attention >= length) pair of {16, 32, 64}: 6, and 3 with
-  # prompt logprobs (from position 0); decode per row bucket (attention {64}); block loads and
-  # stores per copy bucket; the batch's row write, row move and metadata refresh.
-  assert compile_counter.count <= 3 * (6 + 3) + 3 + 2 * 2 + 3
-  compile_counter.reset()
-  for arrive in (True, False, True):
-    engine.reset_prefix_cache()
-    assert_same_outputs(_run(engine, prompts, mixes, arrive_while_running=arrive), expected)
-  assert compile_counter.count == 0
+  new = RNG.standard_normal(embed.shape).astype(np.float32)
+  try:
+    for engine in (on, off):
+      engine.load_weights({"model.embed_tokens.weight": new})
+    got = _run(on, prompts, [greedy])
+    assert_same_outputs(got, _run(off, prompts, [greedy]))
+    assert got[0].outputs[0].token_ids != old[0].outputs[0].token_ids
+    # Emptied: the second prompt hit only the first's blocks again.
+    assert _counts(on, before)[2:] == (32 + 32, 0, 1)
+  finally:
+    for engine in (on, off):
+      engine.load_weights({"model.embed_tokens.weight": embed})
 
 
 def test_bad_options_are_refused_by_name(model):
   with pytest.raises(ValueError, match="num_prefix_cache_blocks must be an int >= 1, got 0"):
-    _engine(model, num_prefix_cache_blocks=0)
-  off = _engine(model, enable_prefix_caching=False)
+    LLMEngine(model, num_prefix_cache_blocks=0)
+  off = LLMEngine(model, max_num_reqs=1, max_model_len=16, enable_prefix_caching=False)
   assert off.prefix_cache_stats is None and off.reset_prefix_cache()

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.engine.prefill import buckets
 from jaxengine.engine.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from jaxengine.engine.requests import Completion
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
@@ -153,12 +154,7 @@ class PrefixPrefill:
   def __init__(self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_call: int) -> None:
     self.index = PrefixCache(num_blocks)
     self.pool = create_pool(spec, num_blocks)
-    size, self.copy_buckets = min(MIN_COPY_BUCKET, max_blocks_per_call), []
-    while True:
-      self.copy_buckets.append(size)
-      if size >= max_blocks_per_call:
-        break
-      size *= 2
+    self.copy_buckets = buckets(max_blocks_per_call, min(MIN_COPY_BUCKET, max_blocks_per_call))
 
   def prefill(self, runner: Any, completions: Sequence[Completion]) -> dict[str, Any]:
     """Prefills `completions` (each already holds a row) through the cache, in waves; returns
