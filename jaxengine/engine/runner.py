@@ -2,8 +2,8 @@
 
 Everything that runs on the device for the engine goes through here:
 
-- `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last), padded to
-  a (row bucket, length bucket) shape, and returns prompt logprobs for requests that asked;
+- `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last; after a
+  prefix found in the prefix cache, `engine/prefix_prefill.py`), padded to a bucketed shape;
 - `decode()`: one fused executable over a power-of-two bucket of rows holding every live row:
   the model on each row's last token, then the sampler (`jaxengine.sample.sample`), which
   appends the token on device;
@@ -12,8 +12,9 @@ Everything that runs on the device for the engine goes through here:
 
 The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
 jitted with the cache and batch state donated. Compiles are bounded by the buckets: one decode
-per (row bucket, length bucket) reached, one prefill per (row bucket, length bucket) used with and
-without prompt logprobs, plus the batch's row write, row move and metadata refresh.
+per (row bucket, attention bucket), one prefill per (row bucket, length bucket, attention bucket
+>= length: only after a cached prefix) and with prompt logprobs per (row, length) bucket, one
+block load and store per copy bucket, plus the batch's row write, row move and metadata refresh.
 """
 
 from __future__ import annotations
@@ -334,9 +335,8 @@ class ModelRunner:
   def prefill_rows(
     self, completions: Sequence[Completion], starts: Mapping[str, int] | None = None
   ) -> dict[str, LogprobsArrays]:
-    """`prefill` without the prefix cache's lookups: each prompt from `starts[seq_id]` (its
-    cached length, already in the slot) to `prefill_end` when `starts` is given, else from 0 to
-    its last token."""
+    """`prefill` without lookups: each prompt from `starts[seq_id]` (cached, in the slot) to
+    `prefill_end` when `starts` is given, else from 0 to its last token."""
     groups = collections.defaultdict(list)
     prompt_logprobs: dict[str, LogprobsArrays | None] = {}
     for completion in completions:
