@@ -194,3 +194,14 @@ def test_bad_options_are_refused_by_name(model):
     LLMEngine(model, num_prefix_cache_blocks=0)
   off = LLMEngine(model, max_num_reqs=1, max_model_len=16, enable_prefix_caching=False)
   assert off.prefix_cache_stats is None and off.reset_prefix_cache()
+
+
+def test_mesh_and_cli_options(model):
+  mesh = je.make_mesh(1, 1)
+  with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported on a mesh"):
+    LLMEngine(model, max_num_reqs=1, max_model_len=16, mesh=mesh, enable_prefix_caching=True)
+  from jaxengine import cli
+
+  parse = cli.build_parser().parse_args
+  assert parse(["generate", "Hi"]).enable_prefix_caching is None  # the engine's default: on
+  assert parse(["generate", "--no-enable-prefix-caching", "Hi"]).enable_prefix_caching is False
