@@ -164,16 +164,19 @@ class PrefixPrefill:
     pending, out = list(completions), {}
     while pending:
       wave, starts, loads, pending = self._plan_wave(runner, pending, hashes)
-      if loads:
-        block_ids, slots, positions = copy_arrays(
-          loads, self.copy_buckets, 0, runner.kv_cache.num_slots
-        )
-        runner.kv_cache = load_blocks(runner.kv_cache, self.pool, block_ids, slots, positions)
+      for chunk in self._chunks(loads):
+        arrays = copy_arrays(chunk, self.copy_buckets, 0, runner.kv_cache.num_slots)
+        runner.kv_cache = load_blocks(runner.kv_cache, self.pool, *arrays)
       out.update(runner.prefill_rows(wave, starts))
       self._store(runner, wave, hashes)
     return out
 
-  def _plan_wave(self, runner, pending, hashes):
+  def _chunks(self, copies: list) -> list[list]:
+    """Copies in calls of at most the largest copy bucket."""
+    size = self.copy_buckets[-1]
+    return [copies[i : i + size] for i in range(0, len(copies), size)]
+
+  def _plan_wave(self, runner: Any, pending: list[Completion], hashes: dict[str, list[bytes]]):
     """Which pending completions prefill now, from which position, after which block loads."""
     wave, deferred, starts, loads = [], [], {}, []
     produced: set[bytes] = set()
@@ -196,7 +199,7 @@ class PrefixPrefill:
       loads += [(block, slot, i) for i, block in enumerate(blocks)]
     return wave, starts, loads, deferred
 
-  def _store(self, runner, wave, hashes) -> None:
+  def _store(self, runner: Any, wave: list[Completion], hashes: dict[str, list[bytes]]) -> None:
     """Copies the wave's new full prompt blocks into the pool."""
     writes: dict[int, tuple[int, int]] = {}  # a block reused within the wave: the last owner
     for completion in wave:
@@ -204,7 +207,7 @@ class PrefixPrefill:
       written = prefill_end(completion) // BLOCK_SIZE
       for index, block in self.index.store(hashes[completion.seq_id][:written]):
         writes[block] = (slot, index)
-    if writes:
-      copies = [(block, slot, index) for block, (slot, index) in writes.items()]
-      block_ids, slots, positions = copy_arrays(copies, self.copy_buckets, self.index.num_blocks, 0)
-      self.pool = save_blocks(self.pool, runner.kv_cache, block_ids, slots, positions)
+    copies = [(block, slot, index) for block, (slot, index) in writes.items()]
+    for chunk in self._chunks(copies):
+      arrays = copy_arrays(chunk, self.copy_buckets, self.index.num_blocks, 0)
+      self.pool = save_blocks(self.pool, runner.kv_cache, *arrays)
