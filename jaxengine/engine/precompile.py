@@ -32,14 +32,14 @@ def precompile_buckets(runner: Any, num_decode_steps: int, use_tqdm: bool) -> in
   shapes += [("decode", rows, n) for rows in runner.row_buckets for n in runner.attention_buckets]
   for kind, rows, n in tqdm(shapes, desc="Compiling", disable=not use_tqdm, dynamic_ncols=True):
     if kind == "prefill":
-      length, attention = n if isinstance(n, tuple) else (n, n)  # as `prefill_rows` calls
+      length, longer = n if isinstance(n, tuple) else (n, None)
       runner.kv_cache = runner._prefill(
         runner.weights,
         runner.kv_cache,
         np.zeros((rows, length), np.int32),
         np.full((rows, length), runner.max_model_len, np.int32),
         np.zeros((rows,), np.int32),
-        attention_len=attention,
+        **({} if longer is None else {"attention_len": longer}),  # as `prefill_rows` calls
       )
     elif kind == "copy":  # padding copies only: nothing is written
       drop = np.full((rows,), runner.kv_cache.num_slots, np.int32)

@@ -393,9 +393,9 @@ class ModelRunner:
       positions[i] = start + np.arange(length)
       slots[i] = self.input_batch.cache_slot(completion.seq_id)
     if not wants_logprobs:
-      self.kv_cache = self._prefill(
-        self.weights, self.kv_cache, token_ids, positions, slots, attention_len=attention
-      )
+      longer = {"attention_len": attention} if attention > length else {}  # never on a mesh
+      args = (self.weights, self.kv_cache, token_ids, positions, slots)
+      self.kv_cache = self._prefill(*args, **longer)
       return {}
     self.kv_cache, logprobs = self._prefill_logprobs(
       self.weights, self.kv_cache, token_ids, positions, slots, next_token_ids
