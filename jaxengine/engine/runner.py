@@ -147,9 +147,8 @@ class ModelRunner:
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary that differs from the
       batch's, a `max_model_len` above the model's `max_position_embeddings`, a pool size
-      below 1, prefix caching on a mesh; on a mesh, a
-      tensor-parallel size that does not divide the query heads, or a data-parallel size that
-      does not divide `max_num_reqs`.
+      below 1, prefix caching on a mesh; on a mesh, a tensor-parallel size that does not
+      divide the query heads, or a data-parallel size that does not divide `max_num_reqs`.
   """
 
   def __init__(
