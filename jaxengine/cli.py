@@ -69,7 +69,8 @@ def _speculative_config(text: str) -> dict:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
   """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype,
-  --compilation-cache, --precompile, --num-decode-steps, --speculative-config, --engine-seed.
+  --compilation-cache, --precompile, --num-decode-steps, --speculative-config,
+  --[no-]enable-prefix-caching, --engine-seed.
 
   The counts are checked while parsing, so a bad value is a usage error before any model loads.
   """
@@ -117,6 +118,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     default=None,
     help='n-gram speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
     '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min")',
+  )
+  group.add_argument(
+    "--enable-prefix-caching",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="reuse the cached keys and values of shared prompt prefixes (default: on)",
   )
   group.add_argument(
     "--engine-seed",
@@ -423,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       precompile=args.precompile,
       num_decode_steps=args.num_decode_steps,
       speculative_config=args.speculative_config,
+      enable_prefix_caching=args.enable_prefix_caching,
       logits_processors=args.logits_processor,
     )
   except FileNotFoundError as error:

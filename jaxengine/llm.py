@@ -79,10 +79,11 @@ class LLM:
       `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
     precompile: compile every prefill and decode bucket now (with a progress bar),
       so no request waits for a compile later. Off by default: most runs reach few buckets.
-    num_decode_steps, prefill_once_per_request: see `LLMEngine`.
     speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
       "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
+    num_decode_steps, prefill_once_per_request, enable_prefix_caching,
+    num_prefix_cache_blocks: see `LLMEngine` (prefix caching is on by default, as in vLLM V1).
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -120,6 +121,8 @@ class LLM:
     prefill_once_per_request: bool = True,
     logits_processors: Sequence | None = None,
     speculative_config: Mapping | None = None,
+    enable_prefix_caching: bool | None = None,
+    num_prefix_cache_blocks: int | None = None,
   ):
     batch_key_data(seed)  # a bad seed is refused before the model loads
     t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
@@ -165,6 +168,8 @@ class LLM:
       prefill_once_per_request=prefill_once_per_request,
       logits_processors=logits_processors,
       speculative_config=speculative_config,
+      enable_prefix_caching=enable_prefix_caching,
+      num_prefix_cache_blocks=num_prefix_cache_blocks,
     )
     if precompile:
       self.llm_engine.precompile()
@@ -185,6 +190,8 @@ class LLM:
         `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
         output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
         and ignored, as vLLM does.
+        `ModelRunner.load_weights`. The prefix cache is emptied (its keys and values were
+        computed with the old weights).
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
@@ -192,6 +199,11 @@ class LLM:
         the model is then exactly as it was.
     """
     self.llm_engine.load_weights(weights)
+
+  def reset_prefix_cache(self) -> bool:
+    """Empties the prefix cache (as `load_weights` does); returns True. Counters stay in
+    `llm.llm_engine.prefix_cache_stats`."""
+    return self.llm_engine.reset_prefix_cache()
 
   def get_tokenizer(self) -> Tokenizer | None:
     """The engine's `Tokenizer` (None for a model given without one)."""

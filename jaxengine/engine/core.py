@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import jax
 
 from jaxengine.batch import InputBatch
+from jaxengine.engine.decode import MultiStepOutput
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.requests import Request
-from jaxengine.engine.runner import ModelRunner, MultiStepOutput, bucket
+from jaxengine.engine.runner import ModelRunner, bucket
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.speculative import (
   CROSSOVER_TOKENS,
@@ -90,6 +91,16 @@ class LLMEngine:
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
       runs. Not with `num_decode_steps > 1` or on a mesh. Counters: `spec_decode_stats`.
+    enable_prefix_caching: reuse the keys and values of full 16-token blocks of earlier prompts
+      (running or finished) for prompts that start the same way, instead of computing them again
+      (vLLM's option and hash chain; `engine/prefix_prefill.py`). None (default): on, except on
+      a mesh (not supported there yet). Requests asking for `prompt_logprobs` skip the lookup.
+      The cache is emptied by `load_weights` and `reset_prefix_cache`; `prefix_cache_stats`
+      counts its queries, hits and evictions. Same outputs (logprob values to float32
+      rounding: the cached prefix was computed in another executable).
+    num_prefix_cache_blocks: size of the cache's device pool in 16-token blocks (least recently
+      used blocks are evicted); default a quarter of the KV cache's positions
+      (`max_num_reqs * max_model_len / 4`), at least `max_model_len`.
 
   Raises:
     ValueError: a model that does not implement `Model`, `max_model_len` above the model's
@@ -113,6 +124,8 @@ class LLMEngine:
     prefill_once_per_request: bool = True,
     logits_processors: Sequence | None = None,
     speculative_config=None,
+    enable_prefix_caching: bool | None = None,
+    num_prefix_cache_blocks: int | None = None,
   ):
     check_model(model)
     self.speculative_config = SpeculativeConfig.build(speculative_config)
@@ -148,7 +161,11 @@ class LLMEngine:
       seed=seed,
       logits_processors=logits_processors,
     )
-    self.runner = ModelRunner(model, batch, mesh)
+    if enable_prefix_caching is None:
+      enable_prefix_caching = mesh is None
+    self.runner = ModelRunner(
+      model, batch, mesh, bool(enable_prefix_caching), num_prefix_cache_blocks
+    )
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
     self.structured: StructuredOutputs | None = None
@@ -233,6 +250,16 @@ class LLMEngine:
       ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype.
     """
     self.runner.load_weights(weights)
+
+  def reset_prefix_cache(self) -> bool:
+    """Empties the prefix cache (running requests keep their own copies); returns True."""
+    return self.runner.reset_prefix_cache()
+
+  @property
+  def prefix_cache_stats(self):
+    """`PrefixCacheStats` (requests, queries and hits in tokens, evictions, resets,
+    stored_blocks) since the engine started, or None with prefix caching off."""
+    return self.runner.prefix_cache_stats
 
   def precompile(self, use_tqdm: bool = True) -> int:
     """Compiles every prefill and decode bucket (see `ModelRunner.precompile`); returns how

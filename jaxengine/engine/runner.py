@@ -2,8 +2,8 @@
 
 Everything that runs on the device for the engine goes through here:
 
-- `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last), padded to
-  a (row bucket, length bucket) shape, and returns prompt logprobs for requests that asked;
+- `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last; after a
+  prefix found in the prefix cache, `engine/prefix_prefill.py`), padded to a bucketed shape;
 - `decode()`: one fused executable over a power-of-two bucket of rows holding every live row:
   the model on each row's last token, then the sampler (`jaxengine.sample.sample`), which
   appends the token on device;
@@ -12,30 +12,44 @@ Everything that runs on the device for the engine goes through here:
 
 The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
 jitted with the cache and batch state donated. Compiles are bounded by the buckets: one decode
-per (row bucket, length bucket) reached (and with speculation one verify per such pair), one
-prefill per (row bucket, length bucket) used with and without prompt logprobs, plus the batch's
-row write, row move and metadata refresh.
+per (row bucket, attention bucket) reached (and with speculation one verify per such pair), one
+prefill per (row bucket, length bucket, attention bucket >= length: only after a cached prefix)
+and with prompt logprobs per (row, length) bucket, one block load and store per copy bucket, plus
+the batch's row write, row move and metadata refresh.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxengine import parallel
-from jaxengine.batch import HostSamplerOutput, InputBatch, LogprobsArrays
-from jaxengine.batch.multi_step import HostMultiStepOutput, run_steps
+from jaxengine.batch import InputBatch, LogprobsArrays
+from jaxengine.batch.multi_step import run_steps
+from jaxengine.engine.decode import (
+  MIN_ATTENTION_BUCKET,
+  MIN_LENGTH_BUCKET,
+  DecodeOutput,
+  MultiStepOutput,
+  decode_and_sample,
+)
 from jaxengine.engine.multi_step import decode_steps, device_stop_rules, stop_rule_arrays
 from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.precompile import precompile_buckets
+from jaxengine.engine.prefill import bucket, buckets, prefill_step, prefill_with_prompt_logprobs
+from jaxengine.engine.prefix_cache import PrefixCacheStats
+from jaxengine.engine.prefix_prefill import (
+  BLOCK_SIZE,
+  PrefixPrefill,
+  default_num_blocks,
+  prefill_end,
+)
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
 from jaxengine.engine.verify import pad_rows, verify_and_sample
@@ -50,112 +64,7 @@ from jaxengine.models.weights import (
   replace_leaves,
   state_leaves,
 )
-from jaxengine.sample import gather_logprobs, sample
-
-#: Smallest prefill length bucket, in tokens.
-MIN_LENGTH_BUCKET = 16
-#: Smallest decode attention bucket, in cache positions. Attending to 128 positions costs little
-#: next to reading the weights, and it spares most short generations a second decode compile.
-MIN_ATTENTION_BUCKET = 128
-
-
-def buckets(limit: int, start: int) -> list[int]:
-  """Powers of two from `start`, the last one clipped to `limit`."""
-  sizes = [start]
-  while sizes[-1] < limit:
-    sizes.append(sizes[-1] * 2)
-  sizes[-1] = min(sizes[-1], limit)
-  return sizes
-
-
-def bucket(n: int, sizes: list[int]) -> int:
-  """The smallest of `sizes` holding `n`."""
-  return next(b for b in sizes if b >= n)
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiStepOutput:
-  """Several decode steps on the host.
-
-  Attributes:
-    req_ids: the batch's row ids (`num_reqs`), the order of the arrays below.
-    sampled: per step, the sampler's host output over those rows, and each row's valid steps.
-  """
-
-  req_ids: list[str]
-  sampled: HostMultiStepOutput
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeOutput:
-  """One decode step on the host.
-
-  Attributes:
-    req_ids: the batch's row ids (`num_reqs`), the order of the arrays below.
-    sampled: the sampler's host output over those rows.
-  """
-
-  req_ids: list[str]
-  sampled: HostSamplerOutput
-
-
-# --- pure device functions ---------------------------------------------------------------------
-
-
-def _decode_and_sample(
-  graphdef, state, metadata, weights, kv_cache, attention_len, num_rows, mesh=None
-):
-  """Model forward on each live row's last token, then the sampler: one executable per step.
-
-  On a `mesh` (static) the logits stay sharded over the vocabulary and the sampler reduces them
-  per shard (`jaxengine.sample.sharded`): only per-row summaries cross devices.
-
-  Only the first `num_rows` rows (static, a bucket above `num_reqs`; the batch is condensed, so
-  every live row is among them) are computed, so one request costs about what it costs alone
-  whatever `max_num_reqs` is. `attention_len` (static) is a bucket of cache positions above every
-  live row's length, so a step costs what the longest sequence needs rather than `max_model_len`.
-  """
-  rows_state = state.leading_rows(num_rows)
-  rows_metadata = metadata.leading_rows(num_rows)
-  last = jnp.maximum(rows_state.num_tokens - 1, 0)
-  token_ids = rows_state.token_ids[jnp.arange(num_rows), last]
-  # Rows without a request write nothing: positions >= max_model_len are dropped by the cache.
-  positions = jnp.where(rows_metadata.is_live, last, state.max_model_len)
-  model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(
-    token_ids[:, None],
-    positions[:, None],
-    kv_cache,
-    rows_state.cache_slot,
-    attention_len=attention_len,
-  )
-  logits = model.compute_logits(hidden[:, 0])
-  rows_state, output = sample(rows_state, rows_metadata, logits, mesh=mesh)
-  return state.with_leading_rows(rows_state), output, kv_cache
-
-
-def _prefill(graphdef, weights, kv_cache, token_ids, positions, cache_slots):
-  model = nnx.merge(graphdef, weights)
-  _, kv_cache = model(token_ids, positions, kv_cache, cache_slots, attention_len=token_ids.shape[1])
-  return kv_cache
-
-
-def _prefill_with_prompt_logprobs(
-  graphdef, num_logprobs, weights, kv_cache, token_ids, positions, cache_slots, next_token_ids
-):
-  """Prefill that also returns the raw log-softmax logprobs of each next prompt token
-  (`LogprobsTensors` of `[B, T, num_logprobs + 1]`)."""
-  model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(
-    token_ids, positions, kv_cache, cache_slots, attention_len=token_ids.shape[1]
-  )
-  logits = model.compute_logits(hidden)  # [B, T, V]
-  rows, length, vocab = logits.shape
-  logprobs = gather_logprobs(
-    logits.reshape(rows * length, vocab), next_token_ids.reshape(-1), num_logprobs
-  )
-  return kv_cache, jax.tree.map(lambda a: a.reshape(rows, length, *a.shape[1:]), logprobs)
-
+from jaxengine.params import is_int
 
 # --- the runner --------------------------------------------------------------------------------
 
@@ -173,18 +82,33 @@ class ModelRunner:
       (`jaxengine.parallel.make_mesh`): weights, KV cache and batch state are placed on it once
       here with `jaxengine.parallel`'s partition specs, and every jitted step declares those
       shardings for its inputs and outputs (so serving compiles nothing warm-up did not).
+    enable_prefix_caching: keep full 16-token blocks of prompts in a device pool and copy them
+      into the slots of later prompts that start the same way (`engine/prefix_prefill.py`); not
+      on a mesh.
+    num_prefix_cache_blocks: the pool's size in blocks (default `default_num_blocks`: a quarter
+      of the slot cache's positions).
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary that differs from the
-      batch's, a `max_model_len` above the model's `max_position_embeddings`; on a mesh, a
-      tensor-parallel size that does not divide the query heads, or a data-parallel size that
-      does not divide `max_num_reqs`.
+      batch's, a `max_model_len` above the model's `max_position_embeddings`, a pool size
+      below 1, prefix caching on a mesh; on a mesh, a tensor-parallel size that does not
+      divide the query heads, or a data-parallel size that does not divide `max_num_reqs`.
   """
 
   def __init__(
-    self, model: Model, input_batch: InputBatch, mesh: jax.sharding.Mesh | None = None
+    self,
+    model: Model,
+    input_batch: InputBatch,
+    mesh: jax.sharding.Mesh | None = None,
+    enable_prefix_caching: bool = False,
+    num_prefix_cache_blocks: int | None = None,
   ) -> None:
     check_model(model)
+    if enable_prefix_caching and mesh is not None:
+      raise ValueError("enable_prefix_caching=True is not supported on a mesh yet")
+    num_blocks = num_prefix_cache_blocks
+    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
+      raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
     if model.vocab_size != input_batch.vocab_size:
       raise ValueError(
         f"the model's vocab_size={model.vocab_size} differs from the batch's "
@@ -215,19 +139,20 @@ class ModelRunner:
       input_batch.place_state(self._placement.state)
       jit_args = self._placement.jit_shardings()
     self._decode = jax.jit(
-      functools.partial(_decode_and_sample, self._graphdef, mesh=mesh),
+      functools.partial(decode_and_sample, self._graphdef, mesh=mesh),
       static_argnames=("attention_len", "num_rows"),
       donate_argnames=("state", "kv_cache"),
       **jit_args["decode"],
     )
     self._prefill = jax.jit(
-      functools.partial(_prefill, self._graphdef),
+      functools.partial(prefill_step, self._graphdef),
+      static_argnames=("attention_len",),
       donate_argnames=("kv_cache",),
       **jit_args["prefill"],
     )
     self._prefill_logprobs = jax.jit(
       functools.partial(
-        _prefill_with_prompt_logprobs, self._graphdef, input_batch.state.max_num_logprobs
+        prefill_with_prompt_logprobs, self._graphdef, input_batch.state.max_num_logprobs
       ),
       donate_argnames=("kv_cache",),
       **jit_args["prefill_logprobs"],
@@ -252,6 +177,11 @@ class ModelRunner:
     )
     # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
     self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
+    self.prefix_cache: PrefixPrefill | None = None
+    if enable_prefix_caching:
+      num_blocks = num_blocks or default_num_blocks(self.max_num_reqs, self.max_model_len)
+      max_copies = self.max_num_reqs * -(-self.max_model_len // BLOCK_SIZE)
+      self.prefix_cache = PrefixPrefill(model.kv_cache_spec, int(num_blocks), max_copies)
 
   @property
   def model(self) -> Model:
@@ -285,7 +215,8 @@ class ModelRunner:
     `jaxengine.models.weights.put`).
 
     Running requests continue with the new weights (their cached keys and values stay as the
-    old weights wrote them, as in vLLM).
+    old weights wrote them, as in vLLM). The prefix cache is emptied: later prompts compute
+    their keys and values with the new weights.
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra state leaf, or
@@ -304,6 +235,18 @@ class ModelRunner:
       grouped = collect_named_weights(weights, self.weight_specs, leaves)
       new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
     self.weights = replace_leaves(self.weights, new)
+    self.reset_prefix_cache()
+
+  def reset_prefix_cache(self) -> bool:
+    """Empties the prefix cache (nothing is pinned, so this always succeeds: True)."""
+    if self.prefix_cache is not None:
+      self.prefix_cache.index.reset()
+    return True
+
+  @property
+  def prefix_cache_stats(self) -> PrefixCacheStats | None:
+    """The prefix cache's counters, or None when it is off."""
+    return None if self.prefix_cache is None else self.prefix_cache.index.stats
 
   # --- composition ------------------------------------------------------------------------------
 
@@ -333,19 +276,32 @@ class ModelRunner:
       completion), `LogprobsArrays` of `[num_prompt_tokens - 1, max_num_logprobs + 1]`:
       the logprobs of prompt tokens `1..`, keyed by request id.
     """
+    if self.prefix_cache is not None:
+      return self.prefix_cache.prefill(self, completions)
+    return self.prefill_rows(completions)
+
+  def prefill_rows(
+    self, completions: Sequence[Completion], starts: Mapping[str, int] | None = None
+  ) -> dict[str, LogprobsArrays]:
+    """`prefill` without lookups: each prompt from `starts[seq_id]` (cached, in the slot) to
+    `prefill_end` when `starts` is given, else from 0 to its last token."""
     groups = collections.defaultdict(list)
     prompt_logprobs: dict[str, LogprobsArrays | None] = {}
     for completion in completions:
-      length = len(completion.request.prompt_token_ids) - 1
+      start = 0 if starts is None else starts[completion.seq_id]
+      end = len(completion.request.prompt_token_ids) - 1
+      end = end if starts is None else prefill_end(completion)
       wants_logprobs = completion.index == 0 and completion.params.prompt_logprobs is not None
-      if length > 0:
-        groups[bucket(length, self.length_buckets), wants_logprobs].append(completion)
+      if end > start:
+        length = bucket(end - start, self.length_buckets)
+        attention = bucket(end, self.length_buckets) if start else length
+        groups[length, attention, wants_logprobs].append((completion, start, end))
       elif wants_logprobs:
         prompt_logprobs[completion.request.request_id] = None
-    for (length, wants_logprobs), group in sorted(groups.items(), key=lambda item: item[0]):
-      for start in range(0, len(group), self.max_num_reqs):
-        chunk = group[start : start + self.max_num_reqs]
-        prompt_logprobs.update(self._prefill_group(chunk, length, wants_logprobs))
+    for (length, attention, wants_logprobs), group in sorted(groups.items(), key=lambda i: i[0]):
+      for first in range(0, len(group), self.max_num_reqs):
+        chunk = group[first : first + self.max_num_reqs]
+        prompt_logprobs.update(self._prefill_group(chunk, length, attention, wants_logprobs))
     return {k: v for k, v in prompt_logprobs.items() if v is not None}
 
   def prefill_once_per_request(
@@ -363,8 +319,13 @@ class ModelRunner:
     return prompt_logprobs
 
   def _prefill_group(
-    self, group: list[Completion], length: int, wants_logprobs: bool
+    self,
+    group: list[tuple[Completion, int, int]],
+    length: int,
+    attention: int,
+    wants_logprobs: bool,
   ) -> dict[str, LogprobsArrays]:
+    """One prefill call: `(completion, start, end)` rows, tokens `start .. end - 1` of each."""
     size = bucket(len(group), self.row_buckets)
     token_ids = np.zeros((size, length), np.int32)
     next_token_ids = np.zeros((size, length), np.int32)
@@ -372,23 +333,24 @@ class ModelRunner:
     # padding rows use max_model_len, where the cache drops writes.
     positions = np.full((size, length), self.max_model_len, np.int32)
     slots = np.zeros((size,), np.int32)
-    for i, completion in enumerate(group):
+    for i, (completion, start, end) in enumerate(group):
       prompt = completion.request.prompt_token_ids
-      n = len(prompt) - 1
-      token_ids[i, :n] = prompt[:-1]
-      next_token_ids[i, :n] = prompt[1:]
-      positions[i] = np.arange(length)
+      token_ids[i, : end - start] = prompt[start:end]
+      following = prompt[start + 1 : end + 1]  # read with prompt logprobs (end < len)
+      next_token_ids[i, : len(following)] = following
+      positions[i] = start + np.arange(length)
       slots[i] = self.input_batch.cache_slot(completion.seq_id)
     if not wants_logprobs:
-      self.kv_cache = self._prefill(self.weights, self.kv_cache, token_ids, positions, slots)
+      longer = {"attention_len": attention} if attention > length else {}  # never on a mesh
+      args = (self.weights, self.kv_cache, token_ids, positions, slots)
+      self.kv_cache = self._prefill(*args, **longer)
       return {}
     self.kv_cache, logprobs = self._prefill_logprobs(
       self.weights, self.kv_cache, token_ids, positions, slots, next_token_ids
     )
     logprobs = jax.device_get(logprobs)
     out = {}
-    for i, completion in enumerate(group):
-      n = len(completion.request.prompt_token_ids) - 1
+    for i, (completion, _, n) in enumerate(group):
       out[completion.request.request_id] = LogprobsArrays(
         token_ids=logprobs.token_ids[i, :n],
         logprobs=logprobs.logprobs[i, :n],

@@ -11,7 +11,12 @@ replaced without recompiling. `jaxengine.models.Llama` implements it; so can you
 
 The cache is yours to use as the model likes (it is a `[L, num_slots, S, K, D]` key and value
 buffer); the engine only allocates it from `kv_cache_spec`, donates it and points each row at its
-slot. Optional: a `weight_specs()` method returning `jaxengine.models.WeightSpec`s names the
+slot. With prefix caching (on by default) it also copies positions between slots and its block
+pool, so what a model writes at `(slot, position)` must depend only on the tokens up to that
+position, and a call whose first position is `p > 0` must attend to the slot's cached positions
+below `p` (the prefill of a prompt's remainder after a cached prefix starts there).
+
+Optional: a `weight_specs()` method returning `jaxengine.models.WeightSpec`s names the
 parameters for `LLM.load_weights` (checkpoint names and layouts); without it the names are the
 dotted NNX paths of the model's state (``"layers.0.attn.wq"``) and tensors are taken whole.
 """

@@ -1,0 +1,55 @@
+"""The runner's prefill steps as pure device functions, and the bucket sizes of every step.
+
+A prefill writes the keys and values of a padded `[B, T]` block of prompt tokens into their rows'
+cache slots. Prompts start at position 0, or after a prefix already in the slot (prefix caching):
+then the call attends to `attention_len` cache positions, a bucket above its last position.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxengine.sample import gather_logprobs
+
+
+def buckets(limit: int, start: int) -> list[int]:
+  """Powers of two from `start`, the last one clipped to `limit`."""
+  sizes = [start]
+  while sizes[-1] < limit:
+    sizes.append(sizes[-1] * 2)
+  sizes[-1] = min(sizes[-1], limit)
+  return sizes
+
+
+def bucket(n: int, sizes: list[int]) -> int:
+  """The smallest of `sizes` holding `n`."""
+  return next(b for b in sizes if b >= n)
+
+
+def prefill_step(
+  graphdef, weights, kv_cache, token_ids, positions, cache_slots, attention_len=None
+):
+  """Writes the keys and values of `token_ids` [B, T]; `attention_len` (static) exceeds every
+  real position (None: T, for prompts from position 0; more after a cached prefix)."""
+  model = nnx.merge(graphdef, weights)
+  attention_len = attention_len or token_ids.shape[1]
+  _, kv_cache = model(token_ids, positions, kv_cache, cache_slots, attention_len=attention_len)
+  return kv_cache
+
+
+def prefill_with_prompt_logprobs(
+  graphdef, num_logprobs, weights, kv_cache, token_ids, positions, cache_slots, next_token_ids
+):
+  """Prefill that also returns the raw log-softmax logprobs of each next prompt token
+  (`LogprobsTensors` of `[B, T, num_logprobs + 1]`)."""
+  model = nnx.merge(graphdef, weights)
+  hidden, kv_cache = model(
+    token_ids, positions, kv_cache, cache_slots, attention_len=token_ids.shape[1]
+  )
+  logits = model.compute_logits(hidden)  # [B, T, V]
+  rows, length, vocab = logits.shape
+  logprobs = gather_logprobs(
+    logits.reshape(rows * length, vocab), next_token_ids.reshape(-1), num_logprobs
+  )
+  return kv_cache, jax.tree.map(lambda a: a.reshape(rows, length, *a.shape[1:]), logprobs)
