@@ -98,6 +98,20 @@ def _generate(engine, prompts, params):
   return prefill[0], total - prefill[0], steps
 
 
+def _median_ms(fns: dict, repeats: int) -> dict[str, float]:
+  """Median ms of each callable over `repeats` calls, after one warm-up call."""
+  times = {}
+  for name, fn in fns.items():
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      samples.append(time.perf_counter() - start)
+    times[name] = statistics.median(samples) * 1e3
+  return times
+
+
 def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   """(sampler ms, fused decode step ms) over the engine's current (full) batch."""
   batch = engine.runner.input_batch
@@ -116,15 +130,7 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   def step():
     engine.step()
 
-  times = {}
-  for name, fn in (("sampler", sampler), ("step", step)):
-    fn()
-    samples = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples.append(time.perf_counter() - start)
-    times[name] = statistics.median(samples) * 1e3
+  times = _median_ms({"sampler": sampler, "step": step}, repeats)
   return times["sampler"], times["step"]
 
 
@@ -267,15 +273,7 @@ def _copy_cost(engine, num_blocks: int, repeats: int = 5) -> None:
     )
     return runner.kv_cache
 
-  times = {}
-  for name, fn in (("load", load), ("save", save), ("prefill", prefill)):
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples.append(time.perf_counter() - start)
-    times[name] = statistics.median(samples) * 1e3
+  times = _median_ms({"load": load, "save": save, "prefill": prefill}, repeats)
   engine.reset_prefix_cache()  # the pool's blocks were overwritten
   spec = runner.model.kv_cache_spec
   block_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_rollout import assert_same_outputs
+from test_rollout import assert_same_outputs, run_engine
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -56,13 +56,7 @@ def engines(model):
 
 
 def _run(engine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=True):
-  for i, prompt in enumerate(prompts):
-    engine.add_request(str(i), prompt, mixes[i % len(mixes)])
-    if arrive_while_running:
-      engine.step()
-  while engine.has_unfinished_requests():
-    engine.step()
-  return sorted(engine.pop_finished(), key=lambda o: int(o.request_id))
+  return run_engine(engine, prompts, mixes, arrive_while_running)
 
 
 def _counts(engine, before=None):

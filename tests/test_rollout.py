@@ -69,7 +69,9 @@ def assert_same_outputs(got, expected):
         )
 
 
-def _run(engine: LLMEngine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=False):
+def run_engine(engine: LLMEngine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=False):
+  """Queues `prompts` (each with the next of `mixes`, stepping after each one if
+  `arrive_while_running`), runs them to the end, returns the outputs in prompt order."""
   for i, prompt in enumerate(prompts):
     engine.add_request(str(i), prompt, mixes[i % len(mixes)])
     if arrive_while_running:
@@ -93,9 +95,9 @@ def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, co
     )
 
   single, multi = engine(1), engine(4)
-  expected = _run(single, arrive_while_running=True)
+  expected = run_engine(single, arrive_while_running=True)
   compile_counter.reset()
-  assert_same_outputs(_run(multi, arrive_while_running=True), expected)
+  assert_same_outputs(run_engine(multi, arrive_while_running=True), expected)
   reasons = {(c.finish_reason, c.stop_reason) for o in expected for c in o.outputs}
   assert {("length", None), ("stop", None)} <= reasons and any(
     isinstance(r, int) for _, r in reasons
@@ -112,10 +114,10 @@ def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, co
   assert compile_counter.count <= 2 * 2 * 2 + 2 * 1 + 3
   # Steady: once all-at-once arrival has been seen too (other prefill shapes), the same
   # arrivals and finishes compile nothing and give the same outputs.
-  assert_same_outputs(_run(multi), expected)
+  assert_same_outputs(run_engine(multi), expected)
   compile_counter.reset()
-  assert_same_outputs(_run(multi, arrive_while_running=True), expected)
-  assert_same_outputs(_run(multi), expected)
+  assert_same_outputs(run_engine(multi, arrive_while_running=True), expected)
+  assert_same_outputs(run_engine(multi), expected)
   assert compile_counter.count == 0
 
 
@@ -136,7 +138,7 @@ def test_stop_strings_and_min_tokens_are_checked_on_the_host_after_the_loop():
   ]
   prompts = [[100, 200, 300], [400, 401], [50, 60, 70, 80]]
   outputs = [
-    _run(
+    run_engine(
       LLMEngine(model, tokenizer, max_num_reqs=2, max_model_len=32, num_decode_steps=k),
       prompts,
       mixes,
@@ -164,7 +166,7 @@ def test_one_prefill_for_the_n_samples_of_a_request(tiny_model):
     engine.runner.prefill = lambda completions, prefill=prefill, rows=rows: (
       rows.append(len(completions)) or prefill(completions)
     )
-    outputs[shared] = _run(engine, prompts, mixes)
+    outputs[shared] = run_engine(engine, prompts, mixes)
     prefilled_rows[shared] = sum(rows)
   assert_same_outputs(outputs[True], outputs[False])
   # Rows 4 + 2 + 3 + (2 + 1 when rows free up): the samples admitted together prefill once.
@@ -181,7 +183,7 @@ def test_precompile_leaves_nothing_to_compile_for_plain_requests(tiny_model, com
   # The last two prompts find the first one's block in the prefix cache (copies, then a prefill
   # attending past its length bucket).
   prompts = [*PROMPTS[:5], [30] * 17, [30] * 16 + [5, 6], [30] * 16 + [7]]
-  _run(engine, prompts, [je.SamplingParams(temperature=0.7, seed=1, max_tokens=5)])
+  run_engine(engine, prompts, [je.SamplingParams(temperature=0.7, seed=1, max_tokens=5)])
   assert engine.prefix_cache_stats.hits == 2 * 16
   # Only the batch's own row write and row move (no prompt logprobs were asked for).
   assert compile_counter.count <= 2
