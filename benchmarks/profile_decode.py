@@ -16,8 +16,11 @@ parts add up to (about) the fused step; what XLA fuses across the parts is the d
 The weight-reading floor: the machine's read bandwidth (a jitted sum over 1 GiB, measured in the
 same run) against the bytes one step must read (every weight once, plus the live KV).
 
+With ``--scaling``: the engine step at a fixed number of live rows (``--batch-sizes``) on engines
+that differ only in ``max_num_reqs`` (the live rows or 64) and ``max_model_len`` (256 or 4096).
+
 Usage:
-  python benchmarks/profile_decode.py [--batch-sizes 1 8 32] [--repeats 20]
+  python benchmarks/profile_decode.py [--batch-sizes 1 8 32] [--repeats 20] [--scaling]
 """
 
 from __future__ import annotations
@@ -158,11 +161,59 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   return Breakdown(batch=batch, parts_ms=parts)
 
 
+SCALING_SHAPES = ((None, 256), (None, 4096), (64, 256))  # (max_num_reqs, max_model_len)
+
+
+def scaling(live_rows: int, repeats: int) -> dict[tuple[int, int], float]:
+  """Median engine-step ms with `live_rows` running requests, one engine per shape.
+
+  The live work is fixed (`live_rows` rows, 100-token prompts, about 110 attended positions); the
+  engines differ only in `max_num_reqs` (``None``: `live_rows`) and `max_model_len`. One step of
+  each engine per round, so load changes hit every shape alike (issue 15: a step must cost what
+  its live rows need, not what the engine could hold).
+  """
+  engines = {}
+  for max_num_reqs, max_model_len in SCALING_SHAPES:
+    shape = (max_num_reqs or live_rows, max_model_len)
+    llm = je.LLM(max_num_reqs=shape[0], max_model_len=max_model_len, compilation_cache=False)
+    engine = llm.llm_engine
+    params = je.SamplingParams(max_tokens=repeats + 8, **CHAT)
+    for row in range(live_rows):
+      engine.add_request(None, list(range(100 + row, 200 + row)), params)
+    for _ in range(3):  # prefill, then two decode steps (compiled for this bucket)
+      engine.step()
+    engines[shape] = engine
+  times: dict[tuple[int, int], list[float]] = {shape: [] for shape in engines}
+  for _ in range(repeats):
+    for shape, engine in engines.items():
+      start = time.perf_counter()
+      engine.step()
+      times[shape].append(time.perf_counter() - start)
+  return {shape: statistics.median(values) * 1e3 for shape, values in times.items()}
+
+
+def print_scaling(live_rows: int, repeats: int) -> None:
+  """One table row per engine shape: step ms and the ratio to the smallest engine."""
+  results = scaling(live_rows, repeats)
+  base = results[(live_rows, 256)]
+  print(f"| live rows | max_num_reqs | max_model_len | engine step ms | vs ({live_rows}, 256) |")
+  print("|---:|---:|---:|---:|---:|")
+  for (max_num_reqs, max_model_len), ms in results.items():
+    print(f"| {live_rows} | {max_num_reqs} | {max_model_len} | {ms:.1f} | {ms / base:.2f}x |")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument(
+    "--scaling", action="store_true", help="step time at fixed live rows across engine shapes"
+  )
   args = parser.parse_args(argv)
+  if args.scaling:
+    for live_rows in args.batch_sizes:
+      print_scaling(live_rows, args.repeats)
+    return
   bandwidth = read_bandwidth_gbs(args.repeats)
   llm = je.LLM(max_num_reqs=32, compilation_cache=False)
   weights_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.llm_engine.runner.weights))
