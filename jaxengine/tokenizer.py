@@ -1,4 +1,5 @@
-"""Tokenizer read from a GGUF file or a Hugging Face directory, plus incremental detokenization.
+"""Tokenizer read from a GGUF file or a Hugging Face directory, plus incremental detokenization
+(`IncrementalDetokenizer`, on the tokenizers library's `DecodeStream`).
 
 A Hugging Face directory's ``tokenizer.json`` (with ``tokenizer_config.json`` and the chat
 template, ``chat_template.jinja`` or the config's ``chat_template``) is read by transformers'
@@ -34,8 +35,6 @@ _USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 # tokenizer.ggml.pre values whose splitting is GPT-2's regex, optionally after single-digit splits.
 _GPT2_PRE = {"default", "gpt2"}
 _DIGITS_THEN_GPT2_PRE = {"smollm"}
-# Tokens of prompt context decoded with the first new tokens (see `IncrementalDetokenizer`).
-_INITIAL_PREFIX_TOKENS = 5
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -263,49 +262,19 @@ class Tokenizer:
     )
     return cast(str, text)
 
-  def decode_incremental(
-    self,
-    token_ids: Sequence[int],
-    prefix_offset: int,
-    read_offset: int,
-    skip_special_tokens: bool = True,
-  ) -> tuple[str, int, int]:
-    """New text produced by the tokens after ``read_offset``, without splitting characters.
-
-    Decodes ``token_ids[prefix_offset:read_offset]`` (text already emitted, kept as context) and
-    ``token_ids[prefix_offset:]``; the difference is the new text. If the new text ends in an
-    incomplete UTF-8 sequence (U+FFFD), nothing is emitted and the offsets stay, so the next
-    token can complete the character.
-
-    Args:
-      token_ids: all token ids of the sequence so far.
-      prefix_offset: start of the context window.
-      read_offset: end of the tokens whose text was already emitted.
-      skip_special_tokens: drop special tokens from the text.
-
-    Returns:
-      ``(new_text, prefix_offset, read_offset)`` with the offsets to pass next time.
-    """
-    prefix_text = self.decode(token_ids[prefix_offset:read_offset], skip_special_tokens)
-    full_text = self.decode(token_ids[prefix_offset:], skip_special_tokens)
-    if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-      return full_text[len(prefix_text) :], read_offset, len(token_ids)
-    return "", prefix_offset, read_offset
-
 
 class IncrementalDetokenizer:
   """Accumulates one sequence's output text as tokens arrive (for streaming and stop strings).
 
-  The last few prompt tokens are decoded together with the first new ones, so tokenizers whose
-  decoding of a token depends on its neighbours still produce the right leading text.
+  A thin holder around `tokenizers.decoders.DecodeStream` (the tokenizers library's streaming
+  decoder, in Rust): it is seeded with the prompt's ids, so tokenizers whose decoding of a token
+  depends on its neighbours produce the right leading text, and it holds back a token that ends
+  inside a multi-byte character until the character is complete (no U+FFFD in the deltas).
 
   Attributes:
     tokenizer: the `Tokenizer`.
-    token_ids: prompt and output token ids so far.
-    num_prompt_tokens: how many of ``token_ids`` are the prompt.
+    num_prompt_tokens: how many prompt tokens seeded the stream.
     output_text: the text of the output tokens emitted so far.
-    prefix_offset: start of the decoding context window in ``token_ids``.
-    read_offset: end of the tokens already turned into ``output_text``.
     skip_special_tokens: whether special tokens are dropped from the text.
   """
 
@@ -320,26 +289,21 @@ class IncrementalDetokenizer:
 
     Args:
       tokenizer: the `Tokenizer`.
-      prompt_token_ids: the prompt; its last few tokens are decoded with the first new ones.
+      prompt_token_ids: the prompt; the stream decodes the first new tokens in its context.
       skip_special_tokens: drop special tokens from the output text.
     """
     self.tokenizer = tokenizer
-    self.token_ids = [int(t) for t in prompt_token_ids]
-    self.num_prompt_tokens = len(self.token_ids)
+    self.num_prompt_tokens = len(prompt_token_ids)
     self.skip_special_tokens = skip_special_tokens
     self.output_text = ""
-    self.read_offset = len(self.token_ids)
-    self.prefix_offset = max(self.read_offset - _INITIAL_PREFIX_TOKENS, 0)
+    self._backend = tokenizer.hf_tokenizer.backend_tokenizer
+    self._stream = decoders.DecodeStream(
+      [int(t) for t in prompt_token_ids], skip_special_tokens=skip_special_tokens
+    )
 
   def add_tokens(self, token_ids: Iterable[int]) -> str:
     """Appends output tokens and returns the text they complete (possibly "")."""
-    new_text = []
-    for token_id in token_ids:
-      self.token_ids.append(int(token_id))
-      text, self.prefix_offset, self.read_offset = self.tokenizer.decode_incremental(
-        self.token_ids, self.prefix_offset, self.read_offset, self.skip_special_tokens
-      )
-      new_text.append(text)
-    delta = "".join(new_text)
+    chunks = [self._stream.step(self._backend, int(token_id)) for token_id in token_ids]
+    delta = "".join(chunk for chunk in chunks if chunk)
     self.output_text += delta
     return delta

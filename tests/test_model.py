@@ -550,3 +550,21 @@ def test_incremental_detokenizer_streams_whole_characters(tokenizer):
   assert "".join(deltas) == detok.output_text == " héllo 日本語 🙂 done"
   assert all("\ufffd" not in d for d in deltas)
   assert "" in deltas  # some multi-byte characters span several tokens and were held back
+
+
+def test_incremental_detokenizer_matches_a_full_decode_of_random_tokens(tokenizer):
+  # Random ordinary tokens (byte-level pieces split characters anywhere): the streamed deltas
+  # concatenate to the one-shot decode, after a prompt as context, token by token or in chunks.
+  from jaxengine.tokenizer import IncrementalDetokenizer
+
+  rng = np.random.default_rng(3)
+  prompt = tokenizer.encode("Answer:")
+  for trial in range(20):
+    ids = rng.integers(100, tokenizer.vocab_size, 12).tolist()
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    chunk = 1 + trial % 3
+    deltas = [detok.add_tokens(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    full = tokenizer.decode(ids)
+    assert "".join(deltas) == detok.output_text
+    assert full.startswith(detok.output_text)
+    assert full == detok.output_text or full.endswith("\ufffd")  # only a cut character held back
