@@ -58,9 +58,9 @@ from jaxengine.sample.spec_history import PositionView, expand_positions
 from jaxengine.sample.spec_probs import Target, draw_exact, recovered, row_at, target_probability
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.step import (
-  _draw_tokens_nan_as_neg_inf,
-  _repair_degenerate_rows,
-  _step_keys,
+  draw_tokens_nan_as_neg_inf,
+  repair_degenerate_rows,
+  row_step_keys,
 )
 
 #: `fold_in` data deriving a position's acceptance key from its draw key (top-p retries use
@@ -96,8 +96,8 @@ def _draw(logits, x, view: PositionView) -> tuple[jax.Array, jax.Array]:
   processed_* logprobs modes, as `sample`'s.
   """
   state, md = view.state, view.metadata
-  drawn, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
-  return _repair_degenerate_rows(logits, x, drawn, row_max, state, md), threshold
+  drawn, threshold, row_max = draw_tokens_nan_as_neg_inf(x, state, md)
+  return repair_degenerate_rows(logits, x, drawn, row_max, state, md), threshold
 
 
 def _accepted(view, target: Target | None, drawn, drafts, num_drafts, draft_probs, accept_u):
@@ -208,7 +208,7 @@ def _verify(logits, x, view: PositionView, inputs: _Inputs):
   """
   rows, num_spec = inputs.drafts.shape
   md = view.metadata
-  step_keys, u = _step_keys(view.state)
+  step_keys, u = row_step_keys(view.state)
   accept_u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT), ()))(
     step_keys
   )

@@ -24,7 +24,7 @@ from jaxengine.sample.filters import Candidates, find_candidates
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
 from jaxengine.sample.processors import nan_as_neg_inf
 from jaxengine.sample.spec_history import PositionView
-from jaxengine.sample.step import _repair_degenerate_rows, _sample_random
+from jaxengine.sample.step import repair_degenerate_rows, sample_random_rows
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +54,7 @@ def _random_target(x, md: SamplingMetadata, step_keys, u, config):
   """`(tokens, Target fields)` for the random rows: `sample`'s draw with the exact cut, and the
   kept mass from the candidates (one exponential pass over the vocabulary only for rows whose
   kept set reaches beyond them, e.g. plain temperature sampling)."""
-  tokens, threshold, row_max = _sample_random(
+  tokens, threshold, row_max = sample_random_rows(
     x, md, step_keys, u, config.candidate_budgets, exact_top_p=True
   )
   candidates = find_candidates(x, md, config.num_candidates)
@@ -101,7 +101,7 @@ def draw_exact(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, 
   )
   target = Target(x=x_random, **fields)  # `x` never leaves a branch: that would cost a copy
   drawn = jnp.where(md.is_greedy, greedy, random)
-  drawn = _repair_degenerate_rows(logits, x, drawn, target.row_max, view.state, md)
+  drawn = repair_degenerate_rows(logits, x, drawn, target.row_max, view.state, md)
   return drawn, target
 
 

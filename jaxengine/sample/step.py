@@ -94,7 +94,7 @@ class SamplerOutput:
   is_appended: jax.Array
 
 
-def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
+def row_step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
   """Each row's key for this step `[R]` and its uniform draw `[R] float32` in [0, 1).
 
   The t-th output token of a request uses `fold_in(request_key, t)`: its stream depends on
@@ -105,7 +105,9 @@ def _step_keys(state: BatchState) -> tuple[jax.Array, jax.Array]:
   return step_keys, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys)
 
 
-def _sample_random(x, md: SamplingMetadata, step_keys, u, budgets: tuple[int, ...], exact_top_p):
+def sample_random_rows(
+  x, md: SamplingMetadata, step_keys, u, budgets: tuple[int, ...], exact_top_p
+):
   """Stages 8-12 for every row.
 
   A row keeps the tokens whose temperature-scaled logit `y = x / T` is `>=` its threshold. With
@@ -157,10 +159,10 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
   )
   random_tokens, threshold, row_max = lax.cond(
     md.any_random,
-    lambda: _sample_random(
+    lambda: sample_random_rows(
       x,
       md,
-      *_step_keys(state),
+      *row_step_keys(state),
       state.config.candidate_budgets,
       exact_top_p=state.config.logprobs_mode.startswith("processed"),
     ),
@@ -169,7 +171,7 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
   return jnp.where(md.is_greedy, greedy_tokens, random_tokens), threshold, row_max
 
 
-def _draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
+def draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
   """`_draw_tokens`, redone with NaN as `-inf` for the rows a NaN logit touched.
 
   The common path never pays for a NaN check over `[R, V]`: a NaN shows itself in the result
@@ -203,7 +205,7 @@ def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
   return blocked_argmax(jnp.where(is_allowed(state), finite, NEG_INF))
 
 
-def _repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: SamplingMetadata):
+def repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: SamplingMetadata):
   """Replaces the tokens of rows whose distribution is undefined (see `sample_step`).
 
   Args:
@@ -260,8 +262,8 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
     # Greedy rows keep `x` bit for bit; random rows draw from, and processed_* logprobs report,
     # the values after these processors (vLLM applies them before its top-k / top-p sampler).
     x = apply_invariant_processors(x, state, md, inverse_temperature(md))
-  tokens, threshold, row_max = _draw_tokens_nan_as_neg_inf(x, state, md)
-  tokens = _repair_degenerate_rows(logits, x, tokens, row_max, state, md)
+  tokens, threshold, row_max = draw_tokens_nan_as_neg_inf(x, state, md)
+  tokens = repair_degenerate_rows(logits, x, tokens, row_max, state, md)
 
   def logprobs_branch():
     mode = config.logprobs_mode
