@@ -60,15 +60,21 @@ def read_bandwidth_gbs(repeats: int) -> float:
 
 def _dense(model, x):
   """The seven projections of every layer on `[B, 1, E]`, chained so none is dead code."""
+
+  def linear(x, w):  # `[..., in]` x `[out, in]` -> `[..., out]`, as the model contracts them
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
   cfg = model.config
   e, h, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   for layer in model.layers:
     attn, mlp = layer.attn, layer.mlp
-    q = x @ attn.wq[...].reshape(e, h * d)
-    k = x @ attn.wk[...].reshape(e, kv * d)
-    v = x @ attn.wv[...].reshape(e, kv * d)
-    x = x + q @ attn.wo[...].reshape(h * d, e) + (k.sum() + v.sum()) * 1e-9
-    x = x + (jax.nn.silu(x @ mlp.w_gate[...]) * (x @ mlp.w_up[...])) @ mlp.w_down[...]
+    q = linear(x, attn.wq[...].reshape(h * d, e))
+    k = linear(x, attn.wk[...].reshape(kv * d, e))
+    v = linear(x, attn.wv[...].reshape(kv * d, e))
+    x = x + linear(q, attn.wo[...].reshape(e, h * d)) + (k.sum() + v.sum()) * 1e-9
+    x = x + linear(
+      jax.nn.silu(linear(x, mlp.w_gate[...])) * linear(x, mlp.w_up[...]), mlp.w_down[...]
+    )
   return x
 
 

@@ -21,6 +21,13 @@ absolute position of each of its tokens; the call writes the new keys/values at
 including its own position. Padding (prefill length buckets) is handled by positions alone: see
 `Llama.__call__`.
 
+Every projection matrix keeps PyTorch's ``nn.Linear`` layout, ``[out, in]`` (``wq`` is
+``[H, D, E]``, ``w_down`` is ``[E, F]``), and is applied by contracting its last (minor)
+dimension, as Hugging Face and GGUF files store it. XLA:CPU runs such matmuls faster at batch > 1:
+measured on a 2-core Xeon, XLA:CPU, the seven projections of all 30 layers of SmolLM2-135M on
+``[B, 1, E]`` took 22.0 / 35.8 / 48.0 ms at B = 1 / 8 / 32, against 21.4 / 38.8 / 60.9 ms with
+``[in, out]`` weights.
+
 Shape letters used in comments: ``B`` batch rows, ``T`` tokens per row in this call, ``S``
 ``max_model_len`` (cache positions per slot), ``H`` query heads, ``K`` key/value heads,
 ``G = H // K`` query heads sharing one key/value head, ``D`` head_dim, ``E`` hidden_size,
@@ -68,6 +75,20 @@ __all__ = [
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
   """Gaussian init with standard deviation ``fan_in ** -0.5`` (keeps activations O(1))."""
   return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, contracting the weight's last dim.
+
+  Args:
+    x: ``[..., in]`` activations.
+    w: ``[out, in]`` weight (a free reshape of the stored parameter).
+
+  Returns:
+    ``[..., out]`` in the promoted dtype of ``x`` and ``w`` (the model dtype), as ``x @ w.T``.
+  """
+  dtype = jnp.result_type(x, w)
+  return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -119,10 +140,10 @@ class Attention(nnx.Module):
   """Grouped-query self-attention over a slot-addressed KV cache.
 
   Attributes:
-    wq: ``[E, H, D]`` query projection.
-    wk: ``[E, K, D]`` key projection.
-    wv: ``[E, K, D]`` value projection.
-    wo: ``[H, D, E]`` output projection.
+    wq: ``[H, D, E]`` query projection (PyTorch ``[out, in]`` layout, as every matrix here).
+    wk: ``[K, D, E]`` key projection.
+    wv: ``[K, D, E]`` value projection.
+    wo: ``[E, H, D]`` output projection.
     bq, bk, bv: ``[H, D]``, ``[K, D]``, ``[K, D]`` projection biases (``attention_bias``), or
       None.
     bo: ``[E]`` output bias (``attention_output_bias``), or None.
@@ -138,10 +159,10 @@ class Attention(nnx.Module):
     )
     self.config = config
     self.dtype = dtype
-    self.wq = nnx.Param(_normal(rngs, (e, h, d), e, dtype))
-    self.wk = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
-    self.wv = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
-    self.wo = nnx.Param(_normal(rngs, (h, d, e), h * d, dtype))
+    self.wq = nnx.Param(_normal(rngs, (h, d, e), e, dtype))
+    self.wk = nnx.Param(_normal(rngs, (k, d, e), e, dtype))
+    self.wv = nnx.Param(_normal(rngs, (k, d, e), e, dtype))
+    self.wo = nnx.Param(_normal(rngs, (e, h, d), h * d, dtype))
     bias = lambda *shape: nnx.Param(jnp.zeros(shape, dtype))
     has_bias = config.attention_bias
     self.bq = bias(h, d) if has_bias else None
@@ -178,12 +199,13 @@ class Attention(nnx.Module):
     """
     cfg = self.config
     b, t, _ = x.shape
-    # Projections as plain 2-D matmuls over row-major weights (the reshapes are free): written as
-    # einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
+    # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free;
+    # see the module docstring for the layout): written as einsums over (h, d), XLA:CPU
+    # transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = (x @ self.wq[...].reshape(e, h * d)).reshape(b, t, h, d)  # [B, T, H, D]
-    k = (x @ self.wk[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
-    v = (x @ self.wv[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
+    q = _linear(x, self.wq[...].reshape(h * d, e)).reshape(b, t, h, d)  # [B, T, H, D]
+    k = _linear(x, self.wk[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
+    v = _linear(x, self.wv[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -220,32 +242,32 @@ class Attention(nnx.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
-    out = out.reshape(b, t, h * d) @ self.wo[...].reshape(h * d, e)  # [B, T, E]
+    out = _linear(out.reshape(b, t, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
     if self.bo is not None:
       out = out + self.bo[...]
     return out, key_cache, value_cache
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward block: ``down(silu(x @ gate) * (x @ up))`` (Shazeer, 2020).
+  """SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))`` (Shazeer, 2020).
 
   Attributes:
-    w_gate: ``[E, F]`` gate projection.
-    w_up: ``[E, F]`` up projection.
-    w_down: ``[F, E]`` down projection.
+    w_gate: ``[F, E]`` gate projection (PyTorch ``[out, in]`` layout, see `Attention`).
+    w_up: ``[F, E]`` up projection.
+    w_down: ``[E, F]`` down projection.
   """
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
-    self.w_gate = nnx.Param(_normal(rngs, (e, f), e, dtype))
-    self.w_up = nnx.Param(_normal(rngs, (e, f), e, dtype))
-    self.w_down = nnx.Param(_normal(rngs, (f, e), f, dtype))
+    self.w_gate = nnx.Param(_normal(rngs, (f, e), e, dtype))
+    self.w_up = nnx.Param(_normal(rngs, (f, e), e, dtype))
+    self.w_down = nnx.Param(_normal(rngs, (e, f), f, dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
-    gate = x @ self.w_gate[...]  # [B, T, F]
-    up = x @ self.w_up[...]  # [B, T, F]
-    return (jax.nn.silu(gate) * up) @ self.w_down[...]
+    gate = _linear(x, self.w_gate[...])  # [B, T, F]
+    up = _linear(x, self.w_up[...])  # [B, T, F]
+    return _linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, E]
 
 
 class DecoderLayer(nnx.Module):
@@ -388,8 +410,8 @@ class Llama(nnx.Module):
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).
 
-    PyTorch ``nn.Linear`` weights are ``(out, in)``: they are transposed into this model's
-    ``(in, ...)`` kernels, and the query/key/value/output matrices reshaped per head. Names:
+    PyTorch ``nn.Linear`` weights are ``(out, in)``, this model's layout too: they are taken
+    as they are, the query/key/value/output matrices reshaped per head. Names:
     ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` (accepted and
     ignored when the embeddings are tied, as Hugging Face does), and per layer ``i`` under
     ``model.layers.{i}.``: ``input_layernorm.weight``, ``post_attention_layernorm.weight``,
@@ -408,35 +430,35 @@ class Llama(nnx.Module):
       WeightSpec("model.norm.weight", ("final_norm", "scale"), None, (e,)),
       WeightSpec("lm_head.weight", None if cfg.tie_word_embeddings else ("lm_head",), None, (v, e)),
     ]
-    # (checkpoint suffix, leaf path under `layers`, checkpoint shape, transposed)
-    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...], bool]] = [
-      ("input_layernorm.weight", ("input_norm", "scale"), (e,), False),
-      ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e), True),
-      ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e), True),
-      ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e), True),
-      ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d), True),
-      ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,), False),
-      ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e), True),
-      ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e), True),
-      ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f), True),
+    # (checkpoint suffix, leaf path under `layers`, checkpoint shape); nothing is transposed
+    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [
+      ("input_layernorm.weight", ("input_norm", "scale"), (e,)),
+      ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e)),
+      ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e)),
+      ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e)),
+      ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d)),
+      ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,)),
+      ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e)),
+      ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e)),
+      ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f)),
     ]
     if cfg.attention_bias:
       per_layer += [
-        ("self_attn.q_proj.bias", ("attn", "bq"), (h * d,), False),
-        ("self_attn.k_proj.bias", ("attn", "bk"), (k * d,), False),
-        ("self_attn.v_proj.bias", ("attn", "bv"), (k * d,), False),
+        ("self_attn.q_proj.bias", ("attn", "bq"), (h * d,)),
+        ("self_attn.k_proj.bias", ("attn", "bk"), (k * d,)),
+        ("self_attn.v_proj.bias", ("attn", "bv"), (k * d,)),
       ]
     if cfg.attention_output_bias:
-      per_layer.append(("self_attn.o_proj.bias", ("attn", "bo"), (e,), False))
+      per_layer.append(("self_attn.o_proj.bias", ("attn", "bo"), (e,)))
     if cfg.qk_norm:
       per_layer += [
-        ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,), False),
-        ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,), False),
+        ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,)),
+        ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,)),
       ]
     for i in range(cfg.num_hidden_layers):
       specs += [
-        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape, transposed)
-        for suffix, path, shape, transposed in per_layer
+        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape)
+        for suffix, path, shape in per_layer
       ]
     return specs
 
