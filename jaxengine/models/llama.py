@@ -47,6 +47,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,19 @@ __all__ = [
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
   """Gaussian init with standard deviation ``fan_in ** -0.5`` (keeps activations O(1))."""
   return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+def _normal_out_in(
+  rngs: nnx.Rngs, out_shape: tuple[int, ...], in_shape: tuple[int, ...], dtype
+) -> jax.Array:
+  """`_normal` init of an ``[*out_shape, *in_shape]`` matrix (fan-in ``prod(in_shape)``).
+
+  Drawn in ``[*in_shape, *out_shape]`` order and transposed, so a seed gives the same model as
+  under the earlier ``[in, out]`` layout (tests pin the outputs of seeded tiny models).
+  """
+  num_in, num_out = math.prod(in_shape), math.prod(out_shape)
+  w = _normal(rngs, (*in_shape, *out_shape), num_in, dtype)
+  return w.reshape(num_in, num_out).T.reshape(*out_shape, *in_shape)
 
 
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -159,10 +173,10 @@ class Attention(nnx.Module):
     )
     self.config = config
     self.dtype = dtype
-    self.wq = nnx.Param(_normal(rngs, (h, d, e), e, dtype))
-    self.wk = nnx.Param(_normal(rngs, (k, d, e), e, dtype))
-    self.wv = nnx.Param(_normal(rngs, (k, d, e), e, dtype))
-    self.wo = nnx.Param(_normal(rngs, (e, h, d), h * d, dtype))
+    self.wq = nnx.Param(_normal_out_in(rngs, (h, d), (e,), dtype))  # [H, D, E]
+    self.wk = nnx.Param(_normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
+    self.wv = nnx.Param(_normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
+    self.wo = nnx.Param(_normal_out_in(rngs, (e,), (h, d), dtype))  # [E, H, D]
     bias = lambda *shape: nnx.Param(jnp.zeros(shape, dtype))
     has_bias = config.attention_bias
     self.bq = bias(h, d) if has_bias else None
@@ -259,9 +273,9 @@ class MLP(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
-    self.w_gate = nnx.Param(_normal(rngs, (f, e), e, dtype))
-    self.w_up = nnx.Param(_normal(rngs, (f, e), e, dtype))
-    self.w_down = nnx.Param(_normal(rngs, (e, f), f, dtype))
+    self.w_gate = nnx.Param(_normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
+    self.w_up = nnx.Param(_normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
+    self.w_down = nnx.Param(_normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
