@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 import jaxengine as je
+from jaxengine.models.layers import linear
 from jaxengine.sample import sample
 
 CHAT = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
@@ -60,10 +61,6 @@ def read_bandwidth_gbs(repeats: int) -> float:
 
 def _dense(model, x):
   """The seven projections of every layer on `[B, 1, E]`, chained so none is dead code."""
-
-  def linear(x, w):  # `[..., in]` x `[out, in]` -> `[..., out]`, as the model contracts them
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
-
   cfg = model.config
   e, h, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   for layer in model.layers:

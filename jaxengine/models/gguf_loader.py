@@ -11,7 +11,7 @@ Two GGUF conventions matter here:
 * The converter from Hugging Face checkpoints permutes the rows of ``attn_q`` and ``attn_k``
   within each head so that rotary pairs are adjacent (``(2i, 2i+1)``, the pairing llama.cpp
   uses). `_unpermute_rotary_rows` puts them back into the half-split order (``(i, i + D/2)``)
-  that `jaxengine.models.llama.rotary_embedding` uses.
+  that `jaxengine.models.layers.rotary_embedding` uses.
 
 Both layouts are the model's own (`jaxengine.models.Llama` keeps ``[out, in]`` matrices), so a
 tensor is only reshaped per head, never transposed.

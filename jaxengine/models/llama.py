@@ -11,9 +11,10 @@ what the relatives differ by:
 - Qwen3: ``qk_norm``, an RMSNorm over each query and key head before the rotary embedding, and an
   explicit ``head_dim`` (``H * D`` need not equal ``E``).
 
-`Llama.weight_specs` names every parameter as Hugging Face checkpoints do (``model.layers.0.
-self_attn.q_proj.weight``, ...): the one mapping used by the safetensors loader and by
-`LLM.load_weights`.
+Its building blocks (the ``[out, in]`` projection, RMSNorm, rotary embedding, initialisation)
+live in `jaxengine.models.layers`. `Llama.weight_specs` names every parameter as Hugging Face
+checkpoints do (``model.layers.0.self_attn.q_proj.weight``, ...): the one mapping used by the
+safetensors loader and by `LLM.load_weights`.
 
 One call serves both prefill and decode. Each row of the batch names a cache slot and gives the
 absolute position of each of its tokens; the call writes the new keys/values at
@@ -47,14 +48,13 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.layers import RMSNorm, linear, normal_init, normal_out_in, rotary_embedding
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
 from jaxengine.models.weights import WeightSpec
 
@@ -71,83 +71,6 @@ __all__ = [
   "rope_frequencies",
   "rotary_embedding",
 ]
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
-  """Gaussian init with standard deviation ``fan_in ** -0.5`` (keeps activations O(1))."""
-  return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
-
-
-def _normal_out_in(
-  rngs: nnx.Rngs, out_shape: tuple[int, ...], in_shape: tuple[int, ...], dtype
-) -> jax.Array:
-  """`_normal` init of an ``[*out_shape, *in_shape]`` matrix (fan-in ``prod(in_shape)``).
-
-  Drawn in ``[*in_shape, *out_shape]`` order and transposed, so a seed gives the same model as
-  under the earlier ``[in, out]`` layout (tests pin the outputs of seeded tiny models).
-  """
-  num_in, num_out = math.prod(in_shape), math.prod(out_shape)
-  w = _normal(rngs, (*in_shape, *out_shape), num_in, dtype)
-  return w.reshape(num_in, num_out).T.reshape(*out_shape, *in_shape)
-
-
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-  """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, contracting the weight's last dim.
-
-  Args:
-    x: ``[..., in]`` activations.
-    w: ``[out, in]`` weight (a free reshape of the stored parameter).
-
-  Returns:
-    ``[..., out]`` in the promoted dtype of ``x`` and ``w`` (the model dtype), as ``x @ w.T``.
-  """
-  dtype = jnp.result_type(x, w)
-  return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
-
-
-def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates pairs of features by position-dependent angles (RoPE).
-
-  Uses the "half-split" pairing of Hugging Face checkpoints: feature ``i`` is paired with feature
-  ``i + D/2``, and the pair is rotated by ``position * inv_freq[i]``. GGUF files store the
-  query/key projections with rows permuted for the interleaved pairing ``(2i, 2i+1)``; the GGUF
-  loader undoes that permutation so both sources share this convention.
-
-  Args:
-    x: ``[B, T, N, D]`` queries or keys (any float dtype).
-    positions: ``[B, T] int32`` absolute positions.
-    inv_freq: ``[D/2]`` host array of angles per position (`rope_frequencies`).
-
-  Returns:
-    ``[B, T, N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
-  """
-  # A host constant, so it folds into the executable instead of being a traced input.
-  inv_freq = np.asarray(inv_freq, np.float32)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [B, T, N, D/2]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-  """Root-mean-square normalisation with a learned per-feature scale, computed in float32.
-
-  ``y = x / sqrt(mean(x**2) + eps) * scale`` (Zhang & Sennrich, 2019). The scale is kept in
-  float32 whatever the model dtype; the result is cast back to the input dtype.
-  """
-
-  def __init__(self, dim: int, *, eps: float):
-    """Args: dim: feature width. eps: added to the mean square."""
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-    self.eps = eps
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Normalises ``[..., dim]`` and returns the same shape and dtype."""
-    x32 = x.astype(jnp.float32)
-    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(mean_square + self.eps) * self.scale[...]).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -173,10 +96,10 @@ class Attention(nnx.Module):
     )
     self.config = config
     self.dtype = dtype
-    self.wq = nnx.Param(_normal_out_in(rngs, (h, d), (e,), dtype))  # [H, D, E]
-    self.wk = nnx.Param(_normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
-    self.wv = nnx.Param(_normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
-    self.wo = nnx.Param(_normal_out_in(rngs, (e,), (h, d), dtype))  # [E, H, D]
+    self.wq = nnx.Param(normal_out_in(rngs, (h, d), (e,), dtype))  # [H, D, E]
+    self.wk = nnx.Param(normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
+    self.wv = nnx.Param(normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
+    self.wo = nnx.Param(normal_out_in(rngs, (e,), (h, d), dtype))  # [E, H, D]
     bias = lambda *shape: nnx.Param(jnp.zeros(shape, dtype))
     has_bias = config.attention_bias
     self.bq = bias(h, d) if has_bias else None
@@ -213,13 +136,12 @@ class Attention(nnx.Module):
     """
     cfg = self.config
     b, t, _ = x.shape
-    # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free;
-    # see the module docstring for the layout): written as einsums over (h, d), XLA:CPU
-    # transposed `wo` into a new buffer on every call.
+    # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free):
+    # written as einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = _linear(x, self.wq[...].reshape(h * d, e)).reshape(b, t, h, d)  # [B, T, H, D]
-    k = _linear(x, self.wk[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
-    v = _linear(x, self.wv[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
+    q = linear(x, self.wq[...].reshape(h * d, e)).reshape(b, t, h, d)  # [B, T, H, D]
+    k = linear(x, self.wk[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
+    v = linear(x, self.wv[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -256,7 +178,7 @@ class Attention(nnx.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
-    out = _linear(out.reshape(b, t, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
+    out = linear(out.reshape(b, t, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
     if self.bo is not None:
       out = out + self.bo[...]
     return out, key_cache, value_cache
@@ -273,15 +195,15 @@ class MLP(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
-    self.w_gate = nnx.Param(_normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
-    self.w_up = nnx.Param(_normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
-    self.w_down = nnx.Param(_normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
+    self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
+    self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
+    self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
-    gate = _linear(x, self.w_gate[...])  # [B, T, F]
-    up = _linear(x, self.w_up[...])  # [B, T, F]
-    return _linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, E]
+    gate = linear(x, self.w_gate[...])  # [B, T, F]
+    up = linear(x, self.w_up[...])  # [B, T, F]
+    return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, E]
 
 
 class DecoderLayer(nnx.Module):
@@ -334,14 +256,14 @@ class Llama(nnx.Module):
     self.config = config
     self.dtype = dtype
     e, v = config.hidden_size, config.vocab_size
-    self.embed = nnx.Param(_normal(rngs, (v, e), e, dtype))
+    self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
 
     self.layers = nnx.List(
       [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
     )
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
     self.lm_head = (
-      None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
+      None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
 
   @property
