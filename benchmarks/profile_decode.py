@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 import jaxengine as je
+from jaxengine.models.layers import linear
 from jaxengine.sample import sample
 
 CHAT = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
@@ -67,11 +68,13 @@ def _dense(model, x):
   e, h, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   for layer in model.layers:
     attn, mlp = layer.attn, layer.mlp
-    q = x @ attn.wq[...].reshape(e, h * d)
-    k = x @ attn.wk[...].reshape(e, kv * d)
-    v = x @ attn.wv[...].reshape(e, kv * d)
-    x = x + q @ attn.wo[...].reshape(h * d, e) + (k.sum() + v.sum()) * 1e-9
-    x = x + (jax.nn.silu(x @ mlp.w_gate[...]) * (x @ mlp.w_up[...])) @ mlp.w_down[...]
+    q = linear(x, attn.wq[...].reshape(h * d, e))
+    k = linear(x, attn.wk[...].reshape(kv * d, e))
+    v = linear(x, attn.wv[...].reshape(kv * d, e))
+    x = x + linear(q, attn.wo[...].reshape(e, h * d)) + (k.sum() + v.sum()) * 1e-9
+    x = x + linear(
+      jax.nn.silu(linear(x, mlp.w_gate[...])) * linear(x, mlp.w_up[...]), mlp.w_down[...]
+    )
   return x
 
 

@@ -11,13 +11,13 @@ replicated instead):
 ============================  =====================  ==========================================
 array                         shape                  spec
 ============================  =====================  ==========================================
-``wq``                        ``[E, H, D]``          ``P(None, "model", None)``  (query heads)
-``wk``, ``wv``                ``[E, K, D]``          ``P(None, "model", None)``  (kv heads; ``P()``
+``wq``                        ``[H, D, E]``          ``P("model", None, None)``  (query heads)
+``wk``, ``wv``                ``[K, D, E]``          ``P("model", None, None)``  (kv heads; ``P()``
                                                      when ``t`` does not divide ``K``)
 ``bq`` / ``bk``, ``bv``       ``[H, D]`` / ``[K, D]``  ``P("model", None)`` as their matrices
-``wo``                        ``[H, D, E]``          ``P("model", None, None)``  (its input)
-``w_gate``, ``w_up``          ``[E, F]``             ``P(None, "model")``  (intermediate)
-``w_down``                    ``[F, E]``             ``P("model", None)``  (its input)
+``wo``                        ``[E, H, D]``          ``P(None, "model", None)``  (its input)
+``w_gate``, ``w_up``          ``[F, E]``             ``P("model", None)``  (intermediate)
+``w_down``                    ``[E, F]``             ``P(None, "model")``  (its input)
 ``embed``, ``lm_head``        ``[V, E]``             ``P("model", None)``  (vocabulary)
 norms, ``bo``, others         any                    ``P()``  (replicated)
 KV cache ``key``/``value``    ``[L, R, S, K, D]``    ``P(None, "data", None, "model", None)``
@@ -49,16 +49,16 @@ MODEL = "model"
 
 # Which dimension of each named parameter is split over MODEL (by its last path name).
 _MODEL_DIM = {
-  "wq": 1,
-  "wk": 1,
-  "wv": 1,
+  "wq": 0,
+  "wk": 0,
+  "wv": 0,
   "bq": 0,
   "bk": 0,
   "bv": 0,
-  "wo": 0,
-  "w_gate": 1,
-  "w_up": 1,
-  "w_down": 0,
+  "wo": 1,
+  "w_gate": 0,
+  "w_up": 0,
+  "w_down": 1,
   "embed": 0,
   "lm_head": 0,
 }
@@ -150,7 +150,7 @@ def weight_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int) ->
     name: the parameter's attribute name (``"wq"``, ``"w_down"``, ``"embed"``, ...); an unknown
       name is replicated.
     shape: its shape. For stacked layers (a leading layer axis) the split dimension shifts
-      by the extra rank: a ``[L, E, H, D]`` ``wq`` splits dimension 2.
+      by the extra rank: a ``[L, H, D, E]`` ``wq`` splits dimension 1.
     tensor_parallel_size: `t`.
   """
   if name not in _MODEL_DIM or tensor_parallel_size == 1:

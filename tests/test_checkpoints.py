@@ -385,7 +385,7 @@ def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):
 
   wrong = nnx.state(restored)
   wrong["layers"][1]["mlp"]["w_up"] = nnx.Param(jnp.zeros((64, 7)))
-  with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_up: expected shape \(64, 96\)"):
+  with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_up: expected shape \(96, 64\)"):
     llm.load_weights(wrong)
   partial = nnx.state(restored)
   del partial["layers"][1]["mlp"]

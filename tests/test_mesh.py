@@ -111,7 +111,7 @@ for t, d in [(2, 1), (4, 2)]:  # (2, 2) runs across two processes in test_multih
   specs = (layer["attn"]["wq"][...].sharding.spec, layer["mlp"]["w_down"][...].sharding.spec,
            runner.weights["embed"][...].sharding.spec, runner.kv_cache.key.sharding.spec,
            runner.input_batch.state.token_ids.sharding.spec)
-  split = (P(None, "model", None), P("model", None), P("model", None)) if t > 1 else (P(),) * 3
+  split = (P("model", None, None), P(None, "model"), P("model", None)) if t > 1 else (P(),) * 3
   assert specs[:3] == split, specs
   assert specs[3] == P(None, "data" if d > 1 else None, None, "model" if t == 2 else None, None)
   assert specs[4] == (P("data") if d > 1 else P()), specs

@@ -103,9 +103,9 @@ def reference_logits(model: llama.Llama, token_ids) -> np.ndarray:
     layer = w["layers"][i]
     attn = layer["attn"]
     h = _rms_norm(x, layer["input_norm"]["scale"], cfg.rms_norm_eps)
-    q = _rope(np.einsum("te,ehd->thd", h, attn["wq"]), positions, cfg.rope_theta)
-    k = _rope(np.einsum("te,ekd->tkd", h, attn["wk"]), positions, cfg.rope_theta)
-    v = np.einsum("te,ekd->tkd", h, attn["wv"])
+    q = _rope(np.einsum("te,hde->thd", h, attn["wq"]), positions, cfg.rope_theta)
+    k = _rope(np.einsum("te,kde->tkd", h, attn["wk"]), positions, cfg.rope_theta)
+    v = np.einsum("te,kde->tkd", h, attn["wv"])
     # Query head j reads key/value head j // G.
     k = np.repeat(k, cfg.num_queries_per_kv, axis=1)
     v = np.repeat(v, cfg.num_queries_per_kv, axis=1)
@@ -113,11 +113,11 @@ def reference_logits(model: llama.Llama, token_ids) -> np.ndarray:
     scores = np.where(causal, scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    x = x + np.einsum("thd,hde->te", np.einsum("hts,shd->thd", probs, v), attn["wo"])
+    x = x + np.einsum("thd,ehd->te", np.einsum("hts,shd->thd", probs, v), attn["wo"])
     h = _rms_norm(x, layer["post_attention_norm"]["scale"], cfg.rms_norm_eps)
     mlp = layer["mlp"]
-    gate = h @ mlp["w_gate"]
-    x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["w_up"])) @ mlp["w_down"]
+    gate = h @ mlp["w_gate"].T  # weights are [out, in]
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["w_up"].T)) @ mlp["w_down"].T
   x = _rms_norm(x, w["final_norm"]["scale"], cfg.rms_norm_eps)
   return x @ (w["embed"] if w.get("lm_head") is None else w["lm_head"]).T
 
@@ -366,13 +366,13 @@ def _write_gguf(path, model: llama.Llama, qtype: gguf.GGMLQuantizationType) -> N
     attn, mlp = layer["attn"], layer["mlp"]
     add(f"blk.{i}.attn_norm.weight", layer["input_norm"]["scale"], quantize=False)
     add(f"blk.{i}.ffn_norm.weight", layer["post_attention_norm"]["scale"], quantize=False)
-    add(f"blk.{i}.attn_q.weight", rotary_permute(attn["wq"].reshape(e, h * d).T, h))
-    add(f"blk.{i}.attn_k.weight", rotary_permute(attn["wk"].reshape(e, k * d).T, k))
-    add(f"blk.{i}.attn_v.weight", attn["wv"].reshape(e, k * d).T)
-    add(f"blk.{i}.attn_output.weight", attn["wo"].reshape(h * d, e).T)
-    add(f"blk.{i}.ffn_gate.weight", mlp["w_gate"].T)
-    add(f"blk.{i}.ffn_up.weight", mlp["w_up"].T)
-    add(f"blk.{i}.ffn_down.weight", mlp["w_down"].T)
+    add(f"blk.{i}.attn_q.weight", rotary_permute(attn["wq"].reshape(h * d, e), h))
+    add(f"blk.{i}.attn_k.weight", rotary_permute(attn["wk"].reshape(k * d, e), k))
+    add(f"blk.{i}.attn_v.weight", attn["wv"].reshape(k * d, e))
+    add(f"blk.{i}.attn_output.weight", attn["wo"].reshape(e, h * d))
+    add(f"blk.{i}.ffn_gate.weight", mlp["w_gate"])
+    add(f"blk.{i}.ffn_up.weight", mlp["w_up"])
+    add(f"blk.{i}.ffn_down.weight", mlp["w_down"])
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()

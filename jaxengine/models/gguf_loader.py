@@ -11,7 +11,10 @@ Two GGUF conventions matter here:
 * The converter from Hugging Face checkpoints permutes the rows of ``attn_q`` and ``attn_k``
   within each head so that rotary pairs are adjacent (``(2i, 2i+1)``, the pairing llama.cpp
   uses). `_unpermute_rotary_rows` puts them back into the half-split order (``(i, i + D/2)``)
-  that `jaxengine.models.llama.rotary_embedding` uses.
+  that `jaxengine.models.layers.rotary_embedding` uses.
+
+Both layouts are the model's own (`jaxengine.models.Llama` keeps ``[out, in]`` matrices), so a
+tensor is only reshaped per head, never transposed.
 """
 
 from __future__ import annotations
@@ -192,23 +195,23 @@ def _weights_from_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> dict:
     return _dequantize(tensors[name])
 
   def layer(i: int) -> dict:
-    # nn.Linear-style (out, in) arrays become this model's (in, ...) kernels.
+    # nn.Linear-style (out, in) arrays, this model's layout too: only reshaped per head.
     def blk(suffix: str) -> np.ndarray:
       return get(f"blk.{i}.{suffix}")
 
     return {
       "input_norm": {"scale": blk("attn_norm.weight")},
       "attn": {
-        "wq": _unpermute_rotary_rows(blk("attn_q.weight"), h).T.reshape(e, h, d),
-        "wk": _unpermute_rotary_rows(blk("attn_k.weight"), k).T.reshape(e, k, d),
-        "wv": blk("attn_v.weight").T.reshape(e, k, d),
-        "wo": blk("attn_output.weight").T.reshape(h, d, e),
+        "wq": _unpermute_rotary_rows(blk("attn_q.weight"), h).reshape(h, d, e),
+        "wk": _unpermute_rotary_rows(blk("attn_k.weight"), k).reshape(k, d, e),
+        "wv": blk("attn_v.weight").reshape(k, d, e),
+        "wo": blk("attn_output.weight").reshape(e, h, d),
       },
       "post_attention_norm": {"scale": blk("ffn_norm.weight")},
       "mlp": {
-        "w_gate": blk("ffn_gate.weight").T,
-        "w_up": blk("ffn_up.weight").T,
-        "w_down": blk("ffn_down.weight").T,
+        "w_gate": blk("ffn_gate.weight"),
+        "w_up": blk("ffn_up.weight"),
+        "w_down": blk("ffn_down.weight"),
       },
     }
 

@@ -11,15 +11,23 @@ what the relatives differ by:
 - Qwen3: ``qk_norm``, an RMSNorm over each query and key head before the rotary embedding, and an
   explicit ``head_dim`` (``H * D`` need not equal ``E``).
 
-`Llama.weight_specs` names every parameter as Hugging Face checkpoints do (``model.layers.0.
-self_attn.q_proj.weight``, ...): the one mapping used by the safetensors loader and by
-`LLM.load_weights`.
+Its building blocks (the ``[out, in]`` projection, RMSNorm, rotary embedding, initialisation)
+live in `jaxengine.models.layers`. `Llama.weight_specs` names every parameter as Hugging Face
+checkpoints do (``model.layers.0.self_attn.q_proj.weight``, ...): the one mapping used by the
+safetensors loader and by `LLM.load_weights`.
 
 One call serves both prefill and decode. Each row of the batch names a cache slot and gives the
 absolute position of each of its tokens; the call writes the new keys/values at
 ``(slot, position)`` and every query attends to the cached positions of its own slot up to and
 including its own position. Padding (prefill length buckets) is handled by positions alone: see
 `Llama.__call__`.
+
+Every projection matrix keeps PyTorch's ``nn.Linear`` layout, ``[out, in]`` (``wq`` is
+``[H, D, E]``, ``w_down`` is ``[E, F]``), and is applied by contracting its last (minor)
+dimension, as Hugging Face and GGUF files store it. XLA:CPU runs such matmuls faster at batch > 1:
+measured on a 2-core Xeon, XLA:CPU, the seven projections of all 30 layers of SmolLM2-135M on
+``[B, 1, E]`` took 22.0 / 35.8 / 48.0 ms at B = 1 / 8 / 32, against 21.4 / 38.8 / 60.9 ms with
+``[in, out]`` weights.
 
 Shape letters used in comments: ``B`` batch rows, ``T`` tokens per row in this call, ``S``
 ``max_model_len`` (cache positions per slot), ``H`` query heads, ``K`` key/value heads,
@@ -43,10 +51,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.layers import RMSNorm, linear, normal_init, normal_out_in, rotary_embedding
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
 from jaxengine.models.weights import WeightSpec
 
@@ -65,64 +73,14 @@ __all__ = [
 ]
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
-  """Gaussian init with standard deviation ``fan_in ** -0.5`` (keeps activations O(1))."""
-  return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
-
-
-def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates pairs of features by position-dependent angles (RoPE).
-
-  Uses the "half-split" pairing of Hugging Face checkpoints: feature ``i`` is paired with feature
-  ``i + D/2``, and the pair is rotated by ``position * inv_freq[i]``. GGUF files store the
-  query/key projections with rows permuted for the interleaved pairing ``(2i, 2i+1)``; the GGUF
-  loader undoes that permutation so both sources share this convention.
-
-  Args:
-    x: ``[B, T, N, D]`` queries or keys (any float dtype).
-    positions: ``[B, T] int32`` absolute positions.
-    inv_freq: ``[D/2]`` host array of angles per position (`rope_frequencies`).
-
-  Returns:
-    ``[B, T, N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
-  """
-  # A host constant, so it folds into the executable instead of being a traced input.
-  inv_freq = np.asarray(inv_freq, np.float32)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [B, T, N, D/2]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-  """Root-mean-square normalisation with a learned per-feature scale, computed in float32.
-
-  ``y = x / sqrt(mean(x**2) + eps) * scale`` (Zhang & Sennrich, 2019). The scale is kept in
-  float32 whatever the model dtype; the result is cast back to the input dtype.
-  """
-
-  def __init__(self, dim: int, *, eps: float):
-    """Args: dim: feature width. eps: added to the mean square."""
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-    self.eps = eps
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Normalises ``[..., dim]`` and returns the same shape and dtype."""
-    x32 = x.astype(jnp.float32)
-    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(mean_square + self.eps) * self.scale[...]).astype(x.dtype)
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention over a slot-addressed KV cache.
 
   Attributes:
-    wq: ``[E, H, D]`` query projection.
-    wk: ``[E, K, D]`` key projection.
-    wv: ``[E, K, D]`` value projection.
-    wo: ``[H, D, E]`` output projection.
+    wq: ``[H, D, E]`` query projection (PyTorch ``[out, in]`` layout, as every matrix here).
+    wk: ``[K, D, E]`` key projection.
+    wv: ``[K, D, E]`` value projection.
+    wo: ``[E, H, D]`` output projection.
     bq, bk, bv: ``[H, D]``, ``[K, D]``, ``[K, D]`` projection biases (``attention_bias``), or
       None.
     bo: ``[E]`` output bias (``attention_output_bias``), or None.
@@ -138,10 +96,10 @@ class Attention(nnx.Module):
     )
     self.config = config
     self.dtype = dtype
-    self.wq = nnx.Param(_normal(rngs, (e, h, d), e, dtype))
-    self.wk = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
-    self.wv = nnx.Param(_normal(rngs, (e, k, d), e, dtype))
-    self.wo = nnx.Param(_normal(rngs, (h, d, e), h * d, dtype))
+    self.wq = nnx.Param(normal_out_in(rngs, (h, d), (e,), dtype))  # [H, D, E]
+    self.wk = nnx.Param(normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
+    self.wv = nnx.Param(normal_out_in(rngs, (k, d), (e,), dtype))  # [K, D, E]
+    self.wo = nnx.Param(normal_out_in(rngs, (e,), (h, d), dtype))  # [E, H, D]
     bias = lambda *shape: nnx.Param(jnp.zeros(shape, dtype))
     has_bias = config.attention_bias
     self.bq = bias(h, d) if has_bias else None
@@ -178,12 +136,12 @@ class Attention(nnx.Module):
     """
     cfg = self.config
     b, t, _ = x.shape
-    # Projections as plain 2-D matmuls over row-major weights (the reshapes are free): written as
-    # einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
+    # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free):
+    # written as einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = (x @ self.wq[...].reshape(e, h * d)).reshape(b, t, h, d)  # [B, T, H, D]
-    k = (x @ self.wk[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
-    v = (x @ self.wv[...].reshape(e, kv * d)).reshape(b, t, kv, d)  # [B, T, K, D]
+    q = linear(x, self.wq[...].reshape(h * d, e)).reshape(b, t, h, d)  # [B, T, H, D]
+    k = linear(x, self.wk[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
+    v = linear(x, self.wv[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -220,32 +178,32 @@ class Attention(nnx.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
-    out = out.reshape(b, t, h * d) @ self.wo[...].reshape(h * d, e)  # [B, T, E]
+    out = linear(out.reshape(b, t, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
     if self.bo is not None:
       out = out + self.bo[...]
     return out, key_cache, value_cache
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward block: ``down(silu(x @ gate) * (x @ up))`` (Shazeer, 2020).
+  """SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))`` (Shazeer, 2020).
 
   Attributes:
-    w_gate: ``[E, F]`` gate projection.
-    w_up: ``[E, F]`` up projection.
-    w_down: ``[F, E]`` down projection.
+    w_gate: ``[F, E]`` gate projection (PyTorch ``[out, in]`` layout, see `Attention`).
+    w_up: ``[F, E]`` up projection.
+    w_down: ``[E, F]`` down projection.
   """
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
-    self.w_gate = nnx.Param(_normal(rngs, (e, f), e, dtype))
-    self.w_up = nnx.Param(_normal(rngs, (e, f), e, dtype))
-    self.w_down = nnx.Param(_normal(rngs, (f, e), f, dtype))
+    self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
+    self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
+    self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
-    gate = x @ self.w_gate[...]  # [B, T, F]
-    up = x @ self.w_up[...]  # [B, T, F]
-    return (jax.nn.silu(gate) * up) @ self.w_down[...]
+    gate = linear(x, self.w_gate[...])  # [B, T, F]
+    up = linear(x, self.w_up[...])  # [B, T, F]
+    return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, E]
 
 
 class DecoderLayer(nnx.Module):
@@ -298,14 +256,14 @@ class Llama(nnx.Module):
     self.config = config
     self.dtype = dtype
     e, v = config.hidden_size, config.vocab_size
-    self.embed = nnx.Param(_normal(rngs, (v, e), e, dtype))
+    self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
 
     self.layers = nnx.List(
       [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
     )
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
     self.lm_head = (
-      None if config.tie_word_embeddings else nnx.Param(_normal(rngs, (v, e), e, dtype))
+      None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
 
   @property
@@ -388,8 +346,8 @@ class Llama(nnx.Module):
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).
 
-    PyTorch ``nn.Linear`` weights are ``(out, in)``: they are transposed into this model's
-    ``(in, ...)`` kernels, and the query/key/value/output matrices reshaped per head. Names:
+    PyTorch ``nn.Linear`` weights are ``(out, in)``, this model's layout too: they are taken
+    as they are, the query/key/value/output matrices reshaped per head. Names:
     ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` (accepted and
     ignored when the embeddings are tied, as Hugging Face does), and per layer ``i`` under
     ``model.layers.{i}.``: ``input_layernorm.weight``, ``post_attention_layernorm.weight``,
@@ -408,35 +366,35 @@ class Llama(nnx.Module):
       WeightSpec("model.norm.weight", ("final_norm", "scale"), None, (e,)),
       WeightSpec("lm_head.weight", None if cfg.tie_word_embeddings else ("lm_head",), None, (v, e)),
     ]
-    # (checkpoint suffix, leaf path under `layers`, checkpoint shape, transposed)
-    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...], bool]] = [
-      ("input_layernorm.weight", ("input_norm", "scale"), (e,), False),
-      ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e), True),
-      ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e), True),
-      ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e), True),
-      ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d), True),
-      ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,), False),
-      ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e), True),
-      ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e), True),
-      ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f), True),
+    # (checkpoint suffix, leaf path under `layers`, checkpoint shape); nothing is transposed
+    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [
+      ("input_layernorm.weight", ("input_norm", "scale"), (e,)),
+      ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e)),
+      ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e)),
+      ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e)),
+      ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d)),
+      ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,)),
+      ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e)),
+      ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e)),
+      ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f)),
     ]
     if cfg.attention_bias:
       per_layer += [
-        ("self_attn.q_proj.bias", ("attn", "bq"), (h * d,), False),
-        ("self_attn.k_proj.bias", ("attn", "bk"), (k * d,), False),
-        ("self_attn.v_proj.bias", ("attn", "bv"), (k * d,), False),
+        ("self_attn.q_proj.bias", ("attn", "bq"), (h * d,)),
+        ("self_attn.k_proj.bias", ("attn", "bk"), (k * d,)),
+        ("self_attn.v_proj.bias", ("attn", "bv"), (k * d,)),
       ]
     if cfg.attention_output_bias:
-      per_layer.append(("self_attn.o_proj.bias", ("attn", "bo"), (e,), False))
+      per_layer.append(("self_attn.o_proj.bias", ("attn", "bo"), (e,)))
     if cfg.qk_norm:
       per_layer += [
-        ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,), False),
-        ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,), False),
+        ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,)),
+        ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,)),
       ]
     for i in range(cfg.num_hidden_layers):
       specs += [
-        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape, transposed)
-        for suffix, path, shape, transposed in per_layer
+        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape)
+        for suffix, path, shape in per_layer
       ]
     return specs
 

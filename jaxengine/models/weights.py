@@ -2,7 +2,7 @@
 
 A checkpoint names its tensors (``model.layers.3.self_attn.q_proj.weight``) and stores them in
 its own layout (a PyTorch ``nn.Linear`` weight is ``(out, in)``); an NNX model holds differently
-shaped leaves (an ``[E, H, D]`` query kernel; a model that scans over layers stacks them as
+shaped leaves (an ``[H, D, E]`` query matrix; a model that scans over layers stacks them as
 ``[L, ...]``). A `WeightSpec` links one named tensor to the leaf, or the layer of a stacked leaf,
 it fills. A model lists its specs with an
 optional `weight_specs()` method (`jaxengine.models.Llama` names its parameters as Hugging Face
@@ -42,7 +42,9 @@ class WeightSpec:
       tensor is the whole leaf.
     shape: the tensor's shape in the checkpoint.
     transpose: the checkpoint stores the transpose of the (reshaped) parameter: a 2-D
-      ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape.
+      ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape (for a
+      model whose kernels are ``(in, out)``; `jaxengine.models.Llama` keeps PyTorch's
+      ``(out, in)`` layout and transposes nothing).
   """
 
   name: str

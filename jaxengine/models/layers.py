@@ -1,0 +1,101 @@
+"""Building blocks of the Llama family: initialisation, the ``[out, in]`` projection, rotary
+embeddings and RMSNorm.
+
+Model-agnostic and dtype-careful: rotations and normalisations run in float32 and return the
+input's dtype. `jaxengine.models.llama` assembles them into a decoder.
+
+References:
+  Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+  Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = ["RMSNorm", "linear", "normal_init", "normal_out_in", "rotary_embedding"]
+
+
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
+  """Gaussian init with standard deviation ``fan_in ** -0.5`` (keeps activations O(1))."""
+  return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+def normal_out_in(
+  rngs: nnx.Rngs, out_shape: tuple[int, ...], in_shape: tuple[int, ...], dtype
+) -> jax.Array:
+  """`normal_init` of an ``[*out_shape, *in_shape]`` matrix (fan-in ``prod(in_shape)``).
+
+  Drawn in ``[*in_shape, *out_shape]`` order and transposed, so a seed gives the same model as
+  under the earlier ``[in, out]`` layout (tests pin the outputs of seeded tiny models).
+  """
+  num_in, num_out = math.prod(in_shape), math.prod(out_shape)
+  w = normal_init(rngs, (*in_shape, *out_shape), num_in, dtype)
+  return w.reshape(num_in, num_out).T.reshape(*out_shape, *in_shape)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, contracting the weight's last dim.
+
+  XLA:CPU runs this faster than ``x @ w`` over an ``[in, out]`` weight at batch > 1 (see
+  `jaxengine.models.llama`); the ``[out, in]`` reshape of a stored parameter is free.
+
+  Args:
+    x: ``[..., in]`` activations.
+    w: ``[out, in]`` weight.
+
+  Returns:
+    ``[..., out]`` in the promoted dtype of ``x`` and ``w`` (as ``x @ w.T``).
+  """
+  dtype = jnp.result_type(x, w)
+  return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates pairs of features by position-dependent angles (RoPE).
+
+  Uses the "half-split" pairing of Hugging Face checkpoints: feature ``i`` is paired with feature
+  ``i + D/2``, and the pair is rotated by ``position * inv_freq[i]``. GGUF files store the
+  query/key projections with rows permuted for the interleaved pairing ``(2i, 2i+1)``; the GGUF
+  loader undoes that permutation so both sources share this convention.
+
+  Args:
+    x: ``[B, T, N, D]`` queries or keys (any float dtype).
+    positions: ``[B, T] int32`` absolute positions.
+    inv_freq: ``[D/2]`` host array of angles per position (`rope_frequencies`).
+
+  Returns:
+    ``[B, T, N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
+  """
+  # A host constant, so it folds into the executable instead of being a traced input.
+  inv_freq = np.asarray(inv_freq, np.float32)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [B, T, N, D/2]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square normalisation with a learned per-feature scale, computed in float32.
+
+  ``y = x / sqrt(mean(x**2) + eps) * scale`` (Zhang & Sennrich, 2019). The scale is kept in
+  float32 whatever the model dtype; the result is cast back to the input dtype.
+  """
+
+  def __init__(self, dim: int, *, eps: float):
+    """Args: dim: feature width. eps: added to the mean square."""
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Normalises ``[..., dim]`` and returns the same shape and dtype."""
+    x32 = x.astype(jnp.float32)
+    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(mean_square + self.eps) * self.scale[...]).astype(x.dtype)
