@@ -165,6 +165,30 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
   np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("t", "kv"), [(1, 1), (1, 3), (1, 4), (1, 5), (3, 3)])
+def test_grouped_query_attention_matches_numpy(t, kv):
+  # Both formulations (flattened heads for a CPU decode step with few key/value heads, grouped
+  # einsums otherwise) against a float64 softmax over each query head's own key/value head.
+  from jaxengine.models.layers import grouped_query_attention
+
+  rng = np.random.default_rng(kv * 10 + t)
+  b, g, d, s = 3, 2, 8, 7
+  q = rng.standard_normal((b, t, kv, g, d)).astype(np.float32)
+  keys = rng.standard_normal((b, s, kv, d)).astype(np.float32)
+  values = rng.standard_normal((b, s, kv, d)).astype(np.float32)
+  visible = np.arange(s)[None, None, :] <= rng.integers(0, s, (b, t))[:, :, None]  # [B, T, S]
+  scores = np.einsum("btkgd,bskd->btkgs", q.astype(np.float64), keys) * 0.3
+  scores = np.where(visible[:, :, None, None], scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  expected = np.einsum("btkgs,bskd->btkgd", probs, values)
+  got = grouped_query_attention(
+    jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(visible), scale=0.3
+  )
+  chex.assert_shape(got, (b, t, kv, g, d))
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("attention_len", [None, 12, 16])
 def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
   _model, cfg, graphdef, weights = tiny

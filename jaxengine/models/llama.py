@@ -54,7 +54,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
-from jaxengine.models.layers import RMSNorm, linear, normal_init, normal_out_in, rotary_embedding
+from jaxengine.models.layers import (
+  RMSNorm,
+  grouped_query_attention,
+  linear,
+  normal_init,
+  normal_out_in,
+  rotary_embedding,
+)
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
 from jaxengine.models.weights import WeightSpec
 
@@ -165,19 +172,13 @@ class Attention(nnx.Module):
     s = keys.shape[1]
 
     q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_queries_per_kv, cfg.head_dim)
-    scores = jnp.einsum(
-      "btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32
-    )  # [B, K, G, T, S] float32
-    scores = scores * cfg.head_dim**-0.5
     # Causal over absolute positions: key position s is visible to a query at position p iff
     # s <= p (and, with a sliding window W, p - s < W).
     key_positions = jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
     visible = key_positions <= positions[:, :, None]  # [B, T, S]
     if cfg.sliding_window is not None:
       visible &= key_positions > positions[:, :, None] - cfg.sliding_window
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values)  # [B, T, K, G, D]
+    out = grouped_query_attention(q, keys, values, visible, scale=cfg.head_dim**-0.5)
     out = linear(out.reshape(b, t, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
     if self.bo is not None:
       out = out + self.bo[...]
