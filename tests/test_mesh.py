@@ -5,10 +5,9 @@ Each test runs in a subprocess because the device count must be set before JAX s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from subprocess_utils import run_python
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -139,20 +138,11 @@ print("ok")
 """
 
 
-def _run(script: str) -> str:
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-    [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stdout
-
-
 def test_sample_step_under_a_mesh_matches_one_device():
-  assert _run(SCRIPT).strip().endswith("ok")
+  assert run_python(SCRIPT).strip().endswith("ok")
 
 
 def test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up():
-  out = _run(ENGINE_SCRIPT)
+  out = run_python(ENGINE_SCRIPT)
   assert out.strip().endswith("ok")
   assert out.count("P(") >= 10  # one line of specs per configuration

@@ -7,9 +7,9 @@ after warm-up) is tests/test_mesh.py's, which now runs this sampler.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
+
+from subprocess_utils import run_python
 
 # Random batches using every feature on a 2 x 2 (data, model) mesh, rows and vocabulary both
 # split: greedy, seeded random, top-k (shallow, both deep lists, beyond them: bisection), top-p,
@@ -86,17 +86,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(script: str) -> str:
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-    [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stdout
-
-
 def test_vocabulary_sharded_sampler_matches_one_device():
-  assert _run(SCRIPT).strip().endswith("ok")
+  assert run_python(SCRIPT).strip().endswith("ok")
 
 
 # SmolLM2 (9 query heads, 3 kv heads, vocabulary 49152 = 3 x 64 blocks of 256) under t = 3 and
@@ -119,13 +110,4 @@ SMOLLM2_SCRIPT = textwrap.dedent("""
 
 def test_smollm2_under_tensor_parallel_3_data_parallel_2_gives_the_fixture_greedy_tokens():
   fixture = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_greedy.json")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-    [sys.executable, "-c", SMOLLM2_SCRIPT, fixture],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=env,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip().endswith("ok")
+  assert run_python(SMOLLM2_SCRIPT, fixture).strip().endswith("ok")
