@@ -351,11 +351,20 @@ def test_capacity_limits_are_inclusive():
   assert b.num_reqs == 4
 
 
-def test_all_vocab_logprobs_need_max_num_logprobs_minus_one():
+def test_all_vocab_logprobs_need_max_num_logprobs_of_the_vocabulary():
   b = make_batch(max_num_logprobs=-1, logprobs_mode="processed_logprobs")
   b.add_request("a", [1], P(logprobs=-1, prompt_logprobs=-1))
   b.add_request("b", [1], P(logprobs=V))
   assert b.num_reqs == 2
+  # As vLLM: -1 counts as V, so a limit of at least V allows it.
+  for limit in (V, V + 5):
+    b = make_batch(max_num_logprobs=limit)
+    b.add_request("a", [1], P(logprobs=-1, prompt_logprobs=-1))
+    out = b.sample(np.zeros((R, V), np.float32))
+    assert out.logprobs.token_ids.shape == (1, V + 1)
+  b = make_batch(max_num_logprobs=V - 1)
+  with pytest.raises(ValueError, match=rf"logprobs=-1 \(the whole vocabulary, {V}\) exceeds"):
+    b.add_request("a", [1], P(logprobs=-1))
 
 
 def test_stop_capacity_counts_eos_once():

@@ -75,9 +75,11 @@ def resolve_num_logprobs(config: BatchConfig, requested: int) -> int:
 def _check_num_logprobs(config: BatchConfig, field: str, requested: int | None) -> None:
   if requested is None or config.max_num_logprobs == -1:
     return
-  if requested == -1 or requested > config.max_num_logprobs:
+  if resolve_num_logprobs(config, requested) > config.max_num_logprobs:  # vLLM's check
+    whole = f" (the whole vocabulary, {config.vocab_size})" if requested == -1 else ""
     raise ValueError(
-      f"{field}={requested} exceeds max_num_logprobs={config.max_num_logprobs} of this batch"
+      f"{field}={requested}{whole} exceeds max_num_logprobs={config.max_num_logprobs} of this "
+      "batch"
     )
 
 
