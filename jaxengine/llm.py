@@ -189,8 +189,7 @@ class LLM:
         placed as the engine's weights are, never through the host. See
         `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
         output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
-        and ignored, as vLLM does.
-        `ModelRunner.load_weights`. The prefix cache is emptied (its keys and values were
+        and ignored, as vLLM does. The prefix cache is emptied (its keys and values were
         computed with the old weights).
 
     Raises:
