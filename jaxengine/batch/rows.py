@@ -81,10 +81,8 @@ def _check_num_logprobs(config: BatchConfig, field: str, requested: int | None) 
     return
   if resolve_num_logprobs(config, requested) > config.max_num_logprobs:  # vLLM's check
     whole = f" (the whole vocabulary, {config.vocab_size})" if requested == -1 else ""
-    raise ValueError(
-      f"{field}={requested}{whole} exceeds max_num_logprobs={config.max_num_logprobs} of this "
-      "batch"
-    )
+    limit = config.max_num_logprobs
+    raise ValueError(f"{field}={requested}{whole} exceeds max_num_logprobs={limit} of this batch")
 
 
 def _check_satisfiable(params: SamplingParams, allowed: set[int], stop_ids: list[int]) -> None:
