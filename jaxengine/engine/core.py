@@ -236,6 +236,18 @@ class LLMEngine:
     """Whether any request is waiting or running."""
     return self.scheduler.has_unfinished()
 
+  def abort_request(self, request_ids: str | Sequence[str]) -> None:
+    """Drops requests, waiting or running, and forgets them (vLLM's name); unknown ids are
+    ignored. `LLM.generate` aborts its own requests when a step raises or it is interrupted, so
+    that later calls do not run them again."""
+    ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+    for completion in self.scheduler.abort(ids):
+      self.runner.remove(completion.seq_id)
+      if self.structured is not None:
+        self.structured.remove(completion.seq_id)
+    for request_id in ids:
+      self._requests.pop(request_id, None)
+
   def pop_finished(self) -> list[RequestOutput]:
     """Returns and forgets every finished request."""
     done = [r for r in self._requests.values() if r.finished]
