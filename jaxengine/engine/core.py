@@ -134,6 +134,12 @@ class LLMEngine:
         "speculative_config works with num_decode_steps=1 on one device, got "
         f"num_decode_steps={num_decode_steps!r}" + (" and a mesh" if mesh is not None else "")
       )
+    k = None if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+    if k is not None and is_int(max_model_len) and k >= max_model_len:  # never verifiable; and
+      raise ValueError(  # each step would allocate and compute k + 1 positions per row
+        f"speculative_config: num_speculative_tokens={k} must be below max_model_len="
+        f"{max_model_len}"
+      )
     if not is_int(num_decode_steps) or num_decode_steps < 1:
       raise ValueError(f"num_decode_steps must be an int >= 1, got {num_decode_steps!r}")
     if num_decode_steps > 1 and mesh is not None:
