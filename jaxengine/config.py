@@ -37,8 +37,9 @@ class BatchConfig:
     max_model_len: `S`, maximum prompt plus output tokens of a request.
     vocab_size: `V`, width of the logits.
     max_num_logprobs: largest `logprobs` / `prompt_logprobs` a request may ask for (vLLM's
-      `max_logprobs`); `-1` allows the whole vocabulary, which makes every step with logprobs a
-      full sort of each row: keep it for small vocabularies or analysis.
+      `max_logprobs`); `-1` (or any value >= `V`) allows the whole vocabulary, which makes
+      every step with logprobs a full sort of each row: keep it for small vocabularies or
+      analysis.
     logprobs_mode: what logprobs report: "raw_logprobs" (log-softmax of the model's logits),
       "raw_logits", "processed_logprobs" or "processed_logits" (after every processor,
       temperature and filter: the distribution the token was drawn from; masked tokens -inf).

@@ -189,8 +189,7 @@ class LLM:
         placed as the engine's weights are, never through the host. See
         `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
         output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
-        and ignored, as vLLM does.
-        `ModelRunner.load_weights`. The prefix cache is emptied (its keys and values were
+        and ignored, as vLLM does. The prefix cache is emptied (its keys and values were
         computed with the old weights).
 
     Raises:
@@ -230,6 +229,9 @@ class LLM:
 
     Raises:
       ValueError: mismatched lengths or any invalid request (nothing is run then).
+
+    If a step raises, or the call is interrupted (Ctrl-C), its requests are aborted before the
+    exception propagates: the next call does not run them again.
     """
     prompts = _as_prompt_list(prompts)
     params = _as_params_list(sampling_params, len(prompts))
@@ -239,11 +241,15 @@ class LLM:
     with tqdm(
       total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True
     ) as progress:
-      while engine.has_unfinished_requests():
-        engine.step()
-        for output in engine.pop_finished():
-          outputs[output.request_id] = output
-          progress.update(1)
+      try:
+        while engine.has_unfinished_requests():
+          engine.step()
+          for output in engine.pop_finished():
+            outputs[output.request_id] = output
+            progress.update(1)
+      except BaseException:  # an error or Ctrl-C: the next call must not run these again
+        engine.abort_request(ids)
+        raise
     return [outputs[i] for i in ids]
 
   def chat(

@@ -85,9 +85,10 @@ class SamplingParams:
       still ends the request (finish_reason "stop"): the grammar allows nothing after its end.
     skip_special_tokens: Drop special tokens when detokenizing (engine level).
     logprobs: Number of top log-probabilities to return per generated token besides the sampled
-      token's own: None (off), `0` (sampled token only), `k > 0`, or `-1` (the whole vocabulary,
-      only when the batch was built with `max_num_logprobs=-1`). `True` means 1 (as in vLLM);
-      `False` is refused (ambiguous: pass None or 0).
+      token's own: None (off), `0` (sampled token only), `0 < k <= V`, or `-1` (the whole
+      vocabulary, counted as `V` against the batch's `max_num_logprobs`, as in vLLM: allowed
+      when that is -1 or at least `V`). `True` means 1 (as in vLLM); `False` is refused
+      (ambiguous: pass None or 0).
     prompt_logprobs: Same, for each prompt token (engine level; computed from the prefill logits,
       always the raw log-softmax whatever the logprobs mode, as in vLLM).
     logit_bias: `{token_id: bias}` added to the logits before penalties; biases must be finite.

@@ -453,6 +453,21 @@ def test_your_own_nnx_model_generates_and_takes_weights():
   assert (_tokens(again), _tokens(again_second)) == (_tokens(first), _tokens(second))
 
 
+def test_numpy_weights_of_new_shapes_compile_nothing(compile_counter):
+  # Shapes no other test uses, so no staging executable of an earlier test hides a compile.
+  model, other = (MeanOfEmbeddings(37, 8, rngs=nnx.Rngs(seed)) for seed in (0, 1))
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  params = je.SamplingParams(temperature=0, max_tokens=4)
+  generate = lambda: _tokens(llm.generate([3, 9, 27], params, use_tqdm=False)[0])
+  before = generate()
+  compile_counter.reset()
+  llm.load_weights({"embed": np.asarray(other.embed[...]), "out": np.asarray(other.out[...])})
+  generate()
+  llm.load_weights(nnx.to_pure_dict(nnx.state(jax.tree.map(np.asarray, nnx.state(model)))))
+  assert generate() == before
+  assert compile_counter.count == 0
+
+
 class MixedMeanOfEmbeddings(MeanOfEmbeddings):
   """The toy model with two mixing matrices stacked in one ``[2, 8, 8]`` leaf, as a model that
   scans over its layers holds them, and checkpoint-style names for its weights."""

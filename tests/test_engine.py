@@ -264,3 +264,32 @@ def test_token_id_prompts_may_be_numpy_arrays():
   assert [o.outputs[0].token_ids for o in two] == [from_list.outputs[0].token_ids] * 2
   with pytest.raises(ValueError, match="integers"):
     llm.generate(np.array([5.0, 6.0]), params, use_tqdm=False)
+
+
+def test_an_interrupted_generate_leaves_no_requests_behind(monkeypatch):
+  model, _config = tiny_llama(vocab_size=64)
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  engine = llm.llm_engine
+  params = je.SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=4)
+  prompts = [[5, 6, 7], [8, 9]]
+  expected = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+  real_step, calls = engine.step, []
+
+  def interrupted_step():
+    calls.append(1)
+    if len(calls) == 3:  # rows running, more samples waiting
+      raise KeyboardInterrupt
+    return real_step()
+
+  monkeypatch.setattr(engine, "step", interrupted_step)
+  with pytest.raises(KeyboardInterrupt):
+    llm.generate(prompts, params, use_tqdm=False)
+  monkeypatch.undo()
+  assert not engine.has_unfinished_requests() and engine.pop_finished() == []
+  assert engine.runner.input_batch.num_reqs == 0
+  again = llm.generate(prompts, params, use_tqdm=False)
+  assert [[c.token_ids for c in o.outputs] for o in again] == expected
+  # abort_request on its own: a queued request is forgotten, an unknown id ignored.
+  request_id = engine.add_request(None, [5, 6], params)
+  engine.abort_request([request_id, "no such id"])
+  assert not engine.has_unfinished_requests()

@@ -190,6 +190,23 @@ def test_bad_options_are_refused_by_name(model):
   assert off.prefix_cache_stats is None and off.reset_prefix_cache()
 
 
+def test_a_pool_too_large_for_the_device_fails_before_the_host_index(model, monkeypatch):
+  # A huge num_prefix_cache_blocks must fail on the device allocation (a clear error), not
+  # build a host free list of that many blocks first (10**9 blocks: the process was killed).
+  from jaxengine.engine import prefix_prefill
+
+  built = []
+  monkeypatch.setattr(prefix_prefill, "PrefixCache", lambda n: built.append(n))
+
+  def create_pool(spec, num_blocks):
+    raise MemoryError(f"{num_blocks} blocks")
+
+  monkeypatch.setattr(prefix_prefill, "create_pool", create_pool)
+  with pytest.raises(MemoryError, match="1000000000 blocks"):
+    LLMEngine(model, max_num_reqs=1, max_model_len=16, num_prefix_cache_blocks=10**9)
+  assert built == []
+
+
 def test_mesh_and_cli_options(model):
   mesh = je.make_mesh(1, 1)
   with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported on a mesh"):

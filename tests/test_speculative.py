@@ -85,6 +85,10 @@ def test_config_defaults_and_engine_refusals(model):
   assert (high.prompt_lookup_max, high.prompt_lookup_min) == (6, 6)
   with pytest.raises(ValueError, match="num_decode_steps=2"):
     LLMEngine(model, num_decode_steps=2, max_model_len=64, speculative_config=SPEC)
+  # More drafts than a sequence can hold: refused before any [rows, k] buffer is made.
+  huge = {"method": "ngram", "num_speculative_tokens": 10**9}
+  with pytest.raises(ValueError, match="num_speculative_tokens=1000000000 must be below"):
+    LLMEngine(model, max_model_len=64, speculative_config=huge)
 
 
 # --- proposer ----------------------------------------------------------------------------------

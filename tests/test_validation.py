@@ -351,11 +351,36 @@ def test_capacity_limits_are_inclusive():
   assert b.num_reqs == 4
 
 
-def test_all_vocab_logprobs_need_max_num_logprobs_minus_one():
+def test_all_vocab_logprobs_need_max_num_logprobs_of_the_vocabulary():
   b = make_batch(max_num_logprobs=-1, logprobs_mode="processed_logprobs")
   b.add_request("a", [1], P(logprobs=-1, prompt_logprobs=-1))
   b.add_request("b", [1], P(logprobs=V))
   assert b.num_reqs == 2
+  # As vLLM: -1 counts as V, so a limit of at least V allows it.
+  for limit in (V, V + 5):
+    b = make_batch(max_num_logprobs=limit)
+    b.add_request("a", [1], P(logprobs=-1, prompt_logprobs=-1))
+    out = b.sample(np.zeros((R, V), np.float32))
+    assert out.logprobs.token_ids.shape == (1, V + 1)
+  b = make_batch(max_num_logprobs=V - 1)
+  with pytest.raises(ValueError, match=rf"logprobs=-1 \(the whole vocabulary, {V}\) exceeds"):
+    b.add_request("a", [1], P(logprobs=-1))
+  for limit in (-1, V + 5):  # more than the vocabulary holds: refused (the host would build
+    b = make_batch(max_num_logprobs=limit)  # a k-long list per token), as vLLM does
+    for field in ("logprobs", "prompt_logprobs"):
+      with pytest.raises(ValueError, match=rf"{field}={V + 1} exceeds the vocabulary size {V}"):
+        b.add_request("a", [1], P(**{field: V + 1}))
+    assert b.num_reqs == 0
+
+
+def test_min_tokens_past_any_reachable_length_is_accepted():
+  b = make_batch()
+  b.add_request("a", [1], P(min_tokens=2**33, max_tokens=None, stop_token_ids=[3]))
+  b.add_request("b", [1], P(min_tokens=2**31 + 3, max_tokens=2**40))
+  logits = np.zeros((R, V), np.float32)
+  logits[:, 3], logits[:, V - 1] = 10.0, 11.0  # a's stop id and EOS, forbidden by min_tokens
+  token_a, token_b = b.sample(logits).sampled_token_ids.tolist()
+  assert token_a not in (3, V - 1) and token_b == 3
 
 
 def test_stop_capacity_counts_eos_once():

@@ -73,12 +73,16 @@ def resolve_num_logprobs(config: BatchConfig, requested: int) -> int:
 
 
 def _check_num_logprobs(config: BatchConfig, field: str, requested: int | None) -> None:
-  if requested is None or config.max_num_logprobs == -1:
+  if requested is None:
     return
-  if requested == -1 or requested > config.max_num_logprobs:
-    raise ValueError(
-      f"{field}={requested} exceeds max_num_logprobs={config.max_num_logprobs} of this batch"
-    )
+  if requested > config.vocab_size:  # as vLLM, whose max_logprobs=-1 means V
+    raise ValueError(f"{field}={requested} exceeds the vocabulary size {config.vocab_size}")
+  if config.max_num_logprobs == -1:
+    return
+  if resolve_num_logprobs(config, requested) > config.max_num_logprobs:  # vLLM's check
+    whole = f" (the whole vocabulary, {config.vocab_size})" if requested == -1 else ""
+    limit = config.max_num_logprobs
+    raise ValueError(f"{field}={requested}{whole} exceeds max_num_logprobs={limit} of this batch")
 
 
 def _check_satisfiable(params: SamplingParams, allowed: set[int], stop_ids: list[int]) -> None:
@@ -191,7 +195,8 @@ def _sampling_fields(config: BatchConfig, params: SamplingParams) -> dict[str, A
     frequency_penalty=f32(params.frequency_penalty),
     repetition_penalty=f32(params.repetition_penalty),
     num_logprobs=np.int32(num_logprobs),
-    min_tokens=np.int32(params.min_tokens),
+    # A row never holds max_model_len outputs: a larger min_tokens means the same (and fits int32).
+    min_tokens=np.int32(min(params.min_tokens, config.max_model_len)),
   )
 
 

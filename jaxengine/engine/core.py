@@ -90,7 +90,8 @@ class LLMEngine:
       as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
-      runs. Not with `num_decode_steps > 1` or on a mesh. Counters: `spec_decode_stats`.
+      runs. Not with `num_decode_steps > 1` or on a mesh; k must be below `max_model_len`.
+      Counters: `spec_decode_stats`.
     enable_prefix_caching: reuse the keys and values of full 16-token blocks of earlier prompts
       (running or finished) for prompts that start the same way, instead of computing them again
       (vLLM's option and hash chain; `engine/prefix_prefill.py`). None (default): on, except on
@@ -133,6 +134,12 @@ class LLMEngine:
       raise ValueError(
         "speculative_config works with num_decode_steps=1 on one device, got "
         f"num_decode_steps={num_decode_steps!r}" + (" and a mesh" if mesh is not None else "")
+      )
+    k = None if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+    if k is not None and is_int(max_model_len) and k >= max_model_len:  # never verifiable; and
+      raise ValueError(  # each step would allocate and compute k + 1 positions per row
+        f"speculative_config: num_speculative_tokens={k} must be below max_model_len="
+        f"{max_model_len}"
       )
     if not is_int(num_decode_steps) or num_decode_steps < 1:
       raise ValueError(f"num_decode_steps must be an int >= 1, got {num_decode_steps!r}")
@@ -235,6 +242,18 @@ class LLMEngine:
   def has_unfinished_requests(self) -> bool:
     """Whether any request is waiting or running."""
     return self.scheduler.has_unfinished()
+
+  def abort_request(self, request_ids: str | Sequence[str]) -> None:
+    """Drops requests, waiting or running, and forgets them (vLLM's name); unknown ids are
+    ignored. `LLM.generate` aborts its own requests when a step raises or it is interrupted, so
+    that later calls do not run them again."""
+    ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+    for completion in self.scheduler.abort(ids):
+      self.runner.remove(completion.seq_id)
+      if self.structured is not None:
+        self.structured.remove(completion.seq_id)
+    for request_id in ids:
+      self._requests.pop(request_id, None)
 
   def pop_finished(self) -> list[RequestOutput]:
     """Returns and forgets every finished request."""

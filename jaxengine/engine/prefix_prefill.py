@@ -155,8 +155,10 @@ class PrefixPrefill:
   """
 
   def __init__(self, spec: KVCacheSpec, num_blocks: int, max_blocks_per_call: int) -> None:
-    self.index = PrefixCache(num_blocks)
+    # The device pool first: a pool too large for the device fails there, with a clear
+    # RESOURCE_EXHAUSTED, before the host index builds a free list of that many blocks.
     self.pool = create_pool(spec, num_blocks)
+    self.index = PrefixCache(num_blocks)
     self.copy_buckets = buckets(max_blocks_per_call, min(MIN_COPY_BUCKET, max_blocks_per_call))
 
   def prefill(self, runner: Any, completions: Sequence[Completion]) -> dict[str, Any]:

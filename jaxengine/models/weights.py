@@ -286,8 +286,10 @@ def put(value, like: jax.Array) -> jax.Array:
 
   A leaf committed to a sharding (an engine on a mesh) gets `value` moved to that sharding. An
   uncommitted leaf (one device, the default) gets an uncommitted array: NumPy is copied to the
-  default device and an uncommitted JAX array is used as it is, so the executables see the same
-  argument signature as before (JAX caches committed and uncommitted arguments apart). A JAX
+  default device (`jax.device_put`, a plain transfer: `jnp.asarray` would compile a small
+  staging executable per new shape) and an uncommitted JAX array is used as it is, so the
+  executables see the same argument signature as before (JAX caches committed and uncommitted
+  arguments apart). A JAX
   array committed to a device (`jax.device_put(x, device)`) stays committed and makes the steps
   compile once more, as any jitted function does when its arguments' placement changes.
   """
@@ -295,7 +297,7 @@ def put(value, like: jax.Array) -> jax.Array:
     value = value.astype(like.dtype)
   if like.committed or (isinstance(value, jax.Array) and value.committed):
     return jax.device_put(value, like.sharding)
-  return jnp.asarray(value)
+  return value if isinstance(value, jax.Array) else jax.device_put(value)
 
 
 def named_weights(model: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
