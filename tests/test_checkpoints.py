@@ -355,6 +355,9 @@ def test_load_weights_refuses_bad_input_and_changes_nothing(qwen2_llm):
     with pytest.raises(ValueError, match=message):
       llm.load_weights(valid + items)
     assert all(a is b for a, b in zip(jax.tree.leaves(runner.weights), before))
+  for not_weights in (5, None, "model.norm.weight"):
+    with pytest.raises(ValueError, match="weights must be a mapping or an iterable"):
+      llm.load_weights(not_weights)  # type: ignore[arg-type]
   assert _run(llm) == baseline
 
 

@@ -186,6 +186,8 @@ def test_load_weights_empties_the_cache(model, engines):
 def test_bad_options_are_refused_by_name(model):
   with pytest.raises(ValueError, match="num_prefix_cache_blocks must be an int >= 1, got 0"):
     LLMEngine(model, num_prefix_cache_blocks=0)
+  with pytest.raises(ValueError, match="enable_prefix_caching must be a bool or None, got 'yes'"):
+    LLMEngine(model, enable_prefix_caching="yes")  # type: ignore[arg-type]
   off = LLMEngine(model, max_num_reqs=1, max_model_len=16, enable_prefix_caching=False)
   assert off.prefix_cache_stats is None and off.reset_prefix_cache()
 
