@@ -458,10 +458,10 @@ class ModelRunner:
 
     Runs each step once on an empty batch (prefill writes go past `max_model_len`, where the
     cache drops them; decode has no live row), which also fills JAX's persistent compilation
-    cache when it is on. Left to compile when first needed (each well under a decode step's
-    compile): prefill with prompt logprobs, and the batch's small row updates (`write_row` when
-    a request joins, `move_rows` when rows condense, the copy of a prompt's cache slot to the
-    other samples of an ``n > 1`` request), since running them here would need dummy requests.
+    cache when it is on. Left to compile when first needed: prefill with prompt logprobs, and
+    the batch's small row updates (`write_row` when a request joins, `move_rows` when rows
+    condense, the copy of a prompt's cache slot to the other samples of an ``n > 1`` request),
+    since running them here would need dummy requests.
 
     Args:
       num_decode_steps: the engine's `k`: the one-step decode for 1, else the `k`-step loop.
