@@ -56,6 +56,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_ms
 
 import jaxengine as je
 from jaxengine.testing import count_compiles
@@ -98,18 +99,9 @@ def _generate(engine, prompts, params):
   return prefill[0], total - prefill[0], steps
 
 
-def _median_ms(fns: dict, repeats: int) -> dict[str, float]:
-  """Median ms of each callable over `repeats` calls, after one warm-up call."""
-  times = {}
-  for name, fn in fns.items():
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples.append(time.perf_counter() - start)
-    times[name] = statistics.median(samples) * 1e3
-  return times
+def sequential_ms(fns: dict, repeats: int) -> dict[str, float]:
+  """Median ms of each callable over `repeats` calls, one callable after the other."""
+  return {name: median_ms(fn, repeats) for name, fn in fns.items()}
 
 
 def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
@@ -130,7 +122,7 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   def step():
     engine.step()
 
-  times = _median_ms({"sampler": sampler, "step": step}, repeats)
+  times = sequential_ms({"sampler": sampler, "step": step}, repeats)
   return times["sampler"], times["step"]
 
 
@@ -273,7 +265,7 @@ def _copy_cost(engine, num_blocks: int, repeats: int = 5) -> None:
     )
     return runner.kv_cache
 
-  times = _median_ms({"load": load, "save": save, "prefill": prefill}, repeats)
+  times = sequential_ms({"load": load, "save": save, "prefill": prefill}, repeats)
   engine.reset_prefix_cache()  # the pool's blocks were overwritten
   spec = runner.model.kv_cache_spec
   block_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim

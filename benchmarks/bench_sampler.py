@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import interleaved_ms, warm
 
 import jaxengine as je
 from jaxengine.testing import CompileCounter, count_compiles
@@ -108,31 +107,13 @@ MIXES = [
 ]
 
 
-def _warm(*fns, times: int = 2) -> None:
-  for fn in fns:
-    for _ in range(times):
-      jax.block_until_ready(fn())
-
-
 def _measure(fns, repeats: int, compiles: CompileCounter) -> tuple[list[float], int]:
   """Warms up (compiles) every function, then returns their interleaved medians in ms and the
   number of compiles seen while timing them."""
-  _warm(*fns)
+  warm(fns, times=2)
   before = compiles.count
-  return _interleaved_ms(fns, repeats, warmup=0), compiles.count - before
-
-
-def _interleaved_ms(fns, repeats: int, warmup: int = 2) -> list[float]:
-  """Median wall time of each function, calling them in turn so that drifts in machine speed
-  (other processes, frequency scaling) touch all of them alike."""
-  _warm(*fns, times=warmup)
-  times = [[] for _ in fns]
-  for _ in range(repeats):
-    for fn, samples in zip(fns, times):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples.append(time.perf_counter() - start)
-  return [statistics.median(samples) * 1e3 for samples in times]
+  times = interleaved_ms(dict(enumerate(fns)), repeats, warmup=0)
+  return list(times.values()), compiles.count - before
 
 
 def _fill(batch: je.InputBatch, mix: str, rng: np.random.Generator) -> None:

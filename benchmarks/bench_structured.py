@@ -27,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_ms
 
 import jaxengine as je
 from jaxengine.engine.structured import StructuredOutputs
@@ -39,16 +40,6 @@ SCHEMA = {
   "required": ["name", "age"],
 }
 R, V = 64, 49152
-
-
-def _median_ms(fn, repeats: int) -> float:
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return 1000 * statistics.median(times)
 
 
 def host_fill(repeats: int) -> dict[int, float]:
@@ -92,11 +83,11 @@ def device_cost(repeats: int) -> tuple[float, float, float]:
     if structured:
       batch.set_grammar_bitmask(bitmask)
 
-    return _median_ms(lambda: batch.run(_step, logits), repeats)  # to_host waits for the step
+    return median_ms(lambda: batch.run(_step, logits), repeats)  # to_host waits for the step
 
   plain, masked = step_ms(False), step_ms(True)
   penalized, both = step_ms(False, 0.5), step_ms(True, 0.5)
-  copy = _median_ms(lambda: jax.device_put(bitmask).block_until_ready(), repeats)
+  copy = median_ms(lambda: jax.device_put(bitmask).block_until_ready(), repeats)
   return plain, masked, penalized, both, copy
 
 

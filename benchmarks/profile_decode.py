@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import interleaved_ms, median_ms
 
 import jaxengine as je
 from jaxengine.models.layers import linear
@@ -44,21 +43,11 @@ CHAT = dict(temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True)
 ATTENTION_LEN = 128
 
 
-def _median_ms(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
-
-
 def read_bandwidth_gbs(repeats: int) -> float:
   """GB/s of a jitted float32 sum over 1 GiB (a read-only stream through memory)."""
   data = jnp.ones((256, 1024, 1024), jnp.float32)
   total = jax.jit(jnp.sum)
-  seconds = _median_ms(lambda: total(data), max(3, repeats // 4)) / 1e3
+  seconds = median_ms(lambda: total(data), max(3, repeats // 4)) / 1e3
   return data.nbytes / seconds / 1e9
 
 
@@ -89,19 +78,6 @@ def _forward(graphdef, weights, kv_cache, token_ids, positions, slots):
 class Breakdown:
   batch: int
   parts_ms: dict[str, float]
-
-
-def _interleaved_ms(parts: dict, repeats: int) -> dict[str, float]:
-  """Median ms of each callable, one call of each per round (so load changes hit all alike)."""
-  for fn in parts.values():
-    jax.block_until_ready(fn())
-  times: dict[str, list[float]] = {name: [] for name in parts}
-  for _ in range(repeats):
-    for name, fn in parts.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
 def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
@@ -146,7 +122,7 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   rows_state = jax.tree.map(jnp.copy, state).leading_rows(batch)  # `state` is donated below
   rows_metadata = metadata.leading_rows(batch)
   sampler = jax.jit(sample)
-  parts = _interleaved_ms(
+  parts = interleaved_ms(
     {
       "engine step": lambda: engine.step() or 0,
       "device step": device_step,
@@ -186,13 +162,7 @@ def scaling(live_rows: int, repeats: int) -> dict[tuple[int, int], float]:
     for _ in range(3):  # prefill, then two decode steps (compiled for this bucket)
       engine.step()
     engines[shape] = engine
-  times: dict[tuple[int, int], list[float]] = {shape: [] for shape in engines}
-  for _ in range(repeats):
-    for shape, engine in engines.items():
-      start = time.perf_counter()
-      engine.step()
-      times[shape].append(time.perf_counter() - start)
-  return {shape: statistics.median(values) * 1e3 for shape, values in times.items()}
+  return interleaved_ms({shape: e.step for shape, e in engines.items()}, repeats, warmup=0)
 
 
 def print_scaling(live_rows: int, repeats: int) -> None:
