@@ -224,13 +224,6 @@ class ModelRunner:
         conversion, and the weights change all at once at the end: after an error the model is
         exactly as it was.
     """
-    if isinstance(weights, (str, bytes)) or not isinstance(
-      weights, (Mapping, Iterable, nnx.State, nnx.Module)
-    ):
-      raise ValueError(
-        "weights must be a mapping or an iterable of (name, tensor) pairs, an nnx.State or an "
-        f"nnx.Module, got {type(weights).__name__}"
-      )
     leaves = state_leaves(self.weights)
     is_pure_dict = isinstance(weights, Mapping) and any(
       isinstance(v, Mapping) for v in weights.values()

@@ -201,6 +201,13 @@ def collect_named_weights(
     ValueError: naming the first unknown or repeated name, or the first tensor whose type,
       shape or dtype is wrong. Nothing is converted or moved before every tensor is checked.
   """
+  if not isinstance(weights, Mapping) and (
+    isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable)
+  ):
+    raise ValueError(
+      "weights must be a mapping or an iterable of (name, tensor) pairs, an nnx.State or an "
+      f"nnx.Module, got {type(weights).__name__}"
+    )
   items = weights.items() if isinstance(weights, Mapping) else weights
   grouped: dict[LeafPath, LeafParts] = {}
   seen: set[str] = set()
