@@ -170,10 +170,6 @@ class LLMEngine:
     )
     if enable_prefix_caching is None:
       enable_prefix_caching = mesh is None
-    if not isinstance(enable_prefix_caching, bool):
-      raise ValueError(
-        f"enable_prefix_caching must be a bool or None, got {enable_prefix_caching!r}"
-      )
     self.runner = ModelRunner(model, batch, mesh, enable_prefix_caching, num_prefix_cache_blocks)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len

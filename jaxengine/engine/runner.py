@@ -84,7 +84,7 @@ class ModelRunner:
       shardings for its inputs and outputs (so serving compiles nothing warm-up did not).
     enable_prefix_caching: keep full 16-token blocks of prompts in a device pool and copy them
       into the slots of later prompts that start the same way (`engine/prefix_prefill.py`); not
-      on a mesh.
+      on a mesh. None means off; anything but a bool or None is a ValueError.
     num_prefix_cache_blocks: the pool's size in blocks (default `default_num_blocks`: a quarter
       of the slot cache's positions).
 
@@ -100,10 +100,14 @@ class ModelRunner:
     model: Model,
     input_batch: InputBatch,
     mesh: jax.sharding.Mesh | None = None,
-    enable_prefix_caching: bool = False,
+    enable_prefix_caching: bool | None = False,
     num_prefix_cache_blocks: int | None = None,
   ) -> None:
     check_model(model)
+    if enable_prefix_caching is not None and not isinstance(enable_prefix_caching, bool):
+      raise ValueError(
+        f"enable_prefix_caching must be a bool or None, got {enable_prefix_caching!r}"
+      )
     if enable_prefix_caching and mesh is not None:
       raise ValueError("enable_prefix_caching=True is not supported on a mesh yet")
     num_blocks = num_prefix_cache_blocks
