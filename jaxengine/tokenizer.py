@@ -273,7 +273,6 @@ class IncrementalDetokenizer:
 
   Attributes:
     tokenizer: the `Tokenizer`.
-    num_prompt_tokens: how many prompt tokens seeded the stream.
     output_text: the text of the output tokens emitted so far.
     skip_special_tokens: whether special tokens are dropped from the text.
   """
@@ -293,7 +292,6 @@ class IncrementalDetokenizer:
       skip_special_tokens: drop special tokens from the output text.
     """
     self.tokenizer = tokenizer
-    self.num_prompt_tokens = len(prompt_token_ids)
     self.skip_special_tokens = skip_special_tokens
     self.output_text = ""
     self._backend = tokenizer.hf_tokenizer.backend_tokenizer
