@@ -1,0 +1,170 @@
+"""A recorded mixed-batch run: refactors must leave every token, text and logprob unchanged.
+
+`tests/fixtures/golden_run.json` holds the outputs of a fixed workload (SmolLM2 with every sampling
+feature at once in one batch, and a tiny model under speculative decoding, multi-step decode and
+prefix caching on and off), recorded on this repository before the engine seams were cut. Tokens,
+texts and finish reasons must match exactly; logprobs to 1e-5 nats, or bit for bit with
+`JAXENGINE_GOLDEN_BITWISE=1` (float results may differ in the last bits between CPU models, so
+bitwise equality is checked on the machine that recorded them).
+
+Re-record (only when a change of outputs is intended and explained in the commit):
+`python tests/test_golden_run.py --record`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxengine as je
+from jaxengine.testing import tiny_llama
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "golden_run.json"
+
+PROMPTS = [
+  "The capital of France is",
+  "Once upon a time",
+  "def fibonacci(n):",
+  "List three colours:",
+  "1, 2, 3, 4,",
+  "The best way to learn",
+]
+
+
+def _smollm2_params() -> list[je.SamplingParams]:
+  return [
+    je.SamplingParams(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=2),
+    je.SamplingParams(
+      temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=11, max_tokens=10, logprobs=2
+    ),
+    je.SamplingParams(
+      temperature=1.0,
+      seed=5,
+      n=2,
+      repetition_penalty=1.3,
+      frequency_penalty=0.4,
+      presence_penalty=0.2,
+      max_tokens=9,
+      logprobs=1,
+    ),
+    je.SamplingParams(
+      temperature=0.7, top_k=1000, seed=3, logit_bias={11: 2.0}, min_tokens=4, max_tokens=8
+    ),
+    je.SamplingParams(temperature=0, max_tokens=16, stop=[","], include_stop_str_in_output=True),
+    je.SamplingParams(temperature=0.9, seed=2**31, bad_words=["the"], max_tokens=10, logprobs=0),
+  ]
+
+
+def _tiny_prompts() -> list[list[int]]:
+  rng = np.random.default_rng(0)
+  repetitive = [5, 6, 7, 8] * 6
+  return [repetitive, *(rng.integers(3, 250, size=n).tolist() for n in (5, 17, 33, 40))]
+
+
+def _tiny_params() -> list[je.SamplingParams]:
+  return [
+    je.SamplingParams(temperature=0, max_tokens=14, logprobs=2),
+    je.SamplingParams(temperature=1.0, seed=9, top_p=0.8, max_tokens=12, logprobs=1),
+    je.SamplingParams(temperature=0.6, seed=4, n=3, top_k=20, max_tokens=7),
+    je.SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1),
+    je.SamplingParams(temperature=1.2, seed=8, min_p=0.05, presence_penalty=0.5, max_tokens=11),
+  ]
+
+
+TINY_ENGINES = {
+  "tiny_default": {},
+  "tiny_no_prefix_cache": {"enable_prefix_caching": False},
+  "tiny_multi_step": {"num_decode_steps": 4},
+  "tiny_speculative": {
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+  },
+}
+
+
+def _logprob_dicts(entries) -> list | None:
+  if entries is None:
+    return None
+  return [
+    None if d is None else {str(t): [float(lp.logprob), lp.rank] for t, lp in d.items()}
+    for d in entries
+  ]
+
+
+def _record_outputs(outputs) -> list[dict]:
+  return [
+    {
+      "prompt_token_ids": list(out.prompt_token_ids),
+      "prompt_logprobs": _logprob_dicts(out.prompt_logprobs),
+      "completions": [
+        {
+          "text": c.text,
+          "token_ids": list(c.token_ids),
+          "finish_reason": c.finish_reason,
+          "logprobs": _logprob_dicts(c.logprobs),
+        }
+        for c in out.outputs
+      ],
+    }
+    for out in outputs
+  ]
+
+
+def _run_smollm2() -> list[dict]:
+  llm = je.LLM(max_num_reqs=8, max_model_len=128)
+  return _record_outputs(llm.generate(PROMPTS, _smollm2_params(), use_tqdm=False))
+
+
+def _run_tiny(name: str) -> list[dict]:
+  model, _ = tiny_llama(seed=3)
+  llm = je.LLM(model, max_num_reqs=8, max_model_len=96, **TINY_ENGINES[name])
+  prompts = [{"prompt_token_ids": p} for p in _tiny_prompts()]
+  return _record_outputs(llm.generate(prompts, _tiny_params(), use_tqdm=False))
+
+
+def _runs() -> dict:
+  return {"smollm2": _run_smollm2(), **{name: _run_tiny(name) for name in TINY_ENGINES}}
+
+
+def _compare(got, want, where: str, bitwise: bool) -> None:
+  """Recursive comparison: floats to 1e-5 (or exactly), everything else exactly."""
+  if isinstance(want, float):
+    if bitwise:
+      assert got == want, f"{where}: {got!r} != {want!r}"
+    else:
+      assert abs(got - want) <= 1e-5 or (np.isinf(want) and got == want), f"{where}: {got} {want}"
+  elif isinstance(want, dict):
+    assert sorted(got) == sorted(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
+    for k in want:
+      _compare(got[k], want[k], f"{where}.{k}", bitwise)
+  elif isinstance(want, list):
+    assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+      _compare(g, w, f"{where}[{i}]", bitwise)
+  else:
+    assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+  return json.loads(FIXTURE.read_text())
+
+
+@pytest.mark.parametrize("name", ["smollm2", *TINY_ENGINES])
+def test_outputs_match_the_recorded_run(golden, name):
+  got = _run_smollm2() if name == "smollm2" else _run_tiny(name)
+  # Through JSON, as recorded: float values round-trip exactly.
+  got = json.loads(json.dumps(got))
+  _compare(got, golden[name], name, bitwise=os.environ.get("JAXENGINE_GOLDEN_BITWISE") == "1")
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] != ["--record"]:
+    sys.exit("usage: python tests/test_golden_run.py --record")
+  os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
+  FIXTURE.write_text(json.dumps(_runs(), indent=1) + "\n")
+  print(f"wrote {FIXTURE}")
