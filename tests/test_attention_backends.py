@@ -17,10 +17,11 @@ from jaxengine.models.attention_backends import (
   PallasTpuAttentionBackend,
   XlaAttentionBackend,
   attention_backend,
+  tpu_kv_heads,
 )
 
 SCALE = 8**-0.5
-H, K, D, B = 6, 2, 8, 4
+H, K, D, B = 9, 3, 8, 4  # K = 3: the TPU layout pads to 4 key/value heads, as for SmolLM2
 
 STEPS = {
   "decode": ([(5, 1), (0, 1), (12, 1)], 4, 4),
@@ -45,8 +46,11 @@ def _run(backend, step, num_layers=None, layer=None):
     pages = tuple(p[layer] for p in pages)
   attention = backend.attention
   if not isinstance(backend, PallasTpuAttentionBackend):  # its reference function needs values
-    attention = jax.jit(attention, static_argnames="scale")
-  return np.asarray(attention(jnp.asarray(step.q), pages, step.md, scale=SCALE))
+    attention = jax.jit(attention, static_argnames=("scale", "num_kv_heads"))
+  out = attention(
+    jnp.asarray(step.q), pages, step.md, scale=SCALE, num_kv_heads=step.keys[0].shape[1]
+  )
+  return np.asarray(out)
 
 
 BACKENDS = {
@@ -110,7 +114,8 @@ def test_pages_are_separate_buffers_in_the_documented_layouts():
     (2, 3, 5, 16, 64)
   ] * 2
   (kv,) = PallasTpuAttentionBackend().init_pages(5, 16, 3, 64, jnp.bfloat16)
-  assert kv.shape == (5, 16, 6, 64) and kv.dtype == jnp.bfloat16
+  assert kv.shape == (5, 16, 8, 64) and kv.dtype == jnp.bfloat16  # K = 3 padded to 4
+  assert [tpu_kv_heads(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 20)] == [1, 2, 4, 4, 8, 8, 16, 16, 24]
   key, value = XlaAttentionBackend().init_pages(2, 4, 1, 8)
   assert key.unsafe_buffer_pointer() != value.unsafe_buffer_pointer()
 

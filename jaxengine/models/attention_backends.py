@@ -100,10 +100,19 @@ class AttentionBackend(abc.ABC):
 
   @abc.abstractmethod
   def attention(
-    self, q: jax.Array, pages: KVPages, md: PagedAttentionMetadata, *, scale: float
+    self,
+    q: jax.Array,
+    pages: KVPages,
+    md: PagedAttentionMetadata,
+    *,
+    scale: float,
+    num_kv_heads: int | None = None,
   ) -> jax.Array:
     """`[T, H, D]` causal grouped-query attention of one layer's `[T, H, D]` queries; rows of
-    padding tokens are 0."""
+    padding tokens are 0.
+
+    `num_kv_heads` is the model's `K` (static), needed where the layout pads heads (TPU);
+    None: the pages' own head count."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +132,7 @@ class XlaAttentionBackend(AttentionBackend):
       write_kv_pages(value_pages, value, slot_mapping, layer),
     )
 
-  def attention(self, q, pages, md, *, scale):
+  def attention(self, q, pages, md, *, scale, num_kv_heads=None):
     key_pages, value_pages = pages
     return ragged_paged_attention_xla(
       q,
@@ -142,9 +151,19 @@ def _tpu_kernel() -> Callable[..., jax.Array]:
   return ragged_paged_attention
 
 
+def tpu_kv_heads(num_kv_heads: int) -> int:
+  """Key/value heads the TPU kernel's pages hold: `K` rounded up so that its `2K` combined heads
+  tile (the kernel raises "can not be XLA fully tiled" otherwise, e.g. for SmolLM2's `K = 3`):
+  1, 2, 4, 8 or a multiple of 8 works for float32 and bfloat16 pages alike."""
+  if num_kv_heads in (1, 2, 4) or num_kv_heads % 8 == 0:
+    return num_kv_heads
+  return 1 << (num_kv_heads - 1).bit_length() if num_kv_heads < 8 else -(-num_kv_heads // 8) * 8
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasTpuAttentionBackend(AttentionBackend):
-  """JAX's TPU ragged paged attention kernel; pages `([N, B, 2K, D] keys and values,)`.
+  """JAX's TPU ragged paged attention kernel; pages `([N, B, 2K', D] keys and values,)` with
+  `K' = tpu_kv_heads(K)` (heads past `K` hold zeros; their queries are dropped).
 
   Attributes:
     kernel: a function with the kernel's signature (tests pass its reference function); None
@@ -155,19 +174,29 @@ class PallasTpuAttentionBackend(AttentionBackend):
   name = "pallas_tpu"
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
-    return ((num_blocks, block_size, 2 * num_kv_heads, head_dim),)
+    return ((num_blocks, block_size, 2 * tpu_kv_heads(num_kv_heads), head_dim),)
 
   def write_kv(self, pages, key, value, slot_mapping, layer=None):
     (kv_pages,) = pages
     num_tokens, num_kv_heads, head_dim = key.shape
-    interleaved = jnp.stack([key, value], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+    pad = ((0, 0), (0, kv_pages.shape[-2] // 2 - num_kv_heads), (0, 0))
+    interleaved = jnp.stack([jnp.pad(key, pad), jnp.pad(value, pad)], axis=2)  # [T, K', 2, D]
+    interleaved = interleaved.reshape(num_tokens, kv_pages.shape[-2], head_dim)
     return (write_kv_pages(kv_pages, interleaved, slot_mapping, layer),)
 
-  def attention(self, q, pages, md, *, scale):
+  def attention(self, q, pages, md, *, scale, num_kv_heads=None):
     (kv_pages,) = pages
+    num_tokens, num_heads, head_dim = q.shape
+    padded_kv_heads = kv_pages.shape[-2] // 2
+    real_kv_heads = num_kv_heads or padded_kv_heads
+    group = num_heads // real_kv_heads
+    q_padded = jnp.pad(
+      q.reshape(num_tokens, real_kv_heads, group, head_dim),
+      ((0, 0), (0, padded_kv_heads - real_kv_heads), (0, 0), (0, 0)),
+    ).reshape(num_tokens, padded_kv_heads * group, head_dim)
     kernel = self.kernel or _tpu_kernel()
     out = kernel(
-      q,
+      q_padded,
       kv_pages,
       md.seq_lens,
       md.block_tables,
@@ -175,9 +204,10 @@ class PallasTpuAttentionBackend(AttentionBackend):
       md.num_reqs.reshape(1),
       sm_scale=scale,
     )
+    out = out[:, :num_heads].astype(q.dtype)
     # The kernel leaves rows past the last request's tokens undefined.
-    real = jnp.arange(q.shape[0]) < md.query_start_loc[md.num_reqs]
-    return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+    real = jnp.arange(num_tokens) < md.query_start_loc[md.num_reqs]
+    return jnp.where(real[:, None, None], out, 0)
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -213,7 +243,7 @@ class PallasGpuAttentionBackend(AttentionBackend):
       p.at[layer, :, page, offset].set(new.astype(p.dtype)) for p, new in zip(pages, (key, value))
     )
 
-  def attention(self, q, pages, md, *, scale):
+  def attention(self, q, pages, md, *, scale, num_kv_heads=None):
     all_decode = jnp.all(md.query_lens <= 1)
     return jax.lax.cond(
       all_decode,

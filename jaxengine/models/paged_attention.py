@@ -13,21 +13,35 @@ heads, `K` key/value heads (`H % K == 0`, grouped-query attention), `D` head wid
 `B` block size, `P` block-table width (pages per request, a bucket of the step's longest context),
 `S = P * B` context positions per request.
 
-`ragged_paged_attention_xla` is the CPU path. It cuts every request's queries into tiles of
-`query_tile` tokens (a request of `q` tokens makes `ceil(q / query_tile)` work items), gathers each
-item's pages once to `[S, K, D]` and computes the item's `[K, H / K, query_tile, S]` scores with a
-causal and length mask. `query_tile=1` is a per-token gather (no wasted query rows: best for
-decode), a large `query_tile` one item per request (best for long prefill chunks). Measured on the
-2-core CPU this was written on (SmolLM2-135M shapes: `H=9, K=3, D=64`, float32, `B=16`; one layer,
-jitted, median of repeated calls; `S` = the block-table bucket):
+`ragged_paged_attention_xla` is the CPU path. It cuts every request's queries into work items
+of `query_tile` tokens (a request of `q` tokens makes `ceil(q / query_tile)` of them) and reads
+each item's pages `pages_per_chunk` at a time with an online softmax, for as many chunks as the
+step's longest context needs. `query_tile=1` wastes no query rows (decode), larger tiles share
+each page read among more queries (prefill chunks). Milliseconds per call (one layer, jitted,
+median of 10 interleaved calls, `benchmarks/bench_paged_attention.py`) on the shared 2-core Xeon
+it was written on, under a load average of about 8, SmolLM2-135M heads (`H=9, K=3, D=64`),
+float32, `B=16`; `tT/cC` is `query_tile=T, pages_per_chunk=C`, "slot" the slot cache's dense
+decode attention over `[R, S, K, D]` rows (no gather):
 
-  =================================  ==========  ==========  ==========
-  step                                tile 1      tile 16     tile 64
-  =================================  ==========  ==========  ==========
-  (filled in by the benchmark)
-  =================================  ==========  ==========  ==========
+  ============================  ====  ====  =====  =====  =====  ======  ======  ======  =====
+  step                           T     S    t1/c2  t1/c4  t1/c8  t16/c4  t64/c4  t64/c8  slot
+  ============================  ====  ====  =====  =====  =====  ======  ======  ======  =====
+  decode R=8                       8    64   0.78   1.10   0.87    2.84    8.14   12.09   0.59
+  decode R=8                       8   256   2.04   2.37   1.50    7.95   27.95   26.94   3.11
+  decode R=8                       8  1024   8.15   8.27   7.84   18.42   63.47   58.98  14.31
+  decode R=32                     32    64   4.58   3.56   7.57    8.45   32.29   87.48   3.98
+  decode R=32                     32   256  11.23  12.46   9.86   30.92  125.89  147.64  14.85
+  decode R=32                     32  1024  43.99  33.68  36.87  125.47  508.33  508.37 104.85
+  7 decodes + chunk of 248       256   512      -      -      -   47.21   82.43   76.87      -
+  prefill chunk of 512           512   512      -      -      -   63.79   58.76   56.13      -
+  prefill 4 x 128                512   128      -      -      -    9.72   12.95   11.62      -
+  ============================  ====  ====  =====  =====  =====  ======  ======  ======  =====
 
-`attention_backends.default_query_tile` picks from these numbers.
+Per-token items with 64-position chunks (`t1/c4`) match the slot cache's decode at short contexts
+and beat it from 256 positions on (the dense form's `[R, K, G, S]` scores leave the cache); tiles
+of 16 serve mixed steps best and long prefill chunks within 15% of the best. The backends
+(`attention_backends.xla_query_tile`) use `t1` when `T <= R`, `t16` otherwise, and 64-position
+chunks.
 """
 
 from __future__ import annotations
