@@ -171,7 +171,8 @@ def test_caching_off_registers_nothing():
 
 # -- stateful model --------------------------------------------------------------------------
 
-TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # few values: prefixes collide
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)
+CHUNKS = st.integers(1, 12)  # prefill chunk sizes (a token budget)  # few values: prefixes collide
 
 
 class BlockBookkeeping(RuleBasedStateMachine):
@@ -211,40 +212,47 @@ class BlockBookkeeping(RuleBasedStateMachine):
     self.computed[req_id] = done + num_new
     return True
 
-  @rule(target=reqs, prompt=TOKENS)
-  def add(self, prompt):
-    return self._add(prompt)
+  @rule(target=reqs, prompt=TOKENS, chunk=CHUNKS)
+  def add(self, prompt, chunk):
+    return self._add(prompt, chunk)
 
-  @rule(target=reqs, data=st.data(), own=TOKENS)
-  def add_with_a_known_prefix(self, data, own):
+  @rule(target=reqs, data=st.data(), own=TOKENS, chunk=CHUNKS)
+  def add_with_a_known_prefix(self, data, own, chunk):
     if not self.prompts:
       return "none"
     known = data.draw(st.sampled_from(self.prompts))
     cut = data.draw(st.integers(0, len(known)))
-    return self._add(known[:cut] + own)
+    return self._add(known[:cut] + own, chunk)
 
-  def _add(self, prompt: list[int]) -> str:
+  def _add(self, prompt: list[int], chunk: int) -> str:
+    """Admits a request with a first prefill chunk of up to `chunk` tokens after its hit."""
     self.prompts.append(list(prompt))
     self.count += 1
     req_id = f"r{self.count}"
     hit = self.manager.get_computed_blocks(prompt)
     for index, block in enumerate(hit.block_ids):  # a hit holds exactly the prompt's tokens
       assert self.pages[block] == prompt[index * BS : (index + 1) * BS]
+    num_new = min(chunk, len(prompt) - hit.num_computed_tokens)
     appended = self.manager.allocate_slots(
-      req_id, len(prompt) - hit.num_computed_tokens, token_ids=prompt, new_computed_blocks=hit
+      req_id, num_new, token_ids=prompt, new_computed_blocks=hit
     )
     if appended is None:
       assert self.manager.get_block_ids(req_id) == ()
       return req_id  # never admitted: the other rules skip it
     self.tokens[req_id] = list(prompt)
     self.computed[req_id] = hit.num_computed_tokens
-    self._write(req_id, hit.num_computed_tokens, len(prompt))
-    self.computed[req_id] = len(prompt)
+    self._write(req_id, hit.num_computed_tokens, hit.num_computed_tokens + num_new)
+    self.computed[req_id] = hit.num_computed_tokens + num_new
     return req_id
 
   @rule(req_id=reqs, new=st.lists(st.integers(0, 2), min_size=1, max_size=5))
   def grow(self, req_id, new):
+    """The next prefill chunk (`len(new)` tokens), or decode / draft tokens once prefilled."""
     if req_id not in self.tokens:
+      return
+    remaining = len(self.tokens[req_id]) - self.computed[req_id]
+    if remaining:
+      self._step(req_id, min(remaining, len(new)))
       return
     self.tokens[req_id].extend(new)
     if not self._step(req_id, len(new)):
@@ -253,6 +261,11 @@ class BlockBookkeeping(RuleBasedStateMachine):
   @rule(req_id=consumes(reqs))
   def finish(self, req_id):
     self._drop(req_id)
+
+  @rule(req_id=reqs)
+  def abort_during_prefill(self, req_id):
+    if req_id in self.tokens and self.computed[req_id] < len(self.tokens[req_id]):
+      self._drop(req_id)
 
   @rule(req_id=consumes(reqs))
   def preempt(self, req_id):
