@@ -122,3 +122,16 @@ def test_one_compile_per_shape_bucket():
       step = make_step(rng, requests, num_tokens=12, num_reqs=4, max_blocks=4)
       fn(step.q, pages, pages, step.md).block_until_ready()
   assert compiles.count == 0
+
+
+def test_bfloat16_pages_and_queries_stay_close_to_the_reference():
+  requests, num_tokens, num_reqs = STEPS["mixed_chunks"]
+  step = make_step(
+    np.random.default_rng(4), requests, num_tokens=num_tokens, num_reqs=num_reqs, max_blocks=8,
+    num_heads=6, num_kv_heads=2,
+  )  # fmt: skip
+  keys, values = (jnp.asarray(dense_pages(step, w), jnp.bfloat16) for w in ("keys", "values"))
+  out = _xla(jnp.asarray(step.q, jnp.bfloat16), keys, values, step.md, 4, 2)
+  assert out.dtype == jnp.bfloat16
+  expected = reference_attention(step, SCALE)
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=0, atol=3e-2)
