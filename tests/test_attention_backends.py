@@ -120,6 +120,17 @@ def test_pages_are_separate_buffers_in_the_documented_layouts():
   assert key.unsafe_buffer_pointer() != value.unsafe_buffer_pointer()
 
 
+def test_tpu_backend_needs_the_model_kv_heads_when_its_layout_pads_them():
+  backend = PallasTpuAttentionBackend(kernel=_tpu_reference_kernel)
+  step = make_step(
+    np.random.default_rng(10), [(2, 1)], num_tokens=2, num_reqs=1, max_blocks=2,
+    num_heads=H, num_kv_heads=K, head_dim=D, block_size=B,
+  )  # fmt: skip
+  pages = backend.init_pages(step.num_blocks, B, K, D)  # 4 key/value heads for K = 3
+  with pytest.raises(ValueError, match="num_kv_heads=4 must divide the 9 query heads"):
+    backend.attention(jnp.asarray(step.q), pages, step.md, scale=SCALE)
+
+
 def test_attention_backend_choice():
   assert attention_backend(platform="tpu").name == "pallas_tpu"
   assert attention_backend(platform="gpu").name == "pallas_gpu"

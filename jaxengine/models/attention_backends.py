@@ -189,6 +189,11 @@ class PallasTpuAttentionBackend(AttentionBackend):
     num_tokens, num_heads, head_dim = q.shape
     padded_kv_heads = kv_pages.shape[-2] // 2
     real_kv_heads = num_kv_heads or padded_kv_heads
+    if num_heads % real_kv_heads or real_kv_heads > padded_kv_heads:
+      raise ValueError(
+        f"num_kv_heads={real_kv_heads} must divide the {num_heads} query heads and fit the "
+        f"pages' {padded_kv_heads} (pass the model's K when tpu_kv_heads pads it)"
+      )
     group = num_heads // real_kv_heads
     q_padded = jnp.pad(
       q.reshape(num_tokens, real_kv_heads, group, head_dim),
