@@ -131,6 +131,17 @@ def test_tpu_backend_needs_the_model_kv_heads_when_its_layout_pads_them():
     backend.attention(jnp.asarray(step.q), pages, step.md, scale=SCALE)
 
 
+def test_num_blocks_for_memory_counts_every_layer_and_padded_heads():
+  kwargs = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+  per_block = 30 * 2 * 16 * 3 * 64 * 2  # keys and values, bfloat16
+  xla = XlaAttentionBackend()
+  assert xla.num_blocks_for_memory(per_block * 100 + 5, dtype=jnp.bfloat16, **kwargs) == 100
+  tpu = PallasTpuAttentionBackend()  # K = 3 stored as 4 heads
+  assert tpu.num_blocks_for_memory(per_block * 100, dtype=jnp.bfloat16, **kwargs) == 75
+  with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000 holds 0 KV cache blocks"):
+    xla.num_blocks_for_memory(1000, **kwargs)
+
+
 def test_attention_backend_choice():
   assert attention_backend(platform="tpu").name == "pallas_tpu"
   assert attention_backend(platform="gpu").name == "pallas_gpu"

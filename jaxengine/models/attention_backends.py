@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,35 @@ class AttentionBackend(abc.ABC):
     lead = () if num_layers is None else (num_layers,)
     shapes = self.page_shapes(num_blocks, block_size, num_kv_heads, head_dim)
     return tuple(jnp.zeros((*lead, *shape), dtype) for shape in shapes)
+
+  def num_blocks_for_memory(
+    self,
+    kv_cache_memory_bytes: int,
+    *,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.float32,
+  ) -> int:
+    """Pages (the null page included) of all `L` layers that fit in `kv_cache_memory_bytes`.
+
+    A page costs `L * sum(page array sizes) * itemsize` bytes in this backend's layout (keys
+    and values, padded heads included).
+
+    Raises:
+      ValueError: the memory holds fewer than 2 pages (the null page and one usable), naming
+        the bytes per page.
+    """
+    shapes = self.page_shapes(1, block_size, num_kv_heads, head_dim)
+    per_block = num_layers * jnp.dtype(dtype).itemsize * sum(math.prod(s) for s in shapes)
+    num_blocks = int(kv_cache_memory_bytes) // per_block
+    if num_blocks < 2:
+      raise ValueError(
+        f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds {num_blocks} KV cache blocks of "
+        f"{per_block} bytes ({block_size} tokens x {num_layers} layers); at least 2 are needed"
+      )
+    return num_blocks
 
   @abc.abstractmethod
   def write_kv(
