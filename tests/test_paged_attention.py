@@ -135,3 +135,12 @@ def test_bfloat16_pages_and_queries_stay_close_to_the_reference():
   assert out.dtype == jnp.bfloat16
   expected = reference_attention(step, SCALE)
   np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=0, atol=3e-2)
+
+
+def test_bad_static_arguments_are_refused():
+  step = make_step(np.random.default_rng(5), [(1, 1)], num_tokens=1, num_reqs=1, max_blocks=1)
+  pages = jnp.zeros((step.num_blocks, 4, 2, 8))
+  with pytest.raises(ValueError, match="query_tile and pages_per_chunk must be >= 1, got 0 and 4"):
+    ragged_paged_attention_xla(step.q, pages, pages, step.md, scale=SCALE, query_tile=0)
+  with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 kv heads"):
+    ragged_paged_attention_xla(step.q[:, :3], pages, pages, step.md, scale=SCALE)

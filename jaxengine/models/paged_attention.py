@@ -183,12 +183,21 @@ def ragged_paged_attention_xla(
 
   Returns:
     `[T, H, D]` in `q`'s dtype; rows of padding tokens are 0.
+
+  Raises:
+    ValueError: `query_tile` or `pages_per_chunk` below 1, or `H` not a multiple of `K`.
   """
+  if query_tile < 1 or pages_per_chunk < 1:
+    raise ValueError(
+      f"query_tile and pages_per_chunk must be >= 1, got {query_tile} and {pages_per_chunk}"
+    )
   num_tokens, num_heads, head_dim = q.shape
   if kv_heads_first:
     num_kv_heads, _, block_size, _ = key_pages.shape
   else:
     _, block_size, num_kv_heads, _ = key_pages.shape
+  if num_heads % num_kv_heads:
+    raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
   group = num_heads // num_kv_heads
   items = _work_items(md, num_tokens, query_tile)
   num_items = items.req.shape[0]
