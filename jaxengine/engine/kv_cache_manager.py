@@ -1,0 +1,342 @@
+"""Per-request block tables over the paged KV cache, in the manner of vLLM V1's KV cache manager.
+
+The scheduler asks this manager three things each step, for each request it schedules:
+
+1. `get_computed_blocks(token_ids)` (a new request only): the longest prefix of the prompt whose
+   full blocks are already cached. At least one token is always left to compute, so the step
+   that admits the request produces its next-token logits.
+2. `allocate_slots(req_id, num_new_tokens, ...)`: enough blocks for the tokens computed so far,
+   the prefix hit, this step's new tokens and any lookahead (speculative) slots. Returns the block
+   ids appended to the request's block table, or None, changing nothing, when the pool cannot
+   supply them: the scheduler then preempts (`preempt`) and retries, or leaves the request waiting.
+3. `free(req_id)` when a request finishes or is aborted.
+
+Full blocks of known tokens are registered under their hash-chain digests as they are allocated,
+so requests admitted later share them by reference (`block_pool.BlockPool`). The `n` samples of
+one request share the prompt's full blocks through `fork`.
+
+Shapes and sizes are host integers; nothing here touches the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxengine.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, extend_block_hashes
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheStats:
+  """Occupancy of the paged KV cache (vLLM-like names).
+
+  Attributes:
+    num_blocks: blocks requests can hold (the pool less the null block).
+    num_used_blocks: blocks held by at least one request now.
+    peak_used_blocks: the most blocks held at once since the last `reset_stats`.
+    num_running_reqs: requests holding blocks now.
+    peak_running_reqs: the most requests holding blocks at once since the last `reset_stats`.
+    num_preemptions: requests preempted (blocks freed, to be recomputed) since the last
+      `reset_stats`.
+    num_cached_blocks: blocks registered under a prefix hash now (in use or evictable).
+    prefix_cache_queries: prompt tokens looked up in the prefix cache since the last `reset_stats`.
+    prefix_cache_hits: those found cached (whole blocks).
+    num_evictions: cached blocks reused for other contents since the last `reset_stats`.
+  """
+
+  num_blocks: int
+  num_used_blocks: int
+  peak_used_blocks: int
+  num_running_reqs: int
+  peak_running_reqs: int
+  num_preemptions: int
+  num_cached_blocks: int
+  prefix_cache_queries: int
+  prefix_cache_hits: int
+  num_evictions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputedBlocks:
+  """A prefix found in the cache (or shared by a fork).
+
+  Attributes:
+    block_ids: the cached blocks, in order (possibly empty).
+    num_computed_tokens: tokens they hold (`len(block_ids) * block_size`).
+  """
+
+  block_ids: tuple[int, ...] = ()
+  num_computed_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _RequestBlocks:
+  """One request's block table and how much of it is registered in the prefix cache."""
+
+  block_ids: list[int]
+  block_hashes: list[bytes]
+  num_cached_blocks: int = 0
+  cacheable: bool = True  # False once its contents predate a `reset_prefix_cache`
+
+
+class KVCacheManager:
+  """Block tables of the running requests over one `BlockPool`.
+
+  Args:
+    num_blocks: pages of the device cache, the null block included (`>= 2`).
+    block_size: token positions per page (`>= 1`).
+    enable_caching: share full blocks between requests with the same prefix.
+
+  Raises:
+    ValueError: `num_blocks < 2` or `block_size < 1`.
+  """
+
+  def __init__(
+    self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, enable_caching: bool = True
+  ) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+      raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    self.block_pool = BlockPool(num_blocks, enable_caching)
+    self.block_size = block_size
+    self.enable_caching = enable_caching
+    self._reqs: dict[str, _RequestBlocks] = {}
+    self._counts = dict.fromkeys(("preemptions", "queries", "hits"), 0)
+    self._evictions_at_reset = 0
+    self._peak_used_blocks = 0
+    self._peak_running_reqs = 0
+
+  # -- queries -------------------------------------------------------------------------------
+
+  @property
+  def stats(self) -> KVCacheStats:
+    """The counters now."""
+    pool = self.block_pool
+    return KVCacheStats(
+      num_blocks=pool.num_usable_blocks,
+      num_used_blocks=pool.num_used_blocks,
+      peak_used_blocks=self._peak_used_blocks,
+      num_running_reqs=len(self._reqs),
+      peak_running_reqs=self._peak_running_reqs,
+      num_preemptions=self._counts["preemptions"],
+      num_cached_blocks=pool.num_cached_blocks,
+      prefix_cache_queries=self._counts["queries"],
+      prefix_cache_hits=self._counts["hits"],
+      num_evictions=pool.num_evictions - self._evictions_at_reset,
+    )
+
+  def num_blocks_for(self, num_tokens: int) -> int:
+    """Blocks that hold `num_tokens` token positions (`ceil(num_tokens / block_size)`)."""
+    return -(-num_tokens // self.block_size)
+
+  def check_fits(self, num_tokens: int) -> None:
+    """Refuses a request that could never run, even alone in an empty pool.
+
+    Args:
+      num_tokens: the most tokens the request can hold (prompt plus `max_tokens`).
+
+    Raises:
+      ValueError: naming the tokens, the blocks they need and the blocks the pool has.
+    """
+    needed = self.num_blocks_for(num_tokens)
+    if needed > self.block_pool.num_usable_blocks:
+      raise ValueError(
+        f"a request of up to {num_tokens} tokens needs {needed} KV cache blocks of "
+        f"{self.block_size} tokens, but the pool has {self.block_pool.num_usable_blocks}; "
+        "raise kv_cache_memory_bytes / num_kv_blocks or lower max_tokens"
+      )
+
+  def get_block_ids(self, req_id: str) -> tuple[int, ...]:
+    """The request's block table (empty for a request holding no blocks)."""
+    req = self._reqs.get(req_id)
+    return tuple(req.block_ids) if req else ()
+
+  def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
+    """The longest cached prefix of a new request's tokens, counted as a prefix-cache query.
+
+    The last token is never taken from the cache (its logits are needed), so a hit covers at
+    most `(len(token_ids) - 1) // block_size` blocks. The blocks are not reserved: pass the result
+    to `allocate_slots` before allocating anything else.
+
+    Args:
+      token_ids: the request's known tokens (the prompt, or prompt and output on resumption).
+
+    Returns:
+      The cached blocks; empty with caching off.
+    """
+    if not self.enable_caching or not token_ids:
+      return ComputedBlocks()
+    usable = (len(token_ids) - 1) // self.block_size
+    hashes = extend_block_hashes([], token_ids[: usable * self.block_size], self.block_size)
+    blocks = []
+    for block_hash in hashes:
+      block = self.block_pool.get_cached_block(block_hash)
+      if block is None:
+        break
+      blocks.append(block)
+    num_computed_tokens = len(blocks) * self.block_size
+    self._counts["queries"] += len(token_ids)
+    self._counts["hits"] += num_computed_tokens
+    return ComputedBlocks(tuple(blocks), num_computed_tokens)
+
+  # -- changes -------------------------------------------------------------------------------
+
+  def allocate_slots(
+    self,
+    req_id: str,
+    num_new_tokens: int,
+    *,
+    num_computed_tokens: int = 0,
+    token_ids: Sequence[int] = (),
+    new_computed_blocks: ComputedBlocks | None = None,
+    num_lookahead_tokens: int = 0,
+  ) -> list[int] | None:
+    """Grows a request's block table to hold this step's tokens.
+
+    Args:
+      req_id: the request (new, or holding blocks from earlier steps).
+      num_new_tokens: tokens computed this step (a prefill chunk, a decode token, draft tokens).
+      num_computed_tokens: tokens whose keys and values the request's blocks already hold.
+      token_ids: the request's known tokens (prompt, then accepted output; never draft tokens):
+        full blocks among the first `num_computed_tokens + hit + num_new_tokens` of them are
+        registered for prefix sharing. Empty: nothing is registered.
+      new_computed_blocks: a prefix hit from `get_computed_blocks`, for a request holding no
+        blocks yet; its tokens come after `num_computed_tokens` (normally 0).
+      num_lookahead_tokens: extra slots reserved beyond this step's tokens (speculative decoding).
+
+    Returns:
+      The block ids appended to the block table (the prefix hit's, then new ones), or None when
+      the pool cannot supply them; then nothing changed.
+
+    Raises:
+      ValueError: a negative count, `num_computed_tokens` beyond the request's blocks, or a
+        prefix hit for a request that already holds blocks.
+    """
+    hit = new_computed_blocks or ComputedBlocks()
+    req = self._reqs.get(req_id)
+    held = len(req.block_ids) if req else 0
+    self._check_allocation(req_id, num_new_tokens, num_computed_tokens, num_lookahead_tokens)
+    if num_computed_tokens > held * self.block_size:
+      raise ValueError(
+        f"num_computed_tokens={num_computed_tokens} exceeds the {held} blocks of {req_id!r}"
+      )
+    if hit.block_ids and held:
+      raise ValueError(f"a prefix hit for {req_id!r}, which already holds {held} blocks")
+    num_tokens = num_computed_tokens + hit.num_computed_tokens + num_new_tokens
+    num_new_blocks = max(
+      0, self.num_blocks_for(num_tokens + num_lookahead_tokens) - held - len(hit.block_ids)
+    )
+    pool = self.block_pool
+    num_revived = sum(pool.ref_cnt[block] == 0 for block in hit.block_ids)
+    if num_new_blocks + num_revived > pool.num_free_blocks:
+      return None
+    if req is None:
+      req = self._reqs[req_id] = _RequestBlocks(block_ids=[], block_hashes=[])
+    pool.touch(hit.block_ids)  # first: taking new blocks must not evict the hit
+    appended = [*hit.block_ids, *pool.get_new_blocks(num_new_blocks)]
+    req.block_ids.extend(appended)
+    req.num_cached_blocks = max(req.num_cached_blocks, len(hit.block_ids))
+    self._cache_full_blocks(req, token_ids[:num_tokens])
+    self._update_peaks()
+    return appended
+
+  def fork(self, parent_req_id: str, child_req_id: str, num_tokens: int) -> ComputedBlocks:
+    """Shares the parent's full blocks of its first `num_tokens` tokens with a new request.
+
+    For the `n` samples of one request: the parent's prompt is computed once and each other
+    sample starts from its full blocks (a partial last block is not shared; the child computes
+    those tokens into a block of its own).
+
+    Args:
+      parent_req_id: a request holding the blocks of at least `num_tokens` tokens.
+      child_req_id: a request holding no blocks.
+      num_tokens: the shared tokens (normally the prompt's length).
+
+    Returns:
+      The blocks the child now holds and the tokens they cover (`num_computed_tokens` for its
+      first `allocate_slots`).
+
+    Raises:
+      ValueError: the child already holds blocks, or the parent holds too few.
+    """
+    if child_req_id in self._reqs:
+      raise ValueError(f"cannot fork into {child_req_id!r}: it already holds blocks")
+    parent = self._reqs.get(parent_req_id)
+    num_shared = num_tokens // self.block_size
+    if parent is None or num_tokens < 0 or len(parent.block_ids) < num_shared:
+      raise ValueError(f"{parent_req_id!r} holds no {num_tokens} tokens to fork")
+    shared = parent.block_ids[:num_shared]
+    self.block_pool.touch(shared)
+    self._reqs[child_req_id] = _RequestBlocks(
+      block_ids=list(shared),
+      block_hashes=parent.block_hashes[:num_shared],
+      num_cached_blocks=min(parent.num_cached_blocks, num_shared),
+      cacheable=parent.cacheable,
+    )
+    self._update_peaks()
+    return ComputedBlocks(tuple(shared), num_shared * self.block_size)
+
+  def free(self, req_id: str) -> int:
+    """Releases a finished or aborted request's blocks (last block first; cached ones stay
+    reusable until evicted). A request holding no blocks is a no-op.
+
+    Returns:
+      The number of blocks the request held.
+    """
+    req = self._reqs.pop(req_id, None)
+    if req is None:
+      return 0
+    self.block_pool.free_blocks(reversed(req.block_ids))
+    return len(req.block_ids)
+
+  def preempt(self, req_id: str) -> int:
+    """Frees a running request's blocks to make room (it is recomputed later), counted in
+    `num_preemptions`.
+
+    Returns:
+      The number of blocks freed.
+    """
+    self._counts["preemptions"] += 1
+    return self.free(req_id)
+
+  def reset_prefix_cache(self) -> int:
+    """Forgets every prefix hash (new weights make cached keys and values stale).
+
+    Returns:
+      The number of hashes dropped.
+    """
+    for req in self._reqs.values():
+      # Keys and values computed before (and attending to) the old contents are stale too.
+      req.cacheable = False
+    return self.block_pool.reset_prefix_cache()
+
+  def reset_stats(self) -> None:
+    """Restarts the peaks at the current occupancy and the counters at zero."""
+    self._counts = dict.fromkeys(self._counts, 0)
+    self._evictions_at_reset = self.block_pool.num_evictions
+    self._peak_used_blocks = self.block_pool.num_used_blocks
+    self._peak_running_reqs = len(self._reqs)
+
+  # -- helpers -------------------------------------------------------------------------------
+
+  def _cache_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int]) -> None:
+    """Registers the request's full blocks among `token_ids` not registered yet."""
+    if not (self.enable_caching and req.cacheable):
+      return
+    num_full = min(len(token_ids) // self.block_size, len(req.block_ids))
+    if num_full <= req.num_cached_blocks:
+      return
+    extend_block_hashes(req.block_hashes, token_ids[: num_full * self.block_size], self.block_size)
+    for index in range(req.num_cached_blocks, num_full):
+      self.block_pool.cache_full_block(req.block_ids[index], req.block_hashes[index])
+    req.num_cached_blocks = num_full
+
+  def _update_peaks(self) -> None:
+    self._peak_used_blocks = max(self._peak_used_blocks, self.block_pool.num_used_blocks)
+    self._peak_running_reqs = max(self._peak_running_reqs, len(self._reqs))
+
+  @staticmethod
+  def _check_allocation(req_id: str, *counts: int) -> None:
+    names = ("num_new_tokens", "num_computed_tokens", "num_lookahead_tokens")
+    for name, value in zip(names, counts):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 for {req_id!r}, got {value!r}")

@@ -1,0 +1,111 @@
+"""Ragged paged-attention steps for tests: random pages, metadata, and a float64 NumPy reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
+
+
+@dataclasses.dataclass
+class RaggedStep:
+  """One step: per-request dense keys/values (the truth) and their paged, flat encoding."""
+
+  q: np.ndarray  # [T, H, D]
+  keys: list[np.ndarray]  # per request [seq_len, K, D]
+  values: list[np.ndarray]
+  query_lens: list[int]
+  md: PagedAttentionMetadata
+  slots: np.ndarray  # [sum seq_len] slots of every context token, request-major
+  num_blocks: int
+  block_size: int
+
+
+def make_step(
+  rng: np.random.Generator,
+  requests: list[tuple[int, int]],
+  *,
+  num_tokens: int,
+  num_reqs: int,
+  max_blocks: int,
+  num_heads: int = 4,
+  num_kv_heads: int = 2,
+  head_dim: int = 8,
+  block_size: int = 4,
+) -> RaggedStep:
+  """A step of `(num_computed_tokens, num_new_tokens)` requests, padded to the buckets.
+
+  Pages are a random permutation of blocks `1 ..` (block 0 is the null block).
+  """
+  num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in requests) + 3
+  free = list(rng.permutation(np.arange(1, num_blocks)))
+  tables = np.zeros((num_reqs, max_blocks), np.int32)
+  start_loc = np.zeros(num_reqs + 1, np.int32)
+  seq_lens = np.zeros(num_reqs, np.int32)
+  slot_mapping = np.full(num_tokens, NULL_SLOT, np.int32)
+  keys, values, slots = [], [], []
+  total = 0
+  for r, (computed, new) in enumerate(requests):
+    seq_len = computed + new
+    blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
+    tables[r, : len(blocks)] = blocks
+    pos = np.arange(seq_len)
+    req_slots = np.asarray(blocks, np.int32)[pos // block_size] * block_size + pos % block_size
+    slot_mapping[total : total + new] = req_slots[computed:]
+    slots.append(req_slots)
+    keys.append(rng.standard_normal((seq_len, num_kv_heads, head_dim)).astype(np.float32))
+    values.append(rng.standard_normal((seq_len, num_kv_heads, head_dim)).astype(np.float32))
+    seq_lens[r] = seq_len
+    total += new
+    start_loc[r + 1] = total
+  start_loc[len(requests) + 1 :] = total
+  q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
+  md = PagedAttentionMetadata(
+    slot_mapping=jnp.asarray(slot_mapping),
+    block_tables=jnp.asarray(tables),
+    query_start_loc=jnp.asarray(start_loc),
+    seq_lens=jnp.asarray(seq_lens),
+    num_reqs=jnp.asarray(len(requests), jnp.int32),
+  )
+  return RaggedStep(
+    q=q,
+    keys=keys,
+    values=values,
+    query_lens=[n for _, n in requests],
+    md=md,
+    slots=np.concatenate(slots) if slots else np.zeros(0, np.int32),
+    num_blocks=num_blocks,
+    block_size=block_size,
+  )
+
+
+def dense_pages(step: RaggedStep, which: str) -> np.ndarray:
+  """`[N, B, K, D]` pages holding every context token's key (`which="keys"`) or value."""
+  rows = np.concatenate(getattr(step, which))
+  pages = np.zeros((step.num_blocks * step.block_size, *rows.shape[1:]), np.float32)
+  pages[step.slots] = rows
+  return pages.reshape(step.num_blocks, step.block_size, *rows.shape[1:])
+
+
+def reference_attention(step: RaggedStep, scale: float) -> np.ndarray:
+  """`[T, H, D]` float64 causal grouped-query attention per request; padding rows 0."""
+  out = np.zeros(step.q.shape, np.float64)
+  start = 0
+  num_heads = step.q.shape[1]
+  for keys, values, new in zip(step.keys, step.values, step.query_lens):
+    seq_len = keys.shape[0]
+    group = num_heads // keys.shape[1]
+    k = np.repeat(keys.astype(np.float64), group, axis=1)  # [S, H, D]
+    v = np.repeat(values.astype(np.float64), group, axis=1)
+    q = step.q[start : start + new].astype(np.float64)  # [q, H, D]
+    scores = np.einsum("qhd,shd->hqs", q, k) * scale
+    position = seq_len - new + np.arange(new)
+    scores = np.where(np.arange(seq_len)[None, None] <= position[None, :, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out[start : start + new] = np.einsum("hqs,shd->qhd", probs, v)
+    start += new
+  return out
