@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxengine.batch.multi_step import MultiStepOutput
+from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.params import SamplingParams
 from jaxengine.sample import LogprobsTensors, sample
 

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxengine import parallel
 from jaxengine.batch import InputBatch, LogprobsArrays
-from jaxengine.batch.multi_step import run_steps
+from jaxengine.batch.step_loop import run_steps
 from jaxengine.engine.decode import (
   MIN_ATTENTION_BUCKET,
   MIN_LENGTH_BUCKET,

@@ -29,6 +29,7 @@ from jaxengine.sample.state import (
   BatchState,
   RowUpdate,
   batch_key_data,
+  move_plan,
   move_rows,
   write_row,
 )
@@ -45,6 +46,7 @@ __all__ = [
   "SamplingMetadata",
   "batch_key_data",
   "gather_logprobs",
+  "move_plan",
   "move_rows",
   "refresh_metadata",
   "rejection_sample",

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxengine.config import BatchConfig
@@ -330,6 +331,18 @@ def write_row(
 
 #: Rows `move_rows` gathers and scatters at a time.
 MOVE_CHUNK = 8
+
+
+def move_plan(moves: list[tuple[int, int]], max_num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(src, dst)` `[n] int32` for `move_rows` (host NumPy): the `(from_row, to_row)` moves, then
+  padding (`dst == R`, dropped) to a multiple of `MOVE_CHUNK` covering `R` (one shape: one
+  compile)."""
+  size = -(-max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK
+  src = np.zeros((size,), np.int32)
+  dst = np.full((size,), max_num_reqs, np.int32)
+  for i, (a, b) in enumerate(moves):
+    src[i], dst[i] = a, b
+  return src, dst
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
