@@ -98,6 +98,28 @@ def test_no_import_cycles():
   assert not cycles, cycles
 
 
+def _index(package: str) -> list[str]:
+  """The modules a package's `__init__` docstring lists (lines starting with `name.py`), in order."""
+  init = PACKAGE / package / "__init__.py"
+  docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+  words = [line.split()[0] for line in docstring.splitlines() if line.strip()]
+  return [word for word in words if word.endswith(".py")]
+
+
+@pytest.mark.parametrize("package", ["batch", "sample"])
+def test_each_package_index_lists_every_module_once(package):
+  modules = sorted(p.name for p in (PACKAGE / package).glob("*.py") if p.name != "__init__.py")
+  assert sorted(_index(package)) == modules
+
+
+def test_the_sample_index_is_in_dependency_order():
+  order = [f"jaxengine.sample.{name.removesuffix('.py')}" for name in _index("sample")]
+  graph = _graph()
+  for position, module in enumerate(order):
+    later = set(order[position + 1 :])
+    assert not graph[module] & later, f"{module} imports {sorted(graph[module] & later)}"
+
+
 def _is_private(name: str) -> bool:
   """`_name` or `__name` (Python's private conventions), but not a dunder like `__init__`."""
   return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))

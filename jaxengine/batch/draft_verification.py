@@ -139,7 +139,9 @@ def check_spec_inputs(
   )
 
 
-def fetch_verified(output: RejectionOutput, num_reqs: int, num_logprobs: int | None) -> FetchedStep:
+def fetch_verified(
+  output: RejectionOutput, num_reqs: int, num_logprobs: int | None
+) -> FetchedStep[HostRejectionOutput]:
   """Fetches the live rows of a device `RejectionOutput`: each request's emitted tokens (a
   `jaxengine.batch.host_output.Fetch`).
 

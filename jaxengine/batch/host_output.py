@@ -61,10 +61,12 @@ class FetchedStep(Generic[HostOutput]):
 #: num_logprobs) -> FetchedStep`, with `num_reqs` the live rows (the first `N` after condense) and
 #: `num_logprobs` the largest logprobs count a live request asked for, or None (then logprobs need
 #: not be fetched at all).
-Fetch = Callable[[Any, int, int | None], FetchedStep]
+Fetch = Callable[[Any, int, int | None], FetchedStep[HostOutput]]
 
 
-def fetch_sampled(output: SamplerOutput, num_reqs: int, num_logprobs: int | None) -> FetchedStep:
+def fetch_sampled(
+  output: SamplerOutput, num_reqs: int, num_logprobs: int | None
+) -> FetchedStep[HostSamplerOutput]:
   """Fetches the live rows of a `sample_step` output: one token per row (a `Fetch`).
 
   Args:

@@ -30,10 +30,10 @@ from jaxengine.batch.draft_verification import (
   run_rejection,
   sample_drafts,
 )
-from jaxengine.batch.host_output import Fetch, FetchedStep, HostSamplerOutput, fetch_sampled
+from jaxengine.batch.host_output import Fetch, HostOutput, HostSamplerOutput, fetch_sampled
 from jaxengine.batch.logits_input import check_logits, pad_device_rows, sample_logits
 from jaxengine.batch.logits_processors import resolve_logits_processors
-from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple, resolve_num_logprobs
+from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
   DEFAULT_MAX_SPEC_LEN,
@@ -292,8 +292,8 @@ class InputBatch:
     self.req_id_to_index[req_id] = row
     self._num_prompt_tokens[req_id] = len(request.prompt_token_ids)
     self._cache_slots[req_id] = cache_slot
-    if sampling_params.logprobs is not None:
-      self._num_logprobs[req_id] = resolve_num_logprobs(self.config, sampling_params.logprobs)
+    if request.row.num_logprobs >= 0:
+      self._num_logprobs[req_id] = int(request.row.num_logprobs)
     self._composition_changed()
     return row
 
@@ -448,7 +448,9 @@ class InputBatch:
     """
     return self.run_step(step_fn, *args, fetch=fetch_sampled)
 
-  def run_step(self, step_fn, *args, fetch: Fetch, **kwargs) -> tuple[object, object]:
+  def run_step(
+    self, step_fn, *args, fetch: Fetch[HostOutput], **kwargs
+  ) -> tuple[HostOutput, object]:
     """Runs any jitted step over the batch's state and appends the tokens it emitted.
 
     The one way a step replaces the device state: `prepare_step` (checks, condense), then
@@ -467,7 +469,7 @@ class InputBatch:
     """
     metadata = self.prepare_step()
     self._state, output, extra = step_fn(self._state, metadata, *args, **kwargs)
-    fetched: FetchedStep = fetch(output, self.num_reqs, self.max_requested_logprobs)
+    fetched = fetch(output, self.num_reqs, self.max_requested_logprobs)
     for row, new_token_ids in enumerate(fetched.new_token_ids):
       tokens = self._req_output_token_ids[row]
       assert tokens is not None  # rows [0, num_reqs) are live after condense

@@ -70,7 +70,9 @@ def run_steps(batch: InputBatch, step_fn, *args, **kwargs) -> tuple[HostMultiSte
   return batch.run_step(step_fn, *args, fetch=fetch_steps, **kwargs)
 
 
-def fetch_steps(output: MultiStepOutput, num_reqs: int, num_logprobs: int | None) -> FetchedStep:
+def fetch_steps(
+  output: MultiStepOutput, num_reqs: int, num_logprobs: int | None
+) -> FetchedStep[HostMultiStepOutput]:
   """Fetches the live rows of a k-step loop's output: up to k tokens per row (a `Fetch`)."""
   logprobs = None if num_logprobs is None else output.logprobs
   tokens, counts, fetched = jax.device_get((output.sampled_token_ids, output.num_sampled, logprobs))

@@ -156,7 +156,7 @@ class ModelRunner:
     )
     self._prefill_logprobs = jax.jit(
       functools.partial(
-        prefill_with_prompt_logprobs, self._graphdef, input_batch.state.max_num_logprobs
+        prefill_with_prompt_logprobs, self._graphdef, input_batch.state.num_top_logprobs
       ),
       donate_argnames=("kv_cache",),
       **jit_args["prefill_logprobs"],
