@@ -99,7 +99,7 @@ def test_no_import_cycles():
 
 
 def _index(package: str) -> list[str]:
-  """The modules a package's `__init__` docstring lists (lines starting with `name.py`), in order."""
+  """The modules a package's `__init__` docstring lists (lines starting `name.py`), in order."""
   init = PACKAGE / package / "__init__.py"
   docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
   words = [line.split()[0] for line in docstring.splitlines() if line.strip()]

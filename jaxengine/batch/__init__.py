@@ -7,7 +7,8 @@ logits_processors.py   building the batch's LogitsProcessors, encoding a request
 logits_input.py        the logits check, padding `N` rows to `R`, the sampler alone as a step
 host_output.py         HostSamplerOutput, LogprobsArrays, FetchedStep: NumPy results over live rows
 step_loop.py           run_steps: the host side of a k-step device loop (up to k tokens per row)
-draft_verification.py  InputBatch.rejection_sample's input checks, run_rejection, HostRejectionOutput
+draft_verification.py  InputBatch.rejection_sample's input checks, run_rejection,
+                       HostRejectionOutput
 """
 
 from jaxengine.batch.draft_verification import HostRejectionOutput

@@ -428,8 +428,9 @@ class InputBatch:
     ids, `draft_probs` None (point-mass drafts) or `[.., max_spec_len, V]`. Returns a
     `HostRejectionOutput` (`sampled_token_ids [num_reqs, max_spec_len + 1]`, -1 after the last
     emitted token); raises ValueError, nothing changed, for bad arguments (see
-    `jaxengine.batch.draft_verification`) or a full request. Engines fusing the target model's forward
-    pass with the sampler call `jaxengine.batch.draft_verification.run_rejection` instead."""
+    `jaxengine.batch.draft_verification`) or a full request. Engines fusing the target model's
+    forward pass with the sampler call `jaxengine.batch.draft_verification.run_rejection`
+    instead."""
     inputs = check_spec_inputs(
       self.config, self.num_reqs, target_logits, draft_token_ids, draft_probs
     )
