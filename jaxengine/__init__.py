@@ -11,7 +11,8 @@ Core (no model needed):
   sample_step          the pure jitted sampler step; SamplerOutput (sample/step.py)
   rejection_sample_step  speculative decoding's rejection sampler, pure and jitted;
                        RejectionOutput (sample/rejection.py); on the batch:
-                       InputBatch.rejection_sample -> HostRejectionOutput (batch/speculative.py)
+                       InputBatch.rejection_sample -> HostRejectionOutput
+                       (batch/draft_verification.py)
   gather_logprobs      a token's logprob and rank plus the top-k, from any logits; LogprobsTensors
                        (sample/logprobs.py)
 

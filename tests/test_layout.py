@@ -1,7 +1,10 @@
-"""The package's layout keeps its dependencies pointing one way, with no import cycle.
+"""The package's layout keeps its dependencies pointing one way, with no import cycle, and no
+module reaches into another's private state.
 
 Checked on the source (every `import` statement, type-only ones included), so a violation fails
-here before it becomes a circular-import error at run time.
+here before it becomes a circular-import error at run time. A module that needs something another
+keeps private asks for a public accessor instead (`InputBatch.run_step`, not `batch._state`): that
+is what keeps a module's invariants its own business, whatever its length.
 """
 
 from __future__ import annotations
@@ -95,14 +98,160 @@ def test_no_import_cycles():
   assert not cycles, cycles
 
 
+def _index(package: str) -> list[str]:
+  """The modules a package's `__init__` docstring lists (lines starting `name.py`), in order."""
+  init = PACKAGE / package / "__init__.py"
+  docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+  words = [line.split()[0] for line in docstring.splitlines() if line.strip()]
+  return [word for word in words if word.endswith(".py")]
+
+
+@pytest.mark.parametrize("package", ["batch", "sample"])
+def test_each_package_index_lists_every_module_once(package):
+  modules = sorted(p.name for p in (PACKAGE / package).glob("*.py") if p.name != "__init__.py")
+  assert sorted(_index(package)) == modules
+
+
+def test_the_sample_index_is_in_dependency_order():
+  order = [f"jaxengine.sample.{name.removesuffix('.py')}" for name in _index("sample")]
+  graph = _graph()
+  for position, module in enumerate(order):
+    later = set(order[position + 1 :])
+    assert not graph[module] & later, f"{module} imports {sorted(graph[module] & later)}"
+
+
+def _is_private(name: str) -> bool:
+  """`_name` or `__name` (Python's private conventions), but not a dunder like `__init__`."""
+  return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _class_private_names(cls: ast.ClassDef) -> set[str]:
+  """The private names a class defines: its methods, class-level assignments and every
+  `self._name = ...` / `cls._name = ...` in its body."""
+  names = set()
+  for node in ast.walk(cls):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+      names.add(node.id)
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      names.add(node.target.id)
+    elif (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.ctx, ast.Store)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in ("self", "cls")
+    ):
+      names.add(node.attr)
+  return {name for name in names if _is_private(name)}
+
+
+class _PrivateAccesses(ast.NodeVisitor):
+  """Collects reads and writes of another module's private names (see `private_accesses`)."""
+
+  def __init__(self, source: str) -> None:
+    self.lines = source.splitlines()
+    self.owned: list[set[str]] = []  # private names of each enclosing class, innermost last
+    self.found: list[tuple[int, str]] = []
+
+  def report(self, node: ast.AST, what: str) -> None:
+    line = self.lines[node.lineno - 1].strip() if node.lineno <= len(self.lines) else ""
+    self.found.append((node.lineno, f"{what}: {line}"))
+
+  def visit_ClassDef(self, node: ast.ClassDef) -> None:
+    self.owned.append(_class_private_names(node))
+    self.generic_visit(node)
+    self.owned.pop()
+
+  def visit_Attribute(self, node: ast.Attribute) -> None:
+    if _is_private(node.attr):
+      is_own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+      # Another instance of the class that defines the name (`other._x` in `__eq__`, `batch._init`
+      # in a classmethod) is the class's own business.
+      is_peer = any(node.attr in names for names in self.owned)
+      if not (is_own or is_peer):
+        access = "writes" if isinstance(node.ctx, ast.Store) else "reads"
+        self.report(node, f"{access} .{node.attr}")
+    self.generic_visit(node)
+
+  def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+    module = node.module or ""
+    if any(_is_private(part) for part in module.split(".")):
+      self.report(node, f"imports from the private module {module}")
+    for alias in node.names:
+      if _is_private(alias.name):
+        self.report(node, f"imports the private name {alias.name}")
+    self.generic_visit(node)
+
+  def visit_Import(self, node: ast.Import) -> None:
+    for alias in node.names:
+      if any(_is_private(part) for part in alias.name.split(".")):
+        self.report(node, f"imports the private module {alias.name}")
+    self.generic_visit(node)
+
+  def visit_Call(self, node: ast.Call) -> None:
+    # getattr(obj, "_name") / setattr / hasattr / delattr: the same access spelled as a string.
+    is_attr_call = isinstance(node.func, ast.Name) and node.func.id in (
+      "getattr",
+      "setattr",
+      "hasattr",
+      "delattr",
+    )
+    if is_attr_call and len(node.args) >= 2:
+      name = node.args[1]
+      if isinstance(name, ast.Constant) and isinstance(name.value, str):
+        target = node.args[0]
+        is_own = isinstance(target, ast.Name) and target.id in ("self", "cls")
+        if _is_private(name.value) and not is_own:
+          self.report(node, f"{node.func.id} {name.value!r}")
+    self.generic_visit(node)
+
+
+def private_accesses(source: str) -> list[tuple[int, str]]:
+  """`(line, what)` for each place `source` reaches into another module's private state.
+
+  A name is private when it starts with `_` (dunders excepted). Flagged: `obj._name` read or
+  written where `obj` is not `self`/`cls` and no enclosing class defines `_name`; the same
+  through `getattr`/`setattr`/`hasattr`/`delattr` with a constant name; `from x import _name`;
+  and importing a private module (`jax._src`, `pkg._impl`).
+  """
+  visitor = _PrivateAccesses(source)
+  visitor.visit(ast.parse(source))
+  return visitor.found
+
+
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: _module_name(p))
-def test_modules_stay_short(path):
-  assert len(path.read_text().splitlines()) <= 500, f"{path.name}: split it by job"
+def test_no_module_reaches_into_another_modules_private_state(path):
+  violations = [f"{path.name}:{line}: {what}" for line, what in private_accesses(path.read_text())]
+  assert not violations, "\n".join(["private access across modules:", *violations])
 
 
-CORE_MODULES = sorted((PACKAGE / "sample").glob("*.py")) + sorted((PACKAGE / "batch").glob("*.py"))
+PLANTED = """
+from jaxengine.batch.input_batch import _helper
 
 
-@pytest.mark.parametrize("path", [*CORE_MODULES, PACKAGE / "config.py"], ids=lambda p: p.name)
-def test_no_core_module_is_longer_than_about_450_lines(path):
-  assert len(path.read_text().splitlines()) <= 460
+class Friend:
+  def __init__(self):
+    self._mine = 0
+
+  def __eq__(self, other):
+    return self._mine == other._mine  # another instance of this class: allowed
+
+
+def run(batch, step_fn):
+  batch._state, output = step_fn(batch._state)
+  return getattr(batch, "_metadata"), output
+"""
+
+
+def test_the_private_access_check_catches_a_planted_access():
+  found = private_accesses(PLANTED)
+  assert [line for line, _ in found] == [2, 14, 14, 15], found
+  whats = [what for _, what in found]
+  assert whats[0].startswith("imports the private name _helper")
+  assert whats[1].startswith("writes ._state: batch._state, output")
+  assert whats[2].startswith("reads ._state")
+  assert whats[3].startswith("getattr '_metadata'")
+  # Removing the planted accesses leaves nothing to report.
+  clean = PLANTED.replace("batch._state", "batch.state").replace('"_metadata"', '"metadata"')
+  assert private_accesses(clean.replace("import _helper", "import helper")) == []

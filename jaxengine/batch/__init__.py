@@ -1,15 +1,18 @@
 """The host side of the persistent batch: `InputBatch` and the encoding of a request as a row.
 
-input_batch.py   InputBatch: rows, ids, cache slots, composition changes, sampling on the host
-rows.py          validating one request and encoding it as a `RowUpdate`
-host_output.py   HostSamplerOutput, LogprobsArrays: NumPy results over the live rows
-multi_step.py    run_steps: host bookkeeping of a k-step device loop (up to k tokens per row)
-speculative.py   InputBatch.rejection_sample's input checks and HostRejectionOutput
-jitted.py        the sampler as a step, the logits check, row padding, move plans
+input_batch.py         InputBatch: rows, ids, cache slots, composition changes, `run_step` (the
+                       one way a step replaces the device state and appends emitted tokens)
+rows.py                validating one request and encoding it as a `RowUpdate`
+logits_processors.py   building the batch's LogitsProcessors, encoding a request's processor rows
+logits_input.py        the logits check, padding `N` rows to `R`, the sampler alone as a step
+host_output.py         HostSamplerOutput, LogprobsArrays, FetchedStep: NumPy results over live rows
+step_loop.py           run_steps: the host side of a k-step device loop (up to k tokens per row)
+draft_verification.py  InputBatch.rejection_sample's input checks, run_rejection,
+                       HostRejectionOutput
 """
 
+from jaxengine.batch.draft_verification import HostRejectionOutput
 from jaxengine.batch.host_output import HostSamplerOutput, LogprobsArrays
 from jaxengine.batch.input_batch import InputBatch
-from jaxengine.batch.speculative import HostRejectionOutput
 
 __all__ = ["HostRejectionOutput", "HostSamplerOutput", "InputBatch", "LogprobsArrays"]

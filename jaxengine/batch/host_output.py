@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
 
 from jaxengine.sample import SamplerOutput
+
+HostOutput = TypeVar("HostOutput")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +43,41 @@ class HostSamplerOutput:
   logprobs: LogprobsArrays | None
 
 
-def to_host(output: SamplerOutput, outputs: list, num_logprobs: int | None) -> HostSamplerOutput:
-  """Fetches the live rows of a device `SamplerOutput` and appends each row's token to its list
-  in `outputs`.
+@dataclasses.dataclass(frozen=True)
+class FetchedStep(Generic[HostOutput]):
+  """A step's device output fetched to the host, and the tokens it appends (see
+  `InputBatch.run_step`, which appends them to its own records).
+
+  Attributes:
+    output: the host result over the live rows (`HostSamplerOutput`, `HostRejectionOutput`, ...).
+    new_token_ids: `N` lists, in `req_ids` order: the tokens each live row's request emitted.
+  """
+
+  output: HostOutput
+  new_token_ids: list[list[int]]
+
+
+#: What `InputBatch.run_step` calls on a step's device output: `fetch(output, num_reqs,
+#: num_logprobs) -> FetchedStep`, with `num_reqs` the live rows (the first `N` after condense) and
+#: `num_logprobs` the largest logprobs count a live request asked for, or None (then logprobs need
+#: not be fetched at all).
+Fetch = Callable[[Any, int, int | None], FetchedStep[HostOutput]]
+
+
+def fetch_sampled(
+  output: SamplerOutput, num_reqs: int, num_logprobs: int | None
+) -> FetchedStep[HostSamplerOutput]:
+  """Fetches the live rows of a `sample_step` output: one token per row (a `Fetch`).
 
   Args:
     output: `sample_step`'s device output over all `R` rows.
-    outputs: the batch's output token lists by row; its length is `N`, the live rows (the first
-      `N` rows, after condense).
+    num_reqs: `N`, the live rows (the first `N` rows, after condense).
     num_logprobs: `k`, the largest logprobs count a live request asked for, or None (then the
       logprobs are not fetched at all).
+
+  Returns:
+    A `FetchedStep` of a `HostSamplerOutput`.
   """
-  num_reqs = len(outputs)
   device_logprobs = None if num_logprobs is None else output.logprobs
   tokens, fetched = jax.device_get((output.sampled_token_ids, device_logprobs))
   logprobs: LogprobsArrays | None = None
@@ -62,6 +89,7 @@ def to_host(output: SamplerOutput, outputs: list, num_logprobs: int | None) -> H
       ranks=fetched.ranks[:num_reqs],
     )
   tokens = np.asarray(tokens)[:num_reqs]
-  for row, token in enumerate(tokens.tolist()):
-    outputs[row].append(token)
-  return HostSamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+  return FetchedStep(
+    output=HostSamplerOutput(sampled_token_ids=tokens, logprobs=logprobs),
+    new_token_ids=[[token] for token in tokens.tolist()],
+  )

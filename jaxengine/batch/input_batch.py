@@ -24,16 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.batch.host_output import HostSamplerOutput, to_host
-from jaxengine.batch.jitted import check_logits, move_plan, pad_rows, sample_logits
-from jaxengine.batch.logits_processors import resolve_logits_processors
-from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple, resolve_num_logprobs
-from jaxengine.batch.speculative import (
+from jaxengine.batch.draft_verification import (
   HostRejectionOutput,
   check_spec_inputs,
   run_rejection,
   sample_drafts,
 )
+from jaxengine.batch.host_output import Fetch, HostOutput, HostSamplerOutput, fetch_sampled
+from jaxengine.batch.logits_input import check_logits, pad_device_rows, sample_logits
+from jaxengine.batch.logits_processors import resolve_logits_processors
+from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
   DEFAULT_MAX_SPEC_LEN,
@@ -45,6 +45,7 @@ from jaxengine.sample import (
   BatchState,
   SamplingMetadata,
   batch_key_data,
+  move_plan,
   move_rows,
   refresh_metadata,
   write_row,
@@ -186,6 +187,12 @@ class InputBatch:
     return list(self._req_output_token_ids)
 
   @property
+  def max_requested_logprobs(self) -> int | None:
+    """`k`, the largest logprobs count a live request asked for (`V` for `-1`), or None when no
+    live request asked: how many logprobs columns a step's output needs on the host."""
+    return max(self._num_logprobs.values(), default=None)
+
+  @property
   def state(self) -> BatchState:
     """The device-side state (read it, do not keep it: the next update donates its buffers)."""
     return self._state
@@ -285,8 +292,8 @@ class InputBatch:
     self.req_id_to_index[req_id] = row
     self._num_prompt_tokens[req_id] = len(request.prompt_token_ids)
     self._cache_slots[req_id] = cache_slot
-    if sampling_params.logprobs is not None:
-      self._num_logprobs[req_id] = resolve_num_logprobs(self.config, sampling_params.logprobs)
+    if request.row.num_logprobs >= 0:
+      self._num_logprobs[req_id] = int(request.row.num_logprobs)
     self._composition_changed()
     return row
 
@@ -408,7 +415,7 @@ class InputBatch:
     rows = (self.max_num_reqs, self.num_reqs)
     check_logits("logits", logits, rows, {"vocab_size": self.vocab_size})
     if logits.shape[0] != self.max_num_reqs:
-      logits = pad_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
+      logits = pad_device_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
     output, _ = self.run(sample_logits, logits)
     return output
 
@@ -421,8 +428,9 @@ class InputBatch:
     ids, `draft_probs` None (point-mass drafts) or `[.., max_spec_len, V]`. Returns a
     `HostRejectionOutput` (`sampled_token_ids [num_reqs, max_spec_len + 1]`, -1 after the last
     emitted token); raises ValueError, nothing changed, for bad arguments (see
-    `jaxengine.batch.speculative`) or a full request. Engines fusing the target model's forward
-    pass with the sampler call `jaxengine.batch.speculative.run_rejection` instead."""
+    `jaxengine.batch.draft_verification`) or a full request. Engines fusing the target model's
+    forward pass with the sampler call `jaxengine.batch.draft_verification.run_rejection`
+    instead."""
     inputs = check_spec_inputs(
       self.config, self.num_reqs, target_logits, draft_token_ids, draft_probs
     )
@@ -439,9 +447,35 @@ class InputBatch:
     step's other arguments (weights, KV cache, ...). Returns `(HostSamplerOutput over the live
     rows, extra)`.
     """
+    return self.run_step(step_fn, *args, fetch=fetch_sampled)
+
+  def run_step(
+    self, step_fn, *args, fetch: Fetch[HostOutput], **kwargs
+  ) -> tuple[HostOutput, object]:
+    """Runs any jitted step over the batch's state and appends the tokens it emitted.
+
+    The one way a step replaces the device state: `prepare_step` (checks, condense), then
+    `step_fn(state, metadata, *args, **kwargs) -> (state, device_output, extra)`, which must
+    donate `state` and keep its structure, shapes and shardings; then `fetch(device_output,
+    num_reqs, max_requested_logprobs)` (a `jaxengine.batch.host_output.Fetch`) brings the live
+    rows to the host, and the batch appends each row's emitted tokens to its request's outputs.
+    `run` (one token per row), `jaxengine.batch.step_loop.run_steps` (a k-step loop) and
+    `jaxengine.batch.draft_verification.run_rejection` (draft verification) are its uses.
+
+    Returns:
+      `(fetch's host output over the live rows, extra)`.
+
+    Raises:
+      ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+    """
     metadata = self.prepare_step()
-    self._state, output, extra = step_fn(self._state, metadata, *args)
-    return to_host(output, self._req_output_token_ids, self._max_logprobs()), extra
+    self._state, output, extra = step_fn(self._state, metadata, *args, **kwargs)
+    fetched = fetch(output, self.num_reqs, self.max_requested_logprobs)
+    for row, new_token_ids in enumerate(fetched.new_token_ids):
+      tokens = self._req_output_token_ids[row]
+      assert tokens is not None  # rows [0, num_reqs) are live after condense
+      tokens.extend(new_token_ids)
+    return fetched.output, extra
 
   def prepare_step(self) -> SamplingMetadata:
     """Checks that every row has room for a token, condenses, and returns the metadata. Raises:
@@ -455,6 +489,3 @@ class InputBatch:
       )
     self.condense()  # a no-op without holes
     return self.sampling_metadata
-
-  def _max_logprobs(self) -> int | None:
-    return max(self._num_logprobs.values(), default=None)

@@ -15,6 +15,7 @@ import numpy as np
 from jaxengine.batch.logits_processors import encode_processor_rows
 from jaxengine.config import BatchConfig
 from jaxengine.params import SamplingParams, is_int
+from jaxengine.sample.row_params import encode_row_params
 from jaxengine.sample.state import RowUpdate
 
 
@@ -182,24 +183,6 @@ def _token_row(config: BatchConfig, prompt: np.ndarray, outputs: np.ndarray) -> 
   return token_ids
 
 
-def _sampling_fields(config: BatchConfig, params: SamplingParams) -> dict[str, Any]:
-  """The scalar sampling parameters of a row, with vLLM's "disabled" sentinels."""
-  f32, vocab = np.float32, config.vocab_size
-  num_logprobs = -1 if params.logprobs is None else resolve_num_logprobs(config, params.logprobs)
-  return dict(
-    temperature=f32(params.temperature),
-    top_k=np.int32(params.top_k if 0 < params.top_k < vocab else vocab),
-    top_p=f32(params.top_p),
-    min_p=f32(params.min_p),
-    presence_penalty=f32(params.presence_penalty),
-    frequency_penalty=f32(params.frequency_penalty),
-    repetition_penalty=f32(params.repetition_penalty),
-    num_logprobs=np.int32(num_logprobs),
-    # A row never holds max_model_len outputs: a larger min_tokens means the same (and fits int32).
-    min_tokens=np.int32(min(params.min_tokens, config.max_model_len)),
-  )
-
-
 def _key_fields(params: SamplingParams) -> dict[str, Any]:
   """The seed as two uint32 words (taken modulo 2**64) and whether there is one."""
   seed = 0 if params.seed is None else params.seed % 2**64
@@ -256,7 +239,7 @@ def encode_request(
     num_tokens=np.int32(num_tokens),
     num_prompt_tokens=np.int32(len(prompt)),
     cache_slot=np.int32(0),
-    **_sampling_fields(config, params),
+    **encode_row_params(params, config),
     stop_token_ids=_padded(stop_ids, config.max_num_stop_token_ids, vocab, np.int32),
     logit_bias_token_ids=bias_ids,
     logit_bias=bias,

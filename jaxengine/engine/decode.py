@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.batch import HostSamplerOutput
-from jaxengine.batch.multi_step import HostMultiStepOutput
+from jaxengine.batch.step_loop import HostMultiStepOutput
 from jaxengine.sample import sample
 
 #: Smallest prefill length bucket, in tokens.

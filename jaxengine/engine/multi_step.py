@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxengine.batch.multi_step import MultiStepOutput
+from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.params import SamplingParams
 from jaxengine.sample import LogprobsTensors, sample
 
@@ -102,7 +102,7 @@ def decode_steps(
   rows_state = state.leading_rows(num_rows)
   rows_metadata = metadata.leading_rows(num_rows)
   max_model_len = state.max_model_len
-  num_columns = state.max_num_logprobs + 1
+  num_columns = state.num_top_logprobs + 1
   logprobs = LogprobsTensors(
     token_ids=jnp.zeros((num_steps, num_rows, num_columns), jnp.int32),
     logprobs=jnp.zeros((num_steps, num_rows, num_columns), jnp.float32),

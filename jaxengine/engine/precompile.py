@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxengine.batch.multi_step import run_steps
+from jaxengine.batch.step_loop import run_steps
 from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.engine.prefix_prefill import load_blocks, save_blocks
 from jaxengine.models.kv_cache import KVCache

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxengine import parallel
 from jaxengine.batch import InputBatch, LogprobsArrays
-from jaxengine.batch.multi_step import run_steps
+from jaxengine.batch.step_loop import run_steps
 from jaxengine.engine.decode import (
   MIN_ATTENTION_BUCKET,
   MIN_LENGTH_BUCKET,
@@ -156,7 +156,7 @@ class ModelRunner:
     )
     self._prefill_logprobs = jax.jit(
       functools.partial(
-        prefill_with_prompt_logprobs, self._graphdef, input_batch.state.max_num_logprobs
+        prefill_with_prompt_logprobs, self._graphdef, input_batch.state.num_top_logprobs
       ),
       donate_argnames=("kv_cache",),
       **jit_args["prefill_logprobs"],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.batch.multi_step import MultiStepOutput
+from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.sample import rejection_sample
 
 

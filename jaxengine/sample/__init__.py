@@ -1,8 +1,11 @@
 """The device core of jaxengine: the batch state and the sampler, model-agnostic.
 
-Modules, in pipeline order (each imports only the ones above it):
-  state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row, move_rows
+Modules, in dependency order (each imports only modules listed above it; tests/test_layout.py
+checks this index against the imports):
+  row_params.py   RowParams: the one table of per-row sampling parameters (dtype, off value,
+                  which rows use it, encoding from SamplingParams)
   custom.py       LogitsProcessor (your own, row state in the batch), the grammar bitmask
+  state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row, move_rows
   metadata.py     SamplingMetadata and refresh_metadata (per composition: flags, effective values)
   sharded.py      vocabulary-sharded top-k / argmax / scatters / draw under shard_map (mesh=)
   processors.py   stages 1-6: float32, allowed ids, bad words, min_tokens, logit_bias, penalties
@@ -29,6 +32,7 @@ from jaxengine.sample.state import (
   BatchState,
   RowUpdate,
   batch_key_data,
+  move_plan,
   move_rows,
   write_row,
 )
@@ -45,6 +49,7 @@ __all__ = [
   "SamplingMetadata",
   "batch_key_data",
   "gather_logprobs",
+  "move_plan",
   "move_rows",
   "refresh_metadata",
   "rejection_sample",

@@ -13,29 +13,25 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.params import SAMPLING_EPS
+from jaxengine.sample.row_params import RowParams, effective_row_params
 from jaxengine.sample.state import BatchState
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingMetadata:
+class SamplingMetadata(RowParams[jax.Array]):
   """Effective per-row sampling values and the batch-wide "is any row using X" flags.
 
-  Per-row values are already resolved for the sampler: greedy and free rows get temperature 1 (the
-  division is a no-op) and neutral filters, free rows neutral penalties, so the sampler needs no
+  Per-row values are already resolved for the sampler: each `RowParams` field (`temperature`,
+  `top_k`, ..., `min_tokens`) holds the row's value where the row uses it and the parameter's
+  "off" value elsewhere (greedy and free rows get temperature 1, so the division is a no-op, and
+  neutral filters; free rows neutral penalties; see `RowParam.used_by`), so the sampler needs no
   per-row branching. The flags are traced `[] bool` arrays that drive `lax.cond`, so one compiled
   step serves every mix of requests.
 
   Attributes:
     is_live: `[R] bool` rows that hold a request.
     is_greedy: `[R] bool` live rows sampling greedily.
-    temperature: `[R] float32` divisor, 1 for greedy and free rows.
-    top_k: `[R] int32`, `V` (disabled) for greedy and free rows.
-    top_p: `[R] float32`, 1 (disabled) for greedy and free rows.
-    min_p: `[R] float32`, 0 (disabled) for greedy and free rows.
-    presence_penalty: `[R] float32`, 0 for free rows.
-    frequency_penalty: `[R] float32`, 0 for free rows.
-    repetition_penalty: `[R] float32`, 1 for free rows.
     candidate_level: `[R] int32` which candidate list a row's top-k is read from: `l >= 1` for
       the deep budget `config.candidate_budgets[l]` (the smallest holding its top_k), 0 for the
       shallow list, no top-k, or a top_k beyond every budget (found by bisection).
@@ -50,13 +46,6 @@ class SamplingMetadata:
 
   is_live: jax.Array
   is_greedy: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  min_p: jax.Array
-  presence_penalty: jax.Array
-  frequency_penalty: jax.Array
-  repetition_penalty: jax.Array
   candidate_level: jax.Array
   max_candidate_level: jax.Array
   any_greedy: jax.Array
@@ -118,27 +107,21 @@ def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
   V = state.vocab_size
   is_greedy = is_live & (state.temperature < SAMPLING_EPS)
   is_random = is_live & ~is_greedy
-  top_k = jnp.where(is_random & (state.top_k > 0) & (state.top_k < V), state.top_k, V)
-  top_p = jnp.where(is_random, state.top_p, 1.0)
-  min_p = jnp.where(is_random, state.min_p, 0.0)
-  presence = jnp.where(is_live, state.presence_penalty, 0.0)
-  frequency = jnp.where(is_live, state.frequency_penalty, 0.0)
-  repetition = jnp.where(is_live, state.repetition_penalty, 1.0)
+  # top_k is stored in [1, V] (V when off), so `top_k < V` is "filters by top-k".
+  effective = effective_row_params(state, state.config, is_live, is_random)
+  top_k, top_p, min_p = effective["top_k"], effective["top_p"], effective["min_p"]
+  presence = effective["presence_penalty"]
+  frequency = effective["frequency_penalty"]
+  repetition = effective["repetition_penalty"]
   has_bias = (state.logit_bias_token_ids < V).any(axis=1)
   has_bad_words = (state.bad_words_last < V).any(axis=1)
-  has_min_tokens = (state.min_tokens > 0) & (state.stop_token_ids < V).any(axis=1)
+  has_min_tokens = (effective["min_tokens"] > 0) & (state.stop_token_ids < V).any(axis=1)
   budgets = state.config.candidate_budgets
   level = candidate_level(top_k, budgets, V)
   return SamplingMetadata(
+    **effective,
     is_live=is_live,
     is_greedy=is_greedy,
-    temperature=jnp.where(is_random, state.temperature, 1.0),
-    top_k=top_k,
-    top_p=top_p,
-    min_p=min_p,
-    presence_penalty=presence,
-    frequency_penalty=frequency,
-    repetition_penalty=repetition,
     candidate_level=level,
     max_candidate_level=level.max(),
     any_greedy=is_greedy.any(),
@@ -151,8 +134,8 @@ def refresh_metadata(state: BatchState, is_live: jax.Array) -> SamplingMetadata:
     any_logit_bias=(is_live & has_bias).any(),
     any_allowed_token_ids=(is_live & state.has_allowed_token_ids).any(),
     any_bad_words=(is_live & has_bad_words).any(),
-    any_min_tokens=(is_live & has_min_tokens).any(),
-    any_logprobs=(is_live & (state.num_logprobs >= 0)).any(),
+    any_min_tokens=has_min_tokens.any(),
+    any_logprobs=(effective["num_logprobs"] >= 0).any(),
     any_logits_processor=(is_live[:, None] & state.logits_processor_active).any(axis=0),
     any_grammar=(is_live & state.has_grammar).any(),
   )

@@ -16,26 +16,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxengine.config import BatchConfig
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int
 from jaxengine.sample.custom import checked_init_state
+from jaxengine.sample.row_params import Leaf, RowParams, empty_row_params
 
 # Shape of one `jax.random.key` as raw uint32 words (threefry: (2,)). Keys are stored as raw words
 # so that rows can be gathered, scattered and compared like any other array.
 KEY_DATA_SHAPE = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BatchState:
-  """Per-row state of the persistent batch (shape legend: `R` rows, `S` positions, `V` vocab).
+class RowFields(RowParams[Leaf]):
+  """Every per-row field a request's row sets whole: the sampling parameters (`RowParams`), the
+  row's tokens, its list-valued parameters and its processor state.
 
-  A field named like a `SamplingParams` field holds that parameter for the request in each row,
-  with vLLM's "disabled" sentinels: `top_k == V`, `top_p == 1`, `min_p == 0`, penalties `(0, 0, 1)`.
-  Rows that hold no request contain stale values that are never read (the metadata's `is_live`
-  mask excludes them) and are overwritten entirely when a request is added.
+  `BatchState` holds them with a leading `R` axis; a `RowUpdate` holds one row of each (shapes
+  without the `R`). Declared here once for both (shape legend: `R` rows, `S` positions, `V`
+  vocab; list capacities from `BatchConfig`).
 
   Attributes:
     token_ids: `[R, S] int32` prompt then output tokens of each row.
@@ -43,18 +44,6 @@ class BatchState:
     num_prompt_tokens: `[R] int32`.
     cache_slot: `[R] int32` KV-cache slot of the row's request, so reordering rows never moves
       cached keys and values.
-    temperature: `[R] float32`, `0` for greedy requests.
-    top_k: `[R] int32`, `V` when disabled.
-    top_p: `[R] float32`, `1` when disabled.
-    min_p: `[R] float32`, `0` when disabled.
-    presence_penalty: `[R] float32`.
-    frequency_penalty: `[R] float32`.
-    repetition_penalty: `[R] float32`.
-    key_data: `[R, *KEY_DATA_SHAPE] uint32` raw words of the request's base `jax.random.key`
-      (`[R, 2]` for the default threefry implementation); the key for its t-th output token is
-      `fold_in(key, t)`.
-    num_logprobs: `[R] int32` requested logprobs, `-1` for none, `V` for the whole vocabulary.
-    min_tokens: `[R] int32`.
     stop_token_ids: `[R, max_num_stop_token_ids] int32` the min_tokens stop set (the request's
       stop ids and the batch's EOS ids), padded with `V`.
     logit_bias_token_ids: `[R, max_num_logit_bias] int32`, padded with `V`.
@@ -65,45 +54,56 @@ class BatchState:
       without its last token, right-aligned and left-padded with `-1` (matches anything).
     bad_words_last: `[R, max_num_bad_words] int32` last token of each banned sequence, padded
       with `V`.
-    output_token_counts: `[R, V] int32` occurrences of each token in the output so far (for the
-      frequency and presence penalties), updated by every sample step.
-    prompt_token_mask: `[R, V] bool` tokens present in the prompt (for the repetition penalty).
     logits_processor_states: one pytree per `config.logits_processors` entry (its `init_state`),
       every leaf `[R, ...]`: the processor's row state moves with its row.
     logits_processor_active: `[R, P] bool` whether processor `p` acts on the row's request.
     has_grammar: `[R] bool` whether the row's request has structured outputs.
+  """
+
+  token_ids: Leaf
+  num_tokens: Leaf
+  num_prompt_tokens: Leaf
+  cache_slot: Leaf
+  stop_token_ids: Leaf
+  logit_bias_token_ids: Leaf
+  logit_bias: Leaf
+  has_allowed_token_ids: Leaf
+  allowed_token_mask: Leaf
+  bad_words_prefix: Leaf
+  bad_words_last: Leaf
+  logits_processor_states: tuple
+  logits_processor_active: Leaf
+  has_grammar: Leaf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchState(RowFields[jax.Array]):
+  """Per-row state of the persistent batch (shape legend: `R` rows, `S` positions, `V` vocab).
+
+  The `RowFields` (with the sampling parameters of `RowParams`), each with a leading `R` axis,
+  plus the fields below that `write_row` derives. A field named like a `SamplingParams` field
+  holds that parameter for the request in each row, with vLLM's "disabled" sentinels: `top_k ==
+  V`, `top_p == 1`, `min_p == 0`, penalties `(0, 0, 1)`. Rows that hold no request contain stale
+  values that are never read (the metadata's `is_live` mask excludes them) and are overwritten
+  entirely when a request is added.
+
+  Attributes:
+    key_data: `[R, *KEY_DATA_SHAPE] uint32` raw words of the request's base `jax.random.key`
+      (`[R, 2]` for the default threefry implementation); the key for its t-th output token is
+      `fold_in(key, t)`.
+    output_token_counts: `[R, V] int32` occurrences of each token in the output so far (for the
+      frequency and presence penalties), updated by every sample step.
+    prompt_token_mask: `[R, V] bool` tokens present in the prompt (for the repetition penalty).
     grammar_bitmask: `[R, ceil(V / 32)] int32` allowed tokens of grammar rows, packed (bit
       `t % 32` of word `t // 32`); written by the host before each step (see
       `InputBatch.set_grammar_bitmask`), read only where `has_grammar`.
     config: static; the `BatchConfig` (capacities, logprobs mode, candidate budget).
   """
 
-  token_ids: jax.Array
-  num_tokens: jax.Array
-  num_prompt_tokens: jax.Array
-  cache_slot: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  min_p: jax.Array
-  presence_penalty: jax.Array
-  frequency_penalty: jax.Array
-  repetition_penalty: jax.Array
   key_data: jax.Array
-  num_logprobs: jax.Array
-  min_tokens: jax.Array
-  stop_token_ids: jax.Array
-  logit_bias_token_ids: jax.Array
-  logit_bias: jax.Array
-  has_allowed_token_ids: jax.Array
-  allowed_token_mask: jax.Array
-  bad_words_prefix: jax.Array
-  bad_words_last: jax.Array
   output_token_counts: jax.Array
   prompt_token_mask: jax.Array
-  logits_processor_states: tuple
-  logits_processor_active: jax.Array
-  has_grammar: jax.Array
   grammar_bitmask: jax.Array
   config: BatchConfig = dataclasses.field(metadata=dict(static=True))
 
@@ -123,7 +123,7 @@ class BatchState:
     return self.config.vocab_size
 
   @property
-  def max_num_logprobs(self) -> int:
+  def num_top_logprobs(self) -> int:
     """Top logprobs computed per row (`config.num_top_logprobs`: `V` for the whole vocabulary)."""
     return self.config.num_top_logprobs
 
@@ -154,20 +154,12 @@ class BatchState:
     f32 = lambda *shape, fill=0.0: jnp.full(shape, fill, jnp.float32)
     num_bad_words, prefix_len = config.max_num_bad_words, config.max_bad_word_len - 1
     return cls(
+      **empty_row_params(config),
       token_ids=i32(R, S),
       num_tokens=i32(R),
       num_prompt_tokens=i32(R),
       cache_slot=jnp.arange(R, dtype=jnp.int32),
-      temperature=f32(R, fill=1.0),
-      top_k=i32(R, fill=V),
-      top_p=f32(R, fill=1.0),
-      min_p=f32(R),
-      presence_penalty=f32(R),
-      frequency_penalty=f32(R),
-      repetition_penalty=f32(R, fill=1.0),
       key_data=jnp.zeros((R, *KEY_DATA_SHAPE), jnp.uint32),
-      num_logprobs=i32(R, fill=-1),
-      min_tokens=i32(R),
       stop_token_ids=i32(R, config.max_num_stop_token_ids, fill=V),
       logit_bias_token_ids=i32(R, config.max_num_logit_bias, fill=V),
       logit_bias=f32(R, config.max_num_logit_bias),
@@ -192,50 +184,24 @@ RowArray = Any
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RowUpdate:
+class RowUpdate(RowFields[RowArray]):
   """One request encoded as a row: every `BatchState` field `write_row` does not derive itself.
 
-  Built on the host from NumPy values of explicit dtypes (so passing one never retraces); the
-  fields named like `BatchState` fields hold that field's row (shapes without the leading `R`).
-  `write_row` derives the rest: `key_data` from the three key inputs below, and
-  `output_token_counts` and `prompt_token_mask` from `token_ids`.
+  Built on the host from NumPy values of explicit dtypes (so passing one never retraces): the
+  `RowFields` (sampling parameters included) hold that field's row (shapes without the leading
+  `R`; `RowArray`s: NumPy on the host, traced inside `write_row`). `write_row` derives the rest:
+  `key_data` from the three key inputs below, and `output_token_counts` and `prompt_token_mask`
+  from `token_ids`.
 
   Attributes:
-    token_ids: `[S] int32`; the rest of the row fields as in `BatchState`.
     seed_words: `[2] uint32` the request's seed modulo 2**64 as (low, high) words.
     is_seeded: `[] bool` whether the request has a seed.
     serial: `[] uint32` the batch's running request number, which keys unseeded requests.
-    logits_processor_states: a tuple of each processor's row (leaves without the leading `R`).
-    logits_processor_active: `[P] bool`.
-    has_grammar: `[] bool`.
   """
 
-  token_ids: RowArray
-  num_tokens: RowArray
-  num_prompt_tokens: RowArray
-  cache_slot: RowArray
-  temperature: RowArray
-  top_k: RowArray
-  top_p: RowArray
-  min_p: RowArray
-  presence_penalty: RowArray
-  frequency_penalty: RowArray
-  repetition_penalty: RowArray
-  num_logprobs: RowArray
-  min_tokens: RowArray
-  stop_token_ids: RowArray
-  logit_bias_token_ids: RowArray
-  logit_bias: RowArray
-  has_allowed_token_ids: RowArray
-  allowed_token_mask: RowArray
-  bad_words_prefix: RowArray
-  bad_words_last: RowArray
   seed_words: RowArray
   is_seeded: RowArray
   serial: RowArray
-  logits_processor_states: tuple
-  logits_processor_active: RowArray
-  has_grammar: RowArray
 
 
 def batch_key_data(seed) -> jax.Array:
@@ -330,6 +296,18 @@ def write_row(
 
 #: Rows `move_rows` gathers and scatters at a time.
 MOVE_CHUNK = 8
+
+
+def move_plan(moves: list[tuple[int, int]], max_num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(src, dst)` `[n] int32` for `move_rows` (host NumPy): the `(from_row, to_row)` moves, then
+  padding (`dst == R`, dropped) to a multiple of `MOVE_CHUNK` covering `R` (one shape: one
+  compile)."""
+  size = -(-max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK
+  src = np.zeros((size,), np.int32)
+  dst = np.full((size,), max_num_reqs, np.int32)
+  for i, (a, b) in enumerate(moves):
+    src[i], dst[i] = a, b
+  return src, dst
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

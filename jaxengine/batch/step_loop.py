@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxengine.batch.host_output import HostSamplerOutput, LogprobsArrays
+from jaxengine.batch.host_output import FetchedStep, HostSamplerOutput, LogprobsArrays
 from jaxengine.batch.input_batch import InputBatch
 from jaxengine.sample import LogprobsTensors
 
@@ -54,8 +54,7 @@ def run_steps(batch: InputBatch, step_fn, *args, **kwargs) -> tuple[HostMultiSte
   """Runs a jitted k-step loop on `batch`, then appends each row's valid tokens on the host.
 
   `step_fn(state, metadata, *args) -> (state, MultiStepOutput, extra)` must be jitted and
-  donate `state`. Checks and condenses as `InputBatch.run` does. A friend of `InputBatch`: it
-  replaces the batch's device state and appends to its output records, as `run` does.
+  donate `state`. Checks and condenses as `InputBatch.run` does (through `InputBatch.run_step`).
 
   Args:
     batch: the persistent batch.
@@ -68,14 +67,13 @@ def run_steps(batch: InputBatch, step_fn, *args, **kwargs) -> tuple[HostMultiSte
   Raises:
     ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
   """
-  metadata = batch.prepare_step()
-  batch._state, output, extra = step_fn(batch._state, metadata, *args, **kwargs)
-  return _steps_to_host(batch, output), extra
+  return batch.run_step(step_fn, *args, fetch=fetch_steps, **kwargs)
 
 
-def _steps_to_host(batch: InputBatch, output: MultiStepOutput) -> HostMultiStepOutput:
-  num_reqs = batch.num_reqs
-  num_logprobs = max(batch._num_logprobs.values(), default=None)
+def fetch_steps(
+  output: MultiStepOutput, num_reqs: int, num_logprobs: int | None
+) -> FetchedStep[HostMultiStepOutput]:
+  """Fetches the live rows of a k-step loop's output: up to k tokens per row (a `Fetch`)."""
   logprobs = None if num_logprobs is None else output.logprobs
   tokens, counts, fetched = jax.device_get((output.sampled_token_ids, output.num_sampled, logprobs))
   tokens, counts = np.asarray(tokens)[:, :num_reqs], np.asarray(counts)[:num_reqs]
@@ -91,8 +89,7 @@ def _steps_to_host(batch: InputBatch, output: MultiStepOutput) -> HostMultiStepO
         ranks=fetched.ranks[j, :num_reqs],
       )
     steps.append(HostSamplerOutput(sampled_token_ids=tokens[j], logprobs=step_logprobs))
-  for row, count in enumerate(counts.tolist()):
-    row_tokens = batch._req_output_token_ids[row]
-    assert row_tokens is not None  # rows [0, num_reqs) are live after condense
-    row_tokens.extend(tokens[:count, row].tolist())
-  return HostMultiStepOutput(steps=steps, num_sampled=counts)
+  new_token_ids = [tokens[:count, row].tolist() for row, count in enumerate(counts.tolist())]
+  return FetchedStep(
+    output=HostMultiStepOutput(steps=steps, num_sampled=counts), new_token_ids=new_token_ids
+  )

@@ -1,4 +1,5 @@
-"""Helpers of `InputBatch`: the sampler as a step, the logits check, row padding, move plans."""
+"""The logits a batch step takes: their check, padding `N` rows to `R`, and the sampler alone as
+such a step (`InputBatch.sample` through `InputBatch.run`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxengine.sample import MOVE_CHUNK, BatchState, SamplingMetadata, sample
+from jaxengine.sample import BatchState, SamplingMetadata, sample
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -33,18 +33,7 @@ def check_logits(name: str, logits, rows: tuple[int, int], trailing: dict[str, i
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def pad_rows(logits: jax.Array, max_num_reqs: int) -> jax.Array:
+def pad_device_rows(logits: jax.Array, max_num_reqs: int) -> jax.Array:
   """`[N, ...]` -> `[R, ...]` with zero rows (ignored by the sampler)."""
   padding = ((0, max_num_reqs - logits.shape[0]),) + ((0, 0),) * (logits.ndim - 1)
   return jnp.pad(logits, padding)
-
-
-def move_plan(moves: list[tuple[int, int]], max_num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
-  """`(src, dst)` `[n] int32` for `move_rows`: the `(from_row, to_row)` moves, then padding
-  (`dst == R`, dropped) to a multiple of `MOVE_CHUNK` covering `R` (one shape: one compile)."""
-  size = -(-max_num_reqs // MOVE_CHUNK) * MOVE_CHUNK
-  src = np.zeros((size,), np.int32)
-  dst = np.full((size,), max_num_reqs, np.int32)
-  for i, (a, b) in enumerate(moves):
-    src[i], dst[i] = a, b
-  return src, dst

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.batch.host_output import LogprobsArrays
-from jaxengine.batch.jitted import check_logits, pad_rows
+from jaxengine.batch.host_output import FetchedStep, LogprobsArrays
+from jaxengine.batch.logits_input import check_logits, pad_device_rows
 from jaxengine.config import BatchConfig
 from jaxengine.params import is_int
 from jaxengine.sample import RejectionOutput, rejection_sample_step
@@ -128,7 +128,9 @@ def check_spec_inputs(
   ids, num = _check_drafts(config, num_reqs, draft_token_ids)
   if draft_probs is not None:
     _check_draft_probs(config, num_reqs, draft_probs, num)
-  pad = lambda a: a if a.shape[0] == config.max_num_reqs else pad_rows(a, config.max_num_reqs)
+  pad = lambda a: (
+    a if a.shape[0] == config.max_num_reqs else pad_device_rows(a, config.max_num_reqs)
+  )
   return SpecInputs(
     target_logits=pad(target_logits),
     draft_token_ids=ids,
@@ -137,19 +139,18 @@ def check_spec_inputs(
   )
 
 
-def spec_to_host(
-  output: RejectionOutput, outputs: list, num_logprobs: int | None
-) -> HostRejectionOutput:
-  """Fetches the live rows of a device `RejectionOutput` and appends each request's emitted
-  tokens to its list in `outputs` (the batch's per-row output lists, live rows first).
+def fetch_verified(
+  output: RejectionOutput, num_reqs: int, num_logprobs: int | None
+) -> FetchedStep[HostRejectionOutput]:
+  """Fetches the live rows of a device `RejectionOutput`: each request's emitted tokens (a
+  `jaxengine.batch.host_output.Fetch`).
 
   Args:
     output: `rejection_sample_step`'s output over all `R` rows.
-    outputs: the batch's output token lists by row; its length is `N` after condense.
+    num_reqs: `N`, the live rows (the first `N` after condense).
     num_logprobs: `k`, the largest logprobs count a live request asked for, or None (logprobs
       are then not fetched).
   """
-  num_reqs = len(outputs)
   logprobs = None if num_logprobs is None else output.logprobs
   tokens, num, fetched = jax.device_get((output.sampled_token_ids, output.num_sampled, logprobs))
   tokens, num = np.asarray(tokens)[:num_reqs], np.asarray(num)[:num_reqs]
@@ -161,9 +162,10 @@ def spec_to_host(
       logprobs=fetched.logprobs[:num_reqs, :, :columns],
       ranks=fetched.ranks[:num_reqs],
     )
-  for row, count in enumerate(num.tolist()):
-    outputs[row].extend(tokens[row, :count].tolist())
-  return HostRejectionOutput(sampled_token_ids=tokens, num_sampled=num, logprobs=host_logprobs)
+  return FetchedStep(
+    output=HostRejectionOutput(sampled_token_ids=tokens, num_sampled=num, logprobs=host_logprobs),
+    new_token_ids=[tokens[row, :count].tolist() for row, count in enumerate(num.tolist())],
+  )
 
 
 def run_rejection(batch, step_fn, *args, **kwargs) -> tuple[HostRejectionOutput, object]:
@@ -172,18 +174,16 @@ def run_rejection(batch, step_fn, *args, **kwargs) -> tuple[HostRejectionOutput,
   How an engine fuses its target model's forward pass over `P + 1` positions with the rejection
   sampler into one executable (as `InputBatch.run` does for `sample`): `step_fn(state, metadata,
   *args, **kwargs) -> (state, RejectionOutput, extra)` must donate `state` and call
-  `jaxengine.sample.rejection_sample` inside its own `jax.jit`. A friend of `InputBatch` (like
-  `run_steps`): it replaces the batch's device state and appends to its output records.
+  `jaxengine.sample.rejection_sample` inside its own `jax.jit`. `batch` is an `InputBatch`
+  (not imported here: the batch imports this module).
 
-  Checks and condenses first (`InputBatch.prepare_step`). Returns `(HostRejectionOutput over
-  the live rows, extra)`.
+  Checks and condenses first (`InputBatch.prepare_step`, through `InputBatch.run_step`). Returns
+  `(HostRejectionOutput over the live rows, extra)`.
 
   Raises:
     ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
   """
-  metadata = batch.prepare_step()
-  batch._state, output, extra = step_fn(batch._state, metadata, *args, **kwargs)
-  return spec_to_host(output, batch._req_output_token_ids, batch._max_logprobs()), extra
+  return batch.run_step(step_fn, *args, fetch=fetch_verified, **kwargs)
 
 
 def sample_drafts(state, metadata, inputs: SpecInputs):
