@@ -44,13 +44,39 @@ def _as_int_tuple(field: str, values: Sequence[int] | None) -> tuple[int, ...] |
   return tuple(int(v) for v in values)
 
 
+def _as_str_tuple(field: str, values: str | Sequence[str] | None) -> tuple[str, ...] | None:
+  """One string or an iterable of them as a tuple (the items are checked by `_validate`).
+
+  Raises:
+    ValueError: naming `field`, for a value that is neither a string nor iterable (`stop=5`).
+  """
+  if values is None:
+    return None
+  if isinstance(values, str):
+    return (values,)
+  if isinstance(values, bytes) or not isinstance(values, Iterable):
+    raise ValueError(f"{field} must be a string or a list of strings, got {values!r}")
+  return tuple(values)
+
+
+def child_seed(seed: int, index: int) -> int:
+  """The seed of sample `index` of a seeded request with `n > 1`: `seed + index`, wrapped into
+  `[-2**63, 2**63)` (two's complement), so it is always a valid seed.
+
+  The key uses a seed modulo 2**64, so the wrapped seed draws exactly the stream `seed + index`
+  would; `seed=2**63 - 1, n=2` gives samples seeded `2**63 - 1` and `-2**63`.
+  """
+  return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   """Sampling parameters of one request (vLLM V1 names, defaults and sentinels).
 
   Attributes:
     n: Number of completions to return for the prompt (engine level). Child `j` of a seeded
-      request gets the seed `seed + j`. Must be 1 for greedy requests.
+      request gets the seed `seed + j` (as vLLM), wrapped into `[-2**63, 2**63)`: see
+      `child_seed`. Must be 1 for greedy requests.
     temperature: Softmax temperature, `>= 0`. `0` means greedy; a positive value below 0.01 is
       raised to 0.01 with a warning (vLLM does the same), so 1e-6 samples at 0.01, not greedily.
     top_p: Nucleus mass in `(0, 1]`; `1.0` disables. Keeps the smallest set of most likely tokens
@@ -143,14 +169,8 @@ class SamplingParams:
       set_("temperature", MIN_TEMPERATURE)
     if self.seed == -1:
       set_("seed", None)
-    if isinstance(self.stop, str):
-      set_("stop", (self.stop,))
-    elif self.stop is not None:
-      set_("stop", tuple(self.stop))
-    if isinstance(self.bad_words, str):
-      set_("bad_words", (self.bad_words,))
-    elif self.bad_words is not None:
-      set_("bad_words", tuple(self.bad_words))
+    set_("stop", _as_str_tuple("stop", self.stop))
+    set_("bad_words", _as_str_tuple("bad_words", self.bad_words))
     set_("stop_token_ids", _as_int_tuple("stop_token_ids", self.stop_token_ids))
     set_("allowed_token_ids", _as_int_tuple("allowed_token_ids", self.allowed_token_ids))
     if self.bad_words_token_ids is not None:
@@ -266,6 +286,16 @@ class SamplingParams:
   def is_greedy(self) -> bool:
     """True when the request samples greedily (temperature below 1e-5)."""
     return self.temperature < SAMPLING_EPS
+
+  def for_sample(self, index: int) -> SamplingParams:
+    """The parameters of sample `index` (`0 <= index < n`) of this request: the same, with
+    seed `child_seed(seed, index)` when seeded (vLLM's parallel sampling). A derived seed of -1
+    stays a seed (it is not the "no seed" sentinel here)."""
+    if self.seed is None or index == 0:
+      return self
+    child = self.replace(seed=0)
+    object.__setattr__(child, "seed", child_seed(self.seed, index))  # frozen dataclass
+    return child
 
   def replace(self, **changes) -> SamplingParams:
     """Returns a copy with `changes` applied (validated again).
