@@ -68,6 +68,23 @@ def grammar_source(so: StructuredOutputsParams) -> str:
   return llguidance.LLMatcher.grammar_from_lark(grammar)
 
 
+def checked_grammar(
+  so: StructuredOutputsParams, ll_tokenizer: llguidance.LLTokenizer | None = None
+) -> str:
+  """The llguidance grammar of a constraint, validated (against a vocabulary when given; without
+  one, as the CLI does before the model loads, the schema, pattern or grammar itself).
+
+  Raises:
+    ValueError: naming the constraint and llguidance's message, for an invalid schema,
+      pattern or grammar.
+  """
+  grammar = grammar_source(so)
+  is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
+  if is_error:
+    raise ValueError(f"structured_outputs.{so.kind} is invalid: {messages[0]}")
+  return grammar
+
+
 class StructuredOutputs:
   """The matchers of the completions with structured outputs, and the bitmask they make.
 
@@ -123,12 +140,7 @@ class StructuredOutputs:
       ValueError: naming the constraint and llguidance's message, for an invalid schema,
         pattern or grammar; or when no allowed_token_ids can start the grammar's output.
     """
-    grammar = grammar_source(so)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-      grammar, self.ll_tokenizer
-    )
-    if is_error:
-      raise ValueError(f"structured_outputs.{so.kind} is invalid: {messages[0]}")
+    grammar = checked_grammar(so, self.ll_tokenizer)
     if allowed_token_ids is not None:
       self._check_first_token(so, grammar, allowed_token_ids)
     return grammar
