@@ -97,8 +97,8 @@ class SamplingParams:
       never on its batch slot or neighbours.
     max_tokens: Maximum number of generated tokens, `>= 1`, or None for "until max_model_len".
     min_tokens: Generate at least this many tokens before EOS / stop ids may be produced; `>= 0`
-      and `<= max_tokens`. Must be 0 with `structured_outputs` (a finished grammar ends the
-      request whatever min_tokens says).
+      and `<= max_tokens`. Must be 0 with `structured_outputs` (a finished grammar allows only
+      EOS, which min_tokens would forbid).
     stop: Stop strings (engine level, matched on detokenized text). Must not contain "".
     stop_token_ids: Token ids that end generation (kept in the output), masked while fewer than
       `min_tokens` tokens have been generated.
@@ -108,7 +108,7 @@ class SamplingParams:
       `len(seq) - 1` output tokens equal `seq[:-1]`, token `seq[-1]` is masked.
     include_stop_str_in_output: Keep a matched stop string in the returned text.
     ignore_eos: Do not stop at EOS (engine level). A finished `structured_outputs` constraint
-      still ends the request (finish_reason "stop"): the grammar allows nothing after its end.
+      still ends the request on its EOS (finish_reason "stop"): the grammar allows nothing more.
     skip_special_tokens: Drop special tokens when detokenizing (engine level).
     logprobs: Number of top log-probabilities to return per generated token besides the sampled
       token's own: None (off), `0` (sampled token only), `0 < k <= V`, or `-1` (the whole
@@ -312,8 +312,10 @@ class StructuredOutputsParams:
 
   Exactly one constraint must be given. The engine compiles it with llguidance when the request
   is added; an invalid schema, pattern or grammar is a `ValueError` then, before anything is
-  queued. EOS is allowed only where the constraint may end; a finished constraint ends the
-  request with finish_reason "stop", even with `ignore_eos` (the grammar allows nothing more).
+  queued. EOS is allowed only where the constraint may end; a finished constraint allows only
+  EOS, which the request emits (in `token_ids` and logprobs, as vLLM reports it) and stops on
+  with finish_reason "stop", even with `ignore_eos` (the grammar allows nothing more). Raw
+  logprobs are taken after the grammar mask (vLLM V1's order): forbidden tokens are `-inf`.
   `min_tokens` must be 0 with a constraint. If another constraint (`allowed_token_ids`, a logits
   processor) leaves the sampler only tokens the grammar rejects, the rejected token is dropped
   and the request ends with finish_reason "abort" (a warning says why).
