@@ -5,8 +5,10 @@ Also `python -m jaxengine`. Sampling flags mirror `SamplingParams` field names (
 defaults to 1; a sampling-only flag (`--top-k`, `--top-p`, `--min-p`, `--seed`) without
 `--temperature` is then an error, not silently ignored. Text streams to stdout as it is
 generated when there is one completion; with several, each is printed when it finishes.
-`--logprobs N` prints a per-token table afterwards. Engine and sampling flags, and a
-`--json-schema` file or text, are checked before the model loads.
+`--logprobs N` prints a per-token table afterwards. Engine and sampling flags, a
+`--json-schema` (file or text), `--regex` or `--choice` constraint (llguidance validates it
+without the tokenizer) and `--max-model-len` (against the model's config) are checked before
+the weights load.
 """
 
 from __future__ import annotations
@@ -211,13 +213,18 @@ def _add_structured_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
-  """`StructuredOutputsParams` from the flags, or None. Raises `ValueError` for bad values
-  (a `--json-schema` that is neither a file nor JSON, before any model loads)."""
+  """`StructuredOutputsParams` from the flags, or None. Raises `ValueError` for bad values,
+  before any model loads: a `--json-schema` that is neither a file nor JSON, or a schema,
+  pattern or choice llguidance refuses."""
   schema = None if args.json_schema is None else read_json_schema(args.json_schema)
   given = dict(json=schema, regex=args.regex, choice=args.choice)
   if all(v is None for v in given.values()):
     return None
-  return StructuredOutputsParams(**given)
+  so = StructuredOutputsParams(**given)
+  from jaxengine.engine.structured import checked_grammar  # imported late: `--help` stays fast
+
+  checked_grammar(so)
+  return so
 
 
 def _extra_args(text: str | None) -> dict | None:

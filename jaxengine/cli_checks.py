@@ -90,7 +90,7 @@ def speculative_config(text: str) -> dict:
 
 
 def compilation_cache(value: str | None) -> bool | str:
-  """`--compilation-cache`: None -> True (the default directory), "off" -> False, else a path."""
-  if value is None:
-    return True
-  return False if value.strip().lower() in ("off", "0", "false", "no") else value
+  """`--compilation-cache`: None -> True (the default directory), else the text as given, which
+  `LLM(compilation_cache=...)` reads as the environment variable is read (an "off" spelling, or
+  a path: `jaxengine.compilation_cache.OFF`)."""
+  return True if value is None else value

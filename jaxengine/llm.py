@@ -18,8 +18,14 @@ from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.placement import num_attention_heads
 from jaxengine.models import Model, load_gguf
+from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
 from jaxengine.models.hub import resolve_model
-from jaxengine.models.safetensors_loader import auto_dtype, eos_token_ids, load_safetensors
+from jaxengine.models.safetensors_loader import (
+  auto_dtype,
+  eos_token_ids,
+  load_safetensors,
+  read_hf_config,
+)
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.sample import batch_key_data
@@ -152,7 +158,13 @@ class LLM:
     eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
       model, tokenizer, eos_token_id = _load_model(
-        model, tokenizer, dtype, revision=revision, download_dir=download_dir, tp=t
+        model,
+        tokenizer,
+        dtype,
+        revision=revision,
+        download_dir=download_dir,
+        tp=t,
+        max_model_len=max_model_len,
       )
     self.llm_engine = LLMEngine(
       model,
@@ -307,8 +319,12 @@ def _load_model(
   revision: str | None,
   download_dir: str | None,
   tp: int = 1,
+  max_model_len: int | None = None,
 ) -> tuple[Model, Tokenizer | None, list[int] | None]:
   """Builds the model a path or hub id names (None: the default GGUF file).
+
+  `max_model_len` above the config's `max_position_embeddings` is refused from the config,
+  before any weight is read (the runner checks the model again).
 
   Returns:
     ``(model, tokenizer, EOS ids)``: the given tokenizer or the checkpoint's (None for a
@@ -320,6 +336,8 @@ def _load_model(
     resolved = resolve_model(name, revision=revision, download_dir=download_dir)
   if resolved is None or resolved.kind == "gguf":
     path = None if resolved is None else resolved.path
+    config = read_config(open_gguf(path if path is not None else default_model_path()))
+    _check_max_model_len(max_model_len, config.max_position_embeddings)
     model, _ = load_gguf(path, dtype=jnp.float32 if dtype == "auto" else dtype)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
   directory = resolved.path
@@ -329,12 +347,27 @@ def _load_model(
       heads = json.load(f).get("num_attention_heads")
     if isinstance(heads, int):
       parallel.check_heads(heads, tp)
+  if os.path.isfile(config_path):
+    limit = read_hf_config(directory).get("max_position_embeddings")
+    if isinstance(limit, int):
+      _check_max_model_len(max_model_len, limit)
   model, _ = load_safetensors(directory, dtype=auto_dtype(directory) if dtype == "auto" else dtype)
   if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     tokenizer = Tokenizer.from_pretrained(directory)
   primary = None if tokenizer is None else tokenizer.eos_token_id
   eos = list(dict.fromkeys(([] if primary is None else [primary]) + eos_token_ids(directory)))
   return model, tokenizer, eos or None
+
+
+def _check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> None:
+  """Raises ValueError (the runner's message) for `max_model_len` above the model's limit."""
+  if (
+    max_model_len is not None and is_int(max_model_len) and max_model_len > max_position_embeddings
+  ):
+    raise ValueError(
+      f"max_model_len={max_model_len} exceeds the model's "
+      f"max_position_embeddings={max_position_embeddings}"
+    )
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -44,13 +44,39 @@ def _as_int_tuple(field: str, values: Sequence[int] | None) -> tuple[int, ...] |
   return tuple(int(v) for v in values)
 
 
+def _as_str_tuple(field: str, values: str | Sequence[str] | None) -> tuple[str, ...] | None:
+  """One string or an iterable of them as a tuple (the items are checked by `_validate`).
+
+  Raises:
+    ValueError: naming `field`, for a value that is neither a string nor iterable (`stop=5`).
+  """
+  if values is None:
+    return None
+  if isinstance(values, str):
+    return (values,)
+  if isinstance(values, bytes) or not isinstance(values, Iterable):
+    raise ValueError(f"{field} must be a string or a list of strings, got {values!r}")
+  return tuple(values)
+
+
+def child_seed(seed: int, index: int) -> int:
+  """The seed of sample `index` of a seeded request with `n > 1`: `seed + index`, wrapped into
+  `[-2**63, 2**63)` (two's complement), so it is always a valid seed.
+
+  The key uses a seed modulo 2**64, so the wrapped seed draws exactly the stream `seed + index`
+  would; `seed=2**63 - 1, n=2` gives samples seeded `2**63 - 1` and `-2**63`.
+  """
+  return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   """Sampling parameters of one request (vLLM V1 names, defaults and sentinels).
 
   Attributes:
     n: Number of completions to return for the prompt (engine level). Child `j` of a seeded
-      request gets the seed `seed + j`. Must be 1 for greedy requests.
+      request gets the seed `seed + j` (as vLLM), wrapped into `[-2**63, 2**63)`: see
+      `child_seed`. Must be 1 for greedy requests.
     temperature: Softmax temperature, `>= 0`. `0` means greedy; a positive value below 0.01 is
       raised to 0.01 with a warning (vLLM does the same), so 1e-6 samples at 0.01, not greedily.
     top_p: Nucleus mass in `(0, 1]`; `1.0` disables. Keeps the smallest set of most likely tokens
@@ -71,8 +97,8 @@ class SamplingParams:
       never on its batch slot or neighbours.
     max_tokens: Maximum number of generated tokens, `>= 1`, or None for "until max_model_len".
     min_tokens: Generate at least this many tokens before EOS / stop ids may be produced; `>= 0`
-      and `<= max_tokens`. Must be 0 with `structured_outputs` (a finished grammar ends the
-      request whatever min_tokens says).
+      and `<= max_tokens`. Must be 0 with `structured_outputs` (a finished grammar allows only
+      EOS, which min_tokens would forbid).
     stop: Stop strings (engine level, matched on detokenized text). Must not contain "".
     stop_token_ids: Token ids that end generation (kept in the output), masked while fewer than
       `min_tokens` tokens have been generated.
@@ -82,7 +108,7 @@ class SamplingParams:
       `len(seq) - 1` output tokens equal `seq[:-1]`, token `seq[-1]` is masked.
     include_stop_str_in_output: Keep a matched stop string in the returned text.
     ignore_eos: Do not stop at EOS (engine level). A finished `structured_outputs` constraint
-      still ends the request (finish_reason "stop"): the grammar allows nothing after its end.
+      still ends the request on its EOS (finish_reason "stop"): the grammar allows nothing more.
     skip_special_tokens: Drop special tokens when detokenizing (engine level).
     logprobs: Number of top log-probabilities to return per generated token besides the sampled
       token's own: None (off), `0` (sampled token only), `0 < k <= V`, or `-1` (the whole
@@ -143,14 +169,8 @@ class SamplingParams:
       set_("temperature", MIN_TEMPERATURE)
     if self.seed == -1:
       set_("seed", None)
-    if isinstance(self.stop, str):
-      set_("stop", (self.stop,))
-    elif self.stop is not None:
-      set_("stop", tuple(self.stop))
-    if isinstance(self.bad_words, str):
-      set_("bad_words", (self.bad_words,))
-    elif self.bad_words is not None:
-      set_("bad_words", tuple(self.bad_words))
+    set_("stop", _as_str_tuple("stop", self.stop))
+    set_("bad_words", _as_str_tuple("bad_words", self.bad_words))
     set_("stop_token_ids", _as_int_tuple("stop_token_ids", self.stop_token_ids))
     set_("allowed_token_ids", _as_int_tuple("allowed_token_ids", self.allowed_token_ids))
     if self.bad_words_token_ids is not None:
@@ -267,6 +287,16 @@ class SamplingParams:
     """True when the request samples greedily (temperature below 1e-5)."""
     return self.temperature < SAMPLING_EPS
 
+  def for_sample(self, index: int) -> SamplingParams:
+    """The parameters of sample `index` (`0 <= index < n`) of this request: the same, with
+    seed `child_seed(seed, index)` when seeded (vLLM's parallel sampling). A derived seed of -1
+    stays a seed (it is not the "no seed" sentinel here)."""
+    if self.seed is None or index == 0:
+      return self
+    child = self.replace(seed=0)
+    object.__setattr__(child, "seed", child_seed(self.seed, index))  # frozen dataclass
+    return child
+
   def replace(self, **changes) -> SamplingParams:
     """Returns a copy with `changes` applied (validated again).
 
@@ -282,8 +312,10 @@ class StructuredOutputsParams:
 
   Exactly one constraint must be given. The engine compiles it with llguidance when the request
   is added; an invalid schema, pattern or grammar is a `ValueError` then, before anything is
-  queued. EOS is allowed only where the constraint may end; a finished constraint ends the
-  request with finish_reason "stop", even with `ignore_eos` (the grammar allows nothing more).
+  queued. EOS is allowed only where the constraint may end; a finished constraint allows only
+  EOS, which the request emits (in `token_ids` and logprobs, as vLLM reports it) and stops on
+  with finish_reason "stop", even with `ignore_eos` (the grammar allows nothing more). Raw
+  logprobs are taken after the grammar mask (vLLM V1's order): forbidden tokens are `-inf`.
   `min_tokens` must be 0 with a constraint. If another constraint (`allowed_token_ids`, a logits
   processor) leaves the sampler only tokens the grammar rejects, the rejected token is dropped
   and the request ends with finish_reason "abort" (a warning says why).

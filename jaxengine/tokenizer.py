@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import cast
+from typing import Literal, cast, overload
 
 import gguf
 import tokenizers
@@ -230,37 +230,126 @@ class Tokenizer:
     """Vocabulary strings of ``token_ids`` (byte-level spelling, e.g. ``"Ġthe"``)."""
     return cast(list[str], self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids]))
 
+  @overload
   def apply_chat_template(
     self,
     messages: Sequence[Mapping[str, str]],
     add_generation_prompt: bool = True,
     *,
+    tokenize: Literal[False] = False,
     chat_template: str | None = None,
     continue_final_message: bool = False,
+    tools: Sequence[Mapping] | None = None,
+    documents: Sequence[Mapping] | None = None,
+    return_tensors: str | None = None,
+    return_dict: bool = False,
     **template_kwargs,
-  ) -> str:
-    """Renders a conversation with the file's chat template, as transformers does.
+  ) -> str: ...
+
+  @overload
+  def apply_chat_template(
+    self,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = True,
+    *,
+    tokenize: Literal[True],
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    tools: Sequence[Mapping] | None = None,
+    documents: Sequence[Mapping] | None = None,
+    return_tensors: str | None = None,
+    return_dict: bool = False,
+    **template_kwargs,
+  ) -> list[int]: ...
+
+  def apply_chat_template(
+    self,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = True,
+    *,
+    tokenize: bool = False,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    tools: Sequence[Mapping] | None = None,
+    documents: Sequence[Mapping] | None = None,
+    return_tensors: str | None = None,
+    return_dict: bool = False,
+    **template_kwargs,
+  ) -> str | list[int]:
+    """Renders a conversation with the file's chat template, with transformers' keywords.
+
+    ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)``, as written
+    for transformers and vLLM, returns the same text here. The defaults differ from
+    transformers' (which tokenizes and adds no generation prompt): here the text with the
+    generation prompt. Pass both keywords for code that runs on either.
 
     Args:
       messages: ``[{"role": "user", "content": "..."}, ...]``.
       add_generation_prompt: append the opening of the assistant's turn.
+      tokenize: return the prompt's token ids (encoded without adding special tokens: the
+        template writes its own, as transformers does) instead of its text.
       chat_template: a Jinja template to use instead of the file's.
       continue_final_message: leave the last message open (no end-of-turn), so the reply
         continues it.
+      tools, documents: passed to the template, as transformers does.
+      return_tensors: only None (lists of ids; ``np.asarray`` them for an array).
+      return_dict: only False.
       **template_kwargs: more variables for the template (e.g. Qwen3's ``enable_thinking``).
 
     Returns:
-      The prompt text (encode it with `encode`; the template writes its own special tokens).
+      The prompt text (encode it with ``encode(text, add_special_tokens=False)``), or its token
+      ids with ``tokenize=True``.
+
+    Raises:
+      ValueError: for ``return_tensors`` other than None, ``return_dict=True``, or a
+        tokenizing option of transformers' (``padding``, ``truncation``, ``max_length``,
+        ``return_assistant_tokens_mask``, ``tokenizer_kwargs``) set to anything but its default.
     """
-    text = self.hf_tokenizer.apply_chat_template(
-      [dict(m) for m in messages],
-      tokenize=False,
-      add_generation_prompt=add_generation_prompt,
-      chat_template=chat_template,
-      continue_final_message=continue_final_message,
-      **template_kwargs,
+    _check_unsupported_chat_options(return_tensors, return_dict, template_kwargs)
+    text = cast(
+      str,
+      self.hf_tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        continue_final_message=continue_final_message,
+        tools=[dict(t) for t in tools] if tools is not None else None,
+        documents=[dict(d) for d in documents] if documents is not None else None,
+        **template_kwargs,
+      ),
     )
-    return cast(str, text)
+    return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+#: transformers' tokenizing options of `apply_chat_template` and their defaults: jaxengine
+#: accepts them only at those values (its ids are a plain list, never padded or truncated).
+_CHAT_TOKENIZE_DEFAULTS = {
+  "padding": False,
+  "truncation": False,
+  "max_length": None,
+  "return_assistant_tokens_mask": False,
+  "tokenizer_kwargs": None,
+}
+
+
+def _check_unsupported_chat_options(return_tensors, return_dict, template_kwargs: dict) -> None:
+  """Refuses transformers' `apply_chat_template` options jaxengine does not implement; removes
+  the ones left at their defaults from `template_kwargs` (they are not template variables)."""
+  if return_tensors is not None:
+    raise ValueError(
+      f"apply_chat_template: return_tensors={return_tensors!r} is not supported (token ids come "
+      "back as a list with tokenize=True; use np.asarray)"
+    )
+  if return_dict:
+    raise ValueError("apply_chat_template: return_dict=True is not supported")
+  for name, default in _CHAT_TOKENIZE_DEFAULTS.items():
+    if name in template_kwargs:
+      value = template_kwargs.pop(name)
+      if value != default:
+        raise ValueError(
+          f"apply_chat_template: {name}={value!r} is not supported (only {default!r})"
+        )
 
 
 class IncrementalDetokenizer:

@@ -193,6 +193,45 @@ def test_json_schema_that_is_neither_a_file_nor_json_is_refused_before_loading(m
   assert "--json-schema is not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+  "flags, named",
+  [
+    (["--json-schema", '{"type": "nonsense"}'], "structured_outputs.json is invalid"),
+    (["--regex", "("], "structured_outputs.regex is invalid"),
+  ],
+)
+def test_constraints_llguidance_refuses_are_refused_before_loading(
+  monkeypatch, capsys, flags, named
+):
+  _no_model_load(monkeypatch)
+  assert cli.main(["generate", "x", *flags]) == 2
+  assert named in capsys.readouterr().err
+
+
+def _no_weights_load(monkeypatch):
+  def refuse(*args, **kwargs):
+    raise AssertionError("the weights were loaded before max_model_len was checked")
+
+  monkeypatch.setattr(llm_module, "load_gguf", refuse)
+  monkeypatch.setattr(llm_module, "load_safetensors", refuse)
+
+
+def test_max_model_len_past_the_config_is_refused_before_the_weights_load(
+  monkeypatch, capsys, tmp_path
+):
+  """The limit comes from the GGUF metadata or config.json, read before any tensor."""
+  _no_weights_load(monkeypatch)
+  limit = gguf_loader.read_config(
+    gguf_loader.open_gguf(gguf_loader.default_model_path())
+  ).max_position_embeddings
+  assert cli.main(["generate", "x", "--max-model-len", str(limit + 1)]) == 2
+  err = capsys.readouterr().err
+  assert f"max_model_len={limit + 1} exceeds" in err and f"max_position_embeddings={limit}" in err
+  (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+  with pytest.raises(ValueError, match=r"max_model_len=65 exceeds .*max_position_embeddings=64"):
+    llm_module.LLM(str(tmp_path), max_model_len=65)
+
+
 def test_interactive_chat_outgrowing_max_model_len_drops_oldest_turns(
   monkeypatch, capsys, tiny_llm
 ):

@@ -125,6 +125,24 @@ def test_n_children_are_seeded_seed_plus_j(llm, greedy_fixture):
   assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
 
 
+def test_n_children_seeds_wrap_into_the_int64_range(llm, greedy_fixture):
+  """seed=2**63 - 1, n=2 used to fail in generate (child seed 2**63); vLLM accepts it. Child
+  seeds are seed + j wrapped into [-2**63, 2**63), the same stream modulo 2**64, deterministic;
+  a derived -1 stays a seed."""
+  prompt = greedy_fixture["prompt"]
+  top = je.SamplingParams(temperature=1.0, seed=2**63 - 1, n=2, max_tokens=8)
+  assert [top.for_sample(j).seed for j in range(2)] == [2**63 - 1, -(2**63)]
+  (out,) = llm.generate(prompt, top, use_tqdm=False)
+  singles = llm.generate(
+    [prompt] * 2, [top.replace(n=1), top.replace(n=1, seed=-(2**63))], use_tqdm=False
+  )
+  assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
+  low = je.SamplingParams(temperature=1.0, seed=-3, n=3, max_tokens=8)
+  assert low.for_sample(2).seed == -1
+  first, again = (llm.generate(prompt, low, use_tqdm=False)[0] for _ in range(2))
+  assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+
+
 def test_logprobs_and_prompt_logprobs_follow_vllm_format(llm, greedy_fixture):
   params = GREEDY.replace(max_tokens=4, logprobs=3, prompt_logprobs=2)
   (out,) = llm.generate(greedy_fixture["prompt"], params, use_tqdm=False)

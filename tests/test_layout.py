@@ -255,3 +255,25 @@ def test_the_private_access_check_catches_a_planted_access():
   # Removing the planted accesses leaves nothing to report.
   clean = PLANTED.replace("batch._state", "batch.state").replace('"_metadata"', '"metadata"')
   assert private_accesses(clean.replace("import _helper", "import helper")) == []
+
+
+def _readme_section(title: str) -> str:
+  text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+  start = text.index(f"\n## {title}\n")
+  end = text.find("\n## ", start + 1)
+  return text[start:end]
+
+
+def test_readme_states_the_top_p_tie_rule_and_the_mesh_limits():
+  """Documented differences a new user hit: top-p keeps every token tied at the cut (vLLM's sort
+  keeps fewer), and which features refuse a mesh (num_decode_steps > 1, prefix caching,
+  speculative decoding), where each is described and under the mesh section."""
+  differences = " ".join(_readme_section("Differences from vLLM").split())
+  assert "Top-p keeps ties" in differences and "top_p=0.5" in differences
+  throughput = " ".join(_readme_section("Rollout throughput and start-up").split())
+  multi_step = throughput[throughput.index("Several decode steps per dispatch") :]
+  assert "Not on a mesh yet: with `mesh=`" in multi_step.split("- **")[0]
+  mesh = " ".join(_readme_section("Many devices: tensor and data parallelism").split())
+  limits = mesh[mesh.index("Not on a mesh yet") :].split("Known limits")[0]
+  for feature in ("`num_decode_steps > 1`", "prefix caching", "speculative decoding"):
+    assert feature in limits, feature

@@ -11,6 +11,7 @@ import jaxengine as je
 from jaxengine.testing import TargetOnly, count_compiles
 
 V, R, S = 40, 8, 64
+P_SPEC = 4  # the batch's default max_spec_len
 
 
 class Countdown(je.LogitsProcessor):
@@ -163,6 +164,52 @@ def test_grammar_bitmask_masks_only_grammar_rows():
   logits = _logits(3)[:4]
   out = batch.sample(logits).sampled_token_ids
   assert out.tolist() == [33, int(np.argmax(logits[1]))]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_raw_logprobs_see_the_grammar_bitmask_and_nothing_else(speculative):
+  """vLLM V1 masks the logits with the grammar bitmask before its sampler reads raw logprobs:
+  a forbidden token is -inf, the greedy allowed token has rank 1, and the values are the
+  log-softmax over the allowed tokens of the model's logits (penalties, temperature and
+  logit_bias come after). Plain rows keep the model's log-softmax. Same in the rejection
+  sampler (where grammar rows ignore their drafts)."""
+  batch = je.InputBatch(4, S, V, max_num_logprobs=3)
+  allowed = [5, 33, 38]
+  so = je.StructuredOutputsParams(regex="a")
+  extra = dict(logprobs=3, logit_bias={33: 4.0})
+  batch.add_request("g", [1], je.SamplingParams(temperature=0, structured_outputs=so, **extra))
+  batch.add_request("p", [1], je.SamplingParams(temperature=0.7, seed=3, **extra))
+  bitmask = np.zeros((4, -(-V // 32)), np.int32)
+  for t in allowed:
+    bitmask[0, t // 32] |= 1 << (t % 32)
+  batch.set_grammar_bitmask(bitmask)
+  logits = _logits(5)[:4]
+  logits[0, 0] = logits[0].max() + 10  # the model's favourite is forbidden
+  logits[0, allowed] = [2.0, 1.0, -1.0]  # 33 is second by raw logit, first after its bias
+  if speculative:
+    out = batch.rejection_sample(np.repeat(logits[:, None], P_SPEC + 1, 1), [[7], [7]])
+    token_ids, lp = out.sampled_token_ids[:, 0], out.logprobs
+    lp_ids, lp_values, ranks = lp.token_ids[:, 0], lp.logprobs[:, 0], lp.ranks[:, 0]
+  else:
+    out = batch.sample(logits)
+    token_ids, lp = out.sampled_token_ids, out.logprobs
+    lp_ids, lp_values, ranks = lp.token_ids, lp.logprobs, lp.ranks
+  masked = np.full(V, -np.inf)
+  masked[allowed] = logits[0, allowed]
+  expected = _log_softmax(masked)
+  assert token_ids[0] == 33  # the logit bias decides the draw, not the raw logprobs
+  assert int(ranks[0]) == 2
+  np.testing.assert_allclose(lp_values[0], expected[lp_ids[0]], rtol=1e-5)
+  assert list(lp_ids[0, 1:]) == sorted(allowed, key=lambda t: -expected[t])
+  assert np.isneginf(expected[0]) and 0 not in lp_ids[0]
+  plain = _log_softmax(logits[1])
+  np.testing.assert_allclose(lp_values[1], plain[lp_ids[1]], rtol=1e-5)
+  assert int(ranks[1]) == int((plain >= plain[token_ids[1]]).sum())
 
 
 def test_extra_args_and_structured_outputs_are_validated():

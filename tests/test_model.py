@@ -563,6 +563,25 @@ def test_chat_template_renders_smollm2_format(tokenizer):
   assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_apply_chat_template_takes_transformers_keywords(tokenizer):
+  """The call written for transformers and vLLM (`tokenize=False, add_generation_prompt=True`)
+  gives transformers' text; `tokenize=True` its ids; unsupported options are refused by name."""
+  messages = [{"role": "user", "content": "Hi there"}]
+  hf = tokenizer.hf_tokenizer
+  text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  assert text == tokenizer.apply_chat_template(messages)  # jaxengine's defaults
+  ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+  expected = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+  assert ids == list(expected) and ids[-1] == tokenizer.encode("\n", False)[0]
+  no_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+  assert text.startswith(no_prompt) and text != no_prompt
+  for option, value in [("return_tensors", "np"), ("return_dict", True), ("padding", True)]:
+    with pytest.raises(ValueError, match=option):
+      tokenizer.apply_chat_template(messages, tokenize=True, **{option: value})
+  assert tokenizer.apply_chat_template(messages, padding=False, truncation=False) == text
+
+
 def test_incremental_detokenizer_streams_whole_characters(tokenizer):
   from jaxengine.tokenizer import IncrementalDetokenizer
 

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -210,6 +211,77 @@ def test_cache_directory_resolution(monkeypatch, tmp_path):
   assert resolve_cache_dir() is None
   monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
   assert resolve_cache_dir() == tmp_path / "env"
+
+
+def test_cache_off_spellings_agree_for_the_argument_the_flag_and_the_variable(
+  monkeypatch, tmp_path
+):
+  """ "off" (any case), "false", "no", "0" and "" mean no cache whichever way they come; a path
+  is a path. `LLM(compilation_cache="off")` used to create a directory named off."""
+  from jaxengine.cli_checks import compilation_cache as cli_flag
+  from jaxengine.compilation_cache import enable_compilation_cache
+
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.delenv(ENV_VAR, raising=False)
+  for spelling in ("off", "OFF", " Off ", "false", "no", "0", ""):
+    assert resolve_cache_dir(spelling) is None, spelling
+    assert resolve_cache_dir(cli_flag(spelling)) is None, spelling
+    monkeypatch.setenv(ENV_VAR, spelling)
+    assert resolve_cache_dir() is None, spelling
+    monkeypatch.delenv(ENV_VAR)
+  assert resolve_cache_dir(cli_flag("mine")) == Path("mine")
+  assert resolve_cache_dir(Path("off") / "xla") == Path("off") / "xla"  # a path, not a spelling
+  if not jax.config.jax_compilation_cache_dir:  # this process has no cache: nothing turns it on
+    assert enable_compilation_cache("off") is None
+    assert not jax.config.jax_compilation_cache_dir
+  assert not (tmp_path / "off").exists()
+
+
+_LATER_ENGINE_CHILD = textwrap.dedent(
+  """
+  import json, os, sys, warnings
+  from jaxengine.compilation_cache import ENV_VAR, enable_compilation_cache
+  first, other = sys.argv[1], sys.argv[2]
+  results = {"first": str(enable_compilation_cache(first))}
+  for name, value, env in [("same", first, None), ("default", True, None), ("off", False, None),
+                           ("off_text", "off", None), ("other", other, None),
+                           ("env_other", True, other)]:
+    if env is not None:
+      os.environ[ENV_VAR] = env
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      used = enable_compilation_cache(value)
+    results[name] = [str(used), [str(w.message) for w in caught]]
+  print(json.dumps(results))
+  """
+)
+
+
+def test_a_later_engine_asking_for_another_cache_is_warned(tmp_path):
+  """JAX reads its cache directory once per process: a later explicit request for another cache
+  (a path, off, or the variable) is warned about, naming both; the default and the same path are
+  not. Run in a child process: the test process's JAX config stays untouched."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  env.pop(ENV_VAR, None)
+  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+  first, other = tmp_path / "first", tmp_path / "other"
+  done = subprocess.run(
+    [sys.executable, "-c", _LATER_ENGINE_CHILD, str(first), str(other)],
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 0, done.stderr
+  results = json.loads(done.stdout.strip().splitlines()[-1])
+  assert results["first"] == str(first)
+  for name in ("same", "default", "off", "off_text", "other", "env_other"):
+    used, messages = results[name]
+    assert used == str(first), name  # the process keeps its cache
+    assert len(messages) == (name not in ("same", "default")), (name, messages)
+    for message in messages:
+      assert str(first) in message and "has no effect" in message
+  assert str(other) in results["other"][1][0] and "no cache" in results["off"][1][0]
+  assert not other.exists()
 
 
 _CHILD = textwrap.dedent(

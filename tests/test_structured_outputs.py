@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -132,3 +133,108 @@ def test_a_token_the_grammar_rejects_is_dropped_and_aborts(llm):
     "Is water wet?", sp(allowed_token_ids=[yes, tokenizer.eos_token_id]), use_tqdm=False
   )
   assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("yes", "stop")
+
+
+def test_raw_logprobs_see_the_grammar_mask(llm):
+  """vLLM V1 applies the grammar bitmask before its sampler computes raw logprobs: the greedy
+  token has rank 1, every token the grammar forbids is -inf, and the allowed tokens'
+  probabilities sum to 1 (20 top entries cover every allowed first token here)."""
+  params = [
+    je.SamplingParams(temperature=0, logprobs=20, max_tokens=8, structured_outputs=so)
+    for so in (
+      je.StructuredOutputsParams(choice=["yes", "no"]),
+      je.StructuredOutputsParams(regex="[0-9]{4}"),  # \\d would allow Unicode digits' bytes
+    )
+  ]
+  outs = llm.generate(["Is water wet?", "The year Columbus sailed:"], params, use_tqdm=False)
+  prefix_of_a_choice = lambda text: "yes".startswith(text) or "no".startswith(text)
+  for out, allowed in zip(outs, [prefix_of_a_choice, str.isdigit]):
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop"
+    assert len(completion.logprobs) == len(completion.token_ids)
+    for token, entries in zip(completion.token_ids, completion.logprobs):
+      assert entries[token].rank == 1, (token, entries)
+    first = completion.logprobs[0]
+    finite = [lp for lp in first.values() if lp.logprob > float("-inf")]
+    assert all(lp.decoded_token and allowed(lp.decoded_token) for lp in finite), first
+    assert sum(math.exp(lp.logprob) for lp in finite) == pytest.approx(1.0, abs=1e-4)
+  assert outs[0].outputs[0].text in ("yes", "no")
+  assert re.fullmatch("[0-9]{4}", outs[1].outputs[0].text)
+
+
+def test_a_finished_grammar_emits_eos_as_vllm_does(llm):
+  """A finished grammar allows only EOS: the sampler emits it and the request stops on it, with
+  EOS in token_ids and logprobs (logprob 0: the only allowed token) but not in the text, as in
+  vLLM; also with ignore_eos. A constraint that masks EOS ends the request without it."""
+  tokenizer = llm.get_tokenizer()
+  eos = tokenizer.eos_token_id
+  (yes,) = tokenizer.encode("yes", add_special_tokens=False)
+  (no,) = tokenizer.encode("no", add_special_tokens=False)
+  only_yes = je.StructuredOutputsParams(choice=["yes"])
+  sp = lambda **kw: je.SamplingParams(
+    **{"temperature": 0, "max_tokens": 8, "structured_outputs": only_yes, **kw}
+  )
+  outs = llm.generate(
+    ["Is water wet?"] * 4,
+    [
+      sp(logprobs=2),
+      sp(ignore_eos=True),
+      sp(include_stop_str_in_output=True, skip_special_tokens=False),
+      sp(allowed_token_ids=[yes, no]),
+    ],
+    use_tqdm=False,
+  )
+  done = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+  assert done[0] == ([yes, eos], "yes", "stop")
+  assert done[1] == ([yes, eos], "yes", "stop")
+  assert done[2] == ([yes, eos], "yes" + tokenizer.decode([eos], False), "stop")
+  assert done[3] == ([yes], "yes", "stop")
+  assert outs[0].outputs[0].stop_reason is None
+  logprobs = outs[0].outputs[0].logprobs
+  assert len(logprobs) == 2 and logprobs[1][eos].logprob == 0.0 and logprobs[1][eos].rank == 1
+  assert outs[0].outputs[0].cumulative_logprob == pytest.approx(logprobs[0][yes].logprob)
+  # max_tokens still wins: no room left for EOS.
+  (out,) = llm.generate("Is water wet?", sp(max_tokens=1), use_tqdm=False)
+  assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == ([yes], "length")
+
+
+@pytest.mark.parametrize(
+  "engine_kwargs",
+  [
+    {"num_decode_steps": 4},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+  ],
+  ids=["multi_step", "speculative"],
+)
+def test_grammars_behave_alike_under_multi_step_and_speculative_engines(llm, engine_kwargs):
+  """A grammar row runs one step at a time on these engines (its bitmask covers one position);
+  its tokens, EOS and raw logprobs match the plain engine's, and a plain row beside it too."""
+  params = [
+    je.SamplingParams(
+      temperature=0,
+      logprobs=2,
+      max_tokens=12,
+      structured_outputs=je.StructuredOutputsParams(choice=["yes", "no"]),
+    ),
+    je.SamplingParams(
+      temperature=0, logprobs=2, structured_outputs=je.StructuredOutputsParams(regex=PHONE)
+    ),
+    je.SamplingParams(temperature=0, logprobs=2, max_tokens=12),
+  ]
+  prompts = ["Is water wet?", "A phone number:", "Count: 1 2 3 1 2 3 1 2 3"]
+  expected = llm.generate(prompts, params, use_tqdm=False)
+  other = je.LLM(max_num_reqs=4, max_model_len=128, **engine_kwargs)
+  outs = other.generate(prompts, params, use_tqdm=False)
+  for out, ref in zip(outs, expected):
+    got, want = out.outputs[0], ref.outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (
+      want.token_ids,
+      want.text,
+      want.finish_reason,
+    )
+    for a, b in zip(got.logprobs, want.logprobs):
+      assert a.keys() == b.keys()
+      for t in a:
+        assert a[t].rank == b[t].rank
+        assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+  assert outs[0].outputs[0].token_ids[-1] == llm.get_tokenizer().eos_token_id

@@ -49,6 +49,9 @@ BAD_PARAMS = [
   (dict(stop=[""]), "stop"),
   (dict(stop=["ok", ""]), "stop"),
   (dict(temperature=0.0, n=2), "n"),
+  (dict(stop=5), "stop"),
+  (dict(bad_words=5), "bad_words"),
+  (dict(stop=b"x"), "stop"),
 ]
 
 

@@ -330,7 +330,10 @@ class LLMEngine:
       completion = self.scheduler.running[seq_id]
       token = int(decoded.sampled.sampled_token_ids[row])
       if structured is not None and not structured.accepts(seq_id, token):
-        _abort_rejected(completion, token)  # never emit what the grammar forbids
+        if structured.is_finished(seq_id):  # another constraint masked its EOS: end without it
+          completion.finish_reason = "stop"
+        else:
+          _abort_rejected(completion, token)  # never emit what the grammar forbids
       else:
         self.output_processor.append(completion, row, decoded.sampled)
         if structured is not None and structured.advance(seq_id, token):

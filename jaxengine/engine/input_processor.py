@@ -3,7 +3,7 @@
 Parses the prompt forms vLLM accepts (text, token ids, `{"prompt": ...}` /
 `{"prompt_token_ids": ...}` dicts), tokenizes text and `bad_words`, checks everything the batch
 would refuse, and creates the request's `n` completions (child `j` of a seeded request gets seed
-`seed + j`, as vLLM's parallel sampling). Nothing here touches the device.
+`seed + j` wrapped into the int64 range, as vLLM's parallel sampling). Nothing here touches the device.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class InputProcessor:
 
   def _completion(self, request: Request, j: int) -> Completion:
     params = request.params
-    # vLLM's parallel sampling: child j of a seeded request uses seed + j.
-    child = params if params.seed is None or j == 0 else params.replace(seed=params.seed + j)
+    # vLLM's parallel sampling: child j of a seeded request uses seed + j (wrapped into range).
+    child = params.for_sample(j)
     detokenizer = None
     if self.tokenizer is not None:
       detokenizer = IncrementalDetokenizer(

@@ -5,11 +5,13 @@ added (`compile`, a `ValueError` before anything is queued). When its completion
 batch it gets a matcher (`add`); before each decode step `bitmask` packs each grammar row's
 allowed tokens as `[R, ceil(V / 32)] int32` (filled by llguidance's thread pool), which
 `InputBatch.set_grammar_bitmask` hands to the compiled step; after the step `advance` feeds each
-grammar row its token. The grammar allows EOS only where it may end; a matcher that will accept
-nothing but EOS after a token ends its completion (finish_reason "stop"). A sampled token the
-matcher rejects (another constraint, such as allowed_token_ids or a logits processor, left only
-tokens the grammar forbids) is never emitted: `accepts` lets the engine drop it and abort the
-completion instead.
+grammar row its token. The grammar allows EOS only where it may end; once it is finished (it will
+accept nothing more) its bitmask allows only EOS, so the next step samples EOS, which ends the
+completion with finish_reason "stop" (EOS is in its `token_ids` and logprobs, as in vLLM, even
+with `ignore_eos`). A sampled token the matcher rejects (another constraint, such as
+allowed_token_ids or a logits processor, left only tokens the grammar forbids) is never emitted:
+`accepts` lets the engine drop it and abort the completion instead, or end it with "stop" when the
+grammar was already finished (its EOS was masked by that other constraint).
 """
 
 from __future__ import annotations
@@ -64,6 +66,23 @@ def grammar_source(so: StructuredOutputsParams) -> str:
     except Exception as error:  # GbnfToLarkError and the parser's own errors
       raise ValueError(f"structured_outputs.grammar is not valid GBNF: {error}") from None
   return llguidance.LLMatcher.grammar_from_lark(grammar)
+
+
+def checked_grammar(
+  so: StructuredOutputsParams, ll_tokenizer: llguidance.LLTokenizer | None = None
+) -> str:
+  """The llguidance grammar of a constraint, validated (against a vocabulary when given; without
+  one, as the CLI does before the model loads, the schema, pattern or grammar itself).
+
+  Raises:
+    ValueError: naming the constraint and llguidance's message, for an invalid schema,
+      pattern or grammar.
+  """
+  grammar = grammar_source(so)
+  is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
+  if is_error:
+    raise ValueError(f"structured_outputs.{so.kind} is invalid: {messages[0]}")
+  return grammar
 
 
 class StructuredOutputs:
@@ -121,12 +140,7 @@ class StructuredOutputs:
       ValueError: naming the constraint and llguidance's message, for an invalid schema,
         pattern or grammar; or when no allowed_token_ids can start the grammar's output.
     """
-    grammar = grammar_source(so)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-      grammar, self.ll_tokenizer
-    )
-    if is_error:
-      raise ValueError(f"structured_outputs.{so.kind} is invalid: {messages[0]}")
+    grammar = checked_grammar(so, self.ll_tokenizer)
     if allowed_token_ids is not None:
       self._check_first_token(so, grammar, allowed_token_ids)
     return grammar
@@ -174,17 +188,30 @@ class StructuredOutputs:
     return self._bitmask
 
   def accepts(self, seq_id: str, token: int) -> bool:
-    """Whether a completion's matcher accepts `token` next (True without a matcher). A
-    completion's sampled token can be rejected only when another constraint (allowed_token_ids,
-    a logits processor) masked every token the grammar allows."""
+    """Whether a completion's matcher accepts `token` next (True without a matcher; a finished
+    grammar accepts EOS only). A completion's sampled token can be rejected only when another
+    constraint (allowed_token_ids, a logits processor) masked every token the grammar allows."""
     matcher = self._matchers.get(seq_id)
-    return matcher is None or matcher.validate_tokens([int(token)]) == 1
+    if matcher is None:
+      return True
+    if matcher.is_stopped():  # llguidance's validate_tokens refuses even EOS here
+      return int(token) == self._eos_token_id
+    return matcher.validate_tokens([int(token)]) == 1
+
+  def is_finished(self, seq_id: str) -> bool:
+    """Whether a completion's grammar is finished: it allows nothing but EOS next (False
+    without a matcher)."""
+    matcher = self._matchers.get(seq_id)
+    return matcher is not None and matcher.is_stopped()
 
   def advance(self, seq_id: str, token: int) -> bool:
-    """Feeds a completion's sampled token to its matcher; True when the grammar is finished
-    (it will accept nothing but EOS, or the token was EOS). False without a matcher."""
+    """Feeds a completion's sampled token to its matcher; True when the completion ends here:
+    the token is the EOS that finishes its grammar (or the grammar finished and there is no EOS
+    id to emit). A grammar finished by any other token returns False: the next step's bitmask
+    allows only EOS. False without a matcher."""
     matcher = self._matchers.get(seq_id)
     if matcher is None:
       return False
     matcher.consume_token(int(token))
-    return matcher.is_stopped()
+    is_eos = self._eos_token_id is None or int(token) == self._eos_token_id
+    return matcher.is_stopped() and is_eos

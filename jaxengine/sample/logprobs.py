@@ -1,6 +1,7 @@
 """Stage 13 of the sampler: logprobs of the sampled token and of each row's top tokens.
 
-vLLM's four logprobs modes: raw_* report the model's logits (raw_logprobs normalised by a
+vLLM's four logprobs modes: raw_* report the model's logits after the structured-output grammar
+bitmask only (a token the row's grammar forbids is `-inf`; raw_logprobs normalised by a
 log-softmax), processed_* the values the token was drawn from (after every processor, temperature
 and filter; filtered tokens `-inf`). Ranks and the top entries are found on the scores directly
 and only the gathered values are normalised, so the `[R, V]` log-softmax is never written out.
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 
 from jaxengine.sample import sharded
 from jaxengine.sample.blocked import blocked_top_k
+from jaxengine.sample.custom import apply_grammar_bitmask
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
+from jaxengine.sample.state import BatchState
 
 NEG_INF = float("-inf")
 
@@ -48,19 +51,26 @@ class LogprobsTensors:
     )
 
 
-def logprobs_scores(logits, x, md: SamplingMetadata, threshold, mode: str) -> jax.Array:
+def logprobs_scores(
+  logits, x, state: BatchState, md: SamplingMetadata, threshold, mode: str
+) -> jax.Array:
   """`[R, V] float32` the values logprobs report, before normalisation.
 
   Args:
     logits: `[R, V]` the model's logits (the raw_* source).
     x: `[R, V] float32` processed logits.
-    md: the metadata (temperatures).
+    state: the batch state (`has_grammar`, `grammar_bitmask`).
+    md: the metadata (live rows, temperatures).
     threshold: `[R] float32` each row's kept threshold on `y = x / T`.
     mode: static logprobs mode. processed_*: the values the token was drawn from
       (temperature-scaled, filtered tokens `-inf`); for greedy rows the post-penalty logits.
+      raw_*: the logits with the grammar bitmask of live grammar rows applied (forbidden tokens
+      `-inf`) and nothing else, as vLLM V1 masks the logits before its sampler reads them.
   """
   if mode.startswith("raw"):
-    return logits.astype(jnp.float32)
+    # One elementwise select, fused into the passes that read the scores; rows without a
+    # grammar keep the model's logits bit for bit.
+    return apply_grammar_bitmask(logits.astype(jnp.float32), state, md.is_live)
   y = x * inverse_temperature(md)[:, None]
   return jnp.where(y >= threshold[:, None], y, NEG_INF)
 

@@ -158,7 +158,7 @@ def _logprobs(logits, x, view: PositionView, threshold, emitted) -> LogprobsTens
   """Logprobs of `emitted [R'] int32` at every position (same format as `sample`'s)."""
   config = view.config
   mode = config.logprobs_mode
-  scores = logprobs_scores(logits, x, view.metadata, threshold, mode)
+  scores = logprobs_scores(logits, x, view.state, view.metadata, threshold, mode)
   return gather_logprobs(
     scores, emitted, config.num_top_logprobs, normalize=mode.endswith("logprobs")
   )

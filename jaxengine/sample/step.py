@@ -3,8 +3,9 @@
 `sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `behaviour.md` §1.4):
 
   0. the grammar bitmask of rows with structured outputs (`custom.py`);
-  1. cast the logits to float32 (the input itself is the raw_* logprobs source; a NaN logit counts
-     as -inf, see `sample_step`);
+  1. cast the logits to float32; these masked logits are the raw_* logprobs source, as in vLLM
+     V1, which applies the bitmask before its sampler (a NaN logit counts as -inf, see
+     `sample_step`);
   2. allowed_token_ids: every other token -> -inf;                            (processors.py)
   3. bad words: the last token of each banned sequence whose prefix ends the output -> -inf;
   4. min_tokens: stop ids -> -inf while fewer than min_tokens tokens were generated;
@@ -267,7 +268,7 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
 
   def logprobs_branch():
     mode = config.logprobs_mode
-    scores = logprobs_scores(logits, x, md, threshold, mode)
+    scores = logprobs_scores(logits, x, state, md, threshold, mode)
     return gather_logprobs(
       scores, tokens, config.num_top_logprobs, normalize=mode.endswith("logprobs")
     )
@@ -352,6 +353,13 @@ def sample_step(
       raw logit (NaN and `-inf` as the lowest float), i.e. its first allowed token when none is
       finite.
   Logprobs report the values as they are (a NaN logit gives NaN raw logprobs).
+
+  raw_* logprobs (the default mode) are the log-softmax of `logits` after one stage only: a live
+  grammar row's bitmask, so a token the row's structured-output grammar forbids has logprob
+  `-inf` and the distribution is renormalised over the allowed tokens (vLLM V1's order). A
+  trainer recomputing them from its own forward pass must mask the same tokens (the grammar's
+  allowed set at each position) before the log-softmax, and apply nothing else (no penalties,
+  temperature, top-k/top-p, allowed_token_ids or logit_bias: those come after raw logprobs).
 
   Raises:
     ValueError: at trace time, if `logits` does not have shape `[R, V]`.
