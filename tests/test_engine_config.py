@@ -98,7 +98,9 @@ def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults()
     assert {name: parameters[name].default for name in fields} == fields
     assert parameters["config"].default is None
   model, _ = tiny_llama(vocab_size=32)
-  with pytest.raises(TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"):
+  with pytest.raises(
+    TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"
+  ):
     LLMEngine(model, max_num_seqs=4)
   with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'block_size'"):
     je.LLM(model, block_size=16)

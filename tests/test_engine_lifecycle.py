@@ -91,14 +91,18 @@ def test_every_ending_leaves_the_same_state(model, tokenizer, ending):
   alone = _engine(model, tokenizer)
   alone.add_request("keep", [5, 6, 7], greedy)
   alone.step()
-  assert _state(engine) == _state(alone) == {
-    "running": ["keep"],
-    "waiting": [],
-    "rows": ["keep"],
-    "num_reqs": 1,
-    "matchers": 0,
-    "unfinished": True,
-  }
+  assert (
+    _state(engine)
+    == _state(alone)
+    == {
+      "running": ["keep"],
+      "waiting": [],
+      "rows": ["keep"],
+      "num_reqs": 1,
+      "matchers": 0,
+      "unfinished": True,
+    }
+  )
   for e in (engine, alone):
     while e.has_unfinished_requests():
       e.step()
