@@ -28,13 +28,14 @@ from jaxengine.cli_engine_flags import add_engine_flags, engine_options
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.HelpFormatter):
   """Shows each flag's default after its help, except None (unset) and a switch's False."""
 
   def _get_help_string(self, action: argparse.Action) -> str | None:
-    if action.default is None or action.nargs == 0:  # unset, or a switch (default False)
+    unset = action.default is None or action.default is argparse.SUPPRESS
+    if unset or action.nargs == 0 or "%(default)" in (action.help or ""):
       return action.help
-    return super()._get_help_string(action)
+    return f"{action.help or ''} (default: %(default)s)"
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
