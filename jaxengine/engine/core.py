@@ -7,10 +7,16 @@ One `step()`:
   2. the runner adds them to the persistent batch and prefills their prompts;
   3. the runner decodes one token for every running completion (one fused model + sampler
      executable over a bucket of live rows); with a `speculative_config`, when some row has
-     n-gram drafts, it verifies them instead (one model pass over k + 1 positions per row and
-     the rejection sampler: one to k + 1 tokens per row);
-  4. the output processor appends the tokens (logprob dicts, text, stop rules), and finished
-     completions leave the scheduler and the batch (the next step condenses and admits more).
+     n-gram drafts and `SpeculativePolicy` expects them to pay, it verifies them instead (one
+     model pass over k + 1 positions per row and the rejection sampler: one to k + 1 tokens
+     per row); with `num_decode_steps` k > 1, it runs up to k steps in one device loop;
+  4. `_update_from_output`, the one place a step's tokens reach the requests, appends them
+     (grammar checks, logprob dicts, text, stop rules), and `_finish`, the one finish path
+     (also taken by `abort_request` and by a token its grammar rejects), takes finished
+     completions out of the scheduler, the batch and the grammar matchers (the next step
+     condenses and admits more).
+
+The engine's options come in one validated `EngineConfig` (`engine/engine_config.py`).
 """
 
 from __future__ import annotations

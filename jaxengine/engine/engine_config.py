@@ -25,8 +25,7 @@ from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.compilation_cache import resolve_cache_dir
 from jaxengine.config import BatchConfig
 from jaxengine.engine.speculative import SpeculativeConfig
-from jaxengine.params import is_int, validate_logprobs_mode
-from jaxengine.sample import batch_key_data
+from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
 
 #: The weight dtypes `dtype` may name ("auto" picks one per backend and checkpoint).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -108,7 +107,8 @@ class EngineConfig:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
       self._set(name, int(value))
     self._set("dtype", _check_dtype(self.dtype))
-    batch_key_data(self.seed)  # refuses a seed outside [-2**63, 2**63)
+    if not is_int(self.seed) or not SEED_MIN <= self.seed < SEED_MAX:  # as the batch's key
+      raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
     self._set("seed", int(self.seed))
     # The batch's own checks, with placeholder sizes (the vocabulary is the model's).
     BatchConfig(
