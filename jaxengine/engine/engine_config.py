@@ -119,12 +119,12 @@ class EngineConfig:
       logprobs_mode=validate_logprobs_mode(self.logprobs_mode),
     )
     self._set("max_num_logprobs", int(self.max_num_logprobs))
-    for name, kinds in (("revision", (str,)), ("download_dir", (str, os.PathLike))):
-      value = getattr(self, name)
-      if value is not None and not isinstance(value, kinds):
-        raise ValueError(
-          f"{name} must be a {' or '.join(k.__name__ for k in kinds)}, got {value!r}"
-        )
+    if self.revision is not None and not isinstance(self.revision, str):
+      raise ValueError(f"revision must be a str, got {self.revision!r}")
+    if self.download_dir is not None:
+      if not isinstance(self.download_dir, (str, os.PathLike)):
+        raise ValueError(f"download_dir must be a path, got {self.download_dir!r}")
+      self._set("download_dir", os.fspath(self.download_dir))
     self._check_parallel()
     resolve_cache_dir(self.compilation_cache)  # refuses anything but a bool or a path
     for name in ("precompile", "prefill_once_per_request"):
