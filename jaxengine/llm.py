@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
@@ -16,6 +15,7 @@ from jaxengine import parallel
 from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
+from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.engine.placement import num_attention_heads
 from jaxengine.models import Model, load_gguf
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
@@ -28,10 +28,7 @@ from jaxengine.models.safetensors_loader import (
 )
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
-from jaxengine.sample import batch_key_data
 from jaxengine.tokenizer import Tokenizer
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 Prompt = (
   str | Sequence[int] | Mapping
@@ -57,6 +54,9 @@ class LLM:
         own NNX module; then pass `tokenizer` or use token-id prompts).
     tokenizer: a `Tokenizer`; by default the GGUF file's or the directory's (`tokenizer.json`;
       a directory without one gives an engine for token-id prompts only).
+    config: an `jaxengine.engine.EngineConfig` (the same one the `jaxengine` command builds);
+      keywords given as well replace its fields.
+    **options: the `EngineConfig` fields as keywords, all checked before the model loads:
     max_num_reqs: sequences decoded at once (rows of the persistent batch).
     max_model_len: longest prompt plus output, in tokens.
     dtype: "auto" (default), "float32", "bfloat16", or a JAX dtype. "auto" is float32 on CPU
@@ -95,6 +95,7 @@ class LLM:
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
 
   Raises:
+    TypeError: a keyword that is not an `EngineConfig` field.
     FileNotFoundError: no such file, directory or hub id (the message names it), a directory
       without weights, or the default model is not installed (the message gives the command).
     ValueError: an unsupported architecture or rope type (named), a checkpoint whose tensors do
@@ -105,85 +106,35 @@ class LLM:
       mesh without the axes ``("data", "model")``.
   """
 
+  @with_engine_options
   def __init__(
     self,
     model: str | os.PathLike | Model | None = None,
     *,
     tokenizer: Tokenizer | None = None,
-    max_num_reqs: int = 16,
-    max_model_len: int = 1024,
-    dtype="auto",
-    seed: int = 0,
-    max_num_logprobs: int = 20,
-    logprobs_mode: str = "raw_logprobs",
-    revision: str | None = None,
-    download_dir: str | None = None,
-    tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-    mesh: jax.sharding.Mesh | None = None,
-    compilation_cache: bool | str | os.PathLike = True,
-    precompile: bool = False,
-    num_decode_steps: int = 1,
-    prefill_once_per_request: bool = True,
-    logits_processors: Sequence | None = None,
-    speculative_config: Mapping | None = None,
-    enable_prefix_caching: bool | None = None,
-    num_prefix_cache_blocks: int | None = None,
+    config: EngineConfig | None = None,
+    **options: Any,
   ):
-    batch_key_data(seed)  # a bad seed is refused before the model loads
-    t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
-    if mesh is not None:
-      if (t, d) != (1, 1):
-        raise ValueError(
-          f"give either mesh or tensor_parallel_size/data_parallel_size, got mesh and "
-          f"tensor_parallel_size={t}, data_parallel_size={d}"
-        )
-      mesh = parallel.check_mesh(mesh)
-      t = parallel.axis_size(mesh, parallel.MODEL)
-    elif (t, d) != (1, 1):
-      mesh = parallel.make_mesh(t, d)
-    d = 1 if mesh is None else parallel.axis_size(mesh, parallel.DATA)
-    if is_int(max_num_reqs) and max_num_reqs > 0 and max_num_reqs % d:
-      raise ValueError(f"data_parallel_size={d} must divide max_num_reqs={max_num_reqs}")
+    config = engine_config(config, options, "LLM")  # every option checked before loading
+    self.config = config
+    t = config.tensor_parallel_size
     if isinstance(model, Model) and num_attention_heads(model) is not None:
       parallel.check_heads(cast(int, num_attention_heads(model)), t)
-    if isinstance(dtype, str):
-      if dtype not in (*_DTYPES, "auto"):
-        raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}")
-      dtype = _DTYPES.get(dtype, dtype)
-    elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-      raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     # Before anything compiles (loading a model does): every executable then goes to the cache.
-    self.compilation_cache_dir = enable_compilation_cache(compilation_cache)
+    self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
     eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
       model, tokenizer, eos_token_id = _load_model(
         model,
         tokenizer,
-        dtype,
-        revision=revision,
-        download_dir=download_dir,
+        config.dtype,
+        revision=config.revision,
+        download_dir=config.download_dir,
         tp=t,
-        max_model_len=max_model_len,
+        max_model_len=config.max_model_len,
       )
-    self.llm_engine = LLMEngine(
-      model,
-      tokenizer,
-      max_num_reqs=max_num_reqs,
-      max_model_len=max_model_len,
-      max_num_logprobs=max_num_logprobs,
-      logprobs_mode=logprobs_mode,
-      seed=seed,
-      eos_token_id=eos_token_id,
-      mesh=mesh,
-      num_decode_steps=num_decode_steps,
-      prefill_once_per_request=prefill_once_per_request,
-      logits_processors=logits_processors,
-      speculative_config=speculative_config,
-      enable_prefix_caching=enable_prefix_caching,
-      num_prefix_cache_blocks=num_prefix_cache_blocks,
-    )
-    if precompile:
+    self.llm_engine = LLMEngine(model, tokenizer, eos_token_id=eos_token_id, config=config)
+    if config.precompile:
       self.llm_engine.precompile()
 
   def load_weights(self, weights) -> None:

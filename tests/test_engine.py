@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -216,13 +217,13 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
 
 def _recording_decode(engine):
   """Wraps the engine's jitted decode step to record the row bucket of every call."""
-  buckets, decode = [], engine.runner._decode
+  buckets, decode = [], engine.runner.steps.decode
 
   def record(*args):
     buckets.append(args[-1])
     return decode(*args)
 
-  engine.runner._decode = record
+  engine.runner.steps = dataclasses.replace(engine.runner.steps, decode=record)
   return buckets
 
 

@@ -96,8 +96,9 @@ def test_identical_outputs_with_prefix_caching_on_and_off(engines, compile_count
   runner = on.runner
   assert (runner.row_buckets, runner.length_buckets) == ([1, 2], [16, 32, 64])
   assert runner.prefix_cache is not None and runner.prefix_cache.copy_buckets == [8]
-  assert runner._prefill._cache_size() <= 2 * 6 and runner._prefill_logprobs._cache_size() <= 6
-  assert runner._decode._cache_size() <= 2
+  steps = runner.steps
+  assert steps.prefill._cache_size() <= 2 * 6 and steps.prefill_logprobs._cache_size() <= 6
+  assert steps.decode._cache_size() <= 2
   # Steady: the same arrivals compile nothing more.
   compile_counter.reset()
   for arrive in (True, False):

@@ -246,7 +246,7 @@ def test_precompile_covers_the_verify_step(model):
   llm.llm_engine.spec_crossover_tokens = 10**9
   runner = llm.llm_engine.runner
   assert llm.llm_engine.precompile(use_tqdm=False) == 3
-  steps = [runner._prefill, runner._decode, runner._verify]
+  steps = [runner.steps.prefill, runner.steps.decode, runner.steps.verify]
   sizes = [step._cache_size() for step in steps]
   assert sizes == [1, 1, 1]
   params = je.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -1,19 +1,32 @@
 """The engine, split by job as vLLM's V1 engine is.
 
-requests.py          host records: a `Request` and its `Completion`s
-input_processor.py   prompts and `SamplingParams` -> validated `Request`s
-scheduler.py         which completions run (first come, first served, within the batch's rows)
-runner.py            `ModelRunner`: weights, KV cache, persistent batch, jitted prefill/decode
-multi_step.py        k decode-and-sample steps in one device loop, rows stopping on the device
-shared_prefill.py    one prefill for the n samples of a request (KV copied between slots)
-speculative.py       n-gram speculative decoding: the config, the host proposer, the stats
-verify.py            the verify step: the model over k + 1 positions, then rejection_sample
-output_processor.py  tokens -> logprob dicts, text and stop rules
-core.py              `LLMEngine`, which wires them together
+core.py               `LLMEngine`, which wires the others together: one step, one lifecycle
+                      (`_update_from_output` applies a step's tokens, `_finish` the one finish path)
+engine_config.py      `EngineConfig`: the engine's options, validated once (`LLM`, the CLI)
+requests.py           host records: a `Request` and its `Completion`s
+input_processor.py    prompts and `SamplingParams` -> validated `Request`s
+scheduler.py          which completions run (first come, first served, within the batch's rows)
+structured.py         structured outputs: llguidance grammars, matchers and the token bitmask
+runner.py             `ModelRunner`: weights, KV cache, persistent batch, the device steps
+steps.py              `RunnerSteps`: the runner's jitted steps, built once
+buckets.py            bucket sizes of every step (rows, prompt lengths, attention, copies)
+placement.py          placing weights, KV cache and batch state on a mesh
+prefill.py            the prefill steps (prompt KV, optional prompt logprobs)
+decode.py             the fused decode-and-sample step; the step outputs the engine reads
+multi_step.py         k decode-and-sample steps in one device loop, rows stopping on the device
+shared_prefill.py     one prefill for the n samples of a request (KV copied between slots)
+prefix_cache.py       the prefix cache's host index: block hashes, LRU, stats
+prefix_prefill.py     the prefix cache on the device: block pool, copies, prefill in waves
+precompile.py         compiling every bucket ahead of the first request
+speculative.py        n-gram speculative decoding: the config, the host proposer, the stats
+speculative_policy.py when a step verifies drafts: the cost policy
+verify.py             the verify step: the model over k + 1 positions, then rejection_sample
+output_processor.py   tokens -> logprob dicts, text and stop rules
 """
 
 from jaxengine.engine.core import LLMEngine
+from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.output_processor import find_stop_string
 from jaxengine.engine.runner import ModelRunner
 
-__all__ = ["LLMEngine", "ModelRunner", "find_stop_string"]
+__all__ = ["EngineConfig", "LLMEngine", "ModelRunner", "find_stop_string"]

@@ -7,10 +7,16 @@ One `step()`:
   2. the runner adds them to the persistent batch and prefills their prompts;
   3. the runner decodes one token for every running completion (one fused model + sampler
      executable over a bucket of live rows); with a `speculative_config`, when some row has
-     n-gram drafts, it verifies them instead (one model pass over k + 1 positions per row and
-     the rejection sampler: one to k + 1 tokens per row);
-  4. the output processor appends the tokens (logprob dicts, text, stop rules), and finished
-     completions leave the scheduler and the batch (the next step condenses and admits more).
+     n-gram drafts and `SpeculativePolicy` expects them to pay, it verifies them instead (one
+     model pass over k + 1 positions per row and the rejection sampler: one to k + 1 tokens
+     per row); with `num_decode_steps` k > 1, it runs up to k steps in one device loop;
+  4. `_update_from_output`, the one place a step's tokens reach the requests, appends them
+     (grammar checks, logprob dicts, text, stop rules), and `_finish`, the one finish path
+     (also taken by `abort_request` and by a token its grammar rejects), takes finished
+     completions out of the scheduler, the batch and the grammar matchers (the next step
+     condenses and admits more).
+
+The engine's options come in one validated `EngineConfig` (`engine/engine_config.py`).
 """
 
 from __future__ import annotations
@@ -18,30 +24,27 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
-from jaxengine.batch import InputBatch
-from jaxengine.engine.decode import MultiStepOutput
+from jaxengine.batch import HostSamplerOutput, InputBatch
+from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
-from jaxengine.engine.requests import Request
-from jaxengine.engine.runner import ModelRunner, bucket
+from jaxengine.engine.requests import Completion, Request
+from jaxengine.engine.runner import ModelRunner
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.speculative import (
   CROSSOVER_TOKENS,
   DEFAULT_CROSSOVER_TOKENS,
-  NgramProposer,
   SpecDecodingStats,
-  SpeculativeConfig,
-  draft_limits,
-  timed_propose,
-  worth_verifying,
 )
+from jaxengine.engine.speculative_policy import SpeculativePolicy
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams, is_int
+from jaxengine.params import SamplingParams
 from jaxengine.tokenizer import Tokenizer
 
 #: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`.
@@ -55,16 +58,18 @@ class LLMEngine:
     model: a `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`), weights loaded.
     tokenizer: its `Tokenizer`, or None (then prompts must be token ids, no text is produced and
       stop strings / bad_words strings are rejected).
-    max_num_reqs: rows of the batch (sequences decoded at once).
-    max_model_len: longest prompt plus output, in tokens (KV-cache length per slot).
-    max_num_logprobs: largest logprobs / prompt_logprobs a request may ask for (`-1`: whole vocab).
-    logprobs_mode: see `InputBatch`.
-    seed: seed of the engine key (unseeded requests derive their keys from it).
     eos_token_id: overrides the tokenizer's / model's EOS id; a list gives the EOS id first and
       more ids that also end generation (a checkpoint's `generation_config.json` lists several):
       like vLLM, those finish with `stop_reason` set to the id, unless `ignore_eos`.
-    mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``: see
-      `ModelRunner` and `jaxengine.parallel`.
+    config: an `EngineConfig`; keywords given as well replace its fields.
+    **options: `EngineConfig` fields as keywords (vLLM's names: `max_num_reqs`,
+      `max_model_len`, `max_num_logprobs`, `logprobs_mode`, `seed`, `mesh`, ...; a loader-only
+      field such as `dtype` has no effect on a built model). Those the engine reads:
+    max_num_reqs: rows of the batch (sequences decoded at once).
+    max_model_len: longest prompt plus output, in tokens (KV-cache length per slot).
+    mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``, or
+      `tensor_parallel_size` / `data_parallel_size` to build one: see `ModelRunner` and
+      `jaxengine.parallel`.
     num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
       loop (default 1: one token per step). Larger values pay the host round trip once per `k`
       tokens. Tokens, text and finish reasons are those of k = 1 (rows stop on the device at
@@ -104,52 +109,26 @@ class LLMEngine:
       (`max_num_reqs * max_model_len / 4`), at least `max_model_len`.
 
   Raises:
-    ValueError: a model that does not implement `Model`, `max_model_len` above the model's
-      `max_position_embeddings`, invalid batch settings, or an invalid `speculative_config`
-      (or one combined with a mesh or `num_decode_steps > 1`).
+    TypeError: a keyword that is not an `EngineConfig` field.
+    ValueError: anything `EngineConfig` refuses (naming the field and value), a model that does
+      not implement `Model`, or `max_model_len` above the model's `max_position_embeddings`.
   """
 
+  @with_engine_options
   def __init__(
     self,
     model: Model,
     tokenizer: Tokenizer | None = None,
     *,
-    max_num_reqs: int = 16,
-    max_model_len: int = 1024,
-    max_num_logprobs: int = 20,
-    logprobs_mode: str = "raw_logprobs",
-    seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    num_decode_steps: int = 1,
-    prefill_once_per_request: bool = True,
-    logits_processors: Sequence | None = None,
-    speculative_config=None,
-    enable_prefix_caching: bool | None = None,
-    num_prefix_cache_blocks: int | None = None,
+    config: EngineConfig | None = None,
+    **options: Any,
   ):
     check_model(model)
-    self.speculative_config = SpeculativeConfig.build(speculative_config)
-    if self.speculative_config is not None and (mesh is not None or num_decode_steps != 1):
-      raise ValueError(
-        "speculative_config works with num_decode_steps=1 on one device, got "
-        f"num_decode_steps={num_decode_steps!r}" + (" and a mesh" if mesh is not None else "")
-      )
-    k = None if self.speculative_config is None else self.speculative_config.num_speculative_tokens
-    if k is not None and is_int(max_model_len) and k >= max_model_len:  # never verifiable; and
-      raise ValueError(  # each step would allocate and compute k + 1 positions per row
-        f"speculative_config: num_speculative_tokens={k} must be below max_model_len="
-        f"{max_model_len}"
-      )
-    if not is_int(num_decode_steps) or num_decode_steps < 1:
-      raise ValueError(f"num_decode_steps must be an int >= 1, got {num_decode_steps!r}")
-    if num_decode_steps > 1 and mesh is not None:
-      raise ValueError(
-        f"num_decode_steps={num_decode_steps} is not supported on a mesh yet (its device loop "
-        "has no sharding annotations); use num_decode_steps=1 with a mesh"
-      )
-    self.num_decode_steps = int(num_decode_steps)
-    self.prefill_once_per_request = bool(prefill_once_per_request)
+    self.config = config = engine_config(config, options, "LLMEngine")
+    self.speculative_config = config.speculative
+    self.num_decode_steps = config.num_decode_steps
+    self.prefill_once_per_request = config.prefill_once_per_request
     if eos_token_id is None:
       eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
     if isinstance(eos_token_id, Sequence):
@@ -159,18 +138,16 @@ class LLMEngine:
     self.tokenizer = tokenizer
     self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
     batch = InputBatch(
-      max_num_reqs,
-      max_model_len,
+      config.max_num_reqs,
+      config.max_model_len,
       model.vocab_size,
-      max_num_logprobs=max_num_logprobs,
-      logprobs_mode=logprobs_mode,
+      max_num_logprobs=config.max_num_logprobs,
+      logprobs_mode=config.logprobs_mode,
       eos_token_ids=eos_token_ids,
-      seed=seed,
-      logits_processors=logits_processors,
+      seed=config.seed,
+      logits_processors=config.logits_processors,
     )
-    if enable_prefix_caching is None:
-      enable_prefix_caching = mesh is None
-    self.runner = ModelRunner(model, batch, mesh, enable_prefix_caching, num_prefix_cache_blocks)
+    self.runner = ModelRunner(model, batch, config)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
     self.structured: StructuredOutputs | None = None
@@ -191,14 +168,16 @@ class LLMEngine:
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
     self.spec_decode_stats = SpecDecodingStats()
-    self._proposer: NgramProposer | None = None
     #: The verify decision's cost model (`engine/speculative.py`): set it high to verify
     #: whenever some row has a draft.
     self.spec_crossover_tokens = CROSSOVER_TOKENS.get(
       jax.default_backend(), DEFAULT_CROSSOVER_TOKENS
     )
+    self._speculative: SpeculativePolicy | None = None
     if self.speculative_config is not None:
-      self._proposer = NgramProposer(self.speculative_config, self.max_model_len)
+      self._speculative = SpeculativePolicy(
+        self.speculative_config, self.max_model_len, self.spec_decode_stats
+      )
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -243,13 +222,13 @@ class LLMEngine:
 
   def abort_request(self, request_ids: str | Sequence[str]) -> None:
     """Drops requests, waiting or running, and forgets them (vLLM's name); unknown ids are
-    ignored. `LLM.generate` aborts its own requests when a step raises or it is interrupted, so
-    that later calls do not run them again."""
+    ignored. A running completion leaves through the same finish path as one that stops
+    (`_finish`, finish reason "abort"). `LLM.generate` aborts its own requests when a step
+    raises or it is interrupted, so that later calls do not run them again."""
     ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
     for completion in self.scheduler.abort(ids):
-      self.runner.remove(completion.seq_id)
-      if self.structured is not None:
-        self.structured.remove(completion.seq_id)
+      completion.finish_reason = completion.finish_reason or "abort"
+      self._finish(completion)
     for request_id in ids:
       self._requests.pop(request_id, None)
 
@@ -285,11 +264,10 @@ class LLMEngine:
     Raises:
       ValueError: if requests are running (precompile before adding any).
     """
-    spec = self.speculative_config
     return self.runner.precompile(
       self.num_decode_steps,
       use_tqdm=use_tqdm,
-      num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+      num_speculative_tokens=self.config.num_speculative_tokens,
     )
 
   # --- the step -------------------------------------------------------------------------------
@@ -319,81 +297,90 @@ class LLMEngine:
       return []
     bitmask = structured.bitmask if structured is not None and len(structured) else None
     if self.num_decode_steps > 1 and bitmask is None:
-      return self._apply_steps()
-    if self._proposer is not None and bitmask is None:
-      verified = self._speculative_step()
+      decoded = self.runner.decode_steps(
+        self.num_decode_steps, end_on_first_finish=bool(self.scheduler.waiting)
+      )
+      return self._update_from_output(
+        decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
+      )
+    if self._speculative is not None and bitmask is None:
+      verified = self._speculative_step(self._speculative)
       if verified is not None:
         return verified
-    decoded = self.runner.decode(bitmask)
-    advanced: dict[str, Request] = {}
-    for row, seq_id in enumerate(decoded.req_ids):
-      completion = self.scheduler.running[seq_id]
-      token = int(decoded.sampled.sampled_token_ids[row])
-      if structured is not None and not structured.accepts(seq_id, token):
-        if structured.is_finished(seq_id):  # another constraint masked its EOS: end without it
-          completion.finish_reason = "stop"
-        else:
-          _abort_rejected(completion, token)  # never emit what the grammar forbids
-      else:
-        self.output_processor.append(completion, row, decoded.sampled)
-        if structured is not None and structured.advance(seq_id, token):
-          completion.finish_reason = completion.finish_reason or "stop"
-      advanced[completion.request.request_id] = completion.request
-      if completion.finish_reason is not None:
-        self.scheduler.finish(completion)
-        self.runner.remove(seq_id)
-        if structured is not None:
-          structured.remove(seq_id)
-    return [r.output() for r in advanced.values()]
+    decoded_one = self.runner.decode(bitmask)
+    req_ids = decoded_one.req_ids
+    return self._update_from_output(req_ids, [decoded_one.sampled], [1] * len(req_ids))
 
-  def _apply_steps(self) -> list[RequestOutput]:
-    """Runs up to `num_decode_steps` steps on the device, then applies each row's tokens."""
-    decoded = self.runner.decode_steps(
-      self.num_decode_steps, end_on_first_finish=bool(self.scheduler.waiting)
-    )
-    return self._apply_tokens(decoded)
-
-  def _speculative_step(self) -> list[RequestOutput] | None:
-    """Drafts for every running completion and one verify pass; None (nothing run) when no
-    row has a draft or the cost model expects too little of them, so the caller decodes one
-    token as usual."""
-    assert self._proposer is not None and self.speculative_config is not None
-    stats = self.spec_decode_stats
-    stats.num_steps += 1
-    batch = self.runner.input_batch
-    batch.condense()
-    completions = [self.scheduler.running[seq_id] for seq_id in batch.req_ids]
-    k = self.speculative_config.num_speculative_tokens
-    limits = draft_limits(completions, self.max_model_len, k)
-    drafts = timed_propose(self._proposer, stats, completions, limits)
-    if not drafts.num_draft_tokens.any():
-      return None
-    gain = self._proposer.expected_gain(completions, drafts)
-    num_rows = bucket(len(completions), self.runner.row_buckets)
-    if not worth_verifying(gain, len(completions), num_rows, k, self.spec_crossover_tokens):
-      stats.num_declined_steps += 1
+  def _speculative_step(self, policy: SpeculativePolicy) -> list[RequestOutput] | None:
+    """One verify pass over the drafts `policy` chooses; None (nothing run) when it declines, so
+    the caller decodes one token as usual."""
+    completions = [self.scheduler.running[seq_id] for seq_id in self.runner.live_req_ids()]
+    num_rows = self.runner.row_bucket(len(completions))
+    drafts = policy.drafts(completions, num_rows, self.spec_crossover_tokens)
+    if drafts is None:
       return None
     decoded = self.runner.verify(drafts.token_ids, drafts.num_draft_tokens)
-    stats.record(drafts.num_draft_tokens, decoded.sampled.num_sampled)
-    self._proposer.record(completions, drafts.num_draft_tokens, decoded.sampled.num_sampled)
-    return self._apply_tokens(decoded)
+    policy.record(completions, drafts, decoded.sampled.num_sampled)
+    return self._update_from_output(
+      decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
+    )
 
-  def _apply_tokens(self, decoded: MultiStepOutput) -> list[RequestOutput]:
-    """Applies several tokens per row in order; a completion that finishes (a stop the device
-    could not see) drops the rest."""
-    completions = [self.scheduler.running[seq_id] for seq_id in decoded.req_ids]
-    num_sampled = decoded.sampled.num_sampled.tolist()
-    for j, sampled in enumerate(decoded.sampled.steps):
+  # --- the lifecycle ----------------------------------------------------------------------------
+
+  def _update_from_output(
+    self,
+    req_ids: Sequence[str],
+    steps: Sequence[HostSamplerOutput],
+    num_sampled: Sequence[int],
+  ) -> list[RequestOutput]:
+    """Applies a step's tokens to the running completions, then finishes those that stopped
+    (vLLM's `update_from_output`): the one place outputs of decode, the k-step loop and
+    verification reach the requests.
+
+    Args:
+      req_ids: the step's rows (`seq_id`s), in the order of the arrays below.
+      steps: the sampler's host output, position by position (one for a decode step).
+      num_sampled: valid positions of each row (`steps[j]` holds a token of row `i` for
+        `j < num_sampled[i]`).
+
+    Returns:
+      A `RequestOutput` for every request with a completion among `req_ids`, row order.
+    """
+    completions = [self.scheduler.running[seq_id] for seq_id in req_ids]
+    for j, sampled in enumerate(steps):
       for row, completion in enumerate(completions):
         if j < num_sampled[row] and completion.finish_reason is None:
-          self.output_processor.append(completion, row, sampled)
+          self._append_token(completion, row, sampled)
     advanced: dict[str, Request] = {}
     for completion in completions:
       advanced[completion.request.request_id] = completion.request
       if completion.finish_reason is not None:
-        self.scheduler.finish(completion)
-        self.runner.remove(completion.seq_id)
+        self._finish(completion)
     return [r.output() for r in advanced.values()]
+
+  def _append_token(self, completion: Completion, row: int, sampled: HostSamplerOutput) -> None:
+    """Appends row `row`'s token of `sampled` to `completion` (stop rules, its grammar); a token
+    its grammar rejects is dropped and the completion aborted instead."""
+    structured = self.structured
+    token = int(sampled.sampled_token_ids[row])
+    if structured is not None and not structured.accepts(completion.seq_id, token):
+      if structured.is_finished(completion.seq_id):  # another constraint masked its EOS
+        completion.finish_reason = "stop"  # end without it
+      else:
+        _abort_rejected(completion, token)  # never emit what the grammar forbids
+      return
+    self.output_processor.append(completion, row, sampled)
+    if structured is not None and structured.advance(completion.seq_id, token):
+      completion.finish_reason = completion.finish_reason or "stop"
+
+  def _finish(self, completion: Completion) -> None:
+    """The one way a running completion leaves, once it has a finish reason (a stop rule, its
+    grammar, or an abort): out of the scheduler, its row freed, its grammar matcher dropped.
+    Its request reports it in the step's outputs or `pop_finished`."""
+    self.scheduler.finish(completion)
+    self.runner.remove(completion.seq_id)
+    if self.structured is not None:
+      self.structured.remove(completion.seq_id)
 
   def _set_prompt_logprobs(self, completion, prompt_logprobs) -> None:
     request = completion.request
@@ -415,5 +402,5 @@ def _abort_rejected(completion, token: int) -> None:
     f"allowed_token_ids or a logits processor, masked every token the grammar allows); the "
     f"token is dropped and the request aborted",
     RuntimeWarning,
-    stacklevel=3,
+    stacklevel=5,  # the caller of `LLMEngine.step`
   )

@@ -16,12 +16,6 @@ from jaxengine.batch import HostSamplerOutput
 from jaxengine.batch.step_loop import HostMultiStepOutput
 from jaxengine.sample import sample
 
-#: Smallest prefill length bucket, in tokens.
-MIN_LENGTH_BUCKET = 16
-#: Smallest decode attention bucket, in cache positions. Attending to 128 positions costs little
-#: next to reading the weights, and it spares most short generations a second decode compile.
-MIN_ATTENTION_BUCKET = 128
-
 
 @dataclasses.dataclass(frozen=True)
 class MultiStepOutput:

@@ -1,4 +1,4 @@
-"""The runner's prefill steps as pure device functions, and the bucket sizes of every step.
+"""The runner's prefill steps as pure device functions.
 
 A prefill writes the keys and values of a padded `[B, T]` block of prompt tokens into their rows'
 cache slots. Prompts start at position 0, or after a prefix already in the slot (prefix caching):
@@ -11,20 +11,6 @@ import jax
 from flax import nnx
 
 from jaxengine.sample import gather_logprobs
-
-
-def buckets(limit: int, start: int) -> list[int]:
-  """Powers of two from `start`, the last one clipped to `limit`."""
-  sizes = [start]
-  while sizes[-1] < limit:
-    sizes.append(sizes[-1] * 2)
-  sizes[-1] = min(sizes[-1], limit)
-  return sizes
-
-
-def bucket(n: int, sizes: list[int]) -> int:
-  """The smallest of `sizes` holding `n`."""
-  return next(b for b in sizes if b >= n)
 
 
 def prefill_step(

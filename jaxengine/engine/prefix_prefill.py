@@ -43,15 +43,15 @@ next uncached block another request of the wave will store waits for the next wa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.engine.prefill import buckets
+from jaxengine.engine.buckets import buckets
 from jaxengine.engine.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from jaxengine.engine.requests import Completion
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
@@ -145,8 +145,37 @@ def _skips_cache(completion: Completion) -> bool:
   return completion.index == 0 and completion.params.prompt_logprobs is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillWave:
+  """The completions one prefill call handles after a prefix cache lookup.
+
+  Attributes:
+    completions: those prefilled now.
+    starts: each one's first uncached position (by `seq_id`), a multiple of 16.
+    slots: each one's KV-cache slot (by `seq_id`).
+    loads: `(pool block, cache slot, block index)` copies that fill the cached prefixes first.
+    deferred: completions that wait for the next wave (a block they need is stored by this one).
+    hashes: the block hashes of every prompt of the prefill, by `seq_id`.
+  """
+
+  completions: list[Completion]
+  starts: dict[str, int]
+  slots: dict[str, int]
+  loads: list[tuple[int, int, int]]
+  deferred: list[Completion]
+  hashes: Mapping[str, list[bytes]]
+
+
 class PrefixPrefill:
   """The prefix cache of one runner: host index, device pool, and the prefill in waves.
+
+  The runner owns the KV cache; this class plans waves and copies blocks between the cache it is
+  handed and its own pool:
+
+      for wave in prefix.waves(completions, cache_slot):
+        kv_cache = prefix.load(kv_cache, wave)
+        ...prefill wave.completions from wave.starts...
+        prefix.store(kv_cache, wave)
 
   Args:
     spec: the model's `KVCacheSpec`.
@@ -161,29 +190,70 @@ class PrefixPrefill:
     self.index = PrefixCache(num_blocks)
     self.copy_buckets = buckets(max_blocks_per_call, min(MIN_COPY_BUCKET, max_blocks_per_call))
 
-  def prefill(self, runner: Any, completions: Sequence[Completion]) -> dict[str, Any]:
-    """Prefills `completions` (each already holds a row) through the cache, in waves; returns
-    their prompt logprobs as `ModelRunner.prefill` does (`runner` is that runner: typed loosely
-    so the two modules do not import each other)."""
+  def waves(
+    self, completions: Sequence[Completion], cache_slot: Callable[[str], int]
+  ) -> Iterator[PrefillWave]:
+    """The waves that prefill `completions` (each already holds a row) through the cache.
+
+    A generator: each wave is planned when the caller asks for it, so after the caller stored
+    the previous one (`store`), whose blocks it may then load.
+
+    Args:
+      completions: the completions to prefill.
+      cache_slot: the KV-cache slot of a `seq_id` (`InputBatch.cache_slot`).
+    """
     hashes = {c.seq_id: block_hashes(c.request.prompt_token_ids) for c in completions}
-    pending, out = list(completions), {}
+    pending = list(completions)
     while pending:
-      wave, starts, loads, pending = self._plan_wave(runner, pending, hashes)
-      for chunk in self._chunks(loads):
-        arrays = copy_arrays(chunk, self.copy_buckets, 0, runner.kv_cache.num_slots)
-        runner.kv_cache = load_blocks(runner.kv_cache, self.pool, *arrays)
-      out.update(runner.prefill_rows(wave, starts))
-      self._store(runner, wave, hashes)
-    return out
+      wave = self._plan_wave(pending, hashes, cache_slot)
+      yield wave
+      pending = wave.deferred
+
+  def load(self, kv_cache: KVCache, wave: PrefillWave) -> KVCache:
+    """Copies the wave's cached prefixes from the pool into their slots of `kv_cache` (donated);
+    returns the new cache."""
+    for chunk in self._chunks(wave.loads):
+      arrays = copy_arrays(chunk, self.copy_buckets, 0, kv_cache.num_slots)
+      kv_cache = load_blocks(kv_cache, self.pool, *arrays)
+    return kv_cache
+
+  def store(self, kv_cache: KVCache, wave: PrefillWave) -> None:
+    """Copies the wave's new full prompt blocks from `kv_cache` (read, after the wave's prefill)
+    into the pool."""
+    writes: dict[int, tuple[int, int]] = {}  # a block reused within the wave: the last owner
+    for completion in wave.completions:
+      slot = wave.slots[completion.seq_id]
+      written = prefill_end(completion) // BLOCK_SIZE
+      for index, block in self.index.store(wave.hashes[completion.seq_id][:written]):
+        writes[block] = (slot, index)
+    copies = [(block, slot, index) for block, (slot, index) in writes.items()]
+    for chunk in self._chunks(copies):
+      arrays = copy_arrays(chunk, self.copy_buckets, self.index.num_blocks, 0)
+      self.pool = save_blocks(self.pool, kv_cache, *arrays)
+
+  def precompile_copy(self, kv_cache: KVCache, size: int) -> KVCache:
+    """Compiles the block copies of one copy bucket with `size` padding copies (nothing is
+    written); returns the cache (donated, unchanged)."""
+    drop = np.full((size,), kv_cache.num_slots, np.int32)
+    zeros = np.zeros((size,), np.int32)
+    kv_cache = load_blocks(kv_cache, self.pool, zeros, drop, zeros)
+    pad = np.full((size,), self.index.num_blocks, np.int32)
+    self.pool = save_blocks(self.pool, kv_cache, pad, zeros, zeros)
+    return kv_cache
 
   def _chunks(self, copies: list) -> list[list]:
     """Copies in calls of at most the largest copy bucket."""
     size = self.copy_buckets[-1]
     return [copies[i : i + size] for i in range(0, len(copies), size)]
 
-  def _plan_wave(self, runner: Any, pending: list[Completion], hashes: dict[str, list[bytes]]):
+  def _plan_wave(
+    self,
+    pending: list[Completion],
+    hashes: Mapping[str, list[bytes]],
+    cache_slot: Callable[[str], int],
+  ) -> PrefillWave:
     """Which pending completions prefill now, from which position, after which block loads."""
-    wave, deferred, starts, loads = [], [], {}, []
+    wave, deferred, starts, slots, loads = [], [], {}, {}, []
     produced: set[bytes] = set()
     for completion in pending:
       chain = hashes[completion.seq_id]
@@ -200,19 +270,6 @@ class PrefixPrefill:
       produced.update(chain[len(blocks) : prefill_end(completion) // BLOCK_SIZE])
       wave.append(completion)
       starts[completion.seq_id] = len(blocks) * BLOCK_SIZE
-      slot = runner.input_batch.cache_slot(completion.seq_id)
+      slot = slots[completion.seq_id] = cache_slot(completion.seq_id)
       loads += [(block, slot, i) for i, block in enumerate(blocks)]
-    return wave, starts, loads, deferred
-
-  def _store(self, runner: Any, wave: list[Completion], hashes: dict[str, list[bytes]]) -> None:
-    """Copies the wave's new full prompt blocks into the pool."""
-    writes: dict[int, tuple[int, int]] = {}  # a block reused within the wave: the last owner
-    for completion in wave:
-      slot = runner.input_batch.cache_slot(completion.seq_id)
-      written = prefill_end(completion) // BLOCK_SIZE
-      for index, block in self.index.store(hashes[completion.seq_id][:written]):
-        writes[block] = (slot, index)
-    copies = [(block, slot, index) for block, (slot, index) in writes.items()]
-    for chunk in self._chunks(copies):
-      arrays = copy_arrays(chunk, self.copy_buckets, self.index.num_blocks, 0)
-      self.pool = save_blocks(self.pool, runner.kv_cache, *arrays)
+    return PrefillWave(wave, starts, slots, loads, deferred, hashes)

@@ -21,7 +21,6 @@ the batch's row write, row move and metadata refresh.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -32,17 +31,12 @@ from flax import nnx
 from jaxengine import parallel
 from jaxengine.batch import InputBatch, LogprobsArrays
 from jaxengine.batch.step_loop import run_steps
-from jaxengine.engine.decode import (
-  MIN_ATTENTION_BUCKET,
-  MIN_LENGTH_BUCKET,
-  DecodeOutput,
-  MultiStepOutput,
-  decode_and_sample,
-)
-from jaxengine.engine.multi_step import decode_steps, device_stop_rules, stop_rule_arrays
+from jaxengine.engine.buckets import MIN_ATTENTION_BUCKET, MIN_LENGTH_BUCKET, bucket, buckets
+from jaxengine.engine.decode import DecodeOutput, MultiStepOutput
+from jaxengine.engine.engine_config import EngineConfig
+from jaxengine.engine.multi_step import device_stop_rules, stop_rule_arrays
 from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.precompile import precompile_buckets
-from jaxengine.engine.prefill import bucket, buckets, prefill_step, prefill_with_prompt_logprobs
 from jaxengine.engine.prefix_cache import PrefixCacheStats
 from jaxengine.engine.prefix_prefill import (
   BLOCK_SIZE,
@@ -52,7 +46,8 @@ from jaxengine.engine.prefix_prefill import (
 )
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
-from jaxengine.engine.verify import pad_rows, verify_and_sample
+from jaxengine.engine.steps import RunnerSteps, jit_steps
+from jaxengine.engine.verify import pad_drafts
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.weights import (
@@ -64,7 +59,6 @@ from jaxengine.models.weights import (
   replace_leaves,
   state_leaves,
 )
-from jaxengine.params import is_int
 
 # --- the runner --------------------------------------------------------------------------------
 
@@ -78,41 +72,48 @@ class ModelRunner:
       (use `load_weights`).
     input_batch: the persistent batch the runner samples into (its `max_num_reqs` rows each hold
       a KV-cache slot).
-    mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``
-      (`jaxengine.parallel.make_mesh`): weights, KV cache and batch state are placed on it once
-      here with `jaxengine.parallel`'s partition specs, and every jitted step declares those
-      shardings for its inputs and outputs (so serving compiles nothing warm-up did not).
-    enable_prefix_caching: keep full 16-token blocks of prompts in a device pool and copy them
-      into the slots of later prompts that start the same way (`engine/prefix_prefill.py`); not
-      on a mesh. None means off; anything but a bool or None is a ValueError.
-    num_prefix_cache_blocks: the pool's size in blocks (default `default_num_blocks`: a quarter
-      of the slot cache's positions).
+    config: the engine's `EngineConfig` (validated); the runner reads:
+
+      - `mesh`: None (one device), or a `jax.sharding.Mesh` with the axes
+        ``("data", "model")`` (`jaxengine.parallel.make_mesh`): weights, KV cache and batch
+        state are placed on it once here with `jaxengine.parallel`'s partition specs, and every
+        jitted step declares those shardings for its inputs and outputs (so serving compiles
+        nothing warm-up did not);
+      - `prefix_caching`: keep full 16-token blocks of prompts in a device pool and copy them
+        into the slots of later prompts that start the same way (`engine/prefix_prefill.py`);
+        not on a mesh;
+      - `num_prefix_cache_blocks`: the pool's size in blocks (default `default_num_blocks`: a
+        quarter of the slot cache's positions).
+
+      Default: `EngineConfig` with the batch's sizes and prefix caching off.
 
   Raises:
-    ValueError: a model that does not implement `Model`, a vocabulary that differs from the
-      batch's, a `max_model_len` above the model's `max_position_embeddings`, a pool size
-      below 1, prefix caching on a mesh; on a mesh, a tensor-parallel size that does not
-      divide the query heads, or a data-parallel size that does not divide `max_num_reqs`.
+    ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
+      the batch's, a `max_model_len` above the model's `max_position_embeddings`; on a mesh, a
+      tensor-parallel size that does not divide the query heads, or a data-parallel size that
+      does not divide `max_num_reqs`.
   """
 
   def __init__(
     self,
     model: Model,
     input_batch: InputBatch,
-    mesh: jax.sharding.Mesh | None = None,
-    enable_prefix_caching: bool | None = False,
-    num_prefix_cache_blocks: int | None = None,
+    config: EngineConfig | None = None,
   ) -> None:
     check_model(model)
-    if enable_prefix_caching is not None and not isinstance(enable_prefix_caching, bool):
-      raise ValueError(
-        f"enable_prefix_caching must be a bool or None, got {enable_prefix_caching!r}"
+    if config is None:
+      config = EngineConfig(
+        max_num_reqs=input_batch.max_num_reqs,
+        max_model_len=input_batch.max_model_len,
+        enable_prefix_caching=False,
       )
-    if enable_prefix_caching and mesh is not None:
-      raise ValueError("enable_prefix_caching=True is not supported on a mesh yet")
-    num_blocks = num_prefix_cache_blocks
-    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
-      raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
+    sizes = (config.max_num_reqs, config.max_model_len)
+    if sizes != (input_batch.max_num_reqs, input_batch.max_model_len):
+      raise ValueError(
+        f"the config's max_num_reqs, max_model_len={sizes} differ from the batch's "
+        f"{(input_batch.max_num_reqs, input_batch.max_model_len)}"
+      )
+    mesh = config.mesh
     if model.vocab_size != input_batch.vocab_size:
       raise ValueError(
         f"the model's vocab_size={model.vocab_size} differs from the batch's "
@@ -133,43 +134,18 @@ class ModelRunner:
     self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
     self.mesh = mesh
     self._placement: MeshPlacement | None = None
+    shardings = None
     if mesh is None:
       self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
-      jit_args: dict[str, dict[str, Any]] = {"decode": {}, "prefill": {}, "prefill_logprobs": {}}
     else:
       self._placement = MeshPlacement(model, self.weights, input_batch, parallel.check_mesh(mesh))
       self.weights = jax.device_put(self.weights, self._placement.weights)
       self.kv_cache = self._placement.create_kv_cache(model.kv_cache_spec)
       input_batch.place_state(self._placement.state)
-      jit_args = self._placement.jit_shardings()
-    self._decode = jax.jit(
-      functools.partial(decode_and_sample, self._graphdef, mesh=mesh),
-      static_argnames=("attention_len", "num_rows"),
-      donate_argnames=("state", "kv_cache"),
-      **jit_args["decode"],
-    )
-    self._prefill = jax.jit(
-      functools.partial(prefill_step, self._graphdef),
-      static_argnames=("attention_len",),
-      donate_argnames=("kv_cache",),
-      **jit_args["prefill"],
-    )
-    self._prefill_logprobs = jax.jit(
-      functools.partial(
-        prefill_with_prompt_logprobs, self._graphdef, input_batch.state.num_top_logprobs
-      ),
-      donate_argnames=("kv_cache",),
-      **jit_args["prefill_logprobs"],
-    )
-    self._decode_steps = jax.jit(
-      functools.partial(decode_steps, self._graphdef),
-      static_argnames=("attention_len", "num_rows", "num_steps"),
-      donate_argnames=("state", "kv_cache"),
-    )
-    self._verify = jax.jit(
-      functools.partial(verify_and_sample, self._graphdef),
-      static_argnames=("attention_len", "num_rows"),
-      donate_argnames=("state", "kv_cache"),
+      shardings = self._placement.jit_shardings()
+    #: The jitted device steps (`engine/steps.py`).
+    self.steps: RunnerSteps = jit_steps(
+      self._graphdef, input_batch.state.num_top_logprobs, mesh, shardings
     )
     self._stop_rules: dict[str, tuple[int, tuple[int, ...]]] = {}
     self.max_num_device_stop_ids = input_batch.config.max_num_stop_token_ids + len(
@@ -182,8 +158,10 @@ class ModelRunner:
     # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
     self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
     self.prefix_cache: PrefixPrefill | None = None
-    if enable_prefix_caching:
-      num_blocks = num_blocks or default_num_blocks(self.max_num_reqs, self.max_model_len)
+    if config.prefix_caching:
+      num_blocks = config.num_prefix_cache_blocks or default_num_blocks(
+        self.max_num_reqs, self.max_model_len
+      )
       max_copies = self.max_num_reqs * -(-self.max_model_len // BLOCK_SIZE)
       self.prefix_cache = PrefixPrefill(model.kv_cache_spec, int(num_blocks), max_copies)
 
@@ -247,6 +225,11 @@ class ModelRunner:
       self.prefix_cache.index.reset()
     return True
 
+  def set_kv_cache(self, kv_cache: KVCache) -> None:
+    """Keeps `kv_cache` as the runner's KV cache: the result of a step that took (and donated)
+    the current one, as `PrefixPrefill.load` and the precompile loop return it."""
+    self.kv_cache = kv_cache
+
   @property
   def prefix_cache_stats(self) -> PrefixCacheStats | None:
     """The prefix cache's counters, or None when it is off."""
@@ -267,6 +250,16 @@ class ModelRunner:
     self.input_batch.remove_request(seq_id)
     self._stop_rules.pop(seq_id, None)
 
+  def live_req_ids(self) -> list[str]:
+    """Condenses the batch; returns its live rows' ids in row order, the order of the next
+    step's outputs."""
+    self.input_batch.condense()
+    return cast(list[str], list(self.input_batch.req_ids))
+
+  def row_bucket(self, num_reqs: int) -> int:
+    """The row bucket a step over `num_reqs` live rows computes."""
+    return bucket(num_reqs, self.row_buckets)
+
   # --- device steps -----------------------------------------------------------------------------
 
   def prefill(self, completions: Sequence[Completion]) -> dict[str, LogprobsArrays]:
@@ -280,9 +273,15 @@ class ModelRunner:
       completion), `LogprobsArrays` of `[num_prompt_tokens - 1, max_num_logprobs + 1]`:
       the logprobs of prompt tokens `1..`, keyed by request id.
     """
-    if self.prefix_cache is not None:
-      return self.prefix_cache.prefill(self, completions)
-    return self.prefill_rows(completions)
+    prefix = self.prefix_cache
+    if prefix is None:
+      return self.prefill_rows(completions)
+    out: dict[str, LogprobsArrays] = {}
+    for wave in prefix.waves(completions, self.input_batch.cache_slot):
+      self.kv_cache = prefix.load(self.kv_cache, wave)
+      out.update(self.prefill_rows(wave.completions, wave.starts))
+      prefix.store(self.kv_cache, wave)
+    return out
 
   def prefill_rows(
     self, completions: Sequence[Completion], starts: Mapping[str, int] | None = None
@@ -347,9 +346,9 @@ class ModelRunner:
     if not wants_logprobs:
       longer = {"attention_len": attention} if attention > length else {}  # never on a mesh
       args = (self.weights, self.kv_cache, token_ids, positions, slots)
-      self.kv_cache = self._prefill(*args, **longer)
+      self.kv_cache = self.steps.prefill(*args, **longer)
       return {}
-    self.kv_cache, logprobs = self._prefill_logprobs(
+    self.kv_cache, logprobs = self.steps.prefill_logprobs(
       self.weights, self.kv_cache, token_ids, positions, slots, next_token_ids
     )
     logprobs = jax.device_get(logprobs)
@@ -382,7 +381,7 @@ class ModelRunner:
     longest = max(batch.num_tokens(req_id) for req_id in batch.req_id_to_index)
     attention_len = bucket(longest, self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
-    step = self._decode if self._placement is None else self._placed_decode
+    step = self.steps.decode if self._placement is None else self._placed_decode
     sampled, kv_cache = batch.run(step, self.weights, self.kv_cache, attention_len, num_rows)
     self.kv_cache = cast(KVCache, kv_cache)
     return DecodeOutput(req_ids=batch.req_ids, sampled=sampled)
@@ -393,7 +392,7 @@ class ModelRunner:
     assert self._placement is not None
     state = jax.device_put(state, self._placement.state)
     metadata = jax.device_put(metadata, self._placement.metadata)
-    return self._decode(state, metadata, *args)
+    return self.steps.decode(state, metadata, *args)
 
   def decode_steps(self, num_steps: int, end_on_first_finish: bool = False) -> MultiStepOutput:
     """Up to `num_steps` decode-and-sample steps in one device loop (`engine/multi_step.py`).
@@ -419,7 +418,7 @@ class ModelRunner:
     max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, self.max_num_device_stop_ids)
     output, kv_cache = run_steps(
       batch,
-      self._decode_steps,
+      self.steps.decode_steps,
       self.weights,
       self.kv_cache,
       max_output_tokens,
@@ -440,9 +439,9 @@ class ModelRunner:
     k = draft_token_ids.shape[1]
     attention_len = bucket(min(longest + k, self.max_model_len), self.attention_buckets)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
-    drafts, counts = pad_rows(draft_token_ids, num_rows), pad_rows(num_draft_tokens, num_rows)
+    drafts, counts = pad_drafts(draft_token_ids, num_rows), pad_drafts(num_draft_tokens, num_rows)
     output, kv_cache = run_steps(
-      batch, self._verify, self.weights, self.kv_cache, drafts, counts,
+      batch, self.steps.verify, self.weights, self.kv_cache, drafts, counts,
       attention_len=attention_len, num_rows=num_rows,
     )  # fmt: skip
     self.kv_cache = cast(KVCache, kv_cache)

@@ -58,12 +58,9 @@ class Scheduler:
     del self.running[completion.seq_id]
 
   def abort(self, request_ids: set[str]) -> list[Completion]:
-    """Drops every waiting and running completion of these requests; returns the running ones
-    (their rows are the caller's to free)."""
+    """Drops every waiting completion of these requests; returns the running ones, which the
+    caller finishes (`finish`) once it has freed their rows."""
     self.waiting = collections.deque(
       c for c in self.waiting if c.request.request_id not in request_ids
     )
-    dropped = [c for c in self.running.values() if c.request.request_id in request_ids]
-    for completion in dropped:
-      del self.running[completion.seq_id]
-    return dropped
+    return [c for c in self.running.values() if c.request.request_id in request_ids]

@@ -76,8 +76,9 @@ def verify_and_sample(
   return state.with_leading_rows(rows_state), output, kv_cache
 
 
-def pad_rows(array: np.ndarray, num_rows: int) -> np.ndarray:
-  """`array` (`[N, ...]`) with zero rows appended up to `num_rows`."""
+def pad_drafts(array: np.ndarray, num_rows: int) -> np.ndarray:
+  """Drafts (`[N, k]`) or their counts (`[N]`) with zero rows (no draft) appended up to
+  `num_rows`, the row bucket of the verify step."""
   padded = np.zeros((num_rows, *array.shape[1:]), array.dtype)
   padded[: len(array)] = array
   return padded

