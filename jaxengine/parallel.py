@@ -5,26 +5,29 @@ The mesh has two named axes, ``("data", "model")`` (`DATA`, `MODEL`), of sizes
 start-up (`ModelRunner`) and the jitted steps declare the same shardings for their inputs and
 outputs, so warm-up and serving compile the same executables.
 
-Partition specs (Megatron-style, Shoeybi et al. 2019; a dimension that `t` does not divide is
-replicated instead):
+Weights are placed by the *role* each parameter plays, from the model's sharding rules
+(`jaxengine.models.registry.sharding_rules`: the registry entry of its class, or its own
+``sharding_rules``), never by parameter names here. Megatron-style (Shoeybi et al. 2019); a
+dimension that `t` does not divide is replicated instead:
 
-============================  =====================  ==========================================
-array                         shape                  spec
-============================  =====================  ==========================================
-``wq``                        ``[H, D, E]``          ``P("model", None, None)``  (query heads)
-``wk``, ``wv``                ``[K, D, E]``          ``P("model", None, None)``  (kv heads; ``P()``
-                                                     when ``t`` does not divide ``K``)
-``bq`` / ``bk``, ``bv``       ``[H, D]`` / ``[K, D]``  ``P("model", None)`` as their matrices
-``wo``                        ``[E, H, D]``          ``P(None, "model", None)``  (its input)
-``w_gate``, ``w_up``          ``[F, E]``             ``P("model", None)``  (intermediate)
-``w_down``                    ``[E, F]``             ``P(None, "model")``  (its input)
-``embed``, ``lm_head``        ``[V, E]``             ``P("model", None)``  (vocabulary)
-norms, ``bo``, others         any                    ``P()``  (replicated)
-KV cache ``key``/``value``    ``[L, R, S, K, D]``    ``P(None, "data", None, "model", None)``
-                                                     (``K`` replicated when ``t`` does not
-                                                     divide it, as vLLM does for ``t > K``)
-`BatchState` / metadata rows  ``[R, ...]``           ``P("data")``; scalars ``P()``
-============================  =====================  ==========================================
+========================  ==============================  =========================================
+role                      Llama parameters                spec
+========================  ==============================  =========================================
+column-parallel           ``wq`` ``[H, D, E]``, ``wk``,   first dimension over ``model``
+                          ``wv`` ``[K, D, E]``, their     (``P("model", None, ...)``: output
+                          biases, ``w_gate``, ``w_up``    heads / features; ``P()`` for ``wk``,
+                          ``[F, E]``                      ``wv`` when ``t`` does not divide ``K``)
+row-parallel              ``wo`` ``[E, H, D]``,           second dimension over ``model``
+                          ``w_down`` ``[E, F]``           (``P(None, "model", ...)``: its input)
+vocab-parallel            ``embed``, ``lm_head``          ``P("model", None)`` (vocabulary)
+                          ``[V, E]``
+replicated                norms, ``bo``, anything         ``P()``
+                          without a rule
+========================  ==============================  =========================================
+
+KV cache ``key``/``value`` ``[L, R, S, K, D]``: ``P(None, "data", None, "model", None)`` (``K``
+replicated when ``t`` does not divide it, as vLLM does for ``t > K``). `BatchState` and metadata
+rows ``[R, ...]``: ``P("data")``; scalars ``P()``.
 
 With these specs XLA's SPMD partitioner inserts the collectives: one all-reduce over ``model``
 after ``wo`` and after ``w_down`` per layer, and the logits come out sharded over the vocabulary,
@@ -34,7 +37,7 @@ per-row summaries cross devices).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,26 +45,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxengine.models.registry import COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, VOCAB_PARALLEL
+
 #: Name of the mesh axis over batch rows (data parallelism).
 DATA = "data"
 #: Name of the mesh axis over heads, intermediate size and vocabulary (tensor parallelism).
 MODEL = "model"
 
-# Which dimension of each named parameter is split over MODEL (by its last path name).
-_MODEL_DIM = {
-  "wq": 0,
-  "wk": 0,
-  "wv": 0,
-  "bq": 0,
-  "bk": 0,
-  "bv": 0,
-  "wo": 1,
-  "w_gate": 0,
-  "w_up": 0,
-  "w_down": 1,
-  "embed": 0,
-  "lm_head": 0,
-}
+# The dimension each role splits over MODEL (a role not listed is replicated).
+_ROLE_DIM = {COLUMN_PARALLEL: 0, ROW_PARALLEL: 1, VOCAB_PARALLEL: 0}
 
 
 def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
@@ -143,35 +135,36 @@ def _split(shape: tuple[int, ...], dim: int, axis: str, size: int) -> P:
   return P(*(axis if i == dim else None for i in range(len(shape))))
 
 
-def weight_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
-  """The partition spec of one parameter, by its last path name (see the module's table).
+def weight_spec(role: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+  """The partition spec of one parameter from its sharding role (see the module's table).
 
   Args:
-    name: the parameter's attribute name (``"wq"``, ``"w_down"``, ``"embed"``, ...); an unknown
-      name is replicated.
-    shape: its shape. For stacked layers (a leading layer axis) the split dimension shifts
-      by the extra rank: a ``[L, H, D, E]`` ``wq`` splits dimension 1.
+    role: one of `jaxengine.models.registry.ROLES`; `REPLICATED` (or any other) is replicated.
+    shape: its shape (``[out, in]`` layout: column-parallel splits dimension 0, row-parallel
+      dimension 1, vocab-parallel dimension 0).
     tensor_parallel_size: `t`.
   """
-  if name not in _MODEL_DIM or tensor_parallel_size == 1:
+  if role not in _ROLE_DIM or tensor_parallel_size == 1:
     return P()
-  base_rank = {"wq": 3, "wk": 3, "wv": 3, "wo": 3, "bq": 2, "bk": 2, "bv": 2}.get(name, 2)
-  dim = _MODEL_DIM[name] + max(len(shape) - base_rank, 0)
-  return _split(shape, dim, MODEL, tensor_parallel_size)
+  return _split(shape, _ROLE_DIM[role], MODEL, tensor_parallel_size)
 
 
-def weight_shardings(weights: Any, mesh: Mesh) -> Any:
+def weight_shardings(weights: Any, mesh: Mesh, rules: Mapping[str, str]) -> Any:
   """`NamedSharding`s for a model's weights (an `nnx.State` or any pytree of arrays).
 
-  Each leaf's spec comes from `weight_spec` on the last name of its path.
+  Args:
+    weights: the tree.
+    mesh: the mesh.
+    rules: parameter name -> role (`jaxengine.models.registry.sharding_rules` of the model);
+      each leaf is looked up by the last name of its path, and one without a rule replicated.
   """
   t = axis_size(mesh, MODEL)
 
   def one(path, leaf):
-    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    names = [n for n in names if isinstance(n, str) and n != "value"]
-    name = names[-1] if names else ""
-    return NamedSharding(mesh, weight_spec(name, tuple(leaf.shape), t))
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names = [n for n in keys if isinstance(n, str) and n != "value"]
+    role = rules.get(names[-1], REPLICATED) if names else REPLICATED
+    return NamedSharding(mesh, weight_spec(role, tuple(leaf.shape), t))
 
   return jax.tree_util.tree_map_with_path(one, weights)
 

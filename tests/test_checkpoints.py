@@ -9,7 +9,6 @@ out as a safetensors directory from the installed GGUF file and must give the re
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import socket
@@ -43,7 +42,9 @@ from jaxengine.models import (
   named_weights,
   safetensors_loader,
 )
+from jaxengine.models.attention import attention
 from jaxengine.models.llama import rope_frequencies
+from jaxengine.models.weights import unpermute_rotary_rows
 from jaxengine.testing import tiny_llama
 from jaxengine.tokenizer import Tokenizer
 
@@ -405,8 +406,9 @@ def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):
 class MeanOfEmbeddings(nnx.Module):
   """A toy model of one's own: logits from the mean embedding of every token so far.
 
-  It keeps each token's embedding in the KV cache (as "keys" of its one layer and head) and
-  averages what its row's slot holds up to each position: enough to exercise the interface.
+  Its one layer hands each token's embedding to the attention seam as key and value with a zero
+  query, so every visible position scores alike and the output is the mean of the embeddings up
+  to each position: a model of one's own with no cache code, enough to exercise the interface.
   """
 
   def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs):
@@ -418,13 +420,10 @@ class MeanOfEmbeddings(nnx.Module):
   max_position_embeddings = 64
   kv_cache_spec = property(lambda self: KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8))
 
-  def __call__(self, token_ids, positions, kv_cache, cache_slots, *, attention_len=None):
-    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, 8]
-    key = kv_cache.key.at[0, cache_slots[:, None], positions, 0].set(x, mode="drop")
-    cached = key[0, cache_slots, :attention_len, 0]  # [B, S, 8]
-    visible = jnp.arange(cached.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    mean = jnp.einsum("bts,bsd->btd", visible.astype(x.dtype), cached) / (positions[..., None] + 1)
-    return mean, dataclasses.replace(kv_cache, key=key)
+  def __call__(self, token_ids, positions, kv_cache, attn_metadata):
+    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")[..., None, :]  # [B, T, 1, 8]
+    mean, kv_cache = attention(jnp.zeros_like(x), x, x, kv_cache, 0, attn_metadata, scale=1.0)
+    return mean[..., 0, :], kv_cache
 
   def compute_logits(self, hidden):
     return hidden @ self.out[...]
@@ -607,7 +606,7 @@ def _smollm2_as_hf_directory(directory: Path) -> None:
       ("attn_q", "q_proj", cfg.num_attention_heads),
       ("attn_k", "k_proj", cfg.num_key_value_heads),
     ):
-      weight = gguf_loader._unpermute_rotary_rows(get(f"blk.{i}.{gguf_name}.weight"), heads)
+      weight = unpermute_rotary_rows(get(f"blk.{i}.{gguf_name}.weight"), heads)
       tensors[f"model.layers.{i}.self_attn.{hf_name}.weight"] = weight
   config = transformers.LlamaConfig(
     vocab_size=cfg.vocab_size,

@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 from jaxengine.models import KVCache, gguf_loader, llama
+from jaxengine.models.weights import WeightSpec, unpermute_rotary_rows
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
 # Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md).
@@ -348,7 +349,13 @@ def test_unpermute_inverts_gguf_rotary_permutation():
   hf = np.arange(num_heads * d * cols, dtype=np.float32).reshape(num_heads * d, cols)
   stored = hf.reshape(num_heads, 2, d // 2, cols).transpose(0, 2, 1, 3).reshape(hf.shape)
   assert stored[1, 0] == hf[d // 2, 0]  # GGUF row 1 of head 0 is HF row D/2
-  np.testing.assert_array_equal(gguf_loader._unpermute_rotary_rows(stored, num_heads), hf)
+  np.testing.assert_array_equal(unpermute_rotary_rows(stored, num_heads), hf)
+  # As a weight spec's layout: to_param puts the rows back, from_param writes GGUF's order again.
+  spec = WeightSpec("blk.0.attn_q.weight", ("wq",), None, stored.shape, rotary_heads=num_heads)
+  np.testing.assert_array_equal(
+    spec.to_param(stored, (num_heads, d, cols)), hf.reshape(-1, d, cols)
+  )
+  np.testing.assert_array_equal(spec.from_param(hf.reshape(num_heads, d, cols)), stored)
 
 
 def _write_gguf(path, model: llama.Llama, qtype: gguf.GGMLQuantizationType) -> None:

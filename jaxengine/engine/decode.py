@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxengine.batch import HostSamplerOutput
 from jaxengine.batch.step_loop import HostMultiStepOutput
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.sample import sample
 
 
@@ -63,13 +64,10 @@ def decode_and_sample(
   # Rows without a request write nothing: positions >= max_model_len are dropped by the cache.
   positions = jnp.where(rows_metadata.is_live, last, state.max_model_len)
   model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(
-    token_ids[:, None],
-    positions[:, None],
-    kv_cache,
-    rows_state.cache_slot,
-    attention_len=attention_len,
+  attn_metadata = AttentionMetadata(
+    cache_slots=rows_state.cache_slot, positions=positions[:, None], attention_len=attention_len
   )
+  hidden, kv_cache = model(token_ids[:, None], positions[:, None], kv_cache, attn_metadata)
   logits = model.compute_logits(hidden[:, 0])
   rows_state, output = sample(rows_state, rows_metadata, logits, mesh=mesh)
   return state.with_leading_rows(rows_state), output, kv_cache

@@ -26,6 +26,7 @@ from flax import nnx
 from jax import lax
 
 from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.params import SamplingParams
 from jaxengine.sample import LogprobsTensors, sample
 
@@ -129,13 +130,10 @@ def decode_steps(
     last = jnp.maximum(rows.num_tokens - 1, 0)
     token_ids = rows.token_ids[jnp.arange(num_rows), last]
     positions = jnp.where(running, last, max_model_len)
-    hidden, kv = model(
-      token_ids[:, None],
-      positions[:, None],
-      c["kv_cache"],
-      rows.cache_slot,
-      attention_len=attention_len,
+    attn_metadata = AttentionMetadata(
+      cache_slots=rows.cache_slot, positions=positions[:, None], attention_len=attention_len
     )
+    hidden, kv = model(token_ids[:, None], positions[:, None], c["kv_cache"], attn_metadata)
     rows, output = sample(rows, step_metadata, model.compute_logits(hidden[:, 0]))
     tokens = output.sampled_token_ids
     appended = output.is_appended

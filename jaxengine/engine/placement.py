@@ -19,6 +19,7 @@ from jaxengine import parallel
 from jaxengine.batch import InputBatch
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.registry import sharding_rules
 
 
 def num_attention_heads(model: Any) -> int | None:
@@ -40,7 +41,8 @@ class MeshPlacement:
   Attributes:
     mesh: the mesh.
     rows: the data-parallel size `d`: the smallest row bucket (buckets are multiples of it).
-    weights: `NamedSharding` tree of the model's `nnx.State` (`parallel.weight_shardings`).
+    weights: `NamedSharding` tree of the model's `nnx.State` (`parallel.weight_shardings` by
+      the roles of `jaxengine.models.registry.sharding_rules`).
     kv_cache: `KVCache` of `NamedSharding` (`parallel.kv_cache_spec`).
     state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
     metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
@@ -65,7 +67,7 @@ class MeshPlacement:
     self.mesh = mesh
     self.rows = d
     self._num_slots, self._max_model_len = num_rows, input_batch.max_model_len
-    self.weights = parallel.weight_shardings(weights, mesh)
+    self.weights = parallel.weight_shardings(weights, mesh, sharding_rules(model))
     spec = model.kv_cache_spec
     cache = NamedSharding(mesh, parallel.kv_cache_spec(num_rows, spec.num_kv_heads, mesh))
     # A KVCache-shaped tree of shardings (for jit's in/out_shardings).

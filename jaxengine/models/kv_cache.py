@@ -1,8 +1,9 @@
 """The key/value cache: one fixed-size buffer of slots that requests are pointed into.
 
-The cache is addressed by ``(layer, slot, position)``. A slot is a row of the cache owned by one
-request for its lifetime; the batch state stores each request's slot index, so reordering or
-condensing batch rows moves a few integers and never the cached keys and values themselves.
+The cache is addressed by ``(layer, slot, position)``, by `jaxengine.models.attention` alone. A
+slot is a row of the cache owned by one request for its lifetime; the batch state stores each
+request's slot index, so reordering or condensing batch rows moves a few integers and never the
+cached keys and values themselves.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class KVCache:
   """Per-layer keys and values for every slot and position.
 
   Rotary embeddings are already applied to the cached keys. A position of a slot holds meaningful
-  data only once the request owning that slot has written it; the model never reads a position
-  beyond the query's own, so stale data from a previous owner of the slot is harmless.
+  data only once the request owning that slot has written it; the attention seam
+  (`jaxengine.models.attention`, the only code that writes and reads it) never lets a query see a
+  position beyond its own, so stale data from a previous owner of the slot is harmless.
 
   Attributes:
     key: ``[L, num_slots, S, K, D]`` keys after rotary

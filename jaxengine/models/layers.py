@@ -78,19 +78,19 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -
   loader undoes that permutation so both sources share this convention.
 
   Args:
-    x: ``[B, T, N, D]`` queries or keys (any float dtype).
-    positions: ``[B, T] int32`` absolute positions.
+    x: ``[..., N, D]`` queries or keys (any float dtype), e.g. ``[B, T, N, D]``.
+    positions: ``[...] int32`` absolute positions (``x``'s leading shape).
     inv_freq: ``[D/2]`` host array of angles per position (`rope_frequencies`).
 
   Returns:
-    ``[B, T, N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
+    ``[..., N, D]`` in ``x.dtype``; the rotation itself is computed in float32.
   """
   # A host constant, so it folds into the executable instead of being a traced input.
   inv_freq = np.asarray(inv_freq, np.float32)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [B, T, N, D/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+  cos = jnp.cos(angles)[..., None, :]  # [..., 1, D/2]
+  sin = jnp.sin(angles)[..., None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [..., N, D/2]
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return rotated.astype(x.dtype)
 

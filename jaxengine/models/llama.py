@@ -1,4 +1,4 @@
-"""A Llama-family decoder in Flax NNX that reads and writes a slot-addressed KV cache.
+"""A Llama-family decoder in Flax NNX whose attention reaches the KV cache through one seam.
 
 One module covers the Llama family of Hugging Face checkpoints: token embedding, a stack of
 pre-norm decoder layers (RMSNorm, grouped-query attention with rotary embeddings, SwiGLU MLP), a
@@ -12,15 +12,16 @@ what the relatives differ by:
   explicit ``head_dim`` (``H * D`` need not equal ``E``).
 
 Its building blocks (the ``[out, in]`` projection, RMSNorm, rotary embedding, initialisation)
-live in `jaxengine.models.layers`. `Llama.weight_specs` names every parameter as Hugging Face
-checkpoints do (``model.layers.0.self_attn.q_proj.weight``, ...): the one mapping used by the
-safetensors loader and by `LLM.load_weights`.
+live in `jaxengine.models.layers`; how checkpoints map onto it (configs, tensor names) in
+`jaxengine.models.llama_checkpoints`, which `jaxengine.models.registry` routes the loaders to.
+`Llama.weight_specs` names every parameter as Hugging Face checkpoints do
+(``model.layers.0.self_attn.q_proj.weight``, ...): the mapping the safetensors loader and
+`LLM.load_weights` share.
 
-One call serves both prefill and decode. Each row of the batch names a cache slot and gives the
-absolute position of each of its tokens; the call writes the new keys/values at
-``(slot, position)`` and every query attends to the cached positions of its own slot up to and
-including its own position. Padding (prefill length buckets) is handled by positions alone: see
-`Llama.__call__`.
+One call serves both prefill and decode. The model computes each token's query, key and value
+and hands them, with the step's `AttentionMetadata`, to `jaxengine.models.attention.attention`,
+which stores the keys/values and attends causally over each sequence's cached positions: the
+model itself never indexes the cache nor builds a mask.
 
 Every projection matrix keeps PyTorch's ``nn.Linear`` layout, ``[out, in]`` (``wq`` is
 ``[H, D, E]``, ``w_down`` is ``[E, F]``), and is applied by contracting its last (minor)
@@ -47,21 +48,20 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.attention import AttentionMetadata, as_attention_metadata, attention
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
 from jaxengine.models.layers import (
   RMSNorm,
-  grouped_query_attention,
   linear,
   normal_init,
   normal_out_in,
   rotary_embedding,
 )
+from jaxengine.models.llama_checkpoints import hf_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
 from jaxengine.models.weights import WeightSpec
 
@@ -81,7 +81,8 @@ __all__ = [
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention over a slot-addressed KV cache.
+  """Grouped-query self-attention: projections, biases, q/k norms and rotary embedding here, the
+  cache and the mask behind `jaxengine.models.attention.attention`.
 
   Attributes:
     wq: ``[H, D, E]`` query projection (PyTorch ``[out, in]`` layout, as every matrix here).
@@ -120,35 +121,30 @@ class Attention(nnx.Module):
     self,
     x: jax.Array,
     positions: jax.Array,
-    cache_slots: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
+    kv_cache: KVCache,
     layer: int,
-    attention_len: int | None = None,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Writes this call's keys/values into the cache, then attends causally over the slot.
+    metadata: AttentionMetadata,
+  ) -> tuple[jax.Array, KVCache]:
+    """Projects this call's queries, keys and values and attends through the seam.
 
     Args:
-      x: ``[B, T, E]`` normalised hidden states, model dtype.
-      positions: ``[B, T] int32`` absolute position of each token.
-      cache_slots: ``[B] int32`` cache slot of each row.
-      key_cache: ``[L, num_slots, S, K, D]`` keys of every layer.
-      value_cache: ``[L, num_slots, S, K, D]`` values of every layer.
+      x: ``[B, T, E]`` normalised hidden states, model dtype (the leading dimensions are opaque).
+      positions: ``[B, T] int32`` absolute position of each token (for the rotary embedding).
+      kv_cache: the whole cache, handed to `jaxengine.models.attention.attention`.
       layer: index of this layer in the cache (static).
-      attention_len: static; read only the first ``attention_len`` positions of each slot
-        (``S`` if None). See `Llama.__call__`.
+      metadata: this step's `AttentionMetadata`, passed on untouched.
 
     Returns:
-      ``([B, T, E] attention output in model dtype, updated key_cache, updated value_cache)``.
+      ``([B, T, E] attention output in model dtype, updated KVCache)``.
     """
     cfg = self.config
-    b, t, _ = x.shape
+    lead = x.shape[:-1]
     # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free):
     # written as einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(x, self.wq[...].reshape(h * d, e)).reshape(b, t, h, d)  # [B, T, H, D]
-    k = linear(x, self.wk[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
-    v = linear(x, self.wv[...].reshape(kv * d, e)).reshape(b, t, kv, d)  # [B, T, K, D]
+    q = linear(x, self.wq[...].reshape(h * d, e)).reshape(*lead, h, d)  # [B, T, H, D]
+    k = linear(x, self.wk[...].reshape(kv * d, e)).reshape(*lead, kv, d)  # [B, T, K, D]
+    v = linear(x, self.wv[...].reshape(kv * d, e)).reshape(*lead, kv, d)  # [B, T, K, D]
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -156,33 +152,13 @@ class Attention(nnx.Module):
     inv_freq = rope_frequencies(cfg)  # [D/2] host constant, computed at trace time
     q = rotary_embedding(q, positions, inv_freq)
     k = rotary_embedding(k, positions, inv_freq)
-
-    # Scatter the new keys/values to (layer, slot, position). Index arrays broadcast to [B, T].
-    # Positions >= S are dropped, so a row can be made write-free with position S.
-    slots = cache_slots[:, None]  # [B, 1]
-    key_cache = key_cache.at[layer, slots, positions].set(k.astype(key_cache.dtype), mode="drop")
-    value_cache = value_cache.at[layer, slots, positions].set(
-      v.astype(value_cache.dtype), mode="drop"
+    out, kv_cache = attention(
+      q, k, v, kv_cache, layer, metadata, scale=d**-0.5, sliding_window=cfg.sliding_window
     )
-
-    # Gather each row's slot, [B, S', K, D] with S' = attention_len or S. Reading after writing
-    # lets the tokens of one prefill chunk attend to each other.
-    keys = key_cache[layer, cache_slots, :attention_len].astype(self.dtype)
-    values = value_cache[layer, cache_slots, :attention_len].astype(self.dtype)
-    s = keys.shape[1]
-
-    q = q.reshape(b, t, cfg.num_key_value_heads, cfg.num_queries_per_kv, cfg.head_dim)
-    # Causal over absolute positions: key position s is visible to a query at position p iff
-    # s <= p (and, with a sliding window W, p - s < W).
-    key_positions = jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    visible = key_positions <= positions[:, :, None]  # [B, T, S]
-    if cfg.sliding_window is not None:
-      visible &= key_positions > positions[:, :, None] - cfg.sliding_window
-    out = grouped_query_attention(q, keys, values, visible, scale=cfg.head_dim**-0.5)
-    out = linear(out.reshape(b, t, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
+    out = linear(out.reshape(*lead, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
     if self.bo is not None:
       out = out + self.bo[...]
-    return out, key_cache, value_cache
+    return out, kv_cache
 
 
 class MLP(nnx.Module):
@@ -216,14 +192,12 @@ class DecoderLayer(nnx.Module):
     self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, positions, cache_slots, key_cache, value_cache, layer, attention_len=None):
+  def __call__(self, x, positions, kv_cache, layer, metadata):
     """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
-    h, key_cache, value_cache = self.attn(
-      self.input_norm(x), positions, cache_slots, key_cache, value_cache, layer, attention_len
-    )
+    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
     x = x + h
     x = x + self.mlp(self.post_attention_norm(x))
-    return x, key_cache, value_cache
+    return x, kv_cache
 
 
 class Llama(nnx.Module):
@@ -292,112 +266,53 @@ class Llama(nnx.Module):
     token_ids: jax.Array,
     positions: jax.Array,
     kv_cache: KVCache,
-    cache_slots: jax.Array,
+    attn_metadata: AttentionMetadata | jax.Array,
     *,
     attention_len: int | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a batch of token rows, updating the KV cache.
 
-    Each token's key/value is written at ``(cache_slots[b], positions[b, t])`` in every layer,
-    then each token attends to the positions ``<= positions[b, t]`` of its row's slot. So a
-    prefill is a call with a row's prompt at positions ``0..n-1`` and a decode step is a call with
-    ``T = 1`` at position ``n``; chunked prefill works the same way.
+    Every layer hands its queries, keys and values to `jaxengine.models.attention.attention`,
+    which writes each token's key/value for its position and lets it attend to the earlier
+    positions of its sequence (that function's docstring is the contract: padding, positions
+    ``>= max_model_len``, continuation after a cached prefix). So a prefill is a call with a
+    row's prompt at positions ``0..n-1`` and a decode step is a call with ``T = 1`` at position
+    ``n``; chunked prefill works the same way. Token ids outside ``[0, vocab_size)`` are clipped
+    (padding may use any id).
 
-    Contract for the caller (the engine):
-
-    * Every row must point at a valid slot ``0 <= slot < kv_cache.num_slots``, and two rows must
-      not share a slot unless their positions never collide (rows in the same slot overwrite each
-      other). Inactive decode rows should either point at a scratch slot (allocate one extra
-      slot) or use position ``kv_cache.max_model_len``: positions ``>= max_model_len`` write
-      nothing (out-of-range updates are dropped) and their outputs are meaningless.
-    * Positions must be non-negative. Padding tokens (prefill length buckets) should take the
-      positions after the prompt (``n, n+1, ...``): they write garbage there, which no real token
-      reads, because a real token only sees positions ``<=`` its own and the next decode step
-      overwrites position ``n`` before attending to it. Padding at positions *before* a real
-      token would corrupt it.
-    * Token ids outside ``[0, vocab_size)`` are clipped (padding may use any id); the cache must
-      stay finite since masked positions still enter the attention matmul with weight 0.
-    * Attention reads ``attention_len`` positions of every row's slot (all ``max_model_len`` by
-      default), so its cost grows with that length, not with the tokens actually cached. To pay
-      only for what is used, pass a bucketed ``attention_len`` greater than every real token's
-      position (e.g. the next power of two above the longest live sequence). It is a
-      compile-time constant: each distinct value compiles once.
+    Attention reads ``attention_len`` positions of every row's slot (all ``max_model_len`` by
+    default), so its cost grows with that length, not with the tokens actually cached: the engine
+    passes a bucket above every real token's position. Each distinct value compiles once.
 
     Args:
       token_ids: ``[B, T] int32`` input tokens.
       positions: ``[B, T] int32`` absolute position of each token in its sequence.
       kv_cache: the cache to read and update (donate it under jit).
-      cache_slots: ``[B] int32`` cache slot of each row.
-      attention_len: static; positions ``0..attention_len-1`` of each slot are attended to
-        (None: all of them). Must exceed the position of every token whose output is used.
+      attn_metadata: this step's `AttentionMetadata` (what the engine passes), or, the older
+        form, ``[B] int32`` cache slots with `attention_len`.
+      attention_len: static, only with cache slots (the metadata carries its own).
 
     Returns:
       ``(hidden, kv_cache)``: ``[B, T, E]`` hidden states after the final RMSNorm, in the model
       dtype (feed them to `compute_logits`), and the updated cache.
     """
+    metadata = as_attention_metadata(attn_metadata, positions, attention_len)
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]
-    key_cache, value_cache = kv_cache.key, kv_cache.value
     for index, layer in enumerate(self.layers):
-      x, key_cache, value_cache = layer(
-        x, positions, cache_slots, key_cache, value_cache, index, attention_len
-      )
-    hidden = self.final_norm(x)
-    return hidden, dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
+      x, kv_cache = layer(x, positions, kv_cache, index, metadata)
+    return self.final_norm(x), kv_cache
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).
 
-    PyTorch ``nn.Linear`` weights are ``(out, in)``, this model's layout too: they are taken
-    as they are, the query/key/value/output matrices reshaped per head. Names:
-    ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` (accepted and
-    ignored when the embeddings are tied, as Hugging Face does), and per layer ``i`` under
-    ``model.layers.{i}.``: ``input_layernorm.weight``, ``post_attention_layernorm.weight``,
-    ``self_attn.{q,k,v,o}_proj.weight`` (and ``.bias`` with ``attention_bias`` /
-    ``attention_output_bias``), ``self_attn.{q,k}_norm.weight`` (``qk_norm``), and
-    ``mlp.{gate,up,down}_proj.weight``.
+    `jaxengine.models.llama_checkpoints.hf_weight_specs` of the config: names such as
+    ``model.layers.0.self_attn.q_proj.weight``, tensors in their ``(out, in)`` layout, reshaped
+    per head; ``lm_head.weight`` is accepted and ignored when the embeddings are tied.
 
     Returns:
       The `WeightSpec`s used by the safetensors loader and by `LLM.load_weights`.
     """
-    cfg = self.config
-    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    h, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    specs = [
-      WeightSpec("model.embed_tokens.weight", ("embed",), None, (v, e)),
-      WeightSpec("model.norm.weight", ("final_norm", "scale"), None, (e,)),
-      WeightSpec("lm_head.weight", None if cfg.tie_word_embeddings else ("lm_head",), None, (v, e)),
-    ]
-    # (checkpoint suffix, leaf path under `layers`, checkpoint shape); nothing is transposed
-    per_layer: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [
-      ("input_layernorm.weight", ("input_norm", "scale"), (e,)),
-      ("self_attn.q_proj.weight", ("attn", "wq"), (h * d, e)),
-      ("self_attn.k_proj.weight", ("attn", "wk"), (k * d, e)),
-      ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e)),
-      ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d)),
-      ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,)),
-      ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e)),
-      ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e)),
-      ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f)),
-    ]
-    if cfg.attention_bias:
-      per_layer += [
-        ("self_attn.q_proj.bias", ("attn", "bq"), (h * d,)),
-        ("self_attn.k_proj.bias", ("attn", "bk"), (k * d,)),
-        ("self_attn.v_proj.bias", ("attn", "bv"), (k * d,)),
-      ]
-    if cfg.attention_output_bias:
-      per_layer.append(("self_attn.o_proj.bias", ("attn", "bo"), (e,)))
-    if cfg.qk_norm:
-      per_layer += [
-        ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,)),
-        ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,)),
-      ]
-    for i in range(cfg.num_hidden_layers):
-      specs += [
-        WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape)
-        for suffix, path, shape in per_layer
-      ]
-    return specs
+    return hf_weight_specs(self.config)
 
   def compute_logits(self, hidden: jax.Array) -> jax.Array:
     """Projects hidden states onto the vocabulary.
@@ -421,7 +336,7 @@ def forward(
   token_ids: jax.Array,
   positions: jax.Array,
   kv_cache: KVCache,
-  cache_slots: jax.Array,
+  attn_metadata: AttentionMetadata | jax.Array,
   *,
   attention_len: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
@@ -437,14 +352,14 @@ def forward(
     token_ids: ``[B, T] int32``.
     positions: ``[B, T] int32``.
     kv_cache: `KVCache`, consumed.
-    cache_slots: ``[B] int32``.
-    attention_len: static; cache positions read per slot (None: all). See `Llama.__call__`.
+    attn_metadata: `AttentionMetadata`, or ``[B] int32`` cache slots (see `Llama.__call__`).
+    attention_len: static, with cache slots; cache positions read per slot (None: all).
 
   Returns:
     ``(hidden [B, T, E], updated KVCache)``, as `Llama.__call__`.
   """
   model = nnx.merge(graphdef, weights)
-  return model(token_ids, positions, kv_cache, cache_slots, attention_len=attention_len)
+  return model(token_ids, positions, kv_cache, attn_metadata, attention_len=attention_len)
 
 
 def compute_logits(graphdef: nnx.GraphDef, weights: nnx.State, hidden: jax.Array) -> jax.Array:

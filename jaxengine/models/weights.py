@@ -45,6 +45,9 @@ class WeightSpec:
       ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape (for a
       model whose kernels are ``(in, out)``; `jaxengine.models.Llama` keeps PyTorch's
       ``(out, in)`` layout and transposes nothing).
+    rotary_heads: the checkpoint's rows form this many heads whose rotary feature pairs are
+      interleaved, ``(2i, 2i+1)`` (GGUF query and key projections); they are put back into the
+      model's half-split order ``(i, i + D/2)`` (`unpermute_rotary_rows`). None: rows as stored.
   """
 
   name: str
@@ -52,6 +55,7 @@ class WeightSpec:
   layer: int | None
   shape: tuple[int, ...]
   transpose: bool = False
+  rotary_heads: int | None = None
 
   def to_param(self, tensor, param_shape: tuple[int, ...]):
     """The checkpoint tensor in the parameter's layout (NumPy stays NumPy, JAX stays JAX).
@@ -63,6 +67,8 @@ class WeightSpec:
     Returns:
       The same values, shape `param_shape`, in the input's dtype.
     """
+    if self.rotary_heads is not None:
+      tensor = unpermute_rotary_rows(tensor, self.rotary_heads)
     if self.transpose:
       tensor = tensor.T
     return tensor.reshape(param_shape)
@@ -70,8 +76,34 @@ class WeightSpec:
   def from_param(self, value):
     """The inverse of `to_param`: a parameter (one layer's slice) in the checkpoint's layout."""
     if self.transpose:
-      return value.reshape(self.shape[::-1]).T
-    return value.reshape(self.shape)
+      value = value.reshape(self.shape[::-1]).T
+    value = value.reshape(self.shape)
+    if self.rotary_heads is not None:
+      rows, cols = value.shape
+      half = rows // self.rotary_heads // 2
+      value = value.reshape(self.rotary_heads, 2, half, cols).swapaxes(1, 2).reshape(rows, cols)
+    return value
+
+
+def unpermute_rotary_rows(w, num_heads: int):
+  """Undoes the GGUF converter's per-head row permutation of a query/key projection.
+
+  Within each head of ``D`` rows, GGUF row ``2i + j`` (``j`` in {0, 1}) holds the Hugging Face
+  row ``i + j * D/2``: the two halves that rotate together are interleaved. This restores the
+  half-split order.
+
+  Args:
+    w: ``(num_heads * D, in_features)`` weight as stored in the GGUF file (NumPy or JAX).
+    num_heads: heads in this projection (query heads for ``attn_q``, key/value heads for
+      ``attn_k``).
+
+  Returns:
+    ``(num_heads * D, in_features)`` weight with half-split rows.
+  """
+  rows, cols = w.shape
+  d = rows // num_heads
+  # GGUF order per head is (i, j) with j fastest; Hugging Face order is (j, i).
+  return w.reshape(num_heads, d // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def leaf_path(key_path) -> LeafPath:
@@ -128,9 +160,18 @@ def model_weight_specs(model: Any, state: nnx.State) -> list[WeightSpec]:
     ValueError: a duplicate name or a spec that does not fit `state` (a bug in the model's
       `weight_specs`), naming the spec.
   """
-  specs = list(model.weight_specs()) if hasattr(model, "weight_specs") else None
-  if specs is None:
+  if not hasattr(model, "weight_specs"):
     return default_weight_specs(state)
+  return check_weight_specs(model.weight_specs(), state)
+
+
+def check_weight_specs(specs: Iterable[WeightSpec], state: nnx.State) -> list[WeightSpec]:
+  """`specs` as a list, each checked against `state` (see `model_weight_specs`).
+
+  Raises:
+    ValueError: a duplicate name or a spec that does not fit `state`, naming the spec.
+  """
+  specs = list(specs)
   leaves = state_leaves(state)
   seen = set()
   for spec in specs:

@@ -1,0 +1,176 @@
+"""The model registry: an architecture name -> how to read, build, load and shard that model.
+
+An entry (`ModelArchitecture`) holds everything the loaders and `jaxengine.parallel` need:
+
+- ``read_config``: the checkpoint's configuration -> the module's config (a Hugging Face
+  ``config.json`` dict; or, for GGUF, the metadata values and the tensors' shapes);
+- ``module``: the Flax NNX class, built as ``module(config, dtype=..., rngs=...)``;
+- ``weight_specs``: the config -> the checkpoint's tensor names, each with the module leaf it
+  fills and its layout (`jaxengine.models.weights.WeightSpec`);
+- ``sharding_rules``: parameter name (the last name of a leaf's path) -> sharding role. Roles say
+  what a matrix does, not what it is called: `COLUMN_PARALLEL` (its output features are split:
+  the first dimension of an ``[out, ...]`` matrix, and of its bias), `ROW_PARALLEL` (its input
+  features are split: the dimension after a single output dimension; the partial results are
+  summed), `VOCAB_PARALLEL` (the rows of a ``[V, E]`` embedding or output projection),
+  `REPLICATED` (the default for any name not listed). `jaxengine.parallel` turns roles into
+  partition specs.
+
+Hugging Face names are ``config.json``'s ``architectures[0]`` (``LlamaForCausalLM``); GGUF names
+are ``general.architecture`` (``llama``). Adding a model family is one module (its NNX class and
+its checkpoint maps) and one entry per architecture name in `HF_ARCHITECTURES` /
+`GGUF_ARCHITECTURES`; nothing in the loaders, `parallel` or the engine changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jaxengine.models import llama_checkpoints
+from jaxengine.models.llama import Llama
+from jaxengine.models.weights import WeightSpec
+
+__all__ = [
+  "COLUMN_PARALLEL",
+  "GGUF_ARCHITECTURES",
+  "HF_ARCHITECTURES",
+  "REPLICATED",
+  "ROLES",
+  "ROW_PARALLEL",
+  "VOCAB_PARALLEL",
+  "ModelArchitecture",
+  "gguf_architecture",
+  "hf_architecture",
+  "sharding_rules",
+]
+
+#: Output features split over the model axis (query/key/value projections, MLP gate and up).
+COLUMN_PARALLEL = "column-parallel"
+#: Input features split (attention output projection, MLP down projection).
+ROW_PARALLEL = "row-parallel"
+#: Vocabulary rows split (token embedding, output projection).
+VOCAB_PARALLEL = "vocab-parallel"
+#: Whole on every device (norms, output biases, anything not listed).
+REPLICATED = "replicated"
+ROLES = (COLUMN_PARALLEL, ROW_PARALLEL, VOCAB_PARALLEL, REPLICATED)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelArchitecture:
+  """One architecture the loaders can build (see the module docstring for each field).
+
+  Attributes:
+    name: the architecture's name in its checkpoint format.
+    module: the NNX class, called as ``module(config, dtype=dtype, rngs=rngs)``.
+    read_config: Hugging Face: ``config.json`` dict -> config; GGUF: ``(metadata values by key,
+      tensor shapes by name in NumPy order)`` -> config. Raises `ValueError` for what the module
+      does not implement.
+    weight_specs: config -> `WeightSpec`s, checkpoint tensor name -> leaf path and layout.
+    sharding_rules: parameter name -> role (one of `ROLES`).
+  """
+
+  name: str
+  module: type
+  read_config: Callable[..., Any]
+  weight_specs: Callable[[Any], Sequence[WeightSpec]]
+  sharding_rules: Mapping[str, str]
+
+
+#: Megatron-style tensor parallelism of the Llama family (Shoeybi et al., 2019).
+LLAMA_SHARDING_RULES: Mapping[str, str] = {
+  **dict.fromkeys(("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"), COLUMN_PARALLEL),
+  **dict.fromkeys(("wo", "w_down"), ROW_PARALLEL),
+  **dict.fromkeys(("embed", "lm_head"), VOCAB_PARALLEL),
+}
+
+
+def _llama_hf(name: str, family: str) -> ModelArchitecture:
+  return ModelArchitecture(
+    name=name,
+    module=Llama,
+    read_config=functools.partial(llama_checkpoints.config_from_hf, family=family),
+    weight_specs=llama_checkpoints.hf_weight_specs,
+    sharding_rules=LLAMA_SHARDING_RULES,
+  )
+
+
+#: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives share one module; their
+#: config readers differ by family switches (see `jaxengine.models.llama`).
+HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
+  "LlamaForCausalLM": _llama_hf("LlamaForCausalLM", "llama"),
+  "MistralForCausalLM": _llama_hf("MistralForCausalLM", "mistral"),
+  "Qwen2ForCausalLM": _llama_hf("Qwen2ForCausalLM", "qwen2"),
+  "Qwen3ForCausalLM": _llama_hf("Qwen3ForCausalLM", "qwen3"),
+}
+
+#: GGUF ``general.architecture`` -> entry.
+GGUF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
+  "llama": ModelArchitecture(
+    name="llama",
+    module=Llama,
+    read_config=llama_checkpoints.config_from_gguf,
+    weight_specs=llama_checkpoints.gguf_weight_specs,
+    sharding_rules=LLAMA_SHARDING_RULES,
+  ),
+}
+
+#: A Hugging Face config without ``architectures`` is known by its ``model_type``.
+_HF_MODEL_TYPES = {
+  "llama": "LlamaForCausalLM",
+  "mistral": "MistralForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _lookup(table: Mapping[str, ModelArchitecture], name: Any, what: str) -> ModelArchitecture:
+  entry = table.get(name) if isinstance(name, str) else None
+  if entry is None:
+    raise ValueError(f"unsupported {what} {name!r}; supported: {', '.join(table)}")
+  return entry
+
+
+def hf_architecture(hf_config: Mapping[str, Any]) -> ModelArchitecture:
+  """The entry of a Hugging Face ``config.json``: its ``architectures[0]``, else ``model_type``.
+
+  Raises:
+    ValueError: an architecture the registry does not know, naming the ones it knows.
+  """
+  architectures = hf_config.get("architectures") or []
+  if architectures:
+    return _lookup(HF_ARCHITECTURES, architectures[0], "architecture")
+  model_type = hf_config.get("model_type")
+  name = _HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+  if name is None:
+    return _lookup(HF_ARCHITECTURES, f"model_type={model_type!r}", "architecture")
+  return HF_ARCHITECTURES[name]
+
+
+def gguf_architecture(name: Any) -> ModelArchitecture:
+  """The entry of a GGUF ``general.architecture``.
+
+  Raises:
+    ValueError: an architecture the registry does not know, naming the ones it knows.
+  """
+  return _lookup(GGUF_ARCHITECTURES, name, "GGUF architecture")
+
+
+def sharding_rules(model: Any) -> Mapping[str, str]:
+  """The parameter-name -> role rules of `model` on a mesh.
+
+  The model's own ``sharding_rules`` attribute when it has one, else the rules of the registry
+  entry whose module is the model's class, else none (every weight replicated).
+
+  Raises:
+    ValueError: a rule names a role outside `ROLES` (the parameter and role named).
+  """
+  rules = getattr(model, "sharding_rules", None)
+  if rules is None:
+    entries = (*HF_ARCHITECTURES.values(), *GGUF_ARCHITECTURES.values())
+    rules = next((e.sharding_rules for e in entries if type(model) is e.module), {})
+  for name, role in rules.items():
+    if role not in ROLES:
+      raise ValueError(f"sharding rule for {name!r}: role {role!r} is not one of {ROLES}")
+  return rules
