@@ -18,7 +18,7 @@ Core (no model needed):
 
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
-  LLMEngine            continuous batching step loop (engine.py)
+  LLMEngine            continuous batching step loop (engine/core.py)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
 
 Shape legend (every module, docstring and shape comment uses these letters):

@@ -1,7 +1,7 @@
 """Per-request sampling parameters, validated on the host.
 
 `SamplingParams` mirrors vLLM V1's class of the same name (field names, defaults, sentinels and
-validation rules as of vLLM HEAD, early 2026; see `shared/spec/behaviour.md` §2). It is a frozen
+validation rules as of vLLM HEAD, early 2026; see `docs/sampling.md` §2). It is a frozen
 dataclass: construction normalises and validates every field and raises `ValueError` naming the
 field and the offending value. Checks that need the batch (token ids against the vocabulary,
 lists against the batch's capacities) happen in `InputBatch.add_request`.

@@ -149,8 +149,11 @@ def tiny_llama(
 
 
 class TargetOnly(LogitsProcessor):
-  """Example processor (design.md §7): a request with `extra_args={"target_token": t}` emits only
-  `t`; other requests are untouched. Refuses a target outside the vocabulary."""
+  """Example processor (README, "Structured outputs and your own logits processors").
+
+  A request with `extra_args={"target_token": t}` emits only `t`; other requests are untouched.
+  Refuses a target outside the vocabulary.
+  """
 
   def init_state(self, max_num_reqs: int, vocab_size: int) -> dict:
     self.vocab_size = vocab_size

@@ -1,4 +1,4 @@
-"""Float64 NumPy reference of the per-row sampling pipeline (behaviour.md §1.4 HEAD order, §1.9 math).
+"""Float64 NumPy reference of the per-row sampling pipeline (docs/sampling.md §1.1: order and math).
 
 Written from the specification only. One row at a time, no vectorisation tricks, so that it can be
 read against the spec line by line:
@@ -6,7 +6,7 @@ read against the spec line by line:
     allowed mask -> bad words -> min_tokens -> logit_bias -> repetition -> frequency -> presence
     -> greedy argmax -> temperature -> min_p -> top-k -> top-p -> (draw)
 
-Documented choices the tests rely on (from the test brief / design.md):
+Documented choices the tests rely on (docs/sampling.md, the README):
 
 * top-k keeps every token whose value is >= the k-th largest value (all ties at the cut are kept).
 * top-p keeps token t iff the probability mass of the tokens whose value is *strictly greater* than
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 EPS = 1e-5  # sampling epsilon: temperature < EPS means greedy
-MIN_TEMPERATURE = 0.01  # 0 < T < 0.01 is raised to 0.01 (behaviour.md §2.1)
+MIN_TEMPERATURE = 0.01  # 0 < T < 0.01 is raised to 0.01 (docs/sampling.md §2.1)
 # Relative/absolute distance to a threshold under which float32 vs float64 may disagree.
 THRESHOLD_TOL = 1e-4
 # Tokens whose reference log-probability is below this may underflow to probability 0 in float32;
@@ -132,7 +132,7 @@ def reference_row(
   stop_token_ids: Sequence[int] | None = None,
   **_ignored: Any,
 ) -> RowResult:
-  """Runs one row through the HEAD pipeline in float64 (behaviour.md §1.9).
+  """Runs one row through the HEAD pipeline in float64 (docs/sampling.md §1.1).
 
   Args are the user-facing SamplingParams values (before any normalisation) plus the row's prompt
   and generated-so-far output tokens. Unknown keyword arguments (seed, logprobs, max_tokens, ...)
@@ -144,7 +144,7 @@ def reference_row(
   prompt = [int(t) for t in prompt]
   bias = dict(logit_bias or {})
 
-  # Normalisation done by SamplingParams (behaviour.md §2 steps 1 and 6).
+  # Normalisation done by SamplingParams (docs/sampling.md §2.1).
   temperature = normalize_temperature(temperature)
   is_greedy = temperature < EPS
   if is_greedy:

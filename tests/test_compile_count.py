@@ -1,5 +1,5 @@
 """After warm-up, steady-state batch operations and sampling with [max_num_reqs, vocab_size] logits
-compile nothing, whatever the mix of per-request parameters (design.md §1, §3; style.md Jit)."""
+compile nothing, whatever the mix of per-request parameters (README, "Design overview")."""
 
 from __future__ import annotations
 

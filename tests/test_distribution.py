@@ -191,7 +191,7 @@ def test_unseeded_replacement_gets_a_fresh_stream():
 
 
 def test_large_seeds_are_accepted_and_distinct():
-  """No range check on seeds (behaviour.md §2.2); seeds differing only above bit 32 must differ."""
+  """Every int64 seed is accepted (docs/sampling.md §2.2); seeds differing only above bit 32 must differ."""
   b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
   seeds = [5, 5 + 2**32, 2**40, 2**63 - 1, -5, 0]
   for i, s in enumerate(seeds):

@@ -1,4 +1,4 @@
-"""The batch and the engine under a `jax.sharding.Mesh` (design.md §6), on 8 host CPU devices.
+"""The batch and the engine under a `jax.sharding.Mesh` (README, "Many devices"), on 8 host CPU devices.
 
 Each test runs in a subprocess because the device count must be set before JAX starts.
 """

@@ -1,4 +1,4 @@
-"""The rejection sampler (speculative decoding): vLLM V1's scenarios (behaviour.md §4.5), the
+"""The rejection sampler (speculative decoding): vLLM V1's scenarios (docs/sampling.md §1.4), the
 processors with a draft history, the theorem (emitted tokens follow the target distribution),
 seeded reproducibility, filters, overflow, logprobs, compile count and host validation.
 

@@ -1,5 +1,6 @@
-"""Deterministic scenarios from behaviour.md: §1.10 golden example, §4.1 batch metadata, §4.3 processor
-scenarios, §4.9 exact top-k/top-p cases, §3.3 worked bookkeeping scenario, logprob format and ranks.
+"""Deterministic scenarios of vLLM V1's batch and sampler: the worked example of docs/sampling.md §1.5,
+batch metadata, processor scenarios, exact top-k/top-p cases, a worked bookkeeping scenario
+(§3.2), logprob format and ranks.
 
 Processed rows are read through logprobs=-1 in a batch built with max_num_logprobs=-1: in
 `processed_logits` mode a greedy row's output is its post-penalty logits and a random row's output
@@ -700,7 +701,7 @@ def test_greedy_rows_in_mixed_batch():
 
 
 def test_tiny_temperature_is_random_not_greedy():
-  """behaviour.md §2.1: 0 < T < 0.01 is raised to 0.01 *before* the greedy test, so only T == 0
+  """docs/sampling.md §2.1: 0 < T < 0.01 is raised to 0.01 *before* the greedy test, so only T == 0
   is greedy; "a 'tiny' temperature like 1e-6 becomes random sampling at T = 0.01, not greedy"."""
   p = je.SamplingParams(temperature=1e-6)
   assert p.temperature == pytest.approx(0.01)

@@ -1,4 +1,4 @@
-"""Input validation: SamplingParams ranges (behaviour.md §2) and InputBatch.add_request rejections.
+"""Input validation: SamplingParams ranges (docs/sampling.md §2) and InputBatch.add_request rejections.
 
 A rejected add must raise ValueError naming the offending field and leave the batch exactly as it
 was: same req_ids / req_id_to_index / num_reqs / output lists / metadata object, the hole it might

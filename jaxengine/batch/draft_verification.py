@@ -2,7 +2,7 @@
 NumPy result (shape legend: `R` rows, `N` live rows, `P = max_spec_len`, `V` vocabulary).
 
 The device work is `jaxengine.sample.rejection_sample_step` (vLLM V1's rejection sampler,
-`behaviour.md` §1.7). Everything here runs on the host before it (validate-then-mutate: a bad
+`docs/sampling.md` §1.4). Everything here runs on the host before it (validate-then-mutate: a bad
 input raises `ValueError` and leaves the batch unchanged) or after it.
 """
 

@@ -34,7 +34,7 @@ def find_stop_string(
   Each stop string is looked for only where it would end inside the new characters (its own
   length back from them, not the longest stop string's), and never before `search_start` (the
   text of the first min_tokens tokens). When several complete on the same token, the one that
-  ends first in the text wins, then the earliest in `stops` (vLLM's rule, behaviour.md §2.9).
+  ends first in the text wins, then the earliest in `stops` (vLLM's rule, `docs/sampling.md` §2.7).
 
   Args:
     text: the output text so far, new characters included.

@@ -3,11 +3,11 @@
 A processor's per-row state is one more field of `BatchState` (`logits_processor_states`, a tuple
 with one pytree per processor, every leaf `[R, ...]`), so `write_row`, `move_rows` and
 `leading_rows` carry it with its row like any sampling parameter: vLLM's `BatchUpdate`
-bookkeeping (`behaviour.md` §3.4) comes for free. Which rows a processor acts on is the
+bookkeeping (`docs/sampling.md` §3.4) comes for free. Which rows a processor acts on is the
 `[R, P] bool` field `logits_processor_active`; `SamplingMetadata.any_logits_processor` (`[P]
 bool`, traced) lets a step skip a processor no live row uses, so one executable serves every mix.
 
-Placement (vLLM HEAD, `behaviour.md` §1.4): the grammar bitmask first; then processors with
+Placement (vLLM HEAD, `docs/sampling.md` §1.1): the grammar bitmask first; then processors with
 `argmax_invariant = False` after the allowed/bad-words/min_tokens masks and logit_bias, before
 the penalties; processors with `argmax_invariant = True` on the temperature-scaled logits of
 random rows, with min_p (greedy rows never see them).

@@ -1,4 +1,4 @@
-"""Speculative decoding: vLLM V1's rejection sampler on the persistent batch (`behaviour.md` §1.7).
+"""Speculative decoding: vLLM V1's rejection sampler on the persistent batch (`docs/sampling.md` §1.4).
 
 `rejection_sample(state, metadata, target_logits, draft_token_ids, num_draft_tokens, draft_probs)`
 verifies each row's `n <= P` draft tokens against the target model's logits at `P + 1` positions
@@ -262,7 +262,7 @@ def rejection_sample(
 ) -> tuple[BatchState, RejectionOutput]:
   """Verifies draft tokens against the target model and appends the emitted tokens (unjitted).
 
-  vLLM V1's rejection sampler (`behaviour.md` §1.7) with the main sampler's processors at every
+  vLLM V1's rejection sampler (`docs/sampling.md` §1.4) with the main sampler's processors at every
   position; see the module docstring. `rejection_sample_step` is the same function jitted with
   `state` donated; call this one inside your own `jax.jit`.
 

@@ -2,7 +2,7 @@
 
 Speculative decoding scores `P + 1` positions of each row at once (`P = max_spec_len` drafts, then
 the bonus position). Position `j` of row `r` must be processed exactly as the main sampler would
-process row `r` after the row had generated its first `j` drafts (`behaviour.md` §1.7): penalties
+process row `r` after the row had generated its first `j` drafts (`docs/sampling.md` §1.4): penalties
 count the draft prefix, bad words look at it, min_tokens counts it, custom logits processors see
 their state after it, and its random key is that of output token `num_output_tokens + j`.
 

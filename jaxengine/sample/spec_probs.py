@@ -1,5 +1,5 @@
 """Drafts with probabilities: the target distribution at every draft position, acceptance
-probabilities and the residual draw of vLLM's rejection sampler (`behaviour.md` §1.7).
+probabilities and the residual draw of vLLM's rejection sampler (`docs/sampling.md` §1.4).
 
 Point-mass drafts (n-gram) need none of this (`rejection.py` verifies them with `sample`'s own
 draws). A draft model's `draft_probs [R, P, V]` need each position's kept target distribution:

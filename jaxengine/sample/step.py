@@ -1,6 +1,6 @@
 """The per-step sampler: vLLM V1's pipeline as one compiled function for every batch mix.
 
-`sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `behaviour.md` §1.4):
+`sample_step(state, metadata, logits)` runs, per row (vLLM HEAD order, `docs/sampling.md` §1.1):
 
   0. the grammar bitmask of rows with structured outputs (`custom.py`);
   1. cast the logits to float32; these masked logits are the raw_* logprobs source, as in vLLM
