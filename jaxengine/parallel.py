@@ -183,7 +183,7 @@ def row_shardings(tree: Any, num_rows: int, mesh: Mesh) -> Any:
   d = axis_size(mesh, DATA)
 
   def one(leaf):
-    shape = getattr(leaf, "shape", ())
+    shape: tuple[int, ...] = tuple(getattr(leaf, "shape", ()))
     by_row = len(shape) >= 1 and shape[0] == num_rows and num_rows % d == 0 and d > 1
     return NamedSharding(mesh, P(DATA) if by_row else P())
 

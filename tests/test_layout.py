@@ -277,3 +277,21 @@ def test_readme_states_the_top_p_tie_rule_and_the_mesh_limits():
   limits = mesh[mesh.index("Not on a mesh yet") :].split("Known limits")[0]
   for feature in ("`num_decode_steps > 1`", "prefix caching", "speculative decoding"):
     assert feature in limits, feature
+
+
+def test_docs_cite_only_files_in_this_repository():
+  """The package, tests, README, docs and notebooks point users at files a clone has
+  (`docs/sampling.md`, README sections), never at the project's private spec folder."""
+  root = PACKAGE.parent
+  texts = [*PACKAGE.rglob("*.py"), *(root / "tests").glob("*.py"), root / "README.md"]
+  texts += [*(root / "docs").glob("*.md"), *(root / "notebooks").glob("*.ipynb")]
+  outside = ("shared/spec", "behaviour.md", "design.md", "style.md", "shared/fixtures")
+  this_test = Path(__file__).resolve()
+  found = [
+    f"{path.relative_to(root)} mentions {name}"
+    for path in texts
+    if path.resolve() != this_test
+    for name in outside
+    if name in path.read_text()
+  ]
+  assert not found, found
