@@ -19,6 +19,7 @@ Core (no model needed):
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
   LLMEngine            continuous batching step loop (engine/core.py)
+  EngineConfig         the engine's options, validated once (engine/engine_config.py)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
 
 Shape legend (every module, docstring and shape comment uses these letters):
@@ -50,13 +51,19 @@ from jaxengine.sample import (
   sample_step,
 )
 
-_LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine", "make_mesh": "jaxengine.parallel"}
+_LAZY = {
+  "LLM": "jaxengine.llm",
+  "LLMEngine": "jaxengine.engine",
+  "EngineConfig": "jaxengine.engine",
+  "make_mesh": "jaxengine.parallel",
+}
 
 __all__ = [
   "LLM",
   "BatchConfig",
   "BatchState",
   "CompletionOutput",
+  "EngineConfig",
   "HostRejectionOutput",
   "HostSamplerOutput",
   "InputBatch",
