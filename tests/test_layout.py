@@ -295,3 +295,16 @@ def test_docs_cite_only_files_in_this_repository():
     if name in path.read_text()
   ]
   assert not found, found
+
+
+def test_the_readme_module_table_lists_every_module():
+  """The README's layout table names every module of the package, so it cannot go stale."""
+  readme = (PACKAGE.parent / "README.md").read_text()
+  table = "\n".join(line for line in readme.splitlines() if line.startswith("| `"))
+  missing = [
+    str(path.relative_to(PACKAGE))
+    for path in sorted(PACKAGE.rglob("*.py"))
+    if path.name not in ("__init__.py", "__main__.py")
+    and f"`{path.relative_to(PACKAGE)}`" not in table
+  ]
+  assert not missing, missing
