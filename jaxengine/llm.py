@@ -22,9 +22,11 @@ from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_con
 from jaxengine.models.hub import resolve_model
 from jaxengine.models.safetensors_loader import (
   auto_dtype,
+  config_from_hf,
   eos_token_ids,
   load_safetensors,
   read_hf_config,
+  weight_files,
 )
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
@@ -299,7 +301,9 @@ def _load_model(
     if isinstance(heads, int):
       parallel.check_heads(heads, tp)
   if os.path.isfile(config_path):
-    limit = read_hf_config(directory).get("max_position_embeddings")
+    # An unsupported variant, then missing weight files, are named before the length check.
+    limit = getattr(config_from_hf(read_hf_config(directory)), "max_position_embeddings", None)
+    weight_files(directory)
     if isinstance(limit, int):
       _check_max_model_len(max_model_len, limit)
   model, _ = load_safetensors(directory, dtype=auto_dtype(directory) if dtype == "auto" else dtype)
