@@ -6,6 +6,7 @@ import io
 import subprocess
 import sys
 
+import hf_checkpoints
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -227,7 +228,8 @@ def test_max_model_len_past_the_config_is_refused_before_the_weights_load(
   assert cli.main(["generate", "x", "--max-model-len", str(limit + 1)]) == 2
   err = capsys.readouterr().err
   assert f"max_model_len={limit + 1} exceeds" in err and f"max_position_embeddings={limit}" in err
-  (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+  config = hf_checkpoints.hf_config("LlamaForCausalLM", max_position_embeddings=64)
+  hf_checkpoints.write_checkpoint(tmp_path, config, {})  # names only: no tensor is read
   with pytest.raises(ValueError, match=r"max_model_len=65 exceeds .*max_position_embeddings=64"):
     llm_module.LLM(str(tmp_path), max_model_len=65)
 
