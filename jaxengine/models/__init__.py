@@ -1,8 +1,10 @@
 """Models the engine can serve, behind one interface.
 
-`interface.Model` is what the engine needs from a decoder; `kv_cache` the slot-addressed cache;
-`attention` the one seam through which every model's attention writes and reads that cache
-(`AttentionMetadata` says where each step's tokens live); `llama` the Llama-family decoder in
+`interface.Model` is what the engine needs from a decoder; `kv_cache` the slot-addressed cache,
+`paged_kv_cache` the paged one (pages per layer in the layout of an `attention_backends`
+backend, read by `paged_attention`'s ragged attention); `attention` the one seam through which
+every model's attention writes and reads either cache (`AttentionMetadata` or
+`PagedAttentionMetadata` says where each step's tokens live); `llama` the Llama-family decoder in
 Flax NNX (Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3) and its pure `forward`, built from the
 blocks in `layers`, with its config in `llama_config` and its checkpoint maps in
 `llama_checkpoints`; `registry` maps architecture names (Hugging Face ``architectures[0]``, GGUF
@@ -13,11 +15,12 @@ a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in t
 paths and hub ids.
 """
 
-from jaxengine.models.attention import AttentionMetadata
+from jaxengine.models.attention import AttentionMetadata, PagedAttentionMetadata
 from jaxengine.models.gguf_loader import default_model_path, load_gguf
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
 from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, compute_logits, forward
+from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
 from jaxengine.models.weights import WeightSpec, named_weights
@@ -31,6 +34,8 @@ __all__ = [
   "LlamaConfig",
   "Model",
   "ModelArchitecture",
+  "PagedAttentionMetadata",
+  "PagedKVCache",
   "WeightSpec",
   "check_model",
   "compute_logits",

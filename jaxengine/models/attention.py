@@ -7,14 +7,21 @@ cache. It never indexes the cache and never builds a mask: where a token's key a
 stored, which cached positions a query sees and how they are gathered are this module's, so a
 second model family, or a different cache layout, changes nothing in the other.
 
-The engine builds the `AttentionMetadata` of each step and passes it through the model's
-``__call__`` untouched (see `jaxengine.models.interface`). Today the cache is addressed by
-``(layer, slot, position)`` (`KVCache`) and the tokens of one call form a ``[B, T]`` grid of rows;
-the metadata says which slot each row owns, each token's position, and how many positions of
-each slot to read. A paged cache replaces these fields (block tables, the cache slot of each
-token, where each request's tokens start in a flat ragged batch, each sequence's length) and this
-function's body; a model that treats the leading dimensions of its tokens as opaque (``[...]``
-below) keeps working unchanged.
+The engine builds each step's metadata and passes it through the model's ``__call__``
+untouched (see `jaxengine.models.interface`). Two cache layouts sit behind the seam, chosen by
+the metadata's type:
+
+* slots (`AttentionMetadata` + `KVCache`): the cache is addressed by ``(layer, slot, position)``
+  and the tokens of one call form a ``[B, T]`` grid of rows; the metadata says which slot each row
+  owns, each token's position, and how many positions of each slot to read;
+* pages (`PagedAttentionMetadata` + `PagedKVCache`): the cache is a pool of pages per layer, the
+  tokens of one call are a flat ragged batch of many requests (``[T]`` or ``[1, T]``), and the
+  metadata carries each token's cache slot, each request's block table, where its tokens start
+  and its context length; the cache's `AttentionBackend` (XLA, TPU or GPU Pallas) writes and
+  reads the pages.
+
+A model that treats the leading dimensions of its tokens as opaque (``[...]`` below) runs over
+either unchanged: the same weights give the same logits (tested in ``tests/test_paged_model.py``).
 
 Shape letters, as in the rest of `jaxengine.models`: ``B`` rows of one call, ``T`` tokens per
 row, ``S`` cache positions per slot (``max_model_len``), ``H`` query heads, ``K`` key/value
@@ -24,6 +31,7 @@ heads, ``G = H // K``, ``D`` head dim, ``L`` layers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -31,8 +39,19 @@ import jax.numpy as jnp
 
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.layers import grouped_query_attention
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.paged_kv_cache import PagedKVCache
 
-__all__ = ["AttentionMetadata", "AttentionOutput", "as_attention_metadata", "attention"]
+__all__ = [
+  "AnyKVCache",
+  "AttentionMetadata",
+  "AttentionOutput",
+  "PagedAttentionMetadata",
+  "PagedKVCache",
+  "StepMetadata",
+  "as_attention_metadata",
+  "attention",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -58,30 +77,38 @@ class AttentionMetadata:
   attention_len: int | None = dataclasses.field(default=None, metadata={"static": True})
 
 
+#: The metadata a step passes through the model: slot or paged (the seam dispatches on its type).
+StepMetadata = AttentionMetadata | PagedAttentionMetadata
+
+#: The cache that goes with it: `KVCache` for slot metadata, `PagedKVCache` for paged metadata.
+AnyKVCache = KVCache | PagedKVCache
+
+
 class AttentionOutput(NamedTuple):
   """What `attention` returns.
 
   Attributes:
     output: ``[..., H, D]`` attention output of each query token, in the queries' dtype.
-    kv_cache: the cache with this call's keys and values written in the layer.
+    kv_cache: the cache (of the type passed in) with this call's keys and values written in
+      the layer.
   """
 
   output: jax.Array
-  kv_cache: KVCache
+  kv_cache: AnyKVCache
 
 
 def as_attention_metadata(
-  metadata: AttentionMetadata | jax.Array, positions: jax.Array, attention_len: int | None
-) -> AttentionMetadata:
+  metadata: StepMetadata | jax.Array, positions: jax.Array, attention_len: int | None
+) -> StepMetadata:
   """`metadata` itself, or the metadata of the older call form ``(..., cache_slots, attention_len=)``.
 
   Args:
-    metadata: an `AttentionMetadata`, or ``[B] int32`` cache slots (the fourth argument of a model
-      call before the seam existed).
+    metadata: an `AttentionMetadata` or `PagedAttentionMetadata`, or ``[B] int32`` cache slots
+      (the fourth argument of a model call before the seam existed).
     positions: ``[B, T] int32`` the call's positions.
     attention_len: the older call's static keyword (ignored with an `AttentionMetadata`).
   """
-  if isinstance(metadata, AttentionMetadata):
+  if isinstance(metadata, AttentionMetadata | PagedAttentionMetadata):
     return metadata
   return AttentionMetadata(cache_slots=metadata, positions=positions, attention_len=attention_len)
 
@@ -90,49 +117,91 @@ def attention(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
-  kv_cache: KVCache,
+  kv_cache: AnyKVCache,
   layer: int,
-  metadata: AttentionMetadata,
+  metadata: StepMetadata,
   *,
   scale: float,
   sliding_window: int | None = None,
 ) -> AttentionOutput:
   """Stores this call's keys and values in `layer`, then attends causally over each sequence.
 
+  Two cache layouts, chosen by the metadata's type (a model passes both through unchanged):
+
+  * **Slots** (`AttentionMetadata` with a `KVCache`): the tokens form a ``[B, T]`` grid of rows,
+    row ``b`` owns cache slot ``cache_slots[b]`` and token ``(b, t)`` sits at position
+    ``positions[b, t]``.
+  * **Pages** (`PagedAttentionMetadata` with a `PagedKVCache`): the tokens are one flat ragged
+    batch, ``[T]`` or ``[1, T]`` as the model's leading dimensions; request ``r``'s tokens are
+    ``query_start_loc[r] : query_start_loc[r + 1]``, the last of its ``seq_lens[r]`` context
+    tokens, so prefill chunks, decodes and draft tokens of many requests share one call. Token
+    ``i`` is written at cache slot ``slot_mapping[i]`` (page ``slot // B``, offset ``slot % B``)
+    and request ``r`` reads its pages ``block_tables[r]`` through the cache's `AttentionBackend`
+    (`jaxengine.models.attention_backends`). The position a query attends from is implied by
+    ``seq_lens`` and ``query_start_loc``; the model's own ``positions`` (for its rotary
+    embedding) must agree (`jaxengine.engine.paged_inputs` builds both). Padding tokens (past
+    ``query_start_loc[num_reqs]``) write to the null page 0, which no request reads, and get
+    zero outputs.
+
   Contract (what a model may rely on, and what a cache layout must keep):
 
-  * **Writes.** Token ``(b, t)``'s key and value are stored for position ``positions[b, t]`` of
-    row ``b``'s sequence, cast to the cache dtype. A token at a position ``>= S``
-    (``max_model_len``) writes nothing: that is how padding rows and tokens are made harmless.
-    Its output is meaningless.
+  * **Writes.** A token's key and value are stored for its position in its own sequence, cast to
+    the cache dtype. A padding token writes nothing a real token reads (slots: a position
+    ``>= S``, ``max_model_len``; pages: the null slot). Its output is meaningless.
   * **Causality.** A query at position ``p`` attends to its own sequence's positions ``s <= p``
     (with `sliding_window` ``W``, only ``p - W < s <= p``), over keys and values cached by earlier
     calls and by this one alike: writing happens before reading, so the tokens of one prefill
     chunk see each other and a decode token sees itself.
   * **Continuation.** A call whose first position is ``p > 0`` (a prompt's remainder after a
     cached prefix, a later prefill chunk, a decode step) attends to the positions ``< p`` already
-    in the cache for that sequence: they must have been written by earlier calls (or copied there
-    by the prefix cache). Stale data beyond a sequence's written positions is never read by a
-    real token.
-  * **Padding.** Padding tokens of a row must sit at positions after its real tokens (or
-    ``>= S``): a padding token at an earlier position would overwrite a real key.
+    in the cache for that sequence: they must have been written by earlier calls (or, with pages,
+    be shared blocks written by another request with the same prefix). Stale data beyond a
+    sequence's written positions is never read by a real token.
+  * **Padding.** Slots: padding tokens of a row must sit at positions after its real tokens (or
+    ``>= S``): a padding token at an earlier position would overwrite a real key. Pages: padding
+    tokens come after every real token and map to the null slot.
   * **Numerics.** Scores and the softmax run in float32 whatever the input dtype; masked
     positions enter the matmuls with weight 0, so the cache must stay finite.
 
   Args:
-    q: ``[B, T, H, D]`` queries after the rotary embedding, model dtype.
-    k: ``[B, T, K, D]`` keys after the rotary embedding.
-    v: ``[B, T, K, D]`` values.
-    kv_cache: the whole cache (``[L, num_slots, S, K, D]`` keys and values); only `layer` is
-      read and written.
+    q: ``[..., H, D]`` queries after the rotary embedding, model dtype (``[B, T, H, D]`` with
+      slots, ``[T, H, D]`` or ``[1, T, H, D]`` with pages).
+    k: ``[..., K, D]`` keys after the rotary embedding.
+    v: ``[..., K, D]`` values.
+    kv_cache: the whole cache (a `KVCache`, ``[L, num_slots, S, K, D]`` keys and values, or a
+      `PagedKVCache`); only `layer` is read and written.
     layer: this layer's index in the cache (static).
-    metadata: this step's `AttentionMetadata`.
+    metadata: this step's `AttentionMetadata` or `PagedAttentionMetadata`.
     scale: multiplies the scores (usually ``D ** -0.5``).
-    sliding_window: ``W``, or None for full causal attention.
+    sliding_window: ``W``, or None for full causal attention (slots only for now).
 
   Returns:
-    `AttentionOutput`: ``[B, T, H, D]`` outputs in ``q.dtype`` and the updated cache.
+    `AttentionOutput`: ``[..., H, D]`` outputs in ``q.dtype`` and the updated cache.
+
+  Raises:
+    ValueError: (at trace time) a cache that does not match the metadata's type, paged tokens
+      whose count differs from ``slot_mapping``'s, or a `sliding_window` with pages.
   """
+  if isinstance(metadata, PagedAttentionMetadata):
+    if not isinstance(kv_cache, PagedKVCache):
+      raise ValueError(f"paged attention metadata needs a PagedKVCache, got {type(kv_cache)}")
+    return _paged_attention(q, k, v, kv_cache, layer, metadata, scale, sliding_window)
+  if not isinstance(kv_cache, KVCache):
+    raise ValueError(f"slot attention metadata needs a KVCache, got {type(kv_cache)}")
+  return _slot_attention(q, k, v, kv_cache, layer, metadata, scale, sliding_window)
+
+
+def _slot_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  kv_cache: KVCache,
+  layer: int,
+  metadata: AttentionMetadata,
+  scale: float,
+  sliding_window: int | None,
+) -> AttentionOutput:
+  """The slot cache's write and dense masked read (``[B, T, ...]`` tokens)."""
   b, t, h, d = q.shape
   kv = k.shape[-2]
   positions, cache_slots = metadata.positions, metadata.cache_slots
@@ -154,3 +223,36 @@ def attention(
   out = grouped_query_attention(grouped, keys, values, visible, scale=scale)
   updated = dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
   return AttentionOutput(out.reshape(b, t, h, d), updated)
+
+
+def _paged_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  kv_cache: PagedKVCache,
+  layer: int,
+  metadata: PagedAttentionMetadata,
+  scale: float,
+  sliding_window: int | None,
+) -> AttentionOutput:
+  """The paged cache's write and ragged read through the cache's backend (flat tokens)."""
+  if sliding_window is not None:
+    raise ValueError(
+      f"paged attention has no sliding window yet, got sliding_window={sliding_window}"
+    )
+  num_tokens = metadata.slot_mapping.shape[0]
+  if math.prod(q.shape[:-2]) != num_tokens:
+    raise ValueError(
+      f"paged attention takes one flat ragged batch: queries {q.shape} hold "
+      f"{math.prod(q.shape[:-2])} tokens, slot_mapping {num_tokens}"
+    )
+  h, d = q.shape[-2:]
+  kv = k.shape[-2]
+  flat_k, flat_v = k.reshape(num_tokens, kv, d), v.reshape(num_tokens, kv, d)
+  backend = kv_cache.backend
+  written = backend.write_kv(kv_cache.pages[layer], flat_k, flat_v, metadata.slot_mapping)
+  out = backend.attention(
+    q.reshape(num_tokens, h, d), written, metadata, scale=scale, num_kv_heads=kv_cache.num_kv_heads
+  )
+  pages = (*kv_cache.pages[:layer], written, *kv_cache.pages[layer + 1 :])
+  return AttentionOutput(out.reshape(q.shape), dataclasses.replace(kv_cache, pages=pages))

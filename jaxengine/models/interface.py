@@ -31,6 +31,17 @@ prefill of a prompt's remainder after a cached prefix) attends to the positions 
 already cached. A model that bypasses the seam and indexes the ``[L, num_slots, S, K, D]`` cache
 itself must keep the same contract.
 
+Paged KV cache: nothing new to implement. The same ``__call__`` serves a paged step, where the
+engine passes a `PagedKVCache` (a pool of pages per layer, laid out by the chosen attention
+backend) and a `PagedAttentionMetadata` (each token's cache slot, each request's block table,
+where its tokens start, its context length), and the tokens of all scheduled requests (prefill
+chunks, decodes, draft tokens) come as one flat ragged batch, ``token_ids`` and ``positions``
+``[1, T]``. A model that goes through the seam, treats the leading dimensions as opaque (no
+``B``/``T`` split, no per-row logic) and computes positions only from ``positions`` runs over
+pages unchanged, with the same logits as over slots. What it must not do: index or reshape the
+cache itself, build its own mask, or assume a row is one sequence. Paged attention has no sliding
+window yet (the seam raises ``ValueError`` for one).
+
 Changed with the seam: the fourth argument of ``__call__`` was ``cache_slots`` (``[B] int32``)
 with a static ``attention_len`` keyword; the engine now passes one `AttentionMetadata` (whose
 ``cache_slots``, ``positions`` and ``attention_len`` are those values). `jaxengine.models.Llama`
@@ -52,10 +63,23 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from jaxengine.models.attention import AttentionMetadata
-from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.attention import (
+  AnyKVCache,
+  AttentionMetadata,
+  PagedAttentionMetadata,
+  PagedKVCache,
+  StepMetadata,
+)
+from jaxengine.models.kv_cache import KVCacheSpec
 
-__all__ = ["AttentionMetadata", "KVCacheSpec", "Model", "check_model"]
+__all__ = [
+  "AttentionMetadata",
+  "KVCacheSpec",
+  "Model",
+  "PagedAttentionMetadata",
+  "PagedKVCache",
+  "check_model",
+]
 
 
 @runtime_checkable
@@ -90,20 +114,23 @@ class Model(Protocol):
     self,
     token_ids: jax.Array,
     positions: jax.Array,
-    kv_cache: KVCache,
-    attn_metadata: AttentionMetadata,
-  ) -> tuple[jax.Array, KVCache]:
+    kv_cache: AnyKVCache,
+    attn_metadata: StepMetadata,
+  ) -> tuple[jax.Array, AnyKVCache]:
     """Runs the decoder; every layer's attention goes through `jaxengine.models.attention`.
 
     Args:
-      token_ids: `[B, T] int32` (ids outside the vocabulary may appear on padding tokens).
-      positions: `[B, T] int32` absolute positions (for the model's position encoding);
-        positions `>= max_model_len` mark padding tokens, which write nothing.
-      kv_cache: the cache (the runner donates it); pass it to the seam, do not index it.
-      attn_metadata: this step's `AttentionMetadata`; pass it to the seam untouched.
+      token_ids: `[B, T] int32` (slots) or `[1, T] int32` flat ragged tokens (pages); ids outside
+        the vocabulary may appear on padding tokens.
+      positions: same shape, `int32` absolute positions (for the model's position encoding);
+        with slots, positions `>= max_model_len` mark padding tokens, which write nothing.
+      kv_cache: the `KVCache` or `PagedKVCache` (the runner donates it); pass it to the seam, do
+        not index it.
+      attn_metadata: this step's `AttentionMetadata` or `PagedAttentionMetadata`; pass it to the
+        seam untouched.
 
     Returns:
-      `(hidden [B, T, E], updated KVCache)`.
+      `(hidden [B, T, E], updated cache)` (`[1, T, E]` with pages).
     """
     ...
 

@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.attention import AttentionMetadata, as_attention_metadata, attention
-from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.layers import (
   RMSNorm,
   linear,
@@ -121,10 +121,10 @@ class Attention(nnx.Module):
     self,
     x: jax.Array,
     positions: jax.Array,
-    kv_cache: KVCache,
+    kv_cache: AnyKVCache,
     layer: int,
-    metadata: AttentionMetadata,
-  ) -> tuple[jax.Array, KVCache]:
+    metadata: StepMetadata,
+  ) -> tuple[jax.Array, AnyKVCache]:
     """Projects this call's queries, keys and values and attends through the seam.
 
     Args:
@@ -201,7 +201,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """Llama-family decoder reading and writing a `KVCache`; implements `jaxengine.models.Model`.
+  """Llama-family decoder reading and writing a `KVCache` (slots) or a `PagedKVCache` (pages);
+  implements `jaxengine.models.Model`.
 
   The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied by an
   unrolled Python loop. A `lax.scan` over stacked ``[L, ...]`` weights compiles one layer body,
@@ -265,11 +266,11 @@ class Llama(nnx.Module):
     self,
     token_ids: jax.Array,
     positions: jax.Array,
-    kv_cache: KVCache,
-    attn_metadata: AttentionMetadata | jax.Array,
+    kv_cache: AnyKVCache,
+    attn_metadata: StepMetadata | jax.Array,
     *,
     attention_len: int | None = None,
-  ) -> tuple[jax.Array, KVCache]:
+  ) -> tuple[jax.Array, AnyKVCache]:
     """Runs the decoder over a batch of token rows, updating the KV cache.
 
     Every layer hands its queries, keys and values to `jaxengine.models.attention.attention`,
@@ -288,7 +289,8 @@ class Llama(nnx.Module):
       token_ids: ``[B, T] int32`` input tokens.
       positions: ``[B, T] int32`` absolute position of each token in its sequence.
       kv_cache: the cache to read and update (donate it under jit).
-      attn_metadata: this step's `AttentionMetadata` (what the engine passes), or, the older
+      attn_metadata: this step's `AttentionMetadata` (what the engine passes), a
+        `PagedAttentionMetadata` (with a `PagedKVCache` and flat ``[1, T]`` tokens), or, the older
         form, ``[B] int32`` cache slots with `attention_len`.
       attention_len: static, only with cache slots (the metadata carries its own).
 
@@ -335,11 +337,11 @@ def forward(
   weights: nnx.State,
   token_ids: jax.Array,
   positions: jax.Array,
-  kv_cache: KVCache,
-  attn_metadata: AttentionMetadata | jax.Array,
+  kv_cache: AnyKVCache,
+  attn_metadata: StepMetadata | jax.Array,
   *,
   attention_len: int | None = None,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, AnyKVCache]:
   """Pure form of `Llama.__call__` for the split/merge pattern.
 
   Jit it once with the graph definition static and the cache donated, e.g.
@@ -351,8 +353,9 @@ def forward(
     weights: the model's parameter state from `nnx.split`.
     token_ids: ``[B, T] int32``.
     positions: ``[B, T] int32``.
-    kv_cache: `KVCache`, consumed.
-    attn_metadata: `AttentionMetadata`, or ``[B] int32`` cache slots (see `Llama.__call__`).
+    kv_cache: `KVCache` or `PagedKVCache`, consumed.
+    attn_metadata: `AttentionMetadata`, `PagedAttentionMetadata`, or ``[B] int32`` cache slots
+      (see `Llama.__call__`).
     attention_len: static, with cache slots; cache positions read per slot (None: all).
 
   Returns:

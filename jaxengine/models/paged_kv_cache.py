@@ -1,0 +1,85 @@
+"""The paged key/value cache: a pool of fixed-size pages per layer, in one backend's layout.
+
+Where the slot cache (`jaxengine.models.kv_cache.KVCache`) gives every request ``S`` positions,
+a `PagedKVCache` holds `num_blocks` pages of `block_size` positions per layer, and the engine
+lists each request's pages in a block table (`PagedAttentionMetadata.block_tables`). Only the
+attention seam (`jaxengine.models.attention.attention`) reads and writes it, through the cache's
+`AttentionBackend`, which owns the page layout (``[N, B, K, D]`` keys and values on XLA,
+``[K, N, B, D]`` for the GPU Pallas kernel, ``[N, B, 2K', D]`` keys and values together on TPU).
+
+Each layer's pages are buffers of their own (a tuple per layer, not one ``[L, ...]`` array), so
+a layer's write and read never slice a stacked array (a slice XLA may copy) and every buffer can
+be donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxengine.models.attention_backends import AttentionBackend, KVPages
+from jaxengine.models.kv_cache import KVCacheSpec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedKVCache:
+  """Per-layer pages of keys and values, and the backend that lays them out and reads them.
+
+  Page 0 is the null page: padding tokens write there and nothing real is read from it. A
+  position of a page holds meaningful data only once the request owning the page has written it;
+  the seam never lets a query see a position past its own.
+
+  Attributes:
+    pages: ``L`` tuples of one layer's page arrays in the backend's layout
+      (`AttentionBackend.page_shapes`), keys after rotary embedding, in the cache dtype.
+    backend: the `AttentionBackend` that writes and reads the pages (static).
+    block_size: positions per page ``B`` (static).
+    num_kv_heads: the model's key/value heads ``K`` (static; the TPU layout may pad them).
+  """
+
+  pages: tuple[KVPages, ...]
+  backend: AttentionBackend = dataclasses.field(metadata={"static": True})
+  block_size: int = dataclasses.field(metadata={"static": True})
+  num_kv_heads: int = dataclasses.field(metadata={"static": True})
+
+  @classmethod
+  def create(
+    cls, spec: KVCacheSpec, backend: AttentionBackend, num_blocks: int, block_size: int
+  ) -> PagedKVCache:
+    """Allocates zero-filled pages for every layer of a model.
+
+    Args:
+      spec: the model's `KVCacheSpec` (layers, key/value heads, head dim, dtype).
+      backend: the attention backend whose layout the pages take (`attention_backend()`).
+      num_blocks: pages ``N`` per layer, the null page 0 included (`>= 2`).
+      block_size: positions per page ``B`` (`>= 1`).
+
+    Returns:
+      A `PagedKVCache` whose arrays are separate buffers (so all can be donated).
+
+    Raises:
+      ValueError: `num_blocks < 2` or `block_size < 1`, naming the value.
+    """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+      raise ValueError(
+        f"num_blocks must be an int >= 2 (the null page and one more), got {num_blocks!r}"
+      )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+      raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    pages = tuple(
+      backend.init_pages(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+      for _ in range(spec.num_layers)
+    )
+    return cls(pages=pages, backend=backend, block_size=block_size, num_kv_heads=spec.num_kv_heads)
+
+  @property
+  def num_layers(self) -> int:
+    """Decoder layers ``L``."""
+    return len(self.pages)
+
+  @property
+  def dtype(self) -> jax.typing.DTypeLike:
+    """Storage dtype."""
+    return self.pages[0][0].dtype

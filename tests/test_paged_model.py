@@ -1,0 +1,268 @@
+"""The tiny Llama over pages through the attention seam, against the slot path.
+
+A minimal scheduler (decodes first, then prefill chunks under a token budget, preempting the most
+recently admitted request when the pool runs out) drives `KVCacheManager` and
+`build_paged_step_inputs`; each ragged step runs the unchanged model once over the flat tokens of
+all scheduled requests (`PagedAttentionMetadata` + `PagedKVCache`), and every token it samples
+greedily must come with the same logits (float32, tight tolerance) and be the same token as the
+slot path (`forward` with `AttentionMetadata` over a `KVCache`, one request at a time, prefill
+then decode). One executable per (tokens, requests) bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxengine.engine.kv_cache_manager import KVCacheManager
+from jaxengine.engine.paged_inputs import PagedStepInputs, build_paged_step_inputs
+from jaxengine.models.attention import AttentionMetadata, attention
+from jaxengine.models.attention_backends import (
+  AttentionBackend,
+  PallasGpuAttentionBackend,
+  XlaAttentionBackend,
+)
+from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.llama import compute_logits, forward
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.paged_kv_cache import PagedKVCache
+from jaxengine.testing import count_compiles, tiny_llama
+
+BLOCK = 4
+P = 8  # block-table bucket: 32 positions per request
+TOKEN_BUCKETS = (4, 8, 16)  # the last is the step's token budget
+REQ_BUCKETS = (2, 4)
+MAX_NEW = 6
+SLOT_LEN = 64  # slot cache positions (the reference)
+PREFIX = [5, 17, 9, 33, 42, 71, 8, 100, 64]
+PROMPTS = [
+  PREFIX + [10, 11],  # 11 tokens
+  PREFIX + [12],  # shares PREFIX's two full blocks with the first
+  [3, 99, 4, 120, 7, 7, 200, 13, 55, 60, 61, 62, 90, 91, 92, 93, 94, 95, 30, 31],  # 20: chunked
+  PREFIX[:5],
+  PREFIX + [10, 11, 77],  # shares three full blocks with the first
+]
+
+
+@functools.cache
+def _model():
+  return nnx.split(tiny_llama()[0])
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _paged_step(graphdef, weights, token_ids, positions, cache, md, logits_indices):
+  """`[R, V]` logits of each request's last query token, and the updated pages."""
+  hidden, cache = forward(graphdef, weights, token_ids[None], positions[None], cache, md)
+  return compute_logits(graphdef, weights, hidden[0, logits_indices]), cache
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _slot_step(graphdef, weights, token_ids, positions, cache):
+  """`[1, T, V]` logits of one request's row (slot 0) and the updated cache."""
+  md = AttentionMetadata(cache_slots=jnp.zeros(1, jnp.int32), positions=positions)
+  hidden, cache = forward(graphdef, weights, token_ids, positions, cache, md)
+  return compute_logits(graphdef, weights, hidden), cache
+
+
+def _slot_greedy(prompt: list[int]) -> tuple[list[int], dict[int, np.ndarray]]:
+  """The slot path: prefill (padded to 32 tokens at positions >= S) then greedy decode.
+
+  Returns the sampled tokens and the logits each came from, by the position they were read at.
+  """
+  graphdef, weights = _model()
+  cache = KVCache.create(_spec(), 1, SLOT_LEN)
+  ids = np.zeros((1, 32), np.int32)
+  ids[0, : len(prompt)] = prompt
+  positions = np.full((1, 32), SLOT_LEN, np.int32)
+  positions[0, : len(prompt)] = np.arange(len(prompt))
+  logits, cache = _slot_step(graphdef, weights, ids, positions, cache)
+  row = np.asarray(logits[0, len(prompt) - 1])
+  tokens, by_position = list(prompt), {len(prompt) - 1: row}
+  for _ in range(MAX_NEW - 1):
+    tokens.append(int(row.argmax()))
+    position = np.array([[len(tokens) - 1]], np.int32)
+    logits, cache = _slot_step(
+      graphdef, weights, np.array([[tokens[-1]]], np.int32), position, cache
+    )
+    row = np.asarray(logits[0, 0])
+    by_position[len(tokens) - 1] = row
+  tokens.append(int(row.argmax()))
+  return tokens[len(prompt) :], by_position
+
+
+def _spec():
+  """The tiny model's `KVCacheSpec`."""
+  graphdef, weights = _model()
+  return nnx.merge(graphdef, weights).kv_cache_spec
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int:
+  return next(b for b in buckets if b >= value)
+
+
+class _PagedRun:
+  """Requests over a `KVCacheManager` and a `PagedKVCache`, one ragged model step at a time."""
+
+  def __init__(self, num_blocks: int, backend: AttentionBackend) -> None:
+    self.manager = KVCacheManager(num_blocks, block_size=BLOCK)
+    self.cache = PagedKVCache.create(_spec(), backend, num_blocks, BLOCK)
+    self.tokens = {f"r{i}": list(p) for i, p in enumerate(PROMPTS)}
+    self.prompt_len = {r: len(p) for r, p in self.tokens.items()}
+    self.computed = dict.fromkeys(self.tokens, 0)
+    self.waiting = list(self.tokens)
+    self.running: list[str] = []
+    self.logits: dict[str, dict[int, np.ndarray]] = {r: {} for r in self.tokens}
+    self.buckets: list[tuple[int, int]] = []
+    self.decode_only_steps = 0
+
+  def schedule(self) -> dict[str, int]:
+    budget, picked = TOKEN_BUCKETS[-1], {}
+    for req_id in list(self.running):
+      if budget == 0:
+        break
+      if req_id not in self.running:  # preempted for an earlier one this step
+        continue
+      num_new = min(budget, len(self.tokens[req_id]) - self.computed[req_id])
+      while self._allocate(req_id, num_new) is None:
+        victim = self.running.pop()  # the most recently admitted
+        self.manager.preempt(victim)
+        self.computed[victim] = 0
+        budget += picked.pop(victim, 0)
+        self.waiting.insert(0, victim)
+        if victim == req_id:
+          break
+      else:
+        picked[req_id] = num_new
+        budget -= num_new
+    while self.waiting and budget and len(picked) < REQ_BUCKETS[-1]:
+      req_id = self.waiting[0]
+      hit = self.manager.get_computed_blocks(self.tokens[req_id])
+      num_new = min(budget, len(self.tokens[req_id]) - hit.num_computed_tokens)
+      if self._allocate(req_id, num_new, hit) is None:
+        break
+      self.computed[req_id] = hit.num_computed_tokens
+      self.running.append(self.waiting.pop(0))
+      picked[req_id] = num_new
+      budget -= num_new
+    return picked
+
+  def _allocate(self, req_id, num_new, hit=None):
+    return self.manager.allocate_slots(
+      req_id, num_new, num_computed_tokens=self.computed[req_id], token_ids=self.tokens[req_id],
+      new_computed_blocks=hit,
+    )  # fmt: skip
+
+  def inputs(self, picked: dict[str, int]) -> tuple[PagedStepInputs, np.ndarray]:
+    ids = list(picked)
+    total = sum(picked.values())
+    num_tokens, num_reqs = _bucket(total, TOKEN_BUCKETS), _bucket(len(ids), REQ_BUCKETS)
+    self.buckets.append((num_tokens, num_reqs))
+    inputs = build_paged_step_inputs(
+      [self.manager.get_block_ids(r) for r in ids], [self.computed[r] for r in ids],
+      [picked[r] for r in ids], block_size=BLOCK, num_tokens=num_tokens, num_reqs=num_reqs,
+      max_blocks_per_req=P,
+    )  # fmt: skip
+    token_ids = np.zeros(num_tokens, np.int32)
+    owner = [r for r in ids for _ in range(picked[r])]
+    for t, req_id in enumerate(owner):
+      token_ids[t] = self.tokens[req_id][inputs.positions[t]]
+    return inputs, token_ids
+
+  def run_step(self, picked: dict[str, int]) -> None:
+    graphdef, weights = _model()
+    inputs, token_ids = self.inputs(picked)
+    self.decode_only_steps += all(n == 1 for n in picked.values())
+    logits, self.cache = _paged_step(
+      graphdef, weights, token_ids, inputs.positions, self.cache, inputs.metadata(),
+      inputs.logits_indices,
+    )  # fmt: skip
+    logits = np.asarray(logits)
+    for index, req_id in enumerate(picked):
+      self.computed[req_id] += picked[req_id]
+      tokens = self.tokens[req_id]
+      if self.computed[req_id] < len(tokens):  # a prefill chunk short of the prompt's end
+        continue
+      self.logits[req_id][len(tokens) - 1] = logits[index]
+      tokens.append(int(logits[index].argmax()))
+      if len(tokens) - self.prompt_len[req_id] == MAX_NEW:
+        self.running.remove(req_id)
+        self.manager.free(req_id)
+
+  def run(self) -> None:
+    for _ in range(80):
+      picked = self.schedule()
+      if not picked:
+        break
+      self.run_step(picked)
+    assert not self.running and not self.waiting
+
+
+@functools.cache
+def _slot_reference() -> dict[str, tuple[list[int], dict[int, np.ndarray]]]:
+  return {f"r{i}": _slot_greedy(p) for i, p in enumerate(PROMPTS)}
+
+
+def _check_against_slots(run: _PagedRun) -> None:
+  for req_id, (tokens, logits) in _slot_reference().items():
+    assert run.tokens[req_id][run.prompt_len[req_id] :] == tokens, req_id
+    assert sorted(run.logits[req_id]) == sorted(logits), req_id
+    for position, row in logits.items():
+      np.testing.assert_allclose(run.logits[req_id][position], row, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_blocks", [40, 9])  # 9: 8 usable blocks force preemptions
+def test_paged_model_matches_slot_path(num_blocks):
+  _slot_reference()  # compiled outside the count
+  run = _PagedRun(num_blocks, XlaAttentionBackend())
+  with count_compiles() as compiles:
+    run.run()
+  _check_against_slots(run)
+  assert compiles.count == len(set(run.buckets))  # one executable per (tokens, requests) bucket
+  assert len(set(run.buckets)) >= 3 and run.decode_only_steps > 0
+  stats = run.manager.stats
+  assert stats.num_used_blocks == 0 and stats.prefix_cache_hits >= 2 * BLOCK
+  assert (stats.num_preemptions > 0) == (num_blocks == 9)
+
+
+def test_paged_model_gpu_pallas_interpret_matches_slot_path():
+  """Decode-only steps take the GPU Pallas kernel (interpret mode), mixed steps the XLA path."""
+  run = _PagedRun(40, PallasGpuAttentionBackend(interpret=True))
+  run.run()
+  assert run.decode_only_steps > 0
+  _check_against_slots(run)
+
+
+def test_paged_seam_refusals():
+  spec = _spec()
+  backend = XlaAttentionBackend()
+  cache = PagedKVCache.create(spec, backend, 4, BLOCK)
+  assert (cache.num_layers, len(cache.pages[0])) == (spec.num_layers, 2)
+  assert cache.pages[0][0].shape == (4, BLOCK, spec.num_kv_heads, spec.head_dim)
+  md = PagedAttentionMetadata(
+    slot_mapping=jnp.zeros(3, jnp.int32), block_tables=jnp.zeros((1, 2), jnp.int32),
+    query_start_loc=jnp.array([0, 3], jnp.int32), seq_lens=jnp.array([3], jnp.int32),
+    num_reqs=jnp.array(1, jnp.int32),
+  )  # fmt: skip
+  q = jnp.zeros((3, 4, spec.head_dim))
+  kv = jnp.zeros((3, spec.num_kv_heads, spec.head_dim))
+  assert attention(q, kv, kv, cache, 0, md, scale=1.0).output.shape == q.shape
+  with pytest.raises(ValueError, match="sliding_window=8"):
+    attention(q, kv, kv, cache, 0, md, scale=1.0, sliding_window=8)
+  with pytest.raises(ValueError, match=r"queries .* hold 2 tokens, slot_mapping 3"):
+    attention(q[:2], kv[:2], kv[:2], cache, 0, md, scale=1.0)
+  with pytest.raises(ValueError, match="needs a PagedKVCache"):
+    attention(q, kv, kv, KVCache.create(spec, 1, 8), 0, md, scale=1.0)
+  slot_md = AttentionMetadata(
+    cache_slots=jnp.zeros(1, jnp.int32), positions=jnp.zeros((1, 3), jnp.int32)
+  )
+  with pytest.raises(ValueError, match="needs a KVCache"):
+    attention(q[None], kv[None], kv[None], cache, 0, slot_md, scale=1.0)
+  with pytest.raises(ValueError, match="num_blocks must be an int >= 2"):
+    PagedKVCache.create(spec, backend, 1, BLOCK)
+  with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+    PagedKVCache.create(spec, backend, 4, 0)
