@@ -11,6 +11,7 @@ one check in `__post_init__`); the runner and the engine read it from the config
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -225,18 +226,32 @@ def engine_config(
 
   Raises:
     TypeError: for an option that is not an `EngineConfig` field, as for any unknown keyword
-      (naming `caller` and the option).
+      (naming `caller` and the option, and the field it may stand for: a close spelling, or the
+      field vLLM's `max_num_seqs` / `max_logprobs` are here).
     ValueError: as `EngineConfig`.
   """
-  names = {field.name for field in dataclasses.fields(EngineConfig)}
+  names = [field.name for field in dataclasses.fields(EngineConfig)]
   unknown = [name for name in options if name not in names]
   if unknown:
-    raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    raise TypeError(
+      f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+      + _did_you_mean(unknown[0], names)
+    )
   if config is None:
     return EngineConfig(**options)
   if not isinstance(config, EngineConfig):
     raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
   return config.replace(**options) if options else config
+
+
+#: vLLM's `LLM` keywords whose `EngineConfig` field has another name.
+VLLM_NAMES = {"max_num_seqs": "max_num_reqs", "max_logprobs": "max_num_logprobs"}
+
+
+def _did_you_mean(name: str, names: Sequence[str]) -> str:
+  """A hint for an unknown option: its field under vLLM's name, else the closest field name."""
+  close = [VLLM_NAMES[name]] if name in VLLM_NAMES else difflib.get_close_matches(name, names, 1)
+  return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _check_dtype(dtype: Any) -> Any:
