@@ -57,7 +57,7 @@ class EngineConfig:
       refused).
     compilation_cache: JAX's persistent compilation cache: True (default: the
       `JAXENGINE_COMPILATION_CACHE` directory, else `~/.cache/jaxengine/xla`), a directory, or
-      False (see `jaxengine.compilation_cache`).
+      False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
       `LLMEngine`); 1 on a mesh.
@@ -127,7 +127,9 @@ class EngineConfig:
         raise ValueError(f"download_dir must be a path, got {self.download_dir!r}")
       self._set("download_dir", os.fspath(self.download_dir))
     self._check_parallel()
-    resolve_cache_dir(self.compilation_cache)  # refuses anything but a bool or a path
+    off = resolve_cache_dir(self.compilation_cache) is None  # refuses all but a bool or a path
+    if off and not isinstance(self.compilation_cache, bool):
+      self._set("compilation_cache", False)  # an "off" spelling is stored as False
     for name in ("precompile", "prefill_once_per_request"):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
