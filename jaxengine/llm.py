@@ -17,7 +17,7 @@ from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.engine.placement import num_attention_heads
-from jaxengine.models import Model, load_gguf
+from jaxengine.models import Model, check_model, load_gguf
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
 from jaxengine.models.hub import resolve_model
 from jaxengine.models.safetensors_loader import (
@@ -100,7 +100,8 @@ class LLM:
     TypeError: a keyword that is not an `EngineConfig` field.
     FileNotFoundError: no such file, directory or hub id (the message names it), a directory
       without weights, or the default model is not installed (the message gives the command).
-    ValueError: an unsupported architecture or rope type (named), a checkpoint whose tensors do
+    ValueError: a built model that does not implement `jaxengine.models.Model` (naming what it
+      lacks), an unsupported architecture or rope type (named), a checkpoint whose tensors do
       not match its config, `max_model_len` above the model's `max_position_embeddings`, or
       invalid batch settings; a `tensor_parallel_size` that does not divide the query heads
       (both numbers named, before any tensor is read for a Hugging Face directory), a
@@ -120,6 +121,8 @@ class LLM:
     config = engine_config(config, options, "LLM")  # every option checked before loading
     self.config = config
     t = config.tensor_parallel_size
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+      check_model(model)  # before the process-wide compilation cache is turned on
     if isinstance(model, Model) and num_attention_heads(model) is not None:
       parallel.check_heads(cast(int, num_attention_heads(model)), t)
     # Before anything compiles (loading a model does): every executable then goes to the cache.

@@ -12,6 +12,7 @@ import jaxengine as je
 from jaxengine.cli import build_parser
 from jaxengine.cli_engine_flags import ENGINE_FLAGS, engine_options
 from jaxengine.engine import EngineConfig, LLMEngine
+from jaxengine.engine.engine_config import engine_config
 from jaxengine.engine.speculative import SpeculativeConfig
 from jaxengine.testing import TargetOnly, tiny_llama
 
@@ -140,3 +141,21 @@ def test_the_command_builds_the_same_config_from_its_flag_table():
     precompile=True,
     max_num_logprobs=30,
   )
+
+
+@pytest.mark.parametrize(
+  ("option", "hint"),
+  [
+    ("max_num_seqs", "max_num_reqs"),
+    ("max_logprobs", "max_num_logprobs"),
+    ("max_modl_len", "max_model_len"),
+  ],
+)
+def test_an_unknown_option_names_the_field_it_may_stand_for(option, hint):
+  """A misspelled option, or vLLM's name for one, is a TypeError that suggests the field."""
+  with pytest.raises(
+    TypeError, match=rf"unexpected keyword argument '{option}'; did you mean '{hint}'\?"
+  ):
+    engine_config(None, {option: 4}, "LLM")
+  with pytest.raises(TypeError, match=r"argument 'no_such_thing'$"):
+    engine_config(None, {"no_such_thing": 4}, "LLM")

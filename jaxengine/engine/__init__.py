@@ -22,6 +22,9 @@ speculative.py        n-gram speculative decoding: the config, the host proposer
 speculative_policy.py when a step verifies drafts: the cost policy
 verify.py             the verify step: the model over k + 1 positions, then rejection_sample
 output_processor.py   tokens -> logprob dicts, text and stop rules
+block_pool.py         the paged KV cache (not yet used by the engine): blocks, reference counts
+kv_cache_manager.py   the paged KV cache: per-request block tables, prefix hits by block hash
+paged_inputs.py       the paged KV cache: a ragged step's positions, slots, attention metadata
 """
 
 from jaxengine.engine.core import LLMEngine

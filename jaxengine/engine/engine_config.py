@@ -11,6 +11,7 @@ one check in `__post_init__`); the runner and the engine read it from the config
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ class EngineConfig:
       refused).
     compilation_cache: JAX's persistent compilation cache: True (default: the
       `JAXENGINE_COMPILATION_CACHE` directory, else `~/.cache/jaxengine/xla`), a directory, or
-      False (see `jaxengine.compilation_cache`).
+      False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
       `LLMEngine`); 1 on a mesh.
@@ -126,7 +127,9 @@ class EngineConfig:
         raise ValueError(f"download_dir must be a path, got {self.download_dir!r}")
       self._set("download_dir", os.fspath(self.download_dir))
     self._check_parallel()
-    resolve_cache_dir(self.compilation_cache)  # refuses anything but a bool or a path
+    off = resolve_cache_dir(self.compilation_cache) is None  # refuses all but a bool or a path
+    if off and not isinstance(self.compilation_cache, bool):
+      self._set("compilation_cache", False)  # an "off" spelling is stored as False
     for name in ("precompile", "prefill_once_per_request"):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
@@ -225,18 +228,32 @@ def engine_config(
 
   Raises:
     TypeError: for an option that is not an `EngineConfig` field, as for any unknown keyword
-      (naming `caller` and the option).
+      (naming `caller` and the option, and the field it may stand for: a close spelling, or the
+      field vLLM's `max_num_seqs` / `max_logprobs` are here).
     ValueError: as `EngineConfig`.
   """
-  names = {field.name for field in dataclasses.fields(EngineConfig)}
+  names = [field.name for field in dataclasses.fields(EngineConfig)]
   unknown = [name for name in options if name not in names]
   if unknown:
-    raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    raise TypeError(
+      f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+      + _did_you_mean(unknown[0], names)
+    )
   if config is None:
     return EngineConfig(**options)
   if not isinstance(config, EngineConfig):
     raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
   return config.replace(**options) if options else config
+
+
+#: vLLM's `LLM` keywords whose `EngineConfig` field has another name.
+VLLM_NAMES = {"max_num_seqs": "max_num_reqs", "max_logprobs": "max_num_logprobs"}
+
+
+def _did_you_mean(name: str, names: Sequence[str]) -> str:
+  """A hint for an unknown option: its field under vLLM's name, else the closest field name."""
+  close = [VLLM_NAMES[name]] if name in VLLM_NAMES else difflib.get_close_matches(name, names, 1)
+  return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _check_dtype(dtype: Any) -> Any:

