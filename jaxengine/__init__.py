@@ -18,6 +18,8 @@ Core (no model needed):
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
   LLMEngine            continuous batching step loop (engine.py)
+  AsyncLLM             the engine in a background thread, outputs streamed to asyncio
+                       (entrypoints/async_llm.py; `jaxengine serve` is its HTTP server)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
 
 Shape legend (every module, docstring and shape comment uses these letters):
@@ -49,10 +51,16 @@ from jaxengine.sample import (
   sample_step,
 )
 
-_LAZY = {"LLM": "jaxengine.llm", "LLMEngine": "jaxengine.engine", "make_mesh": "jaxengine.parallel"}
+_LAZY = {
+  "LLM": "jaxengine.llm",
+  "LLMEngine": "jaxengine.engine",
+  "make_mesh": "jaxengine.parallel",
+  "AsyncLLM": "jaxengine.entrypoints.async_llm",
+}
 
 __all__ = [
   "LLM",
+  "AsyncLLM",
   "BatchConfig",
   "BatchState",
   "CompletionOutput",
