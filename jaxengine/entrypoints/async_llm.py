@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from jaxengine.outputs import CompletionOutput, RequestOutput
@@ -192,7 +192,7 @@ class AsyncLLM:
     request_id: str | None = None,
     *,
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-  ) -> AsyncIterator[RequestOutput]:
+  ) -> AsyncGenerator[RequestOutput, None]:
     """Queues a request and yields its outputs as tokens come.
 
     Args:

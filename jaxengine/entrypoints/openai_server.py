@@ -40,6 +40,7 @@ from jaxengine.entrypoints.protocol import (
   RequestError,
   TokenizeRequest,
   error_body,
+  field_named,
   json_dumps,
 )
 from jaxengine.outputs import CompletionOutput, RequestOutput
@@ -330,7 +331,8 @@ class _Run:
       error = errors[0]
       if isinstance(error, ValueError) and not isinstance(error, RequestError):
         message = str(error)
-        raise RequestError(message, self.prompt_field if "prompt" in message else None)
+        param = field_named(message) or (self.prompt_field if "prompt" in message else None)
+        raise RequestError(message, param)
       raise error
     return results  # type: ignore[return-value]
 
@@ -464,7 +466,8 @@ def _chat_logprobs(c: CompletionOutput, num_logprobs: int | None) -> dict | None
   content = []
   for token_id, entries in zip(c.token_ids, c.logprobs):
     top = sorted(
-      (e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank
+      (e for e in entries.values() if e.rank is not None and e.rank <= k),
+      key=lambda e: e.rank or 0,
     )
     content.append({**entry(entries[token_id]), "top_logprobs": [entry(e) for e in top]})
   return {"content": content}

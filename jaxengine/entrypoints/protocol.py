@@ -131,7 +131,7 @@ class SamplingRequest(BaseModel):
         **fields,
       )
     except ValueError as error:
-      raise RequestError(str(error), _field_named(str(error))) from None
+      raise RequestError(str(error), field_named(str(error))) from None
 
   def _structured_outputs(self) -> StructuredOutputsParams | None:
     if self.structured_outputs is not None and self.response_format not in (None, _TEXT):
@@ -142,7 +142,8 @@ class SamplingRequest(BaseModel):
       if self.structured_outputs is not None:
         so = self.structured_outputs
         return StructuredOutputsParams(
-          json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+          json=so.json_, regex=so.regex, grammar=so.grammar,
+          choice=None if so.choice is None else tuple(so.choice),
           json_object=so.json_object,
         )  # fmt: skip
       fmt = self.response_format
@@ -247,7 +248,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
   return out
 
 
-def _field_named(message: str) -> str | None:
+def field_named(message: str) -> str | None:
   """The request field a `SamplingParams` error message starts with, if any."""
   match = re.match(r"[a-z_]+", message)
   if match and match.group() in _FIELDS:
