@@ -105,6 +105,20 @@ def test_completions_equal_llm_generate(server, client, kind, stream):
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
+def test_a_batch_of_prompts_and_n_samples(server, client):
+  """A list of prompts streams as choices `prompt index * n + sample index`, each as alone."""
+  texts = {0: "", 1: ""}
+  for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, stream=True, **GREEDY):
+    for choice in chunk.choices:
+      texts[choice.index] += choice.text
+  assert [texts[0], texts[1]] == [ref.text for ref in server["refs"]["greedy"]]
+  response = client.completions.create(
+    model=MODEL, prompt=PROMPTS, n=2, seed=3, temperature=1.0, max_tokens=4
+  )
+  assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+  assert 4 <= response.usage.completion_tokens <= 16  # 4 samples of 1 to 4 tokens
+
+
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_chat_equals_llm_chat(server, client, kind):
   ref = server["refs"]["chat-" + kind]
@@ -335,3 +349,28 @@ def test_async_llm_deltas_abort_and_shutdown(server):
   assert len(final) == 1 and cumulative[-1].outputs == final[0].outputs
   assert not first.finished and rest[-1].outputs[0].finish_reason == "abort"
   assert len(rest[-1].outputs[0].token_ids) < 120
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, monkeypatch):
+  engine = server["engine"]
+  real_step = engine.engine.step
+  failures = []
+
+  def step():
+    if not failures:
+      failures.append(True)
+      raise RuntimeError("injected step failure")
+    return real_step()
+
+  monkeypatch.setattr(engine.engine, "step", step)
+  params = je.SamplingParams(max_tokens=3)
+
+  async def main():
+    with pytest.raises(RuntimeError, match="injected step failure"):
+      async for _ in engine.generate("hi", params):
+        pass
+    return [o async for o in engine.generate("hi", params)]
+
+  outputs = asyncio.run(main())
+  assert failures and outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+  assert engine.is_running and engine.num_requests_running == 0
