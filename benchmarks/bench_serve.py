@@ -12,6 +12,10 @@ p99 of time to first token (TTFT) and time per output token after the first (TPO
 
   python benchmarks/bench_serve.py --rates 1,2,4,inf --num-prompts 32
   python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --model NAME   # a running server
+  python benchmarks/bench_serve.py --rates inf --offline   # and the same requests via LLM.generate
+
+Against vLLM: start `vllm serve MODEL` on the same machine and pass `--url` (vLLM's CPU build is
+built from source, not a PyPI wheel; it was not installed on the machine these figures came from).
 """
 
 from __future__ import annotations
@@ -134,6 +138,25 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout: float = 600)
   raise SystemExit("the server did not come up")
 
 
+def offline_baseline(args, prompts, output_lens) -> None:
+  """The same requests through `LLM.generate` in this process, all at once (best of 2; run
+  after the server has stopped): what the engine does without HTTP, threads or streaming."""
+  import jaxengine as je
+
+  llm = je.LLM(args.served_model, max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len)
+  params = [
+    je.SamplingParams(temperature=0.8, ignore_eos=True, max_tokens=int(n)) for n in output_lens
+  ]
+  best = math.inf
+  for _ in range(2):
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    best = min(best, time.perf_counter() - start)
+  tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+  print(f"offline LLM.generate, all at once: {best:.1f} s, {len(prompts) / best:.2f} req/s, "
+        f"{tokens / best:.1f} out tok/s")  # fmt: skip
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -148,6 +171,9 @@ def main() -> None:
   parser.add_argument("--output-len", type=int, default=64, help="median output tokens")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", default=None, help="also write the rows to this file")
+  parser.add_argument(
+    "--offline", action="store_true", help="then the same requests through LLM.generate"
+  )
   args = parser.parse_args()
 
   process = None
@@ -189,6 +215,8 @@ def main() -> None:
     if process is not None:
       process.terminate()
       process.wait(60)
+  if args.offline:
+    offline_baseline(args, prompts, output_lens)
 
 
 if __name__ == "__main__":
