@@ -20,6 +20,8 @@ Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
   LLMEngine            continuous batching step loop (engine/core.py)
   EngineConfig         the engine's options, validated once (engine/engine_config.py)
+  AsyncLLM             the engine in a background thread, outputs streamed to asyncio
+                       (entrypoints/async_llm.py; `jaxengine serve` is its HTTP server)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
 
 Shape legend (every module, docstring and shape comment uses these letters):
@@ -56,10 +58,12 @@ _LAZY = {
   "LLMEngine": "jaxengine.engine",
   "EngineConfig": "jaxengine.engine",
   "make_mesh": "jaxengine.parallel",
+  "AsyncLLM": "jaxengine.entrypoints.async_llm",
 }
 
 __all__ = [
   "LLM",
+  "AsyncLLM",
   "BatchConfig",
   "BatchState",
   "CompletionOutput",

@@ -1,4 +1,5 @@
-"""The `jaxengine` command: `jaxengine generate PROMPT...` and `jaxengine chat [MESSAGE]`.
+"""The `jaxengine` command: `jaxengine generate PROMPT...`, `jaxengine chat [MESSAGE]` and
+`jaxengine serve [MODEL]` (an OpenAI-compatible server: `jaxengine/entrypoints/serve.py`).
 
 Also `python -m jaxengine`. Sampling flags mirror `SamplingParams` field names (`--top-p` is
 `top_p`), with one difference: `--temperature` defaults to 0 (greedy) where `SamplingParams`
@@ -27,6 +28,7 @@ from jaxengine.cli_checks import (
   token_id_list,
 )
 from jaxengine.cli_engine_flags import add_engine_flags, engine_options
+from jaxengine.entrypoints.serve import add_serve_flags
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
@@ -245,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
   _add_sampling_flags(chat, max_tokens=256)
   _add_structured_flags(chat)
   add_engine_flags(chat)
+  serve = commands.add_parser(
+    "serve",
+    help="serve the model over HTTP (OpenAI-compatible API)",
+    description="Serve MODEL with OpenAI's /v1/completions and /v1/chat/completions.",
+    formatter_class=_HelpFormatter,
+  )
+  add_serve_flags(serve)
+  add_engine_flags(serve)
   return parser
 
 
@@ -322,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     SystemExit: from argparse, for `--help` (status 0) and usage errors (status 2).
   """
   args = build_parser().parse_args(argv)
+  if args.command == "serve":
+    from jaxengine.entrypoints.serve import run_server
+
+    return run_server(args)
   try:
     params = _sampling_params(args)
   except ValueError as error:

@@ -132,8 +132,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(entry.flag, **entry.options)
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-  """The `EngineConfig` fields the parsed flags set (flags left unset keep the field's default)."""
+def engine_flag_options(args: argparse.Namespace) -> dict[str, Any]:
+  """The `EngineConfig` fields the `ENGINE_FLAGS` set (flags left unset keep the field's default);
+  what `jaxengine serve` passes to its engine."""
   options = {}
   for entry in ENGINE_FLAGS:
     value = getattr(args, entry.dest)
@@ -141,6 +142,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
       value = entry.convert(value)
     if value is not None:
       options[entry.field] = value
+  return options
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+  """The `EngineConfig` fields the parsed flags of `generate` / `chat` set: the `ENGINE_FLAGS`,
+  plus `max_num_logprobs` from `--logprobs` and `logits_processors` from `--logits-processor`."""
+  options = engine_flag_options(args)
   options["max_num_logprobs"] = -1 if args.logprobs == -1 else max(20, args.logprobs or 0)
   options["logits_processors"] = args.logits_processor
   return options

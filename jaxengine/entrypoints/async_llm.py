@@ -1,0 +1,461 @@
+"""`AsyncLLM`: an `LLMEngine` stepping in a background thread, its outputs streamed to asyncio.
+
+One engine thread owns the `LLMEngine` (the engine is not thread-safe, so nothing else touches
+it). Callers on any event loop talk to it through a command queue: `generate` queues an add and
+`abort` an abort; the thread applies the queued commands between steps, so requests join and
+leave at step boundaries while the compiled step keeps running. After each step the thread posts
+every advanced request's cumulative `RequestOutput` to that request's mailbox on its own event
+loop (`loop.call_soon_threadsafe`, one call per loop and step); a mailbox keeps only the latest
+snapshot, so a slow reader catches up in one read and nothing queues up behind it. The step runs
+XLA code that releases the GIL, so the event loop keeps serving while the device works.
+
+A request's output kind (vLLM's `RequestOutputKind`) chooses what `generate` yields: the whole
+output so far (CUMULATIVE), only what is new since the last yield (DELTA), or the final output
+alone (FINAL_ONLY). While a request with stop strings runs, the last `len(longest stop) - 1`
+characters of its text are held back, so text that a stop string later removes is never shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from jaxengine.outputs import CompletionOutput, RequestOutput
+from jaxengine.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutputKind(enum.Enum):
+  """What `AsyncLLM.generate` yields (vLLM's names)."""
+
+  CUMULATIVE = 0  # everything so far, every time
+  DELTA = 1  # text, token ids and logprobs added since the previous yield
+  FINAL_ONLY = 2  # one output, once the request finishes
+
+
+class EngineDeadError(RuntimeError):
+  """The engine thread has stopped (`shutdown`, or it failed); no request can be served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRequestStats:
+  """One finished request, for metrics (times in seconds)."""
+
+  finish_reason: str
+  e2e_latency_s: float
+  num_prompt_tokens: int
+  num_generation_tokens: int
+
+
+@dataclasses.dataclass
+class IterationStats:
+  """What one engine step did, for metrics (times in seconds, tokens summed over requests).
+
+  Attributes:
+    num_running: completions holding a row after the step.
+    num_waiting: completions waiting for a row after the step.
+    num_prompt_tokens: prompt tokens of the requests that produced their first token.
+    num_generation_tokens: tokens generated in the step.
+    time_to_first_tokens_s: one entry per request that produced its first token.
+    time_per_output_tokens_s: one entry per generated token after a request's first.
+    finished: the requests that finished (or were aborted) in the step.
+  """
+
+  num_running: int = 0
+  num_waiting: int = 0
+  num_prompt_tokens: int = 0
+  num_generation_tokens: int = 0
+  time_to_first_tokens_s: list[float] = dataclasses.field(default_factory=list)
+  time_per_output_tokens_s: list[float] = dataclasses.field(default_factory=list)
+  finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+
+
+#: Called on the engine thread after every step (and abort) with its `IterationStats`.
+StatLogger = Callable[[IterationStats], None]
+
+
+class _Mailbox:
+  """A request's latest output or error, read on its event loop."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    self.loop = loop
+    self.event = asyncio.Event()
+    self.latest: RequestOutput | None = None
+    self.error: BaseException | None = None
+    self.done = False  # the engine thread has let go of the request (finished or failed)
+
+  def put(self, output: RequestOutput) -> None:
+    self.latest = output
+    self.done = self.done or output.finished
+    self.event.set()
+
+  def fail(self, error: BaseException) -> None:
+    self.error, self.done = error, True
+    self.event.set()
+
+  async def get(self) -> RequestOutput:
+    await self.event.wait()
+    self.event.clear()
+    if self.error is not None:
+      raise self.error
+    assert self.latest is not None
+    return self.latest
+
+
+@dataclasses.dataclass
+class _Add:
+  request_id: str
+  prompt: Any
+  params: SamplingParams
+  mailbox: _Mailbox
+  arrival_time: float
+
+
+@dataclasses.dataclass
+class _Abort:
+  request_id: str
+
+
+@dataclasses.dataclass
+class _Tracked:
+  """The engine thread's record of a request it serves."""
+
+  mailbox: _Mailbox
+  arrival_time: float
+  n: int = 1
+  num_prompt_tokens: int = 0
+  num_tokens: int = 0
+  last_token_time: float = 0.0
+  last_output: RequestOutput | None = None
+
+
+_STOP = object()
+
+
+class AsyncLLM:
+  """An `LLMEngine` driven by a background thread, for asyncio servers (vLLM's `AsyncLLM`).
+
+  Args:
+    model: what `jaxengine.LLM` takes (None: the default SmolLM2 model); or a built `LLM`,
+      whose engine this then drives (do not call the `LLM`'s own methods while it does).
+    stat_loggers: callables given each step's `IterationStats` on the engine thread (the
+      server's Prometheus metrics are one).
+    **llm_kwargs: the `LLM` constructor's options (`max_num_reqs`, `max_model_len`, ...).
+
+  Attributes:
+    llm: the `LLM` whose `llm_engine` the thread drives.
+    num_requests_running: completions holding a batch row after the latest step.
+    num_requests_waiting: completions waiting for a row after the latest step.
+    num_aborted: requests aborted so far (by `abort` or by callers that stopped reading).
+
+  Raises:
+    As `jaxengine.LLM`.
+  """
+
+  def __init__(self, model=None, *, stat_loggers: list[StatLogger] | None = None, **llm_kwargs):
+    from jaxengine.llm import LLM  # the model and engine load only when an AsyncLLM is built
+
+    self.llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
+    self.engine = self.llm.llm_engine
+    self.tokenizer = self.engine.tokenizer
+    self.max_model_len: int = self.engine.max_model_len
+    self.stat_loggers = list(stat_loggers or [])
+    self.num_requests_running = 0
+    self.num_requests_waiting = 0
+    self.num_aborted = 0
+    self.error: BaseException | None = None  # why the engine thread stopped, if it failed
+    self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    self._tracked: dict[str, _Tracked] = {}
+    self._thread = threading.Thread(target=self._run, name="jaxengine-engine", daemon=True)
+    self._thread.start()
+
+  # --- the asyncio side -----------------------------------------------------------------------
+
+  @property
+  def is_running(self) -> bool:
+    """Whether the engine thread is alive and accepting requests."""
+    return self._thread.is_alive()
+
+  async def generate(
+    self,
+    prompt,
+    sampling_params: SamplingParams | None = None,
+    request_id: str | None = None,
+    *,
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+  ) -> AsyncGenerator[RequestOutput, None]:
+    """Queues a request and yields its outputs as tokens come.
+
+    Args:
+      prompt: text, token ids or vLLM's prompt dict, as `LLM.generate` takes.
+      sampling_params: default `SamplingParams()`.
+      request_id: unique among running requests; default a random hex id.
+      output_kind: CUMULATIVE (default), DELTA or FINAL_ONLY (see the module docstring).
+
+    Yields:
+      `RequestOutput`s; the last has `finished` True.
+
+    Raises:
+      ValueError: (from the first iteration) anything `LLMEngine.add_request` refuses, or a
+        request id already running.
+      EngineDeadError: the engine thread has stopped.
+      Exception: the error of a step that failed while the request ran (the request is gone).
+
+    A caller that stops iterating before the last output (a `break`, a cancelled task, a
+    closed generator) aborts the request: its row is freed at the next step boundary.
+    """
+    if not self.is_running:
+      raise EngineDeadError(f"the engine thread has stopped: {self.error or 'shut down'}")
+    request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+    mailbox = _Mailbox(asyncio.get_running_loop())
+    params = sampling_params or SamplingParams()
+    self._commands.put(_Add(request_id, prompt, params, mailbox, time.monotonic()))
+    view = _OutputView(params, output_kind)
+    try:
+      while True:
+        output = await mailbox.get()
+        shown = view.present(output)
+        if shown is not None:
+          yield shown
+        if output.finished:
+          return
+    finally:
+      if not mailbox.done:  # the caller left early
+        self._commands.put(_Abort(request_id))
+
+  async def abort(self, request_id: str) -> None:
+    """Aborts a request (waiting or running; unknown ids are ignored): its row is freed at the
+    next step boundary and its `generate` ends with an output whose unfinished completions
+    have finish_reason "abort"."""
+    self._commands.put(_Abort(str(request_id)))
+
+  def shutdown(self, timeout: float = 30.0) -> None:
+    """Stops the engine thread after the current step; running requests fail with
+    `EngineDeadError`. Safe to call twice."""
+    if self._thread.is_alive():
+      self._commands.put(_STOP)
+      self._thread.join(timeout)
+
+  # --- the engine thread ----------------------------------------------------------------------
+
+  def _run(self) -> None:
+    try:
+      while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+        if self.engine.has_unfinished_requests():
+          self._step()
+    except BaseException as error:  # a bug in this loop: fail everyone rather than hang them
+      logger.exception("the engine thread failed")
+      self.error = error
+    finally:
+      reason = self.error or "the engine was shut down"
+      self._fail_all(EngineDeadError(f"the engine thread has stopped: {reason}"))
+
+  def _apply_commands(self, block: bool) -> bool:
+    """Applies every queued command (waiting for one when `block`); False on shutdown."""
+    command = self._commands.get() if block else self._next_command()
+    while command is not None:
+      if command is _STOP:
+        return False
+      if isinstance(command, _Add):
+        self._add(command)
+      elif isinstance(command, _Abort):
+        self._abort(command.request_id)
+      command = self._next_command()
+    return True
+
+  def _next_command(self):
+    try:
+      return self._commands.get_nowait()
+    except queue.Empty:
+      return None
+
+  def _add(self, command: _Add) -> None:
+    mailbox = command.mailbox
+    try:
+      if command.request_id in self._tracked:
+        raise ValueError(f"request_id {command.request_id!r} is already running")
+      self.engine.add_request(command.request_id, command.prompt, command.params)
+    except Exception as error:  # ValueError for bad input; anything else fails it alone too
+      _post(mailbox.loop, [(mailbox, error)])
+      return
+    self._tracked[command.request_id] = _Tracked(mailbox, command.arrival_time, command.params.n)
+
+  def _abort(self, request_id: str) -> None:
+    tracked = self._tracked.pop(request_id, None)
+    if tracked is None:
+      return
+    self.engine.abort_request(request_id)
+    self.num_aborted += 1
+    stats = self._new_stats()
+    output = tracked.last_output or RequestOutput(
+      request_id, None, [], None, [CompletionOutput(j, "", [], None, None) for j in range(tracked.n)],
+      finished=False,
+    )  # fmt: skip
+    _post(tracked.mailbox.loop, [(tracked.mailbox, _aborted(output))])
+    stats.finished.append(
+      FinishedRequestStats(
+        "abort", time.monotonic() - tracked.arrival_time, tracked.num_prompt_tokens,
+        tracked.num_tokens,
+      )
+    )  # fmt: skip
+    self._log(stats)
+
+  def _step(self) -> None:
+    try:
+      outputs = {o.request_id: o for o in self.engine.step()}
+      outputs.update((o.request_id, o) for o in self.engine.pop_finished())
+    except Exception as error:  # the step's requests fail; the engine goes on serving
+      logger.exception("an engine step failed; its requests are aborted")
+      self._fail_step(error)
+      return
+    now = time.monotonic()
+    stats = self._new_stats()
+    posts: dict[asyncio.AbstractEventLoop, list] = {}
+    for request_id, output in outputs.items():
+      tracked = self._tracked.get(request_id)
+      if tracked is None:
+        continue
+      self._account(tracked, output, now, stats)
+      posts.setdefault(tracked.mailbox.loop, []).append((tracked.mailbox, output))
+      if output.finished:
+        del self._tracked[request_id]
+    for loop, items in posts.items():
+      _post(loop, items)
+    self._log(stats)
+
+  def _account(self, tracked: _Tracked, output: RequestOutput, now: float, stats) -> None:
+    """Updates a request's token counts and times and the step's `IterationStats`."""
+    num_tokens = sum(len(c.token_ids) for c in output.outputs)
+    num_new = num_tokens - tracked.num_tokens
+    if num_new > 0:
+      if tracked.num_tokens == 0:
+        tracked.num_prompt_tokens = len(output.prompt_token_ids)
+        stats.num_prompt_tokens += tracked.num_prompt_tokens
+        stats.time_to_first_tokens_s.append(now - tracked.arrival_time)
+        num_new_after_first = num_new - 1
+      else:
+        num_new_after_first = num_new
+      interval = (now - tracked.last_token_time) / max(num_new, 1)
+      stats.time_per_output_tokens_s.extend([interval] * num_new_after_first)
+      stats.num_generation_tokens += num_new
+      tracked.num_tokens, tracked.last_token_time = num_tokens, now
+    tracked.last_output = output
+    if output.finished:
+      reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+      stats.finished.append(
+        FinishedRequestStats(
+          reason, now - tracked.arrival_time, tracked.num_prompt_tokens, num_tokens
+        )
+      )
+
+  def _new_stats(self) -> IterationStats:
+    scheduler = self.engine.scheduler
+    self.num_requests_running = len(scheduler.running)
+    self.num_requests_waiting = len(scheduler.waiting)
+    return IterationStats(num_running=self.num_requests_running,
+                          num_waiting=self.num_requests_waiting)  # fmt: skip
+
+  def _log(self, stats: IterationStats) -> None:
+    for stat_logger in self.stat_loggers:
+      try:
+        stat_logger(stats)
+      except Exception:  # metrics never stop the engine
+        logger.exception("a stat logger failed")
+
+  def _fail_step(self, error: Exception) -> None:
+    tracked, self._tracked = self._tracked, {}
+    try:
+      self.engine.abort_request(list(tracked))
+    except Exception:
+      logger.exception("aborting the failed step's requests failed too")
+    posts: dict[asyncio.AbstractEventLoop, list] = {}
+    for record in tracked.values():
+      posts.setdefault(record.mailbox.loop, []).append((record.mailbox, error))
+    for loop, items in posts.items():
+      _post(loop, items)
+    self._log(self._new_stats())
+
+  def _fail_all(self, error: BaseException) -> None:
+    self._fail_step(error)  # type: ignore[arg-type]
+    while (command := self._next_command()) is not None:  # adds that came too late
+      if isinstance(command, _Add):
+        _post(command.mailbox.loop, [(command.mailbox, error)])
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
+  """Hands `(mailbox, output or error)` pairs to their event loop in one call."""
+
+  def deliver() -> None:
+    for mailbox, item in items:
+      if isinstance(item, BaseException):
+        mailbox.fail(item)
+      else:
+        mailbox.put(item)
+
+  try:
+    loop.call_soon_threadsafe(deliver)
+  except RuntimeError:  # the loop is closed: nobody is reading
+    pass
+
+
+def _aborted(output: RequestOutput) -> RequestOutput:
+  """`output` finished, its unfinished completions with finish_reason "abort"."""
+  completions = [
+    c if c.finish_reason else dataclasses.replace(c, finish_reason="abort") for c in output.outputs
+  ]
+  return dataclasses.replace(output, outputs=completions, finished=True)
+
+
+class _OutputView:
+  """Turns a request's cumulative snapshots into what its output kind shows (module docstring)."""
+
+  def __init__(self, params: SamplingParams, kind: RequestOutputKind) -> None:
+    self.kind = kind
+    self.hold = max((len(s) for s in params.stop or ()), default=1) - 1
+    self.sent: dict[int, tuple[int, int]] = {}  # completion index -> (characters, tokens) shown
+    self.finished_sent: set[int] = set()
+
+  def present(self, output: RequestOutput) -> RequestOutput | None:
+    if self.kind is RequestOutputKind.FINAL_ONLY:
+      return output if output.finished else None
+    completions = []
+    for completion in output.outputs:
+      shown = self._completion(completion)
+      if shown is not None:
+        completions.append(shown)
+    if self.kind is RequestOutputKind.DELTA and not completions and not output.finished:
+      return None
+    return dataclasses.replace(output, outputs=completions)
+
+  def _completion(self, completion: CompletionOutput) -> CompletionOutput | None:
+    text = completion.text
+    if completion.finish_reason is None and self.hold:
+      text = text[: max(len(text) - self.hold, 0)]
+    num_chars, num_tokens = self.sent.get(completion.index, (0, 0))
+    num_chars = min(num_chars, len(text))
+    self.sent[completion.index] = (max(num_chars, len(text)), len(completion.token_ids))
+    if self.kind is RequestOutputKind.CUMULATIVE:
+      return dataclasses.replace(completion, text=text)
+    finished_now = (
+      completion.finish_reason is not None and completion.index not in self.finished_sent
+    )
+    if finished_now:
+      self.finished_sent.add(completion.index)
+    if len(text) == num_chars and len(completion.token_ids) == num_tokens and not finished_now:
+      return None
+    logprobs = completion.logprobs
+    return dataclasses.replace(
+      completion,
+      text=text[num_chars:],
+      token_ids=completion.token_ids[num_tokens:],
+      logprobs=None if logprobs is None else logprobs[num_tokens:],
+    )

@@ -1,0 +1,473 @@
+"""An OpenAI-compatible HTTP server on an `AsyncLLM` (FastAPI; `jaxengine serve` runs it).
+
+  POST /v1/completions        text or token-id prompts (a list of them is a batch); streamed as
+                              server-sent events with `"stream": true`
+  POST /v1/chat/completions   messages rendered by the model's chat template; streamed likewise
+  GET  /v1/models             the served model
+  GET  /health                200 while the engine thread runs, else 503
+  GET  /metrics               Prometheus text (`entrypoints/metrics.py`)
+  POST /tokenize, /detokenize
+
+Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type, a
+value `SamplingParams` refuses, a prompt of `max_model_len` tokens or more), an unknown model a
+404, and a missing or wrong API key (with `api_key` set) a 401 on `/v1/*`, `/tokenize` and
+`/detokenize`. A client that disconnects aborts its requests (streamed or not): their rows are
+freed at the next step boundary. An error while serving one request fails that request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxengine.chat_messages import as_conversations, render_prompts
+from jaxengine.entrypoints.async_llm import AsyncLLM, RequestOutputKind
+from jaxengine.entrypoints.metrics import ServerMetrics
+from jaxengine.entrypoints.protocol import (
+  ChatCompletionRequest,
+  CompletionRequest,
+  DetokenizeRequest,
+  RequestError,
+  TokenizeRequest,
+  error_body,
+  field_named,
+  json_dumps,
+)
+from jaxengine.outputs import CompletionOutput, RequestOutput
+
+#: Logprobs below this (including -inf) are reported as it: JSON has no infinities (vLLM's value).
+MIN_LOGPROB = -9999.0
+
+
+def _error_response(error: RequestError) -> JSONResponse:
+  body = error_body(str(error), error.status_code, error.param)
+  return JSONResponse(body, status_code=error.status_code)
+
+
+def _validation_error(error: RequestValidationError) -> RequestError:
+  """The first pydantic error as a `RequestError` naming the field (or the malformed JSON)."""
+  first = error.errors()[0]
+  loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+  if first.get("type") == "json_invalid":
+    return RequestError(f"malformed JSON body: {first.get('msg')}", None)
+  field = ".".join(loc) or None
+  return RequestError(f"{field or 'body'}: {first.get('msg')}", loc[0] if loc else None)
+
+
+class _ApiKeyMiddleware:
+  """Answers 401 to `/v1/*`, `/tokenize` and `/detokenize` requests without the bearer token."""
+
+  def __init__(self, app, api_key: str) -> None:
+    self.app = app
+    self.expected = f"Bearer {api_key}".encode()
+
+  async def __call__(self, scope, receive, send) -> None:
+    path = scope.get("path", "")
+    if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
+      given = dict(scope["headers"]).get(b"authorization", b"")
+      if not secrets.compare_digest(given, self.expected):
+        response = _error_response(
+          RequestError("missing or wrong API key (Authorization: Bearer KEY)", None, 401)
+        )
+        await response(scope, receive, send)
+        return
+    await self.app(scope, receive, send)
+
+
+_KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+  """The FastAPI app serving `engine` as the model `served_model_name`.
+
+  Args:
+    engine: a running `AsyncLLM`; its stat loggers gain the app's `ServerMetrics`.
+    served_model_name: the `model` requests name (an absent `model` field means this one).
+    api_key: when set, requests to `/v1/*`, `/tokenize` and `/detokenize` need
+      ``Authorization: Bearer API_KEY``.
+  """
+  app = FastAPI(title="jaxengine", docs_url=None, redoc_url=None)
+  serving = _Serving(engine, served_model_name)
+  engine.stat_loggers.append(serving.metrics.record)
+  app.state.serving = serving
+  if api_key:
+    app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+
+  @app.exception_handler(RequestValidationError)
+  async def on_validation_error(request: Request, error: RequestValidationError):
+    return _error_response(_validation_error(error))
+
+  @app.exception_handler(RequestError)
+  async def on_request_error(request: Request, error: RequestError):
+    return _error_response(error)
+
+  @app.exception_handler(Exception)
+  async def on_error(request: Request, error: Exception):
+    body = error_body(f"{type(error).__name__}: {error}", 500)
+    return JSONResponse(body, status_code=500)
+
+  @app.get("/health")
+  async def health() -> Response:
+    return Response(status_code=200 if engine.is_running else 503)
+
+  @app.get("/metrics")
+  async def metrics() -> Response:
+    return Response(serving.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/v1/models")
+  async def models() -> dict:
+    card = {"id": served_model_name, "object": "model", "created": serving.created,
+            "owned_by": "jaxengine", "root": served_model_name,
+            "max_model_len": engine.max_model_len}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await serving.completions(body, request)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await serving.chat_completions(body, request)
+
+  @app.post("/tokenize")
+  async def tokenize(body: TokenizeRequest) -> dict:
+    return serving.tokenize(body)
+
+  @app.post("/detokenize")
+  async def detokenize(body: DetokenizeRequest) -> dict:
+    return serving.detokenize(body)
+
+  return app
+
+
+class _Serving:
+  """The endpoints' work, apart from the routing."""
+
+  def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    self.engine = engine
+    self.model_name = model_name
+    self.created = int(time.time())
+    self.metrics = ServerMetrics(model_name, engine.engine)
+
+  def check_model(self, model: str | None) -> None:
+    if model is not None and model != self.model_name:
+      raise RequestError(f"The model `{model}` does not exist.", "model", 404)
+
+  # --- completions ----------------------------------------------------------------------------
+
+  async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    self.check_model(body.model)
+    params = body.sampling_params()
+    prompts = body.prompts()
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+    stream = _Run(self.engine, prompts, params, request_id, body.stream, "prompt")
+    if not body.stream:
+      outputs = await _unless_disconnected(request, stream.finals())
+      choices = [
+        self.completion_choice(i * params.n + c.index, output, c, body.echo, 0, params.logprobs)
+        for i, output in enumerate(outputs)
+        for c in output.outputs
+      ]
+      response = {**header, "object": "text_completion", "choices": choices}
+      return JSONResponse({**response, "usage": _usage(outputs)})
+    await stream.start()
+    return _sse(self._completion_events(stream, header, body, params.n, params.logprobs))
+
+  async def _completion_events(self, stream, header, body, n: int, num_logprobs) -> AsyncIterator:
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    chunk = {**header, "object": "text_completion"}
+    offsets: dict[int, int] = {}
+    async for i, output in stream.deltas():
+      for c in output.outputs:
+        index = i * n + c.index
+        echo = body.echo and index not in offsets
+        choice = self.completion_choice(index, output, c, echo, offsets.get(index, 0), num_logprobs)
+        offsets[index] = offsets.get(index, 0) + len(choice["text"])
+        yield {**chunk, "choices": [choice], **({"usage": None} if usage else {})}
+    if usage:
+      yield {**chunk, "choices": [], "usage": stream.usage()}
+
+  def completion_choice(self, index, output: RequestOutput, c: CompletionOutput, echo: bool,
+                        offset: int, num_logprobs) -> dict:  # fmt: skip
+    """One choice of a completion response or chunk (`text_offset`s start at `offset`)."""
+    text = ((output.prompt or "") if echo else "") + c.text
+    logprobs = None
+    if c.logprobs is not None:
+      logprobs = _completion_logprobs(c, offset + len(text) - len(c.text))
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+
+  # --- chat -----------------------------------------------------------------------------------
+
+  async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    self.check_model(body.model)
+    params = body.sampling_params()
+    prompt = self.render_chat(body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+    stream = _Run(self.engine, [prompt], params, request_id, body.stream, "messages")
+    if not body.stream:
+      outputs = await _unless_disconnected(request, stream.finals())
+      choices = [
+        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+         "logprobs": _chat_logprobs(c, params.logprobs), "finish_reason": c.finish_reason,
+         "stop_reason": c.stop_reason}
+        for c in outputs[0].outputs
+      ]  # fmt: skip
+      response = {**header, "object": "chat.completion", "choices": choices}
+      return JSONResponse({**response, "usage": _usage(outputs)})
+    await stream.start()
+    return _sse(self._chat_events(stream, header, body, params.n, params.logprobs))
+
+  async def _chat_events(self, stream, header, body, n: int, num_logprobs) -> AsyncIterator:
+    usage = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+    chunk = {**header, "object": "chat.completion.chunk"}
+    for index in range(n):
+      role = {"role": "assistant", "content": ""}
+      choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
+      yield {**chunk, "choices": [choice], **usage}
+    async for _, output in stream.deltas():
+      for c in output.outputs:
+        choice = {"index": c.index, "delta": {"content": c.text},
+                  "logprobs": _chat_logprobs(c, num_logprobs),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+        yield {**chunk, "choices": [choice], **usage}
+    if usage:
+      yield {**chunk, "choices": [], "usage": stream.usage()}
+
+  def render_chat(self, body: ChatCompletionRequest) -> dict:
+    tokenizer = self.engine.tokenizer
+    if tokenizer is None:
+      raise RequestError("this model has no tokenizer: chat is not available", "messages")
+    if not body.messages:
+      raise RequestError("messages must not be empty", "messages")
+    try:
+      return render_prompts(
+        tokenizer,
+        as_conversations(body.messages),
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template,
+        chat_template_kwargs=body.chat_template_kwargs,
+      )[0]
+    except ValueError as error:
+      raise RequestError(str(error), "messages") from None
+
+  # --- tokenizer ------------------------------------------------------------------------------
+
+  def tokenize(self, body: TokenizeRequest) -> dict:
+    self.check_model(body.model)
+    tokenizer = self.engine.tokenizer
+    if tokenizer is None:
+      raise RequestError("this model has no tokenizer", None)
+    if (body.prompt is None) == (body.messages is None):
+      raise RequestError("give exactly one of prompt and messages", "prompt")
+    if body.prompt is not None:
+      tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+      chat = ChatCompletionRequest(
+        messages=body.messages or [], add_generation_prompt=body.add_generation_prompt
+      )
+      tokens = self.render_chat(chat)["prompt_token_ids"]
+    return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+
+  def detokenize(self, body: DetokenizeRequest) -> dict:
+    self.check_model(body.model)
+    tokenizer = self.engine.tokenizer
+    if tokenizer is None:
+      raise RequestError("this model has no tokenizer", None)
+    bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+      raise RequestError(
+        f"tokens must be ids in [0, {tokenizer.vocab_size}), got {bad[:5]}", "tokens"
+      )
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+class _Run:
+  """The engine requests of one HTTP request (one per prompt) and their outputs.
+
+  Args:
+    engine: the `AsyncLLM`.
+    prompts: one request per prompt.
+    params: their `SamplingParams`.
+    request_id: the HTTP request's id; engine request i is `"{request_id}-{i}"`.
+    stream: deltas (True) or the final outputs only.
+    prompt_field: the request field an engine `ValueError` about the prompt names.
+  """
+
+  def __init__(self, engine: AsyncLLM, prompts: Sequence, params, request_id: str,
+               stream: bool, prompt_field: str) -> None:  # fmt: skip
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    self.generators = [
+      engine.generate(p, params, f"{request_id}-{i}", output_kind=kind)
+      for i, p in enumerate(prompts)
+    ]
+    self.prompt_field = prompt_field
+    self.firsts: list[RequestOutput] = []
+    self.prompt_tokens = [0] * len(prompts)
+    self.completion_tokens = [0] * len(prompts)
+
+  async def _next_each(self) -> list[RequestOutput]:
+    """The next output of every generator; on an error all are closed and it is raised (an
+    engine `ValueError` as a 400 `RequestError`)."""
+    results = await asyncio.gather(
+      *(anext(g) for g in self.generators), return_exceptions=True
+    )  # fmt: skip
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+      await self.close()
+      error = errors[0]
+      if isinstance(error, ValueError) and not isinstance(error, RequestError):
+        message = str(error)
+        param = field_named(message) or (self.prompt_field if "prompt" in message else None)
+        raise RequestError(message, param)
+      raise error
+    return results  # type: ignore[return-value]
+
+  async def finals(self) -> list[RequestOutput]:
+    """Every request's final output (the generators yield nothing else)."""
+    outputs = await self._next_each()
+    self._count(outputs)
+    return outputs
+
+  async def start(self) -> None:
+    """Waits for every request's first output, so that a refused request is a 400 before the
+    response starts."""
+    self.firsts = await self._next_each()
+
+  async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`(prompt index, delta output)` as they come, the first outputs first."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+      for i, output in enumerate(self.firsts):
+        self._count([output], i)
+        yield i, output
+      pending.update(
+        {
+          asyncio.ensure_future(anext(g)): i
+          for i, (g, first) in enumerate(zip(self.generators, self.firsts))
+          if not first.finished
+        }
+      )
+      while pending:
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+          i = pending.pop(task)
+          output = task.result()
+          self._count([output], i)
+          yield i, output
+          if not output.finished:
+            pending[asyncio.ensure_future(anext(self.generators[i]))] = i
+    finally:
+      for task in pending:
+        task.cancel()
+      await self.close()
+
+  def _count(self, outputs: list[RequestOutput], start: int = 0) -> None:
+    for i, output in enumerate(outputs, start):
+      self.prompt_tokens[i] = len(output.prompt_token_ids)
+      self.completion_tokens[i] += sum(len(c.token_ids) for c in output.outputs)
+
+  def usage(self) -> dict:
+    prompt, completion = sum(self.prompt_tokens), sum(self.completion_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+  async def close(self) -> None:
+    for generator in self.generators:
+      with contextlib.suppress(BaseException):
+        await generator.aclose()
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+  prompt = sum(len(o.prompt_token_ids) for o in outputs)
+  completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+  return {"prompt_tokens": prompt, "completion_tokens": completion,
+          "total_tokens": prompt + completion}  # fmt: skip
+
+
+async def _unless_disconnected(request: Request, work):
+  """Awaits `work`, cancelling it (so its engine requests abort) if the client disconnects."""
+  task = asyncio.ensure_future(work)
+
+  async def disconnected() -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+      pass
+
+  watcher = asyncio.ensure_future(disconnected())
+  try:
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    watcher.cancel()
+    if not task.done():
+      task.cancel()
+      with contextlib.suppress(asyncio.CancelledError):
+        await task
+  if task.cancelled():
+    raise RequestError("the client disconnected", None, 499)
+  return task.result()
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+  """Server-sent events: one `data:` line per chunk, an error chunk if serving fails midway,
+  then `data: [DONE]`."""
+
+  async def lines() -> AsyncIterator[str]:
+    try:
+      async for event in events:
+        yield f"data: {json_dumps(event)}\n\n"
+    except Exception as error:  # this request fails alone; the stream ends properly
+      yield f"data: {json_dumps(error_body(f'{type(error).__name__}: {error}', 500))}\n\n"
+    yield "data: [DONE]\n\n"
+
+  return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+def _finite(value: float) -> float:
+  return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
+
+
+def _completion_logprobs(c: CompletionOutput, offset: int) -> dict:
+  """The legacy completions API's logprobs: tokens, their logprobs, top dicts, text offsets."""
+  tokens, values, tops, offsets = [], [], [], []
+  for token_id, entries in zip(c.token_ids, c.logprobs or []):
+    chosen = entries[token_id]
+    text = chosen.decoded_token or ""
+    tokens.append(text)
+    values.append(_finite(chosen.logprob))
+    tops.append({(e.decoded_token or ""): _finite(e.logprob) for e in entries.values()})
+    offsets.append(offset)
+    offset += len(text)
+  return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(c: CompletionOutput, num_logprobs: int | None) -> dict | None:
+  """The chat API's logprobs: per token its text, logprob, UTF-8 bytes and the top k."""
+  if c.logprobs is None:
+    return None
+  k = num_logprobs or 0
+
+  def entry(logprob) -> dict[str, Any]:
+    text = logprob.decoded_token or ""
+    return {"token": text, "logprob": _finite(logprob.logprob), "bytes": list(text.encode())}
+
+  content = []
+  for token_id, entries in zip(c.token_ids, c.logprobs):
+    top = sorted(
+      (e for e in entries.values() if e.rank is not None and e.rank <= k),
+      key=lambda e: e.rank or 0,
+    )
+    content.append({**entry(entries[token_id]), "top_logprobs": [entry(e) for e in top]})
+  return {"content": content}

@@ -1,0 +1,272 @@
+"""The server's request bodies (OpenAI's fields plus vLLM's extra sampling fields), as pydantic
+models, and the `SamplingParams` each asks for.
+
+Types are checked by pydantic (a wrong type is a 400 naming the field); values by
+`SamplingParams` itself, whose `ValueError` names the field too. Fields a client sends that are
+not listed here are ignored, as OpenAI's and vLLM's servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxengine.params import SamplingParams, StructuredOutputsParams
+
+
+class RequestError(ValueError):
+  """A request the server refuses, with the OpenAI error fields to answer with.
+
+  Args:
+    message: what is wrong (names the field and value).
+    param: the request field at fault, or None.
+    status_code: 400 (bad request), 404 (unknown model) or 401 (no or wrong API key).
+  """
+
+  def __init__(self, message: str, param: str | None = None, status_code: int = 400):
+    super().__init__(message)
+    self.param = param
+    self.status_code = status_code
+
+
+class StreamOptions(BaseModel):
+  """OpenAI's `stream_options`: `include_usage` adds a last chunk with the token counts."""
+
+  include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+  """`response_format.json_schema`: the schema the output must follow."""
+
+  model_config = ConfigDict(populate_by_name=True)
+  name: str | None = None
+  description: str | None = None
+  json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+  strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+  """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+  """vLLM's `structured_outputs` field: exactly one of its constraints."""
+
+  model_config = ConfigDict(populate_by_name=True)
+  json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+
+
+class SamplingRequest(BaseModel):
+  """Fields both endpoints share."""
+
+  model: str | None = None
+  n: int = 1
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  min_p: float | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  repetition_penalty: float | None = None
+  seed: int | None = None
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
+  bad_words: list[str] | None = None
+  ignore_eos: bool = False
+  min_tokens: int = 0
+  skip_special_tokens: bool = True
+  include_stop_str_in_output: bool = False
+  logit_bias: dict[str, float] | None = None
+  allowed_token_ids: list[int] | None = None
+  prompt_logprobs: int | None = None
+  structured_outputs: StructuredOutputsRequest | None = None
+  response_format: ResponseFormat | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  user: str | None = None
+
+  def _max_tokens(self) -> int | None:
+    return None
+
+  def _num_logprobs(self) -> int | None:
+    return None
+
+  def sampling_params(self) -> SamplingParams:
+    """The request's `SamplingParams`.
+
+    Raises:
+      RequestError: naming the field, for a value `SamplingParams` refuses, a `logit_bias` key
+        that is not a token id, or a `response_format` without its schema.
+    """
+    fields: dict[str, Any] = {
+      name: value
+      for name in _OPTIONAL_FIELDS
+      if (value := getattr(self, name)) is not None
+    }  # fmt: skip
+    if isinstance(self.stop, str):
+      fields["stop"] = [self.stop]
+    if self.logit_bias is not None:
+      fields["logit_bias"] = _logit_bias(self.logit_bias)
+    structured = self._structured_outputs()
+    try:
+      return SamplingParams(
+        n=self.n,
+        max_tokens=self._max_tokens(),
+        min_tokens=self.min_tokens,
+        ignore_eos=self.ignore_eos,
+        skip_special_tokens=self.skip_special_tokens,
+        include_stop_str_in_output=self.include_stop_str_in_output,
+        logprobs=self._num_logprobs(),
+        structured_outputs=structured,
+        **fields,
+      )
+    except ValueError as error:
+      raise RequestError(str(error), field_named(str(error))) from None
+
+  def _structured_outputs(self) -> StructuredOutputsParams | None:
+    if self.structured_outputs is not None and self.response_format not in (None, _TEXT):
+      raise RequestError(
+        "give structured_outputs or response_format, not both", "structured_outputs"
+      )
+    try:
+      if self.structured_outputs is not None:
+        so = self.structured_outputs
+        return StructuredOutputsParams(
+          json=so.json_, regex=so.regex, grammar=so.grammar,
+          choice=None if so.choice is None else tuple(so.choice),
+          json_object=so.json_object,
+        )  # fmt: skip
+      fmt = self.response_format
+      if fmt is None or fmt.type == "text":
+        return None
+      if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+      if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise RequestError(
+          "response_format of type json_schema needs json_schema.schema", "response_format"
+        )
+      return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    except RequestError:
+      raise
+    except ValueError as error:
+      raise RequestError(f"structured_outputs: {error}", "structured_outputs") from None
+
+
+_TEXT = ResponseFormat(type="text")
+#: Fields passed to `SamplingParams` only when the request sets them (else its defaults hold).
+_OPTIONAL_FIELDS = (
+  "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+  "repetition_penalty", "seed", "stop", "stop_token_ids", "bad_words", "allowed_token_ids",
+  "prompt_logprobs",
+)  # fmt: skip
+
+
+class CompletionRequest(SamplingRequest):
+  """`POST /v1/completions`: `prompt` is text, token ids, or a list of either."""
+
+  prompt: str | list[int] | list[str] | list[list[int]]
+  max_tokens: int | None = 16
+  logprobs: int | None = None
+  echo: bool = False
+
+  def _max_tokens(self) -> int | None:
+    return self.max_tokens
+
+  def _num_logprobs(self) -> int | None:
+    return self.logprobs
+
+  def prompts(self) -> list[str | list[int]]:
+    """The prompts, one per request (a list of strings or of id lists is a batch).
+
+    Raises:
+      RequestError: for an empty prompt list.
+    """
+    prompt = self.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+      return [prompt]  # type: ignore[list-item]
+    if not prompt:
+      raise RequestError("prompt must not be empty", "prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+class ChatCompletionRequest(SamplingRequest):
+  """`POST /v1/chat/completions`, with vLLM's chat-template options."""
+
+  messages: list[dict[str, Any]]
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: int | None = None
+  add_generation_prompt: bool = True
+  continue_final_message: bool = False
+  chat_template: str | None = None
+  chat_template_kwargs: dict[str, Any] | None = None
+
+  def _max_tokens(self) -> int | None:
+    return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+  def _num_logprobs(self) -> int | None:
+    if self.top_logprobs is not None and not self.logprobs:
+      raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
+    return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+  """`POST /tokenize`: a text prompt, or chat messages rendered by the chat template."""
+
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[dict[str, Any]] | None = None
+  add_special_tokens: bool = True
+  add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+  """`POST /detokenize`: token ids back to text."""
+
+  model: str | None = None
+  tokens: list[int]
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+  out = {}
+  for key, value in bias.items():
+    try:
+      out[int(key)] = value
+    except ValueError:
+      raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+  return out
+
+
+def field_named(message: str) -> str | None:
+  """The request field a `SamplingParams` error message starts with, if any."""
+  match = re.match(r"[a-z_]+", message)
+  if match and match.group() in _FIELDS:
+    return match.group()
+  return None
+
+
+_FIELDS = {*SamplingRequest.model_fields, "max_tokens", "logprobs", "top_logprobs", "prompt"}
+
+
+def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
+  """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+  kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
+    status_code, "InternalServerError"
+  )
+  return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
+
+
+def json_dumps(value: Any) -> str:
+  """Compact JSON for response bodies and server-sent events."""
+  return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,376 @@
+"""The OpenAI-compatible server and `AsyncLLM`, through the official `openai` client.
+
+One uvicorn server per module on 127.0.0.1 (an ephemeral port, in a thread) serves a random tiny
+Llama with a byte-level ChatML tokenizer; 4 rows and max_model_len 128 (one attention bucket),
+so that few executables compile. The reference outputs come from `LLM.generate` /
+`LLM.chat` on the same `LLM` before the server takes its engine over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
+
+import jaxengine as je
+from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from jaxengine.entrypoints.openai_server import build_app
+from jaxengine.testing import tiny_llama
+
+MODEL = "tiny"
+PROMPTS = ["The quick fox", "Once upon"]  # prompts of one length bucket: fewer compiles
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 12}
+NUM_CLIENTS = 64
+STREAM_PARAMS = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+
+
+def _client_prompt(i: int) -> str:
+  return f"client {i}"
+
+
+@pytest.fixture(scope="module")
+def server():
+  """The running server: its base URL, `AsyncLLM` and the reference outputs."""
+  tokenizer = _tiny_tokenizer()
+  model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
+  llm = je.LLM(model, tokenizer=tokenizer, max_num_reqs=4, max_model_len=128)
+  refs = {}
+  for name, kwargs in (("greedy", GREEDY), ("seeded", SEEDED)):
+    params = je.SamplingParams(**kwargs)
+    refs[name] = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    refs["chat-" + name] = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+  streams = llm.generate(
+    [_client_prompt(i) for i in range(NUM_CLIENTS)],
+    [je.SamplingParams(seed=i, **STREAM_PARAMS) for i in range(NUM_CLIENTS)],
+    use_tqdm=False,
+  )
+  refs["streams"] = [o.outputs[0].text for o in streams]
+  engine = AsyncLLM(llm)
+  uv = uvicorn.Server(
+    uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=0, log_level="warning")
+  )
+  thread = threading.Thread(target=uv.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not uv.started:
+    assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+    time.sleep(0.05)
+  port = uv.servers[0].sockets[0].getsockname()[1]
+  yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "refs": refs}
+  uv.should_exit = True
+  thread.join(30)
+  engine.shutdown()
+  assert not engine.is_running
+  with pytest.raises(EngineDeadError):
+    asyncio.run(anext(engine.generate("hi")))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_llm_generate(server, client, kind, stream):
+  kwargs = GREEDY if kind == "greedy" else SEEDED
+  extra = {"seed": kwargs.get("seed")} if "seed" in kwargs else {}
+  rest = {k: v for k, v in kwargs.items() if k != "seed"}
+  for prompt, ref in zip(PROMPTS, server["refs"][kind]):
+    if not stream:
+      response = client.completions.create(model=MODEL, prompt=prompt, **rest, **extra)
+      choice = response.choices[0]
+      assert (choice.text, choice.finish_reason) == (ref.text, ref.finish_reason)
+      assert response.usage.completion_tokens == len(ref.token_ids)
+      continue
+    chunks = list(
+      client.completions.create(
+        model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True},
+        **rest, **extra,
+      )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_a_batch_of_prompts_and_n_samples(server, client):
+  """A list of prompts streams as choices `prompt index * n + sample index`, each as alone."""
+  texts = {0: "", 1: ""}
+  for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, stream=True, **GREEDY):
+    for choice in chunk.choices:
+      texts[choice.index] += choice.text
+  assert [texts[0], texts[1]] == [ref.text for ref in server["refs"]["greedy"]]
+  response = client.completions.create(
+    model=MODEL, prompt=PROMPTS, n=2, seed=3, temperature=1.0, max_tokens=4
+  )
+  assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+  assert 4 <= response.usage.completion_tokens <= 16  # 4 samples of 1 to 4 tokens
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_chat_equals_llm_chat(server, client, kind):
+  ref = server["refs"]["chat-" + kind]
+  kwargs = GREEDY if kind == "greedy" else SEEDED
+  response = client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+  assert response.choices[0].message.content == ref.text
+  assert response.choices[0].finish_reason == ref.finish_reason
+  stream = client.chat.completions.create(
+    model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kwargs
+  )
+  chunks = list(stream)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_logprobs_and_structured_outputs(client):
+  response = client.chat.completions.create(
+    model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+    extra_body={"ignore_eos": True},
+  )  # fmt: skip
+  content = response.choices[0].logprobs.content
+  assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+  assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy: the top token
+  choice = client.chat.completions.create(
+    model=MODEL,
+    messages=MESSAGES,
+    max_tokens=10,
+    extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+  )
+  assert choice.choices[0].message.content in ("yes", "no")
+  schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+            "additionalProperties": False}  # fmt: skip
+  structured = client.chat.completions.create(
+    model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+    response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+  )  # fmt: skip
+  assert json.loads(structured.choices[0].message.content)["a"] in ("x", "y")
+
+
+def test_concurrent_streaming_clients(server):
+  """64 clients stream at once (4 rows): every one gets all its tokens, in order."""
+
+  async def one(client, i: int) -> tuple[str, int]:
+    stream = await client.completions.create(
+      model=MODEL, prompt=_client_prompt(i), stream=True, seed=i,
+      stream_options={"include_usage": True}, temperature=1.0, max_tokens=8,
+      extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    parts, usage = [], None
+    async for chunk in stream:
+      parts += [c.text for c in chunk.choices]
+      usage = chunk.usage or usage
+    return "".join(parts), usage.completion_tokens
+
+  async def main():
+    async with openai.AsyncOpenAI(
+      base_url=server["url"] + "/v1", api_key="unused", max_retries=0
+    ) as client:  # fmt: skip
+      return await asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS)))
+
+  results = asyncio.run(main())
+  assert [text for text, _ in results] == server["refs"]["streams"]
+  assert all(n == STREAM_PARAMS["max_tokens"] for _, n in results)
+
+
+def _wait_idle(engine: AsyncLLM, seconds: float = 30.0) -> None:
+  deadline = time.monotonic() + seconds
+  while engine.num_requests_running or engine.num_requests_waiting:
+    assert time.monotonic() < deadline, "the aborted request still holds its row"
+    time.sleep(0.02)
+
+
+def test_disconnect_frees_the_row(server):
+  engine = server["engine"]
+  aborted = engine.num_aborted
+  body = {"model": MODEL, "prompt": "abc", "max_tokens": 120, "ignore_eos": True, "stream": True}
+  with httpx.Client(base_url=server["url"], timeout=30) as http:
+    with http.stream("POST", "/v1/completions", json=body) as response:
+      lines = response.iter_lines()
+      assert next(line for line in lines if line.startswith("data:"))
+      assert engine.num_requests_running == 1
+    _wait_idle(engine)
+    assert engine.num_aborted == aborted + 1
+    # not streamed: a client that gives up (a read timeout) aborts its request too (120 steps
+    # take far longer than the timeout)
+    with pytest.raises(httpx.ReadTimeout):
+      http.post("/v1/completions", json={**body, "stream": False}, timeout=0.02)
+    _wait_idle(engine)
+    assert engine.num_aborted == aborted + 2
+    metrics = http.get("/metrics").text
+  assert 'jaxengine:request_success_total{finished_reason="abort",model_name="tiny"} 2.0' in metrics
+
+
+BAD_INPUTS = [  # (path, body, status, param, words in the message)
+  ("/v1/completions", b'{"prompt": "hi", ', 400, None, "malformed JSON"),
+  ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+  ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
+  ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+  ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
+  ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt", "max_model_len"),
+  ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt", "empty"),
+  ("/v1/completions", {"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+  ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
+  ("/v1/completions", {"temperature": 0}, 400, "prompt", "Field required"),
+  ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages", "role"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", ""),
+  ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "max_tokens": 0}, 400,
+   "max_tokens", "max_tokens"),
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}], "stream": True},
+   400, "messages", "max_model_len"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400,
+   "response_format", "schema"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "("}}, 400,
+   "structured_outputs", "structured_outputs"),
+  ("/detokenize", {"tokens": [10**6]}, 400, "tokens", "tokens"),
+]  # fmt: skip
+
+
+def test_bad_input_is_a_400_and_the_server_goes_on(server, client):
+  with httpx.Client(base_url=server["url"], timeout=60) as http:
+    for path, body, status, param, words in BAD_INPUTS:
+      if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+      else:
+        response = http.post(path, json=body)
+      error = response.json()["error"]
+      assert (response.status_code, error["param"]) == (status, param), (body, error)
+      assert words in error["message"] and error["code"] == status
+      assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+  with pytest.raises(openai.BadRequestError, match="top_p"):
+    client.completions.create(model=MODEL, prompt="hi", top_p=3.0)
+  with pytest.raises(openai.NotFoundError):
+    client.chat.completions.create(model="other", messages=MESSAGES)
+  assert server["engine"].num_requests_running == 0
+
+
+def test_an_error_in_one_request_fails_it_alone(server, monkeypatch):
+  serving = None
+
+  def choice(self, index, output, c, *args):
+    if output.prompt == "poison":
+      raise RuntimeError("formatting failed")
+    return real(self, index, output, c, *args)
+
+  from jaxengine.entrypoints import openai_server
+
+  real = openai_server._Serving.completion_choice
+  monkeypatch.setattr(openai_server._Serving, "completion_choice", choice)
+
+  async def main():
+    async with httpx.AsyncClient(base_url=server["url"], timeout=60) as http:
+      return await asyncio.gather(
+        *(http.post("/v1/completions", json={"prompt": p, "max_tokens": 6})
+          for p in ["fine", "poison", "also fine"])
+      )  # fmt: skip
+
+  ok, bad, ok2 = asyncio.run(main())
+  assert (ok.status_code, bad.status_code, ok2.status_code) == (200, 500, 200), serving
+  assert "formatting failed" in bad.json()["error"]["message"]
+
+
+def test_metrics_tokenize_models_health(server, client):
+  with httpx.Client(base_url=server["url"]) as http:
+    assert http.get("/health").status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    tokens = http.post("/tokenize", json={"prompt": "hello"}).json()
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+  for name in ("num_requests_running", "num_requests_waiting", "prompt_tokens",
+               "generation_tokens", "time_to_first_token_seconds",
+               "time_per_output_token_seconds", "prefix_cache_queries", "prefix_cache_hits"):  # fmt: skip
+    assert "jaxengine:" + name in families, name
+  generated = families["jaxengine:generation_tokens"].samples[0].value
+  assert generated > 0
+  ttft = {s.name: s.value for s in families["jaxengine:time_to_first_token_seconds"].samples}
+  assert ttft["jaxengine:time_to_first_token_seconds_count"] > 0
+  assert tokens["count"] == 5 and text == "hello"
+  assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_api_key():
+  """A second app with an API key, served in-process (httpx's ASGI transport)."""
+  tokenizer = _tiny_tokenizer()
+  model, _ = tiny_llama(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)
+  engine = AsyncLLM(je.LLM(model, tokenizer=tokenizer, max_num_reqs=2, max_model_len=32))
+  app = build_app(engine, MODEL, api_key="sesame")
+
+  async def main():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+      no_key = await http.get("/v1/models")
+      wrong = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+      right = await http.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+      health = await http.get("/health")
+      return no_key, wrong, right, health
+
+  try:
+    no_key, wrong, right, health = asyncio.run(main())
+  finally:
+    engine.shutdown()
+  assert (no_key.status_code, wrong.status_code, right.status_code) == (401, 401, 200)
+  assert no_key.json()["error"]["type"] == "AuthenticationError"
+  assert health.status_code == 200
+
+
+def test_async_llm_deltas_abort_and_shutdown(server):
+  """Deltas add up to the final output; an abort ends a request with "abort"."""
+  engine = server["engine"]
+  params = je.SamplingParams(temperature=0, max_tokens=12, stop=["ab"])
+
+  async def collect(kind):
+    return [o async for o in engine.generate(PROMPTS[0], params, output_kind=kind)]
+
+  async def main():
+    deltas = await collect(RequestOutputKind.DELTA)
+    cumulative = await collect(RequestOutputKind.CUMULATIVE)
+    final = await collect(RequestOutputKind.FINAL_ONLY)
+    long = engine.generate("x", je.SamplingParams(max_tokens=120, ignore_eos=True), "long")
+    first = await anext(long)
+    await engine.abort("long")
+    rest = [o async for o in long]
+    return deltas, cumulative, final, first, rest
+
+  deltas, cumulative, final, first, rest = asyncio.run(main())
+  assert "".join(d.outputs[0].text for d in deltas if d.outputs) == final[0].outputs[0].text
+  tokens = [t for d in deltas if d.outputs for t in d.outputs[0].token_ids]
+  assert tokens == final[0].outputs[0].token_ids
+  assert len(final) == 1 and cumulative[-1].outputs == final[0].outputs
+  assert not first.finished and rest[-1].outputs[0].finish_reason == "abort"
+  assert len(rest[-1].outputs[0].token_ids) < 120
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, monkeypatch):
+  engine = server["engine"]
+  real_step = engine.engine.step
+  failures = []
+
+  def step():
+    if not failures:
+      failures.append(True)
+      raise RuntimeError("injected step failure")
+    return real_step()
+
+  monkeypatch.setattr(engine.engine, "step", step)
+  params = je.SamplingParams(max_tokens=3)
+
+  async def main():
+    with pytest.raises(RuntimeError, match="injected step failure"):
+      async for _ in engine.generate("hi", params):
+        pass
+    return [o async for o in engine.generate("hi", params)]
+
+  outputs = asyncio.run(main())
+  assert failures and outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+  assert engine.is_running and engine.num_requests_running == 0
