@@ -53,6 +53,23 @@ def xla_query_tile(num_tokens: int, num_reqs: int) -> int:
   return 1 if num_tokens <= num_reqs else 16
 
 
+def xla_attention(q, pages, md, *, scale: float, kv_heads_first: bool) -> jax.Array:
+  """`ragged_paged_attention_xla` with the tuned query tile and page chunk, for pages
+  `[N, block_size, K, D]` (`kv_heads_first=False`) or `[K, N, block_size, D]` (True)."""
+  key_pages, value_pages = pages
+  block_size = key_pages.shape[-2] if kv_heads_first else key_pages.shape[-3]
+  return ragged_paged_attention_xla(
+    q,
+    key_pages,
+    value_pages,
+    md,
+    scale=scale,
+    query_tile=xla_query_tile(q.shape[0], md.block_tables.shape[0]),
+    pages_per_chunk=max(1, XLA_CHUNK_TOKENS // block_size),
+    kv_heads_first=kv_heads_first,
+  )
+
+
 class AttentionBackend(abc.ABC):
   """Paged attention on one kind of device: page layout, write, ragged attention."""
 
@@ -163,16 +180,7 @@ class XlaAttentionBackend(AttentionBackend):
     )
 
   def attention(self, q, pages, md, *, scale, num_kv_heads=None):
-    key_pages, value_pages = pages
-    return ragged_paged_attention_xla(
-      q,
-      key_pages,
-      value_pages,
-      md,
-      scale=scale,
-      query_tile=xla_query_tile(q.shape[0], md.block_tables.shape[0]),
-      pages_per_chunk=max(1, XLA_CHUNK_TOKENS // key_pages.shape[-3]),
-    )
+    return xla_attention(q, pages, md, scale=scale, kv_heads_first=False)
 
 
 def _tpu_kernel() -> Callable[..., jax.Array]:
@@ -309,17 +317,7 @@ class PallasGpuAttentionBackend(AttentionBackend):
     return jnp.zeros_like(q).at[jnp.where(has_token, first, num_tokens)].set(out, mode="drop")
 
   def _xla(self, q, pages, md, scale):
-    key_pages, value_pages = pages
-    return ragged_paged_attention_xla(
-      q,
-      key_pages,
-      value_pages,
-      md,
-      scale=scale,
-      query_tile=xla_query_tile(q.shape[0], md.block_tables.shape[0]),
-      pages_per_chunk=max(1, XLA_CHUNK_TOKENS // key_pages.shape[-2]),
-      kv_heads_first=True,
-    )
+    return xla_attention(q, pages, md, scale=scale, kv_heads_first=True)
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
