@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.draft_verification import (
   HostRejectionOutput,
   check_spec_inputs,
@@ -65,6 +66,8 @@ class InputBatch:
     seed: seed of the batch key from which unseeded requests' keys are derived.
     logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
       instances or `"module:Class"` strings (see `jaxengine.sample.custom`).
+    max_num_blocks_per_req: with a paged KV cache, the pages a row can hold: the batch then keeps
+      a `BlockTable` (`block_table`) that moves with the rows; 0 (default): no block table.
 
   The batch samples; it does not decide when a request ends. Engine-level `SamplingParams` fields
   (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`, `include_stop_str_in_output`,
@@ -75,6 +78,9 @@ class InputBatch:
     ValueError: naming the field and value, for a bad `BatchConfig` field or EOS ids outside
       the vocabulary.
   """
+
+  #: Each row's pages of a paged KV cache, or None (see `max_num_blocks_per_req`).
+  block_table: BlockTable | None
 
   def __init__(
     self,
@@ -94,6 +100,7 @@ class InputBatch:
     max_spec_len: int = DEFAULT_MAX_SPEC_LEN,
     seed: int = 0,
     logits_processors: Sequence | None = None,
+    max_num_blocks_per_req: int = 0,
   ):
     config = BatchConfig(
       max_num_reqs=max_num_reqs,
@@ -111,6 +118,8 @@ class InputBatch:
       logits_processors=resolve_logits_processors(logits_processors),
     )
     self._init(config, eos_token_ids, seed)
+    if max_num_blocks_per_req:
+      self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req)
 
   @classmethod
   def from_config(
@@ -143,6 +152,7 @@ class InputBatch:
     self._cache_slots: dict[str, int] = {}
     self._free_cache_slots = list(range(config.max_num_reqs))
     self._metadata: SamplingMetadata | None = None
+    self.block_table = None
 
   # --- views ------------------------------------------------------------------------------------
 
@@ -290,6 +300,8 @@ class InputBatch:
       self._req_ids[row] = req_id
       self._req_output_token_ids[row] = outputs
     self.req_id_to_index[req_id] = row
+    if self.block_table is not None:
+      self.block_table.clear_row(row)
     self._num_prompt_tokens[req_id] = len(request.prompt_token_ids)
     self._cache_slots[req_id] = cache_slot
     if request.row.num_logprobs >= 0:
@@ -349,6 +361,8 @@ class InputBatch:
       self._req_output_token_ids[dst] = self._req_output_token_ids[src]
       self._req_output_token_ids[src] = None
       self.req_id_to_index[req_id] = dst
+      if self.block_table is not None:
+        self.block_table.move_row(src, dst)
     del self._req_ids[self.num_reqs :]
     del self._req_output_token_ids[self.num_reqs :]
     if moves:
@@ -374,6 +388,8 @@ class InputBatch:
     ids, outputs = self._req_ids, self._req_output_token_ids
     ids[i1], ids[i2] = ids[i2], ids[i1]
     outputs[i1], outputs[i2] = outputs[i2], outputs[i1]
+    if self.block_table is not None:
+      self.block_table.swap_rows(i1, i2)
     for row in (i1, i2):
       req_id = ids[row]
       if req_id is not None:

@@ -24,14 +24,17 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
 from jaxengine.batch import HostSamplerOutput, InputBatch
 from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.engine.input_processor import InputProcessor
+from jaxengine.engine.kv_cache_manager import KVCacheStats
 from jaxengine.engine.output_processor import OutputProcessor
+from jaxengine.engine.paged_runner import PagedModelRunner
+from jaxengine.engine.paged_scheduler import PagedScheduler
 from jaxengine.engine.requests import Completion, Request
 from jaxengine.engine.runner import ModelRunner
 from jaxengine.engine.scheduler import Scheduler
@@ -146,8 +149,9 @@ class LLMEngine:
       eos_token_ids=eos_token_ids,
       seed=config.seed,
       logits_processors=config.logits_processors,
+      max_num_blocks_per_req=-(-config.max_model_len // config.block_size) if config.paged else 0,
     )
-    self.runner = ModelRunner(model, batch, config)
+    self.runner = (PagedModelRunner if config.paged else ModelRunner)(model, batch, config)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
     self.structured: StructuredOutputs | None = None
@@ -161,7 +165,14 @@ class LLMEngine:
       batch.validate_request,
       None if self.structured is None else self.structured.compile,
     )
-    self.scheduler = Scheduler(self.max_num_reqs)
+    self.scheduler: Scheduler | PagedScheduler = Scheduler(self.max_num_reqs)
+    if isinstance(self.runner, PagedModelRunner):
+      self.scheduler = PagedScheduler(
+        self.max_num_reqs,
+        self.runner.kv_cache_manager,
+        cast(int, config.max_num_batched_tokens),  # validated: never None
+        config.enable_chunked_prefill,
+      )
     self.output_processor = OutputProcessor(
       tokenizer, self.eos_token_id, self.max_model_len, model.vocab_size, eos_token_ids[1:]
     )
@@ -206,7 +217,9 @@ class LLMEngine:
       try:
         if request_id in self._requests or any(r.request_id == request_id for r in made):
           raise ValueError(f"request_id {request_id!r} is already in the engine")
-        made.append(self.input_processor.process(request_id, prompt, params or SamplingParams()))
+        request = self.input_processor.process(request_id, prompt, params or SamplingParams())
+        self._check_fits(request)
+        made.append(request)
       except ValueError as error:
         if len(requests) == 1:
           raise
@@ -215,6 +228,34 @@ class LLMEngine:
       self._requests[request.request_id] = request
       self.scheduler.add_request(request)
     return [r.request_id for r in made]
+
+  def _check_fits(self, request: Request) -> None:
+    """With the paged cache, refuses a request that could never fit in the pool (ValueError)."""
+    if isinstance(self.runner, PagedModelRunner):
+      max_tokens = request.params.max_tokens
+      longest = len(request.prompt_token_ids) + (
+        self.max_model_len if max_tokens is None else max_tokens
+      )
+      self.runner.kv_cache_manager.check_fits(min(longest, self.max_model_len))
+      if request.params.prompt_logprobs is not None:
+        raise ValueError(
+          "prompt_logprobs is not supported with the paged KV cache yet (kv_cache_memory_bytes "
+          "/ num_kv_blocks); leave both unset for the slot cache"
+        )
+
+  @property
+  def kv_cache_stats(self) -> KVCacheStats | None:
+    """Occupancy of the paged KV cache (`num_blocks`, `num_used_blocks`, `peak_used_blocks`,
+    `peak_running_reqs`, `num_preemptions`, prefix-cache counters; peaks and counters since
+    the start or the last `reset_kv_cache_stats`), or None with the slot cache."""
+    if isinstance(self.runner, PagedModelRunner):
+      return self.runner.kv_cache_manager.stats
+    return None
+
+  def reset_kv_cache_stats(self) -> None:
+    """Restarts `kv_cache_stats`' peaks at the current occupancy and its counters at zero."""
+    if isinstance(self.runner, PagedModelRunner):
+      self.runner.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
     """Whether any request is waiting or running."""
@@ -278,6 +319,8 @@ class LLMEngine:
     Returns:
       A `RequestOutput` (cumulative so far) for every request that advanced this step.
     """
+    if isinstance(self.scheduler, PagedScheduler):
+      return self._paged_step(self.scheduler)
     admitted = self.scheduler.schedule().admitted
     structured = self.structured
     for completion in admitted:
@@ -310,6 +353,25 @@ class LLMEngine:
     decoded_one = self.runner.decode(bitmask)
     req_ids = decoded_one.req_ids
     return self._update_from_output(req_ids, [decoded_one.sampled], [1] * len(req_ids))
+
+  def _paged_step(self, scheduler: PagedScheduler) -> list[RequestOutput]:
+    """One ragged step of the paged engine: the scheduler's decodes, prefill chunks and
+    admissions, the model once over all their tokens, the sampler on the rows that finish."""
+    scheduled = scheduler.schedule()
+    structured = self.structured
+    for completion in scheduled.admitted:
+      self.runner.add(completion)
+      if structured is not None and completion.request.grammar is not None:
+        structured.add(completion.seq_id, completion.request.grammar)
+    if not scheduled.num_scheduled_tokens:
+      return []
+    bitmask = structured.bitmask if structured is not None and len(structured) else None
+    runner = cast(PagedModelRunner, self.runner)
+    decoded = runner.execute(scheduled, bitmask)
+    scheduler.update_after_step(scheduled)
+    return self._update_from_output(
+      decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
+    )
 
   def _speculative_step(self, policy: SpeculativePolicy) -> list[RequestOutput] | None:
     """One verify pass over the drafts `policy` chooses; None (nothing run) when it declines, so
@@ -352,8 +414,9 @@ class LLMEngine:
         if j < num_sampled[row] and completion.finish_reason is None:
           self._append_token(completion, row, sampled)
     advanced: dict[str, Request] = {}
-    for completion in completions:
-      advanced[completion.request.request_id] = completion.request
+    for row, completion in enumerate(completions):
+      if num_sampled[row] or completion.finish_reason is not None:
+        advanced[completion.request.request_id] = completion.request
       if completion.finish_reason is not None:
         self._finish(completion)
     return [r.output() for r in advanced.values()]

@@ -26,7 +26,11 @@ from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.compilation_cache import resolve_cache_dir
 from jaxengine.config import BatchConfig
 from jaxengine.engine.speculative import SpeculativeConfig
+from jaxengine.models.attention_backends import BACKEND_NAMES
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
+
+#: The paged engine's token budget per step when `max_num_batched_tokens` is None.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 #: The weight dtypes `dtype` may name ("auto" picks one per backend and checkpoint).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -72,6 +76,22 @@ class EngineConfig:
       (default): on, except on a mesh (True there is refused). See `prefix_caching`.
     num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
       None (a quarter of the KV cache's positions, at least `max_model_len`).
+    kv_cache_memory_bytes: bytes for a paged KV cache (vLLM's name): the cache becomes a pool of
+      `block_size`-token pages shared by every request (`paged`), sized to this many bytes of
+      keys and values over all layers. None (default): the slot cache (`max_num_reqs` rows of
+      `max_model_len` positions), unless `num_kv_blocks` is given.
+    num_kv_blocks: the paged cache's size in pages, the null page included (an int >= 2), instead
+      of `kv_cache_memory_bytes` (give one of the two).
+    block_size: token positions per page of the paged cache (vLLM's name; default 16).
+    max_num_batched_tokens: the paged engine's token budget per step (vLLM's name): decode tokens
+      first, then prefill chunks, at most this many query tokens in one model call. None
+      (default): 2048, at least `max_num_reqs`; must be `>= max_num_reqs` (every running request
+      decodes each step), and `>= max_model_len` without chunked prefill.
+    enable_chunked_prefill: the paged engine may split a prompt over several steps, so long
+      prompts share steps with the running requests' decodes (default True; vLLM's name).
+    attention_backend: the paged cache's attention: "xla", "pallas_tpu", "pallas_gpu", or None
+      (default: the TPU ragged paged kernel on TPU, the Pallas decode kernel on GPU, XLA
+      elsewhere; `jaxengine.models.attention_backends`).
 
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
@@ -100,6 +120,12 @@ class EngineConfig:
   speculative_config: SpeculativeConfig | Mapping | None = None
   enable_prefix_caching: bool | None = None
   num_prefix_cache_blocks: int | None = None
+  kv_cache_memory_bytes: int | None = None
+  num_kv_blocks: int | None = None
+  block_size: int = 16
+  max_num_batched_tokens: int | None = None
+  enable_chunked_prefill: bool = True
+  attention_backend: str | None = None
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -130,7 +156,7 @@ class EngineConfig:
     off = resolve_cache_dir(self.compilation_cache) is None  # refuses all but a bool or a path
     if off and not isinstance(self.compilation_cache, bool):
       self._set("compilation_cache", False)  # an "off" spelling is stored as False
-    for name in ("precompile", "prefill_once_per_request"):
+    for name in ("precompile", "prefill_once_per_request", "enable_chunked_prefill"):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -138,6 +164,7 @@ class EngineConfig:
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
     self._check_decoding()
     self._check_prefix_caching()
+    self._check_paged()
 
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # normalising a field of the frozen config
@@ -196,6 +223,56 @@ class EngineConfig:
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
       raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
     self._set("num_prefix_cache_blocks", None if num_blocks is None else int(num_blocks))
+
+  def _check_paged(self) -> None:
+    for name, least in (("kv_cache_memory_bytes", 1), ("num_kv_blocks", 2), ("block_size", 1)):
+      value = getattr(self, name)
+      if value is not None and (not is_int(value) or value < least):
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+      self._set(name, None if value is None else int(value))
+    if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
+      raise ValueError(
+        f"give kv_cache_memory_bytes or num_kv_blocks, not both (got "
+        f"{self.kv_cache_memory_bytes} and {self.num_kv_blocks})"
+      )
+    budget = self.max_num_batched_tokens
+    if budget is not None and (not is_int(budget) or budget < 1):
+      raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
+    budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_reqs) if budget is None else budget
+    if budget < self.max_num_reqs:
+      raise ValueError(
+        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs} (every "
+        "running request decodes one token per step)"
+      )
+    if not self.enable_chunked_prefill and budget < self.max_model_len:
+      raise ValueError(
+        f"max_num_batched_tokens={budget} must be >= max_model_len={self.max_model_len} with "
+        "enable_chunked_prefill=False (a whole prompt is computed in one step)"
+      )
+    self._set("max_num_batched_tokens", int(budget))
+    if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:
+      raise ValueError(
+        f"attention_backend must be one of {list(BACKEND_NAMES)} or None, got "
+        f"{self.attention_backend!r}"
+      )
+    if not self.paged:
+      return
+    unsupported = {
+      "speculative_config": self.speculative_config is not None,
+      f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps != 1,
+      "a mesh": self.mesh is not None,
+    }
+    for what, given in unsupported.items():
+      if given:
+        raise ValueError(
+          f"the paged KV cache (kv_cache_memory_bytes / num_kv_blocks) does not support {what} "
+          "yet; leave both unset for the slot cache"
+        )
+
+  @property
+  def paged(self) -> bool:
+    """Whether the KV cache is paged (`kv_cache_memory_bytes` or `num_kv_blocks` given)."""
+    return self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
 
   @property
   def prefix_caching(self) -> bool:

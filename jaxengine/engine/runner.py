@@ -136,7 +136,7 @@ class ModelRunner:
     self._placement: MeshPlacement | None = None
     shardings = None
     if mesh is None:
-      self.kv_cache = KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
+      self.kv_cache = self._create_kv_cache(model, config)
     else:
       self._placement = MeshPlacement(model, self.weights, input_batch, parallel.check_mesh(mesh))
       self.weights = jax.device_put(self.weights, self._placement.weights)
@@ -158,12 +158,17 @@ class ModelRunner:
     # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
     self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
     self.prefix_cache: PrefixPrefill | None = None
-    if config.prefix_caching:
+    if config.prefix_caching and not config.paged:
       num_blocks = config.num_prefix_cache_blocks or default_num_blocks(
         self.max_num_reqs, self.max_model_len
       )
       max_copies = self.max_num_reqs * -(-self.max_model_len // BLOCK_SIZE)
       self.prefix_cache = PrefixPrefill(model.kv_cache_spec, int(num_blocks), max_copies)
+
+  def _create_kv_cache(self, model: Model, config: EngineConfig) -> Any:
+    """The KV cache on one device: `max_num_reqs` slots of `max_model_len` positions (the paged
+    runner, `engine/paged_runner.py`, makes a pool of pages instead)."""
+    return KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
 
   @property
   def model(self) -> Model:

@@ -326,6 +326,9 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
   "pallas_gpu": PallasGpuAttentionBackend,
 }
 
+#: The names `attention_backend` accepts.
+BACKEND_NAMES = tuple(_BACKENDS)
+
 #: The backend each platform gets when `attention_backend` is None.
 DEFAULT_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 

@@ -1,0 +1,79 @@
+"""`BlockTable`: each row's pages of a paged KV cache, kept with the persistent batch.
+
+With a paged KV cache a request's keys and values live in pages (blocks) the engine hands out as
+its sequence grows; the block table lists them by row, as vLLM V1's `InputBatch.block_table`
+does. It is host NumPy (the engine changes it between steps and sends the scheduled rows' tables
+with each step) and it moves with the rows: `InputBatch.condense` and `swap_states` move a row's
+table as they move every other per-row field, so row `i`'s table always belongs to `req_ids[i]`.
+
+Shape legend: `R` rows (`max_num_reqs`), `P` pages per row (`max_num_blocks_per_req`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class BlockTable:
+  """The pages of each row, `[R, P] int32`, and how many each row holds.
+
+  Args:
+    max_num_reqs: rows `R`.
+    max_num_blocks_per_req: pages a row can hold `P` (`ceil(max_model_len / block_size)`).
+
+  Raises:
+    ValueError: a size below 1.
+  """
+
+  def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int) -> None:
+    if max_num_reqs < 1 or max_num_blocks_per_req < 1:
+      raise ValueError(
+        f"max_num_reqs and max_num_blocks_per_req must be >= 1, got {max_num_reqs} and "
+        f"{max_num_blocks_per_req}"
+      )
+    #: `[R, P] int32` block ids by row; entries past `num_blocks[row]` are 0 (the null page).
+    self.block_ids = np.zeros((max_num_reqs, max_num_blocks_per_req), np.int32)
+    #: `[R] int32` pages held by each row.
+    self.num_blocks = np.zeros(max_num_reqs, np.int32)
+
+  @property
+  def max_num_blocks_per_req(self) -> int:
+    """`P`, the most pages a row holds."""
+    return self.block_ids.shape[1]
+
+  def row(self, row: int) -> np.ndarray:
+    """Row `row`'s pages (a view of its first `num_blocks[row]` entries)."""
+    return self.block_ids[row, : self.num_blocks[row]]
+
+  def append_row(self, row: int, block_ids: Sequence[int]) -> None:
+    """Appends pages to row `row`'s table.
+
+    Raises:
+      ValueError: more than `P` pages in all (nothing changes then).
+    """
+    start = int(self.num_blocks[row])
+    end = start + len(block_ids)
+    if end > self.max_num_blocks_per_req:
+      raise ValueError(
+        f"row {row} would hold {end} blocks; a row holds at most {self.max_num_blocks_per_req}"
+      )
+    self.block_ids[row, start:end] = block_ids
+    self.num_blocks[row] = end
+
+  def clear_row(self, row: int) -> None:
+    """Empties row `row` (a new request there, or its pages freed by preemption)."""
+    self.block_ids[row] = 0
+    self.num_blocks[row] = 0
+
+  def move_row(self, src: int, dst: int) -> None:
+    """Moves row `src`'s table to row `dst` (condense); `src` is left empty."""
+    self.block_ids[dst] = self.block_ids[src]
+    self.num_blocks[dst] = self.num_blocks[src]
+    self.clear_row(src)
+
+  def swap_rows(self, i1: int, i2: int) -> None:
+    """Exchanges two rows' tables."""
+    self.block_ids[[i1, i2]] = self.block_ids[[i2, i1]]
+    self.num_blocks[[i1, i2]] = self.num_blocks[[i2, i1]]

@@ -1,0 +1,226 @@
+"""The paged runner: the model's weights over a pool of KV-cache pages, one ragged step at a time.
+
+`PagedModelRunner` is the `ModelRunner` of an engine with `kv_cache_memory_bytes` or
+`num_kv_blocks`: the cache is a `PagedKVCache` of `num_blocks` pages of `block_size` positions
+shared by every request (`KVCacheManager` hands them out; the batch's `BlockTable` lists each
+row's), and `execute(scheduler_output)` runs one step over the tokens the `PagedScheduler`
+chose: decode tokens and prefill chunks together, the model once over all of them, then the
+sampler on the rows whose last known token was computed.
+
+Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached,
+powers of two from `MIN_TOKEN_BUCKET` to `max_num_batched_tokens` times powers of two up to
+`max_num_reqs`; `precompile` runs them all. The block-table width is fixed at
+`ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the
+step's longest context needs, so the width costs nothing there).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxengine.batch import InputBatch
+from jaxengine.batch.block_table import BlockTable
+from jaxengine.batch.step_loop import fetch_steps
+from jaxengine.engine.buckets import bucket, buckets
+from jaxengine.engine.decode import MultiStepOutput
+from jaxengine.engine.engine_config import EngineConfig
+from jaxengine.engine.kv_cache_manager import KVCacheManager
+from jaxengine.engine.paged_inputs import build_paged_step_inputs
+from jaxengine.engine.paged_scheduler import PagedSchedulerOutput
+from jaxengine.engine.ragged_step import RaggedInputs, ragged_step
+from jaxengine.engine.runner import ModelRunner
+from jaxengine.models.attention_backends import attention_backend
+from jaxengine.models.interface import Model
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.paged_kv_cache import PagedKVCache
+
+#: Smallest token bucket of a ragged step.
+MIN_TOKEN_BUCKET = 8
+
+#: Pages of the paged cache on CPU when neither `kv_cache_memory_bytes` nor `num_kv_blocks` says
+#: (the engine only builds a paged runner when one of them is given; this is for direct use).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class PagedModelRunner(ModelRunner):
+  """A `ModelRunner` whose KV cache is a pool of pages (see the module).
+
+  Args:
+    model: as `ModelRunner`.
+    input_batch: the persistent batch, built with `max_num_blocks_per_req` (its `block_table`).
+    config: the engine's `EngineConfig` with `kv_cache_memory_bytes` or `num_kv_blocks`; also
+      read: `block_size`, `max_num_batched_tokens`, `attention_backend`, `prefix_caching`.
+
+  Raises:
+    ValueError: as `ModelRunner`; a batch without a block table of the right width; a memory
+      that holds fewer than 2 pages.
+  """
+
+  def __init__(self, model: Model, input_batch: InputBatch, config: EngineConfig) -> None:
+    self.block_size = config.block_size
+    self.max_num_blocks_per_req = -(-config.max_model_len // config.block_size)
+    table = input_batch.block_table
+    if table is None or table.max_num_blocks_per_req != self.max_num_blocks_per_req:
+      raise ValueError(
+        f"the paged runner needs a batch built with max_num_blocks_per_req="
+        f"{self.max_num_blocks_per_req} (ceil(max_model_len / block_size))"
+      )
+    self.block_table: BlockTable = table
+    super().__init__(model, input_batch, config)
+    #: The pages' owners: the scheduler allocates through it, the runner only reads tables.
+    self.kv_cache_manager = KVCacheManager(
+      self.num_blocks, self.block_size, enable_caching=config.prefix_caching
+    )
+    budget = cast(int, config.max_num_batched_tokens)  # validated: never None
+    self.token_buckets = buckets(budget, min(MIN_TOKEN_BUCKET, budget))
+    self.ragged_step: Callable[..., Any] = jax.jit(
+      functools.partial(ragged_step, self._graphdef),
+      static_argnames=("num_rows",),
+      donate_argnames=("state", "kv_cache"),
+    )
+
+  def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
+    spec = model.kv_cache_spec
+    backend = attention_backend(config.attention_backend)
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+      num_blocks = backend.num_blocks_for_memory(
+        config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES,
+        num_layers=spec.num_layers,
+        block_size=config.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+      )
+    #: Pages of the pool, the null page 0 included.
+    self.num_blocks = int(num_blocks)
+    return PagedKVCache.create(spec, backend, self.num_blocks, self.block_size)
+
+  # --- what the paged cache changes -------------------------------------------------------------
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every prefix hash (pages in use stay with their requests); returns True."""
+    self.kv_cache_manager.reset_prefix_cache()
+    return True
+
+  @property
+  def prefix_cache_stats(self) -> None:
+    """None: the paged cache counts its prefix hits in `kv_cache_manager.stats`."""
+    return None
+
+  # --- the step ---------------------------------------------------------------------------------
+
+  def execute(
+    self,
+    scheduled: PagedSchedulerOutput,
+    grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
+  ) -> MultiStepOutput:
+    """Runs one ragged step: the scheduled tokens through the model, then the sampler.
+
+    Call after `add` for the step's admitted completions. Updates the block table (pages freed by
+    preemption, pages appended), builds the step's inputs and runs the jitted `ragged_step`.
+
+    Args:
+      scheduled: the scheduler's plan for this step.
+      grammar_bitmask: as `ModelRunner.decode`.
+
+    Returns:
+      The sampled tokens of the batch's rows (`req_ids` order); `num_sampled` is 1 for rows
+      that produced a token, 0 for rows that only prefilled or were not scheduled.
+    """
+    batch = self.input_batch
+    batch.condense()
+    index = batch.req_id_to_index
+    for seq_id in scheduled.preempted:
+      self.block_table.clear_row(index[seq_id])
+    for seq_id, block_ids in scheduled.new_block_ids.items():
+      self.block_table.append_row(index[seq_id], block_ids)
+    if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
+      batch.set_grammar_bitmask(bitmask)
+    num_rows = bucket(batch.num_reqs, self.row_buckets)
+    num_tokens = bucket(max(1, scheduled.total_num_scheduled_tokens), self.token_buckets)
+    inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
+    output, kv_cache = batch.run_step(
+      self.ragged_step, self.weights, self.kv_cache, inputs, fetch=fetch_steps, num_rows=num_rows
+    )
+    self.kv_cache = kv_cache
+    return MultiStepOutput(req_ids=batch.req_ids, sampled=output)
+
+  def _ragged_inputs(
+    self, scheduled: PagedSchedulerOutput, num_tokens: int, num_rows: int
+  ) -> RaggedInputs:
+    """The step's `RaggedInputs`: scheduled rows in row order, padded to the buckets."""
+    batch = self.input_batch
+    rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
+    seq_ids = [batch.req_ids[row] for row in rows]
+    computed = [scheduled.num_computed_tokens[s] for s in seq_ids]
+    counts = [scheduled.num_scheduled_tokens[s] for s in seq_ids]
+    layout = build_paged_step_inputs(
+      [self.block_table.row(row).tolist() for row in rows],
+      computed,
+      counts,
+      block_size=self.block_size,
+      num_tokens=num_tokens,
+      num_reqs=num_rows,
+      max_blocks_per_req=self.max_num_blocks_per_req,
+    )
+    token_rows = np.zeros(num_tokens, np.int32)
+    token_rows[: layout.num_tokens] = np.repeat(rows, counts)
+    logits_indices = np.zeros(num_rows, np.int32)
+    logits_indices[rows] = layout.logits_indices[: len(rows)]
+    produces = np.zeros(num_rows, bool)
+    for row, seq_id, done, count in zip(rows, seq_ids, computed, counts):
+      produces[row] = done + count == batch.num_tokens(seq_id)
+    host = (
+      token_rows,
+      layout.positions,
+      layout.slot_mapping,
+      layout.block_tables,
+      layout.query_start_loc,
+      layout.seq_lens,
+      np.int32(layout.num_reqs),
+      logits_indices,
+      produces,
+    )
+    device = jax.device_put(host)  # one transfer for the step's inputs
+    return RaggedInputs(
+      token_rows=device[0],
+      positions=device[1],
+      attention=PagedAttentionMetadata(
+        slot_mapping=device[2],
+        block_tables=device[3],
+        query_start_loc=device[4],
+        seq_lens=device[5],
+        num_reqs=device[6],
+      ),
+      logits_indices=device[7],
+      produces=device[8],
+    )
+
+  def precompile(
+    self, num_decode_steps: int = 1, use_tqdm: bool = True, num_speculative_tokens: int = 0
+  ) -> int:
+    """Compiles the ragged step for every (token bucket, row bucket) now (an empty step each:
+    every token is padding, writing only the null page). Returns the number of shapes.
+
+    Raises:
+      ValueError: if the batch holds requests.
+    """
+    batch = self.input_batch
+    if batch.num_reqs:
+      raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
+    empty = PagedSchedulerOutput([], {}, {}, {}, [])
+    shapes = [(t, r) for r in self.row_buckets for t in self.token_buckets]
+    for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
+      inputs = self._ragged_inputs(empty, num_tokens, num_rows)
+      _, self.kv_cache = batch.run_step(
+        self.ragged_step, self.weights, self.kv_cache, inputs, fetch=fetch_steps, num_rows=num_rows
+      )
+    jax.block_until_ready(cast(Any, self.kv_cache))
+    return len(shapes)

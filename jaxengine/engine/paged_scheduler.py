@@ -1,0 +1,250 @@
+"""The paged engine's scheduler: a token budget per step, chunked prefill and preemption.
+
+vLLM V1's policy, for a KV cache of shared pages (`KVCacheManager`):
+
+1. **Running requests first**, in the order they were admitted: those with one token to compute
+   (a decode: the token sampled last step) before those with more (a prompt not yet finished, or
+   a preempted request being recomputed), which get as many tokens as the budget leaves (all of
+   them, or none, without chunked prefill). A running request holding pages that finds no free
+   page preempts the most recently admitted running request not scheduled yet this step (its
+   pages are freed and its tokens recomputed later; possibly the request itself), until the page
+   is found. One holding no pages (being recomputed) waits for free pages instead.
+2. **Waiting requests** are admitted (given a row of the batch) while rows, budget and pages
+   last, after their longest cached prefix (`KVCacheManager.get_computed_blocks`); the samples
+   of an `n > 1` request share the first sample's prompt pages (`KVCacheManager.fork`) when
+   prefix caching is off. Nothing is admitted in a step that preempted.
+
+A preempted request keeps its row of the batch (its sampling state is exact as it is) and only
+loses its pages: it is scheduled again as a prefill of its prompt and output so far, ahead of
+every waiting request, and its next token is the one it would have sampled without preemption.
+
+Host bookkeeping only: token counts and block ids. `ModelRunner` turns a `PagedSchedulerOutput`
+into one ragged model step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from jaxengine.engine.requests import Completion, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSchedulerOutput:
+  """What one ragged step computes.
+
+  Attributes:
+    admitted: completions that join the batch this step (each needs a row).
+    num_scheduled_tokens: query tokens of each scheduled completion (`seq_id` -> count `>= 1`),
+      in scheduling order.
+    num_computed_tokens: tokens of each scheduled completion already in its pages before the step.
+    new_block_ids: pages appended to each scheduled completion's block table this step.
+    preempted: completions whose pages were freed this step (their block tables are emptied;
+      they stay in the batch and are recomputed later).
+  """
+
+  admitted: list[Completion]
+  num_scheduled_tokens: dict[str, int]
+  num_computed_tokens: dict[str, int]
+  new_block_ids: dict[str, list[int]]
+  preempted: list[str]
+
+  @property
+  def total_num_scheduled_tokens(self) -> int:
+    """Query tokens of the step."""
+    return sum(self.num_scheduled_tokens.values())
+
+
+class PagedScheduler:
+  """Chooses each step's tokens within a budget, over the pages of a `KVCacheManager`.
+
+  Same interface as `jaxengine.engine.scheduler.Scheduler` (`waiting`, `running`, `add_request`,
+  `has_unfinished`, `finish`, `abort`), with `schedule` returning a `PagedSchedulerOutput` and
+  `update_after_step` advancing the computed counts.
+
+  Args:
+    max_num_reqs: completions that may run at once (the batch's rows).
+    manager: the pages.
+    max_num_batched_tokens: query tokens per step (`>= max_num_reqs`).
+    enable_chunked_prefill: whether a prompt may be split over steps.
+  """
+
+  def __init__(
+    self,
+    max_num_reqs: int,
+    manager: KVCacheManager,
+    max_num_batched_tokens: int,
+    enable_chunked_prefill: bool = True,
+  ) -> None:
+    self.max_num_reqs = max_num_reqs
+    self.manager = manager
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.enable_chunked_prefill = enable_chunked_prefill
+    self.waiting: collections.deque[Completion] = collections.deque()
+    #: Running completions in admission order (the preemption order, latest last).
+    self.running: dict[str, Completion] = {}
+    #: Tokens of each running completion whose keys and values are in its pages.
+    self.num_computed_tokens: dict[str, int] = {}
+
+  def add_request(self, request: Request) -> None:
+    """Queues every completion of `request`."""
+    self.waiting.extend(request.completions)
+
+  def has_unfinished(self) -> bool:
+    """Whether any completion is waiting or running."""
+    return bool(self.waiting or self.running)
+
+  def schedule(self) -> PagedSchedulerOutput:
+    """Plans one step: decodes, then prefill chunks, then admissions (see the module)."""
+    step = _StepPlan(self.max_num_batched_tokens)
+    decodes_first = sorted(self.running, key=lambda seq_id: self._num_remaining(seq_id) > 1)
+    for seq_id in decodes_first:
+      if step.budget and seq_id not in step.preempted:
+        self._schedule_running(step, seq_id)
+    while self.waiting and step.budget and not step.preempted:
+      if len(self.running) >= self.max_num_reqs or not self._admit(step, self.waiting[0]):
+        break
+      step.admitted.append(self.waiting.popleft())
+    return PagedSchedulerOutput(
+      admitted=step.admitted,
+      num_scheduled_tokens=step.num_scheduled,
+      num_computed_tokens={s: self.num_computed_tokens[s] for s in step.num_scheduled},
+      new_block_ids=step.new_block_ids,
+      preempted=step.preempted,
+    )
+
+  def update_after_step(self, output: PagedSchedulerOutput) -> None:
+    """Counts the step's tokens as computed (call after the model ran them)."""
+    for seq_id, count in output.num_scheduled_tokens.items():
+      if seq_id in self.num_computed_tokens:
+        self.num_computed_tokens[seq_id] += count
+
+  def finish(self, completion: Completion) -> None:
+    """Frees a finished completion's row and pages."""
+    del self.running[completion.seq_id]
+    del self.num_computed_tokens[completion.seq_id]
+    self.manager.free(completion.seq_id)
+
+  def abort(self, request_ids: set[str]) -> list[Completion]:
+    """Drops every waiting completion of these requests; returns the running ones, which the
+    caller finishes (`finish`) once it has freed their rows."""
+    self.waiting = collections.deque(
+      c for c in self.waiting if c.request.request_id not in request_ids
+    )
+    return [c for c in self.running.values() if c.request.request_id in request_ids]
+
+  # --- one step ---------------------------------------------------------------------------------
+
+  def _num_remaining(self, seq_id: str) -> int:
+    return self.running[seq_id].num_tokens - self.num_computed_tokens[seq_id]
+
+  def _schedule_running(self, step: _StepPlan, seq_id: str) -> None:
+    """Schedules a running completion's decode or next prefill chunk, preempting if needed."""
+    completion = self.running[seq_id]
+    computed = self.num_computed_tokens[seq_id]
+    hit = ComputedBlocks()
+    if computed == 0 and not self.manager.get_block_ids(seq_id):  # preempted: look up again
+      hit = self.manager.get_computed_blocks(_token_ids(completion))
+    remaining = completion.num_tokens - computed - hit.num_computed_tokens
+    count = self._chunk(remaining, step.budget)
+    if not count:
+      return
+    while True:
+      blocks = self.manager.allocate_slots(
+        seq_id,
+        count,
+        num_computed_tokens=computed,
+        token_ids=_token_ids(completion),
+        new_computed_blocks=hit,
+      )
+      if blocks is not None or not self.manager.get_block_ids(seq_id):
+        break  # one holding no pages (being recomputed) waits for pages, as a new one does
+      victim = self._preempt_latest(step)
+      if victim in (seq_id, ""):
+        return
+    if blocks is not None:
+      self.num_computed_tokens[seq_id] = computed + hit.num_computed_tokens
+      step.add(seq_id, count, blocks)
+
+  def _admit(self, step: _StepPlan, completion: Completion) -> bool:
+    """Gives a waiting completion its first chunk's pages; False (nothing changed) if none."""
+    seq_id = completion.seq_id
+    token_ids = _token_ids(completion)
+    hit = self.manager.get_computed_blocks(token_ids)
+    forked = not hit.block_ids and self._fork_from_first_sample(completion, step)
+    if forked:
+      shared = self.manager.get_block_ids(seq_id)
+      hit = ComputedBlocks(shared, len(shared) * self.manager.block_size)
+    count = self._chunk(completion.num_tokens - hit.num_computed_tokens, step.budget)
+    blocks = None
+    if count and forked:  # the shared pages are held already: allocate after them
+      new = self.manager.allocate_slots(
+        seq_id, count, num_computed_tokens=hit.num_computed_tokens, token_ids=token_ids
+      )
+      blocks = None if new is None else [*hit.block_ids, *new]
+    elif count:
+      blocks = self.manager.allocate_slots(
+        seq_id, count, token_ids=token_ids, new_computed_blocks=hit
+      )
+    if blocks is None:
+      self.manager.free(seq_id)  # a fork's shared pages, if any
+      return False
+    self.running[seq_id] = completion
+    self.num_computed_tokens[seq_id] = hit.num_computed_tokens
+    step.add(seq_id, count, blocks)
+    return True
+
+  def _fork_from_first_sample(self, completion: Completion, step: _StepPlan) -> bool:
+    """For sample `j > 0` of a request, shares the first sample's full prompt pages (written
+    already or this step) by reference; False when there are none."""
+    first = completion.request.completions[0].seq_id
+    if completion.index == 0 or first not in self.running:
+      return False
+    written = self.num_computed_tokens[first] + step.num_scheduled.get(first, 0)
+    shared = min(written, len(completion.request.prompt_token_ids) - 1)
+    if shared < self.manager.block_size:
+      return False
+    self.manager.fork(first, completion.seq_id, shared)
+    return True
+
+  def _chunk(self, remaining: int, budget: int) -> int:
+    """This step's tokens of a request with `remaining` to compute: all of them, or as many as
+    the budget holds with chunked prefill; 0 when they do not fit."""
+    if remaining <= budget:
+      return remaining
+    return budget if self.enable_chunked_prefill else 0
+
+  def _preempt_latest(self, step: _StepPlan) -> str:
+    """Frees the pages of the most recently admitted running completion that holds any and is
+    not scheduled this step; returns its id, or "" when there is none."""
+    held = (s for s in reversed(self.running) if self.manager.get_block_ids(s))
+    victim = next((s for s in held if s not in step.num_scheduled), None)
+    if victim is None:  # every page is held by this step's earlier requests: wait
+      return ""
+    self.manager.preempt(victim)
+    self.num_computed_tokens[victim] = 0
+    step.preempted.append(victim)
+    return victim
+
+
+@dataclasses.dataclass
+class _StepPlan:
+  """The step being planned: the budget left and what is scheduled so far."""
+
+  budget: int
+  admitted: list[Completion] = dataclasses.field(default_factory=list)
+  num_scheduled: dict[str, int] = dataclasses.field(default_factory=dict)
+  new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+  preempted: list[str] = dataclasses.field(default_factory=list)
+
+  def add(self, seq_id: str, count: int, block_ids: list[int]) -> None:
+    self.num_scheduled[seq_id] = count
+    self.new_block_ids[seq_id] = list(block_ids)
+    self.budget -= count
+
+
+def _token_ids(completion: Completion) -> list[int]:
+  """A completion's known tokens: its prompt, then its output so far."""
+  return [*completion.request.prompt_token_ids, *completion.token_ids]

@@ -1,0 +1,78 @@
+"""The paged engine's step: the model once over a ragged batch of tokens, then the sampler.
+
+One call computes the scheduled tokens of every request back to back (decode tokens, prefill
+chunks, a preempted request's recomputation: `PagedAttentionMetadata` says which are whose) and
+samples a token for each row whose last known token was among them. Rows that only advanced
+their prefill (or were not scheduled) keep their batch state as it was: the sampler runs over
+the row bucket with those rows masked out of `is_live`, so nothing is appended, counted or
+advanced for them.
+
+Shape legend: `T` query tokens (a bucket of the step's token count), `R` rows (a bucket above
+the batch's live rows), `V` vocabulary, `k` logprob columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.sample import sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedInputs:
+  """One ragged step's device inputs (every field an int32 or bool array).
+
+  Attributes:
+    token_rows: `[T] int32` the batch row of each query token (0 for padding tokens).
+    positions: `[T] int32` each query token's position in its sequence (0 for padding): the
+      token is `state.token_ids[token_rows, positions]`, the rotary position is this one.
+    attention: the step's `PagedAttentionMetadata` (`R` requests in row order).
+    logits_indices: `[R] int32` for each row, the flat index of its last query token (any index
+      for rows that do not sample).
+    produces: `[R] bool` rows that sample a token this step.
+  """
+
+  token_rows: jax.Array
+  positions: jax.Array
+  attention: PagedAttentionMetadata
+  logits_indices: jax.Array
+  produces: jax.Array
+
+
+def ragged_step(graphdef, state, metadata, weights, kv_cache, inputs: RaggedInputs, num_rows):
+  """The model over the step's flat tokens, then the sampler on the rows that produce a token.
+
+  Args:
+    graphdef: the model's graph definition (bound by the runner).
+    state: the batch's `BatchState` (donated by the jitted step).
+    metadata: its `SamplingMetadata`.
+    weights: the model's weights.
+    kv_cache: the `PagedKVCache` (donated).
+    inputs: the step's `RaggedInputs`.
+    num_rows: `R` (static), a bucket holding every live row (the batch is condensed).
+
+  Returns:
+    `(state, MultiStepOutput, kv_cache)`: the output has one step; `num_sampled [R]` is 1 for
+    rows that produced a token and 0 elsewhere.
+  """
+  rows_state = state.leading_rows(num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
+  token_ids = state.token_ids[inputs.token_rows, inputs.positions]
+  model = nnx.merge(graphdef, weights)
+  hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
+  logits = model.compute_logits(hidden[0, inputs.logits_indices])
+  producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
+  rows_state, sampled = sample(rows_state, producing, logits)
+  output = MultiStepOutput(
+    sampled_token_ids=sampled.sampled_token_ids[None],
+    logprobs=jax.tree.map(lambda a: a[None], sampled.logprobs),
+    num_sampled=sampled.is_appended.astype(jnp.int32),
+  )
+  return state.with_leading_rows(rows_state), output, kv_cache
