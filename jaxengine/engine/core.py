@@ -237,11 +237,6 @@ class LLMEngine:
         self.max_model_len if max_tokens is None else max_tokens
       )
       self.runner.kv_cache_manager.check_fits(min(longest, self.max_model_len))
-      if request.params.prompt_logprobs is not None:
-        raise ValueError(
-          "prompt_logprobs is not supported with the paged KV cache yet (kv_cache_memory_bytes "
-          "/ num_kv_blocks); leave both unset for the slot cache"
-        )
 
   @property
   def kv_cache_stats(self) -> KVCacheStats | None:
@@ -369,6 +364,10 @@ class LLMEngine:
     runner = cast(PagedModelRunner, self.runner)
     decoded = runner.execute(scheduled, bitmask)
     scheduler.update_after_step(scheduled)
+    for seq_id, produced in zip(decoded.req_ids, decoded.sampled.num_sampled.tolist()):
+      completion = scheduler.running[seq_id]
+      if produced and completion.request.prompt_logprobs is None:  # its prompt just finished
+        self._set_prompt_logprobs(completion, decoded.prompt_logprobs)
     return self._update_from_output(
       decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
     )

@@ -16,6 +16,7 @@ step's longest context needs, so the width costs nothing there).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -26,19 +27,21 @@ from tqdm import tqdm
 
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
-from jaxengine.batch.step_loop import fetch_steps
+from jaxengine.batch.host_output import LogprobsArrays
+from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps
 from jaxengine.engine.buckets import bucket, buckets
-from jaxengine.engine.decode import MultiStepOutput
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
-from jaxengine.engine.paged_scheduler import PagedSchedulerOutput
+from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine.ragged_step import RaggedInputs, ragged_step
+from jaxengine.engine.requests import Completion
 from jaxengine.engine.runner import ModelRunner
 from jaxengine.models.attention_backends import attention_backend
 from jaxengine.models.interface import Model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.models.paged_kv_cache import PagedKVCache
+from jaxengine.sample import LogprobsTensors
 
 #: Smallest token bucket of a ragged step.
 MIN_TOKEN_BUCKET = 8
@@ -46,6 +49,31 @@ MIN_TOKEN_BUCKET = 8
 #: Pages of the paged cache on CPU when neither `kv_cache_memory_bytes` nor `num_kv_blocks` says
 #: (the engine only builds a paged runner when one of them is given; this is for direct use).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStepOutput:
+  """One ragged step on the host.
+
+  Attributes:
+    req_ids: the batch's row ids (`num_reqs`), the order of `sampled`'s arrays.
+    sampled: the sampled token of each row (`num_sampled` 1 for rows that produced one).
+    prompt_logprobs: by request id, `LogprobsArrays` of `[num_prompt_tokens - 1, k + 1]` (the
+      logprobs of prompt tokens `1..`) of each prompt whose last prediction was in this step.
+  """
+
+  req_ids: list[str]
+  sampled: HostMultiStepOutput
+  prompt_logprobs: dict[str, LogprobsArrays]
+
+
+@dataclasses.dataclass
+class _PendingPromptLogprobs:
+  """A prompt's logprobs gathered chunk by chunk until its last prediction."""
+
+  request_id: str
+  num_prompt_tokens: int
+  parts: list[LogprobsArrays] = dataclasses.field(default_factory=list)
 
 
 class PagedModelRunner(ModelRunner):
@@ -79,9 +107,10 @@ class PagedModelRunner(ModelRunner):
     )
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, min(MIN_TOKEN_BUCKET, budget))
+    self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
     self.ragged_step: Callable[..., Any] = jax.jit(
       functools.partial(ragged_step, self._graphdef),
-      static_argnames=("num_rows",),
+      static_argnames=("num_rows", "prompt_logprobs"),
       donate_argnames=("state", "kv_cache"),
     )
 
@@ -114,13 +143,30 @@ class PagedModelRunner(ModelRunner):
     """None: the paged cache counts its prefix hits in `kv_cache_manager.stats`."""
     return None
 
+  # --- composition --------------------------------------------------------------------------------
+
+  def add(self, completion: Completion) -> None:
+    """Gives a completion a row (its block table starts empty); notes a prompt whose logprobs
+    it computes (the first sample of a request asking for `prompt_logprobs`)."""
+    super().add(completion)
+    if wants_prompt_logprobs(completion):
+      request = completion.request
+      self._prompt_logprobs[completion.seq_id] = _PendingPromptLogprobs(
+        request.request_id, len(request.prompt_token_ids)
+      )
+
+  def remove(self, seq_id: str) -> None:
+    """Frees a completion's row (the scheduler frees its pages)."""
+    super().remove(seq_id)
+    self._prompt_logprobs.pop(seq_id, None)
+
   # --- the step ---------------------------------------------------------------------------------
 
   def execute(
     self,
     scheduled: PagedSchedulerOutput,
     grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
-  ) -> MultiStepOutput:
+  ) -> PagedStepOutput:
     """Runs one ragged step: the scheduled tokens through the model, then the sampler.
 
     Call after `add` for the step's admitted completions. Updates the block table (pages freed by
@@ -131,14 +177,17 @@ class PagedModelRunner(ModelRunner):
       grammar_bitmask: as `ModelRunner.decode`.
 
     Returns:
-      The sampled tokens of the batch's rows (`req_ids` order); `num_sampled` is 1 for rows
-      that produced a token, 0 for rows that only prefilled or were not scheduled.
+      `PagedStepOutput`: the sampled tokens of the batch's rows (`req_ids` order; `num_sampled`
+      is 1 for rows that produced a token, 0 for rows that only prefilled or were not
+      scheduled), and the prompt logprobs of prompts completed this step.
     """
     batch = self.input_batch
     batch.condense()
     index = batch.req_id_to_index
     for seq_id in scheduled.preempted:
       self.block_table.clear_row(index[seq_id])
+      if seq_id in self._prompt_logprobs:  # its prompt is recomputed from the start
+        self._prompt_logprobs[seq_id].parts.clear()
     for seq_id, block_ids in scheduled.new_block_ids.items():
       self.block_table.append_row(index[seq_id], block_ids)
     if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
@@ -146,11 +195,58 @@ class PagedModelRunner(ModelRunner):
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     num_tokens = bucket(max(1, scheduled.total_num_scheduled_tokens), self.token_buckets)
     inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
-    output, kv_cache = batch.run_step(
-      self.ragged_step, self.weights, self.kv_cache, inputs, fetch=fetch_steps, num_rows=num_rows
+    wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
+    output, extra = batch.run_step(
+      self.ragged_step,
+      self.weights,
+      self.kv_cache,
+      inputs,
+      fetch=fetch_steps,
+      num_rows=num_rows,
+      prompt_logprobs=batch.state.num_top_logprobs + 1 if wanted else 0,
     )
-    self.kv_cache = kv_cache
-    return MultiStepOutput(req_ids=batch.req_ids, sampled=output)
+    self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors], extra)
+    prompt_logprobs = {}
+    if wanted:
+      prompt_logprobs = self._collect_prompt_logprobs(scheduled, wanted, token_logprobs)
+    return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+
+  def _collect_prompt_logprobs(
+    self, scheduled: PagedSchedulerOutput, wanted: list[str], token_logprobs: LogprobsTensors
+  ) -> dict[str, LogprobsArrays]:
+    """Keeps the logprobs of the prompt tokens predicted in this step; returns, by request id,
+    those of the prompts whose last prediction was in it."""
+    host = jax.device_get(token_logprobs)
+    starts = self._query_starts(scheduled)
+    done = {}
+    for seq_id in wanted:
+      pending = self._prompt_logprobs[seq_id]
+      computed = scheduled.num_computed_tokens[seq_id]
+      scheduled_count = scheduled.num_scheduled_tokens[seq_id]
+      count = min(scheduled_count, pending.num_prompt_tokens - 1 - computed)
+      if count > 0:
+        rows = slice(starts[seq_id], starts[seq_id] + count)
+        pending.parts.append(
+          LogprobsArrays(host.token_ids[rows], host.logprobs[rows], host.ranks[rows])
+        )
+      if computed + scheduled_count >= pending.num_prompt_tokens:
+        del self._prompt_logprobs[seq_id]
+        parts = pending.parts
+        if not parts:  # a one-token prompt: nothing predicts its only token
+          continue
+        done[pending.request_id] = LogprobsArrays(
+          token_ids=np.concatenate([p.token_ids for p in parts]),
+          logprobs=np.concatenate([p.logprobs for p in parts]),
+          ranks=np.concatenate([p.ranks for p in parts]),
+        )
+    return done
+
+  def _query_starts(self, scheduled: PagedSchedulerOutput) -> dict[str, int]:
+    """Each scheduled completion's first flat token index (rows in batch order)."""
+    index = self.input_batch.req_id_to_index
+    order = sorted(scheduled.num_scheduled_tokens, key=index.__getitem__)
+    counts = [scheduled.num_scheduled_tokens[s] for s in order]
+    return dict(zip(order, np.cumsum([0, *counts[:-1]]).tolist()))
 
   def _ragged_inputs(
     self, scheduled: PagedSchedulerOutput, num_tokens: int, num_rows: int
@@ -219,8 +315,9 @@ class PagedModelRunner(ModelRunner):
     shapes = [(t, r) for r in self.row_buckets for t in self.token_buckets]
     for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
       inputs = self._ragged_inputs(empty, num_tokens, num_rows)
-      _, self.kv_cache = batch.run_step(
+      _, extra = batch.run_step(
         self.ragged_step, self.weights, self.kv_cache, inputs, fetch=fetch_steps, num_rows=num_rows
       )
+      self.kv_cache = cast(tuple, extra)[0]
     jax.block_until_ready(cast(Any, self.kv_cache))
     return len(shapes)

@@ -146,7 +146,7 @@ class PagedScheduler:
     computed = self.num_computed_tokens[seq_id]
     hit = ComputedBlocks()
     if computed == 0 and not self.manager.get_block_ids(seq_id):  # preempted: look up again
-      hit = self.manager.get_computed_blocks(_token_ids(completion))
+      hit = self._cached_prefix(completion)
     remaining = completion.num_tokens - computed - hit.num_computed_tokens
     count = self._chunk(remaining, step.budget)
     if not count:
@@ -172,7 +172,7 @@ class PagedScheduler:
     """Gives a waiting completion its first chunk's pages; False (nothing changed) if none."""
     seq_id = completion.seq_id
     token_ids = _token_ids(completion)
-    hit = self.manager.get_computed_blocks(token_ids)
+    hit = self._cached_prefix(completion)
     forked = not hit.block_ids and self._fork_from_first_sample(completion, step)
     if forked:
       shared = self.manager.get_block_ids(seq_id)
@@ -195,6 +195,12 @@ class PagedScheduler:
     self.num_computed_tokens[seq_id] = hit.num_computed_tokens
     step.add(seq_id, count, blocks)
     return True
+
+  def _cached_prefix(self, completion: Completion) -> ComputedBlocks:
+    """The completion's longest cached prefix (none for one computing prompt logprobs)."""
+    if wants_prompt_logprobs(completion):
+      return ComputedBlocks()
+    return self.manager.get_computed_blocks(_token_ids(completion))
 
   def _fork_from_first_sample(self, completion: Completion, step: _StepPlan) -> bool:
     """For sample `j > 0` of a request, shares the first sample's full prompt pages (written
@@ -243,6 +249,12 @@ class _StepPlan:
     self.num_scheduled[seq_id] = count
     self.new_block_ids[seq_id] = list(block_ids)
     self.budget -= count
+
+
+def wants_prompt_logprobs(completion: Completion) -> bool:
+  """Whether a completion computes its request's prompt logprobs (the first sample of a request
+  asking for them): its prompt is computed from position 0, never taken from shared pages."""
+  return completion.index == 0 and completion.params.prompt_logprobs is not None
 
 
 def _token_ids(completion: Completion) -> list[int]:

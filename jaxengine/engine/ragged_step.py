@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.sample import sample
+from jaxengine.sample import gather_logprobs, sample
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +46,9 @@ class RaggedInputs:
   produces: jax.Array
 
 
-def ragged_step(graphdef, state, metadata, weights, kv_cache, inputs: RaggedInputs, num_rows):
+def ragged_step(
+  graphdef, state, metadata, weights, kv_cache, inputs: RaggedInputs, num_rows, prompt_logprobs=0
+):
   """The model over the step's flat tokens, then the sampler on the rows that produce a token.
 
   Args:
@@ -57,10 +59,13 @@ def ragged_step(graphdef, state, metadata, weights, kv_cache, inputs: RaggedInpu
     kv_cache: the `PagedKVCache` (donated).
     inputs: the step's `RaggedInputs`.
     num_rows: `R` (static), a bucket holding every live row (the batch is condensed).
+    prompt_logprobs: static; 0, or `k + 1` to also return, for every query token, the raw
+      logprobs (log-softmax of the logits) of the token that follows it in its sequence and the
+      top `k` (a step with a prompt that asked for `prompt_logprobs`).
 
   Returns:
-    `(state, MultiStepOutput, kv_cache)`: the output has one step; `num_sampled [R]` is 1 for
-    rows that produced a token and 0 elsewhere.
+    `(state, MultiStepOutput, (kv_cache, LogprobsTensors [T, k + 1] or None))`: the output has
+    one step; `num_sampled [R]` is 1 for rows that produced a token and 0 elsewhere.
   """
   rows_state = state.leading_rows(num_rows)
   rows_metadata = metadata.leading_rows(num_rows)
@@ -68,6 +73,12 @@ def ragged_step(graphdef, state, metadata, weights, kv_cache, inputs: RaggedInpu
   model = nnx.merge(graphdef, weights)
   hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
   logits = model.compute_logits(hidden[0, inputs.logits_indices])
+  token_logprobs = None
+  if prompt_logprobs:
+    following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
+    next_token_ids = state.token_ids[inputs.token_rows, following]
+    all_logits = model.compute_logits(hidden[0])  # [T, V]
+    token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
   producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
   rows_state, sampled = sample(rows_state, producing, logits)
   output = MultiStepOutput(
@@ -75,4 +86,4 @@ def ragged_step(graphdef, state, metadata, weights, kv_cache, inputs: RaggedInpu
     logprobs=jax.tree.map(lambda a: a[None], sampled.logprobs),
     num_sampled=sampled.is_appended.astype(jnp.int32),
   )
-  return state.with_leading_rows(rows_state), output, kv_cache
+  return state.with_leading_rows(rows_state), output, (kv_cache, token_logprobs)
