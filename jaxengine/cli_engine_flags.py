@@ -103,6 +103,60 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "kv_cache_memory_bytes",
+    "--kv-cache-memory-bytes",
+    dict(
+      metavar="BYTES",
+      type=positive_int,
+      default=None,
+      help="a paged KV cache of this many bytes shared by all requests (default: the slot cache, "
+      "max-num-reqs x max-model-len positions)",
+    ),
+  ),
+  EngineFlag(
+    "num_kv_blocks",
+    "--num-kv-blocks",
+    dict(
+      metavar="N",
+      type=positive_int,
+      default=None,
+      help="a paged KV cache of N pages (instead of --kv-cache-memory-bytes)",
+    ),
+  ),
+  EngineFlag(
+    "block_size",
+    "--block-size",
+    dict(metavar="N", type=positive_int, default=16, help="token positions per KV cache page"),
+  ),
+  EngineFlag(
+    "max_num_batched_tokens",
+    "--max-num-batched-tokens",
+    dict(
+      metavar="N",
+      type=positive_int,
+      default=None,
+      help="paged cache: query tokens per step, decodes first, then prefill chunks (default 2048)",
+    ),
+  ),
+  EngineFlag(
+    "enable_chunked_prefill",
+    "--enable-chunked-prefill",
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=True,
+      help="paged cache: split long prompts over steps (default: on)",
+    ),
+  ),
+  EngineFlag(
+    "attention_backend",
+    "--attention-backend",
+    dict(
+      default=None,
+      choices=["xla", "pallas_tpu", "pallas_gpu"],
+      help="paged cache: the attention kernel (default: by platform)",
+    ),
+  ),
+  EngineFlag(
     "seed",
     "--engine-seed",
     dict(

@@ -103,8 +103,10 @@ def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults()
     TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"
   ):
     LLMEngine(model, max_num_seqs=4)
-  with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'block_size'"):
-    je.LLM(model, block_size=16)
+  with pytest.raises(
+    TypeError, match="LLM\\(\\) got an unexpected keyword argument 'gpu_memory_utilization'"
+  ):
+    je.LLM(model, gpu_memory_utilization=0.9)
 
 
 def test_keywords_replace_fields_of_a_given_config():
@@ -127,19 +129,25 @@ def test_the_command_builds_the_same_config_from_its_flag_table():
   assert EngineConfig(**engine_options(defaults)) == EngineConfig()
   args = parse(
     ["generate", "Hi", "--max-num-reqs", "4", "--max-model-len", "256", "--dtype", "bfloat16"]
-    + ["--engine-seed", "7", "--num-decode-steps", "2", "--no-enable-prefix-caching"]
+    + ["--engine-seed", "7", "--no-enable-prefix-caching"]
     + ["--compilation-cache", "off", "--precompile", "--logprobs", "30", "--seed", "1"]
+    + ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-batched-tokens", "256"]
+    + ["--no-enable-chunked-prefill", "--attention-backend", "xla"]
   )
   assert EngineConfig(**engine_options(args)) == EngineConfig(
     max_num_reqs=4,
     max_model_len=256,
     dtype="bfloat16",
     seed=7,
-    num_decode_steps=2,
     enable_prefix_caching=False,
     compilation_cache=False,
     precompile=True,
     max_num_logprobs=30,
+    num_kv_blocks=64,
+    block_size=8,
+    max_num_batched_tokens=256,
+    enable_chunked_prefill=False,
+    attention_backend="xla",
   )
 
 

@@ -1,0 +1,217 @@
+"""The paged KV cache against the slot cache, end to end on SmolLM2-135M-Instruct (issue 22).
+
+Three tables, every engine built on the same loaded model and timed in the same run:
+
+- ``capacity``: at one KV-cache memory (``--memory-mb``), ``--num-requests`` requests with prompts
+  of 16 to 512 tokens and outputs of 16 to 256 (uniform, seeded; ignore_eos, temperature 0.8,
+  top-k 50), all submitted at once. The slot cache of that memory holds
+  ``memory / (max_model_len * bytes per token)`` rows; the paged engine gets 64 rows over a pool
+  of the same bytes. Reports the peak number of requests running at once and tokens/s (generated
+  tokens / wall time); every request is seeded, so both engines should produce the same tokens,
+  which the script counts.
+- ``arrival``: 8 requests decode (32-token prompts, greedy, 160 tokens); after 24 steps a
+  ``--long-prompt``-token prompt arrives. For the 8 running requests: the largest gap between two
+  of their tokens against their median gap, for the slot engine (its prefill runs between two
+  decode steps) and the paged engine with chunked prefill (``--chunk`` tokens per step) and
+  without it (the whole prompt in one step).
+- ``e2e``: batch 1, 8, 32 of 64-token prompts, 64 greedy tokens each (ignore_eos), all at once,
+  wall time including prefill: slot against paged, interleaved, best of ``--repeats``.
+
+Usage:
+  python benchmarks/bench_paged_engine.py                     # all three (~10 min on 2 cores)
+  python benchmarks/bench_paged_engine.py --tables e2e --batch-sizes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import jaxengine as je
+from jaxengine.engine import LLMEngine
+
+BYTES_PER_FLOAT = 4
+
+
+def _text_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
+  text = (
+    "The history of science is the study of the development of science and scientific "
+    "knowledge, including both the natural and social sciences. Astronomy, medicine and "
+    "mathematics grew together over many centuries in many places. "
+  ) * (length // 20 + 8)
+  ids = tokenizer.encode(text)
+  return ids[offset : offset + length]
+
+
+def _bytes_per_token(model) -> int:
+  spec = model.kv_cache_spec
+  return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BYTES_PER_FLOAT
+
+
+def _run(engine, requests) -> tuple[float, dict[str, list[int]]]:
+  """Runs `(prompt, params)` requests submitted at once; (seconds, tokens by request id). The
+  prefix cache is emptied first, so every run computes the same shapes as its warm-up."""
+  engine.reset_prefix_cache()
+  start = time.perf_counter()
+  ids = engine.add_requests([(None, {"prompt_token_ids": p}, params) for p, params in requests])
+  while engine.has_unfinished_requests():
+    engine.step()
+  seconds = time.perf_counter() - start
+  outputs = {o.request_id: o for o in engine.pop_finished()}
+  return seconds, {i: outputs[i].outputs[0].token_ids for i in ids}
+
+
+def capacity(model, tokenizer, args) -> None:
+  rng = np.random.default_rng(0)
+  max_model_len = 768
+  memory = args.memory_mb * 2**20
+  slot_rows = max(1, memory // (max_model_len * _bytes_per_token(model)))
+  requests = []
+  for i in range(args.num_requests):
+    prompt_len, output_len = int(rng.integers(16, 513)), int(rng.integers(16, 257))
+    params = je.SamplingParams(
+      temperature=0.8, top_k=50, seed=i, max_tokens=output_len, ignore_eos=True
+    )
+    requests.append((_text_ids(tokenizer, prompt_len, i % 13), params))
+  engines = {
+    f"slot cache ({slot_rows} rows)": LLMEngine(
+      model, tokenizer, max_num_reqs=slot_rows, max_model_len=max_model_len
+    ),
+    "paged (64 rows)": LLMEngine(
+      model,
+      tokenizer,
+      max_num_reqs=64,
+      max_model_len=max_model_len,
+      kv_cache_memory_bytes=memory,
+      max_num_batched_tokens=args.chunk,
+    ),
+  }
+  generated = sum(params.max_tokens for _, params in requests)
+  print(
+    f"\n## capacity: {args.num_requests} requests, prompts 16-512, outputs 16-256 "
+    f"({generated} tokens), KV cache {args.memory_mb} MiB\n"
+  )
+  print("| engine | peak running requests | tokens/s |\n|---|---:|---:|")
+  outputs = {}
+  for name, engine in engines.items():
+    engine.reset_kv_cache_stats()
+    seconds, outputs[name] = _run(engine, requests)
+    stats = engine.kv_cache_stats
+    peak = slot_rows if stats is None else stats.peak_running_reqs
+    print(f"| {name} | {peak} | {generated / seconds:.1f} |", flush=True)
+  first, second = outputs.values()
+  same = sum(first[a] == second[b] for a, b in zip(first, second))
+  print(f"\n{same} of {len(first)} requests produced the same tokens in both engines")
+
+
+def _gaps(engine, running, long_prompt, arrive_after: int) -> tuple[float, float]:
+  """(largest, median) seconds between two tokens of the running requests."""
+  greedy = je.SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+  ids = engine.add_requests([(None, {"prompt_token_ids": p}, greedy) for p in running])
+  last: dict[str, float] = {}
+  gaps: list[float] = []
+  step = 0
+  while engine.has_unfinished_requests():
+    if step == arrive_after:
+      one = je.SamplingParams(temperature=0, max_tokens=1)
+      engine.add_request(None, {"prompt_token_ids": long_prompt}, one)
+    outputs = engine.step()
+    now = time.perf_counter()
+    for output in outputs:
+      if output.request_id in ids:
+        if output.request_id in last:
+          gaps.append(now - last[output.request_id])
+        last[output.request_id] = now
+    step += 1
+  engine.pop_finished()
+  return max(gaps), statistics.median(gaps)
+
+
+def arrival(model, tokenizer, args) -> None:
+  max_model_len = args.long_prompt + 64
+  running = [_text_ids(tokenizer, 32, i) for i in range(8)]
+  long_prompt = _text_ids(tokenizer, args.long_prompt, 3)
+  blocks = 8 * -(-(32 + 160) // 16) + -(-args.long_prompt // 16) + 16
+  paged = dict(num_kv_blocks=blocks + 1, max_model_len=max_model_len, max_num_reqs=16)
+  engines = {
+    "slot cache": LLMEngine(model, tokenizer, max_num_reqs=16, max_model_len=max_model_len),
+    f"paged, chunked prefill ({args.chunk} tokens/step)": LLMEngine(
+      model, tokenizer, max_num_batched_tokens=args.chunk, **paged
+    ),
+    "paged, no chunked prefill": LLMEngine(
+      model,
+      tokenizer,
+      enable_chunked_prefill=False,
+      max_num_batched_tokens=max_model_len,
+      **paged,
+    ),
+  }
+  print(
+    f"\n## latency under arrival: 8 requests decoding, a {args.long_prompt}-token prompt "
+    "arrives after 24 steps\n"
+  )
+  print("| engine | largest gap ms | median gap ms | ratio |\n|---|---:|---:|---:|")
+  for name, engine in engines.items():
+    _gaps(engine, running, long_prompt, 24)  # warm-up: compiles every shape used
+    largest, median = _gaps(engine, running, long_prompt, 24)
+    print(
+      f"| {name} | {largest * 1e3:.0f} | {median * 1e3:.1f} | {largest / median:.1f}x |",
+      flush=True,
+    )
+
+
+def e2e(model, tokenizer, args) -> None:
+  greedy = je.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+  blocks = 32 * -(-128 // 16) + 1
+  engines = {
+    "slot": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256),
+    "paged": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256, num_kv_blocks=blocks),
+  }
+  print(
+    "\n## end to end: 64-token prompts, 64 greedy tokens, all at once (tokens/s)\n\n"
+    "| batch | slot | paged | paged / slot |\n|---:|---:|---:|---:|"
+  )
+  for size in args.batch_sizes:
+    requests = [(_text_ids(tokenizer, 64, i % 7), greedy) for i in range(size)]
+    best = {}
+    outputs = {}
+    for name, engine in engines.items():
+      _, outputs[name] = _run(engine, requests)  # warm-up
+    for _ in range(args.repeats):
+      for name, engine in engines.items():
+        seconds, _ = _run(engine, requests)
+        best[name] = min(best.get(name, float("inf")), seconds)
+    slot, paged = (size * 64 / best[name] for name in ("slot", "paged"))
+    same = list(outputs["slot"].values()) == list(outputs["paged"].values())
+    note = "" if same else " (outputs differ)"
+    print(f"| {size} | {slot:.1f} | {paged:.1f} | {paged / slot:.2f}x{note} |", flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--tables", nargs="+", default=["capacity", "arrival", "e2e"])
+  parser.add_argument("--memory-mb", type=int, default=288)
+  parser.add_argument("--num-requests", type=int, default=48)
+  parser.add_argument("--long-prompt", type=int, default=2000)
+  parser.add_argument("--chunk", type=int, default=256, help="paged token budget per step")
+  parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+  parser.add_argument("--repeats", type=int, default=2)
+  args = parser.parse_args()
+  print(
+    f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+    f"{jax.default_backend()}, {time.strftime('%Y-%m-%d %H:%M')}"
+  )
+  llm = je.LLM(max_num_reqs=1, max_model_len=256, enable_prefix_caching=False)
+  model, tokenizer = llm.llm_engine.runner.model, llm.get_tokenizer()
+  tables = {"capacity": capacity, "arrival": arrival, "e2e": e2e}
+  for name in args.tables:
+    tables[name](model, tokenizer, args)
+
+
+if __name__ == "__main__":
+  main()
