@@ -305,3 +305,13 @@ def test_eval_command_forwards_to_lm_eval(checkpoint, jax_lm, tmp_path, monkeypa
   results = json.loads(result_file.read_text())
   assert results["config"]["model"] == "jaxengine"
   assert results["n-samples"]["jaxengine_tiny_mc"]["effective"] == 2
+
+
+def test_eval_help_is_lm_evals(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["eval", "--help"])
+  assert exit_info.value.code == 0
+  assert "lm-eval run --model hf" in capsys.readouterr().out  # lm-eval's own quick start
+  with pytest.raises(SystemExit):
+    cli.main(["--help"])
+  assert "eval" in capsys.readouterr().out

@@ -8,8 +8,10 @@ stay available)::
   import jaxengine.integrations.lm_eval  # registers "jaxengine"
 
   results = lm_eval.simple_evaluate(
-    model="jaxengine", model_args="pretrained=HuggingFaceTB/SmolLM2-135M,max_model_len=2048",
-    tasks=["hellaswag"])
+    model="jaxengine",
+    model_args="pretrained=HuggingFaceTB/SmolLM2-135M,max_model_len=2048",
+    tasks=["hellaswag"],
+  )
 
 From the command line, ``jaxengine eval ARGS...`` runs lm-eval's own command with ARGS (``run``,
 ``ls``, ``validate``, ``--tasks``, ``--include_path``, ...), with ``--model jaxengine`` unless
@@ -91,7 +93,9 @@ class ScoringRequest:
   num_prompt_scored: int
 
 
-def scoring_request(context: Sequence[int], continuation: Sequence[int], max_length: int):
+def scoring_request(
+  context: Sequence[int], continuation: Sequence[int], max_length: int
+) -> ScoringRequest:
   """The `ScoringRequest` of a tokenized (context, continuation) pair.
 
   Args:
