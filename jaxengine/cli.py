@@ -1,5 +1,7 @@
 """The `jaxengine` command: `jaxengine generate PROMPT...`, `jaxengine chat [MESSAGE]` and
-`jaxengine serve [MODEL]` (an OpenAI-compatible server: `jaxengine/entrypoints/serve.py`).
+`jaxengine serve [MODEL]` (an OpenAI-compatible server: `jaxengine/entrypoints/serve.py`) and
+`jaxengine eval ARGS...` (lm-evaluation-harness's command with the ``jaxengine`` model:
+`jaxengine/integrations/lm_eval.py`).
 
 Also `python -m jaxengine`. Sampling flags mirror `SamplingParams` field names (`--top-p` is
 `top_p`), with one difference: `--temperature` defaults to 0 (greedy) where `SamplingParams`
@@ -255,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
   )
   add_serve_flags(serve)
   add_engine_flags(serve)
+  commands.add_parser(  # `main` hands the arguments to lm-eval before this parser runs
+    "eval",
+    help="evaluate with lm-evaluation-harness (ARGS are lm-eval's; needs jaxengine[lm_eval])",
+    add_help=False,
+  )
   return parser
 
 
@@ -331,6 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   Raises:
     SystemExit: from argparse, for `--help` (status 0) and usage errors (status 2).
   """
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["eval"]:  # every other argument is lm-eval's, `--help` included
+    from jaxengine.integrations.lm_eval import main as eval_main
+
+    return eval_main(argv[1:])
   args = build_parser().parse_args(argv)
   if args.command == "serve":
     from jaxengine.entrypoints.serve import run_server

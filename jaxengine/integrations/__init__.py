@@ -1,0 +1,1 @@
+"""jaxengine inside other frameworks (each module imports its framework; install its extra)."""
