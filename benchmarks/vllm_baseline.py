@@ -37,6 +37,8 @@ def main() -> None:
   args = parser.parse_args()
   os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
   os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpus or f"0-{os.cpu_count() - 1}"
+  if args.cpus is None:  # else vLLM's offline engine asks torch for one thread fewer
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
   os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_gib:g}"
   out = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)  # vLLM's logs and progress bars to stderr; stdout carries the answers alone
