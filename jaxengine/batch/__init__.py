@@ -9,6 +9,7 @@ host_output.py         HostSamplerOutput, LogprobsArrays, FetchedStep: NumPy res
 step_loop.py           run_steps: the host side of a k-step device loop (up to k tokens per row)
 draft_verification.py  InputBatch.rejection_sample's input checks, run_rejection,
                        HostRejectionOutput
+block_table.py         BlockTable: each row's pages of a paged KV cache, moving with its row
 """
 
 from jaxengine.batch.draft_verification import HostRejectionOutput

@@ -22,9 +22,12 @@ speculative.py        n-gram speculative decoding: the config, the host proposer
 speculative_policy.py when a step verifies drafts: the cost policy
 verify.py             the verify step: the model over k + 1 positions, then rejection_sample
 output_processor.py   tokens -> logprob dicts, text and stop rules
-block_pool.py         the paged KV cache (not yet used by the engine): blocks, reference counts
-kv_cache_manager.py   the paged KV cache: per-request block tables, prefix hits by block hash
+block_pool.py         the paged KV cache: blocks, reference counts, prefix hashes, eviction
+kv_cache_manager.py   the paged KV cache: per-request block tables, prefix hits, `KVCacheStats`
+paged_scheduler.py    the paged engine's scheduler: token budget, chunked prefill, preemption
 paged_inputs.py       the paged KV cache: a ragged step's positions, slots, attention metadata
+ragged_step.py        the model once over a ragged step's tokens, then the sampler
+paged_runner.py       `PagedModelRunner`: the runner over pages, one ragged step per call
 """
 
 from jaxengine.engine.core import LLMEngine
