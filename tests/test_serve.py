@@ -374,3 +374,29 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, monkey
   outputs = asyncio.run(main())
   assert failures and outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
   assert engine.is_running and engine.num_requests_running == 0
+
+
+def test_metrics_of_a_paged_engine_report_cache_usage_preemptions_and_prefix_hits():
+  from jaxengine.engine import LLMEngine
+  from jaxengine.entrypoints.metrics import ServerMetrics
+
+  model, _ = tiny_llama()
+  engine = LLMEngine(model, max_num_reqs=4, max_model_len=64, num_kv_blocks=12, block_size=4)
+  prompt = {"prompt_token_ids": list(range(3, 15))}
+  params = je.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+  engine.add_requests([(None, prompt, params) for _ in range(3)])
+  while engine.has_unfinished_requests():
+    engine.step()
+  text = ServerMetrics("tiny", engine).registry
+  from prometheus_client import generate_latest
+
+  samples = {
+    s.name: s.value
+    for family in text_string_to_metric_families(generate_latest(text).decode())
+    for s in family.samples
+  }
+  stats = engine.kv_cache_stats
+  assert stats is not None and stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+  assert samples["jaxengine:num_preemptions_total"] == stats.num_preemptions
+  assert samples["jaxengine:prefix_cache_hits_total"] == stats.prefix_cache_hits
+  assert samples["jaxengine:kv_cache_usage_perc"] == 0.0  # every request finished

@@ -19,7 +19,7 @@ engine's `prefix_cache_stats` when scraped.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxengine.entrypoints.async_llm import IterationStats
 
@@ -34,23 +34,43 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class _PrefixCacheCollector:
-  """Reads the engine's cumulative prefix-cache counters at scrape time."""
+  """Reads the engine's cumulative prefix-cache counters at scrape time (and, with the paged KV
+  cache, its occupancy and preemptions, under vLLM's names)."""
 
   def __init__(self, engine, labels: dict[str, str]) -> None:
     self.engine = engine
     self.labels = labels
 
   def collect(self):
+    paged = getattr(self.engine, "kv_cache_stats", None)
     stats = self.engine.prefix_cache_stats
-    if stats is None:
-      return
-    for name, value, doc in (
-      ("prefix_cache_queries", stats.queries, "Prompt tokens looked up in the prefix cache."),
-      ("prefix_cache_hits", stats.hits, "Prompt tokens found in the prefix cache."),
-    ):
+    counters = []
+    if paged is not None:
+      counters = [
+        ("prefix_cache_queries", paged.prefix_cache_queries, PREFIX_QUERIES_DOC),
+        ("prefix_cache_hits", paged.prefix_cache_hits, PREFIX_HITS_DOC),
+        ("num_preemptions", paged.num_preemptions, "Requests preempted (pages freed)."),
+      ]
+      usage = GaugeMetricFamily(
+        PREFIX + "kv_cache_usage_perc",
+        "Fraction of the paged KV cache's blocks in use (1 = full).",
+        labels=list(self.labels),
+      )
+      usage.add_metric(list(self.labels.values()), paged.num_used_blocks / paged.num_blocks)
+      yield usage
+    elif stats is not None:
+      counters = [
+        ("prefix_cache_queries", stats.queries, PREFIX_QUERIES_DOC),
+        ("prefix_cache_hits", stats.hits, PREFIX_HITS_DOC),
+      ]
+    for name, value, doc in counters:
       family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
       family.add_metric(list(self.labels.values()), value)
       yield family
+
+
+PREFIX_QUERIES_DOC = "Prompt tokens looked up in the prefix cache."
+PREFIX_HITS_DOC = "Prompt tokens found in the prefix cache."
 
 
 class ServerMetrics:
