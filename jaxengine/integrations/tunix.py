@@ -49,9 +49,31 @@ from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.llama import Llama, LlamaConfig
 from jaxengine.models.weights import replace_leaves, state_leaves
+from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
 
 __all__ = ["JaxEngineRollout", "PaddedPrompts", "sampling_params", "tokenize_prompts"]
+
+
+def _wants_default_mesh(engine_options: dict[str, Any]) -> bool:
+  """Whether the engine goes on a one-device mesh of the rollout device.
+
+  The weights the trainer hands over are committed to their device. On an engine without a mesh
+  that makes the batch state committed after the first step, so every step compiles twice (once
+  per placement); on a mesh everything is placed from the start. Not when the options place
+  the engine themselves, or ask for what a mesh does not support yet (prefix caching, several
+  decode steps per dispatch, speculative decoding): those engines pay the second compile once.
+  """
+  placed = any(
+    engine_options.get(k) not in (None, 1)
+    for k in ("mesh", "tensor_parallel_size", "data_parallel_size")
+  )
+  off_mesh_only = (
+    engine_options.get("enable_prefix_caching")
+    or engine_options.get("num_decode_steps", 1) != 1
+    or engine_options.get("speculative_config") is not None
+  )
+  return not placed and not off_mesh_only
 
 
 class PaddedPrompts(NamedTuple):
@@ -87,6 +109,14 @@ def tokenize_prompts(
   for row, ids in enumerate(token_ids):
     left_padded[row, width - len(ids) :] = ids
   return PaddedPrompts(token_ids, left_padded)
+
+
+def _engine_device(mesh: jax.sharding.Mesh | None, embedding: Any) -> jax.Device:
+  """The device the engine's weights live on: the rollout mesh's first, else the actor's."""
+  if mesh is not None and not mesh.empty:
+    return mesh.devices.flat[0]
+  devices = getattr(embedding, "devices", None)
+  return min(devices(), key=lambda d: d.id) if devices else jax.devices()[0]
 
 
 def _is_greedy(config: base_rollout.RolloutConfig) -> bool:
@@ -235,8 +265,12 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     )
     abstract = nnx.eval_shape(lambda: Llama(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_weights = nnx.split(abstract)
-    weights = replace_leaves(abstract_weights, engine_leaves(params, self.config, self.dtype))
+    self.device = _engine_device(mesh, params["embedder.input_embedding"])
+    leaves = engine_leaves(params, self.config, self.dtype, self.device)
+    weights = replace_leaves(abstract_weights, leaves)
     engine_options.setdefault("compilation_cache", False)
+    if _wants_default_mesh(engine_options):
+      engine_options["mesh"] = make_mesh(1, 1, [self.device])
     self.llm = LLM(
       nnx.merge(graphdef, weights),
       max_model_len=max_model_len,
@@ -339,7 +373,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     if isinstance(params, nnx.State) and set(state_leaves(params)) == engine_paths:
       self.llm.load_weights(params)
       return
-    leaves = engine_leaves(tunix_param_leaves(params), self.config, self.dtype)
+    leaves = engine_leaves(tunix_param_leaves(params), self.config, self.dtype, self.device)
     self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
 
   def pad_id(self) -> int:

@@ -4,9 +4,10 @@ Tunix (`google-tunix`) keeps its own NNX decoders, with their own parameter name
 engine serves `jaxengine.models.Llama`. This module maps one onto the other:
 
 - `llama_config_from_tunix`: the `LlamaConfig` that computes what the Tunix module computes;
-- `engine_leaves`: the Tunix module's `nnx.Param` state as the engine model's leaves (one jitted
-  function of all the weights, so the arrays stay on their devices and a repeated update with
-  the same shapes and placements compiles nothing).
+- `engine_leaves`: the Tunix module's `nnx.Param` state as the engine model's leaves: each array
+  moved device to device onto the engine's device (`on_device`), then one jitted function of all
+  the weights changes the layouts there, so a repeated update with the same shapes and
+  placements compiles nothing and nothing passes through the host.
 
 Names and layouts (``L`` layers, ``E`` hidden, ``F`` MLP width, ``H``/``K`` query/key-value
 heads, ``D`` head dim, ``V`` vocabulary), Tunix -> engine:
@@ -40,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
 from tunix.models.llama3 import model as tunix_llama3
 from tunix.models.qwen2 import model as tunix_qwen2
 from tunix.models.qwen3 import model as tunix_qwen3
@@ -52,6 +54,7 @@ __all__ = [
   "effective_rope_theta",
   "engine_leaves",
   "llama_config_from_tunix",
+  "on_device",
   "tunix_param_leaves",
 ]
 
@@ -182,8 +185,27 @@ def _convert(leaves: dict[str, jax.Array], config: LlamaConfig, dtype) -> dict[s
   return out
 
 
+def on_device(x: Any, device: jax.Device) -> jax.Array:
+  """`x` on `device` as a plain array (no explicit-sharding type), device to device.
+
+  A trainer on a mesh with explicit axes (`jax.make_mesh`'s default) holds arrays whose type
+  carries their sharding (``float32[264@tp,32@fsdp]``); jitted code written for plain arrays,
+  the engine's, cannot take them. The array is first relabelled on the same devices with an
+  `Auto` mesh (no data moves), then gathered onto `device`. NumPy arrays are copied from the
+  host.
+  """
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and any(
+    t == AxisType.Explicit for t in sharding.mesh.axis_types
+  ):
+    mesh = sharding.mesh
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    x = jax.device_put(x, NamedSharding(auto, sharding.spec))
+  return jax.device_put(x, device)
+
+
 def engine_leaves(
-  params: Mapping[str, jax.Array], config: LlamaConfig, dtype
+  params: Mapping[str, jax.Array], config: LlamaConfig, dtype, device: jax.Device
 ) -> dict[LeafPath, jax.Array]:
   """The engine model's leaves from a Tunix model's parameters (see `tunix_param_leaves`).
 
@@ -191,9 +213,11 @@ def engine_leaves(
     params: every Tunix parameter by dotted name; JAX or NumPy arrays of any floating dtype.
     config: the engine model's config (`llama_config_from_tunix`).
     dtype: the engine model's parameter dtype (norm scales stay float32).
+    device: where the engine's weights live (`on_device`; JAX arrays never pass through the
+      host, so this runs under Tunix's transfer guard).
 
   Returns:
-    ``{engine leaf path: array}`` for every leaf, computed where the inputs live.
+    ``{engine leaf path: array}`` for every leaf, committed to `device`.
 
   Raises:
     ValueError: naming the first missing or unexpected Tunix parameter (nothing is converted
@@ -206,5 +230,6 @@ def engine_leaves(
   extra = [name for name in params if name not in expected]
   if extra:
     raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA and MoE are not supported)")
-  converted = _convert({name: params[name] for name in expected}, config, jnp.dtype(dtype))
+  placed = {name: on_device(params[name], device) for name in expected}
+  converted = _convert(placed, config, jnp.dtype(dtype))
   return {path: converted[dotted(path)] for path, _ in expected.values()}
