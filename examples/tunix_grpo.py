@@ -118,9 +118,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--max-num-reqs", type=int, default=16)
+  parser.add_argument(
+    "--num-decode-steps", type=int, default=1, help="decode steps per dispatch (off a mesh)"
+  )
   parser.add_argument("--compare", action="store_true", help="also run Tunix's vanilla rollout")
   args = parser.parse_args()
-  engines = {"jaxengine": functools.partial(JaxEngineRollout, max_num_reqs=args.max_num_reqs)}
+  options = dict(max_num_reqs=args.max_num_reqs, num_decode_steps=args.num_decode_steps)
+  engines = {"jaxengine": functools.partial(JaxEngineRollout, **options)}
   if args.compare:
     engines["vanilla"] = "vanilla"
   for name, engine in engines.items():
