@@ -223,12 +223,19 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       copied into the engine's layout; later changes reach the engine through `update_params`).
     tokenizer: a Tunix `TokenizerAdapter` or anything it wraps (HF, SentencePiece, or an object
       with encode/decode/bos_id/eos_id/pad_id).
-    mesh: the rollout mesh Tunix assigns; kept for reference. The engine runs where the actor's
-      arrays are, or as `mesh=` / `tensor_parallel_size=` in `engine_options` place it.
+    mesh: the rollout mesh Tunix assigns. The engine's weights, KV cache and batch live on its
+      first device (the actor's first device without one), on a one-device engine mesh, unless
+      `engine_options` place the engine (`mesh=`, `tensor_parallel_size=`,
+      `data_parallel_size=`) or ask for what a mesh does not support yet
+      (`enable_prefix_caching=True`, `num_decode_steps > 1`, `speculative_config`; those
+      engines compile their steps a second time after the first weight update, see
+      `_wants_default_mesh`). The trainer's arrays reach that device device to device.
     rollout_config: the TRAIN `RolloutConfig`; its temperature is the one
       `get_per_token_logps` divides by.
     **engine_options: `jaxengine.EngineConfig` fields (`max_num_reqs`, `max_model_len`, `seed`,
-      ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given.
+      ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given;
+      `compilation_cache` defaults to False here (JAX's persistent cache is process-wide: on,
+      it would hold the trainer's executables too).
 
   Raises:
     ValueError: an unsupported model, `logprobs_mode` among the options, or invalid options.
