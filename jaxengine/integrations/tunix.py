@@ -1,0 +1,435 @@
+"""jaxengine as a Tunix rollout engine: `JaxEngineRollout`, a `BaseRollout` Tunix builds itself.
+
+Tunix (`pip install jaxengine[tunix]`) runs GRPO and PPO through `RLCluster`, whose rollout engine
+is chosen by `ClusterConfig.rollout_engine`. Pass this class there, or a `functools.partial` of it
+carrying engine options, and Tunix constructs it with ``rollout_actor=``, ``tokenizer=``,
+``mesh=`` and ``rollout_config=``::
+
+    cluster_config = rl_cluster_lib.ClusterConfig(
+      rollout_engine=functools.partial(JaxEngineRollout, max_num_reqs=32),
+      role_to_mesh={Role.ACTOR: mesh, Role.REFERENCE: mesh, Role.ROLLOUT: mesh},
+      rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=64, temperature=0.9),
+      training_config=...,
+    )
+
+The rollout serves the actor (a Tunix `Llama3`, `Qwen2` or `Qwen3`) as a `jaxengine.LLM` over a
+`jaxengine.models.Llama` holding the same weights (`jaxengine.integrations.tunix_weights` maps the
+names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
+devices, with per-request seeds and no recompiles when the weights change: after each training
+step Tunix calls `update_params` with the trainer's `nnx.Param` state, which goes through
+`LLM.load_weights`. `model()` is the engine's module, never the trainer's, so Tunix syncs the
+weights after every step whether the rollout has its own mesh or shares the trainer's.
+
+Logprobs follow Tunix's convention: the log-softmax of the logits divided by the rollout
+temperature (raw logits for greedy decoding), of the whole vocabulary (top-k and top-p do not
+renormalise them), which is what its trainer recomputes (`compute_per_token_logps`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.generate import tokenizer_adapter
+from tunix.generate import utils as tunix_utils
+from tunix.rl.rollout import base_rollout
+
+from jaxengine.integrations.tunix_weights import (
+  engine_leaves,
+  llama_config_from_tunix,
+  tunix_param_leaves,
+)
+from jaxengine.llm import LLM
+from jaxengine.models.attention import AttentionMetadata
+from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.llama import Llama, LlamaConfig
+from jaxengine.models.weights import replace_leaves, state_leaves
+from jaxengine.parallel import make_mesh
+from jaxengine.params import SamplingParams
+
+__all__ = ["JaxEngineRollout", "PaddedPrompts", "sampling_params", "tokenize_prompts"]
+
+
+def _wants_default_mesh(engine_options: dict[str, Any]) -> bool:
+  """Whether the engine goes on a one-device mesh of the rollout device.
+
+  The weights the trainer hands over are committed to their device. On an engine without a mesh
+  that makes the batch state committed after the first step, so every step compiles twice (once
+  per placement); on a mesh everything is placed from the start. Not when the options place
+  the engine themselves, or ask for what a mesh does not support yet (prefix caching, several
+  decode steps per dispatch, speculative decoding): those engines pay the second compile once.
+  """
+  placed = any(
+    engine_options.get(k) not in (None, 1)
+    for k in ("mesh", "tensor_parallel_size", "data_parallel_size")
+  )
+  off_mesh_only = (
+    engine_options.get("enable_prefix_caching")
+    or engine_options.get("num_decode_steps", 1) != 1
+    or engine_options.get("speculative_config") is not None
+  )
+  return not placed and not off_mesh_only
+
+
+class PaddedPrompts(NamedTuple):
+  """Prompts tokenized and left-padded as Tunix's vanilla sampler does.
+
+  Attributes:
+    token_ids: one `[num_prompt_tokens] int32` array per prompt (BOS first, once).
+    left_padded: `[num_prompts, max_prompt_length] int32`, pad ids on the left.
+  """
+
+  token_ids: list[np.ndarray]
+  left_padded: np.ndarray
+
+
+def tokenize_prompts(
+  tokenizer: tokenizer_adapter.TokenizerAdapter, prompts: Sequence[str], max_prompt_length: int
+) -> PaddedPrompts:
+  """Tokenizes like Tunix's sampler: encode, prepend BOS (when the tokenizer has a non-zero one)
+  without doubling it, left-pad to `max_prompt_length` (or, if a prompt is longer, to the next
+  power of two above the longest: prompts are never truncated)."""
+  bos = tokenizer.bos_id()
+  token_ids = [
+    np.asarray(
+      tokenizer.dedup_bos_ids(([bos] if bos else []) + list(tokenizer.encode(p))), np.int32
+    )
+    for p in prompts
+  ]
+  longest = max(len(t) for t in token_ids)
+  width = (
+    max_prompt_length if longest <= max_prompt_length else tunix_utils.next_power_of_2(longest)
+  )
+  left_padded = np.full((len(prompts), width), tokenizer.pad_id(), np.int32)
+  for row, ids in enumerate(token_ids):
+    left_padded[row, width - len(ids) :] = ids
+  return PaddedPrompts(token_ids, left_padded)
+
+
+def _engine_device(mesh: jax.sharding.Mesh | None, embedding: Any) -> jax.Device:
+  """The device the engine's weights live on: the rollout mesh's first, else the actor's."""
+  if mesh is not None and not mesh.empty:
+    return mesh.devices.flat[0]
+  devices = getattr(embedding, "devices", None)
+  return min(devices(), key=lambda d: d.id) if devices else jax.devices()[0]
+
+
+def _is_greedy(config: base_rollout.RolloutConfig) -> bool:
+  """Tunix's greedy: no top_p (its sampler's greedy mode), top_k 1, or temperature 0."""
+  return config.top_p is None or config.top_k == 1 or config.temperature == 0
+
+
+def _request_seeds(seed: Any, num_prompts: int) -> list[int | None]:
+  """One engine seed per prompt from `RolloutConfig.seed` (an int or a JAX key; None: unseeded).
+
+  Tunix's sampler draws a whole batch from one key; the engine seeds each request, so the
+  batch's seed is spread into distinct per-prompt seeds (the same seed gives the same draws).
+  """
+  if seed is None:
+    return [None] * num_prompts
+  if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+    seed = jax.random.key_data(seed)
+  entropy = [int(x) for x in np.asarray(seed, np.uint64).reshape(-1)] or [0]
+  states = np.random.SeedSequence(entropy).generate_state(2 * num_prompts, np.uint32)
+  return [int(states[2 * i]) << 31 | int(states[2 * i + 1]) >> 1 for i in range(num_prompts)]
+
+
+def sampling_params(
+  config: base_rollout.RolloutConfig, eos_ids: Sequence[int], seed: int | None
+) -> SamplingParams:
+  """The `SamplingParams` of one prompt under a Tunix `RolloutConfig`.
+
+  Greedy (`_is_greedy`) becomes temperature 0; otherwise temperature, top_p (None: 1) and top_k
+  (None or <= 0: off) as given. Generation stops at the first of `eos_ids` (the tokenizer's own
+  EOS only when it is among them, as in Tunix) or after `max_tokens_to_generate` tokens.
+  """
+  greedy = _is_greedy(config)
+  return SamplingParams(
+    temperature=0.0 if greedy else float(config.temperature),
+    top_p=1.0 if greedy or config.top_p is None else float(config.top_p),
+    top_k=0 if greedy or not config.top_k or config.top_k <= 0 else int(config.top_k),
+    seed=seed,
+    max_tokens=int(config.max_tokens_to_generate),
+    ignore_eos=True,
+    stop_token_ids=tuple(int(t) for t in eos_ids),
+    logprobs=0 if config.return_logprobs else None,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "pad_id", "num_completion_tokens"))
+def completion_logprobs(
+  graphdef: nnx.GraphDef,
+  weights: nnx.State,
+  token_ids: jax.Array,
+  inverse_temperature: jax.Array,
+  *,
+  pad_id: int,
+  num_completion_tokens: int,
+) -> jax.Array:
+  """Teacher-forced logprobs of the completion tokens, Tunix's convention.
+
+  The engine model runs once over each `[prompt, completion]` row (pad tokens take position
+  `T`, past the scratch cache, so they write nothing and no real token attends to them).
+
+  Args:
+    graphdef: the engine model's graph (static).
+    weights: its weights.
+    token_ids: `[B, T] int32`, left-padded prompt then right-padded completion.
+    inverse_temperature: `[] float32`, 1 / temperature (1 for greedy or temperature 1).
+    pad_id: the pad token (static).
+    num_completion_tokens: `C`, the completion's width (static).
+
+  Returns:
+    `[B, C] float32` `log_softmax(logits * inverse_temperature)` of each completion token given
+    the tokens before it; 0 at pad positions.
+  """
+  model = nnx.merge(graphdef, weights)
+  rows, width = token_ids.shape
+  is_real = token_ids != pad_id  # [B, T]
+  positions = jnp.where(is_real, jnp.cumsum(is_real, axis=1) - 1, width).astype(jnp.int32)
+  kv_cache = KVCache.create(model.kv_cache_spec, rows, width)
+  metadata = AttentionMetadata(
+    cache_slots=jnp.arange(rows, dtype=jnp.int32), positions=positions, attention_len=width
+  )
+  hidden, _ = model(token_ids, positions, kv_cache, metadata)  # [B, T, E]
+  start = width - num_completion_tokens
+  logits = model.compute_logits(hidden[:, start - 1 : width - 1]) * inverse_temperature  # [B, C, V]
+  targets = token_ids[:, start:]  # [B, C]
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  logps = picked - jax.nn.logsumexp(logits, axis=-1)
+  return jnp.where(targets != pad_id, logps, 0.0)
+
+
+class JaxEngineRollout(base_rollout.BaseRollout):
+  """Tunix rollout engine serving the actor through `jaxengine.LLM`.
+
+  `RolloutConfig` fields used: `max_tokens_to_generate` (`max_tokens`), `temperature`, `top_p`,
+  `top_k` (greedy when top_p is None, top_k is 1 or temperature 0, as Tunix's sampler),
+  `seed` (spread into one seed per prompt; None: the engine's own stream, new draws every call),
+  `eos_tokens` (the stop tokens; default the tokenizer's EOS), `max_prompt_length` (left-padding
+  width of `left_padded_prompt_tokens`; longer prompts are padded to the next power of two, never
+  truncated, as Tunix's sampler does), `kv_cache_size` (the default `max_model_len`),
+  `data_type` (the engine model's dtype; default the actor's) and `return_logprobs`.
+  Ignored: `rollout_mapping_config`, the parallelism sizes (pass engine options instead) and
+  every `rollout_vllm_*` / `rollout_sglang_jax_*` field. `RolloutOutput.logits` is empty.
+
+  Args:
+    rollout_actor: the Tunix `Llama3`, `Qwen2` or `Qwen3` module to serve (its weights are
+      copied into the engine's layout; later changes reach the engine through `update_params`).
+    tokenizer: a Tunix `TokenizerAdapter` or anything it wraps (HF, SentencePiece, or an object
+      with encode/decode/bos_id/eos_id/pad_id).
+    mesh: the rollout mesh Tunix assigns. The engine's weights, KV cache and batch live on its
+      first device (the actor's first device without one), on a one-device engine mesh, unless
+      `engine_options` place the engine (`mesh=`, `tensor_parallel_size=`,
+      `data_parallel_size=`) or ask for what a mesh does not support yet
+      (`enable_prefix_caching=True`, `num_decode_steps > 1`, `speculative_config`; those
+      engines compile their steps a second time after the first weight update, see
+      `_wants_default_mesh`). The trainer's arrays reach that device device to device.
+    rollout_config: the TRAIN `RolloutConfig`; its temperature is the one
+      `get_per_token_logps` divides by.
+    **engine_options: `jaxengine.EngineConfig` fields (`max_num_reqs`, `max_model_len`, `seed`,
+      ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given;
+      `compilation_cache` defaults to False here (JAX's persistent cache is process-wide: on,
+      it would hold the trainer's executables too).
+
+  Raises:
+    ValueError: an unsupported model, `logprobs_mode` among the options, or invalid options.
+  """
+
+  def __init__(
+    self,
+    *,
+    rollout_actor: nnx.Module,
+    tokenizer: Any,
+    mesh: jax.sharding.Mesh | None = None,
+    rollout_config: base_rollout.RolloutConfig | None = None,
+    **engine_options: Any,
+  ):
+    if "logprobs_mode" in engine_options:
+      raise ValueError("logprobs_mode is fixed by JaxEngineRollout (Tunix's convention)")
+    self.rollout_config = rollout_config or base_rollout.RolloutConfig()
+    self.tokenizer = (
+      tokenizer
+      if isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter)
+      else tokenizer_adapter.TokenizerAdapter(tokenizer)
+    )
+    self.rollout_mesh = mesh
+    max_model_len = int(engine_options.pop("max_model_len", self.rollout_config.kv_cache_size))
+    self.config: LlamaConfig = llama_config_from_tunix(
+      rollout_actor,
+      max_position_embeddings=max_model_len,
+      bos_token_id=self.tokenizer.bos_id(),
+      eos_token_id=self.tokenizer.eos_id(),
+    )
+    params = tunix_param_leaves(rollout_actor)
+    self.dtype = jnp.dtype(
+      self.rollout_config.data_type or params["embedder.input_embedding"].dtype
+    )
+    abstract = nnx.eval_shape(lambda: Llama(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+    graphdef, abstract_weights = nnx.split(abstract)
+    self.device = _engine_device(mesh, params["embedder.input_embedding"])
+    leaves = engine_leaves(params, self.config, self.dtype, self.device)
+    weights = replace_leaves(abstract_weights, leaves)
+    engine_options.setdefault("compilation_cache", False)
+    if _wants_default_mesh(engine_options):
+      engine_options["mesh"] = make_mesh(1, 1, [self.device])
+    self.llm = LLM(
+      nnx.merge(graphdef, weights),
+      max_model_len=max_model_len,
+      logprobs_mode="processed_logprobs",
+      **engine_options,
+    )
+    self._graphdef = graphdef
+
+  # --- BaseRollout --------------------------------------------------------------------------
+
+  def generate(
+    self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs
+  ) -> base_rollout.RolloutOutput:
+    """Samples a completion of each prompt with the engine.
+
+    Args:
+      prompts: prompt strings (tokenized as `tokenize_prompts` does).
+      rollout_config: this call's `RolloutConfig` (see the class docstring for the fields used).
+      **kwargs: ignored (Tunix's engines accept extra keywords).
+
+    Returns:
+      `RolloutOutput`: `text`, `tokens` (one `int32` array per prompt, without the stop token),
+      `left_padded_prompt_tokens` (`[num_prompts, width] int32`), `logprobs` (one `float32`
+      array per prompt when `return_logprobs`, Tunix's convention), `logits` empty.
+
+    Raises:
+      ValueError: no prompts, or a prompt plus `max_tokens_to_generate` longer than the
+        engine's `max_model_len` (nothing runs then).
+    """
+    del kwargs
+    if not prompts:
+      raise ValueError("prompts is empty")
+    padded = tokenize_prompts(self.tokenizer, prompts, rollout_config.max_prompt_length)
+    needed = padded.left_padded.shape[1] + rollout_config.max_tokens_to_generate
+    max_model_len = self.llm.config.max_model_len
+    if needed > max_model_len:
+      raise ValueError(
+        f"max_prompt_length (padded: {padded.left_padded.shape[1]}) + max_tokens_to_generate "
+        f"({rollout_config.max_tokens_to_generate}) = {needed} exceeds the engine's "
+        f"max_model_len={max_model_len} (pass max_model_len= or raise kv_cache_size)"
+      )
+    eos_ids = list(rollout_config.eos_tokens or [self.tokenizer.eos_id()])
+    seeds = _request_seeds(rollout_config.seed, len(prompts))
+    params = [sampling_params(rollout_config, eos_ids, s) for s in seeds]
+    outputs = self.llm.generate(
+      [{"prompt_token_ids": ids.tolist()} for ids in padded.token_ids], params, use_tqdm=False
+    )
+    tokens, logprobs = [], []
+    for out in outputs:
+      completion = out.outputs[0]
+      ids = list(completion.token_ids)
+      if ids and ids[-1] in eos_ids and completion.finish_reason == "stop":
+        ids = ids[:-1]  # Tunix's tokens stop before the EOS
+      tokens.append(np.asarray(ids, np.int32))
+      if completion.logprobs is not None:
+        values = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+        logprobs.append(np.asarray(values, np.float32))
+    if rollout_config.return_logprobs and self._needs_recompute(rollout_config):
+      logprobs = self._recomputed_logprobs(padded.left_padded, tokens, rollout_config)
+    return base_rollout.RolloutOutput(
+      text=[self.tokenizer.decode(t.tolist()) for t in tokens],
+      logits=[],
+      tokens=tokens,
+      left_padded_prompt_tokens=padded.left_padded,
+      logprobs=logprobs if rollout_config.return_logprobs else None,
+    )
+
+  def get_per_token_logps(
+    self, prompt_tokens: jax.Array, completion_tokens: jax.Array
+  ) -> jax.Array:
+    """The engine model's teacher-forced logprobs of the completions (Tunix's convention).
+
+    Args:
+      prompt_tokens: `[B, P] int32` left-padded prompts (as `generate` returned them).
+      completion_tokens: `[B, C] int32` completions, right-padded with the pad id.
+
+    Returns:
+      `[B, C] float32` log-softmax of the logits divided by the TRAIN rollout temperature (none
+      for temperature 0 or 1, as Tunix's `compute_per_token_logps`); 0 at pad positions.
+    """
+    token_ids = np.concatenate([np.asarray(prompt_tokens), np.asarray(completion_tokens)], axis=1)
+    temperature = float(self.rollout_config.temperature)
+    return self._logprobs(token_ids.astype(np.int32), completion_tokens.shape[1], temperature)
+
+  def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
+    """Loads the trainer's weights into the engine; nothing recompiles.
+
+    Args:
+      params: the Tunix model's `nnx.Param` state (``nnx.state(actor, nnx.Param)``), or the
+        engine model's own state (as `model()` gives it; Tunix passes that when it offloads).
+        JAX arrays are converted where they live and placed as the engine's weights are.
+      filter_types: Tunix's filter; `(nnx.Param,)` or None (LoRA parameters are not supported).
+
+    Raises:
+      ValueError: LoRA filter types, or parameters that do not match the model (nothing changes).
+    """
+    if filter_types is not None and any(t is not nnx.Param for t in filter_types):
+      raise ValueError(f"filter_types={filter_types}: only nnx.Param (no LoRA) is supported")
+    engine_paths = set(state_leaves(self.llm.llm_engine.runner.weights))
+    if isinstance(params, nnx.State) and set(state_leaves(params)) == engine_paths:
+      self.llm.load_weights(params)
+      return
+    leaves = engine_leaves(tunix_param_leaves(params), self.config, self.dtype, self.device)
+    self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
+
+  def pad_id(self) -> int:
+    """The tokenizer's pad id."""
+    return self.tokenizer.pad_id()
+
+  def eos_id(self) -> int:
+    """The tokenizer's EOS id."""
+    return self.tokenizer.eos_id()
+
+  def model(self) -> nnx.Module:
+    """The engine's model (a `jaxengine.models.Llama` over the engine's current weights)."""
+    return cast(nnx.Module, self.llm.llm_engine.runner.model)
+
+  # --- logprobs ------------------------------------------------------------------------------
+
+  @staticmethod
+  def _needs_recompute(config: base_rollout.RolloutConfig) -> bool:
+    """The engine's processed logprobs renormalise over the top-k/top-p cut; Tunix's do not."""
+    if _is_greedy(config):
+      return False
+    top_p_on = config.top_p is not None and config.top_p < 1.0
+    return top_p_on or bool(config.top_k and config.top_k > 0)
+
+  def _logprobs(
+    self, token_ids: np.ndarray, num_completion_tokens: int, temperature: float
+  ) -> jax.Array:
+    """`completion_logprobs` with the engine's current weights; Tunix divides the logits by the
+    temperature unless it is 0 or 1."""
+    inverse = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
+    return completion_logprobs(
+      self._graphdef,
+      self.llm.llm_engine.runner.weights,
+      token_ids,
+      np.float32(inverse),
+      pad_id=int(self.pad_id()),
+      num_completion_tokens=int(num_completion_tokens),
+    )
+
+  def _recomputed_logprobs(
+    self,
+    left_padded: np.ndarray,
+    tokens: list[np.ndarray],
+    config: base_rollout.RolloutConfig,
+  ) -> list[np.ndarray]:
+    width = int(config.max_tokens_to_generate)
+    completions = np.full((len(tokens), width), self.pad_id(), np.int32)
+    for row, ids in enumerate(tokens):
+      completions[row, : len(ids)] = ids
+    token_ids = np.concatenate([left_padded, completions], axis=1)
+    values = np.asarray(self._logprobs(token_ids, width, float(config.temperature)))
+    return [values[row, : len(ids)] for row, ids in enumerate(tokens)]

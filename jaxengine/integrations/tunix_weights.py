@@ -1,0 +1,235 @@
+"""Tunix's Llama 3, Qwen2 and Qwen3 modules as `jaxengine.models.Llama`: config and weights.
+
+Tunix (`google-tunix`) keeps its own NNX decoders, with their own parameter names and layouts; the
+engine serves `jaxengine.models.Llama`. This module maps one onto the other:
+
+- `llama_config_from_tunix`: the `LlamaConfig` that computes what the Tunix module computes;
+- `engine_leaves`: the Tunix module's `nnx.Param` state as the engine model's leaves: each array
+  moved device to device onto the engine's device (`on_device`), then one jitted function of all
+  the weights changes the layouts there, so a repeated update with the same shapes and
+  placements compiles nothing and nothing passes through the host.
+
+Names and layouts (``L`` layers, ``E`` hidden, ``F`` MLP width, ``H``/``K`` query/key-value
+heads, ``D`` head dim, ``V`` vocabulary), Tunix -> engine:
+
+    embedder.input_embedding        [V, E]      -> embed                     [V, E]
+    lm_head.w                       [E, V]      -> lm_head                   [V, E]   (transposed)
+    final_norm.w                    [E]         -> final_norm.scale
+    layers.i.input_layernorm.w      [E]         -> layers.i.input_norm.scale
+    layers.i.post_attention_layernorm.w         -> layers.i.post_attention_norm.scale
+    layers.i.attn.q_proj.w          [E, H, D]   -> layers.i.attn.wq          [H, D, E]
+    layers.i.attn.k_proj.w, v_proj.w [E, K, D]  -> layers.i.attn.wk, wv      [K, D, E]
+    layers.i.attn.o_proj.w          [H, D, E]   -> layers.i.attn.wo          [E, H, D]
+    layers.i.attn.{q,k,v}_bias      [H*D]       -> layers.i.attn.b{q,k,v}    [H, D]   (Qwen2)
+    layers.i.attn.{q,k}_norm.w      [D]         -> layers.i.attn.{q,k}_norm.scale     (Qwen3)
+    layers.i.mlp.{gate,up}_proj.kernel [E, F]   -> layers.i.mlp.w_{gate,up}  [F, E]
+    layers.i.mlp.down_proj.kernel   [F, E]      -> layers.i.mlp.w_down       [E, F]
+
+Rotary base: Tunix 0.1.7's Llama 3 and Qwen3 attention call their `apply_rope` without the
+config's ``rope_theta``, so they rotate with that function's default base (1,000,000) whatever the
+config says; Qwen2 passes its ``rope_theta``. The engine model uses the base the Tunix module
+actually computes with (`effective_rope_theta`), so both give the same logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from tunix.models.llama3 import model as tunix_llama3
+from tunix.models.qwen2 import model as tunix_qwen2
+from tunix.models.qwen3 import model as tunix_qwen3
+
+from jaxengine.models.llama_config import LlamaConfig
+from jaxengine.models.weights import LeafPath, dotted, leaf_path
+
+__all__ = [
+  "SUPPORTED_MODELS",
+  "effective_rope_theta",
+  "engine_leaves",
+  "llama_config_from_tunix",
+  "on_device",
+  "tunix_param_leaves",
+]
+
+#: The Tunix decoder classes the rollout serves.
+SUPPORTED_MODELS = (tunix_llama3.Llama3, tunix_qwen2.Qwen2, tunix_qwen3.Qwen3)
+
+
+def effective_rope_theta(model: Any) -> float:
+  """The rotary base the Tunix module computes with (see the module docstring).
+
+  Llama 3 and Qwen3 use their `apply_rope`'s default base unless their attention passes
+  ``rope_theta`` (checked on the source, so a Tunix release that passes it is followed).
+  """
+  if isinstance(model, tunix_qwen2.Qwen2):
+    return float(model.config.rope_theta)
+  module = tunix_llama3 if isinstance(model, tunix_llama3.Llama3) else tunix_qwen3
+  try:
+    passes_theta = "rope_theta" in inspect.getsource(module.Attention.block)
+  except (OSError, TypeError):  # no source: Tunix 0.1.7's behaviour
+    passes_theta = False
+  if passes_theta:
+    return float(model.config.rope_theta)
+  return float(inspect.signature(module.apply_rope).parameters["rope_theta"].default)
+
+
+def llama_config_from_tunix(
+  model: Any,
+  *,
+  max_position_embeddings: int,
+  bos_token_id: int | None,
+  eos_token_id: int | None,
+) -> LlamaConfig:
+  """The `LlamaConfig` of an engine model computing what the Tunix `model` computes.
+
+  Args:
+    model: a Tunix `Llama3`, `Qwen2` or `Qwen3` (dense; not mixture-of-experts).
+    max_position_embeddings: longest sequence the engine will run (its `max_model_len` bound).
+    bos_token_id, eos_token_id: the tokenizer's ids (informational for the engine model).
+
+  Returns:
+    The config; `tie_word_embeddings` follows the Tunix model's weight tying.
+
+  Raises:
+    ValueError: another model class, or a Qwen3 mixture-of-experts model.
+  """
+  if not isinstance(model, SUPPORTED_MODELS):
+    raise ValueError(
+      f"rollout_actor must be a Tunix Llama3, Qwen2 or Qwen3 model, got {type(model).__name__}"
+    )
+  cfg = model.config
+  if getattr(cfg, "num_experts", None):
+    raise ValueError(f"Qwen3 mixture-of-experts is not supported (num_experts={cfg.num_experts})")
+  tied = cfg.weight_tying if isinstance(model, tunix_llama3.Llama3) else cfg.use_tied_embedding
+  return LlamaConfig(
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.embed_dim,
+    intermediate_size=cfg.hidden_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=cfg.num_heads,
+    num_key_value_heads=cfg.num_kv_heads,
+    head_dim=cfg.head_dim,
+    rope_theta=effective_rope_theta(model),
+    rms_norm_eps=cfg.norm_eps,
+    tie_word_embeddings=bool(tied),
+    max_position_embeddings=max_position_embeddings,
+    bos_token_id=bos_token_id,
+    eos_token_id=eos_token_id,
+    attention_bias=isinstance(model, tunix_qwen2.Qwen2),
+    qk_norm=isinstance(model, tunix_qwen3.Qwen3),
+  )
+
+
+def tunix_param_leaves(params: Any) -> dict[str, jax.Array]:
+  """A Tunix model's parameters (``nnx.state(model, nnx.Param)``, or the module) by dotted path
+  (``"layers.0.attn.q_proj.w"``)."""
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {dotted(leaf_path(path)): leaf for path, leaf in flat}
+
+
+def _layer_rules(config: LlamaConfig) -> dict[str, tuple[str, Any]]:
+  """Per layer: Tunix suffix -> (engine suffix, layout change)."""
+  h, k, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+  rules: dict[str, tuple[str, Any]] = {
+    "input_layernorm.w": ("input_norm.scale", None),
+    "post_attention_layernorm.w": ("post_attention_norm.scale", None),
+    "attn.q_proj.w": ("attn.wq", lambda w: w.transpose(1, 2, 0)),  # [E, H, D] -> [H, D, E]
+    "attn.k_proj.w": ("attn.wk", lambda w: w.transpose(1, 2, 0)),
+    "attn.v_proj.w": ("attn.wv", lambda w: w.transpose(1, 2, 0)),
+    "attn.o_proj.w": ("attn.wo", lambda w: w.transpose(2, 0, 1)),  # [H, D, E] -> [E, H, D]
+    "mlp.gate_proj.kernel": ("mlp.w_gate", lambda w: w.T),  # [E, F] -> [F, E]
+    "mlp.up_proj.kernel": ("mlp.w_up", lambda w: w.T),
+    "mlp.down_proj.kernel": ("mlp.w_down", lambda w: w.T),  # [F, E] -> [E, F]
+  }
+  if config.attention_bias:
+    rules["attn.q_bias"] = ("attn.bq", lambda b: b.reshape(h, d))
+    rules["attn.k_bias"] = ("attn.bk", lambda b: b.reshape(k, d))
+    rules["attn.v_bias"] = ("attn.bv", lambda b: b.reshape(k, d))
+  if config.qk_norm:
+    rules["attn.q_norm.w"] = ("attn.q_norm.scale", None)
+    rules["attn.k_norm.w"] = ("attn.k_norm.scale", None)
+  return rules
+
+
+def name_map(config: LlamaConfig) -> dict[str, tuple[LeafPath, Any]]:
+  """Every Tunix parameter name of a model with `config` -> (engine leaf path, layout change)."""
+  top: dict[str, tuple[LeafPath, Any]] = {
+    "embedder.input_embedding": (("embed",), None),
+    "final_norm.w": (("final_norm", "scale"), None),
+  }
+  if not config.tie_word_embeddings:
+    top["lm_head.w"] = (("lm_head",), lambda w: w.T)  # [E, V] -> [V, E]
+  for i in range(config.num_hidden_layers):
+    for src, (dst, change) in _layer_rules(config).items():
+      top[f"layers.{i}.{src}"] = (("layers", i, *dst.split(".")), change)
+  return top
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
+def _convert(leaves: dict[str, jax.Array], config: LlamaConfig, dtype) -> dict[str, jax.Array]:
+  """The layout changes of `name_map`, one jitted call for every tensor (norm scales float32)."""
+  out = {}
+  for name, (path, change) in name_map(config).items():
+    value = leaves[name] if change is None else change(leaves[name])
+    is_norm = path[-1] == "scale"
+    out[dotted(path)] = value.astype(jnp.float32 if is_norm else dtype)
+  return out
+
+
+def on_device(x: Any, device: jax.Device) -> jax.Array:
+  """`x` on `device` as a plain array (no explicit-sharding type), device to device.
+
+  A trainer on a mesh with explicit axes (`jax.make_mesh`'s default) holds arrays whose type
+  carries their sharding (``float32[264@tp,32@fsdp]``); jitted code written for plain arrays,
+  the engine's, cannot take them. The array is first relabelled on the same devices with an
+  `Auto` mesh (no data moves), then gathered onto `device`. NumPy arrays are copied from the
+  host.
+  """
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and any(
+    t == AxisType.Explicit for t in sharding.mesh.axis_types
+  ):
+    mesh = sharding.mesh
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    x = jax.device_put(x, NamedSharding(auto, sharding.spec))
+  return jax.device_put(x, device)
+
+
+def engine_leaves(
+  params: Mapping[str, jax.Array], config: LlamaConfig, dtype, device: jax.Device
+) -> dict[LeafPath, jax.Array]:
+  """The engine model's leaves from a Tunix model's parameters (see `tunix_param_leaves`).
+
+  Args:
+    params: every Tunix parameter by dotted name; JAX or NumPy arrays of any floating dtype.
+    config: the engine model's config (`llama_config_from_tunix`).
+    dtype: the engine model's parameter dtype (norm scales stay float32).
+    device: where the engine's weights live (`on_device`; JAX arrays never pass through the
+      host, so this runs under Tunix's transfer guard).
+
+  Returns:
+    ``{engine leaf path: array}`` for every leaf, committed to `device`.
+
+  Raises:
+    ValueError: naming the first missing or unexpected Tunix parameter (nothing is converted
+      then; shapes are checked by `LLM.load_weights`).
+  """
+  expected = name_map(config)
+  missing = [name for name in expected if name not in params]
+  if missing:
+    raise ValueError(f"the Tunix parameters lack {missing[0]!r} ({len(missing)} missing)")
+  extra = [name for name in params if name not in expected]
+  if extra:
+    raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA and MoE are not supported)")
+  placed = {name: on_device(params[name], device) for name in expected}
+  converted = _convert(placed, config, jnp.dtype(dtype))
+  return {path: converted[dotted(path)] for path, _ in expected.values()}

@@ -1,0 +1,339 @@
+"""jaxengine as a Tunix rollout engine (`jaxengine.integrations.tunix`), against the real Tunix.
+
+Tiny random Tunix models (Llama 3, Qwen2, Qwen3) with a byte tokenizer, on CPU. The rollout's
+logprobs are checked against Tunix's own trainer recomputation (`common.compute_per_token_logps`,
+the log-softmax of the logits divided by the temperature), its greedy rollouts against Tunix's
+vanilla sampler on the same weights, and a `GRPOLearner` trains through it on its own mesh and
+colocated on the trainer's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tunix.models.llama3 import model as llama3
+from tunix.models.qwen2 import model as qwen2
+from tunix.models.qwen3 import model as qwen3
+from tunix.rl import common
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+from jaxengine.integrations.tunix import JaxEngineRollout, tokenize_prompts
+from jaxengine.testing import count_compiles
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 264  # 3 special ids + 256 bytes + 5 never produced by text
+PROMPTS = ["hello there", "a", "the quick brown fox jumps", "xyz"]
+MAX_TOKENS = 6
+AUTO = (jax.sharding.AxisType.Auto,) * 2
+
+
+class ByteTokenizer:
+  """Token id = byte + 3; pad 0, BOS 1, EOS 2 (the interface Tunix's TokenizerAdapter takes)."""
+
+  def encode(self, text, **kwargs):
+    return [b + 3 for b in text.encode()]
+
+  def decode(self, ids, **kwargs):
+    return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+
+  def bos_id(self):
+    return BOS
+
+  def eos_id(self):
+    return EOS
+
+  def pad_id(self):
+    return PAD
+
+
+SIZES = dict(num_layers=2, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4)
+CONFIGS = {
+  # rope_theta 500000 is not what Tunix's Llama 3 rotates with (its apply_rope default): the
+  # engine must follow the module, not the config.
+  "llama3": (
+    llama3.Llama3,
+    llama3.ModelConfig(
+      **SIZES, head_dim=8, num_kv_heads=2, rope_theta=500_000, norm_eps=1e-5, weight_tying=True
+    ),
+  ),
+  "qwen2": (
+    qwen2.Qwen2,
+    qwen2.ModelConfig(
+      **SIZES, head_dim=8, num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=True
+    ),
+  ),
+  "qwen3": (
+    qwen3.Qwen3,
+    qwen3.ModelConfig(
+      **SIZES,
+      head_dim=8,
+      num_kv_heads=1,
+      rope_theta=10_000,
+      norm_eps=1e-6,
+      use_tied_embedding=False,
+    ),
+  ),
+}
+
+
+def random_params(model: nnx.Module, seed: int) -> nnx.State:
+  """Random values for every parameter (Tunix zero-initialises its MLPs), drawn on the host:
+  matrices N(0, 0.3), norm scales around 1, biases N(0, 0.1). The pad id's output logit is 0,
+  below the others' maximum: Tunix's sampler masks a generated pad token out of attention, so a
+  greedy pad would part its rollout from the engine's."""
+  rng = np.random.default_rng(seed)
+  state = nnx.state(model, nnx.Param)
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  leaves = []
+  for path, leaf in paths_and_leaves:
+    name = jax.tree_util.keystr(path)
+    noise = rng.standard_normal(leaf.shape).astype(np.float32)
+    if "norm" in name:
+      value = 1.0 + 0.1 * noise
+    else:
+      value = noise * (0.3 if leaf.ndim > 1 else 0.1)
+    if "input_embedding" in name:
+      value[PAD] = 0.0
+    if "lm_head" in name:
+      value[:, PAD] = 0.0
+    leaves.append(jnp.asarray(value))
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def build(name: str, seed: int = 0) -> nnx.Module:
+  cls, config = CONFIGS[name]
+  model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+  nnx.update(model, random_params(model, seed))
+  return model
+
+
+def rollout_config(**overrides) -> base_rollout.RolloutConfig:
+  fields = dict(
+    max_tokens_to_generate=MAX_TOKENS,
+    max_prompt_length=16,
+    temperature=0.7,
+    top_p=1.0,
+    kv_cache_size=64,
+    eos_tokens=[EOS],
+    return_logprobs=True,
+  )
+  return base_rollout.RolloutConfig(**{**fields, **overrides})
+
+
+def trainer_logprobs(model, prompt_tokens, completion_tokens, temperature):
+  """Tunix's trainer-side recomputation of the completion logprobs."""
+  graphdef, state = nnx.split(model)
+  return np.asarray(
+    common.compute_per_token_logps(
+      graphdef,
+      state,
+      prompt_tokens=jnp.asarray(prompt_tokens),
+      completion_tokens=jnp.asarray(completion_tokens),
+      pad_id=PAD,
+      eos_id=EOS,
+      temperature=temperature,
+    )
+  )
+
+
+def padded_completions(tokens) -> np.ndarray:
+  out = np.full((len(tokens), MAX_TOKENS), PAD, np.int32)
+  for row, ids in enumerate(tokens):
+    out[row, : len(ids)] = ids
+  return out
+
+
+def make_rollout(model: nnx.Module) -> JaxEngineRollout:
+  return JaxEngineRollout(
+    rollout_actor=model, tokenizer=ByteTokenizer(), rollout_config=rollout_config(), max_num_reqs=4
+  )
+
+
+@pytest.fixture(scope="module")
+def served():
+  """("llama3", Tunix model, rollout) shared by the generation tests (each engine compiles its
+  steps once, the module's main cost; the other classes are checked without generating)."""
+  model = build("llama3")
+  return "llama3", model, make_rollout(model)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_teacher_forced_logprobs_follow_update_params_without_compiling(name):
+  model = build(name)
+  rollout = make_rollout(model)
+  rng = np.random.default_rng(0)
+  prompts = np.full((4, 16), PAD, np.int32)
+  completions = np.full((4, MAX_TOKENS), PAD, np.int32)
+  for row, (n, c) in enumerate([(3, 6), (16, 2), (9, 0), (1, 5)]):
+    prompts[row, 16 - n :] = [BOS, *rng.integers(3, VOCAB, n - 1)]
+    completions[row, :c] = rng.integers(3, VOCAB, c)
+  mask = completions != PAD
+  got = np.asarray(rollout.get_per_token_logps(prompts, completions))
+  np.testing.assert_allclose(
+    got[mask], trainer_logprobs(model, prompts, completions, 0.7)[mask], atol=1e-4
+  )
+  assert np.all(got[~mask] == 0)
+  new_model = build(name, seed=7)
+  with count_compiles() as compiles:
+    with (
+      jax.transfer_guard_host_to_device("disallow_explicit"),
+      jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):  # as Tunix's sync_weights runs it on CPU: nothing through the host
+      rollout.update_params(nnx.state(new_model, nnx.Param), (nnx.Param,))
+    after = np.asarray(rollout.get_per_token_logps(prompts, completions))
+  assert compiles.count == 0
+  expected = trainer_logprobs(new_model, prompts, completions, 0.7)
+  np.testing.assert_allclose(after[mask], expected[mask], atol=1e-4)
+  assert np.abs(after - got)[mask].max() > 1e-2  # the weights did change
+  # The engine's own state (what Tunix hands back when it offloads) is taken as it is.
+  rollout.update_params(nnx.state(rollout.model()))
+  np.testing.assert_array_equal(
+    np.asarray(rollout.get_per_token_logps(prompts, completions)), after
+  )
+
+
+def test_sampled_logprobs_equal_the_trainers_recomputation(served):
+  _, model, rollout = served
+  for config in (rollout_config(seed=3), rollout_config(seed=4, top_k=20, top_p=0.9)):
+    out = rollout.generate(PROMPTS, config)
+    completions = padded_completions(out.tokens)
+    expected = trainer_logprobs(model, out.left_padded_prompt_tokens, completions, 0.7)
+    mask = completions != PAD
+    assert mask.sum() > len(PROMPTS)  # something was generated
+    for row, values in enumerate(out.logprobs):
+      np.testing.assert_allclose(values, expected[row, : len(values)], atol=1e-4)
+    teacher_forced = np.asarray(
+      rollout.get_per_token_logps(out.left_padded_prompt_tokens, completions)
+    )
+    np.testing.assert_allclose(teacher_forced[mask], expected[mask], atol=1e-4)
+
+
+def test_seeded_rollouts_repeat_and_prompts_draw_apart(served):
+  _, _, rollout = served
+  config = rollout_config(seed=11, temperature=1.5)
+  first = rollout.generate(["same"] * 4, config)
+  again = rollout.generate(["same"] * 4, config)
+  assert [t.tolist() for t in first.tokens] == [t.tolist() for t in again.tokens]
+  assert first.tokens[0].tolist() != first.tokens[1].tolist()
+
+
+def test_greedy_rollouts_equal_tunix_vanilla_rollout(served):
+  name, model, rollout = served
+  cfg = CONFIGS[name][1]
+  vanilla = vanilla_rollout.VanillaRollout(
+    model,
+    rollout.tokenizer,
+    base_rollout.CacheConfig(
+      cache_size=64, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+    ),
+  )
+  for config in (rollout_config(top_p=None), rollout_config(max_prompt_length=8, top_k=1)):
+    ours = rollout.generate(PROMPTS, config)
+    theirs = vanilla.generate(PROMPTS, config)
+    np.testing.assert_array_equal(ours.left_padded_prompt_tokens, theirs.left_padded_prompt_tokens)
+    assert [t.tolist() for t in ours.tokens] == [list(t) for t in theirs.tokens]
+    assert ours.text == theirs.text
+  # "the quick brown fox jumps" (26 tokens with BOS) is longer than 8: padded to 32, as Tunix does.
+  assert ours.left_padded_prompt_tokens.shape == (len(PROMPTS), 32)
+  assert ours.left_padded_prompt_tokens[1].tolist() == [PAD] * 30 + [BOS, ord("a") + 3]
+
+
+def test_rollouts_after_update_params_sample_from_the_new_weights(served):
+  name, model, rollout = served
+  config = rollout_config(seed=5)
+  rollout.generate(PROMPTS, config)  # warm
+  new_model = build(name, seed=7)
+  with count_compiles() as compiles:
+    rollout.update_params(nnx.state(new_model, nnx.Param), (nnx.Param,))
+    out = rollout.generate(PROMPTS, config)
+  assert compiles.count == 0
+  completions = padded_completions(out.tokens)
+  expected = trainer_logprobs(new_model, out.left_padded_prompt_tokens, completions, 0.7)
+  for row, values in enumerate(out.logprobs):
+    np.testing.assert_allclose(values, expected[row, : len(values)], atol=1e-4)
+  rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))  # back for the other tests
+
+
+def test_bad_inputs_raise_value_errors(served):
+  _, model, rollout = served
+  with pytest.raises(ValueError, match=r"only nnx\.Param"):
+    rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+  with pytest.raises(ValueError, match="lack"):
+    rollout.update_params({"embedder": nnx.state(model, nnx.Param)["embedder"]}, (nnx.Param,))
+  with pytest.raises(ValueError, match="max_model_len=64"):
+    rollout.generate(PROMPTS, rollout_config(max_tokens_to_generate=60))
+  with pytest.raises(ValueError, match="prompts is empty"):
+    rollout.generate([], rollout_config())
+  with pytest.raises(ValueError, match="Llama3, Qwen2 or Qwen3"):
+    JaxEngineRollout(rollout_actor=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tokenizer=ByteTokenizer())
+  with pytest.raises(ValueError, match="logprobs_mode"):
+    JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")
+
+
+def test_tokenize_prompts_dedups_bos_and_left_pads():
+  class WithBos(ByteTokenizer):
+    def encode(self, text, **kwargs):
+      return [BOS, *super().encode(text)]
+
+  from tunix.generate.tokenizer_adapter import TokenizerAdapter
+
+  padded = tokenize_prompts(TokenizerAdapter(WithBos()), ["ab"], 4)
+  assert padded.left_padded.tolist() == [[PAD, BOS, ord("a") + 3, ord("b") + 3]]
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["own_mesh", "colocated"])
+def test_grpo_trains_through_the_rollout(colocated):
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=AUTO)
+  # One CPU device: the rollout's own mesh is a second mesh over it (other axis names).
+  rollout_mesh = mesh if colocated else jax.make_mesh((1, 1), ("rollout", "rtp"), axis_types=AUTO)
+  with mesh:
+    actor = build("llama3")
+  Role = rl_cluster_lib.Role
+  cluster = rl_cluster_lib.RLCluster(
+    actor=actor,
+    tokenizer=ByteTokenizer(),
+    cluster_config=rl_cluster_lib.ClusterConfig(
+      role_to_mesh={Role.ACTOR: mesh, Role.REFERENCE: mesh, Role.ROLLOUT: rollout_mesh},
+      rollout_engine=functools.partial(JaxEngineRollout, max_num_reqs=4),
+      rollout_config=rollout_config(return_logprobs=False),
+      training_config=rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optax.sgd(0.5), eval_every_n_steps=100, max_steps=4
+      ),
+    ),
+  )
+  rollout = cluster.rollout
+  assert isinstance(rollout, JaxEngineRollout)
+  synced = []
+  update_params = rollout.update_params
+
+  def recording_update_params(params, filter_types=None):
+    synced.append(filter_types)
+    update_params(params, filter_types)
+
+  rollout.update_params = recording_update_params
+  learner = grpo_learner.GRPOLearner(
+    rl_cluster=cluster,
+    algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=2, beta=0.0),
+    # Any reward that differs between the two samples of a prompt gives a gradient.
+    reward_fns=lambda prompts, completions, **kwargs: [sum(c.encode()) % 17.0 for c in completions],
+  )
+  assert learner.should_sync_weights  # model() is the engine's module, never the trainer's
+  before = np.asarray(rollout.get_per_token_logps(np.array([[BOS, 100]]), np.array([[101, 102]])))
+  learner.train([{"prompts": np.array(["ab", "hello"])}] * 2)
+  # Two global steps of two iterations each; Tunix took the old logprobs from the rollout.
+  assert cluster.actor_trainer.train_steps == 4
+  assert synced == [(nnx.Param,)] * len(synced) and len(synced) >= 2
+  # The engine now holds the trained weights: its logprobs are the trainer's.
+  prompt, completion = np.array([[BOS, 100]]), np.array([[101, 102]])
+  after = np.asarray(rollout.get_per_token_logps(prompt, completion))
+  expected = trainer_logprobs(cluster.actor_trainer.model, prompt, completion, 0.7)
+  np.testing.assert_allclose(after, expected, atol=1e-4)
+  assert np.abs(after - before).max() > 1e-4
