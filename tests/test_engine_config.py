@@ -103,8 +103,8 @@ def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults()
     TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"
   ):
     LLMEngine(model, max_num_seqs=4)
-  with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'block_size'"):
-    je.LLM(model, block_size=16)
+  with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'swap_space'"):
+    je.LLM(model, swap_space=4)
 
 
 def test_keywords_replace_fields_of_a_given_config():
