@@ -245,6 +245,21 @@ def test_structured_outputs_and_a_logits_processor_equal_the_slot_engine():
   assert paged.kv_cache_stats.num_used_blocks == 0
 
 
+def test_kv_cache_memory_bytes_sizes_the_pool_through_llm():
+  """`LLM(model, kv_cache_memory_bytes=...)` builds the paged engine: a page of the tiny model
+  costs 2 (keys, values) x L x block_size x K x D x 4 bytes; the null page is not usable."""
+  model, _ = _model_and_tokenizer()
+  spec = model.kv_cache_spec
+  per_block = 2 * spec.num_layers * 4 * spec.num_kv_heads * spec.head_dim * 4
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=32, block_size=4,
+               kv_cache_memory_bytes=per_block * 10 + per_block // 2)  # fmt: skip
+  stats = llm.llm_engine.kv_cache_stats
+  assert stats is not None and (stats.num_blocks, stats.num_used_blocks) == (9, 0)
+  assert (stats.peak_used_blocks, stats.num_preemptions, stats.peak_running_reqs) == (0, 0, 0)
+  assert _engine("slot").kv_cache_stats is None
+  _engine("slot").reset_kv_cache_stats()  # a no-op on the slot cache
+
+
 @pytest.mark.parametrize(
   ("options", "match"),
   [
