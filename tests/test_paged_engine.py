@@ -20,6 +20,7 @@ from test_rollout import assert_same_outputs, run_engine
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
+from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
@@ -258,6 +259,22 @@ def test_kv_cache_memory_bytes_sizes_the_pool_through_llm():
   assert (stats.peak_used_blocks, stats.num_preemptions, stats.peak_running_reqs) == (0, 0, 0)
   assert _engine("slot").kv_cache_stats is None
   _engine("slot").reset_kv_cache_stats()  # a no-op on the slot cache
+
+
+def test_the_default_token_budget_fits_the_engine():
+  """Unset, `max_num_batched_tokens` is 2048, at least `max_model_len` without chunked prefill
+  (a whole prompt in one step) and at most `max_num_reqs * max_model_len` (the most one step can
+  compute), so precompile compiles no token bucket a step can never reach."""
+
+  def budget(**options) -> int | None:
+    return EngineConfig(num_kv_blocks=8, **options).max_num_batched_tokens
+
+  assert budget(max_num_reqs=8, max_model_len=4096) == 2048
+  assert budget(max_num_reqs=8, max_model_len=4096, enable_chunked_prefill=False) == 4096
+  assert budget(max_num_reqs=2, max_model_len=32) == 64
+  assert budget(max_num_reqs=2, max_model_len=32, enable_chunked_prefill=False) == 64
+  assert budget(max_num_reqs=4096, max_model_len=8) == 4096
+  assert budget(max_num_reqs=2, max_model_len=32, max_num_batched_tokens=16) == 16  # as given
 
 
 @pytest.mark.parametrize(
