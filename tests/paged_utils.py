@@ -1,4 +1,5 @@
-"""Ragged paged-attention steps for tests: random pages, metadata, and a float64 NumPy reference."""
+"""Ragged paged-attention steps for tests: random pages, metadata, a float64 NumPy reference, and a
+toy scheduler over a `KVCacheManager`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 
 
@@ -109,3 +111,69 @@ def reference_attention(step: RaggedStep, scale: float) -> np.ndarray:
     out[start : start + new] = np.einsum("hqs,shd->qhd", probs, v)
     start += new
   return out
+
+
+class ToyScheduler:
+  """A minimal scheduler: decodes first, then prefill chunks within the token budget; preempts
+  the most recently admitted request when the pool runs out (it waits again, first in line).
+
+  Subclasses run the steps: after one, they advance `computed` and append sampled tokens.
+
+  Attributes:
+    manager: the pages.
+    tokens: every known token of each request (`"r{i}"` for prompt `i`).
+    prompt_len: each request's prompt length.
+    computed: tokens of each request whose keys and values are in its pages.
+    waiting: requests not admitted (or preempted), in order.
+    running: admitted requests, in admission order.
+  """
+
+  def __init__(
+    self, prompts: list[list[int]], manager: KVCacheManager, budget: int, max_num_reqs: int
+  ) -> None:
+    self.manager = manager
+    self.budget = budget
+    self.max_num_reqs = max_num_reqs
+    self.tokens = {f"r{i}": list(p) for i, p in enumerate(prompts)}
+    self.prompt_len = {r: len(p) for r, p in self.tokens.items()}
+    self.computed = dict.fromkeys(self.tokens, 0)
+    self.waiting = list(self.tokens)
+    self.running: list[str] = []
+
+  def schedule(self) -> dict[str, int]:
+    """This step's query tokens by request, in scheduling order."""
+    budget, picked = self.budget, {}
+    for req_id in list(self.running):
+      if budget == 0:
+        break
+      if req_id not in self.running:  # preempted for an earlier one this step
+        continue
+      num_new = min(budget, len(self.tokens[req_id]) - self.computed[req_id])
+      while self._allocate(req_id, num_new) is None:
+        victim = self.running.pop()  # the most recently admitted
+        self.manager.preempt(victim)
+        self.computed[victim] = 0
+        budget += picked.pop(victim, 0)
+        self.waiting.insert(0, victim)
+        if victim == req_id:
+          break
+      else:
+        picked[req_id] = num_new
+        budget -= num_new
+    while self.waiting and budget and len(picked) < self.max_num_reqs:
+      req_id = self.waiting[0]
+      hit = self.manager.get_computed_blocks(self.tokens[req_id])
+      num_new = min(budget, len(self.tokens[req_id]) - hit.num_computed_tokens)
+      if self._allocate(req_id, num_new, hit) is None:
+        break
+      self.computed[req_id] = hit.num_computed_tokens
+      self.running.append(self.waiting.pop(0))
+      picked[req_id] = num_new
+      budget -= num_new
+    return picked
+
+  def _allocate(self, req_id, num_new, hit=None):
+    return self.manager.allocate_slots(
+      req_id, num_new, num_computed_tokens=self.computed[req_id], token_ids=self.tokens[req_id],
+      new_computed_blocks=hit,
+    )  # fmt: skip

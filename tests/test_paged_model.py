@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from paged_utils import ToyScheduler
 
 from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.engine.paged_inputs import PagedStepInputs, build_paged_step_inputs
@@ -105,57 +106,16 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int:
   return next(b for b in buckets if b >= value)
 
 
-class _PagedRun:
+class _PagedRun(ToyScheduler):
   """Requests over a `KVCacheManager` and a `PagedKVCache`, one ragged model step at a time."""
 
   def __init__(self, num_blocks: int, backend: AttentionBackend) -> None:
-    self.manager = KVCacheManager(num_blocks, block_size=BLOCK)
+    manager = KVCacheManager(num_blocks, block_size=BLOCK)
+    super().__init__(PROMPTS, manager, TOKEN_BUCKETS[-1], REQ_BUCKETS[-1])
     self.cache = PagedKVCache.create(_spec(), backend, num_blocks, BLOCK)
-    self.tokens = {f"r{i}": list(p) for i, p in enumerate(PROMPTS)}
-    self.prompt_len = {r: len(p) for r, p in self.tokens.items()}
-    self.computed = dict.fromkeys(self.tokens, 0)
-    self.waiting = list(self.tokens)
-    self.running: list[str] = []
     self.logits: dict[str, dict[int, np.ndarray]] = {r: {} for r in self.tokens}
     self.buckets: list[tuple[int, int]] = []
     self.decode_only_steps = 0
-
-  def schedule(self) -> dict[str, int]:
-    budget, picked = TOKEN_BUCKETS[-1], {}
-    for req_id in list(self.running):
-      if budget == 0:
-        break
-      if req_id not in self.running:  # preempted for an earlier one this step
-        continue
-      num_new = min(budget, len(self.tokens[req_id]) - self.computed[req_id])
-      while self._allocate(req_id, num_new) is None:
-        victim = self.running.pop()  # the most recently admitted
-        self.manager.preempt(victim)
-        self.computed[victim] = 0
-        budget += picked.pop(victim, 0)
-        self.waiting.insert(0, victim)
-        if victim == req_id:
-          break
-      else:
-        picked[req_id] = num_new
-        budget -= num_new
-    while self.waiting and budget and len(picked) < REQ_BUCKETS[-1]:
-      req_id = self.waiting[0]
-      hit = self.manager.get_computed_blocks(self.tokens[req_id])
-      num_new = min(budget, len(self.tokens[req_id]) - hit.num_computed_tokens)
-      if self._allocate(req_id, num_new, hit) is None:
-        break
-      self.computed[req_id] = hit.num_computed_tokens
-      self.running.append(self.waiting.pop(0))
-      picked[req_id] = num_new
-      budget -= num_new
-    return picked
-
-  def _allocate(self, req_id, num_new, hit=None):
-    return self.manager.allocate_slots(
-      req_id, num_new, num_computed_tokens=self.computed[req_id], token_ids=self.tokens[req_id],
-      new_computed_blocks=hit,
-    )  # fmt: skip
 
   def inputs(self, picked: dict[str, int]) -> tuple[PagedStepInputs, np.ndarray]:
     ids = list(picked)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_utils import ToyScheduler
 
 from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
@@ -45,57 +46,15 @@ def _step(q, pages, new_kv, md):
   return BACKEND.attention(q, pages, md, scale=SCALE), pages
 
 
-class _Sim:
-  """A minimal scheduler: decodes first, then prefill chunks within the token budget;
-  preempts the most recently admitted request when the pool runs out."""
+class _Sim(ToyScheduler):
+  """The toy scheduler's steps over random queries and keys and values that are a function of
+  each token's prefix, checked against dense attention."""
 
   def __init__(self, prompts: list[list[int]], num_blocks: int, max_new: int) -> None:
-    self.manager = KVCacheManager(num_blocks, block_size=B)
+    super().__init__(prompts, KVCacheManager(num_blocks, block_size=B), T, R)
     self.pages = BACKEND.init_pages(num_blocks, B, K, D)
-    self.tokens = {f"r{i}": list(p) for i, p in enumerate(prompts)}
-    self.prompt_len = {r: len(p) for r, p in self.tokens.items()}
-    self.computed = dict.fromkeys(self.tokens, 0)
-    self.waiting = list(self.tokens)
-    self.running: list[str] = []
     self.max_new = max_new
     self.rng = np.random.default_rng(0)
-
-  def schedule(self) -> dict[str, int]:
-    budget, picked = T, {}
-    for req_id in list(self.running):
-      if budget == 0:
-        break
-      if req_id not in self.running:  # preempted for an earlier one this step
-        continue
-      num_new = min(budget, len(self.tokens[req_id]) - self.computed[req_id])
-      while self._allocate(req_id, num_new) is None:
-        victim = self.running.pop()  # the most recently admitted
-        self.manager.preempt(victim)
-        self.computed[victim] = 0
-        budget += picked.pop(victim, 0)
-        self.waiting.insert(0, victim)
-        if victim == req_id:
-          break
-      else:
-        picked[req_id] = num_new
-        budget -= num_new
-    while self.waiting and budget and len(picked) < R:
-      req_id = self.waiting[0]
-      hit = self.manager.get_computed_blocks(self.tokens[req_id])
-      num_new = min(budget, len(self.tokens[req_id]) - hit.num_computed_tokens)
-      if self._allocate(req_id, num_new, hit) is None:
-        break
-      self.computed[req_id] = hit.num_computed_tokens
-      self.running.append(self.waiting.pop(0))
-      picked[req_id] = num_new
-      budget -= num_new
-    return picked
-
-  def _allocate(self, req_id, num_new, hit=None):
-    return self.manager.allocate_slots(
-      req_id, num_new, num_computed_tokens=self.computed[req_id], token_ids=self.tokens[req_id],
-      new_computed_blocks=hit,
-    )  # fmt: skip
 
   def run_step(self, picked: dict[str, int]) -> None:
     ids = list(picked)

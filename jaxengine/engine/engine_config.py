@@ -85,8 +85,9 @@ class EngineConfig:
     block_size: token positions per page of the paged cache (vLLM's name; default 16).
     max_num_batched_tokens: the paged engine's token budget per step (vLLM's name): decode tokens
       first, then prefill chunks, at most this many query tokens in one model call. None
-      (default): 2048, at least `max_num_reqs`; must be `>= max_num_reqs` (every running request
-      decodes each step), and `>= max_model_len` without chunked prefill.
+      (default): 2048, at least `max_num_reqs` (`max_model_len` without chunked prefill), at most
+      `max_num_reqs * max_model_len` (the most one step can hold); must be `>= max_num_reqs`
+      (every running request decodes each step), and `>= max_model_len` without chunked prefill.
     enable_chunked_prefill: the paged engine may split a prompt over several steps, so long
       prompts share steps with the running requests' decodes (default True; vLLM's name).
     attention_backend: the paged cache's attention: "xla", "pallas_tpu", "pallas_gpu", or None
@@ -238,7 +239,11 @@ class EngineConfig:
     budget = self.max_num_batched_tokens
     if budget is not None and (not is_int(budget) or budget < 1):
       raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
-    budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_reqs) if budget is None else budget
+    if budget is None:  # at most what one step can hold: larger token buckets are never reached
+      least = self.max_num_reqs if self.enable_chunked_prefill else self.max_model_len
+      budget = min(
+        max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), self.max_num_reqs * self.max_model_len
+      )
     if budget < self.max_num_reqs:
       raise ValueError(
         f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs} (every "
