@@ -100,7 +100,7 @@ PAGED_ENGINES = {
   ),
   "tiny_paged_no_prefix_cache": (
     "tiny_no_prefix_cache",
-    {"num_kv_blocks": 64, "block_size": 16, "enable_prefix_caching": False},
+    {"num_kv_blocks": 64, "block_size": 16},
   ),
 }
 
