@@ -316,7 +316,13 @@ class PagedModelRunner(ModelRunner):
     for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
       inputs = self._ragged_inputs(empty, num_tokens, num_rows)
       _, extra = batch.run_step(
-        self.ragged_step, self.weights, self.kv_cache, inputs, fetch=fetch_steps, num_rows=num_rows
+        self.ragged_step,
+        self.weights,
+        self.kv_cache,
+        inputs,
+        fetch=fetch_steps,
+        num_rows=num_rows,
+        prompt_logprobs=0,  # as `execute` passes it: a keyword left out is another cache entry
       )
       self.kv_cache = cast(tuple, extra)[0]
     jax.block_until_ready(cast(Any, self.kv_cache))
