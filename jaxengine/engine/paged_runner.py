@@ -196,20 +196,29 @@ class PagedModelRunner(ModelRunner):
     num_tokens = bucket(max(1, scheduled.total_num_scheduled_tokens), self.token_buckets)
     inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
-    output, extra = batch.run_step(
+    columns = batch.state.num_top_logprobs + 1 if wanted else 0
+    output, token_logprobs = self._run_step(inputs, num_rows, columns)
+    prompt_logprobs = {}
+    if token_logprobs is not None:  # computed when `wanted`
+      prompt_logprobs = self._collect_prompt_logprobs(scheduled, wanted, token_logprobs)
+    return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+
+  def _run_step(
+    self, inputs: RaggedInputs, num_rows: int, prompt_logprobs: int
+  ) -> tuple[HostMultiStepOutput, LogprobsTensors | None]:
+    """The jitted ragged step through `InputBatch.run_step` (the one call site, so `execute`
+    and `precompile` reach the same jit cache entries); keeps the new cache."""
+    output, extra = self.input_batch.run_step(
       self.ragged_step,
       self.weights,
       self.kv_cache,
       inputs,
       fetch=fetch_steps,
       num_rows=num_rows,
-      prompt_logprobs=batch.state.num_top_logprobs + 1 if wanted else 0,
+      prompt_logprobs=prompt_logprobs,
     )
-    self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors], extra)
-    prompt_logprobs = {}
-    if wanted:
-      prompt_logprobs = self._collect_prompt_logprobs(scheduled, wanted, token_logprobs)
-    return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+    self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors | None], extra)
+    return output, token_logprobs
 
   def _collect_prompt_logprobs(
     self, scheduled: PagedSchedulerOutput, wanted: list[str], token_logprobs: LogprobsTensors
@@ -314,16 +323,6 @@ class PagedModelRunner(ModelRunner):
     empty = PagedSchedulerOutput([], {}, {}, {}, [])
     shapes = [(t, r) for r in self.row_buckets for t in self.token_buckets]
     for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
-      inputs = self._ragged_inputs(empty, num_tokens, num_rows)
-      _, extra = batch.run_step(
-        self.ragged_step,
-        self.weights,
-        self.kv_cache,
-        inputs,
-        fetch=fetch_steps,
-        num_rows=num_rows,
-        prompt_logprobs=0,  # as `execute` passes it: a keyword left out is another cache entry
-      )
-      self.kv_cache = cast(tuple, extra)[0]
+      self._run_step(self._ragged_inputs(empty, num_tokens, num_rows), num_rows, 0)
     jax.block_until_ready(cast(Any, self.kv_cache))
     return len(shapes)
