@@ -149,7 +149,7 @@ class LLMEngine:
       eos_token_ids=eos_token_ids,
       seed=config.seed,
       logits_processors=config.logits_processors,
-      max_num_blocks_per_req=-(-config.max_model_len // config.block_size) if config.paged else 0,
+      max_num_blocks_per_req=config.max_num_blocks_per_req if config.paged else 0,
     )
     self.runner = (PagedModelRunner if config.paged else ModelRunner)(model, batch, config)
     self.max_num_reqs = batch.max_num_reqs
@@ -318,10 +318,7 @@ class LLMEngine:
       return self._paged_step(self.scheduler)
     admitted = self.scheduler.schedule().admitted
     structured = self.structured
-    for completion in admitted:
-      self.runner.add(completion)
-      if structured is not None and completion.request.grammar is not None:
-        structured.add(completion.seq_id, completion.request.grammar)
+    self._add_to_batch(admitted)
     if admitted:
       prefill = (
         self.runner.prefill_once_per_request
@@ -349,15 +346,20 @@ class LLMEngine:
     req_ids = decoded_one.req_ids
     return self._update_from_output(req_ids, [decoded_one.sampled], [1] * len(req_ids))
 
+  def _add_to_batch(self, admitted: Sequence[Completion]) -> None:
+    """Gives admitted completions their rows and their grammars' matchers."""
+    structured = self.structured
+    for completion in admitted:
+      self.runner.add(completion)
+      if structured is not None and completion.request.grammar is not None:
+        structured.add(completion.seq_id, completion.request.grammar)
+
   def _paged_step(self, scheduler: PagedScheduler) -> list[RequestOutput]:
     """One ragged step of the paged engine: the scheduler's decodes, prefill chunks and
     admissions, the model once over all their tokens, the sampler on the rows that finish."""
     scheduled = scheduler.schedule()
     structured = self.structured
-    for completion in scheduled.admitted:
-      self.runner.add(completion)
-      if structured is not None and completion.request.grammar is not None:
-        structured.add(completion.seq_id, completion.request.grammar)
+    self._add_to_batch(scheduled.admitted)
     if not scheduled.num_scheduled_tokens:
       return []
     bitmask = structured.bitmask if structured is not None and len(structured) else None

@@ -280,6 +280,11 @@ class EngineConfig:
     return self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
 
   @property
+  def max_num_blocks_per_req(self) -> int:
+    """Pages a request of `max_model_len` tokens holds in the paged cache."""
+    return -(-self.max_model_len // self.block_size)
+
+  @property
   def prefix_caching(self) -> bool:
     """Whether prefix caching is on: `enable_prefix_caching`, None meaning "off a mesh"."""
     if self.enable_prefix_caching is None:

@@ -92,7 +92,7 @@ class PagedModelRunner(ModelRunner):
 
   def __init__(self, model: Model, input_batch: InputBatch, config: EngineConfig) -> None:
     self.block_size = config.block_size
-    self.max_num_blocks_per_req = -(-config.max_model_len // config.block_size)
+    self.max_num_blocks_per_req = config.max_num_blocks_per_req
     table = input_batch.block_table
     if table is None or table.max_num_blocks_per_req != self.max_num_blocks_per_req:
       raise ValueError(
