@@ -1,6 +1,6 @@
 """The paged KV cache against the slot cache, end to end on SmolLM2-135M-Instruct (issue 22).
 
-Three tables, every engine built on the same loaded model and timed in the same run:
+Four tables, every engine built on the same loaded model and timed in the same run:
 
 - ``capacity``: at one KV-cache memory (``--memory-mb``), ``--num-requests`` requests with prompts
   of 16 to 512 tokens and outputs of 16 to 256 (uniform, seeded; ignore_eos, temperature 0.8,
@@ -14,11 +14,20 @@ Three tables, every engine built on the same loaded model and timed in the same 
   of their tokens against their median gap, for the slot engine (its prefill runs between two
   decode steps) and the paged engine with chunked prefill (``--chunk`` tokens per step) and
   without it (the whole prompt in one step).
+- ``rollout``: an RL rollout, the issue's "done when": ``--rollout-prompts`` prompts (64 to 128
+  tokens, a shared 48-token system prefix) times ``--n`` seeded samples each (temperature 1,
+  64 tokens, the sampled token's logprob), all submitted at once. The slot cache gets as many
+  rows of ``max_model_len`` 256 as ``--rollout-memory-mb`` holds (prefix caching off: its copy
+  pool would be memory beyond the slots; the n samples share one prefill), the paged engine one row per
+  sample over a pool of the same bytes. Reports the peak number of samples running at once,
+  tokens/s, how many samples produced the same tokens in both engines and the largest logprob
+  difference.
 - ``e2e``: batch 1, 8, 32 of 64-token prompts, 64 greedy tokens each (ignore_eos), all at once,
   wall time including prefill: slot against paged, interleaved, best of ``--repeats``.
 
 Usage:
-  python benchmarks/bench_paged_engine.py                     # all three (~10 min on 2 cores)
+  python benchmarks/bench_paged_engine.py --tables capacity arrival e2e   # ~10 min on 2 cores
+  python benchmarks/bench_paged_engine.py --tables rollout
   python benchmarks/bench_paged_engine.py --tables e2e --batch-sizes 8
 """
 
@@ -168,6 +177,76 @@ def arrival(model, tokenizer, args) -> None:
     )
 
 
+def _run_samples(engine, requests) -> tuple[float, list[list[int]], list[list[float]]]:
+  """Runs `(prompt, params)` requests at once; (seconds, tokens and sampled-token logprobs of
+  every sample, request by request)."""
+  engine.reset_prefix_cache()
+  start = time.perf_counter()
+  ids = engine.add_requests([(None, {"prompt_token_ids": p}, params) for p, params in requests])
+  while engine.has_unfinished_requests():
+    engine.step()
+  seconds = time.perf_counter() - start
+  outputs = {o.request_id: o for o in engine.pop_finished()}
+  samples = [s for i in ids for s in outputs[i].outputs]
+  logprobs = [[d[t].logprob for d, t in zip(s.logprobs, s.token_ids)] for s in samples]
+  return seconds, [list(s.token_ids) for s in samples], logprobs
+
+
+def rollout(model, tokenizer, args) -> None:
+  rng = np.random.default_rng(0)
+  max_model_len = 256
+  memory = args.rollout_memory_mb * 2**20
+  slot_rows = max(1, memory // (max_model_len * _bytes_per_token(model)))
+  system = _text_ids(tokenizer, 48, 5)
+  requests = []
+  for i in range(args.rollout_prompts):
+    question = _text_ids(tokenizer, int(rng.integers(16, 81)), i % 11)
+    params = je.SamplingParams(
+      n=args.n, temperature=1.0, seed=i, max_tokens=64, ignore_eos=True, logprobs=0
+    )
+    requests.append(([*system, *question], params))
+  num_samples = args.rollout_prompts * args.n
+  engines = {
+    f"slot cache ({slot_rows} rows)": LLMEngine(
+      model,
+      tokenizer,
+      max_num_reqs=slot_rows,
+      max_model_len=max_model_len,
+      enable_prefix_caching=False,  # its copy pool would be memory beyond the slots
+    ),
+    f"paged ({num_samples} rows)": LLMEngine(
+      model,
+      tokenizer,
+      max_num_reqs=num_samples,
+      max_model_len=max_model_len,
+      kv_cache_memory_bytes=memory,
+    ),
+  }
+  print(
+    f"\n## rollout: {args.rollout_prompts} prompts x n={args.n} = {num_samples} samples, "
+    f"64 tokens each, KV cache {args.rollout_memory_mb} MiB\n"
+  )
+  print("| engine | peak running samples | preemptions | tokens/s |\n|---|---:|---:|---:|")
+  results = {}
+  for name, engine in engines.items():
+    _run_samples(engine, requests)  # warm-up: compiles the shapes the run reaches
+    engine.reset_kv_cache_stats()
+    seconds, tokens, logprobs = _run_samples(engine, requests)
+    results[name] = tokens, logprobs
+    stats = engine.kv_cache_stats
+    peak = slot_rows if stats is None else stats.peak_running_reqs
+    preemptions = "-" if stats is None else stats.num_preemptions
+    rate = num_samples * 64 / seconds
+    print(f"| {name} | {peak} | {preemptions} | {rate:.1f} |", flush=True)
+  (slot_tokens, slot_lp), (paged_tokens, paged_lp) = results.values()
+  same = sum(a == b for a, b in zip(slot_tokens, paged_tokens))
+  diff = max(abs(x - y) for a, b in zip(slot_lp, paged_lp) for x, y in zip(a, b, strict=False))
+  print(
+    f"\n{same} of {num_samples} samples produced the same tokens in both engines; largest "
+    f"logprob difference {diff:.1e}"
+  )
+
+
 def e2e(model, tokenizer, args) -> None:
   greedy = je.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
   blocks = 32 * -(-128 // 16) + 1
@@ -197,11 +276,14 @@ def e2e(model, tokenizer, args) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tables", nargs="+", default=["capacity", "arrival", "e2e"])
+  parser.add_argument("--tables", nargs="+", default=["capacity", "arrival", "rollout", "e2e"])
   parser.add_argument("--memory-mb", type=int, default=288)
   parser.add_argument("--num-requests", type=int, default=32)
   parser.add_argument("--long-prompt", type=int, default=2000)
   parser.add_argument("--chunk", type=int, default=256, help="paged token budget per step")
+  parser.add_argument("--rollout-prompts", type=int, default=32)
+  parser.add_argument("--n", type=int, default=8)
+  parser.add_argument("--rollout-memory-mb", type=int, default=1200)
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args()
@@ -211,7 +293,7 @@ def main() -> None:
   )
   llm = je.LLM(max_num_reqs=1, max_model_len=256, enable_prefix_caching=False)
   model, tokenizer = llm.llm_engine.runner.model, llm.get_tokenizer()
-  tables = {"capacity": capacity, "arrival": arrival, "e2e": e2e}
+  tables = {"capacity": capacity, "arrival": arrival, "rollout": rollout, "e2e": e2e}
   for name in args.tables:
     tables[name](model, tokenizer, args)
 
