@@ -218,8 +218,11 @@ class EngineConfig:
     enable = self.enable_prefix_caching
     if enable is not None and not isinstance(enable, bool):
       raise ValueError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
-    if enable and self.mesh is not None:
-      raise ValueError("enable_prefix_caching=True is not supported on a mesh yet")
+    if enable and self.mesh is not None and not self.paged:
+      raise ValueError(
+        "enable_prefix_caching=True is not supported on a mesh with the slot cache yet (the "
+        "paged cache supports it: give kv_cache_memory_bytes or num_kv_blocks)"
+      )
     num_blocks = self.num_prefix_cache_blocks
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
       raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
@@ -265,7 +268,11 @@ class EngineConfig:
     unsupported = {
       "speculative_config": self.speculative_config is not None,
       f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps != 1,
-      "a mesh": self.mesh is not None,
+      # One pool of pages serves every row: splitting rows over devices would need a pool and
+      # block tables per data shard.
+      f"data_parallel_size={self.data_parallel_size} (use tensor_parallel_size)": (
+        self.data_parallel_size != 1
+      ),
     }
     for what, given in unsupported.items():
       if given:
@@ -286,9 +293,10 @@ class EngineConfig:
 
   @property
   def prefix_caching(self) -> bool:
-    """Whether prefix caching is on: `enable_prefix_caching`, None meaning "off a mesh"."""
+    """Whether prefix caching is on: `enable_prefix_caching`, None meaning on, except with the
+    slot cache on a mesh."""
     if self.enable_prefix_caching is None:
-      return self.mesh is None
+      return self.mesh is None or self.paged
     return self.enable_prefix_caching
 
   @property

@@ -140,7 +140,7 @@ class ModelRunner:
     else:
       self._placement = MeshPlacement(model, self.weights, input_batch, parallel.check_mesh(mesh))
       self.weights = jax.device_put(self.weights, self._placement.weights)
-      self.kv_cache = self._placement.create_kv_cache(model.kv_cache_spec)
+      self.kv_cache = self._create_kv_cache(model, config)
       input_batch.place_state(self._placement.state)
       shardings = self._placement.jit_shardings()
     #: The jitted device steps (`engine/steps.py`).
@@ -166,8 +166,11 @@ class ModelRunner:
       self.prefix_cache = PrefixPrefill(model.kv_cache_spec, int(num_blocks), max_copies)
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> Any:
-    """The KV cache on one device: `max_num_reqs` slots of `max_model_len` positions (the paged
-    runner, `engine/paged_runner.py`, makes a pool of pages instead)."""
+    """The KV cache: `max_num_reqs` slots of `max_model_len` positions, on one device or in its
+    shards on the mesh (the paged runner, `engine/paged_runner.py`, makes a pool of pages
+    instead). Called once, after the placement is set."""
+    if self._placement is not None:
+      return self._placement.create_kv_cache(model.kv_cache_spec)
     return KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
 
   @property
