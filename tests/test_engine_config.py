@@ -72,7 +72,10 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
       EngineConfig(mesh=mesh, **options)
   config = EngineConfig(mesh=mesh)
   assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)
-  assert not config.prefix_caching  # None means off on a mesh
+  assert not config.prefix_caching  # None means off on a mesh with the slot cache
+  for enable in (None, True):  # the paged cache runs prefix caching on a mesh (on by default)
+    paged = EngineConfig(mesh=mesh, num_kv_blocks=8, enable_prefix_caching=enable)
+    assert paged.prefix_caching and paged.mesh is mesh
   assert config.replace(max_num_reqs=4).mesh is mesh  # a replaced config keeps its mesh
 
 

@@ -66,6 +66,15 @@ for inner in (XlaAttentionBackend(), PallasGpuAttentionBackend(interpret=True),
   assert pages[0].sharding.spec[axis] == "model", (inner.name, pages[0].sharding)
   print("backend", inner.name, "ok")
 
+# One pool of pages serves every row: data parallelism is refused by name.
+from jaxengine.engine.engine_config import EngineConfig
+try:
+  EngineConfig(max_num_reqs=2, data_parallel_size=2, num_kv_blocks=8)
+except ValueError as e:
+  assert "data_parallel_size=2" in str(e), e
+else:
+  raise AssertionError("data_parallel_size=2 accepted with pages")
+
 # --- the engine: t = 2 against one device --------------------------------------------------
 model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 key/value heads
 SP = je.SamplingParams

@@ -55,10 +55,12 @@ class EngineConfig:
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer; with a `mesh`, its "model" axis size.
     data_parallel_size: devices splitting the batch rows (must divide `max_num_reqs`); with a
-      `mesh`, its "data" axis size.
+      `mesh`, its "data" axis size. 1 with the paged cache (its one pool of pages serves every
+      row).
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
       built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
-      refused).
+      refused). The paged cache runs on one too: its pages split over key/value heads on the
+      "model" axis (`jaxengine.models.sharded_attention`), the step's block tables replicated.
     compilation_cache: JAX's persistent compilation cache: True (default: the
       `JAXENGINE_COMPILATION_CACHE` directory, else `~/.cache/jaxengine/xla`), a directory, or
       False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
@@ -72,14 +74,17 @@ class EngineConfig:
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
       `num_speculative_tokens` below `max_model_len`.
-    enable_prefix_caching: reuse the cached keys and values of full 16-token prompt blocks; None
-      (default): on, except on a mesh (True there is refused). See `prefix_caching`.
+    enable_prefix_caching: reuse the cached keys and values of full prompt blocks (16 tokens,
+      or `block_size` with the paged cache); None (default): on, except with the slot cache on a
+      mesh (True there is refused; the paged cache supports it on a mesh). See
+      `prefix_caching`.
     num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
       None (a quarter of the KV cache's positions, at least `max_model_len`).
     kv_cache_memory_bytes: bytes for a paged KV cache (vLLM's name): the cache becomes a pool of
       `block_size`-token pages shared by every request (`paged`), sized to this many bytes of
-      keys and values over all layers. None (default): the slot cache (`max_num_reqs` rows of
-      `max_model_len` positions), unless `num_kv_blocks` is given.
+      keys and values over all layers (on a mesh: per device, whose share of each page is its
+      key/value heads). None (default): the slot cache (`max_num_reqs` rows of `max_model_len`
+      positions), unless `num_kv_blocks` is given.
     num_kv_blocks: the paged cache's size in pages, the null page included (an int >= 2), instead
       of `kv_cache_memory_bytes` (give one of the two).
     block_size: token positions per page of the paged cache (vLLM's name; default 16).
@@ -98,8 +103,9 @@ class EngineConfig:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
-      or `num_decode_steps > 1`, prefix caching or `num_decode_steps > 1` on a mesh); more devices
-      than there are.
+      or `num_decode_steps > 1`, `num_decode_steps > 1` on a mesh, prefix caching on a mesh with
+      the slot cache, `data_parallel_size > 1` with the paged cache); more devices than there
+      are.
   """
 
   max_num_reqs: int = 16

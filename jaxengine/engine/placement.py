@@ -50,6 +50,8 @@ class MeshPlacement:
     kv_cache: `KVCache` of `NamedSharding` (`parallel.kv_cache_spec`).
     state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
     metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
+    paged_kv_cache: `PagedKVCache` tree of `NamedSharding` (a paged runner's, set by
+      `create_paged_kv_cache`).
 
   Raises:
     ValueError: the model axis does not divide the query heads (both numbers named), or the
@@ -100,7 +102,6 @@ class MeshPlacement:
     """
     create = functools.partial(PagedKVCache.create, spec, backend, num_blocks, block_size)
     spec_ = backend.page_specs(1)[0] if isinstance(backend, HeadShardedBackend) else P()
-    #: `PagedKVCache` of `NamedSharding` (set by `create_paged_kv_cache`).
     self.paged_kv_cache = jax.tree.map(
       lambda _: NamedSharding(self.mesh, spec_), jax.eval_shape(create)
     )

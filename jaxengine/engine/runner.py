@@ -81,7 +81,7 @@ class ModelRunner:
         nothing warm-up did not);
       - `prefix_caching`: keep full 16-token blocks of prompts in a device pool and copy them
         into the slots of later prompts that start the same way (`engine/prefix_prefill.py`);
-        not on a mesh;
+        not on a mesh (the paged runner shares pages instead, on a mesh too);
       - `num_prefix_cache_blocks`: the pool's size in blocks (default `default_num_blocks`: a
         quarter of the slot cache's positions).
 
