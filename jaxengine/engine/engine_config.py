@@ -66,7 +66,7 @@ class EngineConfig:
       False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
-      `LLMEngine`); 1 on a mesh.
+      `LLMEngine`); on a mesh too (the slot cache's).
     prefill_once_per_request: the samples of an `n > 1` request admitted together share one
       prefill of the prompt (default True).
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
@@ -103,9 +103,8 @@ class EngineConfig:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
-      or `num_decode_steps > 1`, `num_decode_steps > 1` on a mesh, prefix caching on a mesh with
-      the slot cache, `data_parallel_size > 1` with the paged cache); more devices than there
-      are.
+      or `num_decode_steps > 1`, prefix caching on a mesh with the slot cache,
+      `data_parallel_size > 1` with the paged cache); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -212,11 +211,6 @@ class EngineConfig:
       )
     if not is_int(steps) or steps < 1:
       raise ValueError(f"num_decode_steps must be an int >= 1, got {steps!r}")
-    if steps > 1 and self.mesh is not None:
-      raise ValueError(
-        f"num_decode_steps={steps} is not supported on a mesh yet (its device loop has no "
-        "sharding annotations); use num_decode_steps=1 with a mesh"
-      )
     self._set("speculative_config", spec)
     self._set("num_decode_steps", int(steps))
 

@@ -124,13 +124,15 @@ class MeshPlacement:
     return self._replicated
 
   def jit_shardings(self) -> dict[str, dict[str, Any]]:
-    """`in_shardings` / `out_shardings` of the runner's three jitted steps.
+    """`in_shardings` / `out_shardings` of the runner's jitted steps on the mesh.
 
     decode ``(state, metadata, weights, kv_cache) -> (state, SamplerOutput, kv_cache)``: state and
     metadata by row, the sampler's output replicated (it goes to the host). prefill
     ``(weights, kv_cache, token_ids, positions, cache_slots[, next_token_ids])``: the host's
     prompt arrays replicated (NumPy inputs, the same on every process under `jax.distributed`;
-    small next to the cache), prompt logprobs replicated.
+    small next to the cache), prompt logprobs replicated. decode_steps ``(state, metadata,
+    weights, kv_cache, max_output_tokens, stop_ids, end_on_first_finish) -> (state,
+    MultiStepOutput, kv_cache)``: as decode, the stop rules replicated.
     """
     rep = self._replicated
     return {
@@ -145,5 +147,9 @@ class MeshPlacement:
       "prefill_logprobs": {
         "in_shardings": (self.weights, self.kv_cache, rep, rep, rep, rep),
         "out_shardings": (self.kv_cache, rep),
+      },
+      "decode_steps": {
+        "in_shardings": (self.state, self.metadata, self.weights, self.kv_cache, rep, rep, rep),
+        "out_shardings": (self.state, rep, self.kv_cache),
       },
     }
