@@ -115,9 +115,10 @@ for t, d in [(2, 1), (4, 2)]:  # (2, 2) runs across two processes in test_multih
   assert specs[3] == P(None, "data" if d > 1 else None, None, "model" if t == 2 else None, None)
   assert specs[4] == (P("data") if d > 1 else P()), specs
   print(t, d, specs)
-# Several decode steps per dispatch on the mesh: one device's tokens, logprobs to float32
-# rounding, and a second run compiles nothing.
-llm = je.LLM(model, tensor_parallel_size=2, data_parallel_size=2, num_decode_steps=3, **kw)
+# Several decode steps per dispatch on the mesh (precompiled): one device's tokens, logprobs to
+# float32 rounding, and a second run compiles nothing.
+llm = je.LLM(model, tensor_parallel_size=2, data_parallel_size=2, num_decode_steps=3,
+             precompile=True, **kw)
 got = run(llm)
 for (a, la, _), (b, lb, _) in zip(got, want):
   assert a == b, ("k=3", a, b)
