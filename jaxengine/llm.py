@@ -76,7 +76,7 @@ class LLM:
     tensor_parallel_size: devices splitting each layer (heads, intermediate size, vocabulary;
       see `jaxengine.parallel`); must divide the model's query heads.
     data_parallel_size: devices splitting the batch rows (and their KV-cache slots); must
-      divide `max_num_reqs`.
+      divide `max_num_reqs`; 1 with the paged cache (`kv_cache_memory_bytes`).
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
     compilation_cache: JAX's persistent compilation cache, so a second process start reads the

@@ -26,7 +26,10 @@ replicated                norms, ``bo``, anything         ``P()``
 ========================  ==============================  =========================================
 
 KV cache ``key``/``value`` ``[L, R, S, K, D]``: ``P(None, "data", None, "model", None)`` (``K``
-replicated when ``t`` does not divide it, as vLLM does for ``t > K``). `BatchState` and metadata
+replicated when ``t`` does not divide it, as vLLM does for ``t > K``). The paged cache's pages
+(`jaxengine.models.sharded_attention`): the backend's key/value head axis over ``model`` (``[N,
+B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does not divide ``K``), the
+ragged step's block tables, positions and slot mapping replicated. `BatchState` and metadata
 rows ``[R, ...]``: ``P("data")``; scalars ``P()``.
 
 With these specs XLA's SPMD partitioner inserts the collectives: one all-reduce over ``model``

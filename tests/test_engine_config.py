@@ -65,14 +65,17 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
     EngineConfig(tensor_parallel_size=64)
   for options, message in [
     ({"enable_prefix_caching": True}, "enable_prefix_caching=True is not supported on a mesh"),
-    ({"num_decode_steps": 2}, "num_decode_steps=2 is not supported on a mesh"),
     ({"speculative_config": SPEC}, "and a mesh"),
   ]:
     with pytest.raises(ValueError, match=message):
       EngineConfig(mesh=mesh, **options)
   config = EngineConfig(mesh=mesh)
+  assert EngineConfig(mesh=mesh, num_decode_steps=2).num_decode_steps == 2  # runs on a mesh
   assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)
-  assert not config.prefix_caching  # None means off on a mesh
+  assert not config.prefix_caching  # None means off on a mesh with the slot cache
+  for enable in (None, True):  # the paged cache runs prefix caching on a mesh (on by default)
+    paged = EngineConfig(mesh=mesh, num_kv_blocks=8, enable_prefix_caching=enable)
+    assert paged.prefix_caching and paged.mesh is mesh
   assert config.replace(max_num_reqs=4).mesh is mesh  # a replaced config keeps its mesh
 
 

@@ -72,7 +72,8 @@ class LLMEngine:
     max_model_len: longest prompt plus output, in tokens (KV-cache length per slot).
     mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``, or
       `tensor_parallel_size` / `data_parallel_size` to build one: see `ModelRunner` and
-      `jaxengine.parallel`.
+      `jaxengine.parallel`. With the paged cache (`kv_cache_memory_bytes` / `num_kv_blocks`)
+      the pages split over key/value heads and `data_parallel_size` must be 1.
     num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
       loop (default 1: one token per step). Larger values pay the host round trip once per `k`
       tokens. Tokens, text and finish reasons are those of k = 1 (rows stop on the device at
@@ -82,7 +83,8 @@ class LLMEngine:
       While requests wait for a row, a dispatch ends as soon as some row finishes, so a freed
       row is refilled at once; a request added while the batch runs waits at most one
       dispatch of `k` steps. While a row with structured outputs runs, steps go one at a time
-      (its grammar advances on the host after every token); on a mesh k must be 1.
+      (its grammar advances on the host after every token). On a mesh too (the loop declares
+      the decode step's shardings and samples vocabulary-sharded logits).
     prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
       share one prefill of the prompt: the others take a device copy of its cached keys and
       values (default True; False prefills every sample, as before). Same outputs (logprob
@@ -102,8 +104,9 @@ class LLMEngine:
       Counters: `spec_decode_stats`.
     enable_prefix_caching: reuse the keys and values of full 16-token blocks of earlier prompts
       (running or finished) for prompts that start the same way, instead of computing them again
-      (vLLM's option and hash chain; `engine/prefix_prefill.py`). None (default): on, except on
-      a mesh (not supported there yet). Requests asking for `prompt_logprobs` skip the lookup.
+      (vLLM's option and hash chain; `engine/prefix_prefill.py`; with the paged cache, shared
+      pages). None (default): on, except with the slot cache on a mesh (not supported there
+      yet; the paged cache supports it). Requests asking for `prompt_logprobs` skip the lookup.
       The cache is emptied by `load_weights` and `reset_prefix_cache`; `prefix_cache_stats`
       counts its queries, hits and evictions. Same outputs (logprob values to float32
       rounding: the cached prefix was computed in another executable).

@@ -55,16 +55,18 @@ class EngineConfig:
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer; with a `mesh`, its "model" axis size.
     data_parallel_size: devices splitting the batch rows (must divide `max_num_reqs`); with a
-      `mesh`, its "data" axis size.
+      `mesh`, its "data" axis size. 1 with the paged cache (its one pool of pages serves every
+      row).
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
       built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
-      refused).
+      refused). The paged cache runs on one too: its pages split over key/value heads on the
+      "model" axis (`jaxengine.models.sharded_attention`), the step's block tables replicated.
     compilation_cache: JAX's persistent compilation cache: True (default: the
       `JAXENGINE_COMPILATION_CACHE` directory, else `~/.cache/jaxengine/xla`), a directory, or
       False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
-      `LLMEngine`); 1 on a mesh.
+      `LLMEngine`); on a mesh too (the slot cache's).
     prefill_once_per_request: the samples of an `n > 1` request admitted together share one
       prefill of the prompt (default True).
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
@@ -72,14 +74,17 @@ class EngineConfig:
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
       `num_speculative_tokens` below `max_model_len`.
-    enable_prefix_caching: reuse the cached keys and values of full 16-token prompt blocks; None
-      (default): on, except on a mesh (True there is refused). See `prefix_caching`.
+    enable_prefix_caching: reuse the cached keys and values of full prompt blocks (16 tokens,
+      or `block_size` with the paged cache); None (default): on, except with the slot cache on a
+      mesh (True there is refused; the paged cache supports it on a mesh). See
+      `prefix_caching`.
     num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
       None (a quarter of the KV cache's positions, at least `max_model_len`).
     kv_cache_memory_bytes: bytes for a paged KV cache (vLLM's name): the cache becomes a pool of
       `block_size`-token pages shared by every request (`paged`), sized to this many bytes of
-      keys and values over all layers. None (default): the slot cache (`max_num_reqs` rows of
-      `max_model_len` positions), unless `num_kv_blocks` is given.
+      keys and values over all layers (on a mesh: per device, whose share of each page is its
+      key/value heads). None (default): the slot cache (`max_num_reqs` rows of `max_model_len`
+      positions), unless `num_kv_blocks` is given.
     num_kv_blocks: the paged cache's size in pages, the null page included (an int >= 2), instead
       of `kv_cache_memory_bytes` (give one of the two).
     block_size: token positions per page of the paged cache (vLLM's name; default 16).
@@ -98,8 +103,8 @@ class EngineConfig:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
-      or `num_decode_steps > 1`, prefix caching or `num_decode_steps > 1` on a mesh); more devices
-      than there are.
+      or `num_decode_steps > 1`, prefix caching on a mesh with the slot cache,
+      `data_parallel_size > 1` with the paged cache); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -206,11 +211,6 @@ class EngineConfig:
       )
     if not is_int(steps) or steps < 1:
       raise ValueError(f"num_decode_steps must be an int >= 1, got {steps!r}")
-    if steps > 1 and self.mesh is not None:
-      raise ValueError(
-        f"num_decode_steps={steps} is not supported on a mesh yet (its device loop has no "
-        "sharding annotations); use num_decode_steps=1 with a mesh"
-      )
     self._set("speculative_config", spec)
     self._set("num_decode_steps", int(steps))
 
@@ -218,8 +218,11 @@ class EngineConfig:
     enable = self.enable_prefix_caching
     if enable is not None and not isinstance(enable, bool):
       raise ValueError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
-    if enable and self.mesh is not None:
-      raise ValueError("enable_prefix_caching=True is not supported on a mesh yet")
+    if enable and self.mesh is not None and not self.paged:
+      raise ValueError(
+        "enable_prefix_caching=True is not supported on a mesh with the slot cache yet (the "
+        "paged cache supports it: give kv_cache_memory_bytes or num_kv_blocks)"
+      )
     num_blocks = self.num_prefix_cache_blocks
     if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
       raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
@@ -265,7 +268,11 @@ class EngineConfig:
     unsupported = {
       "speculative_config": self.speculative_config is not None,
       f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps != 1,
-      "a mesh": self.mesh is not None,
+      # One pool of pages serves every row: splitting rows over devices would need a pool and
+      # block tables per data shard.
+      f"data_parallel_size={self.data_parallel_size} (use tensor_parallel_size)": (
+        self.data_parallel_size != 1
+      ),
     }
     for what, given in unsupported.items():
       if given:
@@ -286,9 +293,10 @@ class EngineConfig:
 
   @property
   def prefix_caching(self) -> bool:
-    """Whether prefix caching is on: `enable_prefix_caching`, None meaning "off a mesh"."""
+    """Whether prefix caching is on: `enable_prefix_caching`, None meaning on, except with the
+    slot cache on a mesh."""
     if self.enable_prefix_caching is None:
-      return self.mesh is None
+      return self.mesh is None or self.paged
     return self.enable_prefix_caching
 
   @property

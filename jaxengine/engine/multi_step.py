@@ -79,8 +79,12 @@ def decode_steps(
   attention_len: int,
   num_rows: int,
   num_steps: int,
+  mesh=None,
 ):
   """Up to `num_steps` decode-and-sample steps over the first `num_rows` rows, on the device.
+
+  On a `mesh` (static) each step samples the vocabulary-sharded logits as `decode_and_sample`
+  does.
 
   Args:
     graphdef: the model's NNX graph definition (bound with `functools.partial`).
@@ -134,7 +138,7 @@ def decode_steps(
       cache_slots=rows.cache_slot, positions=positions[:, None], attention_len=attention_len
     )
     hidden, kv = model(token_ids[:, None], positions[:, None], c["kv_cache"], attn_metadata)
-    rows, output = sample(rows, step_metadata, model.compute_logits(hidden[:, 0]))
+    rows, output = sample(rows, step_metadata, model.compute_logits(hidden[:, 0]), mesh=mesh)
     tokens = output.sampled_token_ids
     appended = output.is_appended
     num_output = rows.num_output_tokens

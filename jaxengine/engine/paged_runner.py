@@ -41,6 +41,7 @@ from jaxengine.models.attention_backends import attention_backend
 from jaxengine.models.interface import Model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.models.paged_kv_cache import PagedKVCache
+from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.sample import LogprobsTensors
 
 #: Smallest token bucket of a ragged step.
@@ -108,15 +109,23 @@ class PagedModelRunner(ModelRunner):
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, min(MIN_TOKEN_BUCKET, budget))
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
+    placement = self._placement
     self.ragged_step: Callable[..., Any] = jax.jit(
-      functools.partial(ragged_step, self._graphdef),
+      functools.partial(ragged_step, self._graphdef, mesh=self.mesh),
       static_argnames=("num_rows", "prompt_logprobs"),
       donate_argnames=("state", "kv_cache"),
+      **(placement.ragged_step_shardings() if placement is not None else {}),
     )
+    #: Where the step's host inputs go: replicated on a mesh, else the default device.
+    self._input_sharding = placement.replicated if placement is not None else None
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
+    """The pool of pages; on a mesh split over key/value heads when the model axis divides
+    them (`jaxengine.models.sharded_attention`), else replicated, and sized per device."""
     spec = model.kv_cache_spec
-    backend = attention_backend(config.attention_backend)
+    backend = shard_backend(
+      attention_backend(config.attention_backend), self.mesh, spec.num_kv_heads
+    )
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
       num_blocks = backend.num_blocks_for_memory(
@@ -129,6 +138,8 @@ class PagedModelRunner(ModelRunner):
       )
     #: Pages of the pool, the null page 0 included.
     self.num_blocks = int(num_blocks)
+    if self._placement is not None:
+      return self._placement.create_paged_kv_cache(spec, backend, self.num_blocks, self.block_size)
     return PagedKVCache.create(spec, backend, self.num_blocks, self.block_size)
 
   # --- what the paged cache changes -------------------------------------------------------------
@@ -209,7 +220,7 @@ class PagedModelRunner(ModelRunner):
     """The jitted ragged step through `InputBatch.run_step` (the one call site, so `execute`
     and `precompile` reach the same jit cache entries); keeps the new cache."""
     output, extra = self.input_batch.run_step(
-      self.ragged_step,
+      self.ragged_step if self._placement is None else self._placed_ragged_step,
       self.weights,
       self.kv_cache,
       inputs,
@@ -219,6 +230,15 @@ class PagedModelRunner(ModelRunner):
     )
     self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors | None], extra)
     return output, token_logprobs
+
+  def _placed_ragged_step(self, state, metadata, *args, num_rows, prompt_logprobs):
+    """The ragged step on a mesh, state and metadata first put on their declared shardings (a
+    no-op when the batch's own updates kept them); static arguments by position (`jax.jit`
+    takes no keywords with `in_shardings`)."""
+    assert self._placement is not None
+    state = jax.device_put(state, self._placement.state)
+    metadata = jax.device_put(metadata, self._placement.metadata)
+    return self.ragged_step(state, metadata, *args, num_rows, prompt_logprobs)
 
   def _collect_prompt_logprobs(
     self, scheduled: PagedSchedulerOutput, wanted: list[str], token_logprobs: LogprobsTensors
@@ -293,7 +313,7 @@ class PagedModelRunner(ModelRunner):
       logits_indices,
       produces,
     )
-    device = jax.device_put(host)  # one transfer for the step's inputs
+    device = jax.device_put(host, self._input_sharding)  # one transfer for the step's inputs
     return RaggedInputs(
       token_rows=device[0],
       positions=device[1],

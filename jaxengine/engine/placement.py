@@ -9,6 +9,7 @@ refused by `jax.jit` rather than silently recompiled.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import jax
@@ -17,9 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine import parallel
 from jaxengine.batch import InputBatch
+from jaxengine.models.attention_backends import AttentionBackend
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import sharding_rules
+from jaxengine.models.sharded_attention import HeadShardedBackend
 
 
 def num_attention_heads(model: Any) -> int | None:
@@ -46,6 +50,8 @@ class MeshPlacement:
     kv_cache: `KVCache` of `NamedSharding` (`parallel.kv_cache_spec`).
     state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
     metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
+    paged_kv_cache: `PagedKVCache` tree of `NamedSharding` (a paged runner's, set by
+      `create_paged_kv_cache`).
 
   Raises:
     ValueError: the model axis does not divide the query heads (both numbers named), or the
@@ -86,14 +92,47 @@ class MeshPlacement:
   def _create(spec: KVCacheSpec, num_slots: int, max_model_len: int) -> KVCache:
     return KVCache.create(spec, num_slots, max_model_len)
 
+  def create_paged_kv_cache(
+    self, spec: KVCacheSpec, backend: AttentionBackend, num_blocks: int, block_size: int
+  ) -> PagedKVCache:
+    """A zero paged cache allocated directly in its shards; sets `paged_kv_cache`.
+
+    Pages are split over key/value heads when `backend` is a `HeadShardedBackend`
+    (`jaxengine.models.sharded_attention.shard_backend`), replicated otherwise.
+    """
+    create = functools.partial(PagedKVCache.create, spec, backend, num_blocks, block_size)
+    spec_ = backend.page_specs(1)[0] if isinstance(backend, HeadShardedBackend) else P()
+    self.paged_kv_cache = jax.tree.map(
+      lambda _: NamedSharding(self.mesh, spec_), jax.eval_shape(create)
+    )
+    return jax.jit(create, out_shardings=self.paged_kv_cache)()
+
+  def ragged_step_shardings(self) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the paged runner's ragged step (after
+    `create_paged_kv_cache`): ``(state, metadata, weights, kv_cache, RaggedInputs) -> (state,
+    MultiStepOutput, (kv_cache, prompt LogprobsTensors or None))``; the step's inputs (block
+    tables, positions, slot mapping, ...) and outputs replicated, the cache as created."""
+    rep, cache = self._replicated, self.paged_kv_cache
+    return {
+      "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
+      "out_shardings": (self.state, rep, (cache, rep)),
+    }
+
+  @property
+  def replicated(self) -> NamedSharding:
+    """The mesh's replicated sharding (host inputs of a step)."""
+    return self._replicated
+
   def jit_shardings(self) -> dict[str, dict[str, Any]]:
-    """`in_shardings` / `out_shardings` of the runner's three jitted steps.
+    """`in_shardings` / `out_shardings` of the runner's jitted steps on the mesh.
 
     decode ``(state, metadata, weights, kv_cache) -> (state, SamplerOutput, kv_cache)``: state and
     metadata by row, the sampler's output replicated (it goes to the host). prefill
     ``(weights, kv_cache, token_ids, positions, cache_slots[, next_token_ids])``: the host's
     prompt arrays replicated (NumPy inputs, the same on every process under `jax.distributed`;
-    small next to the cache), prompt logprobs replicated.
+    small next to the cache), prompt logprobs replicated. decode_steps ``(state, metadata,
+    weights, kv_cache, max_output_tokens, stop_ids, end_on_first_finish) -> (state,
+    MultiStepOutput, kv_cache)``: as decode, the stop rules replicated.
     """
     rep = self._replicated
     return {
@@ -108,5 +147,9 @@ class MeshPlacement:
       "prefill_logprobs": {
         "in_shardings": (self.weights, self.kv_cache, rep, rep, rep, rep),
         "out_shardings": (self.kv_cache, rep),
+      },
+      "decode_steps": {
+        "in_shardings": (self.state, self.metadata, self.weights, self.kv_cache, rep, rep, rep),
+        "out_shardings": (self.state, rep, self.kv_cache),
       },
     }

@@ -47,7 +47,15 @@ class RaggedInputs:
 
 
 def ragged_step(
-  graphdef, state, metadata, weights, kv_cache, inputs: RaggedInputs, num_rows, prompt_logprobs=0
+  graphdef,
+  state,
+  metadata,
+  weights,
+  kv_cache,
+  inputs: RaggedInputs,
+  num_rows,
+  prompt_logprobs=0,
+  mesh=None,
 ):
   """The model over the step's flat tokens, then the sampler on the rows that produce a token.
 
@@ -62,6 +70,8 @@ def ragged_step(
     prompt_logprobs: static; 0, or `k + 1` to also return, for every query token, the raw
       logprobs (log-softmax of the logits) of the token that follows it in its sequence and the
       top `k` (a step with a prompt that asked for `prompt_logprobs`).
+    mesh: None, or the engine's mesh (static): the logits stay sharded over the vocabulary and
+      the sampler reduces them per shard, as the slot engine's decode step does.
 
   Returns:
     `(state, MultiStepOutput, (kv_cache, LogprobsTensors [T, k + 1] or None))`: the output has
@@ -80,7 +90,7 @@ def ragged_step(
     all_logits = model.compute_logits(hidden[0])  # [T, V]
     token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
   producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
-  rows_state, sampled = sample(rows_state, producing, logits)
+  rows_state, sampled = sample(rows_state, producing, logits, mesh=mesh)
   output = MultiStepOutput(
     sampled_token_ids=sampled.sampled_token_ids[None],
     logprobs=jax.tree.map(lambda a: a[None], sampled.logprobs),

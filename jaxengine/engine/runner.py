@@ -81,7 +81,7 @@ class ModelRunner:
         nothing warm-up did not);
       - `prefix_caching`: keep full 16-token blocks of prompts in a device pool and copy them
         into the slots of later prompts that start the same way (`engine/prefix_prefill.py`);
-        not on a mesh;
+        not on a mesh (the paged runner shares pages instead, on a mesh too);
       - `num_prefix_cache_blocks`: the pool's size in blocks (default `default_num_blocks`: a
         quarter of the slot cache's positions).
 
@@ -140,7 +140,7 @@ class ModelRunner:
     else:
       self._placement = MeshPlacement(model, self.weights, input_batch, parallel.check_mesh(mesh))
       self.weights = jax.device_put(self.weights, self._placement.weights)
-      self.kv_cache = self._placement.create_kv_cache(model.kv_cache_spec)
+      self.kv_cache = self._create_kv_cache(model, config)
       input_batch.place_state(self._placement.state)
       shardings = self._placement.jit_shardings()
     #: The jitted device steps (`engine/steps.py`).
@@ -166,8 +166,11 @@ class ModelRunner:
       self.prefix_cache = PrefixPrefill(model.kv_cache_spec, int(num_blocks), max_copies)
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> Any:
-    """The KV cache on one device: `max_num_reqs` slots of `max_model_len` positions (the paged
-    runner, `engine/paged_runner.py`, makes a pool of pages instead)."""
+    """The KV cache: `max_num_reqs` slots of `max_model_len` positions, on one device or in its
+    shards on the mesh (the paged runner, `engine/paged_runner.py`, makes a pool of pages
+    instead). Called once, after the placement is set."""
+    if self._placement is not None:
+      return self._placement.create_kv_cache(model.kv_cache_spec)
     return KVCache.create(model.kv_cache_spec, self.max_num_reqs, self.max_model_len)
 
   @property

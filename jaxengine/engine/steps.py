@@ -61,9 +61,9 @@ def jit_steps(
     num_top_logprobs: the batch state's top-logprob count (static in prompt logprobs).
     mesh: None (one device) or the runner's mesh (the decode step's sampler reduces sharded
       logits on it).
-    shardings: per step name ("decode", "prefill", "prefill_logprobs"), the `in_shardings` /
-      `out_shardings` keyword arguments of `jax.jit` (`MeshPlacement.jit_shardings`); None on
-      one device.
+    shardings: per step name ("decode", "prefill", "prefill_logprobs", "decode_steps"), the
+      `in_shardings` / `out_shardings` keyword arguments of `jax.jit`
+      (`MeshPlacement.jit_shardings`); None on one device.
 
   Returns:
     The `RunnerSteps`.
@@ -87,14 +87,32 @@ def jit_steps(
       donate_argnames=("kv_cache",),
       **shardings.get("prefill_logprobs", {}),
     ),
-    decode_steps=jax.jit(
-      functools.partial(decode_steps, graphdef),
-      static_argnames=("attention_len", "num_rows", "num_steps"),
-      donate_argnames=("state", "kv_cache"),
-    ),
+    decode_steps=_jit_decode_steps(graphdef, mesh, shardings.get("decode_steps")),
     verify=jax.jit(
       functools.partial(verify_and_sample, graphdef),
       static_argnames=("attention_len", "num_rows"),
       donate_argnames=("state", "kv_cache"),
     ),
   )
+
+
+def _jit_decode_steps(
+  graphdef: Any, mesh: jax.sharding.Mesh | None, shardings: dict[str, Any] | None
+) -> Callable[..., Any]:
+  """The k-step loop jitted; on a mesh with its declared shardings, behind a function that keeps
+  the one-device call form (`jax.jit` takes no keyword arguments with `in_shardings`, so the
+  static ones go by position) and first puts state and metadata on their shardings (a no-op
+  when the batch's own updates kept them)."""
+  statics = ("attention_len", "num_rows", "num_steps")
+  fn = functools.partial(decode_steps, graphdef, mesh=mesh)
+  if shardings is None:
+    return jax.jit(fn, static_argnames=statics, donate_argnames=("state", "kv_cache"))
+  jitted = jax.jit(fn, static_argnums=(7, 8, 9), donate_argnums=(0, 3), **shardings)
+  state_sharding, metadata_sharding = shardings["in_shardings"][:2]
+
+  def placed(state, metadata, *args, attention_len, num_rows, num_steps):
+    state = jax.device_put(state, state_sharding)
+    metadata = jax.device_put(metadata, metadata_sharding)
+    return jitted(state, metadata, *args, attention_len, num_rows, num_steps)
+
+  return placed

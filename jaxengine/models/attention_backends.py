@@ -74,6 +74,8 @@ class AttentionBackend(abc.ABC):
   """Paged attention on one kind of device: page layout, write, ragged attention."""
 
   name: str
+  #: The axis of every page array (of one layer) that holds the key/value heads.
+  kv_head_axis: int
 
   @abc.abstractmethod
   def page_shapes(
@@ -167,6 +169,7 @@ class XlaAttentionBackend(AttentionBackend):
   """Pure XLA (`ragged_paged_attention_xla`); pages `([N, B, K, D] keys, [N, B, K, D] values)`."""
 
   name = "xla"
+  kv_head_axis = 2
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -210,6 +213,7 @@ class PallasTpuAttentionBackend(AttentionBackend):
 
   kernel: Callable[..., jax.Array] | None = None
   name = "pallas_tpu"
+  kv_head_axis = 2
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
     return ((num_blocks, block_size, 2 * tpu_kv_heads(num_kv_heads), head_dim),)
@@ -268,6 +272,7 @@ class PallasGpuAttentionBackend(AttentionBackend):
 
   interpret: bool = False
   name = "pallas_gpu"
+  kv_head_axis = 0
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
     shape = (num_kv_heads, num_blocks, block_size, head_dim)

@@ -1,0 +1,135 @@
+"""Paged attention on a mesh: any `AttentionBackend` run per device over its own key/value heads.
+
+Tensor parallelism splits a layer's query heads ``H`` and key/value heads ``K`` over the mesh's
+model axis (``t`` devices; the projections are column-parallel). `HeadShardedBackend` wraps a
+backend so that each device holds, writes and reads only its ``K / t`` heads of every page:
+
+* the pages of a layer are ``t`` copies of the wrapped backend's layout for ``K / t`` heads, laid
+  side by side along its head axis (`AttentionBackend.kv_head_axis`) and sharded there, so
+  ``[N, B, K, D]`` XLA pages are ``P(None, None, "model", None)``, and the TPU kernel's combined
+  ``[N, B, 2K', D]`` pages hold each device's own ``2 * tpu_kv_heads(K / t)`` heads;
+* `write_kv` and `attention` run under `jax.shard_map` over the model axis: a device gets its
+  ``[T, H / t, D]`` queries and ``[T, K / t, D]`` keys and values, the step's metadata whole
+  (block tables, slot mapping, lengths: replicated, small), and calls the wrapped backend as on
+  one device. Grouped-query attention keeps query head ``h`` with key/value head ``h // (H / K)``,
+  and contiguous shards of both keep the groups together, so no collective is needed.
+
+The Pallas kernels have no partitioning rule for XLA's SPMD partitioner; inside `shard_map` each
+device runs the kernel on its own shard, which is also how the XLA path stays free of gathers.
+
+Shape letters as in `jaxengine.models.attention`: ``T`` tokens, ``N`` pages, ``B`` block size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxengine.models.attention_backends import AttentionBackend, KVPages
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShardedBackend(AttentionBackend):
+  """`inner` on each device of `mesh`'s `axis` over its share of the key/value heads.
+
+  Attributes:
+    inner: the backend each device runs (`XlaAttentionBackend`, a Pallas backend, ...).
+    mesh: the engine's mesh.
+    axis: the mesh axis the heads are split over (``"model"``), of size ``t`` dividing ``K``.
+  """
+
+  inner: AttentionBackend
+  mesh: Mesh
+  axis: str = "model"
+
+  @property
+  def name(self) -> str:  # type: ignore[override]
+    return self.inner.name
+
+  @property
+  def kv_head_axis(self) -> int:  # type: ignore[override]
+    return self.inner.kv_head_axis
+
+  @property
+  def num_shards(self) -> int:
+    """``t``: devices along `axis`."""
+    return int(self.mesh.shape[self.axis])
+
+  def local_kv_heads(self, num_kv_heads: int) -> int:
+    """Key/value heads per device, ``K / t``.
+
+    Raises:
+      ValueError: ``t`` does not divide ``K`` (both named).
+    """
+    if num_kv_heads % self.num_shards:
+      raise ValueError(
+        f"the {self.axis!r} axis of size {self.num_shards} must divide num_kv_heads="
+        f"{num_kv_heads} to shard the pages over key/value heads"
+      )
+    return num_kv_heads // self.num_shards
+
+  def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
+    local = self.inner.page_shapes(
+      num_blocks, block_size, self.local_kv_heads(num_kv_heads), head_dim
+    )
+    axis, t = self.kv_head_axis, self.num_shards
+    return tuple(tuple(n * t if i == axis else n for i, n in enumerate(s)) for s in local)
+
+  def page_specs(self, num_arrays: int, layered: bool = False) -> tuple[P, ...]:
+    """Partition specs of one layer's `num_arrays` page arrays (with a leading layer axis when
+    `layered`): the head axis over `axis`, the rest replicated."""
+    axis = self.kv_head_axis + int(layered)
+    spec = P(*(self.axis if i == axis else None for i in range(axis + 1)))
+    return (spec,) * num_arrays
+
+  def num_blocks_for_memory(self, kv_cache_memory_bytes, *, num_kv_heads, **sizes):
+    """Pages that fit in `kv_cache_memory_bytes` on each device (a device holds ``K / t`` heads
+    of every page), as the wrapped backend counts them."""
+    return self.inner.num_blocks_for_memory(
+      kv_cache_memory_bytes, num_kv_heads=self.local_kv_heads(num_kv_heads), **sizes
+    )
+
+  def _shard_map(self, fn, in_specs, out_specs):
+    return jax.shard_map(
+      fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+  def write_kv(self, pages, key, value, slot_mapping, layer=None):
+    specs = self.page_specs(len(pages), layered=layer is not None)
+    heads = P(None, self.axis, None)  # [T, K, D]
+    extra: tuple[Any, ...] = () if layer is None else (layer,)
+
+    def local(pages, key, value, slot_mapping, *layer_index):
+      return self.inner.write_kv(pages, key, value, slot_mapping, *layer_index)
+
+    fn = self._shard_map(local, (specs, heads, heads, P(), *(P(),) * len(extra)), specs)
+    return fn(tuple(pages), key, value, slot_mapping, *extra)
+
+  def attention(self, q, pages, md: PagedAttentionMetadata, *, scale, num_kv_heads=None):
+    specs = self.page_specs(len(pages))
+    heads = P(None, self.axis, None)  # [T, H, D]
+    local_heads = None if num_kv_heads is None else self.local_kv_heads(num_kv_heads)
+
+    def local(q, pages: KVPages, md):
+      return self.inner.attention(q, pages, md, scale=scale, num_kv_heads=local_heads)
+
+    return self._shard_map(local, (heads, specs, P()), heads)(q, tuple(pages), md)
+
+
+def shard_backend(
+  backend: AttentionBackend, mesh: Mesh | None, num_kv_heads: int
+) -> AttentionBackend:
+  """`backend` for an engine on `mesh`: wrapped in `HeadShardedBackend` when the model axis has
+  more than one device and divides `num_kv_heads`; as it is otherwise (one device, or pages
+  replicated over the model axis when it does not divide the heads, as the slot cache is)."""
+  if mesh is None or "model" not in mesh.shape:
+    return backend
+  t = int(mesh.shape["model"])
+  if t == 1 or num_kv_heads % t:
+    return backend
+  return HeadShardedBackend(backend, mesh)

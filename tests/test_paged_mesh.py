@@ -1,0 +1,154 @@
+"""The paged engine on a `jax.sharding.Mesh` (README, "Paged KV cache"), on 2 host CPU devices.
+
+One subprocess (the device count must be set before JAX starts) runs every check:
+
+- each attention backend, wrapped in `HeadShardedBackend` over the model axis, writes and attends
+  like the float64 reference, each device over its own key/value heads: XLA, JAX's GPU Pallas
+  kernel in interpret mode, and the TPU backend's layout (combined, interleaved key and value
+  heads) with a traceable stand-in for its kernel;
+- the engine with `tensor_parallel_size=2` and a pool and token budget small enough to force
+  chunked prefill and preemption, prefix caching on: the same tokens (greedy and seeded) and
+  logprob ranks as one device, logprob values within 1e-4; repeated prompts hit the prefix cache;
+  pages sharded over key/value heads, the batch state replicated;
+- precompiled on the mesh, serving compiles no ragged step, and a second run compiles nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from subprocess_utils import run_python
+
+SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, sys.argv[1])  # the tests folder: paged_utils
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from paged_utils import make_step, reference_attention
+import jaxengine as je
+from jaxengine.models.attention_backends import (
+  PallasGpuAttentionBackend, PallasTpuAttentionBackend, XlaAttentionBackend)
+from jaxengine.models.paged_attention import PagedAttentionMetadata, ragged_paged_attention_xla
+from jaxengine.models.sharded_attention import HeadShardedBackend
+from jaxengine.testing import count_compiles, tiny_llama
+
+# --- backends, each device over its own heads ------------------------------------------------
+mesh = je.make_mesh(tensor_parallel_size=2)
+H, K, D, B, SCALE = 4, 2, 8, 4, 8 ** -0.5
+def tpu_layout_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
+  # The TPU kernel's signature and combined [N, B, 2K, D] layout, computed by the XLA path (the
+  # kernel's own reference function is not traceable, and shard_map traces).
+  md = PagedAttentionMetadata(slot_mapping=jnp.zeros(q.shape[0], jnp.int32),
+                              block_tables=page_indices, query_start_loc=cu_q_lens,
+                              seq_lens=kv_lens, num_reqs=num_seqs[0])
+  return ragged_paged_attention_xla(q, kv_pages[:, :, 0::2], kv_pages[:, :, 1::2], md,
+                                    scale=sm_scale)
+step = make_step(np.random.default_rng(7), [(9, 1), (4, 6), (0, 3), (15, 1)], num_tokens=16,
+                 num_reqs=6, max_blocks=6, num_heads=H, num_kv_heads=K, head_dim=D, block_size=B)
+want = reference_attention(step, SCALE)
+for inner in (XlaAttentionBackend(), PallasGpuAttentionBackend(interpret=True),
+              PallasTpuAttentionBackend(kernel=tpu_layout_kernel)):
+  backend = HeadShardedBackend(inner, mesh)
+  local = inner.page_shapes(step.num_blocks, B, K // 2, D)
+  shapes = backend.page_shapes(step.num_blocks, B, K, D)
+  axis = inner.kv_head_axis
+  assert [s[axis] for s in shapes] == [2 * s[axis] for s in local], (inner.name, shapes)
+  pages = jax.device_put(backend.init_pages(step.num_blocks, B, K, D),
+                         jax.sharding.NamedSharding(mesh, backend.page_specs(1)[0]))
+  keys, values = np.concatenate(step.keys), np.concatenate(step.values)
+  def write_and_attend(pages, q, keys, values, slots, md):
+    pages = backend.write_kv(pages, keys, values, slots)
+    return pages, backend.attention(q, pages, md, scale=SCALE, num_kv_heads=K)
+  pages, out = jax.jit(write_and_attend)(pages, jnp.asarray(step.q), keys, values,
+                                jnp.asarray(step.slots), step.md)
+  np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=inner.name)
+  assert pages[0].sharding.spec[axis] == "model", (inner.name, pages[0].sharding)
+  print("backend", inner.name, "ok")
+
+# One pool of pages serves every row: data parallelism is refused by name.
+from jaxengine.engine.engine_config import EngineConfig
+try:
+  EngineConfig(max_num_reqs=2, data_parallel_size=2, num_kv_blocks=8)
+except ValueError as e:
+  assert "data_parallel_size=2" in str(e), e
+else:
+  raise AssertionError("data_parallel_size=2 accepted with pages")
+
+# --- the engine: t = 2 against one device --------------------------------------------------
+model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 key/value heads
+SP = je.SamplingParams
+rng = np.random.default_rng(0)
+prefix = rng.integers(4, 250, 9).tolist()  # two full blocks of 4 shared by three prompts
+prompts = [prefix + [10, 11], [5, 6, 7], prefix + [12], rng.integers(4, 250, 13).tolist(),
+           [8, 9], prefix + [10, 11]]
+params = [
+  SP(temperature=0, max_tokens=6, logprobs=2),
+  SP(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=8, logprobs=2),
+  SP(temperature=1.0, seed=2, n=2, min_p=0.05, presence_penalty=0.5, max_tokens=5, logprobs=1),
+  SP(temperature=0, max_tokens=7, logprobs=0),
+  SP(temperature=0.7, seed=3, repetition_penalty=1.2, max_tokens=9),
+  SP(temperature=1.0, seed=4, top_k=5, max_tokens=4, logprobs=3),
+]
+with_prompt_logprobs = [SP(temperature=0, max_tokens=3, prompt_logprobs=2, logprobs=1)] * 2
+# 7 usable blocks of 4 (28 tokens) for 2 running requests of up to 24: preemption; a budget of
+# 8 tokens splits every prompt above 6 tokens (two decodes first): chunked prefill.
+kw = dict(max_num_reqs=2, max_model_len=24, block_size=4, num_kv_blocks=8,
+          max_num_batched_tokens=8)
+
+def run(llm, prompts=prompts, params=params):
+  outs = llm.generate(prompts, params, use_tqdm=False)
+  return [(c.token_ids, c.logprobs, o.prompt_logprobs) for o in outs for c in o.outputs]
+
+def check_same(got, want):
+  for (a, la, pa), (b, lb, pb) in zip(got, want, strict=True):
+    assert a == b, (a, b)
+    for x, y in ((la, lb), (pa, pb)):
+      assert (x is None) == (y is None)
+      if y is None:
+        continue
+      ranks = lambda e: [[(t, v.rank) for t, v in d.items()] if d else d for d in e]
+      values = lambda e: [v.logprob for d in e if d for v in d.values()]
+      assert ranks(x) == ranks(y), (ranks(x), ranks(y))
+      np.testing.assert_allclose(values(x), values(y), atol=1e-4)
+
+one = je.LLM(model, **kw)
+want = run(one)
+want_prompt = run(one, prompts[:2], with_prompt_logprobs)
+one_stats = one.llm_engine.kv_cache_stats
+assert one_stats.num_preemptions > 0, one_stats
+
+llm = je.LLM(model, tensor_parallel_size=2, precompile=True, **kw)
+runner = llm.llm_engine.runner
+shapes = runner.ragged_step._cache_size()
+assert shapes == len(runner.token_buckets) * len(runner.row_buckets), shapes
+got = run(llm)
+assert runner.ragged_step._cache_size() == shapes  # serving compiled no ragged step
+check_same(got, want)
+stats = llm.llm_engine.kv_cache_stats
+assert stats.num_preemptions == one_stats.num_preemptions > 0, (stats, one_stats)
+assert stats.prefix_cache_hits > 0 and stats.num_used_blocks == 0, stats
+check_same(run(llm, prompts[:2], with_prompt_logprobs), want_prompt)
+print("engine", stats)
+
+key = runner.kv_cache.pages[0][0]
+assert key.sharding.spec == P(None, None, "model"), key.sharding
+assert len(key.sharding.device_set) == 2 and key.addressable_shards[0].data.shape[2] == 1
+assert runner.input_batch.state.token_ids.sharding.spec == P()
+assert runner.weights["layers"][0]["attn"]["wq"][...].sharding.spec == P("model", None, None)
+
+llm.llm_engine.reset_kv_cache_stats()
+with count_compiles() as compiles:
+  again = run(llm)
+  check_same(run(llm, prompts[:2], with_prompt_logprobs), want_prompt)
+assert compiles.count == 0, compiles.count
+check_same(again, want)
+assert llm.llm_engine.kv_cache_stats.prefix_cache_hits > 0  # finished prompts' blocks reused
+print("ok")
+"""
+
+
+def test_paged_engine_on_a_mesh_matches_one_device():
+  out = run_python(SCRIPT, os.path.dirname(os.path.abspath(__file__)))
+  assert out.strip().endswith("ok")
+  assert out.count("backend") == 3
