@@ -263,7 +263,6 @@ class EngineConfig:
     if not self.paged:
       return
     unsupported = {
-      "speculative_config": self.speculative_config is not None,
       f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps != 1,
       "a mesh": self.mesh is not None,
     }
