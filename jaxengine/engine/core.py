@@ -100,7 +100,9 @@ class LLMEngine:
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
       runs. Not with `num_decode_steps > 1` or on a mesh; k must be below `max_model_len`.
-      Counters: `spec_decode_stats`.
+      Counters: `spec_decode_stats`. With the paged cache the drafts are query tokens of the
+      ragged step (`engine/paged_verify.py`): same drafts and cost model, scheduled within the
+      token budget and the free pages (never preempting for them).
     enable_prefix_caching: reuse the keys and values of full 16-token blocks of earlier prompts
       (running or finished) for prompts that start the same way, instead of computing them again
       (vLLM's option and hash chain; `engine/prefix_prefill.py`). None (default): on, except on

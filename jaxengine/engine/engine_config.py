@@ -71,7 +71,7 @@ class EngineConfig:
       strings; stored as a tuple of instances.
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
-      `num_speculative_tokens` below `max_model_len`.
+      `num_speculative_tokens` below `max_model_len`; with the slot or the paged cache.
     enable_prefix_caching: reuse the cached keys and values of full 16-token prompt blocks; None
       (default): on, except on a mesh (True there is refused). See `prefix_caching`.
     num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
