@@ -110,8 +110,8 @@ class _Recorder:
     self._schedule = scheduler.schedule
     scheduler.schedule = self._record  # type: ignore[method-assign]
 
-  def _record(self) -> PagedSchedulerOutput:
-    out = self._schedule()
+  def _record(self, draft_token_ids=None) -> PagedSchedulerOutput:
+    out = self._schedule(draft_token_ids)
     running = self.scheduler.running
     self.num_partial += any(
       out.num_computed_tokens[s] + n < running[s].num_tokens

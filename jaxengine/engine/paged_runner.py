@@ -225,9 +225,8 @@ class PagedModelRunner(ModelRunner):
     """The jitted ragged step through `InputBatch.run_step` (the one call site, so `execute`
     and `precompile` reach the same jit cache entries), the verify step when `drafts` are
     given; keeps the new cache."""
-    step, extra_args = self.ragged_step, ()
-    if drafts is not None:
-      step, extra_args = self.ragged_verify_step, (drafts,)
+    step = self.ragged_step if drafts is None else self.ragged_verify_step
+    extra_args = () if drafts is None else (drafts,)
     output, extra = self.input_batch.run_step(
       step,
       self.weights,

@@ -95,13 +95,13 @@ def ragged_drafts(
       input_token_ids[last + 1 : last + 1 + num] = drafts
       draft_token_ids[row, :num] = drafts
       num_draft_tokens[row] = num
-  return jax.device_put(
-    RaggedDrafts(
-      input_token_ids=input_token_ids,
-      logits_indices=logits_indices,
-      draft_token_ids=draft_token_ids,
-      num_draft_tokens=num_draft_tokens,
-    )
+  host = (input_token_ids, logits_indices, draft_token_ids, num_draft_tokens)
+  device = jax.device_put(host)  # one transfer
+  return RaggedDrafts(
+    input_token_ids=device[0],
+    logits_indices=device[1],
+    draft_token_ids=device[2],
+    num_draft_tokens=device[3],
   )
 
 
