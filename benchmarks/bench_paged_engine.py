@@ -24,11 +24,15 @@ Four tables, every engine built on the same loaded model and timed in the same r
   difference over the tokens they agree on.
 - ``e2e``: batch 1, 8, 32 of 64-token prompts, 64 greedy tokens each (ignore_eos), all at once,
   wall time including prefill: slot against paged, interleaved, best of ``--repeats``.
+- ``speculative`` (only when asked): n-gram speculation (``--speculative`` k) on pages against
+  paged plain decoding and the slot engine's speculation, bench_generate.py's "repetitive"
+  prompts, greedy, ``--spec-max-tokens`` tokens, interleaved, best of ``--repeats``.
 
 Usage:
   python benchmarks/bench_paged_engine.py --tables capacity arrival e2e   # ~10 min on 2 cores
   python benchmarks/bench_paged_engine.py --tables rollout
   python benchmarks/bench_paged_engine.py --tables e2e --batch-sizes 8
+  python benchmarks/bench_paged_engine.py --tables speculative --batch-sizes 1 8 --repeats 1
 """
 
 from __future__ import annotations
@@ -284,6 +288,48 @@ def e2e(model, tokenizer, args) -> None:
     print(f"| {size} | {slot:.1f} | {paged:.1f} | {paged / slot:.2f}x{note} |", flush=True)
 
 
+def speculative(model, tokenizer, args) -> None:
+  """Tokens/s of n-gram speculation (k = `--speculative`) on pages against paged plain decoding
+  and the slot engine's speculation, on bench_generate.py's "repetitive" workload (greedy)."""
+  from bench_generate import _PARAGRAPHS, _chat_prompts
+
+  config = {"method": "ngram", "num_speculative_tokens": args.speculative}
+  rows, max_model_len = max(args.batch_sizes), 512
+  paged = {"num_kv_blocks": rows * max_model_len // 16 + 1, "max_num_batched_tokens": 1024}
+  common = {"max_num_reqs": rows, "max_model_len": max_model_len, "enable_prefix_caching": False}
+  engines = {
+    "paged plain": LLMEngine(model, tokenizer, **common, **paged),
+    "paged spec": LLMEngine(model, tokenizer, **common, **paged, speculative_config=config),
+    "slot spec": LLMEngine(model, tokenizer, **common, speculative_config=config),
+  }
+  greedy = je.SamplingParams(temperature=0, max_tokens=args.spec_max_tokens)
+  texts = [f"Repeat this text exactly, and nothing else:\n\n{p}" for p in _PARAGRAPHS]
+  print(
+    f"\n## n-gram speculation k={args.speculative}, repetitive prompts, greedy, "
+    f"{args.spec_max_tokens} tokens (tokens/s, best of {args.repeats})\n\n"
+    "| batch | paged plain | paged spec | slot spec | paged spec / paged plain | acceptance |\n"
+    "|---:|---:|---:|---:|---:|---:|"
+  )
+  for size in args.batch_sizes:
+    requests = [(p, greedy) for p in _chat_prompts(tokenizer, texts, size)]
+    outputs = {name: _run(engine, requests)[1] for name, engine in engines.items()}  # warm-up
+    stats = engines["paged spec"].spec_decode_stats
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    rate: dict[str, float] = {}
+    for _ in range(args.repeats):
+      for name, engine in engines.items():
+        seconds, tokens = _run(engine, requests)
+        rate[name] = max(rate.get(name, 0.0), sum(map(len, tokens.values())) / seconds)
+    acceptance = (stats.num_accepted_tokens - accepted) / max(stats.num_draft_tokens - drafted, 1)
+    same = len({tuple(map(tuple, o.values())) for o in outputs.values()}) == 1
+    print(
+      f"| {size} | {rate['paged plain']:.1f} | {rate['paged spec']:.1f} | {rate['slot spec']:.1f} "
+      f"| {rate['paged spec'] / rate['paged plain']:.2f}x | {acceptance:.2f}"
+      f"{'' if same else ' (outputs differ)'} |",
+      flush=True,
+    )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tables", nargs="+", default=["capacity", "arrival", "rollout", "e2e"])
@@ -296,6 +342,8 @@ def main() -> None:
   parser.add_argument("--rollout-memory-mb", type=int, default=1200)
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--speculative", type=int, default=4, help="k of the speculative table")
+  parser.add_argument("--spec-max-tokens", type=int, default=64)
   args = parser.parse_args()
   print(
     f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
@@ -303,7 +351,13 @@ def main() -> None:
   )
   llm = je.LLM(max_num_reqs=1, max_model_len=256, enable_prefix_caching=False)
   model, tokenizer = llm.llm_engine.runner.model, llm.get_tokenizer()
-  tables = {"capacity": capacity, "arrival": arrival, "rollout": rollout, "e2e": e2e}
+  tables = {
+    "capacity": capacity,
+    "arrival": arrival,
+    "rollout": rollout,
+    "e2e": e2e,
+    "speculative": speculative,
+  }
   for name in args.tables:
     tables[name](model, tokenizer, args)
 

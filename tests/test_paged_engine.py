@@ -110,8 +110,8 @@ class _Recorder:
     self._schedule = scheduler.schedule
     scheduler.schedule = self._record  # type: ignore[method-assign]
 
-  def _record(self) -> PagedSchedulerOutput:
-    out = self._schedule()
+  def _record(self, draft_token_ids=None) -> PagedSchedulerOutput:
+    out = self._schedule(draft_token_ids)
     running = self.scheduler.running
     self.num_partial += any(
       out.num_computed_tokens[s] + n < running[s].num_tokens
@@ -294,10 +294,6 @@ def test_the_default_token_budget_fits_the_engine():
     ({"num_kv_blocks": 8, "enable_chunked_prefill": "yes"}, "enable_chunked_prefill must be a"),
     ({"num_kv_blocks": 8, "attention_backend": "flash"}, r"attention_backend must be one of"),
     ({"num_kv_blocks": 8, "num_decode_steps": 2}, r"does not support num_decode_steps=2"),
-    (
-      {"num_kv_blocks": 8, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-      "does not support speculative_config",
-    ),
   ],
 )
 def test_bad_paged_options_are_refused_naming_the_field(options, match):

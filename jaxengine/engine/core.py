@@ -35,6 +35,7 @@ from jaxengine.engine.kv_cache_manager import KVCacheStats
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.paged_runner import PagedModelRunner
 from jaxengine.engine.paged_scheduler import PagedScheduler
+from jaxengine.engine.paged_verify import PagedSpeculation
 from jaxengine.engine.requests import Completion, Request
 from jaxengine.engine.runner import ModelRunner
 from jaxengine.engine.scheduler import Scheduler
@@ -101,7 +102,9 @@ class LLMEngine:
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
       runs. Not with `num_decode_steps > 1` or on a mesh; k must be below `max_model_len`.
-      Counters: `spec_decode_stats`.
+      Counters: `spec_decode_stats`. With the paged cache the drafts are query tokens of the
+      ragged step (`engine/paged_verify.py`): same drafts and cost model, scheduled within the
+      token budget and the free pages (never preempting for them).
     enable_prefix_caching: reuse the keys and values of full 16-token blocks of earlier prompts
       (running or finished) for prompts that start the same way, instead of computing them again
       (vLLM's option and hash chain; `engine/prefix_prefill.py`; with the paged cache, shared
@@ -192,6 +195,9 @@ class LLMEngine:
       self._speculative = SpeculativePolicy(
         self.speculative_config, self.max_model_len, self.spec_decode_stats
       )
+    self._paged_speculation: PagedSpeculation | None = None
+    if self._speculative is not None and config.paged:
+      self._paged_speculation = PagedSpeculation(self._speculative)
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -360,15 +366,24 @@ class LLMEngine:
   def _paged_step(self, scheduler: PagedScheduler) -> list[RequestOutput]:
     """One ragged step of the paged engine: the scheduler's decodes, prefill chunks and
     admissions, the model once over all their tokens, the sampler on the rows that finish."""
-    scheduled = scheduler.schedule()
     structured = self.structured
+    runner = cast(PagedModelRunner, self.runner)
+    drafts = {}
+    if self._paged_speculation is not None and not (structured is not None and len(structured)):
+      num_rows = runner.row_bucket(len(scheduler.running))
+      drafts = self._paged_speculation.propose(scheduler, num_rows, self.spec_crossover_tokens)
+    scheduled = scheduler.schedule(drafts)
     self._add_to_batch(scheduled.admitted)
     if not scheduled.num_scheduled_tokens:
       return []
     bitmask = structured.bitmask if structured is not None and len(structured) else None
-    runner = cast(PagedModelRunner, self.runner)
     decoded = runner.execute(scheduled, bitmask)
-    scheduler.update_after_step(scheduled)
+    num_accepted = {}
+    if self._paged_speculation is not None:
+      num_accepted = self._paged_speculation.record(
+        scheduled, decoded.req_ids, decoded.sampled.num_sampled
+      )
+    scheduler.update_after_step(scheduled, num_accepted)
     for seq_id, produced in zip(decoded.req_ids, decoded.sampled.num_sampled.tolist()):
       completion = scheduler.running[seq_id]
       if produced and completion.request.prompt_logprobs is None:  # its prompt just finished

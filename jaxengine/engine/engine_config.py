@@ -73,7 +73,7 @@ class EngineConfig:
       strings; stored as a tuple of instances.
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
-      `num_speculative_tokens` below `max_model_len`.
+      `num_speculative_tokens` below `max_model_len`; with the slot or the paged cache.
     enable_prefix_caching: reuse the cached keys and values of full prompt blocks (16 tokens,
       or `block_size` with the paged cache); None (default): on, except with the slot cache on a
       mesh (True there is refused; the paged cache supports it on a mesh). See
@@ -266,7 +266,6 @@ class EngineConfig:
     if not self.paged:
       return
     unsupported = {
-      "speculative_config": self.speculative_config is not None,
       f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps != 1,
       # One pool of pages serves every row: splitting rows over devices would need a pool and
       # block tables per data shard.

@@ -9,7 +9,8 @@ sampler on the rows whose last known token was computed.
 
 Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached,
 powers of two from `MIN_TOKEN_BUCKET` to `max_num_batched_tokens` times powers of two up to
-`max_num_reqs`; `precompile` runs them all. The block-table width is fixed at
+`max_num_reqs`, twice with `speculative_config` (the plain step and the verify step of
+`paged_verify.py`); `precompile` runs them all. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the
 step's longest context needs, so the width costs nothing there).
 """
@@ -34,6 +35,7 @@ from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
 from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
+from jaxengine.engine.paged_verify import RaggedDrafts, ragged_drafts, ragged_verify_step
 from jaxengine.engine.ragged_step import RaggedInputs, ragged_step
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.runner import ModelRunner
@@ -118,6 +120,13 @@ class PagedModelRunner(ModelRunner):
     )
     #: Where the step's host inputs go: replicated on a mesh, else the default device.
     self._input_sharding = placement.replicated if placement is not None else None
+    #: Draft slots per row of the verify step (0: no speculative decoding; `paged_verify.py`).
+    self.num_speculative_tokens = config.num_speculative_tokens
+    self.ragged_verify_step: Callable[..., Any] = jax.jit(
+      functools.partial(ragged_verify_step, self._graphdef),
+      static_argnames=("num_rows", "prompt_logprobs"),
+      donate_argnames=("state", "kv_cache"),
+    )
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
     """The pool of pages; on a mesh split over key/value heads when the model axis divides
@@ -208,22 +217,35 @@ class PagedModelRunner(ModelRunner):
     inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
     columns = batch.state.num_top_logprobs + 1 if wanted else 0
-    output, token_logprobs = self._run_step(inputs, num_rows, columns)
+    verify = (
+      self._verify_inputs(scheduled, num_tokens, num_rows) if scheduled.spec_token_ids else None
+    )
+    output, token_logprobs = self._run_step(inputs, num_rows, columns, verify)
     prompt_logprobs = {}
     if token_logprobs is not None:  # computed when `wanted`
       prompt_logprobs = self._collect_prompt_logprobs(scheduled, wanted, token_logprobs)
     return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
 
   def _run_step(
-    self, inputs: RaggedInputs, num_rows: int, prompt_logprobs: int
+    self,
+    inputs: RaggedInputs,
+    num_rows: int,
+    prompt_logprobs: int,
+    drafts: RaggedDrafts | None = None,
   ) -> tuple[HostMultiStepOutput, LogprobsTensors | None]:
     """The jitted ragged step through `InputBatch.run_step` (the one call site, so `execute`
-    and `precompile` reach the same jit cache entries); keeps the new cache."""
+    and `precompile` reach the same jit cache entries), the verify step when `drafts` are
+    given; keeps the new cache."""
+    step = self.ragged_step if self._placement is None else self._placed_ragged_step
+    if drafts is not None:  # never on a mesh (EngineConfig refuses speculative_config there)
+      step = self.ragged_verify_step
+    extra_args = () if drafts is None else (drafts,)
     output, extra = self.input_batch.run_step(
-      self.ragged_step if self._placement is None else self._placed_ragged_step,
+      step,
       self.weights,
       self.kv_cache,
       inputs,
+      *extra_args,
       fetch=fetch_steps,
       num_rows=num_rows,
       prompt_logprobs=prompt_logprobs,
@@ -270,6 +292,17 @@ class PagedModelRunner(ModelRunner):
         )
     return done
 
+  def _verify_inputs(
+    self, scheduled: PagedSchedulerOutput, num_tokens: int, num_rows: int
+  ) -> RaggedDrafts:
+    """The step's drafts laid out for `ragged_verify_step` (none: a verify step of no drafts,
+    which precompile runs)."""
+    index = self.input_batch.req_id_to_index
+    rows = {seq_id: index[seq_id] for seq_id in scheduled.num_scheduled_tokens}
+    starts = self._query_starts(scheduled)
+    k = self.num_speculative_tokens
+    return ragged_drafts(scheduled, rows, starts, num_tokens, num_rows, k)
+
   def _query_starts(self, scheduled: PagedSchedulerOutput) -> dict[str, int]:
     """Each scheduled completion's first flat token index (rows in batch order)."""
     index = self.input_batch.req_id_to_index
@@ -301,7 +334,8 @@ class PagedModelRunner(ModelRunner):
     logits_indices[rows] = layout.logits_indices[: len(rows)]
     produces = np.zeros(num_rows, bool)
     for row, seq_id, done, count in zip(rows, seq_ids, computed, counts):
-      produces[row] = done + count == batch.num_tokens(seq_id)
+      drafts = len(scheduled.spec_token_ids.get(seq_id, ()))
+      produces[row] = done + count - drafts == batch.num_tokens(seq_id)
     host = (
       token_rows,
       layout.positions,
@@ -332,7 +366,8 @@ class PagedModelRunner(ModelRunner):
     self, num_decode_steps: int = 1, use_tqdm: bool = True, num_speculative_tokens: int = 0
   ) -> int:
     """Compiles the ragged step for every (token bucket, row bucket) now (an empty step each:
-    every token is padding, writing only the null page). Returns the number of shapes.
+    every token is padding, writing only the null page), and its verify step too when
+    `num_speculative_tokens` > 0. Returns the number of shapes.
 
     Raises:
       ValueError: if the batch holds requests.
@@ -342,7 +377,10 @@ class PagedModelRunner(ModelRunner):
       raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
     empty = PagedSchedulerOutput([], {}, {}, {}, [])
     shapes = [(t, r) for r in self.row_buckets for t in self.token_buckets]
+    verify = [False, True] if num_speculative_tokens else [False]
     for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
-      self._run_step(self._ragged_inputs(empty, num_tokens, num_rows), num_rows, 0)
+      for drafted in verify:
+        drafts = self._verify_inputs(empty, num_tokens, num_rows) if drafted else None
+        self._run_step(self._ragged_inputs(empty, num_tokens, num_rows), num_rows, 0, drafts)
     jax.block_until_ready(cast(Any, self.kv_cache))
-    return len(shapes)
+    return len(shapes) * len(verify)

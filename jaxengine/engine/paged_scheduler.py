@@ -14,6 +14,10 @@ vLLM V1's policy, for a KV cache of shared pages (`KVCacheManager`):
    of an `n > 1` request share the first sample's prompt pages (`KVCacheManager.fork`) when
    prefix caching is off. Nothing is admitted in a step that preempted.
 
+With speculative decoding, a decode's draft tokens (`schedule(draft_token_ids)`) are more query
+tokens of its row, scheduled after the running requests and before admissions while budget and
+free pages last (a step never preempts for drafts, and a step that preempted takes none).
+
 A preempted request keeps its row of the batch (its sampling state is exact as it is) and only
 loses its pages: it is scheduled again as a prefill of its prompt and output so far, ahead of
 every waiting request, and its next token is the one it would have sampled without preemption.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 from jaxengine.engine.requests import Completion, Request
@@ -43,6 +48,9 @@ class PagedSchedulerOutput:
     new_block_ids: pages appended to each scheduled completion's block table this step.
     preempted: completions whose pages were freed this step (their block tables are emptied;
       they stay in the batch and are recomputed later).
+    spec_token_ids: draft tokens of each decode scheduled with drafts (speculative decoding):
+      they are its last query tokens, after its last known token (counted in
+      `num_scheduled_tokens`; `engine/paged_verify.py`).
   """
 
   admitted: list[Completion]
@@ -50,6 +58,7 @@ class PagedSchedulerOutput:
   num_computed_tokens: dict[str, int]
   new_block_ids: dict[str, list[int]]
   preempted: list[str]
+  spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
   @property
   def total_num_scheduled_tokens(self) -> int:
@@ -96,13 +105,24 @@ class PagedScheduler:
     """Whether any completion is waiting or running."""
     return bool(self.waiting or self.running)
 
-  def schedule(self) -> PagedSchedulerOutput:
-    """Plans one step: decodes, then prefill chunks, then admissions (see the module)."""
+  def schedule(
+    self, draft_token_ids: Mapping[str, Sequence[int]] | None = None
+  ) -> PagedSchedulerOutput:
+    """Plans one step: decodes, then prefill chunks, then drafts, then admissions (see the
+    module).
+
+    Args:
+      draft_token_ids: speculative draft tokens of running decodes (`seq_id` -> tokens): each
+        decode scheduled this step also computes its drafts, as many as the budget left after
+        the running requests' tokens and the free pages hold (a step that preempted takes none).
+    """
     step = _StepPlan(self.max_num_batched_tokens)
     decodes_first = sorted(self.running, key=lambda seq_id: self._num_remaining(seq_id) > 1)
     for seq_id in decodes_first:
       if step.budget and seq_id not in step.preempted:
         self._schedule_running(step, seq_id)
+    if draft_token_ids and not step.preempted:
+      self._schedule_drafts(step, draft_token_ids)
     while self.waiting and step.budget and not step.preempted:
       if len(self.running) >= self.max_num_reqs or not self._admit(step, self.waiting[0]):
         break
@@ -113,13 +133,26 @@ class PagedScheduler:
       num_computed_tokens={s: self.num_computed_tokens[s] for s in step.num_scheduled},
       new_block_ids=step.new_block_ids,
       preempted=step.preempted,
+      spec_token_ids=step.spec_token_ids,
     )
 
-  def update_after_step(self, output: PagedSchedulerOutput) -> None:
-    """Counts the step's tokens as computed (call after the model ran them)."""
+  def update_after_step(
+    self, output: PagedSchedulerOutput, num_accepted: Mapping[str, int] | None = None
+  ) -> None:
+    """Counts the step's tokens as computed (call after the model ran them).
+
+    Args:
+      output: the step's plan.
+      num_accepted: drafts the rejection sampler accepted, by `seq_id` (rows with drafts): the
+        rejected ones are not computed (their keys and values lie past the computed length and
+        are overwritten later).
+    """
+    num_accepted = num_accepted or {}
     for seq_id, count in output.num_scheduled_tokens.items():
       if seq_id in self.num_computed_tokens:
-        self.num_computed_tokens[seq_id] += count
+        drafts = output.spec_token_ids.get(seq_id, ())
+        rejected = len(drafts) - min(num_accepted.get(seq_id, 0), len(drafts))
+        self.num_computed_tokens[seq_id] += count - rejected
 
   def finish(self, completion: Completion) -> None:
     """Frees a finished completion's row and pages."""
@@ -167,6 +200,27 @@ class PagedScheduler:
     if blocks is not None:
       self.num_computed_tokens[seq_id] = computed + hit.num_computed_tokens
       step.add(seq_id, count, blocks)
+
+  def _schedule_drafts(self, step: _StepPlan, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
+    """Adds drafts to decodes scheduled this step, while budget and free pages last (never
+    preempting for them). Only known tokens are hashed: the pages' prefix-cache entries never
+    hold a draft."""
+    for seq_id, drafts in draft_token_ids.items():
+      count = min(len(drafts), step.budget)
+      computed = self.num_computed_tokens.get(seq_id)
+      if not count or computed is None or step.num_scheduled.get(seq_id) != 1:
+        continue
+      if computed + 1 != self.running[seq_id].num_tokens:  # not a decode
+        continue
+      blocks = self.manager.allocate_slots(
+        seq_id, count, num_computed_tokens=computed + 1, token_ids=_token_ids(self.running[seq_id])
+      )
+      if blocks is None:
+        continue
+      step.num_scheduled[seq_id] += count
+      step.new_block_ids[seq_id].extend(blocks)
+      step.budget -= count
+      step.spec_token_ids[seq_id] = list(drafts[:count])
 
   def _admit(self, step: _StepPlan, completion: Completion) -> bool:
     """Gives a waiting completion its first chunk's pages; False (nothing changed) if none."""
@@ -244,6 +298,7 @@ class _StepPlan:
   num_scheduled: dict[str, int] = dataclasses.field(default_factory=dict)
   new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   preempted: list[str] = dataclasses.field(default_factory=list)
+  spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
   def add(self, seq_id: str, count: int, block_ids: list[int]) -> None:
     self.num_scheduled[seq_id] = count

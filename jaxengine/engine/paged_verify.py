@@ -1,0 +1,215 @@
+"""Speculative decoding on the paged engine: n-gram drafts as query tokens of the ragged step.
+
+Each step with `speculative_config`, `PagedSpeculation.propose` asks the engine's
+`SpeculativePolicy` for drafts of the running decodes (same drafts, limits and cost model as the
+slot engine; none while a row with structured outputs runs). The `PagedScheduler` schedules a
+drafted decode as `1 + d` query tokens (its last known token, then its `d` drafts, at positions
+`n - 1 .. n - 1 + d`), within the token budget and the free pages. The step then runs
+`ragged_verify_step`: the model once over the ragged tokens (drafts fed in place of tokens the
+batch does not hold yet), the logits at every query position of drafted rows, and
+`jaxengine.sample.rejection_sample` over all rows: a row without drafts (a plain decode, a
+prompt's last chunk) emits the very token `sample` would, a drafted row its accepted drafts and
+one recovered or bonus token, each drawn with the key of its output index (so seeded outputs are
+those of the slot engine's verify and of plain decoding). `PagedSpeculation.record` counts the
+accepted drafts; the scheduler advances a drafted row's computed tokens by `1 + accepted`: the
+keys and values of rejected drafts lie past it and the next step overwrites them. Prefix caching
+hashes known tokens only, so a cached page never holds a rejected draft.
+
+Compiles: the verify step is one more executable per (token bucket, row bucket), with `k` (the
+draft slots per row) fixed by the config; `PagedModelRunner.precompile` compiles both kinds.
+
+Shape legend: `T` query tokens, `R` rows, `k` draft slots, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
+from jaxengine.engine.ragged_step import RaggedInputs
+from jaxengine.engine.requests import Completion
+from jaxengine.engine.speculative import Drafts
+from jaxengine.engine.speculative_policy import SpeculativePolicy
+from jaxengine.sample import gather_logprobs, rejection_sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedDrafts:
+  """A verify step's drafts on the device (int32 arrays).
+
+  Attributes:
+    input_token_ids: `[T]` the token of each query position that the batch does not hold yet (a
+      draft), -1 where the token is the batch's own (`state.token_ids[row, position]`).
+    logits_indices: `[R, k + 1]` flat query index of each row's positions to verify: its last
+      known token, then its drafts (repeating the last for positions past its count).
+    draft_token_ids: `[R, k]` each row's drafts (0 past its count).
+    num_draft_tokens: `[R]` drafts per row, in `[0, k]`.
+  """
+
+  input_token_ids: jax.Array
+  logits_indices: jax.Array
+  draft_token_ids: jax.Array
+  num_draft_tokens: jax.Array
+
+
+def ragged_drafts(
+  scheduled: PagedSchedulerOutput,
+  rows: Mapping[str, int],
+  query_starts: Mapping[str, int],
+  num_tokens: int,
+  num_rows: int,
+  k: int,
+) -> RaggedDrafts:
+  """Lays out a step's drafts (host NumPy, then one transfer).
+
+  Args:
+    scheduled: the step's plan (`spec_token_ids`: at most `k` per row; may be empty).
+    rows: the batch row of each scheduled completion.
+    query_starts: its first flat query index (`PagedModelRunner._query_starts`).
+    num_tokens: `T`, the token bucket.
+    num_rows: `R`, the row bucket.
+    k: draft slots per row (`num_speculative_tokens`).
+
+  Returns:
+    The step's `RaggedDrafts`.
+  """
+  input_token_ids = np.full(num_tokens, -1, np.int32)
+  logits_indices = np.zeros((num_rows, k + 1), np.int32)
+  draft_token_ids = np.zeros((num_rows, k), np.int32)
+  num_draft_tokens = np.zeros(num_rows, np.int32)
+  slots = np.arange(k + 1)
+  for seq_id, count in scheduled.num_scheduled_tokens.items():
+    drafts = scheduled.spec_token_ids.get(seq_id, [])
+    row, num = rows[seq_id], len(drafts)
+    last = query_starts[seq_id] + count - 1 - num  # the row's last known token
+    logits_indices[row] = last + np.minimum(slots, num)
+    if num:
+      input_token_ids[last + 1 : last + 1 + num] = drafts
+      draft_token_ids[row, :num] = drafts
+      num_draft_tokens[row] = num
+  host = (input_token_ids, logits_indices, draft_token_ids, num_draft_tokens)
+  device = jax.device_put(host)  # one transfer
+  return RaggedDrafts(
+    input_token_ids=device[0],
+    logits_indices=device[1],
+    draft_token_ids=device[2],
+    num_draft_tokens=device[3],
+  )
+
+
+def ragged_verify_step(
+  graphdef,
+  state,
+  metadata,
+  weights,
+  kv_cache,
+  inputs: RaggedInputs,
+  drafts: RaggedDrafts,
+  num_rows,
+  prompt_logprobs=0,
+):
+  """`ragged_step` with drafts: the model over the flat tokens, then the rejection sampler.
+
+  Args:
+    graphdef, state, metadata, weights, kv_cache, inputs, num_rows, prompt_logprobs: as
+      `jaxengine.engine.ragged_step.ragged_step` (`state` and `kv_cache` donated).
+    drafts: the step's `RaggedDrafts`.
+
+  Returns:
+    `(state, MultiStepOutput, (kv_cache, LogprobsTensors [T, c] or None))`: the emitted tokens
+    position by position (`[k + 1, R]`, logprobs `[k + 1, R, c]`); `num_sampled [R]` is
+    `1 + accepted drafts` for rows that produce and 0 elsewhere.
+  """
+  rows_state = state.leading_rows(num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
+  known = state.token_ids[inputs.token_rows, inputs.positions]
+  token_ids = jnp.where(drafts.input_token_ids >= 0, drafts.input_token_ids, known)
+  model = nnx.merge(graphdef, weights)
+  hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
+  logits = model.compute_logits(hidden[0, drafts.logits_indices])  # [R, k + 1, V]
+  token_logprobs = None
+  if prompt_logprobs:  # prompt rows hold no drafts: their next tokens are the batch's
+    following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
+    next_token_ids = state.token_ids[inputs.token_rows, following]
+    all_logits = model.compute_logits(hidden[0])  # [T, V]
+    token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
+  producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
+  rows_state, out = rejection_sample(
+    rows_state, producing, logits, drafts.draft_token_ids, drafts.num_draft_tokens
+  )
+  output = MultiStepOutput(
+    sampled_token_ids=out.sampled_token_ids.T,
+    logprobs=jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out.logprobs),
+    num_sampled=out.num_sampled,
+  )
+  return state.with_leading_rows(rows_state), output, (kv_cache, token_logprobs)
+
+
+class PagedSpeculation:
+  """The paged engine's drafts: what to propose before a step, what to count after it.
+
+  Args:
+    policy: the engine's `SpeculativePolicy` (drafts, cost model, `spec_decode_stats`).
+  """
+
+  def __init__(self, policy: SpeculativePolicy) -> None:
+    self.policy = policy
+    self._completions: list[Completion] = []  # the rows last proposed for, in that order
+
+  def propose(
+    self, scheduler: PagedScheduler, num_rows: int, crossover_tokens: float
+  ) -> dict[str, list[int]]:
+    """Drafts for the running decodes (completions whose only token left to compute is their
+    last): `seq_id` -> tokens, empty when none has a draft or the cost model declines.
+
+    Args:
+      scheduler: the paged scheduler (before `schedule`).
+      num_rows: the row bucket of the step.
+      crossover_tokens: the cost model's crossover (`LLMEngine.spec_crossover_tokens`).
+    """
+    running, computed = scheduler.running, scheduler.num_computed_tokens
+    decodes = [c for s, c in running.items() if c.num_tokens - computed[s] == 1]
+    self._completions = []
+    if not decodes:
+      return {}
+    drafts = self.policy.drafts(decodes, num_rows, crossover_tokens)
+    if drafts is None:
+      return {}
+    self._completions = decodes
+    counts = drafts.num_draft_tokens.tolist()
+    return {
+      c.seq_id: drafts.token_ids[i, :n].tolist()
+      for i, (c, n) in enumerate(zip(decodes, counts))
+      if n
+    }
+
+  def record(
+    self, scheduled: PagedSchedulerOutput, req_ids: Sequence[str], num_sampled: np.ndarray
+  ) -> dict[str, int]:
+    """Counts a step's verified drafts (`spec_decode_stats`, each row's acceptance estimate).
+
+    Args:
+      scheduled: the step's plan (the drafts it scheduled, maybe fewer than proposed).
+      req_ids: the batch's rows, the order of `num_sampled`.
+      num_sampled: `[N] int32` tokens each row emitted.
+
+    Returns:
+      Accepted drafts by `seq_id`, for `PagedScheduler.update_after_step`.
+    """
+    if not scheduled.spec_token_ids:
+      return {}
+    emitted = dict(zip(req_ids, num_sampled.tolist()))
+    completions = self._completions
+    num_draft = np.array([len(scheduled.spec_token_ids.get(c.seq_id, ())) for c in completions])
+    sampled = np.array([emitted.get(c.seq_id, 0) for c in completions])
+    counts = Drafts(token_ids=np.zeros((len(completions), 0), np.int32), num_draft_tokens=num_draft)
+    self.policy.record(completions, counts, sampled)
+    return {seq_id: max(emitted[seq_id] - 1, 0) for seq_id in scheduled.spec_token_ids}
