@@ -24,7 +24,7 @@ INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.p
 #: Rough seconds of the heaviest units under `-n 2` (a module file, or one test of an INDEPENDENT
 #: module by its name); only their order matters, units not named come after them as collected.
 WEIGHTS = {
-  "test_engine.py": 450,
+  "test_engine.py": 410,
   "test_structured_outputs.py": 300,
   "test_paged_engine.py": 300,
   "test_checkpoints.py": 250,
@@ -38,9 +38,9 @@ WEIGHTS = {
   "test_prefix_cache.py": 100,
   "test_speculative.py": 100,
   "test_multihost.py": 80,
-  "test_the_paged_cache_matches_the_recorded_slot_run[smollm2_paged]": 300,
-  "test_the_paged_cache_matches_the_recorded_slot_run[tiny_paged]": 240,
-  "test_the_paged_cache_matches_the_recorded_slot_run[tiny_paged_no_prefix_cache]": 95,
+  "test_the_paged_cache_matches_the_recorded_slot_run[smollm2_paged]": 200,
+  "test_the_paged_cache_matches_the_recorded_slot_run[tiny_paged]": 150,
+  "test_the_paged_cache_matches_the_recorded_slot_run[tiny_paged_no_prefix_cache]": 60,
   "test_outputs_match_the_recorded_run[smollm2]": 135,
   "test_outputs_match_the_recorded_run[tiny_speculative]": 90,
   "test_outputs_match_the_recorded_run[tiny_no_prefix_cache]": 90,
