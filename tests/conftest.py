@@ -1,4 +1,4 @@
-"""Shared fixtures for the core (batch + sampler) tests."""
+"""Shared fixtures for the core (batch + sampler) tests, and how pytest-xdist shares the tests out."""
 
 from __future__ import annotations
 
@@ -11,6 +11,73 @@ import pytest
 os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
 
 from jaxengine.testing import count_compiles
+
+# Under pytest-xdist (`-n 2`): the tests of a module share its engines (module-scoped fixtures,
+# cached builders), whose compiles are most of their time, so a module runs on one worker instead
+# of compiling the same engines on both. The tests of the modules in INDEPENDENT build their own
+# engines (or processes) and are handed out one by one. Units go heaviest first, so that no worker
+# is left alone with a long one at the end.
+
+#: Modules whose tests share nothing costly: each test is a unit of its own.
+INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.py"})
+
+#: Rough seconds of the heaviest units under `-n 2` (a module file, or one test of an INDEPENDENT
+#: module by its name); only their order matters, units not named come after them as collected.
+WEIGHTS = {
+  "test_engine.py": 410,
+  "test_structured_outputs.py": 300,
+  "test_paged_engine.py": 300,
+  "test_checkpoints.py": 250,
+  "test_engine_lifecycle.py": 245,
+  "test_cli.py": 200,
+  "test_rollout.py": 180,
+  "test_serve.py": 160,
+  "test_tunix.py": 140,
+  "test_lm_eval.py": 120,
+  "test_sharded_sampler.py": 110,
+  "test_prefix_cache.py": 100,
+  "test_speculative.py": 100,
+  "test_multihost.py": 80,
+  "test_the_paged_cache_matches_the_recorded_slot_run[smollm2_paged]": 200,
+  "test_the_paged_cache_matches_the_recorded_slot_run[tiny_paged]": 150,
+  "test_the_paged_cache_matches_the_recorded_slot_run[tiny_paged_no_prefix_cache]": 60,
+  "test_outputs_match_the_recorded_run[smollm2]": 135,
+  "test_outputs_match_the_recorded_run[tiny_speculative]": 90,
+  "test_outputs_match_the_recorded_run[tiny_no_prefix_cache]": 90,
+  "test_outputs_match_the_recorded_run[tiny_default]": 80,
+  "test_outputs_match_the_recorded_run[tiny_multi_step]": 55,
+  "test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up": 150,
+  "test_sample_step_under_a_mesh_matches_one_device": 80,
+  "test_notebook_runs[06_structured_outputs]": 145,
+  "test_notebook_runs[01_quickstart]": 140,
+  "test_notebook_runs[03_sampling_distributions]": 85,
+}
+
+
+def _weight(item: pytest.Item) -> int:
+  if item.path.name in INDEPENDENT:
+    return WEIGHTS.get(item.name, 0)
+  return WEIGHTS.get(item.path.name, 0)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config, log):
+  """A module per unit of work (a test per unit in INDEPENDENT modules), in collection order."""
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ModuleScheduling(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      module = nodeid.split("::", 1)[0]
+      return nodeid if module.rsplit("/", 1)[-1] in INDEPENDENT else module
+
+  config.option.loadscopereorder = False  # keep the heaviest-first order of the collection
+  return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+  if hasattr(config, "workerinput"):  # an xdist worker: each collects, in the same order
+    # Stable: a module's tests stay together and in order (its module fixtures are built once).
+    items.sort(key=lambda item: -_weight(item))
 
 
 @pytest.fixture

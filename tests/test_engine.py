@@ -107,9 +107,13 @@ def test_eos_ends_chat_reply_and_min_tokens_and_ignore_eos_defer_it(llm):
 
 
 def test_max_model_len_ends_with_length():
-  llm = je.LLM(max_num_reqs=2, max_model_len=9)
+  # The tiny model (a SmolLM2 engine of its own compiled for a minute to check the same).
+  model, _config = tiny_llama(vocab_size=64)
+  llm = je.LLM(model, max_num_reqs=2, max_model_len=9)
   (out,) = llm.generate(
-    "The capital of France is", je.SamplingParams(temperature=0, max_tokens=50), use_tqdm=False
+    {"prompt_token_ids": [5, 6, 7, 8, 9]},
+    je.SamplingParams(temperature=0, max_tokens=50),
+    use_tqdm=False,
   )
   assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 9
   assert out.outputs[0].finish_reason == "length"

@@ -88,21 +88,28 @@ TINY_ENGINES = {
 
 #: The paged KV cache against the slot engine's recorded outputs: tokens, texts and finish reasons
 #: exactly, logprobs to `PAGED_TOLERANCE` (the paged attention adds in another order: SmolLM2's
-#: 30 layers move a logprob by up to 2e-5). The tiny model's pool and token budget are small
-#: enough that prompts are split over steps and requests are preempted and recomputed; SmolLM2's
-#: budget splits its prompts (few token buckets, so few compiles).
+#: 30 layers move a logprob by up to 2e-5). Every budget is below the longer prompts, so prompts
+#: are split over steps; the tiny model's pool holds one of its longer requests but not two, so
+#: requests are preempted and recomputed (asserted). At most 4 requests run at once (the recorded
+#: runs had 8 rows; tokens do not depend on batch mates): each (row bucket, token bucket) reached
+#: compiles a ragged step, about 10 s of CPU for the tiny model, so few buckets keep this short.
 PAGED_TOLERANCE = 1e-4
 PAGED_ENGINES = {
-  "smollm2_paged": ("smollm2", {"num_kv_blocks": 64, "max_num_batched_tokens": 32}),
+  "smollm2_paged": (
+    "smollm2",
+    {"num_kv_blocks": 64, "max_num_batched_tokens": 16, "max_num_reqs": 4},
+  ),
   "tiny_paged": (
     "tiny_default",
-    {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 16},
+    {"num_kv_blocks": 16, "block_size": 4, "max_num_batched_tokens": 8, "max_num_reqs": 4},
   ),
   "tiny_paged_no_prefix_cache": (
     "tiny_no_prefix_cache",
-    {"num_kv_blocks": 64, "block_size": 16},
+    {"num_kv_blocks": 64, "block_size": 16, "max_num_batched_tokens": 8, "max_num_reqs": 4},
   ),
 }
+#: The paged runs that must preempt.
+PREEMPTING = {"tiny_paged"}
 
 
 def _logprob_dicts(entries) -> list | None:
@@ -133,16 +140,29 @@ def _record_outputs(outputs) -> list[dict]:
   ]
 
 
+def _smollm2_llm(**options) -> je.LLM:
+  return je.LLM(**{"max_num_reqs": 8, "max_model_len": 128, **options})
+
+
+def _tiny_llm(name: str, **options) -> je.LLM:
+  model, _ = tiny_llama(seed=3)
+  return je.LLM(model, **{"max_num_reqs": 8, "max_model_len": 96, **TINY_ENGINES[name], **options})
+
+
+def _generate(llm: je.LLM, recorded: str) -> list[dict]:
+  """The recorded workload of `recorded` ("smollm2" or a TINY_ENGINES name) on `llm`."""
+  if recorded == "smollm2":
+    return _record_outputs(llm.generate(PROMPTS, _smollm2_params(), use_tqdm=False))
+  prompts = [{"prompt_token_ids": p} for p in _tiny_prompts()]
+  return _record_outputs(llm.generate(prompts, _tiny_params(), use_tqdm=False))
+
+
 def _run_smollm2(**options) -> list[dict]:
-  llm = je.LLM(max_num_reqs=8, max_model_len=128, **options)
-  return _record_outputs(llm.generate(PROMPTS, _smollm2_params(), use_tqdm=False))
+  return _generate(_smollm2_llm(**options), "smollm2")
 
 
 def _run_tiny(name: str, **options) -> list[dict]:
-  model, _ = tiny_llama(seed=3)
-  llm = je.LLM(model, max_num_reqs=8, max_model_len=96, **TINY_ENGINES[name], **options)
-  prompts = [{"prompt_token_ids": p} for p in _tiny_prompts()]
-  return _record_outputs(llm.generate(prompts, _tiny_params(), use_tqdm=False))
+  return _generate(_tiny_llm(name, **options), name)
 
 
 def _runs() -> dict:
@@ -185,11 +205,13 @@ def test_outputs_match_the_recorded_run(golden, name):
 @pytest.mark.parametrize("name", PAGED_ENGINES)
 def test_the_paged_cache_matches_the_recorded_slot_run(golden, name):
   recorded, options = PAGED_ENGINES[name]
-  if recorded == "smollm2":
-    got = _run_smollm2(**options)
-  else:
-    got = _run_tiny(recorded, **options)
+  llm = _smollm2_llm(**options) if recorded == "smollm2" else _tiny_llm(recorded, **options)
+  got = _generate(llm, recorded)
   _compare(json.loads(json.dumps(got)), golden[recorded], name, False, PAGED_TOLERANCE)
+  stats = llm.llm_engine.kv_cache_stats
+  assert stats is not None and stats.num_used_blocks == 0
+  assert stats.peak_running_reqs == options["max_num_reqs"]
+  assert (stats.num_preemptions > 0) == (name in PREEMPTING), stats
 
 
 if __name__ == "__main__":
