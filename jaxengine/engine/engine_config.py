@@ -64,7 +64,7 @@ class EngineConfig:
       False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
-      `LLMEngine`); 1 on a mesh.
+      `LLMEngine`; with the paged cache, in steps that only decode); 1 on a mesh.
     prefill_once_per_request: the samples of an `n > 1` request admitted together share one
       prefill of the prompt (default True).
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
@@ -264,7 +264,6 @@ class EngineConfig:
       return
     unsupported = {
       "speculative_config": self.speculative_config is not None,
-      f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps != 1,
       "a mesh": self.mesh is not None,
     }
     for what, given in unsupported.items():
