@@ -18,7 +18,9 @@ from test_rollout import assert_same_outputs
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
+from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
+from jaxengine.engine.requests import Completion, Request
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 
 #: 6 usable pages of 4 tokens for 2 rows of up to 24 tokens: preemption and short lookahead.
@@ -26,8 +28,8 @@ TIGHT = {
   "max_num_reqs": 2, "max_model_len": 32, "logits_processors": [TargetOnly], "block_size": 4,
   "num_kv_blocks": 7, "max_num_batched_tokens": 8,
 }  # fmt: skip
-#: Roomy pages (lookahead always served), three rows, precompiled.
-ROOMY = {**TIGHT, "max_num_reqs": 3, "num_kv_blocks": 40, "max_num_batched_tokens": 16}
+#: Roomy pages (lookahead always served), precompiled.
+ROOMY = {**TIGHT, "num_kv_blocks": 40}
 #: The shared workload and a request that ends on a stop id after `min_tokens`.
 WORKLOAD = [
   *REQUESTS,
@@ -67,6 +69,58 @@ class _StepCounter:
     return out
 
 
+def _scheduler(num_blocks: int, prompts: list[list[int]], max_tokens: list[int]) -> PagedScheduler:
+  """A scheduler over pages of 4 tokens that has admitted `prompts` and sampled one token each
+  (host only: what the engine does around the model)."""
+  scheduler = PagedScheduler(2, KVCacheManager(num_blocks, 4, enable_caching=False), 8)
+  for index, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+    params = SP(max_tokens=limit)
+    request = Request(str(index), None, prompt, params)
+    request.completions.append(Completion(str(index), request, 0, params, None))
+    scheduler.add_request(request)
+  first = scheduler.schedule()
+  assert len(first.admitted) == len(prompts)
+  assert scheduler.schedule_decode_steps(first, 8, 16) is None  # admits: not decode-only
+  scheduler.update_after_step(first)
+  for completion in scheduler.running.values():
+    completion.token_ids.append(7)
+  return scheduler
+
+
+def test_lookahead_reserves_pages_up_to_each_rows_limits():
+  scheduler = _scheduler(1 + 5, [[1, 2, 3], [4, 5, 6]], [10, 2])
+  step = scheduler.schedule()
+  plan = scheduler.schedule_decode_steps(step, 8, 16)
+  assert plan is not None
+  # "0": 8 tokens from position 3 need positions 3..10: 3 pages (2 new). "1": max_tokens=2 left
+  # it one token, which its page holds.
+  assert plan.num_decode_steps == {"0": 8, "1": 1}
+  assert [len(plan.new_block_ids.get(s, [])) for s in ("0", "1")] == [2, 0]
+  assert len(scheduler.manager.get_block_ids("0")) == 3
+  assert plan.num_scheduled_tokens == step.num_scheduled_tokens == {"0": 1, "1": 1}
+  # A long prompt or max_model_len bounds it too.
+  assert scheduler._decode_steps_wanted("0", 8, 6) == 2
+
+
+def test_lookahead_never_preempts_and_falls_back_to_the_room_in_a_rows_pages():
+  scheduler = _scheduler(1 + 3, [[1, 2], [4, 5, 6]], [10, 10])  # one page free
+  tables = {s: scheduler.manager.get_block_ids(s) for s in ("0", "1")}
+  plan = scheduler.schedule_decode_steps(scheduler.schedule(), 8, 16)
+  assert plan is not None
+  # "0" (position 2) wants 8 positions, 2 more pages; the pool has 1: the last slot of its own
+  # page and the free page's 4 give it 6. "1" (position 3, its page full) is left its one token.
+  assert plan.num_decode_steps == {"0": 6, "1": 1}
+  assert scheduler.manager.get_block_ids("0")[:1] == tables["0"]
+  assert scheduler.manager.get_block_ids("1") == tables["1"]
+  assert scheduler.manager.block_pool.num_free_blocks == 0
+  assert scheduler.manager.stats.num_preemptions == 0 and not plan.preempted
+
+
+def test_a_step_where_no_row_can_take_a_second_token_is_not_a_k_step_decode():
+  scheduler = _scheduler(1 + 5, [[1, 2, 3], [4, 5, 6]], [2, 2])
+  assert scheduler.schedule_decode_steps(scheduler.schedule(), 8, 16) is None
+
+
 @pytest.fixture(scope="module")
 def expected():
   """The workload on the tight pool at k = 1 (the paged engine's outputs do not depend on the
@@ -100,14 +154,14 @@ def test_precompile_covers_the_k_step_loop_and_a_run_compiles_no_step(expected):
   runner = engine.runner
   with count_compiles() as compiles:
     shapes = engine.precompile(use_tqdm=False)
-  assert runner.row_buckets == [1, 2, 3] and runner.token_buckets == [8, 16]
-  assert shapes == 2 * 3 + 3 and compiles.count >= shapes
+  assert runner.row_buckets == [1, 2] and runner.token_buckets == [8]
+  assert shapes == 1 * 2 + 2 and compiles.count >= shapes
   counter = _StepCounter(engine.scheduler)
   with count_compiles() as compiles:
     outputs = _run(engine, WORKLOAD)
   assert compiles.count <= 2  # the batch's row write may; no step compiles after precompile
-  assert runner.paged_decode_steps._cache_size() == 3  # one loop per row bucket
-  assert runner.ragged_step._cache_size() == 2 * 3
+  assert runner.paged_decode_steps._cache_size() == 2  # one loop per row bucket
+  assert runner.ragged_step._cache_size() == 1 * 2
   assert_same_outputs(outputs, expected)
   assert counter.most_steps == 8 and counter.partial_lookahead == 0
   assert engine.kv_cache_stats.num_used_blocks == 0

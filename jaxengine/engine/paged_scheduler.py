@@ -249,7 +249,8 @@ class PagedScheduler:
     last sampled token. Each row may then sample up to `min(num_steps, its outputs left under
     max_tokens, max_model_len - its tokens)` tokens; the pages for the positions those need are
     allocated now (lookahead, in scheduling order). Lookahead never preempts: a row the pool
-    cannot serve gets only the positions left in the pages it holds (at least its one token).
+    cannot serve in full gets the positions left in its own pages and in the free ones (at
+    least its one token).
     Call right after `schedule`; after the step, advance the computed counts by the tokens each
     row actually sampled (`update_after_step` of an output whose `num_scheduled_tokens` are
     those counts).
@@ -277,21 +278,30 @@ class PagedScheduler:
     new_block_ids = {seq_id: list(ids) for seq_id, ids in scheduled.new_block_ids.items()}
     granted = {}
     for seq_id, steps in wanted.items():
-      computed = self.num_computed_tokens[seq_id] + 1  # this step's first token included
-      blocks = self.manager.allocate_slots(
-        seq_id,
-        0,
-        num_computed_tokens=computed,
-        token_ids=_token_ids(self.running[seq_id]),
-        num_lookahead_tokens=steps - 1,
-      )
-      if blocks is None:  # never preempt for lookahead: use the room left in its own pages
-        room = len(self.manager.get_block_ids(seq_id)) * self.manager.block_size - computed
-        granted[seq_id] = 1 + min(steps - 1, room)
-      else:
-        granted[seq_id] = steps
+      lookahead, blocks = self._allocate_lookahead(seq_id, steps - 1)
+      granted[seq_id] = 1 + lookahead
+      if blocks:
         new_block_ids.setdefault(seq_id, []).extend(blocks)
     return dataclasses.replace(scheduled, new_block_ids=new_block_ids, num_decode_steps=granted)
+
+  def _allocate_lookahead(self, seq_id: str, lookahead: int) -> tuple[int, list[int]]:
+    """Pages for `lookahead` positions after a decoding completion's token this step, or for as
+    many as its own pages and the free pages hold (never preempting); returns the positions
+    reserved and the pages appended."""
+    computed = self.num_computed_tokens[seq_id] + 1  # this step's token included
+    token_ids = _token_ids(self.running[seq_id])
+    blocks = self.manager.allocate_slots(
+      seq_id, 0, num_computed_tokens=computed, token_ids=token_ids, num_lookahead_tokens=lookahead
+    )
+    if blocks is not None:
+      return lookahead, blocks
+    block_size = self.manager.block_size
+    held = len(self.manager.get_block_ids(seq_id)) * block_size - computed
+    lookahead = min(lookahead, held + self.manager.block_pool.num_free_blocks * block_size)
+    blocks = self.manager.allocate_slots(
+      seq_id, 0, num_computed_tokens=computed, token_ids=token_ids, num_lookahead_tokens=lookahead
+    )
+    return (lookahead, blocks) if blocks is not None else (held, [])
 
   def _decode_steps_wanted(self, seq_id: str, num_steps: int, max_model_len: int) -> int:
     """The most tokens a decoding completion can sample in a k-step loop before its length
