@@ -27,6 +27,8 @@ Four tables, every engine built on the same loaded model and timed in the same r
 - ``speculative`` (only when asked): n-gram speculation (``--speculative`` k) on pages against
   paged plain decoding and the slot engine's speculation, bench_generate.py's "repetitive"
   prompts, greedy, ``--spec-max-tokens`` tokens, interleaved, best of ``--repeats``.
+- ``multistep`` (not in the default set): batch 8 of the same requests, decode tokens/s after
+  every request's first token, paged ``num_decode_steps`` 1 and 8 against the slot cache's 8.
 
 Usage:
   python benchmarks/bench_paged_engine.py --tables capacity arrival e2e   # ~10 min on 2 cores
@@ -330,6 +332,50 @@ def speculative(model, tokenizer, args) -> None:
     )
 
 
+def _decode_rate(engine, requests) -> tuple[float, dict[str, list[int]]]:
+  """Runs requests submitted at once; (decode tokens/s after every request has its first token,
+  tokens by request id)."""
+  engine.reset_prefix_cache()
+  ids = engine.add_requests([(None, {"prompt_token_ids": p}, params) for p, params in requests])
+  started: set[str] = set()
+  while len(started) < len(ids):  # prefill: every request's first token
+    started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+  jax.effects_barrier()
+  start = time.perf_counter()
+  while engine.has_unfinished_requests():
+    engine.step()
+  seconds = time.perf_counter() - start
+  outputs = {o.request_id: o.outputs[0].token_ids for o in engine.pop_finished()}
+  decoded = sum(len(t) - 1 for t in outputs.values())
+  return decoded / seconds, {i: outputs[i] for i in ids}
+
+
+def multistep(model, tokenizer, args) -> None:
+  """Decode tokens/s of `num_decode_steps` k = 8 on pages against k = 1 and the slot cache's k = 8:
+  batch 8, 64-token prompts, 64 greedy tokens (ignore_eos), the runs interleaved."""
+  greedy = je.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+  common = {"max_num_reqs": 8, "max_model_len": 256}
+  blocks = 8 * -(-128 // 16) + 1
+  engines = {
+    "paged k=1": LLMEngine(model, tokenizer, **common, num_kv_blocks=blocks),
+    "paged k=8": LLMEngine(model, tokenizer, **common, num_kv_blocks=blocks, num_decode_steps=8),
+    "slot k=8": LLMEngine(model, tokenizer, **common, num_decode_steps=8),
+  }
+  requests = [(_text_ids(tokenizer, 64, i % 7), greedy) for i in range(8)]
+  outputs, best = {}, {}
+  for name, engine in engines.items():
+    _, outputs[name] = _decode_rate(engine, requests)  # warm-up
+  for _ in range(args.repeats):
+    for name, engine in engines.items():
+      rate, _ = _decode_rate(engine, requests)
+      best[name] = max(best.get(name, 0.0), rate)
+  print("\n## k-step decode: batch 8, 64 greedy tokens (decode tokens/s, best of repeats)\n")
+  print("| engine | decode tokens/s | same tokens as paged k=1 |\n|---|---:|---|")
+  for name in engines:
+    same = outputs[name] == outputs["paged k=1"]
+    print(f"| {name} | {best[name]:.1f} | {same} |", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tables", nargs="+", default=["capacity", "arrival", "rollout", "e2e"])
@@ -357,6 +403,7 @@ def main() -> None:
     "rollout": rollout,
     "e2e": e2e,
     "speculative": speculative,
+    "multistep": multistep,
   }
   for name in args.tables:
     tables[name](model, tokenizer, args)

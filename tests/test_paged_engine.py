@@ -293,7 +293,6 @@ def test_the_default_token_budget_fits_the_engine():
     ),
     ({"num_kv_blocks": 8, "enable_chunked_prefill": "yes"}, "enable_chunked_prefill must be a"),
     ({"num_kv_blocks": 8, "attention_backend": "flash"}, r"attention_backend must be one of"),
-    ({"num_kv_blocks": 8, "num_decode_steps": 2}, r"does not support num_decode_steps=2"),
   ],
 )
 def test_bad_paged_options_are_refused_naming_the_field(options, match):

@@ -74,6 +74,13 @@ except ValueError as e:
   assert "data_parallel_size=2" in str(e), e
 else:
   raise AssertionError("data_parallel_size=2 accepted with pages")
+# The paged k-step loop declares no mesh shardings yet: refused by name too.
+try:
+  EngineConfig(num_decode_steps=2, tensor_parallel_size=2, num_kv_blocks=8)
+except ValueError as e:
+  assert "num_decode_steps=2 on a mesh" in str(e), e
+else:
+  raise AssertionError("num_decode_steps=2 accepted with pages on a mesh")
 
 # --- the engine: t = 2 against one device --------------------------------------------------
 model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 key/value heads

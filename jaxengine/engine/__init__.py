@@ -28,6 +28,7 @@ paged_scheduler.py    the paged engine's scheduler: token budget, chunked prefil
 paged_inputs.py       the paged KV cache: a ragged step's positions, slots, attention metadata
 ragged_step.py        the model once over a ragged step's tokens, then the sampler
 paged_runner.py       `PagedModelRunner`: the runner over pages, one ragged step per call
+paged_multi_step.py   k ragged decode steps in one device loop over pages (num_decode_steps)
 paged_verify.py       speculative decoding on pages: drafts as query tokens, the verify step
 """
 

@@ -21,6 +21,7 @@ The engine's options come in one validated `EngineConfig` (`engine/engine_config
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.kv_cache_manager import KVCacheStats
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.paged_runner import PagedModelRunner
-from jaxengine.engine.paged_scheduler import PagedScheduler
+from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
 from jaxengine.engine.paged_verify import PagedSpeculation
 from jaxengine.engine.requests import Completion, Request
 from jaxengine.engine.runner import ModelRunner
@@ -84,8 +85,10 @@ class LLMEngine:
       While requests wait for a row, a dispatch ends as soon as some row finishes, so a freed
       row is refilled at once; a request added while the batch runs waits at most one
       dispatch of `k` steps. While a row with structured outputs runs, steps go one at a time
-      (its grammar advances on the host after every token). On a mesh too (the loop declares
-      the decode step's shardings and samples vocabulary-sharded logits).
+      (its grammar advances on the host after every token). On a mesh too with the slot cache
+      (the loop declares the decode step's shardings and samples vocabulary-sharded logits).
+      Paged, a step that only decodes reserves pages for up to k tokens per row (never
+      preempting for them) and loops over pages (`engine/paged_multi_step.py`; one device).
     prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
       share one prefill of the prompt: the others take a device copy of its cached keys and
       values (default True; False prefills every sample, as before). Same outputs (logprob
@@ -377,6 +380,10 @@ class LLMEngine:
     if not scheduled.num_scheduled_tokens:
       return []
     bitmask = structured.bitmask if structured is not None and len(structured) else None
+    if self.num_decode_steps > 1 and bitmask is None:
+      steps = scheduler.schedule_decode_steps(scheduled, self.num_decode_steps, self.max_model_len)
+      if steps is not None:
+        return self._paged_decode_steps(scheduler, runner, steps)
     decoded = runner.execute(scheduled, bitmask)
     num_accepted = {}
     if self._paged_speculation is not None:
@@ -391,6 +398,20 @@ class LLMEngine:
     return self._update_from_output(
       decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
     )
+
+  def _paged_decode_steps(
+    self, scheduler: PagedScheduler, runner: PagedModelRunner, scheduled: PagedSchedulerOutput
+  ) -> list[RequestOutput]:
+    """A k-step decode of the paged engine (`engine/paged_multi_step.py`): each row's
+    computed tokens advance by the tokens it sampled. The loop ends at the first finish while
+    requests wait for a row or pages (waiting, or running without pages after a preemption)."""
+    waiting = bool(scheduler.waiting) or len(scheduled.num_decode_steps) < len(scheduler.running)
+    decoded = runner.execute_decode_steps(scheduled, self.num_decode_steps, waiting)
+    num_sampled = decoded.sampled.num_sampled.tolist()
+    computed = dict(zip(decoded.req_ids, num_sampled))
+    counts = {seq_id: computed[seq_id] for seq_id in scheduled.num_decode_steps}
+    scheduler.update_after_step(dataclasses.replace(scheduled, num_scheduled_tokens=counts))
+    return self._update_from_output(decoded.req_ids, decoded.sampled.steps, num_sampled)
 
   def _speculative_step(self, policy: SpeculativePolicy) -> list[RequestOutput] | None:
     """One verify pass over the drafts `policy` chooses; None (nothing run) when it declines, so

@@ -10,7 +10,9 @@ sampler on the rows whose last known token was computed.
 Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached,
 powers of two from `MIN_TOKEN_BUCKET` to `max_num_batched_tokens` times powers of two up to
 `max_num_reqs`, twice with `speculative_config` (the plain step and the verify step of
-`paged_verify.py`); `precompile` runs them all. The block-table width is fixed at
+`paged_verify.py`), and with `num_decode_steps` k > 1 one k-step decode loop per row bucket
+(`execute_decode_steps`, `engine/paged_multi_step.py`); `precompile` runs them all. The
+block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the
 step's longest context needs, so the width costs nothing there).
 """
@@ -29,11 +31,13 @@ from tqdm import tqdm
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.host_output import LogprobsArrays
-from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps
+from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_steps
 from jaxengine.engine.buckets import bucket, buckets
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.kv_cache_manager import KVCacheManager
+from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
+from jaxengine.engine.paged_multi_step import DecodeStepsInputs, paged_decode_steps
 from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine.paged_verify import RaggedDrafts, ragged_drafts, ragged_verify_step
 from jaxengine.engine.ragged_step import RaggedInputs, ragged_step
@@ -125,6 +129,12 @@ class PagedModelRunner(ModelRunner):
     self.ragged_verify_step: Callable[..., Any] = jax.jit(
       functools.partial(ragged_verify_step, self._graphdef),
       static_argnames=("num_rows", "prompt_logprobs"),
+      donate_argnames=("state", "kv_cache"),
+    )
+    #: The k-step decode loop (`engine/paged_multi_step.py`).
+    self.paged_decode_steps: Callable[..., Any] = jax.jit(
+      functools.partial(paged_decode_steps, self._graphdef),
+      static_argnames=("num_rows", "num_steps"),
       donate_argnames=("state", "kv_cache"),
     )
 
@@ -366,8 +376,11 @@ class PagedModelRunner(ModelRunner):
     self, num_decode_steps: int = 1, use_tqdm: bool = True, num_speculative_tokens: int = 0
   ) -> int:
     """Compiles the ragged step for every (token bucket, row bucket) now (an empty step each:
-    every token is padding, writing only the null page), and its verify step too when
-    `num_speculative_tokens` > 0. Returns the number of shapes.
+    every token is padding, writing only the null page), its verify step too when
+    `num_speculative_tokens` > 0 and, for `num_decode_steps` k > 1, the k-step decode loop for
+    every row bucket (no row runs). Returns the number of shapes:
+    `len(token_buckets) * len(row_buckets)` (twice with speculative decoding), plus
+    `len(row_buckets)` when k > 1.
 
     Raises:
       ValueError: if the batch holds requests.
@@ -382,5 +395,85 @@ class PagedModelRunner(ModelRunner):
       for drafted in verify:
         drafts = self._verify_inputs(empty, num_tokens, num_rows) if drafted else None
         self._run_step(self._ragged_inputs(empty, num_tokens, num_rows), num_rows, 0, drafts)
+    if num_decode_steps > 1:  # the k-step loop: one executable per row bucket
+      for num_rows in self.row_buckets:
+        self._run_decode_steps(empty, num_rows, num_decode_steps, end_on_first_finish=False)
     jax.block_until_ready(cast(Any, self.kv_cache))
-    return len(shapes) * len(verify)
+    return len(shapes) * len(verify) + (len(self.row_buckets) if num_decode_steps > 1 else 0)
+
+  # --- the k-step decode ------------------------------------------------------------------------
+
+  def execute_decode_steps(
+    self, scheduled: PagedSchedulerOutput, num_steps: int, end_on_first_finish: bool = False
+  ) -> PagedStepOutput:
+    """Runs a k-step decode (`engine/paged_multi_step.py`): up to `num_steps` ragged decode
+    steps in one device loop over the rows `scheduled.num_decode_steps` names (each at most
+    that many tokens; the other rows wait).
+
+    Call with the output of `PagedScheduler.schedule_decode_steps`. Updates the block table
+    (pages freed by preemption, pages appended, lookahead included) and appends every valid
+    token to the batch.
+
+    Args:
+      scheduled: the step's plan, with `num_decode_steps`.
+      num_steps: `k` (static: one executable per row bucket and value).
+      end_on_first_finish: end the loop once some row stops by a stop rule (requests wait).
+
+    Returns:
+      `PagedStepOutput`: up to `k` tokens per row (`sampled.num_sampled`, which is also the
+      positions each row computed), no prompt logprobs.
+    """
+    batch = self.input_batch
+    batch.condense()
+    index = batch.req_id_to_index
+    for seq_id in scheduled.preempted:
+      self.block_table.clear_row(index[seq_id])
+    for seq_id, block_ids in scheduled.new_block_ids.items():
+      self.block_table.append_row(index[seq_id], block_ids)
+    num_rows = bucket(batch.num_reqs, self.row_buckets)
+    output = self._run_decode_steps(scheduled, num_rows, num_steps, end_on_first_finish)
+    return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs={})
+
+  def _run_decode_steps(
+    self,
+    scheduled: PagedSchedulerOutput,
+    num_rows: int,
+    num_steps: int,
+    end_on_first_finish: bool,
+  ) -> HostMultiStepOutput:
+    """The jitted k-step loop through `run_steps` (the one call site, shared with
+    `precompile`); keeps the new cache."""
+    batch = self.input_batch
+    max_num_steps = np.zeros(num_rows, np.int32)
+    for seq_id, steps in scheduled.num_decode_steps.items():
+      max_num_steps[batch.req_id_to_index[seq_id]] = steps
+    rules = [self._stop_rules[seq_id] for seq_id in batch.req_ids]
+    max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, self.max_num_device_stop_ids)
+    host = (
+      self.block_table.block_ids[:num_rows],
+      np.int32(batch.num_reqs),
+      max_num_steps,
+      max_output_tokens,
+      stop_ids,
+      np.bool_(end_on_first_finish),
+    )
+    device = jax.device_put(host)  # one transfer for the loop's inputs
+    inputs = DecodeStepsInputs(
+      block_tables=device[0],
+      num_reqs=device[1],
+      max_num_steps=device[2],
+      max_output_tokens=device[3],
+      stop_ids=device[4],
+      end_on_first_finish=device[5],
+    )
+    output, kv_cache = run_steps(
+      batch,
+      self.paged_decode_steps,
+      self.weights,
+      self.kv_cache,
+      inputs,
+      num_rows=num_rows,
+      num_steps=num_steps,
+    )
+    self.kv_cache = cast(PagedKVCache, kv_cache)
+    return output

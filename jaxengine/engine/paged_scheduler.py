@@ -51,6 +51,9 @@ class PagedSchedulerOutput:
     spec_token_ids: draft tokens of each decode scheduled with drafts (speculative decoding):
       they are its last query tokens, after its last known token (counted in
       `num_scheduled_tokens`; `engine/paged_verify.py`).
+    num_decode_steps: for a k-step decode (`PagedScheduler.schedule_decode_steps`), the most
+      tokens each scheduled completion may sample in the step's device loop (its pages hold
+      that many positions from its last token on); empty for a single ragged step.
   """
 
   admitted: list[Completion]
@@ -59,6 +62,7 @@ class PagedSchedulerOutput:
   new_block_ids: dict[str, list[int]]
   preempted: list[str]
   spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+  num_decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def total_num_scheduled_tokens(self) -> int:
@@ -287,6 +291,79 @@ class PagedScheduler:
     self.num_computed_tokens[victim] = 0
     step.preempted.append(victim)
     return victim
+
+  # --- k-step decode ----------------------------------------------------------------------------
+
+  def schedule_decode_steps(
+    self, scheduled: PagedSchedulerOutput, num_steps: int, max_model_len: int
+  ) -> PagedSchedulerOutput | None:
+    """Turns a decode-only step into a k-step decode: reserves pages ahead for each row.
+
+    A step qualifies when it admits nothing and each scheduled completion computes exactly its
+    last sampled token. Each row may then sample up to `min(num_steps, its outputs left under
+    max_tokens, max_model_len - its tokens)` tokens; the pages for the positions those need are
+    allocated now (lookahead, in scheduling order). Lookahead never preempts: a row the pool
+    cannot serve in full gets the positions left in its own pages and in the free ones (at
+    least its one token).
+    Call right after `schedule`; after the step, advance the computed counts by the tokens each
+    row actually sampled (`update_after_step` of an output whose `num_scheduled_tokens` are
+    those counts).
+
+    Args:
+      scheduled: this step's plan from `schedule`.
+      num_steps: `k`, the most tokens per row (`>= 2`).
+      max_model_len: the engine's limit on a sequence's tokens.
+
+    Returns:
+      `scheduled` with the lookahead pages appended to `new_block_ids` and `num_decode_steps`
+      set, or None (nothing changed) when the step does not qualify or no row may take more
+      than one token.
+    """
+    counts = scheduled.num_scheduled_tokens
+    if scheduled.admitted or not counts or any(n != 1 for n in counts.values()):
+      return None
+    if any(self._num_remaining(seq_id) != 1 for seq_id in counts):
+      return None
+    wanted = {
+      seq_id: self._decode_steps_wanted(seq_id, num_steps, max_model_len) for seq_id in counts
+    }
+    if max(wanted.values()) < 2:
+      return None
+    new_block_ids = {seq_id: list(ids) for seq_id, ids in scheduled.new_block_ids.items()}
+    granted = {}
+    for seq_id, steps in wanted.items():
+      lookahead, blocks = self._allocate_lookahead(seq_id, steps - 1)
+      granted[seq_id] = 1 + lookahead
+      if blocks:
+        new_block_ids.setdefault(seq_id, []).extend(blocks)
+    return dataclasses.replace(scheduled, new_block_ids=new_block_ids, num_decode_steps=granted)
+
+  def _allocate_lookahead(self, seq_id: str, lookahead: int) -> tuple[int, list[int]]:
+    """Pages for `lookahead` positions after a decoding completion's token this step, or for as
+    many as its own pages and the free pages hold (never preempting); returns the positions
+    reserved and the pages appended."""
+    computed = self.num_computed_tokens[seq_id] + 1  # this step's token included
+    token_ids = _token_ids(self.running[seq_id])
+    blocks = self.manager.allocate_slots(
+      seq_id, 0, num_computed_tokens=computed, token_ids=token_ids, num_lookahead_tokens=lookahead
+    )
+    if blocks is not None:
+      return lookahead, blocks
+    block_size = self.manager.block_size
+    held = len(self.manager.get_block_ids(seq_id)) * block_size - computed
+    lookahead = min(lookahead, held + self.manager.block_pool.num_free_blocks * block_size)
+    blocks = self.manager.allocate_slots(
+      seq_id, 0, num_computed_tokens=computed, token_ids=token_ids, num_lookahead_tokens=lookahead
+    )
+    return (lookahead, blocks) if blocks is not None else (held, [])
+
+  def _decode_steps_wanted(self, seq_id: str, num_steps: int, max_model_len: int) -> int:
+    """The most tokens a decoding completion can sample in a k-step loop before its length
+    limits stop it (`max_tokens`, `max_model_len`)."""
+    completion = self.running[seq_id]
+    max_tokens = completion.params.max_tokens or max_model_len
+    left = min(max_tokens - len(completion.token_ids), max_model_len - completion.num_tokens)
+    return max(1, min(num_steps, left))
 
 
 @dataclasses.dataclass

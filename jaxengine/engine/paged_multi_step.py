@@ -1,0 +1,170 @@
+"""The paged engine's k-step decode: up to `k` ragged decode steps in one device loop.
+
+When a step of the paged engine only decodes (every scheduled row computes exactly its last
+sampled token; nothing is admitted or prefilling; no structured-output row runs), the scheduler
+reserves pages ahead for up to `k` tokens per row (`PagedScheduler.schedule_decode_steps`) and
+`paged_decode_steps` runs `k` decode-and-sample iterations in one `lax.while_loop`, paying the
+host round trip once per `k` tokens, as the slot engine's loop (`engine/multi_step.py`) does.
+
+Each iteration is a ragged step of one query token per row: row `r`'s token is its last one,
+at position `p = num_tokens[r] - 1`; its key and value go to slot
+`block_tables[r, p // B] * B + p % B` (computed on the device from the block table, which the
+host filled for every position the row may reach), it attends to its `p + 1` context tokens, and
+the sampler appends the next token. A row stops on the device by the slot loop's rules
+(`max_tokens`, `max_model_len`, EOS unless `ignore_eos` and `stop_token_ids`, the last two never
+before `min_tokens`) or when it has used its `max_num_steps` (the tokens its pages hold; 0 for a
+row not scheduled this step); a stopped row writes nothing more (its slot is `NULL_SLOT`) and
+appends nothing. The loop ends after `k` iterations, when no row runs, or (with
+`end_on_first_finish`, set while requests wait) after the iteration in which a row stopped by a
+stop rule (not by its step limit), so its row and pages are handed on at once.
+
+After the loop, row `r` has sampled `num_sampled[r]` tokens and computed the keys and values of
+as many positions (`p .. p + num_sampled - 1`; the last sampled token's are computed by the next
+step), so the scheduler's `num_computed_tokens` advance by `num_sampled`.
+
+Shape legend: `R` rows (a row bucket above the batch's live rows; also the query tokens of an
+iteration), `P` pages per row (`max_num_blocks_per_req`), `k` steps, `C` stop ids per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
+from jaxengine.sample import LogprobsTensors, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeStepsInputs:
+  """A k-step paged decode's device inputs.
+
+  Attributes:
+    block_tables: `[R, P] int32` each row's pages, holding every position it may reach in the
+      loop (0, the null page, past them and for padding rows).
+    num_reqs: `[] int32` live rows (rows `num_reqs:` of the bucket are padding).
+    max_num_steps: `[R] int32` the most tokens each row may sample in the loop (the positions its
+      pages hold from its last token on; 0 for rows not scheduled and padding rows).
+    max_output_tokens: `[R] int32` output tokens after which a row stops (`max_tokens`).
+    stop_ids: `[R, C] int32` ids that stop a row once it has `min_tokens` outputs (-1 pads).
+    end_on_first_finish: `[] bool` end the loop after the iteration in which some row stopped by
+      a stop rule (requests are waiting for a row or for pages).
+  """
+
+  block_tables: jax.Array
+  num_reqs: jax.Array
+  max_num_steps: jax.Array
+  max_output_tokens: jax.Array
+  stop_ids: jax.Array
+  end_on_first_finish: jax.Array
+
+
+def _decode_metadata(
+  inputs: DecodeStepsInputs, positions: jax.Array, running: jax.Array, block_size: int
+) -> PagedAttentionMetadata:
+  """One iteration's attention metadata: one query token per row, row `r`'s at flat index `r`.
+
+  Args:
+    inputs: the loop's inputs.
+    positions: `[R] int32` each row's query position (its last token's).
+    running: `[R] bool` rows that compute this iteration (the others write to `NULL_SLOT`).
+    block_size: `B`.
+  """
+  num_rows = positions.shape[0]
+  rows = jnp.arange(num_rows, dtype=jnp.int32)
+  page = inputs.block_tables[rows, positions // block_size]
+  slots = jnp.where(running, page * block_size + positions % block_size, NULL_SLOT)
+  return PagedAttentionMetadata(
+    slot_mapping=slots.astype(jnp.int32),
+    block_tables=inputs.block_tables,
+    query_start_loc=jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), inputs.num_reqs),
+    seq_lens=jnp.where(rows < inputs.num_reqs, positions + 1, 0).astype(jnp.int32),
+    num_reqs=inputs.num_reqs,
+  )
+
+
+def paged_decode_steps(
+  graphdef, state, metadata, weights, kv_cache, inputs: DecodeStepsInputs, num_rows, num_steps
+):
+  """Up to `num_steps` ragged decode-and-sample steps over the first `num_rows` rows.
+
+  Args:
+    graphdef: the model's graph definition (bound by the runner).
+    state: the batch's `BatchState` (donated).
+    metadata: its `SamplingMetadata`.
+    weights: the model's weights.
+    kv_cache: the `PagedKVCache` (donated).
+    inputs: the loop's `DecodeStepsInputs`.
+    num_rows: `R` (static), a row bucket holding every live row (the batch is condensed).
+    num_steps: `k` (static).
+
+  Returns:
+    `(state, MultiStepOutput, kv_cache)`: `sampled_token_ids [k, R]`, logprobs `[k, R, c]`,
+    `num_sampled [R]` the tokens each row appended.
+  """
+  model = nnx.merge(graphdef, weights)
+  rows_state = state.leading_rows(num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
+  block_size = kv_cache.block_size
+  max_model_len = state.max_model_len
+  num_columns = state.num_top_logprobs + 1
+  carry = dict(
+    step=jnp.int32(0),
+    state=rows_state,
+    kv_cache=kv_cache,
+    running=rows_metadata.is_live & (inputs.max_num_steps > 0),
+    any_finished=jnp.bool_(False),
+    tokens=jnp.zeros((num_steps, num_rows), jnp.int32),
+    logprobs=LogprobsTensors(
+      token_ids=jnp.zeros((num_steps, num_rows, num_columns), jnp.int32),
+      logprobs=jnp.zeros((num_steps, num_rows, num_columns), jnp.float32),
+      ranks=jnp.zeros((num_steps, num_rows), jnp.int32),
+    ),
+    num_sampled=jnp.zeros((num_rows,), jnp.int32),
+  )
+
+  def go_on(c):
+    ended = inputs.end_on_first_finish & c["any_finished"]
+    return (c["step"] < num_steps) & c["running"].any() & ~ended
+
+  def one_step(c):
+    rows, running = c["state"], c["running"]
+    positions = jnp.maximum(rows.num_tokens - 1, 0)  # [R] the last token's
+    token_ids = rows.token_ids[jnp.arange(num_rows), positions]  # [R]
+    attention = _decode_metadata(inputs, positions, running, block_size)
+    hidden, kv = model(token_ids[None], positions[None], c["kv_cache"], attention)
+    logits = model.compute_logits(hidden[0])  # [R, V]: row r's token is flat token r
+    step_metadata = dataclasses.replace(rows_metadata, is_live=running)
+    rows, output = sample(rows, step_metadata, logits)
+    tokens, appended = output.sampled_token_ids, output.is_appended
+    num_sampled = c["num_sampled"] + appended.astype(jnp.int32)
+    num_output = rows.num_output_tokens
+    is_stop_id = (inputs.stop_ids == tokens[:, None]).any(-1) & (num_output >= rows.min_tokens)
+    stopped = (
+      (num_output >= inputs.max_output_tokens) | (rows.num_tokens >= max_model_len) | is_stop_id
+    )
+    finished = running & (~appended | stopped)
+    out_of_pages = num_sampled >= inputs.max_num_steps
+    step = c["step"]
+    return dict(
+      step=step + 1,
+      state=rows,
+      kv_cache=kv,
+      running=running & ~finished & ~out_of_pages,
+      any_finished=c["any_finished"] | finished.any(),
+      tokens=c["tokens"].at[step].set(tokens),
+      logprobs=jax.tree.map(lambda a, b: a.at[step].set(b), c["logprobs"], output.logprobs),
+      num_sampled=num_sampled,
+    )
+
+  c = lax.while_loop(go_on, one_step, carry)
+  output = MultiStepOutput(
+    sampled_token_ids=c["tokens"], logprobs=c["logprobs"], num_sampled=c["num_sampled"]
+  )
+  return state.with_leading_rows(c["state"]), output, c["kv_cache"]
