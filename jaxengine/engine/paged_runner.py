@@ -9,9 +9,9 @@ sampler on the rows whose last known token was computed.
 
 Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached:
 powers of two up to `max_num_reqs` rows, and powers of two up to `max_num_batched_tokens` tokens
-from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`); `precompile` runs them all. The block-table width is fixed at
-`ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the
-step's longest context needs, so the width costs nothing there).
+from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`); `precompile` runs them all. The block-table
+width is fixed at `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the
+pages the step's longest context needs, so the width costs nothing there).
 """
 
 from __future__ import annotations
