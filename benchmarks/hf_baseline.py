@@ -3,10 +3,23 @@
 The weights come from the jaxengine model loaded from the GGUF file (so both systems run exactly
 the same numbers), converted to transformers' `LlamaForCausalLM` layout. Needs the `bench` extra
 (`pip install torch==2.13.0` on this CPU VM: a plain `torch` would fetch a CUDA build).
+
+Run as a script (`bench_generate.py --hf-python PYTHON` does), it serves jobs over stdin from a
+Hugging Face directory (benchmarks/export_hf.py) under another interpreter, one holding torch and
+transformers (vLLM's CPU venv does), with the protocol of benchmarks/vllm_baseline.py: a JSON line
+``{"prompts": [[ids], ...], "max_tokens": N}`` in, ``{"seconds": ..., "token_ids": [[ids], ...]}``
+out (greedy `generate` of every prompt at once, exactly N tokens each), after a first line
+``{"ready": true, "torch": version, "transformers": version}``. It imports nothing from jaxengine.
+
+  echo '{"prompts": [[504, 3575, 282]], "max_tokens": 8}' | \\
+    VENV/bin/python benchmarks/hf_baseline.py --model /tmp/jaxengine-bench-hf
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 
 import numpy as np
@@ -49,6 +62,11 @@ def hf_model(llm):
 
 def hf_generate_seconds(hf, prompts: list[list[int]], max_tokens: int) -> float:
   """Wall seconds of one greedy `generate` of `max_tokens` tokens for every prompt at once."""
+  return hf_generate(hf, prompts, max_tokens)[0]
+
+
+def hf_generate(hf, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+  """(wall seconds, generated token ids per prompt) of one greedy `generate` of every prompt."""
   import torch
 
   ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
@@ -64,4 +82,25 @@ def hf_generate_seconds(hf, prompts: list[list[int]], max_tokens: int) -> float:
     )
     seconds = time.perf_counter() - start
   assert out.shape == (len(prompts), len(prompts[0]) + max_tokens)
-  return seconds
+  return seconds, out[:, len(prompts[0]) :].tolist()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", required=True, help="Hugging Face model directory")
+  args = parser.parse_args()
+  import torch
+  import transformers
+
+  hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+  ready = {"ready": True, "torch": torch.__version__, "transformers": transformers.__version__}
+  print(json.dumps(ready), flush=True)
+  for line in sys.stdin:
+    if line.strip():
+      job = json.loads(line)
+      seconds, token_ids = hf_generate(hf, job["prompts"], job["max_tokens"])
+      print(json.dumps({"seconds": seconds, "token_ids": token_ids}), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -167,8 +167,10 @@ def test_precompile_covers_every_shape_and_a_second_run_compiles_nothing(slot_ou
   engine = _engine(PRECOMPILED)
   runner = engine.runner
   token_buckets, row_buckets = runner.token_buckets, runner.row_buckets
-  assert (token_buckets, row_buckets) == ([8, 16], [1, 2])
-  assert _PRECOMPILE["shapes"] == len(token_buckets) * len(row_buckets)
+  assert (token_buckets, row_buckets) == ([1, 2, 4, 8, 16], [1, 2])
+  # One row: every token bucket; two rows: from 2 tokens (`token_bucket`'s floor).
+  assert [runner.token_bucket(1, r) for r in row_buckets] == [1, 2]
+  assert _PRECOMPILE["shapes"] == 5 + 4
   assert _PRECOMPILE["compiles"] >= _PRECOMPILE["shapes"]
   with count_compiles() as compiles:
     outputs = _run(engine)

@@ -7,14 +7,14 @@ row's), and `execute(scheduler_output)` runs one step over the tokens the `Paged
 chose: decode tokens and prefill chunks together, the model once over all of them, then the
 sampler on the rows whose last known token was computed.
 
-Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached,
-powers of two from `MIN_TOKEN_BUCKET` to `max_num_batched_tokens` times powers of two up to
-`max_num_reqs`, twice with `speculative_config` (the plain step and the verify step of
-`paged_verify.py`), and with `num_decode_steps` k > 1 one k-step decode loop per row bucket
-(`execute_decode_steps`, `engine/paged_multi_step.py`); `precompile` runs them all. The
-block-table width is fixed at
-`ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the
-step's longest context needs, so the width costs nothing there).
+Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached:
+powers of two up to `max_num_reqs` rows, and powers of two up to `max_num_batched_tokens` tokens
+from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`), twice with `speculative_config` (the plain
+step and the verify step of `paged_verify.py`), and with `num_decode_steps` k > 1 one k-step
+decode loop per row bucket (`execute_decode_steps`, `engine/paged_multi_step.py`); `precompile`
+runs them all. The block-table width is fixed at `ceil(max_model_len / block_size)` pages (the
+XLA attention loops only over the pages the step's longest context needs, so the width costs
+nothing there).
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.sample import LogprobsTensors
 
-#: Smallest token bucket of a ragged step.
+#: Smallest token bucket of a ragged step with 8 rows or more; fewer rows start at their row
+#: bucket, so one request's decode runs the model on 1 token, not 8 (XLA:CPU takes about 1.8x as
+#: long over 8 rows of SmolLM2-135M as over 1), at the price of a few more shapes.
 MIN_TOKEN_BUCKET = 8
 
 #: Pages of the paged cache on CPU when neither `kv_cache_memory_bytes` nor `num_kv_blocks` says
@@ -113,7 +115,7 @@ class PagedModelRunner(ModelRunner):
       self.num_blocks, self.block_size, enable_caching=config.prefix_caching
     )
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
-    self.token_buckets = buckets(budget, min(MIN_TOKEN_BUCKET, budget))
+    self.token_buckets = buckets(budget, 1)
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
     placement = self._placement
     self.ragged_step: Callable[..., Any] = jax.jit(
@@ -223,7 +225,7 @@ class PagedModelRunner(ModelRunner):
     if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
       batch.set_grammar_bitmask(bitmask)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
-    num_tokens = bucket(max(1, scheduled.total_num_scheduled_tokens), self.token_buckets)
+    num_tokens = self.token_bucket(scheduled.total_num_scheduled_tokens, num_rows)
     inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
     columns = batch.state.num_top_logprobs + 1 if wanted else 0
@@ -235,6 +237,11 @@ class PagedModelRunner(ModelRunner):
     if token_logprobs is not None:  # computed when `wanted`
       prompt_logprobs = self._collect_prompt_logprobs(scheduled, wanted, token_logprobs)
     return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+
+  def token_bucket(self, num_tokens: int, num_rows: int) -> int:
+    """The token bucket of a step of `num_tokens` scheduled tokens over `num_rows` (a row
+    bucket): the smallest of `token_buckets` holding them and `min(num_rows, MIN_TOKEN_BUCKET)`."""
+    return bucket(max(1, num_tokens, min(num_rows, MIN_TOKEN_BUCKET)), self.token_buckets)
 
   def _run_step(
     self,
@@ -378,8 +385,8 @@ class PagedModelRunner(ModelRunner):
     """Compiles the ragged step for every (token bucket, row bucket) now (an empty step each:
     every token is padding, writing only the null page), its verify step too when
     `num_speculative_tokens` > 0 and, for `num_decode_steps` k > 1, the k-step decode loop for
-    every row bucket (no row runs). Returns the number of shapes:
-    `len(token_buckets) * len(row_buckets)` (twice with speculative decoding), plus
+    every row bucket (no row runs). Returns the number of shapes: the (token bucket, row
+    bucket) pairs a step can reach (`token_bucket`; twice with speculative decoding), plus
     `len(row_buckets)` when k > 1.
 
     Raises:
@@ -390,6 +397,7 @@ class PagedModelRunner(ModelRunner):
       raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
     empty = PagedSchedulerOutput([], {}, {}, {}, [])
     shapes = [(t, r) for r in self.row_buckets for t in self.token_buckets]
+    shapes = [(t, r) for t, r in shapes if t == self.token_bucket(t, r)]
     verify = [False, True] if num_speculative_tokens else [False]
     for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
       for drafted in verify:
