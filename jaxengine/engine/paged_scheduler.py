@@ -28,12 +28,12 @@ into one ragged model step.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
-from jaxengine.engine.requests import Completion, Request
+from jaxengine.engine.requests import Completion
+from jaxengine.engine.scheduler import RequestQueues
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +70,13 @@ class PagedSchedulerOutput:
     return sum(self.num_scheduled_tokens.values())
 
 
-class PagedScheduler:
+class PagedScheduler(RequestQueues):
   """Chooses each step's tokens within a budget, over the pages of a `KVCacheManager`.
 
-  Same interface as `jaxengine.engine.scheduler.Scheduler` (`waiting`, `running`, `add_request`,
-  `has_unfinished`, `finish`, `abort`), with `schedule` returning a `PagedSchedulerOutput` and
-  `update_after_step` advancing the computed counts.
+  The queues of `RequestQueues` (`waiting`, `running` in admission order, which is the
+  preemption order, latest last; `add_request`, `has_unfinished`, `abort`), with `schedule`
+  returning a `PagedSchedulerOutput`, `update_after_step` advancing the computed counts and
+  `finish` freeing pages too.
 
   Args:
     max_num_reqs: completions that may run at once (the batch's rows).
@@ -91,23 +92,12 @@ class PagedScheduler:
     max_num_batched_tokens: int,
     enable_chunked_prefill: bool = True,
   ) -> None:
-    self.max_num_reqs = max_num_reqs
+    super().__init__(max_num_reqs)
     self.manager = manager
     self.max_num_batched_tokens = max_num_batched_tokens
     self.enable_chunked_prefill = enable_chunked_prefill
-    self.waiting: collections.deque[Completion] = collections.deque()
-    #: Running completions in admission order (the preemption order, latest last).
-    self.running: dict[str, Completion] = {}
     #: Tokens of each running completion whose keys and values are in its pages.
     self.num_computed_tokens: dict[str, int] = {}
-
-  def add_request(self, request: Request) -> None:
-    """Queues every completion of `request`."""
-    self.waiting.extend(request.completions)
-
-  def has_unfinished(self) -> bool:
-    """Whether any completion is waiting or running."""
-    return bool(self.waiting or self.running)
 
   def schedule(
     self, draft_token_ids: Mapping[str, Sequence[int]] | None = None
@@ -160,17 +150,9 @@ class PagedScheduler:
 
   def finish(self, completion: Completion) -> None:
     """Frees a finished completion's row and pages."""
-    del self.running[completion.seq_id]
+    super().finish(completion)
     del self.num_computed_tokens[completion.seq_id]
     self.manager.free(completion.seq_id)
-
-  def abort(self, request_ids: set[str]) -> list[Completion]:
-    """Drops every waiting completion of these requests; returns the running ones, which the
-    caller finishes (`finish`) once it has freed their rows."""
-    self.waiting = collections.deque(
-      c for c in self.waiting if c.request.request_id not in request_ids
-    )
-    return [c for c in self.running.values() if c.request.request_id in request_ids]
 
   # --- one step ---------------------------------------------------------------------------------
 

@@ -24,8 +24,10 @@ class SchedulerOutput:
   admitted: list[Completion]
 
 
-class Scheduler:
-  """Admits waiting completions into at most `max_num_reqs` running ones.
+class RequestQueues:
+  """The queues every scheduler keeps: completions waiting for a row, in arrival order, and the
+  running ones, in admission order. `Scheduler` and the paged engine's `PagedScheduler` add
+  their own `schedule`.
 
   Args:
     max_num_reqs: completions that may run at once (the batch's rows).
@@ -34,6 +36,7 @@ class Scheduler:
   def __init__(self, max_num_reqs: int) -> None:
     self.max_num_reqs = max_num_reqs
     self.waiting: collections.deque[Completion] = collections.deque()
+    #: Running completions in admission order.
     self.running: dict[str, Completion] = {}
 
   def add_request(self, request: Request) -> None:
@@ -43,15 +46,6 @@ class Scheduler:
   def has_unfinished(self) -> bool:
     """Whether any completion is waiting or running."""
     return bool(self.waiting or self.running)
-
-  def schedule(self) -> SchedulerOutput:
-    """Admits waiting completions, oldest first, while rows are free."""
-    admitted = []
-    while self.waiting and len(self.running) < self.max_num_reqs:
-      completion = self.waiting.popleft()
-      self.running[completion.seq_id] = completion
-      admitted.append(completion)
-    return SchedulerOutput(admitted=admitted)
 
   def finish(self, completion: Completion) -> None:
     """Frees a finished completion's place."""
@@ -64,3 +58,20 @@ class Scheduler:
       c for c in self.waiting if c.request.request_id not in request_ids
     )
     return [c for c in self.running.values() if c.request.request_id in request_ids]
+
+
+class Scheduler(RequestQueues):
+  """Admits waiting completions into at most `max_num_reqs` running ones.
+
+  Args:
+    max_num_reqs: completions that may run at once (the batch's rows).
+  """
+
+  def schedule(self) -> SchedulerOutput:
+    """Admits waiting completions, oldest first, while rows are free."""
+    admitted = []
+    while self.waiting and len(self.running) < self.max_num_reqs:
+      completion = self.waiting.popleft()
+      self.running[completion.seq_id] = completion
+      admitted.append(completion)
+    return SchedulerOutput(admitted=admitted)
