@@ -85,10 +85,10 @@ class LLMEngine:
       While requests wait for a row, a dispatch ends as soon as some row finishes, so a freed
       row is refilled at once; a request added while the batch runs waits at most one
       dispatch of `k` steps. While a row with structured outputs runs, steps go one at a time
-      (its grammar advances on the host after every token). On a mesh too with the slot cache
-      (the loop declares the decode step's shardings and samples vocabulary-sharded logits).
-      Paged, a step that only decodes reserves pages for up to k tokens per row (never
-      preempting for them) and loops over pages (`engine/paged_multi_step.py`; one device).
+      (its grammar advances on the host after every token). On a mesh too (the loop declares
+      its shardings and samples vocabulary-sharded logits). Paged, a step that only decodes
+      reserves pages for up to k tokens per row (never preempting for them) and loops over
+      pages (`engine/paged_multi_step.py`).
     prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
       share one prefill of the prompt: the others take a device copy of its cached keys and
       values (default True; False prefills every sample, as before). Same outputs (logprob

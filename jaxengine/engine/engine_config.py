@@ -66,8 +66,7 @@ class EngineConfig:
       False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
-      `LLMEngine`; with the paged cache, in steps that only decode, on one device); on a mesh
-      too with the slot cache.
+      `LLMEngine`; with the paged cache, in steps that only decode); on a mesh too.
     prefill_once_per_request: the samples of an `n > 1` request admitted together share one
       prefill of the prompt (default True).
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
@@ -267,10 +266,6 @@ class EngineConfig:
     if not self.paged:
       return
     unsupported = {
-      # The paged k-step loop declares no mesh shardings yet.
-      f"num_decode_steps={self.num_decode_steps} on a mesh": (
-        self.num_decode_steps != 1 and self.mesh is not None
-      ),
       # One pool of pages serves every row: splitting rows over devices would need a pool and
       # block tables per data shard.
       f"data_parallel_size={self.data_parallel_size} (use tensor_parallel_size)": (

@@ -90,7 +90,15 @@ def _decode_metadata(
 
 
 def paged_decode_steps(
-  graphdef, state, metadata, weights, kv_cache, inputs: DecodeStepsInputs, num_rows, num_steps
+  graphdef,
+  state,
+  metadata,
+  weights,
+  kv_cache,
+  inputs: DecodeStepsInputs,
+  num_rows,
+  num_steps,
+  mesh=None,
 ):
   """Up to `num_steps` ragged decode-and-sample steps over the first `num_rows` rows.
 
@@ -103,6 +111,8 @@ def paged_decode_steps(
     inputs: the loop's `DecodeStepsInputs`.
     num_rows: `R` (static), a row bucket holding every live row (the batch is condensed).
     num_steps: `k` (static).
+    mesh: None, or the engine's mesh (static): each iteration samples the vocabulary-sharded
+      logits, as the ragged step does.
 
   Returns:
     `(state, MultiStepOutput, kv_cache)`: `sampled_token_ids [k, R]`, logprobs `[k, R, c]`,
@@ -141,7 +151,7 @@ def paged_decode_steps(
     hidden, kv = model(token_ids[None], positions[None], c["kv_cache"], attention)
     logits = model.compute_logits(hidden[0])  # [R, V]: row r's token is flat token r
     step_metadata = dataclasses.replace(rows_metadata, is_live=running)
-    rows, output = sample(rows, step_metadata, logits)
+    rows, output = sample(rows, step_metadata, logits, mesh=mesh)
     tokens, appended = output.sampled_token_ids, output.is_appended
     num_sampled = c["num_sampled"] + appended.astype(jnp.int32)
     num_output = rows.num_output_tokens

@@ -135,9 +135,10 @@ class PagedModelRunner(ModelRunner):
     )
     #: The k-step decode loop (`engine/paged_multi_step.py`).
     self.paged_decode_steps: Callable[..., Any] = jax.jit(
-      functools.partial(paged_decode_steps, self._graphdef),
+      functools.partial(paged_decode_steps, self._graphdef, mesh=self.mesh),
       static_argnames=("num_rows", "num_steps"),
       donate_argnames=("state", "kv_cache"),
+      **(placement.paged_decode_steps_shardings() if placement is not None else {}),
     )
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
@@ -465,7 +466,7 @@ class PagedModelRunner(ModelRunner):
       stop_ids,
       np.bool_(end_on_first_finish),
     )
-    device = jax.device_put(host)  # one transfer for the loop's inputs
+    device = jax.device_put(host, self._input_sharding)  # one transfer for the loop's inputs
     inputs = DecodeStepsInputs(
       block_tables=device[0],
       num_reqs=device[1],
@@ -476,7 +477,7 @@ class PagedModelRunner(ModelRunner):
     )
     output, kv_cache = run_steps(
       batch,
-      self.paged_decode_steps,
+      self.paged_decode_steps if self._placement is None else self._placed_decode_steps,
       self.weights,
       self.kv_cache,
       inputs,
@@ -485,3 +486,11 @@ class PagedModelRunner(ModelRunner):
     )
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
+
+  def _placed_decode_steps(self, state, metadata, *args, num_rows, num_steps):
+    """The k-step loop on a mesh, as `_placed_ragged_step` (state and metadata put on their
+    declared shardings, static arguments by position)."""
+    assert self._placement is not None
+    state = jax.device_put(state, self._placement.state)
+    metadata = jax.device_put(metadata, self._placement.metadata)
+    return self.paged_decode_steps(state, metadata, *args, num_rows, num_steps)

@@ -118,6 +118,16 @@ class MeshPlacement:
       "out_shardings": (self.state, rep, (cache, rep)),
     }
 
+  def paged_decode_steps_shardings(self) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the paged k-step loop: ``(state, metadata, weights,
+    kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, kv_cache)``; the loop's inputs and
+    its output replicated, the cache as created."""
+    rep, cache = self._replicated, self.paged_kv_cache
+    return {
+      "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
+      "out_shardings": (self.state, rep, cache),
+    }
+
   @property
   def replicated(self) -> NamedSharding:
     """The mesh's replicated sharding (host inputs of a step)."""
