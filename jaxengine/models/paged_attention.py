@@ -194,10 +194,11 @@ def ragged_paged_attention_xla(
 
   Query `i` of request `r` sits at context position `seq_lens[r] - query_lens[r] + i` and attends
   to positions `0 ..` that one of the same request (its keys and values already written by
-  `write_kv_pages`); with `sliding_window` `W`, to the last `W` of them (`p - W < s <= p`). Keys and values are read `pages_per_chunk` pages at a time with an online
-  softmax (running maximum and sum, as in flash attention: Dao et al., 2022), for only as many
-  chunks as the step's longest context needs, so a wide block-table bucket costs nothing and a
-  chunk's keys stay in cache while it is used. Scores and the softmax are float32.
+  `write_kv_pages`); with `sliding_window` `W`, to the last `W` of them (`p - W < s <= p`).
+  Keys and values are read `pages_per_chunk` pages at a time with an online softmax (running
+  maximum and sum, as in flash attention: Dao et al., 2022), for only as many chunks as the
+  step's longest context (or widest window) needs, so a wide block-table bucket costs nothing
+  and a chunk's keys stay in cache while it is used. Scores and the softmax are float32.
 
   Args:
     q: `[T, H, D]` queries (rotary embedding applied), any float dtype.
