@@ -47,9 +47,11 @@ Sliding-window attention (Mistral): with `sliding_window=W` a query at position 
 positions `p - W < s <= p`. Each work item then starts reading at the chunk holding its first
 query's window start, and the loop runs for the most chunks any item's window and queries span
 (about `(W + Tq) / chunk + 1` instead of the longest context's chunks), so pages entirely before
-every window are never read. The pages themselves stay allocated: a request still holds every
-page of its sequence, and memory grows with the sequence as without a window (freeing pages that
-slid out of the window, as vLLM does, is future work).
+every window are never read: decode R=8 at S=1024 with `W=128` took 0.71 ms against 4.51 ms
+without a window (`t1/c4`, median of 10 interleaved calls, load average about 4). The pages
+themselves stay allocated: a request still holds every page of its sequence, and memory grows
+with the sequence as without a window (freeing pages that slid out of the window, as vLLM does,
+is future work).
 """
 
 from __future__ import annotations
