@@ -92,8 +92,11 @@ def dense_pages(step: RaggedStep, which: str) -> np.ndarray:
   return pages.reshape(step.num_blocks, step.block_size, *rows.shape[1:])
 
 
-def reference_attention(step: RaggedStep, scale: float) -> np.ndarray:
-  """`[T, H, D]` float64 causal grouped-query attention per request; padding rows 0."""
+def reference_attention(
+  step: RaggedStep, scale: float, sliding_window: int | None = None
+) -> np.ndarray:
+  """`[T, H, D]` float64 causal grouped-query attention per request (a query at position `p`
+  sees `s <= p`, and `s > p - sliding_window` with a window); padding rows 0."""
   out = np.zeros(step.q.shape, np.float64)
   start = 0
   num_heads = step.q.shape[1]
@@ -105,7 +108,11 @@ def reference_attention(step: RaggedStep, scale: float) -> np.ndarray:
     q = step.q[start : start + new].astype(np.float64)  # [q, H, D]
     scores = np.einsum("qhd,shd->hqs", q, k) * scale
     position = seq_len - new + np.arange(new)
-    scores = np.where(np.arange(seq_len)[None, None] <= position[None, :, None], scores, -np.inf)
+    key_position = np.arange(seq_len)[None, None]
+    visible = key_position <= position[None, :, None]
+    if sliding_window is not None:
+      visible &= key_position > position[None, :, None] - sliding_window
+    scores = np.where(visible, scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out[start : start + new] = np.einsum("hqs,shd->qhd", probs, v)

@@ -29,15 +29,18 @@ STEPS = {
 }
 
 
-def _tpu_reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
+def _tpu_reference_kernel(
+  q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None
+):
   """The TPU kernel's reference function, padded back to the kernel's `[T, H, D]` output."""
   out = ref_ragged_paged_attention(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale
-  )
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+    sliding_window=sliding_window,
+  )  # fmt: skip
   return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
 
 
-def _run(backend, step, num_layers=None, layer=None):
+def _run(backend, step, num_layers=None, layer=None, sliding_window=None):
   """Writes every context token through the backend, then attends (eagerly)."""
   pages = backend.init_pages(step.num_blocks, B, K, D, num_layers=num_layers)
   keys, values = np.concatenate(step.keys), np.concatenate(step.values)
@@ -46,10 +49,11 @@ def _run(backend, step, num_layers=None, layer=None):
     pages = tuple(p[layer] for p in pages)
   attention = backend.attention
   if not isinstance(backend, PallasTpuAttentionBackend):  # its reference function needs values
-    attention = jax.jit(attention, static_argnames=("scale", "num_kv_heads"))
+    attention = jax.jit(attention, static_argnames=("scale", "num_kv_heads", "sliding_window"))
   out = attention(
-    jnp.asarray(step.q), pages, step.md, scale=SCALE, num_kv_heads=step.keys[0].shape[1]
-  )
+    jnp.asarray(step.q), pages, step.md, scale=SCALE, num_kv_heads=step.keys[0].shape[1],
+    sliding_window=sliding_window,
+  )  # fmt: skip
   return np.asarray(out)
 
 
@@ -72,6 +76,24 @@ def test_backend_matches_xla_and_the_float64_reference(backend_name, step_name):
   np.testing.assert_allclose(out, reference_attention(step, SCALE), rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(out, _run(BACKENDS["xla"], step), rtol=2e-5, atol=2e-5)
   assert not out[sum(step.query_lens) :].any()
+
+
+@pytest.mark.parametrize("backend_name", ["xla", "pallas_tpu_reference"])
+def test_sliding_window_matches_the_float64_reference(backend_name):
+  """The TPU kernel takes `sliding_window` (same mask: `p - W < s <= p`); XLA applies its own."""
+  requests = [(9, 1), (4, 6), (0, 3), (15, 1), (11, 5)]
+  step = make_step(
+    np.random.default_rng(8), requests, num_tokens=16, num_reqs=6, max_blocks=6,
+    num_heads=H, num_kv_heads=K, head_dim=D, block_size=B,
+  )  # fmt: skip
+  out = _run(BACKENDS[backend_name], step, sliding_window=5)
+  np.testing.assert_allclose(out, reference_attention(step, SCALE, 5), rtol=2e-5, atol=2e-5)
+  assert not out[sum(step.query_lens) :].any()
+  backend = BACKENDS["pallas_gpu_interpret"]
+  assert not backend.supports_sliding_window and BACKENDS[backend_name].supports_sliding_window
+  backend.check_sliding_window(None)
+  with pytest.raises(ValueError, match="'pallas_gpu' has no sliding-window attention, got sli"):
+    backend.check_sliding_window(5)
 
 
 def test_gpu_decode_kernel_itself_matches_the_reference():

@@ -55,6 +55,36 @@ def test_xla_matches_the_float64_reference(name, query_tile, pages_per_chunk):
   assert not np.any(np.asarray(out)[sum(step.query_lens) :])  # padding tokens stay 0
 
 
+@pytest.mark.parametrize(
+  ("window", "query_tile", "pages_per_chunk"), [(1, 1, 1), (5, 1, 2), (8, 5, 1), (8, 16, 2)]
+)
+def test_sliding_window_matches_the_float64_reference(window, query_tile, pages_per_chunk):
+  # Decodes and prefill chunks, some contexts many chunks past the window, shuffled pages.
+  requests = [(30, 1), (0, 11), (21, 9), (2, 1), (40, 4), (6, 1)]
+  step = make_step(
+    np.random.default_rng(window), requests, num_tokens=32, num_reqs=8, max_blocks=12,
+    num_heads=6, num_kv_heads=2,
+  )  # fmt: skip
+  keys, values = dense_pages(step, "keys"), dense_pages(step, "values")
+  # Pages wholly before a request's first window are skipped: NaN there would reach the output.
+  tables, chunk_len = np.asarray(step.md.block_tables), 4 * pages_per_chunk
+  for r, (computed, _) in enumerate(requests):
+    first_page = max(computed - window + 1, 0) // chunk_len * pages_per_chunk
+    keys[tables[r, :first_page]] = values[tables[r, :first_page]] = np.nan
+  assert np.isnan(keys).any()
+  run = jax.jit(
+    functools.partial(
+      ragged_paged_attention_xla, scale=SCALE, query_tile=query_tile,
+      pages_per_chunk=pages_per_chunk, sliding_window=window,
+    )
+  )  # fmt: skip
+  out = np.asarray(run(step.q, keys, values, step.md))
+  np.testing.assert_allclose(out, reference_attention(step, SCALE, window), rtol=2e-5, atol=2e-5)
+  assert not np.any(out[sum(step.query_lens) :])  # padding tokens stay 0
+  full = reference_attention(step, SCALE)
+  assert np.abs(out - full)[: sum(step.query_lens)].max() > 1e-2  # the window changed outputs
+
+
 def test_write_kv_pages_scatters_to_slots_and_padding_to_the_null_slot():
   rng = np.random.default_rng(1)
   requests = [(3, 2), (0, 5)]
@@ -144,3 +174,5 @@ def test_bad_static_arguments_are_refused():
     ragged_paged_attention_xla(step.q, pages, pages, step.md, scale=SCALE, query_tile=0)
   with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 kv heads"):
     ragged_paged_attention_xla(step.q[:, :3], pages, pages, step.md, scale=SCALE)
+  with pytest.raises(ValueError, match="sliding_window must be >= 1 or None, got 0"):
+    ragged_paged_attention_xla(step.q, pages, pages, step.md, scale=SCALE, sliding_window=0)

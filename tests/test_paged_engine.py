@@ -301,3 +301,31 @@ def test_bad_paged_options_are_refused_naming_the_field(options, match):
   model, _ = _model_and_tokenizer()
   with pytest.raises(ValueError, match=match):
     LLMEngine(model, max_num_reqs=2, max_model_len=32, **options)
+
+
+def test_sliding_window_on_pages_equals_the_slot_engine():
+  """A Mistral-style window of 8 over prompts longer than it: greedy tokens equal and logprobs
+  within 1e-4 of the slot engine, with chunked prefill (budget 8), pages of 4 and preemption;
+  the GPU Pallas backend (no window) is refused at construction."""
+  model = tiny_llama(vocab_size=64, hidden_size=32, sliding_window=8)[0]
+  assert model.kv_cache_spec.sliding_window == 8
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(4, 64, n).tolist() for n in (13, 19, 10)]
+  params = SP(temperature=0, ignore_eos=True, max_tokens=6, logprobs=2)
+  options = {"max_num_reqs": 2, "max_model_len": 32}
+  slot = LLMEngine(model, **options, **SLOT)
+  paged = LLMEngine(model, **options, block_size=4, num_kv_blocks=8, max_num_batched_tokens=8)
+  expected = run_engine(slot, prompts, [params], arrive_while_running=True)
+  got = run_engine(paged, prompts, [params], arrive_while_running=True)
+  for a, b in zip(got, expected, strict=True):
+    (ca,), (cb,) = a.outputs, b.outputs
+    assert ca.token_ids == cb.token_ids and len(ca.token_ids) == 6
+    for da, db in zip(ca.logprobs, cb.logprobs, strict=True):
+      assert list(da) == list(db)
+      np.testing.assert_allclose(
+        [v.logprob for v in da.values()], [v.logprob for v in db.values()], atol=1e-4
+      )
+  stats = paged.kv_cache_stats
+  assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
+  with pytest.raises(ValueError, match="'pallas_gpu' has no sliding-window attention, got sli"):
+    LLMEngine(model, **options, num_kv_blocks=8, attention_backend="pallas_gpu")

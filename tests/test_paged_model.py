@@ -211,8 +211,11 @@ def test_paged_seam_refusals():
   q = jnp.zeros((3, 4, spec.head_dim))
   kv = jnp.zeros((3, spec.num_kv_heads, spec.head_dim))
   assert attention(q, kv, kv, cache, 0, md, scale=1.0).output.shape == q.shape
-  with pytest.raises(ValueError, match="sliding_window=8"):
-    attention(q, kv, kv, cache, 0, md, scale=1.0, sliding_window=8)
+  windowed = attention(q, kv, kv, cache, 0, md, scale=1.0, sliding_window=8)
+  assert windowed.output.shape == q.shape
+  gpu_cache = PagedKVCache.create(spec, PallasGpuAttentionBackend(interpret=True), 4, BLOCK)
+  with pytest.raises(ValueError, match="'pallas_gpu' has no sliding-window attention, got slid"):
+    attention(q, kv, kv, gpu_cache, 0, md, scale=1.0, sliding_window=8)
   with pytest.raises(ValueError, match=r"queries .* hold 2 tokens, slot_mapping 3"):
     attention(q[:2], kv[:2], kv[:2], cache, 0, md, scale=1.0)
   with pytest.raises(ValueError, match="needs a PagedKVCache"):

@@ -143,11 +143,16 @@ class PagedModelRunner(ModelRunner):
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
     """The pool of pages; on a mesh split over key/value heads when the model axis divides
-    them (`jaxengine.models.sharded_attention`), else replicated, and sized per device."""
+    them (`jaxengine.models.sharded_attention`), else replicated, and sized per device.
+
+    Raises:
+      ValueError: the model's `sliding_window` with a backend that has none (host side).
+    """
     spec = model.kv_cache_spec
     backend = shard_backend(
       attention_backend(config.attention_backend), self.mesh, spec.num_kv_heads
     )
+    backend.check_sliding_window(spec.sliding_window)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
       num_blocks = backend.num_blocks_for_memory(

@@ -173,14 +173,17 @@ def attention(
     layer: this layer's index in the cache (static).
     metadata: this step's `AttentionMetadata` or `PagedAttentionMetadata`.
     scale: multiplies the scores (usually ``D ** -0.5``).
-    sliding_window: ``W``, or None for full causal attention (slots only for now).
+    sliding_window: ``W``, or None for full causal attention. With pages, the backend applies it
+      (XLA and TPU; the GPU backend refuses one, `AttentionBackend.check_sliding_window`); pages
+      that slid out of every window stay allocated, so memory still grows with the sequence.
 
   Returns:
     `AttentionOutput`: ``[..., H, D]`` outputs in ``q.dtype`` and the updated cache.
 
   Raises:
     ValueError: (at trace time) a cache that does not match the metadata's type, paged tokens
-      whose count differs from ``slot_mapping``'s, or a `sliding_window` with pages.
+      whose count differs from ``slot_mapping``'s, or a `sliding_window` with a paged backend
+      that has none (``"pallas_gpu"``; the paged engine refuses it earlier, on the host).
   """
   if isinstance(metadata, PagedAttentionMetadata):
     if not isinstance(kv_cache, PagedKVCache):
@@ -236,10 +239,6 @@ def _paged_attention(
   sliding_window: int | None,
 ) -> AttentionOutput:
   """The paged cache's write and ragged read through the cache's backend (flat tokens)."""
-  if sliding_window is not None:
-    raise ValueError(
-      f"paged attention has no sliding window yet, got sliding_window={sliding_window}"
-    )
   num_tokens = metadata.slot_mapping.shape[0]
   if math.prod(q.shape[:-2]) != num_tokens:
     raise ValueError(
@@ -252,7 +251,12 @@ def _paged_attention(
   backend = kv_cache.backend
   written = backend.write_kv(kv_cache.pages[layer], flat_k, flat_v, metadata.slot_mapping)
   out = backend.attention(
-    q.reshape(num_tokens, h, d), written, metadata, scale=scale, num_kv_heads=kv_cache.num_kv_heads
+    q.reshape(num_tokens, h, d),
+    written,
+    metadata,
+    scale=scale,
+    num_kv_heads=kv_cache.num_kv_heads,
+    sliding_window=sliding_window,
   )
   pages = (*kv_cache.pages[:layer], written, *kv_cache.pages[layer + 1 :])
   return AttentionOutput(out.reshape(q.shape), dataclasses.replace(kv_cache, pages=pages))

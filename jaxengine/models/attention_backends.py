@@ -21,6 +21,11 @@ computes the ragged step's causal grouped-query attention `[T, H, D]` from them.
   `[K, N, B, D]` for keys and for values.
 
 `attention_backend(None)` picks the backend of `jax.default_backend()`.
+
+Sliding-window attention (`attention(..., sliding_window=W)`, Mistral): the XLA path masks and
+skips pages before the window, the TPU kernel takes its own `sliding_window` argument; the GPU
+decode kernel has none, so `"pallas_gpu"` refuses a window (`check_sliding_window`, called by the
+paged runner when it creates the cache).
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ def xla_query_tile(num_tokens: int, num_reqs: int) -> int:
   return 1 if num_tokens <= num_reqs else 16
 
 
-def xla_attention(q, pages, md, *, scale: float, kv_heads_first: bool) -> jax.Array:
+def xla_attention(
+  q, pages, md, *, scale: float, kv_heads_first: bool, sliding_window: int | None = None
+) -> jax.Array:
   """`ragged_paged_attention_xla` with the tuned query tile and page chunk, for pages
   `[N, block_size, K, D]` (`kv_heads_first=False`) or `[K, N, block_size, D]` (True)."""
   key_pages, value_pages = pages
@@ -67,6 +74,7 @@ def xla_attention(q, pages, md, *, scale: float, kv_heads_first: bool) -> jax.Ar
     query_tile=xla_query_tile(q.shape[0], md.block_tables.shape[0]),
     pages_per_chunk=max(1, XLA_CHUNK_TOKENS // block_size),
     kv_heads_first=kv_heads_first,
+    sliding_window=sliding_window,
   )
 
 
@@ -76,6 +84,22 @@ class AttentionBackend(abc.ABC):
   name: str
   #: The axis of every page array (of one layer) that holds the key/value heads.
   kv_head_axis: int
+  #: Whether `attention` takes a `sliding_window`.
+  supports_sliding_window: bool = True
+
+  def check_sliding_window(self, sliding_window: int | None) -> None:
+    """Refuses a model's sliding window this backend cannot apply (host side, before any
+    device work).
+
+    Raises:
+      ValueError: `sliding_window` is set and the backend has no sliding window (naming both).
+    """
+    if sliding_window is not None and not self.supports_sliding_window:
+      raise ValueError(
+        f"attention_backend={self.name!r} has no sliding-window attention, got "
+        f"sliding_window={sliding_window}: use attention_backend='xla' (or 'pallas_tpu' on TPU) "
+        f"or the slot cache"
+      )
 
   @abc.abstractmethod
   def page_shapes(
@@ -156,12 +180,15 @@ class AttentionBackend(abc.ABC):
     *,
     scale: float,
     num_kv_heads: int | None = None,
+    sliding_window: int | None = None,
   ) -> jax.Array:
     """`[T, H, D]` causal grouped-query attention of one layer's `[T, H, D]` queries; rows of
     padding tokens are 0.
 
     `num_kv_heads` is the model's `K` (static), needed where the layout pads heads (TPU);
-    None: the pages' own head count."""
+    None: the pages' own head count. `sliding_window` `W` (static): a query at position `p`
+    sees only `p - W < s <= p`; None: all `s <= p`. Raises `ValueError` (at trace time) for a
+    window where `supports_sliding_window` is False."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +209,10 @@ class XlaAttentionBackend(AttentionBackend):
       write_kv_pages(value_pages, value, slot_mapping, layer),
     )
 
-  def attention(self, q, pages, md, *, scale, num_kv_heads=None):
-    return xla_attention(q, pages, md, scale=scale, kv_heads_first=False)
+  def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
+    return xla_attention(
+      q, pages, md, scale=scale, kv_heads_first=False, sliding_window=sliding_window
+    )
 
 
 def _tpu_kernel() -> Callable[..., jax.Array]:
@@ -226,7 +255,7 @@ class PallasTpuAttentionBackend(AttentionBackend):
     interleaved = interleaved.reshape(num_tokens, kv_pages.shape[-2], head_dim)
     return (write_kv_pages(kv_pages, interleaved, slot_mapping, layer),)
 
-  def attention(self, q, pages, md, *, scale, num_kv_heads=None):
+  def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
     (kv_pages,) = pages
     num_tokens, num_heads, head_dim = q.shape
     padded_kv_heads = kv_pages.shape[-2] // 2
@@ -250,6 +279,7 @@ class PallasTpuAttentionBackend(AttentionBackend):
       md.query_start_loc,
       md.num_reqs.reshape(1),
       sm_scale=scale,
+      sliding_window=sliding_window,
     )
     out = out[:, :num_heads].astype(q.dtype)
     # The kernel leaves rows past the last request's tokens undefined.
@@ -273,6 +303,7 @@ class PallasGpuAttentionBackend(AttentionBackend):
   interpret: bool = False
   name = "pallas_gpu"
   kv_head_axis = 0
+  supports_sliding_window = False
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
@@ -291,7 +322,8 @@ class PallasGpuAttentionBackend(AttentionBackend):
       p.at[layer, :, page, offset].set(new.astype(p.dtype)) for p, new in zip(pages, (key, value))
     )
 
-  def attention(self, q, pages, md, *, scale, num_kv_heads=None):
+  def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
+    self.check_sliding_window(sliding_window)
     all_decode = jnp.all(md.query_lens <= 1)
     return jax.lax.cond(
       all_decode,

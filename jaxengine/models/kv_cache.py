@@ -24,12 +24,15 @@ class KVCacheSpec:
     num_kv_heads: key/value heads `K`.
     head_dim: width `D` of one head.
     dtype: storage dtype of keys and values (normally the model's compute dtype).
+    sliding_window: the window ``W`` the model's attention passes to the seam (a query sees the
+      last ``W`` positions), or None; the paged engine refuses a backend without one.
   """
 
   num_layers: int
   num_kv_heads: int
   head_dim: int
   dtype: Any = jnp.float32
+  sliding_window: int | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -122,6 +122,7 @@ class LlamaConfig:
       num_kv_heads=self.num_key_value_heads,
       head_dim=self.head_dim,
       dtype=dtype,
+      sliding_window=self.sliding_window,
     )
 
 

@@ -42,6 +42,16 @@ and beat it from 256 positions on (the dense form's `[R, K, G, S]` scores leave 
 of 16 serve mixed steps best and long prefill chunks within 15% of the best. The backends
 (`attention_backends.xla_query_tile`) use `t1` when `T <= R`, `t16` otherwise, and 64-position
 chunks.
+
+Sliding-window attention (Mistral): with `sliding_window=W` a query at position `p` sees only
+positions `p - W < s <= p`. Each work item then starts reading at the chunk holding its first
+query's window start, and the loop runs for the most chunks any item's window and queries span
+(about `(W + Tq) / chunk + 1` instead of the longest context's chunks), so pages entirely before
+every window are never read: decode R=8 at S=1024 with `W=128` took 0.71 ms against 4.51 ms
+without a window (`t1/c4`, median of 10 interleaved calls, load average about 4). The pages
+themselves stay allocated: a request still holds every page of its sequence, and memory grows
+with the sequence as without a window (freeing pages that slid out of the window, as vLLM does,
+is future work).
 """
 
 from __future__ import annotations
@@ -143,6 +153,26 @@ def _work_items(md: PagedAttentionMetadata, num_tokens: int, query_tile: int) ->
   return _WorkItems(req=req, token=token, position=position)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ChunkSpan:
+  """The chunks of `chunk_len` positions each work item reads: `first[w]` onwards, for
+  `num_chunks` loop iterations (the most any item needs)."""
+
+  first: jax.Array  # [W] int32 chunk holding the item's first visible position
+  num_chunks: jax.Array  # [] int32
+
+  @classmethod
+  def of(
+    cls, items: _WorkItems, seq_lens: jax.Array, chunk_len: int, sliding_window: int | None
+  ) -> _ChunkSpan:
+    end = -(-seq_lens[items.req] // chunk_len)  # [W] chunks up to the request's last position
+    if sliding_window is None:
+      first = jnp.zeros_like(end)
+    else:
+      first = jnp.maximum(items.position[:, 0] - sliding_window + 1, 0) // chunk_len
+    return cls(first=first, num_chunks=jnp.max(end - first, initial=0))
+
+
 def _read_pages(pages: jax.Array, ids: jax.Array, kv_heads_first: bool) -> jax.Array:
   """`[W, C * B, K, D]` rows of pages `ids [W, C]`."""
   rows = jnp.moveaxis(pages[:, ids], 0, -2) if kv_heads_first else pages[ids]  # [W, C, B, K, D]
@@ -160,15 +190,17 @@ def ragged_paged_attention_xla(
   query_tile: int = 1,
   pages_per_chunk: int = 4,
   kv_heads_first: bool = False,
+  sliding_window: int | None = None,
 ) -> jax.Array:
   """Causal grouped-query attention of a ragged step over paged keys and values, in XLA.
 
   Query `i` of request `r` sits at context position `seq_lens[r] - query_lens[r] + i` and attends
   to positions `0 ..` that one of the same request (its keys and values already written by
-  `write_kv_pages`). Keys and values are read `pages_per_chunk` pages at a time with an online
-  softmax (running maximum and sum, as in flash attention: Dao et al., 2022), for only as many
-  chunks as the step's longest context needs, so a wide block-table bucket costs nothing and a
-  chunk's keys stay in cache while it is used. Scores and the softmax are float32.
+  `write_kv_pages`); with `sliding_window` `W`, to the last `W` of them (`p - W < s <= p`).
+  Keys and values are read `pages_per_chunk` pages at a time with an online softmax (running
+  maximum and sum, as in flash attention: Dao et al., 2022), for only as many chunks as the
+  step's longest context (or widest window) needs, so a wide block-table bucket costs nothing
+  and a chunk's keys stay in cache while it is used. Scores and the softmax are float32.
 
   Args:
     q: `[T, H, D]` queries (rotary embedding applied), any float dtype.
@@ -180,17 +212,22 @@ def ragged_paged_attention_xla(
       the same result).
     pages_per_chunk: pages read per loop iteration (static; a performance knob).
     kv_heads_first: the pages are `[K, N, B, D]` (the GPU Pallas kernel's layout).
+    sliding_window: `W` (static), or None for full causal attention. Pages before a work item's
+      window are skipped, not freed (module docstring).
 
   Returns:
     `[T, H, D]` in `q`'s dtype; rows of padding tokens are 0.
 
   Raises:
-    ValueError: `query_tile` or `pages_per_chunk` below 1, or `H` not a multiple of `K`.
+    ValueError: `query_tile` or `pages_per_chunk` below 1, `sliding_window` below 1, or `H`
+      not a multiple of `K`.
   """
   if query_tile < 1 or pages_per_chunk < 1:
     raise ValueError(
       f"query_tile and pages_per_chunk must be >= 1, got {query_tile} and {pages_per_chunk}"
     )
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
   num_tokens, num_heads, head_dim = q.shape
   if kv_heads_first:
     num_kv_heads, _, block_size, _ = key_pages.shape
@@ -207,15 +244,22 @@ def ragged_paged_attention_xla(
   blocks = jnp.pad(blocks, ((0, 0), (0, -blocks.shape[1] % pages_per_chunk)))  # null pages
   chunk_len = pages_per_chunk * block_size
   stats_shape = (num_items, num_kv_heads, group, query_tile)
+  span = _ChunkSpan.of(items, md.seq_lens, chunk_len, sliding_window)
+  lowest = None if sliding_window is None else items.position[:, :, None] - sliding_window
 
   def chunk(index, carry):
     running_max, running_sum, acc = carry
-    pages = jax.lax.dynamic_slice_in_dim(blocks, index * pages_per_chunk, pages_per_chunk, 1)
+    first_page = (span.first + index) * pages_per_chunk  # [W]
+    page_index = first_page[:, None] + jnp.arange(pages_per_chunk, dtype=jnp.int32)  # [W, C]
+    # Items past their own last chunk read clipped (real or null) pages, all masked below.
+    pages = jnp.take_along_axis(blocks, page_index, axis=1, mode="clip")
     keys, values = (_read_pages(p, pages, kv_heads_first) for p in (key_pages, value_pages))
     scores = jnp.einsum("wqkgd,wskd->wkgqs", q_items, keys, preferred_element_type=jnp.float32)
-    position = index * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
-    visible = (position <= items.position[:, :, None])[:, None, None]  # [W, 1, 1, Tq, C]
-    scores = jnp.where(visible, scores * scale, NEG_INF)
+    position = first_page[:, None, None] * block_size + jnp.arange(chunk_len, dtype=jnp.int32)
+    visible = position <= items.position[:, :, None]  # [W, Tq, C * B]
+    if lowest is not None:
+      visible &= position > lowest
+    scores = jnp.where(visible[:, None, None], scores * scale, NEG_INF)
     new_max = jnp.maximum(running_max, scores.max(axis=-1))  # [W, K, G, Tq]
     correction = jnp.exp(running_max - new_max)
     probs = jnp.exp(scores - new_max[..., None])  # masked: underflows to 0
@@ -224,15 +268,18 @@ def ragged_paged_attention_xla(
     )
     return new_max, running_sum * correction + probs.sum(-1), acc * correction[..., None] + update
 
-  # Every real query sees position 0, so chunk 0 sets its maximum to a real score; entries of
-  # unused items see nothing and average garbage, dropped by the scatter below (never NaN).
+  # An item's first chunk holds its first query's first visible position, so that query's
+  # maximum is a real score from chunk 0 on. A later query of the tile may see nothing in a chunk
+  # (a window narrower than the tile): its maximum stays NEG_INF, its weights are exp(0) = 1 over
+  # garbage, and its first real chunk multiplies all of that by exp(NEG_INF - real) = 0 (values
+  # are finite). Entries of unused items see nothing and average garbage, dropped by the scatter
+  # below (never NaN).
   init = (
     jnp.full(stats_shape, NEG_INF, jnp.float32),
     jnp.zeros(stats_shape, jnp.float32),
     jnp.zeros((*stats_shape, head_dim), jnp.float32),
   )
-  num_chunks = -(-jnp.max(md.seq_lens) // chunk_len)
-  _, total, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
+  _, total, acc = jax.lax.fori_loop(0, span.num_chunks, chunk, init)
   out = acc / total[..., None]  # [W, K, G, Tq, D]
   out = out.transpose(0, 3, 1, 2, 4).reshape(num_items, query_tile, num_heads, head_dim)
   return jnp.zeros_like(q).at[items.token].set(out.astype(q.dtype), mode="drop")

@@ -56,6 +56,10 @@ class HeadShardedBackend(AttentionBackend):
     return self.inner.kv_head_axis
 
   @property
+  def supports_sliding_window(self) -> bool:  # type: ignore[override]
+    return self.inner.supports_sliding_window
+
+  @property
   def num_shards(self) -> int:
     """``t``: devices along `axis`."""
     return int(self.mesh.shape[self.axis])
@@ -110,13 +114,17 @@ class HeadShardedBackend(AttentionBackend):
     fn = self._shard_map(local, (specs, heads, heads, P(), *(P(),) * len(extra)), specs)
     return fn(tuple(pages), key, value, slot_mapping, *extra)
 
-  def attention(self, q, pages, md: PagedAttentionMetadata, *, scale, num_kv_heads=None):
+  def attention(
+    self, q, pages, md: PagedAttentionMetadata, *, scale, num_kv_heads=None, sliding_window=None
+  ):
     specs = self.page_specs(len(pages))
     heads = P(None, self.axis, None)  # [T, H, D]
     local_heads = None if num_kv_heads is None else self.local_kv_heads(num_kv_heads)
 
     def local(q, pages: KVPages, md):
-      return self.inner.attention(q, pages, md, scale=scale, num_kv_heads=local_heads)
+      return self.inner.attention(
+        q, pages, md, scale=scale, num_kv_heads=local_heads, sliding_window=sliding_window
+      )
 
     return self._shard_map(local, (heads, specs, P()), heads)(q, tuple(pages), md)
 
