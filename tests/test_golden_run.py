@@ -3,9 +3,10 @@
 `tests/fixtures/golden_run.json` holds the outputs of a fixed workload (SmolLM2 with every sampling
 feature at once in one batch, and a tiny model under speculative decoding, multi-step decode and
 prefix caching on and off), recorded on this repository before the engine seams were cut. Tokens,
-texts and finish reasons must match exactly; logprobs to 1e-5 nats, or bit for bit with
-`JAXENGINE_GOLDEN_BITWISE=1` (float results may differ in the last bits between CPU models, so
-bitwise equality is checked on the machine that recorded them).
+texts and finish reasons must match exactly; logprobs to `TOLERANCE` nats, or bit for bit with
+`JAXENGINE_GOLDEN_BITWISE=1` (float results differ in the last bits between CPU models: XLA picks
+other vector widths; SmolLM2's logprobs moved by 1.2e-5 between two machines, so bitwise equality
+is checked on the machine that recorded them).
 
 Re-record (only when a change of outputs is intended and explained in the commit):
 `python tests/test_golden_run.py --record`.
@@ -169,7 +170,11 @@ def _runs() -> dict:
   return {"smollm2": _run_smollm2(), **{name: _run_tiny(name) for name in TINY_ENGINES}}
 
 
-def _compare(got, want, where: str, bitwise: bool, tolerance: float = 1e-5) -> None:
+#: Logprob tolerance against the recording, in nats (see the module docstring).
+TOLERANCE = 1e-4
+
+
+def _compare(got, want, where: str, bitwise: bool, tolerance: float = TOLERANCE) -> None:
   """Recursive comparison: floats to `tolerance` (or exactly), everything else exactly."""
   if isinstance(want, float):
     if bitwise:

@@ -26,7 +26,10 @@
 Stages 2-6 run as one fused pass (plus small scatters) only when some live row uses one of them;
 greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
 `SamplingMetadata`. So one executable serves every mix without recompiling, and a batch pays only
-for what its rows use. No branch returns a `[R, V]` array (an untaken branch would pay a copy).
+for what its rows use. Stages 7-13 are compiled once: the one branch that returns a `[R, V]` array
+is stages 1-6's (the processed logits, or a float32 copy of the raw ones, NaN read as -inf), one
+copy of the logits per step bought back many times over in compile time (every step executable
+of the engine holds the sampler); every other branch returns `[R]`- or `[R, k]`-sized results.
 
 No full-vocabulary sort. Top-k and top-p come from `C` candidates per row (a static budget,
 `BatchConfig.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
@@ -173,7 +176,8 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
 
 
 def draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
-  """`_draw_tokens`, redone with NaN as `-inf` for the rows a NaN logit touched.
+  """`_draw_tokens`, redone with NaN as `-inf` for the rows a NaN logit touched (the speculative
+  verifier's draw; `sample` cleans its logits before drawing, in `drawable_logits`).
 
   The common path never pays for a NaN check over `[R, V]`: a NaN shows itself in the result
   (the row maximum, or the token's own value, is NaN, or the token is out of range), and only
@@ -252,8 +256,21 @@ def _append_tokens(state: BatchState, md: SamplingMetadata, tokens: jax.Array):
   return state, appended
 
 
+def drawable_logits(logits, state: BatchState, md: SamplingMetadata) -> jax.Array:
+  """Stages 1-6: `[R, V] float32` the processed logits, NaN read as `-inf`.
+
+  One `lax.cond` on `any_processing`: the fused processing pass when a live row needs it, else a
+  float32 copy of `logits` (the copy also cleans NaN, so the draw never meets one).
+  """
+  return lax.cond(
+    any_processing(md, state.config),
+    lambda: nan_as_neg_inf(apply_logits_processors(logits, state, md)),
+    lambda: nan_as_neg_inf(logits.astype(jnp.float32)),
+  )
+
+
 def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
-  """Stages 7-13 on processed logits `x`: `(tokens [R] int32, LogprobsTensors)`.
+  """Stages 7-13 on `drawable_logits` `x`: `(tokens [R] int32, LogprobsTensors)`.
 
   Every `lax.cond` here returns only `[R]`-sized or `[R, k]`-sized results: a branch that
   returned an `[R, V]` array unchanged would cost a copy.
@@ -262,8 +279,8 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
   if has_processors(config, argmax_invariant=True):
     # Greedy rows keep `x` bit for bit; random rows draw from, and processed_* logprobs report,
     # the values after these processors (vLLM applies them before its top-k / top-p sampler).
-    x = apply_invariant_processors(x, state, md, inverse_temperature(md))
-  tokens, threshold, row_max = draw_tokens_nan_as_neg_inf(x, state, md)
+    x = nan_as_neg_inf(apply_invariant_processors(x, state, md, inverse_temperature(md)))
+  tokens, threshold, row_max = _draw_tokens(x, state, md)
   tokens = repair_degenerate_rows(logits, x, tokens, row_max, state, md)
 
   def logprobs_branch():
@@ -300,13 +317,7 @@ def sample(
 
 def _sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   """`sample`'s pipeline (under `vocab_sharded` when on a mesh)."""
-  # Two copies of stages 7-13, so a batch that needs no logits processing reads the logits as
-  # they are instead of paying for a processed copy.
-  tokens, logprobs = lax.cond(
-    any_processing(md, state.config),
-    lambda: _tokens_and_logprobs(logits, apply_logits_processors(logits, state, md), state, md),
-    lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md),
-  )
+  tokens, logprobs = _tokens_and_logprobs(logits, drawable_logits(logits, state, md), state, md)
   state, is_appended = _append_tokens(state, md, tokens)
   if state.config.logits_processors:
     states = update_processor_states(state, md, tokens, is_appended)
