@@ -25,25 +25,17 @@ if TYPE_CHECKING:
 
 #: The event `jax.monitoring` records, with its duration, for every XLA backend compile.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-#: The event it records when an executable is read back from the persistent compilation cache
-#: instead of being compiled.
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
-  """Counts the XLA executables built (in the whole process) while it is active.
-
-  An executable is built when a jitted function meets a shape, dtype or sharding it has not run
-  with in this process: compiled by XLA, or read back from JAX's persistent compilation cache
-  (`jaxengine.compilation_cache`), which counts too, so a count does not depend on what an
-  earlier process left on disk. After warm-up a steady-state loop should leave it at zero.
+  """Counts XLA backend compiles (in the whole process) while it is active.
 
   A context manager (`with count_compiles() as compiles: ...`), or `start()` / `stop()` where a
   `with` block does not fit (a notebook's cells).
 
   Attributes:
-    count: executables built while active (compiled or read from the persistent cache).
-    seconds: the total backend compile time of those compiled (cache reads add nothing).
+    count: compiles seen while active.
+    seconds: their total backend compile time.
   """
 
   def __init__(self) -> None:
@@ -51,29 +43,23 @@ class CompileCounter:
     self.seconds = 0.0
     self._active = False
 
-  def _listen_compile(self, event: str, duration_secs: float, **kwargs) -> None:
+  def _listen(self, event: str, duration_secs: float, **kwargs) -> None:
     if self._active and event == BACKEND_COMPILE_EVENT:
       self.count += 1
       self.seconds += duration_secs
 
-  def _listen_cache_hit(self, event: str, **kwargs) -> None:
-    if self._active and event == CACHE_HIT_EVENT:
-      self.count += 1
-
   def start(self) -> CompileCounter:
-    """Starts counting (registers `jax.monitoring` listeners); returns self."""
+    """Starts counting (registers a `jax.monitoring` listener); returns self."""
     if not self._active:
       self._active = True
-      jax.monitoring.register_event_duration_secs_listener(self._listen_compile)
-      jax.monitoring.register_event_listener(self._listen_cache_hit)
+      jax.monitoring.register_event_duration_secs_listener(self._listen)
     return self
 
   def stop(self) -> None:
-    """Stops counting (unregisters the listeners); the count is kept."""
+    """Stops counting (unregisters the listener); the count is kept."""
     if self._active:
       self._active = False
-      jax.monitoring.unregister_event_duration_listener(self._listen_compile)
-      jax.monitoring.unregister_event_listener(self._listen_cache_hit)
+      jax.monitoring.unregister_event_duration_listener(self._listen)
 
   def reset(self) -> None:
     """Sets the count and time back to zero."""
@@ -89,10 +75,10 @@ class CompileCounter:
 def count_compiles() -> CompileCounter:
   """A new `CompileCounter`, to use as `with count_compiles() as compiles: ...; compiles.count`.
 
-  JAX records `BACKEND_COMPILE_EVENT` through `jax.monitoring` for every XLA compile and
-  `CACHE_HIT_EVENT` for every executable read from the persistent cache; the counter counts
-  both (in-memory jit cache hits record nothing), so after warm-up a steady-state loop should
-  leave the count at zero.
+  JAX records `BACKEND_COMPILE_EVENT` through `jax.monitoring` for every executable it builds,
+  compiled by XLA or read back from the persistent compilation cache (calls served by a jitted
+  function's in-memory cache record nothing), so a count does not depend on what an earlier
+  process left on disk, and after warm-up a steady-state loop should leave it at zero.
   """
   return CompileCounter()
 
