@@ -2,52 +2,15 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 
 import pytest
 
-#: The test run's own persistent compilation cache: a temporary directory made by the first
-#: process (pytest, or xdist's controller) and inherited through this variable by the workers and
-#: by every subprocess a test starts.
-TEST_CACHE_VAR = "JAXENGINE_TEST_XLA_CACHE"
+# Tests are hermetic: no engine writes to the user's persistent compilation cache (the tests of
+# the cache give it a temporary directory).
+os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
 
-
-def _share_one_compilation_cache() -> None:
-  """Points JAX's persistent compilation cache at the run's own directory, in every process.
-
-  Many modules build the same small engines; with one cache the second build of an executable is
-  a file read instead of an XLA compile. Hermetic: the user's cache is never read or written (the
-  tests of the cache give it directories of their own), and the directory goes when the run
-  ends. A size limit turns on JAX's file lock, so two workers never read a half-written entry.
-  `jaxengine.testing.count_compiles` counts cache reads as compiles, so compile counts do not
-  depend on which module ran first.
-  """
-  path = os.environ.get(TEST_CACHE_VAR)
-  if path is None:
-    path = tempfile.mkdtemp(prefix="jaxengine-tests-xla-")
-    os.environ[TEST_CACHE_VAR] = path
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-  settings = {
-    "jax_compilation_cache_dir": path,
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_compilation_cache_max_size": 32 << 30,
-  }
-  for name, value in settings.items():
-    os.environ[name.upper()] = str(value)  # read by subprocesses' JAX at import
-  # The engine's own switch is left unset: an engine then keeps the directory JAX already has.
-  os.environ.pop("JAXENGINE_COMPILATION_CACHE", None)
-  import jax  # after the variables: JAX reads them at import
-
-  for name, value in settings.items():
-    jax.config.update(name, value)
-
-
-_share_one_compilation_cache()
-
-from jaxengine.testing import count_compiles  # noqa: E402
+from jaxengine.testing import count_compiles
 
 # Under pytest-xdist (`-n 2`): the tests of a module share its engines (module-scoped fixtures,
 # cached builders), whose compiles are most of their time, so a module runs on one worker instead

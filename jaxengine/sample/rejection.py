@@ -50,15 +50,12 @@ from jaxengine.sample.custom import (
 )
 from jaxengine.sample.logprobs import LogprobsTensors, gather_logprobs, logprobs_scores
 from jaxengine.sample.metadata import SamplingMetadata
-from jaxengine.sample.processors import (
-  any_processing,
-  apply_logits_processors,
-)
 from jaxengine.sample.spec_history import PositionView, expand_positions
 from jaxengine.sample.spec_probs import Target, draw_exact, recovered, row_at, target_probability
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.step import (
-  draw_tokens_nan_as_neg_inf,
+  draw_tokens,
+  drawable_logits,
   repair_degenerate_rows,
   row_step_keys,
 )
@@ -96,7 +93,7 @@ def _draw(logits, x, view: PositionView) -> tuple[jax.Array, jax.Array]:
   processed_* logprobs modes, as `sample`'s.
   """
   state, md = view.state, view.metadata
-  drawn, threshold, row_max = draw_tokens_nan_as_neg_inf(x, state, md)
+  drawn, threshold, row_max = draw_tokens(x, state, md)
   return repair_degenerate_rows(logits, x, drawn, row_max, state, md), threshold
 
 
@@ -204,7 +201,6 @@ def _verify(logits, x, view: PositionView, inputs: _Inputs):
 
   Returns `(tokens [R, P + 1] int32, num_accepted [R] int32, final [R] int32, LogprobsTensors
   [R', k + 1])`: the accepted drafts then the final (recovered or bonus) token, 0 after it.
-  Only small arrays leave it, so it can be a `lax.cond` branch.
   """
   rows, num_spec = inputs.drafts.shape
   md = view.metadata
@@ -300,15 +296,9 @@ def rejection_sample(
   inputs = _Inputs(
     drafts=draft_token_ids.astype(jnp.int32), num_drafts=num_drafts, draft_probs=draft_probs
   )
-  # Two copies of the verification, as in `sample`: a branch returning `[R', V]` processed
-  # logits would cost a copy of the logits when no row needs processing.
-  tokens, num_accepted, final, logprobs = lax.cond(
-    any_processing(view.metadata, view.config),
-    lambda: _verify(
-      logits, apply_logits_processors(logits, view.state, view.metadata), view, inputs
-    ),
-    lambda: _verify(logits, logits.astype(jnp.float32), view, inputs),
-  )
+  # One copy of the verification, on `sample`'s drawable logits (processed, NaN as -inf).
+  x = drawable_logits(logits, view.state, view.metadata)
+  tokens, num_accepted, final, logprobs = _verify(logits, x, view, inputs)
   j = jnp.arange(positions)[None, :]
   room = jnp.maximum(state.max_model_len - state.num_tokens, 0)
   num_sampled = jnp.where(metadata.is_live, jnp.minimum(num_accepted + 1, room), 0)

@@ -155,8 +155,8 @@ def sample_random_rows(
   return tokens.astype(jnp.int32), threshold, row_max
 
 
-def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
-  """Stages 7-12 on processed logits `x`: `(tokens [R] int32, threshold [R], row_max [R])`."""
+def draw_tokens(x, state: BatchState, md: SamplingMetadata):
+  """Stages 7-12 on `drawable_logits` `x` (no NaN): `(tokens [R] int32, threshold [R], row_max [R])`."""
   rows = state.max_num_reqs
   greedy_tokens = lax.cond(
     md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32)
@@ -173,28 +173,6 @@ def _draw_tokens(x, state: BatchState, md: SamplingMetadata):
     lambda: (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), NEG_INF), jnp.zeros((rows,))),
   )
   return jnp.where(md.is_greedy, greedy_tokens, random_tokens), threshold, row_max
-
-
-def draw_tokens_nan_as_neg_inf(x, state: BatchState, md: SamplingMetadata):
-  """`_draw_tokens`, redone with NaN as `-inf` for the rows a NaN logit touched (the speculative
-  verifier's draw; `sample` cleans its logits before drawing, in `drawable_logits`).
-
-  The common path never pays for a NaN check over `[R, V]`: a NaN shows itself in the result
-  (the row maximum, or the token's own value, is NaN, or the token is out of range), and only
-  then are the tokens drawn again from the cleaned logits. A row's draw depends on the row alone,
-  so the rows without NaN keep their tokens.
-  """
-  drawn = _draw_tokens(x, state, md)
-  tokens, _, row_max = drawn
-  vocab = state.vocab_size
-  value = sharded.take_along_vocab(x, jnp.clip(tokens, 0, vocab - 1)[:, None])[:, 0]
-  touched = md.is_live & (jnp.isnan(value) | jnp.isnan(row_max) | (tokens < 0) | (tokens >= vocab))
-
-  def redraw():
-    clean = _draw_tokens(nan_as_neg_inf(x), state, md)
-    return jax.tree.map(lambda a, b: jnp.where(touched, a, b), clean, drawn)
-
-  return lax.cond(touched.any(), redraw, lambda: drawn)
 
 
 def _fallback_for_masked_rows(logits, state: BatchState) -> jax.Array:
@@ -280,7 +258,7 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
     # Greedy rows keep `x` bit for bit; random rows draw from, and processed_* logprobs report,
     # the values after these processors (vLLM applies them before its top-k / top-p sampler).
     x = nan_as_neg_inf(apply_invariant_processors(x, state, md, inverse_temperature(md)))
-  tokens, threshold, row_max = _draw_tokens(x, state, md)
+  tokens, threshold, row_max = draw_tokens(x, state, md)
   tokens = repair_degenerate_rows(logits, x, tokens, row_max, state, md)
 
   def logprobs_branch():
