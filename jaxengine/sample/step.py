@@ -341,7 +341,8 @@ def sample_step(
     - a row with nothing left (every token `-inf`, NaN or masked) takes the best allowed token by
       raw logit (NaN and `-inf` as the lowest float), i.e. its first allowed token when none is
       finite.
-  Logprobs report the values as they are (a NaN logit gives NaN raw logprobs).
+  raw_* logprobs report the values as they are (a NaN logit gives NaN raw logprobs); the
+  processed_* modes read a NaN as the `-inf` the draw saw.
 
   raw_* logprobs (the default mode) are the log-softmax of `logits` after one stage only: a live
   grammar row's bitmask, so a token the row's structured-output grammar forbids has logprob
