@@ -22,7 +22,6 @@ from jaxengine.sample.custom import apply_invariant_processors, has_processors
 from jaxengine.sample.draw import VocabCdf, draw_from_cdf, inverse_cdf, weigh
 from jaxengine.sample.filters import Candidates, find_candidates
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
-from jaxengine.sample.processors import nan_as_neg_inf
 from jaxengine.sample.spec_history import PositionView
 from jaxengine.sample.step import repair_degenerate_rows, sample_random_rows
 
@@ -74,13 +73,13 @@ def draw_exact(logits, x, view: PositionView, step_keys, u) -> tuple[jax.Array, 
   probabilities: `(drawn [R'] int32, Target)`.
 
   As `rejection._draw` (`sample`'s code), but with the exact top-p cut of the processed_* modes
-  for every row (acceptance needs each position's distribution) and NaN logits cleaned up
-  front. So a position draws `sample`'s token, except a top-p row whose nucleus is deeper than
-  the candidates in the raw_* modes (`sample` draws it by rejection: an equally exact draw).
+  for every row (acceptance needs each position's distribution); `x` comes from
+  `step.drawable_logits`, NaN already read as `-inf`. So a position draws `sample`'s token,
+  except a top-p row whose nucleus is deeper than the candidates in the raw_* modes (`sample`
+  draws it by rejection: an equally exact draw).
   """
   md = view.metadata
   rows, config = x.shape[0], view.config
-  x = nan_as_neg_inf(x)
   greedy = lax.cond(md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32))
   x_random = x
   if has_processors(config, argmax_invariant=True):
