@@ -193,7 +193,7 @@ def repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: Sa
 
   Args:
     logits: `[R, V]` the model's logits.
-    x: `[R, V] float32` processed logits.
+    x: `[R, V] float32` `drawable_logits` (no NaN).
     tokens: `[R] int32` the greedy or random draw of each row.
     row_max: `[R] float32` each random row's largest temperature-scaled logit.
     state, md: the batch state and metadata.
@@ -210,7 +210,7 @@ def repair_degenerate_rows(logits, x, tokens, row_max, state: BatchState, md: Sa
 
   def repair():
     fallback = jnp.where(unsampleable, _fallback_for_masked_rows(logits, state), tokens)
-    return jnp.where(infinite, blocked_argmax(nan_as_neg_inf(x)), fallback)
+    return jnp.where(infinite, blocked_argmax(x), fallback)
 
   return lax.cond((unsampleable | infinite).any(), repair, lambda: tokens)
 
