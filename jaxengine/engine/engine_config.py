@@ -80,13 +80,21 @@ class EngineConfig:
       `prefix_caching`.
     num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
       None (a quarter of the KV cache's positions, at least `max_model_len`).
-    kv_cache_memory_bytes: bytes for a paged KV cache (vLLM's name): the cache becomes a pool of
-      `block_size`-token pages shared by every request (`paged`), sized to this many bytes of
-      keys and values over all layers (on a mesh: per device, whose share of each page is its
-      key/value heads). None (default): the slot cache (`max_num_reqs` rows of `max_model_len`
-      positions), unless `num_kv_blocks` is given.
+    paged_kv_cache: whether the KV cache is a pool of `block_size`-token pages shared by every
+      request (True), or `max_num_reqs` slots of `max_model_len` positions each (False: the
+      earlier layout, kept for `data_parallel_size > 1` and for comparisons). None (default):
+      paged, except with `data_parallel_size > 1`. See `paged`.
+    kv_cache_memory_bytes: bytes of the paged KV cache (vLLM's name): keys and values of all
+      layers (on a mesh: per device, whose share of each page is its key/value heads). None
+      (default): `num_kv_blocks` if given, else `jaxengine.engine.kv_cache_size`'s default:
+      room for `max_num_reqs` requests of `max_model_len` tokens and a quarter more for cached
+      prefixes, within `gpu_memory_utilization` of an accelerator's memory (1 GiB on CPU).
     num_kv_blocks: the paged cache's size in pages, the null page included (an int >= 2), instead
-      of `kv_cache_memory_bytes` (give one of the two).
+      of `kv_cache_memory_bytes` (give at most one of the two).
+    gpu_memory_utilization: the fraction of each accelerator's memory (as JAX's allocator
+      reports it, `Device.memory_stats()["bytes_limit"]`) the engine may hold, weights included,
+      when it sizes the default paged cache (vLLM's name; a float in (0, 1], default 0.9).
+      Unused on CPU and when `kv_cache_memory_bytes` or `num_kv_blocks` is given.
     block_size: token positions per page of the paged cache (vLLM's name; default 16).
     max_num_batched_tokens: the paged engine's token budget per step (vLLM's name): decode tokens
       first, then prefill chunks, at most this many query tokens in one model call. None
@@ -104,7 +112,8 @@ class EngineConfig:
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
       or `num_decode_steps > 1`, prefix caching on a mesh with the slot cache,
-      `data_parallel_size > 1` with the paged cache); more devices than there are.
+      `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged cache
+      size); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -126,8 +135,10 @@ class EngineConfig:
   speculative_config: SpeculativeConfig | Mapping | None = None
   enable_prefix_caching: bool | None = None
   num_prefix_cache_blocks: int | None = None
+  paged_kv_cache: bool | None = None
   kv_cache_memory_bytes: int | None = None
   num_kv_blocks: int | None = None
+  gpu_memory_utilization: float = 0.9
   block_size: int = 16
   max_num_batched_tokens: int | None = None
   enable_chunked_prefill: bool = True
@@ -229,6 +240,17 @@ class EngineConfig:
     self._set("num_prefix_cache_blocks", None if num_blocks is None else int(num_blocks))
 
   def _check_paged(self) -> None:
+    layout = self.paged_kv_cache
+    if layout is not None and not isinstance(layout, (bool, np.bool_)):
+      raise ValueError(f"paged_kv_cache must be a bool or None, got {layout!r}")
+    self._set("paged_kv_cache", None if layout is None else bool(layout))
+    utilization = self.gpu_memory_utilization
+    number = isinstance(utilization, (int, float, np.floating)) and not isinstance(
+      utilization, bool
+    )
+    if not number or not 0 < utilization <= 1:
+      raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {utilization!r}")
+    self._set("gpu_memory_utilization", float(utilization))
     for name, least in (("kv_cache_memory_bytes", 1), ("num_kv_blocks", 2), ("block_size", 1)):
       value = getattr(self, name)
       if value is not None and (not is_int(value) or value < least):
@@ -263,6 +285,12 @@ class EngineConfig:
         f"attention_backend must be one of {list(BACKEND_NAMES)} or None, got "
         f"{self.attention_backend!r}"
       )
+    sized = self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
+    if self.paged_kv_cache is False and sized:
+      raise ValueError(
+        "kv_cache_memory_bytes / num_kv_blocks size the paged KV cache; paged_kv_cache=False "
+        "asks for the slot cache (give one or the other)"
+      )
     if not self.paged:
       return
     unsupported = {
@@ -275,14 +303,18 @@ class EngineConfig:
     for what, given in unsupported.items():
       if given:
         raise ValueError(
-          f"the paged KV cache (kv_cache_memory_bytes / num_kv_blocks) does not support {what} "
-          "yet; leave both unset for the slot cache"
+          f"the paged KV cache does not support {what} yet; give paged_kv_cache=False for the "
+          "slot cache"
         )
 
   @property
   def paged(self) -> bool:
-    """Whether the KV cache is paged (`kv_cache_memory_bytes` or `num_kv_blocks` given)."""
-    return self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
+    """Whether the KV cache is paged: `paged_kv_cache`, None meaning paged unless
+    `data_parallel_size > 1` and no paged cache size is given."""
+    if self.paged_kv_cache is not None:
+      return self.paged_kv_cache
+    sized = self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
+    return sized or self.data_parallel_size == 1
 
   @property
   def max_num_blocks_per_req(self) -> int:

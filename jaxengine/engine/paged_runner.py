@@ -1,7 +1,7 @@
 """The paged runner: the model's weights over a pool of KV-cache pages, one ragged step at a time.
 
-`PagedModelRunner` is the `ModelRunner` of an engine with `kv_cache_memory_bytes` or
-`num_kv_blocks`: the cache is a `PagedKVCache` of `num_blocks` pages of `block_size` positions
+`PagedModelRunner` is the `ModelRunner` of an engine with the paged cache (the default,
+`EngineConfig.paged`): the cache is a `PagedKVCache` of `num_blocks` pages of `block_size` positions
 shared by every request (`KVCacheManager` hands them out; the batch's `BlockTable` lists each
 row's), and `execute(scheduler_output)` runs one step over the tokens the `PagedScheduler`
 chose: decode tokens and prefill chunks together, the model once over all of them, then the
@@ -35,6 +35,7 @@ from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_step
 from jaxengine.engine.buckets import bucket, buckets
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.kv_cache_manager import KVCacheManager
+from jaxengine.engine.kv_cache_size import default_num_kv_blocks
 from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
 from jaxengine.engine.paged_multi_step import DecodeStepsInputs, paged_decode_steps
@@ -54,10 +55,6 @@ from jaxengine.sample import LogprobsTensors
 #: bucket, so one request's decode runs the model on 1 token, not 8 (XLA:CPU takes about 1.8x as
 #: long over 8 rows of SmolLM2-135M as over 1), at the price of a few more shapes.
 MIN_TOKEN_BUCKET = 8
-
-#: Pages of the paged cache on CPU when neither `kv_cache_memory_bytes` nor `num_kv_blocks` says
-#: (the engine only builds a paged runner when one of them is given; this is for direct use).
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +88,9 @@ class PagedModelRunner(ModelRunner):
   Args:
     model: as `ModelRunner`.
     input_batch: the persistent batch, built with `max_num_blocks_per_req` (its `block_table`).
-    config: the engine's `EngineConfig` with `kv_cache_memory_bytes` or `num_kv_blocks`; also
-      read: `block_size`, `max_num_batched_tokens`, `attention_backend`, `prefix_caching`.
+    config: the engine's `EngineConfig` (`paged`); also read: `kv_cache_memory_bytes`,
+      `num_kv_blocks`, `gpu_memory_utilization` (`engine/kv_cache_size.py`), `block_size`,
+      `max_num_batched_tokens`, `attention_backend`, `prefix_caching`.
 
   Raises:
     ValueError: as `ModelRunner`; a batch without a block table of the right width; a memory
@@ -154,9 +152,19 @@ class PagedModelRunner(ModelRunner):
     )
     backend.check_sliding_window(spec.sliding_window)
     num_blocks = config.num_kv_blocks
-    if num_blocks is None:
+    if num_blocks is None and config.kv_cache_memory_bytes is None:
+      num_blocks = default_num_kv_blocks(
+        spec,
+        backend,
+        max_num_reqs=self.max_num_reqs,
+        max_num_blocks_per_req=self.max_num_blocks_per_req,
+        block_size=self.block_size,
+        devices=list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1],
+        gpu_memory_utilization=config.gpu_memory_utilization,
+      )
+    elif num_blocks is None:
       num_blocks = backend.num_blocks_for_memory(
-        config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES,
+        cast(int, config.kv_cache_memory_bytes),  # the branch above took None
         num_layers=spec.num_layers,
         block_size=config.block_size,
         num_kv_heads=spec.num_kv_heads,

@@ -1,0 +1,95 @@
+"""How many pages the paged KV cache gets when the user names no size.
+
+`num_kv_blocks` gives the pool's size in pages and `kv_cache_memory_bytes` in bytes; without
+either, `default_num_kv_blocks` sizes it to what the engine can use at once, within a memory
+limit:
+
+- enough pages for `max_num_reqs` requests of `max_model_len` tokens each, plus a quarter more
+  for the prefix cache to keep finished prompts' pages (and the null page): more pages would
+  only ever serve cached prefixes, so the default does not seize a device that JAX training code
+  shares with the engine;
+- at most the memory limit: on an accelerator, `gpu_memory_utilization` of the memory JAX's
+  allocator may hold (`Device.memory_stats()["bytes_limit"]`) less what is in use once the
+  weights are placed (`bytes_in_use`), the smallest over the engine's devices (vLLM's
+  `gpu_memory_utilization` likewise bounds weights and cache together); on CPU, whose devices
+  report no memory statistics, `DEFAULT_CPU_KV_CACHE_BYTES`.
+
+Raise `max_num_reqs` and the default pool grows with it up to the limit; beyond that give
+`kv_cache_memory_bytes` (the scheduler then admits requests while pages last and preempts when
+they run out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from jaxengine.models.attention_backends import AttentionBackend
+from jaxengine.models.kv_cache import KVCacheSpec
+
+#: The default paged cache's memory limit on devices without memory statistics (CPU): 1 GiB,
+#: about 23,000 tokens of SmolLM2-135M in float32.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+#: Pages beyond `max_num_reqs` full-length requests the default keeps for cached prefixes, as a
+#: fraction of theirs.
+PREFIX_CACHE_SHARE = 0.25
+
+
+def memory_limit(devices: Sequence[jax.Device], gpu_memory_utilization: float) -> int:
+  """Bytes per device the default paged cache may take (see the module).
+
+  Args:
+    devices: the engine's devices (the mesh's, or the default device).
+    gpu_memory_utilization: the fraction of each device's `bytes_limit` the engine may hold.
+
+  Returns:
+    `min over devices of gpu_memory_utilization * bytes_limit - bytes_in_use`, or
+    `DEFAULT_CPU_KV_CACHE_BYTES` when a device reports no memory statistics; may be <= 0.
+  """
+  limits = []
+  for device in devices:
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+      return DEFAULT_CPU_KV_CACHE_BYTES
+    limits.append(int(gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0))
+  return min(limits)
+
+
+def default_num_kv_blocks(
+  spec: KVCacheSpec,
+  backend: AttentionBackend,
+  *,
+  max_num_reqs: int,
+  max_num_blocks_per_req: int,
+  block_size: int,
+  devices: Sequence[jax.Device],
+  gpu_memory_utilization: float,
+) -> int:
+  """Pages (the null page included) of the paged cache when neither `num_kv_blocks` nor
+  `kv_cache_memory_bytes` is given: room for `max_num_reqs` full-length requests and
+  `PREFIX_CACHE_SHARE` more, at most `memory_limit` bytes per device.
+
+  Raises:
+    ValueError: the memory limit holds fewer than 2 pages (naming the bytes, and
+      `gpu_memory_utilization` on an accelerator).
+  """
+  wanted = 1 + max_num_reqs * max_num_blocks_per_req * (1 + PREFIX_CACHE_SHARE)
+  limit = memory_limit(devices, gpu_memory_utilization)
+  try:
+    fits = backend.num_blocks_for_memory(
+      max(limit, 0),
+      num_layers=spec.num_layers,
+      block_size=block_size,
+      num_kv_heads=spec.num_kv_heads,
+      head_dim=spec.head_dim,
+      dtype=spec.dtype,
+    )
+  except ValueError as error:
+    raise ValueError(
+      f"the default paged KV cache has {limit} bytes per device (gpu_memory_utilization="
+      f"{gpu_memory_utilization} of the device memory, less what is in use): {error}; raise "
+      "gpu_memory_utilization or give kv_cache_memory_bytes / num_kv_blocks"
+    ) from None
+  return min(int(wanted), fits)
