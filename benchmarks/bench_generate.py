@@ -29,11 +29,11 @@ each, `--max-tokens` new tokens (temperature 1, ignore_eos, logprobs of the samp
 submitted at once. Engine variants, each warmed up once and then timed interleaved with the
 others (`--repeats` rounds, best run counts): the baseline (one decode step per dispatch, every
 sample prefilled), `+ k steps` (`num_decode_steps=K`), `+ one prefill for n`
-(`prefill_once_per_request`), `+ prefix caching` (`enable_prefix_caching`; the cache is emptied
+(`prefill_once_per_request`), `pages` (the paged KV cache: the samples share the prompt's pages,
+and prefix caching shares the system prefix; the cache is emptied
 before each rollout, as a weight update between RL steps does, so hits come from within the
 rollout). Reports tokens/s (generated tokens / wall time) and the mean time to first token,
-checks that every variant produced the same tokens, and times the prefix cache's block copies
-against the prefill of the same prefix.
+and checks that every variant produced the same tokens.
 The issue's full shape is `--grpo-prompts 64 --prompt-len 256 --prefix-len 200 --n 8
 --max-tokens 128`; the defaults are scaled down to run in minutes on a 2-core CPU.
 
@@ -287,15 +287,13 @@ def grpo(args) -> None:
     temperature=1.0, n=args.n, seed=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0
   )
   k = args.num_decode_steps
+  slots = dict(paged_kv_cache=False)
   variants = {
-    "baseline (k=1, n prefills)": dict(num_decode_steps=1, prefill_once_per_request=False),
-    f"+ k={k} steps": dict(num_decode_steps=k, prefill_once_per_request=False),
-    "+ one prefill for n": dict(num_decode_steps=k, prefill_once_per_request=True),
-    "+ prefix caching": dict(
-      num_decode_steps=k, prefill_once_per_request=True, enable_prefix_caching=True
-    ),
+    "baseline (slots, k=1, n prefills)": dict(slots, prefill_once_per_request=False),
+    f"+ k={k} steps": dict(slots, num_decode_steps=k, prefill_once_per_request=False),
+    "+ one prefill for n": dict(slots, num_decode_steps=k, prefill_once_per_request=True),
+    "pages (shared prompt pages, prefix caching)": dict(num_decode_steps=k),
   }
-  variants = {name: {"enable_prefix_caching": False, **kw} for name, kw in variants.items()}
   engines = {
     name: LLMEngine(
       model, tokenizer, max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len, **kw
@@ -323,52 +321,8 @@ def grpo(args) -> None:
   print("| variant | tok/s | vs baseline | mean TTFT s |\n|---|---:|---:|---:|")
   for name, (wall, ttft) in results.items():
     print(f"| {name} | {generated / wall:.1f} | {base / wall:.2f}x | {ttft:.2f} |", flush=True)
-  cached = engines["+ prefix caching"]
-  print(f"# prefix cache, all rollouts: {cached.prefix_cache_stats}")
-  _copy_cost(cached, args.prefix_len // 16)
-
-
-def _copy_cost(engine, num_blocks: int, repeats: int = 5) -> None:
-  """Median ms of copying `num_blocks` blocks pool -> slot and slot -> pool, against prefilling
-  those `16 * num_blocks` tokens in one row."""
-  from jaxengine.engine.buckets import bucket
-  from jaxengine.engine.prefix_prefill import copy_arrays, load_blocks, save_blocks
-
-  runner, prefix = engine.runner, engine.runner.prefix_cache
-  copies = [(i, 0, i) for i in range(num_blocks)]
-  args = copy_arrays(copies, prefix.copy_buckets, 0, 0)
-  length = 16 * num_blocks
-  size = bucket(length, runner.length_buckets)
-  tokens, positions = np.zeros((1, size), np.int32), np.arange(size, dtype=np.int32)[None]
-
-  def load():
-    runner.set_kv_cache(load_blocks(runner.kv_cache, prefix.pool, *args))
-    return runner.kv_cache
-
-  def save():
-    prefix.pool = save_blocks(prefix.pool, runner.kv_cache, *args)
-    return prefix.pool
-
-  def prefill():
-    runner.set_kv_cache(
-      runner.steps.prefill(
-        runner.weights, runner.kv_cache, tokens, positions, np.zeros((1,), np.int32)
-      )
-    )
-    return runner.kv_cache
-
-  times = sequential_ms({"load": load, "save": save, "prefill": prefill}, repeats)
-  engine.reset_prefix_cache()  # the pool's blocks were overwritten
-  spec = runner.model.kv_cache_spec
-  block_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim
-  block_bytes *= np.dtype(spec.dtype).itemsize
-  print(
-    f"# {num_blocks} blocks ({length} tokens, {num_blocks * block_bytes / 2**20:.1f} MiB): "
-    f"pool -> slot {times['load']:.2f} ms, slot -> pool {times['save']:.2f} ms, prefill of "
-    f"those tokens {times['prefill']:.1f} ms (length bucket {size}); pool of "
-    f"{prefix.index.num_blocks} blocks = {prefix.index.num_blocks * block_bytes / 2**20:.0f} MiB",
-    flush=True,
-  )
+  paged = engines["pages (shared prompt pages, prefix caching)"]
+  print(f"# paged KV cache, after all rollouts: {paged.kv_cache_stats}")
 
 
 _PARAGRAPHS = [

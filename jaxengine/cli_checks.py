@@ -64,6 +64,17 @@ def positive_int(text: str) -> int:
   return value
 
 
+def unit_fraction(text: str) -> float:
+  """A float in (0, 1] (`--gpu-memory-utilization`); anything else is a usage error."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = float("nan")
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+  return value
+
+
 def token_id_list(text: str) -> list[int]:
   """argparse type of `--stop-token-ids`: comma-separated token ids, e.g. "2" or "2,3"."""
   try:

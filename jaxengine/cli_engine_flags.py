@@ -9,7 +9,12 @@ import argparse
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from jaxengine.cli_checks import compilation_cache, positive_int, speculative_config
+from jaxengine.cli_checks import (
+  compilation_cache,
+  positive_int,
+  speculative_config,
+  unit_fraction,
+)
 
 
 class EngineFlag(NamedTuple):
@@ -109,8 +114,8 @@ ENGINE_FLAGS = (
       metavar="BYTES",
       type=positive_int,
       default=None,
-      help="a paged KV cache of this many bytes shared by all requests (default: the slot cache, "
-      "max-num-reqs x max-model-len positions)",
+      help="bytes of the paged KV cache shared by all requests (default: pages for max-num-reqs "
+      "full-length requests and a quarter more, within --gpu-memory-utilization; 1 GiB on CPU)",
     ),
   ),
   EngineFlag(
@@ -120,7 +125,28 @@ ENGINE_FLAGS = (
       metavar="N",
       type=positive_int,
       default=None,
-      help="a paged KV cache of N pages (instead of --kv-cache-memory-bytes)",
+      help="the paged KV cache's size in pages (instead of --kv-cache-memory-bytes)",
+    ),
+  ),
+  EngineFlag(
+    "gpu_memory_utilization",
+    "--gpu-memory-utilization",
+    dict(
+      metavar="FRACTION",
+      type=unit_fraction,
+      default=0.9,
+      help="share of an accelerator's memory the engine may hold, weights included, when it "
+      "sizes the default paged KV cache (default 0.9)",
+    ),
+  ),
+  EngineFlag(
+    "paged_kv_cache",
+    "--paged-kv-cache",
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="a KV cache of pages shared by all requests (default: on); --no-paged-kv-cache: one "
+      "max-model-len slot per row",
     ),
   ),
   EngineFlag(

@@ -76,7 +76,8 @@ class LLM:
     tensor_parallel_size: devices splitting each layer (heads, intermediate size, vocabulary;
       see `jaxengine.parallel`); must divide the model's query heads.
     data_parallel_size: devices splitting the batch rows (and their KV-cache slots); must
-      divide `max_num_reqs`; 1 with the paged cache (`kv_cache_memory_bytes`).
+      divide `max_num_reqs`; above 1 it picks the slot cache (one pool of pages serves every
+      row).
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
     compilation_cache: JAX's persistent compilation cache, so a second process start reads the
@@ -90,8 +91,13 @@ class LLM:
     speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
       "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
-    num_decode_steps, prefill_once_per_request, enable_prefix_caching,
-    num_prefix_cache_blocks: see `LLMEngine` (prefix caching is on by default, as in vLLM V1).
+    num_decode_steps, prefill_once_per_request, enable_prefix_caching: see `LLMEngine` (prefix
+      caching is on by default, as in vLLM V1).
+    kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
+      max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged KV cache
+      (the default: a pool of `block_size`-token pages that requests take as they grow, sized
+      by `engine/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
+      `EngineConfig`. `paged_kv_cache=False`: one slot of `max_model_len` positions per row.
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -169,7 +175,7 @@ class LLM:
 
   def reset_prefix_cache(self) -> bool:
     """Empties the prefix cache (as `load_weights` does); returns True. Counters stay in
-    `llm.llm_engine.prefix_cache_stats`."""
+    `llm.llm_engine.kv_cache_stats`."""
     return self.llm_engine.reset_prefix_cache()
 
   def get_tokenizer(self) -> Tokenizer | None:

@@ -46,7 +46,14 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
       "num_speculative_tokens=64 must be below max_model_len=64",
     ),
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be a bool or None, got 'yes'"),
-    ({"num_prefix_cache_blocks": 0}, "num_prefix_cache_blocks must be an int >= 1, got 0"),
+    ({"paged_kv_cache": "yes"}, "paged_kv_cache must be a bool or None, got 'yes'"),
+    ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization must be a float in \(0, 1\], got 0"),
+    ({"gpu_memory_utilization": True}, "gpu_memory_utilization must be a float"),
+    ({"paged_kv_cache": False, "num_kv_blocks": 8}, "paged_kv_cache=False asks for the slot"),
+    (
+      {"paged_kv_cache": False, "enable_prefix_caching": True},
+      "enable_prefix_caching=True needs the paged KV cache",
+    ),
   ],
 )
 def test_each_bad_option_is_refused_by_name_before_any_model_loads(options, message, tmp_path):
@@ -63,16 +70,12 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
     EngineConfig(mesh=mesh, tensor_parallel_size=2)
   with pytest.raises(ValueError, match="needs 64 devices"):
     EngineConfig(tensor_parallel_size=64)
-  for options, message in [
-    ({"enable_prefix_caching": True}, "enable_prefix_caching=True is not supported on a mesh"),
-    ({"speculative_config": SPEC}, "and a mesh"),
-  ]:
-    with pytest.raises(ValueError, match=message):
-      EngineConfig(mesh=mesh, **options)
+  with pytest.raises(ValueError, match="and a mesh"):
+    EngineConfig(mesh=mesh, speculative_config=SPEC)
   config = EngineConfig(mesh=mesh)
   assert EngineConfig(mesh=mesh, num_decode_steps=2).num_decode_steps == 2  # runs on a mesh
   assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)
-  assert not config.prefix_caching  # None means off on a mesh with the slot cache
+  assert config.paged and config.prefix_caching  # pages by default, on a mesh too
   for enable in (None, True):  # the paged cache runs prefix caching on a mesh (on by default)
     paged = EngineConfig(mesh=mesh, num_kv_blocks=8, enable_prefix_caching=enable)
     assert paged.prefix_caching and paged.mesh is mesh
@@ -106,18 +109,16 @@ def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults()
     TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"
   ):
     LLMEngine(model, max_num_seqs=4)
-  with pytest.raises(
-    TypeError, match="LLM\\(\\) got an unexpected keyword argument 'gpu_memory_utilization'"
-  ):
-    je.LLM(model, gpu_memory_utilization=0.9)
+  with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'swap_space'"):
+    je.LLM(model, swap_space=4)
 
 
 def test_keywords_replace_fields_of_a_given_config():
   model, _ = tiny_llama(vocab_size=32)
-  base = EngineConfig(max_num_reqs=2, max_model_len=32, enable_prefix_caching=False)
+  base = EngineConfig(max_num_reqs=2, max_model_len=32, paged_kv_cache=False)
   engine = LLMEngine(model, config=base, max_model_len=16)
   assert engine.config == base.replace(max_model_len=16)
-  assert (engine.max_num_reqs, engine.max_model_len, engine.runner.prefix_cache) == (2, 16, None)
+  assert (engine.max_num_reqs, engine.max_model_len, engine.kv_cache_stats) == (2, 16, None)
   with pytest.raises(ValueError, match="config must be an EngineConfig, got dict"):
     LLMEngine(model, config={"max_num_reqs": 2})  # type: ignore[arg-type]
 

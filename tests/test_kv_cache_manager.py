@@ -16,16 +16,21 @@ from jaxengine.engine.block_pool import (
   hash_block_tokens,
 )
 from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
-from jaxengine.engine.prefix_cache import block_hashes
 
 BS = 4  # a small block size keeps the examples short
 
 
-def test_hash_chain_matches_the_prefix_cache_chain():
+def test_hash_chain_covers_full_blocks_each_hash_over_its_parent():
   tokens = list(range(3, 40))
-  assert extend_block_hashes([], tokens, 16) == block_hashes(tokens, 16)
+  whole = extend_block_hashes([], tokens, 16)
+  assert whole == [
+    hash_block_tokens(b"", tokens[:16]),
+    hash_block_tokens(hash_block_tokens(b"", tokens[:16]), tokens[16:32]),
+  ]  # 37 tokens: two full blocks, the partial third is not hashed
   chain = extend_block_hashes([], tokens[:20], 4)  # grown in two steps: the same chain
-  assert extend_block_hashes(chain, tokens, 4) == block_hashes(tokens, 4)
+  assert extend_block_hashes(chain, tokens, 4) == extend_block_hashes([], tokens, 4)
+  changed = extend_block_hashes([], [0, *tokens[1:]], 4)  # a first-block change reaches all
+  assert all(a != b for a, b in zip(changed, extend_block_hashes([], tokens, 4), strict=True))
   assert hash_block_tokens(b"", [1, 2]) != hash_block_tokens(b"", [2, 1])
 
 

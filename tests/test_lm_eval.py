@@ -203,7 +203,7 @@ def test_tasks_match_the_references(checkpoint, jax_lm):
   directory, c, tensors = checkpoint
   ours = evaluate(jax_lm)
   # One-token answers ask for no prompt logprobs: their questions come from the prefix cache.
-  assert jax_lm.llm.llm_engine.prefix_cache_stats.hits > 0
+  assert jax_lm.llm.llm_engine.kv_cache_stats.prefix_cache_hits > 0
   # The fixtures exercise what they claim: one- and multi-token answers, several windows.
   mc = [s["arguments"] for s in ours["samples"]["jaxengine_tiny_mc"]]
   lengths = {len(jax_lm.tok_encode(a[1], add_special_tokens=False)) for doc in mc for a in doc}

@@ -15,8 +15,6 @@ prefill.py            the prefill steps (prompt KV, optional prompt logprobs)
 decode.py             the fused decode-and-sample step; the step outputs the engine reads
 multi_step.py         k decode-and-sample steps in one device loop, rows stopping on the device
 shared_prefill.py     one prefill for the n samples of a request (KV copied between slots)
-prefix_cache.py       the prefix cache's host index: block hashes, LRU, stats
-prefix_prefill.py     the prefix cache on the device: block pool, copies, prefill in waves
 precompile.py         compiling every bucket ahead of the first request
 speculative.py        n-gram speculative decoding: the config, the host proposer, the stats
 speculative_policy.py when a step verifies drafts: the cost policy
@@ -24,6 +22,7 @@ verify.py             the verify step: the model over k + 1 positions, then reje
 output_processor.py   tokens -> logprob dicts, text and stop rules
 block_pool.py         the paged KV cache: blocks, reference counts, prefix hashes, eviction
 kv_cache_manager.py   the paged KV cache: per-request block tables, prefix hits, `KVCacheStats`
+kv_cache_size.py      the paged KV cache: its default size (pages for the rows, memory limit)
 paged_scheduler.py    the paged engine's scheduler: token budget, chunked prefill, preemption
 paged_inputs.py       the paged KV cache: a ragged step's positions, slots, attention metadata
 ragged_step.py        the model once over a ragged step's tokens, then the sampler

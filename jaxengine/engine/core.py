@@ -57,7 +57,8 @@ RequestSpec = tuple[str | None, object, SamplingParams | None]
 
 
 class LLMEngine:
-  """Continuous batching over a persistent `InputBatch` and a slot-addressed KV cache.
+  """Continuous batching over a persistent `InputBatch` and a paged KV cache (or, with
+  `paged_kv_cache=False`, one cache slot of `max_model_len` positions per row).
 
   Args:
     model: a `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`), weights loaded.
@@ -71,11 +72,14 @@ class LLMEngine:
       `max_model_len`, `max_num_logprobs`, `logprobs_mode`, `seed`, `mesh`, ...; a loader-only
       field such as `dtype` has no effect on a built model). Those the engine reads:
     max_num_reqs: rows of the batch (sequences decoded at once).
-    max_model_len: longest prompt plus output, in tokens (KV-cache length per slot).
+    max_model_len: longest prompt plus output, in tokens.
     mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``, or
       `tensor_parallel_size` / `data_parallel_size` to build one: see `ModelRunner` and
-      `jaxengine.parallel`. With the paged cache (`kv_cache_memory_bytes` / `num_kv_blocks`)
-      the pages split over key/value heads and `data_parallel_size` must be 1.
+      `jaxengine.parallel`. With the paged cache (the default) the pages split over key/value
+      heads and `data_parallel_size` must be 1 (`data_parallel_size > 1` picks the slot cache).
+    paged_kv_cache, kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
+      max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged cache and
+      its scheduler; see `EngineConfig` and `engine/paged_runner.py`.
     num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
       loop (default 1: one token per step). Larger values pay the host round trip once per `k`
       tokens. Tokens, text and finish reasons are those of k = 1 (rows stop on the device at
@@ -108,17 +112,14 @@ class LLMEngine:
       Counters: `spec_decode_stats`. With the paged cache the drafts are query tokens of the
       ragged step (`engine/paged_verify.py`): same drafts and cost model, scheduled within the
       token budget and the free pages (never preempting for them).
-    enable_prefix_caching: reuse the keys and values of full 16-token blocks of earlier prompts
-      (running or finished) for prompts that start the same way, instead of computing them again
-      (vLLM's option and hash chain; `engine/prefix_prefill.py`; with the paged cache, shared
-      pages). None (default): on, except with the slot cache on a mesh (not supported there
-      yet; the paged cache supports it). Requests asking for `prompt_logprobs` skip the lookup.
-      The cache is emptied by `load_weights` and `reset_prefix_cache`; `prefix_cache_stats`
-      counts its queries, hits and evictions. Same outputs (logprob values to float32
-      rounding: the cached prefix was computed in another executable).
-    num_prefix_cache_blocks: size of the cache's device pool in 16-token blocks (least recently
-      used blocks are evicted); default a quarter of the KV cache's positions
-      (`max_num_reqs * max_model_len / 4`), at least `max_model_len`.
+    enable_prefix_caching: later prompts that start as an earlier one did (running or
+      finished) share its full `block_size`-token pages instead of computing them again (vLLM's
+      option and hash chain; `engine/kv_cache_manager.py`). None (default): on with the paged
+      cache; the slot cache has none (True with it is refused). Requests asking for
+      `prompt_logprobs` skip the lookup. The cache is emptied by `load_weights` and
+      `reset_prefix_cache`; `kv_cache_stats` counts its queries, hits and evictions. Same
+      outputs (logprob values to float32 rounding: the cached prefix was computed in another
+      executable).
 
   Raises:
     TypeError: a keyword that is not an `EngineConfig` field.
@@ -296,14 +297,8 @@ class LLMEngine:
     self.runner.load_weights(weights)
 
   def reset_prefix_cache(self) -> bool:
-    """Empties the prefix cache (running requests keep their own copies); returns True."""
+    """Forgets every prefix hash (running requests keep their pages); returns True."""
     return self.runner.reset_prefix_cache()
-
-  @property
-  def prefix_cache_stats(self):
-    """`PrefixCacheStats` (requests, queries and hits in tokens, evictions, resets,
-    stored_blocks) since the engine started, or None with prefix caching off."""
-    return self.runner.prefix_cache_stats
 
   def precompile(self, use_tqdm: bool = True) -> int:
     """Compiles every prefill and decode bucket (see `ModelRunner.precompile`); returns how

@@ -74,12 +74,9 @@ class EngineConfig:
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
       `num_speculative_tokens` below `max_model_len`; with the slot or the paged cache.
-    enable_prefix_caching: reuse the cached keys and values of full prompt blocks (16 tokens,
-      or `block_size` with the paged cache); None (default): on, except with the slot cache on a
-      mesh (True there is refused; the paged cache supports it on a mesh). See
-      `prefix_caching`.
-    num_prefix_cache_blocks: the prefix cache's pool size in 16-token blocks, an int >= 1, or
-      None (a quarter of the KV cache's positions, at least `max_model_len`).
+    enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
+      requests that start alike; None (default): on with the paged cache, off with the slot
+      cache (which has no prefix cache: True with it is refused). See `prefix_caching`.
     paged_kv_cache: whether the KV cache is a pool of `block_size`-token pages shared by every
       request (True), or `max_num_reqs` slots of `max_model_len` positions each (False: the
       earlier layout, kept for `data_parallel_size > 1` and for comparisons). None (default):
@@ -111,7 +108,7 @@ class EngineConfig:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
-      or `num_decode_steps > 1`, prefix caching on a mesh with the slot cache,
+      or `num_decode_steps > 1`, prefix caching with the slot cache,
       `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged cache
       size); more devices than there are.
   """
@@ -134,7 +131,6 @@ class EngineConfig:
   logits_processors: Sequence | None = None
   speculative_config: SpeculativeConfig | Mapping | None = None
   enable_prefix_caching: bool | None = None
-  num_prefix_cache_blocks: int | None = None
   paged_kv_cache: bool | None = None
   kv_cache_memory_bytes: int | None = None
   num_kv_blocks: int | None = None
@@ -180,8 +176,8 @@ class EngineConfig:
       self._set(name, bool(value))
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
     self._check_decoding()
-    self._check_prefix_caching()
     self._check_paged()
+    self._check_prefix_caching()
 
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # normalising a field of the frozen config
@@ -229,15 +225,11 @@ class EngineConfig:
     enable = self.enable_prefix_caching
     if enable is not None and not isinstance(enable, bool):
       raise ValueError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
-    if enable and self.mesh is not None and not self.paged:
+    if enable and not self.paged:
       raise ValueError(
-        "enable_prefix_caching=True is not supported on a mesh with the slot cache yet (the "
-        "paged cache supports it: give kv_cache_memory_bytes or num_kv_blocks)"
+        "enable_prefix_caching=True needs the paged KV cache (its requests share prefix pages); "
+        "the slot cache has no prefix cache"
       )
-    num_blocks = self.num_prefix_cache_blocks
-    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
-      raise ValueError(f"num_prefix_cache_blocks must be an int >= 1, got {num_blocks!r}")
-    self._set("num_prefix_cache_blocks", None if num_blocks is None else int(num_blocks))
 
   def _check_paged(self) -> None:
     layout = self.paged_kv_cache
@@ -323,11 +315,9 @@ class EngineConfig:
 
   @property
   def prefix_caching(self) -> bool:
-    """Whether prefix caching is on: `enable_prefix_caching`, None meaning on, except with the
-    slot cache on a mesh."""
-    if self.enable_prefix_caching is None:
-      return self.mesh is None or self.paged
-    return self.enable_prefix_caching
+    """Whether prefix caching is on: `enable_prefix_caching`, None meaning on with the paged
+    cache (the slot cache has none)."""
+    return self.paged and self.enable_prefix_caching is not False
 
   @property
   def speculative(self) -> SpeculativeConfig | None:

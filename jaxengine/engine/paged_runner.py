@@ -184,11 +184,6 @@ class PagedModelRunner(ModelRunner):
     self.kv_cache_manager.reset_prefix_cache()
     return True
 
-  @property
-  def prefix_cache_stats(self) -> None:
-    """None: the paged cache counts its prefix hits in `kv_cache_manager.stats`."""
-    return None
-
   # --- composition --------------------------------------------------------------------------------
 
   def add(self, completion: Completion) -> None:

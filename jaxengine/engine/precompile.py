@@ -16,7 +16,6 @@ from tqdm import tqdm
 from jaxengine.batch import InputBatch
 from jaxengine.batch.step_loop import run_steps
 from jaxengine.engine.multi_step import stop_rule_arrays
-from jaxengine.engine.prefix_prefill import PrefixPrefill
 from jaxengine.engine.steps import RunnerSteps
 from jaxengine.models.kv_cache import KVCache
 
@@ -34,8 +33,6 @@ class PrecompileTarget(Protocol):
   @property
   def kv_cache(self) -> KVCache: ...
   @property
-  def prefix_cache(self) -> PrefixPrefill | None: ...
-  @property
   def row_buckets(self) -> list[int]: ...
   @property
   def length_buckets(self) -> list[int]: ...
@@ -51,15 +48,10 @@ class PrecompileTarget(Protocol):
 def precompile_shapes(
   runner: PrecompileTarget, num_speculative_tokens: int = 0
 ) -> list[tuple[str, int, Any]]:
-  """The `(kind, rows, size)` step shapes to compile: every prefill (row, length) bucket and,
-  with the prefix cache, every (row, length, longer attention) bucket and copy bucket; every
-  decode (row, attention) bucket; and with speculation every verify (row, attention) bucket."""
+  """The `(kind, rows, size)` step shapes to compile: every prefill (row, length) bucket, every
+  decode (row, attention) bucket, and with speculation every verify (row, attention) bucket."""
   rows, lengths, attention = runner.row_buckets, runner.length_buckets, runner.attention_buckets
   shapes: list[tuple[str, int, Any]] = [("prefill", r, n) for r in rows for n in lengths]
-  prefix = runner.prefix_cache
-  if prefix is not None:  # prefills after a cached prefix attend further; the block copies
-    shapes += [("prefill", r, (n, a)) for r in rows for n in lengths for a in lengths if a > n]
-    shapes += [("copy", size, None) for size in prefix.copy_buckets]
   shapes += [("decode", r, n) for r in rows for n in attention]
   if num_speculative_tokens:
     shapes += [("verify", r, n) for r in rows for n in attention]
@@ -78,14 +70,12 @@ def precompile_buckets(
   kv_cache: Any = runner.kv_cache
   for kind, rows, n in tqdm(shapes, desc="Compiling", disable=not use_tqdm, dynamic_ncols=True):
     if kind == "prefill":
-      length, longer = n if isinstance(n, tuple) else (n, None)
       kv_cache = steps.prefill(
         weights,
         kv_cache,
-        np.zeros((rows, length), np.int32),
-        np.full((rows, length), runner.max_model_len, np.int32),
+        np.zeros((rows, n), np.int32),
+        np.full((rows, n), runner.max_model_len, np.int32),
         np.zeros((rows,), np.int32),
-        **({} if longer is None else {"attention_len": longer}),  # as `prefill_rows` calls
       )
     elif kind == "verify":
       drafts = np.zeros((rows, num_speculative_tokens), np.int32)
@@ -93,9 +83,6 @@ def precompile_buckets(
         batch, steps.verify, weights, kv_cache, drafts, np.zeros((rows,), np.int32),
         attention_len=n, num_rows=rows,
       )  # fmt: skip
-    elif kind == "copy":  # padding copies only: nothing is written
-      assert runner.prefix_cache is not None
-      kv_cache = runner.prefix_cache.precompile_copy(kv_cache, rows)
     elif num_decode_steps == 1:
       _, kv_cache = batch.run(steps.decode, weights, kv_cache, n, rows)
     else:

@@ -1,8 +1,7 @@
 """The runner's prefill steps as pure device functions.
 
-A prefill writes the keys and values of a padded `[B, T]` block of prompt tokens into their rows'
-cache slots. Prompts start at position 0, or after a prefix already in the slot (prefix caching):
-then the call attends to `attention_len` cache positions, a bucket above its last position.
+A prefill writes the keys and values of a padded `[B, T]` block of prompt tokens, from position
+0, into their rows' cache slots, attending to the first `T` positions of each slot.
 """
 
 from __future__ import annotations
@@ -14,15 +13,11 @@ from jaxengine.models.attention import AttentionMetadata
 from jaxengine.sample import gather_logprobs
 
 
-def prefill_step(
-  graphdef, weights, kv_cache, token_ids, positions, cache_slots, attention_len=None
-):
-  """Writes the keys and values of `token_ids` [B, T]; `attention_len` (static) exceeds every
-  real position (None: T, for prompts from position 0; more after a cached prefix)."""
+def prefill_step(graphdef, weights, kv_cache, token_ids, positions, cache_slots):
+  """Writes the keys and values of `token_ids` [B, T] (positions `0 .. T - 1` of each row)."""
   model = nnx.merge(graphdef, weights)
-  attention_len = attention_len or token_ids.shape[1]
   attn_metadata = AttentionMetadata(
-    cache_slots=cache_slots, positions=positions, attention_len=attention_len
+    cache_slots=cache_slots, positions=positions, attention_len=token_ids.shape[1]
   )
   _, kv_cache = model(token_ids, positions, kv_cache, attn_metadata)
   return kv_cache

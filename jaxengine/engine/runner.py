@@ -2,8 +2,8 @@
 
 Everything that runs on the device for the engine goes through here:
 
-- `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last; after a
-  prefix found in the prefix cache, `engine/prefix_prefill.py`), padded to a bucketed shape;
+- `prefill(completions)`: writes the KV cache of new prompts (all tokens but the last), padded
+  to a bucketed shape;
 - `decode()`: one fused executable over a power-of-two bucket of rows holding every live row:
   the model on each row's last token, then the sampler (`jaxengine.sample.sample`), which
   appends the token on device;
@@ -13,8 +13,7 @@ Everything that runs on the device for the engine goes through here:
 The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
 jitted with the cache and batch state donated. Compiles are bounded by the buckets: one decode
 per (row bucket, attention bucket) reached (and with speculation one verify per such pair), one
-prefill per (row bucket, length bucket, attention bucket >= length: only after a cached prefix)
-and with prompt logprobs per (row, length) bucket, one block load and store per copy bucket, plus
+prefill per (row bucket, length bucket) and with prompt logprobs per (row, length) bucket, plus
 the batch's row write, row move and metadata refresh.
 """
 
@@ -37,13 +36,6 @@ from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.multi_step import device_stop_rules, stop_rule_arrays
 from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.precompile import precompile_buckets
-from jaxengine.engine.prefix_cache import PrefixCacheStats
-from jaxengine.engine.prefix_prefill import (
-  BLOCK_SIZE,
-  PrefixPrefill,
-  default_num_blocks,
-  prefill_end,
-)
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
 from jaxengine.engine.steps import RunnerSteps, jit_steps
@@ -79,13 +71,10 @@ class ModelRunner:
         state are placed on it once here with `jaxengine.parallel`'s partition specs, and every
         jitted step declares those shardings for its inputs and outputs (so serving compiles
         nothing warm-up did not);
-      - `prefix_caching`: keep full 16-token blocks of prompts in a device pool and copy them
-        into the slots of later prompts that start the same way (`engine/prefix_prefill.py`);
-        not on a mesh (the paged runner shares pages instead, on a mesh too);
-      - `num_prefix_cache_blocks`: the pool's size in blocks (default `default_num_blocks`: a
-        quarter of the slot cache's positions).
+      Prefix caching needs the paged cache (`engine/paged_runner.py`), whose requests share
+      pages; the slot cache has none.
 
-      Default: `EngineConfig` with the batch's sizes and prefix caching off.
+      Default: `EngineConfig` with the batch's sizes and the slot cache.
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
@@ -105,7 +94,7 @@ class ModelRunner:
       config = EngineConfig(
         max_num_reqs=input_batch.max_num_reqs,
         max_model_len=input_batch.max_model_len,
-        enable_prefix_caching=False,
+        paged_kv_cache=False,
       )
     sizes = (config.max_num_reqs, config.max_model_len)
     if sizes != (input_batch.max_num_reqs, input_batch.max_model_len):
@@ -157,13 +146,6 @@ class ModelRunner:
     )
     # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
     self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
-    self.prefix_cache: PrefixPrefill | None = None
-    if config.prefix_caching and not config.paged:
-      num_blocks = config.num_prefix_cache_blocks or default_num_blocks(
-        self.max_num_reqs, self.max_model_len
-      )
-      max_copies = self.max_num_reqs * -(-self.max_model_len // BLOCK_SIZE)
-      self.prefix_cache = PrefixPrefill(model.kv_cache_spec, int(num_blocks), max_copies)
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> Any:
     """The KV cache: `max_num_reqs` slots of `max_model_len` positions, on one device or in its
@@ -228,20 +210,13 @@ class ModelRunner:
     self.reset_prefix_cache()
 
   def reset_prefix_cache(self) -> bool:
-    """Empties the prefix cache (nothing is pinned, so this always succeeds: True)."""
-    if self.prefix_cache is not None:
-      self.prefix_cache.index.reset()
+    """Forgets the prefix cache's entries; True (the slot cache has none: a no-op)."""
     return True
 
   def set_kv_cache(self, kv_cache: KVCache) -> None:
     """Keeps `kv_cache` as the runner's KV cache: the result of a step that took (and donated)
-    the current one, as `PrefixPrefill.load` and the precompile loop return it."""
+    the current one, as the precompile loop returns it."""
     self.kv_cache = kv_cache
-
-  @property
-  def prefix_cache_stats(self) -> PrefixCacheStats | None:
-    """The prefix cache's counters, or None when it is off."""
-    return None if self.prefix_cache is None else self.prefix_cache.index.stats
 
   # --- composition ------------------------------------------------------------------------------
 
@@ -281,38 +256,19 @@ class ModelRunner:
       completion), `LogprobsArrays` of `[num_prompt_tokens - 1, max_num_logprobs + 1]`:
       the logprobs of prompt tokens `1..`, keyed by request id.
     """
-    prefix = self.prefix_cache
-    if prefix is None:
-      return self.prefill_rows(completions)
-    out: dict[str, LogprobsArrays] = {}
-    for wave in prefix.waves(completions, self.input_batch.cache_slot):
-      self.kv_cache = prefix.load(self.kv_cache, wave)
-      out.update(self.prefill_rows(wave.completions, wave.starts))
-      prefix.store(self.kv_cache, wave)
-    return out
-
-  def prefill_rows(
-    self, completions: Sequence[Completion], starts: Mapping[str, int] | None = None
-  ) -> dict[str, LogprobsArrays]:
-    """`prefill` without lookups: each prompt from `starts[seq_id]` (cached, in the slot) to
-    `prefill_end` when `starts` is given, else from 0 to its last token."""
     groups = collections.defaultdict(list)
     prompt_logprobs: dict[str, LogprobsArrays | None] = {}
     for completion in completions:
-      start = 0 if starts is None else starts[completion.seq_id]
       end = len(completion.request.prompt_token_ids) - 1
-      end = end if starts is None else prefill_end(completion)
       wants_logprobs = completion.index == 0 and completion.params.prompt_logprobs is not None
-      if end > start:
-        length = bucket(end - start, self.length_buckets)
-        attention = bucket(end, self.length_buckets) if start else length
-        groups[length, attention, wants_logprobs].append((completion, start, end))
+      if end > 0:
+        groups[bucket(end, self.length_buckets), wants_logprobs].append((completion, end))
       elif wants_logprobs:
         prompt_logprobs[completion.request.request_id] = None
-    for (length, attention, wants_logprobs), group in sorted(groups.items(), key=lambda i: i[0]):
+    for (length, wants_logprobs), group in sorted(groups.items(), key=lambda i: i[0]):
       for first in range(0, len(group), self.max_num_reqs):
         chunk = group[first : first + self.max_num_reqs]
-        prompt_logprobs.update(self._prefill_group(chunk, length, attention, wants_logprobs))
+        prompt_logprobs.update(self._prefill_group(chunk, length, wants_logprobs))
     return {k: v for k, v in prompt_logprobs.items() if v is not None}
 
   def prefill_once_per_request(
@@ -330,13 +286,9 @@ class ModelRunner:
     return prompt_logprobs
 
   def _prefill_group(
-    self,
-    group: list[tuple[Completion, int, int]],
-    length: int,
-    attention: int,
-    wants_logprobs: bool,
+    self, group: list[tuple[Completion, int]], length: int, wants_logprobs: bool
   ) -> dict[str, LogprobsArrays]:
-    """One prefill call: `(completion, start, end)` rows, tokens `start .. end - 1` of each."""
+    """One prefill call: `(completion, end)` rows, prompt tokens `0 .. end - 1` of each."""
     size = bucket(len(group), self.row_buckets)
     token_ids = np.zeros((size, length), np.int32)
     next_token_ids = np.zeros((size, length), np.int32)
@@ -344,24 +296,21 @@ class ModelRunner:
     # padding rows use max_model_len, where the cache drops writes.
     positions = np.full((size, length), self.max_model_len, np.int32)
     slots = np.zeros((size,), np.int32)
-    for i, (completion, start, end) in enumerate(group):
+    for i, (completion, end) in enumerate(group):
       prompt = completion.request.prompt_token_ids
-      token_ids[i, : end - start] = prompt[start:end]
-      following = prompt[start + 1 : end + 1]  # read with prompt logprobs (end < len)
-      next_token_ids[i, : len(following)] = following
-      positions[i] = start + np.arange(length)
+      token_ids[i, :end] = prompt[:end]
+      next_token_ids[i, :end] = prompt[1 : end + 1]  # read with prompt logprobs
+      positions[i] = np.arange(length)
       slots[i] = self.input_batch.cache_slot(completion.seq_id)
     if not wants_logprobs:
-      longer = {"attention_len": attention} if attention > length else {}  # never on a mesh
-      args = (self.weights, self.kv_cache, token_ids, positions, slots)
-      self.kv_cache = self.steps.prefill(*args, **longer)
+      self.kv_cache = self.steps.prefill(self.weights, self.kv_cache, token_ids, positions, slots)
       return {}
     self.kv_cache, logprobs = self.steps.prefill_logprobs(
       self.weights, self.kv_cache, token_ids, positions, slots, next_token_ids
     )
     logprobs = jax.device_get(logprobs)
     out = {}
-    for i, (completion, _, n) in enumerate(group):
+    for i, (completion, n) in enumerate(group):
       out[completion.request.request_id] = LogprobsArrays(
         token_ids=logprobs.token_ids[i, :n],
         logprobs=logprobs.logprobs[i, :n],

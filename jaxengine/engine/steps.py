@@ -29,8 +29,8 @@ class RunnerSteps:
   Attributes:
     decode: `decode_and_sample`: ``(state, metadata, weights, kv_cache, attention_len,
       num_rows) -> (state, SamplerOutput, kv_cache)``; state and cache donated.
-    prefill: `prefill_step`: ``(weights, kv_cache, token_ids, positions, cache_slots,
-      attention_len=None) -> kv_cache``; cache donated.
+    prefill: `prefill_step`: ``(weights, kv_cache, token_ids, positions, cache_slots) ->
+      kv_cache``; cache donated.
     prefill_logprobs: `prefill_with_prompt_logprobs`: ``(weights, kv_cache, token_ids,
       positions, cache_slots, next_token_ids) -> (kv_cache, LogprobsTensors)``; cache donated.
     decode_steps: `decode_steps` (the k-step loop): ``(state, metadata, weights, kv_cache,
@@ -78,7 +78,6 @@ def jit_steps(
     ),
     prefill=jax.jit(
       functools.partial(prefill_step, graphdef),
-      static_argnames=("attention_len",),
       donate_argnames=("kv_cache",),
       **shardings.get("prefill", {}),
     ),

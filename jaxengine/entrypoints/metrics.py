@@ -13,7 +13,7 @@
 
 Each `ServerMetrics` has its own registry (several servers in one process do not collide). The
 engine thread records each step's `IterationStats`; the prefix-cache counters are read from the
-engine's `prefix_cache_stats` when scraped.
+engine's `kv_cache_stats` when scraped (none with the slot cache, which has no prefix cache).
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ class _PrefixCacheCollector:
     self.labels = labels
 
   def collect(self):
-    paged = getattr(self.engine, "kv_cache_stats", None)
-    stats = self.engine.prefix_cache_stats
+    paged = self.engine.kv_cache_stats
     counters = []
     if paged is not None:
       counters = [
@@ -58,11 +57,6 @@ class _PrefixCacheCollector:
       )
       usage.add_metric(list(self.labels.values()), paged.num_used_blocks / paged.num_blocks)
       yield usage
-    elif stats is not None:
-      counters = [
-        ("prefix_cache_queries", stats.queries, PREFIX_QUERIES_DOC),
-        ("prefix_cache_hits", stats.hits, PREFIX_HITS_DOC),
-      ]
     for name, value, doc in counters:
       family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
       family.add_metric(list(self.labels.values()), value)

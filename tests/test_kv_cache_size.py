@@ -1,0 +1,59 @@
+"""The paged KV cache's default size: pages for every row at full length and a quarter more,
+within the device memory the engine may take (`jaxengine/engine/kv_cache_size.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from jaxengine.engine import LLMEngine
+from jaxengine.engine.kv_cache_size import (
+  DEFAULT_CPU_KV_CACHE_BYTES,
+  default_num_kv_blocks,
+  memory_limit,
+)
+from jaxengine.models.attention_backends import attention_backend
+from jaxengine.testing import tiny_llama
+
+
+@dataclasses.dataclass
+class FakeAccelerator:
+  """A device reporting memory statistics as GPU and TPU devices do."""
+
+  bytes_limit: int
+  bytes_in_use: int
+
+  def memory_stats(self) -> dict[str, int]:
+    return {"bytes_limit": self.bytes_limit, "bytes_in_use": self.bytes_in_use}
+
+
+def test_the_default_pool_holds_every_row_at_full_length_and_a_quarter_more():
+  model, _ = tiny_llama(vocab_size=32)
+  engine = LLMEngine(model, max_num_reqs=4, max_model_len=40, block_size=8)
+  stats = engine.kv_cache_stats
+  # 4 rows x ceil(40 / 8) = 20 pages, a quarter more: 25 usable (the null page aside).
+  assert stats is not None and stats.num_blocks == 25
+  slots = LLMEngine(model, max_num_reqs=4, max_model_len=40, paged_kv_cache=False)
+  assert slots.kv_cache_stats is None and slots.config.prefix_caching is False
+
+
+def test_the_memory_limit_is_the_tightest_device_share_or_the_cpu_default():
+  devices = [FakeAccelerator(1000, 100), FakeAccelerator(2000, 0)]
+  assert memory_limit(devices, 0.5) == min(500 - 100, 1000 - 0)
+  assert memory_limit(jax.devices()[:1], 0.9) == DEFAULT_CPU_KV_CACHE_BYTES  # CPU: no stats
+
+
+def test_the_default_pool_stays_within_the_memory_limit_and_names_it_when_too_small():
+  model, _ = tiny_llama(vocab_size=32)
+  spec, backend = model.kv_cache_spec, attention_backend("xla")
+  per_page = 2 * spec.num_layers * 8 * spec.num_kv_heads * spec.head_dim * 4  # float32 k and v
+  sizes = dict(max_num_reqs=4, max_num_blocks_per_req=5, block_size=8, gpu_memory_utilization=1.0)
+  roomy = [FakeAccelerator(10**9, 0)]
+  assert default_num_kv_blocks(spec, backend, devices=roomy, **sizes) == 26
+  tight = [FakeAccelerator(10 * per_page + 100, 100)]  # ten pages free after the weights
+  assert default_num_kv_blocks(spec, backend, devices=tight, **sizes) == 10
+  full = [FakeAccelerator(per_page, per_page)]
+  with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.0 .* give kv_cache_memory_bytes"):
+    default_num_kv_blocks(spec, backend, devices=full, **sizes)
