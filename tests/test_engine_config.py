@@ -65,7 +65,8 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
     EngineConfig(tensor_parallel_size=64)
   for options, message in [
     ({"enable_prefix_caching": True}, "enable_prefix_caching=True is not supported on a mesh"),
-    ({"speculative_config": SPEC}, "and a mesh"),
+    ({"speculative_config": SPEC}, "not supported on a mesh with the slot cache .the paged"),
+    ({"speculative_config": SPEC, "num_kv_blocks": 8, "num_decode_steps": 2}, "num_decode_steps=2"),
   ]:
     with pytest.raises(ValueError, match=message):
       EngineConfig(mesh=mesh, **options)
@@ -76,6 +77,8 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
   for enable in (None, True):  # the paged cache runs prefix caching on a mesh (on by default)
     paged = EngineConfig(mesh=mesh, num_kv_blocks=8, enable_prefix_caching=enable)
     assert paged.prefix_caching and paged.mesh is mesh
+  paged = EngineConfig(mesh=mesh, num_kv_blocks=8, speculative_config=SPEC)  # verified on a mesh
+  assert paged.num_speculative_tokens == 2 and paged.mesh is mesh
   assert config.replace(max_num_reqs=4).mesh is mesh  # a replaced config keeps its mesh
 
 

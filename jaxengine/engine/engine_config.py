@@ -72,8 +72,9 @@ class EngineConfig:
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
       strings; stored as a tuple of instances.
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
-      `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
-      `num_speculative_tokens` below `max_model_len`; with the slot or the paged cache.
+      `SpeculativeConfig`. Only with `num_decode_steps=1` and `num_speculative_tokens` below
+      `max_model_len`; with the slot or the paged cache, on a mesh with the paged cache only
+      (its verify step gathers the logits whole on every device: `engine/paged_verify.py`).
     enable_prefix_caching: reuse the cached keys and values of full prompt blocks (16 tokens,
       or `block_size` with the paged cache); None (default): on, except with the slot cache on a
       mesh (True there is refused; the paged cache supports it on a mesh). See
@@ -102,9 +103,9 @@ class EngineConfig:
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
-      `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
-      or `num_decode_steps > 1`, prefix caching on a mesh with the slot cache,
-      `data_parallel_size > 1` with the paged cache); more devices than there are.
+      `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with
+      `num_decode_steps > 1` or on a mesh with the slot cache, prefix caching on a mesh with the
+      slot cache, `data_parallel_size > 1` with the paged cache); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -198,10 +199,14 @@ class EngineConfig:
   def _check_decoding(self) -> None:
     spec = SpeculativeConfig.build(self.speculative_config)
     steps = self.num_decode_steps
-    if spec is not None and (self.mesh is not None or steps != 1):
+    if spec is not None and steps != 1:
       raise ValueError(
-        f"speculative_config works with num_decode_steps=1 on one device, got "
-        f"num_decode_steps={steps!r}" + (" and a mesh" if self.mesh is not None else "")
+        f"speculative_config works with num_decode_steps=1, got num_decode_steps={steps!r}"
+      )
+    if spec is not None and self.mesh is not None and not self.paged:
+      raise ValueError(
+        "speculative_config is not supported on a mesh with the slot cache (the paged cache "
+        "supports it: give kv_cache_memory_bytes or num_kv_blocks)"
       )
     k = None if spec is None else spec.num_speculative_tokens
     if k is not None and k >= self.max_model_len:  # never verifiable; and each step would
