@@ -167,18 +167,22 @@ assert llm.llm_engine.kv_cache_stats.prefix_cache_hits > 0  # finished prompts' 
 # --- n-gram speculative decoding on the mesh: the verify step gives one device's tokens -------
 spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
-spec_prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3], [9, 10, 11, 9, 10, 11, 9], [8, 9]]
+# The first request's greedy loop accepts drafts; the second finishes early, so the third's prompt
+# (and its prompt logprobs) is computed in a verify step of the first's drafts.
+spec_prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3], [8, 9], [9, 10, 11, 9, 10, 11, 9]]
 spec_params = [
-  SP(temperature=0, max_tokens=8, logprobs=2),
-  SP(temperature=0.8, top_k=100, seed=1, max_tokens=8, logprobs=2),  # a deep candidate list
+  SP(temperature=0, max_tokens=12, logprobs=2),
+  SP(temperature=0.8, top_k=100, seed=1, max_tokens=3, logprobs=2),  # a deep candidate list
+  SP(temperature=0, max_tokens=4, prompt_logprobs=1),
   SP(temperature=1.0, seed=2, min_p=0.05, presence_penalty=0.5, max_tokens=8, logprobs=1),
-  SP(temperature=0, max_tokens=4, prompt_logprobs=1),  # prompt logprobs in a verify step
 ]
+# Pages and budget for k = 3 drafts per row (the engines above allocate too few for them).
+spec_kw = dict(kw, num_kv_blocks=16, max_num_batched_tokens=16)
 def spec_engine(**options):
-  llm = je.LLM(model, speculative_config=spec, **kw, **options)
+  llm = je.LLM(model, speculative_config=spec, **spec_kw, **options)
   llm.llm_engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
   runner = llm.llm_engine.runner
-  runner.row_buckets, runner.token_buckets = [2], [8]  # one shape of each step: few compiles
+  runner.row_buckets, runner.token_buckets = [2], [16]  # one shape of each step: few compiles
   return llm
 one_spec = spec_engine()
 want_spec = run(one_spec, spec_prompts, spec_params)
@@ -187,7 +191,8 @@ check_same(run(spec_llm, spec_prompts, spec_params), want_spec, atol=1e-5)
 spec_stats = spec_llm.llm_engine.spec_decode_stats
 assert spec_stats.num_accepted_tokens > 0, spec_stats  # drafts were verified and kept
 assert spec_stats.num_accepted_tokens == one_spec.llm_engine.spec_decode_stats.num_accepted_tokens
-assert spec_llm.llm_engine.runner.ragged_verify_step._cache_size() > 0
+assert spec_stats.num_accepted_tokens_per_pos[1] > 0, spec_stats  # runs of accepted drafts
+assert spec_llm.llm_engine.runner.ragged_verify_step._cache_size() == 2  # with prompt logprobs
 with count_compiles() as compiles:
   again = run(spec_llm, spec_prompts, spec_params)
 assert compiles.count == 0, compiles.count
