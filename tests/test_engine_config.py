@@ -70,8 +70,15 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
     EngineConfig(mesh=mesh, tensor_parallel_size=2)
   with pytest.raises(ValueError, match="needs 64 devices"):
     EngineConfig(tensor_parallel_size=64)
-  with pytest.raises(ValueError, match="and a mesh"):
-    EngineConfig(mesh=mesh, speculative_config=SPEC)
+  for options, message in [
+    (
+      {"speculative_config": SPEC, "paged_kv_cache": False},
+      "not supported on a mesh with the slot cache .the paged",
+    ),
+    ({"speculative_config": SPEC, "num_kv_blocks": 8, "num_decode_steps": 2}, "num_decode_steps=2"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      EngineConfig(mesh=mesh, **options)
   config = EngineConfig(mesh=mesh)
   assert EngineConfig(mesh=mesh, num_decode_steps=2).num_decode_steps == 2  # runs on a mesh
   assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)
@@ -79,6 +86,8 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
   for enable in (None, True):  # the paged cache runs prefix caching on a mesh (on by default)
     paged = EngineConfig(mesh=mesh, num_kv_blocks=8, enable_prefix_caching=enable)
     assert paged.prefix_caching and paged.mesh is mesh
+  paged = EngineConfig(mesh=mesh, num_kv_blocks=8, speculative_config=SPEC)  # verified on a mesh
+  assert paged.num_speculative_tokens == 2 and paged.mesh is mesh
   assert config.replace(max_num_reqs=4).mesh is mesh  # a replaced config keeps its mesh
 
 

@@ -267,17 +267,18 @@ def _readme_section(title: str) -> str:
 
 def test_readme_states_the_top_p_tie_rule_and_the_mesh_limits():
   """Documented differences a new user hit: top-p keeps every token tied at the cut (vLLM's sort
-  keeps fewer), and which features refuse a mesh (prefix caching with the slot cache,
-  speculative decoding) under the mesh section, and that several decode steps per dispatch say
-  they run on one."""
+  keeps fewer), and what the slot cache lacks on a mesh (prefix caching, speculative decoding;
+  the paged cache runs both there) under the mesh section, and that several decode steps per
+  dispatch say they run on one."""
   differences = " ".join(_readme_section("Differences from vLLM").split())
   assert "Top-p keeps ties" in differences and "top_p=0.5" in differences
   throughput = " ".join(_readme_section("Rollout throughput and start-up").split())
   multi_step = throughput[throughput.index("Several decode steps per dispatch") :]
   assert "On a mesh too" in multi_step.split("- **")[0]
   mesh = " ".join(_readme_section("Many devices: tensor and data parallelism").split())
-  limits = mesh[mesh.index("Not on a mesh yet") :].split("Known limits")[0]
-  for feature in ("prefix caching with the slot cache", "speculative decoding"):
+  limits = mesh[mesh.index("The paragraphs above describe the slot cache") :]
+  limits = limits.split("Known limits")[0]
+  for feature in ("prefix caching", "speculative decoding", "the paged cache"):
     assert feature in limits, feature
 
 

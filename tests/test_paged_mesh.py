@@ -10,7 +10,11 @@ One subprocess (the device count must be set before JAX starts) runs every check
   chunked prefill and preemption, prefix caching on: the same tokens (greedy and seeded) and
   logprob ranks as one device, logprob values within 1e-4; repeated prompts hit the prefix cache;
   pages sharded over key/value heads, the batch state replicated;
-- precompiled on the mesh, serving compiles no ragged step, and a second run compiles nothing.
+- precompiled on the mesh, serving compiles no ragged step, and a second run compiles nothing;
+- n-gram speculative decoding (`speculative_config`, the paged verify step) with `t = 2`:
+  repeating prompts so drafts are accepted, the same tokens (greedy and seeded, a deep top-k
+  list, prompt logprobs in a verify step) and logprob ranks as one device, values within 1e-5,
+  the same accepted drafts; a second run compiles nothing.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def run(llm, prompts=prompts, params=params):
   outs = llm.generate(prompts, params, use_tqdm=False)
   return [(c.token_ids, c.logprobs, o.prompt_logprobs) for o in outs for c in o.outputs]
 
-def check_same(got, want):
+def check_same(got, want, atol=1e-4):
   for (a, la, pa), (b, lb, pb) in zip(got, want, strict=True):
     assert a == b, (a, b)
     for x, y in ((la, lb), (pa, pb)):
@@ -117,7 +121,7 @@ def check_same(got, want):
       ranks = lambda e: [[(t, v.rank) for t, v in d.items()] if d else d for d in e]
       values = lambda e: [v.logprob for d in e if d for v in d.values()]
       assert ranks(x) == ranks(y), (ranks(x), ranks(y))
-      np.testing.assert_allclose(values(x), values(y), atol=1e-4)
+      np.testing.assert_allclose(values(x), values(y), atol=atol)
 
 one = je.LLM(model, **kw)
 want = run(one)
@@ -159,6 +163,41 @@ with count_compiles() as compiles:
 assert compiles.count == 0, compiles.count
 check_same(again, want)
 assert llm.llm_engine.kv_cache_stats.prefix_cache_hits > 0  # finished prompts' blocks reused
+
+# --- n-gram speculative decoding on the mesh: the verify step gives one device's tokens -------
+spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
+# The first request's greedy loop accepts drafts; the second finishes early, so the third's prompt
+# (and its prompt logprobs) is computed in a verify step of the first's drafts.
+spec_prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3], [8, 9], [9, 10, 11, 9, 10, 11, 9]]
+spec_params = [
+  SP(temperature=0, max_tokens=12, logprobs=2),
+  SP(temperature=0.8, top_k=100, seed=1, max_tokens=3, logprobs=2),  # a deep candidate list
+  SP(temperature=0, max_tokens=4, prompt_logprobs=1),
+  SP(temperature=1.0, seed=2, min_p=0.05, presence_penalty=0.5, max_tokens=8, logprobs=1),
+]
+# Pages and budget for k = 3 drafts per row (the engines above allocate too few for them).
+spec_kw = dict(kw, num_kv_blocks=16, max_num_batched_tokens=16)
+def spec_engine(**options):
+  llm = je.LLM(model, speculative_config=spec, **spec_kw, **options)
+  llm.llm_engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
+  runner = llm.llm_engine.runner
+  runner.row_buckets, runner.token_buckets = [2], [16]  # one shape of each step: few compiles
+  return llm
+one_spec = spec_engine()
+want_spec = run(one_spec, spec_prompts, spec_params)
+spec_llm = spec_engine(tensor_parallel_size=2)
+check_same(run(spec_llm, spec_prompts, spec_params), want_spec, atol=1e-5)
+spec_stats = spec_llm.llm_engine.spec_decode_stats
+assert spec_stats.num_accepted_tokens > 0, spec_stats  # drafts were verified and kept
+assert spec_stats.num_accepted_tokens == one_spec.llm_engine.spec_decode_stats.num_accepted_tokens
+assert spec_stats.num_accepted_tokens_per_pos[1] > 0, spec_stats  # runs of accepted drafts
+assert spec_llm.llm_engine.runner.ragged_verify_step._cache_size() == 2  # with prompt logprobs
+with count_compiles() as compiles:
+  again = run(spec_llm, spec_prompts, spec_params)
+assert compiles.count == 0, compiles.count
+check_same(again, want_spec, atol=1e-5)
+print("speculative", spec_stats)
 print("ok")
 """
 
@@ -167,3 +206,4 @@ def test_paged_engine_on_a_mesh_matches_one_device():
   out = run_python(SCRIPT, os.path.dirname(os.path.abspath(__file__)), timeout=1500)
   assert out.strip().endswith("ok")
   assert out.count("backend") == 3
+  assert "speculative" in out

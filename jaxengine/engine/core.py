@@ -108,7 +108,8 @@ class LLMEngine:
       as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
-      runs. Not with `num_decode_steps > 1` or on a mesh; k must be below `max_model_len`.
+      runs. Not with `num_decode_steps > 1`, nor on a mesh with the slot cache; k must be below
+      `max_model_len`.
       Counters: `spec_decode_stats`. With the paged cache the drafts are query tokens of the
       ragged step (`engine/paged_verify.py`): same drafts and cost model, scheduled within the
       token budget and the free pages (never preempting for them).

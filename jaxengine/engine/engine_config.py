@@ -72,8 +72,9 @@ class EngineConfig:
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
       strings; stored as a tuple of instances.
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
-      `SpeculativeConfig`. Only with `num_decode_steps=1` on one device, and
-      `num_speculative_tokens` below `max_model_len`; with the slot or the paged cache.
+      `SpeculativeConfig`. Only with `num_decode_steps=1` and `num_speculative_tokens` below
+      `max_model_len`; with the slot or the paged cache, on a mesh with the paged cache only
+      (its verify step gathers the logits whole on every device: `engine/paged_verify.py`).
     enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
       requests that start alike; None (default): on with the paged cache, off with the slot
       cache (which has no prefix cache: True with it is refused). See `prefix_caching`.
@@ -107,10 +108,10 @@ class EngineConfig:
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
-      `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with a mesh
-      or `num_decode_steps > 1`, prefix caching with the slot cache,
-      `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged cache
-      size); more devices than there are.
+      `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with
+      `num_decode_steps > 1` or on a mesh with the slot cache, prefix caching with the slot
+      cache, `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged
+      cache size); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -175,8 +176,8 @@ class EngineConfig:
         raise ValueError(f"{name} must be a bool, got {value!r}")
       self._set(name, bool(value))
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
-    self._check_decoding()
     self._check_paged()
+    self._check_decoding()
     self._check_prefix_caching()
 
   def _set(self, name: str, value: Any) -> None:
@@ -205,10 +206,14 @@ class EngineConfig:
   def _check_decoding(self) -> None:
     spec = SpeculativeConfig.build(self.speculative_config)
     steps = self.num_decode_steps
-    if spec is not None and (self.mesh is not None or steps != 1):
+    if spec is not None and steps != 1:
       raise ValueError(
-        f"speculative_config works with num_decode_steps=1 on one device, got "
-        f"num_decode_steps={steps!r}" + (" and a mesh" if self.mesh is not None else "")
+        f"speculative_config works with num_decode_steps=1, got num_decode_steps={steps!r}"
+      )
+    if spec is not None and self.mesh is not None and not self.paged:
+      raise ValueError(
+        "speculative_config is not supported on a mesh with the slot cache (the paged cache, "
+        "the default unless data_parallel_size > 1, supports it)"
       )
     k = None if spec is None else spec.num_speculative_tokens
     if k is not None and k >= self.max_model_len:  # never verifiable; and each step would

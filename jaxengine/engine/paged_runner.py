@@ -127,9 +127,10 @@ class PagedModelRunner(ModelRunner):
     #: Draft slots per row of the verify step (0: no speculative decoding; `paged_verify.py`).
     self.num_speculative_tokens = config.num_speculative_tokens
     self.ragged_verify_step: Callable[..., Any] = jax.jit(
-      functools.partial(ragged_verify_step, self._graphdef),
+      functools.partial(ragged_verify_step, self._graphdef, mesh=self.mesh),
       static_argnames=("num_rows", "prompt_logprobs"),
       donate_argnames=("state", "kv_cache"),
+      **(placement.ragged_verify_step_shardings() if placement is not None else {}),
     )
     #: The k-step decode loop (`engine/paged_multi_step.py`).
     self.paged_decode_steps: Callable[..., Any] = jax.jit(
@@ -262,12 +263,10 @@ class PagedModelRunner(ModelRunner):
     """The jitted ragged step through `InputBatch.run_step` (the one call site, so `execute`
     and `precompile` reach the same jit cache entries), the verify step when `drafts` are
     given; keeps the new cache."""
-    step = self.ragged_step if self._placement is None else self._placed_ragged_step
-    if drafts is not None:  # never on a mesh (EngineConfig refuses speculative_config there)
-      step = self.ragged_verify_step
+    step = self.ragged_step if drafts is None else self.ragged_verify_step
     extra_args = () if drafts is None else (drafts,)
     output, extra = self.input_batch.run_step(
-      step,
+      self._placed(step),
       self.weights,
       self.kv_cache,
       inputs,
@@ -279,14 +278,21 @@ class PagedModelRunner(ModelRunner):
     self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors | None], extra)
     return output, token_logprobs
 
-  def _placed_ragged_step(self, state, metadata, *args, num_rows, prompt_logprobs):
-    """The ragged step on a mesh, state and metadata first put on their declared shardings (a
-    no-op when the batch's own updates kept them); static arguments by position (`jax.jit`
-    takes no keywords with `in_shardings`)."""
-    assert self._placement is not None
-    state = jax.device_put(state, self._placement.state)
-    metadata = jax.device_put(metadata, self._placement.metadata)
-    return self.ragged_step(state, metadata, *args, num_rows, prompt_logprobs)
+  def _placed(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    """A jitted step as `InputBatch.run_step` calls it: `step` itself off a mesh; on one, state
+    and metadata first put on their declared shardings (a no-op when the batch's own updates
+    kept them) and the static keyword arguments passed by position, in the order given
+    (`jax.jit` takes no keywords with `in_shardings`)."""
+    placement = self._placement
+    if placement is None:
+      return step
+
+    def placed(state, metadata, *args, **static):
+      state = jax.device_put(state, placement.state)
+      metadata = jax.device_put(metadata, placement.metadata)
+      return step(state, metadata, *args, *static.values())
+
+    return placed
 
   def _collect_prompt_logprobs(
     self, scheduled: PagedSchedulerOutput, wanted: list[str], token_logprobs: LogprobsTensors
@@ -327,7 +333,7 @@ class PagedModelRunner(ModelRunner):
     rows = {seq_id: index[seq_id] for seq_id in scheduled.num_scheduled_tokens}
     starts = self._query_starts(scheduled)
     k = self.num_speculative_tokens
-    return ragged_drafts(scheduled, rows, starts, num_tokens, num_rows, k)
+    return ragged_drafts(scheduled, rows, starts, num_tokens, num_rows, k, self._input_sharding)
 
   def _query_starts(self, scheduled: PagedSchedulerOutput) -> dict[str, int]:
     """Each scheduled completion's first flat token index (rows in batch order)."""
@@ -485,7 +491,7 @@ class PagedModelRunner(ModelRunner):
     )
     output, kv_cache = run_steps(
       batch,
-      self.paged_decode_steps if self._placement is None else self._placed_decode_steps,
+      self._placed(self.paged_decode_steps),
       self.weights,
       self.kv_cache,
       inputs,
@@ -494,11 +500,3 @@ class PagedModelRunner(ModelRunner):
     )
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
-
-  def _placed_decode_steps(self, state, metadata, *args, num_rows, num_steps):
-    """The k-step loop on a mesh, as `_placed_ragged_step` (state and metadata put on their
-    declared shardings, static arguments by position)."""
-    assert self._placement is not None
-    state = jax.device_put(state, self._placement.state)
-    metadata = jax.device_put(metadata, self._placement.metadata)
-    return self.paged_decode_steps(state, metadata, *args, num_rows, num_steps)

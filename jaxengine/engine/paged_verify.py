@@ -18,11 +18,16 @@ hashes known tokens only, so a cached page never holds a rejected draft.
 Compiles: the verify step is one more executable per (token bucket, row bucket), with `k` (the
 draft slots per row) fixed by the config; `PagedModelRunner.precompile` compiles both kinds.
 
+On a mesh (`tensor_parallel_size`): the model runs as in the plain step (pages split over key/
+value heads), then the verify logits are gathered whole on every device and the rejection sampler
+runs replicated: the same tokens as one device, for `R (k + 1)` rows of `V` floats moved per step.
+
 Shape legend: `T` query tokens, `R` rows, `k` draft slots, `V` vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -30,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
@@ -38,6 +45,7 @@ from jaxengine.engine.requests import Completion
 from jaxengine.engine.speculative import Drafts
 from jaxengine.engine.speculative_policy import SpeculativePolicy
 from jaxengine.sample import gather_logprobs, rejection_sample
+from jaxengine.sample.sharded import across_devices
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +75,7 @@ def ragged_drafts(
   num_tokens: int,
   num_rows: int,
   k: int,
+  sharding: jax.sharding.Sharding | None = None,
 ) -> RaggedDrafts:
   """Lays out a step's drafts (host NumPy, then one transfer).
 
@@ -77,6 +86,8 @@ def ragged_drafts(
     num_tokens: `T`, the token bucket.
     num_rows: `R`, the row bucket.
     k: draft slots per row (`num_speculative_tokens`).
+    sharding: where the arrays go (the mesh's replicated sharding on a mesh), None: the default
+      device.
 
   Returns:
     The step's `RaggedDrafts`.
@@ -96,7 +107,7 @@ def ragged_drafts(
       draft_token_ids[row, :num] = drafts
       num_draft_tokens[row] = num
   host = (input_token_ids, logits_indices, draft_token_ids, num_draft_tokens)
-  device = jax.device_put(host)  # one transfer
+  device = jax.device_put(host, sharding)  # one transfer
   return RaggedDrafts(
     input_token_ids=device[0],
     logits_indices=device[1],
@@ -115,6 +126,7 @@ def ragged_verify_step(
   drafts: RaggedDrafts,
   num_rows,
   prompt_logprobs=0,
+  mesh=None,
 ):
   """`ragged_step` with drafts: the model over the flat tokens, then the rejection sampler.
 
@@ -122,6 +134,9 @@ def ragged_verify_step(
     graphdef, state, metadata, weights, kv_cache, inputs, num_rows, prompt_logprobs: as
       `jaxengine.engine.ragged_step.ragged_step` (`state` and `kv_cache` donated).
     drafts: the step's `RaggedDrafts`.
+    mesh: None, or the engine's mesh (static): the model runs as in `ragged_step`, and the
+      logits the rejection sampler reads are gathered whole on every device (`R (k + 1)` rows
+      of `V`; it has no vocabulary-sharded path), so it computes what one device computes.
 
   Returns:
     `(state, MultiStepOutput, (kv_cache, LogprobsTensors [T, c] or None))`: the emitted tokens
@@ -135,6 +150,8 @@ def ragged_verify_step(
   model = nnx.merge(graphdef, weights)
   hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
   logits = model.compute_logits(hidden[0, drafts.logits_indices])  # [R, k + 1, V]
+  if mesh is not None:  # vocabulary-sharded by the LM head: whole rows on every device
+    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
   token_logprobs = None
   if prompt_logprobs:  # prompt rows hold no drafts: their next tokens are the batch's
     following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
@@ -142,9 +159,12 @@ def ragged_verify_step(
     all_logits = model.compute_logits(hidden[0])  # [T, V]
     token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
   producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
-  rows_state, out = rejection_sample(
-    rows_state, producing, logits, drafts.draft_token_ids, drafts.num_draft_tokens
-  )
+  # On several devices the sampler leaves out a barrier XLA refuses there (`across_devices`).
+  several = mesh is not None and mesh.size > 1
+  with across_devices() if several else contextlib.nullcontext():
+    rows_state, out = rejection_sample(
+      rows_state, producing, logits, drafts.draft_token_ids, drafts.num_draft_tokens
+    )
   output = MultiStepOutput(
     sampled_token_ids=out.sampled_token_ids.T,
     logprobs=jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out.logprobs),

@@ -112,20 +112,29 @@ class MeshPlacement:
     `create_paged_kv_cache`): ``(state, metadata, weights, kv_cache, RaggedInputs) -> (state,
     MultiStepOutput, (kv_cache, prompt LogprobsTensors or None))``; the step's inputs (block
     tables, positions, slot mapping, ...) and outputs replicated, the cache as created."""
-    rep, cache = self._replicated, self.paged_kv_cache
-    return {
-      "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
-      "out_shardings": (self.state, rep, (cache, rep)),
-    }
+    return self._paged_step_shardings(num_inputs=1, with_prompt_logprobs=True)
+
+  def ragged_verify_step_shardings(self) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the paged runner's verify step
+    (`jaxengine.engine.paged_verify.ragged_verify_step`): as `ragged_step_shardings`, with one
+    more replicated input (``RaggedDrafts``) after the `RaggedInputs`."""
+    return self._paged_step_shardings(num_inputs=2, with_prompt_logprobs=True)
 
   def paged_decode_steps_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged k-step loop: ``(state, metadata, weights,
     kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, kv_cache)``; the loop's inputs and
     its output replicated, the cache as created."""
+    return self._paged_step_shardings(num_inputs=1, with_prompt_logprobs=False)
+
+  def _paged_step_shardings(self, num_inputs: int, with_prompt_logprobs: bool) -> dict[str, Any]:
+    """The shardings every paged step shares: ``(state, metadata, weights, kv_cache, *inputs) ->
+    (state, output, kv_cache or (kv_cache, prompt logprobs))``, with `num_inputs` replicated
+    host inputs, the output (and prompt logprobs) replicated, the cache as created."""
     rep, cache = self._replicated, self.paged_kv_cache
+    extra = (cache, rep) if with_prompt_logprobs else cache
     return {
-      "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
-      "out_shardings": (self.state, rep, cache),
+      "in_shardings": (self.state, self.metadata, self.weights, cache) + (rep,) * num_inputs,
+      "out_shardings": (self.state, rep, extra),
     }
 
   @property
