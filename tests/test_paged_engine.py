@@ -29,7 +29,7 @@ VOCAB = 512
 #: The GGUF tokenizer's size: structured outputs need a model vocabulary that holds it.
 TOKENIZER_VOCAB = 49152
 COMMON = {"max_num_reqs": 2, "max_model_len": 32, "logits_processors": [TargetOnly]}
-SLOT = {"enable_prefix_caching": False, "prefill_once_per_request": False}
+SLOT = {"paged_kv_cache": False, "prefill_once_per_request": False}
 PAGED = {
   # 6 usable blocks of 4 (24 tokens): two running requests of 12+ tokens preempt; budget 8
   # splits every prompt above 8 tokens.

@@ -34,7 +34,7 @@ def _spec(k: int) -> dict:
 
 
 ENGINES = {
-  "slot_spec": {**COMMON, "speculative_config": _spec(3), "enable_prefix_caching": False},
+  "slot_spec": {**COMMON, "speculative_config": _spec(3), "paged_kv_cache": False},
   "paged": {**COMMON, **PAGED},
   "paged_spec3": {**COMMON, **PAGED, "speculative_config": _spec(3)},
   "paged_spec4": {**COMMON, **PAGED, "speculative_config": _spec(4)},  # precompiled
