@@ -182,7 +182,7 @@ def test_bad_input_raises_before_anything_is_queued(llm):
 
 def test_engine_compiles_are_bounded_and_steady(compile_counter):
   model, _config = tiny_llama(vocab_size=64)
-  engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
+  engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32, paged_kv_cache=False)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]
   mixes = [
     je.SamplingParams(temperature=0, max_tokens=3),
@@ -233,8 +233,8 @@ def _recording_decode(engine):
 
 def test_decode_runs_over_a_bucket_of_live_rows_not_every_row():
   model, _config = tiny_llama(vocab_size=64)
-  wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32)
-  narrow = LLMEngine(model, None, max_num_reqs=1, max_model_len=32)
+  wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32, paged_kv_cache=False)
+  narrow = LLMEngine(model, None, max_num_reqs=1, max_model_len=32, paged_kv_cache=False)
   buckets = _recording_decode(wide)
   params = je.SamplingParams(temperature=0, max_tokens=6)
   outputs = []

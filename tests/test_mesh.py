@@ -85,7 +85,7 @@ def run(llm):
 def logprobs(entries):
   ranks = [(t, v.rank) for e in entries if e for t, v in e.items()]
   return ranks, [v.logprob for e in entries if e for v in e.values()]
-kw = dict(max_num_reqs=2, max_model_len=16)
+kw = dict(max_num_reqs=2, max_model_len=16, paged_kv_cache=False)  # the slot cache on a mesh
 want = run(je.LLM(model, **kw))
 for t, d in [(2, 1), (4, 2)]:  # (2, 2) runs across two processes in test_multihost.py
   llm = je.LLM(model, tensor_parallel_size=t, data_parallel_size=d, **kw)

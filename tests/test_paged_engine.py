@@ -158,7 +158,7 @@ def test_paged_outputs_equal_the_slot_engine(slot_outputs, name):
   else:
     assert stats.prefix_cache_hits == stats.num_cached_blocks == 0
   if name == PRECOMPILED:  # no step compiles after precompile (the batch's row write may)
-    assert engine.runner.ragged_step._cache_size() == _PRECOMPILE["shapes"]
+    assert engine.runner.ragged_forward._cache_size() == _PRECOMPILE["shapes"]
     assert compiles.count <= 2
 
 
@@ -174,7 +174,8 @@ def test_precompile_covers_every_shape_and_a_second_run_compiles_nothing(slot_ou
   with count_compiles() as compiles:
     outputs = _run(engine)
   assert compiles.count == 0  # a second run: not even the batch's own helpers
-  assert runner.ragged_step._cache_size() == _PRECOMPILE["shapes"]
+  assert runner.ragged_forward._cache_size() == _PRECOMPILE["shapes"]
+  assert runner.sample_produced._cache_size() == len(row_buckets)  # the sampler: per row bucket
   assert_same_outputs(outputs, slot_outputs)
   with pytest.raises(ValueError, match="precompile needs an empty batch"):
     engine.add_request("busy", [5, 6, 7], SP(max_tokens=2))

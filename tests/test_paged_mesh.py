@@ -131,12 +131,12 @@ assert one_stats.num_preemptions > 0, one_stats
 
 llm = je.LLM(model, tensor_parallel_size=2, precompile=True, **kw)
 runner = llm.llm_engine.runner
-shapes = runner.ragged_step._cache_size()
+shapes = runner.ragged_forward._cache_size()
 reachable = [(t, r) for r in runner.row_buckets for t in runner.token_buckets
              if t == runner.token_bucket(t, r)]  # token buckets start at min(rows, 8)
 assert shapes == len(reachable), (shapes, reachable)
 got = run(llm)
-assert runner.ragged_step._cache_size() == shapes  # serving compiled no ragged step
+assert runner.ragged_forward._cache_size() == shapes  # serving compiled no ragged step
 check_same(got, want)
 stats = llm.llm_engine.kv_cache_stats
 assert stats.num_preemptions == one_stats.num_preemptions > 0, (stats, one_stats)

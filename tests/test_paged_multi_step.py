@@ -167,7 +167,7 @@ def test_precompile_covers_the_k_step_loop_and_a_run_compiles_no_step(expected):
     outputs = _run(engine, WORKLOAD)
   assert compiles.count <= 2  # the batch's row write may; no step compiles after precompile
   assert runner.paged_decode_steps._cache_size() == 2  # one loop per row bucket
-  assert runner.ragged_step._cache_size() == len(reachable)
+  assert runner.ragged_forward._cache_size() == len(reachable)
   assert_same_outputs(outputs, expected)
   assert counter.most_steps == 8 and counter.partial_lookahead == 0
   assert engine.kv_cache_stats.num_used_blocks == 0

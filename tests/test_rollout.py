@@ -160,8 +160,12 @@ def test_one_prefill_for_the_n_samples_of_a_request(tiny_model):
   prefilled_rows = {}
   outputs = {}
   for shared in (False, True):
-    engine = LLMEngine(
-      tiny_model, max_num_reqs=4, max_model_len=32, prefill_once_per_request=shared
+    engine = LLMEngine(  # the slot cache's shared prefill (pages share the prompt's pages)
+      tiny_model,
+      max_num_reqs=4,
+      max_model_len=32,
+      prefill_once_per_request=shared,
+      paged_kv_cache=False,
     )
     prefill, rows = engine.runner.prefill, []
     engine.runner.prefill = lambda completions, prefill=prefill, rows=rows: (
@@ -176,16 +180,14 @@ def test_one_prefill_for_the_n_samples_of_a_request(tiny_model):
 
 
 def test_precompile_leaves_nothing_to_compile_for_plain_requests(tiny_model, compile_counter):
-  engine = LLMEngine(tiny_model, max_num_reqs=2, max_model_len=32, num_decode_steps=2)
-  # Prefill per (row, length) bucket, decode per (row, attention) bucket; with the prefix cache
-  # prefills per (row, length, longer attention) bucket and the block copy bucket {4}.
-  assert engine.precompile(use_tqdm=False) == 2 * 2 + 2 * 1 + 2 * 1 + 1
+  engine = LLMEngine(
+    tiny_model, max_num_reqs=2, max_model_len=32, num_decode_steps=2, paged_kv_cache=False
+  )
+  # Prefill per (row, length) bucket, decode per (row, attention) bucket.
+  assert engine.precompile(use_tqdm=False) == 2 * 2 + 2 * 1
   compile_counter.reset()
-  # The last two prompts find the first one's block in the prefix cache (copies, then a prefill
-  # attending past its length bucket).
   prompts = [*PROMPTS[:5], [30] * 17, [30] * 16 + [5, 6], [30] * 16 + [7]]
   run_engine(engine, prompts, [je.SamplingParams(temperature=0.7, seed=1, max_tokens=5)])
-  assert engine.prefix_cache_stats.hits == 2 * 16
   # Only the batch's own row write and row move (no prompt logprobs were asked for).
   assert compile_counter.count <= 2
   engine.add_request("x", [1, 2], je.SamplingParams(max_tokens=50))

@@ -7,14 +7,15 @@ row's), and `execute(scheduler_output)` runs one step over the tokens the `Paged
 chose: decode tokens and prefill chunks together, the model once over all of them, then the
 sampler on the rows whose last known token was computed.
 
-Compiles are bounded by the buckets: one ragged step per (token bucket, row bucket) reached:
-powers of two up to `max_num_reqs` rows, and powers of two up to `max_num_batched_tokens` tokens
-from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`), twice with `speculative_config` (the plain
-step and the verify step of `paged_verify.py`), and with `num_decode_steps` k > 1 one k-step
-decode loop per row bucket (`execute_decode_steps`, `engine/paged_multi_step.py`); `precompile`
-runs them all. The block-table width is fixed at `ceil(max_model_len / block_size)` pages (the
-XLA attention loops only over the pages the step's longest context needs, so the width costs
-nothing there).
+Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
+bucket) reached: powers of two up to `max_num_reqs` rows, and powers of two up to
+`max_num_batched_tokens` tokens from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`), and one
+sampler step (`sample_produced`) per row bucket; with `speculative_config` also one verify step
+(the model and the rejection sampler, `paged_verify.py`) per (token bucket, row bucket); with
+`num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
+`engine/paged_multi_step.py`); `precompile` runs them all. The block-table width is fixed at
+`ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
+longest context needs, so the width costs nothing there).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from jaxengine.engine.paged_inputs import build_paged_step_inputs
 from jaxengine.engine.paged_multi_step import DecodeStepsInputs, paged_decode_steps
 from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine.paged_verify import RaggedDrafts, ragged_drafts, ragged_verify_step
-from jaxengine.engine.ragged_step import RaggedInputs, ragged_step
+from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward, sample_produced
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.runner import ModelRunner
 from jaxengine.models.attention_backends import attention_backend
@@ -116,11 +117,19 @@ class PagedModelRunner(ModelRunner):
     self.token_buckets = buckets(budget, 1)
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
     placement = self._placement
-    self.ragged_step: Callable[..., Any] = jax.jit(
-      functools.partial(ragged_step, self._graphdef, mesh=self.mesh),
-      static_argnames=("num_rows", "prompt_logprobs"),
-      donate_argnames=("state", "kv_cache"),
-      **(placement.ragged_step_shardings() if placement is not None else {}),
+    #: The model's part of a plain step: one executable per (token bucket, row bucket).
+    self.ragged_forward: Callable[..., Any] = jax.jit(
+      functools.partial(ragged_forward, self._graphdef),
+      static_argnames=("prompt_logprobs",),
+      donate_argnames=("kv_cache",),
+      **(placement.ragged_forward_shardings(model.vocab_size) if placement is not None else {}),
+    )
+    #: The sampler's part: one executable per row bucket.
+    self.sample_produced: Callable[..., Any] = jax.jit(
+      functools.partial(sample_produced, mesh=self.mesh),
+      static_argnames=("num_rows",),
+      donate_argnames=("state",),
+      **(placement.sample_produced_shardings(model.vocab_size) if placement is not None else {}),
     )
     #: Where the step's host inputs go: replicated on a mesh, else the default device.
     self._input_sharding = placement.replicated if placement is not None else None
@@ -212,7 +221,7 @@ class PagedModelRunner(ModelRunner):
     """Runs one ragged step: the scheduled tokens through the model, then the sampler.
 
     Call after `add` for the step's admitted completions. Updates the block table (pages freed by
-    preemption, pages appended), builds the step's inputs and runs the jitted `ragged_step`.
+    preemption, pages appended), builds the step's inputs and runs `ragged_step`.
 
     Args:
       scheduled: the scheduler's plan for this step.
@@ -277,6 +286,19 @@ class PagedModelRunner(ModelRunner):
     )
     self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors | None], extra)
     return output, token_logprobs
+
+  def ragged_step(
+    self, state, metadata, weights, kv_cache, inputs: RaggedInputs, num_rows, prompt_logprobs
+  ):
+    """One plain step as `InputBatch.run_step` calls it: `ragged_forward`, then
+    `sample_produced` on its logits (dispatched back to back, no host round trip).
+
+    Returns:
+      `(state, MultiStepOutput, (kv_cache, prompt LogprobsTensors or None))`.
+    """
+    forward = self.ragged_forward(state, weights, kv_cache, inputs, prompt_logprobs)
+    state, output = self.sample_produced(state, metadata, forward.logits, inputs.produces, num_rows)
+    return state, output, (forward.kv_cache, forward.prompt_logprobs)
 
   def _placed(self, step: Callable[..., Any]) -> Callable[..., Any]:
     """A jitted step as `InputBatch.run_step` calls it: `step` itself off a mesh; on one, state

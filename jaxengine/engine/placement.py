@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine import parallel
 from jaxengine.batch import InputBatch
+from jaxengine.engine.ragged_step import RaggedForward
 from jaxengine.models.attention_backends import AttentionBackend
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
@@ -107,17 +108,44 @@ class MeshPlacement:
     )
     return jax.jit(create, out_shardings=self.paged_kv_cache)()
 
-  def ragged_step_shardings(self) -> dict[str, Any]:
-    """`in_shardings` / `out_shardings` of the paged runner's ragged step (after
-    `create_paged_kv_cache`): ``(state, metadata, weights, kv_cache, RaggedInputs) -> (state,
-    MultiStepOutput, (kv_cache, prompt LogprobsTensors or None))``; the step's inputs (block
-    tables, positions, slot mapping, ...) and outputs replicated, the cache as created."""
-    return self._paged_step_shardings(num_inputs=1, with_prompt_logprobs=True)
+  def ragged_forward_shardings(self, vocab_size: int) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the paged runner's model step
+    (`jaxengine.engine.ragged_step.ragged_forward`, after `create_paged_kv_cache`): ``(state,
+    weights, kv_cache, RaggedInputs) -> RaggedForward(logits, kv_cache, prompt logprobs)``; the
+    logits as `logits_sharding`, the step's inputs and prompt logprobs replicated."""
+    rep, cache = self._replicated, self.paged_kv_cache
+    return {
+      "in_shardings": (self.state, self.weights, cache, rep),
+      "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
+        logits=cast(Any, self.logits_sharding(vocab_size)),
+        kv_cache=cache,
+        prompt_logprobs=cast(Any, rep),
+      ),
+    }
+
+  def sample_produced_shardings(self, vocab_size: int) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the paged runner's sampler step
+    (`jaxengine.engine.ragged_step.sample_produced`): ``(state, metadata, logits, produces) ->
+    (state, MultiStepOutput)``; the output (it goes to the host) replicated."""
+    rep = self._replicated
+    return {
+      "in_shardings": (self.state, self.metadata, self.logits_sharding(vocab_size), rep),
+      "out_shardings": (self.state, rep),
+    }
+
+  def logits_sharding(self, vocab_size: int) -> NamedSharding:
+    """`[R, V]` logits between the model and the sampler: the vocabulary over the model axis
+    when it divides `V` (where the LM head leaves them, and how the sampler reads them),
+    else replicated."""
+    t = parallel.axis_size(self.mesh, parallel.MODEL)
+    return NamedSharding(self.mesh, P(None, parallel.MODEL) if vocab_size % t == 0 else P())
 
   def ragged_verify_step_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged runner's verify step
-    (`jaxengine.engine.paged_verify.ragged_verify_step`): as `ragged_step_shardings`, with one
-    more replicated input (``RaggedDrafts``) after the `RaggedInputs`."""
+    (`jaxengine.engine.paged_verify.ragged_verify_step`): ``(state, metadata, weights,
+    kv_cache, RaggedInputs, RaggedDrafts) -> (state, MultiStepOutput, (kv_cache, prompt
+    LogprobsTensors or None))``; the step's inputs and outputs replicated, the cache as
+    created."""
     return self._paged_step_shardings(num_inputs=2, with_prompt_logprobs=True)
 
   def paged_decode_steps_shardings(self) -> dict[str, Any]:

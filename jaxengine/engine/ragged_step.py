@@ -1,6 +1,10 @@
 """The paged engine's step: the model once over a ragged batch of tokens, then the sampler.
 
-One call computes the scheduled tokens of every request back to back (decode tokens, prefill
+Two jitted functions, called back to back without a host round trip: `ragged_forward` (the
+model; one executable per (token bucket, row bucket)) and `sample_produced` (the sampler; one
+per row bucket). Kept apart, a new token bucket compiles only the model, not the sampler again.
+
+The model computes the scheduled tokens of every request back to back (decode tokens, prefill
 chunks, a preempted request's recomputation: `PagedAttentionMetadata` says which are whose) and
 samples a token for each row whose last known token was among them. Rows that only advanced
 their prefill (or were not scheduled) keep their batch state as it was: the sampler runs over
@@ -14,6 +18,7 @@ the batch's live rows), `V` vocabulary, `k` logprob columns.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +26,7 @@ from flax import nnx
 
 from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.sample import gather_logprobs, sample
+from jaxengine.sample import LogprobsTensors, gather_logprobs, sample
 
 
 @jax.tree_util.register_dataclass
@@ -46,39 +51,38 @@ class RaggedInputs:
   produces: jax.Array
 
 
-def ragged_step(
-  graphdef,
-  state,
-  metadata,
-  weights,
-  kv_cache,
-  inputs: RaggedInputs,
-  num_rows,
-  prompt_logprobs=0,
-  mesh=None,
-):
-  """The model over the step's flat tokens, then the sampler on the rows that produce a token.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedForward:
+  """The model's part of a ragged step.
+
+  Attributes:
+    logits: `[R, V] float32` logits at each row's last query token (`logits_indices`).
+    kv_cache: the `PagedKVCache` with the step's keys and values written.
+    prompt_logprobs: `LogprobsTensors` of `[T, k + 1]` (see `ragged_forward`), or None.
+  """
+
+  logits: jax.Array
+  kv_cache: Any
+  prompt_logprobs: LogprobsTensors | None
+
+
+def ragged_forward(graphdef, state, weights, kv_cache, inputs: RaggedInputs, prompt_logprobs=0):
+  """The model once over the step's flat tokens; the logits each producing row samples from.
 
   Args:
     graphdef: the model's graph definition (bound by the runner).
-    state: the batch's `BatchState` (donated by the jitted step).
-    metadata: its `SamplingMetadata`.
+    state: the batch's `BatchState` (read: the tokens at `inputs`' rows and positions).
     weights: the model's weights.
-    kv_cache: the `PagedKVCache` (donated).
-    inputs: the step's `RaggedInputs`.
-    num_rows: `R` (static), a bucket holding every live row (the batch is condensed).
+    kv_cache: the `PagedKVCache` (donated by the jitted step).
+    inputs: the step's `RaggedInputs` (`T` tokens, `R` rows).
     prompt_logprobs: static; 0, or `k + 1` to also return, for every query token, the raw
       logprobs (log-softmax of the logits) of the token that follows it in its sequence and the
       top `k` (a step with a prompt that asked for `prompt_logprobs`).
-    mesh: None, or the engine's mesh (static): the logits stay sharded over the vocabulary and
-      the sampler reduces them per shard, as the slot engine's decode step does.
 
   Returns:
-    `(state, MultiStepOutput, (kv_cache, LogprobsTensors [T, k + 1] or None))`: the output has
-    one step; `num_sampled [R]` is 1 for rows that produced a token and 0 elsewhere.
+    `RaggedForward`. On a mesh the logits stay sharded over the vocabulary.
   """
-  rows_state = state.leading_rows(num_rows)
-  rows_metadata = metadata.leading_rows(num_rows)
   token_ids = state.token_ids[inputs.token_rows, inputs.positions]
   model = nnx.merge(graphdef, weights)
   hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
@@ -89,11 +93,32 @@ def ragged_step(
     next_token_ids = state.token_ids[inputs.token_rows, following]
     all_logits = model.compute_logits(hidden[0])  # [T, V]
     token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
-  producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
+  return RaggedForward(logits=logits, kv_cache=kv_cache, prompt_logprobs=token_logprobs)
+
+
+def sample_produced(state, metadata, logits, produces, num_rows, mesh=None):
+  """The sampler on the rows that produce a token this step; the other rows keep their state.
+
+  Args:
+    state: the batch's `BatchState` (donated by the jitted step).
+    metadata: its `SamplingMetadata`.
+    logits: `[R, V] float32` (`RaggedForward.logits`).
+    produces: `[R] bool` rows that sample (`RaggedInputs.produces`).
+    num_rows: `R` (static), a bucket holding every live row (the batch is condensed).
+    mesh: None, or the engine's mesh (static): the sampler reduces the vocabulary-sharded
+      logits per shard, as the slot engine's decode step does.
+
+  Returns:
+    `(state, MultiStepOutput)`: one step; `num_sampled [R]` is 1 for rows that produced a token
+    and 0 elsewhere.
+  """
+  rows_state = state.leading_rows(num_rows)
+  rows_metadata = metadata.leading_rows(num_rows)
+  producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & produces)
   rows_state, sampled = sample(rows_state, producing, logits, mesh=mesh)
   output = MultiStepOutput(
     sampled_token_ids=sampled.sampled_token_ids[None],
     logprobs=jax.tree.map(lambda a: a[None], sampled.logprobs),
     num_sampled=sampled.is_appended.astype(jnp.int32),
   )
-  return state.with_leading_rows(rows_state), output, (kv_cache, token_logprobs)
+  return state.with_leading_rows(rows_state), output
