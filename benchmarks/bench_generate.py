@@ -188,7 +188,7 @@ def compare_hf(args) -> None:
   (`--compare-vllm`), taking turns, greedy, tokens/s including prefill, best of the repeats.
   Prefix caching is off everywhere (the repeats reuse the same prompts; vLLM's is off too)."""
   common = dict(max_num_reqs=32, max_model_len=args.max_model_len, enable_prefix_caching=False)
-  llm = je.LLM(dtype=args.dtype, **common)
+  llm = je.LLM(dtype=args.dtype, paged_kv_cache=False, **common)
   engines = {"jaxengine slot": llm}
   if args.paged:  # every row's pages fit at once: no preemption
     blocks = 32 * -(-args.max_model_len // 16) + 1
@@ -489,7 +489,9 @@ def main(argv=None) -> None:
     return
   params = je.SamplingParams(max_tokens=args.max_tokens, **PARAMS)
   for size in args.batch_sizes:
-    llm = je.LLM(max_num_reqs=size, max_model_len=args.max_model_len, dtype=args.dtype)
+    llm = je.LLM(  # the slot cache: its prefill step is timed apart from decode
+      max_num_reqs=size, max_model_len=args.max_model_len, dtype=args.dtype, paged_kv_cache=False
+    )
     engine = llm.llm_engine
     prompts = _prompts(llm.get_tokenizer(), size, args.prompt_len)
     _generate(engine, prompts, params)  # warm-up: compiles every shape used below

@@ -95,7 +95,7 @@ def capacity(model, tokenizer, args) -> None:
     requests.append((_text_ids(tokenizer, prompt_len, i % 13), params))
   engines = {
     f"slot cache ({slot_rows} rows)": LLMEngine(
-      model, tokenizer, max_num_reqs=slot_rows, max_model_len=max_model_len
+      model, tokenizer, max_num_reqs=slot_rows, max_model_len=max_model_len, paged_kv_cache=False
     ),
     "paged (64 rows)": LLMEngine(
       model,
@@ -157,7 +157,7 @@ def arrival(model, tokenizer, args) -> None:
   common = dict(max_model_len=max_model_len, max_num_reqs=16, enable_prefix_caching=False)
   paged = dict(num_kv_blocks=blocks + 1, **common)
   engines = {
-    "slot cache": LLMEngine(model, tokenizer, **common),
+    "slot cache": LLMEngine(model, tokenizer, paged_kv_cache=False, **common),
     f"paged, chunked prefill ({args.chunk} tokens/step)": LLMEngine(
       model, tokenizer, max_num_batched_tokens=args.chunk, **paged
     ),
@@ -218,7 +218,7 @@ def rollout(model, tokenizer, args) -> None:
       tokenizer,
       max_num_reqs=slot_rows,
       max_model_len=max_model_len,
-      enable_prefix_caching=False,  # its copy pool would be memory beyond the slots
+      paged_kv_cache=False,  # no prefix cache there
     ),
     f"paged ({num_samples} rows)": LLMEngine(
       model,
@@ -267,7 +267,7 @@ def e2e(model, tokenizer, args) -> None:
   greedy = je.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
   blocks = 32 * -(-128 // 16) + 1
   engines = {
-    "slot": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256),
+    "slot": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256, paged_kv_cache=False),
     "paged": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256, num_kv_blocks=blocks),
   }
   print(
@@ -302,7 +302,9 @@ def speculative(model, tokenizer, args) -> None:
   engines = {
     "paged plain": LLMEngine(model, tokenizer, **common, **paged),
     "paged spec": LLMEngine(model, tokenizer, **common, **paged, speculative_config=config),
-    "slot spec": LLMEngine(model, tokenizer, **common, speculative_config=config),
+    "slot spec": LLMEngine(
+      model, tokenizer, **common, speculative_config=config, paged_kv_cache=False
+    ),
   }
   greedy = je.SamplingParams(temperature=0, max_tokens=args.spec_max_tokens)
   texts = [f"Repeat this text exactly, and nothing else:\n\n{p}" for p in _PARAGRAPHS]
@@ -359,7 +361,7 @@ def multistep(model, tokenizer, args) -> None:
   engines = {
     "paged k=1": LLMEngine(model, tokenizer, **common, num_kv_blocks=blocks),
     "paged k=8": LLMEngine(model, tokenizer, **common, num_kv_blocks=blocks, num_decode_steps=8),
-    "slot k=8": LLMEngine(model, tokenizer, **common, num_decode_steps=8),
+    "slot k=8": LLMEngine(model, tokenizer, **common, num_decode_steps=8, paged_kv_cache=False),
   }
   requests = [(_text_ids(tokenizer, 64, i % 7), greedy) for i in range(8)]
   outputs, best = {}, {}

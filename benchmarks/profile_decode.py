@@ -154,7 +154,12 @@ def scaling(live_rows: int, repeats: int) -> dict[tuple[int, int], float]:
   engines = {}
   for max_num_reqs, max_model_len in SCALING_SHAPES:
     shape = (max_num_reqs or live_rows, max_model_len)
-    llm = je.LLM(max_num_reqs=shape[0], max_model_len=max_model_len, compilation_cache=False)
+    llm = je.LLM(  # the slot engine's decode step (`runner.steps.decode`)
+      max_num_reqs=shape[0],
+      max_model_len=max_model_len,
+      compilation_cache=False,
+      paged_kv_cache=False,
+    )
     engine = llm.llm_engine
     params = je.SamplingParams(max_tokens=repeats + 8, **CHAT)
     for row in range(live_rows):
