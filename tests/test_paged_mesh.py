@@ -192,7 +192,7 @@ spec_stats = spec_llm.llm_engine.spec_decode_stats
 assert spec_stats.num_accepted_tokens > 0, spec_stats  # drafts were verified and kept
 assert spec_stats.num_accepted_tokens == one_spec.llm_engine.spec_decode_stats.num_accepted_tokens
 assert spec_stats.num_accepted_tokens_per_pos[1] > 0, spec_stats  # runs of accepted drafts
-assert spec_llm.llm_engine.runner.ragged_verify_step._cache_size() == 2  # with prompt logprobs
+assert spec_llm.llm_engine.runner.verify_forward._cache_size() == 2  # with prompt logprobs
 with count_compiles() as compiles:
   again = run(spec_llm, spec_prompts, spec_params)
 assert compiles.count == 0, compiles.count

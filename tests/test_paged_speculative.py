@@ -237,7 +237,7 @@ def test_precompile_covers_plain_and_verify_steps_and_a_mixed_run_compiles_nothi
   runner = engine.runner
   assert _PRECOMPILE["shapes"] == 2 * len(runner.token_buckets) * len(runner.row_buckets) == 4
   assert _PRECOMPILE["compiles"] >= _PRECOMPILE["shapes"]
-  sizes = (runner.ragged_forward._cache_size(), runner.ragged_verify_step._cache_size())
+  sizes = (runner.ragged_forward._cache_size(), runner.verify_forward._cache_size())
   assert sizes == (2, 2)
   before = _stats(engine)
   params = [*MIXED[:2], SP(temperature=0, max_tokens=12), GREEDY]
@@ -246,4 +246,4 @@ def test_precompile_covers_plain_and_verify_steps_and_a_mixed_run_compiles_nothi
     _run(engine, params[::-1], PROMPTS[::-1])
   assert compiles.count == 0
   assert _stats_delta(engine, before)["spec_steps"] > 0
-  assert (runner.ragged_forward._cache_size(), runner.ragged_verify_step._cache_size()) == sizes
+  assert (runner.ragged_forward._cache_size(), runner.verify_forward._cache_size()) == sizes

@@ -41,7 +41,12 @@ from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
 from jaxengine.engine.paged_multi_step import DecodeStepsInputs, paged_decode_steps
 from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
-from jaxengine.engine.paged_verify import RaggedDrafts, ragged_drafts, ragged_verify_step
+from jaxengine.engine.paged_verify import (
+  RaggedDrafts,
+  ragged_drafts,
+  rejection_sample_produced,
+  verify_forward,
+)
 from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward, sample_produced
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.runner import ModelRunner
@@ -135,11 +140,19 @@ class PagedModelRunner(ModelRunner):
     self._input_sharding = placement.replicated if placement is not None else None
     #: Draft slots per row of the verify step (0: no speculative decoding; `paged_verify.py`).
     self.num_speculative_tokens = config.num_speculative_tokens
-    self.ragged_verify_step: Callable[..., Any] = jax.jit(
-      functools.partial(ragged_verify_step, self._graphdef, mesh=self.mesh),
-      static_argnames=("num_rows", "prompt_logprobs"),
-      donate_argnames=("state", "kv_cache"),
-      **(placement.ragged_verify_step_shardings() if placement is not None else {}),
+    #: The verify step's model part (per token and row bucket) and rejection sampler (per row
+    #: bucket), `engine/paged_verify.py`.
+    self.verify_forward: Callable[..., Any] = jax.jit(
+      functools.partial(verify_forward, self._graphdef),
+      static_argnames=("prompt_logprobs",),
+      donate_argnames=("kv_cache",),
+      **(placement.verify_forward_shardings() if placement is not None else {}),
+    )
+    self.rejection_sample_produced: Callable[..., Any] = jax.jit(
+      functools.partial(rejection_sample_produced, mesh=self.mesh),
+      static_argnames=("num_rows",),
+      donate_argnames=("state",),
+      **(placement.rejection_sample_produced_shardings() if placement is not None else {}),
     )
     #: The k-step decode loop (`engine/paged_multi_step.py`).
     self.paged_decode_steps: Callable[..., Any] = jax.jit(
@@ -298,6 +311,25 @@ class PagedModelRunner(ModelRunner):
     """
     forward = self.ragged_forward(state, weights, kv_cache, inputs, prompt_logprobs)
     state, output = self.sample_produced(state, metadata, forward.logits, inputs.produces, num_rows)
+    return state, output, (forward.kv_cache, forward.prompt_logprobs)
+
+  def ragged_verify_step(
+    self,
+    state,
+    metadata,
+    weights,
+    kv_cache,
+    inputs: RaggedInputs,
+    drafts: RaggedDrafts,
+    num_rows,
+    prompt_logprobs,
+  ):
+    """`ragged_step` with drafts: `verify_forward`, then `rejection_sample_produced` (see
+    `engine/paged_verify.py`). Returns as `ragged_step`; the output holds `k + 1` positions."""
+    forward = self.verify_forward(state, weights, kv_cache, inputs, drafts, prompt_logprobs)
+    state, output = self.rejection_sample_produced(
+      state, metadata, forward.logits, drafts, inputs.produces, num_rows
+    )
     return state, output, (forward.kv_cache, forward.prompt_logprobs)
 
   def _placed(self, step: Callable[..., Any]) -> Callable[..., Any]:

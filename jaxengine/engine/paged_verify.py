@@ -4,19 +4,20 @@ Each step with `speculative_config`, `PagedSpeculation.propose` asks the engine'
 `SpeculativePolicy` for drafts of the running decodes (same drafts, limits and cost model as the
 slot engine; none while a row with structured outputs runs). The `PagedScheduler` schedules a
 drafted decode as `1 + d` query tokens (its last known token, then its `d` drafts, at positions
-`n - 1 .. n - 1 + d`), within the token budget and the free pages. The step then runs
-`ragged_verify_step`: the model once over the ragged tokens (drafts fed in place of tokens the
-batch does not hold yet), the logits at every query position of drafted rows, and
-`jaxengine.sample.rejection_sample` over all rows: a row without drafts (a plain decode, a
-prompt's last chunk) emits the very token `sample` would, a drafted row its accepted drafts and
-one recovered or bonus token, each drawn with the key of its output index (so seeded outputs are
-those of the slot engine's verify and of plain decoding). `PagedSpeculation.record` counts the
-accepted drafts; the scheduler advances a drafted row's computed tokens by `1 + accepted`: the
-keys and values of rejected drafts lie past it and the next step overwrites them. Prefix caching
-hashes known tokens only, so a cached page never holds a rejected draft.
+`n - 1 .. n - 1 + d`), within the token budget and the free pages. The step then runs `verify_forward`
+(the model once over the ragged tokens, drafts fed in place of tokens the batch does not hold yet;
+the logits at every query position of drafted rows), then `rejection_sample_produced`
+(`jaxengine.sample.rejection_sample` over all rows): a row without drafts (a plain decode, a
+prompt's last chunk) emits the very token `sample` would, a drafted row its accepted drafts and one
+recovered or bonus token, each drawn with the key of its output index (so seeded outputs are those
+of the slot engine's verify and of plain decoding). `PagedSpeculation.record` counts the accepted
+drafts; the scheduler advances a drafted row's computed tokens by `1 + accepted`: the keys and
+values of rejected drafts lie past it and the next step overwrites them. Prefix caching hashes known
+tokens only, so a cached page never holds a rejected draft.
 
-Compiles: the verify step is one more executable per (token bucket, row bucket), with `k` (the
-draft slots per row) fixed by the config; `PagedModelRunner.precompile` compiles both kinds.
+Compiles: `verify_forward` is one more model executable per (token bucket, row bucket), and
+`rejection_sample_produced` one per row bucket, with `k` (the draft slots per row) fixed by the
+config; `PagedModelRunner.precompile` compiles them beside the plain step's.
 
 On a mesh (`tensor_parallel_size`): the model runs as in the plain step (pages split over key/
 value heads), then the verify logits are gathered whole on every device and the rejection sampler
@@ -34,17 +35,14 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
-from jaxengine.engine.ragged_step import RaggedInputs
+from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.speculative import Drafts
 from jaxengine.engine.speculative_policy import SpeculativePolicy
-from jaxengine.sample import gather_logprobs, rejection_sample
+from jaxengine.sample import rejection_sample
 from jaxengine.sample.sharded import across_devices
 
 
@@ -116,49 +114,54 @@ def ragged_drafts(
   )
 
 
-def ragged_verify_step(
-  graphdef,
-  state,
-  metadata,
-  weights,
-  kv_cache,
-  inputs: RaggedInputs,
-  drafts: RaggedDrafts,
-  num_rows,
-  prompt_logprobs=0,
-  mesh=None,
+def verify_forward(
+  graphdef, state, weights, kv_cache, inputs: RaggedInputs, drafts: RaggedDrafts, prompt_logprobs=0
 ):
-  """`ragged_step` with drafts: the model over the flat tokens, then the rejection sampler.
+  """The model's part of a verify step: `ragged_forward` with the drafts fed in place of tokens
+  the batch does not hold yet, returning the logits at every position to verify.
 
   Args:
-    graphdef, state, metadata, weights, kv_cache, inputs, num_rows, prompt_logprobs: as
-      `jaxengine.engine.ragged_step.ragged_step` (`state` and `kv_cache` donated).
+    graphdef, state, weights, kv_cache, inputs, prompt_logprobs: as
+      `jaxengine.engine.ragged_step.ragged_forward` (`kv_cache` donated by the jitted step).
     drafts: the step's `RaggedDrafts`.
-    mesh: None, or the engine's mesh (static): the model runs as in `ragged_step`, and the
-      logits the rejection sampler reads are gathered whole on every device (`R (k + 1)` rows
-      of `V`; it has no vocabulary-sharded path), so it computes what one device computes.
 
   Returns:
-    `(state, MultiStepOutput, (kv_cache, LogprobsTensors [T, c] or None))`: the emitted tokens
-    position by position (`[k + 1, R]`, logprobs `[k + 1, R, c]`); `num_sampled [R]` is
-    `1 + accepted drafts` for rows that produce and 0 elsewhere.
+    `RaggedForward` with logits `[R, k + 1, V]`.
+  """
+  return ragged_forward(
+    graphdef,
+    state,
+    weights,
+    kv_cache,
+    inputs,
+    prompt_logprobs,
+    input_token_ids=drafts.input_token_ids,
+    logits_indices=drafts.logits_indices,
+  )
+
+
+def rejection_sample_produced(state, metadata, logits, drafts: RaggedDrafts, produces, num_rows,
+                              mesh=None):  # fmt: skip
+  """The sampler's part of a verify step: `rejection_sample` on the rows that produce.
+
+  Args:
+    state: the batch's `BatchState` (donated by the jitted step).
+    metadata: its `SamplingMetadata`.
+    logits: `[R, k + 1, V] float32` (`verify_forward`), whole on every device on a mesh (the
+      rejection sampler has no vocabulary-sharded path, so it computes what one device does).
+    drafts: the step's `RaggedDrafts`.
+    produces: `[R] bool` rows that produce a token this step.
+    num_rows: `R` (static).
+    mesh: None, or the engine's mesh (static).
+
+  Returns:
+    `(state, MultiStepOutput)`: the emitted tokens position by position (`[k + 1, R]`, logprobs
+    `[k + 1, R, c]`); `num_sampled [R]` is `1 + accepted drafts` for rows that produce and 0
+    elsewhere.
   """
   rows_state = state.leading_rows(num_rows)
   rows_metadata = metadata.leading_rows(num_rows)
-  known = state.token_ids[inputs.token_rows, inputs.positions]
-  token_ids = jnp.where(drafts.input_token_ids >= 0, drafts.input_token_ids, known)
-  model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
-  logits = model.compute_logits(hidden[0, drafts.logits_indices])  # [R, k + 1, V]
-  if mesh is not None:  # vocabulary-sharded by the LM head: whole rows on every device
-    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
-  token_logprobs = None
-  if prompt_logprobs:  # prompt rows hold no drafts: their next tokens are the batch's
-    following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
-    next_token_ids = state.token_ids[inputs.token_rows, following]
-    all_logits = model.compute_logits(hidden[0])  # [T, V]
-    token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
-  producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & inputs.produces)
+  producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & produces)
   # On several devices the sampler leaves out a barrier XLA refuses there (`across_devices`).
   several = mesh is not None and mesh.size > 1
   with across_devices() if several else contextlib.nullcontext():
@@ -170,7 +173,7 @@ def ragged_verify_step(
     logprobs=jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out.logprobs),
     num_sampled=out.num_sampled,
   )
-  return state.with_leading_rows(rows_state), output, (kv_cache, token_logprobs)
+  return state.with_leading_rows(rows_state), output
 
 
 class PagedSpeculation:

@@ -140,29 +140,37 @@ class MeshPlacement:
     t = parallel.axis_size(self.mesh, parallel.MODEL)
     return NamedSharding(self.mesh, P(None, parallel.MODEL) if vocab_size % t == 0 else P())
 
-  def ragged_verify_step_shardings(self) -> dict[str, Any]:
-    """`in_shardings` / `out_shardings` of the paged runner's verify step
-    (`jaxengine.engine.paged_verify.ragged_verify_step`): ``(state, metadata, weights,
-    kv_cache, RaggedInputs, RaggedDrafts) -> (state, MultiStepOutput, (kv_cache, prompt
-    LogprobsTensors or None))``; the step's inputs and outputs replicated, the cache as
-    created."""
-    return self._paged_step_shardings(num_inputs=2, with_prompt_logprobs=True)
+  def verify_forward_shardings(self) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the verify step's model part
+    (`jaxengine.engine.paged_verify.verify_forward`): as `ragged_forward_shardings` with one
+    more replicated input (``RaggedDrafts``), and the logits whole on every device (the
+    rejection sampler reads them so)."""
+    rep, cache = self._replicated, self.paged_kv_cache
+    return {
+      "in_shardings": (self.state, self.weights, cache, rep, rep),
+      "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
+        logits=cast(Any, rep), kv_cache=cache, prompt_logprobs=cast(Any, rep)
+      ),
+    }
+
+  def rejection_sample_produced_shardings(self) -> dict[str, Any]:
+    """`in_shardings` / `out_shardings` of the verify step's sampler part
+    (`jaxengine.engine.paged_verify.rejection_sample_produced`): ``(state, metadata, logits,
+    RaggedDrafts, produces) -> (state, MultiStepOutput)``, all but the batch replicated."""
+    rep = self._replicated
+    return {
+      "in_shardings": (self.state, self.metadata, rep, rep, rep),
+      "out_shardings": (self.state, rep),
+    }
 
   def paged_decode_steps_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged k-step loop: ``(state, metadata, weights,
     kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, kv_cache)``; the loop's inputs and
     its output replicated, the cache as created."""
-    return self._paged_step_shardings(num_inputs=1, with_prompt_logprobs=False)
-
-  def _paged_step_shardings(self, num_inputs: int, with_prompt_logprobs: bool) -> dict[str, Any]:
-    """The shardings every paged step shares: ``(state, metadata, weights, kv_cache, *inputs) ->
-    (state, output, kv_cache or (kv_cache, prompt logprobs))``, with `num_inputs` replicated
-    host inputs, the output (and prompt logprobs) replicated, the cache as created."""
     rep, cache = self._replicated, self.paged_kv_cache
-    extra = (cache, rep) if with_prompt_logprobs else cache
     return {
-      "in_shardings": (self.state, self.metadata, self.weights, cache) + (rep,) * num_inputs,
-      "out_shardings": (self.state, rep, extra),
+      "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
+      "out_shardings": (self.state, rep, cache),
     }
 
   @property

@@ -57,7 +57,8 @@ class RaggedForward:
   """The model's part of a ragged step.
 
   Attributes:
-    logits: `[R, V] float32` logits at each row's last query token (`logits_indices`).
+    logits: `[R, V] float32` logits at each row's last query token (`logits_indices`; `[R, k +
+      1, V]` in a verify step).
     kv_cache: the `PagedKVCache` with the step's keys and values written.
     prompt_logprobs: `LogprobsTensors` of `[T, k + 1]` (see `ragged_forward`), or None.
   """
@@ -67,7 +68,16 @@ class RaggedForward:
   prompt_logprobs: LogprobsTensors | None
 
 
-def ragged_forward(graphdef, state, weights, kv_cache, inputs: RaggedInputs, prompt_logprobs=0):
+def ragged_forward(
+  graphdef,
+  state,
+  weights,
+  kv_cache,
+  inputs: RaggedInputs,
+  prompt_logprobs=0,
+  input_token_ids=None,
+  logits_indices=None,
+):
   """The model once over the step's flat tokens; the logits each producing row samples from.
 
   Args:
@@ -79,14 +89,23 @@ def ragged_forward(graphdef, state, weights, kv_cache, inputs: RaggedInputs, pro
     prompt_logprobs: static; 0, or `k + 1` to also return, for every query token, the raw
       logprobs (log-softmax of the logits) of the token that follows it in its sequence and the
       top `k` (a step with a prompt that asked for `prompt_logprobs`).
+    input_token_ids: None, or `[T] int32` tokens fed in place of the batch's, -1 where the
+      batch's own token is fed (a verify step's drafts, `engine/paged_verify.py`).
+    logits_indices: None (`inputs.logits_indices`), or `[R, ...] int32` flat query indices
+      whose logits to return (a verify step's `[R, k + 1]`).
 
   Returns:
-    `RaggedForward`. On a mesh the logits stay sharded over the vocabulary.
+    `RaggedForward` (logits `[R, ..., V]`). On a mesh the logits stay sharded over the
+    vocabulary.
   """
   token_ids = state.token_ids[inputs.token_rows, inputs.positions]
+  if input_token_ids is not None:
+    token_ids = jnp.where(input_token_ids >= 0, input_token_ids, token_ids)
+  if logits_indices is None:
+    logits_indices = inputs.logits_indices
   model = nnx.merge(graphdef, weights)
   hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
-  logits = model.compute_logits(hidden[0, inputs.logits_indices])
+  logits = model.compute_logits(hidden[0, logits_indices])
   token_logprobs = None
   if prompt_logprobs:
     following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
