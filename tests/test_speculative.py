@@ -233,15 +233,15 @@ def test_mixed_steps_compile_nothing_after_warm_up(spec):
 
 
 def test_precompile_covers_the_verify_step(model):
-  # One bucket of each kind: prefill, decode and verify compile once each, and serving adds none
-  # (prefix caching off: its block copies are one more shape, covered in test_prefix_cache).
+  # The slot engine, one bucket of each kind: prefill, decode and verify compile once each, and
+  # serving adds none (the paged verify step's compiles: tests/test_paged_speculative.py).
   llm = je.LLM(
     model,
     max_num_reqs=1,
     max_model_len=16,
     compilation_cache=False,
     speculative_config=SPEC,
-    enable_prefix_caching=False,
+    paged_kv_cache=False,
   )
   llm.llm_engine.spec_crossover_tokens = 10**9
   runner = llm.llm_engine.runner
