@@ -183,6 +183,15 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "batch_invariant",
+    "--batch-invariant",
+    dict(
+      action="store_true",
+      default=False,
+      help="each request's tokens and logprobs independent of the batch, bit for bit (slower)",
+    ),
+  ),
+  EngineFlag(
     "seed",
     "--engine-seed",
     dict(

@@ -60,6 +60,9 @@ class BatchConfig:
       (speculative decoding; vLLM's `num_speculative_tokens`), an int in `[0, 128]`. Its target
       logits are `[R, P + 1, V]`: one executable per `(max_num_reqs, max_spec_len)`. Only the
       rejection sampler reads it.
+    batch_invariant: normalise logprobs with `jaxengine.reductions.fixed_logsumexp`, whose order
+      does not depend on the number of rows (the engine's ``batch_invariant=True``; it also runs
+      the sampler at one row count). Default False: `jax.nn.logsumexp`.
     logits_processors: the batch's `jaxengine.LogitsProcessor` instances, in order (static: the
       processors' code is part of the compiled step; their per-row values are traced state).
 
@@ -82,6 +85,7 @@ class BatchConfig:
   deep_candidate_budgets: tuple[int, ...] = DEFAULT_DEEP_CANDIDATE_BUDGETS
   max_spec_len: int = DEFAULT_MAX_SPEC_LEN
   logits_processors: tuple = ()
+  batch_invariant: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -91,6 +95,7 @@ class BatchConfig:
         "deep_candidate_budgets",
         "max_spec_len",
         "logits_processors",
+        "batch_invariant",
       ):
         continue
       value = getattr(self, field.name)
@@ -114,6 +119,9 @@ class BatchConfig:
       raise ValueError(f"deep_candidate_budgets must be a tuple of positive ints, got {budgets!r}")
     object.__setattr__(self, "deep_candidate_budgets", tuple(int(b) for b in budgets))
     object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+    if not isinstance(self.batch_invariant, (bool, np.bool_)):
+      raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+    object.__setattr__(self, "batch_invariant", bool(self.batch_invariant))
 
   @property
   def num_top_logprobs(self) -> int:

@@ -68,6 +68,7 @@ class InputBatch:
       instances or `"module:Class"` strings (see `jaxengine.sample.custom`).
     max_num_blocks_per_req: with a paged KV cache, the pages a row can hold: the batch then keeps
       a `BlockTable` (`block_table`) that moves with the rows; 0 (default): no block table.
+    batch_invariant: `BatchConfig.batch_invariant` (logprobs normalised in a fixed order).
 
   The batch samples; it does not decide when a request ends. Engine-level `SamplingParams` fields
   (`n`, `max_tokens`, `stop`, `bad_words` strings, `ignore_eos`, `include_stop_str_in_output`,
@@ -101,6 +102,7 @@ class InputBatch:
     seed: int = 0,
     logits_processors: Sequence | None = None,
     max_num_blocks_per_req: int = 0,
+    batch_invariant: bool = False,
   ):
     config = BatchConfig(
       max_num_reqs=max_num_reqs,
@@ -116,6 +118,7 @@ class InputBatch:
       deep_candidate_budgets=tuple(deep_candidate_budgets),
       max_spec_len=max_spec_len,
       logits_processors=resolve_logits_processors(logits_processors),
+      batch_invariant=batch_invariant,
     )
     self._init(config, eos_token_ids, seed)
     if max_num_blocks_per_req:

@@ -161,6 +161,7 @@ class LLMEngine:
       seed=config.seed,
       logits_processors=config.logits_processors,
       max_num_blocks_per_req=config.max_num_blocks_per_req if config.paged else 0,
+      batch_invariant=config.batch_invariant,
     )
     self.runner = (PagedModelRunner if config.paged else ModelRunner)(model, batch, config)
     self.max_num_reqs = batch.max_num_reqs

@@ -104,6 +104,14 @@ class EngineConfig:
     attention_backend: the paged cache's attention: "xla", "pallas_tpu", "pallas_gpu", or None
       (default: the TPU ragged paged kernel on TPU, the Pallas decode kernel on GPU, XLA
       elsewhere; `jaxengine.models.attention_backends`).
+    batch_invariant: make every request's tokens and logprobs independent of the other requests
+      of its steps, bit for bit, and equal to `jaxengine.models.token_logprobs` (a trainer's
+      forward pass) on the same weights (default False). The model's projections and logits run
+      `ROW_TILE` rows at a time and the paged attention in a fixed order
+      (`jaxengine.models.batch_invariant`); a model declares that it can with a
+      ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the paged cache with
+      the "xla" attention on the CPU backend on one device (other backends and meshes are
+      refused, not approximated). Costs time: README "Bitwise reproducibility" has the table.
 
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
@@ -111,7 +119,8 @@ class EngineConfig:
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with
       `num_decode_steps > 1` or on a mesh with the slot cache, prefix caching with the slot
       cache, `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged
-      cache size); more devices than there are.
+      cache size, `batch_invariant` with the slot cache, a mesh, a Pallas attention backend or a
+      non-CPU platform); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -140,6 +149,7 @@ class EngineConfig:
   max_num_batched_tokens: int | None = None
   enable_chunked_prefill: bool = True
   attention_backend: str | None = None
+  batch_invariant: bool = False
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -170,7 +180,12 @@ class EngineConfig:
     off = resolve_cache_dir(self.compilation_cache) is None  # refuses all but a bool or a path
     if off and not isinstance(self.compilation_cache, bool):
       self._set("compilation_cache", False)  # an "off" spelling is stored as False
-    for name in ("precompile", "prefill_once_per_request", "enable_chunked_prefill"):
+    for name in (
+      "precompile",
+      "prefill_once_per_request",
+      "enable_chunked_prefill",
+      "batch_invariant",
+    ):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -179,6 +194,26 @@ class EngineConfig:
     self._check_paged()
     self._check_decoding()
     self._check_prefix_caching()
+    self._check_batch_invariant()
+
+  def _check_batch_invariant(self) -> None:
+    if not self.batch_invariant:
+      return
+    platform = jax.default_backend()
+    refused = {
+      "the slot cache (paged_kv_cache=False)": not self.paged,
+      f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
+      f"{self.data_parallel_size})": self.mesh is not None,
+      f"attention_backend={self.attention_backend!r} (only 'xla' has a fixed order)": (
+        self.attention_backend not in (None, "xla")
+      ),
+      f"the {platform!r} platform (exactness is built and tested on 'cpu' only)": (
+        platform != "cpu"
+      ),
+    }
+    for what, given in refused.items():
+      if given:
+        raise ValueError(f"batch_invariant=True is not supported with {what}")
 
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # normalising a field of the frozen config

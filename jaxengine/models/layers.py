@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine.models.batch_invariant import row_tiled_dot
+from jaxengine.reductions import fixed_sum
+
 __all__ = [
   "RMSNorm",
   "grouped_query_attention",
@@ -52,7 +55,7 @@ def normal_out_in(
   return w.reshape(num_in, num_out).T.reshape(*out_shape, *in_shape)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, *, batch_invariant: bool = False) -> jax.Array:
   """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, contracting the weight's last dim.
 
   XLA:CPU runs this faster than ``x @ w`` over an ``[in, out]`` weight at batch > 1 (see
@@ -61,10 +64,15 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
   Args:
     x: ``[..., in]`` activations.
     w: ``[out, in]`` weight.
+    batch_invariant: compute a fixed number of rows at a time
+      (`jaxengine.models.batch_invariant.row_tiled_dot`), so each row's bits are independent of
+      the other rows (slower, see there).
 
   Returns:
     ``[..., out]`` in the promoted dtype of ``x`` and ``w`` (as ``x @ w.T``).
   """
+  if batch_invariant:
+    return row_tiled_dot(x, w)
   dtype = jnp.result_type(x, w)
   return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
@@ -106,11 +114,17 @@ class RMSNorm(nnx.Module):
     """Args: dim: feature width. eps: added to the mean square."""
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
     self.eps = eps
+    #: Sum the squares in a fixed order (`jaxengine.reductions.fixed_sum`): a row's result is
+    #: then independent of the other rows (batch-invariant mode).
+    self.batch_invariant = False
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Normalises ``[..., dim]`` and returns the same shape and dtype."""
     x32 = x.astype(jnp.float32)
-    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    if self.batch_invariant:
+      mean_square = fixed_sum(jnp.square(x32), keepdims=True) / x32.shape[-1]
+    else:
+      mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     return (x32 * jax.lax.rsqrt(mean_square + self.eps) * self.scale[...]).astype(x.dtype)
 
 

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
+from jaxengine.models.batch_invariant import row_tiled_dot
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.layers import (
   RMSNorm,
@@ -93,6 +94,7 @@ class Attention(nnx.Module):
       None.
     bo: ``[E]`` output bias (``attention_output_bias``), or None.
     q_norm, k_norm: per-head RMSNorms over ``D`` (``qk_norm``), or None.
+    batch_invariant: projections computed a fixed number of rows at a time (`Llama`).
   """
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
@@ -116,6 +118,7 @@ class Attention(nnx.Module):
     self.bo = bias(e) if config.attention_output_bias else None
     self.q_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.qk_norm else None
     self.k_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.qk_norm else None
+    self.batch_invariant = False
 
   def __call__(
     self,
@@ -142,9 +145,10 @@ class Attention(nnx.Module):
     # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free):
     # written as einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(x, self.wq[...].reshape(h * d, e)).reshape(*lead, h, d)  # [B, T, H, D]
-    k = linear(x, self.wk[...].reshape(kv * d, e)).reshape(*lead, kv, d)  # [B, T, K, D]
-    v = linear(x, self.wv[...].reshape(kv * d, e)).reshape(*lead, kv, d)  # [B, T, K, D]
+    fixed = self.batch_invariant
+    q = linear(x, self.wq[...].reshape(h * d, e), batch_invariant=fixed).reshape(*lead, h, d)
+    k = linear(x, self.wk[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
+    v = linear(x, self.wv[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -155,7 +159,7 @@ class Attention(nnx.Module):
     out, kv_cache = attention(
       q, k, v, kv_cache, layer, metadata, scale=d**-0.5, sliding_window=cfg.sliding_window
     )
-    out = linear(out.reshape(*lead, h * d), self.wo[...].reshape(e, h * d))  # [B, T, E]
+    out = linear(out.reshape(*lead, h * d), self.wo[...].reshape(e, h * d), batch_invariant=fixed)
     if self.bo is not None:
       out = out + self.bo[...]
     return out, kv_cache
@@ -168,6 +172,7 @@ class MLP(nnx.Module):
     w_gate: ``[F, E]`` gate projection (PyTorch ``[out, in]`` layout, see `Attention`).
     w_up: ``[F, E]`` up projection.
     w_down: ``[E, F]`` down projection.
+    batch_invariant: projections computed a fixed number of rows at a time (`Llama`).
   """
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
@@ -175,12 +180,14 @@ class MLP(nnx.Module):
     self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
     self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
     self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
+    self.batch_invariant = False
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
-    gate = linear(x, self.w_gate[...])  # [B, T, F]
-    up = linear(x, self.w_up[...])  # [B, T, F]
-    return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, E]
+    fixed = self.batch_invariant
+    gate = linear(x, self.w_gate[...], batch_invariant=fixed)  # [B, T, F]
+    up = linear(x, self.w_up[...], batch_invariant=fixed)  # [B, T, F]
+    return linear(jax.nn.silu(gate) * up, self.w_down[...], batch_invariant=fixed)  # [B, T, E]
 
 
 class DecoderLayer(nnx.Module):
@@ -217,6 +224,12 @@ class Llama(nnx.Module):
     layers: ``L`` `DecoderLayer` modules (an `nnx.List`).
     final_norm: RMSNorm applied to the last layer's output.
     lm_head: ``[V, E]`` output projection, or None when tied to ``embed``.
+    batch_invariant: False (default), or True to compute every projection and the logits
+      ``ROW_TILE`` rows at a time (`jaxengine.models.batch_invariant`), so that a token's hidden
+      states and logits are the same bits whatever else the call holds. Set it on the whole
+      module with ``model.set_attributes(batch_invariant=True)`` (what ``LLM(...,
+      batch_invariant=True)`` does to its own copy, with the paged cache's fixed-order
+      attention); the attention's own order comes from the cache's backend.
   """
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -241,6 +254,7 @@ class Llama(nnx.Module):
     self.lm_head = (
       None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
+    self.batch_invariant = False
 
   @property
   def vocab_size(self) -> int:
@@ -329,6 +343,8 @@ class Llama(nnx.Module):
       ``[..., V] float32`` logits (float32 accumulation even for a bfloat16 model).
     """
     w = self.embed[...] if self.lm_head is None else self.lm_head[...]  # [V, E]
+    if self.batch_invariant:
+      return row_tiled_dot(hidden, w, preferred_element_type=jnp.float32)
     return jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
 
 

@@ -61,6 +61,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxengine.reductions import fixed_sum
+
 #: Score of a masked position: finite, so a query that sees nothing yields no NaN.
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -191,6 +193,8 @@ def ragged_paged_attention_xla(
   pages_per_chunk: int = 4,
   kv_heads_first: bool = False,
   sliding_window: int | None = None,
+  fixed_order: bool = False,
+  max_context: int | None = None,
 ) -> jax.Array:
   """Causal grouped-query attention of a ragged step over paged keys and values, in XLA.
 
@@ -214,6 +218,17 @@ def ragged_paged_attention_xla(
     kv_heads_first: the pages are `[K, N, B, D]` (the GPU Pallas kernel's layout).
     sliding_window: `W` (static), or None for full causal attention. Pages before a work item's
       window are skipped, not freed (module docstring).
+    fixed_order: batch-invariant arithmetic (static): each query's scores and weighted sum are
+      elementwise products summed along a fixed axis (no matrix product, whose kernel XLA picks
+      by shape), in float32, chunk by chunk in absolute position order. A query's output is then
+      the same bits whatever the step's other queries, its query tile, the chunks other items
+      need, and whether its context was written by this step or earlier ones: a chunk it sees
+      nothing of is an exact no-op (weights exactly 0 beside a real maximum, or rescaled by
+      exactly 0 before its first real chunk). Used by ``LLM(..., batch_invariant=True)`` and
+      `jaxengine.models.token_logprobs`.
+    max_context: None, or a static bound on every request's `seq_lens`: the chunk loop then
+      runs `ceil(max_context / chunk)` iterations, a static count, so the attention can be
+      differentiated in reverse mode (`token_logprobs`); None: as many as the step needs.
 
   Returns:
     `[T, H, D]` in `q`'s dtype; rows of padding tokens are 0.
@@ -254,7 +269,7 @@ def ragged_paged_attention_xla(
     # Items past their own last chunk read clipped (real or null) pages, all masked below.
     pages = jnp.take_along_axis(blocks, page_index, axis=1, mode="clip")
     keys, values = (_read_pages(p, pages, kv_heads_first) for p in (key_pages, value_pages))
-    scores = jnp.einsum("wqkgd,wskd->wkgqs", q_items, keys, preferred_element_type=jnp.float32)
+    scores = _scores(q_items, keys, fixed_order)  # [W, K, G, Tq, C * B] float32
     position = first_page[:, None, None] * block_size + jnp.arange(chunk_len, dtype=jnp.int32)
     visible = position <= items.position[:, :, None]  # [W, Tq, C * B]
     if lowest is not None:
@@ -263,10 +278,9 @@ def ragged_paged_attention_xla(
     new_max = jnp.maximum(running_max, scores.max(axis=-1))  # [W, K, G, Tq]
     correction = jnp.exp(running_max - new_max)
     probs = jnp.exp(scores - new_max[..., None])  # masked: underflows to 0
-    update = jnp.einsum(
-      "wkgqs,wskd->wkgqd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
-    )
-    return new_max, running_sum * correction + probs.sum(-1), acc * correction[..., None] + update
+    update = _weighted_values(probs, values, fixed_order)  # [W, K, G, Tq, D] float32
+    mass = fixed_sum(probs) if fixed_order else probs.sum(-1)
+    return new_max, running_sum * correction + mass, acc * correction[..., None] + update
 
   # An item's first chunk holds its first query's first visible position, so that query's
   # maximum is a real score from chunk 0 on. A later query of the tile may see nothing in a chunk
@@ -279,7 +293,30 @@ def ragged_paged_attention_xla(
     jnp.zeros(stats_shape, jnp.float32),
     jnp.zeros((*stats_shape, head_dim), jnp.float32),
   )
-  _, total, acc = jax.lax.fori_loop(0, span.num_chunks, chunk, init)
+  num_chunks = span.num_chunks if max_context is None else -(-max_context // chunk_len)
+  _, total, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
   out = acc / total[..., None]  # [W, K, G, Tq, D]
   out = out.transpose(0, 3, 1, 2, 4).reshape(num_items, query_tile, num_heads, head_dim)
   return jnp.zeros_like(q).at[items.token].set(out.astype(q.dtype), mode="drop")
+
+
+def _scores(q_items: jax.Array, keys: jax.Array, fixed_order: bool) -> jax.Array:
+  """`[W, K, G, Tq, S] float32` dot products of `[W, Tq, K, G, D]` queries and `[W, S, K, D]`
+  keys: a batched matrix product, or (`fixed_order`) products summed along the last axis."""
+  if not fixed_order:
+    return jnp.einsum("wqkgd,wskd->wkgqs", q_items, keys, preferred_element_type=jnp.float32)
+  q32 = q_items.astype(jnp.float32).transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :]  # [W,K,G,Tq,1,D]
+  k32 = keys.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None, :, :]  # [W,K,1,1,S,D]
+  return fixed_sum(q32 * k32)
+
+
+def _weighted_values(probs: jax.Array, values: jax.Array, fixed_order: bool) -> jax.Array:
+  """`[W, K, G, Tq, D] float32` sums of `[W, S, K, D]` values weighted by `[W, K, G, Tq, S]`
+  probabilities: a batched matrix product, or (`fixed_order`) float32 products summed along the
+  last axis."""
+  if not fixed_order:
+    return jnp.einsum(
+      "wkgqs,wskd->wkgqd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
+    )
+  v32 = values.astype(jnp.float32).transpose(0, 2, 3, 1)[:, :, None, None, :, :]  # [W,K,1,1,D,S]
+  return fixed_sum(probs[:, :, :, :, None, :] * v32)

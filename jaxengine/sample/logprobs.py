@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxengine.reductions import fixed_logsumexp
 from jaxengine.sample import sharded
 from jaxengine.sample.blocked import blocked_top_k
 from jaxengine.sample.custom import apply_grammar_bitmask
@@ -76,7 +77,12 @@ def logprobs_scores(
 
 
 def gather_logprobs(
-  scores: jax.Array, token_ids: jax.Array, num_logprobs: int, *, normalize: bool = True
+  scores: jax.Array,
+  token_ids: jax.Array,
+  num_logprobs: int,
+  *,
+  normalize: bool = True,
+  fixed_order: bool = False,
 ) -> LogprobsTensors:
   """The given token's value and rank plus the top `num_logprobs` values of each row.
 
@@ -85,6 +91,8 @@ def gather_logprobs(
     token_ids: `[R] int32` the sampled (or, for prompt logprobs, the actual next) tokens.
     num_logprobs: static number of top entries. `V` means a full sort of each row.
     normalize: report log-probabilities `scores - logsumexp(scores)` (True) or the scores.
+    fixed_order: normalise with `jaxengine.reductions.fixed_logsumexp` (batch-invariant mode:
+      a row's value does not depend on the number of rows; single device only).
 
   Returns:
     `LogprobsTensors`: `token_ids` and `logprobs` `[R, num_logprobs + 1]` (column 0 the given
@@ -96,7 +104,10 @@ def gather_logprobs(
   top_scores, top_ids = blocked_top_k(scores, num_logprobs)
   values = jnp.concatenate([token_score, top_scores], 1)
   if normalize:
-    values = values - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
+    if fixed_order:
+      values = values - fixed_logsumexp(scores, keepdims=True)
+    else:
+      values = values - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
   return LogprobsTensors(
     token_ids=jnp.concatenate([token_ids[:, None], top_ids], 1).astype(jnp.int32),
     logprobs=values,

@@ -157,7 +157,11 @@ def _logprobs(logits, x, view: PositionView, threshold, emitted) -> LogprobsTens
   mode = config.logprobs_mode
   scores = logprobs_scores(logits, x, view.state, view.metadata, threshold, mode)
   return gather_logprobs(
-    scores, emitted, config.num_top_logprobs, normalize=mode.endswith("logprobs")
+    scores,
+    emitted,
+    config.num_top_logprobs,
+    normalize=mode.endswith("logprobs"),
+    fixed_order=config.batch_invariant,
   )
 
 

@@ -265,7 +265,11 @@ def _tokens_and_logprobs(logits, x, state: BatchState, md: SamplingMetadata):
     mode = config.logprobs_mode
     scores = logprobs_scores(logits, x, state, md, threshold, mode)
     return gather_logprobs(
-      scores, tokens, config.num_top_logprobs, normalize=mode.endswith("logprobs")
+      scores,
+      tokens,
+      config.num_top_logprobs,
+      normalize=mode.endswith("logprobs"),
+      fixed_order=config.batch_invariant,
     )
 
   no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)

