@@ -26,12 +26,15 @@ a 30-layer stack of SmolLM2's matrices, 2-core Xeon), 2x for long prefill chunks
 from __future__ import annotations
 
 import math
+from typing import TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["ROW_TILE", "batch_invariant_model", "row_tiled_dot"]
+
+M = TypeVar("M")
 
 #: Rows multiplied per kernel call in batch-invariant mode (a multiple of 8, so the SIMD row
 #: blocking of CPU GEMMs divides it).
@@ -68,7 +71,7 @@ def row_tiled_dot(x: jax.Array, w: jax.Array, *, preferred_element_type=None) ->
   return out.reshape(num_tiles * ROW_TILE, -1)[:rows].reshape(*lead, -1)
 
 
-def batch_invariant_model(model: nnx.Module) -> nnx.Module:
+def batch_invariant_model(model: M) -> M:
   """A copy of `model` in batch-invariant mode, sharing its weight arrays; `model` is unchanged.
 
   The copy has ``batch_invariant=True`` on every submodule that declares the attribute
@@ -79,12 +82,13 @@ def batch_invariant_model(model: nnx.Module) -> nnx.Module:
   Raises:
     ValueError: no submodule of `model` has a ``batch_invariant`` attribute (naming its type).
   """
-  if not any(hasattr(module, "batch_invariant") for _, module in nnx.iter_modules(model)):
+  modules = nnx.iter_modules(cast(nnx.Module, model))
+  if not any(hasattr(module, "batch_invariant") for _, module in modules):
     raise ValueError(
       f"batch_invariant=True needs a model whose modules declare a batch_invariant attribute "
       f"(jaxengine.models.Llama does); {type(model).__name__} has none"
     )
   graphdef, state = nnx.split(model)
-  copy = nnx.merge(graphdef, state)
+  copy = cast(nnx.Module, nnx.merge(graphdef, state))
   copy.set_attributes(batch_invariant=True)
-  return copy
+  return cast(M, copy)

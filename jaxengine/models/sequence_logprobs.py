@@ -7,9 +7,10 @@ on the rest of its step (`jaxengine.models.batch_invariant`, and the paged atten
 arithmetic: the sequences are one ragged step of a scratch paged cache, every token writes its
 key and value and attends in the same fixed order as in the engine, and the log-softmax is the
 sampler's in that mode (`jaxengine.sample.logprobs.gather_logprobs` with ``fixed_order``: the
-token's logit minus the row's `jaxengine.reductions.fixed_logsumexp`). So the value it gives for token ``t + 1`` equals the raw logprob the engine
-reported when it sampled (or was prompted with) that token, on the same weights, whatever the
-engine's batch, prefix cache hits or prefill chunks were.
+token's logit minus the row's `jaxengine.reductions.fixed_logsumexp`). So the value it gives for
+token ``t + 1`` equals the raw logprob the engine reported when it sampled (or was prompted
+with) that token, on the same weights, whatever the engine's batch, prefix cache hits or
+prefill chunks were.
 
 It is a pure function of the module's parameters: jit it, differentiate it (``nnx.grad``), use
 it in a policy-gradient loss.
@@ -17,6 +18,7 @@ it in a policy-gradient loss.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -109,15 +111,25 @@ def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int =
     raise ValueError(f"token_ids has T={length} tokens, above max_position_embeddings={limit}")
   if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
     raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-  invariant = batch_invariant_model(model)
+  graphdef, weights = nnx.split(batch_invariant_model(model))
+  return _token_logprobs(graphdef, weights, token_ids.astype(jnp.int32), block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) -> jax.Array:
+  """`token_logprobs` of the module ``nnx.merge(graphdef, weights)``, always compiled: XLA:CPU
+  contracts a multiply and an add into one rounding inside its fusions, so the op-by-op results
+  of an eager call would differ from the engine's compiled step in the last bits."""
+  invariant = nnx.merge(graphdef, weights)
+  batch, length = token_ids.shape
   metadata, cache = _scratch_step(invariant, batch, length, block_size)
-  flat_ids = token_ids.astype(jnp.int32).reshape(1, batch * length)
+  flat_ids = token_ids.reshape(1, batch * length)
   positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]
   hidden, _ = invariant(flat_ids, positions, cache, metadata)  # [1, B * T, E]
   hidden = hidden.reshape(batch, length, -1)[:, :-1]  # [B, T - 1, E]: each predicts the next
   logits = invariant.compute_logits(hidden.reshape(batch * (length - 1), -1))  # [B(T-1), V]
   scores = logits.astype(jnp.float32)
-  following = token_ids[:, 1:].reshape(-1, 1).astype(jnp.int32)
+  following = token_ids[:, 1:].reshape(-1, 1)
   values = jnp.take_along_axis(scores, following, axis=1)
   values = values - fixed_logsumexp(scores, keepdims=True)
   return values.reshape(batch, length - 1)
