@@ -136,7 +136,7 @@ ENGINE_FLAGS = (
       type=unit_fraction,
       default=0.9,
       help="share of an accelerator's memory the engine may hold, weights included, when it "
-      "sizes the default paged KV cache (default 0.9)",
+      "sizes the default paged KV cache",
     ),
   ),
   EngineFlag(

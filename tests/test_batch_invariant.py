@@ -259,6 +259,26 @@ def test_tokens_and_logprob_bits_do_not_depend_on_the_other_requests(
   assert crowded_llm.llm_engine.kv_cache_stats.prefix_cache_hits > hits
 
 
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    dict(num_decode_steps=4),
+  ],
+  ids=["speculative", "multi_step"],
+)
+def test_speculative_and_multi_step_decoding_keep_the_bits(model, alone, options):
+  """Draft tokens are query tokens like any other, and a device loop of decode steps runs the
+  same per-token arithmetic: the targets' tokens and logprobs stay those of plain decoding."""
+  llm = je.LLM(model, max_num_reqs=8, max_model_len=256, batch_invariant=True, **options)
+  prompts, params = _targets()
+  other_prompts, other_params = _others(3, seed=5)
+  order = list(range(len(prompts) + 3))
+  _assert_same_bits(
+    alone, _completions(llm, prompts + other_prompts, params + other_params, order)
+  )
+
+
 def test_the_trainer_logprobs_equal_the_engines_bit_for_bit(model, alone):
   prompts, _ = _targets()
   for (target, _), (tokens, values, prompt_values) in alone.items():

@@ -11,6 +11,7 @@ import pytest
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.kv_cache_size import (
   DEFAULT_CPU_KV_CACHE_BYTES,
+  check_kv_cache_memory_bytes,
   default_num_kv_blocks,
   memory_limit,
 )
@@ -57,3 +58,19 @@ def test_the_default_pool_stays_within_the_memory_limit_and_names_it_when_too_sm
   full = [FakeAccelerator(per_page, per_page)]
   with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.0 .* give kv_cache_memory_bytes"):
     default_num_kv_blocks(spec, backend, devices=full, **sizes)
+
+
+def test_a_cache_larger_than_memory_is_refused_before_allocation():
+  model, _ = tiny_llama(vocab_size=32)
+  with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1125899906842624 exceeds the mach"):
+    LLMEngine(model, max_num_reqs=2, max_model_len=32, kv_cache_memory_bytes=2**50)
+  with pytest.raises(ValueError, match=r"exceeds free on .* \(900 bytes\)"):
+    check_kv_cache_memory_bytes(1000, [FakeAccelerator(bytes_limit=1000, bytes_in_use=100)])
+  check_kv_cache_memory_bytes(900, [FakeAccelerator(bytes_limit=1000, bytes_in_use=100)])
+
+
+@pytest.mark.parametrize("name, platforms", [("pallas_tpu", "tpu"), ("pallas_gpu", "gpu")])
+def test_a_pallas_backend_off_its_platform_is_refused_when_the_engine_is_built(name, platforms):
+  model, _ = tiny_llama(vocab_size=32)
+  with pytest.raises(ValueError, match=rf"attention_backend='{name}' runs on {platforms}"):
+    LLMEngine(model, max_num_reqs=2, max_model_len=32, attention_backend=name)

@@ -22,6 +22,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxengine"
 FORBIDDEN = {
   "jaxengine.params": ("jaxengine.batch", "jaxengine.sample", "jaxengine.engine",
                        "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+  "jaxengine.reductions": ("jaxengine.batch", "jaxengine.sample", "jaxengine.engine",
+                           "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
   "jaxengine.config": ("jaxengine.batch", "jaxengine.sample", "jaxengine.engine",
                        "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
   "jaxengine.sample": ("jaxengine.batch", "jaxengine.engine", "jaxengine.models",

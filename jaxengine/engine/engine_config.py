@@ -285,7 +285,8 @@ class EngineConfig:
     self._set("gpu_memory_utilization", float(utilization))
     for name, least in (("kv_cache_memory_bytes", 1), ("num_kv_blocks", 2), ("block_size", 1)):
       value = getattr(self, name)
-      if value is not None and (not is_int(value) or value < least):
+      optional = name != "block_size"
+      if (value is not None or not optional) and (not is_int(value) or value < least):
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
       self._set(name, None if value is None else int(value))
     if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:

@@ -21,6 +21,7 @@ they run out).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import jax
@@ -55,6 +56,36 @@ def memory_limit(devices: Sequence[jax.Device], gpu_memory_utilization: float) -
       return DEFAULT_CPU_KV_CACHE_BYTES
     limits.append(int(gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0))
   return min(limits)
+
+
+def check_kv_cache_memory_bytes(kv_cache_memory_bytes: int, devices: Sequence[jax.Device]) -> None:
+  """Refuses a requested cache size no device could hold, before anything is allocated.
+
+  The bound is each device's free memory as JAX's allocator reports it (`bytes_limit` less
+  `bytes_in_use`) on accelerators, and the machine's physical memory on CPU (whose devices report
+  no statistics): a larger CPU cache would be killed by the operating system, not refused.
+
+  Raises:
+    ValueError: naming `kv_cache_memory_bytes` and the bound.
+  """
+  for device in devices:
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+      bound, what = stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {device}"
+    else:
+      bound, what = _physical_memory(), "the machine's physical memory"
+    if bound is not None and kv_cache_memory_bytes > bound:
+      raise ValueError(
+        f"kv_cache_memory_bytes={kv_cache_memory_bytes} exceeds {what} ({bound} bytes)"
+      )
+
+
+def _physical_memory() -> int | None:
+  """Bytes of physical memory (None where the OS does not say)."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, ValueError, OSError):
+    return None
 
 
 def default_num_kv_blocks(

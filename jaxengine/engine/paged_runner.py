@@ -36,7 +36,7 @@ from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_step
 from jaxengine.engine.buckets import bucket, buckets
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.kv_cache_size import default_num_kv_blocks
+from jaxengine.engine.kv_cache_size import check_kv_cache_memory_bytes, default_num_kv_blocks
 from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
 from jaxengine.engine.paged_multi_step import DecodeStepsInputs, paged_decode_steps
@@ -175,7 +175,9 @@ class PagedModelRunner(ModelRunner):
       chosen = XlaAttentionBackend(fixed_order=True)
     backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
     backend.check_sliding_window(spec.sliding_window)
+    backend.check_platform(jax.default_backend())
     num_blocks = config.num_kv_blocks
+    devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
     if num_blocks is None and config.kv_cache_memory_bytes is None:
       num_blocks = default_num_kv_blocks(
         spec,
@@ -183,10 +185,11 @@ class PagedModelRunner(ModelRunner):
         max_num_reqs=self.max_num_reqs,
         max_num_blocks_per_req=self.max_num_blocks_per_req,
         block_size=self.block_size,
-        devices=list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1],
+        devices=devices,
         gpu_memory_utilization=config.gpu_memory_utilization,
       )
     elif num_blocks is None:
+      check_kv_cache_memory_bytes(cast(int, config.kv_cache_memory_bytes), devices)
       num_blocks = backend.num_blocks_for_memory(
         cast(int, config.kv_cache_memory_bytes),  # the branch above took None
         num_layers=spec.num_layers,

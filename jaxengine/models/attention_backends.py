@@ -97,6 +97,21 @@ class AttentionBackend(abc.ABC):
   kv_head_axis: int
   #: Whether `attention` takes a `sliding_window`.
   supports_sliding_window: bool = True
+  #: The `jax.default_backend()` platforms the backend runs on (None: any).
+  platforms: tuple[str, ...] | None = None
+
+  def check_platform(self, platform: str) -> None:
+    """Refuses a platform the backend's kernel cannot run on (host side, before any device
+    work; a Pallas kernel would otherwise fail at the first step, deep inside JAX).
+
+    Raises:
+      ValueError: naming the backend, the platform and what to use instead.
+    """
+    if self.platforms is not None and platform not in self.platforms:
+      raise ValueError(
+        f"attention_backend={self.name!r} runs on {' / '.join(self.platforms)}, not on "
+        f"{platform!r}: use attention_backend='xla' or None (the platform's default)"
+      )
 
   def check_sliding_window(self, sliding_window: int | None) -> None:
     """Refuses a model's sliding window this backend cannot apply (host side, before any
@@ -270,6 +285,12 @@ class PallasTpuAttentionBackend(AttentionBackend):
   kernel: Callable[..., jax.Array] | None = None
   name = "pallas_tpu"
   kv_head_axis = 2
+  platforms = ("tpu",)
+
+  def check_platform(self, platform: str) -> None:
+    """Any platform with a `kernel` of one's own (tests pass the reference function)."""
+    if self.kernel is None:
+      super().check_platform(platform)
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
     return ((num_blocks, block_size, 2 * tpu_kv_heads(num_kv_heads), head_dim),)
@@ -331,6 +352,12 @@ class PallasGpuAttentionBackend(AttentionBackend):
   name = "pallas_gpu"
   kv_head_axis = 0
   supports_sliding_window = False
+  platforms = ("gpu", "cuda", "rocm")
+
+  def check_platform(self, platform: str) -> None:
+    """Any platform in interpret mode."""
+    if not self.interpret:
+      super().check_platform(platform)
 
   def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
     shape = (num_kv_heads, num_blocks, block_size, head_dim)

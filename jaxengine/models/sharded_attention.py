@@ -59,6 +59,10 @@ class HeadShardedBackend(AttentionBackend):
   def supports_sliding_window(self) -> bool:  # type: ignore[override]
     return self.inner.supports_sliding_window
 
+  def check_platform(self, platform: str) -> None:
+    """The inner backend's check."""
+    self.inner.check_platform(platform)
+
   @property
   def num_shards(self) -> int:
     """``t``: devices along `axis`."""
