@@ -274,9 +274,7 @@ def test_speculative_and_multi_step_decoding_keep_the_bits(model, alone, options
   prompts, params = _targets()
   other_prompts, other_params = _others(3, seed=5)
   order = list(range(len(prompts) + 3))
-  _assert_same_bits(
-    alone, _completions(llm, prompts + other_prompts, params + other_params, order)
-  )
+  _assert_same_bits(alone, _completions(llm, prompts + other_prompts, params + other_params, order))
 
 
 def test_the_trainer_logprobs_equal_the_engines_bit_for_bit(model, alone):
