@@ -377,6 +377,8 @@ def test_a_model_without_the_attribute_is_refused():
     (jnp.zeros((1, 1), jnp.int32), "T >= 2"),
     (jnp.zeros((1, 4), jnp.float32), "integers"),
     (jnp.zeros((1, 300), jnp.int32), "max_position_embeddings=256"),
+    (jnp.asarray([[5, 6, 300, 7]]), r"outside \[0, 256\): \[300\]"),
+    (jnp.asarray([[5, -100, 7]]), r"outside \[0, 256\): \[-100\]"),
   ],
 )
 def test_token_logprobs_refuses_bad_input(model, token_ids, named):

@@ -111,7 +111,7 @@ class EngineConfig:
       (`jaxengine.models.batch_invariant`); a model declares that it can with a
       ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the paged cache with
       the "xla" attention on the CPU backend on one device (other backends and meshes are
-      refused, not approximated). Costs time: README "Bitwise reproducibility" has the table.
+      refused, not approximated). Costs time: README "Reproducibility" has the table.
 
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
@@ -191,19 +191,19 @@ class EngineConfig:
         raise ValueError(f"{name} must be a bool, got {value!r}")
       self._set(name, bool(value))
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
+    self._check_batch_invariant()
     self._check_paged()
     self._check_decoding()
     self._check_prefix_caching()
-    self._check_batch_invariant()
 
   def _check_batch_invariant(self) -> None:
     if not self.batch_invariant:
       return
     platform = jax.default_backend()
     refused = {
-      "the slot cache (paged_kv_cache=False)": not self.paged,
       f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
       f"{self.data_parallel_size})": self.mesh is not None,
+      "the slot cache (paged_kv_cache=False)": self.paged_kv_cache is False,
       f"attention_backend={self.attention_backend!r} (only 'xla' has a fixed order)": (
         self.attention_backend not in (None, "xla")
       ),

@@ -86,17 +86,22 @@ def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int =
       ``batch_invariant`` attribute (`jaxengine.models.Llama`); it is not modified.
     token_ids: ``[B, T] int32`` whole sequences (prompt then completion), ``T >= 2``, at most
       the model's ``max_position_embeddings``; every sequence is ``T`` long (pad the shorter
-      ones at the end and ignore their tail: a token only sees the tokens before it).
+      ones at the end with any id of the vocabulary and ignore their tail: a token only sees
+      the tokens before it).
     block_size: the engine's ``block_size`` (positions per page; the attention's chunk of 64
       positions is the same for any block size up to 64).
 
   Returns:
     ``[B, T - 1] float32``: entry ``[b, t]`` is the log-probability of token ``t + 1`` of
     sequence ``b`` (the log-softmax of the model's float32 logits, no temperature or other
-    processing: vLLM's ``raw_logprobs``). Differentiable in the model's parameters.
+    processing: vLLM's ``raw_logprobs``). Differentiable in the model's parameters. A request
+    with ``structured_outputs`` is the exception: the engine's raw logprobs of its sampled
+    tokens are taken after the grammar's mask (vLLM's rule), so they differ from these
+    unmasked ones; its prompt logprobs still match.
 
   Raises:
-    ValueError: ``token_ids`` not ``[B, T]`` integers with ``B >= 1`` and ``T >= 2``, ``T``
+    ValueError: ``token_ids`` not ``[B, T]`` integers with ``B >= 1`` and ``T >= 2``, ids outside
+      the vocabulary (checked when the ids are concrete, not under a trace), ``T``
       above ``max_position_embeddings``, a model without the ``batch_invariant`` attribute, or
       ``block_size`` not a positive int.
   """
@@ -111,6 +116,15 @@ def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int =
     raise ValueError(f"token_ids has T={length} tokens, above max_position_embeddings={limit}")
   if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
     raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+  vocab_size = getattr(model, "vocab_size", None)
+  if isinstance(vocab_size, int) and not isinstance(token_ids, jax.core.Tracer):
+    ids = np.asarray(token_ids)
+    outside = np.unique(ids[(ids < 0) | (ids >= vocab_size)])
+    if outside.size:
+      raise ValueError(
+        f"token_ids holds ids outside [0, {vocab_size}): {outside[:8].tolist()} (pad with an id "
+        "of the vocabulary, e.g. the EOS id, and mask the padding's logprobs yourself)"
+      )
   graphdef, weights = nnx.split(batch_invariant_model(model))
   return _token_logprobs(graphdef, weights, token_ids.astype(jnp.int32), block_size)
 
