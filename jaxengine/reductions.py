@@ -2,7 +2,7 @@
 
 XLA:CPU picks a reduction's loop structure by the whole operand's shape: the sum of one row of
 ``[M, n]`` comes out in different bits for different ``M`` (measured for ``n`` from 16 to 49,152
-on a 2-core Xeon, jax 0.10: rows of 1 to 120 against rows of 300), although at one fixed shape a
+on a 2-core AMD EPYC, jax 0.10: rows of 1 to 120 against rows of 300), although at one fixed shape a
 row's place among the others does not matter. `fixed_sum` writes the order out instead, as
 pairwise sums of halves (elementwise adds, which XLA neither reorders nor fuses into other
 arithmetic), so a row's sum depends on the row alone. Maxima need nothing: a maximum is exact in

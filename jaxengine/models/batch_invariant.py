@@ -2,7 +2,7 @@
 
 A matrix product on XLA:CPU picks its kernel by shape: for SmolLM2's ``576``-wide projections a
 row's result has three bit patterns, one for 1 row, one for 2 to 32 rows, one for 33 rows and
-more (measured on a 2-core Xeon, jax 0.10; on other CPUs the boundaries move). So the same token
+more (measured on a 2-core AMD EPYC, jax 0.10; on other CPUs the boundaries move). So the same token
 gets different logits when it decodes alone, beside 7 other requests or inside a prefill of 256
 tokens, and a trainer's full-sequence forward pass disagrees with all of them in the last bits.
 Everything else the decoder does per token is already invariant there: elementwise functions
@@ -19,7 +19,7 @@ XLA's fusions, so a neighbouring add is never folded into its accumulation.
 
 The cost is the padding and the lost sharing of weight reads between tiles: about 4x the
 projections' time of a batch-1 decode step, 1.5x at 8 rows and 1.3x at 32 (``ROW_TILE = 16``,
-a 30-layer stack of SmolLM2's matrices, 2-core Xeon), 2x for long prefill chunks.
+a 30-layer stack of SmolLM2's matrices, 2-core AMD EPYC), 2x for long prefill chunks.
 `jaxengine.models.paged_attention` has the attention half (``fixed_order=True``).
 """
 
