@@ -218,9 +218,10 @@ def ragged_paged_attention_xla(
     kv_heads_first: the pages are `[K, N, B, D]` (the GPU Pallas kernel's layout).
     sliding_window: `W` (static), or None for full causal attention. Pages before a work item's
       window are skipped, not freed (module docstring).
-    fixed_order: batch-invariant arithmetic (static): each query's scores and weighted sum are
-      elementwise products summed along a fixed axis (no matrix product, whose kernel XLA picks
-      by shape), in float32, chunk by chunk in absolute position order. A query's output is then
+    fixed_order: batch-invariant arithmetic (static): each query's scores, its weights' sum and
+      its weighted sum of values are float32 elementwise products summed by
+      `jaxengine.reductions.fixed_sum` (no matrix product or XLA reduction, whose order XLA
+      picks by shape), chunk by chunk in absolute position order. A query's output is then
       the same bits whatever the step's other queries, its query tile, the chunks other items
       need, and whether its context was written by this step or earlier ones: a chunk it sees
       nothing of is an exact no-op (weights exactly 0 beside a real maximum, or rescaled by
