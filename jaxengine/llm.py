@@ -7,7 +7,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
@@ -17,14 +16,12 @@ from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.engine.placement import num_attention_heads
-from jaxengine.models import Model, check_model, load_gguf
+from jaxengine.models import Model, check_model
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
-from jaxengine.models.hub import resolve_model
+from jaxengine.models.hub import load_resolved, resolve_model
 from jaxengine.models.safetensors_loader import (
-  auto_dtype,
   config_from_hf,
   eos_token_ids,
-  load_safetensors,
   read_hf_config,
   weight_files,
 )
@@ -300,7 +297,7 @@ def _load_model(
     path = None if resolved is None else resolved.path
     config = read_config(open_gguf(path if path is not None else default_model_path()))
     _check_max_model_len(max_model_len, config.max_position_embeddings)
-    model, _ = load_gguf(path, dtype=jnp.float32 if dtype == "auto" else dtype)
+    model = load_resolved(resolved, dtype)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
   directory = resolved.path
   config_path = os.path.join(directory, "config.json")
@@ -315,7 +312,7 @@ def _load_model(
     weight_files(directory)
     if isinstance(limit, int):
       _check_max_model_len(max_model_len, limit)
-  model, _ = load_safetensors(directory, dtype=auto_dtype(directory) if dtype == "auto" else dtype)
+  model = load_resolved(resolved, dtype)
   if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     tokenizer = Tokenizer.from_pretrained(directory)
   primary = None if tokenizer is None else tokenizer.eos_token_id

