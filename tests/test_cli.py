@@ -213,8 +213,7 @@ def _no_weights_load(monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError("the weights were loaded before max_model_len was checked")
 
-  monkeypatch.setattr(llm_module, "load_gguf", refuse)
-  monkeypatch.setattr(llm_module, "load_safetensors", refuse)
+  monkeypatch.setattr(llm_module, "load_resolved", refuse)  # LLM's one way to read weights
 
 
 def test_max_model_len_past_the_config_is_refused_before_the_weights_load(
