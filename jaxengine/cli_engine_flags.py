@@ -108,6 +108,16 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "async_scheduling",
+    "--async-scheduling",
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="dispatch each step before reading the last one's tokens (default: on with the paged "
+      "cache, one decode step per dispatch and no speculative decoding)",
+    ),
+  ),
+  EngineFlag(
     "kv_cache_memory_bytes",
     "--kv-cache-memory-bytes",
     dict(

@@ -57,6 +57,62 @@ class FetchedStep(Generic[HostOutput]):
   new_token_ids: list[list[int]]
 
 
+@dataclasses.dataclass(eq=False)
+class PendingStep(Generic[HostOutput]):
+  """A step `InputBatch.dispatch_step` dispatched, its output still on the device until
+  `InputBatch.resolve` fetches it.
+
+  Attributes:
+    output: the step's device output (`SamplerOutput`, `MultiStepOutput`, ...).
+    extra: the step's other device results (the new KV cache, ...).
+    fetch: how to bring `output` to the host (a `Fetch`).
+    num_logprobs: the largest logprobs count a live row asked for at dispatch, or None.
+    rows: `(req_id, its output token list)` of each live row at dispatch, `req_ids` order.
+    num_new_tokens: tokens the step appends to each of `rows`, when known at dispatch.
+    fetched: the host result once resolved, else None.
+  """
+
+  output: Any
+  extra: Any
+  fetch: Fetch[HostOutput]
+  num_logprobs: int | None
+  rows: list[tuple[str, list[int]]]
+  num_new_tokens: list[int] | None
+  fetched: FetchedStep[HostOutput] | None = None
+
+
+class PendingSamplerOutput:
+  """What `InputBatch.sample` returns: the step is dispatched and its tokens stay on the device
+  until read. Reading `sampled_token_ids` or `logprobs` (or calling `result`) fetches them, and
+  every step the batch dispatched before, and appends them to the requests' outputs.
+
+  Attributes:
+    device: the sampler's `SamplerOutput` on the device over all `R` rows
+      (`device.sampled_token_ids [R] int32`; rows `>= num_reqs` are padding): feed it to the next
+      model step without a host round trip.
+  """
+
+  __slots__ = ("device", "_resolve")
+
+  def __init__(self, device: SamplerOutput, resolve: Callable[[], HostSamplerOutput]):
+    self.device = device
+    self._resolve = resolve
+
+  def result(self) -> HostSamplerOutput:
+    """The step's `HostSamplerOutput` over the live rows at dispatch (waits for the device)."""
+    return self._resolve()
+
+  @property
+  def sampled_token_ids(self) -> np.ndarray:
+    """`[num_reqs] int32` the sampled tokens, `req_ids` order at dispatch."""
+    return self.result().sampled_token_ids
+
+  @property
+  def logprobs(self) -> LogprobsArrays | None:
+    """`LogprobsArrays`, or None when no request asked for logprobs."""
+    return self.result().logprobs
+
+
 #: What `InputBatch.run_step` calls on a step's device output: `fetch(output, num_reqs,
 #: num_logprobs) -> FetchedStep`, with `num_reqs` the live rows (the first `N` after condense) and
 #: `num_logprobs` the largest logprobs count a live request asked for, or None (then logprobs need

@@ -15,7 +15,9 @@ same object is reused). Every check of user input happens on the host before any
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import cast
@@ -31,7 +33,14 @@ from jaxengine.batch.draft_verification import (
   run_rejection,
   sample_drafts,
 )
-from jaxengine.batch.host_output import Fetch, HostOutput, HostSamplerOutput, fetch_sampled
+from jaxengine.batch.host_output import (
+  Fetch,
+  HostOutput,
+  HostSamplerOutput,
+  PendingSamplerOutput,
+  PendingStep,
+  fetch_sampled,
+)
 from jaxengine.batch.logits_input import check_logits, pad_device_rows, sample_logits
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple
@@ -51,6 +60,11 @@ from jaxengine.sample import (
   refresh_metadata,
   write_row,
 )
+
+
+#: Dispatched steps the batch keeps unread; one more resolves the oldest (its output has long
+#: been computed by then, so reading it costs a copy, not a wait).
+MAX_PENDING_STEPS = 4
 
 
 class InputBatch:
@@ -156,6 +170,9 @@ class InputBatch:
     self._free_cache_slots = list(range(config.max_num_reqs))
     self._metadata: SamplingMetadata | None = None
     self.block_table = None
+    # Steps dispatched and not yet read (oldest first), and their tokens by request.
+    self._pending: collections.deque[PendingStep] = collections.deque()
+    self._num_in_flight: dict[str, int] = {}
 
   # --- views ------------------------------------------------------------------------------------
 
@@ -196,7 +213,9 @@ class InputBatch:
 
   @property
   def req_output_token_ids(self) -> list[list[int] | None]:
-    """Each row's output tokens so far (the live lists the batch appends to)."""
+    """Each row's output tokens so far (the live lists the batch appends to; resolves
+    dispatched steps first)."""
+    self.resolve_all()
     return list(self._req_output_token_ids)
 
   @property
@@ -231,11 +250,14 @@ class InputBatch:
     return self._cache_slots[req_id]
 
   def num_tokens(self, req_id: str) -> int:
-    """Prompt plus output tokens of `req_id` so far."""
-    return self._num_prompt_tokens[req_id] + len(self.output_token_ids(req_id))
+    """Prompt plus output tokens of `req_id` so far (those of steps not resolved included)."""
+    tokens = self._req_output_token_ids[self.req_id_to_index[req_id]]
+    assert tokens is not None  # a live request's row is never a hole
+    return self._num_prompt_tokens[req_id] + len(tokens) + self._num_in_flight.get(req_id, 0)
 
   def output_token_ids(self, req_id: str) -> list[int]:
-    """The output tokens of `req_id` so far (the live list)."""
+    """The output tokens of `req_id` so far (the live list; resolves dispatched steps)."""
+    self.resolve_all()
     tokens = self._req_output_token_ids[self.req_id_to_index[req_id]]
     assert tokens is not None  # a live request's row is never a hole
     return tokens
@@ -339,6 +361,7 @@ class InputBatch:
     self._req_output_token_ids[row] = None
     del self._num_prompt_tokens[req_id]
     self._num_logprobs.pop(req_id, None)
+    self._num_in_flight.pop(req_id, None)
     self._free_cache_slots.append(self._cache_slots.pop(req_id))
     self._free_cache_slots.sort()
     self._composition_changed()
@@ -412,8 +435,15 @@ class InputBatch:
 
   # --- sampling ------------------------------------------------------------------------------
 
-  def sample(self, logits) -> HostSamplerOutput:
-    """Samples one token per request and appends it to the request's outputs.
+  def sample(self, logits) -> PendingSamplerOutput:
+    """Samples one token per request; the token joins the request's outputs when read.
+
+    Returns as soon as the step is dispatched (the sampled tokens stay on the device): reading
+    the result's `sampled_token_ids` or `logprobs`, or the batch's `output_token_ids` /
+    `req_output_token_ids`, brings every step sampled so far to the host, in order, and
+    appends its tokens. Counts (`num_tokens`, the `max_model_len` check) include the tokens not
+    read yet. `result.device` holds the tokens on the device, to feed a model without a host
+    round trip.
 
     Condenses first if removals left holes; logits rows follow the condensed `req_ids`, so call
     `condense()` yourself before computing logits after a removal.
@@ -424,8 +454,9 @@ class InputBatch:
         float dtype, rows in `req_ids` order.
 
     Returns:
-      `HostSamplerOutput` of NumPy arrays: `sampled_token_ids [num_reqs] int32` and `logprobs`
-      (None unless a request asked; else `[num_reqs, k + 1]` with k the largest requested count).
+      A `PendingSamplerOutput`: read it as a `HostSamplerOutput` of NumPy arrays,
+      `sampled_token_ids [num_reqs] int32` and `logprobs` (None unless a request asked; else
+      `[num_reqs, k + 1]` with k the largest requested count).
 
     Raises:
       ValueError: for logits of another shape or a non-float dtype, or a request already at
@@ -435,8 +466,10 @@ class InputBatch:
     check_logits("logits", logits, rows, {"vocab_size": self.vocab_size})
     if logits.shape[0] != self.max_num_reqs:
       logits = pad_device_rows(logits, self.max_num_reqs)  # NumPy goes straight in: one compile
-    output, _ = self.run(sample_logits, logits)
-    return output
+    pending = self.dispatch_step(
+      sample_logits, logits, fetch=fetch_sampled, num_new_tokens=[1] * self.num_reqs
+    )
+    return PendingSamplerOutput(pending.output, functools.partial(self.resolve, pending))
 
   def rejection_sample(
     self, target_logits, draft_token_ids, draft_probs=None
@@ -473,12 +506,12 @@ class InputBatch:
   ) -> tuple[HostOutput, object]:
     """Runs any jitted step over the batch's state and appends the tokens it emitted.
 
-    The one way a step replaces the device state: `prepare_step` (checks, condense), then
-    `step_fn(state, metadata, *args, **kwargs) -> (state, device_output, extra)`, which must
-    donate `state` and keep its structure, shapes and shardings; then `fetch(device_output,
-    num_reqs, max_requested_logprobs)` (a `jaxengine.batch.host_output.Fetch`) brings the live
-    rows to the host, and the batch appends each row's emitted tokens to its request's outputs.
-    `run` (one token per row), `jaxengine.batch.step_loop.run_steps` (a k-step loop) and
+    `dispatch_step`, then `resolve` at once: `step_fn(state, metadata, *args, **kwargs) ->
+    (state, device_output, extra)` must donate `state` and keep its structure, shapes and
+    shardings; `fetch(device_output, num_reqs, max_requested_logprobs)` (a
+    `jaxengine.batch.host_output.Fetch`) brings the live rows to the host, and the batch
+    appends each row's emitted tokens to its request's outputs. `run` (one token per row),
+    `jaxengine.batch.step_loop.run_steps` (a k-step loop) and
     `jaxengine.batch.draft_verification.run_rejection` (draft verification) are its uses.
 
     Returns:
@@ -487,19 +520,93 @@ class InputBatch:
     Raises:
       ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
     """
+    pending = self.dispatch_step(step_fn, *args, fetch=fetch, **kwargs)
+    return self.resolve(pending), pending.extra
+
+  def dispatch_step(
+    self,
+    step_fn,
+    *args,
+    fetch: Fetch[HostOutput],
+    num_new_tokens: Sequence[int] | None = None,
+    **kwargs,
+  ) -> PendingStep[HostOutput]:
+    """Runs a jitted step as `run_step` does, leaving its output on the device.
+
+    The one way a step replaces the device state: `prepare_step` (checks, condense), then
+    `step_fn`. Its tokens join the requests' outputs when `resolve` brings them to the host
+    (steps resolve in dispatch order; a request removed meanwhile drops its tokens). The next
+    step can be dispatched first when `num_new_tokens` says how many tokens each live row
+    gets: they count in `num_tokens` until read.
+
+    Args:
+      step_fn, *args, **kwargs: as `run_step`.
+      fetch: as `run_step`.
+      num_new_tokens: `[num_reqs]` tokens the step appends to each live row (`req_ids`
+        order), or None when only the output tells (then the next `prepare_step` resolves it).
+
+    Returns:
+      The `PendingStep` (its `output` and `extra` are device values).
+
+    Raises:
+      ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
+    """
     metadata = self.prepare_step()
     self._state, output, extra = step_fn(self._state, metadata, *args, **kwargs)
-    fetched = fetch(output, self.num_reqs, self.max_requested_logprobs)
-    for row, new_token_ids in enumerate(fetched.new_token_ids):
-      tokens = self._req_output_token_ids[row]
-      assert tokens is not None  # rows [0, num_reqs) are live after condense
+    rows = [
+      (req_id, tokens)
+      for req_id, tokens in zip(self._req_ids, self._req_output_token_ids)
+      if req_id is not None and tokens is not None
+    ]
+    pending = PendingStep(
+      output=output,
+      extra=extra,
+      fetch=fetch,
+      num_logprobs=self.max_requested_logprobs,
+      rows=rows,
+      num_new_tokens=None if num_new_tokens is None else list(num_new_tokens),
+    )
+    if num_new_tokens is not None:
+      for (req_id, _), count in zip(rows, num_new_tokens):
+        self._num_in_flight[req_id] = self._num_in_flight.get(req_id, 0) + count
+    self._pending.append(pending)
+    if len(self._pending) > MAX_PENDING_STEPS:  # keep a bounded backlog: read the oldest
+      self.resolve(self._pending[0])
+    return pending
+
+  def resolve(self, pending: PendingStep[HostOutput]) -> HostOutput:
+    """Brings `pending` (and every step dispatched before it) to the host and appends their
+    tokens to the requests still in the batch; returns `fetch`'s host output over the step's
+    live rows. A step already resolved returns the same output again."""
+    while self._pending and pending.fetched is None:
+      self._resolve_oldest()
+    assert pending.fetched is not None  # every dispatched step is pending until resolved
+    return pending.fetched.output
+
+  def resolve_all(self) -> None:
+    """Resolves every dispatched step (`resolve`)."""
+    while self._pending:
+      self._resolve_oldest()
+
+  def _resolve_oldest(self) -> None:
+    step = self._pending.popleft()
+    fetched = step.fetch(step.output, len(step.rows), step.num_logprobs)
+    step.fetched = fetched
+    counts = step.num_new_tokens or [0] * len(step.rows)
+    for (req_id, tokens), new_token_ids, count in zip(step.rows, fetched.new_token_ids, counts):
+      row = self.req_id_to_index.get(req_id)
+      if row is None or self._req_output_token_ids[row] is not tokens:
+        continue  # removed since the dispatch: its tokens are dropped
       tokens.extend(new_token_ids)
-    return fetched.output, extra
+      if count:
+        self._num_in_flight[req_id] -= count
 
   def prepare_step(self) -> SamplingMetadata:
     """Checks that every row has room for a token, condenses, and returns the metadata. Raises:
     ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
     """
+    if self._pending and self._pending[-1].num_new_tokens is None:
+      self.resolve_all()  # the last step's counts are known only from its output
     full = [rid for rid in self.req_id_to_index if self.num_tokens(rid) >= self.max_model_len]
     if full:
       raise ValueError(

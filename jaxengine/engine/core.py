@@ -34,7 +34,7 @@ from jaxengine.engine.engine_config import EngineConfig, engine_config, with_eng
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.kv_cache_manager import KVCacheStats
 from jaxengine.engine.output_processor import OutputProcessor
-from jaxengine.engine.paged_runner import PagedModelRunner
+from jaxengine.engine.paged_runner import InFlightStep, PagedModelRunner
 from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
 from jaxengine.engine.paged_verify import PagedSpeculation
 from jaxengine.engine.requests import Completion, Request
@@ -204,6 +204,9 @@ class LLMEngine:
     self._paged_speculation: PagedSpeculation | None = None
     if self._speculative is not None and config.paged:
       self._paged_speculation = PagedSpeculation(self._speculative)
+    self._async_scheduling = config.scheduling_overlaps
+    #: The step dispatched by the last `step()` and not read yet (asynchronous scheduling).
+    self._in_flight: InFlightStep | None = None
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -268,8 +271,8 @@ class LLMEngine:
       self.runner.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
-    """Whether any request is waiting or running."""
-    return self.scheduler.has_unfinished()
+    """Whether any request is waiting or running, or a step is still to be read."""
+    return self.scheduler.has_unfinished() or self._in_flight is not None
 
   def abort_request(self, request_ids: str | Sequence[str]) -> None:
     """Drops requests, waiting or running, and forgets them (vLLM's name); unknown ids are
@@ -365,36 +368,108 @@ class LLMEngine:
 
   def _paged_step(self, scheduler: PagedScheduler) -> list[RequestOutput]:
     """One ragged step of the paged engine: the scheduler's decodes, prefill chunks and
-    admissions, the model once over all their tokens, the sampler on the rows that finish."""
-    structured = self.structured
+    admissions, the model once over all their tokens, the sampler on the rows that finish.
+
+    With asynchronous scheduling the step is dispatched first and the previous step (left on the
+    device by the last call) is read while it runs; a step is left in flight only when its
+    outcome does not change what the next one schedules (`_overlaps`)."""
+    previous, self._in_flight = self._in_flight, None
     runner = cast(PagedModelRunner, self.runner)
+    current = None
+    scheduled = self._paged_schedule(scheduler, runner)
+    if scheduled is not None:
+      bitmask = self._bitmask()
+      if self.num_decode_steps > 1 and bitmask is None:  # never with asynchronous scheduling
+        steps = scheduler.schedule_decode_steps(scheduled, self.num_decode_steps, self.max_model_len)
+        if steps is not None:
+          return self._paged_decode_steps(scheduler, runner, steps)
+      current = runner.dispatch(scheduled, bitmask)
+      if current.num_new_tokens is not None:  # known now: plan the next step with them
+        self._add_placeholders(current.num_new_tokens)
+        scheduler.update_after_step(scheduled)
+    outputs = [] if previous is None else self._paged_collect(scheduler, runner, previous)
+    if current is None:
+      return outputs
+    if self._overlaps(current):
+      self._in_flight = current
+      return outputs
+    return _latest(outputs + self._paged_collect(scheduler, runner, current))
+
+  def _paged_schedule(
+    self, scheduler: PagedScheduler, runner: PagedModelRunner
+  ) -> PagedSchedulerOutput | None:
+    """The scheduler's plan for the next step (drafts proposed first), its admitted completions
+    added to the batch; None when it schedules no token."""
+    structured = self.structured
     drafts = {}
     if self._paged_speculation is not None and not (structured is not None and len(structured)):
       num_rows = runner.row_bucket(len(scheduler.running))
       drafts = self._paged_speculation.propose(scheduler, num_rows, self.spec_crossover_tokens)
     scheduled = scheduler.schedule(drafts)
     self._add_to_batch(scheduled.admitted)
-    if not scheduled.num_scheduled_tokens:
-      return []
-    bitmask = structured.bitmask if structured is not None and len(structured) else None
-    if self.num_decode_steps > 1 and bitmask is None:
-      steps = scheduler.schedule_decode_steps(scheduled, self.num_decode_steps, self.max_model_len)
-      if steps is not None:
-        return self._paged_decode_steps(scheduler, runner, steps)
-    decoded = runner.execute(scheduled, bitmask)
-    num_accepted = {}
-    if self._paged_speculation is not None:
-      num_accepted = self._paged_speculation.record(
-        scheduled, decoded.req_ids, decoded.sampled.num_sampled
-      )
-    scheduler.update_after_step(scheduled, num_accepted)
-    for seq_id, produced in zip(decoded.req_ids, decoded.sampled.num_sampled.tolist()):
-      completion = scheduler.running[seq_id]
-      if produced and completion.request.prompt_logprobs is None:  # its prompt just finished
-        self._set_prompt_logprobs(completion, decoded.prompt_logprobs)
-    return self._update_from_output(
-      decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
-    )
+    return scheduled if scheduled.num_scheduled_tokens else None
+
+  def _bitmask(self):
+    """The grammar-bitmask builder of the running structured-output rows, or None."""
+    structured = self.structured
+    return structured.bitmask if structured is not None and len(structured) else None
+
+  def _add_placeholders(self, num_new_tokens: dict[str, int]) -> None:
+    """Counts a dispatched step's tokens on their completions until they are read."""
+    running = self.scheduler.running
+    for seq_id, count in num_new_tokens.items():
+      if count:
+        running[seq_id].num_output_placeholders += count
+
+  def _overlaps(self, step: InFlightStep) -> bool:
+    """Whether the next step may be dispatched before `step` is read: asynchronous scheduling
+    is on and nothing the next step schedules depends on `step`'s tokens. It falls back (reads
+    `step` at once) when its token counts are known only from its output (drafts), when
+    grammars must advance before the next bitmask (structured outputs), when it completes
+    prompt logprobs, and when some row reaches its length limit with it (the row must not be
+    scheduled again)."""
+    if not self._async_scheduling or step.num_new_tokens is None or self._bitmask() is not None:
+      return False
+    if step.prompt_logprobs_wanted:
+      return False
+    running = self.scheduler.running
+    for seq_id, count in step.num_new_tokens.items():
+      completion = running.get(seq_id)  # None: finished since the dispatch
+      if count and completion is not None and self._reaches_length_limit(completion):
+        return False
+    return True
+
+  def _reaches_length_limit(self, completion: Completion) -> bool:
+    """Whether `completion`'s tokens, read and in flight, reach `max_tokens` or
+    `max_model_len`."""
+    max_tokens = completion.params.max_tokens or self.max_model_len
+    num_output = len(completion.token_ids) + completion.num_output_placeholders
+    return num_output >= max_tokens or completion.num_tokens_with_placeholders >= self.max_model_len
+
+  def _paged_collect(
+    self, scheduler: PagedScheduler, runner: PagedModelRunner, step: InFlightStep
+  ) -> list[RequestOutput]:
+    """Reads a dispatched step and applies its tokens (`_update_from_output`); rows whose
+    completion finished or was aborted since the dispatch drop theirs."""
+    decoded = runner.collect(step)
+    num_sampled = decoded.sampled.num_sampled.tolist()
+    running = scheduler.running
+    if step.num_new_tokens is None:  # drafts: the computed counts are known only now
+      num_accepted = {}
+      if self._paged_speculation is not None:
+        num_accepted = self._paged_speculation.record(
+          step.scheduled, decoded.req_ids, decoded.sampled.num_sampled
+        )
+      scheduler.update_after_step(step.scheduled, num_accepted)
+    else:
+      for seq_id, count in step.num_new_tokens.items():
+        if count and seq_id in running:
+          running[seq_id].num_output_placeholders -= count
+    for seq_id, produced in zip(decoded.req_ids, num_sampled):
+      completion = running.get(seq_id)
+      if produced and completion is not None and completion.request.prompt_logprobs is None:
+        self._set_prompt_logprobs(completion, decoded.prompt_logprobs)  # its prompt just ended
+    return self._update_from_output(decoded.req_ids, decoded.sampled.steps, num_sampled)
 
   def _paged_decode_steps(
     self, scheduler: PagedScheduler, runner: PagedModelRunner, scheduled: PagedSchedulerOutput
@@ -443,15 +518,20 @@ class LLMEngine:
         `j < num_sampled[i]`).
 
     Returns:
-      A `RequestOutput` for every request with a completion among `req_ids`, row order.
+      A `RequestOutput` for every request with a completion among `req_ids` still running
+      (asynchronous scheduling reads a step after the next one is dispatched: a completion that
+      finished in between drops the step's token), row order.
     """
-    completions = [self.scheduler.running[seq_id] for seq_id in req_ids]
+    running = self.scheduler.running
+    completions = [running.get(seq_id) for seq_id in req_ids]  # None: finished since dispatch
     for j, sampled in enumerate(steps):
       for row, completion in enumerate(completions):
-        if j < num_sampled[row] and completion.finish_reason is None:
+        if j < num_sampled[row] and completion is not None and completion.finish_reason is None:
           self._append_token(completion, row, sampled)
     advanced: dict[str, Request] = {}
     for row, completion in enumerate(completions):
+      if completion is None:
+        continue
       if num_sampled[row] or completion.finish_reason is not None:
         advanced[completion.request.request_id] = completion.request
       if completion.finish_reason is not None:
@@ -490,6 +570,11 @@ class LLMEngine:
       self.output_processor.prompt_logprobs(completion, prompt_logprobs[request.request_id])
     else:  # a one-token prompt: nothing predicts its only token
       request.prompt_logprobs = [None]
+
+
+def _latest(outputs: list[RequestOutput]) -> list[RequestOutput]:
+  """One output per request, its latest (two steps read in one call may both report it)."""
+  return list({output.request_id: output for output in outputs}.values())
 
 
 def _abort_rejected(completion, token: int) -> None:

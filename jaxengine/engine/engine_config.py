@@ -112,6 +112,12 @@ class EngineConfig:
       ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the paged cache with
       the "xla" attention on the CPU backend on one device (other backends and meshes are
       refused, not approximated). Costs time: README "Reproducibility" has the table.
+    async_scheduling: schedule and dispatch step t + 1 while step t's sampled tokens are still
+      on the device, and do step t's host work (reading tokens, logprobs, text, stop rules)
+      while t + 1 runs (vLLM's name). None (default): on where it is exact, i.e. with the
+      paged cache, `num_decode_steps=1` and no `speculative_config`; True: the same, and any
+      other setting refused; False: every step synchronous. Outputs are those of synchronous
+      steps (see `LLMEngine`); `scheduling_overlaps` says whether it is on.
 
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
@@ -120,7 +126,8 @@ class EngineConfig:
       `num_decode_steps > 1` or on a mesh with the slot cache, prefix caching with the slot
       cache, `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged
       cache size, `batch_invariant` with the slot cache, a mesh, a Pallas attention backend or a
-      non-CPU platform); more devices than there are.
+      non-CPU platform, `async_scheduling=True` with the slot cache, `num_decode_steps > 1`
+      or `speculative_config`); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -150,6 +157,7 @@ class EngineConfig:
   enable_chunked_prefill: bool = True
   attention_backend: str | None = None
   batch_invariant: bool = False
+  async_scheduling: bool | None = None
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -195,6 +203,35 @@ class EngineConfig:
     self._check_paged()
     self._check_decoding()
     self._check_prefix_caching()
+    self._check_async_scheduling()
+
+  def _check_async_scheduling(self) -> None:
+    wanted = self.async_scheduling
+    if wanted is not None and not isinstance(wanted, (bool, np.bool_)):
+      raise ValueError(f"async_scheduling must be a bool or None, got {wanted!r}")
+    self._set("async_scheduling", None if wanted is None else bool(wanted))
+    if not wanted:
+      return
+    refused = {
+      "the slot cache (paged_kv_cache=False)": not self.paged,
+      f"num_decode_steps={self.num_decode_steps} (its loop reads every token on the host)": (
+        self.num_decode_steps > 1
+      ),
+      "speculative_config (drafts need the last sampled token on the host)": (
+        self.speculative is not None
+      ),
+    }
+    for what, given in refused.items():
+      if given:
+        raise ValueError(f"async_scheduling=True is not supported with {what}")
+
+  @property
+  def scheduling_overlaps(self) -> bool:
+    """Whether steps are scheduled asynchronously: `async_scheduling`, None meaning on with the
+    paged cache, `num_decode_steps=1` and no speculative decoding."""
+    if self.async_scheduling is False:
+      return False
+    return self.paged and self.num_decode_steps == 1 and self.speculative is None
 
   def _check_batch_invariant(self) -> None:
     if not self.batch_invariant:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
-from jaxengine.batch.host_output import LogprobsArrays
+from jaxengine.batch.host_output import LogprobsArrays, PendingStep
 from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_steps
 from jaxengine.engine.buckets import bucket, buckets
 from jaxengine.engine.engine_config import EngineConfig
@@ -77,6 +77,26 @@ class PagedStepOutput:
   req_ids: list[str]
   sampled: HostMultiStepOutput
   prompt_logprobs: dict[str, LogprobsArrays]
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+  """A ragged step `PagedModelRunner.dispatch` sent to the device, not read yet.
+
+  Attributes:
+    scheduled: the scheduler's plan it runs.
+    pending: the batch's record of it (`InputBatch.dispatch_step`).
+    num_new_tokens: tokens it appends to each row (`seq_id` -> 0 or 1), or None with drafts
+      (then only its output tells, and it must be collected before the next dispatch).
+    prompt_logprobs_wanted: completions whose prompt logprobs it computes.
+    query_starts: their first flat token index in the step.
+  """
+
+  scheduled: PagedSchedulerOutput
+  pending: PendingStep[HostMultiStepOutput]
+  num_new_tokens: dict[str, int] | None
+  prompt_logprobs_wanted: list[str]
+  query_starts: dict[str, int]
 
 
 @dataclasses.dataclass
@@ -235,7 +255,8 @@ class PagedModelRunner(ModelRunner):
     scheduled: PagedSchedulerOutput,
     grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
   ) -> PagedStepOutput:
-    """Runs one ragged step: the scheduled tokens through the model, then the sampler.
+    """Runs one ragged step: the scheduled tokens through the model, then the sampler
+    (`dispatch`, then `collect`).
 
     Call after `add` for the step's admitted completions. Updates the block table (pages freed by
     preemption, pages appended), builds the step's inputs and runs `ragged_step`.
@@ -248,6 +269,19 @@ class PagedModelRunner(ModelRunner):
       `PagedStepOutput`: the sampled tokens of the batch's rows (`req_ids` order; `num_sampled`
       is 1 for rows that produced a token, 0 for rows that only prefilled or were not
       scheduled), and the prompt logprobs of prompts completed this step.
+    """
+    return self.collect(self.dispatch(scheduled, grammar_bitmask))
+
+  def dispatch(
+    self,
+    scheduled: PagedSchedulerOutput,
+    grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
+  ) -> InFlightStep:
+    """Dispatches one ragged step (as `execute`) and returns before its tokens are read.
+
+    Without drafts each row's token count is known now (`InFlightStep.num_new_tokens`), so the
+    next step can be scheduled and dispatched before `collect` reads this one (asynchronous
+    scheduling: the model reads each row's last token from the batch's device state).
     """
     batch = self.input_batch
     batch.condense()
@@ -262,17 +296,33 @@ class PagedModelRunner(ModelRunner):
       batch.set_grammar_bitmask(bitmask)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     num_tokens = self.token_bucket(scheduled.total_num_scheduled_tokens, num_rows)
+    produces = [self._produces(scheduled, seq_id) for seq_id in batch.req_ids]
     inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
     columns = batch.state.num_top_logprobs + 1 if wanted else 0
     verify = (
       self._verify_inputs(scheduled, num_tokens, num_rows) if scheduled.spec_token_ids else None
     )
-    output, token_logprobs = self._run_step(inputs, num_rows, columns, verify)
+    counts = None if verify is not None else [int(p) for p in produces]
+    pending = self._run_step(inputs, num_rows, columns, verify, counts)
+    return InFlightStep(
+      scheduled=scheduled,
+      pending=pending,
+      num_new_tokens=None if counts is None else dict(zip(batch.req_ids, counts)),
+      prompt_logprobs_wanted=wanted,
+      query_starts=self._query_starts(scheduled) if wanted else {},
+    )
+
+  def collect(self, step: InFlightStep) -> PagedStepOutput:
+    """Reads a dispatched step's tokens (waiting for the device) and appends them to the batch
+    (`InputBatch.resolve`); returns its `PagedStepOutput` (`req_ids`: the rows at dispatch)."""
+    output = self.input_batch.resolve(step.pending)
     prompt_logprobs = {}
-    if token_logprobs is not None:  # computed when `wanted`
-      prompt_logprobs = self._collect_prompt_logprobs(scheduled, wanted, token_logprobs)
-    return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+    token_logprobs = step.pending.extra[1]
+    if token_logprobs is not None:  # computed when prompt logprobs were wanted
+      prompt_logprobs = self._collect_prompt_logprobs(step, token_logprobs)
+    req_ids = [req_id for req_id, _ in step.pending.rows]
+    return PagedStepOutput(req_ids=req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
 
   def token_bucket(self, num_tokens: int, num_rows: int) -> int:
     """The token bucket of a step of `num_tokens` scheduled tokens over `num_rows` (a row
@@ -285,24 +335,27 @@ class PagedModelRunner(ModelRunner):
     num_rows: int,
     prompt_logprobs: int,
     drafts: RaggedDrafts | None = None,
-  ) -> tuple[HostMultiStepOutput, LogprobsTensors | None]:
-    """The jitted ragged step through `InputBatch.run_step` (the one call site, so `execute`
-    and `precompile` reach the same jit cache entries), the verify step when `drafts` are
-    given; keeps the new cache."""
+    num_new_tokens: list[int] | None = None,
+  ) -> PendingStep[HostMultiStepOutput]:
+    """Dispatches the jitted ragged step through `InputBatch.dispatch_step` (the one call site,
+    so `dispatch` and `precompile` reach the same jit cache entries), the verify step when
+    `drafts` are given; keeps the new cache. The pending step's `extra` is `(kv_cache, prompt
+    LogprobsTensors or None)`."""
     step = self.ragged_step if drafts is None else self.ragged_verify_step
     extra_args = () if drafts is None else (drafts,)
-    output, extra = self.input_batch.run_step(
+    pending = self.input_batch.dispatch_step(
       self._placed(step),
       self.weights,
       self.kv_cache,
       inputs,
       *extra_args,
       fetch=fetch_steps,
+      num_new_tokens=num_new_tokens,
       num_rows=num_rows,
       prompt_logprobs=prompt_logprobs,
     )
-    self.kv_cache, token_logprobs = cast(tuple[PagedKVCache, LogprobsTensors | None], extra)
-    return output, token_logprobs
+    self.kv_cache = cast(PagedKVCache, pending.extra[0])
+    return pending
 
   def ragged_step(
     self, state, metadata, weights, kv_cache, inputs: RaggedInputs, num_rows, prompt_logprobs
@@ -353,15 +406,17 @@ class PagedModelRunner(ModelRunner):
     return placed
 
   def _collect_prompt_logprobs(
-    self, scheduled: PagedSchedulerOutput, wanted: list[str], token_logprobs: LogprobsTensors
+    self, step: InFlightStep, token_logprobs: LogprobsTensors
   ) -> dict[str, LogprobsArrays]:
-    """Keeps the logprobs of the prompt tokens predicted in this step; returns, by request id,
+    """Keeps the logprobs of the prompt tokens predicted in a step; returns, by request id,
     those of the prompts whose last prediction was in it."""
     host = jax.device_get(token_logprobs)
-    starts = self._query_starts(scheduled)
+    scheduled, starts = step.scheduled, step.query_starts
     done = {}
-    for seq_id in wanted:
-      pending = self._prompt_logprobs[seq_id]
+    for seq_id in step.prompt_logprobs_wanted:
+      pending = self._prompt_logprobs.get(seq_id)
+      if pending is None:  # finished or aborted since the dispatch
+        continue
       computed = scheduled.num_computed_tokens[seq_id]
       scheduled_count = scheduled.num_scheduled_tokens[seq_id]
       count = min(scheduled_count, pending.num_prompt_tokens - 1 - computed)
@@ -400,6 +455,15 @@ class PagedModelRunner(ModelRunner):
     counts = [scheduled.num_scheduled_tokens[s] for s in order]
     return dict(zip(order, np.cumsum([0, *counts[:-1]]).tolist()))
 
+  def _produces(self, scheduled: PagedSchedulerOutput, seq_id: str) -> bool:
+    """Whether the step computes `seq_id`'s last known token (so samples its next one)."""
+    count = scheduled.num_scheduled_tokens.get(seq_id)
+    if count is None:
+      return False
+    drafts = len(scheduled.spec_token_ids.get(seq_id, ()))
+    done = scheduled.num_computed_tokens[seq_id]
+    return done + count - drafts == self.input_batch.num_tokens(seq_id)
+
   def _ragged_inputs(
     self, scheduled: PagedSchedulerOutput, num_tokens: int, num_rows: int
   ) -> RaggedInputs:
@@ -423,9 +487,8 @@ class PagedModelRunner(ModelRunner):
     logits_indices = np.zeros(num_rows, np.int32)
     logits_indices[rows] = layout.logits_indices[: len(rows)]
     produces = np.zeros(num_rows, bool)
-    for row, seq_id, done, count in zip(rows, seq_ids, computed, counts):
-      drafts = len(scheduled.spec_token_ids.get(seq_id, ()))
-      produces[row] = done + count - drafts == batch.num_tokens(seq_id)
+    for row, seq_id in zip(rows, seq_ids):
+      produces[row] = self._produces(scheduled, seq_id)
     host = (
       token_rows,
       layout.positions,
@@ -475,7 +538,8 @@ class PagedModelRunner(ModelRunner):
     for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
       for drafted in verify:
         drafts = self._verify_inputs(empty, num_tokens, num_rows) if drafted else None
-        self._run_step(self._ragged_inputs(empty, num_tokens, num_rows), num_rows, 0, drafts)
+        inputs = self._ragged_inputs(empty, num_tokens, num_rows)
+        batch.resolve(self._run_step(inputs, num_rows, 0, drafts))
     if num_decode_steps > 1:  # the k-step loop: one executable per row bucket
       for num_rows in self.row_buckets:
         self._run_decode_steps(empty, num_rows, num_decode_steps, end_on_first_finish=False)

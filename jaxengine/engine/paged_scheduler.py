@@ -157,7 +157,7 @@ class PagedScheduler(RequestQueues):
   # --- one step ---------------------------------------------------------------------------------
 
   def _num_remaining(self, seq_id: str) -> int:
-    return self.running[seq_id].num_tokens - self.num_computed_tokens[seq_id]
+    return self.running[seq_id].num_tokens_with_placeholders - self.num_computed_tokens[seq_id]
 
   def _schedule_running(self, step: _StepPlan, seq_id: str) -> None:
     """Schedules a running completion's decode or next prefill chunk, preempting if needed."""
@@ -166,7 +166,7 @@ class PagedScheduler(RequestQueues):
     hit = ComputedBlocks()
     if computed == 0 and not self.manager.get_block_ids(seq_id):  # preempted: look up again
       hit = self._cached_prefix(completion)
-    remaining = completion.num_tokens - computed - hit.num_computed_tokens
+    remaining = completion.num_tokens_with_placeholders - computed - hit.num_computed_tokens
     count = self._chunk(remaining, step.budget)
     if not count:
       return
@@ -217,7 +217,9 @@ class PagedScheduler(RequestQueues):
     if forked:
       shared = self.manager.get_block_ids(seq_id)
       hit = ComputedBlocks(shared, len(shared) * self.manager.block_size)
-    count = self._chunk(completion.num_tokens - hit.num_computed_tokens, step.budget)
+    count = self._chunk(
+      completion.num_tokens_with_placeholders - hit.num_computed_tokens, step.budget
+    )
     blocks = None
     if count and forked:  # the shared pages are held already: allocate after them
       new = self.manager.allocate_slots(

@@ -27,6 +27,8 @@ class Completion:
     stop_reason: the stop string or stop token id that ended it, else None.
     stop_search_start: first character of `text` a stop string may start at: the end of the
       text of the first `min_tokens` tokens.
+    num_output_placeholders: tokens sampled on the device and not read yet (asynchronous
+      scheduling dispatches a step before reading the last one; vLLM's name).
   """
 
   seq_id: str
@@ -41,11 +43,18 @@ class Completion:
   finish_reason: str | None = None
   stop_reason: int | str | None = None
   stop_search_start: int = 0
+  num_output_placeholders: int = 0
 
   @property
   def num_tokens(self) -> int:
-    """Prompt plus generated tokens."""
+    """Prompt plus generated tokens read so far."""
     return len(self.request.prompt_token_ids) + len(self.token_ids)
+
+  @property
+  def num_tokens_with_placeholders(self) -> int:
+    """`num_tokens` and the tokens sampled on the device not read yet: what the scheduler
+    plans with."""
+    return self.num_tokens + self.num_output_placeholders
 
   def output(self) -> CompletionOutput:
     """A snapshot as vLLM's `CompletionOutput`."""
