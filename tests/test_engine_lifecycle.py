@@ -4,29 +4,16 @@ token its grammar rejects) goes through the same finish path and leaves the same
 from __future__ import annotations
 
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from byte_tokenizer import byte_tokenizer
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import TargetOnly, tiny_llama
-from jaxengine.tokenizer import Tokenizer
-
-
-def _byte_tokenizer() -> Tokenizer:
-  """One token per byte plus an EOS (id 0)."""
-  vocab = {t: i for i, t in enumerate(["<eos>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
-  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  backend.decoder = decoders.ByteLevel()
-  backend.add_special_tokens([tokenizers.AddedToken("<eos>", special=True)])
-  return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>"))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  return _byte_tokenizer()
+  return byte_tokenizer()
 
 
 @pytest.fixture(scope="module")

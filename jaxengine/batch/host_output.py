@@ -92,7 +92,7 @@ class PendingSamplerOutput:
       model step without a host round trip.
   """
 
-  __slots__ = ("device", "_resolve")
+  __slots__ = ("_resolve", "device")
 
   def __init__(self, device: SamplerOutput, resolve: Callable[[], HostSamplerOutput]):
     self.device = device

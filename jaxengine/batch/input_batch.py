@@ -61,7 +61,6 @@ from jaxengine.sample import (
   write_row,
 )
 
-
 #: Dispatched steps the batch keeps unread; one more resolves the oldest (its output has long
 #: been computed by then, so reading it costs a copy, not a wait).
 MAX_PENDING_STEPS = 4

@@ -206,7 +206,7 @@ class LLMEngine:
       self._paged_speculation = PagedSpeculation(self._speculative)
     self._async_scheduling = config.scheduling_overlaps
     #: The step dispatched by the last `step()` and not read yet (asynchronous scheduling).
-    self._in_flight: InFlightStep | None = None
+    self._in_flight: _Dispatched | None = None
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -271,8 +271,10 @@ class LLMEngine:
       self.runner.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
-    """Whether any request is waiting or running, or a step is still to be read."""
-    return self.scheduler.has_unfinished() or self._in_flight is not None
+    """Whether any request is waiting or running. (A step left in flight whose completions
+    have all finished or been aborted since holds nothing to report: the next `step` reads and
+    drops it.)"""
+    return self.scheduler.has_unfinished()
 
   def abort_request(self, request_ids: str | Sequence[str]) -> None:
     """Drops requests, waiting or running, and forgets them (vLLM's name); unknown ids are
@@ -380,17 +382,19 @@ class LLMEngine:
     if scheduled is not None:
       bitmask = self._bitmask()
       if self.num_decode_steps > 1 and bitmask is None:  # never with asynchronous scheduling
-        steps = scheduler.schedule_decode_steps(scheduled, self.num_decode_steps, self.max_model_len)
+        steps = scheduler.schedule_decode_steps(
+          scheduled, self.num_decode_steps, self.max_model_len
+        )
         if steps is not None:
           return self._paged_decode_steps(scheduler, runner, steps)
-      current = runner.dispatch(scheduled, bitmask)
-      if current.num_new_tokens is not None:  # known now: plan the next step with them
-        self._add_placeholders(current.num_new_tokens)
+      current = _Dispatched(runner.dispatch(scheduled, bitmask), dict(scheduler.running))
+      if current.step.num_new_tokens is not None:  # known now: plan the next step with them
+        self._add_placeholders(current.step.num_new_tokens)
         scheduler.update_after_step(scheduled)
     outputs = [] if previous is None else self._paged_collect(scheduler, runner, previous)
     if current is None:
       return outputs
-    if self._overlaps(current):
+    if self._overlaps(current.step):
       self._in_flight = current
       return outputs
     return _latest(outputs + self._paged_collect(scheduler, runner, current))
@@ -447,13 +451,19 @@ class LLMEngine:
     return num_output >= max_tokens or completion.num_tokens_with_placeholders >= self.max_model_len
 
   def _paged_collect(
-    self, scheduler: PagedScheduler, runner: PagedModelRunner, step: InFlightStep
+    self, scheduler: PagedScheduler, runner: PagedModelRunner, dispatched: _Dispatched
   ) -> list[RequestOutput]:
     """Reads a dispatched step and applies its tokens (`_update_from_output`); rows whose
-    completion finished or was aborted since the dispatch drop theirs."""
+    completion finished or was aborted since the dispatch drop theirs (a request id used again
+    meanwhile names another completion, which the step's tokens never reach)."""
+    step = dispatched.step
     decoded = runner.collect(step)
     num_sampled = decoded.sampled.num_sampled.tolist()
-    running = scheduler.running
+    running = {
+      seq_id: completion
+      for seq_id, completion in dispatched.running.items()
+      if scheduler.running.get(seq_id) is completion
+    }
     if step.num_new_tokens is None:  # drafts: the computed counts are known only now
       num_accepted = {}
       if self._paged_speculation is not None:
@@ -469,7 +479,10 @@ class LLMEngine:
       completion = running.get(seq_id)
       if produced and completion is not None and completion.request.prompt_logprobs is None:
         self._set_prompt_logprobs(completion, decoded.prompt_logprobs)  # its prompt just ended
-    return self._update_from_output(decoded.req_ids, decoded.sampled.steps, num_sampled)
+    completions = [running.get(seq_id) for seq_id in decoded.req_ids]
+    return self._update_from_output(
+      decoded.req_ids, decoded.sampled.steps, num_sampled, completions
+    )
 
   def _paged_decode_steps(
     self, scheduler: PagedScheduler, runner: PagedModelRunner, scheduled: PagedSchedulerOutput
@@ -506,6 +519,7 @@ class LLMEngine:
     req_ids: Sequence[str],
     steps: Sequence[HostSamplerOutput],
     num_sampled: Sequence[int],
+    completions: Sequence[Completion | None] | None = None,
   ) -> list[RequestOutput]:
     """Applies a step's tokens to the running completions, then finishes those that stopped
     (vLLM's `update_from_output`): the one place outputs of decode, the k-step loop and
@@ -516,14 +530,16 @@ class LLMEngine:
       steps: the sampler's host output, position by position (one for a decode step).
       num_sampled: valid positions of each row (`steps[j]` holds a token of row `i` for
         `j < num_sampled[i]`).
+      completions: each row's completion, None for one that finished since the step's
+        dispatch; default: the running completions of `req_ids`.
 
     Returns:
       A `RequestOutput` for every request with a completion among `req_ids` still running
       (asynchronous scheduling reads a step after the next one is dispatched: a completion that
       finished in between drops the step's token), row order.
     """
-    running = self.scheduler.running
-    completions = [running.get(seq_id) for seq_id in req_ids]  # None: finished since dispatch
+    if completions is None:
+      completions = [self.scheduler.running[seq_id] for seq_id in req_ids]
     for j, sampled in enumerate(steps):
       for row, completion in enumerate(completions):
         if j < num_sampled[row] and completion is not None and completion.finish_reason is None:
@@ -570,6 +586,14 @@ class LLMEngine:
       self.output_processor.prompt_logprobs(completion, prompt_logprobs[request.request_id])
     else:  # a one-token prompt: nothing predicts its only token
       request.prompt_logprobs = [None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+  """A paged step on the device and the running completions when it was dispatched."""
+
+  step: InFlightStep
+  running: dict[str, Completion]
 
 
 def _latest(outputs: list[RequestOutput]) -> list[RequestOutput]:

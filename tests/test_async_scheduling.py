@@ -1,0 +1,345 @@
+"""Asynchronous scheduling: the engine dispatches step t + 1 before it reads step t. Its outputs
+must be those of synchronous steps across the feature matrix, no request may be lost or
+duplicated as requests come and go, and the batch's lazily read `sample` must append exactly
+what an eager one did."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from byte_tokenizer import byte_tokenizer
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import jaxengine as je
+from jaxengine.batch.input_batch import MAX_PENDING_STEPS
+from jaxengine.engine import EngineConfig, LLMEngine
+from jaxengine.testing import tiny_llama
+
+MAX_MODEL_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+  return tiny_llama(vocab_size=tokenizer.vocab_size, max_position_embeddings=128)[0]
+
+
+def _engine(model, tokenizer, async_scheduling, **options) -> LLMEngine:
+  return LLMEngine(
+    model,
+    tokenizer,
+    max_num_reqs=4,
+    max_model_len=MAX_MODEL_LEN,
+    async_scheduling=async_scheduling,
+    **options,
+  )
+
+
+def _mix() -> list[tuple[str, je.SamplingParams]]:
+  """Every per-request feature at once: greedy and seeded rows, logprobs and prompt logprobs,
+  `n > 1`, stop ids and strings, min_tokens, length limits of every size, a grammar, prompts
+  that share their first pages."""
+  shared = "The quick brown fox jumps over the lazy dog. " * 2
+  regex = je.StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}")
+  return [
+    (shared + "One", je.SamplingParams(temperature=0, max_tokens=20, logprobs=2)),
+    (shared + "Two", je.SamplingParams(temperature=1.0, seed=7, max_tokens=17, n=3, logprobs=0)),
+    ("hello", je.SamplingParams(temperature=0.9, seed=3, max_tokens=30, stop=["e", "a"])),
+    ("abc", je.SamplingParams(temperature=1.0, seed=5, top_k=20, stop_token_ids=[101, 102])),
+    (shared, je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)),
+    ("x", je.SamplingParams(temperature=1.2, seed=11, min_tokens=5, max_tokens=9)),
+    ("grammar: ", je.SamplingParams(temperature=0.8, seed=2, structured_outputs=regex)),
+    (shared + "Three", je.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)),
+    ("q", je.SamplingParams(temperature=0.7, seed=9, top_p=0.9, max_tokens=25, logprobs=1)),
+  ]
+
+
+def _generate(engine: LLMEngine, requests) -> dict[str, je.RequestOutput]:
+  """Adds every request at once and steps to the end; each request's final output (checked to be
+  reported finished exactly once)."""
+  for index, (prompt, params) in enumerate(requests):
+    engine.add_request(str(index), prompt, params)
+  finished: dict[str, je.RequestOutput] = {}
+  while engine.has_unfinished_requests():
+    for output in engine.step():
+      if output.finished:
+        assert output.request_id not in finished, output.request_id
+        finished[output.request_id] = output
+  popped = {output.request_id for output in engine.pop_finished()}  # forgets them
+  assert popped == finished.keys()  # every request reported through step(), once
+  return finished
+
+
+def _assert_same(got: dict[str, je.RequestOutput], want: dict[str, je.RequestOutput]) -> None:
+  assert got.keys() == want.keys()
+  for request_id, output in want.items():
+    other = got[request_id]
+    _assert_same_logprobs(other.prompt_logprobs, output.prompt_logprobs)
+    for a, b in zip(other.outputs, output.outputs, strict=True):
+      assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+        b.token_ids,
+        b.text,
+        b.finish_reason,
+        b.stop_reason,
+      ), request_id
+      _assert_same_logprobs(a.logprobs, b.logprobs)
+
+
+def _assert_same_logprobs(got, want) -> None:
+  """Same positions, tokens and ranks; values to float32 rounding (steps may run in other row
+  buckets)."""
+  assert (got is None) == (want is None)
+  for a, b in zip(got or [], want or [], strict=True):
+    assert (a is None) == (b is None)
+    if a is not None:
+      assert {t: lp.rank for t, lp in a.items()} == {t: lp.rank for t, lp in b.items()}
+      for token, value in a.items():
+        assert value.logprob == pytest.approx(b[token].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    {},
+    {"num_kv_blocks": 8, "max_num_batched_tokens": 16},  # preemption, chunked prefill
+    {"enable_prefix_caching": False, "prefill_once_per_request": False},
+  ],
+  ids=["every_feature", "preemption_and_chunks", "no_prefix_cache"],
+)
+def test_async_outputs_equal_synchronous_outputs(model, tokenizer, options):
+  """Greedy and seeded requests with every per-request feature produce the same tokens, text,
+  finish reasons and logprobs whether steps overlap or not."""
+  synchronous = _engine(model, tokenizer, False, **options)
+  overlapped = _engine(model, tokenizer, None, **options)
+  assert overlapped.config.scheduling_overlaps and not synchronous.config.scheduling_overlaps
+  requests = _mix()
+  want = _generate(synchronous, requests)
+  got = _generate(overlapped, requests)
+  _assert_same(got, want)
+  if "num_kv_blocks" in options:
+    stats = overlapped.kv_cache_stats
+    assert stats is not None and stats.num_preemptions > 0  # the pool really was too small
+
+
+def test_speculative_decoding_falls_back_to_synchronous_steps(model, tokenizer):
+  """Drafts need each row's last token on the host: with a speculative_config the default is
+  synchronous (True is refused), and the outputs are the plain engine's."""
+  spec = {"method": "ngram", "num_speculative_tokens": 3}
+  engine = _engine(model, tokenizer, None, speculative_config=spec)
+  assert not engine.config.scheduling_overlaps
+  requests = [
+    ("ab ab ab ab ab ab", je.SamplingParams(temperature=0, max_tokens=24)),
+    ("cd cd cd cd", je.SamplingParams(temperature=0.8, seed=4, max_tokens=16, logprobs=1)),
+  ]
+  _assert_same(_generate(engine, requests), _generate(_engine(model, tokenizer, None), requests))
+
+
+def test_a_step_is_read_while_the_next_runs(model, tokenizer):
+  """The first `step()` dispatches the prefill and returns nothing; each later call returns the
+  token of the step before. The step that reaches the length limit is read at once (the request
+  never runs a step past it), in the same call as the step before it: one output, the latest
+  (outputs are cumulative)."""
+  engine = _engine(model, tokenizer, None)
+  engine.add_request("a", "hi", je.SamplingParams(temperature=0, max_tokens=3))
+  assert engine.step() == []
+  assert engine.has_unfinished_requests()
+  counts = []
+  while engine.has_unfinished_requests():
+    counts.extend(len(o.outputs[0].token_ids) for o in engine.step())
+  assert counts == [1, 3]
+  assert engine.runner.input_batch.num_reqs == 0
+
+
+@pytest.mark.parametrize(
+  "options, field",
+  [
+    ({"paged_kv_cache": False}, "slot cache"),
+    ({"num_decode_steps": 4}, "num_decode_steps=4"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+    ({"async_scheduling": "yes"}, "must be a bool"),
+  ],
+)
+def test_async_scheduling_where_it_cannot_be_exact_is_refused(options, field):
+  with pytest.raises(ValueError, match=f"async_scheduling.*{field}|{field}"):
+    EngineConfig(**{"async_scheduling": True, **options})
+  if options.get("async_scheduling") is None:
+    assert not EngineConfig(**options).scheduling_overlaps  # the default falls back
+
+
+def test_precompiled_async_engine_compiles_no_step_more(model, tokenizer):
+  """The compile bound is unchanged: after `precompile`, a mixed workload adds no executable of
+  the model or sampler steps (prompt logprobs, whose variant precompile does not build, left
+  out)."""
+  engine = _engine(model, tokenizer, None, max_num_batched_tokens=64)
+  assert engine.precompile(use_tqdm=False)
+  runner = engine.runner
+  steps = (runner.ragged_forward, runner.sample_produced)
+  before = [step._cache_size() for step in steps]
+  _generate(engine, [r for r in _mix() if r[1].prompt_logprobs is None])
+  assert [step._cache_size() for step in steps] == before
+
+
+# --- the batch's lazily read sample ------------------------------------------------------------
+
+
+def _batch(seed_offset: int = 0) -> je.InputBatch:
+  batch = je.InputBatch(4, 32, 64, max_num_logprobs=3)
+  for i in range(3):
+    params = je.SamplingParams(temperature=1.0, seed=seed_offset + i, logprobs=i)
+    batch.add_request(str(i), [1 + i, 2, 3], params)
+  return batch
+
+
+def test_lazy_sample_appends_what_an_eager_read_does():
+  """Tokens join the outputs when read (in order, however many steps were left unread); counts
+  include the unread ones; a request removed meanwhile drops its unread tokens."""
+  rng = np.random.default_rng(0)
+  logits = [rng.normal(size=(4, 64)).astype(np.float32) for _ in range(MAX_PENDING_STEPS + 3)]
+  eager, lazy = _batch(), _batch()
+  eager_tokens = [eager.sample(step).sampled_token_ids for step in logits[:2]]
+  results = [lazy.sample(step) for step in logits[:2]]
+  assert lazy.num_tokens("0") == 3 + 2  # counted before being read
+  assert isinstance(results[0].device.sampled_token_ids, jax.Array)
+  np.testing.assert_array_equal(results[1].sampled_token_ids, eager_tokens[1])
+  np.testing.assert_array_equal(results[0].sampled_token_ids, eager_tokens[0])
+  assert lazy.req_output_token_ids == eager.req_output_token_ids
+  for step in logits[2:]:  # a longer backlog than the batch keeps unread
+    want = eager.sample(step).result()
+    last = lazy.sample(step)
+  assert lazy.num_tokens("1") == eager.num_tokens("1")
+  assert lazy.output_token_ids("2") == eager.output_token_ids("2")
+  assert last.logprobs is not None and want.logprobs is not None
+  np.testing.assert_array_equal(last.logprobs.logprobs, want.logprobs.logprobs)
+  pending = lazy.sample(logits[0])
+  lazy.remove_request("1")
+  lazy.condense()
+  assert pending.sampled_token_ids.shape == (3,)  # the step's rows at dispatch
+  assert lazy.req_ids == ["0", "2"] and lazy.num_tokens("2") == eager.num_tokens("2") + 1
+
+
+def test_lazy_sample_still_refuses_a_full_request_before_any_device_work():
+  batch = je.InputBatch(2, 5, 16)
+  batch.add_request("a", [1, 2, 3], je.SamplingParams(temperature=0))
+  logits = np.zeros((2, 16), np.float32)
+  batch.sample(logits)
+  batch.sample(logits)  # unread: 5 tokens counted
+  with pytest.raises(ValueError, match="max_model_len"):
+    batch.sample(logits)
+  assert len(batch.output_token_ids("a")) == 2
+
+
+# --- requests coming and going -----------------------------------------------------------------
+
+
+PROMPTS = st.lists(st.integers(3, 60), min_size=1, max_size=12)
+
+
+class AsyncEngineMachine(RuleBasedStateMachine):
+  """Requests are added and aborted between steps of an asynchronous engine. Invariants: the
+  batch's rows are exactly the running completions; reported outputs only grow; no request is
+  reported finished twice; at the end every request not aborted has finished once, with the
+  tokens a synchronous engine gives it."""
+
+  engines: tuple[LLMEngine, LLMEngine] | None = None
+
+  def __init__(self) -> None:
+    super().__init__()
+    model = tiny_llama(vocab_size=64, max_position_embeddings=64)[0]
+    if AsyncEngineMachine.engines is None:
+      AsyncEngineMachine.engines = (
+        LLMEngine(model, None, max_num_reqs=3, max_model_len=40, num_kv_blocks=10, block_size=4),
+        LLMEngine(model, None, max_num_reqs=3, max_model_len=40, async_scheduling=False),
+      )
+    self.engine, self.reference = AsyncEngineMachine.engines
+    self.requests: dict[str, tuple[list[int], je.SamplingParams]] = {}
+    self.aborted: set[str] = set()
+    self.finished: dict[str, je.RequestOutput] = {}
+    self.seen: dict[str, list[list[int]]] = {}
+    self.count = 0
+
+  @rule(prompt=PROMPTS, greedy=st.booleans(), max_tokens=st.integers(1, 10), n=st.integers(1, 2))
+  def add(self, prompt, greedy, max_tokens, n):
+    request_id = f"r{self.count}"
+    self.count += 1
+    params = je.SamplingParams(
+      temperature=0 if greedy else 1.0,
+      seed=None if greedy else self.count,
+      max_tokens=max_tokens,
+      n=1 if greedy else n,
+      stop_token_ids=[5],
+    )
+    self.engine.add_request(request_id, prompt, params)
+    self.requests[request_id] = (prompt, params)
+
+  @precondition(lambda self: self.requests.keys() - self.finished.keys() - self.aborted)
+  @rule(data=st.data())
+  def abort(self, data):
+    live = sorted(self.requests.keys() - self.finished.keys() - self.aborted)
+    request_id = data.draw(st.sampled_from(live))
+    self.engine.abort_request(request_id)
+    self.aborted.add(request_id)
+
+  @rule()
+  def step(self):
+    for output in self.engine.step():
+      self._record(output)
+
+  def _record(self, output: je.RequestOutput) -> None:
+    request_id = output.request_id
+    assert request_id not in self.aborted and request_id not in self.finished
+    tokens = [c.token_ids for c in output.outputs]
+    for before, now in zip(self.seen.get(request_id, []), tokens):
+      assert now[: len(before)] == before  # outputs only grow
+    self.seen[request_id] = tokens
+    if output.finished:
+      self.finished[request_id] = output
+
+  @invariant()
+  def rows_are_the_running_completions(self):
+    batch = self.engine.runner.input_batch
+    rows = sorted(r for r in batch.req_ids if r is not None)
+    assert rows == sorted(self.engine.scheduler.running)
+    for completion in self.engine.scheduler.running.values():
+      assert 0 <= completion.num_output_placeholders <= 1
+
+  def teardown(self):
+    while self.engine.has_unfinished_requests():
+      for output in self.engine.step():
+        self._record(output)
+    popped = {output.request_id for output in self.engine.pop_finished()}
+    expected = self.requests.keys() - self.aborted
+    assert popped == expected
+    assert self.finished.keys() == expected
+    if expected:
+      reference = _generate_ids(self.reference, {r: self.requests[r] for r in sorted(expected)})
+      for request_id in expected:
+        got = [c.token_ids for c in self.finished[request_id].outputs]
+        assert got == reference[request_id], request_id
+
+
+def _generate_ids(engine: LLMEngine, requests) -> dict[str, list[list[int]]]:
+  for request_id, (prompt, params) in requests.items():
+    engine.add_request(request_id, prompt, params)
+  done = {}
+  while engine.has_unfinished_requests():
+    for output in engine.step():
+      if output.finished:
+        done[output.request_id] = [c.token_ids for c in output.outputs]
+  engine.pop_finished()
+  return done
+
+
+AsyncEngineMachine.TestCase.settings = settings(
+  max_examples=12,
+  stateful_step_count=25,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow],
+)
+TestAsyncEngine = AsyncEngineMachine.TestCase
