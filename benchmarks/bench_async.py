@@ -76,19 +76,30 @@ def _mix(name: str, i: int) -> je.SamplingParams:
   return je.SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i)  # chat
 
 
-def _host_us(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-  """Median microseconds until each call returns, calls interleaved, each waited for after."""
+def _filled_batch(rows: int, vocab: int, mix: str) -> je.InputBatch:
+  batch = je.InputBatch(rows, 1 << 16, vocab)
+  rng = np.random.default_rng(0)
+  for i in range(rows):
+    batch.add_request(str(i), rng.integers(0, vocab, 8).tolist(), _mix(mix, i))
+  return batch
+
+
+def _host_us(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], int]:
+  """Median microseconds until each call returns, calls interleaved, each waited for after;
+  and the compiles during the timed calls (must be 0)."""
   samples: dict[str, list[float]] = {name: [] for name in fns}
   for fn in fns.values():
     for _ in range(20):
       jax.block_until_ready(fn())
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      result = fn()
-      samples[name].append(time.perf_counter() - start)
-      jax.block_until_ready(result)
-  return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+  with count_compiles() as compiles:
+    for _ in range(repeats):
+      for name, fn in fns.items():
+        start = time.perf_counter()
+        result = fn()
+        samples[name].append(time.perf_counter() - start)
+        jax.block_until_ready(result)
+  medians = {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+  return medians, compiles.count
 
 
 def sampler_table(repeats: int, rows: int = 8, vocab: int = 256) -> None:
@@ -99,37 +110,31 @@ def sampler_table(repeats: int, rows: int = 8, vocab: int = 256) -> None:
     "| trivial jit |\n|---|---:|---:|---:|---:|---:|---:|---:|"
   )
   for mix in ("greedy", "chat"):
-    batch = je.InputBatch(rows, 128, vocab)
-    rng = np.random.default_rng(0)
-    for i in range(rows):
-      batch.add_request(str(i), rng.integers(0, vocab, 8).tolist(), _mix(mix, i))
-    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32))
-    metadata = batch.sampling_metadata
-    state = [batch._state]  # the bare loop owns the state from here on (restored below)
+    batch, own = (_filled_batch(rows, vocab, mix) for _ in range(2))
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(rows, vocab)).astype(np.float32))
+    metadata = own.sampling_metadata
+    state = [own.state]  # the bare loop's own batch state, replaced by each call
 
     def bare():
       state[0], output, _ = sample_logits(state[0], metadata, logits)
       return output
 
     argmax = jax.jit(lambda x: jnp.argmax(x, -1))
-    with count_compiles() as compiles:
-      times = _host_us(
-        {
-          "sample": lambda: batch.sample(logits).device,
-          "bare": bare,
-          "sample_read": lambda: batch.sample(logits).sampled_token_ids,
-          "bare_read": lambda: jax.device_get(bare().sampled_token_ids),
-          "trivial": lambda: argmax(logits),
-        },
-        repeats,
-      )
-      batch._state = state[0]
-      batch.sample(logits).result()
+    times, num_compiles = _host_us(
+      {
+        "sample": lambda: batch.sample(logits).device,
+        "bare": bare,
+        "sample_read": lambda: batch.sample(logits).sampled_token_ids,
+        "bare_read": lambda: jax.device_get(bare().sampled_token_ids),
+        "trivial": lambda: argmax(logits),
+      },
+      repeats,
+    )
     print(
       f"| {mix} | {times['sample']:.1f} | {times['bare']:.1f} | "
       f"{times['sample'] / times['bare']:.2f}x | {times['sample_read']:.1f} | "
       f"{times['bare_read']:.1f} | {times['sample_read'] / times['bare_read']:.2f}x | "
-      f"{times['trivial']:.1f} |" + ("" if not compiles.count else f" ({compiles.count} compiles)"),
+      f"{times['trivial']:.1f} |" + (f" ({num_compiles} compiles)" if num_compiles else ""),
       flush=True,
     )
 
@@ -165,6 +170,7 @@ def _rollout(engine: LLMEngine, requests) -> tuple[float, float, int, list[list[
         outputs[output.request_id] = output
       steps += 1
     seconds = time.perf_counter() - start
+  engine.pop_finished()
   tokens = [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(requests))]
   return seconds, timer.seconds, steps, tokens
 
