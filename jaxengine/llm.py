@@ -88,8 +88,8 @@ class LLM:
     speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
       "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
-    num_decode_steps, prefill_once_per_request, enable_prefix_caching: see `LLMEngine` (prefix
-      caching is on by default, as in vLLM V1).
+    num_decode_steps, prefill_once_per_request, enable_prefix_caching, async_scheduling: see
+      `LLMEngine` (prefix caching and asynchronous scheduling are on by default, as in vLLM).
     kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
       max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged KV cache
       (the default: a pool of `block_size`-token pages that requests take as they grow, sized

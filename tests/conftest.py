@@ -32,6 +32,7 @@ WEIGHTS = {
   "test_paged_multi_step.py": 220,
   "test_paged_mesh.py": 150,
   "test_engine_lifecycle.py": 245,
+  "test_async_scheduling.py": 240,
   "test_cli.py": 200,
   "test_rollout.py": 180,
   "test_serve.py": 160,

@@ -109,9 +109,8 @@ def _assert_same_logprobs(got, want) -> None:
   [
     {},
     {"num_kv_blocks": 8, "max_num_batched_tokens": 16},  # preemption, chunked prefill
-    {"enable_prefix_caching": False, "prefill_once_per_request": False},
   ],
-  ids=["every_feature", "preemption_and_chunks", "no_prefix_cache"],
+  ids=["every_feature", "preemption_and_chunks"],
 )
 def test_async_outputs_equal_synchronous_outputs(model, tokenizer, options):
   """Greedy and seeded requests with every per-request feature produce the same tokens, text,

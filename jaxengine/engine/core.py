@@ -16,6 +16,10 @@ One `step()`:
      completions out of the scheduler, the batch and the grammar matchers (the next step
      condenses and admits more).
 
+With asynchronous scheduling (the default with the paged cache) steps 1-3 of the next step run
+before step 4 of the last one: `step()` dispatches step t + 1 while step t's tokens are still on
+the device, then reads step t (see `LLMEngine`, `async_scheduling`).
+
 The engine's options come in one validated `EngineConfig` (`engine/engine_config.py`).
 """
 
@@ -121,6 +125,20 @@ class LLMEngine:
       `reset_prefix_cache`; `kv_cache_stats` counts its queries, hits and evictions. Same
       outputs (logprob values to float32 rounding: the cached prefix was computed in another
       executable).
+    async_scheduling: None (default): on with the paged cache, `num_decode_steps=1` and no
+      `speculative_config`; False: off; True: on, and refused with the others (vLLM's name).
+      Each `step()` schedules and dispatches a step before it reads the one the last call
+      dispatched (the scheduler counts that step's tokens as placeholders; the model reads
+      each row's last token from the batch's device state), so the host's work on step t
+      (logprob dicts, text, stop rules, freeing rows) runs while step t + 1 computes, and
+      `step()` reports a step's tokens one call later. A completion found finished one step
+      late has its extra token dropped: tokens, text, finish reasons and logprobs (to float32
+      rounding) are those of synchronous steps for greedy and seeded requests. A step is read
+      before the next one is scheduled when the next depends on its tokens: a running grammar
+      (structured outputs), prompt logprobs it completes, a row reaching `max_tokens` or
+      `max_model_len` with it. `has_unfinished_requests` is False once every request has
+      finished, even with a step left in flight for rows that finished since (the next `step`
+      reads and drops it).
 
   Raises:
     TypeError: a keyword that is not an `EngineConfig` field.
@@ -375,7 +393,6 @@ class LLMEngine:
     With asynchronous scheduling the step is dispatched first and the previous step (left on the
     device by the last call) is read while it runs; a step is left in flight only when its
     outcome does not change what the next one schedules (`_overlaps`)."""
-    previous, self._in_flight = self._in_flight, None
     runner = cast(PagedModelRunner, self.runner)
     current = None
     scheduled = self._paged_schedule(scheduler, runner)
@@ -391,6 +408,7 @@ class LLMEngine:
       if current.step.num_new_tokens is not None:  # known now: plan the next step with them
         self._add_placeholders(current.step.num_new_tokens)
         scheduler.update_after_step(scheduled)
+    previous, self._in_flight = self._in_flight, None  # still to be read if the above raised
     outputs = [] if previous is None else self._paged_collect(scheduler, runner, previous)
     if current is None:
       return outputs
