@@ -252,7 +252,10 @@ class LLMEngine:
       request_id = str(next(self._ids)) if request_id is None else str(request_id)
       try:
         if request_id in self._requests or any(r.request_id == request_id for r in made):
-          raise ValueError(f"request_id {request_id!r} is already in the engine")
+          raise ValueError(
+            f"request_id {request_id!r} is already in the engine (a finished request stays "
+            "until pop_finished() returns it)"
+          )
         request = self.input_processor.process(request_id, prompt, params or SamplingParams())
         self._check_fits(request)
         made.append(request)
