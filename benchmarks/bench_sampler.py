@@ -135,7 +135,11 @@ def bench_table(batch_sizes, vocab_sizes, mixes, repeats, compiles: CompileCount
         batch = je.InputBatch(size, 4096, vocab)
         _fill(batch, mix, rng)
         (max_ms, softmax_ms, ms), num_compiles = _measure(
-          [lambda: max_pass(logits), lambda: log_softmax(logits), lambda: batch.sample(logits)],
+          [
+            lambda: max_pass(logits),
+            lambda: log_softmax(logits),
+            lambda: batch.sample(logits).result(),
+          ],
           repeats,
           compiles,
         )
@@ -184,7 +188,7 @@ def bench_composition(repeats: int, compiles: CompileCounter, size=256, vocab=49
     return batch.sampling_metadata
 
   def step():
-    return batch.sample(logits)
+    return batch.sample(logits).result()
 
   (change_ms, step_ms), num_compiles = _measure([change, step], repeats, compiles)
   result = dict(change_ms=change_ms, step_ms=step_ms, compiles=num_compiles)
@@ -202,7 +206,9 @@ def bench_host_overhead(repeats: int, compiles: CompileCounter, size=8, vocab=25
   _, logits, batch = _full_batch(size, vocab, "greedy", seed=2)
   identity = jax.jit(lambda x: x)
   (bare_ms, step_ms), num_compiles = _measure(
-    [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits)], repeats * 20, compiles
+    [lambda: np.asarray(identity(logits)), lambda: batch.sample(logits).result()],
+    repeats * 20,
+    compiles,
   )
   result = dict(step_ms=step_ms, bare_ms=bare_ms, compiles=num_compiles)
   print(

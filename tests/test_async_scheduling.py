@@ -315,6 +315,9 @@ class AsyncEngineMachine(RuleBasedStateMachine):
     popped = {output.request_id for output in self.engine.pop_finished()}
     expected = self.requests.keys() - self.aborted
     assert popped == expected
+    stats = self.engine.kv_cache_stats  # everything freed: pages, rows, placeholders
+    assert stats is not None and stats.num_used_blocks == 0
+    assert self.engine.runner.input_batch.num_reqs == 0 and not self.engine.scheduler.running
     assert self.finished.keys() == expected
     if expected:
       reference = _generate_ids(self.reference, {r: self.requests[r] for r in sorted(expected)})

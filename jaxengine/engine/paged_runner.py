@@ -297,7 +297,7 @@ class PagedModelRunner(ModelRunner):
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     num_tokens = self.token_bucket(scheduled.total_num_scheduled_tokens, num_rows)
     produces = [self._produces(scheduled, seq_id) for seq_id in batch.req_ids]
-    inputs = self._ragged_inputs(scheduled, num_tokens, num_rows)
+    inputs = self._ragged_inputs(scheduled, num_tokens, num_rows, produces)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
     columns = batch.state.num_top_logprobs + 1 if wanted else 0
     verify = (
@@ -465,9 +465,14 @@ class PagedModelRunner(ModelRunner):
     return done + count - drafts == self.input_batch.num_tokens(seq_id)
 
   def _ragged_inputs(
-    self, scheduled: PagedSchedulerOutput, num_tokens: int, num_rows: int
+    self,
+    scheduled: PagedSchedulerOutput,
+    num_tokens: int,
+    num_rows: int,
+    produces: Sequence[bool] = (),
   ) -> RaggedInputs:
-    """The step's `RaggedInputs`: scheduled rows in row order, padded to the buckets."""
+    """The step's `RaggedInputs`: scheduled rows in row order, padded to the buckets;
+    `produces` says which live rows sample (`_produces`, by row; none when empty)."""
     batch = self.input_batch
     rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
     seq_ids = [batch.req_ids[row] for row in rows]
@@ -486,9 +491,8 @@ class PagedModelRunner(ModelRunner):
     token_rows[: layout.num_tokens] = np.repeat(rows, counts)
     logits_indices = np.zeros(num_rows, np.int32)
     logits_indices[rows] = layout.logits_indices[: len(rows)]
-    produces = np.zeros(num_rows, bool)
-    for row, seq_id in zip(rows, seq_ids):
-      produces[row] = self._produces(scheduled, seq_id)
+    produced = np.zeros(num_rows, bool)
+    produced[: len(produces)] = produces
     host = (
       token_rows,
       layout.positions,
@@ -498,7 +502,7 @@ class PagedModelRunner(ModelRunner):
       layout.seq_lens,
       np.int32(layout.num_reqs),
       logits_indices,
-      produces,
+      produced,
     )
     device = jax.device_put(host, self._input_sharding)  # one transfer for the step's inputs
     return RaggedInputs(
