@@ -260,8 +260,9 @@ def test_the_private_access_check_catches_a_planted_access():
   assert private_accesses(clean.replace("import _helper", "import helper")) == []
 
 
-def _readme_section(title: str) -> str:
-  text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def _doc_section(page: str, title: str) -> str:
+  """The `## title` section of `docs/page`."""
+  text = (Path(__file__).resolve().parents[1] / "docs" / page).read_text()
   start = text.index(f"\n## {title}\n")
   end = text.find("\n## ", start + 1)
   return text[start:end]
@@ -272,12 +273,12 @@ def test_readme_states_the_top_p_tie_rule_and_the_mesh_limits():
   keeps fewer), and what the slot cache lacks on a mesh (prefix caching, speculative decoding;
   the paged cache runs both there) under the mesh section, and that several decode steps per
   dispatch say they run on one."""
-  differences = " ".join(_readme_section("Differences from vLLM").split())
+  differences = " ".join((PACKAGE.parent / "docs" / "differences_from_vllm.md").read_text().split())
   assert "Top-p keeps ties" in differences and "top_p=0.5" in differences
-  throughput = " ".join(_readme_section("Rollout throughput and start-up").split())
+  throughput = " ".join((PACKAGE.parent / "docs" / "engine.md").read_text().split())
   multi_step = throughput[throughput.index("Several decode steps per dispatch") :]
   assert "On a mesh too" in multi_step.split("- **")[0]
-  mesh = " ".join(_readme_section("Many devices: tensor and data parallelism").split())
+  mesh = " ".join((PACKAGE.parent / "docs" / "parallelism.md").read_text().split())
   limits = mesh[mesh.index("The paragraphs above describe the slot cache") :]
   limits = limits.split("Known limits")[0]
   for feature in ("prefix caching", "speculative decoding", "the paged cache"):
@@ -303,13 +304,13 @@ def test_docs_cite_only_files_in_this_repository():
 
 
 def test_readme_layout_table_names_every_module():
-  """Every module of the package has a row in the README's layout table (renamed and new
+  """Every module of the package has a row in the layout table of docs/design.md (renamed and new
   modules included), and the table names no module that is gone."""
-  section = _readme_section("Design overview")
+  section = _doc_section("design.md", "Layout: one module per job, dependencies pointing one way")
   rows = [line for line in section.splitlines() if line.startswith("| `")]
   named = {name for row in rows for name in re.findall(r"`([\w/]+\.py)`", row.split(" | ")[0])}
   modules = {
     str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"
   }
-  assert sorted(modules - named) == [], "missing from the README's layout table"
-  assert sorted(named - modules) == [], "in the README's layout table but not in the package"
+  assert sorted(modules - named) == [], "missing from the layout table of docs/design.md"
+  assert sorted(named - modules) == [], "in the layout table of docs/design.md but not in the package"
