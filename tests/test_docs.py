@@ -59,8 +59,7 @@ def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: p.name)
 def test_page_snippets_run_as_written(page: Path, tmp_path_factory):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env["JAXENGINE_COMPILATION_CACHE"] = str(tmp_path_factory.getbasetemp() / "xla_cache")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")  # with the run's compilation cache (conftest.py)
   server = None
   for kind, value in directives(page):
     if kind == "env":

@@ -306,11 +306,15 @@ def test_docs_cite_only_files_in_this_repository():
 def test_readme_layout_table_names_every_module():
   """Every module of the package has a row in the layout table of docs/architecture.md (renamed and new
   modules included), and the table names no module that is gone."""
-  section = _doc_section("architecture.md", "Layout: one module per job, dependencies pointing one way")
+  section = _doc_section(
+    "architecture.md", "Layout: one module per job, dependencies pointing one way"
+  )
   rows = [line for line in section.splitlines() if line.startswith("| `")]
   named = {name for row in rows for name in re.findall(r"`([\w/]+\.py)`", row.split(" | ")[0])}
   modules = {
     str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"
   }
   assert sorted(modules - named) == [], "missing from the layout table of docs/architecture.md"
-  assert sorted(named - modules) == [], "in the layout table of docs/architecture.md but not in the package"
+  assert sorted(named - modules) == [], (
+    "in the layout table of docs/architecture.md but not in the package"
+  )
