@@ -200,6 +200,13 @@ def test_echo_with_logprobs_covers_the_prompt_then_the_completion(server, client
   assert offsets[num_prompt] == len(prompt)
 
 
+def test_echo_of_a_token_id_prompt_is_its_text(server, client):
+  ids = server["engine"].tokenizer.encode("hello")
+  response = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=1, logprobs=0)
+  choice = response.choices[0]
+  assert choice.text.startswith("hello") and choice.logprobs.tokens[:5] == list("hello")
+
+
 def test_prompt_logprobs_are_returned(server, client):
   """`prompt_logprobs`: per choice (completions) or for the response (chat), one entry per prompt
   token, the first null, the others `{token id: {logprob, rank, decoded_token}}`."""

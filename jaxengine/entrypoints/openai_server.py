@@ -9,10 +9,18 @@
   POST /tokenize, /detokenize
 
 Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type, a
-value `SamplingParams` refuses, a prompt of `max_model_len` tokens or more), an unknown model a
-404, and a missing or wrong API key (with `api_key` set) a 401 on `/v1/*`, `/tokenize` and
-`/detokenize`. A client that disconnects aborts its requests (streamed or not): their rows are
-freed at the next step boundary. An error while serving one request fails that request alone.
+value `SamplingParams` refuses, a prompt of `max_model_len` tokens or more, a prompt plus
+`max_tokens` past `max_model_len`, `stream_options` without `stream`, `prompt_logprobs` with
+`stream`, a `best_of` other than `n`), an unknown model a 404, and a missing or wrong API key
+(with `api_key` set) a 401 on `/v1/*`, `/tokenize` and `/detokenize`. A client that
+disconnects aborts its requests (streamed or not): their rows are freed at the next step
+boundary. An error while serving one request fails that request alone.
+
+Logprobs follow vLLM: `prompt_logprobs=k` adds `prompt_logprobs` to each completion choice (to
+the chat response itself), one entry per prompt token, the first null, the others
+`{str(token id): {"logprob", "rank", "decoded_token"}}`; `echo` with `logprobs` (completions)
+lists the prompt's tokens before the completion's, the first with null logprob and top dict,
+`text_offset` counting through the echoed text.
 """
 
 from __future__ import annotations
