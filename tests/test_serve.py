@@ -159,6 +159,82 @@ def test_chat_logprobs_and_structured_outputs(client):
   assert json.loads(structured.choices[0].message.content)["a"] in ("x", "y")
 
 
+def _prompt_reference(engine: AsyncLLM, prompt, k: int) -> je.RequestOutput:
+  """`prompt`'s final output from the engine itself, with `prompt_logprobs=k`."""
+  params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k)
+
+  async def main():
+    return [
+      o async for o in engine.generate(prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
+    ]
+
+  return asyncio.run(main())[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_covers_the_prompt_then_the_completion(server, client, stream):
+  """vLLM's echo: the prompt's tokens first (the first without a logprob), then the completion's,
+  their text offsets into the echoed text."""
+  prompt = PROMPTS[0]
+  ref = _prompt_reference(server["engine"], prompt, 2)
+  num_prompt = len(ref.prompt_token_ids)
+  kwargs = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 3,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+  if stream:
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+  else:
+    chunks = client.completions.create(**kwargs).choices
+  text = "".join(c.text for c in chunks)
+  tokens = [t for c in chunks for t in c.logprobs.tokens]
+  values = [v for c in chunks for v in c.logprobs.token_logprobs]
+  tops = [top for c in chunks for top in c.logprobs.top_logprobs]
+  offsets = [o for c in chunks for o in c.logprobs.text_offset]
+  assert text.startswith(prompt) and len(text) > len(prompt)
+  assert len(tokens) == len(values) == len(tops) == len(offsets) == num_prompt + 3
+  assert "".join(tokens) == text  # one byte per token: the tokens spell the echoed text
+  assert values[0] is None and tops[0] is None  # nothing predicts the first prompt token
+  expected = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+  assert values[1:num_prompt] == pytest.approx(expected, abs=1e-5)
+  assert all(2 <= len(top) <= 3 for top in tops[1:])  # the top 2 and the token itself
+  assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+  assert offsets[num_prompt] == len(prompt)
+
+
+def test_echo_of_a_token_id_prompt_is_its_text(server, client):
+  ids = server["engine"].tokenizer.encode("hello")
+  response = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=1, logprobs=0)
+  choice = response.choices[0]
+  assert choice.text.startswith("hello") and choice.logprobs.tokens[:5] == list("hello")
+
+
+def test_prompt_logprobs_are_returned(server, client):
+  """`prompt_logprobs`: per choice (completions) or for the response (chat), one entry per prompt
+  token, the first null, the others `{token id: {logprob, rank, decoded_token}}`."""
+  response = client.completions.create(
+    model=MODEL, prompt=PROMPTS, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+  )
+  choices = sorted(response.choices, key=lambda c: c.index)
+  for choice, prompt in zip(choices, PROMPTS, strict=True):
+    ref = _prompt_reference(server["engine"], prompt, 2)
+    got = choice.model_extra["prompt_logprobs"]
+    assert len(got) == len(ref.prompt_token_ids) and got[0] is None
+    for token, entry, ref_entry in zip(ref.prompt_token_ids[1:], got[1:], ref.prompt_logprobs[1:]):
+      assert str(token) in entry and set(entry) == {str(t) for t in ref_entry}
+      for t, logprob in ref_entry.items():
+        assert entry[str(t)]["logprob"] == pytest.approx(logprob.logprob, abs=1e-5)
+        assert (entry[str(t)]["rank"], entry[str(t)]["decoded_token"]) == (
+          logprob.rank, logprob.decoded_token
+        )  # fmt: skip
+  plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)
+  assert plain.choices[0].model_extra["prompt_logprobs"] is None
+  chat = client.chat.completions.create(
+    model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0}
+  )
+  got = chat.model_extra["prompt_logprobs"]
+  assert len(got) == chat.usage.prompt_tokens and got[0] is None
+  assert all(len(entry) == 1 and entry[next(iter(entry))]["rank"] >= 1 for entry in got[1:])
+
+
 def test_concurrent_streaming_clients(server):
   """64 clients stream at once (4 rows): every one gets all its tokens, in order."""
 
@@ -235,6 +311,27 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
   ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "("}}, 400,
    "structured_outputs", "structured_outputs"),
   ("/detokenize", {"tokens": [10**6]}, 400, "tokens", "tokens"),
+  # prompt + max_tokens past max_model_len (128) is refused, not clipped (vLLM's 400)
+  ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens",
+   "maximum context length is 128 tokens. However, you requested 100002 tokens (2 in the "
+   "messages, 100000 in the completion)"),
+  ("/v1/completions", {"prompt": ["hi", "x" * 120], "max_tokens": 9}, 400, "max_tokens",
+   "you requested 129 tokens (120 in the messages, 9 in the completion)"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 100000}, 400,
+   "max_completion_tokens", "maximum context length is 128 tokens"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 100000, "stream": True}, 400,
+   "max_tokens", "100000 in the completion"),
+  # stream_options without stream, best_of, prompt_logprobs while streaming: refused
+  ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+   "stream_options", "stream"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}},
+   400, "stream_options", "stream"),
+  ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of", "best_of=2"),
+  ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "best_of=3"),
+  ("/v1/completions", {"prompt": "hi", "stream": True, "prompt_logprobs": 1}, 400,
+   "prompt_logprobs", "stream"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "prompt_logprobs": -1}, 400,
+   "prompt_logprobs", "stream"),
 ]  # fmt: skip
 
 
@@ -249,6 +346,13 @@ def test_bad_input_is_a_400_and_the_server_goes_on(server, client):
       assert (response.status_code, error["param"]) == (status, param), (body, error)
       assert words in error["message"] and error["code"] == status
       assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+  with httpx.Client(base_url=server["url"], timeout=60) as http:
+    fits = {"prompt": "x" * 120, "max_tokens": 8, "ignore_eos": True, "best_of": 1}
+    response = http.post("/v1/completions", json=fits)  # 120 + 8 = max_model_len: it fits
+    assert response.status_code == 200, response.json()
+    assert response.json()["usage"]["completion_tokens"] == 8
+    response = http.post("/v1/completions", json={"prompt": "ok", "n": 2, "best_of": 2})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 2
   with pytest.raises(openai.BadRequestError, match="top_p"):
     client.completions.create(model=MODEL, prompt="hi", top_p=3.0)
   with pytest.raises(openai.NotFoundError):

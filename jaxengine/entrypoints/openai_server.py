@@ -9,10 +9,18 @@
   POST /tokenize, /detokenize
 
 Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type, a
-value `SamplingParams` refuses, a prompt of `max_model_len` tokens or more), an unknown model a
-404, and a missing or wrong API key (with `api_key` set) a 401 on `/v1/*`, `/tokenize` and
-`/detokenize`. A client that disconnects aborts its requests (streamed or not): their rows are
-freed at the next step boundary. An error while serving one request fails that request alone.
+value `SamplingParams` refuses, a prompt of `max_model_len` tokens or more, a prompt plus
+`max_tokens` past `max_model_len`, `stream_options` without `stream`, `prompt_logprobs` with
+`stream`, a `best_of` other than `n`), an unknown model a 404, and a missing or wrong API key
+(with `api_key` set) a 401 on `/v1/*`, `/tokenize` and `/detokenize`. A client that
+disconnects aborts its requests (streamed or not): their rows are freed at the next step
+boundary. An error while serving one request fails that request alone.
+
+Logprobs follow vLLM: `prompt_logprobs=k` adds `prompt_logprobs` to each completion choice (to
+the chat response itself), one entry per prompt token, the first null, the others
+`{str(token id): {"logprob", "rank", "decoded_token"}}`; `echo` with `logprobs` (completions)
+lists the prompt's tokens before the completion's, the first with null logprob and top dict,
+`text_offset` counting through the echoed text.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,7 +51,7 @@ from jaxengine.entrypoints.protocol import (
   field_named,
   json_dumps,
 )
-from jaxengine.outputs import CompletionOutput, RequestOutput
+from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 #: Logprobs below this (including -inf) are reported as it: JSON has no infinities (vLLM's value).
 MIN_LOGPROB = -9999.0
@@ -165,20 +173,67 @@ class _Serving:
 
   # --- completions ----------------------------------------------------------------------------
 
+  def tokenized(self, prompt: str | list[int]) -> dict | list[int] | str:
+    """A text prompt as a prompt dict with its token ids (as the engine would tokenize it, so
+    that it is not tokenized twice); token ids, or text without a tokenizer, as they are."""
+    tokenizer = self.engine.tokenizer
+    if isinstance(prompt, str) and tokenizer is not None:
+      return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
+    return prompt
+
+  def check_context(self, prompts: Sequence, max_tokens: int | None, field: str) -> None:
+    """Refuses (vLLM's 400) a request whose prompt plus `max_tokens` exceeds `max_model_len`.
+
+    A prompt that alone leaves no room is left to the engine, whose error says so; prompts
+    given as text without a tokenizer are not counted here.
+
+    Raises:
+      RequestError: naming `field` (the request's max_tokens field), the context length and
+        the tokens requested.
+    """
+    if max_tokens is None:
+      return
+    max_model_len = self.engine.max_model_len
+    for prompt in prompts:
+      num_prompt = _num_prompt_tokens(prompt)
+      if num_prompt is None or num_prompt >= max_model_len:
+        continue
+      if num_prompt + max_tokens > max_model_len:
+        raise RequestError(
+          f"This model's maximum context length is {max_model_len} tokens. However, you "
+          f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+          f"{max_tokens} in the completion). Shorten the prompt or lower {field}.",
+          field,
+        )
+
+  def prompt_text(self, output: RequestOutput) -> str:
+    """The prompt as echoed: its text, or its token ids decoded (special tokens kept)."""
+    if output.prompt is not None:
+      return output.prompt
+    return self.decode(*output.prompt_token_ids)
+
+  def decode(self, *token_ids: int) -> str:
+    """Token ids' text (special tokens kept), or "" without a tokenizer."""
+    tokenizer = self.engine.tokenizer
+    return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+
   async def completions(self, body: CompletionRequest, request: Request) -> Response:
     self.check_model(body.model)
     params = body.sampling_params()
-    prompts = body.prompts()
+    prompts = [self.tokenized(p) for p in body.prompts()]
+    self.check_context(prompts, params.max_tokens, body.max_tokens_field())
     request_id = f"cmpl-{uuid.uuid4().hex}"
     header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
     stream = _Run(self.engine, prompts, params, request_id, body.stream, "prompt")
     if not body.stream:
       outputs = await _unless_disconnected(request, stream.finals())
+      k = body.prompt_logprobs if body.prompt_logprobs is not None else params.prompt_logprobs
       choices = [
-        self.completion_choice(i * params.n + c.index, output, c, body.echo, 0, params.logprobs)
+        {**self.completion_choice(i * params.n + c.index, output, c, body.echo, 0, params.logprobs),
+         "prompt_logprobs": _prompt_logprobs(output, k)}
         for i, output in enumerate(outputs)
         for c in output.outputs
-      ]
+      ]  # fmt: skip
       response = {**header, "object": "text_completion", "choices": choices}
       return JSONResponse({**response, "usage": _usage(outputs)})
     await stream.start()
@@ -200,11 +255,20 @@ class _Serving:
 
   def completion_choice(self, index, output: RequestOutput, c: CompletionOutput, echo: bool,
                         offset: int, num_logprobs) -> dict:  # fmt: skip
-    """One choice of a completion response or chunk (`text_offset`s start at `offset`)."""
-    text = ((output.prompt or "") if echo else "") + c.text
+    """One choice of a completion response or chunk (`text_offset`s start at `offset`). With
+    `echo` the text and the logprobs start with the prompt's (its first token has no logprob)."""
+    prompt = self.prompt_text(output) if echo else ""
     logprobs = None
     if c.logprobs is not None:
-      logprobs = _completion_logprobs(c, offset + len(text) - len(c.text))
+      logprobs = _completion_logprobs(
+        c.token_ids, c.logprobs, offset + len(prompt), num_logprobs, self.decode
+      )
+      if echo:
+        ids = output.prompt_token_ids
+        steps = output.prompt_logprobs or [None] * len(ids)
+        echoed = _completion_logprobs(ids, steps, offset, num_logprobs, self.decode)
+        logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+    text = prompt + c.text
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
 
@@ -214,6 +278,7 @@ class _Serving:
     self.check_model(body.model)
     params = body.sampling_params()
     prompt = self.render_chat(body)
+    self.check_context([prompt], params.max_tokens, body.max_tokens_field())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
     stream = _Run(self.engine, [prompt], params, request_id, body.stream, "messages")
@@ -226,7 +291,10 @@ class _Serving:
         for c in outputs[0].outputs
       ]  # fmt: skip
       response = {**header, "object": "chat.completion", "choices": choices}
-      return JSONResponse({**response, "usage": _usage(outputs)})
+      prompt_logprobs = _prompt_logprobs(outputs[0], params.prompt_logprobs)
+      return JSONResponse(
+        {**response, "usage": _usage(outputs), "prompt_logprobs": prompt_logprobs}
+      )
     await stream.start()
     return _sse(self._chat_events(stream, header, body, params.n, params.logprobs))
 
@@ -439,18 +507,65 @@ def _finite(value: float) -> float:
   return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
 
 
-def _completion_logprobs(c: CompletionOutput, offset: int) -> dict:
-  """The legacy completions API's logprobs: tokens, their logprobs, top dicts, text offsets."""
+def _num_prompt_tokens(prompt) -> int | None:
+  """A prompt's token count, or None for text (the engine tokenizes it)."""
+  if isinstance(prompt, dict):
+    return len(prompt["prompt_token_ids"])
+  return None if isinstance(prompt, str) else len(prompt)
+
+
+def _top(entries: dict[int, Logprob], k: int | None) -> dict[int, Logprob]:
+  """A position's entries cut to its token (the first) and the top `k` (-1 or None: all)."""
+  if k is None or k == -1:
+    return entries
+  return {
+    token_id: e
+    for i, (token_id, e) in enumerate(entries.items())
+    if i == 0 or (e.rank is not None and e.rank <= k)
+  }  # fmt: skip
+
+
+def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offset: int, k: int | None,
+                         decode: Callable[[int], str]) -> dict:  # fmt: skip
+  """The legacy completions API's logprobs: tokens, their logprobs, top dicts, text offsets.
+
+  Args:
+    token_ids: the tokens.
+    steps: per token its `{token_id: Logprob}` dict, or None (a prompt's first token: its text
+      comes from `decode`, its logprob and top dict are null).
+    offset: the first token's offset in the choice's text (characters).
+    k: the top entries shown besides the token itself (-1 or None: all there are).
+    decode: a token id's text.
+  """
   tokens, values, tops, offsets = [], [], [], []
-  for token_id, entries in zip(c.token_ids, c.logprobs or []):
-    chosen = entries[token_id]
-    text = chosen.decoded_token or ""
+  for token_id, entries in zip(token_ids, steps):
+    if entries is None:
+      text, value, top = decode(token_id), None, None
+    else:
+      chosen = entries[token_id]
+      text, value = chosen.decoded_token or "", _finite(chosen.logprob)
+      top = {(e.decoded_token or ""): _finite(e.logprob) for e in _top(entries, k).values()}
     tokens.append(text)
-    values.append(_finite(chosen.logprob))
-    tops.append({(e.decoded_token or ""): _finite(e.logprob) for e in entries.values()})
+    values.append(value)
+    tops.append(top)
     offsets.append(offset)
     offset += len(text)
   return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_logprobs(output: RequestOutput, k: int | None) -> list | None:
+  """vLLM's `prompt_logprobs` field: per prompt token null (the first) or `{str(token id):
+  {"logprob", "rank", "decoded_token"}}` holding the token and the top `k`; None when not asked."""
+  if output.prompt_logprobs is None:
+    return None
+  return [
+    None if entries is None else {
+      str(token_id): {"logprob": _finite(e.logprob), "rank": e.rank,
+                      "decoded_token": e.decoded_token}
+      for token_id, e in _top(entries, k).items()
+    }
+    for entries in output.prompt_logprobs
+  ]  # fmt: skip
 
 
 def _chat_logprobs(c: CompletionOutput, num_logprobs: int | None) -> dict | None:

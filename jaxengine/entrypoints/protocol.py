@@ -89,6 +89,7 @@ class SamplingRequest(BaseModel):
   logit_bias: dict[str, float] | None = None
   allowed_token_ids: list[int] | None = None
   prompt_logprobs: int | None = None
+  best_of: int | None = None
   structured_outputs: StructuredOutputsRequest | None = None
   response_format: ResponseFormat | None = None
   stream: bool = False
@@ -98,21 +99,41 @@ class SamplingRequest(BaseModel):
   def _max_tokens(self) -> int | None:
     return None
 
+  def max_tokens_field(self) -> str:
+    """The field the request's `max_tokens` came from (what a 400 about it names)."""
+    return "max_tokens"
+
   def _num_logprobs(self) -> int | None:
     return None
+
+  def _prompt_logprobs(self) -> int | None:
+    """The `prompt_logprobs` to compute: none while streaming (a stream never shows them; any
+    but 0 is refused there)."""
+    return None if self.stream else self.prompt_logprobs
 
   def sampling_params(self) -> SamplingParams:
     """The request's `SamplingParams`.
 
     Raises:
       RequestError: naming the field, for a value `SamplingParams` refuses, a `logit_bias` key
-        that is not a token id, or a `response_format` without its schema.
+        that is not a token id, a `response_format` without its schema, `stream_options`
+        without `stream`, `prompt_logprobs` (other than 0) with `stream`, or a `best_of` other
+        than None or `n` (vLLM V1 has no best_of: n samples are all returned).
     """
+    self._check_stream_fields()
+    if self.best_of is not None and self.best_of != self.n:
+      raise RequestError(
+        f"best_of={self.best_of} is not supported (no sampling-then-ranking): leave it out, or "
+        f"set it equal to n={self.n}, and choose among the n choices returned",
+        "best_of",
+      )
     fields: dict[str, Any] = {
       name: value
       for name in _OPTIONAL_FIELDS
       if (value := getattr(self, name)) is not None
     }  # fmt: skip
+    if (prompt_logprobs := self._prompt_logprobs()) is not None:
+      fields["prompt_logprobs"] = prompt_logprobs
     if isinstance(self.stop, str):
       fields["stop"] = [self.stop]
     if self.logit_bias is not None:
@@ -132,6 +153,15 @@ class SamplingRequest(BaseModel):
       )
     except ValueError as error:
       raise RequestError(str(error), field_named(str(error))) from None
+
+  def _check_stream_fields(self) -> None:
+    if self.stream_options is not None and not self.stream:
+      raise RequestError("stream_options can only be set when stream is true", "stream_options")
+    if self.stream and self.prompt_logprobs not in (None, 0):
+      raise RequestError(
+        f"prompt_logprobs={self.prompt_logprobs} is not available when stream is true",
+        "prompt_logprobs",
+      )
 
   def _structured_outputs(self) -> StructuredOutputsParams | None:
     if self.structured_outputs is not None and self.response_format not in (None, _TEXT):
@@ -167,7 +197,6 @@ _TEXT = ResponseFormat(type="text")
 _OPTIONAL_FIELDS = (
   "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
   "repetition_penalty", "seed", "stop", "stop_token_ids", "bad_words", "allowed_token_ids",
-  "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -184,6 +213,14 @@ class CompletionRequest(SamplingRequest):
 
   def _num_logprobs(self) -> int | None:
     return self.logprobs
+
+  def _prompt_logprobs(self) -> int | None:
+    """With `echo` and `logprobs`, the prompt's logprobs are needed too: at least `logprobs`
+    of them (vLLM's rule); -1 (the whole vocabulary) counts as the most."""
+    asked, echoed = super()._prompt_logprobs(), self.logprobs if self.echo else None
+    if asked is None or echoed is None:
+      return echoed if asked is None else asked
+    return -1 if -1 in (asked, echoed) else max(asked, echoed)
 
   def prompts(self) -> list[str | list[int]]:
     """The prompts, one per request (a list of strings or of id lists is a batch).
@@ -214,6 +251,9 @@ class ChatCompletionRequest(SamplingRequest):
 
   def _max_tokens(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+  def max_tokens_field(self) -> str:
+    return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
   def _num_logprobs(self) -> int | None:
     if self.top_logprobs is not None and not self.logprobs:
