@@ -322,7 +322,9 @@ class StructuredOutputsParams:
 
   Attributes:
     json: a JSON schema, as a dict or a JSON string.
-    regex: a regular expression the whole output must match.
+    regex: a regular expression the whole output must match (llguidance's syntax, Rust's
+      `regex`), with `\\d` meaning `[0-9]` and `\\w` `[0-9A-Za-z_]` (their negations too, also
+      inside `[...]`), as in a JSON schema's `pattern` and vLLM; `\\s` and `.` are Unicode.
     choice: a non-empty list of strings; the output is exactly one of them.
     grammar: a Lark grammar (llguidance's dialect; a GBNF grammar is converted when it has a
       `root ::=` rule).
