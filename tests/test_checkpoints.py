@@ -224,7 +224,24 @@ def test_paths_that_are_not_models_are_refused(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"no model.safetensors or model.safetensors.index"):
     je.LLM(tmp_path)
   with pytest.raises(ValueError, match="dtype must be one of"):
-    je.LLM(tmp_path, dtype="float16")
+    je.LLM(tmp_path, dtype="float8")
+
+
+def test_float16_weights_load_and_generate_on_cpu(tmp_path):
+  """vLLM's dtype="float16": weights and KV cache in float16, computed on the CPU too; the
+  greedy tokens are the float64 reference's on the float16-rounded weights."""
+  c, tensors = _checkpoint(tmp_path, "qwen2_tied")
+  llm = je.LLM(tmp_path, dtype="float16", max_num_reqs=2, max_model_len=32)
+  model = llm.llm_engine.runner.model
+  assert model.layers[0].attn.wq[...].dtype == jnp.float16
+  assert model.final_norm.scale[...].dtype == jnp.float32  # norms stay float32
+  pages = [x for x in jax.tree.leaves(llm.llm_engine.runner.kv_cache) if x.dtype.kind == "f"]
+  assert pages and all(x.dtype == jnp.float16 for x in pages)
+  params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+  (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+  rounded = {name: t.astype(np.float16).astype(np.float32) for name, t in tensors.items()}
+  assert _tokens(out) == reference_greedy(c, rounded, PROMPT, 6)
+  assert all(math.isfinite(e.logprob) for step in out.outputs[0].logprobs for e in step.values())
 
 
 def test_generation_config_eos_ids_stop_like_vllm(tmp_path):
