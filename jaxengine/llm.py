@@ -169,8 +169,9 @@ class LLM:
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
-        of the wrong type, shape or dtype; every tensor is checked before anything changes, so
-        the model is then exactly as it was.
+        of the wrong type, shape or dtype, or holding a NaN or an infinity (a diverged optimizer
+        step); every tensor is checked before anything changes, so the model is then exactly as
+        it was.
     """
     self.llm_engine.load_weights(weights)
 
