@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
   `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids` (comma-separated,
   repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path, Hugging
   Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens,
-  both positive, `--dtype` auto (default), float32 or bfloat16).
+  both positive, `--dtype` auto (default), float32, bfloat16 or float16, `--enforce-eager` and
+  `--trust-remote-code` (vLLM's flags, accepted without effect)).
 
   Returns:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.
@@ -259,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
   add_engine_flags(serve)
   commands.add_parser(  # `main` hands the arguments to lm-eval before this parser runs
     "eval",
-    help="evaluate with lm-evaluation-harness (ARGS are lm-eval's; needs jaxengine[lm_eval])",
+    help="evaluate with lm-evaluation-harness (ARGS are lm-eval's; needs jaxengine[lm-eval])",
     add_help=False,
   )
   return parser
@@ -329,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit status: 0 on success (or end of input in interactive chat), 1 when the model file
-    is missing (the message on stderr gives the install command), 2 for invalid sampling values,
+    is missing (the message on stderr gives the install command), 2 for `eval` without
+    lm-eval installed (the message gives the extra's pip command), invalid sampling values,
     a file that is not a usable GGUF model, or a request the engine refuses (e.g. a prompt, or a
     `chat MESSAGE`, longer than `--max-model-len`). Interactive chat instead leaves out the
     oldest turns when the conversation outgrows `--max-model-len` (a notice on stderr), and
@@ -340,8 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["eval"]:  # every other argument is lm-eval's, `--help` included
-    from jaxengine.integrations.lm_eval import main as eval_main
+    from jaxengine.integrations import MissingExtraError
 
+    try:
+      from jaxengine.integrations.lm_eval import main as eval_main
+    except MissingExtraError as error:  # lm-eval is not installed
+      print(f"jaxengine: {error}", file=sys.stderr)
+      return 2
     return eval_main(argv[1:])
   args = build_parser().parse_args(argv)
   if args.command == "serve":

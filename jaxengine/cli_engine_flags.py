@@ -57,8 +57,24 @@ ENGINE_FLAGS = (
     "--dtype",
     dict(
       default="auto",
-      choices=["auto", "float32", "bfloat16"],
+      choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
       help="weights and KV cache (auto: float32 on CPU, the checkpoint's dtype on accelerators)",
+    ),
+  ),
+  EngineFlag(
+    "enforce_eager",
+    "--enforce-eager",
+    dict(
+      action="store_true",
+      help="vLLM's flag, accepted without effect: every step is a compiled XLA executable",
+    ),
+  ),
+  EngineFlag(
+    "trust_remote_code",
+    "--trust-remote-code",
+    dict(
+      action="store_true",
+      help="vLLM's flag, accepted without effect: no code from a checkpoint is ever run",
     ),
   ),
   EngineFlag(

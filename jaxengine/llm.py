@@ -58,10 +58,11 @@ class LLM:
     **options: the `EngineConfig` fields as keywords, all checked before the model loads:
     max_num_reqs: sequences decoded at once (rows of the persistent batch).
     max_model_len: longest prompt plus output, in tokens.
-    dtype: "auto" (default), "float32", "bfloat16", or a JAX dtype. "auto" is float32 on CPU
-      (XLA's CPU backend runs bfloat16 matmuls far slower) and the checkpoint's dtype on
-      accelerators (bfloat16 for a bfloat16 or float16 checkpoint); a GGUF file, dequantized to
-      float32, and a built model keep float32 / their own dtype.
+    dtype: "auto" (default), "float32", "bfloat16", "float16" (or vLLM's "half", "float"), or a
+      JAX dtype. "auto" is float32 on CPU (XLA's CPU backend runs bfloat16 matmuls far slower)
+      and the checkpoint's dtype on accelerators (bfloat16 for a bfloat16 or float16
+      checkpoint); a GGUF file, dequantized to float32, and a built model keep float32 / their
+      own dtype.
     seed: engine seed for unseeded requests, an int in `[-2**63, 2**63)`.
     max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM `max_logprobs`).
     logits_processors: your `jaxengine.LogitsProcessor`s (classes built with no arguments,
@@ -95,6 +96,9 @@ class LLM:
       (the default: a pool of `block_size`-token pages that requests take as they grow, sized
       by `engine/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
       `EngineConfig`. `paged_kv_cache=False`: one slot of `max_model_len` positions per row.
+    enforce_eager, trust_remote_code: vLLM's keywords, accepted (bools) and without effect:
+      every step is a compiled XLA executable (no CUDA graphs to turn off), and no code from a
+      checkpoint is ever run (see `EngineConfig`).
 
   EOS: the tokenizer's EOS id ends generation, and so do the other EOS ids of
   `generation_config.json` (reported as `stop_reason`, as vLLM does).
@@ -165,8 +169,9 @@ class LLM:
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
-        of the wrong type, shape or dtype; every tensor is checked before anything changes, so
-        the model is then exactly as it was.
+        of the wrong type, shape or dtype, or holding a NaN or an infinity (a diverged optimizer
+        step); every tensor is checked before anything changes, so the model is then exactly as
+        it was.
     """
     self.llm_engine.load_weights(weights)
 

@@ -9,6 +9,7 @@ lists against the batch's capacities) happen in `InputBatch.add_request`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -77,8 +78,9 @@ class SamplingParams:
     n: Number of completions to return for the prompt (engine level). Child `j` of a seeded
       request gets the seed `seed + j` (as vLLM), wrapped into `[-2**63, 2**63)`: see
       `child_seed`. Must be 1 for greedy requests.
-    temperature: Softmax temperature, `>= 0`. `0` means greedy; a positive value below 0.01 is
-      raised to 0.01 with a warning (vLLM does the same), so 1e-6 samples at 0.01, not greedily.
+    temperature: Softmax temperature, `>= 0` and finite. `0` means greedy; a positive value
+      below 0.01 is raised to 0.01 with a warning (vLLM does the same), so 1e-6 samples at 0.01,
+      not greedily.
     top_p: Nucleus mass in `(0, 1]`; `1.0` disables. Keeps the smallest set of most likely tokens
       whose probability mass reaches `top_p`, plus every token tied with the last one kept.
     top_k: Keep the tokens whose logit is at least the k-th largest (ties kept); `0` or `-1`
@@ -89,8 +91,8 @@ class SamplingParams:
       output so far. `0` disables.
     frequency_penalty: In `[-2, 2]`; subtracted per occurrence of a token in the output so far.
       `0` disables.
-    repetition_penalty: `> 0`; logits of tokens seen in the prompt or output are divided by it
-      when positive and multiplied by it otherwise. `1` disables.
+    repetition_penalty: `> 0` and finite; logits of tokens seen in the prompt or output are
+      divided by it when positive and multiplied by it otherwise. `1` disables.
     seed: Per-request random seed, an int in `[-2**63, 2**63)` (`-1` means None; distinct seeds
       in that range give distinct random streams, so anything outside it is refused). A seeded
       request's tokens depend only on the seed, its logits and how many tokens it has generated,
@@ -128,7 +130,8 @@ class SamplingParams:
       ends the request with finish_reason "abort", with a warning.
 
   Raises:
-    ValueError: On construction, for any out-of-range value; the message names the field.
+    ValueError: On construction, for any out-of-range value (every float field refuses NaN and
+      infinities); the message names the field.
   """
 
   n: int = 1
@@ -297,6 +300,18 @@ class SamplingParams:
     object.__setattr__(child, "seed", child_seed(self.seed, index))  # frozen dataclass
     return child
 
+  def clone(self) -> SamplingParams:
+    """A deep copy (vLLM's `clone`, which its RL code calls before changing a request's
+    parameters): `extra_args` and a `structured_outputs` JSON schema given as a dict are copied
+    too, so nothing the copy holds is shared with this one (the other fields are immutable:
+    numbers, strings and tuples). Objects `copy.deepcopy` keeps as they are (functions,
+    classes) stay shared, as vLLM shares its logits processors.
+
+    Raises:
+      TypeError: from `copy.deepcopy`, for an `extra_args` value that cannot be copied.
+    """
+    return copy.deepcopy(self)
+
   def replace(self, **changes) -> SamplingParams:
     """Returns a copy with `changes` applied (validated again).
 
@@ -322,7 +337,9 @@ class StructuredOutputsParams:
 
   Attributes:
     json: a JSON schema, as a dict or a JSON string.
-    regex: a regular expression the whole output must match.
+    regex: a regular expression the whole output must match (llguidance's syntax, Rust's
+      `regex`), with `\\d` meaning `[0-9]` and `\\w` `[0-9A-Za-z_]` (their negations too, also
+      inside `[...]`), as in a JSON schema's `pattern` and vLLM; `\\s` and `.` are Unicode.
     choice: a non-empty list of strings; the output is exactly one of them.
     grammar: a Lark grammar (llguidance's dialect; a GBNF grammar is converted when it has a
       `root ::=` rule).
@@ -378,11 +395,13 @@ def _check_int(field: str, value) -> None:
     raise ValueError(f"{field} must be an int, got {value!r}")
 
 
-def _check_number(field: str, value) -> None:
+def _check_number(field: str, value, *, finite: bool = True) -> None:
+  """ValueError naming `field` unless `value` is a real number (finite unless `finite=False`:
+  an infinite temperature or penalty would turn the logits into NaN or noise)."""
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
     raise ValueError(f"{field} must be a number, got {value!r}")
-  if math.isnan(float(value)):
-    raise ValueError(f"{field} must not be NaN, got {value!r}")
+  if finite and not math.isfinite(float(value)):
+    raise ValueError(f"{field} must be a finite number, got {value!r}")
 
 
 def _normalise_logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
@@ -400,7 +419,7 @@ def _normalise_logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
         pass
     if token_id is None:
       raise ValueError(f"logit_bias keys must be token ids (ints), got {token!r}")
-    _check_number(f"logit_bias[{token_id}]", value)
+    _check_number(f"logit_bias[{token_id}]", value, finite=False)
     if not math.isfinite(float(value)):
       raise ValueError(
         f"logit_bias[{token_id}] must be finite (use allowed_token_ids or "

@@ -42,10 +42,11 @@ from jaxengine.models import (
   named_weights,
   safetensors_loader,
 )
+from jaxengine.models import weights as weights_module
 from jaxengine.models.attention import attention
 from jaxengine.models.llama import rope_frequencies
 from jaxengine.models.weights import unpermute_rotary_rows
-from jaxengine.testing import tiny_llama
+from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -224,7 +225,24 @@ def test_paths_that_are_not_models_are_refused(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"no model.safetensors or model.safetensors.index"):
     je.LLM(tmp_path)
   with pytest.raises(ValueError, match="dtype must be one of"):
-    je.LLM(tmp_path, dtype="float16")
+    je.LLM(tmp_path, dtype="float8")
+
+
+def test_float16_weights_load_and_generate_on_cpu(tmp_path):
+  """vLLM's dtype="float16": weights and KV cache in float16, computed on the CPU too; the
+  greedy tokens are the float64 reference's on the float16-rounded weights."""
+  c, tensors = _checkpoint(tmp_path, "qwen2_tied")
+  llm = je.LLM(tmp_path, dtype="float16", max_num_reqs=2, max_model_len=32)
+  model = llm.llm_engine.runner.model
+  assert model.layers[0].attn.wq[...].dtype == jnp.float16
+  assert model.final_norm.scale[...].dtype == jnp.float32  # norms stay float32
+  pages = [x for x in jax.tree.leaves(llm.llm_engine.runner.kv_cache) if x.dtype.kind == "f"]
+  assert pages and all(x.dtype == jnp.float16 for x in pages)
+  params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+  (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+  rounded = {name: t.astype(np.float16).astype(np.float32) for name, t in tensors.items()}
+  assert _tokens(out) == reference_greedy(c, rounded, PROMPT, 6)
+  assert all(math.isfinite(e.logprob) for step in out.outputs[0].logprobs for e in step.values())
 
 
 def test_generation_config_eos_ids_stop_like_vllm(tmp_path):
@@ -360,6 +378,50 @@ def test_load_weights_refuses_bad_input_and_changes_nothing(qwen2_llm):
     with pytest.raises(ValueError, match="weights must be a mapping or an iterable"):
       llm.load_weights(not_weights)  # type: ignore[arg-type]
   assert _run(llm) == baseline
+
+
+def test_load_weights_refuses_nonfinite_weights_and_changes_nothing(qwen2_llm, compile_counter):
+  """A diverged optimizer step (NaN or inf weights) is refused, naming the tensor by its
+  checkpoint name, before anything is written: the model is exactly as it was."""
+  llm, directory, tensors = qwen2_llm
+  runner = llm.llm_engine.runner
+  baseline = _run(llm)
+  before = jax.tree.leaves(runner.weights)
+  name = "model.layers.1.mlp.down_proj.weight"
+  nan = tensors[name].copy()
+  nan[3, 5] = np.nan
+  inf = jnp.asarray(tensors[name]).at[0, 0].set(-jnp.inf)
+  valid = [("model.embed_tokens.weight", np.zeros_like(tensors["model.embed_tokens.weight"]))]
+  embed = np.full_like(tensors["model.embed_tokens.weight"], np.inf)
+  # A whole state (a trainer's module) names the leaf by its checkpoint name and its NNX path.
+  state = nnx.state(load_safetensors(directory)[0])
+  state["layers"][0]["mlp"]["w_up"] = nnx.Param(jnp.full((96, 64), jnp.nan))
+  compile_counter.reset()
+  for bad in (nan, inf, nan.astype(np.float16)):
+    with pytest.raises(ValueError, match=rf"weight {name} holds NaN or infinite values, as after"):
+      llm.load_weights([*valid, (name, bad)])
+    assert all(a is b for a, b in zip(jax.tree.leaves(runner.weights), before))
+  with pytest.raises(ValueError, match=r"model.embed_tokens.weight holds .*\(and 1 more tensors\)"):
+    llm.load_weights({**tensors, "model.embed_tokens.weight": embed, name: nan})
+  with pytest.raises(
+    ValueError, match=r"weight model.layers.0.mlp.up_proj.weight \(layers.0.mlp.w_up\) holds NaN"
+  ):
+    llm.load_weights(state)
+  assert all(a is b for a, b in zip(jax.tree.leaves(runner.weights), before))
+  assert compile_counter.count == 0  # on CPU the check reads the arrays on the host
+  assert _run(llm) == baseline
+
+
+def test_nonfinite_check_on_accelerator_arrays_compiles_once_per_shape(monkeypatch):
+  """Off the CPU the check runs where the arrays are (forced here): one small reduction per
+  shape, reused on every later call; only bools come to the host, even under a transfer guard."""
+  monkeypatch.setattr(weights_module, "_on_host", lambda tensor: isinstance(tensor, np.ndarray))
+  arrays = [("a", jnp.ones((7, 3))), ("b", jnp.ones((7, 3)).at[2, 1].set(jnp.nan))]
+  arrays += [("c", np.full(4, np.inf, np.float32)), ("d", jnp.arange(5)), ("e", jnp.ones(11))]
+  assert weights_module.nonfinite_tensors(arrays) == ["b", "c"]
+  with count_compiles() as compiles, jax.transfer_guard("disallow_explicit"):
+    assert weights_module.nonfinite_tensors(arrays[::-1]) == ["c", "b"]
+  assert compiles.count == 0
 
 
 def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):

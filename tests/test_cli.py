@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import hf_checkpoints
+import jax.numpy as jnp
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -14,6 +15,8 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxengine import cli
 from jaxengine import llm as llm_module
+from jaxengine.cli_engine_flags import engine_options
+from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.models import gguf_loader
 from jaxengine.testing import tiny_llama
 from jaxengine.tokenizer import Tokenizer
@@ -194,6 +197,18 @@ def test_json_schema_that_is_neither_a_file_nor_json_is_refused_before_loading(m
   assert "--json-schema is not valid JSON" in capsys.readouterr().err
 
 
+def test_vllm_engine_flags_enforce_eager_trust_remote_code_and_float16():
+  args = cli.build_parser().parse_args(
+    ["generate", "Hi", "--enforce-eager", "--trust-remote-code", "--dtype", "float16"]
+  )
+  options = engine_options(args)
+  assert options["enforce_eager"] is True and options["trust_remote_code"] is True
+  config = EngineConfig(**options)
+  assert config.dtype == jnp.float16 and config.enforce_eager and config.trust_remote_code
+  defaults = engine_options(cli.build_parser().parse_args(["generate", "Hi"]))
+  assert not defaults["enforce_eager"] and not defaults["trust_remote_code"]
+
+
 @pytest.mark.parametrize(
   "flags, named",
   [
@@ -298,7 +313,7 @@ def test_stop_token_ids_leave_the_prompt_alone(flags, expected):
     (["--max-num-reqs", "0"], "--max-num-reqs"),
     (["--max-num-reqs", "many"], "--max-num-reqs"),
     (["--max-model-len", "-5"], "--max-model-len"),
-    (["--dtype", "float16"], "--dtype"),
+    (["--dtype", "float8"], "--dtype"),
     (["--speculative-config", "ngram"], "--speculative-config"),
     (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
   ],

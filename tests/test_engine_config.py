@@ -25,8 +25,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
     ({"max_num_reqs": 0}, "max_num_reqs must be a positive int, got 0"),
     ({"max_model_len": "64"}, "max_model_len must be a positive int, got '64'"),
     ({"max_model_len": True}, "max_model_len must be a positive int, got True"),
-    ({"dtype": "float16"}, "dtype must be one of .*, got 'float16'"),
-    ({"dtype": jnp.int8}, "dtype must be float32 or bfloat16"),
+    ({"dtype": "float8"}, "dtype must be one of .*, got 'float8'"),
+    ({"dtype": jnp.int8}, "dtype must be float32, bfloat16 or float16"),
     ({"seed": 2**63}, r"seed must be an int in \[-2\*\*63, 2\*\*63\)"),
     ({"max_num_logprobs": -2}, "max_num_logprobs must be >= 0 or -1"),
     ({"logprobs_mode": "logits"}, "logprobs_mode must be one of .*, got 'logits'"),
@@ -40,6 +40,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
     ({"num_decode_steps": 0}, "num_decode_steps must be an int >= 1, got 0"),
     ({"block_size": None}, "block_size must be an int >= 1, got None"),
     ({"batch_invariant": 1}, "batch_invariant must be a bool, got 1"),
+    ({"enforce_eager": "yes"}, "enforce_eager must be a bool, got 'yes'"),
+    ({"trust_remote_code": None}, "trust_remote_code must be a bool, got None"),
     ({"batch_invariant": True, "paged_kv_cache": False}, "batch_invariant=True is not supp"),
     ({"logits_processors": [42]}, "logits_processors entries must be"),
     ({"speculative_config": {"method": "eagle"}}, "speculative_config: method must be"),
@@ -123,6 +125,20 @@ def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults()
     LLMEngine(model, max_num_seqs=4)
   with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'swap_space'"):
     je.LLM(model, swap_space=4)
+
+
+def test_vllm_keywords_enforce_eager_trust_remote_code_and_float16_are_accepted():
+  """vLLM's `LLM(..., enforce_eager=True, trust_remote_code=True, dtype="float16")` works here:
+  the first two are bools without effect, float16 (vLLM's "half") is a weight dtype."""
+  config = EngineConfig(enforce_eager=True, trust_remote_code=True, dtype="float16")
+  assert config.enforce_eager is True and config.trust_remote_code is True
+  assert config.dtype is jnp.float16
+  assert EngineConfig(dtype="half").dtype is jnp.float16
+  assert EngineConfig(dtype="float").dtype is jnp.float32
+  assert EngineConfig(dtype=jnp.float16).dtype is jnp.float16
+  model, _ = tiny_llama(vocab_size=32)
+  llm = je.LLM(model, enforce_eager=True, trust_remote_code=True, max_model_len=16)
+  assert llm.config.enforce_eager and llm.config.trust_remote_code
 
 
 def test_keywords_replace_fields_of_a_given_config():

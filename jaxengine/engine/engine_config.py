@@ -32,8 +32,15 @@ from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
 #: The paged engine's token budget per step when `max_num_batched_tokens` is None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
-#: The weight dtypes `dtype` may name ("auto" picks one per backend and checkpoint).
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+#: The weight dtypes `dtype` may name ("auto" picks one per backend and checkpoint), with vLLM's
+#: aliases "half" and "float".
+DTYPES = {
+  "float32": jnp.float32,
+  "bfloat16": jnp.bfloat16,
+  "float16": jnp.float16,
+  "half": jnp.float16,
+  "float": jnp.float32,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,8 +51,10 @@ class EngineConfig:
     max_num_reqs: rows of the persistent batch (sequences decoded at once), a positive int.
     max_model_len: longest prompt plus output, in tokens (KV-cache positions per slot).
     dtype: weights and KV cache of a loaded checkpoint: "auto" (default: float32 on CPU, the
-      checkpoint's dtype on accelerators; a GGUF file is float32), "float32", "bfloat16" or
-      such a JAX dtype; stored as "auto" or the JAX dtype. A built model keeps its own.
+      checkpoint's dtype on accelerators, bfloat16 for a float16 one; a GGUF file is float32),
+      "float32", "bfloat16", "float16" (vLLM's "half" and "float" too) or such a JAX dtype;
+      stored as "auto" or the JAX dtype. Norms, softmax and logits are float32 whatever it is.
+      A built model keeps its own.
     seed: engine seed for unseeded requests, an int in `[-2**63, 2**63)`.
     max_num_logprobs: largest logprobs / prompt_logprobs per request (vLLM's `max_logprobs`);
       `-1`: the whole vocabulary.
@@ -118,6 +127,13 @@ class EngineConfig:
       paged cache, `num_decode_steps=1` and no `speculative_config`; True: the same, and any
       other setting refused; False: every step synchronous. Outputs are those of synchronous
       steps (see `LLMEngine`); `scheduling_overlaps` says whether it is on.
+    enforce_eager: vLLM's switch that turns off CUDA graphs and torch.compile; accepted (a
+      bool) and without effect here: every step is a jitted XLA executable, compiled on first
+      use per shape bucket (or all at once with `precompile`), and there is no eager mode to
+      fall back to, nor graph capture to skip.
+    trust_remote_code: vLLM's (and transformers') permission to run Python code shipped with a
+      checkpoint; accepted (a bool) and without effect: jaxengine never runs code from a
+      checkpoint or the hub (its architectures are built in; any other is refused either way).
 
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
@@ -158,6 +174,8 @@ class EngineConfig:
   attention_backend: str | None = None
   batch_invariant: bool = False
   async_scheduling: bool | None = None
+  enforce_eager: bool = False
+  trust_remote_code: bool = False
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -193,6 +211,8 @@ class EngineConfig:
       "prefill_once_per_request",
       "enable_chunked_prefill",
       "batch_invariant",
+      "enforce_eager",
+      "trust_remote_code",
     ):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
@@ -460,11 +480,11 @@ def _check_dtype(dtype: Any) -> Any:
       raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {dtype!r}")
     return DTYPES.get(dtype, dtype)
   try:
-    supported = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    supported = jnp.dtype(dtype) in {jnp.dtype(d) for d in DTYPES.values()}
   except TypeError:
     supported = False
   if not supported:
-    raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
   return dtype
 
 

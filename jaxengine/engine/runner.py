@@ -44,9 +44,12 @@ from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.weights import (
+  LeafPath,
   assemble_leaf,
+  check_finite,
   collect_named_weights,
   collect_state,
+  dotted,
   model_weight_specs,
   put,
   replace_leaves,
@@ -203,9 +206,10 @@ class ModelRunner:
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra state leaf, or
-        tensor of the wrong type, shape or dtype. Everything is checked on the host before any
-        conversion, and the weights change all at once at the end: after an error the model is
-        exactly as it was.
+        tensor of the wrong type, shape or dtype, or holding a NaN or an infinity (by its
+        checkpoint name; see `jaxengine.models.weights.nonfinite_tensors` for what that check
+        reads and costs). Everything is checked before any conversion, and the weights change
+        all at once at the end: after an error the model is exactly as it was.
     """
     leaves = state_leaves(self.weights)
     is_pure_dict = isinstance(weights, Mapping) and any(
@@ -213,12 +217,20 @@ class ModelRunner:
     )
     if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
       given = collect_state(weights, leaves)
+      check_finite(given.items(), self._leaf_name)
       new = {path: put(given[path], leaves[path]) for path in leaves}
     else:
       grouped = collect_named_weights(weights, self.weight_specs, leaves)
+      check_finite((spec.name, t) for parts in grouped.values() for spec, t in parts.values())
       new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
     self.weights = replace_leaves(self.weights, new)
     self.reset_prefix_cache()
+
+  def _leaf_name(self, path: LeafPath) -> str:
+    """A leaf by its checkpoint name and NNX path (``"model.norm.weight" (final_norm.scale)``),
+    or by its path alone when no single checkpoint tensor fills it."""
+    names = [s.name for s in self.weight_specs.values() if s.path == path and s.layer is None]
+    return f"{names[0]} ({dotted(path)})" if names else dotted(path)
 
   def reset_prefix_cache(self) -> bool:
     """Forgets the prefix cache's entries; True (the slot cache has none: a no-op)."""

@@ -29,6 +29,13 @@ import numpy as np
 from jaxengine.params import StructuredOutputsParams
 from jaxengine.tokenizer import Tokenizer
 
+#: Which of a regex constraint's class escapes mean ASCII only (llguidance's `regex_to_lark`):
+#: ``\d`` is ``[0-9]`` and ``\w`` ``[0-9A-Za-z_]`` (their negations likewise, inside ``[...]``
+#: too), as in a JSON schema's ``pattern`` (ECMA-262) and vLLM's default grammar backend; left
+#: alone, llguidance's regexes (Rust's) would let ``\d`` match any Unicode decimal digit
+#: (``"🯱"``, ``"٣"``). ``\s`` and ``.`` stay Unicode, as in ECMA-262.
+REGEX_ASCII_CLASSES = "dw"
+
 #: JSON compile options: compact separators, no free whitespace between tokens (small models
 #: otherwise tend to fill a document with whitespace until max_tokens). A schema's `x-guidance`
 #: overrides them.
@@ -53,7 +60,8 @@ def grammar_source(so: StructuredOutputsParams) -> str:
   if kind == "json_object":
     return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
   if kind == "regex":
-    return llguidance.LLMatcher.grammar_from_regex(so.regex or "")
+    pattern = llguidance.regex_to_lark(so.regex or "", REGEX_ASCII_CLASSES)
+    return llguidance.LLMatcher.grammar_from_lark(f"start: /{pattern}/")
   if kind == "choice":
     # Lark string literals take JSON escapes, so each choice is matched literally.
     return llguidance.LLMatcher.grammar_from_lark(

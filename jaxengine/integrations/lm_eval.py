@@ -1,6 +1,8 @@
 """jaxengine as an lm-evaluation-harness model, registered as ``jaxengine``.
 
-Install with ``pip install "jaxengine[lm_eval]"``. From Python, import this module, then use
+Install with ``pip install "jaxengine[lm-eval]"`` (or its alias ``jaxengine[eval]``; importing
+this module without lm-eval raises `jaxengine.integrations.MissingExtraError`, a
+`ModuleNotFoundError` that gives that command). From Python, import this module, then use
 lm-eval as usual (importing it registers lm-eval's own models first, so ``hf``, ``vllm``, ...
 stay available)::
 
@@ -48,16 +50,21 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-# lm-eval's registry adds its built-in models only while it is empty: register them before ours.
-import lm_eval.models  # noqa: F401
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval.models.utils import (
-  handle_stop_sequences,
-  normalize_gen_kwargs,
-  postprocess_generated_text,
-)
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from jaxengine.integrations import missing_extra
+
+try:
+  # lm-eval's registry adds its built-in models only while it is empty: register them first.
+  import lm_eval.models  # noqa: F401
+  from lm_eval.api.model import TemplateLM
+  from lm_eval.api.registry import register_model
+  from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+  )
+  from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
+  raise missing_extra(error, __name__) from error
 
 from jaxengine.llm import LLM
 from jaxengine.outputs import RequestOutput

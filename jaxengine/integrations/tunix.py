@@ -1,9 +1,10 @@
 """jaxengine as a Tunix rollout engine: `JaxEngineRollout`, a `BaseRollout` Tunix builds itself.
 
-Tunix (`pip install jaxengine[tunix]`) runs GRPO and PPO through `RLCluster`, whose rollout engine
-is chosen by `ClusterConfig.rollout_engine`. Pass this class there, or a `functools.partial` of it
-carrying engine options, and Tunix constructs it with ``rollout_actor=``, ``tokenizer=``,
-``mesh=`` and ``rollout_config=``::
+Tunix (`pip install "jaxengine[tunix]"`; without it, importing this module raises
+`jaxengine.integrations.MissingExtraError` with that command) runs GRPO and PPO through
+`RLCluster`, whose rollout engine is chosen by `ClusterConfig.rollout_engine`. Pass this class
+there, or a `functools.partial` of it carrying engine options, and Tunix constructs it with
+``rollout_actor=``, ``tokenizer=``, ``mesh=`` and ``rollout_config=``::
 
     cluster_config = rl_cluster_lib.ClusterConfig(
       rollout_engine=functools.partial(JaxEngineRollout, max_num_reqs=32),
@@ -35,9 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tunix.generate import tokenizer_adapter
-from tunix.generate import utils as tunix_utils
-from tunix.rl.rollout import base_rollout
+
+from jaxengine.integrations import missing_extra
+
+try:
+  from tunix.generate import tokenizer_adapter
+  from tunix.generate import utils as tunix_utils
+  from tunix.rl.rollout import base_rollout
+except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
+  raise missing_extra(error, __name__) from error
 
 from jaxengine.integrations.tunix_weights import (
   engine_leaves,

@@ -42,9 +42,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
-from tunix.models.llama3 import model as tunix_llama3
-from tunix.models.qwen2 import model as tunix_qwen2
-from tunix.models.qwen3 import model as tunix_qwen3
+
+from jaxengine.integrations import missing_extra
+
+try:
+  from tunix.models.llama3 import model as tunix_llama3
+  from tunix.models.qwen2 import model as tunix_qwen2
+  from tunix.models.qwen3 import model as tunix_qwen3
+except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
+  raise missing_extra(error, __name__) from error
 
 from jaxengine.models.llama_config import LlamaConfig
 from jaxengine.models.weights import LeafPath, dotted, leaf_path
