@@ -204,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
   and `--n` > 1 are refused; `--top-p`, `--top-k`, `--min-p`, the three penalties,
   `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids` (comma-separated,
   repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path, Hugging
-  Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens,
-  both positive, `--dtype` auto (default), float32 or bfloat16).
+  Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default the model's
+  `max_position_embeddings`, both positive, `--dtype` auto (default), float32 or bfloat16).
 
   Returns:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.
