@@ -80,7 +80,12 @@ ENGINE_FLAGS = (
   EngineFlag(
     "precompile",
     "--precompile",
-    dict(action="store_true", help="compile every prefill and decode bucket at start"),
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="compile every step bucket at start, so no request waits for a compile (default: on "
+      "for serve, off for generate and chat)",
+    ),
   ),
   EngineFlag(
     "num_decode_steps",
