@@ -204,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
   and `--n` > 1 are refused; `--top-p`, `--top-k`, `--min-p`, the three penalties,
   `--min-tokens`, `--seed`, `--n`, repeatable `--stop`, `--stop-token-ids` (comma-separated,
   repeatable), `--ignore-eos`, `--logprobs`) and the engine flags (`--model` GGUF path, Hugging
-  Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default 1024 tokens,
-  both positive, `--dtype` auto (default), float32, bfloat16 or float16, `--enforce-eager` and
-  `--trust-remote-code` (vLLM's flags, accepted without effect)).
+  Face directory or hub id, `--max-num-reqs` default 16, `--max-model-len` default the model's
+  `max_position_embeddings`, both positive, `--dtype` auto (default), float32, bfloat16 or
+  float16, `--enforce-eager` and `--trust-remote-code` (vLLM's flags, accepted without effect)).
 
   Returns:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.

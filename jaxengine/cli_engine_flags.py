@@ -50,7 +50,12 @@ ENGINE_FLAGS = (
   EngineFlag(
     "max_model_len",
     "--max-model-len",
-    dict(metavar="N", type=positive_int, default=1024, help="prompt + output tokens"),
+    dict(
+      metavar="N",
+      type=positive_int,
+      default=None,
+      help="prompt + output tokens (default: the model's max_position_embeddings)",
+    ),
   ),
   EngineFlag(
     "dtype",
@@ -91,7 +96,12 @@ ENGINE_FLAGS = (
   EngineFlag(
     "precompile",
     "--precompile",
-    dict(action="store_true", help="compile every prefill and decode bucket at start"),
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="compile every step bucket at start, so no request waits for a compile (default: on "
+      "for serve, off for generate and chat)",
+    ),
   ),
   EngineFlag(
     "num_decode_steps",
@@ -140,8 +150,9 @@ ENGINE_FLAGS = (
       metavar="BYTES",
       type=positive_int,
       default=None,
-      help="bytes of the paged KV cache shared by all requests (default: pages for max-num-reqs "
-      "full-length requests and a quarter more, within --gpu-memory-utilization; 1 GiB on CPU)",
+      help="bytes of the paged KV cache shared by all requests (default: within "
+      "--gpu-memory-utilization, 1 GiB on CPU, at most max-num-reqs full-length requests and a "
+      "quarter more, at least one full-length request)",
     ),
   ),
   EngineFlag(

@@ -14,7 +14,12 @@ from jaxengine import parallel
 from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
+from jaxengine.engine.engine_config import (
+  EngineConfig,
+  check_max_model_len,
+  engine_config,
+  with_engine_options,
+)
 from jaxengine.engine.placement import num_attention_heads
 from jaxengine.models import Model, check_model
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
@@ -57,7 +62,8 @@ class LLM:
       keywords given as well replace its fields.
     **options: the `EngineConfig` fields as keywords, all checked before the model loads:
     max_num_reqs: sequences decoded at once (rows of the persistent batch).
-    max_model_len: longest prompt plus output, in tokens.
+    max_model_len: longest prompt plus output, in tokens. None (default): the model's own limit,
+      its `max_position_embeddings` (vLLM's default); a larger value is refused.
     dtype: "auto" (default), "float32", "bfloat16", "float16" (or vLLM's "half", "float"), or a
       JAX dtype. "auto" is float32 on CPU (XLA's CPU backend runs bfloat16 matmuls far slower)
       and the checkpoint's dtype on accelerators (bfloat16 for a bfloat16 or float16
@@ -126,7 +132,6 @@ class LLM:
     **options: Any,
   ):
     config = engine_config(config, options, "LLM")  # every option checked before loading
-    self.config = config
     t = config.tensor_parallel_size
     if model is not None and not isinstance(model, (str, os.PathLike)):
       check_model(model)  # before the process-wide compilation cache is turned on
@@ -146,6 +151,8 @@ class LLM:
         max_model_len=config.max_model_len,
       )
     self.llm_engine = LLMEngine(model, tokenizer, eos_token_id=eos_token_id, config=config)
+    #: The engine's config: `max_model_len` (and what derives from it) resolved for the model.
+    self.config = self.llm_engine.config
     if config.precompile:
       self.llm_engine.precompile()
 
@@ -301,7 +308,7 @@ def _load_model(
   if resolved is None or resolved.kind == "gguf":
     path = None if resolved is None else resolved.path
     config = read_config(open_gguf(path if path is not None else default_model_path()))
-    _check_max_model_len(max_model_len, config.max_position_embeddings)
+    check_max_model_len(max_model_len, config.max_position_embeddings)
     model = load_resolved(resolved, dtype)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
   directory = resolved.path
@@ -316,24 +323,13 @@ def _load_model(
     limit = getattr(config_from_hf(read_hf_config(directory)), "max_position_embeddings", None)
     weight_files(directory)
     if isinstance(limit, int):
-      _check_max_model_len(max_model_len, limit)
+      check_max_model_len(max_model_len, limit)
   model = load_resolved(resolved, dtype)
   if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     tokenizer = Tokenizer.from_pretrained(directory)
   primary = None if tokenizer is None else tokenizer.eos_token_id
   eos = list(dict.fromkeys(([] if primary is None else [primary]) + eos_token_ids(directory)))
   return model, tokenizer, eos or None
-
-
-def _check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> None:
-  """Raises ValueError (the runner's message) for `max_model_len` above the model's limit."""
-  if (
-    max_model_len is not None and is_int(max_model_len) and max_model_len > max_position_embeddings
-  ):
-    raise ValueError(
-      f"max_model_len={max_model_len} exceeds the model's "
-      f"max_position_embeddings={max_position_embeddings}"
-    )
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

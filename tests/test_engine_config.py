@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import hf_checkpoints
 import jax.numpy as jnp
 import pytest
 
@@ -23,8 +24,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
   "options, message",
   [
     ({"max_num_reqs": 0}, "max_num_reqs must be a positive int, got 0"),
-    ({"max_model_len": "64"}, "max_model_len must be a positive int, got '64'"),
-    ({"max_model_len": True}, "max_model_len must be a positive int, got True"),
+    ({"max_model_len": "64"}, "max_model_len must be a positive int or None, got '64'"),
+    ({"max_model_len": True}, "max_model_len must be a positive int or None, got True"),
     ({"dtype": "float8"}, "dtype must be one of .*, got 'float8'"),
     ({"dtype": jnp.int8}, "dtype must be float32, bfloat16 or float16"),
     ({"seed": 2**63}, r"seed must be an int in \[-2\*\*63, 2\*\*63\)"),
@@ -199,3 +200,32 @@ def test_an_unknown_option_names_the_field_it_may_stand_for(option, hint):
     engine_config(None, {option: 4}, "LLM")
   with pytest.raises(TypeError, match=r"argument 'no_such_thing'$"):
     engine_config(None, {"no_such_thing": 4}, "LLM")
+
+
+# --- max_model_len: the model's own limit by default ------------------------------------------
+
+
+def test_max_model_len_defaults_to_the_checkpoints_limit_and_refuses_more(tmp_path):
+  """vLLM's default: without `max_model_len` an engine takes the checkpoint's
+  `max_position_embeddings` (256 here, below the 1024 that used to be fixed and refused this
+  checkpoint), and the fields derived from it follow; more than the limit is refused naming
+  both numbers, for a checkpoint and a built model alike."""
+  config = hf_checkpoints.hf_config("LlamaForCausalLM", max_position_embeddings=256)
+  tensors = hf_checkpoints.random_tensors(hf_checkpoints.config_dict(config))
+  hf_checkpoints.write_checkpoint(tmp_path, config, tensors)
+  unset = EngineConfig(max_num_reqs=2)
+  assert unset.max_model_len is None and unset.max_num_batched_tokens is None
+  llm = je.LLM(str(tmp_path), max_num_reqs=2)
+  assert llm.llm_engine.max_model_len == llm.config.max_model_len == 256
+  assert llm.config == unset.for_model(256) == unset.replace(max_model_len=256)
+  assert llm.config.max_num_batched_tokens == 2 * 256  # the most one step can hold
+  assert llm.llm_engine.runner.block_table.max_num_blocks_per_req == 256 // 16
+  (output,) = llm.generate([[5] * 250], je.SamplingParams(max_tokens=20, ignore_eos=True))
+  assert len(output.outputs[0].token_ids) == 6 and output.outputs[0].finish_reason == "length"
+  with pytest.raises(ValueError, match="max_model_len=257 exceeds the model's max_position_emb"):
+    je.LLM(str(tmp_path), max_model_len=257)
+  model, _ = tiny_llama(vocab_size=32, max_position_embeddings=64)
+  assert LLMEngine(model, max_num_reqs=2).max_model_len == 64
+  with pytest.raises(ValueError, match=r"max_model_len=65 exceeds .*max_position_embeddings=64"):
+    LLMEngine(model, max_num_reqs=2, max_model_len=65)
+  assert build_parser().parse_args(["serve"]).max_model_len is None  # the command's default too

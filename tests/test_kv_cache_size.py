@@ -16,6 +16,7 @@ from jaxengine.engine.kv_cache_size import (
   memory_limit,
 )
 from jaxengine.models.attention_backends import attention_backend
+from jaxengine.params import SamplingParams
 from jaxengine.testing import tiny_llama
 
 
@@ -74,3 +75,49 @@ def test_a_pallas_backend_off_its_platform_is_refused_when_the_engine_is_built(n
   model, _ = tiny_llama(vocab_size=32)
   with pytest.raises(ValueError, match=rf"attention_backend='{name}' runs on {platforms}"):
     LLMEngine(model, max_num_reqs=2, max_model_len=32, attention_backend=name)
+
+
+def _per_page(spec, block_size: int = 16) -> int:
+  return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * 4  # f32 k and v
+
+
+def test_a_32k_model_starts_on_cpu_in_the_default_budget_with_its_own_limit():
+  """The default `max_model_len` is the model's 32768 positions: the pool is the CPU budget's at
+  most (not `max_num_reqs` requests of 32k tokens whatever they cost), at least one full
+  request; the block table is `ceil(32768 / 16)` pages wide and a request runs."""
+  model, _ = tiny_llama(vocab_size=32, max_position_embeddings=32768)
+  engine = LLMEngine(model, max_num_reqs=4)
+  assert engine.max_model_len == 32768
+  stats = engine.kv_cache_stats
+  assert stats is not None
+  assert stats.num_blocks >= 32768 // 16
+  assert (stats.num_blocks + 1) * _per_page(model.kv_cache_spec) <= DEFAULT_CPU_KV_CACHE_BYTES
+  assert engine.runner.block_table.max_num_blocks_per_req == 2048
+  engine.add_request("long", list(range(3, 30)) * 40, SamplingParams(max_tokens=3))
+  while engine.has_unfinished_requests():
+    engine.step()
+  (output,) = engine.pop_finished()
+  assert len(output.outputs[0].token_ids) == 3
+
+
+def test_the_default_pool_holds_one_full_request_or_is_refused():
+  """vLLM's rule: the budget need not hold every row at full length, but one request of
+  `max_model_len` tokens must fit. On CPU the 1 GiB default grows to one such request (bounded by
+  the physical memory); on an accelerator a budget below one is refused, naming max_model_len."""
+  model, _ = tiny_llama(vocab_size=32)
+  spec, backend = model.kv_cache_spec, attention_backend("xla")
+  per_page = _per_page(spec)
+  pages = DEFAULT_CPU_KV_CACHE_BYTES // per_page + 10  # one request: more than the CPU default
+  sizes = dict(max_num_reqs=4, block_size=16, gpu_memory_utilization=1.0)
+  cpu = jax.devices()[:1]
+  assert default_num_kv_blocks(
+    spec, backend, devices=cpu, max_num_blocks_per_req=pages, **sizes
+  ) == (1 + pages)
+  roomy = default_num_kv_blocks(spec, backend, devices=cpu, max_num_blocks_per_req=100, **sizes)
+  assert roomy == 1 + 4 * 100 * 1.25  # every row and a quarter more fit in the budget
+  with pytest.raises(ValueError, match="more than the machine's physical memory"):
+    default_num_kv_blocks(spec, backend, devices=cpu, max_num_blocks_per_req=2**40, **sizes)
+  ten_pages = [FakeAccelerator(10 * per_page, 0)]
+  assert default_num_kv_blocks(spec, backend, devices=ten_pages, max_num_blocks_per_req=9, **sizes)
+  with pytest.raises(ValueError, match=r"10 KV cache blocks .* fewer than one request of max_mod"):
+    default_num_kv_blocks(spec, backend, devices=ten_pages, max_num_blocks_per_req=10, **sizes)

@@ -132,8 +132,8 @@ assert one_stats.num_preemptions > 0, one_stats
 llm = je.LLM(model, tensor_parallel_size=2, precompile=True, **kw)
 runner = llm.llm_engine.runner
 shapes = runner.ragged_forward._cache_size()
-reachable = [(t, r) for r in runner.row_buckets for t in runner.token_buckets
-             if t == runner.token_bucket(t, r)]  # token buckets start at min(rows, 8)
+# Token buckets start at min(rows, 8); with prompt logprobs the largest row bucket only.
+reachable = runner.step_shapes() + runner.step_shapes(prompt_logprobs=True)
 assert shapes == len(reachable), (shapes, reachable)
 got = run(llm)
 assert runner.ragged_forward._cache_size() == shapes  # serving compiled no ragged step

@@ -154,18 +154,15 @@ def test_precompile_covers_the_k_step_loop_and_a_run_compiles_no_step(expected):
   runner = engine.runner
   with count_compiles() as compiles:
     shapes = engine.precompile(use_tqdm=False)
-  reachable = [  # token buckets start at min(rows, 8): `PagedModelRunner.token_bucket`
-    (t, r)
-    for r in runner.row_buckets
-    for t in runner.token_buckets
-    if t == runner.token_bucket(t, r)
-  ]
+  # Token buckets start at min(rows, 8) (`PagedModelRunner.token_bucket`); with prompt logprobs
+  # the largest row bucket only (`step_buckets`).
+  reachable = runner.step_shapes() + runner.step_shapes(prompt_logprobs=True)
   assert runner.row_buckets == [1, 2] and len(reachable) > len(runner.row_buckets)
   assert shapes == len(reachable) + 2 and compiles.count >= shapes
   counter = _StepCounter(engine.scheduler)
   with count_compiles() as compiles:
     outputs = _run(engine, WORKLOAD)
-  assert compiles.count <= 2  # the batch's row write may; no step compiles after precompile
+  assert compiles.count == 0  # nothing compiles after precompile
   assert runner.paged_decode_steps._cache_size() == 2  # one loop per row bucket
   assert runner.ragged_forward._cache_size() == len(reachable)
   assert_same_outputs(outputs, expected)

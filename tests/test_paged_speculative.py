@@ -235,10 +235,11 @@ def test_a_draft_is_never_hashed_and_rejected_drafts_are_not_computed():
 def test_precompile_covers_plain_and_verify_steps_and_a_mixed_run_compiles_nothing():
   engine = _engine(PRECOMPILED)
   runner = engine.runner
-  assert _PRECOMPILE["shapes"] == 2 * len(runner.token_buckets) * len(runner.row_buckets) == 4
+  # Plain and verify steps, each with and without prompt logprobs (one row bucket).
+  assert _PRECOMPILE["shapes"] == 4 * len(runner.token_buckets) * len(runner.row_buckets) == 8
   assert _PRECOMPILE["compiles"] >= _PRECOMPILE["shapes"]
   sizes = (runner.ragged_forward._cache_size(), runner.verify_forward._cache_size())
-  assert sizes == (2, 2)
+  assert sizes == (4, 4)
   before = _stats(engine)
   params = [*MIXED[:2], SP(temperature=0, max_tokens=12), GREEDY]
   _run(engine, params)  # the batch's own small helpers compile once

@@ -422,6 +422,23 @@ class InputBatch:
     self._move_device_rows([(i1, i2), (i2, i1)])
     self._composition_changed()
 
+  def precompile_updates(self) -> None:
+    """Compiles the device updates of composition changes (`write_row`, `move_rows`) and of
+    `set_grammar_bitmask` now, on an empty batch, so that the first request does not wait for
+    them. The batch is left as it was: row 0 of the state is written (a free row, overwritten
+    whole by the next `add_request`), no row moves, no request is counted.
+
+    Raises:
+      ValueError: if the batch holds requests.
+    """
+    if self.num_reqs:
+      raise ValueError(f"precompile needs an empty batch, it holds {self.num_reqs} requests")
+    request = self.validate_request([0], SamplingParams())
+    update = dataclasses.replace(request.row, cache_slot=np.int32(0), serial=np.uint32(0))
+    self._state = write_row(self._state, jnp.int32(0), update, self._batch_key_data)
+    self._move_device_rows([])  # only padding: every move dropped
+    self.set_grammar_bitmask(np.full(self._state.grammar_bitmask.shape, -1, np.int32))
+
   def _move_device_rows(self, moves: list[tuple[int, int]]) -> None:
     self._state = move_rows(self._state, *move_plan(moves, self.max_num_reqs))
 
@@ -430,7 +447,9 @@ class InputBatch:
     only in rows with `structured_outputs`. Raises ValueError for another shape."""
     if np.shape(bitmask) != (shape := self._state.grammar_bitmask.shape):
       raise ValueError(f"bitmask must have shape {shape}, got {np.shape(bitmask)}")
-    self._state = dataclasses.replace(self._state, grammar_bitmask=jnp.array(bitmask, jnp.int32))
+    # A host copy put on the device: no conversion to compile, and the caller's buffer is free.
+    grammar_bitmask = jax.device_put(np.array(bitmask, np.int32))
+    self._state = dataclasses.replace(self._state, grammar_bitmask=grammar_bitmask)
 
   # --- sampling ------------------------------------------------------------------------------
 

@@ -76,7 +76,8 @@ class LLMEngine:
       `max_model_len`, `max_num_logprobs`, `logprobs_mode`, `seed`, `mesh`, ...; a loader-only
       field such as `dtype` has no effect on a built model). Those the engine reads:
     max_num_reqs: rows of the batch (sequences decoded at once).
-    max_model_len: longest prompt plus output, in tokens.
+    max_model_len: longest prompt plus output, in tokens; None (default): the model's
+      `max_position_embeddings` (`config` then holds the resolved value).
     mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``, or
       `tensor_parallel_size` / `data_parallel_size` to build one: see `ModelRunner` and
       `jaxengine.parallel`. With the paged cache (the default) the pages split over key/value
@@ -157,7 +158,8 @@ class LLMEngine:
     **options: Any,
   ):
     check_model(model)
-    self.config = config = engine_config(config, options, "LLMEngine")
+    config = engine_config(config, options, "LLMEngine")
+    self.config = config = config.for_model(model.max_position_embeddings)
     self.speculative_config = config.speculative
     self.num_decode_steps = config.num_decode_steps
     self.prefill_once_per_request = config.prefill_once_per_request
@@ -171,7 +173,7 @@ class LLMEngine:
     self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
     batch = InputBatch(
       config.max_num_reqs,
-      config.max_model_len,
+      config.resolved_max_model_len,
       model.vocab_size,
       max_num_logprobs=config.max_num_logprobs,
       logprobs_mode=config.logprobs_mode,

@@ -49,7 +49,10 @@ class EngineConfig:
 
   Attributes:
     max_num_reqs: rows of the persistent batch (sequences decoded at once), a positive int.
-    max_model_len: longest prompt plus output, in tokens (KV-cache positions per slot).
+    max_model_len: longest prompt plus output, in tokens (vLLM's name). None (default): the
+      model's own limit, its `max_position_embeddings` (`for_model` resolves it when the engine
+      is built; until then the fields that derive from it are unset); a value above that limit
+      is refused when the model is known.
     dtype: weights and KV cache of a loaded checkpoint: "auto" (default: float32 on CPU, the
       checkpoint's dtype on accelerators, bfloat16 for a float16 one; a GGUF file is float32),
       "float32", "bfloat16", "float16" (vLLM's "half" and "float" too) or such a JAX dtype;
@@ -94,8 +97,10 @@ class EngineConfig:
     kv_cache_memory_bytes: bytes of the paged KV cache (vLLM's name): keys and values of all
       layers (on a mesh: per device, whose share of each page is its key/value heads). None
       (default): `num_kv_blocks` if given, else `jaxengine.engine.kv_cache_size`'s default:
-      room for `max_num_reqs` requests of `max_model_len` tokens and a quarter more for cached
-      prefixes, within `gpu_memory_utilization` of an accelerator's memory (1 GiB on CPU).
+      `gpu_memory_utilization` of an accelerator's memory (on CPU 1 GiB, or one request of
+      `max_model_len` tokens if more), at most room for `max_num_reqs` requests of
+      `max_model_len` tokens and a quarter more for cached prefixes, and at least one request of
+      `max_model_len` tokens (else refused).
     num_kv_blocks: the paged cache's size in pages, the null page included (an int >= 2), instead
       of `kv_cache_memory_bytes` (give at most one of the two).
     gpu_memory_utilization: the fraction of each accelerator's memory (as JAX's allocator
@@ -105,9 +110,10 @@ class EngineConfig:
     block_size: token positions per page of the paged cache (vLLM's name; default 16).
     max_num_batched_tokens: the paged engine's token budget per step (vLLM's name): decode tokens
       first, then prefill chunks, at most this many query tokens in one model call. None
-      (default): 2048, at least `max_num_reqs` (`max_model_len` without chunked prefill), at most
-      `max_num_reqs * max_model_len` (the most one step can hold); must be `>= max_num_reqs`
-      (every running request decodes each step), and `>= max_model_len` without chunked prefill.
+      (default; set with `max_model_len`): 2048, at least `max_num_reqs` (`max_model_len`
+      without chunked prefill), at most `max_num_reqs * max_model_len` (the most one step can
+      hold); must be `>= max_num_reqs` (every running request decodes each step), and
+      `>= max_model_len` without chunked prefill.
     enable_chunked_prefill: the paged engine may split a prompt over several steps, so long
       prompts share steps with the running requests' decodes (default True; vLLM's name).
     attention_backend: the paged cache's attention: "xla", "pallas_tpu", "pallas_gpu", or None
@@ -147,7 +153,7 @@ class EngineConfig:
   """
 
   max_num_reqs: int = 16
-  max_model_len: int = 1024
+  max_model_len: int | None = None
   dtype: Any = "auto"
   seed: int = 0
   max_num_logprobs: int = 20
@@ -180,8 +186,11 @@ class EngineConfig:
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
       value = getattr(self, name)
+      if name == "max_model_len" and value is None:  # the model's limit, set by `for_model`
+        continue
       if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        what = "a positive int or None" if name == "max_model_len" else "a positive int"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
       self._set(name, int(value))
     self._set("dtype", _check_dtype(self.dtype))
     if not is_int(self.seed) or not SEED_MIN <= self.seed < SEED_MAX:  # as the batch's key
@@ -190,7 +199,7 @@ class EngineConfig:
     # The batch's own checks, with placeholder sizes (the vocabulary is the model's).
     BatchConfig(
       max_num_reqs=self.max_num_reqs,
-      max_model_len=self.max_model_len,
+      max_model_len=self.max_model_len or 1,
       vocab_size=1,
       max_num_logprobs=self.max_num_logprobs,
       logprobs_mode=validate_logprobs_mode(self.logprobs_mode),
@@ -308,8 +317,9 @@ class EngineConfig:
         "the default unless data_parallel_size > 1, supports it)"
       )
     k = None if spec is None else spec.num_speculative_tokens
-    if k is not None and k >= self.max_model_len:  # never verifiable; and each step would
-      raise ValueError(  # allocate and compute k + 1 positions per row
+    max_model_len = self.max_model_len  # None: checked again by `for_model`
+    if k is not None and max_model_len is not None and k >= max_model_len:  # never verifiable,
+      raise ValueError(  # and each step would allocate and compute k + 1 positions per row
         f"speculative_config: num_speculative_tokens={k} must be below max_model_len="
         f"{self.max_model_len}"
       )
@@ -355,25 +365,7 @@ class EngineConfig:
         f"give kv_cache_memory_bytes or num_kv_blocks, not both (got "
         f"{self.kv_cache_memory_bytes} and {self.num_kv_blocks})"
       )
-    budget = self.max_num_batched_tokens
-    if budget is not None and (not is_int(budget) or budget < 1):
-      raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
-    if budget is None:  # at most what one step can hold: larger token buckets are never reached
-      least = self.max_num_reqs if self.enable_chunked_prefill else self.max_model_len
-      budget = min(
-        max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), self.max_num_reqs * self.max_model_len
-      )
-    if budget < self.max_num_reqs:
-      raise ValueError(
-        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs} (every "
-        "running request decodes one token per step)"
-      )
-    if not self.enable_chunked_prefill and budget < self.max_model_len:
-      raise ValueError(
-        f"max_num_batched_tokens={budget} must be >= max_model_len={self.max_model_len} with "
-        "enable_chunked_prefill=False (a whole prompt is computed in one step)"
-      )
-    self._set("max_num_batched_tokens", int(budget))
+    self._check_token_budget()
     if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:
       raise ValueError(
         f"attention_backend must be one of {list(BACKEND_NAMES)} or None, got "
@@ -401,6 +393,44 @@ class EngineConfig:
           "slot cache"
         )
 
+  def _check_token_budget(self) -> None:
+    """Checks `max_num_batched_tokens`, and sets its default once `max_model_len` is known."""
+    budget, max_model_len = self.max_num_batched_tokens, self.max_model_len
+    if budget is not None and (not is_int(budget) or budget < 1):
+      raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
+    if budget is None:  # at most what one step can hold: larger token buckets are never reached
+      if max_model_len is None:
+        return  # derived from the model's limit by `for_model`
+      least = self.max_num_reqs if self.enable_chunked_prefill else max_model_len
+      budget = min(max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), self.max_num_reqs * max_model_len)
+    if budget < self.max_num_reqs:
+      raise ValueError(
+        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs} (every "
+        "running request decodes one token per step)"
+      )
+    if not self.enable_chunked_prefill and max_model_len is not None and budget < max_model_len:
+      raise ValueError(
+        f"max_num_batched_tokens={budget} must be >= max_model_len={max_model_len} with "
+        "enable_chunked_prefill=False (a whole prompt is computed in one step)"
+      )
+    self._set("max_num_batched_tokens", int(budget))
+
+  def for_model(self, max_position_embeddings: int) -> EngineConfig:
+    """This config for a model whose longest sequence is `max_position_embeddings`: with
+    `max_model_len` None, a copy with that limit as `max_model_len` (and the fields derived from
+    it), else this config once its `max_model_len` is checked against the limit.
+
+    Raises:
+      ValueError: a `max_model_len` above `max_position_embeddings`, naming both; or anything
+        `EngineConfig` refuses with the limit as `max_model_len` (e.g. `max_num_batched_tokens`
+        below it with `enable_chunked_prefill=False`).
+    """
+    limit = int(max_position_embeddings)
+    if self.max_model_len is None:
+      return self.replace(max_model_len=limit)
+    check_max_model_len(self.max_model_len, limit)
+    return self
+
   @property
   def paged(self) -> bool:
     """Whether the KV cache is paged: `paged_kv_cache`, None meaning paged unless
@@ -412,8 +442,26 @@ class EngineConfig:
 
   @property
   def max_num_blocks_per_req(self) -> int:
-    """Pages a request of `max_model_len` tokens holds in the paged cache."""
-    return -(-self.max_model_len // self.block_size)
+    """Pages a request of `max_model_len` tokens holds in the paged cache.
+
+    Raises:
+      ValueError: while `max_model_len` is None (see `for_model`).
+    """
+    return -(-self.resolved_max_model_len // self.block_size)
+
+  @property
+  def resolved_max_model_len(self) -> int:
+    """`max_model_len` once set (by the user or `for_model`).
+
+    Raises:
+      ValueError: while it is None (the model's limit, not known yet).
+    """
+    if self.max_model_len is None:
+      raise ValueError(
+        "max_model_len is None (the model's max_position_embeddings): call "
+        "config.for_model(max_position_embeddings) first"
+      )
+    return self.max_model_len
 
   @property
   def prefix_caching(self) -> bool:
@@ -471,6 +519,20 @@ def _did_you_mean(name: str, names: Sequence[str]) -> str:
   """A hint for an unknown option: its field under vLLM's name, else the closest field name."""
   close = [VLLM_NAMES[name]] if name in VLLM_NAMES else difflib.get_close_matches(name, names, 1)
   return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> None:
+  """Refuses a `max_model_len` above the model's `max_position_embeddings` (None passes: it
+  means the model's limit).
+
+  Raises:
+    ValueError: naming both numbers.
+  """
+  if max_model_len is not None and max_model_len > max_position_embeddings:
+    raise ValueError(
+      f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+      f"{max_position_embeddings} (leave max_model_len unset to use the model's limit)"
+    )
 
 
 def _check_dtype(dtype: Any) -> Any:

@@ -1,22 +1,27 @@
 """How many pages the paged KV cache gets when the user names no size.
 
 `num_kv_blocks` gives the pool's size in pages and `kv_cache_memory_bytes` in bytes; without
-either, `default_num_kv_blocks` sizes it to what the engine can use at once, within a memory
-limit:
+either, `default_num_kv_blocks` sizes it from a memory budget, as vLLM does, never above what the
+engine can use at once:
 
-- enough pages for `max_num_reqs` requests of `max_model_len` tokens each, plus a quarter more
-  for the prefix cache to keep finished prompts' pages (and the null page): more pages would
+- the budget: on an accelerator, `gpu_memory_utilization` of the memory JAX's allocator may hold
+  (`Device.memory_stats()["bytes_limit"]`) less what is in use once the weights are placed
+  (`bytes_in_use`), the smallest over the engine's devices (vLLM's `gpu_memory_utilization`
+  likewise bounds weights and cache together); on CPU, whose devices report no memory
+  statistics, `DEFAULT_CPU_KV_CACHE_BYTES`, or one request of `max_model_len` tokens where that
+  needs more (so a long-context model starts by default; refused beyond the machine's physical
+  memory);
+- at most enough pages for `max_num_reqs` requests of `max_model_len` tokens each, plus a quarter
+  more for the prefix cache to keep finished prompts' pages (and the null page): more pages would
   only ever serve cached prefixes, so the default does not seize a device that JAX training code
   shares with the engine;
-- at most the memory limit: on an accelerator, `gpu_memory_utilization` of the memory JAX's
-  allocator may hold (`Device.memory_stats()["bytes_limit"]`) less what is in use once the
-  weights are placed (`bytes_in_use`), the smallest over the engine's devices (vLLM's
-  `gpu_memory_utilization` likewise bounds weights and cache together); on CPU, whose devices
-  report no memory statistics, `DEFAULT_CPU_KV_CACHE_BYTES`.
+- at least one request of `max_model_len` tokens (and the null page): a budget that holds less
+  is refused when the engine is built (vLLM's rule), naming `max_model_len` and what fits.
 
-Raise `max_num_reqs` and the default pool grows with it up to the limit; beyond that give
-`kv_cache_memory_bytes` (the scheduler then admits requests while pages last and preempts when
-they run out).
+So the pool grows with `max_num_reqs` and `max_model_len` only up to the budget: a 32k-token
+model on CPU gets the same 1 GiB as a 1k-token one, and its requests share it (the scheduler
+admits requests while pages last and preempts when they run out). Give `kv_cache_memory_bytes`
+for more.
 """
 
 from __future__ import annotations
@@ -110,28 +115,54 @@ def default_num_kv_blocks(
   gpu_memory_utilization: float,
 ) -> int:
   """Pages (the null page included) of the paged cache when neither `num_kv_blocks` nor
-  `kv_cache_memory_bytes` is given: room for `max_num_reqs` full-length requests and
-  `PREFIX_CACHE_SHARE` more, at most `memory_limit` bytes per device.
+  `kv_cache_memory_bytes` is given: the memory budget's pages, at most room for `max_num_reqs`
+  full-length requests and `PREFIX_CACHE_SHARE` more, at least one full-length request (see the
+  module).
 
   Raises:
-    ValueError: the memory limit holds fewer than 2 pages (naming the bytes, and
-      `gpu_memory_utilization` on an accelerator).
+    ValueError: the budget holds fewer pages than one request of `max_num_blocks_per_req` pages
+      and the null page (naming the bytes, `max_model_len`'s pages and, on an accelerator,
+      `gpu_memory_utilization`); on CPU, one such request needs more than the machine's physical
+      memory.
   """
   wanted = 1 + max_num_reqs * max_num_blocks_per_req * (1 + PREFIX_CACHE_SHARE)
+  needed = 1 + max_num_blocks_per_req  # one request of max_model_len tokens and the null page
+  per_block = _bytes_per_block(spec, backend, block_size)
   limit = memory_limit(devices, gpu_memory_utilization)
-  try:
-    fits = backend.num_blocks_for_memory(
-      max(limit, 0),
-      num_layers=spec.num_layers,
-      block_size=block_size,
-      num_kv_heads=spec.num_kv_heads,
-      head_dim=spec.head_dim,
-      dtype=spec.dtype,
+  on_cpu = any(_memory_usage(device) is None for device in devices)
+  if on_cpu and limit < needed * per_block:  # the CPU default grows to one full request
+    limit = needed * per_block
+    physical = _physical_memory()
+    if physical is not None and limit > physical:
+      raise ValueError(
+        f"one request of max_model_len tokens ({max_num_blocks_per_req} KV cache blocks of "
+        f"{per_block} bytes) needs {limit} bytes, more than the machine's physical memory "
+        f"({physical} bytes); give a smaller max_model_len"
+      )
+  fits = max(limit, 0) // per_block
+  if fits < needed:
+    where = (
+      ""
+      if on_cpu
+      else f" (gpu_memory_utilization={gpu_memory_utilization} of the device memory, less what is "
+      "in use)"
     )
-  except ValueError as error:
     raise ValueError(
-      f"the default paged KV cache has {limit} bytes per device (gpu_memory_utilization="
-      f"{gpu_memory_utilization} of the device memory, less what is in use): {error}; raise "
-      "gpu_memory_utilization or give kv_cache_memory_bytes / num_kv_blocks"
-    ) from None
+      f"the default paged KV cache has {limit} bytes per device{where}: {fits} KV cache blocks of "
+      f"{per_block} bytes ({block_size} tokens x {spec.num_layers} layers), fewer than one "
+      f"request of max_model_len tokens needs ({max_num_blocks_per_req} blocks and the null "
+      "block); give a smaller max_model_len, raise gpu_memory_utilization or give "
+      "kv_cache_memory_bytes / num_kv_blocks"
+    )
   return min(int(wanted), fits)
+
+
+def _bytes_per_block(spec: KVCacheSpec, backend: AttentionBackend, block_size: int) -> int:
+  """Bytes of one page of all layers per device in `backend`'s layout."""
+  return backend.bytes_per_block(
+    num_layers=spec.num_layers,
+    block_size=block_size,
+    num_kv_heads=spec.num_kv_heads,
+    head_dim=spec.head_dim,
+    dtype=spec.dtype,
+  )

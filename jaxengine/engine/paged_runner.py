@@ -9,8 +9,10 @@ sampler on the rows whose last known token was computed.
 
 Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
 bucket) reached: powers of two up to `max_num_reqs` rows, and powers of two up to
-`max_num_batched_tokens` tokens from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`), and one
-sampler step (`sample_produced`) per row bucket; with `speculative_config` also one verify step
+`max_num_batched_tokens` tokens from `min(rows, MIN_TOKEN_BUCKET)` (`token_bucket`), steps of
+`FULL_ROWS_MIN_TOKENS` tokens or more and steps with prompt logprobs in the largest row bucket
+only (`step_buckets`; the prompt-logprobs variant is another executable), and one sampler step
+(`sample_produced`) per row bucket; with `speculative_config` also one verify step
 (the model and the rejection sampler, `paged_verify.py`) per (token bucket, row bucket); with
 `num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
 `engine/paged_multi_step.py`); `precompile` runs them all. The block-table width is fixed at
@@ -61,6 +63,11 @@ from jaxengine.sample import LogprobsTensors
 #: bucket, so one request's decode runs the model on 1 token, not 8 (XLA:CPU takes about 1.8x as
 #: long over 8 rows of SmolLM2-135M as over 1), at the price of a few more shapes.
 MIN_TOKEN_BUCKET = 8
+
+#: Token bucket from which a step runs in the largest row bucket (`PagedModelRunner.step_buckets`):
+#: the logits of `max_num_reqs` rows cost little next to the model over this many tokens (under 3%
+#: for SmolLM2-135M at 16 rows), and fewer (token, row) shapes compile.
+FULL_ROWS_MIN_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,12 +301,13 @@ class PagedModelRunner(ModelRunner):
       self.block_table.append_row(index[seq_id], block_ids)
     if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
       batch.set_grammar_bitmask(bitmask)
-    num_rows = bucket(batch.num_reqs, self.row_buckets)
-    num_tokens = self.token_bucket(scheduled.total_num_scheduled_tokens, num_rows)
-    produces = [self._produces(scheduled, seq_id) for seq_id in batch.req_ids]
-    inputs = self._ragged_inputs(scheduled, num_tokens, num_rows, produces)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
     columns = batch.state.num_top_logprobs + 1 if wanted else 0
+    num_tokens, num_rows = self.step_buckets(
+      scheduled.total_num_scheduled_tokens, batch.num_reqs, prompt_logprobs=bool(wanted)
+    )
+    produces = [self._produces(scheduled, seq_id) for seq_id in batch.req_ids]
+    inputs = self._ragged_inputs(scheduled, num_tokens, num_rows, produces)
     verify = (
       self._verify_inputs(scheduled, num_tokens, num_rows) if scheduled.spec_token_ids else None
     )
@@ -323,6 +331,22 @@ class PagedModelRunner(ModelRunner):
       prompt_logprobs = self._collect_prompt_logprobs(step, token_logprobs)
     req_ids = [req_id for req_id, _ in step.pending.rows]
     return PagedStepOutput(req_ids=req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+
+  def step_buckets(
+    self, num_tokens: int, num_reqs: int, prompt_logprobs: bool = False
+  ) -> tuple[int, int]:
+    """`(token bucket, row bucket)` of a step of `num_tokens` scheduled tokens over the batch's
+    `num_reqs` rows: the row bucket holding them, and `token_bucket`; the largest row bucket
+    (`max_num_reqs`) for a step of `FULL_ROWS_MIN_TOKENS` tokens or more and for a step that
+    computes prompt logprobs. Those steps cost far more than the logits of a few more rows
+    (`[T, V]` logits with prompt logprobs), and so `precompile` compiles fewer shapes.
+    """
+    num_rows = bucket(max(num_reqs, 1), self.row_buckets)
+    tokens = self.token_bucket(num_tokens, num_rows)
+    if prompt_logprobs or tokens >= FULL_ROWS_MIN_TOKENS:
+      num_rows = self.row_buckets[-1]
+      tokens = self.token_bucket(num_tokens, num_rows)
+    return tokens, num_rows
 
   def token_bucket(self, num_tokens: int, num_rows: int) -> int:
     """The token bucket of a step of `num_tokens` scheduled tokens over `num_rows` (a row
@@ -522,12 +546,14 @@ class PagedModelRunner(ModelRunner):
   def precompile(
     self, num_decode_steps: int = 1, use_tqdm: bool = True, num_speculative_tokens: int = 0
   ) -> int:
-    """Compiles the ragged step for every (token bucket, row bucket) now (an empty step each:
-    every token is padding, writing only the null page), its verify step too when
-    `num_speculative_tokens` > 0 and, for `num_decode_steps` k > 1, the k-step decode loop for
-    every row bucket (no row runs). Returns the number of shapes: the (token bucket, row
-    bucket) pairs a step can reach (`token_bucket`; twice with speculative decoding), plus
-    `len(row_buckets)` when k > 1.
+    """Compiles every executable a step can reach now, so that serving compiles nothing: the
+    ragged step for every (token bucket, row bucket) (an empty step each: every token is
+    padding, writing only the null page), with and without prompt logprobs, its verify step too
+    when `num_speculative_tokens` > 0 and, for `num_decode_steps` k > 1, the k-step decode loop
+    for every row bucket (no row runs); and the batch's own updates
+    (`InputBatch.precompile_updates`). Returns the number of step shapes: the (token bucket,
+    row bucket) pairs a step can reach (`step_shapes`; with prompt logprobs only the largest
+    row bucket), twice with speculative decoding, plus `len(row_buckets)` when k > 1.
 
     Raises:
       ValueError: if the batch holds requests.
@@ -535,20 +561,34 @@ class PagedModelRunner(ModelRunner):
     batch = self.input_batch
     if batch.num_reqs:
       raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
+    batch.precompile_updates()
     empty = PagedSchedulerOutput([], {}, {}, {}, [])
-    shapes = [(t, r) for r in self.row_buckets for t in self.token_buckets]
-    shapes = [(t, r) for t, r in shapes if t == self.token_bucket(t, r)]
-    verify = [False, True] if num_speculative_tokens else [False]
-    for num_tokens, num_rows in tqdm(shapes, desc="Compiling", disable=not use_tqdm):
-      for drafted in verify:
-        drafts = self._verify_inputs(empty, num_tokens, num_rows) if drafted else None
-        inputs = self._ragged_inputs(empty, num_tokens, num_rows)
-        batch.resolve(self._run_step(inputs, num_rows, 0, drafts))
+    columns = batch.state.num_top_logprobs + 1  # `dispatch`'s prompt logprobs
+    variants = [
+      (num_tokens, num_rows, drafted, columns if prompt_logprobs else 0)
+      for prompt_logprobs in (False, True)
+      for num_tokens, num_rows in self.step_shapes(prompt_logprobs)
+      for drafted in ([False, True] if num_speculative_tokens else [False])
+    ]
+    for num_tokens, num_rows, drafted, columns in tqdm(
+      variants, desc="Compiling", disable=not use_tqdm
+    ):
+      drafts = self._verify_inputs(empty, num_tokens, num_rows) if drafted else None
+      inputs = self._ragged_inputs(empty, num_tokens, num_rows)
+      batch.resolve(self._run_step(inputs, num_rows, columns, drafts))
     if num_decode_steps > 1:  # the k-step loop: one executable per row bucket
       for num_rows in self.row_buckets:
         self._run_decode_steps(empty, num_rows, num_decode_steps, end_on_first_finish=False)
     jax.block_until_ready(cast(Any, self.kv_cache))
-    return len(shapes) * len(verify) + (len(self.row_buckets) if num_decode_steps > 1 else 0)
+    return len(variants) + (len(self.row_buckets) if num_decode_steps > 1 else 0)
+
+  def step_shapes(self, prompt_logprobs: bool = False) -> list[tuple[int, int]]:
+    """The `(token bucket, row bucket)` pairs a ragged step can reach (`step_buckets`), with or
+    without prompt logprobs."""
+    shapes = {
+      self.step_buckets(t, r, prompt_logprobs) for r in self.row_buckets for t in self.token_buckets
+    }
+    return sorted(shapes, key=lambda shape: shape[::-1])
 
   # --- the k-step decode ------------------------------------------------------------------------
 

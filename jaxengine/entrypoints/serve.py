@@ -2,12 +2,24 @@
 
 vLLM's command shape: `jaxengine serve MODEL --host 127.0.0.1 --port 8000 [--api-key KEY]` plus
 the engine flags of `jaxengine generate` (`--max-num-reqs`, `--max-model-len`, ...).
+
+Before it listens the server compiles every step executable (`--no-precompile` skips that), so
+the first requests wait for no compile; JAX's persistent compilation cache (on by default:
+`--compilation-cache DIR`, `--compilation-cache off`) makes the next start read them back
+from disk instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from jaxengine.entrypoints.async_llm import AsyncLLM
+  from jaxengine.llm import LLM
 
 #: The name `/v1/models` lists for the default model (what `LLM()` loads).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -40,17 +52,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-  """Loads the model, then serves it until interrupted; returns the exit status (1: the model
-  file is missing, 2: bad engine settings)."""
+  """Loads the model and compiles its steps (`load_engine`), then serves it until interrupted;
+  returns the exit status (1: the model file is missing, 2: bad engine settings)."""
   import uvicorn
 
-  from jaxengine.cli_engine_flags import engine_flag_options
-  from jaxengine.entrypoints.async_llm import AsyncLLM
   from jaxengine.entrypoints.openai_server import build_app
 
   model = args.model_tag or args.model
   try:
-    engine = AsyncLLM(model, **engine_flag_options(args))
+    engine = load_engine(args)
   except FileNotFoundError as error:
     print(f"jaxengine: {error}")
     return 1
@@ -67,3 +77,47 @@ def run_server(args: argparse.Namespace) -> int:
   finally:
     engine.shutdown()
   return 0
+
+
+def load_engine(args: argparse.Namespace) -> AsyncLLM:
+  """The server's engine: the model loaded with the engine flags, then, unless
+  `--no-precompile`, every step executable compiled (`LLMEngine.precompile`, read back from the
+  persistent compilation cache when an earlier start left them there), before the server
+  listens: once it accepts requests, none waits for a compile. Logs the compile's progress on
+  stderr.
+
+  Raises:
+    FileNotFoundError, ValueError: as `jaxengine.LLM`.
+  """
+  from jaxengine.cli_engine_flags import engine_flag_options
+  from jaxengine.entrypoints.async_llm import AsyncLLM
+  from jaxengine.llm import LLM
+
+  options = engine_flag_options(args)
+  precompile = options.pop("precompile", True)  # on unless --no-precompile
+  llm = LLM(args.model_tag or args.model, **options)
+  if precompile:
+    _precompile(llm)
+  return AsyncLLM(llm)
+
+
+def _precompile(llm: LLM) -> None:
+  """`llm`'s `LLMEngine.precompile`, with a line on stderr before and after."""
+  from jaxengine.testing import count_compiles
+
+  cache = llm.compilation_cache_dir
+  where = f"persistent cache {os.fspath(cache)}" if cache is not None else "no persistent cache"
+  print(
+    f"jaxengine: precompiling the step executables of every bucket ({where}) ...",
+    file=sys.stderr,
+    flush=True,
+  )
+  start = time.perf_counter()
+  with count_compiles() as compiles:
+    shapes = llm.llm_engine.precompile()
+  print(
+    f"jaxengine: precompiled {shapes} step shapes ({compiles.count} executables compiled or "
+    f"read from the cache) in {time.perf_counter() - start:.1f} s",
+    file=sys.stderr,
+    flush=True,
+  )

@@ -156,6 +156,20 @@ class AttentionBackend(abc.ABC):
     shapes = self.page_shapes(num_blocks, block_size, num_kv_heads, head_dim)
     return tuple(jnp.zeros((*lead, *shape), dtype) for shape in shapes)
 
+  def bytes_per_block(
+    self,
+    *,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.float32,
+  ) -> int:
+    """Bytes of one page of all `L` layers in this backend's layout: `L * sum(page array sizes)
+    * itemsize` (keys and values, padded heads included)."""
+    shapes = self.page_shapes(1, block_size, num_kv_heads, head_dim)
+    return num_layers * jnp.dtype(dtype).itemsize * sum(math.prod(s) for s in shapes)
+
   def num_blocks_for_memory(
     self,
     kv_cache_memory_bytes: int,
@@ -175,8 +189,13 @@ class AttentionBackend(abc.ABC):
       ValueError: the memory holds fewer than 2 pages (the null page and one usable), naming
         the bytes per page.
     """
-    shapes = self.page_shapes(1, block_size, num_kv_heads, head_dim)
-    per_block = num_layers * jnp.dtype(dtype).itemsize * sum(math.prod(s) for s in shapes)
+    per_block = self.bytes_per_block(
+      num_layers=num_layers,
+      block_size=block_size,
+      num_kv_heads=num_kv_heads,
+      head_dim=head_dim,
+      dtype=dtype,
+    )
     num_blocks = int(kv_cache_memory_bytes) // per_block
     if num_blocks < 2:
       raise ValueError(

@@ -95,6 +95,10 @@ class HeadShardedBackend(AttentionBackend):
     spec = P(*(self.axis if i == axis else None for i in range(axis + 1)))
     return (spec,) * num_arrays
 
+  def bytes_per_block(self, *, num_kv_heads, **sizes):
+    """Bytes of one page on each device (its ``K / t`` heads), as the wrapped backend counts."""
+    return self.inner.bytes_per_block(num_kv_heads=self.local_kv_heads(num_kv_heads), **sizes)
+
   def num_blocks_for_memory(self, kv_cache_memory_bytes, *, num_kv_heads, **sizes):
     """Pages that fit in `kv_cache_memory_bytes` on each device (a device holds ``K / t`` heads
     of every page), as the wrapped backend counts them."""

@@ -1,0 +1,142 @@
+"""After `precompile` nothing compiles while serving: offline (`LLMEngine.precompile`) for any mix
+of prompt lengths and per-request features, and `jaxengine serve`, which compiles before it
+listens.
+
+A random tiny Llama (128 positions) with a byte-level tokenizer; 2 rows and 16 tokens per step,
+so that the buckets are few: rows 1 and 2, tokens 1 to 16.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
+
+import jaxengine as je
+import jaxengine.llm as llm_module
+from jaxengine.cli import build_parser
+from jaxengine.entrypoints import serve
+from jaxengine.testing import count_compiles, tiny_llama
+
+#: The engine's settings: its step shapes are (tokens, rows) 1-16 x 1 and 2-16 x 2, and with
+#: prompt logprobs 2-16 x 2 (the largest row bucket only).
+OPTIONS = dict(max_num_reqs=2, max_num_batched_tokens=16)
+NUM_STEP_SHAPES = 5 + 4 + 4
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return _tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+  model, _ = tiny_llama(vocab_size=tokenizer.vocab_size, max_position_embeddings=MAX_MODEL_LEN)
+  return model
+
+
+def _requests() -> list[tuple[list[int], je.SamplingParams]]:
+  """Prompts of 1 to 126 tokens (one step, several chunks, near `max_model_len`), each with
+  another per-request feature."""
+  features = [
+    dict(temperature=0.0),
+    dict(n=2, temperature=1.0, seed=1),
+    dict(logprobs=3, temperature=0.8, top_k=5, top_p=0.9, min_p=0.05),
+    dict(prompt_logprobs=2),
+    dict(prompt_logprobs=0, logprobs=1, n=2, seed=2, temperature=1.0),
+    dict(stop=["ab", "q"], presence_penalty=0.5, repetition_penalty=1.2, min_tokens=1),
+    dict(allowed_token_ids=[60, 61, 62], logit_bias={61: 2.0}, bad_words=["x"]),
+  ]
+  requests = []
+  for i, length in enumerate([1, 2, 3, 5, 9, 15, 16, 17, 31, 33, 50, 64, 100, 125, 126]):
+    prompt = [3 + (7 * i + j) % 200 for j in range(length)]
+    max_tokens = min(4, MAX_MODEL_LEN - length)
+    requests.append((prompt, je.SamplingParams(max_tokens=max_tokens, **features[i % 7])))
+  return requests
+
+
+def test_after_precompile_no_request_compiles_whatever_its_length_or_features(model, tokenizer):
+  """`precompile` covers every (token bucket, row bucket) a step reaches, with and without prompt
+  logprobs, and the batch's own updates: then prompts of every length with n > 1, logprobs, prompt logprobs,
+  stop strings, penalties, allowed tokens, bad words and structured outputs compile nothing."""
+  llm = je.LLM(model, tokenizer=tokenizer, **OPTIONS)
+  engine = llm.llm_engine
+  assert engine.max_model_len == MAX_MODEL_LEN  # the model's limit (no max_model_len given)
+  with count_compiles() as compiles:
+    shapes = engine.precompile(use_tqdm=False)
+  assert shapes == NUM_STEP_SHAPES
+  assert compiles.count >= shapes
+  requests = _requests()
+  with count_compiles() as compiles:
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests])
+    structured = je.SamplingParams(
+      max_tokens=8, structured_outputs=je.StructuredOutputsParams(choice=["yes", "no"])
+    )
+    (chosen,) = llm.generate(["Answer:"], structured)
+  assert compiles.count == 0
+  for (prompt, params), output in zip(requests, outputs):
+    assert len(output.outputs) == params.n
+    if params.prompt_logprobs is not None:
+      assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == len(prompt)
+  assert chosen.outputs[0].text in ("yes", "no")
+  assert engine.runner.ragged_forward._cache_size() == shapes  # no new step shape
+
+
+def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing(
+  monkeypatch, capsys, model, tokenizer
+):
+  """`jaxengine serve` precompiles by default: when the server starts listening every step
+  shape is compiled (so `/health` is never up before), the log says so, and the first requests
+  (prompt logprobs included) compile nothing. `--no-precompile` skips it."""
+  real_llm = llm_module.LLM
+
+  class TinyLLM(real_llm):  # what `serve` loads: the tiny model
+    def __init__(self, name, **options):
+      assert name is None
+      super().__init__(model, tokenizer=tokenizer, **options)
+
+  monkeypatch.setattr(llm_module, "LLM", TinyLLM)
+  seen = {}
+
+  def run(app, **kwargs):  # in place of uvicorn.run: check the engine, then serve a few requests
+    runner = app.state.serving.engine.engine.runner
+    seen["compiled"] = runner.ragged_forward._cache_size()
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None)  # keeps capsys
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    with count_compiles() as compiles:
+      thread.start()
+      deadline = time.monotonic() + 60
+      while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+      url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+      seen["health"] = httpx.get(f"{url}/health").status_code
+      for body in (
+        {"prompt": "Once upon a time", "max_tokens": 3},
+        {"prompt": "x" * 40, "max_tokens": 2, "logprobs": 2, "n": 2, "temperature": 1.0},
+        {"prompt": "The quick brown fox", "max_tokens": 2, "prompt_logprobs": 1},
+      ):
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=60)
+        assert response.status_code == 200, response.text
+    seen["compiles"] = compiles.count
+    server.should_exit = True
+    thread.join(30)
+
+  monkeypatch.setattr(uvicorn, "run", run)
+  flags = ["--max-num-reqs", "2", "--max-num-batched-tokens", "16", "--served-model-name", "tiny"]
+  assert serve.run_server(build_parser().parse_args(["serve", *flags])) == 0
+  assert seen == {"compiled": NUM_STEP_SHAPES, "health": 200, "compiles": 0}
+  err = capsys.readouterr().err
+  assert "jaxengine: precompiling the step executables of every bucket" in err
+  assert f"jaxengine: precompiled {NUM_STEP_SHAPES} step shapes" in err
+  engine = serve.load_engine(build_parser().parse_args(["serve", *flags, "--no-precompile"]))
+  try:
+    assert engine.engine.runner.ragged_forward._cache_size() == 0
+  finally:
+    engine.shutdown()
