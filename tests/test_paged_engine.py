@@ -142,7 +142,7 @@ def test_the_plain_run_agrees_with_an_engine_free_forward_pass(plain_outputs):
   model = _model_and_tokenizer()[0]
   greedy = [o for o, (_, params) in zip(plain_outputs, REQUESTS) if params.temperature == 0]
   assert assert_greedy_is_argmax(model, greedy, COMMON["max_model_len"]) >= 14  # ignore_eos
-  assert assert_logprobs_match(model, plain_outputs, COMMON["max_model_len"]) > 100
+  assert assert_logprobs_match(model, plain_outputs, COMMON["max_model_len"]) > 50
   stats = _engine("plain").kv_cache_stats
   assert stats.num_preemptions == 0 and stats.prefix_cache_hits == 0
 
