@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
 ENGINE_SCRIPT = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-import numpy as np
+import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je
 from jaxengine.models.weights import named_weights
@@ -109,7 +109,7 @@ for t, d in [(2, 1), (4, 1)]:
   assert compiles.count == 0, (t, d, compiles.count)
   layer = runner.weights["layers"][0]
   specs = (layer["attn"]["wq"][...].sharding.spec, layer["mlp"]["w_down"][...].sharding.spec,
-           runner.weights["embed"][...].sharding.spec, runner.kv_cache.pages[0].sharding.spec,
+           runner.weights["embed"][...].sharding.spec, jax.tree.leaves(runner.kv_cache)[0].sharding.spec,
            runner.input_batch.state.token_ids.sharding.spec)
   split = (P("model", None, None), P(None, "model"), P("model", None)) if t > 1 else (P(),) * 3
   assert specs[:3] == split, specs

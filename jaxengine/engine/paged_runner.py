@@ -257,7 +257,12 @@ class PagedModelRunner:
     backend.check_sliding_window(spec.sliding_window)
     backend.check_platform(jax.default_backend())
     num_blocks = config.num_kv_blocks
-    devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+    # This process's devices: another process's cannot report their memory (multi-host meshes).
+    devices = (
+      [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+      if self.mesh is not None
+      else jax.local_devices()[:1]
+    )
     if num_blocks is None and config.kv_cache_memory_bytes is None:
       num_blocks = default_num_kv_blocks(
         spec,
