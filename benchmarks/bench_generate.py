@@ -12,25 +12,24 @@ threads bound to every core) as another column, run by benchmarks/vllm_baseline.
 weights (`--vllm-model DIR`, written by benchmarks/export_hf.py when missing); it takes its turn
 with the others in every repeat, and each row says how many greedy outputs equal vLLM's.
 `--hf-python PYTHON` runs HF `generate` under another interpreter instead (hf_baseline.py as a
-script, on the same Hugging Face directory; vLLM's venv holds torch and transformers), and
-`--paged` adds jaxengine with the paged KV cache (`num_kv_blocks` for every row at full length)
-beside the slot cache. Prefix caching is off in every engine (the repeats reuse the prompts).
+script, on the same Hugging Face directory; vLLM's venv holds torch and transformers). Prefix
+caching is off in every engine (the repeats reuse the prompts).
 
 For each batch size B, B prompts of `--prompt-len` tokens generate `--max-tokens` tokens each
-(ignore_eos, chat-style sampling: temperature 0.7, top-k 50, top-p 0.9). Reports prefill tokens
-per second (prompt tokens / prefill time), decode tokens per second (generated tokens / decode
-time), and the share of one decode step spent in the sampler (a jitted sampler step alone on
-`[max_num_reqs, vocab]` logits over the same batch, against the fused forward + sample step).
-A warm-up generation of the same shapes runs first, so compile time is excluded.
+(ignore_eos, chat-style sampling: temperature 0.7, top-k 50, top-p 0.9). Reports prefill tokens per
+second (prompt tokens / prefill time: the synchronous steps until every request has its first
+token), decode tokens per second (the other generated tokens / the remaining time), and the share of
+one decode step spent in the sampler (a jitted sampler step alone on `[max_num_reqs, vocab]` logits
+over the same batch, against the fused forward + sample step). A warm-up generation of the same
+shapes runs first, so compile time is excluded.
 
 With `--grpo`: an RL-rollout workload instead (issue 14). `--grpo-prompts` prompts of
 `--prompt-len` tokens, the first `--prefix-len` of them a shared system prefix, `--n` samples
 each, `--max-tokens` new tokens (temperature 1, ignore_eos, logprobs of the sampled token), all
 submitted at once. Engine variants, each warmed up once and then timed interleaved with the
-others (`--repeats` rounds, best run counts): the baseline (one decode step per dispatch, every
-sample prefilled), `+ k steps` (`num_decode_steps=K`), `+ one prefill for n`
-(`prefill_once_per_request`), `pages` (the paged KV cache: the samples share the prompt's pages,
-and prefix caching shares the system prefix; the cache is emptied
+others (`--repeats` rounds, best run counts): the baseline (one decode step per dispatch, prefix
+caching off: the samples of a request still share its prompt's pages), `+ k steps`
+(`num_decode_steps=K`), `+ prefix caching` (the system prefix shared too; the cache is emptied
 before each rollout, as a weight update between RL steps does, so hits come from within the
 rollout). Reports tokens/s (generated tokens / wall time) and the mean time to first token,
 and checks that every variant produced the same tokens.
@@ -54,7 +53,7 @@ Usage:
   python benchmarks/bench_generate.py --grpo --num-decode-steps 8
   python benchmarks/bench_generate.py --batch-sizes 8 --max-tokens 32
   python benchmarks/bench_generate.py --compare-hf --compare-vllm /path/to/vllm-venv/bin/python
-  python benchmarks/bench_generate.py --paged --hf-python VENV/bin/python --compare-vllm \\
+  python benchmarks/bench_generate.py --hf-python VENV/bin/python --compare-vllm \\
     VENV/bin/python --vllm-model DIR
 """
 
@@ -92,29 +91,22 @@ def _prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
 
 
 def _generate(engine, prompts, params):
-  """Runs one generation; returns (prefill seconds, decode seconds, decode steps)."""
-  prefill = [0.0]
-  runner = engine.runner
-  run_prefill = runner.prefill  # the runner's public prefill step, timed on its own
-
-  def timed_prefill(completions):
-    start = time.perf_counter()
-    result = run_prefill(completions)
-    jax.block_until_ready(runner.kv_cache)
-    prefill[0] += time.perf_counter() - start
-    return result
-
-  runner.prefill = timed_prefill
-  engine.add_requests([(None, p, params) for p in prompts])
+  """Runs one generation on a synchronous engine; returns (prefill seconds: the steps until every
+  request has its first token, decode seconds, decode steps)."""
+  ids = engine.add_requests([(None, p, params) for p in prompts])
+  started = set()
   start = time.perf_counter()
-  steps = 0
+  prefill, steps = None, 0
   while engine.has_unfinished_requests():
-    engine.step()
-    steps += 1
+    started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    if prefill is None and started >= set(ids):
+      prefill = time.perf_counter() - start
+    elif prefill is not None:
+      steps += 1
   total = time.perf_counter() - start
-  runner.prefill = run_prefill
   engine.pop_finished()
-  return prefill[0], total - prefill[0], steps
+  prefill = total if prefill is None else prefill
+  return prefill, total - prefill, max(steps, 1)
 
 
 def sequential_ms(fns: dict, repeats: int) -> dict[str, float]:
@@ -183,19 +175,13 @@ class BaselineProcess:
 
 
 def compare_hf(args) -> None:
-  """jaxengine (slot cache, and paged with `--paged`) vs HF `generate` (`--compare-hf`, in this
+  """jaxengine vs HF `generate` (`--compare-hf`, in this
   interpreter, or `--hf-python PYTHON`, in another) and/or vLLM's offline engine
   (`--compare-vllm`), taking turns, greedy, tokens/s including prefill, best of the repeats.
   Prefix caching is off everywhere (the repeats reuse the same prompts; vLLM's is off too)."""
   common = dict(max_num_reqs=32, max_model_len=args.max_model_len, enable_prefix_caching=False)
-  llm = je.LLM(dtype=args.dtype, paged_kv_cache=False, **common)
-  engines = {"jaxengine slot": llm}
-  if args.paged:  # every row's pages fit at once: no preemption
-    blocks = 32 * -(-args.max_model_len // 16) + 1
-    model = llm.llm_engine.runner.model
-    engines["jaxengine paged"] = je.LLM(
-      model, tokenizer=llm.get_tokenizer(), num_kv_blocks=blocks, **common
-    )
+  llm = je.LLM(dtype=args.dtype, **common)
+  engines = {"jaxengine": llm}
   greedy = je.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
   peers: dict[str, BaselineProcess | Any] = {}
   if args.hf_python:
@@ -287,12 +273,10 @@ def grpo(args) -> None:
     temperature=1.0, n=args.n, seed=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0
   )
   k = args.num_decode_steps
-  slots = dict(paged_kv_cache=False)
   variants = {
-    "baseline (slots, k=1, n prefills)": dict(slots, prefill_once_per_request=False),
-    f"+ k={k} steps": dict(slots, num_decode_steps=k, prefill_once_per_request=False),
-    "+ one prefill for n": dict(slots, num_decode_steps=k, prefill_once_per_request=True),
-    "pages (shared prompt pages, prefix caching)": dict(num_decode_steps=k),
+    "baseline (k=1, no prefix caching)": dict(enable_prefix_caching=False),
+    f"+ k={k} steps": dict(num_decode_steps=k, enable_prefix_caching=False),
+    "+ prefix caching": dict(num_decode_steps=k),
   }
   engines = {
     name: LLMEngine(
@@ -321,7 +305,7 @@ def grpo(args) -> None:
   print("| variant | tok/s | vs baseline | mean TTFT s |\n|---|---:|---:|---:|")
   for name, (wall, ttft) in results.items():
     print(f"| {name} | {generated / wall:.1f} | {base / wall:.2f}x | {ttft:.2f} |", flush=True)
-  paged = engines["pages (shared prompt pages, prefix caching)"]
+  paged = engines["+ prefix caching"]
   print(f"# paged KV cache, after all rollouts: {paged.kv_cache_stats}")
 
 
@@ -455,9 +439,6 @@ def main(argv=None) -> None:
     "--hf-python", default=None, metavar="PYTHON", help="HF generate from this venv's python"
   )
   parser.add_argument(
-    "--paged", action="store_true", help="with the peers: a paged-cache jaxengine column too"
-  )
-  parser.add_argument(
     "--vllm-model", default="/tmp/jaxengine-bench-hf", help="HF directory for vLLM and --hf-python"
   )
   parser.add_argument("--grpo", action="store_true", help="the RL-rollout workload (issue 14)")
@@ -489,9 +470,10 @@ def main(argv=None) -> None:
     return
   params = je.SamplingParams(max_tokens=args.max_tokens, **PARAMS)
   for size in args.batch_sizes:
-    llm = je.LLM(  # the slot cache: its prefill step is timed apart from decode
-      max_num_reqs=size, max_model_len=args.max_model_len, dtype=args.dtype, paged_kv_cache=False
-    )
+    llm = je.LLM(  # synchronous steps: each step's time is its own
+      max_num_reqs=size, max_model_len=args.max_model_len, dtype=args.dtype,
+      async_scheduling=False,
+    )  # fmt: skip
     engine = llm.llm_engine
     prompts = _prompts(llm.get_tokenizer(), size, args.prompt_len)
     _generate(engine, prompts, params)  # warm-up: compiles every shape used below

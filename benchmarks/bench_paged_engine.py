@@ -1,34 +1,28 @@
-"""The paged KV cache against the slot cache, end to end on SmolLM2-135M-Instruct (issue 22).
+"""The engine's paged KV cache end to end on SmolLM2-135M-Instruct (issue 22; the slot cache it was
+first measured against is gone, see benchmarks/README.md for those tables).
 
-Four tables, every engine built on the same loaded model and timed in the same run:
+Tables, every engine built on the same loaded model and timed in the same run:
 
 - ``capacity``: at one KV-cache memory (``--memory-mb``), ``--num-requests`` requests with prompts
   of 16 to 512 tokens and outputs of 16 to 256 (uniform, seeded; ignore_eos, temperature 0.8,
-  top-k 50), all submitted at once. The slot cache of that memory holds
-  ``memory / (max_model_len * bytes per token)`` rows; the paged engine gets 64 rows over a pool
-  of the same bytes. Reports the peak number of requests running at once and tokens/s (generated
-  tokens / wall time); every request is seeded, so both engines should produce the same tokens,
-  which the script counts.
+  top-k 50), all submitted at once, 64 rows over a pool of those bytes. Reports the peak number of
+  requests running at once and tokens/s (generated tokens / wall time).
 - ``arrival``: 8 requests decode (32-token prompts, greedy, 160 tokens); after 24 steps a
   ``--long-prompt``-token prompt arrives. For the 8 running requests: the largest gap between two
-  of their tokens against their median gap, for the slot engine (its prefill runs between two
-  decode steps) and the paged engine with chunked prefill (``--chunk`` tokens per step) and
-  without it (the whole prompt in one step).
+  of their tokens against their median gap, with chunked prefill (``--chunk`` tokens per step)
+  and without it (the whole prompt in one step).
 - ``rollout``: an RL rollout, the issue's "done when": ``--rollout-prompts`` prompts (64 to 128
   tokens, a shared 48-token system prefix) times ``--n`` seeded samples each (temperature 1,
-  64 tokens, the sampled token's logprob), all submitted at once. The slot cache gets as many
-  rows of ``max_model_len`` 256 as ``--rollout-memory-mb`` holds (prefix caching off: its copy
-  pool would be memory beyond the slots; the n samples share one prefill), the paged engine one row per
-  sample over a pool of the same bytes. Reports the peak number of samples running at once,
-  tokens/s, how many samples produced the same tokens in both engines and the largest logprob
-  difference over the tokens they agree on.
+  64 tokens, the sampled token's logprob), all submitted at once, one row per sample over a pool
+  of ``--rollout-memory-mb``. Reports the peak number of samples running at once, preemptions
+  and tokens/s.
 - ``e2e``: batch 1, 8, 32 of 64-token prompts, 64 greedy tokens each (ignore_eos), all at once,
-  wall time including prefill: slot against paged, interleaved, best of ``--repeats``.
-- ``speculative`` (only when asked): n-gram speculation (``--speculative`` k) on pages against
-  paged plain decoding and the slot engine's speculation, bench_generate.py's "repetitive"
-  prompts, greedy, ``--spec-max-tokens`` tokens, interleaved, best of ``--repeats``.
+  wall time including prefill, best of ``--repeats``.
+- ``speculative`` (only when asked): n-gram speculation (``--speculative`` k) against plain
+  decoding, bench_generate.py's "repetitive" prompts, greedy, ``--spec-max-tokens`` tokens,
+  interleaved, best of ``--repeats``.
 - ``multistep`` (not in the default set): batch 8 of the same requests, decode tokens/s after
-  every request's first token, paged ``num_decode_steps`` 1 and 8 against the slot cache's 8.
+  every request's first token, ``num_decode_steps`` 1 and 8.
 
 Usage:
   python benchmarks/bench_paged_engine.py --tables capacity arrival e2e   # ~10 min on 2 cores
@@ -63,11 +57,6 @@ def _text_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
   return ids[offset : offset + length]
 
 
-def _bytes_per_token(model) -> int:
-  spec = model.kv_cache_spec
-  return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BYTES_PER_FLOAT
-
-
 def _run(engine, requests) -> tuple[float, dict[str, list[int]]]:
   """Runs `(prompt, params)` requests submitted at once; (seconds, tokens by request id). The
   prefix cache is emptied first, so every run computes the same shapes as its warm-up."""
@@ -85,7 +74,6 @@ def capacity(model, tokenizer, args) -> None:
   rng = np.random.default_rng(0)
   max_model_len = 768
   memory = args.memory_mb * 2**20
-  slot_rows = max(1, memory // (max_model_len * _bytes_per_token(model)))
   requests = []
   for i in range(args.num_requests):
     prompt_len, output_len = int(rng.integers(16, 513)), int(rng.integers(16, 257))
@@ -94,9 +82,6 @@ def capacity(model, tokenizer, args) -> None:
     )
     requests.append((_text_ids(tokenizer, prompt_len, i % 13), params))
   engines = {
-    f"slot cache ({slot_rows} rows)": LLMEngine(
-      model, tokenizer, max_num_reqs=slot_rows, max_model_len=max_model_len, paged_kv_cache=False
-    ),
     "paged (64 rows)": LLMEngine(
       model,
       tokenizer,
@@ -112,17 +97,12 @@ def capacity(model, tokenizer, args) -> None:
     f"({generated} tokens), KV cache {args.memory_mb} MiB\n"
   )
   print("| engine | peak running requests | tokens/s |\n|---|---:|---:|")
-  outputs = {}
   for name, engine in engines.items():
     _run(engine, requests)  # warm-up: compiles the shapes the run reaches
     engine.reset_kv_cache_stats()
-    seconds, outputs[name] = _run(engine, requests)
-    stats = engine.kv_cache_stats
-    peak = slot_rows if stats is None else stats.peak_running_reqs
+    seconds, _ = _run(engine, requests)
+    peak = engine.kv_cache_stats.peak_running_reqs
     print(f"| {name} | {peak} | {generated / seconds:.1f} |", flush=True)
-  first, second = outputs.values()
-  same = sum(first[a] == second[b] for a, b in zip(first, second))
-  print(f"\n{same} of {len(first)} requests produced the same tokens in both engines")
 
 
 def _gaps(engine, running, long_prompt, arrive_after: int) -> tuple[float, float]:
@@ -157,7 +137,6 @@ def arrival(model, tokenizer, args) -> None:
   common = dict(max_model_len=max_model_len, max_num_reqs=16, enable_prefix_caching=False)
   paged = dict(num_kv_blocks=blocks + 1, **common)
   engines = {
-    "slot cache": LLMEngine(model, tokenizer, paged_kv_cache=False, **common),
     f"paged, chunked prefill ({args.chunk} tokens/step)": LLMEngine(
       model, tokenizer, max_num_batched_tokens=args.chunk, **paged
     ),
@@ -202,7 +181,6 @@ def rollout(model, tokenizer, args) -> None:
   rng = np.random.default_rng(0)
   max_model_len = 256
   memory = args.rollout_memory_mb * 2**20
-  slot_rows = max(1, memory // (max_model_len * _bytes_per_token(model)))
   system = _text_ids(tokenizer, 48, 5)
   requests = []
   for i in range(args.rollout_prompts):
@@ -213,13 +191,6 @@ def rollout(model, tokenizer, args) -> None:
     requests.append(([*system, *question], params))
   num_samples = args.rollout_prompts * args.n
   engines = {
-    f"slot cache ({slot_rows} rows)": LLMEngine(
-      model,
-      tokenizer,
-      max_num_reqs=slot_rows,
-      max_model_len=max_model_len,
-      paged_kv_cache=False,  # no prefix cache there
-    ),
     f"paged ({num_samples} rows)": LLMEngine(
       model,
       tokenizer,
@@ -233,66 +204,42 @@ def rollout(model, tokenizer, args) -> None:
     f"64 tokens each, KV cache {args.rollout_memory_mb} MiB\n"
   )
   print("| engine | peak running samples | preemptions | tokens/s |\n|---|---:|---:|---:|")
-  results = {}
   for name, engine in engines.items():
     _run_samples(engine, requests)  # warm-up: compiles the shapes the run reaches
     engine.reset_kv_cache_stats()
-    seconds, tokens, logprobs = _run_samples(engine, requests)
-    results[name] = tokens, logprobs
+    seconds, _, _ = _run_samples(engine, requests)
     stats = engine.kv_cache_stats
-    peak = slot_rows if stats is None else stats.peak_running_reqs
-    preemptions = "-" if stats is None else stats.num_preemptions
     rate = num_samples * 64 / seconds
-    print(f"| {name} | {peak} | {preemptions} | {rate:.1f} |", flush=True)
-  (slot_tokens, slot_lp), (paged_tokens, paged_lp) = results.values()
-  same = sum(a == b for a, b in zip(slot_tokens, paged_tokens))
-  diff = max(
-    abs(x - y)
-    for tokens_a, tokens_b, a, b in zip(slot_tokens, paged_tokens, slot_lp, paged_lp)
-    for x, y in zip(a[: _agreeing(tokens_a, tokens_b)], b)
-  )
-  print(
-    f"\n{same} of {num_samples} samples produced the same tokens in both engines; largest "
-    f"logprob difference {diff:.1e} over the tokens both engines agree on (a sample that "
-    "diverges does so where its seeded draw falls within float rounding of a token boundary)"
-  )
-
-
-def _agreeing(a: list[int], b: list[int]) -> int:
-  """How many leading tokens two samples share."""
-  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    print(
+      f"| {name} | {stats.peak_running_reqs} | {stats.num_preemptions} | {rate:.1f} |", flush=True
+    )
 
 
 def e2e(model, tokenizer, args) -> None:
   greedy = je.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
   blocks = 32 * -(-128 // 16) + 1
   engines = {
-    "slot": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256, paged_kv_cache=False),
     "paged": LLMEngine(model, tokenizer, max_num_reqs=32, max_model_len=256, num_kv_blocks=blocks),
   }
   print(
     "\n## end to end: 64-token prompts, 64 greedy tokens, all at once (tokens/s)\n\n"
-    "| batch | slot | paged | paged / slot |\n|---:|---:|---:|---:|"
+    "| batch | paged |\n|---:|---:|"
   )
   for size in args.batch_sizes:
     requests = [(_text_ids(tokenizer, 64, i % 7), greedy) for i in range(size)]
     best = {}
-    outputs = {}
-    for name, engine in engines.items():
-      _, outputs[name] = _run(engine, requests)  # warm-up
+    for engine in engines.values():
+      _run(engine, requests)  # warm-up
     for _ in range(args.repeats):
       for name, engine in engines.items():
         seconds, _ = _run(engine, requests)
         best[name] = min(best.get(name, float("inf")), seconds)
-    slot, paged = (size * 64 / best[name] for name in ("slot", "paged"))
-    same = list(outputs["slot"].values()) == list(outputs["paged"].values())
-    note = "" if same else " (outputs differ)"
-    print(f"| {size} | {slot:.1f} | {paged:.1f} | {paged / slot:.2f}x{note} |", flush=True)
+    print(f"| {size} | {size * 64 / best['paged']:.1f} |", flush=True)
 
 
 def speculative(model, tokenizer, args) -> None:
-  """Tokens/s of n-gram speculation (k = `--speculative`) on pages against paged plain decoding
-  and the slot engine's speculation, on bench_generate.py's "repetitive" workload (greedy)."""
+  """Tokens/s of n-gram speculation (k = `--speculative`) against plain decoding, on
+  bench_generate.py's "repetitive" workload (greedy)."""
   from bench_generate import _PARAGRAPHS, _chat_prompts
 
   config = {"method": "ngram", "num_speculative_tokens": args.speculative}
@@ -302,17 +249,14 @@ def speculative(model, tokenizer, args) -> None:
   engines = {
     "paged plain": LLMEngine(model, tokenizer, **common, **paged),
     "paged spec": LLMEngine(model, tokenizer, **common, **paged, speculative_config=config),
-    "slot spec": LLMEngine(
-      model, tokenizer, **common, speculative_config=config, paged_kv_cache=False
-    ),
   }
   greedy = je.SamplingParams(temperature=0, max_tokens=args.spec_max_tokens)
   texts = [f"Repeat this text exactly, and nothing else:\n\n{p}" for p in _PARAGRAPHS]
   print(
     f"\n## n-gram speculation k={args.speculative}, repetitive prompts, greedy, "
     f"{args.spec_max_tokens} tokens (tokens/s, best of {args.repeats})\n\n"
-    "| batch | paged plain | paged spec | slot spec | paged spec / paged plain | acceptance |\n"
-    "|---:|---:|---:|---:|---:|---:|"
+    "| batch | paged plain | paged spec | paged spec / paged plain | acceptance |\n"
+    "|---:|---:|---:|---:|---:|"
   )
   for size in args.batch_sizes:
     requests = [(p, greedy) for p in _chat_prompts(tokenizer, texts, size)]
@@ -327,7 +271,7 @@ def speculative(model, tokenizer, args) -> None:
     acceptance = (stats.num_accepted_tokens - accepted) / max(stats.num_draft_tokens - drafted, 1)
     same = len({tuple(map(tuple, o.values())) for o in outputs.values()}) == 1
     print(
-      f"| {size} | {rate['paged plain']:.1f} | {rate['paged spec']:.1f} | {rate['slot spec']:.1f} "
+      f"| {size} | {rate['paged plain']:.1f} | {rate['paged spec']:.1f} "
       f"| {rate['paged spec'] / rate['paged plain']:.2f}x | {acceptance:.2f}"
       f"{'' if same else ' (outputs differ)'} |",
       flush=True,
@@ -353,15 +297,14 @@ def _decode_rate(engine, requests) -> tuple[float, dict[str, list[int]]]:
 
 
 def multistep(model, tokenizer, args) -> None:
-  """Decode tokens/s of `num_decode_steps` k = 8 on pages against k = 1 and the slot cache's k = 8:
-  batch 8, 64-token prompts, 64 greedy tokens (ignore_eos), the runs interleaved."""
+  """Decode tokens/s of `num_decode_steps` k = 8 against k = 1: batch 8, 64-token prompts, 64
+  greedy tokens (ignore_eos), the runs interleaved."""
   greedy = je.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
   common = {"max_num_reqs": 8, "max_model_len": 256}
   blocks = 8 * -(-128 // 16) + 1
   engines = {
     "paged k=1": LLMEngine(model, tokenizer, **common, num_kv_blocks=blocks),
     "paged k=8": LLMEngine(model, tokenizer, **common, num_kv_blocks=blocks, num_decode_steps=8),
-    "slot k=8": LLMEngine(model, tokenizer, **common, num_decode_steps=8, paged_kv_cache=False),
   }
   requests = [(_text_ids(tokenizer, 64, i % 7), greedy) for i in range(8)]
   outputs, best = {}, {}

@@ -3,15 +3,15 @@
 Each part of the engine's decode step is jitted on its own and timed on the same inputs, so the
 parts add up to (about) the fused step; what XLA fuses across the parts is the difference.
 
-  engine step   `LLMEngine.step()` with B running requests: host bookkeeping + the device step
-  device step   the runner's jitted decode-and-sample alone (`ModelRunner.decode`'s executable)
-  forward + LM head   the model alone, without the sampler
+  engine step   `LLMEngine.step()` with B running requests (synchronous): host bookkeeping + the
+                ragged step's model and sampler
+  forward + LM head   the model alone, without the sampler (over a scratch cache of B rows)
   dense         the seven projections of every layer (q, k, v, o, gate, up, down), nothing else
   LM head       `[B, E] x [E, V]` logits
   rest of forward   forward + LM head - dense - LM head: embedding, norms, rotary embedding,
                 every layer's KV-cache write, slot gather and attention over 128 positions
   sampler       `jaxengine.sample.sample` on `[B, V]` logits (the benchmark's chat-style mix)
-  host          engine step - device step
+  host          engine step - forward + LM head - sampler
 
 The weight-reading floor: the machine's read bandwidth (a jitted sum over 1 GiB, measured in the
 same run) against the bytes one step must read (every weight once, plus the live KV).
@@ -36,6 +36,7 @@ from flax import nnx
 from timing import interleaved_ms, median_ms
 
 import jaxengine as je
+from jaxengine.models import KVCache
 from jaxengine.models.layers import linear
 from jaxengine.sample import sample
 
@@ -95,15 +96,8 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   input_batch = runner.input_batch
   metadata = input_batch.sampling_metadata
   state = jax.tree.map(jnp.copy, input_batch.state)
-  caches = [jax.tree.map(jnp.copy, runner.kv_cache) for _ in range(2)]
+  caches = [KVCache.create(model.kv_cache_spec, batch, ATTENTION_LEN)]
   graphdef, weights = nnx.graphdef(runner.model), runner.weights
-
-  def device_step():
-    nonlocal state
-    state, out, caches[0] = runner.steps.decode(
-      state, metadata, weights, caches[0], attention_len=ATTENTION_LEN, num_rows=batch
-    )
-    return out.sampled_token_ids
 
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((batch, 1, cfg.hidden_size), np.float32))
@@ -114,18 +108,17 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   slots = jnp.arange(batch, dtype=jnp.int32)
 
   def model_forward():
-    logits, caches[1] = forward(weights, caches[1], token_ids, positions, slots)
+    logits, caches[0] = forward(weights, caches[0], token_ids, positions, slots)
     return logits
 
   head = jax.jit(lambda w, h: nnx.merge(graphdef, w).compute_logits(h))
   logits = jnp.asarray(rng.standard_normal((batch, cfg.vocab_size), np.float32))
-  rows_state = jax.tree.map(jnp.copy, state).leading_rows(batch)  # `state` is donated below
+  rows_state = state.leading_rows(batch)
   rows_metadata = metadata.leading_rows(batch)
   sampler = jax.jit(sample)
   parts = interleaved_ms(
     {
       "engine step": lambda: engine.step() or 0,
-      "device step": device_step,
       "forward + LM head": model_forward,
       "dense": lambda: dense(weights, x),
       "LM head": lambda: head(weights, x[:, 0]),
@@ -134,7 +127,7 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
     repeats,
   )
   parts["rest of forward"] = parts["forward + LM head"] - parts["dense"] - parts["LM head"]
-  parts["host"] = parts["engine step"] - parts["device step"]
+  parts["host"] = parts["engine step"] - parts["forward + LM head"] - parts["sampler"]
   while engine.has_unfinished_requests():
     engine.step()
   return Breakdown(batch=batch, parts_ms=parts)
@@ -154,11 +147,11 @@ def scaling(live_rows: int, repeats: int) -> dict[tuple[int, int], float]:
   engines = {}
   for max_num_reqs, max_model_len in SCALING_SHAPES:
     shape = (max_num_reqs or live_rows, max_model_len)
-    llm = je.LLM(  # the slot engine's decode step (`runner.steps.decode`)
+    llm = je.LLM(  # synchronous steps: each `step()` waits for its own tokens
       max_num_reqs=shape[0],
       max_model_len=max_model_len,
       compilation_cache=False,
-      paged_kv_cache=False,
+      async_scheduling=False,
     )
     engine = llm.llm_engine
     params = je.SamplingParams(max_tokens=repeats + 8, **CHAT)
@@ -193,7 +186,7 @@ def main(argv=None) -> None:
       print_scaling(live_rows, args.repeats)
     return
   bandwidth = read_bandwidth_gbs(args.repeats)
-  llm = je.LLM(max_num_reqs=32, compilation_cache=False)
+  llm = je.LLM(max_num_reqs=32, compilation_cache=False, async_scheduling=False)
   weights_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.llm_engine.runner.weights))
   floor_ms = weights_bytes / (bandwidth * 1e9) * 1e3
   print(f"{jax.devices()[0].device_kind}, {jax.__version__}")

@@ -139,8 +139,8 @@ ENGINE_FLAGS = (
     dict(
       action=argparse.BooleanOptionalAction,
       default=None,
-      help="dispatch each step before reading the last one's tokens (default: on with the paged "
-      "cache, one decode step per dispatch and no speculative decoding)",
+      help="dispatch each step before reading the last one's tokens (default: on with one "
+      "decode step per dispatch and no speculative decoding)",
     ),
   ),
   EngineFlag(
@@ -174,16 +174,6 @@ ENGINE_FLAGS = (
       default=0.9,
       help="share of an accelerator's memory the engine may hold, weights included, when it "
       "sizes the default paged KV cache",
-    ),
-  ),
-  EngineFlag(
-    "paged_kv_cache",
-    "--paged-kv-cache",
-    dict(
-      action=argparse.BooleanOptionalAction,
-      default=None,
-      help="a KV cache of pages shared by all requests (default: on); --no-paged-kv-cache: one "
-      "max-model-len slot per row",
     ),
   ),
   EngineFlag(

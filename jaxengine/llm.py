@@ -79,9 +79,8 @@ class LLM:
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer (heads, intermediate size, vocabulary;
       see `jaxengine.parallel`); must divide the model's query heads.
-    data_parallel_size: devices splitting the batch rows (and their KV-cache slots); must
-      divide `max_num_reqs`; above 1 it picks the slot cache (one pool of pages serves every
-      row).
+    data_parallel_size: devices splitting the batch rows: only 1 for now (one pool of KV-cache
+      pages serves every row; larger sizes are refused).
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
     compilation_cache: JAX's persistent compilation cache, so a second process start reads the
@@ -95,13 +94,13 @@ class LLM:
     speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
       "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
-    num_decode_steps, prefill_once_per_request, enable_prefix_caching, async_scheduling: see
+    num_decode_steps, enable_prefix_caching, async_scheduling: see
       `LLMEngine` (prefix caching and asynchronous scheduling are on by default, as in vLLM).
     kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
-      max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged KV cache
-      (the default: a pool of `block_size`-token pages that requests take as they grow, sized
-      by `engine/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
-      `EngineConfig`. `paged_kv_cache=False`: one slot of `max_model_len` positions per row.
+      max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged KV cache (a
+      pool of `block_size`-token pages that requests take as they grow, sized by
+      `engine/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
+      `EngineConfig`.
     enforce_eager, trust_remote_code: vLLM's keywords, accepted (bools) and without effect:
       every step is a compiled XLA executable (no CUDA graphs to turn off), and no code from a
       checkpoint is ever run (see `EngineConfig`).
@@ -118,8 +117,8 @@ class LLM:
       not match its config, `max_model_len` above the model's `max_position_embeddings`, or
       invalid batch settings; a `tensor_parallel_size` that does not divide the query heads
       (both numbers named, before any tensor is read for a Hugging Face directory), a
-      `data_parallel_size` that does not divide `max_num_reqs`, more devices than there are, or a
-      mesh without the axes ``("data", "model")``.
+      `data_parallel_size` above 1, more devices than there are, or a mesh without the axes
+      ``("data", "model")``.
   """
 
   @with_engine_options
@@ -169,7 +168,7 @@ class LLM:
         pure dict or the module, of the engine's own model structure. NumPy or JAX arrays of
         any floating dtype (cast to the model's); JAX arrays are converted on their devices and
         placed as the engine's weights are, never through the host. See
-        `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
+        `PagedModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
         output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
         and ignored, as vLLM does. The prefix cache is emptied (its keys and values were
         computed with the old weights).

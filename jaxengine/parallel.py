@@ -2,7 +2,7 @@
 
 The mesh has two named axes, ``("data", "model")`` (`DATA`, `MODEL`), of sizes
 ``data_parallel_size`` (`d`) and ``tensor_parallel_size`` (`t`). Everything is placed once at
-start-up (`ModelRunner`) and the jitted steps declare the same shardings for their inputs and
+start-up (`PagedModelRunner`) and the jitted steps declare the same shardings for their inputs and
 outputs, so warm-up and serving compile the same executables.
 
 Weights are placed by the *role* each parameter plays, from the model's sharding rules
@@ -25,12 +25,11 @@ replicated                norms, ``bo``, anything         ``P()``
                           without a rule
 ========================  ==============================  =========================================
 
-KV cache ``key``/``value`` ``[L, R, S, K, D]``: ``P(None, "data", None, "model", None)`` (``K``
-replicated when ``t`` does not divide it, as vLLM does for ``t > K``). The paged cache's pages
-(`jaxengine.models.sharded_attention`): the backend's key/value head axis over ``model`` (``[N,
-B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does not divide ``K``), the
-ragged step's block tables, positions and slot mapping replicated. `BatchState` and metadata
-rows ``[R, ...]``: ``P("data")``; scalars ``P()``.
+The KV cache's pages (`jaxengine.models.sharded_attention`): the backend's key/value head axis
+over ``model`` (``[N, B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does
+not divide ``K``, as vLLM does for ``t > K``), the ragged step's block tables, positions and
+slot mapping replicated. `BatchState` and metadata rows ``[R, ...]``: ``P("data")``; scalars
+``P()``.
 
 With these specs XLA's SPMD partitioner inserts the collectives: one all-reduce over ``model``
 after ``wo`` and after ``w_down`` per layer, and the logits come out sharded over the vocabulary,
@@ -170,14 +169,6 @@ def weight_shardings(weights: Any, mesh: Mesh, rules: Mapping[str, str]) -> Any:
     return NamedSharding(mesh, weight_spec(role, tuple(leaf.shape), t))
 
   return jax.tree_util.tree_map_with_path(one, weights)
-
-
-def kv_cache_spec(num_slots: int, num_kv_heads: int, mesh: Mesh) -> P:
-  """Spec of a ``[L, slots, S, K, D]`` cache leaf: slots over `DATA`, kv heads over `MODEL`."""
-  d, t = axis_size(mesh, DATA), axis_size(mesh, MODEL)
-  slots = DATA if num_slots % d == 0 and d > 1 else None
-  heads = MODEL if num_kv_heads % t == 0 and t > 1 else None
-  return P(None, slots, None, heads, None)
 
 
 def row_shardings(tree: Any, num_rows: int, mesh: Mesh) -> Any:

@@ -159,7 +159,6 @@ def test_a_step_is_read_while_the_next_runs(model, tokenizer):
 @pytest.mark.parametrize(
   "options, field",
   [
-    ({"paged_kv_cache": False}, "slot cache"),
     ({"num_decode_steps": 4}, "num_decode_steps=4"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
     ({"async_scheduling": "yes"}, "must be a bool"),

@@ -352,7 +352,6 @@ def test_one_row_bucket_and_no_step_compiles_after_precompile(model):
 @pytest.mark.parametrize(
   "options, named",
   [
-    (dict(paged_kv_cache=False), "slot cache"),
     (dict(attention_backend="pallas_gpu"), "attention_backend='pallas_gpu'"),
     (dict(batch_invariant="yes"), "batch_invariant must be a bool"),
   ],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -182,7 +181,7 @@ def test_bad_input_raises_before_anything_is_queued(llm):
 
 def test_engine_compiles_are_bounded_and_steady(compile_counter):
   model, _config = tiny_llama(vocab_size=64)
-  engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32, paged_kv_cache=False)
+  engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]
   mixes = [
     je.SamplingParams(temperature=0, max_tokens=3),
@@ -203,48 +202,50 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
   compile_counter.reset()
   first = run(0)
   assert len(first) == len(prompts) and all(o.finished for o in first)
-  # Prefill: at most (row buckets {1, 2, 4}) x (length buckets {16, 32}) shapes, each with or
-  # without prompt logprobs; decode+sample once per (row bucket, attention bucket {32});
-  # write_row, move_rows and the metadata refresh once each.
+  # The model step at most once per reachable (token bucket, row bucket), with or without prompt
+  # logprobs; the sampler once per row bucket; write_row, move_rows and the metadata refresh;
+  # a small staging op per row bucket.
   runner = engine.runner
-  assert (runner.row_buckets, runner.length_buckets) == ([1, 2, 4], [16, 32])
-  assert runner.attention_buckets == [32]
-  bound = 3 * 2 * 2 + 3 * 1 + 3
+  assert (runner.row_buckets, runner.token_buckets) == ([1, 2, 4], [1, 2, 4, 8, 16, 32, 64, 128])
+  shapes = {(runner.token_bucket(t, r), r) for r in runner.row_buckets for t in range(1, 129)}
+  assert len(shapes) == 8 + 7 + 6
+  assert runner.ragged_forward._cache_size() <= 2 * len(shapes)
+  assert runner.sample_produced._cache_size() <= len(runner.row_buckets)
+  steps = runner.ragged_forward._cache_size() + runner.sample_produced._cache_size()
+  bound = steps + 3 + len(runner.row_buckets)
   assert compile_counter.count <= bound
-  run(1)  # meets the remaining prefill shapes (other mixes land in other buckets)
-  compile_counter.reset()
-  for offset in range(2, 6):
+  for offset in range(1, 4):  # every assignment of mixes to prompts (they cycle every 4)
     run(offset)
-  # Every shape has been seen: arrivals, finishes and parameter mixes compile nothing.
+  assert runner.ragged_forward._cache_size() <= 2 * len(shapes)
+  compile_counter.reset()
+  for offset in range(4, 8):
+    run(offset)
+  # Every shape has been seen: the same arrivals, finishes and parameter mixes compile nothing.
   assert compile_counter.count == 0
 
 
-def _recording_decode(engine):
-  """Wraps the engine's jitted decode step to record the row bucket of every call."""
-  buckets, decode = [], engine.runner.steps.decode
+def _recording_sampler(engine):
+  """Wraps the engine's jitted sampler step to record the row bucket of every call."""
+  buckets, sample = [], engine.runner.sample_produced
 
   def record(*args):
     buckets.append(args[-1])
-    return decode(*args)
+    return sample(*args)
 
-  engine.runner.steps = dataclasses.replace(engine.runner.steps, decode=record)
+  engine.runner.sample_produced = record
   return buckets
 
 
-def test_decode_runs_over_a_bucket_of_live_rows_not_every_row():
+def test_steps_run_over_a_bucket_of_live_rows_not_every_row():
   model, _config = tiny_llama(vocab_size=64)
-  wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32, paged_kv_cache=False)
-  narrow = LLMEngine(model, None, max_num_reqs=1, max_model_len=32, paged_kv_cache=False)
-  buckets = _recording_decode(wide)
+  wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32)
+  buckets = _recording_sampler(wide)
   params = je.SamplingParams(temperature=0, max_tokens=6)
-  outputs = []
-  for engine in (wide, narrow):
-    engine.add_request("a", [5, 6, 7], params)
-    while engine.has_unfinished_requests():
-      engine.step()
-    outputs.append(engine.pop_finished()[0].outputs[0].token_ids)
+  wide.add_request("a", [5, 6, 7], params)
+  while wide.has_unfinished_requests():
+    wide.step()
+  assert len(wide.pop_finished()[0].outputs[0].token_ids) == 6
   assert buckets == [1] * 6  # one live request: a one-row step, whatever max_num_reqs is
-  assert outputs[0] == outputs[1]
 
   buckets.clear()
   for i in range(3):

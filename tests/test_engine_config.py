@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import hf_checkpoints
@@ -37,13 +38,11 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
     ({"mesh": "mesh"}, "mesh must be a jax.sharding.Mesh, got str"),
     ({"compilation_cache": 3}, "compilation_cache must be True, False or a directory"),
     ({"precompile": "yes"}, "precompile must be a bool, got 'yes'"),
-    ({"prefill_once_per_request": 1}, "prefill_once_per_request must be a bool, got 1"),
     ({"num_decode_steps": 0}, "num_decode_steps must be an int >= 1, got 0"),
     ({"block_size": None}, "block_size must be an int >= 1, got None"),
     ({"batch_invariant": 1}, "batch_invariant must be a bool, got 1"),
     ({"enforce_eager": "yes"}, "enforce_eager must be a bool, got 'yes'"),
     ({"trust_remote_code": None}, "trust_remote_code must be a bool, got None"),
-    ({"batch_invariant": True, "paged_kv_cache": False}, "batch_invariant=True is not supp"),
     ({"logits_processors": [42]}, "logits_processors entries must be"),
     ({"speculative_config": {"method": "eagle"}}, "speculative_config: method must be"),
     ({"speculative_config": SPEC, "num_decode_steps": 2}, "num_decode_steps=2"),
@@ -52,13 +51,12 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
       "num_speculative_tokens=64 must be below max_model_len=64",
     ),
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be a bool or None, got 'yes'"),
-    ({"paged_kv_cache": "yes"}, "paged_kv_cache must be a bool or None, got 'yes'"),
     ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization must be a float in \(0, 1\], got 0"),
     ({"gpu_memory_utilization": True}, "gpu_memory_utilization must be a float"),
-    ({"paged_kv_cache": False, "num_kv_blocks": 8}, "paged_kv_cache=False asks for the slot"),
     (
-      {"paged_kv_cache": False, "enable_prefix_caching": True},
-      "enable_prefix_caching=True needs the paged KV cache",
+      {"data_parallel_size": 2, "max_num_reqs": 2},
+      r"data_parallel_size=2 is not supported yet .one pool of KV-cache pages serves every row "
+      r"of the batch.; use tensor_parallel_size",
     ),
   ],
 )
@@ -76,20 +74,13 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
     EngineConfig(mesh=mesh, tensor_parallel_size=2)
   with pytest.raises(ValueError, match="needs 64 devices"):
     EngineConfig(tensor_parallel_size=64)
-  for options, message in [
-    (
-      {"speculative_config": SPEC, "paged_kv_cache": False},
-      "not supported on a mesh with the slot cache .the paged",
-    ),
-    ({"speculative_config": SPEC, "num_kv_blocks": 8, "num_decode_steps": 2}, "num_decode_steps=2"),
-  ]:
-    with pytest.raises(ValueError, match=message):
-      EngineConfig(mesh=mesh, **options)
+  with pytest.raises(ValueError, match="num_decode_steps=2"):
+    EngineConfig(mesh=mesh, speculative_config=SPEC, num_kv_blocks=8, num_decode_steps=2)
   config = EngineConfig(mesh=mesh)
   assert EngineConfig(mesh=mesh, num_decode_steps=2).num_decode_steps == 2  # runs on a mesh
   assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)
-  assert config.paged and config.prefix_caching  # pages by default, on a mesh too
-  for enable in (None, True):  # the paged cache runs prefix caching on a mesh (on by default)
+  assert config.prefix_caching  # on by default, on a mesh too
+  for enable in (None, True):
     paged = EngineConfig(mesh=mesh, num_kv_blocks=8, enable_prefix_caching=enable)
     assert paged.prefix_caching and paged.mesh is mesh
   paged = EngineConfig(mesh=mesh, num_kv_blocks=8, speculative_config=SPEC)  # verified on a mesh
@@ -144,10 +135,11 @@ def test_vllm_keywords_enforce_eager_trust_remote_code_and_float16_are_accepted(
 
 def test_keywords_replace_fields_of_a_given_config():
   model, _ = tiny_llama(vocab_size=32)
-  base = EngineConfig(max_num_reqs=2, max_model_len=32, paged_kv_cache=False)
+  base = EngineConfig(max_num_reqs=2, max_model_len=32, block_size=4)
   engine = LLMEngine(model, config=base, max_model_len=16)
   assert engine.config == base.replace(max_model_len=16)
-  assert (engine.max_num_reqs, engine.max_model_len, engine.kv_cache_stats) == (2, 16, None)
+  assert (engine.max_num_reqs, engine.max_model_len) == (2, 16)
+  assert engine.runner.max_num_blocks_per_req == 4  # 16 positions in pages of 4
   with pytest.raises(ValueError, match="config must be an EngineConfig, got dict"):
     LLMEngine(model, config={"max_num_reqs": 2})  # type: ignore[arg-type]
 
@@ -182,6 +174,17 @@ def test_the_command_builds_the_same_config_from_its_flag_table():
     enable_chunked_prefill=False,
     attention_backend="xla",
   )
+
+
+@pytest.mark.parametrize("option", ["paged_kv_cache", "prefill_once_per_request"])
+def test_the_removed_slot_cache_options_are_unknown_keywords(option):
+  """Pages are the only KV layout: the slot cache's options are refused as any unknown one."""
+  model, _ = tiny_llama(vocab_size=32)
+  for call in (EngineConfig, functools.partial(je.LLM, model), functools.partial(LLMEngine, model)):
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'"):
+      call(**{option: False})
+  with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'"):
+    engine_config(None, {option: False}, "LLM")
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,8 @@ def test_the_default_pool_holds_every_row_at_full_length_and_a_quarter_more():
   engine = LLMEngine(model, max_num_reqs=4, max_model_len=40, block_size=8)
   stats = engine.kv_cache_stats
   # 4 rows x ceil(40 / 8) = 20 pages, a quarter more: 25 usable (the null page aside).
-  assert stats is not None and stats.num_blocks == 25
-  slots = LLMEngine(model, max_num_reqs=4, max_model_len=40, paged_kv_cache=False)
-  assert slots.kv_cache_stats is None and slots.config.prefix_caching is False
+  assert stats.num_blocks == 25
+  assert engine.config.prefix_caching is True
 
 
 def test_the_memory_limit_is_the_tightest_device_share_or_the_cpu_default():

@@ -1,10 +1,10 @@
 """Two processes on this machine form one mesh through `jax.distributed` (CPU collectives over
 gloo) and generate what one device generates.
 
-Each process has 2 host CPU devices; together they make a ``data=2 x model=2`` mesh (the model
-axis within a process, the data axis across them). Both processes submit the same requests, as
-multi-controller JAX requires; both must print the same tokens, and process 0 checks them against
-one device (no mesh).
+Each process has 2 host CPU devices; together they make a ``model=4`` mesh (the model axis across
+both processes; the tiny model's 2 key/value heads leave the pages replicated). Both processes
+submit the same requests, as multi-controller JAX requires; both must print the same tokens, and
+both check them against one device of their own (no mesh).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ params = [je.SamplingParams(temperature=0, max_tokens=4),
           je.SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=4)]
 def tokens(llm):
   return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-mesh = tokens(je.LLM(model, max_num_reqs=2, max_model_len=16, tensor_parallel_size=2,
-                     data_parallel_size=2))
+mesh = tokens(je.LLM(model, max_num_reqs=2, max_model_len=16, tensor_parallel_size=4))
 print("MESH", mesh, flush=True)
-if process_id == 0:  # the reference: one device (this process's first), no mesh
-  print("ONE", tokens(je.LLM(model, max_num_reqs=2, max_model_len=16)), flush=True)
+# The reference, in both processes (so both reach the shutdown barrier alike): one device (the
+# process's first), no mesh.
+print("ONE", tokens(je.LLM(model, max_num_reqs=2, max_model_len=16)), flush=True)
 """
 
 
@@ -70,5 +70,5 @@ def test_two_processes_form_one_mesh_and_generate_one_devices_tokens():
     for worker in workers:
       if worker.poll() is None:
         worker.kill()
-  assert results[0]["MESH"] == results[1]["MESH"] == results[0]["ONE"], results
+  assert results[0]["MESH"] == results[1]["MESH"] == results[0]["ONE"] == results[1]["ONE"], results
   assert len(results[0]["MESH"]) == 2 and all(len(t) == 4 for t in results[0]["MESH"])

@@ -1,9 +1,10 @@
 """N-gram speculative decoding on the paged engine: drafts are query tokens of the ragged step.
 
-Greedy outputs equal the paged engine without drafts, seeded outputs equal the slot engine with
-the same `speculative_config` (the rejection sampler draws each output token with the key of its
-index), under forced preemption and chunked prefill, with prefix caching over pages that held
-drafts; the scheduler never hashes a draft; precompile covers the plain and the verify step.
+Greedy and seeded outputs equal a plain engine's (no drafts, synchronous steps; the rejection
+sampler draws each output token with the key of its index), whose greedy run is checked against an
+engine-free forward pass (`tests/cacheless.py`), under forced preemption and chunked prefill, with
+prefix caching over pages that held drafts; the scheduler never hashes a draft; precompile covers
+the plain and the verify step.
 Every engine verifies whenever a row has a draft (`spec_crossover_tokens` high) and has one
 row bucket (and token bucket, but for the precompiled one) so that few shapes compile.
 """
@@ -14,6 +15,7 @@ import functools
 
 import numpy as np
 import pytest
+from cacheless import assert_greedy_is_argmax, assert_logprobs_match
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -34,8 +36,7 @@ def _spec(k: int) -> dict:
 
 
 ENGINES = {
-  "slot_spec": {**COMMON, "speculative_config": _spec(3), "paged_kv_cache": False},
-  "paged": {**COMMON, **PAGED},
+  "paged": {**COMMON, **PAGED, "async_scheduling": False},  # the plain reference
   "paged_spec3": {**COMMON, **PAGED, "speculative_config": _spec(3)},
   "paged_spec4": {**COMMON, **PAGED, "speculative_config": _spec(4)},  # precompiled
   # 15 usable pages of 4 (60 tokens) for 4 rows of up to 54, a budget of 8: preempts, chunks.
@@ -73,7 +74,7 @@ def _engine(name: str) -> LLMEngine:
     with count_compiles() as compiles:
       _PRECOMPILE["shapes"] = engine.precompile(use_tqdm=False)
     _PRECOMPILE["compiles"] = compiles.count
-  elif hasattr(runner, "token_buckets"):
+  else:
     runner.token_buckets = [runner.token_buckets[-1]]
   return engine
 
@@ -127,6 +128,12 @@ def greedy_reference():
   return _run(_engine("paged"), GREEDY)
 
 
+def test_the_plain_greedy_run_agrees_with_an_engine_free_forward_pass(greedy_reference):
+  model = _model_and_tokenizer()[0]
+  assert assert_greedy_is_argmax(model, greedy_reference, 64) == 40 * len(PROMPTS)
+  assert assert_logprobs_match(model, greedy_reference, 64) == 2 * 40 * len(PROMPTS)
+
+
 @pytest.mark.parametrize("name", ["paged_spec3", "paged_spec4", "paged_spec2_tight"])
 def test_greedy_outputs_equal_paged_decoding_and_drafts_are_accepted(greedy_reference, name):
   engine = _engine(name)
@@ -157,17 +164,16 @@ MIXED = [
 
 
 @pytest.fixture(scope="module")
-def slot_mixed():
-  return _run(_engine("slot_spec"), MIXED)
+def plain_mixed():
+  return _run(_engine("paged"), MIXED)
 
 
-@pytest.mark.parametrize("name", ["paged_spec3", "paged", "paged_spec2_tight"])
-def test_seeded_outputs_equal_the_slot_engine_with_speculation(slot_mixed, name):
+@pytest.mark.parametrize("name", ["paged_spec3", "paged_spec2_tight"])
+def test_seeded_outputs_equal_plain_decoding_with_speculation(plain_mixed, name):
   engine = _engine(name)
   before = _stats(engine)
-  _assert_same(_run(engine, MIXED), slot_mixed)
-  if name != "paged":
-    assert _stats_delta(engine, before)["accepted"] > 0
+  _assert_same(_run(engine, MIXED), plain_mixed)
+  assert _stats_delta(engine, before)["accepted"] > 0
   assert engine.kv_cache_stats.num_used_blocks == 0
 
 

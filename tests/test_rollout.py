@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from cacheless import assert_logprobs_match
 
 import jaxengine as je
 from jaxengine.compilation_cache import ENV_VAR, resolve_cache_dir
@@ -90,12 +91,13 @@ def tiny_model():
 def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, compile_counter):
   # Two rows for ten completions, arriving while others run: requests wait, rows stop at EOS,
   # stop ids, max_tokens and max_model_len (ignore_eos reaches 32) at different steps.
-  def engine(k):
+  def engine(k, **options):
     return LLMEngine(
-      tiny_model, max_num_reqs=2, max_model_len=32, eos_token_id=EOS, num_decode_steps=k
-    )
+      tiny_model, max_num_reqs=2, max_model_len=32, eos_token_id=EOS, num_decode_steps=k,
+      **options,
+    )  # fmt: skip
 
-  single, multi = engine(1), engine(4)
+  single, multi = engine(1, async_scheduling=False), engine(4)
   expected = run_engine(single, arrive_while_running=True)
   compile_counter.reset()
   assert_same_outputs(run_engine(multi, arrive_while_running=True), expected)
@@ -103,16 +105,9 @@ def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, co
   assert {("length", None), ("stop", None)} <= reasons and any(
     isinstance(r, int) for _, r in reasons
   )
-  # The compile bound of one step (tests/test_engine.py) with the k-step loop in place of the
-  # decode step: prefill (row buckets) x (length buckets) x (with/without prompt logprobs), the
-  # loop once per (row bucket, attention bucket), write_row, move_rows, the metadata refresh.
+  # The k-step loop compiles once per row bucket (beside the ragged steps of prefills).
   runner = multi.runner
-  assert (runner.row_buckets, runner.length_buckets, runner.attention_buckets) == (
-    [1, 2],
-    [16, 32],
-    [32],
-  )
-  assert compile_counter.count <= 2 * 2 * 2 + 2 * 1 + 3
+  assert runner.paged_decode_steps._cache_size() <= len(runner.row_buckets) == 2
   # Steady: once all-at-once arrival has been seen too (other prefill shapes), the same
   # arrivals and finishes compile nothing and give the same outputs.
   assert_same_outputs(run_engine(multi), expected)
@@ -150,41 +145,41 @@ def test_stop_strings_and_min_tokens_are_checked_on_the_host_after_the_loop():
   assert any(isinstance(c.stop_reason, str) for o in outputs[0] for c in o.outputs)
 
 
-def test_one_prefill_for_the_n_samples_of_a_request(tiny_model):
+def test_the_samples_of_a_request_share_one_prefill_of_its_prompt(tiny_model):
+  """`n > 1` samples admitted together compute the prompt once: the others take its pages (a
+  prefix-cache hit, or a fork of the first sample's pages with prefix caching off). Their
+  tokens, logprobs and prompt logprobs are those of an engine-free forward pass."""
   mixes = [
     je.SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=6, logprobs=1, prompt_logprobs=2),
-    je.SamplingParams(temperature=0.5, seed=1, n=2, max_tokens=5),
+    je.SamplingParams(temperature=0.5, seed=1, n=2, max_tokens=5, logprobs=0),
     je.SamplingParams(temperature=0.9, n=3, max_tokens=7, top_k=8),  # unseeded: engine key
   ]
   prompts = [list(range(5, 25)), [8, 9, 10], [11, 12, 13, 14]]
-  prefilled_rows = {}
-  outputs = {}
-  for shared in (False, True):
-    engine = LLMEngine(  # the slot cache's shared prefill (pages share the prompt's pages)
-      tiny_model,
-      max_num_reqs=4,
-      max_model_len=32,
-      prefill_once_per_request=shared,
-      paged_kv_cache=False,
-    )
-    prefill, rows = engine.runner.prefill, []
-    engine.runner.prefill = lambda completions, prefill=prefill, rows=rows: (
-      rows.append(len(completions)) or prefill(completions)
-    )
-    outputs[shared] = run_engine(engine, prompts, mixes)
-    prefilled_rows[shared] = sum(rows)
-  assert_same_outputs(outputs[True], outputs[False])
-  # Rows 4 + 2 + 3 + (2 + 1 when rows free up): the samples admitted together prefill once.
-  assert prefilled_rows[False] == 9 and prefilled_rows[True] < prefilled_rows[False]
-  assert len({tuple(c.token_ids) for c in outputs[True][0].outputs}) > 1  # seeds seed + j
+  engine = LLMEngine(tiny_model, max_num_reqs=4, max_model_len=32, enable_prefix_caching=False)
+  scheduled: list[int] = []
+  schedule = engine.scheduler.schedule
+
+  def record(draft_token_ids=None):
+    out = schedule(draft_token_ids)
+    scheduled.append(out.total_num_scheduled_tokens)
+    return out
+
+  engine.scheduler.schedule = record  # type: ignore[method-assign]
+  outputs = run_engine(engine, prompts, mixes)
+  decoded = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+  # Rows 4 + 2 + 3 (+ the rest as rows free up): a sample computes its prompt only when it is the
+  # first of its request admitted (the others share its pages and compute only their own tokens).
+  prompt_tokens = sum(scheduled) - (decoded - sum(len(o.outputs) for o in outputs))
+  assert prompt_tokens < sum(len(p) * m.n for p, m in zip(prompts, mixes))
+  assert assert_logprobs_match(tiny_model, outputs, 32) > 4 * 6 + 19 * 3
+  assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1  # seeds seed + j
 
 
 def test_precompile_leaves_nothing_to_compile_for_plain_requests(tiny_model, compile_counter):
-  engine = LLMEngine(
-    tiny_model, max_num_reqs=2, max_model_len=32, num_decode_steps=2, paged_kv_cache=False
-  )
-  # Prefill per (row, length) bucket, decode per (row, attention) bucket.
-  assert engine.precompile(use_tqdm=False) == 2 * 2 + 2 * 1
+  engine = LLMEngine(tiny_model, max_num_reqs=2, max_model_len=32, num_decode_steps=2)
+  # The ragged step per reachable (token bucket, row bucket): token buckets 1..64, from 2 tokens
+  # with 2 rows; the 2-step loop per row bucket.
+  assert engine.precompile(use_tqdm=False) == (7 + 6) + 2
   compile_counter.reset()
   prompts = [*PROMPTS[:5], [30] * 17, [30] * 16 + [5, 6], [30] * 16 + [7]]
   run_engine(engine, prompts, [je.SamplingParams(temperature=0.7, seed=1, max_tokens=5)])

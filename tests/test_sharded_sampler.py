@@ -90,16 +90,15 @@ def test_vocabulary_sharded_sampler_matches_one_device():
   assert run_python(SCRIPT).strip().endswith("ok")
 
 
-# SmolLM2 (9 query heads, 3 kv heads, vocabulary 49152 = 3 x 64 blocks of 256) under t = 3 and
-# d = 2 on 6 devices, as a user would write it: each data shard's row gives the fixture's greedy
-# tokens (an independent PyTorch implementation's). Seeded rows against one device are the
-# sampler test's above.
+# SmolLM2 (9 query heads, 3 kv heads, vocabulary 49152 = 3 x 64 blocks of 256) under t = 3 on 3
+# devices, as a user would write it: each row gives the fixture's greedy tokens (an independent
+# PyTorch implementation's). Seeded rows against one device are the sampler test's above.
 SMOLLM2_SCRIPT = textwrap.dedent("""
     import os, json, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=6"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
     import jaxengine as je
     fixture = json.load(open(sys.argv[1]))
-    llm = je.LLM(max_num_reqs=2, max_model_len=32, tensor_parallel_size=3, data_parallel_size=2)
+    llm = je.LLM(max_num_reqs=2, max_model_len=32, tensor_parallel_size=3)
     outs = llm.generate([fixture["prompt"]] * 2, je.SamplingParams(temperature=0, max_tokens=20),
                         use_tqdm=False)
     for out in outs:
@@ -108,6 +107,6 @@ SMOLLM2_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_smollm2_under_tensor_parallel_3_data_parallel_2_gives_the_fixture_greedy_tokens():
+def test_smollm2_under_tensor_parallel_3_gives_the_fixture_greedy_tokens():
   fixture = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_greedy.json")
   assert run_python(SMOLLM2_SCRIPT, fixture).strip().endswith("ok")

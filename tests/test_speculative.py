@@ -230,26 +230,3 @@ def test_mixed_steps_compile_nothing_after_warm_up(spec):
     spec.generate(PROMPTS[:1], params[1:2], use_tqdm=False)
   assert spec.llm_engine.spec_decode_stats.num_spec_steps > steps
   assert compiles.count == 0
-
-
-def test_precompile_covers_the_verify_step(model):
-  # The slot engine, one bucket of each kind: prefill, decode and verify compile once each, and
-  # serving adds none (the paged verify step's compiles: tests/test_paged_speculative.py).
-  llm = je.LLM(
-    model,
-    max_num_reqs=1,
-    max_model_len=16,
-    compilation_cache=False,
-    speculative_config=SPEC,
-    paged_kv_cache=False,
-  )
-  llm.llm_engine.spec_crossover_tokens = 10**9
-  runner = llm.llm_engine.runner
-  assert llm.llm_engine.precompile(use_tqdm=False) == 3
-  steps = [runner.steps.prefill, runner.steps.decode, runner.steps.verify]
-  sizes = [step._cache_size() for step in steps]
-  assert sizes == [1, 1, 1]
-  params = je.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-  llm.generate(PROMPTS[1], params, use_tqdm=False)
-  assert llm.llm_engine.spec_decode_stats.num_spec_steps > 0
-  assert [step._cache_size() for step in steps] == sizes

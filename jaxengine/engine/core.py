@@ -3,21 +3,24 @@ processor together.
 
 One `step()`:
 
-  1. the scheduler admits waiting completions into free rows;
-  2. the runner adds them to the persistent batch and prefills their prompts;
-  3. the runner decodes one token for every running completion (one fused model + sampler
-     executable over a bucket of live rows); with a `speculative_config`, when some row has
-     n-gram drafts and `SpeculativePolicy` expects them to pay, it verifies them instead (one
-     model pass over k + 1 positions per row and the rejection sampler: one to k + 1 tokens
-     per row); with `num_decode_steps` k > 1, it runs up to k steps in one device loop;
-  4. `_update_from_output`, the one place a step's tokens reach the requests, appends them
+  1. the scheduler chooses the step's tokens within its budget and the free pages: running
+     completions' decodes and prefill chunks first, then waiting completions admitted into
+     free rows (`engine/paged_scheduler.py`);
+  2. the runner adds the admitted ones to the persistent batch and runs one ragged step: the
+     model once over every scheduled token, then the sampler on the rows whose last known token
+     was computed; with a `speculative_config`, when some row has n-gram drafts and
+     `SpeculativePolicy` expects them to pay, the drafts are more query tokens of their rows and
+     the rejection sampler keeps one to k + 1 tokens per row (`engine/paged_verify.py`); with
+     `num_decode_steps` k > 1, a step that only decodes runs up to k steps in one device loop
+     (`engine/paged_multi_step.py`);
+  3. `_update_from_output`, the one place a step's tokens reach the requests, appends them
      (grammar checks, logprob dicts, text, stop rules), and `_finish`, the one finish path
      (also taken by `abort_request` and by a token its grammar rejects), takes finished
      completions out of the scheduler, the batch and the grammar matchers (the next step
      condenses and admits more).
 
-With asynchronous scheduling (the default with the paged cache) steps 1-3 of the next step run
-before step 4 of the last one: `step()` dispatches step t + 1 while step t's tokens are still on
+With asynchronous scheduling (the default) steps 1-2 of the next step run before step 3 of the
+last one: `step()` dispatches step t + 1 while step t's tokens are still on
 the device, then reads step t (see `LLMEngine`, `async_scheduling`).
 
 The engine's options come in one validated `EngineConfig` (`engine/engine_config.py`).
@@ -42,8 +45,6 @@ from jaxengine.engine.paged_runner import InFlightStep, PagedModelRunner
 from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
 from jaxengine.engine.paged_verify import PagedSpeculation
 from jaxengine.engine.requests import Completion, Request
-from jaxengine.engine.runner import ModelRunner
-from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.speculative import (
   CROSSOVER_TOKENS,
   DEFAULT_CROSSOVER_TOKENS,
@@ -61,8 +62,7 @@ RequestSpec = tuple[str | None, object, SamplingParams | None]
 
 
 class LLMEngine:
-  """Continuous batching over a persistent `InputBatch` and a paged KV cache (or, with
-  `paged_kv_cache=False`, one cache slot of `max_model_len` positions per row).
+  """Continuous batching over a persistent `InputBatch` and a paged KV cache.
 
   Args:
     model: a `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`), weights loaded.
@@ -79,10 +79,9 @@ class LLMEngine:
     max_model_len: longest prompt plus output, in tokens; None (default): the model's
       `max_position_embeddings` (`config` then holds the resolved value).
     mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``, or
-      `tensor_parallel_size` / `data_parallel_size` to build one: see `ModelRunner` and
-      `jaxengine.parallel`. With the paged cache (the default) the pages split over key/value
-      heads and `data_parallel_size` must be 1 (`data_parallel_size > 1` picks the slot cache).
-    paged_kv_cache, kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
+      `tensor_parallel_size` to build one: see `PagedModelRunner` and `jaxengine.parallel`. The
+      pages split over key/value heads; `data_parallel_size` must be 1 for now.
+    kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
       max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged cache and
       its scheduler; see `EngineConfig` and `engine/paged_runner.py`.
     num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
@@ -95,13 +94,9 @@ class LLMEngine:
       row is refilled at once; a request added while the batch runs waits at most one
       dispatch of `k` steps. While a row with structured outputs runs, steps go one at a time
       (its grammar advances on the host after every token). On a mesh too (the loop declares
-      its shardings and samples vocabulary-sharded logits). Paged, a step that only decodes
-      reserves pages for up to k tokens per row (never preempting for them) and loops over
-      pages (`engine/paged_multi_step.py`).
-    prefill_once_per_request: the samples of a request with `n > 1` admitted in the same step
-      share one prefill of the prompt: the others take a device copy of its cached keys and
-      values (default True; False prefills every sample, as before). Same outputs (logprob
-      values to float32 rounding: the prefill runs in another row bucket).
+      its shardings and samples vocabulary-sharded logits). Only a step that only decodes
+      loops; it reserves pages for up to k tokens per row (never preempting for them) and
+      loops over pages (`engine/paged_multi_step.py`).
     logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
       instances or `"module:Class"` strings.
     speculative_config: None, or vLLM's dict ``{"method": "ngram", "num_speculative_tokens": k,
@@ -113,20 +108,18 @@ class LLMEngine:
       as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
-      runs. Not with `num_decode_steps > 1`, nor on a mesh with the slot cache; k must be below
-      `max_model_len`.
-      Counters: `spec_decode_stats`. With the paged cache the drafts are query tokens of the
-      ragged step (`engine/paged_verify.py`): same drafts and cost model, scheduled within the
-      token budget and the free pages (never preempting for them).
+      runs. Not with `num_decode_steps > 1`; k must be below `max_model_len`.
+      Counters: `spec_decode_stats`. The drafts are query tokens of the ragged step
+      (`engine/paged_verify.py`), scheduled within the token budget and the free pages (never
+      preempting for them).
     enable_prefix_caching: later prompts that start as an earlier one did (running or
       finished) share its full `block_size`-token pages instead of computing them again (vLLM's
-      option and hash chain; `engine/kv_cache_manager.py`). None (default): on with the paged
-      cache; the slot cache has none (True with it is refused). Requests asking for
+      option and hash chain; `engine/kv_cache_manager.py`). None (default): on. Requests asking for
       `prompt_logprobs` skip the lookup. The cache is emptied by `load_weights` and
       `reset_prefix_cache`; `kv_cache_stats` counts its queries, hits and evictions. Same
       outputs (logprob values to float32 rounding: the cached prefix was computed in another
       executable).
-    async_scheduling: None (default): on with the paged cache, `num_decode_steps=1` and no
+    async_scheduling: None (default): on with `num_decode_steps=1` and no
       `speculative_config`; False: off; True: on, and refused with the others (vLLM's name).
       Each `step()` schedules and dispatches a step before it reads the one the last call
       dispatched (the scheduler counts that step's tokens as placeholders; the model reads
@@ -162,7 +155,6 @@ class LLMEngine:
     self.config = config = config.for_model(model.max_position_embeddings)
     self.speculative_config = config.speculative
     self.num_decode_steps = config.num_decode_steps
-    self.prefill_once_per_request = config.prefill_once_per_request
     if eos_token_id is None:
       eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.eos_token_id
     if isinstance(eos_token_id, Sequence):
@@ -180,10 +172,10 @@ class LLMEngine:
       eos_token_ids=eos_token_ids,
       seed=config.seed,
       logits_processors=config.logits_processors,
-      max_num_blocks_per_req=config.max_num_blocks_per_req if config.paged else 0,
+      max_num_blocks_per_req=config.max_num_blocks_per_req,
       batch_invariant=config.batch_invariant,
     )
-    self.runner = (PagedModelRunner if config.paged else ModelRunner)(model, batch, config)
+    self.runner = PagedModelRunner(model, batch, config)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
     self.structured: StructuredOutputs | None = None
@@ -197,14 +189,12 @@ class LLMEngine:
       batch.validate_request,
       None if self.structured is None else self.structured.compile,
     )
-    self.scheduler: Scheduler | PagedScheduler = Scheduler(self.max_num_reqs)
-    if isinstance(self.runner, PagedModelRunner):
-      self.scheduler = PagedScheduler(
-        self.max_num_reqs,
-        self.runner.kv_cache_manager,
-        cast(int, config.max_num_batched_tokens),  # validated: never None
-        config.enable_chunked_prefill,
-      )
+    self.scheduler = PagedScheduler(
+      self.max_num_reqs,
+      self.runner.kv_cache_manager,
+      cast(int, config.max_num_batched_tokens),  # validated: never None
+      config.enable_chunked_prefill,
+    )
     self.output_processor = OutputProcessor(
       tokenizer, self.eos_token_id, self.max_model_len, model.vocab_size, eos_token_ids[1:]
     )
@@ -216,14 +206,12 @@ class LLMEngine:
     self.spec_crossover_tokens = CROSSOVER_TOKENS.get(
       jax.default_backend(), DEFAULT_CROSSOVER_TOKENS
     )
-    self._speculative: SpeculativePolicy | None = None
+    self._speculation: PagedSpeculation | None = None
     if self.speculative_config is not None:
-      self._speculative = SpeculativePolicy(
+      policy = SpeculativePolicy(
         self.speculative_config, self.max_model_len, self.spec_decode_stats
       )
-    self._paged_speculation: PagedSpeculation | None = None
-    if self._speculative is not None and config.paged:
-      self._paged_speculation = PagedSpeculation(self._speculative)
+      self._speculation = PagedSpeculation(policy)
     self._async_scheduling = config.scheduling_overlaps
     #: The step dispatched by the last `step()` and not read yet (asynchronous scheduling).
     self._in_flight: _Dispatched | None = None
@@ -271,27 +259,23 @@ class LLMEngine:
     return [r.request_id for r in made]
 
   def _check_fits(self, request: Request) -> None:
-    """With the paged cache, refuses a request that could never fit in the pool (ValueError)."""
-    if isinstance(self.runner, PagedModelRunner):
-      max_tokens = request.params.max_tokens
-      longest = len(request.prompt_token_ids) + (
-        self.max_model_len if max_tokens is None else max_tokens
-      )
-      self.runner.kv_cache_manager.check_fits(min(longest, self.max_model_len))
+    """Refuses a request that could never fit in the pool of pages (ValueError)."""
+    max_tokens = request.params.max_tokens
+    longest = len(request.prompt_token_ids) + (
+      self.max_model_len if max_tokens is None else max_tokens
+    )
+    self.runner.kv_cache_manager.check_fits(min(longest, self.max_model_len))
 
   @property
-  def kv_cache_stats(self) -> KVCacheStats | None:
+  def kv_cache_stats(self) -> KVCacheStats:
     """Occupancy of the paged KV cache (`num_blocks`, `num_used_blocks`, `peak_used_blocks`,
     `peak_running_reqs`, `num_preemptions`, prefix-cache counters; peaks and counters since
-    the start or the last `reset_kv_cache_stats`), or None with the slot cache."""
-    if isinstance(self.runner, PagedModelRunner):
-      return self.runner.kv_cache_manager.stats
-    return None
+    the start or the last `reset_kv_cache_stats`)."""
+    return self.runner.kv_cache_manager.stats
 
   def reset_kv_cache_stats(self) -> None:
     """Restarts `kv_cache_stats`' peaks at the current occupancy and its counters at zero."""
-    if isinstance(self.runner, PagedModelRunner):
-      self.runner.kv_cache_manager.reset_stats()
+    self.runner.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
     """Whether any request is waiting or running. (A step left in flight whose completions
@@ -319,7 +303,7 @@ class LLMEngine:
     return [r.output() for r in done]
 
   def load_weights(self, weights) -> None:
-    """New model weights, no recompilation: see `ModelRunner.load_weights`.
+    """New model weights, no recompilation: see `PagedModelRunner.load_weights`.
 
     Raises:
       ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype.
@@ -331,8 +315,8 @@ class LLMEngine:
     return self.runner.reset_prefix_cache()
 
   def precompile(self, use_tqdm: bool = True) -> int:
-    """Compiles every prefill and decode bucket (see `ModelRunner.precompile`); returns how
-    many step shapes ran.
+    """Compiles every step shape (see `PagedModelRunner.precompile`); returns how many step
+    shapes ran.
 
     Raises:
       ValueError: if requests are running (precompile before adding any).
@@ -346,42 +330,39 @@ class LLMEngine:
   # --- the step -------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Admits, prefills, decodes one token for every running completion, applies stop rules.
+    """One ragged step: the scheduler's decodes, prefill chunks and admissions, the model once
+    over all their tokens, the sampler on the rows that finish; then the stop rules.
+
+    With asynchronous scheduling the step is dispatched first and the previous step (left on the
+    device by the last call) is read while it runs; a step is left in flight only when its
+    outcome does not change what the next one schedules (`_overlaps`).
 
     Returns:
-      A `RequestOutput` (cumulative so far) for every request that advanced this step.
+      A `RequestOutput` (cumulative so far) for every request that advanced in the steps read.
     """
-    if isinstance(self.scheduler, PagedScheduler):
-      return self._paged_step(self.scheduler)
-    admitted = self.scheduler.schedule().admitted
-    structured = self.structured
-    self._add_to_batch(admitted)
-    if admitted:
-      prefill = (
-        self.runner.prefill_once_per_request
-        if self.prefill_once_per_request
-        else self.runner.prefill
-      )
-      prompt_logprobs = prefill(admitted)
-      for completion in admitted:
-        self._set_prompt_logprobs(completion, prompt_logprobs)
-    if not self.scheduler.running:
-      return []
-    bitmask = structured.bitmask if structured is not None and len(structured) else None
-    if self.num_decode_steps > 1 and bitmask is None:
-      decoded = self.runner.decode_steps(
-        self.num_decode_steps, end_on_first_finish=bool(self.scheduler.waiting)
-      )
-      return self._update_from_output(
-        decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
-      )
-    if self._speculative is not None and bitmask is None:
-      verified = self._speculative_step(self._speculative)
-      if verified is not None:
-        return verified
-    decoded_one = self.runner.decode(bitmask)
-    req_ids = decoded_one.req_ids
-    return self._update_from_output(req_ids, [decoded_one.sampled], [1] * len(req_ids))
+    scheduler, runner = self.scheduler, self.runner
+    current = None
+    scheduled = self._schedule()
+    if scheduled is not None:
+      bitmask = self._bitmask()
+      if self.num_decode_steps > 1 and bitmask is None:  # never with asynchronous scheduling
+        steps = scheduler.schedule_decode_steps(
+          scheduled, self.num_decode_steps, self.max_model_len
+        )
+        if steps is not None:
+          return self._decode_steps(steps)
+      current = _Dispatched(runner.dispatch(scheduled, bitmask), dict(scheduler.running))
+      if current.step.num_new_tokens is not None:  # known now: plan the next step with them
+        self._add_placeholders(current.step.num_new_tokens)
+        scheduler.update_after_step(scheduled)
+    previous, self._in_flight = self._in_flight, None  # still to be read if the above raised
+    outputs = [] if previous is None else self._collect(previous)
+    if current is None:
+      return outputs
+    if self._overlaps(current.step):
+      self._in_flight = current
+      return outputs
+    return _latest(outputs + self._collect(current))
 
   def _add_to_batch(self, admitted: Sequence[Completion]) -> None:
     """Gives admitted completions their rows and their grammars' matchers."""
@@ -391,47 +372,14 @@ class LLMEngine:
       if structured is not None and completion.request.grammar is not None:
         structured.add(completion.seq_id, completion.request.grammar)
 
-  def _paged_step(self, scheduler: PagedScheduler) -> list[RequestOutput]:
-    """One ragged step of the paged engine: the scheduler's decodes, prefill chunks and
-    admissions, the model once over all their tokens, the sampler on the rows that finish.
-
-    With asynchronous scheduling the step is dispatched first and the previous step (left on the
-    device by the last call) is read while it runs; a step is left in flight only when its
-    outcome does not change what the next one schedules (`_overlaps`)."""
-    runner = cast(PagedModelRunner, self.runner)
-    current = None
-    scheduled = self._paged_schedule(scheduler, runner)
-    if scheduled is not None:
-      bitmask = self._bitmask()
-      if self.num_decode_steps > 1 and bitmask is None:  # never with asynchronous scheduling
-        steps = scheduler.schedule_decode_steps(
-          scheduled, self.num_decode_steps, self.max_model_len
-        )
-        if steps is not None:
-          return self._paged_decode_steps(scheduler, runner, steps)
-      current = _Dispatched(runner.dispatch(scheduled, bitmask), dict(scheduler.running))
-      if current.step.num_new_tokens is not None:  # known now: plan the next step with them
-        self._add_placeholders(current.step.num_new_tokens)
-        scheduler.update_after_step(scheduled)
-    previous, self._in_flight = self._in_flight, None  # still to be read if the above raised
-    outputs = [] if previous is None else self._paged_collect(scheduler, runner, previous)
-    if current is None:
-      return outputs
-    if self._overlaps(current.step):
-      self._in_flight = current
-      return outputs
-    return _latest(outputs + self._paged_collect(scheduler, runner, current))
-
-  def _paged_schedule(
-    self, scheduler: PagedScheduler, runner: PagedModelRunner
-  ) -> PagedSchedulerOutput | None:
+  def _schedule(self) -> PagedSchedulerOutput | None:
     """The scheduler's plan for the next step (drafts proposed first), its admitted completions
     added to the batch; None when it schedules no token."""
-    structured = self.structured
+    scheduler, structured = self.scheduler, self.structured
     drafts = {}
-    if self._paged_speculation is not None and not (structured is not None and len(structured)):
-      num_rows = runner.row_bucket(len(scheduler.running))
-      drafts = self._paged_speculation.propose(scheduler, num_rows, self.spec_crossover_tokens)
+    if self._speculation is not None and not (structured is not None and len(structured)):
+      num_rows = self.runner.row_bucket(len(scheduler.running))
+      drafts = self._speculation.propose(scheduler, num_rows, self.spec_crossover_tokens)
     scheduled = scheduler.schedule(drafts)
     self._add_to_batch(scheduled.admitted)
     return scheduled if scheduled.num_scheduled_tokens else None
@@ -473,14 +421,12 @@ class LLMEngine:
     num_output = len(completion.token_ids) + completion.num_output_placeholders
     return num_output >= max_tokens or completion.num_tokens_with_placeholders >= self.max_model_len
 
-  def _paged_collect(
-    self, scheduler: PagedScheduler, runner: PagedModelRunner, dispatched: _Dispatched
-  ) -> list[RequestOutput]:
+  def _collect(self, dispatched: _Dispatched) -> list[RequestOutput]:
     """Reads a dispatched step and applies its tokens (`_update_from_output`); rows whose
     completion finished or was aborted since the dispatch drop theirs (a request id used again
     meanwhile names another completion, which the step's tokens never reach)."""
-    step = dispatched.step
-    decoded = runner.collect(step)
+    scheduler, step = self.scheduler, dispatched.step
+    decoded = self.runner.collect(step)
     num_sampled = decoded.sampled.num_sampled.tolist()
     running = {
       seq_id: completion
@@ -489,8 +435,8 @@ class LLMEngine:
     }
     if step.num_new_tokens is None:  # drafts: the computed counts are known only now
       num_accepted = {}
-      if self._paged_speculation is not None:
-        num_accepted = self._paged_speculation.record(
+      if self._speculation is not None:
+        num_accepted = self._speculation.record(
           step.scheduled, decoded.req_ids, decoded.sampled.num_sampled
         )
       scheduler.update_after_step(step.scheduled, num_accepted)
@@ -507,33 +453,18 @@ class LLMEngine:
       decoded.req_ids, decoded.sampled.steps, num_sampled, completions
     )
 
-  def _paged_decode_steps(
-    self, scheduler: PagedScheduler, runner: PagedModelRunner, scheduled: PagedSchedulerOutput
-  ) -> list[RequestOutput]:
-    """A k-step decode of the paged engine (`engine/paged_multi_step.py`): each row's
-    computed tokens advance by the tokens it sampled. The loop ends at the first finish while
-    requests wait for a row or pages (waiting, or running without pages after a preemption)."""
+  def _decode_steps(self, scheduled: PagedSchedulerOutput) -> list[RequestOutput]:
+    """A k-step decode (`engine/paged_multi_step.py`): each row's computed tokens advance by the
+    tokens it sampled. The loop ends at the first finish while requests wait for a row or pages
+    (waiting, or running without pages after a preemption)."""
+    scheduler = self.scheduler
     waiting = bool(scheduler.waiting) or len(scheduled.num_decode_steps) < len(scheduler.running)
-    decoded = runner.execute_decode_steps(scheduled, self.num_decode_steps, waiting)
+    decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, waiting)
     num_sampled = decoded.sampled.num_sampled.tolist()
     computed = dict(zip(decoded.req_ids, num_sampled))
     counts = {seq_id: computed[seq_id] for seq_id in scheduled.num_decode_steps}
     scheduler.update_after_step(dataclasses.replace(scheduled, num_scheduled_tokens=counts))
     return self._update_from_output(decoded.req_ids, decoded.sampled.steps, num_sampled)
-
-  def _speculative_step(self, policy: SpeculativePolicy) -> list[RequestOutput] | None:
-    """One verify pass over the drafts `policy` chooses; None (nothing run) when it declines, so
-    the caller decodes one token as usual."""
-    completions = [self.scheduler.running[seq_id] for seq_id in self.runner.live_req_ids()]
-    num_rows = self.runner.row_bucket(len(completions))
-    drafts = policy.drafts(completions, num_rows, self.spec_crossover_tokens)
-    if drafts is None:
-      return None
-    decoded = self.runner.verify(drafts.token_ids, drafts.num_draft_tokens)
-    policy.record(completions, drafts, decoded.sampled.num_sampled)
-    return self._update_from_output(
-      decoded.req_ids, decoded.sampled.steps, decoded.sampled.num_sampled.tolist()
-    )
 
   # --- the lifecycle ----------------------------------------------------------------------------
 
@@ -613,7 +544,7 @@ class LLMEngine:
 
 @dataclasses.dataclass(frozen=True)
 class _Dispatched:
-  """A paged step on the device and the running completions when it was dispatched."""
+  """A step on the device and the running completions when it was dispatched."""
 
   step: InFlightStep
   running: dict[str, Completion]

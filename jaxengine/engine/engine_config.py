@@ -66,34 +66,27 @@ class EngineConfig:
     revision: hub branch, tag or commit of a hub id (default `main`).
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer; with a `mesh`, its "model" axis size.
-    data_parallel_size: devices splitting the batch rows (must divide `max_num_reqs`); with a
-      `mesh`, its "data" axis size. 1 with the paged cache (its one pool of pages serves every
-      row).
+    data_parallel_size: devices splitting the batch rows; with a `mesh`, its "data" axis size.
+      Only 1 for now (the one pool of KV-cache pages serves every row; larger sizes are
+      refused).
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
       built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
-      refused). The paged cache runs on one too: its pages split over key/value heads on the
-      "model" axis (`jaxengine.models.sharded_attention`), the step's block tables replicated.
+      refused). The pages split over key/value heads on the "model" axis
+      (`jaxengine.models.sharded_attention`), the step's block tables replicated.
     compilation_cache: JAX's persistent compilation cache: True (default: the
       `JAXENGINE_COMPILATION_CACHE` directory, else `~/.cache/jaxengine/xla`), a directory, or
       False or an "off" spelling (`"off"`, stored as False; see `jaxengine.compilation_cache`).
     precompile: compile every prefill and decode bucket when the `LLM` is built.
     num_decode_steps: `k`, the most decode-and-sample steps per device dispatch (see
-      `LLMEngine`; with the paged cache, in steps that only decode); on a mesh too.
-    prefill_once_per_request: the samples of an `n > 1` request admitted together share one
-      prefill of the prompt (default True).
+      `LLMEngine`; in steps that only decode); on a mesh too.
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
       strings; stored as a tuple of instances.
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. Only with `num_decode_steps=1` and `num_speculative_tokens` below
-      `max_model_len`; with the slot or the paged cache, on a mesh with the paged cache only
-      (its verify step gathers the logits whole on every device: `engine/paged_verify.py`).
+      `max_model_len`; on a mesh too (its verify step gathers the logits whole on every device:
+      `engine/paged_verify.py`).
     enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
-      requests that start alike; None (default): on with the paged cache, off with the slot
-      cache (which has no prefix cache: True with it is refused). See `prefix_caching`.
-    paged_kv_cache: whether the KV cache is a pool of `block_size`-token pages shared by every
-      request (True), or `max_num_reqs` slots of `max_model_len` positions each (False: the
-      earlier layout, kept for `data_parallel_size > 1` and for comparisons). None (default):
-      paged, except with `data_parallel_size > 1`. See `paged`.
+      requests that start alike; None (default) or True: on; False: off. See `prefix_caching`.
     kv_cache_memory_bytes: bytes of the paged KV cache (vLLM's name): keys and values of all
       layers (on a mesh: per device, whose share of each page is its key/value heads). None
       (default): `num_kv_blocks` if given, else `jaxengine.engine.kv_cache_size`'s default:
@@ -124,13 +117,13 @@ class EngineConfig:
       forward pass) on the same weights (default False). The model's projections and logits run
       `ROW_TILE` rows at a time and the paged attention in a fixed order
       (`jaxengine.models.batch_invariant`); a model declares that it can with a
-      ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the paged cache with
-      the "xla" attention on the CPU backend on one device (other backends and meshes are
-      refused, not approximated). Costs time: README "Reproducibility" has the table.
+      ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the "xla" attention
+      on the CPU backend on one device (other backends and meshes are refused, not
+      approximated). Costs time: README "Reproducibility" has the table.
     async_scheduling: schedule and dispatch step t + 1 while step t's sampled tokens are still
       on the device, and do step t's host work (reading tokens, logprobs, text, stop rules)
-      while t + 1 runs (vLLM's name). None (default): on where it is exact, i.e. with the
-      paged cache, `num_decode_steps=1` and no `speculative_config`; True: the same, and any
+      while t + 1 runs (vLLM's name). None (default): on where it is exact, i.e. with
+      `num_decode_steps=1` and no `speculative_config`; True: the same, and any
       other setting refused; False: every step synchronous. Outputs are those of synchronous
       steps (see `LLMEngine`); `scheduling_overlaps` says whether it is on.
     enforce_eager: vLLM's switch that turns off CUDA graphs and torch.compile; accepted (a
@@ -145,11 +138,9 @@ class EngineConfig:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with
-      `num_decode_steps > 1` or on a mesh with the slot cache, prefix caching with the slot
-      cache, `data_parallel_size > 1` with the paged cache, `paged_kv_cache=False` with a paged
-      cache size, `batch_invariant` with the slot cache, a mesh, a Pallas attention backend or a
-      non-CPU platform, `async_scheduling=True` with the slot cache, `num_decode_steps > 1`
-      or `speculative_config`); more devices than there are.
+      `num_decode_steps > 1`, `data_parallel_size > 1`, `batch_invariant` with a mesh, a Pallas
+      attention backend or a non-CPU platform, `async_scheduling=True` with
+      `num_decode_steps > 1` or `speculative_config`); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -166,11 +157,9 @@ class EngineConfig:
   compilation_cache: bool | str | os.PathLike = True
   precompile: bool = False
   num_decode_steps: int = 1
-  prefill_once_per_request: bool = True
   logits_processors: Sequence | None = None
   speculative_config: SpeculativeConfig | Mapping | None = None
   enable_prefix_caching: bool | None = None
-  paged_kv_cache: bool | None = None
   kv_cache_memory_bytes: int | None = None
   num_kv_blocks: int | None = None
   gpu_memory_utilization: float = 0.9
@@ -217,7 +206,6 @@ class EngineConfig:
       self._set("compilation_cache", False)  # an "off" spelling is stored as False
     for name in (
       "precompile",
-      "prefill_once_per_request",
       "enable_chunked_prefill",
       "batch_invariant",
       "enforce_eager",
@@ -229,7 +217,7 @@ class EngineConfig:
       self._set(name, bool(value))
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
     self._check_batch_invariant()
-    self._check_paged()
+    self._check_kv_cache()
     self._check_decoding()
     self._check_prefix_caching()
     self._check_async_scheduling()
@@ -242,7 +230,6 @@ class EngineConfig:
     if not wanted:
       return
     refused = {
-      "the slot cache (paged_kv_cache=False)": not self.paged,
       f"num_decode_steps={self.num_decode_steps} (its loop reads every token on the host)": (
         self.num_decode_steps > 1
       ),
@@ -256,11 +243,11 @@ class EngineConfig:
 
   @property
   def scheduling_overlaps(self) -> bool:
-    """Whether steps are scheduled asynchronously: `async_scheduling`, None meaning on with the
-    paged cache, `num_decode_steps=1` and no speculative decoding."""
+    """Whether steps are scheduled asynchronously: `async_scheduling`, None meaning on with
+    `num_decode_steps=1` and no speculative decoding."""
     if self.async_scheduling is False:
       return False
-    return self.paged and self.num_decode_steps == 1 and self.speculative is None
+    return self.num_decode_steps == 1 and self.speculative is None
 
   def _check_batch_invariant(self) -> None:
     if not self.batch_invariant:
@@ -269,7 +256,6 @@ class EngineConfig:
     refused = {
       f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
       f"{self.data_parallel_size})": self.mesh is not None,
-      "the slot cache (paged_kv_cache=False)": self.paged_kv_cache is False,
       f"attention_backend={self.attention_backend!r} (only 'xla' has a fixed order)": (
         self.attention_backend not in (None, "xla")
       ),
@@ -296,10 +282,13 @@ class EngineConfig:
           f"tensor_parallel_size={t}, data_parallel_size={d}"
         )
       t, d = axes
-    elif (t, d) != (1, 1):
+    if d != 1:  # one pool of pages serves every row: data shards would need a pool each
+      raise ValueError(
+        f"data_parallel_size={d} is not supported yet (one pool of KV-cache pages serves every "
+        "row of the batch); use tensor_parallel_size to run on several devices"
+      )
+    if mesh is None and t != 1:
       mesh = parallel.make_mesh(t, d)
-    if self.max_num_reqs % d:
-      raise ValueError(f"data_parallel_size={d} must divide max_num_reqs={self.max_num_reqs}")
     self._set("tensor_parallel_size", t)
     self._set("data_parallel_size", d)
     self._set("mesh", mesh)
@@ -310,11 +299,6 @@ class EngineConfig:
     if spec is not None and steps != 1:
       raise ValueError(
         f"speculative_config works with num_decode_steps=1, got num_decode_steps={steps!r}"
-      )
-    if spec is not None and self.mesh is not None and not self.paged:
-      raise ValueError(
-        "speculative_config is not supported on a mesh with the slot cache (the paged cache, "
-        "the default unless data_parallel_size > 1, supports it)"
       )
     k = None if spec is None else spec.num_speculative_tokens
     max_model_len = self.max_model_len  # None: checked again by `for_model`
@@ -332,17 +316,8 @@ class EngineConfig:
     enable = self.enable_prefix_caching
     if enable is not None and not isinstance(enable, bool):
       raise ValueError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
-    if enable and not self.paged:
-      raise ValueError(
-        "enable_prefix_caching=True needs the paged KV cache (its requests share prefix pages); "
-        "the slot cache has no prefix cache"
-      )
 
-  def _check_paged(self) -> None:
-    layout = self.paged_kv_cache
-    if layout is not None and not isinstance(layout, (bool, np.bool_)):
-      raise ValueError(f"paged_kv_cache must be a bool or None, got {layout!r}")
-    self._set("paged_kv_cache", None if layout is None else bool(layout))
+  def _check_kv_cache(self) -> None:
     utilization = self.gpu_memory_utilization
     number = isinstance(utilization, (int, float, np.floating)) and not isinstance(
       utilization, bool
@@ -371,27 +346,6 @@ class EngineConfig:
         f"attention_backend must be one of {list(BACKEND_NAMES)} or None, got "
         f"{self.attention_backend!r}"
       )
-    sized = self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
-    if self.paged_kv_cache is False and sized:
-      raise ValueError(
-        "kv_cache_memory_bytes / num_kv_blocks size the paged KV cache; paged_kv_cache=False "
-        "asks for the slot cache (give one or the other)"
-      )
-    if not self.paged:
-      return
-    unsupported = {
-      # One pool of pages serves every row: splitting rows over devices would need a pool and
-      # block tables per data shard.
-      f"data_parallel_size={self.data_parallel_size} (use tensor_parallel_size)": (
-        self.data_parallel_size != 1
-      ),
-    }
-    for what, given in unsupported.items():
-      if given:
-        raise ValueError(
-          f"the paged KV cache does not support {what} yet; give paged_kv_cache=False for the "
-          "slot cache"
-        )
 
   def _check_token_budget(self) -> None:
     """Checks `max_num_batched_tokens`, and sets its default once `max_model_len` is known."""
@@ -432,15 +386,6 @@ class EngineConfig:
     return self
 
   @property
-  def paged(self) -> bool:
-    """Whether the KV cache is paged: `paged_kv_cache`, None meaning paged unless
-    `data_parallel_size > 1` and no paged cache size is given."""
-    if self.paged_kv_cache is not None:
-      return self.paged_kv_cache
-    sized = self.kv_cache_memory_bytes is not None or self.num_kv_blocks is not None
-    return sized or self.data_parallel_size == 1
-
-  @property
   def max_num_blocks_per_req(self) -> int:
     """Pages a request of `max_model_len` tokens holds in the paged cache.
 
@@ -465,9 +410,8 @@ class EngineConfig:
 
   @property
   def prefix_caching(self) -> bool:
-    """Whether prefix caching is on: `enable_prefix_caching`, None meaning on with the paged
-    cache (the slot cache has none)."""
-    return self.paged and self.enable_prefix_caching is not False
+    """Whether prefix caching is on: `enable_prefix_caching`, None meaning on."""
+    return self.enable_prefix_caching is not False
 
   @property
   def speculative(self) -> SpeculativeConfig | None:

@@ -4,19 +4,22 @@ When a step of the paged engine only decodes (every scheduled row computes exact
 sampled token; nothing is admitted or prefilling; no structured-output row runs), the scheduler
 reserves pages ahead for up to `k` tokens per row (`PagedScheduler.schedule_decode_steps`) and
 `paged_decode_steps` runs `k` decode-and-sample iterations in one `lax.while_loop`, paying the
-host round trip once per `k` tokens, as the slot engine's loop (`engine/multi_step.py`) does.
+host round trip once per `k` tokens (on accelerators a decode step of a small model takes about
+as long as the host needs to launch it and read its tokens back).
 
-Each iteration is a ragged step of one query token per row: row `r`'s token is its last one,
-at position `p = num_tokens[r] - 1`; its key and value go to slot
-`block_tables[r, p // B] * B + p % B` (computed on the device from the block table, which the
-host filled for every position the row may reach), it attends to its `p + 1` context tokens, and
-the sampler appends the next token. A row stops on the device by the slot loop's rules
-(`max_tokens`, `max_model_len`, EOS unless `ignore_eos` and `stop_token_ids`, the last two never
-before `min_tokens`) or when it has used its `max_num_steps` (the tokens its pages hold; 0 for a
-row not scheduled this step); a stopped row writes nothing more (its slot is `NULL_SLOT`) and
-appends nothing. The loop ends after `k` iterations, when no row runs, or (with
-`end_on_first_finish`, set while requests wait) after the iteration in which a row stopped by a
-stop rule (not by its step limit), so its row and pages are handed on at once.
+Each iteration is a ragged step of one query token per row: row `r`'s token is its last one, at
+position `p = num_tokens[r] - 1`; its key and value go to slot `block_tables[r, p // B] * B + p % B`
+(computed on the device from the block table, which the host filled for every position the row may
+reach), it attends to its `p + 1` context tokens, and the sampler appends the next token, so a row's
+tokens, logprobs and random streams are those of `k` single steps. A row stops on the device after
+the token that ends it by the rules the device can see (`device_stop_rules`: `max_tokens`,
+`max_model_len`, EOS unless `ignore_eos` and `stop_token_ids`, the last two never before
+`min_tokens`) or when it has used its `max_num_steps` (the tokens its pages hold; 0 for a row not
+scheduled this step); a stopped row writes nothing more (its slot is `NULL_SLOT`) and appends
+nothing. The loop ends after `k` iterations, when no row runs, or (with `end_on_first_finish`, set
+while requests wait) after the iteration in which a row stopped by a stop rule (not by its step
+limit), so its row and pages are handed on at once. Stop strings need the text: the host checks them
+afterwards and discards what follows a match.
 
 After the loop, row `r` has sampled `num_sampled[r]` tokens and computed the keys and values of
 as many positions (`p .. p + num_sampled - 1`; the last sampled token's are computed by the next
@@ -29,15 +32,54 @@ iteration), `P` pages per row (`max_num_blocks_per_req`), `k` steps, `C` stop id
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
+from jaxengine.params import SamplingParams
 from jaxengine.sample import LogprobsTensors, sample
+
+
+def device_stop_rules(
+  params: SamplingParams, eos_token_ids: Sequence[int], max_model_len: int
+) -> tuple[int, tuple[int, ...]]:
+  """A completion's stop rules the device loop checks: `(max_output_tokens, stop ids)`.
+
+  Args:
+    params: the completion's sampling parameters.
+    eos_token_ids: the engine's EOS ids (all of them end generation unless `ignore_eos`).
+    max_model_len: the engine's limit (a row also stops when its sequence reaches it).
+
+  Returns:
+    The most output tokens the completion may have, and the ids that end it once it has
+    `min_tokens` tokens.
+  """
+  eos = () if params.ignore_eos else tuple(eos_token_ids)
+  stop_ids = tuple(dict.fromkeys((*eos, *(params.stop_token_ids or ()))))
+  return params.max_tokens or max_model_len, stop_ids
+
+
+def stop_rule_arrays(
+  rules: Sequence[tuple[int, tuple[int, ...]]], num_rows: int, max_num_stop_ids: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Rows of `device_stop_rules` as the loop's arrays, padded to `num_rows` rows.
+
+  Returns:
+    `max_output_tokens [num_rows] int32` and `stop_ids [num_rows, max_num_stop_ids] int32`
+    (padded with -1, which no token equals).
+  """
+  max_output_tokens = np.zeros((num_rows,), np.int32)
+  stop_ids = np.full((num_rows, max_num_stop_ids), -1, np.int32)
+  for row, (limit, ids) in enumerate(rules):
+    max_output_tokens[row] = limit
+    stop_ids[row, : len(ids)] = ids
+  return max_output_tokens, stop_ids
 
 
 @jax.tree_util.register_dataclass

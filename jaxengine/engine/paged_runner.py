@@ -1,11 +1,11 @@
-"""The paged runner: the model's weights over a pool of KV-cache pages, one ragged step at a time.
+"""The model runner: the model's weights over a pool of KV-cache pages, one ragged step at a time.
 
-`PagedModelRunner` is the `ModelRunner` of an engine with the paged cache (the default,
-`EngineConfig.paged`): the cache is a `PagedKVCache` of `num_blocks` pages of `block_size` positions
-shared by every request (`KVCacheManager` hands them out; the batch's `BlockTable` lists each
-row's), and `execute(scheduler_output)` runs one step over the tokens the `PagedScheduler`
-chose: decode tokens and prefill chunks together, the model once over all of them, then the
-sampler on the rows whose last known token was computed.
+`PagedModelRunner` owns the model's weights (`load_weights` replaces them without recompiling), the
+KV cache, the persistent batch and the jitted steps: the cache is a `PagedKVCache` of `num_blocks`
+pages of `block_size` positions shared by every request (`KVCacheManager` hands them out; the
+batch's `BlockTable` lists each row's), and `execute(scheduler_output)` runs one step over the
+tokens the `PagedScheduler` chose: decode tokens and prefill chunks together, the model once over
+all of them, then the sampler on the rows whose last known token was computed.
 
 Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
 bucket) reached: powers of two up to `max_num_reqs` rows, and powers of two up to
@@ -18,19 +18,26 @@ only (`step_buckets`; the prompt-logprobs variant is another executable), and on
 `engine/paged_multi_step.py`); `precompile` runs them all. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs, so the width costs nothing there).
+
+The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
+jitted with the cache and batch state donated. On a mesh (`EngineConfig.mesh`) weights, pages and
+batch state are placed once (`engine/placement.py`) and every step declares those shardings for
+its inputs and outputs, so serving compiles nothing warm-up did not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
+from jaxengine import parallel
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.host_output import LogprobsArrays, PendingStep
@@ -39,9 +46,13 @@ from jaxengine.engine.buckets import bucket, buckets
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.kv_cache_manager import KVCacheManager
 from jaxengine.engine.kv_cache_size import check_kv_cache_memory_bytes, default_num_kv_blocks
-from jaxengine.engine.multi_step import stop_rule_arrays
 from jaxengine.engine.paged_inputs import build_paged_step_inputs
-from jaxengine.engine.paged_multi_step import DecodeStepsInputs, paged_decode_steps
+from jaxengine.engine.paged_multi_step import (
+  DecodeStepsInputs,
+  device_stop_rules,
+  paged_decode_steps,
+  stop_rule_arrays,
+)
 from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine.paged_verify import (
   RaggedDrafts,
@@ -49,14 +60,27 @@ from jaxengine.engine.paged_verify import (
   rejection_sample_produced,
   verify_forward,
 )
+from jaxengine.engine.placement import MeshPlacement
 from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward, sample_produced
 from jaxengine.engine.requests import Completion
-from jaxengine.engine.runner import ModelRunner
 from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
-from jaxengine.models.interface import Model
+from jaxengine.models.batch_invariant import batch_invariant_model
+from jaxengine.models.interface import Model, check_model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.sharded_attention import shard_backend
+from jaxengine.models.weights import (
+  LeafPath,
+  assemble_leaf,
+  check_finite,
+  collect_named_weights,
+  collect_state,
+  dotted,
+  model_weight_specs,
+  put,
+  replace_leaves,
+  state_leaves,
+)
 from jaxengine.sample import LogprobsTensors
 
 #: Smallest token bucket of a ragged step with 8 rows or more; fewer rows start at their row
@@ -115,32 +139,67 @@ class _PendingPromptLogprobs:
   parts: list[LogprobsArrays] = dataclasses.field(default_factory=list)
 
 
-class PagedModelRunner(ModelRunner):
-  """A `ModelRunner` whose KV cache is a pool of pages (see the module).
+class PagedModelRunner:
+  """Owns a model's weights, its pool of KV-cache pages, the persistent batch and the jitted
+  steps (see the module).
 
   Args:
-    model: as `ModelRunner`.
-    input_batch: the persistent batch, built with `max_num_blocks_per_req` (its `block_table`).
-    config: the engine's `EngineConfig` (`paged`); also read: `kv_cache_memory_bytes`,
-      `num_kv_blocks`, `gpu_memory_utilization` (`engine/kv_cache_size.py`), `block_size`,
-      `max_num_batched_tokens`, `attention_backend`, `prefix_caching`.
+    model: a `jaxengine.models.Model` (an `nnx.Module`), weights loaded. The runner keeps its
+      own references to the arrays: changing the module afterwards does not change the engine
+      (use `load_weights`).
+    input_batch: the persistent batch the runner samples into, built with the config's
+      `max_num_reqs`, `max_model_len` and `max_num_blocks_per_req` (its `block_table`).
+    config: the engine's `EngineConfig` (validated); the runner reads `mesh` (None: one
+      device; else weights, pages and batch state are placed on it once, `engine/placement.py`),
+      `batch_invariant`, `kv_cache_memory_bytes`, `num_kv_blocks`, `gpu_memory_utilization`
+      (`engine/kv_cache_size.py`), `block_size`, `max_num_batched_tokens`, `attention_backend`,
+      `prefix_caching` and `num_speculative_tokens`.
 
   Raises:
-    ValueError: as `ModelRunner`; a batch without a block table of the right width; a memory
-      that holds fewer than 2 pages.
+    ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
+      the batch's, a `max_model_len` above the model's `max_position_embeddings`, a batch
+      without a block table of the right width; on a mesh, a tensor-parallel size that does not
+      divide the query heads; a memory that holds fewer than 2 pages.
   """
 
   def __init__(self, model: Model, input_batch: InputBatch, config: EngineConfig) -> None:
+    check_model(model)
+    _check_sizes(model, input_batch, config)
+    self.input_batch = input_batch
+    self.max_num_reqs = input_batch.max_num_reqs
+    self.max_model_len = input_batch.max_model_len
     self.block_size = config.block_size
     self.max_num_blocks_per_req = config.max_num_blocks_per_req
-    table = input_batch.block_table
-    if table is None or table.max_num_blocks_per_req != self.max_num_blocks_per_req:
-      raise ValueError(
-        f"the paged runner needs a batch built with max_num_blocks_per_req="
-        f"{self.max_num_blocks_per_req} (ceil(max_model_len / block_size))"
-      )
-    self.block_table: BlockTable = table
-    super().__init__(model, input_batch, config)
+    self.block_table: BlockTable = cast(BlockTable, input_batch.block_table)  # checked above
+    if config.batch_invariant:
+      model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
+    self._graphdef, weights = nnx.split(model)
+    # The engine's own variables around the same arrays (no copy): later in-place updates of
+    # `model` (an optimizer step) do not reach the engine; `load_weights` does.
+    self.weights = jax.tree.map(lambda a: a, weights)
+    self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
+    self.mesh = config.mesh
+    self._placement: MeshPlacement | None = None
+    if self.mesh is not None:
+      mesh = parallel.check_mesh(self.mesh)
+      self._placement = MeshPlacement(model, self.weights, input_batch, mesh)
+      self.weights = jax.device_put(self.weights, self._placement.weights)
+      input_batch.place_state(self._placement.state)
+    self.kv_cache = self._create_kv_cache(model, config)
+    self._stop_rules: dict[str, tuple[int, tuple[int, ...]]] = {}
+    self.max_num_device_stop_ids = input_batch.config.max_num_stop_token_ids + len(
+      input_batch.eos_token_ids
+    )
+    # On a mesh every row bucket is a multiple of the data-parallel size (whole rows per shard).
+    # With batch_invariant, one: the sampler's reductions (top-p masses, the draw's cumulative
+    # sums) take their order from the whole `[rows, V]` shape, so one row count keeps a
+    # request's draw independent of the batch (the model's arithmetic is per token,
+    # `jaxengine.models.batch_invariant`).
+    self.row_buckets = (
+      [self.max_num_reqs]
+      if config.batch_invariant
+      else buckets(self.max_num_reqs, self._placement.rows if self._placement else 1)
+    )
     #: The pages' owners: the scheduler allocates through it, the runner only reads tables.
     self.kv_cache_manager = KVCacheManager(
       self.num_blocks, self.block_size, enable_caching=config.prefix_caching
@@ -148,25 +207,29 @@ class PagedModelRunner(ModelRunner):
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, 1)
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
+    self._jit_steps(model.vocab_size, config.num_speculative_tokens)
+
+  def _jit_steps(self, vocab_size: int, num_speculative_tokens: int) -> None:
+    """Jits the device steps once, with their shardings on a mesh."""
     placement = self._placement
     #: The model's part of a plain step: one executable per (token bucket, row bucket).
     self.ragged_forward: Callable[..., Any] = jax.jit(
       functools.partial(ragged_forward, self._graphdef),
       static_argnames=("prompt_logprobs",),
       donate_argnames=("kv_cache",),
-      **(placement.ragged_forward_shardings(model.vocab_size) if placement is not None else {}),
+      **(placement.ragged_forward_shardings(vocab_size) if placement is not None else {}),
     )
     #: The sampler's part: one executable per row bucket.
     self.sample_produced: Callable[..., Any] = jax.jit(
       functools.partial(sample_produced, mesh=self.mesh),
       static_argnames=("num_rows",),
       donate_argnames=("state",),
-      **(placement.sample_produced_shardings(model.vocab_size) if placement is not None else {}),
+      **(placement.sample_produced_shardings(vocab_size) if placement is not None else {}),
     )
     #: Where the step's host inputs go: replicated on a mesh, else the default device.
     self._input_sharding = placement.replicated if placement is not None else None
     #: Draft slots per row of the verify step (0: no speculative decoding; `paged_verify.py`).
-    self.num_speculative_tokens = config.num_speculative_tokens
+    self.num_speculative_tokens = num_speculative_tokens
     #: The verify step's model part (per token and row bucket) and rejection sampler (per row
     #: bucket), `engine/paged_verify.py`.
     self.verify_forward: Callable[..., Any] = jax.jit(
@@ -204,7 +267,12 @@ class PagedModelRunner(ModelRunner):
     backend.check_sliding_window(spec.sliding_window)
     backend.check_platform(jax.default_backend())
     num_blocks = config.num_kv_blocks
-    devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+    # This process's devices: another process's cannot report their memory (multi-host meshes).
+    devices = (
+      [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+      if self.mesh is not None
+      else jax.local_devices()[:1]
+    )
     if num_blocks is None and config.kv_cache_memory_bytes is None:
       num_blocks = default_num_kv_blocks(
         spec,
@@ -231,7 +299,68 @@ class PagedModelRunner(ModelRunner):
       return self._placement.create_paged_kv_cache(spec, backend, self.num_blocks, self.block_size)
     return PagedKVCache.create(spec, backend, self.num_blocks, self.block_size)
 
-  # --- what the paged cache changes -------------------------------------------------------------
+  @property
+  def model(self) -> Model:
+    """The model with the runner's current weights (a new module sharing the weight arrays)."""
+    return nnx.merge(self._graphdef, self.weights)
+
+  # --- weights ----------------------------------------------------------------------------------
+
+  def load_weights(
+    self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | nnx.State | nnx.Module
+  ) -> None:
+    """Replaces some or all of the model's weights; the compiled steps are reused as they are.
+
+    Two forms:
+
+    - named tensors, ``{name: array}`` or ``(name, array)`` pairs, names and layouts as in the
+      checkpoint (for `jaxengine.models.Llama` the Hugging Face names, vLLM's `load_weights`
+      convention; for a model without `weight_specs`, its dotted NNX paths such as
+      ``"layers.0.attn.wq"``). Tensors may be a subset: the rest stay as they are.
+    - a whole `nnx.State` (``nnx.state(module)``), its nested pure dict
+      (``nnx.to_pure_dict``) or the module itself, of the same structure as the engine's model:
+      for trainers that hold the same NNX module.
+
+    Arrays may be NumPy (converted on the host, then put on the device) or JAX arrays (converted
+    on their devices, then placed as the engine's weights are: no round trip through the host).
+    Any floating dtype is cast to the parameter's dtype. A JAX array that already has the
+    parameter's layout, dtype and placement is used as it is, not copied: do not delete or donate
+    it afterwards (copy it first if your training step donates its parameters). Nothing
+    recompiles as long as the arrays are placed as the engine's weights are (on one device:
+    uncommitted, as arrays made by `jnp` and by jitted functions of such arrays are; see
+    `jaxengine.models.weights.put`).
+
+    Running requests continue with the new weights (their cached keys and values stay as the
+    old weights wrote them, as in vLLM). The prefix cache is emptied: later prompts compute
+    their keys and values with the new weights.
+
+    Raises:
+      ValueError: naming the first unknown or repeated name, missing or extra state leaf, or
+        tensor of the wrong type, shape or dtype, or holding a NaN or an infinity (by its
+        checkpoint name; see `jaxengine.models.weights.nonfinite_tensors` for what that check
+        reads and costs). Everything is checked before any conversion, and the weights change
+        all at once at the end: after an error the model is exactly as it was.
+    """
+    leaves = state_leaves(self.weights)
+    is_pure_dict = isinstance(weights, Mapping) and any(
+      isinstance(v, Mapping) for v in weights.values()
+    )
+    if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
+      given = collect_state(weights, leaves)
+      check_finite(given.items(), self._leaf_name)
+      new = {path: put(given[path], leaves[path]) for path in leaves}
+    else:
+      grouped = collect_named_weights(weights, self.weight_specs, leaves)
+      check_finite((spec.name, t) for parts in grouped.values() for spec, t in parts.values())
+      new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
+    self.weights = replace_leaves(self.weights, new)
+    self.reset_prefix_cache()
+
+  def _leaf_name(self, path: LeafPath) -> str:
+    """A leaf by its checkpoint name and NNX path (``"model.norm.weight" (final_norm.scale)``),
+    or by its path alone when no single checkpoint tensor fills it."""
+    names = [s.name for s in self.weight_specs.values() if s.path == path and s.layer is None]
+    return f"{names[0]} ({dotted(path)})" if names else dotted(path)
 
   def reset_prefix_cache(self) -> bool:
     """Forgets every prefix hash (pages in use stay with their requests); returns True."""
@@ -241,19 +370,29 @@ class PagedModelRunner(ModelRunner):
   # --- composition --------------------------------------------------------------------------------
 
   def add(self, completion: Completion) -> None:
-    """Gives a completion a row (its block table starts empty); notes a prompt whose logprobs
-    it computes (the first sample of a request asking for `prompt_logprobs`)."""
-    super().add(completion)
+    """Gives a completion a row (its block table starts empty) and its device stop rules; notes
+    a prompt whose logprobs it computes (the first sample of a request asking for
+    `prompt_logprobs`)."""
+    request = completion.request
+    self.input_batch.add_request(completion.seq_id, request.prompt_token_ids, completion.params)
+    self._stop_rules[completion.seq_id] = device_stop_rules(
+      completion.params, self.input_batch.eos_token_ids, self.max_model_len
+    )
     if wants_prompt_logprobs(completion):
-      request = completion.request
       self._prompt_logprobs[completion.seq_id] = _PendingPromptLogprobs(
         request.request_id, len(request.prompt_token_ids)
       )
 
   def remove(self, seq_id: str) -> None:
-    """Frees a completion's row (the scheduler frees its pages)."""
-    super().remove(seq_id)
+    """Frees a completion's row (the scheduler frees its pages); the next step condenses the
+    batch."""
+    self.input_batch.remove_request(seq_id)
+    self._stop_rules.pop(seq_id, None)
     self._prompt_logprobs.pop(seq_id, None)
+
+  def row_bucket(self, num_reqs: int) -> int:
+    """The row bucket a step over `num_reqs` live rows computes."""
+    return bucket(num_reqs, self.row_buckets)
 
   # --- the step ---------------------------------------------------------------------------------
 
@@ -270,7 +409,9 @@ class PagedModelRunner(ModelRunner):
 
     Args:
       scheduled: the scheduler's plan for this step.
-      grammar_bitmask: as `ModelRunner.decode`.
+      grammar_bitmask: called with the condensed batch's `req_ids`; returns the packed
+        `[R, ceil(V / 32)] int32` allowed tokens of rows with structured outputs, or None (the
+        step then leaves the bitmask as it is and reads it nowhere).
 
     Returns:
       `PagedStepOutput`: the sampled tokens of the batch's rows (`req_ids` order; `num_sampled`
@@ -666,3 +807,29 @@ class PagedModelRunner(ModelRunner):
     )
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
+
+
+def _check_sizes(model: Model, input_batch: InputBatch, config: EngineConfig) -> None:
+  """Refuses a batch, config and model that do not go together (ValueError, naming both)."""
+  sizes = (config.max_num_reqs, config.max_model_len)
+  if sizes != (input_batch.max_num_reqs, input_batch.max_model_len):
+    raise ValueError(
+      f"the config's max_num_reqs, max_model_len={sizes} differ from the batch's "
+      f"{(input_batch.max_num_reqs, input_batch.max_model_len)}"
+    )
+  if model.vocab_size != input_batch.vocab_size:
+    raise ValueError(
+      f"the model's vocab_size={model.vocab_size} differs from the batch's "
+      f"vocab_size={input_batch.vocab_size}"
+    )
+  if input_batch.max_model_len > model.max_position_embeddings:
+    raise ValueError(
+      f"max_model_len={input_batch.max_model_len} exceeds the model's "
+      f"max_position_embeddings={model.max_position_embeddings}"
+    )
+  table = input_batch.block_table
+  if table is None or table.max_num_blocks_per_req != config.max_num_blocks_per_req:
+    raise ValueError(
+      f"the runner needs a batch built with max_num_blocks_per_req="
+      f"{config.max_num_blocks_per_req} (ceil(max_model_len / block_size))"
+    )

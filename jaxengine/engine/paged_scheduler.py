@@ -22,18 +22,18 @@ A preempted request keeps its row of the batch (its sampling state is exact as i
 loses its pages: it is scheduled again as a prefill of its prompt and output so far, ahead of
 every waiting request, and its next token is the one it would have sampled without preemption.
 
-Host bookkeeping only: token counts and block ids. `ModelRunner` turns a `PagedSchedulerOutput`
-into one ragged model step.
+Host bookkeeping only: token counts and block ids. `PagedModelRunner` turns a
+`PagedSchedulerOutput` into one ragged model step.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
-from jaxengine.engine.requests import Completion
-from jaxengine.engine.scheduler import RequestQueues
+from jaxengine.engine.requests import Completion, Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +70,13 @@ class PagedSchedulerOutput:
     return sum(self.num_scheduled_tokens.values())
 
 
-class PagedScheduler(RequestQueues):
+class PagedScheduler:
   """Chooses each step's tokens within a budget, over the pages of a `KVCacheManager`.
 
-  The queues of `RequestQueues` (`waiting`, `running` in admission order, which is the
-  preemption order, latest last; `add_request`, `has_unfinished`, `abort`), with `schedule`
-  returning a `PagedSchedulerOutput`, `update_after_step` advancing the computed counts and
-  `finish` freeing pages too.
+  Keeps the completions waiting for a row (`waiting`, arrival order) and the running ones
+  (`running`, admission order, which is the preemption order, latest last); `schedule` returns
+  a `PagedSchedulerOutput`, `update_after_step` advances the computed counts and `finish` frees
+  a completion's place and pages.
 
   Args:
     max_num_reqs: completions that may run at once (the batch's rows).
@@ -92,12 +92,31 @@ class PagedScheduler(RequestQueues):
     max_num_batched_tokens: int,
     enable_chunked_prefill: bool = True,
   ) -> None:
-    super().__init__(max_num_reqs)
+    self.max_num_reqs = max_num_reqs
+    self.waiting: collections.deque[Completion] = collections.deque()
+    #: Running completions in admission order.
+    self.running: dict[str, Completion] = {}
     self.manager = manager
     self.max_num_batched_tokens = max_num_batched_tokens
     self.enable_chunked_prefill = enable_chunked_prefill
     #: Tokens of each running completion whose keys and values are in its pages.
     self.num_computed_tokens: dict[str, int] = {}
+
+  def add_request(self, request: Request) -> None:
+    """Queues every completion of `request`."""
+    self.waiting.extend(request.completions)
+
+  def has_unfinished(self) -> bool:
+    """Whether any completion is waiting or running."""
+    return bool(self.waiting or self.running)
+
+  def abort(self, request_ids: set[str]) -> list[Completion]:
+    """Drops every waiting completion of these requests; returns the running ones, which the
+    caller finishes (`finish`) once it has freed their rows."""
+    self.waiting = collections.deque(
+      c for c in self.waiting if c.request.request_id not in request_ids
+    )
+    return [c for c in self.running.values() if c.request.request_id in request_ids]
 
   def schedule(
     self, draft_token_ids: Mapping[str, Sequence[int]] | None = None
@@ -150,7 +169,7 @@ class PagedScheduler(RequestQueues):
 
   def finish(self, completion: Completion) -> None:
     """Frees a finished completion's row and pages."""
-    super().finish(completion)
+    del self.running[completion.seq_id]
     del self.num_computed_tokens[completion.seq_id]
     self.manager.free(completion.seq_id)
 

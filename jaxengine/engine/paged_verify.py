@@ -1,8 +1,8 @@
-"""Speculative decoding on the paged engine: n-gram drafts as query tokens of the ragged step.
+"""Speculative decoding: n-gram drafts as query tokens of the ragged step.
 
 Each step with `speculative_config`, `PagedSpeculation.propose` asks the engine's
-`SpeculativePolicy` for drafts of the running decodes (same drafts, limits and cost model as the
-slot engine; none while a row with structured outputs runs). The `PagedScheduler` schedules a
+`SpeculativePolicy` for drafts of the running decodes (its drafts, limits and cost model; none
+while a row with structured outputs runs). The `PagedScheduler` schedules a
 drafted decode as `1 + d` query tokens (its last known token, then its `d` drafts, at positions
 `n - 1 .. n - 1 + d`), within the token budget and the free pages. The step then runs `verify_forward`
 (the model once over the ragged tokens, drafts fed in place of tokens the batch does not hold yet;
@@ -10,7 +10,7 @@ the logits at every query position of drafted rows), then `rejection_sample_prod
 (`jaxengine.sample.rejection_sample` over all rows): a row without drafts (a plain decode, a
 prompt's last chunk) emits the very token `sample` would, a drafted row its accepted drafts and one
 recovered or bonus token, each drawn with the key of its output index (so seeded outputs are those
-of the slot engine's verify and of plain decoding). `PagedSpeculation.record` counts the accepted
+of plain decoding). `PagedSpeculation.record` counts the accepted
 drafts; the scheduler advances a drafted row's computed tokens by `1 + accepted`: the keys and
 values of rejected drafts lie past it and the next step overwrites them. Prefix caching hashes known
 tokens only, so a cached page never holds a rejected draft.

@@ -1,7 +1,7 @@
-"""Where a `ModelRunner` on a `jax.sharding.Mesh` puts everything, fixed once at start-up.
+"""Where a `PagedModelRunner` on a `jax.sharding.Mesh` puts everything, fixed once at start-up.
 
 The specs themselves are `jaxengine.parallel`'s; this module turns them into the concrete
-`NamedSharding` trees of one runner (weights, KV cache, batch state, sampling metadata) and the
+`NamedSharding` trees of one runner (weights, KV-cache pages, batch state, sampling metadata) and the
 `in_shardings` / `out_shardings` of its jitted steps. Declaring both sides on every step is what
 keeps warm-up and serving on the same executables: an argument whose sharding drifted would be
 refused by `jax.jit` rather than silently recompiled.
@@ -21,7 +21,7 @@ from jaxengine.batch import InputBatch
 from jaxengine.engine.ragged_step import RaggedForward
 from jaxengine.models.attention_backends import AttentionBackend
 from jaxengine.models.interface import Model
-from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import sharding_rules
 from jaxengine.models.sharded_attention import HeadShardedBackend
@@ -48,11 +48,9 @@ class MeshPlacement:
     rows: the data-parallel size `d`: the smallest row bucket (buckets are multiples of it).
     weights: `NamedSharding` tree of the model's `nnx.State` (`parallel.weight_shardings` by
       the roles of `jaxengine.models.registry.sharding_rules`).
-    kv_cache: `KVCache` of `NamedSharding` (`parallel.kv_cache_spec`).
     state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
     metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
-    paged_kv_cache: `PagedKVCache` tree of `NamedSharding` (a paged runner's, set by
-      `create_paged_kv_cache`).
+    paged_kv_cache: `PagedKVCache` tree of `NamedSharding` (set by `create_paged_kv_cache`).
 
   Raises:
     ValueError: the model axis does not divide the query heads (both numbers named), or the
@@ -73,25 +71,10 @@ class MeshPlacement:
       )
     self.mesh = mesh
     self.rows = d
-    self._num_slots, self._max_model_len = num_rows, input_batch.max_model_len
     self.weights = parallel.weight_shardings(weights, mesh, sharding_rules(model))
-    spec = model.kv_cache_spec
-    cache = NamedSharding(mesh, parallel.kv_cache_spec(num_rows, spec.num_kv_heads, mesh))
-    # A KVCache-shaped tree of shardings (for jit's in/out_shardings).
-    self.kv_cache = KVCache(key=cast(Any, cache), value=cast(Any, cache))
     self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
     self._replicated = NamedSharding(mesh, P())
-
-  def create_kv_cache(self, spec: KVCacheSpec) -> KVCache:
-    """A zero cache allocated directly in its shards (never whole on one device)."""
-    return jax.jit(self._create, static_argnums=(0, 1, 2), out_shardings=self.kv_cache)(
-      spec, self._num_slots, self._max_model_len
-    )
-
-  @staticmethod
-  def _create(spec: KVCacheSpec, num_slots: int, max_model_len: int) -> KVCache:
-    return KVCache.create(spec, num_slots, max_model_len)
 
   def create_paged_kv_cache(
     self, spec: KVCacheSpec, backend: AttentionBackend, num_blocks: int, block_size: int
@@ -177,34 +160,3 @@ class MeshPlacement:
   def replicated(self) -> NamedSharding:
     """The mesh's replicated sharding (host inputs of a step)."""
     return self._replicated
-
-  def jit_shardings(self) -> dict[str, dict[str, Any]]:
-    """`in_shardings` / `out_shardings` of the runner's jitted steps on the mesh.
-
-    decode ``(state, metadata, weights, kv_cache) -> (state, SamplerOutput, kv_cache)``: state and
-    metadata by row, the sampler's output replicated (it goes to the host). prefill
-    ``(weights, kv_cache, token_ids, positions, cache_slots[, next_token_ids])``: the host's
-    prompt arrays replicated (NumPy inputs, the same on every process under `jax.distributed`;
-    small next to the cache), prompt logprobs replicated. decode_steps ``(state, metadata,
-    weights, kv_cache, max_output_tokens, stop_ids, end_on_first_finish) -> (state,
-    MultiStepOutput, kv_cache)``: as decode, the stop rules replicated.
-    """
-    rep = self._replicated
-    return {
-      "decode": {
-        "in_shardings": (self.state, self.metadata, self.weights, self.kv_cache),
-        "out_shardings": (self.state, rep, self.kv_cache),
-      },
-      "prefill": {
-        "in_shardings": (self.weights, self.kv_cache, rep, rep, rep),
-        "out_shardings": self.kv_cache,
-      },
-      "prefill_logprobs": {
-        "in_shardings": (self.weights, self.kv_cache, rep, rep, rep, rep),
-        "out_shardings": (self.kv_cache, rep),
-      },
-      "decode_steps": {
-        "in_shardings": (self.state, self.metadata, self.weights, self.kv_cache, rep, rep, rep),
-        "out_shardings": (self.state, rep, self.kv_cache),
-      },
-    }

@@ -127,7 +127,7 @@ def sample_produced(state, metadata, logits, produces, num_rows, mesh=None):
     produces: `[R] bool` rows that sample (`RaggedInputs.produces`).
     num_rows: `R` (static), a bucket holding every live row (the batch is condensed).
     mesh: None, or the engine's mesh (static): the sampler reduces the vocabulary-sharded
-      logits per shard, as the slot engine's decode step does.
+      logits per shard (`jaxengine.sample.sharded`): only per-row summaries cross devices.
 
   Returns:
     `(state, MultiStepOutput)`: one step; `num_sampled [R]` is 1 for rows that produced a token

@@ -6,7 +6,7 @@ in the same sequence, and proposes the (up to `k`) tokens that followed its last
 (the last one followed by `k` tokens; see `ngram_draft`). The
 runner then feeds each row's last token and its drafts to the model in one pass over `k + 1`
 positions and `jaxengine.sample.rejection_sample` keeps the longest prefix the target model
-agrees with, plus one recovered or bonus token (`ModelRunner.verify`). Everything here is host
+agrees with, plus one recovered or bonus token (`engine/paged_verify.py`). Everything here is host
 NumPy: the search costs microseconds per row (`SpecDecodingStats.draft_time_s` measures it).
 """
 
@@ -29,8 +29,9 @@ METHODS = ("ngram",)
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 1.0
 VERIFY_DECAY, STEP_DECAY = 0.8, 0.97
 #: The verify decision's cost model, per backend: the batch tokens whose compute costs as much as
-#: one read of the weights (`ModelRunner` passes cost `crossover + tokens`). Small on CPUs, where
-#: compute dominates at once; large on accelerators, where a pass is bound by reading the weights.
+#: one read of the weights (`worth_verifying` weighs cost `crossover + tokens`). Small on CPUs,
+#: where compute dominates at once; large on accelerators, where a pass is bound by reading the
+#: weights.
 CROSSOVER_TOKENS = {"cpu": 4}
 DEFAULT_CROSSOVER_TOKENS = 256
 #: Its keys, vLLM's names.

@@ -13,7 +13,7 @@
 
 Each `ServerMetrics` has its own registry (several servers in one process do not collide). The
 engine thread records each step's `IterationStats`; the prefix-cache counters are read from the
-engine's `kv_cache_stats` when scraped (none with the slot cache, which has no prefix cache).
+engine's `kv_cache_stats` when scraped.
 """
 
 from __future__ import annotations

@@ -68,18 +68,12 @@ def _wants_default_mesh(engine_options: dict[str, Any]) -> bool:
   The weights the trainer hands over are committed to their device. On an engine without a mesh
   that makes the batch state committed after the first step, so every step compiles twice (once
   per placement); on a mesh everything is placed from the start. Not when the options place
-  the engine themselves, or ask for what a mesh does not support yet with the slot cache
-  (prefix caching, speculative decoding): those engines pay the second compile once.
+  the engine themselves.
   """
-  placed = any(
+  return not any(
     engine_options.get(k) not in (None, 1)
     for k in ("mesh", "tensor_parallel_size", "data_parallel_size")
   )
-  off_mesh_only = (
-    engine_options.get("enable_prefix_caching")
-    or engine_options.get("speculative_config") is not None
-  )
-  return not placed and not off_mesh_only
 
 
 class PaddedPrompts(NamedTuple):
@@ -231,10 +225,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       with encode/decode/bos_id/eos_id/pad_id).
     mesh: the rollout mesh Tunix assigns. The engine's weights, KV cache and batch live on its
       first device (the actor's first device without one), on a one-device engine mesh, unless
-      `engine_options` place the engine (`mesh=`, `tensor_parallel_size=`,
-      `data_parallel_size=`) or ask for what a mesh does not support yet
-      (`enable_prefix_caching=True`, `speculative_config`; those
-      engines compile their steps a second time after the first weight update, see
+      `engine_options` place the engine (`mesh=`, `tensor_parallel_size=`; see
       `_wants_default_mesh`). The trainer's arrays reach that device device to device.
     rollout_config: the TRAIN `RolloutConfig`; its temperature is the one
       `get_per_token_logps` divides by.

@@ -123,8 +123,7 @@ class AttentionBackend(abc.ABC):
     if sliding_window is not None and not self.supports_sliding_window:
       raise ValueError(
         f"attention_backend={self.name!r} has no sliding-window attention, got "
-        f"sliding_window={sliding_window}: use attention_backend='xla' (or 'pallas_tpu' on TPU) "
-        f"or the slot cache"
+        f"sliding_window={sliding_window}: use attention_backend='xla' (or 'pallas_tpu' on TPU)"
       )
 
   @abc.abstractmethod

@@ -142,7 +142,7 @@ def shard_backend(
 ) -> AttentionBackend:
   """`backend` for an engine on `mesh`: wrapped in `HeadShardedBackend` when the model axis has
   more than one device and divides `num_kv_heads`; as it is otherwise (one device, or pages
-  replicated over the model axis when it does not divide the heads, as the slot cache is)."""
+  replicated over the model axis when it does not divide the heads)."""
   if mesh is None or "model" not in mesh.shape:
     return backend
   t = int(mesh.shape["model"])
