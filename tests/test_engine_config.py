@@ -53,11 +53,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be a bool or None, got 'yes'"),
     ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization must be a float in \(0, 1\], got 0"),
     ({"gpu_memory_utilization": True}, "gpu_memory_utilization must be a float"),
-    (
-      {"data_parallel_size": 2, "max_num_reqs": 2},
-      r"data_parallel_size=2 is not supported yet .one pool of KV-cache pages serves every row "
-      r"of the batch.; use tensor_parallel_size",
-    ),
   ],
 )
 def test_each_bad_option_is_refused_by_name_before_any_model_loads(options, message, tmp_path):

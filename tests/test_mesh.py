@@ -88,8 +88,8 @@ def logprobs(entries):
   return ranks, [v.logprob for e in entries if e for v in e.values()]
 kw = dict(max_num_reqs=2, max_model_len=16)
 want = run(je.LLM(model, async_scheduling=False, **kw))
-for t, d in [(2, 1), (4, 1)]:
-  llm = je.LLM(model, tensor_parallel_size=t, **kw)
+for t, d in [(2, 1), (4, 2)]:
+  llm = je.LLM(model, tensor_parallel_size=t, data_parallel_size=d, **kw)
   runner = llm.llm_engine.runner
   got = run(llm)
   for (a, la, pa), (b, lb, pb) in zip(got, want):
@@ -114,7 +114,7 @@ for t, d in [(2, 1), (4, 1)]:
   split = (P("model", None, None), P(None, "model"), P("model", None)) if t > 1 else (P(),) * 3
   assert specs[:3] == split, specs
   assert ("model" in tuple(specs[3])) == (t == 2), specs  # heads split only where t divides K
-  assert specs[4] == P(), specs
+  assert specs[4] == (P("data") if d > 1 else P()), specs  # rows split over the data axis
   print(t, d, specs)
 # Several decode steps per dispatch on the mesh (precompiled): one device's tokens, logprobs to
 # float32 rounding, and a second run compiles nothing.

@@ -77,14 +77,6 @@ for inner in (XlaAttentionBackend(), PallasGpuAttentionBackend(interpret=True),
   assert pages[0].sharding.spec[axis] == "model", (inner.name, pages[0].sharding)
   print("backend", inner.name, "ok")
 
-# One pool of pages serves every row: data parallelism is refused by name.
-from jaxengine.engine.engine_config import EngineConfig
-try:
-  EngineConfig(max_num_reqs=2, data_parallel_size=2, num_kv_blocks=8)
-except ValueError as e:
-  assert "data_parallel_size=2" in str(e) and "slot" not in str(e), e
-else:
-  raise AssertionError("data_parallel_size=2 accepted with pages")
 
 # --- the engine: t = 2 against one device --------------------------------------------------
 model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 key/value heads
@@ -143,6 +135,16 @@ assert stats.num_preemptions == one_stats.num_preemptions > 0, (stats, one_stats
 assert stats.prefix_cache_hits > 0 and stats.num_used_blocks == 0, stats
 check_same(run(llm, prompts[:2], with_prompt_logprobs), want_prompt)
 print("engine", stats)
+
+# d = 2: rows split over the data axis (the pool replicated): one device's tokens, prefix hits,
+# preemption and chunked prefill included.
+dp = je.LLM(model, data_parallel_size=2, **kw)
+check_same(run(dp), want)
+dp_stats = dp.llm_engine.kv_cache_stats
+assert dp_stats.num_preemptions == one_stats.num_preemptions and dp_stats.prefix_cache_hits > 0
+assert dp.llm_engine.runner.input_batch.state.token_ids.sharding.spec[0] == "data"
+check_same(run(dp, prompts[:2], with_prompt_logprobs), want_prompt)
+print("data parallel", dp_stats)
 
 # k = 3 decode steps per dispatch on the mesh: the k = 1 tokens (the loop ran).
 steps3 = je.LLM(model, tensor_parallel_size=2, num_decode_steps=3, **kw)

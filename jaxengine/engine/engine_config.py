@@ -66,7 +66,11 @@ class EngineConfig:
     revision: hub branch, tag or commit of a hub id (default `main`).
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer; with a `mesh`, its "model" axis size.
-    data_parallel_size: devices splitting the batch rows; with a `mesh`, its "data" axis size.
+    data_parallel_size: devices splitting the batch rows (it must divide `max_num_reqs`); with a
+      `mesh`, its "data" axis size. The batch state and the sampler are split by row over the
+      "data" axis; the pool of KV-cache pages and the model's pass over a step's tokens are
+      replicated over it (one pool serves every row: a pool per data group is not built yet),
+      so data parallelism does not yet divide the model's work or the cache's memory.
       Only 1 for now (the one pool of KV-cache pages serves every row; larger sizes are
       refused).
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
@@ -138,7 +142,7 @@ class EngineConfig:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
       `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with
-      `num_decode_steps > 1`, `data_parallel_size > 1`, `batch_invariant` with a mesh, a Pallas
+      `num_decode_steps > 1`, `batch_invariant` with a mesh, a Pallas
       attention backend or a non-CPU platform, `async_scheduling=True` with
       `num_decode_steps > 1` or `speculative_config`); more devices than there are.
   """
@@ -282,12 +286,7 @@ class EngineConfig:
           f"tensor_parallel_size={t}, data_parallel_size={d}"
         )
       t, d = axes
-    if d != 1:  # one pool of pages serves every row: data shards would need a pool each
-      raise ValueError(
-        f"data_parallel_size={d} is not supported yet (one pool of KV-cache pages serves every "
-        "row of the batch); use tensor_parallel_size to run on several devices"
-      )
-    if mesh is None and t != 1:
+    if mesh is None and (t, d) != (1, 1):
       mesh = parallel.make_mesh(t, d)
     self._set("tensor_parallel_size", t)
     self._set("data_parallel_size", d)
