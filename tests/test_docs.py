@@ -107,3 +107,20 @@ def test_the_snippet_reader_finds_every_python_fence(tmp_path):
   page = tmp_path / "page.md"
   page.write_text("x\n```python\na = 1\n```\n```bash\nls\n```\n```python\nprint(a)\n```\n")
   assert page_script(page) == "a = 1\n\n\nprint(a)\n"
+
+
+def test_the_configuration_page_documents_every_option_and_flag():
+  """docs/configuration.md has a row for every `EngineConfig` field and names every engine
+  flag of the command, and no row for an option that is gone."""
+  import dataclasses
+
+  from jaxengine.cli_engine_flags import ENGINE_FLAGS
+  from jaxengine.engine.engine_config import EngineConfig
+
+  text = (ROOT / "docs" / "configuration.md").read_text()
+  rows = {m for m in re.findall(r"^\| `(\w+)` \|", text, re.M)}
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  assert rows == fields, (sorted(fields - rows), sorted(rows - fields))
+  flags = {flag.flag.removeprefix("--") for flag in ENGINE_FLAGS}
+  missing = [f for f in flags if f"--{f}" not in text and f"--[no-]{f}" not in text]
+  assert missing == []
