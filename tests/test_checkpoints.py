@@ -243,6 +243,22 @@ def test_float16_weights_load_and_generate_on_cpu(tmp_path):
   rounded = {name: t.astype(np.float16).astype(np.float32) for name, t in tensors.items()}
   assert _tokens(out) == reference_greedy(c, rounded, PROMPT, 6)
   assert all(math.isfinite(e.logprob) for step in out.outputs[0].logprobs for e in step.values())
+  # A finite float32 value beyond float16's range would load as inf: refused, nothing changed,
+  # by checkpoint name (and NNX path) and in a whole state alike.
+  runner = llm.llm_engine.runner
+  before = jax.tree.leaves(runner.weights)
+  name = "model.layers.0.mlp.up_proj.weight"
+  big = np.full_like(tensors[name], 1e5)
+  with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight .*overflows"):
+    llm.load_weights([(name, big)])
+  state = nnx.state(model)
+  state["layers"][0]["mlp"]["w_up"] = nnx.Param(jnp.full(big.shape, 1e5, jnp.float32))
+  with pytest.raises(ValueError, match=r"\(layers.0.mlp.w_up\) overflows the engine's weight"):
+    llm.load_weights(state)
+  assert all(a is b for a, b in zip(jax.tree.leaves(runner.weights), before))
+  assert (
+    llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
+  )
 
 
 def test_generation_config_eos_ids_stop_like_vllm(tmp_path):

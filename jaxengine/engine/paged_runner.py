@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -349,10 +350,20 @@ class PagedModelRunner:
       given = collect_state(weights, leaves)
       check_finite(given.items(), self._leaf_name)
       new = {path: put(given[path], leaves[path]) for path in leaves}
+      narrowed = [path for path in new if _narrows(given[path], leaves[path])]
     else:
       grouped = collect_named_weights(weights, self.weight_specs, leaves)
       check_finite((spec.name, t) for parts in grouped.values() for spec, t in parts.values())
-      new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
+      with np.errstate(over="ignore"):  # an overflow to inf is refused just below, by name
+        new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
+      narrowed = [
+        path
+        for path, parts in grouped.items()
+        if any(_narrows(t, leaves[path]) for _, t in parts.values())
+      ]
+    # A finite value can overflow the engine's narrower dtype (1e5 in float16): checked again
+    # after the cast, where that can happen, before anything is replaced.
+    check_finite(((path, new[path]) for path in narrowed), self._leaf_name, after_cast=True)
     self.weights = replace_leaves(self.weights, new)
     self.reset_prefix_cache()
 
@@ -833,3 +844,11 @@ def _check_sizes(model: Model, input_batch: InputBatch, config: EngineConfig) ->
       f"the runner needs a batch built with max_num_blocks_per_req="
       f"{config.max_num_blocks_per_req} (ceil(max_model_len / block_size))"
     )
+
+
+def _narrows(tensor, leaf: jax.Array) -> bool:
+  """Whether casting floating `tensor` to `leaf`'s dtype can overflow (a narrower float)."""
+  dtype = np.dtype(getattr(tensor, "dtype", np.float64))
+  if not jnp.issubdtype(dtype, jnp.floating):
+    return False
+  return float(jnp.finfo(dtype).max) > float(jnp.finfo(leaf.dtype).max)

@@ -349,15 +349,24 @@ def nonfinite_tensors(named: Iterable[tuple[Any, Any]]) -> list:
   return [key for i, (key, _) in enumerate(named) if not finite[i]]
 
 
-def check_finite(named: Iterable[tuple[Any, Any]], describe: Callable[[Any], str] = str) -> None:
+def check_finite(
+  named: Iterable[tuple[Any, Any]], describe: Callable[[Any], str] = str, *, after_cast=False
+) -> None:
   """Raises ValueError naming (`describe(key)`) the first tensor of `named`, ``(key, array)``
-  pairs, that holds a NaN or an infinity, and counting the others; see `nonfinite_tensors`."""
+  pairs, that holds a NaN or an infinity, and counting the others; see `nonfinite_tensors`.
+  `after_cast`: the tensors are already in the engine's dtype, where finite values given in a
+  wider one overflowed (the message says so)."""
   bad = nonfinite_tensors(named)
   if bad:
     others = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    why = (
+      "overflows the engine's weight dtype (values beyond its largest finite number)"
+      if after_cast
+      else "holds NaN or infinite values"
+    )
     raise ValueError(
-      f"weight {describe(bad[0])} holds NaN or infinite values{others}, as after a diverged "
-      "optimizer step; no weight was loaded"
+      f"weight {describe(bad[0])} {why}{others}, as after a diverged optimizer step; no weight "
+      "was loaded"
     )
 
 
