@@ -232,6 +232,11 @@ BAD_ADDS = [
     ["max_model_len", "prompt_token_ids", "prompt"],
   ),
   (
+    "prompt-fills-the-context",  # no room left for the token the row would sample next
+    dict(prompt_token_ids=[1] * MML),
+    ["max_model_len", "prompt_token_ids", "prompt"],
+  ),
+  (
     "too-many-stop-ids",
     dict(sampling_params=lambda: P(stop_token_ids=[1, 2, 3, 4, 5])),
     ["stop_token_ids", "max_num_stop_token_ids"],
@@ -343,7 +348,7 @@ def test_rejected_add_does_not_perturb_later_unseeded_streams():
 
 def test_capacity_limits_are_inclusive():
   b = _caps_batch()
-  b.add_request("a", [1] * (MML - 2), P(stop_token_ids=[1, 2, 3, 4]), output_token_ids=[0, 0])
+  b.add_request("a", [1] * (MML - 3), P(stop_token_ids=[1, 2, 3, 4]), output_token_ids=[0, 0])
   b.add_request(
     "b", [1], P(logit_bias={i: 0.1 for i in range(4)}, bad_words_token_ids=[[1, 2], [3], [4, 5]])
   )

@@ -218,10 +218,10 @@ def encode_request(
     raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
   outputs = token_array("output_token_ids", output_token_ids, vocab)
   num_tokens = len(prompt) + len(outputs)
-  if num_tokens > config.max_model_len:
+  if num_tokens >= config.max_model_len:  # a row must have room for the token it samples next
     raise ValueError(
-      f"prompt_token_ids plus output_token_ids hold {num_tokens} tokens, more "
-      f"than max_model_len={config.max_model_len}"
+      f"prompt_token_ids plus output_token_ids hold {num_tokens} tokens; at most "
+      f"max_model_len - 1 = {config.max_model_len - 1} leave room for a sampled token"
     )
   _check_num_logprobs(config, "logprobs", params.logprobs)
   _check_num_logprobs(config, "prompt_logprobs", params.prompt_logprobs)
