@@ -196,8 +196,27 @@ def test_echo_with_logprobs_covers_the_prompt_then_the_completion(server, client
   expected = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
   assert values[1:num_prompt] == pytest.approx(expected, abs=1e-5)
   assert all(2 <= len(top) <= 3 for top in tops[1:])  # the top 2 and the token itself
-  assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+  assert offsets[:num_prompt] == [sum(map(len, tokens[:i])) for i in range(num_prompt)]
   assert offsets[num_prompt] == len(prompt)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_text_offsets_of_characters_split_over_tokens(client, stream):
+  """One token per byte: the tokens of a multi-byte character all start where it starts, the
+  completion's tokens after the prompt's; offsets never decrease nor pass the text."""
+  prompt = "é東🎉 is"  # 2-, 3- and 4-byte characters
+  kwargs = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 4,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+  if stream:
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+  else:
+    chunks = client.completions.create(**kwargs).choices
+  text = "".join(c.text for c in chunks)
+  offsets = [o for c in chunks for o in c.logprobs.text_offset]
+  data = prompt.encode()
+  assert offsets[: len(data)] == [len(data[:i].decode(errors="ignore")) for i in range(len(data))]
+  assert offsets[len(data)] == len(prompt) and len(offsets) == len(data) + 4
+  assert offsets == sorted(offsets) and offsets[-1] <= len(text)
 
 
 def test_echo_of_a_token_id_prompt_is_its_text(server, client):

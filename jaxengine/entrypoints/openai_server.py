@@ -52,6 +52,7 @@ from jaxengine.entrypoints.protocol import (
   json_dumps,
 )
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 #: Logprobs below this (including -inf) are reported as it: JSON has no infinities (vLLM's value).
 MIN_LOGPROB = -9999.0
@@ -229,7 +230,9 @@ class _Serving:
       outputs = await _unless_disconnected(request, stream.finals())
       k = body.prompt_logprobs if body.prompt_logprobs is not None else params.prompt_logprobs
       choices = [
-        {**self.completion_choice(i * params.n + c.index, output, c, body.echo, 0, params.logprobs),
+        {**self.completion_choice(i * params.n + c.index, output, c, body.echo,
+                                  self.text_offsets(output, params.skip_special_tokens),
+                                  params.logprobs),
          "prompt_logprobs": _prompt_logprobs(output, k)}
         for i, output in enumerate(outputs)
         for c in output.outputs
@@ -242,31 +245,41 @@ class _Serving:
   async def _completion_events(self, stream, header, body, n: int, num_logprobs) -> AsyncIterator:
     usage = body.stream_options is not None and body.stream_options.include_usage
     chunk = {**header, "object": "text_completion"}
-    offsets: dict[int, int] = {}
+    offsets: dict[int, _TextOffsets] = {}
     async for i, output in stream.deltas():
       for c in output.outputs:
         index = i * n + c.index
         echo = body.echo and index not in offsets
-        choice = self.completion_choice(index, output, c, echo, offsets.get(index, 0), num_logprobs)
-        offsets[index] = offsets.get(index, 0) + len(choice["text"])
+        if index not in offsets:
+          offsets[index] = self.text_offsets(output, body.skip_special_tokens)
+        choice = self.completion_choice(index, output, c, echo, offsets[index], num_logprobs)
         yield {**chunk, "choices": [choice], **({"usage": None} if usage else {})}
     if usage:
       yield {**chunk, "choices": [], "usage": stream.usage()}
 
+  def text_offsets(self, output: RequestOutput, skip_special_tokens: bool) -> _TextOffsets:
+    """A new choice's `text_offset` counter (its completion decodes after `output`'s prompt)."""
+    return _TextOffsets(self.engine.tokenizer, output.prompt_token_ids, skip_special_tokens)
+
   def completion_choice(self, index, output: RequestOutput, c: CompletionOutput, echo: bool,
-                        offset: int, num_logprobs) -> dict:  # fmt: skip
-    """One choice of a completion response or chunk (`text_offset`s start at `offset`). With
-    `echo` the text and the logprobs start with the prompt's (its first token has no logprob)."""
+                        offsets: _TextOffsets, num_logprobs) -> dict:  # fmt: skip
+    """One choice of a completion response or chunk (`offsets` counts through the choice's text,
+    across a stream's chunks). With `echo` the text and the logprobs start with the prompt's (its
+    first token has no logprob)."""
     prompt = self.prompt_text(output) if echo else ""
     logprobs = None
     if c.logprobs is not None:
-      logprobs = _completion_logprobs(
-        c.token_ids, c.logprobs, offset + len(prompt), num_logprobs, self.decode
-      )
+      echoed = None
       if echo:
         ids = output.prompt_token_ids
         steps = output.prompt_logprobs or [None] * len(ids)
-        echoed = _completion_logprobs(ids, steps, offset, num_logprobs, self.decode)
+        prompt_offsets = offsets.prompt_offsets(ids, prompt)
+        echoed = _completion_logprobs(ids, steps, prompt_offsets, num_logprobs, self.decode)
+      completion_offsets = offsets.completion_offsets(c.token_ids, c.text)
+      logprobs = _completion_logprobs(
+        c.token_ids, c.logprobs, completion_offsets, num_logprobs, self.decode
+      )
+      if echoed is not None:
         logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
     text = prompt + c.text
     return {"index": index, "text": text, "logprobs": logprobs,
@@ -525,19 +538,19 @@ def _top(entries: dict[int, Logprob], k: int | None) -> dict[int, Logprob]:
   }  # fmt: skip
 
 
-def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offset: int, k: int | None,
-                         decode: Callable[[int], str]) -> dict:  # fmt: skip
+def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offsets: Sequence[int],
+                         k: int | None, decode: Callable[[int], str]) -> dict:  # fmt: skip
   """The legacy completions API's logprobs: tokens, their logprobs, top dicts, text offsets.
 
   Args:
     token_ids: the tokens.
     steps: per token its `{token_id: Logprob}` dict, or None (a prompt's first token: its text
       comes from `decode`, its logprob and top dict are null).
-    offset: the first token's offset in the choice's text (characters).
+    offsets: per token where it starts in the choice's text (characters; `_TextOffsets`).
     k: the top entries shown besides the token itself (-1 or None: all there are).
     decode: a token id's text.
   """
-  tokens, values, tops, offsets = [], [], [], []
+  tokens, values, tops = [], [], []
   for token_id, entries in zip(token_ids, steps):
     if entries is None:
       text, value, top = decode(token_id), None, None
@@ -548,9 +561,96 @@ def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offset: int,
     tokens.append(text)
     values.append(value)
     tops.append(top)
-    offsets.append(offset)
-    offset += len(text)
-  return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+  return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+          "text_offset": list(offsets)}  # fmt: skip
+
+
+class _TextOffsets:
+  """Where each token of one completion choice starts in the choice's text (`text_offset`).
+
+  A token's offset is the length of the text its part's earlier tokens decode to, decoded
+  incrementally (`IncrementalDetokenizer`, which holds back a character until its last byte
+  arrives): the tokens of one multi-byte character all get the offset where it starts, and the
+  offsets never decrease. The echoed prompt decodes on its own with special tokens kept; the
+  completion decodes after the prompt as the engine decoded it. Offsets are clipped to the text
+  sent so far (a stop string cut from the text ends it before its tokens do). Kept across a
+  stream's chunks.
+
+  Args:
+    tokenizer: the engine's tokenizer, or None (every offset is then the text's length so far).
+    prompt_token_ids: the completion's decoding context.
+    skip_special_tokens: the request's setting, as the engine decoded the completion with.
+  """
+
+  def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int],
+               skip_special_tokens: bool) -> None:  # fmt: skip
+    self.tokenizer = tokenizer
+    self.prompt_token_ids = prompt_token_ids
+    self.skip_special_tokens = skip_special_tokens
+    self.text_length = 0  # characters of the choice's text sent so far
+    self._decoded = 0  # where the current part's next token starts
+    self._detokenizer: IncrementalDetokenizer | None = None
+    self._pending: list[int] = []
+    self._skip = skip_special_tokens
+    self._in_completion = False
+
+  def prompt_offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
+    """The echoed prompt's offsets (`text`: the prompt as echoed, before any completion text)."""
+    self._start_part((), False)
+    offsets = self._offsets(token_ids, text)
+    self._in_completion = False
+    return offsets
+
+  def completion_offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
+    """The offsets of the completion's next tokens, which add `text` to the choice."""
+    if not self._in_completion:
+      self._start_part(self.prompt_token_ids, self.skip_special_tokens)
+      self._in_completion = True
+    return self._offsets(token_ids, text)
+
+  def _start_part(self, context: Sequence[int], skip_special_tokens: bool) -> None:
+    self._decoded = self.text_length
+    self._pending = []  # tokens decoded to no text yet (a character's first bytes)
+    self._skip = skip_special_tokens
+    self._detokenizer = None
+    if self.tokenizer is not None:
+      self._detokenizer = IncrementalDetokenizer(
+        self.tokenizer, context, skip_special_tokens=skip_special_tokens
+      )
+
+  def _offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
+    self.text_length += len(text)
+    offsets: list[int] = []
+    held = 0  # how many of the last `offsets` are pending (set again once their text comes)
+    for token_id in token_ids:
+      offsets.append(self._decoded)
+      if self._detokenizer is None:
+        continue
+      chunk = self._detokenizer.add_tokens([token_id])
+      if not chunk:
+        self._pending.append(token_id)
+        held += 1
+        continue
+      starts = self._starts_in(chunk)
+      offsets[len(offsets) - held - 1 :] = starts[-held - 1 :]
+      self._decoded += len(chunk)
+      self._pending, held = [], 0
+    return [min(offset, self.text_length) for offset in offsets]
+
+  def _starts_in(self, chunk: str) -> list[int]:
+    """Where the pending tokens and the one that ended them start in `chunk`, their text: how
+    far the text of the tokens before each agrees with it (an incomplete character shows as
+    U+FFFD, which a complete one replaces; invalid bytes stay U+FFFD in `chunk` too)."""
+    assert self.tokenizer is not None
+    starts = [self._decoded]
+    for i in range(1, len(self._pending) + 1):
+      before = self.tokenizer.decode(self._pending[:i], skip_special_tokens=self._skip)
+      starts.append(self._decoded + _common_prefix_length(before, chunk))
+    return starts
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _prompt_logprobs(output: RequestOutput, k: int | None) -> list | None:
