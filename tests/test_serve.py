@@ -351,6 +351,27 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
    "prompt_logprobs", "stream"),
   ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "prompt_logprobs": -1}, 400,
    "prompt_logprobs", "stream"),
+  # strict types: a JSON boolean is no count, nor 1 or "yes" a boolean (the Python API agrees)
+  ("/v1/completions", {"prompt": "hi", "logprobs": False}, 400, "logprobs", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "prompt_logprobs": False}, 400, "prompt_logprobs",
+   "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "top_k": True}, 400, "top_k", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "seed": True}, 400, "seed", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, 400, "stop_token_ids",
+   "valid integer"),
+  ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", "valid"),
+  ("/v1/completions", {"prompt": "hi", "temperature": True}, 400, "temperature", "valid number"),
+  ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", "valid boolean"),
+  ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo", "valid boolean"),
+  ("/v1/completions", {"prompt": "hi", "stream": "true"}, 400, "stream", "valid boolean"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": 1}, 400, "logprobs",
+   "valid boolean"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": True}, 400,
+   "top_logprobs", "valid integer"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": False}, 400,
+   "max_completion_tokens", "valid integer"),
 ]  # fmt: skip
 
 

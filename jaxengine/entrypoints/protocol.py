@@ -1,9 +1,10 @@
 """The server's request bodies (OpenAI's fields plus vLLM's extra sampling fields), as pydantic
 models, and the `SamplingParams` each asks for.
 
-Types are checked by pydantic (a wrong type is a 400 naming the field); values by
-`SamplingParams` itself, whose `ValueError` names the field too. Fields a client sends that are
-not listed here are ignored, as OpenAI's and vLLM's servers do.
+Types are checked strictly by pydantic (a wrong type is a 400 naming the field: a JSON boolean
+is not a count, nor 1 or "yes" a boolean, nor "5" a number); values by `SamplingParams` itself,
+whose `ValueError` names the field too. Fields a client sends that are not listed here are
+ignored, as OpenAI's and vLLM's servers do.
 """
 
 from __future__ import annotations
@@ -32,33 +33,40 @@ class RequestError(ValueError):
     self.status_code = status_code
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+  """Strict types: booleans are not integers, integers and strings not booleans, strings not
+  numbers (a float field still takes an integer)."""
+
+  model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
   """OpenAI's `stream_options`: `include_usage` adds a last chunk with the token counts."""
 
   include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Strict):
   """`response_format.json_schema`: the schema the output must follow."""
 
-  model_config = ConfigDict(populate_by_name=True)
+  model_config = ConfigDict(strict=True, populate_by_name=True)
   name: str | None = None
   description: str | None = None
   json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
   strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
   """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
 
   type: Literal["text", "json_object", "json_schema"]
   json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(_Strict):
   """vLLM's `structured_outputs` field: exactly one of its constraints."""
 
-  model_config = ConfigDict(populate_by_name=True)
+  model_config = ConfigDict(strict=True, populate_by_name=True)
   json_: dict[str, Any] | str | None = Field(default=None, alias="json")
   regex: str | None = None
   choice: list[str] | None = None
@@ -66,7 +74,7 @@ class StructuredOutputsRequest(BaseModel):
   json_object: bool | None = None
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Strict):
   """Fields both endpoints share."""
 
   model: str | None = None
@@ -242,7 +250,7 @@ class ChatCompletionRequest(SamplingRequest):
   messages: list[dict[str, Any]]
   max_tokens: int | None = None
   max_completion_tokens: int | None = None
-  logprobs: bool = False
+  logprobs: bool | None = False
   top_logprobs: int | None = None
   add_generation_prompt: bool = True
   continue_final_message: bool = False
@@ -261,7 +269,7 @@ class ChatCompletionRequest(SamplingRequest):
     return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
   """`POST /tokenize`: a text prompt, or chat messages rendered by the chat template."""
 
   model: str | None = None
@@ -271,7 +279,7 @@ class TokenizeRequest(BaseModel):
   add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
   """`POST /detokenize`: token ids back to text."""
 
   model: str | None = None
