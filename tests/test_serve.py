@@ -351,6 +351,30 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
    "prompt_logprobs", "stream"),
   ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "prompt_logprobs": -1}, 400,
    "prompt_logprobs", "stream"),
+  # an invalid constraint names the field it was sent in
+  ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema",
+   "json_schema": {"name": "s", "schema": {"type": "nonsense-type"}}}}, 400, "response_format",
+   "response_format.json_schema.schema is invalid"),
+  ("/v1/completions", {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex",
+   "guided_regex is invalid"),
+  ("/v1/completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice",
+   "guided_choice: choice must be a non-empty list"),
+  ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a"},
+   "guided_choice": ["a"]}, 400, "structured_outputs", "not several"),
+  # fields vLLM or OpenAI give a meaning this server does not implement
+  ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search",
+   "beam search"),
+  ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix", "suffix"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function":
+   {"name": "f"}}]}, 400, "tools", "tool calling"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice",
+   "tool calling"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions",
+   "function calling"),
+  ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+   "truncate_prompt_tokens", "-1"),
+  ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 129}, 400,
+   "truncate_prompt_tokens", "max_model_len=128"),
   # strict types: a JSON boolean is no count, nor 1 or "yes" a boolean (the Python API agrees)
   ("/v1/completions", {"prompt": "hi", "logprobs": False}, 400, "logprobs", "valid integer"),
   ("/v1/completions", {"prompt": "hi", "prompt_logprobs": False}, 400, "prompt_logprobs",
@@ -398,6 +422,45 @@ def test_bad_input_is_a_400_and_the_server_goes_on(server, client):
   with pytest.raises(openai.NotFoundError):
     client.chat.completions.create(model="other", messages=MESSAGES)
   assert server["engine"].num_requests_running == 0
+
+
+def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, caplog):
+  """guided_* are structured outputs; truncate_prompt_tokens keeps the prompt's last tokens;
+  chat echo starts the reply with the last message; tools with tool_choice "none", an empty
+  suffix and use_beam_search false change nothing; unknown fields get one warning."""
+  guided = client.completions.create(
+    model=MODEL, prompt="hi", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+  )
+  assert guided.choices[0].text in ("yes", "no")
+  truncated = client.completions.create(
+    model=MODEL, prompt=PROMPTS[0], max_tokens=1, echo=True,
+    extra_body={"truncate_prompt_tokens": 3},
+  )  # fmt: skip
+  assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].text.startswith("fox")
+  start = [*MESSAGES, {"role": "assistant", "content": "Hi th"}]
+  for stream in (False, True):
+    reply = client.chat.completions.create(
+      model=MODEL, messages=start, max_tokens=2, stream=stream,
+      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True},
+    )  # fmt: skip
+    if stream:
+      content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+    else:
+      content = reply.choices[0].message.content
+    assert content.startswith("Hi th") and len(content) > len("Hi th")
+  plain = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+  ref = client.chat.completions.create(messages=MESSAGES, **plain).choices[0].message.content
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+  same = client.chat.completions.create(messages=MESSAGES, tools=tools, tool_choice="none", **plain)
+  assert same.choices[0].message.content == ref
+  with caplog.at_level("WARNING", logger="jaxengine.entrypoints.openai_server"):
+    response = client.completions.create(
+      prompt="hi", suffix="", extra_body={"use_beam_search": False, "frobnicate": 1, "zap": 2},
+      **plain,
+    )  # fmt: skip
+  assert response.choices[0].finish_reason is not None
+  warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
+  assert warnings == ["/v1/completions: ignoring unknown fields ['frobnicate', 'zap']"]
 
 
 def test_an_error_in_one_request_fails_it_alone(server, monkeypatch):
