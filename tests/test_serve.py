@@ -219,6 +219,19 @@ def test_echo_text_offsets_of_characters_split_over_tokens(client, stream):
   assert offsets == sorted(offsets) and offsets[-1] <= len(text)
 
 
+def test_text_offsets_of_a_text_prompt_the_tokenizer_added_a_bos_to():
+  """The echoed text has no BOS: the BOS and the first character start at 0; a prompt that
+  spells its special tokens counts them."""
+  from jaxengine.entrypoints.openai_server import _TextOffsets
+
+  tokenizer = _tiny_tokenizer()
+  bos = tokenizer.encode("<|endoftext|>")
+  ids = [*bos, *tokenizer.encode("hi")]
+  assert _TextOffsets(tokenizer, [], True).prompt_offsets(ids, "hi") == [0, 0, 1]
+  spelled = tokenizer.decode(ids, skip_special_tokens=False)
+  assert _TextOffsets(tokenizer, [], True).prompt_offsets(ids, spelled) == [0, 13, 14]
+
+
 def test_echo_of_a_token_id_prompt_is_its_text(server, client):
   ids = server["engine"].tokenizer.encode("hello")
   response = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=1, logprobs=0)

@@ -672,8 +672,16 @@ class _TextOffsets:
     self._in_completion = False
 
   def prompt_offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
-    """The echoed prompt's offsets (`text`: the prompt as echoed, before any completion text)."""
-    self._start_part((), False)
+    """The echoed prompt's offsets (`text`: the prompt as echoed, before any completion text).
+    Special tokens count as their text, unless only without them the tokens spell `text` (a
+    BOS the tokenizer added to a text prompt starts where the text does)."""
+    tokenizer = self.tokenizer
+    skip = (
+      tokenizer is not None
+      and tokenizer.decode(token_ids, skip_special_tokens=False) != text
+      and tokenizer.decode(token_ids, skip_special_tokens=True) == text
+    )
+    self._start_part((), skip)
     offsets = self._offsets(token_ids, text)
     self._in_completion = False
     return offsets
