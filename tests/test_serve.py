@@ -196,8 +196,40 @@ def test_echo_with_logprobs_covers_the_prompt_then_the_completion(server, client
   expected = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
   assert values[1:num_prompt] == pytest.approx(expected, abs=1e-5)
   assert all(2 <= len(top) <= 3 for top in tops[1:])  # the top 2 and the token itself
-  assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+  assert offsets[:num_prompt] == [sum(map(len, tokens[:i])) for i in range(num_prompt)]
   assert offsets[num_prompt] == len(prompt)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_text_offsets_of_characters_split_over_tokens(client, stream):
+  """One token per byte: the tokens of a multi-byte character all start where it starts, the
+  completion's tokens after the prompt's; offsets never decrease nor pass the text."""
+  prompt = "é東🎉 is"  # 2-, 3- and 4-byte characters
+  kwargs = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 4,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+  if stream:
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+  else:
+    chunks = client.completions.create(**kwargs).choices
+  text = "".join(c.text for c in chunks)
+  offsets = [o for c in chunks for o in c.logprobs.text_offset]
+  data = prompt.encode()
+  assert offsets[: len(data)] == [len(data[:i].decode(errors="ignore")) for i in range(len(data))]
+  assert offsets[len(data)] == len(prompt) and len(offsets) == len(data) + 4
+  assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+
+
+def test_text_offsets_of_a_text_prompt_the_tokenizer_added_a_bos_to():
+  """The echoed text has no BOS: the BOS and the first character start at 0; a prompt that
+  spells its special tokens counts them."""
+  from jaxengine.entrypoints.openai_server import _TextOffsets
+
+  tokenizer = _tiny_tokenizer()
+  bos = tokenizer.encode("<|endoftext|>")
+  ids = [*bos, *tokenizer.encode("hi")]
+  assert _TextOffsets(tokenizer, [], True).prompt_offsets(ids, "hi") == [0, 0, 1]
+  spelled = tokenizer.decode(ids, skip_special_tokens=False)
+  assert _TextOffsets(tokenizer, [], True).prompt_offsets(ids, spelled) == [0, 13, 14]
 
 
 def test_echo_of_a_token_id_prompt_is_its_text(server, client):
@@ -332,6 +364,51 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
    "prompt_logprobs", "stream"),
   ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "prompt_logprobs": -1}, 400,
    "prompt_logprobs", "stream"),
+  # an invalid constraint names the field it was sent in
+  ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema",
+   "json_schema": {"name": "s", "schema": {"type": "nonsense-type"}}}}, 400, "response_format",
+   "response_format.json_schema.schema is invalid"),
+  ("/v1/completions", {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex",
+   "guided_regex is invalid"),
+  ("/v1/completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice",
+   "guided_choice: choice must be a non-empty list"),
+  ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a"},
+   "guided_choice": ["a"]}, 400, "structured_outputs", "not several"),
+  # fields vLLM or OpenAI give a meaning this server does not implement
+  ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search",
+   "beam search"),
+  ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix", "suffix"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function":
+   {"name": "f"}}]}, 400, "tools", "tool calling"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice",
+   "tool calling"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions",
+   "function calling"),
+  ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+   "truncate_prompt_tokens", "-1"),
+  ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 129}, 400,
+   "truncate_prompt_tokens", "max_model_len=128"),
+  # strict types: a JSON boolean is no count, nor 1 or "yes" a boolean (the Python API agrees)
+  ("/v1/completions", {"prompt": "hi", "logprobs": False}, 400, "logprobs", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "prompt_logprobs": False}, 400, "prompt_logprobs",
+   "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "top_k": True}, 400, "top_k", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "seed": True}, 400, "seed", "valid integer"),
+  ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, 400, "stop_token_ids",
+   "valid integer"),
+  ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", "valid"),
+  ("/v1/completions", {"prompt": "hi", "temperature": True}, 400, "temperature", "valid number"),
+  ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", "valid boolean"),
+  ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo", "valid boolean"),
+  ("/v1/completions", {"prompt": "hi", "stream": "true"}, 400, "stream", "valid boolean"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": 1}, 400, "logprobs",
+   "valid boolean"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": True}, 400,
+   "top_logprobs", "valid integer"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": False}, 400,
+   "max_completion_tokens", "valid integer"),
 ]  # fmt: skip
 
 
@@ -358,6 +435,45 @@ def test_bad_input_is_a_400_and_the_server_goes_on(server, client):
   with pytest.raises(openai.NotFoundError):
     client.chat.completions.create(model="other", messages=MESSAGES)
   assert server["engine"].num_requests_running == 0
+
+
+def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, caplog):
+  """guided_* are structured outputs; truncate_prompt_tokens keeps the prompt's last tokens;
+  chat echo starts the reply with the last message; tools with tool_choice "none", an empty
+  suffix and use_beam_search false change nothing; unknown fields get one warning."""
+  guided = client.completions.create(
+    model=MODEL, prompt="hi", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+  )
+  assert guided.choices[0].text in ("yes", "no")
+  truncated = client.completions.create(
+    model=MODEL, prompt=PROMPTS[0], max_tokens=1, echo=True,
+    extra_body={"truncate_prompt_tokens": 3},
+  )  # fmt: skip
+  assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].text.startswith("fox")
+  start = [*MESSAGES, {"role": "assistant", "content": "Hi th"}]
+  for stream in (False, True):
+    reply = client.chat.completions.create(
+      model=MODEL, messages=start, max_tokens=2, stream=stream,
+      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True},
+    )  # fmt: skip
+    if stream:
+      content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+    else:
+      content = reply.choices[0].message.content
+    assert content.startswith("Hi th") and len(content) > len("Hi th")
+  plain = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+  ref = client.chat.completions.create(messages=MESSAGES, **plain).choices[0].message.content
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+  same = client.chat.completions.create(messages=MESSAGES, tools=tools, tool_choice="none", **plain)
+  assert same.choices[0].message.content == ref
+  with caplog.at_level("WARNING", logger="jaxengine.entrypoints.openai_server"):
+    response = client.completions.create(
+      prompt="hi", suffix="", extra_body={"use_beam_search": False, "frobnicate": 1, "zap": 2},
+      **plain,
+    )  # fmt: skip
+  assert response.choices[0].finish_reason is not None
+  warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
+  assert warnings == ["/v1/completions: ignoring unknown fields ['frobnicate', 'zap']"]
 
 
 def test_an_error_in_one_request_fails_it_alone(server, monkeypatch):

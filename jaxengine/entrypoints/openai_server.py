@@ -8,11 +8,20 @@
   GET  /metrics               Prometheus text (`entrypoints/metrics.py`)
   POST /tokenize, /detokenize
 
-Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type, a
-value `SamplingParams` refuses, a prompt of `max_model_len` tokens or more, a prompt plus
-`max_tokens` past `max_model_len`, `stream_options` without `stream`, `prompt_logprobs` with
-`stream`, a `best_of` other than `n`), an unknown model a 404, and a missing or wrong API key
-(with `api_key` set) a 401 on `/v1/*`, `/tokenize` and `/detokenize`. A client that
+Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type
+(strict: a JSON boolean is no count, 1 or "yes" no boolean), a value `SamplingParams` refuses, a
+prompt of `max_model_len` tokens or more, a prompt plus `max_tokens` past `max_model_len`,
+`stream_options` without `stream`, `prompt_logprobs` with `stream`, a `best_of` other than `n`,
+an invalid output constraint (named as sent: `response_format`, `guided_json`, ...), a field
+this server does not implement set to change the output: `use_beam_search` true, a non-empty
+`suffix`, `tools` unless `tool_choice` is "none", `functions` unless `function_call` is "none"),
+an unknown model a 404, and a missing or wrong API key (with `api_key` set) a 401 on `/v1/*`,
+`/tokenize` and `/detokenize`. Fields the server does not know are ignored (vLLM's behaviour),
+with one warning per request naming them. vLLM's `guided_json`, `guided_regex`, `guided_choice`
+and `guided_grammar` are `structured_outputs`' `json`, `regex`, `choice`, `grammar`;
+`truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: `max_model_len`); chat `echo`
+starts the reply with the last message when it has the reply's role. With `tool_choice` "none"
+the tools are left out of the prompt. A client that
 disconnects aborts its requests (streamed or not): their rows are freed at the next step
 boundary. An error while serving one request fails that request alone.
 
@@ -20,14 +29,17 @@ Logprobs follow vLLM: `prompt_logprobs=k` adds `prompt_logprobs` to each complet
 the chat response itself), one entry per prompt token, the first null, the others
 `{str(token id): {"logprob", "rank", "decoded_token"}}`; `echo` with `logprobs` (completions)
 lists the prompt's tokens before the completion's, the first with null logprob and top dict,
-`text_offset` counting through the echoed text.
+`text_offset` counting through the echoed text: a token's offset is the length of the text the
+tokens before it decode to (a character split over several tokens starts where it starts).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
+import re
 import secrets
 import time
 import uuid
@@ -52,6 +64,9 @@ from jaxengine.entrypoints.protocol import (
   json_dumps,
 )
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 #: Logprobs below this (including -inf) are reported as it: JSON has no infinities (vLLM's value).
 MIN_LOGPROB = -9999.0
@@ -181,6 +196,29 @@ class _Serving:
       return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
     return prompt
 
+  def truncated(self, prompt: dict | list[int] | str, keep: int | None) -> dict | list[int] | str:
+    """`prompt` cut to its last `keep` tokens (vLLM's `truncate_prompt_tokens`; -1 keeps
+    `max_model_len`); its text is dropped then, so that an echo shows the tokens kept.
+
+    Raises:
+      RequestError: naming `truncate_prompt_tokens`, for a `keep` above `max_model_len` or a
+        text prompt without a tokenizer.
+    """
+    if keep is None:
+      return prompt
+    max_model_len = self.engine.max_model_len
+    if keep > max_model_len:
+      raise RequestError(
+        f"truncate_prompt_tokens={keep} is more than max_model_len={max_model_len}",
+        "truncate_prompt_tokens",
+      )
+    if isinstance(prompt, str):
+      raise RequestError(
+        "truncate_prompt_tokens needs a tokenizer for text prompts", "truncate_prompt_tokens"
+      )
+    ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+    return {"prompt_token_ids": list(ids[-(max_model_len if keep == -1 else keep) :])}
+
   def check_context(self, prompts: Sequence, max_tokens: int | None, field: str) -> None:
     """Refuses (vLLM's 400) a request whose prompt plus `max_tokens` exceeds `max_model_len`.
 
@@ -219,17 +257,23 @@ class _Serving:
 
   async def completions(self, body: CompletionRequest, request: Request) -> Response:
     self.check_model(body.model)
+    _warn_unknown(body, "/v1/completions")
     params = body.sampling_params()
-    prompts = [self.tokenized(p) for p in body.prompts()]
+    prompts = [
+      self.truncated(self.tokenized(p), body.truncate_prompt_tokens) for p in body.prompts()
+    ]
     self.check_context(prompts, params.max_tokens, body.max_tokens_field())
     request_id = f"cmpl-{uuid.uuid4().hex}"
     header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-    stream = _Run(self.engine, prompts, params, request_id, body.stream, "prompt")
+    stream = _Run(self.engine, prompts, params, request_id, body.stream, "prompt",
+                  body.constraint_source())  # fmt: skip
     if not body.stream:
       outputs = await _unless_disconnected(request, stream.finals())
       k = body.prompt_logprobs if body.prompt_logprobs is not None else params.prompt_logprobs
       choices = [
-        {**self.completion_choice(i * params.n + c.index, output, c, body.echo, 0, params.logprobs),
+        {**self.completion_choice(i * params.n + c.index, output, c, body.echo,
+                                  self.text_offsets(output, params.skip_special_tokens),
+                                  params.logprobs),
          "prompt_logprobs": _prompt_logprobs(output, k)}
         for i, output in enumerate(outputs)
         for c in output.outputs
@@ -242,31 +286,41 @@ class _Serving:
   async def _completion_events(self, stream, header, body, n: int, num_logprobs) -> AsyncIterator:
     usage = body.stream_options is not None and body.stream_options.include_usage
     chunk = {**header, "object": "text_completion"}
-    offsets: dict[int, int] = {}
+    offsets: dict[int, _TextOffsets] = {}
     async for i, output in stream.deltas():
       for c in output.outputs:
         index = i * n + c.index
         echo = body.echo and index not in offsets
-        choice = self.completion_choice(index, output, c, echo, offsets.get(index, 0), num_logprobs)
-        offsets[index] = offsets.get(index, 0) + len(choice["text"])
+        if index not in offsets:
+          offsets[index] = self.text_offsets(output, body.skip_special_tokens)
+        choice = self.completion_choice(index, output, c, echo, offsets[index], num_logprobs)
         yield {**chunk, "choices": [choice], **({"usage": None} if usage else {})}
     if usage:
       yield {**chunk, "choices": [], "usage": stream.usage()}
 
+  def text_offsets(self, output: RequestOutput, skip_special_tokens: bool) -> _TextOffsets:
+    """A new choice's `text_offset` counter (its completion decodes after `output`'s prompt)."""
+    return _TextOffsets(self.engine.tokenizer, output.prompt_token_ids, skip_special_tokens)
+
   def completion_choice(self, index, output: RequestOutput, c: CompletionOutput, echo: bool,
-                        offset: int, num_logprobs) -> dict:  # fmt: skip
-    """One choice of a completion response or chunk (`text_offset`s start at `offset`). With
-    `echo` the text and the logprobs start with the prompt's (its first token has no logprob)."""
+                        offsets: _TextOffsets, num_logprobs) -> dict:  # fmt: skip
+    """One choice of a completion response or chunk (`offsets` counts through the choice's text,
+    across a stream's chunks). With `echo` the text and the logprobs start with the prompt's (its
+    first token has no logprob)."""
     prompt = self.prompt_text(output) if echo else ""
     logprobs = None
     if c.logprobs is not None:
-      logprobs = _completion_logprobs(
-        c.token_ids, c.logprobs, offset + len(prompt), num_logprobs, self.decode
-      )
+      echoed = None
       if echo:
         ids = output.prompt_token_ids
         steps = output.prompt_logprobs or [None] * len(ids)
-        echoed = _completion_logprobs(ids, steps, offset, num_logprobs, self.decode)
+        prompt_offsets = offsets.prompt_offsets(ids, prompt)
+        echoed = _completion_logprobs(ids, steps, prompt_offsets, num_logprobs, self.decode)
+      completion_offsets = offsets.completion_offsets(c.token_ids, c.text)
+      logprobs = _completion_logprobs(
+        c.token_ids, c.logprobs, completion_offsets, num_logprobs, self.decode
+      )
+      if echoed is not None:
         logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
     text = prompt + c.text
     return {"index": index, "text": text, "logprobs": logprobs,
@@ -276,16 +330,19 @@ class _Serving:
 
   async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
     self.check_model(body.model)
+    _warn_unknown(body, "/v1/chat/completions")
     params = body.sampling_params()
-    prompt = self.render_chat(body)
+    prompt = self.truncated(self.render_chat(body), body.truncate_prompt_tokens)
     self.check_context([prompt], params.max_tokens, body.max_tokens_field())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-    stream = _Run(self.engine, [prompt], params, request_id, body.stream, "messages")
+    stream = _Run(self.engine, [prompt], params, request_id, body.stream, "messages",
+                  body.constraint_source())  # fmt: skip
+    echoed = _chat_echo(body)
     if not body.stream:
       outputs = await _unless_disconnected(request, stream.finals())
       choices = [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+        {"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
          "logprobs": _chat_logprobs(c, params.logprobs), "finish_reason": c.finish_reason,
          "stop_reason": c.stop_reason}
         for c in outputs[0].outputs
@@ -296,14 +353,19 @@ class _Serving:
         {**response, "usage": _usage(outputs), "prompt_logprobs": prompt_logprobs}
       )
     await stream.start()
-    return _sse(self._chat_events(stream, header, body, params.n, params.logprobs))
+    return _sse(self._chat_events(stream, header, body, params.n, params.logprobs, echoed))
 
-  async def _chat_events(self, stream, header, body, n: int, num_logprobs) -> AsyncIterator:
+  async def _chat_events(self, stream, header, body, n: int, num_logprobs,
+                         echoed: str) -> AsyncIterator:  # fmt: skip
     usage = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
     chunk = {**header, "object": "chat.completion.chunk"}
     for index in range(n):
       role = {"role": "assistant", "content": ""}
       choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
+      yield {**chunk, "choices": [choice], **usage}
+    for index in range(n if echoed else 0):
+      choice = {"index": index, "delta": {"content": echoed}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
       yield {**chunk, "choices": [choice], **usage}
     async for _, output in stream.deltas():
       for c in output.outputs:
@@ -336,6 +398,7 @@ class _Serving:
 
   def tokenize(self, body: TokenizeRequest) -> dict:
     self.check_model(body.model)
+    _warn_unknown(body, "/tokenize")
     tokenizer = self.engine.tokenizer
     if tokenizer is None:
       raise RequestError("this model has no tokenizer", None)
@@ -352,6 +415,7 @@ class _Serving:
 
   def detokenize(self, body: DetokenizeRequest) -> dict:
     self.check_model(body.model)
+    _warn_unknown(body, "/detokenize")
     tokenizer = self.engine.tokenizer
     if tokenizer is None:
       raise RequestError("this model has no tokenizer", None)
@@ -373,16 +437,20 @@ class _Run:
     request_id: the HTTP request's id; engine request i is `"{request_id}-{i}"`.
     stream: deltas (True) or the final outputs only.
     prompt_field: the request field an engine `ValueError` about the prompt names.
+    constraint_source: where the request's output constraint was given, which an engine
+      `ValueError` about `structured_outputs.{kind}` names instead (None: as it is).
   """
 
   def __init__(self, engine: AsyncLLM, prompts: Sequence, params, request_id: str,
-               stream: bool, prompt_field: str) -> None:  # fmt: skip
+               stream: bool, prompt_field: str,
+               constraint_source: str | None = None) -> None:  # fmt: skip
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     self.generators = [
       engine.generate(p, params, f"{request_id}-{i}", output_kind=kind)
       for i, p in enumerate(prompts)
     ]
     self.prompt_field = prompt_field
+    self.constraint_source = constraint_source
     self.firsts: list[RequestOutput] = []
     self.prompt_tokens = [0] * len(prompts)
     self.completion_tokens = [0] * len(prompts)
@@ -399,6 +467,8 @@ class _Run:
       error = errors[0]
       if isinstance(error, ValueError) and not isinstance(error, RequestError):
         message = str(error)
+        if self.constraint_source is not None:
+          message = re.sub(r"^structured_outputs\.\w+", self.constraint_source, message)
         param = field_named(message) or (self.prompt_field if "prompt" in message else None)
         raise RequestError(message, param)
       raise error
@@ -457,6 +527,26 @@ class _Run:
     for generator in self.generators:
       with contextlib.suppress(BaseException):
         await generator.aclose()
+
+
+def _warn_unknown(body: TokenizeRequest | DetokenizeRequest | CompletionRequest
+                  | ChatCompletionRequest, path: str) -> None:  # fmt: skip
+  """One warning naming the fields of a request that this server does not know (and ignores,
+  as vLLM does)."""
+  unknown = body.unknown_fields()
+  if unknown:
+    logger.warning("%s: ignoring unknown fields %s", path, unknown)
+
+
+def _chat_echo(body: ChatCompletionRequest) -> str:
+  """vLLM's chat `echo`: the last message's text, which the reply starts with when that message
+  has the reply's role ("assistant", or with add_generation_prompt false the last message's
+  own); "" otherwise."""
+  if not body.echo:
+    return ""
+  last = as_conversations(body.messages)[0][-1]
+  role = "assistant" if body.add_generation_prompt else last["role"]
+  return last["content"] if last["role"] == role else ""
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:
@@ -525,19 +615,19 @@ def _top(entries: dict[int, Logprob], k: int | None) -> dict[int, Logprob]:
   }  # fmt: skip
 
 
-def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offset: int, k: int | None,
-                         decode: Callable[[int], str]) -> dict:  # fmt: skip
+def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offsets: Sequence[int],
+                         k: int | None, decode: Callable[[int], str]) -> dict:  # fmt: skip
   """The legacy completions API's logprobs: tokens, their logprobs, top dicts, text offsets.
 
   Args:
     token_ids: the tokens.
     steps: per token its `{token_id: Logprob}` dict, or None (a prompt's first token: its text
       comes from `decode`, its logprob and top dict are null).
-    offset: the first token's offset in the choice's text (characters).
+    offsets: per token where it starts in the choice's text (characters; `_TextOffsets`).
     k: the top entries shown besides the token itself (-1 or None: all there are).
     decode: a token id's text.
   """
-  tokens, values, tops, offsets = [], [], [], []
+  tokens, values, tops = [], [], []
   for token_id, entries in zip(token_ids, steps):
     if entries is None:
       text, value, top = decode(token_id), None, None
@@ -548,9 +638,104 @@ def _completion_logprobs(token_ids: Sequence[int], steps: Sequence, offset: int,
     tokens.append(text)
     values.append(value)
     tops.append(top)
-    offsets.append(offset)
-    offset += len(text)
-  return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+  return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+          "text_offset": list(offsets)}  # fmt: skip
+
+
+class _TextOffsets:
+  """Where each token of one completion choice starts in the choice's text (`text_offset`).
+
+  A token's offset is the length of the text its part's earlier tokens decode to, decoded
+  incrementally (`IncrementalDetokenizer`, which holds back a character until its last byte
+  arrives): the tokens of one multi-byte character all get the offset where it starts, and the
+  offsets never decrease. The echoed prompt decodes on its own with special tokens kept; the
+  completion decodes after the prompt as the engine decoded it. Offsets are clipped to the text
+  sent so far (a stop string cut from the text ends it before its tokens do). Kept across a
+  stream's chunks.
+
+  Args:
+    tokenizer: the engine's tokenizer, or None (every offset is then the text's length so far).
+    prompt_token_ids: the completion's decoding context.
+    skip_special_tokens: the request's setting, as the engine decoded the completion with.
+  """
+
+  def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int],
+               skip_special_tokens: bool) -> None:  # fmt: skip
+    self.tokenizer = tokenizer
+    self.prompt_token_ids = prompt_token_ids
+    self.skip_special_tokens = skip_special_tokens
+    self.text_length = 0  # characters of the choice's text sent so far
+    self._decoded = 0  # where the current part's next token starts
+    self._detokenizer: IncrementalDetokenizer | None = None
+    self._pending: list[int] = []
+    self._skip = skip_special_tokens
+    self._in_completion = False
+
+  def prompt_offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
+    """The echoed prompt's offsets (`text`: the prompt as echoed, before any completion text).
+    Special tokens count as their text, unless only without them the tokens spell `text` (a
+    BOS the tokenizer added to a text prompt starts where the text does)."""
+    tokenizer = self.tokenizer
+    skip = (
+      tokenizer is not None
+      and tokenizer.decode(token_ids, skip_special_tokens=False) != text
+      and tokenizer.decode(token_ids, skip_special_tokens=True) == text
+    )
+    self._start_part((), skip)
+    offsets = self._offsets(token_ids, text)
+    self._in_completion = False
+    return offsets
+
+  def completion_offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
+    """The offsets of the completion's next tokens, which add `text` to the choice."""
+    if not self._in_completion:
+      self._start_part(self.prompt_token_ids, self.skip_special_tokens)
+      self._in_completion = True
+    return self._offsets(token_ids, text)
+
+  def _start_part(self, context: Sequence[int], skip_special_tokens: bool) -> None:
+    self._decoded = self.text_length
+    self._pending = []  # tokens decoded to no text yet (a character's first bytes)
+    self._skip = skip_special_tokens
+    self._detokenizer = None
+    if self.tokenizer is not None:
+      self._detokenizer = IncrementalDetokenizer(
+        self.tokenizer, context, skip_special_tokens=skip_special_tokens
+      )
+
+  def _offsets(self, token_ids: Sequence[int], text: str) -> list[int]:
+    self.text_length += len(text)
+    offsets: list[int] = []
+    held = 0  # how many of the last `offsets` are pending (set again once their text comes)
+    for token_id in token_ids:
+      offsets.append(self._decoded)
+      if self._detokenizer is None:
+        continue
+      chunk = self._detokenizer.add_tokens([token_id])
+      if not chunk:
+        self._pending.append(token_id)
+        held += 1
+        continue
+      starts = self._starts_in(chunk)
+      offsets[len(offsets) - held - 1 :] = starts[-held - 1 :]
+      self._decoded += len(chunk)
+      self._pending, held = [], 0
+    return [min(offset, self.text_length) for offset in offsets]
+
+  def _starts_in(self, chunk: str) -> list[int]:
+    """Where the pending tokens and the one that ended them start in `chunk`, their text: how
+    far the text of the tokens before each agrees with it (an incomplete character shows as
+    U+FFFD, which a complete one replaces; invalid bytes stay U+FFFD in `chunk` too)."""
+    assert self.tokenizer is not None
+    starts = [self._decoded]
+    for i in range(1, len(self._pending) + 1):
+      before = self.tokenizer.decode(self._pending[:i], skip_special_tokens=self._skip)
+      starts.append(self._decoded + _common_prefix_length(before, chunk))
+    return starts
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _prompt_logprobs(output: RequestOutput, k: int | None) -> list | None:

@@ -1,9 +1,10 @@
 """The server's request bodies (OpenAI's fields plus vLLM's extra sampling fields), as pydantic
 models, and the `SamplingParams` each asks for.
 
-Types are checked by pydantic (a wrong type is a 400 naming the field); values by
-`SamplingParams` itself, whose `ValueError` names the field too. Fields a client sends that are
-not listed here are ignored, as OpenAI's and vLLM's servers do.
+Types are checked strictly by pydantic (a wrong type is a 400 naming the field: a JSON boolean
+is not a count, nor 1 or "yes" a boolean, nor "5" a number); values by `SamplingParams` itself,
+whose `ValueError` names the field too. Fields a client sends that are not listed here are
+ignored, as OpenAI's and vLLM's servers do.
 """
 
 from __future__ import annotations
@@ -32,33 +33,50 @@ class RequestError(ValueError):
     self.status_code = status_code
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+  """Strict types: booleans are not integers, integers and strings not booleans, strings not
+  numbers (a float field still takes an integer)."""
+
+  model_config = ConfigDict(strict=True)
+
+
+class _Body(_Strict):
+  """A request body: unknown fields are kept aside (`unknown_fields`), for a warning."""
+
+  model_config = ConfigDict(strict=True, extra="allow")
+
+  def unknown_fields(self) -> list[str]:
+    """The fields the client sent that this server does not know (it ignores them)."""
+    return sorted(self.model_extra or ())
+
+
+class StreamOptions(_Strict):
   """OpenAI's `stream_options`: `include_usage` adds a last chunk with the token counts."""
 
   include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Strict):
   """`response_format.json_schema`: the schema the output must follow."""
 
-  model_config = ConfigDict(populate_by_name=True)
+  model_config = ConfigDict(strict=True, populate_by_name=True)
   name: str | None = None
   description: str | None = None
   json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
   strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
   """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
 
   type: Literal["text", "json_object", "json_schema"]
   json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(_Strict):
   """vLLM's `structured_outputs` field: exactly one of its constraints."""
 
-  model_config = ConfigDict(populate_by_name=True)
+  model_config = ConfigDict(strict=True, populate_by_name=True)
   json_: dict[str, Any] | str | None = Field(default=None, alias="json")
   regex: str | None = None
   choice: list[str] | None = None
@@ -66,7 +84,7 @@ class StructuredOutputsRequest(BaseModel):
   json_object: bool | None = None
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Body):
   """Fields both endpoints share."""
 
   model: str | None = None
@@ -90,8 +108,14 @@ class SamplingRequest(BaseModel):
   allowed_token_ids: list[int] | None = None
   prompt_logprobs: int | None = None
   best_of: int | None = None
+  use_beam_search: bool = False
+  truncate_prompt_tokens: int | None = None
   structured_outputs: StructuredOutputsRequest | None = None
   response_format: ResponseFormat | None = None
+  guided_json: dict[str, Any] | str | None = None
+  guided_regex: str | None = None
+  guided_choice: list[str] | None = None
+  guided_grammar: str | None = None
   stream: bool = False
   stream_options: StreamOptions | None = None
   user: str | None = None
@@ -116,11 +140,23 @@ class SamplingRequest(BaseModel):
 
     Raises:
       RequestError: naming the field, for a value `SamplingParams` refuses, a `logit_bias` key
-        that is not a token id, a `response_format` without its schema, `stream_options`
-        without `stream`, `prompt_logprobs` (other than 0) with `stream`, or a `best_of` other
-        than None or `n` (vLLM V1 has no best_of: n samples are all returned).
+        that is not a token id, a `response_format` without its schema, several output
+        constraints (`structured_outputs`, `response_format`, `guided_*`), `stream_options`
+        without `stream`, `prompt_logprobs` (other than 0) with `stream`, a `best_of` other
+        than None or `n` (vLLM V1 has no best_of: n samples are all returned), a
+        `truncate_prompt_tokens` other than -1 or >= 1, or a field whose meaning this server
+        does not implement set to change the output (`unsupported`).
     """
+    self.check_supported()
     self._check_stream_fields()
+    if self.truncate_prompt_tokens is not None and (
+      self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1
+    ):
+      raise RequestError(
+        f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
+        f"{self.truncate_prompt_tokens}",
+        "truncate_prompt_tokens",
+      )
     if self.best_of is not None and self.best_of != self.n:
       raise RequestError(
         f"best_of={self.best_of} is not supported (no sampling-then-ranking): leave it out, or "
@@ -154,6 +190,19 @@ class SamplingRequest(BaseModel):
     except ValueError as error:
       raise RequestError(str(error), field_named(str(error))) from None
 
+  def check_supported(self) -> None:
+    """Refuses (a 400 naming the field) a field vLLM or OpenAI give a meaning this server does
+    not implement, when its value would change the output.
+
+    Raises:
+      RequestError: for `use_beam_search` true (and, per endpoint, `unsupported` fields).
+    """
+    if self.use_beam_search:
+      raise RequestError(
+        "use_beam_search=true is not supported (no beam search): leave it out or set it false",
+        "use_beam_search",
+      )
+
   def _check_stream_fields(self) -> None:
     if self.stream_options is not None and not self.stream:
       raise RequestError("stream_options can only be set when stream is true", "stream_options")
@@ -163,36 +212,67 @@ class SamplingRequest(BaseModel):
         "prompt_logprobs",
       )
 
-  def _structured_outputs(self) -> StructuredOutputsParams | None:
-    if self.structured_outputs is not None and self.response_format not in (None, _TEXT):
-      raise RequestError(
-        "give structured_outputs or response_format, not both", "structured_outputs"
+  def constraint_fields(self) -> list[str]:
+    """The output constraints the request sets: "structured_outputs", "response_format" (other
+    than text), "guided_json", "guided_regex", "guided_choice", "guided_grammar" (vLLM's older
+    names)."""
+    fields = [name for name in _GUIDED if getattr(self, name) is not None]
+    if self.response_format not in (None, _TEXT):
+      fields.insert(0, "response_format")
+    if self.structured_outputs is not None:
+      fields.insert(0, "structured_outputs")
+    return fields
+
+  def constraint_source(self) -> str | None:
+    """Where the request's output constraint was given, as an error about it names it (the
+    engine's errors name `structured_outputs.{kind}`): None for `structured_outputs` itself or
+    no constraint."""
+    fields = self.constraint_fields()
+    if not fields or fields[0] == "structured_outputs":
+      return None
+    if fields[0] == "response_format" and self.response_format is not None:
+      return "response_format" + (
+        ".json_schema.schema" if self.response_format.type == "json_schema" else ""
       )
+    return fields[0]
+
+  def _structured_outputs(self) -> StructuredOutputsParams | None:
+    fields = self.constraint_fields()
+    if len(fields) > 1:
+      raise RequestError(f"give one output constraint, not several: got {fields}", fields[0])
+    if not fields:
+      return None
     try:
-      if self.structured_outputs is not None:
-        so = self.structured_outputs
-        return StructuredOutputsParams(
-          json=so.json_, regex=so.regex, grammar=so.grammar,
-          choice=None if so.choice is None else tuple(so.choice),
-          json_object=so.json_object,
-        )  # fmt: skip
-      fmt = self.response_format
-      if fmt is None or fmt.type == "text":
-        return None
-      if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-      if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        raise RequestError(
-          "response_format of type json_schema needs json_schema.schema", "response_format"
-        )
-      return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+      return self._constraint(fields[0])
     except RequestError:
       raise
     except ValueError as error:
-      raise RequestError(f"structured_outputs: {error}", "structured_outputs") from None
+      raise RequestError(f"{fields[0]}: {error}", fields[0]) from None
+
+  def _constraint(self, field: str) -> StructuredOutputsParams:
+    if field == "structured_outputs":
+      so = self.structured_outputs
+      assert so is not None
+      return StructuredOutputsParams(
+        json=so.json_, regex=so.regex, grammar=so.grammar,
+        choice=None if so.choice is None else tuple(so.choice), json_object=so.json_object,
+      )  # fmt: skip
+    if field != "response_format":  # guided_json -> json, ...
+      return StructuredOutputsParams(**{field.removeprefix("guided_"): getattr(self, field)})
+    fmt = self.response_format
+    assert fmt is not None
+    if fmt.type == "json_object":
+      return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+      raise RequestError(
+        "response_format of type json_schema needs json_schema.schema", "response_format"
+      )
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
 _TEXT = ResponseFormat(type="text")
+#: vLLM's older names for `structured_outputs`' constraints (`guided_json` is its `json`, ...).
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 #: Fields passed to `SamplingParams` only when the request sets them (else its defaults hold).
 _OPTIONAL_FIELDS = (
   "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -207,9 +287,16 @@ class CompletionRequest(SamplingRequest):
   max_tokens: int | None = 16
   logprobs: int | None = None
   echo: bool = False
+  suffix: str | None = None
 
   def _max_tokens(self) -> int | None:
     return self.max_tokens
+
+  def check_supported(self) -> None:
+    """As the base's, and a non-empty `suffix` (no fill-in-the-middle) is refused too."""
+    super().check_supported()
+    if self.suffix:
+      raise RequestError("suffix is not supported (no fill-in-the-middle)", "suffix")
 
   def _num_logprobs(self) -> int | None:
     return self.logprobs
@@ -242,15 +329,46 @@ class ChatCompletionRequest(SamplingRequest):
   messages: list[dict[str, Any]]
   max_tokens: int | None = None
   max_completion_tokens: int | None = None
-  logprobs: bool = False
+  logprobs: bool | None = False
   top_logprobs: int | None = None
   add_generation_prompt: bool = True
   continue_final_message: bool = False
   chat_template: str | None = None
   chat_template_kwargs: dict[str, Any] | None = None
+  echo: bool = False
+  tools: list[dict[str, Any]] | None = None
+  tool_choice: str | dict[str, Any] | None = None
+  functions: list[dict[str, Any]] | None = None
+  function_call: str | dict[str, Any] | None = None
 
   def _max_tokens(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+  def check_supported(self) -> None:
+    """As the base's, and tool or function calling is refused: `tools` unless `tool_choice` is
+    "none" (the tools are then left out of the prompt), a `tool_choice` that asks for a call,
+    `functions` unless `function_call` is "none", a `function_call` naming a function."""
+    super().check_supported()
+    if self.tool_choice not in (None, "none", "auto"):
+      raise RequestError(
+        f"tool_choice={self.tool_choice!r} is not supported (no tool calling)", "tool_choice"
+      )
+    if self.tools and self.tool_choice != "none":
+      raise RequestError(
+        'tools are not supported (no tool calling): leave them out or set tool_choice to "none"',
+        "tool_choice" if self.tool_choice is not None else "tools",
+      )
+    if self.function_call not in (None, "none", "auto"):
+      raise RequestError(
+        f"function_call={self.function_call!r} is not supported (no function calling)",
+        "function_call",
+      )
+    if self.functions and self.function_call != "none":
+      raise RequestError(
+        "functions are not supported (no function calling): leave them out or set "
+        'function_call to "none"',
+        "functions",
+      )
 
   def max_tokens_field(self) -> str:
     return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -261,7 +379,7 @@ class ChatCompletionRequest(SamplingRequest):
     return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
   """`POST /tokenize`: a text prompt, or chat messages rendered by the chat template."""
 
   model: str | None = None
@@ -271,7 +389,7 @@ class TokenizeRequest(BaseModel):
   add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
   """`POST /detokenize`: token ids back to text."""
 
   model: str | None = None
