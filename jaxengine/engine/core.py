@@ -136,9 +136,9 @@ class LLMEngine:
       flight (drafts are looked up in the rows' last tokens). A k-step loop
       (`num_decode_steps`) is dispatched while the step before is in flight (it reads each
       row's last token on the device); it and a verify step are read before the next step is
-      scheduled: how many tokens each row got is known only from their output. `has_unfinished_requests` is False
-      once every request has finished, even with a step left in flight for rows that finished
-      since (the next `step` reads and drops it).
+      scheduled: how many tokens each row got is known only from their output.
+      `has_unfinished_requests` is False once every request has finished, even with a step
+      left in flight for rows that finished since (the next `step` reads and drops it).
 
   Raises:
     TypeError: a keyword that is not an `EngineConfig` field.
