@@ -127,17 +127,20 @@ def test_async_outputs_equal_synchronous_outputs(model, tokenizer, options):
     assert stats is not None and stats.num_preemptions > 0  # the pool really was too small
 
 
-def test_speculative_decoding_falls_back_to_synchronous_steps(model, tokenizer):
-  """Drafts need each row's last token on the host: with a speculative_config the default is
-  synchronous (True is refused), and the outputs are the plain engine's."""
+def test_speculative_decoding_reads_the_step_in_flight_before_drafting(model, tokenizer):
+  """Drafts need each row's last token on the host: with a speculative_config asynchronous
+  scheduling is on by default and each step reads the one in flight before drafting; the
+  outputs are the plain engine's and drafts are accepted."""
   spec = {"method": "ngram", "num_speculative_tokens": 3}
   engine = _engine(model, tokenizer, None, speculative_config=spec)
-  assert not engine.config.scheduling_overlaps
+  assert engine.config.scheduling_overlaps
+  engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
   requests = [
     ("ab ab ab ab ab ab", je.SamplingParams(temperature=0, max_tokens=24)),
     ("cd cd cd cd", je.SamplingParams(temperature=0.8, seed=4, max_tokens=16, logprobs=1)),
   ]
   _assert_same(_generate(engine, requests), _generate(_engine(model, tokenizer, None), requests))
+  assert engine.spec_decode_stats.num_accepted_tokens > 0
 
 
 def test_a_step_is_read_while_the_next_runs(model, tokenizer):
@@ -157,18 +160,21 @@ def test_a_step_is_read_while_the_next_runs(model, tokenizer):
 
 
 @pytest.mark.parametrize(
-  "options, field",
+  "options",
   [
-    ({"num_decode_steps": 4}, "num_decode_steps=4"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
-    ({"async_scheduling": "yes"}, "must be a bool"),
+    {"num_decode_steps": 4},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
   ],
 )
-def test_async_scheduling_where_it_cannot_be_exact_is_refused(options, field):
-  with pytest.raises(ValueError, match=f"async_scheduling.*{field}|{field}"):
-    EngineConfig(**{"async_scheduling": True, **options})
-  if options.get("async_scheduling") is None:
-    assert not EngineConfig(**options).scheduling_overlaps  # the default falls back
+def test_async_scheduling_composes_with_every_setting(options):
+  """What used to be refused (True with k > 1 or drafts) is accepted, and None means on."""
+  assert EngineConfig(**{"async_scheduling": True, **options}).scheduling_overlaps
+  assert EngineConfig(**options).scheduling_overlaps
+
+
+def test_a_bad_async_scheduling_is_refused():
+  with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+    EngineConfig(async_scheduling="yes")
 
 
 def test_precompiled_async_engine_compiles_no_step_more(model, tokenizer):

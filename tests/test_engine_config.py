@@ -45,7 +45,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 2}
     ({"trust_remote_code": None}, "trust_remote_code must be a bool, got None"),
     ({"logits_processors": [42]}, "logits_processors entries must be"),
     ({"speculative_config": {"method": "eagle"}}, "speculative_config: method must be"),
-    ({"speculative_config": SPEC, "num_decode_steps": 2}, "num_decode_steps=2"),
     (
       {"speculative_config": {**SPEC, "num_speculative_tokens": 64}, "max_model_len": 64},
       "num_speculative_tokens=64 must be below max_model_len=64",
@@ -69,8 +68,8 @@ def test_mesh_settings_that_do_not_go_together_are_refused():
     EngineConfig(mesh=mesh, tensor_parallel_size=2)
   with pytest.raises(ValueError, match="needs 64 devices"):
     EngineConfig(tensor_parallel_size=64)
-  with pytest.raises(ValueError, match="num_decode_steps=2"):
-    EngineConfig(mesh=mesh, speculative_config=SPEC, num_kv_blocks=8, num_decode_steps=2)
+  both = EngineConfig(mesh=mesh, speculative_config=SPEC, num_kv_blocks=8, num_decode_steps=2)
+  assert both.speculative is not None and both.num_decode_steps == 2  # they compose
   config = EngineConfig(mesh=mesh)
   assert EngineConfig(mesh=mesh, num_decode_steps=2).num_decode_steps == 2  # runs on a mesh
   assert (config.tensor_parallel_size, config.data_parallel_size) == (1, 1)

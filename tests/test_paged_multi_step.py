@@ -196,7 +196,7 @@ def test_a_structured_output_request_runs_one_step_at_a_time_beside_k_step_rows(
 def test_num_decode_steps_is_accepted_with_pages_and_still_validated():
   model, _ = _model_and_tokenizer()
   engine = LLMEngine(model, max_num_reqs=2, max_model_len=32, num_kv_blocks=8, num_decode_steps=3)
-  assert engine.num_decode_steps == 3 and not engine.config.scheduling_overlaps
+  assert engine.num_decode_steps == 3 and engine.config.scheduling_overlaps  # they compose
   with pytest.raises(ValueError, match=r"num_decode_steps must be an int >= 1, got 0"):
     LLMEngine(model, max_num_reqs=2, max_model_len=32, num_kv_blocks=8, num_decode_steps=0)
   assert model.vocab_size == VOCAB

@@ -108,7 +108,9 @@ class LLMEngine:
       as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
       each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
       (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
-      runs. Not with `num_decode_steps > 1`; k must be below `max_model_len`.
+      runs; k must be below `max_model_len`. With `num_decode_steps` > 1 too: each step
+      verifies when drafts pay, else runs the k-step loop when it only decodes, else a plain
+      ragged step.
       Counters: `spec_decode_stats`. The drafts are query tokens of the ragged step
       (`engine/paged_verify.py`), scheduled within the token budget and the free pages (never
       preempting for them).
@@ -119,8 +121,8 @@ class LLMEngine:
       `reset_prefix_cache`; `kv_cache_stats` counts its queries, hits and evictions. Same
       outputs (logprob values to float32 rounding: the cached prefix was computed in another
       executable).
-    async_scheduling: None (default): on with `num_decode_steps=1` and no
-      `speculative_config`; False: off; True: on, and refused with the others (vLLM's name).
+    async_scheduling: None (default) or True: on, with every other setting; False: off
+      (vLLM's name).
       Each `step()` schedules and dispatches a step before it reads the one the last call
       dispatched (the scheduler counts that step's tokens as placeholders; the model reads
       each row's last token from the batch's device state), so the host's work on step t
@@ -130,9 +132,13 @@ class LLMEngine:
       rounding) are those of synchronous steps for greedy and seeded requests. A step is read
       before the next one is scheduled when the next depends on its tokens: a running grammar
       (structured outputs), prompt logprobs it completes, a row reaching `max_tokens` or
-      `max_model_len` with it. `has_unfinished_requests` is False once every request has
-      finished, even with a step left in flight for rows that finished since (the next `step`
-      reads and drops it).
+      `max_model_len` with it; with a `speculative_config` every step first reads the one in
+      flight (drafts are looked up in the rows' last tokens). A k-step loop
+      (`num_decode_steps`) is dispatched while the step before is in flight (it reads each
+      row's last token on the device); it and a verify step are read before the next step is
+      scheduled: how many tokens each row got is known only from their output.
+      `has_unfinished_requests` is False once every request has finished, even with a step
+      left in flight for rows that finished since (the next `step` reads and drops it).
 
   Raises:
     TypeError: a keyword that is not an `EngineConfig` field.
@@ -341,28 +347,35 @@ class LLMEngine:
       A `RequestOutput` (cumulative so far) for every request that advanced in the steps read.
     """
     scheduler, runner = self.scheduler, self.runner
+    outputs = []
+    if self._in_flight is not None and self._speculation is not None:
+      outputs = self._collect_in_flight()  # drafts are looked up in the rows' last tokens
     current = None
     scheduled = self._schedule()
     if scheduled is not None:
       bitmask = self._bitmask()
-      if self.num_decode_steps > 1 and bitmask is None:  # never with asynchronous scheduling
+      if self.num_decode_steps > 1 and bitmask is None:
         steps = scheduler.schedule_decode_steps(
           scheduled, self.num_decode_steps, self.max_model_len
         )
         if steps is not None:
-          return self._decode_steps(steps)
+          return _latest(outputs + self._decode_steps(steps))
       current = _Dispatched(runner.dispatch(scheduled, bitmask), dict(scheduler.running))
       if current.step.num_new_tokens is not None:  # known now: plan the next step with them
         self._add_placeholders(current.step.num_new_tokens)
         scheduler.update_after_step(scheduled)
-    previous, self._in_flight = self._in_flight, None  # still to be read if the above raised
-    outputs = [] if previous is None else self._collect(previous)
+    outputs += self._collect_in_flight()
     if current is None:
-      return outputs
+      return _latest(outputs)
     if self._overlaps(current.step):
       self._in_flight = current
-      return outputs
+      return _latest(outputs)
     return _latest(outputs + self._collect(current))
+
+  def _collect_in_flight(self) -> list[RequestOutput]:
+    """Reads the step the last `step()` left on the device, if any (`_collect`)."""
+    previous, self._in_flight = self._in_flight, None
+    return [] if previous is None else self._collect(previous)
 
   def _add_to_batch(self, admitted: Sequence[Completion]) -> None:
     """Gives admitted completions their rows and their grammars' matchers."""
@@ -456,15 +469,29 @@ class LLMEngine:
   def _decode_steps(self, scheduled: PagedSchedulerOutput) -> list[RequestOutput]:
     """A k-step decode (`engine/paged_multi_step.py`): each row's computed tokens advance by the
     tokens it sampled. The loop ends at the first finish while requests wait for a row or pages
-    (waiting, or running without pages after a preemption)."""
+    (waiting, or running without pages after a preemption).
+
+    With a step still in flight (asynchronous scheduling) the loop is dispatched first (it reads
+    each row's last token from the batch's device state), then that step is read and applied,
+    then the loop's tokens; a row the step before finished drops the loop's tokens. The loop's
+    own token counts are known only from its output, so it is read at once.
+
+    Returns:
+      The outputs of the step before (if one was in flight) and of the loop, one per request.
+    """
     scheduler = self.scheduler
     waiting = bool(scheduler.waiting) or len(scheduled.num_decode_steps) < len(scheduler.running)
+    running = dict(scheduler.running)
     decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, waiting)
+    outputs = self._collect_in_flight()
     num_sampled = decoded.sampled.num_sampled.tolist()
     computed = dict(zip(decoded.req_ids, num_sampled))
     counts = {seq_id: computed[seq_id] for seq_id in scheduled.num_decode_steps}
     scheduler.update_after_step(dataclasses.replace(scheduled, num_scheduled_tokens=counts))
-    return self._update_from_output(decoded.req_ids, decoded.sampled.steps, num_sampled)
+    completions = [_still_running(scheduler.running, running.get(s)) for s in decoded.req_ids]
+    return outputs + self._update_from_output(
+      decoded.req_ids, decoded.sampled.steps, num_sampled, completions
+    )
 
   # --- the lifecycle ----------------------------------------------------------------------------
 
@@ -548,6 +575,15 @@ class _Dispatched:
 
   step: InFlightStep
   running: dict[str, Completion]
+
+
+def _still_running(
+  running: dict[str, Completion], completion: Completion | None
+) -> Completion | None:
+  """`completion` if it still runs (not finished or aborted since a dispatch), else None."""
+  if completion is None or running.get(completion.seq_id) is not completion:
+    return None
+  return completion
 
 
 def _latest(outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -86,8 +86,9 @@ class EngineConfig:
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
       strings; stored as a tuple of instances.
     speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
-      `SpeculativeConfig`. Only with `num_decode_steps=1` and `num_speculative_tokens` below
-      `max_model_len`; on a mesh too (its verify step gathers the logits whole on every device:
+      `SpeculativeConfig`. `num_speculative_tokens` must be below `max_model_len`; with
+      `num_decode_steps` k > 1 each step verifies drafts when they pay, else a step that only
+      decodes runs the k-step loop; on a mesh too (its verify step gathers the logits whole on every device:
       `engine/paged_verify.py`).
     enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
       requests that start alike; None (default) or True: on; False: off. See `prefix_caching`.
@@ -126,10 +127,12 @@ class EngineConfig:
       approximated). Costs time: README "Reproducibility" has the table.
     async_scheduling: schedule and dispatch step t + 1 while step t's sampled tokens are still
       on the device, and do step t's host work (reading tokens, logprobs, text, stop rules)
-      while t + 1 runs (vLLM's name). None (default): on where it is exact, i.e. with
-      `num_decode_steps=1` and no `speculative_config`; True: the same, and any
-      other setting refused; False: every step synchronous. Outputs are those of synchronous
-      steps (see `LLMEngine`); `scheduling_overlaps` says whether it is on.
+      while t + 1 runs (vLLM's name). None (default) or True: on, with every other setting
+      (a step whose inputs depend on the unread tokens reads them first: drafting with a
+      `speculative_config`, a grammar; a verify step or a k-step loop is read before the next
+      step is scheduled, its token counts being known only from its output); False: every
+      step synchronous. Outputs are those of synchronous steps (see `LLMEngine`);
+      `scheduling_overlaps` says whether it is on.
     enforce_eager: vLLM's switch that turns off CUDA graphs and torch.compile; accepted (a
       bool) and without effect here: every step is a jitted XLA executable, compiled on first
       use per shape bucket (or all at once with `precompile`), and there is no eager mode to
@@ -141,10 +144,8 @@ class EngineConfig:
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
-      `data_parallel_size` that does not divide `max_num_reqs`, speculative decoding with
-      `num_decode_steps > 1`, `batch_invariant` with a mesh, a Pallas
-      attention backend or a non-CPU platform, `async_scheduling=True` with
-      `num_decode_steps > 1` or `speculative_config`); more devices than there are.
+      `data_parallel_size` that does not divide `max_num_reqs`, `batch_invariant` with a
+      mesh, a Pallas attention backend or a non-CPU platform); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -231,27 +232,13 @@ class EngineConfig:
     if wanted is not None and not isinstance(wanted, (bool, np.bool_)):
       raise ValueError(f"async_scheduling must be a bool or None, got {wanted!r}")
     self._set("async_scheduling", None if wanted is None else bool(wanted))
-    if not wanted:
-      return
-    refused = {
-      f"num_decode_steps={self.num_decode_steps} (its loop reads every token on the host)": (
-        self.num_decode_steps > 1
-      ),
-      "speculative_config (drafts need the last sampled token on the host)": (
-        self.speculative is not None
-      ),
-    }
-    for what, given in refused.items():
-      if given:
-        raise ValueError(f"async_scheduling=True is not supported with {what}")
 
   @property
   def scheduling_overlaps(self) -> bool:
-    """Whether steps are scheduled asynchronously: `async_scheduling`, None meaning on with
-    `num_decode_steps=1` and no speculative decoding."""
-    if self.async_scheduling is False:
-      return False
-    return self.num_decode_steps == 1 and self.speculative is None
+    """Whether steps are scheduled asynchronously: `async_scheduling`, None meaning on (with
+    every other setting: steps whose inputs depend on unread tokens read them first, see
+    `LLMEngine`)."""
+    return self.async_scheduling is not False
 
   def _check_batch_invariant(self) -> None:
     if not self.batch_invariant:
@@ -295,10 +282,6 @@ class EngineConfig:
   def _check_decoding(self) -> None:
     spec = SpeculativeConfig.build(self.speculative_config)
     steps = self.num_decode_steps
-    if spec is not None and steps != 1:
-      raise ValueError(
-        f"speculative_config works with num_decode_steps=1, got num_decode_steps={steps!r}"
-      )
     k = None if spec is None else spec.num_speculative_tokens
     max_model_len = self.max_model_len  # None: checked again by `for_model`
     if k is not None and max_model_len is not None and k >= max_model_len:  # never verifiable,

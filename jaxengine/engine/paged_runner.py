@@ -443,14 +443,7 @@ class PagedModelRunner:
     scheduling: the model reads each row's last token from the batch's device state).
     """
     batch = self.input_batch
-    batch.condense()
-    index = batch.req_id_to_index
-    for seq_id in scheduled.preempted:
-      self.block_table.clear_row(index[seq_id])
-      if seq_id in self._prompt_logprobs:  # its prompt is recomputed from the start
-        self._prompt_logprobs[seq_id].parts.clear()
-    for seq_id, block_ids in scheduled.new_block_ids.items():
-      self.block_table.append_row(index[seq_id], block_ids)
+    self._update_block_table(scheduled)
     if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
       batch.set_grammar_bitmask(bitmask)
     wanted = [s for s in scheduled.num_scheduled_tokens if s in self._prompt_logprobs]
@@ -472,6 +465,19 @@ class PagedModelRunner:
       prompt_logprobs_wanted=wanted,
       query_starts=self._query_starts(scheduled) if wanted else {},
     )
+
+  def _update_block_table(self, scheduled: PagedSchedulerOutput) -> None:
+    """Condenses the batch and applies a step's page changes to the block table: preempted rows
+    emptied (a prompt whose logprobs were being gathered starts them again: it is recomputed
+    from the start), new pages appended."""
+    self.input_batch.condense()
+    index = self.input_batch.req_id_to_index
+    for seq_id in scheduled.preempted:
+      self.block_table.clear_row(index[seq_id])
+      if seq_id in self._prompt_logprobs:
+        self._prompt_logprobs[seq_id].parts.clear()
+    for seq_id, block_ids in scheduled.new_block_ids.items():
+      self.block_table.append_row(index[seq_id], block_ids)
 
   def collect(self, step: InFlightStep) -> PagedStepOutput:
     """Reads a dispatched step's tokens (waiting for the device) and appends them to the batch
@@ -765,12 +771,7 @@ class PagedModelRunner:
       positions each row computed), no prompt logprobs.
     """
     batch = self.input_batch
-    batch.condense()
-    index = batch.req_id_to_index
-    for seq_id in scheduled.preempted:
-      self.block_table.clear_row(index[seq_id])
-    for seq_id, block_ids in scheduled.new_block_ids.items():
-      self.block_table.append_row(index[seq_id], block_ids)
+    self._update_block_table(scheduled)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     output = self._run_decode_steps(scheduled, num_rows, num_steps, end_on_first_finish)
     return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs={})

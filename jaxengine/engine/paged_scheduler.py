@@ -365,7 +365,8 @@ class PagedScheduler:
     limits stop it (`max_tokens`, `max_model_len`)."""
     completion = self.running[seq_id]
     max_tokens = completion.params.max_tokens or max_model_len
-    left = min(max_tokens - len(completion.token_ids), max_model_len - completion.num_tokens)
+    num_output = len(completion.token_ids) + completion.num_output_placeholders  # unread too
+    left = min(max_tokens - num_output, max_model_len - completion.num_tokens_with_placeholders)
     return max(1, min(num_steps, left))
 
 

@@ -1,0 +1,224 @@
+"""Every engine feature composes: asynchronous scheduling, speculative decoding (n-gram drafts)
+and the k-step decode loop, each on or off, with prefix caching, over one mixed workload (greedy
+rows whose prompts repeat n-grams, seeded sampled rows with logprobs, `n > 1`, prompt logprobs,
+stop strings and stop ids, a grammar, a logits processor, a page pool small enough to preempt
+and a token budget small enough to chunk prompts). Each combination must give the plain
+engine's tokens (asynchronous scheduling off, no drafts, one token per step) and its logprobs to
+float32 rounding, and must really have done what it was asked: drafts accepted, k-step loops
+run, steps overlapped. After `precompile`, the full combination compiles no step more."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from byte_tokenizer import byte_tokenizer
+
+import jaxengine as je
+from jaxengine.compilation_cache import enable_compilation_cache
+from jaxengine.engine import EngineConfig, LLMEngine
+from jaxengine.testing import TargetOnly, tiny_llama
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+
+#: A pool of 20 pages of 4 tokens for 4 rows of up to 96 tokens, and 16 tokens a step: the rows
+#: preempt one another and prompts are computed in chunks.
+SMALL = {
+  "max_num_reqs": 4,
+  "max_model_len": 96,
+  "block_size": 4,
+  "num_kv_blocks": 20,
+  "max_num_batched_tokens": 16,
+  "enable_prefix_caching": True,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+  """The run's persistent compilation cache (conftest's directory): the combinations share
+  most executables, so each compiles only the ones new to it."""
+  enable_compilation_cache()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+  return tiny_llama(vocab_size=tokenizer.vocab_size, max_position_embeddings=128)[0]
+
+
+def _workload(tokenizer) -> list[tuple[str, je.SamplingParams]]:
+  """Greedy rows whose prompts repeat n-grams (drafts get accepted), seeded sampled rows with
+  logprobs and `n = 2`, prompt logprobs, a stop string and a stop id, a grammar and a logits
+  processor's row."""
+  stop_id = tokenizer.encode("q")[-1]
+  regex = je.StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}")
+  return [
+    ("ab ab ab ab ab ab ab", je.SamplingParams(temperature=0, max_tokens=24)),
+    ("cd cd cd cd", je.SamplingParams(temperature=0.8, seed=4, max_tokens=16, logprobs=1, n=2)),
+    ("The fox. The fox. The fox.", je.SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1)),
+    ("xyz xyz xyz", je.SamplingParams(temperature=0, max_tokens=20, stop=["zz"], logprobs=2)),
+    ("pq pq pq pq", je.SamplingParams(temperature=1.0, seed=9, max_tokens=18, stop_token_ids=[stop_id])),
+    ("grammar: ", je.SamplingParams(temperature=0.7, seed=2, structured_outputs=regex)),
+    ("aaaa", je.SamplingParams(temperature=0, max_tokens=10, extra_args={"target_token": 97})),
+  ]  # fmt: skip
+
+
+class _Counts:
+  """Wraps an engine's k-step loop and overlap decision to count what its steps did."""
+
+  def __init__(self, engine: LLMEngine) -> None:
+    self.loops_over_one_token = 0  # k-step loops in which some row sampled more than one token
+    self.overlapped = 0  # steps left in flight while the next was scheduled
+    runner, execute = engine.runner, engine.runner.execute_decode_steps
+    overlaps = engine._overlaps
+
+    def counted_execute(*args, **kwargs):
+      output = execute(*args, **kwargs)
+      self.loops_over_one_token += int(output.sampled.num_sampled.max(initial=0) > 1)
+      return output
+
+    def counted_overlaps(step):
+      result = overlaps(step)
+      self.overlapped += int(result)
+      return result
+
+    runner.execute_decode_steps = counted_execute
+    engine._overlaps = counted_overlaps
+
+
+def _engine(model, tokenizer, **options) -> LLMEngine:
+  engine = LLMEngine(model, tokenizer, **SMALL, logits_processors=[TargetOnly], **options)
+  engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
+  return engine
+
+
+def _generate(engine: LLMEngine, requests) -> dict[str, je.RequestOutput]:
+  """Adds every request at once and steps to the end; each request's final output (reported
+  finished exactly once)."""
+  for index, (prompt, params) in enumerate(requests):
+    engine.add_request(str(index), prompt, params)
+  finished: dict[str, je.RequestOutput] = {}
+  while engine.has_unfinished_requests():
+    for output in engine.step():
+      if output.finished:
+        assert output.request_id not in finished, output.request_id
+        finished[output.request_id] = output
+  assert {output.request_id for output in engine.pop_finished()} == finished.keys()
+  return finished
+
+
+def _assert_same(got: dict[str, je.RequestOutput], want: dict[str, je.RequestOutput]) -> None:
+  assert got.keys() == want.keys()
+  for request_id, output in want.items():
+    other = got[request_id]
+    _assert_close_logprobs(other.prompt_logprobs, output.prompt_logprobs)
+    for a, b in zip(other.outputs, output.outputs, strict=True):
+      assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+        b.token_ids,
+        b.text,
+        b.finish_reason,
+        b.stop_reason,
+      ), request_id
+      _assert_close_logprobs(a.logprobs, b.logprobs)
+
+
+def _assert_close_logprobs(got, want) -> None:
+  """Same positions, tokens and ranks; values within 1e-4 (steps run in other executables)."""
+  assert (got is None) == (want is None)
+  for a, b in zip(got or [], want or [], strict=True):
+    assert (a is None) == (b is None)
+    if a is not None:
+      assert {t: lp.rank for t, lp in a.items()} == {t: lp.rank for t, lp in b.items()}
+      for token, value in a.items():
+        assert value.logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tokenizer):
+  """The plain engine's outputs: synchronous steps, no drafts, one token per step."""
+  engine = _engine(model, tokenizer, async_scheduling=False)
+  outputs = _generate(engine, _workload(tokenizer))
+  assert engine.kv_cache_stats.num_preemptions > 0  # the pool really is too small
+  return outputs
+
+
+COMBINATIONS = [
+  combination
+  for combination in itertools.product([False, True], [None, SPEC], [1, 4])
+  if combination != (False, None, 1)  # the reference itself
+]
+
+
+@pytest.mark.parametrize(
+  "async_scheduling, speculative_config, num_decode_steps",
+  COMBINATIONS,
+  ids=[
+    f"async_{'on' if a else 'off'}-{'ngram3' if s else 'nospec'}-k{k}" for a, s, k in COMBINATIONS
+  ],
+)
+def test_every_combination_gives_the_plain_engines_outputs(
+  model, tokenizer, reference, async_scheduling, speculative_config, num_decode_steps
+):
+  engine = _engine(
+    model,
+    tokenizer,
+    async_scheduling=async_scheduling,
+    speculative_config=speculative_config,
+    num_decode_steps=num_decode_steps,
+  )
+  assert engine.config.scheduling_overlaps == async_scheduling
+  counts = _Counts(engine)
+  _assert_same(_generate(engine, _workload(tokenizer)), reference)
+  assert engine.kv_cache_stats.num_preemptions > 0
+  if speculative_config is not None:
+    assert engine.spec_decode_stats.num_accepted_tokens > 0
+  if num_decode_steps > 1:
+    assert counts.loops_over_one_token > 0
+  if async_scheduling and speculative_config is None:
+    assert counts.overlapped > 0
+
+
+def test_async_scheduling_defaults_to_on_with_every_setting():
+  """None means on, drafts and k-step loops included (True is accepted); False turns it off."""
+  settings = [{"num_decode_steps": 4}, {"speculative_config": SPEC}]
+  settings.append({**settings[0], **settings[1]})
+  for options in settings:
+    assert EngineConfig(**options).scheduling_overlaps
+    assert EngineConfig(**options, async_scheduling=True).scheduling_overlaps
+    assert not EngineConfig(**options, async_scheduling=False).scheduling_overlaps
+
+
+def test_the_full_combination_compiles_nothing_after_precompile(model, tokenizer):
+  """Asynchronous scheduling, drafts and the k-step loop at once (two rows, 4 tokens a step:
+  few shapes): after `precompile`, a mixed workload adds no executable of the plain step, the
+  verify step or the k-step loop."""
+  small = {"max_num_reqs": 2, "max_num_batched_tokens": 4, "num_kv_blocks": 24}
+  engine = LLMEngine(
+    model,
+    tokenizer,
+    **{**SMALL, **small},
+    logits_processors=[TargetOnly],
+    async_scheduling=True,
+    speculative_config=SPEC,
+    num_decode_steps=4,
+  )
+  engine.spec_crossover_tokens = 10**9
+  assert engine.precompile(use_tqdm=False)
+  runner = engine.runner
+  steps = (
+    runner.ragged_forward,
+    runner.sample_produced,
+    runner.verify_forward,
+    runner.rejection_sample_produced,
+    runner.paged_decode_steps,
+  )
+  before = [step._cache_size() for step in steps]
+  counts = _Counts(engine)
+  workload = _workload(tokenizer)
+  _generate(engine, [workload[i] for i in (0, 1, 2, 5)])
+  assert [step._cache_size() for step in steps] == before
+  assert engine.spec_decode_stats.num_accepted_tokens > 0 and counts.loops_over_one_token > 0
