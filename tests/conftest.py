@@ -31,7 +31,7 @@ def pytest_configure(config):
 # is left alone with a long one at the end.
 
 #: Modules whose tests share nothing costly: each test is a unit of its own.
-INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.py"})
+INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.py", "test_docs.py"})
 
 #: Rough seconds of the heaviest units under `-n 2` (a module file, or one test of an INDEPENDENT
 #: module by its name); only their order matters, units not named come after them as collected.
@@ -47,6 +47,8 @@ WEIGHTS = {
   "test_async_scheduling.py": 240,
   "test_cli.py": 200,
   "test_rollout.py": 180,
+  "test_composition.py": 170,
+  "test_precompile.py": 120,
   "test_serve.py": 160,
   "test_tunix.py": 140,
   "test_lm_eval.py": 120,
@@ -61,6 +63,10 @@ WEIGHTS = {
   "test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up": 150,
   "test_sample_step_under_a_mesh_matches_one_device": 80,
   "test_notebook_runs[06_structured_outputs]": 145,
+  "test_page_snippets_run_as_written[README.md]": 120,
+  "test_page_snippets_run_as_written[serving.md]": 120,
+  "test_page_snippets_run_as_written[integrations.md]": 100,
+  "test_page_snippets_run_as_written[engine.md]": 100,
   "test_notebook_runs[01_quickstart]": 140,
   "test_notebook_runs[03_sampling_distributions]": 85,
 }
