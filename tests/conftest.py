@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
-# Tests are hermetic: no engine writes to the user's persistent compilation cache. They share one
-# of their own instead, in a temporary directory made for the run (see `pytest_configure`): the
-# same tiny engines are built by many modules, and on both xdist workers, so most of their steps
-# are compiled once per run. The tests of the cache give it directories of their own.
+# Tests are hermetic: no engine writes to the user's persistent compilation cache (the tests of
+# the cache give it a temporary directory). Not a cache shared by the run either: with jax 0.10.2
+# on CPU, writing a `lax.scan` executable to it crashed a worker (a segmentation fault in
+# `compilation_cache.put_executable_and_time`).
+os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
+
 from jaxengine.testing import count_compiles
-
-
-def pytest_configure(config):
-  """The run's compilation cache: made by the controller before xdist starts its workers, which
-  inherit the variable (a run without xdist makes it itself)."""
-  if "JAXENGINE_COMPILATION_CACHE" not in os.environ and not hasattr(config, "workerinput"):
-    cache = tempfile.mkdtemp(prefix="jaxengine-test-xla-")
-    os.environ["JAXENGINE_COMPILATION_CACHE"] = cache
-    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
-
 
 # Under pytest-xdist (`-n 2`): the tests of a module share its engines (module-scoped fixtures,
 # cached builders), whose compiles are most of their time, so a module runs on one worker instead

@@ -15,7 +15,6 @@ import pytest
 from byte_tokenizer import byte_tokenizer
 
 import jaxengine as je
-from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import EngineConfig, LLMEngine
 from jaxengine.testing import TargetOnly, tiny_llama
 
@@ -31,13 +30,6 @@ SMALL = {
   "max_num_batched_tokens": 16,
   "enable_prefix_caching": True,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-  """The run's persistent compilation cache (conftest's directory): the combinations share
-  most executables, so each compiles only the ones new to it."""
-  enable_compilation_cache()
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: p.name)
 def test_page_snippets_run_as_written(page: Path, tmp_path_factory):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")  # with the run's compilation cache (conftest.py)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   server = None
   for kind, value in directives(page):
     if kind == "env":
