@@ -13,6 +13,8 @@ import itertools
 
 import pytest
 from byte_tokenizer import byte_tokenizer
+from test_async_scheduling import _assert_same as assert_same_outputs
+from test_async_scheduling import _generate
 
 import jaxengine as je
 from jaxengine.engine import EngineConfig, LLMEngine
@@ -88,45 +90,9 @@ def _engine(model, tokenizer, **options) -> LLMEngine:
   return engine
 
 
-def _generate(engine: LLMEngine, requests) -> dict[str, je.RequestOutput]:
-  """Adds every request at once and steps to the end; each request's final output (reported
-  finished exactly once)."""
-  for index, (prompt, params) in enumerate(requests):
-    engine.add_request(str(index), prompt, params)
-  finished: dict[str, je.RequestOutput] = {}
-  while engine.has_unfinished_requests():
-    for output in engine.step():
-      if output.finished:
-        assert output.request_id not in finished, output.request_id
-        finished[output.request_id] = output
-  assert {output.request_id for output in engine.pop_finished()} == finished.keys()
-  return finished
-
-
 def _assert_same(got: dict[str, je.RequestOutput], want: dict[str, je.RequestOutput]) -> None:
-  assert got.keys() == want.keys()
-  for request_id, output in want.items():
-    other = got[request_id]
-    _assert_close_logprobs(other.prompt_logprobs, output.prompt_logprobs)
-    for a, b in zip(other.outputs, output.outputs, strict=True):
-      assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
-        b.token_ids,
-        b.text,
-        b.finish_reason,
-        b.stop_reason,
-      ), request_id
-      _assert_close_logprobs(a.logprobs, b.logprobs)
-
-
-def _assert_close_logprobs(got, want) -> None:
-  """Same positions, tokens and ranks; values within 1e-4 (steps run in other executables)."""
-  assert (got is None) == (want is None)
-  for a, b in zip(got or [], want or [], strict=True):
-    assert (a is None) == (b is None)
-    if a is not None:
-      assert {t: lp.rank for t, lp in a.items()} == {t: lp.rank for t, lp in b.items()}
-      for token, value in a.items():
-        assert value.logprob == pytest.approx(b[token].logprob, abs=1e-4)
+  """The reference's tokens, text and reasons; logprobs within 1e-4 (other executables)."""
+  assert_same_outputs(got, want, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
