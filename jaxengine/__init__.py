@@ -18,8 +18,8 @@ Core (no model needed):
 
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
   LLM                  offline generate / chat (llm.py)
-  LLMEngine            continuous batching step loop (engine/core.py)
-  EngineConfig         the engine's options, validated once (engine/engine_config.py)
+  LLMEngine            continuous batching step loop (engine/llm_engine.py)
+  EngineConfig         the engine's options, validated once (engine_config.py)
   AsyncLLM             the engine in a background thread, outputs streamed to asyncio
                        (entrypoints/async_llm.py; `jaxengine serve` is its HTTP server)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)

@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as error:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 2
-  from jaxengine.engine.engine_config import EngineConfig  # imported late: `--help` stays fast
+  from jaxengine.engine_config import EngineConfig  # imported late: `--help` stays fast
   from jaxengine.llm import LLM
 
   try:

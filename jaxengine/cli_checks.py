@@ -90,7 +90,7 @@ def token_id_list(text: str) -> list[int]:
 
 def speculative_config(text: str) -> dict:
   """argparse type of `--speculative-config`: a JSON object, checked by `SpeculativeConfig`."""
-  from jaxengine.engine.speculative import SpeculativeConfig
+  from jaxengine.spec_decode.config import SpeculativeConfig
 
   try:
     config = json.loads(text)

@@ -14,13 +14,12 @@ from jaxengine import parallel
 from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.engine_config import (
+from jaxengine.engine_config import (
   EngineConfig,
   check_max_model_len,
   engine_config,
   with_engine_options,
 )
-from jaxengine.engine.placement import num_attention_heads
 from jaxengine.models import Model, check_model
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
 from jaxengine.models.hub import load_resolved, resolve_model
@@ -33,6 +32,7 @@ from jaxengine.models.safetensors_loader import (
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
+from jaxengine.worker.placement import num_attention_heads
 
 Prompt = (
   str | Sequence[int] | Mapping
@@ -99,7 +99,7 @@ class LLM:
     kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
       max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged KV cache (a
       pool of `block_size`-token pages that requests take as they grow, sized by
-      `engine/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
+      `worker/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
       `EngineConfig`.
     enforce_eager, trust_remote_code: vLLM's keywords, accepted (bools) and without effect:
       every step is a compiled XLA executable (no CUDA graphs to turn off), and no code from a
@@ -168,7 +168,7 @@ class LLM:
         pure dict or the module, of the engine's own model structure. NumPy or JAX arrays of
         any floating dtype (cast to the model's); JAX arrays are converted on their devices and
         placed as the engine's weights are, never through the host. See
-        `PagedModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
+        `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
         output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
         and ignored, as vLLM does. The prefix cache is emptied (its keys and values were
         computed with the old weights).

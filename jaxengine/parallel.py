@@ -2,7 +2,7 @@
 
 The mesh has two named axes, ``("data", "model")`` (`DATA`, `MODEL`), of sizes
 ``data_parallel_size`` (`d`) and ``tensor_parallel_size`` (`t`). Everything is placed once at
-start-up (`PagedModelRunner`) and the jitted steps declare the same shardings for their inputs and
+start-up (`ModelRunner`) and the jitted steps declare the same shardings for their inputs and
 outputs, so warm-up and serving compile the same executables.
 
 Weights are placed by the *role* each parameter plays, from the model's sharding rules

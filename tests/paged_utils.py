@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.engine.kv_cache_manager import KVCacheManager
+from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 
 

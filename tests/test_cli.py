@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from jaxengine import cli
 from jaxengine import llm as llm_module
 from jaxengine.cli_engine_flags import engine_options
-from jaxengine.engine.engine_config import EngineConfig
+from jaxengine.engine_config import EngineConfig
 from jaxengine.models import gguf_loader
 from jaxengine.testing import tiny_llama
 from jaxengine.tokenizer import Tokenizer

@@ -172,7 +172,7 @@ def test_the_full_combination_compiles_nothing_after_precompile(model, tokenizer
     runner.sample_produced,
     runner.verify_forward,
     runner.rejection_sample_produced,
-    runner.paged_decode_steps,
+    runner.decode_steps,
   )
   before = [step._cache_size() for step in steps]
   counts = _Counts(engine)

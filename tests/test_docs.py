@@ -115,7 +115,7 @@ def test_the_configuration_page_documents_every_option_and_flag():
   import dataclasses
 
   from jaxengine.cli_engine_flags import ENGINE_FLAGS
-  from jaxengine.engine.engine_config import EngineConfig
+  from jaxengine.engine_config import EngineConfig
 
   text = (ROOT / "docs" / "configuration.md").read_text()
   rows = {m for m in re.findall(r"^\| `(\w+)` \|", text, re.M)}

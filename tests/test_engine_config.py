@@ -14,8 +14,8 @@ import jaxengine as je
 from jaxengine.cli import build_parser
 from jaxengine.cli_engine_flags import ENGINE_FLAGS, engine_options
 from jaxengine.engine import EngineConfig, LLMEngine
-from jaxengine.engine.engine_config import engine_config
-from jaxengine.engine.speculative import SpeculativeConfig
+from jaxengine.engine_config import engine_config
+from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.testing import TargetOnly, tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}

@@ -1,4 +1,4 @@
-"""The paged KV cache's host bookkeeping (`engine/block_pool.py`, `engine/kv_cache_manager.py`):
+"""The paged KV cache's host bookkeeping (`core/block_pool.py`, `core/kv_cache_manager.py`):
 reference counts, the LRU free queue of cached prefix blocks, prefix hits, forks, preemption, and a
 stateful model in which no block ever leaks or is handed to two owners by mistake."""
 
@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from jaxengine.engine.block_pool import (
+from jaxengine.core.block_pool import (
   NULL_BLOCK_ID,
   BlockPool,
   extend_block_hashes,
   hash_block_tokens,
 )
-from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 BS = 4  # a small block size keeps the examples short
 

@@ -1,5 +1,5 @@
 """The paged KV cache's default size: pages for every row at full length and a quarter more,
-within the device memory the engine may take (`jaxengine/engine/kv_cache_size.py`)."""
+within the device memory the engine may take (`jaxengine/worker/kv_cache_size.py`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import jax
 import pytest
 
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.kv_cache_size import (
+from jaxengine.models.attention_backends import attention_backend
+from jaxengine.params import SamplingParams
+from jaxengine.testing import tiny_llama
+from jaxengine.worker.kv_cache_size import (
   DEFAULT_CPU_KV_CACHE_BYTES,
   check_kv_cache_memory_bytes,
   default_num_kv_blocks,
   memory_limit,
 )
-from jaxengine.models.attention_backends import attention_backend
-from jaxengine.params import SamplingParams
-from jaxengine.testing import tiny_llama
 
 
 @dataclasses.dataclass

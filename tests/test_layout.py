@@ -31,6 +31,17 @@ FORBIDDEN = {
   "jaxengine.batch": ("jaxengine.engine", "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
   "jaxengine.models": ("jaxengine.sample", "jaxengine.batch", "jaxengine.engine",
                        "jaxengine.llm", "jaxengine.cli"),
+  # The engine's rooms, in the order their dependencies point: core (host bookkeeping), then
+  # spec_decode (drafts), then worker (the device steps), then engine (the lifecycle).
+  "jaxengine.core": ("jaxengine.spec_decode", "jaxengine.worker", "jaxengine.engine",
+                     "jaxengine.engine_config", "jaxengine.models", "jaxengine.sample",
+                     "jaxengine.llm", "jaxengine.cli"),
+  "jaxengine.spec_decode": ("jaxengine.worker", "jaxengine.engine", "jaxengine.engine_config",
+                            "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+  "jaxengine.engine_config": ("jaxengine.core", "jaxengine.worker", "jaxengine.engine",
+                              "jaxengine.llm", "jaxengine.cli"),
+  "jaxengine.worker": ("jaxengine.engine", "jaxengine.spec_decode.policy",
+                       "jaxengine.spec_decode.speculation", "jaxengine.llm", "jaxengine.cli"),
   "jaxengine.engine": ("jaxengine.llm", "jaxengine.cli"),
 }  # fmt: skip
 
@@ -109,7 +120,7 @@ def _index(package: str) -> list[str]:
   return [word for word in words if word.endswith(".py")]
 
 
-@pytest.mark.parametrize("package", ["batch", "engine", "sample"])
+@pytest.mark.parametrize("package", ["batch", "core", "engine", "sample", "spec_decode", "worker"])
 def test_each_package_index_lists_every_module_once(package):
   modules = sorted(p.name for p in (PACKAGE / package).glob("*.py") if p.name != "__init__.py")
   assert sorted(_index(package)) == modules

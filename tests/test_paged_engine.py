@@ -22,9 +22,9 @@ from cacheless import assert_greedy_is_argmax, assert_logprobs_match
 from test_rollout import assert_same_outputs, run_engine
 
 import jaxengine as je
+from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.engine_config import EngineConfig
-from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
+from jaxengine.engine_config import EngineConfig
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
 
@@ -105,16 +105,16 @@ def _engine(name: str) -> LLMEngine:
 
 
 class _Recorder:
-  """Wraps a `PagedScheduler.schedule` to keep every step's plan and whether it split a prompt."""
+  """Wraps a `Scheduler.schedule` to keep every step's plan and whether it split a prompt."""
 
-  def __init__(self, scheduler: PagedScheduler) -> None:
+  def __init__(self, scheduler: Scheduler) -> None:
     self.scheduler = scheduler
-    self.steps: list[PagedSchedulerOutput] = []
+    self.steps: list[SchedulerOutput] = []
     self.num_partial = 0  # steps that left some scheduled completion short of its tokens
     self._schedule = scheduler.schedule
     scheduler.schedule = self._record  # type: ignore[method-assign]
 
-  def _record(self, draft_token_ids=None) -> PagedSchedulerOutput:
+  def _record(self, draft_token_ids=None) -> SchedulerOutput:
     out = self._schedule(draft_token_ids)
     running = self.scheduler.running
     self.num_partial += any(

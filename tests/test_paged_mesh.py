@@ -149,7 +149,7 @@ print("data parallel", dp_stats)
 # k = 3 decode steps per dispatch on the mesh: the k = 1 tokens (the loop ran).
 steps3 = je.LLM(model, tensor_parallel_size=2, num_decode_steps=3, **kw)
 check_same(run(steps3), want)
-assert steps3.llm_engine.runner.paged_decode_steps._cache_size() > 0
+assert steps3.llm_engine.runner.decode_steps._cache_size() > 0
 print("k-step", steps3.llm_engine.kv_cache_stats)
 
 key = runner.kv_cache.pages[0][0]

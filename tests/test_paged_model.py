@@ -2,7 +2,7 @@
 
 A minimal scheduler (decodes first, then prefill chunks under a token budget, preempting the most
 recently admitted request when the pool runs out) drives `KVCacheManager` and
-`build_paged_step_inputs`; each ragged step runs the unchanged model once over the flat tokens of
+`build_step_inputs`; each ragged step runs the unchanged model once over the flat tokens of
 all scheduled requests (`PagedAttentionMetadata` + `PagedKVCache`), and every token it samples
 greedily must come with the same logits (float32, tight tolerance) and be the same token as the
 slot path (`forward` with `AttentionMetadata` over a `KVCache`, one request at a time, prefill
@@ -20,8 +20,7 @@ import pytest
 from flax import nnx
 from paged_utils import ToyScheduler
 
-from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.paged_inputs import PagedStepInputs, build_paged_step_inputs
+from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.models.attention import AttentionMetadata, attention
 from jaxengine.models.attention_backends import (
   AttentionBackend,
@@ -33,6 +32,7 @@ from jaxengine.models.llama import compute_logits, forward
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.testing import count_compiles, tiny_llama
+from jaxengine.worker.step_inputs import StepInputs, build_step_inputs
 
 BLOCK = 4
 P = 8  # block-table bucket: 32 positions per request
@@ -117,12 +117,12 @@ class _PagedRun(ToyScheduler):
     self.buckets: list[tuple[int, int]] = []
     self.decode_only_steps = 0
 
-  def inputs(self, picked: dict[str, int]) -> tuple[PagedStepInputs, np.ndarray]:
+  def inputs(self, picked: dict[str, int]) -> tuple[StepInputs, np.ndarray]:
     ids = list(picked)
     total = sum(picked.values())
     num_tokens, num_reqs = _bucket(total, TOKEN_BUCKETS), _bucket(len(ids), REQ_BUCKETS)
     self.buckets.append((num_tokens, num_reqs))
-    inputs = build_paged_step_inputs(
+    inputs = build_step_inputs(
       [self.manager.get_block_ids(r) for r in ids], [self.computed[r] for r in ids],
       [picked[r] for r in ids], block_size=BLOCK, num_tokens=num_tokens, num_reqs=num_reqs,
       max_blocks_per_req=P,

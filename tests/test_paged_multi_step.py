@@ -17,10 +17,10 @@ from test_paged_engine import REQUESTS, SP, VOCAB, _model_and_tokenizer, _run
 from test_rollout import assert_same_outputs
 
 import jaxengine as je
+from jaxengine.core.kv_cache_manager import KVCacheManager
+from jaxengine.core.request import Completion, Request
+from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
-from jaxengine.engine.requests import Completion, Request
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 
 #: 6 usable pages of 4 tokens for 2 rows of up to 24 tokens: preemption and short lookahead.
@@ -49,7 +49,7 @@ class _StepCounter:
   """Counts the k-step dispatches, the most tokens a row was granted, and dispatches where the
   pool served some row less than its limits allowed (wraps the scheduler)."""
 
-  def __init__(self, scheduler: PagedScheduler) -> None:
+  def __init__(self, scheduler: Scheduler) -> None:
     self.scheduler = scheduler
     self.num_multi = 0
     self.most_steps = 0
@@ -57,7 +57,7 @@ class _StepCounter:
     self._plan = scheduler.schedule_decode_steps
     scheduler.schedule_decode_steps = self._record  # type: ignore[method-assign]
 
-  def _record(self, scheduled, num_steps, max_model_len) -> PagedSchedulerOutput | None:
+  def _record(self, scheduled, num_steps, max_model_len) -> SchedulerOutput | None:
     out = self._plan(scheduled, num_steps, max_model_len)
     if out is not None:
       self.num_multi += 1
@@ -69,10 +69,10 @@ class _StepCounter:
     return out
 
 
-def _scheduler(num_blocks: int, prompts: list[list[int]], max_tokens: list[int]) -> PagedScheduler:
+def _scheduler(num_blocks: int, prompts: list[list[int]], max_tokens: list[int]) -> Scheduler:
   """A scheduler over pages of 4 tokens that has admitted `prompts` and sampled one token each
   (host only: what the engine does around the model)."""
-  scheduler = PagedScheduler(2, KVCacheManager(num_blocks, 4, enable_caching=False), 8)
+  scheduler = Scheduler(2, KVCacheManager(num_blocks, 4, enable_caching=False), 8)
   for index, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
     params = SP(max_tokens=limit)
     request = Request(str(index), None, prompt, params)
@@ -154,7 +154,7 @@ def test_precompile_covers_the_k_step_loop_and_a_run_compiles_no_step(expected):
   runner = engine.runner
   with count_compiles() as compiles:
     shapes = engine.precompile(use_tqdm=False)
-  # Token buckets start at min(rows, 8) (`PagedModelRunner.token_bucket`); with prompt logprobs
+  # Token buckets start at min(rows, 8) (`ModelRunner.token_bucket`); with prompt logprobs
   # the largest row bucket only (`step_buckets`).
   reachable = runner.step_shapes() + runner.step_shapes(prompt_logprobs=True)
   assert runner.row_buckets == [1, 2] and len(reachable) > len(runner.row_buckets)
@@ -163,7 +163,7 @@ def test_precompile_covers_the_k_step_loop_and_a_run_compiles_no_step(expected):
   with count_compiles() as compiles:
     outputs = _run(engine, WORKLOAD)
   assert compiles.count == 0  # nothing compiles after precompile
-  assert runner.paged_decode_steps._cache_size() == 2  # one loop per row bucket
+  assert runner.decode_steps._cache_size() == 2  # one loop per row bucket
   assert runner.ragged_forward._cache_size() == len(reachable)
   assert_same_outputs(outputs, expected)
   assert counter.most_steps == 8 and counter.partial_lookahead == 0

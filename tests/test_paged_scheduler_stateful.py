@@ -1,4 +1,4 @@
-"""Stateful property test: `PagedScheduler` over a `KVCacheManager`, host only (no model).
+"""Stateful property test: `Scheduler` over a `KVCacheManager`, host only (no model).
 
 Each step the machine runs `schedule()`, writes the scheduled tokens into simulated pages through
 the block tables, appends a fake token to every completion whose last known token was computed,
@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.paged_scheduler import PagedScheduler
-from jaxengine.engine.requests import Completion, Request
+from jaxengine.core.kv_cache_manager import KVCacheManager
+from jaxengine.core.request import Completion, Request
+from jaxengine.core.scheduler import Scheduler
 from jaxengine.params import SamplingParams
 
 MAX_MODEL_LEN = 16
@@ -58,7 +58,7 @@ class PagedSchedulerMachine(RuleBasedStateMachine):
     self.block_size = block_size
     self.budget = budget
     self.manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    self.scheduler = PagedScheduler(max_num_reqs, self.manager, budget, chunked)
+    self.scheduler = Scheduler(max_num_reqs, self.manager, budget, chunked)
 
   # --- rules ------------------------------------------------------------------------------------
 

@@ -18,10 +18,10 @@ import pytest
 from cacheless import assert_greedy_is_argmax, assert_logprobs_match
 
 import jaxengine as je
+from jaxengine.core.kv_cache_manager import KVCacheManager
+from jaxengine.core.request import Completion, Request
+from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.paged_scheduler import PagedScheduler
-from jaxengine.engine.requests import Completion, Request
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
 
@@ -212,7 +212,7 @@ def test_prefix_caching_reuses_pages_that_held_drafts(greedy_reference):
 
 def test_a_draft_is_never_hashed_and_rejected_drafts_are_not_computed():
   manager = KVCacheManager(num_blocks=16, block_size=4)
-  scheduler = PagedScheduler(2, manager, max_num_batched_tokens=16)
+  scheduler = Scheduler(2, manager, max_num_batched_tokens=16)
   params = SP(max_tokens=8)
   request = Request("r", None, [1, 2, 3, 4, 5, 6, 7], params)
   completion = Completion("r", request, 0, params, None)
@@ -231,7 +231,7 @@ def test_a_draft_is_never_hashed_and_rejected_drafts_are_not_computed():
   assert scheduler.num_computed_tokens["r"] == 9
   # Drafts that do not fit the budget are cut; a step never preempts for them.
   completion.token_ids.extend([9, 5])
-  small = PagedScheduler(2, manager, max_num_batched_tokens=2)
+  small = Scheduler(2, manager, max_num_batched_tokens=2)
   small.running, small.num_computed_tokens = scheduler.running, scheduler.num_computed_tokens
   cut = small.schedule({"r": [6, 7, 8]})
   assert cut.num_scheduled_tokens == {"r": 2} and cut.spec_token_ids == {"r": [6]}

@@ -1,5 +1,5 @@
 """The paged foundation end to end, without a model: `KVCacheManager` hands out blocks (prefix
-hits, preemption under a tiny pool, chunked prefill under a token budget), `build_paged_step_inputs`
+hits, preemption under a tiny pool, chunked prefill under a token budget), `build_step_inputs`
 lays out each ragged step, the XLA backend writes and attends, and every query's output equals
 dense attention over its request's whole history. Keys and values are a pure function of the
 token prefix (as a model's are), so shared prefix blocks must hold exactly the right data."""
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from paged_utils import ToyScheduler
 
-from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.paged_inputs import build_paged_step_inputs
+from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.testing import count_compiles
+from jaxengine.worker.step_inputs import build_step_inputs
 
 H, K, D, B = 4, 2, 8, 4
 T, R, P = 16, 4, 8  # buckets: tokens, requests, pages per request
@@ -58,7 +58,7 @@ class _Sim(ToyScheduler):
 
   def run_step(self, picked: dict[str, int]) -> None:
     ids = list(picked)
-    inputs = build_paged_step_inputs(
+    inputs = build_step_inputs(
       [self.manager.get_block_ids(r) for r in ids], [self.computed[r] for r in ids],
       [picked[r] for r in ids], block_size=B, num_tokens=T, num_reqs=R, max_blocks_per_req=P,
     )  # fmt: skip
@@ -105,7 +105,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_attend_like_dense(num_blocks
 
 
 def test_build_paged_step_inputs_layout_and_refusals():
-  inputs = build_paged_step_inputs(
+  inputs = build_step_inputs(
     [[3, 5], [7]], [5, 0], [2, 3], block_size=4, num_tokens=8, num_reqs=3, max_blocks_per_req=3
   )
   np.testing.assert_array_equal(inputs.positions, [5, 6, 0, 1, 2, 0, 0, 0])
@@ -117,13 +117,13 @@ def test_build_paged_step_inputs_layout_and_refusals():
   assert (inputs.num_reqs, inputs.num_tokens) == (2, 5)
   kwargs = dict(block_size=4, num_tokens=8, num_reqs=3, max_blocks_per_req=3)
   with pytest.raises(ValueError, match="request 0 holds 1 blocks; its 7 tokens need 2"):
-    build_paged_step_inputs([[3]], [5], [2], **kwargs)
+    build_step_inputs([[3]], [5], [2], **kwargs)
   with pytest.raises(ValueError, match="9 scheduled tokens exceed the bucket num_tokens=8"):
-    build_paged_step_inputs([[1, 2, 3]], [0], [9], **kwargs)
+    build_step_inputs([[1, 2, 3]], [0], [9], **kwargs)
   with pytest.raises(ValueError, match="num_scheduled_tokens >= 1"):
-    build_paged_step_inputs([[1]], [0], [0], **kwargs)
+    build_step_inputs([[1]], [0], [0], **kwargs)
   with pytest.raises(ValueError, match="4 requests exceed the bucket num_reqs=3"):
-    build_paged_step_inputs([[1]] * 4, [0] * 4, [1] * 4, **kwargs)
+    build_step_inputs([[1]] * 4, [0] * 4, [1] * 4, **kwargs)
   with pytest.raises(ValueError, match="lengths 1, 2, 1"):
-    build_paged_step_inputs([[1]], [0, 0], [1], **kwargs)
+    build_step_inputs([[1]], [0, 0], [1], **kwargs)
   assert inputs.metadata().num_reqs.dtype == jnp.int32

@@ -107,7 +107,7 @@ def test_several_decode_steps_per_dispatch_give_identical_outputs(tiny_model, co
   )
   # The k-step loop compiles once per row bucket (beside the ragged steps of prefills).
   runner = multi.runner
-  assert runner.paged_decode_steps._cache_size() <= len(runner.row_buckets) == 2
+  assert runner.decode_steps._cache_size() <= len(runner.row_buckets) == 2
   # Steady: once all-at-once arrival has been seen too (other prefill shapes), the same
   # arrivals and finishes compile nothing and give the same outputs.
   assert_same_outputs(run_engine(multi), expected)

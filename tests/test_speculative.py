@@ -6,9 +6,9 @@ import pytest
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
-from jaxengine.engine.speculative import (
+from jaxengine.spec_decode.config import SpeculativeConfig
+from jaxengine.spec_decode.ngram_proposer import (
   NgramProposer,
-  SpeculativeConfig,
   draft_limits,
   ngram_draft,
   worth_verifying,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from jaxengine.engine.requests import Completion, Request
+from jaxengine.core.request import Completion, Request
 from jaxengine.params import SamplingParams, StructuredOutputsParams, is_int
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from jaxengine.batch import HostSamplerOutput, LogprobsArrays
-from jaxengine.engine.requests import Completion
+from jaxengine.core.request import Completion
 from jaxengine.outputs import Logprob
 from jaxengine.tokenizer import Tokenizer
 

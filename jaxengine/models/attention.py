@@ -139,7 +139,7 @@ def attention(
     and request ``r`` reads its pages ``block_tables[r]`` through the cache's `AttentionBackend`
     (`jaxengine.models.attention_backends`). The position a query attends from is implied by
     ``seq_lens`` and ``query_start_loc``; the model's own ``positions`` (for its rotary
-    embedding) must agree (`jaxengine.engine.paged_inputs` builds both). Padding tokens (past
+    embedding) must agree (`jaxengine.worker.step_inputs` builds both). Padding tokens (past
     ``query_start_loc[num_reqs]``) write to the null page 0, which no request reads, and get
     zero outputs.
 

@@ -3,7 +3,7 @@
 A paged cache stores keys and values in `num_blocks` pages of `block_size` token positions
 (`[N, B, K, D]` per layer; `N` pages, `B` positions per page). Position `p` of a request lives in
 page `block_tables[r, p // B]` at offset `p % B`; the host decides which pages a request owns
-(`engine/kv_cache_manager.py`). One step computes a flat, ragged batch of `T` query tokens: the
+(`core/kv_cache_manager.py`). One step computes a flat, ragged batch of `T` query tokens: the
 tokens of request `r` are `q[query_start_loc[r] : query_start_loc[r + 1]]`, the last of its
 `seq_lens[r]` context tokens (a decode token, a prefill chunk after earlier chunks, or draft
 tokens), so prefill and decode run in the same call (vLLM V1's ragged step).

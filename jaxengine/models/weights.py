@@ -9,7 +9,7 @@ optional `weight_specs()` method (`jaxengine.models.Llama` names its parameters 
 checkpoints do); any other model gets `default_weight_specs`: one spec per leaf, named by its
 dotted NNX path (``"layers.0.attn.wq"``), taken whole.
 
-The same specs serve the safetensors loader and `PagedModelRunner.load_weights`, so a name means the
+The same specs serve the safetensors loader and `ModelRunner.load_weights`, so a name means the
 same thing in both places. This module also holds the host-side checks and the assembly of new
 leaves that `load_weights` runs; it imports nothing from the rest of jaxengine.
 """

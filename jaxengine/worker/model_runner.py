@@ -1,10 +1,10 @@
 """The model runner: the model's weights over a pool of KV-cache pages, one ragged step at a time.
 
-`PagedModelRunner` owns the model's weights (`load_weights` replaces them without recompiling), the
+`ModelRunner` owns the model's weights (`load_weights` replaces them without recompiling), the
 KV cache, the persistent batch and the jitted steps: the cache is a `PagedKVCache` of `num_blocks`
 pages of `block_size` positions shared by every request (`KVCacheManager` hands them out; the
 batch's `BlockTable` lists each row's), and `execute(scheduler_output)` runs one step over the
-tokens the `PagedScheduler` chose: decode tokens and prefill chunks together, the model once over
+tokens the `Scheduler` chose: decode tokens and prefill chunks together, the model once over
 all of them, then the sampler on the rows whose last known token was computed.
 
 Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
@@ -15,13 +15,13 @@ only (`step_buckets`; the prompt-logprobs variant is another executable), and on
 (`sample_produced`) per row bucket; with `speculative_config` also one verify step
 (the model and the rejection sampler, `paged_verify.py`) per (token bucket, row bucket); with
 `num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
-`engine/paged_multi_step.py`); `precompile` runs them all. The block-table width is fixed at
+`worker/multi_step.py`); `precompile` runs them all. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs, so the width costs nothing there).
 
 The model is split once (`nnx.split`); the steps are pure functions of `(graphdef, weights, ...)`
 jitted with the cache and batch state donated. On a mesh (`EngineConfig.mesh`) weights, pages and
-batch state are placed once (`engine/placement.py`) and every step declares those shardings for
+batch state are placed once (`worker/placement.py`) and every step declares those shardings for
 its inputs and outputs, so serving compiles nothing warm-up did not.
 """
 
@@ -43,27 +43,10 @@ from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.host_output import LogprobsArrays, PendingStep
 from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_steps
-from jaxengine.engine.buckets import bucket, buckets
-from jaxengine.engine.engine_config import EngineConfig
-from jaxengine.engine.kv_cache_manager import KVCacheManager
-from jaxengine.engine.kv_cache_size import check_kv_cache_memory_bytes, default_num_kv_blocks
-from jaxengine.engine.paged_inputs import build_paged_step_inputs
-from jaxengine.engine.paged_multi_step import (
-  DecodeStepsInputs,
-  device_stop_rules,
-  paged_decode_steps,
-  stop_rule_arrays,
-)
-from jaxengine.engine.paged_scheduler import PagedSchedulerOutput, wants_prompt_logprobs
-from jaxengine.engine.paged_verify import (
-  RaggedDrafts,
-  ragged_drafts,
-  rejection_sample_produced,
-  verify_forward,
-)
-from jaxengine.engine.placement import MeshPlacement
-from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward, sample_produced
-from jaxengine.engine.requests import Completion
+from jaxengine.core.kv_cache_manager import KVCacheManager
+from jaxengine.core.request import Completion
+from jaxengine.core.scheduler import SchedulerOutput, wants_prompt_logprobs
+from jaxengine.engine_config import EngineConfig
 from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
@@ -83,20 +66,37 @@ from jaxengine.models.weights import (
   state_leaves,
 )
 from jaxengine.sample import LogprobsTensors
+from jaxengine.worker.buckets import bucket, buckets
+from jaxengine.worker.kv_cache_size import check_kv_cache_memory_bytes, default_num_kv_blocks
+from jaxengine.worker.multi_step import (
+  DecodeStepsInputs,
+  decode_steps,
+  device_stop_rules,
+  stop_rule_arrays,
+)
+from jaxengine.worker.placement import MeshPlacement
+from jaxengine.worker.ragged_step import RaggedInputs, ragged_forward, sample_produced
+from jaxengine.worker.step_inputs import build_step_inputs
+from jaxengine.worker.verify_step import (
+  RaggedDrafts,
+  ragged_drafts,
+  rejection_sample_produced,
+  verify_forward,
+)
 
 #: Smallest token bucket of a ragged step with 8 rows or more; fewer rows start at their row
 #: bucket, so one request's decode runs the model on 1 token, not 8 (XLA:CPU takes about 1.8x as
 #: long over 8 rows of SmolLM2-135M as over 1), at the price of a few more shapes.
 MIN_TOKEN_BUCKET = 8
 
-#: Token bucket from which a step runs in the largest row bucket (`PagedModelRunner.step_buckets`):
+#: Token bucket from which a step runs in the largest row bucket (`ModelRunner.step_buckets`):
 #: the logits of `max_num_reqs` rows cost little next to the model over this many tokens (under 3%
 #: for SmolLM2-135M at 16 rows), and fewer (token, row) shapes compile.
 FULL_ROWS_MIN_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedStepOutput:
+class StepOutput:
   """One ragged step on the host.
 
   Attributes:
@@ -113,7 +113,7 @@ class PagedStepOutput:
 
 @dataclasses.dataclass(frozen=True)
 class InFlightStep:
-  """A ragged step `PagedModelRunner.dispatch` sent to the device, not read yet.
+  """A ragged step `ModelRunner.dispatch` sent to the device, not read yet.
 
   Attributes:
     scheduled: the scheduler's plan it runs.
@@ -124,7 +124,7 @@ class InFlightStep:
     query_starts: their first flat token index in the step.
   """
 
-  scheduled: PagedSchedulerOutput
+  scheduled: SchedulerOutput
   pending: PendingStep[HostMultiStepOutput]
   num_new_tokens: dict[str, int] | None
   prompt_logprobs_wanted: list[str]
@@ -140,7 +140,7 @@ class _PendingPromptLogprobs:
   parts: list[LogprobsArrays] = dataclasses.field(default_factory=list)
 
 
-class PagedModelRunner:
+class ModelRunner:
   """Owns a model's weights, its pool of KV-cache pages, the persistent batch and the jitted
   steps (see the module).
 
@@ -151,9 +151,9 @@ class PagedModelRunner:
     input_batch: the persistent batch the runner samples into, built with the config's
       `max_num_reqs`, `max_model_len` and `max_num_blocks_per_req` (its `block_table`).
     config: the engine's `EngineConfig` (validated); the runner reads `mesh` (None: one
-      device; else weights, pages and batch state are placed on it once, `engine/placement.py`),
+      device; else weights, pages and batch state are placed on it once, `worker/placement.py`),
       `batch_invariant`, `kv_cache_memory_bytes`, `num_kv_blocks`, `gpu_memory_utilization`
-      (`engine/kv_cache_size.py`), `block_size`, `max_num_batched_tokens`, `attention_backend`,
+      (`worker/kv_cache_size.py`), `block_size`, `max_num_batched_tokens`, `attention_backend`,
       `prefix_caching` and `num_speculative_tokens`.
 
   Raises:
@@ -232,7 +232,7 @@ class PagedModelRunner:
     #: Draft slots per row of the verify step (0: no speculative decoding; `paged_verify.py`).
     self.num_speculative_tokens = num_speculative_tokens
     #: The verify step's model part (per token and row bucket) and rejection sampler (per row
-    #: bucket), `engine/paged_verify.py`.
+    #: bucket), `worker/verify_step.py`.
     self.verify_forward: Callable[..., Any] = jax.jit(
       functools.partial(verify_forward, self._graphdef),
       static_argnames=("prompt_logprobs",),
@@ -245,12 +245,12 @@ class PagedModelRunner:
       donate_argnames=("state",),
       **(placement.rejection_sample_produced_shardings() if placement is not None else {}),
     )
-    #: The k-step decode loop (`engine/paged_multi_step.py`).
-    self.paged_decode_steps: Callable[..., Any] = jax.jit(
-      functools.partial(paged_decode_steps, self._graphdef, mesh=self.mesh),
+    #: The k-step decode loop (`worker/multi_step.py`).
+    self.decode_steps: Callable[..., Any] = jax.jit(
+      functools.partial(decode_steps, self._graphdef, mesh=self.mesh),
       static_argnames=("num_rows", "num_steps"),
       donate_argnames=("state", "kv_cache"),
-      **(placement.paged_decode_steps_shardings() if placement is not None else {}),
+      **(placement.decode_steps_shardings() if placement is not None else {}),
     )
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
@@ -409,9 +409,9 @@ class PagedModelRunner:
 
   def execute(
     self,
-    scheduled: PagedSchedulerOutput,
+    scheduled: SchedulerOutput,
     grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
-  ) -> PagedStepOutput:
+  ) -> StepOutput:
     """Runs one ragged step: the scheduled tokens through the model, then the sampler
     (`dispatch`, then `collect`).
 
@@ -425,7 +425,7 @@ class PagedModelRunner:
         step then leaves the bitmask as it is and reads it nowhere).
 
     Returns:
-      `PagedStepOutput`: the sampled tokens of the batch's rows (`req_ids` order; `num_sampled`
+      `StepOutput`: the sampled tokens of the batch's rows (`req_ids` order; `num_sampled`
       is 1 for rows that produced a token, 0 for rows that only prefilled or were not
       scheduled), and the prompt logprobs of prompts completed this step.
     """
@@ -433,7 +433,7 @@ class PagedModelRunner:
 
   def dispatch(
     self,
-    scheduled: PagedSchedulerOutput,
+    scheduled: SchedulerOutput,
     grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
   ) -> InFlightStep:
     """Dispatches one ragged step (as `execute`) and returns before its tokens are read.
@@ -466,7 +466,7 @@ class PagedModelRunner:
       query_starts=self._query_starts(scheduled) if wanted else {},
     )
 
-  def _update_block_table(self, scheduled: PagedSchedulerOutput) -> None:
+  def _update_block_table(self, scheduled: SchedulerOutput) -> None:
     """Condenses the batch and applies a step's page changes to the block table: preempted rows
     emptied (a prompt whose logprobs were being gathered starts them again: it is recomputed
     from the start), new pages appended."""
@@ -479,16 +479,16 @@ class PagedModelRunner:
     for seq_id, block_ids in scheduled.new_block_ids.items():
       self.block_table.append_row(index[seq_id], block_ids)
 
-  def collect(self, step: InFlightStep) -> PagedStepOutput:
+  def collect(self, step: InFlightStep) -> StepOutput:
     """Reads a dispatched step's tokens (waiting for the device) and appends them to the batch
-    (`InputBatch.resolve`); returns its `PagedStepOutput` (`req_ids`: the rows at dispatch)."""
+    (`InputBatch.resolve`); returns its `StepOutput` (`req_ids`: the rows at dispatch)."""
     output = self.input_batch.resolve(step.pending)
     prompt_logprobs = {}
     token_logprobs = step.pending.extra[1]
     if token_logprobs is not None:  # computed when prompt logprobs were wanted
       prompt_logprobs = self._collect_prompt_logprobs(step, token_logprobs)
     req_ids = [req_id for req_id, _ in step.pending.rows]
-    return PagedStepOutput(req_ids=req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+    return StepOutput(req_ids=req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
 
   def step_buckets(
     self, num_tokens: int, num_reqs: int, prompt_logprobs: bool = False
@@ -564,7 +564,7 @@ class PagedModelRunner:
     prompt_logprobs,
   ):
     """`ragged_step` with drafts: `verify_forward`, then `rejection_sample_produced` (see
-    `engine/paged_verify.py`). Returns as `ragged_step`; the output holds `k + 1` positions."""
+    `worker/verify_step.py`). Returns as `ragged_step`; the output holds `k + 1` positions."""
     forward = self.verify_forward(state, weights, kv_cache, inputs, drafts, prompt_logprobs)
     state, output = self.rejection_sample_produced(
       state, metadata, forward.logits, drafts, inputs.produces, num_rows
@@ -620,7 +620,7 @@ class PagedModelRunner:
     return done
 
   def _verify_inputs(
-    self, scheduled: PagedSchedulerOutput, num_tokens: int, num_rows: int
+    self, scheduled: SchedulerOutput, num_tokens: int, num_rows: int
   ) -> RaggedDrafts:
     """The step's drafts laid out for `ragged_verify_step` (none: a verify step of no drafts,
     which precompile runs)."""
@@ -630,14 +630,14 @@ class PagedModelRunner:
     k = self.num_speculative_tokens
     return ragged_drafts(scheduled, rows, starts, num_tokens, num_rows, k, self._input_sharding)
 
-  def _query_starts(self, scheduled: PagedSchedulerOutput) -> dict[str, int]:
+  def _query_starts(self, scheduled: SchedulerOutput) -> dict[str, int]:
     """Each scheduled completion's first flat token index (rows in batch order)."""
     index = self.input_batch.req_id_to_index
     order = sorted(scheduled.num_scheduled_tokens, key=index.__getitem__)
     counts = [scheduled.num_scheduled_tokens[s] for s in order]
     return dict(zip(order, np.cumsum([0, *counts[:-1]]).tolist()))
 
-  def _produces(self, scheduled: PagedSchedulerOutput, seq_id: str) -> bool:
+  def _produces(self, scheduled: SchedulerOutput, seq_id: str) -> bool:
     """Whether the step computes `seq_id`'s last known token (so samples its next one)."""
     count = scheduled.num_scheduled_tokens.get(seq_id)
     if count is None:
@@ -648,7 +648,7 @@ class PagedModelRunner:
 
   def _ragged_inputs(
     self,
-    scheduled: PagedSchedulerOutput,
+    scheduled: SchedulerOutput,
     num_tokens: int,
     num_rows: int,
     produces: Sequence[bool] = (),
@@ -660,7 +660,7 @@ class PagedModelRunner:
     seq_ids = [batch.req_ids[row] for row in rows]
     computed = [scheduled.num_computed_tokens[s] for s in seq_ids]
     counts = [scheduled.num_scheduled_tokens[s] for s in seq_ids]
-    layout = build_paged_step_inputs(
+    layout = build_step_inputs(
       [self.block_table.row(row).tolist() for row in rows],
       computed,
       counts,
@@ -720,7 +720,7 @@ class PagedModelRunner:
     if batch.num_reqs:
       raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
     batch.precompile_updates()
-    empty = PagedSchedulerOutput([], {}, {}, {}, [])
+    empty = SchedulerOutput([], {}, {}, {}, [])
     columns = batch.state.num_top_logprobs + 1  # `dispatch`'s prompt logprobs
     variants = [
       (num_tokens, num_rows, drafted, columns if prompt_logprobs else 0)
@@ -751,13 +751,13 @@ class PagedModelRunner:
   # --- the k-step decode ------------------------------------------------------------------------
 
   def execute_decode_steps(
-    self, scheduled: PagedSchedulerOutput, num_steps: int, end_on_first_finish: bool = False
-  ) -> PagedStepOutput:
-    """Runs a k-step decode (`engine/paged_multi_step.py`): up to `num_steps` ragged decode
+    self, scheduled: SchedulerOutput, num_steps: int, end_on_first_finish: bool = False
+  ) -> StepOutput:
+    """Runs a k-step decode (`worker/multi_step.py`): up to `num_steps` ragged decode
     steps in one device loop over the rows `scheduled.num_decode_steps` names (each at most
     that many tokens; the other rows wait).
 
-    Call with the output of `PagedScheduler.schedule_decode_steps`. Updates the block table
+    Call with the output of `Scheduler.schedule_decode_steps`. Updates the block table
     (pages freed by preemption, pages appended, lookahead included) and appends every valid
     token to the batch.
 
@@ -767,18 +767,18 @@ class PagedModelRunner:
       end_on_first_finish: end the loop once some row stops by a stop rule (requests wait).
 
     Returns:
-      `PagedStepOutput`: up to `k` tokens per row (`sampled.num_sampled`, which is also the
+      `StepOutput`: up to `k` tokens per row (`sampled.num_sampled`, which is also the
       positions each row computed), no prompt logprobs.
     """
     batch = self.input_batch
     self._update_block_table(scheduled)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
     output = self._run_decode_steps(scheduled, num_rows, num_steps, end_on_first_finish)
-    return PagedStepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs={})
+    return StepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs={})
 
   def _run_decode_steps(
     self,
-    scheduled: PagedSchedulerOutput,
+    scheduled: SchedulerOutput,
     num_rows: int,
     num_steps: int,
     end_on_first_finish: bool,
@@ -810,7 +810,7 @@ class PagedModelRunner:
     )
     output, kv_cache = run_steps(
       batch,
-      self._placed(self.paged_decode_steps),
+      self._placed(self.decode_steps),
       self.weights,
       self.kv_cache,
       inputs,

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxengine.engine.requests import Completion
-from jaxengine.engine.speculative import (
+from jaxengine.core.request import Completion
+from jaxengine.spec_decode.config import SpeculativeConfig
+from jaxengine.spec_decode.ngram_proposer import (
   Drafts,
   NgramProposer,
   SpecDecodingStats,
-  SpeculativeConfig,
   draft_limits,
   timed_propose,
   worth_verifying,

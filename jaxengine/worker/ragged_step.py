@@ -90,7 +90,7 @@ def ragged_forward(
       logprobs (log-softmax of the logits) of the token that follows it in its sequence and the
       top `k` (a step with a prompt that asked for `prompt_logprobs`).
     input_token_ids: None, or `[T] int32` tokens fed in place of the batch's, -1 where the
-      batch's own token is fed (a verify step's drafts, `engine/paged_verify.py`).
+      batch's own token is fed (a verify step's drafts, `worker/verify_step.py`).
     logits_indices: None (`inputs.logits_indices`), or `[R, ...] int32` flat query indices
       whose logits to return (a verify step's `[R, k + 1]`).
 

@@ -2,8 +2,8 @@
 
 When a step of the paged engine only decodes (every scheduled row computes exactly its last
 sampled token; nothing is admitted or prefilling; no structured-output row runs), the scheduler
-reserves pages ahead for up to `k` tokens per row (`PagedScheduler.schedule_decode_steps`) and
-`paged_decode_steps` runs `k` decode-and-sample iterations in one `lax.while_loop`, paying the
+reserves pages ahead for up to `k` tokens per row (`Scheduler.schedule_decode_steps`) and
+`decode_steps` runs `k` decode-and-sample iterations in one `lax.while_loop`, paying the
 host round trip once per `k` tokens (on accelerators a decode step of a small model takes about
 as long as the host needs to launch it and read its tokens back).
 
@@ -131,7 +131,7 @@ def _decode_metadata(
   )
 
 
-def paged_decode_steps(
+def decode_steps(
   graphdef,
   state,
   metadata,

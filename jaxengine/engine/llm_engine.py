@@ -5,14 +5,14 @@ One `step()`:
 
   1. the scheduler chooses the step's tokens within its budget and the free pages: running
      completions' decodes and prefill chunks first, then waiting completions admitted into
-     free rows (`engine/paged_scheduler.py`);
+     free rows (`core/scheduler.py`);
   2. the runner adds the admitted ones to the persistent batch and runs one ragged step: the
      model once over every scheduled token, then the sampler on the rows whose last known token
      was computed; with a `speculative_config`, when some row has n-gram drafts and
      `SpeculativePolicy` expects them to pay, the drafts are more query tokens of their rows and
-     the rejection sampler keeps one to k + 1 tokens per row (`engine/paged_verify.py`); with
+     the rejection sampler keeps one to k + 1 tokens per row (`worker/verify_step.py`); with
      `num_decode_steps` k > 1, a step that only decodes runs up to k steps in one device loop
-     (`engine/paged_multi_step.py`);
+     (`worker/multi_step.py`);
   3. `_update_from_output`, the one place a step's tokens reach the requests, appends them
      (grammar checks, logprob dicts, text, stop rules), and `_finish`, the one finish path
      (also taken by `abort_request` and by a token its grammar rejects), takes finished
@@ -23,7 +23,7 @@ With asynchronous scheduling (the default) steps 1-2 of the next step run before
 last one: `step()` dispatches step t + 1 while step t's tokens are still on
 the device, then reads step t (see `LLMEngine`, `async_scheduling`).
 
-The engine's options come in one validated `EngineConfig` (`engine/engine_config.py`).
+The engine's options come in one validated `EngineConfig` (`engine_config.py`).
 """
 
 from __future__ import annotations
@@ -37,25 +37,25 @@ from typing import Any, cast
 import jax
 
 from jaxengine.batch import HostSamplerOutput, InputBatch
-from jaxengine.engine.engine_config import EngineConfig, engine_config, with_engine_options
+from jaxengine.core.kv_cache_manager import KVCacheStats
+from jaxengine.core.request import Completion, Request
+from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine.input_processor import InputProcessor
-from jaxengine.engine.kv_cache_manager import KVCacheStats
 from jaxengine.engine.output_processor import OutputProcessor
-from jaxengine.engine.paged_runner import InFlightStep, PagedModelRunner
-from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
-from jaxengine.engine.paged_verify import PagedSpeculation
-from jaxengine.engine.requests import Completion, Request
-from jaxengine.engine.speculative import (
+from jaxengine.engine.structured import StructuredOutputs
+from jaxengine.engine_config import EngineConfig, engine_config, with_engine_options
+from jaxengine.models.interface import Model, check_model
+from jaxengine.outputs import RequestOutput
+from jaxengine.params import SamplingParams
+from jaxengine.spec_decode.ngram_proposer import (
   CROSSOVER_TOKENS,
   DEFAULT_CROSSOVER_TOKENS,
   SpecDecodingStats,
 )
-from jaxengine.engine.speculative_policy import SpeculativePolicy
-from jaxengine.engine.structured import StructuredOutputs
-from jaxengine.models.interface import Model, check_model
-from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.spec_decode.policy import SpeculativePolicy
+from jaxengine.spec_decode.speculation import Speculation
 from jaxengine.tokenizer import Tokenizer
+from jaxengine.worker.model_runner import InFlightStep, ModelRunner
 
 #: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`.
 RequestSpec = tuple[str | None, object, SamplingParams | None]
@@ -79,11 +79,11 @@ class LLMEngine:
     max_model_len: longest prompt plus output, in tokens; None (default): the model's
       `max_position_embeddings` (`config` then holds the resolved value).
     mesh: None (one device) or a `jax.sharding.Mesh` with axes ``("data", "model")``, or
-      `tensor_parallel_size` to build one: see `PagedModelRunner` and `jaxengine.parallel`. The
+      `tensor_parallel_size` to build one: see `ModelRunner` and `jaxengine.parallel`. The
       pages split over key/value heads; `data_parallel_size` must be 1 for now.
     kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,
       max_num_batched_tokens, enable_chunked_prefill, attention_backend: the paged cache and
-      its scheduler; see `EngineConfig` and `engine/paged_runner.py`.
+      its scheduler; see `EngineConfig` and `worker/model_runner.py`.
     num_decode_steps: `k`, the most decode-and-sample steps one `step()` runs in a single device
       loop (default 1: one token per step). Larger values pay the host round trip once per `k`
       tokens. Tokens, text and finish reasons are those of k = 1 (rows stop on the device at
@@ -96,11 +96,11 @@ class LLMEngine:
       (its grammar advances on the host after every token). On a mesh too (the loop declares
       its shardings and samples vocabulary-sharded logits). Only a step that only decodes
       loops; it reserves pages for up to k tokens per row (never preempting for them) and
-      loops over pages (`engine/paged_multi_step.py`).
+      loops over pages (`worker/multi_step.py`).
     logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
       instances or `"module:Class"` strings.
     speculative_config: None, or vLLM's dict ``{"method": "ngram", "num_speculative_tokens": k,
-      "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (`engine/speculative.py`): each step
+      "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (`spec_decode/ngram_proposer.py`): each step
       drafts up to k tokens per running completion from its own prompt and output, verifies
       them in one model pass over k + 1 positions and keeps what the rejection sampler accepts
       (one to k + 1 tokens per row and step; the output distribution is unchanged, greedy
@@ -112,11 +112,11 @@ class LLMEngine:
       verifies when drafts pay, else runs the k-step loop when it only decodes, else a plain
       ragged step.
       Counters: `spec_decode_stats`. The drafts are query tokens of the ragged step
-      (`engine/paged_verify.py`), scheduled within the token budget and the free pages (never
+      (`worker/verify_step.py`), scheduled within the token budget and the free pages (never
       preempting for them).
     enable_prefix_caching: later prompts that start as an earlier one did (running or
       finished) share its full `block_size`-token pages instead of computing them again (vLLM's
-      option and hash chain; `engine/kv_cache_manager.py`). None (default): on. Requests asking for
+      option and hash chain; `core/kv_cache_manager.py`). None (default): on. Requests asking for
       `prompt_logprobs` skip the lookup. The cache is emptied by `load_weights` and
       `reset_prefix_cache`; `kv_cache_stats` counts its queries, hits and evictions. Same
       outputs (logprob values to float32 rounding: the cached prefix was computed in another
@@ -181,7 +181,7 @@ class LLMEngine:
       max_num_blocks_per_req=config.max_num_blocks_per_req,
       batch_invariant=config.batch_invariant,
     )
-    self.runner = PagedModelRunner(model, batch, config)
+    self.runner = ModelRunner(model, batch, config)
     self.max_num_reqs = batch.max_num_reqs
     self.max_model_len = batch.max_model_len
     self.structured: StructuredOutputs | None = None
@@ -195,7 +195,7 @@ class LLMEngine:
       batch.validate_request,
       None if self.structured is None else self.structured.compile,
     )
-    self.scheduler = PagedScheduler(
+    self.scheduler = Scheduler(
       self.max_num_reqs,
       self.runner.kv_cache_manager,
       cast(int, config.max_num_batched_tokens),  # validated: never None
@@ -207,17 +207,17 @@ class LLMEngine:
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
     self.spec_decode_stats = SpecDecodingStats()
-    #: The verify decision's cost model (`engine/speculative.py`): set it high to verify
+    #: The verify decision's cost model (`spec_decode/ngram_proposer.py`): set it high to verify
     #: whenever some row has a draft.
     self.spec_crossover_tokens = CROSSOVER_TOKENS.get(
       jax.default_backend(), DEFAULT_CROSSOVER_TOKENS
     )
-    self._speculation: PagedSpeculation | None = None
+    self._speculation: Speculation | None = None
     if self.speculative_config is not None:
       policy = SpeculativePolicy(
         self.speculative_config, self.max_model_len, self.spec_decode_stats
       )
-      self._speculation = PagedSpeculation(policy)
+      self._speculation = Speculation(policy)
     self._async_scheduling = config.scheduling_overlaps
     #: The step dispatched by the last `step()` and not read yet (asynchronous scheduling).
     self._in_flight: _Dispatched | None = None
@@ -309,7 +309,7 @@ class LLMEngine:
     return [r.output() for r in done]
 
   def load_weights(self, weights) -> None:
-    """New model weights, no recompilation: see `PagedModelRunner.load_weights`.
+    """New model weights, no recompilation: see `ModelRunner.load_weights`.
 
     Raises:
       ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype.
@@ -321,7 +321,7 @@ class LLMEngine:
     return self.runner.reset_prefix_cache()
 
   def precompile(self, use_tqdm: bool = True) -> int:
-    """Compiles every step shape (see `PagedModelRunner.precompile`); returns how many step
+    """Compiles every step shape (see `ModelRunner.precompile`); returns how many step
     shapes ran.
 
     Raises:
@@ -385,7 +385,7 @@ class LLMEngine:
       if structured is not None and completion.request.grammar is not None:
         structured.add(completion.seq_id, completion.request.grammar)
 
-  def _schedule(self) -> PagedSchedulerOutput | None:
+  def _schedule(self) -> SchedulerOutput | None:
     """The scheduler's plan for the next step (drafts proposed first), its admitted completions
     added to the batch; None when it schedules no token."""
     scheduler, structured = self.scheduler, self.structured
@@ -466,8 +466,8 @@ class LLMEngine:
       decoded.req_ids, decoded.sampled.steps, num_sampled, completions
     )
 
-  def _decode_steps(self, scheduled: PagedSchedulerOutput) -> list[RequestOutput]:
-    """A k-step decode (`engine/paged_multi_step.py`): each row's computed tokens advance by the
+  def _decode_steps(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+    """A k-step decode (`worker/multi_step.py`): each row's computed tokens advance by the
     tokens it sampled. The loop ends at the first finish while requests wait for a row or pages
     (waiting, or running without pages after a preemption).
 

@@ -1,8 +1,8 @@
 """Speculative decoding: n-gram drafts as query tokens of the ragged step.
 
-Each step with `speculative_config`, `PagedSpeculation.propose` asks the engine's
+Each step with `speculative_config`, `Speculation.propose` asks the engine's
 `SpeculativePolicy` for drafts of the running decodes (its drafts, limits and cost model; none
-while a row with structured outputs runs). The `PagedScheduler` schedules a
+while a row with structured outputs runs). The `Scheduler` schedules a
 drafted decode as `1 + d` query tokens (its last known token, then its `d` drafts, at positions
 `n - 1 .. n - 1 + d`), within the token budget and the free pages. The step then runs `verify_forward`
 (the model once over the ragged tokens, drafts fed in place of tokens the batch does not hold yet;
@@ -10,14 +10,14 @@ the logits at every query position of drafted rows), then `rejection_sample_prod
 (`jaxengine.sample.rejection_sample` over all rows): a row without drafts (a plain decode, a
 prompt's last chunk) emits the very token `sample` would, a drafted row its accepted drafts and one
 recovered or bonus token, each drawn with the key of its output index (so seeded outputs are those
-of plain decoding). `PagedSpeculation.record` counts the accepted
+of plain decoding). `Speculation.record` counts the accepted
 drafts; the scheduler advances a drafted row's computed tokens by `1 + accepted`: the keys and
 values of rejected drafts lie past it and the next step overwrites them. Prefix caching hashes known
 tokens only, so a cached page never holds a rejected draft.
 
 Compiles: `verify_forward` is one more model executable per (token bucket, row bucket), and
 `rejection_sample_produced` one per row bucket, with `k` (the draft slots per row) fixed by the
-config; `PagedModelRunner.precompile` compiles them beside the plain step's.
+config; `ModelRunner.precompile` compiles them beside the plain step's.
 
 On a mesh (`tensor_parallel_size`): the model runs as in the plain step (pages split over key/
 value heads), then the verify logits are gathered whole on every device and the rejection sampler
@@ -30,20 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.batch.step_loop import MultiStepOutput
-from jaxengine.engine.paged_scheduler import PagedScheduler, PagedSchedulerOutput
-from jaxengine.engine.ragged_step import RaggedInputs, ragged_forward
-from jaxengine.engine.requests import Completion
-from jaxengine.engine.speculative import Drafts
-from jaxengine.engine.speculative_policy import SpeculativePolicy
+from jaxengine.core.scheduler import SchedulerOutput
 from jaxengine.sample import rejection_sample
 from jaxengine.sample.sharded import across_devices
+from jaxengine.worker.ragged_step import RaggedInputs, ragged_forward
 
 
 @jax.tree_util.register_dataclass
@@ -67,7 +64,7 @@ class RaggedDrafts:
 
 
 def ragged_drafts(
-  scheduled: PagedSchedulerOutput,
+  scheduled: SchedulerOutput,
   rows: Mapping[str, int],
   query_starts: Mapping[str, int],
   num_tokens: int,
@@ -80,7 +77,7 @@ def ragged_drafts(
   Args:
     scheduled: the step's plan (`spec_token_ids`: at most `k` per row; may be empty).
     rows: the batch row of each scheduled completion.
-    query_starts: its first flat query index (`PagedModelRunner._query_starts`).
+    query_starts: its first flat query index (`ModelRunner._query_starts`).
     num_tokens: `T`, the token bucket.
     num_rows: `R`, the row bucket.
     k: draft slots per row (`num_speculative_tokens`).
@@ -122,7 +119,7 @@ def verify_forward(
 
   Args:
     graphdef, state, weights, kv_cache, inputs, prompt_logprobs: as
-      `jaxengine.engine.ragged_step.ragged_forward` (`kv_cache` donated by the jitted step).
+      `jaxengine.worker.ragged_step.ragged_forward` (`kv_cache` donated by the jitted step).
     drafts: the step's `RaggedDrafts`.
 
   Returns:
@@ -174,65 +171,3 @@ def rejection_sample_produced(state, metadata, logits, drafts: RaggedDrafts, pro
     num_sampled=out.num_sampled,
   )
   return state.with_leading_rows(rows_state), output
-
-
-class PagedSpeculation:
-  """The paged engine's drafts: what to propose before a step, what to count after it.
-
-  Args:
-    policy: the engine's `SpeculativePolicy` (drafts, cost model, `spec_decode_stats`).
-  """
-
-  def __init__(self, policy: SpeculativePolicy) -> None:
-    self.policy = policy
-    self._completions: list[Completion] = []  # the rows last proposed for, in that order
-
-  def propose(
-    self, scheduler: PagedScheduler, num_rows: int, crossover_tokens: float
-  ) -> dict[str, list[int]]:
-    """Drafts for the running decodes (completions whose only token left to compute is their
-    last): `seq_id` -> tokens, empty when none has a draft or the cost model declines.
-
-    Args:
-      scheduler: the paged scheduler (before `schedule`).
-      num_rows: the row bucket of the step.
-      crossover_tokens: the cost model's crossover (`LLMEngine.spec_crossover_tokens`).
-    """
-    running, computed = scheduler.running, scheduler.num_computed_tokens
-    decodes = [c for s, c in running.items() if c.num_tokens - computed[s] == 1]
-    self._completions = []
-    if not decodes:
-      return {}
-    drafts = self.policy.drafts(decodes, num_rows, crossover_tokens)
-    if drafts is None:
-      return {}
-    self._completions = decodes
-    counts = drafts.num_draft_tokens.tolist()
-    return {
-      c.seq_id: drafts.token_ids[i, :n].tolist()
-      for i, (c, n) in enumerate(zip(decodes, counts))
-      if n
-    }
-
-  def record(
-    self, scheduled: PagedSchedulerOutput, req_ids: Sequence[str], num_sampled: np.ndarray
-  ) -> dict[str, int]:
-    """Counts a step's verified drafts (`spec_decode_stats`, each row's acceptance estimate).
-
-    Args:
-      scheduled: the step's plan (the drafts it scheduled, maybe fewer than proposed).
-      req_ids: the batch's rows, the order of `num_sampled`.
-      num_sampled: `[N] int32` tokens each row emitted.
-
-    Returns:
-      Accepted drafts by `seq_id`, for `PagedScheduler.update_after_step`.
-    """
-    if not scheduled.spec_token_ids:
-      return {}
-    emitted = dict(zip(req_ids, num_sampled.tolist()))
-    completions = self._completions
-    num_draft = np.array([len(scheduled.spec_token_ids.get(c.seq_id, ())) for c in completions])
-    sampled = np.array([emitted.get(c.seq_id, 0) for c in completions])
-    counts = Drafts(token_ids=np.zeros((len(completions), 0), np.int32), num_draft_tokens=num_draft)
-    self.policy.record(completions, counts, sampled)
-    return {seq_id: max(emitted[seq_id] - 1, 0) for seq_id in scheduled.spec_token_ids}

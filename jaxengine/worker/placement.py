@@ -1,4 +1,4 @@
-"""Where a `PagedModelRunner` on a `jax.sharding.Mesh` puts everything, fixed once at start-up.
+"""Where a `ModelRunner` on a `jax.sharding.Mesh` puts everything, fixed once at start-up.
 
 The specs themselves are `jaxengine.parallel`'s; this module turns them into the concrete
 `NamedSharding` trees of one runner (weights, KV-cache pages, batch state, sampling metadata) and the
@@ -18,13 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine import parallel
 from jaxengine.batch import InputBatch
-from jaxengine.engine.ragged_step import RaggedForward
 from jaxengine.models.attention_backends import AttentionBackend
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import sharding_rules
 from jaxengine.models.sharded_attention import HeadShardedBackend
+from jaxengine.worker.ragged_step import RaggedForward
 
 
 def num_attention_heads(model: Any) -> int | None:
@@ -93,7 +93,7 @@ class MeshPlacement:
 
   def ragged_forward_shardings(self, vocab_size: int) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged runner's model step
-    (`jaxengine.engine.ragged_step.ragged_forward`, after `create_paged_kv_cache`): ``(state,
+    (`jaxengine.worker.ragged_step.ragged_forward`, after `create_paged_kv_cache`): ``(state,
     weights, kv_cache, RaggedInputs) -> RaggedForward(logits, kv_cache, prompt logprobs)``; the
     logits as `logits_sharding`, the step's inputs and prompt logprobs replicated."""
     rep, cache = self._replicated, self.paged_kv_cache
@@ -108,7 +108,7 @@ class MeshPlacement:
 
   def sample_produced_shardings(self, vocab_size: int) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged runner's sampler step
-    (`jaxengine.engine.ragged_step.sample_produced`): ``(state, metadata, logits, produces) ->
+    (`jaxengine.worker.ragged_step.sample_produced`): ``(state, metadata, logits, produces) ->
     (state, MultiStepOutput)``; the output (it goes to the host) replicated."""
     rep = self._replicated
     return {
@@ -125,7 +125,7 @@ class MeshPlacement:
 
   def verify_forward_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the verify step's model part
-    (`jaxengine.engine.paged_verify.verify_forward`): as `ragged_forward_shardings` with one
+    (`jaxengine.worker.verify_step.verify_forward`): as `ragged_forward_shardings` with one
     more replicated input (``RaggedDrafts``), and the logits whole on every device (the
     rejection sampler reads them so)."""
     rep, cache = self._replicated, self.paged_kv_cache
@@ -138,7 +138,7 @@ class MeshPlacement:
 
   def rejection_sample_produced_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the verify step's sampler part
-    (`jaxengine.engine.paged_verify.rejection_sample_produced`): ``(state, metadata, logits,
+    (`jaxengine.worker.verify_step.rejection_sample_produced`): ``(state, metadata, logits,
     RaggedDrafts, produces) -> (state, MultiStepOutput)``, all but the batch replicated."""
     rep = self._replicated
     return {
@@ -146,7 +146,7 @@ class MeshPlacement:
       "out_shardings": (self.state, rep),
     }
 
-  def paged_decode_steps_shardings(self) -> dict[str, Any]:
+  def decode_steps_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged k-step loop: ``(state, metadata, weights,
     kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, kv_cache)``; the loop's inputs and
     its output replicated, the cache as created."""

@@ -7,7 +7,7 @@ tables, `query_start_loc`, `seq_lens`, and the index of each request's last quer
 whose logits are sampled). Shapes are padded to the step's buckets `T` (tokens), `R` (requests)
 and `P` (pages per request) so one executable serves every step of a bucket.
 
-Host NumPy only; `PagedStepInputs.metadata()` moves the attention part to the device.
+Host NumPy only; `StepInputs.metadata()` moves the attention part to the device.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedStepInputs:
+class StepInputs:
   """One step's padded inputs (NumPy, int32).
 
   Attributes:
@@ -60,7 +60,7 @@ class PagedStepInputs:
     )
 
 
-def build_paged_step_inputs(
+def build_step_inputs(
   block_ids: Sequence[Sequence[int]],
   num_computed_tokens: Sequence[int],
   num_scheduled_tokens: Sequence[int],
@@ -69,7 +69,7 @@ def build_paged_step_inputs(
   num_tokens: int,
   num_reqs: int,
   max_blocks_per_req: int,
-) -> PagedStepInputs:
+) -> StepInputs:
   """Lays out a ragged step: the requests' tokens back to back, padded to the buckets.
 
   Args:
@@ -83,7 +83,7 @@ def build_paged_step_inputs(
     max_blocks_per_req: the block-table bucket `P` (`>=` every request's pages after this step).
 
   Returns:
-    The step's `PagedStepInputs`.
+    The step's `StepInputs`.
 
   Raises:
     ValueError: lengths that disagree, a request with no scheduled token or a negative count,
@@ -123,7 +123,7 @@ def build_paged_step_inputs(
   logits_indices[:count] = start_loc[1 : count + 1] - 1
   padded_seq_lens = np.zeros(num_reqs, np.int64)
   padded_seq_lens[:count] = seq_lens
-  return PagedStepInputs(
+  return StepInputs(
     positions=positions.astype(np.int32),
     slot_mapping=slots.astype(np.int32),
     block_tables=tables,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxengine.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, extend_block_hashes
+from jaxengine.core.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, extend_block_hashes
 
 
 @dataclasses.dataclass(frozen=True)

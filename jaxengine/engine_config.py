@@ -25,9 +25,9 @@ from jaxengine import parallel
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.compilation_cache import resolve_cache_dir
 from jaxengine.config import BatchConfig
-from jaxengine.engine.speculative import SpeculativeConfig
 from jaxengine.models.attention_backends import BACKEND_NAMES
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
+from jaxengine.spec_decode.config import SpeculativeConfig
 
 #: The paged engine's token budget per step when `max_num_batched_tokens` is None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -89,12 +89,12 @@ class EngineConfig:
       `SpeculativeConfig`. `num_speculative_tokens` must be below `max_model_len`; with
       `num_decode_steps` k > 1 each step verifies drafts when they pay, else a step that only
       decodes runs the k-step loop; on a mesh too (its verify step gathers the logits whole on every device:
-      `engine/paged_verify.py`).
+      `worker/verify_step.py`).
     enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
       requests that start alike; None (default) or True: on; False: off. See `prefix_caching`.
     kv_cache_memory_bytes: bytes of the paged KV cache (vLLM's name): keys and values of all
       layers (on a mesh: per device, whose share of each page is its key/value heads). None
-      (default): `num_kv_blocks` if given, else `jaxengine.engine.kv_cache_size`'s default:
+      (default): `num_kv_blocks` if given, else `jaxengine.worker.kv_cache_size`'s default:
       `gpu_memory_utilization` of an accelerator's memory (on CPU 1 GiB, or one request of
       `max_model_len` tokens if more), at most room for `max_num_reqs` requests of
       `max_model_len` tokens and a quarter more for cached prefixes, and at least one request of

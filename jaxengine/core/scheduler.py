@@ -22,8 +22,8 @@ A preempted request keeps its row of the batch (its sampling state is exact as i
 loses its pages: it is scheduled again as a prefill of its prompt and output so far, ahead of
 every waiting request, and its next token is the one it would have sampled without preemption.
 
-Host bookkeeping only: token counts and block ids. `PagedModelRunner` turns a
-`PagedSchedulerOutput` into one ragged model step.
+Host bookkeeping only: token counts and block ids. `ModelRunner` turns a
+`SchedulerOutput` into one ragged model step.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from jaxengine.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
-from jaxengine.engine.requests import Completion, Request
+from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from jaxengine.core.request import Completion, Request
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedSchedulerOutput:
+class SchedulerOutput:
   """What one ragged step computes.
 
   Attributes:
@@ -50,8 +50,8 @@ class PagedSchedulerOutput:
       they stay in the batch and are recomputed later).
     spec_token_ids: draft tokens of each decode scheduled with drafts (speculative decoding):
       they are its last query tokens, after its last known token (counted in
-      `num_scheduled_tokens`; `engine/paged_verify.py`).
-    num_decode_steps: for a k-step decode (`PagedScheduler.schedule_decode_steps`), the most
+      `num_scheduled_tokens`; `worker/verify_step.py`).
+    num_decode_steps: for a k-step decode (`Scheduler.schedule_decode_steps`), the most
       tokens each scheduled completion may sample in the step's device loop (its pages hold
       that many positions from its last token on); empty for a single ragged step.
   """
@@ -70,12 +70,12 @@ class PagedSchedulerOutput:
     return sum(self.num_scheduled_tokens.values())
 
 
-class PagedScheduler:
+class Scheduler:
   """Chooses each step's tokens within a budget, over the pages of a `KVCacheManager`.
 
   Keeps the completions waiting for a row (`waiting`, arrival order) and the running ones
   (`running`, admission order, which is the preemption order, latest last); `schedule` returns
-  a `PagedSchedulerOutput`, `update_after_step` advances the computed counts and `finish` frees
+  a `SchedulerOutput`, `update_after_step` advances the computed counts and `finish` frees
   a completion's place and pages.
 
   Args:
@@ -118,9 +118,7 @@ class PagedScheduler:
     )
     return [c for c in self.running.values() if c.request.request_id in request_ids]
 
-  def schedule(
-    self, draft_token_ids: Mapping[str, Sequence[int]] | None = None
-  ) -> PagedSchedulerOutput:
+  def schedule(self, draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
     """Plans one step: decodes, then prefill chunks, then drafts, then admissions (see the
     module).
 
@@ -140,7 +138,7 @@ class PagedScheduler:
       if len(self.running) >= self.max_num_reqs or not self._admit(step, self.waiting[0]):
         break
       step.admitted.append(self.waiting.popleft())
-    return PagedSchedulerOutput(
+    return SchedulerOutput(
       admitted=step.admitted,
       num_scheduled_tokens=step.num_scheduled,
       num_computed_tokens={s: self.num_computed_tokens[s] for s in step.num_scheduled},
@@ -150,7 +148,7 @@ class PagedScheduler:
     )
 
   def update_after_step(
-    self, output: PagedSchedulerOutput, num_accepted: Mapping[str, int] | None = None
+    self, output: SchedulerOutput, num_accepted: Mapping[str, int] | None = None
   ) -> None:
     """Counts the step's tokens as computed (call after the model ran them).
 
@@ -298,8 +296,8 @@ class PagedScheduler:
   # --- k-step decode ----------------------------------------------------------------------------
 
   def schedule_decode_steps(
-    self, scheduled: PagedSchedulerOutput, num_steps: int, max_model_len: int
-  ) -> PagedSchedulerOutput | None:
+    self, scheduled: SchedulerOutput, num_steps: int, max_model_len: int
+  ) -> SchedulerOutput | None:
     """Turns a decode-only step into a k-step decode: reserves pages ahead for each row.
 
     A step qualifies when it admits nothing and each scheduled completion computes exactly its

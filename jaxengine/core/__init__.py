@@ -1,0 +1,9 @@
+"""Host bookkeeping of the engine: requests, KV-cache pages and the scheduler (vLLM V1's `core/`).
+
+Nothing here touches a device: the worker (`jaxengine/worker/`) runs what the scheduler plans.
+
+request.py            host records: a `Request` and its `Completion`s (one per sample of `n`)
+block_pool.py         the pages: blocks, reference counts, prefix hashes, eviction
+kv_cache_manager.py   per-request block tables, prefix hits, `KVCacheStats`
+scheduler.py          `Scheduler`: token budget, chunked prefill, preemption, the queues
+"""
