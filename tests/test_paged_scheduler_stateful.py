@@ -172,9 +172,9 @@ class PagedSchedulerMachine(RuleBasedStateMachine):
   def running_completions_read_their_own_tokens(self):
     if not hasattr(self, "scheduler"):
       return
-    for seq_id, num_computed in self.scheduler.num_computed_tokens.items():
-      assert num_computed <= self.completions[seq_id].num_tokens
-      self._check_pages(seq_id, num_computed)
+    for seq_id, completion in self.scheduler.running.items():
+      assert completion.num_computed_tokens <= completion.num_tokens
+      self._check_pages(seq_id, completion.num_computed_tokens)
 
   @invariant()
   def refcounts_match_the_block_tables(self):
@@ -199,7 +199,6 @@ class PagedSchedulerMachine(RuleBasedStateMachine):
     waiting = [c.seq_id for c in self.scheduler.waiting]
     running = list(self.scheduler.running)
     assert len(set(waiting)) == len(waiting) and not set(waiting) & set(running)
-    assert set(running) == set(self.scheduler.num_computed_tokens)
     assert not (set(waiting) | set(running)) & self.finished
     assert set(waiting) | set(running) | self.finished == set(self.completions)
     for seq_id, completion in self.completions.items():

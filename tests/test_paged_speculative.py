@@ -228,11 +228,11 @@ def test_a_draft_is_never_hashed_and_rejected_drafts_are_not_computed():
   # Only the two pages of known tokens are registered, never the one holding drafts.
   assert manager.block_pool.num_cached_blocks == 2
   scheduler.update_after_step(step, {"r": 1})  # one draft accepted, two rejected
-  assert scheduler.num_computed_tokens["r"] == 9
+  assert completion.num_computed_tokens == 9
   # Drafts that do not fit the budget are cut; a step never preempts for them.
   completion.token_ids.extend([9, 5])
   small = Scheduler(2, manager, max_num_batched_tokens=2)
-  small.running, small.num_computed_tokens = scheduler.running, scheduler.num_computed_tokens
+  small.running = scheduler.running
   cut = small.schedule({"r": [6, 7, 8]})
   assert cut.num_scheduled_tokens == {"r": 2} and cut.spec_token_ids == {"r": [6]}
   assert not cut.preempted

@@ -29,6 +29,8 @@ class Completion:
       text of the first `min_tokens` tokens.
     num_output_placeholders: tokens sampled on the device and not read yet (asynchronous
       scheduling dispatches a step before reading the last one; vLLM's name).
+    num_computed_tokens: tokens whose keys and values are in its pages (the scheduler's count,
+      vLLM's name; 0 while waiting and after a preemption).
   """
 
   seq_id: str
@@ -44,6 +46,7 @@ class Completion:
   stop_reason: int | str | None = None
   stop_search_start: int = 0
   num_output_placeholders: int = 0
+  num_computed_tokens: int = 0
 
   @property
   def num_tokens(self) -> int:

@@ -99,8 +99,6 @@ class Scheduler:
     self.manager = manager
     self.max_num_batched_tokens = max_num_batched_tokens
     self.enable_chunked_prefill = enable_chunked_prefill
-    #: Tokens of each running completion whose keys and values are in its pages.
-    self.num_computed_tokens: dict[str, int] = {}
 
   def add_request(self, request: Request) -> None:
     """Queues every completion of `request`."""
@@ -141,7 +139,7 @@ class Scheduler:
     return SchedulerOutput(
       admitted=step.admitted,
       num_scheduled_tokens=step.num_scheduled,
-      num_computed_tokens={s: self.num_computed_tokens[s] for s in step.num_scheduled},
+      num_computed_tokens={s: self.running[s].num_computed_tokens for s in step.num_scheduled},
       new_block_ids=step.new_block_ids,
       preempted=step.preempted,
       spec_token_ids=step.spec_token_ids,
@@ -160,26 +158,27 @@ class Scheduler:
     """
     num_accepted = num_accepted or {}
     for seq_id, count in output.num_scheduled_tokens.items():
-      if seq_id in self.num_computed_tokens:
+      completion = self.running.get(seq_id)
+      if completion is not None:
         drafts = output.spec_token_ids.get(seq_id, ())
         rejected = len(drafts) - min(num_accepted.get(seq_id, 0), len(drafts))
-        self.num_computed_tokens[seq_id] += count - rejected
+        completion.num_computed_tokens += count - rejected
 
   def finish(self, completion: Completion) -> None:
     """Frees a finished completion's row and pages."""
     del self.running[completion.seq_id]
-    del self.num_computed_tokens[completion.seq_id]
     self.manager.free(completion.seq_id)
 
   # --- one step ---------------------------------------------------------------------------------
 
   def _num_remaining(self, seq_id: str) -> int:
-    return self.running[seq_id].num_tokens_with_placeholders - self.num_computed_tokens[seq_id]
+    completion = self.running[seq_id]
+    return completion.num_tokens_with_placeholders - completion.num_computed_tokens
 
   def _schedule_running(self, step: _StepPlan, seq_id: str) -> None:
     """Schedules a running completion's decode or next prefill chunk, preempting if needed."""
     completion = self.running[seq_id]
-    computed = self.num_computed_tokens[seq_id]
+    computed = completion.num_computed_tokens
     hit = ComputedBlocks()
     if computed == 0 and not self.manager.get_block_ids(seq_id):  # preempted: look up again
       hit = self._cached_prefix(completion)
@@ -201,7 +200,7 @@ class Scheduler:
       if victim in (seq_id, ""):
         return
     if blocks is not None:
-      self.num_computed_tokens[seq_id] = computed + hit.num_computed_tokens
+      completion.num_computed_tokens = computed + hit.num_computed_tokens
       step.add(seq_id, count, blocks)
 
   def _schedule_drafts(self, step: _StepPlan, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
@@ -210,10 +209,11 @@ class Scheduler:
     hold a draft."""
     for seq_id, drafts in draft_token_ids.items():
       count = min(len(drafts), step.budget)
-      computed = self.num_computed_tokens.get(seq_id)
-      if not count or computed is None or step.num_scheduled.get(seq_id) != 1:
+      completion = self.running.get(seq_id)
+      if not count or completion is None or step.num_scheduled.get(seq_id) != 1:
         continue
-      if computed + 1 != self.running[seq_id].num_tokens:  # not a decode
+      computed = completion.num_computed_tokens
+      if computed + 1 != completion.num_tokens:  # not a decode
         continue
       blocks = self.manager.allocate_slots(
         seq_id, count, num_computed_tokens=computed + 1, token_ids=_token_ids(self.running[seq_id])
@@ -251,7 +251,7 @@ class Scheduler:
       self.manager.free(seq_id)  # a fork's shared pages, if any
       return False
     self.running[seq_id] = completion
-    self.num_computed_tokens[seq_id] = hit.num_computed_tokens
+    completion.num_computed_tokens = hit.num_computed_tokens
     step.add(seq_id, count, blocks)
     return True
 
@@ -267,7 +267,7 @@ class Scheduler:
     first = completion.request.completions[0].seq_id
     if completion.index == 0 or first not in self.running:
       return False
-    written = self.num_computed_tokens[first] + step.num_scheduled.get(first, 0)
+    written = self.running[first].num_computed_tokens + step.num_scheduled.get(first, 0)
     shared = min(written, len(completion.request.prompt_token_ids) - 1)
     if shared < self.manager.block_size:
       return False
@@ -289,7 +289,7 @@ class Scheduler:
     if victim is None:  # every page is held by this step's earlier requests: wait
       return ""
     self.manager.preempt(victim)
-    self.num_computed_tokens[victim] = 0
+    self.running[victim].num_computed_tokens = 0
     step.preempted.append(victim)
     return victim
 
@@ -343,7 +343,7 @@ class Scheduler:
     """Pages for `lookahead` positions after a decoding completion's token this step, or for as
     many as its own pages and the free pages hold (never preempting); returns the positions
     reserved and the pages appended."""
-    computed = self.num_computed_tokens[seq_id] + 1  # this step's token included
+    computed = self.running[seq_id].num_computed_tokens + 1  # this step's token included
     token_ids = _token_ids(self.running[seq_id])
     blocks = self.manager.allocate_slots(
       seq_id, 0, num_computed_tokens=computed, token_ids=token_ids, num_lookahead_tokens=lookahead

@@ -40,8 +40,7 @@ class Speculation:
       num_rows: the row bucket of the step.
       crossover_tokens: the cost model's crossover (`LLMEngine.spec_crossover_tokens`).
     """
-    running, computed = scheduler.running, scheduler.num_computed_tokens
-    decodes = [c for s, c in running.items() if c.num_tokens - computed[s] == 1]
+    decodes = [c for c in scheduler.running.values() if c.num_tokens - c.num_computed_tokens == 1]
     self._completions = []
     if not decodes:
       return {}
