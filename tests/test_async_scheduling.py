@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import jaxengine as je
-from jaxengine.batch.input_batch import MAX_PENDING_STEPS
+from jaxengine.batch.step_queue import MAX_PENDING_STEPS
 from jaxengine.engine import EngineConfig, LLMEngine
 from jaxengine.testing import tiny_llama
 

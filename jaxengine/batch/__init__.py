@@ -6,6 +6,8 @@ rows.py                validating one request and encoding it as a `RowUpdate`
 logits_processors.py   building the batch's LogitsProcessors, encoding a request's processor rows
 logits_input.py        the logits check, padding `N` rows to `R`, the sampler alone as a step
 host_output.py         HostSamplerOutput, LogprobsArrays, FetchedStep: NumPy results over live rows
+step_queue.py          StepQueue: the steps dispatched and not read yet, and each request's tokens
+                       in them (what asynchronous scheduling plans with)
 step_loop.py           run_steps: the host side of a k-step device loop (up to k tokens per row)
 draft_verification.py  InputBatch.rejection_sample's input checks, run_rejection,
                        HostRejectionOutput

@@ -15,7 +15,6 @@ same object is reused). Every check of user input happens on the host before any
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -35,6 +34,7 @@ from jaxengine.batch.draft_verification import (
 )
 from jaxengine.batch.host_output import (
   Fetch,
+  FetchedStep,
   HostOutput,
   HostSamplerOutput,
   PendingSamplerOutput,
@@ -44,6 +44,7 @@ from jaxengine.batch.host_output import (
 from jaxengine.batch.logits_input import check_logits, pad_device_rows, sample_logits
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple
+from jaxengine.batch.step_queue import StepQueue
 from jaxengine.config import (
   DEFAULT_DEEP_CANDIDATE_BUDGETS,
   DEFAULT_MAX_SPEC_LEN,
@@ -60,10 +61,6 @@ from jaxengine.sample import (
   refresh_metadata,
   write_row,
 )
-
-#: Dispatched steps the batch keeps unread; one more resolves the oldest (its output has long
-#: been computed by then, so reading it costs a copy, not a wait).
-MAX_PENDING_STEPS = 4
 
 
 class InputBatch:
@@ -169,9 +166,8 @@ class InputBatch:
     self._free_cache_slots = list(range(config.max_num_reqs))
     self._metadata: SamplingMetadata | None = None
     self.block_table = None
-    # Steps dispatched and not yet read (oldest first), and their tokens by request.
-    self._pending: collections.deque[PendingStep] = collections.deque()
-    self._num_in_flight: dict[str, int] = {}
+    #: Steps dispatched and not yet read (oldest first), and their tokens by request.
+    self._steps = StepQueue()
 
   # --- views ------------------------------------------------------------------------------------
 
@@ -252,7 +248,7 @@ class InputBatch:
     """Prompt plus output tokens of `req_id` so far (those of steps not resolved included)."""
     tokens = self._req_output_token_ids[self.req_id_to_index[req_id]]
     assert tokens is not None  # a live request's row is never a hole
-    return self._num_prompt_tokens[req_id] + len(tokens) + self._num_in_flight.get(req_id, 0)
+    return self._num_prompt_tokens[req_id] + len(tokens) + self._steps.num_in_flight(req_id)
 
   def output_token_ids(self, req_id: str) -> list[int]:
     """The output tokens of `req_id` so far (the live list; resolves dispatched steps)."""
@@ -360,7 +356,7 @@ class InputBatch:
     self._req_output_token_ids[row] = None
     del self._num_prompt_tokens[req_id]
     self._num_logprobs.pop(req_id, None)
-    self._num_in_flight.pop(req_id, None)
+    self._steps.forget(req_id)
     self._free_cache_slots.append(self._cache_slots.pop(req_id))
     self._free_cache_slots.sort()
     self._composition_changed()
@@ -584,46 +580,40 @@ class InputBatch:
       rows=rows,
       num_new_tokens=None if num_new_tokens is None else list(num_new_tokens),
     )
-    if num_new_tokens is not None:
-      for (req_id, _), count in zip(rows, num_new_tokens):
-        self._num_in_flight[req_id] = self._num_in_flight.get(req_id, 0) + count
-    self._pending.append(pending)
-    if len(self._pending) > MAX_PENDING_STEPS:  # keep a bounded backlog: read the oldest
-      self.resolve(self._pending[0])
+    if self._steps.push(pending):  # keep a bounded backlog: read the oldest
+      self.resolve(self._steps.oldest())
     return pending
 
   def resolve(self, pending: PendingStep[HostOutput]) -> HostOutput:
     """Brings `pending` (and every step dispatched before it) to the host and appends their
     tokens to the requests still in the batch; returns `fetch`'s host output over the step's
     live rows. A step already resolved returns the same output again."""
-    while self._pending and pending.fetched is None:
+    while self._steps and pending.fetched is None:
       self._resolve_oldest()
     assert pending.fetched is not None  # every dispatched step is pending until resolved
     return pending.fetched.output
 
   def resolve_all(self) -> None:
     """Resolves every dispatched step (`resolve`)."""
-    while self._pending:
+    while self._steps:
       self._resolve_oldest()
 
   def _resolve_oldest(self) -> None:
-    step = self._pending.popleft()
-    fetched = step.fetch(step.output, len(step.rows), step.num_logprobs)
-    step.fetched = fetched
+    step = self._steps.pop_oldest()
+    fetched = cast(FetchedStep, step.fetched)
     counts = step.num_new_tokens or [0] * len(step.rows)
     for (req_id, tokens), new_token_ids, count in zip(step.rows, fetched.new_token_ids, counts):
       row = self.req_id_to_index.get(req_id)
       if row is None or self._req_output_token_ids[row] is not tokens:
         continue  # removed since the dispatch: its tokens are dropped
       tokens.extend(new_token_ids)
-      if count:
-        self._num_in_flight[req_id] -= count
+      self._steps.landed(req_id, count)
 
   def prepare_step(self) -> SamplingMetadata:
     """Checks that every row has room for a token, condenses, and returns the metadata. Raises:
     ValueError: if a request already holds `max_model_len` tokens. Nothing is changed then.
     """
-    if self._pending and self._pending[-1].num_new_tokens is None:
+    if self._steps.last_counts_unknown():
       self.resolve_all()  # the last step's counts are known only from its output
     full = [rid for rid in self.req_id_to_index if self.num_tokens(rid) >= self.max_model_len]
     if full:
