@@ -17,6 +17,11 @@ Two tables:
   time minus the time spent in `jax.device_get` (waiting for and copying the step's output),
   over the wall time.
 
+``--models`` also takes ``qwen2.5-0.5b``: a randomly initialised model of Qwen2.5-0.5B's shape
+(24 layers, hidden 896, 14 query heads over 2 key/value heads, MLP 4864, vocabulary 151,936, q/k/v
+biases, tied embeddings), no download needed: the accelerator run's engine model
+(`benchmarks/accelerator.sh`). ``--dtype bfloat16`` runs the model in bfloat16.
+
 Usage:
   python benchmarks/bench_async.py                          # both tables (~10 min on 2 cores)
   python benchmarks/bench_async.py --tables engine --models tiny --batch-sizes 8
@@ -175,7 +180,41 @@ def _rollout(engine: LLMEngine, requests) -> tuple[float, float, int, list[list[
   return seconds, timer.seconds, steps, tokens
 
 
-def engine_table(models: list[str], batch_sizes: list[int], repeats: int) -> None:
+#: Qwen2.5-0.5B's shape (its config.json), for a random model of the same cost.
+QWEN2_5_0_5B = dict(
+  vocab_size=151936,
+  hidden_size=896,
+  intermediate_size=4864,
+  num_hidden_layers=24,
+  num_attention_heads=14,
+  num_key_value_heads=2,
+  head_dim=64,
+  rope_theta=1000000.0,
+  rms_norm_eps=1e-6,
+  tie_word_embeddings=True,
+  attention_bias=True,
+  max_position_embeddings=32768,
+  bos_token_id=None,
+  eos_token_id=151643,
+)
+
+
+def _model(name: str, dtype):
+  """The engine table's model by name: `tiny`, `smollm2` (the default checkpoint) or
+  `qwen2.5-0.5b` (random weights, that checkpoint's shape)."""
+  if name == "tiny":
+    return tiny_llama(max_position_embeddings=256, dtype=dtype)[0]
+  if name == "qwen2.5-0.5b":
+    return tiny_llama(dtype=dtype, **QWEN2_5_0_5B)[0]
+  if name == "smollm2":
+    dtype_name = "bfloat16" if dtype == jnp.bfloat16 else "float32"
+    return je.LLM(max_num_reqs=1, max_model_len=256, dtype=dtype_name).llm_engine.runner.model
+  raise ValueError(f"--models: unknown model {name!r} (tiny, smollm2, qwen2.5-0.5b)")
+
+
+def engine_table(
+  models: list[str], batch_sizes: list[int], repeats: int, dtype=jnp.float32
+) -> None:
   print(
     f"\n## engine: {PROMPT_LEN}-token prompts, {MAX_TOKENS} tokens each, half greedy, half "
     "seeded with logprobs (tokens/s; host share: step wall time outside device_get)\n\n"
@@ -183,10 +222,7 @@ def engine_table(models: list[str], batch_sizes: list[int], repeats: int) -> Non
     "| async host share | same tokens |\n|---|---:|---:|---:|---:|---:|---:|---|"
   )
   for name in models:
-    if name == "tiny":
-      model, _ = tiny_llama(max_position_embeddings=256)
-    else:
-      model = je.LLM(max_num_reqs=1, max_model_len=256).llm_engine.runner.model
+    model = _model(name, dtype)
     for size in batch_sizes:
       engines = {
         mode: LLMEngine(
@@ -220,6 +256,7 @@ def main() -> None:
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--sampler-repeats", type=int, default=2000)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   args = parser.parse_args()
   print(
     f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, "
@@ -228,7 +265,7 @@ def main() -> None:
   if "sampler" in args.tables:
     sampler_table(args.sampler_repeats)
   if "engine" in args.tables:
-    engine_table(args.models, args.batch_sizes, args.repeats)
+    engine_table(args.models, args.batch_sizes, args.repeats, jnp.dtype(args.dtype))
 
 
 if __name__ == "__main__":
