@@ -10,6 +10,7 @@ import pytest
 import jaxengine as je
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import tiny_llama
+from jaxengine.worker import device_steps
 
 
 def _fixtures() -> Path:
@@ -180,6 +181,7 @@ def test_bad_input_raises_before_anything_is_queued(llm):
 
 
 def test_engine_compiles_are_bounded_and_steady(compile_counter):
+  device_steps.clear()  # count this engine's executables alone
   model, _config = tiny_llama(vocab_size=64)
   engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]

@@ -27,6 +27,7 @@ from jaxengine.engine import LLMEngine
 from jaxengine.engine_config import EngineConfig
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
+from jaxengine.worker import device_steps
 
 VOCAB = 512
 #: The GGUF tokenizer's size: structured outputs need a model vocabulary that holds it.
@@ -96,6 +97,8 @@ def _engine(name: str) -> LLMEngine:
   model, tokenizer = _model_and_tokenizer()
   if name == "plain":
     return LLMEngine(model, tokenizer, **COMMON, **PLAIN)
+  if name == PRECOMPILED:
+    device_steps.clear()  # its executables alone: no other engine of this module shares them
   engine = LLMEngine(model, tokenizer, **COMMON, **PAGED[name])
   if name == PRECOMPILED:
     with count_compiles() as compiles:

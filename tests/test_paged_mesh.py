@@ -36,6 +36,7 @@ from jaxengine.models.attention_backends import (
 from jaxengine.models.paged_attention import PagedAttentionMetadata, ragged_paged_attention_xla
 from jaxengine.models.sharded_attention import HeadShardedBackend
 from jaxengine.testing import count_compiles, tiny_llama
+from jaxengine.worker import device_steps
 
 # --- backends, each device over its own heads ------------------------------------------------
 mesh = je.make_mesh(tensor_parallel_size=2)
@@ -188,6 +189,7 @@ def spec_engine(**options):
   return llm
 one_spec = spec_engine()
 want_spec = run(one_spec, spec_prompts, spec_params)
+device_steps.clear()  # the executables of this engine alone (counted below)
 spec_llm = spec_engine(tensor_parallel_size=2)
 check_same(run(spec_llm, spec_prompts, spec_params), want_spec, atol=1e-5)
 spec_stats = spec_llm.llm_engine.spec_decode_stats

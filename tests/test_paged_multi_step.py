@@ -22,6 +22,7 @@ from jaxengine.core.request import Completion, Request
 from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
+from jaxengine.worker import device_steps
 
 #: 6 usable pages of 4 tokens for 2 rows of up to 24 tokens: preemption and short lookahead.
 TIGHT = {
@@ -150,6 +151,7 @@ def test_k_step_decode_with_preemption_and_waiting_requests_equals_one_step(expe
 
 
 def test_precompile_covers_the_k_step_loop_and_a_run_compiles_no_step(expected):
+  device_steps.clear()  # this engine's executables alone
   engine = _engine(ROOMY, 8)
   runner = engine.runner
   with count_compiles() as compiles:

@@ -21,6 +21,7 @@ import jaxengine.llm as llm_module
 from jaxengine.cli import build_parser
 from jaxengine.entrypoints import serve
 from jaxengine.testing import count_compiles, tiny_llama
+from jaxengine.worker import device_steps
 
 #: The engine's settings: its step shapes are (tokens, rows) 1-16 x 1 and 2-16 x 2, and with
 #: prompt logprobs 2-16 x 2 (the largest row bucket only).
@@ -64,6 +65,7 @@ def test_after_precompile_no_request_compiles_whatever_its_length_or_features(mo
   """`precompile` covers every (token bucket, row bucket) a step reaches, with and without prompt
   logprobs, and the batch's own updates: then prompts of every length with n > 1, logprobs, prompt logprobs,
   stop strings, penalties, allowed tokens, bad words and structured outputs compile nothing."""
+  device_steps.clear()  # this engine's executables alone
   llm = je.LLM(model, tokenizer=tokenizer, **OPTIONS)
   engine = llm.llm_engine
   assert engine.max_model_len == MAX_MODEL_LEN  # the model's limit (no max_model_len given)
@@ -101,6 +103,7 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
       super().__init__(model, tokenizer=tokenizer, **options)
 
   monkeypatch.setattr(llm_module, "LLM", TinyLLM)
+  device_steps.clear()  # the server engine's executables alone
   seen = {}
 
   def run(app, **kwargs):  # in place of uvicorn.run: check the engine, then serve a few requests
@@ -135,6 +138,7 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
   err = capsys.readouterr().err
   assert "jaxengine: precompiling the step executables of every bucket" in err
   assert f"jaxengine: precompiled {NUM_STEP_SHAPES} step shapes" in err
+  device_steps.clear()
   engine = serve.load_engine(build_parser().parse_args(["serve", *flags, "--no-precompile"]))
   try:
     assert engine.engine.runner.ragged_forward._cache_size() == 0

@@ -8,6 +8,7 @@ ragged_step.py        the model once over a ragged step's tokens, then the sampl
 multi_step.py         k ragged decode steps in one device loop (num_decode_steps), rows stopping
                       on the device
 verify_step.py        speculative decoding on the device: drafts as query tokens, the verify step
+device_steps.py       the steps jitted once per model structure and placement, shared by runners
 model_runner.py       `ModelRunner`: weights, pages, persistent batch, the jitted steps (one
                       ragged step per call), precompile
 """

@@ -28,7 +28,6 @@ its inputs and outputs, so serving compiles nothing warm-up did not.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -67,21 +66,19 @@ from jaxengine.models.weights import (
 )
 from jaxengine.sample import LogprobsTensors
 from jaxengine.worker.buckets import bucket, buckets
+from jaxengine.worker.device_steps import device_steps
 from jaxengine.worker.kv_cache_size import check_kv_cache_memory_bytes, default_num_kv_blocks
 from jaxengine.worker.multi_step import (
   DecodeStepsInputs,
-  decode_steps,
   device_stop_rules,
   stop_rule_arrays,
 )
 from jaxengine.worker.placement import MeshPlacement
-from jaxengine.worker.ragged_step import RaggedInputs, ragged_forward, sample_produced
+from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.step_inputs import build_step_inputs
 from jaxengine.worker.verify_step import (
   RaggedDrafts,
   ragged_drafts,
-  rejection_sample_produced,
-  verify_forward,
 )
 
 #: Smallest token bucket of a ragged step with 8 rows or more; fewer rows start at their row
@@ -211,47 +208,33 @@ class ModelRunner:
     self._jit_steps(model.vocab_size, config.num_speculative_tokens)
 
   def _jit_steps(self, vocab_size: int, num_speculative_tokens: int) -> None:
-    """Jits the device steps once, with their shardings on a mesh."""
+    """The device steps, jitted once per model structure and placement (`worker/device_steps.py`:
+    another engine over the same architecture reuses their executables)."""
     placement = self._placement
+    shardings = {}
+    if placement is not None:
+      shardings = {
+        "ragged_forward": placement.ragged_forward_shardings(vocab_size),
+        "sample_produced": placement.sample_produced_shardings(vocab_size),
+        "verify_forward": placement.verify_forward_shardings(),
+        "rejection_sample_produced": placement.rejection_sample_produced_shardings(),
+        "decode_steps": placement.decode_steps_shardings(),
+      }
+    steps = device_steps(self._graphdef, self.mesh, shardings)
     #: The model's part of a plain step: one executable per (token bucket, row bucket).
-    self.ragged_forward: Callable[..., Any] = jax.jit(
-      functools.partial(ragged_forward, self._graphdef),
-      static_argnames=("prompt_logprobs",),
-      donate_argnames=("kv_cache",),
-      **(placement.ragged_forward_shardings(vocab_size) if placement is not None else {}),
-    )
+    self.ragged_forward = steps.ragged_forward
     #: The sampler's part: one executable per row bucket.
-    self.sample_produced: Callable[..., Any] = jax.jit(
-      functools.partial(sample_produced, mesh=self.mesh),
-      static_argnames=("num_rows",),
-      donate_argnames=("state",),
-      **(placement.sample_produced_shardings(vocab_size) if placement is not None else {}),
-    )
-    #: Where the step's host inputs go: replicated on a mesh, else the default device.
-    self._input_sharding = placement.replicated if placement is not None else None
-    #: Draft slots per row of the verify step (0: no speculative decoding; `paged_verify.py`).
-    self.num_speculative_tokens = num_speculative_tokens
+    self.sample_produced = steps.sample_produced
     #: The verify step's model part (per token and row bucket) and rejection sampler (per row
     #: bucket), `worker/verify_step.py`.
-    self.verify_forward: Callable[..., Any] = jax.jit(
-      functools.partial(verify_forward, self._graphdef),
-      static_argnames=("prompt_logprobs",),
-      donate_argnames=("kv_cache",),
-      **(placement.verify_forward_shardings() if placement is not None else {}),
-    )
-    self.rejection_sample_produced: Callable[..., Any] = jax.jit(
-      functools.partial(rejection_sample_produced, mesh=self.mesh),
-      static_argnames=("num_rows",),
-      donate_argnames=("state",),
-      **(placement.rejection_sample_produced_shardings() if placement is not None else {}),
-    )
+    self.verify_forward = steps.verify_forward
+    self.rejection_sample_produced = steps.rejection_sample_produced
     #: The k-step decode loop (`worker/multi_step.py`).
-    self.decode_steps: Callable[..., Any] = jax.jit(
-      functools.partial(decode_steps, self._graphdef, mesh=self.mesh),
-      static_argnames=("num_rows", "num_steps"),
-      donate_argnames=("state", "kv_cache"),
-      **(placement.decode_steps_shardings() if placement is not None else {}),
-    )
+    self.decode_steps = steps.decode_steps
+    #: Where the step's host inputs go: replicated on a mesh, else the default device.
+    self._input_sharding = placement.replicated if placement is not None else None
+    #: Draft slots per row of the verify step (0: no speculative decoding).
+    self.num_speculative_tokens = num_speculative_tokens
 
   def _create_kv_cache(self, model: Model, config: EngineConfig) -> PagedKVCache:
     """The pool of pages; on a mesh split over key/value heads when the model axis divides
