@@ -40,6 +40,21 @@ class LogitsProcessor:
 
   argmax_invariant: ClassVar[bool] = False
 
+  def __eq__(self, other: object) -> bool:
+    """Processors of one class with equal attributes are interchangeable: the batch's config
+    (static in every jitted step) then compares equal, so engines built with such processors
+    share their compiled steps. Attributes that do not compare to one bool (arrays) fall back
+    to identity."""
+    if type(self) is not type(other):
+      return NotImplemented
+    try:
+      return self is other or bool(vars(self) == vars(other))
+    except (TypeError, ValueError):
+      return False
+
+  def __hash__(self) -> int:
+    return hash(type(self))
+
   def init_state(self, max_num_reqs: int, vocab_size: int) -> Any:
     """The state of an empty batch: a pytree of arrays, each with leading axis `max_num_reqs`.
 
