@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ class DeviceSteps:
 
 
 _cache: collections.OrderedDict[Any, DeviceSteps] = collections.OrderedDict()
+_lock = threading.Lock()  # engines may be built from several threads
 
 
 def device_steps(
@@ -64,14 +66,14 @@ def device_steps(
       empty mapping, or a step missing, for none), from `worker/placement.py` on a mesh.
   """
   key = (graphdef, mesh, _hashable(shardings))
-  steps = _cache.get(key)
-  if steps is None:
-    steps = _jit(graphdef, mesh, shardings)
-    _cache[key] = steps
+  with _lock:
+    steps = _cache.get(key)
+    if steps is None:
+      steps = _cache[key] = _jit(graphdef, mesh, shardings)
+    _cache.move_to_end(key)
     while len(_cache) > MAX_CACHED:
       _cache.popitem(last=False)
-  _cache.move_to_end(key)
-  return steps
+    return steps
 
 
 def _hashable(shardings: Mapping[str, Mapping[str, Any]]) -> Any:
