@@ -12,7 +12,12 @@ import pytest
 # `compilation_cache.put_executable_and_time`).
 os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
 
+import gc
+
+import jax
+
 from jaxengine.testing import count_compiles
+from jaxengine.worker import device_steps
 
 # Under pytest-xdist (`-n 2`): the tests of a module share its engines (module-scoped fixtures,
 # cached builders), whose compiles are most of their time, so a module runs on one worker instead
@@ -93,3 +98,18 @@ def compile_counter():
   """Yields a running `jaxengine.testing.CompileCounter`; `.count` is the compiles seen so far."""
   with count_compiles() as counter:
     yield counter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code(request):
+  """Frees a module's compiled code once its tests are done: its cached builders (engines kept by
+  `functools.cache`), the engines' shared steps and JAX's caches. Each XLA:CPU executable holds a
+  few memory mappings, and a worker that kept every module's executables reached Linux's
+  `vm.max_map_count` (65,530; 23k after four engine modules) and crashed inside an XLA compile."""
+  yield
+  for value in vars(request.module).values():
+    if callable(getattr(value, "cache_clear", None)):
+      value.cache_clear()
+  device_steps.clear()
+  jax.clear_caches()
+  gc.collect()
