@@ -21,6 +21,7 @@ from jaxengine.models.batch_invariant import ROW_TILE, batch_invariant_model, ro
 from jaxengine.models.paged_attention import PagedAttentionMetadata, ragged_paged_attention_xla
 from jaxengine.reductions import fixed_logsumexp, fixed_sum
 from jaxengine.testing import tiny_llama
+from jaxengine.worker import device_steps
 
 VOCAB = 256
 
@@ -335,6 +336,7 @@ def test_one_row_bucket_and_no_step_compiles_after_precompile(model):
   """The sampler's shape is fixed in this mode (one row bucket), so `precompile` compiles one
   model step per token bucket (with and without prompt logprobs) and one sampler, and a mix of
   requests adds none."""
+  device_steps.clear()  # this engine's executables alone
   llm = je.LLM(model, max_num_reqs=4, max_model_len=64, batch_invariant=True, precompile=True)
   runner = llm.llm_engine.runner
   assert runner.row_buckets == [4]
