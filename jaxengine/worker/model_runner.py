@@ -13,7 +13,7 @@ bucket) reached: powers of two up to `max_num_reqs` rows, and powers of two up t
 `FULL_ROWS_MIN_TOKENS` tokens or more and steps with prompt logprobs in the largest row bucket
 only (`step_buckets`; the prompt-logprobs variant is another executable), and one sampler step
 (`sample_produced`) per row bucket; with `speculative_config` also one verify step
-(the model and the rejection sampler, `paged_verify.py`) per (token bucket, row bucket); with
+(the model and the rejection sampler, `worker/verify_step.py`) per (token bucket, row bucket); with
 `num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
 `worker/multi_step.py`); `precompile` runs them all. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's

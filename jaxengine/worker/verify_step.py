@@ -1,6 +1,6 @@
 """Speculative decoding: n-gram drafts as query tokens of the ragged step.
 
-Each step with `speculative_config`, `Speculation.propose` asks the engine's
+Each step with `speculative_config`, `Speculation.propose` (`spec_decode/speculation.py`) asks the engine's
 `SpeculativePolicy` for drafts of the running decodes (its drafts, limits and cost model; none
 while a row with structured outputs runs). The `Scheduler` schedules a
 drafted decode as `1 + d` query tokens (its last known token, then its `d` drafts, at positions
