@@ -110,7 +110,8 @@ class EngineConfig:
       (default; set with `max_model_len`): 2048, at least `max_num_reqs` (`max_model_len`
       without chunked prefill), at most `max_num_reqs * max_model_len` (the most one step can
       hold); must be `>= max_num_reqs` (every running request decodes each step), and
-      `>= max_model_len` without chunked prefill.
+      `>= max_model_len` without chunked prefill. With data parallelism each group's budget, and
+      `max_num_reqs` here means one group's rows (`max_num_reqs / data_parallel_size`).
     enable_chunked_prefill: the paged engine may split a prompt over several steps, so long
       prompts share steps with the running requests' decodes (default True; vLLM's name).
     attention_backend: the paged cache's attention: "xla", "pallas_tpu", "pallas_gpu", or None
@@ -336,17 +337,19 @@ class EngineConfig:
   def _check_token_budget(self) -> None:
     """Checks `max_num_batched_tokens`, and sets its default once `max_model_len` is known."""
     budget, max_model_len = self.max_num_batched_tokens, self.max_model_len
+    rows = self.max_num_reqs // self.data_parallel_size  # one group's (each has its budget)
     if budget is not None and (not is_int(budget) or budget < 1):
       raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
     if budget is None:  # at most what one step can hold: larger token buckets are never reached
       if max_model_len is None:
         return  # derived from the model's limit by `for_model`
-      least = self.max_num_reqs if self.enable_chunked_prefill else max_model_len
-      budget = min(max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), self.max_num_reqs * max_model_len)
-    if budget < self.max_num_reqs:
+      least = rows if self.enable_chunked_prefill else max_model_len
+      budget = min(max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), rows * max_model_len)
+    if budget < rows:
+      group = f" / data_parallel_size={self.data_parallel_size}" if rows < self.max_num_reqs else ""
       raise ValueError(
-        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs} (every "
-        "running request decodes one token per step)"
+        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs}{group} "
+        "(every running request of a group decodes one token per step)"
       )
     if not self.enable_chunked_prefill and max_model_len is not None and budget < max_model_len:
       raise ValueError(

@@ -15,8 +15,9 @@ one device each and with two (`t = 2`, pages split over key/value heads):
 - every feature at once on the groups (asynchronous scheduling, n-gram speculative decoding and
   `num_decode_steps=2`): the plain engine's tokens.
 
-The in-process tests check the configuration: the divisibility rule, named, and the groups' own
-configs (rows, seeds, meshes).
+It also checks that the token budget is each group's (checked and defaulted as for one group's
+rows). The in-process tests check the divisibility rule, named, and that one group is the config
+itself.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ from jaxengine.models.weights import named_weights
 from jaxengine.testing import count_compiles, tiny_llama
 
 SP = je.SamplingParams
+# The token budget is each group's: checked and defaulted against one group's rows.
+try:
+  je.EngineConfig(max_num_reqs=8, data_parallel_size=4, max_num_batched_tokens=1)
+except ValueError as e:
+  assert "max_num_reqs=8 / data_parallel_size=4" in str(e), e
+else:
+  raise AssertionError("a budget below a group's rows accepted")
+assert je.EngineConfig(max_num_reqs=8, data_parallel_size=4, max_num_batched_tokens=2)
+grouped = je.EngineConfig(max_num_reqs=4, data_parallel_size=2, max_model_len=256)
+alone = je.EngineConfig(max_num_reqs=2, max_model_len=256)
+assert grouped.max_num_batched_tokens == alone.max_num_batched_tokens == 512, grouped
 model, _ = tiny_llama(vocab_size=256)  # 4 query heads over 2 kv heads
 rng = np.random.default_rng(0)
 prefix = rng.integers(4, 250, 9).tolist()  # two full blocks of 4 shared by four prompts
