@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -73,6 +72,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from peer import JsonLinePeer
 from timing import median_ms
 
 import jaxengine as je
@@ -136,9 +136,9 @@ def _sampler_share(engine, repeats: int = 5) -> tuple[float, float]:
   return times["sampler"], times["step"]
 
 
-class BaselineProcess:
+class BaselineProcess(JsonLinePeer):
   """A peer engine in its own interpreter (benchmarks/vllm_baseline.py or hf_baseline.py run as a
-  script), one JSON job a line over stdin, one answer a line back."""
+  script); its greeting is its versions."""
 
   def __init__(self, python: str, script: str, model_dir: str, extra: list[str]) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
@@ -148,30 +148,12 @@ class BaselineProcess:
     iomp = os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so")
     if os.path.isfile(iomp):  # vLLM's CPU guide preloads Intel's OpenMP runtime
       env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
-    command = [python, os.path.join(here, script), "--model", model_dir, *extra]
-    self.process = subprocess.Popen(
-      command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-    )
-    self.versions = self._read()
-
-  def _read(self) -> dict:
-    assert self.process.stdout is not None
-    line = self.process.stdout.readline()
-    if not line:
-      raise SystemExit(f"{self.process.args[1]} exited with status {self.process.wait()}")
-    return json.loads(line)
+    super().__init__([python, os.path.join(here, script), "--model", model_dir, *extra], env)
+    self.versions = self.greeting
 
   def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
     """``{"seconds", "token_ids"}`` of one greedy generation of every prompt at once."""
-    assert self.process.stdin is not None
-    self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-    self.process.stdin.flush()
-    return self._read()
-
-  def close(self) -> None:
-    if self.process.stdin is not None:
-      self.process.stdin.close()
-    self.process.wait(120)
+    return self.ask(prompts=prompts, max_tokens=max_tokens)
 
 
 def compare_hf(args) -> None:

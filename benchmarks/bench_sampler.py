@@ -46,6 +46,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from peer import JsonLinePeer
 from timing import interleaved_ms, warm
 
 import jaxengine as je
@@ -295,45 +296,21 @@ def worker(stdin=sys.stdin) -> None:
         reply(ms=(time.perf_counter() - start) * 1e3)
 
 
-class SamplerWorker:
+class SamplerWorker(JsonLinePeer):
   """A `--worker` interpreter importing jaxengine from `root` (a checkout's top directory)."""
 
   def __init__(self, root: str) -> None:
     env = dict(
       os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     )
-    self.process = subprocess.Popen(
-      [sys.executable, os.path.abspath(__file__), "--worker"],
-      stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE,
-      text=True,
-      env=env,
-    )
-    hello = self._read()
+    super().__init__([sys.executable, os.path.abspath(__file__), "--worker"], env)
     package = os.path.join(os.path.abspath(root), "jaxengine")
-    if os.path.realpath(hello["jaxengine"]) != os.path.realpath(package):
+    if os.path.realpath(self.greeting["jaxengine"]) != os.path.realpath(package):
       self.close()
-      raise SystemExit(f"the worker for {root} imported jaxengine from {hello['jaxengine']}")
-    self.version = hello["version"]
-
-  def _read(self) -> dict:
-    assert self.process.stdout is not None
-    line = self.process.stdout.readline()
-    if not line:
-      raise SystemExit(f"a sampler worker exited with status {self.process.wait()}")
-    return json.loads(line)
-
-  def ask(self, **command) -> dict:
-    """Sends one command and returns its answer."""
-    assert self.process.stdin is not None
-    self.process.stdin.write(json.dumps(command) + "\n")
-    self.process.stdin.flush()
-    return self._read()
-
-  def close(self) -> None:
-    if self.process.stdin is not None:
-      self.process.stdin.close()
-    self.process.wait(120)
+      raise SystemExit(
+        f"the worker for {root} imported jaxengine from {self.greeting['jaxengine']}"
+      )
+    self.version = self.greeting["version"]
 
 
 def checkout(rev: str, into: str) -> str:

@@ -22,17 +22,21 @@ itself.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from subprocess_utils import run_python
 
 import jaxengine as je
 
 SCRIPT = """
-import os
+import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, sys.argv[1])  # the tests folder: output_utils
 import jax, numpy as np
 import jaxengine as je
 from jaxengine.models.weights import named_weights
+from output_utils import assert_same_generations, generations
 from jaxengine.testing import count_compiles, tiny_llama
 
 SP = je.SamplingParams
@@ -67,20 +71,9 @@ params = [
 group = dict(max_model_len=24, block_size=4, num_kv_blocks=7, max_num_batched_tokens=8)
 
 def run(llm):
-  outs = llm.generate(prompts, params, use_tqdm=False)
-  return [(c.token_ids, c.logprobs, o.prompt_logprobs) for o in outs for c in o.outputs]
+  return generations(llm, prompts, params)
 
-def check_same(got, want, atol=1e-4):
-  for (a, la, pa), (b, lb, pb) in zip(got, want, strict=True):
-    assert a == b, (a, b)
-    for x, y in ((la, lb), (pa, pb)):
-      assert (x is None) == (y is None)
-      if y is None:
-        continue
-      ranks = lambda e: [[(t, v.rank) for t, v in d.items()] if d else d for d in e]
-      values = lambda e: [v.logprob for d in e if d for v in d.values()]
-      assert ranks(x) == ranks(y), (ranks(x), ranks(y))
-      np.testing.assert_allclose(values(x), values(y), atol=atol)
+check_same = assert_same_generations
 
 one = je.LLM(model, max_num_reqs=2, **group)
 want = run(one)
@@ -132,7 +125,7 @@ print("ok")
 
 
 def test_data_parallel_groups_match_one_device():
-  out = run_python(SCRIPT, timeout=1200)
+  out = run_python(SCRIPT, os.path.dirname(os.path.abspath(__file__)), timeout=1200)
   assert out.strip().endswith("ok")
   assert out.count("groups") == 2
 

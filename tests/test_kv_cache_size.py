@@ -4,6 +4,7 @@ within the device memory the engine may take (`jaxengine/worker/kv_cache_size.py
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import pytest
@@ -14,7 +15,7 @@ from jaxengine.params import SamplingParams
 from jaxengine.testing import tiny_llama
 from jaxengine.worker.kv_cache_size import (
   DEFAULT_CPU_KV_CACHE_BYTES,
-  check_kv_cache_memory_bytes,
+  check_kv_cache_fits,
   default_num_kv_blocks,
   memory_limit,
 )
@@ -62,11 +63,20 @@ def test_the_default_pool_stays_within_the_memory_limit_and_names_it_when_too_sm
 
 def test_a_cache_larger_than_memory_is_refused_before_allocation():
   model, _ = tiny_llama(vocab_size=32)
-  with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1125899906842624 exceeds the mach"):
+  with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1125899906842624 \(.*the mach"):
     LLMEngine(model, max_num_reqs=2, max_model_len=32, kv_cache_memory_bytes=2**50)
-  with pytest.raises(ValueError, match=r"exceeds free on .* \(900 bytes\)"):
-    check_kv_cache_memory_bytes(1000, [FakeAccelerator(bytes_limit=1000, bytes_in_use=100)])
-  check_kv_cache_memory_bytes(900, [FakeAccelerator(bytes_limit=1000, bytes_in_use=100)])
+  # A pool of pages is checked the same way (not a RESOURCE_EXHAUSTED from the allocator).
+  with pytest.raises(ValueError, match=r"num_kv_blocks=1000000000000 \(.*the machine's physical"):
+    LLMEngine(model, max_num_reqs=2, max_model_len=32, num_kv_blocks=10**12)
+  accelerator = [FakeAccelerator(bytes_limit=1000, bytes_in_use=100)]
+  with pytest.raises(ValueError, match=r"x=1 \(1000 bytes per device\) exceeds free on .* \(900"):
+    check_kv_cache_fits(1000, accelerator, asked="x=1")
+  check_kv_cache_fits(900, accelerator, asked="x=1")
+  # CPU devices share the machine's memory: their pools add up.
+  physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  check_kv_cache_fits(physical // 2, jax.devices()[:1], asked="x=1")
+  with pytest.raises(ValueError, match=r"x 3 CPU devices\) exceeds the machine's physical memory"):
+    check_kv_cache_fits(physical // 2, jax.devices()[:1] * 3, asked="x=1")
 
 
 @pytest.mark.parametrize("name, platforms", [("pallas_tpu", "tpu"), ("pallas_gpu", "gpu")])

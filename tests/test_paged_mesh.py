@@ -26,9 +26,10 @@ from subprocess_utils import run_python
 SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])  # the tests folder: paged_utils
+sys.path.insert(0, sys.argv[1])  # the tests folder: paged_utils, output_utils
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
+from output_utils import assert_same_generations, generations
 from paged_utils import make_step, reference_attention
 import jaxengine as je
 from jaxengine.models.attention_backends import (
@@ -101,20 +102,9 @@ kw = dict(max_num_reqs=2, max_model_len=24, block_size=4, num_kv_blocks=8,
           max_num_batched_tokens=8)
 
 def run(llm, prompts=prompts, params=params):
-  outs = llm.generate(prompts, params, use_tqdm=False)
-  return [(c.token_ids, c.logprobs, o.prompt_logprobs) for o in outs for c in o.outputs]
+  return generations(llm, prompts, params)
 
-def check_same(got, want, atol=1e-4):
-  for (a, la, pa), (b, lb, pb) in zip(got, want, strict=True):
-    assert a == b, (a, b)
-    for x, y in ((la, lb), (pa, pb)):
-      assert (x is None) == (y is None)
-      if y is None:
-        continue
-      ranks = lambda e: [[(t, v.rank) for t, v in d.items()] if d else d for d in e]
-      values = lambda e: [v.logprob for d in e if d for v in d.values()]
-      assert ranks(x) == ranks(y), (ranks(x), ranks(y))
-      np.testing.assert_allclose(values(x), values(y), atol=atol)
+check_same = assert_same_generations
 
 one = je.LLM(model, **kw)
 want = run(one)

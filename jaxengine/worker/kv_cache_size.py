@@ -64,27 +64,41 @@ def memory_limit(devices: Sequence[jax.Device], gpu_memory_utilization: float) -
   return min(limits)
 
 
-def check_kv_cache_memory_bytes(kv_cache_memory_bytes: int, devices: Sequence[jax.Device]) -> None:
-  """Refuses a requested cache size no device could hold, before anything is allocated.
+def check_kv_cache_fits(
+  bytes_per_device: int, devices: Sequence[jax.Device], *, asked: str
+) -> None:
+  """Refuses a requested cache size the devices could not hold, before anything is allocated.
 
   The bound is each device's free memory as JAX's allocator reports it (`bytes_limit` less
-  `bytes_in_use`) on accelerators, and the machine's physical memory on CPU (whose devices report
-  no statistics): a larger CPU cache would be killed by the operating system, not refused.
+  `bytes_in_use`) on accelerators; on CPU, whose devices report no statistics and share the
+  machine's memory, the pools of all the CPU devices together against the machine's physical
+  memory (a larger CPU cache would be killed by the operating system, not refused).
+
+  Args:
+    bytes_per_device: the pool's bytes on each device.
+    devices: the devices holding the pool (a mesh's, or one device).
+    asked: what the user gave, for the message (``"kv_cache_memory_bytes=..."``,
+      ``"num_kv_blocks=..."``).
 
   Raises:
-    ValueError: naming `kv_cache_memory_bytes` and the bound.
+    ValueError: naming `asked`, the bytes and the bound.
   """
+  cpu_devices = 0
   for device in devices:
     usage = _memory_usage(device)
-    bound: int | None
-    if usage is not None:
-      bound, what = usage[0] - usage[1], f"free on {device}"
-    else:
-      bound, what = _physical_memory(), "the machine's physical memory"
-    if bound is not None and kv_cache_memory_bytes > bound:
+    if usage is None:
+      cpu_devices += 1
+    elif bytes_per_device > usage[0] - usage[1]:
       raise ValueError(
-        f"kv_cache_memory_bytes={kv_cache_memory_bytes} exceeds {what} ({bound} bytes)"
+        f"{asked} ({bytes_per_device} bytes per device) exceeds free on {device} "
+        f"({usage[0] - usage[1]} bytes)"
       )
+  physical = _physical_memory() if cpu_devices else None
+  if physical is not None and cpu_devices * bytes_per_device > physical:
+    raise ValueError(
+      f"{asked} ({bytes_per_device} bytes per device x {cpu_devices} CPU devices) exceeds the "
+      f"machine's physical memory ({physical} bytes)"
+    )
 
 
 def _memory_usage(device: jax.Device) -> tuple[int, int] | None:
@@ -127,7 +141,7 @@ def default_num_kv_blocks(
   """
   wanted = 1 + max_num_reqs * max_num_blocks_per_req * (1 + PREFIX_CACHE_SHARE)
   needed = 1 + max_num_blocks_per_req  # one request of max_model_len tokens and the null page
-  per_block = _bytes_per_block(spec, backend, block_size)
+  per_block = bytes_per_block(spec, backend, block_size)
   limit = memory_limit(devices, gpu_memory_utilization)
   on_cpu = any(_memory_usage(device) is None for device in devices)
   if on_cpu and limit < needed * per_block:  # the CPU default grows to one full request
@@ -157,8 +171,9 @@ def default_num_kv_blocks(
   return min(int(wanted), fits)
 
 
-def _bytes_per_block(spec: KVCacheSpec, backend: AttentionBackend, block_size: int) -> int:
-  """Bytes of one page of all layers per device in `backend`'s layout."""
+def bytes_per_block(spec: KVCacheSpec, backend: AttentionBackend, block_size: int) -> int:
+  """Bytes of one page of all layers per device in `backend`'s layout (a sharded backend's
+  share)."""
   return backend.bytes_per_block(
     num_layers=spec.num_layers,
     block_size=block_size,

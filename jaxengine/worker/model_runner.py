@@ -67,7 +67,11 @@ from jaxengine.models.weights import (
 from jaxengine.sample import LogprobsTensors
 from jaxengine.worker.buckets import bucket, buckets
 from jaxengine.worker.device_steps import device_steps
-from jaxengine.worker.kv_cache_size import check_kv_cache_memory_bytes, default_num_kv_blocks
+from jaxengine.worker.kv_cache_size import (
+  bytes_per_block,
+  check_kv_cache_fits,
+  default_num_kv_blocks,
+)
 from jaxengine.worker.multi_step import (
   DecodeStepsInputs,
   device_stop_rules,
@@ -268,15 +272,19 @@ class ModelRunner:
         gpu_memory_utilization=config.gpu_memory_utilization,
       )
     elif num_blocks is None:
-      check_kv_cache_memory_bytes(cast(int, config.kv_cache_memory_bytes), devices)
+      memory = cast(int, config.kv_cache_memory_bytes)  # the branch above took None
+      check_kv_cache_fits(memory, devices, asked=f"kv_cache_memory_bytes={memory}")
       num_blocks = backend.num_blocks_for_memory(
-        cast(int, config.kv_cache_memory_bytes),  # the branch above took None
+        memory,
         num_layers=spec.num_layers,
         block_size=config.block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         dtype=spec.dtype,
       )
+    else:
+      per_block = bytes_per_block(spec, backend, self.block_size)
+      check_kv_cache_fits(num_blocks * per_block, devices, asked=f"num_kv_blocks={num_blocks}")
     #: Pages of the pool, the null page 0 included.
     self.num_blocks = int(num_blocks)
     if self._placement is not None:
