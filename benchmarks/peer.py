@@ -3,8 +3,11 @@ run another engine (vLLM, HF `generate`) or another checkout's jaxengine in its 
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
+import tarfile
 from collections.abc import Mapping, Sequence
 
 
@@ -46,3 +49,20 @@ class JsonLinePeer:
     if self.process.stdin is not None:
       self.process.stdin.close()
     self.process.wait(120)
+
+
+def checkout(rev: str, into: str) -> str:
+  """The top directory of `rev`'s jaxengine: `rev` itself when it is a directory holding a
+  `jaxengine` package, else the package of git revision `rev` of this repository, extracted
+  under `into`."""
+  if os.path.isfile(os.path.join(rev, "jaxengine", "__init__.py")):
+    return rev
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  archive = subprocess.run(
+    ["git", "-C", repo, "archive", "--format=tar", rev, "jaxengine"], capture_output=True
+  )
+  if archive.returncode:
+    raise SystemExit(f"{rev}: {archive.stderr.decode().strip()}")
+  with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+    tar.extractall(into, filter="data")
+  return into
