@@ -118,8 +118,10 @@ shapes = runner.ragged_forward._cache_size()
 # Token buckets start at min(rows, 8); with prompt logprobs the largest row bucket only.
 reachable = runner.step_shapes() + runner.step_shapes(prompt_logprobs=True)
 assert shapes == len(reachable), (shapes, reachable)
-got = run(llm)
-assert runner.ragged_forward._cache_size() == shapes  # serving compiled no ragged step
+with count_compiles() as compiles:  # nothing at all, not even the batch's metadata refresh
+  got = run(llm)
+assert compiles.count == 0, compiles.count
+assert runner.ragged_forward._cache_size() == shapes
 check_same(got, want)
 stats = llm.llm_engine.kv_cache_stats
 assert stats.num_preemptions == one_stats.num_preemptions > 0, (stats, one_stats)

@@ -443,8 +443,12 @@ class InputBatch:
     only in rows with `structured_outputs`. Raises ValueError for another shape."""
     if np.shape(bitmask) != (shape := self._state.grammar_bitmask.shape):
       raise ValueError(f"bitmask must have shape {shape}, got {np.shape(bitmask)}")
-    # A host copy put on the device: no conversion to compile, and the caller's buffer is free.
-    grammar_bitmask = jax.device_put(np.array(bitmask, np.int32))
+    # A host copy on the device: no conversion to compile, the caller's buffer is free. Where the
+    # state was placed (`place_state`: on a mesh), it keeps that placement, so the steps see the
+    # sharding they were compiled for.
+    current = self._state.grammar_bitmask
+    placement = current.sharding if current.committed else None
+    grammar_bitmask = jax.device_put(np.array(bitmask, np.int32), placement)
     self._state = dataclasses.replace(self._state, grammar_bitmask=grammar_bitmask)
 
   # --- sampling ------------------------------------------------------------------------------
