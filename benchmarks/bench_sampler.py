@@ -10,17 +10,38 @@ counts them). Mixes `top_k_50` and `top_k_1024` compare a shallow and a deep top
 (remove + add + condense + metadata refresh) against a step, and the host overhead of a tiny step
 against a bare jitted identity call.
 
+`--against REV` is the regression guard: the sampler of this checkout and of another (a git
+revision, or a directory holding a `jaxengine` package) each run in their own interpreter (this
+script with `--worker`), driven call by call in alternation from this one, so both see the same
+machine at the same moments; it prints each mix's medians, the ratio of this checkout to the other
+and each one's ratio to its own max pass, plus the small call (B=8, V=256, greedy). Run it before a
+change to the sampler, the batch or the step lands; `--max-ratio` makes it fail (exit status 1)
+when a mix is slower than that.
+
 Usage:
   python benchmarks/bench_sampler.py                    # full table (several minutes on 2 cores)
   python benchmarks/bench_sampler.py --quick            # B=256, V=49152 only
   python benchmarks/bench_sampler.py --batch-sizes 8 --vocab-sizes 49152 --mixes chat greedy
+  python benchmarks/bench_sampler.py --against main      # this checkout vs main, B=256 x 49152
+  python benchmarks/bench_sampler.py --against d495889 --mixes greedy chat --max-ratio 1.2
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import io
+import json
+import os
 import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -219,22 +240,235 @@ def bench_host_overhead(repeats: int, compiles: CompileCounter, size=8, vocab=25
   return result
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
-  parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[49152, 128256])
-  parser.add_argument("--mixes", nargs="+", default=MIXES, choices=MIXES)
-  parser.add_argument("--repeats", type=int, default=15, help="timed calls per cell (median)")
-  parser.add_argument("--quick", action="store_true", help="only B=256, V=49152")
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.batch_sizes, args.vocab_sizes = [256], [49152]
+# --- `--against`: two checkouts' samplers in one run ---------------------------------------------
+
+#: The mixes `--against` compares by default, then the small call.
+AGAINST_MIXES = ["greedy", "temperature", "chat", "top_p", "everything"]
+#: The small call: `(B, V, mix)`, a tiny greedy step where the host's share dominates.
+SMALL_CALL = (8, 256, "greedy")
+
+
+def _call_sample(batch: je.InputBatch, logits) -> object:
+  """One `InputBatch.sample` round trip, for checkouts whose `sample` returns the host result and
+  for those whose result is read lazily."""
+  result = batch.sample(logits)
+  return result.result() if hasattr(result, "result") else result
+
+
+def worker(stdin=sys.stdin) -> None:
+  """`--worker`: serves one checkout's sampler, one JSON command a line on stdin, one JSON answer
+  a line on the original stdout (stray output of the libraries goes to stderr).
+
+  Commands: `{"op": "setup", "size", "vocab", "mix"}` builds the batch and the logits (the same
+  seeds in every checkout) and compiles both calls; `{"op": "time", "fn": "sample" | "max"}` times
+  one call in ms; the answer to every command carries `compiles`, the XLA compiles so far.
+  """
+  out = os.fdopen(os.dup(1), "w")
+  os.dup2(2, 1)
+  max_pass = jax.jit(lambda x: x.max(-1))
+  cells: dict[str, Callable[[], object]] = {}
+  with count_compiles() as compiles:
+
+    def reply(**fields) -> None:
+      out.write(json.dumps({**fields, "compiles": compiles.count}) + "\n")
+      out.flush()
+
+    reply(jaxengine=os.path.dirname(os.path.abspath(je.__file__)), version=je.__version__)
+    for line in stdin:
+      command = json.loads(line)
+      if command["op"] == "setup":
+        size, vocab, mix = command["size"], command["vocab"], command["mix"]
+        rng = np.random.default_rng(0)
+        logits = jnp.asarray(rng.standard_normal((size, vocab), dtype=np.float32) * 4.0)
+        batch = je.InputBatch(size, 4096, vocab)
+        _fill(batch, mix, rng)
+        cells = {
+          "sample": lambda batch=batch, logits=logits: _call_sample(batch, logits),
+          "max": lambda logits=logits: max_pass(logits),
+        }
+        warm(cells.values(), times=2)
+        reply()
+      else:
+        fn = cells[command["fn"]]
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        reply(ms=(time.perf_counter() - start) * 1e3)
+
+
+class SamplerWorker:
+  """A `--worker` interpreter importing jaxengine from `root` (a checkout's top directory)."""
+
+  def __init__(self, root: str) -> None:
+    env = dict(
+      os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
+    self.process = subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__), "--worker"],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    hello = self._read()
+    package = os.path.join(os.path.abspath(root), "jaxengine")
+    if os.path.realpath(hello["jaxengine"]) != os.path.realpath(package):
+      self.close()
+      raise SystemExit(f"the worker for {root} imported jaxengine from {hello['jaxengine']}")
+    self.version = hello["version"]
+
+  def _read(self) -> dict:
+    assert self.process.stdout is not None
+    line = self.process.stdout.readline()
+    if not line:
+      raise SystemExit(f"a sampler worker exited with status {self.process.wait()}")
+    return json.loads(line)
+
+  def ask(self, **command) -> dict:
+    """Sends one command and returns its answer."""
+    assert self.process.stdin is not None
+    self.process.stdin.write(json.dumps(command) + "\n")
+    self.process.stdin.flush()
+    return self._read()
+
+  def close(self) -> None:
+    if self.process.stdin is not None:
+      self.process.stdin.close()
+    self.process.wait(120)
+
+
+def checkout(rev: str, into: str) -> str:
+  """The top directory of `rev`'s jaxengine: `rev` itself when it is a directory holding a
+  `jaxengine` package, else the package of git revision `rev` of this repository, extracted
+  under `into`."""
+  if os.path.isfile(os.path.join(rev, "jaxengine", "__init__.py")):
+    return rev
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  archive = subprocess.run(
+    ["git", "-C", repo, "archive", "--format=tar", rev, "jaxengine"], capture_output=True
+  )
+  if archive.returncode:
+    raise SystemExit(f"--against {rev}: {archive.stderr.decode().strip()}")
+  with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+    tar.extractall(into, filter="data")
+  return into
+
+
+def bench_against(args) -> list[dict]:
+  """This checkout's sampler against `args.against`'s, call by call in alternation.
+
+  Returns one row a cell: medians in ms of each side's `InputBatch.sample` and of a max pass over
+  the same logits (both sides' calls pooled), the ratio of this checkout's sample time to the
+  other's, and the compiles each side saw while timed (must be 0).
+  """
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  scratch = tempfile.mkdtemp(prefix="bench_sampler_")
+  workers: dict[str, SamplerWorker] = {}
+  try:
+    workers["this"] = SamplerWorker(here)
+    workers["other"] = SamplerWorker(checkout(args.against, scratch))
+    print(
+      f"# this checkout ({here}, jaxengine {workers['this'].version}) against {args.against} "
+      f"(jaxengine {workers['other'].version}); {args.repeats} alternated calls a cell, medians",
+      flush=True,
+    )
+    cells = [(b, v, m) for v in args.vocab_sizes for b in args.batch_sizes for m in args.mixes]
+    cells += [SMALL_CALL] * (SMALL_CALL not in cells)
+    print(
+      "| B | V | mix | other ms | this ms | this / other | max pass ms | other x max | this x max "
+      "| compiles |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+      flush=True,
+    )
+    return [_against_cell(workers, cell, args.repeats) for cell in cells]
+  finally:
+    for w in workers.values():
+      w.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _against_cell(workers: dict[str, SamplerWorker], cell, repeats: int) -> dict:
+  size, vocab, mix = cell
+  before = {name: w.ask(op="setup", size=size, vocab=vocab, mix=mix) for name, w in workers.items()}
+  samples: dict[tuple[str, str], list[float]] = {
+    (n, f): [] for n in workers for f in ("sample", "max")
+  }
+  last = {}
+  for r in range(repeats):
+    order = list(workers) if r % 2 == 0 else list(workers)[::-1]  # neither always goes first
+    for fn in ("sample", "max"):
+      for name in order:
+        answer = workers[name].ask(op="time", fn=fn)
+        samples[name, fn].append(answer["ms"])
+        last[name] = answer["compiles"]
+  ms = {key: statistics.median(values) for key, values in samples.items()}
+  # One max pass for both sides (the same jitted reduction in each): the median of all its calls.
+  max_ms = statistics.median(samples["this", "max"] + samples["other", "max"])
+  row = dict(
+    B=size,
+    V=vocab,
+    mix="small call" if cell == SMALL_CALL else mix,
+    other_ms=ms["other", "sample"],
+    this_ms=ms["this", "sample"],
+    ratio=ms["this", "sample"] / ms["other", "sample"],
+    max_ms=max_ms,
+    other_x_max=ms["other", "sample"] / max_ms,
+    this_x_max=ms["this", "sample"] / max_ms,
+    compiles={name: last[name] - before[name]["compiles"] for name in workers},
+  )
   print(
-    f"# jaxengine {je.__version__}, jax {jax.__version__}, backend {jax.default_backend()} "
-    f"({jax.devices()[0].device_kind}), {platform.processor() or platform.machine()}, "
-    f"{datetime.date.today()}",
+    f"| {size} | {vocab} | {row['mix']} | {row['other_ms']:.2f} | {row['this_ms']:.2f} | "
+    f"{row['ratio']:.2f}x | {row['max_ms']:.2f} | {row['other_x_max']:.2f} | "
+    f"{row['this_x_max']:.2f} | "
+    f"{row['compiles']['other']} / {row['compiles']['this']} |",
     flush=True,
   )
+  return row
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument(
+    "--batch-sizes", type=int, nargs="+", help="default 8 64 256 (--against: 256)"
+  )
+  parser.add_argument(
+    "--vocab-sizes", type=int, nargs="+", help="default 49152 128256 (--against: 49152)"
+  )
+  parser.add_argument("--mixes", nargs="+", choices=MIXES, help="default all (--against: a few)")
+  parser.add_argument("--repeats", type=int, default=15, help="timed calls per cell (median)")
+  parser.add_argument("--quick", action="store_true", help="only B=256, V=49152")
+  parser.add_argument(
+    "--against",
+    metavar="REV",
+    help="compare with this git revision or checkout directory (B=256, V=49152 unless given)",
+  )
+  parser.add_argument(
+    "--max-ratio",
+    type=float,
+    help="with --against: exit with status 1 if a mix takes more than this times the other's",
+  )
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    worker()
+    return
+  if args.quick:
+    args.batch_sizes, args.vocab_sizes = [256], [49152]
+  against = args.against is not None
+  args.batch_sizes = args.batch_sizes or ([256] if against else [8, 64, 256])
+  args.vocab_sizes = args.vocab_sizes or ([49152] if against else [49152, 128256])
+  args.mixes = args.mixes or (AGAINST_MIXES if against else MIXES)
+  print(
+    f"# jax {jax.__version__}, backend {jax.default_backend()} "
+    f"({jax.devices()[0].device_kind}), {platform.processor() or platform.machine()}, "
+    f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, {datetime.date.today()}",
+    flush=True,
+  )
+  if against:
+    rows = bench_against(args)
+    slower = [r for r in rows if args.max_ratio is not None and r["ratio"] > args.max_ratio]
+    for r in slower:
+      print(f"REGRESSION: {r['mix']} at B={r['B']} V={r['V']} takes {r['ratio']:.2f}x the other's")
+    sys.exit(1 if slower else 0)
+  print(f"# jaxengine {je.__version__}", flush=True)
   with count_compiles() as compiles:
     bench_table(args.batch_sizes, args.vocab_sizes, args.mixes, args.repeats, compiles)
     bench_composition(args.repeats, compiles)

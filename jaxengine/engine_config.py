@@ -66,13 +66,12 @@ class EngineConfig:
     revision: hub branch, tag or commit of a hub id (default `main`).
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer; with a `mesh`, its "model" axis size.
-    data_parallel_size: devices splitting the batch rows (it must divide `max_num_reqs`); with a
-      `mesh`, its "data" axis size. The batch state and the sampler are split by row over the
-      "data" axis; the pool of KV-cache pages and the model's pass over a step's tokens are
-      replicated over it (one pool serves every row: a pool per data group is not built yet),
-      so data parallelism does not yet divide the model's work or the cache's memory.
-      Only 1 for now (the one pool of KV-cache pages serves every row; larger sizes are
-      refused).
+    data_parallel_size: data-parallel groups (it must divide `max_num_reqs`); with a `mesh`,
+      its "data" axis size. Each group is an `EngineCore` on its own `tensor_parallel_size`
+      devices with `max_num_reqs / data_parallel_size` rows, its own pool of KV-cache pages
+      (`kv_cache_memory_bytes`, `num_kv_blocks` and `max_num_batched_tokens` are each group's),
+      scheduler and prefix cache, and a copy of the weights; each request runs in the group
+      with the fewest unfinished sequences (`data_parallel_groups`, `LLMEngine`).
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
       built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
       refused). The pages split over key/value heads on the "model" axis
@@ -111,7 +110,8 @@ class EngineConfig:
       (default; set with `max_model_len`): 2048, at least `max_num_reqs` (`max_model_len`
       without chunked prefill), at most `max_num_reqs * max_model_len` (the most one step can
       hold); must be `>= max_num_reqs` (every running request decodes each step), and
-      `>= max_model_len` without chunked prefill.
+      `>= max_model_len` without chunked prefill. With data parallelism each group's budget, and
+      `max_num_reqs` here means one group's rows (`max_num_reqs / data_parallel_size`).
     enable_chunked_prefill: the paged engine may split a prompt over several steps, so long
       prompts share steps with the running requests' decodes (default True; vLLM's name).
     attention_backend: the paged cache's attention: "xla", "pallas_tpu", "pallas_gpu", or None
@@ -273,6 +273,11 @@ class EngineConfig:
           f"tensor_parallel_size={t}, data_parallel_size={d}"
         )
       t, d = axes
+    if self.max_num_reqs % d:
+      raise ValueError(
+        f"data_parallel_size={d} must divide max_num_reqs={self.max_num_reqs} (each "
+        "data-parallel group holds the same number of rows)"
+      )
     if mesh is None and (t, d) != (1, 1):
       mesh = parallel.make_mesh(t, d)
     self._set("tensor_parallel_size", t)
@@ -332,17 +337,19 @@ class EngineConfig:
   def _check_token_budget(self) -> None:
     """Checks `max_num_batched_tokens`, and sets its default once `max_model_len` is known."""
     budget, max_model_len = self.max_num_batched_tokens, self.max_model_len
+    rows = self.max_num_reqs // self.data_parallel_size  # one group's (each has its budget)
     if budget is not None and (not is_int(budget) or budget < 1):
       raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
     if budget is None:  # at most what one step can hold: larger token buckets are never reached
       if max_model_len is None:
         return  # derived from the model's limit by `for_model`
-      least = self.max_num_reqs if self.enable_chunked_prefill else max_model_len
-      budget = min(max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), self.max_num_reqs * max_model_len)
-    if budget < self.max_num_reqs:
+      least = rows if self.enable_chunked_prefill else max_model_len
+      budget = min(max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), rows * max_model_len)
+    if budget < rows:
+      group = f" / data_parallel_size={self.data_parallel_size}" if rows < self.max_num_reqs else ""
       raise ValueError(
-        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs} (every "
-        "running request decodes one token per step)"
+        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs}{group} "
+        "(every running request of a group decodes one token per step)"
       )
     if not self.enable_chunked_prefill and max_model_len is not None and budget < max_model_len:
       raise ValueError(
@@ -409,6 +416,27 @@ class EngineConfig:
   def replace(self, **changes: Any) -> EngineConfig:
     """A copy with `changes` applied (validated again)."""
     return dataclasses.replace(self, **changes)
+
+  def data_parallel_groups(self) -> list[EngineConfig]:
+    """The config of each data-parallel group's `EngineCore` (`engine/engine_core.py`): this one
+    when `data_parallel_size` is 1; else, for group `g`, the mesh's devices at index `g` of the
+    "data" axis (a mesh of data size 1, `jaxengine.parallel.data_groups`), `max_num_reqs /
+    data_parallel_size` rows, and the seed `seed + g` (wrapped into `[-2**63, 2**63)`), so
+    unseeded requests of different groups draw from different streams. Every other field (the
+    pool's size, the token budget) is each group's own."""
+    d = self.data_parallel_size
+    if d == 1:
+      return [self]
+    return [
+      self.replace(
+        mesh=group_mesh,
+        tensor_parallel_size=1,  # the group's mesh gives the sizes
+        data_parallel_size=1,
+        max_num_reqs=self.max_num_reqs // d,
+        seed=(self.seed + g - SEED_MIN) % (SEED_MAX - SEED_MIN) + SEED_MIN,
+      )
+      for g, group_mesh in enumerate(parallel.data_groups(cast(Any, self.mesh)))
+    ]
 
 
 def engine_config(

@@ -79,8 +79,9 @@ class LLM:
     download_dir: hub cache directory instead of `HF_HUB_CACHE`.
     tensor_parallel_size: devices splitting each layer (heads, intermediate size, vocabulary;
       see `jaxengine.parallel`); must divide the model's query heads.
-    data_parallel_size: devices splitting the batch rows: only 1 for now (one pool of KV-cache
-      pages serves every row; larger sizes are refused).
+    data_parallel_size: data-parallel groups (it must divide `max_num_reqs`), each with
+      `tensor_parallel_size` devices, its share of the rows, its own pool of KV-cache pages,
+      scheduler and copy of the weights; each request runs in one group (see `LLMEngine`).
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
     compilation_cache: JAX's persistent compilation cache, so a second process start reads the
@@ -117,7 +118,8 @@ class LLM:
       not match its config, `max_model_len` above the model's `max_position_embeddings`, or
       invalid batch settings; a `tensor_parallel_size` that does not divide the query heads
       (both numbers named, before any tensor is read for a Hugging Face directory), a
-      `data_parallel_size` above 1, more devices than there are, or a mesh without the axes
+      `data_parallel_size` that does not divide `max_num_reqs`, more devices than there are, or
+      a mesh without the axes
       ``("data", "model")``.
   """
 

@@ -171,6 +171,16 @@ def weight_shardings(weights: Any, mesh: Mesh, rules: Mapping[str, str]) -> Any:
   return jax.tree_util.tree_map_with_path(one, weights)
 
 
+def data_groups(mesh: Mesh) -> list[Mesh]:
+  """The data-parallel groups of `mesh`: for each index of its `DATA` axis, a mesh of the same
+  axes over that index's devices (`DATA` of size 1, `MODEL` as in `mesh`)."""
+  axis = mesh.axis_names.index(DATA)
+  return [
+    Mesh(np.take(mesh.devices, [g], axis=axis), mesh.axis_names)
+    for g in range(mesh.devices.shape[axis])
+  ]
+
+
 def row_shardings(tree: Any, num_rows: int, mesh: Mesh) -> Any:
   """`NamedSharding`s for batch state or metadata: leaves of leading dimension `num_rows` over
   `DATA`, every other leaf (scalars, batch-wide flags) replicated."""

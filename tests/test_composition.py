@@ -68,7 +68,8 @@ class _Counts:
     self.loops_over_one_token = 0  # k-step loops in which some row sampled more than one token
     self.overlapped = 0  # steps left in flight while the next was scheduled
     runner, execute = engine.runner, engine.runner.execute_decode_steps
-    overlaps = engine._overlaps
+    core = engine.cores[0]
+    overlaps = core._overlaps
 
     def counted_execute(*args, **kwargs):
       output = execute(*args, **kwargs)
@@ -81,7 +82,7 @@ class _Counts:
       return result
 
     runner.execute_decode_steps = counted_execute
-    engine._overlaps = counted_overlaps
+    core._overlaps = counted_overlaps
 
 
 def _engine(model, tokenizer, **options) -> LLMEngine:

@@ -282,13 +282,15 @@ def _doc_section(page: str, title: str) -> str:
 def test_docs_state_the_top_p_tie_rule_and_what_runs_on_a_mesh():
   """Documented differences a new user hit: top-p keeps every token tied at the cut (vLLM's sort
   keeps fewer); the parallelism page says prefix caching, speculative decoding and several
-  decode steps per dispatch run on a mesh, and what data parallelism splits today."""
+  decode steps per dispatch run on a mesh, and that each data-parallel group has its own pool of
+  pages."""
   docs = PACKAGE.parent / "docs"
   differences = " ".join((docs / "differences_from_vllm.md").read_text().split())
   assert "Top-p keeps ties" in differences and "top_p=0.5" in differences
   mesh = " ".join((docs / "parallelism.md").read_text().split())
   assert "Prefix caching, speculative decoding and `num_decode_steps > 1` run on a mesh" in mesh
-  assert "What data parallelism splits today" in mesh
+  assert "Data parallelism: one engine core per group" in mesh
+  assert "its own pool of KV-cache pages" in mesh
 
 
 def test_docs_cite_only_files_in_this_repository():

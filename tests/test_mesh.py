@@ -114,7 +114,8 @@ for t, d in [(2, 1), (4, 2)]:
   split = (P("model", None, None), P(None, "model"), P("model", None)) if t > 1 else (P(),) * 3
   assert specs[:3] == split, specs
   assert ("model" in tuple(specs[3])) == (t == 2), specs  # heads split only where t divides K
-  assert specs[4] == (P("data") if d > 1 else P()), specs  # rows split over the data axis
+  assert specs[4] == P(), specs  # a group's rows stay together (one core per data index)
+  assert len(llm.llm_engine.cores) == d
   print(t, d, specs)
 # Several decode steps per dispatch on the mesh (precompiled): one device's tokens, logprobs to
 # float32 rounding, and a second run compiles nothing.

@@ -88,3 +88,32 @@ def test_nan_rows_do_not_change_their_neighbours():
   clean, poisoned = tokens(False), tokens(True)
   np.testing.assert_array_equal(clean[[0, 3]], poisoned[[0, 3]])
   assert poisoned[1] == 0 and poisoned[2] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nans_behind_the_best_token_count_as_minus_inf(temperature):
+  """Each row's best token (10.0) is followed in its block of 256 by NaN at strides 8 to 64, and
+  a runner-up (6.0) sits in another block: the token is the one drawn with those NaN at -inf. A
+  vectorised max that restarts its lane after a NaN (XLA:CPU's does) sees the best token's block
+  top out near 3 and would pick the runner-up, a token no NaN check on the result can catch."""
+  rows, vocab = 16, 4096
+  rng = np.random.default_rng(5)
+  logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+  best = 256 * rng.integers(0, vocab // 256, rows) + rng.integers(0, 128, rows)
+  runner_up = (best + 512) % vocab
+  everyone = np.arange(rows)
+  logits[everyone, best], logits[everyone, runner_up] = 10.0, 6.0
+  for stride in (8, 16, 32, 64):
+    logits[everyone, best + stride] = np.nan
+
+  def tokens(x):
+    batch = je.InputBatch(rows, 16, vocab)
+    for i in range(rows):
+      batch.add_request(f"r{i}", [1], je.SamplingParams(temperature=temperature, seed=i))
+    return batch.sample(x).sampled_token_ids
+
+  with_neg_inf = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)
+  expected = tokens(with_neg_inf)
+  np.testing.assert_array_equal(tokens(logits), expected)
+  if temperature == 0.0:
+    np.testing.assert_array_equal(expected, best)

@@ -137,16 +137,6 @@ assert stats.prefix_cache_hits > 0 and stats.num_used_blocks == 0, stats
 check_same(run(llm, prompts[:2], with_prompt_logprobs), want_prompt)
 print("engine", stats)
 
-# d = 2: rows split over the data axis (the pool replicated): one device's tokens, prefix hits,
-# preemption and chunked prefill included.
-dp = je.LLM(model, data_parallel_size=2, **kw)
-check_same(run(dp), want)
-dp_stats = dp.llm_engine.kv_cache_stats
-assert dp_stats.num_preemptions == one_stats.num_preemptions and dp_stats.prefix_cache_hits > 0
-assert dp.llm_engine.runner.input_batch.state.token_ids.sharding.spec[0] == "data"
-check_same(run(dp, prompts[:2], with_prompt_logprobs), want_prompt)
-print("data parallel", dp_stats)
-
 # k = 3 decode steps per dispatch on the mesh: the k = 1 tokens (the loop ran).
 steps3 = je.LLM(model, tensor_parallel_size=2, num_decode_steps=3, **kw)
 check_same(run(steps3), want)

@@ -211,3 +211,22 @@ def test_top_p_after_rejection_gives_up_is_unbiased():
   landed outside the nucleus, under-samples the lowest ids)."""
   row_logits = np.linspace(0.0, -0.1, 64).astype(np.float32)
   _assert_draws_match_exact(row_logits, je.SamplingParams(top_p=0.1), rows=256, steps=40)
+
+
+def test_a_step_without_processing_reads_the_logits_in_place():
+  """The compiled step's top level holds no `lax.cond` with an `[R, V]` float32 result: a batch
+  that needs no stage 0-6 draws from the logits where they are. A branch that returned them
+  unchanged (or NaN-cleaned) would write a copy of the logits every step whatever the mix
+  (issue 36: it tripled a greedy step at 256 x 49,152)."""
+  rows, vocab = 8, 1024
+  batch = je.InputBatch(rows, 64, vocab)
+  batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
+  logits = np.zeros((rows, vocab), np.float32)
+  hlo = je.sample_step.lower(batch.state, batch.sampling_metadata, logits).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  results = [
+    line.split(" conditional(")[0] for line in entry.splitlines() if " conditional(" in line
+  ]
+  assert len(results) >= 3  # the copy choice, the draw, the logprobs: still one executable
+  assert not [r for r in results if f"f32[{rows},{vocab}]" in r]

@@ -1,6 +1,8 @@
 """The engine: a request's way in, the step loop, its way out (vLLM V1's `engine/`).
 
-llm_engine.py         `LLMEngine`, which wires the others together: one step, one lifecycle
+llm_engine.py         `LLMEngine`, which wires the others together and routes each request to
+                      a core (one per data-parallel group)
+engine_core.py        `EngineCore`: a scheduler and a model runner, one step, one lifecycle
                       (`_update_from_output` applies a step's tokens, `_finish` the one finish path)
 input_processor.py    prompts and `SamplingParams` -> validated `Request`s
 structured.py         structured outputs: llguidance grammars, matchers and the token bitmask

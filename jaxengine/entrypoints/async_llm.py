@@ -358,9 +358,9 @@ class AsyncLLM:
       )
 
   def _new_stats(self) -> IterationStats:
-    scheduler = self.engine.scheduler
-    self.num_requests_running = len(scheduler.running)
-    self.num_requests_waiting = len(scheduler.waiting)
+    schedulers = [core.scheduler for core in self.engine.cores]
+    self.num_requests_running = sum(len(s.running) for s in schedulers)
+    self.num_requests_waiting = sum(len(s.waiting) for s in schedulers)
     return IterationStats(num_running=self.num_requests_running,
                           num_waiting=self.num_requests_waiting)  # fmt: skip
 
