@@ -2,22 +2,64 @@
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-# Tests are hermetic: no engine writes to the user's persistent compilation cache (the tests of
-# the cache give it a temporary directory). Not a cache shared by the run either: with jax 0.10.2
-# on CPU, writing a `lax.scan` executable to it crashed a worker (a segmentation fault in
-# `compilation_cache.put_executable_and_time`).
-os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
-
 import gc
+import os
+import shutil
+import tempfile
 
 import jax
+import pytest
 
+from jaxengine.compilation_cache import is_off
 from jaxengine.testing import count_compiles
 from jaxengine.worker import device_steps
+
+#: Unset: the run's cache is a new temporary directory, removed at the end. `off` (or another
+#: spelling of jaxengine's "no cache"): no persistent cache at all. A path: that directory, kept
+#: (to carry compiles from one local run to the next; CI leaves this unset).
+RUN_CACHE_SWITCH = "JAXENGINE_TEST_COMPILATION_CACHE"
+#: Whether this process made the run's cache directory (and so removes it at the end).
+_OWN_RUN_CACHE = False
+
+
+def _share_a_compilation_cache_for_the_run() -> None:
+  """Points JAX's persistent compilation cache at a directory of the run's own (RUN_CACHE_SWITCH).
+
+  Tests never touch the user's cache, yet the same engine steps (the same tiny and SmolLM2
+  engines, in many modules, on both xdist workers, and in the subprocesses of the docs pages,
+  notebooks and mesh tests) compile once per run: later builds read them back. A read-back still
+  counts as a compile in `jaxengine.testing.count_compiles`, so compile counts do not change.
+  The process that starts the run (the xdist controller, or a run without xdist) makes the
+  directory; the variables reach the workers and every subprocess, which JAX reads at import.
+  The tests of the cache itself give it directories of their own. (A shared cache once saw a
+  worker crash inside `put_executable_and_time`: that worker had reached `vm.max_map_count`,
+  which `_release_compiled_code` now prevents.)
+  """
+  global _OWN_RUN_CACHE
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: the controller's variables hold
+    return
+  os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # never the user's own
+  switch = os.environ.get(RUN_CACHE_SWITCH)
+  if switch is not None and is_off(switch):
+    os.environ["JAXENGINE_COMPILATION_CACHE"] = "off"
+    return
+  if switch:
+    cache = os.path.abspath(os.path.expanduser(switch))
+    os.makedirs(cache, exist_ok=True)
+  else:
+    cache = tempfile.mkdtemp(prefix="jaxengine-test-xla-")
+    _OWN_RUN_CACHE = True
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+  # Also a process that drops JAX's variables (the tests of the cache) stays off the user's.
+  os.environ["JAXENGINE_COMPILATION_CACHE"] = cache
+  # Every executable, however quick its compile: the tests' steps are small, and many.
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  # JAX reads the variables at import, and this process may have imported it already.
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+_share_a_compilation_cache_for_the_run()
 
 # Under pytest-xdist (`-n 2`): the tests of a module share its engines (module-scoped fixtures,
 # cached builders), whose compiles are most of their time, so a module runs on one worker instead
@@ -71,6 +113,13 @@ def _weight(item: pytest.Item) -> int:
   if item.path.name in INDEPENDENT:
     return WEIGHTS.get(item.name, 0)
   return WEIGHTS.get(item.path.name, 0)
+
+
+def pytest_configure(config):
+  """Removes the run's compilation cache when the run ends (in the process that made it)."""
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if _OWN_RUN_CACHE and cache:
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it

@@ -228,9 +228,15 @@ def test_cache_off_spellings_agree_for_the_argument_the_flag_and_the_variable(
     monkeypatch.delenv(ENV_VAR)
   assert resolve_cache_dir(cli_flag("mine")) == Path("mine")
   assert resolve_cache_dir(Path("off") / "xla") == Path("off") / "xla"  # a path, not a spelling
-  if not jax.config.jax_compilation_cache_dir:  # this process has no cache: nothing turns it on
+  # In a process with no cache, "off" turns none on. The run's cache (conftest.py) is set aside
+  # meanwhile: nothing compiles in between.
+  run_cache = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
     assert enable_compilation_cache("off") is None
     assert not jax.config.jax_compilation_cache_dir
+  finally:
+    jax.config.update("jax_compilation_cache_dir", run_cache)
   assert not (tmp_path / "off").exists()
 
 

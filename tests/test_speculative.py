@@ -26,7 +26,7 @@ def model():
 
 
 def _llm(model, **kwargs):
-  llm = je.LLM(model, max_num_reqs=4, max_model_len=64, compilation_cache=False, **kwargs)
+  llm = je.LLM(model, max_num_reqs=4, max_model_len=64, **kwargs)
   # One row bucket: every step compiles once whatever the live rows (keeps the tests fast).
   llm.llm_engine.runner.row_buckets = [4]
   llm.llm_engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
