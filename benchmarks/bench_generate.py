@@ -194,7 +194,10 @@ def compare_hf(args) -> None:
     peers[name] = BaselineProcess(
       sys.executable, "jaxengine_baseline.py", args.vllm_model, extra, path=root
     )
-    print(f"# {name}: jaxengine {peers[name].versions['version']} from {root}")
+    package = peers[name].versions["jaxengine"]
+    if os.path.realpath(package) != os.path.realpath(os.path.join(root, "jaxengine")):
+      raise SystemExit(f"--against {args.against}: the peer imported jaxengine from {package}")
+    print(f"# {name}: jaxengine {peers[name].versions['version']} from {package}")
 
   def peer_run(peer, prompts) -> tuple[float, list[list[int]]]:
     if isinstance(peer, BaselineProcess):
