@@ -9,9 +9,10 @@ one device each and with two (`t = 2`, pages split over key/value heads):
   and prompts sharing full blocks (prefix caching on), greedy and seeded tokens and logprob ranks
   equal one device's engine of one group's size, logprob values within 1e-4; both pools report
   preemptions and prefix-cache hits;
-- a second run compiles nothing, `load_weights` from `(name, array)` pairs (read once, applied to
-  every group) compiles nothing and keeps the tokens, an aborted request leaves both groups
-  clean;
+- a second run compiles nothing; with one device a group, `load_weights` from `(name, array)`
+  pairs (read once, applied to every group) compiles nothing and keeps the tokens, and an aborted
+  request leaves both groups clean (new weights on groups of several devices:
+  tests/test_mesh.py);
 - every feature at once on the groups (asynchronous scheduling, n-gram speculative decoding and
   `num_decode_steps=2`): the plain engine's tokens.
 
@@ -97,6 +98,9 @@ for t in (1, 2):
   with count_compiles() as compiles:
     check_same(run(llm), want)
   assert compiles.count == 0, (t, compiles.count)
+  print("groups", t, stats)
+  if t == 2:  # new weights and aborts on groups of two devices: tests/test_mesh.py (t = 4, d = 2)
+    continue
   llm.load_weights((name, np.asarray(w)) for name, w in named_weights(model))
   with count_compiles() as compiles:
     check_same(run(llm), want)
@@ -109,7 +113,6 @@ for t in (1, 2):
   assert all(c.runner.input_batch.num_reqs == 0 for c in cores)
   engine.step()  # reads and drops a step left in flight
   assert all(c.runner.kv_cache_manager.stats.num_used_blocks == 0 for c in cores)
-  print("groups", t, stats)
 
 # Every feature at once on the groups: the plain engine's tokens.
 spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,

@@ -60,9 +60,10 @@ SCRIPT = textwrap.dedent("""
 
 # The engine with tensor parallelism: the same tokens (greedy, seeded top-k/top-p/min-p,
 # penalties), logprobs and ranks as one device; weights and pages really sharded; nothing
-# compiles after warm-up or new weights, also with num_decode_steps=3; t = 3 over 4 query heads
-# refused. t = 4 exceeds the 2 kv heads, so the pages are replicated over the model axis there.
-# (tests/test_paged_mesh.py: preemption, chunked prefill, prefix caching, speculation on a mesh.)
+# compiles after warm-up or new weights; t = 3 over 4 query heads refused. t = 4 exceeds the 2
+# kv heads, so the pages are replicated over the model axis there.
+# (tests/test_paged_mesh.py: preemption, chunked prefill, prefix caching, num_decode_steps=3
+# precompiled, speculation on a mesh.)
 ENGINE_SCRIPT = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -117,19 +118,6 @@ for t, d in [(2, 1), (4, 2)]:
   assert specs[4] == P(), specs  # a group's rows stay together (one core per data index)
   assert len(llm.llm_engine.cores) == d
   print(t, d, specs)
-# Several decode steps per dispatch on the mesh (precompiled): one device's tokens, logprobs to
-# float32 rounding, and a second run compiles nothing.
-llm = je.LLM(model, tensor_parallel_size=2, num_decode_steps=3, precompile=True, **kw)
-got = run(llm)
-for (a, la, _), (b, lb, _) in zip(got, want):
-  assert a == b, ("k=3", a, b)
-  if lb is not None:
-    assert logprobs(la)[0] == logprobs(lb)[0]
-    np.testing.assert_allclose(logprobs(la)[1], logprobs(lb)[1], atol=1e-5)
-with count_compiles() as compiles:
-  assert [g[0] for g in run(llm)] == [g[0] for g in got]
-assert compiles.count == 0, ("k=3", compiles.count)
-print("k=3 ok")
 try:
   je.LLM(model, tensor_parallel_size=3, **kw)
 except ValueError as e:

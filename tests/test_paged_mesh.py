@@ -130,8 +130,11 @@ check_same(run(llm, prompts[:2], with_prompt_logprobs), want_prompt)
 print("engine", stats)
 
 # k = 3 decode steps per dispatch on the mesh: the k = 1 tokens (the loop ran).
-steps3 = je.LLM(model, tensor_parallel_size=2, num_decode_steps=3, **kw)
-check_same(run(steps3), want)
+# Precompiled: the loop on the mesh compiles nothing when served.
+steps3 = je.LLM(model, tensor_parallel_size=2, num_decode_steps=3, precompile=True, **kw)
+with count_compiles() as compiles:
+  check_same(run(steps3), want)
+assert compiles.count == 0, ("k=3", compiles.count)
 assert steps3.llm_engine.runner.decode_steps._cache_size() > 0
 print("k-step", steps3.llm_engine.kv_cache_stats)
 
