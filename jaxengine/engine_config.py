@@ -123,8 +123,10 @@ class EngineConfig:
       `ROW_TILE` rows at a time and the paged attention in a fixed order
       (`jaxengine.models.batch_invariant`); a model declares that it can with a
       ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the "xla" attention
-      on the CPU backend on one device (other backends and meshes are refused, not
-      approximated). Costs time: README "Reproducibility" has the table.
+      on the CPU backend, one device per data-parallel group (other backends and
+      `tensor_parallel_size` > 1 are refused, not approximated; with `data_parallel_size` > 1
+      each group is batch invariant on its own device, so a request's bits do not depend on
+      its group either). Costs time: docs/reproducibility.md has the table.
     async_scheduling: schedule and dispatch step t + 1 while step t's sampled tokens are still
       on the device, and do step t's host work (reading tokens, logprobs, text, stop rules)
       while t + 1 runs (vLLM's name). None (default) or True: on, with every other setting
@@ -144,8 +146,9 @@ class EngineConfig:
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
-      `data_parallel_size` that does not divide `max_num_reqs`, `batch_invariant` with a
-      mesh, a Pallas attention backend or a non-CPU platform); more devices than there are.
+      `data_parallel_size` that does not divide `max_num_reqs`, `batch_invariant` with
+      `tensor_parallel_size` > 1, a Pallas attention backend or a non-CPU platform); more
+      devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -245,8 +248,8 @@ class EngineConfig:
       return
     platform = jax.default_backend()
     refused = {
-      f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
-      f"{self.data_parallel_size})": self.mesh is not None,
+      f"tensor parallelism (tensor_parallel_size={self.tensor_parallel_size}: a row's "
+      "reductions would be split over devices)": self.tensor_parallel_size > 1,
       f"attention_backend={self.attention_backend!r} (only 'xla' has a fixed order)": (
         self.attention_backend not in (None, "xla")
       ),

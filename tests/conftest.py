@@ -14,6 +14,17 @@ from jaxengine.compilation_cache import is_off
 from jaxengine.testing import count_compiles
 from jaxengine.worker import device_steps
 
+#: Added to XLA_FLAGS for the whole run (workers and subprocesses inherit it; the mesh scripts add
+#: their device counts to it): XLA:CPU's LLVM backend at optimization level 0. The tests compile
+#: far more than they compute (small models, many step shapes), and the matrix products run in
+#: XLA's runtime library whatever the level; tests/test_engine.py took 88 s instead of 102 s.
+#: Numerics stay IEEE (no fast math at any level): the fixtures and recorded runs still match.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# JAX reads XLA_FLAGS when its backend starts (at the first array or device query), not at import:
+# the imports above start none.
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
 #: Unset: the run's cache is a new temporary directory, removed at the end. `off` (or another
 #: spelling of jaxengine's "no cache"): no persistent cache at all. A path: that directory, kept
 #: (to carry compiles from one local run to the next; CI leaves this unset).

@@ -13,6 +13,7 @@ one device each and with two (`t = 2`, pages split over key/value heads):
   pairs (read once, applied to every group) compiles nothing and keeps the tokens, and an aborted
   request leaves both groups clean (new weights on groups of several devices:
   tests/test_mesh.py);
+- `batch_invariant=True` on the groups gives one device's bits (tensor parallelism refused);
 - every feature at once on the groups (asynchronous scheduling, n-gram speculative decoding and
   `num_decode_steps=2`): the plain engine's tokens.
 
@@ -32,7 +33,7 @@ import jaxengine as je
 
 SCRIPT = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 sys.path.insert(0, sys.argv[1])  # the tests folder: output_utils
 import jax, numpy as np
 import jaxengine as je
@@ -113,6 +114,18 @@ for t in (1, 2):
   assert all(c.runner.input_batch.num_reqs == 0 for c in cores)
   engine.step()  # reads and drops a step left in flight
   assert all(c.runner.kv_cache_manager.stats.num_used_blocks == 0 for c in cores)
+
+# batch_invariant on the groups (one device each): one device's bits, whichever group ran a
+# request; tensor parallelism, which splits a row's reductions, is refused by name.
+exact = dict(batch_invariant=True, max_model_len=32)
+alone_bits = run(je.LLM(model, max_num_reqs=2, **exact))
+check_same(run(je.LLM(model, data_parallel_size=2, max_num_reqs=4, **exact)), alone_bits, atol=0)
+try:
+  je.LLM(model, tensor_parallel_size=2, max_num_reqs=2, **exact)
+except ValueError as e:
+  assert "batch_invariant=True" in str(e) and "tensor_parallel_size=2" in str(e), e
+else:
+  raise AssertionError("batch_invariant with tensor parallelism accepted")
 
 # Every feature at once on the groups: the plain engine's tokens.
 spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,

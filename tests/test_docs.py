@@ -64,7 +64,8 @@ def test_page_snippets_run_as_written(page: Path, tmp_path_factory):
   for kind, value in directives(page):
     if kind == "env":
       name, _, val = value.partition("=")
-      env[name] = val
+      # XLA_FLAGS adds to the run's own (tests/conftest.py), other variables are set.
+      env[name] = f"{env.get(name, '')} {val}".strip() if name == "XLA_FLAGS" else val
     elif kind == "serve":
       args = shlex.split(value)
       server = subprocess.Popen(

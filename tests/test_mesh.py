@@ -11,7 +11,7 @@ from subprocess_utils import run_python
 
 SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxengine as je
@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
 # precompiled, speculation on a mesh.)
 ENGINE_SCRIPT = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je

@@ -18,7 +18,7 @@ import sys
 WORKER = """
 import os, sys
 process_id, port = int(sys.argv[1]), sys.argv[2]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)

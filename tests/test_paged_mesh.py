@@ -25,7 +25,7 @@ from subprocess_utils import run_python
 
 SCRIPT = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 sys.path.insert(0, sys.argv[1])  # the tests folder: paged_utils, output_utils
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P

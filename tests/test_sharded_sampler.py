@@ -18,7 +18,7 @@ from subprocess_utils import run_python
 # as one device; logprobs equal up to the rounding of their normaliser; no compile after warm-up.
 SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jaxengine as je
@@ -95,7 +95,7 @@ def test_vocabulary_sharded_sampler_matches_one_device():
 # PyTorch implementation's). Seeded rows against one device are the sampler test's above.
 SMOLLM2_SCRIPT = textwrap.dedent("""
     import os, json, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
     import jaxengine as je
     fixture = json.load(open(sys.argv[1]))
     llm = je.LLM(max_num_reqs=2, max_model_len=32, tensor_parallel_size=3)
