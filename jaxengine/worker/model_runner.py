@@ -245,7 +245,8 @@ class ModelRunner:
     them (`jaxengine.models.sharded_attention`), else replicated, and sized per device.
 
     Raises:
-      ValueError: the model's `sliding_window` with a backend that has none (host side).
+      ValueError: the model's `sliding_window` or `soft_cap` with a backend that has none (host
+        side).
     """
     spec = model.kv_cache_spec
     chosen = attention_backend(config.attention_backend)
@@ -253,6 +254,7 @@ class ModelRunner:
       chosen = XlaAttentionBackend(fixed_order=True)
     backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
     backend.check_sliding_window(spec.sliding_window)
+    backend.check_soft_cap(spec.soft_cap)
     backend.check_platform(jax.default_backend())
     num_blocks = config.num_kv_blocks
     # This process's devices: another process's cannot report their memory (multi-host meshes).
