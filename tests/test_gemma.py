@@ -22,7 +22,7 @@ from flax import nnx
 from subprocess_utils import run_python
 
 import jaxengine as je
-from jaxengine.models import token_logprobs
+from jaxengine.models import KVCache, token_logprobs
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
@@ -147,6 +147,23 @@ def test_token_logprobs_match_transformers(checkpoint):
   np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, PROMPTS[0]), atol=1e-4)
 
 
+def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
+  """The slot cache's attention (`KVCache`): a prefill, then one decode step (``T = 1``)."""
+  _, directory, hf_model = checkpoint
+  model, _ = load_safetensors(directory)
+  prompt = PROMPTS[0]
+  n = len(prompt)
+  cache = KVCache.create(model.kv_cache_spec, 1, n)
+  slots = jnp.zeros((1,), jnp.int32)
+  ids, positions = jnp.asarray([prompt], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None]
+  hidden, cache = model(ids[:, :-1], positions[:, :-1], cache, slots)
+  last, _ = model(ids[:, -1:], positions[:, -1:], cache, slots)
+  logits = np.asarray(model.compute_logits(jnp.concatenate([hidden, last], axis=1)))[0]
+  with torch.no_grad():
+    want = hf_model(torch.tensor([prompt])).logits[0].numpy()
+  np.testing.assert_allclose(logits, want, atol=1e-4)
+
+
 def test_config_switches_read_from_each_checkpoint(checkpoint):
   case, directory, _ = checkpoint
   _, config = load_safetensors(directory)
@@ -243,6 +260,21 @@ def test_gpu_backend_refuses_the_soft_cap_before_device_work(tmp_path):
   assert model.kv_cache_spec.sliding_window is None and model.kv_cache_spec.soft_cap == 2.0
   with pytest.raises(ValueError, match="'pallas_gpu' has no attention logit soft-capping"):
     je.LLM(model, attention_backend="pallas_gpu", max_model_len=32)
+
+
+def test_platform_default_without_a_window_gives_way_to_xla(monkeypatch):
+  """With ``attention_backend=None`` a platform default that lacks the model's window and soft cap
+  (GPU's Pallas decode kernel) is replaced by XLA; named explicitly, it is refused (above)."""
+  from jaxengine.models import attention_backends
+
+  monkeypatch.setitem(attention_backends.DEFAULT_BACKEND, "cpu", "pallas_gpu")
+  assert attention_backends.attention_backend(None).name == "pallas_gpu"
+  config = json.loads(CASES["gemma2"]().to_json_string())
+  model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
+  llm = je.LLM(model, max_num_reqs=1, max_model_len=16)
+  assert llm.llm_engine.runner.kv_cache.backend.name == "xla"
+  (out,) = llm.generate([[1, 2, 3]], je.SamplingParams(max_tokens=2), use_tqdm=False)
+  assert len(out.outputs[0].token_ids) == 2
 
 
 MESH_SCRIPT = """
