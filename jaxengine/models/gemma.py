@@ -138,23 +138,28 @@ class GemmaMLP(nnx.Module):
 
 
 class GemmaDecoderLayer(nnx.Module):
-  """``x += post_attn_norm(attn(input_norm(x))); x += post_ffw_norm(mlp(pre_ffw_norm(x)))``."""
+  """``x += post_attn_norm(attn(input_norm(x))); x += post_ffw_norm(mlp(pre_ffw_norm(x)))``
+  (without the two post norms when ``config.post_norms`` is False)."""
 
   def __init__(self, config: GemmaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
     e = config.hidden_size
     self.input_norm = _norm(config, e)
     self.attn = GemmaAttention(config, layer, dtype=dtype, rngs=rngs)
-    self.post_attention_norm = _norm(config, e)
+    self.post_attention_norm = _norm(config, e) if config.post_norms else None
     self.pre_feedforward_norm = _norm(config, e)
     self.mlp = GemmaMLP(config, dtype=dtype, rngs=rngs)
-    self.post_feedforward_norm = _norm(config, e)
+    self.post_feedforward_norm = _norm(config, e) if config.post_norms else None
 
   def __call__(self, x, positions, kv_cache, layer, metadata):
     """Same arguments as `GemmaAttention.__call__`, ``x`` the residual stream ``[..., E]``."""
     h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
-    x = x + self.post_attention_norm(h)
-    x = x + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(x)))
-    return x, kv_cache
+    if self.post_attention_norm is not None:
+      h = self.post_attention_norm(h)
+    x = x + h
+    h = self.mlp(self.pre_feedforward_norm(x))
+    if self.post_feedforward_norm is not None:
+      h = self.post_feedforward_norm(h)
+    return x + h, kv_cache
 
 
 class Gemma(nnx.Module):

@@ -218,6 +218,9 @@ def hf_weight_specs(cfg: GemmaConfig) -> list[WeightSpec]:
     ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f)),
     ("post_feedforward_layernorm.weight", ("post_feedforward_norm", "scale"), (e,)),
   ]
+  if not cfg.post_norms:  # Gemma 1's layout (only through Tunix: no Hugging Face entry)
+    post = {"post_attention_layernorm.weight", "post_feedforward_layernorm.weight"}
+    per_layer = [entry for entry in per_layer if entry[0] not in post]
   if cfg.qk_norm:
     per_layer += [
       ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (d,)),

@@ -77,6 +77,8 @@ class GemmaConfig:
       or None.
     final_logit_softcapping: logits ``z`` become ``c * tanh(z / c)``, or None.
     qk_norm: an RMSNorm over every query and key head before the rotary embedding (Gemma 3).
+    post_norms: RMSNorms on the attention and MLP outputs before the residual sums (Gemma 2
+      and 3; Gemma 1, served through Tunix, has neither).
     hidden_activation: the MLP's GELU, a key of `ACTIVATIONS`.
     rms_norm_eps: epsilon of every RMSNorm (all ``(1 + w)`` norms, in float32).
     tie_word_embeddings: the output projection reuses the embedding matrix.
@@ -103,6 +105,7 @@ class GemmaConfig:
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
   qk_norm: bool = False
+  post_norms: bool = True
   hidden_activation: str = "gelu_pytorch_tanh"
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = True
