@@ -341,7 +341,7 @@ def test_bad_inputs_raise_value_errors(served):
     rollout.generate(PROMPTS, rollout_config(max_tokens_to_generate=60))
   with pytest.raises(ValueError, match="prompts is empty"):
     rollout.generate([], rollout_config())
-  with pytest.raises(ValueError, match="Llama3, Qwen2 or Qwen3"):
+  with pytest.raises(ValueError, match="Llama3, Qwen2, Qwen3, Gemma or Gemma3"):
     JaxEngineRollout(rollout_actor=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tokenizer=ByteTokenizer())
   with pytest.raises(ValueError, match="logprobs_mode"):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")
