@@ -16,6 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
@@ -145,6 +146,46 @@ def test_token_logprobs_match_transformers(checkpoint):
   ids = jnp.asarray([PROMPTS[0]], jnp.int32)
   got = np.asarray(token_logprobs(model, ids))[0]
   np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, PROMPTS[0]), atol=1e-4)
+
+
+def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_counter):
+  """A Gemma3ForConditionalGeneration's text tensors under its own names
+  (``language_model.model.layers.0...``) replace the weights: the other checkpoint's logprobs,
+  no compile."""
+  _write(tmp_path / "a", "gemma3_multimodal", seed=0)
+  other = _write(tmp_path / "b", "gemma3_multimodal", seed=1)
+  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4)
+  params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+  prompt = PROMPTS[0]
+
+  def prompt_logprobs():
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return np.asarray([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+  before = prompt_logprobs()
+  tensors = safetensors.numpy.load_file(tmp_path / "b" / "model.safetensors")
+  text = {n: t for n, t in tensors.items() if n.startswith("language_model.")}
+  assert text and len(text) < len(tensors)  # the vision tower's are left out
+  compile_counter.reset()
+  llm.load_weights(text)
+  after = prompt_logprobs()
+  assert compile_counter.count == 0
+  np.testing.assert_allclose(after, _hf_prompt_logprobs(other, prompt), atol=1e-4)
+  assert np.abs(after - before).max() > 1e-2
+
+
+def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint):
+  """``LLM(..., batch_invariant=True)``'s prompt logprobs are `token_logprobs`' bits (windows
+  and soft caps in the fixed-order XLA path too)."""
+  _, directory, _ = checkpoint
+  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, batch_invariant=True)
+  params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+  model, _ = load_safetensors(directory)
+  for prompt, output in zip(PROMPTS, outputs):
+    want = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
+    got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
 def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
