@@ -188,6 +188,31 @@ def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint):
     np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
+def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(tmp_path):
+  """A repeated prompt (a prefix-cache hit, the rest prefilled past the window) and n-gram
+  drafts verified over windowed, soft-capped layers: transformers' greedy tokens."""
+  hf_model = _write(tmp_path, "gemma2")
+  llm = je.LLM(
+    tmp_path,
+    max_num_reqs=2,
+    max_model_len=48,
+    block_size=4,
+    enable_prefix_caching=True,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+  )
+  repeating = [5, 17, 90, 3, 64, 5, 17, 90, 3, 64, 5, 17, 90]  # n-grams the drafter proposes
+  params = je.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+  for _ in range(2):  # the second run reads the first's cached pages
+    (out,) = llm.generate([repeating], params, use_tqdm=False)
+    with torch.no_grad():
+      want = hf_model.generate(
+        torch.tensor([repeating]), max_new_tokens=12, do_sample=False, eos_token_id=None
+      )[0, len(repeating) :].tolist()
+    assert list(out.outputs[0].token_ids) == want
+  assert llm.llm_engine.kv_cache_stats.prefix_cache_hits > 0
+  assert llm.llm_engine.spec_decode_stats.num_draft_tokens > 0
+
+
 def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
   """The slot cache's attention (`KVCache`): a prefill, then one decode step (``T = 1``)."""
   _, directory, hf_model = checkpoint
