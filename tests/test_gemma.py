@@ -23,7 +23,7 @@ from flax import nnx
 from subprocess_utils import run_python
 
 import jaxengine as je
-from jaxengine.models import KVCache, token_logprobs
+from jaxengine.models import KVCache, safetensors_loader, token_logprobs
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
@@ -233,6 +233,7 @@ def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
 def test_config_switches_read_from_each_checkpoint(checkpoint):
   case, directory, _ = checkpoint
   _, config = load_safetensors(directory)
+  assert safetensors_loader.checkpoint_dtype(directory) == "F32"  # under language_model. too
   assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
   assert config.sliding_window == 4 and config.query_pre_attn_scalar == 24
   spec = config.kv_cache_spec()
