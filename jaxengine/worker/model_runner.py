@@ -249,14 +249,19 @@ class ModelRunner:
     them (`jaxengine.models.sharded_attention`), else replicated, and sized per device.
 
     Raises:
-      ValueError: the model's `sliding_window` with a backend that has none (host side).
+      ValueError: the model's `sliding_window` or `soft_cap` with a backend that has none (host
+        side). With ``attention_backend=None`` the platform's default gives way to XLA instead
+        (a Gemma or Mistral model on GPU, whose Pallas decode kernel has neither).
     """
     spec = model.kv_cache_spec
     chosen = attention_backend(config.attention_backend)
+    if config.attention_backend is None and not _serves(chosen, spec):
+      chosen = XlaAttentionBackend()  # the platform's default lacks the model's window or cap
     if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
       chosen = XlaAttentionBackend(fixed_order=True)
     backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
     backend.check_sliding_window(spec.sliding_window)
+    backend.check_soft_cap(spec.soft_cap)
     backend.check_platform(jax.default_backend())
     num_blocks = config.num_kv_blocks
     # This process's devices: another process's cannot report their memory (multi-host meshes).
@@ -853,3 +858,10 @@ def _narrows(tensor, leaf: jax.Array) -> bool:
   if not jnp.issubdtype(dtype, jnp.floating):
     return False
   return float(jnp.finfo(dtype).max) > float(jnp.finfo(leaf.dtype).max)
+
+
+def _serves(backend, spec) -> bool:
+  """Whether `backend` has the sliding window and soft cap the model's `KVCacheSpec` asks for."""
+  return (spec.sliding_window is None or backend.supports_sliding_window) and (
+    spec.soft_cap is None or backend.supports_soft_cap
+  )
