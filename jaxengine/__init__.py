@@ -23,6 +23,7 @@ Engine (imported on first use; pulls in the model, tokenizer and transformers):
   AsyncLLM             the engine in a background thread, outputs streamed to asyncio
                        (entrypoints/async_llm.py; `jaxengine serve` is its HTTP server)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
+  LoRARequest          a request's LoRA adapter, a PEFT directory (lora/; `enable_lora=True`)
 
 Shape legend (every module, docstring and shape comment uses these letters):
   R  rows of the persistent batch (`max_num_reqs`)     N  live rows (`num_reqs`)
@@ -59,6 +60,7 @@ _LAZY = {
   "EngineConfig": "jaxengine.engine",
   "make_mesh": "jaxengine.parallel",
   "AsyncLLM": "jaxengine.entrypoints.async_llm",
+  "LoRARequest": "jaxengine.lora",
 }
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
   "HostSamplerOutput",
   "InputBatch",
   "LLMEngine",
+  "LoRARequest",
   "LogitsProcessor",
   "Logprob",
   "LogprobsArrays",

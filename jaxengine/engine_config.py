@@ -139,6 +139,19 @@ class EngineConfig:
       bool) and without effect here: every step is a jitted XLA executable, compiled on first
       use per shape bucket (or all at once with `precompile`), and there is no eager mode to
       fall back to, nor graph capture to skip.
+    enable_lora: serve LoRA adapters (PEFT directories) on the base model, chosen per request
+      with `jaxengine.LoRARequest` (vLLM's name; default False). Adapters stay unmerged: the
+      base weights are untouched and each token adds its own adapter's ``scale * B (A x)``
+      (`jaxengine.models.lora`), so one step mixes base and adapter requests. Needs a model
+      with ``lora_target_shapes`` (`jaxengine.models.Llama`); refused with a mesh
+      (`tensor_parallel_size` or `data_parallel_size` > 1), `num_decode_steps` > 1, a
+      `speculative_config` or `batch_invariant`.
+    max_loras: adapters one step may mix, each in a device slot (vLLM's name; default 1); the
+      requests of other adapters wait.
+    max_lora_rank: the largest adapter rank, the slots' rank (vLLM's name; default 16);
+      smaller ranks are zero-padded, larger ones refused.
+    max_cpu_loras: adapters whose host copies are kept (least recently used dropped first);
+      None (default): `max_loras`; at least `max_loras`.
     trust_remote_code: vLLM's (and transformers') permission to run Python code shipped with a
       checkpoint; accepted (a bool) and without effect: jaxengine never runs code from a
       checkpoint or the hub (its architectures are built in; any other is refused either way).
@@ -179,6 +192,10 @@ class EngineConfig:
   async_scheduling: bool | None = None
   enforce_eager: bool = False
   trust_remote_code: bool = False
+  enable_lora: bool = False
+  max_loras: int = 1
+  max_lora_rank: int = 16
+  max_cpu_loras: int | None = None
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -218,6 +235,7 @@ class EngineConfig:
       "batch_invariant",
       "enforce_eager",
       "trust_remote_code",
+      "enable_lora",
     ):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
@@ -229,6 +247,7 @@ class EngineConfig:
     self._check_decoding()
     self._check_prefix_caching()
     self._check_async_scheduling()
+    self._check_lora()
 
   def _check_async_scheduling(self) -> None:
     wanted = self.async_scheduling
@@ -260,6 +279,29 @@ class EngineConfig:
     for what, given in refused.items():
       if given:
         raise ValueError(f"batch_invariant=True is not supported with {what}")
+
+  def _check_lora(self) -> None:
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+      value = getattr(self, name)
+      if name == "max_cpu_loras" and value is None:
+        value = self.max_loras
+      if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+      self._set(name, int(value))
+    if cast(int, self.max_cpu_loras) < self.max_loras:
+      raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+    if not self.enable_lora:
+      return
+    refused = {
+      f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
+      f"{self.data_parallel_size})": self.mesh is not None,
+      f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps > 1,
+      "speculative_config": self.speculative_config is not None,
+      "batch_invariant=True": self.batch_invariant,
+    }
+    for what, given in refused.items():
+      if given:
+        raise ValueError(f"enable_lora=True is not supported with {what}")
 
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # normalising a field of the frozen config

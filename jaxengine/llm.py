@@ -20,6 +20,7 @@ from jaxengine.engine_config import (
   engine_config,
   with_engine_options,
 )
+from jaxengine.lora import LoRARequest
 from jaxengine.models import Model, check_model
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
 from jaxengine.models.hub import load_resolved, resolve_model
@@ -200,6 +201,7 @@ class LLM:
     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
     use_tqdm: bool = True,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
   ) -> list[RequestOutput]:
     """Generates completions for one or many prompts with continuous batching.
 
@@ -209,12 +211,15 @@ class LLM:
       sampling_params: one `SamplingParams` for all prompts or one per prompt; default
         `SamplingParams()`.
       use_tqdm: show a progress bar over finished requests.
+      lora_request: the LoRA adapter (`LoRARequest`, needs `enable_lora=True`) of every prompt,
+        or a list of one per prompt (None: the base model), as vLLM's.
 
     Returns:
       One `RequestOutput` per prompt, in input order.
 
     Raises:
-      ValueError: mismatched lengths or any invalid request (nothing is run then).
+      ValueError: mismatched lengths or any invalid request (nothing is run then), a LoRA
+        request the engine refuses (see `LLMEngine.add_request`).
 
     If a step raises, or the call is interrupted (Ctrl-C), its requests are aborted before the
     exception propagates: the next call does not run them again.
@@ -222,7 +227,8 @@ class LLM:
     prompts = _as_prompt_list(prompts)
     params = _as_params_list(sampling_params, len(prompts))
     engine = self.llm_engine
-    ids = engine.add_requests([(None, p, sp) for p, sp in zip(prompts, params)])
+    loras = _as_lora_list(lora_request, len(prompts))
+    ids = engine.add_requests([(None, p, sp, lr) for p, sp, lr in zip(prompts, params, loras)])
     outputs: dict[str, RequestOutput] = {}
     with tqdm(
       total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True
@@ -356,6 +362,22 @@ def _as_prompt_list(prompts) -> list[Prompt]:
   if prompts and all(is_int(t) for t in prompts):
     return [prompts]  # one prompt given as token ids
   return prompts
+
+
+def _as_lora_list(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+  """`generate`'s `lora_request` as one entry per prompt (ValueError for a wrong length)."""
+  if lora_request is None or isinstance(lora_request, LoRARequest):
+    return [lora_request] * num_prompts
+  if not isinstance(lora_request, (list, tuple)):
+    raise ValueError(
+      f"lora_request must be a LoRARequest, a list of them or None, got {lora_request!r}"
+    )
+  if len(lora_request) != num_prompts:
+    raise ValueError(
+      f"lora_request has {len(lora_request)} entries for {num_prompts} prompts (give one per "
+      "prompt, or one LoRARequest for all)"
+    )
+  return list(lora_request)
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:

@@ -59,20 +59,25 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def extend_block_hashes(
-  block_hashes: list[bytes], token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE
+  block_hashes: list[bytes],
+  token_ids: Sequence[int],
+  block_size: int = DEFAULT_BLOCK_SIZE,
+  root: bytes = b"",
 ) -> list[bytes]:
   """Appends the hashes of the full blocks of `token_ids` not hashed yet, in place.
 
   Args:
     block_hashes: the chain so far (entry `i` covers tokens `0 .. (i + 1) * block_size`).
     token_ids: every known token of the sequence, the hashed ones included.
+    root: the first block's parent hash: `b""`, or a key that keeps sequences apart whose
+      keys and values differ for the same tokens (a LoRA adapter's, `KVCacheManager`).
     block_size: tokens per block.
 
   Returns:
     `block_hashes`, now `len(token_ids) // block_size` long.
   """
   for index in range(len(block_hashes), len(token_ids) // block_size):
-    parent = block_hashes[-1] if block_hashes else b""
+    parent = block_hashes[-1] if block_hashes else root
     start = index * block_size
     block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
   return block_hashes

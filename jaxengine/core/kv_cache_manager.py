@@ -77,6 +77,7 @@ class _RequestBlocks:
   block_hashes: list[bytes]
   num_cached_blocks: int = 0
   cacheable: bool = True  # False once its contents predate a `reset_prefix_cache`
+  cache_key: bytes = b""  # the root of its hash chain (`extend_block_hashes`)
 
 
 class KVCacheManager:
@@ -150,7 +151,7 @@ class KVCacheManager:
     req = self._reqs.get(req_id)
     return tuple(req.block_ids) if req else ()
 
-  def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
+  def get_computed_blocks(self, token_ids: Sequence[int], cache_key: bytes = b"") -> ComputedBlocks:
     """The longest cached prefix of a new request's tokens, counted as a prefix-cache query.
 
     The last token is never taken from the cache (its logits are needed), so a hit covers at
@@ -159,6 +160,8 @@ class KVCacheManager:
 
     Args:
       token_ids: the request's known tokens (the prompt, or prompt and output on resumption).
+      cache_key: what else its keys and values depend on (`b""`: nothing; a LoRA adapter's key
+        otherwise): only blocks registered under the same key match.
 
     Returns:
       The cached blocks; empty with caching off.
@@ -166,7 +169,9 @@ class KVCacheManager:
     if not self.enable_caching or not token_ids:
       return ComputedBlocks()
     usable = (len(token_ids) - 1) // self.block_size
-    hashes = extend_block_hashes([], token_ids[: usable * self.block_size], self.block_size)
+    hashes = extend_block_hashes(
+      [], token_ids[: usable * self.block_size], self.block_size, cache_key
+    )
     blocks = []
     for block_hash in hashes:
       block = self.block_pool.get_cached_block(block_hash)
@@ -189,6 +194,7 @@ class KVCacheManager:
     token_ids: Sequence[int] = (),
     new_computed_blocks: ComputedBlocks | None = None,
     num_lookahead_tokens: int = 0,
+    cache_key: bytes = b"",
   ) -> list[int] | None:
     """Grows a request's block table to hold this step's tokens.
 
@@ -202,6 +208,8 @@ class KVCacheManager:
       new_computed_blocks: a prefix hit from `get_computed_blocks`, for a request holding no
         blocks yet; its tokens come after `num_computed_tokens` (normally 0).
       num_lookahead_tokens: extra slots reserved beyond this step's tokens (speculative decoding).
+      cache_key: the key its full blocks are registered under (`get_computed_blocks`), taken
+        when the request gets its first blocks.
 
     Returns:
       The block ids appended to the block table (the prefix hit's, then new ones), or None when
@@ -230,7 +238,7 @@ class KVCacheManager:
     if num_new_blocks + num_revived > pool.num_free_blocks:
       return None
     if req is None:
-      req = self._reqs[req_id] = _RequestBlocks(block_ids=[], block_hashes=[])
+      req = self._reqs[req_id] = _RequestBlocks(block_ids=[], block_hashes=[], cache_key=cache_key)
     pool.touch(hit.block_ids)  # first: taking new blocks must not evict the hit
     appended = [*hit.block_ids, *pool.get_new_blocks(num_new_blocks)]
     req.block_ids.extend(appended)
@@ -271,6 +279,7 @@ class KVCacheManager:
       block_hashes=parent.block_hashes[:num_shared],
       num_cached_blocks=min(parent.num_cached_blocks, num_shared),
       cacheable=parent.cacheable,
+      cache_key=parent.cache_key,
     )
     self._update_peaks()
     return ComputedBlocks(tuple(shared), num_shared * self.block_size)
@@ -325,7 +334,9 @@ class KVCacheManager:
     num_full = min(len(token_ids) // self.block_size, len(req.block_ids))
     if num_full <= req.num_cached_blocks:
       return
-    extend_block_hashes(req.block_hashes, token_ids[: num_full * self.block_size], self.block_size)
+    extend_block_hashes(
+      req.block_hashes, token_ids[: num_full * self.block_size], self.block_size, req.cache_key
+    )
     for index in range(req.num_cached_blocks, num_full):
       self.block_pool.cache_full_block(req.block_ids[index], req.block_hashes[index])
     req.num_cached_blocks = num_full

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxengine.lora.request import LoRARequest
 from jaxengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxengine.params import SamplingParams
 from jaxengine.tokenizer import IncrementalDetokenizer
@@ -84,6 +85,7 @@ class Request:
     completions: its `n` completions.
     prompt_logprobs: filled by prefill when the request asked for `prompt_logprobs`.
     grammar: the compiled llguidance grammar of its `structured_outputs`, else None.
+    lora_request: the LoRA adapter it runs with (`jaxengine.LoRARequest`), None for the base.
   """
 
   request_id: str
@@ -93,6 +95,7 @@ class Request:
   completions: list[Completion] = dataclasses.field(default_factory=list)
   prompt_logprobs: PromptLogprobs | None = None
   grammar: str | None = None
+  lora_request: LoRARequest | None = None
 
   @property
   def finished(self) -> bool:

@@ -83,6 +83,9 @@ class Scheduler:
     manager: the pages.
     max_num_batched_tokens: query tokens per step (`>= max_num_reqs`).
     enable_chunked_prefill: whether a prompt may be split over steps.
+    max_loras: distinct LoRA adapters that may run at once (`EngineConfig.max_loras`); a waiting
+      completion of another adapter waits while later ones of running adapters (or of none)
+      are admitted before it.
   """
 
   def __init__(
@@ -91,6 +94,7 @@ class Scheduler:
     manager: KVCacheManager,
     max_num_batched_tokens: int,
     enable_chunked_prefill: bool = True,
+    max_loras: int = 1,
   ) -> None:
     self.max_num_reqs = max_num_reqs
     self.waiting: collections.deque[Completion] = collections.deque()
@@ -99,6 +103,7 @@ class Scheduler:
     self.manager = manager
     self.max_num_batched_tokens = max_num_batched_tokens
     self.enable_chunked_prefill = enable_chunked_prefill
+    self.max_loras = max_loras
 
   def add_request(self, request: Request) -> None:
     """Queues every completion of `request`."""
@@ -132,10 +137,15 @@ class Scheduler:
         self._schedule_running(step, seq_id)
     if draft_token_ids and not step.preempted:
       self._schedule_drafts(step, draft_token_ids)
+    skipped: list[Completion] = []  # of adapters that cannot run now: they keep their place
     while self.waiting and step.budget and not step.preempted:
+      if self._lora_waits(self.waiting[0]):
+        skipped.append(self.waiting.popleft())
+        continue
       if len(self.running) >= self.max_num_reqs or not self._admit(step, self.waiting[0]):
         break
       step.admitted.append(self.waiting.popleft())
+    self.waiting.extendleft(reversed(skipped))
     return SchedulerOutput(
       admitted=step.admitted,
       num_scheduled_tokens=step.num_scheduled,
@@ -193,6 +203,7 @@ class Scheduler:
         num_computed_tokens=computed,
         token_ids=_token_ids(completion),
         new_computed_blocks=hit,
+        cache_key=_cache_key(completion),
       )
       if blocks is not None or not self.manager.get_block_ids(seq_id):
         break  # one holding no pages (being recomputed) waits for pages, as a new one does
@@ -241,11 +252,15 @@ class Scheduler:
     if count and forked:  # the shared pages are held already: allocate after them
       new = self.manager.allocate_slots(
         seq_id, count, num_computed_tokens=hit.num_computed_tokens, token_ids=token_ids
-      )
+      )  # the fork gave it the first sample's cache key
       blocks = None if new is None else [*hit.block_ids, *new]
     elif count:
       blocks = self.manager.allocate_slots(
-        seq_id, count, token_ids=token_ids, new_computed_blocks=hit
+        seq_id,
+        count,
+        token_ids=token_ids,
+        new_computed_blocks=hit,
+        cache_key=_cache_key(completion),
       )
     if blocks is None:
       self.manager.free(seq_id)  # a fork's shared pages, if any
@@ -255,11 +270,19 @@ class Scheduler:
     step.add(seq_id, count, blocks)
     return True
 
+  def _lora_waits(self, completion: Completion) -> bool:
+    """Whether a waiting completion's LoRA adapter is not running and `max_loras` others are."""
+    lora_id = _lora_id(completion)
+    if not lora_id:
+      return False
+    running = {_lora_id(c) for c in self.running.values()} - {0}
+    return lora_id not in running and len(running) >= self.max_loras
+
   def _cached_prefix(self, completion: Completion) -> ComputedBlocks:
     """The completion's longest cached prefix (none for one computing prompt logprobs)."""
     if wants_prompt_logprobs(completion):
       return ComputedBlocks()
-    return self.manager.get_computed_blocks(_token_ids(completion))
+    return self.manager.get_computed_blocks(_token_ids(completion), _cache_key(completion))
 
   def _fork_from_first_sample(self, completion: Completion, step: _StepPlan) -> bool:
     """For sample `j > 0` of a request, shares the first sample's full prompt pages (written
@@ -389,6 +412,18 @@ def wants_prompt_logprobs(completion: Completion) -> bool:
   """Whether a completion computes its request's prompt logprobs (the first sample of a request
   asking for them): its prompt is computed from position 0, never taken from shared pages."""
   return completion.index == 0 and completion.params.prompt_logprobs is not None
+
+
+def _lora_id(completion: Completion) -> int:
+  """The `lora_int_id` of a completion's adapter, 0 for the base model."""
+  lora = completion.request.lora_request
+  return 0 if lora is None else int(lora.lora_int_id)
+
+
+def _cache_key(completion: Completion) -> bytes:
+  """The prefix-cache key of a completion's pages: its LoRA adapter's (`b""`: the base)."""
+  lora_id = _lora_id(completion)
+  return f"lora:{lora_id}".encode() if lora_id else b""
 
 
 def _token_ids(completion: Completion) -> list[int]:

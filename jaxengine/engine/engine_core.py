@@ -105,6 +105,7 @@ class EngineCore:
       self.runner.kv_cache_manager,
       cast(int, config.max_num_batched_tokens),  # validated: never None
       config.enable_chunked_prefill,
+      config.max_loras,
     )
     self.output_processor = output_processor
     #: The verify decision's cost model (`spec_decode/ngram_proposer.py`): set it high to verify

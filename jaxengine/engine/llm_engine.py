@@ -34,6 +34,7 @@ from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.engine_config import EngineConfig, engine_config, with_engine_options
+from jaxengine.lora import LoRARequest, check_lora_request
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams
@@ -41,8 +42,12 @@ from jaxengine.spec_decode.ngram_proposer import SpecDecodingStats
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker.model_runner import ModelRunner
 
-#: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`.
-RequestSpec = tuple[str | None, object, SamplingParams | None]
+#: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`,
+#: optionally with a fourth item, its `LoRARequest` or None.
+RequestSpec = (
+  tuple[str | None, object, SamplingParams | None]
+  | tuple[str | None, object, SamplingParams | None, LoRARequest | None]
+)
 
 
 class LLMEngine:
@@ -213,26 +218,43 @@ class LLMEngine:
   # --- requests -------------------------------------------------------------------------------
 
   def add_request(
-    self, request_id: str | None, prompt, params: SamplingParams | None = None
+    self,
+    request_id: str | None,
+    prompt,
+    params: SamplingParams | None = None,
+    *,
+    lora_request: LoRARequest | None = None,
   ) -> str:
     """Queues a prompt (text, token ids or a vLLM prompt dict); returns its request id.
+
+    Args:
+      request_id: unique in the engine, or None for a fresh one.
+      prompt: text, token ids or a vLLM prompt dict.
+      params: its `SamplingParams` (default `SamplingParams()`).
+      lora_request: the LoRA adapter it runs with (`enable_lora`), None for the base model. The
+        adapter's directory is read (once: then kept in the host cache) and checked here.
 
     Raises:
       ValueError: (nothing queued) for a duplicate id or anything `InputProcessor.process`
         refuses (an empty or too long prompt, ids outside the vocabulary, text without a
-        tokenizer, parameters the batch cannot hold).
+        tokenizer, parameters the batch cannot hold); a `lora_request` without `enable_lora`,
+        with `lora_int_id < 1`, or whose directory `jaxengine.lora.load_peft_adapter` refuses
+        (no ``adapter_config.json``, a rank above `max_lora_rank`, an unknown target module).
     """
-    return self.add_requests([(request_id, prompt, params)])[0]
+    return self.add_requests([(request_id, prompt, params, lora_request)])[0]
 
   def add_requests(self, requests: Sequence[RequestSpec]) -> list[str]:
-    """Validates every `(request_id, prompt, params)` first, then queues them all.
+    """Validates every `(request_id, prompt, params[, lora_request])` first, then queues them
+    all.
 
     Raises:
       ValueError: as `add_request`; if any request is invalid, none is queued. With several
         requests the message starts with the failing one's position.
     """
     made: list[Request] = []
-    for index, (request_id, prompt, params) in enumerate(requests):
+    for index, spec in enumerate(requests):
+      request_id, prompt, params = spec[:3]
+      lora_request = cast(LoRARequest | None, spec[3] if len(spec) > 3 else None)
       request_id = str(next(self._ids)) if request_id is None else str(request_id)
       try:
         if request_id in self._requests or any(r.request_id == request_id for r in made):
@@ -241,6 +263,7 @@ class LLMEngine:
             "until pop_finished() returns it)"
           )
         request = self.input_processor.process(request_id, prompt, params or SamplingParams())
+        request.lora_request = self._check_lora(lora_request)
         self._check_fits(request)
         made.append(request)
       except ValueError as error:
@@ -251,6 +274,17 @@ class LLMEngine:
       self._requests[request.request_id] = request
       min(self.cores, key=lambda core: core.num_unfinished).add_request(request)
     return [r.request_id for r in made]
+
+  def _check_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+    """A request's adapter, read into the host cache and checked (ValueError if refused)."""
+    if lora_request is None:
+      return None
+    if not self.config.enable_lora:
+      raise ValueError(f"lora_request={lora_request!r} needs an engine built with enable_lora=True")
+    lora_request = check_lora_request(lora_request)
+    for core in self.cores:
+      cast(Any, core.runner.lora).load(lora_request)
+    return lora_request
 
   def _check_fits(self, request: Request) -> None:
     """Refuses a request that could never fit in a pool of pages (ValueError; every core's pool

@@ -64,6 +64,7 @@ from jaxengine.models.layers import (
 )
 from jaxengine.models.llama_checkpoints import hf_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
+from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.weights import WeightSpec
 
 __all__ = [
@@ -127,6 +128,7 @@ class Attention(nnx.Module):
     kv_cache: AnyKVCache,
     layer: int,
     metadata: StepMetadata,
+    lora: LayerLoRA | None = None,
   ) -> tuple[jax.Array, AnyKVCache]:
     """Projects this call's queries, keys and values and attends through the seam.
 
@@ -136,6 +138,7 @@ class Attention(nnx.Module):
       kv_cache: the whole cache, handed to `jaxengine.models.attention.attention`.
       layer: index of this layer in the cache (static).
       metadata: this step's `AttentionMetadata`, passed on untouched.
+      lora: this layer's LoRA adapters and token slots (`jaxengine.models.lora`), or None.
 
     Returns:
       ``([B, T, E] attention output in model dtype, updated KVCache)``.
@@ -146,9 +149,12 @@ class Attention(nnx.Module):
     # written as einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     fixed = self.batch_invariant
-    q = linear(x, self.wq[...].reshape(h * d, e), batch_invariant=fixed).reshape(*lead, h, d)
-    k = linear(x, self.wk[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
-    v = linear(x, self.wv[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
+    q = linear(x, self.wq[...].reshape(h * d, e), batch_invariant=fixed)
+    k = linear(x, self.wk[...].reshape(kv * d, e), batch_invariant=fixed)
+    v = linear(x, self.wv[...].reshape(kv * d, e), batch_invariant=fixed)
+    q = add_lora(q, x, lora, "q_proj").reshape(*lead, h, d)
+    k = add_lora(k, x, lora, "k_proj").reshape(*lead, kv, d)
+    v = add_lora(v, x, lora, "v_proj").reshape(*lead, kv, d)
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -159,7 +165,10 @@ class Attention(nnx.Module):
     out, kv_cache = attention(
       q, k, v, kv_cache, layer, metadata, scale=d**-0.5, sliding_window=cfg.sliding_window
     )
-    out = linear(out.reshape(*lead, h * d), self.wo[...].reshape(e, h * d), batch_invariant=fixed)
+    out = out.reshape(*lead, h * d)
+    out = add_lora(
+      linear(out, self.wo[...].reshape(e, h * d), batch_invariant=fixed), out, lora, "o_proj"
+    )
     if self.bo is not None:
       out = out + self.bo[...]
     return out, kv_cache
@@ -182,12 +191,15 @@ class MLP(nnx.Module):
     self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
     self.batch_invariant = False
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype."""
+  def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+    """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype (with this layer's LoRA
+    adapters, `jaxengine.models.lora`, when given)."""
     fixed = self.batch_invariant
-    gate = linear(x, self.w_gate[...], batch_invariant=fixed)  # [B, T, F]
-    up = linear(x, self.w_up[...], batch_invariant=fixed)  # [B, T, F]
-    return linear(jax.nn.silu(gate) * up, self.w_down[...], batch_invariant=fixed)  # [B, T, E]
+    gate = add_lora(linear(x, self.w_gate[...], batch_invariant=fixed), x, lora, "gate_proj")
+    up = add_lora(linear(x, self.w_up[...], batch_invariant=fixed), x, lora, "up_proj")
+    hidden = jax.nn.silu(gate) * up  # [B, T, F]
+    down = linear(hidden, self.w_down[...], batch_invariant=fixed)  # [B, T, E]
+    return add_lora(down, hidden, lora, "down_proj")
 
 
 class DecoderLayer(nnx.Module):
@@ -199,11 +211,12 @@ class DecoderLayer(nnx.Module):
     self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, positions, kv_cache, layer, metadata):
+  def __call__(self, x, positions, kv_cache, layer, metadata, lora=None):
     """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
-    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
+    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
     x = x + h
-    x = x + self.mlp(self.post_attention_norm(x))
+    mlp_in = self.post_attention_norm(x)
+    x = x + (self.mlp(mlp_in) if lora is None else self.mlp(mlp_in, lora))
     return x, kv_cache
 
 
@@ -284,6 +297,7 @@ class Llama(nnx.Module):
     attn_metadata: StepMetadata | jax.Array,
     *,
     attention_len: int | None = None,
+    lora: LoRAInputs | None = None,
   ) -> tuple[jax.Array, AnyKVCache]:
     """Runs the decoder over a batch of token rows, updating the KV cache.
 
@@ -307,6 +321,8 @@ class Llama(nnx.Module):
         `PagedAttentionMetadata` (with a `PagedKVCache` and flat ``[1, T]`` tokens), or, the older
         form, ``[B] int32`` cache slots with `attention_len`.
       attention_len: static, only with cache slots (the metadata carries its own).
+      lora: None (default), or the step's LoRA adapters with each flat token's slot
+        (`jaxengine.models.lora.LoRAInputs`, ``B * T`` slots).
 
     Returns:
       ``(hidden, kv_cache)``: ``[B, T, E]`` hidden states after the final RMSNorm, in the model
@@ -315,8 +331,25 @@ class Llama(nnx.Module):
     metadata = as_attention_metadata(attn_metadata, positions, attention_len)
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]
     for index, layer in enumerate(self.layers):
-      x, kv_cache = layer(x, positions, kv_cache, index, metadata)
+      layer_lora = None if lora is None else lora.layer(index)
+      x, kv_cache = layer(x, positions, kv_cache, index, metadata, layer_lora)
     return self.final_norm(x), kv_cache
+
+  def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+    """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
+    module name (the same in every layer; `jaxengine.models.lora.LORA_TARGETS`)."""
+    cfg = self.config
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {
+      "q_proj": (e, q),
+      "k_proj": (e, kv),
+      "v_proj": (e, kv),
+      "o_proj": (q, e),
+      "gate_proj": (e, f),
+      "up_proj": (e, f),
+      "down_proj": (f, e),
+    }
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).

@@ -48,6 +48,7 @@ from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.core.request import Completion
 from jaxengine.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine_config import EngineConfig
+from jaxengine.lora import LoRAManager
 from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
@@ -213,6 +214,8 @@ class ModelRunner:
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
     self.compiled_shapes = StepShapes()
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
+    #: The LoRA adapters' host copies and device slots; None without `enable_lora`.
+    self.lora: LoRAManager | None = _lora_manager(model, config) if config.enable_lora else None
     self._jit_steps(model.vocab_size, config.num_speculative_tokens)
 
   def _jit_steps(self, vocab_size: int, num_speculative_tokens: int) -> None:
@@ -385,6 +388,8 @@ class ModelRunner:
     a prompt whose logprobs it computes (the first sample of a request asking for
     `prompt_logprobs`)."""
     request = completion.request
+    if self.lora is not None:  # first: a failure leaves the batch as it was
+      self.lora.acquire(completion.seq_id, request.lora_request)
     self.input_batch.add_request(completion.seq_id, request.prompt_token_ids, completion.params)
     self._stop_rules[completion.seq_id] = device_stop_rules(
       completion.params, self.input_batch.eos_token_ids, self.max_model_len
@@ -398,6 +403,8 @@ class ModelRunner:
     """Frees a completion's row (the scheduler frees its pages); the next step condenses the
     batch."""
     self.input_batch.remove_request(seq_id)
+    if self.lora is not None:
+      self.lora.release(seq_id)
     self._stop_rules.pop(seq_id, None)
     self._prompt_logprobs.pop(seq_id, None)
 
@@ -678,6 +685,10 @@ class ModelRunner:
     logits_indices[rows] = layout.logits_indices[: len(rows)]
     produced = np.zeros(num_rows, bool)
     produced[: len(produces)] = produces
+    lora_slots = np.zeros(num_tokens, np.int32)
+    if self.lora is not None:
+      slots = [self.lora.slot(seq_id) for seq_id in seq_ids]
+      lora_slots[: layout.num_tokens] = np.repeat(slots, counts)
     host = (
       token_rows,
       layout.positions,
@@ -688,6 +699,7 @@ class ModelRunner:
       np.int32(layout.num_reqs),
       logits_indices,
       produced,
+      lora_slots,
     )
     device = jax.device_put(host, self._input_sharding)  # one transfer for the step's inputs
     return RaggedInputs(
@@ -702,6 +714,7 @@ class ModelRunner:
       ),
       logits_indices=device[7],
       produces=device[8],
+      lora=None if self.lora is None else self.lora.inputs(device[9]),
     )
 
   def precompile(
@@ -824,6 +837,21 @@ class ModelRunner:
     )
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
+
+
+def _lora_manager(model: Model, config: EngineConfig) -> LoRAManager:
+  """The runner's `LoRAManager` with `enable_lora` (ValueError for a model without LoRA)."""
+  shapes = getattr(model, "lora_target_shapes", None)
+  if shapes is None:
+    raise ValueError(f"enable_lora=True: {type(model).__name__} models do not support LoRA")
+  return LoRAManager(
+    max_loras=config.max_loras,
+    max_lora_rank=config.max_lora_rank,
+    max_cpu_loras=cast(int, config.max_cpu_loras),  # validated: never None
+    num_layers=len(cast(Any, model).layers),
+    target_shapes=shapes(),
+    dtype=cast(Any, model).dtype,
+  )
 
 
 def _check_sizes(model: Model, input_batch: InputBatch, config: EngineConfig) -> None:

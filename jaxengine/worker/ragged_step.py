@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.sample import LogprobsTensors, gather_logprobs, sample
 
@@ -42,6 +43,8 @@ class RaggedInputs:
     logits_indices: `[R] int32` for each row, the flat index of its last query token (any index
       for rows that do not sample).
     produces: `[R] bool` rows that sample a token this step.
+    lora: None (an engine without `enable_lora`: the model call is the plain one), or the
+      LoRA adapters' device slots with each query token's slot (`[T] int32`, 0: the base).
   """
 
   token_rows: jax.Array
@@ -49,6 +52,7 @@ class RaggedInputs:
   attention: PagedAttentionMetadata
   logits_indices: jax.Array
   produces: jax.Array
+  lora: LoRAInputs | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +108,10 @@ def ragged_forward(
   if logits_indices is None:
     logits_indices = inputs.logits_indices
   model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(token_ids[None], inputs.positions[None], kv_cache, inputs.attention)
+  lora = {} if inputs.lora is None else {"lora": inputs.lora}
+  hidden, kv_cache = model(
+    token_ids[None], inputs.positions[None], kv_cache, inputs.attention, **lora
+  )
   logits = model.compute_logits(hidden[0, logits_indices])
   token_logprobs = None
   if prompt_logprobs:

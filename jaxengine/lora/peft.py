@@ -1,0 +1,140 @@
+"""Reading a PEFT LoRA directory into host arrays laid out for the device slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxengine.models.lora import LORA_TARGETS
+
+#: ``...layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight`` in PEFT's saved tensor names.
+_TENSOR_NAME = re.compile(
+  r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+)
+
+#: `adapter_config.json` settings this engine does not run, with the value that is fine.
+_UNSUPPORTED = {
+  "use_dora": False,
+  "bias": "none",
+  "rank_pattern": {},
+  "alpha_pattern": {},
+  "modules_to_save": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAAdapter:
+  """A PEFT adapter on the host, laid out for the device slots.
+
+  Attributes:
+    lora_int_id: the id it was loaded under.
+    rank: its rank ``r`` (<= ``max_lora_rank``).
+    scale: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), folded into ``b``.
+    weights: ``(layer, target)`` -> ``(A [in, r], B [r, out])`` float32, ``B`` times `scale`
+      (projections the adapter leaves alone are absent).
+  """
+
+  lora_int_id: int
+  rank: int
+  scale: float
+  weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+
+
+def load_peft_adapter(
+  path: str | os.PathLike,
+  lora_int_id: int,
+  *,
+  max_lora_rank: int,
+  num_layers: int,
+  target_shapes: Mapping[str, tuple[int, int]],
+) -> LoRAAdapter:
+  """Reads and checks a PEFT LoRA directory.
+
+  Args:
+    path: the directory (``adapter_config.json``, ``adapter_model.safetensors``).
+    lora_int_id: the id to record.
+    max_lora_rank: the largest rank the engine's slots hold.
+    num_layers: the base model's decoder layers.
+    target_shapes: ``(in, out)`` of every projection the model lets adapters target.
+
+  Raises:
+    ValueError: (naming the path and the field) a missing directory, config or weights file,
+      a rank above `max_lora_rank`, a target module outside `target_shapes`, a setting the
+      engine does not run (DoRA, biases, per-module ranks, modules_to_save), or a tensor of an
+      unknown name, layer or shape.
+  """
+  where = os.fspath(path)
+  config_path = os.path.join(where, "adapter_config.json")
+  if not os.path.isfile(config_path):
+    raise ValueError(f"lora_path={where!r} has no adapter_config.json (not a PEFT adapter)")
+  with open(config_path) as f:
+    config = json.load(f)
+  rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+  if not isinstance(rank, int) or rank < 1:
+    raise ValueError(f"lora_path={where!r}: r must be a positive int, got {rank!r}")
+  if rank > max_lora_rank:
+    raise ValueError(f"lora_path={where!r}: rank r={rank} exceeds max_lora_rank={max_lora_rank}")
+  for name, fine in _UNSUPPORTED.items():
+    value = config.get(name, fine)
+    if value != fine and not (fine == {} and not value):
+      raise ValueError(f"lora_path={where!r}: {name}={value!r} is not supported")
+  targets = _target_modules(config.get("target_modules"), where, target_shapes)
+  scale = float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+  weights = _read_tensors(where, targets, rank, scale, num_layers, target_shapes)
+  return LoRAAdapter(int(lora_int_id), rank, scale, weights)
+
+
+def _target_modules(value, where: str, target_shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+  """The adapter's target module names, each one the model supports (ValueError otherwise)."""
+  names = [value] if isinstance(value, str) else list(value or [])
+  if not names:
+    raise ValueError(f"lora_path={where!r}: target_modules is empty")
+  for name in names:
+    if name not in target_shapes:
+      known = [t for t in LORA_TARGETS if t in target_shapes]
+      raise ValueError(
+        f"lora_path={where!r}: unknown target module {name!r} (supported: {', '.join(known)})"
+      )
+  return names
+
+
+def _read_tensors(
+  where: str,
+  targets: list[str],
+  rank: int,
+  scale: float,
+  num_layers: int,
+  target_shapes: Mapping[str, tuple[int, int]],
+) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+  """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)``."""
+  from safetensors.flax import load_file  # bfloat16 tensors too (NumPy has no bfloat16)
+
+  file = os.path.join(where, "adapter_model.safetensors")
+  if not os.path.isfile(file):
+    raise ValueError(f"lora_path={where!r} has no adapter_model.safetensors")
+  halves: dict[tuple[int, str], dict[str, Any]] = {}
+  for name, tensor in load_file(file).items():
+    match = _TENSOR_NAME.search(name)
+    if match is None or match[2] not in targets or int(match[1]) >= num_layers:
+      raise ValueError(f"lora_path={where!r}: unexpected tensor {name!r}")
+    halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
+  weights = {}
+  for (layer, target), pair in halves.items():
+    n_in, n_out = target_shapes[target]
+    a, b = pair.get("A"), pair.get("B")
+    if a is None or b is None or a.shape != (rank, n_in) or b.shape != (n_out, rank):
+      shapes = [None if t is None else t.shape for t in (a, b)]
+      raise ValueError(
+        f"lora_path={where!r}: layer {layer} {target} has lora_A, lora_B of shapes {shapes}, "
+        f"expected {(rank, n_in)}, {(n_out, rank)}"
+      )
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    weights[layer, target] = (np.ascontiguousarray(a32.T), np.ascontiguousarray(b32.T) * scale)
+  return weights

@@ -1,0 +1,86 @@
+"""Unmerged LoRA adapters inside a model call: each token adds its own adapter's low-rank update.
+
+The engine keeps up to ``N`` adapters in stacked device buffers (`LoRAInputs.layers`), one pair
+per decoder layer and target projection: ``A [N + 1, in, R]`` and ``B [N + 1, R, out]``, slot 0
+all zeros (no adapter), ranks zero-padded to ``R`` (``max_lora_rank``) and the adapter's scale
+folded into ``B``. Each query token carries its slot (`LoRAInputs.slots`), and a projection
+``y = W x`` becomes ``y + B[slot] (A[slot] x)`` (`add_lora`), computed as a trainer computes it,
+without touching ``W``.
+
+The update is written densely over the slots (``x`` against every slot's ``A``, a one-hot mask
+of each token's slot, then every slot's ``B``): fixed shapes whatever adapters a step mixes, no
+``[T, in, R]`` gather, and ``N + 1`` times the flops of one rank-``R`` update (small next to the
+projection itself for a few slots). A model without LoRA never calls any of this.
+
+Shape letters: ``T`` query tokens, ``N`` adapter slots (``max_loras``), ``R`` ``max_lora_rank``,
+``L`` layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["LORA_TARGETS", "LayerLoRA", "LoRAInputs", "add_lora"]
+
+#: The projections an adapter may target, by their Hugging Face / PEFT module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerLoRA:
+  """One layer's view of `LoRAInputs`.
+
+  Attributes:
+    slots: ``[T] int32`` each token's adapter slot (0: none).
+    weights: target name -> ``(A [N + 1, in, R], B [N + 1, R, out])`` (targets of no adapter may
+      be absent).
+  """
+
+  slots: jax.Array
+  weights: dict[str, tuple[jax.Array, jax.Array]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAInputs:
+  """The adapters of a step and each token's slot, handed to the model call.
+
+  Attributes:
+    slots: ``[T] int32`` each flat query token's adapter slot (0: the base model).
+    layers: ``L`` dicts, target name -> ``(A [N + 1, in, R], B [N + 1, R, out])`` in the model
+      dtype, the scale folded into ``B``.
+  """
+
+  slots: jax.Array
+  layers: tuple[dict[str, tuple[jax.Array, jax.Array]], ...]
+
+  def layer(self, index: int) -> LayerLoRA:
+    """Layer `index`'s buffers with the token slots."""
+    return LayerLoRA(self.slots, self.layers[index])
+
+
+def add_lora(y: jax.Array, x: jax.Array, lora: LayerLoRA | None, target: str) -> jax.Array:
+  """``y + B[slot] (A[slot] x)`` per token for projection `target`; `y` itself without LoRA.
+
+  Args:
+    y: ``[..., out]`` the base projection of `x` (its leading dimensions flatten to ``T``).
+    x: ``[..., in]`` the projection's input.
+    lora: this layer's `LayerLoRA`, or None (then nothing is traced).
+    target: the projection's module name (`LORA_TARGETS`).
+
+  Returns:
+    ``[..., out]`` in `y`'s dtype.
+  """
+  if lora is None or target not in lora.weights:
+    return y
+  a, b = lora.weights[target]  # [N + 1, in, R], [N + 1, R, out]
+  flat = x.reshape(-1, x.shape[-1])  # [T, in]
+  xa = jnp.einsum("ti,nir->tnr", flat, a, preferred_element_type=jnp.float32)
+  mine = lora.slots[:, None] == jnp.arange(a.shape[0], dtype=lora.slots.dtype)  # [T, N + 1]
+  xa = jnp.where(mine[..., None], xa, 0.0).astype(b.dtype)
+  delta = jnp.einsum("tnr,nro->to", xa, b, preferred_element_type=jnp.float32)
+  return y + delta.astype(y.dtype).reshape(y.shape)

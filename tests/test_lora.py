@@ -1,0 +1,228 @@
+"""LoRA adapters (issue 38): PEFT directories served unmerged next to the base model.
+
+The adapters are made here with `peft` on a tiny Llama checkpoint (random non-zero ``lora_B``:
+PEFT starts it at zero), and the reference is transformers + peft computing the same prompts.
+Nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+import jaxengine as je
+from jaxengine.testing import count_compiles
+from tests.hf_checkpoints import config_dict, hf_config, random_tensors, write_checkpoint
+
+PROMPTS = [
+  [5, 17, 99, 3, 64, 21, 8, 120, 33, 7, 41],
+  [2, 9, 77, 31, 4, 100, 62],
+  [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28],
+]
+GREEDY = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+#: (rank, alpha, target modules, use_rslora) of the three adapters.
+ADAPTERS = {
+  1: (4, 8, ["q_proj", "v_proj"], False),
+  2: (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+  3: (2, 3, ["o_proj", "gate_proj", "down_proj"], False),
+}
+MAX_LORA_RANK = 8
+
+
+def _base_model(directory) -> transformers.PreTrainedModel:
+  return transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+
+
+def _write_adapter(base_dir, out_dir, seed: int, rank, alpha, targets, rslora) -> None:
+  torch.manual_seed(seed)
+  config = peft.LoraConfig(
+    r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0
+  )
+  model = peft.get_peft_model(_base_model(base_dir), config)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if "lora_" in name:
+        param.normal_(0.0, 0.3)
+  model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """The base directory and `LoRARequest`s of the three adapters."""
+  root = tmp_path_factory.mktemp("lora")
+  config = hf_config("LlamaForCausalLM", tie_word_embeddings=False)
+  base = write_checkpoint(root / "base", config, random_tensors(config_dict(config), 3))
+  requests = {}
+  for lora_id, (rank, alpha, targets, rslora) in ADAPTERS.items():
+    path = root / f"adapter{lora_id}"
+    _write_adapter(base, path, lora_id, rank, alpha, targets, rslora)
+    requests[lora_id] = je.LoRARequest(f"adapter{lora_id}", lora_id, str(path))
+  return base, requests
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+  base, _ = checkpoints
+  return je.LLM(
+    base,
+    enable_lora=True,
+    max_loras=2,
+    max_lora_rank=MAX_LORA_RANK,
+    max_num_reqs=4,
+    max_model_len=64,
+    num_kv_blocks=64,
+    block_size=4,
+  )
+
+
+def _reference(base_dir, lora: je.LoRARequest | None, prompt: list[int]):
+  """Greedy tokens and prompt logprobs by transformers (+ peft), float32."""
+  model = _base_model(base_dir)
+  if lora is not None:
+    model = peft.PeftModel.from_pretrained(model, lora.lora_path)
+  model.eval()
+  tokens = list(prompt)
+  with torch.no_grad():
+    logits = model(torch.tensor([tokens])).logits[0]
+    logprobs = torch.log_softmax(logits.double(), -1)
+    prompt_logprobs = [float(logprobs[i, t]) for i, t in enumerate(tokens[1:])]
+    for _ in range(GREEDY.max_tokens):
+      tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+  return tokens[len(prompt) :], prompt_logprobs
+
+
+def _result(output):
+  tokens = list(output.outputs[0].token_ids)
+  prompt = output.prompt_token_ids
+  logprobs = [entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+  return tokens, logprobs
+
+
+def test_adapters_equal_transformers_with_peft(llm, checkpoints):
+  base, requests = checkpoints
+  worst = 0.0
+  for lora in [None, *requests.values()]:
+    for prompt in PROMPTS[:2]:
+      (out,) = llm.generate([prompt], GREEDY, lora_request=lora, use_tqdm=False)
+      tokens, logprobs = _result(out)
+      want_tokens, want_logprobs = _reference(base, lora, prompt)
+      assert tokens == want_tokens, lora
+      worst = max(worst, float(np.max(np.abs(np.subtract(logprobs, want_logprobs)))))
+  assert worst < 1e-4
+  # The adapters change the model (else the comparison above would prove nothing).
+  (plain,) = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+  for lora in requests.values():
+    (adapted,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=lora, use_tqdm=False)
+    assert np.max(np.abs(np.subtract(_result(adapted)[1], _result(plain)[1]))) > 1e-2
+
+
+def test_shuffled_batch_of_adapters_equals_each_request_alone(llm, checkpoints):
+  _, requests = checkpoints
+  jobs = [(p, lora) for p in PROMPTS for lora in [None, *requests.values()]]
+  random.Random(0).shuffle(jobs)
+  alone = [llm.generate([p], GREEDY, lora_request=lora, use_tqdm=False)[0] for p, lora in jobs]
+  together = llm.generate(
+    [p for p, _ in jobs], GREEDY, lora_request=[lora for _, lora in jobs], use_tqdm=False
+  )
+  for one, mixed in zip(alone, together):
+    want, got = _result(one), _result(mixed)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4)  # float32 sums of other shapes
+  manager = llm.llm_engine.runner.lora
+  assert len([i for i in manager.slot_ids if i]) <= 2
+
+
+def test_switching_adapters_compiles_nothing(llm, checkpoints):
+  _, requests = checkpoints
+  order = [requests[1], None, requests[2], requests[3], requests[1], None]
+  for lora in order:  # warm-up: every adapter placed once, the step shapes compiled
+    llm.generate([PROMPTS[1]], GREEDY, lora_request=lora, use_tqdm=False)
+  with count_compiles() as counter:
+    for lora in reversed(order):
+      llm.generate([PROMPTS[1]], GREEDY, lora_request=lora, use_tqdm=False)
+    llm.generate(PROMPTS[:2], GREEDY, lora_request=[requests[3], requests[2]], use_tqdm=False)
+  assert counter.count == 0
+
+
+def test_prefix_cache_keeps_adapters_apart(llm, checkpoints):
+  base, requests = checkpoints
+  params = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+  prompt = PROMPTS[2]  # 18 tokens: four full pages of 4 to share
+  engine = llm.llm_engine
+  llm.reset_prefix_cache()
+  llm.generate([prompt], params, use_tqdm=False)
+  hits = engine.kv_cache_stats.prefix_cache_hits
+  (adapted,) = llm.generate([prompt], params, lora_request=requests[2], use_tqdm=False)
+  assert engine.kv_cache_stats.prefix_cache_hits == hits  # the base's pages are not the adapter's
+  want, _ = _reference(base, requests[2], prompt)
+  assert list(adapted.outputs[0].token_ids) == want[: params.max_tokens]
+  (again,) = llm.generate([prompt], params, lora_request=requests[2], use_tqdm=False)
+  assert engine.kv_cache_stats.prefix_cache_hits == hits + 16  # its own pages are shared
+  assert list(again.outputs[0].token_ids) == want[: params.max_tokens]
+  (other,) = llm.generate([prompt], params, lora_request=requests[1], use_tqdm=False)
+  assert engine.kv_cache_stats.prefix_cache_hits == hits + 16
+  assert list(other.outputs[0].token_ids) == _reference(base, requests[1], prompt)[0][:4]
+
+
+@pytest.mark.parametrize(
+  "case, message",
+  [
+    ("no_config", "adapter_config.json"),
+    ("rank", "max_lora_rank"),
+    ("target", "unknown target module"),
+    ("int_id", "lora_int_id"),
+  ],
+)
+def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, checkpoints, tmp_path, case, message):
+  import shutil
+
+  base, requests = checkpoints
+  good = requests[1]
+  path = tmp_path / "adapter"
+  shutil.copytree(good.lora_path, path)
+  config_file = path / "adapter_config.json"
+  config = json.loads(config_file.read_text())
+  lora_id = 50
+  if case == "no_config":
+    config_file.unlink()
+  elif case == "rank":
+    config["r"] = MAX_LORA_RANK * 2
+  elif case == "target":
+    config["target_modules"] = ["q_proj", "lm_head"]
+  else:
+    lora_id = 0
+  if config_file.exists():
+    config_file.write_text(json.dumps(config))
+  bad = je.LoRARequest("bad", lora_id, str(path))
+  cached = list(llm.llm_engine.runner.lora.cached_ids)
+  with pytest.raises(ValueError, match=message):
+    llm.generate([PROMPTS[0], PROMPTS[1]], GREEDY, lora_request=[good, bad], use_tqdm=False)
+  assert not llm.llm_engine.has_unfinished_requests()
+  assert 50 not in llm.llm_engine.runner.lora.cached_ids
+  assert set(cached) >= set(llm.llm_engine.runner.lora.cached_ids) - {good.lora_int_id}
+  (out,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=good, use_tqdm=False)
+  assert _result(out)[0] == _reference(base, good, PROMPTS[0])[0]
+
+
+def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
+  base, requests = checkpoints
+  plain = je.LLM(base, max_num_reqs=2, max_model_len=32, num_kv_blocks=16)
+  with pytest.raises(ValueError, match="enable_lora=True"):
+    plain.generate([PROMPTS[0]], GREEDY, lora_request=requests[1], use_tqdm=False)
+  (out,) = plain.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+  assert _result(out)[0] == _reference(base, None, PROMPTS[0])[0]
+  for options, message in [
+    (dict(max_loras=0), "max_loras"),
+    (dict(max_lora_rank=-1), "max_lora_rank"),
+    (dict(max_loras=3, max_cpu_loras=2), "max_cpu_loras"),
+    (dict(enable_lora=True, num_decode_steps=2), "num_decode_steps"),
+    (dict(enable_lora="yes"), "enable_lora"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      je.EngineConfig(**options)
