@@ -219,6 +219,40 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "enable_lora",
+    "--enable-lora",
+    dict(
+      action="store_true",
+      default=False,
+      help="serve LoRA adapters (PEFT directories) on the base model, unmerged",
+    ),
+  ),
+  EngineFlag(
+    "max_loras",
+    "--max-loras",
+    dict(metavar="N", type=positive_int, default=1, help="LoRA adapters one step may mix"),
+  ),
+  EngineFlag(
+    "max_lora_rank",
+    "--max-lora-rank",
+    dict(
+      metavar="R",
+      type=positive_int,
+      default=16,
+      help="largest LoRA rank (smaller ranks are zero-padded to it)",
+    ),
+  ),
+  EngineFlag(
+    "max_cpu_loras",
+    "--max-cpu-loras",
+    dict(
+      metavar="N",
+      type=positive_int,
+      default=None,
+      help="LoRA adapters kept in host memory (default: --max-loras)",
+    ),
+  ),
+  EngineFlag(
     "seed",
     "--engine-seed",
     dict(

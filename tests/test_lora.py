@@ -226,3 +226,23 @@ def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
   ]:
     with pytest.raises(ValueError, match=message):
       je.EngineConfig(**options)
+
+
+def test_lora_command_flags_set_the_config():
+  from jaxengine import cli
+  from jaxengine.cli_engine_flags import engine_options
+
+  parser = cli.build_parser()
+  flags = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--max-cpu-loras", "5"]
+  config = je.EngineConfig(**engine_options(parser.parse_args(["generate", "Hi", *flags])))
+  assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (
+    True,
+    3,
+    64,
+    5,
+  )
+  defaults = je.EngineConfig(**engine_options(parser.parse_args(["generate", "Hi"])))
+  assert (defaults.enable_lora, defaults.max_loras, defaults.max_lora_rank) == (False, 1, 16)
+  assert defaults.max_cpu_loras == 1
+  with pytest.raises(SystemExit):
+    parser.parse_args(["generate", "Hi", "--max-loras", "0"])
