@@ -8,6 +8,10 @@ plain host data (Python ints, floats and strings), never device arrays.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from jaxengine.lora.request import LoRARequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,7 @@ class RequestOutput:
       log-softmax values whatever the engine's logprobs mode; else None.
     outputs: the `n` completions, by index.
     finished: whether every completion has finished.
+    lora_request: the `LoRARequest` it ran with, None for the base model.
   """
 
   request_id: str
@@ -99,3 +104,4 @@ class RequestOutput:
   prompt_logprobs: PromptLogprobs | None
   outputs: list[CompletionOutput]
   finished: bool
+  lora_request: LoRARequest | None = None

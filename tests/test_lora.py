@@ -246,3 +246,22 @@ def test_lora_command_flags_set_the_config():
   assert defaults.max_cpu_loras == 1
   with pytest.raises(SystemExit):
     parser.parse_args(["generate", "Hi", "--max-loras", "0"])
+
+
+def test_llm_engine_add_request_takes_a_lora_request(llm, checkpoints):
+  base, requests = checkpoints
+  engine = llm.llm_engine
+  engine.add_request("lora-a", PROMPTS[1], GREEDY, lora_request=requests[3])
+  engine.add_request("base-a", PROMPTS[1], GREEDY)
+  done = {}
+  while engine.has_unfinished_requests():
+    engine.step()
+    done.update({o.request_id: o for o in engine.pop_finished()})
+  assert done["lora-a"].lora_request == requests[3] and done["base-a"].lora_request is None
+  assert _result(done["lora-a"])[0] == _reference(base, requests[3], PROMPTS[1])[0]
+  assert _result(done["base-a"])[0] == _reference(base, None, PROMPTS[1])[0]
+  # An id names one adapter: the same id with another directory is refused.
+  moved = je.LoRARequest("other", requests[3].lora_int_id, requests[1].lora_path)
+  with pytest.raises(ValueError, match="lora_int_id=3"):
+    engine.add_request("lora-b", PROMPTS[1], GREEDY, lora_request=moved)
+  assert not engine.has_unfinished_requests()

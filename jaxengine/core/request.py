@@ -111,4 +111,5 @@ class Request:
       prompt_logprobs=self.prompt_logprobs,
       outputs=[c.output() for c in self.completions],
       finished=self.finished,
+      lora_request=self.lora_request,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 from collections.abc import Mapping
 
 import jax
@@ -72,6 +73,8 @@ class LoRAManager:
     self._last_used = [0] * n
     self._clock = 0
     self._slot_of_seq: dict[str, int] = {}
+    #: The directory of every `lora_int_id` loaded so far: an id names one adapter.
+    self._paths: dict[int, str] = {}
 
   # --- host copies ------------------------------------------------------------------------------
 
@@ -83,8 +86,15 @@ class LoRAManager:
     """
     request = check_lora_request(request)
     key = int(request.lora_int_id)
+    path = os.fspath(request.lora_path)
+    known = self._paths.get(key)
+    if known is not None and known != path:
+      raise ValueError(
+        f"lora_int_id={key} is the adapter at {known!r}, not lora_path={path!r} (give each "
+        "adapter its own lora_int_id)"
+      )
     cached = self._host.get(key)
-    if cached is not None and cached[0].lora_path == request.lora_path:
+    if cached is not None:
       self._host.move_to_end(key)
       return cached[1]
     adapter = load_peft_adapter(
@@ -95,6 +105,7 @@ class LoRAManager:
       target_shapes=self.target_shapes,
     )
     self._host[key] = (request, adapter)
+    self._paths[key] = path
     self._host.move_to_end(key)
     while len(self._host) > self.max_cpu_loras:
       self._host.popitem(last=False)
