@@ -265,3 +265,99 @@ def test_llm_engine_add_request_takes_a_lora_request(llm, checkpoints):
   with pytest.raises(ValueError, match="lora_int_id=3"):
     engine.add_request("lora-b", PROMPTS[1], GREEDY, lora_request=moved)
   assert not engine.has_unfinished_requests()
+
+
+# --------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+  """A server of a tiny Llama (the byte tokenizer's vocabulary) with adapter "a" from the start;
+  adapter "b" is loaded by the tests. References from `LLM.generate` before the server starts."""
+  import threading
+  import time
+
+  import uvicorn
+  from test_cli import _tiny_tokenizer
+
+  from jaxengine.entrypoints.async_llm import AsyncLLM
+  from jaxengine.entrypoints.openai_server import build_app
+
+  root = tmp_path_factory.mktemp("lora-server")
+  tokenizer = _tiny_tokenizer()
+  config = hf_config("LlamaForCausalLM", vocab_size=tokenizer.vocab_size)
+  base = write_checkpoint(root / "base", config, random_tensors(config_dict(config), 4))
+  paths = {}
+  for name, (lora_id, targets) in {"a": (1, ["q_proj", "v_proj"]), "b": (2, ["up_proj"])}.items():
+    paths[name] = str(root / name)
+    _write_adapter(base, paths[name], 10 + lora_id, 4, 8, targets, False)
+  llm = je.LLM(
+    base, tokenizer=tokenizer, enable_lora=True, max_loras=1, max_num_reqs=4, max_model_len=64
+  )
+  params = je.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+  refs = {
+    name: llm.generate(
+      ["Hello there"], params, lora_request=lora and je.LoRARequest(name, lora, paths[name]),
+      use_tqdm=False,
+    )[0].outputs[0].text
+    for name, lora in (("base", None), ("a", 1), ("b", 2))
+  }  # fmt: skip
+  assert len(set(refs.values())) == 3
+  engine = AsyncLLM(llm)
+  app = build_app(engine, "base", lora_modules={"a": paths["a"]})
+  uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+  thread = threading.Thread(target=uv.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not uv.started:
+    assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+    time.sleep(0.05)
+  port = uv.servers[0].sockets[0].getsockname()[1]
+  yield {"url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root}
+  uv.should_exit = True
+  thread.join(30)
+  engine.shutdown()
+
+
+def _complete(url: str, model: str):
+  import httpx
+
+  body = {"model": model, "prompt": "Hello there", "temperature": 0, "max_tokens": 8}
+  return httpx.post(url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120)
+
+
+def test_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lora_server):
+  import httpx
+
+  url, refs, paths = lora_server["url"], lora_server["refs"], lora_server["paths"]
+  models = httpx.get(url + "/v1/models").json()["data"]
+  assert [m["id"] for m in models] == ["base", "a"] and models[1]["parent"] == "base"
+  for name in ("base", "a"):
+    response = _complete(url, name)
+    assert response.status_code == 200 and response.json()["model"] == name
+    assert response.json()["choices"][0]["text"] == refs[name]
+  assert _complete(url, "b").status_code == 404
+  load = url + "/v1/load_lora_adapter"
+  assert httpx.post(load, json={"lora_name": "b", "lora_path": paths["b"]}).status_code == 200
+  assert _complete(url, "b").json()["choices"][0]["text"] == refs["b"]
+  assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["base", "a", "b"]
+  # Refused: a name already served, a directory that is no adapter; serving goes on.
+  again = httpx.post(load, json={"lora_name": "b", "lora_path": paths["a"]})
+  assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+  missing = httpx.post(load, json={"lora_name": "c", "lora_path": str(lora_server["root"])})
+  assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+  unload = url + "/v1/unload_lora_adapter"
+  assert httpx.post(unload, json={"lora_name": "b"}).status_code == 200
+  assert httpx.post(unload, json={"lora_name": "b"}).status_code == 404
+  assert _complete(url, "b").status_code == 404
+  assert _complete(url, "a").json()["choices"][0]["text"] == refs["a"]
+
+
+def test_serve_lora_modules_flag():
+  from jaxengine import cli
+
+  parser = cli.build_parser()
+  args = parser.parse_args(["serve", "m", "--enable-lora", "--lora-modules", "x=/a", "y=/b=c"])
+  assert args.lora_modules == [("x", "/a"), ("y", "/b=c")]
+  with pytest.raises(SystemExit):
+    parser.parse_args(["serve", "m", "--lora-modules", "nopath"])

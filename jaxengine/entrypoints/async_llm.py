@@ -118,6 +118,7 @@ class _Add:
   params: SamplingParams
   mailbox: _Mailbox
   arrival_time: float
+  lora_request: Any = None
 
 
 @dataclasses.dataclass
@@ -192,6 +193,7 @@ class AsyncLLM:
     request_id: str | None = None,
     *,
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    lora_request=None,
   ) -> AsyncGenerator[RequestOutput, None]:
     """Queues a request and yields its outputs as tokens come.
 
@@ -200,6 +202,8 @@ class AsyncLLM:
       sampling_params: default `SamplingParams()`.
       request_id: unique among running requests; default a random hex id.
       output_kind: CUMULATIVE (default), DELTA or FINAL_ONLY (see the module docstring).
+      lora_request: the request's `jaxengine.LoRARequest` (an engine with `enable_lora`), or
+        None for the base model.
 
     Yields:
       `RequestOutput`s; the last has `finished` True.
@@ -218,7 +222,7 @@ class AsyncLLM:
     request_id = uuid.uuid4().hex if request_id is None else str(request_id)
     mailbox = _Mailbox(asyncio.get_running_loop())
     params = sampling_params or SamplingParams()
-    self._commands.put(_Add(request_id, prompt, params, mailbox, time.monotonic()))
+    self._commands.put(_Add(request_id, prompt, params, mailbox, time.monotonic(), lora_request))
     view = _OutputView(params, output_kind)
     try:
       while True:
@@ -283,7 +287,9 @@ class AsyncLLM:
     try:
       if command.request_id in self._tracked:
         raise ValueError(f"request_id {command.request_id!r} is already running")
-      self.engine.add_request(command.request_id, command.prompt, command.params)
+      self.engine.add_request(
+        command.request_id, command.prompt, command.params, lora_request=command.lora_request
+      )
     except Exception as error:  # ValueError for bad input; anything else fails it alone too
       _post(mailbox.loop, [(mailbox, error)])
       return

@@ -37,18 +37,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.entrypoints.async_llm import AsyncLLM, RequestOutputKind
@@ -57,12 +58,15 @@ from jaxengine.entrypoints.protocol import (
   ChatCompletionRequest,
   CompletionRequest,
   DetokenizeRequest,
+  LoadLoRAAdapterRequest,
   RequestError,
   TokenizeRequest,
+  UnloadLoRAAdapterRequest,
   error_body,
   field_named,
   json_dumps,
 )
+from jaxengine.lora import LoRARequest, load_peft_adapter
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -110,7 +114,12 @@ class _ApiKeyMiddleware:
 _KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+  engine: AsyncLLM,
+  served_model_name: str,
+  api_key: str | None = None,
+  lora_modules: Mapping[str, str] | None = None,
+) -> FastAPI:
   """The FastAPI app serving `engine` as the model `served_model_name`.
 
   Args:
@@ -118,9 +127,18 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     served_model_name: the `model` requests name (an absent `model` field means this one).
     api_key: when set, requests to `/v1/*`, `/tokenize` and `/detokenize` need
       ``Authorization: Bearer API_KEY``.
+    lora_modules: LoRA adapters served from the start, ``{name: PEFT directory}`` (an engine
+      with `enable_lora`): a request's `model` picks one by name; `/v1/load_lora_adapter` and
+      `/v1/unload_lora_adapter` add and remove adapters at run time.
+
+  Raises:
+    ValueError: a LoRA module without `enable_lora`, named twice or as the base model, or a
+      directory `jaxengine.lora.load_peft_adapter` refuses.
   """
   app = FastAPI(title="jaxengine", docs_url=None, redoc_url=None)
   serving = _Serving(engine, served_model_name)
+  for lora_name, lora_path in (lora_modules or {}).items():
+    serving.add_lora(lora_name, lora_path)
   engine.stat_loggers.append(serving.metrics.record)
   app.state.serving = serving
   if api_key:
@@ -152,7 +170,21 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     card = {"id": served_model_name, "object": "model", "created": serving.created,
             "owned_by": "jaxengine", "root": served_model_name,
             "max_model_len": engine.max_model_len}  # fmt: skip
-    return {"object": "list", "data": [card]}
+    adapters = [
+      {**card, "id": name, "root": str(lora.lora_path), "parent": served_model_name}
+      for name, lora in serving.lora_modules.items()
+    ]
+    return {"object": "list", "data": [card, *adapters]}
+
+  @app.post("/v1/load_lora_adapter")
+  async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+    serving.add_lora(body.lora_name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+  @app.post("/v1/unload_lora_adapter")
+  async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+    serving.remove_lora(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -181,10 +213,45 @@ class _Serving:
     self.model_name = model_name
     self.created = int(time.time())
     self.metrics = ServerMetrics(model_name, engine.engine)
+    #: The served LoRA adapters by name (`add_lora`).
+    self.lora_modules: dict[str, LoRARequest] = {}
+    self._lora_ids = itertools.count(1)
 
-  def check_model(self, model: str | None) -> None:
-    if model is not None and model != self.model_name:
+  def check_model(self, model: str | None) -> LoRARequest | None:
+    """The adapter a request's `model` names (None: the base model); 404 for another name."""
+    if model is None or model == self.model_name:
+      return None
+    lora = self.lora_modules.get(model)
+    if lora is None:
       raise RequestError(f"The model `{model}` does not exist.", "model", 404)
+    return lora
+
+  def add_lora(self, name: str, path: str) -> LoRARequest:
+    """Serves the PEFT adapter at `path` as model `name` (checked here, on the host; read
+    into the engine's cache by its first request). 400 (`RequestError`) when refused."""
+    manager = self.engine.engine.runner.lora
+    if manager is None:
+      raise RequestError("LoRA adapters need an engine with enable_lora=True", "lora_name")
+    if name == self.model_name or name in self.lora_modules:
+      raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    lora = LoRARequest(name, next(self._lora_ids), path)
+    try:
+      load_peft_adapter(
+        path,
+        lora.lora_int_id,
+        max_lora_rank=manager.max_lora_rank,
+        num_layers=manager.num_layers,
+        target_shapes=manager.target_shapes,
+      )
+    except ValueError as error:
+      raise RequestError(str(error), "lora_path") from None
+    self.lora_modules[name] = lora
+    return lora
+
+  def remove_lora(self, name: str) -> None:
+    """Stops serving adapter `name` (running requests finish with it); 404 if unknown."""
+    if self.lora_modules.pop(name, None) is None:
+      raise RequestError(f"The lora adapter '{name}' cannot be found.", "lora_name", 404)
 
   # --- completions ----------------------------------------------------------------------------
 
@@ -256,7 +323,7 @@ class _Serving:
     return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
 
   async def completions(self, body: CompletionRequest, request: Request) -> Response:
-    self.check_model(body.model)
+    lora = self.check_model(body.model)
     _warn_unknown(body, "/v1/completions")
     params = body.sampling_params()
     prompts = [
@@ -264,9 +331,9 @@ class _Serving:
     ]
     self.check_context(prompts, params.max_tokens, body.max_tokens_field())
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+    header = {"id": request_id, "created": int(time.time()), "model": body.model or self.model_name}
     stream = _Run(self.engine, prompts, params, request_id, body.stream, "prompt",
-                  body.constraint_source())  # fmt: skip
+                  body.constraint_source(), lora)  # fmt: skip
     if not body.stream:
       outputs = await _unless_disconnected(request, stream.finals())
       k = body.prompt_logprobs if body.prompt_logprobs is not None else params.prompt_logprobs
@@ -329,15 +396,15 @@ class _Serving:
   # --- chat -----------------------------------------------------------------------------------
 
   async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-    self.check_model(body.model)
+    lora = self.check_model(body.model)
     _warn_unknown(body, "/v1/chat/completions")
     params = body.sampling_params()
     prompt = self.truncated(self.render_chat(body), body.truncate_prompt_tokens)
     self.check_context([prompt], params.max_tokens, body.max_tokens_field())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    header = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+    header = {"id": request_id, "created": int(time.time()), "model": body.model or self.model_name}
     stream = _Run(self.engine, [prompt], params, request_id, body.stream, "messages",
-                  body.constraint_source())  # fmt: skip
+                  body.constraint_source(), lora)  # fmt: skip
     echoed = _chat_echo(body)
     if not body.stream:
       outputs = await _unless_disconnected(request, stream.finals())
@@ -439,14 +506,16 @@ class _Run:
     prompt_field: the request field an engine `ValueError` about the prompt names.
     constraint_source: where the request's output constraint was given, which an engine
       `ValueError` about `structured_outputs.{kind}` names instead (None: as it is).
+    lora_request: the LoRA adapter the request's `model` named, None for the base model.
   """
 
   def __init__(self, engine: AsyncLLM, prompts: Sequence, params, request_id: str,
                stream: bool, prompt_field: str,
-               constraint_source: str | None = None) -> None:  # fmt: skip
+               constraint_source: str | None = None,
+               lora_request: LoRARequest | None = None) -> None:  # fmt: skip
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     self.generators = [
-      engine.generate(p, params, f"{request_id}-{i}", output_kind=kind)
+      engine.generate(p, params, f"{request_id}-{i}", output_kind=kind, lora_request=lora_request)
       for i, p in enumerate(prompts)
     ]
     self.prompt_field = prompt_field

@@ -40,6 +40,20 @@ class _Strict(BaseModel):
   model_config = ConfigDict(strict=True)
 
 
+class LoadLoRAAdapterRequest(_Strict):
+  """vLLM's `/v1/load_lora_adapter` body: an adapter's served name and PEFT directory."""
+
+  lora_name: str
+  lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+  """vLLM's `/v1/unload_lora_adapter` body."""
+
+  lora_name: str
+  lora_int_id: int | None = None
+
+
 class _Body(_Strict):
   """A request body: unknown fields are kept aside (`unknown_fields`), for a warning."""
 

@@ -44,6 +44,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     help="the model name clients send (default: MODEL as given, or SmolLM2-135M-Instruct)",
   )
   group.add_argument(
+    "--lora-modules",
+    nargs="+",
+    metavar="NAME=PATH",
+    type=lora_module,
+    default=None,
+    help="LoRA adapters (PEFT directories) served as models NAME (needs --enable-lora)",
+  )
+  group.add_argument(
     "--uvicorn-log-level",
     default="info",
     choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -70,13 +78,23 @@ def run_server(args: argparse.Namespace) -> int:
   name = args.served_model_name or (str(model) if model is not None else DEFAULT_MODEL_NAME)
   api_key = args.api_key or os.environ.get("JAXENGINE_API_KEY") or None
   try:
-    uvicorn.run(
-      build_app(engine, name, api_key), host=args.host, port=args.port,
-      log_level=args.uvicorn_log_level,
-    )  # fmt: skip
+    try:
+      app = build_app(engine, name, api_key, dict(args.lora_modules or ()))
+    except ValueError as error:
+      print(f"jaxengine: --lora-modules: {error}")
+      return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
   finally:
     engine.shutdown()
   return 0
+
+
+def lora_module(text: str) -> tuple[str, str]:
+  """A ``--lora-modules`` entry, ``NAME=PATH``, as ``(name, path)`` (argparse type)."""
+  name, sep, path = text.partition("=")
+  if not sep or not name or not path:
+    raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+  return name, path
 
 
 def load_engine(args: argparse.Namespace) -> AsyncLLM:
