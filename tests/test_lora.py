@@ -15,10 +15,10 @@ import peft
 import pytest
 import torch
 import transformers
+from hf_checkpoints import config_dict, hf_config, random_tensors, write_checkpoint
 
 import jaxengine as je
 from jaxengine.testing import count_compiles
-from tests.hf_checkpoints import config_dict, hf_config, random_tensors, write_checkpoint
 
 PROMPTS = [
   [5, 17, 99, 3, 64, 21, 8, 120, 33, 7, 41],
