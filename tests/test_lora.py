@@ -361,3 +361,34 @@ def test_serve_lora_modules_flag():
   assert args.lora_modules == [("x", "/a"), ("y", "/b=c")]
   with pytest.raises(SystemExit):
     parser.parse_args(["serve", "m", "--lora-modules", "nopath"])
+
+
+def test_slot_update_compiles_once_in_precompile_and_keeps_slot_zero_empty(llm, checkpoints):
+  from jaxengine.lora import LoRAManager
+
+  _, requests = checkpoints
+  shapes = llm.llm_engine.runner.lora.target_shapes
+  manager = LoRAManager(
+    max_loras=2,
+    max_lora_rank=5,
+    max_cpu_loras=2,
+    num_layers=2,
+    target_shapes=shapes,
+    dtype=np.float32,
+  )  # fmt: skip  (rank 5: buffers of shapes no other test compiled for)
+  with count_compiles() as counter:
+    manager.precompile()
+  assert counter.count >= 1
+  with count_compiles() as counter:
+    assert manager.acquire("r1", requests[1]) == 1
+    assert manager.acquire("r2", je.LoRARequest("x", 3, requests[3].lora_path)) == 2
+  assert counter.count == 0
+  a, b = manager.buffers[0]["q_proj"]
+  assert not np.any(np.asarray(a[0])) and not np.any(np.asarray(b[0]))
+  assert np.any(np.asarray(a[1])) and not np.any(np.asarray(a[2]))  # adapter 3 skips q_proj
+  fourth = je.LoRARequest("y", 4, requests[1].lora_path)
+  with pytest.raises(RuntimeError, match="max_loras=2"):
+    manager.acquire("r3", fourth)
+  manager.release("r1")
+  assert manager.acquire("r3", fourth) == 1  # the free slot, its adapter replaced
+  assert manager.slot_ids == [4, 3]

@@ -12,7 +12,11 @@ vLLM V1's policy, for a KV cache of shared pages (`KVCacheManager`):
 2. **Waiting requests** are admitted (given a row of the batch) while rows, budget and pages
    last, after their longest cached prefix (`KVCacheManager.get_computed_blocks`); the samples
    of an `n > 1` request share the first sample's prompt pages (`KVCacheManager.fork`) when
-   prefix caching is off. Nothing is admitted in a step that preempted.
+   prefix caching is off. Nothing is admitted in a step that preempted. With LoRA adapters
+   (`max_loras`), a waiting request whose adapter is not running while `max_loras` others are
+   keeps its place and waits; the requests behind it may be admitted. Pages are keyed by the
+   request's adapter (`KVCacheManager`'s `cache_key`): a prefix is shared only between requests
+   of the same adapter (or of none).
 
 With speculative decoding, a decode's draft tokens (`schedule(draft_token_ids)`) are more query
 tokens of its row, scheduled after the running requests and before admissions while budget and

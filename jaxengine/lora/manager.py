@@ -155,6 +155,12 @@ class LoRAManager:
     """The step's `LoRAInputs` for ``[T] int32`` token slots on the device."""
     return LoRAInputs(slots=slots, layers=self.buffers)
 
+  def precompile(self) -> None:
+    """Compiles the slot update (writing zeros into slot 0, which stays zero), so that the
+    first adapter placed compiles nothing."""
+    empty = self._host_slot(LoRAAdapter(0, self.max_lora_rank, 1.0, {}))
+    self.buffers = _set_slot(self.buffers, empty, np.int32(0))
+
   def _place(self, request: LoRARequest) -> int:
     free = [s for s in range(1, self.max_loras + 1) if self._users[s] == 0]
     if not free:

@@ -114,7 +114,8 @@ def _read_tensors(
   target_shapes: Mapping[str, tuple[int, int]],
 ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
   """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)``."""
-  from safetensors.flax import load_file  # bfloat16 tensors too (NumPy has no bfloat16)
+  import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: bfloat16 adapters load too)
+  from safetensors.numpy import load_file  # host arrays: loading does no device work
 
   file = os.path.join(where, "adapter_model.safetensors")
   if not os.path.isfile(file):

@@ -158,7 +158,9 @@ class ModelRunner:
       device; else weights, pages and batch state are placed on it once, `worker/placement.py`),
       `batch_invariant`, `kv_cache_memory_bytes`, `num_kv_blocks`, `gpu_memory_utilization`
       (`worker/kv_cache_size.py`), `block_size`, `max_num_batched_tokens`, `attention_backend`,
-      `prefix_caching` and `num_speculative_tokens`.
+      `prefix_caching`, `num_speculative_tokens` and, with `enable_lora`, `max_loras`,
+      `max_lora_rank` and `max_cpu_loras` (`jaxengine.lora.LoRAManager`: adapters in device
+      slots, each token's slot an input of the ragged step).
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
@@ -736,6 +738,8 @@ class ModelRunner:
     if batch.num_reqs:
       raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
     batch.precompile_updates()
+    if self.lora is not None:
+      self.lora.precompile()
     empty = SchedulerOutput([], {}, {}, {}, [])
     columns = batch.state.num_top_logprobs + 1  # `dispatch`'s prompt logprobs
     variants = [
