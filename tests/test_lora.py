@@ -392,3 +392,32 @@ def test_slot_update_compiles_once_in_precompile_and_keeps_slot_zero_empty(llm, 
   manager.release("r1")
   assert manager.acquire("r3", fourth) == 1  # the free slot, its adapter replaced
   assert manager.slot_ids == [4, 3]
+
+
+def test_bfloat16_adapter_files_load_as_their_float32_values(checkpoints, tmp_path):
+  import shutil
+
+  import safetensors.torch
+
+  from jaxengine.lora import load_peft_adapter
+
+  _, requests = checkpoints
+  source = requests[2].lora_path
+  shutil.copytree(source, tmp_path / "bf16")
+  file = tmp_path / "bf16" / "adapter_model.safetensors"
+  tensors = safetensors.torch.load_file(file)
+  safetensors.torch.save_file({k: v.bfloat16() for k, v in tensors.items()}, file)
+  shapes = dict(
+    max_lora_rank=8,
+    num_layers=2,
+    target_shapes={"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+                   "gate_proj": (64, 96), "up_proj": (64, 96), "down_proj": (96, 64)},
+  )  # fmt: skip
+  want = load_peft_adapter(source, 2, **shapes)
+  got = load_peft_adapter(tmp_path / "bf16", 2, **shapes)
+  assert got.scale == want.scale == 16 / np.sqrt(8)  # use_rslora
+  assert set(got.weights) == set(want.weights) and len(want.weights) == 14
+  for key, (a, b) in want.weights.items():
+    np.testing.assert_allclose(got.weights[key][0], a, rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(got.weights[key][1], b, rtol=1e-2, atol=1e-3)
+    assert not np.array_equal(got.weights[key][0], a)  # rounded: the file was bfloat16
