@@ -254,6 +254,7 @@ class LLM:
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
   ) -> list[RequestOutput]:
     """Generates replies to one conversation or a list of them, using the model's chat template.
 
@@ -269,6 +270,7 @@ class LLM:
       chat_template: a Jinja chat template to use instead of the tokenizer's.
       chat_template_kwargs: more template variables (e.g. `{"enable_thinking": False}` for
         Qwen3).
+      lora_request: as in `generate` (one per conversation when a list).
 
     Returns:
       One `RequestOutput` per conversation.
@@ -288,7 +290,9 @@ class LLM:
       chat_template=chat_template,
       chat_template_kwargs=chat_template_kwargs,
     )
-    return self.generate(cast(list[Prompt], prompts), sampling_params, use_tqdm=use_tqdm)
+    return self.generate(
+      cast(list[Prompt], prompts), sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+    )
 
 
 def _load_model(

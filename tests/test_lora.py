@@ -303,6 +303,11 @@ def lora_server(tmp_path_factory):
     for name, lora in (("base", None), ("a", 1), ("b", 2))
   }  # fmt: skip
   assert len(set(refs.values())) == 3
+  chat = [{"role": "user", "content": "Hi!"}]
+  for name, lora in (("base", None), ("a", je.LoRARequest("a", 1, paths["a"]))):
+    refs["chat-" + name] = llm.chat(chat, params, lora_request=lora, use_tqdm=False)[0]
+    refs["chat-" + name] = refs["chat-" + name].outputs[0].text
+  assert refs["chat-a"] != refs["chat-base"]
   engine = AsyncLLM(llm)
   app = build_app(engine, "base", lora_modules={"a": paths["a"]})
   uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -337,6 +342,12 @@ def test_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lora_se
     assert response.status_code == 200 and response.json()["model"] == name
     assert response.json()["choices"][0]["text"] == refs[name]
   assert _complete(url, "b").status_code == 404
+  body = {"messages": [{"role": "user", "content": "Hi!"}], "temperature": 0, "max_tokens": 8}
+  for name in ("base", "a"):
+    reply = httpx.post(
+      url + "/v1/chat/completions", json={**body, "model": name, "ignore_eos": True}
+    )
+    assert reply.json()["choices"][0]["message"]["content"] == refs["chat-" + name]
   load = url + "/v1/load_lora_adapter"
   assert httpx.post(load, json={"lora_name": "b", "lora_path": paths["b"]}).status_code == 200
   assert _complete(url, "b").json()["choices"][0]["text"] == refs["b"]
