@@ -432,3 +432,20 @@ def test_bfloat16_adapter_files_load_as_their_float32_values(checkpoints, tmp_pa
     np.testing.assert_allclose(got.weights[key][0], a, rtol=1e-2, atol=1e-3)
     np.testing.assert_allclose(got.weights[key][1], b, rtol=1e-2, atol=1e-3)
     assert not np.array_equal(got.weights[key][0], a)  # rounded: the file was bfloat16
+
+
+def test_models_without_lora_support_are_refused_by_enable_lora():
+  from flax import nnx
+
+  from jaxengine.models.gemma import Gemma
+  from jaxengine.models.gemma_checkpoints import config_from_hf
+
+  text = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+    layer_types=["full_attention"], architectures=["Gemma2ForCausalLM"],
+  )  # fmt: skip
+  config = json.loads(transformers.Gemma2Config(**text).to_json_string())
+  model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="Gemma models do not support LoRA"):
+    je.LLM(model, enable_lora=True, max_model_len=32)
