@@ -21,6 +21,9 @@ row-parallel              ``wo`` ``[E, H, D]``,           second dimension over 
                           ``w_down`` ``[E, F]``           (``P(None, "model", ...)``: its input)
 vocab-parallel            ``embed``, ``lm_head``          ``P("model", None)`` (vocabulary)
                           ``[V, E]``
+expert-column-parallel    ``expert_gate``, ``expert_up``  ``P(None, "model", None)`` (each
+                          ``[X, F, E]``                   expert's intermediate features)
+expert-row-parallel       ``expert_down`` ``[X, E, F]``   ``P(None, None, "model")``
 replicated                norms, ``bo``, anything         ``P()``
                           without a rule
 ========================  ==============================  =========================================
@@ -47,7 +50,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxengine.models.registry import COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, VOCAB_PARALLEL
+from jaxengine.models.registry import (
+  COLUMN_PARALLEL,
+  EXPERT_COLUMN_PARALLEL,
+  EXPERT_ROW_PARALLEL,
+  REPLICATED,
+  ROW_PARALLEL,
+  VOCAB_PARALLEL,
+)
 
 #: Name of the mesh axis over batch rows (data parallelism).
 DATA = "data"
@@ -55,7 +65,13 @@ DATA = "data"
 MODEL = "model"
 
 # The dimension each role splits over MODEL (a role not listed is replicated).
-_ROLE_DIM = {COLUMN_PARALLEL: 0, ROW_PARALLEL: 1, VOCAB_PARALLEL: 0}
+_ROLE_DIM = {
+  COLUMN_PARALLEL: 0,
+  ROW_PARALLEL: 1,
+  VOCAB_PARALLEL: 0,
+  EXPERT_COLUMN_PARALLEL: 1,
+  EXPERT_ROW_PARALLEL: 2,
+}
 
 
 def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
