@@ -108,7 +108,7 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
   try:
     hidden_size = int(hf["hidden_size"])
     num_heads = int(hf["num_attention_heads"])
-    fields = dict(
+    fields: dict[str, Any] = dict(
       vocab_size=int(hf["vocab_size"]),
       hidden_size=hidden_size,
       intermediate_size=int(hf["intermediate_size"]),
@@ -167,7 +167,8 @@ def moe_fields_from_hf(hf: Mapping[str, Any], family: str, num_layers: int) -> d
     fields["moe_intermediate_size"] = int(hf["moe_intermediate_size"])
   except KeyError as error:
     raise ValueError(f"config.json lacks {error.args[0]!r}") from None
-  step = int(hf.get("decoder_sparse_step") or 1)
+  step = hf.get("decoder_sparse_step")
+  step = 1 if step is None else int(step)
   if step < 1:
     raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
   dense_only = {int(i) for i in hf.get("mlp_only_layers") or []}
