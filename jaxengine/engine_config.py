@@ -72,6 +72,10 @@ class EngineConfig:
       (`kv_cache_memory_bytes`, `num_kv_blocks` and `max_num_batched_tokens` are each group's),
       scheduler and prefix cache, and a copy of the weights; each request runs in the group
       with the fewest unfinished sequences (`data_parallel_groups`, `LLMEngine`).
+    enable_expert_parallel: split the experts of a mixture-of-experts model (Qwen3-MoE,
+      Mixtral) over the "model" axis, each device holding whole experts (vLLM's name), instead
+      of splitting every expert's matrices (default False; attention stays tensor parallel).
+      The model axis must divide the model's number of experts. No effect on one device.
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
       built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
       refused). The pages split over key/value heads on the "model" axis
@@ -161,6 +165,7 @@ class EngineConfig:
   download_dir: str | None = None
   tensor_parallel_size: int = 1
   data_parallel_size: int = 1
+  enable_expert_parallel: bool = False
   mesh: jax.sharding.Mesh | None = None
   compilation_cache: bool | str | os.PathLike = True
   precompile: bool = False
@@ -216,6 +221,7 @@ class EngineConfig:
       "precompile",
       "enable_chunked_prefill",
       "batch_invariant",
+      "enable_expert_parallel",
       "enforce_eager",
       "trust_remote_code",
     ):

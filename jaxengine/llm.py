@@ -82,6 +82,9 @@ class LLM:
     data_parallel_size: data-parallel groups (it must divide `max_num_reqs`), each with
       `tensor_parallel_size` devices, its share of the rows, its own pool of KV-cache pages,
       scheduler and copy of the weights; each request runs in one group (see `LLMEngine`).
+    enable_expert_parallel: a mixture-of-experts model's experts split over the devices of
+      `tensor_parallel_size` (whole experts per device) instead of each expert's matrices;
+      the device count must divide the model's experts.
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
     compilation_cache: JAX's persistent compilation cache, so a second process start reads the

@@ -152,10 +152,11 @@ class ModelRunner:
     input_batch: the persistent batch the runner samples into, built with the config's
       `max_num_reqs`, `max_model_len` and `max_num_blocks_per_req` (its `block_table`).
     config: the engine's `EngineConfig` (validated); the runner reads `mesh` (None: one
-      device; else weights, pages and batch state are placed on it once, `worker/placement.py`),
-      `batch_invariant`, `kv_cache_memory_bytes`, `num_kv_blocks`, `gpu_memory_utilization`
-      (`worker/kv_cache_size.py`), `block_size`, `max_num_batched_tokens`, `attention_backend`,
-      `prefix_caching` and `num_speculative_tokens`.
+      device; else weights, pages and batch state are placed on it once, `worker/placement.py`,
+      the experts as `enable_expert_parallel` says), `batch_invariant`, `kv_cache_memory_bytes`,
+      `num_kv_blocks`, `gpu_memory_utilization` (`worker/kv_cache_size.py`), `block_size`,
+      `max_num_batched_tokens`, `attention_backend`, `prefix_caching` and
+      `num_speculative_tokens`.
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
@@ -184,7 +185,9 @@ class ModelRunner:
     self._placement: MeshPlacement | None = None
     if self.mesh is not None:
       mesh = parallel.check_mesh(self.mesh)
-      self._placement = MeshPlacement(model, self.weights, input_batch, mesh)
+      self._placement = MeshPlacement(
+        model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
+      )
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)
     self.kv_cache = self._create_kv_cache(model, config)
