@@ -25,7 +25,7 @@ from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.engine import EngineConfig
-from jaxengine.models import load_safetensors, token_logprobs
+from jaxengine.models import load_safetensors, moe, token_logprobs
 from jaxengine.models.batch_invariant import ROW_TILE
 from jaxengine.models.moe import grouped_linear, route
 from jaxengine.parallel import check_experts
@@ -205,6 +205,12 @@ def test_batch_invariant_mode_keeps_a_tokens_bits_among_others(tmp_path):
 # --------------------------------------------------------------------------- building blocks
 
 
+def _grouped_reference(x, w, sizes):
+  group = np.repeat(np.arange(len(sizes)), sizes)
+  rest = np.zeros((len(x) - len(group), w.shape[1]))
+  return np.concatenate([np.einsum("mi,moi->mo", x[: len(group)], w[group]), rest])
+
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_grouped_linear_multiplies_each_row_by_its_groups_matrix(batch_invariant):
   rng = np.random.default_rng(0)
@@ -212,14 +218,20 @@ def test_grouped_linear_multiplies_each_row_by_its_groups_matrix(batch_invariant
   rows = int(sizes.sum()) + 2  # two rows past the groups
   x = rng.standard_normal((rows, 12)).astype(np.float32)
   w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
-  got = np.asarray(
-    grouped_linear(
-      jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), batch_invariant=batch_invariant
-    )
-  )
-  group = np.repeat(np.arange(len(sizes)), sizes)
-  want = np.concatenate([np.einsum("mi,moi->mo", x[: len(group)], w[group]), np.zeros((2, 5))])
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  args = jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)
+  got = np.asarray(grouped_linear(*args, batch_invariant=batch_invariant))
+  np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("product", ["_ragged", "_every_group_then_pick"])
+def test_both_grouped_products_agree(product):
+  """The GPU/TPU form (`ragged_dot_general`, lowered densely on CPU) and the CPU form."""
+  rng = np.random.default_rng(1)
+  sizes = np.array([0, 4, 1, 0, 7, 2], np.int32)
+  x = rng.standard_normal((16, 12)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
+  got = np.asarray(jax.jit(getattr(moe, product))(x, w, sizes))
+  np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
 
 
 def test_batch_invariant_grouped_linear_gives_a_row_the_same_bits_alone_and_among_others():

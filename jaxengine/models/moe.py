@@ -10,22 +10,26 @@ SwiGLU experts and sums their outputs weighted by the router:
 2. group: the ``T * k`` (token, expert) assignments sorted by expert (a stable sort, so tokens
    keep their order inside a group), with each expert's count, ``group_sizes [X]``;
 3. compute: gate, up and down projections as grouped matmuls over the sorted rows
-   (`grouped_linear`, `jax.lax.ragged_dot_general`): row ``r`` is multiplied by the matrix of
-   the expert its group belongs to, and no expert is applied to tokens that did not pick it;
+   (`grouped_linear`, `jax.lax.ragged_dot_general` on GPU and TPU): row ``r`` is multiplied by
+   the matrix of the expert its group belongs to;
 4. combine: the rows put back in assignment order and each token's ``k`` outputs summed,
    weighted by its routing weights (in float32, then cast to the model dtype).
 
 Expert weights are stacked per block, ``[X, out, in]`` (each expert's matrix in PyTorch's
 ``nn.Linear`` layout, as the checkpoints store it, so a per-expert checkpoint tensor fills one
-row of the stack: `jaxengine.models.llama_checkpoints.hf_weight_specs`). Contracting the weight's
-last dimension (``[X, out, in]``) or its middle one (``[X, in, out]``) made no difference on
-XLA:CPU (measured: 8 experts, 512 -> 1024, 2 to 256 rows, within 7%).
+row of the stack: `jaxengine.models.llama_checkpoints.hf_weight_specs`).
 
 On GPU and TPU `ragged_dot_general` lowers to a grouped-matmul kernel whose work is the
-assignments' only. XLA:CPU has no such kernel: JAX lowers it there to one dense product of the
-rows, masked per group, with every expert's matrix, so a CPU step does ``X`` times the FLOPs of
-the active experts (about 4x the time of an equally wide dense MLP with 8 experts, top 2,
-measured on a 2-core CPU); results are the same.
+assignments' only. XLA:CPU has no such kernel: JAX lowers the ragged product there to one dense
+product of the rows, masked per group, with every expert's matrix, and the product's operand
+order makes XLA copy every expert's weights into a transposed buffer on each call. So on CPU the
+block multiplies the sorted rows by every expert's matrix as a product batched over the experts
+(weights read in place) and keeps each row's own expert's result: the lowering's FLOPs without
+its copy. Measured on a 2-core CPU, 8 experts of 512 -> 512, weights passed as arguments, 2 / 16
+/ 64 / 256 rows: 2.70 / 3.29 / 5.15 / 10.72 ms for the ragged product over ``[X, out, in]``,
+1.17 / 1.71 / 3.45 / 8.89 ms over ``[X, in, out]``, 0.46 / 0.62 / 1.70 / 6.38 ms for the batched
+product (a dense product as wide as all 8 experts: 0.60 / 0.99 / 2.24 / 6.35 ms). The CPU step
+thus costs about what a dense MLP as wide as all experts does (`benchmarks/bench_moe.py`).
 
 Sharding (`jaxengine.models.registry`): the stacked matrices are `EXPERT_COLUMN_PARALLEL`
 (gate, up: split on ``out``, the expert's intermediate features) and `EXPERT_ROW_PARALLEL`
@@ -113,6 +117,9 @@ def grouped_linear(
 ) -> jax.Array:
   """Row ``r`` of `x` times the ``[out, in]`` matrix of the group it lies in (a grouped matmul).
 
+  On GPU and TPU one `jax.lax.ragged_dot_general` (a grouped-matmul kernel); on CPU
+  `_every_group_then_pick` (see the module docstring for why).
+
   Args:
     x: ``[M, in]`` rows sorted by group: the first ``group_sizes[0]`` rows belong to group 0,
       the next ``group_sizes[1]`` to group 1, and so on.
@@ -126,8 +133,9 @@ def grouped_linear(
   """
   dtype = jnp.result_type(x, w)
   x, w = x.astype(dtype), w.astype(dtype)
+  product = _every_group_then_pick if jax.default_backend() == "cpu" else _ragged
   if not batch_invariant:
-    return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED)
+    return product(x, w, group_sizes)
   rows = x.shape[0]
   num_tiles = max(1, math.ceil(rows / ROW_TILE))
   tiles = jnp.pad(x, ((0, num_tiles * ROW_TILE - rows), (0, 0))).reshape(num_tiles, ROW_TILE, -1)
@@ -140,10 +148,28 @@ def grouped_linear(
   def tile_product(args):
     tile, sizes = args
     tile, weight = jax.lax.optimization_barrier((tile, w))
-    return jax.lax.optimization_barrier(jax.lax.ragged_dot_general(tile, weight, sizes, _RAGGED))
+    return jax.lax.optimization_barrier(product(tile, weight, sizes))
 
   out = jax.lax.map(tile_product, (tiles, tile_sizes))  # [tiles, ROW_TILE, out]
   return out.reshape(num_tiles * ROW_TILE, -1)[:rows]
+
+
+def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`grouped_linear` as one ragged product (a grouped-matmul kernel on GPU and TPU)."""
+  return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED)
+
+
+def _every_group_then_pick(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`grouped_linear` as XLA:CPU runs it best: every row times every group's matrix, batched
+  over the groups (``[X, M, out]``, each matrix read in place), then each row's own group's
+  result (exact: a selection, no sum); rows past the groups give zeros."""
+  num_groups, rows = w.shape[0], x.shape[0]
+  # Batched over X with the groups leading ([X, M, out]): XLA:CPU reads each [out, in] matrix
+  # in place (an [M, X, out] result made it copy the weights first, 5x slower).
+  every = jnp.einsum("mi,xoi->xmo", x, w)
+  group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")  # [M]
+  picked = jnp.take_along_axis(every, jnp.minimum(group, num_groups - 1)[None, :, None], axis=0)
+  return jnp.where((group < num_groups)[:, None], picked[0], 0)
 
 
 class SparseMoeBlock(nnx.Module):
