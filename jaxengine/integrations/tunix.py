@@ -13,7 +13,7 @@ there, or a `functools.partial` of it carrying engine options, and Tunix constru
       training_config=...,
     )
 
-The rollout serves the actor (a Tunix `Llama3`, `Qwen2` or `Qwen3`) as a `jaxengine.LLM` over a
+The rollout serves the actor (a Tunix `Llama3`, `Qwen2` or `Qwen3`, dense or MoE) as a `jaxengine.LLM` over a
 `jaxengine.models.Llama` holding the same weights (`jaxengine.integrations.tunix_weights` maps the
 names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
 devices, with per-request seeds and no recompiles when the weights change: after each training
