@@ -27,6 +27,7 @@ import jaxengine as je
 from jaxengine.engine import EngineConfig
 from jaxengine.models import load_safetensors, moe, token_logprobs
 from jaxengine.models.batch_invariant import ROW_TILE
+from jaxengine.models.llama_checkpoints import config_from_gguf
 from jaxengine.models.moe import grouped_linear, route
 from jaxengine.parallel import check_experts
 
@@ -281,6 +282,12 @@ def test_bad_moe_configs_are_refused_naming_the_field(fields, message):
   config = {k: v for k, v in config.items() if v is not None}
   with pytest.raises(ValueError, match=message):
     je.models.config_from_hf(config)
+
+
+def test_gguf_mixture_of_experts_is_refused_by_name():
+  metadata = {"llama.expert_count": 8, "llama.embedding_length": 64}
+  with pytest.raises(ValueError, match=r"llama\.expert_count=8\) are not supported"):
+    config_from_gguf(metadata, {"token_embd.weight": (128, 64)})
 
 
 # --------------------------------------------------------------------------- mesh

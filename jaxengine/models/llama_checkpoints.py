@@ -286,8 +286,14 @@ def config_from_gguf(
 
   Raises:
     ValueError: features this model lacks (rope scaling, a rotary dimension other than
-      head_dim).
+      head_dim, mixture-of-experts layers: ``llama.expert_count``).
   """
+  experts = metadata.get("llama.expert_count")
+  if experts:
+    raise ValueError(
+      f"GGUF mixture-of-experts models (llama.expert_count={experts}) are not supported; load "
+      "the Hugging Face checkpoint (MixtralForCausalLM) instead"
+    )
   if "rope_freqs.weight" in tensor_shapes or metadata.get("llama.rope.scaling.type") not in (
     None,
     "none",
