@@ -130,9 +130,8 @@ def test_greedy_tokens_and_prompt_logprobs_match_transformers(checkpoint):
   reference = _hf_log_softmax(model, PROMPT)
   want = [reference[t, token] for t, token in enumerate(PROMPT[1:])]
   np.testing.assert_allclose(_prompt_logprobs(out, PROMPT), want, atol=1e-4, rtol=0)
-  # The routing weights matter: renormalising them (or not) moves the logprobs.
-  routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-  if case == "qwen3_moe":
+  if case == "qwen3_moe":  # the routing weights matter: renormalising them moves the logprobs
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     for router in routers:
       router.norm_topk_prob = True
     flipped = _hf_log_softmax(model, PROMPT)
@@ -175,7 +174,7 @@ def test_load_weights_by_checkpoint_names_compiles_nothing(checkpoint, compile_c
 
 
 def test_batch_invariant_mode_keeps_a_tokens_bits_among_others(tmp_path):
-  """The ragged products run ``ROW_TILE`` sorted rows at a time: a request's logprobs are the
+  """The grouped products run ``ROW_TILE`` sorted rows at a time: a request's logprobs are the
   same bits alone and beside others (whose tokens land in the same tiles and experts), and the
   trainer's `token_logprobs` equals them (Qwen3-MoE: sparse and dense layers)."""
   _hf_model("qwen3_moe", seed=2).save_pretrained(tmp_path)
