@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
   """
   parser = argparse.ArgumentParser(
     prog="jaxengine",
-    description="Generate text on JAX with a Llama-family model (GGUF file or Hugging Face "
-    "checkpoint: Llama, Mistral, Qwen2, Qwen3).",
+    description="Generate text on JAX with a Llama-family or Gemma model (GGUF file or Hugging "
+    "Face checkpoint: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3).",
   )
   commands = parser.add_subparsers(
     dest="command",

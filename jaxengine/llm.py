@@ -51,7 +51,9 @@ class LLM:
       - a path to a Llama-family GGUF file;
       - a Hugging Face model directory (`config.json`, `model.safetensors` or sharded files with
         `model.safetensors.index.json`, `tokenizer.json`, `generation_config.json`) of a
-        `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`;
+        `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+        `Gemma2ForCausalLM`, `Gemma3ForCausalLM` or `Gemma3ForConditionalGeneration` (its
+        language model);
       - a Hugging Face hub id (`"Qwen/Qwen2.5-0.5B-Instruct"`), downloaded through
         `huggingface_hub` or, offline (`HF_HUB_OFFLINE=1`), taken from its local cache;
       - a built model implementing `jaxengine.models.Model` (`jaxengine.models.Llama` or your

@@ -93,10 +93,11 @@ def dense_pages(step: RaggedStep, which: str) -> np.ndarray:
 
 
 def reference_attention(
-  step: RaggedStep, scale: float, sliding_window: int | None = None
+  step: RaggedStep, scale: float, sliding_window: int | None = None, soft_cap: float | None = None
 ) -> np.ndarray:
   """`[T, H, D]` float64 causal grouped-query attention per request (a query at position `p`
-  sees `s <= p`, and `s > p - sliding_window` with a window); padding rows 0."""
+  sees `s <= p`, and `s > p - sliding_window` with a window; scaled scores `x` become
+  `soft_cap * tanh(x / soft_cap)` with a cap); padding rows 0."""
   out = np.zeros(step.q.shape, np.float64)
   start = 0
   num_heads = step.q.shape[1]
@@ -107,6 +108,8 @@ def reference_attention(
     v = np.repeat(values.astype(np.float64), group, axis=1)
     q = step.q[start : start + new].astype(np.float64)  # [q, H, D]
     scores = np.einsum("qhd,shd->hqs", q, k) * scale
+    if soft_cap is not None:
+      scores = soft_cap * np.tanh(scores / soft_cap)
     position = seq_len - new + np.arange(new)
     key_position = np.arange(seq_len)[None, None]
     visible = key_position <= position[None, :, None]

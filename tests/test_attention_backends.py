@@ -30,17 +30,18 @@ STEPS = {
 
 
 def _tpu_reference_kernel(
-  q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None
-):
+  q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
+  soft_cap=None,
+):  # fmt: skip
   """The TPU kernel's reference function, padded back to the kernel's `[T, H, D]` output."""
   out = ref_ragged_paged_attention(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-    sliding_window=sliding_window,
+    sliding_window=sliding_window, soft_cap=soft_cap,
   )  # fmt: skip
   return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
 
 
-def _run(backend, step, num_layers=None, layer=None, sliding_window=None):
+def _run(backend, step, num_layers=None, layer=None, sliding_window=None, soft_cap=None):
   """Writes every context token through the backend, then attends (eagerly)."""
   pages = backend.init_pages(step.num_blocks, B, K, D, num_layers=num_layers)
   keys, values = np.concatenate(step.keys), np.concatenate(step.values)
@@ -49,10 +50,11 @@ def _run(backend, step, num_layers=None, layer=None, sliding_window=None):
     pages = tuple(p[layer] for p in pages)
   attention = backend.attention
   if not isinstance(backend, PallasTpuAttentionBackend):  # its reference function needs values
-    attention = jax.jit(attention, static_argnames=("scale", "num_kv_heads", "sliding_window"))
+    static = ("scale", "num_kv_heads", "sliding_window", "soft_cap")
+    attention = jax.jit(attention, static_argnames=static)
   out = attention(
     jnp.asarray(step.q), pages, step.md, scale=SCALE, num_kv_heads=step.keys[0].shape[1],
-    sliding_window=sliding_window,
+    sliding_window=sliding_window, soft_cap=soft_cap,
   )  # fmt: skip
   return np.asarray(out)
 
@@ -94,6 +96,28 @@ def test_sliding_window_matches_the_float64_reference(backend_name):
   backend.check_sliding_window(None)
   with pytest.raises(ValueError, match="'pallas_gpu' has no sliding-window attention, got sli"):
     backend.check_sliding_window(5)
+
+
+@pytest.mark.parametrize("backend_name", ["xla", "pallas_tpu_reference"])
+def test_soft_cap_with_a_window_matches_the_float64_reference(backend_name):
+  """The TPU kernel takes `soft_cap` (`c * tanh(s / c)` of the scaled scores, before masking);
+  XLA caps its own scores. The GPU backend refuses a cap, as it refuses a window."""
+  requests = [(9, 1), (4, 6), (0, 3), (15, 1), (11, 5)]
+  step = make_step(
+    np.random.default_rng(10), requests, num_tokens=16, num_reqs=6, max_blocks=6,
+    num_heads=H, num_kv_heads=K, head_dim=D, block_size=B,
+  )  # fmt: skip
+  step.q[:] *= 4  # scores of several units, so that a cap of 1.5 changes the weights
+  out = _run(BACKENDS[backend_name], step, sliding_window=5, soft_cap=1.5)
+  want = reference_attention(step, SCALE, 5, soft_cap=1.5)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  assert np.abs(want - reference_attention(step, SCALE, 5)).max() > 1e-2
+  assert not out[sum(step.query_lens) :].any()
+  backend = BACKENDS["pallas_gpu_interpret"]
+  assert not backend.supports_soft_cap and BACKENDS[backend_name].supports_soft_cap
+  backend.check_soft_cap(None)
+  with pytest.raises(ValueError, match="'pallas_gpu' has no attention logit soft-capping, got"):
+    backend.check_soft_cap(1.5)
 
 
 def test_gpu_decode_kernel_itself_matches_the_reference():

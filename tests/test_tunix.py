@@ -1,6 +1,7 @@
 """jaxengine as a Tunix rollout engine (`jaxengine.integrations.tunix`), against the real Tunix.
 
-Tiny random Tunix models (Llama 3, Qwen2, Qwen3) with a byte tokenizer, on CPU. The rollout's
+Tiny random Tunix models (Llama 3, Qwen2, Qwen3; Gemma 1, Gemma 2 and Gemma 3 with windows of 4
+positions, soft caps and both rotary bases) with a byte tokenizer, on CPU. The rollout's
 logprobs are checked against Tunix's own trainer recomputation (`common.compute_per_token_logps`,
 the log-softmax of the logits divided by the temperature), its greedy rollouts against Tunix's
 vanilla sampler on the same weights, and a `GRPOLearner` trains through it on its own mesh and
@@ -17,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tunix.models.gemma import model as gemma
+from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen2 import model as qwen2
 from tunix.models.qwen3 import model as qwen3
@@ -55,6 +58,7 @@ class ByteTokenizer:
 
 
 SIZES = dict(num_layers=2, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4)
+GEMMA_SIZES = dict(num_layers=3, num_embed=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4)
 CONFIGS = {
   # rope_theta 500000 is not what Tunix's Llama 3 rotates with (its apply_rope default): the
   # engine must follow the module, not the config.
@@ -93,6 +97,48 @@ CONFIGS = {
       use_tied_embedding=False,
       num_experts=4,
       num_experts_per_tok=2,
+    ),
+  ),
+  # Gemma 1: fused q/k/v (N == K), no post norms, global layers only.
+  "gemma1": (
+    gemma.Gemma,
+    gemma.ModelConfig(
+      **GEMMA_SIZES,
+      head_dim=8,
+      num_kv_heads=4,
+      final_logit_softcap=None,
+      use_post_attn_norm=False,
+      use_post_ffw_norm=False,
+      attention_types=(gemma.AttentionType.GLOBAL,) * 3,
+    ),
+  ),
+  "gemma2": (
+    gemma.Gemma,
+    gemma.ModelConfig(
+      **{**GEMMA_SIZES, "num_layers": 4},
+      head_dim=8,
+      num_kv_heads=2,
+      final_logit_softcap=3.0,
+      use_post_attn_norm=True,
+      use_post_ffw_norm=True,
+      attention_types=(gemma.AttentionType.LOCAL_SLIDING, gemma.AttentionType.GLOBAL) * 2,
+      attn_logits_soft_cap=2.0,
+      sliding_window_size=4,
+    ),
+  ),
+  # Gemma 3: five local layers then a global one; queries scaled by (E / N) ** -0.5 != D ** -0.5.
+  "gemma3": (
+    gemma3.Gemma3,
+    gemma3.ModelConfig(
+      **{**GEMMA_SIZES, "num_layers": 6},
+      head_dim=16,
+      num_kv_heads=1,
+      sliding_window_size=4,
+      local_base_frequency=100,
+      global_base_frequency=1000,
+      global_scale_factor=2.0,
+      query_pre_attn_norm=gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS,
+      param_dtype=jnp.float32,
     ),
   ),
 }
@@ -186,7 +232,14 @@ def test_teacher_forced_logprobs_follow_update_params_without_compiling(name):
   rng = np.random.default_rng(0)
   prompts = np.full((4, 16), PAD, np.int32)
   completions = np.full((4, MAX_TOKENS), PAD, np.int32)
-  for row, (n, c) in enumerate([(3, 6), (16, 2), (9, 0), (1, 5)]):
+  lens = [(3, 6), (16, 2), (9, 0), (1, 5)]
+  if name == "gemma2":
+    # Tunix's Gemma (1 and 2) windows a local layer by key *index* in the padded row against the
+    # query's position (`_create_sliding_mask`), so on a left-padded row its window is shifted
+    # by the padding; the engine windows by position, as transformers and Tunix's Gemma 3 do.
+    # Unpadded rows, where the two agree, check the window here.
+    lens = [(16, 6), (16, 2), (16, 0), (16, 5)]
+  for row, (n, c) in enumerate(lens):
     prompts[row, 16 - n :] = [BOS, *rng.integers(3, VOCAB, n - 1)]
     completions[row, :c] = rng.integers(3, VOCAB, c)
   mask = completions != PAD
@@ -260,6 +313,22 @@ def test_greedy_rollouts_equal_tunix_vanilla_rollout(served):
   assert ours.left_padded_prompt_tokens[1].tolist() == [PAD] * 30 + [BOS, ord("a") + 3]
 
 
+def test_gemma3_greedy_rollouts_equal_tunix_vanilla_rollout():
+  """Gemma 3 (windows of 4 on prompts of up to 26 tokens, two rotary bases) samples what Tunix's
+  own sampler samples."""
+  model = build("gemma3")
+  rollout = make_rollout(model)
+  cfg = CONFIGS["gemma3"][1]
+  cache = base_rollout.CacheConfig(
+    cache_size=64, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+  )
+  vanilla = vanilla_rollout.VanillaRollout(model, rollout.tokenizer, cache)
+  config = rollout_config(top_p=None)
+  ours, theirs = rollout.generate(PROMPTS, config), vanilla.generate(PROMPTS, config)
+  assert [t.tolist() for t in ours.tokens] == [list(t) for t in theirs.tokens]
+  assert ours.text == theirs.text
+
+
 def test_rollouts_after_update_params_sample_from_the_new_weights(served):
   name, model, rollout = served
   config = rollout_config(seed=5)
@@ -286,7 +355,7 @@ def test_bad_inputs_raise_value_errors(served):
     rollout.generate(PROMPTS, rollout_config(max_tokens_to_generate=60))
   with pytest.raises(ValueError, match="prompts is empty"):
     rollout.generate([], rollout_config())
-  with pytest.raises(ValueError, match="Llama3, Qwen2 or Qwen3"):
+  with pytest.raises(ValueError, match="Llama3, Qwen2, Qwen3, Gemma or Gemma3"):
     JaxEngineRollout(rollout_actor=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tokenizer=ByteTokenizer())
   with pytest.raises(ValueError, match="logprobs_mode"):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")

@@ -13,8 +13,10 @@ there, or a `functools.partial` of it carrying engine options, and Tunix constru
       training_config=...,
     )
 
-The rollout serves the actor (a Tunix `Llama3`, `Qwen2` or `Qwen3`, dense or MoE) as a `jaxengine.LLM` over a
-`jaxengine.models.Llama` holding the same weights (`jaxengine.integrations.tunix_weights` maps the
+The rollout serves the actor (a Tunix `Llama3`, `Qwen2`, `Qwen3` (dense or MoE), `Gemma` or
+`Gemma3`) as a `jaxengine.LLM` over a `jaxengine.models.Llama` (or, for Gemma,
+`jaxengine.models.gemma.Gemma`) holding the same weights (`jaxengine.integrations.tunix_weights`
+maps the
 names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
 devices, with per-request seeds and no recompiles when the weights change: after each training
 step Tunix calls `update_params` with the trainer's `nnx.Param` state, which goes through
@@ -47,14 +49,15 @@ except ModuleNotFoundError as error:  # the extra is not installed: say how to i
   raise missing_extra(error, __name__) from error
 
 from jaxengine.integrations.tunix_weights import (
+  EngineConfig,
+  config_from_tunix,
   engine_leaves,
-  llama_config_from_tunix,
+  engine_module,
   tunix_param_leaves,
 )
 from jaxengine.llm import LLM
 from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache
-from jaxengine.models.llama import Llama, LlamaConfig
 from jaxengine.models.weights import replace_leaves, state_leaves
 from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
@@ -219,7 +222,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
   every `rollout_vllm_*` / `rollout_sglang_jax_*` field. `RolloutOutput.logits` is empty.
 
   Args:
-    rollout_actor: the Tunix `Llama3`, `Qwen2` or `Qwen3` module to serve (its weights are
+    rollout_actor: the Tunix `Llama3`, `Qwen2`, `Qwen3`, `Gemma` or `Gemma3` module to serve (its weights are
       copied into the engine's layout; later changes reach the engine through `update_params`).
     tokenizer: a Tunix `TokenizerAdapter` or anything it wraps (HF, SentencePiece, or an object
       with encode/decode/bos_id/eos_id/pad_id).
@@ -257,7 +260,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     )
     self.rollout_mesh = mesh
     max_model_len = int(engine_options.pop("max_model_len", self.rollout_config.kv_cache_size))
-    self.config: LlamaConfig = llama_config_from_tunix(
+    self.config: EngineConfig = config_from_tunix(
       rollout_actor,
       max_position_embeddings=max_model_len,
       bos_token_id=self.tokenizer.bos_id(),
@@ -267,7 +270,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     self.dtype = jnp.dtype(
       self.rollout_config.data_type or params["embedder.input_embedding"].dtype
     )
-    abstract = nnx.eval_shape(lambda: Llama(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+    module = engine_module(self.config)
+    abstract = nnx.eval_shape(lambda: module(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_weights = nnx.split(abstract)
     self.device = _engine_device(mesh, params["embedder.input_embedding"])
     leaves = engine_leaves(params, self.config, self.dtype, self.device)
@@ -389,7 +393,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     return self.tokenizer.eos_id()
 
   def model(self) -> nnx.Module:
-    """The engine's model (a `jaxengine.models.Llama` over the engine's current weights)."""
+    """The engine's model (a `jaxengine.models.Llama` or `jaxengine.models.gemma.Gemma` over the
+    engine's current weights)."""
     return cast(nnx.Module, self.llm.llm_engine.runner.model)
 
   # --- logprobs ------------------------------------------------------------------------------

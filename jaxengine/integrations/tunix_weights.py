@@ -1,10 +1,12 @@
-"""Tunix's Llama 3, Qwen2 and Qwen3 (dense and MoE) modules as `jaxengine.models.Llama`: config
+"""Tunix's Llama 3, Qwen2, Qwen3 (dense, MoE), Gemma and Gemma 3 modules as engine models: config
 and weights.
 
 Tunix (`google-tunix`) keeps its own NNX decoders, with their own parameter names and layouts; the
-engine serves `jaxengine.models.Llama`. This module maps one onto the other:
+engine serves `jaxengine.models.Llama` (Llama 3, Qwen2, Qwen3) and `jaxengine.models.gemma.Gemma`
+(Gemma 1 and 2, Gemma 3). This module maps one onto the other:
 
-- `llama_config_from_tunix`: the `LlamaConfig` that computes what the Tunix module computes;
+- `config_from_tunix`: the `LlamaConfig` or `GemmaConfig` that computes what the Tunix module
+  computes (`llama_config_from_tunix`, `gemma_config_from_tunix`), `engine_module` its class;
 - `engine_leaves`: the Tunix module's `nnx.Param` state as the engine model's leaves: each array
   moved device to device onto the engine's device (`on_device`), then one jitted function of all
   the weights changes the layouts there, so a repeated update with the same shapes and
@@ -33,6 +35,28 @@ layer, top-``num_experts_per_tok`` weights renormalised):
     layers.i.mlp.{gate,up}_proj     [X, E, F]   -> layers.i.mlp.expert_{gate,up} [X, F, E]
     layers.i.mlp.down_proj          [X, F, E]   -> layers.i.mlp.expert_down  [X, E, F]
 
+Gemma (``tunix.models.gemma``: Gemma 1 and 2) and Gemma 3 (``tunix.models.gemma3``), Tunix ->
+`jaxengine.models.gemma.Gemma` (``N`` query heads; the einsum weights carry ``[..., E, D]``):
+
+    embedder.input_embedding        [V, E]        -> embed (tied: Tunix decodes with it)
+    final_norm.scale                [E]           -> final_norm.scale          (both 1 + w)
+    layers.i.pre_attention_norm.scale             -> layers.i.input_norm.scale
+    layers.i.post_attn_norm.scale (Gemma), post_attention_norm.scale (Gemma 3)
+                                                  -> layers.i.post_attention_norm.scale
+    layers.i.pre_ffw_norm.scale, post_ffw_norm.scale
+                                  -> layers.i.pre_feedforward_norm.scale, post_feedforward_norm.scale
+    layers.i.attn.q_einsum.w        [N, E, D]     -> layers.i.attn.wq          [N, D, E]
+    layers.i.attn.kv_einsum.w       [2, K, E, D]  -> layers.i.attn.wk, wv      [K, D, E]
+    layers.i.attn.qkv_einsum.w      [3, N, E, D]  -> wq, wk, wv  (when N == K)
+    layers.i.attn.attn_vec_einsum.w [N, D, E]     -> layers.i.attn.wo          [E, N, D]
+    layers.i.attn._query_norm.scale, _key_norm.scale (Gemma 3) -> layers.i.attn.{q,k}_norm.scale
+    layers.i.mlp.*_proj.kernel                    -> as for Llama (transposed)
+
+Tunix Gemma 3's vision encoder and projector (``vision_encoder.*``, ``embedder.mm_*``) are left
+unread. Tunix's Gemma rotates with base 10,000 on every layer and scales queries by
+``head_dim ** -0.5`` (whatever a Gemma 2 checkpoint's ``query_pre_attn_scalar``); Gemma 3 by its
+config's `query_pre_attn_norm`, with its local and global bases and scale factors.
+
 Rotary base: Tunix 0.1.7's Llama 3 and Qwen3 attention call their `apply_rope` without the
 config's ``rope_theta``, so they rotate with that function's default base (1,000,000) whatever the
 config says; Qwen2 passes its ``rope_theta``. The engine model uses the base the Tunix module
@@ -43,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,26 +79,42 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxengine.integrations import missing_extra
 
 try:
+  from tunix.models.gemma import model as tunix_gemma
+  from tunix.models.gemma3 import model as tunix_gemma3
   from tunix.models.llama3 import model as tunix_llama3
   from tunix.models.qwen2 import model as tunix_qwen2
   from tunix.models.qwen3 import model as tunix_qwen3
 except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
   raise missing_extra(error, __name__) from error
 
+from jaxengine.models.gemma import Gemma
+from jaxengine.models.gemma_config import FULL, SLIDING, GemmaConfig, GemmaRope
+from jaxengine.models.llama import Llama
 from jaxengine.models.llama_config import LlamaConfig
 from jaxengine.models.weights import LeafPath, dotted, leaf_path
 
 __all__ = [
   "SUPPORTED_MODELS",
+  "config_from_tunix",
   "effective_rope_theta",
   "engine_leaves",
+  "engine_module",
+  "gemma_config_from_tunix",
   "llama_config_from_tunix",
   "on_device",
   "tunix_param_leaves",
 ]
 
+#: The Tunix decoder classes the rollout serves through `jaxengine.models.Llama`.
+LLAMA_MODELS = (tunix_llama3.Llama3, tunix_qwen2.Qwen2, tunix_qwen3.Qwen3)
+#: ... and through `jaxengine.models.gemma.Gemma`.
+GEMMA_MODELS = (tunix_gemma.Gemma, tunix_gemma3.Gemma3)
 #: The Tunix decoder classes the rollout serves.
-SUPPORTED_MODELS = (tunix_llama3.Llama3, tunix_qwen2.Qwen2, tunix_qwen3.Qwen3)
+SUPPORTED_MODELS = (*LLAMA_MODELS, *GEMMA_MODELS)
+#: Tunix parameters the engine model has no use for (Gemma 3's vision encoder and projector).
+IGNORED_PREFIXES = ("vision_encoder.", "embedder.mm_")
+#: The engine config of either family.
+EngineConfig = LlamaConfig | GemmaConfig
 
 
 def effective_rope_theta(model: Any) -> float:
@@ -116,7 +157,7 @@ def llama_config_from_tunix(
   Raises:
     ValueError: another model class.
   """
-  if not isinstance(model, SUPPORTED_MODELS):
+  if not isinstance(model, LLAMA_MODELS):
     raise ValueError(
       f"rollout_actor must be a Tunix Llama3, Qwen2 or Qwen3 model, got {type(model).__name__}"
     )
@@ -148,6 +189,95 @@ def llama_config_from_tunix(
     qk_norm=isinstance(model, tunix_qwen3.Qwen3),
     **(moe if experts else {}),
   )
+
+
+def gemma_config_from_tunix(
+  model: Any,
+  *,
+  max_position_embeddings: int,
+  bos_token_id: int | None,
+  eos_token_id: int | None,
+) -> GemmaConfig:
+  """The `GemmaConfig` of an engine model computing what the Tunix `model` computes.
+
+  Args:
+    model: a Tunix `Gemma` (Gemma 1 or 2) or `Gemma3` (its text model).
+    max_position_embeddings, bos_token_id, eos_token_id: as `llama_config_from_tunix`.
+
+  Raises:
+    ValueError: another model class, or a Gemma with one post norm and not the other.
+  """
+  if not isinstance(model, GEMMA_MODELS):
+    raise ValueError(f"expected a Tunix Gemma or Gemma3 model, got {type(model).__name__}")
+  cfg = model.config
+  gemma3 = isinstance(model, tunix_gemma3.Gemma3)
+  if gemma3:
+    kinds = itertools.cycle(tunix_gemma3.GEMMA3_ATTENTION_PATTERN)
+    local_kind = tunix_gemma3.AttentionType.LOCAL_SLIDING
+    by_head_dim = tunix_gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM
+    scalar = (
+      cfg.head_dim if cfg.query_pre_attn_norm == by_head_dim else cfg.embed_dim // cfg.num_heads
+    )
+    rope_local = GemmaRope(theta=cfg.local_base_frequency, factor=cfg.local_scale_factor)
+    rope_global = GemmaRope(theta=cfg.global_base_frequency, factor=cfg.global_scale_factor)
+    caps: tuple[float | None, float | None] = (None, None)
+  else:
+    if cfg.use_post_attn_norm != cfg.use_post_ffw_norm:
+      raise ValueError(
+        f"use_post_attn_norm={cfg.use_post_attn_norm} with use_post_ffw_norm="
+        f"{cfg.use_post_ffw_norm} is not supported (both or neither)"
+      )
+    kinds, local_kind = iter(cfg.attention_types), tunix_gemma.AttentionType.LOCAL_SLIDING
+    scalar = cfg.head_dim
+    rope_local = rope_global = GemmaRope(theta=10_000.0)
+    caps = (cfg.attn_logits_soft_cap, cfg.final_logit_softcap)
+  layer_types = tuple(
+    SLIDING if kind == local_kind else FULL for _, kind in zip(range(cfg.num_layers), kinds)
+  )
+  return GemmaConfig(
+    vocab_size=cfg.num_embed,
+    hidden_size=cfg.embed_dim,
+    intermediate_size=cfg.hidden_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=cfg.num_heads,
+    num_key_value_heads=cfg.num_kv_heads,
+    head_dim=cfg.head_dim,
+    layer_types=layer_types,
+    sliding_window=cfg.sliding_window_size if SLIDING in layer_types else None,
+    rope_global=rope_global,
+    rope_local=rope_local,
+    query_pre_attn_scalar=float(scalar),
+    attn_logit_softcapping=caps[0],
+    final_logit_softcapping=caps[1],
+    qk_norm=gemma3,
+    post_norms=gemma3 or bool(cfg.use_post_attn_norm),
+    rms_norm_eps=1e-6,  # Tunix's RMSNorm
+    tie_word_embeddings=True,
+    max_position_embeddings=max_position_embeddings,
+    bos_token_id=bos_token_id,
+    eos_token_id=eos_token_id,
+  )
+
+
+def config_from_tunix(model: Any, **fields: Any) -> EngineConfig:
+  """`llama_config_from_tunix` or `gemma_config_from_tunix`, by the model's class.
+
+  Raises:
+    ValueError: a class outside `SUPPORTED_MODELS` (the supported ones named).
+  """
+  if isinstance(model, GEMMA_MODELS):
+    return gemma_config_from_tunix(model, **fields)
+  if not isinstance(model, LLAMA_MODELS):
+    raise ValueError(
+      "rollout_actor must be a Tunix Llama3, Qwen2, Qwen3, Gemma or Gemma3 model, got "
+      f"{type(model).__name__}"
+    )
+  return llama_config_from_tunix(model, **fields)
+
+
+def engine_module(config: EngineConfig) -> type:
+  """The engine's NNX class for `config`: `Gemma` or `Llama`."""
+  return Gemma if isinstance(config, GemmaConfig) else Llama
 
 
 def tunix_param_leaves(params: Any) -> dict[str, jax.Array]:
@@ -206,11 +336,59 @@ def name_map(config: LlamaConfig) -> dict[str, tuple[LeafPath, Any]]:
   return top
 
 
+def _heads_last(w):
+  """``[N, E, D]`` einsum weight -> ``[N, D, E]`` (the engine's ``[out, in]`` per head)."""
+  return w.transpose(0, 2, 1)
+
+
+def _gemma_layer_rules(config: GemmaConfig) -> dict[str, tuple[str, Any]]:
+  """Per layer: engine suffix -> (Tunix suffix, layout change)."""
+  rules: dict[str, tuple[str, Any]] = {
+    "input_norm.scale": ("pre_attention_norm.scale", None),
+    "pre_feedforward_norm.scale": ("pre_ffw_norm.scale", None),
+    "attn.wo": ("attn.attn_vec_einsum.w", lambda w: w.transpose(2, 0, 1)),  # [N,D,E] -> [E,N,D]
+    "mlp.w_gate": ("mlp.gate_proj.kernel", lambda w: w.T),
+    "mlp.w_up": ("mlp.up_proj.kernel", lambda w: w.T),
+    "mlp.w_down": ("mlp.down_proj.kernel", lambda w: w.T),
+  }
+  if config.num_attention_heads == config.num_key_value_heads:  # Tunix's fused projection
+    for index, name in enumerate(("wq", "wk", "wv")):
+      rules[f"attn.{name}"] = ("attn.qkv_einsum.w", lambda w, i=index: _heads_last(w[i]))
+  else:
+    rules["attn.wq"] = ("attn.q_einsum.w", _heads_last)
+    rules["attn.wk"] = ("attn.kv_einsum.w", lambda w: _heads_last(w[0]))
+    rules["attn.wv"] = ("attn.kv_einsum.w", lambda w: _heads_last(w[1]))
+  if config.post_norms:
+    post_attn = "post_attention_norm.scale" if config.qk_norm else "post_attn_norm.scale"
+    rules["post_attention_norm.scale"] = (post_attn, None)
+    rules["post_feedforward_norm.scale"] = ("post_ffw_norm.scale", None)
+  if config.qk_norm:
+    rules["attn.q_norm.scale"] = ("attn._query_norm.scale", None)
+    rules["attn.k_norm.scale"] = ("attn._key_norm.scale", None)
+  return rules
+
+
+def leaf_rules(config: EngineConfig) -> dict[LeafPath, tuple[str, Any]]:
+  """Every engine leaf of a model with `config` -> (the Tunix parameter it comes from, layout
+  change or None). A Tunix tensor may feed several leaves (Gemma's fused key/value weights)."""
+  if isinstance(config, LlamaConfig):
+    return {path: (name, change) for name, (path, change) in name_map(config).items()}
+  rules: dict[LeafPath, tuple[str, Any]] = {
+    ("embed",): ("embedder.input_embedding", None),
+    ("final_norm", "scale"): ("final_norm.scale", None),
+  }
+  for i in range(config.num_hidden_layers):
+    for dst, (src, change) in _gemma_layer_rules(config).items():
+      rules[("layers", i, *dst.split("."))] = (f"layers.{i}.{src}", change)
+  return rules
+
+
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))
-def _convert(leaves: dict[str, jax.Array], config: LlamaConfig, dtype) -> dict[str, jax.Array]:
-  """The layout changes of `name_map`, one jitted call for every tensor (norm scales float32)."""
+def _convert(leaves: dict[str, jax.Array], config: EngineConfig, dtype) -> dict[str, jax.Array]:
+  """The layout changes of `leaf_rules`, one jitted call for every tensor (norm scales
+  float32)."""
   out = {}
-  for name, (path, change) in name_map(config).items():
+  for path, (name, change) in leaf_rules(config).items():
     value = leaves[name] if change is None else change(leaves[name])
     is_norm = path[-1] == "scale"
     out[dotted(path)] = value.astype(jnp.float32 if is_norm else dtype)
@@ -237,13 +415,13 @@ def on_device(x: Any, device: jax.Device) -> jax.Array:
 
 
 def engine_leaves(
-  params: Mapping[str, jax.Array], config: LlamaConfig, dtype, device: jax.Device
+  params: Mapping[str, jax.Array], config: EngineConfig, dtype, device: jax.Device
 ) -> dict[LeafPath, jax.Array]:
   """The engine model's leaves from a Tunix model's parameters (see `tunix_param_leaves`).
 
   Args:
     params: every Tunix parameter by dotted name; JAX or NumPy arrays of any floating dtype.
-    config: the engine model's config (`llama_config_from_tunix`).
+    config: the engine model's config (`config_from_tunix`).
     dtype: the engine model's parameter dtype (norm scales stay float32).
     device: where the engine's weights live (`on_device`; JAX arrays never pass through the
       host, so this runs under Tunix's transfer guard).
@@ -255,13 +433,15 @@ def engine_leaves(
     ValueError: naming the first missing or unexpected Tunix parameter (nothing is converted
       then; shapes are checked by `LLM.load_weights`).
   """
-  expected = name_map(config)
+  rules = leaf_rules(config)
+  expected = sorted({name for name, _ in rules.values()})
   missing = [name for name in expected if name not in params]
   if missing:
     raise ValueError(f"the Tunix parameters lack {missing[0]!r} ({len(missing)} missing)")
-  extra = [name for name in params if name not in expected]
+  known = set(expected)
+  extra = [n for n in params if n not in known and not n.startswith(IGNORED_PREFIXES)]
   if extra:
     raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA is not supported)")
   placed = {name: on_device(params[name], device) for name in expected}
   converted = _convert(placed, config, jnp.dtype(dtype))
-  return {path: converted[dotted(path)] for path, _ in expected.values()}
+  return {path: converted[dotted(path)] for path in rules}

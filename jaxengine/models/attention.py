@@ -123,6 +123,7 @@ def attention(
   *,
   scale: float,
   sliding_window: int | None = None,
+  soft_cap: float | None = None,
 ) -> AttentionOutput:
   """Stores this call's keys and values in `layer`, then attends causally over each sequence.
 
@@ -176,22 +177,30 @@ def attention(
     sliding_window: ``W``, or None for full causal attention. With pages, the backend applies it
       (XLA and TPU; the GPU backend refuses one, `AttentionBackend.check_sliding_window`); pages
       that slid out of every window stay allocated, so memory still grows with the sequence.
+      A model may pass a different window (or None) per layer (Gemma's local and global layers).
+    soft_cap: None, or a positive float ``c`` (static): each scaled score ``s`` becomes
+      ``c * tanh(s / c)`` before masking and the softmax (attention logit soft-capping, Gemma 2).
+      With pages: the XLA and TPU backends apply it; the GPU backend refuses one
+      (`AttentionBackend.check_soft_cap`).
 
   Returns:
     `AttentionOutput`: ``[..., H, D]`` outputs in ``q.dtype`` and the updated cache.
 
   Raises:
     ValueError: (at trace time) a cache that does not match the metadata's type, paged tokens
-      whose count differs from ``slot_mapping``'s, or a `sliding_window` with a paged backend
-      that has none (``"pallas_gpu"``; the paged engine refuses it earlier, on the host).
+      whose count differs from ``slot_mapping``'s, a `sliding_window` or `soft_cap` with a paged
+      backend that has none (``"pallas_gpu"``; the paged engine refuses it earlier, on the host),
+      or a `soft_cap` that is not positive.
   """
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
   if isinstance(metadata, PagedAttentionMetadata):
     if not isinstance(kv_cache, PagedKVCache):
       raise ValueError(f"paged attention metadata needs a PagedKVCache, got {type(kv_cache)}")
-    return _paged_attention(q, k, v, kv_cache, layer, metadata, scale, sliding_window)
+    return _paged_attention(q, k, v, kv_cache, layer, metadata, scale, sliding_window, soft_cap)
   if not isinstance(kv_cache, KVCache):
     raise ValueError(f"slot attention metadata needs a KVCache, got {type(kv_cache)}")
-  return _slot_attention(q, k, v, kv_cache, layer, metadata, scale, sliding_window)
+  return _slot_attention(q, k, v, kv_cache, layer, metadata, scale, sliding_window, soft_cap)
 
 
 def _slot_attention(
@@ -203,6 +212,7 @@ def _slot_attention(
   metadata: AttentionMetadata,
   scale: float,
   sliding_window: int | None,
+  soft_cap: float | None,
 ) -> AttentionOutput:
   """The slot cache's write and dense masked read (``[B, T, ...]`` tokens)."""
   b, t, h, d = q.shape
@@ -223,7 +233,7 @@ def _slot_attention(
   if sliding_window is not None:
     visible &= key_positions > positions[:, :, None] - sliding_window
   grouped = q.reshape(b, t, kv, h // kv, d)  # [B, T, K, G, D]
-  out = grouped_query_attention(grouped, keys, values, visible, scale=scale)
+  out = grouped_query_attention(grouped, keys, values, visible, scale=scale, soft_cap=soft_cap)
   updated = dataclasses.replace(kv_cache, key=key_cache, value=value_cache)
   return AttentionOutput(out.reshape(b, t, h, d), updated)
 
@@ -237,6 +247,7 @@ def _paged_attention(
   metadata: PagedAttentionMetadata,
   scale: float,
   sliding_window: int | None,
+  soft_cap: float | None,
 ) -> AttentionOutput:
   """The paged cache's write and ragged read through the cache's backend (flat tokens)."""
   num_tokens = metadata.slot_mapping.shape[0]
@@ -257,6 +268,7 @@ def _paged_attention(
     scale=scale,
     num_kv_heads=kv_cache.num_kv_heads,
     sliding_window=sliding_window,
+    soft_cap=soft_cap,
   )
   pages = (*kv_cache.pages[:layer], written, *kv_cache.pages[layer + 1 :])
   return AttentionOutput(out.reshape(q.shape), dataclasses.replace(kv_cache, pages=pages))

@@ -26,6 +26,11 @@ Sliding-window attention (`attention(..., sliding_window=W)`, Mistral): the XLA 
 skips pages before the window, the TPU kernel takes its own `sliding_window` argument; the GPU
 decode kernel has none, so `"pallas_gpu"` refuses a window (`check_sliding_window`, called by the
 paged runner when it creates the cache).
+
+Attention logit soft-capping (`attention(..., soft_cap=c)`, Gemma 2): scaled scores `s` become
+`c * tanh(s / c)` before masking. The XLA path computes it, the TPU kernel takes its own
+`soft_cap` argument; the GPU decode kernel has none, so `"pallas_gpu"` refuses it
+(`check_soft_cap`, called with `check_sliding_window`).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def xla_attention(
   scale: float,
   kv_heads_first: bool,
   sliding_window: int | None = None,
+  soft_cap: float | None = None,
   fixed_order: bool = False,
   max_context: int | None = None,
 ) -> jax.Array:
@@ -84,6 +90,7 @@ def xla_attention(
     pages_per_chunk=max(1, XLA_CHUNK_TOKENS // block_size),
     kv_heads_first=kv_heads_first,
     sliding_window=sliding_window,
+    soft_cap=soft_cap,
     fixed_order=fixed_order,
     max_context=max_context,
   )
@@ -97,6 +104,8 @@ class AttentionBackend(abc.ABC):
   kv_head_axis: int
   #: Whether `attention` takes a `sliding_window`.
   supports_sliding_window: bool = True
+  #: Whether `attention` takes a `soft_cap`.
+  supports_soft_cap: bool = True
   #: The `jax.default_backend()` platforms the backend runs on (None: any).
   platforms: tuple[str, ...] | None = None
 
@@ -124,6 +133,19 @@ class AttentionBackend(abc.ABC):
       raise ValueError(
         f"attention_backend={self.name!r} has no sliding-window attention, got "
         f"sliding_window={sliding_window}: use attention_backend='xla' (or 'pallas_tpu' on TPU)"
+      )
+
+  def check_soft_cap(self, soft_cap: float | None) -> None:
+    """Refuses a model's attention logit soft cap this backend cannot apply (host side, before
+    any device work).
+
+    Raises:
+      ValueError: `soft_cap` is set and the backend has no soft cap (naming both).
+    """
+    if soft_cap is not None and not self.supports_soft_cap:
+      raise ValueError(
+        f"attention_backend={self.name!r} has no attention logit soft-capping, got "
+        f"soft_cap={soft_cap}: use attention_backend='xla' (or 'pallas_tpu' on TPU)"
       )
 
   @abc.abstractmethod
@@ -225,14 +247,17 @@ class AttentionBackend(abc.ABC):
     scale: float,
     num_kv_heads: int | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
   ) -> jax.Array:
     """`[T, H, D]` causal grouped-query attention of one layer's `[T, H, D]` queries; rows of
     padding tokens are 0.
 
     `num_kv_heads` is the model's `K` (static), needed where the layout pads heads (TPU);
     None: the pages' own head count. `sliding_window` `W` (static): a query at position `p`
-    sees only `p - W < s <= p`; None: all `s <= p`. Raises `ValueError` (at trace time) for a
-    window where `supports_sliding_window` is False."""
+    sees only `p - W < s <= p`; None: all `s <= p`. `soft_cap` `c` (static): scaled scores `s`
+    become `c * tanh(s / c)` before masking; None: no cap. Raises `ValueError` (at trace time)
+    for a window where `supports_sliding_window` is False, or a cap where `supports_soft_cap`
+    is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +287,9 @@ class XlaAttentionBackend(AttentionBackend):
       write_kv_pages(value_pages, value, slot_mapping, layer),
     )
 
-  def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
+  def attention(
+    self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None, soft_cap=None
+  ):
     return xla_attention(
       q,
       pages,
@@ -270,6 +297,7 @@ class XlaAttentionBackend(AttentionBackend):
       scale=scale,
       kv_heads_first=False,
       sliding_window=sliding_window,
+      soft_cap=soft_cap,
       fixed_order=self.fixed_order,
       max_context=self.max_context,
     )
@@ -321,7 +349,9 @@ class PallasTpuAttentionBackend(AttentionBackend):
     interleaved = interleaved.reshape(num_tokens, kv_pages.shape[-2], head_dim)
     return (write_kv_pages(kv_pages, interleaved, slot_mapping, layer),)
 
-  def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
+  def attention(
+    self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None, soft_cap=None
+  ):
     (kv_pages,) = pages
     num_tokens, num_heads, head_dim = q.shape
     padded_kv_heads = kv_pages.shape[-2] // 2
@@ -346,6 +376,8 @@ class PallasTpuAttentionBackend(AttentionBackend):
       md.num_reqs.reshape(1),
       sm_scale=scale,
       sliding_window=sliding_window,
+      # Only when set: a `kernel` of one's own without the argument serves uncapped models.
+      **({} if soft_cap is None else {"soft_cap": soft_cap}),
     )
     out = out[:, :num_heads].astype(q.dtype)
     # The kernel leaves rows past the last request's tokens undefined.
@@ -370,6 +402,7 @@ class PallasGpuAttentionBackend(AttentionBackend):
   name = "pallas_gpu"
   kv_head_axis = 0
   supports_sliding_window = False
+  supports_soft_cap = False
   platforms = ("gpu", "cuda", "rocm")
 
   def check_platform(self, platform: str) -> None:
@@ -394,8 +427,11 @@ class PallasGpuAttentionBackend(AttentionBackend):
       p.at[layer, :, page, offset].set(new.astype(p.dtype)) for p, new in zip(pages, (key, value))
     )
 
-  def attention(self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None):
+  def attention(
+    self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None, soft_cap=None
+  ):
     self.check_sliding_window(sliding_window)
+    self.check_soft_cap(soft_cap)
     all_decode = jnp.all(md.query_lens <= 1)
     return jax.lax.cond(
       all_decode,

@@ -39,10 +39,11 @@ chunks, decodes, draft tokens) come as one flat ragged batch, ``token_ids`` and 
 ``[1, T]``. A model that goes through the seam, treats the leading dimensions as opaque (no
 ``B``/``T`` split, no per-row logic) and computes positions only from ``positions`` runs over
 pages unchanged, with the same logits as over slots. What it must not do: index or reshape the
-cache itself, build its own mask, or assume a row is one sequence. A sliding window (the seam's
-``sliding_window``) works over pages with the XLA and TPU backends; declare it in the model's
-`KVCacheSpec` (``sliding_window``) so that the engine refuses, before any device work, a backend
-without one (``"pallas_gpu"``).
+cache itself, build its own mask, or assume a row is one sequence. A sliding window and an attention
+logit soft cap (the seam's ``sliding_window`` and ``soft_cap``, per layer if need be) work over
+pages with the XLA and TPU backends; declare them in the model's `KVCacheSpec` (``sliding_window``,
+``sliding_window_layers``, ``soft_cap``) so that the engine refuses, before any device work, a
+backend without them (``"pallas_gpu"``), or, with ``attention_backend=None``, uses XLA instead.
 
 Changed with the seam: the fourth argument of ``__call__`` was ``cache_slots`` (``[B] int32``)
 with a static ``attention_len`` keyword; the engine now passes one `AttentionMetadata` (whose

@@ -25,7 +25,14 @@ class KVCacheSpec:
     head_dim: width `D` of one head.
     dtype: storage dtype of keys and values (normally the model's compute dtype).
     sliding_window: the window ``W`` the model's attention passes to the seam (a query sees the
-      last ``W`` positions), or None; the paged engine refuses a backend without one.
+      last ``W`` positions) on the layers of `sliding_window_layers`, or None: no layer has a
+      window. The paged engine refuses a backend without one.
+    sliding_window_layers: the layers whose attention has the window (Gemma's local layers),
+      or None: every layer, when `sliding_window` is set (Mistral). Every layer keeps every page
+      of its sequence either way (pages are shared by all layers), so this says what attention
+      reads, not what the cache frees.
+    soft_cap: the attention logit soft cap the model passes to the seam (Gemma 2), or None; the
+      paged engine refuses a backend without one.
   """
 
   num_layers: int
@@ -33,6 +40,8 @@ class KVCacheSpec:
   head_dim: int
   dtype: Any = jnp.float32
   sliding_window: int | None = None
+  sliding_window_layers: tuple[int, ...] | None = None
+  soft_cap: float | None = None
 
 
 @jax.tree_util.register_dataclass

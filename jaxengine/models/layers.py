@@ -29,6 +29,7 @@ __all__ = [
   "normal_init",
   "normal_out_in",
   "rotary_embedding",
+  "soft_cap_scores",
 ]
 
 #: Key/value heads up to which a CPU decode step attends with every query head against all of a
@@ -106,14 +107,17 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -
 class RMSNorm(nnx.Module):
   """Root-mean-square normalisation with a learned per-feature scale, computed in float32.
 
-  ``y = x / sqrt(mean(x**2) + eps) * scale`` (Zhang & Sennrich, 2019). The scale is kept in
+  ``y = x / sqrt(mean(x**2) + eps) * scale`` (Zhang & Sennrich, 2019), or with `unit_offset`
+  ``* (1 + scale)`` (Gemma's norm: checkpoints store the offset from 1). The scale is kept in
   float32 whatever the model dtype; the result is cast back to the input dtype.
   """
 
-  def __init__(self, dim: int, *, eps: float):
-    """Args: dim: feature width. eps: added to the mean square."""
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+  def __init__(self, dim: int, *, eps: float, unit_offset: bool = False):
+    """Args: dim: feature width. eps: added to the mean square. unit_offset: multiply by
+    ``1 + scale`` (scale initialised to 0) instead of ``scale`` (initialised to 1)."""
+    self.scale = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), jnp.float32))
     self.eps = eps
+    self.unit_offset = unit_offset
     #: Sum the squares in a fixed order (`jaxengine.reductions.fixed_sum`): a row's result is
     #: then independent of the other rows (batch-invariant mode).
     self.batch_invariant = False
@@ -125,11 +129,26 @@ class RMSNorm(nnx.Module):
       mean_square = fixed_sum(jnp.square(x32), keepdims=True) / x32.shape[-1]
     else:
       mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(mean_square + self.eps) * self.scale[...]).astype(x.dtype)
+    scale = 1.0 + self.scale[...] if self.unit_offset else self.scale[...]
+    return (x32 * jax.lax.rsqrt(mean_square + self.eps) * scale).astype(x.dtype)
+
+
+def soft_cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+  """``soft_cap * tanh(scores / soft_cap)`` (attention logit soft-capping, Gemma 2), or `scores`
+  unchanged when `soft_cap` is None. Applied to scaled scores before masking."""
+  if soft_cap is None:
+    return scores
+  return soft_cap * jnp.tanh(scores / soft_cap)
 
 
 def grouped_query_attention(
-  q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array, *, scale: float
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  visible: jax.Array,
+  *,
+  scale: float,
+  soft_cap: float | None = None,
 ) -> jax.Array:
   """Softmax attention of each query head over its key/value head's visible positions.
 
@@ -152,20 +171,22 @@ def grouped_query_attention(
     visible: ``[B, T, S] bool`` which positions each query may attend to; every query must see
       at least one position for its output to be meaningful.
     scale: multiplies the scores (``D ** -0.5``).
+    soft_cap: None, or caps the scaled scores (`soft_cap_scores`) before masking.
 
   Returns:
     ``[B, T, K, G, D]`` in ``q.dtype``.
   """
   _, t, kv, _, _ = q.shape
   if t == 1 and kv <= MAX_FLAT_KV_HEADS and jax.default_backend() == "cpu":
-    return _flat_decode_attention(q, keys, values, visible, scale=scale)
+    return _flat_decode_attention(q, keys, values, visible, scale=scale, soft_cap=soft_cap)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-  scores = jnp.where(visible[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
+  scores = soft_cap_scores(scores * scale, soft_cap)
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
   return jnp.einsum("bkgts,bskd->btkgd", probs, values)
 
 
-def _flat_decode_attention(q, keys, values, visible, *, scale: float) -> jax.Array:
+def _flat_decode_attention(q, keys, values, visible, *, scale: float, soft_cap=None) -> jax.Array:
   """`grouped_query_attention` for ``T = 1`` with keys and values flattened to ``[B, S, K * D]``."""
   b, _, kv, g, d = q.shape
   s = keys.shape[1]
@@ -174,7 +195,8 @@ def _flat_decode_attention(q, keys, values, visible, *, scale: float) -> jax.Arr
   scores = jnp.einsum(
     "bhx,bsx->bhs", q_flat, keys.reshape(b, s, kv * d), preferred_element_type=jnp.float32
   )  # [B, H, S]
-  scores = jnp.where(visible[:, :1], scores * scale, jnp.finfo(jnp.float32).min)
+  scores = soft_cap_scores(scores * scale, soft_cap)
+  scores = jnp.where(visible[:, :1], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   mixed = jnp.einsum("bhs,bsx->bhx", probs, values.reshape(b, s, kv * d))  # [B, H, K' * D]
   mixed = mixed.reshape(b, kv, g, kv, d)

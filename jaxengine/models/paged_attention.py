@@ -61,6 +61,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.layers import soft_cap_scores
 from jaxengine.reductions import fixed_sum
 
 #: Score of a masked position: finite, so a query that sees nothing yields no NaN.
@@ -193,6 +194,7 @@ def ragged_paged_attention_xla(
   pages_per_chunk: int = 4,
   kv_heads_first: bool = False,
   sliding_window: int | None = None,
+  soft_cap: float | None = None,
   fixed_order: bool = False,
   max_context: int | None = None,
 ) -> jax.Array:
@@ -218,6 +220,8 @@ def ragged_paged_attention_xla(
     kv_heads_first: the pages are `[K, N, B, D]` (the GPU Pallas kernel's layout).
     sliding_window: `W` (static), or None for full causal attention. Pages before a work item's
       window are skipped, not freed (module docstring).
+    soft_cap: `c` (static), or None: each scaled score `s` becomes `c * tanh(s / c)` before
+      masking (attention logit soft-capping, Gemma 2).
     fixed_order: batch-invariant arithmetic (static): each query's scores, its weights' sum and
       its weighted sum of values are float32 elementwise products summed by
       `jaxengine.reductions.fixed_sum` (no matrix product or XLA reduction, whose order XLA
@@ -275,7 +279,8 @@ def ragged_paged_attention_xla(
     visible = position <= items.position[:, :, None]  # [W, Tq, C * B]
     if lowest is not None:
       visible &= position > lowest
-    scores = jnp.where(visible[:, None, None], scores * scale, NEG_INF)
+    scores = soft_cap_scores(scores * scale, soft_cap)
+    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     new_max = jnp.maximum(running_max, scores.max(axis=-1))  # [W, K, G, Tq]
     correction = jnp.exp(running_max - new_max)
     probs = jnp.exp(scores - new_max[..., None])  # masked: underflows to 0

@@ -30,7 +30,8 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxengine.models import llama_checkpoints
+from jaxengine.models import gemma_checkpoints, llama_checkpoints
+from jaxengine.models.gemma import Gemma
 from jaxengine.models.llama import Llama
 from jaxengine.models.weights import WeightSpec
 
@@ -84,6 +85,8 @@ class ModelArchitecture:
       does not implement.
     weight_specs: config -> `WeightSpec`s, checkpoint tensor name -> leaf path and layout.
     sharding_rules: parameter name -> role (one of `ROLES`).
+    ignored_prefixes: checkpoint tensors whose names start with one of these are left unread
+      (a multimodal checkpoint's vision tower, when only its language model is built).
   """
 
   name: str
@@ -91,6 +94,7 @@ class ModelArchitecture:
   read_config: Callable[..., Any]
   weight_specs: Callable[[Any], Sequence[WeightSpec]]
   sharding_rules: Mapping[str, str]
+  ignored_prefixes: tuple[str, ...] = ()
 
 
 #: Megatron-style tensor parallelism of the Llama family (Shoeybi et al., 2019); experts of the
@@ -114,9 +118,26 @@ def _llama_hf(name: str, family: str) -> ModelArchitecture:
   )
 
 
+#: Gemma's parameters carry Llama's names (its extra norms and q/k norms are replicated).
+GEMMA_SHARDING_RULES = LLAMA_SHARDING_RULES
+
+
+def _gemma_hf(name: str, family: str) -> ModelArchitecture:
+  return ModelArchitecture(
+    name=name,
+    module=Gemma,
+    read_config=functools.partial(gemma_checkpoints.config_from_hf, family=family),
+    weight_specs=gemma_checkpoints.hf_weight_specs,
+    sharding_rules=GEMMA_SHARDING_RULES,
+    ignored_prefixes=gemma_checkpoints.IGNORED_PREFIXES if family == "gemma3_multimodal" else (),
+  )
+
+
 #: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives, mixture-of-experts ones
 #: included, share one module; their config readers differ by family switches (see
-#: `jaxengine.models.llama`).
+#: `jaxengine.models.llama`). Gemma 2 and 3 share
+#: `jaxengine.models.gemma.Gemma` (a ``Gemma3ForConditionalGeneration`` checkpoint loads its
+#: language model; the vision tower is not read).
 HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "LlamaForCausalLM": _llama_hf("LlamaForCausalLM", "llama"),
   "MistralForCausalLM": _llama_hf("MistralForCausalLM", "mistral"),
@@ -124,6 +145,11 @@ HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "Qwen3ForCausalLM": _llama_hf("Qwen3ForCausalLM", "qwen3"),
   "Qwen3MoeForCausalLM": _llama_hf("Qwen3MoeForCausalLM", "qwen3_moe"),
   "MixtralForCausalLM": _llama_hf("MixtralForCausalLM", "mixtral"),
+  "Gemma2ForCausalLM": _gemma_hf("Gemma2ForCausalLM", "gemma2"),
+  "Gemma3ForCausalLM": _gemma_hf("Gemma3ForCausalLM", "gemma3"),
+  "Gemma3ForConditionalGeneration": _gemma_hf(
+    "Gemma3ForConditionalGeneration", "gemma3_multimodal"
+  ),
 }
 
 #: GGUF ``general.architecture`` -> entry.
@@ -145,6 +171,9 @@ _HF_MODEL_TYPES = {
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
   "mixtral": "MixtralForCausalLM",
+  "gemma2": "Gemma2ForCausalLM",
+  "gemma3_text": "Gemma3ForCausalLM",
+  "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 

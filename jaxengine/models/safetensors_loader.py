@@ -2,18 +2,27 @@
 
 The architecture (``config.json`` ``architectures[0]``) is looked up in
 `jaxengine.models.registry`, whose entry reads the config, names the module and maps the tensor
-names. Registered today, all served by the one Llama-family module with config switches:
+names. Registered today: the Llama family (mixture-of-experts relatives included), served by one
+module with config switches, and Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
 
-=========================  ==================================================================
-``LlamaForCausalLM``       Llama 2, Llama 3 / 3.1 / 3.2 (``rope_scaling`` type ``llama3``),
-                           SmolLM; ``attention_bias`` puts biases on q/k/v and o.
-``MistralForCausalLM``     Mistral (``sliding_window`` when set).
-``Qwen2ForCausalLM``       Qwen2 / Qwen2.5: biases on the q/k/v projections.
-``Qwen3ForCausalLM``       Qwen3: per-head q/k RMSNorm before rotary, explicit ``head_dim``.
-``Qwen3MoeForCausalLM``    Qwen3-MoE: Qwen3 attention, sparse mixture-of-experts MLPs on the
-                           layers ``decoder_sparse_step`` / ``mlp_only_layers`` select.
-``MixtralForCausalLM``     Mixtral: Mistral attention, a mixture of experts on every layer.
-=========================  ==================================================================
+=================================  ==========================================================
+``LlamaForCausalLM``               Llama 2, Llama 3 / 3.1 / 3.2 (``rope_scaling`` type
+                                   ``llama3``), SmolLM; ``attention_bias`` puts biases on
+                                   q/k/v and o.
+``MistralForCausalLM``             Mistral (``sliding_window`` when set).
+``Qwen2ForCausalLM``               Qwen2 / Qwen2.5: biases on the q/k/v projections.
+``Qwen3ForCausalLM``               Qwen3: per-head q/k RMSNorm before rotary, ``head_dim``.
+``Qwen3MoeForCausalLM``            Qwen3-MoE: Qwen3 attention, sparse mixture-of-experts MLPs
+                                   on the layers ``decoder_sparse_step`` / ``mlp_only_layers``
+                                   select.
+``MixtralForCausalLM``             Mixtral: Mistral attention, a mixture of experts on every
+                                   layer.
+``Gemma2ForCausalLM``              Gemma 2: local/global layers, soft-capped attention and
+                                   logits (`jaxengine.models.gemma_checkpoints`).
+``Gemma3ForCausalLM``              Gemma 3 text (1B): q/k norms, a local rotary base.
+``Gemma3ForConditionalGeneration`` Gemma 3 4B+: its language model (``language_model.``);
+                                   the vision tower is not read.
+=================================  ==========================================================
 
 Tensors are named as in the checkpoint (the entry's ``weight_specs``; for Llama the mapping of
 `jaxengine.models.Llama.weight_specs`, which `LLM.load_weights` uses too) and read one at a time
@@ -137,9 +146,12 @@ def weight_files(path: str | os.PathLike) -> dict[str, str]:
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str:
-  """The safetensors dtype (``"BF16"``, ``"F16"``, ``"F32"``) of the token embedding."""
+  """The safetensors dtype (``"BF16"``, ``"F16"``, ``"F32"``) of the token embedding
+  (``model.embed_tokens.weight``, under a prefix in a multimodal checkpoint)."""
   name = "model.embed_tokens.weight"
   files = weight_files(path)
+  if name not in files:
+    name = next((n for n in sorted(files) if n.endswith("." + name)), name)
   if name not in files:
     raise ValueError(f"the checkpoint in {os.fspath(path)!r} has no {name!r}")
   with safe_open(files[name], framework="numpy") as f:
@@ -192,7 +204,13 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
   specs = check_weight_specs(architecture.weight_specs(config), state)
   known = {spec.name for spec in specs}
   missing = [s.name for s in specs if s.path is not None and s.name not in files]
-  unknown = [n for n in files if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
+  unknown = [
+    n
+    for n in files
+    if n not in known
+    and not n.endswith(_IGNORED_SUFFIXES)
+    and not n.startswith(architecture.ignored_prefixes)
+  ]
   for problem, names in (("lacks", missing), ("has tensors the model does not know:", unknown)):
     if names:
       listed = ", ".join(repr(n) for n in names[:5])

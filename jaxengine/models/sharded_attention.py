@@ -59,6 +59,10 @@ class HeadShardedBackend(AttentionBackend):
   def supports_sliding_window(self) -> bool:  # type: ignore[override]
     return self.inner.supports_sliding_window
 
+  @property
+  def supports_soft_cap(self) -> bool:  # type: ignore[override]
+    return self.inner.supports_soft_cap
+
   def check_platform(self, platform: str) -> None:
     """The inner backend's check."""
     self.inner.check_platform(platform)
@@ -123,7 +127,15 @@ class HeadShardedBackend(AttentionBackend):
     return fn(tuple(pages), key, value, slot_mapping, *extra)
 
   def attention(
-    self, q, pages, md: PagedAttentionMetadata, *, scale, num_kv_heads=None, sliding_window=None
+    self,
+    q,
+    pages,
+    md: PagedAttentionMetadata,
+    *,
+    scale,
+    num_kv_heads=None,
+    sliding_window=None,
+    soft_cap=None,
   ):
     specs = self.page_specs(len(pages))
     heads = P(None, self.axis, None)  # [T, H, D]
@@ -131,7 +143,13 @@ class HeadShardedBackend(AttentionBackend):
 
     def local(q, pages: KVPages, md):
       return self.inner.attention(
-        q, pages, md, scale=scale, num_kv_heads=local_heads, sliding_window=sliding_window
+        q,
+        pages,
+        md,
+        scale=scale,
+        num_kv_heads=local_heads,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
       )
 
     return self._shard_map(local, (heads, specs, P()), heads)(q, tuple(pages), md)

@@ -15,7 +15,9 @@ only (`step_buckets`; the prompt-logprobs variant is another executable), and on
 (`sample_produced`) per row bucket; with `speculative_config` also one verify step
 (the model and the rejection sampler, `worker/verify_step.py`) per (token bucket, row bucket); with
 `num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
-`worker/multi_step.py`); `precompile` runs them all. The block-table width is fixed at
+`worker/multi_step.py`); `precompile` runs them all. Without `precompile`, a step whose bucket has
+not compiled yet runs in a larger compiled one for its first few uses (`StepShapes`), so a short
+job compiles few shapes. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs, so the width costs nothing there).
 
@@ -65,7 +67,7 @@ from jaxengine.models.weights import (
   state_leaves,
 )
 from jaxengine.sample import LogprobsTensors
-from jaxengine.worker.buckets import bucket, buckets
+from jaxengine.worker.buckets import StepShape, StepShapes, bucket, buckets
 from jaxengine.worker.device_steps import device_steps
 from jaxengine.worker.kv_cache_size import (
   bytes_per_block,
@@ -211,6 +213,8 @@ class ModelRunner:
     )
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, 1)
+    #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
+    self.compiled_shapes = StepShapes()
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
     self._jit_steps(model.vocab_size, config.num_speculative_tokens)
 
@@ -248,14 +252,19 @@ class ModelRunner:
     them (`jaxengine.models.sharded_attention`), else replicated, and sized per device.
 
     Raises:
-      ValueError: the model's `sliding_window` with a backend that has none (host side).
+      ValueError: the model's `sliding_window` or `soft_cap` with a backend that has none (host
+        side). With ``attention_backend=None`` the platform's default gives way to XLA instead
+        (a Gemma or Mistral model on GPU, whose Pallas decode kernel has neither).
     """
     spec = model.kv_cache_spec
     chosen = attention_backend(config.attention_backend)
+    if config.attention_backend is None and not _serves(chosen, spec):
+      chosen = XlaAttentionBackend()  # the platform's default lacks the model's window or cap
     if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
       chosen = XlaAttentionBackend(fixed_order=True)
     backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
     backend.check_sliding_window(spec.sliding_window)
+    backend.check_soft_cap(spec.soft_cap)
     backend.check_platform(jax.default_backend())
     num_blocks = config.num_kv_blocks
     # This process's devices: another process's cannot report their memory (multi-host meshes).
@@ -445,6 +454,9 @@ class ModelRunner:
     num_tokens, num_rows = self.step_buckets(
       scheduled.total_num_scheduled_tokens, batch.num_reqs, prompt_logprobs=bool(wanted)
     )
+    variant = (bool(wanted), bool(scheduled.spec_token_ids))
+    shape = self.compiled_shapes.choose(StepShape(num_tokens, num_rows, variant))
+    num_tokens, num_rows = shape.num_tokens, shape.num_rows
     produces = [self._produces(scheduled, seq_id) for seq_id in batch.req_ids]
     inputs = self._ragged_inputs(scheduled, num_tokens, num_rows, produces)
     verify = (
@@ -725,6 +737,8 @@ class ModelRunner:
     for num_tokens, num_rows, drafted, columns in tqdm(
       variants, desc="Compiling", disable=not use_tqdm
     ):
+      variant = (bool(columns), drafted)
+      self.compiled_shapes.mark_compiled(StepShape(num_tokens, num_rows, variant))
       drafts = self._verify_inputs(empty, num_tokens, num_rows) if drafted else None
       inputs = self._ragged_inputs(empty, num_tokens, num_rows)
       batch.resolve(self._run_step(inputs, num_rows, columns, drafts))
@@ -847,3 +861,10 @@ def _narrows(tensor, leaf: jax.Array) -> bool:
   if not jnp.issubdtype(dtype, jnp.floating):
     return False
   return float(jnp.finfo(dtype).max) > float(jnp.finfo(leaf.dtype).max)
+
+
+def _serves(backend, spec) -> bool:
+  """Whether `backend` has the sliding window and soft cap the model's `KVCacheSpec` asks for."""
+  return (spec.sliding_window is None or backend.supports_sliding_window) and (
+    spec.soft_cap is None or backend.supports_soft_cap
+  )

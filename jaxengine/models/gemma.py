@@ -1,0 +1,248 @@
+"""Gemma 2 and Gemma 3 (text) decoders in Flax NNX, attending through the same seam as Llama.
+
+A module of its own rather than switches on `jaxengine.models.llama.Llama`: a Gemma layer differs
+from a Llama layer in most of its parts (four ``(1 + w)`` RMSNorms around attention and MLP
+instead of two plain ones, a GeGLU MLP, a per-layer window and rotary base, soft-capped scores,
+``query_pre_attn_scalar``, an embedding scaled by ``sqrt(E)``), so switches would have touched
+every Llama class. It shares Llama's building blocks (`jaxengine.models.layers`: the ``[out, in]``
+projection, rotary embedding, RMSNorm) and the attention seam
+(`jaxengine.models.attention.attention`), so slots, pages, every paged backend that has a
+window and a soft cap, meshes, ``batch_invariant`` and `jaxengine.models.token_logprobs` serve it
+unchanged.
+
+What the model computes (Gemma Team, 2024 and 2025):
+
+- ``x = embed[ids] * sqrt(E)``, the factor rounded to the model dtype first (as transformers);
+- per layer ``i``: ``x += post_attn_norm(attn(input_norm(x)))`` and
+  ``x += post_ffw_norm(mlp(pre_ffw_norm(x)))``, every norm ``x / rms(x) * (1 + w)`` in float32;
+- attention: grouped-query, rotary embedding with the base of the layer's kind (local or
+  global; Gemma 3 scales the global one linearly on 4B and larger), q/k RMSNorms before it
+  (Gemma 3), scale ``query_pre_attn_scalar ** -0.5``, scores soft-capped (Gemma 2), a sliding
+  window of ``sliding_window`` positions on local layers (``layer_types``);
+- MLP: ``down(gelu_tanh(gate(x)) * up(x))``;
+- logits: ``final_norm(x) @ embed.T`` (tied), soft-capped (``final_logit_softcapping``).
+
+Shape letters as in `jaxengine.models.llama`.
+
+References:
+  Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024.
+  Gemma Team, "Gemma 3 Technical Report", 2025.
+  Shazeer, "GLU Variants Improve Transformer", 2020 (GeGLU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
+from jaxengine.models.batch_invariant import row_tiled_dot
+from jaxengine.models.gemma_checkpoints import hf_weight_specs
+from jaxengine.models.gemma_config import ACTIVATIONS, GemmaConfig
+from jaxengine.models.kv_cache import KVCacheSpec
+from jaxengine.models.layers import RMSNorm, linear, normal_init, normal_out_in, rotary_embedding
+from jaxengine.models.weights import WeightSpec
+
+__all__ = ["Gemma", "GemmaAttention", "GemmaConfig", "GemmaDecoderLayer", "GemmaMLP"]
+
+
+def _norm(config: GemmaConfig, dim: int) -> RMSNorm:
+  return RMSNorm(dim, eps=config.rms_norm_eps, unit_offset=True)
+
+
+class GemmaAttention(nnx.Module):
+  """Grouped-query attention of one layer, local or global.
+
+  Attributes:
+    wq, wk, wv, wo: ``[H, D, E]``, ``[K, D, E]``, ``[K, D, E]``, ``[E, H, D]`` projections
+      (PyTorch ``[out, in]`` layout).
+    q_norm, k_norm: per-head ``(1 + w)`` RMSNorms over ``D`` (Gemma 3), or None.
+    layer: this layer's index (static): its kind picks the window and the rotary base.
+    batch_invariant: projections computed a fixed number of rows at a time (`Gemma`).
+  """
+
+  def __init__(self, config: GemmaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    e, h, k, d = (
+      config.hidden_size,
+      config.num_attention_heads,
+      config.num_key_value_heads,
+      config.head_dim,
+    )
+    self.config = config
+    self.layer = layer
+    self.wq = nnx.Param(normal_out_in(rngs, (h, d), (e,), dtype))
+    self.wk = nnx.Param(normal_out_in(rngs, (k, d), (e,), dtype))
+    self.wv = nnx.Param(normal_out_in(rngs, (k, d), (e,), dtype))
+    self.wo = nnx.Param(normal_out_in(rngs, (e,), (h, d), dtype))
+    self.q_norm = _norm(config, d) if config.qk_norm else None
+    self.k_norm = _norm(config, d) if config.qk_norm else None
+    self.batch_invariant = False
+
+  def __call__(self, x, positions, kv_cache, layer, metadata):
+    """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; the
+    arguments as `jaxengine.models.llama.Attention.__call__`."""
+    cfg = self.config
+    lead = x.shape[:-1]
+    e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    fixed = self.batch_invariant
+    q = linear(x, self.wq[...].reshape(h * d, e), batch_invariant=fixed).reshape(*lead, h, d)
+    k = linear(x, self.wk[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
+    v = linear(x, self.wv[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
+    if self.q_norm is not None and self.k_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
+    q = rotary_embedding(q, positions, inv_freq)
+    k = rotary_embedding(k, positions, inv_freq)
+    out, kv_cache = attention(
+      q,
+      k,
+      v,
+      kv_cache,
+      layer,
+      metadata,
+      scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+      sliding_window=cfg.window(self.layer),
+      soft_cap=cfg.attn_logit_softcapping,
+    )
+    out = linear(out.reshape(*lead, h * d), self.wo[...].reshape(e, h * d), batch_invariant=fixed)
+    return out, kv_cache
+
+
+class GemmaMLP(nnx.Module):
+  """GeGLU feed-forward block: ``down(gelu(gate(x)) * up(x))``, the GELU of
+  ``hidden_activation`` (the tanh approximation for every released Gemma 2 and 3).
+
+  Attributes:
+    w_gate, w_up: ``[F, E]``; w_down: ``[E, F]`` (``[out, in]`` layout).
+    batch_invariant: projections computed a fixed number of rows at a time (`Gemma`).
+  """
+
+  def __init__(self, config: GemmaConfig, *, dtype, rngs: nnx.Rngs):
+    e, f = config.hidden_size, config.intermediate_size
+    self.approximate = ACTIVATIONS[config.hidden_activation]
+    self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
+    self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
+    self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))
+    self.batch_invariant = False
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Maps ``[..., E]`` to ``[..., E]`` in the model dtype."""
+    fixed = self.batch_invariant
+    gate = linear(x, self.w_gate[...], batch_invariant=fixed)
+    up = linear(x, self.w_up[...], batch_invariant=fixed)
+    hidden = jax.nn.gelu(gate, approximate=self.approximate) * up
+    return linear(hidden, self.w_down[...], batch_invariant=fixed)
+
+
+class GemmaDecoderLayer(nnx.Module):
+  """``x += post_attn_norm(attn(input_norm(x))); x += post_ffw_norm(mlp(pre_ffw_norm(x)))``
+  (without the two post norms when ``config.post_norms`` is False)."""
+
+  def __init__(self, config: GemmaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    e = config.hidden_size
+    self.input_norm = _norm(config, e)
+    self.attn = GemmaAttention(config, layer, dtype=dtype, rngs=rngs)
+    self.post_attention_norm = _norm(config, e) if config.post_norms else None
+    self.pre_feedforward_norm = _norm(config, e)
+    self.mlp = GemmaMLP(config, dtype=dtype, rngs=rngs)
+    self.post_feedforward_norm = _norm(config, e) if config.post_norms else None
+
+  def __call__(self, x, positions, kv_cache, layer, metadata):
+    """Same arguments as `GemmaAttention.__call__`, ``x`` the residual stream ``[..., E]``."""
+    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
+    if self.post_attention_norm is not None:
+      h = self.post_attention_norm(h)
+    x = x + h
+    h = self.mlp(self.pre_feedforward_norm(x))
+    if self.post_feedforward_norm is not None:
+      h = self.post_feedforward_norm(h)
+    return x + h, kv_cache
+
+
+class Gemma(nnx.Module):
+  """Gemma 2 / Gemma 3 text decoder over a `KVCache` (slots) or `PagedKVCache` (pages);
+  implements `jaxengine.models.Model` (the same interface and attributes as
+  `jaxengine.models.Llama`: ``config``, ``dtype``, ``embed``, ``layers``, ``final_norm``,
+  ``lm_head``, ``batch_invariant``).
+  """
+
+  def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    """Builds a model with random weights (Gaussian, std ``fan_in ** -0.5``; norm offsets 0).
+
+    Args:
+      config: hyper-parameters.
+      dtype: parameter and compute dtype (norms, softmax and logits stay float32).
+      rngs: random streams for initialisation.
+    """
+    self.config = config
+    self.dtype = dtype
+    e, v = config.hidden_size, config.vocab_size
+    self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
+    self.layers = nnx.List(
+      [
+        GemmaDecoderLayer(config, i, dtype=dtype, rngs=rngs)
+        for i in range(config.num_hidden_layers)
+      ]
+    )
+    self.final_norm = _norm(config, e)
+    self.lm_head = (
+      None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
+    )
+    self.batch_invariant = False
+
+  @property
+  def vocab_size(self) -> int:
+    """Width of the logits."""
+    return self.config.vocab_size
+
+  @property
+  def eos_token_id(self) -> int | None:
+    """The config's end-of-sequence id."""
+    return self.config.eos_token_id
+
+  @property
+  def max_position_embeddings(self) -> int:
+    """Context length the model was trained for."""
+    return self.config.max_position_embeddings
+
+  @property
+  def kv_cache_spec(self) -> KVCacheSpec:
+    """Layers, heads, the local layers' window and the attention soft cap, in the model dtype."""
+    return self.config.kv_cache_spec(self.dtype)
+
+  def __call__(
+    self,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv_cache: AnyKVCache,
+    attn_metadata: StepMetadata | jax.Array,
+    *,
+    attention_len: int | None = None,
+  ) -> tuple[jax.Array, AnyKVCache]:
+    """Runs the decoder, updating the cache; arguments and results as
+    `jaxengine.models.Llama.__call__` (``[..., E]`` hidden states after the final norm)."""
+    metadata = as_attention_metadata(attn_metadata, positions, attention_len)
+    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
+    x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
+    for index, layer in enumerate(self.layers):
+      x, kv_cache = layer(x, positions, kv_cache, index, metadata)
+    return self.final_norm(x), kv_cache
+
+  def weight_specs(self) -> list[WeightSpec]:
+    """Every parameter under its Hugging Face checkpoint name
+    (`jaxengine.models.gemma_checkpoints.hf_weight_specs`)."""
+    return hf_weight_specs(self.config)
+
+  def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    """``[..., E]`` hidden states -> ``[..., V] float32`` logits, soft-capped when the config
+    says so (``final_logit_softcapping``)."""
+    w = self.embed[...] if self.lm_head is None else self.lm_head[...]
+    if self.batch_invariant:
+      logits = row_tiled_dot(hidden, w, preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
+    cap = self.config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

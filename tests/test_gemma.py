@@ -1,0 +1,369 @@
+"""Gemma 2 and Gemma 3 (text) checkpoints against transformers' own models.
+
+Tiny random checkpoints are built and saved by transformers (`Gemma2ForCausalLM`,
+`Gemma3ForCausalLM`, `Gemma3ForConditionalGeneration`), float32, with a window of 4 positions on
+the local layers and prompts of 11 tokens, so the window, the two rotary bases and (where set) both
+soft caps change the result. `LLM(dir)` must give transformers' greedy tokens and its prompt
+logprobs within 1e-4, and `token_logprobs` the same logprobs. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from flax import nnx
+from subprocess_utils import run_python
+
+import jaxengine as je
+from jaxengine.models import KVCache, safetensors_loader, token_logprobs
+from jaxengine.models.gemma import Gemma
+from jaxengine.models.gemma_checkpoints import config_from_hf
+from jaxengine.models.safetensors_loader import load_safetensors
+
+TEXT = dict(
+  vocab_size=96,
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  max_position_embeddings=64,
+  sliding_window=4,
+  query_pre_attn_scalar=24,
+  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)
+CASES = {
+  # Small caps so that capping changes the scores and logits of random weights.
+  "gemma2": lambda: transformers.Gemma2Config(
+    **TEXT, attn_logit_softcapping=2.0, final_logit_softcapping=3.0
+  ),
+  "gemma3": lambda: transformers.Gemma3TextConfig(
+    **TEXT,
+    rope_theta=500.0,
+    rope_local_base_freq=50.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    final_logit_softcapping=3.0,
+  ),
+  "gemma3_multimodal": lambda: transformers.Gemma3Config(
+    text_config=transformers.Gemma3TextConfig(**TEXT, rope_local_base_freq=50.0).to_dict(),
+    vision_config=dict(
+      hidden_size=16,
+      intermediate_size=32,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      image_size=28,
+      patch_size=14,
+    ),
+    mm_tokens_per_image=4,
+  ),
+}
+MODEL_CLASSES = {
+  "gemma2": transformers.Gemma2ForCausalLM,
+  "gemma3": transformers.Gemma3ForCausalLM,
+  "gemma3_multimodal": transformers.Gemma3ForConditionalGeneration,
+}
+PROMPTS = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
+MAX_TOKENS = 6
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+  """Weights of std ``fan_in ** -0.5`` and norm offsets of std 0.3, so that every tensor shows."""
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for param in model.parameters():
+      noise = torch.randn(param.shape, generator=generator)
+      scale = 0.3 if param.ndim == 1 else param.shape[-1] ** -0.5
+      param.copy_(noise * scale)
+
+
+def _write(directory: Path, case: str, seed: int = 0) -> torch.nn.Module:
+  config = CASES[case]()
+  torch.manual_seed(seed)
+  model = MODEL_CLASSES[case](config).eval()
+  # transformers' SDPA path drops the attention soft cap: eager is its reference for Gemma 2.
+  model.set_attn_implementation("eager")
+  _randomise(model, seed)
+  model.save_pretrained(directory)
+  return model
+
+
+def _hf_prompt_logprobs(model, prompt) -> np.ndarray:
+  """``[T - 1]`` transformers' log-probability of each prompt token after the first."""
+  with torch.no_grad():
+    logits = model(torch.tensor([prompt])).logits[0].double()
+  logprobs = torch.log_softmax(logits, -1)
+  return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+
+
+def _hf_greedy(model, prompt) -> list[int]:
+  with torch.no_grad():
+    out = model.generate(
+      torch.tensor([prompt]),
+      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+      max_new_tokens=MAX_TOKENS,
+      do_sample=False,
+      eos_token_id=None,
+      pad_token_id=0,
+    )
+  return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+  directory = tmp_path_factory.mktemp(request.param)
+  return request.param, directory, _write(directory, request.param)
+
+
+def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
+  _, directory, hf_model = checkpoint
+  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4)
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+  )
+  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+  worst = 0.0
+  for prompt, output in zip(PROMPTS, outputs):
+    assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt)
+    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+    want = _hf_prompt_logprobs(hf_model, prompt)
+    worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
+  assert worst < 1e-4, worst
+
+
+def test_token_logprobs_match_transformers(checkpoint):
+  _, directory, hf_model = checkpoint
+  model, _ = load_safetensors(directory)
+  assert isinstance(model, Gemma)
+  ids = jnp.asarray([PROMPTS[0]], jnp.int32)
+  got = np.asarray(token_logprobs(model, ids))[0]
+  np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, PROMPTS[0]), atol=1e-4)
+
+
+def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_counter):
+  """A Gemma3ForConditionalGeneration's text tensors under its own names
+  (``language_model.model.layers.0...``) replace the weights: the other checkpoint's logprobs,
+  no compile."""
+  _write(tmp_path / "a", "gemma3_multimodal", seed=0)
+  other = _write(tmp_path / "b", "gemma3_multimodal", seed=1)
+  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4)
+  params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+  prompt = PROMPTS[0]
+
+  def prompt_logprobs():
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return np.asarray([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+  before = prompt_logprobs()
+  tensors = safetensors.numpy.load_file(tmp_path / "b" / "model.safetensors")
+  text = {n: t for n, t in tensors.items() if n.startswith("language_model.")}
+  assert text and len(text) < len(tensors)  # the vision tower's are left out
+  compile_counter.reset()
+  llm.load_weights(text)
+  after = prompt_logprobs()
+  assert compile_counter.count == 0
+  np.testing.assert_allclose(after, _hf_prompt_logprobs(other, prompt), atol=1e-4)
+  assert np.abs(after - before).max() > 1e-2
+
+
+def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint):
+  """``LLM(..., batch_invariant=True)``'s prompt logprobs are `token_logprobs`' bits (windows
+  and soft caps in the fixed-order XLA path too)."""
+  _, directory, _ = checkpoint
+  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, batch_invariant=True)
+  params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+  model, _ = load_safetensors(directory)
+  for prompt, output in zip(PROMPTS, outputs):
+    want = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
+    got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(tmp_path):
+  """A repeated prompt (a prefix-cache hit, the rest prefilled past the window) and n-gram
+  drafts verified over windowed, soft-capped layers: transformers' greedy tokens."""
+  hf_model = _write(tmp_path, "gemma2")
+  llm = je.LLM(
+    tmp_path,
+    max_num_reqs=2,
+    max_model_len=48,
+    block_size=4,
+    enable_prefix_caching=True,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+  )
+  repeating = [5, 17, 90, 3, 64, 5, 17, 90, 3, 64, 5, 17, 90]  # n-grams the drafter proposes
+  params = je.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+  for _ in range(2):  # the second run reads the first's cached pages
+    (out,) = llm.generate([repeating], params, use_tqdm=False)
+    with torch.no_grad():
+      want = hf_model.generate(
+        torch.tensor([repeating]), max_new_tokens=12, do_sample=False, eos_token_id=None
+      )[0, len(repeating) :].tolist()
+    assert list(out.outputs[0].token_ids) == want
+  assert llm.llm_engine.kv_cache_stats.prefix_cache_hits > 0
+  assert llm.llm_engine.spec_decode_stats.num_draft_tokens > 0
+
+
+def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
+  """The slot cache's attention (`KVCache`): a prefill, then one decode step (``T = 1``)."""
+  _, directory, hf_model = checkpoint
+  model, _ = load_safetensors(directory)
+  prompt = PROMPTS[0]
+  n = len(prompt)
+  cache = KVCache.create(model.kv_cache_spec, 1, n)
+  slots = jnp.zeros((1,), jnp.int32)
+  ids, positions = jnp.asarray([prompt], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None]
+  hidden, cache = model(ids[:, :-1], positions[:, :-1], cache, slots)
+  last, _ = model(ids[:, -1:], positions[:, -1:], cache, slots)
+  logits = np.asarray(model.compute_logits(jnp.concatenate([hidden, last], axis=1)))[0]
+  with torch.no_grad():
+    want = hf_model(torch.tensor([prompt])).logits[0].numpy()
+  np.testing.assert_allclose(logits, want, atol=1e-4)
+
+
+def test_config_switches_read_from_each_checkpoint(checkpoint):
+  case, directory, _ = checkpoint
+  _, config = load_safetensors(directory)
+  assert safetensors_loader.checkpoint_dtype(directory) == "F32"  # under language_model. too
+  assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+  assert config.sliding_window == 4 and config.query_pre_attn_scalar == 24
+  spec = config.kv_cache_spec()
+  assert spec.sliding_window == 4 and spec.sliding_window_layers == (0, 2)
+  if case == "gemma2":
+    assert config.attn_logit_softcapping == 2.0 and config.final_logit_softcapping == 3.0
+    assert not config.qk_norm and config.rope_local == config.rope_global
+    assert spec.soft_cap == 2.0
+  else:
+    assert config.qk_norm and config.attn_logit_softcapping is None and spec.soft_cap is None
+    assert config.rope_local.theta == 50.0 and config.rope_local.factor == 1.0
+  if case == "gemma3":
+    assert config.rope_global.theta == 500.0 and config.rope_global.factor == 2.0
+  if case == "gemma3_multimodal":
+    assert config.checkpoint_prefix == "language_model."
+    assert config.rope_global.theta == 1e6  # transformers' default for Gemma 3
+
+
+def _released_gemma3_4b_style(hf: dict) -> dict:
+  """A transformers 4 ``config.json`` as the Gemma 3 checkpoints were released: a sparse
+  ``text_config`` (defaults omitted), ``rope_theta``/``rope_local_base_freq``/``rope_scaling``
+  and ``sliding_window_pattern`` instead of ``rope_parameters`` and ``layer_types``."""
+  return {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "eos_token_id": [1, 106],
+    "text_config": {
+      "model_type": "gemma3_text",
+      "hidden_size": 2560,
+      "intermediate_size": 10240,
+      "num_hidden_layers": 34,
+      "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+      "sliding_window": 1024,
+    },
+    "vision_config": hf.get("vision_config", {}),
+  }
+
+
+def test_released_config_style_takes_transformers_defaults():
+  config = config_from_hf(_released_gemma3_4b_style({}), "gemma3_multimodal")
+  assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+  assert config.vocab_size == 262208 and config.query_pre_attn_scalar == 256
+  assert config.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+  assert config.layer_types.count("full_attention") == 5  # layers 5, 11, 17, 23, 29
+  assert config.rope_global.theta == 1e6 and config.rope_global.factor == 8.0
+  assert config.rope_local.theta == 10000.0 and config.rope_local.factor == 1.0
+  assert config.eos_token_id == 1 and config.hidden_activation == "gelu_pytorch_tanh"
+  gemma2 = config_from_hf({"model_type": "gemma2", "num_hidden_layers": 4}, "gemma2")
+  assert gemma2.layer_types == ("sliding_attention", "full_attention") * 2
+  assert gemma2.attn_logit_softcapping == 50.0 and gemma2.final_logit_softcapping == 30.0
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (dict(hidden_activation="relu"), "hidden_activation 'relu'"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope type 'yarn'"),
+    (dict(rope_parameters={"rope_type": "linear"}), "'linear' needs 'factor'"),
+    (dict(layer_types=["chunked_attention"] * 3), "layer_types"),
+    (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
+    (dict(sliding_window=None), "sliding_window"),
+    (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+    (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+  ],
+)
+def test_bad_configs_are_refused_naming_the_field(tmp_path, fields, message):
+  config = json.loads(CASES["gemma2"]().to_json_string())
+  config.update(architectures=["Gemma2ForCausalLM"], **fields)
+  (tmp_path / "config.json").write_text(json.dumps(config))  # and no weights at all
+  with pytest.raises(ValueError, match=message):
+    je.LLM(tmp_path)
+
+
+def test_model_types_without_architectures_pick_the_gemma_entries():
+  from jaxengine.models.registry import hf_architecture
+
+  for model_type, name in [
+    ("gemma2", "Gemma2ForCausalLM"),
+    ("gemma3_text", "Gemma3ForCausalLM"),
+    ("gemma3", "Gemma3ForConditionalGeneration"),
+  ]:
+    assert hf_architecture({"model_type": model_type}).name == name
+
+
+def test_gpu_backend_refuses_the_soft_cap_before_device_work(tmp_path):
+  config = json.loads(CASES["gemma2"]().to_json_string())
+  config.update(architectures=["Gemma2ForCausalLM"], layer_types=["full_attention"] * 3)
+  model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))  # global layers only
+  assert model.kv_cache_spec.sliding_window is None and model.kv_cache_spec.soft_cap == 2.0
+  with pytest.raises(ValueError, match="'pallas_gpu' has no attention logit soft-capping"):
+    je.LLM(model, attention_backend="pallas_gpu", max_model_len=32)
+
+
+def test_platform_default_without_a_window_gives_way_to_xla(monkeypatch):
+  """With ``attention_backend=None`` a platform default that lacks the model's window and soft cap
+  (GPU's Pallas decode kernel) is replaced by XLA; named explicitly, it is refused (above)."""
+  from jaxengine.models import attention_backends
+
+  monkeypatch.setitem(attention_backends.DEFAULT_BACKEND, "cpu", "pallas_gpu")
+  assert attention_backends.attention_backend(None).name == "pallas_gpu"
+  config = json.loads(CASES["gemma2"]().to_json_string())
+  model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
+  llm = je.LLM(model, max_num_reqs=1, max_model_len=16)
+  assert llm.llm_engine.runner.kv_cache.backend.name == "xla"
+  (out,) = llm.generate([[1, 2, 3]], je.SamplingParams(max_tokens=2), use_tqdm=False)
+  assert len(out.outputs[0].token_ids) == 2
+
+
+MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jaxengine as je
+params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
+kw = dict(max_num_reqs=2, max_model_len=32, block_size=4)
+one = je.LLM(sys.argv[1], **kw).generate(prompts, params, use_tqdm=False)
+two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(prompts, params, use_tqdm=False)
+worst = 0.0
+for a, b, prompt in zip(one, two, prompts):
+  assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+  for x, y, token in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], prompt[1:]):
+    worst = max(worst, abs(x[token].logprob - y[token].logprob))
+assert worst < 1e-4, worst
+print("ok", worst)
+"""
+
+
+def test_two_device_mesh_gives_the_same_tokens(tmp_path):
+  _write(tmp_path, "gemma2")  # soft caps, windows; K = 2 heads split over the 2 devices
+  out = run_python(MESH_SCRIPT, os.fspath(tmp_path), timeout=900)
+  assert out.strip().splitlines()[-1].startswith("ok")
