@@ -223,12 +223,16 @@ def test_grouped_linear_multiplies_each_row_by_its_groups_matrix(batch_invariant
   np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("product", ["_ragged", "_every_group_then_pick"])
-def test_both_grouped_products_agree(product):
-  """The GPU/TPU form (`ragged_dot_general`, lowered densely on CPU) and the CPU form."""
+@pytest.mark.parametrize("product", ["_ragged", "_every_group_then_pick", "chunked"])
+def test_both_grouped_products_agree(product, monkeypatch):
+  """The GPU/TPU form (`ragged_dot_general`, lowered densely on CPU) and the CPU form, whole or
+  8 rows at a time (19 rows here: three chunks, the last one padded)."""
+  if product == "chunked":
+    monkeypatch.setattr(moe, "CPU_PRODUCT_BYTES", 1)
+    product = "_every_group_then_pick"
   rng = np.random.default_rng(1)
   sizes = np.array([0, 4, 1, 0, 7, 2], np.int32)
-  x = rng.standard_normal((16, 12)).astype(np.float32)
+  x = rng.standard_normal((19, 12)).astype(np.float32)
   w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
   got = np.asarray(jax.jit(getattr(moe, product))(x, w, sizes))
   np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)

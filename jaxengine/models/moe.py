@@ -159,15 +159,38 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED)
 
 
+#: Bytes of the ``[X, rows, out]`` products `_every_group_then_pick` computes at once; more rows
+#: are taken a chunk at a time (a prefill chunk of a large model would otherwise hold gigabytes).
+CPU_PRODUCT_BYTES = 64 << 20
+
+
 def _every_group_then_pick(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """`grouped_linear` as XLA:CPU runs it best: every row times every group's matrix, batched
   over the groups (``[X, M, out]``, each matrix read in place), then each row's own group's
-  result (exact: a selection, no sum); rows past the groups give zeros."""
+  result (exact: a selection, no sum); rows past the groups give zeros. At most
+  `CPU_PRODUCT_BYTES` of products at once: more rows go a chunk at a time (a row's result does
+  not depend on its chunk's other rows: the rows of one product are computed alike)."""
   num_groups, rows = w.shape[0], x.shape[0]
-  # Batched over X with the groups leading ([X, M, out]): XLA:CPU reads each [out, in] matrix
-  # in place (an [M, X, out] result made it copy the weights first, 5x slower).
-  every = jnp.einsum("mi,xoi->xmo", x, w)
   group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")  # [M]
+  per_row = num_groups * w.shape[1] * jnp.dtype(x.dtype).itemsize
+  chunk = max(8, CPU_PRODUCT_BYTES // per_row // 8 * 8)
+  if rows <= chunk:
+    return _pick(x, w, group)
+  num_chunks = math.ceil(rows / chunk)
+  pad = num_chunks * chunk - rows
+  xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(num_chunks, chunk, -1)
+  groups = jnp.pad(group, (0, pad), constant_values=num_groups).reshape(num_chunks, chunk)
+  out = jax.lax.map(lambda args: _pick(args[0], w, args[1]), (xs, groups))
+  return out.reshape(num_chunks * chunk, -1)[:rows]
+
+
+def _pick(x: jax.Array, w: jax.Array, group: jax.Array) -> jax.Array:
+  """Rows ``[C, in]`` times every ``[X, out, in]`` matrix, each row's ``group`` kept (zeros for
+  ``group >= X``)."""
+  num_groups = w.shape[0]
+  # Batched over X with the groups leading ([X, C, out]): XLA:CPU reads each [out, in] matrix
+  # in place (a [C, X, out] result made it copy the weights first, 5x slower).
+  every = jnp.einsum("mi,xoi->xmo", x, w)
   picked = jnp.take_along_axis(every, jnp.minimum(group, num_groups - 1)[None, :, None], axis=0)
   return jnp.where((group < num_groups)[:, None], picked[0], 0)
 
