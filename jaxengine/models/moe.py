@@ -19,8 +19,9 @@ Expert weights are stacked per block, ``[X, out, in]`` (each expert's matrix in 
 ``nn.Linear`` layout, as the checkpoints store it, so a per-expert checkpoint tensor fills one
 row of the stack: `jaxengine.models.llama_checkpoints.hf_weight_specs`).
 
-On GPU and TPU `ragged_dot_general` lowers to a grouped-matmul kernel whose work is the
-assignments' only. XLA:CPU has no such kernel: JAX lowers the ragged product there to one dense
+On GPU and TPU `ragged_dot_general` lowers to XLA's ragged dot, a grouped matmul whose work is
+the assignments' only (not measured in this repository: its tests and benchmarks run on CPU).
+XLA:CPU has no such kernel: JAX lowers the ragged product there to one dense
 product of the rows, masked per group, with every expert's matrix, and the product's operand
 order makes XLA copy every expert's weights into a transposed buffer on each call. So on CPU the
 block multiplies the sorted rows by every expert's matrix as a product batched over the experts
@@ -29,7 +30,9 @@ its copy. Measured on a 2-core CPU, 8 experts of 512 -> 512, weights passed as a
 / 64 / 256 rows: 2.70 / 3.29 / 5.15 / 10.72 ms for the ragged product over ``[X, out, in]``,
 1.17 / 1.71 / 3.45 / 8.89 ms over ``[X, in, out]``, 0.46 / 0.62 / 1.70 / 6.38 ms for the batched
 product (a dense product as wide as all 8 experts: 0.60 / 0.99 / 2.24 / 6.35 ms). The CPU step
-thus costs about what a dense MLP as wide as all experts does (`benchmarks/bench_moe.py`).
+thus costs about what a dense MLP as wide as all experts does (`benchmarks/bench_moe.py`); with
+tensor parallelism on CPU the down projection's all-reduce carries every expert's partial
+product (``[X, M, E]``, not ``[M, E]``).
 
 Sharding (`jaxengine.models.registry`): the stacked matrices are `EXPERT_COLUMN_PARALLEL`
 (gate, up: split on ``out``, the expert's intermediate features) and `EXPERT_ROW_PARALLEL`
@@ -38,7 +41,7 @@ Sharding (`jaxengine.models.registry`): the stacked matrices are `EXPERT_COLUMN_
 
 Batch-invariant mode (``batch_invariant=True``, `jaxengine.models.batch_invariant`): the router
 is a row-tiled product and each grouped matmul runs ``ROW_TILE`` sorted rows at a time, every
-tile the same ``[ROW_TILE, in]`` ragged product with the tile's own group sizes, so a row's bits
+tile the same ``[ROW_TILE, in]`` grouped product with the tile's own group sizes, so a row's bits
 depend on its values and its expert only, not on the other tokens of the call.
 
 Shape letters: ``T`` tokens of the call (all leading dimensions flattened), ``E`` hidden size,
