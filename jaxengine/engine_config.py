@@ -139,6 +139,14 @@ class EngineConfig:
       step is scheduled, its token counts being known only from its output); False: every
       step synchronous. Outputs are those of synchronous steps (see `LLMEngine`);
       `scheduling_overlaps` says whether it is on.
+    reuse_compiled_shapes: let a step whose (token bucket, row bucket) has not compiled yet run
+      in a larger compiled shape for its first 8 uses before compiling its own
+      (`jaxengine.worker.buckets.StepShapes`; default False: every step runs in its own bucket).
+      A short job then compiles fewer shapes (a batch whose requests finish one by one does not
+      compile every smaller row bucket on the way down); the price is reproducibility within a
+      process: the same requests run again later may run in another shape, and without
+      `batch_invariant` their logprobs can then differ in the last bits. The lm-eval
+      integration turns it on (evals are short jobs); `precompile` makes it moot.
     enforce_eager: vLLM's switch that turns off CUDA graphs and torch.compile; accepted (a
       bool) and without effect here: every step is a jitted XLA executable, compiled on first
       use per shape bucket (or all at once with `precompile`), and there is no eager mode to
@@ -182,6 +190,7 @@ class EngineConfig:
   attention_backend: str | None = None
   batch_invariant: bool = False
   async_scheduling: bool | None = None
+  reuse_compiled_shapes: bool = False
   enforce_eager: bool = False
   trust_remote_code: bool = False
 
@@ -222,6 +231,7 @@ class EngineConfig:
       "enable_chunked_prefill",
       "batch_invariant",
       "enable_expert_parallel",
+      "reuse_compiled_shapes",
       "enforce_eager",
       "trust_remote_code",
     ):

@@ -97,6 +97,9 @@ class LLM:
       `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
     precompile: compile every prefill and decode bucket now (with a progress bar),
       so no request waits for a compile later. Off by default: most runs reach few buckets.
+    reuse_compiled_shapes: run a step whose bucket has not compiled yet in a larger compiled
+      one for its first uses, so a short job compiles fewer shapes; reruns in the same process
+      may then differ in the last bits of their logprobs (see `EngineConfig`). Off by default.
     speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
       "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).

@@ -15,9 +15,9 @@ only (`step_buckets`; the prompt-logprobs variant is another executable), and on
 (`sample_produced`) per row bucket; with `speculative_config` also one verify step
 (the model and the rejection sampler, `worker/verify_step.py`) per (token bucket, row bucket); with
 `num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
-`worker/multi_step.py`); `precompile` runs them all. Without `precompile`, a step whose bucket has
-not compiled yet runs in a larger compiled one for its first few uses (`StepShapes`), so a short
-job compiles few shapes. The block-table width is fixed at
+`worker/multi_step.py`); `precompile` runs them all. With `reuse_compiled_shapes`, a step whose bucket
+has not compiled yet runs in a larger compiled one for its first few uses (`StepShapes`), so a
+short job compiles few shapes. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs, so the width costs nothing there).
 
@@ -67,7 +67,7 @@ from jaxengine.models.weights import (
   state_leaves,
 )
 from jaxengine.sample import LogprobsTensors
-from jaxengine.worker.buckets import StepShape, StepShapes, bucket, buckets
+from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
 from jaxengine.worker.device_steps import device_steps
 from jaxengine.worker.kv_cache_size import (
   bytes_per_block,
@@ -214,7 +214,7 @@ class ModelRunner:
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, 1)
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
-    self.compiled_shapes = StepShapes()
+    self.compiled_shapes = StepShapes(PROMOTE_AFTER if config.reuse_compiled_shapes else 0)
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
     self._jit_steps(model.vocab_size, config.num_speculative_tokens)
 
