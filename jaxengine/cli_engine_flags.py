@@ -67,6 +67,17 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "reuse_compiled_shapes",
+    "--reuse-compiled-shapes",
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="run a step in a larger compiled shape for its first uses instead of compiling its "
+      "own at once: fewer compiles for short jobs; reruns may differ in the last bits "
+      "(default: off; on for eval)",
+    ),
+  ),
+  EngineFlag(
     "enforce_eager",
     "--enforce-eager",
     dict(

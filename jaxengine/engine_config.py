@@ -72,6 +72,10 @@ class EngineConfig:
       (`kv_cache_memory_bytes`, `num_kv_blocks` and `max_num_batched_tokens` are each group's),
       scheduler and prefix cache, and a copy of the weights; each request runs in the group
       with the fewest unfinished sequences (`data_parallel_groups`, `LLMEngine`).
+    enable_expert_parallel: split the experts of a mixture-of-experts model (Qwen3-MoE,
+      Mixtral) over the "model" axis, each device holding whole experts (vLLM's name), instead
+      of splitting every expert's matrices (default False; attention stays tensor parallel).
+      The model axis must divide the model's number of experts. No effect on one device.
     mesh: None (one device), or a `jax.sharding.Mesh` with the axes ``("data", "model")``;
       built from the two sizes when either exceeds 1 (sizes that differ from a given mesh's are
       refused). The pages split over key/value heads on the "model" axis
@@ -135,6 +139,14 @@ class EngineConfig:
       step is scheduled, its token counts being known only from its output); False: every
       step synchronous. Outputs are those of synchronous steps (see `LLMEngine`);
       `scheduling_overlaps` says whether it is on.
+    reuse_compiled_shapes: let a step whose (token bucket, row bucket) has not compiled yet run
+      in a larger compiled shape for its first 8 uses before compiling its own
+      (`jaxengine.worker.buckets.StepShapes`; default False: every step runs in its own bucket).
+      A short job then compiles fewer shapes (a batch whose requests finish one by one does not
+      compile every smaller row bucket on the way down); the price is reproducibility within a
+      process: the same requests run again later may run in another shape, and without
+      `batch_invariant` their logprobs can then differ in the last bits. The lm-eval
+      integration turns it on (evals are short jobs); `precompile` makes it moot.
     enforce_eager: vLLM's switch that turns off CUDA graphs and torch.compile; accepted (a
       bool) and without effect here: every step is a jitted XLA executable, compiled on first
       use per shape bucket (or all at once with `precompile`), and there is no eager mode to
@@ -174,6 +186,7 @@ class EngineConfig:
   download_dir: str | None = None
   tensor_parallel_size: int = 1
   data_parallel_size: int = 1
+  enable_expert_parallel: bool = False
   mesh: jax.sharding.Mesh | None = None
   compilation_cache: bool | str | os.PathLike = True
   precompile: bool = False
@@ -190,6 +203,7 @@ class EngineConfig:
   attention_backend: str | None = None
   batch_invariant: bool = False
   async_scheduling: bool | None = None
+  reuse_compiled_shapes: bool = False
   enforce_eager: bool = False
   trust_remote_code: bool = False
   enable_lora: bool = False
@@ -233,6 +247,8 @@ class EngineConfig:
       "precompile",
       "enable_chunked_prefill",
       "batch_invariant",
+      "enable_expert_parallel",
+      "reuse_compiled_shapes",
       "enforce_eager",
       "trust_remote_code",
       "enable_lora",

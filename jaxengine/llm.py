@@ -85,6 +85,9 @@ class LLM:
     data_parallel_size: data-parallel groups (it must divide `max_num_reqs`), each with
       `tensor_parallel_size` devices, its share of the rows, its own pool of KV-cache pages,
       scheduler and copy of the weights; each request runs in one group (see `LLMEngine`).
+    enable_expert_parallel: a mixture-of-experts model's experts split over the devices of
+      `tensor_parallel_size` (whole experts per device) instead of each expert's matrices;
+      the device count must divide the model's experts.
     mesh: instead of the two sizes, your own `jax.sharding.Mesh` with the axes
       ``("data", "model")`` (e.g. `jaxengine.parallel.make_mesh(t, d, devices)`).
     compilation_cache: JAX's persistent compilation cache, so a second process start reads the
@@ -95,6 +98,9 @@ class LLM:
       `JAX_COMPILATION_CACHE_DIR`) is kept as it is. See `jaxengine.compilation_cache`.
     precompile: compile every prefill and decode bucket now (with a progress bar),
       so no request waits for a compile later. Off by default: most runs reach few buckets.
+    reuse_compiled_shapes: run a step whose bucket has not compiled yet in a larger compiled
+      one for its first uses, so a short job compiles fewer shapes; reruns in the same process
+      may then differ in the last bits of their logprobs (see `EngineConfig`). Off by default.
     speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
       "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).

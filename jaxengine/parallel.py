@@ -21,6 +21,11 @@ row-parallel              ``wo`` ``[E, H, D]``,           second dimension over 
                           ``w_down`` ``[E, F]``           (``P(None, "model", ...)``: its input)
 vocab-parallel            ``embed``, ``lm_head``          ``P("model", None)`` (vocabulary)
                           ``[V, E]``
+expert-column-parallel    ``expert_gate``, ``expert_up``  ``P(None, "model", None)`` (each
+                          ``[X, F, E]``                   expert's intermediate features)
+expert-row-parallel       ``expert_down`` ``[X, E, F]``   ``P(None, None, "model")``
+(expert parallelism)      the three expert stacks         ``P("model", None, None)``: whole
+                                                          experts per device
 replicated                norms, ``bo``, anything         ``P()``
                           without a rule
 ========================  ==============================  =========================================
@@ -47,7 +52,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxengine.models.registry import COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, VOCAB_PARALLEL
+from jaxengine.models.registry import (
+  COLUMN_PARALLEL,
+  EXPERT_COLUMN_PARALLEL,
+  EXPERT_ROW_PARALLEL,
+  REPLICATED,
+  ROW_PARALLEL,
+  VOCAB_PARALLEL,
+)
 
 #: Name of the mesh axis over batch rows (data parallelism).
 DATA = "data"
@@ -55,7 +67,13 @@ DATA = "data"
 MODEL = "model"
 
 # The dimension each role splits over MODEL (a role not listed is replicated).
-_ROLE_DIM = {COLUMN_PARALLEL: 0, ROW_PARALLEL: 1, VOCAB_PARALLEL: 0}
+_ROLE_DIM = {
+  COLUMN_PARALLEL: 0,
+  ROW_PARALLEL: 1,
+  VOCAB_PARALLEL: 0,
+  EXPERT_COLUMN_PARALLEL: 1,
+  EXPERT_ROW_PARALLEL: 2,
+}
 
 
 def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
@@ -73,6 +91,15 @@ def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int
       raise ValueError(f"{name} must be a positive int, got {value!r}")
     sizes.append(int(value))
   return sizes[0], sizes[1]
+
+
+def check_experts(num_experts: int, tensor_parallel_size: int) -> None:
+  """Raises ValueError unless `tensor_parallel_size` divides `num_experts` (expert parallelism)."""
+  if num_experts % tensor_parallel_size:
+    raise ValueError(
+      f"enable_expert_parallel=True: tensor_parallel_size={tensor_parallel_size} must divide "
+      f"the model's num_experts={num_experts}"
+    )
 
 
 def check_heads(num_attention_heads: int, tensor_parallel_size: int) -> None:
@@ -137,21 +164,30 @@ def _split(shape: tuple[int, ...], dim: int, axis: str, size: int) -> P:
   return P(*(axis if i == dim else None for i in range(len(shape))))
 
 
-def weight_spec(role: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+def weight_spec(
+  role: str, shape: tuple[int, ...], tensor_parallel_size: int, *, expert_parallel: bool = False
+) -> P:
   """The partition spec of one parameter from its sharding role (see the module's table).
 
   Args:
     role: one of `jaxengine.models.registry.ROLES`; `REPLICATED` (or any other) is replicated.
     shape: its shape (``[out, in]`` layout: column-parallel splits dimension 0, row-parallel
-      dimension 1, vocab-parallel dimension 0).
+      dimension 1, vocab-parallel dimension 0; ``[X, out, in]`` stacked experts: dimension 1
+      or 2).
     tensor_parallel_size: `t`.
+    expert_parallel: the expert roles split dimension 0, the experts, instead (vLLM's
+      ``enable_expert_parallel``).
   """
   if role not in _ROLE_DIM or tensor_parallel_size == 1:
     return P()
+  if expert_parallel and role in (EXPERT_COLUMN_PARALLEL, EXPERT_ROW_PARALLEL):
+    return _split(shape, 0, MODEL, tensor_parallel_size)
   return _split(shape, _ROLE_DIM[role], MODEL, tensor_parallel_size)
 
 
-def weight_shardings(weights: Any, mesh: Mesh, rules: Mapping[str, str]) -> Any:
+def weight_shardings(
+  weights: Any, mesh: Mesh, rules: Mapping[str, str], *, expert_parallel: bool = False
+) -> Any:
   """`NamedSharding`s for a model's weights (an `nnx.State` or any pytree of arrays).
 
   Args:
@@ -159,6 +195,7 @@ def weight_shardings(weights: Any, mesh: Mesh, rules: Mapping[str, str]) -> Any:
     mesh: the mesh.
     rules: parameter name -> role (`jaxengine.models.registry.sharding_rules` of the model);
       each leaf is looked up by the last name of its path, and one without a rule replicated.
+    expert_parallel: stacked experts split over the experts axis (see `weight_spec`).
   """
   t = axis_size(mesh, MODEL)
 
@@ -166,7 +203,8 @@ def weight_shardings(weights: Any, mesh: Mesh, rules: Mapping[str, str]) -> Any:
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     names = [n for n in keys if isinstance(n, str) and n != "value"]
     role = rules.get(names[-1], REPLICATED) if names else REPLICATED
-    return NamedSharding(mesh, weight_spec(role, tuple(leaf.shape), t))
+    spec = weight_spec(role, tuple(leaf.shape), t, expert_parallel=expert_parallel)
+    return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(one, weights)
 

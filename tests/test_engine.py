@@ -11,7 +11,6 @@ import jaxengine as je
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import tiny_llama
 from jaxengine.worker import device_steps
-from jaxengine.worker.buckets import StepShapes
 
 
 def _fixtures() -> Path:
@@ -185,8 +184,6 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
   device_steps.clear()  # count this engine's executables alone
   model, _config = tiny_llama(vocab_size=64)
   engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
-  # Every step in its exact bucket (a short job's reuse of larger shapes is test_step_shapes').
-  engine.runner.compiled_shapes = StepShapes(promote_after=0)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]
   mixes = [
     je.SamplingParams(temperature=0, max_tokens=3),
@@ -244,7 +241,6 @@ def _recording_sampler(engine):
 def test_steps_run_over_a_bucket_of_live_rows_not_every_row():
   model, _config = tiny_llama(vocab_size=64)
   wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32)
-  wide.runner.compiled_shapes = StepShapes(promote_after=0)  # exact buckets, as precompiled
   buckets = _recording_sampler(wide)
   params = je.SamplingParams(temperature=0, max_tokens=6)
   wide.add_request("a", [5, 6, 7], params)

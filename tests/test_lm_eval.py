@@ -299,7 +299,8 @@ def test_eval_command_forwards_to_lm_eval(checkpoint, jax_lm, tmp_path, monkeypa
     ]
   )
   assert status == 0
-  assert built == [(str(checkpoint[0]), {"max_model_len": MAX_MODEL_LEN, "dtype": "float32"})]
+  options = {"max_model_len": MAX_MODEL_LEN, "dtype": "float32", "reuse_compiled_shapes": True}
+  assert built == [(str(checkpoint[0]), options)]
   assert "jaxengine_tiny_mc" in capsys.readouterr().out
   (result_file,) = output.rglob("results_*.json")
   results = json.loads(result_file.read_text())

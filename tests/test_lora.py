@@ -143,6 +143,7 @@ def test_switching_adapters_compiles_nothing(llm, checkpoints):
   order = [requests[1], None, requests[2], requests[3], requests[1], None]
   for lora in order:  # warm-up: every adapter placed once, the step shapes compiled
     llm.generate([PROMPTS[1]], GREEDY, lora_request=lora, use_tqdm=False)
+  llm.generate(PROMPTS[:2], GREEDY, lora_request=[requests[1], None], use_tqdm=False)
   with count_compiles() as counter:
     for lora in reversed(order):
       llm.generate([PROMPTS[1]], GREEDY, lora_request=lora, use_tqdm=False)

@@ -93,7 +93,7 @@ def test_a_shrinking_batch_compiles_fewer_steps_and_gives_the_exact_buckets_toke
   want = run(exact)
   device_steps.clear()
   with count_compiles() as compiles:
-    llm = je.LLM(model, **options)
+    llm = je.LLM(model, reuse_compiled_shapes=True, **options)
     got = run(llm)
   np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
   runner = llm.llm_engine.runner

@@ -85,6 +85,20 @@ CONFIGS = {
       use_tied_embedding=False,
     ),
   ),
+  # 4 experts of width hidden_dim on every layer, top 2 renormalised (Tunix's MoELayer)
+  "qwen3_moe": (
+    qwen3.Qwen3,
+    qwen3.ModelConfig(
+      **SIZES,
+      head_dim=8,
+      num_kv_heads=1,
+      rope_theta=10_000,
+      norm_eps=1e-6,
+      use_tied_embedding=False,
+      num_experts=4,
+      num_experts_per_tok=2,
+    ),
+  ),
   # Gemma 1: fused q/k/v (N == K), no post norms, global layers only.
   "gemma1": (
     gemma.Gemma,

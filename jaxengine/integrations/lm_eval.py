@@ -158,6 +158,8 @@ class JaxEngineLM(TemplateLM):
     max_gen_toks: the default generation budget of ``generate_until`` (lm-eval's 256).
     **engine_options: `LLM`'s engine options (``max_model_len``, ``max_num_reqs``, ``dtype``,
       ``seed``, ``enable_prefix_caching``, ``tensor_parallel_size``, ...).
+      ``reuse_compiled_shapes`` defaults to True here (an eval is a short job: fewer compiles,
+      see `EngineConfig`); pass False for exact buckets.
 
   Raises:
     TypeError: an unknown engine option (named, with a suggestion).
@@ -189,6 +191,8 @@ class JaxEngineLM(TemplateLM):
         f"pass llm or pretrained and engine options, not both (got pretrained={pretrained!r}, "
         f"options {sorted(engine_options)})"
       )
+    if llm is None:
+      engine_options.setdefault("reuse_compiled_shapes", True)
     self.llm = llm if llm is not None else LLM(pretrained, **engine_options)
     tokenizer = self.llm.get_tokenizer()
     if tokenizer is None:

@@ -13,9 +13,10 @@ there, or a `functools.partial` of it carrying engine options, and Tunix constru
       training_config=...,
     )
 
-The rollout serves the actor (a Tunix `Llama3`, `Qwen2`, `Qwen3`, `Gemma` or `Gemma3`) as a
-`jaxengine.LLM` over a `jaxengine.models.Llama` (or, for Gemma, `jaxengine.models.gemma.Gemma`)
-holding the same weights (`jaxengine.integrations.tunix_weights` maps the
+The rollout serves the actor (a Tunix `Llama3`, `Qwen2`, `Qwen3` (dense or MoE), `Gemma` or
+`Gemma3`) as a `jaxengine.LLM` over a `jaxengine.models.Llama` (or, for Gemma,
+`jaxengine.models.gemma.Gemma`) holding the same weights (`jaxengine.integrations.tunix_weights`
+maps the
 names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
 devices, with per-request seeds and no recompiles when the weights change: after each training
 step Tunix calls `update_params` with the trainer's `nnx.Param` state, which goes through

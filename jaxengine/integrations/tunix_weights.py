@@ -1,4 +1,5 @@
-"""Tunix's Llama 3, Qwen2, Qwen3, Gemma and Gemma 3 modules as engine models: config and weights.
+"""Tunix's Llama 3, Qwen2, Qwen3 (dense, MoE), Gemma and Gemma 3 modules as engine models: config
+and weights.
 
 Tunix (`google-tunix`) keeps its own NNX decoders, with their own parameter names and layouts; the
 engine serves `jaxengine.models.Llama` (Llama 3, Qwen2, Qwen3) and `jaxengine.models.gemma.Gemma`
@@ -26,6 +27,13 @@ heads, ``D`` head dim, ``V`` vocabulary), Tunix -> engine:
     layers.i.attn.{q,k}_norm.w      [D]         -> layers.i.attn.{q,k}_norm.scale     (Qwen3)
     layers.i.mlp.{gate,up}_proj.kernel [E, F]   -> layers.i.mlp.w_{gate,up}  [F, E]
     layers.i.mlp.down_proj.kernel   [F, E]      -> layers.i.mlp.w_down       [E, F]
+
+Qwen3 with ``num_experts`` (``X`` experts of width ``F = hidden_dim``, a `MoELayer` on every
+layer, top-``num_experts_per_tok`` weights renormalised):
+
+    layers.i.mlp.router.kernel      [E, X]      -> layers.i.mlp.router       [X, E]
+    layers.i.mlp.{gate,up}_proj     [X, E, F]   -> layers.i.mlp.expert_{gate,up} [X, F, E]
+    layers.i.mlp.down_proj          [X, F, E]   -> layers.i.mlp.expert_down  [X, E, F]
 
 Gemma (``tunix.models.gemma``: Gemma 1 and 2) and Gemma 3 (``tunix.models.gemma3``), Tunix ->
 `jaxengine.models.gemma.Gemma` (``N`` query heads; the einsum weights carry ``[..., E, D]``):
@@ -137,7 +145,9 @@ def llama_config_from_tunix(
   """The `LlamaConfig` of an engine model computing what the Tunix `model` computes.
 
   Args:
-    model: a Tunix `Llama3`, `Qwen2` or `Qwen3` (dense; not mixture-of-experts).
+    model: a Tunix `Llama3`, `Qwen2` or `Qwen3` (a Qwen3 with ``num_experts`` gets a
+      mixture-of-experts block on every layer, its top-k weights renormalised, as Tunix's
+      `MoELayer` computes).
     max_position_embeddings: longest sequence the engine will run (its `max_model_len` bound).
     bos_token_id, eos_token_id: the tokenizer's ids (informational for the engine model).
 
@@ -145,15 +155,21 @@ def llama_config_from_tunix(
     The config; `tie_word_embeddings` follows the Tunix model's weight tying.
 
   Raises:
-    ValueError: another model class, or a Qwen3 mixture-of-experts model.
+    ValueError: another model class.
   """
   if not isinstance(model, LLAMA_MODELS):
     raise ValueError(
       f"rollout_actor must be a Tunix Llama3, Qwen2 or Qwen3 model, got {type(model).__name__}"
     )
   cfg = model.config
-  if getattr(cfg, "num_experts", None):
-    raise ValueError(f"Qwen3 mixture-of-experts is not supported (num_experts={cfg.num_experts})")
+  experts = getattr(cfg, "num_experts", None) or 0
+  moe = dict(
+    num_experts=experts,
+    num_experts_per_tok=getattr(cfg, "num_experts_per_tok", None) or 0,
+    moe_intermediate_size=cfg.hidden_dim,
+    norm_topk_prob=True,
+    moe_layers=tuple(range(cfg.num_layers)),
+  )
   tied = cfg.weight_tying if isinstance(model, tunix_llama3.Llama3) else cfg.use_tied_embedding
   return LlamaConfig(
     vocab_size=cfg.vocab_size,
@@ -171,6 +187,7 @@ def llama_config_from_tunix(
     eos_token_id=eos_token_id,
     attention_bias=isinstance(model, tunix_qwen2.Qwen2),
     qk_norm=isinstance(model, tunix_qwen3.Qwen3),
+    **(moe if experts else {}),
   )
 
 
@@ -272,8 +289,9 @@ def tunix_param_leaves(params: Any) -> dict[str, jax.Array]:
   return {dotted(leaf_path(path)): leaf for path, leaf in flat}
 
 
-def _layer_rules(config: LlamaConfig) -> dict[str, tuple[str, Any]]:
-  """Per layer: Tunix suffix -> (engine suffix, layout change)."""
+def _layer_rules(config: LlamaConfig, sparse: bool) -> dict[str, tuple[str, Any]]:
+  """Per layer (`sparse`: one with a mixture of experts): Tunix suffix -> (engine suffix, layout
+  change)."""
   h, k, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
   rules: dict[str, tuple[str, Any]] = {
     "input_layernorm.w": ("input_norm.scale", None),
@@ -286,6 +304,14 @@ def _layer_rules(config: LlamaConfig) -> dict[str, tuple[str, Any]]:
     "mlp.up_proj.kernel": ("mlp.w_up", lambda w: w.T),
     "mlp.down_proj.kernel": ("mlp.w_down", lambda w: w.T),  # [F, E] -> [E, F]
   }
+  if sparse:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      del rules[f"mlp.{name}.kernel"]
+    swap = lambda w: w.transpose(0, 2, 1)  # [X, in, out] -> [X, out, in]
+    rules["mlp.router.kernel"] = ("mlp.router", lambda w: w.T)  # [E, X] -> [X, E]
+    rules["mlp.gate_proj"] = ("mlp.expert_gate", swap)
+    rules["mlp.up_proj"] = ("mlp.expert_up", swap)
+    rules["mlp.down_proj"] = ("mlp.expert_down", swap)
   if config.attention_bias:
     rules["attn.q_bias"] = ("attn.bq", lambda b: b.reshape(h, d))
     rules["attn.k_bias"] = ("attn.bk", lambda b: b.reshape(k, d))
@@ -305,7 +331,7 @@ def name_map(config: LlamaConfig) -> dict[str, tuple[LeafPath, Any]]:
   if not config.tie_word_embeddings:
     top["lm_head.w"] = (("lm_head",), lambda w: w.T)  # [E, V] -> [V, E]
   for i in range(config.num_hidden_layers):
-    for src, (dst, change) in _layer_rules(config).items():
+    for src, (dst, change) in _layer_rules(config, i in config.moe_layers).items():
       top[f"layers.{i}.{src}"] = (("layers", i, *dst.split(".")), change)
   return top
 
@@ -415,7 +441,7 @@ def engine_leaves(
   known = set(expected)
   extra = [n for n in params if n not in known and not n.startswith(IGNORED_PREFIXES)]
   if extra:
-    raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA and MoE are not supported)")
+    raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA is not supported)")
   placed = {name: on_device(params[name], device) for name in expected}
   converted = _convert(placed, config, jnp.dtype(dtype))
   return {path: converted[dotted(path)] for path in rules}

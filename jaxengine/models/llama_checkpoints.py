@@ -3,8 +3,10 @@
 For both sources the loaders read (`jaxengine.models.registry` routes them here):
 
 - a Hugging Face ``config.json`` -> `LlamaConfig` (`config_from_hf`, one switch per family:
-  ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``), and its tensor names -> the model's
-  leaves (`hf_weight_specs`: ``model.layers.0.self_attn.q_proj.weight`` -> ``layers/0/attn/wq``);
+  ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, and the mixture-of-experts
+  ``"qwen3_moe"`` and ``"mixtral"``), and its tensor names -> the model's leaves
+  (`hf_weight_specs`: ``model.layers.0.self_attn.q_proj.weight`` -> ``layers/0/attn/wq``; an
+  expert's ``model.layers.0.mlp.experts.3.up_proj.weight`` -> row 3 of ``layers/0/mlp/expert_up``);
 - GGUF metadata (``llama.*`` keys) -> `LlamaConfig` (`config_from_gguf`), and GGUF tensor names ->
   leaves (`gguf_weight_specs`: ``blk.0.attn_q.weight`` -> ``layers/0/attn/wq``, rows of the query
   and key projections put back from GGUF's interleaved rotary pairs).
@@ -14,6 +16,7 @@ Every matrix keeps the checkpoint's ``(out, in)`` layout: tensors are only resha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,6 +58,10 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
   return float(theta), scaling
 
 
+#: Mixture-of-experts families -> the dense family whose attention they share.
+MOE_BASE_FAMILIES = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
+
+
 def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
   """Translates a Hugging Face ``config.json`` of one Llama-family architecture.
 
@@ -66,14 +73,22 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
   ``bos_token_id``/``eos_token_id`` (the first of a list), and per family: ``attention_bias``
   (Llama, Qwen3), q/k/v biases (Qwen2), q/k norms (Qwen3), ``sliding_window`` (Mistral).
 
+  The mixture-of-experts families read their base family's fields (``"qwen3_moe"``: Qwen3's,
+  ``"mixtral"``: Mistral's) and `moe_fields_from_hf`.
+
   Args:
     hf: the parsed ``config.json``.
-    family: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"qwen3"`` (the registry entry's).
+    family: ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"qwen3_moe"`` or
+      ``"mixtral"`` (the registry entry's).
 
   Raises:
     ValueError: naming the field and value for an unsupported rope type, activation, MLP bias,
-      partial rotary embedding or per-layer sliding window, or a missing required field.
+      partial rotary embedding or per-layer sliding window, or a missing required field (or
+      mixture-of-experts field, see `moe_fields_from_hf`).
   """
+  if family in MOE_BASE_FAMILIES:
+    dense = config_from_hf(hf, MOE_BASE_FAMILIES[family])
+    return dataclasses.replace(dense, **moe_fields_from_hf(hf, family, dense.num_hidden_layers))
   activation = hf.get("hidden_act", "silu")
   if activation != "silu":
     raise ValueError(f"unsupported hidden_act {activation!r}; only 'silu' (SwiGLU) is implemented")
@@ -93,7 +108,7 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
   try:
     hidden_size = int(hf["hidden_size"])
     num_heads = int(hf["num_attention_heads"])
-    fields = dict(
+    fields: dict[str, Any] = dict(
       vocab_size=int(hf["vocab_size"]),
       hidden_size=hidden_size,
       intermediate_size=int(hf["intermediate_size"]),
@@ -123,6 +138,80 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
   )
 
 
+def moe_fields_from_hf(hf: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+  """The `LlamaConfig` mixture-of-experts fields of a Qwen3-MoE or Mixtral ``config.json``.
+
+  Qwen3-MoE: ``num_experts`` (transformers 5 writes ``num_local_experts``),
+  ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob`` (default False), and
+  which layers are sparse: layer ``i`` unless it is in ``mlp_only_layers`` or ``(i + 1)`` is not
+  a multiple of ``decoder_sparse_step`` (default 1). Mixtral: ``num_local_experts``,
+  ``num_experts_per_tok``, every layer sparse with experts of ``intermediate_size``, weights
+  always renormalised.
+
+  Raises:
+    ValueError: a missing field, or a ``decoder_sparse_step`` below 1 (named).
+  """
+  try:
+    experts = hf.get("num_experts") or hf["num_local_experts"]
+    fields: dict[str, Any] = dict(
+      num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"])
+    )
+    if family == "mixtral":
+      fields.update(
+        moe_intermediate_size=int(hf["intermediate_size"]),
+        norm_topk_prob=True,
+        moe_layers=tuple(range(num_layers)),
+        moe_checkpoint_names="mixtral",
+      )
+      return fields
+    fields["moe_intermediate_size"] = int(hf["moe_intermediate_size"])
+  except KeyError as error:
+    raise ValueError(f"config.json lacks {error.args[0]!r}") from None
+  step = hf.get("decoder_sparse_step")
+  step = 1 if step is None else int(step)
+  if step < 1:
+    raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+  dense_only = {int(i) for i in hf.get("mlp_only_layers") or []}
+  sparse = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
+  fields.update(
+    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    moe_layers=tuple(sparse) if fields["num_experts"] > 0 else (),
+    moe_checkpoint_names="qwen3_moe",
+  )
+  return fields
+
+
+#: Checkpoint names of a sparse block by ``moe_checkpoint_names``: (block prefix, expert gate,
+#: up and down projection names).
+_MOE_NAMES = {
+  "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+  "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+
+
+def moe_weight_specs(cfg: LlamaConfig, layer: int) -> list[WeightSpec]:
+  """The specs of layer `layer`'s `jaxengine.models.moe.SparseMoeBlock`.
+
+  The router ``{block}.gate.weight`` ``(X, E)`` fills ``mlp/router``; each expert ``j``'s
+  ``{block}.experts.{j}.{gate}.weight`` ``(F, E)``, ``{up}`` ``(F, E)`` and ``{down}``
+  ``(E, F)`` fill row ``j`` (`WeightSpec.layer`) of the stacked ``mlp/expert_gate``,
+  ``expert_up`` and ``expert_down`` leaves, in their ``(out, in)`` layout. Qwen3-MoE names the
+  block ``mlp`` and the projections ``gate_proj``/``up_proj``/``down_proj``; Mixtral
+  ``block_sparse_moe`` and ``w1``/``w3``/``w2``.
+  """
+  e, f = cfg.hidden_size, cfg.moe_intermediate_size
+  block, gate, up, down = _MOE_NAMES[cfg.moe_checkpoint_names]
+  prefix, path = f"model.layers.{layer}.{block}", ("layers", layer, "mlp")
+  specs = [WeightSpec(f"{prefix}.gate.weight", (*path, "router"), None, (cfg.num_experts, e))]
+  for j in range(cfg.num_experts):
+    specs += [
+      WeightSpec(f"{prefix}.experts.{j}.{gate}.weight", (*path, "expert_gate"), j, (f, e)),
+      WeightSpec(f"{prefix}.experts.{j}.{up}.weight", (*path, "expert_up"), j, (f, e)),
+      WeightSpec(f"{prefix}.experts.{j}.{down}.weight", (*path, "expert_down"), j, (e, f)),
+    ]
+  return specs
+
+
 def hf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
   """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).
 
@@ -133,7 +222,8 @@ def hf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
   ``model.layers.{i}.``: ``input_layernorm.weight``, ``post_attention_layernorm.weight``,
   ``self_attn.{q,k,v,o}_proj.weight`` (and ``.bias`` with ``attention_bias`` /
   ``attention_output_bias``), ``self_attn.{q,k}_norm.weight`` (``qk_norm``), and
-  ``mlp.{gate,up,down}_proj.weight``.
+  ``mlp.{gate,up,down}_proj.weight`` (on the layers of ``moe_layers``: the sparse block's names,
+  `moe_weight_specs`).
   """
   e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   h, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -150,6 +240,8 @@ def hf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
     ("self_attn.v_proj.weight", ("attn", "wv"), (k * d, e)),
     ("self_attn.o_proj.weight", ("attn", "wo"), (e, h * d)),
     ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (e,)),
+  ]
+  dense_mlp: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [
     ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, e)),
     ("mlp.up_proj.weight", ("mlp", "w_up"), (f, e)),
     ("mlp.down_proj.weight", ("mlp", "w_down"), (e, f)),
@@ -168,10 +260,13 @@ def hf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
       ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (d,)),
     ]
   for i in range(cfg.num_hidden_layers):
+    sparse = i in cfg.moe_layers
     specs += [
       WeightSpec(f"model.layers.{i}.{suffix}", ("layers", i, *path), None, shape)
-      for suffix, path, shape in per_layer
+      for suffix, path, shape in per_layer + ([] if sparse else dense_mlp)
     ]
+    if sparse:
+      specs += moe_weight_specs(cfg, i)
   return specs
 
 
@@ -191,8 +286,14 @@ def config_from_gguf(
 
   Raises:
     ValueError: features this model lacks (rope scaling, a rotary dimension other than
-      head_dim).
+      head_dim, mixture-of-experts layers: ``llama.expert_count``).
   """
+  experts = metadata.get("llama.expert_count")
+  if experts:
+    raise ValueError(
+      f"GGUF mixture-of-experts models (llama.expert_count={experts}) are not supported; load "
+      "the Hugging Face checkpoint (MixtralForCausalLM) instead"
+    )
   if "rope_freqs.weight" in tensor_shapes or metadata.get("llama.rope.scaling.type") not in (
     None,
     "none",

@@ -1,5 +1,5 @@
-"""Hyper-parameters of the Llama family (Llama 2/3/3.1, SmolLM, Mistral, Qwen2, Qwen3) and the
-rotary frequencies they imply.
+"""Hyper-parameters of the Llama family (Llama 2/3/3.1, SmolLM, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral) and the rotary frequencies they imply.
 
 `LlamaConfig` switches the family's variants on and off (rope scaling, attention biases, q/k norm,
 sliding window); `jaxengine.models.llama` builds the decoder from it and the loaders read it from
@@ -78,6 +78,18 @@ class LlamaConfig:
       before the rotary embedding (Qwen3).
     sliding_window: each query attends to itself and the ``sliding_window - 1`` positions before
       it (Mistral), or None: every earlier position.
+    num_experts: experts ``X`` of each sparse mixture-of-experts block (Qwen3-MoE's
+      ``num_experts``, Mixtral's ``num_local_experts``); 0 for a dense model.
+    num_experts_per_tok: experts ``k`` each token is routed to.
+    moe_intermediate_size: width ``F`` of each expert's SwiGLU MLP.
+    norm_topk_prob: renormalise each token's ``k`` routing weights to sum to one (Mixtral
+      always; Qwen3-MoE's ``norm_topk_prob``).
+    moe_layers: indices of the layers whose feed-forward block is a
+      `jaxengine.models.moe.SparseMoeBlock` (the others keep the dense ``intermediate_size``
+      MLP); empty for a dense model.
+    moe_checkpoint_names: how checkpoints name the expert tensors: ``"qwen3_moe"``
+      (``mlp.gate``, ``mlp.experts.{j}.{gate,up,down}_proj``) or ``"mixtral"``
+      (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{j}.w1/w3/w2``).
   """
 
   vocab_size: int
@@ -98,6 +110,12 @@ class LlamaConfig:
   attention_output_bias: bool = False
   qk_norm: bool = False
   sliding_window: int | None = None
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  moe_layers: tuple[int, ...] = ()
+  moe_checkpoint_names: str = "qwen3_moe"
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -109,6 +127,30 @@ class LlamaConfig:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+    self._check_moe()
+
+  def _check_moe(self) -> None:
+    """ValueError naming the field unless the mixture-of-experts fields fit together."""
+    if not self.moe_layers:
+      return
+    if any(not 0 <= i < self.num_hidden_layers for i in self.moe_layers):
+      raise ValueError(
+        f"moe_layers={self.moe_layers} must lie in [0, num_hidden_layers={self.num_hidden_layers})"
+      )
+    if self.num_experts < 1 or self.moe_intermediate_size < 1:
+      raise ValueError(
+        f"a model with moe_layers needs num_experts >= 1 and moe_intermediate_size >= 1, got "
+        f"num_experts={self.num_experts}, moe_intermediate_size={self.moe_intermediate_size}"
+      )
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(
+        f"num_experts_per_tok={self.num_experts_per_tok} must lie in [1, num_experts="
+        f"{self.num_experts}]"
+      )
+    if self.moe_checkpoint_names not in ("qwen3_moe", "mixtral"):
+      raise ValueError(
+        f"moe_checkpoint_names={self.moe_checkpoint_names!r} is not 'qwen3_moe' or 'mixtral'"
+      )
 
   @property
   def num_queries_per_kv(self) -> int:

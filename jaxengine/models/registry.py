@@ -12,8 +12,10 @@ An entry (`ModelArchitecture`) holds everything the loaders and `jaxengine.paral
   the first dimension of an ``[out, ...]`` matrix, and of its bias), `ROW_PARALLEL` (its input
   features are split: the dimension after a single output dimension; the partial results are
   summed), `VOCAB_PARALLEL` (the rows of a ``[V, E]`` embedding or output projection),
-  `REPLICATED` (the default for any name not listed). `jaxengine.parallel` turns roles into
-  partition specs.
+  `REPLICATED` (the default for any name not listed), and for the ``[X, out, in]`` stacks of a
+  mixture-of-experts block `EXPERT_COLUMN_PARALLEL` / `EXPERT_ROW_PARALLEL` (each expert split
+  on its ``out`` / ``in`` features; all on the experts axis with expert parallelism).
+  `jaxengine.parallel` turns roles into partition specs.
 
 Hugging Face names are ``config.json``'s ``architectures[0]`` (``LlamaForCausalLM``); GGUF names
 are ``general.architecture`` (``llama``). Adding a model family is one module (its NNX class and
@@ -35,6 +37,8 @@ from jaxengine.models.weights import WeightSpec
 
 __all__ = [
   "COLUMN_PARALLEL",
+  "EXPERT_COLUMN_PARALLEL",
+  "EXPERT_ROW_PARALLEL",
   "GGUF_ARCHITECTURES",
   "HF_ARCHITECTURES",
   "REPLICATED",
@@ -55,7 +59,18 @@ ROW_PARALLEL = "row-parallel"
 VOCAB_PARALLEL = "vocab-parallel"
 #: Whole on every device (norms, output biases, anything not listed).
 REPLICATED = "replicated"
-ROLES = (COLUMN_PARALLEL, ROW_PARALLEL, VOCAB_PARALLEL, REPLICATED)
+#: ``[X, out, in]`` stacked experts, each split on its output features (expert gate and up).
+EXPERT_COLUMN_PARALLEL = "expert-column-parallel"
+#: ``[X, out, in]`` stacked experts, each split on its input features (expert down).
+EXPERT_ROW_PARALLEL = "expert-row-parallel"
+ROLES = (
+  COLUMN_PARALLEL,
+  ROW_PARALLEL,
+  VOCAB_PARALLEL,
+  REPLICATED,
+  EXPERT_COLUMN_PARALLEL,
+  EXPERT_ROW_PARALLEL,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,11 +97,14 @@ class ModelArchitecture:
   ignored_prefixes: tuple[str, ...] = ()
 
 
-#: Megatron-style tensor parallelism of the Llama family (Shoeybi et al., 2019).
+#: Megatron-style tensor parallelism of the Llama family (Shoeybi et al., 2019); experts of the
+#: mixture-of-experts layers split within each expert, the router replicated.
 LLAMA_SHARDING_RULES: Mapping[str, str] = {
   **dict.fromkeys(("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"), COLUMN_PARALLEL),
   **dict.fromkeys(("wo", "w_down"), ROW_PARALLEL),
   **dict.fromkeys(("embed", "lm_head"), VOCAB_PARALLEL),
+  **dict.fromkeys(("expert_gate", "expert_up"), EXPERT_COLUMN_PARALLEL),
+  "expert_down": EXPERT_ROW_PARALLEL,
 }
 
 
@@ -115,8 +133,9 @@ def _gemma_hf(name: str, family: str) -> ModelArchitecture:
   )
 
 
-#: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives share one module; their
-#: config readers differ by family switches (see `jaxengine.models.llama`). Gemma 2 and 3 share
+#: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives, mixture-of-experts ones
+#: included, share one module; their config readers differ by family switches (see
+#: `jaxengine.models.llama`). Gemma 2 and 3 share
 #: `jaxengine.models.gemma.Gemma` (a ``Gemma3ForConditionalGeneration`` checkpoint loads its
 #: language model; the vision tower is not read).
 HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
@@ -124,6 +143,8 @@ HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "MistralForCausalLM": _llama_hf("MistralForCausalLM", "mistral"),
   "Qwen2ForCausalLM": _llama_hf("Qwen2ForCausalLM", "qwen2"),
   "Qwen3ForCausalLM": _llama_hf("Qwen3ForCausalLM", "qwen3"),
+  "Qwen3MoeForCausalLM": _llama_hf("Qwen3MoeForCausalLM", "qwen3_moe"),
+  "MixtralForCausalLM": _llama_hf("MixtralForCausalLM", "mixtral"),
   "Gemma2ForCausalLM": _gemma_hf("Gemma2ForCausalLM", "gemma2"),
   "Gemma3ForCausalLM": _gemma_hf("Gemma3ForCausalLM", "gemma3"),
   "Gemma3ForConditionalGeneration": _gemma_hf(
@@ -148,6 +169,8 @@ _HF_MODEL_TYPES = {
   "mistral": "MistralForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
+  "qwen3_moe": "Qwen3MoeForCausalLM",
+  "mixtral": "MixtralForCausalLM",
   "gemma2": "Gemma2ForCausalLM",
   "gemma3_text": "Gemma3ForCausalLM",
   "gemma3": "Gemma3ForConditionalGeneration",

@@ -2,8 +2,8 @@
 
 The architecture (``config.json`` ``architectures[0]``) is looked up in
 `jaxengine.models.registry`, whose entry reads the config, names the module and maps the tensor
-names. Registered today: the Llama family, served by one module with config switches, and
-Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
+names. Registered today: the Llama family (mixture-of-experts relatives included), served by one
+module with config switches, and Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
 
 =================================  ==========================================================
 ``LlamaForCausalLM``               Llama 2, Llama 3 / 3.1 / 3.2 (``rope_scaling`` type
@@ -12,6 +12,11 @@ Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
 ``MistralForCausalLM``             Mistral (``sliding_window`` when set).
 ``Qwen2ForCausalLM``               Qwen2 / Qwen2.5: biases on the q/k/v projections.
 ``Qwen3ForCausalLM``               Qwen3: per-head q/k RMSNorm before rotary, ``head_dim``.
+``Qwen3MoeForCausalLM``            Qwen3-MoE: Qwen3 attention, sparse mixture-of-experts MLPs
+                                   on the layers ``decoder_sparse_step`` / ``mlp_only_layers``
+                                   select.
+``MixtralForCausalLM``             Mixtral: Mistral attention, a mixture of experts on every
+                                   layer.
 ``Gemma2ForCausalLM``              Gemma 2: local/global layers, soft-capped attention and
                                    logits (`jaxengine.models.gemma_checkpoints`).
 ``Gemma3ForCausalLM``              Gemma 3 text (1B): q/k norms, a local rotary base.
@@ -22,12 +27,15 @@ Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
 Tensors are named as in the checkpoint (the entry's ``weight_specs``; for Llama the mapping of
 `jaxengine.models.Llama.weight_specs`, which `LLM.load_weights` uses too) and read one at a time
 with ``safetensors.safe_open`` (memory-mapped), each converted and moved to the device before the
-next: the host never holds a second full copy of the weights. Both ``config.json`` styles are
-read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``).
+next: the host never holds a second full copy of the weights (the per-expert tensors of a
+mixture-of-experts block are gathered into their stacked leaf on the host, one leaf at a time).
+Both ``config.json`` styles are read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5
+(``rope_parameters``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -37,6 +45,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
@@ -209,6 +218,12 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
       raise ValueError(f"the checkpoint in {os.fspath(path)!r} {problem} {listed}{more}")
 
   arrays = {}
+  # A stacked leaf (one tensor per row: the experts of a mixture-of-experts block) is filled on
+  # the host and moved once its last row is read.
+  rows_left = collections.Counter(
+    s.path for s in specs if s.path is not None and s.layer is not None
+  )
+  stacks: dict[Any, np.ndarray] = {}
   with contextlib.ExitStack() as stack:
     handles = {
       file: stack.enter_context(safe_open(file, framework="numpy"))
@@ -225,5 +240,13 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
       if tuple(tensor.shape) != spec.shape:
         raise ValueError(f"{spec.name} in {file}: expected shape {spec.shape}, got {tensor.shape}")
       leaf = leaves[spec.path]
-      arrays[spec.path] = jnp.asarray(spec.to_param(tensor, leaf.shape).astype(leaf.dtype))
+      if spec.layer is None:
+        arrays[spec.path] = jnp.asarray(spec.to_param(tensor, leaf.shape).astype(leaf.dtype))
+        continue
+      if spec.path not in stacks:
+        stacks[spec.path] = np.zeros(leaf.shape, leaf.dtype)
+      stacks[spec.path][spec.layer] = spec.to_param(tensor, leaf.shape[1:])
+      rows_left[spec.path] -= 1
+      if not rows_left[spec.path]:
+        arrays[spec.path] = jnp.asarray(stacks.pop(spec.path))
   return cast(Model, nnx.merge(graphdef, replace_leaves(state, arrays))), config

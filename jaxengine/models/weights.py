@@ -3,11 +3,11 @@
 A checkpoint names its tensors (``model.layers.3.self_attn.q_proj.weight``) and stores them in
 its own layout (a PyTorch ``nn.Linear`` weight is ``(out, in)``); an NNX model holds differently
 shaped leaves (an ``[H, D, E]`` query matrix; a model that scans over layers stacks them as
-``[L, ...]``). A `WeightSpec` links one named tensor to the leaf, or the layer of a stacked leaf,
-it fills. A model lists its specs with an
-optional `weight_specs()` method (`jaxengine.models.Llama` names its parameters as Hugging Face
-checkpoints do); any other model gets `default_weight_specs`: one spec per leaf, named by its
-dotted NNX path (``"layers.0.attn.wq"``), taken whole.
+``[L, ...]``; a mixture-of-experts block stacks its experts as ``[X, ...]``). A `WeightSpec` links
+one named tensor to the leaf, or the row of a stacked leaf (a layer, an expert), it fills. A
+model lists its specs with an optional `weight_specs()` method (`jaxengine.models.Llama` names
+its parameters as Hugging Face checkpoints do); any other model gets `default_weight_specs`: one
+spec per leaf, named by its dotted NNX path (``"layers.0.attn.wq"``), taken whole.
 
 The same specs serve the safetensors loader and `ModelRunner.load_weights`, so a name means the
 same thing in both places. This module also holds the host-side checks and the assembly of new
@@ -38,8 +38,9 @@ class WeightSpec:
     name: the tensor's name in the checkpoint (``"model.layers.0.mlp.up_proj.weight"``).
     path: the leaf in ``nnx.state(model)`` (``("layers", 0, "mlp", "w_up")``), or None for a tensor
       that is accepted and ignored (the output projection of a model with tied embeddings).
-    layer: index along the leaf's leading stacked-layer axis the tensor fills, or None when the
-      tensor is the whole leaf.
+    layer: index along the leaf's leading stacked axis the tensor fills (a layer of a model that
+      stacks its layers, an expert of a mixture-of-experts block's ``[X, out, in]`` stack), or
+      None when the tensor is the whole leaf.
     shape: the tensor's shape in the checkpoint.
     transpose: the checkpoint stores the transpose of the (reshaped) parameter: a 2-D
       ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape (for a

@@ -15,9 +15,9 @@ only (`step_buckets`; the prompt-logprobs variant is another executable), and on
 (`sample_produced`) per row bucket; with `speculative_config` also one verify step
 (the model and the rejection sampler, `worker/verify_step.py`) per (token bucket, row bucket); with
 `num_decode_steps` k > 1 one k-step decode loop per row bucket (`execute_decode_steps`,
-`worker/multi_step.py`); `precompile` runs them all. Without `precompile`, a step whose bucket has
-not compiled yet runs in a larger compiled one for its first few uses (`StepShapes`), so a short
-job compiles few shapes. The block-table width is fixed at
+`worker/multi_step.py`); `precompile` runs them all. With `reuse_compiled_shapes`, a step whose bucket
+has not compiled yet runs in a larger compiled one for its first few uses (`StepShapes`), so a
+short job compiles few shapes. The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs, so the width costs nothing there).
 
@@ -68,7 +68,7 @@ from jaxengine.models.weights import (
   state_leaves,
 )
 from jaxengine.sample import LogprobsTensors
-from jaxengine.worker.buckets import StepShape, StepShapes, bucket, buckets
+from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
 from jaxengine.worker.device_steps import device_steps
 from jaxengine.worker.kv_cache_size import (
   bytes_per_block,
@@ -155,12 +155,13 @@ class ModelRunner:
     input_batch: the persistent batch the runner samples into, built with the config's
       `max_num_reqs`, `max_model_len` and `max_num_blocks_per_req` (its `block_table`).
     config: the engine's `EngineConfig` (validated); the runner reads `mesh` (None: one
-      device; else weights, pages and batch state are placed on it once, `worker/placement.py`),
-      `batch_invariant`, `kv_cache_memory_bytes`, `num_kv_blocks`, `gpu_memory_utilization`
-      (`worker/kv_cache_size.py`), `block_size`, `max_num_batched_tokens`, `attention_backend`,
-      `prefix_caching`, `num_speculative_tokens` and, with `enable_lora`, `max_loras`,
-      `max_lora_rank` and `max_cpu_loras` (`jaxengine.lora.LoRAManager`: adapters in device
-      slots, each token's slot an input of the ragged step).
+      device; else weights, pages and batch state are placed on it once, `worker/placement.py`,
+      the experts as `enable_expert_parallel` says), `batch_invariant`, `kv_cache_memory_bytes`,
+      `num_kv_blocks`, `gpu_memory_utilization` (`worker/kv_cache_size.py`), `block_size`,
+      `max_num_batched_tokens`, `attention_backend`, `prefix_caching`,
+      `num_speculative_tokens` and, with `enable_lora`, `max_loras`, `max_lora_rank` and
+      `max_cpu_loras` (`jaxengine.lora.LoRAManager`: adapters in device slots, each token's
+      slot an input of the ragged step).
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
@@ -189,7 +190,9 @@ class ModelRunner:
     self._placement: MeshPlacement | None = None
     if self.mesh is not None:
       mesh = parallel.check_mesh(self.mesh)
-      self._placement = MeshPlacement(model, self.weights, input_batch, mesh)
+      self._placement = MeshPlacement(
+        model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
+      )
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)
     self.kv_cache = self._create_kv_cache(model, config)
@@ -214,7 +217,7 @@ class ModelRunner:
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, 1)
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
-    self.compiled_shapes = StepShapes()
+    self.compiled_shapes = StepShapes(PROMOTE_AFTER if config.reuse_compiled_shapes else 0)
     self._prompt_logprobs: dict[str, _PendingPromptLogprobs] = {}
     #: The LoRA adapters' host copies and device slots; None without `enable_lora`.
     self.lora: LoRAManager | None = _lora_manager(model, config) if config.enable_lora else None

@@ -42,6 +42,8 @@ class MeshPlacement:
     weights: its `nnx.State` (as `nnx.split` returns it).
     input_batch: the runner's batch (`max_num_reqs` must be a multiple of the data axis).
     mesh: the mesh.
+    expert_parallel: split a mixture-of-experts model's experts over the model axis
+      (`EngineConfig.enable_expert_parallel`; the axis must divide its ``num_experts``).
 
   Attributes:
     mesh: the mesh.
@@ -54,15 +56,26 @@ class MeshPlacement:
 
   Raises:
     ValueError: the model axis does not divide the query heads (both numbers named), or the
-      data axis does not divide `max_num_reqs`.
+      experts with `expert_parallel`, or the data axis does not divide `max_num_reqs`.
   """
 
-  def __init__(self, model: Model, weights: Any, input_batch: InputBatch, mesh: Mesh) -> None:
+  def __init__(
+    self,
+    model: Model,
+    weights: Any,
+    input_batch: InputBatch,
+    mesh: Mesh,
+    *,
+    expert_parallel: bool = False,
+  ) -> None:
     t = parallel.axis_size(mesh, parallel.MODEL)
     d = parallel.axis_size(mesh, parallel.DATA)
     heads = num_attention_heads(model)
     if heads is not None:
       parallel.check_heads(heads, t)
+    experts = getattr(getattr(model, "config", None), "num_experts", 0)
+    if expert_parallel and isinstance(experts, int) and experts > 0:
+      parallel.check_experts(experts, t)
     num_rows = input_batch.max_num_reqs
     if num_rows % d:
       raise ValueError(
@@ -71,7 +84,9 @@ class MeshPlacement:
       )
     self.mesh = mesh
     self.rows = d
-    self.weights = parallel.weight_shardings(weights, mesh, sharding_rules(model))
+    self.weights = parallel.weight_shardings(
+      weights, mesh, sharding_rules(model), expert_parallel=expert_parallel
+    )
     self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
     self._replicated = NamedSharding(mesh, P())

@@ -1,0 +1,357 @@
+"""Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral) against transformers' own models.
+
+Tiny random checkpoints are made with transformers' model classes (float32, weights redrawn with
+standard deviation ``fan_in ** -0.5`` so that routing matters) and written with
+``save_pretrained``, which stores every expert under its own name as Hub checkpoints do
+(``model.layers.0.mlp.experts.3.up_proj.weight``). The transformers model in memory is the
+reference: greedy tokens, prompt logprobs, the trainer's `token_logprobs`. The Qwen3-MoE model
+mixes sparse and dense layers (``mlp_only_layers``); Mixtral is sparse on every layer. Nothing here
+touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from subprocess_utils import run_python
+
+import jaxengine as je
+from jaxengine.engine import EngineConfig
+from jaxengine.models import load_safetensors, moe, token_logprobs
+from jaxengine.models.batch_invariant import ROW_TILE
+from jaxengine.models.llama_checkpoints import config_from_gguf
+from jaxengine.models.moe import grouped_linear, route
+from jaxengine.parallel import check_experts
+
+VOCAB = 96
+COMMON = dict(
+  vocab_size=VOCAB,
+  hidden_size=32,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=8,
+  max_position_embeddings=128,
+  rms_norm_eps=1e-6,
+  tie_word_embeddings=False,
+)
+CASES = {
+  # layers 0 and 2 sparse, layer 1 dense (mlp_only_layers); weights not renormalised
+  "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+    **COMMON,
+    num_hidden_layers=3,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    norm_topk_prob=False,
+  ),
+  "mixtral": lambda: transformers.MixtralConfig(
+    **COMMON, num_hidden_layers=2, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
+  ),
+}
+MODEL_CLASSES = {
+  "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+  "mixtral": transformers.MixtralForCausalLM,
+}
+PROMPT = [5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41, 12, 60, 2, 19, 44, 81, 9, 26]  # 19 tokens
+GREEDY = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+
+
+def _hf_model(case: str, seed: int = 0):
+  """A transformers model of `case` with weights of std ``fan_in ** -0.5``, norms near 1."""
+  torch.manual_seed(seed)
+  model = MODEL_CLASSES[case](CASES[case]()).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      else:  # [..., out, in] matrices (fused experts included) and the [V, E] embedding
+        p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+  return model
+
+
+def _hf_log_softmax(model, token_ids) -> np.ndarray:
+  """``[T, V]`` float64 log-softmax of one full forward pass (no cache)."""
+  with torch.no_grad():
+    logits = model(torch.tensor([token_ids])).logits[0].double()
+  return torch.log_softmax(logits, -1).numpy()
+
+
+def _hf_greedy(model, prompt, num_tokens) -> list[int]:
+  tokens = list(prompt)
+  for _ in range(num_tokens):
+    tokens.append(int(_hf_log_softmax(model, tokens)[-1].argmax()))
+  return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+  """``(case, transformers model, directory, engine)``: one engine per architecture."""
+  case = request.param
+  model = _hf_model(case)
+  directory = tmp_path_factory.mktemp(case)
+  model.save_pretrained(directory)
+  llm = je.LLM(directory, max_num_reqs=4, max_model_len=64)
+  return case, model, directory, llm
+
+
+def _prompt_logprobs(output, prompt) -> list[float]:
+  return [entries[t].logprob for entries, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+
+
+def test_checkpoint_names_are_per_expert_as_on_the_hub(checkpoint):
+  case, _, directory, _ = checkpoint
+  names = set(safetensors.numpy.load_file(Path(directory) / "model.safetensors"))
+  block, down = ("mlp", "down_proj") if case == "qwen3_moe" else ("block_sparse_moe", "w2")
+  assert f"model.layers.0.{block}.experts.1.{down}.weight" in names
+  assert f"model.layers.0.{block}.gate.weight" in names
+  _, config = load_safetensors(directory)
+  if case == "qwen3_moe":
+    assert config.moe_layers == (0, 2) and config.num_experts == 8
+    assert not config.norm_topk_prob and "model.layers.1.mlp.gate_proj.weight" in names
+  else:
+    assert config.moe_layers == (0, 1) and config.num_experts == 4 and config.norm_topk_prob
+
+
+def test_greedy_tokens_and_prompt_logprobs_match_transformers(checkpoint):
+  case, model, _, llm = checkpoint
+  (out,) = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+  assert out.outputs[0].token_ids == _hf_greedy(model, PROMPT, GREEDY.max_tokens)
+  reference = _hf_log_softmax(model, PROMPT)
+  want = [reference[t, token] for t, token in enumerate(PROMPT[1:])]
+  np.testing.assert_allclose(_prompt_logprobs(out, PROMPT), want, atol=1e-4, rtol=0)
+  if case == "qwen3_moe":  # the routing weights matter: renormalising them moves the logprobs
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for router in routers:
+      router.norm_topk_prob = True
+    flipped = _hf_log_softmax(model, PROMPT)
+    for router in routers:
+      router.norm_topk_prob = False
+    assert np.abs(flipped - reference).max() > 1e-2
+
+
+def test_trainer_token_logprobs_match_transformers(checkpoint):
+  _, model, directory, _ = checkpoint
+  module, _ = load_safetensors(directory)
+  sequences = [PROMPT, PROMPT[::-1]]
+  got = np.asarray(token_logprobs(module, jnp.asarray(sequences, jnp.int32)))
+  for row, sequence in zip(got, sequences):
+    reference = _hf_log_softmax(model, sequence)
+    want = [reference[t, token] for t, token in enumerate(sequence[1:])]
+    np.testing.assert_allclose(row, want, atol=1e-4, rtol=0)
+
+
+def test_load_weights_by_checkpoint_names_compiles_nothing(checkpoint, compile_counter):
+  case, _, directory, llm = checkpoint
+  tensors = safetensors.numpy.load_file(Path(directory) / "model.safetensors")
+  (baseline,) = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+  block, up = ("mlp", "up_proj") if case == "qwen3_moe" else ("block_sparse_moe", "w3")
+  router = f"model.layers.0.{block}.gate.weight"
+  changed = dict(tensors)
+  changed[router] = -tensors[router]  # every token routed to other experts
+  for j in range(2):  # and two experts' up projections zeroed
+    name = f"model.layers.0.{block}.experts.{j}.{up}.weight"
+    changed[name] = np.zeros_like(tensors[name])
+  compile_counter.reset()
+  llm.load_weights(changed)
+  (other,) = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+  assert _prompt_logprobs(other, PROMPT) != _prompt_logprobs(baseline, PROMPT)
+  llm.load_weights(tensors)
+  (again,) = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+  assert again.outputs[0].token_ids == baseline.outputs[0].token_ids
+  assert _prompt_logprobs(again, PROMPT) == _prompt_logprobs(baseline, PROMPT)
+  assert compile_counter.count == 0
+
+
+def test_batch_invariant_mode_keeps_a_tokens_bits_among_others(tmp_path):
+  """The grouped products run ``ROW_TILE`` sorted rows at a time: a request's logprobs are the
+  same bits alone and beside others (whose tokens land in the same tiles and experts), and the
+  trainer's `token_logprobs` equals them (Qwen3-MoE: sparse and dense layers)."""
+  _hf_model("qwen3_moe", seed=2).save_pretrained(tmp_path)
+  module, _ = load_safetensors(tmp_path)
+  llm = je.LLM(module, max_num_reqs=8, max_model_len=64, batch_invariant=True)
+  params = je.SamplingParams(temperature=0, max_tokens=5, logprobs=0, prompt_logprobs=0)
+  (alone,) = llm.generate(PROMPT, params, use_tqdm=False)
+  rng = np.random.default_rng(3)
+  others = [rng.integers(0, VOCAB, size=int(n)).tolist() for n in rng.integers(3, 30, size=5)]
+  crowd = llm.generate([PROMPT, *others], params, use_tqdm=False)
+  assert crowd[0].outputs[0].token_ids == alone.outputs[0].token_ids
+  bits = lambda values: np.asarray(values, np.float32).view(np.int32)
+  sample = lambda out: [
+    d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)
+  ]
+  np.testing.assert_array_equal(bits(sample(crowd[0])), bits(sample(alone)))
+  np.testing.assert_array_equal(
+    bits(_prompt_logprobs(crowd[0], PROMPT)), bits(_prompt_logprobs(alone, PROMPT))
+  )
+  sequence = jnp.asarray([PROMPT + list(alone.outputs[0].token_ids)], jnp.int32)
+  trainer = np.asarray(token_logprobs(module, sequence))[0]
+  np.testing.assert_array_equal(
+    bits(trainer[: len(PROMPT) - 1]), bits(_prompt_logprobs(alone, PROMPT))
+  )
+  np.testing.assert_array_equal(bits(trainer[len(PROMPT) - 1 :]), bits(sample(alone)))
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def _grouped_reference(x, w, sizes):
+  group = np.repeat(np.arange(len(sizes)), sizes)
+  rest = np.zeros((len(x) - len(group), w.shape[1]))
+  return np.concatenate([np.einsum("mi,moi->mo", x[: len(group)], w[group]), rest])
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_grouped_linear_multiplies_each_row_by_its_groups_matrix(batch_invariant):
+  rng = np.random.default_rng(0)
+  sizes = np.array([3, 0, ROW_TILE + 2, 1, 0, 9], np.int32)  # empty groups, groups across tiles
+  rows = int(sizes.sum()) + 2  # two rows past the groups
+  x = rng.standard_normal((rows, 12)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
+  args = jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)
+  got = np.asarray(grouped_linear(*args, batch_invariant=batch_invariant))
+  np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("product", ["_ragged", "_every_group_then_pick", "chunked"])
+def test_both_grouped_products_agree(product, monkeypatch):
+  """The GPU/TPU form (`ragged_dot_general`, lowered densely on CPU) and the CPU form, whole or
+  8 rows at a time (19 rows here: three chunks, the last one padded)."""
+  if product == "chunked":
+    monkeypatch.setattr(moe, "CPU_PRODUCT_BYTES", 1)
+    product = "_every_group_then_pick"
+  rng = np.random.default_rng(1)
+  sizes = np.array([0, 4, 1, 0, 7, 2], np.int32)
+  x = rng.standard_normal((19, 12)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
+  got = np.asarray(jax.jit(getattr(moe, product))(x, w, sizes))
+  np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_invariant_grouped_linear_gives_a_row_the_same_bits_alone_and_among_others():
+  """On XLA:CPU the plain ragged product of these shapes gives some rows other bits alone than
+  among 40 or 100 rows (measured: 6 of 6 and 15 of 15 checked rows); row tiles fix them."""
+  rng = np.random.default_rng(0)
+  num_experts, width = 8, 256
+  w = jnp.asarray(rng.standard_normal((num_experts, 192, width)).astype(np.float32))
+  product = jax.jit(lambda x, sizes: grouped_linear(x, w, sizes, batch_invariant=True))
+  for rows in (40, 100):
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    experts = np.sort(rng.integers(0, num_experts, rows))
+    sizes = np.bincount(experts, minlength=num_experts).astype(np.int32)
+    together = np.asarray(product(jnp.asarray(x), jnp.asarray(sizes)))
+    for r in range(0, rows, 7):
+      alone = np.asarray(
+        product(
+          jnp.asarray(x[r : r + 1]), jnp.asarray(np.eye(num_experts, dtype=np.int32)[experts[r]])
+        )
+      )
+      np.testing.assert_array_equal(alone[0].view(np.int32), together[r].view(np.int32))
+
+
+def test_route_takes_the_top_k_of_a_float32_softmax():
+  logits = jnp.asarray([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.5]], jnp.bfloat16)
+  plain = route(logits, 2, normalize=False)
+  probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32)))
+  top = np.array([[1, 2], [0, 3]])
+  np.testing.assert_array_equal(np.asarray(plain.experts), top)
+  np.testing.assert_allclose(np.asarray(plain.weights), np.take_along_axis(probs, top, 1))
+  assert plain.weights.dtype == jnp.float32
+  normalized = route(logits, 2, normalize=True, batch_invariant=True)
+  np.testing.assert_allclose(np.asarray(normalized.weights).sum(-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 must lie in \[1, num_experts=8\]"),
+    (dict(moe_intermediate_size=None), "lacks 'moe_intermediate_size'"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step must be >= 1, got 0"),
+  ],
+)
+def test_bad_moe_configs_are_refused_naming_the_field(fields, message):
+  config = CASES["qwen3_moe"]().to_dict()
+  config.update(architectures=["Qwen3MoeForCausalLM"], **fields)
+  config = {k: v for k, v in config.items() if v is not None}
+  with pytest.raises(ValueError, match=message):
+    je.models.config_from_hf(config)
+
+
+def test_gguf_mixture_of_experts_is_refused_by_name():
+  metadata = {"llama.expert_count": 8, "llama.embedding_length": 64}
+  with pytest.raises(ValueError, match=r"llama\.expert_count=8\) are not supported"):
+    config_from_gguf(metadata, {"token_embd.weight": (128, 64)})
+
+
+# --------------------------------------------------------------------------- mesh
+
+# The model's forward pass on the mesh, not the engine's steps: on 2 host devices of a 2-core
+# machine the engine's sampler step can hang in XLA:CPU's collectives (dense models too, on this
+# branch's base); the forward pass's only collectives are its all-reduces. The engine is still
+# built on the mesh, to check where it puts the experts.
+MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+import jaxengine as je
+from jaxengine import parallel
+from jaxengine.models import KVCache, load_safetensors
+from jaxengine.models.registry import sharding_rules
+directory, prompt = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
+model, _ = load_safetensors(directory)
+graphdef, state = nnx.split(model)
+n = len(prompt)
+@jax.jit
+def logits(state):
+  m = nnx.merge(graphdef, state)
+  cache = KVCache.create(m.kv_cache_spec, 1, n)
+  hidden, _ = m(jnp.asarray([prompt], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None], cache,
+                jnp.zeros((1,), jnp.int32))
+  return m.compute_logits(hidden)[0]
+one = np.asarray(logits(state))
+mesh = parallel.make_mesh(2)
+for expert_parallel in (False, True):
+  shardings = parallel.weight_shardings(state, mesh, sharding_rules(model), expert_parallel=expert_parallel)
+  got = np.asarray(logits(jax.device_put(state, shardings)))
+  assert (got.argmax(-1) == one.argmax(-1)).all(), expert_parallel
+  print(expert_parallel, "max diff", float(np.abs(got - one).max()))
+  llm = je.LLM(directory, max_num_reqs=2, max_model_len=64, tensor_parallel_size=2,
+               enable_expert_parallel=expert_parallel)
+  layer = llm.llm_engine.runner.weights["layers"][0]["mlp"]
+  names = ("expert_up", "expert_down", "router")
+  print(expert_parallel, "specs", [tuple(layer[n][...].sharding.spec) for n in names])
+  dense = llm.llm_engine.runner.weights["layers"][1]["mlp"]["w_up"][...]
+  print(expert_parallel, "dense", tuple(dense.sharding.spec))
+"""
+
+
+def test_tensor_and_expert_parallel_match_one_device(tmp_path):
+  """Qwen3-MoE on 2 host devices: each expert split on its intermediate features (default), or
+  whole experts per device (``enable_expert_parallel``): the logits of one device within 1e-5
+  (the same argmax at every position), the engine's weights placed so."""
+  _hf_model("qwen3_moe", seed=1).save_pretrained(tmp_path)
+  out = run_python(MESH_SCRIPT, os.fspath(tmp_path), ",".join(map(str, PROMPT)), timeout=900)
+  diffs = [float(line.split()[-1]) for line in out.splitlines() if "max diff" in line]
+  assert len(diffs) == 2 and max(diffs) < 1e-5, out
+  assert "False specs [(None, 'model', None), (None, None, 'model'), ()]" in out
+  assert "True specs [('model', None, None), ('model', None, None), ()]" in out
+  assert "False dense ('model', None)" in out and "True dense ('model', None)" in out
+
+
+def test_expert_parallel_needs_the_devices_to_divide_the_experts():
+  check_experts(8, 2)
+  with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide .* num_experts=8"):
+    check_experts(8, 3)
+  with pytest.raises(ValueError, match="enable_expert_parallel must be a bool, got 'yes'"):
+    EngineConfig(enable_expert_parallel="yes")
