@@ -95,21 +95,24 @@ def zeros(layout: Any) -> Any:
 
 
 def device_bytes(tree: Any) -> int:
-  """Bytes `tree`'s live arrays hold in device memory (all shards; host copies and slots count
-  nothing)."""
-  return sum(
-    shard.data.nbytes
-    for leaf in jax.tree.leaves(tree)
-    if isinstance(leaf, jax.Array)
-    and not leaf.is_deleted()
-    and leaf.sharding.memory_kind not in ("pinned_host", "unpinned_host")
-    for shard in leaf.addressable_shards
-  )
+  """Bytes `tree`'s live arrays hold in device memory: every shard's buffer, each counted once
+  (two arrays over the same buffer, as JAX can make of a NumPy-backed array on CPU, count once;
+  host copies and slots count nothing)."""
+  buffers = {}
+  for leaf in jax.tree.leaves(tree):
+    if not isinstance(leaf, jax.Array) or leaf.is_deleted():
+      continue
+    if leaf.sharding.memory_kind in ("pinned_host", "unpinned_host"):
+      continue
+    for shard in leaf.addressable_shards:
+      data = shard.data
+      buffers[(shard.device.id, data.unsafe_buffer_pointer())] = data.nbytes
+  return sum(buffers.values())
 
 
 def live_device_bytes() -> int:
   """Bytes held in device memory by every live JAX array of the process (`jax.live_arrays`),
-  each array counted once over all its shards."""
+  each buffer counted once (`device_bytes`)."""
   return device_bytes(jax.live_arrays())
 
 
