@@ -196,6 +196,18 @@ def test_level_1_moves_the_weights_to_host_and_frees_the_pages(warm):
   assert _live_bytes() == warm.awake_bytes
 
 
+def test_level_2_takes_back_a_whole_state_of_the_same_structure(warm):
+  llm = warm.llm
+  llm.sleep(level=2)
+  llm.wake_up()
+  same, _ = tiny_llama(max_position_embeddings=64)  # seed 0: the warm model's weights
+  with count_compiles() as compiles:
+    llm.load_weights(same)
+    assert _tokens(llm) == warm.reference
+  assert compiles.count == 0
+  assert _engine_bytes(llm) == warm.weight_bytes + warm.kv_cache_bytes
+
+
 def test_prefix_cache_is_emptied_by_sleep(warm):
   llm = warm.llm
   long = list(range(10, 30))  # 20 tokens: two full pages of 8

@@ -25,6 +25,10 @@ The model is split once (`nnx.split`); the steps are pure functions of `(graphde
 jitted with the cache and batch state donated. On a mesh (`EngineConfig.mesh`) weights, pages and
 batch state are placed once (`worker/placement.py`) and every step declares those shardings for
 its inputs and outputs, so serving compiles nothing warm-up did not.
+
+`sleep` frees the device buffers of the pages and the weights (level 1: the weights to pinned
+host memory; level 2: discarded until `load_weights`), and `wake_up` puts them back with the same
+shapes, shardings and commitment, so the steps compile nothing (`worker/sleep_mode.py`).
 """
 
 from __future__ import annotations
