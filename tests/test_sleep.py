@@ -79,6 +79,18 @@ def warm() -> _Warm:
   return _Warm()
 
 
+@pytest.fixture(autouse=True)
+def _left_awake(request):
+  """Every test leaves the shared engine awake with its weights (even one that fails)."""
+  yield
+  if "warm" not in request.fixturenames:
+    return
+  warm = request.getfixturevalue("warm")
+  warm.llm.wake_up()
+  if warm.llm.llm_engine.runner.weights_discarded:
+    warm.llm.load_weights(warm.weights)
+
+
 class SleepMachine(RuleBasedStateMachine):
   """The engine against a model of its sleep state: the parts asleep, the last level, whether
   the weights were discarded."""
