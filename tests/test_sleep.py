@@ -10,12 +10,15 @@
 - Scripted: the measured bytes of level 1; the prefix cache emptied; sleeping with requests in
   flight refused and the engine left as it was; a step left in flight by asynchronous scheduling
   read before the pages go; bad levels and tags.
+- `AsyncLLM.sleep` / `wake_up` / `is_sleeping` run on the engine thread between steps; a request
+  sent while it sleeps fails with the RuntimeError.
 - On 2 host devices (a subprocess): tensor- and data-parallel engines sleep and wake every core,
   their weights and pages come back with the same shardings, the same outputs, nothing compiled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import jax
@@ -27,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from subprocess_utils import run_python
 
 import jaxengine as je
+from jaxengine.entrypoints.async_llm import AsyncLLM
 from jaxengine.models.weights import named_weights
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker import sleep_mode
@@ -279,6 +283,33 @@ def test_bad_level_and_tags_are_refused_before_anything_changes(warm):
     llm.llm_engine.precompile(use_tqdm=False)
   llm.wake_up()
   assert _tokens(llm) == warm.reference
+
+
+def test_async_llm_sleeps_and_wakes_at_a_step_boundary(warm):
+  engine = AsyncLLM(warm.llm)
+
+  async def tokens(prompt, params) -> list[int]:
+    final = None
+    async for output in engine.generate(prompt, params):
+      final = output
+    assert final is not None
+    return list(final.outputs[0].token_ids)
+
+  async def main():
+    await engine.sleep(level=1)
+    assert await engine.is_sleeping()
+    with pytest.raises(RuntimeError, match="wake_up"):
+      await tokens(PROMPTS[0], PARAMS[0])
+    with pytest.raises(ValueError, match="sleep level"):
+      await engine.sleep(level=5)
+    await engine.wake_up()
+    assert not await engine.is_sleeping()
+    return await asyncio.gather(*(tokens(p, sp) for p, sp in zip(PROMPTS, PARAMS)))
+
+  try:
+    assert asyncio.run(main()) == warm.reference
+  finally:
+    engine.shutdown()
 
 
 MESH_SCRIPT = """
