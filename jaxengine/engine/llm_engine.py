@@ -390,6 +390,7 @@ class LLMEngine:
 
     Raises:
       ValueError: if requests are running (precompile before adding any).
+      RuntimeError: while the engine sleeps, or after sleep level 2 before `load_weights`.
     """
     return sum(
       core.runner.precompile(
