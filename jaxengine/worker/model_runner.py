@@ -363,12 +363,18 @@ class ModelRunner:
     old weights wrote them, as in vLLM). The prefix cache is emptied: later prompts compute
     their keys and values with the new weights.
 
+    After `sleep(level=2)` and `wake_up` every weight must be given (named tensors covering every
+    leaf, or a whole state): the old ones were discarded. While the weights sleep it is refused
+    (the host copy of level 1 is not updated in place: wake up first).
+
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra state leaf, or
         tensor of the wrong type, shape or dtype, or holding a NaN or an infinity (by its
         checkpoint name; see `jaxengine.models.weights.nonfinite_tensors` for what that check
         reads and costs). Everything is checked before any conversion, and the weights change
-        all at once at the end: after an error the model is exactly as it was.
+        all at once at the end: after an error the model is exactly as it was. After sleep
+        level 2, a weight missing (named).
+      RuntimeError: while the weights sleep (`sleep`; nothing changes).
     """
     self._check_loadable()
     leaves = state_leaves(self.weights)
@@ -409,7 +415,9 @@ class ModelRunner:
         "wake_up(tags=['weights'])) first"
       )
 
-  def _check_complete(self, grouped: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]):
+  def _check_complete(
+    self, grouped: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]
+  ) -> None:
     """After sleep level 2 every leaf must be given whole (ValueError naming the first missing
     checkpoint tensor): there are no old values to keep."""
     for path, leaf in leaves.items():
@@ -460,15 +468,17 @@ class ModelRunner:
         "abort them first)"
       )
     state = self._sleep
+    on_device = "weights" not in state.asleep and not state.weights_discarded
+    # The host copy first: should it fail (host memory), nothing is freed yet.
+    host = sleep_mode.to_host(self.weights) if on_device and level == 1 else None
     if self.kv_cache is not None:
       state.kv_cache_slots = sleep_mode.slots(self.kv_cache)
       sleep_mode.delete(self.kv_cache)
       self.kv_cache = cast(PagedKVCache, None)
     self.reset_prefix_cache()
-    if "weights" not in state.asleep and not state.weights_discarded:  # on the device
+    if on_device:
       state.weight_slots = sleep_mode.slots(self.weights)
-      if level == 1:
-        state.host_weights = sleep_mode.to_host(self.weights)
+      state.host_weights = host
       sleep_mode.delete(self.weights)
       self.weights = state.weight_slots
     if level == 2:
