@@ -204,8 +204,9 @@ class LLM:
         `load_weights` must give every weight before generating again.
 
     While asleep, `generate`, `chat`, `load_weights` and `precompile` raise RuntimeError before
-    anything changes. The device buffers are deleted: arrays sharing them (the module given to
-    `LLM`, arrays `load_weights` used without a copy) are deleted too.
+    anything changes. The KV cache's buffers are deleted; the engine lets go of its weights,
+    which frees them unless something else holds the same arrays: a module you gave `LLM`, or
+    arrays `load_weights` used without a copy (a trainer's parameters), stay yours and intact.
 
     Raises:
       ValueError: a level other than 1 or 2.

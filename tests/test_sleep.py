@@ -24,6 +24,7 @@ import gc
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -59,17 +60,16 @@ def _live_bytes() -> int:
 
 
 class _Warm:
-  """One engine (over its own model: sleep deletes the module's buffers too), warmed up:
-  every step shape the machine's generate reaches compiled, its outputs and bytes recorded."""
+  """One engine over a module nothing else holds (so the engine's weights are its alone and
+  `sleep` frees them), warmed up: every step shape the machine's generate reaches compiled, its
+  outputs and bytes recorded."""
 
   def __init__(self) -> None:
     model, _ = tiny_llama(max_position_embeddings=64)
     #: The weights by checkpoint name, copied to NumPy before the engine shares the arrays.
     self.weights = {name: np.array(a, copy=True) for name, a in named_weights(model)}
     self.llm = je.LLM(model, **OPTIONS)
-    #: The module shares its arrays with the engine: held here, its buffers are freed only if
-    #: `sleep` deletes them (not merely drops its own references).
-    self.model = model
+    del model  # the engine's arrays are now its own
     self.reference = _tokens(self.llm)
     assert _tokens(self.llm) == self.reference  # a second run: every shape compiled
     runner = self.llm.llm_engine.runner
@@ -93,6 +93,25 @@ def _left_awake(request):
   warm.llm.wake_up()
   if warm.llm.llm_engine.runner.weights_discarded:
     warm.llm.load_weights(warm.weights)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_trainers_module_shared_with_the_engine_survives_sleep(level):
+  """Colocated RL: the trainer keeps the module the engine was built from; sleeping the engine
+  lets go of the shared weights without deleting them, and frees the KV cache."""
+  model, _ = tiny_llama(max_position_embeddings=64)
+  llm = je.LLM(model, **OPTIONS)
+  reference = _tokens(llm)
+  runner = llm.llm_engine.runner
+  kv_cache = runner.kv_cache
+  llm.sleep(level=level)
+  assert all(not a.is_deleted() for a in jax.tree.leaves(nnx.state(model)))
+  assert all(a.is_deleted() for a in jax.tree.leaves(kv_cache))
+  assert np.isfinite(float(model.embed[...].sum()))  # the trainer can still read its weights
+  llm.wake_up()
+  if level == 2:
+    llm.load_weights(nnx.state(model))
+  assert _tokens(llm) == reference
 
 
 class SleepMachine(RuleBasedStateMachine):

@@ -333,8 +333,11 @@ class LLMEngine:
         cache is freed and the weights are discarded: after `wake_up`, `load_weights` must
         give every weight before anything is generated (an RL weight sync).
 
-    The device buffers are deleted, not only dropped: arrays sharing them (the module the engine
-    was built from, arrays `load_weights` took without a copy) are deleted with them. The prefix
+    The KV cache's buffers are deleted (the engine alone holds them). The engine lets go of its
+    weights rather than deleting them: their device memory is freed unless something else holds
+    the same arrays (the module the engine was built from, a trainer's parameters that
+    `load_weights` took without a copy), which stay intact: a colocated trainer keeps its
+    parameters, and what it shares with the engine costs no second copy anyway. The prefix
     cache is emptied (its pages are gone). A step left in flight by asynchronous scheduling is
     read first. The persistent batch's small sampler state stays on the device. While asleep,
     `add_request`, `generate`, `precompile` and `load_weights` raise RuntimeError. Sleeping

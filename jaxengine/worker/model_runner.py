@@ -455,9 +455,10 @@ class ModelRunner:
 
     Level 1 frees the KV cache's pages and moves the weights to pinned host memory (same
     shardings, memory kind "pinned_host"); level 2 frees the KV cache and discards the weights
-    (`load_weights` after `wake_up` brings new ones). The device buffers are deleted, so arrays
-    that share them (the module given to the engine, arrays `load_weights` used without a copy)
-    are deleted too. The prefix cache is emptied (its pages are gone). Sleeping again frees what
+    (`load_weights` after `wake_up` brings new ones). The KV cache's buffers are deleted; the
+    weights are only let go of (freed when nothing else holds them: a module given to the
+    engine or arrays `load_weights` used without a copy are the caller's and stay intact). The
+    prefix cache is emptied (its pages are gone). Sleeping again frees what
     is still held (level 2 after level 1 drops the host copy).
 
     Raises:
@@ -482,8 +483,7 @@ class ModelRunner:
     if on_device:
       state.weight_slots = sleep_mode.slots(self.weights)
       state.host_weights = host
-      sleep_mode.delete(self.weights)
-      self.weights = state.weight_slots
+      self.weights = state.weight_slots  # let go, not deleted: a trainer may share the arrays
     if level == 2:
       state.host_weights = None  # asleep at level 1 before: the host copy goes too
       state.weights_discarded = True
