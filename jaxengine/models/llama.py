@@ -55,14 +55,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
-from jaxengine.models.batch_invariant import row_tiled_dot
-from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.layers import (
+  ConfiguredDecoder,
   RMSNorm,
   linear,
   normal_init,
   normal_out_in,
   rotary_embedding,
+  vocab_logits,
 )
 from jaxengine.models.llama_checkpoints import hf_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
@@ -215,7 +215,7 @@ class DecoderLayer(nnx.Module):
     return x, kv_cache
 
 
-class Llama(nnx.Module):
+class Llama(ConfiguredDecoder, nnx.Module):
   """Llama-family decoder reading and writing a `KVCache` (slots) or a `PagedKVCache` (pages);
   implements `jaxengine.models.Model`.
 
@@ -266,26 +266,6 @@ class Llama(nnx.Module):
       None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
     self.batch_invariant = False
-
-  @property
-  def vocab_size(self) -> int:
-    """Width of the logits."""
-    return self.config.vocab_size
-
-  @property
-  def eos_token_id(self) -> int | None:
-    """The config's end-of-sequence id."""
-    return self.config.eos_token_id
-
-  @property
-  def max_position_embeddings(self) -> int:
-    """Context length the model was trained for."""
-    return self.config.max_position_embeddings
-
-  @property
-  def kv_cache_spec(self) -> KVCacheSpec:
-    """Layers, key/value heads and head dim of the config, in the model's dtype."""
-    return self.config.kv_cache_spec(self.dtype)
 
   def __call__(
     self,
@@ -354,9 +334,7 @@ class Llama(nnx.Module):
       ``[..., V] float32`` logits (float32 accumulation even for a bfloat16 model).
     """
     w = self.embed[...] if self.lm_head is None else self.lm_head[...]  # [V, E]
-    if self.batch_invariant:
-      return row_tiled_dot(hidden, w, preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
+    return vocab_logits(hidden, w, batch_invariant=self.batch_invariant)
 
 
 def forward(
