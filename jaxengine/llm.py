@@ -182,15 +182,55 @@ class LLM:
         `ModelRunner.load_weights`. On a model with tied embeddings (SmolLM2, Qwen2.5-0.5B) the
         output projection is ``model.embed_tokens.weight``: ``"lm_head.weight"`` is accepted
         and ignored, as vLLM does. The prefix cache is emptied (its keys and values were
-        computed with the old weights).
+        computed with the old weights). After `sleep(level=2)` and `wake_up`, every weight must
+        be given; while the weights sleep it is refused (wake up first: the host copy of level
+        1 is not updated in place).
 
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
         of the wrong type, shape or dtype, or holding a NaN or an infinity (a diverged optimizer
         step); every tensor is checked before anything changes, so the model is then exactly as
-        it was.
+        it was. After sleep level 2, also a weight missing.
+      RuntimeError: while the weights sleep (nothing changes).
     """
     self.llm_engine.load_weights(weights)
+
+  def sleep(self, level: int = 1) -> None:
+    """Frees the engine's device memory until `wake_up` (vLLM's name), for a trainer that shares
+    the devices (RL): see `LLMEngine.sleep`.
+
+    Args:
+      level: 1: the KV cache is freed and the weights move to pinned host memory, to come back
+        at `wake_up`; 2: the KV cache is freed and the weights are discarded: after `wake_up`,
+        `load_weights` must give every weight before generating again.
+
+    While asleep, `generate`, `chat`, `load_weights` and `precompile` raise RuntimeError before
+    anything changes. The KV cache's buffers are deleted; the engine lets go of its weights,
+    which frees them unless something else holds the same arrays: a module you gave `LLM`, or
+    arrays `load_weights` used without a copy (a trainer's parameters), stay yours and intact.
+
+    Raises:
+      ValueError: a level other than 1 or 2.
+      RuntimeError: requests not finished (abort them first); nothing changes.
+    """
+    self.llm_engine.sleep(level)
+
+  def wake_up(self, tags: Sequence[str] | None = None) -> None:
+    """Puts back what `sleep` freed (vLLM's name): the weights as they were placed (after level
+    1) and a fresh, empty KV cache; nothing compiles, and outputs equal those of before the
+    sleep. See `LLMEngine.wake_up`.
+
+    Args:
+      tags: the parts to wake, of ``["weights", "kv_cache"]``; None (default): both.
+
+    Raises:
+      ValueError: an unknown tag.
+    """
+    self.llm_engine.wake_up(tags)
+
+  def is_sleeping(self) -> bool:
+    """Whether the engine sleeps (`sleep` called, some part not woken yet)."""
+    return self.llm_engine.is_sleeping()
 
   def reset_prefix_cache(self) -> bool:
     """Empties the prefix cache (as `load_weights` does); returns True. Counters stay in
@@ -226,6 +266,8 @@ class LLM:
     Raises:
       ValueError: mismatched lengths or any invalid request (nothing is run then), a LoRA
         request the engine refuses (see `LLMEngine.add_request`).
+      RuntimeError: while the engine sleeps (`sleep`; call `wake_up`), or after sleep level 2
+        before `load_weights` (nothing is run then).
 
     If a step raises, or the call is interrupted (Ctrl-C), its requests are aborted before the
     exception propagates: the next call does not run them again.

@@ -450,3 +450,25 @@ def test_models_without_lora_support_are_refused_by_enable_lora():
   model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="Gemma models do not support LoRA"):
     je.LLM(model, enable_lora=True, max_model_len=32)
+
+
+def test_a_mixture_of_experts_offers_attention_targets_only(checkpoints):
+  """Its expert MLPs take no adapter: one that targets them is refused, not half applied."""
+  from flax import nnx
+
+  from jaxengine.lora import load_peft_adapter
+  from jaxengine.models.llama import Llama
+  from jaxengine.models.llama_config import LlamaConfig
+
+  config = LlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(1,),
+  )  # fmt: skip
+  shapes = Llama(config, rngs=nnx.Rngs(0)).lora_target_shapes()
+  assert sorted(shapes) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+  _, requests = checkpoints
+  with pytest.raises(ValueError, match="unknown target module"):  # adapter 2 targets the MLP too
+    load_peft_adapter(requests[2].lora_path, 2, max_lora_rank=8, num_layers=2, target_shapes=shapes)
+  assert load_peft_adapter(requests[1].lora_path, 1, max_lora_rank=8, num_layers=2,
+                           target_shapes=shapes).weights  # fmt: skip

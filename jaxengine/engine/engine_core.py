@@ -151,6 +151,11 @@ class EngineCore:
       completion.finish_reason = completion.finish_reason or "abort"
       self._finish(completion)
 
+  def drain(self) -> None:
+    """Reads and drops the step left in flight, if any (asynchronous scheduling leaves one for
+    rows that finished since its dispatch), so that no step of this core is on the device."""
+    self._collect_in_flight()
+
   # --- the step -------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:

@@ -40,6 +40,7 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams
 from jaxengine.spec_decode.ngram_proposer import SpecDecodingStats
 from jaxengine.tokenizer import Tokenizer
+from jaxengine.worker import sleep_mode
 from jaxengine.worker.model_runner import ModelRunner
 
 #: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`,
@@ -240,6 +241,8 @@ class LLMEngine:
         tokenizer, parameters the batch cannot hold); a `lora_request` without `enable_lora`,
         with `lora_int_id < 1`, or whose directory `jaxengine.lora.load_peft_adapter` refuses
         (no ``adapter_config.json``, a rank above `max_lora_rank`, an unknown target module).
+      RuntimeError: (nothing queued) while the engine sleeps (`sleep`: call `wake_up`), or
+        after sleep level 2 until `load_weights` has given the weights again.
     """
     return self.add_requests([(request_id, prompt, params, lora_request)])[0]
 
@@ -250,7 +253,9 @@ class LLMEngine:
     Raises:
       ValueError: as `add_request`; if any request is invalid, none is queued. With several
         requests the message starts with the failing one's position.
+      RuntimeError: as `add_request` (asleep, or weights discarded by sleep level 2).
     """
+    self.runner.check_awake()
     made: list[Request] = []
     for index, spec in enumerate(requests):
       request_id, prompt, params = spec[:3]
@@ -336,13 +341,81 @@ class LLMEngine:
   def load_weights(self, weights) -> None:
     """New model weights in every core, no recompilation: see `ModelRunner.load_weights`.
 
+    After `sleep(level=2)` and `wake_up`, every weight must be given (the old ones were
+    discarded); while the weights sleep (either level, before `wake_up`) it is refused: the
+    host copy of level 1 is not updated in place, wake up first.
+
     Raises:
-      ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype.
+      ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype;
+        after sleep level 2, a weight missing (named).
+      RuntimeError: (nothing changed) while the weights sleep (call `wake_up` first).
     """
     if len(self.cores) > 1 and not isinstance(weights, (Mapping, nnx.State, nnx.Module)):
       weights = list(cast(Iterable, weights))  # `(name, array)` pairs, read once per core
     for core in self.cores:  # the first core checks everything before any changes
       core.runner.load_weights(weights)
+
+  # --- sleep and wake ---------------------------------------------------------------------------
+
+  def sleep(self, level: int = 1) -> None:
+    """Frees the engine's device memory for another program on the same devices (a trainer in
+    RL), every core's, until `wake_up` (vLLM's name).
+
+    Args:
+      level: 1: the KV cache's pages are freed and the weights move to pinned host memory
+        (memory kind "pinned_host", the same shardings), to come back at `wake_up`. 2: the KV
+        cache is freed and the weights are discarded: after `wake_up`, `load_weights` must
+        give every weight before anything is generated (an RL weight sync).
+
+    The KV cache's buffers are deleted (the engine alone holds them). The engine lets go of its
+    weights rather than deleting them: their device memory is freed unless something else holds
+    the same arrays (the module the engine was built from, a trainer's parameters that
+    `load_weights` took without a copy), which stay intact: a colocated trainer keeps its
+    parameters, and what it shares with the engine costs no second copy anyway. The prefix
+    cache is emptied (its pages are gone). A step left in flight by asynchronous scheduling is
+    read first. The persistent batch's small sampler state stays on the device. While asleep,
+    `add_request`, `generate`, `precompile` and `load_weights` raise RuntimeError. Sleeping
+    while asleep frees what is still held (level 2 after level 1 drops the host copy).
+
+    Raises:
+      ValueError: a level other than 1 or 2 (nothing changes).
+      RuntimeError: requests not finished, waiting or running (finish or `abort_request` them
+        first, as vLLM requires); nothing changes.
+    """
+    sleep_mode.check_level(level)
+    if self.has_unfinished_requests():
+      unfinished = sum(core.num_unfinished for core in self.cores)
+      raise RuntimeError(
+        f"sleep needs no unfinished requests, {unfinished} completions are waiting or running "
+        "(finish them, or abort_request them, first)"
+      )
+    for core in self.cores:
+      core.drain()
+    for core in self.cores:
+      core.runner.sleep(level)
+
+  def wake_up(self, tags: Sequence[str] | None = None) -> None:
+    """Puts back what `sleep` freed, in every core (vLLM's name): the weights on their devices,
+    placed as before (after level 1; after level 2 they wait for `load_weights`), and a fresh,
+    empty KV cache of the same pages. Nothing compiles: the steps reuse their executables, and
+    outputs are those of before the sleep (greedy and seeded requests).
+
+    Args:
+      tags: the parts to wake, of ``["weights", "kv_cache"]`` (vLLM's tags); None (default):
+        both. E.g. after level 2: ``wake_up(tags=["weights"])``, `load_weights`, then
+        ``wake_up(tags=["kv_cache"])``, so the KV cache is not held during the sync.
+
+    Raises:
+      ValueError: an unknown tag (nothing changes).
+    """
+    tags = sleep_mode.check_tags(tags)
+    for core in self.cores:
+      core.runner.wake_up(tags)
+
+  def is_sleeping(self) -> bool:
+    """Whether the engine sleeps: `sleep` was called and some part (weights or KV cache) is not
+    woken yet (vLLM's name)."""
+    return self.runner.is_sleeping()
 
   def reset_prefix_cache(self) -> bool:
     """Forgets every prefix hash (running requests keep their pages); returns True."""
@@ -354,6 +427,7 @@ class LLMEngine:
 
     Raises:
       ValueError: if requests are running (precompile before adding any).
+      RuntimeError: while the engine sleeps, or after sleep level 2 before `load_weights`.
     """
     return sum(
       core.runner.precompile(

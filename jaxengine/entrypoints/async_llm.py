@@ -1,13 +1,14 @@
 """`AsyncLLM`: an `LLMEngine` stepping in a background thread, its outputs streamed to asyncio.
 
 One engine thread owns the `LLMEngine` (the engine is not thread-safe, so nothing else touches
-it). Callers on any event loop talk to it through a command queue: `generate` queues an add and
-`abort` an abort; the thread applies the queued commands between steps, so requests join and
-leave at step boundaries while the compiled step keeps running. After each step the thread posts
-every advanced request's cumulative `RequestOutput` to that request's mailbox on its own event
-loop (`loop.call_soon_threadsafe`, one call per loop and step); a mailbox keeps only the latest
-snapshot, so a slow reader catches up in one read and nothing queues up behind it. The step runs
-XLA code that releases the GIL, so the event loop keeps serving while the device works.
+it). Callers on any event loop talk to it through a command queue: `generate` queues an add,
+`abort` an abort, and `sleep` / `wake_up` / `is_sleeping` an engine call; the thread applies the
+queued commands between steps, so requests join and leave at step boundaries while the compiled
+step keeps running. After each step the thread posts every advanced request's cumulative
+`RequestOutput` to that request's mailbox on its own event loop (`loop.call_soon_threadsafe`, one
+call per loop and step); a mailbox keeps only the latest snapshot, so a slow reader catches up in
+one read and nothing queues up behind it. The step runs XLA code that releases the GIL, so the
+event loop keeps serving while the device works.
 
 A request's output kind (vLLM's `RequestOutputKind`) chooses what `generate` yields: the whole
 output so far (CUMULATIVE), only what is new since the last yield (DELTA), or the final output
@@ -126,6 +127,15 @@ class _Abort:
   request_id: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """An engine method to run on the engine thread between steps, its result for `future`."""
+
+  fn: Callable[[], Any]
+  loop: asyncio.AbstractEventLoop
+  future: asyncio.Future
+
+
 @dataclasses.dataclass
 class _Tracked:
   """The engine thread's record of a request it serves."""
@@ -242,6 +252,40 @@ class AsyncLLM:
     have finish_reason "abort"."""
     self._commands.put(_Abort(str(request_id)))
 
+  async def sleep(self, level: int = 1) -> None:
+    """Frees the engine's device memory between steps (vLLM's name): see `LLMEngine.sleep`.
+    Requests queued while it sleeps fail with RuntimeError.
+
+    Raises:
+      ValueError: a level other than 1 or 2.
+      RuntimeError: requests still running or waiting (nothing changes).
+      EngineDeadError: the engine thread has stopped.
+    """
+    await self._call(lambda: self.engine.sleep(level))
+
+  async def wake_up(self, tags: list[str] | None = None) -> None:
+    """Puts back what `sleep` freed (vLLM's name): see `LLMEngine.wake_up`.
+
+    Raises:
+      ValueError: an unknown tag.
+      EngineDeadError: the engine thread has stopped.
+    """
+    await self._call(lambda: self.engine.wake_up(tags))
+
+  async def is_sleeping(self) -> bool:
+    """Whether the engine sleeps (`LLMEngine.is_sleeping`), asked between steps."""
+    return await self._call(self.engine.is_sleeping)
+
+  async def _call(self, fn: Callable[[], Any]) -> Any:
+    """Runs `fn` on the engine thread at the next step boundary; returns its result or raises
+    its error here."""
+    if not self.is_running:
+      raise EngineDeadError(f"the engine thread has stopped: {self.error or 'shut down'}")
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    self._commands.put(_Call(fn, loop, future))
+    return await future
+
   def shutdown(self, timeout: float = 30.0) -> None:
     """Stops the engine thread after the current step; running requests fail with
     `EngineDeadError`. Safe to call twice."""
@@ -273,6 +317,8 @@ class AsyncLLM:
         self._add(command)
       elif isinstance(command, _Abort):
         self._abort(command.request_id)
+      elif isinstance(command, _Call):
+        _settle(command, command.fn)
       command = self._next_command()
     return True
 
@@ -395,6 +441,33 @@ class AsyncLLM:
     while (command := self._next_command()) is not None:  # adds that came too late
       if isinstance(command, _Add):
         _post(command.mailbox.loop, [(command.mailbox, error)])
+      elif isinstance(command, _Call):
+        _settle(command, lambda: _raise(error))
+
+
+def _settle(command: _Call, fn: Callable[[], Any]) -> None:
+  """Runs `fn` (on the engine thread) and hands its result or error to `command`'s future."""
+  try:
+    result, error = fn(), None
+  except Exception as raised:
+    result, error = None, raised
+
+  def deliver() -> None:
+    if command.future.done():  # the caller was cancelled
+      return
+    if error is not None:
+      command.future.set_exception(error)
+    else:
+      command.future.set_result(result)
+
+  try:
+    command.loop.call_soon_threadsafe(deliver)
+  except RuntimeError:  # the loop is closed: nobody is waiting
+    pass
+
+
+def _raise(error: BaseException):
+  raise error
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:

@@ -39,11 +39,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
-from jaxengine.models.batch_invariant import row_tiled_dot
 from jaxengine.models.gemma_checkpoints import hf_weight_specs
 from jaxengine.models.gemma_config import ACTIVATIONS, GemmaConfig
-from jaxengine.models.kv_cache import KVCacheSpec
-from jaxengine.models.layers import RMSNorm, linear, normal_init, normal_out_in, rotary_embedding
+from jaxengine.models.layers import (
+  ConfiguredDecoder,
+  RMSNorm,
+  linear,
+  normal_init,
+  normal_out_in,
+  rotary_embedding,
+  vocab_logits,
+)
 from jaxengine.models.weights import WeightSpec
 
 __all__ = ["Gemma", "GemmaAttention", "GemmaConfig", "GemmaDecoderLayer", "GemmaMLP"]
@@ -162,7 +168,7 @@ class GemmaDecoderLayer(nnx.Module):
     return x + h, kv_cache
 
 
-class Gemma(nnx.Module):
+class Gemma(ConfiguredDecoder, nnx.Module):
   """Gemma 2 / Gemma 3 text decoder over a `KVCache` (slots) or `PagedKVCache` (pages);
   implements `jaxengine.models.Model` (the same interface and attributes as
   `jaxengine.models.Llama`: ``config``, ``dtype``, ``embed``, ``layers``, ``final_norm``,
@@ -193,26 +199,6 @@ class Gemma(nnx.Module):
     )
     self.batch_invariant = False
 
-  @property
-  def vocab_size(self) -> int:
-    """Width of the logits."""
-    return self.config.vocab_size
-
-  @property
-  def eos_token_id(self) -> int | None:
-    """The config's end-of-sequence id."""
-    return self.config.eos_token_id
-
-  @property
-  def max_position_embeddings(self) -> int:
-    """Context length the model was trained for."""
-    return self.config.max_position_embeddings
-
-  @property
-  def kv_cache_spec(self) -> KVCacheSpec:
-    """Layers, heads, the local layers' window and the attention soft cap, in the model dtype."""
-    return self.config.kv_cache_spec(self.dtype)
-
   def __call__(
     self,
     token_ids: jax.Array,
@@ -240,9 +226,6 @@ class Gemma(nnx.Module):
     """``[..., E]`` hidden states -> ``[..., V] float32`` logits, soft-capped when the config
     says so (``final_logit_softcapping``)."""
     w = self.embed[...] if self.lm_head is None else self.lm_head[...]
-    if self.batch_invariant:
-      logits = row_tiled_dot(hidden, w, preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
-    cap = self.config.final_logit_softcapping
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
+    return vocab_logits(
+      hidden, w, batch_invariant=self.batch_invariant, soft_cap=self.config.final_logit_softcapping
+    )

@@ -13,6 +13,7 @@ References:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.batch_invariant import row_tiled_dot
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.reductions import fixed_sum
 
 __all__ = [
@@ -131,6 +133,57 @@ class RMSNorm(nnx.Module):
       mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     scale = 1.0 + self.scale[...] if self.unit_offset else self.scale[...]
     return (x32 * jax.lax.rsqrt(mean_square + self.eps) * scale).astype(x.dtype)
+
+
+def vocab_logits(
+  hidden: jax.Array, w: jax.Array, *, batch_invariant: bool = False, soft_cap: float | None = None
+) -> jax.Array:
+  """Hidden states projected onto the vocabulary: the output head of every decoder here.
+
+  Args:
+    hidden: ``[..., E]`` hidden states after the final norm.
+    w: ``[V, E]`` output projection (or the tied embedding).
+    batch_invariant: ``ROW_TILE`` rows at a time (`jaxengine.models.batch_invariant`).
+    soft_cap: Gemma 2's ``final_logit_softcapping`` (`soft_cap_scores`), or None.
+
+  Returns:
+    ``[..., V] float32`` logits (float32 accumulation even for a bfloat16 model).
+  """
+  if batch_invariant:
+    logits = row_tiled_dot(hidden, w, preferred_element_type=jnp.float32)
+  else:
+    logits = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
+  return soft_cap_scores(logits, soft_cap)
+
+
+class ConfiguredDecoder:
+  """The `jaxengine.models.Model` properties a decoder reads off its ``config`` (with
+  ``vocab_size``, ``eos_token_id``, ``max_position_embeddings`` and ``kv_cache_spec(dtype)``) and
+  its ``dtype``; mixed into `jaxengine.models.Llama` and `jaxengine.models.Gemma`."""
+
+  config: Any
+  dtype: Any
+
+  @property
+  def vocab_size(self) -> int:
+    """Width of the logits."""
+    return self.config.vocab_size
+
+  @property
+  def eos_token_id(self) -> int | None:
+    """The config's end-of-sequence id."""
+    return self.config.eos_token_id
+
+  @property
+  def max_position_embeddings(self) -> int:
+    """Context length the model was trained for."""
+    return self.config.max_position_embeddings
+
+  @property
+  def kv_cache_spec(self) -> KVCacheSpec:
+    """The cache the config's layers need (layers, key/value heads, head dim, windows, soft
+    cap), in the model's dtype."""
+    return self.config.kv_cache_spec(self.dtype)
 
 
 def soft_cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:

@@ -55,14 +55,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
-from jaxengine.models.batch_invariant import row_tiled_dot
-from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.layers import (
+  ConfiguredDecoder,
   RMSNorm,
   linear,
   normal_init,
   normal_out_in,
   rotary_embedding,
+  vocab_logits,
 )
 from jaxengine.models.llama_checkpoints import hf_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
@@ -231,7 +231,7 @@ class DecoderLayer(nnx.Module):
     return x, kv_cache
 
 
-class Llama(nnx.Module):
+class Llama(ConfiguredDecoder, nnx.Module):
   """Llama-family decoder reading and writing a `KVCache` (slots) or a `PagedKVCache` (pages);
   implements `jaxengine.models.Model`.
 
@@ -283,26 +283,6 @@ class Llama(nnx.Module):
     )
     self.batch_invariant = False
 
-  @property
-  def vocab_size(self) -> int:
-    """Width of the logits."""
-    return self.config.vocab_size
-
-  @property
-  def eos_token_id(self) -> int | None:
-    """The config's end-of-sequence id."""
-    return self.config.eos_token_id
-
-  @property
-  def max_position_embeddings(self) -> int:
-    """Context length the model was trained for."""
-    return self.config.max_position_embeddings
-
-  @property
-  def kv_cache_spec(self) -> KVCacheSpec:
-    """Layers, key/value heads and head dim of the config, in the model's dtype."""
-    return self.config.kv_cache_spec(self.dtype)
-
   def __call__(
     self,
     token_ids: jax.Array,
@@ -351,19 +331,16 @@ class Llama(nnx.Module):
 
   def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
     """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
-    module name (the same in every layer; `jaxengine.models.lora.LORA_TARGETS`)."""
+    module name (the same in every layer; `jaxengine.models.lora.LORA_TARGETS`). A mixture of
+    experts offers the attention projections only: its expert MLPs take no adapter, so an
+    adapter that targets them is refused rather than half applied."""
     cfg = self.config
     e, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {
-      "q_proj": (e, q),
-      "k_proj": (e, kv),
-      "v_proj": (e, kv),
-      "o_proj": (q, e),
-      "gate_proj": (e, f),
-      "up_proj": (e, f),
-      "down_proj": (f, e),
-    }
+    attention = {"q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e)}
+    if cfg.moe_layers:
+      return attention
+    return {**attention, "gate_proj": (e, f), "up_proj": (e, f), "down_proj": (f, e)}
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).
@@ -390,9 +367,7 @@ class Llama(nnx.Module):
       ``[..., V] float32`` logits (float32 accumulation even for a bfloat16 model).
     """
     w = self.embed[...] if self.lm_head is None else self.lm_head[...]  # [V, E]
-    if self.batch_invariant:
-      return row_tiled_dot(hidden, w, preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=jnp.float32)
+    return vocab_logits(hidden, w, batch_invariant=self.batch_invariant)
 
 
 def forward(

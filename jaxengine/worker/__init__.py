@@ -9,6 +9,7 @@ multi_step.py         k ragged decode steps in one device loop (num_decode_steps
                       on the device
 verify_step.py        speculative decoding on the device: drafts as query tokens, the verify step
 device_steps.py       the steps jitted once per model structure and placement, shared by runners
+sleep_mode.py         sleep and wake: freeing the pages, weights to host memory and back
 model_runner.py       `ModelRunner`: weights, pages, persistent batch, the jitted steps (one
                       ragged step per call), precompile
 """

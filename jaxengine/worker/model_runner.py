@@ -25,6 +25,10 @@ The model is split once (`nnx.split`); the steps are pure functions of `(graphde
 jitted with the cache and batch state donated. On a mesh (`EngineConfig.mesh`) weights, pages and
 batch state are placed once (`worker/placement.py`) and every step declares those shardings for
 its inputs and outputs, so serving compiles nothing warm-up did not.
+
+`sleep` frees the device buffers of the pages and the weights (level 1: the weights to pinned
+host memory; level 2: discarded until `load_weights`), and `wake_up` puts them back with the same
+shapes, shardings and commitment, so the steps compile nothing (`worker/sleep_mode.py`).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from jaxengine.models.weights import (
   state_leaves,
 )
 from jaxengine.sample import LogprobsTensors
+from jaxengine.worker import sleep_mode
 from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
 from jaxengine.worker.device_steps import device_steps
 from jaxengine.worker.kv_cache_size import (
@@ -136,6 +141,28 @@ class InFlightStep:
 
 
 @dataclasses.dataclass
+class _SleepState:
+  """What `ModelRunner.sleep` freed and how to put it back.
+
+  Attributes:
+    asleep: the parts asleep (`sleep_mode.SLEEP_TAGS` names), empty when awake.
+    level: the level of the last `sleep` (0: never slept).
+    host_weights: the weights in pinned host memory (level 1), None otherwise.
+    weight_slots: the weights' `sleep_mode.Slot`s while they are on the host.
+    weights_discarded: level 2 dropped the weights; the runner's `weights` hold `sleep_mode.Slot`s
+      until `load_weights` fills every one.
+    kv_cache_slots: the KV cache's `sleep_mode.Slot`s while it is freed.
+  """
+
+  asleep: set[str] = dataclasses.field(default_factory=set)
+  level: int = 0
+  host_weights: Any = None
+  weight_slots: Any = None
+  weights_discarded: bool = False
+  kv_cache_slots: Any = None
+
+
+@dataclasses.dataclass
 class _PendingPromptLogprobs:
   """A prompt's logprobs gathered chunk by chunk until its last prediction."""
 
@@ -196,6 +223,7 @@ class ModelRunner:
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)
     self.kv_cache = self._create_kv_cache(model, config)
+    self._sleep = _SleepState()
     self._stop_rules: dict[str, tuple[int, tuple[int, ...]]] = {}
     self.max_num_device_stop_ids = input_batch.config.max_num_stop_token_ids + len(
       input_batch.eos_token_ids
@@ -343,13 +371,20 @@ class ModelRunner:
     old weights wrote them, as in vLLM). The prefix cache is emptied: later prompts compute
     their keys and values with the new weights.
 
+    After `sleep(level=2)` and `wake_up` every weight must be given (named tensors covering every
+    leaf, or a whole state): the old ones were discarded. While the weights sleep it is refused
+    (the host copy of level 1 is not updated in place: wake up first).
+
     Raises:
       ValueError: naming the first unknown or repeated name, missing or extra state leaf, or
         tensor of the wrong type, shape or dtype, or holding a NaN or an infinity (by its
         checkpoint name; see `jaxengine.models.weights.nonfinite_tensors` for what that check
         reads and costs). Everything is checked before any conversion, and the weights change
-        all at once at the end: after an error the model is exactly as it was.
+        all at once at the end: after an error the model is exactly as it was. After sleep
+        level 2, a weight missing (named).
+      RuntimeError: while the weights sleep (`sleep`; nothing changes).
     """
+    self._check_loadable()
     leaves = state_leaves(self.weights)
     is_pure_dict = isinstance(weights, Mapping) and any(
       isinstance(v, Mapping) for v in weights.values()
@@ -361,6 +396,8 @@ class ModelRunner:
       narrowed = [path for path in new if _narrows(given[path], leaves[path])]
     else:
       grouped = collect_named_weights(weights, self.weight_specs, leaves)
+      if self._sleep.weights_discarded:
+        self._check_complete(grouped, leaves)
       check_finite((spec.name, t) for parts in grouped.values() for spec, t in parts.values())
       with np.errstate(over="ignore"):  # an overflow to inf is refused just below, by name
         new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
@@ -373,7 +410,37 @@ class ModelRunner:
     # after the cast, where that can happen, before anything is replaced.
     check_finite(((path, new[path]) for path in narrowed), self._leaf_name, after_cast=True)
     self.weights = replace_leaves(self.weights, new)
+    self._sleep.weights_discarded = False
     self.reset_prefix_cache()
+
+  def _check_loadable(self) -> None:
+    """Refuses `load_weights` while the weights sleep (RuntimeError: wake them first)."""
+    state = self._sleep
+    if "weights" in state.asleep:
+      where = "discarded them" if state.weights_discarded else "moved them to host memory"
+      raise RuntimeError(
+        f"load_weights while asleep: sleep(level={state.level}) {where}; call wake_up() (or "
+        "wake_up(tags=['weights'])) first"
+      )
+
+  def _check_complete(
+    self, grouped: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]
+  ) -> None:
+    """After sleep level 2 every leaf must be given whole (ValueError naming the first missing
+    checkpoint tensor): there are no old values to keep."""
+    for path, leaf in leaves.items():
+      parts = grouped.get(path, {})
+      if None in parts:
+        continue
+      specs = [s for s in self.weight_specs.values() if s.path == path]
+      layers = {s.layer for s in specs}
+      if specs and None not in layers and set(range(leaf.shape[0])) <= set(parts):
+        continue
+      missing = [s.name for s in specs if s.layer not in parts] or [dotted(path)]
+      raise ValueError(
+        f"load_weights after sleep(level=2) needs every weight (the old ones were discarded), "
+        f"missing {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+      )
 
   def _leaf_name(self, path: LeafPath) -> str:
     """A leaf by its checkpoint name and NNX path (``"model.norm.weight" (final_norm.scale)``),
@@ -385,6 +452,97 @@ class ModelRunner:
     """Forgets every prefix hash (pages in use stay with their requests); returns True."""
     self.kv_cache_manager.reset_prefix_cache()
     return True
+
+  # --- sleep and wake ---------------------------------------------------------------------------
+
+  def sleep(self, level: int = 1) -> None:
+    """Frees this runner's device memory for another program (a trainer) until `wake_up`.
+
+    Level 1 frees the KV cache's pages and moves the weights to pinned host memory (same
+    shardings, memory kind "pinned_host"); level 2 frees the KV cache and discards the weights
+    (`load_weights` after `wake_up` brings new ones). The KV cache's buffers are deleted; the
+    weights are only let go of (freed when nothing else holds them: a module given to the
+    engine or arrays `load_weights` used without a copy are the caller's and stay intact). The
+    prefix cache is emptied (its pages are gone). Sleeping again frees what
+    is still held (level 2 after level 1 drops the host copy).
+
+    Raises:
+      ValueError: a level other than 1 or 2 (nothing changes).
+      RuntimeError: a batch that still holds requests (nothing changes).
+    """
+    level = sleep_mode.check_level(level)
+    if self.input_batch.num_reqs:
+      raise RuntimeError(
+        f"sleep needs an empty batch, it holds {self.input_batch.num_reqs} requests (finish or "
+        "abort them first)"
+      )
+    state = self._sleep
+    on_device = "weights" not in state.asleep and not state.weights_discarded
+    # The host copy first: should it fail (host memory), nothing is freed yet.
+    host = sleep_mode.to_host(self.weights) if on_device and level == 1 else None
+    if self.kv_cache is not None:
+      state.kv_cache_slots = sleep_mode.slots(self.kv_cache)
+      sleep_mode.delete(self.kv_cache)
+      self.kv_cache = cast(PagedKVCache, None)
+    self.reset_prefix_cache()
+    if on_device:
+      state.weight_slots = sleep_mode.slots(self.weights)
+      state.host_weights = host
+      self.weights = state.weight_slots  # let go, not deleted: a trainer may share the arrays
+    if level == 2:
+      state.host_weights = None  # asleep at level 1 before: the host copy goes too
+      state.weights_discarded = True
+    state.asleep.update(sleep_mode.SLEEP_TAGS)
+    state.level = max(state.level, level)
+
+  def wake_up(self, tags: Sequence[str] | None = None) -> None:
+    """Puts back what `sleep` freed: the weights on the device as they were placed (level 1; at
+    level 2 they stay discarded until `load_weights`) and a fresh, empty KV cache of the same
+    pages and shardings. Nothing compiles: the steps see the same argument signature.
+
+    Args:
+      tags: the parts to wake, of ``["weights", "kv_cache"]`` (vLLM's tags); None: both. A part
+        already awake is left as it is.
+
+    Raises:
+      ValueError: an unknown tag (nothing changes).
+    """
+    tags = sleep_mode.check_tags(tags)
+    state = self._sleep
+    if "weights" in tags and "weights" in state.asleep:
+      if state.host_weights is not None:
+        self.weights = sleep_mode.to_device(state.host_weights, state.weight_slots)
+        state.host_weights = None
+      state.asleep.discard("weights")
+    if "kv_cache" in tags and "kv_cache" in state.asleep:
+      self.kv_cache = cast(PagedKVCache, sleep_mode.zeros(state.kv_cache_slots))
+      state.kv_cache_slots = None
+      state.asleep.discard("kv_cache")
+    if not state.asleep:
+      state.level = 0
+
+  def is_sleeping(self) -> bool:
+    """Whether some part (weights or KV cache) is asleep (`sleep`, not woken by `wake_up`)."""
+    return bool(self._sleep.asleep)
+
+  @property
+  def weights_discarded(self) -> bool:
+    """Whether sleep level 2 discarded the weights and `load_weights` has not refilled them."""
+    return self._sleep.weights_discarded
+
+  def check_awake(self) -> None:
+    """Refuses to run steps while asleep or without weights (RuntimeError, on the host)."""
+    state = self._sleep
+    if state.asleep:
+      parts = " and ".join(p for p in sleep_mode.SLEEP_TAGS if p in state.asleep)
+      raise RuntimeError(
+        f"the engine is asleep (sleep(level={state.level}) freed its {parts}); call wake_up() first"
+      )
+    if state.weights_discarded:
+      raise RuntimeError(
+        "the engine has no weights: sleep(level=2) discarded them; call load_weights with every "
+        "weight of the model after wake_up()"
+      )
 
   # --- composition --------------------------------------------------------------------------------
 
@@ -454,6 +612,7 @@ class ModelRunner:
     next step can be scheduled and dispatched before `collect` reads this one (asynchronous
     scheduling: the model reads each row's last token from the batch's device state).
     """
+    self.check_awake()
     batch = self.input_batch
     self._update_block_table(scheduled)
     if grammar_bitmask is not None and (bitmask := grammar_bitmask(batch.req_ids)) is not None:
@@ -736,7 +895,9 @@ class ModelRunner:
 
     Raises:
       ValueError: if the batch holds requests.
+      RuntimeError: while asleep or without weights (`check_awake`).
     """
+    self.check_awake()
     batch = self.input_batch
     if batch.num_reqs:
       raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
@@ -795,6 +956,7 @@ class ModelRunner:
       `StepOutput`: up to `k` tokens per row (`sampled.num_sampled`, which is also the
       positions each row computed), no prompt logprobs.
     """
+    self.check_awake()
     batch = self.input_batch
     self._update_block_table(scheduled)
     num_rows = bucket(batch.num_reqs, self.row_buckets)
