@@ -38,9 +38,9 @@ from timing import interleaved_ms
 from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import forward
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.testing import tiny_llama
 
 BLOCK = 16

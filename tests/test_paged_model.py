@@ -28,9 +28,9 @@ from jaxengine.models.attention_backends import (
   XlaAttentionBackend,
 )
 from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import compute_logits, forward
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker.step_inputs import StepInputs, build_step_inputs
 

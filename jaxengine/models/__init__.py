@@ -1,7 +1,7 @@
 """Models the engine can serve, behind one interface.
 
 `interface.Model` is what the engine needs from a decoder; `kv_cache` the slot-addressed cache,
-`paged_kv_cache` the paged one (pages per layer in the layout of an `attention_backends`
+`kv_pages` the paged one (pages per layer in the layout of an `attention_backends`
 backend, read by `paged_attention`'s ragged attention); `attention` the one seam through which
 every model's attention writes and reads either cache (`AttentionMetadata` or
 `PagedAttentionMetadata` says where each step's tokens live); `llama` the Llama-family decoder in
@@ -28,8 +28,8 @@ from jaxengine.models.gguf_loader import default_model_path, load_gguf
 from jaxengine.models.hub import load
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, compute_logits, forward
-from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
 from jaxengine.models.sequence_logprobs import token_logprobs

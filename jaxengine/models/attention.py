@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.layers import grouped_query_attention
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.models.paged_kv_cache import PagedKVCache
 
 __all__ = [
   "AnyKVCache",

@@ -28,8 +28,8 @@ from flax import nnx
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.reductions import fixed_logsumexp
 
 __all__ = ["token_logprobs"]

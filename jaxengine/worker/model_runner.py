@@ -56,8 +56,8 @@ from jaxengine.lora import LoRAManager
 from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.models.paged_kv_cache import PagedKVCache
 from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.models.weights import (
   LeafPath,
@@ -333,7 +333,7 @@ class ModelRunner:
     #: Pages of the pool, the null page 0 included.
     self.num_blocks = int(num_blocks)
     if self._placement is not None:
-      return self._placement.create_paged_kv_cache(spec, backend, self.num_blocks, self.block_size)
+      return self._placement.create_kv_pages(spec, backend, self.num_blocks, self.block_size)
     return PagedKVCache.create(spec, backend, self.num_blocks, self.block_size)
 
   @property

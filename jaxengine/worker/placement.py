@@ -21,7 +21,7 @@ from jaxengine.batch import InputBatch
 from jaxengine.models.attention_backends import AttentionBackend
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCacheSpec
-from jaxengine.models.paged_kv_cache import PagedKVCache
+from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.registry import sharding_rules
 from jaxengine.models.sharded_attention import HeadShardedBackend
 from jaxengine.worker.ragged_step import RaggedForward
@@ -52,7 +52,7 @@ class MeshPlacement:
       the roles of `jaxengine.models.registry.sharding_rules`).
     state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
     metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
-    paged_kv_cache: `PagedKVCache` tree of `NamedSharding` (set by `create_paged_kv_cache`).
+    kv_pages: `PagedKVCache` tree of `NamedSharding` (set by `create_kv_pages`).
 
   Raises:
     ValueError: the model axis does not divide the query heads (both numbers named), or the
@@ -91,27 +91,25 @@ class MeshPlacement:
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
     self._replicated = NamedSharding(mesh, P())
 
-  def create_paged_kv_cache(
+  def create_kv_pages(
     self, spec: KVCacheSpec, backend: AttentionBackend, num_blocks: int, block_size: int
   ) -> PagedKVCache:
-    """A zero paged cache allocated directly in its shards; sets `paged_kv_cache`.
+    """A zero paged cache allocated directly in its shards; sets `kv_pages`.
 
     Pages are split over key/value heads when `backend` is a `HeadShardedBackend`
     (`jaxengine.models.sharded_attention.shard_backend`), replicated otherwise.
     """
     create = functools.partial(PagedKVCache.create, spec, backend, num_blocks, block_size)
     spec_ = backend.page_specs(1)[0] if isinstance(backend, HeadShardedBackend) else P()
-    self.paged_kv_cache = jax.tree.map(
-      lambda _: NamedSharding(self.mesh, spec_), jax.eval_shape(create)
-    )
-    return jax.jit(create, out_shardings=self.paged_kv_cache)()
+    self.kv_pages = jax.tree.map(lambda _: NamedSharding(self.mesh, spec_), jax.eval_shape(create))
+    return jax.jit(create, out_shardings=self.kv_pages)()
 
   def ragged_forward_shardings(self, vocab_size: int) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged runner's model step
-    (`jaxengine.worker.ragged_step.ragged_forward`, after `create_paged_kv_cache`): ``(state,
+    (`jaxengine.worker.ragged_step.ragged_forward`, after `create_kv_pages`): ``(state,
     weights, kv_cache, RaggedInputs) -> RaggedForward(logits, kv_cache, prompt logprobs)``; the
     logits as `logits_sharding`, the step's inputs and prompt logprobs replicated."""
-    rep, cache = self._replicated, self.paged_kv_cache
+    rep, cache = self._replicated, self.kv_pages
     return {
       "in_shardings": (self.state, self.weights, cache, rep),
       "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
@@ -143,7 +141,7 @@ class MeshPlacement:
     (`jaxengine.worker.verify_step.verify_forward`): as `ragged_forward_shardings` with one
     more replicated input (``RaggedDrafts``), and the logits whole on every device (the
     rejection sampler reads them so)."""
-    rep, cache = self._replicated, self.paged_kv_cache
+    rep, cache = self._replicated, self.kv_pages
     return {
       "in_shardings": (self.state, self.weights, cache, rep, rep),
       "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
@@ -165,7 +163,7 @@ class MeshPlacement:
     """`in_shardings` / `out_shardings` of the paged k-step loop: ``(state, metadata, weights,
     kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, kv_cache)``; the loop's inputs and
     its output replicated, the cache as created."""
-    rep, cache = self._replicated, self.paged_kv_cache
+    rep, cache = self._replicated, self.kv_pages
     return {
       "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
       "out_shardings": (self.state, rep, cache),
