@@ -155,9 +155,9 @@ class EngineConfig:
       with `jaxengine.LoRARequest` (vLLM's name; default False). Adapters stay unmerged: the
       base weights are untouched and each token adds its own adapter's ``scale * B (A x)``
       (`jaxengine.models.lora`), so one step mixes base and adapter requests. Needs a model
-      with ``lora_target_shapes`` (`jaxengine.models.Llama`); refused with a mesh
-      (`tensor_parallel_size` or `data_parallel_size` > 1), `num_decode_steps` > 1, a
-      `speculative_config` or `batch_invariant`.
+      with ``lora_target_shapes`` (`jaxengine.models.Llama`); composes with
+      `num_decode_steps` > 1 and `speculative_config`; refused with a mesh
+      (`tensor_parallel_size` or `data_parallel_size` > 1) or `batch_invariant`.
     max_loras: adapters one step may mix, each in a device slot (vLLM's name; default 1); the
       requests of other adapters wait.
     max_lora_rank: the largest adapter rank, the slots' rank (vLLM's name; default 16);
@@ -311,8 +311,6 @@ class EngineConfig:
     refused = {
       f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
       f"{self.data_parallel_size})": self.mesh is not None,
-      f"num_decode_steps={self.num_decode_steps}": self.num_decode_steps > 1,
-      "speculative_config": self.speculative_config is not None,
       "batch_invariant=True": self.batch_invariant,
     }
     for what, given in refused.items():

@@ -978,6 +978,9 @@ class ModelRunner:
       max_num_steps[batch.req_id_to_index[seq_id]] = steps
     rules = [self._stop_rules[seq_id] for seq_id in batch.req_ids]
     max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, self.max_num_device_stop_ids)
+    lora_slots = np.zeros(num_rows, np.int32)
+    if self.lora is not None:
+      lora_slots[: batch.num_reqs] = [self.lora.slot(seq_id) for seq_id in batch.req_ids]
     host = (
       self.block_table.block_ids[:num_rows],
       np.int32(batch.num_reqs),
@@ -985,6 +988,7 @@ class ModelRunner:
       max_output_tokens,
       stop_ids,
       np.bool_(end_on_first_finish),
+      lora_slots,
     )
     device = jax.device_put(host, self._input_sharding)  # one transfer for the loop's inputs
     inputs = DecodeStepsInputs(
@@ -994,6 +998,7 @@ class ModelRunner:
       max_output_tokens=device[3],
       stop_ids=device[4],
       end_on_first_finish=device[5],
+      lora=None if self.lora is None else self.lora.inputs(device[6]),
     )
     output, kv_cache = run_steps(
       batch,

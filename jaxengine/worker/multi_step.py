@@ -41,6 +41,7 @@ from flax import nnx
 from jax import lax
 
 from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 from jaxengine.params import SamplingParams
 from jaxengine.sample import LogprobsTensors, sample
@@ -97,6 +98,9 @@ class DecodeStepsInputs:
     stop_ids: `[R, C] int32` ids that stop a row once it has `min_tokens` outputs (-1 pads).
     end_on_first_finish: `[] bool` end the loop after the iteration in which some row stopped by
       a stop rule (requests are waiting for a row or for pages).
+    lora: None (an engine without `enable_lora`), or the LoRA adapters' device slots with each
+      row's slot (`[R] int32`, 0: the base): every iteration's query token of row `r` is flat
+      token `r`, so the row slots are the token slots.
   """
 
   block_tables: jax.Array
@@ -105,6 +109,7 @@ class DecodeStepsInputs:
   max_output_tokens: jax.Array
   stop_ids: jax.Array
   end_on_first_finish: jax.Array
+  lora: LoRAInputs | None = None
 
 
 def _decode_metadata(
@@ -190,7 +195,8 @@ def decode_steps(
     positions = jnp.maximum(rows.num_tokens - 1, 0)  # [R] the last token's
     token_ids = rows.token_ids[jnp.arange(num_rows), positions]  # [R]
     attention = _decode_metadata(inputs, positions, running, block_size)
-    hidden, kv = model(token_ids[None], positions[None], c["kv_cache"], attention)
+    lora = {} if inputs.lora is None else {"lora": inputs.lora}
+    hidden, kv = model(token_ids[None], positions[None], c["kv_cache"], attention, **lora)
     logits = model.compute_logits(hidden[0])  # [R, V]: row r's token is flat token r
     step_metadata = dataclasses.replace(rows_metadata, is_live=running)
     rows, output = sample(rows, step_metadata, logits, mesh=mesh)
