@@ -244,8 +244,12 @@ def test_teacher_forced_logprobs_follow_update_params_without_compiling(name):
     completions[row, :c] = rng.integers(3, VOCAB, c)
   mask = completions != PAD
   got = np.asarray(rollout.get_per_token_logps(prompts, completions))
+  # The tiny random models' logprobs reach -20: float32 logsumexps summed in another order
+  # (Tunix's einsums against the engine's ragged step) differ by ~1e-5 of the value (1.25e-4 at
+  # -13.3 seen once for Gemma 3 on CI), so the bound is relative as well as absolute.
+  tolerance = dict(atol=1e-4, rtol=2e-5)
   np.testing.assert_allclose(
-    got[mask], trainer_logprobs(model, prompts, completions, 0.7)[mask], atol=1e-4
+    got[mask], trainer_logprobs(model, prompts, completions, 0.7)[mask], **tolerance
   )
   assert np.all(got[~mask] == 0)
   new_model = build(name, seed=7)
@@ -258,7 +262,7 @@ def test_teacher_forced_logprobs_follow_update_params_without_compiling(name):
     after = np.asarray(rollout.get_per_token_logps(prompts, completions))
   assert compiles.count == 0
   expected = trainer_logprobs(new_model, prompts, completions, 0.7)
-  np.testing.assert_allclose(after[mask], expected[mask], atol=1e-4)
+  np.testing.assert_allclose(after[mask], expected[mask], **tolerance)
   assert np.abs(after - got)[mask].max() > 1e-2  # the weights did change
   # The engine's own state (what Tunix hands back when it offloads) is taken as it is.
   rollout.update_params(nnx.state(rollout.model()))
