@@ -26,7 +26,6 @@ from test_tunix import (
 )
 
 from jaxengine.integrations.tunix import JaxEngineRollout
-from jaxengine.integrations.tunix_lora import qwix_lora_rules
 from jaxengine.testing import count_compiles
 
 RANK, ALPHA = 4, 8.0
@@ -56,7 +55,7 @@ def make_rollout(model: nnx.Module, **options) -> JaxEngineRollout:
     tokenizer=ByteTokenizer(),
     rollout_config=rollout_config(),
     max_num_reqs=4,
-    **options,
+    **{"lora_alpha": ALPHA, **options},
   )
 
 
@@ -77,9 +76,8 @@ def served():
   return model, make_rollout(model)
 
 
-def test_qwix_rules_are_found_on_the_model(served):
-  model, rollout = served
-  assert qwix_lora_rules(model) == [(MODULES, RANK, ALPHA)]
+def test_the_engine_serves_the_lora_actor_with_its_rank(served):
+  _, rollout = served
   assert rollout.lora_request is not None
   assert rollout.llm.llm_engine.config.enable_lora
   assert rollout.llm.llm_engine.config.max_lora_rank == RANK
@@ -164,7 +162,9 @@ def test_teacher_forced_lora_logprobs_of_each_family(name):
 def test_lora_options_are_checked():
   plain = build("qwen3")
   with pytest.raises(ValueError, match="has no LoRA"):
-    make_rollout(plain, lora_alpha=8.0)
+    make_rollout(plain)
+  with pytest.raises(ValueError, match="pass lora_alpha="):
+    make_rollout(build_lora("qwen3"), lora_alpha=None)
   model = build_lora("qwen3")
   with pytest.raises(ValueError, match="max_lora_rank=2 is below"):
     make_rollout(model, max_lora_rank=2)

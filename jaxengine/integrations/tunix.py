@@ -52,7 +52,6 @@ from jaxengine.integrations.tunix_lora import (
   LORA_MARK,
   lora_adapter_from_tunix,
   lora_scales,
-  qwix_lora_rules,
   split_lora_leaves,
 )
 from jaxengine.integrations.tunix_weights import (
@@ -154,20 +153,17 @@ def _request_seeds(seed: Any, num_prompts: int) -> list[int | None]:
 def _actor_lora_scales(
   actor: nnx.Module, lora: dict[str, Any], lora_alpha: float | None
 ) -> dict[tuple[int, str], float]:
-  """``alpha / rank`` per LoRA pair: ``lora_alpha / rank`` when given, else the qwix rules
-  applied to `actor` (ValueError when neither says)."""
-  if lora_alpha is not None:
-    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
-      raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
-    rank = _lora_rank(lora)
-    return lora_scales(lora, [(".*", rank, float(lora_alpha))])
-  rules = qwix_lora_rules(actor)
-  if not rules:
+  """``lora_alpha / rank`` per LoRA pair (qwix's scale). qwix keeps its `LoraRule`s private to
+  its provider, so the alpha is given (ValueError when it is not a positive number)."""
+  del actor
+  if lora_alpha is None:
     raise ValueError(
-      "the rollout actor has LoRA parameters but no qwix LoraProvider was found on it: pass "
-      "lora_alpha= (the scale is lora_alpha / rank)"
+      "the rollout actor has LoRA parameters: pass lora_alpha= (its qwix LoraProvider's alpha; "
+      "the scale is lora_alpha / rank)"
     )
-  return lora_scales(lora, rules)
+  if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
+    raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
+  return lora_scales(lora, [(".*", _lora_rank(lora), float(lora_alpha))])
 
 
 def _lora_rank(lora: dict[str, Any]) -> int:
@@ -284,13 +280,20 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       `_wants_default_mesh`). The trainer's arrays reach that device device to device.
     rollout_config: the TRAIN `RolloutConfig`; its temperature is the one
       `get_per_token_logps` divides by.
+    lora_alpha: the LoRA alpha of a qwix LoRA actor (scale ``lora_alpha / rank``), required
+      for one (qwix keeps its rules private to its provider). A LoRA actor (one with `nnx.LoRAParam`
+      leaves) is served as its base weights plus one adapter (`enable_lora`, `max_lora_rank`
+      defaulting to its rank, no engine mesh) that every rollout runs with and that
+      `update_params` replaces in memory (`jaxengine.integrations.tunix_lora`).
     **engine_options: `jaxengine.EngineConfig` fields (`max_num_reqs`, `max_model_len`, `seed`,
       ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given;
       `compilation_cache` defaults to False here (JAX's persistent cache is process-wide: on,
       it would hold the trainer's executables too).
 
   Raises:
-    ValueError: an unsupported model, `logprobs_mode` among the options, or invalid options.
+    ValueError: an unsupported model, `logprobs_mode` among the options, invalid options, or
+      a LoRA actor whose LoRA is unsupported (named), whose scale is unknown, or whose rank
+      exceeds a given `max_lora_rank`.
   """
 
   def __init__(

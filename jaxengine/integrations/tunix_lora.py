@@ -21,12 +21,9 @@ A mixture-of-experts Qwen3 takes LoRA on its attention only; Gemma's modules tak
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping
 from typing import Any
-
-from flax import nnx
 
 from jaxengine.lora import LoRAAdapter, lora_adapter_from_arrays
 
@@ -34,7 +31,6 @@ __all__ = [
   "LORA_MARK",
   "lora_adapter_from_tunix",
   "lora_scales",
-  "qwix_lora_rules",
   "split_lora_leaves",
 ]
 
@@ -63,43 +59,6 @@ def split_lora_leaves(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
   return base, lora
 
 
-def qwix_lora_rules(model: nnx.Module) -> list[tuple[str, int, float]]:
-  """The ``(module_path, rank, alpha)`` of each qwix `LoraRule` applied to `model`, in order.
-
-  qwix keeps its provider only in the closure of the model class's intercepted ``__call__``;
-  it is looked up there (an empty list when `model` was not made by qwix).
-  """
-  found = _find_provider(vars(type(model)).get("__call__"), depth=0, seen=set())
-  if found is None:
-    return []
-  rules = getattr(found, "_rules", [])
-  return [
-    (str(r.module_path), int(r.rank), float(r.alpha))
-    for r in rules
-    if hasattr(r, "rank") and hasattr(r, "alpha")
-  ]
-
-
-def _find_provider(obj: Any, depth: int, seen: set[int]) -> Any:
-  """A qwix provider with LoRA rules reachable from `obj` through closures and partials."""
-  if obj is None or id(obj) in seen or depth > 8:
-    return None
-  seen.add(id(obj))
-  rules = getattr(obj, "_rules", None)
-  if isinstance(rules, list) and any(hasattr(r, "alpha") for r in rules):
-    return obj
-  if isinstance(obj, functools.partial):
-    children = [obj.func, *obj.args, *obj.keywords.values()]
-  else:
-    cells = getattr(obj, "__closure__", None) or ()
-    children = [c.cell_contents for c in cells] + [getattr(obj, "__wrapped__", None)]
-  for child in children:
-    hit = _find_provider(child, depth + 1, seen)
-    if hit is not None:
-      return hit
-  return None
-
-
 def lora_scales(
   lora: Mapping[str, Any], rules: list[tuple[str, int, float]]
 ) -> dict[tuple[int, str], float]:
@@ -108,7 +67,7 @@ def lora_scales(
 
   Raises:
     ValueError: a pair no LoRA rule matches (naming its module), or a rule whose rank is not
-      the pair's.
+      the pair's. (`JaxEngineRollout` passes one rule, ``(".*", rank, lora_alpha)``.)
   """
   scales = {}
   for name, value in lora.items():
