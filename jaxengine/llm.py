@@ -20,7 +20,7 @@ from jaxengine.engine_config import (
   engine_config,
   with_engine_options,
 )
-from jaxengine.lora import LoRARequest
+from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models import Model, check_model
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
 from jaxengine.models.hub import load_resolved, resolve_model
@@ -194,6 +194,22 @@ class LLM:
       RuntimeError: while the weights sleep (nothing changes).
     """
     self.llm_engine.load_weights(weights)
+
+  def load_lora_weights(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+    """Gives a LoRA adapter new values from memory (a trainer's LoRA parameters after an
+    optimizer step) without recompiling anything or reading a file.
+
+    Later requests with `lora_request` (same `lora_int_id`) run with `adapter`
+    (`jaxengine.lora.lora_adapter_from_arrays` makes one from ``A [in, r]``, ``B [r, out]``
+    arrays and the scale), and so do running ones from their next step on; its
+    `lora_request.lora_path` is only its name (never read). The prefix cache is emptied.
+
+    Raises:
+      ValueError: (nothing changes) an engine without `enable_lora`, an invalid request, or an
+        adapter whose rank exceeds `max_lora_rank` or whose targets or shapes do not fit the
+        model (`jaxengine.lora.LoRAManager.check_adapter`).
+    """
+    self.llm_engine.load_lora_weights(lora_request, adapter)
 
   def sleep(self, level: int = 1) -> None:
     """Frees the engine's device memory until `wake_up` (vLLM's name), for a trainer that shares

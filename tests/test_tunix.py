@@ -351,8 +351,10 @@ def test_rollouts_after_update_params_sample_from_the_new_weights(served):
 
 def test_bad_inputs_raise_value_errors(served):
   _, model, rollout = served
-  with pytest.raises(ValueError, match=r"only nnx\.Param"):
+  with pytest.raises(ValueError, match="built without LoRA"):
     rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+  with pytest.raises(ValueError, match=r"only nnx\.Param or nnx\.LoRAParam"):
+    rollout.update_params(nnx.state(model, nnx.Param), (nnx.Variable,))
   with pytest.raises(ValueError, match="lack"):
     rollout.update_params({"embedder": nnx.state(model, nnx.Param)["embedder"]}, (nnx.Param,))
   with pytest.raises(ValueError, match="max_model_len=64"):

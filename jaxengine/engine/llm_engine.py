@@ -34,7 +34,7 @@ from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.engine_config import EngineConfig, engine_config, with_engine_options
-from jaxengine.lora import LoRARequest, check_lora_request
+from jaxengine.lora import LoRAAdapter, LoRARequest, check_lora_request
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams
@@ -354,6 +354,16 @@ class LLMEngine:
       weights = list(cast(Iterable, weights))  # `(name, array)` pairs, read once per core
     for core in self.cores:  # the first core checks everything before any changes
       core.runner.load_weights(weights)
+
+  def load_lora_weights(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+    """In-memory values for a LoRA adapter in every core, nothing recompiled: see
+    `ModelRunner.load_lora_weights`.
+
+    Raises:
+      ValueError: (nothing changed) without `enable_lora`, or an adapter the slots refuse.
+    """
+    for core in self.cores:  # the first core checks everything before any changes
+      core.runner.load_lora_weights(lora_request, adapter)
 
   # --- sleep and wake ---------------------------------------------------------------------------
 

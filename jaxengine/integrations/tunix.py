@@ -48,6 +48,12 @@ try:
 except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
   raise missing_extra(error, __name__) from error
 
+from jaxengine.integrations.tunix_lora import (
+  LORA_MARK,
+  lora_adapter_from_tunix,
+  lora_scales,
+  split_lora_leaves,
+)
 from jaxengine.integrations.tunix_weights import (
   EngineConfig,
   config_from_tunix,
@@ -56,8 +62,10 @@ from jaxengine.integrations.tunix_weights import (
   tunix_param_leaves,
 )
 from jaxengine.llm import LLM
+from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.weights import replace_leaves, state_leaves
 from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
@@ -142,6 +150,43 @@ def _request_seeds(seed: Any, num_prompts: int) -> list[int | None]:
   return [int(states[2 * i]) << 31 | int(states[2 * i + 1]) >> 1 for i in range(num_prompts)]
 
 
+def _actor_lora_scales(
+  actor: nnx.Module, lora: dict[str, Any], lora_alpha: float | None
+) -> dict[tuple[int, str], float]:
+  """``lora_alpha / rank`` per LoRA pair (qwix's scale). qwix keeps its `LoraRule`s private to
+  its provider, so the alpha is given (ValueError when it is not a positive number)."""
+  del actor
+  if lora_alpha is None:
+    raise ValueError(
+      "the rollout actor has LoRA parameters: pass lora_alpha= (its qwix LoraProvider's alpha; "
+      "the scale is lora_alpha / rank)"
+    )
+  if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
+    raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
+  return lora_scales(lora, [(".*", _lora_rank(lora), float(lora_alpha))])
+
+
+def _lora_rank(lora: dict[str, Any]) -> int:
+  """The rank of qwix LoRA leaves (the last axis of every ``*_lora_a``; ValueError if they
+  differ)."""
+  ranks = {int(v.shape[-1]) for n, v in lora.items() if n.endswith(f"{LORA_MARK}a")}
+  if len(ranks) != 1:
+    raise ValueError(f"the actor's LoRA ranks are {sorted(ranks)}: one rank is supported")
+  return ranks.pop()
+
+
+def _lora_engine_options(engine_options: dict[str, Any], lora: dict[str, Any]) -> None:
+  """`enable_lora` and a `max_lora_rank` holding the actor's rank (ValueError if one given
+  is smaller, or LoRA is switched off)."""
+  rank = _lora_rank(lora)
+  if engine_options.get("enable_lora") is False:
+    raise ValueError("enable_lora=False, but the rollout actor has LoRA parameters")
+  engine_options["enable_lora"] = True
+  given = engine_options.setdefault("max_lora_rank", rank)
+  if isinstance(given, int) and given < rank:
+    raise ValueError(f"max_lora_rank={given} is below the actor's LoRA rank {rank}")
+
+
 def sampling_params(
   config: base_rollout.RolloutConfig, eos_ids: Sequence[int], seed: int | None
 ) -> SamplingParams:
@@ -170,6 +215,7 @@ def completion_logprobs(
   weights: nnx.State,
   token_ids: jax.Array,
   inverse_temperature: jax.Array,
+  lora: LoRAInputs | None = None,
   *,
   pad_id: int,
   num_completion_tokens: int,
@@ -184,6 +230,7 @@ def completion_logprobs(
     weights: its weights.
     token_ids: `[B, T] int32`, left-padded prompt then right-padded completion.
     inverse_temperature: `[] float32`, 1 / temperature (1 for greedy or temperature 1).
+    lora: the LoRA adapter slots with ``[B * T] int32`` token slots (a LoRA rollout), or None.
     pad_id: the pad token (static).
     num_completion_tokens: `C`, the completion's width (static).
 
@@ -199,7 +246,8 @@ def completion_logprobs(
   metadata = AttentionMetadata(
     cache_slots=jnp.arange(rows, dtype=jnp.int32), positions=positions, attention_len=width
   )
-  hidden, _ = model(token_ids, positions, kv_cache, metadata)  # [B, T, E]
+  adapters = {} if lora is None else {"lora": lora}  # only Llama-family modules take LoRA
+  hidden, _ = model(token_ids, positions, kv_cache, metadata, **adapters)  # [B, T, E]
   start = width - num_completion_tokens
   logits = model.compute_logits(hidden[:, start - 1 : width - 1]) * inverse_temperature  # [B, C, V]
   targets = token_ids[:, start:]  # [B, C]
@@ -232,13 +280,20 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       `_wants_default_mesh`). The trainer's arrays reach that device device to device.
     rollout_config: the TRAIN `RolloutConfig`; its temperature is the one
       `get_per_token_logps` divides by.
+    lora_alpha: the LoRA alpha of a qwix LoRA actor (scale ``lora_alpha / rank``), required
+      for one (qwix keeps its rules private to its provider). A LoRA actor (one with `nnx.LoRAParam`
+      leaves) is served as its base weights plus one adapter (`enable_lora`, `max_lora_rank`
+      defaulting to its rank, no engine mesh) that every rollout runs with and that
+      `update_params` replaces in memory (`jaxengine.integrations.tunix_lora`).
     **engine_options: `jaxengine.EngineConfig` fields (`max_num_reqs`, `max_model_len`, `seed`,
       ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given;
       `compilation_cache` defaults to False here (JAX's persistent cache is process-wide: on,
       it would hold the trainer's executables too).
 
   Raises:
-    ValueError: an unsupported model, `logprobs_mode` among the options, or invalid options.
+    ValueError: an unsupported model, `logprobs_mode` among the options, invalid options, or
+      a LoRA actor whose LoRA is unsupported (named), whose scale is unknown, or whose rank
+      exceeds a given `max_lora_rank`.
   """
 
   def __init__(
@@ -248,6 +303,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     tokenizer: Any,
     mesh: jax.sharding.Mesh | None = None,
     rollout_config: base_rollout.RolloutConfig | None = None,
+    lora_alpha: float | None = None,
     **engine_options: Any,
   ):
     if "logprobs_mode" in engine_options:
@@ -266,7 +322,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       bos_token_id=self.tokenizer.bos_id(),
       eos_token_id=self.tokenizer.eos_id(),
     )
-    params = tunix_param_leaves(rollout_actor)
+    params, lora = split_lora_leaves(tunix_param_leaves(rollout_actor))
     self.dtype = jnp.dtype(
       self.rollout_config.data_type or params["embedder.input_embedding"].dtype
     )
@@ -274,10 +330,18 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     abstract = nnx.eval_shape(lambda: module(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_weights = nnx.split(abstract)
     self.device = _engine_device(mesh, params["embedder.input_embedding"])
+    #: The adapter every rollout runs with (a qwix LoRA actor), else None.
+    self.lora_request: LoRARequest | None = None
+    self._lora_scales: dict[tuple[int, str], float] = {}
+    if lora:
+      self._lora_scales = _actor_lora_scales(rollout_actor, lora, lora_alpha)
+      _lora_engine_options(engine_options, lora)
+    elif lora_alpha is not None:
+      raise ValueError(f"lora_alpha={lora_alpha!r} given, but the rollout actor has no LoRA")
     leaves = engine_leaves(params, self.config, self.dtype, self.device)
     weights = replace_leaves(abstract_weights, leaves)
     engine_options.setdefault("compilation_cache", False)
-    if _wants_default_mesh(engine_options):
+    if not lora and _wants_default_mesh(engine_options):
       engine_options["mesh"] = make_mesh(1, 1, [self.device])
     self.llm = LLM(
       nnx.merge(graphdef, weights),
@@ -286,6 +350,9 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       **engine_options,
     )
     self._graphdef = graphdef
+    if lora:
+      self.lora_request = LoRARequest("tunix_actor", 1, "<tunix rollout actor, in memory>")
+      self.llm.load_lora_weights(self.lora_request, self._lora_adapter(lora))
 
   # --- BaseRollout --------------------------------------------------------------------------
 
@@ -324,7 +391,10 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     seeds = _request_seeds(rollout_config.seed, len(prompts))
     params = [sampling_params(rollout_config, eos_ids, s) for s in seeds]
     outputs = self.llm.generate(
-      [{"prompt_token_ids": ids.tolist()} for ids in padded.token_ids], params, use_tqdm=False
+      [{"prompt_token_ids": ids.tolist()} for ids in padded.token_ids],
+      params,
+      use_tqdm=False,
+      lora_request=self.lora_request,
     )
     tokens, logprobs = [], []
     for out in outputs:
@@ -367,22 +437,61 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     """Loads the trainer's weights into the engine; nothing recompiles.
 
     Args:
-      params: the Tunix model's `nnx.Param` state (``nnx.state(actor, nnx.Param)``), or the
-        engine model's own state (as `model()` gives it; Tunix passes that when it offloads).
-        JAX arrays are converted where they live and placed as the engine's weights are.
-      filter_types: Tunix's filter; `(nnx.Param,)` or None (LoRA parameters are not supported).
+      params: the Tunix model's parameter state: ``nnx.state(actor, nnx.Param)`` (every weight;
+        on a qwix LoRA actor its `nnx.LoRAParam` leaves too, a subclass of `nnx.Param`), or
+        ``nnx.state(actor, nnx.LoRAParam)`` (the LoRA leaves alone: Tunix's sync after each step
+        of a LoRA actor, which replaces the adapter's values in place, read from memory); or
+        the engine model's own state (as `model()` gives it; Tunix passes that when it
+        offloads). JAX arrays are converted where they live and placed as the engine's weights
+        are (LoRA pairs, small, are copied through the host).
+      filter_types: Tunix's filter: ``(nnx.Param,)``, ``(nnx.LoRAParam,)`` or None.
 
     Raises:
-      ValueError: LoRA filter types, or parameters that do not match the model (nothing changes).
+      ValueError: (nothing changes) another filter type, LoRA parameters for a rollout built
+        without LoRA or of an unsupported name or shape (named), or parameters that do not
+        match the model.
     """
-    if filter_types is not None and any(t is not nnx.Param for t in filter_types):
-      raise ValueError(f"filter_types={filter_types}: only nnx.Param (no LoRA) is supported")
+    lora_only = filter_types is not None and all(t is nnx.LoRAParam for t in filter_types)
+    if filter_types is not None and not lora_only and any(t is not nnx.Param for t in filter_types):
+      raise ValueError(f"filter_types={filter_types}: only nnx.Param or nnx.LoRAParam")
     engine_paths = set(state_leaves(self.llm.llm_engine.runner.weights))
     if isinstance(params, nnx.State) and set(state_leaves(params)) == engine_paths:
       self.llm.load_weights(params)
       return
-    leaves = engine_leaves(tunix_param_leaves(params), self.config, self.dtype, self.device)
-    self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
+    if lora_only and self.lora_request is None:
+      raise ValueError(f"filter_types={filter_types}: this rollout was built without LoRA")
+    base, lora = split_lora_leaves(tunix_param_leaves(params))
+    if lora and self.lora_request is None:
+      raise ValueError(
+        f"LoRA parameter {next(iter(lora))!r}: this rollout was built from an actor without "
+        "LoRA (build it from the qwix LoRA model)"
+      )
+    if lora_only and base:
+      raise ValueError(
+        f"filter_types=(nnx.LoRAParam,) with a non-LoRA parameter {next(iter(base))!r}"
+      )
+    adapter = self._lora_adapter(lora) if lora else None  # checked before anything changes
+    if not lora_only:
+      leaves = engine_leaves(base, self.config, self.dtype, self.device)
+      self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
+    if adapter is not None:
+      self.llm.load_lora_weights(cast(LoRARequest, self.lora_request), adapter)
+
+  def _lora_adapter(self, lora: dict[str, Any]) -> LoRAAdapter:
+    """The engine adapter of qwix LoRA leaves, checked against the engine's slots (ValueError,
+    naming the leaf or pair, otherwise)."""
+    manager = self.llm.llm_engine.runner.lora
+    if manager is None:
+      raise ValueError("the engine was built without enable_lora")
+    adapter = lora_adapter_from_tunix(
+      lora,
+      lora_int_id=1,
+      num_layers=self.config.num_hidden_layers,
+      scales=self._lora_scales,
+      targets=manager.target_shapes,
+    )
+    manager.check_adapter(adapter)
+    return adapter
 
   def pad_id(self) -> int:
     """The tokenizer's pad id."""
@@ -418,9 +527,21 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       self.llm.llm_engine.runner.weights,
       token_ids,
       np.float32(inverse),
+      self._lora_inputs(token_ids.size),
       pad_id=int(self.pad_id()),
       num_completion_tokens=int(num_completion_tokens),
     )
+
+  def _lora_inputs(self, num_tokens: int) -> LoRAInputs | None:
+    """The engine's LoRA slots with every one of `num_tokens` tokens in the actor adapter's
+    slot (placed there first if no rollout has yet), or None without LoRA."""
+    manager = self.llm.llm_engine.runner.lora
+    if self.lora_request is None or manager is None:
+      return None
+    manager.acquire("tunix-teacher-forcing", self.lora_request)  # places it when needed
+    slot = manager.slot("tunix-teacher-forcing")
+    manager.release("tunix-teacher-forcing")
+    return manager.inputs(jnp.full((num_tokens,), slot, jnp.int32))
 
   def _recomputed_logprobs(
     self,

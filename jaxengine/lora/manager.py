@@ -6,6 +6,12 @@ jitted update of those buffers with the same shapes (donated), so nothing that r
 recompiles. A slot is taken by the completions running with its adapter (`acquire` / `release`);
 a slot none uses keeps its adapter until another adapter needs a slot (least recently used
 first), so switching back costs nothing.
+
+Adapters come from PEFT directories (`load`, by the request's path) or from memory
+(`set_adapter`: a trainer's LoRA parameters after each optimizer step, replacing the host copy
+and, when the adapter is in a slot, the slot's values; nothing is read from disk and nothing
+recompiles). Adapters given in memory have no directory to read again, so the host LRU never
+drops them.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class LoRAManager:
     target_shapes: ``(in, out)`` of every projection adapters may target (the model's
       `lora_target_shapes`).
     dtype: the model's dtype (the buffers').
+    device: the device the buffers are committed to (the weights'), so that the steps see one
+      placement whether a slot was written from the host or from device arrays (a trainer's,
+      committed); None: uncommitted, on the default device.
   """
 
   def __init__(
@@ -49,6 +58,7 @@ class LoRAManager:
     num_layers: int,
     target_shapes: Mapping[str, tuple[int, int]],
     dtype,
+    device: jax.Device | None = None,
   ) -> None:
     self.max_loras = max_loras
     self.max_lora_rank = max_lora_rank
@@ -56,13 +66,14 @@ class LoRAManager:
     self.num_layers = num_layers
     self.target_shapes = dict(target_shapes)
     n, r = max_loras + 1, max_lora_rank
-    self.buffers: Buffers = tuple(
+    buffers: Buffers = tuple(
       {
         t: (jnp.zeros((n, i, r), dtype), jnp.zeros((n, r, o), dtype))
         for t, (i, o) in self.target_shapes.items()
       }
       for _ in range(num_layers)
     )
+    self.buffers = buffers if device is None else jax.device_put(buffers, device)
     #: Host copies by `lora_int_id`, least recently used first.
     self._host: collections.OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = (
       collections.OrderedDict()
@@ -75,6 +86,8 @@ class LoRAManager:
     self._slot_of_seq: dict[str, int] = {}
     #: The directory of every `lora_int_id` loaded so far: an id names one adapter.
     self._paths: dict[int, str] = {}
+    #: `lora_int_id`s given in memory (`set_adapter`): never dropped from the host LRU.
+    self._in_memory: set[int] = set()
 
   # --- host copies ------------------------------------------------------------------------------
 
@@ -104,12 +117,70 @@ class LoRAManager:
       num_layers=self.num_layers,
       target_shapes=self.target_shapes,
     )
-    self._host[key] = (request, adapter)
-    self._paths[key] = path
-    self._host.move_to_end(key)
-    while len(self._host) > self.max_cpu_loras:
-      self._host.popitem(last=False)
+    self._remember(request, adapter)
     return adapter
+
+  def set_adapter(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+    """Gives adapter `request.lora_int_id` the values of `adapter` (made in memory, e.g. by
+    `lora_adapter_from_arrays`), replacing its host copy and, when a slot holds it, the slot's
+    values (one jitted update of the same shapes: nothing recompiles). Completions running with
+    it read the new values from their next step on. `request.lora_path` only names it (an id
+    keeps one path, as in `load`); the adapter is never read from there nor dropped from the
+    host LRU.
+
+    Raises:
+      ValueError: (nothing changes) an invalid request, `adapter.lora_int_id` not the
+        request's, the id known under another path, or an adapter that does not fit the slots
+        (`check_adapter`).
+    """
+    request = check_lora_request(request)
+    key, path = int(request.lora_int_id), os.fspath(request.lora_path)
+    if adapter.lora_int_id != key:
+      raise ValueError(
+        f"adapter.lora_int_id={adapter.lora_int_id} is not lora_request.lora_int_id={key}"
+      )
+    known = self._paths.get(key)
+    if known is not None and known != path:
+      raise ValueError(f"lora_int_id={key} is the adapter at {known!r}, not lora_path={path!r}")
+    self.check_adapter(adapter)
+    self._in_memory.add(key)
+    self._remember(request, adapter)
+    if key in self._slot_ids[1:]:
+      self._write_slot(adapter, self._slot_ids.index(key, 1))
+
+  def check_adapter(self, adapter: LoRAAdapter) -> None:
+    """Refuses (ValueError, naming the pair and the expected shapes) an adapter these slots
+    cannot hold: a rank above `max_lora_rank`, a layer out of range, a target outside
+    `target_shapes`, or ``A``, ``B`` not ``[in, rank]``, ``[rank, out]``."""
+    who = f"lora_int_id={adapter.lora_int_id}"
+    if not 1 <= adapter.rank <= self.max_lora_rank:
+      raise ValueError(
+        f"{who}: rank {adapter.rank} is not in 1..max_lora_rank={self.max_lora_rank}"
+      )
+    for (layer, target), (a, b) in adapter.weights.items():
+      if target not in self.target_shapes:
+        raise ValueError(
+          f"{who}: target {target!r} is not supported (supported: {sorted(self.target_shapes)})"
+        )
+      if not 0 <= layer < self.num_layers:
+        raise ValueError(f"{who}: layer {layer} is out of range (num_layers={self.num_layers})")
+      n_in, n_out = self.target_shapes[target]
+      if a.shape != (n_in, adapter.rank) or b.shape != (adapter.rank, n_out):
+        raise ValueError(
+          f"{who}: layer {layer} {target} has A, B of shapes {a.shape}, {b.shape}, expected "
+          f"{(n_in, adapter.rank)}, {(adapter.rank, n_out)}"
+        )
+
+  def _remember(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+    """Keeps `adapter` as the most recently used host copy, dropping the least recently used
+    ones read from directories beyond `max_cpu_loras`."""
+    key = adapter.lora_int_id
+    self._host[key] = (request, adapter)
+    self._paths[key] = os.fspath(request.lora_path)
+    self._host.move_to_end(key)
+    droppable = [k for k in self._host if k not in self._in_memory and k != key]
+    while len(self._host) > self.max_cpu_loras and droppable:
+      del self._host[droppable.pop(0)]
 
   @property
   def cached_ids(self) -> list[int]:
@@ -167,9 +238,19 @@ class LoRAManager:
       raise RuntimeError(f"every one of max_loras={self.max_loras} LoRA slots is in use")
     slot = min(free, key=lambda s: (self._slot_ids[s] != 0, self._last_used[s]))
     adapter = self.load(request)
-    self.buffers = _set_slot(self.buffers, self._host_slot(adapter), np.int32(slot))
+    self._write_slot(adapter, slot)
     self._slot_ids[slot] = adapter.lora_int_id
     return slot
+
+  def _write_slot(self, adapter: LoRAAdapter, slot: int) -> None:
+    """Puts `adapter` in slot `slot` of every buffer: host arrays zero-padded on the host
+    (`_host_slot`, one compiled update for every adapter); an adapter held on the device padded
+    there (`_set_slot_pairs`, compiled once per adapter structure, rank and slot, nothing through
+    the host)."""
+    if any(isinstance(x, jax.Array) for pair in adapter.weights.values() for x in pair):
+      self.buffers = _set_slot_pairs(self.buffers, adapter.weights, slot)
+    else:
+      self.buffers = _set_slot(self.buffers, self._host_slot(adapter), np.int32(slot))
 
   def _host_slot(
     self, adapter: LoRAAdapter
@@ -195,3 +276,24 @@ def _set_slot(buffers: Buffers, new, slot: jax.Array) -> Buffers:
   """`buffers` with slot `slot` replaced by `new` (per layer, target -> ``(A, B)`` of one
   slot); donated, so the update is in place."""
   return jax.tree.map(lambda buf, one: buf.at[slot].set(one.astype(buf.dtype)), buffers, new)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+def _set_slot_pairs(
+  buffers: Buffers, pairs: dict[tuple[int, str], tuple[jax.Array, jax.Array]], slot: int
+) -> Buffers:
+  """`buffers` with slot `slot` holding `pairs` (``(layer, target)`` -> ``(A [in, r],
+  B [r, out])``), zero-padded to the buffers' rank, zeros for projections not in `pairs`;
+  donated. `slot` is static: no host value enters (Tunix syncs under a transfer guard)."""
+  layers = []
+  for layer, entry in enumerate(buffers):
+    new = {}
+    for target, (a_buf, b_buf) in entry.items():
+      pair = pairs.get((layer, target))
+      a, b = jnp.zeros(a_buf.shape[1:], a_buf.dtype), jnp.zeros(b_buf.shape[1:], b_buf.dtype)
+      if pair is not None:
+        r = pair[0].shape[1]
+        a, b = a.at[:, :r].set(pair[0].astype(a.dtype)), b.at[:r].set(pair[1].astype(b.dtype))
+      new[target] = (a_buf.at[slot].set(a), b_buf.at[slot].set(b))
+    layers.append(new)
+  return tuple(layers)

@@ -1,8 +1,10 @@
-"""Reading a PEFT LoRA directory into host arrays laid out for the device slots."""
+"""LoRA adapters on the host, laid out for the device slots: read from a PEFT directory
+(`load_peft_adapter`) or made from arrays a trainer holds (`lora_adapter_from_arrays`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -10,6 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.models.lora import LORA_TARGETS
@@ -38,7 +42,8 @@ class LoRAAdapter:
     rank: its rank ``r`` (<= ``max_lora_rank``).
     scale: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), folded into ``b``.
     weights: ``(layer, target)`` -> ``(A [in, r], B [r, out])`` float32, ``B`` times `scale`
-      (projections the adapter leaves alone are absent).
+      (projections the adapter leaves alone are absent): NumPy host arrays, or JAX arrays on
+      the device for an adapter made in memory from JAX arrays (`lora_adapter_from_arrays`).
   """
 
   lora_int_id: int
@@ -89,6 +94,69 @@ def load_peft_adapter(
   scale = float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
   weights = _read_tensors(where, targets, rank, scale, num_layers, target_shapes)
   return LoRAAdapter(int(lora_int_id), rank, scale, weights)
+
+
+def lora_adapter_from_arrays(
+  lora_int_id: int,
+  weights: Mapping[tuple[int, str], tuple[Any, Any]],
+  *,
+  scale: float | Mapping[tuple[int, str], float] = 1.0,
+) -> LoRAAdapter:
+  """An adapter from in-memory arrays (a trainer's LoRA parameters), no file involved.
+
+  Args:
+    lora_int_id: the id it goes by (`LoRARequest.lora_int_id`).
+    weights: ``(layer, target)`` -> ``(A [in, r], B [r, out])`` of any floating dtype, every
+      pair of the same rank ``r``. NumPy pairs are copied to float32 host arrays; JAX pairs
+      stay on their devices (cast and scaled there by one jitted call, compiled once per
+      structure and scales: nothing passes through the host, as under Tunix's transfer guard).
+    scale: the factor of ``B`` (``alpha / r``), one for all pairs or one per pair; folded into
+      the copy of ``B``, as `load_peft_adapter` does.
+
+  Returns:
+    The `LoRAAdapter` (its `scale` is the first pair's when `scale` is per pair). Shapes
+    against a model are checked by `LoRAManager.check_adapter`.
+
+  Raises:
+    ValueError: no pairs, a pair that is not 2-D ``[in, r]`` and ``[r, out]``, ranks that
+      differ, or a per-pair `scale` missing a pair.
+  """
+  who = f"lora_int_id={lora_int_id}"
+  if not weights:
+    raise ValueError(f"{who}: weights is empty (no (layer, target) pairs)")
+  factors = {}
+  for key, (a, b) in weights.items():
+    shape_a, shape_b = np.shape(a), np.shape(b)
+    if len(shape_a) != 2 or len(shape_b) != 2 or shape_a[1] != shape_b[0]:
+      raise ValueError(
+        f"{who}: {key} has A, B of shapes {shape_a}, {shape_b}, expected [in, r], [r, out]"
+      )
+    factor = scale.get(key) if isinstance(scale, Mapping) else scale
+    if factor is None:
+      raise ValueError(f"{who}: scale has no entry for {key}")
+    factors[key] = float(factor)
+  ranks = sorted({np.shape(a)[1] for a, _ in weights.values()})
+  if len(ranks) > 1:
+    raise ValueError(f"{who}: the pairs' ranks differ ({ranks})")
+  on_device = {k: p for k, p in weights.items() if any(isinstance(x, jax.Array) for x in p)}
+  pairs = {
+    k: (np.asarray(a, np.float32), np.asarray(b, np.float32) * np.float32(factors[k]))
+    for k, (a, b) in weights.items()
+    if k not in on_device
+  }
+  if on_device:
+    pairs.update(_scaled(on_device, tuple(sorted((k, factors[k]) for k in on_device))))
+  first = next(iter(weights))
+  return LoRAAdapter(int(lora_int_id), ranks[0], factors[first], pairs)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _scaled(pairs, factors: tuple) -> dict:
+  """``(A, B * factor)`` in float32 of every pair, on the pairs' device."""
+  by_key = dict(factors)
+  return {
+    k: (a.astype(jnp.float32), b.astype(jnp.float32) * by_key[k]) for k, (a, b) in pairs.items()
+  }
 
 
 def _target_modules(value, where: str, target_shapes: Mapping[str, tuple[int, int]]) -> list[str]:

@@ -52,7 +52,7 @@ from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.core.request import Completion
 from jaxengine.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine_config import EngineConfig
-from jaxengine.lora import LoRAManager
+from jaxengine.lora import LoRAAdapter, LoRAManager, LoRARequest
 from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
@@ -411,6 +411,20 @@ class ModelRunner:
     check_finite(((path, new[path]) for path in narrowed), self._leaf_name, after_cast=True)
     self.weights = replace_leaves(self.weights, new)
     self._sleep.weights_discarded = False
+    self.reset_prefix_cache()
+
+  def load_lora_weights(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+    """Gives LoRA adapter `lora_request` the in-memory values `adapter`
+    (`LoRAManager.set_adapter`: its host copy and, when placed, its slot; nothing recompiles)
+    and empties the prefix cache (its pages were computed with the old values).
+
+    Raises:
+      ValueError: (nothing changes) an engine without `enable_lora`, or an adapter the
+        manager refuses.
+    """
+    if self.lora is None:
+      raise ValueError("load_lora_weights needs an engine built with enable_lora=True")
+    self.lora.set_adapter(lora_request, adapter)
     self.reset_prefix_cache()
 
   def _check_loadable(self) -> None:
@@ -1025,7 +1039,16 @@ def _lora_manager(model: Model, config: EngineConfig) -> LoRAManager:
     num_layers=len(cast(Any, model).layers),
     target_shapes=shapes(),
     dtype=cast(Any, model).dtype,
+    device=_committed_device(model),
   )
+
+
+def _committed_device(model: Model) -> jax.Device | None:
+  """The one device the model's weights are committed to (a trainer's arrays), else None."""
+  leaf = jax.tree.leaves(nnx.state(cast(Any, model)))[0]
+  if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
+    return next(iter(leaf.devices()))
+  return None
 
 
 def _check_sizes(model: Model, input_batch: InputBatch, config: EngineConfig) -> None:

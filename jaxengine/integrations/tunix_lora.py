@@ -1,0 +1,149 @@
+"""qwix LoRA on Tunix's Llama 3, Qwen2 and Qwen3 as an engine LoRA adapter.
+
+Tunix trains LoRA with qwix (``qwix.apply_lora_to_model(model, qwix.LoraProvider(...))``),
+which gives each matched projection two `nnx.LoRAParam` leaves next to its weight,
+``<weight>_lora_a`` and ``<weight>_lora_b``, and adds ``(x A) B * alpha / rank`` to the
+projection (the rank and alpha of the first `LoraRule` whose ``module_path`` regex fully
+matches the module's ``/``-joined path). Its einsum projections keep the heads split, so the
+pairs are reshaped to the engine's ``A [in, R]``, ``B [R, out]`` (heads flattened head-major,
+as the engine's projections are). Names and shapes (``E`` hidden, ``F`` MLP width, ``H``/``K``
+query/key-value heads, ``D`` head dim, ``R`` rank), Tunix -> engine target:
+
+    layers.i.attn.q_proj.w_lora_a   [E, R]        -> q_proj A [E, R]
+    layers.i.attn.q_proj.w_lora_b   [R, H, D]     -> q_proj B [R, H*D]
+    layers.i.attn.{k,v}_proj.w_lora_{a,b}  [E, R], [R, K, D] -> {k,v}_proj  [E, R], [R, K*D]
+    layers.i.attn.o_proj.w_lora_a   [H, D, R]     -> o_proj A [H*D, R]
+    layers.i.attn.o_proj.w_lora_b   [R, E]        -> o_proj B [R, E]
+    layers.i.mlp.{gate,up,down}_proj.kernel_lora_{a,b} [in, R], [R, out] -> as they are
+
+A mixture-of-experts Qwen3 takes LoRA on its attention only; Gemma's modules take none here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from jaxengine.lora import LoRAAdapter, lora_adapter_from_arrays
+
+__all__ = [
+  "LORA_MARK",
+  "lora_adapter_from_tunix",
+  "lora_scales",
+  "split_lora_leaves",
+]
+
+#: In a Tunix parameter name, what marks a qwix LoRA leaf.
+LORA_MARK = "_lora_"
+
+#: ``layers.{i}.{attn|mlp}.{target}.{w|kernel}_lora_{a|b}``.
+_LORA_NAME = re.compile(r"layers\.(\d+)\.(attn|mlp)\.(\w+_proj)\.(w|kernel)_lora_([ab])")
+#: Where each engine target's pair lives: (block, weight name).
+_SOURCES = {
+  "q_proj": ("attn", "w"),
+  "k_proj": ("attn", "w"),
+  "v_proj": ("attn", "w"),
+  "o_proj": ("attn", "w"),
+  "gate_proj": ("mlp", "kernel"),
+  "up_proj": ("mlp", "kernel"),
+  "down_proj": ("mlp", "kernel"),
+}
+
+
+def split_lora_leaves(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Tunix parameters by dotted name -> ``(base, lora)``: the qwix LoRA leaves (`LORA_MARK` in
+  the name) apart from the rest."""
+  base = {n: v for n, v in params.items() if LORA_MARK not in n}
+  lora = {n: v for n, v in params.items() if LORA_MARK in n}
+  return base, lora
+
+
+def lora_scales(
+  lora: Mapping[str, Any], rules: list[tuple[str, int, float]]
+) -> dict[tuple[int, str], float]:
+  """``alpha / rank`` of each ``(layer, target)`` pair among the LoRA leaves `lora`, from the
+  first rule whose ``module_path`` fully matches the module (qwix's choice).
+
+  Raises:
+    ValueError: a pair no LoRA rule matches (naming its module), or a rule whose rank is not
+      the pair's. (`JaxEngineRollout` passes one rule, ``(".*", rank, lora_alpha)``.)
+  """
+  scales = {}
+  for name, value in lora.items():
+    match = _LORA_NAME.fullmatch(name)
+    if match is None or match[5] != "a":
+      continue
+    module = f"layers/{match[1]}/{match[2]}/{match[3]}"
+    rule = next((r for r in rules if re.fullmatch(r[0], module)), None)
+    if rule is None:
+      raise ValueError(f"no qwix LoraRule matches module {module!r} (its LoRA leaf {name!r})")
+    rank = int(value.shape[-1])
+    if rule[1] != rank:
+      raise ValueError(f"{name!r} has rank {rank}, its LoraRule {rule[0]!r} rank={rule[1]}")
+    scales[int(match[1]), match[3]] = rule[2] / rule[1]
+  return scales
+
+
+def _pair(target: str, a: Any, b: Any) -> tuple[Any, Any]:
+  """qwix's ``(A, B)`` of `target` as ``(A [in, R], B [R, out])``."""
+  if target == "o_proj":  # A [H, D, R]
+    return a.reshape(-1, a.shape[-1]), b
+  if target in ("q_proj", "k_proj", "v_proj"):  # B [R, H, D]
+    return a, b.reshape(b.shape[0], -1)
+  return a, b
+
+
+def lora_adapter_from_tunix(
+  lora: Mapping[str, Any],
+  *,
+  lora_int_id: int,
+  num_layers: int,
+  scales: Mapping[tuple[int, str], float],
+  targets: Mapping[str, tuple[int, int]],
+) -> LoRAAdapter:
+  """The engine adapter of a Tunix model's qwix LoRA leaves.
+
+  Args:
+    lora: the LoRA leaves by dotted Tunix name (`split_lora_leaves`), JAX or NumPy arrays.
+    lora_int_id: the adapter's id in the engine.
+    num_layers: the model's decoder layers.
+    scales: ``(layer, target)`` -> ``alpha / rank`` (`lora_scales`).
+    targets: the engine model's `lora_target_shapes` (a MoE model's has no MLP targets).
+
+  Returns:
+    A `LoRAAdapter` (host float32 copies, the scales folded into ``B``).
+
+  Raises:
+    ValueError: naming the first leaf of an unknown name, layer or target, a pair missing its
+      other half or its scale, or a pair whose shapes do not reshape to the target's.
+  """
+  halves: dict[tuple[int, str], dict[str, Any]] = {}
+  for name, value in lora.items():
+    match = _LORA_NAME.fullmatch(name)
+    target = None if match is None else match[3]
+    if (
+      match is None
+      or target not in targets
+      or _SOURCES.get(str(target)) != (match[2], match[4])
+      or int(match[1]) >= num_layers
+    ):
+      raise ValueError(
+        f"unsupported LoRA parameter {name!r} (LoRA on layers.<i>.attn.{{q,k,v,o}}_proj.w and "
+        f"the MLP's *_proj.kernel; targets here: {sorted(targets)})"
+      )
+    halves.setdefault((int(match[1]), str(target)), {})[match[5]] = value
+  pairs = {}
+  for key, half in sorted(halves.items()):
+    if set(half) != {"a", "b"} or key not in scales:
+      missing = "its scale" if set(half) == {"a", "b"} else f"lora_{({'a', 'b'} - set(half)).pop()}"
+      raise ValueError(f"LoRA on layer {key[0]} {key[1]} lacks {missing}")
+    a, b = _pair(key[1], half["a"], half["b"])
+    n_in, n_out = targets[key[1]]
+    if a.shape[0] != n_in or b.shape[-1] != n_out or a.ndim != 2 or b.ndim != 2:
+      raise ValueError(
+        f"LoRA on layer {key[0]} {key[1]}: lora_a, lora_b of shapes {half['a'].shape}, "
+        f"{half['b'].shape} do not give [{n_in}, r], [r, {n_out}]"
+      )
+    pairs[key] = (a, b)
+  return lora_adapter_from_arrays(lora_int_id, pairs, scale=dict(scales))

@@ -1,0 +1,172 @@
+"""Tunix LoRA rollouts: a qwix LoRA actor served by `JaxEngineRollout` (`tunix_lora`).
+
+Tiny random Tunix models (as tests/test_tunix.py builds them) with qwix LoRA of rank 4 and
+alpha 8 on every attention and MLP projection, its ``lora_b`` random (qwix starts it at zero,
+which would hide a wrong layout). The rollout's logprobs are checked against the trainer's own
+recomputation (Tunix's `compute_per_token_logps` over the qwix model), before and after a
+LoRA-only `update_params` (Tunix's sync for a LoRA actor), which must compile nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+from test_tunix import (
+  PAD,
+  PROMPTS,
+  ByteTokenizer,
+  build,
+  padded_completions,
+  rollout_config,
+  trainer_logprobs,
+)
+
+from jaxengine.integrations.tunix import JaxEngineRollout
+from jaxengine.testing import count_compiles
+
+RANK, ALPHA = 4, 8.0
+MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
+def random_lora(model: nnx.Module, seed: int) -> nnx.State:
+  """Random N(0, 0.3) values for every LoRA leaf of `model`."""
+  rng = np.random.default_rng(seed)
+  state = nnx.state(model, nnx.LoRAParam)
+  return jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), state)
+
+
+def build_lora(name: str, seed: int = 0) -> nnx.Module:
+  model = build(name, seed)
+  provider = qwix.LoraProvider(module_path=MODULES, rank=RANK, alpha=ALPHA)
+  lora_model = qwix.apply_lora_to_model(
+    model, provider, **model.get_model_input(), rngs=nnx.Rngs(1)
+  )
+  nnx.update(lora_model, random_lora(lora_model, seed + 100))
+  return lora_model
+
+
+def make_rollout(model: nnx.Module, **options) -> JaxEngineRollout:
+  return JaxEngineRollout(
+    rollout_actor=model,
+    tokenizer=ByteTokenizer(),
+    rollout_config=rollout_config(),
+    max_num_reqs=4,
+    **{"lora_alpha": ALPHA, **options},
+  )
+
+
+def max_error(rollout, model, out) -> float:
+  """The largest gap between the rollout's sampled logprobs and the trainer's."""
+  completions = padded_completions(out.tokens)
+  expected = trainer_logprobs(model, out.left_padded_prompt_tokens, completions, 0.7)
+  assert (completions != PAD).sum() > len(PROMPTS)  # something was generated
+  return max(
+    float(np.abs(values - expected[row, : len(values)]).max(initial=0.0))
+    for row, values in enumerate(out.logprobs)
+  )
+
+
+@pytest.fixture(scope="module")
+def served():
+  model = build_lora("qwen3")
+  return model, make_rollout(model)
+
+
+def test_the_engine_serves_the_lora_actor_with_its_rank(served):
+  _, rollout = served
+  assert rollout.lora_request is not None
+  assert rollout.llm.llm_engine.config.enable_lora
+  assert rollout.llm.llm_engine.config.max_lora_rank == RANK
+
+
+def test_lora_rollouts_equal_the_trainer_and_follow_lora_only_syncs(served):
+  model, rollout = served
+  config = rollout_config(seed=3)
+  out = rollout.generate(PROMPTS, config)
+  assert max_error(rollout, model, out) < 1e-4
+  # Warm every step shape: a rollout after a sync prefills whole prompts again (the prefix
+  # cache is emptied), with the batch state committed by the first rollout (no engine mesh).
+  rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+  rollout.generate(PROMPTS, config)
+  # Tunix's sync of a LoRA actor: the LoRA leaves alone, under its transfer guards.
+  nnx.update(model, random_lora(model, 7))
+  with count_compiles() as compiles:
+    with (
+      jax.transfer_guard_host_to_device("disallow_explicit"),
+      jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+      rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+    after = rollout.generate(PROMPTS, config)
+  assert compiles.count == 0
+  assert max_error(rollout, model, after) < 1e-4
+  assert [t.tolist() for t in after.tokens] != [t.tolist() for t in out.tokens]
+  # Teacher forcing reads the same adapter.
+  completions = padded_completions(after.tokens)
+  prompts = after.left_padded_prompt_tokens
+  mask = completions != PAD
+  got = np.asarray(rollout.get_per_token_logps(prompts, completions))
+  expected = trainer_logprobs(model, prompts, completions, 0.7)
+  np.testing.assert_allclose(got[mask], expected[mask], atol=1e-4)
+
+
+def test_full_syncs_carry_base_and_lora_weights(served):
+  model, rollout = served
+  new_model = build_lora("qwen3", seed=5)
+  rollout.update_params(nnx.state(new_model, nnx.Param), (nnx.Param,))  # LoRAParam included
+  out = rollout.generate(PROMPTS, rollout_config(seed=4))
+  assert max_error(rollout, new_model, out) < 1e-4
+  rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))  # back for the other tests
+
+
+def test_bad_lora_leaves_are_refused_and_the_engine_keeps_working(served):
+  model, rollout = served
+  config = rollout_config(seed=9)
+  before = rollout.generate(PROMPTS, config)
+  lora = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+  extra = {**lora, "lm_head": {"w_lora_a": jnp.zeros((32, RANK))}}
+  with pytest.raises(ValueError, match=r"unsupported LoRA parameter 'lm_head\.w_lora_a'"):
+    rollout.update_params(extra, (nnx.LoRAParam,))
+  bad = jax.tree.map(lambda x: x, lora)
+  bad["layers"][1]["attn"]["q_proj"]["w_lora_b"] = jnp.zeros((RANK, 3, 8))
+  with pytest.raises(ValueError, match="layer 1 q_proj"):
+    rollout.update_params(bad, (nnx.LoRAParam,))
+  del bad["layers"][1]["attn"]["q_proj"]["w_lora_b"]
+  with pytest.raises(ValueError, match="layer 1 q_proj lacks lora_b"):
+    rollout.update_params(bad, (nnx.LoRAParam,))
+  with pytest.raises(ValueError, match=r"only nnx\.Param or nnx\.LoRAParam"):
+    rollout.update_params(lora, (nnx.Variable,))
+  again = rollout.generate(PROMPTS, config)
+  assert [t.tolist() for t in again.tokens] == [t.tolist() for t in before.tokens]
+  np.testing.assert_allclose(
+    np.concatenate(again.logprobs), np.concatenate(before.logprobs), atol=1e-5
+  )
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3_moe"])
+def test_teacher_forced_lora_logprobs_of_each_family(name):
+  """Llama 3 and Qwen2 share Qwen3's LoRA layout; a MoE Qwen3 takes LoRA on attention only."""
+  model = build_lora(name)
+  rollout = make_rollout(model)
+  rng = np.random.default_rng(0)
+  prompts = np.full((2, 8), PAD, np.int32)
+  prompts[0, 3:], prompts[1, :] = rng.integers(3, 200, 5), rng.integers(3, 200, 8)
+  completions = rng.integers(3, 200, (2, 6)).astype(np.int32)
+  got = np.asarray(rollout.get_per_token_logps(prompts, completions))
+  np.testing.assert_allclose(got, trainer_logprobs(model, prompts, completions, 0.7), atol=1e-4)
+
+
+def test_lora_options_are_checked():
+  plain = build("qwen3")
+  with pytest.raises(ValueError, match="has no LoRA"):
+    make_rollout(plain)
+  with pytest.raises(ValueError, match="pass lora_alpha="):
+    make_rollout(build_lora("qwen3"), lora_alpha=None)
+  model = build_lora("qwen3")
+  with pytest.raises(ValueError, match="max_lora_rank=2 is below"):
+    make_rollout(model, max_lora_rank=2)
+  with pytest.raises(ValueError, match="lora_alpha must be a positive number"):
+    make_rollout(model, lora_alpha=-1.0)
