@@ -499,3 +499,33 @@ def test_a_mixture_of_experts_offers_attention_targets_only(checkpoints):
     load_peft_adapter(requests[2].lora_path, 2, max_lora_rank=8, num_layers=2, target_shapes=shapes)
   assert load_peft_adapter(requests[1].lora_path, 1, max_lora_rank=8, num_layers=2,
                            target_shapes=shapes).weights  # fmt: skip
+
+
+def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoints):
+  """An adapter's arrays handed over in memory run as its PEFT directory does; new values
+  (a trainer's step) take effect without a compile; a rank above the slots' is refused."""
+  from jaxengine.lora import load_peft_adapter, lora_adapter_from_arrays
+
+  _, requests = checkpoints
+  manager = llm.llm_engine.runner.lora
+  shapes = dict(max_lora_rank=MAX_LORA_RANK, num_layers=2, target_shapes=manager.target_shapes)
+  from_file = load_peft_adapter(requests[2].lora_path, 2, **shapes)
+  in_memory = je.LoRARequest("trainer", 40, "in memory")
+  llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, from_file.weights))
+  (want,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=requests[2], use_tqdm=False)
+  (got,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=in_memory, use_tqdm=False)
+  assert _result(got)[0] == _result(want)[0]
+  np.testing.assert_allclose(_result(got)[1], _result(want)[1], atol=1e-6)
+  zero_b = {key: (a, np.zeros_like(b)) for key, (a, b) in from_file.weights.items()}
+  with count_compiles() as counter:
+    llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, zero_b))
+    (zeroed,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=in_memory, use_tqdm=False)
+  assert counter.count == 0
+  (plain,) = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+  assert _result(zeroed)[0] == _result(plain)[0]
+  np.testing.assert_allclose(_result(zeroed)[1], _result(plain)[1], atol=1e-6)
+  too_wide = {(0, "q_proj"): (np.ones((64, 16), np.float32), np.ones((16, 64), np.float32))}
+  with pytest.raises(ValueError, match="max_lora_rank"):
+    llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, too_wide))
+  (still,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=in_memory, use_tqdm=False)
+  assert _result(still)[0] == _result(plain)[0]
