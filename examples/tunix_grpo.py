@@ -3,9 +3,12 @@
 A tiny random Tunix Llama 3 and a byte tokenizer, on CPU in a few minutes: Tunix's `GRPOLearner`
 trains it for a few steps with `JaxEngineRollout` as `ClusterConfig.rollout_engine`, and, with
 `--compare`, the same run again with Tunix's own "vanilla" rollout, printing each run's rollout
-time per training step (the first step includes compiling).
+time per training step (the first step includes compiling). With `--lora RANK` the actor is a
+qwix LoRA model (every attention and MLP projection, alpha = 2 x rank), as Tunix's recipes train:
+the rollout takes the base weights once and the adapter alone after every step.
 
     python examples/tunix_grpo.py --steps 4 --compare
+    python examples/tunix_grpo.py --steps 4 --lora 8
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import qwix
 from flax import nnx
 from tunix.models.llama3 import model as llama3
 from tunix.rl import rl_cluster as rl_cluster_lib
@@ -71,17 +75,30 @@ def tiny_actor(mesh) -> nnx.Module:
   return model
 
 
+#: The projections a LoRA actor adapts (Tunix's Llama 3 module names).
+LORA_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
+def lora_actor(mesh, rank: int) -> nnx.Module:
+  """`tiny_actor` with qwix LoRA of `rank` and alpha ``2 * rank`` on every projection."""
+  model = tiny_actor(mesh)
+  provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=rank, alpha=2.0 * rank)
+  with mesh:
+    return qwix.apply_lora_to_model(model, provider, **model.get_model_input(), rngs=nnx.Rngs(1))
+
+
 def reward(prompts, completions, **kwargs):
   """Rewards completions with many vowels (anything that varies between samples trains)."""
   return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
 
 
-def run(rollout_engine, steps: int) -> list[float]:
-  """Trains `steps` GRPO steps; returns the rollout time of each (seconds)."""
+def run(rollout_engine, steps: int, lora_rank: int = 0) -> list[float]:
+  """Trains `steps` GRPO steps (a LoRA actor of `lora_rank` unless 0); returns the rollout time
+  of each (seconds)."""
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   role = rl_cluster_lib.Role
   cluster = rl_cluster_lib.RLCluster(
-    actor=tiny_actor(mesh),
+    actor=lora_actor(mesh, lora_rank) if lora_rank else tiny_actor(mesh),
     tokenizer=ByteTokenizer(),
     cluster_config=rl_cluster_lib.ClusterConfig(
       role_to_mesh={role.ACTOR: mesh, role.REFERENCE: mesh, role.ROLLOUT: mesh},
@@ -122,13 +139,16 @@ def main() -> None:
     "--num-decode-steps", type=int, default=1, help="decode steps per dispatch (off a mesh)"
   )
   parser.add_argument("--compare", action="store_true", help="also run Tunix's vanilla rollout")
+  parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="a qwix LoRA actor")
   args = parser.parse_args()
-  options = dict(max_num_reqs=args.max_num_reqs, num_decode_steps=args.num_decode_steps)
+  options: dict = dict(max_num_reqs=args.max_num_reqs, num_decode_steps=args.num_decode_steps)
+  if args.lora:
+    options["lora_alpha"] = 2.0 * args.lora
   engines = {"jaxengine": functools.partial(JaxEngineRollout, **options)}
   if args.compare:
     engines["vanilla"] = "vanilla"
   for name, engine in engines.items():
-    times = run(engine, args.steps)
+    times = run(engine, args.steps, args.lora)
     steady = times[1:] or times
     print(
       f"{name}: rollout seconds per step {[round(t, 3) for t in times]}; "

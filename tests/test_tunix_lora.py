@@ -83,6 +83,17 @@ def test_the_engine_serves_the_lora_actor_with_its_rank(served):
   assert rollout.llm.llm_engine.config.max_lora_rank == RANK
 
 
+def test_tunix_learners_see_no_shared_weights_and_sync_every_step(served):
+  """Tunix's learner compares the actor's leaves with `rollout.model()`'s one by one; a LoRA
+  actor's list is longer than any base module's, so the rollout answers None (as Tunix's
+  `RolloutEngineGroup` does) and Tunix syncs the adapter after every step."""
+  from tunix.rl import utils as rl_utils
+
+  model, rollout = served
+  assert rollout.model() is None
+  assert not rl_utils.is_sharing_weights(model, rollout.model())
+
+
 def test_lora_rollouts_equal_the_trainer_and_follow_lora_only_syncs(served):
   model, rollout = served
   config = rollout_config(seed=3)

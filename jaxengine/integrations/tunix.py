@@ -501,9 +501,19 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     """The tokenizer's EOS id."""
     return self.tokenizer.eos_id()
 
-  def model(self) -> nnx.Module:
+  def model(self) -> nnx.Module | None:
     """The engine's model (a `jaxengine.models.Llama` or `jaxengine.models.gemma.Gemma` over the
-    engine's current weights)."""
+    engine's current weights), or None for a LoRA actor's rollout.
+
+    Tunix reads it to decide whether the rollout shares the actor's weights (comparing the two
+    modules' leaves one by one, which fails outright when their counts differ: a LoRA actor
+    has its adapter's leaves besides the base's) and, with ``offload_to_cpu``, to move it to
+    host memory between phases. A LoRA rollout answers None, as Tunix's own
+    `RolloutEngineGroup` does: Tunix then syncs the weights every step and cannot offload the
+    engine (`LLM.sleep` frees its memory instead).
+    """
+    if self.lora_request is not None:
+      return None
     return cast(nnx.Module, self.llm.llm_engine.runner.model)
 
   # --- logprobs ------------------------------------------------------------------------------
