@@ -9,8 +9,8 @@ without touching ``W``.
 
 The update is written densely over the slots (``x`` against every slot's ``A``, a one-hot mask
 of each token's slot, then every slot's ``B``): fixed shapes whatever adapters a step mixes, no
-``[T, in, R]`` gather, and ``N + 1`` times the flops of one rank-``R`` update (small next to the
-projection itself for a few slots). A model without LoRA never calls any of this.
+``[T, in, R]`` gather, and ``N`` times the flops of one rank-``R`` update (slot 0, all zeros, is
+never multiplied; small next to the projection itself for a few slots). A model without LoRA never calls any of this.
 
 Shape letters: ``T`` query tokens, ``N`` adapter slots (``max_loras``), ``R`` ``max_lora_rank``,
 ``L`` layers.
@@ -78,9 +78,11 @@ def add_lora(y: jax.Array, x: jax.Array, lora: LayerLoRA | None, target: str) ->
   if lora is None or target not in lora.weights:
     return y
   a, b = lora.weights[target]  # [N + 1, in, R], [N + 1, R, out]
+  a, b = a[1:], b[1:]  # slot 0 (the base model) adds nothing: its tokens are masked below
   flat = x.reshape(-1, x.shape[-1])  # [T, in]
   xa = jnp.einsum("ti,nir->tnr", flat, a, preferred_element_type=jnp.float32)
-  mine = lora.slots[:, None] == jnp.arange(a.shape[0], dtype=lora.slots.dtype)  # [T, N + 1]
+  adapters = jnp.arange(1, a.shape[0] + 1, dtype=lora.slots.dtype)  # [N] slots 1..N
+  mine = lora.slots[:, None] == adapters  # [T, N]
   xa = jnp.where(mine[..., None], xa, 0.0).astype(b.dtype)
   delta = jnp.einsum("tnr,nro->to", xa, b, preferred_element_type=jnp.float32)
   return y + delta.astype(y.dtype).reshape(y.shape)
