@@ -221,6 +221,15 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "kv_cache_dtype",
+    "--kv-cache-dtype",
+    dict(
+      default="auto",
+      choices=["auto", "fp8", "fp8_e4m3"],
+      help="KV cache storage: the model's dtype, or float8_e4m3fn pages (4x float32's pages)",
+    ),
+  ),
+  EngineFlag(
     "batch_invariant",
     "--batch-invariant",
     dict(

@@ -10,7 +10,8 @@ without touching ``W``.
 The update is written densely over the slots (``x`` against every slot's ``A``, a one-hot mask
 of each token's slot, then every slot's ``B``): fixed shapes whatever adapters a step mixes, no
 ``[T, in, R]`` gather, and ``N`` times the flops of one rank-``R`` update (slot 0, all zeros, is
-never multiplied; small next to the projection itself for a few slots). A model without LoRA never calls any of this.
+never multiplied; small next to the projection itself for a few slots). A model without LoRA
+never calls any of this.
 
 Shape letters: ``T`` query tokens, ``N`` adapter slots (``max_loras``), ``R`` ``max_lora_rank``,
 ``L`` layers.

@@ -70,6 +70,11 @@ NEG_INF = float(jnp.finfo(jnp.float32).min)
 #: Slot of the null page (block 0, offset 0): padding tokens write their keys and values here.
 NULL_SLOT = 0
 
+#: Storage dtype of fp8 pages (``kv_cache_dtype="fp8"``), and its largest finite value: keys and
+#: values are clipped to it before the cast (float8_e4m3fn has no infinity: an overflow is NaN).
+FP8_KV_DTYPE = jnp.float8_e4m3fn
+FP8_KV_MAX = float(jnp.finfo(FP8_KV_DTYPE).max)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +115,8 @@ def write_kv_pages(
 
   Args:
     pages: `[N, B, K, D]` pages of one layer, or `[L, N, B, K, D]` with `layer` given.
-    new: `[T, K, D]` this step's keys or values (cast to the pages' dtype).
+    new: `[T, K, D]` this step's keys or values (cast to the pages' dtype; clipped to
+      +-`FP8_KV_MAX` first for fp8 pages).
     slot_mapping: `[T] int32` slots (`page * B + offset`); padding tokens point at `NULL_SLOT`,
       whose contents are never read.
     layer: index into a leading layer axis of `pages`, or None for one layer's pages.
@@ -120,6 +126,8 @@ def write_kv_pages(
   """
   block_size = pages.shape[-3]
   page, offset = slot_mapping // block_size, slot_mapping % block_size
+  if pages.dtype == FP8_KV_DTYPE:
+    new = jnp.clip(new, -FP8_KV_MAX, FP8_KV_MAX)
   new = new.astype(pages.dtype)
   if layer is None:
     return pages.at[page, offset].set(new)
@@ -274,6 +282,8 @@ def ragged_paged_attention_xla(
     # Items past their own last chunk read clipped (real or null) pages, all masked below.
     pages = jnp.take_along_axis(blocks, page_index, axis=1, mode="clip")
     keys, values = (_read_pages(p, pages, kv_heads_first) for p in (key_pages, value_pages))
+    if key_pages.dtype == FP8_KV_DTYPE:  # fp8 pages are read in the queries' dtype
+      keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     scores = _scores(q_items, keys, fixed_order)  # [W, K, G, Tq, C * B] float32
     position = first_page[:, None, None] * block_size + jnp.arange(chunk_len, dtype=jnp.int32)
     visible = position <= items.position[:, :, None]  # [W, Tq, C * B]

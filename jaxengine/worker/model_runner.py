@@ -57,7 +57,7 @@ from jaxengine.models.attention_backends import XlaAttentionBackend, attention_b
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_pages import PagedKVCache
-from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.paged_attention import FP8_KV_DTYPE, PagedAttentionMetadata
 from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.models.weights import (
   LeafPath,
@@ -290,9 +290,11 @@ class ModelRunner:
         (a Gemma or Mistral model on GPU, whose Pallas decode kernel has neither).
     """
     spec = model.kv_cache_spec
+    if config.kv_cache_dtype == "fp8":
+      spec = dataclasses.replace(spec, dtype=FP8_KV_DTYPE)
     chosen = attention_backend(config.attention_backend)
     if config.attention_backend is None and not _serves(chosen, spec):
-      chosen = XlaAttentionBackend()  # the platform's default lacks the model's window or cap
+      chosen = XlaAttentionBackend()  # the platform's default lacks the model's window, cap or fp8
     if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
       chosen = XlaAttentionBackend(fixed_order=True)
     backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
@@ -1086,7 +1088,11 @@ def _narrows(tensor, leaf: jax.Array) -> bool:
 
 
 def _serves(backend, spec) -> bool:
-  """Whether `backend` has the sliding window and soft cap the model's `KVCacheSpec` asks for."""
-  return (spec.sliding_window is None or backend.supports_sliding_window) and (
-    spec.soft_cap is None or backend.supports_soft_cap
+  """Whether `backend` has the sliding window, soft cap and page dtype the `KVCacheSpec` asks
+  for (fp8 pages: the XLA attention only)."""
+  fp8 = jnp.dtype(spec.dtype) == jnp.dtype(FP8_KV_DTYPE)
+  return (
+    (spec.sliding_window is None or backend.supports_sliding_window)
+    and (spec.soft_cap is None or backend.supports_soft_cap)
+    and (not fp8 or isinstance(backend, XlaAttentionBackend))
   )
