@@ -214,7 +214,6 @@ def quantize_model(model: Any, quantization: str) -> QuantizedModel:
   leaves: dict[LeafPath, QuantizedLeaf] = {}
   for key_path, module in nnx.iter_modules(copy):
     path = cast(LeafPath, tuple(key_path))
-    scales = cast(Any, module).scales
     for name, num_out_axes in _quantizable(module).items():
       w = getattr(module, name)[...]
       leaf = QuantizedLeaf(
@@ -222,6 +221,6 @@ def quantize_model(model: Any, quantization: str) -> QuantizedModel:
       )
       rows = leaf.quantize(w)
       setattr(module, name, nnx.Param(rows.values))
-      scales[name] = nnx.Param(rows.scale)
+      cast(Any, module).scales[name] = nnx.Param(rows.scale)
       leaves[(*path, name)] = leaf
   return QuantizedModel(copy, leaves)
