@@ -21,9 +21,15 @@ output axes: ``wq`` is ``[H, D, E]``, 2; ``wo`` is ``[E, H, D]``, 1) and an empt
 once per matrix shape, dtype and format and reused when `ModelRunner.load_weights` re-quantizes
 new float weights.
 
-Measured on SmolLM2-135M-shaped matrices (the seven projections of one layer, 2-core CPU, XLA:CPU,
-float32 activations): ``x @ q.astype(f32).T * s`` against ``x @ (q.astype(f32) * s[:, None]).T``
-(the scale folded into the weight first, as a dequantize-then-dot does), see `linear`.
+Speed, measured on the 210 projections of SmolLM2-135M (30 layers x 7 matrices) for one decode
+step, float32 activations, XLA:CPU on a shared 2-core machine (noisy: best of 9), in ms at 1 / 8
+rows: float32 weights 27 / 114; this module's int8 dot with the scale after it 348 / 79; the
+same with the cast int8 -> float32 kept out of the dot's fusion 375 / 67; the scale folded into
+the weight before the dot 216 / 76 (an earlier run); qwix's ``dot_general`` over a channelwise
+int8 ``QArray`` 356 / 73. No variant beats another clearly, and at 1 row every one is far slower
+than float32 on XLA:CPU (the cast fuses into a slow matrix-vector loop): on CPU the option saves
+memory, not time. This module's form was kept: no faster, and it keeps each weight one array
+of the model's own layout (the state paths `load_weights` and sleep use), where qwix wraps it.
 """
 
 from __future__ import annotations
