@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import transformers
 from flax import nnx
 
 import jaxengine as je
+from jaxengine.cli_engine_flags import add_engine_flags, engine_flag_options
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models import token_logprobs
 from jaxengine.models.gemma import Gemma
@@ -243,3 +246,12 @@ def test_moe_experts_stay_float():
   assert leaves[("layers", 0, "mlp", "expert_up")].dtype == jnp.float32
   assert leaves[("layers", 1, "mlp", "w_up")].dtype == jnp.int8  # the dense layer
   assert len(quantized.leaves) == 2 * 4 + 3
+
+
+def test_the_quantization_flag_sets_the_field():
+  parser = argparse.ArgumentParser()
+  add_engine_flags(parser)
+  assert engine_flag_options(parser.parse_args(["--quantization", "fp8"]))["quantization"] == "fp8"
+  assert "quantization" not in engine_flag_options(parser.parse_args([]))
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--quantization", "int4"])
