@@ -273,6 +273,16 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "quantization",
+    "--quantization",
+    dict(
+      default=None,
+      choices=["int8", "fp8"],
+      help="weight-only quantization of the projection matrices, one scale per output row "
+      "(default: none)",
+    ),
+  ),
+  EngineFlag(
     "seed",
     "--engine-seed",
     dict(

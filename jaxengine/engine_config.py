@@ -26,6 +26,7 @@ from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.compilation_cache import resolve_cache_dir
 from jaxengine.config import BatchConfig
 from jaxengine.models.attention_backends import BACKEND_NAMES
+from jaxengine.models.quantization import check_quantization
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
 from jaxengine.spec_decode.config import SpeculativeConfig
 
@@ -170,6 +171,14 @@ class EngineConfig:
       smaller ranks are zero-padded, larger ones refused.
     max_cpu_loras: adapters whose host copies are kept (least recently used dropped first);
       None (default): `max_loras`; at least `max_loras`.
+    quantization: weight-only quantization of the decoder's projection matrices (vLLM's name):
+      None (default: the model dtype), "int8" (symmetric, one float32 scale per output row,
+      ``max|w| / 127``) or "fp8" (float8_e4m3fn, scale ``max|w| / 448``); the activations,
+      embedding, output head and norms stay in the model dtype
+      (`jaxengine.models.quantization`). `load_weights` re-quantizes float weights on the way
+      in. Needs a model whose modules declare ``QUANTIZABLE`` projections (Llama, Gemma; a
+      mixture of experts keeps its expert matrices unquantized); refused with a mesh
+      (`tensor_parallel_size` or `data_parallel_size` > 1).
     trust_remote_code: vLLM's (and transformers') permission to run Python code shipped with a
       checkpoint; accepted (a bool) and without effect: jaxengine never runs code from a
       checkpoint or the hub (its architectures are built in; any other is refused either way).
@@ -217,6 +226,7 @@ class EngineConfig:
   max_loras: int = 1
   max_lora_rank: int = 16
   max_cpu_loras: int | None = None
+  quantization: str | None = None
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -271,6 +281,16 @@ class EngineConfig:
     self._check_prefix_caching()
     self._check_async_scheduling()
     self._check_lora()
+    self._check_quantization()
+
+  def _check_quantization(self) -> None:
+    check_quantization(self.quantization)
+    if self.quantization is not None and self.mesh is not None:
+      raise ValueError(
+        f"quantization={self.quantization!r} is not supported with a mesh "
+        f"(tensor_parallel_size={self.tensor_parallel_size}, "
+        f"data_parallel_size={self.data_parallel_size})"
+      )
 
   def _check_async_scheduling(self) -> None:
     wanted = self.async_scheduling

@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +45,9 @@ from jaxengine.models.gemma_config import ACTIVATIONS, GemmaConfig
 from jaxengine.models.layers import (
   ConfiguredDecoder,
   RMSNorm,
-  linear,
   normal_init,
   normal_out_in,
+  project,
   rotary_embedding,
   vocab_logits,
 )
@@ -67,8 +68,12 @@ class GemmaAttention(nnx.Module):
       (PyTorch ``[out, in]`` layout).
     q_norm, k_norm: per-head ``(1 + w)`` RMSNorms over ``D`` (Gemma 3), or None.
     layer: this layer's index (static): its kind picks the window and the rotary base.
+    scales: row scales of the quantized projections (`jaxengine.models.llama.Attention`).
     batch_invariant: projections computed a fixed number of rows at a time (`Gemma`).
   """
+
+  #: The projections `quantize_model` may quantize, with their leading output axes.
+  QUANTIZABLE: ClassVar[dict[str, int]] = {"wq": 2, "wk": 2, "wv": 2, "wo": 1}
 
   def __init__(self, config: GemmaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
@@ -85,6 +90,7 @@ class GemmaAttention(nnx.Module):
     self.wo = nnx.Param(normal_out_in(rngs, (e,), (h, d), dtype))
     self.q_norm = _norm(config, d) if config.qk_norm else None
     self.k_norm = _norm(config, d) if config.qk_norm else None
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
   def __call__(self, x, positions, kv_cache, layer, metadata):
@@ -93,10 +99,9 @@ class GemmaAttention(nnx.Module):
     cfg = self.config
     lead = x.shape[:-1]
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    fixed = self.batch_invariant
-    q = linear(x, self.wq[...].reshape(h * d, e), batch_invariant=fixed).reshape(*lead, h, d)
-    k = linear(x, self.wk[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
-    v = linear(x, self.wv[...].reshape(kv * d, e), batch_invariant=fixed).reshape(*lead, kv, d)
+    q = project(self, "wq", x, (h * d, e)).reshape(*lead, h, d)
+    k = project(self, "wk", x, (kv * d, e)).reshape(*lead, kv, d)
+    v = project(self, "wv", x, (kv * d, e)).reshape(*lead, kv, d)
     if self.q_norm is not None and self.k_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
@@ -113,7 +118,7 @@ class GemmaAttention(nnx.Module):
       sliding_window=cfg.window(self.layer),
       soft_cap=cfg.attn_logit_softcapping,
     )
-    out = linear(out.reshape(*lead, h * d), self.wo[...].reshape(e, h * d), batch_invariant=fixed)
+    out = project(self, "wo", out.reshape(*lead, h * d), (e, h * d))
     return out, kv_cache
 
 
@@ -123,8 +128,12 @@ class GemmaMLP(nnx.Module):
 
   Attributes:
     w_gate, w_up: ``[F, E]``; w_down: ``[E, F]`` (``[out, in]`` layout).
+    scales: row scales of the quantized projections (`jaxengine.models.llama.Attention`).
     batch_invariant: projections computed a fixed number of rows at a time (`Gemma`).
   """
+
+  #: The projections `quantize_model` may quantize, with their leading output axes.
+  QUANTIZABLE: ClassVar[dict[str, int]] = {"w_gate": 1, "w_up": 1, "w_down": 1}
 
   def __init__(self, config: GemmaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
@@ -132,15 +141,15 @@ class GemmaMLP(nnx.Module):
     self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps ``[..., E]`` to ``[..., E]`` in the model dtype."""
-    fixed = self.batch_invariant
-    gate = linear(x, self.w_gate[...], batch_invariant=fixed)
-    up = linear(x, self.w_up[...], batch_invariant=fixed)
+    gate = project(self, "w_gate", x)
+    up = project(self, "w_up", x)
     hidden = jax.nn.gelu(gate, approximate=self.approximate) * up
-    return linear(hidden, self.w_down[...], batch_invariant=fixed)
+    return project(self, "w_down", hidden)
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -30,7 +30,9 @@ __all__ = [
   "linear",
   "normal_init",
   "normal_out_in",
+  "project",
   "rotary_embedding",
+  "row_scale",
   "soft_cap_scores",
 ]
 
@@ -58,26 +60,58 @@ def normal_out_in(
   return w.reshape(num_in, num_out).T.reshape(*out_shape, *in_shape)
 
 
-def linear(x: jax.Array, w: jax.Array, *, batch_invariant: bool = False) -> jax.Array:
+def linear(
+  x: jax.Array, w: jax.Array, *, scale: jax.Array | None = None, batch_invariant: bool = False
+) -> jax.Array:
   """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, contracting the weight's last dim.
 
   XLA:CPU runs this faster than ``x @ w`` over an ``[in, out]`` weight at batch > 1 (see
   `jaxengine.models.llama`); the ``[out, in]`` reshape of a stored parameter is free.
 
+  With `scale` (a weight quantized per output row, `jaxengine.models.quantization`) the product
+  is ``(x @ w.astype(x.dtype).T) * scale``: the values are cast to the activations' dtype, the dot
+  runs in it, and the ``[..., out]`` result is multiplied by the row scales, exact per output
+  channel (the same as dequantizing ``w`` first, without materialising a scaled float copy).
+
   Args:
     x: ``[..., in]`` activations.
-    w: ``[out, in]`` weight.
+    w: ``[out, in]`` weight (float, or int8 / float8_e4m3fn with `scale`).
+    scale: None, or ``[out] float32`` per-row scales of a quantized `w`.
     batch_invariant: compute a fixed number of rows at a time
       (`jaxengine.models.batch_invariant.row_tiled_dot`), so each row's bits are independent of
       the other rows (slower, see there).
 
   Returns:
-    ``[..., out]`` in the promoted dtype of ``x`` and ``w`` (as ``x @ w.T``).
+    ``[..., out]`` in the promoted dtype of ``x`` and ``w`` (as ``x @ w.T``); with `scale`, in
+    ``x.dtype``.
   """
+  if scale is not None:
+    product = linear(x, w.astype(x.dtype), batch_invariant=batch_invariant)
+    return (product * scale).astype(x.dtype)
   if batch_invariant:
     return row_tiled_dot(x, w)
   dtype = jnp.result_type(x, w)
   return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def project(
+  module: Any, name: str, x: jax.Array, shape: tuple[int, int] | None = None
+) -> jax.Array:
+  """`linear` of ``[..., in]`` `x` by the module's projection `name`: its weight reshaped to the
+  2-D ``(out, in)`` `shape` when given (``[H, D, E]`` -> ``(H * D, E)``; a free reshape), its row
+  scales when quantized (`row_scale` of ``module.scales``) and the module's ``batch_invariant``
+  mode. Returns ``[..., out]`` in the activations' dtype."""
+  w = getattr(module, name)[...]
+  if shape is not None:
+    w = w.reshape(shape)
+  scale = row_scale(module.scales, name)
+  return linear(x, w, scale=scale, batch_invariant=module.batch_invariant)
+
+
+def row_scale(scales: nnx.Dict, name: str) -> jax.Array | None:
+  """The ``[out] float32`` row scales of projection `name` when it is quantized (its entry in a
+  module's ``scales``, flattened over its output axes), else None (a float weight)."""
+  return scales[name][...].reshape(-1) if name in scales else None
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:

@@ -50,6 +50,8 @@ References:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -58,9 +60,9 @@ from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_me
 from jaxengine.models.layers import (
   ConfiguredDecoder,
   RMSNorm,
-  linear,
   normal_init,
   normal_out_in,
+  project,
   rotary_embedding,
   vocab_logits,
 )
@@ -98,8 +100,13 @@ class Attention(nnx.Module):
       None.
     bo: ``[E]`` output bias (``attention_output_bias``), or None.
     q_norm, k_norm: per-head RMSNorms over ``D`` (``qk_norm``), or None.
+    scales: ``{name: [*out] float32}`` row scales of the quantized projections (empty unless
+      `jaxengine.models.quantization.quantize_model` made int8 / float8 values of them).
     batch_invariant: projections computed a fixed number of rows at a time (`Llama`).
   """
+
+  #: The projections `quantize_model` may quantize, with their leading output axes.
+  QUANTIZABLE: ClassVar[dict[str, int]] = {"wq": 2, "wk": 2, "wv": 2, "wo": 1}
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
@@ -122,6 +129,7 @@ class Attention(nnx.Module):
     self.bo = bias(e) if config.attention_output_bias else None
     self.q_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.qk_norm else None
     self.k_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.qk_norm else None
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
   def __call__(
@@ -151,10 +159,9 @@ class Attention(nnx.Module):
     # Projections as plain 2-D matmuls over row-major `[out, in]` weights (the reshapes are free):
     # written as einsums over (h, d), XLA:CPU transposed `wo` into a new buffer on every call.
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    fixed = self.batch_invariant
-    q = linear(x, self.wq[...].reshape(h * d, e), batch_invariant=fixed)
-    k = linear(x, self.wk[...].reshape(kv * d, e), batch_invariant=fixed)
-    v = linear(x, self.wv[...].reshape(kv * d, e), batch_invariant=fixed)
+    q = project(self, "wq", x, (h * d, e))
+    k = project(self, "wk", x, (kv * d, e))
+    v = project(self, "wv", x, (kv * d, e))
     q = add_lora(q, x, lora, "q_proj").reshape(*lead, h, d)
     k = add_lora(k, x, lora, "k_proj").reshape(*lead, kv, d)
     v = add_lora(v, x, lora, "v_proj").reshape(*lead, kv, d)
@@ -169,9 +176,7 @@ class Attention(nnx.Module):
       q, k, v, kv_cache, layer, metadata, scale=d**-0.5, sliding_window=cfg.sliding_window
     )
     out = out.reshape(*lead, h * d)
-    out = add_lora(
-      linear(out, self.wo[...].reshape(e, h * d), batch_invariant=fixed), out, lora, "o_proj"
-    )
+    out = add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj")
     if self.bo is not None:
       out = out + self.bo[...]
     return out, kv_cache
@@ -184,24 +189,28 @@ class MLP(nnx.Module):
     w_gate: ``[F, E]`` gate projection (PyTorch ``[out, in]`` layout, see `Attention`).
     w_up: ``[F, E]`` up projection.
     w_down: ``[E, F]`` down projection.
+    scales: row scales of the quantized projections (see `Attention`).
     batch_invariant: projections computed a fixed number of rows at a time (`Llama`).
   """
+
+  #: The projections `quantize_model` may quantize, with their leading output axes.
+  QUANTIZABLE: ClassVar[dict[str, int]] = {"w_gate": 1, "w_up": 1, "w_down": 1}
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
     self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
     self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))  # [F, E]
     self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))  # [E, F]
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype (with this layer's LoRA
     adapters, `jaxengine.models.lora`, when given)."""
-    fixed = self.batch_invariant
-    gate = add_lora(linear(x, self.w_gate[...], batch_invariant=fixed), x, lora, "gate_proj")
-    up = add_lora(linear(x, self.w_up[...], batch_invariant=fixed), x, lora, "up_proj")
+    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj")
+    up = add_lora(project(self, "w_up", x), x, lora, "up_proj")
     hidden = jax.nn.silu(gate) * up  # [B, T, F]
-    down = linear(hidden, self.w_down[...], batch_invariant=fixed)  # [B, T, E]
+    down = project(self, "w_down", hidden)  # [B, T, E]
     return add_lora(down, hidden, lora, "down_proj")
 
 

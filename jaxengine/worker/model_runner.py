@@ -58,6 +58,7 @@ from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.paged_attention import FP8_KV_DTYPE, PagedAttentionMetadata
+from jaxengine.models.quantization import QuantizedLeaf, quantize_model
 from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.models.weights import (
   LeafPath,
@@ -208,11 +209,17 @@ class ModelRunner:
     self.block_table: BlockTable = cast(BlockTable, input_batch.block_table)  # checked above
     if config.batch_invariant:
       model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
+    # Named by the float model: `load_weights` takes float tensors of the quantized matrices too.
+    self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
+    #: The quantized matrices (`EngineConfig.quantization`), by leaf path; empty without.
+    self.quantized: Mapping[LeafPath, QuantizedLeaf] = {}
+    if config.quantization is not None:
+      quantized = quantize_model(model, config.quantization)  # a copy, as above
+      model, self.quantized = quantized.model, quantized.leaves
     self._graphdef, weights = nnx.split(model)
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
     self.weights = jax.tree.map(lambda a: a, weights)
-    self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, self.weights)}
     self.mesh = config.mesh
     self._placement: MeshPlacement | None = None
     if self.mesh is not None:
@@ -387,7 +394,8 @@ class ModelRunner:
       RuntimeError: while the weights sleep (`sleep`; nothing changes).
     """
     self._check_loadable()
-    leaves = state_leaves(self.weights)
+    engine_leaves = state_leaves(self.weights)
+    leaves = self._float_leaves(engine_leaves)
     is_pure_dict = isinstance(weights, Mapping) and any(
       isinstance(v, Mapping) for v in weights.values()
     )
@@ -411,7 +419,7 @@ class ModelRunner:
     # A finite value can overflow the engine's narrower dtype (1e5 in float16): checked again
     # after the cast, where that can happen, before anything is replaced.
     check_finite(((path, new[path]) for path in narrowed), self._leaf_name, after_cast=True)
-    self.weights = replace_leaves(self.weights, new)
+    self.weights = replace_leaves(self.weights, self._requantized(new, engine_leaves))
     self._sleep.weights_discarded = False
     self.reset_prefix_cache()
 
@@ -428,6 +436,35 @@ class ModelRunner:
       raise ValueError("load_lora_weights needs an engine built with enable_lora=True")
     self.lora.set_adapter(lora_request, adapter)
     self.reset_prefix_cache()
+
+  def _float_leaves(self, leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, Any]:
+    """The leaves `load_weights` takes: the engine's, with each quantized matrix as the float
+    weight it was (a `sleep_mode.Slot` of its shape and model dtype, placed as its values are)
+    and without the scales (`requantized` derives them)."""
+    scale_paths = {q.scale_path for q in self.quantized.values()}
+    floats = {}
+    for path, leaf in leaves.items():
+      q = self.quantized.get(path)
+      if q is not None:
+        leaf = sleep_mode.Slot(q.float_shape, q.float_dtype, leaf.sharding, bool(leaf.committed))
+      if path not in scale_paths:
+        floats[path] = leaf
+    return floats
+
+  def _requantized(
+    self, new: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]
+  ) -> dict[LeafPath, Any]:
+    """`new` leaves with each float quantized matrix replaced by its values and scales (the
+    jitted `quantize_rows`, compiled when the engine was built), placed as `leaves` are."""
+    out = dict(new)
+    for path, value in new.items():
+      q = self.quantized.get(path)
+      if q is None:
+        continue
+      rows = q.quantize(value)
+      out[path] = put(rows.values, leaves[path])
+      out[q.scale_path] = put(rows.scale, leaves[q.scale_path])
+    return out
 
   def _check_loadable(self) -> None:
     """Refuses `load_weights` while the weights sleep (RuntimeError: wake them first)."""
