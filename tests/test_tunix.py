@@ -365,6 +365,8 @@ def test_bad_inputs_raise_value_errors(served):
     JaxEngineRollout(rollout_actor=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tokenizer=ByteTokenizer())
   with pytest.raises(ValueError, match="logprobs_mode"):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")
+  with pytest.raises(ValueError, match="quantization='int8' is not supported"):
+    JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), quantization="int8")
 
 
 def test_tokenize_prompts_dedups_bos_and_left_pads():

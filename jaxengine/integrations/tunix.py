@@ -308,6 +308,11 @@ class JaxEngineRollout(base_rollout.BaseRollout):
   ):
     if "logprobs_mode" in engine_options:
       raise ValueError("logprobs_mode is fixed by JaxEngineRollout (Tunix's convention)")
+    if engine_options.get("quantization") is not None:  # its syncs hand over float layouts
+      raise ValueError(
+        f"quantization={engine_options['quantization']!r} is not supported by JaxEngineRollout "
+        "yet (Tunix's weight syncs and offloading pass the engine's own float layout)"
+      )
     self.rollout_config = rollout_config or base_rollout.RolloutConfig()
     self.tokenizer = (
       tokenizer
