@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 import jaxengine as je
-from jaxengine.models.paged_attention import FP8_KV_DTYPE, FP8_KV_MAX, write_kv_pages
+from jaxengine.models.paged_attention import (
+  FP8_KV_DTYPE,
+  FP8_KV_MAX,
+  FP8_KV_STORAGE,
+  write_kv_pages,
+)
 
 PROMPTS = [
   "The capital of France is",
@@ -48,7 +53,9 @@ def _prompt_logprobs(output) -> np.ndarray:
 
 def test_fp8_pages_hold_four_times_the_blocks_in_the_same_bytes(engines):
   auto, fp8 = (engines[name].llm_engine.runner for name in ("auto", "fp8"))
-  assert {p.dtype for p in _pages(engines["fp8"])} == {np.dtype(FP8_KV_DTYPE)}
+  assert {p.dtype for p in _pages(engines["fp8"])} == {
+    np.dtype(FP8_KV_STORAGE)
+  }  # float8_e4m3fn bits
   assert {p.dtype for p in _pages(engines["auto"])} == {np.dtype(np.float32)}
   bytes_per_block = {
     name: sum(p.nbytes for p in _pages(engines[name])) / engines[name].llm_engine.runner.num_blocks
@@ -92,8 +99,9 @@ def test_fp8_e4m3_is_fp8():
 def test_writes_clip_to_the_fp8_range_instead_of_overflowing_to_nan():
   import jax.numpy as jnp
 
-  pages = jnp.zeros((2, 4, 1, 2), FP8_KV_DTYPE)
+  pages = jnp.zeros((2, 4, 1, 2), FP8_KV_STORAGE)
   new = jnp.array([[[1e6, -1e6]], [[0.5, 3.0]]], jnp.float32)
-  out = write_kv_pages(pages, new, jnp.array([4, 5], jnp.int32)).astype(jnp.float32)
+  written = write_kv_pages(pages, new, jnp.array([4, 5], jnp.int32))
+  out = jax.lax.bitcast_convert_type(written, FP8_KV_DTYPE).astype(jnp.float32)
   np.testing.assert_array_equal(out[1, 0, 0], [FP8_KV_MAX, -FP8_KV_MAX])
   np.testing.assert_array_equal(out[1, 1, 0], [0.5, 3.0])

@@ -527,5 +527,10 @@ def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoi
   too_wide = {(0, "q_proj"): (np.ones((64, 16), np.float32), np.ones((16, 64), np.float32))}
   with pytest.raises(ValueError, match="max_lora_rank"):
     llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, too_wide))
+  diverged = dict(zero_b)
+  key = next(iter(diverged))
+  diverged[key] = (diverged[key][0], np.full_like(diverged[key][1], np.nan))
+  with pytest.raises(ValueError, match="NaN or infinite"):
+    llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, diverged))
   (still,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=in_memory, use_tqdm=False)
   assert _result(still)[0] == _result(plain)[0]

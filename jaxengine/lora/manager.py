@@ -28,6 +28,7 @@ import numpy as np
 from jaxengine.lora.peft import LoRAAdapter, load_peft_adapter
 from jaxengine.lora.request import LoRARequest, check_lora_request
 from jaxengine.models.lora import LoRAInputs
+from jaxengine.models.weights import check_finite
 
 #: Device buffers: per layer, target -> ``(A [N + 1, in, R], B [N + 1, R, out])``.
 Buffers = tuple[dict[str, tuple[jax.Array, jax.Array]], ...]
@@ -151,7 +152,8 @@ class LoRAManager:
   def check_adapter(self, adapter: LoRAAdapter) -> None:
     """Refuses (ValueError, naming the pair and the expected shapes) an adapter these slots
     cannot hold: a rank above `max_lora_rank`, a layer out of range, a target outside
-    `target_shapes`, or ``A``, ``B`` not ``[in, rank]``, ``[rank, out]``."""
+    `target_shapes`, ``A``, ``B`` not ``[in, rank]``, ``[rank, out]``, or values that are NaN
+    or infinite (a diverged trainer's step: `jaxengine.models.weights.check_finite`)."""
     who = f"lora_int_id={adapter.lora_int_id}"
     if not 1 <= adapter.rank <= self.max_lora_rank:
       raise ValueError(
@@ -170,6 +172,12 @@ class LoRAManager:
           f"{who}: layer {layer} {target} has A, B of shapes {a.shape}, {b.shape}, expected "
           f"{(n_in, adapter.rank)}, {(adapter.rank, n_out)}"
         )
+    halves = (
+      (f"{who} layer {layer} {target} {half}", array)
+      for (layer, target), pair in adapter.weights.items()
+      for half, array in zip("AB", pair)
+    )
+    check_finite(halves)
 
   def _remember(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
     """Keeps `adapter` as the most recently used host copy, dropping the least recently used

@@ -70,10 +70,14 @@ NEG_INF = float(jnp.finfo(jnp.float32).min)
 #: Slot of the null page (block 0, offset 0): padding tokens write their keys and values here.
 NULL_SLOT = 0
 
-#: Storage dtype of fp8 pages (``kv_cache_dtype="fp8"``), and its largest finite value: keys and
-#: values are clipped to it before the cast (float8_e4m3fn has no infinity: an overflow is NaN).
+#: The fp8 format of ``kv_cache_dtype="fp8"`` and its largest finite value: keys and values are
+#: clipped to it before the cast (float8_e4m3fn has no infinity: an overflow is NaN).
 FP8_KV_DTYPE = jnp.float8_e4m3fn
 FP8_KV_MAX = float(jnp.finfo(FP8_KV_DTYPE).max)
+#: The storage dtype of fp8 pages: their float8_e4m3fn bits as bytes. XLA:CPU has no float8
+#: arithmetic and widened every float8 gather and scatter over the whole pool (a step's time grew
+#: with the pool's size); only the rows a step writes or reads are converted this way.
+FP8_KV_STORAGE = jnp.uint8
 
 
 @jax.tree_util.register_dataclass
@@ -115,8 +119,8 @@ def write_kv_pages(
 
   Args:
     pages: `[N, B, K, D]` pages of one layer, or `[L, N, B, K, D]` with `layer` given.
-    new: `[T, K, D]` this step's keys or values (cast to the pages' dtype; clipped to
-      +-`FP8_KV_MAX` first for fp8 pages).
+    new: `[T, K, D]` this step's keys or values (cast to the pages' dtype; for fp8 pages,
+      `FP8_KV_STORAGE`, clipped to +-`FP8_KV_MAX` and cast to `FP8_KV_DTYPE`, its bits stored).
     slot_mapping: `[T] int32` slots (`page * B + offset`); padding tokens point at `NULL_SLOT`,
       whose contents are never read.
     layer: index into a leading layer axis of `pages`, or None for one layer's pages.
@@ -126,9 +130,14 @@ def write_kv_pages(
   """
   block_size = pages.shape[-3]
   page, offset = slot_mapping // block_size, slot_mapping % block_size
-  if pages.dtype == FP8_KV_DTYPE:
-    new = jnp.clip(new, -FP8_KV_MAX, FP8_KV_MAX)
-  new = new.astype(pages.dtype)
+  if pages.dtype == FP8_KV_STORAGE:  # fp8 pages: the float8_e4m3fn bits of the clipped rows
+    new = jnp.clip(new, -FP8_KV_MAX, FP8_KV_MAX).astype(FP8_KV_DTYPE)
+    return _scatter(pages, jax.lax.bitcast_convert_type(new, FP8_KV_STORAGE), page, offset, layer)
+  return _scatter(pages, new.astype(pages.dtype), page, offset, layer)
+
+
+def _scatter(pages, new, page, offset, layer) -> jax.Array:
+  """`pages` with `new` at `(page, offset)` rows (of layer `layer` when given)."""
   if layer is None:
     return pages.at[page, offset].set(new)
   return pages.at[layer, page, offset].set(new)
@@ -184,9 +193,13 @@ class _ChunkSpan:
     return cls(first=first, num_chunks=jnp.max(end - first, initial=0))
 
 
-def _read_pages(pages: jax.Array, ids: jax.Array, kv_heads_first: bool) -> jax.Array:
-  """`[W, C * B, K, D]` rows of pages `ids [W, C]`."""
+def _read_pages(pages: jax.Array, ids: jax.Array, kv_heads_first: bool, dtype) -> jax.Array:
+  """`[W, C * B, K, D]` rows of pages `ids [W, C]`; fp8 pages (`FP8_KV_STORAGE` bytes) read
+  in `dtype`."""
+  fp8 = pages.dtype == FP8_KV_STORAGE
   rows = jnp.moveaxis(pages[:, ids], 0, -2) if kv_heads_first else pages[ids]  # [W, C, B, K, D]
+  if fp8:
+    rows = jax.lax.bitcast_convert_type(rows, FP8_KV_DTYPE).astype(dtype)
   num_items, num_pages, block_size, num_kv_heads, head_dim = rows.shape
   return rows.reshape(num_items, num_pages * block_size, num_kv_heads, head_dim)
 
@@ -281,9 +294,9 @@ def ragged_paged_attention_xla(
     page_index = first_page[:, None] + jnp.arange(pages_per_chunk, dtype=jnp.int32)  # [W, C]
     # Items past their own last chunk read clipped (real or null) pages, all masked below.
     pages = jnp.take_along_axis(blocks, page_index, axis=1, mode="clip")
-    keys, values = (_read_pages(p, pages, kv_heads_first) for p in (key_pages, value_pages))
-    if key_pages.dtype == FP8_KV_DTYPE:  # fp8 pages are read in the queries' dtype
-      keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    keys, values = (
+      _read_pages(p, pages, kv_heads_first, q.dtype) for p in (key_pages, value_pages)
+    )
     scores = _scores(q_items, keys, fixed_order)  # [W, K, G, Tq, C * B] float32
     position = first_page[:, None, None] * block_size + jnp.arange(chunk_len, dtype=jnp.int32)
     visible = position <= items.position[:, :, None]  # [W, Tq, C * B]

@@ -57,7 +57,7 @@ from jaxengine.models.attention_backends import XlaAttentionBackend, attention_b
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_pages import PagedKVCache
-from jaxengine.models.paged_attention import FP8_KV_DTYPE, PagedAttentionMetadata
+from jaxengine.models.paged_attention import FP8_KV_STORAGE, PagedAttentionMetadata
 from jaxengine.models.quantization import QuantizedLeaf, quantize_model
 from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.models.weights import (
@@ -298,7 +298,7 @@ class ModelRunner:
     """
     spec = model.kv_cache_spec
     if config.kv_cache_dtype == "fp8":
-      spec = dataclasses.replace(spec, dtype=FP8_KV_DTYPE)
+      spec = dataclasses.replace(spec, dtype=FP8_KV_STORAGE)  # float8_e4m3fn bits
     chosen = attention_backend(config.attention_backend)
     if config.attention_backend is None and not _serves(chosen, spec):
       chosen = XlaAttentionBackend()  # the platform's default lacks the model's window, cap or fp8
@@ -1127,7 +1127,7 @@ def _narrows(tensor, leaf: jax.Array) -> bool:
 def _serves(backend, spec) -> bool:
   """Whether `backend` has the sliding window, soft cap and page dtype the `KVCacheSpec` asks
   for (fp8 pages: the XLA attention only)."""
-  fp8 = jnp.dtype(spec.dtype) == jnp.dtype(FP8_KV_DTYPE)
+  fp8 = jnp.dtype(spec.dtype) == jnp.dtype(FP8_KV_STORAGE)
   return (
     (spec.sliding_window is None or backend.supports_sliding_window)
     and (spec.soft_cap is None or backend.supports_soft_cap)
