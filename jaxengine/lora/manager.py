@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,12 @@ class LoRAManager:
   def slot(self, seq_id: str) -> int:
     """The slot of a completion `acquire` placed (0: the base model)."""
     return self._slot_of_seq.get(seq_id, 0)
+
+  def token_slots(self, seq_ids: Sequence[str], counts: Any, size: int) -> np.ndarray:
+    """``[size] int32`` each query token's slot: `counts` tokens (an int, or one per
+    completion) for each of `seq_ids` in order, then 0 (padding tokens: the base model)."""
+    slots = np.repeat([self.slot(seq_id) for seq_id in seq_ids], counts).astype(np.int32)
+    return np.pad(slots, (0, size - len(slots)))
 
   @property
   def slot_ids(self) -> list[int]:

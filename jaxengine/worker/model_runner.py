@@ -902,11 +902,7 @@ class ModelRunner:
     logits_indices[rows] = layout.logits_indices[: len(rows)]
     produced = np.zeros(num_rows, bool)
     produced[: len(produces)] = produces
-    lora_slots = np.zeros(num_tokens, np.int32)
-    if self.lora is not None:
-      slots = [self.lora.slot(seq_id) for seq_id in seq_ids]
-      lora_slots[: layout.num_tokens] = np.repeat(slots, counts)
-    host = (
+    host: tuple[Any, ...] = (
       token_rows,
       layout.positions,
       layout.slot_mapping,
@@ -916,8 +912,9 @@ class ModelRunner:
       np.int32(layout.num_reqs),
       logits_indices,
       produced,
-      lora_slots,
     )
+    if self.lora is not None:  # each token's adapter slot, only for a LoRA engine
+      host += (self.lora.token_slots(seq_ids, counts, num_tokens),)
     device = jax.device_put(host, self._input_sharding)  # one transfer for the step's inputs
     return RaggedInputs(
       token_rows=device[0],
@@ -931,7 +928,7 @@ class ModelRunner:
       ),
       logits_indices=device[7],
       produces=device[8],
-      lora=None if self.lora is None else self.lora.inputs(device[9]),
+      lora=None if self.lora is None else self.lora.inputs(device[-1]),
     )
 
   def precompile(
@@ -1031,18 +1028,16 @@ class ModelRunner:
       max_num_steps[batch.req_id_to_index[seq_id]] = steps
     rules = [self._stop_rules[seq_id] for seq_id in batch.req_ids]
     max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, self.max_num_device_stop_ids)
-    lora_slots = np.zeros(num_rows, np.int32)
-    if self.lora is not None:
-      lora_slots[: batch.num_reqs] = [self.lora.slot(seq_id) for seq_id in batch.req_ids]
-    host = (
+    host: tuple[Any, ...] = (
       self.block_table.block_ids[:num_rows],
       np.int32(batch.num_reqs),
       max_num_steps,
       max_output_tokens,
       stop_ids,
       np.bool_(end_on_first_finish),
-      lora_slots,
     )
+    if self.lora is not None:  # row r's token is flat token r: one slot per row
+      host += (self.lora.token_slots(batch.req_ids, 1, num_rows),)
     device = jax.device_put(host, self._input_sharding)  # one transfer for the loop's inputs
     inputs = DecodeStepsInputs(
       block_tables=device[0],
@@ -1051,7 +1046,7 @@ class ModelRunner:
       max_output_tokens=device[3],
       stop_ids=device[4],
       end_on_first_finish=device[5],
-      lora=None if self.lora is None else self.lora.inputs(device[6]),
+      lora=None if self.lora is None else self.lora.inputs(device[-1]),
     )
     output, kv_cache = run_steps(
       batch,
