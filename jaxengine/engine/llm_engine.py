@@ -404,6 +404,23 @@ class LLMEngine:
     for core in self.cores:
       core.runner.sleep(level)
 
+  def free_kv_cache(self) -> int:
+    """Frees every core's KV cache alone, the weights staying in place, until
+    ``wake_up(tags=["kv_cache"])`` (a fresh, empty cache of the same pages; nothing compiles):
+    room for a weight sync (`ModelRunner.free_kv_cache`).
+
+    Returns:
+      The device bytes freed, all cores together.
+
+    Raises:
+      RuntimeError: unfinished requests (nothing changes).
+    """
+    if self.has_unfinished_requests():
+      raise RuntimeError("free_kv_cache needs no unfinished requests (finish or abort them first)")
+    for core in self.cores:
+      core.drain()
+    return sum(core.runner.free_kv_cache() for core in self.cores)
+
   def wake_up(self, tags: Sequence[str] | None = None) -> None:
     """Puts back what `sleep` freed, in every core (vLLM's name): the weights on their devices,
     placed as before (after level 1; after level 2 they wait for `load_weights`), and a fresh,

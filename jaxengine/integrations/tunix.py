@@ -30,8 +30,9 @@ renormalise them), which is what its trainer recomputes (`compute_per_token_logp
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -56,6 +57,7 @@ from jaxengine.integrations.tunix_lora import (
 )
 from jaxengine.integrations.tunix_weights import (
   EngineConfig,
+  check_tunix_params,
   config_from_tunix,
   engine_leaves,
   engine_module,
@@ -73,18 +75,154 @@ from jaxengine.params import SamplingParams
 __all__ = ["JaxEngineRollout", "PaddedPrompts", "sampling_params", "tokenize_prompts"]
 
 
-def _wants_default_mesh(engine_options: dict[str, Any]) -> bool:
-  """Whether the engine goes on a one-device mesh of the rollout device.
+#: `RolloutConfig`'s parallelism fields -> the engine option of the same meaning.
+PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size")
 
-  The weights the trainer hands over are committed to their device. On an engine without a mesh
-  that makes the batch state committed after the first step, so every step compiles twice (once
-  per placement); on a mesh everything is placed from the start. Not when the options place
-  the engine themselves.
+
+def _rollout_sizes(config: base_rollout.RolloutConfig) -> dict[str, int]:
+  """`RolloutConfig`'s tensor- and data-parallel sizes (-1: inferred from the rollout mesh).
+
+  Raises:
+    ValueError: a size that is neither -1 nor a positive int, naming the field and value.
   """
-  return not any(
-    engine_options.get(k) not in (None, 1)
-    for k in ("mesh", "tensor_parallel_size", "data_parallel_size")
-  )
+  sizes = {}
+  for name in PARALLEL_FIELDS:
+    value = getattr(config, name, -1)
+    bad = isinstance(value, bool) or not isinstance(value, (int, np.integer))
+    if bad or value == 0 or value < -1:
+      raise ValueError(f"RolloutConfig.{name} must be -1 or a positive int, got {value!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+def _engine_sizes(engine_options: dict[str, Any]) -> dict[str, int] | None:
+  """The parallel sizes the engine options fix (a `mesh`'s axes, or the sizes given), or None
+  when they place nothing."""
+  mesh = engine_options.get("mesh")
+  if mesh is not None:
+    return {
+      "tensor_parallel_size": int(mesh.shape.get("model", 1)),
+      "data_parallel_size": int(mesh.shape.get("data", 1)),
+    }
+  given = {k: engine_options.get(k) for k in PARALLEL_FIELDS}
+  if all(v in (None, 1) for v in given.values()):
+    return None
+  return {k: 1 if v is None else int(v) for k, v in given.items()}
+
+
+def engine_placement(
+  config: base_rollout.RolloutConfig,
+  mesh: jax.sharding.Mesh | None,
+  device: jax.Device,
+  engine_options: dict[str, Any],
+  *,
+  lora: bool,
+) -> None:
+  """Places the engine from `RolloutConfig`'s parallel sizes and the rollout mesh, in
+  `engine_options` (its ``mesh``), unless the options place it themselves.
+
+  The sizes resolve as Tunix's own vLLM rollout resolves them: -1 for both: every device of the
+  rollout mesh splits each layer (`tensor_parallel_size` = the mesh's device count, one
+  data-parallel group); -1 for one: the devices left by the other. A resolved ``t x d`` of 1
+  is a one-device engine mesh on `device`: the trainer's weights are committed to their device,
+  and an engine without a mesh would compile every step twice (once per placement); on a mesh
+  everything is placed from the start. Otherwise a ``(data, model)`` mesh of the rollout
+  mesh's first ``d * t`` devices. Engine options that place the engine (`mesh`,
+  `tensor_parallel_size`, `data_parallel_size`) win, and a size `RolloutConfig` sets
+  explicitly (not -1) must equal theirs. A LoRA rollout stays on one device (the engine's LoRA
+  is not on a mesh yet): sizes above 1 are refused, -1 resolves to 1.
+
+  Args:
+    config: the rollout's `RolloutConfig`.
+    mesh: the rollout mesh (None or empty: `device` alone).
+    device: the engine's first device (`_engine_device`).
+    engine_options: `EngineConfig` fields; ``mesh`` is set here when they place nothing.
+    lora: whether the rollout serves a LoRA actor.
+
+  Raises:
+    ValueError: (before any device work) a size that is neither -1 nor positive; a set size
+      that differs from the engine options' (both named); sizes needing more devices than the
+      rollout mesh has; sizes above 1 for a LoRA actor.
+  """
+  sizes = _rollout_sizes(config)
+  given = _engine_sizes(engine_options)
+  if given is not None:
+    for name, value in sizes.items():
+      if value != -1 and value != given[name]:
+        raise ValueError(
+          f"RolloutConfig.{name}={value} conflicts with the engine options' {name}="
+          f"{given[name]} (give one, or the same)"
+        )
+    return
+  if lora:
+    for name, value in sizes.items():
+      if value > 1:
+        raise ValueError(
+          f"RolloutConfig.{name}={value}: a LoRA rollout runs on one device (leave it -1 or 1)"
+        )
+    return
+  devices = list(mesh.devices.flat) if mesh is not None and not mesh.empty else [device]
+  t, d = sizes["tensor_parallel_size"], sizes["data_parallel_size"]
+  n = len(devices)
+  if t == -1 and d == -1:
+    t, d = n, 1
+  elif t == -1:
+    t = max(n // d, 1)
+  elif d == -1:
+    d = max(n // t, 1)
+  if t * d > n:
+    raise ValueError(
+      f"RolloutConfig.tensor_parallel_size={t} x data_parallel_size={d} needs {t * d} devices, "
+      f"the rollout mesh has {n}"
+    )
+  if t * d == 1:
+    devices = [device]
+  engine_options["mesh"] = make_mesh(t, d, devices)
+
+
+def _memory_fraction(
+  engine_options: dict[str, Any], config: base_rollout.RolloutConfig
+) -> tuple[float, str]:
+  """The engine's memory fraction and where it came from: the `gpu_memory_utilization` engine
+  option, else `RolloutConfig.rollout_vllm_hbm_utilization` (Tunix's rollout memory fraction).
+
+  Raises:
+    ValueError: a fraction outside (0, 1], naming its source and value.
+  """
+  if engine_options.get("gpu_memory_utilization") is not None:
+    value, source = engine_options["gpu_memory_utilization"], "gpu_memory_utilization"
+  else:
+    value = getattr(config, "rollout_vllm_hbm_utilization", 0.9)
+    source = "RolloutConfig.rollout_vllm_hbm_utilization"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    raise ValueError(f"{source} must be a float in (0, 1], got {value!r}")
+  return float(value), source
+
+
+def process_memory_fraction(fraction: float, devices: Sequence[jax.Device]) -> float:
+  """The engine's `gpu_memory_utilization` (a fraction of each device's memory for everything
+  the process holds) that leaves the engine `fraction` of the memory for itself.
+
+  Called before the engine places anything: what the devices hold then (a colocated trainer's
+  parameters and optimizer state) is added on top of `fraction`, so the engine's weights and
+  KV cache together take at most ``fraction * bytes_limit`` (vLLM's meaning: this engine's
+  share), whatever the trainer holds. Devices without memory statistics (CPU): `fraction`
+  itself (unused there).
+
+  Args:
+    fraction: the engine's share of each device's memory, in (0, 1].
+    devices: the engine's devices.
+
+  Returns:
+    ``min(1, fraction + max over devices of bytes_in_use / bytes_limit)``.
+  """
+  shares = []
+  for device in devices:
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+      return fraction
+    shares.append(int(stats.get("bytes_in_use", 0)) / int(stats["bytes_limit"]))
+  return min(1.0, fraction + max(shares, default=0.0))
 
 
 class PaddedPrompts(NamedTuple):
@@ -265,19 +403,25 @@ class JaxEngineRollout(base_rollout.BaseRollout):
   `eos_tokens` (the stop tokens; default the tokenizer's EOS), `max_prompt_length` (left-padding
   width of `left_padded_prompt_tokens`; longer prompts are padded to the next power of two, never
   truncated, as Tunix's sampler does), `kv_cache_size` (the default `max_model_len`),
-  `data_type` (the engine model's dtype; default the actor's) and `return_logprobs`.
-  Ignored: `rollout_mapping_config`, the parallelism sizes (pass engine options instead) and
-  every `rollout_vllm_*` / `rollout_sglang_jax_*` field. `RolloutOutput.logits` is empty.
+  `data_type` (the engine model's dtype; default the actor's), `return_logprobs`,
+  `tensor_parallel_size` and `data_parallel_size` (the engine's placement on the rollout mesh,
+  `engine_placement`) and `rollout_vllm_hbm_utilization` (the engine's memory fraction unless
+  `gpu_memory_utilization` is given). Ignored: `rollout_mapping_config`,
+  `expert_parallel_size` (give `enable_expert_parallel`) and the other `rollout_vllm_*` /
+  `rollout_sglang_jax_*` fields. `RolloutOutput.logits` is empty.
 
   Args:
     rollout_actor: the Tunix `Llama3`, `Qwen2`, `Qwen3`, `Gemma` or `Gemma3` module to serve (its weights are
       copied into the engine's layout; later changes reach the engine through `update_params`).
     tokenizer: a Tunix `TokenizerAdapter` or anything it wraps (HF, SentencePiece, or an object
       with encode/decode/bos_id/eos_id/pad_id).
-    mesh: the rollout mesh Tunix assigns. The engine's weights, KV cache and batch live on its
-      first device (the actor's first device without one), on a one-device engine mesh, unless
-      `engine_options` place the engine (`mesh=`, `tensor_parallel_size=`; see
-      `_wants_default_mesh`). The trainer's arrays reach that device device to device.
+    mesh: the rollout mesh Tunix assigns. The engine goes on its devices as `RolloutConfig`'s
+      `tensor_parallel_size` and `data_parallel_size` say (-1, their default: inferred as
+      Tunix's vLLM rollout does, every device splitting each layer), on the first device alone
+      (the actor's first device without a mesh) when they resolve to one, unless
+      `engine_options` place the engine (`mesh=`, `tensor_parallel_size=`,
+      `data_parallel_size=`; see `engine_placement`). The trainer's arrays reach the engine
+      device to device.
     rollout_config: the TRAIN `RolloutConfig`; its temperature is the one
       `get_per_token_logps` divides by.
     lora_alpha: the LoRA alpha of a qwix LoRA actor (scale ``lora_alpha / rank``), required
@@ -285,13 +429,31 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       leaves) is served as its base weights plus one adapter (`enable_lora`, `max_lora_rank`
       defaulting to its rank, no engine mesh) that every rollout runs with and that
       `update_params` replaces in memory (`jaxengine.integrations.tunix_lora`).
+    free_kv_cache_during_sync: `update_params` frees the engine's KV cache while it moves and
+      converts the weights and makes a fresh, empty one after (`LLMEngine.free_kv_cache`; the
+      bytes freed in `kv_cache_bytes_freed`; nothing compiles, and later rollouts are those of
+      an engine that kept its cache: the prefix cache is emptied by a sync anyway). Default
+      False (vLLM's sleep level 1 without moving the weights).
+    reshard_chunk_bytes: move and convert the trainer's weights in chunks of about this many
+      parameter bytes (whole layers; at least one layer per chunk), waiting for each chunk
+      before the next, so a sync holds one extra copy of the model and a chunk in flight rather
+      than two extra copies (`tunix_weights.engine_leaves`; Tunix's vLLM rollout counts its
+      `rollout_vllm_reshard_chunk_size` in tensors instead). None (default): all at once. The
+      weights are equal either way.
     **engine_options: `jaxengine.EngineConfig` fields (`max_num_reqs`, `max_model_len`, `seed`,
       ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given;
       `compilation_cache` defaults to False here (JAX's persistent cache is process-wide: on,
-      it would hold the trainer's executables too).
+      it would hold the trainer's executables too). `gpu_memory_utilization` (default:
+      `RolloutConfig.rollout_vllm_hbm_utilization`, Tunix's 0.2) is the engine's own share of
+      each device's memory, its weights and KV cache together (vLLM's meaning, whatever a
+      colocated trainer holds: `process_memory_fraction`); it bounds the default KV cache,
+      which is at most room for `max_num_reqs` requests of `max_model_len` tokens
+      (`jaxengine.worker.kv_cache_size`).
 
   Raises:
-    ValueError: an unsupported model, `logprobs_mode` among the options, invalid options, or
+    ValueError: an unsupported model, `logprobs_mode` among the options, invalid options (a
+      memory fraction outside (0, 1], a `reshard_chunk_bytes` that is not a positive int,
+      parallel sizes that conflict or do not fit the rollout mesh: `engine_placement`), or
       a LoRA actor whose LoRA is unsupported (named), whose scale is unknown, or whose rank
       exceeds a given `max_lora_rank`.
   """
@@ -304,8 +466,28 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     mesh: jax.sharding.Mesh | None = None,
     rollout_config: base_rollout.RolloutConfig | None = None,
     lora_alpha: float | None = None,
+    free_kv_cache_during_sync: bool = False,
+    reshard_chunk_bytes: int | None = None,
     **engine_options: Any,
   ):
+    if not isinstance(free_kv_cache_during_sync, bool):
+      raise ValueError(
+        f"free_kv_cache_during_sync must be a bool, got {free_kv_cache_during_sync!r}"
+      )
+    if reshard_chunk_bytes is not None and (
+      isinstance(reshard_chunk_bytes, bool)
+      or not isinstance(reshard_chunk_bytes, int)
+      or reshard_chunk_bytes < 1
+    ):
+      raise ValueError(
+        f"reshard_chunk_bytes must be a positive int or None, got {reshard_chunk_bytes!r}"
+      )
+    #: Whether `update_params` frees the KV cache while it moves the weights.
+    self.free_kv_cache_during_sync = free_kv_cache_during_sync
+    #: Parameter bytes per chunk of a weight sync (`tunix_weights.engine_leaves`); None: at once.
+    self.reshard_chunk_bytes = reshard_chunk_bytes
+    #: Device bytes of KV cache the last `update_params` freed while it ran (0: none).
+    self.kv_cache_bytes_freed = 0
     if "logprobs_mode" in engine_options:
       raise ValueError("logprobs_mode is fixed by JaxEngineRollout (Tunix's convention)")
     if engine_options.get("quantization") is not None:  # its syncs hand over float layouts
@@ -320,6 +502,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       else tokenizer_adapter.TokenizerAdapter(tokenizer)
     )
     self.rollout_mesh = mesh
+    fraction, _ = _memory_fraction(engine_options, self.rollout_config)
     max_model_len = int(engine_options.pop("max_model_len", self.rollout_config.kv_cache_size))
     self.config: EngineConfig = config_from_tunix(
       rollout_actor,
@@ -343,11 +526,15 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       _lora_engine_options(engine_options, lora)
     elif lora_alpha is not None:
       raise ValueError(f"lora_alpha={lora_alpha!r} given, but the rollout actor has no LoRA")
-    leaves = engine_leaves(params, self.config, self.dtype, self.device)
+    engine_placement(self.rollout_config, mesh, self.device, engine_options, lora=bool(lora))
+    engine_mesh = engine_options.get("mesh")
+    devices = list(engine_mesh.devices.flat) if engine_mesh is not None else [self.device]
+    engine_options["gpu_memory_utilization"] = process_memory_fraction(fraction, devices)
+    leaves = engine_leaves(
+      params, self.config, self.dtype, self.device, chunk_bytes=reshard_chunk_bytes
+    )
     weights = replace_leaves(abstract_weights, leaves)
     engine_options.setdefault("compilation_cache", False)
-    if not lora and _wants_default_mesh(engine_options):
-      engine_options["mesh"] = make_mesh(1, 1, [self.device])
     self.llm = LLM(
       nnx.merge(graphdef, weights),
       max_model_len=max_model_len,
@@ -461,7 +648,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       raise ValueError(f"filter_types={filter_types}: only nnx.Param or nnx.LoRAParam")
     engine_paths = set(state_leaves(self.llm.llm_engine.runner.weights))
     if isinstance(params, nnx.State) and set(state_leaves(params)) == engine_paths:
-      self.llm.load_weights(params)
+      with self._kv_cache_freed():
+        self.llm.load_weights(params)
       return
     if lora_only and self.lora_request is None:
       raise ValueError(f"filter_types={filter_types}: this rollout was built without LoRA")
@@ -477,10 +665,43 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       )
     adapter = self._lora_adapter(lora) if lora else None  # checked before anything changes
     if not lora_only:
-      leaves = engine_leaves(base, self.config, self.dtype, self.device)
-      self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
+      check_tunix_params(base, self.config)  # on the host, before the KV cache is freed
+      with self._kv_cache_freed():
+        leaves = engine_leaves(
+          base,
+          self.config,
+          self.dtype,
+          self.device,
+          shardings=self._weight_shardings(),
+          chunk_bytes=self.reshard_chunk_bytes,
+        )
+        self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
     if adapter is not None:
       self.llm.load_lora_weights(cast(LoRARequest, self.lora_request), adapter)
+
+  @contextlib.contextmanager
+  def _kv_cache_freed(self) -> Iterator[None]:
+    """With `free_kv_cache_during_sync`, the engine's KV cache is freed inside (its bytes in
+    `kv_cache_bytes_freed`) and a fresh one of the same pages made after, even on an error
+    (`LLMEngine.free_kv_cache`, ``wake_up(tags=["kv_cache"])``: nothing compiles)."""
+    engine = self.llm.llm_engine
+    if not self.free_kv_cache_during_sync or engine.is_sleeping():
+      yield
+      return
+    self.kv_cache_bytes_freed = engine.free_kv_cache()
+    try:
+      yield
+    finally:
+      engine.wake_up(["kv_cache"])
+
+  def _weight_shardings(self) -> dict[Any, jax.sharding.Sharding] | None:
+    """The engine's weight shardings by leaf path (where a sync puts each converted leaf,
+    chunk by chunk), or None when the weights are not committed to a placement (an engine
+    without a mesh)."""
+    leaves = state_leaves(self.llm.llm_engine.runner.weights)
+    if not all(getattr(leaf, "committed", False) for leaf in leaves.values()):
+      return None
+    return {path: leaf.sharding for path, leaf in leaves.items()}
 
   def _lora_adapter(self, lora: dict[str, Any]) -> LoRAAdapter:
     """The engine adapter of qwix LoRA leaves, checked against the engine's slots (ValueError,

@@ -95,6 +95,7 @@ from jaxengine.models.weights import LeafPath, dotted, leaf_path
 
 __all__ = [
   "SUPPORTED_MODELS",
+  "check_tunix_params",
   "config_from_tunix",
   "effective_rope_theta",
   "engine_leaves",
@@ -414,27 +415,51 @@ def on_device(x: Any, device: jax.Device) -> jax.Array:
   return jax.device_put(x, device)
 
 
-def engine_leaves(
-  params: Mapping[str, jax.Array], config: EngineConfig, dtype, device: jax.Device
-) -> dict[LeafPath, jax.Array]:
-  """The engine model's leaves from a Tunix model's parameters (see `tunix_param_leaves`).
+@functools.lru_cache(maxsize=64)
+def _unit_rules(config: EngineConfig, unit: int | None) -> dict[LeafPath, tuple[str, Any]]:
+  """`leaf_rules` of one conversion unit: the top-level leaves (`unit` None, full paths and
+  names) or layer `unit`'s (paths and Tunix names relative to the layer: ``("attn", "wq")`` from
+  ``"attn.q_proj.w"``)."""
+  rules = leaf_rules(config)
+  if unit is None:
+    return {path: rule for path, rule in rules.items() if path[0] != "layers"}
+  prefix = f"layers.{unit}."
+  return {
+    path[2:]: (name.removeprefix(prefix), change)
+    for path, (name, change) in rules.items()
+    if path[:2] == ("layers", unit)
+  }
 
-  Args:
-    params: every Tunix parameter by dotted name; JAX or NumPy arrays of any floating dtype.
-    config: the engine model's config (`config_from_tunix`).
-    dtype: the engine model's parameter dtype (norm scales stay float32).
-    device: where the engine's weights live (`on_device`; JAX arrays never pass through the
-      host, so this runs under Tunix's transfer guard).
 
-  Returns:
-    ``{engine leaf path: array}`` for every leaf, committed to `device`.
+def _template_layer(config: EngineConfig, layer: int) -> int:
+  """The first layer converted as `layer` is (a mixture-of-experts layer or a dense one), so
+  every layer of a kind shares one executable of `_convert_unit`."""
+  moe_layers = getattr(config, "moe_layers", ()) if getattr(config, "num_experts", 0) else ()
+  sparse = layer in moe_layers
+  return next(i for i in range(config.num_hidden_layers) if (i in moe_layers) == sparse)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "unit"))
+def _convert_unit(
+  leaves: dict[str, jax.Array], config: EngineConfig, dtype, unit: int | None
+) -> dict[str, jax.Array]:
+  """`_convert` of one unit (`_unit_rules`; a layer by its `_template_layer`, so the 30 layers
+  of a dense model compile one executable)."""
+  out = {}
+  for path, (name, change) in _unit_rules(config, unit).items():
+    value = leaves[name] if change is None else change(leaves[name])
+    out[dotted(path)] = value.astype(jnp.float32 if path[-1] == "scale" else dtype)
+  return out
+
+
+def check_tunix_params(params: Mapping[str, Any], config: EngineConfig) -> list[str]:
+  """The Tunix parameter names the engine reads, sorted, after checking `params` by name alone
+  (on the host).
 
   Raises:
-    ValueError: naming the first missing or unexpected Tunix parameter (nothing is converted
-      then; shapes are checked by `LLM.load_weights`).
+    ValueError: naming the first missing or unexpected parameter.
   """
-  rules = leaf_rules(config)
-  expected = sorted({name for name, _ in rules.values()})
+  expected = sorted({name for name, _ in leaf_rules(config).values()})
   missing = [name for name in expected if name not in params]
   if missing:
     raise ValueError(f"the Tunix parameters lack {missing[0]!r} ({len(missing)} missing)")
@@ -442,6 +467,74 @@ def engine_leaves(
   extra = [n for n in params if n not in known and not n.startswith(IGNORED_PREFIXES)]
   if extra:
     raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA is not supported)")
-  placed = {name: on_device(params[name], device) for name in expected}
-  converted = _convert(placed, config, jnp.dtype(dtype))
-  return {path: converted[dotted(path)] for path in rules}
+  return expected
+
+
+def engine_leaves(
+  params: Mapping[str, jax.Array],
+  config: EngineConfig,
+  dtype,
+  device: jax.Device,
+  *,
+  shardings: Mapping[LeafPath, jax.sharding.Sharding] | None = None,
+  chunk_bytes: int | None = None,
+) -> dict[LeafPath, jax.Array]:
+  """The engine model's leaves from a Tunix model's parameters (see `tunix_param_leaves`).
+
+  All at once (`chunk_bytes` None): every parameter is moved onto `device`, then one jitted
+  function changes every layout; the peak is two extra copies of the model (the parameters
+  moved and the converted leaves). In chunks: the top-level parameters, then layer after
+  layer, each moved, converted (one executable per kind of layer, compiled on the first sync)
+  and placed; after each chunk of at least `chunk_bytes` of parameters (or the last) the host
+  waits for the device, so the parameters in flight never exceed a chunk and one layer: the
+  peak is one extra copy of the model (the converted leaves) and a chunk. The values are the
+  same either way.
+
+  Args:
+    params: every Tunix parameter by dotted name; JAX or NumPy arrays of any floating dtype.
+    config: the engine model's config (`config_from_tunix`).
+    dtype: the engine model's parameter dtype (norm scales stay float32).
+    device: where the parameters are converted (`on_device`; JAX arrays never pass through the
+      host, so this runs under Tunix's transfer guard).
+    shardings: where each converted leaf goes (the engine's placement, by leaf path), per chunk;
+      None: it stays on `device`.
+    chunk_bytes: the parameter bytes per chunk (a positive int), or None: all at once.
+
+  Returns:
+    ``{engine leaf path: array}`` for every leaf, committed to `device` (or `shardings`).
+
+  Raises:
+    ValueError: naming the first missing or unexpected Tunix parameter, or a `chunk_bytes` that
+      is not a positive int (nothing is converted then; shapes are checked by
+      `LLM.load_weights`).
+  """
+  if chunk_bytes is not None and (
+    isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
+  ):
+    raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+  rules = leaf_rules(config)
+  expected = check_tunix_params(params, config)
+  place = (lambda x, _: x) if shardings is None else (lambda x, p: jax.device_put(x, shardings[p]))
+  if chunk_bytes is None:
+    placed = {name: on_device(params[name], device) for name in expected}
+    converted = _convert(placed, config, jnp.dtype(dtype))
+    return {path: place(converted[dotted(path)], path) for path in rules}
+  out: dict[LeafPath, jax.Array] = {}
+  chunk: list[jax.Array] = []
+  in_flight = 0
+  units: list[int | None] = [None, *range(config.num_hidden_layers)]
+  for index, unit in enumerate(units):
+    template = None if unit is None else _template_layer(config, unit)
+    prefix = "" if unit is None else f"layers.{unit}."
+    names = sorted({name for name, _ in _unit_rules(config, template).values()})
+    placed = {name: on_device(params[prefix + name], device) for name in names}
+    converted = _convert_unit(placed, config, jnp.dtype(dtype), template)
+    for rel in _unit_rules(config, template):
+      path = rel if unit is None else ("layers", unit, *rel)
+      out[path] = place(converted[dotted(rel)], path)
+      chunk.append(out[path])
+    in_flight += sum(int(x.nbytes) for x in placed.values())
+    if in_flight >= chunk_bytes or index == len(units) - 1:
+      jax.block_until_ready(chunk)  # the chunk's moved parameters are freed before the next
+      chunk, in_flight = [], 0
+  return out

@@ -548,6 +548,33 @@ class ModelRunner:
     state.asleep.update(sleep_mode.SLEEP_TAGS)
     state.level = max(state.level, level)
 
+  def free_kv_cache(self) -> int:
+    """Frees the KV cache's pages alone (the weights stay where they are) until
+    ``wake_up(tags=["kv_cache"])``: the memory a weight sync can use (`sleep` at level 1 without
+    moving the weights). The prefix cache is emptied.
+
+    Returns:
+      The device bytes freed (every device's share of the pages; 0 when already freed).
+
+    Raises:
+      RuntimeError: a batch that still holds requests (nothing changes).
+    """
+    if self.input_batch.num_reqs:
+      raise RuntimeError(
+        f"free_kv_cache needs an empty batch, it holds {self.input_batch.num_reqs} requests"
+      )
+    state = self._sleep
+    if self.kv_cache is None:
+      return 0
+    freed = sleep_mode.device_bytes(self.kv_cache)
+    state.kv_cache_slots = sleep_mode.slots(self.kv_cache)
+    sleep_mode.delete(self.kv_cache)
+    self.kv_cache = cast(PagedKVCache, None)
+    self.reset_prefix_cache()
+    state.asleep.add("kv_cache")
+    state.level = max(state.level, 1)
+    return freed
+
   def wake_up(self, tags: Sequence[str] | None = None) -> None:
     """Puts back what `sleep` freed: the weights on the device as they were placed (level 1; at
     level 2 they stay discarded until `load_weights`) and a fresh, empty KV cache of the same
