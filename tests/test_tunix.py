@@ -11,6 +11,8 @@ colocated on the trainer's.
 from __future__ import annotations
 
 import functools
+import os
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from subprocess_utils import run_python
 from tunix.models.gemma import model as gemma
 from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
@@ -29,7 +32,9 @@ from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout, vanilla_rollout
 
 from jaxengine.integrations.tunix import JaxEngineRollout, tokenize_prompts
+from jaxengine.models.weights import state_leaves
 from jaxengine.testing import count_compiles
+from jaxengine.worker import sleep_mode
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 264  # 3 special ids + 256 bytes + 5 never produced by text
@@ -349,6 +354,93 @@ def test_rollouts_after_update_params_sample_from_the_new_weights(served):
   rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))  # back for the other tests
 
 
+def test_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(served):
+  """A sync in chunks of one layer, the KV cache freed meanwhile, gives the weights of a sync
+  all at once, bit for bit, the same rollouts after, and compiles nothing once warm."""
+  name, model, rollout = served
+  config = rollout_config(seed=5)
+  old, new = nnx.state(model, nnx.Param), nnx.state(build(name, seed=7), nnx.Param)
+  weights = lambda: {
+    p: np.asarray(x) for p, x in state_leaves(rollout.llm.llm_engine.runner.weights).items()
+  }
+  rollout.update_params(new, (nnx.Param,))
+  whole, want = weights(), rollout.generate(PROMPTS, config)
+  rollout.update_params(old, (nnx.Param,))
+  rollout.free_kv_cache_during_sync, rollout.reshard_chunk_bytes = True, 1
+  try:
+    rollout.update_params(new, (nnx.Param,))  # compiles the per-layer conversion once
+    rollout.update_params(old, (nnx.Param,))
+    with count_compiles() as compiles:
+      rollout.update_params(new, (nnx.Param,))
+      got = rollout.generate(PROMPTS, config)
+    assert compiles.count == 0
+    cache = rollout.llm.llm_engine.runner.kv_cache
+    assert rollout.kv_cache_bytes_freed == sleep_mode.device_bytes(cache) > 0
+    chunked = weights()
+    assert chunked.keys() == whole.keys()
+    for path, value in whole.items():
+      np.testing.assert_array_equal(chunked[path], value, err_msg=str(path))
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    np.testing.assert_array_equal(np.concatenate(got.logprobs), np.concatenate(want.logprobs))
+  finally:
+    rollout.free_kv_cache_during_sync, rollout.reshard_chunk_bytes = False, None
+    rollout.update_params(old, (nnx.Param,))  # back for the other tests
+
+
+# Tunix's defaults (-1, -1) on a 2 x 2 rollout mesh of host devices resolve to every device
+# splitting each layer. On a rollout mesh of the last two devices, RolloutConfig's
+# tensor_parallel_size=2 and data_parallel_size=-1 (inferred: 1) place the engine on those two
+# devices, weights split; greedy rollouts equal a one-device rollout's, before and after a
+# chunked sync with the KV cache freed, and a warm sync and rollout compile nothing.
+MESH_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    sys.path.insert(0, sys.argv[1])
+    import jax, numpy as np
+    from flax import nnx
+    from tunix.rl.rollout import base_rollout
+    from test_tunix import AUTO, PROMPTS, ByteTokenizer, build, rollout_config
+    from jaxengine.integrations.tunix import JaxEngineRollout, engine_placement
+    from jaxengine.testing import count_compiles
+
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), axis_types=AUTO)
+    rollout_mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO, devices=jax.devices()[2:])
+    options = {}
+    engine_placement(base_rollout.RolloutConfig(), mesh, jax.devices()[0], options, lora=False)
+    assert dict(options["mesh"].shape) == {"data": 1, "model": 4}, options["mesh"].shape
+    model = build("llama3")  # 4 query heads over 2 kv heads
+    greedy = rollout_config(top_p=None)
+    one = JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), max_num_reqs=4)
+    sharded = JaxEngineRollout(
+      rollout_actor=model, tokenizer=ByteTokenizer(), mesh=rollout_mesh, max_num_reqs=4,
+      rollout_config=rollout_config(tensor_parallel_size=2, data_parallel_size=-1),
+      reshard_chunk_bytes=1, free_kv_cache_during_sync=True,
+    )
+    assert dict(sharded.llm.config.mesh.shape) == {"data": 1, "model": 2}
+    assert set(sharded.llm.config.mesh.devices.flat) == set(jax.devices()[2:])
+    tokens = lambda out: [t.tolist() for t in out.tokens]
+    assert tokens(sharded.generate(PROMPTS, greedy)) == tokens(one.generate(PROMPTS, greedy))
+    old, new = nnx.state(model, nnx.Param), nnx.state(build("llama3", seed=7), nnx.Param)
+    for params in (new, old):
+      sharded.update_params(params, (nnx.Param,))
+    one.update_params(new, (nnx.Param,))
+    with count_compiles() as compiles:
+      sharded.update_params(new, (nnx.Param,))
+      got = sharded.generate(PROMPTS, greedy)
+    assert compiles.count == 0, compiles.count
+    assert tokens(got) == tokens(one.generate(PROMPTS, greedy))
+    wq = sharded.llm.llm_engine.runner.weights["layers"][0]["attn"]["wq"].value
+    assert len(wq.sharding.device_set) == 2 and wq.sharding.shard_shape(wq.shape) != wq.shape
+    assert sharded.kv_cache_bytes_freed > 0
+    print("ok")
+""")
+
+
+def test_rollout_mesh_and_parallel_sizes_place_the_engine():
+  out = run_python(MESH_SCRIPT, os.path.dirname(__file__), timeout=900)
+  assert out.strip().endswith("ok")
+
+
 def test_bad_inputs_raise_value_errors(served):
   _, model, rollout = served
   with pytest.raises(ValueError, match="built without LoRA"):
@@ -367,6 +459,31 @@ def test_bad_inputs_raise_value_errors(served):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")
   with pytest.raises(ValueError, match="quantization='int8' is not supported"):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), quantization="int8")
+  # Placement and memory options, refused before anything is placed.
+  for options, match in [
+    (dict(reshard_chunk_bytes=0), "reshard_chunk_bytes must be a positive int"),
+    (dict(free_kv_cache_during_sync="yes"), "free_kv_cache_during_sync must be a bool"),
+    (dict(gpu_memory_utilization=0.0), r"^gpu_memory_utilization must be a float in \(0, 1\]"),
+    (
+      dict(rollout_config=rollout_config(rollout_vllm_hbm_utilization=1.5)),
+      r"RolloutConfig.rollout_vllm_hbm_utilization must be a float in \(0, 1\], got 1.5",
+    ),
+    (
+      dict(rollout_config=rollout_config(tensor_parallel_size=0)),
+      "RolloutConfig.tensor_parallel_size must be -1 or a positive int, got 0",
+    ),
+    (
+      dict(rollout_config=rollout_config(tensor_parallel_size=2), tensor_parallel_size=1),
+      "RolloutConfig.tensor_parallel_size=2 conflicts with the engine options' "
+      "tensor_parallel_size=1",
+    ),
+    (
+      dict(rollout_config=rollout_config(data_parallel_size=2)),
+      "data_parallel_size=2 needs 2 devices, the rollout mesh has 1",
+    ),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), **options)
 
 
 def test_tokenize_prompts_dedups_bos_and_left_pads():

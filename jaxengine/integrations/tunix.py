@@ -105,7 +105,7 @@ def _engine_sizes(engine_options: dict[str, Any]) -> dict[str, int] | None:
       "data_parallel_size": int(mesh.shape.get("data", 1)),
     }
   given = {k: engine_options.get(k) for k in PARALLEL_FIELDS}
-  if all(v in (None, 1) for v in given.values()):
+  if all(v is None for v in given.values()):
     return None
   return {k: 1 if v is None else int(v) for k, v in given.items()}
 
@@ -153,7 +153,11 @@ def engine_placement(
           f"RolloutConfig.{name}={value} conflicts with the engine options' {name}="
           f"{given[name]} (give one, or the same)"
         )
-    return
+    if engine_options.get("mesh") is not None or given != dict.fromkeys(PARALLEL_FIELDS, 1):
+      return
+    sizes = dict.fromkeys(PARALLEL_FIELDS, 1)  # one device, as the options say
+    for name in PARALLEL_FIELDS:
+      engine_options.pop(name, None)
   if lora:
     for name, value in sizes.items():
       if value > 1:
