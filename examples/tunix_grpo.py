@@ -14,8 +14,12 @@ the rollout takes the base weights once and the adapter alone after every step.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import itertools
+import pstats
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,7 @@ from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
 
 from jaxengine.integrations.tunix import JaxEngineRollout
+from jaxengine.testing import count_compiles
 
 
 class ByteTokenizer:
@@ -50,18 +55,32 @@ class ByteTokenizer:
     return 0
 
 
-def tiny_actor(mesh) -> nnx.Module:
-  """A 2-layer Tunix Llama 3 with random weights (Tunix zero-initialises its MLPs)."""
-  config = llama3.ModelConfig(
+#: Tunix Llama 3 configs by `--size`: "tiny" (2 layers, ~60k parameters) and "smollm2", the
+#: shape of SmolLM2-135M (30 layers, hidden 576, 9 query heads over 3 key/value heads of 64,
+#: MLP 1536, vocabulary 49152, tied embeddings: 135M parameters), both with random weights.
+SIZES = {
+  "tiny": dict(
     num_layers=2, vocab_size=264, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
     num_kv_heads=2, rope_theta=500_000, norm_eps=1e-5, weight_tying=True,
-  )  # fmt: skip
+  ),
+  "smollm2": dict(
+    num_layers=30, vocab_size=49152, embed_dim=576, hidden_dim=1536, num_heads=9, head_dim=64,
+    num_kv_heads=3, rope_theta=100_000, norm_eps=1e-5, weight_tying=True,
+  ),
+}  # fmt: skip
+
+
+def tiny_actor(mesh, size: str = "tiny") -> nnx.Module:
+  """A Tunix Llama 3 of `SIZES[size]` with random weights (Tunix zero-initialises its MLPs)."""
+  config = llama3.ModelConfig(**SIZES[size])
   with mesh:
     model = nnx.eval_shape(lambda: llama3.Llama3(config, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(0)
   state = nnx.state(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(state)
-  scale = lambda leaf: (0.3, 0.0) if leaf.ndim > 1 else (0.1, 1.0)  # norms around 1
+  # norms around 1; matrices N(0, 0.3) on the tiny model, N(0, 1 / fan-in)-ish on larger ones
+  wide = 0.3 if size == "tiny" else 0.05
+  scale = lambda leaf: (wide, 0.0) if leaf.ndim > 1 else (0.1, 1.0)
   nnx.update(
     model,
     jax.tree.unflatten(
@@ -79,9 +98,9 @@ def tiny_actor(mesh) -> nnx.Module:
 LORA_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
 
-def lora_actor(mesh, rank: int) -> nnx.Module:
+def lora_actor(mesh, rank: int, size: str = "tiny") -> nnx.Module:
   """`tiny_actor` with qwix LoRA of `rank` and alpha ``2 * rank`` on every projection."""
-  model = tiny_actor(mesh)
+  model = tiny_actor(mesh, size)
   provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=rank, alpha=2.0 * rank)
   with mesh:
     return qwix.apply_lora_to_model(model, provider, **model.get_model_input(), rngs=nnx.Rngs(1))
@@ -92,13 +111,25 @@ def reward(prompts, completions, **kwargs):
   return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
 
 
-def run(rollout_engine, steps: int, lora_rank: int = 0) -> list[float]:
-  """Trains `steps` GRPO steps (a LoRA actor of `lora_rank` unless 0); returns the rollout time
-  of each (seconds)."""
+class StepTimes(NamedTuple):
+  """Seconds per training step of one run (index 0: the first step, which compiles)."""
+
+  rollout: list[float]  # the rollout engine's `generate` calls of the step
+  compiles: list[int]  # XLA compiles during those calls
+  sync: list[float]  # the weight syncs after the step (`RLCluster.sync_weights`)
+  step: list[float]  # from one step's first rollout to the next's (the last: to the end)
+
+
+def run(
+  rollout_engine, steps: int, lora_rank: int = 0, size: str = "tiny", profile: bool = False
+) -> StepTimes:
+  """Trains `steps` GRPO steps (a LoRA actor of `lora_rank` unless 0) on a model of `size`;
+  returns the time of each step's rollouts, syncs and the whole step (seconds). With `profile`,
+  prints where the rollouts' host time goes after the first step (cProfile, top functions)."""
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   role = rl_cluster_lib.Role
   cluster = rl_cluster_lib.RLCluster(
-    actor=lora_actor(mesh, lora_rank) if lora_rank else tiny_actor(mesh),
+    actor=lora_actor(mesh, lora_rank, size) if lora_rank else tiny_actor(mesh, size),
     tokenizer=ByteTokenizer(),
     cluster_config=rl_cluster_lib.ClusterConfig(
       role_to_mesh={role.ACTOR: mesh, role.REFERENCE: mesh, role.ROLLOUT: mesh},
@@ -111,48 +142,97 @@ def run(rollout_engine, steps: int, lora_rank: int = 0) -> list[float]:
       ),
     ),
   )
-  times: list[float] = []
-  generate = cluster.rollout.generate
+  rollout: list[tuple[float, float]] = []  # (start, seconds) of every generate call
+  syncs: list[float] = []
+  profiler = cProfile.Profile() if profile else None
+  generate, sync_weights = cluster.rollout.generate, cluster.sync_weights
+
+  compiles: list[int] = []
 
   def timed_generate(*args, **kwargs):
+    on = profiler is not None and len(rollout) >= calls_per_step
     start = time.perf_counter()
-    out = generate(*args, **kwargs)
-    times.append(time.perf_counter() - start)
-    return out
+    if on:
+      profiler.enable()
+    counter = count_compiles()
+    try:
+      with counter:
+        return generate(*args, **kwargs)
+    finally:
+      if on:
+        profiler.disable()
+      rollout.append((start, time.perf_counter() - start))
+      compiles.append(counter.count)
+
+  def timed_sync(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return sync_weights(*args, **kwargs)
+    finally:
+      syncs.append(time.perf_counter() - start)
 
   cluster.rollout.generate = timed_generate
+  cluster.sync_weights = timed_sync
   learner = grpo_learner.GRPOLearner(
     rl_cluster=cluster,
     algo_config=grpo_learner.GRPOConfig(num_generations=4, num_iterations=1, beta=0.0),
     reward_fns=reward,
   )
   prompts = np.array(["The cat", "A dog", "Once upon", "Hello"])
+  calls_per_step = 1  # Tunix's rollouts of one step: one call for this batch
   learner.train([{"prompts": prompts}] * steps)
-  return times
+  end = time.perf_counter()
+  if profiler is not None:
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+  starts = [t for t, _ in rollout][::calls_per_step] + [end]
+  spans = list(itertools.pairwise(starts))
+  per_step = [sum(dt for t, dt in rollout if a <= t < b) for a, b in spans]
+  step_compiles = [sum(c for (t, _), c in zip(rollout, compiles) if a <= t < b) for a, b in spans]
+  return StepTimes(per_step, step_compiles, syncs, [b - a for a, b in spans])
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=4)
+  parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the actor's shape")
   parser.add_argument("--max-num-reqs", type=int, default=16)
   parser.add_argument(
-    "--num-decode-steps", type=int, default=1, help="decode steps per dispatch (off a mesh)"
+    "--num-decode-steps", type=int, default=None, help="decode steps per dispatch (default 16)"
+  )
+  parser.add_argument(
+    "--reshard-chunk-mib", type=int, default=0, help="sync the weights in chunks of this many MiB"
+  )
+  parser.add_argument(
+    "--free-kv-cache-during-sync", action="store_true", help="free the KV cache during syncs"
   )
   parser.add_argument("--compare", action="store_true", help="also run Tunix's vanilla rollout")
   parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="a qwix LoRA actor")
+  parser.add_argument(
+    "--profile", action="store_true", help="print where the rollouts' host time goes (cProfile)"
+  )
   args = parser.parse_args()
-  options: dict = dict(max_num_reqs=args.max_num_reqs, num_decode_steps=args.num_decode_steps)
+  options: dict = dict(
+    max_num_reqs=args.max_num_reqs,
+    free_kv_cache_during_sync=args.free_kv_cache_during_sync,
+    reshard_chunk_bytes=args.reshard_chunk_mib << 20 or None,
+  )
+  if args.num_decode_steps is not None:
+    options["num_decode_steps"] = args.num_decode_steps
   if args.lora:
     options["lora_alpha"] = 2.0 * args.lora
   engines = {"jaxengine": functools.partial(JaxEngineRollout, **options)}
   if args.compare:
     engines["vanilla"] = "vanilla"
+  print(f"{jax.devices()[0].device_kind}, --size {args.size}, {args.steps} steps")
   for name, engine in engines.items():
-    times = run(engine, args.steps, args.lora)
-    steady = times[1:] or times
+    times = run(engine, args.steps, args.lora, args.size, args.profile and name == "jaxengine")
+    after = lambda xs: f"{np.mean(xs[1:] or xs):.3f}"
     print(
-      f"{name}: rollout seconds per step {[round(t, 3) for t in times]}; "
-      f"after the first: mean {np.mean(steady):.3f} s"
+      f"{name}: rollout s/step {[round(t, 3) for t in times.rollout]} (after the first: mean "
+      f"{after(times.rollout)}; compiles {times.compiles}); "
+      f"sync s {[round(t, 3) for t in times.sync]}; whole step s "
+      f"{[round(t, 3) for t in times.step]} (after the first: mean {after(times.step)})",
+      flush=True,
     )
 
 

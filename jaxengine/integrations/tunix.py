@@ -75,6 +75,13 @@ from jaxengine.params import SamplingParams
 __all__ = ["JaxEngineRollout", "PaddedPrompts", "sampling_params", "tokenize_prompts"]
 
 
+#: The engine's `num_decode_steps` unless given: decode steps per device dispatch. A rollout
+#: decodes its whole batch to the end, so a device loop of up to 16 steps (which ends early once
+#: every row has stopped) pays the host round trip once per 16 tokens instead of every token:
+#: on the tiny model of `examples/tunix_grpo.py` the rollout's steady step went from 0.09 s to
+#: 0.02-0.04 s on a 2-core CPU.
+DEFAULT_NUM_DECODE_STEPS = 16
+
 #: `RolloutConfig`'s parallelism fields -> the engine option of the same meaning.
 PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size")
 
@@ -447,7 +454,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     **engine_options: `jaxengine.EngineConfig` fields (`max_num_reqs`, `max_model_len`, `seed`,
       ...). `logprobs_mode` is fixed ("processed_logprobs") and may not be given;
       `compilation_cache` defaults to False here (JAX's persistent cache is process-wide: on,
-      it would hold the trainer's executables too). `gpu_memory_utilization` (default:
+      it would hold the trainer's executables too), `num_decode_steps` to
+      `DEFAULT_NUM_DECODE_STEPS` (16). `gpu_memory_utilization` (default:
       `RolloutConfig.rollout_vllm_hbm_utilization`, Tunix's 0.2) is the engine's own share of
       each device's memory, its weights and KV cache together (vLLM's meaning, whatever a
       colocated trainer holds: `process_memory_fraction`); it bounds the default KV cache,
@@ -539,6 +547,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     )
     weights = replace_leaves(abstract_weights, leaves)
     engine_options.setdefault("compilation_cache", False)
+    engine_options.setdefault("num_decode_steps", DEFAULT_NUM_DECODE_STEPS)
     self.llm = LLM(
       nnx.merge(graphdef, weights),
       max_model_len=max_model_len,
