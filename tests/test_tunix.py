@@ -31,7 +31,11 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout, vanilla_rollout
 
-from jaxengine.integrations.tunix import JaxEngineRollout, tokenize_prompts
+from jaxengine.integrations.tunix import (
+  JaxEngineRollout,
+  process_memory_fraction,
+  tokenize_prompts,
+)
 from jaxengine.models.weights import state_leaves
 from jaxengine.testing import count_compiles
 from jaxengine.worker import sleep_mode
@@ -439,6 +443,22 @@ MESH_SCRIPT = textwrap.dedent("""
 def test_rollout_mesh_and_parallel_sizes_place_the_engine():
   out = run_python(MESH_SCRIPT, os.path.dirname(__file__), timeout=900)
   assert out.strip().endswith("ok")
+
+
+def test_the_memory_fraction_is_the_engines_own_share():
+  """`gpu_memory_utilization` for the engine adds what the devices already hold (a colocated
+  trainer) to the rollout's fraction, at most 1; devices without statistics (CPU) keep it."""
+
+  class Device:
+    def __init__(self, in_use: int):
+      self.stats = {"bytes_limit": 1000, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+      return self.stats
+
+  assert process_memory_fraction(0.2, [Device(300), Device(100)]) == pytest.approx(0.5)
+  assert process_memory_fraction(0.9, [Device(500)]) == 1.0
+  assert process_memory_fraction(0.2, jax.devices()[:1]) == 0.2
 
 
 def test_bad_inputs_raise_value_errors(served):
