@@ -30,7 +30,7 @@ from flax import nnx
 from tunix.models.llama3 import model as llama3
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
-from tunix.rl.rollout import base_rollout
+from tunix.rl.rollout import base_rollout, vanilla_rollout
 
 from jaxengine.integrations.tunix import JaxEngineRollout
 from jaxengine.testing import count_compiles
@@ -191,6 +191,50 @@ def run(
   return StepTimes(per_step, step_compiles, syncs, [b - a for a, b in spans])
 
 
+def run_rollout_only(rollout_engine, steps: int, size: str = "tiny") -> StepTimes:
+  """The rollout side of `run` without the trainer (a machine without memory for the trainer's
+  optimizer state): each step generates the same 16 rollouts as a GRPO step, then syncs new
+  weights (the actor's weights scaled by 1.001 and back, alternately) through `update_params`,
+  as `RLCluster.sync_weights` does after a training step. Returns the rollout, compile, sync
+  and whole-step times per step."""
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  actor = tiny_actor(mesh, size)
+  tokenizer = ByteTokenizer()
+  config = base_rollout.RolloutConfig(
+    max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, kv_cache_size=64
+  )
+  if rollout_engine == "vanilla":
+    cache = base_rollout.CacheConfig(
+      cache_size=64,
+      num_layers=actor.config.num_layers,
+      num_kv_heads=actor.config.num_kv_heads,
+      head_dim=actor.config.head_dim,
+    )
+    rollout = vanilla_rollout.VanillaRollout(actor, tokenizer, cache)
+  else:
+    rollout = rollout_engine(
+      rollout_actor=actor, tokenizer=tokenizer, mesh=mesh, rollout_config=config
+    )
+  params = nnx.state(actor, nnx.Param)
+  states = [params, jax.tree.map(lambda x: x * 1.001, params)]
+  prompts = [p for p in ["The cat", "A dog", "Once upon", "Hello"] for _ in range(4)]
+  times = StepTimes([], [], [], [])
+  for step in range(steps):
+    start = time.perf_counter()
+    with count_compiles() as compiles:
+      rollout.generate(prompts, config)
+    middle = time.perf_counter()
+    filter_types = None if rollout_engine == "vanilla" else (nnx.Param,)  # its arrays: no mesh
+    rollout.update_params(states[(step + 1) % 2], filter_types)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(rollout.model())))
+    end = time.perf_counter()
+    times.rollout.append(middle - start)
+    times.compiles.append(compiles.count)
+    times.sync.append(end - middle)
+    times.step.append(end - start)
+  return times
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=4)
@@ -210,6 +254,11 @@ def main() -> None:
   parser.add_argument(
     "--profile", action="store_true", help="print where the rollouts' host time goes (cProfile)"
   )
+  parser.add_argument(
+    "--rollout-only",
+    action="store_true",
+    help="no trainer: each step generates the step's rollouts and syncs new weights",
+  )
   args = parser.parse_args()
   options: dict = dict(
     max_num_reqs=args.max_num_reqs,
@@ -223,9 +272,13 @@ def main() -> None:
   engines = {"jaxengine": functools.partial(JaxEngineRollout, **options)}
   if args.compare:
     engines["vanilla"] = "vanilla"
-  print(f"{jax.devices()[0].device_kind}, --size {args.size}, {args.steps} steps")
+  mode = "rollout and sync only" if args.rollout_only else "GRPO"
+  print(f"{jax.devices()[0].device_kind}, --size {args.size}, {args.steps} steps, {mode}")
   for name, engine in engines.items():
-    times = run(engine, args.steps, args.lora, args.size, args.profile and name == "jaxengine")
+    if args.rollout_only:
+      times = run_rollout_only(engine, args.steps, args.size)
+    else:
+      times = run(engine, args.steps, args.lora, args.size, args.profile and name == "jaxengine")
     after = lambda xs: f"{np.mean(xs[1:] or xs):.3f}"
     print(
       f"{name}: rollout s/step {[round(t, 3) for t in times.rollout]} (after the first: mean "
