@@ -4,7 +4,8 @@ The host keeps the bookkeeping a scheduler talks to (`req_ids`, `req_id_to_index
 each request's output tokens) and turns every composition change into one call of a jitted,
 donating update of the device-side `BatchState`:
 
-  add_request      -> `write_row` (every per-row field overwritten: no stale state is inherited)
+  add_request      -> `write_rows` (every per-row field overwritten: no stale state is inherited;
+                      the rows admitted since the state was last read, in one call per 8)
   remove_request   -> host only (the row becomes a hole; its stale values are never read)
   condense         -> `move_rows` (highest live rows into the lowest holes; order not preserved)
   swap_states      -> `move_rows`
@@ -53,13 +54,15 @@ from jaxengine.config import (
 )
 from jaxengine.params import SamplingParams, is_int
 from jaxengine.sample import (
+  WRITE_CHUNK,
   BatchState,
+  RowUpdate,
   SamplingMetadata,
   batch_key_data,
   move_plan,
   move_rows,
   refresh_metadata,
-  write_row,
+  write_rows,
 )
 
 
@@ -153,6 +156,10 @@ class InputBatch:
     self.eos_token_ids = eos_tuple(eos_token_ids, config.vocab_size)
     self.config = config
     self._state = BatchState.create(config)
+    # Rows admitted but not yet written to the device state: written together (`write_rows`,
+    # `WRITE_CHUNK` at a time) the next time the state is read, one device call per chunk
+    # rather than one per request.
+    self._pending_rows: list[tuple[int, RowUpdate]] = []
     self._batch_key_data = batch_key_data(seed)
     self._serials = itertools.count()
     # Row-indexed host bookkeeping; None marks a hole (a removed request not yet condensed).
@@ -218,6 +225,30 @@ class InputBatch:
     """`k`, the largest logprobs count a live request asked for (`V` for `-1`), or None when no
     live request asked: how many logprobs columns a step's output needs on the host."""
     return max(self._num_logprobs.values(), default=None)
+
+  @property
+  def _state(self) -> BatchState:
+    """The device state, with the admitted rows written first (`_write_pending_rows`)."""
+    if self._pending_rows:
+      self._write_pending_rows()
+    return self._state_value
+
+  @_state.setter
+  def _state(self, value: BatchState) -> None:
+    self._state_value = value
+
+  def _write_pending_rows(self) -> None:
+    """Writes the admitted rows, `WRITE_CHUNK` per device call (a chunk padded with copies of its
+    last write, which write the same values again), in admission order."""
+    pending, self._pending_rows = self._pending_rows, []
+    state = self._state_value
+    for start in range(0, len(pending), WRITE_CHUNK):
+      chunk = pending[start : start + WRITE_CHUNK]
+      chunk += [chunk[-1]] * (WRITE_CHUNK - len(chunk))
+      indices = np.array([row for row, _ in chunk], np.int32)
+      rows = jax.tree.map(lambda *xs: np.stack(xs), *[update for _, update in chunk])
+      state = write_rows(state, indices, rows, self._batch_key_data)
+    self._state_value = state
 
   @property
   def state(self) -> BatchState:
@@ -311,7 +342,7 @@ class InputBatch:
       cache_slot=np.int32(cache_slot),
       serial=np.uint32(next(self._serials) % 2**32),
     )
-    self._state = write_row(self._state, jnp.int32(row), update, self._batch_key_data)
+    self._pending_rows.append((row, update))  # written when the state is next read
     outputs = list(request.output_token_ids.tolist())
     if row == len(self._req_ids):
       self._req_ids.append(req_id)
@@ -340,8 +371,9 @@ class InputBatch:
     Returns the request encoded as a row. Raises `ValueError` as `add_request` would.
     """
     args = (prompt_token_ids, sampling_params, output_token_ids)
+    # Shapes and dtypes only: the rows not yet written do not matter (nor are they written).
     return encode_request(
-      self.config, self.eos_token_ids, *args, self._state.logits_processor_states
+      self.config, self.eos_token_ids, *args, self._state_value.logits_processor_states
     )
 
   def remove_request(self, req_id: str) -> int | None:
@@ -419,7 +451,7 @@ class InputBatch:
     self._composition_changed()
 
   def precompile_updates(self) -> None:
-    """Compiles the device updates of composition changes (`write_row`, `move_rows`) and of
+    """Compiles the device updates of composition changes (`write_rows`, `move_rows`) and of
     `set_grammar_bitmask` now, on an empty batch, so that the first request does not wait for
     them. The batch is left as it was: row 0 of the state is written (a free row, overwritten
     whole by the next `add_request`), no row moves, no request is counted.
@@ -431,7 +463,8 @@ class InputBatch:
       raise ValueError(f"precompile needs an empty batch, it holds {self.num_reqs} requests")
     request = self.validate_request([0], SamplingParams())
     update = dataclasses.replace(request.row, cache_slot=np.int32(0), serial=np.uint32(0))
-    self._state = write_row(self._state, jnp.int32(0), update, self._batch_key_data)
+    self._pending_rows.append((0, update))
+    self._write_pending_rows()
     self._move_device_rows([])  # only padding: every move dropped
     self.set_grammar_bitmask(np.full(self._state.grammar_bitmask.shape, -1, np.int32))
 

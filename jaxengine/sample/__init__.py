@@ -5,7 +5,7 @@ checks this index against the imports):
   row_params.py   RowParams: the one table of per-row sampling parameters (dtype, off value,
                   which rows use it, encoding from SamplingParams)
   custom.py       LogitsProcessor (your own, row state in the batch), the grammar bitmask
-  state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row, move_rows
+  state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row(s), move_rows
   metadata.py     SamplingMetadata and refresh_metadata (per composition: flags, effective values)
   sharded.py      vocabulary-sharded top-k / argmax / scatters / draw under shard_map (mesh=)
   processors.py   stages 1-6: float32, allowed ids, bad words, min_tokens, logit_bias, penalties
@@ -29,17 +29,20 @@ from jaxengine.sample.metadata import SamplingMetadata, refresh_metadata
 from jaxengine.sample.rejection import RejectionOutput, rejection_sample, rejection_sample_step
 from jaxengine.sample.state import (
   MOVE_CHUNK,
+  WRITE_CHUNK,
   BatchState,
   RowUpdate,
   batch_key_data,
   move_plan,
   move_rows,
   write_row,
+  write_rows,
 )
 from jaxengine.sample.step import SamplerOutput, sample, sample_step
 
 __all__ = [
   "MOVE_CHUNK",
+  "WRITE_CHUNK",
   "BatchState",
   "LogitsProcessor",
   "LogprobsTensors",
@@ -57,4 +60,5 @@ __all__ = [
   "sample",
   "sample_step",
   "write_row",
+  "write_rows",
 ]

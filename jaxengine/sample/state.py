@@ -294,6 +294,34 @@ def write_row(
   return dataclasses.replace(state, **new_fields)
 
 
+#: Rows `write_rows` writes in one call (one shape: one executable for any number of admissions).
+WRITE_CHUNK = 8
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_rows(
+  state: BatchState, indices: jax.Array, rows: RowUpdate, batch_key_data: jax.Array
+) -> BatchState:
+  """`write_row` for `W` rows in one device call: row `indices[w]` gets `rows` at `w`, in order.
+
+  Args:
+    state: the batch state (donated: do not read it after the call).
+    indices: `[W] int32` rows to write; a repeated `(index, row)` pair writes the same values
+      again (the host pads a chunk with copies of its last write).
+    rows: `W` requests' `RowUpdate`s stacked on a leading axis.
+    batch_key_data: as `write_row`.
+
+  Returns:
+    The new state.
+  """
+
+  def body(w, state):
+    row = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, w, keepdims=False), rows)
+    return write_row(state, indices[w], row, batch_key_data)
+
+  return lax.fori_loop(0, indices.shape[0], body, state)
+
+
 #: Rows `move_rows` gathers and scatters at a time.
 MOVE_CHUNK = 8
 
