@@ -15,6 +15,7 @@ from jaxengine.core.block_pool import (
   extend_block_hashes,
   hash_block_tokens,
 )
+from jaxengine.core.kv_cache_groups import kv_cache_groups, single_group
 from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 BS = 4  # a small block size keeps the examples short
@@ -340,3 +341,41 @@ BlockBookkeeping.TestCase.settings = settings(
   suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
 test_block_bookkeeping = BlockBookkeeping.TestCase
+
+
+def test_layers_split_into_kv_cache_groups_of_equal_size():
+  assert kv_cache_groups(4, None, None) == single_group(4)  # no window: one group, as before
+  assert kv_cache_groups(4, 8, (1, 3), enabled=False) == single_group(4)
+  assert kv_cache_groups(4, 8, None).group_windows == (8,)  # Mistral: one window group
+  full = (5, 11, 17, 23, 29)  # Gemma 3 4B: 34 layers, 5 global
+  groups = kv_cache_groups(34, 1024, [i for i in range(34) if i not in full])
+  assert groups.group_windows == (None,) + (1024,) * 6 and groups.group_size == 5
+  assert [groups.layer_groups[i] for i in (5, 29, 0, 4, 6, 33)] == [
+    (0, 0), (0, 4), (1, 0), (1, 4), (2, 0), (6, 3)
+  ]  # fmt: skip
+
+
+def test_window_groups_free_slid_out_pages_and_shorten_prefix_hits_and_forks():
+  """Layer 1 global, layers 0 and 2 with a window of 4 (`kv_cache_groups`): three tables per
+  request from one pool; a window group frees the pages before `p0 - W` and a prefix hit or a
+  fork needs the window's pages of its first computed token."""
+  manager = KVCacheManager(
+    41, block_size=BS, groups=kv_cache_groups(3, 4, (0, 2)), max_num_batched_tokens=8
+  )
+  assert manager.num_blocks_needed(64) == 16 + 2 * 4  # full: 16; each window: (4 + 8) / 4 + 1
+  prompt = list(range(10, 22))
+  assert manager.allocate_slots("a", 8, token_ids=prompt) == [1, 2]
+  manager.allocate_slots("a", 4, num_computed_tokens=8, token_ids=prompt)
+  assert manager.get_group_block_ids("a") == ((1, 2, 7), (0, 4, 8), (0, 6, 9))  # 3, 5 freed
+  assert [manager.num_held_blocks("a", g) for g in range(3)] == [3, 2, 2]
+  manager.free("a")
+  manager.allocate_slots("x", 44)  # 33 pages: the 31 never used, then 3 and 5 (evicted)
+  assert manager.get_computed_blocks(prompt[:5]) == ComputedBlocks()  # window pages gone
+  hit = manager.get_computed_blocks(prompt[:9])
+  assert hit == ComputedBlocks((1, 2), 8, ((1, 2), (0, 4), (0, 6)))
+  assert manager.allocate_slots("b", 1, token_ids=prompt[:9], new_computed_blocks=hit) == [1, 2, 7]
+  assert manager.fork("b", "b#1", 9) == ComputedBlocks((1, 2), 8)
+  assert manager.get_group_block_ids("b#1") == ((1, 2), (0, 4), (0, 6))
+  manager.allocate_slots("b", 4, num_computed_tokens=12, token_ids=prompt)  # frees 4, 6 of b
+  assert manager.fork("b", "b#2", 9) == ComputedBlocks()  # b lost the window's pages
+  assert manager.block_pool.ref_cnt[4] == 1 and manager.free("b#1") == 4

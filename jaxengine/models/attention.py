@@ -177,7 +177,8 @@ def attention(
     sliding_window: ``W``, or None for full causal attention. With pages, the backend applies it
       (XLA and TPU; the GPU backend refuses one, `AttentionBackend.check_sliding_window`); the
       engine frees the pages that slid out of every window (KV cache groups,
-      `jaxengine.core.kv_cache_groups`, through the cache's `layer_groups`). A model may pass a different window (or None) per layer (Gemma's local and global layers).
+      `jaxengine.core.kv_cache_groups`, through the cache's `layer_groups`). A model may pass
+      a different window (or None) per layer (Gemma's local and global layers).
     soft_cap: None, or a positive float ``c`` (static): each scaled score ``s`` becomes
       ``c * tanh(s / c)`` before masking and the softmax (attention logit soft-capping, Gemma 2).
       With pages: the XLA and TPU backends apply it; the GPU backend refuses one
