@@ -445,23 +445,20 @@ class KVCacheManager:
 
   def _group_hit(self, hashes: Sequence[bytes]) -> ComputedBlocks:
     """The longest prefix of `hashes` every group has cached (`get_computed_blocks`)."""
-    tables: list[list[int]] = []
     num_hit = len(hashes)
     for group, window in enumerate(self.windows):
       if window is None:
         num_hit = min(num_hit, len(self._cached_run(hashes, group)))
     for num in range(num_hit, 0, -1):
-      tables = []
+      tables: list[tuple[int, ...]] = []
       for group in range(self.num_groups):
         first = self.first_window_block(group, num * self.block_size)
-        table = [NULL_BLOCK_ID] * first
-        table += [self.block_pool.get_cached_block(self._key(group, h)) for h in hashes[first:num]]
-        if None in table:
+        cached = [self.block_pool.get_cached_block(self._key(group, h)) for h in hashes[first:num]]
+        if None in cached:
           break
-        tables.append(table)  # type: ignore[arg-type]  # no None left
+        tables.append((NULL_BLOCK_ID,) * first + tuple(b for b in cached if b is not None))
       else:
-        groups = tuple(tuple(table) for table in tables)
-        return ComputedBlocks(groups[0], num * self.block_size, groups)
+        return ComputedBlocks(tables[0], num * self.block_size, tuple(tables))
     return ComputedBlocks()
 
   def _has_window_blocks(self, tables: Sequence[Sequence[int]], num_blocks: int) -> bool:
