@@ -394,7 +394,9 @@ class KVCacheManager:
     req = self._reqs.pop(req_id, None)
     if req is None:
       return 0
-    held = [b for table in req.block_ids for b in reversed(table) if b != NULL_BLOCK_ID]
+    # Last position first, every group's page of it together: a prompt's tail is evicted first.
+    rows = reversed(list(zip(*req.block_ids)))
+    held = [block for row in rows for block in row if block != NULL_BLOCK_ID]
     self.block_pool.free_blocks(held)
     return len(held)
 
