@@ -144,6 +144,7 @@ class KVCacheManager:
     #: Each group's window `W`, or None (full attention).
     self.windows = self.groups.group_windows
     self.max_num_batched_tokens = max_num_batched_tokens
+    self._frees_pages = self.groups.frees_pages  # read every allocation
     self._reqs: dict[str, _RequestBlocks] = {}
     self._counts = dict.fromkeys(("preemptions", "queries", "hits"), 0)
     self._evictions_at_reset = 0
@@ -160,7 +161,7 @@ class KVCacheManager:
   @property
   def frees_pages(self) -> bool:
     """Whether a window group frees pages that slid out of its window."""
-    return self.groups.frees_pages
+    return self._frees_pages
 
   @property
   def stats(self) -> KVCacheStats:
@@ -251,7 +252,7 @@ class KVCacheManager:
       [], token_ids[: usable * self.block_size], self.block_size, cache_key
     )
     self._counts["queries"] += len(token_ids)
-    if self.num_groups == 1 and not self.frees_pages:
+    if self.num_groups == 1 and not self._frees_pages:
       blocks = self._cached_run(hashes, 0)
       hit = ComputedBlocks(tuple(blocks), len(blocks) * self.block_size)
     else:
@@ -317,14 +318,16 @@ class KVCacheManager:
       )
     if hit.block_ids and held:
       raise ValueError(f"a prefix hit for {req_id!r}, which already holds {held} blocks")
-    if req is not None and self.frees_pages:
+    if req is not None and self._frees_pages:
       self._free_outside_windows(req, num_computed_tokens)
     hit_groups = hit.groups(self.num_groups)
     num_tokens = num_computed_tokens + hit.num_computed_tokens + num_new_tokens
     wanted = self.num_blocks_for(num_tokens + num_lookahead_tokens)
     num_new = max(0, wanted - held - len(hit.block_ids))
     pool = self.block_pool
-    hit_blocks = [b for table in hit_groups for b in table if b != NULL_BLOCK_ID]
+    hit_blocks = (
+      [b for table in hit_groups for b in table if b != NULL_BLOCK_ID] if hit.block_ids else []
+    )
     num_revived = sum(pool.ref_cnt[block] == 0 for block in hit_blocks)
     if num_new * self.num_groups + num_revived > pool.num_free_blocks:
       return None
