@@ -154,6 +154,13 @@ class EngineConfig:
       process: the same requests run again later may run in another shape, and without
       `batch_invariant` their logprobs can then differ in the last bits. The lm-eval
       integration turns it on (evals are short jobs); `precompile` makes it moot.
+    disable_hybrid_kv_cache_manager: vLLM's switch for the KV cache groups of a model with
+      sliding-window layers (Gemma 2 and 3, Mistral; `jaxengine/core/kv_cache_groups.py`).
+      False (default): a window layer's pages that slid out of every window are freed while
+      its request runs, so a long request holds about `W + chunk` positions of those layers'
+      keys and values, not its whole length. True: one block table for every layer, every
+      page held for the request's life (the cache before groups). No effect on a model
+      without windows.
     enforce_eager: vLLM's switch that turns off CUDA graphs and torch.compile; accepted (a
       bool) and without effect here: every step is a jitted XLA executable, compiled on first
       use per shape bucket (or all at once with `precompile`), and there is no eager mode to
@@ -220,6 +227,7 @@ class EngineConfig:
   batch_invariant: bool = False
   async_scheduling: bool | None = None
   reuse_compiled_shapes: bool = False
+  disable_hybrid_kv_cache_manager: bool = False
   enforce_eager: bool = False
   trust_remote_code: bool = False
   enable_lora: bool = False
@@ -266,6 +274,7 @@ class EngineConfig:
       "batch_invariant",
       "enable_expert_parallel",
       "reuse_compiled_shapes",
+      "disable_hybrid_kv_cache_manager",
       "enforce_eager",
       "trust_remote_code",
       "enable_lora",

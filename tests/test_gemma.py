@@ -213,6 +213,43 @@ def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(tmp_path):
   assert llm.llm_engine.spec_decode_stats.num_draft_tokens > 0
 
 
+def test_window_layers_free_their_pages_with_prefix_hits_and_preemption(tmp_path):
+  """Gemma 3's window layers (KV cache groups, on by default) free the pages that slid out of
+  the window: a 51-token request's window groups hold at most ``ceil((W + chunk) / B) + 1``
+  pages at every step (2 once decoding), the full group all of them; tokens stay
+  transformers' through a prefix hit and through preemptions in a pool too small for two."""
+  hf_model = _write(tmp_path, "gemma3")
+  chunk, window, block = 8, 4, 4
+  llm = je.LLM(
+    tmp_path, max_num_reqs=2, max_model_len=64, block_size=block, num_kv_blocks=22,
+    max_num_batched_tokens=chunk,
+  )  # fmt: skip
+  engine = llm.llm_engine
+  runner = engine.cores[0].runner
+  manager = runner.kv_cache_manager
+  assert manager.windows == (None, window, window)  # layer 1 full; layers 0 and 2 windowed
+  assert runner.kv_cache.layer_groups == ((1, 0), (0, 0), (2, 0)) and runner.num_blocks == 22
+  params = je.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+  with torch.no_grad():
+    want = [
+      hf_model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=None)[
+        0, len(p) :
+      ].tolist()
+      for p in PROMPTS
+    ]
+  engine.add_request("long", PROMPTS[0], params)
+  held = []
+  while engine.has_unfinished_requests():
+    held.append([manager.num_held_blocks("long", g) for g in range(3)])
+    engine.step()
+  bound = -(-(window + chunk) // block) + 1
+  assert max(max(h[1:]) for h in held) <= bound and held[-1] == [13, 2, 2]
+  outputs = llm.generate(PROMPTS, params, use_tqdm=False)  # a prefix hit, then preemptions
+  assert [list(o.outputs[0].token_ids) for o in outputs] == want
+  stats = engine.kv_cache_stats
+  assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.num_used_blocks == 0
+
+
 def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
   """The slot cache's attention (`KVCache`): a prefill, then one decode step (``T = 1``)."""
   _, directory, hf_model = checkpoint

@@ -15,6 +15,7 @@ from jaxengine.core.block_pool import (
   extend_block_hashes,
   hash_block_tokens,
 )
+from jaxengine.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, single_group
 from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 BS = 4  # a small block size keeps the examples short
@@ -189,10 +190,13 @@ class BlockBookkeeping(RuleBasedStateMachine):
   """
 
   reqs = Bundle("reqs")
+  #: The KV cache groups (None: one) and the pool's size (5 usable blocks: pressure is common).
+  GROUPS: KVCacheGroups | None = None
+  NUM_BLOCKS = 6
 
   def __init__(self) -> None:
     super().__init__()
-    self.manager = KVCacheManager(6, block_size=BS)  # 5 usable blocks: pressure is common
+    self.manager = KVCacheManager(self.NUM_BLOCKS, block_size=BS, groups=self.GROUPS)
     self.tokens: dict[str, list[int]] = {}  # every known token of a request
     self.computed: dict[str, int] = {}
     self.pages: dict[int, list[int | None]] = {}
@@ -201,10 +205,11 @@ class BlockBookkeeping(RuleBasedStateMachine):
     self.prompts: list[list[int]] = []  # every prompt so far, for prefix hits
 
   def _write(self, req_id: str, start: int, stop: int) -> None:
-    blocks = self.manager.get_block_ids(req_id)
-    for pos in range(start, stop):
-      page = self.pages.setdefault(blocks[pos // BS], [None] * BS)
-      page[pos % BS] = self.tokens[req_id][pos]
+    for blocks in self.manager.get_group_block_ids(req_id):
+      for pos in range(start, stop):
+        assert blocks[pos // BS] != NULL_BLOCK_ID  # a position computed now has its page
+        page = self.pages.setdefault(blocks[pos // BS], [None] * BS)
+        page[pos % BS] = self.tokens[req_id][pos]
 
   def _step(self, req_id: str, num_new: int) -> bool:
     done = self.computed[req_id]
@@ -235,8 +240,9 @@ class BlockBookkeeping(RuleBasedStateMachine):
     self.count += 1
     req_id = f"r{self.count}"
     hit = self.manager.get_computed_blocks(prompt)
-    for index, block in enumerate(hit.block_ids):  # a hit holds exactly the prompt's tokens
-      assert self.pages[block] == prompt[index * BS : (index + 1) * BS]
+    for blocks in hit.groups(self.manager.num_groups):  # a hit holds exactly the prompt's tokens
+      for index, block in enumerate(blocks):
+        assert block == NULL_BLOCK_ID or self.pages[block] == prompt[index * BS : (index + 1) * BS]
     num_new = min(chunk, len(prompt) - hit.num_computed_tokens)
     appended = self.manager.allocate_slots(
       req_id, num_new, token_ids=prompt, new_computed_blocks=hit
@@ -305,18 +311,22 @@ class BlockBookkeeping(RuleBasedStateMachine):
   @invariant()
   def every_request_reads_its_own_tokens(self):
     for req_id, tokens in self.tokens.items():
-      blocks = self.manager.get_block_ids(req_id)
-      assert len(blocks) == -(-self.computed[req_id] // BS)
-      for pos in range(self.computed[req_id]):
-        assert self.pages[blocks[pos // BS]][pos % BS] == tokens[pos]
+      computed = self.computed[req_id]
+      for group, blocks in enumerate(self.manager.get_group_block_ids(req_id)):
+        assert len(blocks) == -(-computed // BS)
+        first = self.manager.first_window_block(group, computed)  # 0 for a full group
+        assert NULL_BLOCK_ID not in blocks[first:]  # the next token's window is all there
+        for pos in range(first * BS, computed):
+          assert self.pages[blocks[pos // BS]][pos % BS] == tokens[pos]
 
   @invariant()
   def refcounts_match_the_block_tables(self):
     pool = self.manager.block_pool
     expected = [0] * pool.num_blocks
     for req_id in self.tokens:
-      for block in self.manager.get_block_ids(req_id):
-        expected[block] += 1
+      for blocks in self.manager.get_group_block_ids(req_id):
+        for block in blocks:
+          expected[block] += block != NULL_BLOCK_ID
     assert pool.ref_cnt == expected
     free = pool.free_block_ids()
     assert sorted(free) == [b for b in range(1, pool.num_blocks) if expected[b] == 0]
@@ -340,3 +350,57 @@ BlockBookkeeping.TestCase.settings = settings(
   suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
 test_block_bookkeeping = BlockBookkeeping.TestCase
+
+
+class WindowBookkeeping(BlockBookkeeping):
+  """The same moves with a global layer and a layer with a window of 5 (two tables per
+  request): window pages are freed as requests advance, hits and forks are shortened to what
+  is still cached, and every request still reads its tokens back in each table's window."""
+
+  GROUPS = kv_cache_groups(2, 5, (1,))
+  NUM_BLOCKS = 10
+
+
+WindowBookkeeping.TestCase.settings = settings(
+  max_examples=100, stateful_step_count=40, deadline=None,
+  suppress_health_check=[HealthCheck.too_slow],
+)  # fmt: skip
+test_window_bookkeeping = WindowBookkeeping.TestCase
+
+
+def test_layers_split_into_kv_cache_groups_of_equal_size():
+  assert kv_cache_groups(4, None, None) == single_group(4)  # no window: one group, as before
+  assert kv_cache_groups(4, 8, (1, 3), enabled=False) == single_group(4)
+  assert kv_cache_groups(4, 8, None).group_windows == (8,)  # Mistral: one window group
+  full = (5, 11, 17, 23, 29)  # Gemma 3 4B: 34 layers, 5 global
+  groups = kv_cache_groups(34, 1024, [i for i in range(34) if i not in full])
+  assert groups.group_windows == (None,) + (1024,) * 6 and groups.group_size == 5
+  assert [groups.layer_groups[i] for i in (5, 29, 0, 4, 6, 33)] == [
+    (0, 0), (0, 4), (1, 0), (1, 4), (2, 0), (6, 3)
+  ]  # fmt: skip
+
+
+def test_window_groups_free_slid_out_pages_and_shorten_prefix_hits_and_forks():
+  """Layer 1 global, layers 0 and 2 with a window of 4 (`kv_cache_groups`): three tables per
+  request from one pool; a window group frees the pages before `p0 - W` and a prefix hit or a
+  fork needs the window's pages of its first computed token."""
+  manager = KVCacheManager(
+    41, block_size=BS, groups=kv_cache_groups(3, 4, (0, 2)), max_num_batched_tokens=8
+  )
+  assert manager.num_blocks_needed(64) == 16 + 2 * 4  # full: 16; each window: (4 + 8) / 4 + 1
+  prompt = list(range(10, 22))
+  assert manager.allocate_slots("a", 8, token_ids=prompt) == [1, 2]
+  manager.allocate_slots("a", 4, num_computed_tokens=8, token_ids=prompt)
+  assert manager.get_group_block_ids("a") == ((1, 2, 7), (0, 4, 8), (0, 6, 9))  # 3, 5 freed
+  assert [manager.num_held_blocks("a", g) for g in range(3)] == [3, 2, 2]
+  manager.free("a")
+  manager.allocate_slots("x", 44)  # 33 pages: the 31 never used, then 3 and 5 (evicted)
+  assert manager.get_computed_blocks(prompt[:5]) == ComputedBlocks()  # window pages gone
+  hit = manager.get_computed_blocks(prompt[:9])
+  assert hit == ComputedBlocks((1, 2), 8, ((1, 2), (0, 4), (0, 6)))
+  assert manager.allocate_slots("b", 1, token_ids=prompt[:9], new_computed_blocks=hit) == [1, 2, 7]
+  assert manager.fork("b", "b#1", 9) == ComputedBlocks((1, 2), 8)
+  assert manager.get_group_block_ids("b#1") == ((1, 2), (0, 4), (0, 6))
+  manager.allocate_slots("b", 4, num_computed_tokens=12, token_ids=prompt)  # frees 4, 6 of b
+  assert manager.fork("b", "b#2", 9) == ComputedBlocks()  # b lost the window's pages
+  assert manager.block_pool.ref_cnt[4] == 1 and manager.free("b#1") == 4

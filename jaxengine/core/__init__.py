@@ -4,6 +4,7 @@ Nothing here touches a device: the worker (`jaxengine/worker/`) runs what the sc
 
 request.py            host records: a `Request` and its `Completion`s (one per sample of `n`)
 block_pool.py         the pages: blocks, reference counts, prefix hashes, eviction
-kv_cache_manager.py   per-request block tables, prefix hits, `KVCacheStats`
+kv_cache_groups.py    KV cache groups: which layers share a block table, each layer's page slot
+kv_cache_manager.py   per-request block tables (one per group), prefix hits, `KVCacheStats`
 scheduler.py          `Scheduler`: token budget, chunked prefill, preemption, the queues
 """

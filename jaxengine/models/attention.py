@@ -175,9 +175,10 @@ def attention(
     metadata: this step's `AttentionMetadata` or `PagedAttentionMetadata`.
     scale: multiplies the scores (usually ``D ** -0.5``).
     sliding_window: ``W``, or None for full causal attention. With pages, the backend applies it
-      (XLA and TPU; the GPU backend refuses one, `AttentionBackend.check_sliding_window`); pages
-      that slid out of every window stay allocated, so memory still grows with the sequence.
-      A model may pass a different window (or None) per layer (Gemma's local and global layers).
+      (XLA and TPU; the GPU backend refuses one, `AttentionBackend.check_sliding_window`); the
+      engine frees the pages that slid out of every window (KV cache groups,
+      `jaxengine.core.kv_cache_groups`, through the cache's `layer_groups`). A model may pass
+      a different window (or None) per layer (Gemma's local and global layers).
     soft_cap: None, or a positive float ``c`` (static): each scaled score ``s`` becomes
       ``c * tanh(s / c)`` before masking and the softmax (attention logit soft-capping, Gemma 2).
       With pages: the XLA and TPU backends apply it; the GPU backend refuses one
@@ -250,6 +251,14 @@ def _paged_attention(
   soft_cap: float | None,
 ) -> AttentionOutput:
   """The paged cache's write and ragged read through the cache's backend (flat tokens)."""
+  if kv_cache.layer_groups is not None:  # the layer's slot of a page and its group's table
+    group, layer = kv_cache.layer_groups[layer]
+    if metadata.slot_mapping.ndim == 2:  # [G, T] slots, [G, R, P] tables
+      metadata = dataclasses.replace(
+        metadata,
+        slot_mapping=metadata.slot_mapping[group],
+        block_tables=metadata.block_tables[group],
+      )
   num_tokens = metadata.slot_mapping.shape[0]
   if math.prod(q.shape[:-2]) != num_tokens:
     raise ValueError(

@@ -28,9 +28,9 @@ class KVCacheSpec:
       last ``W`` positions) on the layers of `sliding_window_layers`, or None: no layer has a
       window. The paged engine refuses a backend without one.
     sliding_window_layers: the layers whose attention has the window (Gemma's local layers),
-      or None: every layer, when `sliding_window` is set (Mistral). Every layer keeps every page
-      of its sequence either way (pages are shared by all layers), so this says what attention
-      reads, not what the cache frees.
+      or None: every layer, when `sliding_window` is set (Mistral). The paged engine splits the
+      layers into KV cache groups by it and frees the window layers' pages that slid out of
+      the window (`jaxengine.core.kv_cache_groups`).
     soft_cap: the attention logit soft cap the model passes to the seam (Gemma 2), or None; the
       paged engine refuses a backend without one.
   """

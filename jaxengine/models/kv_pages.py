@@ -10,6 +10,11 @@ attention seam (`jaxengine.models.attention.attention`) reads and writes it, thr
 Each layer's pages are buffers of their own (a tuple per layer, not one ``[L, ...]`` array), so
 a layer's write and read never slice a stacked array (a slice XLA may copy) and every buffer can
 be donated.
+
+With KV cache groups (`jaxengine.core.kv_cache_groups`: a model with sliding-window layers) a page
+holds ``group_size`` layers rather than all ``L``: the tuple has ``group_size`` entries (slots),
+and `layer_groups` says which slot each layer uses and whose block table (the metadata then
+carries one table and slot mapping per group).
 """
 
 from __future__ import annotations
@@ -37,24 +42,37 @@ class PagedKVCache:
     backend: the `AttentionBackend` that writes and reads the pages (static).
     block_size: positions per page ``B`` (static).
     num_kv_heads: the model's key/value heads ``K`` (static; the TPU layout may pad them).
+    layer_groups: None (one group: layer ``i`` in ``pages[i]``), or ``(group, slot)`` of each
+      layer (static): layer ``i`` keeps its keys and values in ``pages[slot]`` and reads them
+      through its group's block table (`PagedAttentionMetadata` with a leading group axis).
   """
 
   pages: tuple[KVPages, ...]
   backend: AttentionBackend = dataclasses.field(metadata={"static": True})
   block_size: int = dataclasses.field(metadata={"static": True})
   num_kv_heads: int = dataclasses.field(metadata={"static": True})
+  layer_groups: tuple[tuple[int, int], ...] | None = dataclasses.field(
+    default=None, metadata={"static": True}
+  )
 
   @classmethod
   def create(
-    cls, spec: KVCacheSpec, backend: AttentionBackend, num_blocks: int, block_size: int
+    cls,
+    spec: KVCacheSpec,
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    layer_groups: tuple[tuple[int, int], ...] | None = None,
   ) -> PagedKVCache:
     """Allocates zero-filled pages for every layer of a model.
 
     Args:
-      spec: the model's `KVCacheSpec` (layers, key/value heads, head dim, dtype).
+      spec: the model's `KVCacheSpec` (layers, key/value heads, head dim, dtype); with
+        `layer_groups`, its `num_layers` is the page's slots (``group_size``).
       backend: the attention backend whose layout the pages take (`attention_backend()`).
       num_blocks: pages ``N`` per layer, the null page 0 included (`>= 2`).
       block_size: positions per page ``B`` (`>= 1`).
+      layer_groups: ``(group, slot)`` of each layer, or None (class docstring).
 
     Returns:
       A `PagedKVCache` whose arrays are separate buffers (so all can be donated).
@@ -72,11 +90,17 @@ class PagedKVCache:
       backend.init_pages(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
       for _ in range(spec.num_layers)
     )
-    return cls(pages=pages, backend=backend, block_size=block_size, num_kv_heads=spec.num_kv_heads)
+    return cls(
+      pages=pages,
+      backend=backend,
+      block_size=block_size,
+      num_kv_heads=spec.num_kv_heads,
+      layer_groups=layer_groups,
+    )
 
   @property
   def num_layers(self) -> int:
-    """Decoder layers ``L``."""
+    """Page slots: decoder layers ``L`` without `layer_groups`."""
     return len(self.pages)
 
   @property

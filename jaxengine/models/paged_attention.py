@@ -48,10 +48,9 @@ positions `p - W < s <= p`. Each work item then starts reading at the chunk hold
 query's window start, and the loop runs for the most chunks any item's window and queries span
 (about `(W + Tq) / chunk + 1` instead of the longest context's chunks), so pages entirely before
 every window are never read: decode R=8 at S=1024 with `W=128` took 0.71 ms against 4.51 ms
-without a window (`t1/c4`, median of 10 interleaved calls, load average about 4). The pages
-themselves stay allocated: a request still holds every page of its sequence, and memory grows
-with the sequence as without a window (freeing pages that slid out of the window, as vLLM does,
-is future work).
+without a window (`t1/c4`, median of 10 interleaved calls, load average about 4). The engine
+frees the pages that slid out of every window (KV cache groups, `jaxengine.core.kv_cache_groups`):
+their block-table entries become the null page, which the window mask hides anyway.
 """
 
 from __future__ import annotations
@@ -240,7 +239,7 @@ def ragged_paged_attention_xla(
     pages_per_chunk: pages read per loop iteration (static; a performance knob).
     kv_heads_first: the pages are `[K, N, B, D]` (the GPU Pallas kernel's layout).
     sliding_window: `W` (static), or None for full causal attention. Pages before a work item's
-      window are skipped, not freed (module docstring).
+      window are skipped (the engine may have freed them: module docstring).
     soft_cap: `c` (static), or None: each scaled score `s` becomes `c * tanh(s / c)` before
       masking (attention logit soft-capping, Gemma 2).
     fixed_order: batch-invariant arithmetic (static): each query's scores, its weights' sum and

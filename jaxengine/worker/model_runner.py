@@ -48,6 +48,7 @@ from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.host_output import LogprobsArrays, PendingStep
 from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_steps
+from jaxengine.core.kv_cache_groups import kv_cache_groups, max_group_blocks
 from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.core.request import Completion
 from jaxengine.core.scheduler import SchedulerOutput, wants_prompt_logprobs
@@ -229,6 +230,18 @@ class ModelRunner:
       )
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)
+    spec = model.kv_cache_spec
+    #: The KV cache groups: one for a model without windows (`core/kv_cache_groups.py`).
+    self.kv_cache_groups = kv_cache_groups(
+      spec.num_layers,
+      spec.sliding_window,
+      spec.sliding_window_layers,
+      enabled=not config.disable_hybrid_kv_cache_manager,
+    )
+    if self.kv_cache_groups.num_groups > 1:  # one table per group and row
+      input_batch.block_table = self.block_table = BlockTable(
+        self.max_num_reqs, self.max_num_blocks_per_req, self.kv_cache_groups.num_groups
+      )
     self.kv_cache = self._create_kv_cache(model, config)
     self._sleep = _SleepState()
     self._stop_rules: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -247,7 +260,11 @@ class ModelRunner:
     )
     #: The pages' owners: the scheduler allocates through it, the runner only reads tables.
     self.kv_cache_manager = KVCacheManager(
-      self.num_blocks, self.block_size, enable_caching=config.prefix_caching
+      self.num_blocks,
+      self.block_size,
+      enable_caching=config.prefix_caching,
+      groups=self.kv_cache_groups,
+      max_num_batched_tokens=config.max_num_batched_tokens,
     )
     budget = cast(int, config.max_num_batched_tokens)  # validated: never None
     self.token_buckets = buckets(budget, 1)
@@ -297,6 +314,20 @@ class ModelRunner:
         (a Gemma or Mistral model on GPU, whose Pallas decode kernel has neither).
     """
     spec = model.kv_cache_spec
+    groups = self.kv_cache_groups
+    # Per request, every full group's pages and a window group's bounded share (what the
+    # default pool's size counts); a page holds `group_size` layers.
+    num_blocks_per_req = sum(
+      min(
+        self.max_num_blocks_per_req,
+        max_group_blocks(
+          window, self.max_model_len, self.block_size, config.max_num_batched_tokens
+        ),
+      )
+      for window in groups.group_windows
+    )
+    spec = dataclasses.replace(spec, num_layers=groups.group_size)
+    layer_groups = groups.layer_groups if groups.num_groups > 1 else None
     if config.kv_cache_dtype == "fp8":
       spec = dataclasses.replace(spec, dtype=FP8_KV_STORAGE)  # float8_e4m3fn bits
     chosen = attention_backend(config.attention_backend)
@@ -320,7 +351,7 @@ class ModelRunner:
         spec,
         backend,
         max_num_reqs=self.max_num_reqs,
-        max_num_blocks_per_req=self.max_num_blocks_per_req,
+        max_num_blocks_per_req=num_blocks_per_req,
         block_size=self.block_size,
         devices=devices,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -342,8 +373,10 @@ class ModelRunner:
     #: Pages of the pool, the null page 0 included.
     self.num_blocks = int(num_blocks)
     if self._placement is not None:
-      return self._placement.create_kv_pages(spec, backend, self.num_blocks, self.block_size)
-    return PagedKVCache.create(spec, backend, self.num_blocks, self.block_size)
+      return self._placement.create_kv_pages(
+        spec, backend, self.num_blocks, self.block_size, layer_groups
+      )
+    return PagedKVCache.create(spec, backend, self.num_blocks, self.block_size, layer_groups)
 
   @property
   def model(self) -> Model:
@@ -730,6 +763,11 @@ class ModelRunner:
       self.block_table.clear_row(index[seq_id])
       if seq_id in self._prompt_logprobs:
         self._prompt_logprobs[seq_id].parts.clear()
+    if self.kv_cache_manager.frees_pages:  # groups, freed pages: the manager's tables
+      for seq_id in scheduled.new_block_ids:
+        tables = self.kv_cache_manager.get_group_block_ids(seq_id)
+        self.block_table.set_row(index[seq_id], tables)
+      return
     for seq_id, block_ids in scheduled.new_block_ids.items():
       self.block_table.append_row(index[seq_id], block_ids)
 
@@ -914,14 +952,17 @@ class ModelRunner:
     seq_ids = [batch.req_ids[row] for row in rows]
     computed = [scheduled.num_computed_tokens[s] for s in seq_ids]
     counts = [scheduled.num_scheduled_tokens[s] for s in seq_ids]
+    grouped = self.block_table.num_groups > 1
+    tables = self.block_table.group_rows if grouped else self.block_table.row
     layout = build_step_inputs(
-      [self.block_table.row(row).tolist() for row in rows],
+      [tables(row).tolist() for row in rows],
       computed,
       counts,
       block_size=self.block_size,
       num_tokens=num_tokens,
       num_reqs=num_rows,
       max_blocks_per_req=self.max_num_blocks_per_req,
+      num_groups=self.block_table.num_groups if grouped else None,
     )
     token_rows = np.zeros(num_tokens, np.int32)
     token_rows[: layout.num_tokens] = np.repeat(rows, counts)
@@ -1056,7 +1097,9 @@ class ModelRunner:
     rules = [self._stop_rules[seq_id] for seq_id in batch.req_ids]
     max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, self.max_num_device_stop_ids)
     host: tuple[Any, ...] = (
-      self.block_table.block_ids[:num_rows],
+      self.block_table.group_block_ids[:, :num_rows]
+      if self.block_table.num_groups > 1
+      else self.block_table.block_ids[:num_rows],
       np.int32(batch.num_reqs),
       max_num_steps,
       max_output_tokens,

@@ -90,7 +90,7 @@ class DecodeStepsInputs:
 
   Attributes:
     block_tables: `[R, P] int32` each row's pages, holding every position it may reach in the
-      loop (0, the null page, past them and for padding rows).
+      loop (0, the null page, past them and for padding rows); `[G, R, P]` with KV cache groups.
     num_reqs: `[] int32` live rows (rows `num_reqs:` of the bucket are padding).
     max_num_steps: `[R] int32` the most tokens each row may sample in the loop (the positions its
       pages hold from its last token on; 0 for rows not scheduled and padding rows).
@@ -125,7 +125,7 @@ def _decode_metadata(
   """
   num_rows = positions.shape[0]
   rows = jnp.arange(num_rows, dtype=jnp.int32)
-  page = inputs.block_tables[rows, positions // block_size]
+  page = inputs.block_tables[..., rows, positions // block_size]  # [R] or [G, R] (groups)
   slots = jnp.where(running, page * block_size + positions % block_size, NULL_SLOT)
   return PagedAttentionMetadata(
     slot_mapping=slots.astype(jnp.int32),

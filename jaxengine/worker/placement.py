@@ -92,14 +92,21 @@ class MeshPlacement:
     self._replicated = NamedSharding(mesh, P())
 
   def create_kv_pages(
-    self, spec: KVCacheSpec, backend: AttentionBackend, num_blocks: int, block_size: int
+    self,
+    spec: KVCacheSpec,
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    layer_groups: tuple[tuple[int, int], ...] | None = None,
   ) -> PagedKVCache:
     """A zero paged cache allocated directly in its shards; sets `kv_pages`.
 
     Pages are split over key/value heads when `backend` is a `HeadShardedBackend`
     (`jaxengine.models.sharded_attention.shard_backend`), replicated otherwise.
     """
-    create = functools.partial(PagedKVCache.create, spec, backend, num_blocks, block_size)
+    create = functools.partial(
+      PagedKVCache.create, spec, backend, num_blocks, block_size, layer_groups
+    )
     spec_ = backend.page_specs(1)[0] if isinstance(backend, HeadShardedBackend) else P()
     self.kv_pages = jax.tree.map(lambda _: NamedSharding(self.mesh, spec_), jax.eval_shape(create))
     return jax.jit(create, out_shardings=self.kv_pages)()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import numpy as np
@@ -27,8 +28,10 @@ class StepInputs:
 
   Attributes:
     positions: `[T]` context position of each query token (0 for padding tokens).
-    slot_mapping: `[T]` cache slot of each query token, `NULL_SLOT` for padding.
-    block_tables: `[R, P]` pages of each request, 0 (the null page) past its own.
+    slot_mapping: `[T]` cache slot of each query token, `NULL_SLOT` for padding (`[G, T]`, one
+      per KV cache group, with `num_groups`).
+    block_tables: `[R, P]` pages of each request, 0 (the null page) past its own (`[G, R, P]`
+      with `num_groups`).
     query_start_loc: `[R + 1]` cumulative query tokens (padding requests repeat the total).
     seq_lens: `[R]` context tokens after this step (0 for padding requests).
     logits_indices: `[R]` flat index of each request's last query token (0 for padding).
@@ -69,6 +72,7 @@ def build_step_inputs(
   num_tokens: int,
   num_reqs: int,
   max_blocks_per_req: int,
+  num_groups: int | None = None,
 ) -> StepInputs:
   """Lays out a ragged step: the requests' tokens back to back, padded to the buckets.
 
@@ -81,6 +85,9 @@ def build_step_inputs(
     num_tokens: the token bucket `T` (`>=` the scheduled tokens).
     num_reqs: the request bucket `R` (`>=` the scheduled requests).
     max_blocks_per_req: the block-table bucket `P` (`>=` every request's pages after this step).
+    num_groups: None: `block_ids[i]` is request `i`'s one table. `G`: `block_ids[i]` holds its
+      `G` tables (KV cache groups, `KVCacheManager.get_group_block_ids`) and the slots and
+      tables get a leading group axis.
 
   Returns:
     The step's `StepInputs`.
@@ -100,15 +107,18 @@ def build_step_inputs(
   scheduled = np.asarray(num_scheduled_tokens, np.int64).reshape(count)
   _check_counts(computed, scheduled, num_tokens, num_reqs)
   seq_lens = computed + scheduled
-  tables = np.zeros((num_reqs, max_blocks_per_req), np.int32)
-  for index, blocks in enumerate(block_ids):
+  grouped = [[blocks] for blocks in block_ids] if num_groups is None else block_ids
+  tables = np.zeros((num_groups or 1, num_reqs, max_blocks_per_req), np.int32)
+  for index, groups in enumerate(grouped):
     needed = -(-int(seq_lens[index]) // block_size)
-    if not needed <= len(blocks) <= max_blocks_per_req:
-      raise ValueError(
-        f"request {index} holds {len(blocks)} blocks; its {seq_lens[index]} tokens need "
-        f"{needed} and the bucket max_blocks_per_req={max_blocks_per_req} allows at most that many"
-      )
-    tables[index, : len(blocks)] = blocks
+    for group, blocks in enumerate(cast(Sequence[Sequence[int]], groups)):
+      if not needed <= len(blocks) <= max_blocks_per_req:
+        raise ValueError(
+          f"request {index} holds {len(blocks)} blocks; its {seq_lens[index]} tokens need "
+          f"{needed} and the bucket max_blocks_per_req={max_blocks_per_req} allows at most "
+          "that many"
+        )
+      tables[group, index, : len(blocks)] = blocks
   total = int(scheduled.sum())
   start_loc = np.zeros(num_reqs + 1, np.int64)
   start_loc[1 : count + 1] = np.cumsum(scheduled)
@@ -116,9 +126,12 @@ def build_step_inputs(
   req = np.repeat(np.arange(count), scheduled)  # [total] request of each token
   positions = np.zeros(num_tokens, np.int64)
   positions[:total] = computed[req] + np.arange(total) - start_loc[req]
-  slots = np.full(num_tokens, NULL_SLOT, np.int64)
+  slots = np.full((len(tables), num_tokens), NULL_SLOT, np.int64)
   pos = positions[:total]
-  slots[:total] = tables[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+  slots[:, :total] = tables[:, req, pos // block_size].astype(np.int64) * block_size
+  slots[:, :total] += pos % block_size
+  if num_groups is None:  # one table: no group axis
+    slots, tables = slots[0], tables[0]
   logits_indices = np.zeros(num_reqs, np.int64)
   logits_indices[:count] = start_loc[1 : count + 1] - 1
   padded_seq_lens = np.zeros(num_reqs, np.int64)
