@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import tempfile
+import time
 
 import jax
 import pytest
@@ -157,6 +159,33 @@ def pytest_collection_modifyitems(config, items):
   if hasattr(config, "workerinput"):  # an xdist worker: each collects, in the same order
     # Stable: a module's tests stay together and in order (its module fixtures are built once).
     items.sort(key=lambda item: -_weight(item))
+
+
+#: Set to a file path: each worker appends a JSON line per module (wall seconds from its first
+#: test's setup to its last teardown, XLA compiles and their seconds), to see where the suite's
+#: time goes: `JAXENGINE_TEST_PROFILE=/tmp/profile.jsonl python -m pytest -n 2 tests`.
+PROFILE_SWITCH = "JAXENGINE_TEST_PROFILE"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _profile_module(request):
+  """Appends the module's wall time and compiles to the PROFILE_SWITCH file, when it is set."""
+  path = os.environ.get(PROFILE_SWITCH)
+  if not path:
+    yield
+    return
+  start = time.perf_counter()
+  with count_compiles() as compiles:
+    yield
+  record = {
+    "module": request.module.__name__,
+    "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    "seconds": round(time.perf_counter() - start, 1),
+    "compiles": compiles.count,
+    "compile_seconds": round(compiles.seconds, 1),
+  }
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture
