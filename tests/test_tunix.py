@@ -481,6 +481,7 @@ def test_bad_inputs_raise_value_errors(served):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), quantization="int8")
   # Placement and memory options, refused before anything is placed.
   for options, match in [
+    (dict(mesh="bogus"), "mesh must be a jax.sharding.Mesh or None, got str"),
     (dict(reshard_chunk_bytes=0), "reshard_chunk_bytes must be a positive int"),
     (dict(free_kv_cache_during_sync="yes"), "free_kv_cache_during_sync must be a bool"),
     (dict(gpu_memory_utilization=0.0), r"^gpu_memory_utilization must be a float in \(0, 1\]"),

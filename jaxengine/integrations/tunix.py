@@ -463,8 +463,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       (`jaxengine.worker.kv_cache_size`).
 
   Raises:
-    ValueError: an unsupported model, `logprobs_mode` among the options, invalid options (a
-      memory fraction outside (0, 1], a `reshard_chunk_bytes` that is not a positive int,
+    ValueError: an unsupported model, a `mesh` that is not a `jax.sharding.Mesh`, `logprobs_mode`
+      among the options, invalid options (a memory fraction outside (0, 1], a `reshard_chunk_bytes` that is not a positive int,
       parallel sizes that conflict or do not fit the rollout mesh: `engine_placement`), or
       a LoRA actor whose LoRA is unsupported (named), whose scale is unknown, or whose rank
       exceeds a given `max_lora_rank`.
@@ -482,6 +482,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     reshard_chunk_bytes: int | None = None,
     **engine_options: Any,
   ):
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+      raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     if not isinstance(free_kv_cache_during_sync, bool):
       raise ValueError(
         f"free_kv_cache_during_sync must be a bool, got {free_kv_cache_during_sync!r}"
