@@ -557,20 +557,12 @@ class ModelRunner:
       RuntimeError: a batch that still holds requests (nothing changes).
     """
     level = sleep_mode.check_level(level)
-    if self.input_batch.num_reqs:
-      raise RuntimeError(
-        f"sleep needs an empty batch, it holds {self.input_batch.num_reqs} requests (finish or "
-        "abort them first)"
-      )
+    self._check_empty_batch("sleep")
     state = self._sleep
     on_device = "weights" not in state.asleep and not state.weights_discarded
     # The host copy first: should it fail (host memory), nothing is freed yet.
     host = sleep_mode.to_host(self.weights) if on_device and level == 1 else None
-    if self.kv_cache is not None:
-      state.kv_cache_slots = sleep_mode.slots(self.kv_cache)
-      sleep_mode.delete(self.kv_cache)
-      self.kv_cache = cast(PagedKVCache, None)
-    self.reset_prefix_cache()
+    self._release_kv_cache()
     if on_device:
       state.weight_slots = sleep_mode.slots(self.weights)
       state.host_weights = host
@@ -592,20 +584,30 @@ class ModelRunner:
     Raises:
       RuntimeError: a batch that still holds requests (nothing changes).
     """
+    self._check_empty_batch("free_kv_cache")
+    freed = self._release_kv_cache()
+    self._sleep.asleep.add("kv_cache")
+    self._sleep.level = max(self._sleep.level, 1)
+    return freed
+
+  def _check_empty_batch(self, action: str) -> None:
+    """Raises `RuntimeError` naming `action` when the batch still holds requests."""
     if self.input_batch.num_reqs:
       raise RuntimeError(
-        f"free_kv_cache needs an empty batch, it holds {self.input_batch.num_reqs} requests"
+        f"{action} needs an empty batch, it holds {self.input_batch.num_reqs} requests (finish "
+        "or abort them first)"
       )
-    state = self._sleep
-    if self.kv_cache is None:
-      return 0
-    freed = sleep_mode.device_bytes(self.kv_cache)
-    state.kv_cache_slots = sleep_mode.slots(self.kv_cache)
-    sleep_mode.delete(self.kv_cache)
-    self.kv_cache = cast(PagedKVCache, None)
+
+  def _release_kv_cache(self) -> int:
+    """Deletes the KV cache's pages (their slots kept for `wake_up`) and empties the prefix
+    cache; returns the device bytes freed (0 when already freed)."""
+    freed = 0
+    if self.kv_cache is not None:
+      freed = sleep_mode.device_bytes(self.kv_cache)
+      self._sleep.kv_cache_slots = sleep_mode.slots(self.kv_cache)
+      sleep_mode.delete(self.kv_cache)
+      self.kv_cache = cast(PagedKVCache, None)
     self.reset_prefix_cache()
-    state.asleep.add("kv_cache")
-    state.level = max(state.level, 1)
     return freed
 
   def wake_up(self, tags: Sequence[str] | None = None) -> None:
