@@ -57,6 +57,7 @@ from jaxengine.integrations.tunix_lora import (
 )
 from jaxengine.integrations.tunix_weights import (
   EngineConfig,
+  check_chunk_bytes,
   check_tunix_params,
   config_from_tunix,
   engine_leaves,
@@ -489,14 +490,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       raise ValueError(
         f"free_kv_cache_during_sync must be a bool, got {free_kv_cache_during_sync!r}"
       )
-    if reshard_chunk_bytes is not None and (
-      isinstance(reshard_chunk_bytes, bool)
-      or not isinstance(reshard_chunk_bytes, int)
-      or reshard_chunk_bytes < 1
-    ):
-      raise ValueError(
-        f"reshard_chunk_bytes must be a positive int or None, got {reshard_chunk_bytes!r}"
-      )
+    check_chunk_bytes(reshard_chunk_bytes, "reshard_chunk_bytes")
     #: Whether `update_params` frees the KV cache while it moves the weights.
     self.free_kv_cache_during_sync = free_kv_cache_during_sync
     #: Parameter bytes per chunk of a weight sync (`tunix_weights.engine_leaves`); None: at once.

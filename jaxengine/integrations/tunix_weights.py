@@ -95,6 +95,7 @@ from jaxengine.models.weights import LeafPath, dotted, leaf_path
 
 __all__ = [
   "SUPPORTED_MODELS",
+  "check_chunk_bytes",
   "check_tunix_params",
   "config_from_tunix",
   "effective_rope_theta",
@@ -470,6 +471,16 @@ def check_tunix_params(params: Mapping[str, Any], config: EngineConfig) -> list[
   return expected
 
 
+def check_chunk_bytes(value: Any, field: str) -> None:
+  """Checks a chunk size of `engine_leaves` on the host.
+
+  Raises:
+    ValueError: naming `field` and `value` when it is neither None nor a positive Python int.
+  """
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    raise ValueError(f"{field} must be a positive int or None, got {value!r}")
+
+
 def engine_leaves(
   params: Mapping[str, jax.Array],
   config: EngineConfig,
@@ -508,10 +519,7 @@ def engine_leaves(
       is not a positive int (nothing is converted then; shapes are checked by
       `LLM.load_weights`).
   """
-  if chunk_bytes is not None and (
-    isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
-  ):
-    raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+  check_chunk_bytes(chunk_bytes, "chunk_bytes")
   rules = leaf_rules(config)
   expected = check_tunix_params(params, config)
   place = (lambda x, _: x) if shardings is None else (lambda x, p: jax.device_put(x, shardings[p]))
