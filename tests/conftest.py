@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -163,9 +164,49 @@ def pytest_collection_modifyitems(config, items):
 
 
 #: Set to a file path: each worker appends a JSON line per module (wall seconds from its first
-#: test's setup to its last teardown, XLA compiles and their seconds), to see where the suite's
-#: time goes: `JAXENGINE_TEST_PROFILE=/tmp/profile.jsonl python -m pytest -n 2 tests`.
+#: test's setup to its last teardown, XLA compiles and their seconds, and per jitted function its
+#: compiles, seconds and persistent-cache hits), to see where the suite's time goes:
+#: `JAXENGINE_TEST_PROFILE=/tmp/profile.jsonl python -m pytest -n 2 tests`.
 PROFILE_SWITCH = "JAXENGINE_TEST_PROFILE"
+
+
+class _CompileLog(logging.Filter):
+  """Reads JAX's debug records of each compile (its function, seconds, and whether the persistent
+  cache served it) and drops them, so they reach no handler; other records pass."""
+
+  LOGGERS = ("jax._src.dispatch", "jax._src.compiler")
+
+  def __init__(self):
+    super().__init__()
+    self.functions: dict[str, list[float]] = {}  # name -> [compiles, seconds, cache hits]
+    self._hit = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if message.startswith("Persistent compilation cache hit"):
+      self._hit = True
+    elif message.startswith("Finished XLA compilation of "):
+      name, _, seconds = message.removeprefix("Finished XLA compilation of ").partition(" in ")
+      entry = self.functions.setdefault(name, [0, 0.0, 0])
+      entry[0] += 1
+      entry[1] += float(seconds.split()[0])
+      entry[2] += self._hit
+      self._hit = False
+    return record.levelno >= logging.WARNING
+
+  @contextlib.contextmanager
+  def attached(self):
+    loggers = [logging.getLogger(name) for name in self.LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+      logger.addFilter(self)
+      logger.setLevel(logging.DEBUG)
+    try:
+      yield self
+    finally:
+      for logger, level in zip(loggers, levels, strict=True):
+        logger.removeFilter(self)
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -177,7 +218,8 @@ def _profile_module(request):
     return
   start = time.perf_counter()
   compiles = count_compiles().start()
-  yield
+  with _CompileLog().attached() as log:
+    yield
   with contextlib.suppress(AssertionError):  # a module (Tunix's) may clear JAX's listeners
     compiles.stop()
   record = {
@@ -186,6 +228,7 @@ def _profile_module(request):
     "seconds": round(time.perf_counter() - start, 1),
     "compiles": compiles.count,
     "compile_seconds": round(compiles.seconds, 1),
+    "functions": {k: [n, round(s, 2), h] for k, (n, s, h) in log.functions.items()},
   }
   with open(path, "a") as f:
     f.write(json.dumps(record) + "\n")
