@@ -31,12 +31,12 @@ STEPS = {
 
 def _tpu_reference_kernel(
   q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
-  soft_cap=None,
+  soft_cap=None, k_scale=None, v_scale=None,
 ):  # fmt: skip
   """The TPU kernel's reference function, padded back to the kernel's `[T, H, D]` output."""
   out = ref_ragged_paged_attention(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-    sliding_window=sliding_window, soft_cap=soft_cap,
+    sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
   )  # fmt: skip
   return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
 
