@@ -129,7 +129,8 @@ class EngineConfig:
       `x / scale` clipped to +-448 with a per-tensor scale (the backends' `k_scale` /
       `v_scale`, 1.0 as vLLM without calibrated scales); "pallas_gpu" stores a float32 scale
       ``max|x| / 448`` per position and head beside each page (`(D + 4) / (4 D)` of float32's
-      bytes). Read back in the model's dtype (`jaxengine.models.attention_backends`).
+      bytes), refused on a GPU below CUDA compute capability 8.9 (Triton's float8_e4m3fn; None
+      then picks "xla"). Read back in the model's dtype (`jaxengine.models.attention_backends`).
     batch_invariant: make every request's tokens and logprobs independent of the other requests
       of its steps, bit for bit, and equal to `jaxengine.models.token_logprobs` (a trainer's
       forward pass) on the same weights (default False). The model's projections and logits run

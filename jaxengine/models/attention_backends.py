@@ -22,6 +22,23 @@ computes the ragged step's causal grouped-query attention `[T, H, D]` from them.
 
 `attention_backend(None)` picks the backend of `jax.default_backend()`.
 
+fp8 pages (``kv_cache_dtype="fp8"``: `init_pages(..., dtype=FP8_KV_DTYPE)`), float8_e4m3fn on
+every backend, each in its own storage (`page_arrays` gives the arrays and their dtypes):
+
+* `"xla"`: the fp8 bits as `FP8_KV_STORAGE` bytes (XLA:CPU has no float8 arithmetic), written as
+  `clip(x / scale, +-448)` with a per-tensor static `k_scale` / `v_scale` (vLLM's; 1.0, vLLM's
+  value for a checkpoint without one) and read back times it, in float32 then the query's dtype.
+* `"pallas_tpu"`: float8_e4m3fn pages (TPUs store it natively), written the same way and read by
+  the kernel with its own `k_scale` / `v_scale` arguments; the kernel's 8-bit tiling needs more
+  padded heads for some `K` (`tpu_kv_heads(K, dtype)`).
+* `"pallas_gpu"`: float8_e4m3fn pages and float32 scales `[K, N, B]` per position and head,
+  `max|x| / 448` of each key (value) vector (1.0 for zeros, `fp8_row_scales`), so nothing clips.
+  The decode kernel takes them as `k_scales_pages` / `v_scales_pages` (it casts the pages to the
+  query's dtype and multiplies scores and probabilities by the scales); the XLA path of prefill
+  steps multiplies each row it reads. A page costs `(D + 4) / (4 D)` of float32's bytes. Triton
+  has float8_e4m3fn from CUDA compute capability 8.9 on: an older GPU is refused
+  (`check_kv_cache_dtype`).
+
 Sliding-window attention (`attention(..., sliding_window=W)`, Mistral): the XLA path masks and
 skips pages before the window, the TPU kernel takes its own `sliding_window` argument; the GPU
 decode kernel has none, so `"pallas_gpu"` refuses a window (`check_sliding_window`, called by the

@@ -51,6 +51,13 @@ every window are never read: decode R=8 at S=1024 with `W=128` took 0.71 ms agai
 without a window (`t1/c4`, median of 10 interleaved calls, load average about 4). The engine
 frees the pages that slid out of every window (KV cache groups, `jaxengine.core.kv_cache_groups`):
 their block-table entries become the null page, which the window mask hides anyway.
+
+fp8 pages (``kv_cache_dtype="fp8"``, `is_fp8_pages`): `write_kv_pages` stores `x / scale`
+clipped to float8_e4m3fn's +-448 (`quantize_fp8`; a larger value would be NaN), as
+`FP8_KV_DTYPE` or as its bits (`FP8_KV_STORAGE`, the XLA backend's); the read converts the rows a
+chunk needs to float32, multiplies them by their scale and casts them to the query's dtype. A
+scale is per tensor (vLLM's static `k_scale` / `v_scale`) or per position and head (an array
+beside the pages, the GPU backend's: `fp8_row_scales`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ backend so that each device holds, writes and reads only its ``K / t`` heads of 
 * the pages of a layer are ``t`` copies of the wrapped backend's layout for ``K / t`` heads, laid
   side by side along its head axis (`AttentionBackend.kv_head_axis`) and sharded there, so
   ``[N, B, K, D]`` XLA pages are ``P(None, None, "model", None)``, and the TPU kernel's combined
-  ``[N, B, 2K', D]`` pages hold each device's own ``2 * tpu_kv_heads(K / t)`` heads;
+  ``[N, B, 2K', D]`` pages hold each device's own ``2 * tpu_kv_heads(K / t)`` heads (the GPU
+  layout's fp8 scales ``[K, N, B]`` are split along ``K`` too);
 * `write_kv` and `attention` run under `jax.shard_map` over the model axis: a device gets its
   ``[T, H / t, D]`` queries and ``[T, K / t, D]`` keys and values, the step's metadata whole
   (block tables, slot mapping, lengths: replicated, small), and calls the wrapped backend as on
