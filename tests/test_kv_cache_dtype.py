@@ -1,8 +1,13 @@
 """`kv_cache_dtype="fp8"`: float8_e4m3fn pages, four times the pages of float32 in the same bytes.
 
-SmolLM2-135M (float32) with float32 pages against fp8 pages, the same 16 MiB pool. The bounds are
-those measured on four short prompts (prompt logprobs at most 0.67 apart, 0.09 on the first
+SmolLM2-135M (float32) with float32 pages against fp8 pages (XLA), the same 16 MiB pool. The bounds
+are those measured on four short prompts (prompt logprobs at most 0.67 apart, 0.09 on the first
 prompt, whose 24 greedy tokens were equal), with room for another machine's float sums.
+
+A tiny Llama in an engine with fp8 pages on each backend (XLA; the GPU kernel in interpret mode;
+the TPU layout with a traceable stand-in for its kernel) against float32 pages: the same greedy
+tokens, logprobs within `TINY_LOGPROB_BOUND`. The backends' own fp8 tests are in
+`tests/test_attention_backends.py`.
 """
 
 from __future__ import annotations
