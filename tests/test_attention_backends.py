@@ -143,23 +143,25 @@ def test_gpu_decode_kernel_itself_matches_the_reference():
   np.testing.assert_allclose(out, reference_attention(step, SCALE), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, FP8_KV_DTYPE], ids=["float32", "fp8"])
 @pytest.mark.parametrize("backend", [XlaAttentionBackend(), PallasTpuAttentionBackend(),
                                      PallasGpuAttentionBackend()], ids=lambda b: b.name)  # fmt: skip
-def test_write_kv_into_one_layer_of_stacked_pages(backend):
+def test_write_kv_into_one_layer_of_stacked_pages(backend, dtype):
   step = make_step(
     np.random.default_rng(8), [(3, 2), (0, 4)], num_tokens=8, num_reqs=2, max_blocks=3,
     num_heads=H, num_kv_heads=K, head_dim=D, block_size=B,
   )  # fmt: skip
-  pages = backend.init_pages(step.num_blocks, B, K, D, num_layers=3)
+  pages = backend.init_pages(step.num_blocks, B, K, D, dtype, num_layers=3)
   keys, values = np.concatenate(step.keys), np.concatenate(step.values)
   written = jax.jit(backend.write_kv)(pages, keys, values, jnp.asarray(step.slots), 1)
   single = backend.write_kv(
-    backend.init_pages(step.num_blocks, B, K, D), keys, values, jnp.asarray(step.slots)
+    backend.init_pages(step.num_blocks, B, K, D, dtype), keys, values, jnp.asarray(step.slots)
   )
-  for stacked, one in zip(written, single):
-    np.testing.assert_array_equal(np.asarray(stacked[1]), np.asarray(one))
-    assert not np.asarray(stacked[0]).any() and not np.asarray(stacked[2]).any()
-    assert np.asarray(one).any()
+  for stacked, one in zip(written, single):  # fp8: pages and (GPU) their scales
+    stacked, one = np.asarray(stacked, np.float32), np.asarray(one, np.float32)
+    np.testing.assert_array_equal(stacked[1], one)
+    assert not stacked[0].any() and not stacked[2].any()
+    assert one.any()
 
 
 def test_pages_are_separate_buffers_in_the_documented_layouts():
