@@ -123,11 +123,14 @@ class EngineConfig:
       (default: the TPU ragged paged kernel on TPU, the Pallas decode kernel on GPU, XLA
       elsewhere; `jaxengine.models.attention_backends`).
     kv_cache_dtype: the pages' storage dtype (vLLM's name): "auto" (default: the model's
-      dtype) or "fp8" (alias "fp8_e4m3"): float8_e4m3fn pages, a quarter of float32's bytes
-      (half of bfloat16's), so the same `kv_cache_memory_bytes` holds 4x (2x) the pages. Keys
-      and values are stored unscaled (scale 1.0, as vLLM without calibrated scales), clipped to
-      +-448, and read back in the model's dtype; the XLA attention only (an explicit
-      "pallas_tpu" or "pallas_gpu" is refused; None picks XLA).
+      dtype) or "fp8" (alias "fp8_e4m3"): float8_e4m3fn pages on every attention backend,
+      about a quarter of float32's bytes (half of bfloat16's), so the same
+      `kv_cache_memory_bytes` holds about 4x (2x) the pages. "xla" and "pallas_tpu" store
+      `x / scale` clipped to +-448 with a per-tensor scale (the backends' `k_scale` /
+      `v_scale`, 1.0 as vLLM without calibrated scales); "pallas_gpu" stores a float32 scale
+      ``max|x| / 448`` per position and head beside each page (`(D + 4) / (4 D)` of float32's
+      bytes), refused on a GPU below CUDA compute capability 8.9 (Triton's float8_e4m3fn; None
+      then picks "xla"). Read back in the model's dtype (`jaxengine.models.attention_backends`).
     batch_invariant: make every request's tokens and logprobs independent of the other requests
       of its steps, bit for bit, and equal to `jaxengine.models.token_logprobs` (a trainer's
       forward pass) on the same weights (default False). The model's projections and logits run
@@ -431,17 +434,11 @@ class EngineConfig:
     self._check_kv_cache_dtype()
 
   def _check_kv_cache_dtype(self) -> None:
-    """Normalises `kv_cache_dtype` ("fp8_e4m3" is "fp8"); ValueError for another value or an
-    explicit Pallas backend with fp8 pages."""
+    """Normalises `kv_cache_dtype` ("fp8_e4m3" is "fp8"); ValueError for another value."""
     names = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
     if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in names:
       raise ValueError(f"kv_cache_dtype must be one of {list(names)}, got {self.kv_cache_dtype!r}")
     self._set("kv_cache_dtype", names[self.kv_cache_dtype])
-    if self.kv_cache_dtype == "fp8" and self.attention_backend not in (None, "xla"):
-      raise ValueError(
-        f"kv_cache_dtype='fp8' is not supported with attention_backend="
-        f"{self.attention_backend!r} (only 'xla' reads fp8 pages)"
-      )
 
   def _check_token_budget(self) -> None:
     """Checks `max_num_batched_tokens`, and sets its default once `max_model_len` is known."""

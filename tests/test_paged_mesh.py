@@ -5,7 +5,8 @@ One subprocess (the device count must be set before JAX starts) runs every check
 - each attention backend, wrapped in `HeadShardedBackend` over the model axis, writes and attends
   like the float64 reference, each device over its own key/value heads: XLA, JAX's GPU Pallas
   kernel in interpret mode, and the TPU backend's layout (combined, interleaved key and value
-  heads) with a traceable stand-in for its kernel;
+  heads) with a traceable stand-in for its kernel; fp8 page arrays split along the head axis,
+  and the GPU layout's fp8 pages and scales write and attend as on one device;
 - the engine with `tensor_parallel_size=2` and a pool and token budget small enough to force
   chunked prefill and preemption, prefix caching on: the same tokens (greedy and seeded) and
   logprob ranks as one device, logprob values within 1e-4; repeated prompts hit the prefix cache;
@@ -34,7 +35,8 @@ from paged_utils import make_step, reference_attention
 import jaxengine as je
 from jaxengine.models.attention_backends import (
   PallasGpuAttentionBackend, PallasTpuAttentionBackend, XlaAttentionBackend)
-from jaxengine.models.paged_attention import PagedAttentionMetadata, ragged_paged_attention_xla
+from jaxengine.models.paged_attention import (
+  FP8_KV_DTYPE, PagedAttentionMetadata, ragged_paged_attention_xla)
 from jaxengine.models.sharded_attention import HeadShardedBackend
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker import device_steps
@@ -77,7 +79,28 @@ for inner in (XlaAttentionBackend(), PallasGpuAttentionBackend(interpret=True),
   pages, out = jax.jit(write_and_attend)(pages, *args)
   np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=inner.name)
   assert pages[0].sharding.spec[axis] == "model", (inner.name, pages[0].sharding)
+  # fp8 pages: every array (the GPU layout's [K, N, B] scales too) split along the head axis.
+  local = inner.page_arrays(step.num_blocks, B, K // 2, D, FP8_KV_DTYPE)
+  arrays = backend.page_arrays(step.num_blocks, B, K, D, FP8_KV_DTYPE)
+  assert [a.dtype for a in arrays] == [a.dtype for a in local], (inner.name, arrays)
+  assert [a.shape[axis] for a in arrays] == [2 * a.shape[axis] for a in local], inner.name
   print("backend", inner.name, "ok")
+
+# The GPU layout's fp8 pages and scales, each device over its own heads: as on one device.
+inner = PallasGpuAttentionBackend(interpret=True)
+backend = HeadShardedBackend(inner, mesh)
+def fp8_write_and_attend(backend, pages):
+  pages = backend.write_kv(pages, np.concatenate(step.keys), np.concatenate(step.values),
+                           jnp.asarray(step.slots))
+  return backend.attention(jnp.asarray(step.q), pages, step.md, scale=SCALE, num_kv_heads=K)
+one_device = jax.jit(fp8_write_and_attend, static_argnums=0)(
+  inner, inner.init_pages(step.num_blocks, B, K, D, FP8_KV_DTYPE))
+pages = jax.device_put(backend.init_pages(step.num_blocks, B, K, D, FP8_KV_DTYPE),
+                       jax.sharding.NamedSharding(mesh, backend.page_specs(1)[0]))
+out = jax.jit(fp8_write_and_attend, static_argnums=0)(backend, pages)
+np.testing.assert_allclose(np.asarray(out), np.asarray(one_device), rtol=2e-5, atol=2e-5)
+assert np.abs(np.asarray(out) - want).max() < 0.1  # fp8's rounding, per-position scales
+print("backend pallas_gpu fp8 ok")
 
 
 # --- the engine: t = 2 against one device --------------------------------------------------
@@ -194,5 +217,5 @@ print("ok")
 def test_paged_engine_on_a_mesh_matches_one_device():
   out = run_python(SCRIPT, os.path.dirname(os.path.abspath(__file__)), timeout=1500)
   assert out.strip().endswith("ok")
-  assert out.count("backend") == 3
+  assert out.count("backend") == 4  # three layouts, and fp8 pages of the GPU layout
   assert "speculative" in out

@@ -22,6 +22,23 @@ computes the ragged step's causal grouped-query attention `[T, H, D]` from them.
 
 `attention_backend(None)` picks the backend of `jax.default_backend()`.
 
+fp8 pages (``kv_cache_dtype="fp8"``: `init_pages(..., dtype=FP8_KV_DTYPE)`), float8_e4m3fn on
+every backend, each in its own storage (`page_arrays` gives the arrays and their dtypes):
+
+* `"xla"`: the fp8 bits as `FP8_KV_STORAGE` bytes (XLA:CPU has no float8 arithmetic), written as
+  `clip(x / scale, +-448)` with a per-tensor static `k_scale` / `v_scale` (vLLM's; 1.0, vLLM's
+  value for a checkpoint without one) and read back times it, in float32 then the query's dtype.
+* `"pallas_tpu"`: float8_e4m3fn pages (TPUs store it natively), written the same way and read by
+  the kernel with its own `k_scale` / `v_scale` arguments; the kernel's 8-bit tiling needs more
+  padded heads for some `K` (`tpu_kv_heads(K, dtype)`).
+* `"pallas_gpu"`: float8_e4m3fn pages and float32 scales `[K, N, B]` per position and head,
+  `max|x| / 448` of each key (value) vector (1.0 for zeros, `fp8_row_scales`), so nothing clips.
+  The decode kernel takes them as `k_scales_pages` / `v_scales_pages` (it casts the pages to the
+  query's dtype and multiplies scores and probabilities by the scales); the XLA path of prefill
+  steps multiplies each row it reads. A page costs `(D + 4) / (4 D)` of float32's bytes. Triton
+  has float8_e4m3fn from CUDA compute capability 8.9 on: an older GPU is refused
+  (`check_kv_cache_dtype`).
+
 Sliding-window attention (`attention(..., sliding_window=W)`, Mistral): the XLA path masks and
 skips pages before the window, the TPU kernel takes its own `sliding_window` argument; the GPU
 decode kernel has none, so `"pallas_gpu"` refuses a window (`check_sliding_window`, called by the
@@ -38,14 +55,20 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxengine.models.paged_attention import (
+  FP8_KV_DTYPE,
+  FP8_KV_STORAGE,
+  KVScale,
   PagedAttentionMetadata,
+  fp8_row_scales,
+  is_fp8_pages,
+  quantize_fp8,
   ragged_paged_attention_xla,
   write_kv_pages,
 )
@@ -74,10 +97,13 @@ def xla_attention(
   soft_cap: float | None = None,
   fixed_order: bool = False,
   max_context: int | None = None,
+  k_scale: KVScale = 1.0,
+  v_scale: KVScale = 1.0,
 ) -> jax.Array:
-  """`ragged_paged_attention_xla` with the tuned query tile and page chunk, for pages
-  `[N, block_size, K, D]` (`kv_heads_first=False`) or `[K, N, block_size, D]` (True);
-  `fixed_order` its batch-invariant arithmetic, `max_context` a static loop bound."""
+  """`ragged_paged_attention_xla` with the tuned query tile and page chunk, for `(keys, values)`
+  pages `[N, block_size, K, D]` (`kv_heads_first=False`) or `[K, N, block_size, D]` (True);
+  `fixed_order` its batch-invariant arithmetic, `max_context` a static loop bound, `k_scale` /
+  `v_scale` fp8 pages' scales."""
   key_pages, value_pages = pages
   block_size = key_pages.shape[-2] if kv_heads_first else key_pages.shape[-3]
   return ragged_paged_attention_xla(
@@ -93,7 +119,21 @@ def xla_attention(
     soft_cap=soft_cap,
     fixed_order=fixed_order,
     max_context=max_context,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
+
+
+def check_kv_scale(name: str, value: Any) -> float:
+  """`value` as a float, for a per-tensor fp8 scale field `name` (`k_scale`, `v_scale`).
+
+  Raises:
+    ValueError: `value` is not a finite number > 0 (naming the field and value).
+  """
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not number or not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+  return float(value)
 
 
 class AttentionBackend(abc.ABC):
@@ -148,11 +188,39 @@ class AttentionBackend(abc.ABC):
         f"soft_cap={soft_cap}: use attention_backend='xla' (or 'pallas_tpu' on TPU)"
       )
 
+  def check_kv_cache_dtype(self, dtype: Any, devices: Sequence[Any]) -> None:
+    """Refuses a cache dtype the backend's kernel cannot read on `devices` (host side, before
+    any device work); every backend reads every dtype unless it says otherwise.
+
+    Raises:
+      ValueError: naming `kv_cache_dtype`, the backend and what prevents it.
+    """
+    del dtype, devices  # no limit here
+
   @abc.abstractmethod
+  def page_arrays(
+    self,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.float32,
+  ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shapes and storage dtypes of one layer's page arrays (`N = num_blocks`,
+    `B = block_size`) for the cache dtype `dtype` (`FP8_KV_DTYPE` for fp8 pages, which each
+    backend stores in its own way)."""
+
   def page_shapes(
-    self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    self,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.float32,
   ) -> tuple[tuple[int, ...], ...]:
-    """Shapes of one layer's page arrays (`N = num_blocks`, `B = block_size`)."""
+    """Shapes of one layer's page arrays (`page_arrays`)."""
+    arrays = self.page_arrays(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    return tuple(a.shape for a in arrays)
 
   def init_pages(
     self,
@@ -170,12 +238,12 @@ class AttentionBackend(abc.ABC):
       block_size: positions per page `B`.
       num_kv_heads: key/value heads `K`.
       head_dim: head width `D`.
-      dtype: storage dtype.
+      dtype: the cache dtype (`page_arrays` gives each array's storage dtype).
       num_layers: a leading layer axis `L`, or None for one layer.
     """
     lead = () if num_layers is None else (num_layers,)
-    shapes = self.page_shapes(num_blocks, block_size, num_kv_heads, head_dim)
-    return tuple(jnp.zeros((*lead, *shape), dtype) for shape in shapes)
+    arrays = self.page_arrays(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    return tuple(jnp.zeros((*lead, *a.shape), a.dtype) for a in arrays)
 
   def bytes_per_block(
     self,
@@ -186,10 +254,10 @@ class AttentionBackend(abc.ABC):
     head_dim: int,
     dtype: Any = jnp.float32,
   ) -> int:
-    """Bytes of one page of all `L` layers in this backend's layout: `L * sum(page array sizes)
-    * itemsize` (keys and values, padded heads included)."""
-    shapes = self.page_shapes(1, block_size, num_kv_heads, head_dim)
-    return num_layers * jnp.dtype(dtype).itemsize * sum(math.prod(s) for s in shapes)
+    """Bytes of one page of all `L` layers in this backend's layout: `L * sum(page array size *
+    its itemsize)` (keys and values, padded heads and fp8 scales included)."""
+    arrays = self.page_arrays(1, block_size, num_kv_heads, head_dim, dtype)
+    return num_layers * sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
 
   def num_blocks_for_memory(
     self,
@@ -203,8 +271,8 @@ class AttentionBackend(abc.ABC):
   ) -> int:
     """Pages (the null page included) of all `L` layers that fit in `kv_cache_memory_bytes`.
 
-    A page costs `L * sum(page array sizes) * itemsize` bytes in this backend's layout (keys
-    and values, padded heads included).
+    A page costs `bytes_per_block` bytes in this backend's layout (keys and values, padded
+    heads and fp8 scales included).
 
     Raises:
       ValueError: the memory holds fewer than 2 pages (the null page and one usable), naming
@@ -262,29 +330,40 @@ class AttentionBackend(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttentionBackend(AttentionBackend):
-  """Pure XLA (`ragged_paged_attention_xla`); pages `([N, B, K, D] keys, [N, B, K, D] values)`.
+  """Pure XLA (`ragged_paged_attention_xla`); pages `([N, B, K, D] keys, [N, B, K, D] values)`,
+  fp8 pages as their bits (`FP8_KV_STORAGE`: XLA:CPU has no float8 arithmetic).
 
   Attributes:
     fixed_order: the batch-invariant arithmetic (`ragged_paged_attention_xla`'s
       ``fixed_order``): a query's output bits do not depend on the rest of the step.
     max_context: None, or a static bound on every request's context: a loop of static length,
       differentiable in reverse mode (`jaxengine.models.token_logprobs` sets it).
+    k_scale: fp8 keys are stored as `key / k_scale` (clipped to fp8's range) and read back
+      times `k_scale` (vLLM's per-tensor scale; 1.0, vLLM's value for a checkpoint without
+      one). Unused for other page dtypes.
+    v_scale: the same for values.
   """
 
   fixed_order: bool = False
   max_context: int | None = None
+  k_scale: float = 1.0
+  v_scale: float = 1.0
   name = "xla"
   kv_head_axis = 2
 
-  def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return shape, shape
+  def __post_init__(self) -> None:
+    _set_kv_scales(self)
+
+  def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
+    storage = FP8_KV_STORAGE if is_fp8_pages(dtype) else dtype
+    array = jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), storage)
+    return array, array
 
   def write_kv(self, pages, key, value, slot_mapping, layer=None):
     key_pages, value_pages = pages
     return (
-      write_kv_pages(key_pages, key, slot_mapping, layer),
-      write_kv_pages(value_pages, value, slot_mapping, layer),
+      write_kv_pages(key_pages, key, slot_mapping, layer, scale=self.k_scale),
+      write_kv_pages(value_pages, value, slot_mapping, layer, scale=self.v_scale),
     )
 
   def attention(
@@ -300,7 +379,17 @@ class XlaAttentionBackend(AttentionBackend):
       soft_cap=soft_cap,
       fixed_order=self.fixed_order,
       max_context=self.max_context,
+      k_scale=self.k_scale,
+      v_scale=self.v_scale,
     )
+
+
+def _set_kv_scales(backend: AttentionBackend) -> None:
+  """Checks a frozen backend's `k_scale` and `v_scale` (`check_kv_scale`), then stores them as
+  floats (the TPU kernel takes only floats)."""
+  scales = {name: check_kv_scale(name, getattr(backend, name)) for name in ("k_scale", "v_scale")}
+  for name, value in scales.items():
+    object.__setattr__(backend, name, value)
 
 
 def _tpu_kernel() -> Callable[..., jax.Array]:
@@ -309,41 +398,73 @@ def _tpu_kernel() -> Callable[..., jax.Array]:
   return ragged_paged_attention
 
 
-def tpu_kv_heads(num_kv_heads: int) -> int:
-  """Key/value heads the TPU kernel's pages hold: `K` rounded up so that its `2K` combined heads
-  tile (the kernel raises "can not be XLA fully tiled" otherwise, e.g. for SmolLM2's `K = 3`):
-  1, 2, 4, 8 or a multiple of 8 works for float32 and bfloat16 pages alike."""
-  if num_kv_heads in (1, 2, 4) or num_kv_heads % 8 == 0:
-    return num_kv_heads
-  return 1 << (num_kv_heads - 1).bit_length() if num_kv_heads < 8 else -(-num_kv_heads // 8) * 8
+def _tiles(num_combined_heads: int, packing: int) -> bool:
+  """The TPU kernel's tiling condition on its `2K'` combined heads, for a page dtype packing
+  `packing` values in 32 bits."""
+  per_word, rest = divmod(num_combined_heads, packing)
+  return not rest and (per_word in (1, 2, 4, 8) or per_word % 8 == 0)
+
+
+def tpu_kv_heads(num_kv_heads: int, dtype: Any = jnp.bfloat16) -> int:
+  """Key/value heads the TPU kernel's pages of `dtype` hold: the smallest `K' >= K` whose `2K'`
+  combined heads tile (the kernel raises "can not be XLA fully tiled" otherwise, e.g. for
+  SmolLM2's `K = 3`).
+
+  The kernel's rule (`get_min_heads_per_blk` in
+  `jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel`): with `p = 32 / bits` values
+  packed per 32-bit word, `2K'` divisible by `p` and `2K' / p` in 1, 2, 4, 8 or a multiple of 8.
+  8-bit (fp8) pages have `p = 4`: `K'` of 2, 4, 8 or a multiple of 16. 32-bit pages take the
+  16-bit rule (`p = 2`: `K'` of 1, 2, 4, 8 or a multiple of 8), so float32 and bfloat16 pages
+  share one layout.
+  """
+  packing = max(2, 32 // (8 * jnp.dtype(dtype).itemsize))
+  heads = num_kv_heads
+  while not _tiles(2 * heads, packing):
+    heads += 1
+  return heads
 
 
 @dataclasses.dataclass(frozen=True)
 class PallasTpuAttentionBackend(AttentionBackend):
   """JAX's TPU ragged paged attention kernel; pages `([N, B, 2K', D] keys and values,)` with
-  `K' = tpu_kv_heads(K)` (heads past `K` hold zeros; their queries are dropped).
+  `K' = tpu_kv_heads(K, dtype)` (heads past `K` hold zeros; their queries are dropped); fp8
+  pages are float8_e4m3fn (TPUs store it natively), read by the kernel with its `k_scale` and
+  `v_scale`.
 
   Attributes:
     kernel: a function with the kernel's signature (tests pass its reference function); None
       imports `ragged_paged_attention` on first use.
+    k_scale: fp8 keys are stored as `key / k_scale` (clipped to fp8's range) and the kernel
+      multiplies them by its `k_scale` (vLLM's per-tensor scale; 1.0, vLLM's value for a
+      checkpoint without one). Unused for other page dtypes.
+    v_scale: the same for values.
   """
 
   kernel: Callable[..., jax.Array] | None = None
+  k_scale: float = 1.0
+  v_scale: float = 1.0
   name = "pallas_tpu"
   kv_head_axis = 2
   platforms = ("tpu",)
+
+  def __post_init__(self) -> None:
+    _set_kv_scales(self)
 
   def check_platform(self, platform: str) -> None:
     """Any platform with a `kernel` of one's own (tests pass the reference function)."""
     if self.kernel is None:
       super().check_platform(platform)
 
-  def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
-    return ((num_blocks, block_size, 2 * tpu_kv_heads(num_kv_heads), head_dim),)
+  def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
+    storage = FP8_KV_DTYPE if is_fp8_pages(dtype) else dtype
+    shape = (num_blocks, block_size, 2 * tpu_kv_heads(num_kv_heads, storage), head_dim)
+    return (jax.ShapeDtypeStruct(shape, storage),)
 
   def write_kv(self, pages, key, value, slot_mapping, layer=None):
     (kv_pages,) = pages
     num_tokens, num_kv_heads, head_dim = key.shape
+    if is_fp8_pages(kv_pages.dtype):  # write_kv_pages clips and casts `x / scale`
+      key, value = _unscale(key, self.k_scale), _unscale(value, self.v_scale)
     pad = ((0, 0), (0, kv_pages.shape[-2] // 2 - num_kv_heads), (0, 0))
     interleaved = jnp.stack([jnp.pad(key, pad), jnp.pad(value, pad)], axis=2)  # [T, K', 2, D]
     interleaved = interleaved.reshape(num_tokens, kv_pages.shape[-2], head_dim)
@@ -366,6 +487,12 @@ class PallasTpuAttentionBackend(AttentionBackend):
       q.reshape(num_tokens, real_kv_heads, group, head_dim),
       ((0, 0), (0, padded_kv_heads - real_kv_heads), (0, 0), (0, 0)),
     ).reshape(num_tokens, padded_kv_heads * group, head_dim)
+    # Optional arguments only when used: a `kernel` of one's own without them serves the rest.
+    options: dict[str, float] = {}
+    if soft_cap is not None:
+      options["soft_cap"] = soft_cap
+    if is_fp8_pages(kv_pages.dtype):
+      options.update(k_scale=self.k_scale, v_scale=self.v_scale)
     kernel = self.kernel or _tpu_kernel()
     out = kernel(
       q_padded,
@@ -376,13 +503,31 @@ class PallasTpuAttentionBackend(AttentionBackend):
       md.num_reqs.reshape(1),
       sm_scale=scale,
       sliding_window=sliding_window,
-      # Only when set: a `kernel` of one's own without the argument serves uncapped models.
-      **({} if soft_cap is None else {"soft_cap": soft_cap}),
+      **options,
     )
     out = out[:, :num_heads].astype(q.dtype)
     # The kernel leaves rows past the last request's tokens undefined.
     real = jnp.arange(num_tokens) < md.query_start_loc[md.num_reqs]
     return jnp.where(real[:, None, None], out, 0)
+
+
+def _unscale(x: jax.Array, scale: float) -> jax.Array:
+  """`x / scale` in float32 (`x` itself for 1.0)."""
+  return x if scale == 1.0 else x.astype(jnp.float32) / scale
+
+
+#: The lowest CUDA compute capability whose Triton has float8_e4m3fn (the GPU kernel's fp8 pages).
+FP8_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def _cuda_capability(device: Any) -> tuple[int, int] | None:
+  """`(major, minor)` of a CUDA device's `compute_capability` ("8.9"), None for another device."""
+  if getattr(device, "platform", None) not in ("gpu", "cuda"):
+    return None
+  major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+  if not (major.isdigit() and minor.isdigit()):
+    return None
+  return int(major), int(minor)
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -392,7 +537,11 @@ def _largest_divisor(n: int, at_most: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class PallasGpuAttentionBackend(AttentionBackend):
   """JAX's GPU Pallas paged decode kernel, XLA for steps with prefill chunks; pages
-  `([K, N, B, D] keys, [K, N, B, D] values)`.
+  `([K, N, B, D] keys, [K, N, B, D] values)`, and for fp8 pages (float8_e4m3fn)
+  `([K, N, B, D] keys, [K, N, B, D] values, [K, N, B] key scales, [K, N, B] value scales)`:
+  each position's key (value) of each head is stored as `x / s` with its own float32 scale
+  `s = max|x| / 448` (`fp8_row_scales`), which both paths multiply back (the kernel's
+  `k_scales_pages` / `v_scales_pages`).
 
   Attributes:
     interpret: run the Pallas kernel in interpret mode (any device; for tests on CPU).
@@ -410,22 +559,40 @@ class PallasGpuAttentionBackend(AttentionBackend):
     if not self.interpret:
       super().check_platform(platform)
 
-  def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
+  def check_kv_cache_dtype(self, dtype, devices):
+    """fp8 pages need Triton's float8_e4m3fn, which compiles for CUDA compute capability 8.9
+    or later (Ada, Hopper, ...); interpret mode reads them anywhere.
+
+    Raises:
+      ValueError: fp8 pages and a CUDA device of a lower compute capability (naming both).
+    """
+    if self.interpret or not is_fp8_pages(dtype):
+      return
+    for device in devices:
+      capability = _cuda_capability(device)
+      if capability is not None and capability < FP8_MIN_CUDA_CAPABILITY:
+        raise ValueError(
+          f"kv_cache_dtype='fp8' with attention_backend={self.name!r} needs CUDA compute "
+          f"capability >= 8.9 (Triton's float8_e4m3fn), {device} has "
+          f"{device.compute_capability}: use attention_backend='xla' or kv_cache_dtype='auto'"
+        )
+
+  def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return shape, shape
+    if not is_fp8_pages(dtype):
+      return (jax.ShapeDtypeStruct(shape, dtype),) * 2
+    pages = jax.ShapeDtypeStruct(shape, FP8_KV_DTYPE)
+    scales = jax.ShapeDtypeStruct(shape[:-1], jnp.float32)
+    return pages, pages, scales, scales
 
   def write_kv(self, pages, key, value, slot_mapping, layer=None):
     block_size = pages[0].shape[-2]
     page, offset = slot_mapping // block_size, slot_mapping % block_size
-    if layer is None:  # adjacent array indices: the indexed block is [K, T, D]
-      return tuple(
-        p.at[:, page, offset].set(jnp.swapaxes(new, 0, 1).astype(p.dtype))
-        for p, new in zip(pages, (key, value))
-      )
-    # `layer` and the arrays are split by a slice: NumPy's rule moves [T] first, [T, K, D].
-    return tuple(
-      p.at[layer, :, page, offset].set(new.astype(p.dtype)) for p, new in zip(pages, (key, value))
-    )
+    new: tuple[jax.Array, ...] = (key, value)  # [T, K, D] each
+    if is_fp8_pages(pages[0].dtype):
+      scales = (fp8_row_scales(key), fp8_row_scales(value))  # [T, K] each
+      new = (quantize_fp8(key, scales[0]), quantize_fp8(value, scales[1]), *scales)
+    return tuple(_scatter_heads_first(p, x, page, offset, layer) for p, x in zip(pages, new))
 
   def attention(
     self, q, pages, md, *, scale, num_kv_heads=None, sliding_window=None, soft_cap=None
@@ -442,7 +609,8 @@ class PallasGpuAttentionBackend(AttentionBackend):
   def _decode(self, q, pages, md, scale):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    key_pages, value_pages = pages
+    key_pages, value_pages, *scales = pages  # scales: fp8 pages' [K, N, B] key and value scales
+    k_scales, v_scales = scales or (None, None)
     num_tokens = q.shape[0]
     pages_per_req = md.block_tables.shape[1]
     k_splits = _largest_divisor(pages_per_req, 16)
@@ -455,6 +623,8 @@ class PallasGpuAttentionBackend(AttentionBackend):
       value_pages,
       md.block_tables,
       jnp.where(has_token, md.seq_lens, 0),
+      k_scales_pages=k_scales,
+      v_scales_pages=v_scales,
       k_splits=k_splits,
       pages_per_compute_block=_largest_divisor(pages_per_req // k_splits, 8),
       interpret=self.interpret,
@@ -462,7 +632,28 @@ class PallasGpuAttentionBackend(AttentionBackend):
     return jnp.zeros_like(q).at[jnp.where(has_token, first, num_tokens)].set(out, mode="drop")
 
   def _xla(self, q, pages, md, scale):
-    return xla_attention(q, pages, md, scale=scale, kv_heads_first=True)
+    key_pages, value_pages, *scales = pages
+    k_scale, v_scale = scales or (1.0, 1.0)
+    return xla_attention(
+      q,
+      (key_pages, value_pages),
+      md,
+      scale=scale,
+      kv_heads_first=True,
+      k_scale=k_scale,
+      v_scale=v_scale,
+    )
+
+
+def _scatter_heads_first(
+  pages: jax.Array, new: jax.Array, page: jax.Array, offset: jax.Array, layer
+) -> jax.Array:
+  """`[K, N, B, ...]` pages (`[L, K, N, B, ...]` with `layer`) with `[T, K, ...]` rows `new`
+  at `(page, offset)` (`[T] int32` each), cast to the pages' dtype."""
+  if layer is None:  # adjacent array indices: the indexed block is [K, T, ...]
+    return pages.at[:, page, offset].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype))
+  # `layer` and the arrays are split by a slice: NumPy's rule moves [T] first, [T, K, ...].
+  return pages.at[layer, :, page, offset].set(new.astype(pages.dtype))
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

@@ -5,7 +5,9 @@ a `PagedKVCache` holds `num_blocks` pages of `block_size` positions per layer, a
 lists each request's pages in a block table (`PagedAttentionMetadata.block_tables`). Only the
 attention seam (`jaxengine.models.attention.attention`) reads and writes it, through the cache's
 `AttentionBackend`, which owns the page layout (``[N, B, K, D]`` keys and values on XLA,
-``[K, N, B, D]`` for the GPU Pallas kernel, ``[N, B, 2K', D]`` keys and values together on TPU).
+``[K, N, B, D]`` for the GPU Pallas kernel, ``[N, B, 2K', D]`` keys and values together on TPU)
+and the storage of fp8 pages (bytes on XLA, float8_e4m3fn on TPU, float8_e4m3fn and
+``[K, N, B]`` float32 scales on GPU).
 
 Each layer's pages are buffers of their own (a tuple per layer, not one ``[L, ...]`` array), so
 a layer's write and read never slice a stacked array (a slice XLA may copy) and every buffer can
@@ -38,7 +40,8 @@ class PagedKVCache:
 
   Attributes:
     pages: ``L`` tuples of one layer's page arrays in the backend's layout
-      (`AttentionBackend.page_shapes`), keys after rotary embedding, in the cache dtype.
+      (`AttentionBackend.page_arrays`), keys after rotary embedding, in the cache dtype's
+      storage.
     backend: the `AttentionBackend` that writes and reads the pages (static).
     block_size: positions per page ``B`` (static).
     num_kv_heads: the model's key/value heads ``K`` (static; the TPU layout may pad them).
@@ -105,5 +108,5 @@ class PagedKVCache:
 
   @property
   def dtype(self) -> jax.typing.DTypeLike:
-    """Storage dtype."""
+    """Storage dtype of the first page array (fp8 pages: `FP8_KV_STORAGE` on XLA)."""
     return self.pages[0][0].dtype

@@ -51,6 +51,13 @@ every window are never read: decode R=8 at S=1024 with `W=128` took 0.71 ms agai
 without a window (`t1/c4`, median of 10 interleaved calls, load average about 4). The engine
 frees the pages that slid out of every window (KV cache groups, `jaxengine.core.kv_cache_groups`):
 their block-table entries become the null page, which the window mask hides anyway.
+
+fp8 pages (``kv_cache_dtype="fp8"``, `is_fp8_pages`): `write_kv_pages` stores `x / scale`
+clipped to float8_e4m3fn's +-448 (`quantize_fp8`; a larger value would be NaN), as
+`FP8_KV_DTYPE` or as its bits (`FP8_KV_STORAGE`, the XLA backend's); the read converts the rows a
+chunk needs to float32, multiplies them by their scale and casts them to the query's dtype. A
+scale is per tensor (vLLM's static `k_scale` / `v_scale`) or per position and head (an array
+beside the pages, the GPU backend's: `fp8_row_scales`).
 """
 
 from __future__ import annotations
@@ -73,10 +80,45 @@ NULL_SLOT = 0
 #: clipped to it before the cast (float8_e4m3fn has no infinity: an overflow is NaN).
 FP8_KV_DTYPE = jnp.float8_e4m3fn
 FP8_KV_MAX = float(jnp.finfo(FP8_KV_DTYPE).max)
-#: The storage dtype of fp8 pages: their float8_e4m3fn bits as bytes. XLA:CPU has no float8
-#: arithmetic and widened every float8 gather and scatter over the whole pool (a step's time grew
-#: with the pool's size); only the rows a step writes or reads are converted this way.
+#: The XLA backend's storage dtype of fp8 pages: their float8_e4m3fn bits as bytes. XLA:CPU has
+#: no float8 arithmetic and widened every float8 gather and scatter over the whole pool (a step's
+#: time grew with the pool's size); only the rows a step writes or reads are converted this way.
+#: The Pallas backends store `FP8_KV_DTYPE` itself (their kernels read it).
 FP8_KV_STORAGE = jnp.uint8
+
+#: A per-tensor scale (vLLM's ``k_scale`` / ``v_scale``: a Python float, static) or per-position
+#: scales (an array with the pages' shape less the head width: ``[N, B, K]``, or ``[K, N, B]``
+#: with heads first).
+KVScale = float | jax.Array
+
+
+def is_fp8_pages(dtype) -> bool:
+  """Whether pages of `dtype` hold fp8 values: `FP8_KV_DTYPE` itself or its bits as
+  `FP8_KV_STORAGE`."""
+  return jnp.dtype(dtype) in (jnp.dtype(FP8_KV_DTYPE), jnp.dtype(FP8_KV_STORAGE))
+
+
+def quantize_fp8(x: jax.Array, scale: KVScale = 1.0) -> jax.Array:
+  """`x / scale` clipped to +-`FP8_KV_MAX` and cast to `FP8_KV_DTYPE` (a value past the range
+  would otherwise become NaN).
+
+  Args:
+    x: `[..., D]` keys or values, any float dtype.
+    scale: a per-tensor float, or `[...]` float32 scales (one per row of `D`).
+
+  Returns:
+    `[..., D]` float8_e4m3fn; `x` is about `result * scale`.
+  """
+  if not isinstance(scale, float) or scale != 1.0:
+    x = x / (scale if isinstance(scale, float) else scale[..., None])
+  return jnp.clip(x, -FP8_KV_MAX, FP8_KV_MAX).astype(FP8_KV_DTYPE)
+
+
+def fp8_row_scales(x: jax.Array) -> jax.Array:
+  """`[...]` float32 scales of `[..., D]` rows, `max|x| / FP8_KV_MAX` each (1.0 for a row of
+  zeros), so that `quantize_fp8(x, scales)` uses fp8's whole range without clipping."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+  return jnp.where(amax > 0, amax / FP8_KV_MAX, 1.0)
 
 
 @jax.tree_util.register_dataclass
@@ -112,26 +154,35 @@ class PagedAttentionMetadata:
 
 
 def write_kv_pages(
-  pages: jax.Array, new: jax.Array, slot_mapping: jax.Array, layer: jax.Array | int | None = None
+  pages: jax.Array,
+  new: jax.Array,
+  slot_mapping: jax.Array,
+  layer: jax.Array | int | None = None,
+  *,
+  scale: float = 1.0,
 ) -> jax.Array:
   """Scatters the step's new keys (or values) into their cache slots.
 
   Args:
     pages: `[N, B, K, D]` pages of one layer, or `[L, N, B, K, D]` with `layer` given.
-    new: `[T, K, D]` this step's keys or values (cast to the pages' dtype; for fp8 pages,
-      `FP8_KV_STORAGE`, clipped to +-`FP8_KV_MAX` and cast to `FP8_KV_DTYPE`, its bits stored).
+    new: `[T, K, D]` this step's keys or values, cast to the pages' dtype; for fp8 pages
+      (`is_fp8_pages`) `quantize_fp8(new, scale)`, stored as is (`FP8_KV_DTYPE`) or as its bits
+      (`FP8_KV_STORAGE`).
     slot_mapping: `[T] int32` slots (`page * B + offset`); padding tokens point at `NULL_SLOT`,
       whose contents are never read.
     layer: index into a leading layer axis of `pages`, or None for one layer's pages.
+    scale: fp8 pages' per-tensor scale (static; the reader multiplies it back); unused for
+      other dtypes.
 
   Returns:
     `pages` with the new rows written (in place when `pages` is donated).
   """
   block_size = pages.shape[-3]
   page, offset = slot_mapping // block_size, slot_mapping % block_size
-  if pages.dtype == FP8_KV_STORAGE:  # fp8 pages: the float8_e4m3fn bits of the clipped rows
-    new = jnp.clip(new, -FP8_KV_MAX, FP8_KV_MAX).astype(FP8_KV_DTYPE)
-    return _scatter(pages, jax.lax.bitcast_convert_type(new, FP8_KV_STORAGE), page, offset, layer)
+  if is_fp8_pages(pages.dtype):
+    new = quantize_fp8(new, scale)
+    if pages.dtype == FP8_KV_STORAGE:  # the float8_e4m3fn bits
+      new = jax.lax.bitcast_convert_type(new, FP8_KV_STORAGE)
   return _scatter(pages, new.astype(pages.dtype), page, offset, layer)
 
 
@@ -192,15 +243,32 @@ class _ChunkSpan:
     return cls(first=first, num_chunks=jnp.max(end - first, initial=0))
 
 
-def _read_pages(pages: jax.Array, ids: jax.Array, kv_heads_first: bool, dtype) -> jax.Array:
-  """`[W, C * B, K, D]` rows of pages `ids [W, C]`; fp8 pages (`FP8_KV_STORAGE` bytes) read
-  in `dtype`."""
-  fp8 = pages.dtype == FP8_KV_STORAGE
-  rows = jnp.moveaxis(pages[:, ids], 0, -2) if kv_heads_first else pages[ids]  # [W, C, B, K, D]
-  if fp8:
-    rows = jax.lax.bitcast_convert_type(rows, FP8_KV_DTYPE).astype(dtype)
+def _read_pages(
+  pages: jax.Array, ids: jax.Array, kv_heads_first: bool, dtype, scale: KVScale
+) -> jax.Array:
+  """`[W, C * B, K, D]` rows of pages `ids [W, C]` in `dtype`; fp8 pages (`is_fp8_pages`) times
+  their `scale` (per tensor, or `[N, B, K]` / `[K, N, B]` per position), in float32 first."""
+  rows = _gather(pages, ids, kv_heads_first)  # [W, C, B, K, D]
+  if is_fp8_pages(pages.dtype):
+    if pages.dtype == FP8_KV_STORAGE:
+      rows = jax.lax.bitcast_convert_type(rows, FP8_KV_DTYPE)
+    if isinstance(scale, float) and scale == 1.0:
+      rows = rows.astype(dtype)  # exact: every fp8 value is a bfloat16 and a float32
+    elif isinstance(scale, float):
+      rows = (rows.astype(jnp.float32) * scale).astype(dtype)
+    else:
+      scales = _gather(scale, ids, kv_heads_first)  # [W, C, B, K]
+      rows = (rows.astype(jnp.float32) * scales[..., None]).astype(dtype)
   num_items, num_pages, block_size, num_kv_heads, head_dim = rows.shape
   return rows.reshape(num_items, num_pages * block_size, num_kv_heads, head_dim)
+
+
+def _gather(pages: jax.Array, ids: jax.Array, kv_heads_first: bool) -> jax.Array:
+  """`[W, C, B, K, ...]` entries of pages `ids [W, C]` from `[N, B, K, ...]` (or, heads first,
+  `[K, N, B, ...]`) arrays."""
+  if not kv_heads_first:
+    return pages[ids]
+  return jnp.moveaxis(pages[:, ids], 0, 3)  # [K, W, C, B, ...] -> [W, C, B, K, ...]
 
 
 def ragged_paged_attention_xla(
@@ -217,6 +285,8 @@ def ragged_paged_attention_xla(
   soft_cap: float | None = None,
   fixed_order: bool = False,
   max_context: int | None = None,
+  k_scale: KVScale = 1.0,
+  v_scale: KVScale = 1.0,
 ) -> jax.Array:
   """Causal grouped-query attention of a ragged step over paged keys and values, in XLA.
 
@@ -254,6 +324,10 @@ def ragged_paged_attention_xla(
     max_context: None, or a static bound on every request's `seq_lens`: the chunk loop then
       runs `ceil(max_context / chunk)` iterations, a static count, so the attention can be
       differentiated in reverse mode (`token_logprobs`); None: as many as the step needs.
+    k_scale: what fp8 keys (`is_fp8_pages`) are multiplied by when read: a per-tensor float
+      (static; 1.0: none), or `[N, B, K]` float32 scales per position and head (`[K, N, B]`
+      with `kv_heads_first`; the GPU backend's). Unused for other page dtypes.
+    v_scale: the same for fp8 values.
 
   Returns:
     `[T, H, D]` in `q`'s dtype; rows of padding tokens are 0.
@@ -294,7 +368,8 @@ def ragged_paged_attention_xla(
     # Items past their own last chunk read clipped (real or null) pages, all masked below.
     pages = jnp.take_along_axis(blocks, page_index, axis=1, mode="clip")
     keys, values = (
-      _read_pages(p, pages, kv_heads_first, q.dtype) for p in (key_pages, value_pages)
+      _read_pages(p, pages, kv_heads_first, q.dtype, s)
+      for p, s in ((key_pages, k_scale), (value_pages, v_scale))
     )
     scores = _scores(q_items, keys, fixed_order)  # [W, K, G, Tq, C * B] float32
     position = first_page[:, None, None] * block_size + jnp.arange(chunk_len, dtype=jnp.int32)

@@ -7,7 +7,8 @@ backend so that each device holds, writes and reads only its ``K / t`` heads of 
 * the pages of a layer are ``t`` copies of the wrapped backend's layout for ``K / t`` heads, laid
   side by side along its head axis (`AttentionBackend.kv_head_axis`) and sharded there, so
   ``[N, B, K, D]`` XLA pages are ``P(None, None, "model", None)``, and the TPU kernel's combined
-  ``[N, B, 2K', D]`` pages hold each device's own ``2 * tpu_kv_heads(K / t)`` heads;
+  ``[N, B, 2K', D]`` pages hold each device's own ``2 * tpu_kv_heads(K / t)`` heads (the GPU
+  layout's fp8 scales ``[K, N, B]`` are split along ``K`` too);
 * `write_kv` and `attention` run under `jax.shard_map` over the model axis: a device gets its
   ``[T, H / t, D]`` queries and ``[T, K / t, D]`` keys and values, the step's metadata whole
   (block tables, slot mapping, lengths: replicated, small), and calls the wrapped backend as on
@@ -26,6 +27,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -67,6 +69,10 @@ class HeadShardedBackend(AttentionBackend):
     """The inner backend's check."""
     self.inner.check_platform(platform)
 
+  def check_kv_cache_dtype(self, dtype, devices) -> None:
+    """The inner backend's check."""
+    self.inner.check_kv_cache_dtype(dtype, devices)
+
   @property
   def num_shards(self) -> int:
     """``t``: devices along `axis`."""
@@ -85,12 +91,15 @@ class HeadShardedBackend(AttentionBackend):
       )
     return num_kv_heads // self.num_shards
 
-  def page_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
-    local = self.inner.page_shapes(
-      num_blocks, block_size, self.local_kv_heads(num_kv_heads), head_dim
+  def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
+    local = self.inner.page_arrays(
+      num_blocks, block_size, self.local_kv_heads(num_kv_heads), head_dim, dtype
     )
     axis, t = self.kv_head_axis, self.num_shards
-    return tuple(tuple(n * t if i == axis else n for i, n in enumerate(s)) for s in local)
+    return tuple(
+      jax.ShapeDtypeStruct(tuple(n * t if i == axis else n for i, n in enumerate(a.shape)), a.dtype)
+      for a in local
+    )
 
   def page_specs(self, num_arrays: int, layered: bool = False) -> tuple[P, ...]:
     """Partition specs of one layer's `num_arrays` page arrays (with a leading layer axis when

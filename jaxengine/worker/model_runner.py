@@ -54,11 +54,16 @@ from jaxengine.core.request import Completion
 from jaxengine.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from jaxengine.engine_config import EngineConfig
 from jaxengine.lora import LoRAAdapter, LoRAManager, LoRARequest
-from jaxengine.models.attention_backends import XlaAttentionBackend, attention_backend
+from jaxengine.models.attention_backends import (
+  AttentionBackend,
+  XlaAttentionBackend,
+  attention_backend,
+)
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
-from jaxengine.models.paged_attention import FP8_KV_STORAGE, PagedAttentionMetadata
+from jaxengine.models.paged_attention import FP8_KV_DTYPE, PagedAttentionMetadata
 from jaxengine.models.quantization import QuantizedLeaf, quantize_model
 from jaxengine.models.sharded_attention import shard_backend
 from jaxengine.models.weights import (
@@ -309,9 +314,8 @@ class ModelRunner:
     them (`jaxengine.models.sharded_attention`), else replicated, and sized per device.
 
     Raises:
-      ValueError: the model's `sliding_window` or `soft_cap` with a backend that has none (host
-        side). With ``attention_backend=None`` the platform's default gives way to XLA instead
-        (a Gemma or Mistral model on GPU, whose Pallas decode kernel has neither).
+      ValueError: the model's `sliding_window`, `soft_cap` or the cache dtype with a backend
+        that has none (host side, `_choose_backend`).
     """
     spec = model.kv_cache_spec
     groups = self.kv_cache_groups
@@ -329,23 +333,15 @@ class ModelRunner:
     spec = dataclasses.replace(spec, num_layers=groups.group_size)
     layer_groups = groups.layer_groups if groups.num_groups > 1 else None
     if config.kv_cache_dtype == "fp8":
-      spec = dataclasses.replace(spec, dtype=FP8_KV_STORAGE)  # float8_e4m3fn bits
-    chosen = attention_backend(config.attention_backend)
-    if config.attention_backend is None and not _serves(chosen, spec):
-      chosen = XlaAttentionBackend()  # the platform's default lacks the model's window, cap or fp8
-    if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
-      chosen = XlaAttentionBackend(fixed_order=True)
-    backend = shard_backend(chosen, self.mesh, spec.num_kv_heads)
-    backend.check_sliding_window(spec.sliding_window)
-    backend.check_soft_cap(spec.soft_cap)
-    backend.check_platform(jax.default_backend())
-    num_blocks = config.num_kv_blocks
+      spec = dataclasses.replace(spec, dtype=FP8_KV_DTYPE)  # each backend stores it its own way
     # This process's devices: another process's cannot report their memory (multi-host meshes).
     devices = (
       [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
       if self.mesh is not None
       else jax.local_devices()[:1]
     )
+    backend = _choose_backend(config, spec, self.mesh, devices)
+    num_blocks = config.num_kv_blocks
     if num_blocks is None and config.kv_cache_memory_bytes is None:
       num_blocks = default_num_kv_blocks(
         spec,
@@ -1191,12 +1187,38 @@ def _narrows(tensor, leaf: jax.Array) -> bool:
   return float(jnp.finfo(dtype).max) > float(jnp.finfo(leaf.dtype).max)
 
 
-def _serves(backend, spec) -> bool:
-  """Whether `backend` has the sliding window, soft cap and page dtype the `KVCacheSpec` asks
-  for (fp8 pages: the XLA attention only)."""
-  fp8 = jnp.dtype(spec.dtype) == jnp.dtype(FP8_KV_STORAGE)
-  return (
-    (spec.sliding_window is None or backend.supports_sliding_window)
-    and (spec.soft_cap is None or backend.supports_soft_cap)
-    and (not fp8 or isinstance(backend, XlaAttentionBackend))
+def _choose_backend(
+  config: EngineConfig, spec: KVCacheSpec, mesh: jax.sharding.Mesh | None, devices: Sequence[Any]
+) -> AttentionBackend:
+  """The paged cache's attention backend for `config.attention_backend`, checked against the
+  `KVCacheSpec` and the devices (host side). With ``attention_backend=None`` the platform's
+  default gives way to XLA where it cannot serve the spec (a Gemma or Mistral model on GPU, whose
+  Pallas decode kernel has no window or cap; fp8 pages on a GPU without Triton's fp8).
+
+  Raises:
+    ValueError: the model's `sliding_window`, `soft_cap` or the cache dtype with an explicit
+      backend that has none, or a backend that does not run on the platform.
+  """
+  chosen = attention_backend(config.attention_backend)
+  if config.attention_backend is None and not _serves(chosen, spec, devices):
+    chosen = XlaAttentionBackend()
+  if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
+    chosen = XlaAttentionBackend(fixed_order=True)
+  backend = shard_backend(chosen, mesh, spec.num_kv_heads)
+  backend.check_sliding_window(spec.sliding_window)
+  backend.check_soft_cap(spec.soft_cap)
+  backend.check_kv_cache_dtype(spec.dtype, devices)
+  backend.check_platform(jax.default_backend())
+  return backend
+
+
+def _serves(backend: AttentionBackend, spec: KVCacheSpec, devices: Sequence[Any]) -> bool:
+  """Whether `backend` has the sliding window, soft cap and cache dtype the `KVCacheSpec` asks
+  for on `devices`."""
+  try:
+    backend.check_kv_cache_dtype(spec.dtype, devices)
+  except ValueError:
+    return False
+  return (spec.sliding_window is None or backend.supports_sliding_window) and (
+    spec.soft_cap is None or backend.supports_soft_cap
   )
