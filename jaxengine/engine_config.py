@@ -290,16 +290,7 @@ class EngineConfig:
     self._check_prefix_caching()
     self._check_async_scheduling()
     self._check_lora()
-    self._check_quantization()
-
-  def _check_quantization(self) -> None:
     check_quantization(self.quantization)
-    if self.quantization is not None and self.mesh is not None:
-      raise ValueError(
-        f"quantization={self.quantization!r} is not supported with a mesh "
-        f"(tensor_parallel_size={self.tensor_parallel_size}, "
-        f"data_parallel_size={self.data_parallel_size})"
-      )
 
   def _check_async_scheduling(self) -> None:
     wanted = self.async_scheduling

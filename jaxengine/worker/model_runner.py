@@ -87,7 +87,7 @@ from jaxengine.worker.multi_step import (
   device_stop_rules,
   stop_rule_arrays,
 )
-from jaxengine.worker.placement import MeshPlacement
+from jaxengine.worker.placement import MeshPlacement, placed_copy
 from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.step_inputs import build_step_inputs
 from jaxengine.worker.verify_step import (
@@ -212,6 +212,10 @@ class ModelRunner:
       model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
     # Named by the float model: `load_weights` takes float tensors of the quantized matrices too.
     self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
+    self.mesh = config.mesh
+    mesh = None if self.mesh is None else parallel.check_mesh(self.mesh)
+    if mesh is not None and config.quantization is not None:
+      model = placed_copy(model, mesh, expert_parallel=config.enable_expert_parallel)
     #: The quantized matrices (`EngineConfig.quantization`), by leaf path; empty without.
     self.quantized: Mapping[LeafPath, QuantizedLeaf] = {}
     if config.quantization is not None:
@@ -221,10 +225,8 @@ class ModelRunner:
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
     self.weights = jax.tree.map(lambda a: a, weights)
-    self.mesh = config.mesh
     self._placement: MeshPlacement | None = None
-    if self.mesh is not None:
-      mesh = parallel.check_mesh(self.mesh)
+    if mesh is not None:
       self._placement = MeshPlacement(
         model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
       )
