@@ -38,9 +38,9 @@ it to the scales' shape, the matrix's leading output axes: where the role splits
 ``P(None, "model")``, expert parallelism ``[X, out]`` -> ``P("model", None)``) the scales are
 split alike, so each device scales its own output columns; where it splits an input axis
 (row-parallel ``wo``, ``w_down``, ``expert_down``) the axis lies past the scales' rank and they
-are replicated: each device scales its partial sums by the whole ``[out]`` row before the
-all-reduce adds them (the same sum: the scale is per output channel). Either way the scaled
-matmul needs no collective of its own.
+are replicated: the whole ``[out]`` row is on every device, to scale the partial sums before
+the all-reduce or their sum after it (the same result: the scale is per output channel). Either
+way the scaling adds no collective to the matmul's.
 
 The KV cache's pages (`jaxengine.models.sharded_attention`): the backend's key/value head axis
 over ``model`` (``[N, B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does
