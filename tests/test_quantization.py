@@ -6,7 +6,8 @@
 - Engines on the tiny Llama: int8 and fp8 agree with the float32 engine within the measured
   bounds (prompt logprobs, greedy tokens); the projections' device bytes are under 0.3x float32's.
 - `load_weights` of float weights (named tensors or a whole state) re-quantizes them with nothing
-  compiled, and the engine then matches a fresh quantized engine built from those weights exactly.
+  compiled, and the engine then matches a fresh quantized engine built from those weights exactly;
+  sleep and wake (level 1, level 2 then `load_weights`) compile nothing and change nothing.
 - ``quantization="int4"`` is refused before anything is built.
 - Gemma's projections are quantized too.
 - A mixture of experts' expert matrices are quantized per expert and output row (the router stays
@@ -181,6 +182,27 @@ def test_load_weights_requantizes_without_compiling(quantization):
     again = _run(llm)
   assert compiles.count == 0
   np.testing.assert_array_equal(_prompt_logprobs(again), _prompt_logprobs(fresh))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_quantized_engine_sleeps_and_wakes_without_compiling(level):
+  """Level 1 keeps the int8 values and scales in host memory; level 2 discards them and
+  `load_weights` of float tensors re-quantizes them. Nothing compiles; the same outputs."""
+  llm = je.LLM(_model(), quantization="int8", **OPTIONS)
+  before = _run(llm)
+  named = {name: np.array(a, copy=True) for name, a in named_weights(_model())}
+  where = [(a.sharding, a.dtype) for a in jax.tree.leaves(llm.llm_engine.runner.weights)]
+  llm.sleep(level=level)
+  with count_compiles() as compiles:
+    llm.wake_up(tags=["weights"])
+    if level == 2:
+      llm.load_weights(named)
+    llm.wake_up(tags=["kv_cache"])
+    after = _run(llm)
+  assert compiles.count == 0
+  assert _tokens(after) == _tokens(before)
+  np.testing.assert_array_equal(_prompt_logprobs(after), _prompt_logprobs(before))
+  assert [(a.sharding, a.dtype) for a in jax.tree.leaves(llm.llm_engine.runner.weights)] == where
 
 
 def test_load_weights_refuses_a_bad_tensor_of_a_quantized_matrix():
