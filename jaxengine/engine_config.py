@@ -185,10 +185,13 @@ class EngineConfig:
       None (default: the model dtype), "int8" (symmetric, one float32 scale per output row,
       ``max|w| / 127``) or "fp8" (float8_e4m3fn, scale ``max|w| / 448``); the activations,
       embedding, output head and norms stay in the model dtype
-      (`jaxengine.models.quantization`). `load_weights` re-quantizes float weights on the way
-      in. Needs a model whose modules declare ``QUANTIZABLE`` projections (Llama, Gemma; a
-      mixture of experts keeps its expert matrices unquantized); refused with a mesh
-      (`tensor_parallel_size` or `data_parallel_size` > 1).
+      (`jaxengine.models.quantization`). A mixture of experts' expert matrices get one scale
+      per expert and output row; its router stays in the model dtype. `load_weights`
+      re-quantizes float weights on the way in. Needs a model whose modules declare
+      ``QUANTIZABLE`` projections (Llama, Gemma, their mixture-of-experts blocks). With a mesh
+      each device quantizes its own shard of the placed float weights: the values keep the
+      float weight's sharding, the scales are split like its output axes or replicated
+      (`jaxengine.parallel`).
     trust_remote_code: vLLM's (and transformers') permission to run Python code shipped with a
       checkpoint; accepted (a bool) and without effect: jaxengine never runs code from a
       checkpoint or the hub (its architectures are built in; any other is refused either way).
@@ -293,16 +296,7 @@ class EngineConfig:
     self._check_prefix_caching()
     self._check_async_scheduling()
     self._check_lora()
-    self._check_quantization()
-
-  def _check_quantization(self) -> None:
     check_quantization(self.quantization)
-    if self.quantization is not None and self.mesh is not None:
-      raise ValueError(
-        f"quantization={self.quantization!r} is not supported with a mesh "
-        f"(tensor_parallel_size={self.tensor_parallel_size}, "
-        f"data_parallel_size={self.data_parallel_size})"
-      )
 
   def _check_async_scheduling(self) -> None:
     wanted = self.async_scheduling

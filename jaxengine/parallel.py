@@ -30,6 +30,18 @@ replicated                norms, ``bo``, anything         ``P()``
                           without a rule
 ========================  ==============================  =========================================
 
+Quantized matrices (`EngineConfig.quantization`, `jaxengine.models.quantization`): the int8 /
+float8 values have the float weight's shape and role, hence its spec. Their ``[*out] float32``
+scales (``scales/wq``, named by the matrix) take the matrix's role too and `weight_spec` applies
+it to the scales' shape, the matrix's leading output axes: where the role splits an output axis
+(column-parallel ``[H, D]`` -> ``P("model", None)``, expert-column-parallel ``[X, F]`` ->
+``P(None, "model")``, expert parallelism ``[X, out]`` -> ``P("model", None)``) the scales are
+split alike, so each device scales its own output columns; where it splits an input axis
+(row-parallel ``wo``, ``w_down``, ``expert_down``) the axis lies past the scales' rank and they
+are replicated: the whole ``[out]`` row is on every device, to scale the partial sums before
+the all-reduce or their sum after it (the same result: the scale is per output channel). Either
+way the scaling adds no collective to the matmul's.
+
 The KV cache's pages (`jaxengine.models.sharded_attention`): the backend's key/value head axis
 over ``model`` (``[N, B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does
 not divide ``K``, as vLLM does for ``t > K``), the ragged step's block tables, positions and

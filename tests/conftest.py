@@ -109,6 +109,8 @@ WEIGHTS = {
   "test_multihost.py": 80,
   "test_lora.py": 110,
   "test_gemma.py": 80,
+  "test_quantization.py": 100,
+  "test_quantization_mesh.py": 70,
   "test_moe.py": 60,
   "test_sleep.py": 60,
   "test_kv_cache_dtype.py": 50,

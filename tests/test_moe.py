@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
-import transformers
+from moe_checkpoints import CASES, VOCAB, hf_moe_model
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -31,53 +31,8 @@ from jaxengine.models.llama_checkpoints import config_from_gguf
 from jaxengine.models.moe import grouped_linear, route
 from jaxengine.parallel import check_experts
 
-VOCAB = 96
-COMMON = dict(
-  vocab_size=VOCAB,
-  hidden_size=32,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=8,
-  max_position_embeddings=128,
-  rms_norm_eps=1e-6,
-  tie_word_embeddings=False,
-)
-CASES = {
-  # layers 0 and 2 sparse, layer 1 dense (mlp_only_layers); weights not renormalised
-  "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-    **COMMON,
-    num_hidden_layers=3,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    decoder_sparse_step=1,
-    mlp_only_layers=[1],
-    norm_topk_prob=False,
-  ),
-  "mixtral": lambda: transformers.MixtralConfig(
-    **COMMON, num_hidden_layers=2, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
-  ),
-}
-MODEL_CLASSES = {
-  "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-  "mixtral": transformers.MixtralForCausalLM,
-}
 PROMPT = [5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41, 12, 60, 2, 19, 44, 81, 9, 26]  # 19 tokens
 GREEDY = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-
-
-def _hf_model(case: str, seed: int = 0):
-  """A transformers model of `case` with weights of std ``fan_in ** -0.5``, norms near 1."""
-  torch.manual_seed(seed)
-  model = MODEL_CLASSES[case](CASES[case]()).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1.0 + 0.2 * torch.randn_like(p))
-      else:  # [..., out, in] matrices (fused experts included) and the [V, E] embedding
-        p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-  return model
 
 
 def _hf_log_softmax(model, token_ids) -> np.ndarray:
@@ -98,7 +53,7 @@ def _hf_greedy(model, prompt, num_tokens) -> list[int]:
 def checkpoint(request, tmp_path_factory):
   """``(case, transformers model, directory, engine)``: one engine per architecture."""
   case = request.param
-  model = _hf_model(case)
+  model = hf_moe_model(case)
   directory = tmp_path_factory.mktemp(case)
   model.save_pretrained(directory)
   llm = je.LLM(directory, max_num_reqs=4, max_model_len=64)
@@ -177,7 +132,7 @@ def test_batch_invariant_mode_keeps_a_tokens_bits_among_others(tmp_path):
   """The grouped products run ``ROW_TILE`` sorted rows at a time: a request's logprobs are the
   same bits alone and beside others (whose tokens land in the same tiles and experts), and the
   trainer's `token_logprobs` equals them (Qwen3-MoE: sparse and dense layers)."""
-  _hf_model("qwen3_moe", seed=2).save_pretrained(tmp_path)
+  hf_moe_model("qwen3_moe", seed=2).save_pretrained(tmp_path)
   module, _ = load_safetensors(tmp_path)
   llm = je.LLM(module, max_num_reqs=8, max_model_len=64, batch_invariant=True)
   params = je.SamplingParams(temperature=0, max_tokens=5, logprobs=0, prompt_logprobs=0)
@@ -340,7 +295,7 @@ def test_tensor_and_expert_parallel_match_one_device(tmp_path):
   """Qwen3-MoE on 2 host devices: each expert split on its intermediate features (default), or
   whole experts per device (``enable_expert_parallel``): the logits of one device within 1e-5
   (the same argmax at every position), the engine's weights placed so."""
-  _hf_model("qwen3_moe", seed=1).save_pretrained(tmp_path)
+  hf_moe_model("qwen3_moe", seed=1).save_pretrained(tmp_path)
   out = run_python(MESH_SCRIPT, os.fspath(tmp_path), ",".join(map(str, PROMPT)), timeout=900)
   diffs = [float(line.split()[-1]) for line in out.splitlines() if "max diff" in line]
   assert len(diffs) == 2 and max(diffs) < 1e-5, out

@@ -1,7 +1,8 @@
 """Weight-only quantization of a decoder's projection matrices (``EngineConfig.quantization``).
 
 Each ``[out, in]`` projection (a Llama or Gemma layer's query, key, value and output projections
-and its gate, up and down matrices) is stored as narrow values with one float32 scale per output
+and its gate, up and down matrices; a mixture of experts' ``[X, out, in]`` gate, up and down
+experts, one scale row per expert) is stored as narrow values with one float32 scale per output
 row, symmetric around 0:
 
 - ``"int8"``: ``scale = max|w| / 127`` over the row, ``values = round(w / scale)`` in int8;
@@ -11,8 +12,18 @@ row, symmetric around 0:
 A row of zeros gets scale 0 and values 0. The activations stay in the model dtype: the matmul
 multiplies them with the values cast to that dtype, then the ``[out]`` result by the row's scale
 (`jaxengine.models.layers.linear`): exact per output channel, ``x @ (s * q).T == (x @ q.T) * s``.
-The token embedding, the output head, the norms, the biases and a mixture of experts' router and
-expert matrices stay in the model dtype.
+The experts' grouped product does the same with each sorted row's own expert's ``[out]`` scales
+(`jaxengine.models.moe.grouped_linear`). The token embedding, the output head, the norms, the
+biases and a mixture of experts' router stay in the model dtype.
+
+On a mesh `ModelRunner` places the float weights first (`jaxengine.worker.placement.placed_copy`)
+and quantizes them where they are: each device quantizes its shard, the values keep the float
+weight's sharding, and the scales are split like the weight's output axes, or replicated where
+the weight is split on its input axis (`jaxengine.parallel`): either way each scaled matmul stays
+local. `load_weights` puts new float weights in the same place before quantizing them, so the
+jitted `quantize_rows` sees the argument placement it was compiled for (quantizing the float
+model on one device and then placing the result made a load compile 5 executables on a
+2-device tensor-parallel mesh, 10 with 2 data-parallel groups).
 
 A module offers its matrices by declaring ``QUANTIZABLE`` (attribute name -> number of leading
 output axes: ``wq`` is ``[H, D, E]``, 2; ``wo`` is ``[E, H, D]``, 1) and an empty

@@ -92,7 +92,7 @@ from jaxengine.worker.multi_step import (
   device_stop_rules,
   stop_rule_arrays,
 )
-from jaxengine.worker.placement import MeshPlacement
+from jaxengine.worker.placement import MeshPlacement, placed_copy
 from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.step_inputs import build_step_inputs
 from jaxengine.worker.verify_step import (
@@ -217,6 +217,10 @@ class ModelRunner:
       model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
     # Named by the float model: `load_weights` takes float tensors of the quantized matrices too.
     self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
+    self.mesh = config.mesh
+    mesh = None if self.mesh is None else parallel.check_mesh(self.mesh)
+    if mesh is not None and config.quantization is not None:
+      model = placed_copy(model, mesh, expert_parallel=config.enable_expert_parallel)
     #: The quantized matrices (`EngineConfig.quantization`), by leaf path; empty without.
     self.quantized: Mapping[LeafPath, QuantizedLeaf] = {}
     if config.quantization is not None:
@@ -226,10 +230,8 @@ class ModelRunner:
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
     self.weights = jax.tree.map(lambda a: a, weights)
-    self.mesh = config.mesh
     self._placement: MeshPlacement | None = None
-    if self.mesh is not None:
-      mesh = parallel.check_mesh(self.mesh)
+    if mesh is not None:
       self._placement = MeshPlacement(
         model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
       )
@@ -428,6 +430,7 @@ class ModelRunner:
     is_pure_dict = isinstance(weights, Mapping) and any(
       isinstance(v, Mapping) for v in weights.values()
     )
+    partial: dict[LeafPath, np.ndarray] = {}
     if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
       given = collect_state(weights, leaves)
       check_finite(given.items(), self._leaf_name)
@@ -438,8 +441,15 @@ class ModelRunner:
       if self._sleep.weights_discarded:
         self._check_complete(grouped, leaves)
       check_finite((spec.name, t) for parts in grouped.values() for spec, t in parts.values())
+      partial = self._partial_stacks(grouped)
+      # A quantized stack given in part: its other experts are kept from the engine's values
+      # (`_requantized`); here they are zeros (rows are quantized one by one).
+      base = {path: sleep_mode.zeros(leaves[path]) for path in partial}
       with np.errstate(over="ignore"):  # an overflow to inf is refused just below, by name
-        new = {path: assemble_leaf(leaves[path], parts) for path, parts in grouped.items()}
+        new = {
+          path: assemble_leaf(base.get(path, leaves[path]), parts)
+          for path, parts in grouped.items()
+        }
       narrowed = [
         path
         for path, parts in grouped.items()
@@ -448,7 +458,7 @@ class ModelRunner:
     # A finite value can overflow the engine's narrower dtype (1e5 in float16): checked again
     # after the cast, where that can happen, before anything is replaced.
     check_finite(((path, new[path]) for path in narrowed), self._leaf_name, after_cast=True)
-    self.weights = replace_leaves(self.weights, self._requantized(new, engine_leaves))
+    self.weights = replace_leaves(self.weights, self._requantized(new, engine_leaves, partial))
     self._sleep.weights_discarded = False
     self.reset_prefix_cache()
 
@@ -480,19 +490,39 @@ class ModelRunner:
         floats[path] = leaf
     return floats
 
+  def _partial_stacks(self, grouped: Mapping[LeafPath, Any]) -> dict[LeafPath, np.ndarray]:
+    """The quantized stacked leaves (a mixture of experts' ``[X, out, in]``) that named tensors
+    fill only in part: the indices given, by leaf path."""
+    partial = {}
+    for path, parts in grouped.items():
+      q = self.quantized.get(path)
+      if q is not None and None not in parts and len(parts) < q.float_shape[0]:
+        partial[path] = np.asarray(sorted(parts))
+    return partial
+
   def _requantized(
-    self, new: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]
+    self,
+    new: Mapping[LeafPath, Any],
+    leaves: Mapping[LeafPath, Any],
+    partial: Mapping[LeafPath, np.ndarray],
   ) -> dict[LeafPath, Any]:
     """`new` leaves with each float quantized matrix replaced by its values and scales (the
-    jitted `quantize_rows`, compiled when the engine was built), placed as `leaves` are."""
+    jitted `quantize_rows`, compiled when the engine was built), placed as `leaves` are. A
+    stack in `partial` takes the new values and scales of its given indices only, the others
+    kept bit for bit (that update compiles, as a partial update of a float stack does)."""
     out = dict(new)
     for path, value in new.items():
       q = self.quantized.get(path)
       if q is None:
         continue
       rows = q.quantize(value)
-      out[path] = put(rows.values, leaves[path])
-      out[q.scale_path] = put(rows.scale, leaves[q.scale_path])
+      values, scale = rows.values, rows.scale
+      if path in partial:
+        given = partial[path]
+        values = leaves[path].at[given].set(values[given])
+        scale = leaves[q.scale_path].at[given].set(scale[given])
+      out[path] = put(values, leaves[path])
+      out[q.scale_path] = put(scale, leaves[q.scale_path])
     return out
 
   def _check_loadable(self) -> None:

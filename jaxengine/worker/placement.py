@@ -13,6 +13,7 @@ import functools
 from typing import Any, cast
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +33,22 @@ def num_attention_heads(model: Any) -> int | None:
   config = getattr(model, "config", None)
   heads = getattr(config, "num_attention_heads", None)
   return heads if isinstance(heads, int) else None
+
+
+def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
+  """A copy of `model` whose weights lie in the shardings `MeshPlacement` gives them.
+
+  For quantization on a mesh (`jaxengine.models.quantization.quantize_model` quantizes each
+  matrix where it is): each device then quantizes its own shard, and the values come out in
+  the float weight's sharding, the one `MeshPlacement` gives them too (the same role and
+  shape). `ModelRunner.load_weights` puts new float weights there before quantizing them, so
+  both calls of the jitted quantization see one argument placement: nothing compiles again.
+  """
+  graphdef, state = nnx.split(cast(nnx.Module, model))
+  shardings = parallel.weight_shardings(
+    state, mesh, sharding_rules(model), expert_parallel=expert_parallel
+  )
+  return cast(Model, nnx.merge(graphdef, jax.device_put(state, shardings)))
 
 
 class MeshPlacement:
