@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, cast, overload
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 import gguf
 import tokenizers
@@ -29,6 +29,9 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from transformers import PreTrainedTokenizerFast
 
+if TYPE_CHECKING:
+  from jaxengine.models.gguf_loader import GGUFFile
+
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
 _CONTROL = int(gguf.TokenType.CONTROL)
 _USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
@@ -37,12 +40,12 @@ _GPT2_PRE = {"default", "gpt2"}
 _DIGITS_THEN_GPT2_PRE = {"smollm"}
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
+def _field(reader: GGUFFile, key: str, default=None):
   field = reader.fields.get(key)
   return default if field is None else field.contents()
 
 
-def _build_backend(reader: gguf.GGUFReader) -> tokenizers.Tokenizer:
+def _build_backend(reader: GGUFFile) -> tokenizers.Tokenizer:
   """A byte-level BPE `tokenizers.Tokenizer` from GGUF ``tokenizer.ggml.*`` metadata."""
   model_type = _field(reader, "tokenizer.ggml.model")
   if model_type != "gpt2":

@@ -15,6 +15,7 @@ import jax
 import pytest
 
 from jaxengine.compilation_cache import is_off
+from jaxengine.models import gguf_loader
 from jaxengine.testing import count_compiles
 from jaxengine.worker import device_steps
 
@@ -43,9 +44,10 @@ _OWN_RUN_CACHE = False
 def _share_a_compilation_cache_for_the_run() -> None:
   """Points JAX's persistent compilation cache at a directory of the run's own (RUN_CACHE_SWITCH).
 
-  Tests never touch the user's cache, yet the same engine steps (the same tiny and SmolLM2
-  engines, in many modules, on both xdist workers, and in the subprocesses of the docs pages,
-  notebooks and mesh tests) compile once per run: later builds read them back. A read-back still
+  Tests never touch the user's cache (nor the user's GGUF indexes: the run keeps its own beside
+  its executables), yet the same engine steps (the same tiny and SmolLM2 engines, in many
+  modules, on both xdist workers, and in the subprocesses of the docs pages, notebooks and mesh
+  tests) compile once per run: later builds read them back. A read-back still
   counts as a compile in `jaxengine.testing.count_compiles`, so compile counts do not change.
   The process that starts the run (the xdist controller, or a run without xdist) makes the
   directory; the variables reach the workers and every subprocess, which JAX reads at import.
@@ -60,6 +62,7 @@ def _share_a_compilation_cache_for_the_run() -> None:
   switch = os.environ.get(RUN_CACHE_SWITCH)
   if switch is not None and is_off(switch):
     os.environ["JAXENGINE_COMPILATION_CACHE"] = "off"
+    os.environ[gguf_loader.INDEX_DIR_ENV] = "off"
     return
   if switch:
     cache = os.path.abspath(os.path.expanduser(switch))
@@ -70,6 +73,8 @@ def _share_a_compilation_cache_for_the_run() -> None:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
   # Also a process that drops JAX's variables (the tests of the cache) stays off the user's.
   os.environ["JAXENGINE_COMPILATION_CACHE"] = cache
+  # The GGUF indexes (`jaxengine.models.gguf_loader`) of the run, beside its executables.
+  os.environ[gguf_loader.INDEX_DIR_ENV] = os.path.join(cache, "gguf")
   # Every executable, however quick its compile: the tests' steps are small, and many.
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   # JAX reads the variables at import, and this process may have imported it already.

@@ -17,15 +17,29 @@ The architecture (``general.architecture``) is looked up in `jaxengine.models.re
 entry reads the config from the metadata and names each tensor's leaf and layout
 (`jaxengine.models.llama_checkpoints.gguf_weight_specs` for ``llama``: only reshaped per head,
 never transposed).
+
+`gguf.GGUFReader` parses every metadata value into NumPy views, which for a 49k-token vocabulary
+and its merges takes about 4 s (most of a warm `jaxengine generate`'s start-up). So the first
+open of a file also writes its **index** (`GGUFIndex`): the metadata values and each tensor's
+type, shape and byte offset, as JSON in `index_dir()` (``$JAXENGINE_GGUF_INDEX_DIR``, else
+``$XDG_CACHE_HOME/jaxengine/gguf`` or ``~/.cache/jaxengine/gguf``; an `OFF` spelling of the
+variable disables it). Later opens of the same file (path, size and modification time) read the
+index and memory-map the tensors themselves: about 0.1 s. An index that cannot be read or
+written is ignored (the reader is used).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import importlib.util
+import json
 import os
+import tempfile
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 import gguf
 import jax.numpy as jnp
@@ -33,6 +47,7 @@ import numpy as np
 from flax import nnx
 from gguf.quants import dequantize
 
+from jaxengine.compilation_cache import is_off
 from jaxengine.models.interface import Model
 from jaxengine.models.registry import ModelArchitecture, gguf_architecture
 from jaxengine.models.weights import check_weight_specs, dotted, replace_leaves, state_leaves
@@ -68,23 +83,157 @@ def default_model_path() -> str:
   )
 
 
+#: Environment variable naming the index directory, or an `OFF` spelling for no index.
+INDEX_DIR_ENV = "JAXENGINE_GGUF_INDEX_DIR"
+#: Written into each index; an index of another version is rebuilt.
+INDEX_VERSION = 1
+
+
+class GGUFFile(Protocol):
+  """What the loaders read of a GGUF file: `gguf.GGUFReader`, or a `GGUFIndex` of it."""
+
+  @property
+  def fields(self) -> Mapping[str, Any]:
+    """Metadata key -> a field whose ``contents()`` is the decoded value."""
+    ...
+
+  @property
+  def tensors(self) -> list[Any]:
+    """Tensors with ``name``, ``tensor_type``, ``shape`` (fastest dimension first), ``data``."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _IndexedField:
+  """A metadata value read from an index (``contents()``, as a reader field's)."""
+
+  value: Any
+
+  def contents(self) -> Any:
+    return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class _IndexedTensor:
+  """A tensor of an indexed file: its GGML type, GGUF shape and a read-only memory map of its
+  bytes in the reader's layout (``data``)."""
+
+  name: str
+  tensor_type: gguf.GGMLQuantizationType
+  shape: np.ndarray
+  data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFIndex:
+  """A GGUF file's metadata values and tensor table, saved by `write_index` and read back by
+  `read_index` without parsing the file (the `GGUFFile` interface of `gguf.GGUFReader`)."""
+
+  fields: dict[str, _IndexedField]
+  tensors: list[_IndexedTensor]
+
+
+def index_dir() -> Path | None:
+  """The directory of GGUF indexes (module docstring), or None when the variable is `OFF`."""
+  value = os.environ.get(INDEX_DIR_ENV)
+  if value is not None:
+    return None if is_off(value) else Path(value).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return Path(base) / "jaxengine" / "gguf"
+
+
+def _index_path(directory: Path, path: str, mtime_ns: int, size: int) -> Path:
+  digest = hashlib.sha256(f"{path}\0{mtime_ns}\0{size}".encode()).hexdigest()[:32]
+  return directory / f"{os.path.basename(path)}.{digest}.json"
+
+
+def _json_value(value: Any) -> Any:
+  """A metadata value as JSON (NumPy scalars become Python numbers)."""
+  return value.item() if isinstance(value, np.generic) else value
+
+
+def write_index(reader: gguf.GGUFReader, target: Path) -> None:
+  """Writes `reader`'s metadata values and tensor table to `target` (atomically: a temporary
+  file renamed into place, so a concurrent reader never sees half an index)."""
+  index = {
+    "version": INDEX_VERSION,
+    "fields": {key: field.contents() for key, field in reader.fields.items()},
+    "tensors": [
+      {
+        "name": t.name,
+        "type": int(t.tensor_type),
+        "shape": [int(n) for n in t.shape],
+        "offset": int(t.data_offset),
+        "dtype": t.data.dtype.str,
+        "data_shape": list(t.data.shape),
+      }
+      for t in reader.tensors
+    ],
+  }
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as f:
+    json.dump(index, f, default=_json_value)
+  os.replace(f.name, target)
+
+
+def read_index(source: Path, path: str) -> GGUFIndex | None:
+  """The index at `source` of the GGUF file `path`, or None if it is missing, unreadable or of
+  another `INDEX_VERSION`."""
+  try:
+    index = json.loads(source.read_text())
+  except (OSError, ValueError):
+    return None
+  if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+    return None
+  data = np.memmap(path, mode="r")
+  tensors = []
+  for t in index["tensors"]:
+    dtype = np.dtype(t["dtype"])
+    count = int(np.prod(t["data_shape"]))
+    view = data[t["offset"] : t["offset"] + count * dtype.itemsize].view(dtype)
+    tensors.append(
+      _IndexedTensor(
+        name=t["name"],
+        tensor_type=gguf.GGMLQuantizationType(t["type"]),
+        shape=np.asarray(t["shape"], dtype=np.uint64),
+        data=view.reshape(t["data_shape"]),
+      )
+    )
+  fields = {key: _IndexedField(value) for key, value in index["fields"].items()}
+  return GGUFIndex(fields=fields, tensors=tensors)
+
+
 @functools.lru_cache(maxsize=2)
-def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-  del mtime_ns, size  # Only part of the cache key: a rewritten file is read again.
-  return gguf.GGUFReader(path)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
+  """The file's index when there is one, else the reader (writing the index for next time)."""
+  directory = index_dir()
+  target = _index_path(directory, path, mtime_ns, size) if directory is not None else None
+  if target is not None and target.is_file():
+    index = read_index(target, path)
+    if index is not None:
+      return index
+  reader = gguf.GGUFReader(path)
+  if target is not None:
+    try:
+      write_index(reader, target)
+    except (OSError, TypeError, ValueError):  # unwritable directory, or a value JSON cannot hold
+      pass
+  return reader
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-  """Opens (memory-maps) a GGUF file, reusing the reader of a recent call on the same file.
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+  """Opens a GGUF file (its index, or a `gguf.GGUFReader` memory-mapping it), reusing the one of
+  a recent call on the same file.
 
-  Parsing the metadata of a 49k-token vocabulary takes a couple of seconds, and both the model
-  and the tokenizer need it, so the last two readers are kept.
+  Parsing the metadata of a 49k-token vocabulary takes seconds, and both the model and the
+  tokenizer need it, so the last two opened files are kept in memory, and each file's index on
+  disk (module docstring).
 
   Args:
     path: the ``.gguf`` file.
 
   Returns:
-    A `gguf.GGUFReader` (treat it as read-only).
+    A `GGUFFile` (treat it as read-only).
 
   Raises:
     FileNotFoundError: no file at ``path``.
@@ -104,7 +253,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
 class _Metadata(Mapping[str, Any]):
   """A GGUF file's metadata as a read-only mapping, each value decoded when it is read."""
 
-  def __init__(self, reader: gguf.GGUFReader) -> None:
+  def __init__(self, reader: GGUFFile) -> None:
     self._fields = reader.fields
 
   def __getitem__(self, key: str) -> Any:
@@ -117,23 +266,23 @@ class _Metadata(Mapping[str, Any]):
     return len(self._fields)
 
 
-def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
   """Each tensor's shape in NumPy (slowest-first) order; GGUF lists dimensions fastest first."""
   return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
 
 
-def _architecture(reader: gguf.GGUFReader) -> ModelArchitecture:
+def _architecture(reader: GGUFFile) -> ModelArchitecture:
   """The registry entry of the file's ``general.architecture`` (ValueError naming the known)."""
   return gguf_architecture(_Metadata(reader).get("general.architecture"))
 
 
-def read_config(reader: gguf.GGUFReader) -> Any:
+def read_config(reader: GGUFFile) -> Any:
   """Reads the model config from GGUF metadata, with the architecture's registry entry.
 
   For ``llama`` see `jaxengine.models.llama_checkpoints.config_from_gguf` (the keys read).
 
   Args:
-    reader: an open `gguf.GGUFReader`.
+    reader: an open GGUF file (`open_gguf`).
 
   Returns:
     The module's config (a `LlamaConfig` for ``llama``).
