@@ -69,6 +69,7 @@ from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.lora import LoRAInputs
+from jaxengine.models.quantization import check_quantization
 from jaxengine.models.weights import replace_leaves, state_leaves
 from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
@@ -499,11 +500,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     self.kv_cache_bytes_freed = 0
     if "logprobs_mode" in engine_options:
       raise ValueError("logprobs_mode is fixed by JaxEngineRollout (Tunix's convention)")
-    if engine_options.get("quantization") is not None:  # its syncs hand over float layouts
-      raise ValueError(
-        f"quantization={engine_options['quantization']!r} is not supported by JaxEngineRollout "
-        "yet (Tunix's weight syncs and offloading pass the engine's own float layout)"
-      )
+    check_quantization(engine_options.get("quantization"))  # before any weight moves
     self.rollout_config = rollout_config or base_rollout.RolloutConfig()
     self.tokenizer = (
       tokenizer
@@ -551,7 +548,12 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       logprobs_mode="processed_logprobs",
       **engine_options,
     )
-    self._graphdef = graphdef
+    #: The engine model's float layout (abstract): a sync's converted leaves fill it, and
+    #: `LLM.load_weights` casts them and, with `quantization`, re-quantizes them.
+    self._float_weights = abstract_weights
+    # The runner's own module structure (with `quantization`, its int8 / float8 values and
+    # scales): what `completion_logprobs` merges the runner's weights into.
+    self._graphdef = nnx.graphdef(self.llm.llm_engine.runner.model)
     if lora:
       self.lora_request = LoRARequest("tunix_actor", 1, "<tunix rollout actor, in memory>")
       self.llm.load_lora_weights(self.lora_request, self._lora_adapter(lora))
@@ -656,8 +658,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     lora_only = filter_types is not None and all(t is nnx.LoRAParam for t in filter_types)
     if filter_types is not None and not lora_only and any(t is not nnx.Param for t in filter_types):
       raise ValueError(f"filter_types={filter_types}: only nnx.Param or nnx.LoRAParam")
-    engine_paths = set(state_leaves(self.llm.llm_engine.runner.weights))
-    if isinstance(params, nnx.State) and set(state_leaves(params)) == engine_paths:
+    if isinstance(params, nnx.State) and self._is_engine_state(params):
       with self._kv_cache_freed():
         self.llm.load_weights(params)
       return
@@ -685,9 +686,28 @@ class JaxEngineRollout(base_rollout.BaseRollout):
           shardings=self._weight_shardings(),
           chunk_bytes=self.reshard_chunk_bytes,
         )
-        self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
+        self.llm.load_weights(replace_leaves(self._float_weights, leaves))
     if adapter is not None:
       self.llm.load_lora_weights(cast(LoRARequest, self.lora_request), adapter)
+
+  def _is_engine_state(self, params: nnx.State) -> bool:
+    """Whether `params` is a state of the engine model's float layout (as `model()` gives it
+    without `quantization`), which `LLM.load_weights` takes as it is.
+
+    Raises:
+      ValueError: the state of a quantized engine's own layout (its int8 / float8 values and
+        scales: the runner re-quantizes float weights only).
+    """
+    paths = set(state_leaves(params))
+    if paths == set(state_leaves(self._float_weights)):
+      return True
+    runner = self.llm.llm_engine.runner
+    if runner.quantized and paths == set(state_leaves(runner.weights)):
+      raise ValueError(
+        f"update_params got the quantized engine's own state (quantization="
+        f"{self.llm.config.quantization!r}); pass the trainer's float parameters"
+      )
+    return False
 
   @contextlib.contextmanager
   def _kv_cache_freed(self) -> Iterator[None]:
@@ -748,7 +768,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     `RolloutEngineGroup` does: Tunix then syncs the weights every step and cannot offload the
     engine (`LLM.sleep` frees its memory instead).
     """
-    if self.lora_request is not None:
+    if self.lora_request is not None or self.llm.llm_engine.runner.quantized:
       return None
     return cast(nnx.Module, self.llm.llm_engine.runner.model)
 
