@@ -20,7 +20,8 @@ maps the
 names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
 devices, with per-request seeds and no recompiles when the weights change: after each training
 step Tunix calls `update_params` with the trainer's `nnx.Param` state, which goes through
-`LLM.load_weights`. `model()` is the engine's module, never the trainer's, so Tunix syncs the
+`LLM.load_weights` (which re-quantizes it for an engine built with ``quantization="int8"`` or
+``"fp8"``). `model()` is the engine's module, never the trainer's, so Tunix syncs the
 weights after every step whether the rollout has its own mesh or shares the trainer's.
 
 Logprobs follow Tunix's convention: the log-softmax of the logits divided by the rollout
@@ -462,11 +463,16 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       each device's memory, its weights and KV cache together (vLLM's meaning, whatever a
       colocated trainer holds: `process_memory_fraction`); it bounds the default KV cache,
       which is at most room for `max_num_reqs` requests of `max_model_len` tokens
-      (`jaxengine.worker.kv_cache_size`).
+      (`jaxengine.worker.kv_cache_size`). `quantization` ("int8" or "fp8"; a LoRA actor's
+      adapter stays float) stores the projections as narrow values with per-row scales: each
+      `update_params` converts the trainer's float weights into the engine's float layout and
+      `LLM.load_weights` re-quantizes them (nothing compiles after the first sync, whole or in
+      chunks), and `model()` is None.
 
   Raises:
     ValueError: an unsupported model, a `mesh` that is not a `jax.sharding.Mesh`, `logprobs_mode`
-      among the options, invalid options (a memory fraction outside (0, 1], a
+      among the options, invalid options (an unknown `quantization`, a memory fraction outside
+      (0, 1], a
       `reshard_chunk_bytes` that is not a positive int, parallel sizes that conflict or do not
       fit the rollout mesh: `engine_placement`), or
       a LoRA actor whose LoRA is unsupported (named), whose scale is unknown, or whose rank
@@ -645,15 +651,16 @@ class JaxEngineRollout(base_rollout.BaseRollout):
         on a qwix LoRA actor its `nnx.LoRAParam` leaves too, a subclass of `nnx.Param`), or
         ``nnx.state(actor, nnx.LoRAParam)`` (the LoRA leaves alone: Tunix's sync after each step
         of a LoRA actor, which replaces the adapter's values in place, read from memory); or
-        the engine model's own state (as `model()` gives it; Tunix passes that when it
+        the engine model's own float state (as `model()` gives it; Tunix passes that when it
         offloads). JAX arrays are converted where they live and placed as the engine's weights
-        are (LoRA pairs, small, are copied through the host).
+        are (LoRA pairs, small, are copied through the host). With `quantization` the float
+        weights are re-quantized on the way in (`LLM.load_weights`).
       filter_types: Tunix's filter: ``(nnx.Param,)``, ``(nnx.LoRAParam,)`` or None.
 
     Raises:
       ValueError: (nothing changes) another filter type, LoRA parameters for a rollout built
-        without LoRA or of an unsupported name or shape (named), or parameters that do not
-        match the model.
+        without LoRA or of an unsupported name or shape (named), parameters that do not
+        match the model, or a quantized engine's own state (its values and scales).
     """
     lora_only = filter_types is not None and all(t is nnx.LoRAParam for t in filter_types)
     if filter_types is not None and not lora_only and any(t is not nnx.Param for t in filter_types):
@@ -759,14 +766,15 @@ class JaxEngineRollout(base_rollout.BaseRollout):
 
   def model(self) -> nnx.Module | None:
     """The engine's model (a `jaxengine.models.Llama` or `jaxengine.models.gemma.Gemma` over the
-    engine's current weights), or None for a LoRA actor's rollout.
+    engine's current weights), or None for a LoRA actor's rollout and a quantized one.
 
     Tunix reads it to decide whether the rollout shares the actor's weights (comparing the two
     modules' leaves one by one, which fails outright when their counts differ: a LoRA actor
-    has its adapter's leaves besides the base's) and, with ``offload_to_cpu``, to move it to
-    host memory between phases. A LoRA rollout answers None, as Tunix's own
-    `RolloutEngineGroup` does: Tunix then syncs the weights every step and cannot offload the
-    engine (`LLM.sleep` frees its memory instead).
+    has its adapter's leaves besides the base's, a quantized module its scales besides the
+    weights) and, with ``offload_to_cpu``, to move it to host memory between phases. A LoRA or
+    quantized rollout answers None, as Tunix's own `RolloutEngineGroup` does for LoRA: Tunix
+    then syncs the weights every step and cannot offload the engine (`LLM.sleep` frees its
+    memory instead).
     """
     if self.lora_request is not None or self.llm.llm_engine.runner.quantized:
       return None
