@@ -6,9 +6,10 @@ trainer's parameters in four ways: all at once or in chunks of `--chunk-mib` MiB
 (`free_kv_cache_during_sync`). Prints the median seconds per sync (after one warm-up sync per
 way, which compiles the per-layer conversion once), the compiles of the timed syncs, the bytes
 of KV cache freed, the model's bytes, and whether each way's weights equal the all-at-once
-sync's bit for bit.
+sync's bit for bit. `--quantization int8` (or ``fp8``) builds the rollout with that
+`quantization`: each sync then re-quantizes the trainer's float weights.
 
-    python benchmarks/bench_tunix_sync.py --size smollm2
+    python benchmarks/bench_tunix_sync.py --size smollm2 [--quantization int8]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
   parser.add_argument("--max-num-reqs", type=int, default=64)
   parser.add_argument("--max-model-len", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--quantization", choices=["int8", "fp8"], default=None)
   args = parser.parse_args()
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   actor = tiny_actor(mesh, args.size)
@@ -50,10 +52,12 @@ def main() -> None:
     mesh=mesh,
     rollout_config=config,
     max_num_reqs=args.max_num_reqs,
+    quantization=args.quantization,
   )
   runner = rollout.llm.llm_engine.runner
   print(
-    f"# {jax.devices()[0].device_kind}, --size {args.size}: model "
+    f"# {jax.devices()[0].device_kind}, --size {args.size}, quantization "
+    f"{args.quantization}: model "
     f"{sleep_mode.device_bytes(runner.weights) / 2**20:.1f} MiB, KV cache "
     f"{sleep_mode.device_bytes(runner.kv_cache) / 2**20:.1f} MiB ({runner.num_blocks} pages; "
     f"gpu_memory_utilization {rollout.llm.config.gpu_memory_utilization:.3f} for the process "

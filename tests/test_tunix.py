@@ -36,6 +36,7 @@ from jaxengine.integrations.tunix import (
   process_memory_fraction,
   tokenize_prompts,
 )
+from jaxengine.models.quantization import FORMATS, quantize_model
 from jaxengine.models.weights import state_leaves
 from jaxengine.testing import count_compiles
 from jaxengine.worker import sleep_mode
@@ -220,9 +221,13 @@ def padded_completions(tokens) -> np.ndarray:
   return out
 
 
-def make_rollout(model: nnx.Module) -> JaxEngineRollout:
+def make_rollout(model: nnx.Module, **options) -> JaxEngineRollout:
   return JaxEngineRollout(
-    rollout_actor=model, tokenizer=ByteTokenizer(), rollout_config=rollout_config(), max_num_reqs=4
+    rollout_actor=model,
+    tokenizer=ByteTokenizer(),
+    rollout_config=rollout_config(),
+    max_num_reqs=4,
+    **options,
   )
 
 
@@ -391,6 +396,103 @@ def test_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(served):
     rollout.update_params(old, (nnx.Param,))  # back for the other tests
 
 
+def perturbed(params: nnx.State, seed: int) -> nnx.State:
+  """`params` plus N(0, 0.05) noise drawn on the host: a training step's new weights."""
+  rng = np.random.default_rng(seed)
+  noise = lambda x: jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype)
+  return jax.tree.map(lambda x: x + noise(x), params)
+
+
+def weight_bits(rollout: JaxEngineRollout) -> dict:
+  """The engine's leaves by path as unsigned integers of their bits (float8 values included)."""
+  leaves = state_leaves(rollout.llm.llm_engine.runner.weights)
+  return {p: bits(x) for p, x in leaves.items()}
+
+
+def bits(x) -> np.ndarray:
+  x = np.asarray(x)
+  return x.view(f"u{x.dtype.itemsize}")
+
+
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def quantized(request):
+  """(quantization, Tunix llama3 model, quantized rollout over it, warm: it generated once)."""
+  model = build("llama3")
+  rollout = make_rollout(model, quantization=request.param)
+  rollout.generate(PROMPTS, rollout_config(top_p=None))  # compiles the engine's steps
+  return request.param, model, rollout
+
+
+def test_quantized_syncs_equal_a_fresh_quantized_engine_without_compiling(quantized):
+  """A sync re-quantizes the trainer's float weights: the engine then holds exactly what
+  `quantize_model` makes of them, and rolls out as a quantized engine built from them."""
+  quantization, model, rollout = quantized
+  runner = rollout.llm.llm_engine.runner
+  assert runner.weights["layers"][0]["mlp"]["w_down"][...].dtype == FORMATS[quantization].dtype
+  assert rollout.model() is None  # the quantized module has more leaves than the actor
+  greedy = rollout_config(top_p=None)
+  before = rollout.generate(PROMPTS, greedy)
+  assert sum(len(t) for t in before.tokens) > len(PROMPTS)  # something was generated
+  old = nnx.state(model, nnx.Param)
+  new = perturbed(old, seed=3)
+  rollout.update_params(new, (nnx.Param,))
+  rollout.update_params(old, (nnx.Param,))
+  with count_compiles() as compiles:
+    rollout.update_params(new, (nnx.Param,))
+    got = rollout.generate(PROMPTS, greedy)
+  assert compiles.count == 0
+  new_model = build("llama3")
+  nnx.update(new_model, new)
+  float_engine = make_rollout(new_model).model()  # the engine's float layout of `new`
+  want = {
+    p: bits(x)
+    for p, x in state_leaves(nnx.state(quantize_model(float_engine, quantization).model)).items()
+  }
+  synced = weight_bits(rollout)
+  assert synced.keys() == want.keys()
+  for path, value in want.items():
+    np.testing.assert_array_equal(synced[path], value, err_msg=str(path))
+  fresh = make_rollout(new_model, quantization=quantization)
+  expected = fresh.generate(PROMPTS, greedy)
+  assert [t.tolist() for t in got.tokens] == [t.tolist() for t in expected.tokens]
+  for values, reference in zip(got.logprobs, expected.logprobs):
+    np.testing.assert_allclose(values, reference, atol=1e-5)
+  completions = padded_completions(got.tokens)
+  np.testing.assert_allclose(
+    rollout.get_per_token_logps(got.left_padded_prompt_tokens, completions),
+    fresh.get_per_token_logps(got.left_padded_prompt_tokens, completions),
+    atol=1e-5,
+  )
+  with pytest.raises(ValueError, match="quantized engine's own state"):
+    rollout.update_params(runner.weights)
+  rollout.update_params(old, (nnx.Param,))  # back for the other tests
+
+
+def test_quantized_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(quantized):
+  _, model, rollout = quantized
+  old = nnx.state(model, nnx.Param)
+  new = perturbed(old, seed=4)
+  rollout.update_params(new, (nnx.Param,))
+  whole = weight_bits(rollout)
+  rollout.update_params(old, (nnx.Param,))
+  rollout.free_kv_cache_during_sync, rollout.reshard_chunk_bytes = True, 1
+  try:
+    rollout.update_params(new, (nnx.Param,))  # compiles the per-layer conversion once
+    rollout.update_params(old, (nnx.Param,))
+    with count_compiles() as compiles:
+      rollout.update_params(new, (nnx.Param,))
+      rollout.generate(PROMPTS, rollout_config(top_p=None))
+    assert compiles.count == 0
+    assert rollout.kv_cache_bytes_freed > 0
+    chunked = weight_bits(rollout)
+    assert chunked.keys() == whole.keys()
+    for path, value in whole.items():
+      np.testing.assert_array_equal(chunked[path], value, err_msg=str(path))
+  finally:
+    rollout.free_kv_cache_during_sync, rollout.reshard_chunk_bytes = False, None
+    rollout.update_params(old, (nnx.Param,))  # back for the other tests
+
+
 # Tunix's defaults (-1, -1) on a 2 x 2 rollout mesh of host devices resolve to every device
 # splitting each layer. On a rollout mesh of the last two devices, RolloutConfig's
 # tensor_parallel_size=2 and data_parallel_size=-1 (inferred: 1) place the engine on those two
@@ -477,8 +579,8 @@ def test_bad_inputs_raise_value_errors(served):
     JaxEngineRollout(rollout_actor=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tokenizer=ByteTokenizer())
   with pytest.raises(ValueError, match="logprobs_mode"):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")
-  with pytest.raises(ValueError, match="quantization='int8' is not supported"):
-    JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), quantization="int8")
+  with pytest.raises(ValueError, match="quantization must be None or one of"):
+    JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), quantization="int4")
   # Placement and memory options, refused before anything is placed.
   for options, match in [
     (dict(mesh="bogus"), "mesh must be a jax.sharding.Mesh or None, got str"),

@@ -20,7 +20,8 @@ maps the
 names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
 devices, with per-request seeds and no recompiles when the weights change: after each training
 step Tunix calls `update_params` with the trainer's `nnx.Param` state, which goes through
-`LLM.load_weights`. `model()` is the engine's module, never the trainer's, so Tunix syncs the
+`LLM.load_weights` (which re-quantizes it for an engine built with ``quantization="int8"`` or
+``"fp8"``). `model()` is the engine's module, never the trainer's, so Tunix syncs the
 weights after every step whether the rollout has its own mesh or shares the trainer's.
 
 Logprobs follow Tunix's convention: the log-softmax of the logits divided by the rollout
@@ -69,6 +70,7 @@ from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.lora import LoRAInputs
+from jaxengine.models.quantization import check_quantization
 from jaxengine.models.weights import replace_leaves, state_leaves
 from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
@@ -461,15 +463,19 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       each device's memory, its weights and KV cache together (vLLM's meaning, whatever a
       colocated trainer holds: `process_memory_fraction`); it bounds the default KV cache,
       which is at most room for `max_num_reqs` requests of `max_model_len` tokens
-      (`jaxengine.worker.kv_cache_size`).
+      (`jaxengine.worker.kv_cache_size`). `quantization` ("int8" or "fp8"; a LoRA actor's
+      adapter stays float) stores the projections as narrow values with per-row scales: each
+      `update_params` converts the trainer's float weights into the engine's float layout and
+      `LLM.load_weights` re-quantizes them (nothing compiles after the first sync, whole or in
+      chunks), and `model()` is None.
 
   Raises:
     ValueError: an unsupported model, a `mesh` that is not a `jax.sharding.Mesh`, `logprobs_mode`
-      among the options, invalid options (a memory fraction outside (0, 1], a
-      `reshard_chunk_bytes` that is not a positive int, parallel sizes that conflict or do not
-      fit the rollout mesh: `engine_placement`), or
-      a LoRA actor whose LoRA is unsupported (named), whose scale is unknown, or whose rank
-      exceeds a given `max_lora_rank`.
+      among the options, invalid options (an unknown `quantization`, a memory fraction outside
+      (0, 1], a `reshard_chunk_bytes` that is not a positive int, parallel sizes that conflict
+      or do not fit the rollout mesh: `engine_placement`), or a LoRA actor whose LoRA is
+      unsupported (named), whose scale is unknown, or whose rank exceeds a given
+      `max_lora_rank`.
   """
 
   def __init__(
@@ -499,11 +505,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     self.kv_cache_bytes_freed = 0
     if "logprobs_mode" in engine_options:
       raise ValueError("logprobs_mode is fixed by JaxEngineRollout (Tunix's convention)")
-    if engine_options.get("quantization") is not None:  # its syncs hand over float layouts
-      raise ValueError(
-        f"quantization={engine_options['quantization']!r} is not supported by JaxEngineRollout "
-        "yet (Tunix's weight syncs and offloading pass the engine's own float layout)"
-      )
+    check_quantization(engine_options.get("quantization"))  # before any weight moves
     self.rollout_config = rollout_config or base_rollout.RolloutConfig()
     self.tokenizer = (
       tokenizer
@@ -551,7 +553,12 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       logprobs_mode="processed_logprobs",
       **engine_options,
     )
-    self._graphdef = graphdef
+    #: The engine model's float layout (abstract): a sync's converted leaves fill it, and
+    #: `LLM.load_weights` casts them and, with `quantization`, re-quantizes them.
+    self._float_weights = abstract_weights
+    # The runner's own module structure (with `quantization`, its int8 / float8 values and
+    # scales): what `completion_logprobs` merges the runner's weights into.
+    self._graphdef = nnx.graphdef(self.llm.llm_engine.runner.model)
     if lora:
       self.lora_request = LoRARequest("tunix_actor", 1, "<tunix rollout actor, in memory>")
       self.llm.load_lora_weights(self.lora_request, self._lora_adapter(lora))
@@ -643,21 +650,21 @@ class JaxEngineRollout(base_rollout.BaseRollout):
         on a qwix LoRA actor its `nnx.LoRAParam` leaves too, a subclass of `nnx.Param`), or
         ``nnx.state(actor, nnx.LoRAParam)`` (the LoRA leaves alone: Tunix's sync after each step
         of a LoRA actor, which replaces the adapter's values in place, read from memory); or
-        the engine model's own state (as `model()` gives it; Tunix passes that when it
+        the engine model's own float state (as `model()` gives it; Tunix passes that when it
         offloads). JAX arrays are converted where they live and placed as the engine's weights
-        are (LoRA pairs, small, are copied through the host).
+        are (LoRA pairs, small, are copied through the host). With `quantization` the float
+        weights are re-quantized on the way in (`LLM.load_weights`).
       filter_types: Tunix's filter: ``(nnx.Param,)``, ``(nnx.LoRAParam,)`` or None.
 
     Raises:
       ValueError: (nothing changes) another filter type, LoRA parameters for a rollout built
-        without LoRA or of an unsupported name or shape (named), or parameters that do not
-        match the model.
+        without LoRA or of an unsupported name or shape (named), parameters that do not
+        match the model, or a quantized engine's own state (its values and scales).
     """
     lora_only = filter_types is not None and all(t is nnx.LoRAParam for t in filter_types)
     if filter_types is not None and not lora_only and any(t is not nnx.Param for t in filter_types):
       raise ValueError(f"filter_types={filter_types}: only nnx.Param or nnx.LoRAParam")
-    engine_paths = set(state_leaves(self.llm.llm_engine.runner.weights))
-    if isinstance(params, nnx.State) and set(state_leaves(params)) == engine_paths:
+    if isinstance(params, nnx.State) and self._is_engine_state(params):
       with self._kv_cache_freed():
         self.llm.load_weights(params)
       return
@@ -685,9 +692,28 @@ class JaxEngineRollout(base_rollout.BaseRollout):
           shardings=self._weight_shardings(),
           chunk_bytes=self.reshard_chunk_bytes,
         )
-        self.llm.load_weights(replace_leaves(self.llm.llm_engine.runner.weights, leaves))
+        self.llm.load_weights(replace_leaves(self._float_weights, leaves))
     if adapter is not None:
       self.llm.load_lora_weights(cast(LoRARequest, self.lora_request), adapter)
+
+  def _is_engine_state(self, params: nnx.State) -> bool:
+    """Whether `params` is a state of the engine model's float layout (as `model()` gives it
+    without `quantization`), which `LLM.load_weights` takes as it is.
+
+    Raises:
+      ValueError: the state of a quantized engine's own layout (its int8 / float8 values and
+        scales: the runner re-quantizes float weights only).
+    """
+    paths = set(state_leaves(params))
+    if paths == set(state_leaves(self._float_weights)):
+      return True
+    runner = self.llm.llm_engine.runner
+    if runner.quantized and paths == set(state_leaves(runner.weights)):
+      raise ValueError(
+        f"update_params got the quantized engine's own state (quantization="
+        f"{self.llm.config.quantization!r}); pass the trainer's float parameters"
+      )
+    return False
 
   @contextlib.contextmanager
   def _kv_cache_freed(self) -> Iterator[None]:
@@ -739,16 +765,17 @@ class JaxEngineRollout(base_rollout.BaseRollout):
 
   def model(self) -> nnx.Module | None:
     """The engine's model (a `jaxengine.models.Llama` or `jaxengine.models.gemma.Gemma` over the
-    engine's current weights), or None for a LoRA actor's rollout.
+    engine's current weights), or None for a LoRA actor's rollout and a quantized one.
 
     Tunix reads it to decide whether the rollout shares the actor's weights (comparing the two
     modules' leaves one by one, which fails outright when their counts differ: a LoRA actor
-    has its adapter's leaves besides the base's) and, with ``offload_to_cpu``, to move it to
-    host memory between phases. A LoRA rollout answers None, as Tunix's own
-    `RolloutEngineGroup` does: Tunix then syncs the weights every step and cannot offload the
-    engine (`LLM.sleep` frees its memory instead).
+    has its adapter's leaves besides the base's, a quantized module its scales besides the
+    weights) and, with ``offload_to_cpu``, to move it to host memory between phases. A LoRA or
+    quantized rollout answers None, as Tunix's own `RolloutEngineGroup` does for LoRA: Tunix
+    then syncs the weights every step and cannot offload the engine (`LLM.sleep` frees its
+    memory instead).
     """
-    if self.lora_request is not None:
+    if self.lora_request is not None or self.llm.llm_engine.runner.quantized:
       return None
     return cast(nnx.Module, self.llm.llm_engine.runner.model)
 
