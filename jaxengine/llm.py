@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import jax
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
@@ -22,6 +23,7 @@ from jaxengine.engine_config import (
 )
 from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models import Model, check_model
+from jaxengine.models.attention_backends import attention_backend
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
 from jaxengine.models.hub import load_resolved, resolve_model
 from jaxengine.models.safetensors_loader import (
@@ -151,6 +153,8 @@ class LLM:
     self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
     eos_token_id = None
     if model is None or isinstance(model, (str, os.PathLike)):
+      if config.attention_backend is not None:  # a Pallas kernel off its platform: before loading
+        attention_backend(config.attention_backend).check_platform(jax.default_backend())
       model, tokenizer, eos_token_id = _load_model(
         model,
         tokenizer,
@@ -385,6 +389,9 @@ def _load_model(
   if resolved is None or resolved.kind == "gguf":
     path = None if resolved is None else resolved.path
     config = read_config(open_gguf(path if path is not None else default_model_path()))
+    heads = getattr(config, "num_attention_heads", None)
+    if tp > 1 and isinstance(heads, int):  # refused before any tensor is read, as below
+      parallel.check_heads(heads, tp)
     check_max_model_len(max_model_len, config.max_position_embeddings)
     model = load_resolved(resolved, dtype)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None

@@ -9,6 +9,7 @@ import os
 import jax
 import pytest
 
+import jaxengine as je
 from jaxengine.engine import LLMEngine
 from jaxengine.models.attention_backends import attention_backend
 from jaxengine.params import SamplingParams
@@ -84,6 +85,18 @@ def test_a_pallas_backend_off_its_platform_is_refused_when_the_engine_is_built(n
   model, _ = tiny_llama(vocab_size=32)
   with pytest.raises(ValueError, match=rf"attention_backend='{name}' runs on {platforms}"):
     LLMEngine(model, max_num_reqs=2, max_model_len=32, attention_backend=name)
+
+
+@pytest.mark.parametrize("name", ["pallas_tpu", "pallas_gpu"])
+def test_a_pallas_backend_off_its_platform_is_refused_before_a_model_loads(name, monkeypatch):
+  import jaxengine.llm as llm_module
+
+  def no_load(*args, **kwargs):
+    raise AssertionError("the weights were loaded")
+
+  monkeypatch.setattr(llm_module, "load_resolved", no_load)
+  with pytest.raises(ValueError, match=rf"attention_backend='{name}' runs on"):
+    je.LLM(attention_backend=name, kv_cache_dtype="fp8")
 
 
 def _per_page(spec, block_size: int = 16) -> int:

@@ -213,6 +213,10 @@ def test_load_weights_refuses_a_bad_tensor_of_a_quantized_matrix():
     llm.load_weights({name: np.full(shape, np.nan, np.float32)})
   with pytest.raises(ValueError, match="q_proj"):
     llm.load_weights({name: np.zeros(shape, np.int8)})  # float tensors only
+  own = llm.llm_engine.runner.weights  # the quantized layout: values and their scales
+  for state in (own, nnx.to_pure_dict(own)):
+    with pytest.raises(ValueError, match=r"float model's weights .* 'layers\.0\.attn\.scales"):
+      llm.load_weights(state)
 
 
 def test_int4_is_refused_before_anything_is_built():

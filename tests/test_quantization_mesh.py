@@ -12,7 +12,9 @@ One subprocess (the device count must be set before JAX starts) runs every check
   compiled, the same tokens, every array back in place;
 - a mixture of experts quantized on the mesh, each expert split on its intermediate features and
   with ``enable_expert_parallel``: the expert scales split as their matrices' output axes, the
-  forward pass's token logprobs those of one device within `LOGPROB_BOUND`.
+  forward pass's token logprobs those of one device within `LOGPROB_BOUND`;
+- a tensor-parallel size that does not divide the heads, with quantization: a ValueError naming
+  both, before any weight moves (the default GGUF model: before its tensors load).
 """
 
 from __future__ import annotations
@@ -112,6 +114,23 @@ for expert_parallel in (False, True):
   worst[f"moe expert_parallel={expert_parallel}"] = float(np.abs(got - want).max())
   assert np.abs(got - want).max() < bound, expert_parallel
 print("worst", worst)
+
+# A model axis that does not divide the heads is refused before any weight moves (it once reached
+# the quantization on the mesh, whose collectives waited until XLA aborted the process); the
+# default GGUF model's 9 heads are read from its metadata, before its tensors load.
+import jaxengine.llm as llm_module
+def no_load(*args, **kwargs):
+  raise AssertionError("the weights were loaded")
+llm_module.load_resolved = no_load
+for make in (lambda: je.LLM(model(num_attention_heads=3, num_key_value_heads=1),
+                            quantization="int8", tensor_parallel_size=2, **options),
+             lambda: je.LLM(tensor_parallel_size=2, quantization="fp8", max_model_len=64)):
+  try:
+    make()
+  except ValueError as error:
+    assert "tensor_parallel_size=2 must divide the model's num_attention_heads" in str(error)
+  else:
+    raise AssertionError("not refused")
 print("ok")
 """
 

@@ -289,12 +289,12 @@ def test_sleep_reads_a_step_left_in_flight_first(warm):
 
 def test_bad_level_and_tags_are_refused_before_anything_changes(warm):
   llm = warm.llm
-  for level in (0, 3, True, "1"):
+  for level in (0, 3, True, "1", 1.0):
     with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
       llm.sleep(level=level)
   assert not llm.is_sleeping()
   llm.sleep(level=1)
-  for tags in (["weight"], "weights", [1]):
+  for tags in (["weight"], "weights", [1], []):  # [] would wake nothing
     with pytest.raises(ValueError, match="tags"):
       llm.wake_up(tags=tags)
   assert llm.is_sleeping()

@@ -219,6 +219,8 @@ class ModelRunner:
     self.weight_specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
     self.mesh = config.mesh
     mesh = None if self.mesh is None else parallel.check_mesh(self.mesh)
+    if mesh is not None:
+      MeshPlacement.check(model, input_batch, mesh, expert_parallel=config.enable_expert_parallel)
     if mesh is not None and config.quantization is not None:
       model = placed_copy(model, mesh, expert_parallel=config.enable_expert_parallel)
     #: The quantized matrices (`EngineConfig.quantization`), by leaf path; empty without.
@@ -432,6 +434,7 @@ class ModelRunner:
     )
     partial: dict[LeafPath, np.ndarray] = {}
     if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
+      self._refuse_quantized_state(weights)
       given = collect_state(weights, leaves)
       check_finite(given.items(), self._leaf_name)
       new = {path: put(given[path], leaves[path]) for path in leaves}
@@ -525,11 +528,27 @@ class ModelRunner:
       out[q.scale_path] = put(scale, leaves[q.scale_path])
     return out
 
+  def _refuse_quantized_state(self, weights) -> None:
+    """A quantized engine takes the float model's state (it quantizes it); a state holding the
+    quantized layout (values and their ``scales``, e.g. the engine's own) is refused by name."""
+    if not self.quantized:
+      return
+    state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
+    scales = {q.scale_path for q in self.quantized.values()}
+    found = next((path for path in state_leaves(state) if path in scales), None)
+    if found is not None:
+      raise ValueError(
+        f"load_weights takes the float model's weights (the engine quantizes them), got a "
+        f"quantized state: its leaf {dotted(found)!r} is a quantization scale"
+      )
+
   def _check_loadable(self) -> None:
     """Refuses `load_weights` while the weights sleep (RuntimeError: wake them first)."""
     state = self._sleep
     if "weights" in state.asleep:
-      where = "discarded them" if state.weights_discarded else "moved them to host memory"
+      where = (
+        "discarded the weights" if state.weights_discarded else "moved the weights to host memory"
+      )
       raise RuntimeError(
         f"load_weights while asleep: sleep(level={state.level}) {where}; call wake_up() (or "
         "wake_up(tags=['weights'])) first"

@@ -76,6 +76,28 @@ class MeshPlacement:
       experts with `expert_parallel`, or the data axis does not divide `max_num_reqs`.
   """
 
+  @staticmethod
+  def check(model: Model, input_batch: InputBatch, mesh: Mesh, *, expert_parallel: bool) -> None:
+    """The checks of `__init__` alone (host side, before any weight moves: a model axis that
+    does not divide the heads would otherwise reach XLA, whose collectives then wait forever).
+
+    Raises:
+      ValueError: as `__init__`.
+    """
+    t = parallel.axis_size(mesh, parallel.MODEL)
+    d = parallel.axis_size(mesh, parallel.DATA)
+    heads = num_attention_heads(model)
+    if heads is not None:
+      parallel.check_heads(heads, t)
+    experts = getattr(getattr(model, "config", None), "num_experts", 0)
+    if expert_parallel and isinstance(experts, int) and experts > 0:
+      parallel.check_experts(experts, t)
+    if input_batch.max_num_reqs % d:
+      raise ValueError(
+        f"data_parallel_size={d} must divide max_num_reqs={input_batch.max_num_reqs} (each "
+        "data shard holds the same number of rows)"
+      )
+
   def __init__(
     self,
     model: Model,
@@ -85,20 +107,9 @@ class MeshPlacement:
     *,
     expert_parallel: bool = False,
   ) -> None:
-    t = parallel.axis_size(mesh, parallel.MODEL)
-    d = parallel.axis_size(mesh, parallel.DATA)
-    heads = num_attention_heads(model)
-    if heads is not None:
-      parallel.check_heads(heads, t)
-    experts = getattr(getattr(model, "config", None), "num_experts", 0)
-    if expert_parallel and isinstance(experts, int) and experts > 0:
-      parallel.check_experts(experts, t)
+    self.check(model, input_batch, mesh, expert_parallel=expert_parallel)
     num_rows = input_batch.max_num_reqs
-    if num_rows % d:
-      raise ValueError(
-        f"data_parallel_size={d} must divide max_num_reqs={num_rows} (each data shard holds "
-        "the same number of rows)"
-      )
+    d = parallel.axis_size(mesh, parallel.DATA)
     self.mesh = mesh
     self.rows = d
     self.weights = parallel.weight_shardings(

@@ -120,12 +120,15 @@ def check_tags(tags: Any) -> tuple[str, ...]:
   """`wake_up`'s tags as a tuple; None: all of `SLEEP_TAGS`.
 
   Raises:
-    ValueError: tags that are not a list of `SLEEP_TAGS` names, naming the first bad one.
+    ValueError: tags that are not a non-empty list of `SLEEP_TAGS` names, naming the first bad
+      one (an empty list would wake nothing, silently).
   """
   if tags is None:
     return SLEEP_TAGS
-  if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
-    raise ValueError(f"tags must be a list of {list(SLEEP_TAGS)}, got {tags!r}")
+  if isinstance(tags, str) or not all(isinstance(t, str) for t in tags) or not tags:
+    raise ValueError(
+      f"tags must be a non-empty list of {list(SLEEP_TAGS)} (None: both), got {tags!r}"
+    )
   for tag in tags:
     if tag not in SLEEP_TAGS:
       raise ValueError(f"unknown sleep tag {tag!r}; tags are {list(SLEEP_TAGS)}")
@@ -136,8 +139,8 @@ def check_level(level: Any) -> int:
   """`sleep`'s level.
 
   Raises:
-    ValueError: a level other than 1 or 2, naming it.
+    ValueError: a level other than the int 1 or 2 (1.0 too), naming it.
   """
-  if isinstance(level, bool) or level not in (1, 2):
+  if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
     raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
   return int(level)
