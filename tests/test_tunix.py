@@ -369,11 +369,8 @@ def test_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(served):
   name, model, rollout = served
   config = rollout_config(seed=5)
   old, new = nnx.state(model, nnx.Param), nnx.state(build(name, seed=7), nnx.Param)
-  weights = lambda: {
-    p: np.asarray(x) for p, x in state_leaves(rollout.llm.llm_engine.runner.weights).items()
-  }
   rollout.update_params(new, (nnx.Param,))
-  whole, want = weights(), rollout.generate(PROMPTS, config)
+  whole, want = weight_bits(rollout), rollout.generate(PROMPTS, config)
   rollout.update_params(old, (nnx.Param,))
   rollout.free_kv_cache_during_sync, rollout.reshard_chunk_bytes = True, 1
   try:
@@ -385,7 +382,7 @@ def test_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(served):
     assert compiles.count == 0
     cache = rollout.llm.llm_engine.runner.kv_cache
     assert rollout.kv_cache_bytes_freed == sleep_mode.device_bytes(cache) > 0
-    chunked = weights()
+    chunked = weight_bits(rollout)
     assert chunked.keys() == whole.keys()
     for path, value in whole.items():
       np.testing.assert_array_equal(chunked[path], value, err_msg=str(path))
