@@ -42,6 +42,7 @@ from flax import nnx
 from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
 from jaxengine.models.gemma_checkpoints import hf_weight_specs
 from jaxengine.models.gemma_config import ACTIVATIONS, GemmaConfig
+from jaxengine.models.layer_stack import apply_layers
 from jaxengine.models.layers import (
   ConfiguredDecoder,
   RMSNorm,
@@ -222,8 +223,7 @@ class Gemma(ConfiguredDecoder, nnx.Module):
     metadata = as_attention_metadata(attn_metadata, positions, attention_len)
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
-    for index, layer in enumerate(self.layers):
-      x, kv_cache = layer(x, positions, kv_cache, index, metadata)
+    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, metadata)
     return self.final_norm(x), kv_cache
 
   def weight_specs(self) -> list[WeightSpec]:

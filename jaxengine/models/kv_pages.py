@@ -101,6 +101,25 @@ class PagedKVCache:
       layer_groups=layer_groups,
     )
 
+  def layer_view(self, layer: int) -> tuple[PagedKVCache, int]:
+    """`(view, slot)`: a cache holding only `layer`'s pages, which the layer reads and writes as
+    its layer 0 (its group kept), and the slot of `pages` they came from (`with_slot`).
+
+    Every layer's view has the same structure, so a step traced layer by layer
+    (`jaxengine.models.layers.apply_layers`) traces one body per distinct layer, not one per
+    layer.
+    """
+    if self.layer_groups is None:
+      return dataclasses.replace(self, pages=(self.pages[layer],)), layer
+    group, slot = self.layer_groups[layer]
+    view = dataclasses.replace(self, pages=(self.pages[slot],), layer_groups=((group, 0),))
+    return view, slot
+
+  def with_slot(self, slot: int, view: PagedKVCache) -> PagedKVCache:
+    """This cache with `pages[slot]` replaced by the one-layer `view`'s pages (`layer_view`)."""
+    pages = (*self.pages[:slot], view.pages[0], *self.pages[slot + 1 :])
+    return dataclasses.replace(self, pages=pages)
+
   @property
   def num_layers(self) -> int:
     """Page slots: decoder layers ``L`` without `layer_groups`."""

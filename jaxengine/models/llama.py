@@ -57,6 +57,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
+from jaxengine.models.layer_stack import apply_layers
 from jaxengine.models.layers import (
   ConfiguredDecoder,
   RMSNorm,
@@ -244,11 +245,12 @@ class Llama(ConfiguredDecoder, nnx.Module):
   """Llama-family decoder reading and writing a `KVCache` (slots) or a `PagedKVCache` (pages);
   implements `jaxengine.models.Model`.
 
-  The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied by an
-  unrolled Python loop. A `lax.scan` over stacked ``[L, ...]`` weights compiles one layer body,
-  but XLA then copies each layer's weights out of the stack before its matmuls (a dynamic slice
-  is not fused into a dot): at batch 1 that doubled the weight traffic of a decode step, measured
-  2x slower on CPU for the MLP weights of SmolLM2. Compile time grows with depth instead.
+  The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied in an
+  unrolled loop (`jaxengine.models.layer_stack.apply_layers`: layers of one structure are traced
+  once). A `lax.scan` over stacked ``[L, ...]`` weights compiles one layer body, but XLA then
+  copies each layer's weights out of the stack before its matmuls (a dynamic slice is not fused
+  into a dot): at batch 1 that doubled the weight traffic of a decode step, measured 2x slower on
+  CPU for the MLP weights of SmolLM2. XLA's compile time grows with depth instead.
 
   Attributes:
     config: the model's `LlamaConfig` (static).
@@ -333,9 +335,8 @@ class Llama(ConfiguredDecoder, nnx.Module):
     """
     metadata = as_attention_metadata(attn_metadata, positions, attention_len)
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]
-    for index, layer in enumerate(self.layers):
-      layer_lora = None if lora is None else lora.layer(index)
-      x, kv_cache = layer(x, positions, kv_cache, index, metadata, layer_lora)
+    layer_lora = lambda index: (None if lora is None else lora.layer(index),)
+    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, metadata, layer_lora)
     return self.final_norm(x), kv_cache
 
   def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
