@@ -17,6 +17,7 @@ import pytest
 from reference import reference_row
 
 import jaxengine as je
+from jaxengine.sample.step import ALWAYS_COPIED_LOGITS
 
 V = 48
 R = 16
@@ -218,7 +219,7 @@ def test_a_step_without_processing_reads_the_logits_in_place():
   that needs no stage 0-6 draws from the logits where they are. A branch that returned them
   unchanged (or NaN-cleaned) would write a copy of the logits every step whatever the mix
   (issue 36: it tripled a greedy step at 256 x 49,152)."""
-  rows, vocab = 8, 1024
+  rows, vocab = 8, 4096  # above ALWAYS_COPIED_LOGITS
   batch = je.InputBatch(rows, 64, vocab)
   batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
   logits = np.zeros((rows, vocab), np.float32)
@@ -230,3 +231,33 @@ def test_a_step_without_processing_reads_the_logits_in_place():
   ]
   assert len(results) >= 3  # the copy choice, the draw, the logprobs: still one executable
   assert not [r for r in results if f"f32[{rows},{vocab}]" in r]
+
+
+def _lowered_sampler(rows: int, vocab: int) -> str:
+  batch = je.InputBatch(rows, 64, vocab)
+  batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
+  logits = np.zeros((rows, vocab), np.float32)
+  return je.sample_step.lower(batch.state, batch.sampling_metadata, logits).as_text()
+
+
+def test_small_logits_compile_the_draw_once():
+  """At most `ALWAYS_COPIED_LOGITS` elements: no in-place twin of stages 7-12 (half the
+  conditionals and loops of one more row), and the same tokens and logprobs as read in place."""
+  vocab = 4096
+  rows = ALWAYS_COPIED_LOGITS // vocab
+  small, large = _lowered_sampler(rows, vocab), _lowered_sampler(rows + 1, vocab)
+  for op in ("stablehlo.case", "stablehlo.while"):
+    assert small.count(op) < large.count(op), op
+  assert 2 * small.count("stablehlo.case") == large.count("stablehlo.case")
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((rows + 1, vocab)).astype(np.float32) * 3
+  outputs = []
+  for num_rows in (rows, rows + 1):
+    batch = je.InputBatch(num_rows, 64, vocab)
+    for i in range(rows):  # the same requests; the larger batch keeps its last row empty
+      params = je.SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i, logprobs=3)
+      batch.add_request(f"r{i}", [1, 2], params)
+    out = batch.sample(logits[:num_rows])
+    outputs.append((out.sampled_token_ids, out.logprobs.logprobs))
+  np.testing.assert_array_equal(outputs[0][0], outputs[1][0])
+  np.testing.assert_allclose(outputs[0][1], outputs[1][1], rtol=0, atol=1e-6)

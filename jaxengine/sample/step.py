@@ -27,10 +27,11 @@ Stages 2-6 run as one fused pass (plus small scatters) only when some live row u
 greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
 `SamplingMetadata`. So one executable serves every mix without recompiling, and a batch pays only
 for what its rows use. A batch that needs no stage 0-6 and holds no NaN draws from the logits
-where they are: stages 7-12 are compiled twice, once on the logits in place and once on
-`drawable_logits` (the processed logits, NaN read as -inf), chosen by one `lax.cond`
-(`needs_drawable_copy`), because a branch that returned the logits unchanged as an `[R, V]` array
-would copy them every step (measured: a greedy step tripled at 256 x 49,152 on the CPU). Stage 13
+where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-12 are compiled
+twice, once on the logits in place and once on `drawable_logits` (the processed logits, NaN read
+as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that returned the
+logits unchanged as an `[R, V]` array would copy them every step (measured: a greedy step tripled
+at 256 x 49,152 on the CPU). Stage 13
 in the raw_* modes reads only the model's logits and is compiled once, after the draw; every
 `lax.cond` inside the draw returns `[R]`- or `[R, k]`-sized results.
 
@@ -80,6 +81,12 @@ from jaxengine.sample.processors import (
 )
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.thresholds import top_p_threshold
+
+#: Logits of at most this many elements (`R * V`; 64 KiB of float32, below one row of any real
+#: vocabulary) are always drawn from `drawable_logits`: copying them costs less than a pass over
+#: one row of a 32k vocabulary, while compiling stages 7-12 a second time, on the logits in
+#: place, costs about a second of XLA:CPU compile per executable (tiny test and toy models).
+ALWAYS_COPIED_LOGITS = 1 << 14
 
 
 @jax.tree_util.register_dataclass
@@ -355,6 +362,8 @@ def _sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   )
   if has_processors(config, argmax_invariant=True):
     tokens, logprobs = copied()  # those processors write a new `[R, V]` array every step anyway
+  elif logits.size <= ALWAYS_COPIED_LOGITS:
+    tokens, logprobs = copied()  # a copy this small costs less than compiling stages 7-12 twice
   else:
     in_place = lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md, inside)
     tokens, logprobs = lax.cond(needs_drawable_copy(logits, state, md), copied, in_place)
