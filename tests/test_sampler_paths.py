@@ -219,7 +219,7 @@ def test_a_step_without_processing_reads_the_logits_in_place():
   that needs no stage 0-6 draws from the logits where they are. A branch that returned them
   unchanged (or NaN-cleaned) would write a copy of the logits every step whatever the mix
   (issue 36: it tripled a greedy step at 256 x 49,152)."""
-  rows, vocab = 8, 4096  # above ALWAYS_COPIED_LOGITS
+  rows, vocab = 8, ALWAYS_COPIED_LOGITS // 8 + 1  # above ALWAYS_COPIED_LOGITS
   batch = je.InputBatch(rows, 64, vocab)
   batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
   logits = np.zeros((rows, vocab), np.float32)
@@ -243,7 +243,7 @@ def _lowered_sampler(rows: int, vocab: int) -> str:
 def test_small_logits_compile_the_draw_once():
   """At most `ALWAYS_COPIED_LOGITS` elements: no in-place twin of stages 7-12 (half the
   conditionals and loops of one more row), and the same tokens and logprobs as read in place."""
-  vocab = 4096
+  vocab = 16384
   rows = ALWAYS_COPIED_LOGITS // vocab
   small, large = _lowered_sampler(rows, vocab), _lowered_sampler(rows + 1, vocab)
   for op in ("stablehlo.case", "stablehlo.while"):

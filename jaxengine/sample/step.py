@@ -82,11 +82,12 @@ from jaxengine.sample.processors import (
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.thresholds import top_p_threshold
 
-#: Logits of at most this many elements (`R * V`; 64 KiB of float32, below one row of any real
-#: vocabulary) are always drawn from `drawable_logits`: copying them costs less than a pass over
-#: one row of a 32k vocabulary, while compiling stages 7-12 a second time, on the logits in
-#: place, costs about a second of XLA:CPU compile per executable (tiny test and toy models).
-ALWAYS_COPIED_LOGITS = 1 << 14
+#: Logits of at most this many elements (`R * V`; 2 MiB of float32: 8 rows of a 64k vocabulary)
+#: are always drawn from `drawable_logits`: compiling stages 7-12 a second time, on the logits in
+#: place, costs about a second of XLA:CPU compile per executable, and below this size the copy it
+#: saves costs less than that body's conditionals (benchmarks/README.md: no mix slower at 1 and 8
+#: rows of 49,152 on the CPU; the copy tripled a greedy step at 256 x 49,152).
+ALWAYS_COPIED_LOGITS = 1 << 19
 
 
 @jax.tree_util.register_dataclass
