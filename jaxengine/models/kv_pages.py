@@ -106,7 +106,7 @@ class PagedKVCache:
     its layer 0 (its group kept), and the slot of `pages` they came from (`with_slot`).
 
     Every layer's view has the same structure, so a step traced layer by layer
-    (`jaxengine.models.layers.apply_layers`) traces one body per distinct layer, not one per
+    (`jaxengine.models.layer_stack.apply_layers`) traces one body per distinct layer, not one per
     layer.
     """
     if self.layer_groups is None:

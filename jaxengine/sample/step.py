@@ -31,9 +31,9 @@ where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-1
 twice, once on the logits in place and once on `drawable_logits` (the processed logits, NaN read
 as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that returned the
 logits unchanged as an `[R, V]` array would copy them every step (measured: a greedy step tripled
-at 256 x 49,152 on the CPU). Stage 13
-in the raw_* modes reads only the model's logits and is compiled once, after the draw; every
-`lax.cond` inside the draw returns `[R]`- or `[R, k]`-sized results.
+at 256 x 49,152 on the CPU). Stage 13 in the raw_* modes reads only the model's logits and is
+compiled once, after the draw; every `lax.cond` inside the draw returns `[R]`- or `[R, k]`-sized
+results.
 
 No full-vocabulary sort. Top-k and top-p come from `C` candidates per row (a static budget,
 `BatchConfig.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
@@ -361,10 +361,10 @@ def _sample(state: BatchState, md: SamplingMetadata, logits: jax.Array):
   copied = lambda: _tokens_and_logprobs(
     logits, drawable_logits(logits, state, md), state, md, inside
   )
-  if has_processors(config, argmax_invariant=True):
-    tokens, logprobs = copied()  # those processors write a new `[R, V]` array every step anyway
-  elif logits.size <= ALWAYS_COPIED_LOGITS:
-    tokens, logprobs = copied()  # a copy this small costs less than compiling stages 7-12 twice
+  # Those processors write a new `[R, V]` array every step anyway; a copy this small costs less
+  # than compiling stages 7-12 twice.
+  if has_processors(config, argmax_invariant=True) or logits.size <= ALWAYS_COPIED_LOGITS:
+    tokens, logprobs = copied()
   else:
     in_place = lambda: _tokens_and_logprobs(logits, logits.astype(jnp.float32), state, md, inside)
     tokens, logprobs = lax.cond(needs_drawable_copy(logits, state, md), copied, in_place)
