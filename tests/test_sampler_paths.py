@@ -214,16 +214,21 @@ def test_top_p_after_rejection_gives_up_is_unbiased():
   _assert_draws_match_exact(row_logits, je.SamplingParams(top_p=0.1), rows=256, steps=40)
 
 
+def _lowered_sampler(rows: int, vocab: int):
+  """`sample_step` lowered for a batch of `rows` x `vocab` with one greedy request."""
+  batch = je.InputBatch(rows, 64, vocab)
+  batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
+  logits = np.zeros((rows, vocab), np.float32)
+  return je.sample_step.lower(batch.state, batch.sampling_metadata, logits)
+
+
 def test_a_step_without_processing_reads_the_logits_in_place():
   """The compiled step's top level holds no `lax.cond` with an `[R, V]` float32 result: a batch
   that needs no stage 0-6 draws from the logits where they are. A branch that returned them
   unchanged (or NaN-cleaned) would write a copy of the logits every step whatever the mix
   (issue 36: it tripled a greedy step at 256 x 49,152)."""
   rows, vocab = 8, ALWAYS_COPIED_LOGITS // 8 + 1  # above ALWAYS_COPIED_LOGITS
-  batch = je.InputBatch(rows, 64, vocab)
-  batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
-  logits = np.zeros((rows, vocab), np.float32)
-  hlo = je.sample_step.lower(batch.state, batch.sampling_metadata, logits).compile().as_text()
+  hlo = _lowered_sampler(rows, vocab).compile().as_text()
   entry = hlo[hlo.index("\nENTRY") :]
   entry = entry[: entry.index("\n}")]
   results = [
@@ -233,19 +238,12 @@ def test_a_step_without_processing_reads_the_logits_in_place():
   assert not [r for r in results if f"f32[{rows},{vocab}]" in r]
 
 
-def _lowered_sampler(rows: int, vocab: int) -> str:
-  batch = je.InputBatch(rows, 64, vocab)
-  batch.add_request("r", [1], je.SamplingParams(temperature=0.0))
-  logits = np.zeros((rows, vocab), np.float32)
-  return je.sample_step.lower(batch.state, batch.sampling_metadata, logits).as_text()
-
-
 def test_small_logits_compile_the_draw_once():
   """At most `ALWAYS_COPIED_LOGITS` elements: no in-place twin of stages 7-12 (half the
   conditionals and loops of one more row), and the same tokens and logprobs as read in place."""
   vocab = 16384
   rows = ALWAYS_COPIED_LOGITS // vocab
-  small, large = _lowered_sampler(rows, vocab), _lowered_sampler(rows + 1, vocab)
+  small, large = (_lowered_sampler(r, vocab).as_text() for r in (rows, rows + 1))
   for op in ("stablehlo.case", "stablehlo.while"):
     assert small.count(op) < large.count(op), op
   assert 2 * small.count("stablehlo.case") == large.count("stablehlo.case")
