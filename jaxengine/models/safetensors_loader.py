@@ -51,7 +51,12 @@ from safetensors import safe_open
 
 from jaxengine.models.interface import Model
 from jaxengine.models.registry import hf_architecture
-from jaxengine.models.weights import check_weight_specs, replace_leaves, state_leaves
+from jaxengine.models.weights import (
+  abstract_module,
+  check_weight_specs,
+  replace_leaves,
+  state_leaves,
+)
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -198,7 +203,7 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
   architecture = hf_architecture(hf)
   config = architecture.read_config(hf)
   files = weight_files(path)
-  abstract = nnx.eval_shape(lambda: architecture.module(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  abstract = abstract_module(architecture.module, config, dtype)
   graphdef, state = nnx.split(abstract)
   leaves = state_leaves(state)
   specs = check_weight_specs(architecture.weight_specs(config), state)
