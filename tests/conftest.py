@@ -92,12 +92,13 @@ _share_a_compilation_cache_for_the_run()
 # is left alone with a long one at the end.
 
 #: Modules whose tests share nothing costly: each test is a unit of its own.
-INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.py", "test_docs.py"})
+INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.py"})
 
 #: Rough seconds of the heaviest units under `-n 2` (a module file, or one test of an INDEPENDENT
 #: module by its name); only their order matters, units not named come after them as collected.
 WEIGHTS = {
   "test_engine.py": 410,
+  "test_docs.py": 300,
   "test_structured_outputs.py": 300,
   "test_paged_engine.py": 300,
   "test_checkpoints.py": 250,
@@ -132,10 +133,6 @@ WEIGHTS = {
   "test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up": 150,
   "test_sample_step_under_a_mesh_matches_one_device": 80,
   "test_notebook_runs[06_structured_outputs]": 145,
-  "test_page_snippets_run_as_written[README.md]": 120,
-  "test_page_snippets_run_as_written[serving.md]": 120,
-  "test_page_snippets_run_as_written[integrations.md]": 100,
-  "test_page_snippets_run_as_written[engine.md]": 100,
   "test_notebook_runs[01_quickstart]": 140,
   "test_notebook_runs[03_sampling_distributions]": 85,
 }

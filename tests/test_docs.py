@@ -1,17 +1,24 @@
 """Every Python snippet of README.md and docs/*.md runs as written.
 
-The snippets of one page run top to bottom as one script in a fresh interpreter, from the
-repository root (a later snippet may use what an earlier one on the same page defined, as a reader
-going down the page would). A page states what its snippets need around them in HTML comments,
-which a reader does not see:
+The snippets of one page run top to bottom as one script, from the repository root (a later
+snippet may use what an earlier one on the same page defined, as a reader going down the page
+would), in a namespace of its own: nothing one page defines is visible to another. A page states
+what its snippets need around them in HTML comments, which a reader does not see:
 
 - ``<!-- docs-test: env NAME=VALUE -->`` sets an environment variable (e.g. host devices);
 - ``<!-- docs-test: serve ARGS -->`` runs ``jaxengine serve ARGS`` while the page runs (its
   snippets then talk to it as a user's client would).
+
+A page with such a directive runs in an interpreter of its own. The pages without one run one
+after another in one shared interpreter (`SHARED_RUNNER`), as a user's notebook or session going
+through the docs would: each still imports what it uses, but JAX, the model's file and the
+compiled steps are loaded once (a fresh interpreter per page cost about 4 s of imports and
+the compiled steps' tracing again for every page).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -42,6 +49,28 @@ def directives(page: Path) -> list[tuple[str, str]]:
 
 
 PAGES_WITH_CODE = [p for p in PAGES if page_script(p)]
+#: Pages with no directive: run together in one interpreter (`shared_page_errors`).
+PLAIN_PAGES = [p for p in PAGES_WITH_CODE if not directives(p)]
+
+#: Runs each page script named on its command line in a fresh `__main__` namespace, in order,
+#: and writes `{script: traceback or null}` as JSON to the first argument after a page fails or
+#: all have run (a page's failure does not stop the next).
+SHARED_RUNNER = """
+import json, sys, traceback
+out, scripts = sys.argv[1], sys.argv[2:]
+errors = {}
+for script in scripts:
+  try:
+    with open(script) as f:
+      code = compile(f.read(), script, "exec")
+    exec(code, {"__name__": "__main__", "__file__": script})
+  except BaseException:
+    errors[script] = traceback.format_exc()[-4000:]
+  else:
+    errors[script] = None
+  with open(out, "w") as f:
+    json.dump(errors, f)
+"""
 
 
 def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None:
@@ -57,9 +86,40 @@ def _wait_for_health(url: str, server: subprocess.Popen, timeout: float) -> None
   raise AssertionError(f"jaxengine serve did not become ready within {timeout} s")
 
 
+def _page_env() -> dict[str, str]:
+  return dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+@pytest.fixture(scope="module")
+def shared_page_errors(tmp_path_factory) -> dict[str, str | None]:
+  """`{page name: traceback, or None when it ran}` for `PLAIN_PAGES`, run in one interpreter; a
+  page missing from it was never reached (the interpreter died: its stderr is the value)."""
+  folder = tmp_path_factory.mktemp("docs")
+  scripts = {}
+  for page in PLAIN_PAGES:
+    scripts[page.name] = folder / f"{page.stem}.py"
+    scripts[page.name].write_text(page_script(page))
+  out = folder / "errors.json"
+  result = subprocess.run(
+    [sys.executable, "-c", SHARED_RUNNER, str(out), *map(str, scripts.values())],
+    cwd=ROOT,
+    env=_page_env(),
+    capture_output=True,
+    text=True,
+    timeout=1800,
+  )
+  reached = json.loads(out.read_text()) if out.exists() else {}
+  died = f"the shared interpreter exited with {result.returncode}:\n{result.stderr[-4000:]}"
+  return {name: reached.get(str(script), died) for name, script in scripts.items()}
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: p.name)
-def test_page_snippets_run_as_written(page: Path, tmp_path_factory):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def test_page_snippets_run_as_written(page: Path, request, tmp_path_factory):
+  if page in PLAIN_PAGES:
+    error = request.getfixturevalue("shared_page_errors")[page.name]
+    assert error is None, f"{page.name}:\n{error}"
+    return
+  env = _page_env()
   server = None
   for kind, value in directives(page):
     if kind == "env":
