@@ -25,6 +25,22 @@ def index_dir(tmp_path, monkeypatch):
   gguf_loader._open_cached.cache_clear()
 
 
+@pytest.fixture
+def small_gguf(tmp_path):
+  """A GGUF file of a few fields and one tensor: for the tests of when an index is (re)built,
+  which need a file, not the default model's (whose metadata takes seconds to parse)."""
+  path = tmp_path / "small.gguf"
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_block_count(2)
+  writer.add_token_list(["<s>", "</s>", "a", "b"])
+  writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(4, 3))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
 def _reopen(path):
   gguf_loader._open_cached.cache_clear()
   return gguf_loader.open_gguf(path)
@@ -61,8 +77,8 @@ def test_a_tokenizer_from_the_index_encodes_and_renders_as_from_the_reader(index
   assert from_index.eos_token_id == from_reader.eos_token_id
 
 
-def test_a_broken_or_stale_index_is_rebuilt_from_the_file(index_dir):
-  path = gguf_loader.default_model_path()
+def test_a_broken_or_stale_index_is_rebuilt_from_the_file(index_dir, small_gguf):
+  path = small_gguf
   gguf_loader.open_gguf(path)
   (index_file,) = index_dir.glob("*.json")
   index_file.write_text("{not json")
@@ -72,9 +88,9 @@ def test_a_broken_or_stale_index_is_rebuilt_from_the_file(index_dir):
   assert isinstance(_reopen(path), gguf.GGUFReader)
 
 
-def test_a_changed_file_gets_its_own_index(index_dir, tmp_path):
+def test_a_changed_file_gets_its_own_index(index_dir, small_gguf, tmp_path):
   copy = tmp_path / "copy.gguf"
-  shutil.copyfile(gguf_loader.default_model_path(), copy)
+  shutil.copyfile(small_gguf, copy)
   gguf_loader.open_gguf(copy)
   os.utime(copy, ns=(1, 1))  # another modification time: the old index no longer applies
   assert isinstance(_reopen(copy), gguf.GGUFReader)
