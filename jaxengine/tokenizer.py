@@ -24,13 +24,23 @@ import gguf
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-# transformers advises at import time that PyTorch is missing; jaxengine uses only its tokenizer
-# classes, so that advice is noise for our users (an explicit setting of the variable wins).
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-from transformers import PreTrainedTokenizerFast
-
 if TYPE_CHECKING:
+  from transformers import PreTrainedTokenizerFast
+
   from jaxengine.models.gguf_loader import GGUFFile
+
+
+def _fast_tokenizer_class() -> type[PreTrainedTokenizerFast]:
+  """transformers' `PreTrainedTokenizerFast`, imported when a tokenizer is first built: importing
+  transformers takes about 0.7 s (and imports PyTorch where it is installed), which a process
+  that never builds a tokenizer (a model of your own, token ids in and out) need not pay."""
+  # transformers advises at import time that PyTorch is missing; jaxengine uses only its
+  # tokenizer classes, so that advice is noise for our users (an explicit setting wins).
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+  from transformers import PreTrainedTokenizerFast
+
+  return PreTrainedTokenizerFast
+
 
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
 _CONTROL = int(gguf.TokenType.CONTROL)
@@ -139,7 +149,7 @@ class Tokenizer:
       token_id = _field(reader, f"tokenizer.ggml.{key}")
       return None if token_id is None else tokens[token_id]
 
-    hf = PreTrainedTokenizerFast(
+    hf = _fast_tokenizer_class()(
       tokenizer_object=_build_backend(reader),
       bos_token=token("bos_token_id"),
       eos_token=token("eos_token_id"),
@@ -172,7 +182,7 @@ class Tokenizer:
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
       raise FileNotFoundError(f"no tokenizer.json in {path!r}")
-    hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    hf = _fast_tokenizer_class().from_pretrained(path, local_files_only=True)
     return cls(hf)
 
   @property

@@ -22,7 +22,6 @@ from typing import Any
 
 import llguidance
 import llguidance.gbnf_to_lark
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -123,6 +122,8 @@ class StructuredOutputs:
       ValueError: if the tokenizer has more tokens than the model's logits (`vocab_size`).
     """
     if self._ll_tokenizer is None:
+      import llguidance.hf  # imports transformers: only where a grammar is used
+
       try:
         self._ll_tokenizer = llguidance.hf.from_tokenizer(
           self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_id
