@@ -86,20 +86,29 @@ def _check_num_logprobs(config: BatchConfig, field: str, requested: int | None) 
     raise ValueError(f"{field}={requested}{whole} exceeds max_num_logprobs={limit} of this batch")
 
 
-def _check_satisfiable(params: SamplingParams, allowed: set[int], stop_ids: list[int]) -> None:
+def _check_satisfiable(params: SamplingParams, vocab_size: int, stop_ids: list[int]) -> None:
   """Refuses a request whose constraints ban every token it may sample, whatever it generates.
 
-  `allowed` is the allowlist, or the whole vocabulary. Constraints that conflict only after some
+  The tokens it may sample are the allowlist, or the whole vocabulary (counted, never built: a
+  set of `V` ints costs about a millisecond a request). Constraints that conflict only after some
   outputs (multi-token bad words) are left to the sampler, whose defined result is then the best
   allowed token by raw logit (see `jaxengine.sample.step`).
   """
+  allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
+
+  def all_in(banned: set[int]) -> bool:
+    if allowed is None:
+      return sum(0 <= token < vocab_size for token in banned) == vocab_size
+    return allowed <= banned
+
   always_banned = {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}
-  if allowed <= always_banned:
+  if all_in(always_banned):
+    num_allowed = vocab_size if allowed is None else len(allowed)
     raise ValueError(
       "bad_words_token_ids ban every token allowed_token_ids (or the vocabulary) "
-      f"permits ({len(allowed)} tokens): no token could ever be sampled"
+      f"permits ({num_allowed} tokens): no token could ever be sampled"
     )
-  if params.min_tokens > 0 and allowed <= always_banned | set(stop_ids):
+  if params.min_tokens > 0 and all_in(always_banned | set(stop_ids)):
     raise ValueError(
       f"allowed_token_ids permit only banned or stop tokens, but "
       f"min_tokens={params.min_tokens} forbids stopping first"
@@ -229,8 +238,7 @@ def encode_request(
   bias_ids, bias = _logit_bias(config, params)
   allowed_mask = _allowed_mask(config, params)
   bad_prefix, bad_last = _bad_words(config, params)
-  allowed = params.allowed_token_ids
-  _check_satisfiable(params, set(range(vocab) if allowed is None else allowed), stop_ids)
+  _check_satisfiable(params, vocab, stop_ids)
   processor_rows, processor_active = encode_processor_rows(
     config.logits_processors, processor_states, params, prompt.tolist()
   )
@@ -243,7 +251,7 @@ def encode_request(
     stop_token_ids=_padded(stop_ids, config.max_num_stop_token_ids, vocab, np.int32),
     logit_bias_token_ids=bias_ids,
     logit_bias=bias,
-    has_allowed_token_ids=np.bool_(allowed is not None),
+    has_allowed_token_ids=np.bool_(params.allowed_token_ids is not None),
     allowed_token_mask=allowed_mask,
     bad_words_prefix=bad_prefix,
     bad_words_last=bad_last,
