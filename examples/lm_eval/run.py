@@ -20,6 +20,7 @@ results = lm_eval.simple_evaluate(
   model="jaxengine",
   model_args="max_model_len=256",  # add pretrained=<hub id, HF directory or .gguf file>
   tasks=["capitals", "capitals_gen"],
-  task_manager=TaskManager(include_path="examples/lm_eval"),
+  # Only these local tasks (indexing lm-eval's own thousands of task files takes seconds).
+  task_manager=TaskManager(include_path="examples/lm_eval", include_defaults=False),
 )
 print(make_table(results))

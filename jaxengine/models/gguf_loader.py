@@ -301,8 +301,19 @@ def read_config(reader: GGUFFile) -> Any:
 
 
 def _dequantize(tensor) -> np.ndarray:
-  """float32 numpy array of a GGUF tensor, in numpy (slowest-first) dimension order."""
-  return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+  """float32 numpy array of a GGUF tensor, in numpy (slowest-first) dimension order.
+
+  A block-quantized type goes through its `gguf.quants` class's ``dequantize_rows`` over the
+  whole tensor at once: `dequantize` itself splits a tensor into groups of 16 rows, which takes
+  2.4x as long for SmolLM2-135M's Q4_1 tensors (1.07 against 0.44 s), for the same values.
+  """
+  quant = getattr(gguf.quants, tensor.tensor_type.name, None)
+  data = np.asarray(tensor.data)
+  if quant is None or not hasattr(quant, "dequantize_rows") or data.dtype != np.uint8:
+    return np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32)
+  shape = gguf.quants.quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
+  rows = quant.dequantize_rows(data.reshape(-1, data.shape[-1]))
+  return np.asarray(rows, dtype=np.float32).reshape(shape)
 
 
 def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple[Model, Any]:
