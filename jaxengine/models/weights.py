@@ -121,7 +121,7 @@ def abstract_module(module: Callable[..., nnx.Module], config: Any, dtype) -> nn
 
   The module's initialisers draw from one fixed key instead of an `nnx.Rngs` stream: under
   tracing, each draw from a stream updates its counter, which costs about 5 ms a parameter in
-  flax's checks (1.7 s of SmolLM2-135M's 2.3 s load), for shapes that do not depend on the key.
+  flax's checks (1.7 s of SmolLM2-135M's 3 s load), for shapes that do not depend on the key.
   The module must use its `rngs` argument only as ``rngs.params()``.
   """
   return nnx.eval_shape(lambda: module(config, dtype=dtype, rngs=_ShapeOnlyRngs()))
