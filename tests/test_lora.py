@@ -534,3 +534,42 @@ def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoi
     llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, diverged))
   (still,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=in_memory, use_tqdm=False)
   assert _result(still)[0] == _result(plain)[0]
+
+
+# A trainer's LoRA pairs committed to device 0 (on a mesh with explicit axes, as Tunix's actor
+# holds them) written into slots on device 1 (issue 49): the pairs are moved to the slots'
+# device and relabelled as plain arrays; the slot then holds what the host path writes.
+OTHER_DEVICE_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jax, numpy as np
+from jaxengine.lora import LoRAManager, LoRARequest, lora_adapter_from_arrays
+
+devices = jax.devices()
+shapes = {"q_proj": (8, 8), "down_proj": (12, 8)}
+options = dict(max_loras=1, max_lora_rank=4, max_cpu_loras=2, num_layers=2, target_shapes=shapes)
+rng = np.random.default_rng(0)
+pairs = {(1, t): (rng.standard_normal((i, 2), np.float32), rng.standard_normal((2, o), np.float32))
+         for t, (i, o) in shapes.items()}
+trainer = jax.make_mesh((1,), ("fsdp",), devices=devices[:1])  # explicit axes: jax's default
+on_trainer = jax.device_put(pairs, jax.sharding.NamedSharding(trainer, jax.sharding.PartitionSpec()))
+request = LoRARequest("trainer", 1, "in memory")
+manager = LoRAManager(**options, dtype=np.float32, device=devices[1])
+manager.set_adapter(request, lora_adapter_from_arrays(1, on_trainer, scale=2.0))
+assert manager.acquire("seq", request) == 1
+host = LoRAManager(**options, dtype=np.float32, device=devices[1])
+host.set_adapter(request, lora_adapter_from_arrays(1, pairs, scale=2.0))
+host.acquire("seq", request)
+for got, want in zip(jax.tree.leaves(manager.buffers), jax.tree.leaves(host.buffers)):
+  assert got.devices() == {devices[1]}, got.devices()
+  assert not isinstance(got.sharding, jax.sharding.NamedSharding), got.sharding
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+assert np.any(np.asarray(manager.buffers[1]["q_proj"][1][1]))
+print("ok")
+"""
+
+
+def test_trainer_pairs_on_another_device_are_written_to_the_slots_device():
+  from subprocess_utils import run_python
+
+  assert run_python(OTHER_DEVICE_SCRIPT).strip().endswith("ok")
