@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import peft
@@ -236,6 +238,64 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, checkpoints, tmp_p
   assert set(cached) >= set(llm.llm_engine.runner.lora.cached_ids) - {good.lora_int_id}
   (out,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=good, use_tqdm=False)
   assert _result(out)[0] == _reference(base, good, PROMPTS[0])[0]
+
+
+def test_corrupt_adapter_files_are_named_and_change_nothing(llm, checkpoints, tmp_path):
+  """A truncated ``adapter_model.safetensors`` and an ``adapter_config.json`` that does not
+  parse: ValueErrors naming the file (the JSON's line and column), raised while reading, so the
+  engine's adapters are as they were (issue 49)."""
+  import shutil
+
+  _, requests = checkpoints
+  manager = llm.llm_engine.runner.lora
+  cached, slots = list(manager.cached_ids), list(manager.slot_ids)
+  path = tmp_path / "adapter"
+  shutil.copytree(requests[1].lora_path, path)
+  weights, config = path / "adapter_model.safetensors", path / "adapter_config.json"
+  weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+  with pytest.raises(
+    ValueError, match=rf"{re.escape(str(weights))} is not a valid safetensors file \(corrupt"
+  ):
+    manager.load(je.LoRARequest("bad", 60, str(path)))
+  config.write_text('{\n  "r": 4,\n  "lora_alpha": 8\n  "target_modules": []\n}')
+  with pytest.raises(
+    ValueError, match=rf"{re.escape(str(config))} is not valid JSON \(.* at line 4 column 3\)"
+  ):
+    manager.load(je.LoRARequest("bad", 61, str(path)))
+  assert (manager.cached_ids, manager.slot_ids) == (cached, slots)
+
+
+def test_an_adapter_of_another_base_model_says_so(checkpoints, tmp_path):
+  """An adapter for a model of more layers, other sizes or another architecture names what it
+  has against what this model has, and its base_model_name_or_path (not "unexpected tensor")."""
+  import shutil
+
+  from jaxengine.lora import load_peft_adapter
+
+  _, requests = checkpoints
+  source = requests[1].lora_path  # q_proj, v_proj on 2 layers of hidden size 64
+  base = json.loads(Path(source, "adapter_config.json").read_text())["base_model_name_or_path"]
+  targets = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64)}
+  load = lambda path, **shapes: load_peft_adapter(
+    path, 1, **{"max_lora_rank": 8, "num_layers": 2, "target_shapes": targets, **shapes}
+  )
+  other = (
+    rf"made for a different base model \({re.escape(repr(base))}, its base_model_name_or_path\)"
+  )
+  with pytest.raises(ValueError, match=rf"{other}: tensor '.*layers\.1\..*' is for layer 1, this "):
+    load(source, num_layers=1)
+  with pytest.raises(ValueError, match=rf"{other}: its layer 0 q_proj maps 64 -> 64 features .*"
+                     r"this model's q_proj 48 -> 48"):  # fmt: skip
+    load(source, target_shapes={**targets, "q_proj": (48, 48)})
+  gpt2 = tmp_path / "gpt2"
+  shutil.copytree(source, gpt2)
+  config = json.loads((gpt2 / "adapter_config.json").read_text())
+  config.update(target_modules=["c_attn", "c_proj"], base_model_name_or_path="gpt2")
+  (gpt2 / "adapter_config.json").write_text(json.dumps(config))
+  with pytest.raises(
+    ValueError, match=r"different base model \('gpt2', .*\): none of its target_m"
+  ):
+    load(gpt2)
 
 
 def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
