@@ -452,6 +452,32 @@ def test_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lora_se
   assert _complete(url, "a").json()["choices"][0]["text"] == refs["a"]
 
 
+def test_server_refuses_corrupt_adapters_with_400(lora_server, tmp_path):
+  """docs/serving.md: a directory the engine cannot read as an adapter is a 400 naming the
+  file, not a 500; the adapters served stay as they were (issue 49)."""
+  import shutil
+
+  import httpx
+
+  url = lora_server["url"]
+  served = httpx.get(url + "/v1/models").json()["data"]
+  for name, corrupt in [
+    ("adapter_model.safetensors", b"\x00" * 16),
+    ("adapter_config.json", b'{"r": 4,'),
+  ]:
+    path = tmp_path / name
+    shutil.copytree(lora_server["paths"]["b"], path)
+    (path / name).write_bytes(corrupt)
+    reply = httpx.post(
+      url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(path)}
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "lora_path" and str(path / name) in error["message"], error
+  assert httpx.get(url + "/v1/models").json()["data"] == served
+  assert _complete(url, "a").json()["choices"][0]["text"] == lora_server["refs"]["a"]
+
+
 def test_serve_lora_modules_flag():
   from jaxengine import cli
 
