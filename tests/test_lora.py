@@ -406,7 +406,9 @@ def lora_server(tmp_path_factory):
     assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
     time.sleep(0.05)
   port = uv.servers[0].sockets[0].getsockname()[1]
-  yield {"url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root}
+  yield {
+    "url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root, "engine": engine
+  }  # fmt: skip
   uv.should_exit = True
   thread.join(30)
   engine.shutdown()
@@ -478,14 +480,52 @@ def test_server_refuses_corrupt_adapters_with_400(lora_server, tmp_path):
   assert _complete(url, "a").json()["choices"][0]["text"] == lora_server["refs"]["a"]
 
 
-def test_serve_lora_modules_flag():
+def test_serve_lora_modules_flag(capsys):
+  """``NAME=PATH`` and vLLM's JSON form, several of each; a clear parser error (exit status 2)
+  for malformed JSON or a missing field (issue 49)."""
   from jaxengine import cli
+  from jaxengine.lora import LoRAModulePath
 
   parser = cli.build_parser()
-  args = parser.parse_args(["serve", "m", "--enable-lora", "--lora-modules", "x=/a", "y=/b=c"])
-  assert args.lora_modules == [("x", "/a"), ("y", "/b=c")]
-  with pytest.raises(SystemExit):
-    parser.parse_args(["serve", "m", "--lora-modules", "nopath"])
+  entries = ["x=/a", "y=/b=c", '{"name": "z", "path": "/d", "base_model_name": "org/base"}',
+             '{"name": "w", "path": "/e=f"}']  # fmt: skip
+  args = parser.parse_args(["serve", "m", "--enable-lora", "--lora-modules", *entries])
+  assert args.lora_modules == [
+    LoRAModulePath("x", "/a"),
+    LoRAModulePath("y", "/b=c"),
+    LoRAModulePath("z", "/d", "org/base"),
+    LoRAModulePath("w", "/e=f"),
+  ]
+  for entry, message in [
+    ("nopath", "expected NAME=PATH or a JSON object, got 'nopath'"),
+    ('{"name": "a", "path": ', "is not valid JSON (Expecting value at column 23)"),
+    ('{"name": "a"}', "lacks 'path'"),
+    ('{"name": "a", "path": 3}', "has path=3, not a string"),
+    ('{"name": "a", "path": "/p", "lora_path": "/q"}', "unknown field 'lora_path'"),
+  ]:
+    with pytest.raises(SystemExit) as exit_info:
+      parser.parse_args(["serve", "m", "--lora-modules", "x=/a", entry])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_lora_modules_base_model_name_is_the_adapters_parent(lora_server):
+  from fastapi.testclient import TestClient
+
+  from jaxengine.entrypoints.openai_server import build_app
+  from jaxengine.entrypoints.serve import lora_module
+
+  engine, path = lora_server["engine"], lora_server["paths"]["b"]
+  modules = [lora_module(f'{{"name": "c", "path": "{path}", "base_model_name": "org/base"}}'),
+             lora_module(f"d={path}")]  # fmt: skip
+  app = build_app(engine, "base", lora_modules=modules)
+  try:
+    cards = TestClient(app).get("/v1/models").json()["data"]
+  finally:
+    engine.stat_loggers.remove(app.state.serving.metrics.record)
+  assert [(c["id"], c.get("parent"), c["root"]) for c in cards] == [
+    ("base", None, "base"), ("c", "org/base", path), ("d", "base", path)
+  ]  # fmt: skip
 
 
 def test_slot_update_compiles_once_in_precompile_and_keeps_slot_zero_empty(llm, checkpoints):
