@@ -83,9 +83,12 @@ def load_peft_adapter(
   """
   where = os.fspath(path)
   config = _read_config(where)
-  rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+  rank = config.get("r")
   if not isinstance(rank, int) or rank < 1:
     raise ValueError(f"lora_path={where!r}: r must be a positive int, got {rank!r}")
+  alpha = config.get("lora_alpha", rank)
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    raise ValueError(f"lora_path={where!r}: lora_alpha must be a number, got {alpha!r}")
   if rank > max_lora_rank:
     raise ValueError(f"lora_path={where!r}: rank r={rank} exceeds max_lora_rank={max_lora_rank}")
   for name, fine in _UNSUPPORTED.items():
@@ -257,11 +260,12 @@ def _pairs(
   for (layer, target), pair in halves.items():
     n_in, n_out = target_shapes[target]
     a, b = pair.get("A"), pair.get("B")
-    sizes = None if a is None or b is None or a.ndim != 2 else (a.shape[1], b.shape[0])
-    if sizes is not None and sizes != (n_in, n_out):
+    if (
+      a is not None and b is not None and a.ndim == 2 and (a.shape[1], b.shape[0]) != (n_in, n_out)
+    ):
       raise ValueError(
-        f"{other_model}: its layer {layer} {target} maps {sizes[0]} -> {sizes[1]} features "
-        f"(lora_A, lora_B of shapes {a.shape}, {b.shape}), this model's {target} "
+        f"{other_model}: its layer {layer} {target} maps {a.shape[1]} -> {b.shape[0]} "
+        f"features (lora_A, lora_B of shapes {a.shape}, {b.shape}), this model's {target} "
         f"{n_in} -> {n_out}"
       )
     if a is None or b is None or a.shape != (rank, n_in) or b.shape != (n_out, rank):
