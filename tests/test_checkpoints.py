@@ -213,6 +213,30 @@ def test_checkpoint_problems_name_the_tensor(tmp_path):
       load_safetensors(tmp_path / name)
 
 
+def test_corrupt_checkpoint_files_are_named(tmp_path):
+  """A truncated shard, a corrupt single file, an index or config.json that does not parse:
+  ValueErrors naming the file (and the line and column of the JSON), raised while the files are
+  read, before any tensor is moved (safetensors' own error names no file)."""
+  fields = dict(CASES["llama"])
+  config = hf_config(fields.pop("architecture"), **fields)
+  tensors = random_tensors(config_dict(config))
+  sharded = write_checkpoint(tmp_path / "sharded", config, tensors, num_shards=2)
+  shard = sharded / "model-00002-of-00002.safetensors"
+  shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # an interrupted download
+  with pytest.raises(ValueError, match=rf"{shard} is not a valid safetensors file \(corrupt or tr"):
+    load_safetensors(sharded)
+  single = write_checkpoint(tmp_path / "single", config, tensors)
+  (single / "model.safetensors").write_bytes(b"\x00" * 64)
+  with pytest.raises(ValueError, match=r"single/model.safetensors is not a valid safetensors"):
+    load_safetensors(single)
+  (sharded / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')
+  with pytest.raises(ValueError, match=r"index.json is not valid JSON \(.* at line 1 column 22\)"):
+    load_safetensors(sharded)
+  (single / "config.json").write_text('{\n  "architectures": ["LlamaForCausalLM"],,\n}')
+  with pytest.raises(ValueError, match=r"single/config.json is not valid JSON \(.* line 2 col"):
+    load_safetensors(single)
+
+
 def test_paths_that_are_not_models_are_refused(tmp_path):
   with pytest.raises(FileNotFoundError, match="no file or directory"):
     je.LLM(tmp_path / "nope" / "model.gguf")

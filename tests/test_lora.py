@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import peft
@@ -238,6 +240,64 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(llm, checkpoints, tmp_p
   assert _result(out)[0] == _reference(base, good, PROMPTS[0])[0]
 
 
+def test_corrupt_adapter_files_are_named_and_change_nothing(llm, checkpoints, tmp_path):
+  """A truncated ``adapter_model.safetensors`` and an ``adapter_config.json`` that does not
+  parse: ValueErrors naming the file (the JSON's line and column), raised while reading, so the
+  engine's adapters are as they were (issue 49)."""
+  import shutil
+
+  _, requests = checkpoints
+  manager = llm.llm_engine.runner.lora
+  cached, slots = list(manager.cached_ids), list(manager.slot_ids)
+  path = tmp_path / "adapter"
+  shutil.copytree(requests[1].lora_path, path)
+  weights, config = path / "adapter_model.safetensors", path / "adapter_config.json"
+  weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+  with pytest.raises(
+    ValueError, match=rf"{re.escape(str(weights))} is not a valid safetensors file \(corrupt"
+  ):
+    manager.load(je.LoRARequest("bad", 60, str(path)))
+  config.write_text('{\n  "r": 4,\n  "lora_alpha": 8\n  "target_modules": []\n}')
+  with pytest.raises(
+    ValueError, match=rf"{re.escape(str(config))} is not valid JSON \(.* at line 4 column 3\)"
+  ):
+    manager.load(je.LoRARequest("bad", 61, str(path)))
+  assert (manager.cached_ids, manager.slot_ids) == (cached, slots)
+
+
+def test_an_adapter_of_another_base_model_says_so(checkpoints, tmp_path):
+  """An adapter for a model of more layers, other sizes or another architecture names what it
+  has against what this model has, and its base_model_name_or_path (not "unexpected tensor")."""
+  import shutil
+
+  from jaxengine.lora import load_peft_adapter
+
+  _, requests = checkpoints
+  source = requests[1].lora_path  # q_proj, v_proj on 2 layers of hidden size 64
+  base = json.loads(Path(source, "adapter_config.json").read_text())["base_model_name_or_path"]
+  targets = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64)}
+  load = lambda path, **shapes: load_peft_adapter(
+    path, 1, **{"max_lora_rank": 8, "num_layers": 2, "target_shapes": targets, **shapes}
+  )
+  other = (
+    rf"made for a different base model \({re.escape(repr(base))}, its base_model_name_or_path\)"
+  )
+  with pytest.raises(ValueError, match=rf"{other}: tensor '.*layers\.1\..*' is for layer 1, this "):
+    load(source, num_layers=1)
+  with pytest.raises(ValueError, match=rf"{other}: its layer 0 q_proj maps 64 -> 64 features .*"
+                     r"this model's q_proj 48 -> 48"):  # fmt: skip
+    load(source, target_shapes={**targets, "q_proj": (48, 48)})
+  gpt2 = tmp_path / "gpt2"
+  shutil.copytree(source, gpt2)
+  config = json.loads((gpt2 / "adapter_config.json").read_text())
+  config.update(target_modules=["c_attn", "c_proj"], base_model_name_or_path="gpt2")
+  (gpt2 / "adapter_config.json").write_text(json.dumps(config))
+  with pytest.raises(
+    ValueError, match=r"different base model \('gpt2', .*\): none of its target_m"
+  ):
+    load(gpt2)
+
+
 def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
   base, requests = checkpoints
   plain = je.LLM(base, max_num_reqs=2, max_model_len=32, num_kv_blocks=16)
@@ -346,7 +406,9 @@ def lora_server(tmp_path_factory):
     assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
     time.sleep(0.05)
   port = uv.servers[0].sockets[0].getsockname()[1]
-  yield {"url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root}
+  yield {
+    "url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root, "engine": engine
+  }  # fmt: skip
   uv.should_exit = True
   thread.join(30)
   engine.shutdown()
@@ -392,14 +454,78 @@ def test_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lora_se
   assert _complete(url, "a").json()["choices"][0]["text"] == refs["a"]
 
 
-def test_serve_lora_modules_flag():
+def test_server_refuses_corrupt_adapters_with_400(lora_server, tmp_path):
+  """docs/serving.md: a directory the engine cannot read as an adapter is a 400 naming the
+  file, not a 500; the adapters served stay as they were (issue 49)."""
+  import shutil
+
+  import httpx
+
+  url = lora_server["url"]
+  served = httpx.get(url + "/v1/models").json()["data"]
+  for name, corrupt in [
+    ("adapter_model.safetensors", b"\x00" * 16),
+    ("adapter_config.json", b'{"r": 4,'),
+  ]:
+    path = tmp_path / name
+    shutil.copytree(lora_server["paths"]["b"], path)
+    (path / name).write_bytes(corrupt)
+    reply = httpx.post(
+      url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(path)}
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "lora_path" and str(path / name) in error["message"], error
+  assert httpx.get(url + "/v1/models").json()["data"] == served
+  assert _complete(url, "a").json()["choices"][0]["text"] == lora_server["refs"]["a"]
+
+
+def test_serve_lora_modules_flag(capsys):
+  """``NAME=PATH`` and vLLM's JSON form, several of each; a clear parser error (exit status 2)
+  for malformed JSON or a missing field (issue 49)."""
   from jaxengine import cli
+  from jaxengine.lora import LoRAModulePath
 
   parser = cli.build_parser()
-  args = parser.parse_args(["serve", "m", "--enable-lora", "--lora-modules", "x=/a", "y=/b=c"])
-  assert args.lora_modules == [("x", "/a"), ("y", "/b=c")]
-  with pytest.raises(SystemExit):
-    parser.parse_args(["serve", "m", "--lora-modules", "nopath"])
+  entries = ["x=/a", "y=/b=c", '{"name": "z", "path": "/d", "base_model_name": "org/base"}',
+             '{"name": "w", "path": "/e=f"}']  # fmt: skip
+  args = parser.parse_args(["serve", "m", "--enable-lora", "--lora-modules", *entries])
+  assert args.lora_modules == [
+    LoRAModulePath("x", "/a"),
+    LoRAModulePath("y", "/b=c"),
+    LoRAModulePath("z", "/d", "org/base"),
+    LoRAModulePath("w", "/e=f"),
+  ]
+  for entry, message in [
+    ("nopath", "expected NAME=PATH or a JSON object, got 'nopath'"),
+    ('{"name": "a", "path": ', "is not valid JSON (Expecting value at column 23)"),
+    ('{"name": "a"}', "lacks 'path'"),
+    ('{"name": "a", "path": 3}', "has path=3, not a string"),
+    ('{"name": "a", "path": "/p", "lora_path": "/q"}', "unknown field 'lora_path'"),
+  ]:
+    with pytest.raises(SystemExit) as exit_info:
+      parser.parse_args(["serve", "m", "--lora-modules", "x=/a", entry])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_lora_modules_base_model_name_is_the_adapters_parent(lora_server):
+  from fastapi.testclient import TestClient
+
+  from jaxengine.entrypoints.openai_server import build_app
+  from jaxengine.entrypoints.serve import lora_module
+
+  engine, path = lora_server["engine"], lora_server["paths"]["b"]
+  modules = [lora_module(f'{{"name": "c", "path": "{path}", "base_model_name": "org/base"}}'),
+             lora_module(f"d={path}")]  # fmt: skip
+  app = build_app(engine, "base", lora_modules=modules)
+  try:
+    cards = TestClient(app).get("/v1/models").json()["data"]
+  finally:
+    engine.stat_loggers.remove(app.state.serving.metrics.record)
+  assert [(c["id"], c.get("parent"), c["root"]) for c in cards] == [
+    ("base", None, "base"), ("c", "org/base", path), ("d", "base", path)
+  ]  # fmt: skip
 
 
 def test_slot_update_compiles_once_in_precompile_and_keeps_slot_zero_empty(llm, checkpoints):
@@ -534,3 +660,42 @@ def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoi
     llm.load_lora_weights(in_memory, lora_adapter_from_arrays(40, diverged))
   (still,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=in_memory, use_tqdm=False)
   assert _result(still)[0] == _result(plain)[0]
+
+
+# A trainer's LoRA pairs committed to device 0 (on a mesh with explicit axes, as Tunix's actor
+# holds them) written into slots on device 1 (issue 49): the pairs are moved to the slots'
+# device and relabelled as plain arrays; the slot then holds what the host path writes.
+OTHER_DEVICE_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jax, numpy as np
+from jaxengine.lora import LoRAManager, LoRARequest, lora_adapter_from_arrays
+
+devices = jax.devices()
+shapes = {"q_proj": (8, 8), "down_proj": (12, 8)}
+options = dict(max_loras=1, max_lora_rank=4, max_cpu_loras=2, num_layers=2, target_shapes=shapes)
+rng = np.random.default_rng(0)
+pairs = {(1, t): (rng.standard_normal((i, 2), np.float32), rng.standard_normal((2, o), np.float32))
+         for t, (i, o) in shapes.items()}
+trainer = jax.make_mesh((1,), ("fsdp",), devices=devices[:1])  # explicit axes: jax's default
+on_trainer = jax.device_put(pairs, jax.sharding.NamedSharding(trainer, jax.sharding.PartitionSpec()))
+request = LoRARequest("trainer", 1, "in memory")
+manager = LoRAManager(**options, dtype=np.float32, device=devices[1])
+manager.set_adapter(request, lora_adapter_from_arrays(1, on_trainer, scale=2.0))
+assert manager.acquire("seq", request) == 1
+host = LoRAManager(**options, dtype=np.float32, device=devices[1])
+host.set_adapter(request, lora_adapter_from_arrays(1, pairs, scale=2.0))
+host.acquire("seq", request)
+for got, want in zip(jax.tree.leaves(manager.buffers), jax.tree.leaves(host.buffers)):
+  assert got.devices() == {devices[1]}, got.devices()
+  assert not isinstance(got.sharding, jax.sharding.NamedSharding), got.sharding
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+assert np.any(np.asarray(manager.buffers[1]["q_proj"][1][1]))
+print("ok")
+"""
+
+
+def test_trainer_pairs_on_another_device_are_written_to_the_slots_device():
+  from subprocess_utils import run_python
+
+  assert run_python(OTHER_DEVICE_SCRIPT).strip().endswith("ok")

@@ -9,12 +9,16 @@ LoRA-only `update_params` (Tunix's sync for a LoRA actor), which must compile no
 
 from __future__ import annotations
 
+import os
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import qwix
 from flax import nnx
+from subprocess_utils import run_python
 from test_tunix import (
   PAD,
   PROMPTS,
@@ -204,3 +208,46 @@ def test_lora_options_are_checked():
     make_rollout(model, max_lora_rank=2)
   with pytest.raises(ValueError, match="lora_alpha must be a positive number"):
     make_rollout(model, lora_alpha=-1.0)
+
+
+# Issue 49: the actor on device 0 (a mesh with explicit axes, as Tunix's `ClusterConfig` places
+# it) and the rollout on device 1. The engine and its LoRA slots live on device 1; the adapter's
+# pairs, the LoRA-only syncs (under Tunix's transfer guards) and the full syncs arrive from
+# device 0. Rollouts equal the trainer's recomputation, as the colocated ones above do.
+SPLIT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    sys.path.insert(0, sys.argv[1])
+    import jax
+    from flax import nnx
+    from test_tunix import AUTO, PROMPTS, rollout_config
+    from test_tunix_lora import build_lora, make_rollout, max_error, random_lora
+
+    actor_mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+    rollout_mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=AUTO, devices=jax.devices()[1:])
+    on_actor = jax.sharding.NamedSharding(actor_mesh, jax.sharding.PartitionSpec())
+    model = build_lora("qwen3")
+    nnx.update(model, jax.device_put(nnx.state(model), on_actor))
+    rollout = make_rollout(model, mesh=rollout_mesh)
+    config = rollout_config(seed=3)
+    assert max_error(rollout, model, rollout.generate(PROMPTS, config)) < 1e-4
+    slots = jax.tree.leaves(rollout.llm.llm_engine.runner.lora.buffers)
+    assert all(x.devices() == {jax.devices()[1]} for x in slots)
+    nnx.update(model, jax.device_put(random_lora(model, 7), on_actor))
+    with (
+      jax.transfer_guard_host_to_device("disallow_explicit"),
+      jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+      rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+    assert max_error(rollout, model, rollout.generate(PROMPTS, config)) < 1e-4
+    new_model = build_lora("qwen3", seed=5)
+    nnx.update(new_model, jax.device_put(nnx.state(new_model), on_actor))
+    rollout.update_params(nnx.state(new_model, nnx.Param), (nnx.Param,))
+    assert max_error(rollout, new_model, rollout.generate(PROMPTS, config)) < 1e-4
+    print("ok")
+""")
+
+
+def test_a_lora_rollout_on_another_device_than_the_actor():
+  out = run_python(SPLIT_SCRIPT, os.path.dirname(__file__))
+  assert out.strip().endswith("ok")

@@ -44,7 +44,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -66,7 +66,7 @@ from jaxengine.entrypoints.protocol import (
   field_named,
   json_dumps,
 )
-from jaxengine.lora import LoRARequest, load_peft_adapter
+from jaxengine.lora import LoRAModulePath, LoRARequest, load_peft_adapter
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -118,7 +118,7 @@ def build_app(
   engine: AsyncLLM,
   served_model_name: str,
   api_key: str | None = None,
-  lora_modules: Mapping[str, str] | None = None,
+  lora_modules: Mapping[str, str] | Iterable[LoRAModulePath] | None = None,
 ) -> FastAPI:
   """The FastAPI app serving `engine` as the model `served_model_name`.
 
@@ -127,9 +127,10 @@ def build_app(
     served_model_name: the `model` requests name (an absent `model` field means this one).
     api_key: when set, requests to `/v1/*`, `/tokenize` and `/detokenize` need
       ``Authorization: Bearer API_KEY``.
-    lora_modules: LoRA adapters served from the start, ``{name: PEFT directory}`` (an engine
-      with `enable_lora`): a request's `model` picks one by name; `/v1/load_lora_adapter` and
-      `/v1/unload_lora_adapter` add and remove adapters at run time.
+    lora_modules: LoRA adapters served from the start (an engine with `enable_lora`),
+      ``{name: PEFT directory}`` or `LoRAModulePath`s (``--lora-modules``; a `base_model_name`
+      is the adapter's `parent` in `/v1/models`): a request's `model` picks one by name;
+      `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` add and remove adapters at run time.
 
   Raises:
     ValueError: a LoRA module without `enable_lora`, named twice or as the base model, or a
@@ -137,8 +138,9 @@ def build_app(
   """
   app = FastAPI(title="jaxengine", docs_url=None, redoc_url=None)
   serving = _Serving(engine, served_model_name)
-  for lora_name, lora_path in (lora_modules or {}).items():
-    serving.add_lora(lora_name, lora_path)
+  modules = lora_modules or ()
+  for module in modules.items() if isinstance(modules, Mapping) else modules:
+    serving.add_lora(*module)
   engine.stat_loggers.append(serving.metrics.record)
   app.state.serving = serving
   if api_key:
@@ -171,7 +173,12 @@ def build_app(
             "owned_by": "jaxengine", "root": served_model_name,
             "max_model_len": engine.max_model_len}  # fmt: skip
     adapters = [
-      {**card, "id": name, "root": str(lora.lora_path), "parent": served_model_name}
+      {
+        **card,
+        "id": name,
+        "root": str(lora.lora_path),
+        "parent": lora.base_model_name or served_model_name,
+      }
       for name, lora in serving.lora_modules.items()
     ]
     return {"object": "list", "data": [card, *adapters]}
@@ -226,7 +233,7 @@ class _Serving:
       raise RequestError(f"The model `{model}` does not exist.", "model", 404)
     return lora
 
-  def add_lora(self, name: str, path: str) -> LoRARequest:
+  def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
     """Serves the PEFT adapter at `path` as model `name` (checked here, on the host; read
     into the engine's cache by its first request). 400 (`RequestError`) when refused."""
     manager = self.engine.engine.runner.lora
@@ -234,7 +241,7 @@ class _Serving:
       raise RequestError("LoRA adapters need an engine with enable_lora=True", "lora_name")
     if name == self.model_name or name in self.lora_modules:
       raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-    lora = LoRARequest(name, next(self._lora_ids), path)
+    lora = LoRARequest(name, next(self._lora_ids), path, base_model_name)
     try:
       load_peft_adapter(
         path,

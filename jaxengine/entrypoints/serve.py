@@ -12,6 +12,7 @@ from disk instead.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
   from jaxengine.entrypoints.async_llm import AsyncLLM
   from jaxengine.llm import LLM
+  from jaxengine.lora import LoRAModulePath
 
 #: The name `/v1/models` lists for the default model (what `LLM()` loads).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -46,10 +48,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument(
     "--lora-modules",
     nargs="+",
-    metavar="NAME=PATH",
+    metavar="NAME=PATH|JSON",
     type=lora_module,
     default=None,
-    help="LoRA adapters (PEFT directories) served as models NAME (needs --enable-lora)",
+    help="LoRA adapters (PEFT directories) served as models NAME (needs --enable-lora): "
+    'NAME=PATH, or vLLM\'s JSON \'{"name": NAME, "path": PATH, "base_model_name": BASE}\' '
+    "(base_model_name optional: the adapter's parent in /v1/models)",
   )
   group.add_argument(
     "--uvicorn-log-level",
@@ -79,7 +83,7 @@ def run_server(args: argparse.Namespace) -> int:
   api_key = args.api_key or os.environ.get("JAXENGINE_API_KEY") or None
   try:
     try:
-      app = build_app(engine, name, api_key, dict(args.lora_modules or ()))
+      app = build_app(engine, name, api_key, args.lora_modules or ())
     except ValueError as error:
       print(f"jaxengine: --lora-modules: {error}")
       return 2
@@ -89,12 +93,44 @@ def run_server(args: argparse.Namespace) -> int:
   return 0
 
 
-def lora_module(text: str) -> tuple[str, str]:
-  """A ``--lora-modules`` entry, ``NAME=PATH``, as ``(name, path)`` (argparse type)."""
-  name, sep, path = text.partition("=")
-  if not sep or not name or not path:
-    raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
-  return name, path
+def lora_module(text: str) -> LoRAModulePath:
+  """A ``--lora-modules`` entry as a `LoRAModulePath` (argparse type): ``NAME=PATH`` (split at
+  the first ``=``), or vLLM's JSON object ``{"name", "path"[, "base_model_name"]}`` (an entry
+  that starts with ``{``).
+
+  Raises:
+    argparse.ArgumentTypeError: (argparse reports it and exits with status 2) no ``=`` or an
+      empty side; JSON that does not parse (with its column), is not an object, lacks ``name``
+      or ``path``, has another field, or a value that is not a string (``base_model_name``:
+      a string or null).
+  """
+  from jaxengine.lora import LoRAModulePath
+
+  if not text.lstrip().startswith("{"):
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+      raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {text!r}")
+    return LoRAModulePath(name, path)
+  try:
+    fields = json.loads(text)
+  except json.JSONDecodeError as error:
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not valid JSON ({error.msg} at column {error.colno})"
+    ) from None
+  if not isinstance(fields, dict):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+  known = LoRAModulePath._fields
+  for key in fields:
+    if key not in known:
+      raise argparse.ArgumentTypeError(f"{text!r}: unknown field {key!r} (fields: {known})")
+  for key in ("name", "path"):
+    if not isinstance(fields.get(key), str) or not fields[key]:
+      got = "lacks" if key not in fields else f"has {key}={fields[key]!r}, not a string, in"
+      raise argparse.ArgumentTypeError(f"{text!r} {got} {key!r}: {known[:2]} are required")
+  base = fields.get("base_model_name")
+  if base is not None and not isinstance(base, str):
+    raise argparse.ArgumentTypeError(f"{text!r}: base_model_name must be a string or null")
+  return LoRAModulePath(fields["name"], fields["path"], base)
 
 
 def load_engine(args: argparse.Namespace) -> AsyncLLM:

@@ -1,6 +1,7 @@
 """LoRA adapters on one base model: vLLM's `LoRARequest`, PEFT directories, device slots.
 
-- `LoRARequest` names an adapter (vLLM's fields) for `LLM.generate(..., lora_request=...)`.
+- `LoRARequest` names an adapter (vLLM's fields) for `LLM.generate(..., lora_request=...)`;
+  `LoRAModulePath` one the server serves from the start (``--lora-modules``).
 - `load_peft_adapter` reads and checks a PEFT directory into a host `LoRAAdapter`;
   `lora_adapter_from_arrays` makes one from arrays in memory (a trainer's LoRA parameters).
 - `LoRAManager` (one per model runner) keeps an LRU of host copies (`max_cpu_loras`) and the
@@ -10,11 +11,12 @@
 
 from jaxengine.lora.manager import LoRAManager
 from jaxengine.lora.peft import LoRAAdapter, load_peft_adapter, lora_adapter_from_arrays
-from jaxengine.lora.request import LoRARequest, check_lora_request
+from jaxengine.lora.request import LoRAModulePath, LoRARequest, check_lora_request
 
 __all__ = [
   "LoRAAdapter",
   "LoRAManager",
+  "LoRAModulePath",
   "LoRARequest",
   "check_lora_request",
   "load_peft_adapter",

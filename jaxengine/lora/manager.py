@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxengine.lora.peft import LoRAAdapter, load_peft_adapter
 from jaxengine.lora.request import LoRARequest, check_lora_request
@@ -263,9 +264,29 @@ class LoRAManager:
     there (`_set_slot_pairs`, compiled once per adapter structure, rank and slot, nothing through
     the host)."""
     if any(isinstance(x, jax.Array) for pair in adapter.weights.values() for x in pair):
-      self.buffers = _set_slot_pairs(self.buffers, adapter.weights, slot)
+      self.buffers = _set_slot_pairs(self.buffers, self._on_slot_device(adapter.weights), slot)
     else:
       self.buffers = _set_slot(self.buffers, self._host_slot(adapter), np.int32(slot))
+
+  def _on_slot_device(self, pairs: dict) -> dict:
+    """`pairs` as plain arrays where the slot buffers live, for the jitted write.
+
+    A trainer's arrays may be committed to another device than the engine's (Tunix's actor and
+    rollout on meshes of their own), and one jitted write cannot take both; on a mesh with
+    explicit axes their type carries the trainer's sharding, which the engine's steps cannot
+    take either. Each pair is relabelled on its own devices with `Auto` axes (no data moves),
+    then moved device to device (nothing through the host; pairs already there stay put)."""
+    sharding = jax.tree.leaves(self.buffers)[0].sharding
+    # The buffers are ``[N + 1, in, R]``, the pairs 2-D: whole on every device of the buffers
+    # (one device: the engine's LoRA slots are not sharded).
+    placement = (
+      NamedSharding(sharding.mesh, PartitionSpec())
+      if isinstance(sharding, NamedSharding)
+      else next(iter(sharding.device_set))
+    )
+    return jax.tree.map(
+      lambda x: jax.device_put(_auto_axes(x), placement) if isinstance(x, jax.Array) else x, pairs
+    )
 
   def _host_slot(
     self, adapter: LoRAAdapter
@@ -284,6 +305,17 @@ class LoRAManager:
         entry[target] = (a, b)
       layers.append(entry)
     return tuple(layers)
+
+
+def _auto_axes(x: jax.Array) -> jax.Array:
+  """`x` relabelled with `Auto` axes when its mesh has explicit ones (the same devices and
+  shards: no data moves), else `x`."""
+  sharding = x.sharding
+  if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+    return x
+  mesh = sharding.mesh
+  auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  return jax.device_put(x, NamedSharding(auto, sharding.spec))
 
 
 @functools.partial(jax.jit, donate_argnums=0)

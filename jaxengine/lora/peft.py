@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -70,29 +70,36 @@ def load_peft_adapter(
     target_shapes: ``(in, out)`` of every projection the model lets adapters target.
 
   Raises:
-    ValueError: (naming the path and the field) a missing directory, config or weights file,
-      a rank above `max_lora_rank`, a target module outside `target_shapes`, a setting the
-      engine does not run (DoRA, biases, per-module ranks, modules_to_save), or a tensor of an
-      unknown name, layer or shape.
+    ValueError: (naming the path and the field; raised while reading the files, before anything
+      changes) a missing directory, config or weights file; an ``adapter_config.json`` that is
+      not valid JSON (with the line and column) or a corrupt or truncated
+      ``adapter_model.safetensors`` (naming the file); a rank above `max_lora_rank`, a target
+      module outside `target_shapes`, a setting the engine does not run (DoRA, biases,
+      per-module ranks, modules_to_save), or a tensor of an unknown name or shape; an adapter
+      made for a different base model (its layers beyond the model's, its projections'
+      sizes not the model's, or none of its target modules the model's), naming what it has
+      against what the model has, and its ``base_model_name_or_path`` when the config gives
+      one.
   """
   where = os.fspath(path)
-  config_path = os.path.join(where, "adapter_config.json")
-  if not os.path.isfile(config_path):
-    raise ValueError(f"lora_path={where!r} has no adapter_config.json (not a PEFT adapter)")
-  with open(config_path) as f:
-    config = json.load(f)
-  rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+  config = _read_config(where)
+  rank = config.get("r")
   if not isinstance(rank, int) or rank < 1:
     raise ValueError(f"lora_path={where!r}: r must be a positive int, got {rank!r}")
+  alpha = config.get("lora_alpha", rank)
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    raise ValueError(f"lora_path={where!r}: lora_alpha must be a number, got {alpha!r}")
   if rank > max_lora_rank:
     raise ValueError(f"lora_path={where!r}: rank r={rank} exceeds max_lora_rank={max_lora_rank}")
   for name, fine in _UNSUPPORTED.items():
     value = config.get(name, fine)
     if value != fine and not (fine == {} and not value):
       raise ValueError(f"lora_path={where!r}: {name}={value!r} is not supported")
-  targets = _target_modules(config.get("target_modules"), where, target_shapes)
+  other_model = _other_model(where, config.get("base_model_name_or_path"))
+  targets = _target_modules(config.get("target_modules"), where, other_model, target_shapes)
   scale = float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
-  weights = _read_tensors(where, targets, rank, scale, num_layers, target_shapes)
+  tensors = _read_tensors(where)
+  weights = _pairs(where, tensors, other_model, targets, rank, scale, num_layers, target_shapes)
   return LoRAAdapter(int(lora_int_id), rank, scale, weights)
 
 
@@ -159,45 +166,108 @@ def _scaled(pairs, factors: tuple) -> dict:
   }
 
 
-def _target_modules(value, where: str, target_shapes: Mapping[str, tuple[int, int]]) -> list[str]:
-  """The adapter's target module names, each one the model supports (ValueError otherwise)."""
+def _read_config(where: str) -> dict[str, Any]:
+  """The adapter's parsed ``adapter_config.json`` (ValueError naming the file: missing, not
+  JSON, with the line and column, or not a JSON object)."""
+  from jaxengine.models.safetensors_loader import read_json
+
+  file = os.path.join(where, "adapter_config.json")
+  if not os.path.isfile(file):
+    raise ValueError(f"lora_path={where!r} has no adapter_config.json (not a PEFT adapter)")
+  try:
+    config = read_json(Path(file))
+  except ValueError as error:
+    raise ValueError(f"lora_path={where!r}: {error}") from None
+  if not isinstance(config, dict):
+    raise ValueError(f"lora_path={where!r}: {file} holds a {type(config).__name__}, not an object")
+  return config
+
+
+def _other_model(where: str, base_model: Any) -> str:
+  """The start of an error for an adapter made for another base model than the engine's."""
+  named = f" ({base_model!r}, its base_model_name_or_path)" if base_model else ""
+  return f"lora_path={where!r} was made for a different base model{named}"
+
+
+def _target_modules(
+  value, where: str, other_model: str, target_shapes: Mapping[str, tuple[int, int]]
+) -> list[str]:
+  """The adapter's target module names, each one the model supports (ValueError otherwise:
+  an adapter none of whose modules this model family has is one of another base model)."""
   names = [value] if isinstance(value, str) else list(value or [])
   if not names:
     raise ValueError(f"lora_path={where!r}: target_modules is empty")
+  known = ", ".join(t for t in LORA_TARGETS if t in target_shapes)
+  if not any(name in LORA_TARGETS for name in names):
+    raise ValueError(
+      f"{other_model}: none of its target_modules {names} is a module of this model (unknown "
+      f"target modules; this model's: {known})"
+    )
   for name in names:
     if name not in target_shapes:
-      known = [t for t in LORA_TARGETS if t in target_shapes]
-      raise ValueError(
-        f"lora_path={where!r}: unknown target module {name!r} (supported: {', '.join(known)})"
-      )
+      raise ValueError(f"lora_path={where!r}: unknown target module {name!r} (supported: {known})")
   return names
 
 
-def _read_tensors(
+def _read_tensors(where: str) -> dict[str, np.ndarray]:
+  """Every tensor of the adapter's ``adapter_model.safetensors`` as host arrays (ValueError
+  naming the file when it is missing, corrupt or truncated)."""
+  import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: bfloat16 adapters load too)
+
+  from jaxengine.models.safetensors_loader import open_safetensors
+
+  file = os.path.join(where, "adapter_model.safetensors")
+  if not os.path.isfile(file):
+    raise ValueError(f"lora_path={where!r} has no adapter_model.safetensors")
+  try:
+    handle = open_safetensors(file)
+  except ValueError as error:
+    raise ValueError(f"lora_path={where!r}: {error}") from None
+  with handle as f:  # host arrays: reading does no device work
+    names = f.keys()
+    return {name: f.get_tensor(name) for name in names}
+
+
+def _pairs(
   where: str,
+  tensors: Mapping[str, np.ndarray],
+  other_model: str,
   targets: list[str],
   rank: int,
   scale: float,
   num_layers: int,
   target_shapes: Mapping[str, tuple[int, int]],
 ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-  """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)``."""
-  import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: bfloat16 adapters load too)
-  from safetensors.numpy import load_file  # host arrays: loading does no device work
+  """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)``.
 
-  file = os.path.join(where, "adapter_model.safetensors")
-  if not os.path.isfile(file):
-    raise ValueError(f"lora_path={where!r} has no adapter_model.safetensors")
+  Raises:
+    ValueError: a tensor of an unknown name or of a target outside `targets`; a layer beyond
+      the model's or an ``in`` / ``out`` size not the model's (`other_model`: made for a
+      different base model); a pair missing a half or of another rank than ``r``.
+  """
   halves: dict[tuple[int, str], dict[str, Any]] = {}
-  for name, tensor in load_file(file).items():
+  for name, tensor in tensors.items():
     match = _TENSOR_NAME.search(name)
-    if match is None or match[2] not in targets or int(match[1]) >= num_layers:
+    if match is None or match[2] not in targets:
       raise ValueError(f"lora_path={where!r}: unexpected tensor {name!r}")
+    if int(match[1]) >= num_layers:
+      raise ValueError(
+        f"{other_model}: tensor {name!r} is for layer {match[1]}, this model has {num_layers} "
+        f"layers (0..{num_layers - 1})"
+      )
     halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
   weights = {}
   for (layer, target), pair in halves.items():
     n_in, n_out = target_shapes[target]
     a, b = pair.get("A"), pair.get("B")
+    if (
+      a is not None and b is not None and a.ndim == 2 and (a.shape[1], b.shape[0]) != (n_in, n_out)
+    ):
+      raise ValueError(
+        f"{other_model}: its layer {layer} {target} maps {a.shape[1]} -> {b.shape[0]} "
+        f"features (lora_A, lora_B of shapes {a.shape}, {b.shape}), this model's {target} "
+        f"{n_in} -> {n_out}"
+      )
     if a is None or b is None or a.shape != (rank, n_in) or b.shape != (n_out, rank):
       shapes = [None if t is None else t.shape for t in (a, b)]
       raise ValueError(

@@ -1,9 +1,11 @@
-"""`LoRARequest`: which adapter a request runs with (vLLM's class and field names)."""
+"""`LoRARequest`: which adapter a request runs with (vLLM's class and field names);
+`LoRAModulePath`: an adapter the server serves from the start (``--lora-modules``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 from jaxengine.params import is_int
 
@@ -18,11 +20,28 @@ class LoRARequest:
       cached and placed in device slots by this id, and the prefix cache keys pages by it.
     lora_path: a PEFT adapter directory (``adapter_config.json`` and
       ``adapter_model.safetensors``).
+    base_model_name: the model the adapter was made for, as the server reports it (its
+      `parent` in ``/v1/models``); None: the served model. Informative only.
   """
 
   lora_name: str
   lora_int_id: int
   lora_path: str | os.PathLike
+  base_model_name: str | None = None
+
+
+class LoRAModulePath(NamedTuple):
+  """A LoRA adapter the server serves from the start (vLLM's ``--lora-modules`` entry).
+
+  Attributes:
+    name: the model name requests give to run with it.
+    path: its PEFT directory.
+    base_model_name: its `parent` in ``/v1/models`` (None: the served model's name).
+  """
+
+  name: str
+  path: str
+  base_model_name: str | None = None
 
 
 def check_lora_request(request: object) -> LoRARequest:

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxengine.models.interface import Model
 from jaxengine.models.registry import hf_architecture
@@ -73,6 +73,34 @@ def is_hf_model_dir(path: str | os.PathLike) -> bool:
   return (Path(path) / CONFIG_FILE).is_file()
 
 
+def read_json(file: Path) -> Any:
+  """The parsed JSON file `file` (ValueError naming the file, the line and the column when it is
+  not valid JSON: a corrupt or truncated file)."""
+  try:
+    return json.loads(file.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as error:
+    raise ValueError(
+      f"{file} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})"
+    ) from None
+  except UnicodeDecodeError as error:
+    raise ValueError(f"{file} is not UTF-8 text ({error.reason})") from None
+
+
+def open_safetensors(file: str | os.PathLike) -> Any:
+  """``safe_open(file)`` (numpy, memory-mapped), a context manager of the file's tensors.
+
+  Raises:
+    ValueError: naming the file, when it is not a valid safetensors file (a truncated download,
+      a corrupt header): safetensors' own error names no file.
+  """
+  try:
+    return safe_open(file, framework="numpy")
+  except SafetensorError as error:
+    raise ValueError(
+      f"{os.fspath(file)} is not a valid safetensors file (corrupt or truncated: {error})"
+    ) from None
+
+
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   """The parsed ``config.json`` of a model directory.
 
@@ -83,10 +111,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   file = Path(path) / CONFIG_FILE
   if not file.is_file():
     raise FileNotFoundError(f"no {CONFIG_FILE} in {os.fspath(path)!r}")
-  try:
-    config = json.loads(file.read_text())
-  except json.JSONDecodeError as error:
-    raise ValueError(f"{file} is not valid JSON ({error})") from error
+  config = read_json(file)
   if not isinstance(config, dict):
     raise ValueError(f"{file} must hold a JSON object")
   return config
@@ -122,7 +147,7 @@ def eos_token_ids(path: str | os.PathLike) -> list[int]:
     The ids in file order (empty when neither file names one).
   """
   file = Path(path) / GENERATION_CONFIG_FILE
-  source = json.loads(file.read_text()) if file.is_file() else read_hf_config(path)
+  source = read_json(file) if file.is_file() else read_hf_config(path)
   value = source.get("eos_token_id")
   ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
   return [int(i) for i in ids]
@@ -134,11 +159,16 @@ def weight_files(path: str | os.PathLike) -> dict[str, str]:
   Raises:
     FileNotFoundError: neither ``model.safetensors.index.json`` nor ``model.safetensors``, or
       a shard the index names is missing.
+    ValueError: an index that is not valid JSON or has no ``weight_map``, or a single file
+      that is not a valid safetensors file (corrupt or truncated), naming the file.
   """
   path = Path(path)
   index = path / INDEX_FILE
   if index.is_file():
-    weight_map = json.loads(index.read_text())["weight_map"]
+    contents = read_json(index)
+    weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has no weight_map object")
     for file in sorted(set(weight_map.values())):
       if not (path / file).is_file():
         raise FileNotFoundError(f"{INDEX_FILE} names {file!r}, which is not in {str(path)!r}")
@@ -146,7 +176,7 @@ def weight_files(path: str | os.PathLike) -> dict[str, str]:
   single = path / SINGLE_FILE
   if not single.is_file():
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {str(path)!r}")
-  with safe_open(single, framework="numpy") as f:
+  with open_safetensors(single) as f:
     return dict.fromkeys(f.keys(), str(single))
 
 
@@ -159,7 +189,7 @@ def checkpoint_dtype(path: str | os.PathLike) -> str:
     name = next((n for n in sorted(files) if n.endswith("." + name)), name)
   if name not in files:
     raise ValueError(f"the checkpoint in {os.fspath(path)!r} has no {name!r}")
-  with safe_open(files[name], framework="numpy") as f:
+  with open_safetensors(files[name]) as f:
     return f.get_slice(name).get_dtype()
 
 
@@ -195,7 +225,10 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
 
   Raises:
     FileNotFoundError: missing ``config.json`` or weight files.
-    ValueError: unsupported architecture or rope type (see `config_from_hf`); a tensor the model
+    ValueError: a file that is corrupt or truncated (a JSON file that does not parse, with the
+      line and column; a safetensors file or shard whose header does not parse or whose data
+      it does not cover), naming the file, before any tensor is moved; unsupported
+      architecture or rope type (see `config_from_hf`); a tensor the model
       needs is missing, or the files hold one it does not know (names listed); a tensor has the
       wrong shape or a non-floating dtype (named, with its file).
   """
@@ -231,7 +264,7 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
   stacks: dict[Any, np.ndarray] = {}
   with contextlib.ExitStack() as stack:
     handles = {
-      file: stack.enter_context(safe_open(file, framework="numpy"))
+      file: stack.enter_context(open_safetensors(file))  # all checked before any tensor moves
       for file in sorted(set(files.values()))
     }
     for spec in specs:
