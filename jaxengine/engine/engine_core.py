@@ -177,6 +177,8 @@ class EngineCore:
     in_flight = self._in_flight
     if in_flight is not None and (in_flight.read_first or self._speculation is not None):
       outputs = self._collect_in_flight()  # drafts are looked up in the rows' last tokens
+      if not self.has_unfinished():  # it finished every completion: nothing to schedule
+        return latest_outputs(outputs)
     current = None
     scheduled = self._schedule()
     if scheduled is not None:
