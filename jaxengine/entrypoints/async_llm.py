@@ -16,8 +16,9 @@ arrives. DELTA outputs queue up, one per step that advanced the request: a strea
 output per token (one token a step), never two tokens merged, however late it reads (a token
 whose characters are incomplete comes with empty text, its id in `token_ids`). A CUMULATIVE
 output holds every earlier one, so a mailbox keeps only the latest (as vLLM does): a reader that
-falls behind catches up in one read. While a request with stop strings runs, the last `len(longest stop) - 1`
-characters of its text are held back, so text that a stop string later removes is never shown.
+falls behind catches up in one read. While a request with stop strings runs, the last
+`len(longest stop) - 1` characters of its text are held back, so text that a stop string later
+removes is never shown.
 """
 
 from __future__ import annotations
