@@ -39,12 +39,13 @@ def as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
   Raises:
     ValueError: naming the conversation (for a list of them) and message index and what is
-      missing or wrong.
+      missing or wrong; an empty `messages`, or an empty conversation in a list of them (vLLM's
+      `LLM.chat` returns `[]` for `[]`: nothing to reply to is more likely a mistake).
   """
   if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
     raise ValueError(f"{_SHAPE}, got {messages!r:.80}")
   if not messages:
-    return []
+    raise ValueError(f"messages must not be empty: {_SHAPE}, got []")
   if all(isinstance(m, Mapping) for m in messages):
     return [_conversation(messages, "")]
   out = []
@@ -58,7 +59,7 @@ def as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
 def _conversation(messages: Sequence, where: str) -> list[dict[str, Any]]:
   if not messages:
-    raise ValueError(f"{where}the conversation is empty")
+    raise ValueError(f"messages: {where}the conversation is empty (it needs a message)")
   return [_message(message, f"{where}message {i}") for i, message in enumerate(messages)]
 
 

@@ -281,7 +281,7 @@ class LLM:
         or a list of one per prompt (None: the base model), as vLLM's.
 
     Returns:
-      One `RequestOutput` per prompt, in input order.
+      One `RequestOutput` per prompt, in input order (`[]` for an empty list, as vLLM's).
 
     Raises:
       ValueError: mismatched lengths or any invalid request (nothing is run then), a LoRA
@@ -344,8 +344,9 @@ class LLM:
       One `RequestOutput` per conversation.
 
     Raises:
-      ValueError: without a tokenizer; for malformed messages (naming the conversation and
-        message index and what is wrong), a failing template, or an invalid request.
+      ValueError: without a tokenizer; for an empty `messages` or conversation (vLLM returns
+        `[]` for `[]`), malformed messages (naming the conversation and message index and what
+        is wrong), a failing template, or an invalid request.
     """
     tokenizer = self.get_tokenizer()
     if tokenizer is None:

@@ -148,9 +148,9 @@ def test_speculative_decoding_reads_the_step_in_flight_before_drafting(model, to
 
 def test_a_step_is_read_while_the_next_runs(model, tokenizer):
   """The first `step()` dispatches the prefill and returns nothing; each later call returns the
-  token of the step before. The step that reaches the length limit is read at once (the request
-  never runs a step past it), in the same call as the step before it: one output, the latest
-  (outputs are cumulative)."""
+  token of the step before. The step that reaches the length limit is read before anything more
+  is scheduled (the request never runs a step past it), in the next call rather than with the
+  step before it: one token per call, so that a stream gets one chunk per token, the last too."""
   engine = _engine(model, tokenizer, None)
   engine.add_request("a", "hi", je.SamplingParams(temperature=0, max_tokens=3))
   assert engine.step() == []
@@ -158,7 +158,7 @@ def test_a_step_is_read_while_the_next_runs(model, tokenizer):
   counts = []
   while engine.has_unfinished_requests():
     counts.extend(len(o.outputs[0].token_ids) for o in engine.step())
-  assert counts == [1, 3]
+  assert counts == [1, 2, 3]
   assert engine.runner.input_batch.num_reqs == 0
 
 

@@ -33,6 +33,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+SHELL_FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+#: A command line of a page's bash block that `test_page_commands_pass_their_checks_as_written`
+#: checks, and a line it runs first because it writes a file that the commands after it read.
+CLI_COMMAND = re.compile(r"^jaxengine (generate|chat) ")
+WRITES_FILE = re.compile(r"^(echo|printf) .* > [\w./-]+$")
 DIRECTIVE = re.compile(r"<!-- docs-test: (\w+) (.*?) -->")
 
 #: The front door stays short (the manual lives in docs/).
@@ -151,6 +156,41 @@ def test_page_snippets_run_as_written(page: Path, request, tmp_path_factory):
       server.terminate()
       server.wait(timeout=60)
   assert result.returncode == 0, f"{page.name}:\n{result.stderr[-4000:]}"
+
+
+def cli_blocks(page: Path) -> list[list[str]]:
+  """The lines of the page's bash blocks that run `jaxengine generate` or `jaxengine chat`."""
+  blocks = [block.splitlines() for block in SHELL_FENCE.findall(page.read_text())]
+  return [lines for lines in blocks if any(CLI_COMMAND.match(line) for line in lines)]
+
+
+class _ModelLoad(Exception):
+  """Raised where a command would load its model: every check before that passed."""
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if cli_blocks(p)], ids=lambda p: p.name)
+def test_page_commands_pass_their_checks_as_written(page, tmp_path, monkeypatch, capsys):
+  """Each `jaxengine generate` / `jaxengine chat` line of a page's bash blocks, run as written in
+  an empty folder after the block's lines before it that write a file (`echo ... > FILE`), gets
+  past every check made before the model loads: its flags, the files it names, its constraint
+  (the model is not loaded: the page's Python snippets run the engine)."""
+  from jaxengine import cli, llm
+
+  def load_model(*args, **kwargs):
+    raise _ModelLoad
+
+  monkeypatch.setattr(llm, "LLM", load_model)
+  monkeypatch.chdir(tmp_path)
+  for lines in cli_blocks(page):
+    for line in lines:
+      if WRITES_FILE.match(line):
+        subprocess.run(["bash", "-c", line], cwd=tmp_path, check=True)
+      elif CLI_COMMAND.match(line):
+        try:
+          status = cli.main(shlex.split(line, comments=True)[1:])
+        except _ModelLoad:
+          continue
+        pytest.fail(f"{page.name}: `{line}` exited with {status}: {capsys.readouterr().err}")
 
 
 def test_the_readme_is_a_front_door():

@@ -206,6 +206,13 @@ def test_generate_rejects_bad_arguments_before_running(tiny_llm, call, message):
   assert not tiny_llm.llm_engine.has_unfinished_requests()
 
 
+def test_generate_of_no_prompts_returns_no_outputs_as_vllms(tiny_llm):
+  """An empty list of prompts runs nothing and returns [] (vLLM's `LLM.generate` does too);
+  `LLM.chat([])` is refused instead (`test_chat_rejects_malformed_messages_naming_where`)."""
+  assert tiny_llm.generate([], use_tqdm=False) == []
+  assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
 def test_llm_rejects_unsupported_dtype():
   model, _ = tiny_llama(vocab_size=64)
   with pytest.raises(ValueError, match="dtype"):
@@ -247,7 +254,9 @@ def chat_llm():
     ([{"role": "user", "content": [{"type": "image_url"}]}], "content part 0 must be .* text"),
     ([{"role": "user", "content": None}], "message 0: content must be a string"),
     ([[{"role": "user", "content": "a"}], [{"role": "user", "content": 3}]], "conversation 1"),
-    ([[]], "conversation 0: the conversation is empty"),
+    ([[]], "messages: conversation 0: the conversation is empty"),
+    ([[{"role": "user", "content": "a"}], []], "messages: conversation 1: .* is empty"),
+    ([], "messages must not be empty"),
   ],
 )
 def test_chat_rejects_malformed_messages_naming_where(chat_llm, messages, message):

@@ -8,6 +8,7 @@ so that the buckets are few: rows 1 and 2, tokens 1 to 16.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -93,8 +94,10 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
   monkeypatch, capsys, model, tokenizer
 ):
   """`jaxengine serve` precompiles by default: when the server starts listening every step
-  shape is compiled (so `/health` is never up before), the log says so, and the first requests
-  (prompt logprobs included) compile nothing. `--no-precompile` skips it."""
+  shape is compiled (so `/health` is never up before), and the first requests (prompt logprobs
+  included) compile nothing. On stderr, in order: a line saying what it compiles and where the
+  server will listen, a progress bar counting the step shapes, a line when they are done, and
+  one once it listens (its port). `--no-precompile` skips it."""
   real_llm = llm_module.LLM
 
   class TinyLLM(real_llm):  # what `serve` loads: the tiny model
@@ -106,11 +109,12 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
   device_steps.clear()  # the server engine's executables alone
   seen = {}
 
-  def run(app, **kwargs):  # in place of uvicorn.run: check the engine, then serve a few requests
+  def run(app, host, port, log_level):  # as `serve_app`: check the engine, serve a few requests
     runner = app.state.serving.engine.engine.runner
     seen["compiled"] = runner.ragged_forward._cache_size()
+    assert (host, port) == ("127.0.0.1", 8000)  # the defaults
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None)  # keeps capsys
-    server = uvicorn.Server(config)
+    server = serve.announcing_server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     with count_compiles() as compiles:
       thread.start()
@@ -119,6 +123,7 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
       url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+      seen["url"] = url
       seen["health"] = httpx.get(f"{url}/health").status_code
       for body in (
         {"prompt": "Once upon a time", "max_tokens": 3},
@@ -131,13 +136,18 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
     server.should_exit = True
     thread.join(30)
 
-  monkeypatch.setattr(uvicorn, "run", run)
+  monkeypatch.setattr(serve, "serve_app", run)
   flags = ["--max-num-reqs", "2", "--max-num-batched-tokens", "16", "--served-model-name", "tiny"]
   assert serve.run_server(build_parser().parse_args(["serve", *flags])) == 0
+  url = seen.pop("url")
   assert seen == {"compiled": NUM_STEP_SHAPES, "health": 200, "compiles": 0}
   err = capsys.readouterr().err
-  assert "jaxengine: precompiling the step executables of every bucket" in err
-  assert f"jaxengine: precompiled {NUM_STEP_SHAPES} step shapes" in err
+  before = err.index("jaxengine: precompiling the step executables of every bucket")
+  assert "the server listens on http://127.0.0.1:8000 once they are done" in err[before:]
+  bar = re.search(rf"Compiling: 100%.* {NUM_STEP_SHAPES}/{NUM_STEP_SHAPES} ", err)
+  after = err.index(f"jaxengine: precompiled {NUM_STEP_SHAPES} step shapes")
+  assert bar is not None and before < bar.start() < after
+  assert err.index(f"jaxengine: listening on {url}\n") > after
   device_steps.clear()
   engine = serve.load_engine(build_parser().parse_args(["serve", *flags, "--no-precompile"]))
   try:

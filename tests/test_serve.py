@@ -268,7 +268,8 @@ def test_prompt_logprobs_are_returned(server, client):
 
 
 def test_concurrent_streaming_clients(server):
-  """64 clients stream at once (4 rows): every one gets all its tokens, in order."""
+  """64 clients stream at once (4 rows): every one gets all its tokens, in order, one chunk per
+  token (the last two tokens used to come in one chunk)."""
 
   async def one(client, i: int) -> tuple[str, int]:
     stream = await client.completions.create(
@@ -280,6 +281,7 @@ def test_concurrent_streaming_clients(server):
     async for chunk in stream:
       parts += [c.text for c in chunk.choices]
       usage = chunk.usage or usage
+    assert len(parts) == usage.completion_tokens, parts
     return "".join(parts), usage.completion_tokens
 
   async def main():
@@ -291,6 +293,33 @@ def test_concurrent_streaming_clients(server):
   results = asyncio.run(main())
   assert [text for text, _ in results] == server["refs"]["streams"]
   assert all(n == STREAM_PARAMS["max_tokens"] for _, n in results)
+
+
+def test_each_token_streams_as_its_own_chunk(server, client):
+  """AsyncLLM's DELTA outputs and the chat SSE stream carry one token each, the last too, and
+  their text adds up to the final text (a token that ends inside a character streams with empty
+  text: one token per byte here, random bytes from a random model)."""
+  engine = server["engine"]
+  num_streams, max_tokens = 3, STREAM_PARAMS["max_tokens"]
+
+  async def deltas(i: int) -> list[je.RequestOutput]:
+    params = je.SamplingParams(seed=i, **STREAM_PARAMS)
+    stream = engine.generate(_client_prompt(i), params, output_kind=RequestOutputKind.DELTA)
+    return [o async for o in stream]
+
+  async def main():
+    return await asyncio.gather(*(deltas(i) for i in range(num_streams)))
+
+  for i, outputs in enumerate(asyncio.run(main())):
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * max_tokens
+    assert "".join(o.outputs[0].text for o in outputs) == server["refs"]["streams"][i]
+  kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+  content = client.chat.completions.create(**kwargs).choices[0].message.content
+  chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs)]
+  assert chunks[0].delta.role == "assistant" and not chunks[0].delta.content
+  assert [len(c.logprobs.content) for c in chunks[1:]] == [1] * max_tokens
+  assert "".join(c.delta.content for c in chunks[1:]) == content
 
 
 def _wait_idle(engine: AsyncLLM, seconds: float = 30.0) -> None:

@@ -164,15 +164,21 @@ class EngineCore:
 
     With asynchronous scheduling the step is dispatched first and the previous step (left on the
     device by the last call) is read while it runs; a step is left in flight only when its
-    outcome does not change what the next one schedules (`_overlaps`).
+    outcome does not change what the next one schedules (`_overlaps`). A step that does not
+    overlap is read at once, unless this call read the step before it: then it is read first
+    thing in the next call, before anything is scheduled, so that each call reports one step's
+    tokens (a stream then gets one chunk per token, the last too).
 
     Returns:
       A `RequestOutput` (cumulative so far) for every request that advanced in the steps read.
     """
     scheduler, runner = self.scheduler, self.runner
     outputs = []
-    if self._in_flight is not None and self._speculation is not None:
+    in_flight = self._in_flight
+    if in_flight is not None and (in_flight.read_first or self._speculation is not None):
       outputs = self._collect_in_flight()  # drafts are looked up in the rows' last tokens
+      if not self.has_unfinished():  # it finished every completion: nothing to schedule
+        return latest_outputs(outputs)
     current = None
     scheduled = self._schedule()
     if scheduled is not None:
@@ -192,6 +198,9 @@ class EngineCore:
       return latest_outputs(outputs)
     if self._overlaps(current.step):
       self._in_flight = current
+      return latest_outputs(outputs)
+    if outputs and self._async_scheduling:  # one step's tokens a call: read it first next time
+      self._in_flight = dataclasses.replace(current, read_first=True)
       return latest_outputs(outputs)
     return latest_outputs(outputs + self._collect(current))
 
@@ -394,10 +403,12 @@ class EngineCore:
 
 @dataclasses.dataclass(frozen=True)
 class _Dispatched:
-  """A step on the device and the running completions when it was dispatched."""
+  """A step on the device, the running completions when it was dispatched, and whether the
+  next `step()` must read it before it schedules (`_overlaps` was False)."""
 
   step: InFlightStep
   running: dict[str, Completion]
+  read_first: bool = False  # read before the next step is scheduled (it does not overlap)
 
 
 def _still_running(

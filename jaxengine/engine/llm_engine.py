@@ -126,8 +126,10 @@ class LLMEngine:
       rounding) are those of synchronous steps for greedy and seeded requests. A step is read
       before the next one is scheduled when the next depends on its tokens: a running grammar
       (structured outputs), prompt logprobs it completes, a row reaching `max_tokens` or
-      `max_model_len` with it; with a `speculative_config` every step first reads the one in
-      flight (drafts are looked up in the rows' last tokens). A k-step loop
+      `max_model_len` with it (when `step()` has just read the step before, such a step is
+      read first thing in the next call: each call reports one step's tokens); with a
+      `speculative_config` every step first reads the one in flight (drafts are looked up in
+      the rows' last tokens). A k-step loop
       (`num_decode_steps`) is dispatched while the step before is in flight (it reads each
       row's last token on the device); it and a verify step are read before the next step is
       scheduled: how many tokens each row got is known only from their output.

@@ -6,19 +6,25 @@ it). Callers on any event loop talk to it through a command queue: `generate` qu
 queued commands between steps, so requests join and leave at step boundaries while the compiled
 step keeps running. After each step the thread posts every advanced request's cumulative
 `RequestOutput` to that request's mailbox on its own event loop (`loop.call_soon_threadsafe`, one
-call per loop and step); a mailbox keeps only the latest snapshot, so a slow reader catches up in
-one read and nothing queues up behind it. The step runs XLA code that releases the GIL, so the
-event loop keeps serving while the device works.
+call per loop and step). The step runs XLA code that releases the GIL, so the event loop keeps
+serving while the device works.
 
 A request's output kind (vLLM's `RequestOutputKind`) chooses what `generate` yields: the whole
 output so far (CUMULATIVE), only what is new since the last yield (DELTA), or the final output
-alone (FINAL_ONLY). While a request with stop strings runs, the last `len(longest stop) - 1`
-characters of its text are held back, so text that a stop string later removes is never shown.
+alone (FINAL_ONLY). The mailbox turns each step's snapshot into what the kind shows as it
+arrives. DELTA outputs queue up, one per step that advanced the request: a stream gets one
+output per token (one token a step), never two tokens merged, however late it reads (a token
+whose characters are incomplete comes with empty text, its id in `token_ids`). A CUMULATIVE
+output holds every earlier one, so a mailbox keeps only the latest (as vLLM does): a reader that
+falls behind catches up in one read. While a request with stop strings runs, the last
+`len(longest stop) - 1` characters of its text are held back, so text that a stop string later
+removes is never shown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import logging
@@ -85,18 +91,25 @@ StatLogger = Callable[[IterationStats], None]
 
 
 class _Mailbox:
-  """A request's latest output or error, read on its event loop."""
+  """A request's outputs to yield, as its output kind shows them, or its error; used on its
+  event loop (module docstring)."""
 
-  def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+  def __init__(self, loop: asyncio.AbstractEventLoop, view: _OutputView) -> None:
     self.loop = loop
+    self.view = view
     self.event = asyncio.Event()
-    self.latest: RequestOutput | None = None
+    self.pending: collections.deque[RequestOutput] = collections.deque()
     self.error: BaseException | None = None
     self.done = False  # the engine thread has let go of the request (finished or failed)
 
   def put(self, output: RequestOutput) -> None:
-    self.latest = output
     self.done = self.done or output.finished
+    shown = self.view.present(output)
+    if shown is None:
+      return
+    if self.view.kind is not RequestOutputKind.DELTA:
+      self.pending.clear()  # the latest holds everything an unread one does
+    self.pending.append(shown)
     self.event.set()
 
   def fail(self, error: BaseException) -> None:
@@ -104,12 +117,12 @@ class _Mailbox:
     self.event.set()
 
   async def get(self) -> RequestOutput:
-    await self.event.wait()
-    self.event.clear()
+    while self.error is None and not self.pending:
+      self.event.clear()
+      await self.event.wait()
     if self.error is not None:
       raise self.error
-    assert self.latest is not None
-    return self.latest
+    return self.pending.popleft()
 
 
 @dataclasses.dataclass
@@ -230,16 +243,13 @@ class AsyncLLM:
     if not self.is_running:
       raise EngineDeadError(f"the engine thread has stopped: {self.error or 'shut down'}")
     request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-    mailbox = _Mailbox(asyncio.get_running_loop())
     params = sampling_params or SamplingParams()
+    mailbox = _Mailbox(asyncio.get_running_loop(), _OutputView(params, output_kind))
     self._commands.put(_Add(request_id, prompt, params, mailbox, time.monotonic(), lora_request))
-    view = _OutputView(params, output_kind)
     try:
       while True:
         output = await mailbox.get()
-        shown = view.present(output)
-        if shown is not None:
-          yield shown
+        yield output
         if output.finished:
           return
     finally:

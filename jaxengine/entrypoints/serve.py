@@ -6,7 +6,8 @@ the engine flags of `jaxengine generate` (`--max-num-reqs`, `--max-model-len`, .
 Before it listens the server compiles every step executable (`--no-precompile` skips that), so
 the first requests wait for no compile; JAX's persistent compilation cache (on by default:
 `--compilation-cache DIR`, `--compilation-cache off`) makes the next start read them back
-from disk instead.
+from disk instead. On stderr: a line saying what it compiles and where it will listen, a
+progress bar over the step shapes, a line when they are done, and one once it listens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+  import uvicorn
+
   from jaxengine.entrypoints.async_llm import AsyncLLM
   from jaxengine.llm import LLM
   from jaxengine.lora import LoRAModulePath
@@ -66,8 +69,6 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 def run_server(args: argparse.Namespace) -> int:
   """Loads the model and compiles its steps (`load_engine`), then serves it until interrupted;
   returns the exit status (1: the model file is missing, 2: bad engine settings)."""
-  import uvicorn
-
   from jaxengine.entrypoints.openai_server import build_app
 
   model = args.model_tag or args.model
@@ -87,7 +88,7 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as error:
       print(f"jaxengine: --lora-modules: {error}")
       return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    serve_app(app, args.host, args.port, args.uvicorn_log_level)
   finally:
     engine.shutdown()
   return 0
@@ -133,6 +134,28 @@ def lora_module(text: str) -> LoRAModulePath:
   return LoRAModulePath(fields["name"], fields["path"], base)
 
 
+def serve_app(app, host: str, port: int, log_level: str) -> None:
+  """Serves `app` with uvicorn until interrupted (`announcing_server`)."""
+  import uvicorn
+
+  announcing_server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+
+
+def announcing_server(config: uvicorn.Config) -> uvicorn.Server:
+  """A uvicorn server that prints ``jaxengine: listening on http://HOST:PORT`` on stderr once
+  its socket is bound (whatever uvicorn's own log level), the port it got included."""
+  import uvicorn
+
+  class AnnouncingServer(uvicorn.Server):
+    async def startup(self, sockets=None) -> None:
+      await super().startup(sockets)
+      if self.started:
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        print(f"jaxengine: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+  return AnnouncingServer(config)
+
+
 def load_engine(args: argparse.Namespace) -> AsyncLLM:
   """The server's engine: the model loaded with the engine flags, then, unless
   `--no-precompile`, every step executable compiled (`LLMEngine.precompile`, read back from the
@@ -151,18 +174,20 @@ def load_engine(args: argparse.Namespace) -> AsyncLLM:
   precompile = options.pop("precompile", True)  # on unless --no-precompile
   llm = LLM(args.model_tag or args.model, **options)
   if precompile:
-    _precompile(llm)
+    _precompile(llm, f"http://{args.host}:{args.port}")
   return AsyncLLM(llm)
 
 
-def _precompile(llm: LLM) -> None:
-  """`llm`'s `LLMEngine.precompile`, with a line on stderr before and after."""
+def _precompile(llm: LLM, url: str) -> None:
+  """`llm`'s `LLMEngine.precompile` (its progress bar counts the step shapes), with a line on
+  stderr before, saying that the server listens at `url` once it is done, and one after."""
   from jaxengine.testing import count_compiles
 
   cache = llm.compilation_cache_dir
   where = f"persistent cache {os.fspath(cache)}" if cache is not None else "no persistent cache"
   print(
-    f"jaxengine: precompiling the step executables of every bucket ({where}) ...",
+    f"jaxengine: precompiling the step executables of every bucket ({where}); the server "
+    f"listens on {url} once they are done (minutes the first time; --no-precompile skips it)",
     file=sys.stderr,
     flush=True,
   )
