@@ -1,7 +1,8 @@
 """jaxengine: a persistent-batch LLM sampler and inference engine in JAX with vLLM V1 semantics.
 
 Core (no model needed):
-  SamplingParams       per-request sampling parameters; StructuredOutputsParams (params.py)
+  SamplingParams       per-request sampling parameters; StructuredOutputsParams,
+                       RequestOutputKind (params.py; vLLM's path `jaxengine.sampling_params`)
   LogitsProcessor      your own JAX logits processor, row state in the batch (sample/custom.py)
   BatchConfig          capacities and static settings of a batch, validated once (config.py)
   InputBatch           the persistent batch, host side; HostSamplerOutput, LogprobsArrays (batch/)
@@ -40,7 +41,7 @@ import importlib
 from jaxengine.batch import HostRejectionOutput, HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.config import BatchConfig
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxengine.params import SamplingParams, StructuredOutputsParams
+from jaxengine.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxengine.sample import (
   BatchState,
   LogitsProcessor,
@@ -81,6 +82,7 @@ __all__ = [
   "LogprobsTensors",
   "RejectionOutput",
   "RequestOutput",
+  "RequestOutputKind",
   "SamplerOutput",
   "SamplingMetadata",
   "SamplingParams",

@@ -21,6 +21,7 @@ from jaxengine.engine_config import (
   engine_config,
   with_engine_options,
 )
+from jaxengine.generation_config import generation_defaults
 from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models import Model, check_model
 from jaxengine.models.attention_backends import attention_backend
@@ -33,7 +34,7 @@ from jaxengine.models.safetensors_loader import (
   weight_files,
 )
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams, is_int
+from jaxengine.params import RequestOutputKind, SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker.placement import num_attention_heads
 
@@ -152,10 +153,12 @@ class LLM:
     # Before anything compiles (loading a model does): every executable then goes to the cache.
     self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
     eos_token_id = None
+    #: `SamplingParams` keywords from the checkpoint's ``generation_config.json``.
+    self.generation_defaults: dict[str, Any] = {}
     if model is None or isinstance(model, (str, os.PathLike)):
       if config.attention_backend is not None:  # a Pallas kernel off its platform: before loading
         attention_backend(config.attention_backend).check_platform(jax.default_backend())
-      model, tokenizer, eos_token_id = _load_model(
+      model, tokenizer, eos_token_id, self.generation_defaults = _load_model(
         model,
         tokenizer,
         config.dtype,
@@ -261,6 +264,17 @@ class LLM:
     """The engine's `Tokenizer` (None for a model given without one)."""
     return self.llm_engine.tokenizer
 
+  def get_default_sampling_params(self) -> SamplingParams:
+    """A new `SamplingParams` with the model's own sampling defaults (vLLM's method): the
+    `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` (as
+    `max_tokens`) of a Hugging Face directory's ``generation_config.json``, else the plain
+    `SamplingParams()` (a GGUF file, a built model). Yours to change (``sp.max_tokens = 64``).
+
+    Raises:
+      ValueError: a default `SamplingParams` refuses (naming the field).
+    """
+    return SamplingParams(**self.generation_defaults)
+
   def generate(
     self,
     prompts: Prompt | Sequence[Prompt],
@@ -275,7 +289,8 @@ class LLM:
       prompts: a string, a list of token ids, vLLM's prompt dict (`{"prompt": text}` or
         `{"prompt_token_ids": ids}`), or a list of any of these.
       sampling_params: one `SamplingParams` for all prompts or one per prompt; default
-        `SamplingParams()`.
+        `SamplingParams()`. Each request runs with its own copy, checked again (values assigned
+        after construction included); outputs are final whatever `output_kind` (as vLLM).
       use_tqdm: show a progress bar over finished requests.
       lora_request: the LoRA adapter (`LoRARequest`, needs `enable_lora=True`) of every prompt,
         or a list of one per prompt (None: the base model), as vLLM's.
@@ -293,7 +308,7 @@ class LLM:
     exception propagates: the next call does not run them again.
     """
     prompts = _as_prompt_list(prompts)
-    params = _as_params_list(sampling_params, len(prompts))
+    params = [_final_only(p) for p in _as_params_list(sampling_params, len(prompts))]
     engine = self.llm_engine
     loras = _as_lora_list(lora_request, len(prompts))
     ids = engine.add_requests([(None, p, sp, lr) for p, sp, lr in zip(prompts, params, loras)])
@@ -372,16 +387,17 @@ def _load_model(
   download_dir: str | None,
   tp: int = 1,
   max_model_len: int | None = None,
-) -> tuple[Model, Tokenizer | None, list[int] | None]:
+) -> tuple[Model, Tokenizer | None, list[int] | None, dict[str, Any]]:
   """Builds the model a path or hub id names (None: the default GGUF file).
 
   `max_model_len` above the config's `max_position_embeddings` is refused from the config,
   before any weight is read (the runner checks the model again).
 
   Returns:
-    ``(model, tokenizer, EOS ids)``: the given tokenizer or the checkpoint's (None for a
-    directory without ``tokenizer.json``); for a Hugging Face directory the tokenizer's EOS id
-    followed by the generation config's, else None (the engine's default).
+    ``(model, tokenizer, EOS ids, sampling defaults)``: the given tokenizer or the checkpoint's
+    (None for a directory without ``tokenizer.json``); for a Hugging Face directory the
+    tokenizer's EOS id followed by the generation config's, else None (the engine's default);
+    the generation config's sampling defaults (`jaxengine.generation_config`; empty for GGUF).
   """
   resolved = None
   if name is not None:
@@ -394,7 +410,7 @@ def _load_model(
       parallel.check_heads(heads, tp)
     check_max_model_len(max_model_len, config.max_position_embeddings)
     model = load_resolved(resolved, dtype)
-    return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
+    return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None, {}
   directory = resolved.path
   config_path = os.path.join(directory, "config.json")
   if tp > 1 and os.path.isfile(config_path):  # refused before any tensor is read
@@ -413,7 +429,7 @@ def _load_model(
     tokenizer = Tokenizer.from_pretrained(directory)
   primary = None if tokenizer is None else tokenizer.eos_token_id
   eos = list(dict.fromkeys(([] if primary is None else [primary]) + eos_token_ids(directory)))
-  return model, tokenizer, eos or None
+  return model, tokenizer, eos or None, generation_defaults(directory)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
@@ -453,6 +469,14 @@ def _as_lora_list(lora_request, num_prompts: int) -> list[LoRARequest | None]:
       "prompt, or one LoRARequest for all)"
     )
   return list(lora_request)
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+  """`params` as `generate` runs them: DELTA (which `LLMEngine.step` refuses) read as
+  FINAL_ONLY; `generate` returns final outputs whatever the kind, as vLLM's."""
+  if params.output_kind is RequestOutputKind.DELTA:
+    return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+  return params
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:

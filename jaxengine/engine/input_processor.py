@@ -46,16 +46,20 @@ class InputProcessor:
     self._validate = validate
 
   def process(self, request_id: str, prompt, params: SamplingParams) -> Request:
-    """A validated `Request` with its completions.
+    """A validated `Request` with its completions. The request holds its own copy of `params`
+    (`SamplingParams.validated_copy`): values assigned to `params` after construction are
+    checked here, and later assignments do not reach the request.
 
     Raises:
-      ValueError: for parameters that are not a `SamplingParams`, an empty prompt, a prompt of
+      ValueError: for parameters that are not a `SamplingParams` or whose values (assigned
+        after construction) the constructor would refuse, an empty prompt, a prompt of
         `max_model_len` tokens or more, token ids outside the vocabulary, text, stop strings or
         bad_words without a tokenizer, parameters the batch cannot hold, or invalid
         `structured_outputs` (or structured outputs without a tokenizer).
     """
     if not isinstance(params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+    params = params.validated_copy()  # the request's own, checked again
     text, prompt_token_ids = self._prompt_text_and_ids(prompt)
     if not prompt_token_ids:
       raise ValueError("the prompt is empty")

@@ -37,7 +37,7 @@ from jaxengine.engine_config import EngineConfig, engine_config, with_engine_opt
 from jaxengine.lora import LoRAAdapter, LoRARequest, check_lora_request
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import RequestOutputKind, SamplingParams
 from jaxengine.spec_decode.ngram_proposer import SpecDecodingStats
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker import sleep_mode
@@ -231,13 +231,18 @@ class LLMEngine:
     Args:
       request_id: unique in the engine, or None for a fresh one.
       prompt: text, token ids or a vLLM prompt dict.
-      params: its `SamplingParams` (default `SamplingParams()`).
+      params: its `SamplingParams` (default `SamplingParams()`); the engine takes its own
+        copy, checked again (`SamplingParams.validated_copy`), so assigning to `params` later
+        does not change the request. Its `output_kind` CUMULATIVE (default) or FINAL_ONLY
+        chooses what `step` returns for it; DELTA is refused (`jaxengine.AsyncLLM` streams
+        deltas).
       lora_request: the LoRA adapter it runs with (`enable_lora`), None for the base model. The
         adapter's directory is read (once: then kept in the host cache) and checked here.
 
     Raises:
-      ValueError: (nothing queued) for a duplicate id or anything `InputProcessor.process`
-        refuses (an empty or too long prompt, ids outside the vocabulary, text without a
+      ValueError: (nothing queued) for a duplicate id, `output_kind` DELTA, or anything
+        `InputProcessor.process` refuses (invalid `SamplingParams` values, an empty or too
+        long prompt, ids outside the vocabulary, text without a
         tokenizer, parameters the batch cannot hold); a `lora_request` without `enable_lora`,
         with `lora_int_id < 1`, or whose directory `jaxengine.lora.load_peft_adapter` refuses
         (no ``adapter_config.json``, a rank above `max_lora_rank`, an unknown target module).
@@ -268,6 +273,12 @@ class LLMEngine:
             "until pop_finished() returns it)"
           )
         request = self.input_processor.process(request_id, prompt, params or SamplingParams())
+        if request.params.output_kind is RequestOutputKind.DELTA:
+          raise ValueError(
+            "output_kind=RequestOutputKind.DELTA is not supported by LLMEngine.step, which "
+            "returns cumulative outputs (use CUMULATIVE or FINAL_ONLY; AsyncLLM.generate "
+            "streams deltas)"
+          )
         request.lora_request = self._check_lora(lora_request)
         self._check_fits(request)
         made.append(request)
@@ -471,9 +482,14 @@ class LLMEngine:
     finish, then the stop rules.
 
     Returns:
-      A `RequestOutput` (cumulative so far) for every request that advanced in the steps read.
+      A `RequestOutput` (cumulative so far) for every request that advanced in the steps read,
+      except unfinished ones whose `output_kind` is FINAL_ONLY.
     """
     outputs: list[RequestOutput] = []
     for core in self.cores:
       outputs += core.step()
-    return latest_outputs(outputs)
+    return [o for o in latest_outputs(outputs) if o.finished or not self._final_only(o)]
+
+  def _final_only(self, output: RequestOutput) -> bool:
+    request = self._requests.get(output.request_id)
+    return request is not None and request.params.output_kind is RequestOutputKind.FINAL_ONLY
