@@ -25,6 +25,13 @@ Engine (imported on first use; pulls in the model, tokenizer and transformers):
                        (entrypoints/async_llm.py; `jaxengine serve` is its HTTP server)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
   LoRARequest          a request's LoRA adapter, a PEFT directory (lora/; `enable_lora=True`)
+  EngineArgs, AsyncEngineArgs   vLLM's engine arguments, for `LLMEngine.from_engine_args` /
+                       `AsyncLLM.from_engine_args` and `EngineArgs.add_cli_args`
+                       (engine/arg_utils.py)
+
+vLLM's module paths, for vLLM scripts with only `vllm` renamed: `jaxengine.sampling_params`,
+`jaxengine.engine.arg_utils`, `jaxengine.utils` (`FlexibleArgumentParser`),
+`jaxengine.distributed` (`cleanup_dist_env_and_memory`), `jaxengine.v1.engine.async_llm`.
 
 Shape legend (every module, docstring and shape comment uses these letters):
   R  rows of the persistent batch (`max_num_reqs`)     N  live rows (`num_reqs`)
@@ -61,15 +68,19 @@ _LAZY = {
   "EngineConfig": "jaxengine.engine",
   "make_mesh": "jaxengine.parallel",
   "AsyncLLM": "jaxengine.entrypoints.async_llm",
+  "EngineArgs": "jaxengine.engine.arg_utils",
+  "AsyncEngineArgs": "jaxengine.engine.arg_utils",
   "LoRARequest": "jaxengine.lora",
 }
 
 __all__ = [
   "LLM",
+  "AsyncEngineArgs",
   "AsyncLLM",
   "BatchConfig",
   "BatchState",
   "CompletionOutput",
+  "EngineArgs",
   "EngineConfig",
   "HostRejectionOutput",
   "HostSamplerOutput",

@@ -205,7 +205,7 @@ def test_sampling_params_assigned_later_are_checked_and_copied_when_added(llm):
   assert len(seen[0].outputs[0].token_ids) == 3
   engine.pop_finished()
   params.output_kind = je.RequestOutputKind.DELTA
-  with pytest.raises(ValueError, match="DELTA is not supported by LLMEngine.step"):
+  with pytest.raises(ValueError, match=r"DELTA is not supported by LLMEngine\.step"):
     engine.add_request("delta", "Hi", params)
   (out,) = llm.generate("Hi", params, use_tqdm=False)
   assert len(out.outputs[0].token_ids) == 12 and out.finished

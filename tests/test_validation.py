@@ -159,7 +159,7 @@ def test_sampling_params_are_assignable_as_vllms_and_keyword_only():
   p.max_tokens, p.structured_outputs.choice = 3, ("y",)
   assert taken.max_tokens == 20 and taken.structured_outputs.choice == ("x",)
   p.temperature = -1.0
-  with pytest.raises(ValueError, match="temperature must be non-negative, got -1.0"):
+  with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1\.0"):
     p.validated_copy()
   p.temperature, p.min_tokens = 0.5, 10
   with pytest.raises(ValueError, match="min_tokens must be less than or equal to max_tokens=3"):

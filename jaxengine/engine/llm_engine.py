@@ -29,6 +29,7 @@ from flax import nnx
 from jaxengine.core.kv_cache_manager import KVCacheStats
 from jaxengine.core.request import Request
 from jaxengine.core.scheduler import Scheduler
+from jaxengine.engine.arg_utils import EngineArgs
 from jaxengine.engine.engine_core import EngineCore, latest_outputs
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.output_processor import OutputProcessor
@@ -189,6 +190,20 @@ class LLMEngine:
     )
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
+
+  @classmethod
+  def from_engine_args(cls, engine_args: EngineArgs, usage_context: object = None) -> LLMEngine:
+    """The engine vLLM's `EngineArgs` describe: their `model` loaded as `jaxengine.LLM` loads
+    it (with its tokenizer and EOS ids), the engine config from the other arguments
+    (`precompile` honoured). `usage_context` is vLLM's, ignored.
+
+    Raises:
+      ValueError, FileNotFoundError, TypeError: as `jaxengine.LLM`.
+    """
+    from jaxengine.llm import LLM  # the loader; llm.py imports this module
+
+    del usage_context
+    return LLM(engine_args.model, config=engine_args.create_engine_config()).llm_engine
 
   @property
   def runner(self) -> ModelRunner:

@@ -180,6 +180,25 @@ class AsyncLLM:
     self._thread = threading.Thread(target=self._run, name="jaxengine-engine", daemon=True)
     self._thread.start()
 
+  @classmethod
+  def from_engine_args(
+    cls,
+    engine_args,
+    start_engine_loop: bool = True,
+    usage_context: object = None,
+    stat_loggers: list[StatLogger] | None = None,
+  ) -> AsyncLLM:
+    """An `AsyncLLM` for vLLM's `AsyncEngineArgs` (or `EngineArgs`): their `model` with the
+    engine config of the other arguments (`jaxengine.engine.arg_utils`). `start_engine_loop`
+    and `usage_context` are vLLM's, ignored (the engine thread always starts).
+
+    Raises:
+      As `jaxengine.LLM`.
+    """
+    del start_engine_loop, usage_context
+    config = engine_args.create_engine_config()
+    return cls(engine_args.model, stat_loggers=stat_loggers, config=config)
+
   # --- the asyncio side -----------------------------------------------------------------------
 
   @property
