@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 
 import hf_checkpoints
@@ -74,7 +75,7 @@ def test_engine_args_from_the_command_line_build_and_step_an_engine(checkpoint):
 def test_engine_args_refuse_what_jaxengine_has_not(capsys):
   with pytest.raises(TypeError, match="'swap_space' is not an engine argument jaxengine has"):
     EngineArgs(swap_space=4)
-  with pytest.raises(TypeError, match="'max_num_reqs' .* it is 'max_num_seqs' here"):
+  with pytest.raises(TypeError, match=r"'max_num_reqs' .* it is 'max_num_seqs' here"):
     AsyncEngineArgs(max_num_reqs=4)
   with pytest.raises(ValueError, match="max_num_reqs must be a positive int, got 0"):
     EngineArgs(max_num_seqs=0).create_engine_config()
@@ -119,7 +120,7 @@ def test_async_llm_from_engine_args_honours_output_kind(checkpoint):
   assert len(final) == 1 and final[0].finished and len(tokens) == 6
   assert [t for o in delta for c in o.outputs for t in c.token_ids] == tokens
   assert cumulative[-1].outputs[0].token_ids == tokens
-  for before, after in zip(cumulative, cumulative[1:]):  # each holds the one before
+  for before, after in itertools.pairwise(cumulative):  # each holds the one before
     assert after.outputs[0].token_ids[: len(before.outputs[0].token_ids)] == (
       before.outputs[0].token_ids
     )
