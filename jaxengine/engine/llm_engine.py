@@ -193,16 +193,10 @@ class LLMEngine:
 
   @classmethod
   def from_engine_args(cls, engine_args: EngineArgs, usage_context: object = None) -> LLMEngine:
-    """The engine vLLM's `EngineArgs` describe: their `model` loaded as `jaxengine.LLM` loads
-    it (with its tokenizer and EOS ids), the engine config from the other arguments
-    (`precompile` honoured). `usage_context` is vLLM's, ignored.
-
-    Raises:
-      ValueError, FileNotFoundError, TypeError: as `jaxengine.LLM`.
-    """
+    """The engine of vLLM's `EngineArgs`: their `model` loaded as `jaxengine.LLM` loads it, the
+    config from the others (`usage_context`, vLLM's, is ignored). Raises as `jaxengine.LLM`."""
     from jaxengine.llm import LLM  # the loader; llm.py imports this module
 
-    del usage_context
     return LLM(engine_args.model, config=engine_args.create_engine_config()).llm_engine
 
   @property
@@ -246,19 +240,17 @@ class LLMEngine:
     Args:
       request_id: unique in the engine, or None for a fresh one.
       prompt: text, token ids or a vLLM prompt dict.
-      params: its `SamplingParams` (default `SamplingParams()`); the engine takes its own
-        copy, checked again (`SamplingParams.validated_copy`), so assigning to `params` later
-        does not change the request. Its `output_kind` CUMULATIVE (default) or FINAL_ONLY
-        chooses what `step` returns for it; DELTA is refused (`jaxengine.AsyncLLM` streams
-        deltas).
+      params: its `SamplingParams` (default `SamplingParams()`), of which the engine takes a
+        checked copy (`SamplingParams.validated_copy`): later assignments do not reach the
+        request. `output_kind` CUMULATIVE or FINAL_ONLY chooses what `step` returns for it.
       lora_request: the LoRA adapter it runs with (`enable_lora`), None for the base model. The
         adapter's directory is read (once: then kept in the host cache) and checked here.
 
     Raises:
-      ValueError: (nothing queued) for a duplicate id, `output_kind` DELTA, or anything
-        `InputProcessor.process` refuses (invalid `SamplingParams` values, an empty or too
-        long prompt, ids outside the vocabulary, text without a
-        tokenizer, parameters the batch cannot hold); a `lora_request` without `enable_lora`,
+      ValueError: (nothing queued) for a duplicate id or anything `InputProcessor.process`
+        refuses (invalid `SamplingParams` values or `output_kind` DELTA, an empty or too long
+        prompt, ids outside the vocabulary, text without a tokenizer, parameters the batch
+        cannot hold); a `lora_request` without `enable_lora`,
         with `lora_int_id < 1`, or whose directory `jaxengine.lora.load_peft_adapter` refuses
         (no ``adapter_config.json``, a rank above `max_lora_rank`, an unknown target module).
       RuntimeError: (nothing queued) while the engine sleeps (`sleep`: call `wake_up`), or
@@ -288,12 +280,6 @@ class LLMEngine:
             "until pop_finished() returns it)"
           )
         request = self.input_processor.process(request_id, prompt, params or SamplingParams())
-        if request.params.output_kind is RequestOutputKind.DELTA:
-          raise ValueError(
-            "output_kind=RequestOutputKind.DELTA is not supported by LLMEngine.step, which "
-            "returns cumulative outputs (use CUMULATIVE or FINAL_ONLY; AsyncLLM.generate "
-            "streams deltas)"
-          )
         request.lora_request = self._check_lora(lora_request)
         self._check_fits(request)
         made.append(request)
@@ -503,8 +489,11 @@ class LLMEngine:
     outputs: list[RequestOutput] = []
     for core in self.cores:
       outputs += core.step()
-    return [o for o in latest_outputs(outputs) if o.finished or not self._final_only(o)]
-
-  def _final_only(self, output: RequestOutput) -> bool:
-    request = self._requests.get(output.request_id)
-    return request is not None and request.params.output_kind is RequestOutputKind.FINAL_ONLY
+    requests, final = self._requests, RequestOutputKind.FINAL_ONLY
+    return [
+      o
+      for o in latest_outputs(outputs)
+      if o.finished
+      or o.request_id not in requests
+      or requests[o.request_id].params.output_kind is not final
+    ]
