@@ -31,7 +31,8 @@ Engine (imported on first use; pulls in the model, tokenizer and transformers):
 
 vLLM's module paths, for vLLM scripts with only `vllm` renamed: `jaxengine.sampling_params`,
 `jaxengine.engine.arg_utils`, `jaxengine.utils` (`FlexibleArgumentParser`),
-`jaxengine.distributed` (`cleanup_dist_env_and_memory`), `jaxengine.v1.engine.async_llm`.
+`jaxengine.distributed` (`cleanup_dist_env_and_memory`), `jaxengine.inputs` (`TextPrompt`,
+`TokensPrompt`), `jaxengine.v1.engine.async_llm`.
 
 Shape legend (every module, docstring and shape comment uses these letters):
   R  rows of the persistent batch (`max_num_reqs`)     N  live rows (`num_reqs`)

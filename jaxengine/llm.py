@@ -2,41 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-import jax
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
-from jaxengine import parallel
 from jaxengine.chat_messages import as_conversations, render_prompts
-from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
+from jaxengine.engine.model_loader import load_model
 from jaxengine.engine_config import (
   EngineConfig,
-  check_max_model_len,
   engine_config,
   with_engine_options,
 )
-from jaxengine.generation_config import generation_defaults
 from jaxengine.lora import LoRAAdapter, LoRARequest
-from jaxengine.models import Model, check_model
-from jaxengine.models.attention_backends import attention_backend
-from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
-from jaxengine.models.hub import load_resolved, resolve_model
-from jaxengine.models.safetensors_loader import (
-  config_from_hf,
-  eos_token_ids,
-  read_hf_config,
-  weight_files,
-)
+from jaxengine.models import Model
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import RequestOutputKind, SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
-from jaxengine.worker.placement import num_attention_heads
 
 Prompt = (
   str | Sequence[int] | Mapping
@@ -145,29 +130,14 @@ class LLM:
     **options: Any,
   ):
     config = engine_config(config, options, "LLM")  # every option checked before loading
-    t = config.tensor_parallel_size
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-      check_model(model)  # before the process-wide compilation cache is turned on
-    if isinstance(model, Model) and num_attention_heads(model) is not None:
-      parallel.check_heads(cast(int, num_attention_heads(model)), t)
-    # Before anything compiles (loading a model does): every executable then goes to the cache.
-    self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
-    eos_token_id = None
+    loaded = load_model(model, tokenizer, config)
+    #: The directory of JAX's persistent compilation cache, None when off.
+    self.compilation_cache_dir = loaded.compilation_cache_dir
     #: `SamplingParams` keywords from the checkpoint's ``generation_config.json``.
-    self.generation_defaults: dict[str, Any] = {}
-    if model is None or isinstance(model, (str, os.PathLike)):
-      if config.attention_backend is not None:  # a Pallas kernel off its platform: before loading
-        attention_backend(config.attention_backend).check_platform(jax.default_backend())
-      model, tokenizer, eos_token_id, self.generation_defaults = _load_model(
-        model,
-        tokenizer,
-        config.dtype,
-        revision=config.revision,
-        download_dir=config.download_dir,
-        tp=t,
-        max_model_len=config.max_model_len,
-      )
-    self.llm_engine = LLMEngine(model, tokenizer, eos_token_id=eos_token_id, config=config)
+    self.generation_defaults: dict[str, Any] = loaded.generation_defaults
+    self.llm_engine = LLMEngine(
+      loaded.model, loaded.tokenizer, eos_token_id=loaded.eos_token_ids, config=config
+    )
     #: The engine's config: `max_model_len` (and what derives from it) resolved for the model.
     self.config = self.llm_engine.config
     if config.precompile:
@@ -376,60 +346,6 @@ class LLM:
     return self.generate(
       cast(list[Prompt], prompts), sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
     )
-
-
-def _load_model(
-  name: str | os.PathLike | None,
-  tokenizer: Tokenizer | None,
-  dtype,
-  *,
-  revision: str | None,
-  download_dir: str | None,
-  tp: int = 1,
-  max_model_len: int | None = None,
-) -> tuple[Model, Tokenizer | None, list[int] | None, dict[str, Any]]:
-  """Builds the model a path or hub id names (None: the default GGUF file).
-
-  `max_model_len` above the config's `max_position_embeddings` is refused from the config,
-  before any weight is read (the runner checks the model again).
-
-  Returns:
-    ``(model, tokenizer, EOS ids, sampling defaults)``: the given tokenizer or the checkpoint's
-    (None for a directory without ``tokenizer.json``); for a Hugging Face directory the
-    tokenizer's EOS id followed by the generation config's, else None (the engine's default);
-    the generation config's sampling defaults (`jaxengine.generation_config`; empty for GGUF).
-  """
-  resolved = None
-  if name is not None:
-    resolved = resolve_model(name, revision=revision, download_dir=download_dir)
-  if resolved is None or resolved.kind == "gguf":
-    path = None if resolved is None else resolved.path
-    config = read_config(open_gguf(path if path is not None else default_model_path()))
-    heads = getattr(config, "num_attention_heads", None)
-    if tp > 1 and isinstance(heads, int):  # refused before any tensor is read, as below
-      parallel.check_heads(heads, tp)
-    check_max_model_len(max_model_len, config.max_position_embeddings)
-    model = load_resolved(resolved, dtype)
-    return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None, {}
-  directory = resolved.path
-  config_path = os.path.join(directory, "config.json")
-  if tp > 1 and os.path.isfile(config_path):  # refused before any tensor is read
-    with open(config_path) as f:
-      heads = json.load(f).get("num_attention_heads")
-    if isinstance(heads, int):
-      parallel.check_heads(heads, tp)
-  if os.path.isfile(config_path):
-    # An unsupported variant, then missing weight files, are named before the length check.
-    limit = getattr(config_from_hf(read_hf_config(directory)), "max_position_embeddings", None)
-    weight_files(directory)
-    if isinstance(limit, int):
-      check_max_model_len(max_model_len, limit)
-  model = load_resolved(resolved, dtype)
-  if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
-    tokenizer = Tokenizer.from_pretrained(directory)
-  primary = None if tokenizer is None else tokenizer.eos_token_id
-  eos = list(dict.fromkeys(([] if primary is None else [primary]) + eos_token_ids(directory)))
-  return model, tokenizer, eos or None, generation_defaults(directory)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

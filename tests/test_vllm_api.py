@@ -2,7 +2,8 @@
 `FlexibleArgumentParser` + `add_cli_args`, `LLMEngine.from_engine_args` stepped by hand,
 `AsyncLLM.from_engine_args` streaming per `SamplingParams.output_kind`,
 `LLM.get_default_sampling_params`, and vLLM's module paths. One tiny Hugging Face checkpoint
-(no tokenizer: token-id prompts) with a `generation_config.json`."""
+(no tokenizer: token-id prompts, as `jaxengine.inputs.TokensPrompt`) with a
+`generation_config.json`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import jaxengine as je
 from jaxengine.distributed import cleanup_dist_env_and_memory
 from jaxengine.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from jaxengine.inputs import TokensPrompt
 from jaxengine.sampling_params import RequestOutputKind, SamplingParams
 from jaxengine.utils import FlexibleArgumentParser
 from jaxengine.v1.engine.async_llm import AsyncLLM
@@ -56,7 +58,7 @@ def test_engine_args_from_the_command_line_build_and_step_an_engine(checkpoint):
   engine = je.LLMEngine.from_engine_args(engine_args)
   assert (engine.config.max_num_reqs, engine.config.max_model_len, engine.config.seed) == (2, 32, 3)
   greedy = SamplingParams(temperature=0, max_tokens=4)
-  engine.add_request("0", PROMPT, greedy)
+  engine.add_request("0", TokensPrompt(prompt_token_ids=PROMPT), greedy)  # vllm.inputs' dict
   finished = []
   while engine.has_unfinished_requests():
     finished += [o for o in engine.step() if o.finished]

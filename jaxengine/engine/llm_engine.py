@@ -32,6 +32,7 @@ from jaxengine.core.scheduler import Scheduler
 from jaxengine.engine.arg_utils import EngineArgs
 from jaxengine.engine.engine_core import EngineCore, latest_outputs
 from jaxengine.engine.input_processor import InputProcessor
+from jaxengine.engine.model_loader import load_model
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.engine_config import EngineConfig, engine_config, with_engine_options
@@ -195,9 +196,12 @@ class LLMEngine:
   def from_engine_args(cls, engine_args: EngineArgs, usage_context: object = None) -> LLMEngine:
     """The engine of vLLM's `EngineArgs`: their `model` loaded as `jaxengine.LLM` loads it, the
     config from the others (`usage_context`, vLLM's, is ignored). Raises as `jaxengine.LLM`."""
-    from jaxengine.llm import LLM  # the loader; llm.py imports this module
-
-    return LLM(engine_args.model, config=engine_args.create_engine_config()).llm_engine
+    config = engine_args.create_engine_config()
+    loaded = load_model(engine_args.model, None, config)
+    engine = cls(loaded.model, loaded.tokenizer, eos_token_id=loaded.eos_token_ids, config=config)
+    if config.precompile:
+      engine.precompile()
+    return engine
 
   @property
   def runner(self) -> ModelRunner:
@@ -250,9 +254,9 @@ class LLMEngine:
       ValueError: (nothing queued) for a duplicate id or anything `InputProcessor.process`
         refuses (invalid `SamplingParams` values or `output_kind` DELTA, an empty or too long
         prompt, ids outside the vocabulary, text without a tokenizer, parameters the batch
-        cannot hold); a `lora_request` without `enable_lora`,
-        with `lora_int_id < 1`, or whose directory `jaxengine.lora.load_peft_adapter` refuses
-        (no ``adapter_config.json``, a rank above `max_lora_rank`, an unknown target module).
+        cannot hold); a `lora_request` without `enable_lora`, with `lora_int_id < 1`, or
+        whose directory `jaxengine.lora.load_peft_adapter` refuses (no ``adapter_config.json``,
+        a rank above `max_lora_rank`, an unknown target module).
       RuntimeError: (nothing queued) while the engine sleeps (`sleep`: call `wake_up`), or
         after sleep level 2 until `load_weights` has given the weights again.
     """
@@ -483,17 +487,14 @@ class LLMEngine:
     finish, then the stop rules.
 
     Returns:
-      A `RequestOutput` (cumulative so far) for every request that advanced in the steps read,
-      except unfinished ones whose `output_kind` is FINAL_ONLY.
+      A cumulative `RequestOutput` per request advanced in the steps read (FINAL_ONLY: finished).
     """
     outputs: list[RequestOutput] = []
     for core in self.cores:
       outputs += core.step()
-    requests, final = self._requests, RequestOutputKind.FINAL_ONLY
-    return [
-      o
-      for o in latest_outputs(outputs)
-      if o.finished
-      or o.request_id not in requests
-      or requests[o.request_id].params.output_kind is not final
-    ]
+    final = RequestOutputKind.FINAL_ONLY
+    return [o for o in latest_outputs(outputs) if o.finished or self._kind(o) is not final]
+
+  def _kind(self, output: RequestOutput) -> RequestOutputKind | None:
+    request = self._requests.get(output.request_id)
+    return None if request is None else request.params.output_kind
