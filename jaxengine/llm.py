@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import jax
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
@@ -229,6 +230,37 @@ class LLM:
     """Empties the prefix cache (as `load_weights` does); returns True. Counters stay in
     `llm.llm_engine.kv_cache_stats`."""
     return self.llm_engine.reset_prefix_cache()
+
+  def start_profile(self, profile_prefix: str | None = None) -> None:
+    """Starts a JAX profiler trace of what the engine runs (vLLM's `start_profile`), until
+    `stop_profile`. The trace (XLA's xplane and a Perfetto ``trace.json.gz``, for TensorBoard's
+    profile plugin or ui.perfetto.dev) goes under the directory `JAXENGINE_PROFILER_DIR` names,
+    else vLLM's `VLLM_TORCH_PROFILER_DIR`, in ``plugins/profile/<timestamp>/``.
+
+    Args:
+      profile_prefix: vLLM's name prefix for the trace files; ignored (the timestamp names them).
+
+    Raises:
+      RuntimeError: neither variable is set, or a trace is already running (nothing starts).
+    """
+    del profile_prefix
+    directory = os.environ.get("JAXENGINE_PROFILER_DIR") or os.environ.get(
+      "VLLM_TORCH_PROFILER_DIR"
+    )
+    if not directory:
+      raise RuntimeError(
+        "start_profile needs a trace directory: set JAXENGINE_PROFILER_DIR (or vLLM's "
+        "VLLM_TORCH_PROFILER_DIR)"
+      )
+    jax.profiler.start_trace(directory)
+
+  def stop_profile(self) -> None:
+    """Stops the trace `start_profile` started and writes it (vLLM's `stop_profile`).
+
+    Raises:
+      RuntimeError: no trace is running.
+    """
+    jax.profiler.stop_trace()
 
   def get_tokenizer(self) -> Tokenizer | None:
     """The engine's `Tokenizer` (None for a model given without one)."""

@@ -86,13 +86,25 @@ def test_engine_args_refuse_what_jaxengine_has_not(capsys):
   assert "an engine argument jaxengine has" in capsys.readouterr().err
 
 
-def test_get_default_sampling_params_reads_generation_config_and_is_assignable(checkpoint):
-  """vLLM's generate.py: `sp = llm.get_default_sampling_params()`, then assigns to it."""
+def test_get_default_sampling_params_reads_generation_config_and_is_assignable(
+  checkpoint, tmp_path, monkeypatch
+):
+  """vLLM's generate.py: `sp = llm.get_default_sampling_params()`, then assigns to it;
+  simple_profiling.py: `start_profile` / `stop_profile` around a generate write a trace under
+  `VLLM_TORCH_PROFILER_DIR`."""
   llm = je.LLM(checkpoint, max_num_seqs=2, max_model_len=32)
   params = llm.get_default_sampling_params()
   assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 7)
   params.max_tokens, params.temperature = 3, 0.0
+  monkeypatch.delenv("JAXENGINE_PROFILER_DIR", raising=False)
+  monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+  with pytest.raises(RuntimeError, match="set JAXENGINE_PROFILER_DIR"):
+    llm.start_profile()
+  monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+  llm.start_profile()
   (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+  llm.stop_profile()
+  assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb")), "no trace written"
   assert len(out.outputs[0].token_ids) == 3
   assert llm.get_default_sampling_params().max_tokens == 7, "a new object each call"
   del llm
