@@ -30,20 +30,33 @@ _NO_FLAG = ("mesh",)
 #: `add_cli_args`' flags for the fields the `jaxengine` command has none for (or other ones):
 #: `argparse` keywords, beside vLLM's short aliases.
 _MORE_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-  "seed": ((), dict(type=int, help="engine seed of unseeded requests")),
-  "max_num_seqs": ((), dict(type=positive_int, help="sequences decoded at once (max_num_reqs)")),
+  "seed": ((), dict(type=int, metavar="SEED", help="engine seed of unseeded requests")),
+  "max_num_seqs": (
+    (),
+    dict(type=positive_int, metavar="N", help="sequences decoded at once (max_num_reqs)"),
+  ),
   "max_logprobs": (
     (),
-    dict(type=int, help="largest logprobs per request, -1: the vocabulary (max_num_logprobs)"),
+    dict(
+      type=int,
+      metavar="N",
+      help="largest logprobs per request, -1: the vocabulary (max_num_logprobs)",
+    ),
   ),
-  "tensor_parallel_size": (("-tp",), dict(type=positive_int, help="devices splitting each layer")),
-  "data_parallel_size": (("-dp",), dict(type=positive_int, help="data-parallel groups")),
+  "tensor_parallel_size": (
+    ("-tp",),
+    dict(type=positive_int, metavar="N", help="devices splitting each layer"),
+  ),
+  "data_parallel_size": (
+    ("-dp",),
+    dict(type=positive_int, metavar="N", help="data-parallel groups"),
+  ),
   "enable_expert_parallel": (
     ("-ep",),
     dict(action="store_true", help="split a mixture of experts' experts over the devices"),
   ),
-  "revision": ((), dict(help="hub branch, tag or commit")),
-  "download_dir": ((), dict(help="hub cache directory")),
+  "revision": ((), dict(metavar="REV", help="hub branch, tag or commit")),
+  "download_dir": ((), dict(metavar="DIR", help="hub cache directory")),
   "logprobs_mode": (
     (),
     dict(choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]),
@@ -53,7 +66,10 @@ _MORE_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     (),
     dict(nargs="+", metavar="MODULE:CLASS", help="jaxengine.LogitsProcessor classes"),
   ),
-  "speculative_config": ((), dict(type=speculative_config, help="vLLM's n-gram dict, as JSON")),
+  "speculative_config": (
+    (),
+    dict(type=speculative_config, metavar="JSON", help="vLLM's n-gram dict"),
+  ),
 }
 
 
@@ -95,9 +111,8 @@ class _EngineArgsMethods:
       if f.name == "model" or f.name in _NO_FLAG:
         continue
       aliases, options = _MORE_FLAGS.get(f.name, ((), None))
-      if options is None:
-        options = {k: v for k, v in flags[f.name].options.items() if k != "metavar"}
-      options = {**options, "default": f.default, "dest": f.name}
+      options = {**(flags[f.name].options if options is None else options)}
+      options.update(default=f.default, dest=f.name)
       if options.get("action") == "store_true":
         options.pop("type", None)
       parser.add_argument("--" + f.name.replace("_", "-"), *aliases, **options)
