@@ -1,7 +1,8 @@
 """jaxengine: a persistent-batch LLM sampler and inference engine in JAX with vLLM V1 semantics.
 
 Core (no model needed):
-  SamplingParams       per-request sampling parameters; StructuredOutputsParams (params.py)
+  SamplingParams       per-request sampling parameters; StructuredOutputsParams,
+                       RequestOutputKind (params.py; vLLM's path `jaxengine.sampling_params`)
   LogitsProcessor      your own JAX logits processor, row state in the batch (sample/custom.py)
   BatchConfig          capacities and static settings of a batch, validated once (config.py)
   InputBatch           the persistent batch, host side; HostSamplerOutput, LogprobsArrays (batch/)
@@ -24,6 +25,14 @@ Engine (imported on first use; pulls in the model, tokenizer and transformers):
                        (entrypoints/async_llm.py; `jaxengine serve` is its HTTP server)
   RequestOutput, CompletionOutput, Logprob   vLLM's output classes (outputs.py)
   LoRARequest          a request's LoRA adapter, a PEFT directory (lora/; `enable_lora=True`)
+  EngineArgs, AsyncEngineArgs   vLLM's engine arguments, for `LLMEngine.from_engine_args` /
+                       `AsyncLLM.from_engine_args` and `EngineArgs.add_cli_args`
+                       (engine/arg_utils.py)
+
+vLLM's module paths, for vLLM scripts with only `vllm` renamed: `jaxengine.sampling_params`,
+`jaxengine.engine.arg_utils`, `jaxengine.utils` (`FlexibleArgumentParser`),
+`jaxengine.distributed` (`cleanup_dist_env_and_memory`), `jaxengine.inputs` (`TextPrompt`,
+`TokensPrompt`), `jaxengine.v1.engine.async_llm`.
 
 Shape legend (every module, docstring and shape comment uses these letters):
   R  rows of the persistent batch (`max_num_reqs`)     N  live rows (`num_reqs`)
@@ -40,7 +49,7 @@ import importlib
 from jaxengine.batch import HostRejectionOutput, HostSamplerOutput, InputBatch, LogprobsArrays
 from jaxengine.config import BatchConfig
 from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxengine.params import SamplingParams, StructuredOutputsParams
+from jaxengine.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxengine.sample import (
   BatchState,
   LogitsProcessor,
@@ -60,15 +69,19 @@ _LAZY = {
   "EngineConfig": "jaxengine.engine",
   "make_mesh": "jaxengine.parallel",
   "AsyncLLM": "jaxengine.entrypoints.async_llm",
+  "EngineArgs": "jaxengine.engine.arg_utils",
+  "AsyncEngineArgs": "jaxengine.engine.arg_utils",
   "LoRARequest": "jaxengine.lora",
 }
 
 __all__ = [
   "LLM",
+  "AsyncEngineArgs",
   "AsyncLLM",
   "BatchConfig",
   "BatchState",
   "CompletionOutput",
+  "EngineArgs",
   "EngineConfig",
   "HostRejectionOutput",
   "HostSamplerOutput",
@@ -81,6 +94,7 @@ __all__ = [
   "LogprobsTensors",
   "RejectionOutput",
   "RequestOutput",
+  "RequestOutputKind",
   "SamplerOutput",
   "SamplingMetadata",
   "SamplingParams",

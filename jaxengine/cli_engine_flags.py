@@ -15,6 +15,7 @@ from jaxengine.cli_checks import (
   speculative_config,
   unit_fraction,
 )
+from jaxengine.vllm_names import resolve_vllm_names
 
 
 class EngineFlag(NamedTuple):
@@ -39,13 +40,31 @@ class EngineFlag(NamedTuple):
 
 
 #: The engine flags (group "engine"); `engine_options` gives the `EngineConfig` from them. Two
-#: fields come from flags of the other groups: `max_num_logprobs` from `--logprobs`,
-#: `logits_processors` from `--logits-processor`. Adding a flag for a field is one entry.
+#: fields come from flags of the other groups: `max_num_logprobs` from `--logprobs` (unless
+#: `--max-logprobs` is given), `logits_processors` from `--logits-processor`. Adding a flag for a
+#: field is one entry; `--max-num-seqs` and `--max-logprobs` are vLLM's names
+#: (`jaxengine.vllm_names`).
 ENGINE_FLAGS = (
   EngineFlag(
     "max_num_reqs",
     "--max-num-reqs",
-    dict(metavar="N", type=positive_int, default=16, help="sequences decoded at once"),
+    dict(metavar="N", type=positive_int, default=None, help="sequences decoded at once (16)"),
+  ),
+  EngineFlag(
+    "max_num_seqs",
+    "--max-num-seqs",
+    dict(metavar="N", type=positive_int, default=None, help="vLLM's name for --max-num-reqs"),
+  ),
+  EngineFlag(
+    "max_logprobs",
+    "--max-logprobs",
+    dict(
+      metavar="N",
+      type=int,
+      default=None,
+      help="largest logprobs / prompt_logprobs per request, -1: the vocabulary (vLLM's name; "
+      "default for generate and chat: 20, or --logprobs if larger)",
+    ),
   ),
   EngineFlag(
     "max_model_len",
@@ -314,7 +333,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_flag_options(args: argparse.Namespace) -> dict[str, Any]:
   """The `EngineConfig` fields the `ENGINE_FLAGS` set (flags left unset keep the field's default);
-  what `jaxengine serve` passes to its engine."""
+  what `jaxengine serve` passes to its engine. vLLM's `--max-num-seqs` / `--max-logprobs` set
+  `max_num_reqs` / `max_num_logprobs`.
+
+  Raises:
+    ValueError: `--max-num-seqs` and `--max-num-reqs` given with different values (or
+      `--max-logprobs` with a different `max_num_logprobs`).
+  """
   options = {}
   for entry in ENGINE_FLAGS:
     value = getattr(args, entry.dest)
@@ -322,13 +347,19 @@ def engine_flag_options(args: argparse.Namespace) -> dict[str, Any]:
       value = entry.convert(value)
     if value is not None:
       options[entry.field] = value
-  return options
+  return resolve_vllm_names(options)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
   """The `EngineConfig` fields the parsed flags of `generate` / `chat` set: the `ENGINE_FLAGS`,
-  plus `max_num_logprobs` from `--logprobs` and `logits_processors` from `--logits-processor`."""
+  plus `max_num_logprobs` from `--logprobs` (unless `--max-logprobs` is given) and
+  `logits_processors` from `--logits-processor`.
+
+  Raises:
+    ValueError: as `engine_flag_options`.
+  """
   options = engine_flag_options(args)
-  options["max_num_logprobs"] = -1 if args.logprobs == -1 else max(20, args.logprobs or 0)
+  if "max_num_logprobs" not in options:  # from --max-logprobs
+    options["max_num_logprobs"] = -1 if args.logprobs == -1 else max(20, args.logprobs or 0)
   options["logits_processors"] = args.logits_processor
   return options

@@ -29,6 +29,7 @@ from jaxengine.models.attention_backends import BACKEND_NAMES
 from jaxengine.models.quantization import check_quantization
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
 from jaxengine.spec_decode.config import SpeculativeConfig
+from jaxengine.vllm_names import resolve_vllm_names
 
 #: The paged engine's token budget per step when `max_num_batched_tokens` is None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -543,14 +544,15 @@ def engine_config(
   config: EngineConfig | None, options: Mapping[str, Any], caller: str
 ) -> EngineConfig:
   """The config of an `LLM` or `LLMEngine` call: `config` with `options` applied, or one built
-  from `options`.
+  from `options`. vLLM's `max_num_seqs` and `max_logprobs` are accepted for `max_num_reqs` and
+  `max_num_logprobs` (`jaxengine.vllm_names`).
 
   Raises:
     TypeError: for an option that is not an `EngineConfig` field, as for any unknown keyword
-      (naming `caller` and the option, and the field it may stand for: a close spelling, or the
-      field vLLM's `max_num_seqs` / `max_logprobs` are here).
-    ValueError: as `EngineConfig`.
+      (naming `caller` and the option, and the field it may stand for: a close spelling).
+    ValueError: as `EngineConfig`; a vLLM name and its field given with different values.
   """
+  options = resolve_vllm_names(options)
   names = [field.name for field in dataclasses.fields(EngineConfig)]
   unknown = [name for name in options if name not in names]
   if unknown:
@@ -565,13 +567,9 @@ def engine_config(
   return config.replace(**options) if options else config
 
 
-#: vLLM's `LLM` keywords whose `EngineConfig` field has another name.
-VLLM_NAMES = {"max_num_seqs": "max_num_reqs", "max_logprobs": "max_num_logprobs"}
-
-
 def _did_you_mean(name: str, names: Sequence[str]) -> str:
-  """A hint for an unknown option: its field under vLLM's name, else the closest field name."""
-  close = [VLLM_NAMES[name]] if name in VLLM_NAMES else difflib.get_close_matches(name, names, 1)
+  """A hint for an unknown option: the closest field name."""
+  close = difflib.get_close_matches(name, names, 1)
   return f"; did you mean {close[0]!r}?" if close else ""
 
 

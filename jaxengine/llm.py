@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -11,31 +10,19 @@ import jax
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
-from jaxengine import parallel
 from jaxengine.chat_messages import as_conversations, render_prompts
-from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine import LLMEngine
+from jaxengine.engine.model_loader import load_model
 from jaxengine.engine_config import (
   EngineConfig,
-  check_max_model_len,
   engine_config,
   with_engine_options,
 )
 from jaxengine.lora import LoRAAdapter, LoRARequest
-from jaxengine.models import Model, check_model
-from jaxengine.models.attention_backends import attention_backend
-from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
-from jaxengine.models.hub import load_resolved, resolve_model
-from jaxengine.models.safetensors_loader import (
-  config_from_hf,
-  eos_token_ids,
-  read_hf_config,
-  weight_files,
-)
+from jaxengine.models import Model
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams, is_int
+from jaxengine.params import RequestOutputKind, SamplingParams, is_int
 from jaxengine.tokenizer import Tokenizer
-from jaxengine.worker.placement import num_attention_heads
 
 Prompt = (
   str | Sequence[int] | Mapping
@@ -144,27 +131,14 @@ class LLM:
     **options: Any,
   ):
     config = engine_config(config, options, "LLM")  # every option checked before loading
-    t = config.tensor_parallel_size
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-      check_model(model)  # before the process-wide compilation cache is turned on
-    if isinstance(model, Model) and num_attention_heads(model) is not None:
-      parallel.check_heads(cast(int, num_attention_heads(model)), t)
-    # Before anything compiles (loading a model does): every executable then goes to the cache.
-    self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
-    eos_token_id = None
-    if model is None or isinstance(model, (str, os.PathLike)):
-      if config.attention_backend is not None:  # a Pallas kernel off its platform: before loading
-        attention_backend(config.attention_backend).check_platform(jax.default_backend())
-      model, tokenizer, eos_token_id = _load_model(
-        model,
-        tokenizer,
-        config.dtype,
-        revision=config.revision,
-        download_dir=config.download_dir,
-        tp=t,
-        max_model_len=config.max_model_len,
-      )
-    self.llm_engine = LLMEngine(model, tokenizer, eos_token_id=eos_token_id, config=config)
+    loaded = load_model(model, tokenizer, config)
+    #: The directory of JAX's persistent compilation cache, None when off.
+    self.compilation_cache_dir = loaded.compilation_cache_dir
+    #: `SamplingParams` keywords from the checkpoint's ``generation_config.json``.
+    self.generation_defaults: dict[str, Any] = loaded.generation_defaults
+    self.llm_engine = LLMEngine(
+      loaded.model, loaded.tokenizer, eos_token_id=loaded.eos_token_ids, config=config
+    )
     #: The engine's config: `max_model_len` (and what derives from it) resolved for the model.
     self.config = self.llm_engine.config
     if config.precompile:
@@ -257,9 +231,51 @@ class LLM:
     `llm.llm_engine.kv_cache_stats`."""
     return self.llm_engine.reset_prefix_cache()
 
+  def start_profile(self, profile_prefix: str | None = None) -> None:
+    """Starts a JAX profiler trace of what the engine runs (vLLM's `start_profile`), until
+    `stop_profile`. The trace (XLA's xplane and a Perfetto ``trace.json.gz``, for TensorBoard's
+    profile plugin or ui.perfetto.dev) goes under the directory `JAXENGINE_PROFILER_DIR` names,
+    else vLLM's `VLLM_TORCH_PROFILER_DIR`, in ``plugins/profile/<timestamp>/``.
+
+    Args:
+      profile_prefix: vLLM's name prefix for the trace files; ignored (the timestamp names them).
+
+    Raises:
+      RuntimeError: neither variable is set, or a trace is already running (nothing starts).
+    """
+    del profile_prefix
+    directory = os.environ.get("JAXENGINE_PROFILER_DIR") or os.environ.get(
+      "VLLM_TORCH_PROFILER_DIR"
+    )
+    if not directory:
+      raise RuntimeError(
+        "start_profile needs a trace directory: set JAXENGINE_PROFILER_DIR (or vLLM's "
+        "VLLM_TORCH_PROFILER_DIR)"
+      )
+    jax.profiler.start_trace(directory)
+
+  def stop_profile(self) -> None:
+    """Stops the trace `start_profile` started and writes it (vLLM's `stop_profile`).
+
+    Raises:
+      RuntimeError: no trace is running.
+    """
+    jax.profiler.stop_trace()
+
   def get_tokenizer(self) -> Tokenizer | None:
     """The engine's `Tokenizer` (None for a model given without one)."""
     return self.llm_engine.tokenizer
+
+  def get_default_sampling_params(self) -> SamplingParams:
+    """A new `SamplingParams` with the model's own sampling defaults (vLLM's method): the
+    `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` (as
+    `max_tokens`) of a Hugging Face directory's ``generation_config.json``, else the plain
+    `SamplingParams()` (a GGUF file, a built model). Yours to change (``sp.max_tokens = 64``).
+
+    Raises:
+      ValueError: a default `SamplingParams` refuses (naming the field).
+    """
+    return SamplingParams(**self.generation_defaults)
 
   def generate(
     self,
@@ -275,7 +291,8 @@ class LLM:
       prompts: a string, a list of token ids, vLLM's prompt dict (`{"prompt": text}` or
         `{"prompt_token_ids": ids}`), or a list of any of these.
       sampling_params: one `SamplingParams` for all prompts or one per prompt; default
-        `SamplingParams()`.
+        `SamplingParams()`. Each request runs with its own copy, checked again (values assigned
+        after construction included); outputs are final whatever `output_kind` (as vLLM).
       use_tqdm: show a progress bar over finished requests.
       lora_request: the LoRA adapter (`LoRARequest`, needs `enable_lora=True`) of every prompt,
         or a list of one per prompt (None: the base model), as vLLM's.
@@ -293,7 +310,7 @@ class LLM:
     exception propagates: the next call does not run them again.
     """
     prompts = _as_prompt_list(prompts)
-    params = _as_params_list(sampling_params, len(prompts))
+    params = [_final_only(p) for p in _as_params_list(sampling_params, len(prompts))]
     engine = self.llm_engine
     loras = _as_lora_list(lora_request, len(prompts))
     ids = engine.add_requests([(None, p, sp, lr) for p, sp, lr in zip(prompts, params, loras)])
@@ -364,59 +381,6 @@ class LLM:
     )
 
 
-def _load_model(
-  name: str | os.PathLike | None,
-  tokenizer: Tokenizer | None,
-  dtype,
-  *,
-  revision: str | None,
-  download_dir: str | None,
-  tp: int = 1,
-  max_model_len: int | None = None,
-) -> tuple[Model, Tokenizer | None, list[int] | None]:
-  """Builds the model a path or hub id names (None: the default GGUF file).
-
-  `max_model_len` above the config's `max_position_embeddings` is refused from the config,
-  before any weight is read (the runner checks the model again).
-
-  Returns:
-    ``(model, tokenizer, EOS ids)``: the given tokenizer or the checkpoint's (None for a
-    directory without ``tokenizer.json``); for a Hugging Face directory the tokenizer's EOS id
-    followed by the generation config's, else None (the engine's default).
-  """
-  resolved = None
-  if name is not None:
-    resolved = resolve_model(name, revision=revision, download_dir=download_dir)
-  if resolved is None or resolved.kind == "gguf":
-    path = None if resolved is None else resolved.path
-    config = read_config(open_gguf(path if path is not None else default_model_path()))
-    heads = getattr(config, "num_attention_heads", None)
-    if tp > 1 and isinstance(heads, int):  # refused before any tensor is read, as below
-      parallel.check_heads(heads, tp)
-    check_max_model_len(max_model_len, config.max_position_embeddings)
-    model = load_resolved(resolved, dtype)
-    return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None
-  directory = resolved.path
-  config_path = os.path.join(directory, "config.json")
-  if tp > 1 and os.path.isfile(config_path):  # refused before any tensor is read
-    with open(config_path) as f:
-      heads = json.load(f).get("num_attention_heads")
-    if isinstance(heads, int):
-      parallel.check_heads(heads, tp)
-  if os.path.isfile(config_path):
-    # An unsupported variant, then missing weight files, are named before the length check.
-    limit = getattr(config_from_hf(read_hf_config(directory)), "max_position_embeddings", None)
-    weight_files(directory)
-    if isinstance(limit, int):
-      check_max_model_len(max_model_len, limit)
-  model = load_resolved(resolved, dtype)
-  if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
-    tokenizer = Tokenizer.from_pretrained(directory)
-  primary = None if tokenizer is None else tokenizer.eos_token_id
-  eos = list(dict.fromkeys(([] if primary is None else [primary]) + eos_token_ids(directory)))
-  return model, tokenizer, eos or None
-
-
 def _as_prompt_list(prompts) -> list[Prompt]:
   """One prompt or a list of them, as a list. Token ids may come as a NumPy (or JAX) integer
   array: 1-D is one prompt, 2-D one prompt per row."""
@@ -454,6 +418,14 @@ def _as_lora_list(lora_request, num_prompts: int) -> list[LoRARequest | None]:
       "prompt, or one LoRARequest for all)"
     )
   return list(lora_request)
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+  """`params` as `generate` runs them: DELTA (which `LLMEngine.step` refuses) read as
+  FINAL_ONLY; `generate` returns final outputs whatever the kind, as vLLM's."""
+  if params.output_kind is RequestOutputKind.DELTA:
+    return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+  return params
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:

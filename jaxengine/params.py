@@ -1,16 +1,21 @@
 """Per-request sampling parameters, validated on the host.
 
 `SamplingParams` mirrors vLLM V1's class of the same name (field names, defaults, sentinels and
-validation rules as of vLLM HEAD, early 2026; see `docs/sampling.md` §2). It is a frozen
-dataclass: construction normalises and validates every field and raises `ValueError` naming the
-field and the offending value. Checks that need the batch (token ids against the vocabulary,
-lists against the batch's capacities) happen in `InputBatch.add_request`.
+validation rules as of vLLM HEAD, early 2026; see `docs/sampling.md` §2). Construction
+normalises and validates every field and raises `ValueError` naming the field and the offending
+value. As vLLM's, its fields may be assigned afterwards (``sp.max_tokens = 20``); an assignment
+is not checked then, but the engine takes a copy of the parameters when a request is added
+(`SamplingParams.validated_copy`), normalised and validated again as at construction, so a bad
+value is a `ValueError` there, before any device work, and a later assignment never reaches a
+request already added. Checks that need the batch (token ids against the vocabulary, lists
+against the batch's capacities) happen in `InputBatch.add_request`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +31,22 @@ MIN_TEMPERATURE = 1e-2
 SEED_MIN, SEED_MAX = -(2**63), 2**63
 
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+class RequestOutputKind(enum.Enum):
+  """What a request's outputs hold while it runs (vLLM's `RequestOutputKind`, in
+  `SamplingParams.output_kind`).
+
+  CUMULATIVE: every output holds everything so far (the default). DELTA: only the text, token
+  ids and logprobs added since the previous output (`AsyncLLM.generate` streams these;
+  `LLMEngine.add_request` refuses it, its `step` returning cumulative outputs). FINAL_ONLY: one
+  output, once the request has finished (`LLMEngine.step` leaves the request out until then;
+  `LLM.generate` always returns final outputs, whatever the kind, as vLLM's).
+  """
+
+  CUMULATIVE = 0
+  DELTA = 1
+  FINAL_ONLY = 2
 
 
 def is_int(value) -> bool:
@@ -70,9 +91,17 @@ def child_seed(seed: int, index: int) -> int:
   return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class SamplingParams:
   """Sampling parameters of one request (vLLM V1 names, defaults and sentinels).
+
+  Construction normalises and validates every field. Fields may be assigned afterwards, as in
+  vLLM (``sp = llm.get_default_sampling_params(); sp.max_tokens = 20``); an assigned value is
+  checked when a request is added with these parameters: the engine (`LLMEngine.add_request`,
+  `LLM.generate`, `AsyncLLM.generate`) takes its own copy, normalised and validated as a new
+  `SamplingParams` would be (`validated_copy`), so a bad value is a `ValueError` naming the
+  field there, before any device work, and changing the parameters later never changes a
+  request already added. Not hashable (mutable, as vLLM's).
 
   Attributes:
     n: Number of completions to return for the prompt (engine level). Child `j` of a seeded
@@ -128,10 +157,14 @@ class SamplingParams:
       `min_tokens > 0`; a sampled token the grammar rejects (another constraint such as
       `allowed_token_ids` or a logits processor left nothing the grammar allows) is dropped and
       ends the request with finish_reason "abort", with a warning.
+    output_kind: a `RequestOutputKind`: what the request's outputs hold while it runs
+      (CUMULATIVE, the default; DELTA; FINAL_ONLY). `AsyncLLM.generate` streams accordingly;
+      `LLMEngine.step` honours CUMULATIVE and FINAL_ONLY and `LLMEngine.add_request` refuses
+      DELTA; `LLM.generate` returns final outputs whatever the kind (as vLLM).
 
   Raises:
-    ValueError: On construction, for any out-of-range value (every float field refuses NaN and
-      infinities); the message names the field.
+    ValueError: On construction (and when the engine takes its copy), for any out-of-range
+      value (every float field refuses NaN and infinities); the message names the field.
   """
 
   n: int = 1
@@ -158,9 +191,10 @@ class SamplingParams:
   allowed_token_ids: tuple[int, ...] | None = None
   extra_args: dict | None = None
   structured_outputs: StructuredOutputsParams | None = None
+  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
   def __post_init__(self):
-    set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
+    set_ = lambda name, value: setattr(self, name, value)
     # vLLM's order: clamp tiny temperature, seed -1 -> None, normalise lists, True -> 1,
     # validate, then reset the knobs greedy sampling ignores.
     _check_number("temperature", self.temperature)
@@ -279,6 +313,8 @@ class SamplingParams:
     so = self.structured_outputs
     if so is not None and not isinstance(so, StructuredOutputsParams):
       raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
+    if not isinstance(self.output_kind, RequestOutputKind):
+      raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
     if so is not None and self.min_tokens > 0:
       raise ValueError(
         f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: a finished "
@@ -296,9 +332,23 @@ class SamplingParams:
     stays a seed (it is not the "no seed" sentinel here)."""
     if self.seed is None or index == 0:
       return self
-    child = self.replace(seed=0)
-    object.__setattr__(child, "seed", child_seed(self.seed, index))  # frozen dataclass
+    child = copy.copy(self)
+    child.seed = child_seed(self.seed, index)
     return child
+
+  def validated_copy(self) -> SamplingParams:
+    """A copy normalised and validated as a new `SamplingParams` with these values would be:
+    what the engine takes when a request is added, so values assigned after construction are
+    checked then, and later assignments do not reach the request. `structured_outputs` is
+    copied (and checked) too; `extra_args` is shared, as in `replace`.
+
+    Raises:
+      ValueError: naming the field, for any value the constructor refuses.
+    """
+    so = self.structured_outputs
+    if isinstance(so, StructuredOutputsParams):
+      so = dataclasses.replace(so)
+    return dataclasses.replace(self, structured_outputs=so)
 
   def clone(self) -> SamplingParams:
     """A deep copy (vLLM's `clone`, which its RL code calls before changing a request's
@@ -321,7 +371,7 @@ class SamplingParams:
     return dataclasses.replace(self, **changes)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class StructuredOutputsParams:
   """Constrains a request's output to a format (vLLM's `StructuredOutputsParams` names).
 
@@ -333,7 +383,9 @@ class StructuredOutputsParams:
   logprobs are taken after the grammar mask (vLLM V1's order): forbidden tokens are `-inf`.
   `min_tokens` must be 0 with a constraint. If another constraint (`allowed_token_ids`, a logits
   processor) leaves the sampler only tokens the grammar rejects, the rejected token is dropped
-  and the request ends with finish_reason "abort" (a warning says why).
+  and the request ends with finish_reason "abort" (a warning says why). Fields may be assigned
+  after construction, as in vLLM; the engine checks them again in the copy it takes
+  (`SamplingParams.validated_copy`).
 
   Attributes:
     json: a JSON schema, as a dict or a JSON string.
@@ -360,7 +412,7 @@ class StructuredOutputsParams:
     if self.choice is not None:
       if isinstance(self.choice, str) or not isinstance(self.choice, Iterable):
         raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
-      object.__setattr__(self, "choice", tuple(self.choice))
+      self.choice = tuple(self.choice)
       if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
         raise ValueError(
           f"choice must be a non-empty list of non-empty strings, got {self.choice!r}"

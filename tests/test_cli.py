@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from jaxengine import cli
 from jaxengine import llm as llm_module
 from jaxengine.cli_engine_flags import engine_options
+from jaxengine.engine import model_loader
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models import gguf_loader
 from jaxengine.testing import tiny_llama
@@ -228,7 +229,7 @@ def _no_weights_load(monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError("the weights were loaded before max_model_len was checked")
 
-  monkeypatch.setattr(llm_module, "load_resolved", refuse)  # LLM's one way to read weights
+  monkeypatch.setattr(model_loader, "load_resolved", refuse)  # LLM's one way to read weights
 
 
 def test_max_model_len_past_the_config_is_refused_before_the_weights_load(

@@ -180,6 +180,37 @@ def test_bad_input_raises_before_anything_is_queued(llm):
   assert not engine.has_unfinished_requests()
 
 
+def test_sampling_params_assigned_later_are_checked_and_copied_when_added(llm):
+  """The engine takes its own, validated copy of a request's `SamplingParams` when it is added:
+  a bad value assigned after construction is a ValueError there (nothing queued), and an
+  assignment after the request was added does not reach it. `output_kind` FINAL_ONLY leaves a
+  request out of `step()` until it finishes; DELTA is refused by `LLMEngine` (AsyncLLM streams
+  it) and read as FINAL_ONLY by `LLM.generate`, as vLLM's."""
+  engine = llm.llm_engine
+  params = je.SamplingParams(temperature=0, max_tokens=3)
+  params.top_p = 1.5
+  with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+    llm.generate("Hi", params, use_tqdm=False)
+  with pytest.raises(ValueError, match="top_p"):
+    engine.add_request("late", "Hi", params)
+  assert not engine.has_unfinished_requests()
+  params.top_p = 1.0
+  params.output_kind = je.RequestOutputKind.FINAL_ONLY
+  engine.add_request("copied", "Hi", params)
+  params.max_tokens = 12  # after the add: the request keeps its 3
+  seen = []
+  while engine.has_unfinished_requests():
+    seen += engine.step()
+  assert [(o.request_id, o.finished) for o in seen] == [("copied", True)]
+  assert len(seen[0].outputs[0].token_ids) == 3
+  engine.pop_finished()
+  params.output_kind = je.RequestOutputKind.DELTA
+  with pytest.raises(ValueError, match=r"DELTA is not supported by LLMEngine\.step"):
+    engine.add_request("delta", "Hi", params)
+  (out,) = llm.generate("Hi", params, use_tqdm=False)
+  assert len(out.outputs[0].token_ids) == 12 and out.finished
+
+
 def test_engine_compiles_are_bounded_and_steady(compile_counter):
   device_steps.clear()  # count this engine's executables alone
   model, _config = tiny_llama(vocab_size=64)

@@ -12,11 +12,12 @@ import pytest
 
 import jaxengine as je
 from jaxengine.cli import build_parser
-from jaxengine.cli_engine_flags import ENGINE_FLAGS, engine_options
+from jaxengine.cli_engine_flags import ENGINE_FLAGS, engine_flag_options, engine_options
 from jaxengine.engine import EngineConfig, LLMEngine
 from jaxengine.engine_config import engine_config
 from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.testing import TargetOnly, tiny_llama
+from jaxengine.vllm_names import VLLM_NAMES
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}
 
@@ -106,9 +107,9 @@ def test_llm_and_engine_take_every_field_as_a_keyword_with_the_config_defaults()
     assert parameters["config"].default is None
   model, _ = tiny_llama(vocab_size=32)
   with pytest.raises(
-    TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_seqs'"
+    TypeError, match="LLMEngine\\(\\) got an unexpected keyword argument 'max_num_sequences'"
   ):
-    LLMEngine(model, max_num_seqs=4)
+    LLMEngine(model, max_num_sequences=4)
   with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'swap_space'"):
     je.LLM(model, swap_space=4)
 
@@ -125,6 +126,30 @@ def test_vllm_keywords_enforce_eager_trust_remote_code_and_float16_are_accepted(
   model, _ = tiny_llama(vocab_size=32)
   llm = je.LLM(model, enforce_eager=True, trust_remote_code=True, max_model_len=16)
   assert llm.config.enforce_eager and llm.config.trust_remote_code
+
+
+def test_vllm_names_max_num_seqs_and_max_logprobs_set_their_fields():
+  """vLLM's `LLM(max_num_seqs=N, max_logprobs=K)` and `--max-num-seqs` / `--max-logprobs` set
+  `max_num_reqs` / `max_num_logprobs`; a vLLM name and the field with different values is a
+  ValueError naming both (equal values are fine)."""
+  model, _ = tiny_llama(vocab_size=32)
+  llm = je.LLM(model, max_num_seqs=2, max_logprobs=5, max_model_len=16)
+  assert (llm.config.max_num_reqs, llm.config.max_num_logprobs) == (2, 5)
+  assert engine_config(None, {"max_num_seqs": 3, "max_num_reqs": 3}, "LLM").max_num_reqs == 3
+  base = EngineConfig(max_num_reqs=8)
+  assert engine_config(base, {"max_num_seqs": 4}, "LLMEngine").max_num_reqs == 4
+  with pytest.raises(ValueError, match=r"max_num_seqs=4 .* max_num_reqs=8 disagree"):
+    engine_config(None, {"max_num_seqs": 4, "max_num_reqs": 8}, "LLM")
+  with pytest.raises(ValueError, match=r"max_logprobs=5 .* max_num_logprobs=7 disagree"):
+    je.LLM(model, max_logprobs=5, max_num_logprobs=7)
+  parse = build_parser().parse_args
+  args = parse(["generate", "Hi", "--max-num-seqs", "4", "--max-logprobs", "7"])
+  config = EngineConfig(**engine_options(args))
+  assert (config.max_num_reqs, config.max_num_logprobs) == (4, 7)
+  args = parse(["serve", "--max-num-seqs", "4", "--max-num-reqs", "4"])
+  assert engine_flag_options(args)["max_num_reqs"] == 4
+  with pytest.raises(ValueError, match=r"max_num_seqs=4 .* disagree"):
+    engine_options(parse(["generate", "Hi", "--max-num-seqs", "4", "--max-num-reqs", "2"]))
 
 
 def test_keywords_replace_fields_of_a_given_config():
@@ -144,7 +169,8 @@ def test_the_command_builds_the_same_config_from_its_flag_table():
   defaults = parse(["generate", "Hi"])
   for entry in ENGINE_FLAGS:  # unset flags mean the config's own defaults
     default = getattr(defaults, entry.dest)
-    assert default is None or default == fields[entry.field], entry.flag
+    field = VLLM_NAMES.get(entry.field, entry.field)
+    assert default is None or default == fields[field], entry.flag
   assert EngineConfig(**engine_options(defaults)) == EngineConfig()
   args = parse(
     ["generate", "Hi", "--max-num-reqs", "4", "--max-model-len", "256", "--dtype", "bfloat16"]
@@ -184,13 +210,13 @@ def test_the_removed_slot_cache_options_are_unknown_keywords(option):
 @pytest.mark.parametrize(
   ("option", "hint"),
   [
-    ("max_num_seqs", "max_num_reqs"),
-    ("max_logprobs", "max_num_logprobs"),
+    ("max_num_seq", "max_num_reqs"),
+    ("max_num_logprob", "max_num_logprobs"),
     ("max_modl_len", "max_model_len"),
   ],
 )
 def test_an_unknown_option_names_the_field_it_may_stand_for(option, hint):
-  """A misspelled option, or vLLM's name for one, is a TypeError that suggests the field."""
+  """A misspelled option is a TypeError that suggests the field."""
   with pytest.raises(
     TypeError, match=rf"unexpected keyword argument '{option}'; did you mean '{hint}'\?"
   ):

@@ -89,12 +89,12 @@ def test_a_pallas_backend_off_its_platform_is_refused_when_the_engine_is_built(n
 
 @pytest.mark.parametrize("name", ["pallas_tpu", "pallas_gpu"])
 def test_a_pallas_backend_off_its_platform_is_refused_before_a_model_loads(name, monkeypatch):
-  import jaxengine.llm as llm_module
+  import jaxengine.engine.model_loader as model_loader
 
   def no_load(*args, **kwargs):
     raise AssertionError("the weights were loaded")
 
-  monkeypatch.setattr(llm_module, "load_resolved", no_load)
+  monkeypatch.setattr(model_loader, "load_resolved", no_load)
   with pytest.raises(ValueError, match=rf"attention_backend='{name}' runs on"):
     je.LLM(attention_backend=name, kv_cache_dtype="fp8")
 

@@ -3,7 +3,7 @@
 import pytest
 
 import jaxengine as je
-from jaxengine import llm as llm_module
+from jaxengine.engine import model_loader
 from jaxengine.models import check_model
 from jaxengine.testing import tiny_llama
 
@@ -28,7 +28,7 @@ def test_llm_refuses_a_non_model_before_turning_on_the_compilation_cache(monkeyp
   """`tiny_llama()` returns `(model, config)`: passing the pair is a ValueError naming the tuple,
   raised before `LLM` turns on the process-wide compilation cache."""
   calls = []
-  monkeypatch.setattr(llm_module, "enable_compilation_cache", lambda *a: calls.append(a))
+  monkeypatch.setattr(model_loader, "enable_compilation_cache", lambda *a: calls.append(a))
   with pytest.raises(ValueError, match=r"tuple does not implement jaxengine\.models\.Model"):
     je.LLM(tiny_llama(), max_num_reqs=2, max_model_len=32)
   assert calls == []

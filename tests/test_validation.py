@@ -7,7 +7,6 @@ have taken still free, and later samples identical to a batch that never saw the
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import numpy as np
@@ -142,12 +141,38 @@ def test_sampling_params_normalisation():
   assert (r.top_p, r.top_k, r.min_p) == (0.5, 5, 0.3)
 
 
-def test_sampling_params_frozen_and_keyword_only():
+def test_sampling_params_are_assignable_as_vllms_and_keyword_only():
+  """vLLM's generate.py assigns fields (`sp.max_tokens = 20`), and RL code changes a `clone()`:
+  both work; a copy taken with `validated_copy` (what the engine does) checks assigned values
+  and normalises them as the constructor would, and is not changed by later assignments."""
   p = je.SamplingParams()
-  with pytest.raises(dataclasses.FrozenInstanceError):
-    p.temperature = 0.5  # type: ignore[misc]
+  p.temperature, p.max_tokens = 0.5, 20
+  assert (p.temperature, p.max_tokens) == (0.5, 20)
+  clone = p.clone()
+  clone.top_k = 5
+  assert (clone.top_k, p.top_k) == (5, 0)
+  p.stop = ["a", "b"]  # a list, as vLLM users write it
+  p.structured_outputs = je.StructuredOutputsParams(choice=["x"])
+  taken = p.validated_copy()
+  assert taken.stop == ("a", "b") and taken is not p and taken.max_tokens == 20
+  assert taken.structured_outputs is not p.structured_outputs
+  p.max_tokens, p.structured_outputs.choice = 3, ("y",)
+  assert taken.max_tokens == 20 and taken.structured_outputs.choice == ("x",)
+  p.temperature = -1.0
+  with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1\.0"):
+    p.validated_copy()
+  p.temperature, p.min_tokens = 0.5, 10
+  with pytest.raises(ValueError, match="min_tokens must be less than or equal to max_tokens=3"):
+    p.validated_copy()
+  greedy = je.SamplingParams(top_k=5)
+  greedy.temperature = 0.0
+  assert greedy.validated_copy().top_k == 0, "greedy resets top_k in the copy, as at construction"
+  with pytest.raises(TypeError):
+    hash(p)  # mutable, as vLLM's
   with pytest.raises(TypeError):
     je.SamplingParams(1)  # type: ignore[misc]
+  with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind, got 'delta'"):
+    je.SamplingParams(output_kind="delta")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------------

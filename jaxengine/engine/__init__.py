@@ -5,6 +5,8 @@ llm_engine.py         `LLMEngine`, which wires the others together and routes ea
 engine_core.py        `EngineCore`: a scheduler and a model runner, one step, one lifecycle
                       (`_update_from_output` applies a step's tokens, `_finish` the one finish path)
 input_processor.py    prompts and `SamplingParams` -> validated `Request`s
+model_loader.py       a path, hub id or built model loaded for an engine, with its tokenizer
+arg_utils.py          vLLM's `EngineArgs` / `AsyncEngineArgs` (`LLMEngine.from_engine_args`)
 structured.py         structured outputs: llguidance grammars, matchers and the token bitmask
 output_processor.py   tokens -> logprob dicts, text and stop rules
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from jaxengine.core.request import Completion, Request
-from jaxengine.params import SamplingParams, StructuredOutputsParams, is_int
+from jaxengine.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, is_int
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 #: Checks a request against the batch's capacities: `(prompt_token_ids, params)`; raises ValueError.
@@ -46,16 +46,26 @@ class InputProcessor:
     self._validate = validate
 
   def process(self, request_id: str, prompt, params: SamplingParams) -> Request:
-    """A validated `Request` with its completions.
+    """A validated `Request` with its completions. The request holds its own copy of `params`
+    (`SamplingParams.validated_copy`): values assigned to `params` after construction are
+    checked here, and later assignments do not reach the request.
 
     Raises:
-      ValueError: for parameters that are not a `SamplingParams`, an empty prompt, a prompt of
+      ValueError: for parameters that are not a `SamplingParams` or whose values (assigned
+        after construction) the constructor would refuse, `output_kind` DELTA (`LLMEngine.step`
+        returns cumulative outputs), an empty prompt, a prompt of
         `max_model_len` tokens or more, token ids outside the vocabulary, text, stop strings or
         bad_words without a tokenizer, parameters the batch cannot hold, or invalid
         `structured_outputs` (or structured outputs without a tokenizer).
     """
     if not isinstance(params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+    params = params.validated_copy()  # the request's own, checked again
+    if params.output_kind is RequestOutputKind.DELTA:
+      raise ValueError(
+        "output_kind=RequestOutputKind.DELTA is not supported by LLMEngine.step, which returns "
+        "cumulative outputs (use CUMULATIVE or FINAL_ONLY; AsyncLLM.generate streams deltas)"
+      )
     text, prompt_token_ids = self._prompt_text_and_ids(prompt)
     if not prompt_token_ids:
       raise ValueError("the prompt is empty")

@@ -29,15 +29,17 @@ from flax import nnx
 from jaxengine.core.kv_cache_manager import KVCacheStats
 from jaxengine.core.request import Request
 from jaxengine.core.scheduler import Scheduler
+from jaxengine.engine.arg_utils import EngineArgs
 from jaxengine.engine.engine_core import EngineCore, latest_outputs
 from jaxengine.engine.input_processor import InputProcessor
+from jaxengine.engine.model_loader import load_model
 from jaxengine.engine.output_processor import OutputProcessor
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.lora import LoRAAdapter, LoRARequest, check_lora_request
 from jaxengine.models.interface import Model, check_model
 from jaxengine.outputs import RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import RequestOutputKind, SamplingParams
 from jaxengine.spec_decode.ngram_proposer import SpecDecodingStats
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker import sleep_mode
@@ -192,6 +194,17 @@ class LLMEngine:
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
 
+  @classmethod
+  def from_engine_args(cls, engine_args: EngineArgs, usage_context: object = None) -> LLMEngine:
+    """The engine of vLLM's `EngineArgs`: their `model` loaded as `jaxengine.LLM` loads it, the
+    config from the others (`usage_context`, vLLM's, is ignored). Raises as `jaxengine.LLM`."""
+    config = engine_args.create_engine_config()
+    loaded = load_model(engine_args.model, None, config)
+    engine = cls(loaded.model, loaded.tokenizer, eos_token_id=loaded.eos_token_ids, config=config)
+    if config.precompile:
+      engine.precompile()
+    return engine
+
   @property
   def runner(self) -> ModelRunner:
     """The first core's `ModelRunner` (the only one without data parallelism)."""
@@ -233,16 +246,19 @@ class LLMEngine:
     Args:
       request_id: unique in the engine, or None for a fresh one.
       prompt: text, token ids or a vLLM prompt dict.
-      params: its `SamplingParams` (default `SamplingParams()`).
+      params: its `SamplingParams` (default `SamplingParams()`), of which the engine takes a
+        checked copy (`SamplingParams.validated_copy`): later assignments do not reach the
+        request. `output_kind` CUMULATIVE or FINAL_ONLY chooses what `step` returns for it.
       lora_request: the LoRA adapter it runs with (`enable_lora`), None for the base model. The
         adapter's directory is read (once: then kept in the host cache) and checked here.
 
     Raises:
       ValueError: (nothing queued) for a duplicate id or anything `InputProcessor.process`
-        refuses (an empty or too long prompt, ids outside the vocabulary, text without a
-        tokenizer, parameters the batch cannot hold); a `lora_request` without `enable_lora`,
-        with `lora_int_id < 1`, or whose directory `jaxengine.lora.load_peft_adapter` refuses
-        (no ``adapter_config.json``, a rank above `max_lora_rank`, an unknown target module).
+        refuses (invalid `SamplingParams` values or `output_kind` DELTA, an empty or too long
+        prompt, ids outside the vocabulary, text without a tokenizer, parameters the batch
+        cannot hold); a `lora_request` without `enable_lora`, with `lora_int_id < 1`, or
+        whose directory `jaxengine.lora.load_peft_adapter` refuses (no ``adapter_config.json``,
+        a rank above `max_lora_rank`, an unknown target module).
       RuntimeError: (nothing queued) while the engine sleeps (`sleep`: call `wake_up`), or
         after sleep level 2 until `load_weights` has given the weights again.
     """
@@ -473,9 +489,14 @@ class LLMEngine:
     finish, then the stop rules.
 
     Returns:
-      A `RequestOutput` (cumulative so far) for every request that advanced in the steps read.
+      A cumulative `RequestOutput` per request advanced in the steps read (FINAL_ONLY: finished).
     """
     outputs: list[RequestOutput] = []
     for core in self.cores:
       outputs += core.step()
-    return latest_outputs(outputs)
+    final = RequestOutputKind.FINAL_ONLY
+    return [o for o in latest_outputs(outputs) if o.finished or self._kind(o) is not final]
+
+  def _kind(self, output: RequestOutput) -> RequestOutputKind | None:
+    request = self._requests.get(output.request_id)
+    return None if request is None else request.params.output_kind

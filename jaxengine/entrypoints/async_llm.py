@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import logging
 import queue
 import threading
@@ -36,17 +35,9 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from jaxengine.outputs import CompletionOutput, RequestOutput
-from jaxengine.params import SamplingParams
+from jaxengine.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class RequestOutputKind(enum.Enum):
-  """What `AsyncLLM.generate` yields (vLLM's names)."""
-
-  CUMULATIVE = 0  # everything so far, every time
-  DELTA = 1  # text, token ids and logprobs added since the previous yield
-  FINAL_ONLY = 2  # one output, once the request finishes
 
 
 class EngineDeadError(RuntimeError):
@@ -202,6 +193,25 @@ class AsyncLLM:
     self._thread = threading.Thread(target=self._run, name="jaxengine-engine", daemon=True)
     self._thread.start()
 
+  @classmethod
+  def from_engine_args(
+    cls,
+    engine_args,
+    start_engine_loop: bool = True,
+    usage_context: object = None,
+    stat_loggers: list[StatLogger] | None = None,
+  ) -> AsyncLLM:
+    """An `AsyncLLM` for vLLM's `AsyncEngineArgs` (or `EngineArgs`): their `model` with the
+    engine config of the other arguments (`jaxengine.engine.arg_utils`). `start_engine_loop`
+    and `usage_context` are vLLM's, ignored (the engine thread always starts).
+
+    Raises:
+      As `jaxengine.LLM`.
+    """
+    del start_engine_loop, usage_context
+    config = engine_args.create_engine_config()
+    return cls(engine_args.model, stat_loggers=stat_loggers, config=config)
+
   # --- the asyncio side -----------------------------------------------------------------------
 
   @property
@@ -215,16 +225,18 @@ class AsyncLLM:
     sampling_params: SamplingParams | None = None,
     request_id: str | None = None,
     *,
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    output_kind: RequestOutputKind | None = None,
     lora_request=None,
   ) -> AsyncGenerator[RequestOutput, None]:
     """Queues a request and yields its outputs as tokens come.
 
     Args:
       prompt: text, token ids or vLLM's prompt dict, as `LLM.generate` takes.
-      sampling_params: default `SamplingParams()`.
+      sampling_params: default `SamplingParams()`; the request runs with a copy taken here
+        (`SamplingParams.validated_copy`: values assigned after construction are checked).
       request_id: unique among running requests; default a random hex id.
-      output_kind: CUMULATIVE (default), DELTA or FINAL_ONLY (see the module docstring).
+      output_kind: CUMULATIVE, DELTA or FINAL_ONLY (see the module docstring); None (default):
+        `sampling_params.output_kind` (vLLM's way: ``SamplingParams(output_kind=DELTA)``).
       lora_request: the request's `jaxengine.LoRARequest` (an engine with `enable_lora`), or
         None for the base model.
 
@@ -233,7 +245,7 @@ class AsyncLLM:
 
     Raises:
       ValueError: (from the first iteration) anything `LLMEngine.add_request` refuses, or a
-        request id already running.
+        request id already running, or invalid `sampling_params` values.
       EngineDeadError: the engine thread has stopped.
       Exception: the error of a step that failed while the request ran (the request is gone).
 
@@ -243,8 +255,11 @@ class AsyncLLM:
     if not self.is_running:
       raise EngineDeadError(f"the engine thread has stopped: {self.error or 'shut down'}")
     request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-    params = sampling_params or SamplingParams()
-    mailbox = _Mailbox(asyncio.get_running_loop(), _OutputView(params, output_kind))
+    given = sampling_params or SamplingParams()
+    kind = given.output_kind if output_kind is None else output_kind
+    # The engine's copy is cumulative: the mailbox's view makes what `kind` shows of it.
+    params = given.replace(output_kind=RequestOutputKind.CUMULATIVE)
+    mailbox = _Mailbox(asyncio.get_running_loop(), _OutputView(params, kind))
     self._commands.put(_Add(request_id, prompt, params, mailbox, time.monotonic(), lora_request))
     try:
       while True:
