@@ -222,14 +222,14 @@ def test_echo_text_offsets_of_characters_split_over_tokens(client, stream):
 def test_text_offsets_of_a_text_prompt_the_tokenizer_added_a_bos_to():
   """The echoed text has no BOS: the BOS and the first character start at 0; a prompt that
   spells its special tokens counts them."""
-  from jaxengine.entrypoints.openai_server import _TextOffsets
+  from jaxengine.entrypoints.text_offsets import TextOffsets
 
   tokenizer = _tiny_tokenizer()
   bos = tokenizer.encode("<|endoftext|>")
   ids = [*bos, *tokenizer.encode("hi")]
-  assert _TextOffsets(tokenizer, [], True).prompt_offsets(ids, "hi") == [0, 0, 1]
+  assert TextOffsets(tokenizer, [], True).prompt_offsets(ids, "hi") == [0, 0, 1]
   spelled = tokenizer.decode(ids, skip_special_tokens=False)
-  assert _TextOffsets(tokenizer, [], True).prompt_offsets(ids, spelled) == [0, 13, 14]
+  assert TextOffsets(tokenizer, [], True).prompt_offsets(ids, spelled) == [0, 13, 14]
 
 
 def test_echo_of_a_token_id_prompt_is_its_text(server, client):
@@ -513,10 +513,10 @@ def test_an_error_in_one_request_fails_it_alone(server, monkeypatch):
       raise RuntimeError("formatting failed")
     return real(self, index, output, c, *args)
 
-  from jaxengine.entrypoints import openai_server
+  from jaxengine.entrypoints import serving_completion
 
-  real = openai_server._Serving.completion_choice
-  monkeypatch.setattr(openai_server._Serving, "completion_choice", choice)
+  real = serving_completion.OpenAIServingCompletion.completion_choice
+  monkeypatch.setattr(serving_completion.OpenAIServingCompletion, "completion_choice", choice)
 
   async def main():
     async with httpx.AsyncClient(base_url=server["url"], timeout=60) as http:

@@ -1,11 +1,23 @@
 """Online entry points: the asynchronous engine and the OpenAI-compatible HTTP server.
 
-async_llm.py        `AsyncLLM`: `LLMEngine.step()` in a background thread, outputs streamed to
-                    asyncio callers (`async for out in engine.generate(...)`), `abort`, `shutdown`
-protocol.py         the server's request bodies (pydantic) and their `SamplingParams`
-metrics.py          Prometheus metrics under the `jaxengine:` prefix (vLLM's names)
-openai_server.py    the FastAPI app (`/v1/completions`, `/v1/chat/completions`, ...) and
-                    `jaxengine serve`
+async_llm.py             `AsyncLLM`: `LLMEngine.step()` in a background thread, outputs streamed to
+                         asyncio callers (`async for out in engine.generate(...)`), `abort`,
+                         `shutdown`
+output_mailbox.py        a request's mailbox: its outputs as its output kind shows them
+stats.py                 `IterationStats`: what each engine step did, for the stat loggers
+protocol.py              the server's request bodies (pydantic) and their `SamplingParams`
+metrics.py               Prometheus metrics under the `jaxengine:` prefix (vLLM's names)
+serving_models.py        `OpenAIServingModels`: the served model and its LoRA adapters
+serving_engine.py        `OpenAIServing`: the endpoints' shared work (model, prompt, chat template)
+engine_requests.py       an HTTP request's engine requests: awaited, aborted on disconnect, or
+                         streamed as server-sent events
+serving_logprobs.py      logprobs in the OpenAI APIs' formats
+text_offsets.py          `TextOffsets`: the completions API's `text_offset`
+serving_completion.py    `OpenAIServingCompletion`: `/v1/completions`
+serving_chat.py          `OpenAIServingChat`: `/v1/chat/completions`
+serving_tokenization.py  `OpenAIServingTokenization`: `/tokenize`, `/detokenize`
+openai_server.py         the FastAPI app: routes, API key, error handlers (`build_app`)
+serve.py                 `jaxengine serve`
 
 Nothing below `jaxengine.engine` imports this package; FastAPI and uvicorn are imported only by
 the server modules.

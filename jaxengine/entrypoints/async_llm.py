@@ -11,20 +11,13 @@ serving while the device works.
 
 A request's output kind (vLLM's `RequestOutputKind`) chooses what `generate` yields: the whole
 output so far (CUMULATIVE), only what is new since the last yield (DELTA), or the final output
-alone (FINAL_ONLY). The mailbox turns each step's snapshot into what the kind shows as it
-arrives. DELTA outputs queue up, one per step that advanced the request: a stream gets one
-output per token (one token a step), never two tokens merged, however late it reads (a token
-whose characters are incomplete comes with empty text, its id in `token_ids`). A CUMULATIVE
-output holds every earlier one, so a mailbox keeps only the latest (as vLLM does): a reader that
-falls behind catches up in one read. While a request with stop strings runs, the last
-`len(longest stop) - 1` characters of its text are held back, so text that a stop string later
-removes is never shown.
+alone (FINAL_ONLY); the request's mailbox (`output_mailbox.py`) turns each step's snapshot into
+what the kind shows. Each step's `IterationStats` (`stats.py`) go to the stat loggers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import queue
@@ -34,8 +27,19 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from jaxengine.entrypoints.output_mailbox import Mailbox, OutputView, post_outputs
+from jaxengine.entrypoints.stats import FinishedRequestStats, IterationStats, StatLogger
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.params import RequestOutputKind, SamplingParams
+
+__all__ = [
+  "AsyncLLM",
+  "EngineDeadError",
+  "FinishedRequestStats",
+  "IterationStats",
+  "RequestOutputKind",
+  "StatLogger",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,84 +48,12 @@ class EngineDeadError(RuntimeError):
   """The engine thread has stopped (`shutdown`, or it failed); no request can be served."""
 
 
-@dataclasses.dataclass(frozen=True)
-class FinishedRequestStats:
-  """One finished request, for metrics (times in seconds)."""
-
-  finish_reason: str
-  e2e_latency_s: float
-  num_prompt_tokens: int
-  num_generation_tokens: int
-
-
-@dataclasses.dataclass
-class IterationStats:
-  """What one engine step did, for metrics (times in seconds, tokens summed over requests).
-
-  Attributes:
-    num_running: completions holding a row after the step.
-    num_waiting: completions waiting for a row after the step.
-    num_prompt_tokens: prompt tokens of the requests that produced their first token.
-    num_generation_tokens: tokens generated in the step.
-    time_to_first_tokens_s: one entry per request that produced its first token.
-    time_per_output_tokens_s: one entry per generated token after a request's first.
-    finished: the requests that finished (or were aborted) in the step.
-  """
-
-  num_running: int = 0
-  num_waiting: int = 0
-  num_prompt_tokens: int = 0
-  num_generation_tokens: int = 0
-  time_to_first_tokens_s: list[float] = dataclasses.field(default_factory=list)
-  time_per_output_tokens_s: list[float] = dataclasses.field(default_factory=list)
-  finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
-
-
-#: Called on the engine thread after every step (and abort) with its `IterationStats`.
-StatLogger = Callable[[IterationStats], None]
-
-
-class _Mailbox:
-  """A request's outputs to yield, as its output kind shows them, or its error; used on its
-  event loop (module docstring)."""
-
-  def __init__(self, loop: asyncio.AbstractEventLoop, view: _OutputView) -> None:
-    self.loop = loop
-    self.view = view
-    self.event = asyncio.Event()
-    self.pending: collections.deque[RequestOutput] = collections.deque()
-    self.error: BaseException | None = None
-    self.done = False  # the engine thread has let go of the request (finished or failed)
-
-  def put(self, output: RequestOutput) -> None:
-    self.done = self.done or output.finished
-    shown = self.view.present(output)
-    if shown is None:
-      return
-    if self.view.kind is not RequestOutputKind.DELTA:
-      self.pending.clear()  # the latest holds everything an unread one does
-    self.pending.append(shown)
-    self.event.set()
-
-  def fail(self, error: BaseException) -> None:
-    self.error, self.done = error, True
-    self.event.set()
-
-  async def get(self) -> RequestOutput:
-    while self.error is None and not self.pending:
-      self.event.clear()
-      await self.event.wait()
-    if self.error is not None:
-      raise self.error
-    return self.pending.popleft()
-
-
 @dataclasses.dataclass
 class _Add:
   request_id: str
   prompt: Any
   params: SamplingParams
-  mailbox: _Mailbox
+  mailbox: Mailbox
   arrival_time: float
   lora_request: Any = None
 
@@ -144,7 +76,7 @@ class _Call:
 class _Tracked:
   """The engine thread's record of a request it serves."""
 
-  mailbox: _Mailbox
+  mailbox: Mailbox
   arrival_time: float
   n: int = 1
   num_prompt_tokens: int = 0
@@ -235,7 +167,7 @@ class AsyncLLM:
       sampling_params: default `SamplingParams()`; the request runs with a copy taken here
         (`SamplingParams.validated_copy`: values assigned after construction are checked).
       request_id: unique among running requests; default a random hex id.
-      output_kind: CUMULATIVE, DELTA or FINAL_ONLY (see the module docstring); None (default):
+      output_kind: CUMULATIVE, DELTA or FINAL_ONLY (`output_mailbox.py`); None (default):
         `sampling_params.output_kind` (vLLM's way: ``SamplingParams(output_kind=DELTA)``).
       lora_request: the request's `jaxengine.LoRARequest` (an engine with `enable_lora`), or
         None for the base model.
@@ -259,7 +191,7 @@ class AsyncLLM:
     kind = given.output_kind if output_kind is None else output_kind
     # The engine's copy is cumulative: the mailbox's view makes what `kind` shows of it.
     params = given.replace(output_kind=RequestOutputKind.CUMULATIVE)
-    mailbox = _Mailbox(asyncio.get_running_loop(), _OutputView(params, kind))
+    mailbox = Mailbox(asyncio.get_running_loop(), OutputView(params, kind))
     self._commands.put(_Add(request_id, prompt, params, mailbox, time.monotonic(), lora_request))
     try:
       while True:
@@ -362,7 +294,7 @@ class AsyncLLM:
         command.request_id, command.prompt, command.params, lora_request=command.lora_request
       )
     except Exception as error:  # ValueError for bad input; anything else fails it alone too
-      _post(mailbox.loop, [(mailbox, error)])
+      post_outputs(mailbox.loop, [(mailbox, error)])
       return
     self._tracked[command.request_id] = _Tracked(mailbox, command.arrival_time, command.params.n)
 
@@ -377,7 +309,7 @@ class AsyncLLM:
       request_id, None, [], None, [CompletionOutput(j, "", [], None, None) for j in range(tracked.n)],
       finished=False,
     )  # fmt: skip
-    _post(tracked.mailbox.loop, [(tracked.mailbox, _aborted(output))])
+    post_outputs(tracked.mailbox.loop, [(tracked.mailbox, _aborted(output))])
     stats.finished.append(
       FinishedRequestStats(
         "abort", time.monotonic() - tracked.arrival_time, tracked.num_prompt_tokens,
@@ -406,7 +338,7 @@ class AsyncLLM:
       if output.finished:
         del self._tracked[request_id]
     for loop, items in posts.items():
-      _post(loop, items)
+      post_outputs(loop, items)
     self._log(stats)
 
   def _account(self, tracked: _Tracked, output: RequestOutput, now: float, stats) -> None:
@@ -458,14 +390,14 @@ class AsyncLLM:
     for record in tracked.values():
       posts.setdefault(record.mailbox.loop, []).append((record.mailbox, error))
     for loop, items in posts.items():
-      _post(loop, items)
+      post_outputs(loop, items)
     self._log(self._new_stats())
 
   def _fail_all(self, error: BaseException) -> None:
     self._fail_step(error)  # type: ignore[arg-type]
     while (command := self._next_command()) is not None:  # adds that came too late
       if isinstance(command, _Add):
-        _post(command.mailbox.loop, [(command.mailbox, error)])
+        post_outputs(command.mailbox.loop, [(command.mailbox, error)])
       elif isinstance(command, _Call):
         _settle(command, lambda: _raise(error))
 
@@ -495,71 +427,9 @@ def _raise(error: BaseException):
   raise error
 
 
-def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
-  """Hands `(mailbox, output or error)` pairs to their event loop in one call."""
-
-  def deliver() -> None:
-    for mailbox, item in items:
-      if isinstance(item, BaseException):
-        mailbox.fail(item)
-      else:
-        mailbox.put(item)
-
-  try:
-    loop.call_soon_threadsafe(deliver)
-  except RuntimeError:  # the loop is closed: nobody is reading
-    pass
-
-
 def _aborted(output: RequestOutput) -> RequestOutput:
   """`output` finished, its unfinished completions with finish_reason "abort"."""
   completions = [
     c if c.finish_reason else dataclasses.replace(c, finish_reason="abort") for c in output.outputs
   ]
   return dataclasses.replace(output, outputs=completions, finished=True)
-
-
-class _OutputView:
-  """Turns a request's cumulative snapshots into what its output kind shows (module docstring)."""
-
-  def __init__(self, params: SamplingParams, kind: RequestOutputKind) -> None:
-    self.kind = kind
-    self.hold = max((len(s) for s in params.stop or ()), default=1) - 1
-    self.sent: dict[int, tuple[int, int]] = {}  # completion index -> (characters, tokens) shown
-    self.finished_sent: set[int] = set()
-
-  def present(self, output: RequestOutput) -> RequestOutput | None:
-    if self.kind is RequestOutputKind.FINAL_ONLY:
-      return output if output.finished else None
-    completions = []
-    for completion in output.outputs:
-      shown = self._completion(completion)
-      if shown is not None:
-        completions.append(shown)
-    if self.kind is RequestOutputKind.DELTA and not completions and not output.finished:
-      return None
-    return dataclasses.replace(output, outputs=completions)
-
-  def _completion(self, completion: CompletionOutput) -> CompletionOutput | None:
-    text = completion.text
-    if completion.finish_reason is None and self.hold:
-      text = text[: max(len(text) - self.hold, 0)]
-    num_chars, num_tokens = self.sent.get(completion.index, (0, 0))
-    num_chars = min(num_chars, len(text))
-    self.sent[completion.index] = (max(num_chars, len(text)), len(completion.token_ids))
-    if self.kind is RequestOutputKind.CUMULATIVE:
-      return dataclasses.replace(completion, text=text)
-    finished_now = (
-      completion.finish_reason is not None and completion.index not in self.finished_sent
-    )
-    if finished_now:
-      self.finished_sent.add(completion.index)
-    if len(text) == num_chars and len(completion.token_ids) == num_tokens and not finished_now:
-      return None
-    logprobs = completion.logprobs
-    return dataclasses.replace(
-      completion,
-      text=text[num_chars:],
-      token_ids=completion.token_ids[num_tokens:],
-      logprobs=None if logprobs is None else logprobs[num_tokens:],
-    )

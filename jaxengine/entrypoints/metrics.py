@@ -21,7 +21,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxengine.entrypoints.async_llm import IterationStats
+from jaxengine.entrypoints.stats import IterationStats
 
 PREFIX = "jaxengine:"
 #: Bucket bounds in seconds (vLLM's, trimmed).

@@ -120,7 +120,7 @@ def lora_module(text: str) -> LoRAModulePath:
     ) from None
   if not isinstance(fields, dict):
     raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
-  known = LoRAModulePath._fields
+  known = tuple(LoRAModulePath.__annotations__)  # its field names, in order
   for key in fields:
     if key not in known:
       raise argparse.ArgumentTypeError(f"{text!r}: unknown field {key!r} (fields: {known})")
