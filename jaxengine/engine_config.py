@@ -5,7 +5,8 @@ the `jaxengine` command.
 keywords (vLLM's names) and build one `EngineConfig`; the command builds the same config from its
 flags. Every value is checked once, here, on the host and before any model loads: a bad one is a
 `ValueError` naming the field and the value. Adding an option is one field (and, if it needs one,
-one check in `__post_init__`); the runner and the engine read it from the config they are given.
+one check in `__post_init__`, or in `engine_config_checks` with its group of fields); the runner
+and the engine read it from the config they are given.
 """
 
 from __future__ import annotations
@@ -18,31 +19,29 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxengine import parallel
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.compilation_cache import resolve_cache_dir
 from jaxengine.config import BatchConfig
-from jaxengine.models.attention_backends import BACKEND_NAMES
+from jaxengine.engine_config_checks import (
+  DEFAULT_MAX_NUM_BATCHED_TOKENS as DEFAULT_MAX_NUM_BATCHED_TOKENS,
+)
+from jaxengine.engine_config_checks import DTYPES as DTYPES
+from jaxengine.engine_config_checks import (
+  check_batch_invariant,
+  check_decoding,
+  check_dtype,
+  check_kv_cache,
+  check_lora,
+  check_parallel,
+)
+from jaxengine.engine_config_checks import check_max_model_len as check_max_model_len
 from jaxengine.models.quantization import check_quantization
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
 from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.vllm_names import resolve_vllm_names
-
-#: The paged engine's token budget per step when `max_num_batched_tokens` is None.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-#: The weight dtypes `dtype` may name ("auto" picks one per backend and checkpoint), with vLLM's
-#: aliases "half" and "float".
-DTYPES = {
-  "float32": jnp.float32,
-  "bfloat16": jnp.bfloat16,
-  "float16": jnp.float16,
-  "half": jnp.float16,
-  "float": jnp.float32,
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -252,7 +251,7 @@ class EngineConfig:
         what = "a positive int or None" if name == "max_model_len" else "a positive int"
         raise ValueError(f"{name} must be {what}, got {value!r}")
       self._set(name, int(value))
-    self._set("dtype", _check_dtype(self.dtype))
+    self._set("dtype", check_dtype(self.dtype))
     if not is_int(self.seed) or not SEED_MIN <= self.seed < SEED_MAX:  # as the batch's key
       raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
     self._set("seed", int(self.seed))
@@ -271,7 +270,14 @@ class EngineConfig:
       if not isinstance(self.download_dir, (str, os.PathLike)):
         raise ValueError(f"download_dir must be a path, got {self.download_dir!r}")
       self._set("download_dir", os.fspath(self.download_dir))
-    self._check_parallel()
+    self._set_fields(
+      check_parallel(
+        tensor_parallel_size=self.tensor_parallel_size,
+        data_parallel_size=self.data_parallel_size,
+        mesh=self.mesh,
+        max_num_reqs=self.max_num_reqs,
+      )
+    )
     off = resolve_cache_dir(self.compilation_cache) is None  # refuses all but a bool or a path
     if off and not isinstance(self.compilation_cache, bool):
       self._set("compilation_cache", False)  # an "off" spelling is stored as False
@@ -291,12 +297,42 @@ class EngineConfig:
         raise ValueError(f"{name} must be a bool, got {value!r}")
       self._set(name, bool(value))
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
-    self._check_batch_invariant()
-    self._check_kv_cache()
-    self._check_decoding()
+    if self.batch_invariant:
+      check_batch_invariant(
+        tensor_parallel_size=self.tensor_parallel_size, attention_backend=self.attention_backend
+      )
+    self._set_fields(
+      check_kv_cache(
+        gpu_memory_utilization=self.gpu_memory_utilization,
+        kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+        num_kv_blocks=self.num_kv_blocks,
+        block_size=self.block_size,
+        max_num_batched_tokens=self.max_num_batched_tokens,
+        attention_backend=self.attention_backend,
+        kv_cache_dtype=self.kv_cache_dtype,
+        max_num_reqs=self.max_num_reqs,
+        data_parallel_size=self.data_parallel_size,
+        max_model_len=self.max_model_len,
+        enable_chunked_prefill=self.enable_chunked_prefill,
+      )
+    )
+    self._set_fields(
+      check_decoding(self.speculative_config, self.num_decode_steps, self.max_model_len)
+    )
     self._check_prefix_caching()
     self._check_async_scheduling()
-    self._check_lora()
+    self._set_fields(
+      check_lora(
+        max_loras=self.max_loras,
+        max_lora_rank=self.max_lora_rank,
+        max_cpu_loras=self.max_cpu_loras,
+        enable_lora=self.enable_lora,
+        mesh=self.mesh,
+        tensor_parallel_size=self.tensor_parallel_size,
+        data_parallel_size=self.data_parallel_size,
+        batch_invariant=self.batch_invariant,
+      )
+    )
     check_quantization(self.quantization)
 
   def _check_async_scheduling(self) -> None:
@@ -312,152 +348,17 @@ class EngineConfig:
     `LLMEngine`)."""
     return self.async_scheduling is not False
 
-  def _check_batch_invariant(self) -> None:
-    if not self.batch_invariant:
-      return
-    platform = jax.default_backend()
-    refused = {
-      f"tensor parallelism (tensor_parallel_size={self.tensor_parallel_size}: a row's "
-      "reductions would be split over devices)": self.tensor_parallel_size > 1,
-      f"attention_backend={self.attention_backend!r} (only 'xla' has a fixed order)": (
-        self.attention_backend not in (None, "xla")
-      ),
-      f"the {platform!r} platform (exactness is built and tested on 'cpu' only)": (
-        platform != "cpu"
-      ),
-    }
-    for what, given in refused.items():
-      if given:
-        raise ValueError(f"batch_invariant=True is not supported with {what}")
-
-  def _check_lora(self) -> None:
-    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-      value = getattr(self, name)
-      if name == "max_cpu_loras" and value is None:
-        value = self.max_loras
-      if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-      self._set(name, int(value))
-    if cast(int, self.max_cpu_loras) < self.max_loras:
-      raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
-    if not self.enable_lora:
-      return
-    refused = {
-      f"a mesh (tensor_parallel_size={self.tensor_parallel_size}, data_parallel_size="
-      f"{self.data_parallel_size})": self.mesh is not None,
-      "batch_invariant=True": self.batch_invariant,
-    }
-    for what, given in refused.items():
-      if given:
-        raise ValueError(f"enable_lora=True is not supported with {what}")
-
   def _set(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # normalising a field of the frozen config
 
-  def _check_parallel(self) -> None:
-    t, d = parallel.check_sizes(self.tensor_parallel_size, self.data_parallel_size)
-    mesh = self.mesh
-    if mesh is not None:
-      mesh = parallel.check_mesh(mesh)
-      axes = parallel.axis_size(mesh, parallel.MODEL), parallel.axis_size(mesh, parallel.DATA)
-      if (t, d) not in ((1, 1), axes):
-        raise ValueError(
-          f"give either mesh or tensor_parallel_size/data_parallel_size, got mesh and "
-          f"tensor_parallel_size={t}, data_parallel_size={d}"
-        )
-      t, d = axes
-    if self.max_num_reqs % d:
-      raise ValueError(
-        f"data_parallel_size={d} must divide max_num_reqs={self.max_num_reqs} (each "
-        "data-parallel group holds the same number of rows)"
-      )
-    if mesh is None and (t, d) != (1, 1):
-      mesh = parallel.make_mesh(t, d)
-    self._set("tensor_parallel_size", t)
-    self._set("data_parallel_size", d)
-    self._set("mesh", mesh)
-
-  def _check_decoding(self) -> None:
-    spec = SpeculativeConfig.build(self.speculative_config)
-    steps = self.num_decode_steps
-    k = None if spec is None else spec.num_speculative_tokens
-    max_model_len = self.max_model_len  # None: checked again by `for_model`
-    if k is not None and max_model_len is not None and k >= max_model_len:  # never verifiable,
-      raise ValueError(  # and each step would allocate and compute k + 1 positions per row
-        f"speculative_config: num_speculative_tokens={k} must be below max_model_len="
-        f"{self.max_model_len}"
-      )
-    if not is_int(steps) or steps < 1:
-      raise ValueError(f"num_decode_steps must be an int >= 1, got {steps!r}")
-    self._set("speculative_config", spec)
-    self._set("num_decode_steps", int(steps))
+  def _set_fields(self, fields: Mapping[str, Any]) -> None:
+    for name, value in fields.items():
+      self._set(name, value)
 
   def _check_prefix_caching(self) -> None:
     enable = self.enable_prefix_caching
     if enable is not None and not isinstance(enable, bool):
       raise ValueError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
-
-  def _check_kv_cache(self) -> None:
-    utilization = self.gpu_memory_utilization
-    number = isinstance(utilization, (int, float, np.floating)) and not isinstance(
-      utilization, bool
-    )
-    if not number or not 0 < utilization <= 1:
-      raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {utilization!r}")
-    self._set("gpu_memory_utilization", float(utilization))
-    sizes = (
-      ("kv_cache_memory_bytes", 1, True),
-      ("num_kv_blocks", 2, True),
-      ("block_size", 1, False),
-    )
-    for name, least, optional in sizes:
-      value = getattr(self, name)
-      if (value is not None or not optional) and (not is_int(value) or value < least):
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-      self._set(name, None if value is None else int(value))
-    if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
-      raise ValueError(
-        f"give kv_cache_memory_bytes or num_kv_blocks, not both (got "
-        f"{self.kv_cache_memory_bytes} and {self.num_kv_blocks})"
-      )
-    self._check_token_budget()
-    if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:
-      raise ValueError(
-        f"attention_backend must be one of {list(BACKEND_NAMES)} or None, got "
-        f"{self.attention_backend!r}"
-      )
-    self._check_kv_cache_dtype()
-
-  def _check_kv_cache_dtype(self) -> None:
-    """Normalises `kv_cache_dtype` ("fp8_e4m3" is "fp8"); ValueError for another value."""
-    names = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
-    if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in names:
-      raise ValueError(f"kv_cache_dtype must be one of {list(names)}, got {self.kv_cache_dtype!r}")
-    self._set("kv_cache_dtype", names[self.kv_cache_dtype])
-
-  def _check_token_budget(self) -> None:
-    """Checks `max_num_batched_tokens`, and sets its default once `max_model_len` is known."""
-    budget, max_model_len = self.max_num_batched_tokens, self.max_model_len
-    rows = self.max_num_reqs // self.data_parallel_size  # one group's (each has its budget)
-    if budget is not None and (not is_int(budget) or budget < 1):
-      raise ValueError(f"max_num_batched_tokens must be a positive int, got {budget!r}")
-    if budget is None:  # at most what one step can hold: larger token buckets are never reached
-      if max_model_len is None:
-        return  # derived from the model's limit by `for_model`
-      least = rows if self.enable_chunked_prefill else max_model_len
-      budget = min(max(DEFAULT_MAX_NUM_BATCHED_TOKENS, least), rows * max_model_len)
-    if budget < rows:
-      group = f" / data_parallel_size={self.data_parallel_size}" if rows < self.max_num_reqs else ""
-      raise ValueError(
-        f"max_num_batched_tokens={budget} must be >= max_num_reqs={self.max_num_reqs}{group} "
-        "(every running request of a group decodes one token per step)"
-      )
-    if not self.enable_chunked_prefill and max_model_len is not None and budget < max_model_len:
-      raise ValueError(
-        f"max_num_batched_tokens={budget} must be >= max_model_len={max_model_len} with "
-        "enable_chunked_prefill=False (a whole prompt is computed in one step)"
-      )
-    self._set("max_num_batched_tokens", int(budget))
 
   def for_model(self, max_position_embeddings: int) -> EngineConfig:
     """This config for a model whose longest sequence is `max_position_embeddings`: with
@@ -571,35 +472,6 @@ def _did_you_mean(name: str, names: Sequence[str]) -> str:
   """A hint for an unknown option: the closest field name."""
   close = difflib.get_close_matches(name, names, 1)
   return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> None:
-  """Refuses a `max_model_len` above the model's `max_position_embeddings` (None passes: it
-  means the model's limit).
-
-  Raises:
-    ValueError: naming both numbers.
-  """
-  if max_model_len is not None and max_model_len > max_position_embeddings:
-    raise ValueError(
-      f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-      f"{max_position_embeddings} (leave max_model_len unset to use the model's limit)"
-    )
-
-
-def _check_dtype(dtype: Any) -> Any:
-  """ "auto", or the JAX dtype `dtype` names; ValueError for anything else."""
-  if isinstance(dtype, str):
-    if dtype not in (*DTYPES, "auto"):
-      raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {dtype!r}")
-    return DTYPES.get(dtype, dtype)
-  try:
-    supported = jnp.dtype(dtype) in {jnp.dtype(d) for d in DTYPES.values()}
-  except TypeError:
-    supported = False
-  if not supported:
-    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-  return dtype
 
 
 def with_engine_options(function: Callable) -> Callable:

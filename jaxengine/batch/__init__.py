@@ -1,7 +1,9 @@
 """The host side of the persistent batch: `InputBatch` and the encoding of a request as a row.
 
-input_batch.py         InputBatch: rows, ids, cache slots, composition changes, `run_step` (the
-                       one way a step replaces the device state and appends emitted tokens)
+composition.py         BatchComposition: rows, ids, cache slots, composition changes, and the
+                       tokens of dispatched steps landing in their requests' outputs
+input_batch.py         InputBatch (a BatchComposition): built from keywords; `sample`,
+                       `run_step`, `dispatch_step` (the one way a step replaces the device state)
 rows.py                validating one request and encoding it as a `RowUpdate`
 logits_processors.py   building the batch's LogitsProcessors, encoding a request's processor rows
 logits_input.py        the logits check, padding `N` rows to `R`, the sampler alone as a step

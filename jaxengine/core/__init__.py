@@ -5,6 +5,7 @@ Nothing here touches a device: the worker (`jaxengine/worker/`) runs what the sc
 request.py            host records: a `Request` and its `Completion`s (one per sample of `n`)
 block_pool.py         the pages: blocks, reference counts, prefix hashes, eviction
 kv_cache_groups.py    KV cache groups: which layers share a block table, each layer's page slot
-kv_cache_manager.py   per-request block tables (one per group), prefix hits, `KVCacheStats`
+kv_cache_stats.py     `KVCacheStats`: the paged cache's occupancy, peaks and prefix-cache counters
+kv_cache_manager.py   per-request block tables (one per group), prefix hits, the stats
 scheduler.py          `Scheduler`: token budget, chunked prefill, preemption, the queues
 """

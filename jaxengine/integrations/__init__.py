@@ -3,7 +3,8 @@ framework; install its extra).
 
 lm_eval.py           `JaxEngineLM`: jaxengine as lm-evaluation-harness's `jaxengine` model
 tunix.py             `JaxEngineRollout`: jaxengine as a Tunix RL rollout engine
-tunix_weights.py     Tunix's Llama 3 / Qwen2 / Qwen3 (dense, MoE) configs and weights as `models.Llama`'s
+tunix_config.py      Tunix's Llama 3 / Qwen2 / Qwen3 (dense, MoE) / Gemma / Gemma 3 configs, the engine's
+tunix_weights.py     Tunix's weights as the engine model's leaves (its configs re-exported)
 
 Each module names its extra when its framework is missing (`MissingExtraError`). The extras are
 spelled in their normalised form (PEP 685: lower case, runs of ``-``, ``_``, ``.`` as one ``-``),

