@@ -18,7 +18,7 @@ Core (no model needed):
                        (sample/logprobs.py)
 
 Engine (imported on first use; pulls in the model, tokenizer and transformers):
-  LLM                  offline generate / chat (llm.py)
+  LLM                  offline generate / chat (entrypoints/llm.py)
   LLMEngine            continuous batching step loop (engine/llm_engine.py)
   EngineConfig         the engine's options, validated once (engine_config.py)
   AsyncLLM             the engine in a background thread, outputs streamed to asyncio
@@ -64,7 +64,7 @@ from jaxengine.sample import (
 )
 
 _LAZY = {
-  "LLM": "jaxengine.llm",
+  "LLM": "jaxengine.entrypoints.llm",
   "LLMEngine": "jaxengine.engine",
   "EngineConfig": "jaxengine.engine",
   "make_mesh": "jaxengine.parallel",

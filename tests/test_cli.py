@@ -13,10 +13,10 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jaxengine import cli
+import jaxengine.cli.main as cli
 from jaxengine import llm as llm_module
-from jaxengine.cli_engine_flags import engine_options
 from jaxengine.engine import model_loader
+from jaxengine.engine.engine_flags import engine_options
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models import gguf_loader
 from jaxengine.testing import tiny_llama

@@ -174,7 +174,8 @@ def test_page_commands_pass_their_checks_as_written(page, tmp_path, monkeypatch,
   an empty folder after the block's lines before it that write a file (`echo ... > FILE`), gets
   past every check made before the model loads: its flags, the files it names, its constraint
   (the model is not loaded: the page's Python snippets run the engine)."""
-  from jaxengine import cli, llm
+  import jaxengine.cli.main as cli
+  import jaxengine.entrypoints.llm as llm
 
   def load_model(*args, **kwargs):
     raise _ModelLoad
@@ -215,7 +216,7 @@ def test_the_configuration_page_documents_every_option_and_flag():
   flag of the command, and no row for an option that is gone."""
   import dataclasses
 
-  from jaxengine.cli_engine_flags import ENGINE_FLAGS
+  from jaxengine.engine.engine_flags import ENGINE_FLAGS
   from jaxengine.engine_config import EngineConfig
 
   text = (ROOT / "docs" / "configuration.md").read_text()

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 import jaxengine as je
-from jaxengine.cli import build_parser
-from jaxengine.cli_engine_flags import ENGINE_FLAGS, engine_flag_options, engine_options
+from jaxengine.cli.main import build_parser
 from jaxengine.engine import EngineConfig, LLMEngine
+from jaxengine.engine.engine_flags import ENGINE_FLAGS, engine_flag_options, engine_options
 from jaxengine.engine_config import engine_config
 from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.testing import TargetOnly, tiny_llama

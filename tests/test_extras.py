@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxengine import cli
+import jaxengine.cli.main as cli
 from jaxengine.integrations import EXTRAS, MissingExtraError, install_command
 
 REPO = Path(__file__).resolve().parents[1]

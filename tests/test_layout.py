@@ -21,28 +21,28 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxengine"
 # and the model knows nothing of sampling or the engine.
 FORBIDDEN = {
   "jaxengine.params": ("jaxengine.batch", "jaxengine.sample", "jaxengine.engine",
-                       "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+                       "jaxengine.models", "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.reductions": ("jaxengine.batch", "jaxengine.sample", "jaxengine.engine",
-                           "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+                           "jaxengine.models", "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.config": ("jaxengine.batch", "jaxengine.sample", "jaxengine.engine",
-                       "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+                       "jaxengine.models", "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.sample": ("jaxengine.batch", "jaxengine.engine", "jaxengine.models",
-                       "jaxengine.llm", "jaxengine.cli"),
-  "jaxengine.batch": ("jaxengine.engine", "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+                       "jaxengine.entrypoints", "jaxengine.cli"),
+  "jaxengine.batch": ("jaxengine.engine", "jaxengine.models", "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.models": ("jaxengine.sample", "jaxengine.batch", "jaxengine.engine",
-                       "jaxengine.llm", "jaxengine.cli"),
+                       "jaxengine.entrypoints", "jaxengine.cli"),
   # The engine's rooms, in the order their dependencies point: core (host bookkeeping), then
   # spec_decode (drafts), then worker (the device steps), then engine (the lifecycle).
   "jaxengine.core": ("jaxengine.spec_decode", "jaxengine.worker", "jaxengine.engine",
                      "jaxengine.engine_config", "jaxengine.models", "jaxengine.sample",
-                     "jaxengine.llm", "jaxengine.cli"),
+                     "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.spec_decode": ("jaxengine.worker", "jaxengine.engine", "jaxengine.engine_config",
-                            "jaxengine.models", "jaxengine.llm", "jaxengine.cli"),
+                            "jaxengine.models", "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.engine_config": ("jaxengine.core", "jaxengine.worker", "jaxengine.engine",
-                              "jaxengine.llm", "jaxengine.cli"),
+                              "jaxengine.entrypoints", "jaxengine.cli"),
   "jaxengine.worker": ("jaxengine.engine", "jaxengine.spec_decode.policy",
-                       "jaxengine.spec_decode.speculation", "jaxengine.llm", "jaxengine.cli"),
-  "jaxengine.engine": ("jaxengine.llm", "jaxengine.cli"),
+                       "jaxengine.spec_decode.speculation", "jaxengine.entrypoints", "jaxengine.cli"),
+  "jaxengine.engine": ("jaxengine.entrypoints", "jaxengine.cli"),
 }  # fmt: skip
 
 

@@ -36,8 +36,8 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from subprocess_utils import run_python
 
+import jaxengine.cli.main as cli
 import jaxengine.integrations.lm_eval as lm_eval_module
-from jaxengine import cli
 from jaxengine.integrations.lm_eval import JaxEngineLM
 
 REPO = Path(__file__).resolve().parents[1]

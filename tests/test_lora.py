@@ -317,8 +317,8 @@ def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
 
 
 def test_lora_command_flags_set_the_config():
-  from jaxengine import cli
-  from jaxengine.cli_engine_flags import engine_options
+  import jaxengine.cli.main as cli
+  from jaxengine.engine.engine_flags import engine_options
 
   parser = cli.build_parser()
   flags = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--max-cpu-loras", "5"]
@@ -483,7 +483,7 @@ def test_server_refuses_corrupt_adapters_with_400(lora_server, tmp_path):
 def test_serve_lora_modules_flag(capsys):
   """``NAME=PATH`` and vLLM's JSON form, several of each; a clear parser error (exit status 2)
   for malformed JSON or a missing field (issue 49)."""
-  from jaxengine import cli
+  import jaxengine.cli.main as cli
   from jaxengine.lora import LoRAModulePath
 
   parser = cli.build_parser()

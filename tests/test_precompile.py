@@ -18,8 +18,8 @@ import uvicorn
 from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
 
 import jaxengine as je
-import jaxengine.llm as llm_module
-from jaxengine.cli import build_parser
+import jaxengine.entrypoints.llm as llm_module
+from jaxengine.cli.main import build_parser
 from jaxengine.entrypoints import serve
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker import device_steps

@@ -32,7 +32,7 @@ from flax import nnx
 from moe_checkpoints import hf_moe_model
 
 import jaxengine as je
-from jaxengine.cli_engine_flags import add_engine_flags, engine_flag_options
+from jaxengine.engine.engine_flags import add_engine_flags, engine_flag_options
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models import moe, token_logprobs
 from jaxengine.models.gemma import Gemma

@@ -118,7 +118,7 @@ print("worst", worst)
 # A model axis that does not divide the heads is refused before any weight moves (it once reached
 # the quantization on the mesh, whose collectives waited until XLA aborted the process); the
 # default GGUF model's 9 heads are read from its metadata, before its tensors load.
-import jaxengine.llm as llm_module
+import jaxengine.entrypoints.llm as llm_module
 def no_load(*args, **kwargs):
   raise AssertionError("the weights were loaded")
 llm_module.load_resolved = no_load

@@ -13,7 +13,7 @@ import pytest
 from byte_tokenizer import byte_tokenizer
 
 import jaxengine as je
-from jaxengine.cli import _sampling_params, build_parser
+from jaxengine.cli.main import _sampling_params, build_parser
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.testing import TargetOnly
 

@@ -7,6 +7,8 @@ engine_core.py        `EngineCore`: a scheduler and a model runner, one step, on
 input_processor.py    prompts and `SamplingParams` -> validated `Request`s
 model_loader.py       a path, hub id or built model loaded for an engine, with its tokenizer
 arg_utils.py          vLLM's `EngineArgs` / `AsyncEngineArgs` (`LLMEngine.from_engine_args`)
+engine_flags.py       the engine's command-line flags: one table from flag to `EngineConfig`
+                      field (`jaxengine generate`, `serve`, `eval`, `EngineArgs.add_cli_args`)
 structured.py         structured outputs: llguidance grammars, matchers and the token bitmask
 output_processor.py   tokens -> logprob dicts, text and stop rules
 

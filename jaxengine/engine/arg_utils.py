@@ -18,8 +18,7 @@ import dataclasses
 import difflib
 from typing import TYPE_CHECKING, Any
 
-from jaxengine.cli_checks import positive_int, speculative_config
-from jaxengine.cli_engine_flags import ENGINE_FLAGS
+from jaxengine.engine.engine_flags import ENGINE_FLAGS, positive_int, speculative_config
 from jaxengine.engine_config import EngineConfig, engine_config
 from jaxengine.vllm_names import VLLM_NAMES
 

@@ -1,5 +1,8 @@
-"""Online entry points: the asynchronous engine and the OpenAI-compatible HTTP server.
+"""The front doors: offline `LLM`, the asynchronous engine and the OpenAI-compatible HTTP server.
 
+llm.py                   `LLM`: vLLM's offline API (`generate`, `chat`, `load_weights`, `sleep`)
+chat_messages.py         chat messages checked and rendered with the model's chat template
+chat_session.py          `jaxengine chat`'s conversation loop: reading a message, the prompt
 async_llm.py             `AsyncLLM`: `LLMEngine.step()` in a background thread, outputs streamed to
                          asyncio callers (`async for out in engine.generate(...)`), `abort`,
                          `shutdown`

@@ -109,7 +109,9 @@ class AsyncLLM:
   """
 
   def __init__(self, model=None, *, stat_loggers: list[StatLogger] | None = None, **llm_kwargs):
-    from jaxengine.llm import LLM  # the model and engine load only when an AsyncLLM is built
+    from jaxengine.entrypoints.llm import (
+      LLM,  # the model and engine load only when an AsyncLLM is built
+    )
 
     self.llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
     self.engine = self.llm.llm_engine

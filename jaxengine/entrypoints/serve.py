@@ -23,7 +23,7 @@ if TYPE_CHECKING:
   import uvicorn
 
   from jaxengine.entrypoints.async_llm import AsyncLLM
-  from jaxengine.llm import LLM
+  from jaxengine.entrypoints.llm import LLM
   from jaxengine.lora import LoRAModulePath
 
 #: The name `/v1/models` lists for the default model (what `LLM()` loads).
@@ -166,9 +166,9 @@ def load_engine(args: argparse.Namespace) -> AsyncLLM:
   Raises:
     FileNotFoundError, ValueError: as `jaxengine.LLM`.
   """
-  from jaxengine.cli_engine_flags import engine_flag_options
+  from jaxengine.engine.engine_flags import engine_flag_options
   from jaxengine.entrypoints.async_llm import AsyncLLM
-  from jaxengine.llm import LLM
+  from jaxengine.entrypoints.llm import LLM
 
   options = engine_flag_options(args)
   precompile = options.pop("precompile", True)  # on unless --no-precompile

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxengine.chat_messages import as_conversations
+from jaxengine.entrypoints.chat_messages import as_conversations
 from jaxengine.entrypoints.engine_requests import (
   EngineRequests,
   outputs_usage,

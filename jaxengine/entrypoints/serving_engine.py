@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.chat_messages import as_conversations, render_prompts
 from jaxengine.entrypoints.protocol import (
   ChatCompletionRequest,
   CompletionRequest,

@@ -66,7 +66,7 @@ try:
 except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
   raise missing_extra(error, __name__) from error
 
-from jaxengine.llm import LLM
+from jaxengine.entrypoints.llm import LLM
 from jaxengine.outputs import RequestOutput
 from jaxengine.params import SamplingParams
 

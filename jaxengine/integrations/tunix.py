@@ -50,6 +50,7 @@ try:
 except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
   raise missing_extra(error, __name__) from error
 
+from jaxengine.entrypoints.llm import LLM
 from jaxengine.integrations.tunix_lora import (
   LORA_MARK,
   lora_adapter_from_tunix,
@@ -65,7 +66,6 @@ from jaxengine.integrations.tunix_weights import (
   engine_module,
   tunix_param_leaves,
 )
-from jaxengine.llm import LLM
 from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_cache import KVCache

@@ -6,16 +6,52 @@ arguments. Imports nothing heavy, so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from jaxengine.cli_checks import (
-  compilation_cache,
-  positive_int,
-  speculative_config,
-  unit_fraction,
-)
 from jaxengine.vllm_names import resolve_vllm_names
+
+
+def positive_int(text: str) -> int:
+  """argparse type of a count flag: an int of at least 1 (a usage error names the flag)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+  return value
+
+
+def unit_fraction(text: str) -> float:
+  """A float in (0, 1] (`--gpu-memory-utilization`); anything else is a usage error."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = float("nan")
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+  return value
+
+
+def speculative_config(text: str) -> dict:
+  """argparse type of `--speculative-config`: a JSON object, checked by `SpeculativeConfig`."""
+  from jaxengine.spec_decode.config import SpeculativeConfig
+
+  try:
+    config = json.loads(text)
+    SpeculativeConfig.build(config)
+  except ValueError as error:  # json.JSONDecodeError is a ValueError
+    raise argparse.ArgumentTypeError(f"{error} (given {text!r})") from None
+  return config
+
+
+def compilation_cache(value: str | None) -> bool | str:
+  """`--compilation-cache`: None -> True (the default directory), else the text as given, which
+  `LLM(compilation_cache=...)` reads as the environment variable is read (an "off" spelling, or
+  a path: `jaxengine.compilation_cache.OFF`)."""
+  return True if value is None else value
 
 
 class EngineFlag(NamedTuple):

@@ -53,28 +53,6 @@ def completion_header(output, completion, n: int, label_prompts: bool) -> str:
   return f"--- [{output.request_id}.{completion.index}] {header}\n"
 
 
-def positive_int(text: str) -> int:
-  """argparse type of a count flag: an int of at least 1 (a usage error names the flag)."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-  return value
-
-
-def unit_fraction(text: str) -> float:
-  """A float in (0, 1] (`--gpu-memory-utilization`); anything else is a usage error."""
-  try:
-    value = float(text)
-  except ValueError:
-    value = float("nan")
-  if not 0 < value <= 1:
-    raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
-  return value
-
-
 def token_id_list(text: str) -> list[int]:
   """argparse type of `--stop-token-ids`: comma-separated token ids, e.g. "2" or "2,3"."""
   try:
@@ -86,22 +64,3 @@ def token_id_list(text: str) -> list[int]:
       f"must be comma-separated non-negative token ids (e.g. 2,3), got {text!r}"
     )
   return ids
-
-
-def speculative_config(text: str) -> dict:
-  """argparse type of `--speculative-config`: a JSON object, checked by `SpeculativeConfig`."""
-  from jaxengine.spec_decode.config import SpeculativeConfig
-
-  try:
-    config = json.loads(text)
-    SpeculativeConfig.build(config)
-  except ValueError as error:  # json.JSONDecodeError is a ValueError
-    raise argparse.ArgumentTypeError(f"{error} (given {text!r})") from None
-  return config
-
-
-def compilation_cache(value: str | None) -> bool | str:
-  """`--compilation-cache`: None -> True (the default directory), else the text as given, which
-  `LLM(compilation_cache=...)` reads as the environment variable is read (an "off" spelling, or
-  a path: `jaxengine.compilation_cache.OFF`)."""
-  return True if value is None else value

@@ -21,15 +21,15 @@ import json
 import sys
 from collections.abc import Sequence
 
-from jaxengine.chat_session import chat_prompt as _chat_prompt
-from jaxengine.chat_session import read_message as _read_message
-from jaxengine.cli_checks import (
+from jaxengine.cli.checks import (
   check_greedy_default,
   completion_header,
   read_json_schema,
   token_id_list,
 )
-from jaxengine.cli_engine_flags import add_engine_flags, engine_options
+from jaxengine.engine.engine_flags import add_engine_flags, engine_options
+from jaxengine.entrypoints.chat_session import chat_prompt as _chat_prompt
+from jaxengine.entrypoints.chat_session import read_message as _read_message
 from jaxengine.entrypoints.serve import add_serve_flags
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"jaxengine: {error}", file=sys.stderr)
     return 2
   from jaxengine.engine_config import EngineConfig  # imported late: `--help` stays fast
-  from jaxengine.llm import LLM
+  from jaxengine.entrypoints.llm import LLM
 
   try:
     config = EngineConfig(**engine_options(args))  # checked before the model loads

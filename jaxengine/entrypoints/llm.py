@@ -10,7 +10,6 @@ import jax
 import numpy as np
 from tqdm import tqdm  # plain text bar: tqdm.auto warns in notebooks without ipywidgets
 
-from jaxengine.chat_messages import as_conversations, render_prompts
 from jaxengine.engine import LLMEngine
 from jaxengine.engine.model_loader import load_model
 from jaxengine.engine_config import (
@@ -18,6 +17,7 @@ from jaxengine.engine_config import (
   engine_config,
   with_engine_options,
 )
+from jaxengine.entrypoints.chat_messages import as_conversations, render_prompts
 from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models import Model
 from jaxengine.outputs import RequestOutput
