@@ -9,18 +9,15 @@ import sys
 import hf_checkpoints
 import jax.numpy as jnp
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from byte_tokenizer import chatml_byte_tokenizer
 
 import jaxengine.cli.main as cli
-from jaxengine import llm as llm_module
+import jaxengine.entrypoints.llm as llm_module
 from jaxengine.engine import model_loader
 from jaxengine.engine.engine_flags import engine_options
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models import gguf_loader
 from jaxengine.testing import tiny_llama
-from jaxengine.tokenizer import Tokenizer
 
 
 def test_generate_streams_a_continuation_naming_paris(capsys):
@@ -102,30 +99,11 @@ def test_python_dash_m_help_is_fast_and_lists_sampling_flags():
 
 # --------------------------------------------------------------------------- tiny model, no load
 
-_CHATML = (
-  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _tiny_tokenizer() -> Tokenizer:
-  """One token per byte plus three specials (ids 0-2, EOS 2), with a ChatML template."""
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  backend.decoder = decoders.ByteLevel()
-  backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in specials])
-  hf = PreTrainedTokenizerFast(
-    tokenizer_object=backend, eos_token="<|im_end|>", chat_template=_CHATML
-  )
-  return Tokenizer(hf)
-
 
 @pytest.fixture
 def tiny_llm(monkeypatch):
   """Makes `cli.main` build its `LLM` on a random tiny model; yields the `--model` values seen."""
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
   real_llm = llm_module.LLM
   models_asked = []
@@ -268,7 +246,7 @@ def test_interactive_chat_outgrowing_max_model_len_drops_oldest_turns(
 
 
 def test_chat_prompt_keeps_the_system_prompt_and_the_latest_message():
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   messages = [{"role": "system", "content": "S"}]
   for i in range(5):
     messages += [{"role": "user", "content": f"q{i}" * 5}, {"role": "assistant", "content": "a"}]

@@ -237,9 +237,9 @@ def test_condense_with_many_moves_keeps_every_request_with_its_row():
 
 @pytest.fixture(scope="module")
 def chat_llm():
-  from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
+  from byte_tokenizer import chatml_byte_tokenizer
 
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
   return je.LLM(model, tokenizer=tokenizer, max_num_reqs=2, max_model_len=96)
 

@@ -366,13 +366,13 @@ def lora_server(tmp_path_factory):
   import time
 
   import uvicorn
-  from test_cli import _tiny_tokenizer
+  from byte_tokenizer import chatml_byte_tokenizer
 
   from jaxengine.entrypoints.async_llm import AsyncLLM
   from jaxengine.entrypoints.openai_server import build_app
 
   root = tmp_path_factory.mktemp("lora-server")
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   config = hf_config("LlamaForCausalLM", vocab_size=tokenizer.vocab_size)
   base = write_checkpoint(root / "base", config, random_tensors(config_dict(config), 4))
   paths = {}

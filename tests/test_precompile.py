@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
+from byte_tokenizer import chatml_byte_tokenizer
 
 import jaxengine as je
 import jaxengine.entrypoints.llm as llm_module
@@ -33,7 +33,7 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  return _tiny_tokenizer()
+  return chatml_byte_tokenizer()
 
 
 @pytest.fixture(scope="module")

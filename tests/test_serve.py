@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from byte_tokenizer import chatml_byte_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from test_cli import _tiny_tokenizer  # a byte-level tokenizer with a ChatML template
 
 import jaxengine as je
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
@@ -41,7 +41,7 @@ def _client_prompt(i: int) -> str:
 @pytest.fixture(scope="module")
 def server():
   """The running server: its base URL, `AsyncLLM` and the reference outputs."""
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
   llm = je.LLM(model, tokenizer=tokenizer, max_num_reqs=4, max_model_len=128)
   refs = {}
@@ -224,7 +224,7 @@ def test_text_offsets_of_a_text_prompt_the_tokenizer_added_a_bos_to():
   spells its special tokens counts them."""
   from jaxengine.entrypoints.text_offsets import TextOffsets
 
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   bos = tokenizer.encode("<|endoftext|>")
   ids = [*bos, *tokenizer.encode("hi")]
   assert TextOffsets(tokenizer, [], True).prompt_offsets(ids, "hi") == [0, 0, 1]
@@ -550,7 +550,7 @@ def test_metrics_tokenize_models_health(server, client):
 
 def test_api_key():
   """A second app with an API key, served in-process (httpx's ASGI transport)."""
-  tokenizer = _tiny_tokenizer()
+  tokenizer = chatml_byte_tokenizer()
   model, _ = tiny_llama(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)
   engine = AsyncLLM(je.LLM(model, tokenizer=tokenizer, max_num_reqs=2, max_model_len=32))
   app = build_app(engine, MODEL, api_key="sesame")
