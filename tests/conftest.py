@@ -22,7 +22,7 @@ from jaxengine.worker import device_steps
 #: Added to XLA_FLAGS for the whole run (workers and subprocesses inherit it; the mesh scripts add
 #: their device counts to it): XLA:CPU's LLVM backend at optimization level 0. The tests compile
 #: far more than they compute (small models, many step shapes), and the matrix products run in
-#: XLA's runtime library whatever the level; tests/test_engine.py took 88 s instead of 102 s.
+#: XLA's runtime library whatever the level; tests/engine/test_engine.py took 88 s instead of 102 s.
 #: Numerics stay IEEE (no fast math at any level): the fixtures and recorded runs still match.
 #: (XLA:CPU's older elemental emitters, `--xla_cpu_use_fusion_emitters=false`, compiled about a
 #: fifth faster, but emitted one of a mixture of experts' batch-invariant decode steps 1 ulp away
@@ -100,11 +100,11 @@ WEIGHTS = {
   "test_engine.py": 410,
   "test_docs.py": 300,
   "test_structured_outputs.py": 300,
-  "test_paged_engine.py": 300,
+  "test_engine_under_pressure.py": 300,
   "test_checkpoints.py": 250,
-  "test_paged_speculative.py": 250,
-  "test_paged_multi_step.py": 220,
-  "test_paged_mesh.py": 150,
+  "test_speculative_pages.py": 250,
+  "test_multi_step.py": 220,
+  "test_engine_mesh.py": 150,
   "test_engine_lifecycle.py": 245,
   "test_async_scheduling.py": 240,
   "test_cli.py": 200,

@@ -21,7 +21,7 @@ the metadata's type:
   reads the pages.
 
 A model that treats the leading dimensions of its tokens as opaque (``[...]`` below) runs over
-either unchanged: the same weights give the same logits (tested in ``tests/test_paged_model.py``).
+either unchanged: the same weights give the same logits (tested in ``tests/models/test_model_pages.py``).
 
 Shape letters, as in the rest of `jaxengine.models`: ``B`` rows of one call, ``T`` tokens per
 row, ``S`` cache positions per slot (``max_model_len``), ``H`` query heads, ``K`` key/value

@@ -8,7 +8,7 @@ tokens, and a trainer's full-sequence forward pass disagrees with all of them in
 Everything else the decoder does per token is already invariant there: elementwise functions
 (``exp``, ``rsqrt``, ``sin``, ...) and reductions along the last axis (RMSNorm's mean, a row's
 log-softmax) give the same bits for a row whatever the number of rows and its place among them
-(checked by ``tests/test_batch_invariant.py``).
+(checked by ``tests/models/test_batch_invariant.py``).
 
 `row_tiled_dot` fixes the kernel: it multiplies ``ROW_TILE`` rows at a time, padding the last
 tile, inside a loop whose body is the same ``[ROW_TILE, in] x [in, out]`` product in every

@@ -1,6 +1,6 @@
 """The device core of jaxengine: the batch state and the sampler, model-agnostic.
 
-Modules, in dependency order (each imports only modules listed above it; tests/test_layout.py
+Modules, in dependency order (each imports only modules listed above it; tests/project/test_layout.py
 checks this index against the imports):
   row_params.py   RowParams: the one table of per-row sampling parameters (dtype, off value,
                   which rows use it, encoding from SamplingParams)

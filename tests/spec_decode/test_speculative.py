@@ -83,7 +83,7 @@ def test_config_defaults_and_engine_refusals(model):
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 6}
   )
   assert (high.prompt_lookup_max, high.prompt_lookup_min) == (6, 6)
-  # Drafts and several decode steps per dispatch compose (tests/test_composition.py).
+  # Drafts and several decode steps per dispatch compose (tests/engine/test_composition.py).
   both = LLMEngine(model, num_decode_steps=2, max_model_len=64, speculative_config=SPEC)
   assert both.config.num_decode_steps == 2 and both.config.speculative is not None
   # More drafts than a sequence can hold: refused before any [rows, k] buffer is made.

@@ -20,9 +20,7 @@ One subprocess (the device count must be set before JAX starts) runs every check
 
 from __future__ import annotations
 
-import os
-
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 SCRIPT = """
 import os, sys
@@ -215,7 +213,7 @@ print("ok")
 
 
 def test_paged_engine_on_a_mesh_matches_one_device():
-  out = run_python(SCRIPT, os.path.dirname(os.path.abspath(__file__)), timeout=1500)
+  out = run_python(SCRIPT, HELPERS_DIR, timeout=1500)
   assert out.strip().endswith("ok")
   assert out.count("backend") == 4  # three layouts, and fp8 pages of the GPU layout
   assert "speculative" in out

@@ -1,4 +1,5 @@
-"""Property tests: random batches through InputBatch.sample vs the float64 reference (tests/reference.py).
+"""Property tests: random batches through InputBatch.sample vs the float64 reference
+(tests/helpers/reference.py).
 
 Every request asks for logprobs=-1 in a batch built with max_num_logprobs=-1, so the logprob output
 holds each row's whole vocabulary; in `processed_logprobs` mode that is log_softmax of the final

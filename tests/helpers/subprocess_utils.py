@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+#: The tests' shared helpers (this folder): a script run by `run_python` that imports them
+#: puts it on `sys.path` (its first argument).
+HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 
 def run_python(script: str, *args: str, timeout: float = 600) -> str:
   """Runs ``python -c script *args`` on the CPU backend and returns its stdout.

@@ -7,7 +7,7 @@ prompt, whose 24 greedy tokens were equal), with room for another machine's floa
 A tiny Llama in an engine with fp8 pages on each backend (XLA; the GPU kernel in interpret mode;
 the TPU layout with a traceable stand-in for its kernel) against float32 pages: the same greedy
 tokens, logprobs within `TINY_LOGPROB_BOUND`. The backends' own fp8 tests are in
-`tests/test_attention_backends.py`.
+`tests/models/test_attention_backends.py`.
 """
 
 from __future__ import annotations

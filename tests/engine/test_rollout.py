@@ -266,7 +266,7 @@ def test_a_later_engine_asking_for_another_cache_is_warned(tmp_path):
   not. Run in a child process: the test process's JAX config stays untouched."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
   env.pop(ENV_VAR, None)
-  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
   first, other = tmp_path / "first", tmp_path / "other"
   done = subprocess.run(
     [sys.executable, "-c", _LATER_ENGINE_CHILD, str(first), str(other)],
@@ -309,7 +309,7 @@ _CHILD = textwrap.dedent(
 def test_the_persistent_cache_is_used_on_a_second_process_start(tmp_path):
   cache = tmp_path / "xla"
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
   runs = []
   for _ in range(2):
     done = subprocess.run(

@@ -11,7 +11,7 @@ cache, since removed; the engine's paged cache reproduces them to `TOLERANCE` (i
 in another order), so bitwise equality holds only for runs re-recorded on pages.
 
 Re-record (only when a change of outputs is intended and explained in the commit):
-`python tests/test_golden_run.py --record`.
+`python tests/engine/test_golden_run.py --record`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 import jaxengine as je
 from jaxengine.testing import tiny_llama
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "golden_run.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "golden_run.json"
 
 PROMPTS = [
   "The capital of France is",
@@ -230,7 +230,7 @@ def test_outputs_match_the_recorded_run(golden, name):
 
 if __name__ == "__main__":
   if sys.argv[1:] != ["--record"]:
-    sys.exit("usage: python tests/test_golden_run.py --record")
+    sys.exit("usage: python tests/engine/test_golden_run.py --record")
   os.environ.setdefault("JAXENGINE_COMPILATION_CACHE", "off")
   FIXTURE.write_text(json.dumps(_runs(), indent=1) + "\n")
   print(f"wrote {FIXTURE}")

@@ -1,6 +1,6 @@
 """Tunix LoRA rollouts: a qwix LoRA actor served by `JaxEngineRollout` (`tunix_lora`).
 
-Tiny random Tunix models (as tests/test_tunix.py builds them) with qwix LoRA of rank 4 and
+Tiny random Tunix models (as tests/integrations/test_tunix.py builds them) with qwix LoRA of rank 4 and
 alpha 8 on every attention and MLP projection, its ``lora_b`` random (qwix starts it at zero,
 which would hide a wrong layout). The rollout's logprobs are checked against the trainer's own
 recomputation (Tunix's `compute_per_token_logps` over the qwix model), before and after a

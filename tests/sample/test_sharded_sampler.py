@@ -1,7 +1,7 @@
 """The vocabulary-sharded sampler (`jaxengine.sample.sharded`, `sample(..., mesh=)`) against the
 one-device sampler, on 4 host CPU devices in a subprocess (the device count must be set before JAX
 starts). The engine under t = 2 and t = 4 x d = 2 (the same tokens as one device, nothing compiled
-after warm-up) is tests/test_mesh.py's, which now runs this sampler.
+after warm-up) is tests/parallel/test_mesh.py's, which now runs this sampler.
 """
 
 from __future__ import annotations
@@ -107,6 +107,12 @@ SMOLLM2_SCRIPT = textwrap.dedent("""
 """)
 
 
+#: The tests' fixtures folder (tests/fixtures).
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+
+
 def test_smollm2_under_tensor_parallel_3_gives_the_fixture_greedy_tokens():
-  fixture = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_greedy.json")
+  fixture = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "smollm2_greedy.json"
+  )
   assert run_python(SMOLLM2_SCRIPT, fixture).strip().endswith("ok")

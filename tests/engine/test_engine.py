@@ -15,7 +15,7 @@ from jaxengine.worker import device_steps
 
 def _fixtures() -> Path:
   """Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md)."""
-  return Path(__file__).resolve().parent / "fixtures"
+  return Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 The transformers model classes are the reference; weights are redrawn with standard deviation
 ``fan_in ** -0.5`` so that routing matters. The Qwen3-MoE model mixes sparse and dense layers
-(``mlp_only_layers``); Mixtral is sparse on every layer. Used by ``tests/test_moe.py`` and
-``tests/test_quantization.py``.
+(``mlp_only_layers``); Mixtral is sparse on every layer. Used by ``tests/models/test_moe.py`` and
+``tests/models/test_quantization.py``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ colocated on the trainer's.
 from __future__ import annotations
 
 import functools
-import os
 import textwrap
 
 import jax
@@ -20,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 from tunix.models.gemma import model as gemma
 from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
@@ -540,7 +539,7 @@ MESH_SCRIPT = textwrap.dedent("""
 
 
 def test_rollout_mesh_and_parallel_sizes_place_the_engine():
-  out = run_python(MESH_SCRIPT, os.path.dirname(__file__), timeout=900)
+  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
   assert out.strip().endswith("ok")
 
 

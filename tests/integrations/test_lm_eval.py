@@ -4,7 +4,7 @@ A tiny random Llama checkpoint with its own small BPE tokenizer (BOS added, as L
 local-file tasks (tests/fixtures/lm_eval: multiple choice with one- and multi-token answers,
 greedy generation with stop strings, rolling perplexity over documents longer than a window)
 through lm-eval's `simple_evaluate`, once on jaxengine and once on an independent reference: an
-lm-eval model scoring with the float64 NumPy forward of tests/hf_checkpoints.py through
+lm-eval model scoring with the float64 NumPy forward of tests/helpers/hf_checkpoints.py through
 transformers' tokenizer, following the conventions of lm-eval's ``hf`` model (the sequence cut
 from the left to ``max_length + 1`` tokens, greedy = per-token argmax, rolling windows from the
 prefix token). Where torch is importable, lm-eval's own ``hf`` model on the same checkpoint is a
@@ -40,7 +40,7 @@ import jaxengine.cli.main as cli
 import jaxengine.integrations.lm_eval as lm_eval_module
 from jaxengine.integrations.lm_eval import JaxEngineLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "lm_eval"
 TASKS = ["jaxengine_tiny_mc", "jaxengine_tiny_gen", "jaxengine_tiny_text"]
 MAX_MODEL_LEN = 32  # windows of 32 tokens: the text task's documents need several

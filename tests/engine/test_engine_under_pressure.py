@@ -4,7 +4,7 @@ prefill, shared prefix and fork blocks, the compile bound, refusals.
 One mixed workload (every sampling parameter, `n > 1`, stop ids and strings, a logits processor)
 runs once on a plain engine (a pool for every row at full length, a budget above every prompt,
 no prefix caching, synchronous steps), whose outputs are checked against an engine-free forward
-pass (`tests/cacheless.py`: greedy tokens are its argmax, every logprob its value), and on engines
+pass (`tests/helpers/cacheless.py`: greedy tokens are its argmax, every logprob its value), and on engines
 that force preemption (a pool smaller than two running requests), chunked prefill (a token budget
 below the longer prompts), with prefix caching on and off, at block sizes 4 and 16. Tokens, text,
 finish reasons and logprob ranks must equal the plain run's, logprob values to 1e-5. Engines are

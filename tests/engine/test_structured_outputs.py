@@ -56,7 +56,9 @@ def test_structured_and_plain_requests_side_by_side(llm):
     engine.add_request(None, "Hi", je.SamplingParams(extra_args={"target_token": -1}))
   assert not engine.has_unfinished_requests()
   # The engine keeps working: structured, plain and processor requests in one batch.
-  reference = json.loads((Path(__file__).parent / "fixtures" / "smollm2_greedy.json").read_text())
+  reference = json.loads(
+    (Path(__file__).parents[1] / "fixtures" / "smollm2_greedy.json").read_text()
+  )
   plain = je.SamplingParams(temperature=0, max_tokens=len(reference["new_ids"]))
   prompts = [
     "Describe a person as JSON:",

@@ -12,7 +12,7 @@ one device each and with two (`t = 2`, pages split over key/value heads):
 - a second run compiles nothing; with one device a group, `load_weights` from `(name, array)`
   pairs (read once, applied to every group) compiles nothing and keeps the tokens, and an aborted
   request leaves both groups clean (new weights on groups of several devices:
-  tests/test_mesh.py);
+  tests/parallel/test_mesh.py);
 - `batch_invariant=True` on the groups gives one device's bits (tensor parallelism refused);
 - every feature at once on the groups (asynchronous scheduling, n-gram speculative decoding and
   `num_decode_steps=2`): the plain engine's tokens.
@@ -24,10 +24,8 @@ itself.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
 
@@ -100,7 +98,7 @@ for t in (1, 2):
     check_same(run(llm), want)
   assert compiles.count == 0, (t, compiles.count)
   print("groups", t, stats)
-  if t == 2:  # new weights and aborts on groups of two devices: tests/test_mesh.py (t = 4, d = 2)
+  if t == 2:  # new weights and aborts on groups of two devices: tests/parallel/test_mesh.py (t = 4, d = 2)
     continue
   llm.load_weights((name, np.asarray(w)) for name, w in named_weights(model))
   with count_compiles() as compiles:
@@ -141,7 +139,7 @@ print("ok")
 
 
 def test_data_parallel_groups_match_one_device():
-  out = run_python(SCRIPT, os.path.dirname(os.path.abspath(__file__)), timeout=1200)
+  out = run_python(SCRIPT, HELPERS_DIR, timeout=1200)
   assert out.strip().endswith("ok")
   assert out.count("groups") == 2
 

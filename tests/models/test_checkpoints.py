@@ -49,7 +49,7 @@ from jaxengine.models.weights import unpermute_rotary_rows
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LLAMA3_ROPE = {
   "rope_type": "llama3",
   "factor": 8.0,

@@ -19,7 +19,7 @@ import pytest
 import jaxengine.cli.main as cli
 from jaxengine.integrations import EXTRAS, MissingExtraError, install_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Where install commands are written for users.
 DOCUMENTED = [
   "README.md",

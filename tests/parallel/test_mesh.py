@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent("""
 # penalties), logprobs and ranks as one device; weights and pages really sharded; nothing
 # compiles after warm-up or new weights; t = 3 over 4 query heads refused. t = 4 exceeds the 2
 # kv heads, so the pages are replicated over the model axis there.
-# (tests/test_paged_mesh.py: preemption, chunked prefill, prefix caching, num_decode_steps=3
+# (tests/parallel/test_engine_mesh.py: preemption, chunked prefill, prefix caching, num_decode_steps=3
 # precompiled, speculation on a mesh.)
 ENGINE_SCRIPT = """
 import os

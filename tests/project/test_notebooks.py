@@ -17,7 +17,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("jupyter_client.kernelspec")
 
-NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 KERNEL_NAME = "python3"
 CELL_TIMEOUT_S = 300

@@ -1,6 +1,6 @@
 """The paged engine's k-step decode (`num_decode_steps` k > 1 with pages) against k = 1.
 
-The mixed workload of `test_paged_engine` (every sampling parameter, `n > 1`, stop ids and
+The mixed workload of `test_engine_under_pressure` (every sampling parameter, `n > 1`, stop ids and
 strings, `min_tokens`, logprobs, a logits processor; requests arriving while others run, so some
 wait) plus a request ending on a stop id runs at k = 1 and at k = 4 on a pool small enough to
 force preemption and lookahead that the pool cannot always serve, and at k = 8 on a roomy pool:
@@ -13,7 +13,7 @@ compiles no step.
 from __future__ import annotations
 
 import pytest
-from test_paged_engine import REQUESTS, SP, VOCAB, _model_and_tokenizer, _run
+from test_engine_under_pressure import REQUESTS, SP, VOCAB, _model_and_tokenizer, _run
 from test_rollout import assert_same_outputs
 
 import jaxengine as je
@@ -125,7 +125,7 @@ def test_a_step_where_no_row_can_take_a_second_token_is_not_a_k_step_decode():
 @pytest.fixture(scope="module")
 def expected():
   """The workload on the tight pool at k = 1 (the paged engine's outputs do not depend on the
-  pool, the budget or the rows: `test_paged_engine`)."""
+  pool, the budget or the rows: `test_engine_under_pressure`)."""
   return _run(_engine(TIGHT, 1), WORKLOAD)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "jaxengine"
+PACKAGE = Path(__file__).resolve().parents[2] / "jaxengine"
 
 # What each layer may not import: the core never reaches up to the model, engine or front ends,
 # and the model knows nothing of sampling or the engine.
@@ -273,7 +273,7 @@ def test_the_private_access_check_catches_a_planted_access():
 
 def _doc_section(page: str, title: str) -> str:
   """The `## title` section of `docs/page`."""
-  text = (Path(__file__).resolve().parents[1] / "docs" / page).read_text()
+  text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
   start = text.index(f"\n## {title}\n")
   end = text.find("\n## ", start + 1)
   return text[start:end]

@@ -28,7 +28,7 @@ from jaxengine.models.weights import WeightSpec, unpermute_rotary_rows
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
 # Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md).
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # Jitted once per session; graphdef is static, so each model structure compiles its own executable.

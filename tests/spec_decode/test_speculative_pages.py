@@ -2,7 +2,7 @@
 
 Greedy and seeded outputs equal a plain engine's (no drafts, synchronous steps; the rejection
 sampler draws each output token with the key of its index), whose greedy run is checked against an
-engine-free forward pass (`tests/cacheless.py`), under forced preemption and chunked prefill, with
+engine-free forward pass (`tests/helpers/cacheless.py`), under forced preemption and chunked prefill, with
 prefix caching over pages that held drafts; the scheduler never hashes a draft; precompile covers
 the plain and the verify step.
 Every engine verifies whenever a row has a draft (`spec_crossover_tokens` high) and has one
