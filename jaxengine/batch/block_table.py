@@ -97,9 +97,9 @@ class BlockTable:
         f"row {row} would hold {length} blocks; a row holds at most {self.max_num_blocks_per_req}"
       )
     self.group_block_ids[:, row] = 0
-    self.group_block_ids[:, row, :length] = np.asarray(group_block_ids, np.int32).reshape(
-      -1, length
-    )
+    if length:  # empty tables (a preempted row): nothing to copy
+      tables = np.asarray(group_block_ids, np.int32).reshape(-1, length)
+      self.group_block_ids[:, row, :length] = tables
     self.num_blocks[row] = length
 
   def clear_row(self, row: int) -> None:
