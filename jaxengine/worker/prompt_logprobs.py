@@ -19,11 +19,16 @@ from jaxengine.sample import LogprobsTensors
 
 @dataclasses.dataclass
 class _Pending:
-  """A prompt's logprobs gathered chunk by chunk until its last prediction."""
+  """A prompt's logprobs gathered chunk by chunk until its last prediction (its request id and
+  prompt read from the completion's `Request`, not copied)."""
 
-  request_id: str
-  num_prompt_tokens: int
+  completion: Completion
   parts: list[LogprobsArrays] = dataclasses.field(default_factory=list)
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    """The prompt's tokens."""
+    return len(self.completion.request.prompt_token_ids)
 
 
 class PromptLogprobs:
@@ -36,8 +41,7 @@ class PromptLogprobs:
   def add(self, completion: Completion) -> None:
     """Notes `completion`'s prompt when its logprobs are wanted (`wants_prompt_logprobs`)."""
     if wants_prompt_logprobs(completion):
-      request = completion.request
-      self._pending[completion.seq_id] = _Pending(request.request_id, len(request.prompt_token_ids))
+      self._pending[completion.seq_id] = _Pending(completion)
 
   def remove(self, seq_id: str) -> None:
     """Forgets `seq_id`'s prompt (finished or aborted)."""
@@ -87,7 +91,7 @@ class PromptLogprobs:
         parts = pending.parts
         if not parts:  # a one-token prompt: nothing predicts its only token
           continue
-        done[pending.request_id] = LogprobsArrays(
+        done[pending.completion.request.request_id] = LogprobsArrays(
           token_ids=np.concatenate([p.token_ids for p in parts]),
           logprobs=np.concatenate([p.logprobs for p in parts]),
           ranks=np.concatenate([p.ranks for p in parts]),
