@@ -2,9 +2,11 @@
 
 With a paged KV cache a request's keys and values live in pages (blocks) the engine hands out as
 its sequence grows; the block table lists them by row, as vLLM V1's `InputBatch.block_table`
-does. It is host NumPy (the engine changes it between steps and sends the scheduled rows' tables
-with each step) and it moves with the rows: `InputBatch.condense` and `swap_states` move a row's
-table as they move every other per-row field, so row `i`'s table always belongs to `req_ids[i]`.
+does. It is host NumPy, changed one way only: `set_row` with a row's whole tables, as each
+`SchedulerOutput.block_ids` carries them for the rows whose pages changed (the runner sends the
+scheduled rows' tables with each step), and it moves with the rows: `InputBatch.condense` and
+`swap_states` move a row's table as they move every other per-row field, so row `i`'s table
+always belongs to `req_ids[i]`.
 
 With several KV cache groups (`jaxengine/core/kv_cache_groups.py`: a model with sliding-window
 layers) each row has one table per group, `[G, R, P]`; `block_ids` is the first group's.
@@ -63,21 +65,6 @@ class BlockTable:
     """Row `row`'s pages (a view of its first `num_blocks[row]` entries)."""
     return self.block_ids[row, : self.num_blocks[row]]
 
-  def append_row(self, row: int, block_ids: Sequence[int]) -> None:
-    """Appends pages to row `row`'s table.
-
-    Raises:
-      ValueError: more than `P` pages in all (nothing changes then).
-    """
-    start = int(self.num_blocks[row])
-    end = start + len(block_ids)
-    if end > self.max_num_blocks_per_req:
-      raise ValueError(
-        f"row {row} would hold {end} blocks; a row holds at most {self.max_num_blocks_per_req}"
-      )
-    self.block_ids[row, start:end] = block_ids
-    self.num_blocks[row] = end
-
   def group_rows(self, row: int) -> np.ndarray:
     """`[G, num_blocks[row]]` row `row`'s pages in every group (a view)."""
     return self.group_block_ids[:, row, : self.num_blocks[row]]
@@ -97,9 +84,9 @@ class BlockTable:
         f"row {row} would hold {length} blocks; a row holds at most {self.max_num_blocks_per_req}"
       )
     self.group_block_ids[:, row] = 0
-    self.group_block_ids[:, row, :length] = np.asarray(group_block_ids, np.int32).reshape(
-      -1, length
-    )
+    if length:  # empty tables (a preempted row): nothing to copy
+      tables = np.asarray(group_block_ids, np.int32).reshape(-1, length)
+      self.group_block_ids[:, row, :length] = tables
     self.num_blocks[row] = length
 
   def clear_row(self, row: int) -> None:

@@ -49,9 +49,13 @@ class SchedulerOutput:
     num_scheduled_tokens: query tokens of each scheduled completion (`seq_id` -> count `>= 1`),
       in scheduling order.
     num_computed_tokens: tokens of each scheduled completion already in its pages before the step.
-    new_block_ids: pages appended to each scheduled completion's block table this step.
-    preempted: completions whose pages were freed this step (their block tables are emptied;
-      they stay in the batch and are recomputed later).
+    block_ids: the whole block table, one tuple of page ids per KV cache group
+      (`KVCacheManager.get_group_block_ids`), of each completion whose table changed this step:
+      pages appended, pages a sliding window freed (`NULL_BLOCK_ID` in their place), or every
+      page freed by preemption (empty tables). The runner replaces its rows' tables with these:
+      the one way a table reaches the device side.
+    preempted: completions whose pages were freed this step (their `block_ids` are empty; they
+      stay in the batch and are recomputed later).
     spec_token_ids: draft tokens of each decode scheduled with drafts (speculative decoding):
       they are its last query tokens, after its last known token (counted in
       `num_scheduled_tokens`; `worker/verify_step.py`).
@@ -63,7 +67,7 @@ class SchedulerOutput:
   admitted: list[Completion]
   num_scheduled_tokens: dict[str, int]
   num_computed_tokens: dict[str, int]
-  new_block_ids: dict[str, list[int]]
+  block_ids: dict[str, tuple[tuple[int, ...], ...]]
   preempted: list[str]
   spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   num_decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -154,10 +158,18 @@ class Scheduler:
       admitted=step.admitted,
       num_scheduled_tokens=step.num_scheduled,
       num_computed_tokens={s: self.running[s].num_computed_tokens for s in step.num_scheduled},
-      new_block_ids=step.new_block_ids,
+      block_ids=self._changed_tables(step),
       preempted=step.preempted,
       spec_token_ids=step.spec_token_ids,
     )
+
+  def _changed_tables(self, step: _StepPlan) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """The tables of the completions whose pages changed in `step` (`SchedulerOutput.block_ids`):
+    preempted, admitted, given pages, or (when a window frees pages) scheduled at all."""
+    admitted = {c.seq_id for c in step.admitted}
+    frees = self.manager.frees_pages
+    changed = [s for s, new in step.new_block_ids.items() if new or frees or s in admitted]
+    return {s: self.manager.get_group_block_ids(s) for s in (*step.preempted, *changed)}
 
   def update_after_step(
     self, output: SchedulerOutput, num_accepted: Mapping[str, int] | None = None
@@ -343,7 +355,8 @@ class Scheduler:
       max_model_len: the engine's limit on a sequence's tokens.
 
     Returns:
-      `scheduled` with the lookahead pages appended to `new_block_ids` and `num_decode_steps`
+      `scheduled` with the tables of the rows given lookahead pages in `block_ids` and
+      `num_decode_steps`
       set, or None (nothing changed) when the step does not qualify or no row may take more
       than one token.
     """
@@ -357,14 +370,14 @@ class Scheduler:
     }
     if max(wanted.values()) < 2:
       return None
-    new_block_ids = {seq_id: list(ids) for seq_id, ids in scheduled.new_block_ids.items()}
+    block_ids = dict(scheduled.block_ids)
     granted = {}
     for seq_id, steps in wanted.items():
       lookahead, blocks = self._allocate_lookahead(seq_id, steps - 1)
       granted[seq_id] = 1 + lookahead
-      if blocks:
-        new_block_ids.setdefault(seq_id, []).extend(blocks)
-    return dataclasses.replace(scheduled, new_block_ids=new_block_ids, num_decode_steps=granted)
+      if blocks or self.manager.frees_pages:
+        block_ids[seq_id] = self.manager.get_group_block_ids(seq_id)
+    return dataclasses.replace(scheduled, block_ids=block_ids, num_decode_steps=granted)
 
   def _allocate_lookahead(self, seq_id: str, lookahead: int) -> tuple[int, list[int]]:
     """Pages for `lookahead` positions after a decoding completion's token this step, or for as

@@ -39,6 +39,7 @@ from typing import cast
 import jax
 
 from jaxengine.batch import HostSamplerOutput, InputBatch
+from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.core.request import Completion, Request
 from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine.output_processor import OutputProcessor
@@ -54,7 +55,8 @@ from jaxengine.spec_decode.ngram_proposer import (
 from jaxengine.spec_decode.policy import SpeculativePolicy
 from jaxengine.spec_decode.speculation import Speculation
 from jaxengine.tokenizer import Tokenizer
-from jaxengine.worker.model_runner import InFlightStep, ModelRunner
+from jaxengine.worker.model_runner import ModelRunner
+from jaxengine.worker.outputs import InFlightStep
 
 
 class EngineCore:
@@ -100,9 +102,18 @@ class EngineCore:
     if tokenizer is not None:
       eos = eos_token_ids[0] if eos_token_ids else None
       self.structured = StructuredOutputs(tokenizer, model.vocab_size, eos, batch.max_num_reqs)
+    #: The pages' owner (vLLM's scheduler side): the scheduler allocates through it and sends
+    #: the changed block tables to the runner in each `SchedulerOutput`.
+    self.kv_cache_manager = KVCacheManager(
+      self.runner.num_blocks,
+      config.block_size,
+      enable_caching=config.prefix_caching,
+      groups=self.runner.kv_cache_groups,
+      max_num_batched_tokens=config.max_num_batched_tokens,
+    )
     self.scheduler = Scheduler(
       batch.max_num_reqs,
-      self.runner.kv_cache_manager,
+      self.kv_cache_manager,
       cast(int, config.max_num_batched_tokens),  # validated: never None
       config.enable_chunked_prefill,
       config.max_loras,
@@ -133,7 +144,7 @@ class EngineCore:
     longest = len(request.prompt_token_ids) + (
       self.max_model_len if max_tokens is None else max_tokens
     )
-    self.runner.kv_cache_manager.check_fits(min(longest, self.max_model_len))
+    self.kv_cache_manager.check_fits(min(longest, self.max_model_len))
 
   @property
   def num_unfinished(self) -> int:
@@ -155,6 +166,36 @@ class EngineCore:
     """Reads and drops the step left in flight, if any (asynchronous scheduling leaves one for
     rows that finished since its dispatch), so that no step of this core is on the device."""
     self._collect_in_flight()
+
+  # --- weights and memory: the runner's device side, the prefix cache's host side -------------
+
+  def load_weights(self, weights) -> None:
+    """`ModelRunner.load_weights`, then the prefix cache emptied: later prompts compute their
+    keys and values with the new weights (running requests keep theirs, as in vLLM)."""
+    self.runner.load_weights(weights)
+    self.kv_cache_manager.reset_prefix_cache()
+
+  def load_lora_weights(self, lora_request, adapter) -> None:
+    """`ModelRunner.load_lora_weights`, then the prefix cache emptied (its pages were computed
+    with the old values)."""
+    self.runner.load_lora_weights(lora_request, adapter)
+    self.kv_cache_manager.reset_prefix_cache()
+
+  def sleep(self, level: int) -> None:
+    """`ModelRunner.sleep`, then the prefix cache emptied (its pages are gone)."""
+    self.runner.sleep(level)
+    self.kv_cache_manager.reset_prefix_cache()
+
+  def free_kv_cache(self) -> int:
+    """`ModelRunner.free_kv_cache` (the device bytes freed), the prefix cache emptied."""
+    freed = self.runner.free_kv_cache()
+    self.kv_cache_manager.reset_prefix_cache()
+    return freed
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every prefix hash (pages in use stay with their requests); returns True."""
+    self.kv_cache_manager.reset_prefix_cache()
+    return True
 
   # --- the step -------------------------------------------------------------------------------
 

@@ -320,7 +320,7 @@ class LLMEngine:
     `peak_running_reqs`, `num_preemptions`, prefix-cache counters; peaks and counters since
     the start or the last `reset_kv_cache_stats`). With data parallelism, every field summed
     over the groups' pools (a peak: the sum of each pool's own peak)."""
-    stats = [core.runner.kv_cache_manager.stats for core in self.cores]
+    stats = [core.kv_cache_manager.stats for core in self.cores]
     if len(stats) == 1:
       return stats[0]
     return KVCacheStats(
@@ -330,7 +330,7 @@ class LLMEngine:
   def reset_kv_cache_stats(self) -> None:
     """Restarts `kv_cache_stats`' peaks at the current occupancy and its counters at zero."""
     for core in self.cores:
-      core.runner.kv_cache_manager.reset_stats()
+      core.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
     """Whether any request is waiting or running. (A step left in flight whose completions
@@ -371,7 +371,7 @@ class LLMEngine:
     if len(self.cores) > 1 and not isinstance(weights, (Mapping, nnx.State, nnx.Module)):
       weights = list(cast(Iterable, weights))  # `(name, array)` pairs, read once per core
     for core in self.cores:  # the first core checks everything before any changes
-      core.runner.load_weights(weights)
+      core.load_weights(weights)
 
   def load_lora_weights(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
     """In-memory values for a LoRA adapter in every core, nothing recompiled: see
@@ -381,7 +381,7 @@ class LLMEngine:
       ValueError: (nothing changed) without `enable_lora`, or an adapter the slots refuse.
     """
     for core in self.cores:  # the first core checks everything before any changes
-      core.runner.load_lora_weights(lora_request, adapter)
+      core.load_lora_weights(lora_request, adapter)
 
   # --- sleep and wake ---------------------------------------------------------------------------
 
@@ -420,7 +420,7 @@ class LLMEngine:
     for core in self.cores:
       core.drain()
     for core in self.cores:
-      core.runner.sleep(level)
+      core.sleep(level)
 
   def free_kv_cache(self) -> int:
     """Frees every core's KV cache alone, the weights staying in place, until
@@ -437,7 +437,7 @@ class LLMEngine:
       raise RuntimeError("free_kv_cache needs no unfinished requests (finish or abort them first)")
     for core in self.cores:
       core.drain()
-    return sum(core.runner.free_kv_cache() for core in self.cores)
+    return sum(core.free_kv_cache() for core in self.cores)
 
   def wake_up(self, tags: Sequence[str] | None = None) -> None:
     """Puts back what `sleep` freed, in every core (vLLM's name): the weights on their devices,
@@ -464,7 +464,7 @@ class LLMEngine:
 
   def reset_prefix_cache(self) -> bool:
     """Forgets every prefix hash (running requests keep their pages); returns True."""
-    return all([core.runner.reset_prefix_cache() for core in self.cores])
+    return all([core.reset_prefix_cache() for core in self.cores])
 
   def precompile(self, use_tqdm: bool = True) -> int:
     """Compiles every step shape of every core (see `ModelRunner.precompile`); returns how many

@@ -32,6 +32,7 @@ renormalise them), which is what its trainer recomputes (`compute_per_token_logp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
@@ -67,10 +68,10 @@ from jaxengine.integrations.tunix_weights import (
   tunix_param_leaves,
 )
 from jaxengine.lora import LoRAAdapter, LoRARequest
-from jaxengine.models.attention import AttentionMetadata
-from jaxengine.models.kv_cache import KVCache
+from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.quantization import check_quantization
+from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import abstract_module, replace_leaves, state_leaves
 from jaxengine.parallel import make_mesh
 from jaxengine.params import SamplingParams
@@ -374,8 +375,10 @@ def completion_logprobs(
 ) -> jax.Array:
   """Teacher-forced logprobs of the completion tokens, Tunix's convention.
 
-  The engine model runs once over each `[prompt, completion]` row (pad tokens take position
-  `T`, past the scratch cache, so they write nothing and no real token attends to them).
+  The engine model runs once over every `[prompt, completion]` row, as one ragged step over a
+  scratch pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`): each row's real
+  tokens moved to its front, at positions `0..`, its pad tokens after them (where no real token
+  attends to them).
 
   Args:
     graphdef: the engine model's graph (static).
@@ -393,16 +396,25 @@ def completion_logprobs(
   model = nnx.merge(graphdef, weights)
   rows, width = token_ids.shape
   is_real = token_ids != pad_id  # [B, T]
-  positions = jnp.where(is_real, jnp.cumsum(is_real, axis=1) - 1, width).astype(jnp.int32)
-  kv_cache = KVCache.create(model.kv_cache_spec, rows, width)
-  metadata = AttentionMetadata(
-    cache_slots=jnp.arange(rows, dtype=jnp.int32), positions=positions, attention_len=width
-  )
-  adapters = {} if lora is None else {"lora": lora}  # only Llama-family modules take LoRA
-  hidden, _ = model(token_ids, positions, kv_cache, metadata, **adapters)  # [B, T, E]
+  order = jnp.argsort(~is_real, axis=1, stable=True)  # [B, T] real tokens first, in order
+  packed = jnp.take_along_axis(token_ids, order, axis=1)  # [B, T]
+  block_size = 16  # the engine's default; any size computes the same attention
+  metadata, kv_cache = scratch_step(model, rows, width, block_size, XlaAttentionBackend())
+  positions = jnp.tile(jnp.arange(width, dtype=jnp.int32), rows)[None]  # [1, B * T]
+  adapters = {}  # only Llama-family modules take LoRA
+  if lora is not None:  # each token's slot moves with the token
+    slots = jnp.take_along_axis(lora.slots.reshape(rows, width), order, axis=1)
+    adapters["lora"] = dataclasses.replace(lora, slots=slots.reshape(-1))
+  flat = packed.reshape(1, rows * width)
+  hidden, _ = model(flat, positions, kv_cache, metadata, **adapters)  # [1, B * T, E]
+  hidden = hidden.reshape(rows, width, -1)
   start = width - num_completion_tokens
-  logits = model.compute_logits(hidden[:, start - 1 : width - 1]) * inverse_temperature  # [B, C, V]
   targets = token_ids[:, start:]  # [B, C]
+  # A real target's predictor is the real token before it: packed index (its position - 1).
+  target_positions = jnp.cumsum(is_real, axis=1)[:, start:] - 1  # [B, C]
+  before = jnp.clip(target_positions - 1, 0, width - 1)
+  predictors = jnp.take_along_axis(hidden, before[..., None], axis=1)  # [B, C, E]
+  logits = model.compute_logits(predictors) * inverse_temperature  # [B, C, V]
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   logps = picked - jax.nn.logsumexp(logits, axis=-1)
   return jnp.where(targets != pad_id, logps, 0.0)

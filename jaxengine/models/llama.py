@@ -242,8 +242,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(ConfiguredDecoder, nnx.Module):
-  """Llama-family decoder reading and writing a `KVCache` (slots) or a `PagedKVCache` (pages);
-  implements `jaxengine.models.Model`.
+  """Llama-family decoder reading and writing a `PagedKVCache` (the engine's pages; the older
+  slot `KVCache` for direct calls); implements `jaxengine.models.Model`.
 
   The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied in an
   unrolled loop (`jaxengine.models.layer_stack.apply_layers`: layers of one structure are traced
@@ -304,34 +304,34 @@ class Llama(ConfiguredDecoder, nnx.Module):
     attention_len: int | None = None,
     lora: LoRAInputs | None = None,
   ) -> tuple[jax.Array, AnyKVCache]:
-    """Runs the decoder over a batch of token rows, updating the KV cache.
+    """Runs the decoder over the call's tokens, updating the KV cache.
 
     Every layer hands its queries, keys and values to `jaxengine.models.attention.attention`,
-    which writes each token's key/value for its position and lets it attend to the earlier
-    positions of its sequence (that function's docstring is the contract: padding, positions
-    ``>= max_model_len``, continuation after a cached prefix). So a prefill is a call with a
-    row's prompt at positions ``0..n-1`` and a decode step is a call with ``T = 1`` at position
-    ``n``; chunked prefill works the same way. Token ids outside ``[0, vocab_size)`` are clipped
-    (padding may use any id).
+    which writes each token's key and value for its position and lets it attend to the earlier
+    positions of its sequence (that function's docstring is the contract). Token ids outside
+    ``[0, vocab_size)`` are clipped (padding may use any id).
 
-    Attention reads ``attention_len`` positions of every row's slot (all ``max_model_len`` by
-    default), so its cost grows with that length, not with the tokens actually cached: the engine
-    passes a bucket above every real token's position. Each distinct value compiles once.
+    The engine calls it once per ragged step with a `PagedAttentionMetadata`, a `PagedKVCache`
+    and the step's tokens flat, ``[1, T]``: decode tokens and prefill chunks of many requests
+    together, each request's tokens at its own positions and pages
+    (`jaxengine.worker.ragged_step`); a whole-sequence forward outside the engine builds such a
+    step over a scratch pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`). The
+    older slot form (an `AttentionMetadata` or ``[B] int32`` cache slots with a `KVCache`,
+    ``[B, T]`` rows; `attention_len` bounds the positions read) remains for direct calls.
 
     Args:
-      token_ids: ``[B, T] int32`` input tokens.
-      positions: ``[B, T] int32`` absolute position of each token in its sequence.
+      token_ids: ``[1, T]`` (pages) or ``[B, T]`` (slots) ``int32`` input tokens.
+      positions: the same shape, ``int32`` absolute position of each token in its sequence.
       kv_cache: the cache to read and update (donate it under jit).
-      attn_metadata: this step's `AttentionMetadata` (what the engine passes), a
-        `PagedAttentionMetadata` (with a `PagedKVCache` and flat ``[1, T]`` tokens), or, the older
-        form, ``[B] int32`` cache slots with `attention_len`.
-      attention_len: static, only with cache slots (the metadata carries its own).
+      attn_metadata: this step's `PagedAttentionMetadata` (what the engine passes), or the slot
+        form's `AttentionMetadata` or ``[B] int32`` cache slots.
+      attention_len: static, only with cache slots (an `AttentionMetadata` carries its own).
       lora: None (default), or the step's LoRA adapters with each flat token's slot
-        (`jaxengine.models.lora.LoRAInputs`, ``B * T`` slots).
+        (`jaxengine.models.lora.LoRAInputs`, one per token).
 
     Returns:
-      ``(hidden, kv_cache)``: ``[B, T, E]`` hidden states after the final RMSNorm, in the model
-      dtype (feed them to `compute_logits`), and the updated cache.
+      ``(hidden, kv_cache)``: ``[..., E]`` hidden states (the tokens' shape) after the final
+      RMSNorm, in the model dtype (feed them to `compute_logits`), and the updated cache.
     """
     metadata = as_attention_metadata(attn_metadata, positions, attention_len)
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]

@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.attention_backends import AttentionBackend, XlaAttentionBackend
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.reductions import fixed_logsumexp
 
-__all__ = ["token_logprobs"]
+__all__ = ["scratch_step", "token_logprobs"]
 
 
 def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
@@ -99,7 +99,8 @@ def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) ->
   of an eager call would differ from the engine's compiled step in the last bits."""
   invariant = nnx.merge(graphdef, weights)
   batch, length = token_ids.shape
-  metadata, cache = _scratch_step(invariant, batch, length, block_size)
+  backend = XlaAttentionBackend(fixed_order=True, max_context=length)
+  metadata, cache = scratch_step(invariant, batch, length, block_size, backend)
   flat_ids = token_ids.reshape(1, batch * length)
   positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]
   hidden, _ = invariant(flat_ids, positions, cache, metadata)  # [1, B * T, E]
@@ -112,11 +113,25 @@ def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) ->
   return values.reshape(batch, length - 1)
 
 
-def _scratch_step(
-  model: Model, batch: int, length: int, block_size: int
+def scratch_step(
+  model: Model, batch: int, length: int, block_size: int, backend: AttentionBackend
 ) -> tuple[PagedAttentionMetadata, PagedKVCache]:
   """One ragged step holding ``batch`` whole sequences of ``length`` tokens, each in pages of
-  its own (page 0 is the null page), and the empty fixed-order cache it writes to."""
+  its own (page 0 is the null page), and the empty scratch pool of pages it writes to: how a
+  whole-sequence forward (a trainer's logprobs, a scorer) calls the model outside the engine.
+
+  Args:
+    model: the `Model` (its ``kv_cache_spec`` shapes the pages).
+    batch: sequences ``B``; their tokens go to the model flat, ``[1, B * length]``, sequence by
+      sequence, at positions ``0..length-1`` each.
+    length: tokens per sequence.
+    block_size: positions per page.
+    backend: the pages' attention backend (e.g. `XlaAttentionBackend`).
+
+  Returns:
+    The step's `PagedAttentionMetadata` and the zero `PagedKVCache` of ``1 + B * ceil(length /
+    block_size)`` pages.
+  """
   pages_per_seq = -(-length // block_size)
   block_tables = 1 + np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, -1)
   position = np.arange(length, dtype=np.int32)
@@ -130,7 +145,7 @@ def _scratch_step(
   )
   cache = PagedKVCache.create(
     model.kv_cache_spec,
-    XlaAttentionBackend(fixed_order=True, max_context=length),
+    backend,
     num_blocks=1 + batch * pages_per_seq,
     block_size=block_size,
   )

@@ -2,6 +2,10 @@
 
 buckets.py            bucket sizes of every step (rows, tokens)
 kv_cache_size.py      the default number of pages (rows, memory limit)
+kv_cache_pool.py      the pool of pages: its attention backend, size and arrays
+weight_loader.py      the served module (batch-invariant, quantized) and load_weights
+lora_loader.py        the LoRA adapters' manager built for a model
+prompt_logprobs.py    prompt logprobs gathered chunk by chunk until a prompt's last prediction
 placement.py          placing weights, KV-cache pages and batch state on a mesh
 step_inputs.py        a ragged step's positions, slots and attention metadata
 ragged_step.py        the model once over a ragged step's tokens, then the sampler
@@ -10,6 +14,7 @@ multi_step.py         k ragged decode steps in one device loop (num_decode_steps
 verify_step.py        speculative decoding on the device: drafts as query tokens, the verify step
 device_steps.py       the steps jitted once per model structure and placement, shared by runners
 sleep_mode.py         sleep and wake: freeing the pages, weights to host memory and back
-model_runner.py       `ModelRunner`: weights, pages, persistent batch, the jitted steps (one
-                      ragged step per call), precompile
+outputs.py            `StepOutput` (a step on the host), `InFlightStep` (dispatched, not read)
+model_runner.py       `ModelRunner`: the model, pages and jitted steps; a `SchedulerOutput` in,
+                      a `StepOutput` out; precompile
 """

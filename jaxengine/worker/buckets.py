@@ -9,6 +9,16 @@ import collections
 import dataclasses
 from collections.abc import Hashable
 
+#: Smallest token bucket of a ragged step with 8 rows or more; fewer rows start at their row
+#: bucket, so one request's decode runs the model on 1 token, not 8 (XLA:CPU takes about 1.8x as
+#: long over 8 rows of SmolLM2-135M as over 1), at the price of a few more shapes.
+MIN_TOKEN_BUCKET = 8
+
+#: Token bucket from which a step runs in the largest row bucket (`step_buckets`): the logits of
+#: `max_num_reqs` rows cost little next to the model over this many tokens (under 3% for
+#: SmolLM2-135M at 16 rows), and fewer (token, row) shapes compile.
+FULL_ROWS_MIN_TOKENS = 128
+
 
 def buckets(limit: int, start: int) -> list[int]:
   """Powers of two from `start`, the last one clipped to `limit`."""
@@ -19,9 +29,58 @@ def buckets(limit: int, start: int) -> list[int]:
   return sizes
 
 
+def row_buckets(max_num_reqs: int, rows_per_shard: int, batch_invariant: bool) -> list[int]:
+  """A runner's row buckets: powers of two times `rows_per_shard` (on a mesh, the data-parallel
+  size: whole rows per shard) up to `max_num_reqs`. With `batch_invariant`, only
+  `max_num_reqs`: the sampler's reductions (top-p masses, the draw's cumulative sums) take their
+  order from the whole `[rows, V]` shape, so one row count keeps a request's draw independent of
+  the batch (the model's arithmetic is per token, `jaxengine.models.batch_invariant`)."""
+  return [max_num_reqs] if batch_invariant else buckets(max_num_reqs, rows_per_shard)
+
+
 def bucket(n: int, sizes: list[int]) -> int:
   """The smallest of `sizes` holding `n`."""
   return next(b for b in sizes if b >= n)
+
+
+def token_bucket(num_tokens: int, num_rows: int, token_buckets: list[int]) -> int:
+  """The token bucket of a step of `num_tokens` scheduled tokens over `num_rows` (a row
+  bucket): the smallest of `token_buckets` holding them and `min(num_rows, MIN_TOKEN_BUCKET)`."""
+  return bucket(max(1, num_tokens, min(num_rows, MIN_TOKEN_BUCKET)), token_buckets)
+
+
+def step_buckets(
+  num_tokens: int,
+  num_reqs: int,
+  row_buckets: list[int],
+  token_buckets: list[int],
+  prompt_logprobs: bool = False,
+) -> tuple[int, int]:
+  """`(token bucket, row bucket)` of a step of `num_tokens` scheduled tokens over `num_reqs`
+  rows: the row bucket holding them, and `token_bucket`; the largest row bucket for a step of
+  `FULL_ROWS_MIN_TOKENS` tokens or more and for a step that computes prompt logprobs. Those steps
+  cost far more than the logits of a few more rows (`[T, V]` logits with prompt logprobs), and so
+  `ModelRunner.precompile` compiles fewer shapes.
+  """
+  num_rows = bucket(max(num_reqs, 1), row_buckets)
+  tokens = token_bucket(num_tokens, num_rows, token_buckets)
+  if prompt_logprobs or tokens >= FULL_ROWS_MIN_TOKENS:
+    num_rows = row_buckets[-1]
+    tokens = token_bucket(num_tokens, num_rows, token_buckets)
+  return tokens, num_rows
+
+
+def step_shapes(
+  row_buckets: list[int], token_buckets: list[int], prompt_logprobs: bool = False
+) -> list[tuple[int, int]]:
+  """The `(token bucket, row bucket)` pairs a ragged step can reach (`step_buckets`), with or
+  without prompt logprobs, by row bucket then token bucket."""
+  shapes = {
+    step_buckets(t, r, row_buckets, token_buckets, prompt_logprobs)
+    for r in row_buckets
+    for t in token_buckets
+  }
+  return sorted(shapes, key=lambda shape: shape[::-1])
 
 
 #: Uses of a step shape that is not compiled yet served by a larger compiled one before it gets

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxengine.worker.multi_step import decode_steps
+from jaxengine.worker.placement import MeshPlacement
 from jaxengine.worker.ragged_step import ragged_forward, sample_produced
 from jaxengine.worker.verify_step import rejection_sample_produced, verify_forward
 
@@ -50,6 +51,32 @@ class DeviceSteps:
   decode_steps: Callable[..., Any]
 
 
+def ragged_step(
+  forward, sample, state, metadata, weights, kv_cache, inputs, num_rows, prompt_logprobs
+):
+  """One plain step as `InputBatch.run_step` calls it (`forward` and `sample` bound first: a
+  runner's `ragged_forward` and `sample_produced`): the model, then the sampler on its logits
+  (dispatched back to back, no host round trip).
+
+  Returns:
+    `(state, MultiStepOutput, (kv_cache, prompt LogprobsTensors or None))`.
+  """
+  out = forward(state, weights, kv_cache, inputs, prompt_logprobs)
+  state, output = sample(state, metadata, out.logits, inputs.produces, num_rows)
+  return state, output, (out.kv_cache, out.prompt_logprobs)
+
+
+def ragged_verify_step(
+  verify, reject, state, metadata, weights, kv_cache, inputs, drafts, num_rows, prompt_logprobs
+):
+  """`ragged_step` with drafts (`verify` and `reject` bound first: a runner's `verify_forward`
+  and `rejection_sample_produced`, `worker/verify_step.py`). Returns as `ragged_step`; the output
+  holds `k + 1` positions."""
+  out = verify(state, weights, kv_cache, inputs, drafts, prompt_logprobs)
+  state, output = reject(state, metadata, out.logits, drafts, inputs.produces, num_rows)
+  return state, output, (out.kv_cache, out.prompt_logprobs)
+
+
 _cache: collections.OrderedDict[Any, DeviceSteps] = collections.OrderedDict()
 _lock = threading.Lock()  # engines may be built from several threads
 
@@ -74,6 +101,24 @@ def device_steps(
     while len(_cache) > MAX_CACHED:
       _cache.popitem(last=False)
     return steps
+
+
+def placed_device_steps(
+  graphdef: nnx.GraphDef, mesh: Mesh | None, placement: MeshPlacement | None, vocab_size: int
+) -> DeviceSteps:
+  """`device_steps` with every step's shardings from `placement` (None off a mesh). Needs no
+  device array: `graphdef` may come from an abstract model (`nnx.eval_shape`), and the jitted
+  steps take `jax.ShapeDtypeStruct` arguments in `.lower(...)`, to compile ahead of time."""
+  shardings = {}
+  if placement is not None:
+    shardings = {
+      "ragged_forward": placement.ragged_forward_shardings(vocab_size),
+      "sample_produced": placement.sample_produced_shardings(vocab_size),
+      "verify_forward": placement.verify_forward_shardings(),
+      "rejection_sample_produced": placement.rejection_sample_produced_shardings(),
+      "decode_steps": placement.decode_steps_shardings(),
+    }
+  return device_steps(graphdef, mesh, shardings)
 
 
 def _hashable(shardings: Mapping[str, Mapping[str, Any]]) -> Any:

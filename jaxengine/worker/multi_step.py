@@ -32,7 +32,8 @@ iteration), `P` pages per row (`max_num_blocks_per_req`), `k` steps, `C` stop id
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,10 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxengine.batch import InputBatch
+from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.lora import LoRAManager
 from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 from jaxengine.params import SamplingParams
@@ -110,6 +114,88 @@ class DecodeStepsInputs:
   stop_ids: jax.Array
   end_on_first_finish: jax.Array
   lora: LoRAInputs | None = None
+
+
+class DeviceStopRules:
+  """The `device_stop_rules` of each completion in a runner's batch, by `seq_id`.
+
+  Args:
+    input_batch: the batch (its EOS ids and `max_num_stop_token_ids` size the stop-id columns).
+    max_model_len: the engine's limit on a sequence's tokens.
+  """
+
+  def __init__(self, input_batch: InputBatch, max_model_len: int) -> None:
+    self.eos_token_ids = tuple(input_batch.eos_token_ids)
+    self.max_model_len = max_model_len
+    #: `C`, the stop-id columns: the most stop ids a request may name, and the EOS ids.
+    self.max_num_stop_ids = input_batch.config.max_num_stop_token_ids + len(self.eos_token_ids)
+    self._rules: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+  def add(self, seq_id: str, params: SamplingParams) -> None:
+    """Notes a completion's rules."""
+    self._rules[seq_id] = device_stop_rules(params, self.eos_token_ids, self.max_model_len)
+
+  def remove(self, seq_id: str) -> None:
+    """Forgets a completion's rules."""
+    self._rules.pop(seq_id, None)
+
+  def rows(self, req_ids: Sequence[str]) -> list[tuple[int, tuple[int, ...]]]:
+    """The rules of `req_ids`, in order."""
+    return [self._rules[seq_id] for seq_id in req_ids]
+
+
+def decode_steps_inputs(
+  batch: InputBatch,
+  block_table: BlockTable,
+  num_decode_steps: Mapping[str, int],
+  num_rows: int,
+  stop_rules: DeviceStopRules,
+  end_on_first_finish: bool,
+  lora: LoRAManager | None = None,
+  sharding: jax.sharding.Sharding | None = None,
+) -> DecodeStepsInputs:
+  """A k-step loop's `DecodeStepsInputs` from the host, put on the device in one transfer.
+
+  Args:
+    batch: the persistent batch (condensed): its live rows run.
+    block_table: their pages (the row bucket's rows go to the device).
+    num_decode_steps: the most tokens each scheduled row may sample (`SchedulerOutput`).
+    num_rows: `R`, the row bucket.
+    stop_rules: the batch's `DeviceStopRules` (each live row's).
+    end_on_first_finish: end the loop once some row stops by a stop rule.
+    lora: the runner's adapters (each row's slot an input), None without LoRA.
+    sharding: where the inputs go, None: the default device.
+  """
+  req_ids = batch.req_ids
+  max_num_steps = np.zeros(num_rows, np.int32)
+  for seq_id, steps in num_decode_steps.items():
+    max_num_steps[batch.req_id_to_index[seq_id]] = steps
+  grouped = block_table.num_groups > 1
+  tables = (
+    block_table.group_block_ids[:, :num_rows] if grouped else block_table.block_ids[:num_rows]
+  )
+  rules = stop_rules.rows(req_ids)
+  max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, stop_rules.max_num_stop_ids)
+  host: tuple[Any, ...] = (
+    tables,
+    np.int32(batch.num_reqs),
+    max_num_steps,
+    max_output_tokens,
+    stop_ids,
+    np.bool_(end_on_first_finish),
+  )
+  if lora is not None:  # row r's token is flat token r: one slot per row
+    host += (lora.token_slots(req_ids, 1, num_rows),)
+  device = jax.device_put(host, sharding)  # one transfer for the loop's inputs
+  return DecodeStepsInputs(
+    block_tables=device[0],
+    num_reqs=device[1],
+    max_num_steps=device[2],
+    max_output_tokens=device[3],
+    stop_ids=device[4],
+    end_on_first_finish=device[5],
+    lora=None if lora is None else lora.inputs(device[-1]),
+  )
 
 
 def _decode_metadata(

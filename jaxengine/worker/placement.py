@@ -10,6 +10,7 @@ refused by `jax.jit` rather than silently recompiled.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
@@ -49,6 +50,22 @@ def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> M
     state, mesh, sharding_rules(model), expert_parallel=expert_parallel
   )
   return cast(Model, nnx.merge(graphdef, jax.device_put(state, shardings)))
+
+
+def placed_step(placement: MeshPlacement | None, step: Callable[..., Any]) -> Callable[..., Any]:
+  """A jitted step as `InputBatch.run_step` calls it: `step` itself off a mesh (`placement`
+  None); on one, state and metadata first put on their declared shardings (a no-op when the
+  batch's own updates kept them) and the static keyword arguments passed by position, in the
+  order given (`jax.jit` takes no keywords with `in_shardings`)."""
+  if placement is None:
+    return step
+
+  def placed(state, metadata, *args, **static):
+    state = jax.device_put(state, placement.state)
+    metadata = jax.device_put(metadata, placement.metadata)
+    return step(state, metadata, *args, *static.values())
+
+  return placed
 
 
 class MeshPlacement:

@@ -4,7 +4,7 @@ freed, and put back exactly as they were placed.
 A buffer comes back with the shape, dtype, sharding and commitment (`jax.Array.committed`) it had
 before, so the jitted steps see the same argument signature and reuse their executables: nothing
 compiles on `wake_up`. These are host-side helpers over trees of arrays (`nnx.State`,
-`PagedKVCache`); `ModelRunner.sleep` / `ModelRunner.wake_up` use them.
+`PagedKVCache`), and `SleepState`, which a runner's `sleep` / `wake_up` / `free_kv_cache` drive.
 """
 
 from __future__ import annotations
@@ -135,6 +135,14 @@ def check_tags(tags: Any) -> tuple[str, ...]:
   return tuple(tags)
 
 
+def check_empty_batch(num_reqs: int, action: str) -> None:
+  """Raises `RuntimeError` naming `action` when the batch still holds `num_reqs` > 0 requests."""
+  if num_reqs:
+    raise RuntimeError(
+      f"{action} needs an empty batch, it holds {num_reqs} requests (finish or abort them first)"
+    )
+
+
 def check_level(level: Any) -> int:
   """`sleep`'s level.
 
@@ -144,3 +152,119 @@ def check_level(level: Any) -> int:
   if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
     raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
   return int(level)
+
+
+@dataclasses.dataclass
+class SleepState:
+  """What `ModelRunner.sleep` freed and how to put it back; its methods take and return the
+  runner's trees (weights, KV cache), the runner keeps them.
+
+  Attributes:
+    asleep: the parts asleep (`SLEEP_TAGS` names), empty when awake.
+    level: the level of the last `sleep` (0: never slept).
+    host_weights: the weights in pinned host memory (level 1), None otherwise.
+    weight_slots: the weights' `Slot`s while they are on the host.
+    weights_discarded: level 2 dropped the weights; the runner's `weights` hold `Slot`s until
+      `load_weights` fills every one.
+    kv_cache_slots: the KV cache's `Slot`s while it is freed.
+  """
+
+  asleep: set[str] = dataclasses.field(default_factory=set)
+  level: int = 0
+  host_weights: Any = None
+  weight_slots: Any = None
+  weights_discarded: bool = False
+  kv_cache_slots: Any = None
+
+  def sleep(self, level: int, weights: Any, kv_cache: Any) -> Any:
+    """Frees `kv_cache` (`release_kv_cache`) and lets go of the weights; returns what the
+    runner holds as weights now (their `Slot`s).
+
+    Level 1 moves the weights to pinned host memory (same shardings, memory kind
+    "pinned_host"); level 2 discards them (`load_weights` after `wake_up` brings new ones). The
+    KV cache's buffers are deleted; the weights are only let go of (freed when nothing else
+    holds them: a module given to the engine or arrays `load_weights` used without a copy are
+    the caller's and stay intact). Sleeping again frees what is still held (level 2 after level
+    1 drops the host copy).
+
+    Raises:
+      ValueError: a level other than 1 or 2 (nothing changes).
+    """
+    level = check_level(level)
+    on_device = "weights" not in self.asleep and not self.weights_discarded
+    # The host copy first: should it fail (host memory), nothing is freed yet.
+    host = to_host(weights) if on_device and level == 1 else None
+    self.release_kv_cache(kv_cache)
+    if on_device:
+      self.weight_slots = slots(weights)
+      self.host_weights = host
+      weights = self.weight_slots  # let go, not deleted: a trainer may share the arrays
+    if level == 2:
+      self.host_weights = None  # asleep at level 1 before: the host copy goes too
+      self.weights_discarded = True
+    self.asleep.update(SLEEP_TAGS)
+    self.level = max(self.level, level)
+    return weights
+
+  def release_kv_cache(self, kv_cache: Any) -> int:
+    """Deletes `kv_cache`'s buffers (None: already freed), keeping their slots for `wake_up`;
+    returns the device bytes freed."""
+    if kv_cache is None:
+      return 0
+    freed = device_bytes(kv_cache)
+    self.kv_cache_slots = slots(kv_cache)
+    delete(kv_cache)
+    return freed
+
+  def free_kv_cache(self, kv_cache: Any) -> int:
+    """`release_kv_cache`, the KV cache then asleep alone (the weights stay)."""
+    freed = self.release_kv_cache(kv_cache)
+    self.asleep.add("kv_cache")
+    self.level = max(self.level, 1)
+    return freed
+
+  def wake_up(self, tags: Any, weights: Any, kv_cache: Any) -> tuple[Any, Any]:
+    """The `(weights, kv_cache)` with the parts `tags` names put back (`check_tags`): the
+    weights as they were placed (level 1; after level 2 they stay `Slot`s until `load_weights`)
+    and a zero KV cache of the same pages and shardings. A part awake is returned as given.
+
+    Raises:
+      ValueError: an unknown tag (nothing changes).
+    """
+    tags = check_tags(tags)
+    if "weights" in tags and "weights" in self.asleep:
+      if self.host_weights is not None:
+        weights = to_device(self.host_weights, self.weight_slots)
+        self.host_weights = None
+      self.asleep.discard("weights")
+    if "kv_cache" in tags and "kv_cache" in self.asleep:
+      kv_cache = zeros(self.kv_cache_slots)
+      self.kv_cache_slots = None
+      self.asleep.discard("kv_cache")
+    if not self.asleep:
+      self.level = 0
+    return weights, kv_cache
+
+  def check_loadable(self) -> None:
+    """Refuses `load_weights` while the weights sleep (RuntimeError: wake them first)."""
+    if "weights" in self.asleep:
+      where = (
+        "discarded the weights" if self.weights_discarded else "moved the weights to host memory"
+      )
+      raise RuntimeError(
+        f"load_weights while asleep: sleep(level={self.level}) {where}; call wake_up() (or "
+        "wake_up(tags=['weights'])) first"
+      )
+
+  def check_awake(self) -> None:
+    """Refuses to run steps while asleep or without weights (RuntimeError, on the host)."""
+    if self.asleep:
+      parts = " and ".join(p for p in SLEEP_TAGS if p in self.asleep)
+      raise RuntimeError(
+        f"the engine is asleep (sleep(level={self.level}) freed its {parts}); call wake_up() first"
+      )
+    if self.weights_discarded:
+      raise RuntimeError(
+        "the engine has no weights: sleep(level=2) discarded them; call load_weights with every "
+        "weight of the model after wake_up()"
+      )

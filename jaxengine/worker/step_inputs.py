@@ -7,19 +7,26 @@ tables, `query_start_loc`, `seq_lens`, and the index of each request's last quer
 whose logits are sampled). Shapes are padded to the step's buckets `T` (tokens), `R` (requests)
 and `P` (pages per request) so one executable serves every step of a bucket.
 
-Host NumPy only; `StepInputs.metadata()` moves the attention part to the device.
+`build_step_inputs` is host NumPy only (`StepInputs.metadata()` moves the attention part to the
+device); `ragged_inputs` lays out a runner's step from its batch and the scheduler's plan and puts
+every input on the device in one transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import jax
 import numpy as np
 
+from jaxengine.batch import InputBatch
+from jaxengine.batch.block_table import BlockTable
+from jaxengine.core.scheduler import SchedulerOutput
+from jaxengine.lora import LoRAManager
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
+from jaxengine.worker.ragged_step import RaggedInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,3 +167,102 @@ def _check_counts(computed: np.ndarray, scheduled: np.ndarray, num_tokens: int, 
     raise ValueError(
       f"{scheduled.sum()} scheduled tokens exceed the bucket num_tokens={num_tokens}"
     )
+
+
+def query_starts(batch: InputBatch, scheduled: SchedulerOutput) -> dict[str, int]:
+  """Each scheduled completion's first flat token index in the step (rows in batch order)."""
+  index = batch.req_id_to_index
+  order = sorted(scheduled.num_scheduled_tokens, key=index.__getitem__)
+  counts = [scheduled.num_scheduled_tokens[s] for s in order]
+  return dict(zip(order, np.cumsum([0, *counts[:-1]]).tolist()))
+
+
+def produced_rows(batch: InputBatch, scheduled: SchedulerOutput) -> list[bool]:
+  """Whether the step computes each batch row's last known token (so samples its next one)."""
+  produced = []
+  for seq_id in batch.req_ids:
+    count = scheduled.num_scheduled_tokens.get(seq_id)
+    if count is None:
+      produced.append(False)
+      continue
+    drafts = len(scheduled.spec_token_ids.get(seq_id, ()))
+    done = scheduled.num_computed_tokens[seq_id]
+    produced.append(done + count - drafts == batch.num_tokens(seq_id))
+  return produced
+
+
+def ragged_inputs(
+  batch: InputBatch,
+  block_table: BlockTable,
+  scheduled: SchedulerOutput,
+  num_tokens: int,
+  num_rows: int,
+  produces: Sequence[bool] = (),
+  *,
+  block_size: int,
+  lora: LoRAManager | None = None,
+  sharding: jax.sharding.Sharding | None = None,
+) -> RaggedInputs:
+  """A runner's step as `RaggedInputs`: the scheduled rows in row order, padded to the buckets.
+
+  Args:
+    batch: the persistent batch (condensed), whose rows the step computes.
+    block_table: its rows' pages (`[G, rows, P]` with several KV cache groups).
+    scheduled: the scheduler's plan.
+    num_tokens: `T`, the token bucket.
+    num_rows: `R`, the row bucket.
+    produces: which live rows sample, by row (none when empty).
+    block_size: positions per page.
+    lora: the runner's adapters: each token's slot is an input (None: no LoRA).
+    sharding: where the inputs go (one transfer), None: the default device.
+  """
+  rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
+  seq_ids = [batch.req_ids[row] for row in rows]
+  computed = [scheduled.num_computed_tokens[s] for s in seq_ids]
+  counts = [scheduled.num_scheduled_tokens[s] for s in seq_ids]
+  grouped = block_table.num_groups > 1
+  tables = block_table.group_rows if grouped else block_table.row
+  layout = build_step_inputs(
+    [tables(row).tolist() for row in rows],
+    computed,
+    counts,
+    block_size=block_size,
+    num_tokens=num_tokens,
+    num_reqs=num_rows,
+    max_blocks_per_req=block_table.max_num_blocks_per_req,
+    num_groups=block_table.num_groups if grouped else None,
+  )
+  token_rows = np.zeros(num_tokens, np.int32)
+  token_rows[: layout.num_tokens] = np.repeat(rows, counts)
+  logits_indices = np.zeros(num_rows, np.int32)
+  logits_indices[rows] = layout.logits_indices[: len(rows)]
+  produced = np.zeros(num_rows, bool)
+  produced[: len(produces)] = produces
+  host: tuple[Any, ...] = (
+    token_rows,
+    layout.positions,
+    layout.slot_mapping,
+    layout.block_tables,
+    layout.query_start_loc,
+    layout.seq_lens,
+    np.int32(layout.num_reqs),
+    logits_indices,
+    produced,
+  )
+  if lora is not None:  # each token's adapter slot, only for a LoRA engine
+    host += (lora.token_slots(seq_ids, counts, num_tokens),)
+  device = jax.device_put(host, sharding)  # one transfer for the step's inputs
+  return RaggedInputs(
+    token_rows=device[0],
+    positions=device[1],
+    attention=PagedAttentionMetadata(
+      slot_mapping=device[2],
+      block_tables=device[3],
+      query_start_loc=device[4],
+      seq_lens=device[5],
+      num_reqs=device[6],
+    ),
+    logits_indices=device[7],
+    produces=device[8],
+    lora=None if lora is None else lora.inputs(device[-1]),
+  )

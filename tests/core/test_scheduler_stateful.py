@@ -8,7 +8,7 @@ a request. Pools, budgets and rows are small, so preemption, chunked prefill, pr
 forks are common.
 
 Invariants: the token budget and the rows hold; every scheduled completion's block table covers its
-tokens; the tables the runner rebuilds from the scheduler's outputs (`preempted`, `new_block_ids`)
+tokens; the tables the runner rebuilds from the scheduler's outputs (`block_ids`)
 equal the manager's; every running completion reads back exactly its own tokens from its pages (so
 a block shared by two requests holds what both expect, and none is reused while held); reference
 counts equal the number of tables listing each block; outputs only grow; and at the end, every
@@ -113,9 +113,9 @@ class PagedSchedulerMachine(RuleBasedStateMachine):
       self.tables[completion.seq_id] = []
     for seq_id in out.preempted:  # the engine's runner applies these only in a step it runs
       assert self.manager.get_block_ids(seq_id) == () and out.num_scheduled_tokens
-      self.tables[seq_id] = []
-    for seq_id, block_ids in out.new_block_ids.items():
-      self.tables[seq_id].extend(block_ids)
+      assert out.block_ids[seq_id] == ((),)
+    for seq_id, (block_ids,) in out.block_ids.items():
+      self.tables[seq_id] = list(block_ids)
     for seq_id in scheduler.running:
       assert tuple(self.tables[seq_id]) == self.manager.get_block_ids(seq_id), seq_id
     for seq_id, count in out.num_scheduled_tokens.items():

@@ -240,7 +240,8 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
   # a small staging op per row bucket.
   runner = engine.runner
   # No window: one KV cache group, one table per row, a page holds every layer (as before groups).
-  assert runner.kv_cache_groups.num_groups == 1 and not runner.kv_cache_manager.frees_pages
+  assert runner.kv_cache_groups.num_groups == 1
+  assert not engine.cores[0].kv_cache_manager.frees_pages
   assert runner.kv_cache.layer_groups is None and runner.block_table.num_groups == 1
   assert (runner.row_buckets, runner.token_buckets) == ([1, 2, 4], [1, 2, 4, 8, 16, 32, 64, 128])
   shapes = {(runner.token_bucket(t, r), r) for r in runner.row_buckets for t in range(1, 129)}

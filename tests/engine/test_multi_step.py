@@ -96,7 +96,9 @@ def test_lookahead_reserves_pages_up_to_each_rows_limits():
   # "0": 8 tokens from position 3 need positions 3..10: 3 pages (2 new). "1": max_tokens=2 left
   # it one token, which its page holds.
   assert plan.num_decode_steps == {"0": 8, "1": 1}
-  assert [len(plan.new_block_ids.get(s, [])) for s in ("0", "1")] == [2, 0]
+  # Only "0"'s table changed: it travels whole; "1" keeps its one page and sends none.
+  assert {s: len(t) for s, (t,) in plan.block_ids.items()} == {"0": 3}
+  assert step.block_ids == {}
   assert len(scheduler.manager.get_block_ids("0")) == 3
   assert plan.num_scheduled_tokens == step.num_scheduled_tokens == {"0": 1, "1": 1}
   # A long prompt or max_model_len bounds it too.

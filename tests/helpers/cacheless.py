@@ -1,7 +1,8 @@
 """An engine-free reference for engine outputs: the model run once over whole sequences.
 
 `sequence_logits` feeds each sequence (prompt then output) to the model in one call over a scratch
-cache of its own (no engine, no pages, no scheduler, no sampler): the logits of every position.
+pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`: no engine, no block manager, no
+scheduler, no sampler): the logits of every position.
 Tests compare what an engine reported with them:
 
 - `assert_greedy_is_argmax`: each greedy token is the argmax of the logits before it (or within
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.models import AttentionMetadata, KVCache
+from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.sequence_logprobs import scratch_step
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -30,11 +32,11 @@ def _log_softmax(graphdef, weights, token_ids):
   """`[B, T, V] float32` log-softmax of the logits of every position of `token_ids` `[B, T]`."""
   model = nnx.merge(graphdef, weights)
   rows, width = token_ids.shape
-  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-  cache = KVCache.create(model.kv_cache_spec, rows, width)
-  metadata = AttentionMetadata(cache_slots=jnp.arange(rows, dtype=jnp.int32), positions=positions)
-  hidden, _ = model(token_ids, positions, cache, metadata)
-  return jax.nn.log_softmax(model.compute_logits(hidden).astype(jnp.float32), axis=-1)
+  metadata, cache = scratch_step(model, rows, width, 16, XlaAttentionBackend())
+  positions = jnp.tile(jnp.arange(width, dtype=jnp.int32), rows)[None]  # [1, B * T]
+  hidden, _ = model(token_ids.reshape(1, rows * width), positions, cache, metadata)
+  logits = model.compute_logits(hidden.reshape(rows * width, -1)).astype(jnp.float32)
+  return jax.nn.log_softmax(logits, axis=-1).reshape(rows, width, -1)
 
 
 def sequence_logprobs(model, sequences: Sequence[Sequence[int]], width: int) -> list[np.ndarray]:

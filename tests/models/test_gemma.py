@@ -226,7 +226,7 @@ def test_window_layers_free_their_pages_with_prefix_hits_and_preemption(tmp_path
   )  # fmt: skip
   engine = llm.llm_engine
   runner = engine.cores[0].runner
-  manager = runner.kv_cache_manager
+  manager = engine.cores[0].kv_cache_manager
   assert manager.windows == (None, window, window)  # layer 1 full; layers 0 and 2 windowed
   assert runner.kv_cache.layer_groups == ((1, 0), (0, 0), (2, 0)) and runner.num_blocks == 22
   params = je.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -34,7 +34,7 @@ from jaxengine.models.paged_attention import (
   write_kv_pages,
 )
 from jaxengine.testing import tiny_llama
-from jaxengine.worker import model_runner
+from jaxengine.worker import kv_cache_pool
 
 PROMPTS = [
   "The capital of France is",
@@ -163,7 +163,7 @@ TINY_LOGPROB_BOUND = 0.2
 
 def _run_tiny(model, monkeypatch, name: str, kv_cache_dtype: str) -> tuple[list, list]:
   backend, _ = TINY_BACKENDS[name]
-  monkeypatch.setattr(model_runner, "attention_backend", lambda *args, **kwargs: backend)
+  monkeypatch.setattr(kv_cache_pool, "attention_backend", lambda *args, **kwargs: backend)
   engine = LLMEngine(
     model, max_num_reqs=2, max_model_len=16, block_size=4, num_kv_blocks=12,
     kv_cache_dtype=kv_cache_dtype, attention_backend=name,

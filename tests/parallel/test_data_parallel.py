@@ -88,7 +88,7 @@ for t in (1, 2):
   assert not devices[0] & devices[1], devices  # each group on its own devices
   got = run(llm)
   check_same(got, want)
-  stats = [c.runner.kv_cache_manager.stats for c in cores]
+  stats = [c.kv_cache_manager.stats for c in cores]
   assert all(s.peak_running_reqs > 0 for s in stats), stats  # both groups ran requests
   assert all(s.num_preemptions > 0 and s.prefix_cache_hits > 0 for s in stats), stats
   total = engine.kv_cache_stats
@@ -111,7 +111,7 @@ for t in (1, 2):
   assert not engine.has_unfinished_requests()
   assert all(c.runner.input_batch.num_reqs == 0 for c in cores)
   engine.step()  # reads and drops a step left in flight
-  assert all(c.runner.kv_cache_manager.stats.num_used_blocks == 0 for c in cores)
+  assert all(c.kv_cache_manager.stats.num_used_blocks == 0 for c in cores)
 
 # batch_invariant on the groups (one device each): one device's bits, whichever group ran a
 # request; tensor parallelism, which splits a row's reductions, is refused by name.

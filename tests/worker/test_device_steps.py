@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import jax
+import numpy as np
+
 import jaxengine as je
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 from jaxengine.worker import device_steps
+from jaxengine.worker.ragged_step import RaggedInputs
 
 PARAMS = [
   je.SamplingParams(temperature=0, max_tokens=6),
@@ -52,3 +56,44 @@ def test_processors_of_one_class_with_equal_attributes_are_equal():
 
   assert TargetOnly() == TargetOnly() and hash(TargetOnly()) == hash(TargetOnly())
   assert Scaled(2) == Scaled(2) and Scaled(2) != Scaled(3) and Scaled(2) != TargetOnly()
+
+
+def test_steps_lower_from_abstract_shapes_without_device_arrays():
+  """The steps are pure functions of (model structure, shapes, shardings): built from an
+  abstract model (`nnx.eval_shape`), the ragged step lowers from `jax.ShapeDtypeStruct`s alone,
+  as an ahead-of-time compile for another platform would."""
+  from flax import nnx
+
+  from jaxengine.batch import InputBatch
+  from jaxengine.models.attention_backends import XlaAttentionBackend
+  from jaxengine.models.kv_pages import PagedKVCache
+  from jaxengine.models.paged_attention import PagedAttentionMetadata
+  from jaxengine.worker.step_inputs import build_step_inputs
+
+  model, _ = tiny_llama(vocab_size=64)
+  abstract = nnx.eval_shape(lambda: model)
+  graphdef, weights = nnx.split(abstract)
+  leaves = jax.tree.leaves(weights)
+  assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  steps = device_steps.placed_device_steps(graphdef, None, None, model.vocab_size)
+
+  def spec(tree):  # host arrays as shapes
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+  state = jax.eval_shape(lambda: InputBatch(2, 32, 64, max_num_blocks_per_req=4).state)
+  cache = jax.eval_shape(
+    lambda: PagedKVCache.create(model.kv_cache_spec, XlaAttentionBackend(), 8, 8)
+  )
+  layout = build_step_inputs([[1]], [0], [3], block_size=8, num_tokens=4, num_reqs=2,
+                             max_blocks_per_req=4)  # fmt: skip
+  attention = PagedAttentionMetadata(
+    slot_mapping=layout.slot_mapping, block_tables=layout.block_tables,
+    query_start_loc=layout.query_start_loc, seq_lens=layout.seq_lens,
+    num_reqs=np.int32(layout.num_reqs),
+  )  # fmt: skip
+  inputs = spec(RaggedInputs(
+    token_rows=np.zeros(4, np.int32), positions=layout.positions, attention=attention,
+    logits_indices=np.zeros(2, np.int32), produces=np.zeros(2, bool),
+  ))  # fmt: skip
+  text = steps.ragged_forward.lower(state, weights, cache, inputs, prompt_logprobs=0).as_text()
+  assert "func" in text

@@ -167,7 +167,7 @@ class SleepMachine(RuleBasedStateMachine):
     if "kv_cache" not in self.asleep:
       assert sleep_mode.device_bytes(runner.kv_cache) == self.warm.kv_cache_bytes
     if "kv_cache" in woken:  # a fresh pool: no page, no prefix left
-      stats = runner.kv_cache_manager.stats
+      stats = self.llm.llm_engine.cores[0].kv_cache_manager.stats
       assert stats.num_cached_blocks == stats.num_used_blocks == 0
 
   @rule(whole=st.booleans())

@@ -1,0 +1,42 @@
+"""The runner's LoRA adapters: the `LoRAManager` built for a model (its target shapes, layers,
+dtype and device), which then holds the adapters' host copies and device slots."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax
+from flax import nnx
+
+from jaxengine.engine_config import EngineConfig
+from jaxengine.lora import LoRAManager
+from jaxengine.models.interface import Model
+
+
+def lora_manager(model: Model, config: EngineConfig) -> LoRAManager:
+  """The runner's `LoRAManager` with `enable_lora`: `max_loras` device slots of rank
+  `max_lora_rank` over the model's LoRA targets, `max_cpu_loras` host copies.
+
+  Raises:
+    ValueError: a model without LoRA targets (`lora_target_shapes`).
+  """
+  shapes = getattr(model, "lora_target_shapes", None)
+  if shapes is None:
+    raise ValueError(f"enable_lora=True: {type(model).__name__} models do not support LoRA")
+  return LoRAManager(
+    max_loras=config.max_loras,
+    max_lora_rank=config.max_lora_rank,
+    max_cpu_loras=cast(int, config.max_cpu_loras),  # validated: never None
+    num_layers=len(cast(Any, model).layers),
+    target_shapes=shapes(),
+    dtype=cast(Any, model).dtype,
+    device=_committed_device(model),
+  )
+
+
+def _committed_device(model: Model) -> jax.Device | None:
+  """The one device the model's weights are committed to (a trainer's arrays), else None."""
+  leaf = jax.tree.leaves(nnx.state(cast(Any, model)))[0]
+  if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
+    return next(iter(leaf.devices()))
+  return None
