@@ -6,6 +6,7 @@ engine_core.py        `EngineCore`: a scheduler and a model runner, one step, on
                       (`_update_from_output` applies a step's tokens, `_finish` the one finish path)
 input_processor.py    prompts and `SamplingParams` -> validated `Request`s
 model_loader.py       a path, hub id or built model loaded for an engine, with its tokenizer
+generation_config.py  a checkpoint's sampling defaults (`generation_config.json`)
 arg_utils.py          vLLM's `EngineArgs` / `AsyncEngineArgs` (`LLMEngine.from_engine_args`)
 engine_flags.py       the engine's command-line flags: one table from flag to `EngineConfig`
                       field (`jaxengine generate`, `serve`, `eval`, `EngineArgs.add_cli_args`)

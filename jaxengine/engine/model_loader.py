@@ -16,8 +16,8 @@ import jax
 
 from jaxengine import parallel
 from jaxengine.compilation_cache import enable_compilation_cache
+from jaxengine.engine.generation_config import generation_defaults
 from jaxengine.engine_config import EngineConfig, check_max_model_len
-from jaxengine.generation_config import generation_defaults
 from jaxengine.models import Model, check_model
 from jaxengine.models.attention_backends import attention_backend
 from jaxengine.models.gguf_loader import default_model_path, open_gguf, read_config
@@ -42,7 +42,7 @@ class LoadedModel(NamedTuple):
     eos_token_ids: for a Hugging Face directory the tokenizer's EOS id followed by the
       generation config's; None: the engine's default (the tokenizer's or the model's).
     generation_defaults: `SamplingParams` keywords from ``generation_config.json``
-      (`jaxengine.generation_config`; empty for a GGUF file or a built model).
+      (`jaxengine.engine.generation_config`; empty for a GGUF file or a built model).
     compilation_cache_dir: the persistent compilation cache's directory, None when off.
   """
 
@@ -109,7 +109,7 @@ def _load_checkpoint(
     ``(model, tokenizer, EOS ids, sampling defaults)``: the given tokenizer or the checkpoint's
     (None for a directory without ``tokenizer.json``); for a Hugging Face directory the
     tokenizer's EOS id followed by the generation config's, else None (the engine's default);
-    the generation config's sampling defaults (`jaxengine.generation_config`; empty for GGUF).
+    the generation config's sampling defaults (`jaxengine.engine.generation_config`; empty for GGUF).
   """
   resolved = None
   if name is not None:
