@@ -1,6 +1,6 @@
 """`python -m jaxengine` runs the CLI."""
 
-from jaxengine.cli import main
+from jaxengine.cli.main import main
 
 if __name__ == "__main__":
   raise SystemExit(main())
