@@ -181,7 +181,7 @@ def recomputed_logprobs(
   for row, ids in enumerate(tokens):
     completions[row, : len(ids)] = ids
   token_ids = np.concatenate([left_padded, completions], axis=1)
-  values = engine_logprobs(
+  scored = engine_logprobs(
     llm,
     graphdef,
     token_ids,
@@ -190,5 +190,5 @@ def recomputed_logprobs(
     pad_id=pad_id,
     lora_request=lora_request,
   )
-  values = np.asarray(values)
+  values = np.asarray(scored)
   return [values[row, : len(ids)] for row, ids in enumerate(tokens)]
