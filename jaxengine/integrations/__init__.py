@@ -3,8 +3,13 @@ framework; install its extra).
 
 lm_eval.py           `JaxEngineLM`: jaxengine as lm-evaluation-harness's `jaxengine` model
 tunix.py             `JaxEngineRollout`: jaxengine as a Tunix RL rollout engine
-tunix_config.py      Tunix's Llama 3 / Qwen2 / Qwen3 (dense, MoE) / Gemma / Gemma 3 configs, the engine's
+tunix_placement.py   the rollout engine's mesh on Tunix's rollout mesh, and its memory share
+tunix_sampling.py    Tunix's prompt padding and `RolloutConfig` as the engine's requests
+tunix_logprobs.py    teacher-forced logprobs of completions under the engine's weights
+tunix_config.py      Tunix's Llama 3 / Qwen2 / Qwen3 (dense, MoE) / Gemma / Gemma 3 configs as the
+                     engine model's configs
 tunix_weights.py     Tunix's weights as the engine model's leaves (its configs re-exported)
+tunix_lora.py        a qwix LoRA actor's pairs as an engine LoRA adapter
 
 Each module names its extra when its framework is missing (`MissingExtraError`). The extras are
 spelled in their normalised form (PEP 685: lower case, runs of ``-``, ``_``, ``.`` as one ``-``),

@@ -15,27 +15,28 @@ there, or a `functools.partial` of it carrying engine options, and Tunix constru
 
 The rollout serves the actor (a Tunix `Llama3`, `Qwen2`, `Qwen3` (dense or MoE), `Gemma` or
 `Gemma3`) as a `jaxengine.LLM` over a `jaxengine.models.Llama` (or, for Gemma,
-`jaxengine.models.gemma.Gemma`) holding the same weights (`jaxengine.integrations.tunix_weights`
-maps the
-names and layouts, on the devices where the arrays are). It runs in the trainer's process, on its
-devices, with per-request seeds and no recompiles when the weights change: after each training
-step Tunix calls `update_params` with the trainer's `nnx.Param` state, which goes through
-`LLM.load_weights` (which re-quantizes it for an engine built with ``quantization="int8"`` or
-``"fp8"``). `model()` is the engine's module, never the trainer's, so Tunix syncs the
-weights after every step whether the rollout has its own mesh or shares the trainer's.
+`jaxengine.models.gemma.Gemma`) holding the same weights (`tunix_weights` maps the names and
+layouts, on the devices where the arrays are). It runs in the trainer's process, on its devices,
+with per-request seeds and no recompiles when the weights change: after each training step Tunix
+calls `update_params` with the trainer's `nnx.Param` state, which goes through `LLM.load_weights`
+(which re-quantizes it for an engine built with ``quantization="int8"`` or ``"fp8"``). `model()`
+is the engine's module, never the trainer's, so Tunix syncs the weights after every step whether
+the rollout has its own mesh or shares the trainer's.
 
 Logprobs follow Tunix's convention: the log-softmax of the logits divided by the rollout
 temperature (raw logits for greedy decoding), of the whole vocabulary (top-k and top-p do not
 renormalise them), which is what its trainer recomputes (`compute_per_token_logps`).
+
+The class drives its siblings in `jaxengine.integrations`: `tunix_placement` (the engine's mesh
+and memory share), `tunix_sampling` (prompts and `RolloutConfig` as requests), `tunix_weights`
+(weight sync), `tunix_lora` (a LoRA actor) and `tunix_logprobs` (teacher-forced logprobs).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Iterator
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +47,35 @@ from jaxengine.integrations import missing_extra
 
 try:
   from tunix.generate import tokenizer_adapter
-  from tunix.generate import utils as tunix_utils
   from tunix.rl.rollout import base_rollout
 except ModuleNotFoundError as error:  # the extra is not installed: say how to install it
   raise missing_extra(error, __name__) from error
 
 from jaxengine.entrypoints.llm import LLM
+from jaxengine.integrations.tunix_logprobs import (
+  completion_logprobs,
+  engine_logprobs,
+  needs_recompute,
+  recomputed_logprobs,
+)
 from jaxengine.integrations.tunix_lora import (
-  LORA_MARK,
+  actor_lora_scales,
   lora_adapter_from_tunix,
-  lora_scales,
+  lora_engine_options,
   split_lora_leaves,
+)
+from jaxengine.integrations.tunix_placement import (
+  PARALLEL_FIELDS,
+  engine_device,
+  engine_placement,
+  process_memory_fraction,
+  rollout_memory_fraction,
+)
+from jaxengine.integrations.tunix_sampling import (
+  PaddedPrompts,
+  request_seeds,
+  sampling_params,
+  tokenize_prompts,
 )
 from jaxengine.integrations.tunix_weights import (
   EngineConfig,
@@ -68,15 +87,20 @@ from jaxengine.integrations.tunix_weights import (
   tunix_param_leaves,
 )
 from jaxengine.lora import LoRAAdapter, LoRARequest
-from jaxengine.models.attention_backends import XlaAttentionBackend
-from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.quantization import check_quantization
-from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import abstract_module, replace_leaves, state_leaves
-from jaxengine.parallel import make_mesh
-from jaxengine.params import SamplingParams
 
-__all__ = ["JaxEngineRollout", "PaddedPrompts", "sampling_params", "tokenize_prompts"]
+__all__ = [
+  "DEFAULT_NUM_DECODE_STEPS",
+  "PARALLEL_FIELDS",
+  "JaxEngineRollout",
+  "PaddedPrompts",
+  "completion_logprobs",
+  "engine_placement",
+  "process_memory_fraction",
+  "sampling_params",
+  "tokenize_prompts",
+]
 
 
 #: The engine's `num_decode_steps` unless given: decode steps per device dispatch. A rollout
@@ -85,339 +109,6 @@ __all__ = ["JaxEngineRollout", "PaddedPrompts", "sampling_params", "tokenize_pro
 #: on the tiny model of `examples/tunix_grpo.py` the rollout's steady step went from 0.09 s to
 #: 0.02-0.04 s on a 2-core CPU.
 DEFAULT_NUM_DECODE_STEPS = 16
-
-#: `RolloutConfig`'s parallelism fields -> the engine option of the same meaning.
-PARALLEL_FIELDS = ("tensor_parallel_size", "data_parallel_size")
-
-
-def _rollout_sizes(config: base_rollout.RolloutConfig) -> dict[str, int]:
-  """`RolloutConfig`'s tensor- and data-parallel sizes (-1: inferred from the rollout mesh).
-
-  Raises:
-    ValueError: a size that is neither -1 nor a positive int, naming the field and value.
-  """
-  sizes = {}
-  for name in PARALLEL_FIELDS:
-    value = getattr(config, name, -1)
-    bad = isinstance(value, bool) or not isinstance(value, (int, np.integer))
-    if bad or value == 0 or value < -1:
-      raise ValueError(f"RolloutConfig.{name} must be -1 or a positive int, got {value!r}")
-    sizes[name] = int(value)
-  return sizes
-
-
-def _engine_sizes(engine_options: dict[str, Any]) -> dict[str, int] | None:
-  """The parallel sizes the engine options fix (a `mesh`'s axes, or the sizes given), or None
-  when they place nothing."""
-  mesh = engine_options.get("mesh")
-  if mesh is not None:
-    return {
-      "tensor_parallel_size": int(mesh.shape.get("model", 1)),
-      "data_parallel_size": int(mesh.shape.get("data", 1)),
-    }
-  given = {k: engine_options.get(k) for k in PARALLEL_FIELDS}
-  if all(v is None for v in given.values()):
-    return None
-  return {k: 1 if v is None else int(v) for k, v in given.items()}
-
-
-def engine_placement(
-  config: base_rollout.RolloutConfig,
-  mesh: jax.sharding.Mesh | None,
-  device: jax.Device,
-  engine_options: dict[str, Any],
-  *,
-  lora: bool,
-) -> None:
-  """Places the engine from `RolloutConfig`'s parallel sizes and the rollout mesh, in
-  `engine_options` (its ``mesh``), unless the options place it themselves.
-
-  The sizes resolve as Tunix's own vLLM rollout resolves them: -1 for both: every device of the
-  rollout mesh splits each layer (`tensor_parallel_size` = the mesh's device count, one
-  data-parallel group); -1 for one: the devices left by the other. A resolved ``t x d`` of 1
-  is a one-device engine mesh on `device`: the trainer's weights are committed to their device,
-  and an engine without a mesh would compile every step twice (once per placement); on a mesh
-  everything is placed from the start. Otherwise a ``(data, model)`` mesh of the rollout
-  mesh's first ``d * t`` devices. Engine options that place the engine (`mesh`,
-  `tensor_parallel_size`, `data_parallel_size`) win, and a size `RolloutConfig` sets
-  explicitly (not -1) must equal theirs. A LoRA rollout stays on one device (the engine's LoRA
-  is not on a mesh yet): sizes above 1 are refused, -1 resolves to 1.
-
-  Args:
-    config: the rollout's `RolloutConfig`.
-    mesh: the rollout mesh (None or empty: `device` alone).
-    device: the engine's first device (`_engine_device`).
-    engine_options: `EngineConfig` fields; ``mesh`` is set here when they place nothing.
-    lora: whether the rollout serves a LoRA actor.
-
-  Raises:
-    ValueError: (before any device work) a size that is neither -1 nor positive; a set size
-      that differs from the engine options' (both named); sizes needing more devices than the
-      rollout mesh has; sizes above 1 for a LoRA actor.
-  """
-  sizes = _rollout_sizes(config)
-  given = _engine_sizes(engine_options)
-  if given is not None:
-    for name, value in sizes.items():
-      if value != -1 and value != given[name]:
-        raise ValueError(
-          f"RolloutConfig.{name}={value} conflicts with the engine options' {name}="
-          f"{given[name]} (give one, or the same)"
-        )
-    if engine_options.get("mesh") is not None or given != dict.fromkeys(PARALLEL_FIELDS, 1):
-      return
-    sizes = dict.fromkeys(PARALLEL_FIELDS, 1)  # one device, as the options say
-    for name in PARALLEL_FIELDS:
-      engine_options.pop(name, None)
-  if lora:
-    for name, value in sizes.items():
-      if value > 1:
-        raise ValueError(
-          f"RolloutConfig.{name}={value}: a LoRA rollout runs on one device (leave it -1 or 1)"
-        )
-    return
-  devices = list(mesh.devices.flat) if mesh is not None and not mesh.empty else [device]
-  t, d = sizes["tensor_parallel_size"], sizes["data_parallel_size"]
-  n = len(devices)
-  if t == -1 and d == -1:
-    t, d = n, 1
-  elif t == -1:
-    t = max(n // d, 1)
-  elif d == -1:
-    d = max(n // t, 1)
-  if t * d > n:
-    raise ValueError(
-      f"RolloutConfig.tensor_parallel_size={t} x data_parallel_size={d} needs {t * d} devices, "
-      f"the rollout mesh has {n}"
-    )
-  if t * d == 1:
-    devices = [device]
-  engine_options["mesh"] = make_mesh(t, d, devices)
-
-
-def _memory_fraction(
-  engine_options: dict[str, Any], config: base_rollout.RolloutConfig
-) -> tuple[float, str]:
-  """The engine's memory fraction and where it came from: the `gpu_memory_utilization` engine
-  option, else `RolloutConfig.rollout_vllm_hbm_utilization` (Tunix's rollout memory fraction).
-
-  Raises:
-    ValueError: a fraction outside (0, 1], naming its source and value.
-  """
-  if engine_options.get("gpu_memory_utilization") is not None:
-    value, source = engine_options["gpu_memory_utilization"], "gpu_memory_utilization"
-  else:
-    value = getattr(config, "rollout_vllm_hbm_utilization", 0.9)
-    source = "RolloutConfig.rollout_vllm_hbm_utilization"
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-    raise ValueError(f"{source} must be a float in (0, 1], got {value!r}")
-  return float(value), source
-
-
-def process_memory_fraction(fraction: float, devices: Sequence[jax.Device]) -> float:
-  """The engine's `gpu_memory_utilization` (a fraction of each device's memory for everything
-  the process holds) that leaves the engine `fraction` of the memory for itself.
-
-  Called before the engine places anything: what the devices hold then (a colocated trainer's
-  parameters and optimizer state) is added on top of `fraction`, so the engine's weights and
-  KV cache together take at most ``fraction * bytes_limit`` (vLLM's meaning: this engine's
-  share), whatever the trainer holds. Devices without memory statistics (CPU): `fraction`
-  itself (unused there).
-
-  Args:
-    fraction: the engine's share of each device's memory, in (0, 1].
-    devices: the engine's devices.
-
-  Returns:
-    ``min(1, fraction + max over devices of bytes_in_use / bytes_limit)``.
-  """
-  shares = []
-  for device in devices:
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-      return fraction
-    shares.append(int(stats.get("bytes_in_use", 0)) / int(stats["bytes_limit"]))
-  return min(1.0, fraction + max(shares, default=0.0))
-
-
-class PaddedPrompts(NamedTuple):
-  """Prompts tokenized and left-padded as Tunix's vanilla sampler does.
-
-  Attributes:
-    token_ids: one `[num_prompt_tokens] int32` array per prompt (BOS first, once).
-    left_padded: `[num_prompts, max_prompt_length] int32`, pad ids on the left.
-  """
-
-  token_ids: list[np.ndarray]
-  left_padded: np.ndarray
-
-
-def tokenize_prompts(
-  tokenizer: tokenizer_adapter.TokenizerAdapter, prompts: Sequence[str], max_prompt_length: int
-) -> PaddedPrompts:
-  """Tokenizes like Tunix's sampler: encode, prepend BOS (when the tokenizer has a non-zero one)
-  without doubling it, left-pad to `max_prompt_length` (or, if a prompt is longer, to the next
-  power of two above the longest: prompts are never truncated)."""
-  bos = tokenizer.bos_id()
-  token_ids = [
-    np.asarray(
-      tokenizer.dedup_bos_ids(([bos] if bos else []) + list(tokenizer.encode(p))), np.int32
-    )
-    for p in prompts
-  ]
-  longest = max(len(t) for t in token_ids)
-  width = (
-    max_prompt_length if longest <= max_prompt_length else tunix_utils.next_power_of_2(longest)
-  )
-  left_padded = np.full((len(prompts), width), tokenizer.pad_id(), np.int32)
-  for row, ids in enumerate(token_ids):
-    left_padded[row, width - len(ids) :] = ids
-  return PaddedPrompts(token_ids, left_padded)
-
-
-def _engine_device(mesh: jax.sharding.Mesh | None, embedding: Any) -> jax.Device:
-  """The device the engine's weights live on: the rollout mesh's first, else the actor's."""
-  if mesh is not None and not mesh.empty:
-    return mesh.devices.flat[0]
-  devices = getattr(embedding, "devices", None)
-  return min(devices(), key=lambda d: d.id) if devices else jax.devices()[0]
-
-
-def _is_greedy(config: base_rollout.RolloutConfig) -> bool:
-  """Tunix's greedy: no top_p (its sampler's greedy mode), top_k 1, or temperature 0."""
-  return config.top_p is None or config.top_k == 1 or config.temperature == 0
-
-
-def _request_seeds(seed: Any, num_prompts: int) -> list[int | None]:
-  """One engine seed per prompt from `RolloutConfig.seed` (an int or a JAX key; None: unseeded).
-
-  Tunix's sampler draws a whole batch from one key; the engine seeds each request, so the
-  batch's seed is spread into distinct per-prompt seeds (the same seed gives the same draws).
-  """
-  if seed is None:
-    return [None] * num_prompts
-  if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
-    seed = jax.random.key_data(seed)
-  entropy = [int(x) for x in np.asarray(seed, np.uint64).reshape(-1)] or [0]
-  states = np.random.SeedSequence(entropy).generate_state(2 * num_prompts, np.uint32)
-  return [int(states[2 * i]) << 31 | int(states[2 * i + 1]) >> 1 for i in range(num_prompts)]
-
-
-def _actor_lora_scales(
-  actor: nnx.Module, lora: dict[str, Any], lora_alpha: float | None
-) -> dict[tuple[int, str], float]:
-  """``lora_alpha / rank`` per LoRA pair (qwix's scale). qwix keeps its `LoraRule`s private to
-  its provider, so the alpha is given (ValueError when it is not a positive number)."""
-  del actor
-  if lora_alpha is None:
-    raise ValueError(
-      "the rollout actor has LoRA parameters: pass lora_alpha= (its qwix LoraProvider's alpha; "
-      "the scale is lora_alpha / rank)"
-    )
-  if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
-    raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
-  return lora_scales(lora, [(".*", _lora_rank(lora), float(lora_alpha))])
-
-
-def _lora_rank(lora: dict[str, Any]) -> int:
-  """The rank of qwix LoRA leaves (the last axis of every ``*_lora_a``; ValueError if they
-  differ)."""
-  ranks = {int(v.shape[-1]) for n, v in lora.items() if n.endswith(f"{LORA_MARK}a")}
-  if len(ranks) != 1:
-    raise ValueError(f"the actor's LoRA ranks are {sorted(ranks)}: one rank is supported")
-  return ranks.pop()
-
-
-def _lora_engine_options(engine_options: dict[str, Any], lora: dict[str, Any]) -> None:
-  """`enable_lora` and a `max_lora_rank` holding the actor's rank (ValueError if one given
-  is smaller, or LoRA is switched off)."""
-  rank = _lora_rank(lora)
-  if engine_options.get("enable_lora") is False:
-    raise ValueError("enable_lora=False, but the rollout actor has LoRA parameters")
-  engine_options["enable_lora"] = True
-  given = engine_options.setdefault("max_lora_rank", rank)
-  if isinstance(given, int) and given < rank:
-    raise ValueError(f"max_lora_rank={given} is below the actor's LoRA rank {rank}")
-
-
-def sampling_params(
-  config: base_rollout.RolloutConfig, eos_ids: Sequence[int], seed: int | None
-) -> SamplingParams:
-  """The `SamplingParams` of one prompt under a Tunix `RolloutConfig`.
-
-  Greedy (`_is_greedy`) becomes temperature 0; otherwise temperature, top_p (None: 1) and top_k
-  (None or <= 0: off) as given. Generation stops at the first of `eos_ids` (the tokenizer's own
-  EOS only when it is among them, as in Tunix) or after `max_tokens_to_generate` tokens.
-  """
-  greedy = _is_greedy(config)
-  return SamplingParams(
-    temperature=0.0 if greedy else float(config.temperature),
-    top_p=1.0 if greedy or config.top_p is None else float(config.top_p),
-    top_k=0 if greedy or not config.top_k or config.top_k <= 0 else int(config.top_k),
-    seed=seed,
-    max_tokens=int(config.max_tokens_to_generate),
-    ignore_eos=True,
-    stop_token_ids=tuple(int(t) for t in eos_ids),
-    logprobs=0 if config.return_logprobs else None,
-  )
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "pad_id", "num_completion_tokens"))
-def completion_logprobs(
-  graphdef: nnx.GraphDef,
-  weights: nnx.State,
-  token_ids: jax.Array,
-  inverse_temperature: jax.Array,
-  lora: LoRAInputs | None = None,
-  *,
-  pad_id: int,
-  num_completion_tokens: int,
-) -> jax.Array:
-  """Teacher-forced logprobs of the completion tokens, Tunix's convention.
-
-  The engine model runs once over every `[prompt, completion]` row, as one ragged step over a
-  scratch pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`): each row's real
-  tokens moved to its front, at positions `0..`, its pad tokens after them (where no real token
-  attends to them).
-
-  Args:
-    graphdef: the engine model's graph (static).
-    weights: its weights.
-    token_ids: `[B, T] int32`, left-padded prompt then right-padded completion.
-    inverse_temperature: `[] float32`, 1 / temperature (1 for greedy or temperature 1).
-    lora: the LoRA adapter slots with ``[B * T] int32`` token slots (a LoRA rollout), or None.
-    pad_id: the pad token (static).
-    num_completion_tokens: `C`, the completion's width (static).
-
-  Returns:
-    `[B, C] float32` `log_softmax(logits * inverse_temperature)` of each completion token given
-    the tokens before it; 0 at pad positions.
-  """
-  model = nnx.merge(graphdef, weights)
-  rows, width = token_ids.shape
-  is_real = token_ids != pad_id  # [B, T]
-  order = jnp.argsort(~is_real, axis=1, stable=True)  # [B, T] real tokens first, in order
-  packed = jnp.take_along_axis(token_ids, order, axis=1)  # [B, T]
-  block_size = 16  # the engine's default; any size computes the same attention
-  metadata, kv_cache = scratch_step(model, rows, width, block_size, XlaAttentionBackend())
-  positions = jnp.tile(jnp.arange(width, dtype=jnp.int32), rows)[None]  # [1, B * T]
-  adapters = {}  # only Llama-family modules take LoRA
-  if lora is not None:  # each token's slot moves with the token
-    slots = jnp.take_along_axis(lora.slots.reshape(rows, width), order, axis=1)
-    adapters["lora"] = dataclasses.replace(lora, slots=slots.reshape(-1))
-  flat = packed.reshape(1, rows * width)
-  hidden, _ = model(flat, positions, kv_cache, metadata, **adapters)  # [1, B * T, E]
-  hidden = hidden.reshape(rows, width, -1)
-  start = width - num_completion_tokens
-  targets = token_ids[:, start:]  # [B, C]
-  # A real target's predictor is the real token before it: packed index (its position - 1).
-  target_positions = jnp.cumsum(is_real, axis=1)[:, start:] - 1  # [B, C]
-  before = jnp.clip(target_positions - 1, 0, width - 1)
-  predictors = jnp.take_along_axis(hidden, before[..., None], axis=1)  # [B, C, E]
-  logits = model.compute_logits(predictors) * inverse_temperature  # [B, C, V]
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  logps = picked - jax.nn.logsumexp(logits, axis=-1)
-  return jnp.where(targets != pad_id, logps, 0.0)
 
 
 class JaxEngineRollout(base_rollout.BaseRollout):
@@ -525,7 +216,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       else tokenizer_adapter.TokenizerAdapter(tokenizer)
     )
     self.rollout_mesh = mesh
-    fraction, _ = _memory_fraction(engine_options, self.rollout_config)
+    fraction, _ = rollout_memory_fraction(engine_options, self.rollout_config)
     max_model_len = int(engine_options.pop("max_model_len", self.rollout_config.kv_cache_size))
     self.config: EngineConfig = config_from_tunix(
       rollout_actor,
@@ -540,13 +231,13 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     module = engine_module(self.config)
     abstract = abstract_module(module, self.config, self.dtype)
     graphdef, abstract_weights = nnx.split(abstract)
-    self.device = _engine_device(mesh, params["embedder.input_embedding"])
+    self.device = engine_device(mesh, params["embedder.input_embedding"])
     #: The adapter every rollout runs with (a qwix LoRA actor), else None.
     self.lora_request: LoRARequest | None = None
     self._lora_scales: dict[tuple[int, str], float] = {}
     if lora:
-      self._lora_scales = _actor_lora_scales(rollout_actor, lora, lora_alpha)
-      _lora_engine_options(engine_options, lora)
+      self._lora_scales = actor_lora_scales(lora, lora_alpha)
+      lora_engine_options(engine_options, lora)
     elif lora_alpha is not None:
       raise ValueError(f"lora_alpha={lora_alpha!r} given, but the rollout actor has no LoRA")
     engine_placement(self.rollout_config, mesh, self.device, engine_options, lora=bool(lora))
@@ -609,7 +300,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
         f"max_model_len={max_model_len} (pass max_model_len= or raise kv_cache_size)"
       )
     eos_ids = list(rollout_config.eos_tokens or [self.tokenizer.eos_id()])
-    seeds = _request_seeds(rollout_config.seed, len(prompts))
+    seeds = request_seeds(rollout_config.seed, len(prompts))
     params = [sampling_params(rollout_config, eos_ids, s) for s in seeds]
     outputs = self.llm.generate(
       [{"prompt_token_ids": ids.tolist()} for ids in padded.token_ids],
@@ -627,8 +318,16 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       if completion.logprobs is not None:
         values = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
         logprobs.append(np.asarray(values, np.float32))
-    if rollout_config.return_logprobs and self._needs_recompute(rollout_config):
-      logprobs = self._recomputed_logprobs(padded.left_padded, tokens, rollout_config)
+    if rollout_config.return_logprobs and needs_recompute(rollout_config):
+      logprobs = recomputed_logprobs(
+        self.llm,
+        self._graphdef,
+        padded.left_padded,
+        tokens,
+        rollout_config,
+        pad_id=int(self.pad_id()),
+        lora_request=self.lora_request,
+      )
     return base_rollout.RolloutOutput(
       text=[self.tokenizer.decode(t.tolist()) for t in tokens],
       logits=[],
@@ -651,8 +350,15 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       for temperature 0 or 1, as Tunix's `compute_per_token_logps`); 0 at pad positions.
     """
     token_ids = np.concatenate([np.asarray(prompt_tokens), np.asarray(completion_tokens)], axis=1)
-    temperature = float(self.rollout_config.temperature)
-    return self._logprobs(token_ids.astype(np.int32), completion_tokens.shape[1], temperature)
+    return engine_logprobs(
+      self.llm,
+      self._graphdef,
+      token_ids.astype(np.int32),
+      completion_tokens.shape[1],
+      float(self.rollout_config.temperature),
+      pad_id=int(self.pad_id()),
+      lora_request=self.lora_request,
+    )
 
   def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
     """Loads the trainer's weights into the engine; nothing recompiles.
@@ -790,54 +496,3 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     if self.lora_request is not None or self.llm.llm_engine.runner.quantized:
       return None
     return cast(nnx.Module, self.llm.llm_engine.runner.model)
-
-  # --- logprobs ------------------------------------------------------------------------------
-
-  @staticmethod
-  def _needs_recompute(config: base_rollout.RolloutConfig) -> bool:
-    """The engine's processed logprobs renormalise over the top-k/top-p cut; Tunix's do not."""
-    if _is_greedy(config):
-      return False
-    top_p_on = config.top_p is not None and config.top_p < 1.0
-    return top_p_on or bool(config.top_k and config.top_k > 0)
-
-  def _logprobs(
-    self, token_ids: np.ndarray, num_completion_tokens: int, temperature: float
-  ) -> jax.Array:
-    """`completion_logprobs` with the engine's current weights; Tunix divides the logits by the
-    temperature unless it is 0 or 1."""
-    inverse = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
-    return completion_logprobs(
-      self._graphdef,
-      self.llm.llm_engine.runner.weights,
-      token_ids,
-      np.float32(inverse),
-      self._lora_inputs(token_ids.size),
-      pad_id=int(self.pad_id()),
-      num_completion_tokens=int(num_completion_tokens),
-    )
-
-  def _lora_inputs(self, num_tokens: int) -> LoRAInputs | None:
-    """The engine's LoRA slots with every one of `num_tokens` tokens in the actor adapter's
-    slot (placed there first if no rollout has yet), or None without LoRA."""
-    manager = self.llm.llm_engine.runner.lora
-    if self.lora_request is None or manager is None:
-      return None
-    manager.acquire("tunix-teacher-forcing", self.lora_request)  # places it when needed
-    slot = manager.slot("tunix-teacher-forcing")
-    manager.release("tunix-teacher-forcing")
-    return manager.inputs(jnp.full((num_tokens,), slot, jnp.int32))
-
-  def _recomputed_logprobs(
-    self,
-    left_padded: np.ndarray,
-    tokens: list[np.ndarray],
-    config: base_rollout.RolloutConfig,
-  ) -> list[np.ndarray]:
-    width = int(config.max_tokens_to_generate)
-    completions = np.full((len(tokens), width), self.pad_id(), np.int32)
-    for row, ids in enumerate(tokens):
-      completions[row, : len(ids)] = ids
-    token_ids = np.concatenate([left_padded, completions], axis=1)
-    values = np.asarray(self._logprobs(token_ids, width, float(config.temperature)))
-    return [values[row, : len(ids)] for row, ids in enumerate(tokens)]

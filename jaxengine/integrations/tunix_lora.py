@@ -17,6 +17,10 @@ query/key-value heads, ``D`` head dim, ``R`` rank), Tunix -> engine target:
     layers.i.mlp.{gate,up,down}_proj.kernel_lora_{a,b} [in, R], [R, out] -> as they are
 
 A mixture-of-experts Qwen3 takes LoRA on its attention only; Gemma's modules take none here.
+
+A rollout serving a LoRA actor scales every pair by ``lora_alpha / rank``
+(`actor_lora_scales`: qwix keeps its rules private, so the alpha is given) and turns LoRA on in
+its engine with room for the actor's rank (`lora_engine_options`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from jaxengine.lora import LoRAAdapter, lora_adapter_from_arrays
 
 __all__ = [
   "LORA_MARK",
+  "actor_lora_scales",
   "lora_adapter_from_tunix",
+  "lora_engine_options",
   "lora_scales",
   "split_lora_leaves",
 ]
@@ -147,3 +153,39 @@ def lora_adapter_from_tunix(
       )
     pairs[key] = (a, b)
   return lora_adapter_from_arrays(lora_int_id, pairs, scale=dict(scales))
+
+
+def actor_lora_scales(
+  lora: dict[str, Any], lora_alpha: float | None
+) -> dict[tuple[int, str], float]:
+  """``lora_alpha / rank`` per LoRA pair (qwix's scale). qwix keeps its `LoraRule`s private to
+  its provider, so the alpha is given (ValueError when it is not a positive number)."""
+  if lora_alpha is None:
+    raise ValueError(
+      "the rollout actor has LoRA parameters: pass lora_alpha= (its qwix LoraProvider's alpha; "
+      "the scale is lora_alpha / rank)"
+    )
+  if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
+    raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
+  return lora_scales(lora, [(".*", _lora_rank(lora), float(lora_alpha))])
+
+
+def _lora_rank(lora: dict[str, Any]) -> int:
+  """The rank of qwix LoRA leaves (the last axis of every ``*_lora_a``; ValueError if they
+  differ)."""
+  ranks = {int(v.shape[-1]) for n, v in lora.items() if n.endswith(f"{LORA_MARK}a")}
+  if len(ranks) != 1:
+    raise ValueError(f"the actor's LoRA ranks are {sorted(ranks)}: one rank is supported")
+  return ranks.pop()
+
+
+def lora_engine_options(engine_options: dict[str, Any], lora: dict[str, Any]) -> None:
+  """`enable_lora` and a `max_lora_rank` holding the actor's rank in `engine_options`
+  (ValueError if one given is smaller, or LoRA is switched off)."""
+  rank = _lora_rank(lora)
+  if engine_options.get("enable_lora") is False:
+    raise ValueError("enable_lora=False, but the rollout actor has LoRA parameters")
+  engine_options["enable_lora"] = True
+  given = engine_options.setdefault("max_lora_rank", rank)
+  if isinstance(given, int) and given < rank:
+    raise ValueError(f"max_lora_rank={given} is below the actor's LoRA rank {rank}")

@@ -11,6 +11,7 @@ colocated on the trainer's.
 from __future__ import annotations
 
 import functools
+import os
 import textwrap
 
 import jax
@@ -497,7 +498,7 @@ def test_quantized_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(qu
 MESH_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = sys.argv[1:]  # this folder (test_tunix) and the shared helpers
     import jax, numpy as np
     from flax import nnx
     from tunix.rl.rollout import base_rollout
@@ -539,7 +540,7 @@ MESH_SCRIPT = textwrap.dedent("""
 
 
 def test_rollout_mesh_and_parallel_sizes_place_the_engine():
-  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
+  out = run_python(MESH_SCRIPT, os.path.dirname(__file__), HELPERS_DIR, timeout=900)
   assert out.strip().endswith("ok")
 
 

@@ -95,7 +95,10 @@ def test_eval_without_lm_eval_prints_the_install_command(hide, capsys):
     importlib.import_module("jaxengine.integrations.lm_eval")
 
 
-@pytest.mark.parametrize("module", ["tunix", "tunix_config", "tunix_weights"])
+@pytest.mark.parametrize(
+  "module",
+  ["tunix", "tunix_config", "tunix_weights", "tunix_placement", "tunix_sampling", "tunix_logprobs"],
+)
 def test_tunix_integration_without_tunix_names_the_extra(hide, module):
   hide("tunix")
   with pytest.raises(MissingExtraError, match=re.escape('pip install "jaxengine[tunix]"')):

@@ -120,7 +120,9 @@ def _index(package: str) -> list[str]:
   return [word for word in words if word.endswith(".py")]
 
 
-@pytest.mark.parametrize("package", ["batch", "core", "engine", "sample", "spec_decode", "worker"])
+@pytest.mark.parametrize(
+  "package", ["batch", "core", "engine", "integrations", "sample", "spec_decode", "worker"]
+)
 def test_each_package_index_lists_every_module_once(package):
   modules = sorted(p.name for p in (PACKAGE / package).glob("*.py") if p.name != "__init__.py")
   assert sorted(_index(package)) == modules
