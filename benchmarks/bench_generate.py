@@ -254,12 +254,14 @@ def _rollout(engine, prompts, params) -> tuple[float, float, list[list[int]]]:
   start = time.perf_counter()
   ids = engine.add_requests([(None, p, params) for p in prompts])
   first_token: dict[str, float] = {}
+  outputs = {}
   while engine.has_unfinished_requests():
     for output in engine.step():
       if output.request_id not in first_token and any(c.token_ids for c in output.outputs):
         first_token[output.request_id] = time.perf_counter() - start
+      if output.finished:
+        outputs[output.request_id] = output
   wall = time.perf_counter() - start
-  outputs = {o.request_id: o for o in engine.pop_finished()}
   tokens = [c.token_ids for i in ids for c in outputs[i].outputs]
   return wall, statistics.mean(first_token.values()), tokens
 
@@ -350,10 +352,10 @@ def _timed(engine, prompts, params) -> tuple[float, list[list[int]]]:
   """One generation: (wall seconds, token ids per request)."""
   start = time.perf_counter()
   ids = engine.add_requests([(None, p, params) for p in prompts])
+  outputs = {}
   while engine.has_unfinished_requests():
-    engine.step()
+    outputs.update((o.request_id, o) for o in engine.step() if o.finished)
   wall = time.perf_counter() - start
-  outputs = {o.request_id: o for o in engine.pop_finished()}
   return wall, [outputs[i].outputs[0].token_ids for i in ids]
 
 

@@ -63,10 +63,10 @@ def _run(engine, requests) -> tuple[float, dict[str, list[int]]]:
   engine.reset_prefix_cache()
   start = time.perf_counter()
   ids = engine.add_requests([(None, {"prompt_token_ids": p}, params) for p, params in requests])
+  outputs = {}
   while engine.has_unfinished_requests():
-    engine.step()
+    outputs.update((o.request_id, o) for o in engine.step() if o.finished)
   seconds = time.perf_counter() - start
-  outputs = {o.request_id: o for o in engine.pop_finished()}
   return seconds, {i: outputs[i].outputs[0].token_ids for i in ids}
 
 
@@ -168,10 +168,10 @@ def _run_samples(engine, requests) -> tuple[float, list[list[int]], list[list[fl
   engine.reset_prefix_cache()
   start = time.perf_counter()
   ids = engine.add_requests([(None, {"prompt_token_ids": p}, params) for p, params in requests])
+  outputs = {}
   while engine.has_unfinished_requests():
-    engine.step()
+    outputs.update((o.request_id, o) for o in engine.step() if o.finished)
   seconds = time.perf_counter() - start
-  outputs = {o.request_id: o for o in engine.pop_finished()}
   samples = [s for i in ids for s in outputs[i].outputs]
   logprobs = [[d[t].logprob for d, t in zip(s.logprobs, s.token_ids)] for s in samples]
   return seconds, [list(s.token_ids) for s in samples], logprobs
@@ -284,14 +284,18 @@ def _decode_rate(engine, requests) -> tuple[float, dict[str, list[int]]]:
   engine.reset_prefix_cache()
   ids = engine.add_requests([(None, {"prompt_token_ids": p}, params) for p, params in requests])
   started: set[str] = set()
+  outputs: dict[str, list[int]] = {}
   while len(started) < len(ids):  # prefill: every request's first token
-    started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    for o in engine.step():
+      if o.outputs[0].token_ids:
+        started.add(o.request_id)
+      if o.finished:
+        outputs[o.request_id] = o.outputs[0].token_ids
   jax.effects_barrier()
   start = time.perf_counter()
   while engine.has_unfinished_requests():
-    engine.step()
+    outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
   seconds = time.perf_counter() - start
-  outputs = {o.request_id: o.outputs[0].token_ids for o in engine.pop_finished()}
   decoded = sum(len(t) - 1 for t in outputs.values())
   return decoded / seconds, {i: outputs[i] for i in ids}
 

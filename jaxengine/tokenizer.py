@@ -178,11 +178,19 @@ class Tokenizer:
     Raises:
       FileNotFoundError: `path` has no ``tokenizer.json`` (a slow-only sentencepiece
         ``tokenizer.model`` is not read).
+      ValueError: naming the directory, when its tokenizer files do not parse (a corrupt or
+        truncated ``tokenizer.json`` or ``tokenizer_config.json``).
     """
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
       raise FileNotFoundError(f"no tokenizer.json in {path!r}")
-    hf = _fast_tokenizer_class().from_pretrained(path, local_files_only=True)
+    try:
+      hf = _fast_tokenizer_class().from_pretrained(path, local_files_only=True)
+    except Exception as error:  # transformers and tokenizers raise JSON and plain Exceptions
+      raise ValueError(
+        f"the tokenizer files in {path!r} could not be read (a corrupt or truncated "
+        f"tokenizer.json or tokenizer_config.json?): {type(error).__name__}: {error}"
+      ) from error
     return cls(hf)
 
   @property

@@ -282,7 +282,8 @@ def _stream(llm, prompts: list, params: SamplingParams, out=None, label_prompts=
   printed = 0
   finished = {}
   while engine.has_unfinished_requests():
-    for output in engine.step():
+    outputs = engine.step()
+    for output in outputs:
       if streaming:
         completion = output.outputs[0]
         end = len(completion.text) if completion.finished() else len(completion.text) - hold
@@ -290,7 +291,7 @@ def _stream(llm, prompts: list, params: SamplingParams, out=None, label_prompts=
           out.write(completion.text[printed:end])
           out.flush()
           printed = end
-    for output in engine.pop_finished():
+    for output in [o for o in outputs if o.finished] + engine.pop_finished():
       finished[output.request_id] = output
       if not streaming:
         for completion in output.outputs:

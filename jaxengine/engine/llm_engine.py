@@ -283,7 +283,7 @@ class LLMEngine:
         if request_id in self._requests or any(r.request_id == request_id for r in made):
           raise ValueError(
             f"request_id {request_id!r} is already in the engine (a finished request stays "
-            "until pop_finished() returns it)"
+            "until step() returns it, or pop_finished())"
           )
         request = self.input_processor.process(request_id, prompt, params or SamplingParams())
         request.lora_request = self._check_lora(lora_request)
@@ -350,7 +350,8 @@ class LLMEngine:
       self._requests.pop(request_id, None)
 
   def pop_finished(self) -> list[RequestOutput]:
-    """Returns and forgets every finished request."""
+    """Returns and forgets every finished request `step` has not returned (an engine whose
+    caller reads only `step`'s outputs, as vLLM's loops do, keeps no finished request)."""
     done = [r for r in self._requests.values() if r.finished]
     for request in done:
       del self._requests[request.request_id]
@@ -490,12 +491,17 @@ class LLMEngine:
 
     Returns:
       A cumulative `RequestOutput` per request advanced in the steps read (FINAL_ONLY: finished).
+      A request returned finished is forgotten, as in vLLM: its id may be added again.
     """
     outputs: list[RequestOutput] = []
     for core in self.cores:
       outputs += core.step()
     final = RequestOutputKind.FINAL_ONLY
-    return [o for o in latest_outputs(outputs) if o.finished or self._kind(o) is not final]
+    shown = [o for o in latest_outputs(outputs) if o.finished or self._kind(o) is not final]
+    for output in shown:  # returned finished: forgotten, its id free again (vLLM's)
+      if output.finished:
+        self._requests.pop(output.request_id, None)
+    return shown
 
   def _kind(self, output: RequestOutput) -> RequestOutputKind | None:
     request = self._requests.get(output.request_id)

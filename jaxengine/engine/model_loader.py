@@ -54,7 +54,9 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(
-  model: str | os.PathLike | Model | None, tokenizer: Tokenizer | None, config: EngineConfig
+  model: str | os.PathLike | Model | None,
+  tokenizer: Tokenizer | str | os.PathLike | None,
+  config: EngineConfig,
 ) -> LoadedModel:
   """Loads (or checks) the model an engine of `config` serves, as `jaxengine.LLM` documents it.
 
@@ -64,9 +66,20 @@ def load_model(
   `tensor_parallel_size` that does not divide the heads, `max_model_len` above the
   checkpoint's limit).
 
+  `tokenizer` may be a `Tokenizer` or, as vLLM's `tokenizer=`, the path of a Hugging Face
+  directory holding ``tokenizer.json`` (read before anything else loads).
+
   Raises:
     FileNotFoundError, ValueError: as `jaxengine.LLM`.
+    TypeError: a `tokenizer` that is neither a `Tokenizer` nor a path.
   """
+  if isinstance(tokenizer, (str, os.PathLike)):
+    tokenizer = Tokenizer.from_pretrained(tokenizer)
+  elif tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+    raise TypeError(
+      f"tokenizer must be a jaxengine.Tokenizer or a tokenizer directory's path, got "
+      f"{type(tokenizer).__name__}"
+    )
   t = config.tensor_parallel_size
   if model is not None and not isinstance(model, (str, os.PathLike)):
     check_model(model)  # before the process-wide compilation cache is turned on

@@ -48,8 +48,10 @@ class LLM:
         `huggingface_hub` or, offline (`HF_HUB_OFFLINE=1`), taken from its local cache;
       - a built model implementing `jaxengine.models.Model` (`jaxengine.models.Llama` or your
         own NNX module; then pass `tokenizer` or use token-id prompts).
-    tokenizer: a `Tokenizer`; by default the GGUF file's or the directory's (`tokenizer.json`;
-      a directory without one gives an engine for token-id prompts only).
+    tokenizer: a `Tokenizer`, or (vLLM's `tokenizer=`) the path of a directory holding
+      ``tokenizer.json``; by default the GGUF file's or the directory's (`tokenizer.json`; a
+      directory without one gives an engine for token-id prompts only). Anything else is a
+      TypeError.
     config: an `jaxengine.engine.EngineConfig` (the same one the `jaxengine` command builds);
       keywords given as well replace its fields.
     **options: the `EngineConfig` fields as keywords, all checked before the model loads:
@@ -126,7 +128,7 @@ class LLM:
     self,
     model: str | os.PathLike | Model | None = None,
     *,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: Tokenizer | str | os.PathLike | None = None,
     config: EngineConfig | None = None,
     **options: Any,
   ):
@@ -320,8 +322,8 @@ class LLM:
     ) as progress:
       try:
         while engine.has_unfinished_requests():
-          engine.step()
-          for output in engine.pop_finished():
+          finished = [o for o in engine.step() if o.finished] + engine.pop_finished()
+          for output in finished:
             outputs[output.request_id] = output
             progress.update(1)
       except BaseException:  # an error or Ctrl-C: the next call must not run these again

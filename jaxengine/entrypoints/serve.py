@@ -125,9 +125,11 @@ def lora_module(text: str) -> LoRAModulePath:
     if key not in known:
       raise argparse.ArgumentTypeError(f"{text!r}: unknown field {key!r} (fields: {known})")
   for key in ("name", "path"):
-    if not isinstance(fields.get(key), str) or not fields[key]:
-      got = "lacks" if key not in fields else f"has {key}={fields[key]!r}, not a string, in"
-      raise argparse.ArgumentTypeError(f"{text!r} {got} {key!r}: {known[:2]} are required")
+    if key not in fields:
+      raise argparse.ArgumentTypeError(f"{text!r} lacks {key!r}: {known[:2]} are required")
+    if not isinstance(fields[key], str) or not fields[key]:
+      what = "an empty string" if fields[key] == "" else "not a string"
+      raise argparse.ArgumentTypeError(f"{text!r}: {key}={fields[key]!r} is {what}")
   base = fields.get("base_model_name")
   if base is not None and not isinstance(base, str):
     raise argparse.ArgumentTypeError(f"{text!r}: base_model_name must be a string or null")

@@ -194,6 +194,11 @@ def hf_architecture(hf_config: Mapping[str, Any]) -> ModelArchitecture:
   if architectures:
     return _lookup(HF_ARCHITECTURES, architectures[0], "architecture")
   model_type = hf_config.get("model_type")
+  if model_type is None:
+    raise ValueError(
+      "config.json has neither 'architectures' nor 'model_type', so its architecture is "
+      f"unknown; supported architectures: {', '.join(HF_ARCHITECTURES)}"
+    )
   name = _HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
   if name is None:
     return _lookup(HF_ARCHITECTURES, f"model_type={model_type!r}", "architecture")

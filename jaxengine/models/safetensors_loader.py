@@ -132,9 +132,24 @@ def config_from_hf(hf: Mapping[str, Any]) -> Any:
   Raises:
     ValueError: naming the field and value for an unsupported architecture (and the supported
       ones), rope type, activation, MLP bias, partial rotary embedding or per-layer sliding
-      window, or a missing required field.
+      window, a size field that is not an integer, or a missing required field.
   """
-  return hf_architecture(hf).read_config(hf)
+  architecture = hf_architecture(hf)
+  for field in _INT_FIELDS:
+    value = hf.get(field)
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool)):
+      raise ValueError(f"config.json: {field} must be an integer, got {value!r}")
+  return architecture.read_config(hf)
+
+
+#: ``config.json``'s size fields, checked to be integers before a config reader converts them
+#: (its `int()` of a string would name no field).
+_INT_FIELDS = (
+  "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+  "max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
+  "sliding_window",
+)  # fmt: skip
 
 
 def eos_token_ids(path: str | os.PathLike) -> list[int]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -203,7 +204,6 @@ def test_sampling_params_assigned_later_are_checked_and_copied_when_added(llm):
     seen += engine.step()
   assert [(o.request_id, o.finished) for o in seen] == [("copied", True)]
   assert len(seen[0].outputs[0].token_ids) == 3
-  engine.pop_finished()
   params.output_kind = je.RequestOutputKind.DELTA
   with pytest.raises(ValueError, match=r"DELTA is not supported by LLMEngine\.step"):
     engine.add_request("delta", "Hi", params)
@@ -225,12 +225,11 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
 
   def run(offset):
     # Requests arrive while others run and finish at different times.
+    finished = []
     for i, prompt in enumerate(prompts):
       engine.add_request(f"{offset}-{i}", prompt, mixes[(i + offset) % len(mixes)])
-      engine.step()
-    while engine.has_unfinished_requests():
-      engine.step()
-    return engine.pop_finished()
+      finished += [o for o in engine.step() if o.finished]
+    return finished + step_to_end(engine)
 
   compile_counter.reset()
   first = run(0)
@@ -279,9 +278,7 @@ def test_steps_run_over_a_bucket_of_live_rows_not_every_row():
   buckets = _recording_sampler(wide)
   params = je.SamplingParams(temperature=0, max_tokens=6)
   wide.add_request("a", [5, 6, 7], params)
-  while wide.has_unfinished_requests():
-    wide.step()
-  assert len(wide.pop_finished()[0].outputs[0].token_ids) == 6
+  assert len(step_to_end(wide)[0].outputs[0].token_ids) == 6
   assert buckets == [1] * 6  # one live request: a one-row step, whatever max_num_reqs is
 
   buckets.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from byte_tokenizer import byte_tokenizer
+from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -61,13 +62,13 @@ def test_every_ending_leaves_the_same_state(model, tokenizer, ending):
   engine.add_request("go", [8, 9], go)
   if ending == "grammar":
     with pytest.warns(RuntimeWarning, match="does not allow"):
-      engine.step()
+      outputs = engine.step()
   else:
-    engine.step()
+    outputs = engine.step()
   if ending == "abort":
     assert len(engine.structured or ()) == 1  # "go" is running, with its matcher
     engine.abort_request("go")
-  finished = {o.request_id: o.outputs[0] for o in engine.pop_finished()}
+  finished = {o.request_id: o.outputs[0] for o in outputs if o.finished}
   if ending == "abort":
     assert finished == {}  # an aborted request is forgotten
   else:
@@ -90,10 +91,7 @@ def test_every_ending_leaves_the_same_state(model, tokenizer, ending):
       "unfinished": True,
     }
   )
-  for e in (engine, alone):
-    while e.has_unfinished_requests():
-      e.step()
-  (kept,), (kept_alone,) = engine.pop_finished(), alone.pop_finished()
+  (kept,), (kept_alone,) = step_to_end(engine), step_to_end(alone)
   assert kept.outputs[0].token_ids == kept_alone.outputs[0].token_ids
   assert len(kept.outputs[0].token_ids) == 6
   assert _state(engine) == _state(alone)
@@ -111,7 +109,5 @@ def test_aborting_waiting_and_unknown_requests(model, tokenizer):
   assert sorted(engine.scheduler.running) == ["a", "b"]
   engine.abort_request("a")
   assert sorted(engine.scheduler.running) == ["b"]
-  while engine.has_unfinished_requests():
-    engine.step()
-  assert [o.request_id for o in engine.pop_finished()] == ["b"]
+  assert [o.request_id for o in step_to_end(engine)] == ["b"]
   assert engine.runner.input_batch.num_reqs == 0

@@ -220,9 +220,9 @@ def test_a_request_that_never_fits_is_refused_and_the_engine_goes_on(plain_outpu
   engine.add_request("fits", _rand(20), SP(temperature=0, max_tokens=4, ignore_eos=True))
   (expected,) = [o for o in plain_outputs if o.request_id == "0"]
   engine.add_request("0", prompt, params)
+  outputs = {}
   while engine.has_unfinished_requests():
-    engine.step()
-  outputs = {o.request_id: o for o in engine.pop_finished()}
+    outputs.update({o.request_id: o for o in engine.step() if o.finished})
   assert len(outputs["fits"].outputs[0].token_ids) == 4
   assert_same_outputs([outputs["0"]], [expected])
   assert engine.kv_cache_stats.num_used_blocks == 0

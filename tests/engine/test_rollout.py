@@ -74,13 +74,14 @@ def assert_same_outputs(got, expected):
 def run_engine(engine: LLMEngine, prompts=PROMPTS, mixes=MIXES, arrive_while_running=False):
   """Queues `prompts` (each with the next of `mixes`, stepping after each one if
   `arrive_while_running`), runs them to the end, returns the outputs in prompt order."""
+  finished = []
   for i, prompt in enumerate(prompts):
     engine.add_request(str(i), prompt, mixes[i % len(mixes)])
     if arrive_while_running:
-      engine.step()
+      finished += [o for o in engine.step() if o.finished]
   while engine.has_unfinished_requests():
-    engine.step()
-  return sorted(engine.pop_finished(), key=lambda o: int(o.request_id))
+    finished += [o for o in engine.step() if o.finished]
+  return sorted(finished, key=lambda o: int(o.request_id))
 
 
 @pytest.fixture(scope="module")

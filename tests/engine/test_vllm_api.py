@@ -64,6 +64,14 @@ def test_engine_args_from_the_command_line_build_and_step_an_engine(checkpoint):
     finished += [o for o in engine.step() if o.finished]
   assert [o.request_id for o in finished] == ["0"]
   assert len(finished[0].outputs[0].token_ids) == 4
+  # Returned finished, the request is forgotten (vLLM's): its id is free again, nothing is
+  # left for pop_finished, and a loop that numbers its requests from 0 again runs.
+  assert engine.pop_finished() == []
+  engine.add_request("0", TokensPrompt(prompt_token_ids=PROMPT), greedy)
+  while engine.has_unfinished_requests():
+    finished += [o for o in engine.step() if o.finished]
+  assert [o.request_id for o in finished] == ["0", "0"]
+  assert finished[1].outputs[0].token_ids == finished[0].outputs[0].token_ids
   options = vars(args)
   options.pop("max_tokens")
   llm = je.LLM(**options)

@@ -15,6 +15,15 @@ import numpy as np
 Generation = tuple[list[int], Any, Any]
 
 
+def step_to_end(engine) -> list:
+  """Steps an `LLMEngine` until no request is unfinished; the outputs `step` returned finished
+  (each request once: the engine forgets a request it has returned finished), in that order."""
+  finished = []
+  while engine.has_unfinished_requests():
+    finished += [output for output in engine.step() if output.finished]
+  return finished
+
+
 def generations(llm, prompts: Sequence, params) -> list[Generation]:
   """Runs `llm.generate` and returns every completion of every request, in order."""
   outs = llm.generate(list(prompts), params, use_tqdm=False)

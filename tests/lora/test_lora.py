@@ -343,8 +343,7 @@ def test_llm_engine_add_request_takes_a_lora_request(llm, checkpoints):
   engine.add_request("base-a", PROMPTS[1], GREEDY)
   done = {}
   while engine.has_unfinished_requests():
-    engine.step()
-    done.update({o.request_id: o for o in engine.pop_finished()})
+    done.update({o.request_id: o for o in engine.step() if o.finished})
   assert done["lora-a"].lora_request == requests[3] and done["base-a"].lora_request is None
   assert _result(done["lora-a"])[0] == _reference(base, requests[3], PROMPTS[1])[0]
   assert _result(done["base-a"])[0] == _reference(base, None, PROMPTS[1])[0]
@@ -500,7 +499,8 @@ def test_serve_lora_modules_flag(capsys):
     ("nopath", "expected NAME=PATH or a JSON object, got 'nopath'"),
     ('{"name": "a", "path": ', "is not valid JSON (Expecting value at column 23)"),
     ('{"name": "a"}', "lacks 'path'"),
-    ('{"name": "a", "path": 3}', "has path=3, not a string"),
+    ('{"name": "a", "path": 3}', "path=3 is not a string"),
+    ('{"name": "", "path": "/p"}', "name='' is an empty string"),
     ('{"name": "a", "path": "/p", "lora_path": "/q"}', "unknown field 'lora_path'"),
   ]:
     with pytest.raises(SystemExit) as exit_info:

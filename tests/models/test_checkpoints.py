@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import transformers
+from byte_tokenizer import chatml_byte_tokenizer
 from flax import nnx
 from hf_checkpoints import (
   config_dict,
@@ -235,6 +236,35 @@ def test_corrupt_checkpoint_files_are_named(tmp_path):
   (single / "config.json").write_text('{\n  "architectures": ["LlamaForCausalLM"],,\n}')
   with pytest.raises(ValueError, match=r"single/config.json is not valid JSON \(.* line 2 col"):
     load_safetensors(single)
+
+
+def test_a_tokenizer_path_and_bad_tokenizer_or_config_files(tmp_path):
+  """vLLM's `LLM(model, tokenizer=PATH)` reads the directory's tokenizer; anything but a path or
+  a `Tokenizer` is a TypeError. A corrupt tokenizer.json, a size field that is not an integer
+  and a config.json without an architecture are ValueErrors saying so (they were transformers'
+  bare JSON error, `int()`'s and "unsupported architecture 'model_type=None'")."""
+  config = hf_config("LlamaForCausalLM", vocab_size=320)  # room for the byte tokenizer's 259
+  model_dir = write_checkpoint(tmp_path / "model", config, random_tensors(config_dict(config)))
+  tokenizer_dir = tmp_path / "tokenizer"
+  chatml_byte_tokenizer().hf_tokenizer.save_pretrained(tokenizer_dir)
+  llm = je.LLM(model_dir, tokenizer=str(tokenizer_dir), max_num_reqs=1, max_model_len=32)
+  assert llm.get_tokenizer().vocab_size == chatml_byte_tokenizer().vocab_size
+  (out,) = llm.generate("Hi", je.SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+  assert out.prompt_token_ids == llm.get_tokenizer().encode("Hi") and out.outputs[0].text
+  with pytest.raises(TypeError, match=r"tokenizer must be a jaxengine\.Tokenizer or a tokenizer"):
+    je.LLM(model_dir, tokenizer=3, max_model_len=32)
+  (model_dir / "tokenizer.json").write_text("{oops")
+  with pytest.raises(ValueError, match=r"tokenizer files in .*model' could not be read"):
+    je.LLM(model_dir, max_model_len=32)
+  (model_dir / "tokenizer.json").unlink()
+  fields = config_dict(config)
+  (model_dir / "config.json").write_text(json.dumps({**fields, "hidden_size": "abc"}))
+  with pytest.raises(ValueError, match=r"config.json: hidden_size must be an integer, got 'abc'"):
+    je.LLM(model_dir, max_model_len=32)
+  del fields["architectures"], fields["model_type"]
+  (model_dir / "config.json").write_text(json.dumps(fields))
+  with pytest.raises(ValueError, match="has neither 'architectures' nor 'model_type'"):
+    je.LLM(model_dir, max_model_len=32)
 
 
 def test_paths_that_are_not_models_are_refused(tmp_path):

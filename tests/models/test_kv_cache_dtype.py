@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -171,10 +172,9 @@ def _run_tiny(model, monkeypatch, name: str, kv_cache_dtype: str) -> tuple[list,
   rng = np.random.default_rng(0)
   for i, n in enumerate((9, 6)):
     engine.add_request(str(i), rng.integers(4, 64, n).tolist(), TINY_PARAMS)
-  while engine.has_unfinished_requests():
-    engine.step()
+  finished = step_to_end(engine)
   pages = [str(p.dtype) for p in engine.runner.kv_cache.pages[0]]
-  return sorted(engine.pop_finished(), key=lambda o: int(o.request_id)), pages
+  return sorted(finished, key=lambda o: int(o.request_id)), pages
 
 
 @pytest.fixture(scope="module")

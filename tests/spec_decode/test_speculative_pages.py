@@ -16,6 +16,7 @@ import functools
 import numpy as np
 import pytest
 from cacheless import assert_greedy_is_argmax, assert_logprobs_match
+from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.core.kv_cache_manager import KVCacheManager
@@ -90,12 +91,11 @@ def _run(engine: LLMEngine, params, prompts=PROMPTS):
   """Queues the prompts (one step after each, so they arrive while others run), runs to the
   end; outputs in prompt order."""
   params = params if isinstance(params, list) else [params] * len(prompts)
+  finished = []
   for i, (prompt, p) in enumerate(zip(prompts, params)):
     engine.add_request(str(i), prompt, p)
-    engine.step()
-  while engine.has_unfinished_requests():
-    engine.step()
-  return sorted(engine.pop_finished(), key=lambda o: int(o.request_id))
+    finished += [o for o in engine.step() if o.finished]
+  return sorted(finished + step_to_end(engine), key=lambda o: int(o.request_id))
 
 
 def _assert_same(got, expected):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -28,9 +29,7 @@ def _engine(model, **options) -> LLMEngine:
 def _run(engine: LLMEngine) -> list[tuple[list[int], list | None]]:
   for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
     engine.add_request(f"r{i}", prompt, params)
-  while engine.has_unfinished_requests():
-    engine.step()
-  outputs = sorted(engine.pop_finished(), key=lambda o: o.request_id)
+  outputs = sorted(step_to_end(engine), key=lambda o: o.request_id)
   return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 

@@ -8,6 +8,7 @@ import os
 
 import jax
 import pytest
+from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -116,9 +117,7 @@ def test_a_32k_model_starts_on_cpu_in_the_default_budget_with_its_own_limit():
   assert (stats.num_blocks + 1) * _per_page(model.kv_cache_spec) <= DEFAULT_CPU_KV_CACHE_BYTES
   assert engine.runner.block_table.max_num_blocks_per_req == 2048
   engine.add_request("long", list(range(3, 30)) * 40, SamplingParams(max_tokens=3))
-  while engine.has_unfinished_requests():
-    engine.step()
-  (output,) = engine.pop_finished()
+  (output,) = step_to_end(engine)
   assert len(output.outputs[0].token_ids) == 3
 
 

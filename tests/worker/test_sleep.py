@@ -28,6 +28,7 @@ from flax import nnx
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from output_utils import step_to_end
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -263,9 +264,7 @@ def test_sleep_with_unfinished_requests_is_refused_and_changes_nothing(warm):
   with pytest.raises(RuntimeError, match="unfinished requests"):
     engine.sleep(level=1)
   assert not engine.is_sleeping()
-  while engine.has_unfinished_requests():
-    engine.step()
-  (done,) = engine.pop_finished()
+  (done,) = step_to_end(engine)
   assert list(done.outputs[0].token_ids) == warm.reference[0]
 
 
@@ -275,14 +274,13 @@ def test_sleep_reads_a_step_left_in_flight_first(warm):
   assert stop != warm.reference[0][0]
   params = je.SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])
   engine.add_request("stops", PROMPTS[0], params)
-  while engine.has_unfinished_requests():
-    engine.step()
+  (done,) = step_to_end(engine)
   core = engine.cores[0]
   assert core._in_flight is not None  # the step after the stop, dispatched before it was read
   engine.sleep(level=1)
   assert core._in_flight is None
   engine.wake_up()
-  (done,) = engine.pop_finished()
+  assert engine.pop_finished() == []  # the stop's output was step()'s, the step after it none
   assert list(done.outputs[0].token_ids) == warm.reference[0][:2]
   assert _tokens(warm.llm) == warm.reference
 
