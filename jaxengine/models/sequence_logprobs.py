@@ -103,6 +103,7 @@ def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) ->
 def sequence_logits(model: Model, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
   """The ``[B, T, V] float32`` logits of every position of whole sequences, in one compiled
   call of the model over a scratch pool of pages (`scratch_step`, XLA attention backend).
+  Differentiable in the model's parameters (the attention's loop has a static length).
 
   Entry ``[b, t]`` scores the token that follows ``token_ids[b, :t + 1]``. The model's own
   arithmetic: with ``batch_invariant`` off, the values match the engine's to float32 rounding,
@@ -135,7 +136,8 @@ def _sequence_logits(graphdef, weights, token_ids: jax.Array, block_size: int) -
   """`sequence_logits` of the module ``nnx.merge(graphdef, weights)``."""
   model = nnx.merge(graphdef, weights)
   batch, length = token_ids.shape
-  metadata, cache = scratch_step(model, batch, length, block_size, XlaAttentionBackend())
+  backend = XlaAttentionBackend(max_context=length)  # a static loop: differentiable
+  metadata, cache = scratch_step(model, batch, length, block_size, backend)
   positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]  # [1, B * T]
   hidden, _ = model(token_ids.reshape(1, batch * length), positions, cache, metadata)
   logits = model.compute_logits(hidden.reshape(batch * length, -1))  # [B * T, V]
