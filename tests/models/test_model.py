@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 from paged_utils import slot_step
 
-from jaxengine.models import PagedKVCache, gguf_loader, llama
+from jaxengine.models import PagedKVCache, gguf_loader, llama, sequence_logits
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.weights import WeightSpec, unpermute_rotary_rows
 from jaxengine.testing import tiny_llama, tiny_llama_config
@@ -173,6 +173,25 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
   logits, _ = _run(graphdef, weights, cache, ids[None], np.arange(11)[None], [1])
   chex.assert_shape(logits, (1, 11, cfg.vocab_size))
   np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_sequence_logits_of_whole_sequences_match_the_reference(tiny):
+  """`models.sequence_logits`: each of a batch of sequences against the float64 reference,
+  differentiable, and bad ids refused before any device work."""
+  model, cfg, _, _ = tiny
+  ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 9))
+  logits = np.asarray(sequence_logits(model, ids, block_size=BLOCK))
+  chex.assert_shape(logits, (2, 9, cfg.vocab_size))
+  for row in range(2):
+    np.testing.assert_allclose(logits[row], reference_logits(model, ids[row]), atol=2e-4)
+  grads = nnx.grad(lambda m: sequence_logits(m, ids[:1, :3], block_size=BLOCK)[0, -1, 0])(model)
+  assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
+  with pytest.raises(ValueError, match=r"token_ids holds ids outside \[0, 256\): \[256\]"):
+    sequence_logits(model, np.array([[1, cfg.vocab_size]]))
+  with pytest.raises(ValueError, match="token_ids must be \\[B, T\\] integers"):
+    sequence_logits(model, np.zeros(3, np.int32))
+  with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+    sequence_logits(model, ids, block_size=0)
 
 
 def test_prefill_then_decode_matches_full_forward(tiny):
