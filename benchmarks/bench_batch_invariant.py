@@ -7,8 +7,8 @@ logprob), all submitted at once, on SmolLM2-135M-Instruct (float32, the paged ca
 workload first (compiles excluded), then timed interleaved, `--repeats` rounds, the best run
 counting; tokens/s is generated tokens over wall time including prefill. The last line times
 `jaxengine.models.token_logprobs` (the trainer's side) on the batch-8 sequences against a plain
-forward pass of the same module (`Llama.__call__` over a slot cache, then the logits), compiled
-first, best of `--repeats`.
+forward pass of the same module (`jaxengine.models.sequence_logits`: the same scratch pool of
+pages, the default arithmetic, then a log-softmax), compiled first, best of `--repeats`.
 
 Usage:
   python benchmarks/bench_batch_invariant.py                      # B = 1, 8, 32
@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import jaxengine as je
-from jaxengine.models import AttentionMetadata, KVCache, load, token_logprobs
+from jaxengine.models import load, sequence_logits, token_logprobs
 
 
 def _workload(batch: int, prompt_len: int, max_tokens: int, vocab: int):
@@ -50,16 +50,10 @@ def _tokens_per_second(llm: je.LLM, prompts, params) -> float:
 
 def _trainer_times(model, sequences: jax.Array, repeats: int) -> tuple[float, float]:
   """Best seconds of `token_logprobs` and of a plain forward pass plus logits."""
-  batch, length = sequences.shape
-  spec = model.kv_cache_spec
 
   @nnx.jit
   def plain(module, ids):
-    cache = KVCache.create(spec, batch, length)
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    md = AttentionMetadata(cache_slots=jnp.arange(batch), positions=positions)
-    hidden, _ = module(ids, positions, cache, md)
-    return jax.nn.log_softmax(module.compute_logits(hidden), axis=-1)
+    return jax.nn.log_softmax(sequence_logits(module, ids), axis=-1)
 
   def best(fn) -> float:
     jax.block_until_ready(fn(sequences))  # compile

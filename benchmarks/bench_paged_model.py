@@ -1,15 +1,17 @@
-"""A whole model step over pages against the slot cache, through the same model code.
+"""A whole model step over pages, at two page sizes, through the same model code.
 
   python benchmarks/bench_paged_model.py [--model tiny|smollm2-layer] [--repeats 10]
 
 `tiny` is `jaxengine.testing.tiny_llama`; `smollm2-layer` is one decoder layer of SmolLM2-135M's
 shapes (E=576, H=9, K=3, D=64, F=1536) with a small vocabulary (logits are not timed). Each row
-is one step: `R` requests at context `S`, `T` tokens each. The slot step is `forward` over a
-`[R, T]` grid with `attention_len=S`; the paged step `forward` over the flat `[1, R*T]` tokens
-with the XLA backend, `B=16` pages. Medians in ms of one jitted, cache-donating call (hidden
-states only), the two interleaved.
+is one step: `R` requests at context `S`, `T` tokens each: `forward` over the flat `[1, R*T]`
+tokens with the XLA backend, pages of `B=16` and of `B=64` positions (each request's pages a
+random permutation). Medians in ms of one jitted, cache-donating call (hidden states only), the
+two interleaved.
 
-Measured on the shared 2-core Xeon under a load average of about 7.5 (float32, 10 repeats):
+Measured earlier against the slot cache the seam also served then (removed since: the model has
+one cache signature, pages), on the shared 2-core Xeon under a load average of about 7.5
+(float32, 10 repeats, `B=16`):
 
   ==================  =====  =====  ==============  ======
   step                tiny          SmolLM2 layer
@@ -35,15 +37,13 @@ import numpy as np
 from flax import nnx
 from timing import interleaved_ms
 
-from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.attention_backends import XlaAttentionBackend
-from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import forward
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.testing import tiny_llama
 
-BLOCK = 16
+BLOCK_SIZES = (16, 64)
 SMOLLM2_LAYER = dict(
   hidden_size=576,
   intermediate_size=1536,
@@ -55,51 +55,40 @@ SMOLLM2_LAYER = dict(
 )
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames="attention_len", donate_argnums=4)
-def _slot(graphdef, weights, ids, positions, cache, slots, attention_len):
-  md = AttentionMetadata(cache_slots=slots, positions=positions, attention_len=attention_len)
-  return forward(graphdef, weights, ids, positions, cache, md)
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _paged(graphdef, weights, ids, positions, cache, md):
   return forward(graphdef, weights, ids, positions, cache, md)
 
 
 def _row(graphdef, weights, spec, num_reqs, num_new, context, repeats):
-  """ms of one slot step and one paged step: `num_reqs` requests, `num_new` tokens each, whose
+  """ms of one paged step per page size: `num_reqs` requests, `num_new` tokens each, whose
   context ends at `context`."""
-  width = context // BLOCK
   rng = np.random.default_rng(0)
-  slot_cache = KVCache.create(spec, num_reqs, context)
-  paged_cache = PagedKVCache.create(spec, XlaAttentionBackend(), 1 + num_reqs * width, BLOCK)
   start = context - num_new
   pos = np.broadcast_to(np.arange(start, context, dtype=np.int32), (num_reqs, num_new))
   ids = rng.integers(0, 256, (num_reqs, num_new)).astype(np.int32)
-  tables = (1 + rng.permutation(num_reqs * width).reshape(num_reqs, width)).astype(np.int32)
-  slots = tables[:, pos[0] // BLOCK] * BLOCK + pos[0] % BLOCK  # [R, new]
-  md = PagedAttentionMetadata(
-    slot_mapping=jnp.asarray(slots.reshape(-1)),
-    block_tables=jnp.asarray(tables),
-    query_start_loc=jnp.arange(0, num_reqs * num_new + 1, num_new, dtype=jnp.int32),
-    seq_lens=jnp.full(num_reqs, context, jnp.int32),
-    num_reqs=jnp.asarray(num_reqs, jnp.int32),
-  )
-  state = {"slot": slot_cache, "paged": paged_cache}
-  req_slots = jnp.arange(num_reqs, dtype=jnp.int32)
-
-  def slot_step():
-    hidden, state["slot"] = _slot(
-      graphdef, weights, ids, pos, state["slot"], req_slots, attention_len=context
+  flat_ids, flat_pos = ids.reshape(1, -1), pos.reshape(1, -1)
+  steps = {}
+  for block in BLOCK_SIZES:
+    width = -(-context // block)
+    tables = (1 + rng.permutation(num_reqs * width).reshape(num_reqs, width)).astype(np.int32)
+    slots = tables[:, pos[0] // block] * block + pos[0] % block  # [R, new]
+    md = PagedAttentionMetadata(
+      slot_mapping=jnp.asarray(slots.reshape(-1)),
+      block_tables=jnp.asarray(tables),
+      query_start_loc=jnp.arange(0, num_reqs * num_new + 1, num_new, dtype=jnp.int32),
+      seq_lens=jnp.full(num_reqs, context, jnp.int32),
+      num_reqs=jnp.asarray(num_reqs, jnp.int32),
     )
-    return hidden
+    cache = PagedKVCache.create(spec, XlaAttentionBackend(), 1 + num_reqs * width, block)
+    state = {"cache": cache}
 
-  def paged_step():
-    flat_ids, flat_pos = ids.reshape(1, -1), pos.reshape(1, -1)
-    hidden, state["paged"] = _paged(graphdef, weights, flat_ids, flat_pos, state["paged"], md)
-    return hidden
+    def step(md=md, state=state):
+      hidden, state["cache"] = _paged(graphdef, weights, flat_ids, flat_pos, state["cache"], md)
+      return hidden
 
-  return interleaved_ms({"slot": slot_step, "paged": paged_step}, repeats, warmup=2)
+    steps[f"B={block}"] = step
+  return interleaved_ms(steps, repeats, warmup=2)
 
 
 def main() -> None:
@@ -111,8 +100,9 @@ def main() -> None:
   model = tiny_llama(**overrides, **({"max_position_embeddings": 2048} if not overrides else {}))[0]
   spec = model.kv_cache_spec
   graphdef, weights = nnx.split(model)
-  print(f"{args.model}: ms per step, slot vs paged (XLA backend, B={BLOCK})")
-  print(f"{'step':<24} {'slot':>8} {'paged':>8}")
+  names = [f"B={block}" for block in BLOCK_SIZES]
+  print(f"{args.model}: ms per step over pages (XLA backend)")
+  print(f"{'step':<24}" + "".join(f"{name:>8}" for name in names))
   rows = [
     ("decode R=8 S=256", 8, 1, 256),
     ("decode R=8 S=1024", 8, 1, 1024),
@@ -122,7 +112,7 @@ def main() -> None:
   ]
   for name, num_reqs, num_new, context in rows:
     times = _row(graphdef, weights, spec, num_reqs, num_new, context, args.repeats)
-    print(f"{name:<24} {times['slot']:8.2f} {times['paged']:8.2f}")
+    print(f"{name:<24}" + "".join(f"{times[n]:8.2f}" for n in names))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@ parts add up to (about) the fused step; what XLA fuses across the parts is the d
 
   engine step   `LLMEngine.step()` with B running requests (synchronous): host bookkeeping + the
                 ragged step's model and sampler
-  forward + LM head   the model alone, without the sampler (over a scratch cache of B rows)
+  forward + LM head   the model alone, without the sampler (one decode token per row over a
+                scratch pool of pages in the engine's attention backend)
   dense         the seven projections of every layer (q, k, v, o, gate, up, down), nothing else
   LM head       `[B, E] x [E, V]` logits
   rest of forward   forward + LM head - dense - LM head: embedding, norms, rotary embedding,
-                every layer's KV-cache write, slot gather and attention over 128 positions
+                every layer's KV-cache write and paged attention over 71 positions
   sampler       `jaxengine.sample.sample` on `[B, V]` logits (the benchmark's chat-style mix)
   host          engine step - forward + LM head - sampler
 
@@ -36,7 +37,7 @@ from flax import nnx
 from timing import interleaved_ms, median_ms
 
 import jaxengine as je
-from jaxengine.models import KVCache
+from jaxengine.models import PagedAttentionMetadata, PagedKVCache
 from jaxengine.models.layers import linear
 from jaxengine.sample import sample
 
@@ -68,11 +69,25 @@ def _dense(model, x):
   return x
 
 
-def _forward(graphdef, weights, kv_cache, token_ids, positions, slots):
-  """The decoder and the LM head on `[B, 1]` tokens (the decode step without the sampler)."""
+def _forward(graphdef, weights, kv_cache, token_ids, positions, metadata):
+  """The decoder and the LM head on `[1, B]` tokens (the decode step without the sampler)."""
   model = nnx.merge(graphdef, weights)
-  hidden, kv_cache = model(token_ids, positions, kv_cache, slots, attention_len=ATTENTION_LEN)
-  return model.compute_logits(hidden[:, 0]), kv_cache
+  hidden, kv_cache = model(token_ids, positions, kv_cache, metadata)
+  return model.compute_logits(hidden[0]), kv_cache
+
+
+def _decode_metadata(batch: int, position: int, block_size: int) -> PagedAttentionMetadata:
+  """One decode token per row at `position`, row `r` in pages `1 + r * P ...` of its own."""
+  pages = -(-ATTENTION_LEN // block_size)
+  tables = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+  slots = tables[:, position // block_size] * block_size + position % block_size
+  return PagedAttentionMetadata(
+    slot_mapping=jnp.asarray(slots),
+    block_tables=jnp.asarray(tables),
+    query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32),
+    seq_lens=jnp.full((batch,), position + 1, jnp.int32),
+    num_reqs=jnp.asarray(batch, jnp.int32),
+  )
 
 
 @dataclasses.dataclass
@@ -96,19 +111,21 @@ def profile(llm: je.LLM, batch: int, repeats: int) -> Breakdown:
   input_batch = runner.input_batch
   metadata = input_batch.sampling_metadata
   state = jax.tree.map(jnp.copy, input_batch.state)
-  caches = [KVCache.create(model.kv_cache_spec, batch, ATTENTION_LEN)]
+  backend, block_size = runner.kv_cache.backend, runner.kv_cache.block_size
+  num_blocks = 1 + batch * -(-ATTENTION_LEN // block_size)
+  caches = [PagedKVCache.create(model.kv_cache_spec, backend, num_blocks, block_size)]
   graphdef, weights = nnx.graphdef(runner.model), runner.weights
 
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((batch, 1, cfg.hidden_size), np.float32))
   dense = jax.jit(lambda w, x: _dense(nnx.merge(graphdef, w), x))
   forward = jax.jit(functools.partial(_forward, graphdef), donate_argnames=("kv_cache",))
-  token_ids = jnp.full((batch, 1), 100, jnp.int32)
-  positions = jnp.full((batch, 1), 70, jnp.int32)
-  slots = jnp.arange(batch, dtype=jnp.int32)
+  token_ids = jnp.full((1, batch), 100, jnp.int32)
+  positions = jnp.full((1, batch), 70, jnp.int32)
+  step_metadata = _decode_metadata(batch, 70, block_size)
 
   def model_forward():
-    logits, caches[0] = forward(weights, caches[0], token_ids, positions, slots)
+    logits, caches[0] = forward(weights, caches[0], token_ids, positions, step_metadata)
     return logits
 
   head = jax.jit(lambda w, h: nnx.merge(graphdef, w).compute_logits(h))

@@ -1,10 +1,10 @@
 """Models the engine can serve, behind one interface.
 
-`interface.Model` is what the engine needs from a decoder; `kv_cache` the slot-addressed cache,
-`kv_pages` the paged one (pages per layer in the layout of an `attention_backends`
-backend, read by `paged_attention`'s ragged attention); `attention` the one seam through which
-every model's attention writes and reads either cache (`AttentionMetadata` or
-`PagedAttentionMetadata` says where each step's tokens live); `llama` the Llama-family decoder in
+`interface.Model` is what the engine needs from a decoder; `kv_cache` what a model stores per
+cached token (`KVCacheSpec`), `kv_pages` the cache itself (pages per layer in the layout of an
+`attention_backends` backend, read by `paged_attention`'s ragged attention); `attention` the one
+seam through which every model's attention writes and reads the pages (`PagedAttentionMetadata`
+says where each step's tokens live); `llama` the Llama-family decoder in
 Flax NNX (Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3, and with the sparse mixture-of-experts
 block of `moe` Qwen3-MoE and Mixtral) and its pure `forward`, built from the blocks in `layers`,
 with its config in `llama_config` and its checkpoint maps in `llama_checkpoints`; `gemma` the
@@ -20,27 +20,26 @@ attention over pages in XLA and `attention_backends` chooses its page layouts an
 accelerator (the contract in `attention_contract`, one backend each in `attention_xla`,
 `attention_pallas_tpu`, `attention_pallas_gpu`). `batch_invariant` holds the
 arithmetic of ``LLM(..., batch_invariant=True)`` and `sequence_logprobs` the trainer's side of
-it, `token_logprobs` (a sequence's logprobs, equal to the engine's bit for bit).
+it, `token_logprobs` (a sequence's logprobs, equal to the engine's bit for bit), and
+`sequence_logits` (the logits of whole sequences, over a scratch pool of pages).
 """
 
-from jaxengine.models.attention import AttentionMetadata, PagedAttentionMetadata
+from jaxengine.models.attention import PagedAttentionMetadata
 from jaxengine.models.gemma import Gemma, GemmaConfig
 from jaxengine.models.gguf_loader import default_model_path, load_gguf
 from jaxengine.models.hub import load
 from jaxengine.models.interface import Model, check_model
-from jaxengine.models.kv_cache import KVCache, KVCacheSpec
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, compute_logits, forward
 from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
-from jaxengine.models.sequence_logprobs import token_logprobs
+from jaxengine.models.sequence_logprobs import sequence_logits, token_logprobs
 from jaxengine.models.weights import WeightSpec, named_weights
 
 __all__ = [
-  "AttentionMetadata",
   "Gemma",
   "GemmaConfig",
-  "KVCache",
   "KVCacheSpec",
   "Llama",
   "Llama3RopeScaling",
@@ -59,5 +58,6 @@ __all__ = [
   "load_gguf",
   "load_safetensors",
   "named_weights",
+  "sequence_logits",
   "token_logprobs",
 ]

@@ -6,7 +6,7 @@ instead of two plain ones, a GeGLU MLP, a per-layer window and rotary base, soft
 ``query_pre_attn_scalar``, an embedding scaled by ``sqrt(E)``), so switches would have touched
 every Llama class. It shares Llama's building blocks (`jaxengine.models.layers`: the ``[out, in]``
 projection, rotary embedding, RMSNorm) and the attention seam
-(`jaxengine.models.attention.attention`), so slots, pages, every paged backend that has a
+(`jaxengine.models.attention.attention`), so the pages, every attention backend that has a
 window and a soft cap, meshes, ``batch_invariant`` and `jaxengine.models.token_logprobs` serve it
 unchanged.
 
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
+from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
 from jaxengine.models.gemma_checkpoints import hf_weight_specs
 from jaxengine.models.gemma_config import ACTIVATIONS, GemmaConfig
 from jaxengine.models.layer_stack import apply_layers
@@ -179,7 +179,7 @@ class GemmaDecoderLayer(nnx.Module):
 
 
 class Gemma(ConfiguredDecoder, nnx.Module):
-  """Gemma 2 / Gemma 3 text decoder over a `KVCache` (slots) or `PagedKVCache` (pages);
+  """Gemma 2 / Gemma 3 text decoder over a `PagedKVCache`;
   implements `jaxengine.models.Model` (the same interface and attributes as
   `jaxengine.models.Llama`: ``config``, ``dtype``, ``embed``, ``layers``, ``final_norm``,
   ``lm_head``, ``batch_invariant``).
@@ -213,17 +213,14 @@ class Gemma(ConfiguredDecoder, nnx.Module):
     self,
     token_ids: jax.Array,
     positions: jax.Array,
-    kv_cache: AnyKVCache,
-    attn_metadata: StepMetadata | jax.Array,
-    *,
-    attention_len: int | None = None,
-  ) -> tuple[jax.Array, AnyKVCache]:
+    kv_cache: PagedKVCache,
+    attn_metadata: PagedAttentionMetadata,
+  ) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder, updating the cache; arguments and results as
     `jaxengine.models.Llama.__call__` (``[..., E]`` hidden states after the final norm)."""
-    metadata = as_attention_metadata(attn_metadata, positions, attention_len)
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
-    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, metadata)
+    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, attn_metadata)
     return self.final_norm(x), kv_cache
 
   def weight_specs(self) -> list[WeightSpec]:

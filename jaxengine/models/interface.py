@@ -10,9 +10,10 @@ replaced without recompiling. `jaxengine.models.Llama` implements it; so can you
     llm = jaxengine.LLM(MyModel(...), tokenizer=jaxengine.tokenizer.Tokenizer.from_pretrained(d))
 
 Attention goes through one seam, `jaxengine.models.attention.attention`: each layer computes its
-queries, keys and values (``[B, T, H, D]``, ``[B, T, K, D]``) and hands them, with the cache,
-its layer index and the `AttentionMetadata` the engine passed to ``__call__``, to that function,
-which stores the keys and values and returns the causal attention output and the updated cache.
+queries, keys and values (``[1, T, H, D]``, ``[1, T, K, D]``) and hands them, with the cache,
+its layer index and the `PagedAttentionMetadata` the engine passed to ``__call__``, to that
+function, which stores the keys and values and returns the causal attention output and the
+updated cache.
 The model never indexes the cache nor builds a mask, so it stays unchanged when the cache layout
 does (the metadata's fields and the seam's body change together; treat the metadata as opaque
 and the tokens' leading dimensions as ``[...]``):
@@ -28,27 +29,22 @@ and the tokens' leading dimensions as ``[...]``):
 The seam's contract (its docstring) is what the engine relies on: what a token writes for its
 position depends only on the tokens up to it, and a call whose first position is ``p > 0`` (the
 prefill of a prompt's remainder after a cached prefix) attends to the positions below ``p``
-already cached. A model that bypasses the seam and indexes the ``[L, num_slots, S, K, D]`` cache
-itself must keep the same contract.
+already cached.
 
-Paged KV cache: nothing new to implement. The same ``__call__`` serves a paged step, where the
-engine passes a `PagedKVCache` (a pool of pages per layer, laid out by the chosen attention
-backend) and a `PagedAttentionMetadata` (each token's cache slot, each request's block table,
-where its tokens start, its context length), and the tokens of all scheduled requests (prefill
-chunks, decodes, draft tokens) come as one flat ragged batch, ``token_ids`` and ``positions``
-``[1, T]``. A model that goes through the seam, treats the leading dimensions as opaque (no
-``B``/``T`` split, no per-row logic) and computes positions only from ``positions`` runs over
-pages unchanged, with the same logits as over slots. What it must not do: index or reshape the
-cache itself, build its own mask, or assume a row is one sequence. A sliding window and an attention
+The cache is a `PagedKVCache` (a pool of pages per layer, laid out by the chosen attention
+backend) and the metadata a `PagedAttentionMetadata` (each token's cache slot, each request's
+block table, where its tokens start, its context length); the tokens of all scheduled requests
+(prefill chunks, decodes, draft tokens) come as one flat ragged batch, ``token_ids`` and
+``positions`` ``[1, T]``. A model that goes through the seam, treats the leading dimensions as
+opaque (no ``B``/``T`` split, no per-row logic) and computes positions only from ``positions``
+runs unchanged. What it must not do: index or reshape the cache itself, build its own mask, or
+assume a row is one sequence. Outside the engine, a whole-sequence forward builds one such step
+over a scratch pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`,
+`jaxengine.models.sequence_logits`). A sliding window and an attention
 logit soft cap (the seam's ``sliding_window`` and ``soft_cap``, per layer if need be) work over
 pages with the XLA and TPU backends; declare them in the model's `KVCacheSpec` (``sliding_window``,
 ``sliding_window_layers``, ``soft_cap``) so that the engine refuses, before any device work, a
 backend without them (``"pallas_gpu"``), or, with ``attention_backend=None``, uses XLA instead.
-
-Changed with the seam: the fourth argument of ``__call__`` was ``cache_slots`` (``[B] int32``)
-with a static ``attention_len`` keyword; the engine now passes one `AttentionMetadata` (whose
-``cache_slots``, ``positions`` and ``attention_len`` are those values). `jaxengine.models.Llama`
-and `jaxengine.models.forward` still accept the older form when called directly.
 
 Optional: a ``sharding_rules`` attribute mapping parameter names (the last name of a leaf's
 path, ``"wq"``) to roles (`jaxengine.models.registry`: column-parallel, row-parallel,
@@ -66,17 +62,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from jaxengine.models.attention import (
-  AnyKVCache,
-  AttentionMetadata,
-  PagedAttentionMetadata,
-  PagedKVCache,
-  StepMetadata,
-)
+from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache
 from jaxengine.models.kv_cache import KVCacheSpec
 
 __all__ = [
-  "AttentionMetadata",
   "KVCacheSpec",
   "Model",
   "PagedAttentionMetadata",
@@ -89,8 +78,7 @@ __all__ = [
 class Model(Protocol):
   """What the engine needs from a decoder-only language model (an `nnx.Module`).
 
-  Shapes follow the package legend: `B` rows of one call, `T` tokens per row, `E` hidden size,
-  `V` vocabulary.
+  Shapes follow the package legend: `T` tokens of one call, `E` hidden size, `V` vocabulary.
   """
 
   @property
@@ -117,23 +105,20 @@ class Model(Protocol):
     self,
     token_ids: jax.Array,
     positions: jax.Array,
-    kv_cache: AnyKVCache,
-    attn_metadata: StepMetadata,
-  ) -> tuple[jax.Array, AnyKVCache]:
+    kv_cache: PagedKVCache,
+    attn_metadata: PagedAttentionMetadata,
+  ) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder; every layer's attention goes through `jaxengine.models.attention`.
 
     Args:
-      token_ids: `[B, T] int32` (slots) or `[1, T] int32` flat ragged tokens (pages); ids outside
-        the vocabulary may appear on padding tokens.
-      positions: same shape, `int32` absolute positions (for the model's position encoding);
-        with slots, positions `>= max_model_len` mark padding tokens, which write nothing.
-      kv_cache: the `KVCache` or `PagedKVCache` (the runner donates it); pass it to the seam, do
-        not index it.
-      attn_metadata: this step's `AttentionMetadata` or `PagedAttentionMetadata`; pass it to the
-        seam untouched.
+      token_ids: `[1, T] int32` flat ragged tokens; ids outside the vocabulary may appear on
+        padding tokens.
+      positions: same shape, `int32` absolute positions (for the model's position encoding).
+      kv_cache: the `PagedKVCache` (the runner donates it); pass it to the seam, do not index it.
+      attn_metadata: this step's `PagedAttentionMetadata`; pass it to the seam untouched.
 
     Returns:
-      `(hidden [B, T, E], updated cache)` (`[1, T, E]` with pages).
+      `(hidden [1, T, E], updated cache)`.
     """
     ...
 

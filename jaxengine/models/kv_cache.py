@@ -1,9 +1,8 @@
-"""The key/value cache: one fixed-size buffer of slots that requests are pointed into.
+"""What a model stores per cached token: `KVCacheSpec`, the shape of the paged cache's pages.
 
-The cache is addressed by ``(layer, slot, position)``, by `jaxengine.models.attention` alone. A
-slot is a row of the cache owned by one request for its lifetime; the batch state stores each
-request's slot index, so reordering or condensing batch rows moves a few integers and never the
-cached keys and values themselves.
+The cache itself is `jaxengine.models.kv_pages.PagedKVCache` (a pool of pages per layer, laid
+out by an attention backend); the spec is what a model declares and the engine sizes the pool
+and its KV cache groups by (`jaxengine.worker.kv_cache_pool`, `jaxengine.core.kv_cache_groups`).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 
@@ -42,60 +40,3 @@ class KVCacheSpec:
   sliding_window: int | None = None
   sliding_window_layers: tuple[int, ...] | None = None
   soft_cap: float | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KVCache:
-  """Per-layer keys and values for every slot and position.
-
-  Rotary embeddings are already applied to the cached keys. A position of a slot holds meaningful
-  data only once the request owning that slot has written it; the attention seam
-  (`jaxengine.models.attention`, the only code that writes and reads it) never lets a query see a
-  position beyond its own, so stale data from a previous owner of the slot is harmless.
-
-  Attributes:
-    key: ``[L, num_slots, S, K, D]`` keys after rotary
-      embedding, in the cache dtype.
-    value: ``[L, num_slots, S, K, D]`` values, same dtype.
-  """
-
-  key: jax.Array
-  value: jax.Array
-
-  @classmethod
-  def create(cls, spec: KVCacheSpec, num_slots: int, max_model_len: int) -> KVCache:
-    """Allocates a zero-filled cache.
-
-    Args:
-      spec: the model's `KVCacheSpec` (layers, key/value heads, head dim, dtype).
-      num_slots: number of requests the cache can hold at once (usually ``max_num_reqs``, plus one
-        if the caller wants a scratch slot for inactive rows).
-      max_model_len: positions per slot (prompt plus generated tokens).
-
-    Returns:
-      A ``KVCache`` whose two leaves are separate buffers (so both can be donated).
-    """
-    shape = (spec.num_layers, num_slots, max_model_len, spec.num_kv_heads, spec.head_dim)
-    # Two separate allocations: aliased leaves would break buffer donation.
-    return cls(key=jnp.zeros(shape, spec.dtype), value=jnp.zeros(shape, spec.dtype))
-
-  @property
-  def num_layers(self) -> int:
-    """Decoder layers."""
-    return self.key.shape[0]
-
-  @property
-  def num_slots(self) -> int:
-    """Requests the cache can hold at once."""
-    return self.key.shape[1]
-
-  @property
-  def max_model_len(self) -> int:
-    """Positions per slot."""
-    return self.key.shape[2]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    """Storage dtype."""
-    return self.key.dtype

@@ -1,9 +1,9 @@
 """The paged key/value cache: a pool of fixed-size pages per layer, in one backend's layout.
 
-Where the slot cache (`jaxengine.models.kv_cache.KVCache`) gives every request ``S`` positions,
-a `PagedKVCache` holds `num_blocks` pages of `block_size` positions per layer, and the engine
-lists each request's pages in a block table (`PagedAttentionMetadata.block_tables`). Only the
-attention seam (`jaxengine.models.attention.attention`) reads and writes it, through the cache's
+Rather than a fixed row of ``S`` positions per request, a `PagedKVCache` holds `num_blocks`
+pages of `block_size` positions per layer, and the engine lists each request's pages in a block
+table (`PagedAttentionMetadata.block_tables`). Only the attention seam
+(`jaxengine.models.attention.attention`) reads and writes it, through the cache's
 `AttentionBackend`, which owns the page layout (``[N, B, K, D]`` keys and values on XLA,
 ``[K, N, B, D]`` for the GPU Pallas kernel, ``[N, B, 2K', D]`` keys and values together on TPU)
 and the storage of fp8 pages (bytes on XLA, float8_e4m3fn on TPU, float8_e4m3fn and

@@ -8,8 +8,6 @@ layer through one module-level `jax.jit` of `(graph definition, weights, inputs)
 view of the paged cache (`PagedKVCache.layer_view`), so layers of equal structure share one
 trace and one lowered function; XLA inlines the calls, so the compiled step and its arithmetic
 are those of the unrolled loop, bit for bit.
-
-A layer whose cache is not paged (the slot `KVCache` of the older call form) is called directly.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import jax
 from flax import nnx
 
 from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.paged_attention import PagedAttentionMetadata
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -34,10 +33,10 @@ def apply_layers(
   layers: Sequence[nnx.Module],
   x: jax.Array,
   positions: jax.Array,
-  kv_cache: Any,
-  metadata: Any,
-  extra: Callable[[int], tuple] = lambda index: (),
-) -> tuple[jax.Array, Any]:
+  kv_cache: PagedKVCache,
+  metadata: PagedAttentionMetadata,
+  extra: Callable[[int], tuple[Any, ...]] = lambda index: (),
+) -> tuple[jax.Array, PagedKVCache]:
   """`x, kv_cache` after every layer, in order: ``x, kv_cache = layer(x, positions, kv_cache,
   index, metadata, *extra(index))``.
 
@@ -45,8 +44,7 @@ def apply_layers(
     layers: the decoder layers (each called as above; a layer must not change its own state).
     x: ``[..., E]`` the residual stream.
     positions: ``[..., T] int32`` the tokens' positions.
-    kv_cache: a `PagedKVCache` (each layer runs on its one-layer view), or another cache (each
-      layer is called directly with its index).
+    kv_cache: the `PagedKVCache` (each layer runs on its one-layer view).
     metadata: the step's attention metadata, passed to every layer.
     extra: the further arguments of layer `index` (e.g. its LoRA adapters).
 
@@ -54,9 +52,6 @@ def apply_layers(
     ``(x, kv_cache)``: the last layer's output and the cache with every layer's keys and values.
   """
   for index, layer in enumerate(layers):
-    if not isinstance(kv_cache, PagedKVCache):
-      x, kv_cache = layer(x, positions, kv_cache, index, metadata, *extra(index))
-      continue
     view, slot = kv_cache.layer_view(index)
     graphdef, weights = nnx.split(layer)
     x, view = _layer_call(graphdef, weights, x, positions, view, metadata, *extra(index))

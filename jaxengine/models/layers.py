@@ -26,7 +26,6 @@ from jaxengine.reductions import fixed_sum
 
 __all__ = [
   "RMSNorm",
-  "grouped_query_attention",
   "linear",
   "normal_init",
   "normal_out_in",
@@ -35,11 +34,6 @@ __all__ = [
   "row_scale",
   "soft_cap_scores",
 ]
-
-#: Key/value heads up to which a CPU decode step attends with every query head against all of a
-#: row's keys at once (`grouped_query_attention`): that does ``K`` times the score FLOPs, cheap
-#: next to reading the keys when ``K`` is small.
-MAX_FLAT_KV_HEADS = 4
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
@@ -226,65 +220,3 @@ def soft_cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:
   if soft_cap is None:
     return scores
   return soft_cap * jnp.tanh(scores / soft_cap)
-
-
-def grouped_query_attention(
-  q: jax.Array,
-  keys: jax.Array,
-  values: jax.Array,
-  visible: jax.Array,
-  *,
-  scale: float,
-  soft_cap: float | None = None,
-) -> jax.Array:
-  """Softmax attention of each query head over its key/value head's visible positions.
-
-  ``out[b, t, k, g] = sum_s softmax_s(scale * q[b, t, k, g] . keys[b, s, k]) values[b, s, k]``
-  over the positions ``s`` with ``visible[b, t, s]`` (Ainslie et al., 2023). Scores and the
-  softmax are float32 whatever the input dtype.
-
-  Two formulations, one result up to float32 rounding. The grouped one contracts per (row, key
-  head): a batched matmul over ``B * K`` small matrices. On XLA:CPU a decode step (``T = 1``) runs
-  that as many tiny matmuls behind transposes of the keys; there, with few key/value heads, each
-  row's query heads instead meet all its keys flattened to ``[S, K * D]``, with every query zero
-  outside its own head's ``D`` features (``K`` times the score FLOPs, no transposes). Measured
-  on SmolLM2-135M (``K = 3``), 2-core Xeon, in one process: engine decode step 0.97x at 8 rows
-  and 0.95x at 32 rows of the grouped form's time.
-
-  Args:
-    q: ``[B, T, K, G, D]`` queries, grouped by the key/value head they read.
-    keys: ``[B, S, K, D]`` keys of each row's attended positions.
-    values: ``[B, S, K, D]`` values, same positions.
-    visible: ``[B, T, S] bool`` which positions each query may attend to; every query must see
-      at least one position for its output to be meaningful.
-    scale: multiplies the scores (``D ** -0.5``).
-    soft_cap: None, or caps the scaled scores (`soft_cap_scores`) before masking.
-
-  Returns:
-    ``[B, T, K, G, D]`` in ``q.dtype``.
-  """
-  _, t, kv, _, _ = q.shape
-  if t == 1 and kv <= MAX_FLAT_KV_HEADS and jax.default_backend() == "cpu":
-    return _flat_decode_attention(q, keys, values, visible, scale=scale, soft_cap=soft_cap)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-  scores = soft_cap_scores(scores * scale, soft_cap)
-  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
-  return jnp.einsum("bkgts,bskd->btkgd", probs, values)
-
-
-def _flat_decode_attention(q, keys, values, visible, *, scale: float, soft_cap=None) -> jax.Array:
-  """`grouped_query_attention` for ``T = 1`` with keys and values flattened to ``[B, S, K * D]``."""
-  b, _, kv, g, d = q.shape
-  s = keys.shape[1]
-  own_head = jnp.eye(kv, dtype=q.dtype)  # [K, K']: query head group k reads key head k' = k
-  q_flat = (q[:, 0, :, :, None, :] * own_head[:, None, :, None]).reshape(b, kv * g, kv * d)
-  scores = jnp.einsum(
-    "bhx,bsx->bhs", q_flat, keys.reshape(b, s, kv * d), preferred_element_type=jnp.float32
-  )  # [B, H, S]
-  scores = soft_cap_scores(scores * scale, soft_cap)
-  scores = jnp.where(visible[:, :1], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  mixed = jnp.einsum("bhs,bsx->bhx", probs, values.reshape(b, s, kv * d))  # [B, H, K' * D]
-  mixed = mixed.reshape(b, kv, g, kv, d)
-  return jnp.einsum("bkgjd,kj->bkgd", mixed, own_head)[:, None]  # keep head k' = k

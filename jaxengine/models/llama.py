@@ -21,7 +21,7 @@ live in `jaxengine.models.layers`; how checkpoints map onto it (configs, tensor 
 `LLM.load_weights` share.
 
 One call serves both prefill and decode. The model computes each token's query, key and value
-and hands them, with the step's `AttentionMetadata`, to `jaxengine.models.attention.attention`,
+and hands them, with the step's `PagedAttentionMetadata`, to `jaxengine.models.attention.attention`,
 which stores the keys/values and attends causally over each sequence's cached positions: the
 model itself never indexes the cache nor builds a mask.
 
@@ -32,8 +32,8 @@ measured on a 2-core Xeon, XLA:CPU, the seven projections of all 30 layers of Sm
 ``[B, 1, E]`` took 22.0 / 35.8 / 48.0 ms at B = 1 / 8 / 32, against 21.4 / 38.8 / 60.9 ms with
 ``[in, out]`` weights.
 
-Shape letters used in comments: ``B`` batch rows, ``T`` tokens per row in this call, ``S``
-``max_model_len`` (cache positions per slot), ``H`` query heads, ``K`` key/value heads,
+Shape letters used in comments: ``B`` batch rows, ``T`` tokens per row in this call (the engine's
+ragged step passes one flat row, ``[1, T]``), ``H`` query heads, ``K`` key/value heads,
 ``G = H // K`` query heads sharing one key/value head, ``D`` head_dim, ``E`` hidden_size,
 ``F`` intermediate_size, ``V`` vocab_size, ``L`` layers.
 
@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.attention import AnyKVCache, StepMetadata, as_attention_metadata, attention
+from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
 from jaxengine.models.layer_stack import apply_layers
 from jaxengine.models.layers import (
   ConfiguredDecoder,
@@ -137,11 +137,11 @@ class Attention(nnx.Module):
     self,
     x: jax.Array,
     positions: jax.Array,
-    kv_cache: AnyKVCache,
+    kv_cache: PagedKVCache,
     layer: int,
-    metadata: StepMetadata,
+    metadata: PagedAttentionMetadata,
     lora: LayerLoRA | None = None,
-  ) -> tuple[jax.Array, AnyKVCache]:
+  ) -> tuple[jax.Array, PagedKVCache]:
     """Projects this call's queries, keys and values and attends through the seam.
 
     Args:
@@ -149,11 +149,11 @@ class Attention(nnx.Module):
       positions: ``[B, T] int32`` absolute position of each token (for the rotary embedding).
       kv_cache: the whole cache, handed to `jaxengine.models.attention.attention`.
       layer: index of this layer in the cache (static).
-      metadata: this step's `AttentionMetadata`, passed on untouched.
+      metadata: this step's `PagedAttentionMetadata`, passed on untouched.
       lora: this layer's LoRA adapters and token slots (`jaxengine.models.lora`), or None.
 
     Returns:
-      ``([B, T, E] attention output in model dtype, updated KVCache)``.
+      ``([B, T, E] attention output in model dtype, updated PagedKVCache)``.
     """
     cfg = self.config
     lead = x.shape[:-1]
@@ -242,8 +242,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(ConfiguredDecoder, nnx.Module):
-  """Llama-family decoder reading and writing a `PagedKVCache` (the engine's pages; the older
-  slot `KVCache` for direct calls); implements `jaxengine.models.Model`.
+  """Llama-family decoder reading and writing a `PagedKVCache`; implements
+  `jaxengine.models.Model`.
 
   The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied in an
   unrolled loop (`jaxengine.models.layer_stack.apply_layers`: layers of one structure are traced
@@ -298,12 +298,11 @@ class Llama(ConfiguredDecoder, nnx.Module):
     self,
     token_ids: jax.Array,
     positions: jax.Array,
-    kv_cache: AnyKVCache,
-    attn_metadata: StepMetadata | jax.Array,
+    kv_cache: PagedKVCache,
+    attn_metadata: PagedAttentionMetadata,
     *,
-    attention_len: int | None = None,
     lora: LoRAInputs | None = None,
-  ) -> tuple[jax.Array, AnyKVCache]:
+  ) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder over the call's tokens, updating the KV cache.
 
     Every layer hands its queries, keys and values to `jaxengine.models.attention.attention`,
@@ -315,17 +314,14 @@ class Llama(ConfiguredDecoder, nnx.Module):
     and the step's tokens flat, ``[1, T]``: decode tokens and prefill chunks of many requests
     together, each request's tokens at its own positions and pages
     (`jaxengine.worker.ragged_step`); a whole-sequence forward outside the engine builds such a
-    step over a scratch pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`). The
-    older slot form (an `AttentionMetadata` or ``[B] int32`` cache slots with a `KVCache`,
-    ``[B, T]`` rows; `attention_len` bounds the positions read) remains for direct calls.
+    step over a scratch pool of pages (`jaxengine.models.sequence_logprobs.scratch_step`;
+    `jaxengine.models.sequence_logits` returns the logits of whole sequences).
 
     Args:
-      token_ids: ``[1, T]`` (pages) or ``[B, T]`` (slots) ``int32`` input tokens.
+      token_ids: ``[1, T] int32`` input tokens, flat (``[T]`` works too).
       positions: the same shape, ``int32`` absolute position of each token in its sequence.
       kv_cache: the cache to read and update (donate it under jit).
-      attn_metadata: this step's `PagedAttentionMetadata` (what the engine passes), or the slot
-        form's `AttentionMetadata` or ``[B] int32`` cache slots.
-      attention_len: static, only with cache slots (an `AttentionMetadata` carries its own).
+      attn_metadata: this step's `PagedAttentionMetadata`.
       lora: None (default), or the step's LoRA adapters with each flat token's slot
         (`jaxengine.models.lora.LoRAInputs`, one per token).
 
@@ -333,10 +329,9 @@ class Llama(ConfiguredDecoder, nnx.Module):
       ``(hidden, kv_cache)``: ``[..., E]`` hidden states (the tokens' shape) after the final
       RMSNorm, in the model dtype (feed them to `compute_logits`), and the updated cache.
     """
-    metadata = as_attention_metadata(attn_metadata, positions, attention_len)
-    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [B, T, E]
+    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [1, T, E]
     layer_lora = lambda index: (None if lora is None else lora.layer(index),)
-    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, metadata, layer_lora)
+    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, attn_metadata, layer_lora)
     return self.final_norm(x), kv_cache
 
   def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
@@ -385,32 +380,29 @@ def forward(
   weights: nnx.State,
   token_ids: jax.Array,
   positions: jax.Array,
-  kv_cache: AnyKVCache,
-  attn_metadata: StepMetadata | jax.Array,
-  *,
-  attention_len: int | None = None,
-) -> tuple[jax.Array, AnyKVCache]:
+  kv_cache: PagedKVCache,
+  attn_metadata: PagedAttentionMetadata,
+) -> tuple[jax.Array, PagedKVCache]:
   """Pure form of `Llama.__call__` for the split/merge pattern.
 
   Jit it once with the graph definition static and the cache donated, e.g.
-  ``jax.jit(forward, static_argnums=0, static_argnames="attention_len",
-  donate_argnames="kv_cache")``, where ``graphdef, weights = nnx.split(model)``.
+  ``jax.jit(forward, static_argnums=0, donate_argnames="kv_cache")``, where
+  ``graphdef, weights = nnx.split(model)``. For the logits of whole sequences without building
+  the step yourself, see `jaxengine.models.sequence_logits`.
 
   Args:
     graphdef: static structure from `nnx.split`.
     weights: the model's parameter state from `nnx.split`.
-    token_ids: ``[B, T] int32``.
-    positions: ``[B, T] int32``.
-    kv_cache: `KVCache` or `PagedKVCache`, consumed.
-    attn_metadata: `AttentionMetadata`, `PagedAttentionMetadata`, or ``[B] int32`` cache slots
-      (see `Llama.__call__`).
-    attention_len: static, with cache slots; cache positions read per slot (None: all).
+    token_ids: ``[1, T] int32`` the step's flat tokens.
+    positions: ``[1, T] int32``.
+    kv_cache: the `PagedKVCache`, consumed.
+    attn_metadata: the step's `PagedAttentionMetadata` (see `Llama.__call__`).
 
   Returns:
-    ``(hidden [B, T, E], updated KVCache)``, as `Llama.__call__`.
+    ``(hidden [1, T, E], updated PagedKVCache)``, as `Llama.__call__`.
   """
   model = nnx.merge(graphdef, weights)
-  return model(token_ids, positions, kv_cache, attn_metadata, attention_len=attention_len)
+  return model(token_ids, positions, kv_cache, attn_metadata)
 
 
 def compute_logits(graphdef: nnx.GraphDef, weights: nnx.State, hidden: jax.Array) -> jax.Array:

@@ -20,8 +20,8 @@ step's longest context needs. `query_tile=1` wastes no query rows (decode), larg
 each page read among more queries (prefill chunks). Milliseconds per call (one layer, jitted,
 median of 10 interleaved calls, `benchmarks/bench_paged_attention.py`) on the shared 2-core Xeon
 it was written on, under a load average of about 8, SmolLM2-135M heads (`H=9, K=3, D=64`),
-float32, `B=16`; `tT/cC` is `query_tile=T, pages_per_chunk=C`, "slot" the slot cache's dense
-decode attention over `[R, S, K, D]` rows (no gather):
+float32, `B=16`; `tT/cC` is `query_tile=T, pages_per_chunk=C`, "slot" the dense
+decode attention over `[R, S, K, D]` rows (no gather) of the slot cache this replaced:
 
   ============================  ====  ====  =====  =====  =====  ======  ======  ======  =====
   step                           T     S    t1/c2  t1/c4  t1/c8  t16/c4  t64/c4  t64/c8  slot

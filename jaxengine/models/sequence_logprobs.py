@@ -14,6 +14,10 @@ prefill chunks were.
 
 It is a pure function of the module's parameters: jit it, differentiate it (``nnx.grad``), use
 it in a policy-gradient loss.
+
+`sequence_logits` is the plain whole-sequence forward over the same kind of scratch step (the
+model's own arithmetic, the XLA backend's default attention order): the logits of every
+position, for scoring, inspecting a model or as a test's reference.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.reductions import fixed_logsumexp
 
-__all__ = ["scratch_step", "token_logprobs"]
+__all__ = ["scratch_step", "sequence_logits", "token_logprobs"]
 
 
 def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
@@ -68,26 +72,9 @@ def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int =
       above ``max_position_embeddings``, a model without the ``batch_invariant`` attribute, or
       ``block_size`` not a positive int.
   """
-  token_ids = jnp.asarray(token_ids)
-  if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
-    raise ValueError(f"token_ids must be [B, T] integers, got {token_ids.dtype} {token_ids.shape}")
-  batch, length = token_ids.shape
-  if batch < 1 or length < 2:
-    raise ValueError(f"token_ids must be [B, T] with B >= 1 and T >= 2, got {token_ids.shape}")
-  limit = getattr(model, "max_position_embeddings", None)
-  if isinstance(limit, int) and length > limit:
-    raise ValueError(f"token_ids has T={length} tokens, above max_position_embeddings={limit}")
+  token_ids = _checked_token_ids(model, token_ids, min_length=2)
   if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
     raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-  vocab_size = getattr(model, "vocab_size", None)
-  if isinstance(vocab_size, int) and not isinstance(token_ids, jax.core.Tracer):
-    ids = np.asarray(token_ids)
-    outside = np.unique(ids[(ids < 0) | (ids >= vocab_size)])
-    if outside.size:
-      raise ValueError(
-        f"token_ids holds ids outside [0, {vocab_size}): {outside[:8].tolist()} (pad with an id "
-        "of the vocabulary, e.g. the EOS id, and mask the padding's logprobs yourself)"
-      )
   graphdef, weights = nnx.split(batch_invariant_model(model))
   return _token_logprobs(graphdef, weights, token_ids.astype(jnp.int32), block_size)
 
@@ -111,6 +98,75 @@ def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) ->
   values = jnp.take_along_axis(scores, following, axis=1)
   values = values - fixed_logsumexp(scores, keepdims=True)
   return values.reshape(batch, length - 1)
+
+
+def sequence_logits(model: Model, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
+  """The ``[B, T, V] float32`` logits of every position of whole sequences, in one compiled
+  call of the model over a scratch pool of pages (`scratch_step`, XLA attention backend).
+  Differentiable in the model's parameters (the attention's loop has a static length).
+
+  Entry ``[b, t]`` scores the token that follows ``token_ids[b, :t + 1]``. The model's own
+  arithmetic: with ``batch_invariant`` off, the values match the engine's to float32 rounding,
+  not bit for bit (`token_logprobs` is the bitwise one).
+
+  Args:
+    model: a module implementing `jaxengine.models.Model`; it is not modified.
+    token_ids: ``[B, T]`` integer ids, ``B, T >= 1``, ``T`` at most the model's
+      ``max_position_embeddings``; pad shorter sequences at the end with any id of the
+      vocabulary (a token only sees the tokens before it).
+    block_size: positions per page of the scratch pool.
+
+  Returns:
+    ``[B, T, V] float32`` logits (the model's ``compute_logits``).
+
+  Raises:
+    ValueError: ``token_ids`` not ``[B, T]`` integers with ``B, T >= 1``, ids outside the
+      vocabulary (checked when concrete), ``T`` above ``max_position_embeddings``, or
+      ``block_size`` not a positive int.
+  """
+  token_ids = _checked_token_ids(model, token_ids, min_length=1)
+  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+  graphdef, weights = nnx.split(model)
+  return _sequence_logits(graphdef, weights, token_ids.astype(jnp.int32), block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _sequence_logits(graphdef, weights, token_ids: jax.Array, block_size: int) -> jax.Array:
+  """`sequence_logits` of the module ``nnx.merge(graphdef, weights)``."""
+  model = nnx.merge(graphdef, weights)
+  batch, length = token_ids.shape
+  backend = XlaAttentionBackend(max_context=length)  # a static loop: differentiable
+  metadata, cache = scratch_step(model, batch, length, block_size, backend)
+  positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]  # [1, B * T]
+  hidden, _ = model(token_ids.reshape(1, batch * length), positions, cache, metadata)
+  logits = model.compute_logits(hidden.reshape(batch * length, -1))  # [B * T, V]
+  return logits.astype(jnp.float32).reshape(batch, length, -1)
+
+
+def _checked_token_ids(model, token_ids, *, min_length: int) -> jax.Array:
+  """``token_ids`` as an array, after the checks `token_ids` and `sequence_logits` share."""
+  token_ids = jnp.asarray(token_ids)
+  if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+    raise ValueError(f"token_ids must be [B, T] integers, got {token_ids.dtype} {token_ids.shape}")
+  batch, length = token_ids.shape
+  if batch < 1 or length < min_length:
+    raise ValueError(
+      f"token_ids must be [B, T] with B >= 1 and T >= {min_length}, got {token_ids.shape}"
+    )
+  limit = getattr(model, "max_position_embeddings", None)
+  if isinstance(limit, int) and length > limit:
+    raise ValueError(f"token_ids has T={length} tokens, above max_position_embeddings={limit}")
+  vocab_size = getattr(model, "vocab_size", None)
+  if isinstance(vocab_size, int) and not isinstance(token_ids, jax.core.Tracer):
+    ids = np.asarray(token_ids)
+    outside = np.unique(ids[(ids < 0) | (ids >= vocab_size)])
+    if outside.size:
+      raise ValueError(
+        f"token_ids holds ids outside [0, {vocab_size}): {outside[:8].tolist()} (pad with an id "
+        "of the vocabulary, e.g. the EOS id, and mask the padding's logprobs yourself)"
+      )
+  return token_ids
 
 
 def scratch_step(

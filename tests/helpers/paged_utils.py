@@ -187,3 +187,47 @@ class ToyScheduler:
       req_id, num_new, num_computed_tokens=self.computed[req_id], token_ids=self.tokens[req_id],
       new_computed_blocks=hit,
     )  # fmt: skip
+
+
+def slot_step(
+  requests: list[tuple[int, np.ndarray, int]],
+  *,
+  pages_per_slot: int,
+  block_size: int,
+  num_tokens: int | None = None,
+  num_reqs: int | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray, PagedAttentionMetadata]:
+  """One ragged model step of `(slot, token_ids, start)` requests over fixed pages per "slot":
+  slot `s` owns pages `1 + s * pages_per_slot ...` (page 0 is the null page), and the request's
+  tokens sit at positions `start, start + 1, ...` of its sequence (earlier positions already in
+  its pages). Tokens past the real ones (up to `num_tokens`) are padding: id 0 at position 0,
+  written to the null slot. Returns the `[1, T]` ids and positions and the step's metadata."""
+  total = sum(len(ids) for _, ids, _ in requests)
+  num_tokens = total if num_tokens is None else num_tokens
+  num_reqs = len(requests) if num_reqs is None else num_reqs
+  ids = np.zeros(num_tokens, np.int32)
+  positions = np.zeros(num_tokens, np.int32)
+  slot_mapping = np.full(num_tokens, NULL_SLOT, np.int32)
+  tables = np.zeros((num_reqs, pages_per_slot), np.int32)
+  start_loc = np.zeros(num_reqs + 1, np.int32)
+  seq_lens = np.zeros(num_reqs, np.int32)
+  at = 0
+  for r, (slot, token_ids, start) in enumerate(requests):
+    n = len(token_ids)
+    tables[r] = 1 + slot * pages_per_slot + np.arange(pages_per_slot)
+    pos = start + np.arange(n)
+    ids[at : at + n] = token_ids
+    positions[at : at + n] = pos
+    slot_mapping[at : at + n] = tables[r, pos // block_size] * block_size + pos % block_size
+    at += n
+    start_loc[r + 1] = at
+    seq_lens[r] = start + n
+  start_loc[len(requests) + 1 :] = at
+  md = PagedAttentionMetadata(
+    slot_mapping=jnp.asarray(slot_mapping),
+    block_tables=jnp.asarray(tables),
+    query_start_loc=jnp.asarray(start_loc),
+    seq_lens=jnp.asarray(seq_lens),
+    num_reqs=jnp.asarray(len(requests), jnp.int32),
+  )
+  return jnp.asarray(ids)[None], jnp.asarray(positions)[None], md

@@ -34,7 +34,6 @@ from hf_checkpoints import (
 
 import jaxengine as je
 from jaxengine.models import (
-  KVCache,
   KVCacheSpec,
   WeightSpec,
   config_from_hf,
@@ -42,6 +41,7 @@ from jaxengine.models import (
   load_safetensors,
   named_weights,
   safetensors_loader,
+  sequence_logits,
 )
 from jaxengine.models import weights as weights_module
 from jaxengine.models.attention import attention
@@ -85,16 +85,8 @@ def _checkpoint(directory: Path, case: str, *, seed: int = 0, **write_options):
 
 
 def _forward_logits(model, token_ids) -> np.ndarray:
-  """``[T, V]`` logits of one sequence by a loaded model (one prefill, fresh cache)."""
-  n = len(token_ids)
-  cache = KVCache.create(model.kv_cache_spec, 1, n)
-  hidden, _ = model(
-    jnp.asarray([token_ids], jnp.int32),
-    jnp.arange(n, dtype=jnp.int32)[None],
-    cache,
-    jnp.zeros((1,), jnp.int32),
-  )
-  return np.asarray(model.compute_logits(hidden))[0]
+  """``[T, V]`` logits of one sequence by a loaded model (one whole-sequence forward)."""
+  return np.asarray(sequence_logits(model, np.asarray([token_ids], np.int32)))[0]
 
 
 def _tokens(output, index=0):
@@ -553,7 +545,7 @@ class MeanOfEmbeddings(nnx.Module):
   kv_cache_spec = property(lambda self: KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8))
 
   def __call__(self, token_ids, positions, kv_cache, attn_metadata):
-    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")[..., None, :]  # [B, T, 1, 8]
+    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")[..., None, :]  # [1, T, 1, 8]
     mean, kv_cache = attention(jnp.zeros_like(x), x, x, kv_cache, 0, attn_metadata, scale=1.0)
     return mean[..., 0, :], kv_cache
 

@@ -20,10 +20,12 @@ import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
+from paged_utils import slot_step
 from subprocess_utils import run_python
 
 import jaxengine as je
-from jaxengine.models import KVCache, safetensors_loader, token_logprobs
+from jaxengine.models import PagedKVCache, safetensors_loader, token_logprobs
+from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
@@ -250,20 +252,22 @@ def test_window_layers_free_their_pages_with_prefix_hits_and_preemption(tmp_path
   assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.num_used_blocks == 0
 
 
-def test_slot_cache_prefill_and_decode_match_transformers(checkpoint):
-  """The slot cache's attention (`KVCache`): a prefill, then one decode step (``T = 1``)."""
+def test_pages_prefill_and_decode_match_transformers(checkpoint):
+  """Over pages outside the engine: a prefill, then one decode step (one token), each step's
+  own metadata (`paged_utils.slot_step`)."""
   _, directory, hf_model = checkpoint
   model, _ = load_safetensors(directory)
-  prompt = PROMPTS[0]
-  n = len(prompt)
-  cache = KVCache.create(model.kv_cache_spec, 1, n)
-  slots = jnp.zeros((1,), jnp.int32)
-  ids, positions = jnp.asarray([prompt], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None]
-  hidden, cache = model(ids[:, :-1], positions[:, :-1], cache, slots)
-  last, _ = model(ids[:, -1:], positions[:, -1:], cache, slots)
+  prompt = np.asarray(PROMPTS[0], np.int32)
+  n, block = len(prompt), 4
+  pages = -(-n // block)
+  cache = PagedKVCache.create(model.kv_cache_spec, XlaAttentionBackend(), 1 + pages, block)
+  ids, positions, md = slot_step([(0, prompt[:-1], 0)], pages_per_slot=pages, block_size=block)
+  hidden, cache = model(ids, positions, cache, md)
+  ids, positions, md = slot_step([(0, prompt[-1:], n - 1)], pages_per_slot=pages, block_size=block)
+  last, _ = model(ids, positions, cache, md)
   logits = np.asarray(model.compute_logits(jnp.concatenate([hidden, last], axis=1)))[0]
   with torch.no_grad():
-    want = hf_model(torch.tensor([prompt])).logits[0].numpy()
+    want = hf_model(torch.tensor([PROMPTS[0]])).logits[0].numpy()
   np.testing.assert_allclose(logits, want, atol=1e-4)
 
 

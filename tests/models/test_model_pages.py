@@ -1,12 +1,13 @@
-"""The tiny Llama over pages through the attention seam, against the slot path.
+"""The tiny Llama over pages through the attention seam, against whole-sequence forwards.
 
 A minimal scheduler (decodes first, then prefill chunks under a token budget, preempting the most
 recently admitted request when the pool runs out) drives `KVCacheManager` and
 `build_step_inputs`; each ragged step runs the unchanged model once over the flat tokens of
 all scheduled requests (`PagedAttentionMetadata` + `PagedKVCache`), and every token it samples
 greedily must come with the same logits (float32, tight tolerance) and be the same token as the
-slot path (`forward` with `AttentionMetadata` over a `KVCache`, one request at a time, prefill
-then decode). One executable per (tokens, requests) bucket.
+cacheless oracle's greedy choice (`jaxengine.models.sequence_logits`: each request's whole
+sequence so far in one call over a scratch pool of pages, no prefix cache, no chunks, no
+preemption). One executable per (tokens, requests) bucket.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from flax import nnx
 from paged_utils import ToyScheduler
 
 from jaxengine.core.kv_cache_manager import KVCacheManager
-from jaxengine.models.attention import AttentionMetadata, attention
+from jaxengine.models import sequence_logits
+from jaxengine.models.attention import attention
 from jaxengine.models.attention_backends import (
   AttentionBackend,
   PallasGpuAttentionBackend,
   XlaAttentionBackend,
 )
-from jaxengine.models.kv_cache import KVCache
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import compute_logits, forward
 from jaxengine.models.paged_attention import PagedAttentionMetadata
@@ -39,7 +40,7 @@ P = 8  # block-table bucket: 32 positions per request
 TOKEN_BUCKETS = (4, 8, 16)  # the last is the step's token budget
 REQ_BUCKETS = (2, 4)
 MAX_NEW = 6
-SLOT_LEN = 64  # slot cache positions (the reference)
+ORACLE_LEN = 32  # the oracle's one padded width (prompt and outputs fit)
 PREFIX = [5, 17, 9, 33, 42, 71, 8, 100, 64]
 PROMPTS = [
   PREFIX + [10, 11],  # 11 tokens
@@ -62,37 +63,20 @@ def _paged_step(graphdef, weights, token_ids, positions, cache, md, logits_indic
   return compute_logits(graphdef, weights, hidden[0, logits_indices]), cache
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
-def _slot_step(graphdef, weights, token_ids, positions, cache):
-  """`[1, T, V]` logits of one request's row (slot 0) and the updated cache."""
-  md = AttentionMetadata(cache_slots=jnp.zeros(1, jnp.int32), positions=positions)
-  hidden, cache = forward(graphdef, weights, token_ids, positions, cache, md)
-  return compute_logits(graphdef, weights, hidden), cache
-
-
-def _slot_greedy(prompt: list[int]) -> tuple[list[int], dict[int, np.ndarray]]:
-  """The slot path: prefill (padded to 32 tokens at positions >= S) then greedy decode.
+def _oracle_greedy(prompt: list[int]) -> tuple[list[int], dict[int, np.ndarray]]:
+  """The oracle: greedy decoding by whole-sequence forwards (the sequence so far, padded to
+  `ORACLE_LEN`, one compiled shape).
 
   Returns the sampled tokens and the logits each came from, by the position they were read at.
   """
-  graphdef, weights = _model()
-  cache = KVCache.create(_spec(), 1, SLOT_LEN)
-  ids = np.zeros((1, 32), np.int32)
-  ids[0, : len(prompt)] = prompt
-  positions = np.full((1, 32), SLOT_LEN, np.int32)
-  positions[0, : len(prompt)] = np.arange(len(prompt))
-  logits, cache = _slot_step(graphdef, weights, ids, positions, cache)
-  row = np.asarray(logits[0, len(prompt) - 1])
-  tokens, by_position = list(prompt), {len(prompt) - 1: row}
-  for _ in range(MAX_NEW - 1):
-    tokens.append(int(row.argmax()))
-    position = np.array([[len(tokens) - 1]], np.int32)
-    logits, cache = _slot_step(
-      graphdef, weights, np.array([[tokens[-1]]], np.int32), position, cache
-    )
-    row = np.asarray(logits[0, 0])
+  model = nnx.merge(*_model())
+  tokens, by_position = list(prompt), {}
+  for _ in range(MAX_NEW):
+    ids = np.zeros((1, ORACLE_LEN), np.int32)
+    ids[0, : len(tokens)] = tokens
+    row = np.asarray(sequence_logits(model, ids, block_size=BLOCK)[0, len(tokens) - 1])
     by_position[len(tokens) - 1] = row
-  tokens.append(int(row.argmax()))
+    tokens.append(int(row.argmax()))
   return tokens[len(prompt) :], by_position
 
 
@@ -163,12 +147,12 @@ class _PagedRun(ToyScheduler):
 
 
 @functools.cache
-def _slot_reference() -> dict[str, tuple[list[int], dict[int, np.ndarray]]]:
-  return {f"r{i}": _slot_greedy(p) for i, p in enumerate(PROMPTS)}
+def _oracle() -> dict[str, tuple[list[int], dict[int, np.ndarray]]]:
+  return {f"r{i}": _oracle_greedy(p) for i, p in enumerate(PROMPTS)}
 
 
-def _check_against_slots(run: _PagedRun) -> None:
-  for req_id, (tokens, logits) in _slot_reference().items():
+def _check_against_oracle(run: _PagedRun) -> None:
+  for req_id, (tokens, logits) in _oracle().items():
     assert run.tokens[req_id][run.prompt_len[req_id] :] == tokens, req_id
     assert sorted(run.logits[req_id]) == sorted(logits), req_id
     for position, row in logits.items():
@@ -176,12 +160,12 @@ def _check_against_slots(run: _PagedRun) -> None:
 
 
 @pytest.mark.parametrize("num_blocks", [40, 9])  # 9: 8 usable blocks force preemptions
-def test_paged_model_matches_slot_path(num_blocks):
-  _slot_reference()  # compiled outside the count
+def test_paged_model_matches_the_oracle(num_blocks):
+  _oracle()  # compiled outside the count
   run = _PagedRun(num_blocks, XlaAttentionBackend())
   with count_compiles() as compiles:
     run.run()
-  _check_against_slots(run)
+  _check_against_oracle(run)
   assert compiles.count == len(set(run.buckets))  # one executable per (tokens, requests) bucket
   assert len(set(run.buckets)) >= 3 and run.decode_only_steps > 0
   stats = run.manager.stats
@@ -189,12 +173,12 @@ def test_paged_model_matches_slot_path(num_blocks):
   assert (stats.num_preemptions > 0) == (num_blocks == 9)
 
 
-def test_paged_model_gpu_pallas_interpret_matches_slot_path():
+def test_paged_model_gpu_pallas_interpret_matches_the_oracle():
   """Decode-only steps take the GPU Pallas kernel (interpret mode), mixed steps the XLA path."""
   run = _PagedRun(40, PallasGpuAttentionBackend(interpret=True))
   run.run()
   assert run.decode_only_steps > 0
-  _check_against_slots(run)
+  _check_against_oracle(run)
 
 
 def test_paged_seam_refusals():
@@ -218,13 +202,8 @@ def test_paged_seam_refusals():
     attention(q, kv, kv, gpu_cache, 0, md, scale=1.0, sliding_window=8)
   with pytest.raises(ValueError, match=r"queries .* hold 2 tokens, slot_mapping 3"):
     attention(q[:2], kv[:2], kv[:2], cache, 0, md, scale=1.0)
-  with pytest.raises(ValueError, match="needs a PagedKVCache"):
-    attention(q, kv, kv, KVCache.create(spec, 1, 8), 0, md, scale=1.0)
-  slot_md = AttentionMetadata(
-    cache_slots=jnp.zeros(1, jnp.int32), positions=jnp.zeros((1, 3), jnp.int32)
-  )
-  with pytest.raises(ValueError, match="needs a KVCache"):
-    attention(q[None], kv[None], kv[None], cache, 0, slot_md, scale=1.0)
+  with pytest.raises(ValueError, match="attention needs a PagedKVCache, got <class 'tuple'>"):
+    attention(q, kv, kv, cache.pages, 0, md, scale=1.0)
   with pytest.raises(ValueError, match="num_blocks must be an int >= 2"):
     PagedKVCache.create(spec, backend, 1, BLOCK)
   with pytest.raises(ValueError, match="block_size must be an int >= 1"):

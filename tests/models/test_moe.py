@@ -261,19 +261,14 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import jaxengine as je
 from jaxengine import parallel
-from jaxengine.models import KVCache, load_safetensors
+from jaxengine.models import load_safetensors, sequence_logits
 from jaxengine.models.registry import sharding_rules
 directory, prompt = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
 model, _ = load_safetensors(directory)
 graphdef, state = nnx.split(model)
 n = len(prompt)
-@jax.jit
 def logits(state):
-  m = nnx.merge(graphdef, state)
-  cache = KVCache.create(m.kv_cache_spec, 1, n)
-  hidden, _ = m(jnp.asarray([prompt], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None], cache,
-                jnp.zeros((1,), jnp.int32))
-  return m.compute_logits(hidden)[0]
+  return sequence_logits(nnx.merge(graphdef, state), np.asarray([prompt], np.int32))[0]
 one = np.asarray(logits(state))
 mesh = parallel.make_mesh(2)
 for expert_parallel in (False, True):
