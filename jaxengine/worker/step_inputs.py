@@ -71,7 +71,7 @@ class StepInputs:
 
 
 def build_step_inputs(
-  block_ids: Sequence[Sequence[int]],
+  block_ids: Sequence[Sequence[int] | np.ndarray],
   num_computed_tokens: Sequence[int],
   num_scheduled_tokens: Sequence[int],
   *,
