@@ -231,12 +231,11 @@ class ModelRunner:
     request, batch = completion.request, self.input_batch
     if self.lora is not None:  # first: a failure leaves the batch as it was
       self.lora.acquire(completion.seq_id, request.lora_request)
-    encoded = completion.encoded or batch.validate_request(  # None: built elsewhere
-      request.prompt_token_ids, completion.params
-    )
+    prompt, params = request.prompt_token_ids, completion.params
+    encoded = completion.encoded or batch.validate_request(prompt, params)  # None: built elsewhere
     batch.add_encoded_request(completion.seq_id, encoded)
     completion.encoded = None  # the batch's row holds it now
-    self._stop_rules.add(completion.seq_id, completion.params)
+    self._stop_rules.add(completion.seq_id, params)
     self._prompt_logprobs.add(completion)
 
   def remove(self, seq_id: str) -> None:
