@@ -6,7 +6,8 @@ cache slots, each request's output tokens) and turns every composition change in
 jitted, donating update of the device-side `BatchState`:
 
   add_request      -> `write_rows` (every per-row field overwritten: no stale state is inherited;
-                      the rows admitted since the state was last read, in one call per 8)
+                      the rows admitted since the state was last read, in one call per 8;
+                      `add_encoded_request` takes a request `validate_request` encoded already)
   remove_request   -> host only (the row becomes a hole; its stale values are never read)
   condense         -> `move_rows` (highest live rows into the lowest holes; order not preserved)
   swap_states      -> `move_rows`
