@@ -53,7 +53,7 @@ class Completion:
   stop_search_start: int = 0
   num_output_placeholders: int = 0
   num_computed_tokens: int = 0
-  encoded: EncodedRequest | None = dataclasses.field(default=None, repr=False)
+  encoded: EncodedRequest | None = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def num_tokens(self) -> int:
