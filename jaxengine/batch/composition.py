@@ -6,7 +6,8 @@ cache slots, each request's output tokens) and turns every composition change in
 jitted, donating update of the device-side `BatchState`:
 
   add_request      -> `write_rows` (every per-row field overwritten: no stale state is inherited;
-                      the rows admitted since the state was last read, in one call per 8)
+                      the rows admitted since the state was last read, in one call per 8;
+                      `add_encoded_request` takes a request `validate_request` encoded already)
   remove_request   -> host only (the row becomes a hole; its stale values are never read)
   condense         -> `move_rows` (highest live rows into the lowest holes; order not preserved)
   swap_states      -> `move_rows`
@@ -240,24 +241,24 @@ class BatchComposition:
         (an allowlist covered by single-token bad words, or by them plus the stop set under
         min_tokens).
     """
-    if not isinstance(req_id, str):
-      raise ValueError(f"req_id must be a str, got {req_id!r}")
-    if req_id in self.req_id_to_index:
-      raise ValueError(f"req_id {req_id!r} is already in the batch")
-    if self.num_reqs >= self.max_num_reqs:
-      raise ValueError(
-        f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}"
-      )
+    self._check_room(req_id)
     request = self.validate_request(prompt_token_ids, sampling_params, output_token_ids)
+    return self.add_encoded_request(req_id, request)
 
+  def add_encoded_request(self, req_id: str, request: EncodedRequest) -> int:
+    """`add_request` of a request `validate_request` encoded already (an engine encodes each
+    request once, when it arrives); returns its row.
+
+    Raises:
+      ValueError: (the batch is left unchanged) for a `req_id` that is not a str or is already
+        present, or a full batch.
+    """
+    self._check_room(req_id)
     # Validated: from here on nothing can fail on bad input.
     row = next((i for i, rid in enumerate(self._req_ids) if rid is None), len(self._req_ids))
     cache_slot = self._free_cache_slots.pop(0)
-    update = dataclasses.replace(
-      request.row,
-      cache_slot=np.int32(cache_slot),
-      serial=np.uint32(next(self._serials) % 2**32),
-    )
+    serial = next(self._serials) % 2**32
+    update = request.row_update(self.max_model_len, cache_slot, serial)
     self._pending_rows.append((row, update))  # written when the state is next read
     outputs = list(request.output_token_ids.tolist())
     if row == len(self._req_ids):
@@ -275,6 +276,17 @@ class BatchComposition:
       self._num_logprobs[req_id] = int(request.row.num_logprobs)
     self._composition_changed()
     return row
+
+  def _check_room(self, req_id: str) -> None:
+    """Refuses (ValueError) an id that is not a str or is in the batch, or a full batch."""
+    if not isinstance(req_id, str):
+      raise ValueError(f"req_id must be a str, got {req_id!r}")
+    if req_id in self.req_id_to_index:
+      raise ValueError(f"req_id {req_id!r} is already in the batch")
+    if self.num_reqs >= self.max_num_reqs:
+      raise ValueError(
+        f"the batch is full (max_num_reqs={self.max_num_reqs}); cannot add {req_id!r}"
+      )
 
   def validate_request(
     self,
@@ -378,8 +390,7 @@ class BatchComposition:
     if self.num_reqs:
       raise ValueError(f"precompile needs an empty batch, it holds {self.num_reqs} requests")
     request = self.validate_request([0], SamplingParams())
-    update = dataclasses.replace(request.row, cache_slot=np.int32(0), serial=np.uint32(0))
-    self._pending_rows.append((0, update))
+    self._pending_rows.append((0, request.row_update(self.max_model_len, 0, 0)))
     self._write_pending_rows()
     self._move_device_rows([])  # only padding: every move dropped
     self.set_grammar_bitmask(np.full(self._state.grammar_bitmask.shape, -1, np.int32))

@@ -21,17 +21,31 @@ from jaxengine.sample.state import RowUpdate
 
 @dataclasses.dataclass(frozen=True)
 class EncodedRequest:
-  """A validated request.
+  """A validated request, its `SamplingParams` encoded as a row once (`encode_request`; an
+  engine encodes at the door, `engine/input_processor.py`, and hands the result to the batch at
+  admission). Small while it waits: the `[S]` token row is laid out only when the batch writes it
+  (`row_update`), and a mask without an allowlist is one broadcast `True`.
 
   Attributes:
     prompt_token_ids: `[num_prompt_tokens] int32`.
     output_token_ids: `[num_output_tokens] int32` tokens already generated (a resumed request).
-    row: the row values for `write_row` (`cache_slot` and `serial` still 0: the batch sets them).
+    row: the row values for `write_rows` without the token row (`token_ids` is `[0] int32`;
+      `cache_slot` and `serial` still 0): `row_update` completes them.
   """
 
   prompt_token_ids: np.ndarray
   output_token_ids: np.ndarray
   row: RowUpdate
+
+  def row_update(self, max_model_len: int, cache_slot: int, serial: int) -> RowUpdate:
+    """The whole row to write: `row` with its `[S] int32` token row (prompt then outputs,
+    zero-padded to `max_model_len`), its cache slot and its serial."""
+    return dataclasses.replace(
+      self.row,
+      token_ids=_token_row(max_model_len, self.prompt_token_ids, self.output_token_ids),
+      cache_slot=np.int32(cache_slot),
+      serial=np.uint32(serial),
+    )
 
 
 def token_array(field: str, token_ids, vocab_size: int) -> np.ndarray:
@@ -150,12 +164,13 @@ def _logit_bias(config: BatchConfig, params: SamplingParams) -> tuple[np.ndarray
 
 
 def _allowed_mask(config: BatchConfig, params: SamplingParams) -> np.ndarray:
-  """`[V] bool` the allowlist as a mask (all True without one)."""
-  mask = np.ones((config.vocab_size,), bool)
-  if params.allowed_token_ids is not None:
-    allowed = token_array("allowed_token_ids", params.allowed_token_ids, config.vocab_size)
-    mask[:] = False
-    mask[allowed] = True
+  """`[V] bool` the allowlist as a mask (without one: all True, a read-only broadcast view that
+  holds one value, so a waiting request does not keep `V` bytes)."""
+  if params.allowed_token_ids is None:
+    return np.broadcast_to(np.True_, (config.vocab_size,))
+  allowed = token_array("allowed_token_ids", params.allowed_token_ids, config.vocab_size)
+  mask = np.zeros((config.vocab_size,), bool)
+  mask[allowed] = True
   return mask
 
 
@@ -184,9 +199,9 @@ def _bad_words(config: BatchConfig, params: SamplingParams) -> tuple[np.ndarray,
   return prefix, last
 
 
-def _token_row(config: BatchConfig, prompt: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+def _token_row(max_model_len: int, prompt: np.ndarray, outputs: np.ndarray) -> np.ndarray:
   """`[S] int32` prompt then output tokens, zero-padded."""
-  token_ids = np.zeros((config.max_model_len,), np.int32)
+  token_ids = np.zeros((max_model_len,), np.int32)
   token_ids[: len(prompt)] = prompt
   token_ids[len(prompt) : len(prompt) + len(outputs)] = outputs
   return token_ids
@@ -243,7 +258,7 @@ def encode_request(
     config.logits_processors, processor_states, params, prompt.tolist()
   )
   row = RowUpdate(
-    token_ids=_token_row(config, prompt, outputs),
+    token_ids=np.zeros((0,), np.int32),  # laid out when written (`row_update`)
     num_tokens=np.int32(num_tokens),
     num_prompt_tokens=np.int32(len(prompt)),
     cache_slot=np.int32(0),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxengine.batch.rows import EncodedRequest
 from jaxengine.lora.request import LoRARequest
 from jaxengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxengine.params import SamplingParams
@@ -32,6 +33,10 @@ class Completion:
       scheduling dispatches a step before reading the last one; vLLM's name).
     num_computed_tokens: tokens whose keys and values are in its pages (the scheduler's count,
       vLLM's name; 0 while waiting and after a preemption).
+    encoded: its prompt and `params` encoded as a batch row where it came in
+      (`engine/input_processor.py`: the one encoding of a request), until admission hands it to
+      the batch (`ModelRunner.add`); None after, or for a completion built elsewhere (then the
+      batch encodes it at admission).
   """
 
   seq_id: str
@@ -48,6 +53,7 @@ class Completion:
   stop_search_start: int = 0
   num_output_placeholders: int = 0
   num_computed_tokens: int = 0
+  encoded: EncodedRequest | None = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def num_tokens(self) -> int:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from jaxengine.batch.rows import EncodedRequest
 from jaxengine.core.request import Completion, Request
 from jaxengine.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, is_int
 from jaxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
-#: Checks a request against the batch's capacities: `(prompt_token_ids, params)`; raises ValueError.
-RequestValidator = Callable[[Sequence[int], SamplingParams], object]
+#: Checks a request against the batch's capacities and encodes it as a row:
+#: `(prompt_token_ids, params)`; raises ValueError.
+RequestValidator = Callable[[Sequence[int], SamplingParams], EncodedRequest]
 #: Compiles `(structured_outputs, allowed_token_ids)` to a grammar; raises ValueError.
 GrammarCompiler = Callable[[StructuredOutputsParams, Sequence[int] | None], str]
 
@@ -27,7 +29,9 @@ class InputProcessor:
     tokenizer: the model's tokenizer, or None (then prompts must be token ids and stop strings /
       bad_words are refused).
     max_model_len: prompts must be shorter (room for one generated token).
-    validate: the batch's check of a request's token ids, lists and logprobs.
+    validate: the batch's check of a request's token ids, lists and logprobs, which encodes it
+      as a row (`InputBatch.validate_request`): each completion carries its encoding to
+      admission (`Completion.encoded`), so a request is encoded once.
     compile_grammar: compiles a request's `structured_outputs`, given its `allowed_token_ids`
       (raises ValueError when invalid); None refuses structured outputs (an engine without a
       tokenizer).
@@ -77,20 +81,22 @@ class InputProcessor:
     if (params.stop or params.bad_words) and self.tokenizer is None:
       raise ValueError("stop strings and bad_words need a tokenizer")
     params = self._with_bad_words(params)
-    self._validate(prompt_token_ids, params)
+    encoded = self._validate(prompt_token_ids, params)
     grammar = None
     if params.structured_outputs is not None:
       if self._compile_grammar is None:
         raise ValueError("structured_outputs need a tokenizer")
       grammar = self._compile_grammar(params.structured_outputs, params.allowed_token_ids)
     request = Request(request_id, text, prompt_token_ids, params, grammar=grammar)
-    request.completions = [self._completion(request, j) for j in range(params.n)]
+    request.completions = [self._completion(request, j, encoded) for j in range(params.n)]
     return request
 
-  def _completion(self, request: Request, j: int) -> Completion:
+  def _completion(self, request: Request, j: int, encoded: EncodedRequest) -> Completion:
     params = request.params
     # vLLM's parallel sampling: child j of a seeded request uses seed + j (wrapped into range).
     child = params.for_sample(j)
+    if child is not params:  # its own seed: its own row (the request's passed every check)
+      encoded = self._validate(request.prompt_token_ids, child)
     detokenizer = None
     if self.tokenizer is not None:
       detokenizer = IncrementalDetokenizer(
@@ -104,6 +110,7 @@ class InputProcessor:
       detokenizer=detokenizer,
       logprobs=None if params.logprobs is None else [],
       cumulative_logprob=None if params.logprobs is None else 0.0,
+      encoded=encoded,
     )
 
   def _prompt_text_and_ids(self, prompt) -> tuple[str | None, list[int]]:

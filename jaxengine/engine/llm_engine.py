@@ -287,7 +287,7 @@ class LLMEngine:
           )
         request = self.input_processor.process(request_id, prompt, params or SamplingParams())
         request.lora_request = self._check_lora(lora_request)
-        self._check_fits(request)
+        self.cores[0].check_fits(request)  # every core's pool has the same size
         made.append(request)
       except ValueError as error:
         if len(requests) == 1:
@@ -308,11 +308,6 @@ class LLMEngine:
     for core in self.cores:
       cast(Any, core.runner.lora).load(lora_request)
     return lora_request
-
-  def _check_fits(self, request: Request) -> None:
-    """Refuses a request that could never fit in a pool of pages (ValueError; every core's pool
-    has the same size)."""
-    self.cores[0].check_fits(request)
 
   @property
   def kv_cache_stats(self) -> KVCacheStats:

@@ -4,9 +4,9 @@
 and turns a `SchedulerOutput` into a `StepOutput`: `execute(scheduler_output)` runs one step over
 the tokens the `Scheduler` chose (decode tokens and prefill chunks together, the model once over
 all of them, then the sampler on the rows whose last known token was computed). The pages are a
-`PagedKVCache` of `num_blocks` pages of `block_size` positions shared by every request
-(the scheduler's `KVCacheManager` hands them out; each `SchedulerOutput` carries the tables that
-changed, which the batch's `BlockTable` keeps for the rows).
+`PagedKVCache` of `num_blocks` pages of `block_size` positions shared by every request (the
+scheduler's `KVCacheManager` hands them out; each `SchedulerOutput` carries the tables that
+changed, which the batch's `BlockTable` keeps for the rows: the step's inputs read it).
 
 Each job around the step lives in a module of its own, which the runner wires together: the
 served module and `load_weights` (`worker/weight_loader.py`), the LoRA manager
@@ -226,13 +226,16 @@ class ModelRunner:
   # --- the batch and the step ------------------------------------------------------------------
 
   def add(self, completion: Completion) -> None:
-    """Gives a completion a row, its LoRA slot and device stop rules; notes a prompt whose
-    logprobs it computes (`PromptLogprobs.add`)."""
-    request = completion.request
+    """Gives a completion a row (`Completion.encoded`), its LoRA slot, device stop rules and
+    prompt logprobs (`PromptLogprobs.add`)."""
+    request, batch = completion.request, self.input_batch
     if self.lora is not None:  # first: a failure leaves the batch as it was
       self.lora.acquire(completion.seq_id, request.lora_request)
-    self.input_batch.add_request(completion.seq_id, request.prompt_token_ids, completion.params)
-    self._stop_rules.add(completion.seq_id, completion.params)
+    prompt, params = request.prompt_token_ids, completion.params
+    encoded = completion.encoded or batch.validate_request(prompt, params)  # None: built elsewhere
+    batch.add_encoded_request(completion.seq_id, encoded)
+    completion.encoded = None  # the batch's row holds it now
+    self._stop_rules.add(completion.seq_id, params)
     self._prompt_logprobs.add(completion)
 
   def remove(self, seq_id: str) -> None:
@@ -268,9 +271,8 @@ class ModelRunner:
     scheduled: SchedulerOutput,
     grammar_bitmask: Callable[[Sequence[str | None]], np.ndarray | None] | None = None,
   ) -> InFlightStep:
-    """Dispatches one ragged step (as `execute`) and returns before its tokens are read.
-    Without drafts each row's token count is known now (`InFlightStep.num_new_tokens`), so the
-    next step can be scheduled and dispatched before `collect` reads this one."""
+    """Dispatches one ragged step (as `execute`), its tokens unread. Without drafts each row's
+    count is known now (`InFlightStep.num_new_tokens`): the next step may go before `collect`."""
     self.check_awake()
     batch = self.input_batch
     self._update_block_table(scheduled)
@@ -298,9 +300,8 @@ class ModelRunner:
     )
 
   def _update_block_table(self, scheduled: SchedulerOutput) -> None:
-    """Condenses the batch and gives each row whose pages changed its tables from the plan
-    (`SchedulerOutput.block_ids`); a preempted prompt whose logprobs were being gathered starts
-    them again (it is recomputed from the start)."""
+    """Condenses the batch, gives each row whose pages changed its tables from the plan
+    (`SchedulerOutput.block_ids`); a preempted prompt restarts its prompt logprobs."""
     self.input_batch.condense()
     index = self.input_batch.req_id_to_index
     for seq_id in scheduled.preempted:

@@ -71,7 +71,7 @@ class StepInputs:
 
 
 def build_step_inputs(
-  block_ids: Sequence[Sequence[int]],
+  block_ids: Sequence[Sequence[int] | np.ndarray],
   num_computed_tokens: Sequence[int],
   num_scheduled_tokens: Sequence[int],
   *,
@@ -84,8 +84,8 @@ def build_step_inputs(
   """Lays out a ragged step: the requests' tokens back to back, padded to the buckets.
 
   Args:
-    block_ids: each scheduled request's block table (`KVCacheManager.get_block_ids`), already
-      grown for this step.
+    block_ids: each scheduled request's block table (`KVCacheManager.get_block_ids`, or a
+      view of a `BlockTable` row), already grown for this step.
     num_computed_tokens: tokens of each request already in its blocks.
     num_scheduled_tokens: tokens of each request computed this step (`>= 1`).
     block_size: positions per page `B`.
@@ -223,7 +223,7 @@ def ragged_inputs(
   grouped = block_table.num_groups > 1
   tables = block_table.group_rows if grouped else block_table.row
   layout = build_step_inputs(
-    [tables(row).tolist() for row in rows],
+    [tables(row) for row in rows],  # views of the batch's table: the one host copy
     computed,
     counts,
     block_size=block_size,

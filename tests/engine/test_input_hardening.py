@@ -206,6 +206,26 @@ def test_generate_rejects_bad_arguments_before_running(tiny_llm, call, message):
   assert not tiny_llm.llm_engine.has_unfinished_requests()
 
 
+def test_a_request_is_encoded_once_where_it_comes_in(tiny_llm, monkeypatch):
+  """The input processor's encoding rides on each completion to admission
+  (`Completion.encoded`): an unseeded request's samples share it, a seeded request's later
+  samples get their own (seed + j), and the batch encodes nothing again when it admits them."""
+  import jaxengine.batch.composition as composition
+
+  encode, seeds = composition.encode_request, []
+
+  def counted(config, eos_token_ids, prompt_token_ids, params, *rest):
+    seeds.append(params.seed)
+    return encode(config, eos_token_ids, prompt_token_ids, params, *rest)
+
+  monkeypatch.setattr(composition, "encode_request", counted)
+  seeded = je.SamplingParams(n=2, seed=3, max_tokens=2)
+  params = [je.SamplingParams(n=2, max_tokens=2), seeded]
+  outputs = tiny_llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+  assert seeds == [None, 3, seeded.for_sample(1).seed]  # the door only: none at admission
+  assert [len(c.token_ids) for o in outputs for c in o.outputs] == [2, 2, 2, 2]
+
+
 def test_generate_of_no_prompts_returns_no_outputs_as_vllms(tiny_llm):
   """An empty list of prompts runs nothing and returns [] (vLLM's `LLM.generate` does too);
   `LLM.chat([])` is refused instead (`test_chat_rejects_malformed_messages_naming_where`)."""
