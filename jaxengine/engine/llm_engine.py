@@ -488,14 +488,11 @@ class LLMEngine:
       A cumulative `RequestOutput` per request advanced in the steps read (FINAL_ONLY: finished).
       A request returned finished is forgotten, as in vLLM: its id may be added again.
     """
-    outputs: list[RequestOutput] = []
-    for core in self.cores:
-      outputs += core.step()
+    outputs = latest_outputs([output for core in self.cores for output in core.step()])
     final = RequestOutputKind.FINAL_ONLY
-    shown = [o for o in latest_outputs(outputs) if o.finished or self._kind(o) is not final]
-    for output in shown:  # returned finished: forgotten, its id free again (vLLM's)
-      if output.finished:
-        self._requests.pop(output.request_id, None)
+    shown = [o for o in outputs if o.finished or self._kind(o) is not final]
+    for request_id in [o.request_id for o in shown if o.finished]:  # forgotten (vLLM's)
+      self._requests.pop(request_id, None)
     return shown
 
   def _kind(self, output: RequestOutput) -> RequestOutputKind | None:
