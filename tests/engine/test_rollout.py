@@ -216,8 +216,8 @@ def test_cache_off_spellings_agree_for_the_argument_the_flag_and_the_variable(
 ):
   """ "off" (any case), "false", "no", "0" and "" mean no cache whichever way they come; a path
   is a path. `LLM(compilation_cache="off")` used to create a directory named off."""
-  from jaxengine.cli.checks import compilation_cache as cli_flag
   from jaxengine.compilation_cache import enable_compilation_cache
+  from jaxengine.engine.engine_flags import compilation_cache as cli_flag
 
   monkeypatch.chdir(tmp_path)
   monkeypatch.delenv(ENV_VAR, raising=False)
