@@ -15,7 +15,7 @@ import jax
 
 def _default_device() -> jax.Device | None:
   """Jax's default device when one is set (`jax.default_device`) and is a device object."""
-  device = jax.config.jax_default_device
+  device = getattr(jax.config, "jax_default_device", None)
   return device if hasattr(device, "platform") else None
 
 

@@ -24,6 +24,7 @@ from jaxengine.models.attention_backends import (
 )
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.paged_attention import FP8_KV_DTYPE, FP8_KV_MAX
+from jaxengine.models.sharded_attention import HeadShardedBackend
 
 SCALE = 8**-0.5
 H, K, D, B = 9, 3, 8, 4  # K = 3: the TPU layout pads to 4 key/value heads, as for SmolLM2
@@ -140,7 +141,9 @@ def test_soft_cap_with_a_window_matches_the_float64_reference(backend_name):
   [(9, 3, 64, "head_dim 64 padded to 128, 3 KV heads padded to 4"), (8, 4, 256, "XLA paged")],
   ids=["smollm2_64", "gemma_256"],
 )
-def test_tpu_backend_at_model_head_sizes_matches_xla(num_heads, num_kv_heads, head_dim, path, dtype):
+def test_tpu_backend_at_model_head_sizes_matches_xla(
+  num_heads, num_kv_heads, head_dim, path, dtype
+):
   """SmolLM2's 64-wide heads in 3 groups (pages padded to the kernel's 128 lanes and 4 heads, its
   reference function reading them) and Gemma's 256-wide ones (which the kernel refuses: the XLA
   path over XLA's pages) give the XLA backend's attention, with a window, a soft cap and fp8
@@ -432,3 +435,33 @@ def test_per_tensor_kv_scales_are_checked_by_name(cls, value):
   with pytest.raises(ValueError, match=rf"v_scale must be a finite float > 0, got {value!r}"):
     cls(v_scale=value)
   assert cls(k_scale=2).k_scale == 2.0 and isinstance(cls(k_scale=2).k_scale, float)
+
+
+def test_describe_says_what_each_backend_runs():
+  """`describe(spec, num_heads)` (a compile report's `attention_backend`): the kernel and its
+  padding, or the fallback and why; the head-sharded wrapper describes one device's heads."""
+  smollm2 = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=jnp.bfloat16)
+  gemma = KVCacheSpec(num_layers=26, num_kv_heads=4, head_dim=256, dtype=FP8_KV_DTYPE)
+  llama = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=FP8_KV_DTYPE)
+  tpu = PallasTpuAttentionBackend()
+  assert tpu.describe(smollm2, 9) == (
+    "pallas ragged paged attention (bfloat16 pages, head_dim 64 padded to 128, 3 KV heads "
+    "padded to 4 (9 query heads to 12))"
+  )
+  assert tpu.describe(llama, 32) == "pallas ragged paged attention (float8_e4m3fn pages)"
+  assert tpu.describe(gemma, 8).startswith(
+    "XLA paged attention (the Pallas ragged paged attention kernel refuses head_dim 256"
+  )
+  assert XlaAttentionBackend().describe(smollm2, 9) == "XLA paged attention"
+  assert (
+    XlaAttentionBackend(fixed_order=True).describe(smollm2, 9).endswith("(batch-invariant order)")
+  )
+  gpu = PallasGpuAttentionBackend()
+  assert gpu.describe(smollm2, 9) == (
+    "pallas GPU paged decode kernel, XLA paged attention for prefill steps"
+  )
+  assert gpu.describe(llama, 32).endswith(", fp8 pages with per-position scales")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+  assert HeadShardedBackend(tpu, mesh).describe(smollm2, 9) == (
+    tpu.describe(smollm2, 9) + ", per device of 1 (heads split over 'model')"
+  )

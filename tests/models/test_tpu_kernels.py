@@ -2,13 +2,16 @@
 (`jax.experimental.topologies` and libtpu, in a subprocess): the attention backend's write and
 attention (`models/attention_pallas_tpu.py`) per family and page dtype, saying which path runs,
 and the mixture-of-experts grouped matmul (`models/moe.py`) at Qwen3-30B-A3B's and Mixtral's
-sizes."""
+sizes; the attention kernel's block sizes (`models/attention_tpu_blocks.py`)."""
 
 from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 from subprocess_utils import run_python
+
+from jaxengine.models.attention_tpu_blocks import KV_BUFFER_BYTES, tpu_block_sizes
 
 #: name, query heads H, key/value heads K, head_dim D, and the (sliding window, soft cap) of its
 #: kinds of layers (Gemma 2 and 3 alternate windowed and global layers; Llama-3.1-8B, Qwen3-8B
@@ -105,3 +108,24 @@ def test_tpu_kernels_compile_for_v5e_at_every_family_shape():
   assert len(moe) == 2 * len(MOE)
   for r in moe.values():
     assert r["assigned_flops"] <= r["flops"] < 1.2 * r["assigned_flops"], r
+
+
+def test_tpu_block_sizes_read_the_tuned_table_for_the_target_or_bound_vmem():
+  """The kernel's tuned entry for the device compiled for (4 query heads on 1 KV head, 16-token
+  pages, 1,024 tokens, 256-token contexts: 16 pages and 128 queries on TPU v5, where the
+  untuned default is 32 queries); without an entry, its defaults, the key/value buffers held
+  under `KV_BUFFER_BYTES` (Llama's 16 combined heads at 16 MiB for 128 pages: 64), 32 pages on
+  TPU v4; never more pages than a request's block table nor more queries than the call's."""
+  bf16, fp8 = jnp.bfloat16, jnp.float8_e4m3fn
+  tuned = dict(q_dtype=bf16, kv_dtype=bf16, num_q_heads=4, num_combined_kv_heads=2, head_dim=128,
+               page_size=16, num_tokens=1024, pages_per_seq=16)  # fmt: skip
+  assert tpu_block_sizes(**tuned, device_kind="TPU v5 lite") == (16, 128)
+  assert tpu_block_sizes(**tuned, device_kind=None) == (16, 32)
+  llama = dict(q_dtype=bf16, num_q_heads=32, num_combined_kv_heads=16, head_dim=128,
+               page_size=16, num_tokens=2048, pages_per_seq=512)  # fmt: skip
+  assert 2 * 64 * 16 * 16 * 128 * 2 <= KV_BUFFER_BYTES < 2 * 128 * 16 * 16 * 128 * 2
+  assert tpu_block_sizes(**llama, kv_dtype=bf16, device_kind="TPU v5 lite") == (64, 32)
+  assert tpu_block_sizes(**llama, kv_dtype=fp8, device_kind="TPU v6 lite") == (128, 32)
+  assert tpu_block_sizes(**llama, kv_dtype=bf16, device_kind="TPU v4") == (32, 32)
+  small = dict(llama, num_tokens=8, pages_per_seq=4)
+  assert tpu_block_sizes(**small, kv_dtype=bf16, device_kind=None) == (4, 8)
