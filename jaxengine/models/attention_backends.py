@@ -10,8 +10,10 @@ computes the ragged step's causal grouped-query attention `[T, H, D]` from them.
 * `"pallas_tpu"` (`PallasTpuAttentionBackend`): JAX's ragged paged attention kernel
   `jax.experimental.pallas.ops.tpu.ragged_paged_attention.ragged_paged_attention(q, kv_pages,
   kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, ...)`, mixed prefill and decode in one
-  call. Its pages hold keys and values together, `[N, B, 2 * K, D]` with key head `k` at `2 * k`
-  and value head `k` at `2 * k + 1`; `kv_lens` are our `seq_lens`, `page_indices` our
+  call. Its pages hold keys and values together, `[N, B, 2 * K', 128]` with key head `k` at
+  `2 * k` and value head `k` at `2 * k + 1` (`K' >= K` and narrower heads zero-padded so that
+  they tile; the XLA backend's pages and attention for heads wider than 128, which the kernel
+  refuses: `attention_pallas_tpu`); `kv_lens` are our `seq_lens`, `page_indices` our
   `block_tables`, `cu_q_lens` our `query_start_loc`, `num_seqs` our `num_reqs` as `[1] int32`.
 * `"pallas_gpu"` (`PallasGpuAttentionBackend`): JAX's Pallas paged decode kernel
   `jax.experimental.pallas.ops.gpu.paged_attention.paged_attention(q, k_pages, v_pages,

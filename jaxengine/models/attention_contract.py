@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 
 #: One layer's pages (or `L` layers' with a leading axis), in the backend's layout.
@@ -49,6 +50,13 @@ class AttentionBackend(abc.ABC):
   supports_soft_cap: bool = True
   #: The `jax.default_backend()` platforms the backend runs on (None: any).
   platforms: tuple[str, ...] | None = None
+
+  def describe(self, spec: KVCacheSpec, num_heads: int) -> str:
+    """What the device runs for a model's cache `spec` (`spec.dtype` the cache dtype,
+    `FP8_KV_DTYPE` for fp8 pages) and its `num_heads` query heads, in words: the kernel, the
+    padding it needs, or the fallback and why (a compile report's `attention_backend`)."""
+    del spec, num_heads  # the same for every model unless a backend says otherwise
+    return f"{self.name} paged attention"
 
   def check_platform(self, platform: str) -> None:
     """Refuses a platform the backend's kernel cannot run on (host side, before any device

@@ -86,6 +86,13 @@ class PallasGpuAttentionBackend(AttentionBackend):
           f"{device.compute_capability}: use attention_backend='xla' or kv_cache_dtype='auto'"
         )
 
+  def describe(self, spec, num_heads):
+    """The decode kernel for all-decode steps, the XLA path for the others; fp8 pages with
+    per-position scales."""
+    del num_heads  # the kernel takes every group ratio
+    fp8 = ", fp8 pages with per-position scales" if is_fp8_pages(spec.dtype) else ""
+    return f"pallas GPU paged decode kernel, XLA paged attention for prefill steps{fp8}"
+
   def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
     if not is_fp8_pages(dtype):

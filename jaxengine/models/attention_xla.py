@@ -97,6 +97,11 @@ class XlaAttentionBackend(AttentionBackend):
   def __post_init__(self) -> None:
     set_kv_scales(self)
 
+  def describe(self, spec, num_heads):
+    """XLA paged attention, with its batch-invariant order when set."""
+    del spec, num_heads  # every shape alike
+    return "XLA paged attention" + (" (batch-invariant order)" if self.fixed_order else "")
+
   def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
     storage = FP8_KV_STORAGE if is_fp8_pages(dtype) else dtype
     array = jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), storage)

@@ -5,7 +5,8 @@ pages of `block_size` positions per layer, and the engine lists each request's p
 table (`PagedAttentionMetadata.block_tables`). Only the attention seam
 (`jaxengine.models.attention.attention`) reads and writes it, through the cache's
 `AttentionBackend`, which owns the page layout (``[N, B, K, D]`` keys and values on XLA,
-``[K, N, B, D]`` for the GPU Pallas kernel, ``[N, B, 2K', D]`` keys and values together on TPU)
+``[K, N, B, D]`` for the GPU Pallas kernel, ``[N, B, 2K', 128]`` keys and values together on TPU,
+XLA's layout there for heads wider than the kernel's 128 lanes)
 and the storage of fp8 pages (bytes on XLA, float8_e4m3fn on TPU, float8_e4m3fn and
 ``[K, N, B]`` float32 scales on GPU).
 

@@ -21,6 +21,15 @@ row of the stack: `jaxengine.models.llama_checkpoints.hf_weight_specs`).
 
 On GPU and TPU `ragged_dot_general` lowers to XLA's ragged dot, a grouped matmul whose work is
 the assignments' only (not measured in this repository: its tests and benchmarks run on CPU).
+The platform is the one compiled for (`jaxengine.models.target_device.target_platform`), so a
+TPU compiled for from a CPU host gets the ragged dot too. Compiled for TPU v5e (libtpu
+0.0.42.1), the ragged dot takes Qwen3-30B-A3B's and Mixtral's experts in bfloat16 and int8 and
+is partitioned by XLA over tensor-parallel experts, but its TPU emitter reads the matrices as
+``[X, in, out]``: from this ``[X, out, in]`` layout it copies each expert stack transposed on
+every call (a temporary as large as the stack, about 3x the bytes of a read in place). JAX's
+Mosaic grouped matmul (``megablox.gmm`` with ``transpose_rhs``) reads the layout in place, but
+takes only bfloat16 / float32 matrices and cannot be partitioned automatically ("wrap the call
+in a shard_map"), so the engine keeps the ragged dot.
 XLA:CPU has no such kernel: JAX lowers the ragged product there to one dense
 product of the rows, masked per group, with every expert's matrix, and the product's operand
 order makes XLA copy every expert's weights into a transposed buffer on each call. So on CPU the
@@ -79,6 +88,7 @@ from flax import nnx
 from jaxengine.models.batch_invariant import ROW_TILE
 from jaxengine.models.layers import linear, normal_out_in
 from jaxengine.models.llama_config import LlamaConfig
+from jaxengine.models.target_device import target_platform
 from jaxengine.reductions import fixed_sum
 
 __all__ = ["Routing", "SparseMoeBlock", "grouped_linear", "route"]
@@ -166,7 +176,7 @@ def grouped_linear(
     return (out * scale[group]).astype(x.dtype)  # rows past the groups stay 0
   dtype = jnp.result_type(x, w)
   x, w = x.astype(dtype), w.astype(dtype)
-  product = _every_group_then_pick if jax.default_backend() == "cpu" else _ragged
+  product = _every_group_then_pick if target_platform() == "cpu" else _ragged
   if not batch_invariant:
     return product(x, w, group_sizes)
   rows = x.shape[0]

@@ -73,6 +73,12 @@ class HeadShardedBackend(AttentionBackend):
     """The inner backend's check."""
     self.inner.check_kv_cache_dtype(dtype, devices)
 
+  def describe(self, spec, num_heads):
+    """The wrapped backend's description for one device's heads, and over how many devices."""
+    local = dataclasses.replace(spec, num_kv_heads=self.local_kv_heads(spec.num_kv_heads))
+    inner = self.inner.describe(local, num_heads // self.num_shards)
+    return f"{inner}, per device of {self.num_shards} (heads split over {self.axis!r})"
+
   @property
   def num_shards(self) -> int:
     """``t``: devices along `axis`."""

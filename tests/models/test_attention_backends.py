@@ -22,7 +22,9 @@ from jaxengine.models.attention_backends import (
   attention_backend,
   tpu_kv_heads,
 )
+from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.paged_attention import FP8_KV_DTYPE, FP8_KV_MAX
+from jaxengine.models.sharded_attention import HeadShardedBackend
 
 SCALE = 8**-0.5
 H, K, D, B = 9, 3, 8, 4  # K = 3: the TPU layout pads to 4 key/value heads, as for SmolLM2
@@ -35,9 +37,13 @@ STEPS = {
 
 def _tpu_reference_kernel(
   q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
-  soft_cap=None, k_scale=None, v_scale=None,
+  soft_cap=None, k_scale=None, v_scale=None, num_kv_pages_per_block, num_queries_per_block,
 ):  # fmt: skip
-  """The TPU kernel's reference function, padded back to the kernel's `[T, H, D]` output."""
+  """The TPU kernel's reference function, padded back to the kernel's `[T, H, D]` output; the
+  kernel's block sizes are checked as the kernel checks them, and its 128 lanes."""
+  assert 0 < num_kv_pages_per_block <= page_indices.shape[1]
+  assert 0 < num_queries_per_block <= q.shape[0]
+  assert q.shape[-1] == kv_pages.shape[-1] == 128
   out = ref_ragged_paged_attention(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
     sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
@@ -47,11 +53,12 @@ def _tpu_reference_kernel(
 
 def _run(
   backend, step, num_layers=None, layer=None, sliding_window=None, soft_cap=None,
-  dtype=jnp.float32,
+  dtype=jnp.float32, scale=None,
 ):  # fmt: skip
   """Writes every context token through the backend (pages of `dtype`), then attends (eagerly
   for the TPU reference function)."""
-  pages = backend.init_pages(step.num_blocks, B, K, D, dtype, num_layers=num_layers)
+  num_kv_heads, head_dim = step.keys[0].shape[1:]
+  pages = backend.init_pages(step.num_blocks, B, num_kv_heads, head_dim, dtype, num_layers)
   keys, values = np.concatenate(step.keys), np.concatenate(step.values)
   pages = backend.write_kv(pages, keys, values, jnp.asarray(step.slots), layer)
   if layer is not None:
@@ -61,7 +68,7 @@ def _run(
     static = ("scale", "num_kv_heads", "sliding_window", "soft_cap")
     attention = jax.jit(attention, static_argnames=static)
   out = attention(
-    jnp.asarray(step.q), pages, step.md, scale=SCALE, num_kv_heads=step.keys[0].shape[1],
+    jnp.asarray(step.q), pages, step.md, scale=scale or SCALE, num_kv_heads=num_kv_heads,
     sliding_window=sliding_window, soft_cap=soft_cap,
   )  # fmt: skip
   return np.asarray(out)
@@ -128,6 +135,38 @@ def test_soft_cap_with_a_window_matches_the_float64_reference(backend_name):
     backend.check_soft_cap(1.5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, FP8_KV_DTYPE], ids=["float32", "fp8"])
+@pytest.mark.parametrize(
+  "num_heads,num_kv_heads,head_dim,path",
+  [(9, 3, 64, "head_dim 64 padded to 128, 3 KV heads padded to 4"), (8, 4, 256, "XLA paged")],
+  ids=["smollm2_64", "gemma_256"],
+)
+def test_tpu_backend_at_model_head_sizes_matches_xla(
+  num_heads, num_kv_heads, head_dim, path, dtype
+):
+  """SmolLM2's 64-wide heads in 3 groups (pages padded to the kernel's 128 lanes and 4 heads, its
+  reference function reading them) and Gemma's 256-wide ones (which the kernel refuses: the XLA
+  path over XLA's pages) give the XLA backend's attention, with a window, a soft cap and fp8
+  pages (the same per-tensor scales); `describe` names the path."""
+  requests = [(9, 1), (4, 6), (0, 3), (15, 1)]
+  step = make_step(
+    np.random.default_rng(11), requests, num_tokens=16, num_reqs=6, max_blocks=6,
+    num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=B,
+  )  # fmt: skip
+  step.q[:] *= 2  # scores of several units, so that the cap changes the weights
+  tpu = PallasTpuAttentionBackend(kernel=_tpu_reference_kernel, k_scale=K_SCALE, v_scale=V_SCALE)
+  xla = XlaAttentionBackend(k_scale=K_SCALE, v_scale=V_SCALE)
+  options = dict(sliding_window=7, soft_cap=3.0, dtype=dtype, scale=head_dim**-0.5)
+  out = _run(tpu, step, **options)
+  np.testing.assert_allclose(out, _run(xla, step, **options), rtol=2e-5, atol=2e-5)
+  want = reference_attention(_dequantized_step(step, tpu) if dtype == FP8_KV_DTYPE else step,
+                             head_dim**-0.5, 7, soft_cap=3.0)  # fmt: skip
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  assert not out[sum(step.query_lens) :].any()
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+  assert path in tpu.describe(spec, num_heads)
+
+
 def test_gpu_decode_kernel_itself_matches_the_reference():
   """`attention` picks the kernel by a traced condition; call the kernel's branch directly."""
   backend = PallasGpuAttentionBackend(interpret=True)
@@ -170,7 +209,9 @@ def test_pages_are_separate_buffers_in_the_documented_layouts():
     (2, 3, 5, 16, 64)
   ] * 2
   (kv,) = PallasTpuAttentionBackend().init_pages(5, 16, 3, 64, jnp.bfloat16)
-  assert kv.shape == (5, 16, 8, 64) and kv.dtype == jnp.bfloat16  # K = 3 padded to 4
+  assert kv.shape == (5, 16, 8, 128) and kv.dtype == jnp.bfloat16  # K = 3 padded to 4, D to 128
+  wide = PallasTpuAttentionBackend().init_pages(5, 16, 4, 256, jnp.bfloat16)  # XLA's layout
+  assert [p.shape for p in wide] == [(5, 16, 4, 256)] * 2
   assert [tpu_kv_heads(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 20)] == [1, 2, 4, 4, 8, 8, 16, 16, 24]
   key, value = XlaAttentionBackend().init_pages(2, 4, 1, 8)
   assert key.unsafe_buffer_pointer() != value.unsafe_buffer_pointer()
@@ -192,8 +233,8 @@ def test_num_blocks_for_memory_counts_every_layer_and_padded_heads():
   per_block = 30 * 2 * 16 * 3 * 64 * 2  # keys and values, bfloat16
   xla = XlaAttentionBackend()
   assert xla.num_blocks_for_memory(per_block * 100 + 5, dtype=jnp.bfloat16, **kwargs) == 100
-  tpu = PallasTpuAttentionBackend()  # K = 3 stored as 4 heads
-  assert tpu.num_blocks_for_memory(per_block * 100, dtype=jnp.bfloat16, **kwargs) == 75
+  tpu = PallasTpuAttentionBackend()  # K = 3 stored as 4 heads, D = 64 as 128 lanes
+  assert tpu.num_blocks_for_memory(per_block * 100, dtype=jnp.bfloat16, **kwargs) == 37
   with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000 holds 0 KV cache blocks"):
     xla.num_blocks_for_memory(1000, **kwargs)
 
@@ -287,7 +328,8 @@ def _stored(backend, pages) -> tuple[np.ndarray, np.ndarray]:
   if isinstance(backend, PallasTpuAttentionBackend):
     (kv,) = pages
     kv = np.asarray(kv, np.float32)
-    return kv[:, :, 0::2] * backend.k_scale, kv[:, :, 1::2] * backend.v_scale
+    assert not kv[..., D:].any()  # the kernel's lanes past D
+    return kv[:, :, 0::2, :D] * backend.k_scale, kv[:, :, 1::2, :D] * backend.v_scale
   key_pages, value_pages = (
     np.asarray(jax.lax.bitcast_convert_type(p, FP8_KV_DTYPE), np.float32) for p in pages
   )
@@ -315,8 +357,8 @@ def test_fp8_writes_scale_or_clip_large_values_instead_of_overflowing_to_nan(bac
 
 
 def test_fp8_bytes_per_block_in_each_layout():
-  """A quarter of float32's bytes on XLA and TPU (`K = 3` padded to 4 heads in both dtypes),
-  `(D + 4) / (4 D)` on GPU (a float32 scale per position and head beside `D` bytes)."""
+  """A quarter of float32's bytes on XLA and TPU (`K = 3` padded to 4 heads in both dtypes, `D`
+  to 128 lanes on TPU), `(D + 4) / (4 D)` on GPU (a float32 scale per position and head beside `D` bytes)."""
   L, block, heads, dim = 30, 16, 3, 64  # SmolLM2-135M
   sizes = dict(num_layers=L, block_size=block, num_kv_heads=heads, head_dim=dim)
   xla, tpu, gpu = XlaAttentionBackend(), PallasTpuAttentionBackend(), PallasGpuAttentionBackend()
@@ -326,7 +368,7 @@ def test_fp8_bytes_per_block_in_each_layout():
     for dtype in (jnp.float32, FP8_KV_DTYPE)
   }
   assert per_block["xla", FP8_KV_DTYPE] == L * 2 * block * heads * dim
-  assert per_block["pallas_tpu", FP8_KV_DTYPE] == L * block * 2 * 4 * dim
+  assert per_block["pallas_tpu", FP8_KV_DTYPE] == L * block * 2 * 4 * 128
   assert per_block["pallas_gpu", FP8_KV_DTYPE] == L * 2 * heads * block * (dim + 4)
   for name in ("xla", "pallas_tpu"):
     assert 4 * per_block[name, FP8_KV_DTYPE] == per_block[name, jnp.float32]
@@ -393,3 +435,33 @@ def test_per_tensor_kv_scales_are_checked_by_name(cls, value):
   with pytest.raises(ValueError, match=rf"v_scale must be a finite float > 0, got {value!r}"):
     cls(v_scale=value)
   assert cls(k_scale=2).k_scale == 2.0 and isinstance(cls(k_scale=2).k_scale, float)
+
+
+def test_describe_says_what_each_backend_runs():
+  """`describe(spec, num_heads)` (a compile report's `attention_backend`): the kernel and its
+  padding, or the fallback and why; the head-sharded wrapper describes one device's heads."""
+  smollm2 = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=jnp.bfloat16)
+  gemma = KVCacheSpec(num_layers=26, num_kv_heads=4, head_dim=256, dtype=FP8_KV_DTYPE)
+  llama = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=FP8_KV_DTYPE)
+  tpu = PallasTpuAttentionBackend()
+  assert tpu.describe(smollm2, 9) == (
+    "pallas ragged paged attention (bfloat16 pages, head_dim 64 padded to 128, 3 KV heads "
+    "padded to 4 (9 query heads to 12))"
+  )
+  assert tpu.describe(llama, 32) == "pallas ragged paged attention (float8_e4m3fn pages)"
+  assert tpu.describe(gemma, 8).startswith(
+    "XLA paged attention (the Pallas ragged paged attention kernel refuses head_dim 256"
+  )
+  assert XlaAttentionBackend().describe(smollm2, 9) == "XLA paged attention"
+  assert (
+    XlaAttentionBackend(fixed_order=True).describe(smollm2, 9).endswith("(batch-invariant order)")
+  )
+  gpu = PallasGpuAttentionBackend()
+  assert gpu.describe(smollm2, 9) == (
+    "pallas GPU paged decode kernel, XLA paged attention for prefill steps"
+  )
+  assert gpu.describe(llama, 32).endswith(", fp8 pages with per-position scales")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+  assert HeadShardedBackend(tpu, mesh).describe(smollm2, 9) == (
+    tpu.describe(smollm2, 9) + ", per device of 1 (heads split over 'model')"
+  )

@@ -128,11 +128,12 @@ def test_writes_clip_to_the_fp8_range_instead_of_overflowing_to_nan():
 
 def tpu_layout_kernel(
   q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None,
-  k_scale=None, v_scale=None,
+  k_scale=None, v_scale=None, num_kv_pages_per_block, num_queries_per_block,
 ):  # fmt: skip
-  """The TPU kernel's signature over its combined `[N, B, 2K', D]` pages (fp8 read with
+  """The TPU kernel's signature over its combined `[N, B, 2K', D']` pages (fp8 read with
   `k_scale` / `v_scale`), computed by the XLA path: a jitted engine step cannot trace the
-  kernel's reference function (a Python loop over `num_seqs`)."""
+  kernel's reference function (a Python loop over `num_seqs`). The block sizes only tile."""
+  del num_kv_pages_per_block, num_queries_per_block
   md = PagedAttentionMetadata(
     slot_mapping=jnp.zeros(q.shape[0], jnp.int32), block_tables=page_indices,
     query_start_loc=cu_q_lens, seq_lens=kv_lens, num_reqs=num_seqs[0],

@@ -43,7 +43,7 @@ from jaxengine.worker import device_steps
 mesh = je.make_mesh(tensor_parallel_size=2)
 H, K, D, B, SCALE = 4, 2, 8, 4, 8 ** -0.5
 def tpu_layout_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                      sliding_window=None):
+                      sliding_window=None, num_kv_pages_per_block, num_queries_per_block):
   # The TPU kernel's signature and combined [N, B, 2K, D] layout, computed by the XLA path (the
   # kernel's own reference function is not traceable, and shard_map traces).
   md = PagedAttentionMetadata(slot_mapping=jnp.zeros(q.shape[0], jnp.int32),
