@@ -21,21 +21,31 @@ Two checks, both without a GPU:
   target_config=..., topology="1x1x<gpus>")`` gives compile-only devices, and ``jax.jit(f).lower(
   *ShapeDtypeStructs on those devices).compile()`` runs XLA:GPU's whole pipeline (fusion, Triton
   kernels to PTX for ``sm_90a``, ``ptxas`` to a cubin; the plugin logs "Performing a deviceless
-  compilation"). Autotuning needs a GPU and is skipped (XLA's default configs). `CUDA_TARGETS`
-  holds the descriptions of a few GPUs from their published specifications (SMs, memory,
-  bandwidth, shared memory, compute capability). It needs the CUDA plugin and ``ptxas``,
+  compilation"). Autotuning needs a GPU and is skipped (XLA's default configs), and a sort
+  (the sampler's) takes XLA's fallback rather than CUB's, whose scratch sizes are measured on a
+  GPU. `CUDA_TARGETS` holds the descriptions of a few GPUs from their published specifications
+  (SMs, memory, bandwidth, shared memory, compute capability). It needs the CUDA plugin and
+  ``ptxas``,
   about 225 MB of wheels, none of the CUDA runtime libraries (no driver is loaded)::
 
     pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<jax version> \\
       nvidia-cuda-nvcc-cu12
 
-  (the plugin finds ``ptxas`` in ``nvidia/cuda_nvcc/bin``, else on ``PATH``). Tried with jax
-  0.10.2 and ``nvidia-cuda-nvcc-cu12`` 12.9.86 on a machine without a GPU or driver: the ragged
-  step, the decode loop and the sampler of a tiny Llama with the Pallas GPU kernel, bfloat16 and
-  fp8 pages, compile for an H100 in about a second each. Without the plugin the topology is
-  refused (`cuda_topology` raises RuntimeError naming the wheels). The compiled executable's
-  ``cost_analysis()`` is None on this path; ``memory_analysis()`` gives its argument, output and
-  temporary bytes.
+  (the plugin finds ``ptxas`` in ``nvidia/cuda_nvcc/bin``, else on ``PATH``; the engine's
+  steps need no cuDNN, cuBLAS or CUDA runtime library). Tried with jax 0.10.2 and
+  ``nvidia-cuda-nvcc-cu12`` 12.9.86 on a 2-core machine without a GPU or driver: SmolLM2-135M's
+  ragged step (256 tokens, 64 rows), sampler and 8-step decode loop with the Pallas GPU kernel
+  compile for an H100 in 27 s, 40 s and 68 s (bfloat16 pages; fp8 pages about the same), and a
+  topology of several GPUs (``"h100:4"``) compiles sharded code with its all-reduces. Without
+  the plugin the topology is refused (`cuda_topology` raises RuntimeError naming the wheels).
+  The compiled executable's ``cost_analysis()`` is None on this path; ``memory_analysis()``
+  gives its argument, output and temporary bytes per GPU.
+
+fp8 pages on a GPU before compute capability 8.9 (``"a100"``) are refused on the host by
+`PallasGpuAttentionBackend.check_kv_cache_dtype` (the compile-only devices report their
+``compute_capability``); compiled anyway, Triton aborts the whole process ("Conversion from/to
+f8e4m3nv is only supported on compute capability >= 89", an LLVM fatal error, not an
+exception), so the check must run before any compile.
 
 Pallas Mosaic GPU kernels (``jax.experimental.pallas.mosaic_gpu``; the engine has none) lower
 for export only with the CUDA plugin installed: their lowering asks the plugin for the CUDA
@@ -257,6 +267,12 @@ def parse_cuda_topology(topology: str) -> tuple[CudaTarget, int]:
   if count and not (count.isdigit() and int(count) >= 1):
     raise ValueError(f"topology={topology!r}: the GPU count must be a positive integer")
   return target, int(count or 1)
+
+
+def is_cuda_topology(topology: str) -> bool:
+  """Whether ``topology`` names a GPU of `CUDA_TARGETS` (``"h100"``, ``"h100:8"``), for a
+  command line that takes TPU and GPU topologies alike."""
+  return topology.partition(":")[0].lower() in CUDA_TARGETS
 
 
 def cuda_topology(topology: str) -> Any:

@@ -18,6 +18,7 @@ from jaxengine.aot.cuda import (
   compile_for_cuda,
   cuda_topology,
   export_for_cuda,
+  is_cuda_topology,
   parse_cuda_topology,
 )
 from jaxengine.batch import InputBatch
@@ -138,6 +139,7 @@ def test_a_cuda_topology_is_refused_by_name_before_any_plugin(topology, match):
 def test_cuda_topologies_parse():
   assert parse_cuda_topology("H100")[0].compute_capability == (9, 0)
   assert parse_cuda_topology("a100:8")[1] == 8
+  assert is_cuda_topology("h100:4") and not is_cuda_topology("v5e:2x2")
 
 
 def test_a_deviceless_cuda_compile_or_the_plugin_it_needs():
