@@ -41,6 +41,13 @@ Two checks, both without a GPU:
   The compiled executable's ``cost_analysis()`` is None on this path; ``memory_analysis()``
   gives its argument, output and temporary bytes per GPU.
 
+The paged decode kernel at the engine's shapes (64 rows, 16-position pages, 2048 positions, so
+8 pages per compute block) compiles for an H100 at every head size and group the model families
+use (64 with 3 or 7 query heads per KV head, 128 with 4 or 8, 256 with 2), bfloat16 and fp8
+pages. On an ``"l4"`` (99 KiB of shared memory a block) head size 256 with bfloat16 pages is
+refused: "RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 143360, available:
+101376" (fp8 pages fit). Export alone does not see that: shared memory is Triton's compile.
+
 fp8 pages on a GPU before compute capability 8.9 (``"a100"``) are refused on the host by
 `PallasGpuAttentionBackend.check_kv_cache_dtype` (the compile-only devices report their
 ``compute_capability``); compiled anyway, Triton aborts the whole process ("Conversion from/to
@@ -176,7 +183,7 @@ class CudaTarget:
     name: the device kind the devices report ("NVIDIA H100 80GB HBM3").
     compute_capability: CUDA compute capability ``(major, minor)``.
     sm_count: streaming multiprocessors.
-    memory_bytes: device memory.
+    memory_bytes: device memory (as `nvidia-smi` reports it).
     memory_bandwidth: bytes per second.
     l2_cache_bytes: L2 cache.
     clock_ghz: boost clock.
@@ -226,28 +233,28 @@ class CudaTarget:
     )
 
 
-_GiB, _MiB, _KiB = 2**30, 2**20, 2**10
+_MiB, _KiB = 2**20, 2**10
 
 #: The GPUs `cuda_topology` describes, by the name ``--topology`` takes.
 CUDA_TARGETS: dict[str, CudaTarget] = {
   "h100": CudaTarget(
     name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132,
-    memory_bytes=80 * _GiB, memory_bandwidth=3_350_000_000_000, l2_cache_bytes=50 * _MiB,
+    memory_bytes=81559 * _MiB, memory_bandwidth=3_350_000_000_000, l2_cache_bytes=50 * _MiB,
     clock_ghz=1.98, shared_memory_per_sm=228 * _KiB, shared_memory_per_block_optin=227 * _KiB,
   ),
   "h200": CudaTarget(
     name="NVIDIA H200", compute_capability=(9, 0), sm_count=132,
-    memory_bytes=141 * 10**9, memory_bandwidth=4_800_000_000_000, l2_cache_bytes=50 * _MiB,
+    memory_bytes=143771 * _MiB, memory_bandwidth=4_800_000_000_000, l2_cache_bytes=50 * _MiB,
     clock_ghz=1.98, shared_memory_per_sm=228 * _KiB, shared_memory_per_block_optin=227 * _KiB,
   ),
   "a100": CudaTarget(
     name="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0), sm_count=108,
-    memory_bytes=80 * _GiB, memory_bandwidth=2_039_000_000_000, l2_cache_bytes=40 * _MiB,
+    memory_bytes=81920 * _MiB, memory_bandwidth=2_039_000_000_000, l2_cache_bytes=40 * _MiB,
     clock_ghz=1.41, shared_memory_per_sm=164 * _KiB, shared_memory_per_block_optin=163 * _KiB,
   ),
   "l4": CudaTarget(
     name="NVIDIA L4", compute_capability=(8, 9), sm_count=58,
-    memory_bytes=24 * _GiB, memory_bandwidth=300_000_000_000, l2_cache_bytes=48 * _MiB,
+    memory_bytes=23034 * _MiB, memory_bandwidth=300_000_000_000, l2_cache_bytes=48 * _MiB,
     clock_ghz=2.04, shared_memory_per_sm=100 * _KiB, shared_memory_per_block_optin=99 * _KiB,
   ),
 }  # fmt: skip
