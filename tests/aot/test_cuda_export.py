@@ -34,8 +34,11 @@ from jaxengine.worker import device_steps
 from jaxengine.worker.multi_step import DecodeStepsInputs
 from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.step_inputs import build_step_inputs
+from jaxengine.worker.verify_step import RaggedDrafts
 
-ROWS, TOKENS, PAGES, BLOCK, NUM_BLOCKS, VOCAB = 2, 4, 4, 8, 8, 64
+ROWS, TOKENS, PAGES, BLOCK, NUM_BLOCKS, VOCAB, DRAFTS = 2, 4, 4, 8, 8, 64, 1
+#: The steps that read the KV cache (the attention backend's kernels).
+WITH_ATTENTION = ("ragged_forward", "verify_forward", "decode_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +55,9 @@ def _spec(tree, sharding=None):
 
 
 def _executables(backend, kv_dtype=None, device=None) -> list[Executable]:
-  """The ragged step's model part and sampler and the decode loop of a bfloat16 tiny Llama,
-  from abstract shapes alone (as test_device_steps lowers the ragged step), on `device`'s
-  sharding if given."""
+  """Every step of a bfloat16 tiny Llama (`DeviceSteps`: the plain and the verify step's model
+  part and sampler, the decode loop), from abstract shapes alone (as test_device_steps lowers
+  the ragged step), on `device`'s sharding if given."""
   model, _ = tiny_llama(vocab_size=VOCAB, dtype=jnp.bfloat16)
   graphdef, weights = nnx.split(nnx.eval_shape(lambda: model))
   steps = device_steps.placed_device_steps(graphdef, None, None, VOCAB)
@@ -81,41 +84,57 @@ def _executables(backend, kv_dtype=None, device=None) -> list[Executable]:
     max_num_steps=np.zeros(ROWS, np.int32), max_output_tokens=np.zeros(ROWS, np.int32),
     stop_ids=np.zeros((ROWS, 4), np.int32), end_on_first_finish=np.bool_(False),
   )  # fmt: skip
-  state, metadata, weights, cache, inputs, loop = _spec(
-    (state, metadata, weights, cache, inputs, loop), sharding
+  drafts = RaggedDrafts(
+    input_token_ids=np.zeros(TOKENS, np.int32), logits_indices=np.zeros((ROWS, DRAFTS + 1), np.int32),
+    draft_token_ids=np.zeros((ROWS, DRAFTS), np.int32), num_draft_tokens=np.zeros(ROWS, np.int32),
+  )  # fmt: skip
+  state, metadata, weights, cache, inputs, loop, drafts = _spec(
+    (state, metadata, weights, cache, inputs, loop, drafts), sharding
   )
   logits = jax.ShapeDtypeStruct((ROWS, VOCAB), jnp.float32, sharding=sharding)
+  verify_logits = jax.ShapeDtypeStruct((ROWS, DRAFTS + 1, VOCAB), jnp.float32, sharding=sharding)
   rows = f"rows={ROWS}"
   return [
     Executable("ragged_forward", f"tokens={TOKENS} {rows}", steps.ragged_forward,
                (state, weights, cache, inputs), {"prompt_logprobs": 0}),
     Executable("sample_produced", rows, steps.sample_produced,
                (state, metadata, logits, inputs.produces), {"num_rows": ROWS}),
+    Executable("verify_forward", f"tokens={TOKENS} {rows} k={DRAFTS}", steps.verify_forward,
+               (state, weights, cache, inputs, drafts), {"prompt_logprobs": 0}),
+    Executable("rejection_sample_produced", f"{rows} k={DRAFTS}", steps.rejection_sample_produced,
+               (state, metadata, verify_logits, drafts, inputs.produces), {"num_rows": ROWS}),
     Executable("decode_steps", f"{rows} steps=4", steps.decode_steps,
                (state, metadata, weights, cache, loop), {"num_rows": ROWS, "num_steps": 4}),
   ]  # fmt: skip
 
 
+def _attention_steps(backend, kv_dtype=None, device=None) -> list[Executable]:
+  return [e for e in _executables(backend, kv_dtype, device) if e.name in WITH_ATTENTION]
+
+
 def test_every_step_exports_for_cuda_with_the_pallas_kernel_lowered_to_triton():
-  """The ragged step and the decode loop of the "pallas_gpu" backend carry the Pallas paged
-  decode kernel as a Triton custom call (bfloat16 pages and fp8 pages with their scales); the
-  sampler has none, and the XLA backend's steps none: the kernel comes from the backend."""
+  """The steps of the "pallas_gpu" backend that read the cache (plain, verify, decode loop)
+  carry the Pallas paged decode kernel as a Triton custom call (bfloat16 pages and fp8 pages
+  with their scales); the samplers have none, and the XLA backend's steps none: the kernel
+  comes from the backend."""
   reports = export_for_cuda(_executables(PallasGpuAttentionBackend()))
-  assert [r.name for r in reports] == ["ragged_forward", "sample_produced", "decode_steps"]
   by_name = {r.name: r for r in reports}
-  for name in ("ragged_forward", "decode_steps"):
-    assert TRITON_CUSTOM_CALL in by_name[name].custom_calls
-    (kernel,) = by_name[name].triton_kernels
-    assert kernel.startswith("paged_attention")
-  assert by_name["sample_produced"].triton_kernels == ()
+  assert len(reports) == len(by_name) == len(dataclasses.fields(device_steps.DeviceSteps))
+  for r in reports:
+    if r.name in WITH_ATTENTION:
+      assert TRITON_CUSTOM_CALL in r.custom_calls
+      (kernel,) = r.triton_kernels
+      assert kernel.startswith("paged_attention")
+    else:
+      assert r.triton_kernels == ()
   assert all(r.module_bytes > 1000 and r.seconds > 0 for r in reports)
 
-  fp8 = export_for_cuda(_executables(PallasGpuAttentionBackend(), FP8_KV_DTYPE)[::2])
+  fp8 = export_for_cuda(_attention_steps(PallasGpuAttentionBackend(), FP8_KV_DTYPE))
   assert all(r.triton_kernels == by_name[r.name].triton_kernels for r in fp8)
   # the fp8 pages are other arguments (float8 pages, float32 scales): another module
   assert all(r.module_bytes != by_name[r.name].module_bytes for r in fp8)
 
-  xla = export_for_cuda(_executables(XlaAttentionBackend())[::2])
+  xla = export_for_cuda(_attention_steps(XlaAttentionBackend()))
   assert all(TRITON_CUSTOM_CALL not in r.custom_calls and not r.triton_kernels for r in xla)
 
 
@@ -153,5 +172,7 @@ def test_a_deviceless_cuda_compile_or_the_plugin_it_needs():
     return
   (device,) = cuda_topology("h100").devices
   assert device.device_kind == "NVIDIA H100 80GB HBM3"
-  reports = compile_for_cuda(_executables(PallasGpuAttentionBackend(), device=device)[::2])
-  assert all(r.pallas_triton_calls >= 1 and r.argument_bytes > 0 for r in reports)
+  (ragged,) = [e for e in _executables(PallasGpuAttentionBackend(), device=device)
+               if e.name == "ragged_forward"]  # fmt: skip
+  (report,) = compile_for_cuda([ragged])
+  assert report.pallas_triton_calls >= 1 and report.argument_bytes > 0
