@@ -60,7 +60,12 @@ version.
 
 The executables come from the ahead-of-time builder: any objects with the fields of
 `ExecutableLike` (a name, a shape label, the `jax.jit` wrapper, its abstract arguments and
-its static keyword arguments).
+its static keyword arguments). A ``--topology`` that `is_cuda_topology` accepts (``"h100"``,
+``"h100:4"``) takes its devices from `cuda_topology` where a TPU topology takes them from
+libtpu, the attention backend "pallas_gpu", and the memory per GPU from `CUDA_TARGETS`::
+
+  devices = cuda_topology("h100:4").devices  # 4 compile-only H100s: the mesh's devices
+  report = compile_for_cuda(executables)  # their arguments placed on those devices
 """
 
 from __future__ import annotations
@@ -127,9 +132,10 @@ def export_for_cuda(executables: Iterable[ExecutableLike]) -> list[CudaExport]:
   """Exports each executable for CUDA (`jax.export`, ``platforms=["cuda"]``) on any machine.
 
   Args:
-    executables: the executables; their arguments are `jax.ShapeDtypeStruct` pytrees (with
-      shardings or without: an export keeps the shardings and the device count, not the
-      devices, so a TPU topology's placement exports too).
+    executables: the executables, built with a CUDA attention backend ("pallas_gpu", or
+      "xla"): a "pallas_tpu" kernel does not lower for CUDA. Their arguments are
+      `jax.ShapeDtypeStruct` pytrees, with shardings or without (an export keeps the shardings
+      and the device count, not the devices: a TPU topology's mesh exports too).
 
   Returns:
     One `CudaExport` per executable, in order.
