@@ -1,0 +1,376 @@
+"""CUDA from a CPU machine: the engine's steps exported for CUDA, and compiled for a named GPU.
+
+Two checks, both without a GPU:
+
+* **Export** (`export_for_cuda`, needs nothing beyond the CPU jaxlib): `jax.export` lowers each
+  executable for ``platforms=["cuda"]``. Lowering for CUDA runs JAX's Pallas GPU lowering, so the
+  paged decode kernel of ``attention_backend="pallas_gpu"`` is traced into Triton IR and embedded
+  as a ``__gpu$xla.gpu.triton`` custom call (`TRITON_CUSTOM_CALL`) with the kernel's name: a
+  block shape or dtype the Pallas Triton lowering refuses fails here, as it would on the GPU.
+  fp8 pages (float8_e4m3fn with float32 scales) lower the same way. What export cannot check is
+  Triton's own compile of that IR to PTX (that runs in XLA:GPU). The Triton custom call has no
+  export compatibility guarantee, so it is allowed explicitly (`jax.export.DisabledSafetyCheck`);
+  an export is for checking the lowering and for running with the same jax version, not for
+  archiving. The report's module size is the serialized StableHLO
+  (`Exported.mlir_module_serialized`); `Exported.serialize()` would also need the
+  `flatbuffers` package.
+* **Deviceless compile** (`cuda_topology`, `compile_for_cuda`): the CUDA PJRT plugin compiles
+  for a GPU it does not have when given the GPU's description (XLA's
+  ``GpuTargetConfigProto``, text format) as the topology's ``target_config`` option:
+  ``jax.experimental.topologies.get_topology_desc("h100", platform="cuda",
+  target_config=..., topology="1x1x<gpus>")`` gives compile-only devices, and ``jax.jit(f).lower(
+  *ShapeDtypeStructs on those devices).compile()`` runs XLA:GPU's whole pipeline (fusion, Triton
+  kernels to PTX for ``sm_90a``, ``ptxas`` to a cubin; the plugin logs "Performing a deviceless
+  compilation"). Autotuning needs a GPU and is skipped (XLA's default configs), and a sort
+  (the sampler's) takes XLA's fallback rather than CUB's, whose scratch sizes are measured on a
+  GPU. `CUDA_TARGETS` holds the descriptions of a few GPUs from their published specifications
+  (SMs, memory, bandwidth, shared memory, compute capability). It needs the CUDA plugin and
+  ``ptxas``,
+  about 225 MB of wheels, none of the CUDA runtime libraries (no driver is loaded)::
+
+    pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<jax version> \\
+      nvidia-cuda-nvcc-cu12
+
+  (the plugin finds ``ptxas`` in ``nvidia/cuda_nvcc/bin``, else on ``PATH``; the engine's
+  steps need no cuDNN, cuBLAS or CUDA runtime library). Tried with jax 0.10.2 and
+  ``nvidia-cuda-nvcc-cu12`` 12.9.86 on a 2-core machine without a GPU or driver: SmolLM2-135M's
+  ragged step (256 tokens, 64 rows), sampler and 8-step decode loop with the Pallas GPU kernel
+  compile for an H100 in 27 s, 40 s and 68 s (bfloat16 pages; fp8 pages about the same), and a
+  topology of several GPUs (``"h100:4"``) compiles sharded code with its all-reduces. Without
+  the plugin the topology is refused (`cuda_topology` raises RuntimeError naming the wheels).
+  The compiled executable's ``cost_analysis()`` is None on this path; ``memory_analysis()``
+  gives its argument, output and temporary bytes per GPU.
+
+The paged decode kernel at the engine's shapes (64 rows, 16-position pages, 2048 positions, so
+8 pages per compute block) compiles for an H100 at every head size and group the model families
+use (64 with 3 or 7 query heads per KV head, 128 with 4 or 8, 256 with 2), bfloat16 and fp8
+pages. On an ``"l4"`` (99 KiB of shared memory a block) head size 256 with bfloat16 pages is
+refused: "RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 143360, available:
+101376" (fp8 pages fit). Export alone does not see that: shared memory is Triton's compile.
+
+fp8 pages on a GPU before compute capability 8.9 (``"a100"``) are refused on the host by
+`PallasGpuAttentionBackend.check_kv_cache_dtype` (the compile-only devices report their
+``compute_capability``); compiled anyway, Triton aborts the whole process ("Conversion from/to
+f8e4m3nv is only supported on compute capability >= 89", an LLVM fatal error, not an
+exception), so the check must run before any compile.
+
+Pallas Mosaic GPU kernels (``jax.experimental.pallas.mosaic_gpu``; the engine has none) lower
+for export only with the CUDA plugin installed: their lowering asks the plugin for the CUDA
+version.
+
+The executables come from the ahead-of-time builder: any objects with the fields of
+`ExecutableLike` (a name, a shape label, the `jax.jit` wrapper, its abstract arguments and
+its static keyword arguments). A ``--topology`` that `is_cuda_topology` accepts (``"h100"``,
+``"h100:4"``) takes its devices from `cuda_topology` where a TPU topology takes them from
+libtpu, the attention backend "pallas_gpu", and the memory per GPU from `CUDA_TARGETS`::
+
+  devices = cuda_topology("h100:4").devices  # 4 compile-only H100s: the mesh's devices
+  report = compile_for_cuda(executables)  # their arguments placed on those devices
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import jax
+from jax import export
+
+#: The custom call target of a Triton kernel (Pallas GPU's lowering) in CUDA StableHLO.
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+
+_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.\-]+)")
+_TRITON_NAME = re.compile(r'\bname = "([^"]+)"')
+
+
+class ExecutableLike(Protocol):
+  """One executable the engine precompiles: ``jitted(*args, **kwargs)`` (the ahead-of-time
+  builder's `Executable`): its name, shape label, `jax.jit` wrapper, `jax.ShapeDtypeStruct`
+  arguments and static keyword arguments."""
+
+  @property
+  def name(self) -> str: ...
+
+  @property
+  def shape(self) -> str: ...
+
+  @property
+  def jitted(self) -> Any: ...
+
+  @property
+  def args(self) -> tuple[Any, ...]: ...
+
+  @property
+  def kwargs(self) -> Mapping[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaExport:
+  """One executable exported for CUDA.
+
+  Attributes:
+    name: the executable ("ragged_forward", "decode_steps", ...).
+    shape: its shape label ("tokens=256 rows=64").
+    seconds: trace, lowering and export time.
+    module_bytes: the serialized StableHLO module's size.
+    custom_calls: the distinct custom call targets in the module, sorted.
+    triton_kernels: the distinct names of its Triton kernels (Pallas GPU), sorted.
+  """
+
+  name: str
+  shape: str
+  seconds: float
+  module_bytes: int
+  custom_calls: tuple[str, ...]
+  triton_kernels: tuple[str, ...]
+
+
+def export_for_cuda(executables: Iterable[ExecutableLike]) -> list[CudaExport]:
+  """Exports each executable for CUDA (`jax.export`, ``platforms=["cuda"]``) on any machine.
+
+  Args:
+    executables: the executables, built with a CUDA attention backend ("pallas_gpu", or
+      "xla"): a "pallas_tpu" kernel does not lower for CUDA. Their arguments are
+      `jax.ShapeDtypeStruct` pytrees, with shardings or without (an export keeps the shardings
+      and the device count, not the devices: a TPU topology's mesh exports too).
+
+  Returns:
+    One `CudaExport` per executable, in order.
+
+  Raises:
+    Whatever the lowering raises (a Pallas kernel refused by the Triton lowering, say), with
+    the executable's name and shape added as a note.
+  """
+  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
+  reports = []
+  for executable in executables:
+    start = time.perf_counter()
+    try:
+      exported = export.export(executable.jitted, platforms=["cuda"], disabled_checks=checks)(
+        *executable.args, **executable.kwargs
+      )
+    except Exception as error:
+      error.add_note(f"exporting {executable.name} ({executable.shape}) for cuda")
+      raise
+    seconds = time.perf_counter() - start
+    text = exported.mlir_module()
+    reports.append(
+      CudaExport(
+        name=executable.name,
+        shape=executable.shape,
+        seconds=seconds,
+        module_bytes=len(exported.mlir_module_serialized),
+        custom_calls=tuple(sorted(set(_CUSTOM_CALL.findall(text)))),
+        triton_kernels=triton_kernels(text),
+      )
+    )
+  return reports
+
+
+def triton_kernels(module_text: str) -> tuple[str, ...]:
+  """The distinct names of the Triton kernels called in a StableHLO module's text, sorted (the
+  ``name`` attribute of each `TRITON_CUSTOM_CALL`; its Triton IR is escaped bytes, with no
+  bare quote)."""
+  names = set()
+  for line in module_text.splitlines():
+    if f"@{TRITON_CUSTOM_CALL}(" in line:
+      names.update(_TRITON_NAME.findall(line))
+  return tuple(sorted(names))
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaTarget:
+  """A GPU as XLA:GPU needs it to compile without one (published specifications).
+
+  Attributes:
+    name: the device kind the devices report ("NVIDIA H100 80GB HBM3").
+    compute_capability: CUDA compute capability ``(major, minor)``.
+    sm_count: streaming multiprocessors.
+    memory_bytes: device memory (as `nvidia-smi` reports it).
+    memory_bandwidth: bytes per second.
+    l2_cache_bytes: L2 cache.
+    clock_ghz: boost clock.
+    shared_memory_per_sm: shared memory per multiprocessor, bytes.
+    shared_memory_per_block_optin: the most a block may opt in to, bytes.
+  """
+
+  name: str
+  compute_capability: tuple[int, int]
+  sm_count: int
+  memory_bytes: int
+  memory_bandwidth: int
+  l2_cache_bytes: int
+  clock_ghz: float
+  shared_memory_per_sm: int
+  shared_memory_per_block_optin: int
+
+  def target_config(self) -> str:
+    """XLA's ``GpuTargetConfigProto`` in text format (the topology's ``target_config``)."""
+    major, minor = self.compute_capability
+    fields = {
+      "threads_per_block_limit": 1024,
+      "threads_per_warp": 32,
+      "shared_memory_per_block": 48 * 1024,
+      "shared_memory_per_core": self.shared_memory_per_sm,
+      "threads_per_core_limit": 2048 if major >= 9 or (major, minor) == (8, 0) else 1536,
+      "core_count": self.sm_count,
+      "fpus_per_core": 128 if major >= 9 or (major, minor) == (8, 9) else 64,
+      "block_dim_limit_x": 2**31 - 1,
+      "block_dim_limit_y": 65535,
+      "block_dim_limit_z": 65535,
+      "memory_bandwidth": self.memory_bandwidth,
+      "l2_cache_size": self.l2_cache_bytes,
+      "clock_rate_ghz": self.clock_ghz,
+      "device_memory_size": self.memory_bytes,
+      "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+      "registers_per_core_limit": 65536,
+      "registers_per_block_limit": 65536,
+    }
+    info = "\n".join(f"  {key}: {value}" for key, value in fields.items())
+    return (
+      f"gpu_device_info {{\n{info}\n"
+      f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+      f'platform_name: "CUDA"\n'
+      f"dnn_version_info {{ major: 9 minor: 8 }}\n"
+      f'device_description_str: "{self.name}"\n'
+    )
+
+
+_MiB, _KiB = 2**20, 2**10
+
+#: The GPUs `cuda_topology` describes, by the name ``--topology`` takes.
+CUDA_TARGETS: dict[str, CudaTarget] = {
+  "h100": CudaTarget(
+    name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132,
+    memory_bytes=81559 * _MiB, memory_bandwidth=3_350_000_000_000, l2_cache_bytes=50 * _MiB,
+    clock_ghz=1.98, shared_memory_per_sm=228 * _KiB, shared_memory_per_block_optin=227 * _KiB,
+  ),
+  "h200": CudaTarget(
+    name="NVIDIA H200", compute_capability=(9, 0), sm_count=132,
+    memory_bytes=143771 * _MiB, memory_bandwidth=4_800_000_000_000, l2_cache_bytes=50 * _MiB,
+    clock_ghz=1.98, shared_memory_per_sm=228 * _KiB, shared_memory_per_block_optin=227 * _KiB,
+  ),
+  "a100": CudaTarget(
+    name="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0), sm_count=108,
+    memory_bytes=81920 * _MiB, memory_bandwidth=2_039_000_000_000, l2_cache_bytes=40 * _MiB,
+    clock_ghz=1.41, shared_memory_per_sm=164 * _KiB, shared_memory_per_block_optin=163 * _KiB,
+  ),
+  "l4": CudaTarget(
+    name="NVIDIA L4", compute_capability=(8, 9), sm_count=58,
+    memory_bytes=23034 * _MiB, memory_bandwidth=300_000_000_000, l2_cache_bytes=48 * _MiB,
+    clock_ghz=2.04, shared_memory_per_sm=100 * _KiB, shared_memory_per_block_optin=99 * _KiB,
+  ),
+}  # fmt: skip
+
+
+def parse_cuda_topology(topology: str) -> tuple[CudaTarget, int]:
+  """``"h100"`` (one GPU) or ``"h100:8"`` (eight on one host) as `(CudaTarget, GPUs)`.
+
+  Raises:
+    ValueError: an unknown GPU (naming the known ones) or a GPU count that is not a positive
+      integer.
+  """
+  gpu, _, count = topology.partition(":")
+  target = CUDA_TARGETS.get(gpu.lower())
+  if target is None:
+    raise ValueError(f"topology={topology!r}: unknown GPU {gpu!r}, known: {sorted(CUDA_TARGETS)}")
+  if count and not (count.isdigit() and int(count) >= 1):
+    raise ValueError(f"topology={topology!r}: the GPU count must be a positive integer")
+  return target, int(count or 1)
+
+
+def is_cuda_topology(topology: str) -> bool:
+  """Whether ``topology`` names a GPU of `CUDA_TARGETS` (``"h100"``, ``"h100:8"``), for a
+  command line that takes TPU and GPU topologies alike."""
+  return topology.partition(":")[0].lower() in CUDA_TARGETS
+
+
+def cuda_topology(topology: str) -> Any:
+  """Compile-only CUDA devices for a named GPU (`parse_cuda_topology`), without a GPU.
+
+  Args:
+    topology: ``"h100"``, ``"h100:8"`` (GPUs on one host), ... (`CUDA_TARGETS`).
+
+  Returns:
+    A `jax.experimental.topologies.TopologyDescription`: its ``devices`` (platform "gpu",
+    ``device_kind`` the GPU's name, ``compute_capability`` "9.0") take `jax.ShapeDtypeStruct`
+    shardings, and ``jax.jit(f).lower(...).compile()`` on them compiles for that GPU.
+
+  Raises:
+    ValueError: as `parse_cuda_topology`.
+    RuntimeError: the CUDA plugin is not installed (naming the wheels to install).
+  """
+  from jax.experimental import topologies
+
+  target, gpus = parse_cuda_topology(topology)
+  try:
+    return topologies.get_topology_desc(
+      topology, platform="cuda", target_config=target.target_config(), topology=f"1x1x{gpus}"
+    )
+  except NotImplementedError as error:
+    raise RuntimeError(
+      f"topology={topology!r} needs the CUDA PJRT plugin and ptxas: pip install "
+      f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} "
+      "nvidia-cuda-nvcc-cu12 (no GPU or driver needed)"
+    ) from error
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaCompile:
+  """One executable compiled for a CUDA topology.
+
+  Attributes:
+    name: the executable.
+    shape: its shape label.
+    seconds: lowering and compile time.
+    argument_bytes: its arguments' bytes per GPU.
+    output_bytes: its outputs' bytes per GPU (donated buffers included).
+    temp_bytes: its largest temporary allocation per GPU.
+    pallas_triton_calls: Triton custom calls in the compiled HLO (Pallas GPU kernels).
+    triton_fusions: XLA's own Triton fusions in it (matrix products XLA:GPU emits with Triton).
+  """
+
+  name: str
+  shape: str
+  seconds: float
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  pallas_triton_calls: int
+  triton_fusions: int
+
+
+def compile_for_cuda(executables: Iterable[ExecutableLike]) -> list[CudaCompile]:
+  """Compiles each executable for the CUDA devices its arguments are placed on (`cuda_topology`'s
+  devices), without a GPU.
+
+  Raises:
+    Whatever XLA:GPU raises, with the executable's name and shape added as a note.
+  """
+  reports = []
+  for executable in executables:
+    start = time.perf_counter()
+    try:
+      compiled = executable.jitted.lower(*executable.args, **executable.kwargs).compile()
+    except Exception as error:
+      error.add_note(f"compiling {executable.name} ({executable.shape}) for cuda")
+      raise
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    reports.append(
+      CudaCompile(
+        name=executable.name,
+        shape=executable.shape,
+        seconds=seconds,
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        pallas_triton_calls=text.count(f'custom_call_target="{TRITON_CUSTOM_CALL}"'),
+        triton_fusions=text.count('"kind":"__triton'),
+      )
+    )
+  return reports
