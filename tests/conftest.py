@@ -33,6 +33,12 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 # the imports above start none.
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+# libtpu (the `tpu` extra, which the test extra installs) takes a lockfile when a process loads
+# it, and a second process then fails ("Internal error when accessing libtpu multi-process
+# lockfile"). The tests only compile for TPU topologies without a TPU (`jax.experimental.
+# topologies`), several at once on the xdist workers and their subprocesses: no process owns a
+# chip, so they share the library.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 #: Unset: the run's cache is a new temporary directory, removed at the end. `off` (or another
 #: spelling of jaxengine's "no cache"): no persistent cache at all. A path: that directory, kept
