@@ -232,7 +232,7 @@ class ModelRunner:
     if self.lora is not None:  # first: a failure leaves the batch as it was
       self.lora.acquire(completion.seq_id, request.lora_request)
     encoded = completion.encoded or batch.validate_request(request.prompt_token_ids, params)
-    batch.add_encoded_request(completion.seq_id, encoded)
+    batch.add_encoded_request(completion.seq_id, encoded, completion)  # its tokens' ledger
     completion.encoded = None  # the batch's row holds it now
     self._prompt_logprobs.add(completion)
 
