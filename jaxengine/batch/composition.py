@@ -2,8 +2,9 @@
 update of each composition change (the base of `InputBatch`, which adds the steps).
 
 The host keeps the bookkeeping a scheduler talks to (`req_ids`, `req_id_to_index`, free rows and
-cache slots, each request's output tokens) and turns every composition change into one call of a
-jitted, donating update of the device-side `BatchState`:
+cache slots, each row's `RequestLedger`: the request's record of its output tokens, its own
+`Completion` in an engine, `jaxengine/batch/ledger.py`) and turns every composition change into one
+call of a jitted, donating update of the device-side `BatchState`:
 
   add_request      -> `write_rows` (every per-row field overwritten: no stale state is inherited;
                       the rows admitted since the state was last read, in one call per 8;
@@ -13,9 +14,9 @@ jitted, donating update of the device-side `BatchState`:
   swap_states      -> `move_rows`
 
 `SamplingMetadata` is rebuilt by one jitted call when first needed after such a change (else the
-same object is reused). The tokens of dispatched steps land here too (`resolve`), in dispatch
-order, in the output lists of the requests still in the batch. Every check of user input
-happens on the host before any device work.
+same object is reused). Dispatched steps are read here too (`resolve`), in dispatch order; the
+tokens of a request added without its own ledger land in the `BatchLedger` the batch keeps for it.
+Every check of user input happens on the host before any device work.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.host_output import FetchedStep, HostOutput, PendingStep
+from jaxengine.batch.ledger import BatchLedger, RequestLedger
 from jaxengine.batch.rows import EncodedRequest, encode_request, eos_tuple
 from jaxengine.batch.step_queue import StepQueue
 from jaxengine.config import BatchConfig
@@ -81,16 +83,15 @@ class BatchComposition:
     self._serials = itertools.count()
     # Row-indexed host bookkeeping; None marks a hole (a removed request not yet condensed).
     self._req_ids: list[str | None] = []
-    self._req_output_token_ids: list[list[int] | None] = []
+    self._ledgers: list[RequestLedger | None] = []  # each row's record of its tokens
     self.req_id_to_index: dict[str, int] = {}
     # Request-keyed bookkeeping (follows the request through moves without re-keying).
-    self._num_prompt_tokens: dict[str, int] = {}
     self._num_logprobs: dict[str, int] = {}
     self._cache_slots: dict[str, int] = {}
     self._free_cache_slots = list(range(config.max_num_reqs))
     self._metadata: SamplingMetadata | None = None
     self.block_table = None
-    #: Steps dispatched and not yet read (oldest first), and their tokens by request.
+    #: Steps dispatched and not yet read (oldest first).
     self._steps = StepQueue()
 
   # --- views ------------------------------------------------------------------------------------
@@ -132,10 +133,10 @@ class BatchComposition:
 
   @property
   def req_output_token_ids(self) -> list[list[int] | None]:
-    """Each row's output tokens so far (the live lists the batch appends to; resolves
-    dispatched steps first)."""
+    """Each row's output tokens so far (its ledger's live list; resolves dispatched steps
+    first)."""
     self.resolve_all()
-    return list(self._req_output_token_ids)
+    return [None if ledger is None else ledger.token_ids for ledger in self._ledgers]
 
   @property
   def max_requested_logprobs(self) -> int | None:
@@ -193,17 +194,20 @@ class BatchComposition:
     return self._cache_slots[req_id]
 
   def num_tokens(self, req_id: str) -> int:
-    """Prompt plus output tokens of `req_id` so far (those of steps not resolved included)."""
-    tokens = self._req_output_token_ids[self.req_id_to_index[req_id]]
-    assert tokens is not None  # a live request's row is never a hole
-    return self._num_prompt_tokens[req_id] + len(tokens) + self._steps.num_in_flight(req_id)
+    """Prompt plus output tokens of `req_id` so far (those of steps not resolved included), as
+    its ledger counts them."""
+    return self._ledger(req_id).num_tokens_with_placeholders
 
   def output_token_ids(self, req_id: str) -> list[int]:
-    """The output tokens of `req_id` so far (the live list; resolves dispatched steps)."""
+    """The output tokens of `req_id` so far (its ledger's live list; resolves dispatched
+    steps)."""
     self.resolve_all()
-    tokens = self._req_output_token_ids[self.req_id_to_index[req_id]]
-    assert tokens is not None  # a live request's row is never a hole
-    return tokens
+    return self._ledger(req_id).token_ids
+
+  def _ledger(self, req_id: str) -> RequestLedger:
+    ledger = self._ledgers[self.req_id_to_index[req_id]]
+    assert ledger is not None  # a live request's row is never a hole
+    return ledger
 
   def _is_live(self) -> np.ndarray:
     return np.isin(np.arange(self.max_num_reqs), list(self.req_id_to_index.values()))
@@ -245,9 +249,19 @@ class BatchComposition:
     request = self.validate_request(prompt_token_ids, sampling_params, output_token_ids)
     return self.add_encoded_request(req_id, request)
 
-  def add_encoded_request(self, req_id: str, request: EncodedRequest) -> int:
+  def add_encoded_request(
+    self, req_id: str, request: EncodedRequest, ledger: RequestLedger | None = None
+  ) -> int:
     """`add_request` of a request `validate_request` encoded already (an engine encodes each
     request once, when it arrives); returns its row.
+
+    Args:
+      req_id: unique id of the request.
+      request: the request encoded as a row.
+      ledger: the request's own record of its tokens (an engine's `Completion`, holding
+        `request.output_token_ids`), which its owner writes: it appends the tokens of each step
+        it reads and counts those of each step it dispatches in `num_output_placeholders`; the
+        batch only reads it. None: the batch keeps a `BatchLedger` and writes it itself.
 
     Raises:
       ValueError: (the batch is left unchanged) for a `req_id` that is not a str or is already
@@ -260,17 +274,18 @@ class BatchComposition:
     serial = next(self._serials) % 2**32
     update = request.row_update(self.max_model_len, cache_slot, serial)
     self._pending_rows.append((row, update))  # written when the state is next read
-    outputs = list(request.output_token_ids.tolist())
+    if ledger is None:
+      outputs = list(request.output_token_ids.tolist())
+      ledger = BatchLedger(len(request.prompt_token_ids), outputs)
     if row == len(self._req_ids):
       self._req_ids.append(req_id)
-      self._req_output_token_ids.append(outputs)
+      self._ledgers.append(ledger)
     else:
       self._req_ids[row] = req_id
-      self._req_output_token_ids[row] = outputs
+      self._ledgers[row] = ledger
     self.req_id_to_index[req_id] = row
     if self.block_table is not None:
       self.block_table.clear_row(row)
-    self._num_prompt_tokens[req_id] = len(request.prompt_token_ids)
     self._cache_slots[req_id] = cache_slot
     if request.row.num_logprobs >= 0:
       self._num_logprobs[req_id] = int(request.row.num_logprobs)
@@ -313,10 +328,8 @@ class BatchComposition:
     if row is None:
       return None
     self._req_ids[row] = None
-    self._req_output_token_ids[row] = None
-    del self._num_prompt_tokens[req_id]
+    self._ledgers[row] = None  # its tokens in unread steps are dropped when read
     self._num_logprobs.pop(req_id, None)
-    self._steps.forget(req_id)
     self._free_cache_slots.append(self._cache_slots.pop(req_id))
     self._free_cache_slots.sort()
     self._composition_changed()
@@ -339,13 +352,12 @@ class BatchComposition:
       req_id = self._req_ids[src]
       assert req_id is not None  # src is a live row
       self._req_ids[dst], self._req_ids[src] = req_id, None
-      self._req_output_token_ids[dst] = self._req_output_token_ids[src]
-      self._req_output_token_ids[src] = None
+      self._ledgers[dst], self._ledgers[src] = self._ledgers[src], None
       self.req_id_to_index[req_id] = dst
       if self.block_table is not None:
         self.block_table.move_row(src, dst)
     del self._req_ids[self.num_reqs :]
-    del self._req_output_token_ids[self.num_reqs :]
+    del self._ledgers[self.num_reqs :]
     if moves:
       self._move_device_rows(moves)
       self._composition_changed()
@@ -366,9 +378,9 @@ class BatchComposition:
     i1, i2 = int(i1), int(i2)
     if i1 == i2:
       return
-    ids, outputs = self._req_ids, self._req_output_token_ids
+    ids, ledgers = self._req_ids, self._ledgers
     ids[i1], ids[i2] = ids[i2], ids[i1]
-    outputs[i1], outputs[i2] = outputs[i2], outputs[i1]
+    ledgers[i1], ledgers[i2] = ledgers[i2], ledgers[i1]
     if self.block_table is not None:
       self.block_table.swap_rows(i1, i2)
     for row in (i1, i2):
@@ -415,8 +427,9 @@ class BatchComposition:
 
   def resolve(self, pending: PendingStep[HostOutput]) -> HostOutput:
     """Brings `pending` (and every step dispatched before it) to the host and appends their
-    tokens to the requests still in the batch; returns `fetch`'s host output over the step's
-    live rows. A step already resolved returns the same output again."""
+    tokens to the requests still in the batch that have a `BatchLedger` (an engine appends its
+    completions' tokens itself); returns `fetch`'s host output over the step's live rows. A step
+    already resolved returns the same output again."""
     while self._steps and pending.fetched is None:
       self._resolve_oldest()
     assert pending.fetched is not None  # every dispatched step is pending until resolved
@@ -431,9 +444,10 @@ class BatchComposition:
     step = self._steps.pop_oldest()
     fetched = cast(FetchedStep, step.fetched)
     counts = step.num_new_tokens or [0] * len(step.rows)
-    for (req_id, tokens), new_token_ids, count in zip(step.rows, fetched.new_token_ids, counts):
+    for (req_id, ledger), new_token_ids, count in zip(step.rows, fetched.new_token_ids, counts):
       row = self.req_id_to_index.get(req_id)
-      if row is None or self._req_output_token_ids[row] is not tokens:
+      if row is None or self._ledgers[row] is not ledger:
         continue  # removed since the dispatch: its tokens are dropped
-      tokens.extend(new_token_ids)
-      self._steps.landed(req_id, count)
+      if isinstance(ledger, BatchLedger):  # else its owner appends them
+        ledger.token_ids.extend(new_token_ids)
+        ledger.num_output_placeholders -= count

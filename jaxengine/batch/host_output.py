@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 import jax
 import numpy as np
 
+from jaxengine.batch.ledger import RequestLedger
 from jaxengine.sample import SamplerOutput
 
 HostOutput = TypeVar("HostOutput")
@@ -67,7 +68,8 @@ class PendingStep(Generic[HostOutput]):
     extra: the step's other device results (the new KV cache, ...).
     fetch: how to bring `output` to the host (a `Fetch`).
     num_logprobs: the largest logprobs count a live row asked for at dispatch, or None.
-    rows: `(req_id, its output token list)` of each live row at dispatch, `req_ids` order.
+    rows: `(req_id, its RequestLedger)` of each live row at dispatch, `req_ids` order (a row
+      whose ledger is another by the time the step is read was removed meanwhile).
     num_new_tokens: tokens the step appends to each of `rows`, when known at dispatch.
     fetched: the host result once resolved, else None.
   """
@@ -76,7 +78,7 @@ class PendingStep(Generic[HostOutput]):
   extra: Any
   fetch: Fetch[HostOutput]
   num_logprobs: int | None
-  rows: list[tuple[str, list[int]]]
+  rows: list[tuple[str, RequestLedger]]
   num_new_tokens: list[int] | None
   fetched: FetchedStep[HostOutput] | None = None
 

@@ -29,6 +29,7 @@ from jaxengine.batch.host_output import (
   PendingStep,
   fetch_sampled,
 )
+from jaxengine.batch.ledger import BatchLedger
 from jaxengine.batch.logits_input import check_logits, pad_device_rows, sample_logits
 from jaxengine.batch.logits_processors import resolve_logits_processors
 from jaxengine.config import (
@@ -227,7 +228,9 @@ class InputBatch(BatchComposition):
     `step_fn`. Its tokens join the requests' outputs when `resolve` brings them to the host
     (steps resolve in dispatch order; a request removed meanwhile drops its tokens). The next
     step can be dispatched first when `num_new_tokens` says how many tokens each live row
-    gets: they count in `num_tokens` until read.
+    gets: they count in `num_tokens` until read (in each row's `num_output_placeholders`: the
+    batch counts them in its own `BatchLedger`s; a row added with its owner's ledger, an
+    engine's `Completion`, is counted by its owner).
 
     Args:
       step_fn, *args, **kwargs: as `run_step`.
@@ -244,10 +247,14 @@ class InputBatch(BatchComposition):
     metadata = self.prepare_step()
     self._state, output, extra = step_fn(self._state, metadata, *args, **kwargs)
     rows = [
-      (req_id, tokens)
-      for req_id, tokens in zip(self._req_ids, self._req_output_token_ids)
-      if req_id is not None and tokens is not None
+      (req_id, ledger)
+      for req_id, ledger in zip(self._req_ids, self._ledgers)
+      if req_id is not None and ledger is not None
     ]
+    if num_new_tokens is not None:  # counted until read
+      for (_, ledger), count in zip(rows, num_new_tokens):
+        if isinstance(ledger, BatchLedger):
+          ledger.num_output_placeholders += count
     pending = PendingStep(
       output=output,
       extra=extra,

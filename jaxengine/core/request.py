@@ -21,7 +21,8 @@ class Completion:
     index: `0..n-1`.
     params: its sampling parameters (child `j` of a seeded request has seed `seed + j`).
     detokenizer: turns its tokens into text; None without a tokenizer.
-    token_ids: generated tokens so far.
+    token_ids: generated tokens read so far (their one host record: the persistent
+      batch reads its row's tokens here, `jaxengine/batch/ledger.py`).
     logprobs: per-token logprob dicts, or None when the request did not ask for logprobs.
     cumulative_logprob: sum of the sampled tokens' logprobs, or None.
     text: generated text so far (cut at a matched stop string).
@@ -30,7 +31,9 @@ class Completion:
     stop_search_start: first character of `text` a stop string may start at: the end of the
       text of the first `min_tokens` tokens.
     num_output_placeholders: tokens sampled on the device and not read yet (asynchronous
-      scheduling dispatches a step before reading the last one; vLLM's name).
+      scheduling dispatches a step before reading the last one; vLLM's name): the engine counts
+      them at dispatch and takes them off when it reads them; the scheduler and the batch read
+      them here.
     num_computed_tokens: tokens whose keys and values are in its pages (the scheduler's count,
       vLLM's name; 0 while waiting and after a preemption).
     encoded: its prompt and `params` encoded as a batch row where it came in

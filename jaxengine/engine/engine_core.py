@@ -355,7 +355,7 @@ class EngineCore:
     scheduler = self.scheduler
     waiting = bool(scheduler.waiting) or len(scheduled.num_decode_steps) < len(scheduler.running)
     running = dict(scheduler.running)
-    decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, waiting)
+    decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, running, waiting)
     outputs = self._collect_in_flight()
     num_sampled = decoded.sampled.num_sampled.tolist()
     computed = dict(zip(decoded.req_ids, num_sampled))

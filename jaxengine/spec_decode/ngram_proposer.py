@@ -133,12 +133,14 @@ class Drafts:
 
 @dataclasses.dataclass
 class _Buffer:
-  """One completion's tokens on the host: `tokens[:length]`, the prompt then the output."""
+  """One completion's tokens on the host: `tokens[:length]`, the prompt then the output, as one
+  NumPy array for the vectorised search (vLLM's proposer reads the batch's `token_ids_cpu` for
+  the same reason). It copies one way from the completion's `token_ids`, the tokens' one record:
+  each lookup appends the tokens it does not hold yet, and nothing else reads or writes them."""
 
   completion: object
   tokens: np.ndarray
   length: int
-  num_prompt: int
   accepted: float = 0.0  # decayed counts of accepted drafts ...
   trials: float = 0.0  # ... and of draft positions decided (accepted, or the first rejected)
 
@@ -170,10 +172,8 @@ class NgramProposer:
       prompt = completion.request.prompt_token_ids
       tokens = np.zeros((self.max_model_len,), np.int32)
       tokens[: len(prompt)] = prompt
-      buffer = self._buffers[completion.seq_id] = _Buffer(
-        completion, tokens, len(prompt), len(prompt)
-      )
-    new = completion.token_ids[buffer.length - buffer.num_prompt :]
+      buffer = self._buffers[completion.seq_id] = _Buffer(completion, tokens, len(prompt))
+    new = completion.token_ids[buffer.length - len(completion.request.prompt_token_ids) :]
     if new:
       buffer.tokens[buffer.length : buffer.length + len(new)] = new
       buffer.length += len(new)

@@ -32,7 +32,7 @@ warm-up did not.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -226,16 +226,14 @@ class ModelRunner:
   # --- the batch and the step ------------------------------------------------------------------
 
   def add(self, completion: Completion) -> None:
-    """Gives a completion a row (`Completion.encoded`), its LoRA slot, device stop rules and
-    prompt logprobs (`PromptLogprobs.add`)."""
-    request, batch = completion.request, self.input_batch
+    """Gives a completion a row (`Completion.encoded`, else encoded now: one built elsewhere),
+    its LoRA slot and prompt logprobs (`PromptLogprobs.add`)."""
+    request, batch, params = completion.request, self.input_batch, completion.params
     if self.lora is not None:  # first: a failure leaves the batch as it was
       self.lora.acquire(completion.seq_id, request.lora_request)
-    prompt, params = request.prompt_token_ids, completion.params
-    encoded = completion.encoded or batch.validate_request(prompt, params)  # None: built elsewhere
-    batch.add_encoded_request(completion.seq_id, encoded)
+    encoded = completion.encoded or batch.validate_request(request.prompt_token_ids, params)
+    batch.add_encoded_request(completion.seq_id, encoded, completion)  # its tokens' ledger
     completion.encoded = None  # the batch's row holds it now
-    self._stop_rules.add(completion.seq_id, params)
     self._prompt_logprobs.add(completion)
 
   def remove(self, seq_id: str) -> None:
@@ -243,7 +241,6 @@ class ModelRunner:
     self.input_batch.remove_request(seq_id)
     if self.lora is not None:
       self.lora.release(seq_id)
-    self._stop_rules.remove(seq_id)
     self._prompt_logprobs.remove(seq_id)
 
   def execute(
@@ -283,11 +280,10 @@ class ModelRunner:
     num_tokens, num_rows = self.step_buckets(
       scheduled.total_num_scheduled_tokens, batch.num_reqs, prompt_logprobs=bool(wanted)
     )
-    variant = (bool(wanted), bool(scheduled.spec_token_ids))
+    variant = (bool(wanted), drafted := bool(scheduled.spec_token_ids))
     shape = self.compiled_shapes.choose(StepShape(num_tokens, num_rows, variant))
     num_tokens, num_rows = shape.num_tokens, shape.num_rows
     produces = produced_rows(batch, scheduled)
-    drafted = bool(scheduled.spec_token_ids)
     inputs, verify = self._step_inputs(scheduled, num_tokens, num_rows, produces, drafted)
     counts = None if verify is not None else [int(p) for p in produces]
     pending = self._run_step(inputs, num_rows, columns, verify, counts)
@@ -319,8 +315,7 @@ class ModelRunner:
       prompt_logprobs = self._prompt_logprobs.collect(
         step.scheduled, step.prompt_logprobs_wanted, step.query_starts, token_logprobs
       )
-    req_ids = [req_id for req_id, _ in step.pending.rows]
-    return StepOutput(req_ids=req_ids, sampled=output, prompt_logprobs=prompt_logprobs)
+    return StepOutput([req_id for req_id, _ in step.pending.rows], output, prompt_logprobs)
 
   def step_buckets(
     self, num_tokens: int, num_reqs: int, prompt_logprobs: bool = False
@@ -435,7 +430,7 @@ class ModelRunner:
       batch.resolve(self._run_step(inputs, num_rows, columns, drafts))
     if num_decode_steps > 1:  # the k-step loop: one executable per row bucket
       for num_rows in self.row_buckets:
-        self._run_decode_steps(empty, num_rows, num_decode_steps, end_on_first_finish=False)
+        self._run_decode_steps(empty, {}, num_rows, num_decode_steps, end_on_first_finish=False)
     jax.block_until_ready(cast(Any, self.kv_cache))
     return len(variants) + (len(self.row_buckets) if num_decode_steps > 1 else 0)
 
@@ -446,7 +441,11 @@ class ModelRunner:
   # --- the k-step decode ------------------------------------------------------------------------
 
   def execute_decode_steps(
-    self, scheduled: SchedulerOutput, num_steps: int, end_on_first_finish: bool = False
+    self,
+    scheduled: SchedulerOutput,
+    num_steps: int,
+    running: Mapping[str, Completion],
+    end_on_first_finish: bool = False,
   ) -> StepOutput:
     """Runs up to `num_steps` ragged decode steps in one device loop (`worker/multi_step.py`)
     over the rows `scheduled.num_decode_steps` names (`Scheduler.schedule_decode_steps`), each
@@ -455,39 +454,40 @@ class ModelRunner:
     Args:
       scheduled: the step's plan, with `num_decode_steps`.
       num_steps: `k` (static: one executable per row bucket and value).
+      running: each live row's completion by `seq_id` (its params: the stop rules).
       end_on_first_finish: end the loop once some row stops by a stop rule (requests wait).
 
     Returns:
       `StepOutput`: up to `k` tokens per row (`sampled.num_sampled`), no prompt logprobs.
     """
     self.check_awake()
-    batch = self.input_batch
     self._update_block_table(scheduled)
-    num_rows = bucket(batch.num_reqs, self.row_buckets)
-    output = self._run_decode_steps(scheduled, num_rows, num_steps, end_on_first_finish)
-    return StepOutput(req_ids=batch.req_ids, sampled=output, prompt_logprobs={})
+    num_rows = bucket(self.input_batch.num_reqs, self.row_buckets)
+    output = self._run_decode_steps(scheduled, running, num_rows, num_steps, end_on_first_finish)
+    return StepOutput(req_ids=self.input_batch.req_ids, sampled=output, prompt_logprobs={})
 
   def _run_decode_steps(
     self,
     scheduled: SchedulerOutput,
+    running: Mapping[str, Completion],
     num_rows: int,
     num_steps: int,
     end_on_first_finish: bool,
   ) -> HostMultiStepOutput:
     """The jitted k-step loop through `run_steps` (also `precompile`'s); keeps the new cache."""
-    batch = self.input_batch
     inputs = decode_steps_inputs(
-      batch,
+      self.input_batch,
       self.block_table,
       scheduled.num_decode_steps,
       num_rows,
       self._stop_rules,
+      running,
       end_on_first_finish,
       lora=self.lora,
       sharding=self._input_sharding,
     )
     output, kv_cache = run_steps(
-      batch,
+      self.input_batch,
       placed_step(self._placement, self.decode_steps),
       self.weights,
       self.kv_cache,

@@ -44,6 +44,7 @@ from jax import lax
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.batch.step_loop import MultiStepOutput
+from jaxengine.core.request import Completion
 from jaxengine.lora import LoRAManager
 from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
@@ -117,7 +118,9 @@ class DecodeStepsInputs:
 
 
 class DeviceStopRules:
-  """The `device_stop_rules` of each completion in a runner's batch, by `seq_id`.
+  """How a runner lays out its rows' `device_stop_rules`: the engine's EOS ids, limit and stop-id
+  columns. The rules themselves are read from each completion's `SamplingParams` when a loop is
+  laid out (the request is their one record).
 
   Args:
     input_batch: the batch (its EOS ids and `max_num_stop_token_ids` size the stop-id columns).
@@ -129,19 +132,10 @@ class DeviceStopRules:
     self.max_model_len = max_model_len
     #: `C`, the stop-id columns: the most stop ids a request may name, and the EOS ids.
     self.max_num_stop_ids = input_batch.config.max_num_stop_token_ids + len(self.eos_token_ids)
-    self._rules: dict[str, tuple[int, tuple[int, ...]]] = {}
 
-  def add(self, seq_id: str, params: SamplingParams) -> None:
-    """Notes a completion's rules."""
-    self._rules[seq_id] = device_stop_rules(params, self.eos_token_ids, self.max_model_len)
-
-  def remove(self, seq_id: str) -> None:
-    """Forgets a completion's rules."""
-    self._rules.pop(seq_id, None)
-
-  def rows(self, req_ids: Sequence[str]) -> list[tuple[int, tuple[int, ...]]]:
-    """The rules of `req_ids`, in order."""
-    return [self._rules[seq_id] for seq_id in req_ids]
+  def rows(self, params: Sequence[SamplingParams]) -> list[tuple[int, tuple[int, ...]]]:
+    """The rules of completions with these `params`, in order."""
+    return [device_stop_rules(p, self.eos_token_ids, self.max_model_len) for p in params]
 
 
 def decode_steps_inputs(
@@ -150,6 +144,7 @@ def decode_steps_inputs(
   num_decode_steps: Mapping[str, int],
   num_rows: int,
   stop_rules: DeviceStopRules,
+  running: Mapping[str, Completion],
   end_on_first_finish: bool,
   lora: LoRAManager | None = None,
   sharding: jax.sharding.Sharding | None = None,
@@ -161,7 +156,8 @@ def decode_steps_inputs(
     block_table: their pages (the row bucket's rows go to the device).
     num_decode_steps: the most tokens each scheduled row may sample (`SchedulerOutput`).
     num_rows: `R`, the row bucket.
-    stop_rules: the batch's `DeviceStopRules` (each live row's).
+    stop_rules: the runner's `DeviceStopRules`.
+    running: each live row's completion by `seq_id` (its `params`: the stop rules' one record).
     end_on_first_finish: end the loop once some row stops by a stop rule.
     lora: the runner's adapters (each row's slot an input), None without LoRA.
     sharding: where the inputs go, None: the default device.
@@ -174,7 +170,7 @@ def decode_steps_inputs(
   tables = (
     block_table.group_block_ids[:, :num_rows] if grouped else block_table.block_ids[:num_rows]
   )
-  rules = stop_rules.rows(req_ids)
+  rules = stop_rules.rows([running[seq_id].params for seq_id in req_ids])
   max_output_tokens, stop_ids = stop_rule_arrays(rules, num_rows, stop_rules.max_num_stop_ids)
   host: tuple[Any, ...] = (
     tables,

@@ -154,6 +154,12 @@ def test_a_step_is_read_while_the_next_runs(model, tokenizer):
   engine.add_request("a", "hi", je.SamplingParams(temperature=0, max_tokens=3))
   assert engine.step() == []
   assert engine.has_unfinished_requests()
+  # One record of the request's tokens: the batch counts the unread token in the completion's
+  # placeholders and reads its tokens from the completion (no list of its own).
+  batch, completion = engine.runner.input_batch, engine.cores[0].scheduler.running["a"]
+  assert completion.num_output_placeholders == 1
+  assert batch.num_tokens("a") == completion.num_tokens_with_placeholders
+  assert batch.output_token_ids("a") is completion.token_ids
   counts = []
   while engine.has_unfinished_requests():
     counts.extend(len(o.outputs[0].token_ids) for o in engine.step())

@@ -23,6 +23,7 @@ from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 from jaxengine.worker import device_steps
+from jaxengine.worker.multi_step import DeviceStopRules
 
 #: 6 usable pages of 4 tokens for 2 rows of up to 24 tokens: preemption and short lookahead.
 TIGHT = {
@@ -204,3 +205,12 @@ def test_num_decode_steps_is_accepted_with_pages_and_still_validated():
   with pytest.raises(ValueError, match=r"num_decode_steps must be an int >= 1, got 0"):
     LLMEngine(model, max_num_reqs=2, max_model_len=32, num_kv_blocks=8, num_decode_steps=0)
   assert model.vocab_size == VOCAB
+
+
+def test_the_loops_stop_rules_are_read_from_each_completions_params():
+  """The k-step loop's stop rules come from each row's `SamplingParams` when the loop is laid
+  out (the runner keeps no copy of them): `max_tokens` (else `max_model_len`), the EOS ids unless
+  `ignore_eos`, then the stop ids, each once."""
+  rules = DeviceStopRules(je.InputBatch(2, 32, VOCAB, eos_token_ids=[2]), max_model_len=32)
+  got = rules.rows([SP(max_tokens=5, stop_token_ids=[7, 2]), SP(max_tokens=None, ignore_eos=True)])
+  assert got == [(5, (2, 7)), (32, ())]
