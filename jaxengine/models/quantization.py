@@ -113,7 +113,7 @@ def check_quantization(value: Any) -> str | None:
   raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {value!r}")
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=["in_axes"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedRows:
   """A matrix quantized per output channel.
@@ -127,7 +127,7 @@ class QuantizedRows:
 
   values: jax.Array
   scale: jax.Array
-  in_axes: tuple[int, ...]
+  in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
 @functools.partial(jax.jit, static_argnames=("quantization", "in_axes"))
