@@ -51,7 +51,12 @@ product (``[X, M, E]``, not ``[M, E]``).
 Sharding (`jaxengine.models.registry`): the stacked matrices are `EXPERT_COLUMN_PARALLEL`
 (gate, up: split on ``out``, their last axis, the expert's intermediate features) and
 `EXPERT_ROW_PARALLEL` (down: split on ``in``, its middle axis); with ``enable_expert_parallel``
-both are split on ``X`` instead (`jaxengine.parallel`). The router is replicated.
+both are split on ``X`` instead (`jaxengine.parallel`). The router is replicated. Compiled for
+two v5e chips (64 tokens' decode step), tensor parallelism reads each chip's half of the stacks
+in place (no temporary of expert size); with expert parallelism XLA's partitioner does not keep
+the ragged dot's groups local and gathers the stacks (a 1.4 GB temporary for Qwen3-30B-A3B's
+bfloat16 experts): a ``shard_map`` over local groups would be needed, not done here. On four
+chips Qwen3-30B-A3B's 192 intermediate features per chip are padded to 256 lanes (a 135 MB copy).
 
 Quantized experts (``EngineConfig.quantization``, `jaxengine.models.quantization`): each
 expert matrix holds int8 / float8_e4m3fn values and ``[X, out] float32`` scales (``QUANTIZABLE``,
