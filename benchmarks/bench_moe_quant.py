@@ -38,19 +38,21 @@ EXPERTS = 8
 @functools.partial(jax.jit, static_argnames="folded")
 def _product(x, w, group_sizes, scale=None, folded=False):
   if folded:  # the other exact form: dequantize, then a float product
-    return moe.grouped_linear(x, w.astype(x.dtype) * scale[..., None], group_sizes)
+    return moe.grouped_linear(x, w.astype(x.dtype) * scale[:, None, :], group_sizes)
   return moe.grouped_linear(x, w, group_sizes, scale=scale)
 
 
 def _variants(rows: int, width: int) -> dict:
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((rows, width)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((EXPERTS, width, width)) * width**-0.5, jnp.float32)
+  w = jnp.asarray(
+    rng.standard_normal((EXPERTS, width, width)) * width**-0.5, jnp.float32
+  )  # [X, in, out]
   sizes = np.full(EXPERTS, rows // EXPERTS, np.int32)
   sizes[: rows % EXPERTS] += 1
   group_sizes = jnp.asarray(sizes)
-  int8 = quantize_rows(w, quantization="int8", num_out_axes=2)
-  fp8 = quantize_rows(w, quantization="fp8", num_out_axes=2)
+  int8 = quantize_rows(w, quantization="int8", in_axes=(1,))
+  fp8 = quantize_rows(w, quantization="fp8", in_axes=(1,))
   return {
     "float32": lambda: _product(x, w, group_sizes),
     "int8": lambda: _product(x, int8.values, group_sizes, int8.scale),

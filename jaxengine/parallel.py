@@ -21,9 +21,9 @@ row-parallel              ``wo`` ``[E, H, D]``,           second dimension over 
                           ``w_down`` ``[E, F]``           (``P(None, "model", ...)``: its input)
 vocab-parallel            ``embed``, ``lm_head``          ``P("model", None)`` (vocabulary)
                           ``[V, E]``
-expert-column-parallel    ``expert_gate``, ``expert_up``  ``P(None, "model", None)`` (each
-                          ``[X, F, E]``                   expert's intermediate features)
-expert-row-parallel       ``expert_down`` ``[X, E, F]``   ``P(None, None, "model")``
+expert-column-parallel    ``expert_gate``, ``expert_up``  ``P(None, None, "model")`` (each
+                          ``[X, E, F]``                   expert's intermediate features)
+expert-row-parallel       ``expert_down`` ``[X, F, E]``   ``P(None, "model", None)``
 (expert parallelism)      the three expert stacks         ``P("model", None, None)``: whole
                                                           experts per device
 replicated                norms, ``bo``, anything         ``P()``
@@ -32,15 +32,16 @@ replicated                norms, ``bo``, anything         ``P()``
 
 Quantized matrices (`EngineConfig.quantization`, `jaxengine.models.quantization`): the int8 /
 float8 values have the float weight's shape and role, hence its spec. Their ``[*out] float32``
-scales (``scales/wq``, named by the matrix) take the matrix's role too and `weight_spec` applies
-it to the scales' shape, the matrix's leading output axes: where the role splits an output axis
-(column-parallel ``[H, D]`` -> ``P("model", None)``, expert-column-parallel ``[X, F]`` ->
-``P(None, "model")``, expert parallelism ``[X, out]`` -> ``P("model", None)``) the scales are
-split alike, so each device scales its own output columns; where it splits an input axis
-(row-parallel ``wo``, ``w_down``, ``expert_down``) the axis lies past the scales' rank and they
-are replicated: the whole ``[out]`` row is on every device, to scale the partial sums before
-the all-reduce or their sum after it (the same result: the scale is per output channel). Either
-way the scaling adds no collective to the matmul's.
+scales (``scales/wq``, named by the matrix: the matrix's shape without its input axes) take the
+matrix's role too, and `weight_spec` (``scale=True``) splits the scales' axis that the role
+splits in the matrix: where the role splits an output axis (column-parallel ``[H, D]`` ->
+``P("model", None)``, expert-column-parallel ``[X, F]`` -> ``P(None, "model")``, expert
+parallelism ``[X, out]`` -> ``P("model", None)``) the scales are split alike, so each device
+scales its own output columns; where it splits an input axis (row-parallel ``wo``, ``w_down``,
+``expert_down``) the scales have no such axis and are replicated: the whole ``[out]`` row is on
+every device, to scale the partial sums before the all-reduce or their sum after it (the same
+result: the scale is per output channel). Either way the scaling adds no collective to the
+matmul's.
 
 The KV cache's pages (`jaxengine.models.sharded_attention`): the backend's key/value head axis
 over ``model`` (``[N, B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does
@@ -83,9 +84,12 @@ _ROLE_DIM = {
   COLUMN_PARALLEL: 0,
   ROW_PARALLEL: 1,
   VOCAB_PARALLEL: 0,
-  EXPERT_COLUMN_PARALLEL: 1,
-  EXPERT_ROW_PARALLEL: 2,
+  EXPERT_COLUMN_PARALLEL: 2,  # [X, in, out]: out
+  EXPERT_ROW_PARALLEL: 1,  # [X, in, out]: in
 }
+# The dimension of a matrix's scales (its shape without the input axes) each role splits: the
+# output axis the role splits in the matrix; a role splitting an input axis is replicated.
+_SCALE_DIM = {COLUMN_PARALLEL: 0, VOCAB_PARALLEL: 0, EXPERT_COLUMN_PARALLEL: 1}
 
 
 def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
@@ -177,24 +181,34 @@ def _split(shape: tuple[int, ...], dim: int, axis: str, size: int) -> P:
 
 
 def weight_spec(
-  role: str, shape: tuple[int, ...], tensor_parallel_size: int, *, expert_parallel: bool = False
+  role: str,
+  shape: tuple[int, ...],
+  tensor_parallel_size: int,
+  *,
+  expert_parallel: bool = False,
+  scale: bool = False,
 ) -> P:
   """The partition spec of one parameter from its sharding role (see the module's table).
 
   Args:
     role: one of `jaxengine.models.registry.ROLES`; `REPLICATED` (or any other) is replicated.
     shape: its shape (``[out, in]`` layout: column-parallel splits dimension 0, row-parallel
-      dimension 1, vocab-parallel dimension 0; ``[X, out, in]`` stacked experts: dimension 1
-      or 2).
+      dimension 1, vocab-parallel dimension 0; ``[X, in, out]`` stacked experts: dimension 2,
+      expert-column-parallel, or 1, expert-row-parallel).
     tensor_parallel_size: `t`.
     expert_parallel: the expert roles split dimension 0, the experts, instead (vLLM's
       ``enable_expert_parallel``).
+    scale: the parameter is the float32 scales of a quantized matrix of this role (its shape
+      without the input axes): split on the output axis the role splits, else replicated.
   """
+  dims = _SCALE_DIM if scale else _ROLE_DIM
   if role not in _ROLE_DIM or tensor_parallel_size == 1:
     return P()
   if expert_parallel and role in (EXPERT_COLUMN_PARALLEL, EXPERT_ROW_PARALLEL):
     return _split(shape, 0, MODEL, tensor_parallel_size)
-  return _split(shape, _ROLE_DIM[role], MODEL, tensor_parallel_size)
+  if role not in dims:
+    return P()
+  return _split(shape, dims[role], MODEL, tensor_parallel_size)
 
 
 def weight_shardings(
@@ -215,7 +229,8 @@ def weight_shardings(
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     names = [n for n in keys if isinstance(n, str) and n != "value"]
     role = rules.get(names[-1], REPLICATED) if names else REPLICATED
-    spec = weight_spec(role, tuple(leaf.shape), t, expert_parallel=expert_parallel)
+    scale = len(names) > 1 and names[-2] == "scales"  # a quantized matrix's scales
+    spec = weight_spec(role, tuple(leaf.shape), t, expert_parallel=expert_parallel, scale=scale)
     return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(one, weights)

@@ -33,8 +33,10 @@ Qwen3 with ``num_experts`` (``X`` experts of width ``F = hidden_dim``, a `MoELay
 layer, top-``num_experts_per_tok`` weights renormalised):
 
     layers.i.mlp.router.kernel      [E, X]      -> layers.i.mlp.router       [X, E]
-    layers.i.mlp.{gate,up}_proj     [X, E, F]   -> layers.i.mlp.expert_{gate,up} [X, F, E]
-    layers.i.mlp.down_proj          [X, F, E]   -> layers.i.mlp.expert_down  [X, E, F]
+    layers.i.mlp.{gate,up}_proj     [X, E, F]   -> layers.i.mlp.expert_{gate,up} [X, E, F]
+    layers.i.mlp.down_proj          [X, F, E]   -> layers.i.mlp.expert_down  [X, F, E]
+
+(the experts as they are: both keep them ``[X, in, out]``).
 
 Gemma (``tunix.models.gemma``: Gemma 1 and 2) and Gemma 3 (``tunix.models.gemma3``), Tunix ->
 `jaxengine.models.gemma.Gemma` (``N`` query heads; the einsum weights carry ``[..., E, D]``):
@@ -138,11 +140,10 @@ def _layer_rules(config: LlamaConfig, sparse: bool) -> dict[str, tuple[str, Any]
   if sparse:
     for name in ("gate_proj", "up_proj", "down_proj"):
       del rules[f"mlp.{name}.kernel"]
-    swap = lambda w: w.transpose(0, 2, 1)  # [X, in, out] -> [X, out, in]
     rules["mlp.router.kernel"] = ("mlp.router", lambda w: w.T)  # [E, X] -> [X, E]
-    rules["mlp.gate_proj"] = ("mlp.expert_gate", swap)
-    rules["mlp.up_proj"] = ("mlp.expert_up", swap)
-    rules["mlp.down_proj"] = ("mlp.expert_down", swap)
+    rules["mlp.gate_proj"] = ("mlp.expert_gate", None)  # [X, in, out] both
+    rules["mlp.up_proj"] = ("mlp.expert_up", None)
+    rules["mlp.down_proj"] = ("mlp.expert_down", None)
   if config.attention_bias:
     rules["attn.q_bias"] = ("attn.bq", lambda b: b.reshape(h, d))
     rules["attn.k_bias"] = ("attn.bk", lambda b: b.reshape(k, d))

@@ -106,8 +106,13 @@ class Attention(nnx.Module):
     batch_invariant: projections computed a fixed number of rows at a time (`Llama`).
   """
 
-  #: The projections `quantize_model` may quantize, with their leading output axes.
-  QUANTIZABLE: ClassVar[dict[str, int]] = {"wq": 2, "wk": 2, "wv": 2, "wo": 1}
+  #: The projections `quantize_model` may quantize, with their input axes (`quantize_rows`).
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {
+    "wq": (2,),
+    "wk": (2,),
+    "wv": (2,),
+    "wo": (1, 2),
+  }
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
@@ -194,8 +199,10 @@ class MLP(nnx.Module):
     batch_invariant: projections computed a fixed number of rows at a time (`Llama`).
   """
 
-  #: The projections `quantize_model` may quantize, with their leading output axes.
-  QUANTIZABLE: ClassVar[dict[str, int]] = {"w_gate": 1, "w_up": 1, "w_down": 1}
+  #: The projections `quantize_model` may quantize, with their input axes (`quantize_rows`).
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("w_gate", "w_up", "w_down"), (1,)
+  )
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size

@@ -11,7 +11,8 @@ For both sources the loaders read (`jaxengine.models.registry` routes them here)
   leaves (`gguf_weight_specs`: ``blk.0.attn_q.weight`` -> ``layers/0/attn/wq``, rows of the query
   and key projections put back from GGUF's interleaved rotary pairs).
 
-Every matrix keeps the checkpoint's ``(out, in)`` layout: tensors are only reshaped per head.
+Every dense matrix keeps the checkpoint's ``(out, in)`` layout: tensors are only reshaped per
+head. A mixture of experts' per-expert matrices are transposed to its ``[X, in, out]`` stacks.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def moe_weight_specs(cfg: LlamaConfig, layer: int) -> list[WeightSpec]:
   The router ``{block}.gate.weight`` ``(X, E)`` fills ``mlp/router``; each expert ``j``'s
   ``{block}.experts.{j}.{gate}.weight`` ``(F, E)``, ``{up}`` ``(F, E)`` and ``{down}``
   ``(E, F)`` fill row ``j`` (`WeightSpec.layer`) of the stacked ``mlp/expert_gate``,
-  ``expert_up`` and ``expert_down`` leaves, in their ``(out, in)`` layout. Qwen3-MoE names the
+  ``expert_up`` and ``expert_down`` leaves, transposed (`WeightSpec.transpose`) into their
+  ``[X, in, out]`` layout, the one the grouped matmul reads in place. Qwen3-MoE names the
   block ``mlp`` and the projections ``gate_proj``/``up_proj``/``down_proj``; Mixtral
   ``block_sparse_moe`` and ``w1``/``w3``/``w2``.
   """
@@ -205,9 +207,9 @@ def moe_weight_specs(cfg: LlamaConfig, layer: int) -> list[WeightSpec]:
   specs = [WeightSpec(f"{prefix}.gate.weight", (*path, "router"), None, (cfg.num_experts, e))]
   for j in range(cfg.num_experts):
     specs += [
-      WeightSpec(f"{prefix}.experts.{j}.{gate}.weight", (*path, "expert_gate"), j, (f, e)),
-      WeightSpec(f"{prefix}.experts.{j}.{up}.weight", (*path, "expert_up"), j, (f, e)),
-      WeightSpec(f"{prefix}.experts.{j}.{down}.weight", (*path, "expert_down"), j, (e, f)),
+      WeightSpec(f"{prefix}.experts.{j}.{gate}.weight", (*path, "expert_gate"), j, (f, e), True),
+      WeightSpec(f"{prefix}.experts.{j}.{up}.weight", (*path, "expert_up"), j, (f, e), True),
+      WeightSpec(f"{prefix}.experts.{j}.{down}.weight", (*path, "expert_down"), j, (e, f), True),
     ]
   return specs
 

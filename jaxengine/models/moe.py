@@ -15,21 +15,25 @@ SwiGLU experts and sums their outputs weighted by the router:
 4. combine: the rows put back in assignment order and each token's ``k`` outputs summed,
    weighted by its routing weights (in float32, then cast to the model dtype).
 
-Expert weights are stacked per block, ``[X, out, in]`` (each expert's matrix in PyTorch's
-``nn.Linear`` layout, as the checkpoints store it, so a per-expert checkpoint tensor fills one
-row of the stack: `jaxengine.models.llama_checkpoints.hf_weight_specs`).
+Expert weights are stacked per block as ``[X, in, out]``: each expert's matrix is the
+transpose of PyTorch's ``nn.Linear`` ``(out, in)`` layout the checkpoints store, transposed on
+the host as it is loaded (`jaxengine.models.llama_checkpoints.hf_weight_specs`: a per-expert
+checkpoint tensor fills one row of the stack). This is the layout XLA's TPU grouped matmul
+reads in place.
 
 On GPU and TPU `ragged_dot_general` lowers to XLA's ragged dot, a grouped matmul whose work is
 the assignments' only (not measured in this repository: its tests and benchmarks run on CPU).
 The platform is the one compiled for (`jaxengine.models.target_device.target_platform`), so a
 TPU compiled for from a CPU host gets the ragged dot too. Compiled for TPU v5e (libtpu
 0.0.42.1), the ragged dot takes Qwen3-30B-A3B's and Mixtral's experts in bfloat16 and int8 and
-is partitioned by XLA over tensor-parallel experts, but its TPU emitter reads the matrices as
-``[X, in, out]``: from this ``[X, out, in]`` layout it copies each expert stack transposed on
-every call (a temporary as large as the stack, about 3x the bytes of a read in place). JAX's
-Mosaic grouped matmul (``megablox.gmm`` with ``transpose_rhs``) reads the layout in place, but
-takes only bfloat16 / float32 matrices and cannot be partitioned automatically ("wrap the call
-in a shard_map"), so the engine keeps the ragged dot.
+is partitioned by XLA over tensor-parallel experts; its TPU emitter reads the matrices as
+``[X, in, out]``. Stored as ``[X, out, in]`` (this module's earlier layout) it copied each
+expert stack transposed on every call: one MoE layer's decode step of 64 tokens, compiled for
+v5e, held a 404 MB temporary for Qwen3-30B-A3B's bfloat16 experts (945 MB for Mixtral-8x7B's)
+and accessed 3.7 GB (8.6 GB) for 1.2 GB (2.8 GB) of expert weights; over ``[X, in, out]`` it
+holds no temporary of expert size (`tests/models/test_tpu_kernels.py` checks it). JAX's Mosaic
+grouped matmul (``megablox.gmm``) takes only bfloat16 / float32 matrices and cannot be
+partitioned automatically ("wrap the call in a shard_map"), so the engine keeps the ragged dot.
 XLA:CPU has no such kernel: JAX lowers the ragged product there to one dense
 product of the rows, masked per group, with every expert's matrix, and the product's operand
 order makes XLA copy every expert's weights into a transposed buffer on each call. So on CPU the
@@ -38,21 +42,32 @@ block multiplies the sorted rows by every expert's matrix as a product batched o
 its copy. Measured on a 2-core CPU, 8 experts of 512 -> 512, weights passed as arguments, 2 / 16
 / 64 / 256 rows: 2.70 / 3.29 / 5.15 / 10.72 ms for the ragged product over ``[X, out, in]``,
 1.17 / 1.71 / 3.45 / 8.89 ms over ``[X, in, out]``, 0.46 / 0.62 / 1.70 / 6.38 ms for the batched
-product (a dense product as wide as all 8 experts: 0.60 / 0.99 / 2.24 / 6.35 ms). The CPU step
+product over ``[X, out, in]`` (a dense product as wide as all 8 experts: 0.60 / 0.99 / 2.24 /
+6.35 ms); over ``[X, in, out]`` the block loops over the experts instead (`_pick`). The CPU step
 thus costs about what a dense MLP as wide as all experts does (`benchmarks/bench_moe.py`); with
 tensor parallelism on CPU the down projection's all-reduce carries every expert's partial
 product (``[X, M, E]``, not ``[M, E]``).
 
 Sharding (`jaxengine.models.registry`): the stacked matrices are `EXPERT_COLUMN_PARALLEL`
-(gate, up: split on ``out``, the expert's intermediate features) and `EXPERT_ROW_PARALLEL`
-(down: split on ``in``); with ``enable_expert_parallel`` both are split on ``X`` instead
-(`jaxengine.parallel`). The router is replicated.
+(gate, up: split on ``out``, their last axis, the expert's intermediate features) and
+`EXPERT_ROW_PARALLEL` (down: split on ``in``, its middle axis); with ``enable_expert_parallel``
+both are split on ``X`` instead (`jaxengine.parallel`). The router is replicated. Compiled for
+two v5e chips (64 tokens' decode step), tensor parallelism reads each chip's half of the stacks
+in place (no temporary of expert size); with expert parallelism XLA's partitioner does not keep
+the ragged dot's groups local and gathers the stacks (a 1.4 GB temporary for Qwen3-30B-A3B's
+bfloat16 experts): a ``shard_map`` over local groups would be needed, not done here. On four
+chips Qwen3-30B-A3B's 192 intermediate features per chip are padded to 256 lanes (a 135 MB copy).
 
 Quantized experts (``EngineConfig.quantization``, `jaxengine.models.quantization`): each
 expert matrix holds int8 / float8_e4m3fn values and ``[X, out] float32`` scales (``QUANTIZABLE``,
 ``scales``); `grouped_linear` casts the values to the activations' dtype inside the grouped
 product's input and multiplies each sorted row's ``[out]`` result by its own expert's scales (a
-gather of ``[M, out]``, exact per output channel), the router staying in the model dtype.
+gather of ``[M, out]``, exact per output channel), the router staying in the model dtype. On
+TPU the ragged dot takes int8 values as they are (the cast first made XLA write a bfloat16 copy
+of the stack on every call); float8 values are cast first (TPU v5e has no float8 product: given
+as they are, XLA's copy was twice the size). Compiled for v5e, one MoE layer's decode step of 64
+tokens, weights ``[X, in, out]``: Qwen3-30B-A3B's int8 experts (0.60 GB) accessed 0.76 GB with no
+temporary, its float8 ones 3.2 GB with a 404 MB temporary (the bfloat16 copy).
 Measured on a 2-core CPU (`benchmarks/bench_moe_quant.py`, 8 experts of 512 -> 512, 2 / 16 / 64
 / 256 rows, ms): the CPU form float32 1.08 / 1.62 / 3.51 / 15.9, int8 1.11 / 1.86 / 4.05 / 14.5,
 fp8 1.46 / 2.09 / 4.27 / 15.2, int8 with the scales folded into a dequantized copy first 1.27 /
@@ -86,16 +101,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.batch_invariant import ROW_TILE
-from jaxengine.models.layers import linear, normal_out_in
+from jaxengine.models.layers import linear, normal_init, normal_out_in
 from jaxengine.models.llama_config import LlamaConfig
 from jaxengine.models.target_device import target_platform
 from jaxengine.reductions import fixed_sum
 
 __all__ = ["Routing", "SparseMoeBlock", "grouped_linear", "route"]
 
-# lhs [M, in] ragged along M; rhs [X, out, in] grouped along X, contracting `in` with `in`.
+# lhs [M, in] ragged along M; rhs [X, in, out] grouped along X, contracting `in` with `in`.
 _RAGGED = jax.lax.RaggedDotDimensionNumbers(
-  dot_dimension_numbers=(((1,), (2,)), ((), ())),
+  dot_dimension_numbers=(((1,), (1,)), ((), ())),
   lhs_ragged_dimensions=[0],
   rhs_group_dimensions=[0],
 )
@@ -146,7 +161,7 @@ def grouped_linear(
   scale: jax.Array | None = None,
   batch_invariant: bool = False,
 ) -> jax.Array:
-  """Row ``r`` of `x` times the ``[out, in]`` matrix of the group it lies in (a grouped matmul).
+  """Row ``r`` of `x` times the ``[in, out]`` matrix of the group it lies in (a grouped matmul).
 
   On GPU and TPU one `jax.lax.ragged_dot_general` (a grouped-matmul kernel); on CPU
   `_every_group_then_pick` (see the module docstring for why).
@@ -154,29 +169,40 @@ def grouped_linear(
   With `scale` (experts quantized per output row, `jaxengine.models.quantization`) the values
   are cast to the activations' dtype, the grouped product runs in it, and row ``r``'s ``[out]``
   result is multiplied by its own group's scales, ``scale[group(r)]``: exact per output
-  channel, ``x @ (s * q).T == (x @ q.T) * s``, as `jaxengine.models.layers.linear` does for one
+  channel, ``x @ (q * s) == (x @ q) * s``, as `jaxengine.models.layers.linear` does for one
   matrix.
 
   Args:
     x: ``[M, in]`` rows sorted by group: the first ``group_sizes[0]`` rows belong to group 0,
       the next ``group_sizes[1]`` to group 1, and so on.
-    w: ``[X, out, in]`` one matrix per group (PyTorch ``nn.Linear`` layout): float, or int8 /
-      float8_e4m3fn with `scale`.
+    w: ``[X, in, out]`` one matrix per group: float, or int8 / float8_e4m3fn with `scale`.
     group_sizes: ``[X] int32`` rows per group, summing to at most ``M`` (rows past the sum
       give zeros).
-    scale: None, or ``[X, out] float32`` per-row scales of a quantized `w`.
+    scale: None, or ``[X, out] float32`` per-output-channel scales of a quantized `w`.
     batch_invariant: multiply ``ROW_TILE`` rows at a time (see the module docstring).
 
   Returns:
     ``[M, out]`` in the promoted dtype of `x` and `w`; with `scale`, in ``x.dtype``.
   """
+  platform = target_platform()
   if scale is not None:
-    out = grouped_linear(x, w.astype(x.dtype), group_sizes, batch_invariant=batch_invariant)
+    # TPU's ragged dot takes int8 values as they are (a cast first is a copy of the whole stack
+    # in the activations' dtype on every call); elsewhere, and float8 values, are cast first.
+    in_place = platform == "tpu" and jnp.issubdtype(w.dtype, jnp.integer)
+    narrow = w if in_place else w.astype(x.dtype)
+    out = _grouped(x, narrow, group_sizes, platform, batch_invariant)
     group = jnp.minimum(_row_groups(group_sizes, x.shape[0]), w.shape[0] - 1)  # [M]
     return (out * scale[group]).astype(x.dtype)  # rows past the groups stay 0
   dtype = jnp.result_type(x, w)
-  x, w = x.astype(dtype), w.astype(dtype)
-  product = _every_group_then_pick if target_platform() == "cpu" else _ragged
+  return _grouped(x.astype(dtype), w.astype(dtype), group_sizes, platform, batch_invariant)
+
+
+def _grouped(
+  x: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str, batch_invariant: bool
+) -> jax.Array:
+  """`grouped_linear` without scales, ``[M, out]`` in ``x.dtype`` (`w` in it, or narrow on
+  TPU), on `platform`'s product."""
+  product = _every_group_then_pick if platform == "cpu" else _ragged
   if not batch_invariant:
     return product(x, w, group_sizes)
   rows = x.shape[0]
@@ -198,8 +224,9 @@ def grouped_linear(
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """`grouped_linear` as one ragged product (a grouped-matmul kernel on GPU and TPU)."""
-  return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED)
+  """`grouped_linear` as one ragged product (a grouped-matmul kernel on GPU and TPU), in
+  ``x.dtype`` (`w` may be narrower: int8 / float8 values, widened inside the kernel)."""
+  return jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED, preferred_element_type=x.dtype)
 
 
 #: Bytes of the ``[X, rows, out]`` products `_every_group_then_pick` computes at once; more rows
@@ -215,7 +242,7 @@ def _every_group_then_pick(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
   not depend on its chunk's other rows: the rows of one product are computed alike)."""
   num_groups, rows = w.shape[0], x.shape[0]
   group = _row_groups(group_sizes, rows)  # [M]
-  per_row = num_groups * w.shape[1] * jnp.dtype(x.dtype).itemsize
+  per_row = num_groups * w.shape[2] * jnp.dtype(x.dtype).itemsize
   chunk = max(8, CPU_PRODUCT_BYTES // per_row // 8 * 8)
   if rows <= chunk:
     return _pick(x, w, group)
@@ -233,14 +260,25 @@ def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def _pick(x: jax.Array, w: jax.Array, group: jax.Array) -> jax.Array:
-  """Rows ``[C, in]`` times every ``[X, out, in]`` matrix, each row's ``group`` kept (zeros for
+  """Rows ``[C, in]`` times every ``[X, in, out]`` matrix, each row's ``group`` kept (zeros for
   ``group >= X``)."""
   num_groups = w.shape[0]
-  # Batched over X with the groups leading ([X, C, out]): XLA:CPU reads each [out, in] matrix
-  # in place (a [C, X, out] result made it copy the weights first, 5x slower).
-  every = jnp.einsum("mi,xoi->xmo", x, w)
+  # One [C, in] @ [in, out] product per group, looped ([X, C, out]): XLA:CPU reads each matrix
+  # in place. As one product batched over X it copied the [X, in, out] weights first (2-core
+  # CPU, 8 groups of 512 -> 512, 2 / 16 / 64 / 256 rows: 3.2 / 1.9 / 3.5 / 25 ms batched, 0.41 /
+  # 0.78 / 2.1 / 10.9 ms looped; 0.26 / 0.83 / 1.4 / 11.6 ms batched over the earlier [X, out,
+  # in] layout).
+  every = jax.lax.map(lambda matrix: x @ matrix, w)
   picked = jnp.take_along_axis(every, jnp.minimum(group, num_groups - 1)[None, :, None], axis=0)
   return jnp.where((group < num_groups)[:, None], picked[0], 0)
+
+
+def _expert_init(rngs: nnx.Rngs, num_experts: int, num_in: int, num_out: int, dtype) -> jax.Array:
+  """``[X, in, out]`` experts of `jaxengine.models.layers.normal_init` (fan-in ``in``), drawn in
+  ``[in, X, out]`` order: a seed gives the same experts as under the earlier ``[X, out, in]``
+  layout (`jaxengine.models.layers.normal_out_in`), transposed."""
+  w = normal_init(rngs, (num_in, num_experts, num_out), num_in, dtype)
+  return w.transpose(1, 0, 2)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -248,10 +286,10 @@ class SparseMoeBlock(nnx.Module):
 
   Attributes:
     router: ``[X, E]`` router (gate) projection.
-    expert_gate: ``[X, F, E]`` each expert's gate projection.
-    expert_up: ``[X, F, E]`` each expert's up projection.
-    expert_down: ``[X, E, F]`` each expert's down projection.
-    scales: ``{name: [X, out] float32}`` per-expert row scales of the quantized expert
+    expert_gate: ``[X, E, F]`` each expert's gate projection (``[X, in, out]``).
+    expert_up: ``[X, E, F]`` each expert's up projection.
+    expert_down: ``[X, F, E]`` each expert's down projection.
+    scales: ``{name: [X, out] float32}`` per-expert output-channel scales of the quantized expert
       matrices (empty unless `jaxengine.models.quantization.quantize_model` made int8 / float8
       values of them; the router stays in the model dtype).
     num_experts_per_tok: ``k`` (static).
@@ -259,16 +297,18 @@ class SparseMoeBlock(nnx.Module):
     batch_invariant: row-tiled products (`jaxengine.models.Llama`).
   """
 
-  #: The matrices `quantize_model` may quantize, with their leading output axes (the expert
-  #: and its output features: one scale per expert and output row).
-  QUANTIZABLE: ClassVar[dict[str, int]] = {"expert_gate": 2, "expert_up": 2, "expert_down": 2}
+  #: The matrices `quantize_model` may quantize, with their input axes (the middle one: one
+  #: scale per expert and output feature).
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("expert_gate", "expert_up", "expert_down"), (1,)
+  )
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     e, f, x = config.hidden_size, config.moe_intermediate_size, config.num_experts
     self.router = nnx.Param(normal_out_in(rngs, (x,), (e,), dtype))  # [X, E]
-    self.expert_gate = nnx.Param(normal_out_in(rngs, (x, f), (e,), dtype))  # [X, F, E]
-    self.expert_up = nnx.Param(normal_out_in(rngs, (x, f), (e,), dtype))  # [X, F, E]
-    self.expert_down = nnx.Param(normal_out_in(rngs, (x, e), (f,), dtype))  # [X, E, F]
+    self.expert_gate = nnx.Param(_expert_init(rngs, x, e, f, dtype))  # [X, E, F]
+    self.expert_up = nnx.Param(_expert_init(rngs, x, e, f, dtype))  # [X, E, F]
+    self.expert_down = nnx.Param(_expert_init(rngs, x, f, e, dtype))  # [X, F, E]
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.num_experts_per_tok = config.num_experts_per_tok
     self.norm_topk_prob = config.norm_topk_prob

@@ -1,16 +1,16 @@
 """Weight-only quantization of a decoder's projection matrices (``EngineConfig.quantization``).
 
 Each ``[out, in]`` projection (a Llama or Gemma layer's query, key, value and output projections
-and its gate, up and down matrices; a mixture of experts' ``[X, out, in]`` gate, up and down
-experts, one scale row per expert) is stored as narrow values with one float32 scale per output
-row, symmetric around 0:
+and its gate, up and down matrices; a mixture of experts' ``[X, in, out]`` gate, up and down
+experts, one ``[out]`` row of scales per expert) is stored as narrow values with one float32
+scale per output channel, symmetric around 0:
 
-- ``"int8"``: ``scale = max|w| / 127`` over the row, ``values = round(w / scale)`` in int8;
+- ``"int8"``: ``scale = max|w| / 127`` over the channel's inputs, ``values = round(w / scale)`` in int8;
 - ``"fp8"``: ``scale = max|w| / 448`` (float8_e4m3fn's largest finite value), ``values = w /
   scale`` rounded to float8_e4m3fn.
 
-A row of zeros gets scale 0 and values 0. The activations stay in the model dtype: the matmul
-multiplies them with the values cast to that dtype, then the ``[out]`` result by the row's scale
+A channel of zeros gets scale 0 and values 0. The activations stay in the model dtype: the matmul
+multiplies them with the values cast to that dtype, then the ``[out]`` result by the channel's scale
 (`jaxengine.models.layers.linear`): exact per output channel, ``x @ (s * q).T == (x @ q.T) * s``.
 The experts' grouped product does the same with each sorted row's own expert's ``[out]`` scales
 (`jaxengine.models.moe.grouped_linear`). The token embedding, the output head, the norms, the
@@ -25,8 +25,9 @@ jitted `quantize_rows` sees the argument placement it was compiled for (quantizi
 model on one device and then placing the result made a load compile 5 executables on a
 2-device tensor-parallel mesh, 10 with 2 data-parallel groups).
 
-A module offers its matrices by declaring ``QUANTIZABLE`` (attribute name -> number of leading
-output axes: ``wq`` is ``[H, D, E]``, 2; ``wo`` is ``[E, H, D]``, 1) and an empty
+A module offers its matrices by declaring ``QUANTIZABLE`` (attribute name -> its input axes, the
+ones a scale reduces over: ``wq`` is ``[H, D, E]``, ``(2,)``; ``wo`` is ``[E, H, D]``, ``(1, 2)``;
+a mixture of experts' ``[X, in, out]`` stack ``(1,)``) and an empty
 ``scales`` `nnx.Dict`, and by passing ``layers.row_scale(self.scales, name)`` to `linear`;
 `quantize_model` fills them. The quantization is one jitted function (`quantize_rows`), compiled
 once per matrix shape, dtype and format and reused when `ModelRunner.load_weights` re-quantizes
@@ -115,45 +116,49 @@ def check_quantization(value: Any) -> str | None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedRows:
-  """A matrix quantized per output row.
+  """A matrix quantized per output channel.
 
   Attributes:
-    values: ``[*out, *in]`` int8 or float8_e4m3fn.
-    scale: ``[*out] float32``: ``w ~= values * scale`` (broadcast over the input axes).
+    values: the matrix's shape (``[*out, *in]``, or ``[X, in, out]``), int8 or float8_e4m3fn.
+    scale: ``float32``, the values' shape without `in_axes` (``[*out]``, ``[X, out]``):
+      ``w ~= values * scale``, broadcast over the input axes.
+    in_axes: the input axes of `values` (static).
   """
 
   values: jax.Array
   scale: jax.Array
+  in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
-@functools.partial(jax.jit, static_argnames=("quantization", "num_out_axes"))
-def quantize_rows(w: jax.Array, *, quantization: str, num_out_axes: int) -> QuantizedRows:
-  """Symmetric per-output-row quantization of one matrix (jitted: one compile per shape, dtype,
-  format and layout).
+@functools.partial(jax.jit, static_argnames=("quantization", "in_axes"))
+def quantize_rows(w: jax.Array, *, quantization: str, in_axes: tuple[int, ...]) -> QuantizedRows:
+  """Symmetric per-output-channel quantization of one matrix (jitted: one compile per shape,
+  dtype, format and layout).
 
   Args:
-    w: ``[*out, *in]`` float weight (any float dtype), e.g. ``[H, D, E]``.
+    w: float weight (any float dtype), e.g. ``[H, D, E]`` or an ``[X, in, out]`` expert stack.
     quantization: a name of `FORMATS`.
-    num_out_axes: how many leading axes of `w` are output axes (the rest are reduced over).
+    in_axes: the axes of `w` reduced over (its input features, e.g. ``(2,)`` for ``[H, D, E]``,
+      ``(1,)`` for ``[X, in, out]``); one scale per index of the others.
 
   Returns:
-    `QuantizedRows`: ``[*out, *in]`` values and ``[*out] float32`` scales.
+    `QuantizedRows`: values of `w`'s shape and float32 scales of its shape without `in_axes`.
   """
   fmt = FORMATS[quantization]
   w32 = w.astype(jnp.float32)
-  in_axes = tuple(range(num_out_axes, w.ndim))
-  scale = jnp.max(jnp.abs(w32), axis=in_axes) / fmt.max_value  # [*out]
-  divisor = jnp.where(scale > 0, scale, 1.0).reshape(scale.shape + (1,) * len(in_axes))
+  absmax = jnp.max(jnp.abs(w32), axis=in_axes, keepdims=True)  # 1 on the input axes
+  scale = absmax / fmt.max_value
+  divisor = jnp.where(scale > 0, scale, 1.0)
   scaled = jnp.clip(w32 / divisor, -fmt.max_value, fmt.max_value)
   if fmt.is_integer:
     scaled = jnp.round(scaled)
-  return QuantizedRows(scaled.astype(fmt.dtype), scale)
+  return QuantizedRows(scaled.astype(fmt.dtype), jnp.squeeze(scale, in_axes), in_axes)
 
 
 def dequantize_rows(rows: QuantizedRows) -> jax.Array:
-  """``values * scale`` as ``[*out, *in] float32`` (what the matmul computes with)."""
-  extra = rows.values.ndim - rows.scale.ndim
-  return rows.values.astype(jnp.float32) * rows.scale.reshape(rows.scale.shape + (1,) * extra)
+  """``values * scale`` in the values' shape, float32 (what the matmul computes with)."""
+  scale = jnp.expand_dims(rows.scale, rows.in_axes)
+  return rows.values.astype(jnp.float32) * scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,19 +170,19 @@ class QuantizedLeaf:
     float_shape: the matrix's shape (the values' shape too).
     float_dtype: the dtype it had, the model dtype: new float weights are cast to it, then
       quantized, as at build time.
-    num_out_axes: its leading output axes (`quantize_rows`).
+    in_axes: its input axes (`quantize_rows`).
     quantization: the format's name.
   """
 
   scale_path: LeafPath
   float_shape: tuple[int, ...]
   float_dtype: Any
-  num_out_axes: int
+  in_axes: tuple[int, ...]
   quantization: str
 
   def quantize(self, w: jax.Array) -> QuantizedRows:
     """`w` (``float_shape``, in ``float_dtype``) quantized as this leaf is."""
-    return quantize_rows(w, quantization=self.quantization, num_out_axes=self.num_out_axes)
+    return quantize_rows(w, quantization=self.quantization, in_axes=self.in_axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +203,13 @@ class QuantizedModel:
     return frozenset(leaf.scale_path for leaf in self.leaves.values())
 
 
-def _quantizable(module: Any) -> Mapping[str, int]:
-  return cast(Mapping[str, int], getattr(type(module), "QUANTIZABLE", {}))
+def _quantizable(module: Any) -> Mapping[str, tuple[int, ...]]:
+  return cast(Mapping[str, tuple[int, ...]], getattr(type(module), "QUANTIZABLE", {}))
 
 
 def quantize_model(model: Any, quantization: str) -> QuantizedModel:
-  """A copy of `model` whose declared projections (``QUANTIZABLE``) are quantized per output row.
+  """A copy of `model` whose declared projections (``QUANTIZABLE``) are quantized per output
+  channel.
 
   `model` is unchanged; the copy shares its other arrays. Each matrix goes through
   `quantize_rows` on the device where it is.
@@ -231,11 +237,9 @@ def quantize_model(model: Any, quantization: str) -> QuantizedModel:
   leaves: dict[LeafPath, QuantizedLeaf] = {}
   for key_path, module in nnx.iter_modules(copy):
     path = cast(LeafPath, tuple(key_path))
-    for name, num_out_axes in _quantizable(module).items():
+    for name, in_axes in _quantizable(module).items():
       w = getattr(module, name)[...]
-      leaf = QuantizedLeaf(
-        (*path, "scales", name), tuple(w.shape), w.dtype, num_out_axes, quantization
-      )
+      leaf = QuantizedLeaf((*path, "scales", name), tuple(w.shape), w.dtype, in_axes, quantization)
       rows = leaf.quantize(w)
       setattr(module, name, nnx.Param(rows.values))
       cast(Any, module).scales[name] = nnx.Param(rows.scale)

@@ -12,7 +12,7 @@ An entry (`ModelArchitecture`) holds everything the loaders and `jaxengine.paral
   the first dimension of an ``[out, ...]`` matrix, and of its bias), `ROW_PARALLEL` (its input
   features are split: the dimension after a single output dimension; the partial results are
   summed), `VOCAB_PARALLEL` (the rows of a ``[V, E]`` embedding or output projection),
-  `REPLICATED` (the default for any name not listed), and for the ``[X, out, in]`` stacks of a
+  `REPLICATED` (the default for any name not listed), and for the ``[X, in, out]`` stacks of a
   mixture-of-experts block `EXPERT_COLUMN_PARALLEL` / `EXPERT_ROW_PARALLEL` (each expert split
   on its ``out`` / ``in`` features; all on the experts axis with expert parallelism).
   `jaxengine.parallel` turns roles into partition specs.
@@ -59,9 +59,9 @@ ROW_PARALLEL = "row-parallel"
 VOCAB_PARALLEL = "vocab-parallel"
 #: Whole on every device (norms, output biases, anything not listed).
 REPLICATED = "replicated"
-#: ``[X, out, in]`` stacked experts, each split on its output features (expert gate and up).
+#: ``[X, in, out]`` stacked experts, each split on its output features (expert gate and up).
 EXPERT_COLUMN_PARALLEL = "expert-column-parallel"
-#: ``[X, out, in]`` stacked experts, each split on its input features (expert down).
+#: ``[X, in, out]`` stacked experts, each split on its input features (expert down).
 EXPERT_ROW_PARALLEL = "expert-row-parallel"
 ROLES = (
   COLUMN_PARALLEL,

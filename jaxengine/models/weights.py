@@ -39,7 +39,7 @@ class WeightSpec:
     path: the leaf in ``nnx.state(model)`` (``("layers", 0, "mlp", "w_up")``), or None for a tensor
       that is accepted and ignored (the output projection of a model with tied embeddings).
     layer: index along the leaf's leading stacked axis the tensor fills (a layer of a model that
-      stacks its layers, an expert of a mixture-of-experts block's ``[X, out, in]`` stack), or
+      stacks its layers, an expert of a mixture-of-experts block's ``[X, in, out]`` stack), or
       None when the tensor is the whole leaf.
     shape: the tensor's shape in the checkpoint.
     transpose: the checkpoint stores the transpose of the (reshaped) parameter: a 2-D

@@ -196,7 +196,7 @@ class WeightLoader:
     return floats
 
   def _partial_stacks(self, grouped: Mapping[LeafPath, Any]) -> dict[LeafPath, np.ndarray]:
-    """The quantized stacked leaves (a mixture of experts' ``[X, out, in]``) that named tensors
+    """The quantized stacked leaves (a mixture of experts' ``[X, in, out]``) that named tensors
     fill only in part: the indices given, by leaf path."""
     partial = {}
     for path, parts in grouped.items():

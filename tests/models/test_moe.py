@@ -162,8 +162,8 @@ def test_batch_invariant_mode_keeps_a_tokens_bits_among_others(tmp_path):
 
 def _grouped_reference(x, w, sizes):
   group = np.repeat(np.arange(len(sizes)), sizes)
-  rest = np.zeros((len(x) - len(group), w.shape[1]))
-  return np.concatenate([np.einsum("mi,moi->mo", x[: len(group)], w[group]), rest])
+  rest = np.zeros((len(x) - len(group), w.shape[2]))
+  return np.concatenate([np.einsum("mi,mio->mo", x[: len(group)], w[group]), rest])
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
@@ -172,7 +172,7 @@ def test_grouped_linear_multiplies_each_row_by_its_groups_matrix(batch_invariant
   sizes = np.array([3, 0, ROW_TILE + 2, 1, 0, 9], np.int32)  # empty groups, groups across tiles
   rows = int(sizes.sum()) + 2  # two rows past the groups
   x = rng.standard_normal((rows, 12)).astype(np.float32)
-  w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 12, 5)).astype(np.float32)  # [X, in, out]
   args = jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)
   got = np.asarray(grouped_linear(*args, batch_invariant=batch_invariant))
   np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
@@ -188,7 +188,7 @@ def test_both_grouped_products_agree(product, monkeypatch):
   rng = np.random.default_rng(1)
   sizes = np.array([0, 4, 1, 0, 7, 2], np.int32)
   x = rng.standard_normal((19, 12)).astype(np.float32)
-  w = rng.standard_normal((len(sizes), 5, 12)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 12, 5)).astype(np.float32)
   got = np.asarray(jax.jit(getattr(moe, product))(x, w, sizes))
   np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
 
@@ -198,7 +198,7 @@ def test_batch_invariant_grouped_linear_gives_a_row_the_same_bits_alone_and_amon
   among 40 or 100 rows (measured: 6 of 6 and 15 of 15 checked rows); row tiles fix them."""
   rng = np.random.default_rng(0)
   num_experts, width = 8, 256
-  w = jnp.asarray(rng.standard_normal((num_experts, 192, width)).astype(np.float32))
+  w = jnp.asarray(rng.standard_normal((num_experts, width, 192)).astype(np.float32))
   product = jax.jit(lambda x, sizes: grouped_linear(x, w, sizes, batch_invariant=True))
   for rows in (40, 100):
     x = rng.standard_normal((rows, width)).astype(np.float32)
@@ -294,7 +294,7 @@ def test_tensor_and_expert_parallel_match_one_device(tmp_path):
   out = run_python(MESH_SCRIPT, os.fspath(tmp_path), ",".join(map(str, PROMPT)), timeout=900)
   diffs = [float(line.split()[-1]) for line in out.splitlines() if "max diff" in line]
   assert len(diffs) == 2 and max(diffs) < 1e-5, out
-  assert "False specs [(None, 'model', None), (None, None, 'model'), ()]" in out
+  assert "False specs [(None, None, 'model'), (None, 'model', None), ()]" in out
   assert "True specs [('model', None, None), ('model', None, None), ()]" in out
   assert "False dense ('model', None)" in out and "True dense ('model', None)" in out
 

@@ -37,7 +37,7 @@ from jaxengine.engine_config import EngineConfig
 from jaxengine.models import moe, token_logprobs
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_checkpoints import config_from_hf
-from jaxengine.models.quantization import dequantize_rows, quantize_model, quantize_rows
+from jaxengine.models.quantization import FORMATS, dequantize_rows, quantize_model, quantize_rows
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles, tiny_llama
 
@@ -86,7 +86,7 @@ def float_outputs():
 
 def test_int8_rows_reach_127_and_round_to_half_a_scale():
   w = jax.random.normal(jax.random.key(0), (6, 4, 32), jnp.float32)
-  rows = quantize_rows(w, quantization="int8", num_out_axes=2)
+  rows = quantize_rows(w, quantization="int8", in_axes=(2,))
   assert rows.values.dtype == jnp.int8 and rows.values.shape == (6, 4, 32)
   assert rows.scale.dtype == jnp.float32 and rows.scale.shape == (6, 4)
   np.testing.assert_array_equal(np.abs(np.asarray(rows.values, np.int32)).max(-1), 127)
@@ -97,7 +97,7 @@ def test_int8_rows_reach_127_and_round_to_half_a_scale():
 
 def test_fp8_rows_within_e4m3_rounding():
   w = jax.random.normal(jax.random.key(1), (8, 48), jnp.float32)
-  rows = quantize_rows(w, quantization="fp8", num_out_axes=1)
+  rows = quantize_rows(w, quantization="fp8", in_axes=(1,))
   assert rows.values.dtype == jnp.float8_e4m3fn
   np.testing.assert_allclose(rows.scale, np.abs(w).max(-1) / 448, rtol=1e-6)
   np.testing.assert_array_equal(np.abs(np.asarray(rows.values, np.float32)).max(-1), 448)
@@ -110,7 +110,7 @@ def test_fp8_rows_within_e4m3_rounding():
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 def test_a_zero_row_has_scale_zero_and_zero_values(quantization):
   w = jnp.zeros((3, 16)).at[1].set(jnp.arange(16.0) - 8)
-  rows = quantize_rows(w, quantization=quantization, num_out_axes=1)
+  rows = quantize_rows(w, quantization=quantization, in_axes=(1,))
   assert float(rows.scale[0]) == 0.0 and float(rows.scale[2]) == 0.0
   assert not np.asarray(rows.values[0], np.float32).any()
   np.testing.assert_allclose(dequantize_rows(rows)[1], w[1], rtol=0.07)
@@ -118,10 +118,10 @@ def test_a_zero_row_has_scale_zero_and_zero_values(quantization):
 
 def test_quantize_rows_compiles_once_per_shape():
   w, other = jnp.ones((5, 7, 9)), jnp.full((5, 7, 9), 2.0, jnp.float32)
-  quantize_rows(w, quantization="int8", num_out_axes=1)
+  quantize_rows(w, quantization="int8", in_axes=(1, 2))
   with count_compiles() as compiles:
-    quantize_rows(other, quantization="int8", num_out_axes=1)
-    quantize_rows(np.full((5, 7, 9), 3.0, np.float32), quantization="int8", num_out_axes=1)
+    quantize_rows(other, quantization="int8", in_axes=(1, 2))
+    quantize_rows(np.full((5, 7, 9), 3.0, np.float32), quantization="int8", in_axes=(1, 2))
   assert compiles.count == 0
 
 
@@ -278,9 +278,12 @@ def test_grouped_linear_with_scales_equals_the_dequantized_product(
   rng = np.random.default_rng(0)
   sizes = jnp.asarray([3, 0, 6, 4], jnp.int32)  # an empty expert; 13 + 2 rows past the groups
   x = jnp.asarray(rng.standard_normal((15, 24)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((4, 16, 24)), jnp.float32)
-  rows = quantize_rows(w, quantization=quantization, num_out_axes=2)
+  w = jnp.asarray(rng.standard_normal((4, 24, 16)), jnp.float32)  # [X, in, out]
+  rows = quantize_rows(w, quantization=quantization, in_axes=(1,))
   assert rows.scale.shape == (4, 16)
+  np.testing.assert_allclose(
+    rows.scale, np.abs(np.asarray(w)).max(1) / FORMATS[quantization].max_value, rtol=1e-6
+  )
   got = moe.grouped_linear(x, rows.values, sizes, scale=rows.scale, batch_invariant=batch_invariant)
   want = moe.grouped_linear(x, dequantize_rows(rows), sizes, batch_invariant=batch_invariant)
   assert got.dtype == jnp.float32
@@ -401,7 +404,8 @@ def test_load_weights_requantizes_moe_experts_whole_or_in_part(tmp_path):
   old = state_leaves(runner.weights)
   llm.load_weights({up.format(2): tensors[up.format(2)] * 3})
   new = state_leaves(runner.weights)
-  rows = quantize_rows(jnp.asarray(tensors[up.format(2)] * 3), quantization="int8", num_out_axes=1)
+  given = jnp.asarray(tensors[up.format(2)].T * 3)  # the (F, E) tensor as the stack's [E, F]
+  rows = quantize_rows(given, quantization="int8", in_axes=(0,))
   np.testing.assert_array_equal(new[path][2], rows.values)
   np.testing.assert_array_equal(new[scale_path][2], rows.scale)
   others = np.asarray([0, 1, 3])

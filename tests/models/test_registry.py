@@ -92,6 +92,15 @@ def test_sharding_rules_are_roles_and_parallel_places_by_role():
   assert spec(registry.VOCAB_PARALLEL, (64, 16), 4) == P("model", None)
   assert spec(registry.REPLICATED, (64, 16), 4) == P()
   assert spec(registry.COLUMN_PARALLEL, (4, 8, 16), 1) == P()
+  # [X, in, out] experts split on out (gate, up) or in (down); their [X, out] scales on out only
+  assert spec(registry.EXPERT_COLUMN_PARALLEL, (8, 16, 32), 2) == P(None, None, "model")
+  assert spec(registry.EXPERT_ROW_PARALLEL, (8, 32, 16), 2) == P(None, "model", None)
+  assert spec(registry.EXPERT_COLUMN_PARALLEL, (8, 32), 2, scale=True) == P(None, "model")
+  assert spec(registry.EXPERT_ROW_PARALLEL, (8, 16), 2, scale=True) == P()
+  assert spec(registry.ROW_PARALLEL, (16,), 2, scale=True) == P()
+  assert spec(registry.EXPERT_ROW_PARALLEL, (8, 16), 2, expert_parallel=True, scale=True) == P(
+    "model", None
+  )
 
   class Own:
     def __init__(self, role):
