@@ -15,6 +15,9 @@ One subprocess (the device count must be set before JAX starts) runs every check
   forward pass's token logprobs those of one device within `LOGPROB_BOUND`;
 - a tensor-parallel size that does not divide the heads, with quantization: a ValueError naming
   both, before any weight moves (the default GGUF model: before its tensors load).
+
+The engines run their steps in their largest shape only (bucket choice:
+tests/worker/test_step_shapes.py): the sampler, most of the compile time, compiles once a device.
 """
 
 from __future__ import annotations
@@ -55,16 +58,21 @@ def same(got, want, what):
   assert worst[what] < bound, (what, worst[what])
 def spec(leaves, *path):
   return tuple(leaves[path].sharding.spec)
+def one_shape(llm):  # each group's steps in its largest shape: one sampler to compile, not two
+  for core in llm.llm_engine.cores:
+    runner = core.runner
+    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
+  return llm
 
 new_weights = {name: np.array(a, copy=True) for name, a in named_weights(model(1))}
-one = je.LLM(model(), quantization="int8", **options)
+one = one_shape(je.LLM(model(), quantization="int8", **options))
 before = run(one)
 one.load_weights(new_weights)
 after = run(one)
 assert after[0] != before[0]
 
 for sizes in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
-  llm = je.LLM(model(), quantization="int8", **options, **sizes)
+  llm = one_shape(je.LLM(model(), quantization="int8", **options, **sizes))
   same(run(llm), before, f"{sizes} built")
   leaves = state_leaves(llm.llm_engine.runner.weights)
   t = "model" if "tensor_parallel_size" in sizes else None
