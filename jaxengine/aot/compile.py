@@ -108,7 +108,7 @@ def compile_for_topology(
     temp = max((r["temp_bytes"] for r in results), default=0)
     plan = memory_plan(engine, hbm, temp)
   if not plan.fits:
-    error = not_fitting_message(engine, plan, topology_name, spec.num_chips, t * d)
+    error = not_fitting_message(engine, plan, spec, t)
   return build_report(engine, spec, plan, results, error, backend_text)
 
 

@@ -236,7 +236,9 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
     raise ValueError("engine_executables needs the pool's size: call set_num_blocks first")
   config, batch, steps, placement = engine.config, engine.batch, engine.steps, engine.placement
   rows_per_shard = placement.rows if placement is not None else 1
-  row_buckets = step_buckets.row_buckets(config.max_num_reqs, rows_per_shard, config.batch_invariant)
+  row_buckets = step_buckets.row_buckets(
+    config.max_num_reqs, rows_per_shard, config.batch_invariant
+  )
   token_buckets = step_buckets.buckets(cast(int, config.max_num_batched_tokens), 1)
   state = engine.sharded(batch.state, placement.state if placement else None)
   metadata = engine.sharded(batch.sampling_metadata, placement.metadata if placement else None)
@@ -248,7 +250,9 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
   columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
   sampled: set[tuple[str, int]] = set()
   for prompt_logprobs in (False, True):
-    for num_tokens, num_rows in step_buckets.step_shapes(row_buckets, token_buckets, prompt_logprobs):
+    for num_tokens, num_rows in step_buckets.step_shapes(
+      row_buckets, token_buckets, prompt_logprobs
+    ):
       extra = f" prompt_logprobs={columns}" if prompt_logprobs else ""
       shape = f"tokens={num_tokens} rows={num_rows}"
       inputs = engine.sharded(
@@ -262,7 +266,9 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
                        {"prompt_logprobs": pl})  # fmt: skip
       if ("sample", num_rows) not in sampled:
         sampled.add(("sample", num_rows))
-        logits = engine.sharded(jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32), logits_sharding)
+        logits = engine.sharded(
+          jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32), logits_sharding
+        )
         yield Executable("sample", f"rows={num_rows}", steps.sample_produced,
                          (state, metadata, logits, produces), {"num_rows": num_rows})  # fmt: skip
       if not k:

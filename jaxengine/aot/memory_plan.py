@@ -50,6 +50,9 @@ class MemoryPlan:
       each).
     hbm: the chip's capacity.
     utilization: `gpu_memory_utilization`.
+
+  With `num_kv_blocks` or `kv_cache_memory_bytes` the pool is the user's size (`fit_blocks`
+  too), and fits when everything held fits the chip.
   """
 
   weights: int
@@ -66,7 +69,8 @@ class MemoryPlan:
 
   @property
   def fits(self) -> bool:
-    return self.fit_blocks >= self.needed_blocks
+    """One request of `max_model_len` fits, and everything held fits the chip's HBM."""
+    return self.fit_blocks >= self.needed_blocks and self.total <= self.hbm
 
   @property
   def kv_cache(self) -> int:
@@ -101,7 +105,9 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
   if engine.lora is not None:
     weights += bytes_per_device(engine.sharded(engine.lora.buffers))
   placement = engine.placement
-  other = bytes_per_device(engine.sharded(engine.batch.state, placement.state if placement else None))
+  other = bytes_per_device(
+    engine.sharded(engine.batch.state, placement.state if placement else None)
+  )
   other += bytes_per_device(
     engine.sharded(engine.batch.sampling_metadata, placement.metadata if placement else None)
   )
@@ -111,12 +117,17 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
   wanted = int(1 + config.max_num_reqs * per_req * (1 + PREFIX_CACHE_SHARE))
   needed = 1 + per_req
   groups = 1 if engine.layer_groups is None else len(engine.layer_groups)
+  num_blocks = max(min(wanted, fit_blocks), needed)
+  if config.num_kv_blocks is not None:  # the user's size, as the engine takes it
+    num_blocks = fit_blocks = config.num_kv_blocks
+  elif config.kv_cache_memory_bytes is not None:
+    num_blocks = fit_blocks = config.kv_cache_memory_bytes // per_block
   return MemoryPlan(
     weights=weights,
     other=other,
     temp=temp,
     per_block=per_block,
-    num_blocks=max(min(wanted, fit_blocks), needed),
+    num_blocks=num_blocks,
     fit_blocks=fit_blocks,
     needed_blocks=needed,
     block_size=config.block_size,

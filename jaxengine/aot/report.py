@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxengine.aot.memory_plan import MemoryPlan
-from jaxengine.aot.topologies import Topology
+from jaxengine.aot.topologies import TOPOLOGIES, Topology
 from jaxengine.worker import buckets as step_buckets
 
 GIB = float(1 << 30)
@@ -56,7 +56,9 @@ def decode_estimates(
   config = engine.config
   by_shape = {(r["name"], r["shape"]): r for r in results}
   rows_per_shard = engine.placement.rows if engine.placement is not None else 1
-  row_buckets = step_buckets.row_buckets(config.max_num_reqs, rows_per_shard, config.batch_invariant)
+  row_buckets = step_buckets.row_buckets(
+    config.max_num_reqs, rows_per_shard, config.batch_invariant
+  )
   token_buckets = step_buckets.buckets(config.max_num_batched_tokens, 1)
   context = min(DECODE_CONTEXT, config.resolved_max_model_len)
   bandwidth, peak = spec.chip.hbm_bandwidth, spec.chip.peak_flops
@@ -128,12 +130,10 @@ def build_report(
   }
 
 
-def not_fitting_message(
-  engine: Any, plan: MemoryPlan, name: str, num_chips: int, used_chips: int
-) -> str:
+def not_fitting_message(engine: Any, plan: MemoryPlan, spec: Topology, used_chips: int) -> str:
   """Why the engine does not fit one chip and what would: the GiB it needs per chip, the
   capacity, and the changes that fit (more chips, int8 weights, fp8 pages, a shorter context)."""
-  config = engine.config
+  config, name, chip = engine.config, spec.name, spec.chip
   budget = plan.utilization * plan.hbm
   request = plan.needed_blocks * plan.per_block
   fixed = plan.other + plan.temp
@@ -146,8 +146,9 @@ def not_fitting_message(
   )
   fits = []
   for t in (2, 4, 8):
-    if t > used_chips and (plan.weights + request) / t * used_chips + fixed <= budget:
-      fits.append(f"tensor parallel over {t} chips (a topology of {t} or more chips)")
+    larger = [s.name for s in TOPOLOGIES.values() if s.chip == chip and s.num_chips >= t]
+    if t > used_chips and larger and (plan.weights + request) / t * used_chips + fixed <= budget:
+      fits.append(f"--tensor-parallel-size {t} on {larger[0]}")
       break
   quantized = config.quantization is not None
   if not quantized and plan.weights / 2 + request + fixed <= budget:
@@ -159,5 +160,5 @@ def not_fitting_message(
   if tokens >= plan.block_size:
     fits.append(f"a shorter context (--max-model-len {tokens} or less)")
   if not fits:
-    fits.append(f"nothing on this topology ({num_chips} chips): a larger one")
+    fits.append(f"nothing on {name} ({spec.num_chips} chips): a larger topology")
   return text + ". Would fit: " + "; ".join(fits) + "."
