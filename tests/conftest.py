@@ -11,8 +11,13 @@ import shutil
 import tempfile
 import time
 
-import jax
-import pytest
+# The test extra installs libtpu (for tests/aot's compiles for TPU topologies): without this,
+# every test process would try to start a TPU backend first. Set before any backend starts (the
+# imports below start none); a run that wants a TPU sets JAX_PLATFORMS itself.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 from jaxengine.compilation_cache import is_off
 from jaxengine.models import gguf_loader

@@ -39,6 +39,7 @@ def compile_for_topology(
   data_parallel_size: int = 1,
   dtype: str = "bfloat16",
   select: Callable[[Executable], bool] | None = None,
+  progress: Callable[[dict[str, Any]], None] | None = None,
   **engine_options: Any,
 ) -> dict[str, Any]:
   """Compiles every executable the engine precompiles for `topology_name` and plans its memory.
@@ -52,10 +53,12 @@ def compile_for_topology(
       served as bfloat16 on TPU).
     select: compile only the executables it accepts (default: all); the memory plan's
       temporary and the decode estimates then see only those.
+    progress: called with each executable's report entry as it compiles.
     **engine_options: `EngineConfig` fields (`max_num_reqs`, `max_model_len`,
       `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
-      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ...);
-      `attention_backend` defaults to ``"pallas_tpu"``.
+      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ...).
+      `attention_backend` None (default) is a TPU engine's: the Pallas kernel, or XLA where it
+      cannot serve the model (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"``).
 
   Returns:
     The report (design section 10): ``topology``, ``device_kind``, ``num_devices``,
@@ -82,8 +85,7 @@ def compile_for_topology(
       f"{topology_name} has {spec.num_chips}"
     )
   devices = topology_devices(topology_name)
-  options: dict[str, Any] = {"attention_backend": "pallas_tpu", **engine_options}
-  options.setdefault("compilation_cache", True)
+  options: dict[str, Any] = {"compilation_cache": True, **engine_options}
   if t * d > 1:
     options.update(mesh=parallel.make_mesh(t, d, devices), tensor_parallel_size=t,
                    data_parallel_size=d)  # fmt: skip
@@ -101,6 +103,8 @@ def compile_for_topology(
     for executable in executables:
       try:
         results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
+        if progress is not None:
+          progress(results[-1])
       except Exception as failure:  # a kernel or lowering the TPU refuses: reported, not raised
         error = f"{executable.name} {executable.shape} does not compile for {topology_name}: "
         error += f"{type(failure).__name__}: {_first_lines(str(failure))}"

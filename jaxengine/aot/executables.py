@@ -83,6 +83,9 @@ class AbstractEngine:
     page_spec: the `KVCacheSpec` of one page (its layers and dtype).
     layer_groups: the KV cache groups' layers (None for one group).
     num_blocks_per_req: pages one request of `max_model_len` tokens holds.
+    graphdef: the served module's structure.
+    steps: the jitted steps (`worker/device_steps.py`); set by `set_num_blocks` (on a mesh
+      their shardings name the pool's).
     num_blocks: pages of the pool (the null page included); set by `set_num_blocks`.
     kv_cache: the pool as shapes with their shardings; set by `set_num_blocks`.
     lora: the LoRA slots with `enable_lora`, else None.
@@ -98,7 +101,8 @@ class AbstractEngine:
   page_spec: KVCacheSpec
   layer_groups: tuple[tuple[int, int], ...] | None
   num_blocks_per_req: int
-  steps: DeviceSteps
+  graphdef: Any
+  steps: DeviceSteps | None = None
   num_blocks: int = 0
   kv_cache: Any = None
   lora: LoRAManager | None = None
@@ -130,6 +134,9 @@ class AbstractEngine:
       shardings = self.placement.kv_pages_shardings(cache, self.backend)
       self.placement.kv_pages = shardings
     self.num_blocks, self.kv_cache = num_blocks, self.sharded(cache, shardings)
+    self.steps = placed_device_steps(
+      self.graphdef, self.mesh, self.placement, self.model.vocab_size
+    )
 
 
 def _spec(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -197,7 +204,6 @@ def abstract_engine(
     spec, config, groups, config.resolved_max_model_len
   )
   backend = choose_backend(config, page_spec, mesh, list(devices), platform=platform)
-  steps = placed_device_steps(graphdef, mesh, placement, model.vocab_size)
   engine = AbstractEngine(
     config=config,
     model=model,
@@ -209,7 +215,7 @@ def abstract_engine(
     page_spec=page_spec,
     layer_groups=layer_groups,
     num_blocks_per_req=per_req,
-    steps=steps,
+    graphdef=graphdef,
   )
   engine.weights = engine.sharded(weights, placement.weights if placement else None)
   if config.enable_lora:
@@ -232,7 +238,7 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
 
   `engine.set_num_blocks` must have sized the pool first.
   """
-  if engine.kv_cache is None:
+  if engine.kv_cache is None or engine.steps is None:
     raise ValueError("engine_executables needs the pool's size: call set_num_blocks first")
   config, batch, steps, placement = engine.config, engine.batch, engine.steps, engine.placement
   rows_per_shard = placement.rows if placement is not None else 1

@@ -87,6 +87,7 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
       tensor_parallel_size=args.tensor_parallel_size,
       data_parallel_size=args.data_parallel_size,
       dtype=dtype,
+      progress=_print_progress,
       **options,
     )
   except (ValueError, FileNotFoundError, ImportError) as error:
@@ -100,6 +101,10 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
     print(f"jaxengine compile: {report['error']}", file=sys.stderr)
     return 1
   return 0
+
+
+def _print_progress(entry: dict[str, Any]) -> None:
+  print(f"compiled {entry['name']} {entry['shape']} in {entry['compile_s']:.1f} s", file=sys.stderr)
 
 
 def format_report(report: dict[str, Any]) -> str:
