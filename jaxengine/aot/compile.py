@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -107,7 +108,7 @@ def compile_for_topology(
           progress(results[-1])
       except Exception as failure:  # a kernel or lowering the TPU refuses: reported, not raised
         error = f"{executable.name} {executable.shape} does not compile for {topology_name}: "
-        error += f"{type(failure).__name__}: {_first_lines(str(failure))}"
+        error += f"{type(failure).__name__}: {_first_lines(str(failure))}{_where(failure)}"
         break
     temp = max((r["temp_bytes"] for r in results), default=0)
     plan = memory_plan(engine, hbm, temp)
@@ -174,6 +175,12 @@ def target_device(device: Any) -> Iterator[None]:
   finally:
     if saved is not None:
       tuned.get_tpu_version, tuned.get_device_name = saved
+
+
+def _where(failure: BaseException) -> str:
+  """`` (at file:line)`` of the innermost frame that raised `failure` (an assertion says no more)."""
+  frames = traceback.extract_tb(failure.__traceback__)
+  return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def _first_lines(text: str, count: int = 3) -> str:

@@ -57,8 +57,10 @@ class Executable:
       decoding's two parts), ``"decode_steps"`` (the k-step decode loop).
     shape: its bucket, e.g. ``"tokens=256 rows=64"``.
     jitted: the `jax.jit` wrapper the engine calls (`worker/device_steps.py`).
-    args: pytrees of `jax.ShapeDtypeStruct` with the engine's shardings.
-    kwargs: the static keyword arguments.
+    args: pytrees of `jax.ShapeDtypeStruct` with the engine's shardings; on a mesh the static
+      arguments follow them (``jax.jit`` takes no keywords with `in_shardings`: the runner's
+      `placed_step` passes them so too).
+    kwargs: the static keyword arguments (empty on a mesh).
   """
 
   name: str
@@ -137,6 +139,16 @@ class AbstractEngine:
     self.steps = placed_device_steps(
       self.graphdef, self.mesh, self.placement, self.model.vocab_size
     )
+
+
+def _executable(
+  engine: AbstractEngine, name: str, shape: str, jitted: Callable[..., Any], args: tuple,
+  static: dict[str, Any],
+) -> Executable:  # fmt: skip
+  """An `Executable` whose static arguments go as the runner passes them (see `Executable`)."""
+  if engine.placement is not None:
+    return Executable(name, shape, jitted, (*args, *static.values()), {})
+  return Executable(name, shape, jitted, args, static)
 
 
 def _spec(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -268,34 +280,35 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
       produces = inputs.produces
       pl = columns if prompt_logprobs else 0
       args = (state, engine.weights, engine.kv_cache, inputs)
-      yield Executable("ragged_step", shape + extra, steps.ragged_forward, args,
-                       {"prompt_logprobs": pl})  # fmt: skip
+      yield _executable(engine, "ragged_step", shape + extra, steps.ragged_forward, args,
+                        {"prompt_logprobs": pl})  # fmt: skip
       if ("sample", num_rows) not in sampled:
         sampled.add(("sample", num_rows))
         logits = engine.sharded(
           jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32), logits_sharding
         )
-        yield Executable("sample", f"rows={num_rows}", steps.sample_produced,
-                         (state, metadata, logits, produces), {"num_rows": num_rows})  # fmt: skip
+        yield _executable(engine, "sample", f"rows={num_rows}", steps.sample_produced,
+                          (state, metadata, logits, produces), {"num_rows": num_rows})  # fmt: skip
       if not k:
         continue
       drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
       args = (state, engine.weights, engine.kv_cache, inputs, drafts)
-      yield Executable("verify_step", f"{shape} drafts={k}{extra}", steps.verify_forward, args,
-                       {"prompt_logprobs": pl})  # fmt: skip
+      yield _executable(engine, "verify_step", f"{shape} drafts={k}{extra}",
+                        steps.verify_forward, args, {"prompt_logprobs": pl})  # fmt: skip
       if ("rejection_sample", num_rows) not in sampled:
         sampled.add(("rejection_sample", num_rows))
         logits = engine.sharded(jax.ShapeDtypeStruct((num_rows, k + 1, vocab), jnp.float32))
-        yield Executable("rejection_sample", f"rows={num_rows} drafts={k}",
-                         steps.rejection_sample_produced,
-                         (state, metadata, logits, drafts, produces), {"num_rows": num_rows})  # fmt: skip
+        yield _executable(engine, "rejection_sample", f"rows={num_rows} drafts={k}",
+                          steps.rejection_sample_produced,
+                          (state, metadata, logits, drafts, produces), {"num_rows": num_rows})  # fmt: skip
   if config.num_decode_steps > 1:
     stop_rules = DeviceStopRules(batch, config.resolved_max_model_len)
     for num_rows in row_buckets:
       inputs = engine.sharded(
         decode_steps_inputs(batch, block_table, {}, num_rows, stop_rules, False, lora=engine.lora)
       )
-      yield Executable(
+      yield _executable(
+        engine,
         "decode_steps",
         f"rows={num_rows} steps={config.num_decode_steps}",
         steps.decode_steps,
