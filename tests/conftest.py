@@ -16,8 +16,8 @@ import time
 # imports below start none); a run that wants a TPU sets JAX_PLATFORMS itself.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 from jaxengine.compilation_cache import is_off
 from jaxengine.models import gguf_loader

@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +122,8 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
   analysis: `optimal_seconds` when positive, else bytes accessed over `bandwidth`)."""
   start = time.perf_counter()
   with target_device(device):
-    lowered = executable.jitted.lower(*executable.args, **executable.kwargs)
+    jitted = cast(Any, executable.jitted)  # a `jax.jit` wrapper
+    lowered = jitted.lower(*executable.args, **executable.kwargs)
     compiled = lowered.compile()
   seconds = time.perf_counter() - start
   cost = compiled.cost_analysis()
@@ -151,6 +152,7 @@ def target_device(device: Any) -> Iterator[None]:
   the target chip from it), and the chip that jax's ragged paged attention looks its tuned
   block sizes up for (`tuned_block_sizes` reads ``jax.devices()[0]``, the CPU here; a backend
   that passes its block sizes never asks)."""
+  tuned: Any
   try:
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
   except ImportError:  # no Pallas TPU ops in this JAX: nothing to point

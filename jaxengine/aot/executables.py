@@ -292,9 +292,9 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
       if not k:
         continue
       drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
-      args = (state, engine.weights, engine.kv_cache, inputs, drafts)
+      verify_args = (state, engine.weights, engine.kv_cache, inputs, drafts)
       yield _executable(engine, "verify_step", f"{shape} drafts={k}{extra}",
-                        steps.verify_forward, args, {"prompt_logprobs": pl})  # fmt: skip
+                        steps.verify_forward, verify_args, {"prompt_logprobs": pl})  # fmt: skip
       if ("rejection_sample", num_rows) not in sampled:
         sampled.add(("rejection_sample", num_rows))
         logits = engine.sharded(jax.ShapeDtypeStruct((num_rows, k + 1, vocab), jnp.float32))

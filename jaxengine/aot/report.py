@@ -1,8 +1,9 @@
 """The compile report (design: `jaxengine compile --json`), the decode estimates in it, and the
 message for a model that does not fit.
 
-Decode estimates, per batch `b` at a context of `DECODE_CONTEXT` tokens (batches above
-`max_num_reqs`, or whose KV does not fit the pool, are left out):
+Decode estimates, per batch `b` of `DECODE_BATCHES` at a context of `DECODE_CONTEXT` tokens,
+capped by fit: at most `max_num_reqs`, and at most the requests whose KV the chip holds (a capped
+batch runs in the bucket above it):
 
 - ``memory_floor_s``: (weight bytes + b x context x KV bytes per token) / HBM bandwidth, per
   device: what one decode step must read at least.
@@ -63,8 +64,9 @@ def decode_estimates(
   context = min(DECODE_CONTEXT, config.resolved_max_model_len)
   bandwidth, peak = spec.chip.hbm_bandwidth, spec.chip.peak_flops
   rows = []
-  for batch in DECODE_BATCHES:
-    if batch > config.max_num_reqs or batch * context > plan.max_tokens:
+  capped = [min(b, config.max_num_reqs, plan.max_tokens // context) for b in DECODE_BATCHES]
+  for batch in sorted(set(capped)):
+    if batch < 1:
       continue
     tokens, num_rows = step_buckets.step_buckets(batch, batch, row_buckets, token_buckets)
     step = by_shape.get(("ragged_step", f"tokens={tokens} rows={num_rows}"))

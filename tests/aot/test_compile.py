@@ -14,7 +14,6 @@ import json
 import os
 
 import pytest
-
 from subprocess_utils import run_python
 
 _TINY = dict(
