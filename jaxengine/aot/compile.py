@@ -26,7 +26,6 @@ from jaxengine.aot.executables import Executable, abstract_engine, engine_execut
 from jaxengine.aot.memory_plan import memory_plan
 from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
 from jaxengine.aot.topologies import topology, topology_devices
-from jaxengine.compilation_cache import enable_compilation_cache
 from jaxengine.engine_config import EngineConfig
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.bfloat16}
@@ -86,12 +85,13 @@ def compile_for_topology(
       f"{topology_name} has {spec.num_chips}"
     )
   devices = topology_devices(topology_name)
-  options: dict[str, Any] = {"compilation_cache": True, **engine_options}
+  # JAX's persistent cache cannot read back a deviceless TPU executable (it needs a TPU client):
+  # each compile here is done afresh (`target_device` turns the cache off around it).
+  options: dict[str, Any] = {"compilation_cache": False, **engine_options}
   if t * d > 1:
     options.update(mesh=parallel.make_mesh(t, d, devices), tensor_parallel_size=t,
                    data_parallel_size=d)  # fmt: skip
   config = EngineConfig(**options)
-  enable_compilation_cache(config.compilation_cache)
   engine = abstract_engine(os.fspath(model), config, devices, _DTYPES[dtype])
   backend_text = describe_backend(engine)
   hbm = spec.chip.hbm_bytes
@@ -148,7 +148,8 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
 
 @contextlib.contextmanager
 def target_device(device: Any) -> Iterator[None]:
-  """Lowering for `device`'s chip from a machine without it: JAX's default device (Mosaic reads
+  """Lowering for `device`'s chip from a machine without it: JAX's persistent compilation cache
+  off (it cannot load a deviceless executable back), JAX's default device (Mosaic reads
   the target chip from it), and the chip that jax's ragged paged attention looks its tuned
   block sizes up for (`tuned_block_sizes` reads ``jax.devices()[0]``, the CPU here; a backend
   that passes its block sizes never asks)."""
@@ -158,6 +159,8 @@ def target_device(device: Any) -> Iterator[None]:
   except ImportError:  # no Pallas TPU ops in this JAX: nothing to point
     tuned = None
   saved = None
+  cache_was_on = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
   if tuned is not None and hasattr(tuned, "get_tpu_version"):
     kind = device.device_kind
     generation = kind.removesuffix(" lite")
@@ -175,6 +178,7 @@ def target_device(device: Any) -> Iterator[None]:
     with jax.default_device(device):
       yield
   finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was_on)
     if saved is not None:
       tuned.get_tpu_version, tuned.get_device_name = saved
 

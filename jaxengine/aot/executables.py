@@ -236,7 +236,11 @@ def abstract_engine(
 
 
 def _served(model: Model, config: EngineConfig) -> Model:
-  """The module the runner serves (`worker/weight_loader.py`'s `prepare_model`, for shapes)."""
+  """The module the runner serves (`worker/weight_loader.py`'s `prepare_model`, for shapes; under
+  `nnx.eval_shape`, where the abstract weights become traced zeros for the quantizer to read)."""
+  graphdef, state = nnx.split(cast(nnx.Module, model))
+  state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state)
+  model = cast(Model, nnx.merge(graphdef, state))
   if config.batch_invariant:
     model = batch_invariant_model(model)
   if config.quantization is not None:
