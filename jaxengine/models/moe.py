@@ -166,7 +166,7 @@ def grouped_linear(
     return (out * scale[group]).astype(x.dtype)  # rows past the groups stay 0
   dtype = jnp.result_type(x, w)
   x, w = x.astype(dtype), w.astype(dtype)
-  product = _every_group_then_pick if jax.default_backend() == "cpu" else _ragged
+  product = _every_group_then_pick if _traced_platform() == "cpu" else _ragged
   if not batch_invariant:
     return product(x, w, group_sizes)
   rows = x.shape[0]
@@ -185,6 +185,14 @@ def grouped_linear(
 
   out = jax.lax.map(tile_product, (tiles, tile_sizes))  # [tiles, ROW_TILE, out]
   return out.reshape(num_tiles * ROW_TILE, -1)[:rows]
+
+
+def _traced_platform() -> str:
+  """The platform the block is traced for: JAX's default device's when one is set (an
+  ahead-of-time compile for a TPU topology sets it, `jaxengine.aot`), else the default backend."""
+  device = jax.config.jax_default_device
+  platform = device if isinstance(device, str) else getattr(device, "platform", None)
+  return platform or jax.default_backend()
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -64,13 +64,24 @@ decode = lambda e: e.name == "ragged_step" and e.shape == "tokens=1 rows=1"
 reports = {}
 for name in sorted(os.listdir(root)):
   path = os.path.join(root, name)
-  if name in ("whole_set", "llama_8b"):
+  if name in ("whole_set", "llama_8b", "moe_128"):
     continue
   reports[name + "/v5e:1x1"] = compile_for_topology(path, "v5e:1x1", select=decode, **small)
   tp = 3 if name == "smollm2" else 4  # SmolLM2's 9 heads split over 3 of the 4 chips
   reports[name + "/v5e:2x2"] = compile_for_topology(
     path, "v5e:2x2", tensor_parallel_size=tp, select=decode, **small)
 reports["whole_set"] = compile_for_topology(os.path.join(root, "whole_set"), "v5e:1x1", **small)
+from jaxengine.aot.compile import target_device
+from jaxengine.aot.topologies import topology_devices
+from jaxengine.aot.executables import abstract_engine, engine_executables
+from jaxengine.engine_config import EngineConfig
+import jax.numpy as jnp
+device = topology_devices("v5e:1x1")[0]
+moe = abstract_engine(os.path.join(root, "moe_128"), EngineConfig(**small), [device], jnp.bfloat16)
+moe.set_num_blocks(4)
+step = next(engine_executables(moe))
+with target_device(device):
+  reports["moe_hlo"] = step.jitted.lower(*step.args, **step.kwargs).as_text()
 plan = dict(select=lambda e: False, max_num_reqs=4, max_model_len=4096)
 llama, smollm2 = os.path.join(root, "llama_8b"), os.path.join(root, "smollm2")
 reports["plan/tp1"] = compile_for_topology(llama, "v5e:2x2", **plan)
@@ -97,7 +108,9 @@ def reports(tmp_path_factory) -> dict:
   root = tmp_path_factory.mktemp("configs")
   with open(os.path.join(os.path.dirname(__file__), "..", "fixtures", "smollm2_config.json")) as f:
     smollm2 = json.load(f)
-  configs = {**FAMILIES, "smollm2": smollm2, "whole_set": WHOLE_SET, "llama_8b": LLAMA_8B}
+  moe_128 = dict(FAMILIES["mixtral"], head_dim=128)
+  configs = {**FAMILIES, "smollm2": smollm2, "whole_set": WHOLE_SET, "llama_8b": LLAMA_8B,
+             "moe_128": moe_128}  # fmt: skip
   for name, config in configs.items():
     (root / name).mkdir()
     (root / name / "config.json").write_text(json.dumps(config))
@@ -164,3 +177,10 @@ def test_the_cli_refuses_a_model_that_does_not_fit_and_an_unknown_topology(repor
     assert part in message, message
   assert unknown["code"] == 2
   assert "unknown topology 'v9:1x1'" in unknown["stderr"] and "v6e:2x4" in unknown["stderr"]
+
+
+def test_experts_lower_to_a_grouped_matmul_for_tpu(reports):
+  """Lowered for TPU from this CPU-only process, a mixture of experts multiplies each token by
+  its own experts (XLA's ragged dot), not the CPU path's product with every expert."""
+  hlo = reports["moe_hlo"]
+  assert "ragged_dot" in hlo, hlo[:2000]
