@@ -159,7 +159,7 @@ def target_device(device: Any) -> Iterator[None]:
   except ImportError:  # no Pallas TPU ops in this JAX: nothing to point
     tuned = None
   saved = None
-  cache_was_on = jax.config.jax_enable_compilation_cache
+  cache_was_on = getattr(jax.config, "jax_enable_compilation_cache", True)
   jax.config.update("jax_enable_compilation_cache", False)
   if tuned is not None and hasattr(tuned, "get_tpu_version"):
     kind = device.device_kind

@@ -190,7 +190,7 @@ def grouped_linear(
 def _traced_platform() -> str:
   """The platform the block is traced for: JAX's default device's when one is set (an
   ahead-of-time compile for a TPU topology sets it, `jaxengine.aot`), else the default backend."""
-  device = jax.config.jax_default_device
+  device = getattr(jax.config, "jax_default_device", None)  # set by `jax.default_device`
   platform = device if isinstance(device, str) else getattr(device, "platform", None)
   return platform or jax.default_backend()
 
