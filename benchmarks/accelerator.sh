@@ -12,6 +12,10 @@
 # 3. the host cost of a sampler call, and engine tokens/s at batch 1 / 32 / 256 on a random model
 #    of Qwen2.5-0.5B's shape in bfloat16, synchronous against asynchronous scheduling, with the
 #    host's share of a step (bench_async.py).
+# Before renting the chip, `jaxengine compile` (docs/parallelism.md) compiles for its topology the
+# executables step 3's engine will run, from any machine with `pip install -e ".[tpu]"`, and says
+# whether they fit:
+#   jaxengine compile benchmarks/model_configs/Qwen2.5-0.5B --topology v5e:1x1 --max-num-reqs 256
 # Tables go to stdout and to $OUT/accelerator.md (or ./accelerator.md). JAX's persistent
 # compilation cache lives in a temporary directory for the run, so engines of the same shapes
 # compile once.

@@ -11,6 +11,11 @@ import shutil
 import tempfile
 import time
 
+# The test extra installs libtpu (for tests/aot's compiles for TPU topologies): without this,
+# every test process would try to start a TPU backend first. Set before any backend starts (the
+# imports below start none); a run that wants a TPU sets JAX_PLATFORMS itself.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 import pytest
 

@@ -27,6 +27,7 @@ from jaxengine.cli.checks import (
   read_json_schema,
   token_id_list,
 )
+from jaxengine.cli.compile_command import add_compile_parser, run_compile
 from jaxengine.engine.engine_flags import add_engine_flags, engine_options
 from jaxengine.entrypoints.chat_session import chat_prompt as _chat_prompt
 from jaxengine.entrypoints.chat_session import read_message as _read_message
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   add_serve_flags(serve)
   add_engine_flags(serve)
+  add_compile_parser(commands, _HelpFormatter)
   commands.add_parser(  # `main` hands the arguments to lm-eval before this parser runs
     "eval",
     help="evaluate with lm-evaluation-harness (ARGS are lm-eval's; needs jaxengine[lm-eval])",
@@ -356,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxengine.entrypoints.serve import run_server
 
     return run_server(args)
+  if args.command == "compile":
+    return run_compile(args)
   try:
     params = _sampling_params(args)
   except ValueError as error:

@@ -44,6 +44,27 @@ def cache_groups(spec: KVCacheSpec, config: EngineConfig) -> KVCacheGroups:
   )
 
 
+def pool_layout(
+  spec: KVCacheSpec, config: EngineConfig, groups: KVCacheGroups, max_model_len: int
+) -> tuple[KVCacheSpec, tuple[tuple[int, int], ...] | None, int]:
+  """The pool's page layout: the `KVCacheSpec` of one page (`group_size` layers, the cache's
+  dtype), the layer groups (None for one group), and the pages one request may hold: every full
+  group's and a window group's bounded share (what the default pool's size counts)."""
+  block_size, max_blocks = config.block_size, config.max_num_blocks_per_req
+  num_blocks_per_req = sum(
+    min(
+      max_blocks,
+      max_group_blocks(window, max_model_len, block_size, config.max_num_batched_tokens),
+    )
+    for window in groups.group_windows
+  )
+  spec = dataclasses.replace(spec, num_layers=groups.group_size)
+  layer_groups = groups.layer_groups if groups.num_groups > 1 else None
+  if config.kv_cache_dtype == "fp8":
+    spec = dataclasses.replace(spec, dtype=FP8_KV_DTYPE)  # each backend stores it its own way
+  return spec, layer_groups, num_blocks_per_req
+
+
 def create_kv_cache(
   spec: KVCacheSpec,
   config: EngineConfig,
@@ -68,20 +89,8 @@ def create_kv_cache(
     ValueError: the model's `sliding_window`, `soft_cap` or the cache dtype with a backend
       that has none (host side, `choose_backend`); a size that does not fit the devices.
   """
-  block_size, max_blocks = config.block_size, config.max_num_blocks_per_req
-  # Per request, every full group's pages and a window group's bounded share (what the
-  # default pool's size counts); a page holds `group_size` layers.
-  num_blocks_per_req = sum(
-    min(
-      max_blocks,
-      max_group_blocks(window, max_model_len, block_size, config.max_num_batched_tokens),
-    )
-    for window in groups.group_windows
-  )
-  spec = dataclasses.replace(spec, num_layers=groups.group_size)
-  layer_groups = groups.layer_groups if groups.num_groups > 1 else None
-  if config.kv_cache_dtype == "fp8":
-    spec = dataclasses.replace(spec, dtype=FP8_KV_DTYPE)  # each backend stores it its own way
+  block_size = config.block_size
+  spec, layer_groups, num_blocks_per_req = pool_layout(spec, config, groups, max_model_len)
   # This process's devices: another process's cannot report their memory (multi-host meshes).
   mesh = config.mesh
   devices = (
@@ -124,18 +133,26 @@ def create_kv_cache(
 
 
 def choose_backend(
-  config: EngineConfig, spec: KVCacheSpec, mesh: jax.sharding.Mesh | None, devices: Sequence[Any]
+  config: EngineConfig,
+  spec: KVCacheSpec,
+  mesh: jax.sharding.Mesh | None,
+  devices: Sequence[Any],
+  platform: str | None = None,
 ) -> AttentionBackend:
   """The paged cache's attention backend for `config.attention_backend`, checked against the
   `KVCacheSpec` and the devices (host side). With ``attention_backend=None`` the platform's
   default gives way to XLA where it cannot serve the spec (a Gemma or Mistral model on GPU, whose
   Pallas decode kernel has no window or cap; fp8 pages on a GPU without Triton's fp8).
 
+  `platform` (default `jax.default_backend()`) is the one the steps compile for: ``"tpu"`` for
+  an ahead-of-time compile from another machine (`jaxengine.aot`).
+
   Raises:
     ValueError: the model's `sliding_window`, `soft_cap` or the cache dtype with an explicit
       backend that has none, or a backend that does not run on the platform.
   """
-  chosen = attention_backend(config.attention_backend)
+  platform = jax.default_backend() if platform is None else platform
+  chosen = attention_backend(config.attention_backend, platform=platform)
   if config.attention_backend is None and not _serves(chosen, spec, devices):
     chosen = XlaAttentionBackend()
   if config.batch_invariant:  # the config allows only "xla" (or None on CPU) with it
@@ -144,7 +161,7 @@ def choose_backend(
   backend.check_sliding_window(spec.sliding_window)
   backend.check_soft_cap(spec.soft_cap)
   backend.check_kv_cache_dtype(spec.dtype, devices)
-  backend.check_platform(jax.default_backend())
+  backend.check_platform(platform)
   return backend
 
 

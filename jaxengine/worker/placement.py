@@ -152,9 +152,14 @@ class MeshPlacement:
     create = functools.partial(
       PagedKVCache.create, spec, backend, num_blocks, block_size, layer_groups
     )
-    spec_ = backend.page_specs(1)[0] if isinstance(backend, HeadShardedBackend) else P()
-    self.kv_pages = jax.tree.map(lambda _: NamedSharding(self.mesh, spec_), jax.eval_shape(create))
+    self.kv_pages = self.kv_pages_shardings(jax.eval_shape(create), backend)
     return jax.jit(create, out_shardings=self.kv_pages)()
+
+  def kv_pages_shardings(self, pages: Any, backend: AttentionBackend) -> Any:
+    """The `NamedSharding` tree of a paged cache `pages` (arrays or `jax.ShapeDtypeStruct`s) of
+    `backend`: split over key/value heads for a `HeadShardedBackend`, else replicated."""
+    spec = backend.page_specs(1)[0] if isinstance(backend, HeadShardedBackend) else P()
+    return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), pages)
 
   def ragged_forward_shardings(self, vocab_size: int) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged runner's model step

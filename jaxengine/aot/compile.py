@@ -1,0 +1,171 @@
+"""`compile_for_topology`: the engine compiled ahead of time for a Cloud TPU topology, from a
+model's ``config.json`` alone, with its memory planned per chip (design: `jaxengine compile`).
+
+libtpu compiles for a topology's devices without a TPU (`aot/topologies.py`). The executables
+are the engine's own (`aot/executables.py`: `ModelRunner.precompile`'s set, with the runner's
+shardings); each is lowered with the topology's first device as JAX's default device (Mosaic,
+the Pallas TPU compiler, reads the target chip from it) and compiled by XLA:TPU, which reports
+its flops, bytes and memory. The memory plan is `aot/memory_plan.py`'s, the decode estimates
+and the report's other fields `aot/report.py`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine import parallel
+from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
+from jaxengine.aot.memory_plan import memory_plan
+from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
+from jaxengine.aot.topologies import topology, topology_devices
+from jaxengine.engine_config import EngineConfig
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.bfloat16}
+
+
+def compile_for_topology(
+  model: str | os.PathLike,
+  topology_name: str = "v6e:1x1",
+  *,
+  tensor_parallel_size: int = 1,
+  data_parallel_size: int = 1,
+  dtype: str = "bfloat16",
+  select: Callable[[Executable], bool] | None = None,
+  progress: Callable[[dict[str, Any]], None] | None = None,
+  **engine_options: Any,
+) -> dict[str, Any]:
+  """Compiles every executable the engine precompiles for `topology_name` and plans its memory.
+
+  Args:
+    model: a Hugging Face model directory; only its ``config.json`` is read.
+    topology_name: one of `aot.topologies.TOPOLOGIES` (``"v5e:1x1"``, ``"v6e:2x2"``, ...).
+    tensor_parallel_size, data_parallel_size: the engine's mesh over the topology's first
+      ``d * t`` chips (the engine's data-parallel groups compile the same executables).
+    dtype: the weights' dtype, ``"bfloat16"`` (default) or ``"float32"`` (``"float16"`` is
+      served as bfloat16 on TPU).
+    select: compile only the executables it accepts (default: all); the memory plan's
+      temporary and the decode estimates then see only those.
+    progress: called with each executable's report entry as it compiles.
+    **engine_options: `EngineConfig` fields (`max_num_reqs`, `max_model_len`,
+      `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
+      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ...).
+      `attention_backend` None (default) is a TPU engine's: the Pallas kernel, or XLA where it
+      cannot serve the model (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"``).
+
+  Returns:
+    The report (design section 10): ``topology``, ``device_kind``, ``num_devices``,
+    ``hbm_bytes_per_device``, ``fits``, ``error`` (None, or why it does not fit or compile),
+    ``attention_backend``, ``per_device_bytes`` (``weights``, ``kv_cache``, ``temp``,
+    ``other``, ``total``), ``kv_cache`` (``num_blocks``, ``block_size``, ``bytes_per_token``,
+    ``max_tokens``), ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``,
+    ``bytes_accessed``, ``estimated_s``, ``temp_bytes``), ``decode`` (per batch:
+    ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``, ``method``).
+    A model that does not fit is not compiled (``executables`` empty).
+
+  Raises:
+    ValueError: an unknown topology (naming the known ones), a dtype outside those above,
+      a mesh larger than the topology, or any setting the engine refuses for this model.
+    ImportError: libtpu is not installed.
+  """
+  spec = topology(topology_name)
+  if dtype not in _DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
+  if t * d > spec.num_chips:
+    raise ValueError(
+      f"tensor_parallel_size={t} x data_parallel_size={d} needs {t * d} chips; "
+      f"{topology_name} has {spec.num_chips}"
+    )
+  devices = topology_devices(topology_name)
+  # JAX's persistent cache cannot read back a deviceless TPU executable (it needs a TPU client):
+  # each compile here is done afresh (`target_device` turns the cache off around it).
+  options: dict[str, Any] = {"compilation_cache": False, **engine_options}
+  if t * d > 1:
+    options.update(mesh=parallel.make_mesh(t, d, devices), tensor_parallel_size=t,
+                   data_parallel_size=d)  # fmt: skip
+  config = EngineConfig(**options)
+  engine = abstract_engine(os.fspath(model), config, devices, _DTYPES[dtype])
+  backend_text = describe_backend(engine)
+  hbm = spec.chip.hbm_bytes
+  plan = memory_plan(engine, hbm)
+  results: list[dict[str, Any]] = []
+  error = None
+  if plan.fits:
+    engine.set_num_blocks(plan.num_blocks)
+    executables = [e for e in engine_executables(engine) if select is None or select(e)]
+    for executable in executables:
+      try:
+        results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
+        if progress is not None:
+          progress(results[-1])
+      except Exception as failure:  # a kernel or lowering the TPU refuses: reported, not raised
+        error = f"{executable.name} {executable.shape} does not compile for {topology_name}: "
+        error += f"{type(failure).__name__}: {_first_lines(str(failure))}{_where(failure)}"
+        break
+    temp = max((r["temp_bytes"] for r in results), default=0)
+    plan = memory_plan(engine, hbm, temp)
+  if not plan.fits:
+    error = not_fitting_message(engine, plan, spec, t)
+  return build_report(engine, spec, plan, results, error, backend_text)
+
+
+def compile_executable(executable: Executable, device: Any, bandwidth: float) -> dict[str, Any]:
+  """Lowers and compiles one executable for `device`'s chip; its report entry (XLA's cost
+  analysis: `optimal_seconds` when positive, else bytes accessed over `bandwidth`)."""
+  start = time.perf_counter()
+  with target_device(device):
+    jitted = cast(Any, executable.jitted)  # a `jax.jit` wrapper
+    lowered = jitted.lower(*executable.args, **executable.kwargs)
+    compiled = lowered.compile()
+  seconds = time.perf_counter() - start
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  cost = dict(cost or {})
+  memory = compiled.memory_analysis()
+  flops = float(cost.get("flops", 0.0))
+  accessed = float(cost.get("bytes accessed", 0.0))
+  optimal = float(cost.get("optimal_seconds", -1.0))
+  return {
+    "name": executable.name,
+    "shape": executable.shape,
+    "compile_s": round(seconds, 3),
+    "flops": flops,
+    "bytes_accessed": accessed,
+    "estimated_s": optimal if optimal > 0 else accessed / bandwidth,
+    "estimate_source": "xla optimal_seconds" if optimal > 0 else "bytes accessed / bandwidth",
+    "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
+  }
+
+
+@contextlib.contextmanager
+def target_device(device: Any) -> Iterator[None]:
+  """Lowering for `device`'s chip from a machine without it: JAX's default device (Mosaic, and
+  the backends' choices of kernel and block sizes, read the target chip from it:
+  `jaxengine.models.target_device`), with JAX's persistent compilation cache off (it cannot
+  load a deviceless executable back)."""
+  cache_was_on = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    with jax.default_device(device):
+      yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was_on)
+
+
+def _where(failure: BaseException) -> str:
+  """`` (at file:line)`` of the innermost frame that raised `failure` (an assertion says no more)."""
+  frames = traceback.extract_tb(failure.__traceback__)
+  return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _first_lines(text: str, count: int = 3) -> str:
+  return " ".join(text.strip().splitlines()[:count])

@@ -1,0 +1,321 @@
+"""The engine's executables as shapes: what `ModelRunner.precompile` compiles, built from a
+model's ``config.json`` alone and placed on devices that need hold no array (a TPU topology's).
+
+`abstract_engine` builds what a runner holds, abstractly: the model from its config under
+`nnx.eval_shape` (batch-invariant and quantized as the engine would serve it), its weights as
+`jax.ShapeDtypeStruct`s in the runner's shardings (`worker/placement.py` on a mesh of the given
+devices; the one device otherwise), the persistent batch (host arrays, whose shapes the steps
+take), and the pool of KV-cache pages as shapes. `engine_executables` then yields each jitted step
+of `worker/device_steps.py` with the arguments of one precompiled shape, the same set
+`ModelRunner.precompile` runs: the ragged step's model part per (token bucket, row bucket) with
+and without prompt logprobs, its sampler per row bucket, the verify step's two parts with
+speculative decoding, and the k-step decode loop per row bucket with `num_decode_steps` > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxengine.batch import InputBatch
+from jaxengine.batch.block_table import BlockTable
+from jaxengine.core.scheduler import SchedulerOutput
+from jaxengine.engine_config import EngineConfig
+from jaxengine.lora import LoRAManager
+from jaxengine.models.attention_backends import AttentionBackend
+from jaxengine.models.batch_invariant import batch_invariant_model
+from jaxengine.models.interface import Model
+from jaxengine.models.kv_cache import KVCacheSpec
+from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.quantization import quantize_model
+from jaxengine.models.registry import hf_architecture
+from jaxengine.models.safetensors_loader import eos_token_ids, read_hf_config
+from jaxengine.models.weights import abstract_module
+from jaxengine.worker import buckets as step_buckets
+from jaxengine.worker.device_steps import DeviceSteps, placed_device_steps
+from jaxengine.worker.kv_cache_pool import cache_groups, choose_backend, pool_layout
+from jaxengine.worker.lora_loader import lora_manager
+from jaxengine.worker.multi_step import DeviceStopRules, decode_steps_inputs
+from jaxengine.worker.placement import MeshPlacement
+from jaxengine.worker.step_inputs import ragged_inputs
+from jaxengine.worker.verify_step import ragged_drafts
+
+
+@dataclasses.dataclass(frozen=True)
+class Executable:
+  """One executable the engine compiles, ready to lower: ``jitted.lower(*args, **kwargs)``.
+
+  Attributes:
+    name: the step: ``"ragged_step"`` (the model over a token bucket), ``"sample"`` (the
+      sampler over a row bucket), ``"verify_step"`` and ``"rejection_sample"`` (speculative
+      decoding's two parts), ``"decode_steps"`` (the k-step decode loop).
+    shape: its bucket, e.g. ``"tokens=256 rows=64"``.
+    jitted: the `jax.jit` wrapper the engine calls (`worker/device_steps.py`).
+    args: pytrees of `jax.ShapeDtypeStruct` with the engine's shardings; on a mesh the static
+      arguments follow them (``jax.jit`` takes no keywords with `in_shardings`: the runner's
+      `placed_step` passes them so too).
+    kwargs: the static keyword arguments (empty on a mesh).
+  """
+
+  name: str
+  shape: str
+  jitted: Callable[..., Any]
+  args: tuple
+  kwargs: dict
+
+
+@dataclasses.dataclass
+class AbstractEngine:
+  """What a `ModelRunner` holds, as shapes (see the module; built by `abstract_engine`).
+
+  Attributes:
+    config: the engine config of one data-parallel group, resolved for the model.
+    model: the served module (abstract: `jax.ShapeDtypeStruct` leaves).
+    weights: its `nnx.State` as `jax.ShapeDtypeStruct`s with their shardings.
+    placement: the runner's `MeshPlacement` on `config.mesh`, None on one device.
+    device: the device of a one-device engine (the mesh's first otherwise).
+    batch: the persistent batch (host arrays on the default device, used for their shapes).
+    backend: the pool's attention backend.
+    page_spec: the `KVCacheSpec` of one page (its layers and dtype).
+    layer_groups: the KV cache groups' layers (None for one group).
+    num_blocks_per_req: pages one request of `max_model_len` tokens holds.
+    graphdef: the served module's structure.
+    steps: the jitted steps (`worker/device_steps.py`); set by `set_num_blocks` (on a mesh
+      their shardings name the pool's).
+    num_blocks: pages of the pool (the null page included); set by `set_num_blocks`.
+    kv_cache: the pool as shapes with their shardings; set by `set_num_blocks`.
+    lora: the LoRA slots with `enable_lora`, else None.
+  """
+
+  config: EngineConfig
+  model: Model
+  weights: Any
+  placement: MeshPlacement | None
+  device: Any
+  batch: InputBatch
+  backend: AttentionBackend
+  page_spec: KVCacheSpec
+  layer_groups: tuple[tuple[int, int], ...] | None
+  num_blocks_per_req: int
+  graphdef: Any
+  steps: DeviceSteps | None = None
+  num_blocks: int = 0
+  kv_cache: Any = None
+  lora: LoRAManager | None = None
+
+  @property
+  def mesh(self) -> Mesh | None:
+    return self.config.mesh
+
+  def sharded(self, tree: Any, shardings: Any = None) -> Any:
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s in `shardings` (a tree of them, or one for
+    every leaf; None: replicated on a mesh, else the engine's device)."""
+    if shardings is None:
+      one = self.placement.replicated if self.placement is not None else None
+      shardings = one or SingleDeviceSharding(self.device)
+    if not isinstance(shardings, jax.sharding.Sharding):
+      return jax.tree.map(_spec, tree, shardings)
+    return jax.tree.map(lambda x: _spec(x, shardings), tree)
+
+  def set_num_blocks(self, num_blocks: int) -> None:
+    """Sizes the pool: `num_blocks` pages (the null page included), as shapes."""
+    cfg = self.config
+    cache = jax.eval_shape(
+      lambda: PagedKVCache.create(
+        self.page_spec, self.backend, num_blocks, cfg.block_size, self.layer_groups
+      )
+    )
+    shardings = None
+    if self.placement is not None:
+      shardings = self.placement.kv_pages_shardings(cache, self.backend)
+      self.placement.kv_pages = shardings
+    self.num_blocks, self.kv_cache = num_blocks, self.sharded(cache, shardings)
+    self.steps = placed_device_steps(
+      self.graphdef, self.mesh, self.placement, self.model.vocab_size
+    )
+
+
+def _executable(
+  engine: AbstractEngine, name: str, shape: str, jitted: Callable[..., Any], args: tuple,
+  static: dict[str, Any],
+) -> Executable:  # fmt: skip
+  """An `Executable` whose static arguments go as the runner passes them (see `Executable`)."""
+  if engine.placement is not None:
+    return Executable(name, shape, jitted, (*args, *static.values()), {})
+  return Executable(name, shape, jitted, args, static)
+
+
+def _spec(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstract_engine(
+  model_dir: str,
+  config: EngineConfig,
+  devices: Sequence[Any],
+  dtype: Any,
+  platform: str = "tpu",
+) -> AbstractEngine:
+  """Builds a runner's parts for the model of `model_dir`'s ``config.json`` (see the module).
+
+  Args:
+    model_dir: a Hugging Face directory; only ``config.json`` (and ``generation_config.json``
+      for the EOS ids, when there) is read.
+    config: the engine's config, its `mesh` (when tensor or data parallel) over `devices`; one
+      data-parallel group's is built (every group compiles the same executables).
+    devices: the devices to compile for (a topology's).
+    dtype: the weights' JAX dtype.
+    platform: the platform the steps compile for (the attention backend's default).
+
+  Raises:
+    ValueError: a config the engine would refuse for this model (as `EngineConfig.for_model`,
+      `MeshPlacement.check`, the attention backend's checks), or an unsupported architecture.
+  """
+  hf = read_hf_config(model_dir)
+  architecture = hf_architecture(hf)
+  model_config = architecture.read_config(hf)
+  config = config.for_model(model_config.max_position_embeddings).data_parallel_groups()[0]
+  model = cast(Model, abstract_module(architecture.module, model_config, dtype))
+  eos = eos_token_ids(model_dir) or [0]
+  batch = InputBatch(
+    config.max_num_reqs,
+    config.resolved_max_model_len,
+    model.vocab_size,
+    max_num_logprobs=config.max_num_logprobs,
+    logprobs_mode=config.logprobs_mode,
+    eos_token_ids=eos,
+    seed=config.seed,
+    logits_processors=config.logits_processors,
+    max_num_blocks_per_req=config.max_num_blocks_per_req,
+    batch_invariant=config.batch_invariant,
+  )
+  mesh = config.mesh
+  if mesh is not None:
+    MeshPlacement.check(model, batch, mesh, expert_parallel=config.enable_expert_parallel)
+  if config.batch_invariant or config.quantization is not None:
+    model = cast(Model, nnx.eval_shape(lambda: _served(model, config)))
+  graphdef, weights = nnx.split(cast(nnx.Module, model))
+  placement = None
+  if mesh is not None:
+    placement = MeshPlacement(
+      model, weights, batch, mesh, expert_parallel=config.enable_expert_parallel
+    )
+  spec = model.kv_cache_spec
+  groups = cache_groups(spec, config)
+  if groups.num_groups > 1:  # one table per group and row, as the runner's
+    batch.block_table = BlockTable(
+      config.max_num_reqs, config.max_num_blocks_per_req, groups.num_groups
+    )
+  page_spec, layer_groups, per_req = pool_layout(
+    spec, config, groups, config.resolved_max_model_len
+  )
+  backend = choose_backend(config, page_spec, mesh, list(devices), platform=platform)
+  engine = AbstractEngine(
+    config=config,
+    model=model,
+    weights=weights,
+    placement=placement,
+    device=devices[0] if mesh is None else mesh.devices.flat[0],
+    batch=batch,
+    backend=backend,
+    page_spec=page_spec,
+    layer_groups=layer_groups,
+    num_blocks_per_req=per_req,
+    graphdef=graphdef,
+  )
+  engine.weights = engine.sharded(weights, placement.weights if placement else None)
+  if config.enable_lora:
+    engine.lora = lora_manager(model, config)
+  return engine
+
+
+def _served(model: Model, config: EngineConfig) -> Model:
+  """The module the runner serves (`worker/weight_loader.py`'s `prepare_model`, for shapes; under
+  `nnx.eval_shape`, where the abstract weights become traced zeros for the quantizer to read)."""
+  graphdef, state = nnx.split(cast(nnx.Module, model))
+  state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state)
+  model = cast(Model, nnx.merge(graphdef, state))
+  if config.batch_invariant:
+    model = batch_invariant_model(model)
+  if config.quantization is not None:
+    model = cast(Model, quantize_model(model, config.quantization).model)
+  return model
+
+
+def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
+  """The executables `ModelRunner.precompile` compiles for `engine` (see the module), each
+  once: the sampler's and the rejection sampler's per row bucket, the others per shape.
+
+  `engine.set_num_blocks` must have sized the pool first.
+  """
+  if engine.kv_cache is None or engine.steps is None:
+    raise ValueError("engine_executables needs the pool's size: call set_num_blocks first")
+  config, batch, steps, placement = engine.config, engine.batch, engine.steps, engine.placement
+  rows_per_shard = placement.rows if placement is not None else 1
+  row_buckets = step_buckets.row_buckets(
+    config.max_num_reqs, rows_per_shard, config.batch_invariant
+  )
+  token_buckets = step_buckets.buckets(cast(int, config.max_num_batched_tokens), 1)
+  state = engine.sharded(batch.state, placement.state if placement else None)
+  metadata = engine.sharded(batch.sampling_metadata, placement.metadata if placement else None)
+  vocab = engine.model.vocab_size
+  logits_sharding = placement.logits_sharding(vocab) if placement else None
+  empty = SchedulerOutput([], {}, {}, {}, [])
+  block_table = cast(BlockTable, batch.block_table)
+  k = config.num_speculative_tokens
+  columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
+  sampled: set[tuple[str, int]] = set()
+  for prompt_logprobs in (False, True):
+    for num_tokens, num_rows in step_buckets.step_shapes(
+      row_buckets, token_buckets, prompt_logprobs
+    ):
+      extra = f" prompt_logprobs={columns}" if prompt_logprobs else ""
+      shape = f"tokens={num_tokens} rows={num_rows}"
+      inputs = engine.sharded(
+        ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
+                      block_size=config.block_size, lora=engine.lora)
+      )  # fmt: skip
+      produces = inputs.produces
+      pl = columns if prompt_logprobs else 0
+      args = (state, engine.weights, engine.kv_cache, inputs)
+      yield _executable(engine, "ragged_step", shape + extra, steps.ragged_forward, args,
+                        {"prompt_logprobs": pl})  # fmt: skip
+      if ("sample", num_rows) not in sampled:
+        sampled.add(("sample", num_rows))
+        logits = engine.sharded(
+          jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32), logits_sharding
+        )
+        yield _executable(engine, "sample", f"rows={num_rows}", steps.sample_produced,
+                          (state, metadata, logits, produces), {"num_rows": num_rows})  # fmt: skip
+      if not k:
+        continue
+      drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
+      verify_args = (state, engine.weights, engine.kv_cache, inputs, drafts)
+      yield _executable(engine, "verify_step", f"{shape} drafts={k}{extra}",
+                        steps.verify_forward, verify_args, {"prompt_logprobs": pl})  # fmt: skip
+      if ("rejection_sample", num_rows) not in sampled:
+        sampled.add(("rejection_sample", num_rows))
+        logits = engine.sharded(jax.ShapeDtypeStruct((num_rows, k + 1, vocab), jnp.float32))
+        yield _executable(engine, "rejection_sample", f"rows={num_rows} drafts={k}",
+                          steps.rejection_sample_produced,
+                          (state, metadata, logits, drafts, produces), {"num_rows": num_rows})  # fmt: skip
+  if config.num_decode_steps > 1:
+    stop_rules = DeviceStopRules(batch, config.resolved_max_model_len)
+    for num_rows in row_buckets:
+      inputs = engine.sharded(
+        decode_steps_inputs(batch, block_table, {}, num_rows, stop_rules, False, lora=engine.lora)
+      )
+      yield _executable(
+        engine,
+        "decode_steps",
+        f"rows={num_rows} steps={config.num_decode_steps}",
+        steps.decode_steps,
+        (state, metadata, engine.weights, engine.kv_cache, inputs),
+        {"num_rows": num_rows, "num_steps": config.num_decode_steps},
+      )

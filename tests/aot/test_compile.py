@@ -1,0 +1,186 @@
+"""`jaxengine compile` / `jaxengine.aot.compile_for_topology`: the engine compiled for Cloud TPU
+v5e topologies with libtpu (no TPU), from config.json alone, and its memory per chip.
+
+One subprocess (libtpu's compiles, kept out of the test process) compiles SmolLM2's config and a
+tiny config of every family (the sizes of tests/helpers/hf_checkpoints.py and
+tests/helpers/moe_checkpoints.py) for one v5e chip and for four with tensor parallelism, the
+whole precompile set of one tiny engine, plans memory without compiling (tensor parallelism,
+fp8 pages) and runs the CLI's failing cases; the tests read its reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from subprocess_utils import run_python
+
+_TINY = dict(
+  vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+)  # fmt: skip
+_MOE = dict(
+  vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+  max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)  # fmt: skip
+FAMILIES = {
+  "llama": dict(_TINY, architectures=["LlamaForCausalLM"], model_type="llama"),
+  "qwen2": dict(_TINY, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+  "qwen3": dict(_TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),
+  "gemma2": dict(
+    _TINY, architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16,
+    query_pre_attn_scalar=16, sliding_window=16, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+  ),
+  "qwen3_moe": dict(
+    _MOE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
+    intermediate_size=48, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+    decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False,
+  ),
+  "mixtral": dict(
+    _MOE, architectures=["MixtralForCausalLM"], model_type="mixtral", num_hidden_layers=2,
+    intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+  ),
+}  # fmt: skip
+#: A tiny model at a head size every TPU kernel tiles (128): its whole precompile set compiles.
+WHOLE_SET = dict(_TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128)
+#: Llama-3.1-8B's sizes (bfloat16 weights: 15 GiB): the CLI's refusal on one 16 GiB chip, and
+#: the plans over four.
+LLAMA_8B = dict(
+  architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+  intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+)  # fmt: skip
+
+SCRIPT = r"""
+import contextlib, io, json, os, sys
+from jaxengine.aot import compile_for_topology
+from jaxengine.cli.main import main
+
+root, = sys.argv[1:]
+small = dict(max_num_reqs=1, max_model_len=16, max_num_batched_tokens=2)
+decode = lambda e: e.name == "ragged_step" and e.shape == "tokens=1 rows=1"
+reports = {}
+for name in sorted(os.listdir(root)):
+  path = os.path.join(root, name)
+  if name in ("whole_set", "llama_8b", "moe_128"):
+    continue
+  reports[name + "/v5e:1x1"] = compile_for_topology(path, "v5e:1x1", select=decode, **small)
+  tp = 3 if name == "smollm2" else 4  # SmolLM2's 9 heads split over 3 of the 4 chips
+  reports[name + "/v5e:2x2"] = compile_for_topology(
+    path, "v5e:2x2", tensor_parallel_size=tp, select=decode, **small)
+reports["whole_set"] = compile_for_topology(os.path.join(root, "whole_set"), "v5e:1x1", **small)
+from jaxengine.aot.compile import target_device
+from jaxengine.aot.topologies import topology_devices
+from jaxengine.aot.executables import abstract_engine, engine_executables
+from jaxengine.engine_config import EngineConfig
+import jax.numpy as jnp
+device = topology_devices("v5e:1x1")[0]
+moe = abstract_engine(os.path.join(root, "moe_128"), EngineConfig(**small), [device], jnp.bfloat16)
+moe.set_num_blocks(4)
+step = next(engine_executables(moe))
+with target_device(device):
+  reports["moe_hlo"] = step.jitted.lower(*step.args, **step.kwargs).as_text()
+plan = dict(select=lambda e: False, max_num_reqs=4, max_model_len=4096)
+llama, smollm2 = os.path.join(root, "llama_8b"), os.path.join(root, "smollm2")
+reports["plan/tp1"] = compile_for_topology(llama, "v5e:2x2", **plan)
+plan.update(tensor_parallel_size=4)
+reports["plan/tp4"] = compile_for_topology(llama, "v5e:2x2", **plan)
+reports["plan/fp8"] = compile_for_topology(llama, "v5e:2x2", kv_cache_dtype="fp8", **plan)
+for case, argv in {
+  "too_big": [os.path.join(root, "llama_8b"), "--topology", "v5e:1x1", "--max-model-len", "4096"],
+  "unknown": [smollm2, "--topology", "v9:1x1"],
+}.items():
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    try:
+      code = main(["compile", *argv])
+    except SystemExit as exit:
+      code = exit.code
+  reports["cli/" + case] = {"code": code, "stderr": err.getvalue()}
+print(json.dumps(reports))
+"""
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+  root = tmp_path_factory.mktemp("configs")
+  with open(os.path.join(os.path.dirname(__file__), "..", "fixtures", "smollm2_config.json")) as f:
+    smollm2 = json.load(f)
+  moe_128 = dict(FAMILIES["mixtral"], head_dim=128)
+  configs = {**FAMILIES, "smollm2": smollm2, "whole_set": WHOLE_SET, "llama_8b": LLAMA_8B,
+             "moe_128": moe_128}  # fmt: skip
+  for name, config in configs.items():
+    (root / name).mkdir()
+    (root / name / "config.json").write_text(json.dumps(config))
+  return json.loads(run_python(SCRIPT, str(root)).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v5e:2x2"])
+@pytest.mark.parametrize("name", [*FAMILIES, "smollm2"])
+def test_every_family_compiles_for_v5e_with_the_tpu_kernels(reports, name, topology):
+  """The decode step of each family's tiny config and SmolLM2's (head sizes 8, 16, 64) compiles
+  for one v5e chip and for four with tensor parallelism (SmolLM2's 9 heads over three), with the
+  Pallas attention kernel."""
+  report = reports[f"{name}/{topology}"]
+  assert report["error"] is None, report["error"]
+  assert report["fits"] and report["device_kind"] == "TPU v5 lite"
+  assert report["num_devices"] == {"v5e:1x1": 1, "v5e:2x2": 3 if name == "smollm2" else 4}[topology]
+  assert "pallas" in report["attention_backend"] or name == "gemma2"
+  (step,) = report["executables"]
+  assert (step["name"], step["shape"]) == ("ragged_step", "tokens=1 rows=1")
+  assert step["flops"] > 0 and step["bytes_accessed"] > 0 and step["compile_s"] > 0
+
+
+def test_the_whole_precompile_set_compiles_and_is_planned(reports):
+  """With one row and a budget of 2 tokens the engine precompiles the ragged step at 1 and 2
+  tokens, with and without prompt logprobs, and the sampler at one row: all compile for TPU,
+  and the plan counts the largest temporary and the pages that fit the chip."""
+  report = reports["whole_set"]
+  assert report["error"] is None and report["fits"]
+  assert [(e["name"], e["shape"]) for e in report["executables"]] == [
+    ("ragged_step", "tokens=1 rows=1"),
+    ("sample", "rows=1"),
+    ("ragged_step", "tokens=2 rows=1"),
+    ("ragged_step", "tokens=1 rows=1 prompt_logprobs=21"),
+    ("ragged_step", "tokens=2 rows=1 prompt_logprobs=21"),
+  ]
+  memory, kv = report["per_device_bytes"], report["kv_cache"]
+  assert memory["temp"] == max(e["temp_bytes"] for e in report["executables"]) > 0
+  assert memory["total"] == sum(memory[k] for k in ("weights", "kv_cache", "temp", "other"))
+  assert kv["max_tokens"] * kv["bytes_per_token"] <= 0.9 * report["hbm_bytes_per_device"]
+  assert [d["batch"] for d in report["decode"]] == [1]
+  assert report["decode"][0]["estimated_step_s"] > report["decode"][0]["memory_floor_s"] > 0
+
+
+def test_tensor_parallelism_quarters_the_weights_and_fp8_pages_double_the_tokens(reports):
+  """The plan alone (nothing compiled) of Llama-3.1-8B's config: it does not fit one v5e chip;
+  over four each holds a quarter of the weights and it fits; float8 pages hold twice the tokens
+  of bfloat16 ones in the same memory."""
+  tp1, tp4, fp8 = reports["plan/tp1"], reports["plan/tp4"], reports["plan/fp8"]
+  weights1, weights4 = tp1["per_device_bytes"]["weights"], tp4["per_device_bytes"]["weights"]
+  assert weights1 > 14 * 2**30 and not tp1["fits"] and tp4["fits"]
+  assert 0.25 <= weights4 / weights1 < 0.2501  # the norms stay whole on every chip
+  assert tp4["num_devices"] == 4 and tp1["num_devices"] == 1
+  tokens, fp8_tokens = tp4["kv_cache"]["max_tokens"], fp8["kv_cache"]["max_tokens"]
+  assert fp8["kv_cache"]["bytes_per_token"] * 2 == tp4["kv_cache"]["bytes_per_token"]
+  assert 1.95 < fp8_tokens / tokens < 2.05
+
+
+def test_the_cli_refuses_a_model_that_does_not_fit_and_an_unknown_topology(reports):
+  too_big, unknown = reports["cli/too_big"], reports["cli/unknown"]
+  assert too_big["code"] == 1
+  message = too_big["stderr"]
+  for part in ("needs 15.", "GiB per chip", "a 16 GiB chip", "--tensor-parallel-size",
+               "--quantization int8"):  # fmt: skip
+    assert part in message, message
+  assert unknown["code"] == 2
+  assert "unknown topology 'v9:1x1'" in unknown["stderr"] and "v6e:2x4" in unknown["stderr"]
+
+
+def test_experts_lower_to_a_grouped_matmul_for_tpu(reports):
+  """Lowered for TPU from this CPU-only process, a mixture of experts multiplies each token by
+  its own experts (XLA's ragged dot), not the CPU path's product with every expert."""
+  hlo = reports["moe_hlo"]
+  assert "ragged_dot" in hlo, hlo[:2000]
