@@ -125,6 +125,10 @@ class HeadShardedBackend(AttentionBackend):
       kv_cache_memory_bytes, num_kv_heads=self.local_kv_heads(num_kv_heads), **sizes
     )
 
+  def head_spec(self) -> P:
+    """The partition spec of ``[T, heads, D]`` queries, keys and values: heads over `axis`."""
+    return P(None, self.axis, None)
+
   def _shard_map(self, fn, in_specs, out_specs):
     return jax.shard_map(
       fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
@@ -132,7 +136,7 @@ class HeadShardedBackend(AttentionBackend):
 
   def write_kv(self, pages, key, value, slot_mapping, layer=None):
     specs = self.page_specs(len(pages), layered=layer is not None)
-    heads = P(None, self.axis, None)  # [T, K, D]
+    heads = self.head_spec()  # [T, K, D]
     extra: tuple[Any, ...] = () if layer is None else (layer,)
 
     def local(pages, key, value, slot_mapping, *layer_index):
@@ -153,7 +157,7 @@ class HeadShardedBackend(AttentionBackend):
     soft_cap=None,
   ):
     specs = self.page_specs(len(pages))
-    heads = P(None, self.axis, None)  # [T, H, D]
+    heads = self.head_spec()  # [T, H, D]
     local_heads = None if num_kv_heads is None else self.local_kv_heads(num_kv_heads)
 
     def local(q, pages: KVPages, md):
@@ -170,15 +174,50 @@ class HeadShardedBackend(AttentionBackend):
     return self._shard_map(local, (heads, specs, P()), heads)(q, tuple(pages), md)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicatedOnMeshBackend(HeadShardedBackend):
+  """`inner` run whole on every device of `mesh`: the pages replicated (every key/value head on
+  each device), queries, keys and values gathered, each device computing the step's attention.
+
+  For a model axis that does not divide the key/value heads, with a backend whose kernel XLA's
+  SPMD partitioner cannot place (the Pallas kernels: "Mosaic kernels cannot be automatically
+  partitioned"): under `jax.shard_map` with every spec replicated each device calls the kernel
+  as on one device, as XLA's own partitioning does with the XLA path's replicated pages.
+  """
+
+  def describe(self, spec, num_heads):
+    """The wrapped backend's description, and that every device runs all of it."""
+    inner = self.inner.describe(spec, num_heads)
+    return f"{inner}, replicated on each of {self.num_shards} devices ({self.axis!r} axis)"
+
+  def local_kv_heads(self, num_kv_heads: int) -> int:
+    """Every key/value head on each device."""
+    return num_kv_heads
+
+  def page_arrays(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
+    return self.inner.page_arrays(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+
+  def page_specs(self, num_arrays: int, layered: bool = False) -> tuple[P, ...]:
+    """Every page array replicated."""
+    return (P(),) * num_arrays
+
+  def head_spec(self) -> P:
+    """Queries, keys and values whole on each device."""
+    return P()
+
+
 def shard_backend(
   backend: AttentionBackend, mesh: Mesh | None, num_kv_heads: int
 ) -> AttentionBackend:
   """`backend` for an engine on `mesh`: wrapped in `HeadShardedBackend` when the model axis has
-  more than one device and divides `num_kv_heads`; as it is otherwise (one device, or pages
-  replicated over the model axis when it does not divide the heads)."""
+  more than one device and divides `num_kv_heads`; otherwise the pages are replicated over the
+  model axis, and a Pallas backend (which XLA cannot partition) runs whole on each device
+  (`ReplicatedOnMeshBackend`); as it is on one device."""
   if mesh is None or "model" not in mesh.shape:
     return backend
   t = int(mesh.shape["model"])
-  if t == 1 or num_kv_heads % t:
+  if t == 1:
     return backend
+  if num_kv_heads % t:
+    return backend if backend.name == "xla" else ReplicatedOnMeshBackend(backend, mesh)
   return HeadShardedBackend(backend, mesh)

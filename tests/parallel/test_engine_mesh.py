@@ -84,6 +84,21 @@ for inner in (XlaAttentionBackend(), PallasGpuAttentionBackend(interpret=True),
   assert [a.shape[axis] for a in arrays] == [2 * a.shape[axis] for a in local], inner.name
   print("backend", inner.name, "ok")
 
+# A model axis that does not divide the key/value heads: the pages replicated, and a Pallas
+# backend (which XLA's partitioner cannot place) run whole on each device under shard_map.
+from jaxengine.models.sharded_attention import ReplicatedOnMeshBackend, shard_backend
+tpu = PallasTpuAttentionBackend(kernel=tpu_layout_kernel)
+assert isinstance(shard_backend(tpu, mesh, 3), ReplicatedOnMeshBackend)
+assert isinstance(shard_backend(XlaAttentionBackend(), mesh, 3), XlaAttentionBackend)
+backend = ReplicatedOnMeshBackend(tpu, mesh)
+assert backend.page_shapes(step.num_blocks, B, K, D) == tpu.page_shapes(step.num_blocks, B, K, D)
+pages = jax.device_put(backend.init_pages(step.num_blocks, B, K, D),
+                       jax.sharding.NamedSharding(mesh, P()))
+pages, out = jax.jit(write_and_attend)(pages, *args)
+np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+assert backend.page_specs(1) == (P(),)  # how the runner places them
+print("backend pallas_tpu replicated ok")
+
 # The GPU layout's fp8 pages and scales, each device over its own heads: as on one device.
 inner = PallasGpuAttentionBackend(interpret=True)
 backend = HeadShardedBackend(inner, mesh)
@@ -215,5 +230,5 @@ print("ok")
 def test_paged_engine_on_a_mesh_matches_one_device():
   out = run_python(SCRIPT, HELPERS_DIR, timeout=1500)
   assert out.strip().endswith("ok")
-  assert out.count("backend") == 4  # three layouts, and fp8 pages of the GPU layout
+  assert out.count("backend") == 5  # three layouts, replicated pages, fp8 pages of the GPU layout
   assert "speculative" in out
