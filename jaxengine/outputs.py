@@ -64,6 +64,8 @@ class CompletionOutput:
       token the request's grammar rejects; that token is dropped), or None while running.
     stop_reason: the stop string (str) or stop token id (int) that ended generation; None for EOS,
       for "length", and while running.
+    weight_versions: one per token of `token_ids`, the version of the weights that produced it
+      (`LLMEngine.load_weights(..., weight_version=)`; 0 before any load).
   """
 
   index: int
@@ -73,6 +75,7 @@ class CompletionOutput:
   logprobs: SampleLogprobs | None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  weight_versions: list[int] = dataclasses.field(default_factory=list)
 
   def finished(self) -> bool:
     """True once the completion has a `finish_reason`."""
