@@ -140,14 +140,15 @@ class PausableEngine:
     return [r.output() for r in aborted]
 
   def resume_generation(self) -> None:
-    """Ends a pause (vLLM's name): the kept requests go on and the held ones are queued, in the
-    order they came. Harmless when not paused."""
+    """Ends a pause (vLLM's name): the kept requests go on and the held ones (those not aborted
+    meanwhile) are queued, in the order they came. Harmless when not paused."""
     self._pause.holding = False
     for core in self.cores:
       core.paused = False
     held, self._pause.held = self._pause.held, []
     for request in held:
-      self._admit(request)
+      if self._requests.get(request.request_id) is request:  # not aborted while held
+        self._admit(request)
 
   def is_paused(self) -> bool:
     """Whether generation is paused (new requests are held), vLLM's name."""

@@ -466,7 +466,10 @@ def test_wait_and_abort_pauses_and_bad_modes(model, tokenizer):
         assert len(completion.logprobs or []) == len(completion.token_ids)
   assert not engine.has_unfinished_requests() and engine.pop_finished() == []
   assert engine.kv_cache_stats.num_used_blocks == 0 and engine.runner.input_batch.num_reqs == 0
+  engine.add_request("held", *requests[0])
+  engine.abort_request("held")  # aborted while held: never runs
   engine.resume_generation()
+  assert not engine.has_unfinished_requests()
   assert (
     _generate(engine, requests[:1])["0"].outputs[0].token_ids == waited["0"].outputs[0].token_ids
   )
