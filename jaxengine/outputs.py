@@ -60,10 +60,13 @@ class CompletionOutput:
     logprobs: `SampleLogprobs`, one dict per generated token holding the sampled token and the top
       `logprobs` tokens (the whole vocabulary for `logprobs=-1`); None without `logprobs`.
     finish_reason: "stop" (EOS, a stop token id, a stop string or a finished structured-outputs
-      grammar), "length" (max_tokens or max_model_len), "abort" (the sampler could only produce a
-      token the request's grammar rejects; that token is dropped), or None while running.
+      grammar), "length" (max_tokens or max_model_len), "abort" (aborted: `abort_request`, a
+      pause with mode "abort", or the sampler could only produce a token the request's grammar
+      rejects, which is dropped), or None while running.
     stop_reason: the stop string (str) or stop token id (int) that ended generation; None for EOS,
       for "length", and while running.
+    weight_versions: one per token of `token_ids`, the version of the weights that produced it
+      (`LLMEngine.load_weights(..., weight_version=)`; 0 before any load).
   """
 
   index: int
@@ -73,6 +76,7 @@ class CompletionOutput:
   logprobs: SampleLogprobs | None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  weight_versions: list[int] = dataclasses.field(default_factory=list)
 
   def finished(self) -> bool:
     """True once the completion has a `finish_reason`."""

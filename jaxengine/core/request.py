@@ -23,6 +23,7 @@ class Completion:
     detokenizer: turns its tokens into text; None without a tokenizer.
     token_ids: generated tokens read so far (their one host record: the persistent
       batch reads its row's tokens here, `jaxengine/batch/ledger.py`).
+    weight_versions: the weight version that produced each token of `token_ids`.
     logprobs: per-token logprob dicts, or None when the request did not ask for logprobs.
     cumulative_logprob: sum of the sampled tokens' logprobs, or None.
     text: generated text so far (cut at a matched stop string).
@@ -48,6 +49,7 @@ class Completion:
   params: SamplingParams
   detokenizer: IncrementalDetokenizer | None
   token_ids: list[int] = dataclasses.field(default_factory=list)
+  weight_versions: list[int] = dataclasses.field(default_factory=list)
   logprobs: SampleLogprobs | None = None
   cumulative_logprob: float | None = None
   text: str = ""
@@ -79,6 +81,7 @@ class Completion:
       logprobs=None if self.logprobs is None else list(self.logprobs),
       finish_reason=self.finish_reason,
       stop_reason=self.stop_reason,
+      weight_versions=list(self.weight_versions),
     )
 
 

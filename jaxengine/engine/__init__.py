@@ -12,6 +12,8 @@ engine_flags.py       the engine's command-line flags: one table from flag to `E
                       field (`jaxengine generate`, `serve`, `eval`, `EngineArgs.add_cli_args`)
 structured.py         structured outputs: llguidance grammars, matchers and the token bitmask
 output_processor.py   tokens -> logprob dicts, text and stop rules
+pause.py              `pause_generation` / `resume_generation` (keep, wait, abort) and the
+                      weight version stamped on each token (`LLMEngine`'s mixin)
 
 The rest of the house, in the order its dependencies point: `jaxengine/core/` (requests, pages
 and the scheduler, host only), `jaxengine/spec_decode/` (drafts), `jaxengine/worker/` (the model

@@ -131,6 +131,10 @@ class EngineCore:
     self._async_scheduling = config.scheduling_overlaps
     #: The step dispatched by the last `step()` and not read yet (asynchronous scheduling).
     self._in_flight: _Dispatched | None = None
+    #: Frozen by a pause (`engine/pause.py`): `step` schedules nothing, reads what is in flight.
+    self.paused = False
+    #: Stamped on the tokens of each step dispatched (`CompletionOutput.weight_versions`).
+    self.weight_version = 0
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -214,6 +218,8 @@ class EngineCore:
       A `RequestOutput` (cumulative so far) for every request that advanced in the steps read.
     """
     scheduler, runner = self.scheduler, self.runner
+    if self.paused:
+      return latest_outputs(self._collect_in_flight())
     outputs = []
     in_flight = self._in_flight
     if in_flight is not None and (in_flight.read_first or self._speculation is not None):
@@ -230,7 +236,8 @@ class EngineCore:
         )
         if steps is not None:
           return latest_outputs(outputs + self._decode_steps(steps))
-      current = _Dispatched(runner.dispatch(scheduled, bitmask), dict(scheduler.running))
+      step = runner.dispatch(scheduled, bitmask)
+      current = _Dispatched(step, dict(scheduler.running), self.weight_version)
       if current.step.num_new_tokens is not None:  # known now: plan the next step with them
         self._add_placeholders(current.step.num_new_tokens)
         scheduler.update_after_step(scheduled)
@@ -336,7 +343,7 @@ class EngineCore:
         self._set_prompt_logprobs(completion, decoded.prompt_logprobs)  # its prompt just ended
     completions = [running.get(seq_id) for seq_id in decoded.req_ids]
     return self._update_from_output(
-      decoded.req_ids, decoded.sampled.steps, num_sampled, completions
+      decoded.req_ids, decoded.sampled.steps, num_sampled, completions, dispatched.weight_version
     )
 
   def _decode_steps(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
@@ -352,7 +359,7 @@ class EngineCore:
     Returns:
       The outputs of the step before (if one was in flight) and of the loop, one per request.
     """
-    scheduler = self.scheduler
+    scheduler, weight_version = self.scheduler, self.weight_version
     waiting = bool(scheduler.waiting) or len(scheduled.num_decode_steps) < len(scheduler.running)
     running = dict(scheduler.running)
     decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, running, waiting)
@@ -363,7 +370,7 @@ class EngineCore:
     scheduler.update_after_step(dataclasses.replace(scheduled, num_scheduled_tokens=counts))
     completions = [_still_running(scheduler.running, running.get(s)) for s in decoded.req_ids]
     return outputs + self._update_from_output(
-      decoded.req_ids, decoded.sampled.steps, num_sampled, completions
+      decoded.req_ids, decoded.sampled.steps, num_sampled, completions, weight_version
     )
 
   # --- the lifecycle ----------------------------------------------------------------------------
@@ -374,6 +381,7 @@ class EngineCore:
     steps: Sequence[HostSamplerOutput],
     num_sampled: Sequence[int],
     completions: Sequence[Completion | None] | None = None,
+    weight_version: int = 0,
   ) -> list[RequestOutput]:
     """Applies a step's tokens to the running completions, then finishes those that stopped
     (vLLM's `update_from_output`): the one place outputs of decode, the k-step loop and
@@ -386,6 +394,7 @@ class EngineCore:
         `j < num_sampled[i]`).
       completions: each row's completion, None for one that finished since the step's
         dispatch; default: the running completions of `req_ids`.
+      weight_version: the weights' version at the step's dispatch, stamped on its tokens.
 
     Returns:
       A `RequestOutput` for every request with a completion among `req_ids` still running
@@ -397,7 +406,7 @@ class EngineCore:
     for j, sampled in enumerate(steps):
       for row, completion in enumerate(completions):
         if j < num_sampled[row] and completion is not None and completion.finish_reason is None:
-          self._append_token(completion, row, sampled)
+          self._append_token(completion, row, sampled, weight_version)
     advanced: dict[str, Request] = {}
     for row, completion in enumerate(completions):
       if completion is None:
@@ -408,9 +417,11 @@ class EngineCore:
         self._finish(completion)
     return [r.output() for r in advanced.values()]
 
-  def _append_token(self, completion: Completion, row: int, sampled: HostSamplerOutput) -> None:
-    """Appends row `row`'s token of `sampled` to `completion` (stop rules, its grammar); a token
-    its grammar rejects is dropped and the completion aborted instead."""
+  def _append_token(
+    self, completion: Completion, row: int, sampled: HostSamplerOutput, weight_version: int
+  ) -> None:
+    """Appends row `row`'s token of `sampled` to `completion` (stop rules, its grammar), stamped
+    with `weight_version`; a token its grammar rejects is dropped and the completion aborted."""
     structured = self.structured
     token = int(sampled.sampled_token_ids[row])
     if structured is not None and not structured.accepts(completion.seq_id, token):
@@ -420,6 +431,7 @@ class EngineCore:
         _abort_rejected(completion, token)  # never emit what the grammar forbids
       return
     self.output_processor.append(completion, row, sampled)
+    completion.weight_versions.append(weight_version)
     if structured is not None and structured.advance(completion.seq_id, token):
       completion.finish_reason = completion.finish_reason or "stop"
 
@@ -449,6 +461,7 @@ class _Dispatched:
 
   step: InFlightStep
   running: dict[str, Completion]
+  weight_version: int  # the weights' version at the dispatch, stamped on its tokens
   read_first: bool = False  # read before the next step is scheduled (it does not overlap)
 
 

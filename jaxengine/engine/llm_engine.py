@@ -12,9 +12,7 @@ their prompt's pages).
 
 `step()` steps every core in turn. With asynchronous scheduling (the default) each core's step
 dispatches its next device step before it reads the last one, so the groups' devices compute
-at the same time while the host works on one group's tokens.
-
-The engine's options come in one validated `EngineConfig` (`engine_config.py`).
+at the same time while the host works on one group's tokens. The options: one `EngineConfig`.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from jaxengine.engine.engine_core import EngineCore, latest_outputs
 from jaxengine.engine.input_processor import InputProcessor
 from jaxengine.engine.model_loader import load_model
 from jaxengine.engine.output_processor import OutputProcessor
+from jaxengine.engine.pause import PausableEngine, PauseState
 from jaxengine.engine.structured import StructuredOutputs
 from jaxengine.engine_config import EngineConfig, engine_config, with_engine_options
 from jaxengine.lora import LoRAAdapter, LoRARequest, check_lora_request
@@ -53,8 +52,8 @@ RequestSpec = (
 )
 
 
-class LLMEngine:
-  """Continuous batching over a persistent `InputBatch` and a paged KV cache.
+class LLMEngine(PausableEngine):
+  """Continuous batching over a persistent `InputBatch` and a paged KV cache (pauses: `pause.py`).
 
   Args:
     model: a `jaxengine.models.Model` (e.g. `jaxengine.models.Llama`), weights loaded.
@@ -193,6 +192,7 @@ class LLMEngine:
     )
     self._requests: dict[str, Request] = {}
     self._ids = itertools.count()
+    self._pause = PauseState()
 
   @classmethod
   def from_engine_args(cls, engine_args: EngineArgs, usage_context: object = None) -> LLMEngine:
@@ -295,7 +295,7 @@ class LLMEngine:
         raise ValueError(f"request {index} (of {len(requests)}): {error}") from None
     for request in made:
       self._requests[request.request_id] = request
-      min(self.cores, key=lambda core: core.num_unfinished).add_request(request)
+      self._admit(request)  # held while paused
     return [r.request_id for r in made]
 
   def _check_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
@@ -328,9 +328,8 @@ class LLMEngine:
       core.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
-    """Whether any request is waiting or running. (A step left in flight whose completions
-    have all finished or been aborted since holds nothing to report: the next `step` reads and
-    drops it.)"""
+    """Whether any request is waiting or running in a core (not held by a pause). (A step left
+    in flight for completions finished since holds nothing: the next `step` drops it.)"""
     return any(core.has_unfinished() for core in self.cores)
 
   def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -345,33 +344,34 @@ class LLMEngine:
       self._requests.pop(request_id, None)
 
   def pop_finished(self) -> list[RequestOutput]:
-    """Returns and forgets every finished request `step` has not returned (an engine whose
-    caller reads only `step`'s outputs, as vLLM's loops do, keeps no finished request)."""
+    """Returns and forgets every finished request `step` has not returned (a caller reading
+    only `step`'s outputs, as vLLM's loops do, leaves none)."""
     done = [r for r in self._requests.values() if r.finished]
     for request in done:
       del self._requests[request.request_id]
     return [r.output() for r in done]
 
-  def load_weights(self, weights) -> None:
-    """New model weights in every core, no recompilation: see `ModelRunner.load_weights`.
-
-    After `sleep(level=2)` and `wake_up`, every weight must be given (the old ones were
-    discarded); while the weights sleep (either level, before `wake_up`) it is refused: the
-    host copy of level 1 is not updated in place, wake up first.
+  def load_weights(self, weights, weight_version: int | None = None) -> None:
+    """New model weights in every core, no recompilation: see `ModelRunner.load_weights`. Also
+    while paused (`pause_generation`). Tokens of steps dispatched after it are stamped with
+    `weight_version` (default: the current version + 1) in `CompletionOutput.weight_versions`.
+    After `sleep(level=2)` and `wake_up`, every weight must be given; while the weights sleep
+    (either level, before `wake_up`) it is refused (level 1's host copy is not updated).
 
     Raises:
-      ValueError: (nothing changed) an unknown name, or a tensor of the wrong shape or dtype;
-        after sleep level 2, a weight missing (named).
+      ValueError: (nothing changed) a negative or non-integer `weight_version`, an unknown
+        name, or a tensor of the wrong shape or dtype; after sleep level 2, a weight missing.
       RuntimeError: (nothing changed) while the weights sleep (call `wake_up` first).
     """
+    version = self.next_weight_version(weight_version)
     if len(self.cores) > 1 and not isinstance(weights, (Mapping, nnx.State, nnx.Module)):
       weights = list(cast(Iterable, weights))  # `(name, array)` pairs, read once per core
     for core in self.cores:  # the first core checks everything before any changes
       core.load_weights(weights)
+    self.set_weight_version(version)
 
   def load_lora_weights(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
-    """In-memory values for a LoRA adapter in every core, nothing recompiled: see
-    `ModelRunner.load_lora_weights`.
+    """A LoRA adapter's values from memory in every core (`ModelRunner.load_lora_weights`).
 
     Raises:
       ValueError: (nothing changed) without `enable_lora`, or an adapter the slots refuse.

@@ -6,6 +6,8 @@ chat_session.py          `jaxengine chat`'s conversation loop: reading a message
 async_llm.py             `AsyncLLM`: `LLMEngine.step()` in a background thread, outputs streamed to
                          asyncio callers (`async for out in engine.generate(...)`), `abort`,
                          `shutdown`
+async_weight_sync.py     `AsyncLLM`'s `pause_generation`, `resume_generation`, `is_paused`,
+                         `load_weights` (asynchronous RL's weight sync)
 output_mailbox.py        a request's mailbox: its outputs as its output kind shows them
 stats.py                 `IterationStats`: what each engine step did, for the stat loggers
 protocol.py              the server's request bodies (pydantic) and their `SamplingParams`

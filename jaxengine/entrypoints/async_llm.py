@@ -2,12 +2,12 @@
 
 One engine thread owns the `LLMEngine` (the engine is not thread-safe, so nothing else touches
 it). Callers on any event loop talk to it through a command queue: `generate` queues an add,
-`abort` an abort, and `sleep` / `wake_up` / `is_sleeping` an engine call; the thread applies the
-queued commands between steps, so requests join and leave at step boundaries while the compiled
-step keeps running. After each step the thread posts every advanced request's cumulative
-`RequestOutput` to that request's mailbox on its own event loop (`loop.call_soon_threadsafe`, one
-call per loop and step). The step runs XLA code that releases the GIL, so the event loop keeps
-serving while the device works.
+`abort` an abort, and `sleep` / `wake_up` / `is_sleeping` and the weight-sync methods
+(`async_weight_sync.py`) an engine call; the thread applies the queued commands between steps, so
+requests join and leave at step boundaries while the compiled step keeps running. After each step
+the thread posts every advanced request's cumulative `RequestOutput` to that request's mailbox on
+its own event loop (`loop.call_soon_threadsafe`, one call per loop and step). The step runs XLA
+code that releases the GIL, so the event loop keeps serving while the device works.
 
 A request's output kind (vLLM's `RequestOutputKind`) chooses what `generate` yields: the whole
 output so far (CUMULATIVE), only what is new since the last yield (DELTA), or the final output
@@ -27,6 +27,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from jaxengine.entrypoints.async_weight_sync import AsyncWeightSync, WhenIdle
 from jaxengine.entrypoints.output_mailbox import Mailbox, OutputView, post_outputs
 from jaxengine.entrypoints.stats import FinishedRequestStats, IterationStats, StatLogger
 from jaxengine.outputs import CompletionOutput, RequestOutput
@@ -88,7 +89,7 @@ class _Tracked:
 _STOP = object()
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncWeightSync):
   """An `LLMEngine` driven by a background thread, for asyncio servers (vLLM's `AsyncLLM`).
 
   Args:
@@ -124,6 +125,7 @@ class AsyncLLM:
     self.error: BaseException | None = None  # why the engine thread stopped, if it failed
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
     self._tracked: dict[str, _Tracked] = {}
+    self._idle_waiters: list[WhenIdle] = []
     self._thread = threading.Thread(target=self._run, name="jaxengine-engine", daemon=True)
     self._thread.start()
 
@@ -256,9 +258,11 @@ class AsyncLLM:
 
   def _run(self) -> None:
     try:
-      while self._apply_commands(block=not self.engine.has_unfinished_requests()):
-        if self.engine.has_unfinished_requests():
+      while self._apply_commands(block=not self._can_step()):
+        if self._can_step():
           self._step()
+        if self._idle_waiters and not self.engine.has_unfinished_requests():
+          self._settle_idle_waiters(lambda: None)
     except BaseException as error:  # a bug in this loop: fail everyone rather than hang them
       logger.exception("the engine thread failed")
       self.error = error
@@ -278,8 +282,14 @@ class AsyncLLM:
         self._abort(command.request_id)
       elif isinstance(command, _Call):
         _settle(command, command.fn)
+      elif isinstance(command, WhenIdle):
+        self._idle_waiters.append(command)
       command = self._next_command()
     return True
+
+  def _can_step(self) -> bool:
+    """Whether a step would advance a request (unfinished ones, generation not frozen)."""
+    return self.engine.has_unfinished_requests() and not self.engine.is_generation_frozen()
 
   def _next_command(self):
     try:
@@ -322,12 +332,16 @@ class AsyncLLM:
 
   def _step(self) -> None:
     try:
-      outputs = {o.request_id: o for o in self.engine.step()}
-      outputs.update((o.request_id, o) for o in self.engine.pop_finished())
+      self._publish(self.engine.step())
     except Exception as error:  # the step's requests fail; the engine goes on serving
       logger.exception("an engine step failed; its requests are aborted")
       self._fail_step(error)
-      return
+
+  def _publish(self, step_outputs: list[RequestOutput]) -> None:
+    """Posts a step's outputs (and any finished request `step` did not return) to their
+    requests' mailboxes, with the step's `IterationStats`."""
+    outputs = {o.request_id: o for o in step_outputs}
+    outputs.update((o.request_id, o) for o in self.engine.pop_finished())
     now = time.monotonic()
     stats = self._new_stats()
     posts: dict[asyncio.AbstractEventLoop, list] = {}
@@ -395,13 +409,21 @@ class AsyncLLM:
       post_outputs(loop, items)
     self._log(self._new_stats())
 
+  def _settle_idle_waiters(self, fn: Callable[[], Any]) -> None:
+    waiters, self._idle_waiters = self._idle_waiters, []
+    for waiter in waiters:
+      _settle(_Call(fn, waiter.loop, waiter.future), fn)
+
   def _fail_all(self, error: BaseException) -> None:
     self._fail_step(error)  # type: ignore[arg-type]
+    self._settle_idle_waiters(lambda: _raise(error))
     while (command := self._next_command()) is not None:  # adds that came too late
       if isinstance(command, _Add):
         post_outputs(command.mailbox.loop, [(command.mailbox, error)])
       elif isinstance(command, _Call):
         _settle(command, lambda: _raise(error))
+      elif isinstance(command, WhenIdle):
+        _settle(_Call(lambda: None, command.loop, command.future), lambda: _raise(error))
 
 
 def _settle(command: _Call, fn: Callable[[], Any]) -> None:

@@ -146,7 +146,7 @@ class LLM:
     if config.precompile:
       self.llm_engine.precompile()
 
-  def load_weights(self, weights) -> None:
+  def load_weights(self, weights, weight_version: int | None = None) -> None:
     """Puts new weights into the engine's model without recompiling anything.
 
     For RL loops: after an optimizer step, hand the trainer's weights over and generate again.
@@ -164,16 +164,21 @@ class LLM:
         and ignored, as vLLM does. The prefix cache is emptied (its keys and values were
         computed with the old weights). After `sleep(level=2)` and `wake_up`, every weight must
         be given; while the weights sleep it is refused (wake up first: the host copy of level
-        1 is not updated in place).
+        1 is not updated in place). Allowed while generation is paused
+        (`LLMEngine.pause_generation`).
+      weight_version: stamped on every token generated with these weights
+        (`CompletionOutput.weight_versions`); None (default): the current version + 1 (0
+        before any load).
 
     Raises:
-      ValueError: naming the first unknown or repeated name, missing or extra leaf, or tensor
-        of the wrong type, shape or dtype, or holding a NaN or an infinity (a diverged optimizer
-        step); every tensor is checked before anything changes, so the model is then exactly as
-        it was. After sleep level 2, also a weight missing.
+      ValueError: a negative or non-integer `weight_version`; naming the first unknown or
+        repeated name, missing or extra leaf, or tensor of the wrong type, shape or dtype, or
+        holding a NaN or an infinity (a diverged optimizer step); every tensor is checked before
+        anything changes, so the model is then exactly as it was. After sleep level 2, also a
+        weight missing.
       RuntimeError: while the weights sleep (nothing changes).
     """
-    self.llm_engine.load_weights(weights)
+    self.llm_engine.load_weights(weights, weight_version)
 
   def load_lora_weights(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
     """Gives a LoRA adapter new values from memory (a trainer's LoRA parameters after an
@@ -305,8 +310,9 @@ class LLM:
     Raises:
       ValueError: mismatched lengths or any invalid request (nothing is run then), a LoRA
         request the engine refuses (see `LLMEngine.add_request`).
-      RuntimeError: while the engine sleeps (`sleep`; call `wake_up`), or after sleep level 2
-        before `load_weights` (nothing is run then).
+      RuntimeError: while the engine sleeps (`sleep`; call `wake_up`), after sleep level 2
+        before `load_weights`, or while its generation is paused (`LLMEngine.pause_generation`:
+        call `resume_generation`); nothing is run then.
 
     If a step raises, or the call is interrupted (Ctrl-C), its requests are aborted before the
     exception propagates: the next call does not run them again.
@@ -314,6 +320,8 @@ class LLM:
     prompts = _as_prompt_list(prompts)
     params = [_final_only(p) for p in _as_params_list(sampling_params, len(prompts))]
     engine = self.llm_engine
+    if engine.is_paused():
+      raise RuntimeError("generate while generation is paused: call resume_generation first")
     loras = _as_lora_list(lora_request, len(prompts))
     ids = engine.add_requests([(None, p, sp, lr) for p, sp, lr in zip(prompts, params, loras)])
     outputs: dict[str, RequestOutput] = {}

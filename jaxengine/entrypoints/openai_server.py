@@ -8,6 +8,9 @@
   GET  /health                200 while the engine thread runs, else 503
   GET  /metrics               Prometheus text (`entrypoints/metrics.py`)
   POST /tokenize, /detokenize
+  POST /pause                 `{"mode": "keep"|"wait"|"abort"}` (or `?mode=`; default "keep"):
+                              `AsyncLLM.pause_generation`, answered once paused
+  POST /resume, GET /is_paused   `resume_generation`; `{"is_paused": bool}`
 
 Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type
 (strict: a JSON boolean is no count, 1 or "yes" no boolean), a value `SamplingParams` refuses, a
@@ -221,6 +224,29 @@ def build_app(
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await serving.chat.chat_completions(body, request)
+
+  @app.post("/pause")
+  async def pause(request: Request) -> dict:
+    mode = request.query_params.get("mode")
+    if mode is None and await request.body():
+      body = await request.json()
+      if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {body!r}")
+      mode = body.get("mode")
+    try:
+      await engine.pause_generation("keep" if mode is None else mode)
+    except ValueError as error:
+      raise RequestError(str(error), "mode") from None
+    return {"is_paused": True}
+
+  @app.post("/resume")
+  async def resume() -> dict:
+    await engine.resume_generation()
+    return {"is_paused": False}
+
+  @app.get("/is_paused")
+  async def is_paused() -> dict:
+    return {"is_paused": await engine.is_paused()}
 
   @app.post("/tokenize")
   async def tokenize(body: TokenizeRequest) -> dict:

@@ -356,3 +356,156 @@ AsyncEngineMachine.TestCase.settings = settings(
   suppress_health_check=[HealthCheck.too_slow],
 )
 TestAsyncEngine = AsyncEngineMachine.TestCase
+
+
+# --- pausing for a weight sync (asynchronous RL, `jaxengine/engine/pause.py`) ---------------------
+
+_PAUSED_MIX = [
+  ("ab ab ab ab ab ab", je.SamplingParams(temperature=0, max_tokens=20, logprobs=1)),
+  ("cd cd cd cd", je.SamplingParams(temperature=0.9, seed=4, max_tokens=18, logprobs=0)),
+  ("hello", je.SamplingParams(temperature=1.0, seed=3, top_k=20, max_tokens=16, n=2)),
+]
+
+
+def _run_with_pause(engine: LLMEngine, requests, steps_before: int) -> dict[str, je.RequestOutput]:
+  """`_generate` with a "keep" pause after `steps_before` steps: while paused, `step` advances
+  nothing and a request added then is held; after `resume_generation` it all goes on."""
+  for index, (prompt, params) in enumerate(requests):
+    engine.add_request(str(index), prompt, params)
+  finished: dict[str, je.RequestOutput] = {}
+
+  def take(outputs) -> None:
+    for output in outputs:
+      if output.finished:
+        assert output.request_id not in finished, output.request_id
+        finished[output.request_id] = output
+
+  for _ in range(steps_before):
+    take(engine.step())
+  take(engine.pause_generation("keep"))
+  assert engine.is_paused() and engine.is_generation_frozen()
+  assert engine.pause_generation("keep") == []  # pausing twice is harmless
+  tokens = {c.seq_id: len(c.token_ids) for c in engine.scheduler.running.values()}
+  assert any(tokens.values())  # rows are kept mid-generation (some mid-prefill)
+  engine.add_request("held", *requests[0])
+  for _ in range(3):
+    assert engine.step() == []
+  assert tokens == {c.seq_id: len(c.token_ids) for c in engine.scheduler.running.values()}
+  assert all(not c.num_output_placeholders for c in engine.scheduler.running.values())
+  assert "held" not in {c.request.request_id for c in engine.scheduler.waiting}
+  engine.resume_generation()
+  engine.resume_generation()  # resuming when not paused is harmless
+  assert not engine.is_paused()
+  take(engine.step())
+  while engine.has_unfinished_requests():
+    take(engine.step())
+  assert engine.pop_finished() == []
+  return finished
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    {},
+    {"num_decode_steps": 4},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+  ],
+  ids=["async", "multi_step", "drafts"],
+)
+def test_a_kept_pause_equals_an_uninterrupted_run(model, tokenizer, options):
+  """A "keep" pause at any point (a step in flight, a k-step loop, a verify step, a prefill
+  chunk) loses nothing: greedy and seeded outputs (tokens, text, logprobs) are those of an
+  uninterrupted run on the same engine, and a request added while paused starts after resume
+  with the output it gets on its own."""
+  engine = _engine(model, tokenizer, None, max_num_batched_tokens=16, **options)
+  engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
+  want = _generate(engine, _PAUSED_MIX)
+  want_held = _generate(engine, _PAUSED_MIX[:1])["0"]
+  for steps_before in (2, 5):
+    engine.reset_prefix_cache()
+    got = _run_with_pause(engine, _PAUSED_MIX, steps_before)
+    _assert_same({k: v for k, v in got.items() if k != "held"}, want)
+    _assert_same({"0": got["held"]}, {"0": want_held})
+  if "speculative_config" in options:
+    assert engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_wait_and_abort_pauses_and_bad_modes(model, tokenizer):
+  """ "wait" returns once the requests in the engine have finished (their outputs returned);
+  "abort" ends them now with finish reason "abort" and the tokens and logprobs they had, freeing
+  their rows and pages; a bad mode is refused and changes nothing."""
+  engine = _engine(model, tokenizer, None)
+  for bad in ("stop", None, 1):
+    with pytest.raises(
+      ValueError, match=f"mode must be one of 'keep', 'wait', 'abort', got {bad!r}"
+    ):
+      engine.pause_generation(bad)  # type: ignore[arg-type]
+    assert not engine.is_paused()
+  requests = _PAUSED_MIX[:2]
+  for index, (prompt, params) in enumerate(requests):
+    engine.add_request(str(index), prompt, params)
+  engine.step()
+  engine.step()
+  waited = {o.request_id: o for o in engine.pause_generation("wait")}
+  assert engine.is_paused() and not engine.has_unfinished_requests()
+  assert sorted(waited) == ["0", "1"] and all(o.finished for o in waited.values())
+  assert [len(o.outputs[0].token_ids) for o in waited.values()] == [20, 18]
+  engine.resume_generation()
+  for index, (prompt, params) in enumerate(_PAUSED_MIX):
+    engine.add_request(str(index), prompt, params)
+  for _ in range(4):
+    engine.step()
+  aborted = {o.request_id: o for o in engine.pause_generation("abort")}
+  assert sorted(aborted) == ["0", "1", "2"]
+  for request_id, output in aborted.items():
+    assert output.finished
+    for completion in output.outputs:
+      assert completion.finish_reason == "abort"
+      assert 0 < len(completion.token_ids) < 16
+      if request_id != "2":  # those asked for logprobs: one per token they had
+        assert len(completion.logprobs or []) == len(completion.token_ids)
+  assert not engine.has_unfinished_requests() and engine.pop_finished() == []
+  assert engine.kv_cache_stats.num_used_blocks == 0 and engine.runner.input_batch.num_reqs == 0
+  engine.add_request("held", *requests[0])
+  engine.abort_request("held")  # aborted while held: never runs
+  engine.resume_generation()
+  assert not engine.has_unfinished_requests()
+  assert (
+    _generate(engine, requests[:1])["0"].outputs[0].token_ids == waited["0"].outputs[0].token_ids
+  )
+
+
+def test_weight_versions_are_stamped_across_a_load_while_paused(model, tokenizer):
+  """Each token carries the version of the weights that produced it: 0 before any load, then
+  the version a load while paused gave (the load compiles nothing); a bad version is refused
+  and changes nothing."""
+  from flax import nnx
+
+  from jaxengine.testing import count_compiles
+
+  engine = _engine(model, tokenizer, None)
+  weights = nnx.state(model)
+  engine.add_request("a", "ab ab ab", je.SamplingParams(temperature=0, max_tokens=12))
+  engine.add_request("b", "cd", je.SamplingParams(temperature=0.8, seed=1, max_tokens=12, n=2))
+  for _ in range(4):
+    engine.step()
+  engine.pause_generation("keep")
+  before = {c.seq_id: len(c.token_ids) for c in engine.scheduler.running.values()}
+  for bad in (-1, 1.5, True, "7"):
+    with pytest.raises(ValueError, match=f"weight_version must be a non-negative int, got {bad!r}"):
+      engine.load_weights(weights, weight_version=bad)  # type: ignore[arg-type]
+  assert engine.weight_version == 0
+  with count_compiles() as compiles:
+    engine.load_weights(weights, weight_version=7)
+  assert compiles.count == 0
+  engine.resume_generation()
+  done = _generate(engine, [])
+  while engine.has_unfinished_requests():
+    done.update((o.request_id, o) for o in engine.step() if o.finished)
+  for request_id in ("a", "b"):
+    for completion in done[request_id].outputs:
+      seq_id = request_id if request_id == "a" else f"b#{completion.index}"
+      k = before[seq_id]
+      assert completion.weight_versions == [0] * k + [7] * (12 - k), seq_id
+  engine.load_weights(weights)  # no version given: the next one
+  assert engine.weight_version == 8

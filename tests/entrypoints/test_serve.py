@@ -649,3 +649,71 @@ def test_metrics_of_a_paged_engine_report_cache_usage_preemptions_and_prefix_hit
   assert samples["jaxengine:num_preemptions_total"] == stats.num_preemptions
   assert samples["jaxengine:prefix_cache_hits_total"] == stats.prefix_cache_hits
   assert samples["jaxengine:kv_cache_usage_perc"] == 0.0  # every request finished
+
+
+async def _last(stream) -> je.RequestOutput:
+  return [output async for output in stream][-1]
+
+
+def test_pause_routes_keep_wait_abort_and_weight_versions(server):
+  """Through POST /pause, GET /is_paused and POST /resume, and `AsyncLLM`: a "keep" pause (with
+  a load of the same weights while paused) leaves greedy and seeded outputs as uninterrupted,
+  tokens before it stamped version 0 and after it the loaded version; a request sent while
+  paused waits and starts after resume; "wait" returns with the requests finished; "abort" ends
+  them with their partial tokens; a bad mode is a 400 naming it, nothing paused."""
+  engine = server["engine"]
+  long = {"max_tokens": 100, "ignore_eos": True}
+  params = [je.SamplingParams(temperature=0, **long), je.SamplingParams(seed=3, **long)]
+
+  async def main():
+    want = [await _last(engine.generate(PROMPTS[0], p)) for p in params]
+    async with httpx.AsyncClient(base_url=server["url"], timeout=60) as http:
+      bad = await http.post("/pause", json={"mode": "later"})
+      assert bad.status_code == 400 and "mode must be one of" in bad.json()["error"]["message"]
+      assert (await http.get("/is_paused")).json() == {"is_paused": False}
+      streams = [engine.generate(PROMPTS[0], p) for p in params]
+      for stream in streams:
+        await anext(stream)
+      assert (await http.post("/pause", json={"mode": "keep"})).json() == {"is_paused": True}
+      assert (await http.get("/is_paused")).json() == {"is_paused": True}
+      held = asyncio.ensure_future(_last(engine.generate(PROMPTS[0], params[0])))
+      await engine.load_weights(engine.engine.runner.weights, weight_version=3)
+      await asyncio.sleep(0.2)
+      assert not held.done()
+      assert (await http.post("/resume")).json() == {"is_paused": False}
+      kept = [await _last(stream) for stream in streams]
+      held_output = await held
+      # "wait", then "abort"
+      streams = [engine.generate(p, params[0]) for p in PROMPTS]
+      for stream in streams:  # sent before the pause (a generator sends at its first step)
+        await anext(stream)
+      await engine.pause_generation("wait")
+      waited = [await _last(stream) for stream in streams]
+      assert await engine.is_paused()
+      await engine.resume_generation()
+      streams = [engine.generate(p, params[0]) for p in PROMPTS]
+      for stream in streams:
+        await anext(stream)
+      await engine.pause_generation("abort")
+      aborted = [await _last(stream) for stream in streams]
+      await engine.resume_generation()
+    return want, kept, held_output, waited, aborted
+
+  try:
+    want, kept, held, waited, aborted = asyncio.run(main())
+  finally:
+    asyncio.run(engine.resume_generation())
+  for got, reference in zip(kept, want, strict=True):
+    completion = got.outputs[0]
+    assert completion.token_ids == reference.outputs[0].token_ids
+    assert reference.outputs[0].weight_versions == [0] * 100
+    num_before = completion.weight_versions.count(0)
+    assert 0 < num_before < 100 and completion.weight_versions[num_before:] == [3] * (
+      100 - num_before
+    )
+  assert held.outputs[0].token_ids == want[0].outputs[0].token_ids
+  assert held.outputs[0].weight_versions == [3] * 100
+  assert [o.outputs[0].finish_reason for o in waited] == ["length", "length"]
+  for output in aborted:
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert 0 < len(output.outputs[0].token_ids) < 100

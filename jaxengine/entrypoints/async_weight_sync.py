@@ -1,0 +1,85 @@
+"""`AsyncLLM`'s weight-sync methods for asynchronous RL (vLLM's names): `pause_generation`,
+`resume_generation`, `is_paused` and `load_weights`, each run on the engine thread between steps
+(`LLMEngine`'s, `jaxengine/engine/pause.py`), the outputs a pause reads streamed as a step's are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from jaxengine.engine import LLMEngine
+  from jaxengine.outputs import RequestOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class WhenIdle:
+  """A command for the engine thread: settle `future` (None) once no request is waiting or
+  running in the engine (a "wait" pause); with the thread's error if it stops first."""
+
+  loop: asyncio.AbstractEventLoop
+  future: asyncio.Future
+
+
+class AsyncWeightSync:
+  """The mixin: `AsyncLLM` supplies `engine`, `_commands`, `_call` and `_publish`."""
+
+  engine: LLMEngine
+  _commands: queue.SimpleQueue
+
+  if TYPE_CHECKING:  # `AsyncLLM`'s
+
+    async def _call(self, fn: Callable[[], Any]) -> Any: ...
+
+    def _publish(self, step_outputs: list[RequestOutput]) -> None: ...
+
+  async def pause_generation(self, mode: str = "keep") -> None:
+    """Pauses generation between steps (vLLM's name; `LLMEngine.pause_generation`, module
+    `jaxengine/engine/pause.py`): requests sent while paused wait for `resume_generation`.
+    "keep" (default): running requests freeze, keeping their pages, and continue after
+    `resume_generation` (their streams just stall); "wait": returns once the requests in the
+    engine have finished (their streams go on meanwhile); "abort": they end now, their streams'
+    last output finished with finish reason "abort" and the tokens and logprobs they had. A
+    step already dispatched is read first, its tokens streamed.
+
+    Raises:
+      ValueError: a mode other than "keep", "wait" or "abort" (nothing changes).
+      EngineDeadError: the engine thread has stopped.
+    """
+    from jaxengine.engine.pause import check_pause_mode  # the engine's package loads with it
+
+    check_pause_mode(mode)
+    if mode == "wait":
+      await self._call(self.engine.hold_new_requests)
+      future = asyncio.get_running_loop().create_future()
+      self._commands.put(WhenIdle(asyncio.get_running_loop(), future))
+      await future  # the engine thread steps the requests in the engine to their end
+    await self._call(lambda: self._publish(self.engine.pause_generation(mode)))
+
+  async def resume_generation(self) -> None:
+    """Ends a pause (vLLM's name): kept requests go on, held ones start. Harmless when not
+    paused.
+
+    Raises:
+      EngineDeadError: the engine thread has stopped.
+    """
+    await self._call(self.engine.resume_generation)
+
+  async def is_paused(self) -> bool:
+    """Whether generation is paused (`LLMEngine.is_paused`), asked between steps."""
+    return await self._call(self.engine.is_paused)
+
+  async def load_weights(self, weights, weight_version: int | None = None) -> None:
+    """New weights between steps, nothing compiled (`LLM.load_weights`); also while paused.
+    Tokens generated with them carry `weight_version` (default: the current version + 1) in
+    `CompletionOutput.weight_versions`.
+
+    Raises:
+      ValueError: as `LLM.load_weights` (nothing changes).
+      EngineDeadError: the engine thread has stopped.
+    """
+    await self._call(lambda: self.engine.load_weights(weights, weight_version))
