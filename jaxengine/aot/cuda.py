@@ -23,10 +23,10 @@ Two checks, both without a GPU:
   kernels to PTX for ``sm_90a``, ``ptxas`` to a cubin; the plugin logs "Performing a deviceless
   compilation"). Autotuning needs a GPU and is skipped (XLA's default configs), and a sort
   (the sampler's) takes XLA's fallback rather than CUB's, whose scratch sizes are measured on a
-  GPU. `CUDA_TARGETS` (`aot/topologies.py`, with the TPUs' chips) holds the descriptions of a few GPUs from their published specifications
-  (SMs, memory, bandwidth, shared memory, compute capability). It needs the CUDA plugin and
-  ``ptxas``,
-  about 225 MB of wheels, none of the CUDA runtime libraries (no driver is loaded)::
+  GPU. `CUDA_TARGETS` (`aot/topologies.py`, with the TPUs' chips) holds the descriptions of a
+  few GPUs from their published specifications (SMs, memory, bandwidth, shared memory, compute
+  capability). It needs the CUDA plugin and ``ptxas``, about 225 MB of wheels, none of the CUDA
+  runtime libraries (no driver is loaded)::
 
     pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<jax version> \\
       nvidia-cuda-nvcc-cu12
