@@ -175,7 +175,7 @@ def target_device(device: Any) -> Iterator[None]:
   the backends' choices of kernel and block sizes, read the target chip from it:
   `jaxengine.models.target_device`), with JAX's persistent compilation cache off (it cannot
   load a deviceless executable back)."""
-  cache_was_on = jax.config.jax_enable_compilation_cache
+  cache_was_on = getattr(jax.config, "jax_enable_compilation_cache", True)
   jax.config.update("jax_enable_compilation_cache", False)
   try:
     with jax.default_device(device):
