@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine import parallel
+from jaxengine.aot.cuda import export_for_cuda
 from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
 from jaxengine.aot.memory_plan import memory_plan
 from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
@@ -46,6 +47,7 @@ def compile_for_topology(
   dtype: str = "bfloat16",
   select: Callable[[Executable], bool] | None = None,
   progress: Callable[[dict[str, Any]], None] | None = None,
+  export_only: bool = False,
   **engine_options: Any,
 ) -> dict[str, Any]:
   """Compiles every executable the engine precompiles for `topology_name` and plans its memory.
@@ -62,6 +64,11 @@ def compile_for_topology(
     select: compile only the executables it accepts (default: all); the memory plan's
       temporary and the decode estimates then see only those.
     progress: called with each executable's report entry as it compiles.
+    export_only: with a GPU topology, export each executable for CUDA (`aot/cuda.py`'s
+      `export_for_cuda`, on this machine's CPU devices: no plugin needed) instead of compiling
+      it: the Pallas kernel's lowering to Triton is checked, not Triton's compile or XLA:GPU's;
+      ``compile_s`` is then the export's seconds, ``temp_bytes`` 0, and each entry adds
+      ``triton_kernels``.
     **engine_options: `EngineConfig` fields (`max_num_reqs`, `max_model_len`,
       `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
       `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ...).
@@ -84,7 +91,8 @@ def compile_for_topology(
 
   Raises:
     ValueError: an unknown topology (naming the known ones), a dtype outside those above,
-      a mesh larger than the topology, or any setting the engine refuses for this model.
+      a mesh larger than the topology, `export_only` with a TPU topology or a mesh larger than
+      this machine's CPU devices, or any setting the engine refuses for this model.
     ImportError: libtpu is not installed (a TPU topology).
     RuntimeError: the CUDA plugin is not installed (a GPU; the message names the wheels).
   """
@@ -97,7 +105,9 @@ def compile_for_topology(
       f"tensor_parallel_size={t} x data_parallel_size={d} needs {t * d} chips; "
       f"{topology_name} has {spec.num_chips}"
     )
-  devices = topology_devices(topology_name)
+  devices = (
+    _export_devices(topology_name, t * d) if export_only else topology_devices(topology_name)
+  )
   # JAX's persistent cache cannot read back a deviceless TPU executable (it needs a TPU client):
   # each compile here is done afresh (`target_device` turns the cache off around it).
   options: dict[str, Any] = {"compilation_cache": False, **engine_options}
@@ -117,7 +127,10 @@ def compile_for_topology(
     executables = [e for e in engine_executables(engine) if select is None or select(e)]
     for executable in executables:
       try:
-        results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
+        if export_only:
+          results.append(export_executable(executable))
+        else:
+          results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
         if progress is not None:
           progress(results[-1])
       except Exception as failure:  # a kernel or lowering the TPU refuses: reported, not raised
@@ -129,6 +142,40 @@ def compile_for_topology(
   if not plan.fits:
     error = not_fitting_message(engine, plan, spec, t)
   return build_report(engine, spec, plan, results, error, backend_text)
+
+
+def _export_devices(topology_name: str, count: int) -> tuple[Any, ...]:
+  """This machine's first `count` CPU devices, for `export_only` (the export keeps the mesh's
+  shape, not its devices).
+
+  Raises:
+    ValueError: a TPU topology, or fewer CPU devices than `count`.
+  """
+  if not isinstance(topology(topology_name).chip, CudaTarget):
+    raise ValueError(f"export_only=True exports for CUDA: topology={topology_name!r} is not a GPU")
+  devices = tuple(jax.devices("cpu")[:count])
+  if len(devices) < count:
+    raise ValueError(
+      f"export_only=True with {count} GPUs needs {count} CPU devices, this process has "
+      f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={count}"
+    )
+  return devices
+
+
+def export_executable(executable: Executable) -> dict[str, Any]:
+  """Exports one executable for CUDA (`export_for_cuda`); its report entry (no cost analysis)."""
+  (exported,) = export_for_cuda([executable])
+  return {
+    "name": executable.name,
+    "shape": executable.shape,
+    "compile_s": round(exported.seconds, 3),
+    "flops": None,
+    "bytes_accessed": None,
+    "estimated_s": None,
+    "estimate_source": NO_COST_ANALYSIS,
+    "temp_bytes": 0,
+    "triton_kernels": list(exported.triton_kernels),
+  }
 
 
 def compile_executable(executable: Executable, device: Any, bandwidth: float) -> dict[str, Any]:

@@ -57,6 +57,11 @@ def add_compile_parser(commands: Any, formatter_class: Any = None) -> argparse.A
   parser.add_argument("--enable-expert-parallel", action="store_true",
                       help="split a mixture-of-experts model's experts over the chips")  # fmt: skip
   parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+  parser.add_argument(
+    "--export-only", action="store_true",
+    help="with a GPU topology: export each executable for CUDA (jax.export, no plugin needed: "
+    "checks the Pallas kernel's lowering to Triton, not its compile) instead of compiling it",
+  )  # fmt: skip
   group = parser.add_argument_group("engine")
   for entry in ENGINE_FLAGS:
     if entry.flag not in _SKIPPED:
@@ -92,6 +97,7 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
       data_parallel_size=args.data_parallel_size,
       dtype=dtype,
       progress=_print_progress,
+      export_only=args.export_only,
       **options,
     )
   except (ValueError, FileNotFoundError, ImportError, RuntimeError) as error:
@@ -108,7 +114,8 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
 
 
 def _print_progress(entry: dict[str, Any]) -> None:
-  print(f"compiled {entry['name']} {entry['shape']} in {entry['compile_s']:.1f} s", file=sys.stderr)
+  done = "exported" if "triton_kernels" in entry else "compiled"
+  print(f"{done} {entry['name']} {entry['shape']} in {entry['compile_s']:.1f} s", file=sys.stderr)
 
 
 def _scaled(value: float | None, unit: float, digits: int = 2) -> str:

@@ -184,3 +184,23 @@ def test_jaxengine_compile_for_an_h100_or_the_wheels_it_needs(model_dir):
   (decode,) = report["decode"]
   assert decode["estimated_step_s"] == decode["memory_floor_s"] > 0
   assert decode["flops_floor_s"] is None and decode["method"].startswith("memory floor")
+
+
+def test_jaxengine_compile_export_only_needs_no_plugin(model_dir):
+  """``--export-only`` exports the same executables for CUDA on this CPU (plugin or not): the
+  ragged step carries the Pallas kernel as Triton, the sampler none; a TPU topology is refused."""
+  small = ["--max-num-reqs", "1", "--max-model-len", "16", "--max-num-batched-tokens", "1"]
+  code, out, err = _compile_cli(
+    [model_dir, "--topology", "h100", "--export-only", "--json", *small]
+  )
+  assert code == 0, err
+  report = json.loads(out)
+  assert report["fits"] and report["per_device_bytes"]["temp"] == 0
+  kernels = {(e["name"], e["shape"]): e["triton_kernels"] for e in report["executables"]}
+  assert kernels.keys() == {("ragged_step", "tokens=1 rows=1"), ("sample", "rows=1"),
+                            ("ragged_step", "tokens=1 rows=1 prompt_logprobs=21")}  # fmt: skip
+  assert kernels[("sample", "rows=1")] == []
+  assert kernels[("ragged_step", "tokens=1 rows=1")][0].startswith("paged_attention")
+  assert "exported ragged_step tokens=1 rows=1 in" in err
+  code, _, err = _compile_cli([model_dir, "--topology", "v5e:1x1", "--export-only", *small])
+  assert code == 2 and "topology='v5e:1x1' is not a GPU" in err
