@@ -1,11 +1,15 @@
-"""`compile_for_topology`: the engine compiled ahead of time for a Cloud TPU topology, from a
-model's ``config.json`` alone, with its memory planned per chip (design: `jaxengine compile`).
+"""`compile_for_topology`: the engine compiled ahead of time for a Cloud TPU topology or NVIDIA
+GPUs, from a model's ``config.json`` alone, with its memory planned per chip (design:
+`jaxengine compile`).
 
-libtpu compiles for a topology's devices without a TPU (`aot/topologies.py`). The executables
-are the engine's own (`aot/executables.py`: `ModelRunner.precompile`'s set, with the runner's
-shardings); each is lowered with the topology's first device as JAX's default device (Mosaic,
-the Pallas TPU compiler, reads the target chip from it) and compiled by XLA:TPU, which reports
-its flops, bytes and memory. The memory plan is `aot/memory_plan.py`'s, the decode estimates
+libtpu compiles for a topology's devices without a TPU (`aot/topologies.py`), the CUDA plugin
+for a GPU's without a GPU (`aot/cuda.py`: XLA:GPU's whole pipeline to a cubin, autotuning
+skipped). The executables are the engine's own (`aot/executables.py`: `ModelRunner.precompile`'s
+set, with the runner's shardings); each is lowered with the topology's first device as JAX's
+default device (Mosaic, the Pallas TPU compiler, reads the target chip from it) and compiled by
+XLA:TPU, which reports its flops, bytes and memory, or by XLA:GPU, which reports the memory only
+(a GPU's executables have no cost estimate, and its decode estimates are the bytes one step
+reads at the GPU's bandwidth). The memory plan is `aot/memory_plan.py`'s, the decode estimates
 and the report's other fields `aot/report.py`'s.
 """
 
@@ -22,12 +26,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine import parallel
+from jaxengine.aot.cuda import export_for_cuda
 from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
 from jaxengine.aot.memory_plan import memory_plan
 from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
-from jaxengine.aot.topologies import topology, topology_devices
+from jaxengine.aot.topologies import CudaTarget, topology, topology_devices
 from jaxengine.engine_config import EngineConfig
 
+#: The ``estimate_source`` of an executable XLA gives no cost analysis (a GPU's deviceless compile).
+NO_COST_ANALYSIS = "none (no XLA cost analysis for this platform)"
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.bfloat16}
 
 
@@ -40,13 +47,16 @@ def compile_for_topology(
   dtype: str = "bfloat16",
   select: Callable[[Executable], bool] | None = None,
   progress: Callable[[dict[str, Any]], None] | None = None,
+  export_only: bool = False,
   **engine_options: Any,
 ) -> dict[str, Any]:
   """Compiles every executable the engine precompiles for `topology_name` and plans its memory.
 
   Args:
     model: a Hugging Face model directory; only its ``config.json`` is read.
-    topology_name: one of `aot.topologies.TOPOLOGIES` (``"v5e:1x1"``, ``"v6e:2x2"``, ...).
+    topology_name: one of `aot.topologies.TOPOLOGIES` (``"v5e:1x1"``, ``"v6e:2x2"``, ...), or
+      GPUs of `aot.topologies.CUDA_TARGETS` on one host (``"h100"``, ``"h100:4"``, ...;
+      needs the CUDA plugin: `aot/cuda.py`).
     tensor_parallel_size, data_parallel_size: the engine's mesh over the topology's first
       ``d * t`` chips (the engine's data-parallel groups compile the same executables).
     dtype: the weights' dtype, ``"bfloat16"`` (default) or ``"float32"`` (``"float16"`` is
@@ -54,11 +64,17 @@ def compile_for_topology(
     select: compile only the executables it accepts (default: all); the memory plan's
       temporary and the decode estimates then see only those.
     progress: called with each executable's report entry as it compiles.
+    export_only: with a GPU topology, export each executable for CUDA (`aot/cuda.py`'s
+      `export_for_cuda`, on this machine's CPU devices: no plugin needed) instead of compiling
+      it: the Pallas kernel's lowering to Triton is checked, not Triton's compile or XLA:GPU's;
+      ``compile_s`` is then the export's seconds, ``temp_bytes`` 0, and each entry adds
+      ``triton_kernels``.
     **engine_options: `EngineConfig` fields (`max_num_reqs`, `max_model_len`,
       `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
       `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ...).
-      `attention_backend` None (default) is a TPU engine's: the Pallas kernel, or XLA where it
-      cannot serve the model (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"``).
+      `attention_backend` None (default) is the platform's engine's: the Pallas kernel
+      ("pallas_tpu", or "pallas_gpu" on a GPU), or XLA where it cannot serve the model
+      (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"`` or ``"gpu"``).
 
   Returns:
     The report (design section 10): ``topology``, ``device_kind``, ``num_devices``,
@@ -66,14 +82,19 @@ def compile_for_topology(
     ``attention_backend``, ``per_device_bytes`` (``weights``, ``kv_cache``, ``temp``,
     ``other``, ``total``), ``kv_cache`` (``num_blocks``, ``block_size``, ``bytes_per_token``,
     ``max_tokens``), ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``,
-    ``bytes_accessed``, ``estimated_s``, ``temp_bytes``), ``decode`` (per batch:
-    ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``, ``method``).
-    A model that does not fit is not compiled (``executables`` empty).
+    ``bytes_accessed``, ``estimated_s``, ``estimate_source``, ``temp_bytes``), ``decode`` (per
+    batch: ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``,
+    ``method``). A model that does not fit is not compiled (``executables`` empty). On a GPU
+    XLA gives no cost analysis: ``flops``, ``bytes_accessed``, ``estimated_s`` and
+    ``flops_floor_s`` are None, ``estimate_source`` says so, and a decode step's estimate is
+    its memory floor.
 
   Raises:
     ValueError: an unknown topology (naming the known ones), a dtype outside those above,
-      a mesh larger than the topology, or any setting the engine refuses for this model.
-    ImportError: libtpu is not installed.
+      a mesh larger than the topology, `export_only` with a TPU topology or a mesh larger than
+      this machine's CPU devices, or any setting the engine refuses for this model.
+    ImportError: libtpu is not installed (a TPU topology).
+    RuntimeError: the CUDA plugin is not installed (a GPU; the message names the wheels).
   """
   spec = topology(topology_name)
   if dtype not in _DTYPES:
@@ -84,7 +105,9 @@ def compile_for_topology(
       f"tensor_parallel_size={t} x data_parallel_size={d} needs {t * d} chips; "
       f"{topology_name} has {spec.num_chips}"
     )
-  devices = topology_devices(topology_name)
+  devices = (
+    _export_devices(topology_name, t * d) if export_only else topology_devices(topology_name)
+  )
   # JAX's persistent cache cannot read back a deviceless TPU executable (it needs a TPU client):
   # each compile here is done afresh (`target_device` turns the cache off around it).
   options: dict[str, Any] = {"compilation_cache": False, **engine_options}
@@ -92,7 +115,8 @@ def compile_for_topology(
     options.update(mesh=parallel.make_mesh(t, d, devices), tensor_parallel_size=t,
                    data_parallel_size=d)  # fmt: skip
   config = EngineConfig(**options)
-  engine = abstract_engine(os.fspath(model), config, devices, _DTYPES[dtype])
+  platform = "gpu" if isinstance(spec.chip, CudaTarget) else "tpu"
+  engine = abstract_engine(os.fspath(model), config, devices, _DTYPES[dtype], platform)
   backend_text = describe_backend(engine)
   hbm = spec.chip.hbm_bytes
   plan = memory_plan(engine, hbm)
@@ -103,7 +127,10 @@ def compile_for_topology(
     executables = [e for e in engine_executables(engine) if select is None or select(e)]
     for executable in executables:
       try:
-        results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
+        if export_only:
+          results.append(export_executable(executable))
+        else:
+          results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
         if progress is not None:
           progress(results[-1])
       except Exception as failure:  # a kernel or lowering the TPU refuses: reported, not raised
@@ -117,9 +144,44 @@ def compile_for_topology(
   return build_report(engine, spec, plan, results, error, backend_text)
 
 
+def _export_devices(topology_name: str, count: int) -> tuple[Any, ...]:
+  """This machine's first `count` CPU devices, for `export_only` (the export keeps the mesh's
+  shape, not its devices).
+
+  Raises:
+    ValueError: a TPU topology, or fewer CPU devices than `count`.
+  """
+  if not isinstance(topology(topology_name).chip, CudaTarget):
+    raise ValueError(f"export_only=True exports for CUDA: topology={topology_name!r} is not a GPU")
+  devices = tuple(jax.devices("cpu")[:count])
+  if len(devices) < count:
+    raise ValueError(
+      f"export_only=True with {count} GPUs needs {count} CPU devices, this process has "
+      f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={count}"
+    )
+  return devices
+
+
+def export_executable(executable: Executable) -> dict[str, Any]:
+  """Exports one executable for CUDA (`export_for_cuda`); its report entry (no cost analysis)."""
+  (exported,) = export_for_cuda([executable])
+  return {
+    "name": executable.name,
+    "shape": executable.shape,
+    "compile_s": round(exported.seconds, 3),
+    "flops": None,
+    "bytes_accessed": None,
+    "estimated_s": None,
+    "estimate_source": NO_COST_ANALYSIS,
+    "temp_bytes": 0,
+    "triton_kernels": list(exported.triton_kernels),
+  }
+
+
 def compile_executable(executable: Executable, device: Any, bandwidth: float) -> dict[str, Any]:
   """Lowers and compiles one executable for `device`'s chip; its report entry (XLA's cost
-  analysis: `optimal_seconds` when positive, else bytes accessed over `bandwidth`)."""
+  analysis: `optimal_seconds` when positive, else bytes accessed over `bandwidth`; without one,
+  as XLA:GPU's deviceless compile, the flops, bytes and estimate are None)."""
   start = time.perf_counter()
   with target_device(device):
     jitted = cast(Any, executable.jitted)  # a `jax.jit` wrapper
@@ -129,21 +191,29 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
     cost = cost[0] if cost else {}
-  cost = dict(cost or {})
   memory = compiled.memory_analysis()
-  flops = float(cost.get("flops", 0.0))
-  accessed = float(cost.get("bytes accessed", 0.0))
-  optimal = float(cost.get("optimal_seconds", -1.0))
-  return {
+  entry: dict[str, Any] = {
     "name": executable.name,
     "shape": executable.shape,
     "compile_s": round(seconds, 3),
-    "flops": flops,
-    "bytes_accessed": accessed,
-    "estimated_s": optimal if optimal > 0 else accessed / bandwidth,
-    "estimate_source": "xla optimal_seconds" if optimal > 0 else "bytes accessed / bandwidth",
+    "flops": None,
+    "bytes_accessed": None,
+    "estimated_s": None,
+    "estimate_source": NO_COST_ANALYSIS,
     "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
   }
+  if not cost:
+    return entry
+  cost = dict(cost)
+  accessed = float(cost.get("bytes accessed", 0.0))
+  optimal = float(cost.get("optimal_seconds", -1.0))
+  entry.update(
+    flops=float(cost.get("flops", 0.0)),
+    bytes_accessed=accessed,
+    estimated_s=optimal if optimal > 0 else accessed / bandwidth,
+    estimate_source="xla optimal_seconds" if optimal > 0 else "bytes accessed / bandwidth",
+  )
+  return entry
 
 
 @contextlib.contextmanager
@@ -152,7 +222,7 @@ def target_device(device: Any) -> Iterator[None]:
   the backends' choices of kernel and block sizes, read the target chip from it:
   `jaxengine.models.target_device`), with JAX's persistent compilation cache off (it cannot
   load a deviceless executable back)."""
-  cache_was_on = jax.config.jax_enable_compilation_cache
+  cache_was_on = getattr(jax.config, "jax_enable_compilation_cache", True)
   jax.config.update("jax_enable_compilation_cache", False)
   try:
     with jax.default_device(device):

@@ -23,10 +23,10 @@ Two checks, both without a GPU:
   kernels to PTX for ``sm_90a``, ``ptxas`` to a cubin; the plugin logs "Performing a deviceless
   compilation"). Autotuning needs a GPU and is skipped (XLA's default configs), and a sort
   (the sampler's) takes XLA's fallback rather than CUB's, whose scratch sizes are measured on a
-  GPU. `CUDA_TARGETS` holds the descriptions of a few GPUs from their published specifications
-  (SMs, memory, bandwidth, shared memory, compute capability). It needs the CUDA plugin and
-  ``ptxas``,
-  about 225 MB of wheels, none of the CUDA runtime libraries (no driver is loaded)::
+  GPU. `CUDA_TARGETS` (`aot/topologies.py`, with the TPUs' chips) holds the descriptions of a
+  few GPUs from their published specifications (SMs, memory, bandwidth, shared memory, compute
+  capability). It needs the CUDA plugin and ``ptxas``, about 225 MB of wheels, none of the CUDA
+  runtime libraries (no driver is loaded)::
 
     pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<jax version> \\
       nvidia-cuda-nvcc-cu12
@@ -58,11 +58,14 @@ Pallas Mosaic GPU kernels (``jax.experimental.pallas.mosaic_gpu``; the engine ha
 for export only with the CUDA plugin installed: their lowering asks the plugin for the CUDA
 version.
 
-The executables come from the ahead-of-time builder: any objects with the fields of
-`ExecutableLike` (a name, a shape label, the `jax.jit` wrapper, its abstract arguments and
-its static keyword arguments). A ``--topology`` that `is_cuda_topology` accepts (``"h100"``,
-``"h100:4"``) takes its devices from `cuda_topology` where a TPU topology takes them from
-libtpu, the attention backend "pallas_gpu", and the memory per GPU from `CUDA_TARGETS`::
+The executables come from the ahead-of-time builder (`aot/executables.py`'s
+`engine_executables`), or any objects with the fields of `ExecutableLike` (a name, a shape
+label, the `jax.jit` wrapper, its abstract arguments and its static keyword arguments). A
+``--topology`` that `is_cuda_topology` accepts (``"h100"``, ``"h100:4"``) takes its devices from
+`cuda_topology` where a TPU topology takes them from libtpu, a GPU engine's attention backend
+(platform "gpu": "pallas_gpu", or XLA where it cannot serve the model), and the memory and
+bandwidth per GPU from `CUDA_TARGETS` (`aot/compile.py`'s `compile_for_topology`; ``jaxengine
+compile MODEL --topology h100:4``)::
 
   devices = cuda_topology("h100:4").devices  # 4 compile-only H100s: the mesh's devices
   report = compile_for_cuda(executables)  # their arguments placed on those devices
@@ -78,6 +81,28 @@ from typing import Any, Protocol
 
 import jax
 from jax import export
+
+from jaxengine.aot.topologies import (  # the GPUs' table is `aot/topologies.py`'s
+  CUDA_TARGETS,
+  CudaTarget,
+  is_cuda_topology,
+  parse_cuda_topology,
+)
+
+__all__ = [
+  "CUDA_TARGETS",
+  "TRITON_CUSTOM_CALL",
+  "CudaCompile",
+  "CudaExport",
+  "CudaTarget",
+  "ExecutableLike",
+  "compile_for_cuda",
+  "cuda_topology",
+  "export_for_cuda",
+  "is_cuda_topology",
+  "parse_cuda_topology",
+  "triton_kernels",
+]
 
 #: The custom call target of a Triton kernel (Pallas GPU's lowering) in CUDA StableHLO.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
@@ -179,113 +204,6 @@ def triton_kernels(module_text: str) -> tuple[str, ...]:
     if f"@{TRITON_CUSTOM_CALL}(" in line:
       names.update(_TRITON_NAME.findall(line))
   return tuple(sorted(names))
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaTarget:
-  """A GPU as XLA:GPU needs it to compile without one (published specifications).
-
-  Attributes:
-    name: the device kind the devices report ("NVIDIA H100 80GB HBM3").
-    compute_capability: CUDA compute capability ``(major, minor)``.
-    sm_count: streaming multiprocessors.
-    memory_bytes: device memory (as `nvidia-smi` reports it).
-    memory_bandwidth: bytes per second.
-    l2_cache_bytes: L2 cache.
-    clock_ghz: boost clock.
-    shared_memory_per_sm: shared memory per multiprocessor, bytes.
-    shared_memory_per_block_optin: the most a block may opt in to, bytes.
-  """
-
-  name: str
-  compute_capability: tuple[int, int]
-  sm_count: int
-  memory_bytes: int
-  memory_bandwidth: int
-  l2_cache_bytes: int
-  clock_ghz: float
-  shared_memory_per_sm: int
-  shared_memory_per_block_optin: int
-
-  def target_config(self) -> str:
-    """XLA's ``GpuTargetConfigProto`` in text format (the topology's ``target_config``)."""
-    major, minor = self.compute_capability
-    fields = {
-      "threads_per_block_limit": 1024,
-      "threads_per_warp": 32,
-      "shared_memory_per_block": 48 * 1024,
-      "shared_memory_per_core": self.shared_memory_per_sm,
-      "threads_per_core_limit": 2048 if major >= 9 or (major, minor) == (8, 0) else 1536,
-      "core_count": self.sm_count,
-      "fpus_per_core": 128 if major >= 9 or (major, minor) == (8, 9) else 64,
-      "block_dim_limit_x": 2**31 - 1,
-      "block_dim_limit_y": 65535,
-      "block_dim_limit_z": 65535,
-      "memory_bandwidth": self.memory_bandwidth,
-      "l2_cache_size": self.l2_cache_bytes,
-      "clock_rate_ghz": self.clock_ghz,
-      "device_memory_size": self.memory_bytes,
-      "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
-      "registers_per_core_limit": 65536,
-      "registers_per_block_limit": 65536,
-    }
-    info = "\n".join(f"  {key}: {value}" for key, value in fields.items())
-    return (
-      f"gpu_device_info {{\n{info}\n"
-      f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
-      f'platform_name: "CUDA"\n'
-      f"dnn_version_info {{ major: 9 minor: 8 }}\n"
-      f'device_description_str: "{self.name}"\n'
-    )
-
-
-_MiB, _KiB = 2**20, 2**10
-
-#: The GPUs `cuda_topology` describes, by the name ``--topology`` takes.
-CUDA_TARGETS: dict[str, CudaTarget] = {
-  "h100": CudaTarget(
-    name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132,
-    memory_bytes=81559 * _MiB, memory_bandwidth=3_350_000_000_000, l2_cache_bytes=50 * _MiB,
-    clock_ghz=1.98, shared_memory_per_sm=228 * _KiB, shared_memory_per_block_optin=227 * _KiB,
-  ),
-  "h200": CudaTarget(
-    name="NVIDIA H200", compute_capability=(9, 0), sm_count=132,
-    memory_bytes=143771 * _MiB, memory_bandwidth=4_800_000_000_000, l2_cache_bytes=50 * _MiB,
-    clock_ghz=1.98, shared_memory_per_sm=228 * _KiB, shared_memory_per_block_optin=227 * _KiB,
-  ),
-  "a100": CudaTarget(
-    name="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0), sm_count=108,
-    memory_bytes=81920 * _MiB, memory_bandwidth=2_039_000_000_000, l2_cache_bytes=40 * _MiB,
-    clock_ghz=1.41, shared_memory_per_sm=164 * _KiB, shared_memory_per_block_optin=163 * _KiB,
-  ),
-  "l4": CudaTarget(
-    name="NVIDIA L4", compute_capability=(8, 9), sm_count=58,
-    memory_bytes=23034 * _MiB, memory_bandwidth=300_000_000_000, l2_cache_bytes=48 * _MiB,
-    clock_ghz=2.04, shared_memory_per_sm=100 * _KiB, shared_memory_per_block_optin=99 * _KiB,
-  ),
-}  # fmt: skip
-
-
-def parse_cuda_topology(topology: str) -> tuple[CudaTarget, int]:
-  """``"h100"`` (one GPU) or ``"h100:8"`` (eight on one host) as `(CudaTarget, GPUs)`.
-
-  Raises:
-    ValueError: an unknown GPU (naming the known ones) or a GPU count that is not a positive
-      integer.
-  """
-  gpu, _, count = topology.partition(":")
-  target = CUDA_TARGETS.get(gpu.lower())
-  if target is None:
-    raise ValueError(f"topology={topology!r}: unknown GPU {gpu!r}, known: {sorted(CUDA_TARGETS)}")
-  if count and not (count.isdigit() and int(count) >= 1):
-    raise ValueError(f"topology={topology!r}: the GPU count must be a positive integer")
-  return target, int(count or 1)
-
-
-def is_cuda_topology(topology: str) -> bool:
-  """Whether ``topology`` names a GPU of `CUDA_TARGETS` (``"h100"``, ``"h100:8"``), for a
-  command line that takes TPU and GPU topologies alike."""
-  return topology.partition(":")[0].lower() in CUDA_TARGETS
 
 
 def cuda_topology(topology: str) -> Any:

@@ -308,9 +308,9 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
   if config.num_decode_steps > 1:
     stop_rules = DeviceStopRules(batch, config.resolved_max_model_len)
     for num_rows in row_buckets:
-      inputs = engine.sharded(
-        decode_steps_inputs(batch, block_table, {}, num_rows, stop_rules, False, lora=engine.lora)
-      )
+      inputs = engine.sharded(decode_steps_inputs(
+        batch, block_table, {}, num_rows, stop_rules, {}, False, lora=engine.lora
+      ))  # fmt: skip
       yield _executable(
         engine,
         "decode_steps",

@@ -16,6 +16,9 @@ batch runs in the bucket above it):
   Pallas attention kernel is opaque to XLA's cost model. ``method`` says which was used. XLA's
   ``bytes accessed`` sums every branch of a ``lax.cond`` (the sampler's), so a bytes-based part
   is an upper bound.
+
+  Without a cost analysis (a GPU's executables: XLA:GPU's deviceless compile gives none)
+  ``estimated_step_s`` is the memory floor, ``flops_floor_s`` None, and ``method`` says so.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxengine.aot.memory_plan import MemoryPlan
-from jaxengine.aot.topologies import TOPOLOGIES, Topology
+from jaxengine.aot.topologies import Topology, larger_topology
 from jaxengine.worker import buckets as step_buckets
 
 GIB = float(1 << 30)
@@ -33,7 +36,7 @@ DECODE_BATCHES = (1, 64, 256)
 
 
 def describe_backend(engine: Any) -> str:
-  """What the TPU will run for attention: the backend's `describe` (the kernel and the padding
+  """What the chip will run for attention: the backend's `describe` (the kernel and the padding
   it needs, or the XLA path and why; the head split on a mesh)."""
   heads = getattr(getattr(engine.model, "config", None), "num_attention_heads", 0)
   return str(engine.backend.describe(engine.model.kv_cache_spec, heads))
@@ -64,18 +67,25 @@ def decode_estimates(
     if step is None or sample is None:
       continue
     kv_bytes = batch * context * plan.bytes_per_token
-    model_s, sample_s = (_part_seconds(r, bandwidth, peak) for r in (step, sample))
-    estimated = model_s + sample_s + kv_bytes / bandwidth
-    sources = {step["estimate_source"], sample["estimate_source"]}
+    floor = (plan.weights + kv_bytes) / bandwidth
+    if step["flops"] is None or sample["flops"] is None:  # no cost analysis: bytes alone
+      estimated, flops_floor = floor, None
+      method = (f"memory floor: the weights and the context's KV bytes at HBM bandwidth "
+                f"(the executables' estimate_source: {step['estimate_source']})")  # fmt: skip
+    else:
+      model_s, sample_s = (_part_seconds(r, bandwidth, peak) for r in (step, sample))
+      estimated, flops_floor = model_s + sample_s + kv_bytes / bandwidth, step["flops"] / peak
+      sources = {step["estimate_source"], sample["estimate_source"]}
+      method = (f"model and sampler: {' / '.join(sorted(sources))}; attention: the context's "
+                "KV bytes at HBM bandwidth (opaque to XLA's cost model)")  # fmt: skip
     rows.append({
       "batch": batch,
       "context": context,
       "estimated_step_s": estimated,
-      "memory_floor_s": (plan.weights + kv_bytes) / bandwidth,
-      "flops_floor_s": step["flops"] / peak,
+      "memory_floor_s": floor,
+      "flops_floor_s": flops_floor,
       "tokens_per_s": batch / estimated,
-      "method": f"model and sampler: {' / '.join(sorted(sources))}; attention: the context's "
-      "KV bytes at HBM bandwidth (opaque to XLA's cost model)",
+      "method": method,
     })  # fmt: skip
   return rows
 
@@ -138,9 +148,9 @@ def not_fitting_message(engine: Any, plan: MemoryPlan, spec: Topology, used_chip
   )
   fits = []
   for t in (2, 4, 8):
-    larger = [s.name for s in TOPOLOGIES.values() if s.chip == chip and s.num_chips >= t]
+    larger = larger_topology(chip, t)
     if t > used_chips and larger and (plan.weights + request) / t * used_chips + fixed <= budget:
-      fits.append(f"--tensor-parallel-size {t} on {larger[0]}")
+      fits.append(f"--tensor-parallel-size {t} on {larger}")
       break
   quantized = config.quantization is not None
   if not quantized and plan.weights / 2 + request + fixed <= budget:

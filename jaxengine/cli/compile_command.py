@@ -1,9 +1,11 @@
 """`jaxengine compile MODEL_DIR --topology T`: the engine compiled ahead of time for a Cloud TPU
-topology from this machine (`jaxengine.aot.compile_for_topology`), with its memory per chip.
+topology or NVIDIA GPUs (``h100``, ``h100:4``) from this machine
+(`jaxengine.aot.compile_for_topology`), with its memory per chip.
 
 Exit status: 0 when every executable compiled and the engine fits, 1 when it does not fit (or a
 step does not compile: the message says which), 2 for bad arguments (an unknown topology names
-the known ones) or a model directory that cannot be read.
+the known ones), a model directory that cannot be read, or a compiler that is not installed
+(libtpu, or the CUDA plugin: the message names the wheels).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ _SKIPPED = {"--model", "--engine-seed", "--precompile", "--compilation-cache"}
 
 
 def _topology_name(text: str) -> str:
-  from jaxengine.aot.topologies import TOPOLOGIES  # no JAX import
+  from jaxengine.aot.topologies import topology  # no JAX import
 
-  if text not in TOPOLOGIES:
-    raise argparse.ArgumentTypeError(
-      f"unknown topology {text!r}; known topologies: {', '.join(TOPOLOGIES)}"
-    )
+  try:
+    topology(text)
+  except ValueError as error:
+    raise argparse.ArgumentTypeError(str(error)) from None
   return text
 
 
@@ -33,26 +35,33 @@ def add_compile_parser(commands: Any, formatter_class: Any = None) -> argparse.A
   """Adds the ``compile`` subcommand to `commands` (an argparse subparsers object)."""
   parser = commands.add_parser(
     "compile",
-    help="compile for a Cloud TPU topology from config.json alone, and plan its memory",
+    help="compile for a Cloud TPU topology or GPUs from config.json alone, and plan its memory",
     description=(
       "Compile every executable the engine precompiles for a TPU topology (libtpu's deviceless "
-      "compile: pip install 'jaxengine[tpu]'), from MODEL_DIR's config.json alone (no weights, "
-      "no tokenizer), and report per chip the weights, KV pages, temporaries and HBM, per "
-      "executable the compile seconds and XLA's flops and bytes, and decode estimates. Exit 1 "
-      "when the model does not fit (the message says what would)."
+      "compile: pip install 'jaxengine[tpu]') or NVIDIA GPUs (the CUDA plugin's: pip install "
+      "jax-cuda12-plugin jax-cuda12-pjrt nvidia-cuda-nvcc-cu12), from MODEL_DIR's config.json "
+      "alone (no weights, no tokenizer), and report per chip the weights, KV pages, "
+      "temporaries and HBM, per executable the compile seconds and XLA's flops and bytes (TPU), "
+      "and decode estimates. Exit 1 when the model does not fit (the message says what would)."
     ),
     **({"formatter_class": formatter_class} if formatter_class else {}),
   )
   parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory")
   parser.add_argument(
     "--topology", required=True, type=_topology_name, metavar="T",
-    help="v5e:1x1, v5e:2x2, v5e:2x4, v6e:1x1, v6e:2x2, v6e:2x4, v5p:2x2x1 or v4:2x2x1",
+    help="v5e:1x1, v5e:2x2, v5e:2x4, v6e:1x1, v6e:2x2, v6e:2x4, v5p:2x2x1, v4:2x2x1, or GPUs "
+    "on one host: h100, h200, a100, l4, with :N for N of them (h100:4)",
   )  # fmt: skip
   parser.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
   parser.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N")
   parser.add_argument("--enable-expert-parallel", action="store_true",
                       help="split a mixture-of-experts model's experts over the chips")  # fmt: skip
   parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+  parser.add_argument(
+    "--export-only", action="store_true",
+    help="with a GPU topology: export each executable for CUDA (jax.export, no plugin needed: "
+    "checks the Pallas kernel's lowering to Triton, not its compile) instead of compiling it",
+  )  # fmt: skip
   group = parser.add_argument_group("engine")
   for entry in ENGINE_FLAGS:
     if entry.flag not in _SKIPPED:
@@ -88,9 +97,10 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
       data_parallel_size=args.data_parallel_size,
       dtype=dtype,
       progress=_print_progress,
+      export_only=args.export_only,
       **options,
     )
-  except (ValueError, FileNotFoundError, ImportError) as error:
+  except (ValueError, FileNotFoundError, ImportError, RuntimeError) as error:
     print(f"jaxengine compile: {error}", file=sys.stderr)
     return 2
   if args.json:
@@ -104,7 +114,12 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
 
 
 def _print_progress(entry: dict[str, Any]) -> None:
-  print(f"compiled {entry['name']} {entry['shape']} in {entry['compile_s']:.1f} s", file=sys.stderr)
+  done = "exported" if "triton_kernels" in entry else "compiled"
+  print(f"{done} {entry['name']} {entry['shape']} in {entry['compile_s']:.1f} s", file=sys.stderr)
+
+
+def _scaled(value: float | None, unit: float, digits: int = 2) -> str:
+  return "-" if value is None else f"{value / unit:.{digits}f}"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -123,9 +138,12 @@ def format_report(report: dict[str, Any]) -> str:
   ]
   for e in report["executables"]:
     lines.append(
-      f"{e['name']:<18} {e['shape']:<40} {e['compile_s']:>9.1f} {e['flops'] / 1e9:>10.2f} "
-      f"{e['bytes_accessed'] / 1e9:>9.3f} {e['estimated_s'] * 1e3:>9.3f}"
+      f"{e['name']:<18} {e['shape']:<40} {e['compile_s']:>9.1f} {_scaled(e['flops'], 1e9):>10} "
+      f"{_scaled(e['bytes_accessed'], 1e9, 3):>9} {_scaled(e['estimated_s'], 1e-3, 3):>9}"
     )
+  sources = {e["estimate_source"] for e in report["executables"]}
+  if sources and all(e["flops"] is None for e in report["executables"]):
+    lines.append(f"(no flops, bytes or estimates per executable: {', '.join(sorted(sources))})")
   for d in report["decode"]:
     lines.append(
       f"decode batch {d['batch']} at {d['context']} tokens: estimated "

@@ -1,19 +1,21 @@
-"""The engine's steps export for CUDA with the Pallas GPU kernel, on this CPU machine
-(`jaxengine/aot/cuda.py`)."""
+"""The engine's steps export for CUDA with the Pallas GPU kernel, on this CPU machine, and
+compile for an H100 through `jaxengine compile --topology h100` where the CUDA plugin is
+installed (`jaxengine/aot/cuda.py`, `jaxengine/aot/compile.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
-from typing import Any
+import io
+import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 from jaxengine.aot.cuda import (
+  CUDA_TARGETS,
   TRITON_CUSTOM_CALL,
   compile_for_cuda,
   cuda_topology,
@@ -21,103 +23,63 @@ from jaxengine.aot.cuda import (
   is_cuda_topology,
   parse_cuda_topology,
 )
-from jaxengine.batch import InputBatch
-from jaxengine.models.attention_backends import (
-  PallasGpuAttentionBackend,
-  XlaAttentionBackend,
-)
-from jaxengine.models.kv_pages import PagedKVCache
-from jaxengine.models.paged_attention import FP8_KV_DTYPE, PagedAttentionMetadata
-from jaxengine.sample.metadata import refresh_metadata
-from jaxengine.testing import tiny_llama
+from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
+from jaxengine.aot.topologies import larger_topology, topology
+from jaxengine.cli.main import main
+from jaxengine.engine_config import EngineConfig
 from jaxengine.worker import device_steps
-from jaxengine.worker.multi_step import DecodeStepsInputs
-from jaxengine.worker.ragged_step import RaggedInputs
-from jaxengine.worker.step_inputs import build_step_inputs
-from jaxengine.worker.verify_step import RaggedDrafts
 
-ROWS, TOKENS, PAGES, BLOCK, NUM_BLOCKS, VOCAB, DRAFTS = 2, 4, 4, 8, 8, 64, 1
+#: A tiny Llama (the sizes of tests/aot/test_compile.py's).
+TINY_LLAMA = dict(
+  architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128, hidden_size=64,
+  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+  max_position_embeddings=64, rms_norm_eps=1e-6,
+)  # fmt: skip
+#: The smallest engine with every step: two rows, a verify step of one draft, a 4-step loop.
+SMALL = dict(max_num_reqs=2, max_model_len=32, max_num_batched_tokens=4)
+EVERY_STEP = dict(SMALL, num_decode_steps=4,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 1})  # fmt: skip
 #: The steps that read the KV cache (the attention backend's kernels).
-WITH_ATTENTION = ("ragged_forward", "verify_forward", "decode_steps")
+WITH_ATTENTION = ("ragged_step", "verify_step", "decode_steps")
 
 
-@dataclasses.dataclass(frozen=True)
-class Executable:
-  name: str
-  shape: str
-  jitted: Any
-  args: tuple
-  kwargs: dict
-
-
-def _spec(tree, sharding=None):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
-
-
-def _executables(backend, kv_dtype=None, device=None) -> list[Executable]:
-  """Every step of a bfloat16 tiny Llama (`DeviceSteps`: the plain and the verify step's model
-  part and sampler, the decode loop), from abstract shapes alone (as test_device_steps lowers
-  the ragged step), on `device`'s sharding if given."""
-  model, _ = tiny_llama(vocab_size=VOCAB, dtype=jnp.bfloat16)
-  graphdef, weights = nnx.split(nnx.eval_shape(lambda: model))
-  steps = device_steps.placed_device_steps(graphdef, None, None, VOCAB)
-  sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
-  spec = model.kv_cache_spec
-  if kv_dtype is not None:
-    spec = dataclasses.replace(spec, dtype=kv_dtype)
-  state = jax.eval_shape(lambda: InputBatch(ROWS, 32, VOCAB, max_num_blocks_per_req=PAGES).state)
-  metadata = jax.eval_shape(lambda s: refresh_metadata(s, jnp.ones(ROWS, bool)), state)
-  cache = jax.eval_shape(lambda: PagedKVCache.create(spec, backend, NUM_BLOCKS, BLOCK))
-  layout = build_step_inputs([[1]], [0], [3], block_size=BLOCK, num_tokens=TOKENS,
-                             num_reqs=ROWS, max_blocks_per_req=PAGES)  # fmt: skip
-  attention = PagedAttentionMetadata(
-    slot_mapping=layout.slot_mapping, block_tables=layout.block_tables,
-    query_start_loc=layout.query_start_loc, seq_lens=layout.seq_lens,
-    num_reqs=np.int32(layout.num_reqs),
-  )  # fmt: skip
-  inputs = RaggedInputs(
-    token_rows=np.zeros(TOKENS, np.int32), positions=layout.positions, attention=attention,
-    logits_indices=np.zeros(ROWS, np.int32), produces=np.zeros(ROWS, bool),
-  )  # fmt: skip
-  loop = DecodeStepsInputs(
-    block_tables=np.zeros((ROWS, PAGES), np.int32), num_reqs=np.int32(ROWS),
-    max_num_steps=np.zeros(ROWS, np.int32), max_output_tokens=np.zeros(ROWS, np.int32),
-    stop_ids=np.zeros((ROWS, 4), np.int32), end_on_first_finish=np.bool_(False),
-  )  # fmt: skip
-  drafts = RaggedDrafts(
-    input_token_ids=np.zeros(TOKENS, np.int32), logits_indices=np.zeros((ROWS, DRAFTS + 1), np.int32),
-    draft_token_ids=np.zeros((ROWS, DRAFTS), np.int32), num_draft_tokens=np.zeros(ROWS, np.int32),
-  )  # fmt: skip
-  state, metadata, weights, cache, inputs, loop, drafts = _spec(
-    (state, metadata, weights, cache, inputs, loop, drafts), sharding
+def _cuda_plugin() -> bool:
+  return importlib.util.find_spec("jax_plugins") is not None and (
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
   )
-  logits = jax.ShapeDtypeStruct((ROWS, VOCAB), jnp.float32, sharding=sharding)
-  verify_logits = jax.ShapeDtypeStruct((ROWS, DRAFTS + 1, VOCAB), jnp.float32, sharding=sharding)
-  rows = f"rows={ROWS}"
-  return [
-    Executable("ragged_forward", f"tokens={TOKENS} {rows}", steps.ragged_forward,
-               (state, weights, cache, inputs), {"prompt_logprobs": 0}),
-    Executable("sample_produced", rows, steps.sample_produced,
-               (state, metadata, logits, inputs.produces), {"num_rows": ROWS}),
-    Executable("verify_forward", f"tokens={TOKENS} {rows} k={DRAFTS}", steps.verify_forward,
-               (state, weights, cache, inputs, drafts), {"prompt_logprobs": 0}),
-    Executable("rejection_sample_produced", f"{rows} k={DRAFTS}", steps.rejection_sample_produced,
-               (state, metadata, verify_logits, drafts, inputs.produces), {"num_rows": ROWS}),
-    Executable("decode_steps", f"{rows} steps=4", steps.decode_steps,
-               (state, metadata, weights, cache, loop), {"num_rows": ROWS, "num_steps": 4}),
-  ]  # fmt: skip
 
 
-def _attention_steps(backend, kv_dtype=None, device=None) -> list[Executable]:
-  return [e for e in _executables(backend, kv_dtype, device) if e.name in WITH_ATTENTION]
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("tiny_llama")
+  (root / "config.json").write_text(json.dumps(TINY_LLAMA))
+  return str(root)
 
 
-def test_every_step_exports_for_cuda_with_the_pallas_kernel_lowered_to_triton():
+def _executables(model_dir, backend="pallas_gpu", kv_dtype="auto", device=None) -> list[Executable]:
+  """The first executable of each step `ModelRunner.precompile` compiles for the tiny Llama
+  (`aot/executables.py`: the plain and the verify step's model part and sampler, the decode
+  loop), bfloat16, from abstract shapes alone, on `device` (default: the CPU's)."""
+  device = jax.devices("cpu")[0] if device is None else device
+  config = EngineConfig(attention_backend=backend, kv_cache_dtype=kv_dtype, **EVERY_STEP)
+  engine = abstract_engine(model_dir, config, [device], jnp.bfloat16, platform="gpu")
+  engine.set_num_blocks(8)
+  first: dict[str, Executable] = {}
+  for executable in engine_executables(engine):
+    first.setdefault(executable.name, executable)
+  return list(first.values())
+
+
+def _attention_steps(model_dir, backend, kv_dtype="auto") -> list[Executable]:
+  return [e for e in _executables(model_dir, backend, kv_dtype) if e.name in WITH_ATTENTION]
+
+
+def test_every_step_exports_for_cuda_with_the_pallas_kernel_lowered_to_triton(model_dir):
   """The steps of the "pallas_gpu" backend that read the cache (plain, verify, decode loop)
   carry the Pallas paged decode kernel as a Triton custom call (bfloat16 pages and fp8 pages
   with their scales); the samplers have none, and the XLA backend's steps none: the kernel
   comes from the backend."""
-  reports = export_for_cuda(_executables(PallasGpuAttentionBackend()))
+  reports = export_for_cuda(_executables(model_dir))
   by_name = {r.name: r for r in reports}
   assert len(reports) == len(by_name) == len(dataclasses.fields(device_steps.DeviceSteps))
   for r in reports:
@@ -129,12 +91,12 @@ def test_every_step_exports_for_cuda_with_the_pallas_kernel_lowered_to_triton():
       assert r.triton_kernels == ()
   assert all(r.module_bytes > 1000 and r.seconds > 0 for r in reports)
 
-  fp8 = export_for_cuda(_attention_steps(PallasGpuAttentionBackend(), FP8_KV_DTYPE))
+  fp8 = export_for_cuda(_attention_steps(model_dir, "pallas_gpu", "fp8"))
   assert all(r.triton_kernels == by_name[r.name].triton_kernels for r in fp8)
   # the fp8 pages are other arguments (float8 pages, float32 scales): another module
   assert all(r.module_bytes != by_name[r.name].module_bytes for r in fp8)
 
-  xla = export_for_cuda(_attention_steps(XlaAttentionBackend()))
+  xla = export_for_cuda(_attention_steps(model_dir, "xla"))
   assert all(TRITON_CUSTOM_CALL not in r.custom_calls and not r.triton_kernels for r in xla)
 
 
@@ -156,23 +118,89 @@ def test_a_cuda_topology_is_refused_by_name_before_any_plugin(topology, match):
 
 
 def test_cuda_topologies_parse():
+  """A GPU count is the topology's chips, and a GPU is a chip of the one table the memory plan
+  reads (`aot/topologies.py`): its memory and bandwidth, and a larger topology of it."""
   assert parse_cuda_topology("H100")[0].compute_capability == (9, 0)
   assert parse_cuda_topology("a100:8")[1] == 8
   assert is_cuda_topology("h100:4") and not is_cuda_topology("v5e:2x2")
+  spec = topology("h100:4")
+  assert spec.num_chips == 4 and spec.chip is CUDA_TARGETS["h100"]
+  assert spec.chip.hbm_bytes > 79 * 2**30 and spec.chip.hbm_bandwidth == 3.35e12
+  assert larger_topology(spec.chip, 8) == "h100:8" and larger_topology(spec.chip, 16) is None
+  assert larger_topology(topology("v5e:1x1").chip, 4) == "v5e:2x2"
+  with pytest.raises(ValueError, match=r"unknown topology 'v9:1x1'.*h100\[:N\]"):
+    topology("v9:1x1")
 
 
-def test_a_deviceless_cuda_compile_or_the_plugin_it_needs():
+def test_a_deviceless_cuda_compile_or_the_plugin_it_needs(model_dir):
   """With the CUDA plugin installed the steps compile for an H100 without one (XLA:GPU, Triton
   to PTX, ptxas); without it the topology is refused naming the wheels."""
-  if not importlib.util.find_spec("jax_plugins") or not importlib.util.find_spec(
-    "jax_plugins.xla_cuda12"
-  ):
+  if not _cuda_plugin():
     with pytest.raises(RuntimeError, match=r"jax-cuda12-plugin==.*nvidia-cuda-nvcc-cu12"):
       cuda_topology("h100")
     return
   (device,) = cuda_topology("h100").devices
   assert device.device_kind == "NVIDIA H100 80GB HBM3"
-  (ragged,) = [e for e in _executables(PallasGpuAttentionBackend(), device=device)
-               if e.name == "ragged_forward"]  # fmt: skip
+  (ragged,) = [e for e in _executables(model_dir, device=device) if e.name == "ragged_step"]
   (report,) = compile_for_cuda([ragged])
   assert report.pallas_triton_calls >= 1 and report.argument_bytes > 0
+
+
+def _compile_cli(argv: list[str]) -> tuple[int, str, str]:
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+    code = main(["compile", *argv])
+  return code, out.getvalue(), err.getvalue()
+
+
+def test_jaxengine_compile_for_an_h100_or_the_wheels_it_needs(model_dir):
+  """``jaxengine compile MODEL --topology h100``: without the CUDA plugin, exit 2 naming the
+  wheels; with it, the tiny Llama's precompile set (one row, one token: the ragged step with
+  and without prompt logprobs, the sampler) compiles for an H100 with the Pallas GPU kernel,
+  its memory planned on 80 GB and its decode estimated from bytes (no cost analysis)."""
+  code, out, err = _compile_cli(
+    [model_dir, "--topology", "h100", "--json", "--max-num-reqs", "1", "--max-model-len", "16",
+     "--max-num-batched-tokens", "1"]
+  )  # fmt: skip
+  if not _cuda_plugin():
+    assert code == 2 and out == ""
+    assert "topology='h100' needs the CUDA PJRT plugin" in err
+    assert f"jax-cuda12-plugin=={jax.__version__}" in err and "nvidia-cuda-nvcc-cu12" in err
+    return
+  assert code == 0, err
+  report = json.loads(out)
+  assert report["error"] is None and report["fits"]
+  assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["num_devices"] == 1
+  assert report["hbm_bytes_per_device"] == CUDA_TARGETS["h100"].hbm_bytes
+  assert report["attention_backend"].startswith("pallas GPU paged decode kernel")
+  assert [(e["name"], e["shape"]) for e in report["executables"]] == [
+    ("ragged_step", "tokens=1 rows=1"),
+    ("sample", "rows=1"),
+    ("ragged_step", "tokens=1 rows=1 prompt_logprobs=21"),
+  ]
+  for e in report["executables"]:
+    assert e["compile_s"] > 0 and e["flops"] is None and e["estimated_s"] is None
+    assert e["estimate_source"].startswith("none")
+  (decode,) = report["decode"]
+  assert decode["estimated_step_s"] == decode["memory_floor_s"] > 0
+  assert decode["flops_floor_s"] is None and decode["method"].startswith("memory floor")
+
+
+def test_jaxengine_compile_export_only_needs_no_plugin(model_dir):
+  """``--export-only`` exports the same executables for CUDA on this CPU (plugin or not): the
+  ragged step carries the Pallas kernel as Triton, the sampler none; a TPU topology is refused."""
+  small = ["--max-num-reqs", "1", "--max-model-len", "16", "--max-num-batched-tokens", "1"]
+  code, out, err = _compile_cli(
+    [model_dir, "--topology", "h100", "--export-only", "--json", *small]
+  )
+  assert code == 0, err
+  report = json.loads(out)
+  assert report["fits"] and report["per_device_bytes"]["temp"] == 0
+  kernels = {(e["name"], e["shape"]): e["triton_kernels"] for e in report["executables"]}
+  assert kernels.keys() == {("ragged_step", "tokens=1 rows=1"), ("sample", "rows=1"),
+                            ("ragged_step", "tokens=1 rows=1 prompt_logprobs=21")}  # fmt: skip
+  assert kernels[("sample", "rows=1")] == []
+  assert kernels[("ragged_step", "tokens=1 rows=1")][0].startswith("paged_attention")
+  assert "exported ragged_step tokens=1 rows=1 in" in err
+  code, _, err = _compile_cli([model_dir, "--topology", "v5e:1x1", "--export-only", *small])
+  assert code == 2 and "topology='v5e:1x1' is not a GPU" in err
