@@ -79,12 +79,12 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-import jax
 from jax import export
 
 from jaxengine.aot.topologies import (  # the GPUs' table is `aot/topologies.py`'s
   CUDA_TARGETS,
   CudaTarget,
+  cuda_topology,
   is_cuda_topology,
   parse_cuda_topology,
 )
@@ -204,36 +204,6 @@ def triton_kernels(module_text: str) -> tuple[str, ...]:
     if f"@{TRITON_CUSTOM_CALL}(" in line:
       names.update(_TRITON_NAME.findall(line))
   return tuple(sorted(names))
-
-
-def cuda_topology(topology: str) -> Any:
-  """Compile-only CUDA devices for a named GPU (`parse_cuda_topology`), without a GPU.
-
-  Args:
-    topology: ``"h100"``, ``"h100:8"`` (GPUs on one host), ... (`CUDA_TARGETS`).
-
-  Returns:
-    A `jax.experimental.topologies.TopologyDescription`: its ``devices`` (platform "gpu",
-    ``device_kind`` the GPU's name, ``compute_capability`` "9.0") take `jax.ShapeDtypeStruct`
-    shardings, and ``jax.jit(f).lower(...).compile()`` on them compiles for that GPU.
-
-  Raises:
-    ValueError: as `parse_cuda_topology`.
-    RuntimeError: the CUDA plugin is not installed (naming the wheels to install).
-  """
-  from jax.experimental import topologies
-
-  target, gpus = parse_cuda_topology(topology)
-  try:
-    return topologies.get_topology_desc(
-      topology, platform="cuda", target_config=target.target_config(), topology=f"1x1x{gpus}"
-    )
-  except NotImplementedError as error:
-    raise RuntimeError(
-      f"topology={topology!r} needs the CUDA PJRT plugin and ptxas: pip install "
-      f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} "
-      "nvidia-cuda-nvcc-cu12 (no GPU or driver needed)"
-    ) from error
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@ and NVIDIA GPUs (``"h100"``, ``"h100:4"``: `CUDA_TARGETS`), and the numbers of t
 the memory plan and the decode estimates read.
 
 libtpu describes a topology without a TPU (`jax.experimental.topologies.get_topology_desc`), and
-the CUDA plugin one without a GPU (`aot/cuda.py`'s `cuda_topology`, from a `CudaTarget`'s
+the CUDA plugin one without a GPU (`cuda_topology`, from a `CudaTarget`'s
 description): their devices carry the chip's kind and compile for it, but report no memory
 statistics, so each chip's memory, bandwidth and peak bfloat16 rate come from the tables here
 (the vendors' published figures per chip). A GPU is a `Chip` too (`CudaTarget`), so the plan and
@@ -229,7 +229,7 @@ def larger_topology(chip: Chip, num_chips: int) -> str | None:
 @functools.cache
 def topology_devices(name: str) -> tuple[Any, ...]:
   """The devices of topology `name`, as libtpu (or for a GPU, the CUDA plugin:
-  `aot/cuda.py`'s `cuda_topology`) describes them without the chip (they compile for that
+  `cuda_topology`) describes them without the chip (they compile for that
   chip; they hold no arrays).
 
   Raises:
@@ -239,8 +239,6 @@ def topology_devices(name: str) -> tuple[Any, ...]:
   """
   spec = topology(name)
   if isinstance(spec.chip, CudaTarget):
-    from jaxengine.aot.cuda import cuda_topology
-
     return tuple(cuda_topology(name).devices)
   if importlib.util.find_spec("libtpu") is None:
     raise ImportError(f'compiling for {name} needs libtpu: pip install "jaxengine[tpu]"')
@@ -256,3 +254,34 @@ def topology_devices(name: str) -> tuple[Any, ...]:
     num_slices=1,
   )
   return tuple(desc.devices)
+
+
+def cuda_topology(topology: str) -> Any:
+  """Compile-only CUDA devices for a named GPU (`parse_cuda_topology`), without a GPU.
+
+  Args:
+    topology: ``"h100"``, ``"h100:8"`` (GPUs on one host), ... (`CUDA_TARGETS`).
+
+  Returns:
+    A `jax.experimental.topologies.TopologyDescription`: its ``devices`` (platform "gpu",
+    ``device_kind`` the GPU's name, ``compute_capability`` "9.0") take `jax.ShapeDtypeStruct`
+    shardings, and ``jax.jit(f).lower(...).compile()`` on them compiles for that GPU.
+
+  Raises:
+    ValueError: as `parse_cuda_topology`.
+    RuntimeError: the CUDA plugin is not installed (naming the wheels to install).
+  """
+  import jax
+  from jax.experimental import topologies
+
+  target, gpus = parse_cuda_topology(topology)
+  try:
+    return topologies.get_topology_desc(
+      topology, platform="cuda", target_config=target.target_config(), topology=f"1x1x{gpus}"
+    )
+  except NotImplementedError as error:
+    raise RuntimeError(
+      f"topology={topology!r} needs the CUDA PJRT plugin and ptxas: pip install "
+      f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} "
+      "nvidia-cuda-nvcc-cu12 (no GPU or driver needed)"
+    ) from error
