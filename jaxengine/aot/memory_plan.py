@@ -116,7 +116,8 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
   per_req = engine.num_blocks_per_req
   wanted = int(1 + config.max_num_reqs * per_req * (1 + PREFIX_CACHE_SHARE))
   needed = 1 + per_req
-  groups = 1 if engine.layer_groups is None else len(engine.layer_groups)
+  # `layer_groups` holds each layer's (group, index in the group): the groups are its first fields.
+  groups = 1 if engine.layer_groups is None else len({g for g, _ in engine.layer_groups})
   num_blocks = max(min(wanted, fit_blocks), needed)
   if config.num_kv_blocks is not None:  # the user's size, as the engine takes it
     num_blocks = fit_blocks = config.num_kv_blocks

@@ -30,6 +30,7 @@ FAMILIES = {
   "qwen3": dict(_TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),
   "gemma2": dict(
     _TINY, architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16,
+    num_hidden_layers=4,  # two KV cache groups (window, full) of two layers each
     query_pre_attn_scalar=16, sliding_window=16, attn_logit_softcapping=50.0,
     final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
   ),
@@ -128,6 +129,16 @@ def test_every_family_compiles_for_v5e_with_the_tpu_kernels(reports, name, topol
   assert report["fits"] and report["device_kind"] == "TPU v5 lite"
   assert report["num_devices"] == {"v5e:1x1": 1, "v5e:2x2": 3 if name == "smollm2" else 4}[topology]
   assert "pallas" in report["attention_backend"] or name == "gemma2"
+  if name == "gemma2" and topology == "v5e:1x1":  # a token's KV bytes: each layer's once
+    import jax.numpy as jnp
+
+    from jaxengine.models.attention_backends import PallasTpuAttentionBackend
+
+    kv = report["kv_cache"]
+    layers = PallasTpuAttentionBackend().bytes_per_block(
+      num_layers=4, block_size=kv["block_size"], num_kv_heads=2, head_dim=16, dtype=jnp.bfloat16
+    )
+    assert kv["bytes_per_token"] == layers // kv["block_size"]
   (step,) = report["executables"]
   assert (step["name"], step["shape"]) == ("ragged_step", "tokens=1 rows=1")
   assert step["flops"] > 0 and step["bytes_accessed"] > 0 and step["compile_s"] > 0
