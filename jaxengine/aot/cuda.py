@@ -14,8 +14,9 @@ Two checks, both without a GPU:
   archiving. The report's module size is the serialized StableHLO
   (`Exported.mlir_module_serialized`); `Exported.serialize()` would also need the
   `flatbuffers` package.
-* **Deviceless compile** (`cuda_topology`, `compile_for_cuda`): the CUDA PJRT plugin compiles
-  for a GPU it does not have when given the GPU's description (XLA's
+* **Deviceless compile** (`cuda_topology`, through `aot/compile.py`'s
+  `compile_for_topology`): the CUDA PJRT plugin compiles for a GPU it does not have when
+  given the GPU's description (XLA's
   ``GpuTargetConfigProto``, text format) as the topology's ``target_config`` option:
   ``jax.experimental.topologies.get_topology_desc("h100", platform="cuda",
   target_config=..., topology="1x1x<gpus>")`` gives compile-only devices, and ``jax.jit(f).lower(
@@ -68,7 +69,7 @@ bandwidth per GPU from `CUDA_TARGETS` (`aot/compile.py`'s `compile_for_topology`
 compile MODEL --topology h100:4``)::
 
   devices = cuda_topology("h100:4").devices  # 4 compile-only H100s: the mesh's devices
-  report = compile_for_cuda(executables)  # their arguments placed on those devices
+  report = compile_for_topology(model_dir, "h100:4", tensor_parallel_size=4)
 """
 
 from __future__ import annotations
@@ -92,11 +93,9 @@ from jaxengine.aot.topologies import (  # the GPUs' table is `aot/topologies.py`
 __all__ = [
   "CUDA_TARGETS",
   "TRITON_CUSTOM_CALL",
-  "CudaCompile",
   "CudaExport",
   "CudaTarget",
   "ExecutableLike",
-  "compile_for_cuda",
   "cuda_topology",
   "export_for_cuda",
   "is_cuda_topology",
@@ -204,61 +203,3 @@ def triton_kernels(module_text: str) -> tuple[str, ...]:
     if f"@{TRITON_CUSTOM_CALL}(" in line:
       names.update(_TRITON_NAME.findall(line))
   return tuple(sorted(names))
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaCompile:
-  """One executable compiled for a CUDA topology.
-
-  Attributes:
-    name: the executable.
-    shape: its shape label.
-    seconds: lowering and compile time.
-    argument_bytes: its arguments' bytes per GPU.
-    output_bytes: its outputs' bytes per GPU (donated buffers included).
-    temp_bytes: its largest temporary allocation per GPU.
-    pallas_triton_calls: Triton custom calls in the compiled HLO (Pallas GPU kernels).
-    triton_fusions: XLA's own Triton fusions in it (matrix products XLA:GPU emits with Triton).
-  """
-
-  name: str
-  shape: str
-  seconds: float
-  argument_bytes: int
-  output_bytes: int
-  temp_bytes: int
-  pallas_triton_calls: int
-  triton_fusions: int
-
-
-def compile_for_cuda(executables: Iterable[ExecutableLike]) -> list[CudaCompile]:
-  """Compiles each executable for the CUDA devices its arguments are placed on (`cuda_topology`'s
-  devices), without a GPU.
-
-  Raises:
-    Whatever XLA:GPU raises, with the executable's name and shape added as a note.
-  """
-  reports = []
-  for executable in executables:
-    start = time.perf_counter()
-    try:
-      compiled = executable.jitted.lower(*executable.args, **executable.kwargs).compile()
-    except Exception as error:
-      error.add_note(f"compiling {executable.name} ({executable.shape}) for cuda")
-      raise
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    text = compiled.as_text()
-    reports.append(
-      CudaCompile(
-        name=executable.name,
-        shape=executable.shape,
-        seconds=seconds,
-        argument_bytes=memory.argument_size_in_bytes,
-        output_bytes=memory.output_size_in_bytes,
-        temp_bytes=memory.temp_size_in_bytes,
-        pallas_triton_calls=text.count(f'custom_call_target="{TRITON_CUSTOM_CALL}"'),
-        triton_fusions=text.count('"kind":"__triton'),
-      )
-    )
-  return reports

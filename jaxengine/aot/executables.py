@@ -26,6 +26,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.core.scheduler import SchedulerOutput
+from jaxengine.engine.engine_core import config_input_batch
 from jaxengine.engine_config import EngineConfig
 from jaxengine.lora import LoRAManager
 from jaxengine.models.attention_backends import AttentionBackend
@@ -183,18 +184,7 @@ def abstract_engine(
   config = config.for_model(model_config.max_position_embeddings).data_parallel_groups()[0]
   model = cast(Model, abstract_module(architecture.module, model_config, dtype))
   eos = eos_token_ids(model_dir) or [0]
-  batch = InputBatch(
-    config.max_num_reqs,
-    config.resolved_max_model_len,
-    model.vocab_size,
-    max_num_logprobs=config.max_num_logprobs,
-    logprobs_mode=config.logprobs_mode,
-    eos_token_ids=eos,
-    seed=config.seed,
-    logits_processors=config.logits_processors,
-    max_num_blocks_per_req=config.max_num_blocks_per_req,
-    batch_invariant=config.batch_invariant,
-  )
+  batch = config_input_batch(config, model.vocab_size, eos)
   mesh = config.mesh
   if mesh is not None:
     MeshPlacement.check(model, batch, mesh, expert_parallel=config.enable_expert_parallel)

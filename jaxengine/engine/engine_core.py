@@ -84,18 +84,7 @@ class EngineCore:
   ) -> None:
     self.config = config
     self.num_decode_steps = config.num_decode_steps
-    batch = InputBatch(
-      config.max_num_reqs,
-      config.resolved_max_model_len,
-      model.vocab_size,
-      max_num_logprobs=config.max_num_logprobs,
-      logprobs_mode=config.logprobs_mode,
-      eos_token_ids=eos_token_ids,
-      seed=config.seed,
-      logits_processors=config.logits_processors,
-      max_num_blocks_per_req=config.max_num_blocks_per_req,
-      batch_invariant=config.batch_invariant,
-    )
+    batch = config_input_batch(config, model.vocab_size, eos_token_ids)
     self.runner = ModelRunner(model, batch, config)
     self.max_model_len = batch.max_model_len
     self.structured: StructuredOutputs | None = None
@@ -452,6 +441,23 @@ class EngineCore:
       self.output_processor.prompt_logprobs(completion, prompt_logprobs[request.request_id])
     else:  # a one-token prompt: nothing predicts its only token
       request.prompt_logprobs = [None]
+
+
+def config_input_batch(config: EngineConfig, vocab_size: int, eos_token_ids) -> InputBatch:
+  """The persistent batch of an engine core with `config` (its rows, lengths, logprobs, seed,
+  processors, block-table width and batch invariance) over a `vocab_size` vocabulary."""
+  return InputBatch(
+    config.max_num_reqs,
+    config.resolved_max_model_len,
+    vocab_size,
+    max_num_logprobs=config.max_num_logprobs,
+    logprobs_mode=config.logprobs_mode,
+    eos_token_ids=eos_token_ids,
+    seed=config.seed,
+    logits_processors=config.logits_processors,
+    max_num_blocks_per_req=config.max_num_blocks_per_req,
+    batch_invariant=config.batch_invariant,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
