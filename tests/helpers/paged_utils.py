@@ -65,13 +65,7 @@ def make_step(
     start_loc[r + 1] = total
   start_loc[len(requests) + 1 :] = total
   q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
-  md = PagedAttentionMetadata(
-    slot_mapping=jnp.asarray(slot_mapping),
-    block_tables=jnp.asarray(tables),
-    query_start_loc=jnp.asarray(start_loc),
-    seq_lens=jnp.asarray(seq_lens),
-    num_reqs=jnp.asarray(len(requests), jnp.int32),
-  )
+  md = _metadata(slot_mapping, tables, start_loc, seq_lens, len(requests))
   return RaggedStep(
     q=q,
     keys=keys,
@@ -223,11 +217,16 @@ def slot_step(
     start_loc[r + 1] = at
     seq_lens[r] = start + n
   start_loc[len(requests) + 1 :] = at
-  md = PagedAttentionMetadata(
+  md = _metadata(slot_mapping, tables, start_loc, seq_lens, len(requests))
+  return jnp.asarray(ids)[None], jnp.asarray(positions)[None], md
+
+
+def _metadata(slot_mapping, tables, start_loc, seq_lens, num_reqs: int) -> PagedAttentionMetadata:
+  """A step's `PagedAttentionMetadata` from its host arrays, as device arrays."""
+  return PagedAttentionMetadata(
     slot_mapping=jnp.asarray(slot_mapping),
     block_tables=jnp.asarray(tables),
     query_start_loc=jnp.asarray(start_loc),
     seq_lens=jnp.asarray(seq_lens),
-    num_reqs=jnp.asarray(len(requests), jnp.int32),
+    num_reqs=jnp.asarray(num_reqs, jnp.int32),
   )
-  return jnp.asarray(ids)[None], jnp.asarray(positions)[None], md
