@@ -104,6 +104,7 @@ class AsyncLLM(AsyncWeightSync):
     num_requests_running: completions holding a batch row after the latest step.
     num_requests_waiting: completions waiting for a row after the latest step.
     num_aborted: requests aborted so far (by `abort` or by callers that stopped reading).
+    vocab_size: the model's vocabulary size `V` (token ids are in ``[0, V)``).
 
   Raises:
     As `jaxengine.LLM`.
@@ -118,6 +119,7 @@ class AsyncLLM(AsyncWeightSync):
     self.engine = self.llm.llm_engine
     self.tokenizer = self.engine.tokenizer
     self.max_model_len: int = self.engine.max_model_len
+    self.vocab_size: int = self.engine.output_processor.vocab_size
     self.stat_loggers = list(stat_loggers or [])
     self.num_requests_running = 0
     self.num_requests_waiting = 0
@@ -236,6 +238,11 @@ class AsyncLLM(AsyncWeightSync):
   async def is_sleeping(self) -> bool:
     """Whether the engine sleeps (`LLMEngine.is_sleeping`), asked between steps."""
     return await self._call(self.engine.is_sleeping)
+
+  async def reset_prefix_cache(self) -> bool:
+    """Forgets every prefix hash between steps (`LLMEngine.reset_prefix_cache`, vLLM's name):
+    running requests keep their pages; returns True."""
+    return await self._call(self.engine.reset_prefix_cache)
 
   async def _call(self, fn: Callable[[], Any]) -> Any:
     """Runs `fn` on the engine thread at the next step boundary; returns its result or raises

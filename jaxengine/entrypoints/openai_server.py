@@ -8,13 +8,14 @@
   GET  /health                200 while the engine thread runs, else 503
   GET  /metrics               Prometheus text (`entrypoints/metrics.py`)
   POST /tokenize, /detokenize
-  POST /pause                 `{"mode": "keep"|"wait"|"abort"}` (or `?mode=`; default "keep"):
-                              `AsyncLLM.pause_generation`, answered once paused
-  POST /resume, GET /is_paused   `resume_generation`; `{"is_paused": bool}`
+  POST /pause, /resume, /sleep, /wake_up, /reset_prefix_cache, GET /is_paused, /is_sleeping
+                              RL weight syncs (`rl_routes.py`): `AsyncLLM.pause_generation`,
+                              `resume_generation`, `sleep`, `wake_up`, `reset_prefix_cache`
 
 Bad input is a 400 with OpenAI's error body naming the field (a malformed body, a wrong type
 (strict: a JSON boolean is no count, 1 or "yes" no boolean), a value `SamplingParams` refuses, a
-prompt of `max_model_len` tokens or more, a prompt plus `max_tokens` past `max_model_len`,
+prompt of `max_model_len` tokens or more, a token-id prompt with an id outside the vocabulary,
+a prompt plus `max_tokens` past `max_model_len`,
 `stream_options` without `stream`, `prompt_logprobs` with `stream`, a `best_of` other than `n`,
 an invalid output constraint (named as sent: `response_format`, `guided_json`, ...), a field
 this server does not implement set to change the output: `use_beam_search` true, a non-empty
@@ -33,7 +34,8 @@ The endpoints' work is in modules named as vLLM names them: `serving_completion.
 `serving_chat.py`, `serving_tokenization.py`, `serving_models.py` (the served model and LoRA
 adapters), on `serving_engine.py` (what they share), `engine_requests.py` (an HTTP request's
 engine requests, server-sent events), `serving_logprobs.py` and `text_offsets.py` (the logprob
-formats). This module builds the app: routes, API key, error handlers.
+formats), `serving_token_ids.py` (vLLM's `return_token_ids`, token-id prompts checked). This
+module builds the app: routes, API key, error handlers.
 
 Logprobs follow vLLM (`serving_logprobs.py`): `prompt_logprobs=k` adds `prompt_logprobs` to each
 completion choice (to the chat response itself), one entry per prompt token, the first null, the
@@ -67,6 +69,7 @@ from jaxengine.entrypoints.protocol import (
   UnloadLoRAAdapterRequest,
   error_body,
 )
+from jaxengine.entrypoints.rl_routes import add_rl_routes
 from jaxengine.entrypoints.serving_chat import OpenAIServingChat
 from jaxengine.entrypoints.serving_completion import OpenAIServingCompletion
 from jaxengine.entrypoints.serving_logprobs import MIN_LOGPROB
@@ -225,28 +228,7 @@ def build_app(
   async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await serving.chat.chat_completions(body, request)
 
-  @app.post("/pause")
-  async def pause(request: Request) -> dict:
-    mode = request.query_params.get("mode")
-    if mode is None and await request.body():
-      body = await request.json()
-      if not isinstance(body, dict):
-        raise RequestError(f"the body must be a JSON object, got {body!r}")
-      mode = body.get("mode")
-    try:
-      await engine.pause_generation("keep" if mode is None else mode)
-    except ValueError as error:
-      raise RequestError(str(error), "mode") from None
-    return {"is_paused": True}
-
-  @app.post("/resume")
-  async def resume() -> dict:
-    await engine.resume_generation()
-    return {"is_paused": False}
-
-  @app.get("/is_paused")
-  async def is_paused() -> dict:
-    return {"is_paused": await engine.is_paused()}
+  add_rl_routes(app, engine)
 
   @app.post("/tokenize")
   async def tokenize(body: TokenizeRequest) -> dict:

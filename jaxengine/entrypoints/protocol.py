@@ -24,7 +24,8 @@ class RequestError(ValueError):
   Args:
     message: what is wrong (names the field and value).
     param: the request field at fault, or None.
-    status_code: 400 (bad request), 404 (unknown model) or 401 (no or wrong API key).
+    status_code: 400 (bad request), 404 (unknown model), 401 (no or wrong API key) or 409 (the
+      engine's state refuses it: sleep with requests unfinished).
   """
 
   def __init__(self, message: str, param: str | None = None, status_code: int = 400):
@@ -133,6 +134,9 @@ class SamplingRequest(_Body):
   stream: bool = False
   stream_options: StreamOptions | None = None
   user: str | None = None
+  #: vLLM's: the generated ids on each choice (`token_ids`) and the prompt's (`prompt_token_ids`;
+  #: `serving_token_ids.py`).
+  return_token_ids: bool | None = None
 
   def _max_tokens(self) -> int | None:
     return None
@@ -433,9 +437,8 @@ _FIELDS = {*SamplingRequest.model_fields, "max_tokens", "logprobs", "top_logprob
 
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
   """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-  kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-    status_code, "InternalServerError"
-  )
+  kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          409: "ConflictError"}.get(status_code, "InternalServerError")  # fmt: skip
   return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
 
 

@@ -22,6 +22,7 @@ from jaxengine.entrypoints.engine_requests import (
 from jaxengine.entrypoints.protocol import ChatCompletionRequest
 from jaxengine.entrypoints.serving_engine import OpenAIServing, warn_unknown
 from jaxengine.entrypoints.serving_logprobs import chat_logprobs, prompt_logprobs_field
+from jaxengine.entrypoints.serving_token_ids import prompt_token_ids_field, token_ids_field
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -43,14 +44,15 @@ class OpenAIServingChat(OpenAIServing):
       choices = [
         {"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
          "logprobs": chat_logprobs(c, params.logprobs), "finish_reason": c.finish_reason,
-         "stop_reason": c.stop_reason}
+         "stop_reason": c.stop_reason, **token_ids_field(body.return_token_ids, c)}
         for c in outputs[0].outputs
       ]  # fmt: skip
       response = {**header, "object": "chat.completion", "choices": choices}
       prompt_logprobs = prompt_logprobs_field(outputs[0], params.prompt_logprobs)
       return JSONResponse(
-        {**response, "usage": outputs_usage(outputs), "prompt_logprobs": prompt_logprobs}
-      )
+        {**response, "usage": outputs_usage(outputs), "prompt_logprobs": prompt_logprobs,
+         **prompt_token_ids_field(body.return_token_ids, outputs[0])}
+      )  # fmt: skip
     await stream.start()
     return sse_response(self._chat_events(stream, header, body, params.n, params.logprobs, echoed))
 
@@ -61,7 +63,8 @@ class OpenAIServingChat(OpenAIServing):
     for index in range(n):
       role = {"role": "assistant", "content": ""}
       choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
-      yield {**chunk, "choices": [choice], **usage}
+      prompt_ids = prompt_token_ids_field(body.return_token_ids, stream.firsts[0])
+      yield {**chunk, "choices": [choice], **usage, **prompt_ids}
     for index in range(n if echoed else 0):
       choice = {"index": index, "delta": {"content": echoed}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
@@ -70,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
       for c in output.outputs:
         choice = {"index": c.index, "delta": {"content": c.text},
                   "logprobs": chat_logprobs(c, num_logprobs),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                  **token_ids_field(body.return_token_ids, c)}  # fmt: skip
         yield {**chunk, "choices": [choice], **usage}
     if usage:
       yield {**chunk, "choices": [], "usage": stream.usage()}

@@ -20,6 +20,11 @@ from jaxengine.entrypoints.engine_requests import (
 from jaxengine.entrypoints.protocol import CompletionRequest
 from jaxengine.entrypoints.serving_engine import OpenAIServing, warn_unknown
 from jaxengine.entrypoints.serving_logprobs import completion_logprobs, prompt_logprobs_field
+from jaxengine.entrypoints.serving_token_ids import (
+  check_prompt_token_ids,
+  prompt_token_ids_field,
+  token_ids_field,
+)
 from jaxengine.entrypoints.text_offsets import TextOffsets
 from jaxengine.outputs import CompletionOutput, RequestOutput
 
@@ -31,6 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
     lora = self.check_model(body.model)
     warn_unknown(body, "/v1/completions")
     params = body.sampling_params()
+    check_prompt_token_ids(body.prompt, self.engine.vocab_size)
     prompts = [
       self.truncated(self.tokenized(p), body.truncate_prompt_tokens) for p in body.prompts()
     ]
@@ -46,7 +52,9 @@ class OpenAIServingCompletion(OpenAIServing):
         {**self.completion_choice(i * params.n + c.index, output, c, body.echo,
                                   self.text_offsets(output, params.skip_special_tokens),
                                   params.logprobs),
-         "prompt_logprobs": prompt_logprobs_field(output, k)}
+         "prompt_logprobs": prompt_logprobs_field(output, k),
+         **prompt_token_ids_field(body.return_token_ids, output),
+         **token_ids_field(body.return_token_ids, c)}
         for i, output in enumerate(outputs)
         for c in output.outputs
       ]  # fmt: skip
@@ -62,10 +70,15 @@ class OpenAIServingCompletion(OpenAIServing):
     async for i, output in stream.deltas():
       for c in output.outputs:
         index = i * n + c.index
-        echo = body.echo and index not in offsets
-        if index not in offsets:
+        first = index not in offsets
+        if first:
           offsets[index] = self.text_offsets(output, body.skip_special_tokens)
-        choice = self.completion_choice(index, output, c, echo, offsets[index], num_logprobs)
+        choice = self.completion_choice(
+          index, output, c, body.echo and first, offsets[index], num_logprobs
+        )
+        if first:  # vLLM's: the prompt's ids on a choice's first chunk
+          choice.update(prompt_token_ids_field(body.return_token_ids, output))
+        choice.update(token_ids_field(body.return_token_ids, c))
         yield {**chunk, "choices": [choice], **({"usage": None} if usage else {})}
     if usage:
       yield {**chunk, "choices": [], "usage": stream.usage()}
