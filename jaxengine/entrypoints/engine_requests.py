@@ -15,6 +15,7 @@ from jaxengine.entrypoints.async_llm import AsyncLLM, RequestOutputKind
 from jaxengine.entrypoints.protocol import RequestError, error_body, field_named, json_dumps
 from jaxengine.lora import LoRARequest
 from jaxengine.outputs import RequestOutput
+from jaxengine.worker.sleep_mode import EngineAsleepError
 
 
 class EngineRequests:
@@ -49,7 +50,7 @@ class EngineRequests:
 
   async def _next_each(self) -> list[RequestOutput]:
     """The next output of every generator; on an error all are closed and it is raised (an
-    engine `ValueError` as a 400 `RequestError`)."""
+    engine `ValueError` as a 400 `RequestError`, `EngineAsleepError` as a 503)."""
     results = await asyncio.gather(
       *(anext(g) for g in self.generators), return_exceptions=True
     )  # fmt: skip
@@ -63,6 +64,8 @@ class EngineRequests:
           message = re.sub(r"^structured_outputs\.\w+", self.constraint_source, message)
         param = field_named(message) or (self.prompt_field if "prompt" in message else None)
         raise RequestError(message, param)
+      if isinstance(error, EngineAsleepError):  # POST /sleep: until POST /wake_up
+        raise RequestError(str(error), None, 503)
       raise error
     return results  # type: ignore[return-value]
 

@@ -24,8 +24,8 @@ class RequestError(ValueError):
   Args:
     message: what is wrong (names the field and value).
     param: the request field at fault, or None.
-    status_code: 400 (bad request), 404 (unknown model), 401 (no or wrong API key) or 409 (the
-      engine's state refuses it: sleep with requests unfinished).
+    status_code: 400 (bad request), 404 (unknown model), 401 (no or wrong API key), 409 (the
+      engine's state refuses it: sleep with requests unfinished) or 503 (the engine sleeps).
   """
 
   def __init__(self, message: str, param: str | None = None, status_code: int = 400):

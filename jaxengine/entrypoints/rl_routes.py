@@ -16,7 +16,7 @@ Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it 
 changes); `/sleep` while requests are unfinished (running, waiting, or kept by a "keep" pause)
 is a 409 (the engine frees their pages only once they are done: finish them, or pause with
 "wait" or "abort", first), the engine unchanged and serving on. While asleep, a generation
-request fails (a 500 with the engine's message naming `wake_up`).
+request is a 503 (the engine's message naming `wake_up`), the engine serving on after the wake.
 """
 
 from __future__ import annotations

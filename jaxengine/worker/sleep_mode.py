@@ -22,6 +22,11 @@ HOST_MEMORY_KIND = "pinned_host"
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
+class EngineAsleepError(RuntimeError):
+  """A request or step refused while the engine sleeps or has no weights (`check_awake`); the
+  server answers it with a 503."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
   """Where a freed array lived: enough to put it back in place, or to check a new one against.
@@ -257,14 +262,15 @@ class SleepState:
       )
 
   def check_awake(self) -> None:
-    """Refuses to run steps while asleep or without weights (RuntimeError, on the host)."""
+    """Refuses to run steps while asleep or without weights (`EngineAsleepError`, a
+    RuntimeError, on the host)."""
     if self.asleep:
       parts = " and ".join(p for p in SLEEP_TAGS if p in self.asleep)
-      raise RuntimeError(
+      raise EngineAsleepError(
         f"the engine is asleep (sleep(level={self.level}) freed its {parts}); call wake_up() first"
       )
     if self.weights_discarded:
-      raise RuntimeError(
+      raise EngineAsleepError(
         "the engine has no weights: sleep(level=2) discarded them; call load_weights with every "
         "weight of the model after wake_up()"
       )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -237,6 +238,113 @@ def test_echo_of_a_token_id_prompt_is_its_text(server, client):
   response = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=1, logprobs=0)
   choice = response.choices[0]
   assert choice.text.startswith("hello") and choice.logprobs.tokens[:5] == list("hello")
+
+
+TOKEN_IDS = {"extra_body": {"return_token_ids": True}}
+
+
+def test_return_token_ids_and_token_id_prompts(server, client):
+  """vLLM's `return_token_ids`: each choice's `token_ids` are the engine's own greedy tokens and
+  its `prompt_token_ids` the tokenizer's (on the choice for completions, at the top for chat),
+  streamed as each chunk's ids with the prompt's once; a token-id prompt (alone or in a batch)
+  completes as its text does; absent without the field; an id outside the vocabulary is a 400
+  naming `prompt` and the id, before any engine request starts, and serving goes on."""
+  engine, refs = server["engine"], server["refs"]
+  prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+  for prompt in (PROMPTS, prompt_ids):  # text, then a batch of token-id prompts
+    response = client.completions.create(model=MODEL, prompt=prompt, **GREEDY, **TOKEN_IDS)
+    for choice, ids, ref in zip(response.choices, prompt_ids, refs["greedy"], strict=True):
+      assert choice.text == ref.text
+      assert (choice.token_ids, choice.prompt_token_ids) == (ref.token_ids, ids)
+  single = client.completions.create(model=MODEL, prompt=prompt_ids[1], **GREEDY, **TOKEN_IDS)
+  assert (single.choices[0].text, single.choices[0].token_ids) == (
+    refs["greedy"][1].text, refs["greedy"][1].token_ids
+  )  # fmt: skip
+  chunks = [
+    c.choices[0]
+    for c in client.completions.create(
+      model=MODEL, prompt=PROMPTS[0], stream=True, **GREEDY, **TOKEN_IDS
+    )
+  ]
+  assert [len(c.token_ids) for c in chunks] == [1] * len(chunks)  # one token per step
+  assert sum((c.token_ids for c in chunks), []) == refs["greedy"][0].token_ids
+  assert chunks[0].prompt_token_ids == prompt_ids[0]
+  assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+  plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)
+  assert not {"token_ids", "prompt_token_ids"} & set(plain.choices[0].model_extra)
+  # chat: the prompt's ids (the chat template's) at the top, on each role chunk when streamed
+  chat_ids = engine.tokenizer.apply_chat_template(
+    MESSAGES, add_generation_prompt=True, tokenize=True
+  )
+  ref = refs["chat-greedy"]
+  response = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY, **TOKEN_IDS)
+  assert response.prompt_token_ids == chat_ids and response.choices[0].token_ids == ref.token_ids
+  chunks = list(
+    client.chat.completions.create(
+      model=MODEL, messages=MESSAGES, stream=True, **GREEDY, **TOKEN_IDS
+    )
+  )
+  assert chunks[0].prompt_token_ids == chat_ids
+  assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+  assert sum((c.choices[0].token_ids for c in chunks[1:]), []) == ref.token_ids
+  plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+  assert "prompt_token_ids" not in plain.model_extra
+  # ids outside the vocabulary: refused before any engine request starts
+  aborted = engine.num_aborted
+  vocab_size = engine.vocab_size
+  for prompt, where in (
+    ([1, vocab_size], f"prompt[1] = {vocab_size} "),
+    ([[1, 2], [3, -1]], "prompt[1][1] = -1 "),
+  ):
+    with pytest.raises(openai.BadRequestError, match=re.escape(where)) as error:
+      client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert error.value.body["param"] == "prompt"
+  assert engine.num_aborted == aborted
+  again = client.completions.create(model=MODEL, prompt=prompt_ids[0], **GREEDY)
+  assert again.choices[0].text == refs["greedy"][0].text
+
+
+def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
+  """POST /sleep?level=, /wake_up?tags=, /reset_prefix_cache, GET /is_sleeping: a bad level or
+  tag is a 400 naming it, a sleep while a request runs a 409 (nothing changes), and after a
+  sleep and a wake (one tag at a time) greedy outputs equal those before."""
+  engine, ref = server["engine"], server["refs"]["greedy"][0]
+
+  async def sleep_while_running(http: httpx.AsyncClient) -> httpx.Response:
+    params = je.SamplingParams(max_tokens=100, ignore_eos=True)
+    stream = engine.generate(PROMPTS[0], params)
+    await anext(stream)
+    try:
+      return await http.post("/sleep")
+    finally:
+      await stream.aclose()  # aborts it
+
+  with httpx.Client(base_url=server["url"], timeout=60) as http:
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/reset_prefix_cache").json() == {"success": True}
+
+    async def main():
+      async with httpx.AsyncClient(base_url=server["url"], timeout=60) as async_http:
+        return await sleep_while_running(async_http)
+
+    busy = asyncio.run(main())
+    assert busy.status_code == 409 and "unfinished" in busy.json()["error"]["message"]
+    _wait_idle(engine)
+    for level, words in (("3", "got 3"), ("deep", "got 'deep'")):
+      response = http.post("/sleep", params={"level": level})
+      assert (response.status_code, response.json()["error"]["param"]) == (400, "level")
+      assert words in response.json()["error"]["message"]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    asleep = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
+    assert asleep.status_code == 503 and "wake_up" in asleep.json()["error"]["message"]
+    bad = http.post("/wake_up", params={"tags": "everything"})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tags")
+    assert http.post("/wake_up", params={"tags": "weights"}).json() == {"is_sleeping": True}
+    assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
+  response = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY, **TOKEN_IDS)
+  assert (response.choices[0].text, response.choices[0].token_ids) == (ref.text, ref.token_ids)
 
 
 def test_prompt_logprobs_are_returned(server, client):
