@@ -5,18 +5,26 @@
                               `pause_generation`, answered once paused: `{"is_paused": true}`
   POST /resume                `resume_generation`: `{"is_paused": false}`
   GET  /is_paused             `{"is_paused": bool}`
-  POST /sleep?level=1|2       `sleep` (default level 1): `{"is_sleeping": true}`
+  POST /sleep?level=1|2&mode=wait|abort
+                              `sleep` (default level 1): `{"is_sleeping": true}`; with vLLM's
+                              `mode`, `pause_generation(mode)` first (see below)
   POST /wake_up?tags=weights&tags=kv_cache
                               `wake_up` (no tags: every part): `{"is_sleeping": bool}` (true
-                              while a part is still asleep)
+                              while a part is still asleep); once all is awake, it resumes
+                              generation if `/sleep?mode=` paused it
   GET  /is_sleeping           `{"is_sleeping": bool}`
   POST /reset_prefix_cache    `reset_prefix_cache`: `{"success": true}`
 
+The engine sleeps only when no request is in it (its pages are freed): `/sleep` without `mode`
+while requests are unfinished (running, waiting, or kept by a "keep" pause) is a 409 and changes
+nothing. With `mode` (vLLM's parameter) the requests in the engine are dealt with first, as
+`/pause` does: "wait" lets them finish, "abort" ends them with finish reason "abort"; "keep" is
+a 400 (kept requests hold the pages sleep frees). Generation then stays paused until `/wake_up`
+has woken every part: requests sent between the pause and the sleep wait and start after the
+wake. While asleep, a generation request is a 503 (the engine's message naming `wake_up`).
+
 Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it (nothing
-changes); `/sleep` while requests are unfinished (running, waiting, or kept by a "keep" pause)
-is a 409 (the engine frees their pages only once they are done: finish them, or pause with
-"wait" or "abort", first), the engine unchanged and serving on. While asleep, a generation
-request is a 503 (the engine's message naming `wake_up`), the engine serving on after the wake.
+changes); the engine serves on after every error.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from fastapi import FastAPI, Request
 
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxengine.entrypoints.protocol import RequestError
+from jaxengine.worker.sleep_mode import check_level
 
 
 def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
@@ -58,31 +67,48 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   async def is_paused() -> dict:
     return {"is_paused": await engine.is_paused()}
 
+  paused_by_sleep = False  # a `/sleep?mode=` paused generation: `/wake_up` resumes it
+
   @app.post("/sleep")
   async def sleep(request: Request) -> dict:
-    given = request.query_params.get("level", "1")
-    try:
-      level = int(given)
-    except ValueError:
-      raise RequestError(f"sleep level must be 1 or 2, got {given!r}", "level") from None
+    nonlocal paused_by_sleep
+    level, mode = _sleep_level(request), request.query_params.get("mode")
+    if mode is not None:  # vLLM's: what happens to the requests in the engine first
+      if mode == "keep":
+        raise RequestError(
+          'mode="keep" cannot sleep: kept requests hold the pages sleep frees; use "wait" or '
+          '"abort", or leave mode out',
+          "mode",
+        )
+      try:
+        await engine.pause_generation(mode)
+      except ValueError as error:
+        raise RequestError(str(error), "mode") from None
+      paused_by_sleep = True
     try:
       await engine.sleep(level)
-    except ValueError as error:  # a level other than 1 or 2: nothing changed
-      raise RequestError(str(error), "level") from None
     except EngineDeadError:
       raise
     except RuntimeError as error:  # unfinished requests: nothing changed
+      if mode is not None:
+        paused_by_sleep = False
+        await engine.resume_generation()
       raise RequestError(str(error), None, 409) from None
     return {"is_sleeping": True}
 
   @app.post("/wake_up")
   async def wake_up(request: Request) -> dict:
+    nonlocal paused_by_sleep
     tags = request.query_params.getlist("tags") or None  # none given: every part
     try:
       await engine.wake_up(tags)
     except ValueError as error:
       raise RequestError(str(error), "tags") from None
-    return {"is_sleeping": await engine.is_sleeping()}
+    is_sleeping = await engine.is_sleeping()
+    if paused_by_sleep and not is_sleeping:
+      paused_by_sleep = False
+      await engine.resume_generation()
+    return {"is_sleeping": is_sleeping}
 
   @app.get("/is_sleeping")
   async def is_sleeping() -> dict:
@@ -91,3 +117,16 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   @app.post("/reset_prefix_cache")
   async def reset_prefix_cache() -> dict:
     return {"success": await engine.reset_prefix_cache()}
+
+
+def _sleep_level(request: Request) -> int:
+  """`/sleep`'s `level` query parameter (default 1), checked before anything changes.
+
+  Raises:
+    RequestError: a 400 naming `level`, for a value other than 1 or 2.
+  """
+  given = request.query_params.get("level", "1")
+  try:
+    return check_level(int(given))
+  except ValueError:
+    raise RequestError(f"sleep level must be 1 or 2, got {given!r}", "level") from None

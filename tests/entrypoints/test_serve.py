@@ -267,7 +267,7 @@ def test_return_token_ids_and_token_id_prompts(server, client):
     )
   ]
   assert [len(c.token_ids) for c in chunks] == [1] * len(chunks)  # one token per step
-  assert sum((c.token_ids for c in chunks), []) == refs["greedy"][0].token_ids
+  assert [t for c in chunks for t in c.token_ids] == refs["greedy"][0].token_ids
   assert chunks[0].prompt_token_ids == prompt_ids[0]
   assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
   plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)
@@ -286,7 +286,7 @@ def test_return_token_ids_and_token_id_prompts(server, client):
   )
   assert chunks[0].prompt_token_ids == chat_ids
   assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
-  assert sum((c.choices[0].token_ids for c in chunks[1:]), []) == ref.token_ids
+  assert [t for c in chunks[1:] for t in c.choices[0].token_ids] == ref.token_ids
   plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
   assert "prompt_token_ids" not in plain.model_extra
   # ids outside the vocabulary: refused before any engine request starts
@@ -302,49 +302,6 @@ def test_return_token_ids_and_token_id_prompts(server, client):
   assert engine.num_aborted == aborted
   again = client.completions.create(model=MODEL, prompt=prompt_ids[0], **GREEDY)
   assert again.choices[0].text == refs["greedy"][0].text
-
-
-def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
-  """POST /sleep?level=, /wake_up?tags=, /reset_prefix_cache, GET /is_sleeping: a bad level or
-  tag is a 400 naming it, a sleep while a request runs a 409 (nothing changes), and after a
-  sleep and a wake (one tag at a time) greedy outputs equal those before."""
-  engine, ref = server["engine"], server["refs"]["greedy"][0]
-
-  async def sleep_while_running(http: httpx.AsyncClient) -> httpx.Response:
-    params = je.SamplingParams(max_tokens=100, ignore_eos=True)
-    stream = engine.generate(PROMPTS[0], params)
-    await anext(stream)
-    try:
-      return await http.post("/sleep")
-    finally:
-      await stream.aclose()  # aborts it
-
-  with httpx.Client(base_url=server["url"], timeout=60) as http:
-    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert http.post("/reset_prefix_cache").json() == {"success": True}
-
-    async def main():
-      async with httpx.AsyncClient(base_url=server["url"], timeout=60) as async_http:
-        return await sleep_while_running(async_http)
-
-    busy = asyncio.run(main())
-    assert busy.status_code == 409 and "unfinished" in busy.json()["error"]["message"]
-    _wait_idle(engine)
-    for level, words in (("3", "got 3"), ("deep", "got 'deep'")):
-      response = http.post("/sleep", params={"level": level})
-      assert (response.status_code, response.json()["error"]["param"]) == (400, "level")
-      assert words in response.json()["error"]["message"]
-    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert http.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
-    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
-    asleep = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
-    assert asleep.status_code == 503 and "wake_up" in asleep.json()["error"]["message"]
-    bad = http.post("/wake_up", params={"tags": "everything"})
-    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tags")
-    assert http.post("/wake_up", params={"tags": "weights"}).json() == {"is_sleeping": True}
-    assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
-  response = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY, **TOKEN_IDS)
-  assert (response.choices[0].text, response.choices[0].token_ids) == (ref.text, ref.token_ids)
 
 
 def test_prompt_logprobs_are_returned(server, client):
@@ -452,10 +409,62 @@ def test_disconnect_frees_the_row(server):
     # take far longer than the timeout)
     with pytest.raises(httpx.ReadTimeout):
       http.post("/v1/completions", json={**body, "stream": False}, timeout=0.02)
+    deadline = time.monotonic() + 30  # the server may not have added it yet when the client left
+    while engine.num_aborted < aborted + 2:
+      assert time.monotonic() < deadline, "the abandoned request was not aborted"
+      time.sleep(0.02)
     _wait_idle(engine)
     assert engine.num_aborted == aborted + 2
     metrics = http.get("/metrics").text
   assert 'jaxengine:request_success_total{finished_reason="abort",model_name="tiny"} 2.0' in metrics
+
+
+def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
+  """POST /sleep?level=&mode=, /wake_up?tags=, /reset_prefix_cache, GET /is_sleeping: a sleep
+  while a request runs is a 409 changing nothing, or with mode "abort" ends the request first
+  and stays paused until the wake; a bad level, mode or tag is a 400 naming it; a request while
+  asleep a 503; after a sleep and a wake (one tag at a time) greedy outputs equal those
+  before."""
+  engine, ref = server["engine"], server["refs"]["greedy"][0]
+
+  async def sleep_while_running():
+    async with httpx.AsyncClient(base_url=server["url"], timeout=60) as http:
+      stream = engine.generate(PROMPTS[0], je.SamplingParams(max_tokens=100, ignore_eos=True))
+      await anext(stream)
+      busy = await http.post("/sleep")
+      awake = (await http.get("/is_sleeping")).json()
+      keep = await http.post("/sleep", params={"mode": "keep"})
+      aborting = await http.post("/sleep", params={"mode": "abort"})
+      return busy, awake, keep, aborting, await _last(stream)
+
+  with httpx.Client(base_url=server["url"], timeout=60) as http:
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/reset_prefix_cache").json() == {"success": True}
+    busy, awake, keep, aborting, aborted = asyncio.run(sleep_while_running())
+    assert busy.status_code == 409 and "unfinished" in busy.json()["error"]["message"]
+    assert awake == {"is_sleeping": False}
+    assert (keep.status_code, keep.json()["error"]["param"]) == (400, "mode")
+    assert aborting.json() == {"is_sleeping": True}
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert 0 < len(aborted.outputs[0].token_ids) < 100
+    assert http.get("/is_paused").json() == {"is_paused": True}  # until the wake
+    assert http.post("/wake_up").json() == {"is_sleeping": False}
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    for level, words in (("3", "got '3'"), ("deep", "got 'deep'")):
+      response = http.post("/sleep", params={"level": level})
+      assert (response.status_code, response.json()["error"]["param"]) == (400, "level")
+      assert words in response.json()["error"]["message"]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    asleep = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
+    assert asleep.status_code == 503 and "wake_up" in asleep.json()["error"]["message"]
+    bad = http.post("/wake_up", params={"tags": "everything"})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tags")
+    assert http.post("/wake_up", params={"tags": "weights"}).json() == {"is_sleeping": True}
+    assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
+  response = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY, **TOKEN_IDS)
+  assert (response.choices[0].text, response.choices[0].token_ids) == (ref.text, ref.token_ids)
 
 
 BAD_INPUTS = [  # (path, body, status, param, words in the message)
