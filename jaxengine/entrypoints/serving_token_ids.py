@@ -33,7 +33,9 @@ def check_prompt_token_ids(prompt: str | Sequence, vocab_size: int) -> None:
   """
   if isinstance(prompt, str):
     return
-  batch = [(f"prompt[{i}]", ids) for i, ids in enumerate(prompt) if isinstance(ids, list)]
+  batch: list[tuple[str, Sequence]] = [
+    (f"prompt[{i}]", ids) for i, ids in enumerate(prompt) if isinstance(ids, list)
+  ]
   for where, ids in batch or [("prompt", prompt)]:
     for j, token_id in enumerate(ids):
       if isinstance(token_id, int) and not 0 <= token_id < vocab_size:
