@@ -21,7 +21,8 @@ nothing. With `mode` (vLLM's parameter) the requests in the engine are dealt wit
 `/pause` does: "wait" lets them finish, "abort" ends them with finish reason "abort"; "keep" is
 a 400 (kept requests hold the pages sleep frees). Generation then stays paused until `/wake_up`
 has woken every part: requests sent between the pause and the sleep wait and start after the
-wake. While asleep, a generation request is a 503 (the engine's message naming `wake_up`).
+wake (a pause the client made itself before stays until its `/resume`). While asleep, a
+generation request is a 503 (the engine's message naming `wake_up`).
 
 Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it (nothing
 changes); the engine serves on after every error.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from jaxengine.engine.pause import check_pause_mode
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxengine.entrypoints.protocol import RequestError
 from jaxengine.worker.sleep_mode import check_level
@@ -72,28 +74,21 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   @app.post("/sleep")
   async def sleep(request: Request) -> dict:
     nonlocal paused_by_sleep
-    level, mode = _sleep_level(request), request.query_params.get("mode")
-    if mode is not None:  # vLLM's: what happens to the requests in the engine first
-      if mode == "keep":
-        raise RequestError(
-          'mode="keep" cannot sleep: kept requests hold the pages sleep frees; use "wait" or '
-          '"abort", or leave mode out',
-          "mode",
-        )
-      try:
+    level, mode = _sleep_level(request), _sleep_mode(request)
+    pausing = False
+    if mode is not None:  # vLLM's: the requests in the engine are dealt with first
+      pausing = not await engine.is_paused()  # a pause of the client's own stays its own
+      if pausing or mode == "abort":  # "abort" also ends the requests a "keep" pause kept
         await engine.pause_generation(mode)
-      except ValueError as error:
-        raise RequestError(str(error), "mode") from None
-      paused_by_sleep = True
     try:
       await engine.sleep(level)
     except EngineDeadError:
       raise
     except RuntimeError as error:  # unfinished requests: nothing changed
-      if mode is not None:
-        paused_by_sleep = False
+      if pausing:
         await engine.resume_generation()
       raise RequestError(str(error), None, 409) from None
+    paused_by_sleep = paused_by_sleep or pausing
     return {"is_sleeping": True}
 
   @app.post("/wake_up")
@@ -130,3 +125,26 @@ def _sleep_level(request: Request) -> int:
     return check_level(int(given))
   except ValueError:
     raise RequestError(f"sleep level must be 1 or 2, got {given!r}", "level") from None
+
+
+def _sleep_mode(request: Request) -> str | None:
+  """`/sleep`'s `mode` query parameter (vLLM's): "wait", "abort", or None (not given).
+
+  Raises:
+    RequestError: a 400 naming `mode`, for another value ("keep" included: kept requests hold
+      the pages sleep frees).
+  """
+  mode = request.query_params.get("mode")
+  if mode is None:
+    return None
+  try:
+    check_pause_mode(mode)
+  except ValueError as error:
+    raise RequestError(str(error), "mode") from None
+  if mode == "keep":
+    raise RequestError(
+      'mode="keep" cannot sleep: kept requests hold the pages sleep frees; use "wait" or '
+      '"abort", or leave mode out',
+      "mode",
+    )
+  return mode

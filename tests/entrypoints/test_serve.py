@@ -450,6 +450,12 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
     assert http.get("/is_paused").json() == {"is_paused": True}  # until the wake
     assert http.post("/wake_up").json() == {"is_sleeping": False}
     assert http.get("/is_paused").json() == {"is_paused": False}
+    # a pause of the client's own outlives a sleep and a wake
+    assert http.post("/pause").json() == {"is_paused": True}
+    assert http.post("/sleep", params={"mode": "wait"}).json() == {"is_sleeping": True}
+    assert http.post("/wake_up").json() == {"is_sleeping": False}
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert http.post("/resume").json() == {"is_paused": False}
     for level, words in (("3", "got '3'"), ("deep", "got 'deep'")):
       response = http.post("/sleep", params={"level": level})
       assert (response.status_code, response.json()["error"]["param"]) == (400, "level")
