@@ -56,6 +56,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.chat_output import ChatParserOptions
 from jaxengine.entrypoints.metrics import ServerMetrics
 from jaxengine.entrypoints.protocol import (
   ChatCompletionRequest,
@@ -138,14 +139,16 @@ class Serving:
   tokenization: OpenAIServingTokenization
 
   @classmethod
-  def create(cls, engine: AsyncLLM, served_model_name: str) -> Serving:
+  def create(cls, engine: AsyncLLM, served_model_name: str,
+             parsers: ChatParserOptions | None = None) -> Serving:  # fmt: skip
+    """The serving of `engine`; `parsers`: the chat's tool and reasoning options."""
     models = OpenAIServingModels(engine, served_model_name)
     return cls(
       engine=engine,
       models=models,
       metrics=ServerMetrics(served_model_name, engine.engine),
       completion=OpenAIServingCompletion(engine, models),
-      chat=OpenAIServingChat(engine, models),
+      chat=OpenAIServingChat(engine, models, parsers),
       tokenization=OpenAIServingTokenization(engine, models),
     )
 
@@ -155,6 +158,10 @@ def build_app(
   served_model_name: str,
   api_key: str | None = None,
   lora_modules: Mapping[str, str] | Iterable[LoRAModulePath] | None = None,
+  *,
+  enable_auto_tool_choice: bool = False,
+  tool_call_parser: str | None = None,
+  reasoning_parser: str | None = None,
 ) -> FastAPI:
   """The FastAPI app serving `engine` as the model `served_model_name`.
 
@@ -167,13 +174,25 @@ def build_app(
       ``{name: PEFT directory}`` or `LoRAModulePath`s (``--lora-modules``; a `base_model_name`
       is the adapter's `parent` in `/v1/models`): a request's `model` picks one by name;
       `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` add and remove adapters at run time.
+    enable_auto_tool_choice: `tool_choice` "auto" (the default with `tools`) is allowed: the
+      model may call tools, which `tool_call_parser` reads from its output (vLLM's
+      ``--enable-auto-tool-choice``). Without it "auto" with tools is a 400.
+    tool_call_parser: the tool-call format, one of `tool_parsers.TOOL_PARSERS` ("hermes",
+      "llama3_json", "qwen3_coder"), or None.
+    reasoning_parser: the reasoning format, one of `reasoning_parsers.REASONING_PARSERS`
+      ("deepseek_r1", "qwen3"), or None: choices get `reasoning_content`.
 
   Raises:
-    ValueError: a LoRA module without `enable_lora`, named twice or as the base model, or a
-      directory `jaxengine.lora.load_peft_adapter` refuses.
+    ValueError: an unknown `tool_call_parser` or `reasoning_parser` (listing the known ones),
+      `enable_auto_tool_choice` without a `tool_call_parser`, a LoRA module without
+      `enable_lora`, named twice or as the base model, or a directory
+      `jaxengine.lora.load_peft_adapter` refuses.
   """
+  parsers = ChatParserOptions.from_names(
+    enable_auto_tool_choice, tool_call_parser, reasoning_parser
+  )
   app = FastAPI(title="jaxengine", docs_url=None, redoc_url=None)
-  serving = Serving.create(engine, served_model_name)
+  serving = Serving.create(engine, served_model_name, parsers)
   modules = lora_modules or ()
   for module in modules.items() if isinstance(modules, Mapping) else modules:
     serving.models.add_lora(*module)
