@@ -58,8 +58,9 @@ class ChatOutputParser:
     return self.reasoning_parser is None and self.tool_parser is None
 
   def finish_reason(self, tools_called: bool, finish_reason: str | None) -> str | None:
-    """The choice's finish_reason given whether it called tools and the engine's."""
-    if not tools_called or self.finish_reason_rule == "named":
+    """The choice's finish_reason given whether it called tools and the engine's (None: not
+    finished)."""
+    if finish_reason is None or not tools_called or self.finish_reason_rule == "named":
       return finish_reason
     if self.finish_reason_rule == "required" and finish_reason != "stop":
       return finish_reason

@@ -22,6 +22,8 @@ class Llama3JsonToolParser(ToolParser):
     start = skip_whitespace(text, 0)
     if text.startswith(_PYTHON_TAG, start):
       start = skip_whitespace(text, start + len(_PYTHON_TAG))
+      if start == len(text) and not final:
+        return ParsedToolCalls("", [])  # the calls follow
     elif _PYTHON_TAG.startswith(text[start:]) and not final:
       return ParsedToolCalls("", [])  # nothing yet, or the tag is being written
     if not text.startswith("{", start):
