@@ -18,14 +18,17 @@ prompt of `max_model_len` tokens or more, a prompt plus `max_tokens` past `max_m
 `stream_options` without `stream`, `prompt_logprobs` with `stream`, a `best_of` other than `n`,
 an invalid output constraint (named as sent: `response_format`, `guided_json`, ...), a field
 this server does not implement set to change the output: `use_beam_search` true, a non-empty
-`suffix`, `tools` unless `tool_choice` is "none", `functions` unless `function_call` is "none"),
+`suffix`, `functions` unless `function_call` is "none"; `tools` with `tool_choice` "auto" without
+`enable_auto_tool_choice`, a `tool_choice` naming a function not in `tools`),
 an unknown model a 404, and a missing or wrong API key (with `api_key` set) a 401 on `/v1/*`,
 `/tokenize` and `/detokenize`. Fields the server does not know are ignored (vLLM's behaviour),
 with one warning per request naming them. vLLM's `guided_json`, `guided_regex`, `guided_choice`
 and `guided_grammar` are `structured_outputs`' `json`, `regex`, `choice`, `grammar`;
 `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: `max_model_len`); chat `echo`
-starts the reply with the last message when it has the reply's role. With `tool_choice` "none"
-the tools are left out of the prompt. A client that
+starts the reply with the last message when it has the reply's role. Tools are rendered by the
+chat template (not with `tool_choice` "none"); tool calls are read by the `tool_call_parser`
+("auto") or forced by structured outputs ("required", a named function: `tool_choice.py`), the
+reasoning split off by the `reasoning_parser` (`chat_output.py`). A client that
 disconnects aborts its requests (streamed or not): their rows are freed at the next step
 boundary. An error while serving one request fails that request alone.
 
