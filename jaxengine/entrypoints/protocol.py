@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -381,14 +382,14 @@ class ChatCompletionRequest(SamplingRequest):
         "functions",
       )
 
-  def effective_tool_choice(self) -> str | dict[str, Any]:
+  def effective_tool_choice(self) -> str | Mapping[str, Any]:
     """`tool_choice`, "auto" when absent with `tools` ("none" without).
 
     Raises:
       RequestError: naming `tool_choice` or `tools` (`tool_choice.effective_tool_choice`).
     """
     try:
-      return effective_tool_choice(self.tools, self.tool_choice)  # type: ignore[return-value]
+      return effective_tool_choice(self.tools, self.tool_choice)
     except ToolChoiceError as error:
       raise RequestError(str(error), error.param) from None
 
