@@ -124,6 +124,13 @@ def test_hermes_reads_calls_and_keeps_the_text_around_them_as_content():
   ]
 
 
+def test_braces_and_quotes_inside_argument_strings_do_not_end_the_call():
+  arguments = {"q": 'a "}" b {[', "n": [1, {"x": "\\"}], "t": True}
+  text = f'<tool_call>{{"name": "get_time", "arguments": {json.dumps(arguments)}}}</tool_call>'
+  (call,) = assert_streams_as_whole(auto("hermes"), text)["tool_calls"]
+  assert json.loads(call["arguments"]) == arguments
+
+
 def test_arguments_stream_in_fragments_after_the_name():
   _, deltas = streamed(auto("hermes"), HERMES_TWO_CALLS, 1)
   first = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
