@@ -20,6 +20,11 @@ serving_logprobs.py      logprobs in the OpenAI APIs' formats
 text_offsets.py          `TextOffsets`: the completions API's `text_offset`
 serving_completion.py    `OpenAIServingCompletion`: `/v1/completions`
 serving_chat.py          `OpenAIServingChat`: `/v1/chat/completions`
+chat_output.py           a chat choice's text as message or deltas: reasoning, content, tool calls
+tool_choice.py           `tool_choice` checked against `tools`; the constraint forcing a call
+tool_parsers/            tool-call formats (``--tool-call-parser``): hermes, llama3_json,
+                         qwen3_coder
+reasoning_parsers/       reasoning formats (``--reasoning-parser``): qwen3, deepseek_r1
 serving_tokenization.py  `OpenAIServingTokenization`: `/tokenize`, `/detokenize`
 openai_server.py         the FastAPI app: routes, API key, error handlers (`build_app`)
 serve.py                 `jaxengine serve`

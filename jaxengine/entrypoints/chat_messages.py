@@ -9,6 +9,7 @@ queued.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,9 +70,42 @@ def _message(message: Any, where: str) -> dict[str, Any]:
   role = message.get("role")
   if not isinstance(role, str) or not role:
     raise ValueError(f"{where}: needs a 'role' string, got {role!r}")
+  if message.get("tool_calls"):  # an assistant's calls: its content may be null or absent
+    return {
+      **message,
+      "content": _content_text(message.get("content") or "", where),
+      "tool_calls": _tool_calls(message["tool_calls"], where),
+    }
   if "content" not in message:
     raise ValueError(f"{where}: needs 'content' (a string or a list of text parts)")
   return {**message, "content": _content_text(message["content"], where)}
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+  """An assistant message's `tool_calls` for the chat template: each call's `arguments`, a JSON
+  string in OpenAI's messages, as the object it encodes (chat templates such as Qwen's and
+  Llama's write ``arguments | tojson`` or iterate its items; vLLM does the same)."""
+  if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+    raise ValueError(f"{where}: tool_calls must be a list of calls, got {calls!r:.80}")
+  out = []
+  for index, call in enumerate(calls):
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+      raise ValueError(
+        f"{where}: tool_calls[{index}] must be {{'type': 'function', 'function': {{'name': str, "
+        f"'arguments': str}}}}, got {call!r:.80}"
+      )
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+      try:
+        arguments = json.loads(arguments) if arguments.strip() else {}
+      except json.JSONDecodeError as error:
+        raise ValueError(
+          f"{where}: tool_calls[{index}].function.arguments is not JSON ({error.msg}): "
+          f"{arguments!r:.80}"
+        ) from None
+    out.append({**call, "function": {**function, "arguments": arguments}})
+  return out
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -101,8 +135,13 @@ def render_prompts(
   continue_final_message: bool = False,
   chat_template: str | None = None,
   chat_template_kwargs: Mapping[str, Any] | None = None,
+  tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
   """vLLM prompt dicts (text and token ids) of checked conversations.
+
+  `tools` (OpenAI's ``{"type": "function", "function": {...}}`` list) are passed to the
+  template, which writes them into the prompt as the model was trained to read them (a template
+  that ignores `tools` leaves them out).
 
   Raises:
     ValueError: for both `add_generation_prompt` and `continue_final_message`, reserved or
@@ -125,6 +164,7 @@ def render_prompts(
         add_generation_prompt,
         chat_template=chat_template,
         continue_final_message=continue_final_message,
+        tools=tools or None,
         **kwargs,
       )
     except Exception as error:  # jinja2's errors and the template's own raise_exception

@@ -350,6 +350,7 @@ class LLM:
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
   ) -> list[RequestOutput]:
     """Generates replies to one conversation or a list of them, using the model's chat template.
 
@@ -366,6 +367,9 @@ class LLM:
       chat_template_kwargs: more template variables (e.g. `{"enable_thinking": False}` for
         Qwen3).
       lora_request: as in `generate` (one per conversation when a list).
+      tools: OpenAI's tool list (``[{"type": "function", "function": {"name", "parameters"}}]``),
+        passed to the chat template, which writes them into the prompt (vLLM's `tools`);
+        assistant messages with `tool_calls` and `tool` messages render too.
 
     Returns:
       One `RequestOutput` per conversation.
@@ -385,6 +389,7 @@ class LLM:
       continue_final_message=continue_final_message,
       chat_template=chat_template,
       chat_template_kwargs=chat_template_kwargs,
+      tools=tools,
     )
     return self.generate(
       cast(list[Prompt], prompts), sampling_params, use_tqdm=use_tqdm, lora_request=lora_request

@@ -19,14 +19,17 @@ a prompt plus `max_tokens` past `max_model_len`,
 `stream_options` without `stream`, `prompt_logprobs` with `stream`, a `best_of` other than `n`,
 an invalid output constraint (named as sent: `response_format`, `guided_json`, ...), a field
 this server does not implement set to change the output: `use_beam_search` true, a non-empty
-`suffix`, `tools` unless `tool_choice` is "none", `functions` unless `function_call` is "none"),
+`suffix`, `functions` unless `function_call` is "none"; `tools` with `tool_choice` "auto" without
+`enable_auto_tool_choice`, a `tool_choice` naming a function not in `tools`),
 an unknown model a 404, and a missing or wrong API key (with `api_key` set) a 401 on `/v1/*`,
 `/tokenize` and `/detokenize`. Fields the server does not know are ignored (vLLM's behaviour),
 with one warning per request naming them. vLLM's `guided_json`, `guided_regex`, `guided_choice`
 and `guided_grammar` are `structured_outputs`' `json`, `regex`, `choice`, `grammar`;
 `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: `max_model_len`); chat `echo`
-starts the reply with the last message when it has the reply's role. With `tool_choice` "none"
-the tools are left out of the prompt. A client that
+starts the reply with the last message when it has the reply's role. Tools are rendered by the
+chat template (not with `tool_choice` "none"); tool calls are read by the `tool_call_parser`
+("auto") or forced by structured outputs ("required", a named function: `tool_choice.py`), the
+reasoning split off by the `reasoning_parser` (`chat_output.py`). A client that
 disconnects aborts its requests (streamed or not): their rows are freed at the next step
 boundary. An error while serving one request fails that request alone.
 
@@ -58,6 +61,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from jaxengine.entrypoints.async_llm import AsyncLLM
+from jaxengine.entrypoints.chat_output import ChatParserOptions
 from jaxengine.entrypoints.metrics import ServerMetrics
 from jaxengine.entrypoints.protocol import (
   ChatCompletionRequest,
@@ -141,14 +145,16 @@ class Serving:
   tokenization: OpenAIServingTokenization
 
   @classmethod
-  def create(cls, engine: AsyncLLM, served_model_name: str) -> Serving:
+  def create(cls, engine: AsyncLLM, served_model_name: str,
+             parsers: ChatParserOptions | None = None) -> Serving:  # fmt: skip
+    """The serving of `engine`; `parsers`: the chat's tool and reasoning options."""
     models = OpenAIServingModels(engine, served_model_name)
     return cls(
       engine=engine,
       models=models,
       metrics=ServerMetrics(served_model_name, engine.engine),
       completion=OpenAIServingCompletion(engine, models),
-      chat=OpenAIServingChat(engine, models),
+      chat=OpenAIServingChat(engine, models, parsers),
       tokenization=OpenAIServingTokenization(engine, models),
     )
 
@@ -158,6 +164,10 @@ def build_app(
   served_model_name: str,
   api_key: str | None = None,
   lora_modules: Mapping[str, str] | Iterable[LoRAModulePath] | None = None,
+  *,
+  enable_auto_tool_choice: bool = False,
+  tool_call_parser: str | None = None,
+  reasoning_parser: str | None = None,
 ) -> FastAPI:
   """The FastAPI app serving `engine` as the model `served_model_name`.
 
@@ -170,13 +180,25 @@ def build_app(
       ``{name: PEFT directory}`` or `LoRAModulePath`s (``--lora-modules``; a `base_model_name`
       is the adapter's `parent` in `/v1/models`): a request's `model` picks one by name;
       `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` add and remove adapters at run time.
+    enable_auto_tool_choice: `tool_choice` "auto" (the default with `tools`) is allowed: the
+      model may call tools, which `tool_call_parser` reads from its output (vLLM's
+      ``--enable-auto-tool-choice``). Without it "auto" with tools is a 400.
+    tool_call_parser: the tool-call format, one of `tool_parsers.TOOL_PARSERS` ("hermes",
+      "llama3_json", "qwen3_coder"), or None.
+    reasoning_parser: the reasoning format, one of `reasoning_parsers.REASONING_PARSERS`
+      ("deepseek_r1", "qwen3"), or None: choices get `reasoning_content`.
 
   Raises:
-    ValueError: a LoRA module without `enable_lora`, named twice or as the base model, or a
-      directory `jaxengine.lora.load_peft_adapter` refuses.
+    ValueError: an unknown `tool_call_parser` or `reasoning_parser` (listing the known ones),
+      `enable_auto_tool_choice` without a `tool_call_parser`, a LoRA module without
+      `enable_lora`, named twice or as the base model, or a directory
+      `jaxengine.lora.load_peft_adapter` refuses.
   """
+  parsers = ChatParserOptions.from_names(
+    enable_auto_tool_choice, tool_call_parser, reasoning_parser
+  )
   app = FastAPI(title="jaxengine", docs_url=None, redoc_url=None)
-  serving = Serving.create(engine, served_model_name)
+  serving = Serving.create(engine, served_model_name, parsers)
   modules = lora_modules or ()
   for module in modules.items() if isinstance(modules, Mapping) else modules:
     serving.models.add_lora(*module)

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxengine.entrypoints.tool_choice import (
+  ToolChoiceError,
+  effective_tool_choice,
+  tool_call_constraint,
+)
 from jaxengine.params import SamplingParams, StructuredOutputsParams
 
 
@@ -363,19 +369,11 @@ class ChatCompletionRequest(SamplingRequest):
     return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
   def check_supported(self) -> None:
-    """As the base's, and tool or function calling is refused: `tools` unless `tool_choice` is
-    "none" (the tools are then left out of the prompt), a `tool_choice` that asks for a call,
-    `functions` unless `function_call` is "none", a `function_call` naming a function."""
+    """As the base's; `tools` and `tool_choice` are checked against each other
+    (`tool_choice.effective_tool_choice`); `functions` unless `function_call` is "none", and a
+    `function_call` naming a function, are refused (the older function calling: use tools)."""
     super().check_supported()
-    if self.tool_choice not in (None, "none", "auto"):
-      raise RequestError(
-        f"tool_choice={self.tool_choice!r} is not supported (no tool calling)", "tool_choice"
-      )
-    if self.tools and self.tool_choice != "none":
-      raise RequestError(
-        'tools are not supported (no tool calling): leave them out or set tool_choice to "none"',
-        "tool_choice" if self.tool_choice is not None else "tools",
-      )
+    self.effective_tool_choice()
     if self.function_call not in (None, "none", "auto"):
       raise RequestError(
         f"function_call={self.function_call!r} is not supported (no function calling)",
@@ -384,9 +382,40 @@ class ChatCompletionRequest(SamplingRequest):
     if self.functions and self.function_call != "none":
       raise RequestError(
         "functions are not supported (no function calling): leave them out or set "
-        'function_call to "none"',
+        'function_call to "none", or use tools',
         "functions",
       )
+
+  def effective_tool_choice(self) -> str | Mapping[str, Any]:
+    """`tool_choice`, "auto" when absent with `tools` ("none" without).
+
+    Raises:
+      RequestError: naming `tool_choice` or `tools` (`tool_choice.effective_tool_choice`).
+    """
+    try:
+      return effective_tool_choice(self.tools, self.tool_choice)
+    except ToolChoiceError as error:
+      raise RequestError(str(error), error.param) from None
+
+  def _structured_outputs(self) -> StructuredOutputsParams | None:
+    """As the base's, or the constraint that forces the call(s) of `tool_choice` "required" or
+    a named function, which may not be combined with another."""
+    forced = tool_call_constraint(self.tools, self.effective_tool_choice())
+    if forced is None:
+      return super()._structured_outputs()
+    if fields := self.constraint_fields():
+      raise RequestError(
+        f"tool_choice={self.tool_choice!r} constrains the output itself: it cannot be combined "
+        f"with {fields}",
+        "tool_choice",
+      )
+    return forced
+
+  def constraint_source(self) -> str | None:
+    """As the base's, "tool_choice" when it forces a call."""
+    if tool_call_constraint(self.tools, self.effective_tool_choice()) is not None:
+      return "tool_choice"
+    return super().constraint_source()
 
   def max_tokens_field(self) -> str:
     return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

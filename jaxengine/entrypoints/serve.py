@@ -32,6 +32,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
   """Adds MODEL (positional, optional; the same as --model) and the server's flags."""
+  from jaxengine.entrypoints.reasoning_parsers import REASONING_PARSERS  # plain Python modules
+  from jaxengine.entrypoints.tool_parsers import TOOL_PARSERS
+
   parser.add_argument(
     "model_tag", nargs="?", metavar="MODEL", default=None, help="as --model (vLLM's positional)"
   )
@@ -58,6 +61,25 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     'NAME=PATH, or vLLM\'s JSON \'{"name": NAME, "path": PATH, "base_model_name": BASE}\' '
     "(base_model_name optional: the adapter's parent in /v1/models)",
   )
+  tools = parser.add_argument_group("tool calling and reasoning (vLLM's flags)")
+  tools.add_argument(
+    "--enable-auto-tool-choice",
+    action="store_true",
+    help='allow tool_choice "auto" (the default with tools): the model may call tools, read '
+    "from its output by --tool-call-parser",
+  )
+  tools.add_argument(
+    "--tool-call-parser",
+    default=None,
+    choices=sorted(TOOL_PARSERS),
+    help="the format the model writes tool calls in",
+  )
+  tools.add_argument(
+    "--reasoning-parser",
+    default=None,
+    choices=sorted(REASONING_PARSERS),
+    help="the format of the model's reasoning, returned as message.reasoning_content",
+  )
   group.add_argument(
     "--uvicorn-log-level",
     default="info",
@@ -69,9 +91,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 def run_server(args: argparse.Namespace) -> int:
   """Loads the model and compiles its steps (`load_engine`), then serves it until interrupted;
   returns the exit status (1: the model file is missing, 2: bad engine settings)."""
+  from jaxengine.entrypoints.chat_output import ChatParserOptions
   from jaxengine.entrypoints.openai_server import build_app
 
   model = args.model_tag or args.model
+  parsers = (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+  try:
+    ChatParserOptions.from_names(*parsers)  # refused before the model loads
+  except ValueError as error:
+    print(f"jaxengine: {error}")
+    return 2
   try:
     engine = load_engine(args)
   except FileNotFoundError as error:
@@ -84,7 +113,9 @@ def run_server(args: argparse.Namespace) -> int:
   api_key = args.api_key or os.environ.get("JAXENGINE_API_KEY") or None
   try:
     try:
-      app = build_app(engine, name, api_key, args.lora_modules or ())
+      app = build_app(engine, name, api_key, args.lora_modules or (),
+                      enable_auto_tool_choice=parsers[0], tool_call_parser=parsers[1],
+                      reasoning_parser=parsers[2])  # fmt: skip
     except ValueError as error:
       print(f"jaxengine: --lora-modules: {error}")
       return 2

@@ -109,7 +109,8 @@ class OpenAIServing:
     return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
 
   def render_chat(self, body: ChatCompletionRequest) -> dict:
-    """The request's messages rendered with the chat template: a prompt dict with its token ids.
+    """The request's messages rendered with the chat template, its `tools` too (unless
+    `tool_choice` is "none"): a prompt dict with its token ids.
 
     Raises:
       RequestError: naming `messages`, for a model without a tokenizer, no messages, or messages
@@ -128,6 +129,7 @@ class OpenAIServing:
         continue_final_message=body.continue_final_message,
         chat_template=body.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
+        tools=None if body.effective_tool_choice() == "none" else body.tools,
       )[0]
     except ValueError as error:
       raise RequestError(str(error), "messages") from None

@@ -304,6 +304,9 @@ def test_chat_takes_text_parts_and_template_options(chat_llm):
     chat([user], chat_template_kwargs={"tokenize": True})
   with pytest.raises(ValueError, match="conversation 0: the chat template failed"):
     chat([user], chat_template="{{ raise_exception('roles must alternate') }}")
+  tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+  listed = "{% for t in tools %}{{ t.function.name }};{% endfor %}" + template
+  assert chat([user], chat_template=listed, tools=tools) == "get_weather;[user:Hi]"
 
 
 def test_clone_is_a_deep_copy_as_vllms():

@@ -530,10 +530,14 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
   ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search",
    "beam search"),
   ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix", "suffix"),
+  # tools: "auto" (their default) needs --enable-auto-tool-choice; a call forced needs its tool
   ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function":
-   {"name": "f"}}]}, 400, "tools", "tool calling"),
+   {"name": "f"}}]}, 400, "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice'),
   ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice",
-   "tool calling"),
+   "needs tools"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function":
+   {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+   "tool_choice", "'g', which is not one of the tools ['f']"),
   ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions",
    "function calling"),
   ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400,
@@ -626,6 +630,132 @@ def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, c
   assert response.choices[0].finish_reason is not None
   warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
   assert warnings == ["/v1/completions: ignoring unknown fields ['frobnicate', 'zap']"]
+
+
+#: A tool whose one parameter takes two values (short constrained outputs for the tiny model).
+TOOL = {"type": "function", "function": {"name": "w", "parameters": {
+  "type": "object", "properties": {"c": {"enum": ["P", "L"]}}, "required": ["c"],
+  "additionalProperties": False}}}  # fmt: skip
+#: The model constrained to reason, say "ok" and call TOOL in the hermes format.
+THINK_AND_CALL = (
+  r'<think>[a-z]{1,4}</think>ok<tool_call>\{"name":"w","arguments":\{"c":"(P|L)"\}\}</tool_call>'
+)
+
+
+def _chat_through(app, requests):
+  """Each of `requests` (keyword dicts) sent to `app` in-process by the async openai client:
+  its non-streamed response and its streamed chunks."""
+
+  async def main():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http:
+      client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http)
+      out = []
+      for kwargs in requests:
+        response = await client.chat.completions.create(model=MODEL, **kwargs)
+        stream = await client.chat.completions.create(model=MODEL, stream=True, **kwargs)
+        out.append((response, [chunk async for chunk in stream]))
+      return out
+
+  return asyncio.run(main())
+
+
+def _streamed_message(chunks):
+  """The streamed choice's message (content, reasoning_content, tool calls by index) and its
+  finish_reason, as a client accumulates them."""
+  content, reasoning, calls = "", "", {}
+  for chunk in chunks:
+    delta = chunk.choices[0].delta
+    content += delta.content or ""
+    reasoning += getattr(delta, "reasoning_content", None) or ""
+    for call in delta.tool_calls or ():
+      if call.index not in calls:  # the first delta of a call: its id and name
+        assert call.id.startswith("chatcmpl-tool-") and call.function.name
+        calls[call.index] = [call.function.name, call.function.arguments]
+      else:
+        assert call.id is None and call.function.name is None
+        calls[call.index][1] += call.function.arguments
+  return (
+    content or None,
+    reasoning or None,
+    [calls[i] for i in sorted(calls)],
+    [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason],
+  )
+
+
+def _message(response):
+  message = response.choices[0].message
+  calls = [[c.function.name, c.function.arguments] for c in message.tool_calls or ()]
+  reasoning = getattr(message, "reasoning_content", None)
+  return message.content, reasoning, calls, [response.choices[0].finish_reason]
+
+
+def test_a_tool_call_and_reasoning_parsed_from_text_the_model_was_constrained_to_write(server):
+  """A second app on the module's engine, with vLLM's --enable-auto-tool-choice
+  --tool-call-parser hermes --reasoning-parser qwen3: the model is constrained (a regex) to
+  write a reasoning block, content and a hermes call; the openai client reads them as
+  reasoning_content, content and tool_calls, streamed and not."""
+  app = build_app(server["engine"], MODEL, enable_auto_tool_choice=True,
+                  tool_call_parser="hermes", reasoning_parser="qwen3")  # fmt: skip
+  request = {"messages": MESSAGES, "tools": [TOOL], "max_tokens": 90, "temperature": 0,
+             "extra_body": {"structured_outputs": {"regex": THINK_AND_CALL}}}  # fmt: skip
+  plain = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+  (response, chunks), (plain_response, plain_chunks) = _chat_through(app, [request, plain])
+  content, reasoning, calls, finish = _message(response)
+  assert re.fullmatch("[a-z]{1,4}", reasoning) and content == "ok"
+  assert [name for name, _ in calls] == ["w"] and json.loads(calls[0][1])["c"] in ("P", "L")
+  assert response.choices[0].message.tool_calls[0].id.startswith("chatcmpl-tool-")
+  assert finish == ["tool_calls"]
+  assert _streamed_message(chunks) == (content, reasoning, calls, finish)
+  fragments = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+  assert fragments[0].choices[0].delta.tool_calls[0].function.arguments == ""
+  assert len(fragments) > 5  # the arguments came in pieces after the name
+  # without a think block: all content, no reasoning (qwen3)
+  assert _message(plain_response)[1] is None
+  assert _streamed_message(plain_chunks)[:2] == _message(plain_response)[:2]
+
+
+def test_tool_choice_required_and_named_force_valid_calls(server):
+  """No tool parser needed: the output is constrained to the call(s)' JSON schema."""
+  app = build_app(server["engine"], MODEL)
+  named = {"type": "function", "function": {"name": "w"}}
+  base = {"messages": MESSAGES, "tools": [TOOL], "max_tokens": 90, "temperature": 0}
+  (required, required_chunks), (forced, forced_chunks) = _chat_through(
+    app, [{**base, "tool_choice": "required"}, {**base, "tool_choice": named}]
+  )
+  content, _, calls, finish = _message(required)
+  assert content is None and finish == ["tool_calls"] and calls
+  assert all(name == "w" and json.loads(args)["c"] in ("P", "L") for name, args in calls)
+  assert _streamed_message(required_chunks)[2:] == (calls, finish)
+  content, _, calls, finish = _message(forced)
+  assert content is None and [name for name, _ in calls] == ["w"]
+  assert json.loads(calls[0][1])["c"] in ("P", "L") and finish == ["stop"]  # OpenAI's
+  assert _streamed_message(forced_chunks)[2:] == (calls, finish)
+
+
+def test_tools_and_tool_messages_reach_the_chat_template(server, client):
+  """The prompt (one token per byte) holds what the request's template writes of the tools
+  and of an assistant's call and its tool result; "none" leaves the tools out."""
+  template = (
+    "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.c }}>"
+    "{% endfor %}|{% endfor %}"
+  )
+  messages = [
+    *MESSAGES,
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+     "function": {"name": "w", "arguments": '{"c": "P"}'}}]},
+    {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+  ]  # fmt: skip
+  expected = "[w]user:Say hi.|assistant:<w P>|tool:sunny|"
+  for choice, prompt in (({"type": "function", "function": {"name": "w"}}, expected),
+                         ("none", expected.removeprefix("[w]"))):  # fmt: skip
+    response = client.chat.completions.create(
+      model=MODEL, messages=messages, tools=[TOOL], tool_choice=choice, max_tokens=12,
+      temperature=0, extra_body={"chat_template": template},
+    )  # fmt: skip
+    assert response.usage.prompt_tokens == len(prompt)
 
 
 def test_an_error_in_one_request_fails_it_alone(server, monkeypatch):

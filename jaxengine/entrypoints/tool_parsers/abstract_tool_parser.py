@@ -1,0 +1,116 @@
+"""What every tool-call parser gives: the text outside the calls and the calls themselves, read
+from a model's output or from a prefix of it (streaming).
+
+A parser reads the whole text generated so far each time (`ToolParser.parse`); a reading of a
+prefix never contradicts a reading of the whole: its content is a prefix of the whole's content,
+its calls are the first calls of the whole, each named as there (once named) and with arguments
+that are a prefix of the whole's. `jaxengine/entrypoints/chat_output.py` streams the
+differences between successive readings as OpenAI's deltas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedCall:
+  """One tool call read from the output.
+
+  Attributes:
+    name: the function's name, None until the text has named it.
+    arguments: the arguments' JSON text so far (all of it once `complete`).
+    complete: the call's text has ended.
+  """
+
+  name: str | None
+  arguments: str
+  complete: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedToolCalls:
+  """A reading of a model's output.
+
+  Attributes:
+    content: the text outside the calls (so far: text that could still open a call is held
+      back until it is known not to).
+    calls: the calls, in order.
+  """
+
+  content: str
+  calls: list[ParsedCall]
+
+
+class MalformedToolCall(ValueError):
+  """The text of a call is not the parser's format (a name missing, JSON that does not parse)."""
+
+
+class ToolParser:
+  """A tool-call format (vLLM's `ToolParser`): subclasses implement `parse`.
+
+  Args:
+    tools: the request's `tools` (OpenAI's ``{"type": "function", "function": {"name",
+      "parameters"}}``), for formats whose argument values are typed by the schema.
+  """
+
+  def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+    self.tools = list(tools or ())
+
+  def parse(self, text: str, final: bool) -> ParsedToolCalls:
+    """Reads `text`, the output so far (`final`: all of it).
+
+    Raises:
+      MalformedToolCall: for a call the format cannot read.
+    """
+    raise NotImplementedError
+
+  def extract_tool_calls(self, text: str) -> ParsedToolCalls:
+    """The whole output's calls (vLLM's name): all of them complete, named, with arguments that
+    are JSON; an output with a call that is not is all content, with no calls (as vLLM)."""
+    try:
+      parsed = self.parse(text, final=True)
+    except MalformedToolCall:
+      return ParsedToolCalls(text, [])
+    for call in parsed.calls:
+      if not call.complete or call.name is None or not _is_json(call.arguments):
+        return ParsedToolCalls(text, [])
+    return parsed
+
+  def parameter_schema(self, function_name: str) -> Mapping[str, Any]:
+    """The `parameters` JSON schema of the request's tool of that name ({} if none)."""
+    for tool in self.tools:
+      function = tool.get("function") or {}
+      if function.get("name") == function_name:
+        return function.get("parameters") or {}
+    return {}
+
+
+def _is_json(text: str) -> bool:
+  try:
+    json.loads(text)
+  except ValueError:
+    return False
+  return True
+
+
+def held_back(text: str, *tags: str) -> str:
+  """`text` without a last part that could be the start of one of `tags` (streaming holds it
+  back until the next text says whether a tag opens there)."""
+  cut = len(text)
+  for tag in tags:
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+      if text.endswith(tag[:size]):
+        cut = min(cut, len(text) - size)
+        break
+  return text[:cut]
+
+
+def content_of(parts: Sequence[str]) -> str:
+  """The content around the calls: `parts[0]` is the text before the first call, the others
+  the text after each call, which counts only once it is more than whitespace (a newline
+  between calls is no content). A prefix of the output gives a prefix of this."""
+  return "".join(part for index, part in enumerate(parts) if index == 0 or part.strip())
