@@ -865,7 +865,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, monkey
     return real_step()
 
   monkeypatch.setattr(engine.engine, "step", step)
-  params = je.SamplingParams(max_tokens=3)
+  params = je.SamplingParams(max_tokens=3, ignore_eos=True)
 
   async def main():
     with pytest.raises(RuntimeError, match="injected step failure"):
