@@ -76,7 +76,8 @@ class TunixWeightSync:
     self, prompts: Sequence[Any], params: Sequence[SamplingParams]
   ) -> list[RequestOutput]:
     """Each prompt's final `RequestOutput` (with `lora_request`), stepping the engine one step
-    at a time with the other threads' calls; waits while generation is paused.
+    at a time with the other threads' calls; waits while generation is paused. A request's own
+    `max_staleness` wins over the rollout's.
 
     Raises:
       ValueError: a request the engine refuses, or a `max_staleness` that is not None or an
@@ -85,7 +86,7 @@ class TunixWeightSync:
     engine = self.llm.llm_engine
     final = RequestOutputKind.FINAL_ONLY
     specs = [
-      (None, prompt, p.replace(output_kind=final, max_staleness=self.max_staleness),
+      (None, prompt, p.replace(output_kind=final, max_staleness=_bound(p, self.max_staleness)),
        self.lora_request)
       for prompt, p in zip(prompts, params, strict=True)
     ]  # fmt: skip
@@ -285,3 +286,8 @@ class TunixWeightSync:
     if not all(getattr(leaf, "committed", False) for leaf in leaves.values()):
       return None
     return {path: leaf.sharding for path, leaf in leaves.items()}
+
+
+def _bound(params: SamplingParams, default: int | None) -> int | None:
+  """A request's staleness bound: its own `max_staleness`, else the rollout's."""
+  return default if params.max_staleness is None else params.max_staleness
