@@ -161,6 +161,10 @@ class SamplingParams:
       (CUMULATIVE, the default; DELTA; FINAL_ONLY). `AsyncLLM.generate` streams accordingly;
       `LLMEngine.step` honours CUMULATIVE and FINAL_ONLY and `LLMEngine.add_request` refuses
       DELTA; `LLM.generate` returns final outputs whatever the kind (as vLLM).
+    max_staleness: asynchronous RL's staleness bound (no vLLM field): None (default) disables
+      it; K >= 0 aborts the request (finish_reason "abort", with the tokens it had) when a
+      weight load or `resume_generation` finds its oldest generated token K + 1 or more weight
+      versions behind the engine's (`jaxengine/engine/pause.py`).
 
   Raises:
     ValueError: On construction (and when the engine takes its copy), for any out-of-range
@@ -192,6 +196,7 @@ class SamplingParams:
   extra_args: dict | None = None
   structured_outputs: StructuredOutputsParams | None = None
   output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+  max_staleness: int | None = None
 
   def __post_init__(self):
     set_ = lambda name, value: setattr(self, name, value)
@@ -315,6 +320,9 @@ class SamplingParams:
       raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
     if not isinstance(self.output_kind, RequestOutputKind):
       raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+    staleness = self.max_staleness
+    if staleness is not None and (not is_int(staleness) or staleness < 0):
+      raise ValueError(f"max_staleness must be None or an int >= 0, got {staleness!r}")
     if so is not None and self.min_tokens > 0:
       raise ValueError(
         f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: a finished "

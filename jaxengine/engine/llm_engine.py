@@ -353,8 +353,8 @@ class LLMEngine(PausableEngine):
 
   def load_weights(self, weights, weight_version: int | None = None) -> None:
     """New model weights in every core, no recompilation: see `ModelRunner.load_weights`. Also
-    while paused (`pause_generation`). Tokens of steps dispatched after it are stamped with
-    `weight_version` (default: the current version + 1) in `CompletionOutput.weight_versions`.
+    while paused. Tokens of steps dispatched after it carry `weight_version` (default: the current
+    + 1; `CompletionOutput.weight_versions`); requests past `max_staleness` end (`pause.py`).
     After `sleep(level=2)` and `wake_up`, every weight must be given; while the weights sleep
     (either level, before `wake_up`) it is refused (level 1's host copy is not updated).
 
@@ -485,10 +485,10 @@ class LLMEngine(PausableEngine):
     finish, then the stop rules.
 
     Returns:
-      A cumulative `RequestOutput` per request advanced in the steps read (FINAL_ONLY: finished).
-      A request returned finished is forgotten, as in vLLM: its id may be added again.
+      A cumulative `RequestOutput` per request advanced in the steps read (FINAL_ONLY: finished),
+      those `max_staleness` dropped first. One returned finished is forgotten (vLLM's way).
     """
-    outputs = latest_outputs([output for core in self.cores for output in core.step()])
+    outputs = latest_outputs(self.take_dropped() + [o for core in self.cores for o in core.step()])
     final = RequestOutputKind.FINAL_ONLY
     shown = [o for o in outputs if o.finished or self._kind(o) is not final]
     for request_id in [o.request_id for o in shown if o.finished]:  # forgotten (vLLM's)

@@ -20,6 +20,14 @@ already in the engine:
 
 `load_weights` may run while paused (nothing compiles); each core stamps the tokens of a step
 with the weight version of its dispatch (`CompletionOutput.weight_versions`).
+
+The staleness bound of asynchronous GRPO (`SamplingParams.max_staleness`, K): whenever the version
+changes (`load_weights`) and at `resume_generation`, a request whose oldest generated token (read,
+or still on the device in the step in flight) is more than K versions behind the engine's current
+version is aborted, on the host: finish reason "abort", with the tokens and logprobs it had (a
+completion of the request that had finished keeps its own finish reason). The engine forgets it;
+its final output comes out of the next `step` (`AsyncLLM` streams it at once). A request with no
+token yet is never stale: its first token will carry the current version.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import TYPE_CHECKING
 from jaxengine.params import is_int
 
 if TYPE_CHECKING:  # light at import: `AsyncLLM` checks a mode before the engine loads
-  from jaxengine.core.request import Request
+  from jaxengine.core.request import Completion, Request
   from jaxengine.engine.engine_core import EngineCore
   from jaxengine.outputs import RequestOutput
 
@@ -62,10 +70,12 @@ def check_weight_version(weight_version: object) -> int:
 
 @dataclasses.dataclass
 class PauseState:
-  """An engine's pause: whether new requests are held, and those held so far (arrival order)."""
+  """An engine's pause: whether new requests are held, and those held so far (arrival order);
+  and the final outputs of the requests the staleness bound dropped, for the next `step`."""
 
   holding: bool = False
   held: list[Request] = dataclasses.field(default_factory=list)
+  dropped: list[RequestOutput] = dataclasses.field(default_factory=list)
 
 
 class PausableEngine:
@@ -131,20 +141,46 @@ class PausableEngine:
   def _abort_all(self) -> list[RequestOutput]:
     """Aborts every request in the cores (not the held ones); their final outputs."""
     held = {r.request_id for r in self._pause.held}
-    aborted = [r for r in self._requests.values() if r.request_id not in held and not r.finished]
-    ids = {r.request_id for r in aborted}
+    return self._abort_requests(
+      [r for r in self._requests.values() if r.request_id not in held and not r.finished]
+    )
+
+  def _abort_requests(self, requests: list[Request]) -> list[RequestOutput]:
+    """Aborts `requests` and forgets them: every completion not finished ends with finish reason
+    "abort" (a running one through `EngineCore.abort`, a waiting one taken off its queue);
+    their final outputs."""
+    ids = {r.request_id for r in requests}
     for core in self.cores:
       core.abort(ids)
-    for request in aborted:
+    for request in requests:
+      for completion in request.completions:
+        completion.finish_reason = completion.finish_reason or "abort"
       del self._requests[request.request_id]
-    return [r.output() for r in aborted]
+    return [r.output() for r in requests]
+
+  def _drop_stale(self) -> None:
+    """Aborts every request past its `max_staleness` (see the module); their final outputs
+    wait for `take_dropped`."""
+    current = self.weight_version
+    in_flight = [core._in_flight.weight_version for core in self.cores if core._in_flight]
+    stale = [r for r in self._requests.values() if _is_stale(r, current, in_flight)]
+    if stale:
+      self._pause.dropped += self._abort_requests(stale)
+
+  def take_dropped(self) -> list[RequestOutput]:
+    """The final outputs of the requests the staleness bound dropped since the last call (each
+    finished, finish reason "abort"); `step` returns them first."""
+    dropped, self._pause.dropped = self._pause.dropped, []
+    return dropped
 
   def resume_generation(self) -> None:
-    """Ends a pause (vLLM's name): the kept requests go on and the held ones (those not aborted
+    """Ends a pause (vLLM's name): the kept requests go on (those past their `max_staleness`
+    aborted first, their outputs for the next `step`) and the held ones (those not aborted
     meanwhile) are queued, in the order they came. Harmless when not paused."""
     self._pause.holding = False
     for core in self.cores:
       core.paused = False
+    self._drop_stale()
     held, self._pause.held = self._pause.held, []
     for request in held:
       if self._requests.get(request.request_id) is request:  # not aborted while held
@@ -159,9 +195,11 @@ class PausableEngine:
     return any(core.paused for core in self.cores)
 
   def set_weight_version(self, weight_version: int) -> None:
-    """Stamps the tokens of steps dispatched from now with `weight_version` (every core)."""
+    """Stamps the tokens of steps dispatched from now with `weight_version` (every core), then
+    aborts the requests it leaves past their `max_staleness` (their outputs: `take_dropped`)."""
     for core in self.cores:
       core.weight_version = weight_version
+    self._drop_stale()
 
   @property
   def weight_version(self) -> int:
@@ -177,3 +215,23 @@ class PausableEngine:
     return check_weight_version(
       self.weight_version + 1 if weight_version is None else weight_version
     )
+
+
+def _is_stale(request: Request, current: int, in_flight: list[int]) -> bool:
+  """Whether `request` has a `max_staleness` K and an unfinished completion whose oldest token
+  is more than K versions behind `current`."""
+  bound = request.params.max_staleness
+  if bound is None:
+    return False
+  oldest = [_oldest_version(c, in_flight) for c in request.completions]
+  return any(version is not None and current - version > bound for version in oldest)
+
+
+def _oldest_version(completion: Completion, in_flight: list[int]) -> int | None:
+  """The weight version of an unfinished completion's first token: read, or (none read yet) in
+  the step in flight; None when it has none (or has finished)."""
+  if completion.finish_reason is not None:
+    return None
+  if completion.weight_versions:
+    return completion.weight_versions[0]
+  return min(in_flight) if completion.num_output_placeholders and in_flight else None

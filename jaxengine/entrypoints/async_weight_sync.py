@@ -61,13 +61,14 @@ class AsyncWeightSync:
     await self._call(lambda: self._publish(self.engine.pause_generation(mode)))
 
   async def resume_generation(self) -> None:
-    """Ends a pause (vLLM's name): kept requests go on, held ones start. Harmless when not
-    paused.
+    """Ends a pause (vLLM's name): kept requests go on (those past their
+    `SamplingParams.max_staleness` end first, their streams' last output finished with finish
+    reason "abort"), held ones start. Harmless when not paused.
 
     Raises:
       EngineDeadError: the engine thread has stopped.
     """
-    await self._call(self.engine.resume_generation)
+    await self._call(lambda: self._publish_dropped(self.engine.resume_generation))
 
   async def is_paused(self) -> bool:
     """Whether generation is paused (`LLMEngine.is_paused`), asked between steps."""
@@ -76,10 +77,19 @@ class AsyncWeightSync:
   async def load_weights(self, weights, weight_version: int | None = None) -> None:
     """New weights between steps, nothing compiled (`LLM.load_weights`); also while paused.
     Tokens generated with them carry `weight_version` (default: the current version + 1) in
-    `CompletionOutput.weight_versions`.
+    `CompletionOutput.weight_versions`; requests it leaves past their
+    `SamplingParams.max_staleness` end now (finish reason "abort", with the tokens they had).
 
     Raises:
       ValueError: as `LLM.load_weights` (nothing changes).
       EngineDeadError: the engine thread has stopped.
     """
-    await self._call(lambda: self.engine.load_weights(weights, weight_version))
+    await self._call(
+      lambda: self._publish_dropped(lambda: self.engine.load_weights(weights, weight_version))
+    )
+
+  def _publish_dropped(self, fn: Callable[[], None]) -> None:
+    """Runs `fn` on the engine thread, then streams the final outputs of the requests the
+    staleness bound dropped (`LLMEngine.take_dropped`), even while paused."""
+    fn()
+    self._publish(self.engine.take_dropped())

@@ -29,13 +29,13 @@ renormalise them), which is what its trainer recomputes (`compute_per_token_logp
 
 The class drives its siblings in `jaxengine.integrations`: `tunix_placement` (the engine's mesh
 and memory share), `tunix_sampling` (prompts and `RolloutConfig` as requests), `tunix_weights`
-(weight sync), `tunix_lora` (a LoRA actor) and `tunix_logprobs` (teacher-forced logprobs).
+(weight conversion), `tunix_weight_sync` (`update_params`, and the pause, update, resume of an
+asynchronous pipeline, with `generate` safe to call from several threads), `tunix_lora` (a LoRA
+actor) and `tunix_logprobs` (teacher-forced logprobs).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, cast
 
 import jax
@@ -77,10 +77,10 @@ from jaxengine.integrations.tunix_sampling import (
   sampling_params,
   tokenize_prompts,
 )
+from jaxengine.integrations.tunix_weight_sync import TunixWeightSync
 from jaxengine.integrations.tunix_weights import (
   EngineConfig,
   check_chunk_bytes,
-  check_tunix_params,
   config_from_tunix,
   engine_leaves,
   engine_module,
@@ -88,7 +88,7 @@ from jaxengine.integrations.tunix_weights import (
 )
 from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models.quantization import check_quantization
-from jaxengine.models.weights import abstract_module, replace_leaves, state_leaves
+from jaxengine.models.weights import abstract_module, replace_leaves
 
 __all__ = [
   "DEFAULT_NUM_DECODE_STEPS",
@@ -111,7 +111,7 @@ __all__ = [
 DEFAULT_NUM_DECODE_STEPS = 16
 
 
-class JaxEngineRollout(base_rollout.BaseRollout):
+class JaxEngineRollout(TunixWeightSync, base_rollout.BaseRollout):
   """Tunix rollout engine serving the actor through `jaxengine.LLM`.
 
   `RolloutConfig` fields used: `max_tokens_to_generate` (`max_tokens`), `temperature`, `top_p`,
@@ -262,6 +262,7 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     # The runner's own module structure (with `quantization`, its int8 / float8 values and
     # scales): what `completion_logprobs` merges the runner's weights into.
     self._graphdef = nnx.graphdef(self.llm.llm_engine.runner.model)
+    self._init_weight_sync()
     if lora:
       self.lora_request = LoRARequest("tunix_actor", 1, "<tunix rollout actor, in memory>")
       self.llm.load_lora_weights(self.lora_request, self._lora_adapter(lora))
@@ -271,7 +272,8 @@ class JaxEngineRollout(base_rollout.BaseRollout):
   def generate(
     self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs
   ) -> base_rollout.RolloutOutput:
-    """Samples a completion of each prompt with the engine.
+    """Samples a completion of each prompt with the engine (from any thread: calls share the
+    engine step by step; while generation is paused the call waits, `tunix_weight_sync`).
 
     Args:
       prompts: prompt strings (tokenized as `tokenize_prompts` does).
@@ -302,12 +304,9 @@ class JaxEngineRollout(base_rollout.BaseRollout):
     eos_ids = list(rollout_config.eos_tokens or [self.tokenizer.eos_id()])
     seeds = request_seeds(rollout_config.seed, len(prompts))
     params = [sampling_params(rollout_config, eos_ids, s) for s in seeds]
-    outputs = self.llm.generate(
-      [{"prompt_token_ids": ids.tolist()} for ids in padded.token_ids],
-      params,
-      use_tqdm=False,
-      lora_request=self.lora_request,
-    )
+    outputs = self.generate_outputs(
+      [{"prompt_token_ids": ids.tolist()} for ids in padded.token_ids], params
+    )  # one step at a time with the other threads' calls, waiting while paused
     tokens, logprobs = [], []
     for out in outputs:
       completion = out.outputs[0]
@@ -359,103 +358,6 @@ class JaxEngineRollout(base_rollout.BaseRollout):
       pad_id=int(self.pad_id()),
       lora_request=self.lora_request,
     )
-
-  def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
-    """Loads the trainer's weights into the engine; nothing recompiles.
-
-    Args:
-      params: the Tunix model's parameter state: ``nnx.state(actor, nnx.Param)`` (every weight;
-        on a qwix LoRA actor its `nnx.LoRAParam` leaves too, a subclass of `nnx.Param`), or
-        ``nnx.state(actor, nnx.LoRAParam)`` (the LoRA leaves alone: Tunix's sync after each step
-        of a LoRA actor, which replaces the adapter's values in place, read from memory); or
-        the engine model's own float state (as `model()` gives it; Tunix passes that when it
-        offloads). JAX arrays are converted where they live and placed as the engine's weights
-        are (LoRA pairs, small, are copied through the host). With `quantization` the float
-        weights are re-quantized on the way in (`LLM.load_weights`).
-      filter_types: Tunix's filter: ``(nnx.Param,)``, ``(nnx.LoRAParam,)`` or None.
-
-    Raises:
-      ValueError: (nothing changes) another filter type, LoRA parameters for a rollout built
-        without LoRA or of an unsupported name or shape (named), parameters that do not
-        match the model, or a quantized engine's own state (its values and scales).
-    """
-    lora_only = filter_types is not None and all(t is nnx.LoRAParam for t in filter_types)
-    if filter_types is not None and not lora_only and any(t is not nnx.Param for t in filter_types):
-      raise ValueError(f"filter_types={filter_types}: only nnx.Param or nnx.LoRAParam")
-    if isinstance(params, nnx.State) and self._is_engine_state(params):
-      with self._kv_cache_freed():
-        self.llm.load_weights(params)
-      return
-    if lora_only and self.lora_request is None:
-      raise ValueError(f"filter_types={filter_types}: this rollout was built without LoRA")
-    base, lora = split_lora_leaves(tunix_param_leaves(params))
-    if lora and self.lora_request is None:
-      raise ValueError(
-        f"LoRA parameter {next(iter(lora))!r}: this rollout was built from an actor without "
-        "LoRA (build it from the qwix LoRA model)"
-      )
-    if lora_only and base:
-      raise ValueError(
-        f"filter_types=(nnx.LoRAParam,) with a non-LoRA parameter {next(iter(base))!r}"
-      )
-    adapter = self._lora_adapter(lora) if lora else None  # checked before anything changes
-    if not lora_only:
-      check_tunix_params(base, self.config)  # on the host, before the KV cache is freed
-      with self._kv_cache_freed():
-        leaves = engine_leaves(
-          base,
-          self.config,
-          self.dtype,
-          self.device,
-          shardings=self._weight_shardings(),
-          chunk_bytes=self.reshard_chunk_bytes,
-        )
-        self.llm.load_weights(replace_leaves(self._float_weights, leaves))
-    if adapter is not None:
-      self.llm.load_lora_weights(cast(LoRARequest, self.lora_request), adapter)
-
-  def _is_engine_state(self, params: nnx.State) -> bool:
-    """Whether `params` is a state of the engine model's float layout (as `model()` gives it
-    without `quantization`), which `LLM.load_weights` takes as it is.
-
-    Raises:
-      ValueError: the state of a quantized engine's own layout (its int8 / float8 values and
-        scales: the runner re-quantizes float weights only).
-    """
-    paths = set(state_leaves(params))
-    if paths == set(state_leaves(self._float_weights)):
-      return True
-    runner = self.llm.llm_engine.runner
-    if runner.quantized and paths == set(state_leaves(runner.weights)):
-      raise ValueError(
-        f"update_params got the quantized engine's own state (quantization="
-        f"{self.llm.config.quantization!r}); pass the trainer's float parameters"
-      )
-    return False
-
-  @contextlib.contextmanager
-  def _kv_cache_freed(self) -> Iterator[None]:
-    """With `free_kv_cache_during_sync`, the engine's KV cache is freed inside (its bytes in
-    `kv_cache_bytes_freed`) and a fresh one of the same pages made after, even on an error
-    (`LLMEngine.free_kv_cache`, ``wake_up(tags=["kv_cache"])``: nothing compiles)."""
-    engine = self.llm.llm_engine
-    if not self.free_kv_cache_during_sync or engine.is_sleeping():
-      yield
-      return
-    self.kv_cache_bytes_freed = engine.free_kv_cache()
-    try:
-      yield
-    finally:
-      engine.wake_up(["kv_cache"])
-
-  def _weight_shardings(self) -> dict[Any, jax.sharding.Sharding] | None:
-    """The engine's weight shardings by leaf path (where a sync puts each converted leaf,
-    chunk by chunk), or None when the weights are not committed to a placement (an engine
-    without a mesh)."""
-    leaves = state_leaves(self.llm.llm_engine.runner.weights)
-    if not all(getattr(leaf, "committed", False) for leaf in leaves.values()):
-      return None
-    return {path: leaf.sharding for path, leaf in leaves.items()}
 
   def _lora_adapter(self, lora: dict[str, Any]) -> LoRAAdapter:
     """The engine adapter of qwix LoRA leaves, checked against the engine's slots (ValueError,

@@ -665,3 +665,74 @@ def test_grpo_trains_through_the_rollout(colocated):
   expected = trainer_logprobs(cluster.actor_trainer.model, prompt, completion, 0.7)
   np.testing.assert_allclose(after, expected, atol=1e-4)
   assert np.abs(after - before).max() > 1e-4
+
+
+def test_pause_update_resume_from_another_thread(served):
+  """Tunix's asynchronous pipeline: while a rollout runs in one thread, another pauses ("keep"),
+  syncs weights with a version and resumes: the tokens carry the version before then the synced one and
+  (same weights) equal an uninterrupted greedy run; with `max_staleness=0` the sync ends the
+  request, whose call returns its tokens while still paused. Bad input changes nothing; pausing
+  twice and resuming when not paused are harmless."""
+  import threading
+
+  import jaxengine as je
+
+  _, model, rollout = served
+  engine = rollout.llm.llm_engine
+  prompt = {"prompt_token_ids": [BOS, *range(10, 20)]}
+  params = je.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+  [want] = rollout.generate_outputs([prompt], [params])
+  weights = nnx.state(model, nnx.Param)
+  stepped = threading.Event()
+  real_step = engine.step
+
+  def step():
+    outputs = real_step()
+    stepped.set()
+    return outputs
+
+  def run_with_a_sync(version: int, wait_s: float) -> tuple[je.RequestOutput, bool]:
+    results = []
+    stepped.clear()
+    thread = threading.Thread(
+      target=lambda: results.append(rollout.generate_outputs([prompt], [params]))
+    )
+    thread.start()
+    stepped.wait(60)
+    rollout.pause_generation("keep")
+    rollout.pause()  # twice: harmless
+    assert rollout.is_paused()
+    with pytest.raises(ValueError, match="weight_version must be a non-negative int, got -1"):
+      rollout.update_params(weights, (nnx.Param,), weight_version=-1)
+    rollout.update_params(weights, (nnx.Param,), weight_version=version)
+    thread.join(wait_s)
+    returned_while_paused = not thread.is_alive()
+    rollout.resume_generation()
+    thread.join(60)
+    return results[0][0], returned_while_paused
+
+  rollout.resume()  # not paused: harmless
+  with pytest.raises(ValueError, match="mode must be one of"):
+    rollout.pause_generation("later")
+  assert not rollout.is_paused()
+  engine.step = step
+  try:
+    old = rollout.weight_version  # each earlier sync counted one
+    kept, returned = run_with_a_sync(old + 5, wait_s=0.2)
+    assert not returned and rollout.weight_version == old + 5
+    completion = kept.outputs[0]
+    assert completion.token_ids == want.outputs[0].token_ids
+    num_before = completion.weight_versions.count(old)
+    assert 0 < num_before < 40
+    assert completion.weight_versions[num_before:] == [old + 5] * (40 - num_before)
+    rollout.max_staleness = 0
+    dropped, returned = run_with_a_sync(old + 6, wait_s=30)
+    assert returned and dropped.outputs[0].finish_reason == "abort"
+    assert 0 < len(dropped.outputs[0].token_ids) < 40
+    rollout.max_staleness = -1
+    with pytest.raises(ValueError, match="max_staleness must be None or an int >= 0, got -1"):
+      rollout.generate_outputs([prompt], [params])
+  finally:
+    engine.step = real_step
+    rollout.max_staleness = None
+  assert not engine.has_unfinished_requests()
