@@ -1,9 +1,8 @@
 """`EngineCore`: one data-parallel group's scheduler, model runner and step loop (vLLM V1's
 `EngineCore`).
 
-A core owns a `Scheduler`, a `ModelRunner` (its persistent batch, its pool of KV-cache pages and
-its copy of the weights on its own devices), its grammar matchers and its n-gram drafter. One
-`step()`:
+A core owns a `Scheduler`, a `ModelRunner` (its persistent batch, KV-cache pages and weights on
+its own devices), its grammar matchers and its n-gram drafter. One `step()`:
 
   1. the scheduler chooses the step's tokens within its budget and the free pages: running
      completions' decodes and prefill chunks first, then waiting completions admitted into
@@ -21,12 +20,10 @@ its copy of the weights on its own devices), its grammar matchers and its n-gram
      of the scheduler, the batch and the grammar matchers (the next step condenses and admits
      more).
 
-With asynchronous scheduling (the default) steps 1-2 of the next step run before step 3 of the
-last one: `step()` dispatches step t + 1 while step t's tokens are still on the device, then reads
-step t (see `LLMEngine`, `async_scheduling`).
+With asynchronous scheduling (the default, `async_scheduling`) `step()` dispatches step t + 1
+(stages 1-2) while step t's tokens are still on the device, then reads step t (stage 3).
 
-`LLMEngine` holds one core per data-parallel group (one without data parallelism) and routes each
-request to one of them.
+`LLMEngine` holds one core per data-parallel group and routes each request to one of them.
 """
 
 from __future__ import annotations
@@ -134,15 +131,19 @@ class EngineCore:
   def check_fits(self, request: Request) -> None:
     """Refuses a request that could never fit in the pool of pages (ValueError)."""
     max_tokens = request.params.max_tokens
-    longest = len(request.prompt_token_ids) + (
-      self.max_model_len if max_tokens is None else max_tokens
-    )
+    generated = self.max_model_len if max_tokens is None else max_tokens
+    longest = len(request.prompt_token_ids) + generated
     self.kv_cache_manager.check_fits(min(longest, self.max_model_len))
 
   @property
   def num_unfinished(self) -> int:
     """Completions waiting or running here (the load `LLMEngine` balances)."""
     return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+  @property
+  def in_flight_weight_version(self) -> int | None:
+    """The weight version of the step in flight (asynchronous scheduling); None when none is."""
+    return self._in_flight.weight_version if self._in_flight else None
 
   def has_unfinished(self) -> bool:
     """Whether any completion is waiting or running here."""

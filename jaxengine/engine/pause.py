@@ -162,7 +162,7 @@ class PausableEngine:
     """Aborts every request past its `max_staleness` (see the module); their final outputs
     wait for `take_dropped`."""
     current = self.weight_version
-    in_flight = [core._in_flight.weight_version for core in self.cores if core._in_flight]
+    in_flight = [v for core in self.cores if (v := core.in_flight_weight_version) is not None]
     stale = [r for r in self._requests.values() if _is_stale(r, current, in_flight)]
     if stale:
       self._pause.dropped += self._abort_requests(stale)

@@ -53,7 +53,8 @@ class AsyncWeightSync:
     from jaxengine.engine.pause import check_pause_mode  # the engine's package loads with it
 
     check_pause_mode(mode)
-    if mode == "wait":
+    # Already frozen (a "keep" pause): kept requests cannot finish, and pausing again is harmless.
+    if mode == "wait" and not await self._call(self.engine.is_generation_frozen):
       await self._call(self.engine.hold_new_requests)
       future = asyncio.get_running_loop().create_future()
       self._commands.put(WhenIdle(asyncio.get_running_loop(), future))

@@ -134,7 +134,7 @@ def test_async_llm_streams_a_dropped_request_at_the_load_while_paused(llm):
   """`AsyncLLM`: a stream with K = 0 ends at a load while paused, before resume (its last output
   finished, finish reason "abort"); one without a bound goes on after resume; a bad
   `weight_version` is refused and changes nothing; pausing twice and resuming when not paused
-  are harmless."""
+  are harmless, a "wait" pause over a "keep" one too."""
   engine = je.AsyncLLM(llm)
   weights = nnx.state(llm.llm_engine.runner.model)
   params = je.SamplingParams(temperature=0, **LONG)
@@ -147,6 +147,8 @@ def test_async_llm_streams_a_dropped_request_at_the_load_while_paused(llm):
     await anext(kept)
     await engine.pause_generation("keep")
     await engine.pause_generation("keep")  # twice: harmless
+    # "wait" over a "keep" pause returns at once: the kept requests cannot finish while frozen.
+    await asyncio.wait_for(engine.pause_generation("wait"), timeout=30)
     version = llm.llm_engine.weight_version
     for bad in (-2, 2.0):
       with pytest.raises(ValueError, match=f"weight_version must be a non-negative int, got {bad}"):
