@@ -82,8 +82,9 @@ def compile_for_topology(
       ``compile_s`` is then the export's seconds, ``temp_bytes`` 0, and each entry adds
       ``triton_kernels``.
     **engine_options: `EngineConfig` fields (vLLM's `max_num_seqs` and `max_logprobs` too, as
-      `LLM` takes them: `jaxengine.vllm_names`): `max_num_reqs`, `max_model_len`, `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
-      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ....
+      `LLM` takes them: `jaxengine.vllm_names`): `max_num_reqs`, `max_model_len`,
+      `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
+      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant` and the rest.
       `attention_backend` None (default) is the platform's engine's: the Pallas kernel
       ("pallas_tpu", or "pallas_gpu" on a GPU), or XLA where it cannot serve the model
       (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"`` or ``"gpu"``).

@@ -16,6 +16,7 @@ executables without compiling any.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -142,7 +143,8 @@ def quiet_libtpu_environ(topology_name: str, environ: MutableMapping[str, str]) 
   ``TPU_ACCELERATOR_TYPE`` a deviceless libtpu prints "Failed to find host bounds" and an
   ``E0000 ... unexpected worker hostname`` error with a source trace that are harmless (the
   topology's devices are described all the same). Call it before libtpu loads (JAX's first TPU
-  topology); a GPU topology or an unknown name changes nothing.
+  topology); a GPU topology, an unknown name, or a machine with TPU chips (``/dev/accel*`` or
+  ``/dev/vfio/N``: libtpu must describe its own chips there) changes nothing.
 
   Args:
     topology_name: the ``--topology`` argument.
@@ -151,7 +153,7 @@ def quiet_libtpu_environ(topology_name: str, environ: MutableMapping[str, str]) 
   from jaxengine.aot.topologies import TOPOLOGIES  # no JAX import
 
   spec = TOPOLOGIES.get(topology_name)
-  if spec is None:
+  if spec is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
     return
   cores = spec.num_chips * _CORES_PER_CHIP.get(spec.chip.name, 1)
   environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")

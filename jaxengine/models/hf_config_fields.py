@@ -38,7 +38,7 @@ def config_int(hf: Mapping[str, Any], key: str, default: int | None = None) -> i
       return default
     if key not in hf:
       raise ValueError(f"config.json lacks {key!r}")
-  if not _is_int(value):
+  if value is None or not _is_int(value):
     raise _wrong_type(key, value, "an integer")
   return int(value)
 
@@ -67,7 +67,7 @@ def config_float(hf: Mapping[str, Any], key: str, default: float | None = None) 
       return float(default)
     if key not in hf:
       raise ValueError(f"config.json lacks {key!r}")
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
+  if isinstance(value, bool) or not isinstance(value, (int, float)):  # None included
     raise _wrong_type(key, value, "a number")
   return float(value)
 

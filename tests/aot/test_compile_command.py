@@ -17,8 +17,8 @@ import socket
 import jax.numpy as jnp
 import pytest
 
-from jaxengine.aot import compile_for_topology
 from jaxengine.aot import compile as aot_compile
+from jaxengine.aot import compile_for_topology
 from jaxengine.aot.model_source import config_directory
 from jaxengine.cli.compile_command import quiet_libtpu_environ
 from jaxengine.cli.main import main
@@ -94,10 +94,10 @@ def test_the_model_argument_a_missing_directory_or_the_config_file(model_dir, tm
   code, _, err = _compile_cli(["nonexistent_dir", "--topology", "v5e:1x1"])
   assert code == 2 and "the model directory 'nonexistent_dir' does not exist" in err
   assert config_directory(model_dir / "config.json") == str(model_dir)
-  with pytest.raises(FileNotFoundError, match="has no config.json"):
+  with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
     config_directory(tmp_path)
   (tmp_path / "model.safetensors").write_text("")
-  with pytest.raises(FileNotFoundError, match="pass the directory that holds config.json"):
+  with pytest.raises(FileNotFoundError, match=r"pass the directory that holds config\.json"):
     config_directory(tmp_path / "model.safetensors")
   code, out, err = _compile_cli([str(model_dir / "config.json"), *ON_CPU, "--list", *SMALL])
   assert code == 0, err
@@ -142,7 +142,7 @@ def test_vllm_option_names_and_dtype_auto_as_llm_takes_them(model_dir):
   assert aot_compile._weights_dtype("auto", {"torch_dtype": "float32"}) == jnp.float32
   with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'"):
     compile_for_topology(model_dir, "v5e:1x1", max_num_seq=4)
-  with pytest.raises(ValueError, match="dtype must be one of .*'auto'.*got 'int8'"):
+  with pytest.raises(ValueError, match=r"dtype must be one of .*'auto'.*got 'int8'"):
     compile_for_topology(model_dir, "v5e:1x1", dtype="int8")
 
 
