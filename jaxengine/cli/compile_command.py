@@ -75,7 +75,7 @@ def add_compile_parser(commands: Any, formatter_class: Any = None) -> argparse.A
   parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
   parser.add_argument(
     "--list", action="store_true",
-    help="print the executables the engine would compile (and the memory plan), compile none",
+    help="print the executables the engine would compile (their number first), compile none",
   )  # fmt: skip
   parser.add_argument(
     "--export-only", action="store_true",
@@ -125,8 +125,10 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
   except KeyboardInterrupt:
     print(f"jaxengine compile: {progress.interrupted()}", file=sys.stderr)
     return 130
-  if args.list:
+  if args.list and report["fits"]:
     print(progress.listing(), file=out)
+  elif args.list:
+    pass  # nothing would compile: the message below says why
   elif args.json:
     print(json.dumps(report), file=out)
   else:
