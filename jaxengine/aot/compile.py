@@ -19,7 +19,7 @@ import contextlib
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
@@ -29,13 +29,18 @@ from jaxengine import parallel
 from jaxengine.aot.cuda import export_for_cuda
 from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
 from jaxengine.aot.memory_plan import memory_plan
+from jaxengine.aot.model_source import config_directory
 from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
 from jaxengine.aot.topologies import CudaTarget, topology, topology_devices
-from jaxengine.engine_config import EngineConfig
+from jaxengine.engine_config import engine_config
+from jaxengine.models.registry import hf_architecture
+from jaxengine.models.safetensors_loader import read_hf_config
 
 #: The ``estimate_source`` of an executable XLA gives no cost analysis (a GPU's deviceless compile).
 NO_COST_ANALYSIS = "none (no XLA cost analysis for this platform)"
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.bfloat16}
+#: vLLM's other spellings of the dtypes (as `LLM` takes them).
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def compile_for_topology(
@@ -47,76 +52,90 @@ def compile_for_topology(
   dtype: str = "bfloat16",
   select: Callable[[Executable], bool] | None = None,
   progress: Callable[[dict[str, Any]], None] | None = None,
+  before_compile: Callable[[Sequence[Executable]], None] | None = None,
   export_only: bool = False,
   **engine_options: Any,
 ) -> dict[str, Any]:
   """Compiles every executable the engine precompiles for `topology_name` and plans its memory.
 
   Args:
-    model: a Hugging Face model directory; only its ``config.json`` is read.
+    model: a Hugging Face model directory, its ``config.json`` file, or a hub id
+      (``"Qwen/Qwen2.5-0.5B"``: its ``config.json`` alone is fetched, `aot/model_source.py`);
+      only ``config.json`` is read.
     topology_name: one of `aot.topologies.TOPOLOGIES` (``"v5e:1x1"``, ``"v6e:2x2"``, ...), or
       GPUs of `aot.topologies.CUDA_TARGETS` on one host (``"h100"``, ``"h100:4"``, ...;
       needs the CUDA plugin: `aot/cuda.py`).
     tensor_parallel_size, data_parallel_size: the engine's mesh over the topology's first
       ``d * t`` chips (the engine's data-parallel groups compile the same executables).
-    dtype: the weights' dtype, ``"bfloat16"`` (default) or ``"float32"`` (``"float16"`` is
-      served as bfloat16 on TPU).
+    dtype: the weights' dtype, ``"bfloat16"`` (default), ``"float32"`` (vLLM's ``"float"``),
+      ``"float16"`` (``"half"``: served as bfloat16, as on TPU) or ``"auto"`` (as `LLM` on an
+      accelerator: float32 for a float32 checkpoint, by ``config.json``'s ``torch_dtype`` or
+      ``dtype``, else bfloat16).
     select: compile only the executables it accepts (default: all); the memory plan's
       temporary and the decode estimates then see only those.
     progress: called with each executable's report entry as it compiles.
+    before_compile: called once with the executables about to compile (after `select`), before
+      the first compiles; not called when the model does not fit.
     export_only: with a GPU topology, export each executable for CUDA (`aot/cuda.py`'s
       `export_for_cuda`, on this machine's CPU devices: no plugin needed) instead of compiling
       it: the Pallas kernel's lowering to Triton is checked, not Triton's compile or XLA:GPU's;
       ``compile_s`` is then the export's seconds, ``temp_bytes`` 0, and each entry adds
       ``triton_kernels``.
-    **engine_options: `EngineConfig` fields (`max_num_reqs`, `max_model_len`,
+    **engine_options: `EngineConfig` fields (vLLM's `max_num_seqs` and `max_logprobs` too, as
+      `LLM` takes them: `jaxengine.vllm_names`): `max_num_reqs`, `max_model_len`,
       `quantization`, `kv_cache_dtype`, `gpu_memory_utilization`, `enable_lora`,
-      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant`, ...).
+      `max_lora_rank`, `speculative_config`, `num_decode_steps`, `batch_invariant` and the rest.
       `attention_backend` None (default) is the platform's engine's: the Pallas kernel
       ("pallas_tpu", or "pallas_gpu" on a GPU), or XLA where it cannot serve the model
       (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"`` or ``"gpu"``).
 
   Returns:
-    The report (design section 10): ``topology``, ``device_kind``, ``num_devices``,
-    ``hbm_bytes_per_device``, ``fits``, ``error`` (None, or why it does not fit or compile),
-    ``attention_backend``, ``per_device_bytes`` (``weights``, ``kv_cache``, ``temp``,
-    ``other``, ``total``), ``kv_cache`` (``num_blocks``, ``block_size``, ``bytes_per_token``,
-    ``max_tokens``), ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``,
-    ``bytes_accessed``, ``estimated_s``, ``estimate_source``, ``temp_bytes``), ``decode`` (per
-    batch: ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``,
-    ``method``). A model that does not fit is not compiled (``executables`` empty). On a GPU
-    XLA gives no cost analysis: ``flops``, ``bytes_accessed``, ``estimated_s`` and
-    ``flops_floor_s`` are None, ``estimate_source`` says so, and a decode step's estimate is
-    its memory floor.
+    The report (docs/parallelism.md, "Compiling for a TPU before renting one"): ``topology``,
+    ``device_kind``, ``num_devices``, ``hbm_bytes_per_device``, ``fits``, ``error`` (None, or
+    why it does not fit or compile), ``attention_backend``, ``per_device_bytes``
+    (``weights``, ``kv_cache``, ``temp``, ``other``, ``total``), ``kv_cache``
+    (``num_blocks``, ``block_size``, ``bytes_per_token``, ``max_tokens``), ``executables``
+    (``name``, ``shape``, ``compile_s``, ``flops``, ``bytes_accessed``, ``estimated_s``,
+    ``estimate_source``, ``temp_bytes``), ``decode`` (per batch: ``estimated_step_s``,
+    ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``, ``method``). A model that does not
+    fit is not compiled (``executables`` empty). On a GPU XLA gives no cost analysis:
+    ``flops``, ``bytes_accessed``, ``estimated_s`` and ``flops_floor_s`` are None,
+    ``estimate_source`` says so, and a decode step's estimate is its memory floor.
 
   Raises:
     ValueError: an unknown topology (naming the known ones), a dtype outside those above,
       a mesh larger than the topology, `export_only` with a TPU topology or a mesh larger than
-      this machine's CPU devices, or any setting the engine refuses for this model.
+      this machine's CPU devices, a ``config.json`` field of the wrong type (naming it), or any
+      setting the engine refuses for this model.
+    TypeError: an engine option that is not an `EngineConfig` field (naming it).
+    FileNotFoundError: `model` is no directory with ``config.json``, no ``config.json`` file,
+      and no hub id whose ``config.json`` can be fetched.
     ImportError: libtpu is not installed (a TPU topology).
     RuntimeError: the CUDA plugin is not installed (a GPU; the message names the wheels).
   """
   spec = topology(topology_name)
-  if dtype not in _DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  model_dir = config_directory(model)
+  hf = read_hf_config(model_dir)
+  hf_architecture(hf).read_config(hf)  # a bad config.json is refused before libtpu starts
+  weights_dtype = _weights_dtype(dtype, hf)
   t, d = parallel.check_sizes(tensor_parallel_size, data_parallel_size)
   if t * d > spec.num_chips:
     raise ValueError(
       f"tensor_parallel_size={t} x data_parallel_size={d} needs {t * d} chips; "
       f"{topology_name} has {spec.num_chips}"
     )
-  devices = (
-    _export_devices(topology_name, t * d) if export_only else topology_devices(topology_name)
-  )
   # JAX's persistent cache cannot read back a deviceless TPU executable (it needs a TPU client):
   # each compile here is done afresh (`target_device` turns the cache off around it).
   options: dict[str, Any] = {"compilation_cache": False, **engine_options}
+  config = engine_config(None, options, "compile_for_topology")  # before libtpu starts
+  devices = (
+    _export_devices(topology_name, t * d) if export_only else topology_devices(topology_name)
+  )
   if t * d > 1:
-    options.update(mesh=parallel.make_mesh(t, d, devices), tensor_parallel_size=t,
-                   data_parallel_size=d)  # fmt: skip
-  config = EngineConfig(**options)
+    config = config.replace(mesh=parallel.make_mesh(t, d, devices), tensor_parallel_size=t,
+                            data_parallel_size=d)  # fmt: skip
   platform = "gpu" if isinstance(spec.chip, CudaTarget) else "tpu"
-  engine = abstract_engine(os.fspath(model), config, devices, _DTYPES[dtype], platform)
+  engine = abstract_engine(model_dir, config, devices, weights_dtype, platform)
   backend_text = describe_backend(engine)
   hbm = spec.chip.hbm_bytes
   plan = memory_plan(engine, hbm)
@@ -125,6 +144,8 @@ def compile_for_topology(
   if plan.fits:
     engine.set_num_blocks(plan.num_blocks)
     executables = [e for e in engine_executables(engine) if select is None or select(e)]
+    if before_compile is not None:
+      before_compile(executables)
     for executable in executables:
       try:
         if export_only:
@@ -142,6 +163,22 @@ def compile_for_topology(
   if not plan.fits:
     error = not_fitting_message(engine, plan, spec, t)
   return build_report(engine, spec, plan, results, error, backend_text)
+
+
+def _weights_dtype(dtype: str, hf: dict[str, Any]) -> Any:
+  """The JAX dtype of `dtype` (see `compile_for_topology`), ``"auto"`` by `hf`'s checkpoint dtype.
+
+  Raises:
+    ValueError: a dtype outside `_DTYPES`, its aliases and ``"auto"``.
+  """
+  name = _DTYPE_ALIASES.get(dtype, dtype)
+  if name == "auto":
+    written = hf.get("torch_dtype") or hf.get("dtype")
+    return jnp.float32 if written in ("float32", "float64") else jnp.bfloat16
+  if name not in _DTYPES:
+    known = sorted([*_DTYPES, *_DTYPE_ALIASES, "auto"])
+    raise ValueError(f"dtype must be one of {known}, got {dtype!r}")
+  return _DTYPES[name]
 
 
 def _export_devices(topology_name: str, count: int) -> tuple[Any, ...]:

@@ -4,21 +4,33 @@ topology or NVIDIA GPUs (``h100``, ``h100:4``) from this machine
 
 Exit status: 0 when every executable compiled and the engine fits, 1 when it does not fit (or a
 step does not compile: the message says which), 2 for bad arguments (an unknown topology names
-the known ones), a model directory that cannot be read, or a compiler that is not installed
-(libtpu, or the CUDA plugin: the message names the wheels).
+the known ones), a model directory that cannot be read (or a ``config.json`` field of the wrong
+type, named), or a compiler that is not installed (libtpu, or the CUDA plugin: the message names
+the wheels), 130 when interrupted (Ctrl-C: one line says how many executables compiled).
+
+Progress goes to stderr: the number of executables first, then one line per executable as it
+compiles (``[3/45] compiled ragged_step tokens=64 rows=1 in 91.7 s``); ``--list`` prints the
+executables without compiling any.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import sys
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from jaxengine.engine.engine_flags import ENGINE_FLAGS, engine_flag_options, positive_int
 
 #: Engine flags that mean nothing for a compile from config.json.
 _SKIPPED = {"--model", "--engine-seed", "--precompile", "--compilation-cache"}
+#: The Cloud TPU accelerator type of one host of each chip's topologies, by chips (libtpu reads
+#: it, and the workers' hostnames, from the environment when it starts; v4 and v5p count cores).
+_ACCELERATOR_TYPES = {"v5e": "v5litepod-{}", "v6e": "v6e-{}", "v5p": "v5p-{}", "v4": "v4-{}"}
+_CORES_PER_CHIP = {"v5p": 2, "v4": 2}
 
 
 def _topology_name(text: str) -> str:
@@ -46,7 +58,11 @@ def add_compile_parser(commands: Any, formatter_class: Any = None) -> argparse.A
     ),
     **({"formatter_class": formatter_class} if formatter_class else {}),
   )
-  parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory")
+  parser.add_argument(
+    "model_dir", metavar="MODEL_DIR",
+    help="Hugging Face model directory (or its config.json, or a hub id: its config.json alone "
+    "is fetched)",
+  )  # fmt: skip
   parser.add_argument(
     "--topology", required=True, type=_topology_name, metavar="T",
     help="v5e:1x1, v5e:2x2, v5e:2x4, v6e:1x1, v6e:2x2, v6e:2x4, v5p:2x2x1, v4:2x2x1, or GPUs "
@@ -57,6 +73,10 @@ def add_compile_parser(commands: Any, formatter_class: Any = None) -> argparse.A
   parser.add_argument("--enable-expert-parallel", action="store_true",
                       help="split a mixture-of-experts model's experts over the chips")  # fmt: skip
   parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+  parser.add_argument(
+    "--list", action="store_true",
+    help="print the executables the engine would compile (their number first), compile none",
+  )  # fmt: skip
   parser.add_argument(
     "--export-only", action="store_true",
     help="with a GPU topology: export each executable for CUDA (jax.export, no plugin needed: "
@@ -74,20 +94,18 @@ def add_compile_parser(commands: Any, formatter_class: Any = None) -> argparse.A
 def run_compile(args: argparse.Namespace, out: Any = None) -> int:
   """Runs a parsed ``compile`` command; returns the exit status (see the module)."""
   out = sys.stdout if out is None else out
+  quiet_libtpu_environ(args.topology, os.environ)
+  progress = _Progress(args.topology)
   try:
     options = engine_flag_options(args)
     options.pop("seed", None)
     options.pop("precompile", None)
     options.pop("compilation_cache", None)
     dtype = options.pop("dtype", "bfloat16")
-    if dtype in ("half", "float16"):
-      dtype = "float16"
-    elif dtype in ("float", "float32"):
-      dtype = "float32"
-    elif dtype == "auto":
-      dtype = "bfloat16"
     if args.enable_expert_parallel:
       options["enable_expert_parallel"] = True
+    if args.list:
+      options["select"] = progress.listed
     from jaxengine.aot import compile_for_topology  # imported late: `--help` stays fast
 
     report = compile_for_topology(
@@ -96,14 +114,22 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
       tensor_parallel_size=args.tensor_parallel_size,
       data_parallel_size=args.data_parallel_size,
       dtype=dtype,
-      progress=_print_progress,
+      progress=progress.compiled,
+      before_compile=None if args.list else progress.start,
       export_only=args.export_only,
       **options,
     )
   except (ValueError, FileNotFoundError, ImportError, RuntimeError) as error:
     print(f"jaxengine compile: {error}", file=sys.stderr)
     return 2
-  if args.json:
+  except KeyboardInterrupt:
+    print(f"jaxengine compile: {progress.interrupted()}", file=sys.stderr)
+    return 130
+  if args.list and report["fits"]:
+    print(progress.listing(), file=out)
+  elif args.list:
+    pass  # nothing would compile: the message below says why
+  elif args.json:
     print(json.dumps(report), file=out)
   else:
     print(format_report(report), file=out)
@@ -113,9 +139,63 @@ def run_compile(args: argparse.Namespace, out: Any = None) -> int:
   return 0
 
 
-def _print_progress(entry: dict[str, Any]) -> None:
-  done = "exported" if "triton_kernels" in entry else "compiled"
-  print(f"{done} {entry['name']} {entry['shape']} in {entry['compile_s']:.1f} s", file=sys.stderr)
+def quiet_libtpu_environ(topology_name: str, environ: MutableMapping[str, str]) -> None:
+  """Sets what libtpu reads from a Cloud TPU VM's environment when it starts, for a TPU
+  topology, where the user has not: without ``TPU_WORKER_HOSTNAMES`` and
+  ``TPU_ACCELERATOR_TYPE`` a deviceless libtpu prints "Failed to find host bounds" and an
+  ``E0000 ... unexpected worker hostname`` error with a source trace that are harmless (the
+  topology's devices are described all the same). Call it before libtpu loads (JAX's first TPU
+  topology); a GPU topology, an unknown name, or a machine with TPU chips (``/dev/accel*`` or
+  ``/dev/vfio/N``: libtpu must describe its own chips there) changes nothing.
+
+  Args:
+    topology_name: the ``--topology`` argument.
+    environ: the environment to update (`os.environ`).
+  """
+  from jaxengine.aot.topologies import TOPOLOGIES  # no JAX import
+
+  spec = TOPOLOGIES.get(topology_name)
+  if spec is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return
+  cores = spec.num_chips * _CORES_PER_CHIP.get(spec.chip.name, 1)
+  environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  environ.setdefault("TPU_ACCELERATOR_TYPE", _ACCELERATOR_TYPES[spec.chip.name].format(cores))
+
+
+class _Progress:
+  """The command's progress on stderr, and the executables `--list` collects."""
+
+  def __init__(self, topology_name: str):
+    self.topology_name = topology_name
+    self.count: int | None = None
+    self.done = 0
+    self.names: list[str] = []
+
+  def start(self, executables: Sequence[Any]) -> None:
+    self.count = len(executables)
+    print(f"compiling {self.count} executables for {self.topology_name} ...", file=sys.stderr)
+
+  def compiled(self, entry: dict[str, Any]) -> None:
+    self.done += 1
+    done = "exported" if "triton_kernels" in entry else "compiled"
+    print(
+      f"[{self.done}/{self.count}] {done} {entry['name']} {entry['shape']} in "
+      f"{entry['compile_s']:.1f} s",
+      file=sys.stderr,
+    )
+
+  def listed(self, executable: Any) -> bool:
+    self.names.append(f"{executable.name} {executable.shape}")
+    return False
+
+  def listing(self) -> str:
+    lines = [f"{len(self.names)} executables for {self.topology_name} (none compiled):"]
+    return "\n".join([*lines, *(f"  {name}" for name in self.names)])
+
+  def interrupted(self) -> str:
+    if self.count is None:
+      return "interrupted before compiling"
+    return f"interrupted after {self.done} of {self.count} executables"
 
 
 def _scaled(value: float | None, unit: float, digits: int = 2) -> str:

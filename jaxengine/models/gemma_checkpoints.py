@@ -19,6 +19,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxengine.models.gemma_config import FULL, SLIDING, GemmaConfig, GemmaRope
+from jaxengine.models.hf_config_fields import (
+  config_bool,
+  config_float,
+  config_int,
+  config_optional_float,
+  config_optional_int,
+  config_token_id,
+)
 from jaxengine.models.weights import WeightSpec
 
 #: Families `config_from_hf` reads.
@@ -65,12 +73,6 @@ _COMMON_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def _first_id(value) -> int | None:
-  if isinstance(value, (list, tuple)):
-    return int(value[0]) if value else None
-  return None if value is None else int(value)
-
-
 def _rope(params: Mapping[str, Any] | None, theta: float, where: str) -> GemmaRope:
   """One layer kind's rope from a ``rope_parameters`` / ``rope_scaling`` dict (or None)."""
   params = params or {}
@@ -79,36 +81,36 @@ def _rope(params: Mapping[str, Any] | None, theta: float, where: str) -> GemmaRo
     raise ValueError(
       f"unsupported rope type {rope_type!r} ({where}); supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
-  theta = float(params.get("rope_theta", theta))
+  theta = config_float(params, "rope_theta", theta)
   if rope_type == "default":
     return GemmaRope(theta=theta)
   if "factor" not in params:
     raise ValueError(f"rope type 'linear' needs 'factor' in {where}")
-  return GemmaRope(theta=theta, factor=float(params["factor"]))
+  return GemmaRope(theta=theta, factor=config_float(params, "factor"))
 
 
-def _ropes(hf: Mapping[str, Any], family: str, get) -> tuple[GemmaRope, GemmaRope]:
+def _ropes(hf: Mapping[str, Any], family: str, get: _Fields) -> tuple[GemmaRope, GemmaRope]:
   """``(global, local)`` ropes from either config style (transformers 5's per-layer-type
   ``rope_parameters``, or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``)."""
   params = hf.get("rope_parameters")
   if isinstance(params, Mapping) and (FULL in params or SLIDING in params):
-    full = _rope(params.get(FULL), get("rope_theta"), f"rope_parameters[{FULL!r}]")
-    local_theta = get("rope_local_base_freq") if family != "gemma2" else get("rope_theta")
+    full = _rope(params.get(FULL), get.number("rope_theta"), f"rope_parameters[{FULL!r}]")
+    local_theta = get.number("rope_local_base_freq" if family != "gemma2" else "rope_theta")
     local = _rope(params.get(SLIDING), local_theta, f"rope_parameters[{SLIDING!r}]")
     return full, local
   where = "rope_parameters" if params else "rope_scaling"
-  full = _rope(params or hf.get("rope_scaling"), get("rope_theta"), where)
+  full = _rope(params or hf.get("rope_scaling"), get.number("rope_theta"), where)
   if family == "gemma2":  # one rope for every layer
     return full, full
-  return full, GemmaRope(theta=float(get("rope_local_base_freq")))
+  return full, GemmaRope(theta=get.number("rope_local_base_freq"))
 
 
-def _layer_types(hf: Mapping[str, Any], num_layers: int, get) -> tuple[str, ...]:
+def _layer_types(hf: Mapping[str, Any], num_layers: int, get: _Fields) -> tuple[str, ...]:
   """``layer_types``, else the older ``sliding_window_pattern``: every ``n``-th layer global."""
   types = hf.get("layer_types")
   if types:
     return tuple(types)
-  pattern = int(get("sliding_window_pattern"))
+  pattern = get.integer("sliding_window_pattern")
   if pattern < 1:
     raise ValueError(f"sliding_window_pattern must be >= 1, got {pattern}")
   return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
@@ -147,42 +149,70 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> GemmaConfig:
     hf = {**({} if top_eos is None else {"eos_token_id": top_eos}), **text}
     family, prefix = "gemma3", "language_model."
   defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[family]}
-  get = lambda key: hf.get(key, defaults.get(key))
-  if hf.get("attention_bias"):
+  get = _Fields(hf, defaults)
+  if config_bool(hf, "attention_bias", False):
     raise ValueError("attention_bias=True is not supported for Gemma")
-  if hf.get("use_bidirectional_attention"):
+  if config_bool(hf, "use_bidirectional_attention", False):
     raise ValueError("use_bidirectional_attention=True is not supported (causal decoding only)")
-  num_layers = int(get("num_hidden_layers"))
+  num_layers = get.integer("num_hidden_layers")
   rope_global, rope_local = _ropes(hf, family, get)
-  window = get("sliding_window")
   return GemmaConfig(
-    vocab_size=int(get("vocab_size")),
-    hidden_size=int(get("hidden_size")),
-    intermediate_size=int(get("intermediate_size")),
+    vocab_size=get.integer("vocab_size"),
+    hidden_size=get.integer("hidden_size"),
+    intermediate_size=get.integer("intermediate_size"),
     num_hidden_layers=num_layers,
-    num_attention_heads=int(get("num_attention_heads")),
-    num_key_value_heads=int(get("num_key_value_heads")),
-    head_dim=int(get("head_dim")),
+    num_attention_heads=get.integer("num_attention_heads"),
+    num_key_value_heads=get.integer("num_key_value_heads"),
+    head_dim=get.integer("head_dim"),
     layer_types=_layer_types(hf, num_layers, get),
-    sliding_window=None if window is None else int(window),
+    sliding_window=get.optional_integer("sliding_window"),
     rope_global=rope_global,
     rope_local=rope_local,
-    query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-    attn_logit_softcapping=_optional_float(get("attn_logit_softcapping")),
-    final_logit_softcapping=_optional_float(get("final_logit_softcapping")),
+    query_pre_attn_scalar=get.number("query_pre_attn_scalar"),
+    attn_logit_softcapping=get.optional_number("attn_logit_softcapping"),
+    final_logit_softcapping=get.optional_number("final_logit_softcapping"),
     qk_norm=family == "gemma3",
-    hidden_activation=str(get("hidden_activation")),
-    rms_norm_eps=float(get("rms_norm_eps")),
-    tie_word_embeddings=bool(get("tie_word_embeddings")),
-    max_position_embeddings=int(get("max_position_embeddings")),
-    bos_token_id=_first_id(get("bos_token_id")),
-    eos_token_id=_first_id(get("eos_token_id")),
+    hidden_activation=str(get.value("hidden_activation")),
+    rms_norm_eps=get.number("rms_norm_eps"),
+    tie_word_embeddings=get.flag("tie_word_embeddings"),
+    max_position_embeddings=get.integer("max_position_embeddings"),
+    bos_token_id=get.token_id("bos_token_id"),
+    eos_token_id=get.token_id("eos_token_id"),
     checkpoint_prefix=prefix,
   )
 
 
-def _optional_float(value) -> float | None:
-  return None if value is None else float(value)
+class _Fields:
+  """Typed reads of a Gemma ``config.json``'s fields, an absent one read from `defaults` (the
+  family's; a field written as ``null`` stays None: Gemma 3's softcappings).
+
+  Raises (each read):
+    ValueError: naming the field and value, for a value of the wrong JSON type.
+  """
+
+  def __init__(self, hf: Mapping[str, Any], defaults: Mapping[str, Any]):
+    self.merged = {**defaults, **hf}
+
+  def value(self, key: str) -> Any:
+    return self.merged.get(key)
+
+  def integer(self, key: str) -> int:
+    return config_int(self.merged, key)
+
+  def optional_integer(self, key: str) -> int | None:
+    return config_optional_int(self.merged, key)
+
+  def number(self, key: str) -> float:
+    return config_float(self.merged, key)
+
+  def optional_number(self, key: str) -> float | None:
+    return config_optional_float(self.merged, key)
+
+  def flag(self, key: str) -> bool:
+    return config_bool(self.merged, key, False)
+
+  def token_id(self, key: str) -> int | None:
+    return config_token_id(self.merged, key)
 
 
 def hf_weight_specs(cfg: GemmaConfig) -> list[WeightSpec]:

@@ -25,7 +25,7 @@ from jaxengine.models.safetensors_loader import auto_dtype, load_safetensors
 #: Hugging Face-format weights; not ``consolidated.safetensors`` copies or other formats).
 HUB_FILES = ["*.json", "model*.safetensors", "*.jinja"]
 #: ``owner/name`` as the Hub spells repository ids.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def resolve_model(
     if not os.path.isfile(os.path.join(path, "config.json")):
       raise FileNotFoundError(f"the directory {path!r} has no config.json")
     return ResolvedModel("hf", path)
-  if not _HUB_ID.fullmatch(path) or path.endswith(".gguf"):
+  if not HUB_ID.fullmatch(path) or path.endswith(".gguf"):
     raise FileNotFoundError(f"no file or directory at {path!r}")
   return ResolvedModel("hf", download(path, revision=revision, download_dir=download_dir))
 

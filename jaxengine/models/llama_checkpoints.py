@@ -21,6 +21,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from jaxengine.models.hf_config_fields import (
+  config_bool,
+  config_float,
+  config_int,
+  config_optional_int,
+  config_token_id,
+)
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig
 from jaxengine.models.weights import WeightSpec
 
@@ -28,17 +35,10 @@ from jaxengine.models.weights import WeightSpec
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-def _first_id(value) -> int | None:
-  """An id or the first of a list of ids (Llama 3.1 lists several EOS ids), or None."""
-  if isinstance(value, (list, tuple)):
-    return int(value[0]) if value else None
-  return None if value is None else int(value)
-
-
 def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
   """``(rope_theta, scaling)`` from either config style; ValueError for other rope types."""
   params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  theta = config_float(params, "rope_theta", config_float(hf, "rope_theta", 10000.0))
   rope_type = params.get("rope_type", params.get("type")) or "default"
   if rope_type not in SUPPORTED_ROPE_TYPES:
     raise ValueError(
@@ -46,17 +46,17 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
       f"{', '.join(SUPPORTED_ROPE_TYPES)}"
     )
   if rope_type == "default":
-    return float(theta), None
-  try:
-    scaling = Llama3RopeScaling(
-      factor=float(params["factor"]),
-      low_freq_factor=float(params["low_freq_factor"]),
-      high_freq_factor=float(params["high_freq_factor"]),
-      original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
-  except KeyError as error:
-    raise ValueError(f"rope type 'llama3' needs {error.args[0]!r} in rope_scaling") from None
-  return float(theta), scaling
+    return theta, None
+  for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    if params.get(key) is None:
+      raise ValueError(f"rope type 'llama3' needs {key!r} in rope_scaling")
+  scaling = Llama3RopeScaling(
+    factor=config_float(params, "factor"),
+    low_freq_factor=config_float(params, "low_freq_factor"),
+    high_freq_factor=config_float(params, "high_freq_factor"),
+    original_max_position_embeddings=config_int(params, "original_max_position_embeddings"),
+  )
+  return theta, scaling
 
 
 #: Mixture-of-experts families -> the dense family whose attention they share.
@@ -84,8 +84,9 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
 
   Raises:
     ValueError: naming the field and value for an unsupported rope type, activation, MLP bias,
-      partial rotary embedding or per-layer sliding window, or a missing required field (or
-      mixture-of-experts field, see `moe_fields_from_hf`).
+      partial rotary embedding or per-layer sliding window, a missing required field (or
+      mixture-of-experts field, see `moe_fields_from_hf`), or a field of the wrong JSON type
+      (``"hidden_size": "576"``, ``"num_hidden_layers": null``: `models/hf_config_fields.py`).
   """
   if family in MOE_BASE_FAMILIES:
     dense = config_from_hf(hf, MOE_BASE_FAMILIES[family])
@@ -106,36 +107,32 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> LlamaConfig:
   if any(t != "full_attention" for t in layer_types):
     raise ValueError(f"layer_types {sorted(set(layer_types))} are not supported (full_attention)")
   rope_theta, rope_scaling = _rope(hf)
-  try:
-    hidden_size = int(hf["hidden_size"])
-    num_heads = int(hf["num_attention_heads"])
-    fields: dict[str, Any] = dict(
-      vocab_size=int(hf["vocab_size"]),
-      hidden_size=hidden_size,
-      intermediate_size=int(hf["intermediate_size"]),
-      num_hidden_layers=int(hf["num_hidden_layers"]),
-      num_attention_heads=num_heads,
-    )
-  except KeyError as error:
-    raise ValueError(f"config.json lacks {error.args[0]!r}") from None
-  attention_bias = bool(hf.get("attention_bias", False))
-  sliding_window = hf.get("sliding_window") if family == "mistral" else None
+  hidden_size = config_int(hf, "hidden_size")
+  num_heads = config_int(hf, "num_attention_heads")
+  if num_heads <= 0:
+    raise ValueError(f"config.json field 'num_attention_heads' must be positive, got {num_heads}")
+  attention_bias = config_bool(hf, "attention_bias", False)
+  sliding_window = config_optional_int(hf, "sliding_window") if family == "mistral" else None
   return LlamaConfig(
-    **fields,
-    num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
-    head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+    vocab_size=config_int(hf, "vocab_size"),
+    hidden_size=hidden_size,
+    intermediate_size=config_int(hf, "intermediate_size"),
+    num_hidden_layers=config_int(hf, "num_hidden_layers"),
+    num_attention_heads=num_heads,
+    num_key_value_heads=config_int(hf, "num_key_value_heads", num_heads),
+    head_dim=config_int(hf, "head_dim", hidden_size // num_heads),
     rope_theta=rope_theta,
     rope_scaling=rope_scaling,
-    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-    tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-    bos_token_id=_first_id(hf.get("bos_token_id")),
-    eos_token_id=_first_id(hf.get("eos_token_id")),
+    rms_norm_eps=config_float(hf, "rms_norm_eps", 1e-6),
+    tie_word_embeddings=config_bool(hf, "tie_word_embeddings", False),
+    max_position_embeddings=config_int(hf, "max_position_embeddings", 2048),
+    bos_token_id=config_token_id(hf, "bos_token_id"),
+    eos_token_id=config_token_id(hf, "eos_token_id"),
     # Qwen2 always has q/k/v biases and no output bias; Llama and Qwen3 use one switch for all.
     attention_bias=family == "qwen2" or (family != "mistral" and attention_bias),
     attention_output_bias=family in ("llama", "qwen3") and attention_bias,
     qk_norm=family == "qwen3",
-    sliding_window=int(sliding_window) if sliding_window else None,
+    sliding_window=sliding_window or None,
   )
 
 
@@ -150,32 +147,30 @@ def moe_fields_from_hf(hf: Mapping[str, Any], family: str, num_layers: int) -> d
   always renormalised.
 
   Raises:
-    ValueError: a missing field, or a ``decoder_sparse_step`` below 1 (named).
+    ValueError: a missing field or one of the wrong type, or a ``decoder_sparse_step`` below 1
+      (named).
   """
-  try:
-    experts = hf.get("num_experts") or hf["num_local_experts"]
-    fields: dict[str, Any] = dict(
-      num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"])
+  experts_key = "num_experts" if hf.get("num_experts") else "num_local_experts"
+  fields: dict[str, Any] = dict(
+    num_experts=config_int(hf, experts_key),
+    num_experts_per_tok=config_int(hf, "num_experts_per_tok"),
+  )
+  if family == "mixtral":
+    fields.update(
+      moe_intermediate_size=config_int(hf, "intermediate_size"),
+      norm_topk_prob=True,
+      moe_layers=tuple(range(num_layers)),
+      moe_checkpoint_names="mixtral",
     )
-    if family == "mixtral":
-      fields.update(
-        moe_intermediate_size=int(hf["intermediate_size"]),
-        norm_topk_prob=True,
-        moe_layers=tuple(range(num_layers)),
-        moe_checkpoint_names="mixtral",
-      )
-      return fields
-    fields["moe_intermediate_size"] = int(hf["moe_intermediate_size"])
-  except KeyError as error:
-    raise ValueError(f"config.json lacks {error.args[0]!r}") from None
-  step = hf.get("decoder_sparse_step")
-  step = 1 if step is None else int(step)
+    return fields
+  fields["moe_intermediate_size"] = config_int(hf, "moe_intermediate_size")
+  step = config_int(hf, "decoder_sparse_step", 1)
   if step < 1:
     raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
   dense_only = {int(i) for i in hf.get("mlp_only_layers") or []}
   sparse = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
   fields.update(
-    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    norm_topk_prob=config_bool(hf, "norm_topk_prob", False),
     moe_layers=tuple(sparse) if fields["num_experts"] > 0 else (),
     moe_checkpoint_names="qwen3_moe",
   )

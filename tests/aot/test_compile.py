@@ -56,6 +56,8 @@ LLAMA_8B = dict(
 
 SCRIPT = r"""
 import contextlib, io, json, os, sys
+from jaxengine.cli.compile_command import quiet_libtpu_environ
+quiet_libtpu_environ("v5e:1x1", os.environ)  # libtpu's harmless host-bounds and hostname errors
 from jaxengine.aot import compile_for_topology
 from jaxengine.cli.main import main
 
