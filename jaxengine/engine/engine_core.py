@@ -428,22 +428,17 @@ class EngineCore:
     """The one way a running completion leaves, once it has a finish reason (a stop rule, its
     grammar, or an abort): out of the scheduler, its row freed, its grammar matcher dropped.
     Its request reports it in the step's outputs or `pop_finished`. With routed experts, its
-    positions' experts are read first, while its pages still hold them."""
+    positions' experts are read first, while its pages hold them: all but its last token's, or
+    (aborted while its prompt, or its recomputation after a preemption, was under way) those
+    of the steps read so far."""
     if self.config.enable_return_routed_experts:
-      completion.routed_experts = self.runner.read_routed_experts(
-        completion.seq_id, self._num_routed_positions(completion)
-      )
+      in_flight, unread = self._in_flight, 0  # a step counted at dispatch, not stored yet
+      if in_flight is not None and in_flight.step.num_new_tokens is not None:
+        unread = in_flight.step.scheduled.num_scheduled_tokens.get(completion.seq_id, 0)
+      computed = completion.num_computed_tokens - unread
+      num_positions = max(0, min(completion.num_tokens - 1, computed))
+      completion.routed_experts = self.runner.read_routed_experts(completion.seq_id, num_positions)
     self.scheduler.finish(completion)
-
-  def _num_routed_positions(self, completion: Completion) -> int:
-    """The positions whose routed experts a finishing completion reports: all but its last
-    token, or (aborted while its prompt, or its recomputation after a preemption, was under
-    way) those computed by the steps read so far."""
-    computed = completion.num_computed_tokens
-    in_flight = self._in_flight
-    if in_flight is not None and in_flight.step.num_new_tokens is not None:  # counted at dispatch
-      computed -= in_flight.step.scheduled.num_scheduled_tokens.get(completion.seq_id, 0)
-    return max(0, min(completion.num_tokens - 1, computed))
     self.runner.remove(completion.seq_id)
     if self.structured is not None:
       self.structured.remove(completion.seq_id)

@@ -61,8 +61,8 @@ from jaxengine.worker.multi_step import DeviceStopRules, decode_steps_inputs
 from jaxengine.worker.outputs import InFlightStep, StepOutput
 from jaxengine.worker.placement import MeshPlacement, placed_step
 from jaxengine.worker.prompt_logprobs import PromptLogprobs
-from jaxengine.worker.routed_experts import RoutedExpertsStore, check_pages_kept, moe_shape
 from jaxengine.worker.ragged_step import RaggedInputs
+from jaxengine.worker.routed_experts import RoutedExpertsStore, check_pages_kept, moe_shape
 from jaxengine.worker.step_inputs import produced_rows, query_starts, ragged_inputs
 from jaxengine.worker.verify_step import RaggedDrafts, ragged_drafts
 from jaxengine.worker.weight_loader import WeightLoader, Weights, prepare_model
