@@ -357,10 +357,10 @@ class Llama(ConfiguredDecoder, nnx.Module):
     moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
 
     def layer_args(index: int) -> tuple:
-      args = (None if lora is None else lora.layer(index),)
+      layer_lora = None if lora is None else lora.layer(index)
       if routed_experts is not None and index in moe_index:  # only when replaying
-        args += (routed_experts[..., moe_index[index], :],)
-      return args
+        return (layer_lora, routed_experts[..., moe_index[index], :])
+      return (layer_lora,)
 
     routed: list[jax.Array] = []
     x, kv_cache = apply_layers(

@@ -264,21 +264,33 @@ import jaxengine as je
 from jaxengine import parallel
 from jaxengine.models import load_safetensors, sequence_logits
 from jaxengine.models.registry import sharding_rules
+from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.sequence_logprobs import scratch_step
 directory, prompt = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
 model, _ = load_safetensors(directory)
 graphdef, state = nnx.split(model)
 n = len(prompt)
 def logits(state):
   return sequence_logits(nnx.merge(graphdef, state), np.asarray([prompt], np.int32))[0]
+@jax.jit
+def routing(state):  # [T, M, k] the routed experts the engine's step returns
+  m = nnx.merge(graphdef, state)
+  m.set_attributes(return_routed_experts=True)
+  metadata, cache = scratch_step(m, 1, n, 16, XlaAttentionBackend(max_context=n))
+  ids, positions = jnp.asarray([prompt], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None]
+  return m(ids, positions, cache, metadata)[2][0]
 one = np.asarray(logits(state))
+one_routing = np.asarray(routing(state))
 mesh = parallel.make_mesh(2)
 for expert_parallel in (False, True):
   shardings = parallel.weight_shardings(state, mesh, sharding_rules(model), expert_parallel=expert_parallel)
   got = np.asarray(logits(jax.device_put(state, shardings)))
   assert (got.argmax(-1) == one.argmax(-1)).all(), expert_parallel
   print(expert_parallel, "max diff", float(np.abs(got - one).max()))
+  got_routing = np.asarray(routing(jax.device_put(state, shardings)))
+  print(expert_parallel, "routing", got_routing.shape, bool((got_routing == one_routing).all()))
   llm = je.LLM(directory, max_num_reqs=2, max_model_len=64, tensor_parallel_size=2,
-               enable_expert_parallel=expert_parallel)
+               enable_expert_parallel=expert_parallel, enable_return_routed_experts=True)
   layer = llm.llm_engine.runner.weights["layers"][0]["mlp"]
   names = ("expert_up", "expert_down", "router")
   print(expert_parallel, "specs", [tuple(layer[n][...].sharding.spec) for n in names])
@@ -290,11 +302,14 @@ for expert_parallel in (False, True):
 def test_tensor_and_expert_parallel_match_one_device(tmp_path):
   """Qwen3-MoE on 2 host devices: each expert split on its intermediate features (default), or
   whole experts per device (``enable_expert_parallel``): the logits of one device within 1e-5
-  (the same argmax at every position), the engine's weights placed so."""
+  (the same argmax at every position) and its routed experts, the engine's weights placed so
+  (an engine returning routed experts)."""
   hf_moe_model("qwen3_moe", seed=1).save_pretrained(tmp_path)
   out = run_python(MESH_SCRIPT, os.fspath(tmp_path), ",".join(map(str, PROMPT)), timeout=900)
   diffs = [float(line.split()[-1]) for line in out.splitlines() if "max diff" in line]
   assert len(diffs) == 2 and max(diffs) < 1e-5, out
+  n = len(PROMPT)  # routed experts on the mesh: those of one device
+  assert f"False routing ({n}, 2, 2) True" in out and f"True routing ({n}, 2, 2) True" in out
   assert "False specs [(None, None, 'model'), (None, 'model', None), ()]" in out
   assert "True specs [('model', None, None), ('model', None, None), ()]" in out
   assert "False dense ('model', None)" in out and "True dense ('model', None)" in out
