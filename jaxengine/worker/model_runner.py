@@ -121,8 +121,10 @@ class ModelRunner:
       input_batch.block_table = self.block_table = BlockTable(
         self.max_num_reqs, self.max_num_blocks_per_req, self.kv_cache_groups.num_groups
       )
-    #: The routed experts of every slot (`enable_return_routed_experts`), else None.
+    #: The routed experts of every slot (`enable_return_routed_experts`), else None; the last
+    #: k-step loop's, not stored yet (`store_loop_routed_experts`).
     self.routed_experts: RoutedExpertsStore | None = None
+    self.loop_routed_experts: Any = None
     if config.enable_return_routed_experts:
       check_pages_kept(self.kv_cache_groups.frees_pages)
     #: The pool of pages and their number (the null page 0 included), `worker/kv_cache_pool.py`.
@@ -513,8 +515,13 @@ class ModelRunner:
       num_rows=num_rows,
       num_steps=num_steps,
     )
-    kv_cache, routed = cast(tuple, kv_cache)
-    if self.routed_experts is not None and routed is not None:
-      self.routed_experts.write(routed)
+    kv_cache, self.loop_routed_experts = cast(tuple, kv_cache)
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
+
+  def store_loop_routed_experts(self) -> None:
+    """Writes the last k-step loop's routed experts to the store: after the step that was in
+    flight when the loop was dispatched is read (the store takes steps in dispatch order)."""
+    routed, self.loop_routed_experts = self.loop_routed_experts, None
+    if self.routed_experts is not None and routed is not None:
+      self.routed_experts.write(routed)
