@@ -192,6 +192,11 @@ class EngineConfig:
       each device quantizes its own shard of the placed float weights: the values keep the
       float weight's sharding, the scales are split like its output axes or replicated
       (`jaxengine.parallel`).
+    enable_return_routed_experts: give each finished completion the experts a
+      mixture-of-experts model's router chose at every position (vLLM's name;
+      `CompletionOutput.routed_experts`, `jaxengine/worker/routed_experts.py`), for RL
+      routing replay (`jaxengine.models.token_logprobs`); default False. A model without MoE
+      layers is refused (ValueError) before its weights are read.
     trust_remote_code: vLLM's (and transformers') permission to run Python code shipped with a
       checkpoint; accepted (a bool) and without effect: jaxengine never runs code from a
       checkpoint or the hub (its architectures are built in; any other is refused either way).
@@ -241,6 +246,7 @@ class EngineConfig:
   max_lora_rank: int = 16
   max_cpu_loras: int | None = None
   quantization: str | None = None
+  enable_return_routed_experts: bool = False
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -291,6 +297,7 @@ class EngineConfig:
       "enforce_eager",
       "trust_remote_code",
       "enable_lora",
+      "enable_return_routed_experts",
     ):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):

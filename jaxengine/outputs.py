@@ -2,13 +2,16 @@
 
 `LLM.generate` / `LLM.chat` return one `RequestOutput` per prompt; each holds `n`
 `CompletionOutput`s, whose optional per-token logprobs are dicts of `Logprob`. Everything here is
-plain host data (Python ints, floats and strings), never device arrays.
+plain host data (Python ints, floats and strings, and NumPy's routed experts), never device
+arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
   from jaxengine.lora.request import LoRARequest
@@ -67,6 +70,15 @@ class CompletionOutput:
       for "length", and while running.
     weight_versions: one per token of `token_ids`, the version of the weights that produced it
       (`LLMEngine.load_weights(..., weight_version=)`; 0 before any load).
+    routed_experts: with ``enable_return_routed_experts`` (a mixture-of-experts model), the
+      experts the router chose for every position fed through the model, ``[num_prompt_tokens
+      + len(token_ids) - 1, num_moe_layers, top_k] int32`` (a NumPy array; the last token has
+      not been fed): row ``p`` holds position ``p``'s ``num_experts_per_tok`` experts at each
+      MoE layer in order, largest router weight first (the router's top-k, as transformers
+      computes it). Prompt positions are included, those of a cached prefix too. Set once the
+      completion finishes (an aborted one: its positions so far); None while it runs, without
+      the flag, or when its pages no longer held them (`jaxengine/worker/routed_experts.py`).
+      Replay them with `jaxengine.models.token_logprobs(..., routed_experts=)`.
   """
 
   index: int
@@ -77,6 +89,7 @@ class CompletionOutput:
   finish_reason: str | None = None
   stop_reason: int | str | None = None
   weight_versions: list[int] = dataclasses.field(default_factory=list)
+  routed_experts: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
   def finished(self) -> bool:
     """True once the completion has a `finish_reason`."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxengine.batch.rows import EncodedRequest
 from jaxengine.lora.request import LoRARequest
 from jaxengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
@@ -24,6 +26,8 @@ class Completion:
     token_ids: generated tokens read so far (their one host record: the persistent
       batch reads its row's tokens here, `jaxengine/batch/ledger.py`).
     weight_versions: the weight version that produced each token of `token_ids`.
+    routed_experts: with ``enable_return_routed_experts``, `CompletionOutput.routed_experts`,
+      read when it finishes (`EngineCore._finish`); None before.
     logprobs: per-token logprob dicts, or None when the request did not ask for logprobs.
     cumulative_logprob: sum of the sampled tokens' logprobs, or None.
     text: generated text so far (cut at a matched stop string).
@@ -50,6 +54,7 @@ class Completion:
   detokenizer: IncrementalDetokenizer | None
   token_ids: list[int] = dataclasses.field(default_factory=list)
   weight_versions: list[int] = dataclasses.field(default_factory=list)
+  routed_experts: np.ndarray | None = dataclasses.field(default=None, repr=False)
   logprobs: SampleLogprobs | None = None
   cumulative_logprob: float | None = None
   text: str = ""
@@ -82,6 +87,7 @@ class Completion:
       finish_reason=self.finish_reason,
       stop_reason=self.stop_reason,
       weight_versions=list(self.weight_versions),
+      routed_experts=self.routed_experts,
     )
 
 

@@ -354,6 +354,7 @@ class EngineCore:
     running = dict(scheduler.running)
     decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, running, waiting)
     outputs = self._collect_in_flight()
+    self.runner.store_loop_routed_experts()  # after the step before it
     num_sampled = decoded.sampled.num_sampled.tolist()
     computed = dict(zip(decoded.req_ids, num_sampled))
     counts = {seq_id: computed[seq_id] for seq_id in scheduled.num_decode_steps}
@@ -428,7 +429,17 @@ class EngineCore:
   def _finish(self, completion: Completion) -> None:
     """The one way a running completion leaves, once it has a finish reason (a stop rule, its
     grammar, or an abort): out of the scheduler, its row freed, its grammar matcher dropped.
-    Its request reports it in the step's outputs or `pop_finished`."""
+    Its request reports it in the step's outputs or `pop_finished`. With routed experts, its
+    positions' experts are read first, while its pages hold them: all but its last token's, or
+    (aborted while its prompt, or its recomputation after a preemption, was under way) those
+    of the steps read so far."""
+    if self.config.enable_return_routed_experts:
+      in_flight, unread = self._in_flight, 0  # a step counted at dispatch, not stored yet
+      if in_flight is not None and in_flight.step.num_new_tokens is not None:
+        unread = in_flight.step.scheduled.num_scheduled_tokens.get(completion.seq_id, 0)
+      computed = completion.num_computed_tokens - unread
+      num_positions = max(0, min(completion.num_tokens - 1, computed))
+      completion.routed_experts = self.runner.read_routed_experts(completion.seq_id, num_positions)
     self.scheduler.finish(completion)
     self.runner.remove(completion.seq_id)
     if self.structured is not None:

@@ -338,6 +338,15 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "enable_return_routed_experts",
+    "--enable-return-routed-experts",
+    dict(
+      action="store_true",
+      default=False,
+      help="mixture of experts: return the experts the router chose at every position",
+    ),
+  ),
+  EngineFlag(
     "seed",
     "--engine-seed",
     dict(

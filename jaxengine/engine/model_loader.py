@@ -30,6 +30,7 @@ from jaxengine.models.safetensors_loader import (
 )
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker.placement import num_attention_heads
+from jaxengine.worker.routed_experts import moe_shape
 
 
 class LoadedModel(NamedTuple):
@@ -83,6 +84,8 @@ def load_model(
   t = config.tensor_parallel_size
   if model is not None and not isinstance(model, (str, os.PathLike)):
     check_model(model)  # before the process-wide compilation cache is turned on
+    if config.enable_return_routed_experts:
+      moe_shape(model)
   if isinstance(model, Model) and num_attention_heads(model) is not None:
     parallel.check_heads(cast(int, num_attention_heads(model)), t)
   # Before anything compiles (loading a model does): every executable then goes to the cache.
@@ -99,6 +102,7 @@ def load_model(
     download_dir=config.download_dir,
     tp=t,
     max_model_len=config.max_model_len,
+    routed_experts=config.enable_return_routed_experts,
   )
   return LoadedModel(built, tokenizer, eos, defaults, cache_dir)
 
@@ -112,11 +116,13 @@ def _load_checkpoint(
   download_dir: str | None,
   tp: int = 1,
   max_model_len: int | None = None,
+  routed_experts: bool = False,
 ) -> tuple[Model, Tokenizer | None, list[int] | None, dict[str, Any]]:
   """Builds the model a path or hub id names (None: the default GGUF file).
 
-  `max_model_len` above the config's `max_position_embeddings` is refused from the config,
-  before any weight is read (the runner checks the model again).
+  `max_model_len` above the config's `max_position_embeddings`, and `routed_experts`
+  (``enable_return_routed_experts``) of a model without MoE layers, are refused from the
+  config, before any weight is read (the runner checks the model again).
 
   Returns:
     ``(model, tokenizer, EOS ids, sampling defaults)``: the given tokenizer or the checkpoint's
@@ -134,6 +140,8 @@ def _load_checkpoint(
     if tp > 1 and isinstance(heads, int):  # refused before any tensor is read, as below
       parallel.check_heads(heads, tp)
     check_max_model_len(max_model_len, config.max_position_embeddings)
+    if routed_experts:
+      moe_shape(config)
     model = load_resolved(resolved, dtype)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None, {}
   directory = resolved.path
@@ -145,10 +153,13 @@ def _load_checkpoint(
       parallel.check_heads(heads, tp)
   if os.path.isfile(config_path):
     # An unsupported variant, then missing weight files, are named before the length check.
-    limit = getattr(config_from_hf(read_hf_config(directory)), "max_position_embeddings", None)
+    hf_config = config_from_hf(read_hf_config(directory))
+    limit = getattr(hf_config, "max_position_embeddings", None)
     weight_files(directory)
     if isinstance(limit, int):
       check_max_model_len(max_model_len, limit)
+    if routed_experts:
+      moe_shape(hf_config)
   model = load_resolved(resolved, dtype)
   if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     tokenizer = Tokenizer.from_pretrained(directory)

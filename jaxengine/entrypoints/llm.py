@@ -102,6 +102,9 @@ class LLM:
       pool of `block_size`-token pages that requests take as they grow, sized by
       `worker/kv_cache_size.py` unless you give its bytes or pages) and its scheduler; see
       `EngineConfig`.
+    enable_return_routed_experts: a mixture-of-experts model's routing, for RL routing
+      replay: each finished completion's `CompletionOutput.routed_experts` holds the experts
+      the router chose at every position (a dense model is refused before loading).
     enforce_eager, trust_remote_code: vLLM's keywords, accepted (bools) and without effect:
       every step is a compiled XLA executable (no CUDA graphs to turn off), and no code from a
       checkpoint is ever run (see `EngineConfig`).

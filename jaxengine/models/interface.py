@@ -51,6 +51,12 @@ path, ``"wq"``) to roles (`jaxengine.models.registry`: column-parallel, row-para
 vocab-parallel, replicated) places the weights on a mesh; without it (and outside the registry)
 every weight is replicated.
 
+Optional: a mixture-of-experts model (a ``config`` with ``moe_layers`` and
+``num_experts_per_tok``) with a ``return_routed_experts`` attribute serves
+``enable_return_routed_experts``: set on the engine's copy, its ``__call__`` returns a third
+value, the ``[1, T, M, k] int32`` experts each token went to at its ``M`` MoE layers
+(`jaxengine.models.Llama`; `jaxengine/worker/routed_experts.py`).
+
 Optional: a `weight_specs()` method returning `jaxengine.models.WeightSpec`s names the
 parameters for `LLM.load_weights` (checkpoint names and layouts); without it the names are the
 dotted NNX paths of the model's state (``"layers.0.attn.wq"``) and tensors are taken whole.

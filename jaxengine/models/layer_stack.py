@@ -36,9 +36,10 @@ def apply_layers(
   kv_cache: PagedKVCache,
   metadata: PagedAttentionMetadata,
   extra: Callable[[int], tuple[Any, ...]] = lambda index: (),
+  outputs: list[Any] | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
   """`x, kv_cache` after every layer, in order: ``x, kv_cache = layer(x, positions, kv_cache,
-  index, metadata, *extra(index))``.
+  index, metadata, *extra(index))``; a layer may return a third value, appended to `outputs`.
 
   Args:
     layers: the decoder layers (each called as above; a layer must not change its own state).
@@ -47,6 +48,8 @@ def apply_layers(
     kv_cache: the `PagedKVCache` (each layer runs on its one-layer view).
     metadata: the step's attention metadata, passed to every layer.
     extra: the further arguments of layer `index` (e.g. its LoRA adapters).
+    outputs: None, or a list to which each layer's third result (if it returns one: a MoE
+      layer's routed experts, `jaxengine.models.llama.DecoderLayer`) is appended, in order.
 
   Returns:
     ``(x, kv_cache)``: the last layer's output and the cache with every layer's keys and values.
@@ -54,6 +57,8 @@ def apply_layers(
   for index, layer in enumerate(layers):
     view, slot = kv_cache.layer_view(index)
     graphdef, weights = nnx.split(layer)
-    x, view = _layer_call(graphdef, weights, x, positions, view, metadata, *extra(index))
+    x, view, *more = _layer_call(graphdef, weights, x, positions, view, metadata, *extra(index))
+    if more and outputs is not None:
+      outputs.append(more[0])
     kv_cache = kv_cache.with_slot(slot, view)
   return x, kv_cache

@@ -235,17 +235,22 @@ class DecoderLayer(nnx.Module):
     self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     sparse = index in config.moe_layers
     self.mlp = (SparseMoeBlock if sparse else MLP)(config, dtype=dtype, rngs=rngs)
+    self.return_routed_experts = False  # see `Llama`
 
-  def __call__(self, x, positions, kv_cache, layer, metadata, lora=None):
-    """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``."""
+  def __call__(self, x, positions, kv_cache, layer, metadata, lora=None, routed_experts=None):
+    """Same arguments as `Attention.__call__`, with ``x`` the residual stream ``[B, T, E]``,
+    and a MoE layer's replayed experts ``[B, T, k]`` (`SparseMoeBlock.routed`; None: its
+    router's). Returns ``(x, kv_cache)``, and a MoE layer's ``[B, T, k] int32`` experts third
+    with ``return_routed_experts``."""
     h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
     x = x + h
     mlp, mlp_in = self.mlp, self.post_attention_norm(x)
-    if lora is not None and isinstance(mlp, MLP):  # no LoRA on a MoE block
-      x = x + mlp(mlp_in, lora)
-    else:
-      x = x + mlp(mlp_in)
-    return x, kv_cache
+    if isinstance(mlp, SparseMoeBlock):  # no LoRA on a MoE block
+      out, experts = mlp.routed(mlp_in, routed_experts)
+      if self.return_routed_experts:
+        return x + out, kv_cache, experts
+      return x + out, kv_cache
+    return x + mlp(mlp_in, lora), kv_cache
 
 
 class Llama(ConfiguredDecoder, nnx.Module):
@@ -272,6 +277,10 @@ class Llama(ConfiguredDecoder, nnx.Module):
       module with ``model.set_attributes(batch_invariant=True)`` (what ``LLM(...,
       batch_invariant=True)`` does to its own copy, with the paged cache's fixed-order
       attention); the attention's own order comes from the cache's backend.
+    return_routed_experts: False (default), or True (set with ``model.set_attributes(
+      return_routed_experts=True)``, what ``LLM(..., enable_return_routed_experts=True)`` does
+      to its own copy) to return the experts each token went to at every MoE layer as a third
+      result of `__call__`.
   """
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -300,6 +309,7 @@ class Llama(ConfiguredDecoder, nnx.Module):
       None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
     self.batch_invariant = False
+    self.return_routed_experts = False
 
   def __call__(
     self,
@@ -309,7 +319,8 @@ class Llama(ConfiguredDecoder, nnx.Module):
     attn_metadata: PagedAttentionMetadata,
     *,
     lora: LoRAInputs | None = None,
-  ) -> tuple[jax.Array, PagedKVCache]:
+    routed_experts: jax.Array | None = None,
+  ) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, jax.Array]:
     """Runs the decoder over the call's tokens, updating the KV cache.
 
     Every layer hands its queries, keys and values to `jaxengine.models.attention.attention`,
@@ -331,15 +342,38 @@ class Llama(ConfiguredDecoder, nnx.Module):
       attn_metadata: this step's `PagedAttentionMetadata`.
       lora: None (default), or the step's LoRA adapters with each flat token's slot
         (`jaxengine.models.lora.LoRAInputs`, one per token).
+      routed_experts: None (default: each MoE layer's router picks), or ``[..., M, k]``
+        integer experts (the tokens' shape, ``M`` MoE layers in order, ``k``
+        ``num_experts_per_tok``) each token is routed to instead (routing replay: the
+        router's softmax still weights them; `jaxengine.models.moe.route`).
 
     Returns:
       ``(hidden, kv_cache)``: ``[..., E]`` hidden states (the tokens' shape) after the final
-      RMSNorm, in the model dtype (feed them to `compute_logits`), and the updated cache.
+      RMSNorm, in the model dtype (feed them to `compute_logits`), and the updated cache; with
+      ``return_routed_experts``, third, the ``[..., M, k] int32`` experts each token went to at
+      each MoE layer (largest router weight first, or the replayed ones).
     """
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [1, T, E]
-    layer_lora = lambda index: (None if lora is None else lora.layer(index),)
-    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, attn_metadata, layer_lora)
+    moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
+
+    def layer_args(index: int) -> tuple:
+      layer_lora = None if lora is None else lora.layer(index)
+      if routed_experts is not None and index in moe_index:  # only when replaying
+        return (layer_lora, routed_experts[..., moe_index[index], :])
+      return (layer_lora,)
+
+    routed: list[jax.Array] = []
+    x, kv_cache = apply_layers(
+      self.layers, x, positions, kv_cache, attn_metadata, layer_args, routed
+    )
+    if self.return_routed_experts:
+      return self.final_norm(x), kv_cache, jnp.stack(routed, axis=-2)  # [..., M, k]
     return self.final_norm(x), kv_cache
+
+  @property
+  def num_moe_layers(self) -> int:
+    """``M``, the layers whose MLP is a mixture of experts (0 for a dense model)."""
+    return len(self.config.moe_layers)
 
   def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
     """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT

@@ -128,7 +128,14 @@ class Routing(NamedTuple):
   experts: jax.Array
 
 
-def route(logits: jax.Array, k: int, *, normalize: bool, batch_invariant: bool = False) -> Routing:
+def route(
+  logits: jax.Array,
+  k: int,
+  *,
+  normalize: bool,
+  batch_invariant: bool = False,
+  experts: jax.Array | None = None,
+) -> Routing:
   """Softmax over the experts in float32, the `k` largest, optionally renormalised.
 
   Args:
@@ -136,6 +143,9 @@ def route(logits: jax.Array, k: int, *, normalize: bool, batch_invariant: bool =
     k: experts per token (static).
     normalize: divide the `k` weights by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``).
     batch_invariant: sums in a fixed order (`jaxengine.reductions.fixed_sum`).
+    experts: None (the `k` largest), or ``[T, k]`` integer experts to use instead (routing
+      replay: the ids an engine returned in ``CompletionOutput.routed_experts``); their
+      weights are still this softmax's probabilities, renormalised as above.
 
   Returns:
     `Routing` with ``[T, k]`` weights and experts.
@@ -146,7 +156,11 @@ def route(logits: jax.Array, k: int, *, normalize: bool, batch_invariant: bool =
     probs = shifted / fixed_sum(shifted, keepdims=True)
   else:
     probs = jax.nn.softmax(x, axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
+  if experts is None:
+    weights, experts = jax.lax.top_k(probs, k)
+  else:  # replayed: the given experts, weighted by the current router
+    experts = experts.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
   if normalize:
     total = fixed_sum(weights, keepdims=True) if batch_invariant else weights.sum(-1, keepdims=True)
     weights = weights / total
@@ -314,13 +328,30 @@ class SparseMoeBlock(nnx.Module):
     self.norm_topk_prob = config.norm_topk_prob
     self.batch_invariant = False
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Maps ``[..., E]`` to ``[..., E]`` in the model dtype."""
+  def __call__(self, x: jax.Array, routed_experts: jax.Array | None = None) -> jax.Array:
+    """Maps ``[..., E]`` to ``[..., E]`` in the model dtype (`routed`'s output alone)."""
+    return self.routed(x, routed_experts)[0]
+
+  def routed(
+    self, x: jax.Array, routed_experts: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """The block's output and the experts each token went to.
+
+    Args:
+      x: ``[..., E]`` the block's input.
+      routed_experts: None (the router's top ``k``), or ``[..., k]`` integer experts to route
+        each token to instead (replay; `route`'s ``experts``).
+
+    Returns:
+      ``([..., E] output in the model dtype, [..., k] int32 experts)``: the experts largest
+      weight first (the router's top ``k``, as `route` orders them), or the replayed ones.
+    """
     lead, width = x.shape[:-1], x.shape[-1]
     k, fixed = self.num_experts_per_tok, self.batch_invariant
     tokens = x.reshape(-1, width)  # [T, E]
     logits = linear(tokens, self.router[...], batch_invariant=fixed)  # [T, X]
-    routing = route(logits, k, normalize=self.norm_topk_prob, batch_invariant=fixed)
+    forced = None if routed_experts is None else routed_experts.reshape(-1, k)
+    routing = route(logits, k, normalize=self.norm_topk_prob, batch_invariant=fixed, experts=forced)
     num_experts = self.router.shape[0]
     assigned = routing.experts.reshape(-1)  # [M], token t's j-th expert at t * k + j
     order = jnp.argsort(assigned, stable=True)  # [M] assignment of each sorted row
@@ -334,7 +365,7 @@ class SparseMoeBlock(nnx.Module):
     combined = per_choice[:, 0] * routing.weights[:, 0, None]
     for j in range(1, k):  # a fixed order of the k terms
       combined = combined + per_choice[:, j] * routing.weights[:, j, None]
-    return combined.astype(x.dtype).reshape(*lead, width)
+    return combined.astype(x.dtype).reshape(*lead, width), routing.experts.reshape(*lead, k)
 
   def _experts(self, name: str, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """`grouped_linear` of the sorted ``[M, in]`` `rows` by expert matrix `name`, with its

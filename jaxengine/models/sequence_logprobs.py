@@ -39,7 +39,13 @@ from jaxengine.reductions import fixed_logsumexp
 __all__ = ["scratch_step", "sequence_logits", "token_logprobs"]
 
 
-def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int = 16) -> jax.Array:
+def token_logprobs(
+  model: nnx.Module,
+  token_ids: jax.Array,
+  *,
+  block_size: int = 16,
+  routed_experts: jax.Array | np.ndarray | None = None,
+) -> jax.Array:
   """``log p(token_ids[b, t + 1] | token_ids[b, :t + 1])`` under the module's current weights.
 
   Equal bit for bit to the raw logprobs ``LLM(model, batch_invariant=True)`` reports for the
@@ -57,6 +63,13 @@ def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int =
       the tokens before it).
     block_size: the engine's ``block_size`` (positions per page; the attention's chunk of 64
       positions is the same for any block size up to 64).
+    routed_experts: None (default: each MoE layer's router picks its top ``k``), or routing
+      replay (R3) for a mixture-of-experts model: ``[B, T - 1, M, k]`` (or ``[B, T, M, k]``)
+      integer experts, ``M`` MoE layers, ``k`` ``num_experts_per_tok``: the experts each
+      position is routed to instead, e.g. the rollout's ``CompletionOutput.routed_experts``
+      (``LLM(..., enable_return_routed_experts=True)``) stacked per sequence. The router's
+      softmax, under the current weights, still weights the given experts (renormalised as the
+      model does). The last position's routing, which predicts nothing here, may be left out.
 
   Returns:
     ``[B, T - 1] float32``: entry ``[b, t]`` is the log-probability of token ``t + 1`` of
@@ -69,18 +82,45 @@ def token_logprobs(model: nnx.Module, token_ids: jax.Array, *, block_size: int =
   Raises:
     ValueError: ``token_ids`` not ``[B, T]`` integers with ``B >= 1`` and ``T >= 2``, ids outside
       the vocabulary (checked when the ids are concrete, not under a trace), ``T``
-      above ``max_position_embeddings``, a model without the ``batch_invariant`` attribute, or
-      ``block_size`` not a positive int.
+      above ``max_position_embeddings``, a model without the ``batch_invariant`` attribute,
+      ``block_size`` not a positive int, or ``routed_experts`` of another shape, not integers,
+      or given for a model without MoE layers.
   """
   token_ids = _checked_token_ids(model, token_ids, min_length=2)
   if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
     raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+  routed = None if routed_experts is None else _checked_routing(model, token_ids, routed_experts)
   graphdef, weights = nnx.split(batch_invariant_model(model))
-  return _token_logprobs(graphdef, weights, token_ids.astype(jnp.int32), block_size)
+  return _token_logprobs(graphdef, weights, token_ids.astype(jnp.int32), block_size, routed)
+
+
+def _checked_routing(model, token_ids: jax.Array, routed_experts) -> jax.Array:
+  """``routed_experts`` as ``[B, T, M, k] int32`` (a missing last position padded with expert
+  0: its output predicts nothing), after `token_logprobs`' checks."""
+  config = getattr(model, "config", None)
+  num_moe_layers = len(getattr(config, "moe_layers", ()) or ())
+  top_k = getattr(config, "num_experts_per_tok", 0)
+  if not num_moe_layers:
+    raise ValueError(f"routed_experts needs a mixture-of-experts model; {type(model).__name__} "
+                     "has no MoE layers")  # fmt: skip
+  routed = jnp.asarray(routed_experts)
+  batch, length = token_ids.shape
+  shapes = [(batch, n, num_moe_layers, top_k) for n in (length - 1, length)]
+  if routed.shape not in shapes or not jnp.issubdtype(routed.dtype, jnp.integer):
+    raise ValueError(
+      f"routed_experts must be [B, T - 1, M, k] or [B, T, M, k] integers ({shapes[0]} or "
+      f"{shapes[1]}), got {routed.dtype} {routed.shape}"
+    )
+  routed = routed.astype(jnp.int32)
+  if routed.shape[1] == length - 1:
+    routed = jnp.pad(routed, ((0, 0), (0, 1), (0, 0), (0, 0)))
+  return routed
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) -> jax.Array:
+def _token_logprobs(
+  graphdef, weights, token_ids: jax.Array, block_size: int, routed_experts: jax.Array | None
+) -> jax.Array:
   """`token_logprobs` of the module ``nnx.merge(graphdef, weights)``, always compiled: XLA:CPU
   contracts a multiply and an add into one rounding inside its fusions, so the op-by-op results
   of an eager call would differ from the engine's compiled step in the last bits."""
@@ -90,7 +130,10 @@ def _token_logprobs(graphdef, weights, token_ids: jax.Array, block_size: int) ->
   metadata, cache = scratch_step(invariant, batch, length, block_size, backend)
   flat_ids = token_ids.reshape(1, batch * length)
   positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]
-  hidden, _ = invariant(flat_ids, positions, cache, metadata)  # [1, B * T, E]
+  replay = {}
+  if routed_experts is not None:  # [B, T, M, k] -> the flat tokens' [1, B * T, M, k]
+    replay["routed_experts"] = routed_experts.reshape(1, batch * length, *routed_experts.shape[2:])
+  hidden, *_ = invariant(flat_ids, positions, cache, metadata, **replay)  # [1, B * T, E]
   hidden = hidden.reshape(batch, length, -1)[:, :-1]  # [B, T - 1, E]: each predicts the next
   logits = invariant.compute_logits(hidden.reshape(batch * (length - 1), -1))  # [B(T-1), V]
   scores = logits.astype(jnp.float32)
@@ -139,7 +182,7 @@ def _sequence_logits(graphdef, weights, token_ids: jax.Array, block_size: int) -
   backend = XlaAttentionBackend(max_context=length)  # a static loop: differentiable
   metadata, cache = scratch_step(model, batch, length, block_size, backend)
   positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)[None]  # [1, B * T]
-  hidden, _ = model(token_ids.reshape(1, batch * length), positions, cache, metadata)
+  hidden, *_ = model(token_ids.reshape(1, batch * length), positions, cache, metadata)
   logits = model.compute_logits(hidden.reshape(batch * length, -1))  # [B * T, V]
   return logits.astype(jnp.float32).reshape(batch, length, -1)
 

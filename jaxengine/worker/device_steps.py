@@ -59,11 +59,12 @@ def ragged_step(
   (dispatched back to back, no host round trip).
 
   Returns:
-    `(state, MultiStepOutput, (kv_cache, prompt LogprobsTensors or None))`.
+    `(state, MultiStepOutput, (kv_cache, prompt LogprobsTensors or None, RoutedExperts or
+    None))`.
   """
   out = forward(state, weights, kv_cache, inputs, prompt_logprobs)
   state, output = sample(state, metadata, out.logits, inputs.produces, num_rows)
-  return state, output, (out.kv_cache, out.prompt_logprobs)
+  return state, output, (out.kv_cache, out.prompt_logprobs, out.routed_experts)
 
 
 def ragged_verify_step(
@@ -74,7 +75,7 @@ def ragged_verify_step(
   holds `k + 1` positions."""
   out = verify(state, weights, kv_cache, inputs, drafts, prompt_logprobs)
   state, output = reject(state, metadata, out.logits, drafts, inputs.produces, num_rows)
-  return state, output, (out.kv_cache, out.prompt_logprobs)
+  return state, output, (out.kv_cache, out.prompt_logprobs, out.routed_experts)
 
 
 _cache: collections.OrderedDict[Any, DeviceSteps] = collections.OrderedDict()

@@ -62,6 +62,7 @@ from jaxengine.worker.outputs import InFlightStep, StepOutput
 from jaxengine.worker.placement import MeshPlacement, placed_step
 from jaxengine.worker.prompt_logprobs import PromptLogprobs
 from jaxengine.worker.ragged_step import RaggedInputs
+from jaxengine.worker.routed_experts import RoutedExpertsStore, check_pages_kept, moe_shape
 from jaxengine.worker.step_inputs import produced_rows, query_starts, ragged_inputs
 from jaxengine.worker.verify_step import RaggedDrafts, ragged_drafts
 from jaxengine.worker.weight_loader import WeightLoader, Weights, prepare_model
@@ -120,10 +121,19 @@ class ModelRunner:
       input_batch.block_table = self.block_table = BlockTable(
         self.max_num_reqs, self.max_num_blocks_per_req, self.kv_cache_groups.num_groups
       )
+    #: The routed experts of every slot (`enable_return_routed_experts`), else None; the last
+    #: k-step loop's, not stored yet (`store_loop_routed_experts`).
+    self.routed_experts: RoutedExpertsStore | None = None
+    self.loop_routed_experts: Any = None
+    if config.enable_return_routed_experts:
+      check_pages_kept(self.kv_cache_groups.frees_pages)
     #: The pool of pages and their number (the null page 0 included), `worker/kv_cache_pool.py`.
     self.kv_cache, self.num_blocks = create_kv_cache(
       spec, config, self.kv_cache_groups, self._placement, self.max_model_len
     )
+    if config.enable_return_routed_experts:
+      slots, (layers, k) = self.num_blocks * self.block_size, moe_shape(model)
+      self.routed_experts = RoutedExpertsStore(slots, layers, k, self.block_size)
     self._sleep = sleep_mode.SleepState()
     self._stop_rules = DeviceStopRules(input_batch, self.max_model_len)
     rows = self._placement.rows if self._placement else 1
@@ -236,6 +246,14 @@ class ModelRunner:
     completion.encoded = None  # the batch's row holds it now
     self._prompt_logprobs.add(completion)
 
+  def read_routed_experts(self, seq_id: str, num_positions: int):
+    """``[num_positions, M, k] int32`` a row's routed experts (`RoutedExpertsStore.read`), None
+    without `enable_return_routed_experts` or the pages that hold them."""
+    index = self.input_batch.req_id_to_index.get(seq_id)
+    if self.routed_experts is None or index is None:
+      return None
+    return self.routed_experts.read(self.block_table.row(index), num_positions)
+
   def remove(self, seq_id: str) -> None:
     """Frees a completion's row (the scheduler frees its pages)."""
     self.input_batch.remove_request(seq_id)
@@ -309,6 +327,8 @@ class ModelRunner:
     """Reads a dispatched step's tokens (waiting for the device) and appends them to the batch
     (`InputBatch.resolve`); returns its `StepOutput` (`req_ids`: the rows at dispatch)."""
     output = self.input_batch.resolve(step.pending)
+    if self.routed_experts is not None and step.pending.extra[2] is not None:
+      self.routed_experts.write(step.pending.extra[2])
     prompt_logprobs = {}
     token_logprobs = step.pending.extra[1]
     if token_logprobs is not None:  # computed when prompt logprobs were wanted
@@ -495,5 +515,13 @@ class ModelRunner:
       num_rows=num_rows,
       num_steps=num_steps,
     )
+    kv_cache, self.loop_routed_experts = cast(tuple, kv_cache)
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
+
+  def store_loop_routed_experts(self) -> None:
+    """Writes the last k-step loop's routed experts to the store: after the step that was in
+    flight when the loop was dispatched is read (the store takes steps in dispatch order)."""
+    routed, self.loop_routed_experts = self.loop_routed_experts, None
+    if self.routed_experts is not None and routed is not None:
+      self.routed_experts.write(routed)

@@ -50,6 +50,7 @@ from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 from jaxengine.params import SamplingParams
 from jaxengine.sample import LogprobsTensors, sample
+from jaxengine.worker.routed_experts import RoutedExperts
 
 
 def device_stop_rules(
@@ -244,10 +245,13 @@ def decode_steps(
       logits, as the ragged step does.
 
   Returns:
-    `(state, MultiStepOutput, kv_cache)`: `sampled_token_ids [k, R]`, logprobs `[k, R, c]`,
-    `num_sampled [R]` the tokens each row appended.
+    `(state, MultiStepOutput, (kv_cache, routed))`: `sampled_token_ids [k, R]`, logprobs `[k,
+    R, c]`, `num_sampled [R]` the tokens each row appended; `routed` the `RoutedExperts` of
+    every iteration's tokens (`[k, R, M, k]`, slots `[k, R]`, `NULL_SLOT` where a row did not
+    compute) with a model whose ``return_routed_experts`` is set, else None.
   """
   model = nnx.merge(graphdef, weights)
+  routing = bool(getattr(model, "return_routed_experts", False))  # static: the graphdef's
   rows_state = state.leading_rows(num_rows)
   rows_metadata = metadata.leading_rows(num_rows)
   block_size = kv_cache.block_size
@@ -267,6 +271,12 @@ def decode_steps(
     ),
     num_sampled=jnp.zeros((num_rows,), jnp.int32),
   )
+  if routing:
+    num_moe_layers, top_k = model.num_moe_layers, model.config.num_experts_per_tok
+    carry["routed"] = RoutedExperts(
+      experts=jnp.zeros((num_steps, num_rows, num_moe_layers, top_k), jnp.int32),
+      slots=jnp.full((num_steps, num_rows), NULL_SLOT, jnp.int32),
+    )
 
   def go_on(c):
     ended = inputs.end_on_first_finish & c["any_finished"]
@@ -278,7 +288,7 @@ def decode_steps(
     token_ids = rows.token_ids[jnp.arange(num_rows), positions]  # [R]
     attention = _decode_metadata(inputs, positions, running, block_size)
     lora = {} if inputs.lora is None else {"lora": inputs.lora}
-    hidden, kv = model(token_ids[None], positions[None], c["kv_cache"], attention, **lora)
+    hidden, kv, *routed = model(token_ids[None], positions[None], c["kv_cache"], attention, **lora)
     logits = model.compute_logits(hidden[0])  # [R, V]: row r's token is flat token r
     step_metadata = dataclasses.replace(rows_metadata, is_live=running)
     rows, output = sample(rows, step_metadata, logits, mesh=mesh)
@@ -292,7 +302,14 @@ def decode_steps(
     finished = running & (~appended | stopped)
     out_of_pages = num_sampled >= inputs.max_num_steps
     step = c["step"]
+    more = {}
+    if routed:  # [1, R, M, k]: row r's token is flat token r
+      more["routed"] = RoutedExperts(
+        experts=c["routed"].experts.at[step].set(routed[0][0]),
+        slots=c["routed"].slots.at[step].set(attention.slot_mapping),
+      )
     return dict(
+      **more,
       step=step + 1,
       state=rows,
       kv_cache=kv,
@@ -307,4 +324,4 @@ def decode_steps(
   output = MultiStepOutput(
     sampled_token_ids=c["tokens"], logprobs=c["logprobs"], num_sampled=c["num_sampled"]
   )
-  return state.with_leading_rows(c["state"]), output, c["kv_cache"]
+  return state.with_leading_rows(c["state"]), output, (c["kv_cache"], c.get("routed"))

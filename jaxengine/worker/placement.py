@@ -173,6 +173,7 @@ class MeshPlacement:
         logits=cast(Any, self.logits_sharding(vocab_size)),
         kv_cache=cache,
         prompt_logprobs=cast(Any, rep),
+        routed_experts=cast(Any, rep),
       ),
     }
 
@@ -202,7 +203,10 @@ class MeshPlacement:
     return {
       "in_shardings": (self.state, self.weights, cache, rep, rep),
       "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
-        logits=cast(Any, rep), kv_cache=cache, prompt_logprobs=cast(Any, rep)
+        logits=cast(Any, rep),
+        kv_cache=cache,
+        prompt_logprobs=cast(Any, rep),
+        routed_experts=cast(Any, rep),
       ),
     }
 
@@ -218,12 +222,12 @@ class MeshPlacement:
 
   def decode_steps_shardings(self) -> dict[str, Any]:
     """`in_shardings` / `out_shardings` of the paged k-step loop: ``(state, metadata, weights,
-    kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, kv_cache)``; the loop's inputs and
-    its output replicated, the cache as created."""
+    kv_cache, DecodeStepsInputs) -> (state, MultiStepOutput, (kv_cache, RoutedExperts or
+    None))``; the loop's inputs and its outputs replicated, the cache as created."""
     rep, cache = self._replicated, self.kv_pages
     return {
       "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
-      "out_shardings": (self.state, rep, cache),
+      "out_shardings": (self.state, rep, (cache, rep)),
     }
 
   @property

@@ -28,6 +28,7 @@ from jaxengine.batch.step_loop import MultiStepOutput
 from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 from jaxengine.sample import LogprobsTensors, gather_logprobs, sample
+from jaxengine.worker.routed_experts import RoutedExperts
 
 
 @jax.tree_util.register_dataclass
@@ -65,11 +66,14 @@ class RaggedForward:
       1, V]` in a verify step).
     kv_cache: the `PagedKVCache` with the step's keys and values written.
     prompt_logprobs: `LogprobsTensors` of `[T, k + 1]` (see `ragged_forward`), or None.
+    routed_experts: the `[T, M, k]` experts of the step's tokens and their slots, when the
+      model returns its routing (`worker/routed_experts.py`), else None.
   """
 
   logits: jax.Array
   kv_cache: Any
   prompt_logprobs: LogprobsTensors | None
+  routed_experts: RoutedExperts | None = None
 
 
 def ragged_forward(
@@ -99,8 +103,8 @@ def ragged_forward(
       whose logits to return (a verify step's `[R, k + 1]`).
 
   Returns:
-    `RaggedForward` (logits `[R, ..., V]`). On a mesh the logits stay sharded over the
-    vocabulary.
+    `RaggedForward` (logits `[R, ..., V]`; routed experts with a model whose
+    ``return_routed_experts`` is set). On a mesh the logits stay sharded over the vocabulary.
   """
   token_ids = state.token_ids[inputs.token_rows, inputs.positions]
   if input_token_ids is not None:
@@ -109,9 +113,12 @@ def ragged_forward(
     logits_indices = inputs.logits_indices
   model = nnx.merge(graphdef, weights)
   lora = {} if inputs.lora is None else {"lora": inputs.lora}
-  hidden, kv_cache = model(
+  hidden, kv_cache, *routing = model(
     token_ids[None], inputs.positions[None], kv_cache, inputs.attention, **lora
   )
+  routed = None
+  if routing:  # [1, T, M, k]: only a model told to return them
+    routed = RoutedExperts(experts=routing[0][0], slots=inputs.attention.slot_mapping)
   logits = model.compute_logits(hidden[0, logits_indices])
   token_logprobs = None
   if prompt_logprobs:
@@ -121,7 +128,9 @@ def ragged_forward(
     token_logprobs = gather_logprobs(
       all_logits, next_token_ids, prompt_logprobs - 1, fixed_order=state.config.batch_invariant
     )
-  return RaggedForward(logits=logits, kv_cache=kv_cache, prompt_logprobs=token_logprobs)
+  return RaggedForward(
+    logits=logits, kv_cache=kv_cache, prompt_logprobs=token_logprobs, routed_experts=routed
+  )
 
 
 def sample_produced(state, metadata, logits, produces, num_rows, mesh=None):

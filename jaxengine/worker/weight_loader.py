@@ -40,6 +40,7 @@ from jaxengine.models.weights import (
 )
 from jaxengine.worker import sleep_mode
 from jaxengine.worker.placement import MeshPlacement, placed_copy
+from jaxengine.worker.routed_experts import routed_experts_model
 
 #: What `load_weights` takes: named tensors, or a whole state (or module) of the float model.
 Weights = Mapping[str, Any] | Iterable[tuple[str, Any]] | nnx.State | nnx.Module
@@ -63,14 +64,16 @@ class PreparedModel:
 
 def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -> PreparedModel:
   """The module the runner serves for `config`, checked against the batch and the mesh: a
-  batch-invariant copy with `batch_invariant`, then (placed on `config.mesh` first, so the
+  batch-invariant copy with `batch_invariant`, a copy returning its routing with
+  `enable_return_routed_experts` (`worker/routed_experts.py`), then (placed on `config.mesh` first, so the
   quantized matrices are made where they live) the quantized copy with `quantization`; the
   caller's module keeps its mode and values.
 
   Raises:
     ValueError: a model that does not implement `Model`, a vocabulary or sizes that differ from
       the batch's, a `max_model_len` above the model's `max_position_embeddings`, a batch
-      without a block table of the right width; on a mesh, a model or batch it cannot split.
+      without a block table of the right width; on a mesh, a model or batch it cannot split;
+      `enable_return_routed_experts` with a model without mixture-of-experts layers.
   """
   check_model(model)
   _check_sizes(model, input_batch, config)
@@ -79,6 +82,8 @@ def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -
     MeshPlacement.check(model, input_batch, mesh, expert_parallel=config.enable_expert_parallel)
   if config.batch_invariant:
     model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
+  if config.enable_return_routed_experts:
+    model = routed_experts_model(model)  # a copy, as above
   # Named by the float model: `load_weights` takes float tensors of the quantized matrices too.
   specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
   quantized: Mapping[LeafPath, QuantizedLeaf] = {}
