@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from jaxengine import parallel
 from jaxengine.aot.cuda import export_for_cuda
 from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
+from jaxengine.aot.fit_advice import not_fitting_message
 from jaxengine.aot.memory_plan import memory_plan
-from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
+from jaxengine.aot.report import build_report, describe_backend
 from jaxengine.aot.topologies import CudaTarget, topology, topology_devices
 from jaxengine.engine_config import EngineConfig
 
@@ -140,8 +141,8 @@ def compile_for_topology(
     temp = max((r["temp_bytes"] for r in results), default=0)
     plan = memory_plan(engine, hbm, temp)
   if not plan.fits:
-    error = not_fitting_message(engine, plan, spec, t)
-  return build_report(engine, spec, plan, results, error, backend_text)
+    error = not_fitting_message(engine, plan, spec, t, d)
+  return build_report(engine, spec, plan, results, error, backend_text, t * d)
 
 
 def _export_devices(topology_name: str, count: int) -> tuple[Any, ...]:
