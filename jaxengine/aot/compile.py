@@ -201,7 +201,7 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
     "bytes_accessed": None,
     "estimated_s": None,
     "estimate_source": NO_COST_ANALYSIS,
-    "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
+    "temp_bytes": step_temp_bytes(memory),
   }
   if not cost:
     return entry
@@ -215,6 +215,21 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
     estimate_source="xla optimal_seconds" if optimal > 0 else "bytes accessed / bandwidth",
   )
   return entry
+
+
+def step_temp_bytes(memory: Any) -> int:
+  """Bytes an executable needs beyond its arguments while it runs, from XLA's
+  `memory_analysis()`: its temporaries (``temp_size_in_bytes``), or its peak less its arguments
+  (``peak_memory_in_bytes - argument_size_in_bytes``: outputs and temporaries live at the
+  peak) where that is more. libtpu reports ``temp_size_in_bytes`` 0 for some executables whose
+  peak is as far above their arguments as their neighbours' (a ragged step with prompt logprobs
+  at one token bucket, for one): the peak keeps the plan from reading no temporary there."""
+  if memory is None:
+    return 0
+  temp = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
+  peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
+  arguments = int(getattr(memory, "argument_size_in_bytes", 0) or 0)
+  return max(temp, peak - arguments if peak else 0)
 
 
 @contextlib.contextmanager

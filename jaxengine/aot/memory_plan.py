@@ -151,6 +151,14 @@ class MemoryPlan:
         high = mid - 1
     return low
 
+  @property
+  def longest_fitting(self) -> int:
+    """The longest `max_model_len` that fits this chip with everything else unchanged: the
+    budget's pages with the default pool, the user's pool when it fits the chip (0 when not)."""
+    if self.fixed_pool is None:
+      return self.longest_request(self.fit_blocks)
+    return self.longest_request(self.num_blocks) if self.total <= self.hbm else 0
+
   def context_bytes(self, tokens: int) -> int:
     """KV bytes a step reads for one request at a context of `tokens`: every full group's
     positions, a window group's last `W` (this device's share)."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxengine.aot.memory_plan import MemoryPlan
 from jaxengine.aot.topologies import Topology, larger_topology
 from jaxengine.worker import buckets as step_buckets
@@ -40,7 +42,11 @@ def describe_backend(engine: Any) -> str:
   it needs, or the XLA path and why; the head split on a mesh)."""
   heads = getattr(getattr(engine.model, "config", None), "num_attention_heads", 0)
   # The pool's page spec: its dtype is the pages' (float8 with `kv_cache_dtype="fp8"`).
-  return str(engine.backend.describe(engine.page_spec, heads))
+  text = str(engine.backend.describe(engine.page_spec, heads))
+  if " pages" not in text:  # a backend that does not name its pages' dtype
+    fp8 = "fp8 " if engine.config.kv_cache_dtype == "fp8" else ""
+    text += f"; {fp8}{jnp.dtype(engine.page_spec.dtype).name} pages"
+  return text
 
 
 def decode_estimates(
@@ -115,6 +121,7 @@ def build_report(
     "topology_chips": spec.num_chips,
     "hbm_bytes_per_device": spec.chip.hbm_bytes,
     "fits": plan.fits and error is None,
+    "memory_fits": plan.fits,
     "error": error,
     "attention_backend": attention_backend,
     "temp_known": bool(results),
@@ -135,9 +142,51 @@ def build_report(
       "budget_blocks": plan.fit_blocks,
       "budget_tokens": plan.budget_tokens,
       "max_model_len": plan.max_model_len,
-      "max_model_len_fit": plan.longest_request(plan.fit_blocks),
+      "max_model_len_fit": plan.longest_fitting,
       "fixed_pool": plan.fixed_pool,
     },
     "executables": results,
     "decode": decode_estimates(engine, spec, plan, results) if error is None else [],
   }
+
+
+def memory_lines(report: dict[str, Any]) -> list[str]:
+  """The report's memory per chip and KV pages as text lines (`jaxengine compile`'s output):
+  what the pages hold in tokens, what the budget would hold, the longest `max_model_len` that
+  fits, and whether the temporaries are known (nothing compiled: the total is a lower bound)."""
+  memory, kv = report["per_device_bytes"], report["kv_cache"]
+  parts = [f"{k} {v / GIB:.2f} GiB" for k, v in memory.items() if k not in ("temp", "total")]
+  if report.get("temp_known", True):
+    parts.insert(2, f"temp {memory['temp'] / GIB:.2f} GiB")
+    parts.append(f"total {memory['total'] / GIB:.2f} GiB")
+  else:
+    parts.insert(2, "temp not known (nothing compiled)")
+    parts.append(f"total at least {memory['total'] / GIB:.2f} GiB")
+  groups = kv["num_groups"]
+  layout = f"{kv['block_size']} tokens of {'every layer' if groups == 1 else 'some layers'}"
+  lines = ["per chip: " + ", ".join(parts)]
+  pages = (
+    f"{kv['num_blocks']} pages ({layout}) x {kv['block_bytes']} bytes = "
+    f"{kv['num_blocks'] * kv['block_bytes'] / GIB:.2f} GiB; {kv['bytes_per_token']} bytes per "
+    "token in every layer"
+  )
+  if groups > 1:
+    pages += f" ({groups} KV cache groups: a token takes a page slot in each)"
+  if kv["fixed_pool"] is not None and not report["memory_fits"]:
+    lines.append(f"KV cache ({kv['fixed_pool']}, does not fit): {pages}")
+  elif not report["memory_fits"]:
+    lines.append(f"KV cache (does not fit): one request of max_model_len needs {pages}")
+  else:
+    lines.append(f"KV cache: {pages}; the pages hold {kv['max_tokens']} tokens (null page out)")
+  if kv["fixed_pool"] is None and kv["budget_blocks"] > kv["num_blocks"]:
+    lines.append(
+      f"  the budget (gpu_memory_utilization) holds {kv['budget_blocks']} pages "
+      f"({kv['budget_tokens']} tokens); the default pool takes what max_num_reqs requests of "
+      "max_model_len need, and a quarter more"
+    )
+  windows = " (sliding-window layers keep their window's pages only)" if groups > 1 else ""
+  lines.append(
+    f"  longest --max-model-len that fits: {kv['max_model_len_fit']}{windows}; "
+    f"this engine's: {kv['max_model_len']}"
+  )
+  return lines
