@@ -78,12 +78,22 @@ def compile_for_topology(
       (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"`` or ``"gpu"``).
 
   Returns:
-    The report (design section 10): ``topology``, ``device_kind``, ``num_devices``,
-    ``hbm_bytes_per_device``, ``fits``, ``error`` (None, or why it does not fit or compile),
-    ``attention_backend``, ``per_device_bytes`` (``weights``, ``kv_cache``, ``temp``,
-    ``other``, ``total``), ``kv_cache`` (``num_blocks``, ``block_size``, ``bytes_per_token``,
-    ``max_tokens``), ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``,
-    ``bytes_accessed``, ``estimated_s``, ``estimate_source``, ``temp_bytes``), ``decode`` (per
+    The report (design section 10): ``topology``, ``device_kind``, ``num_devices`` (the chips
+    the engine uses: ``tensor_parallel_size x data_parallel_size``), ``topology_chips`` (the
+    topology's; the engine takes the first ``num_devices``), ``hbm_bytes_per_device``,
+    ``fits``, ``memory_fits`` (the plan alone), ``error`` (None, or why it does not fit or
+    compile), ``attention_backend`` (with the pages' dtype), ``temp_known`` (False when nothing
+    compiled: ``temp`` is then 0 and ``total`` a lower bound), ``per_device_bytes``
+    (``weights``, ``kv_cache``, ``temp``, ``other``, ``total``), ``kv_cache`` (``num_blocks``,
+    ``block_size``, ``block_bytes`` (``kv_cache == num_blocks x block_bytes``),
+    ``num_groups`` (KV cache groups: a token takes a page slot in each), ``bytes_per_token``
+    (``block_bytes x num_groups / block_size``), ``max_tokens`` (the allocated pages' tokens,
+    the null page left out), ``budget_blocks`` and ``budget_tokens`` (what
+    ``gpu_memory_utilization`` would hold), ``max_model_len``, ``max_model_len_fit`` (the
+    longest that fits, sliding-window groups holding their window only; at most the model's
+    ``max_position_embeddings``), ``fixed_pool`` (``"num_kv_blocks=N"``, ... or None)),
+    ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``, ``bytes_accessed``,
+    ``estimated_s``, ``estimate_source``, ``temp_bytes``: `step_temp_bytes`), ``decode`` (per
     batch: ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``,
     ``method``). A model that does not fit is not compiled (``executables`` empty). On a GPU
     XLA gives no cost analysis: ``flops``, ``bytes_accessed``, ``estimated_s`` and
