@@ -66,7 +66,7 @@ def _changes(
     fits.append("int8 or fp8 weights (--quantization int8, about half the weight bytes)")
   if config.kv_cache_dtype != "fp8" and plan.weights + request / 2 + held <= budget:
     fits.append("fp8 KV pages (--kv-cache-dtype fp8, half the KV bytes)")
-  longest = plan.longest_request(plan.fit_blocks)
+  longest = plan.longest_fitting
   if 0 < longest < plan.max_model_len:
     fits.append(f"a shorter context (--max-model-len {longest} or less)")
   return fits
@@ -87,7 +87,7 @@ def _fixed_pool_message(
     )
     if largest >= plan.needed_blocks:
       fits.append(f"a pool of {plan.needed_blocks} pages or more (--num-kv-blocks)")
-    longest = plan.longest_request(plan.num_blocks)
+    longest = plan.longest_fitting
     if longest > 0:
       fits.append(f"a shorter context (--max-model-len {longest} or less)")
     return text + _would_fit(fits, spec)

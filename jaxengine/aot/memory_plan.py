@@ -61,6 +61,7 @@ class MemoryPlan:
     max_num_batched_tokens: the step's token budget (a window group also keeps one chunk's pages).
     max_model_len: the engine's `max_model_len`.
     max_position_embeddings: the model's limit (the longest `max_model_len` the engine takes).
+    state_bytes_per_token: the batch state's bytes per `max_model_len` token (its token ids).
     hbm: the chip's capacity.
     utilization: `gpu_memory_utilization`.
     fixed_pool: the user's pool size as given (``"num_kv_blocks=..."`` or
@@ -82,6 +83,7 @@ class MemoryPlan:
   max_num_batched_tokens: int | None
   max_model_len: int
   max_position_embeddings: int
+  state_bytes_per_token: int
   hbm: int
   utilization: float
   fixed_pool: str | None = None
@@ -142,22 +144,36 @@ class MemoryPlan:
   def longest_request(self, blocks: int) -> int:
     """The longest `max_model_len` (at most `max_position_embeddings`) whose request fits in
     `blocks` pages beside the null page: 0 when not even one token does."""
-    low, high = 0, self.max_position_embeddings  # request_blocks grows with the tokens
+    return self._longest(lambda tokens: 1 + self.request_blocks(tokens) <= blocks)
+
+  @property
+  def longest_fitting(self) -> int:
+    """The longest `max_model_len` that fits this chip with everything else unchanged (the
+    batch state's token ids grow with it): one request of it in the pages the budget holds
+    then, or with a fixed pool, in that pool while everything fits the chip (0: none does)."""
+
+    def fits(tokens: int) -> bool:
+      other = self.other + self.state_bytes_per_token * (tokens - self.max_model_len)
+      held = self.weights + other + self.temp
+      if self.fixed_pool is not None:
+        blocks = self.num_blocks if held + self.kv_cache <= self.hbm else 0
+      else:
+        blocks = max(int(self.utilization * self.hbm) - held, 0) // self.per_block
+      return 1 + self.request_blocks(tokens) <= blocks
+
+    return self._longest(fits)
+
+  def _longest(self, fits: Any) -> int:
+    """The largest `tokens` in ``[1, max_position_embeddings]`` that `fits` (monotone: true up
+    to some length), 0 when none."""
+    low, high = 0, self.max_position_embeddings
     while low < high:
       mid = (low + high + 1) // 2
-      if 1 + self.request_blocks(mid) <= blocks:
+      if fits(mid):
         low = mid
       else:
         high = mid - 1
     return low
-
-  @property
-  def longest_fitting(self) -> int:
-    """The longest `max_model_len` that fits this chip with everything else unchanged: the
-    budget's pages with the default pool, the user's pool when it fits the chip (0 when not)."""
-    if self.fixed_pool is None:
-      return self.longest_request(self.fit_blocks)
-    return self.longest_request(self.num_blocks) if self.total <= self.hbm else 0
 
   def context_bytes(self, tokens: int) -> int:
     """KV bytes a step reads for one request at a context of `tokens`: every full group's
@@ -205,6 +221,11 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
     num_blocks = fit_blocks = config.kv_cache_memory_bytes // per_block
     fixed_pool = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
   max_model_len = config.resolved_max_model_len
+  token_ids = getattr(engine.batch.state, "token_ids", None)  # [R, max_model_len]
+  per_token = 0
+  if token_ids is not None:
+    shardings = placement.state.token_ids if placement else None
+    per_token = bytes_per_device(engine.sharded(token_ids, shardings)) // max_model_len
   limit = getattr(getattr(engine.model, "config", None), "max_position_embeddings", None)
   return MemoryPlan(
     weights=weights,
@@ -219,6 +240,7 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
     max_num_batched_tokens=config.max_num_batched_tokens,
     max_model_len=max_model_len,
     max_position_embeddings=limit if isinstance(limit, int) else max_model_len,
+    state_bytes_per_token=per_token,
     hbm=hbm,
     utilization=config.gpu_memory_utilization,
     fixed_pool=fixed_pool,
