@@ -53,9 +53,7 @@ def not_fitting_message(
   return text + _would_fit(_changes(engine, plan, spec, sizes), spec)
 
 
-def _changes(
-  engine: Any, plan: MemoryPlan, spec: Topology, sizes: tuple[int, int]
-) -> list[str]:
+def _changes(engine: Any, plan: MemoryPlan, spec: Topology, sizes: tuple[int, int]) -> list[str]:
   """The changes that fit a default-sized pool (see the module)."""
   config = engine.config
   budget = plan.utilization * plan.hbm
@@ -146,8 +144,8 @@ def _tensor_parallel(
       continue
     kv = whole_request / t if kv_heads % t == 0 else whole_request
     if plan.weights * used_chips / t + kv + plan.other + plan.temp <= budget:
-      sizes = f"--tensor-parallel-size {t}" + (f" --data-parallel-size {data}" if data > 1 else "")
-      return [f"{sizes} on {larger} (about {plan.weights * used_chips / t / GIB:.2f} GiB of "
+      flags = f"--tensor-parallel-size {t}" + (f" --data-parallel-size {data}" if data > 1 else "")
+      return [f"{flags} on {larger} (about {plan.weights * used_chips / t / GIB:.2f} GiB of "
               "weights per chip)"]  # fmt: skip
   return []
 

@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxengine.aot.memory_plan import MemoryPlan
-from jaxengine.aot.topologies import Topology, larger_topology
+from jaxengine.aot.topologies import Topology
 from jaxengine.worker import buckets as step_buckets
 
 GIB = float(1 << 30)
