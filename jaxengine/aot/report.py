@@ -177,7 +177,8 @@ def memory_lines(report: dict[str, Any]) -> list[str]:
   elif not report["memory_fits"]:
     lines.append(f"KV cache (does not fit): one request of max_model_len needs {pages}")
   else:
-    lines.append(f"KV cache: {pages}; the pages hold {kv['max_tokens']} tokens (null page out)")
+    held = "" if groups == 1 else " of every layer (a request past a window takes fewer)"
+    lines.append(f"KV cache: {pages}; the pages hold {kv['max_tokens']} tokens{held}")
   if kv["fixed_pool"] is None and kv["budget_blocks"] > kv["num_blocks"]:
     lines.append(
       f"  the budget (gpu_memory_utilization) holds {kv['budget_blocks']} pages "
