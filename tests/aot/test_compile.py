@@ -191,14 +191,14 @@ def test_the_whole_precompile_set_compiles_and_is_planned(reports):
 
 def test_tensor_parallelism_quarters_the_weights_and_fp8_pages_double_the_tokens(reports):
   """The plan alone (nothing compiled) of Llama-3.1-8B's config: it does not fit one v5e chip;
-  over four each holds a quarter of the weights and it fits; float8 pages hold twice the tokens
-  of bfloat16 ones in the same memory."""
+  over four each holds a quarter of the weights and it fits; the budget holds twice the tokens
+  in float8 pages as in bfloat16 ones."""
   tp1, tp4, fp8 = reports["plan/tp1"], reports["plan/tp4"], reports["plan/fp8"]
   weights1, weights4 = tp1["per_device_bytes"]["weights"], tp4["per_device_bytes"]["weights"]
   assert weights1 > 14 * 2**30 and not tp1["fits"] and tp4["fits"]
   assert 0.25 <= weights4 / weights1 < 0.2501  # the norms stay whole on every chip
   assert tp4["num_devices"] == 4 and tp1["num_devices"] == 1
-  tokens, fp8_tokens = tp4["kv_cache"]["max_tokens"], fp8["kv_cache"]["max_tokens"]
+  tokens, fp8_tokens = tp4["kv_cache"]["budget_tokens"], fp8["kv_cache"]["budget_tokens"]
   assert fp8["kv_cache"]["bytes_per_token"] * 2 == tp4["kv_cache"]["bytes_per_token"]
   assert 1.95 < fp8_tokens / tokens < 2.05
 
