@@ -124,7 +124,8 @@ def build_report(
     "memory_fits": plan.fits,
     "error": error,
     "attention_backend": attention_backend,
-    "temp_known": bool(results),
+    # An exported executable (`export_only`) has no memory analysis: its temp is not known.
+    "temp_known": bool(results) and not any("triton_kernels" in r for r in results),
     "per_device_bytes": {
       "weights": plan.weights,
       "kv_cache": plan.kv_cache,
