@@ -123,9 +123,10 @@ def _tensor_parallel(
   request: int,
   budget: float,
 ) -> list[str]:
-  """The smallest tensor-parallel size above the engine's that the model's query heads divide,
-  a named topology of `chip` has (with the data-parallel groups), and that fits: its advice (the
-  weights split evenly, as all but the norms are)."""
+  """The smallest tensor-parallel size above the engine's that the model's query heads (and with
+  expert parallelism its experts) divide, a named topology of `chip` has (with the
+  data-parallel groups), and that fits: its advice (the weights split evenly, as all but the
+  norms are)."""
   used_chips, data = sizes
   model_config = getattr(engine.model, "config", None)
   heads = getattr(model_config, "num_attention_heads", None)
@@ -136,9 +137,12 @@ def _tensor_parallel(
     most = max((s.num_chips for s in TOPOLOGIES.values() if s.chip == chip), default=1)
   # The pool is split over the model axis when it divides the KV heads, else replicated.
   whole_request = request * used_chips if used_chips > 1 and kv_heads % used_chips == 0 else request
+  experts = getattr(model_config, "num_experts", 0) if engine.config.enable_expert_parallel else 0
+  heads = heads if isinstance(heads, int) else 0  # unknown: the engine checks none
+  experts = experts if isinstance(experts, int) and experts > 0 else 1
   for t in range(used_chips + 1, most // data + 1):
-    if isinstance(heads, int) and heads % t:
-      continue
+    if heads % t or (experts > 1 and experts % t):
+      continue  # the engine refuses it (`MeshPlacement.check`)
     larger = larger_topology(chip, t * data)
     if larger is None:
       continue
