@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from jaxengine import parallel
 from jaxengine.aot.cuda import export_for_cuda
 from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
+from jaxengine.aot.fit_advice import not_fitting_message
 from jaxengine.aot.memory_plan import memory_plan
 from jaxengine.aot.model_source import config_directory
-from jaxengine.aot.report import build_report, describe_backend, not_fitting_message
+from jaxengine.aot.report import build_report, describe_backend
 from jaxengine.aot.topologies import CudaTarget, topology, topology_devices
 from jaxengine.engine_config import engine_config
 from jaxengine.models.registry import hf_architecture
@@ -90,17 +91,28 @@ def compile_for_topology(
       (`worker/kv_cache_pool.py`'s `choose_backend` for ``"tpu"`` or ``"gpu"``).
 
   Returns:
-    The report (docs/parallelism.md, "Compiling for a TPU before renting one"): ``topology``,
-    ``device_kind``, ``num_devices``, ``hbm_bytes_per_device``, ``fits``, ``error`` (None, or
-    why it does not fit or compile), ``attention_backend``, ``per_device_bytes``
-    (``weights``, ``kv_cache``, ``temp``, ``other``, ``total``), ``kv_cache``
-    (``num_blocks``, ``block_size``, ``bytes_per_token``, ``max_tokens``), ``executables``
-    (``name``, ``shape``, ``compile_s``, ``flops``, ``bytes_accessed``, ``estimated_s``,
-    ``estimate_source``, ``temp_bytes``), ``decode`` (per batch: ``estimated_step_s``,
-    ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``, ``method``). A model that does not
-    fit is not compiled (``executables`` empty). On a GPU XLA gives no cost analysis:
-    ``flops``, ``bytes_accessed``, ``estimated_s`` and ``flops_floor_s`` are None,
-    ``estimate_source`` says so, and a decode step's estimate is its memory floor.
+    The report (docs/parallelism.md, "Compiling for a TPU before renting one"):
+    ``topology``, ``device_kind``, ``num_devices`` (the chips
+    the engine uses: ``tensor_parallel_size x data_parallel_size``), ``topology_chips`` (the
+    topology's; the engine takes the first ``num_devices``), ``hbm_bytes_per_device``,
+    ``fits``, ``memory_fits`` (the plan alone), ``error`` (None, or why it does not fit or
+    compile), ``attention_backend`` (with the pages' dtype), ``temp_known`` (False when nothing
+    compiled: ``temp`` is then 0 and ``total`` a lower bound), ``per_device_bytes``
+    (``weights``, ``kv_cache``, ``temp``, ``other``, ``total``), ``kv_cache`` (``num_blocks``,
+    ``block_size``, ``block_bytes`` (``kv_cache == num_blocks x block_bytes``),
+    ``num_groups`` (KV cache groups: a token takes a page slot in each), ``bytes_per_token``
+    (``block_bytes x num_groups / block_size``), ``max_tokens`` (the allocated pages' tokens,
+    the null page left out), ``budget_blocks`` and ``budget_tokens`` (what
+    ``gpu_memory_utilization`` would hold), ``max_model_len``, ``max_model_len_fit`` (the
+    longest that fits, sliding-window groups holding their window only; at most the model's
+    ``max_position_embeddings``), ``fixed_pool`` (``"num_kv_blocks=N"``, ... or None)),
+    ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``, ``bytes_accessed``,
+    ``estimated_s``, ``estimate_source``, ``temp_bytes``: `step_temp_bytes`), ``decode`` (per
+    batch: ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``,
+    ``method``). A model that does not fit is not compiled (``executables`` empty). On a GPU
+    XLA gives no cost analysis: ``flops``, ``bytes_accessed``, ``estimated_s`` and
+    ``flops_floor_s`` are None, ``estimate_source`` says so, and a decode step's estimate is
+    its memory floor.
 
   Raises:
     ValueError: an unknown topology (naming the known ones), a dtype outside those above,
@@ -161,8 +173,8 @@ def compile_for_topology(
     temp = max((r["temp_bytes"] for r in results), default=0)
     plan = memory_plan(engine, hbm, temp)
   if not plan.fits:
-    error = not_fitting_message(engine, plan, spec, t)
-  return build_report(engine, spec, plan, results, error, backend_text)
+    error = not_fitting_message(engine, plan, spec, t, d)
+  return build_report(engine, spec, plan, results, error, backend_text, t * d)
 
 
 def _weights_dtype(dtype: str, hf: dict[str, Any]) -> Any:
@@ -237,7 +249,7 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
     "bytes_accessed": None,
     "estimated_s": None,
     "estimate_source": NO_COST_ANALYSIS,
-    "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0),
+    "temp_bytes": step_temp_bytes(memory),
   }
   if not cost:
     return entry
@@ -251,6 +263,21 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
     estimate_source="xla optimal_seconds" if optimal > 0 else "bytes accessed / bandwidth",
   )
   return entry
+
+
+def step_temp_bytes(memory: Any) -> int:
+  """Bytes an executable needs beyond its arguments while it runs, from XLA's
+  `memory_analysis()`: its temporaries (``temp_size_in_bytes``), or its peak less its arguments
+  (``peak_memory_in_bytes - argument_size_in_bytes``: outputs and temporaries live at the
+  peak) where that is more. libtpu reports ``temp_size_in_bytes`` 0 for some executables whose
+  peak is as far above their arguments as their neighbours' (a ragged step with prompt logprobs
+  at one token bucket, for one): the peak keeps the plan from reading no temporary there."""
+  if memory is None:
+    return 0
+  temp = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
+  peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
+  arguments = int(getattr(memory, "argument_size_in_bytes", 0) or 0)
+  return max(temp, peak - arguments if peak else 0)
 
 
 @contextlib.contextmanager

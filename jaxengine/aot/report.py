@@ -5,8 +5,8 @@ Decode estimates, per batch `b` of `DECODE_BATCHES` at a context of `DECODE_CONT
 capped by fit: at most `max_num_reqs`, and at most the requests whose KV the chip holds (a capped
 batch runs in the bucket above it):
 
-- ``memory_floor_s``: (weight bytes + b x context x KV bytes per token) / HBM bandwidth, per
-  device: what one decode step must read at least.
+- ``memory_floor_s``: (weight bytes + b x the context's KV bytes) / HBM bandwidth, per device:
+  what one decode step must read at least (a sliding-window layer reads its window's only).
 - ``flops_floor_s``: the compiled step's flops (XLA's count, attention's excluded) / the chip's
   peak bfloat16 rate.
 - ``estimated_step_s``: the decode step's model part (the ragged step at its bucket) and the
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxengine.aot.memory_plan import MemoryPlan
-from jaxengine.aot.topologies import Topology, larger_topology
+from jaxengine.aot.topologies import Topology
 from jaxengine.worker import buckets as step_buckets
 
 GIB = float(1 << 30)
@@ -39,7 +41,12 @@ def describe_backend(engine: Any) -> str:
   """What the chip will run for attention: the backend's `describe` (the kernel and the padding
   it needs, or the XLA path and why; the head split on a mesh)."""
   heads = getattr(getattr(engine.model, "config", None), "num_attention_heads", 0)
-  return str(engine.backend.describe(engine.model.kv_cache_spec, heads))
+  # The pool's page spec: its dtype is the pages' (float8 with `kv_cache_dtype="fp8"`).
+  text = str(engine.backend.describe(engine.page_spec, heads))
+  if " pages" not in text:  # a backend that does not name its pages' dtype
+    fp8 = "fp8 " if engine.config.kv_cache_dtype == "fp8" else ""
+    text += f"; {fp8}{jnp.dtype(engine.page_spec.dtype).name} pages"
+  return text
 
 
 def decode_estimates(
@@ -57,7 +64,7 @@ def decode_estimates(
   context = min(DECODE_CONTEXT, config.resolved_max_model_len)
   bandwidth, peak = spec.chip.hbm_bandwidth, spec.chip.peak_flops
   rows = []
-  capped = [min(b, config.max_num_reqs, plan.max_tokens // context) for b in DECODE_BATCHES]
+  capped = [min(b, config.max_num_reqs, plan.requests_fit(context)) for b in DECODE_BATCHES]
   for batch in sorted(set(capped)):
     if batch < 1:
       continue
@@ -66,7 +73,7 @@ def decode_estimates(
     sample = by_shape.get(("sample", f"rows={num_rows}"))
     if step is None or sample is None:
       continue
-    kv_bytes = batch * context * plan.bytes_per_token
+    kv_bytes = batch * plan.context_bytes(context)
     floor = (plan.weights + kv_bytes) / bandwidth
     if step["flops"] is None or sample["flops"] is None:  # no cost analysis: bytes alone
       estimated, flops_floor = floor, None
@@ -103,17 +110,22 @@ def build_report(
   results: list[dict[str, Any]],
   error: str | None,
   attention_backend: str,
+  num_chips_used: int = 1,
 ) -> dict[str, Any]:
-  """The report's dict (design section 10; `compile_for_topology` documents the fields)."""
-  devices = engine.mesh.devices.size if engine.mesh is not None else 1
+  """The report's dict (design section 10; `compile_for_topology` documents the fields);
+  `num_chips_used` is the mesh's ``tensor_parallel_size x data_parallel_size``."""
   return {
     "topology": spec.name,
     "device_kind": spec.chip.device_kind,
-    "num_devices": devices,
+    "num_devices": num_chips_used,
+    "topology_chips": spec.num_chips,
     "hbm_bytes_per_device": spec.chip.hbm_bytes,
     "fits": plan.fits and error is None,
+    "memory_fits": plan.fits,
     "error": error,
     "attention_backend": attention_backend,
+    # An exported executable (`export_only`) has no memory analysis: its temp is not known.
+    "temp_known": bool(results) and not any("triton_kernels" in r for r in results),
     "per_device_bytes": {
       "weights": plan.weights,
       "kv_cache": plan.kv_cache,
@@ -124,43 +136,59 @@ def build_report(
     "kv_cache": {
       "num_blocks": plan.num_blocks,
       "block_size": plan.block_size,
+      "block_bytes": plan.per_block,
+      "num_groups": plan.num_groups,
       "bytes_per_token": plan.bytes_per_token,
       "max_tokens": plan.max_tokens,
+      "budget_blocks": plan.fit_blocks,
+      "budget_tokens": plan.budget_tokens,
+      "max_model_len": plan.max_model_len,
+      "max_model_len_fit": plan.longest_fitting,
+      "fixed_pool": plan.fixed_pool,
     },
     "executables": results,
     "decode": decode_estimates(engine, spec, plan, results) if error is None else [],
   }
 
 
-def not_fitting_message(engine: Any, plan: MemoryPlan, spec: Topology, used_chips: int) -> str:
-  """Why the engine does not fit one chip and what would: the GiB it needs per chip, the
-  capacity, and the changes that fit (more chips, int8 weights, fp8 pages, a shorter context)."""
-  config, name, chip = engine.config, spec.name, spec.chip
-  budget = plan.utilization * plan.hbm
-  request = plan.needed_blocks * plan.per_block
-  fixed = plan.other + plan.temp
-  text = (
-    f"does not fit {name}: needs {plan.needed / GIB:.2f} GiB per chip (weights "
-    f"{plan.weights / GIB:.2f} GiB, one request of max_model_len={config.resolved_max_model_len} "
-    f"tokens {request / GIB:.2f} GiB of KV pages, batch state and temporaries "
-    f"{fixed / GIB:.2f} GiB); a {plan.hbm / GIB:.0f} GiB chip at gpu_memory_utilization="
-    f"{plan.utilization} holds {budget / GIB:.2f} GiB"
+def memory_lines(report: dict[str, Any]) -> list[str]:
+  """The report's memory per chip and KV pages as text lines (`jaxengine compile`'s output):
+  what the pages hold in tokens, what the budget would hold, the longest `max_model_len` that
+  fits, and whether the temporaries are known (nothing compiled: the total is a lower bound)."""
+  memory, kv = report["per_device_bytes"], report["kv_cache"]
+  parts = [f"{k} {v / GIB:.2f} GiB" for k, v in memory.items() if k not in ("temp", "total")]
+  if report.get("temp_known", True):
+    parts.insert(2, f"temp {memory['temp'] / GIB:.2f} GiB")
+    parts.append(f"total {memory['total'] / GIB:.2f} GiB")
+  else:
+    parts.insert(2, "temp not known (nothing compiled)")
+    parts.append(f"total at least {memory['total'] / GIB:.2f} GiB")
+  groups = kv["num_groups"]
+  layout = f"{kv['block_size']} tokens of {'every layer' if groups == 1 else 'some layers'}"
+  lines = ["per chip: " + ", ".join(parts)]
+  pages = (
+    f"{kv['num_blocks']} pages ({layout}) x {kv['block_bytes']} bytes = "
+    f"{kv['num_blocks'] * kv['block_bytes'] / GIB:.2f} GiB; {kv['bytes_per_token']} bytes per "
+    "token in every layer"
   )
-  fits = []
-  for t in (2, 4, 8):
-    larger = larger_topology(chip, t)
-    if t > used_chips and larger and (plan.weights + request) / t * used_chips + fixed <= budget:
-      fits.append(f"--tensor-parallel-size {t} on {larger}")
-      break
-  quantized = config.quantization is not None
-  if not quantized and plan.weights / 2 + request + fixed <= budget:
-    fits.append("int8 or fp8 weights (--quantization int8, about half the weight bytes)")
-  if config.kv_cache_dtype != "fp8" and plan.weights + request / 2 + fixed <= budget:
-    fits.append("fp8 KV pages (--kv-cache-dtype fp8, half the KV bytes)")
-  room = budget - plan.weights - fixed - plan.per_block
-  tokens = int(room // max(plan.bytes_per_token, 1)) // plan.block_size * plan.block_size
-  if tokens >= plan.block_size:
-    fits.append(f"a shorter context (--max-model-len {tokens} or less)")
-  if not fits:
-    fits.append(f"nothing on {name} ({spec.num_chips} chips): a larger topology")
-  return text + ". Would fit: " + "; ".join(fits) + "."
+  if groups > 1:
+    pages += f" ({groups} KV cache groups: a token takes a page slot in each)"
+  if kv["fixed_pool"] is not None and not report["memory_fits"]:
+    lines.append(f"KV cache ({kv['fixed_pool']}, does not fit): {pages}")
+  elif not report["memory_fits"]:
+    lines.append(f"KV cache (does not fit): one request of max_model_len needs {pages}")
+  else:
+    held = "" if groups == 1 else " of every layer (a request past a window takes fewer)"
+    lines.append(f"KV cache: {pages}; the pages hold {kv['max_tokens']} tokens{held}")
+  if kv["fixed_pool"] is None and kv["budget_blocks"] > kv["num_blocks"]:
+    lines.append(
+      f"  the budget (gpu_memory_utilization) holds {kv['budget_blocks']} pages "
+      f"({kv['budget_tokens']} tokens); the default pool takes what max_num_reqs requests of "
+      "max_model_len need, and a quarter more"
+    )
+  windows = " (sliding-window layers keep their window's pages only)" if groups > 1 else ""
+  lines.append(
+    f"  longest --max-model-len that fits: {kv['max_model_len_fit']}{windows}; "
+    f"this engine's: {kv['max_model_len']}"
+  )
+  return lines

@@ -204,16 +204,14 @@ def _scaled(value: float | None, unit: float, digits: int = 2) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
   """The report as text: the chip, the memory per chip, each executable and the estimates."""
+  from jaxengine.aot.report import memory_lines
+
   gib = float(1 << 30)
-  memory = report["per_device_bytes"]
-  kv = report["kv_cache"]
   lines = [
-    f"{report['topology']}: {report['num_devices']} x {report['device_kind']}, "
-    f"{report['hbm_bytes_per_device'] / gib:.0f} GiB HBM each; attention: "
-    f"{report['attention_backend']}",
-    "per chip: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in memory.items()),
-    f"KV cache: {kv['num_blocks']} pages of {kv['block_size']} tokens, {kv['bytes_per_token']} "
-    f"bytes per token, {kv['max_tokens']} tokens fit",
+    f"{report['topology']}: {report['num_devices']} of its {report['topology_chips']} "
+    f"{report['device_kind']} chips used, {report['hbm_bytes_per_device'] / gib:.0f} GiB HBM "
+    f"each; attention: {report['attention_backend']}",
+    *memory_lines(report),
     f"{'executable':<18} {'shape':<40} {'compile s':>9} {'GFLOP':>10} {'GB':>9} {'est. ms':>9}",
   ]
   for e in report["executables"]:

@@ -8,6 +8,8 @@ tunix_sampling.py    Tunix's prompt padding and `RolloutConfig` as the engine's 
 tunix_logprobs.py    teacher-forced logprobs of completions under the engine's weights
 tunix_config.py      Tunix's Llama 3 / Qwen2 / Qwen3 (dense, MoE) / Gemma / Gemma 3 configs as the
                      engine model's configs
+tunix_weight_sync.py the rollout's weight sync with versions, and pause / resume for Tunix's
+                     asynchronous pipeline
 tunix_weights.py     Tunix's weights as the engine model's leaves (its configs re-exported)
 tunix_lora.py        a qwix LoRA actor's pairs as an engine LoRA adapter
 

@@ -135,7 +135,8 @@ class PallasTpuAttentionBackend(AttentionBackend):
       )
     storage = FP8_KV_DTYPE if is_fp8_pages(spec.dtype) else spec.dtype
     kv_heads = tpu_kv_heads(spec.num_kv_heads, storage)
-    notes = [f"{jnp.dtype(storage).name} pages"]
+    fp8 = "fp8 " if is_fp8_pages(spec.dtype) else ""
+    notes = [f"{fp8}{jnp.dtype(storage).name} pages"]
     if head_dim != spec.head_dim:
       notes.append(f"head_dim {spec.head_dim} padded to {head_dim}")
     if kv_heads != spec.num_kv_heads:

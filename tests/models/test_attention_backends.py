@@ -448,7 +448,7 @@ def test_describe_says_what_each_backend_runs():
     "pallas ragged paged attention (bfloat16 pages, head_dim 64 padded to 128, 3 KV heads "
     "padded to 4 (9 query heads to 12))"
   )
-  assert tpu.describe(llama, 32) == "pallas ragged paged attention (float8_e4m3fn pages)"
+  assert tpu.describe(llama, 32) == "pallas ragged paged attention (fp8 float8_e4m3fn pages)"
   assert tpu.describe(gemma, 8).startswith(
     "XLA paged attention (the Pallas ragged paged attention kernel refuses head_dim 256"
   )
