@@ -431,9 +431,8 @@ class EngineCore:
     Its request reports it in the step's outputs or `pop_finished`. Its routed experts are read
     first, while its pages hold them (`ModelRunner.read_routed_experts`)."""
     if self.config.enable_return_routed_experts:  # the step in flight's are not stored yet
-      unstored = (
-        self._in_flight.step.num_counted_tokens(completion.seq_id) if self._in_flight else 0
-      )
+      in_flight = self._in_flight.step if self._in_flight is not None else None
+      unstored = in_flight.num_counted_tokens(completion.seq_id) if in_flight is not None else 0
       completion.routed_experts = self.runner.read_routed_experts(completion, unstored)
     self.scheduler.finish(completion)
     self.runner.remove(completion.seq_id)

@@ -13,16 +13,17 @@ served module and `load_weights` (`worker/weight_loader.py`), the LoRA manager
 (`worker/lora_loader.py`), the pool's backend and size (`worker/kv_cache_pool.py`), the jitted
 steps (`worker/device_steps.py`: pure functions of model structure, shapes and shardings,
 buildable without device arrays), each step's inputs (`worker/step_inputs.py`, `multi_step.py`,
-`verify_step.py`), prompt logprobs (`worker/prompt_logprobs.py`), the buckets
+`verify_step.py`), prompt logprobs (`worker/prompt_logprobs.py`), routed experts
+(`worker/routed_experts.py`), precompiling (`worker/precompile.py`), the buckets
 (`worker/buckets.py`) and sleep (`worker/sleep_mode.py`: buffers freed and put back with the same
 shapes, shardings and commitment, so waking compiles nothing).
 
 Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
 bucket) reached (`step_buckets`; with prompt logprobs another executable), one sampler step per
 row bucket, with `speculative_config` one verify step per (token bucket, row bucket), with
-`num_decode_steps` k > 1 one k-step decode loop per row bucket; `worker/precompile.py` runs them all. With
-`reuse_compiled_shapes`, a step whose bucket has not compiled yet runs in a larger compiled one
-for its first few uses (`StepShapes`). The block-table width is fixed at
+`num_decode_steps` k > 1 one k-step decode loop per row bucket; `worker/precompile.py` runs them
+all. With `reuse_compiled_shapes`, a step whose bucket has not compiled yet runs in a larger
+compiled one for its first few uses (`StepShapes`). The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs). On a mesh (`EngineConfig.mesh`) weights, pages and batch state are placed
 once (`worker/placement.py`) and every step declares those shardings, so serving compiles nothing
@@ -363,8 +364,8 @@ class ModelRunner:
     num_new_tokens: list[int] | None = None,
   ) -> PendingStep[HostMultiStepOutput]:
     """Dispatches the ragged step (the verify step with `drafts`) through
-    `InputBatch.dispatch_step`, the one call site of `dispatch` and `worker/precompile.py`; keeps the new
-    cache. The pending step's `extra` is `(kv_cache, prompt LogprobsTensors or None)`."""
+    `InputBatch.dispatch_step`, the one call site of `dispatch` and `worker/precompile.py`; keeps
+    the new cache. The pending step's `extra` is `(kv_cache, prompt LogprobsTensors or None)`."""
     # The runner's attributes, read now: a test may wrap one (`tests/test_engine.py`).
     if drafts is None:
       step = functools.partial(ragged_step, self.ragged_forward, self.sample_produced)
