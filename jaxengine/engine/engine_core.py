@@ -353,7 +353,7 @@ class EngineCore:
     running = dict(scheduler.running)
     decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, running, waiting)
     outputs = self._collect_in_flight()
-    self.runner.store_loop_routed_experts()  # after the step before it
+    self.runner.store_loop_routed_experts()  # after the step before it, before its finishes
     num_sampled = decoded.sampled.num_sampled.tolist()
     computed = dict(zip(decoded.req_ids, num_sampled))
     counts = {seq_id: computed[seq_id] for seq_id in scheduled.num_decode_steps}

@@ -479,13 +479,14 @@ class ModelRunner:
       num_steps=num_steps,
     )
     kv_cache, routed = cast(tuple, kv_cache)
-    if self.routed_experts is not None:  # stored after the step in flight (`store_loop_...`)
+    if self.routed_experts is not None:  # stored by `store_loop_routed_experts`
       self.routed_experts.hold(routed)
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
 
   def store_loop_routed_experts(self) -> None:
     """Stores the last k-step loop's routed experts (`RoutedExpertsStore.write_held`): call once
-    the step that was in flight when the loop was dispatched is collected."""
+    the step that was in flight when the loop was dispatched is collected, and before the loop's
+    tokens are applied (a completion finishing with them reads them)."""
     if self.routed_experts is not None:
       self.routed_experts.write_held()
