@@ -23,12 +23,13 @@ keys and values are. That makes every way a position reaches the cache right at 
   the new pages.
 
 A completion's experts are read when it finishes (`EngineCore._finish`: stopped, or aborted, by
-`abort_request` or a pause with mode "abort"), through its block table: positions ``0 .. n - 1``
-(`num_readable_positions`: ``num_tokens - 1`` once its last step is stored, its last token has
-not been fed through the model; fewer when it is aborted, the positions computed and stored so
-far). A completion aborted while waiting to be recomputed after a preemption reports the
-positions recomputed so far, an empty ``[0, M, k]`` array when none (as one aborted before any of
-its prompt was computed); one aborted before it was admitted (no row) reports None.
+`abort_request` or a pause with mode "abort"), through its block table: positions ``0 .. n - 1``,
+``n`` its `num_readable_positions` (``num_tokens - 1`` when it stops: its last token has not been
+fed through the model; when it is aborted, the positions computed and stored so far). A
+completion aborted while waiting to be recomputed after a preemption reports the positions
+recomputed so far, an empty ``[0, M, k]`` array when none (as one aborted before any of its
+prompt was computed or found in the prefix cache); one aborted before it was admitted (no row)
+reports None.
 
 Memory: ``num_blocks * block_size * M * k * 4`` bytes of host memory (Qwen3-30B-A3B, 48 layers of
 8 experts: 1.5 KiB per cached token, against its 96 KiB of bfloat16 keys and values), nothing on
