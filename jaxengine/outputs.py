@@ -76,8 +76,9 @@ class CompletionOutput:
       not been fed): row ``p`` holds position ``p``'s ``num_experts_per_tok`` experts at each
       MoE layer in order, largest router weight first (the router's top-k, as transformers
       computes it). Prompt positions are included, those of a cached prefix too. Set once the
-      completion finishes (an aborted one: its positions so far); None while it runs, without
-      the flag, or when its pages no longer held them (`jaxengine/worker/routed_experts.py`).
+      completion finishes (an aborted one: its positions computed so far, after a preemption
+      those recomputed); None while it runs, without the flag, or when it was aborted before it
+      was admitted (`jaxengine/worker/routed_experts.py`).
       Replay them with `jaxengine.models.token_logprobs(..., routed_experts=)`.
   """
 

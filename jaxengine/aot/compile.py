@@ -4,7 +4,7 @@ GPUs, from a model's ``config.json`` alone, with its memory planned per chip (de
 
 libtpu compiles for a topology's devices without a TPU (`aot/topologies.py`), the CUDA plugin
 for a GPU's without a GPU (`aot/cuda.py`: XLA:GPU's whole pipeline to a cubin, autotuning
-skipped). The executables are the engine's own (`aot/executables.py`: `ModelRunner.precompile`'s
+skipped). The executables are the engine's own (`aot/executables.py`: `worker/precompile.py`'s
 set, with the runner's shardings); each is lowered with the topology's first device as JAX's
 default device (Mosaic, the Pallas TPU compiler, reads the target chip from it) and compiled by
 XLA:TPU, which reports its flops, bytes and memory, or by XLA:GPU, which reports the memory only

@@ -1,4 +1,4 @@
-"""The engine's executables as shapes: what `ModelRunner.precompile` compiles, built from a
+"""The engine's executables as shapes: what `worker/precompile.py` compiles, built from a
 model's ``config.json`` alone and placed on devices that need hold no array (a TPU topology's).
 
 `abstract_engine` builds what a runner holds, abstractly: the model from its config under
@@ -7,7 +7,7 @@ model's ``config.json`` alone and placed on devices that need hold no array (a T
 devices; the one device otherwise), the persistent batch (host arrays, whose shapes the steps
 take), and the pool of KV-cache pages as shapes. `engine_executables` then yields each jitted step
 of `worker/device_steps.py` with the arguments of one precompiled shape, the same set
-`ModelRunner.precompile` runs: the ragged step's model part per (token bucket, row bucket) with
+`worker/precompile.py` runs: the ragged step's model part per (token bucket, row bucket) with
 and without prompt logprobs, its sampler per row bucket, the verify step's two parts with
 speculative decoding, and the k-step decode loop per row bucket with `num_decode_steps` > 1.
 """
@@ -239,7 +239,7 @@ def _served(model: Model, config: EngineConfig) -> Model:
 
 
 def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
-  """The executables `ModelRunner.precompile` compiles for `engine` (see the module), each
+  """The executables `worker/precompile.py` compiles for `engine` (see the module), each
   once: the sampler's and the rejection sampler's per row bucket, the others per shape.
 
   `engine.set_num_blocks` must have sized the pool first.

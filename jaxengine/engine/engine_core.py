@@ -29,7 +29,6 @@ With asynchronous scheduling (the default, `async_scheduling`) `step()` dispatch
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import cast
 
@@ -40,7 +39,7 @@ from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.core.request import Completion, Request
 from jaxengine.core.scheduler import Scheduler, SchedulerOutput
 from jaxengine.engine.output_processor import OutputProcessor
-from jaxengine.engine.structured import StructuredOutputs
+from jaxengine.engine.structured import StructuredOutputs, abort_rejected
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models.interface import Model
 from jaxengine.outputs import RequestOutput
@@ -354,7 +353,7 @@ class EngineCore:
     running = dict(scheduler.running)
     decoded = self.runner.execute_decode_steps(scheduled, self.num_decode_steps, running, waiting)
     outputs = self._collect_in_flight()
-    self.runner.store_loop_routed_experts()  # after the step before it
+    self.runner.store_loop_routed_experts()  # after the step before it, before its finishes
     num_sampled = decoded.sampled.num_sampled.tolist()
     computed = dict(zip(decoded.req_ids, num_sampled))
     counts = {seq_id: computed[seq_id] for seq_id in scheduled.num_decode_steps}
@@ -419,7 +418,7 @@ class EngineCore:
       if structured.is_finished(completion.seq_id):  # another constraint masked its EOS
         completion.finish_reason = "stop"  # end without it
       else:
-        _abort_rejected(completion, token)  # never emit what the grammar forbids
+        abort_rejected(completion, token)  # never emit what the grammar forbids
       return
     self.output_processor.append(completion, row, sampled)
     completion.weight_versions.append(weight_version)
@@ -429,17 +428,12 @@ class EngineCore:
   def _finish(self, completion: Completion) -> None:
     """The one way a running completion leaves, once it has a finish reason (a stop rule, its
     grammar, or an abort): out of the scheduler, its row freed, its grammar matcher dropped.
-    Its request reports it in the step's outputs or `pop_finished`. With routed experts, its
-    positions' experts are read first, while its pages hold them: all but its last token's, or
-    (aborted while its prompt, or its recomputation after a preemption, was under way) those
-    of the steps read so far."""
-    if self.config.enable_return_routed_experts:
-      in_flight, unread = self._in_flight, 0  # a step counted at dispatch, not stored yet
-      if in_flight is not None and in_flight.step.num_new_tokens is not None:
-        unread = in_flight.step.scheduled.num_scheduled_tokens.get(completion.seq_id, 0)
-      computed = completion.num_computed_tokens - unread
-      num_positions = max(0, min(completion.num_tokens - 1, computed))
-      completion.routed_experts = self.runner.read_routed_experts(completion.seq_id, num_positions)
+    Its request reports it in the step's outputs or `pop_finished`. Its routed experts are read
+    first, while its pages hold them (`ModelRunner.read_routed_experts`)."""
+    if self.config.enable_return_routed_experts:  # the step in flight's are not stored yet
+      in_flight = self._in_flight.step if self._in_flight is not None else None
+      unstored = in_flight.num_counted_tokens(completion.seq_id) if in_flight is not None else 0
+      completion.routed_experts = self.runner.read_routed_experts(completion, unstored)
     self.scheduler.finish(completion)
     self.runner.remove(completion.seq_id)
     if self.structured is not None:
@@ -495,17 +489,3 @@ def _still_running(
 def latest_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
   """One output per request, its latest (two steps read in one call may both report it)."""
   return list({output.request_id: output for output in outputs}.values())
-
-
-def _abort_rejected(completion, token: int) -> None:
-  """Ends a completion whose sampled token its grammar rejects: the token is dropped and the
-  finish reason is "abort" (vLLM's name for an aborted request), with a warning."""
-  completion.finish_reason = "abort"
-  warnings.warn(
-    f"request {completion.request.request_id!r}: sampled token {token}, which its "
-    f"structured_outputs grammar does not allow (another constraint, such as "
-    f"allowed_token_ids or a logits processor, masked every token the grammar allows); the "
-    f"token is dropped and the request aborted",
-    RuntimeWarning,
-    stacklevel=6,  # `LLMEngine.step`, which called the core's step
-  )

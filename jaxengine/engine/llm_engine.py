@@ -43,6 +43,7 @@ from jaxengine.spec_decode.ngram_proposer import SpecDecodingStats
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker import sleep_mode
 from jaxengine.worker.model_runner import ModelRunner
+from jaxengine.worker.precompile import precompile
 
 #: One request for `LLMEngine.add_requests`: `(request_id or None, prompt, params or None)`,
 #: optionally with a fourth item, its `LoRARequest` or None.
@@ -463,7 +464,7 @@ class LLMEngine(PausableEngine):
     return all([core.reset_prefix_cache() for core in self.cores])
 
   def precompile(self, use_tqdm: bool = True) -> int:
-    """Compiles every step shape of every core (see `ModelRunner.precompile`); returns how many
+    """Compiles every step shape of every core (`worker/precompile.py`); returns how many
     step shapes ran.
 
     Raises:
@@ -471,11 +472,7 @@ class LLMEngine(PausableEngine):
       RuntimeError: while the engine sleeps, or after sleep level 2 before `load_weights`.
     """
     return sum(
-      core.runner.precompile(
-        self.num_decode_steps,
-        use_tqdm=use_tqdm,
-        num_speculative_tokens=self.config.num_speculative_tokens,
-      )
+      precompile(core.runner, self.num_decode_steps, use_tqdm, self.config.num_speculative_tokens)
       for core in self.cores
     )
 

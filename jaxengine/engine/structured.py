@@ -17,6 +17,7 @@ grammar was already finished (its EOS was masked by that other constraint).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -224,3 +225,17 @@ class StructuredOutputs:
     matcher.consume_token(int(token))
     is_eos = self._eos_token_id is None or int(token) == self._eos_token_id
     return matcher.is_stopped() and is_eos
+
+
+def abort_rejected(completion, token: int) -> None:
+  """Ends a completion whose sampled token its grammar rejects: the token is dropped and the
+  finish reason is "abort" (vLLM's name for an aborted request), with a warning."""
+  completion.finish_reason = "abort"
+  warnings.warn(
+    f"request {completion.request.request_id!r}: sampled token {token}, which its "
+    f"structured_outputs grammar does not allow (another constraint, such as "
+    f"allowed_token_ids or a logits processor, masked every token the grammar allows); the "
+    f"token is dropped and the request aborted",
+    RuntimeWarning,
+    stacklevel=6,  # `LLMEngine.step`, which called the core's step
+  )

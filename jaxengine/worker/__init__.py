@@ -17,5 +17,6 @@ device_steps.py       the steps jitted once per model structure and placement, s
 sleep_mode.py         sleep and wake: freeing the pages, weights to host memory and back
 outputs.py            `StepOutput` (a step on the host), `InFlightStep` (dispatched, not read)
 model_runner.py       `ModelRunner`: the model, pages and jitted steps; a `SchedulerOutput` in,
-                      a `StepOutput` out; precompile
+                      a `StepOutput` out
+precompile.py         every executable a runner's steps can reach, compiled before serving
 """

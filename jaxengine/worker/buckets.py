@@ -60,7 +60,7 @@ def step_buckets(
   rows: the row bucket holding them, and `token_bucket`; the largest row bucket for a step of
   `FULL_ROWS_MIN_TOKENS` tokens or more and for a step that computes prompt logprobs. Those steps
   cost far more than the logits of a few more rows (`[T, V]` logits with prompt logprobs), and so
-  `ModelRunner.precompile` compiles fewer shapes.
+  `worker/precompile.py` compiles fewer shapes.
   """
   num_rows = bucket(max(num_reqs, 1), row_buckets)
   tokens = token_bucket(num_tokens, num_rows, token_buckets)

@@ -13,16 +13,17 @@ served module and `load_weights` (`worker/weight_loader.py`), the LoRA manager
 (`worker/lora_loader.py`), the pool's backend and size (`worker/kv_cache_pool.py`), the jitted
 steps (`worker/device_steps.py`: pure functions of model structure, shapes and shardings,
 buildable without device arrays), each step's inputs (`worker/step_inputs.py`, `multi_step.py`,
-`verify_step.py`), prompt logprobs (`worker/prompt_logprobs.py`), the buckets
+`verify_step.py`), prompt logprobs (`worker/prompt_logprobs.py`), routed experts
+(`worker/routed_experts.py`), precompiling (`worker/precompile.py`), the buckets
 (`worker/buckets.py`) and sleep (`worker/sleep_mode.py`: buffers freed and put back with the same
 shapes, shardings and commitment, so waking compiles nothing).
 
 Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
 bucket) reached (`step_buckets`; with prompt logprobs another executable), one sampler step per
 row bucket, with `speculative_config` one verify step per (token bucket, row bucket), with
-`num_decode_steps` k > 1 one k-step decode loop per row bucket; `precompile` runs them all. With
-`reuse_compiled_shapes`, a step whose bucket has not compiled yet runs in a larger compiled one
-for its first few uses (`StepShapes`). The block-table width is fixed at
+`num_decode_steps` k > 1 one k-step decode loop per row bucket; `worker/precompile.py` runs them
+all. With `reuse_compiled_shapes`, a step whose bucket has not compiled yet runs in a larger
+compiled one for its first few uses (`StepShapes`). The block-table width is fixed at
 `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
 longest context needs). On a mesh (`EngineConfig.mesh`) weights, pages and batch state are placed
 once (`worker/placement.py`) and every step declares those shardings, so serving compiles nothing
@@ -33,12 +34,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import cast
 
 import jax
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jaxengine import parallel
 from jaxengine.batch import InputBatch
@@ -62,7 +62,11 @@ from jaxengine.worker.outputs import InFlightStep, StepOutput
 from jaxengine.worker.placement import MeshPlacement, placed_step
 from jaxengine.worker.prompt_logprobs import PromptLogprobs
 from jaxengine.worker.ragged_step import RaggedInputs
-from jaxengine.worker.routed_experts import RoutedExpertsStore, check_pages_kept, moe_shape
+from jaxengine.worker.routed_experts import (
+  RoutedExpertsStore,
+  check_pages_kept,
+  num_readable_positions,
+)
 from jaxengine.worker.step_inputs import produced_rows, query_starts, ragged_inputs
 from jaxengine.worker.verify_step import RaggedDrafts, ragged_drafts
 from jaxengine.worker.weight_loader import WeightLoader, Weights, prepare_model
@@ -121,19 +125,14 @@ class ModelRunner:
       input_batch.block_table = self.block_table = BlockTable(
         self.max_num_reqs, self.max_num_blocks_per_req, self.kv_cache_groups.num_groups
       )
-    #: The routed experts of every slot (`enable_return_routed_experts`), else None; the last
-    #: k-step loop's, not stored yet (`store_loop_routed_experts`).
-    self.routed_experts: RoutedExpertsStore | None = None
-    self.loop_routed_experts: Any = None
-    if config.enable_return_routed_experts:
-      check_pages_kept(self.kv_cache_groups.frees_pages)
+    check_pages_kept(config, self.kv_cache_groups.frees_pages)  # before the pages are allocated
     #: The pool of pages and their number (the null page 0 included), `worker/kv_cache_pool.py`.
     self.kv_cache, self.num_blocks = create_kv_cache(
       spec, config, self.kv_cache_groups, self._placement, self.max_model_len
     )
-    if config.enable_return_routed_experts:
-      slots, (layers, k) = self.num_blocks * self.block_size, moe_shape(model)
-      self.routed_experts = RoutedExpertsStore(slots, layers, k, self.block_size)
+    #: The routed experts of every slot (`worker/routed_experts.py`); None without
+    #: `enable_return_routed_experts`.
+    self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
     self._sleep = sleep_mode.SleepState()
     self._stop_rules = DeviceStopRules(input_batch, self.max_model_len)
     rows = self._placement.rows if self._placement else 1
@@ -246,12 +245,15 @@ class ModelRunner:
     completion.encoded = None  # the batch's row holds it now
     self._prompt_logprobs.add(completion)
 
-  def read_routed_experts(self, seq_id: str, num_positions: int):
-    """``[num_positions, M, k] int32`` a row's routed experts (`RoutedExpertsStore.read`), None
-    without `enable_return_routed_experts` or the pages that hold them."""
-    index = self.input_batch.req_id_to_index.get(seq_id)
+  def read_routed_experts(self, completion: Completion, num_unstored: int = 0) -> np.ndarray | None:
+    """``[n, M, k] int32`` a finishing completion's routed experts, its `num_readable_positions`
+    (`num_unstored`: of its computed tokens, those of a step in flight, not stored yet) read
+    through its row's pages; None without `enable_return_routed_experts` or a row."""
+    index = self.input_batch.req_id_to_index.get(completion.seq_id)
     if self.routed_experts is None or index is None:
       return None
+    num_tokens, num_computed = completion.num_tokens, completion.num_computed_tokens
+    num_positions = num_readable_positions(num_tokens, num_computed, num_unstored)
     return self.routed_experts.read(self.block_table.row(index), num_positions)
 
   def remove(self, seq_id: str) -> None:
@@ -302,9 +304,9 @@ class ModelRunner:
     shape = self.compiled_shapes.choose(StepShape(num_tokens, num_rows, variant))
     num_tokens, num_rows = shape.num_tokens, shape.num_rows
     produces = produced_rows(batch, scheduled)
-    inputs, verify = self._step_inputs(scheduled, num_tokens, num_rows, produces, drafted)
+    inputs, verify = self.step_inputs(scheduled, num_tokens, num_rows, produces, drafted)
     counts = None if verify is not None else [int(p) for p in produces]
-    pending = self._run_step(inputs, num_rows, columns, verify, counts)
+    pending = self.run_step(inputs, num_rows, columns, verify, counts)
     return InFlightStep(
       scheduled=scheduled,
       pending=pending,
@@ -327,7 +329,7 @@ class ModelRunner:
     """Reads a dispatched step's tokens (waiting for the device) and appends them to the batch
     (`InputBatch.resolve`); returns its `StepOutput` (`req_ids`: the rows at dispatch)."""
     output = self.input_batch.resolve(step.pending)
-    if self.routed_experts is not None and step.pending.extra[2] is not None:
+    if self.routed_experts is not None:
       self.routed_experts.write(step.pending.extra[2])
     prompt_logprobs = {}
     token_logprobs = step.pending.extra[1]
@@ -353,7 +355,7 @@ class ModelRunner:
     """The token bucket of a step of `num_tokens` tokens over `num_rows` (a row bucket)."""
     return step_buckets.token_bucket(num_tokens, num_rows, self.token_buckets)
 
-  def _run_step(
+  def run_step(
     self,
     inputs: RaggedInputs,
     num_rows: int,
@@ -362,8 +364,8 @@ class ModelRunner:
     num_new_tokens: list[int] | None = None,
   ) -> PendingStep[HostMultiStepOutput]:
     """Dispatches the ragged step (the verify step with `drafts`) through
-    `InputBatch.dispatch_step`, the one call site of `dispatch` and `precompile`; keeps the new
-    cache. The pending step's `extra` is `(kv_cache, prompt LogprobsTensors or None)`."""
+    `InputBatch.dispatch_step`, the one call site of `dispatch` and `worker/precompile.py`; keeps
+    the new cache. The pending step's `extra` is `(kv_cache, prompt LogprobsTensors or None)`."""
     # The runner's attributes, read now: a test may wrap one (`tests/test_engine.py`).
     if drafts is None:
       step = functools.partial(ragged_step, self.ragged_forward, self.sample_produced)
@@ -386,7 +388,7 @@ class ModelRunner:
     self.kv_cache = cast(PagedKVCache, pending.extra[0])
     return pending
 
-  def _step_inputs(
+  def step_inputs(
     self,
     scheduled: SchedulerOutput,
     num_tokens: int,
@@ -413,46 +415,6 @@ class ModelRunner:
     rows = {seq_id: batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens}
     starts, k = query_starts(batch, scheduled), self.num_speculative_tokens
     return inputs, ragged_drafts(scheduled, rows, starts, num_tokens, num_rows, k, sharding)
-
-  def precompile(
-    self, num_decode_steps: int = 1, use_tqdm: bool = True, num_speculative_tokens: int = 0
-  ) -> int:
-    """Compiles every executable a step can reach, so that serving compiles nothing: an empty
-    ragged step (padding only) for every `step_shapes` pair with and without prompt logprobs,
-    its verify step too when `num_speculative_tokens` > 0, the k-step loop per row bucket for
-    `num_decode_steps` k > 1, and the batch's own updates. Returns the number of step shapes.
-
-    Raises:
-      ValueError: if the batch holds requests.
-      RuntimeError: while asleep or without weights (`check_awake`).
-    """
-    self.check_awake()
-    batch = self.input_batch
-    if batch.num_reqs:
-      raise ValueError(f"precompile needs an empty batch, it holds {batch.num_reqs} requests")
-    batch.precompile_updates()
-    if self.lora is not None:
-      self.lora.precompile()
-    empty = SchedulerOutput([], {}, {}, {}, [])
-    columns = batch.state.num_top_logprobs + 1  # `dispatch`'s prompt logprobs
-    variants = [
-      (num_tokens, num_rows, drafted, columns if prompt_logprobs else 0)
-      for prompt_logprobs in (False, True)
-      for num_tokens, num_rows in self.step_shapes(prompt_logprobs)
-      for drafted in ([False, True] if num_speculative_tokens else [False])
-    ]
-    for num_tokens, num_rows, drafted, columns in tqdm(
-      variants, desc="Compiling", disable=not use_tqdm
-    ):
-      variant = (bool(columns), drafted)
-      self.compiled_shapes.mark_compiled(StepShape(num_tokens, num_rows, variant))
-      inputs, drafts = self._step_inputs(empty, num_tokens, num_rows, drafted=drafted)
-      batch.resolve(self._run_step(inputs, num_rows, columns, drafts))
-    if num_decode_steps > 1:  # the k-step loop: one executable per row bucket
-      for num_rows in self.row_buckets:
-        self._run_decode_steps(empty, {}, num_rows, num_decode_steps, end_on_first_finish=False)
-    jax.block_until_ready(cast(Any, self.kv_cache))
-    return len(variants) + (len(self.row_buckets) if num_decode_steps > 1 else 0)
 
   def step_shapes(self, prompt_logprobs: bool = False) -> list[tuple[int, int]]:
     """The `(token bucket, row bucket)` pairs a ragged step can reach (`step_buckets`)."""
@@ -483,10 +445,10 @@ class ModelRunner:
     self.check_awake()
     self._update_block_table(scheduled)
     num_rows = bucket(self.input_batch.num_reqs, self.row_buckets)
-    output = self._run_decode_steps(scheduled, running, num_rows, num_steps, end_on_first_finish)
+    output = self.run_decode_steps(scheduled, running, num_rows, num_steps, end_on_first_finish)
     return StepOutput(req_ids=self.input_batch.req_ids, sampled=output, prompt_logprobs={})
 
-  def _run_decode_steps(
+  def run_decode_steps(
     self,
     scheduled: SchedulerOutput,
     running: Mapping[str, Completion],
@@ -494,7 +456,8 @@ class ModelRunner:
     num_steps: int,
     end_on_first_finish: bool,
   ) -> HostMultiStepOutput:
-    """The jitted k-step loop through `run_steps` (also `precompile`'s); keeps the new cache."""
+    """The jitted k-step loop through `run_steps` (also `worker/precompile.py`'s); keeps the new
+    cache."""
     inputs = decode_steps_inputs(
       self.input_batch,
       self.block_table,
@@ -515,13 +478,15 @@ class ModelRunner:
       num_rows=num_rows,
       num_steps=num_steps,
     )
-    kv_cache, self.loop_routed_experts = cast(tuple, kv_cache)
+    kv_cache, routed = cast(tuple, kv_cache)
+    if self.routed_experts is not None:  # stored by `store_loop_routed_experts`
+      self.routed_experts.hold(routed)
     self.kv_cache = cast(PagedKVCache, kv_cache)
     return output
 
   def store_loop_routed_experts(self) -> None:
-    """Writes the last k-step loop's routed experts to the store: after the step that was in
-    flight when the loop was dispatched is read (the store takes steps in dispatch order)."""
-    routed, self.loop_routed_experts = self.loop_routed_experts, None
-    if self.routed_experts is not None and routed is not None:
-      self.routed_experts.write(routed)
+    """Stores the last k-step loop's routed experts (`RoutedExpertsStore.write_held`): call once
+    the step that was in flight when the loop was dispatched is collected, and before the loop's
+    tokens are applied (a completion finishing with them reads them)."""
+    if self.routed_experts is not None:
+      self.routed_experts.write_held()

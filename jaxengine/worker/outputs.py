@@ -43,3 +43,11 @@ class InFlightStep:
   num_new_tokens: dict[str, int] | None
   prompt_logprobs_wanted: list[str]
   query_starts: dict[str, int]
+
+  def num_counted_tokens(self, seq_id: str) -> int:
+    """The tokens of `seq_id` it computes that were counted in `num_computed_tokens` at its
+    dispatch (its counts known then: `num_new_tokens`), before it is collected; 0 with drafts
+    (counted when collected)."""
+    if self.num_new_tokens is None:
+      return 0
+    return self.scheduled.num_scheduled_tokens.get(seq_id, 0)

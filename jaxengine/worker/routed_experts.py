@@ -23,10 +23,13 @@ keys and values are. That makes every way a position reaches the cache right at 
   the new pages.
 
 A completion's experts are read when it finishes (`EngineCore._finish`: stopped, or aborted, by
-`abort_request` or a pause with mode "abort": its positions so far), through its block table:
-positions ``0 .. num_tokens - 2`` (its last token has not been fed through the model). A
-completion that finishes without pages holding those positions (aborted before its prompt was
-computed, or while waiting to be recomputed after a preemption) reports None.
+`abort_request` or a pause with mode "abort"), through its block table: positions ``0 .. n - 1``,
+``n`` its `num_readable_positions` (``num_tokens - 1`` when it stops: its last token has not been
+fed through the model; when it is aborted, the positions computed and stored so far). A
+completion aborted while waiting to be recomputed after a preemption reports the positions
+recomputed so far, an empty ``[0, M, k]`` array when none (as one aborted before any of its
+prompt was computed or found in the prefix cache); one aborted before it was admitted (no row)
+reports None.
 
 Memory: ``num_blocks * block_size * M * k * 4`` bytes of host memory (Qwen3-30B-A3B, 48 layers of
 8 experts: 1.5 KiB per cached token, against its 96 KiB of bfloat16 keys and values), nothing on
@@ -45,6 +48,8 @@ from typing import Any, TypeVar, cast
 import jax
 import numpy as np
 from flax import nnx
+
+from jaxengine.engine_config import EngineConfig
 
 M = TypeVar("M")
 
@@ -105,13 +110,30 @@ def routed_experts_model(model: M) -> M:
   return cast(M, copy)
 
 
-def check_pages_kept(frees_pages: bool) -> None:
-  """Refuses (ValueError) routed experts with sliding windows that free pages."""
-  if frees_pages:
+def check_pages_kept(config: EngineConfig, frees_pages: bool) -> None:
+  """Refuses (ValueError) ``enable_return_routed_experts`` with sliding windows that free pages
+  (`KVCacheGroups.frees_pages`); call before the pool of pages is allocated."""
+  if config.enable_return_routed_experts and frees_pages:
     raise ValueError(
       "enable_return_routed_experts=True is not supported with sliding-window layers that "
       "free pages (a position's experts are kept with its page)"
     )
+
+
+def num_readable_positions(num_tokens: int, num_computed_tokens: int, num_unstored: int) -> int:
+  """The positions ``0 .. n - 1`` of a finishing completion whose experts the store holds.
+
+  Args:
+    num_tokens: its prompt and output tokens; the last one has not been fed through the model.
+    num_computed_tokens: its positions counted as computed (0 after a preemption, until they
+      are recomputed).
+    num_unstored: of those, the ones counted at the dispatch of a step not collected yet
+      (their experts are not stored).
+
+  Returns:
+    ``min(num_tokens - 1, num_computed_tokens - num_unstored)``, at least 0.
+  """
+  return max(0, min(num_tokens - 1, num_computed_tokens - num_unstored))
 
 
 class RoutedExpertsStore:
@@ -127,13 +149,43 @@ class RoutedExpertsStore:
   def __init__(self, num_slots: int, num_moe_layers: int, top_k: int, block_size: int) -> None:
     self.experts = np.zeros((num_slots, num_moe_layers, top_k), np.int32)
     self.block_size = block_size
+    #: The last k-step loop's experts, held until the step dispatched before it is stored
+    #: (`hold`, `write_held`).
+    self.held: RoutedExperts | None = None
 
-  def write(self, routed: RoutedExperts) -> None:
+  @classmethod
+  def create(
+    cls, config: EngineConfig, model: Any, num_blocks: int, block_size: int
+  ) -> RoutedExpertsStore | None:
+    """The store of a pool of `num_blocks` pages of `block_size` slots for `model` (`moe_shape`)
+    with ``enable_return_routed_experts``; None without it.
+
+    Raises:
+      ValueError: as `moe_shape`.
+    """
+    if not config.enable_return_routed_experts:
+      return None
+    num_moe_layers, top_k = moe_shape(model)
+    return cls(num_blocks * block_size, num_moe_layers, top_k, block_size)
+
+  def write(self, routed: RoutedExperts | None) -> None:
     """Stores a step's experts at its slots (waits for the step; padding writes the null
-    page)."""
+    page); None (a step of a model that returns no routing) stores nothing."""
+    if routed is None:
+      return
     experts, slots = jax.device_get((routed.experts, routed.slots))
     experts = np.asarray(experts)
     self.experts[np.asarray(slots).reshape(-1)] = experts.reshape(-1, *experts.shape[-2:])
+
+  def hold(self, routed: RoutedExperts | None) -> None:
+    """Keeps a k-step loop's experts until `write_held`: the store takes steps in dispatch
+    order, and the step in flight when the loop was dispatched is stored first."""
+    self.held = routed
+
+  def write_held(self) -> None:
+    """Stores the experts `hold` kept, if any (`write`), and forgets them."""
+    routed, self.held = self.held, None
+    self.write(routed)
 
   def read(self, block_ids: Sequence[int] | np.ndarray, num_positions: int) -> np.ndarray | None:
     """``[num_positions, M, k] int32`` the experts of positions ``0 ..`` of a sequence whose

@@ -17,7 +17,7 @@ tokens only, so a cached page never holds a rejected draft.
 
 Compiles: `verify_forward` is one more model executable per (token bucket, row bucket), and
 `rejection_sample_produced` one per row bucket, with `k` (the draft slots per row) fixed by the
-config; `ModelRunner.precompile` compiles them beside the plain step's.
+config; `worker/precompile.py` compiles them beside the plain step's.
 
 On a mesh (`tensor_parallel_size`): the model runs as in the plain step (pages split over key/
 value heads), then the verify logits are gathered whole on every device and the rejection sampler

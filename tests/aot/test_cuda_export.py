@@ -56,7 +56,7 @@ def model_dir(tmp_path_factory):
 
 
 def _executables(model_dir, backend="pallas_gpu", kv_dtype="auto", device=None) -> list[Executable]:
-  """The first executable of each step `ModelRunner.precompile` compiles for the tiny Llama
+  """The first executable of each step `worker/precompile.py` compiles for the tiny Llama
   (`aot/executables.py`: the plain and the verify step's model part and sampler, the decode
   loop), bfloat16, from abstract shapes alone, on `device` (default: the CPU's)."""
   device = jax.devices("cpu")[0] if device is None else device

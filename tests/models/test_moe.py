@@ -498,3 +498,39 @@ def test_routed_experts_of_a_dense_model_are_refused_before_loading(monkeypatch)
   parser = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser())
   args = EngineArgs.from_cli_args(parser.parse_args(["--enable-return-routed-experts"]))
   assert args.enable_return_routed_experts is True
+
+
+def test_routed_experts_store_takes_steps_in_dispatch_order_and_reads_what_it_holds():
+  """The store's host bookkeeping without a model: a k-step loop's experts are held until
+  `write_held` (the step dispatched before the loop is stored first: a later write wins a slot),
+  None writes nothing, a completion reads the positions computed and stored (none after a
+  preemption: an empty array, not None), and it exists only with the flag."""
+  from jaxengine.worker.routed_experts import (
+    RoutedExperts,
+    RoutedExpertsStore,
+    check_pages_kept,
+    num_readable_positions,
+  )
+
+  store = RoutedExpertsStore(num_slots=12, num_moe_layers=2, top_k=1, block_size=4)
+
+  def routed(value, slots):
+    return RoutedExperts(experts=jnp.full((len(slots), 2, 1), value), slots=jnp.asarray(slots))
+
+  store.hold(routed(7, [4, 5]))  # the loop, dispatched after the step in flight
+  store.write(routed(3, [5, 6]))  # the step in flight, collected after the loop's dispatch
+  assert store.read([1], 3)[:, 0, 0].tolist() == [0, 3, 3]  # the loop's: not stored yet
+  store.write_held()
+  store.write_held()  # nothing held: nothing written
+  store.write(None)
+  assert store.read([1], 3)[:, 0, 0].tolist() == [7, 7, 3]
+  assert store.read([1], 5) is None  # position 4 is on a page the sequence does not hold
+  assert store.read([1], 0).shape == (0, 2, 1)  # nothing computed since a preemption
+  assert num_readable_positions(num_tokens=9, num_computed_tokens=9, num_unstored=0) == 8
+  assert num_readable_positions(num_tokens=9, num_computed_tokens=6, num_unstored=2) == 4
+  assert num_readable_positions(num_tokens=9, num_computed_tokens=0, num_unstored=0) == 0
+  assert RoutedExpertsStore.create(EngineConfig(), None, num_blocks=3, block_size=4) is None
+  on = EngineConfig(enable_return_routed_experts=True)
+  check_pages_kept(EngineConfig(), frees_pages=True)
+  with pytest.raises(ValueError, match="not supported with sliding-window layers"):
+    check_pages_kept(on, frees_pages=True)
