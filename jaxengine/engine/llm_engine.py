@@ -329,9 +329,10 @@ class LLMEngine(PausableEngine):
       core.kv_cache_manager.reset_stats()
 
   def has_unfinished_requests(self) -> bool:
-    """Whether any request is waiting or running in a core (not held by a pause). (A step left
+    """Whether any request is waiting or running in a core (not held by a pause), or a request
+    the staleness bound dropped has its final output waiting for the next `step`. (A step left
     in flight for completions finished since holds nothing: the next `step` drops it.)"""
-    return any(core.has_unfinished() for core in self.cores)
+    return bool(self._pause.dropped) or any(core.has_unfinished() for core in self.cores)
 
   def abort_request(self, request_ids: str | Sequence[str]) -> None:
     """Drops requests, waiting or running, and forgets them (vLLM's name); unknown ids are

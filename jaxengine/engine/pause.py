@@ -207,14 +207,21 @@ class PausableEngine:
     return self.cores[0].weight_version
 
   def next_weight_version(self, weight_version: object) -> int:
-    """The checked version a `load_weights` gives (None: the current version + 1).
+    """The checked version a `load_weights` gives (None: the current version + 1). Versions
+    never go back (the staleness bound counts versions behind the current one): the current
+    version again is allowed (the same weights synced twice), a lower one is not.
 
     Raises:
-      ValueError: a negative or non-integer `weight_version` (named).
+      ValueError: a negative or non-integer `weight_version`, or one below the current version
+        (named).
     """
-    return check_weight_version(
-      self.weight_version + 1 if weight_version is None else weight_version
-    )
+    current = self.weight_version
+    version = check_weight_version(current + 1 if weight_version is None else weight_version)
+    if version < current:
+      raise ValueError(
+        f"weight_version must not go back: got {version}, the engine is at version {current}"
+      )
+    return version
 
 
 def _is_stale(request: Request, current: int, in_flight: list[int]) -> bool:

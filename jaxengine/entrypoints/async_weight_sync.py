@@ -30,6 +30,8 @@ class AsyncWeightSync:
 
   engine: LLMEngine
   _commands: queue.SimpleQueue
+  #: `resume_generation` calls so far: a "wait" pause resumed while it waited does not freeze.
+  _num_resumes: int = 0
 
   if TYPE_CHECKING:  # `AsyncLLM`'s
 
@@ -42,9 +44,11 @@ class AsyncWeightSync:
     `jaxengine/engine/pause.py`): requests sent while paused wait for `resume_generation`.
     "keep" (default): running requests freeze, keeping their pages, and continue after
     `resume_generation` (their streams just stall); "wait": returns once the requests in the
-    engine have finished (their streams go on meanwhile); "abort": they end now, their streams'
-    last output finished with finish reason "abort" and the tokens and logprobs they had. A
-    step already dispatched is read first, its tokens streamed.
+    engine have finished (their streams go on meanwhile; at once over a "keep" pause, whose
+    frozen requests cannot finish; a `resume_generation` while it waits calls the pause off);
+    "abort": they end now, their streams' last output finished with finish reason "abort" and
+    the tokens and logprobs they had (requests sent while paused are held, not aborted). A step
+    already dispatched is read first, its tokens streamed.
 
     Raises:
       ValueError: a mode other than "keep", "wait" or "abort" (nothing changes).
@@ -53,12 +57,15 @@ class AsyncWeightSync:
     from jaxengine.engine.pause import check_pause_mode  # the engine's package loads with it
 
     check_pause_mode(mode)
+    resumes = self._num_resumes
     # Already frozen (a "keep" pause): kept requests cannot finish, and pausing again is harmless.
     if mode == "wait" and not await self._call(self.engine.is_generation_frozen):
       await self._call(self.engine.hold_new_requests)
       future = asyncio.get_running_loop().create_future()
       self._commands.put(WhenIdle(asyncio.get_running_loop(), future))
       await future  # the engine thread steps the requests in the engine to their end
+      if self._num_resumes != resumes:
+        return  # a resume_generation while it waited called the pause off
     await self._call(lambda: self._publish(self.engine.pause_generation(mode)))
 
   async def resume_generation(self) -> None:
@@ -69,6 +76,7 @@ class AsyncWeightSync:
     Raises:
       EngineDeadError: the engine thread has stopped.
     """
+    self._num_resumes += 1
     await self._call(lambda: self._publish_dropped(self.engine.resume_generation))
 
   async def is_paused(self) -> bool:

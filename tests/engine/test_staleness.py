@@ -28,9 +28,8 @@ def llm():
 
 
 def _step_to_end(engine, finished: dict[str, je.RequestOutput]) -> None:
-  while engine.has_unfinished_requests():
+  while engine.has_unfinished_requests():  # a dropped request's output counts as unfinished
     finished.update((o.request_id, o) for o in engine.step() if o.finished)
-  finished.update((o.request_id, o) for o in engine.step() if o.finished)  # dropped since
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
@@ -88,6 +87,30 @@ def test_requests_past_their_staleness_bound_end_at_a_load_with_their_tokens(llm
     assert completion.finish_reason == "length" and completion.token_ids == want, request_id
   assert finished["held"].outputs[0].weight_versions[0] == 1
   assert engine.kv_cache_stats.num_used_blocks == 0 and engine.runner.input_batch.num_reqs == 0
+
+
+def test_a_vllm_style_loop_gets_a_dropped_requests_output_and_versions_never_go_back(llm):
+  """vLLM's `while has_unfinished_requests(): step()` loop: a request dropped at resume (its
+  only request) still counts as unfinished until `step` has returned its final output. A load
+  may repeat the current version, never go below it (ValueError naming it, nothing changed)."""
+  engine = llm.llm_engine
+  weights = nnx.state(engine.runner.model)
+  engine.add_request("only", "ef ef", je.SamplingParams(temperature=0, max_staleness=0, **LONG))
+  for _ in range(3):
+    engine.step()
+  engine.pause_generation("keep")
+  version = engine.weight_version
+  engine.load_weights(weights, weight_version=version)  # the same version again: not stale
+  with pytest.raises(ValueError, match=f"weight_version must not go back: got {version - 1}"):
+    engine.load_weights(weights, weight_version=version - 1)
+  assert engine.weight_version == version and not engine.take_dropped()
+  engine.load_weights(weights, weight_version=version + 1)
+  engine.resume_generation()
+  outputs = []
+  while engine.has_unfinished_requests():
+    outputs += engine.step()
+  assert [o.request_id for o in outputs if o.finished] == ["only"]
+  assert outputs[-1].outputs[0].finish_reason == "abort"
 
 
 def test_a_first_token_still_on_the_device_counts_as_the_oldest(llm):
@@ -158,7 +181,18 @@ def test_async_llm_streams_a_dropped_request_at_the_load_while_paused(llm):
     last = [o async for o in stale][-1]  # streamed while still paused
     assert await engine.is_paused()
     await engine.resume_generation()
-    return last, [o async for o in kept][-1]
+    kept_last = [o async for o in kept][-1]
+    # A resume while a "wait" pause waits calls that pause off: nothing stays paused after it.
+    slow = engine.generate("ab ab", params)
+    await anext(slow)
+    waiting = asyncio.create_task(engine.pause_generation("wait"))
+    await asyncio.sleep(0.05)
+    await engine.resume_generation()
+    await asyncio.wait_for(waiting, timeout=60)
+    assert not await engine.is_paused()
+    fresh = [o async for o in engine.generate("cd", params.replace(max_tokens=2))][-1]
+    assert fresh.finished and [o async for o in slow][-1].finished
+    return last, kept_last
 
   try:
     last, kept = asyncio.run(asyncio.wait_for(main(), timeout=120))
