@@ -84,7 +84,8 @@ def token_logprobs(
       the vocabulary (checked when the ids are concrete, not under a trace), ``T``
       above ``max_position_embeddings``, a model without the ``batch_invariant`` attribute,
       ``block_size`` not a positive int, or ``routed_experts`` of another shape, not integers,
-      or given for a model without MoE layers.
+      ids outside ``[0, num_experts)`` (checked when concrete), or given for a model without
+      MoE layers.
   """
   token_ids = _checked_token_ids(model, token_ids, min_length=2)
   if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -111,6 +112,13 @@ def _checked_routing(model, token_ids: jax.Array, routed_experts) -> jax.Array:
       f"routed_experts must be [B, T - 1, M, k] or [B, T, M, k] integers ({shapes[0]} or "
       f"{shapes[1]}), got {routed.dtype} {routed.shape}"
     )
+  num_experts = getattr(config, "num_experts", 0)
+  if not isinstance(routed, jax.core.Tracer) and routed.size and num_experts:
+    low, high = int(routed.min()), int(routed.max())
+    if low < 0 or high >= num_experts:
+      raise ValueError(
+        f"routed_experts must be expert ids in [0, {num_experts}), got ids from {low} to {high}"
+      )
   routed = routed.astype(jnp.int32)
   if routed.shape[1] == length - 1:
     routed = jnp.pad(routed, ((0, 0), (0, 1), (0, 0), (0, 0)))

@@ -436,6 +436,8 @@ def test_token_logprobs_replays_the_rollouts_routing(checkpoint):
   assert np.abs(new_routing - replayed).max() > 1e-3
   with pytest.raises(ValueError, match="routed_experts must be"):
     token_logprobs(module, ids, routed_experts=routed[:, :-1])
+  with pytest.raises(ValueError, match=r"routed_experts must be expert ids in \[0, "):
+    token_logprobs(module, ids, routed_experts=routed + 100)
 
 
 def test_routed_experts_through_chunks_prefix_hits_preemption_drafts_and_loops(tmp_path):
