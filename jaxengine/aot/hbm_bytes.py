@@ -199,11 +199,13 @@ class _Model:
       return 0.0
     if code == "fusion":
       return self.fusion(op, operands)
-    if code in ("slice-start", "copy-start"):  # ((source), destination, sync flag)
+    if code in ("slice-start", "copy-start"):
+      # slice-start: ((source), destination, flag); copy-start: (destination, source, flag)
       parts = _tuple_elements(op.shape)
-      moved = shape_bytes(parts[1], hbm_only=False)
-      read = moved if self.size(parts[0]) > 0 or not self.hbm_only else 0.0
-      return read + self.size(parts[1])
+      source, destination = (parts[0], parts[1]) if code == "slice-start" else (parts[1], parts[0])
+      moved = shape_bytes(destination, hbm_only=False)
+      read = moved if self.size(source) > 0 or not self.hbm_only else 0.0
+      return read + self.size(destination)
     if code == "conditional":
       branches = op.called("branch_computations") or (
         op.called("true_computation") + op.called("false_computation")
@@ -265,7 +267,7 @@ def _tuple_elements(shape: str) -> list[str]:
   """The top-level elements of a tuple shape's text."""
   inner, parts, depth, start = shape[1:-1], [], 0, 0
   for index, char in enumerate(inner):
-    depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(char, 0)
+    depth += {"(": 1, ")": -1, "{": 1, "}": -1, "[": 1, "]": -1}.get(char, 0)
     if char == "," and depth == 0:
       parts.append(inner[start:index].strip())
       start = index + 1
