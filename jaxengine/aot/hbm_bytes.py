@@ -21,7 +21,8 @@ The model here, `hbm_bytes`, counts per instruction of the entry computation:
 - an async slice or copy (``slice-start``, ``copy-start``) its source read (the slice's bytes)
   and its destination written, each where it is in HBM; the matching ``-done`` nothing;
 - a ``conditional`` as its costliest branch, a ``while`` as its body and condition times the
-  trip count XLA knows (once when it knows none), a ``call`` as its computation;
+  trip count XLA knows (once when it knows none), a ``call`` or an async call (``call-start``,
+  ``async-start``: a scatter offloaded to the SparseCores) as its computation;
 - nothing for views (``bitcast``, ``get-tuple-element``, ``tuple``, ``ConcatBitcast``) and for
   Pallas kernels (``tpu_custom_call``): a kernel's buffers are opaque here (the paged attention
   kernel's pages are the report's separate KV term).
@@ -217,6 +218,10 @@ class _Model:
       return loop * (int(trips.group(1)) if trips else 1)
     if code == "call":
       return sum(self.computation(c) for c in op.called("to_apply"))
+    if code in ("call-start", "async-start"):  # e.g. a scatter offloaded to the SparseCores
+      return sum(self.computation(c) for c in op.called("calls") + op.called("to_apply"))
+    if code in ("call-done", "async-done", "async-update"):
+      return 0.0
     if code in _READ_IN_PART:  # reads the result's worth of operand 0
       return 2 * self.size(op.shape) + sum(self.size(s) for s in operands[1:])
     if code in _IN_PLACE:  # writes the update's worth into operand 0, in place
