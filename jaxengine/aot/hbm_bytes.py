@@ -24,8 +24,11 @@ The model here, `hbm_bytes`, counts per instruction of the entry computation:
   trip count XLA knows (once when it knows none), a ``call`` or an async call (``call-start``,
   ``async-start``: a scatter offloaded to the SparseCores) as its computation;
 - nothing for views (``bitcast``, ``get-tuple-element``, ``tuple``, ``ConcatBitcast``) and for
-  Pallas kernels (``tpu_custom_call``): a kernel's buffers are opaque here (the paged attention
-  kernel's pages are the report's separate KV term).
+  the paged attention kernel (its pages are the report's separate KV term: the kernel reads the
+  context's pages, not the whole pool it is passed); other kernels (``tpu_custom_call``: Pallas
+  kernels, and XLA's own Mosaic kernels such as the ragged dot of a mixture of experts) count
+  their operands and results whole (the ragged dot reads every expert's matrix at most: an
+  upper bound where a step routes to fewer experts).
 
 Tile padding is not counted (logical shapes). It agrees with XLA's count where XLA counts right:
 with every memory space counted (and the ``ConcatBitcast``'s result, as XLA counts it),
@@ -52,7 +55,9 @@ _FREE = {
   "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
   "replica-id", "copy-done", "slice-done", "opt-barrier", "add-dependency", "iota",
 }  # fmt: skip
-_FREE_CUSTOM_CALLS = {"ConcatBitcast", "tpu_custom_call"}
+_FREE_CUSTOM_CALLS = {"ConcatBitcast"}
+#: The JAX source of the paged attention kernel, whose pages the report counts on its own.
+_PAGED_ATTENTION = "paged_attention"
 _READ_IN_PART = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
 
@@ -197,6 +202,8 @@ class _Model:
     if code == "custom-call" and _target(op) == "ConcatBitcast" and not self.hbm_only:
       return self.size(op.shape)  # XLA's count: its result, written (a view in VMEM)
     if code in _FREE or (code == "custom-call" and _target(op) in _FREE_CUSTOM_CALLS):
+      return 0.0
+    if code == "custom-call" and _PAGED_ATTENTION in op.op_name:
       return 0.0
     if code == "fusion":
       return self.fusion(op, operands)

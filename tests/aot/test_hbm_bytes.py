@@ -134,3 +134,26 @@ def test_shape_bytes_by_memory_space(shape, hbm, every):
 def test_text_without_an_entry_is_refused():
   with pytest.raises(ValueError, match="ENTRY"):
     hbm_bytes("HloModule m\n")
+
+
+KERNELS = """HloModule m
+
+ENTRY %main (pages: bf16[4096,256], w: bf16[8,256,128], q: bf16[1,256]) -> (bf16[1,256], bf16[1,128]) {
+  %pages = bf16[4096,256]{1,0} parameter(0)
+  %w = bf16[8,256,128]{2,1,0} parameter(1)
+  %q = bf16[1,256]{1,0} parameter(2)
+  %attn = bf16[1,256]{1,0} custom-call(%q, %pages), custom_call_target="tpu_custom_call",
+    metadata={op_name="jit(step)/ragged_paged_attention_kernel/pallas_call"}
+  %gmm = bf16[1,128]{1,0} custom-call(%attn, %w), custom_call_target="tpu_custom_call",
+    metadata={op_name="jit(step)/ragged_dot_general/ragged-dot-none"}
+  ROOT %out = (bf16[1,256]{1,0}, bf16[1,128]{1,0}) tuple(%attn, %gmm)
+}
+"""
+
+
+def test_a_kernel_counts_its_operands_but_the_paged_attention_kernel_its_none():
+  """XLA's ragged dot (a Mosaic kernel) reads its 512 KiB expert stack (all experts: an upper
+  bound); the paged attention kernel's 2 MiB pool is the report's separate KV term."""
+  result = hbm_bytes(KERNELS.replace(",\n    metadata", ", metadata"))
+  by_name = {o.name: o.bytes for o in result.ops}
+  assert by_name == {"gmm": 8 * 256 * 128 * 2 + 256 * 2 + 128 * 2}
