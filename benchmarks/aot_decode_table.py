@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from jaxengine.aot import compile as aot_compile
 from jaxengine.aot import compile_for_topology
 from jaxengine.aot.report import DECODE_BATCHES, DECODE_CONTEXT
 from jaxengine.worker.buckets import bucket, buckets
@@ -26,7 +27,10 @@ def main() -> None:
   parser.add_argument("topology")
   parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
   parser.add_argument("--kv-cache-dtype", default="auto")
+  parser.add_argument("--top-ops", type=int, default=5,
+                      help="instructions per executable named in the report (HBM bytes)")  # fmt: skip
   args = parser.parse_args()
+  aot_compile.TOP_OPS = args.top_ops
   options = dict(tensor_parallel_size=args.tp, max_num_reqs=256, max_model_len=4096,
                  kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
   plan = compile_for_topology(args.model_dir, args.topology, select=lambda e: False, **options)

@@ -16,6 +16,7 @@ and the report's other fields `aot/report.py`'s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import traceback
@@ -29,6 +30,7 @@ from jaxengine import parallel
 from jaxengine.aot.cuda import export_for_cuda
 from jaxengine.aot.executables import Executable, abstract_engine, engine_executables
 from jaxengine.aot.fit_advice import not_fitting_message
+from jaxengine.aot.hbm_bytes import hbm_bytes
 from jaxengine.aot.memory_plan import memory_plan
 from jaxengine.aot.model_source import config_directory
 from jaxengine.aot.report import build_report, describe_backend
@@ -39,6 +41,10 @@ from jaxengine.models.safetensors_loader import read_hf_config
 
 #: The ``estimate_source`` of an executable XLA gives no cost analysis (a GPU's deviceless compile).
 NO_COST_ANALYSIS = "none (no XLA cost analysis for this platform)"
+#: The ``estimate_source`` of a TPU executable: `aot/hbm_bytes.py`'s model of its HBM traffic.
+HBM_BYTES_SOURCE = "max(HBM bytes of the compiled HLO (aot/hbm_bytes.py) / bandwidth, flops / peak)"
+#: Instructions of an executable the report names (its costliest in HBM bytes).
+TOP_OPS = 5
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.bfloat16}
 #: vLLM's other spellings of the dtypes (as `LLM` takes them).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -107,10 +113,11 @@ def compile_for_topology(
     longest that fits, sliding-window groups holding their window only; at most the model's
     ``max_position_embeddings``), ``fixed_pool`` (``"num_kv_blocks=N"``, ... or None)),
     ``executables`` (``name``, ``shape``, ``compile_s``, ``flops``, ``bytes_accessed``,
-    ``estimated_s``, ``estimate_source``, ``temp_bytes``: `step_temp_bytes`), ``decode`` (per
-    batch: ``estimated_step_s``, ``memory_floor_s``, ``flops_floor_s``, ``tokens_per_s``,
-    ``method``). A model that does not fit is not compiled (``executables`` empty). On a GPU
-    XLA gives no cost analysis: ``flops``, ``bytes_accessed``, ``estimated_s`` and
+    ``hbm_bytes``, ``estimated_s``, ``estimate_source``, ``temp_bytes``: `step_temp_bytes`,
+    ``top_ops``: `compile_executable`), ``decode`` (per batch: ``estimated_step_s``,
+    ``memory_floor_s``, ``floor_weight_bytes``, ``flops_floor_s``, ``tokens_per_s``,
+    ``method``: `aot/report.py`). A model that does not fit is not compiled (``executables`` empty). On a GPU
+    XLA gives no cost analysis: ``flops``, ``bytes_accessed``, ``hbm_bytes``, ``estimated_s`` and
     ``flops_floor_s`` are None, ``estimate_source`` says so, and a decode step's estimate is
     its memory floor.
 
@@ -163,7 +170,9 @@ def compile_for_topology(
         if export_only:
           results.append(export_executable(executable))
         else:
-          results.append(compile_executable(executable, engine.device, spec.chip.hbm_bandwidth))
+          results.append(compile_executable(
+            executable, engine.device, spec.chip.hbm_bandwidth, spec.chip.peak_flops
+          ))  # fmt: skip
         if progress is not None:
           progress(results[-1])
       except Exception as failure:  # a kernel or lowering the TPU refuses: reported, not raised
@@ -220,17 +229,27 @@ def export_executable(executable: Executable) -> dict[str, Any]:
     "compile_s": round(exported.seconds, 3),
     "flops": None,
     "bytes_accessed": None,
+    "hbm_bytes": None,
     "estimated_s": None,
     "estimate_source": NO_COST_ANALYSIS,
     "temp_bytes": 0,
+    "top_ops": [],
     "triton_kernels": list(exported.triton_kernels),
   }
 
 
-def compile_executable(executable: Executable, device: Any, bandwidth: float) -> dict[str, Any]:
-  """Lowers and compiles one executable for `device`'s chip; its report entry (XLA's cost
-  analysis: `optimal_seconds` when positive, else bytes accessed over `bandwidth`; without one,
-  as XLA:GPU's deviceless compile, the flops, bytes and estimate are None)."""
+def compile_executable(
+  executable: Executable, device: Any, bandwidth: float, peak_flops: float
+) -> dict[str, Any]:
+  """Lowers and compiles one executable for `device`'s chip; its report entry.
+
+  With XLA's cost analysis (a TPU's compile): ``flops`` and ``bytes_accessed`` are XLA's,
+  ``hbm_bytes`` the bytes the executable moves in HBM by `aot/hbm_bytes.py`'s model of the
+  compiled HLO (XLA's count includes on-core VMEM copies and every branch of a conditional),
+  ``estimated_s`` max(``hbm_bytes`` / `bandwidth`, flops / `peak_flops`), ``top_ops`` the
+  instructions moving the most HBM bytes (``name``, ``opcode``, ``op_name``, ``bytes``).
+  Without one (XLA:GPU's deviceless compile) those are None (``top_ops`` empty).
+  """
   start = time.perf_counter()
   with target_device(device):
     jitted = cast(Any, executable.jitted)  # a `jax.jit` wrapper
@@ -247,20 +266,24 @@ def compile_executable(executable: Executable, device: Any, bandwidth: float) ->
     "compile_s": round(seconds, 3),
     "flops": None,
     "bytes_accessed": None,
+    "hbm_bytes": None,
     "estimated_s": None,
     "estimate_source": NO_COST_ANALYSIS,
     "temp_bytes": step_temp_bytes(memory),
+    "top_ops": [],
   }
   if not cost:
     return entry
   cost = dict(cost)
-  accessed = float(cost.get("bytes accessed", 0.0))
-  optimal = float(cost.get("optimal_seconds", -1.0))
+  flops = float(cost.get("flops", 0.0))
+  hbm = hbm_bytes(compiled.as_text())
   entry.update(
-    flops=float(cost.get("flops", 0.0)),
-    bytes_accessed=accessed,
-    estimated_s=optimal if optimal > 0 else accessed / bandwidth,
-    estimate_source="xla optimal_seconds" if optimal > 0 else "bytes accessed / bandwidth",
+    flops=flops,
+    bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    hbm_bytes=hbm.total,
+    estimated_s=max(hbm.total / bandwidth, flops / peak_flops),
+    estimate_source=HBM_BYTES_SOURCE,
+    top_ops=[dataclasses.asdict(op) for op in hbm.ops[:TOP_OPS]],
   )
   return entry
 

@@ -5,17 +5,23 @@ Decode estimates, per batch `b` of `DECODE_BATCHES` at a context of `DECODE_CONT
 capped by fit: at most `max_num_reqs`, and at most the requests whose KV the chip holds (a capped
 batch runs in the bucket above it):
 
-- ``memory_floor_s``: (weight bytes + b x the context's KV bytes) / HBM bandwidth, per device:
-  what one decode step must read at least (a sliding-window layer reads its window's only).
+- ``memory_floor_s``: (weight bytes read + b x the context's KV bytes) / HBM bandwidth,
+  per device: what one decode step must read at least (a sliding-window layer reads its
+  window's only). The weight bytes are those a step reads: an input embedding table with its
+  own output projection (untied) is read by its `b` rows only, not whole (Llama-3.1-8B: 1.05 GB
+  of its 16.06 GB), so it is left out of the floor (``floor_weight_bytes`` says what was
+  counted).
 - ``flops_floor_s``: the compiled step's flops (XLA's count, attention's excluded) / the chip's
   peak bfloat16 rate.
 - ``estimated_step_s``: the decode step's model part (the ragged step at its bucket) and the
-  sampler at its row bucket, each XLA's ``optimal_seconds`` when its cost model gives one
-  (positive), else max(bytes accessed / bandwidth, flops / peak), plus the context's KV bytes at
-  HBM bandwidth: the compiled step holds no context (the lengths are runtime values) and the
-  Pallas attention kernel is opaque to XLA's cost model. ``method`` says which was used. XLA's
-  ``bytes accessed`` sums every branch of a ``lax.cond`` (the sampler's), so a bytes-based part
-  is an upper bound.
+  sampler at its row bucket, each max(HBM bytes / bandwidth, flops / peak), plus the context's
+  KV bytes at HBM bandwidth: the compiled step holds no context (the lengths are runtime values)
+  and the Pallas attention kernel is opaque to XLA's cost model. The HBM bytes are
+  `aot/hbm_bytes.py`'s model of each compiled executable, not XLA's ``bytes accessed``, which
+  counts the weights' copies in on-core VMEM (four times for a prefetched weight) and every
+  branch of a ``lax.cond``: the model counts HBM operands and results only, a fusion's operand
+  by the part it reads, and a conditional as its costliest branch (an upper bound where a
+  cheaper branch runs). ``method`` says which was used.
 
   Without a cost analysis (a GPU's executables: XLA:GPU's deviceless compile gives none)
   ``estimated_step_s`` is the memory floor, ``flops_floor_s`` None, and ``method`` says so.
@@ -27,7 +33,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxengine.aot.memory_plan import MemoryPlan
+from jaxengine.aot.memory_plan import MemoryPlan, bytes_per_device
 from jaxengine.aot.topologies import Topology
 from jaxengine.worker import buckets as step_buckets
 
@@ -62,6 +68,7 @@ def decode_estimates(
   )
   token_buckets = step_buckets.buckets(config.max_num_batched_tokens, 1)
   context = min(DECODE_CONTEXT, config.resolved_max_model_len)
+  weights_read = plan.weights - untied_embedding_bytes(engine)
   bandwidth, peak = spec.chip.hbm_bandwidth, spec.chip.peak_flops
   rows = []
   capped = [min(b, config.max_num_reqs, plan.requests_fit(context)) for b in DECODE_BATCHES]
@@ -74,7 +81,7 @@ def decode_estimates(
     if step is None or sample is None:
       continue
     kv_bytes = batch * plan.context_bytes(context)
-    floor = (plan.weights + kv_bytes) / bandwidth
+    floor = (weights_read + kv_bytes) / bandwidth
     if step["flops"] is None or sample["flops"] is None:  # no cost analysis: bytes alone
       estimated, flops_floor = floor, None
       method = (f"memory floor: the weights and the context's KV bytes at HBM bandwidth "
@@ -84,12 +91,13 @@ def decode_estimates(
       estimated, flops_floor = model_s + sample_s + kv_bytes / bandwidth, step["flops"] / peak
       sources = {step["estimate_source"], sample["estimate_source"]}
       method = (f"model and sampler: {' / '.join(sorted(sources))}; attention: the context's "
-                "KV bytes at HBM bandwidth (opaque to XLA's cost model)")  # fmt: skip
+                "KV bytes at HBM bandwidth (the Pallas kernel is opaque to the cost model)")  # fmt: skip
     rows.append({
       "batch": batch,
       "context": context,
       "estimated_step_s": estimated,
       "memory_floor_s": floor,
+      "floor_weight_bytes": weights_read,
       "flops_floor_s": flops_floor,
       "tokens_per_s": batch / estimated,
       "method": method,
@@ -98,9 +106,16 @@ def decode_estimates(
 
 
 def _part_seconds(result: dict[str, Any], bandwidth: float, peak: float) -> float:
-  if result["estimate_source"] == "xla optimal_seconds":
-    return float(result["estimated_s"])
-  return max(result["bytes_accessed"] / bandwidth, result["flops"] / peak)
+  return max(result["hbm_bytes"] / bandwidth, result["flops"] / peak)
+
+
+def untied_embedding_bytes(engine: Any) -> int:
+  """Bytes per device of the input embedding table when the model has its own output projection
+  (``lm_head``): a decode step reads only its batch's rows of it (0 when tied or absent)."""
+  weights = engine.weights
+  if getattr(engine.model, "lm_head", None) is None or "embed" not in weights:
+    return 0
+  return bytes_per_device(weights["embed"])
 
 
 def build_report(

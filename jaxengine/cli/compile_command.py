@@ -212,12 +212,14 @@ def format_report(report: dict[str, Any]) -> str:
     f"{report['device_kind']} chips used, {report['hbm_bytes_per_device'] / gib:.0f} GiB HBM "
     f"each; attention: {report['attention_backend']}",
     *memory_lines(report),
-    f"{'executable':<18} {'shape':<40} {'compile s':>9} {'GFLOP':>10} {'GB':>9} {'est. ms':>9}",
+    f"{'executable':<18} {'shape':<40} {'compile s':>9} {'GFLOP':>10} {'XLA GB':>9} "
+    f"{'HBM GB':>9} {'est. ms':>9}",
   ]
   for e in report["executables"]:
     lines.append(
       f"{e['name']:<18} {e['shape']:<40} {e['compile_s']:>9.1f} {_scaled(e['flops'], 1e9):>10} "
-      f"{_scaled(e['bytes_accessed'], 1e9, 3):>9} {_scaled(e['estimated_s'], 1e-3, 3):>9}"
+      f"{_scaled(e['bytes_accessed'], 1e9, 3):>9} {_scaled(e.get('hbm_bytes'), 1e9, 3):>9} "
+      f"{_scaled(e['estimated_s'], 1e-3, 3):>9}"
     )
   sources = {e["estimate_source"] for e in report["executables"]}
   if sources and all(e["flops"] is None for e in report["executables"]):

@@ -56,7 +56,12 @@ two v5e chips (64 tokens' decode step), tensor parallelism reads each chip's hal
 in place (no temporary of expert size); with expert parallelism XLA's partitioner does not keep
 the ragged dot's groups local and gathers the stacks (a 1.4 GB temporary for Qwen3-30B-A3B's
 bfloat16 experts): a ``shard_map`` over local groups would be needed, not done here. On four
-chips Qwen3-30B-A3B's 192 intermediate features per chip are padded to 256 lanes (a 135 MB copy).
+chips Qwen3-30B-A3B's 192 intermediate features per chip would be padded to 256 lanes, so XLA:TPU
+stores the gate and up stacks (``[128, 2048, 192]`` per chip) with the 2,048 input features minor
+(layout ``{1,2,0}``) and its ragged dot kernel reads ``{2,1,0}``: every call copies both stacks
+(100.7 MB each, read and written; 19.3 GB per one-token step per chip over 48 layers, measured with
+`jaxengine.aot.hbm_bytes` in `benchmarks/README.md`). Storing the intermediate features padded per
+shard to a lane multiple, with zero weights, would give the kernel its layout; not done here.
 
 Quantized experts (``EngineConfig.quantization``, `jaxengine.models.quantization`): each
 expert matrix holds int8 / float8_e4m3fn values and ``[X, out] float32`` scales (``QUANTIZABLE``,

@@ -152,10 +152,11 @@ def sample_produced(state, metadata, logits, produces, num_rows, mesh=None):
   rows_state = state.leading_rows(num_rows)
   rows_metadata = metadata.leading_rows(num_rows)
   producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & produces)
+  before = rows_state  # the leaves the sampler leaves alone are not written back
   rows_state, sampled = sample(rows_state, producing, logits, mesh=mesh)
   output = MultiStepOutput(
     sampled_token_ids=sampled.sampled_token_ids[None],
     logprobs=jax.tree.map(lambda a: a[None], sampled.logprobs),
     num_sampled=sampled.is_appended.astype(jnp.int32),
   )
-  return state.with_leading_rows(rows_state), output
+  return state.with_leading_rows(rows_state, before), output

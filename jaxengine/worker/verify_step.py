@@ -161,6 +161,7 @@ def rejection_sample_produced(state, metadata, logits, drafts: RaggedDrafts, pro
   producing = dataclasses.replace(rows_metadata, is_live=rows_metadata.is_live & produces)
   # On several devices the sampler leaves out a barrier XLA refuses there (`across_devices`).
   several = mesh is not None and mesh.size > 1
+  before = rows_state  # the leaves the sampler leaves alone are not written back
   with across_devices() if several else contextlib.nullcontext():
     rows_state, out = rejection_sample(
       rows_state, producing, logits, drafts.draft_token_ids, drafts.num_draft_tokens
@@ -170,4 +171,4 @@ def rejection_sample_produced(state, metadata, logits, drafts: RaggedDrafts, pro
     logprobs=jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out.logprobs),
     num_sampled=out.num_sampled,
   )
-  return state.with_leading_rows(rows_state), output
+  return state.with_leading_rows(rows_state, before), output

@@ -17,6 +17,8 @@ import os
 import pytest
 from subprocess_utils import run_python
 
+from jaxengine.aot.topologies import topology
+
 _TINY = dict(
   vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -168,6 +170,7 @@ def test_every_family_compiles_for_v5e_with_the_tpu_kernels(reports, name, topol
   (step,) = report["executables"]
   assert (step["name"], step["shape"]) == ("ragged_step", "tokens=1 rows=1")
   assert step["flops"] > 0 and step["bytes_accessed"] > 0 and step["compile_s"] > 0
+  assert step["hbm_bytes"] > 0 and step["top_ops"][0]["bytes"] > 0  # aot/hbm_bytes.py's model
 
 
 def test_the_whole_precompile_set_compiles_and_is_planned(reports):
@@ -188,7 +191,14 @@ def test_the_whole_precompile_set_compiles_and_is_planned(reports):
   assert memory["total"] == sum(memory[k] for k in ("weights", "kv_cache", "temp", "other"))
   assert kv["max_tokens"] * kv["bytes_per_token"] <= 0.9 * report["hbm_bytes_per_device"]
   assert [d["batch"] for d in report["decode"]] == [1]
-  assert report["decode"][0]["estimated_step_s"] > report["decode"][0]["memory_floor_s"] > 0
+  decode = report["decode"][0]
+  assert decode["estimated_step_s"] > decode["memory_floor_s"] > 0
+  chip = topology("v5e:1x1").chip  # the estimate reads the HBM bytes, not XLA's count
+  step, sample = report["executables"][:2]
+  parts = sum(max(e["hbm_bytes"] / chip.hbm_bandwidth, e["flops"] / chip.peak_flops)
+              for e in (step, sample))  # fmt: skip
+  attention = decode["context"] * kv["bytes_per_token"] / chip.hbm_bandwidth
+  assert decode["estimated_step_s"] == pytest.approx(parts + attention)
 
 
 def test_tensor_parallelism_quarters_the_weights_and_fp8_pages_double_the_tokens(reports):

@@ -96,3 +96,23 @@ def test_steps_lower_from_abstract_shapes_without_device_arrays():
   ))  # fmt: skip
   text = steps.ragged_forward.lower(state, weights, cache, inputs, prompt_logprobs=0).as_text()
   assert "func" in text
+
+
+def test_the_sampler_on_a_row_bucket_writes_back_only_the_leaves_it_changed():
+  """The sampler at one row of four writes back the token ids, lengths and output counts; the
+  leaves it leaves alone (the allowed-token and prompt masks, `[R, V]`, ...) are the input's,
+  not a copy of their first rows over themselves (which XLA:TPU relaid out and copied whole per
+  step: `aot/hbm_bytes.py`)."""
+  from jaxengine.batch import InputBatch
+  from jaxengine.worker.ragged_step import sample_produced
+
+  batch = InputBatch(4, 16, 64)
+  state, metadata = batch.state, batch.sampling_metadata
+  logits = jax.ShapeDtypeStruct((1, 64), np.float32)
+  produces = jax.ShapeDtypeStruct((1,), np.bool_)
+  jaxpr = jax.make_jaxpr(sample_produced, static_argnums=4)(state, metadata, logits, produces, 1)
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  inputs = jaxpr.jaxpr.invars[: len(names)]
+  outputs = jaxpr.jaxpr.outvars[: len(names)]
+  written = {name for name, i, o in zip(names, inputs, outputs, strict=True) if i is not o}
+  assert written == {".token_ids", ".num_tokens", ".output_token_counts"}, written
