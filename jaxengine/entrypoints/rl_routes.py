@@ -24,8 +24,9 @@ has woken every part: requests sent between the pause and the sleep wait and sta
 wake (a pause the client made itself before stays until its `/resume`). While asleep, a
 generation request is a 503 (the engine's message naming `wake_up`).
 
-Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it (nothing
-changes); the engine serves on after every error.
+Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it, a body that is
+not a JSON object (malformed JSON included) a 400 naming the body (nothing changes); the engine
+serves on after every error. `/pause` alone reads a body; the others take query parameters.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   async def pause(request: Request) -> dict:
     mode = request.query_params.get("mode")
     if mode is None and await request.body():
-      body = await request.json()
+      try:
+        body = await request.json()
+      except ValueError as error:  # malformed JSON or not UTF-8: nothing changes
+        raise RequestError(f"the body must be a JSON object, malformed JSON: {error}") from None
       if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {body!r}")
       mode = body.get("mode")

@@ -474,6 +474,9 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
 
 
 BAD_INPUTS = [  # (path, body, status, param, words in the message)
+  # an RL route's body: malformed JSON is a 400 (not a 500), the connection kept, nothing paused
+  ("/pause", b"{bad", 400, None, "malformed JSON"),
+  ("/pause", [1], 400, None, "JSON object"),
   ("/v1/completions", b'{"prompt": "hi", ', 400, None, "malformed JSON"),
   ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
   ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
