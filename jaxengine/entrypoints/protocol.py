@@ -14,8 +14,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxengine.entrypoints.prompt_shape import check_prompt_shape
 from jaxengine.entrypoints.tool_choice import (
   ToolChoiceError,
   effective_tool_choice,
@@ -312,6 +313,8 @@ class CompletionRequest(SamplingRequest):
   logprobs: int | None = None
   echo: bool = False
   suffix: str | None = None
+
+  _prompt_shape = field_validator("prompt", mode="before")(check_prompt_shape)
 
   def _max_tokens(self) -> int | None:
     return self.max_tokens

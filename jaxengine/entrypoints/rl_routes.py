@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from jaxengine.engine.pause import check_pause_mode
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxengine.entrypoints.protocol import RequestError
-from jaxengine.worker.sleep_mode import check_level
+from jaxengine.worker.sleep_mode import UnfinishedRequestsError, check_level, unfinished
 
 
 def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
@@ -88,10 +88,10 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
       await engine.sleep(level)
     except EngineDeadError:
       raise
-    except RuntimeError as error:  # unfinished requests: nothing changed
+    except UnfinishedRequestsError as error:  # nothing changed
       if pausing:
         await engine.resume_generation()
-      raise RequestError(str(error), None, 409) from None
+      raise RequestError(await _unfinished_message(engine, error), None, 409) from None
     paused_by_sleep = paused_by_sleep or pausing
     return {"is_sleeping": True}
 
@@ -116,6 +116,18 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   @app.post("/reset_prefix_cache")
   async def reset_prefix_cache() -> dict:
     return {"success": await engine.reset_prefix_cache()}
+
+
+async def _unfinished_message(engine: AsyncLLM, error: UnfinishedRequestsError) -> str:
+  """`/sleep`'s 409: the unfinished requests and the routes that deal with them."""
+  if await engine.is_paused():  # kept by a "keep" pause: "wait" cannot finish them
+    advice = (
+      "generation is paused: POST /sleep?mode=abort ends them, or /resume lets them go on "
+      "(then /sleep?mode=wait)"
+    )
+  else:
+    advice = "POST /sleep?mode=wait lets them finish first, /sleep?mode=abort ends them"
+  return f"sleep needs no unfinished requests: {unfinished(error.num_unfinished)} ({advice})"
 
 
 def _sleep_level(request: Request) -> int:

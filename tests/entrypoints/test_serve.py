@@ -441,7 +441,9 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert http.post("/reset_prefix_cache").json() == {"success": True}
     busy, awake, keep, aborting, aborted = asyncio.run(sleep_while_running())
-    assert busy.status_code == 409 and "unfinished" in busy.json()["error"]["message"]
+    message = busy.json()["error"]["message"]
+    assert busy.status_code == 409 and "1 completion is waiting" in message, message
+    assert "/sleep?mode=wait" in message and "/sleep?mode=abort" in message, message
     assert awake == {"is_sleeping": False}
     assert (keep.status_code, keep.json()["error"]["param"]) == (400, "mode")
     assert aborting.json() == {"is_sleeping": True}
@@ -557,7 +559,14 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
   ("/v1/completions", {"prompt": "hi", "seed": True}, 400, "seed", "valid integer"),
   ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, 400, "stop_token_ids",
    "valid integer"),
-  ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", "valid"),
+  ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", "prompt[0] must be a token id"),
+  # a bad element of a token-id prompt or a batch is named with its position
+  ("/v1/completions", {"prompt": [1, True, 3]}, 400, "prompt", "prompt[1] must be a token id (a "
+   "JSON integer), got true"),
+  ("/v1/completions", {"prompt": [1, 2.0, 3]}, 400, "prompt", "prompt[1] must be a token id"),
+  ("/v1/completions", {"prompt": [[1, 2, 3], "Hello"]}, 400, "prompt", 'prompt[1] must be a list '
+   'of token ids (the batch\'s first element is one), got "Hello"'),
+  ("/v1/completions", {"prompt": [[1, 2], [3, False]]}, 400, "prompt", "prompt[1][1] must be"),
   ("/v1/completions", {"prompt": "hi", "temperature": True}, 400, "temperature", "valid number"),
   ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", "valid boolean"),
   ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo", "valid boolean"),
@@ -936,6 +945,13 @@ def test_pause_routes_keep_wait_abort_and_weight_versions(server):
       await engine.load_weights(engine.engine.runner.weights, weight_version=3)
       await asyncio.sleep(0.2)
       assert not held.done()
+      # sleep refuses the kept requests, pointing at what frees them (HTTP and Python)
+      frozen = await http.post("/sleep")
+      message = frozen.json()["error"]["message"]
+      assert frozen.status_code == 409 and "2 completions are" in message, message
+      assert "/sleep?mode=abort" in message and "/resume" in message, message
+      with pytest.raises(RuntimeError, match=r"resume_generation, or pause_generation\(mode="):
+        await engine.sleep()
       assert (await http.post("/resume")).json() == {"is_paused": False}
       kept = [await _last(stream) for stream in streams]
       held_output = await held
