@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import jaxengine as je
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from jaxengine.entrypoints.openai_server import build_app
+from jaxengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from jaxengine.testing import tiny_llama
 
 MODEL = "tiny"
@@ -577,6 +578,13 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
    "top_logprobs", "valid integer"),
   ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": False}, 400,
    "max_completion_tokens", "valid integer"),
+  # jaxengine's max_staleness: an int >= 0 or null
+  ("/v1/completions", {"prompt": "hi", "max_staleness": -1}, 400, "max_staleness",
+   "max_staleness must be None or an int >= 0, got -1"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_staleness": "2"}, 400, "max_staleness",
+   "valid integer"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_staleness": True}, 400, "max_staleness",
+   "valid integer"),
 ]  # fmt: skip
 
 
@@ -636,12 +644,23 @@ def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, c
   assert same.choices[0].message.content == ref
   with caplog.at_level("WARNING", logger="jaxengine.entrypoints.openai_server"):
     response = client.completions.create(
-      prompt="hi", suffix="", extra_body={"use_beam_search": False, "frobnicate": 1, "zap": 2},
+      prompt="hi", suffix="",
+      extra_body={"use_beam_search": False, "frobnicate": 1, "zap": 2, "max_staleness": 1},
       **plain,
     )  # fmt: skip
   assert response.choices[0].finish_reason is not None
   warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
   assert warnings == ["/v1/completions: ignoring unknown fields ['frobnicate', 'zap']"]
+
+
+def test_max_staleness_is_a_sampling_field_of_both_endpoints():
+  """`max_staleness` in a body reaches `SamplingParams` (null: no bound), as the Python API's."""
+  for body in (CompletionRequest(prompt="hi"), ChatCompletionRequest(messages=MESSAGES)):
+    assert body.sampling_params().max_staleness is None
+    given = body.model_copy(update={"max_staleness": 2})
+    assert given.sampling_params().max_staleness == 2 and given.unknown_fields() == []
+  body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_staleness": 0})
+  assert body.sampling_params().max_staleness == 0 and body.unknown_fields() == []
 
 
 #: A tool whose one parameter takes two values (short constrained outputs for the tiny model).
