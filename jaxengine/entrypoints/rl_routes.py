@@ -7,7 +7,11 @@
   GET  /is_paused             `{"is_paused": bool}`
   POST /sleep?level=1|2&mode=wait|abort
                               `sleep` (default level 1): `{"is_sleeping": true}`; with vLLM's
-                              `mode`, `pause_generation(mode)` first (see below)
+                              `mode`, `pause_generation(mode)` first (see below). Level 2
+                              discards the weights: no route loads new ones (only Python's
+                              `AsyncLLM.load_weights`), so until then every generation request
+                              is a 503. Level 2 while level 1 holds the weights in host memory
+                              is a 409 (it would discard them silently): `/wake_up` first
   POST /wake_up?tags=weights&tags=kv_cache
                               `wake_up` (no tags: every part): `{"is_sleeping": bool}` (true
                               while a part is still asleep); once all is awake, it resumes
@@ -79,6 +83,14 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   async def sleep(request: Request) -> dict:
     nonlocal paused_by_sleep
     level, mode = _sleep_level(request), _sleep_mode(request)
+    if level == 2 and await engine.weights_on_host():
+      raise RequestError(
+        "sleep level 2 would discard the weights that sleep level 1 holds in host memory, and "
+        "no route loads weights (load_weights is Python's: AsyncLLM.load_weights): POST "
+        "/wake_up first, then /sleep?level=2 if they are to be replaced",
+        "level",
+        409,
+      )
     pausing = False
     if mode is not None:  # vLLM's: the requests in the engine are dealt with first
       pausing = not await engine.is_paused()  # a pause of the client's own stays its own

@@ -466,6 +466,10 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert http.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    # level 2 would discard the host copy and no route loads weights: refused, the copy kept
+    deep = http.post("/sleep", params={"level": 2})
+    assert (deep.status_code, deep.json()["error"]["param"]) == (409, "level")
+    assert "/wake_up first" in deep.json()["error"]["message"]
     asleep = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
     assert asleep.status_code == 503 and "wake_up" in asleep.json()["error"]["message"]
     bad = http.post("/wake_up", params={"tags": "everything"})
@@ -971,6 +975,9 @@ def test_pause_routes_keep_wait_abort_and_weight_versions(server):
       assert "/sleep?mode=abort" in message and "/resume" in message, message
       with pytest.raises(RuntimeError, match=r"resume_generation, or pause_generation\(mode="):
         await engine.sleep()
+      # "wait" after "keep" returns at once, the kept requests still frozen (docs/serving.md)
+      assert (await http.post("/pause", json={"mode": "wait"})).json() == {"is_paused": True}
+      assert (await http.post("/sleep")).status_code == 409
       assert (await http.post("/resume")).json() == {"is_paused": False}
       kept = [await _last(stream) for stream in streams]
       held_output = await held
