@@ -413,7 +413,7 @@ class LLMEngine(PausableEngine):
       unfinished = sum(core.num_unfinished for core in self.cores)
       raise sleep_mode.UnfinishedRequestsError(
         unfinished,
-        "finish them or abort_request them first; those a pause_generation(mode=\"keep\") "
+        'finish them or abort_request them first; those a pause_generation(mode="keep") '
         'kept: resume_generation, or pause_generation(mode="abort") to end them',
       )
     for core in self.cores:

@@ -42,7 +42,8 @@ class UnfinishedRequestsError(RuntimeError):
 
 
 def unfinished(num: int) -> str:
-  """"1 completion is" / "3 completions are" waiting, running or kept by a pause."""
+  """The phrase for `num` unfinished completions: "1 completion is ...", "3 completions are
+  ..." (waiting, running or kept by a pause)."""
   return f"{num} completion{' is' if num == 1 else 's are'} waiting, running or kept by a pause"
 
 
