@@ -634,13 +634,19 @@ def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, c
   for stream in (False, True):
     reply = client.chat.completions.create(
       model=MODEL, messages=start, max_tokens=2, stream=stream,
-      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True},
+      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True,
+                  "ignore_eos": True},
+      **({"stream_options": {"include_usage": True}} if stream else {}),
     )  # fmt: skip
     if stream:
-      content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+      chunks = list(reply)
+      content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+      usage = chunks[-1].usage
     else:
-      content = reply.choices[0].message.content
-    assert content.startswith("Hi th") and len(content) > len("Hi th")
+      content, usage = reply.choices[0].message.content, reply.usage
+    # the echo, then 2 generated tokens (a random byte-level model's may end inside a character
+    # and add no text)
+    assert content.startswith("Hi th") and usage.completion_tokens == 2, stream
   plain = {"model": MODEL, "max_tokens": 4, "temperature": 0}
   ref = client.chat.completions.create(messages=MESSAGES, **plain).choices[0].message.content
   tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
