@@ -405,15 +405,17 @@ class LLMEngine(PausableEngine):
 
     Raises:
       ValueError: a level other than 1 or 2 (nothing changes).
-      RuntimeError: requests not finished, waiting or running (finish or `abort_request` them
-        first, as vLLM requires); nothing changes.
+      sleep_mode.UnfinishedRequestsError: (a RuntimeError) requests not finished, waiting,
+        running or kept by a "keep" pause (finish or `abort_request` them first, as vLLM
+        requires); nothing changes.
     """
     sleep_mode.check_level(level)
     if self.has_unfinished_requests():
       unfinished = sum(core.num_unfinished for core in self.cores)
-      raise RuntimeError(
-        f"sleep needs no unfinished requests, {unfinished} completions are waiting or running "
-        "(finish them, or abort_request them, first)"
+      raise sleep_mode.UnfinishedRequestsError(
+        unfinished,
+        'finish them or abort_request them first; those a pause_generation(mode="keep") '
+        'kept: resume_generation, or pause_generation(mode="abort") to end them',
       )
     for core in self.cores:
       core.drain()

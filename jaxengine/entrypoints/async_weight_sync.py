@@ -83,6 +83,11 @@ class AsyncWeightSync:
     """Whether generation is paused (`LLMEngine.is_paused`), asked between steps."""
     return await self._call(self.engine.is_paused)
 
+  async def weights_on_host(self) -> bool:
+    """Whether sleep level 1 holds the weights in host memory (`ModelRunner.weights_on_host`),
+    asked between steps: a level-2 sleep now would discard that copy."""
+    return await self._call(lambda: self.engine.runner.weights_on_host)
+
   async def load_weights(self, weights, weight_version: int | None = None) -> None:
     """New weights between steps, nothing compiled (`LLM.load_weights`); also while paused.
     Tokens generated with them carry `weight_version` (default: the current version + 1) in

@@ -6,7 +6,8 @@ calls "required" or a named function forced), the text left being the content.
 Streaming reads the whole text so far at each step and sends what it adds to the last reading
 (the parsers' readings of a prefix never contradict the whole's): reasoning and content as
 text, each call first with its index, id, type and name (arguments ""), then its argument
-fragments, as OpenAI streams them.
+fragments, as OpenAI streams them. A call the output ends inside is, streamed or not, the call
+as far as it was read, and the choice keeps the engine's finish_reason (not "tool_calls").
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ class ChatOutputParser:
 
   def message(self, text: str) -> tuple[dict[str, Any], bool]:
     """A whole choice's message fields (``content``, ``reasoning_content`` with a reasoning
-    parser, ``tool_calls`` when calls were read) and whether it called tools."""
+    parser, ``tool_calls`` when calls were read) and whether it called tools: calls were made
+    and none was cut off. A call cut off by the end of the output is in ``tool_calls`` as far
+    as it was read (its arguments not valid JSON), as the stream sent it; its choice keeps the
+    engine's finish_reason ("length"), not "tool_calls" (`ToolParser.extract_tool_calls`)."""
     if self.is_plain:
       return {"content": text}, False
     message: dict[str, Any] = {}
@@ -88,7 +92,7 @@ class ChatOutputParser:
     message["content"] = tools.content if tools.content.strip() else None
     if calls:
       message["tool_calls"] = calls
-    return message, bool(calls)
+    return message, bool(calls) and not tools.cut
 
   def stream(self) -> ChoiceStream:
     """A new choice's streaming state."""
@@ -106,10 +110,12 @@ class ChoiceStream:
     self.ids: list[str] = []  # one per call whose name was sent
     self.sent_arguments: list[int] = []
     self.broken = False  # a call the tool parser cannot read: nothing more of calls is sent
+    self.calls_complete = True  # no call of the last reading was left open
 
   @property
   def tools_called(self) -> bool:
-    return bool(self.ids)
+    """Calls were sent and (after the last delta) none was cut off, as `message` says."""
+    return bool(self.ids) and self.calls_complete and not self.broken
 
   def delta(self, text: str, final: bool) -> dict[str, Any]:
     """The delta of `text`, the choice's new text (`final`: its last): ``reasoning_content``,
@@ -139,6 +145,7 @@ class ChoiceStream:
     # Whitespace alone is no content yet (the message's content is None then).
     self._add_content(delta, tools.content if tools.content.strip() else "")
     calls = self._call_deltas(tools)
+    self.calls_complete = all(call.complete for call in tools.calls)
     if calls:
       delta["tool_calls"] = calls
     return delta

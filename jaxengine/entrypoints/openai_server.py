@@ -98,6 +98,8 @@ def _validation_error(error: RequestValidationError) -> RequestError:
   if first.get("type") == "json_invalid":
     return RequestError(f"malformed JSON body: {first.get('msg')}", None)
   field = ".".join(loc) or None
+  if first.get("type") == "value_error":  # a validator's own message names what is wrong
+    return RequestError(str(first.get("ctx", {}).get("error")), loc[0] if loc else None)
   return RequestError(f"{field or 'body'}: {first.get('msg')}", loc[0] if loc else None)
 
 

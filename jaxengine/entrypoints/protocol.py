@@ -1,5 +1,5 @@
-"""The server's request bodies (OpenAI's fields plus vLLM's extra sampling fields), as pydantic
-models, and the `SamplingParams` each asks for.
+"""The server's request bodies (OpenAI's fields plus vLLM's extra sampling fields, and
+jaxengine's `max_staleness`), as pydantic models, and the `SamplingParams` each asks for.
 
 Types are checked strictly by pydantic (a wrong type is a 400 naming the field: a JSON boolean
 is not a count, nor 1 or "yes" a boolean, nor "5" a number); values by `SamplingParams` itself,
@@ -14,8 +14,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxengine.entrypoints.prompt_shape import check_prompt_shape
 from jaxengine.entrypoints.tool_choice import (
   ToolChoiceError,
   effective_tool_choice,
@@ -143,6 +144,9 @@ class SamplingRequest(_Body):
   #: vLLM's: the generated ids on each choice (`token_ids`) and the prompt's (`prompt_token_ids`;
   #: `serving_token_ids.py`).
   return_token_ids: bool | None = None
+  #: jaxengine's (no vLLM field): `SamplingParams.max_staleness`, asynchronous RL's bound on
+  #: how many weight versions a request's oldest token may lag (None: no bound).
+  max_staleness: int | None = None
 
   def _max_tokens(self) -> int | None:
     return None
@@ -301,6 +305,7 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _OPTIONAL_FIELDS = (
   "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
   "repetition_penalty", "seed", "stop", "stop_token_ids", "bad_words", "allowed_token_ids",
+  "max_staleness",
 )  # fmt: skip
 
 
@@ -312,6 +317,8 @@ class CompletionRequest(SamplingRequest):
   logprobs: int | None = None
   echo: bool = False
   suffix: str | None = None
+
+  _prompt_shape = field_validator("prompt", mode="before")(check_prompt_shape)
 
   def _max_tokens(self) -> int | None:
     return self.max_tokens

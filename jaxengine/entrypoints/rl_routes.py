@@ -7,7 +7,11 @@
   GET  /is_paused             `{"is_paused": bool}`
   POST /sleep?level=1|2&mode=wait|abort
                               `sleep` (default level 1): `{"is_sleeping": true}`; with vLLM's
-                              `mode`, `pause_generation(mode)` first (see below)
+                              `mode`, `pause_generation(mode)` first (see below). Level 2
+                              discards the weights: no route loads new ones (only Python's
+                              `AsyncLLM.load_weights`), so until then every generation request
+                              is a 503. Level 2 while level 1 holds the weights in host memory
+                              is a 409 (it would discard them silently): `/wake_up` first
   POST /wake_up?tags=weights&tags=kv_cache
                               `wake_up` (no tags: every part): `{"is_sleeping": bool}` (true
                               while a part is still asleep); once all is awake, it resumes
@@ -24,8 +28,9 @@ has woken every part: requests sent between the pause and the sleep wait and sta
 wake (a pause the client made itself before stays until its `/resume`). While asleep, a
 generation request is a 503 (the engine's message naming `wake_up`).
 
-Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it (nothing
-changes); the engine serves on after every error.
+Errors are OpenAI's error body: a bad `mode`, `level` or tag is a 400 naming it, a body that is
+not a JSON object (malformed JSON included) a 400 naming the body (nothing changes); the engine
+serves on after every error. `/pause` alone reads a body; the others take query parameters.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from fastapi import FastAPI, Request
 from jaxengine.engine.pause import check_pause_mode
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxengine.entrypoints.protocol import RequestError
-from jaxengine.worker.sleep_mode import check_level
+from jaxengine.worker.sleep_mode import UnfinishedRequestsError, check_level, unfinished
 
 
 def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
@@ -50,7 +55,10 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   async def pause(request: Request) -> dict:
     mode = request.query_params.get("mode")
     if mode is None and await request.body():
-      body = await request.json()
+      try:
+        body = await request.json()
+      except ValueError as error:  # malformed JSON or not UTF-8: nothing changes
+        raise RequestError(f"the body must be a JSON object, malformed JSON: {error}") from None
       if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {body!r}")
       mode = body.get("mode")
@@ -75,6 +83,14 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   async def sleep(request: Request) -> dict:
     nonlocal paused_by_sleep
     level, mode = _sleep_level(request), _sleep_mode(request)
+    if level == 2 and await engine.weights_on_host():
+      raise RequestError(
+        "sleep level 2 would discard the weights that sleep level 1 holds in host memory, and "
+        "no route loads weights (load_weights is Python's: AsyncLLM.load_weights): POST "
+        "/wake_up first, then /sleep?level=2 if they are to be replaced",
+        "level",
+        409,
+      )
     pausing = False
     if mode is not None:  # vLLM's: the requests in the engine are dealt with first
       pausing = not await engine.is_paused()  # a pause of the client's own stays its own
@@ -84,10 +100,10 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
       await engine.sleep(level)
     except EngineDeadError:
       raise
-    except RuntimeError as error:  # unfinished requests: nothing changed
+    except UnfinishedRequestsError as error:  # nothing changed
       if pausing:
         await engine.resume_generation()
-      raise RequestError(str(error), None, 409) from None
+      raise RequestError(await _unfinished_message(engine, error), None, 409) from None
     paused_by_sleep = paused_by_sleep or pausing
     return {"is_sleeping": True}
 
@@ -112,6 +128,18 @@ def add_rl_routes(app: FastAPI, engine: AsyncLLM) -> None:
   @app.post("/reset_prefix_cache")
   async def reset_prefix_cache() -> dict:
     return {"success": await engine.reset_prefix_cache()}
+
+
+async def _unfinished_message(engine: AsyncLLM, error: UnfinishedRequestsError) -> str:
+  """`/sleep`'s 409: the unfinished requests and the routes that deal with them."""
+  if await engine.is_paused():  # kept by a "keep" pause: "wait" cannot finish them
+    advice = (
+      "generation is paused: POST /sleep?mode=abort ends them, or /resume lets them go on "
+      "(then /sleep?mode=wait)"
+    )
+  else:
+    advice = "POST /sleep?mode=wait lets them finish first, /sleep?mode=abort ends them"
+  return f"sleep needs no unfinished requests: {unfinished(error.num_unfinished)} ({advice})"
 
 
 def _sleep_level(request: Request) -> int:

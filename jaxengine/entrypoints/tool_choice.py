@@ -14,6 +14,7 @@ forces a call, and the parsers of the forced calls.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,14 +144,23 @@ def tool_call_constraint(
 
 
 class NamedFunctionParser(ToolParser):
-  """The output of a named `tool_choice`: all of it the arguments of one call of `name`."""
+  """The output of a named `tool_choice`: all of it the arguments of one call of `name`,
+  complete once the output ends as JSON (else it was cut off, by `max_tokens`)."""
 
   def __init__(self, name: str) -> None:
     super().__init__()
     self.name = name
 
   def parse(self, text: str, final: bool) -> ParsedToolCalls:
-    return ParsedToolCalls("", [ParsedCall(self.name, text, final)])
+    return ParsedToolCalls("", [ParsedCall(self.name, text, final and _is_json(text))])
+
+
+def _is_json(text: str) -> bool:
+  try:
+    json.loads(text)
+  except ValueError:
+    return False
+  return True
 
 
 class RequiredCallsParser(ToolParser):

@@ -224,6 +224,11 @@ class ModelRunner:
     return bool(self._sleep.asleep)
 
   @property
+  def weights_on_host(self) -> bool:
+    """Whether sleep level 1 holds the weights in host memory (until `wake_up` of the weights)."""
+    return self._sleep.host_weights is not None
+
+  @property
   def weights_discarded(self) -> bool:
     """Whether sleep level 2 discarded the weights and `load_weights` has not refilled them."""
     return self._sleep.weights_discarded

@@ -27,6 +27,26 @@ class EngineAsleepError(RuntimeError):
   server answers it with a 503."""
 
 
+class UnfinishedRequestsError(RuntimeError):
+  """`sleep` refused: requests are unfinished (waiting, running, or kept by a "keep" pause);
+  nothing changed.
+
+  Args:
+    num_unfinished: how many completions are unfinished.
+    advice: what the caller can do about them (the Python API's or the server's way).
+  """
+
+  def __init__(self, num_unfinished: int, advice: str) -> None:
+    super().__init__(f"sleep needs no unfinished requests: {unfinished(num_unfinished)} ({advice})")
+    self.num_unfinished = num_unfinished
+
+
+def unfinished(num: int) -> str:
+  """The phrase for `num` unfinished completions: "1 completion is ...", "3 completions are
+  ..." (waiting, running or kept by a pause)."""
+  return f"{num} completion{' is' if num == 1 else 's are'} waiting, running or kept by a pause"
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
   """Where a freed array lived: enough to put it back in place, or to check a new one against.

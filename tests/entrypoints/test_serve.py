@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import jaxengine as je
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from jaxengine.entrypoints.openai_server import build_app
+from jaxengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from jaxengine.testing import tiny_llama
 
 MODEL = "tiny"
@@ -441,7 +442,9 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert http.post("/reset_prefix_cache").json() == {"success": True}
     busy, awake, keep, aborting, aborted = asyncio.run(sleep_while_running())
-    assert busy.status_code == 409 and "unfinished" in busy.json()["error"]["message"]
+    message = busy.json()["error"]["message"]
+    assert busy.status_code == 409 and "1 completion is waiting" in message, message
+    assert "/sleep?mode=wait" in message and "/sleep?mode=abort" in message, message
     assert awake == {"is_sleeping": False}
     assert (keep.status_code, keep.json()["error"]["param"]) == (400, "mode")
     assert aborting.json() == {"is_sleeping": True}
@@ -463,6 +466,10 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert http.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    # level 2 would discard the host copy and no route loads weights: refused, the copy kept
+    deep = http.post("/sleep", params={"level": 2})
+    assert (deep.status_code, deep.json()["error"]["param"]) == (409, "level")
+    assert "/wake_up first" in deep.json()["error"]["message"]
     asleep = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
     assert asleep.status_code == 503 and "wake_up" in asleep.json()["error"]["message"]
     bad = http.post("/wake_up", params={"tags": "everything"})
@@ -474,6 +481,9 @@ def test_sleep_wake_up_and_reset_prefix_cache_routes(server, client):
 
 
 BAD_INPUTS = [  # (path, body, status, param, words in the message)
+  # an RL route's body: malformed JSON is a 400 (not a 500), the connection kept, nothing paused
+  ("/pause", b"{bad", 400, None, "malformed JSON"),
+  ("/pause", [1], 400, None, "JSON object"),
   ("/v1/completions", b'{"prompt": "hi", ', 400, None, "malformed JSON"),
   ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
   ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
@@ -554,7 +564,14 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
   ("/v1/completions", {"prompt": "hi", "seed": True}, 400, "seed", "valid integer"),
   ("/v1/completions", {"prompt": "hi", "stop_token_ids": [True]}, 400, "stop_token_ids",
    "valid integer"),
-  ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", "valid"),
+  ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", "prompt[0] must be a token id"),
+  # a bad element of a token-id prompt or a batch is named with its position
+  ("/v1/completions", {"prompt": [1, True, 3]}, 400, "prompt", "prompt[1] must be a token id (a "
+   "JSON integer), got true"),
+  ("/v1/completions", {"prompt": [1, 2.0, 3]}, 400, "prompt", "prompt[1] must be a token id"),
+  ("/v1/completions", {"prompt": [[1, 2, 3], "Hello"]}, 400, "prompt", 'prompt[1] must be a list '
+   'of token ids (the batch\'s first element is one), got "Hello"'),
+  ("/v1/completions", {"prompt": [[1, 2], [3, False]]}, 400, "prompt", "prompt[1][1] must be"),
   ("/v1/completions", {"prompt": "hi", "temperature": True}, 400, "temperature", "valid number"),
   ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", "valid boolean"),
   ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo", "valid boolean"),
@@ -565,6 +582,13 @@ BAD_INPUTS = [  # (path, body, status, param, words in the message)
    "top_logprobs", "valid integer"),
   ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": False}, 400,
    "max_completion_tokens", "valid integer"),
+  # jaxengine's max_staleness: an int >= 0 or null
+  ("/v1/completions", {"prompt": "hi", "max_staleness": -1}, 400, "max_staleness",
+   "max_staleness must be None or an int >= 0, got -1"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_staleness": "2"}, 400, "max_staleness",
+   "valid integer"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "max_staleness": True}, 400, "max_staleness",
+   "valid integer"),
 ]  # fmt: skip
 
 
@@ -610,13 +634,19 @@ def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, c
   for stream in (False, True):
     reply = client.chat.completions.create(
       model=MODEL, messages=start, max_tokens=2, stream=stream,
-      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True},
+      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True,
+                  "ignore_eos": True},
+      **({"stream_options": {"include_usage": True}} if stream else {}),
     )  # fmt: skip
     if stream:
-      content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+      chunks = list(reply)
+      content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+      usage = chunks[-1].usage
     else:
-      content = reply.choices[0].message.content
-    assert content.startswith("Hi th") and len(content) > len("Hi th")
+      content, usage = reply.choices[0].message.content, reply.usage
+    # the echo, then 2 generated tokens (a random byte-level model's may end inside a character
+    # and add no text)
+    assert content.startswith("Hi th") and usage.completion_tokens == 2, stream
   plain = {"model": MODEL, "max_tokens": 4, "temperature": 0}
   ref = client.chat.completions.create(messages=MESSAGES, **plain).choices[0].message.content
   tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -624,12 +654,23 @@ def test_vllm_fields_are_applied_and_unknown_ones_warned_about(server, client, c
   assert same.choices[0].message.content == ref
   with caplog.at_level("WARNING", logger="jaxengine.entrypoints.openai_server"):
     response = client.completions.create(
-      prompt="hi", suffix="", extra_body={"use_beam_search": False, "frobnicate": 1, "zap": 2},
+      prompt="hi", suffix="",
+      extra_body={"use_beam_search": False, "frobnicate": 1, "zap": 2, "max_staleness": 1},
       **plain,
     )  # fmt: skip
   assert response.choices[0].finish_reason is not None
   warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
   assert warnings == ["/v1/completions: ignoring unknown fields ['frobnicate', 'zap']"]
+
+
+def test_max_staleness_is_a_sampling_field_of_both_endpoints():
+  """`max_staleness` in a body reaches `SamplingParams` (null: no bound), as the Python API's."""
+  for body in (CompletionRequest(prompt="hi"), ChatCompletionRequest(messages=MESSAGES)):
+    assert body.sampling_params().max_staleness is None
+    given = body.model_copy(update={"max_staleness": 2})
+    assert given.sampling_params().max_staleness == 2 and given.unknown_fields() == []
+  body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_staleness": 0})
+  assert body.sampling_params().max_staleness == 0 and body.unknown_fields() == []
 
 
 #: A tool whose one parameter takes two values (short constrained outputs for the tiny model).
@@ -933,6 +974,16 @@ def test_pause_routes_keep_wait_abort_and_weight_versions(server):
       await engine.load_weights(engine.engine.runner.weights, weight_version=3)
       await asyncio.sleep(0.2)
       assert not held.done()
+      # sleep refuses the kept requests, pointing at what frees them (HTTP and Python)
+      frozen = await http.post("/sleep")
+      message = frozen.json()["error"]["message"]
+      assert frozen.status_code == 409 and "2 completions are" in message, message
+      assert "/sleep?mode=abort" in message and "/resume" in message, message
+      with pytest.raises(RuntimeError, match=r"resume_generation, or pause_generation\(mode="):
+        await engine.sleep()
+      # "wait" after "keep" returns at once, the kept requests still frozen (docs/serving.md)
+      assert (await http.post("/pause", json={"mode": "wait"})).json() == {"is_paused": True}
+      assert (await http.post("/sleep")).status_code == 409
       assert (await http.post("/resume")).json() == {"is_paused": False}
       kept = [await _last(stream) for stream in streams]
       held_output = await held

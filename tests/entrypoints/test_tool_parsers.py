@@ -224,6 +224,33 @@ def test_forced_calls_required_and_named():
   assert named.finish_reason(True, "stop") == "stop"  # OpenAI's, for a named function
 
 
+@pytest.mark.parametrize(
+  ("parser", "text", "calls"),
+  [  # a call the output ends inside (max_tokens, or a <tool_call> never closed)
+    ("hermes", 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+     [{"name": "get_weather", "arguments": '{"city": "Par'}]),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"na',
+     [{"name": "get_time", "arguments": "{}"}]),  # the second cut before its name: dropped
+    ("required", '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"ci',
+     [{"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"ci'}]),
+    ("named", '{"city":"Li', [{"name": "get_weather", "arguments": '{"city":"Li'}]),
+  ],
+)  # fmt: skip
+def test_a_call_cut_off_is_the_same_streamed_or_not_and_not_tool_calls(parser, text, calls):
+  """The non-streamed message reports a cut-off call as the stream sent it (arguments as far
+  as they go), and the choice keeps the engine's finish_reason: a client runs no partial call."""
+  parser = {
+    "hermes": auto("hermes"),
+    "required": ChatOutputParser(None, RequiredCallsParser(TOOLS), "required"),
+    "named": ChatOutputParser(None, NamedFunctionParser("get_weather"), "named"),
+  }[parser]
+  message = assert_streams_as_whole(parser, text)
+  assert message["tool_calls"] == calls and not message["called"]
+  assert message["content"] == ("Sure." if text.startswith("Sure.") else None)
+  assert parser.finish_reason(message["called"], "length") == "length"
+  assert parser.finish_reason(message["called"], "stop") == "stop"  # a tag left open: no run
+
+
 def test_tool_choice_is_checked_against_the_tools():
   assert effective_tool_choice(TOOLS, None) == "auto"
   assert effective_tool_choice(None, None) == "none"

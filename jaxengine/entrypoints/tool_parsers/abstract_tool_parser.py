@@ -39,10 +39,13 @@ class ParsedToolCalls:
     content: the text outside the calls (so far: text that could still open a call is held
       back until it is known not to).
     calls: the calls, in order.
+    cut: the output ended inside a call (`extract_tool_calls`: one cut off before its name is
+      not in `calls`).
   """
 
   content: str
   calls: list[ParsedCall]
+  cut: bool = False
 
 
 class MalformedToolCall(ValueError):
@@ -69,16 +72,24 @@ class ToolParser:
     raise NotImplementedError
 
   def extract_tool_calls(self, text: str) -> ParsedToolCalls:
-    """The whole output's calls (vLLM's name): all of them complete, named, with arguments that
-    are JSON; an output with a call that is not is all content, with no calls (as vLLM)."""
+    """The whole output's calls (vLLM's name), as streaming's last reading gives them: a call
+    the output ends inside (cut off by `max_tokens`, or left open) is kept as far as it was
+    read, its `arguments` not valid JSON and `complete` False, once named (streaming has sent
+    it); one cut off before its name is dropped. A call that ended but cannot be read (not the
+    format, no name, arguments that are not JSON) makes the output all content, with no calls
+    (vLLM's rule)."""
     try:
       parsed = self.parse(text, final=True)
     except MalformedToolCall:
       return ParsedToolCalls(text, [])
+    calls = []
     for call in parsed.calls:
-      if not call.complete or call.name is None or not _is_json(call.arguments):
+      if call.complete and (call.name is None or not _is_json(call.arguments)):
         return ParsedToolCalls(text, [])
-    return parsed
+      if call.name is not None:  # else cut off before its name: streaming never sent it
+        calls.append(call)
+    cut = not all(call.complete for call in parsed.calls)
+    return ParsedToolCalls(parsed.content, calls, cut)
 
   def parameter_schema(self, function_name: str) -> Mapping[str, Any]:
     """The `parameters` JSON schema of the request's tool of that name ({} if none)."""
