@@ -14,7 +14,6 @@ forces a call, and the parsers of the forced calls.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from jaxengine.entrypoints.tool_parsers.abstract_tool_parser import (
   ParsedCall,
   ParsedToolCalls,
   ToolParser,
+  is_json,
 )
 from jaxengine.entrypoints.tool_parsers.json_scan import partial_call, skip_whitespace
 from jaxengine.params import StructuredOutputsParams
@@ -152,15 +152,7 @@ class NamedFunctionParser(ToolParser):
     self.name = name
 
   def parse(self, text: str, final: bool) -> ParsedToolCalls:
-    return ParsedToolCalls("", [ParsedCall(self.name, text, final and _is_json(text))])
-
-
-def _is_json(text: str) -> bool:
-  try:
-    json.loads(text)
-  except ValueError:
-    return False
-  return True
+    return ParsedToolCalls("", [ParsedCall(self.name, text, final and is_json(text))])
 
 
 class RequiredCallsParser(ToolParser):

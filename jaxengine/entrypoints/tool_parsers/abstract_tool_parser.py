@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -84,7 +84,7 @@ class ToolParser:
       return ParsedToolCalls(text, [])
     calls = []
     for call in parsed.calls:
-      if call.complete and (call.name is None or not _is_json(call.arguments)):
+      if call.complete and (call.name is None or not is_json(call.arguments)):
         return ParsedToolCalls(text, [])
       if call.name is not None:  # else cut off before its name: streaming never sent it
         calls.append(call)
@@ -100,7 +100,8 @@ class ToolParser:
     return {}
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+  """Whether `text` parses as JSON."""
   try:
     json.loads(text)
   except ValueError:
@@ -125,3 +126,28 @@ def content_of(parts: Sequence[str]) -> str:
   the text after each call, which counts only once it is more than whitespace (a newline
   between calls is no content). A prefix of the output gives a prefix of this."""
   return "".join(part for index, part in enumerate(parts) if index == 0 or part.strip())
+
+
+def parse_tagged(
+  text: str,
+  final: bool,
+  start_tag: str,
+  end_tag: str,
+  read_call: Callable[[str, bool, bool], ParsedCall],
+) -> ParsedToolCalls:
+  """A reading of an output whose calls are each between `start_tag` and `end_tag`: the text
+  between calls is content (text that may open a call held back unless `final`), each call's
+  body read by `read_call(body, final, closed)` (`closed`: its end tag is written); a call left
+  open ends the reading."""
+  parts, calls, position = [], [], 0
+  while (start := text.find(start_tag, position)) >= 0:
+    parts.append(text[position:start])
+    body_start = start + len(start_tag)
+    end = text.find(end_tag, body_start)
+    calls.append(read_call(text[body_start : len(text) if end < 0 else end], final, end >= 0))
+    if end < 0:
+      return ParsedToolCalls(content_of(parts), calls)
+    position = end + len(end_tag)
+  tail = text[position:]
+  parts.append(tail if final else held_back(tail, start_tag))
+  return ParsedToolCalls(content_of(parts), calls)

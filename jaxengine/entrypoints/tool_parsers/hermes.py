@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from jaxengine.entrypoints.tool_parsers.abstract_tool_parser import (
+  ParsedCall,
   ParsedToolCalls,
   ToolParser,
-  content_of,
-  held_back,
+  parse_tagged,
 )
 from jaxengine.entrypoints.tool_parsers.json_scan import partial_call
 
@@ -24,19 +24,11 @@ class Hermes2ProToolParser(ToolParser):
   end_tag = "</tool_call>"
 
   def parse(self, text: str, final: bool) -> ParsedToolCalls:
-    parts, calls, position = [], [], 0
-    while (start := text.find(self.start_tag, position)) >= 0:
-      parts.append(text[position:start])
-      body_start = start + len(self.start_tag)
-      end = text.find(self.end_tag, body_start)
-      body = text[body_start : len(text) if end < 0 else end]
-      call, _ = partial_call(body, 0, final or end >= 0, ("arguments",))
-      if end >= 0 and not call.complete:  # closed by its tag: ended, however it reads
-        call = dataclasses.replace(call, complete=True)
-      calls.append(call)
-      if end < 0:
-        return ParsedToolCalls(content_of(parts), calls)
-      position = end + len(self.end_tag)
-    tail = text[position:]
-    parts.append(tail if final else held_back(tail, self.start_tag))
-    return ParsedToolCalls(content_of(parts), calls)
+    return parse_tagged(text, final, self.start_tag, self.end_tag, _read_call)
+
+
+def _read_call(body: str, final: bool, closed: bool) -> ParsedCall:
+  """One call's JSON, read as far as it goes; a call its end tag closed has ended, however it
+  reads."""
+  call, _ = partial_call(body, 0, final or closed, ("arguments",))
+  return dataclasses.replace(call, complete=True) if closed and not call.complete else call

@@ -22,8 +22,7 @@ from jaxengine.entrypoints.tool_parsers.abstract_tool_parser import (
   ParsedCall,
   ParsedToolCalls,
   ToolParser,
-  content_of,
-  held_back,
+  parse_tagged,
 )
 
 _FUNCTION, _FUNCTION_END = "<function=", "</function>"
@@ -40,19 +39,10 @@ class Qwen3CoderToolParser(ToolParser):
   end_tag = "</tool_call>"
 
   def parse(self, text: str, final: bool) -> ParsedToolCalls:
-    parts, calls, position = [], [], 0
-    while (start := text.find(self.start_tag, position)) >= 0:
-      parts.append(text[position:start])
-      body_start = start + len(self.start_tag)
-      end = text.find(self.end_tag, body_start)
-      body = text[body_start : len(text) if end < 0 else end]
-      calls.append(self._call(body, final or end >= 0))
-      if end < 0:
-        return ParsedToolCalls(content_of(parts), calls)
-      position = end + len(self.end_tag)
-    tail = text[position:]
-    parts.append(tail if final else held_back(tail, self.start_tag))
-    return ParsedToolCalls(content_of(parts), calls)
+    def read_call(body: str, ended: bool, closed: bool) -> ParsedCall:
+      return self._call(body, ended or closed)
+
+    return parse_tagged(text, final, self.start_tag, self.end_tag, read_call)
 
   def _call(self, body: str, closed: bool) -> ParsedCall:
     """One call's text (`closed`: the whole of it)."""
