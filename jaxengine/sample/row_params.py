@@ -147,10 +147,11 @@ def row_param_specs() -> dict[str, RowParam]:
   return {f.name: f.metadata["row_param"] for f in dataclasses.fields(RowParams)}
 
 
-def empty_row_params(config: BatchConfig) -> dict[str, jax.Array]:
-  """`{name: [R] array}` every row disabled (each parameter's `off` value, in its dtype)."""
+def empty_row_params(config: BatchConfig) -> dict[str, np.ndarray]:
+  """`{name: [R] array}` every row disabled (each parameter's `off` value, in its dtype; host
+  NumPy, `BatchState.create` sends them with the rest)."""
   return {
-    name: jnp.full((config.max_num_reqs,), spec.off_value(config), spec.dtype)
+    name: np.full((config.max_num_reqs,), spec.off_value(config), spec.dtype)
     for name, spec in row_param_specs().items()
   }
 

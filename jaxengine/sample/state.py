@@ -162,29 +162,34 @@ class BatchState(RowFields[jax.Array]):
   def create(cls, config: BatchConfig) -> BatchState:
     """Returns an empty state (every row free) with the capacities of `config`."""
     R, S, V = config.max_num_reqs, config.max_model_len, config.vocab_size
-    i32 = lambda *shape, fill=0: jnp.full(shape, fill, jnp.int32)
-    f32 = lambda *shape, fill=0.0: jnp.full(shape, fill, jnp.float32)
+    i32 = lambda *shape, fill=0: np.full(shape, fill, np.int32)
+    f32 = lambda *shape, fill=0.0: np.full(shape, fill, np.float32)
     num_bad_words, prefix_len = config.max_num_bad_words, config.max_bad_word_len - 1
-    return cls(
+    # Filled on the host and sent in one transfer: a `jnp.full` per field would compile (or read
+    # back from the cache) one small program per shape, about a second of a fresh process.
+    host = dict(
       **empty_row_params(config),
       token_ids=i32(R, S),
       num_tokens=i32(R),
       num_prompt_tokens=i32(R),
-      cache_slot=jnp.arange(R, dtype=jnp.int32),
-      key_data=jnp.zeros((R, *KEY_DATA_SHAPE), jnp.uint32),
+      cache_slot=np.arange(R, dtype=np.int32),
+      key_data=np.zeros((R, *KEY_DATA_SHAPE), np.uint32),
       stop_token_ids=i32(R, config.max_num_stop_token_ids, fill=V),
       logit_bias_token_ids=i32(R, config.max_num_logit_bias, fill=V),
       logit_bias=f32(R, config.max_num_logit_bias),
-      has_allowed_token_ids=jnp.zeros((R,), bool),
-      allowed_token_mask=jnp.ones((R, V), bool),
+      has_allowed_token_ids=np.zeros((R,), bool),
+      allowed_token_mask=np.ones((R, V), bool),
       bad_words_prefix=i32(R, num_bad_words, prefix_len, fill=-1),
       bad_words_last=i32(R, num_bad_words, fill=V),
       output_token_counts=i32(R, V),
-      prompt_token_mask=jnp.zeros((R, V), bool),
+      prompt_token_mask=np.zeros((R, V), bool),
+      logits_processor_active=np.zeros((R, len(config.logits_processors)), bool),
+      has_grammar=np.zeros((R,), bool),
+      grammar_bitmask=np.full((R, -(-V // 32)), -1, np.int32),
+    )
+    return cls(
+      **jax.device_put(host),
       logits_processor_states=tuple(checked_init_state(p, R, V) for p in config.logits_processors),
-      logits_processor_active=jnp.zeros((R, len(config.logits_processors)), bool),
-      has_grammar=jnp.zeros((R,), bool),
-      grammar_bitmask=jnp.full((R, -(-V // 32)), -1, jnp.int32),
       config=config,
     )
 
