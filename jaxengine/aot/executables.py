@@ -8,8 +8,9 @@ devices; the one device otherwise), the persistent batch (host arrays, whose sha
 take), and the pool of KV-cache pages as shapes. `engine_executables` then yields each jitted step
 of `worker/device_steps.py` with the arguments of one precompiled shape, the same set
 `worker/precompile.py` runs: the ragged step's model part per (token bucket, row bucket) with
-and without prompt logprobs, its sampler per row bucket, the verify step's two parts with
-speculative decoding, and the k-step decode loop per row bucket with `num_decode_steps` > 1.
+and without prompt logprobs, its sampler per row bucket of at least 8 rows (`sample_rows`), the
+verify step's two parts with speculative decoding, and the k-step decode loop per row bucket with
+`num_decode_steps` > 1.
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ def _served(model: Model, config: EngineConfig) -> Model:
 
 def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
   """The executables `worker/precompile.py` compiles for `engine` (see the module), each
-  once: the sampler's and the rejection sampler's per row bucket, the others per shape.
+  once: the sampler's per `sample_rows` bucket and the rejection sampler's per row bucket, the
+  others per shape.
 
   `engine.set_num_blocks` must have sized the pool first.
   """
@@ -267,24 +269,28 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
     ):
       extra = f" prompt_logprobs={columns}" if prompt_logprobs else ""
       shape = f"tokens={num_tokens} rows={num_rows}"
-      inputs = engine.sharded(
-        ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
-                      block_size=config.block_size, lora=engine.lora)
+      sample_rows = step_buckets.sample_rows(num_rows, row_buckets)
+      plain, inputs = (
+        engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
+                                     block_size=config.block_size, num_sample_rows=rows,
+                                     lora=engine.lora))
+        for rows in (sample_rows, num_rows)
       )  # fmt: skip
-      produces = inputs.produces
       pl = columns if prompt_logprobs else 0
-      args = (state, engine.weights, engine.kv_cache, inputs)
+      args = (state, engine.weights, engine.kv_cache, plain)
       yield _executable(engine, "ragged_step", shape + extra, steps.ragged_forward, args,
                         {"prompt_logprobs": pl})  # fmt: skip
-      if ("sample", num_rows) not in sampled:
-        sampled.add(("sample", num_rows))
+      if ("sample", sample_rows) not in sampled:
+        sampled.add(("sample", sample_rows))
         logits = engine.sharded(
-          jax.ShapeDtypeStruct((num_rows, vocab), jnp.float32), logits_sharding
+          jax.ShapeDtypeStruct((sample_rows, vocab), jnp.float32), logits_sharding
         )
-        yield _executable(engine, "sample", f"rows={num_rows}", steps.sample_produced,
-                          (state, metadata, logits, produces), {"num_rows": num_rows})  # fmt: skip
+        yield _executable(engine, "sample", f"rows={sample_rows}", steps.sample_produced,
+                          (state, metadata, logits, plain.produces),
+                          {"num_rows": sample_rows})  # fmt: skip
       if not k:
         continue
+      produces = inputs.produces
       drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
       verify_args = (state, engine.weights, engine.kv_cache, inputs, drafts)
       yield _executable(engine, "verify_step", f"{shape} drafts={k}{extra}",

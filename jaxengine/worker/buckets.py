@@ -20,6 +20,13 @@ MIN_TOKEN_BUCKET = 8
 FULL_ROWS_MIN_TOKENS = 128
 
 
+#: Fewest rows the sampler of a plain step runs over (`sample_rows`): a step of fewer rows pads
+#: its logits to this row bucket, so a batch of 1 to 8 requests compiles one sampler, not one per
+#: row bucket (the sampler compiles about as long as SmolLM2-135M's whole forward on XLA:CPU, and
+#: its cost over 8 rows is small next to the model's; TPU and GPU tiles hold 8 rows anyway).
+MIN_SAMPLE_ROWS = 8
+
+
 def buckets(limit: int, start: int) -> list[int]:
   """Powers of two from `start`, the last one clipped to `limit`."""
   sizes = [start]
@@ -41,6 +48,12 @@ def row_buckets(max_num_reqs: int, rows_per_shard: int, batch_invariant: bool) -
 def bucket(n: int, sizes: list[int]) -> int:
   """The smallest of `sizes` holding `n`."""
   return next(b for b in sizes if b >= n)
+
+
+def sample_rows(num_rows: int, row_buckets: list[int]) -> int:
+  """The rows a plain step's sampler runs over when its model runs over `num_rows` (a row
+  bucket): the smallest row bucket holding `num_rows` and `MIN_SAMPLE_ROWS` (or the largest)."""
+  return bucket(min(max(num_rows, MIN_SAMPLE_ROWS), row_buckets[-1]), row_buckets)
 
 
 def token_bucket(num_tokens: int, num_rows: int, token_buckets: list[int]) -> int:

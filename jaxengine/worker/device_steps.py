@@ -38,7 +38,8 @@ class DeviceSteps:
   Attributes:
     ragged_forward: the model's part of a plain step: one executable per (token bucket, row
       bucket) and prompt-logprobs variant (`worker/ragged_step.py`).
-    sample_produced: the sampler's part: one executable per row bucket.
+    sample_produced: the sampler's part: one executable per row bucket of at least 8 rows
+      (`worker/buckets.py`'s `sample_rows`).
     verify_forward: the verify step's model part (`worker/verify_step.py`).
     rejection_sample_produced: the verify step's rejection sampler, per row bucket.
     decode_steps: the k-step decode loop, per row bucket and k (`worker/multi_step.py`).

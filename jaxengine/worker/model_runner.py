@@ -19,15 +19,15 @@ buildable without device arrays), each step's inputs (`worker/step_inputs.py`, `
 shapes, shardings and commitment, so waking compiles nothing).
 
 Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
-bucket) reached (`step_buckets`; with prompt logprobs another executable), one sampler step per
-row bucket, with `speculative_config` one verify step per (token bucket, row bucket), with
-`num_decode_steps` k > 1 one k-step decode loop per row bucket; `worker/precompile.py` runs them
-all. With `reuse_compiled_shapes`, a step whose bucket has not compiled yet runs in a larger
-compiled one for its first few uses (`StepShapes`). The block-table width is fixed at
-`ceil(max_model_len / block_size)` pages (the XLA attention loops only over the pages the step's
-longest context needs). On a mesh (`EngineConfig.mesh`) weights, pages and batch state are placed
-once (`worker/placement.py`) and every step declares those shardings, so serving compiles nothing
-warm-up did not.
+bucket) reached (`step_buckets`; with prompt logprobs another executable), one sampler step per row
+bucket of 8 rows or more (`sample_rows`), with `speculative_config` one verify step per (token
+bucket, row bucket), with `num_decode_steps` k > 1 one k-step decode loop per row bucket;
+`worker/precompile.py` runs them all. With `reuse_compiled_shapes`, a step whose bucket has not
+compiled yet runs in a larger compiled one for its first few uses (`StepShapes`). The block-table
+width is fixed at `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the
+pages the step's longest context needs). On a mesh (`EngineConfig.mesh`) weights, pages and batch
+state are placed once (`worker/placement.py`) and every step declares those shardings, so serving
+compiles nothing warm-up did not.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ class ModelRunner:
     produces = produced_rows(batch, scheduled)
     inputs, verify = self.step_inputs(scheduled, num_tokens, num_rows, produces, drafted)
     counts = None if verify is not None else [int(p) for p in produces]
-    pending = self.run_step(inputs, num_rows, columns, verify, counts)
+    pending = self.run_step(inputs, columns, verify, counts)
     return InFlightStep(
       scheduled=scheduled,
       pending=pending,
@@ -363,7 +363,6 @@ class ModelRunner:
   def run_step(
     self,
     inputs: RaggedInputs,
-    num_rows: int,
     prompt_logprobs: int,
     drafts: RaggedDrafts | None = None,
     num_new_tokens: list[int] | None = None,
@@ -387,7 +386,7 @@ class ModelRunner:
       *extra_args,
       fetch=fetch_steps,
       num_new_tokens=num_new_tokens,
-      num_rows=num_rows,
+      num_rows=int(inputs.produces.shape[0]),  # the sampler's rows (`sample_rows`)
       prompt_logprobs=prompt_logprobs,
     )
     self.kv_cache = cast(PagedKVCache, pending.extra[0])
@@ -412,6 +411,7 @@ class ModelRunner:
       num_rows,
       produces,
       block_size=self.block_size,
+      num_sample_rows=None if drafted else step_buckets.sample_rows(num_rows, self.row_buckets),
       lora=self.lora,
       sharding=sharding,
     )

@@ -64,7 +64,7 @@ def precompile(
     variant = (bool(columns), drafted)
     runner.compiled_shapes.mark_compiled(StepShape(num_tokens, num_rows, variant))
     inputs, drafts = runner.step_inputs(empty, num_tokens, num_rows, drafted=drafted)
-    batch.resolve(runner.run_step(inputs, num_rows, columns, drafts))
+    batch.resolve(runner.run_step(inputs, columns, drafts))
   if num_decode_steps > 1:  # the k-step loop: one executable per row bucket
     for num_rows in runner.row_buckets:
       runner.run_decode_steps(empty, {}, num_rows, num_decode_steps, end_on_first_finish=False)

@@ -2,7 +2,9 @@
 
 Two jitted functions, called back to back without a host round trip: `ragged_forward` (the
 model; one executable per (token bucket, row bucket)) and `sample_produced` (the sampler; one
-per row bucket). Kept apart, a new token bucket compiles only the model, not the sampler again.
+per row bucket of at least `MIN_SAMPLE_ROWS`, `worker/buckets.py`'s `sample_rows`: the model's
+logits are gathered into that many rows). Kept apart, a new token bucket compiles only the
+model, not the sampler again.
 
 The model computes the scheduled tokens of every request back to back (decode tokens, prefill
 chunks, a preempted request's recomputation: `PagedAttentionMetadata` says which are whose) and

@@ -200,6 +200,7 @@ def ragged_inputs(
   produces: Sequence[bool] = (),
   *,
   block_size: int,
+  num_sample_rows: int | None = None,
   lora: LoRAManager | None = None,
   sharding: jax.sharding.Sharding | None = None,
 ) -> RaggedInputs:
@@ -213,6 +214,9 @@ def ragged_inputs(
     num_rows: `R`, the row bucket.
     produces: which live rows sample, by row (none when empty).
     block_size: positions per page.
+    num_sample_rows: `S >= R`, the rows of the sampler's `logits_indices` and `produces`
+      (`worker/buckets.py`'s `sample_rows`; rows past `R` are padding that samples nothing), or
+      None for `R`.
     lora: the runner's adapters: each token's slot is an input (None: no LoRA).
     sharding: where the inputs go (one transfer), None: the default device.
   """
@@ -234,9 +238,10 @@ def ragged_inputs(
   )
   token_rows = np.zeros(num_tokens, np.int32)
   token_rows[: layout.num_tokens] = np.repeat(rows, counts)
-  logits_indices = np.zeros(num_rows, np.int32)
+  sample_rows = num_rows if num_sample_rows is None else num_sample_rows
+  logits_indices = np.zeros(sample_rows, np.int32)
   logits_indices[rows] = layout.logits_indices[: len(rows)]
-  produced = np.zeros(num_rows, bool)
+  produced = np.zeros(sample_rows, bool)
   produced[: len(produces)] = produces
   host: tuple[Any, ...] = (
     token_rows,

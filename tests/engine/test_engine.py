@@ -12,6 +12,7 @@ import jaxengine as je
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import tiny_llama
 from jaxengine.worker import device_steps
+from jaxengine.worker.buckets import MIN_SAMPLE_ROWS
 
 
 def _fixtures() -> Path:
@@ -260,34 +261,48 @@ def test_engine_compiles_are_bounded_and_steady(compile_counter):
   assert compile_counter.count == 0
 
 
-def _recording_sampler(engine):
-  """Wraps the engine's jitted sampler step to record the row bucket of every call."""
-  buckets, sample = [], engine.runner.sample_produced
+def _recording_steps(engine):
+  """Wraps the engine's jitted model and sampler steps to record, for every step, the rows the
+  model ran over (its row bucket) and the rows the sampler ran over."""
+  model_rows, sampler_rows = [], []
+  forward, sample = engine.runner.ragged_forward, engine.runner.sample_produced
 
-  def record(*args):
-    buckets.append(args[-1])
+  def record_forward(state, weights, kv_cache, inputs, *args, **kwargs):
+    model_rows.append(inputs.attention.block_tables.shape[0])
+    return forward(state, weights, kv_cache, inputs, *args, **kwargs)
+
+  def record_sample(*args):
+    sampler_rows.append(args[-1])
     return sample(*args)
 
-  engine.runner.sample_produced = record
-  return buckets
+  engine.runner.ragged_forward, engine.runner.sample_produced = record_forward, record_sample
+  return model_rows, sampler_rows
 
 
 def test_steps_run_over_a_bucket_of_live_rows_not_every_row():
   model, _config = tiny_llama(vocab_size=64)
   wide = LLMEngine(model, None, max_num_reqs=16, max_model_len=32)
-  buckets = _recording_sampler(wide)
+  model_rows, sampler_rows = _recording_steps(wide)
   params = je.SamplingParams(temperature=0, max_tokens=6)
   wide.add_request("a", [5, 6, 7], params)
   assert len(step_to_end(wide)[0].outputs[0].token_ids) == 6
-  assert buckets == [1] * 6  # one live request: a one-row step, whatever max_num_reqs is
+  assert model_rows == [1] * 6  # one live request: a one-row step, whatever max_num_reqs is
+  # The sampler runs over at least MIN_SAMPLE_ROWS (one sampler executable for 1 to 8 rows).
+  assert sampler_rows == [MIN_SAMPLE_ROWS] * 6
 
-  buckets.clear()
+  model_rows.clear(), sampler_rows.clear()
   for i in range(3):
     wide.add_request(f"b{i}", [5, 6, 7 + i], params.replace(max_tokens=2 + 2 * i))
   while wide.has_unfinished_requests():
     wide.step()
   # Three rows take the 4-row bucket; as requests finish the bucket shrinks with them.
-  assert buckets == [4, 4, 2, 2, 1, 1]
+  assert model_rows == [4, 4, 2, 2, 1, 1]
+  assert sampler_rows == [MIN_SAMPLE_ROWS] * 6
+  for i in range(9):  # nine rows: the 16-row bucket, for the model and the sampler
+    wide.add_request(f"c{i}", [5, 6, 7 + i], params.replace(max_tokens=1))
+  model_rows.clear(), sampler_rows.clear()
+  wide.step()
+  assert model_rows == sampler_rows == [16]
 
 
 def test_error_messages_name_the_problem_once():

@@ -15,10 +15,13 @@ from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker import device_steps
 from jaxengine.worker.buckets import (
   MAX_PADDING_FACTOR,
+  MIN_SAMPLE_ROWS,
   PROMOTE_AFTER,
   SMALL_STEP_TOKENS,
   StepShape,
   StepShapes,
+  buckets,
+  sample_rows,
 )
 
 POWERS = [2**i for i in range(12)]
@@ -28,6 +31,20 @@ shapes = st.builds(
   num_rows=st.sampled_from(POWERS[:6]),
   variant=st.sampled_from([(False, False), (True, False), (False, True)]),
 )
+
+
+@given(st.integers(1, 512), st.integers(1, 4))
+def test_the_sampler_runs_over_a_row_bucket_holding_the_rows_and_min_sample_rows(max_reqs, shard):
+  """`sample_rows` is a row bucket (a whole number of rows per data-parallel shard), holds the
+  model's rows, and at least MIN_SAMPLE_ROWS where the batch has that many: the rows 1 to 8
+  share one sampler."""
+  row_buckets = buckets(max_reqs * shard, shard)
+  for num_rows in row_buckets:
+    rows = sample_rows(num_rows, row_buckets)
+    assert rows in row_buckets and rows >= num_rows
+    least = min(MIN_SAMPLE_ROWS, row_buckets[-1])
+    assert rows >= least
+    assert rows == num_rows or rows == min(b for b in row_buckets if b >= least)
 
 
 @settings(max_examples=60, deadline=None)
