@@ -43,9 +43,10 @@ class RaggedInputs:
     positions: `[T] int32` each query token's position in its sequence (0 for padding): the
       token is `state.token_ids[token_rows, positions]`, the rotary position is this one.
     attention: the step's `PagedAttentionMetadata` (`R` requests in row order).
-    logits_indices: `[R] int32` for each row, the flat index of its last query token (any index
-      for rows that do not sample).
-    produces: `[R] bool` rows that sample a token this step.
+    logits_indices: `[S] int32` for each row, the flat index of its last query token (any index
+      for rows that do not sample); `S >= R` the sampler's rows (`worker/buckets.py`'s
+      `sample_rows`; a verify step's `R`), rows past `R` padding.
+    produces: `[S] bool` rows that sample a token this step.
     lora: None (an engine without `enable_lora`: the model call is the plain one), or the
       LoRA adapters' device slots with each query token's slot (`[T] int32`, 0: the base).
   """
@@ -64,8 +65,8 @@ class RaggedForward:
   """The model's part of a ragged step.
 
   Attributes:
-    logits: `[R, V] float32` logits at each row's last query token (`logits_indices`; `[R, k +
-      1, V]` in a verify step).
+    logits: `[S, V] float32` logits at each row's last query token (`logits_indices`; zeros in
+      the sampler's padding rows past `R`; `[R, k + 1, V]` in a verify step).
     kv_cache: the `PagedKVCache` with the step's keys and values written.
     prompt_logprobs: `LogprobsTensors` of `[T, k + 1]` (see `ragged_forward`), or None.
     routed_experts: the `[T, M, k]` experts of the step's tokens and their slots, when the
@@ -121,7 +122,12 @@ def ragged_forward(
   routed = None
   if routing:  # [1, T, M, k]: only a model told to return them
     routed = RoutedExperts(experts=routing[0][0], slots=inputs.attention.slot_mapping)
-  logits = model.compute_logits(hidden[0, logits_indices])
+  num_rows = inputs.attention.seq_lens.shape[0]
+  logits = model.compute_logits(hidden[0, logits_indices[:num_rows]])
+  if logits_indices.shape[0] > num_rows:  # the sampler's padding rows (`sample_rows`): zeros
+    logits = jnp.pad(
+      logits, ((0, logits_indices.shape[0] - num_rows),) + ((0, 0),) * (logits.ndim - 1)
+    )
   token_logprobs = None
   if prompt_logprobs:
     following = jnp.minimum(inputs.positions + 1, state.max_model_len - 1)
