@@ -43,7 +43,7 @@ from jaxengine.spec_decode.ngram_proposer import (
   expected_gain,
   record_acceptance,
 )
-from jaxengine.spec_decode.suffix_tree import Node, SuffixTree, greedy_draft
+from jaxengine.spec_decode.suffix_tree import TOTAL, Node, SuffixTree, greedy_draft
 
 
 @dataclasses.dataclass
@@ -182,7 +182,7 @@ class SuffixProposer:
     if len(context) < width:
       prompt = completion.request.prompt_token_ids  # type: ignore[attr-defined]
       context = list(prompt[max(len(prompt) - (width - len(context)), 0) :]) + context
-    own = [(m, node) for m, node in enumerate(state.own_ends, 1) if node.total][::-1]
+    own = [(m, node) for m, node in enumerate(state.own_ends, 1) if node[TOTAL]][::-1]
     group = self._groups[state.key].tree
     others = group.num_sequences > 1  # more than this completion's output
     sources = [group.matches(context) if others else [], own]
@@ -193,9 +193,9 @@ class SuffixProposer:
     for matches in sources:
       seen = 0  # occurrences of the longer match tried: a shorter one with no more drafts alike
       for m, node in matches:
-        if node.total <= seen:
+        if node[TOTAL] <= seen:
           continue
-        seen = node.total
+        seen = node[TOTAL]
         tokens, score = greedy_draft(node, min(limit, int(factor * m)), min_prob)
         if score > best_score:
           best, best_score = tokens, score

@@ -19,32 +19,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-class Node:
-  """One substring of the sequences in a tree.
+#: A node is one substring of the sequences in a tree, a Python list (the cheapest object to
+#: create: a long sequence creates up to `depth` nodes per token) of four fields:
+#:   COUNT     occurrences of the substring (the path from the root to the node);
+#:   TOTAL     occurrences followed by a token (the sum of the children's counts; below COUNT where
+#:             an occurrence ends a sequence or is cut at the tree's depth);
+#:   CHILDREN  the next token of each continuation -> its node;
+#:   BEST      `(token, child)` of the child with the highest count, or None when unknown
+#:             (recomputed on demand after a removal).
+Node = list
+COUNT, TOTAL, CHILDREN, BEST = range(4)
 
-  Attributes:
-    count: occurrences of the substring (the path from the root to the node).
-    total: occurrences followed by a token (the sum of the children's counts; below `count`
-      where an occurrence ends a sequence or is cut at the tree's depth).
-    children: the next token of each continuation -> its node.
-    best: the child with the highest count, or None when unknown (recomputed on demand after a
-      removal).
-  """
 
-  __slots__ = ("best", "children", "count", "total")
+def new_node() -> Node:
+  """A node with no occurrence yet."""
+  return [0, 0, {}, None]
 
-  def __init__(self) -> None:
-    self.count = 0
-    self.total = 0
-    self.children: dict[int, Node] = {}
-    self.best: tuple[int, Node] | None = None
 
-  def most_frequent(self) -> tuple[int, Node] | None:
-    """The continuation seen most often (the first to reach that count), None for a leaf."""
-    if self.best is None and self.children:
-      token = max(self.children, key=lambda t: self.children[t].count)
-      self.best = (token, self.children[token])
-    return self.best
+def most_frequent(node: Node) -> tuple[int, Node] | None:
+  """The continuation of `node` seen most often (the first to reach that count), None for a
+  leaf."""
+  children = node[CHILDREN]
+  if node[BEST] is None and children:
+    token = max(children, key=lambda t: children[t][COUNT])
+    node[BEST] = (token, children[token])
+  return node[BEST]
 
 
 class SuffixTree:
@@ -57,7 +56,7 @@ class SuffixTree:
 
   def __init__(self, depth: int) -> None:
     self.depth = depth
-    self.root = Node()
+    self.root = new_node()
     self.num_sequences = 0  # sequences started and not removed
 
   def start(self) -> list[Node]:
@@ -80,16 +79,17 @@ class SuffixTree:
     for token in tokens:
       grown = []
       for node in (root, *ends):
-        child = node.children.get(token)
+        children = node[CHILDREN]
+        child = children.get(token)
         if child is None:
-          child = node.children[token] = Node()
-        child.count += 1
-        node.total += 1
-        best = node.best
+          child = children[token] = [0, 0, {}, None]  # new_node(), without the call
+        child[COUNT] += 1
+        node[TOTAL] += 1
+        best = node[BEST]
         if best is None:  # a new node's first child, else unknown since a removal
-          node.best = (token, child) if len(node.children) == 1 else None
-        elif best[1] is not child and child.count > best[1].count:
-          node.best = (token, child)
+          node[BEST] = (token, child) if len(children) == 1 else None
+        elif best[1] is not child and child[COUNT] > best[1][COUNT]:
+          node[BEST] = (token, child)
         grown.append(child)
       ends = grown[:keep]
     return ends
@@ -102,13 +102,13 @@ class SuffixTree:
     for start in range(len(tokens)):
       node = self.root
       for token in tokens[start : start + depth]:
-        child = node.children[token]
-        node.total -= 1
-        child.count -= 1
-        if node.best is not None and node.best[1] is child:
-          node.best = None  # maybe no longer the most frequent
-        if child.count == 0:  # its whole subtree counted this occurrence only
-          del node.children[token]
+        child = node[CHILDREN][token]
+        node[TOTAL] -= 1
+        child[COUNT] -= 1
+        if node[BEST] is not None and node[BEST][1] is child:
+          node[BEST] = None  # maybe no longer the most frequent
+        if child[COUNT] == 0:  # its whole subtree counted this occurrence only
+          del node[CHILDREN][token]
           break
         node = child
 
@@ -126,10 +126,10 @@ class SuffixTree:
     for start in range(len(tail)):
       node: Node | None = self.root
       for token in tail[start:]:
-        node = node.children.get(token)  # type: ignore[union-attr]
+        node = node[CHILDREN].get(token)  # type: ignore[index]
         if node is None:
           break
-      if node is not None and node.total:
+      if node is not None and node[TOTAL]:
         found.append((len(tail) - start, node))
     return found
 
@@ -141,7 +141,7 @@ def greedy_draft(node: Node, max_len: int, min_prob: float) -> tuple[list[int], 
     node: the node of the matched context.
     max_len: the most tokens drafted.
     min_prob: the draft stops before a token whose estimated probability (the product of the
-      frequencies `child.count / parent.total` along the draft) falls below it.
+      frequencies `child COUNT / parent TOTAL` along the draft) falls below it.
 
   Returns:
     `(tokens, score)`: the draft and its expected number of accepted tokens under the same
@@ -149,12 +149,12 @@ def greedy_draft(node: Node, max_len: int, min_prob: float) -> tuple[list[int], 
   """
   tokens: list[int] = []
   prob, score = 1.0, 0.0
-  while len(tokens) < max_len and node.total:
-    best = node.most_frequent()
+  while len(tokens) < max_len and node[TOTAL]:
+    best = most_frequent(node)
     if best is None:
       break
     token, child = best
-    prob *= child.count / node.total
+    prob *= child[COUNT] / node[TOTAL]
     if prob < min_prob:
       break
     tokens.append(token)

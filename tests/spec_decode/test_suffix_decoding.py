@@ -10,7 +10,7 @@ import random
 
 from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.spec_decode.suffix_proposer import SuffixProposer
-from jaxengine.spec_decode.suffix_tree import Node, SuffixTree, greedy_draft
+from jaxengine.spec_decode.suffix_tree import CHILDREN, COUNT, TOTAL, Node, SuffixTree, greedy_draft
 
 
 class Fake:
@@ -39,9 +39,9 @@ def _counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
   found: dict[tuple[int, ...], int] = {}
 
   def visit(node: Node, path: tuple[int, ...]) -> None:
-    assert node.total == sum(child.count for child in node.children.values())
-    for token, child in node.children.items():
-      found[path + (token,)] = child.count
+    assert node[TOTAL] == sum(child[COUNT] for child in node[CHILDREN].values())
+    for token, child in node[CHILDREN].items():
+      found[path + (token,)] = child[COUNT]
       visit(child, path + (token,))
 
   visit(tree.root, ())
@@ -72,7 +72,7 @@ def test_tree_counts_every_bounded_substring_and_removal_restores_them():
   assert _counts(tree) == _brute_force(kept, depth) and tree.num_sequences == 4
   for tokens in kept:
     tree.remove(tokens)
-  assert tree.root.children == {} and tree.root.total == 0 and tree.num_sequences == 0
+  assert tree.root[CHILDREN] == {} and tree.root[TOTAL] == 0 and tree.num_sequences == 0
 
 
 def test_matches_and_greedy_draft_follow_the_counts():
@@ -81,7 +81,7 @@ def test_matches_and_greedy_draft_follow_the_counts():
   found = tree.matches([9, 1, 2])  # "9 1 2" never occurred, "1 2" and "2" did
   assert [m for m, _ in found] == [2, 1]
   node = found[0][1]
-  assert (node.count, node.total) == (3, 3)
+  assert (node[COUNT], node[TOTAL]) == (3, 3)
   # "1 2" was followed by 3 twice and 4 once; then "1 2 3" by 1 (the depth ends the path).
   assert greedy_draft(node, 5, 0.0) == ([3, 1], 2 / 3 + 2 / 3)
   assert greedy_draft(node, 1, 0.0)[0] == [3]
