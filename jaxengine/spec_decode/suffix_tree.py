@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
 #: A node is one substring of the sequences in a tree, a Python list (the cheapest object to
 #: create: a long sequence creates up to `depth` nodes per token) of four fields:
 #:   COUNT     occurrences of the substring (the path from the root to the node);

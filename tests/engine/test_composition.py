@@ -1,11 +1,12 @@
 """Every engine feature composes: asynchronous scheduling, speculative decoding (n-gram drafts;
-suffix drafts in the full combination) and the k-step decode loop, each on or off, with prefix caching, over one mixed workload (greedy
-rows whose prompts repeat n-grams, seeded sampled rows with logprobs, `n > 1`, prompt logprobs,
-stop strings and stop ids, a grammar, a logits processor, a page pool small enough to preempt
-and a token budget small enough to chunk prompts). Each combination must give the plain
-engine's tokens (asynchronous scheduling off, no drafts, one token per step) and its logprobs to
-float32 rounding, and must really have done what it was asked: drafts accepted, k-step loops
-run, steps overlapped. After `precompile`, the full combination compiles no step more."""
+suffix drafts in the full combination) and the k-step decode loop, each on or off, with prefix
+caching, over one mixed workload (greedy rows whose prompts repeat n-grams, seeded sampled rows
+with logprobs, `n > 1`, prompt logprobs, stop strings and stop ids, a grammar, a logits
+processor, a page pool small enough to preempt and a token budget small enough to chunk
+prompts). Each combination must give the plain engine's tokens (asynchronous scheduling off, no
+drafts, one token per step) and its logprobs to float32 rounding, and must really have done
+what it was asked: drafts accepted, k-step loops run, steps overlapped. After `precompile`, the
+full combination compiles no step more."""
 
 from __future__ import annotations
 
