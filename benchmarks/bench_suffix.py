@@ -18,9 +18,10 @@ speculative pairs side by side.
 
 Reports per engine: tokens/s (generated tokens over the summed wall time of the timed rounds),
 vLLM's mean acceptance length (1 + accepted drafts per drafted row and verify pass), the
-acceptance rate (accepted / proposed drafts), the share of steps that verified, and the host
-time of drafting per step; checks that every engine produced the same tokens (seeded sampling:
-drafts change speed only).
+acceptance rate (accepted / proposed drafts), the share of generated tokens that were accepted
+drafts, the share of steps that verified, and the host time of drafting per step; counts the
+completions that differ from no speculation's (seeded sampling: drafts change speed only, up to
+the verify pass's last-bit differences in the logits).
 
 Usage:
   python benchmarks/bench_suffix.py                     # 2 problems x n=8, 128 tokens, 3 rounds
@@ -155,7 +156,8 @@ def main(argv=None) -> None:
     f"# {args.rounds * rows} completions per engine; those differing from no speculation's: "
     f"{ {f'{name}/{mode}': count for (name, mode), count in differ.items() if name != 'none'} }\n"
     "| drafts | verify | tok/s | vs none | mean acceptance length | acceptance rate "
-    "| verify steps | draft ms/step | compiles |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    "| tokens from drafts | verify steps | draft ms/step | compiles |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
   )
   for key, engine in engines.items():
     rate = generated[key] / wall[key]
@@ -166,18 +168,22 @@ def main(argv=None) -> None:
     mean_length = 1 + accepted / max(stats.num_drafts - old.num_drafts, 1)
     verified = (stats.num_spec_steps - old.num_spec_steps) / steps
     draft_ms = (stats.draft_time_s - old.draft_time_s) / steps * 1e3
-    spec = key[0] != "none"
+    cells = ["-"] * 5
+    if key[0] != "none":
+      cells = [
+        f"{mean_length:.2f}",
+        f"{accepted / max(drafted, 1):.2f}",
+        f"{accepted / generated[key]:.0%}",
+        f"{verified:.0%}",
+        f"{draft_ms:.2f}",
+      ]
     print(
-      f"| {key[0]} | {key[1]} | {rate:.1f} | {rate / base:.2f}x | "
-      + (
-        f"{mean_length:.2f} | {accepted / max(drafted, 1):.2f} | {verified:.0%} | "
-        if spec
-        else "- | - | - | "
-      )
-      + (f"{draft_ms:.2f} | " if spec else "- | ")
-      + f"{compiles[key]} |",
+      f"| {key[0]} | {key[1]} | {rate:.1f} | {rate / base:.2f}x | {' | '.join(cells)} | "
+      f"{compiles[key]} |",
       flush=True,
     )
+  load = os.getloadavg()
+  print(f"# load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,34 @@
 """Suffix decoding: drafts from suffix trees over the request, its prompt's other samples, and
 recent outputs (`speculative_config={"method": "suffix"}`, vLLM's name).
 
-`SuffixProposer` keeps three kinds of `SuffixTree` (`spec_decode/suffix_tree.py`):
+`SuffixProposer` keeps two kinds of `SuffixTree` (`spec_decode/suffix_tree.py`):
 
-  - one per running completion, over its prompt then its output (what n-gram lookup sees);
-  - one per prompt (its token ids), over the outputs of the completions of that prompt: the
-    `n` samples of a request (a GRPO group) and any other request with the same prompt, running
-    or finished and still cached;
-  - one over the outputs of finished completions, at most `suffix_decoding_max_cached_requests`
-    of them, the oldest dropped first (its outputs leave the prompt's tree too).
+  - one per prompt (its token ids), over the prompt and the outputs of the completions of that
+    prompt: the request's own output (what n-gram lookup sees), the other `n` samples of the
+    request (a GRPO group) and any other request with the same prompt, running or finished and
+    still cached. The prompt enters once however many samples it has; each output enters led by
+    the prompt's last `depth - 1` tokens, so that the context at the prompt's end (before the
+    first token of an answer) finds the answers given so far;
+  - one over the outputs of finished completions (each led by its prompt's last tokens too), at
+    most `suffix_decoding_max_cached_requests` of them, the oldest dropped first (its output
+    leaves its prompt's tree too).
 
-Each output enters the last two led by its prompt's last `depth - 1` tokens, so that the context
-at the prompt's end (before the first token of an answer) finds the answers given so far.
-
-Each step, for every running completion, the trees first take the tokens it gained since the last
-step. Then each tree offers the suffixes of the completion's last tokens that it holds with a
-continuation (`SuffixTree.matches`); from each match of `m` tokens `greedy_draft` follows the most
-frequent continuation for at most `min(k, limit, factor * m)` tokens
-(`suffix_decoding_max_spec_factor`) while the draft's estimated probability stays at or above
-`suffix_decoding_min_token_prob`. The draft with the highest expected number of accepted tokens
-(the sum of its prefixes' probabilities) wins; on a tie the prompt's tree (the other samples)
-comes first, then the completion's own, then the finished outputs'. Drafts are verified by the
-rejection sampler like n-gram drafts, so outputs are those of plain decoding; only speed changes.
+Each step, for every running completion, its prompt's tree first takes the tokens it gained
+since the last step: the completion's open suffixes in that tree (`SuffixTree.extend`) are then
+the nodes of its last 1 .. `depth - 1` tokens, its matches there for free; in the finished
+outputs' tree its last tokens are looked up (`SuffixTree.matches`). From each match of `m` tokens
+with a continuation `greedy_draft` follows the most frequent continuation for at most
+`min(k, limit, factor * m)` tokens (`suffix_decoding_max_spec_factor`) while the draft's
+estimated probability stays at or above `suffix_decoding_min_token_prob`. The draft with the
+highest expected number of accepted tokens (the sum of its prefixes' probabilities) wins, the
+prompt's tree first on a tie. Drafts are verified by the rejection sampler like n-gram drafts, so
+outputs are those of plain decoding; only speed changes.
 
 A completion that leaves the running decodes (finished, aborted or preempted) is seen gone at the
-next call: a finished one's output joins the cache (the finished-outputs tree and its prompt's);
-a preempted one's output leaves its prompt's tree and is added again when it runs again.
+next call: a finished one's output joins the cache (it stays in its prompt's tree and enters the
+finished outputs'); a preempted one's output leaves its prompt's tree and is added again when it
+runs again. Host cost per step: `depth` node updates per new token of each row, plus the lookups
+and drafts (`SpecDecodingStats.draft_time_s` measures them).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
+from jaxengine.core.request import Completion
 from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.spec_decode.ngram_proposer import (
   AcceptanceEstimate,
@@ -48,30 +53,28 @@ from jaxengine.spec_decode.suffix_tree import TOTAL, Node, SuffixTree, greedy_dr
 
 @dataclasses.dataclass
 class _Group:
-  """The outputs of one prompt's completions: running (`num_running`) and cached."""
+  """One prompt's tree: the prompt, then the outputs of its running and cached completions."""
 
   tree: SuffixTree
   num_running: int = 0
+  num_cached: int = 0
 
 
 @dataclasses.dataclass
 class _State(AcceptanceEstimate):
-  """One running completion: its own tree and its place in its prompt's tree.
+  """One running completion: its place in its prompt's tree.
 
   Attributes:
     completion: the `Completion` (a reused `seq_id` with another one starts afresh).
     key: its prompt's token ids (its group's key).
-    own: its tree, over the prompt then the output.
-    own_ends: the open suffixes of `own` (`SuffixTree.extend`).
-    group_ends: the open suffixes of its output in its prompt's tree.
-    num_synced: output tokens the trees hold.
+    ends: its open suffixes in its prompt's tree (`SuffixTree.extend`): the nodes of its last
+      1, 2, ... `depth - 1` tokens (prompt then output).
+    num_synced: output tokens the tree holds.
   """
 
   completion: object = None
   key: tuple[int, ...] = ()
-  own: SuffixTree | None = None
-  own_ends: list[Node] = dataclasses.field(default_factory=list)
-  group_ends: list[Node] = dataclasses.field(default_factory=list)
+  ends: list[Node] = dataclasses.field(default_factory=list)
   num_synced: int = 0
 
 
@@ -101,46 +104,38 @@ class SuffixProposer:
   # --- the trees' upkeep ----------------------------------------------------------------------
 
   def _sync(self, completion) -> _State:
-    """The completion's state, started on first sight (its prompt in its own tree) and given the
-    output tokens the trees do not hold yet."""
+    """The completion's state, started on first sight (its prompt's tree made if new) and given
+    the output tokens the tree does not hold yet."""
     state = self._states.get(completion.seq_id)
     if state is not None and state.completion is not completion:
       self._leave(state)
       state = None
     if state is None:
-      prompt = completion.request.prompt_token_ids
-      key = tuple(prompt)
-      own = SuffixTree(self.depth)
+      key = tuple(completion.request.prompt_token_ids)
       group = self._groups.get(key)
       if group is None:
         group = self._groups[key] = _Group(SuffixTree(self.depth))
+        group.tree.extend(group.tree.start(), key)
       group.num_running += 1
-      state = _State(
-        completion=completion,
-        key=key,
-        own=own,
-        own_ends=own.extend(own.start(), prompt),
-        group_ends=group.tree.extend(group.tree.start(), self._lead(key)),
-      )
-      self._states[completion.seq_id] = state
+      ends = group.tree.extend(group.tree.start(), self._lead(key))
+      state = self._states[completion.seq_id] = _State(completion=completion, key=key, ends=ends)
     new = completion.token_ids[state.num_synced :]
     if new:
-      state.own_ends = state.own.extend(state.own_ends, new)  # type: ignore[union-attr]
-      state.group_ends = self._groups[state.key].tree.extend(state.group_ends, new)
+      state.ends = self._groups[state.key].tree.extend(state.ends, new)
       state.num_synced += len(new)
     return state
 
   def _leave(self, state: _State) -> None:
     """A completion left the running decodes: a finished one's output is cached, a preempted
     one's leaves its prompt's tree (it is added again if the completion runs again)."""
-    del self._states[state.completion.seq_id]  # type: ignore[attr-defined]
+    completion = cast(Completion, state.completion)
+    del self._states[completion.seq_id]
     group = self._groups[state.key]
     group.num_running -= 1
-    output = tuple(state.completion.token_ids)  # type: ignore[attr-defined]
-    finished = state.completion.finish_reason is not None  # type: ignore[attr-defined]
-    lead = self._lead(state.key)
-    if finished and self.config.suffix_decoding_max_cached_requests > 0 and output:
-      group.tree.extend(state.group_ends, output[state.num_synced :])  # the tokens since
+    output, lead = tuple(completion.token_ids), self._lead(state.key)
+    if completion.finish_reason is not None and self.config.suffix_decoding_max_cached_requests:
+      group.tree.extend(state.ends, output[state.num_synced :])  # the tokens since
+      group.num_cached += 1
       self._finished.extend(self._finished.start(), lead + output)
       self._cache.append((state.key, output))
       while len(self._cache) > self.config.suffix_decoding_max_cached_requests:
@@ -154,18 +149,19 @@ class SuffixProposer:
     key, output = self._cache.popleft()
     sequence = self._lead(key) + output
     self._finished.remove(sequence)
-    self._groups[key].tree.remove(sequence)
+    group = self._groups[key]
+    group.tree.remove(sequence)
+    group.num_cached -= 1
     self._drop_if_empty(key)
 
   def _lead(self, key: tuple[int, ...]) -> tuple[int, ...]:
-    """The prompt's last `depth - 1` tokens: the start of each output's sequence in the
-    prompt's and the finished outputs' trees, so that a context across the prompt's end (the
-    first tokens of an answer) matches too."""
+    """The prompt's last `depth - 1` tokens, which lead each output in the trees."""
     return key[max(len(key) - self.depth + 1, 0) :]
 
   def _drop_if_empty(self, key: tuple[int, ...]) -> None:
+    """Drops a prompt's tree once no completion of it runs or is cached."""
     group = self._groups[key]
-    if group.num_running == 0 and group.tree.num_sequences == 0:
+    if group.num_running == 0 and group.num_cached == 0:
       del self._groups[key]
 
   # --- drafting -------------------------------------------------------------------------------
@@ -174,18 +170,16 @@ class SuffixProposer:
     """The best draft of at most `limit` tokens over the completion's trees (module docstring)."""
     config = self.config
     factor, min_prob = config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob
-    completion, width = state.completion, self.depth - 1  # the longest context matched
+    completion, width = cast(Completion, state.completion), self.depth - 1  # the longest context
     if width == 0:
       return []
-    output = completion.token_ids  # type: ignore[attr-defined]
+    output = completion.token_ids
     context = output[-width:]
     if len(context) < width:
-      prompt = completion.request.prompt_token_ids  # type: ignore[attr-defined]
+      prompt = completion.request.prompt_token_ids
       context = list(prompt[max(len(prompt) - (width - len(context)), 0) :]) + context
-    own = [(m, node) for m, node in enumerate(state.own_ends, 1) if node[TOTAL]][::-1]
-    group = self._groups[state.key].tree
-    others = group.num_sequences > 1  # more than this completion's output
-    sources = [group.matches(context) if others else [], own]
+    own = [(m, node) for m, node in enumerate(state.ends, 1) if node[TOTAL]][::-1]
+    sources = [own]
     if self._finished.num_sequences:
       sources.append(self._finished.matches(context))
     best: list[int] = []

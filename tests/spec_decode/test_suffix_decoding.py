@@ -107,7 +107,7 @@ def test_samples_of_one_prompt_draft_from_each_other_from_their_first_token():
   assert _drafts(proposer, [first, second], limit=2) == [[], [22, 23]]
   half = _proposer(suffix_decoding_max_spec_factor=0.5)
   assert _drafts(half, [first, second]) == [[], [22, 23]]  # "7 8 9 20 21" matched: 2.5 tokens
-  second.token_ids[-1] = 25  # now only "25" ends it, which no other output holds
+  second.token_ids.append(25)  # now "25" ends it, which no other output holds
   assert _drafts(half, [first, second]) == [[], []]
 
 
@@ -141,15 +141,18 @@ def test_a_preempted_sample_leaves_its_prompts_tree_and_comes_back():
   running, preempted = Fake("a#0", prompt, (10, 11)), Fake("a#1", prompt, (12, 13, 14))
   _drafts(proposer, [running, preempted])
   tree = proposer._groups[(1, 2, 3)].tree
-  lead = [1, 2, 3]  # the prompt's last depth - 1 tokens lead each output
-  assert _counts(tree) == _brute_force([lead + [10, 11], lead + [12, 13, 14]], 4)
+  # The prompt once, then each output led by the prompt's last depth - 1 tokens.
+  lead = [1, 2, 3]
+  assert _counts(tree) == _brute_force([prompt, lead + [10, 11], lead + [12, 13, 14]], 4)
   running.token_ids.append(15)
   _drafts(proposer, [running])  # a#1 gone without a finish reason: not cached
-  assert _counts(tree) == _brute_force([lead + [10, 11, 15]], 4)
+  assert _counts(tree) == _brute_force([prompt, lead + [10, 11, 15]], 4)
   assert proposer.num_cached == 0 and "a#1" not in proposer._states
   _drafts(proposer, [running, preempted])  # back: added again from its tokens
-  assert _counts(tree) == _brute_force([lead + [10, 11, 15], lead + [12, 13, 14]], 4)
+  assert _counts(tree) == _brute_force([prompt, lead + [10, 11, 15], lead + [12, 13, 14]], 4)
   replaced = Fake("a#0", prompt)  # the same id, another completion: the old one leaves
   _drafts(proposer, [replaced, preempted])
   assert proposer._states["a#0"].completion is replaced
-  assert _counts(tree) == _brute_force([lead + [12, 13, 14], lead], 4)
+  assert _counts(tree) == _brute_force([prompt, lead + [12, 13, 14], lead], 4)
+  _drafts(proposer, [])  # both gone unfinished: the prompt's tree with them
+  assert proposer._groups == {}
