@@ -32,8 +32,8 @@ class SpeculativeConfig:
   Attributes:
     method: "ngram" (prompt lookup: drafts copied from the request's own prompt and output,
       `spec_decode/ngram_proposer.py`) or "suffix" (suffix decoding: drafts from suffix trees
-      over the request's prompt and output, the outputs of the other samples of its prompt and
-      recent finished outputs, `spec_decode/suffix_proposer.py`).
+      over the request's prompt, its output and the outputs of the other samples of its prompt,
+      and over recent finished outputs, `spec_decode/suffix_proposer.py`).
     num_speculative_tokens: `k`, the most draft tokens verified per row and step (the draft
       slots of the verify step). Required for "ngram"; for "suffix" it defaults to
       `suffix_decoding_max_tree_depth`, as in vLLM (suffix drafts are of adaptive length, `k`
