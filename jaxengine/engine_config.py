@@ -89,7 +89,7 @@ class EngineConfig:
       `LLMEngine`; in steps that only decode); on a mesh too.
     logits_processors: `jaxengine.LogitsProcessor` classes, instances or `"module:Class"`
       strings; stored as a tuple of instances.
-    speculative_config: None, or vLLM's n-gram dict (see `LLMEngine`); stored as a
+    speculative_config: None, or vLLM's n-gram or suffix dict (see `LLMEngine`); stored as a
       `SpeculativeConfig`. `num_speculative_tokens` must be below `max_model_len`; with
       `num_decode_steps` k > 1 each step verifies drafts when they pay, else a step that only
       decodes runs the k-step loop; on a mesh too (its verify step gathers the logits whole on every device:

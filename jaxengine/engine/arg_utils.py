@@ -67,7 +67,7 @@ _MORE_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
   ),
   "speculative_config": (
     (),
-    dict(type=speculative_config, metavar="JSON", help="vLLM's n-gram dict"),
+    dict(type=speculative_config, metavar="JSON", help="vLLM's n-gram or suffix dict"),
   ),
 }
 

@@ -186,8 +186,11 @@ ENGINE_FLAGS = (
       metavar="JSON",
       type=speculative_config,
       default=None,
-      help='n-gram speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
-      '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min")',
+      help='speculative decoding, vLLM\'s dict: \'{"method": "ngram", '
+      '"num_speculative_tokens": 4}\' (optional "prompt_lookup_max", "prompt_lookup_min") or '
+      '\'{"method": "suffix", "num_speculative_tokens": 8}\' (optional '
+      '"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", '
+      '"suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")',
     ),
   ),
   EngineFlag(

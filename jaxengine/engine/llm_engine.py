@@ -96,8 +96,12 @@ class LLMEngine(PausableEngine):
     logits_processors: your `jaxengine.LogitsProcessor`s: classes (built with no arguments),
       instances or `"module:Class"` strings.
     speculative_config: None, or vLLM's dict ``{"method": "ngram", "num_speculative_tokens": k,
-      "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (`spec_decode/ngram_proposer.py`): each step
-      drafts up to k tokens per running completion from its own prompt and output, verifies
+      "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (`spec_decode/ngram_proposer.py`) or
+      ``{"method": "suffix", "num_speculative_tokens": k}`` with vLLM's optional
+      `suffix_decoding_*` keys (`SpeculativeConfig`, `spec_decode/suffix_proposer.py`: drafts
+      of adaptive length from suffix trees over the completion, the other samples of its
+      prompt and recent finished outputs): each step
+      drafts up to k tokens per running completion (n-gram: from its own prompt and output), verifies
       them in one model pass over k + 1 positions and keeps what the rejection sampler accepts
       (one to k + 1 tokens per row and step; the output distribution is unchanged, greedy
       output is that of plain decoding up to float rounding). A step decodes one token per row

@@ -92,9 +92,11 @@ class LLM:
     reuse_compiled_shapes: run a step whose bucket has not compiled yet in a larger compiled
       one for its first uses, so a short job compiles fewer shapes; reruns in the same process
       may then differ in the last bits of their logprobs (see `EngineConfig`). Off by default.
-    speculative_config: n-gram (prompt lookup) speculative decoding, vLLM's dict:
+    speculative_config: speculative decoding, vLLM's dict: n-gram (prompt lookup)
       ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-      "prompt_lookup_min": 2}``; see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
+      "prompt_lookup_min": 2}`` or suffix decoding ``{"method": "suffix",
+      "num_speculative_tokens": 8}`` (optional `suffix_decoding_*` keys: `SpeculativeConfig`);
+      see `LLMEngine` (counters in `llm_engine.spec_decode_stats`).
     num_decode_steps, enable_prefix_caching, async_scheduling: see
       `LLMEngine` (prefix caching and asynchronous scheduling are on by default, as in vLLM).
     kv_cache_memory_bytes, num_kv_blocks, gpu_memory_utilization, block_size,

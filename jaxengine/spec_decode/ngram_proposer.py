@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -118,6 +119,18 @@ class SpecDecodingStats:
         per_pos[j] += 1
 
 
+class Proposer(Protocol):
+  """What `SpeculativePolicy` asks of a drafter (`NgramProposer`, `SuffixProposer`)."""
+
+  def propose(self, completions: Sequence, limits: Sequence[int]) -> Drafts: ...
+
+  def record(
+    self, completions: Sequence, num_draft: np.ndarray, num_sampled: np.ndarray
+  ) -> None: ...
+
+  def expected_gain(self, completions: Sequence, drafts: Drafts) -> float: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Drafts:
   """One step's drafts over the batch's live rows (`N` rows, `k` draft slots).
@@ -132,22 +145,69 @@ class Drafts:
 
 
 @dataclasses.dataclass
-class _Buffer:
-  """One completion's tokens on the host: `tokens[:length]`, the prompt then the output, as one
-  NumPy array for the vectorised search (vLLM's proposer reads the batch's `token_ids_cpu` for
-  the same reason). It copies one way from the completion's `token_ids`, the tokens' one record:
-  each lookup appends the tokens it does not hold yet, and nothing else reads or writes them."""
+class AcceptanceEstimate:
+  """A row's decayed counts of accepted drafts, the cost model's estimate of its next draft.
 
-  completion: object
-  tokens: np.ndarray
-  length: int
-  accepted: float = 0.0  # decayed counts of accepted drafts ...
-  trials: float = 0.0  # ... and of draft positions decided (accepted, or the first rejected)
+  Attributes:
+    accepted: decayed count of accepted draft tokens.
+    trials: decayed count of draft positions decided (accepted, or the first rejected).
+  """
+
+  accepted: float = 0.0
+  trials: float = 0.0
 
   @property
   def acceptance(self) -> float:
     """Estimated chance that the next draft token is accepted (1 to start)."""
     return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+
+  def decay(self) -> None:
+    """One step passed (`STEP_DECAY`): old outcomes weigh less."""
+    self.accepted *= STEP_DECAY
+    self.trials *= STEP_DECAY
+
+  def update(self, drafted: int, emitted: int) -> None:
+    """A verify of `drafted` drafts that emitted `emitted` tokens (`VERIFY_DECAY`)."""
+    accepted = min(max(emitted - 1, 0), drafted)
+    self.accepted = self.accepted * VERIFY_DECAY + accepted
+    self.trials = self.trials * VERIFY_DECAY + accepted + (accepted < drafted)
+
+
+def record_acceptance(
+  estimates: Mapping[str, AcceptanceEstimate],
+  completions: Sequence,
+  num_draft: np.ndarray,
+  num_sampled: np.ndarray,
+) -> None:
+  """Updates each drafted row's estimate (by `seq_id`) after a verify step (`[N]` drafts and
+  emitted tokens per row, rows in `completions` order)."""
+  for completion, drafted, emitted in zip(completions, num_draft.tolist(), num_sampled.tolist()):
+    if drafted > 0:
+      estimates[completion.seq_id].update(drafted, emitted)
+
+
+def expected_gain(
+  estimates: Mapping[str, AcceptanceEstimate], completions: Sequence, drafts: Drafts
+) -> float:
+  """Draft tokens the rows are expected to have accepted: `sum_i sum_{j <= d_i} a_i^j`, `a_i`
+  row i's acceptance estimate (accepting draft j needs drafts 1..j accepted)."""
+  gain = 0.0
+  for completion, drafted in zip(completions, drafts.num_draft_tokens.tolist()):
+    a = estimates[completion.seq_id].acceptance
+    gain += sum(a**j for j in range(1, drafted + 1))
+  return gain
+
+
+@dataclasses.dataclass
+class _Buffer(AcceptanceEstimate):
+  """One completion's tokens on the host: `tokens[:length]`, the prompt then the output, as one
+  NumPy array for the vectorised search (vLLM's proposer reads the batch's `token_ids_cpu` for
+  the same reason). It copies one way from the completion's `token_ids`, the tokens' one record:
+  each lookup appends the tokens it does not hold yet, and nothing else reads or writes them."""
+
+  completion: object = None
+  tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.int32))
+  length: int = 0
 
 
 class NgramProposer:
@@ -172,7 +232,8 @@ class NgramProposer:
       prompt = completion.request.prompt_token_ids
       tokens = np.zeros((self.max_model_len,), np.int32)
       tokens[: len(prompt)] = prompt
-      buffer = self._buffers[completion.seq_id] = _Buffer(completion, tokens, len(prompt))
+      buffer = _Buffer(completion=completion, tokens=tokens, length=len(prompt))
+      self._buffers[completion.seq_id] = buffer
     new = completion.token_ids[buffer.length - len(completion.request.prompt_token_ids) :]
     if new:
       buffer.tokens[buffer.length : buffer.length + len(new)] = new
@@ -198,9 +259,7 @@ class NgramProposer:
     counts = np.zeros((len(completions),), np.int32)
     for row, (completion, limit) in enumerate(zip(completions, limits)):
       tokens = self._sync(completion)
-      buffer = self._buffers[completion.seq_id]
-      buffer.accepted *= STEP_DECAY
-      buffer.trials *= STEP_DECAY
+      self._buffers[completion.seq_id].decay()
       if limit <= 0:
         continue
       draft = ngram_draft(tokens, config.prompt_lookup_min, config.prompt_lookup_max, min(k, limit))
@@ -212,24 +271,12 @@ class NgramProposer:
     return Drafts(token_ids=token_ids, num_draft_tokens=counts)
 
   def record(self, completions: Sequence, num_draft: np.ndarray, num_sampled: np.ndarray) -> None:
-    """Updates each row's acceptance estimate after a verify step (`[N]` drafts and emitted
-    tokens per row, rows in `completions` order)."""
-    for completion, drafted, emitted in zip(completions, num_draft.tolist(), num_sampled.tolist()):
-      if drafted <= 0:
-        continue
-      accepted = min(max(emitted - 1, 0), drafted)
-      buffer = self._buffers[completion.seq_id]
-      buffer.accepted = buffer.accepted * VERIFY_DECAY + accepted
-      buffer.trials = buffer.trials * VERIFY_DECAY + accepted + (accepted < drafted)
+    """Updates each row's acceptance estimate after a verify step (`record_acceptance`)."""
+    record_acceptance(self._buffers, completions, num_draft, num_sampled)
 
   def expected_gain(self, completions: Sequence, drafts: Drafts) -> float:
-    """Draft tokens the rows are expected to have accepted: `sum_i sum_{j <= d_i} a_i^j`, `a_i`
-    row i's acceptance estimate (accepting draft j needs drafts 1..j accepted)."""
-    gain = 0.0
-    for completion, drafted in zip(completions, drafts.num_draft_tokens.tolist()):
-      a = self._buffers[completion.seq_id].acceptance
-      gain += sum(a**j for j in range(1, drafted + 1))
-    return gain
+    """Draft tokens the rows are expected to have accepted (`expected_gain`)."""
+    return expected_gain(self._buffers, completions, drafts)
 
 
 def worth_verifying(
@@ -258,7 +305,7 @@ def draft_limits(completions: Sequence, max_model_len: int, k: int) -> list[int]
 
 
 def timed_propose(
-  proposer: NgramProposer, stats: SpecDecodingStats, completions: Sequence, limits: Sequence[int]
+  proposer: Proposer, stats: SpecDecodingStats, completions: Sequence, limits: Sequence[int]
 ) -> Drafts:
   """`proposer.propose`, its host time added to `stats.draft_time_s`."""
   start = time.perf_counter()

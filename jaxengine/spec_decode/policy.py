@@ -1,12 +1,13 @@
-"""When a step verifies n-gram drafts instead of decoding one token per row: the speculative
+"""When a step verifies drafts instead of decoding one token per row: the speculative
 cost policy of `LLMEngine` (`speculative_config`).
 
 Each step with speculation on, `SpeculativePolicy.drafts` proposes drafts for the running
-completions (`NgramProposer`, within each row's `draft_limits`) and weighs them: the verify pass
-runs only when some row has a draft and the cost model (`worth_verifying`, each row's drafts
-weighted by its acceptance so far) expects it to emit tokens faster than a one-token decode
-step. After a verify pass, `record` updates the counters and each row's acceptance estimate.
-The policy only decides; the runner runs the steps and the engine applies their tokens.
+completions (`NgramProposer` or `SuffixProposer`, by `method`, within each row's
+`draft_limits`) and weighs them: the verify pass runs only when some row has a draft and the
+cost model (`worth_verifying`, each row's drafts weighted by its acceptance so far) expects it
+to emit tokens faster than a one-token decode step. After a verify pass, `record` updates the
+counters and each row's acceptance estimate. The policy only decides; the runner runs the steps
+and the engine applies their tokens.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from jaxengine.spec_decode.config import SpeculativeConfig
 from jaxengine.spec_decode.ngram_proposer import (
   Drafts,
   NgramProposer,
+  Proposer,
   SpecDecodingStats,
   draft_limits,
   timed_propose,
   worth_verifying,
 )
+from jaxengine.spec_decode.suffix_proposer import SuffixProposer
 
 
 class SpeculativePolicy:
@@ -42,7 +45,11 @@ class SpeculativePolicy:
     self.config = config
     self.max_model_len = max_model_len
     self.stats = stats
-    self.proposer = NgramProposer(config, max_model_len)
+    self.proposer: Proposer
+    if config.method == "suffix":
+      self.proposer = SuffixProposer(config, max_model_len)
+    else:
+      self.proposer = NgramProposer(config, max_model_len)
 
   def drafts(
     self, completions: Sequence[Completion], num_rows: int, crossover_tokens: float

@@ -409,8 +409,9 @@ def _run_with_pause(engine: LLMEngine, requests, steps_before: int) -> dict[str,
     {},
     {"num_decode_steps": 4},
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    {"speculative_config": {"method": "suffix", "num_speculative_tokens": 3}},
   ],
-  ids=["async", "multi_step", "drafts"],
+  ids=["async", "multi_step", "drafts", "suffix_drafts"],
 )
 def test_a_kept_pause_equals_an_uninterrupted_run(model, tokenizer, options):
   """A "keep" pause at any point (a step in flight, a k-step loop, a verify step, a prefill

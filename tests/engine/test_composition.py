@@ -1,11 +1,12 @@
-"""Every engine feature composes: asynchronous scheduling, speculative decoding (n-gram drafts)
-and the k-step decode loop, each on or off, with prefix caching, over one mixed workload (greedy
-rows whose prompts repeat n-grams, seeded sampled rows with logprobs, `n > 1`, prompt logprobs,
-stop strings and stop ids, a grammar, a logits processor, a page pool small enough to preempt
-and a token budget small enough to chunk prompts). Each combination must give the plain
-engine's tokens (asynchronous scheduling off, no drafts, one token per step) and its logprobs to
-float32 rounding, and must really have done what it was asked: drafts accepted, k-step loops
-run, steps overlapped. After `precompile`, the full combination compiles no step more."""
+"""Every engine feature composes: asynchronous scheduling, speculative decoding (n-gram drafts;
+suffix drafts in the full combination) and the k-step decode loop, each on or off, with prefix
+caching, over one mixed workload (greedy rows whose prompts repeat n-grams, seeded sampled rows
+with logprobs, `n > 1`, prompt logprobs, stop strings and stop ids, a grammar, a logits
+processor, a page pool small enough to preempt and a token budget small enough to chunk
+prompts). Each combination must give the plain engine's tokens (asynchronous scheduling off, no
+drafts, one token per step) and its logprobs to float32 rounding, and must really have done
+what it was asked: drafts accepted, k-step loops run, steps overlapped. After `precompile`, the
+full combination compiles no step more."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from jaxengine.engine import EngineConfig, LLMEngine
 from jaxengine.testing import TargetOnly, tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 
 #: A pool of 20 pages of 4 tokens for 4 rows of up to 96 tokens, and 16 tokens a step: the rows
 #: preempt one another and prompts are computed in chunks.
@@ -109,14 +111,15 @@ COMBINATIONS = [
   combination
   for combination in itertools.product([False, True], [None, SPEC], [1, 4])
   if combination != (False, None, 1)  # the reference itself
-]
+] + [(True, SUFFIX, 4)]  # suffix drafts: the full combination only (the suite's budget)
 
 
 @pytest.mark.parametrize(
   "async_scheduling, speculative_config, num_decode_steps",
   COMBINATIONS,
   ids=[
-    f"async_{'on' if a else 'off'}-{'ngram3' if s else 'nospec'}-k{k}" for a, s, k in COMBINATIONS
+    f"async_{'on' if a else 'off'}-{s['method'] + '3' if s else 'nospec'}-k{k}"
+    for a, s, k in COMBINATIONS
   ],
 )
 def test_every_combination_gives_the_plain_engines_outputs(

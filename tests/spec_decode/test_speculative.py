@@ -1,5 +1,6 @@
-"""N-gram speculative decoding in the engine: the config, the proposer, and outputs that equal
-plain decoding (greedy), keep every sampling parameter's meaning and compile a bounded set."""
+"""Speculative decoding in the engine (n-gram and suffix drafts): the config, the proposers, and
+outputs that equal plain decoding (greedy and seeded), keep every sampling parameter's meaning
+and compile a bounded set."""
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from jaxengine.spec_decode.ngram_proposer import (
 from jaxengine.testing import count_compiles, tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 # A random tiny model falls into loops under greedy decoding, which prompt lookup then copies.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 4, 3, 4, 3], list(range(20, 40))]
 
@@ -69,6 +71,21 @@ def _tokens(outputs):
       "prompt_lookup_min=3",
     ),
     ("ngram", "dict"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "max_tree_depth must be an int"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": "24"}, "max_tree_depth.*'24'"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 2.0}, "max_tree_depth.*2.0"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "cached_requests.*-1"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": 1.5}, "cached_requests.*1.5"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": -0.5}, "spec_factor.*-0.5"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": float("nan")}, "spec_factor.*nan"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "min_token_prob.*1.5"),
+    ({"method": "suffix", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "suffix", "suffix_decoding_max_depth": 4}, "unknown key 'suffix_decoding_max_"),
+    ({"method": "suffix", "prompt_lookup_max": 4}, "prompt_lookup_max does not apply to"),
+    (
+      {"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.5},
+      "apply",
+    ),
   ],
 )
 def test_invalid_config_names_field_and_value(config, message):
@@ -90,6 +107,16 @@ def test_config_defaults_and_engine_refusals(model):
   huge = {"method": "ngram", "num_speculative_tokens": 10**9}
   with pytest.raises(ValueError, match="num_speculative_tokens=1000000000 must be below"):
     LLMEngine(model, max_model_len=64, speculative_config=huge)
+  # Suffix decoding: vLLM's defaults, k the tree's depth unless given.
+  suffix = SpeculativeConfig.build({"method": "suffix"})
+  assert (suffix.num_speculative_tokens, suffix.suffix_decoding_max_tree_depth) == (24, 24)
+  assert suffix.suffix_decoding_max_cached_requests == 10000
+  assert (suffix.suffix_decoding_max_spec_factor, suffix.suffix_decoding_min_token_prob) == (1, 0.1)
+  assert SpeculativeConfig.build({**SUFFIX, "suffix_decoding_max_cached_requests": 0}) is not None
+  bad = {"method": "suffix", "suffix_decoding_max_tree_depth": -3}
+  with count_compiles() as compiles, pytest.raises(ValueError, match=r"max_tree_depth.*-3"):
+    LLMEngine(model, max_model_len=64, speculative_config=bad)
+  assert compiles.count == 0  # refused before anything compiles
 
 
 # --- proposer ----------------------------------------------------------------------------------
@@ -217,6 +244,28 @@ def test_seeded_sampling_repeats_and_n_gives_n_completions(spec):
   second = _tokens(spec.generate(PROMPTS, params, use_tqdm=False))
   assert first == second
   assert all(len(c) == 2 and all(len(t) == 24 for t in c) for c in first)
+
+
+@pytest.fixture(scope="module")
+def suffix(model):
+  return _llm(model, speculative_config=SUFFIX)
+
+
+def test_suffix_greedy_and_seeded_outputs_equal_plain_decoding(plain, suffix):
+  """Suffix drafts change speed only: greedy rows and seeded `n = 3` samples (whose siblings'
+  outputs feed each other's drafts) give plain decoding's tokens, and drafts are accepted."""
+  greedy = je.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+  seeded = je.SamplingParams(temperature=1.0, max_tokens=20, seed=11, n=3, ignore_eos=True)
+  stats = suffix.llm_engine.spec_decode_stats
+  for params in (greedy, seeded):
+    before = stats.num_accepted_tokens
+    expected = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = suffix.generate(PROMPTS, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    assert stats.num_accepted_tokens > before
+  assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+  proposer = suffix.llm_engine.cores[0]._speculation.policy.proposer
+  assert type(proposer).__name__ == "SuffixProposer" and proposer.num_cached > 0
 
 
 def test_mixed_steps_compile_nothing_after_warm_up(spec):
