@@ -104,9 +104,7 @@ def run_child(python: str, script: str, env: dict[str, str]) -> dict[str, float]
 
 
 def fill(template: str, **values) -> str:
-  return template.format(
-    prompt=PROMPT, max_tokens=MAX_TOKENS, batch=BATCH, phases=PHASES, **values
-  )
+  return template.format(prompt=PROMPT, max_tokens=MAX_TOKENS, batch=BATCH, phases=PHASES, **values)
 
 
 def main() -> None:

@@ -97,21 +97,17 @@ class LLMEngine(PausableEngine):
       instances or `"module:Class"` strings.
     speculative_config: None, or vLLM's dict ``{"method": "ngram", "num_speculative_tokens": k,
       "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (`spec_decode/ngram_proposer.py`) or
-      ``{"method": "suffix", "num_speculative_tokens": k}`` with vLLM's optional
-      `suffix_decoding_*` keys (`SpeculativeConfig`, `spec_decode/suffix_proposer.py`: drafts
-      of adaptive length from suffix trees over the completion, the other samples of its
-      prompt and recent finished outputs): each step
-      drafts up to k tokens per running completion (n-gram: from its own prompt and output), verifies
-      them in one model pass over k + 1 positions and keeps what the rejection sampler accepts
-      (one to k + 1 tokens per row and step; the output distribution is unchanged, greedy
-      output is that of plain decoding up to float rounding). A step decodes one token per row
-      as usual when no row has a draft, when a cost model expects the rows' drafts (weighed by
-      each row's acceptance so far) to emit too few extra tokens to pay for the wider pass
-      (`worth_verifying`, `spec_crossover_tokens`), and while a row with structured outputs
-      runs; k must be below `max_model_len`. With `num_decode_steps` > 1 too: each step
-      verifies when drafts pay, else runs the k-step loop when it only decodes, else a plain
-      ragged step.
-      Counters: `spec_decode_stats`. The drafts are query tokens of the ragged step
+      ``{"method": "suffix", ...}`` (`SpeculativeConfig`'s keys, `spec_decode/suffix_proposer.py`:
+      suffix trees over the completion, its prompt's other samples and recent outputs): each step
+      drafts up to k tokens per running completion, verifies them in one model pass over k + 1
+      positions and keeps what the rejection sampler accepts (one to k + 1 tokens per row and step;
+      the output distribution is unchanged, greedy output is that of plain decoding up to float
+      rounding). A step decodes one token per row as usual when no row has a draft, when a cost
+      model expects the rows' drafts (weighed by each row's acceptance so far) to emit too few extra
+      tokens to pay for the wider pass (`worth_verifying`, `spec_crossover_tokens`), and while a row
+      with structured outputs runs; k must be below `max_model_len`. With `num_decode_steps` > 1
+      too: each step verifies when drafts pay, else runs the k-step loop when it only decodes, else
+      a plain ragged step. Counters: `spec_decode_stats`. The drafts are query tokens of the ragged step
       (`worker/verify_step.py`), scheduled within the token budget and the free pages (never
       preempting for them).
     enable_prefix_caching: later prompts that start as an earlier one did (running or
