@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxengine.reductions import fixed_logsumexp
 from jaxengine.sample import sharded
@@ -76,6 +77,27 @@ def logprobs_scores(
   return jnp.where(y >= threshold[:, None], y, NEG_INF)
 
 
+def _logsumexp_and_rank(scores: jax.Array, token_score: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(logsumexp [R, 1] float32, rank [R] int32)` of each row of `scores [R, V]`, the rank being
+  the number of entries `>= token_score [R, 1]`, in one pass over the row after its max.
+
+  The same values as `jax.nn.logsumexp` (max shifted, `-inf` rows give `-inf`, `+inf` and NaN
+  propagate) and a count: XLA:CPU runs a reduction with elementwise work inside as a scalar loop,
+  so two such passes (the exponentials, the comparisons) cost twice one that carries both sums.
+  The count is a float32 sum of ones, exact for any row shorter than `2**24`.
+  """
+  peak = scores.max(-1, keepdims=True)
+  shift = lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
+  at_least = jnp.where(scores >= token_score, 1.0, 0.0)
+  total, count = lax.reduce(
+    (jnp.exp(scores - shift), at_least),
+    (jnp.float32(0.0), jnp.float32(0.0)),
+    lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    (1,),
+  )
+  return jnp.log(total)[:, None] + shift, count.astype(jnp.int32)
+
+
 def gather_logprobs(
   scores: jax.Array,
   token_ids: jax.Array,
@@ -100,14 +122,15 @@ def gather_logprobs(
     given token's value; 1 is best, ties count against it).
   """
   token_score = sharded.take_along_vocab(scores, token_ids[:, None])  # [R, 1]
-  ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
   top_scores, top_ids = blocked_top_k(scores, num_logprobs)
   values = jnp.concatenate([token_score, top_scores], 1)
-  if normalize:
-    if fixed_order:
+  if normalize and not fixed_order:
+    log_total, ranks = _logsumexp_and_rank(scores, token_score)
+    values = values - log_total
+  else:
+    ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
+    if normalize:
       values = values - fixed_logsumexp(scores, keepdims=True)
-    else:
-      values = values - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
   return LogprobsTensors(
     token_ids=jnp.concatenate([token_ids[:, None], top_ids], 1).astype(jnp.int32),
     logprobs=values,

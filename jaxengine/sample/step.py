@@ -255,7 +255,7 @@ def drawable_logits(logits, state: BatchState, md: SamplingMetadata) -> jax.Arra
   """
   return lax.cond(
     any_processing(md, state.config),
-    lambda: nan_as_neg_inf(apply_logits_processors(logits, state, md)),
+    lambda: apply_logits_processors(logits, state, md),  # NaN-free already
     lambda: nan_as_neg_inf(logits.astype(jnp.float32)),
   )
 
