@@ -2,13 +2,14 @@
 
 Every step that filters builds the shallow list (`C = num_topk_candidates`, 64 by default) with the
 cheap two-stage `blocked_top_k`. A row whose top_k exceeds it reads its cut off a deep list: the
-smallest of `BatchConfig.candidate_budgets` that holds its top_k (its `candidate_level`). A step
-builds one deep list, for the largest level among its rows (`lax.switch` on a traced index, so one
-executable serves every mix), and a row of a lower level reads the prefix of its own budget:
-`lax.top_k` lists are nested (equal values come lowest index first, so the top `c` of a longer
-list are exactly the top `c` list), so a seeded row's token does not depend on which deep list
-its neighbours made the step build. A top_k beyond every budget is found by bisection
-(`jaxengine.sample.thresholds`) on the shallow path, as before.
+smallest of `BatchConfig.candidate_budgets` that holds its top_k (its `candidate_level`). Each
+level with rows builds its own list, for its own rows only (`rows_top_k`: those rows gathered into
+a bucket of eighths of the batch, `lax.switch` on their count, so one executable serves every
+mix). A row's `lax.top_k` list depends on that row alone, and lists are nested (equal values come
+lowest index first, so the top `c` of a longer list are exactly the top `c` list: what an earlier
+version, which built one list for the deepest level and let lower levels read its prefix, gave),
+so a seeded row's token does not depend on its neighbours. A top_k beyond every budget is found by
+bisection (`jaxengine.sample.thresholds`) on the shallow path, as before.
 
 Top-p alone stays on the shallow list: a nucleus deeper than it is drawn by rejection, which on
 XLA:CPU costs less than building a deep list for it.
@@ -87,25 +88,84 @@ def _list_width(budget: int, vocab_size: int) -> int:
   return min(budget + 1, vocab_size)
 
 
-def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...], level: int):
-  """Rows of candidate levels `1 .. level`, from one list for `budgets[level]`."""
+#: A deep list is built for a bucket of rows: the rows of its level gathered (padded with copies
+#: of one of them) into the smallest of these fractions of the batch, in eighths, that holds them.
+ROW_BUCKETS = 8
+
+
+def row_buckets(rows: int) -> tuple[int, ...]:
+  """The static row counts a deep list is built for (`ROW_BUCKETS` steps up to `rows`)."""
+  step = -(-rows // ROW_BUCKETS)
+  return tuple(sorted({min(rows, step * i) for i in range(1, ROW_BUCKETS + 1)}))
+
+
+def _top_k_list(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k(x, width)` kept as XLA:CPU's top-k kernel. Used through more than one slice, a
+  top-k falls back to a full sort of the row (~20x slower); the barrier prevents that. On several
+  devices it is left out (XLA aborts compiling it inside a cond there)."""
+  found = tuple(lax.top_k(x, width))
+  return found if sharded.multi_device() else lax.optimization_barrier(found)
+
+
+def rows_top_k(x: jax.Array, selected: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k(x, width)` on the `selected` rows (`[R] bool`); other rows hold zeros.
+
+  XLA:CPU's top-k costs about the same for every row it is given, whatever the row's neighbours,
+  and a row's result depends on that row alone. So the selected rows are gathered into the
+  smallest `row_buckets` size that holds them (padding repeats the first selected row, whose copies
+  scatter back the same values) and only those are searched: one `lax.switch` on their count, with
+  a branch that builds nothing when no row is selected. The result is exactly `lax.top_k`'s for
+  every selected row.
+
+  Returns:
+    `(values [R, width] float32, ids [R, width] int32)`.
+  """
+  rows = x.shape[0]
+  buckets = row_buckets(rows)
+  empty = lambda: (jnp.zeros((rows, width), x.dtype), jnp.zeros((rows, width), jnp.int32))
+
+  def bucket(size: int):
+    if size == rows:
+      return lambda: _top_k_list(x, width)
+
+    def build():
+      (index,) = jnp.nonzero(selected, size=size, fill_value=jnp.argmax(selected))
+      values, ids = _top_k_list(x[index], width)
+      base_values, base_ids = empty()
+      return base_values.at[index].set(values), base_ids.at[index].set(ids)
+
+    return build
+
+  count = selected.sum()
+  # Branch 0 builds nothing; branch i + 1 the i-th bucket, the smallest holding `count` rows.
+  branch = jnp.where(count > 0, jnp.searchsorted(jnp.asarray(buckets), count) + 1, 0)
+  return lax.switch(branch, [empty] + [bucket(size) for size in buckets])
+
+
+def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...]):
+  """Rows of candidate levels `1 ..`: each level's rows from their own budget's list.
+
+  Lists are nested (see the module doc), so a row's list, built for its own level's rows only,
+  holds exactly what the prefix of a deeper list would. A level without rows builds nothing.
+  """
   vocab_size = x.shape[-1]
-  # Nested for every budget (see the module doc). The barrier keeps XLA:CPU's top-k kernel: used
-  # through more than one slice, a top-k falls back to a full sort of the row (~20x slower). On
-  # several devices it is left out (XLA aborts compiling it inside a cond there) and, with the
-  # vocabulary sharded, the list is `sharded_top_k`'s.
-  width = _list_width(budgets[level], vocab_size)
-  found = sharded.top_k_along_vocab(x, width)
-  if found is None:
-    found = lax.top_k(x, width)
-    found = found if sharded.multi_device() else lax.optimization_barrier(found)
-  values, ids = found
   result = _no_cut(threshold)
-  for lower in range(1, level + 1):
-    width = _list_width(budgets[lower], vocab_size)
-    candidates = scale_candidates(values[:, :width], ids[:, :width], md)
-    rows = md.candidate_level == lower
-    level_md = restrict_filters(md, rows, x.shape[-1], deep=True)
+  for level in range(1, len(budgets)):
+    width = _list_width(budgets[level], vocab_size)
+    rows = md.candidate_level == level
+    if sharded.current() is None:
+      values, ids = rows_top_k(x, rows, width)
+    else:  # vocabulary-sharded: `sharded_top_k` of every row, when the level has rows
+      values, ids = lax.cond(
+        rows.any(),
+        lambda width=width: sharded.top_k_along_vocab(x, width),
+        lambda width=width: (
+          jnp.zeros((x.shape[0], width)),
+          jnp.zeros((x.shape[0], width), jnp.int32),
+        ),
+      )
+    candidates = scale_candidates(values, ids, md)
+    level_md = restrict_filters(md, rows, vocab_size, deep=True)
     result = _select(rows, _cut_and_draw(x, level_md, candidates, row_max, threshold, u), result)
   return result
 
@@ -128,9 +188,9 @@ def cut_and_draw(x, md: SamplingMetadata, row_max, threshold, u, budgets: tuple[
   result = _shallow(x, md, row_max, threshold, u, budgets[0])
   if len(budgets) == 1:
     return result
-  branches = [lambda: _no_cut(threshold)] + [
-    (lambda level=level: _deep(x, md, row_max, threshold, u, budgets, level))
-    for level in range(1, len(budgets))
-  ]
-  deep = lax.switch(md.max_candidate_level, branches)
+  deep = lax.cond(
+    md.max_candidate_level > 0,
+    lambda: _deep(x, md, row_max, threshold, u, budgets),
+    lambda: _no_cut(threshold),
+  )
   return _select(md.candidate_level > 0, deep, result)
