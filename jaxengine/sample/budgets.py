@@ -8,8 +8,12 @@ a bucket of eighths of the batch, `lax.switch` on their count, so one executable
 mix). A row's `lax.top_k` list depends on that row alone, and lists are nested (equal values come
 lowest index first, so the top `c` of a longer list are exactly the top `c` list: what an earlier
 version, which built one list for the deepest level and let lower levels read its prefix, gave),
-so a seeded row's token does not depend on its neighbours. A top_k beyond every budget is found by
-bisection (`jaxengine.sample.thresholds`) on the shallow path, as before.
+so a seeded row's token does not depend on its neighbours. Each list masks the tokens below a
+sampled floor first (`floored_top_k`: XLA:CPU's top-k pays for the tokens that enter its heap),
+and falls back to the plain search when the floor was too high. With the vocabulary sharded, a
+step builds one `sharded_top_k` list for its deepest level and lower levels read its prefix. A
+top_k beyond every budget is found by bisection (`jaxengine.sample.thresholds`) on the shallow
+path, as before.
 
 Top-p alone stays on the shallow list: a nucleus deeper than it is drawn by rejection, which on
 XLA:CPU costs less than building a deep list for it.
@@ -18,6 +22,7 @@ XLA:CPU costs less than building a deep list for it.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +38,8 @@ from jaxengine.sample.filters import (
   scale_candidates,
 )
 from jaxengine.sample.metadata import SamplingMetadata
+
+NEG_INF = float("-inf")
 
 
 def restrict_filters(md: SamplingMetadata, rows, vocab_size: int, deep: bool) -> SamplingMetadata:
@@ -94,9 +101,9 @@ ROW_BUCKETS = 8
 
 
 def row_buckets(rows: int) -> tuple[int, ...]:
-  """The static row counts a deep list is built for (`ROW_BUCKETS` steps up to `rows`)."""
-  step = -(-rows // ROW_BUCKETS)
-  return tuple(sorted({min(rows, step * i) for i in range(1, ROW_BUCKETS + 1)}))
+  """The static row counts a deep list is built for: `ceil(rows * i / ROW_BUCKETS)` for `i` in
+  `1 .. ROW_BUCKETS` (fewer when `rows < ROW_BUCKETS`), the last `rows`."""
+  return tuple(sorted({-(-rows * i // ROW_BUCKETS) for i in range(1, ROW_BUCKETS + 1)}))
 
 
 def _top_k_list(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
@@ -107,8 +114,38 @@ def _top_k_list(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
   return found if sharded.multi_device() else lax.optimization_barrier(found)
 
 
+#: The deep list's floor is the `ceil(FLOOR_MARGIN * width / FLOOR_STRIDE)`-th largest of every
+#: `FLOOR_STRIDE`-th token: about `FLOOR_MARGIN * width` tokens of a row lie above it.
+FLOOR_STRIDE = 8
+FLOOR_MARGIN = 1.5
+
+
+def floored_top_k(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k(x, width)` of `x [n, V]` (no NaN), exactly, with the tokens below a floor set to
+  `-inf` first when the vocabulary is wide enough for the floor to pay.
+
+  XLA:CPU's top-k keeps a heap of `width` entries and pays mostly for the tokens that enter it:
+  about `width * ln(V / width)` of a row in random order (1025 of 49,152: ~5,000; the same row in
+  descending order costs a quarter as much). A floor `f` under which only `-inf` remains leaves
+  about `FLOOR_MARGIN * width` tokens to enter. `f` comes from a strided sample of the row, so it
+  may be too high: the list is exact when its last value is `>= f` (then at least `width` tokens
+  are `>= f`, every token below `f` lies below all of them, and ties keep their order, the masked
+  row keeping every position); otherwise, for any row, the step searches the rows unmasked.
+  """
+  vocab = x.shape[-1]
+  sample_rank = math.ceil(FLOOR_MARGIN * width / FLOOR_STRIDE)
+  if sharded.multi_device() or vocab < 4 * sample_rank * FLOOR_STRIDE:
+    return _top_k_list(x, width)
+  floor = lax.optimization_barrier(tuple(lax.top_k(x[:, ::FLOOR_STRIDE], sample_rank)))[0][:, -1]
+  values, ids = _top_k_list(jnp.where(x >= floor[:, None], x, NEG_INF), width)
+  return lax.cond(
+    (values[:, -1] >= floor).all(), lambda: (values, ids), lambda: _top_k_list(x, width)
+  )
+
+
 def rows_top_k(x: jax.Array, selected: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-  """`lax.top_k(x, width)` on the `selected` rows (`[R] bool`); other rows hold zeros.
+  """`lax.top_k(x, width)` on the `selected` rows (`[R] bool`) of `x [R, V]` (no NaN); other rows
+  hold zeros.
 
   XLA:CPU's top-k costs about the same for every row it is given, whatever the row's neighbours,
   and a row's result depends on that row alone. So the selected rows are gathered into the
@@ -126,11 +163,11 @@ def rows_top_k(x: jax.Array, selected: jax.Array, width: int) -> tuple[jax.Array
 
   def bucket(size: int):
     if size == rows:
-      return lambda: _top_k_list(x, width)
+      return lambda: floored_top_k(x, width)
 
     def build():
       (index,) = jnp.nonzero(selected, size=size, fill_value=jnp.argmax(selected))
-      values, ids = _top_k_list(x[index], width)
+      values, ids = floored_top_k(x[index], width)
       base_values, base_ids = empty()
       return base_values.at[index].set(values), base_ids.at[index].set(ids)
 
@@ -153,18 +190,22 @@ def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...]):
   for level in range(1, len(budgets)):
     width = _list_width(budgets[level], vocab_size)
     rows = md.candidate_level == level
-    if sharded.current() is None:
-      values, ids = rows_top_k(x, rows, width)
-    else:  # vocabulary-sharded: `sharded_top_k` of every row, when the level has rows
-      values, ids = lax.cond(
-        rows.any(),
-        lambda width=width: sharded.top_k_along_vocab(x, width),
-        lambda width=width: (
-          jnp.zeros((x.shape[0], width)),
-          jnp.zeros((x.shape[0], width), jnp.int32),
-        ),
-      )
-    candidates = scale_candidates(values, ids, md)
+    candidates = scale_candidates(*rows_top_k(x, rows, width), md)
+    level_md = restrict_filters(md, rows, vocab_size, deep=True)
+    result = _select(rows, _cut_and_draw(x, level_md, candidates, row_max, threshold, u), result)
+  return result
+
+
+def _deep_sharded(x, md, row_max, threshold, u, budgets: tuple[int, ...], level: int):
+  """`_deep` with the vocabulary sharded: one `sharded_top_k` list of every row, for
+  `budgets[level]` (the step's deepest level), whose prefixes serve the lower levels."""
+  vocab_size = x.shape[-1]
+  values, ids = sharded.top_k_along_vocab(x, _list_width(budgets[level], vocab_size))
+  result = _no_cut(threshold)
+  for lower in range(1, level + 1):
+    width = _list_width(budgets[lower], vocab_size)
+    candidates = scale_candidates(values[:, :width], ids[:, :width], md)
+    rows = md.candidate_level == lower
     level_md = restrict_filters(md, rows, vocab_size, deep=True)
     result = _select(rows, _cut_and_draw(x, level_md, candidates, row_max, threshold, u), result)
   return result
@@ -188,9 +229,16 @@ def cut_and_draw(x, md: SamplingMetadata, row_max, threshold, u, budgets: tuple[
   result = _shallow(x, md, row_max, threshold, u, budgets[0])
   if len(budgets) == 1:
     return result
-  deep = lax.cond(
-    md.max_candidate_level > 0,
-    lambda: _deep(x, md, row_max, threshold, u, budgets),
-    lambda: _no_cut(threshold),
-  )
+  if sharded.current() is None:
+    deep = lax.cond(
+      md.max_candidate_level > 0,
+      lambda: _deep(x, md, row_max, threshold, u, budgets),
+      lambda: _no_cut(threshold),
+    )
+  else:  # one list, for the step's deepest level (`lax.switch` on it)
+    branches = [lambda: _no_cut(threshold)] + [
+      (lambda level=level: _deep_sharded(x, md, row_max, threshold, u, budgets, level))
+      for level in range(1, len(budgets))
+    ]
+    deep = lax.switch(md.max_candidate_level, branches)
   return _select(md.candidate_level > 0, deep, result)

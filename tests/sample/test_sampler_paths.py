@@ -244,6 +244,32 @@ def test_deep_list_of_some_rows_is_lax_top_k_of_those_rows(rows, width, seed, fr
   np.testing.assert_array_equal(np.asarray(ids)[selected], np.asarray(want_ids)[selected])
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), sampled_high=st.booleans(), ties=st.booleans())
+def test_floored_top_k_is_lax_top_k(seed, sampled_high, ties):
+  """The deep list's floor (the tokens below a sampled floor masked before the top-k) changes
+  nothing: the same values and ids as `lax.top_k`, including when the floor is too high (the
+  sampled tokens, every 8th, the row's largest: fewer than `width` above it) and with ties."""
+  import jax
+  from jax import lax
+
+  from jaxengine.sample.budgets import FLOOR_STRIDE, floored_top_k
+
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(4, 2048)).astype(np.float32)
+  if ties:
+    x = np.round(x * 2) / 2
+    x[1, rng.random(2048) < 0.3] = -np.inf
+  if sampled_high:
+    x[::2, ::FLOOR_STRIDE] += 10.0
+  values, ids = jax.jit(floored_top_k, static_argnums=1)(x, 33)
+  want_values, want_ids = lax.top_k(x, 33)
+  np.testing.assert_array_equal(
+    np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32)
+  )
+  np.testing.assert_array_equal(ids, want_ids)
+
+
 def test_top_p_after_rejection_gives_up_is_unbiased():
   """A nearly flat row with a small top_p: about 18% of draws exhaust the rejection attempts and
   take the exact cut, which must draw a fresh uniform (reusing the first one, known to have
