@@ -38,13 +38,14 @@ results.
 No full-vocabulary sort. Top-k and top-p come from `C` candidates per row (a static budget,
 `BatchConfig.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
 top-k deeper than that is read off a deep list (`BatchConfig.deep_candidate_budgets`, 256 and 1024
-by default; one `lax.top_k` list per level, over that level's rows only: budgets.py), and one deeper than
-every budget is found exactly by a 32-step bisection over the float32 bit pattern (each step one
-masked reduction), as the TPU samplers do. A top-p nucleus deeper than the shallow list is sampled
-exactly by rejection: draw from the distribution kept so far and accept when the mass strictly
-above the token is below top_p (bisection again only for rows that keep refusing, and for the
-processed_* logprobs modes, which need the cut itself). The draw needs one exponential pass over
-the vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
+by default; one `lax.top_k` list per level, over that level's rows only: budgets.py), and one
+deeper than every budget is found exactly by a 32-step bisection over the float32 bit pattern
+(each step one masked reduction), as the TPU samplers do. A top-p nucleus deeper than the
+shallow list is sampled exactly by rejection: draw from the distribution kept so far and accept
+when the mass strictly above the token is below top_p (bisection again only for rows that keep
+refusing, and for the processed_* logprobs modes, which need the cut itself). The draw needs one
+exponential pass over the vocabulary (blocked inverse CDF) or, when the kept set lies inside the
+candidates, none.
 
 On a mesh (`sample(..., mesh=)`, logits sharded over the vocabulary) the same pipeline runs with
 its whole-row operations (argmax, top-k, values at token ids, scatters, the chosen block of the
@@ -315,25 +316,20 @@ def _logprobs(logits, x, threshold, tokens, state: BatchState, md: SamplingMetad
     state, md: the batch state and metadata.
   """
   config = state.config
-  mode = config.logprobs_mode
-  gather = lambda scores: gather_logprobs(
-    scores,
-    tokens,
-    config.num_top_logprobs,
-    normalize=mode.endswith("logprobs"),
-    fixed_order=config.batch_invariant,
-  )
 
-  scores = lambda: logprobs_scores(logits, x, state, md, threshold, mode)
+  def logprobs_branch():
+    mode = config.logprobs_mode
+    scores = logprobs_scores(logits, x, state, md, threshold, mode)
+    return gather_logprobs(
+      scores,
+      tokens,
+      config.num_top_logprobs,
+      normalize=mode.endswith("logprobs"),
+      fixed_order=config.batch_invariant,
+    )
+
   no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)
-  if not mode.startswith("raw"):
-    return lax.cond(md.any_logprobs, lambda: gather(scores()), no_logprobs)
-  # raw_*: without a live grammar row the scores are the logits themselves, read in place rather
-  # than written out once more as a masked copy (one `lax.switch`: nothing, in place, masked).
-  branch = md.any_logprobs.astype(jnp.int32) * (1 + md.any_grammar.astype(jnp.int32))
-  return lax.switch(
-    branch, [no_logprobs, lambda: gather(logits.astype(jnp.float32)), lambda: gather(scores())]
-  )
+  return lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
 
 
 def sample(
