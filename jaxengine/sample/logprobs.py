@@ -13,7 +13,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxengine.reductions import fixed_logsumexp
 from jaxengine.sample import sharded
@@ -77,19 +76,6 @@ def logprobs_scores(
   return jnp.where(y >= threshold[:, None], y, NEG_INF)
 
 
-def _rank(scores: jax.Array, token_score: jax.Array) -> jax.Array:
-  """`[R] int32` the entries of each row of `scores [R, V]` that are `>= token_score [R, 1]`.
-
-  The comparison is kept as `[R, V] bool` before the sum: fused into the sum, XLA:CPU writes it
-  out as `int32` first (four times the bytes, ~60 ms of a 256 x 49,152 step on this VM). The
-  barrier is left out on several devices (XLA aborts compiling one inside a cond there).
-  """
-  kept = scores >= token_score
-  if not sharded.multi_device():
-    kept = lax.optimization_barrier(kept)
-  return kept.sum(-1, dtype=jnp.int32)
-
-
 def gather_logprobs(
   scores: jax.Array,
   token_ids: jax.Array,
@@ -114,9 +100,9 @@ def gather_logprobs(
     given token's value; 1 is best, ties count against it).
   """
   token_score = sharded.take_along_vocab(scores, token_ids[:, None])  # [R, 1]
+  ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
   top_scores, top_ids = blocked_top_k(scores, num_logprobs)
   values = jnp.concatenate([token_score, top_scores], 1)
-  ranks = _rank(scores, token_score)
   if normalize:
     if fixed_order:
       values = values - fixed_logsumexp(scores, keepdims=True)
