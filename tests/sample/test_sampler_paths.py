@@ -226,12 +226,12 @@ def test_deep_list_of_some_rows_is_lax_top_k_of_those_rows(rows, width, seed, fr
   import jax
   from jax import lax
 
-  from jaxengine.sample.budgets import rows_top_k
+  from jaxengine.sample.budgets import BUCKETED_VOCAB, rows_top_k
 
   rng = np.random.default_rng(seed)
   pool = np.array([-np.inf, -1.0, -0.0, 0.0, 0.5, 2.0, np.inf], np.float32)
-  x = rng.choice(pool, size=(rows, 64), p=[0.1, 0.3, 0.15, 0.15, 0.2, 0.08, 0.02])
-  x[0] = rng.normal(size=64).astype(np.float32)
+  x = rng.choice(pool, size=(rows, BUCKETED_VOCAB), p=[0.1, 0.3, 0.15, 0.15, 0.2, 0.08, 0.02])
+  x[0] = rng.normal(size=BUCKETED_VOCAB).astype(np.float32)
   selected = rng.random(rows) < fraction
   key = (rows, width)
   if key not in _ROWS_TOP_K:
