@@ -113,8 +113,10 @@ def _top_k_list(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
   """`lax.top_k(x, width)` kept as XLA:CPU's top-k kernel. Used through more than one slice, a
   top-k falls back to a full sort of the row (~20x slower); the barrier prevents that. On several
   devices it is left out (XLA aborts compiling it inside a cond there)."""
-  found = tuple(lax.top_k(x, width))
-  return found if sharded.multi_device() else lax.optimization_barrier(found)
+  values, ids = lax.top_k(x, width)
+  if sharded.multi_device():
+    return values, ids
+  return lax.optimization_barrier((values, ids))
 
 
 #: The deep list's floor is the `ceil(FLOOR_MARGIN * width / FLOOR_STRIDE)`-th largest of every
@@ -203,7 +205,9 @@ def _deep_sharded(x, md, row_max, threshold, u, budgets: tuple[int, ...], level:
   """`_deep` with the vocabulary sharded: one `sharded_top_k` list of every row, for
   `budgets[level]` (the step's deepest level), whose prefixes serve the lower levels."""
   vocab_size = x.shape[-1]
-  values, ids = sharded.top_k_along_vocab(x, _list_width(budgets[level], vocab_size))
+  found = sharded.top_k_along_vocab(x, _list_width(budgets[level], vocab_size))
+  assert found is not None  # traced under `vocab_sharded` only
+  values, ids = found
   result = _no_cut(threshold)
   for lower in range(1, level + 1):
     width = _list_width(budgets[lower], vocab_size)
