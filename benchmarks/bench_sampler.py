@@ -14,9 +14,9 @@ against a bare jitted identity call.
 revision, or a directory holding a `jaxengine` package) each run in their own interpreter (this
 script with `--worker`), driven call by call in alternation from this one, so both see the same
 machine at the same moments; it prints each mix's medians, the ratio of this checkout to the other
-and each one's ratio to its own max pass, plus the small call (B=8, V=256, greedy). Run it before a
-change to the sampler, the batch or the step lands; `--max-ratio` makes it fail (exit status 1)
-when a mix is slower than that.
+and each one's ratio to a max pass and to a log_softmax pass (each pooled over both sides' calls),
+plus the small call (B=8, V=256, greedy). Run it before a change to the sampler, the batch or the
+step lands; `--max-ratio` makes it fail (exit status 1) when a mix is slower than that.
 
 Usage:
   python benchmarks/bench_sampler.py                    # full table (several minutes on 2 cores)
@@ -258,12 +258,14 @@ def worker(stdin=sys.stdin) -> None:
   a line on the original stdout (stray output of the libraries goes to stderr).
 
   Commands: `{"op": "setup", "size", "vocab", "mix"}` builds the batch and the logits (the same
-  seeds in every checkout) and compiles both calls; `{"op": "time", "fn": "sample" | "max"}` times
+  seeds in every checkout) and compiles its calls; `{"op": "time", "fn": "sample" | "max" |
+  "log_softmax"}` times
   one call in ms; the answer to every command carries `compiles`, the XLA compiles so far.
   """
   out = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)
   max_pass = jax.jit(lambda x: x.max(-1))
+  log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
   cells: dict[str, Callable[[], object]] = {}
   with count_compiles() as compiles:
 
@@ -283,6 +285,7 @@ def worker(stdin=sys.stdin) -> None:
         cells = {
           "sample": lambda batch=batch, logits=logits: _call_sample(batch, logits),
           "max": lambda logits=logits: max_pass(logits),
+          "log_softmax": lambda logits=logits: log_softmax(logits),
         }
         warm(cells.values(), times=2)
         reply()
@@ -332,7 +335,8 @@ def bench_against(args) -> list[dict]:
     cells += [SMALL_CALL] * (SMALL_CALL not in cells)
     print(
       "| B | V | mix | other ms | this ms | this / other | max pass ms | other x max | this x max "
-      "| compiles |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+      "| log_softmax ms | other x log_softmax | this x log_softmax | compiles |\n"
+      "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
       flush=True,
     )
     return [_against_cell(workers, cell, args.repeats) for cell in cells]
@@ -346,12 +350,12 @@ def _against_cell(workers: dict[str, SamplerWorker], cell, repeats: int) -> dict
   size, vocab, mix = cell
   before = {name: w.ask(op="setup", size=size, vocab=vocab, mix=mix) for name, w in workers.items()}
   samples: dict[tuple[str, str], list[float]] = {
-    (n, f): [] for n in workers for f in ("sample", "max")
+    (n, f): [] for n in workers for f in ("sample", "max", "log_softmax")
   }
   last = {}
   for r in range(repeats):
     order = list(workers) if r % 2 == 0 else list(workers)[::-1]  # neither always goes first
-    for fn in ("sample", "max"):
+    for fn in ("sample", "max", "log_softmax"):
       for name in order:
         answer = workers[name].ask(op="time", fn=fn)
         samples[name, fn].append(answer["ms"])
@@ -359,6 +363,7 @@ def _against_cell(workers: dict[str, SamplerWorker], cell, repeats: int) -> dict
   ms = {key: statistics.median(values) for key, values in samples.items()}
   # One max pass for both sides (the same jitted reduction in each): the median of all its calls.
   max_ms = statistics.median(samples["this", "max"] + samples["other", "max"])
+  softmax_ms = statistics.median(samples["this", "log_softmax"] + samples["other", "log_softmax"])
   row = dict(
     B=size,
     V=vocab,
@@ -369,13 +374,16 @@ def _against_cell(workers: dict[str, SamplerWorker], cell, repeats: int) -> dict
     max_ms=max_ms,
     other_x_max=ms["other", "sample"] / max_ms,
     this_x_max=ms["this", "sample"] / max_ms,
+    log_softmax_ms=softmax_ms,
+    other_x_log_softmax=ms["other", "sample"] / softmax_ms,
+    this_x_log_softmax=ms["this", "sample"] / softmax_ms,
     compiles={name: last[name] - before[name]["compiles"] for name in workers},
   )
   print(
     f"| {size} | {vocab} | {row['mix']} | {row['other_ms']:.2f} | {row['this_ms']:.2f} | "
     f"{row['ratio']:.2f}x | {row['max_ms']:.2f} | {row['other_x_max']:.2f} | "
-    f"{row['this_x_max']:.2f} | "
-    f"{row['compiles']['other']} / {row['compiles']['this']} |",
+    f"{row['this_x_max']:.2f} | {softmax_ms:.2f} | {row['other_x_log_softmax']:.2f} | "
+    f"{row['this_x_log_softmax']:.2f} | {row['compiles']['other']} / {row['compiles']['this']} |",
     flush=True,
   )
   return row

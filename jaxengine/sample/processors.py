@@ -99,7 +99,7 @@ def apply_logits_processors(logits, state: BatchState, md: SamplingMetadata) -> 
     state, md: the batch state and metadata.
 
   Returns:
-    `[R, V] float32` processed logits.
+    `[R, V] float32` processed logits, no NaN (a NaN logit reads as `-inf`).
   """
   # The bitmask costs one read of `[R, V / 32]` fused into the pass below; without a live
   # grammar row (and no other processing) the whole branch is skipped by the caller.
@@ -124,7 +124,8 @@ def _processors_with_custom(x, state: BatchState, md: SamplingMetadata) -> jax.A
   bias_ids = jnp.where(md.is_live[:, None], state.logit_bias_token_ids, vocab)
   x = sharded.scatter_vocab(x, bias_ids, state.logit_bias, add=True)
   x = apply_custom_processors(x, state, md, argmax_invariant=False)
-  return _penalize(x, state.output_token_counts, state.prompt_token_mask, md)
+  # A custom processor may write NaN; the fused pass cannot (see `_fused_processors`).
+  return nan_as_neg_inf(_penalize(x, state.output_token_counts, state.prompt_token_mask, md))
 
 
 def _fused_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Array:
@@ -141,7 +142,9 @@ def _fused_processors(logits, state: BatchState, md: SamplingMetadata) -> jax.Ar
     md: the metadata (live rows and effective penalty values).
 
   Returns:
-    `[R, V] float32` processed logits; masked tokens and NaN logits are `-inf`.
+    `[R, V] float32` processed logits; masked tokens and NaN logits are `-inf`. No NaN comes
+    out: the logits are cleaned first, and finite penalties (`[-2, 2]`, repetition `> 0`) and
+    finite biases turn no `+-inf` or finite value into NaN, so the caller needs no second pass.
   """
   vocab = state.vocab_size
   counts, in_prompt = state.output_token_counts, state.prompt_token_mask

@@ -38,13 +38,14 @@ results.
 No full-vocabulary sort. Top-k and top-p come from `C` candidates per row (a static budget,
 `BatchConfig.num_topk_candidates`, found in two stages: block maxima, then the best blocks). A
 top-k deeper than that is read off a deep list (`BatchConfig.deep_candidate_budgets`, 256 and 1024
-by default; one `lax.top_k` list per step, for the deepest row: budgets.py), and one deeper than
-every budget is found exactly by a 32-step bisection over the float32 bit pattern (each step one
-masked reduction), as the TPU samplers do. A top-p nucleus deeper than the shallow list is sampled
-exactly by rejection: draw from the distribution kept so far and accept when the mass strictly
-above the token is below top_p (bisection again only for rows that keep refusing, and for the
-processed_* logprobs modes, which need the cut itself). The draw needs one exponential pass over
-the vocabulary (blocked inverse CDF) or, when the kept set lies inside the candidates, none.
+by default; one `lax.top_k` list per level, over that level's rows only: budgets.py), and one
+deeper than every budget is found exactly by a 32-step bisection over the float32 bit pattern
+(each step one masked reduction), as the TPU samplers do. A top-p nucleus deeper than the
+shallow list is sampled exactly by rejection: draw from the distribution kept so far and accept
+when the mass strictly above the token is below top_p (bisection again only for rows that keep
+refusing, and for the processed_* logprobs modes, which need the cut itself). The draw needs one
+exponential pass over the vocabulary (blocked inverse CDF) or, when the kept set lies inside the
+candidates, none.
 
 On a mesh (`sample(..., mesh=)`, logits sharded over the vocabulary) the same pipeline runs with
 its whole-row operations (argmax, top-k, values at token ids, scatters, the chosen block of the
@@ -255,7 +256,7 @@ def drawable_logits(logits, state: BatchState, md: SamplingMetadata) -> jax.Arra
   """
   return lax.cond(
     any_processing(md, state.config),
-    lambda: nan_as_neg_inf(apply_logits_processors(logits, state, md)),
+    lambda: apply_logits_processors(logits, state, md),  # NaN-free already
     lambda: nan_as_neg_inf(logits.astype(jnp.float32)),
   )
 

@@ -1,7 +1,8 @@
 """The sorting-free top-k / top-p paths agree with each other and with exact probabilities.
 
 The sampler resolves top-k and top-p from a static budget of candidates (the shallow list), reads
-deeper top-k cuts off larger lists (the deep budgets, one list per step chosen by `lax.switch`),
+deeper top-k cuts off larger lists (the deep budgets, one list per level built on that level's
+rows only, `rows_top_k`),
 and falls back to exact methods beyond them: bisection over the float bit pattern for the
 threshold (processed logprobs modes, top-k beyond every budget) and a rejection draw for top-p.
 With small vocabularies the default budgets cover everything, so these tests shrink the budgets
@@ -14,6 +15,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from reference import reference_row
 
 import jaxengine as je
@@ -204,6 +207,67 @@ def test_two_stage_top_k_matches_lax_top_k(k):
   np.testing.assert_array_equal(values, want)
   np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), values)
   assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
+
+
+_ROWS_TOP_K = {}  # (rows, width) -> the jitted `rows_top_k`, compiled once per shape
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+  rows=st.sampled_from([1, 5, 16]),
+  width=st.sampled_from([1, 9, 33]),
+  seed=st.integers(0, 2**32 - 1),
+  fraction=st.floats(0.0, 1.0),
+)
+def test_deep_list_of_some_rows_is_lax_top_k_of_those_rows(rows, width, seed, fraction):
+  """`rows_top_k` (the deep lists, built on a bucket of gathered rows) gives every selected row
+  exactly `lax.top_k`'s values and ids: ties, -0.0 against +0.0, infinities, any selection (none,
+  a few, a whole bucket, every row)."""
+  import jax
+  from jax import lax
+
+  from jaxengine.sample.budgets import BUCKETED_VOCAB, rows_top_k
+
+  rng = np.random.default_rng(seed)
+  pool = np.array([-np.inf, -1.0, -0.0, 0.0, 0.5, 2.0, np.inf], np.float32)
+  x = rng.choice(pool, size=(rows, BUCKETED_VOCAB), p=[0.1, 0.3, 0.15, 0.15, 0.2, 0.08, 0.02])
+  x[0] = rng.normal(size=BUCKETED_VOCAB).astype(np.float32)
+  selected = rng.random(rows) < fraction
+  key = (rows, width)
+  if key not in _ROWS_TOP_K:
+    _ROWS_TOP_K[key] = jax.jit(lambda x, s, w=width: rows_top_k(x, s, w))
+  values, ids = _ROWS_TOP_K[key](x, selected)
+  want_values, want_ids = lax.top_k(x, width)
+  np.testing.assert_array_equal(
+    np.asarray(values)[selected].view(np.int32), np.asarray(want_values)[selected].view(np.int32)
+  )
+  np.testing.assert_array_equal(np.asarray(ids)[selected], np.asarray(want_ids)[selected])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), sampled_high=st.booleans(), ties=st.booleans())
+def test_floored_top_k_is_lax_top_k(seed, sampled_high, ties):
+  """The deep list's floor (the tokens below a sampled floor masked before the top-k) changes
+  nothing: the same values and ids as `lax.top_k`, including when the floor is too high (the
+  sampled tokens, every 8th, the row's largest: fewer than `width` above it) and with ties."""
+  import jax
+  from jax import lax
+
+  from jaxengine.sample.budgets import FLOOR_STRIDE, floored_top_k
+
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(4, 2048)).astype(np.float32)
+  if ties:
+    x = np.round(x * 2) / 2
+    x[1, rng.random(2048) < 0.3] = -np.inf
+  if sampled_high:
+    x[::2, ::FLOOR_STRIDE] += 10.0
+  values, ids = jax.jit(floored_top_k, static_argnums=1)(x, 33)
+  want_values, want_ids = lax.top_k(x, 33)
+  np.testing.assert_array_equal(
+    np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32)
+  )
+  np.testing.assert_array_equal(ids, want_ids)
 
 
 def test_top_p_after_rejection_gives_up_is_unbiased():
