@@ -29,7 +29,7 @@ from jaxengine.models.hf_config_fields import (
   config_token_id,
 )
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig
-from jaxengine.models.weights import WeightSpec
+from jaxengine.models.weights import WeightSpec, stacked_weight_specs
 
 #: Rope types implemented (``rope_type`` or the older ``type`` key); None means default.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -264,7 +264,7 @@ def hf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
     ]
     if sparse:
       specs += moe_weight_specs(cfg, i)
-  return specs
+  return stacked_weight_specs(specs) if cfg.scan_layers else specs  # rows of [L, ...] leaves
 
 
 def config_from_gguf(

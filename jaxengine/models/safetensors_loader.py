@@ -298,7 +298,7 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
         continue
       if spec.path not in stacks:
         stacks[spec.path] = np.zeros(leaf.shape, leaf.dtype)
-      stacks[spec.path][spec.layer] = spec.to_param(tensor, leaf.shape[1:])
+      stacks[spec.path][spec.index] = spec.to_param(tensor, spec.row_shape(leaf.shape))
       rows_left[spec.path] -= 1
       if not rows_left[spec.path]:
         arrays[spec.path] = jnp.asarray(stacks.pop(spec.path))

@@ -260,7 +260,7 @@ class WeightLoader:
         continue
       specs = [s for s in self.weight_specs.values() if s.path == path]
       layers = {s.layer for s in specs}
-      if specs and None not in layers and set(range(leaf.shape[0])) <= set(parts):
+      if specs and None not in layers and layers <= set(parts):
         continue
       missing = [s.name for s in specs if s.layer not in parts] or [dotted(path)]
       raise ValueError(

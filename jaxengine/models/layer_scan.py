@@ -1,0 +1,175 @@
+"""Decoder layers under `jax.lax.scan`: stacked ``[L, ...]`` layer weights, one traced body.
+
+A model built with ``scan_layers=True`` (`jaxengine.models.LlamaConfig.scan_layers`,
+``LLM(..., scan_layers=True)``) keeps its `L` decoder layers as one layer module whose every
+parameter has a leading layer axis (`stack_layers`), and `scan_layers` runs them as one
+`jax.lax.scan`: XLA compiles one layer body whatever the depth, so a step's trace and compile
+time stay flat with `L` (unrolled, SmolLM2-135M's 30 layers made a forward step compile in
+seconds, each new step shape paying it again). What the scan costs instead: XLA reads each
+layer's weights out of the stack per iteration. On TPU and GPU that is the usual layout; on
+XLA:CPU a dynamic slice of a stacked weight is not fused into the dot, so each layer's weights
+are copied first (measured on 2 CPU cores, SmolLM2's MLP weights of 30 layers, batch 1 / 8 /
+32: 13.8 / 23.1 / 39.8 ms unrolled against 18.8 / 30.2 / 45.8 ms scanned), which is why the
+engine's default (`resolve_scan_layers`) scans on accelerators and not on CPU.
+
+The KV cache of a scanned model is stacked as well (`jaxengine.models.kv_cache.KVCacheSpec.stacked`):
+one buffer per page array holding every layer's pages along the page axis, carried through the
+scan (written in place, donatable), each layer reaching its own pages by offsetting the step's
+page ids (`jaxengine.models.kv_pages.PagedKVCache.layer_metadata`), never by slicing a layer's
+pages out.
+
+Weights keep their per-layer names: a stacked leaf is ``("layers", "attn", "wq")`` of shape
+``[L, H, D, E]``, and checkpoint tensors name a layer as before (``model.layers.3...``), filling
+row 3 of it (`jaxengine.models.weights.stacked_weight_specs`, `jaxengine.models.weights.WeightSpec.layer`). LoRA adapters
+are stacked per step (`LoRAInputs.layers` to one ``[L, ...]`` tree), quantization adds the layer
+axis to the scales (`jaxengine.models.quantization.quantize_model` reads `stacked_paths`), a mesh
+leaves the layer axis unsplit (`jaxengine.parallel.weight_shardings`).
+
+What a stacked layer cannot be: layers of different structure (a model with some dense and some
+mixture-of-experts layers, Gemma's local and global layers): `check_scannable` refuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.lora import LayerLoRA, LoRAInputs
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.weights import STACKED_LAYERS
+
+__all__ = [
+  "LAYERS",
+  "check_scan_layers",
+  "resolve_scan_layers",
+  "scan_layers",
+  "stack_layers",
+]
+
+#: The attribute (and state path) of a model's stacked decoder layers.
+LAYERS = STACKED_LAYERS
+
+#: Platforms whose engine scans by default (`resolve_scan_layers`).
+SCAN_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+
+
+def check_scan_layers(value: Any) -> bool | None:
+  """`value` if it is None, True or False (`EngineConfig.scan_layers`).
+
+  Raises:
+    ValueError: anything else, naming the field and the value.
+  """
+  if value is None or isinstance(value, bool):
+    return value
+  raise ValueError(f"scan_layers must be None, True or False, got {value!r}")
+
+
+def resolve_scan_layers(value: bool | None, platform: str | None = None) -> bool:
+  """`value`, or for None the platform's default: scanned on TPU and GPU, unrolled elsewhere
+  (XLA:CPU copies each layer's weights out of the stack: module docstring).
+
+  Args:
+    value: `EngineConfig.scan_layers`.
+    platform: the platform the steps run on (default `jax.default_backend()`).
+  """
+  if value is not None:
+    return value
+  return (platform or jax.default_backend()) in SCAN_PLATFORMS
+
+
+def stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
+  """One module of the layers' common structure whose every leaf stacks theirs on a new leading
+  ``[L]`` axis (abstract leaves stay abstract under `nnx.eval_shape`).
+
+  Raises:
+    ValueError: no layers, or layers whose structures differ (naming the first that does).
+  """
+  if not layers:
+    raise ValueError("scan_layers needs at least one decoder layer")
+  graphdef, first = nnx.split(layers[0])
+  states = [first]
+  for index, layer in enumerate(layers[1:], start=1):
+    other, state = nnx.split(layer)
+    if other != graphdef:
+      raise ValueError(
+        f"scan_layers=True needs decoder layers of one structure; layer {index} differs from "
+        "layer 0 (e.g. a dense MLP beside a mixture of experts)"
+      )
+    states.append(state)
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+  return nnx.merge(graphdef, stacked)
+
+
+def _stacked_lora(lora: LoRAInputs | None) -> Any:
+  """The adapters of every layer as one ``{target: (A [L, N + 1, in, R], B [L, ...])}`` tree
+  (a copy per step: the adapters are small next to the layers' weights), or None."""
+  if lora is None:
+    return None
+  return jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *lora.layers)
+
+
+def scan_layers(
+  layers: nnx.Module,
+  x: jax.Array,
+  positions: jax.Array,
+  kv_cache: PagedKVCache,
+  metadata: PagedAttentionMetadata,
+  *,
+  num_layers: int,
+  lora: LoRAInputs | None = None,
+  routed_experts: jax.Array | None = None,
+  return_routed: bool = False,
+) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
+  """``x, kv_cache`` after every layer of a stacked layer module, as one `jax.lax.scan`.
+
+  Layer ``l`` is called as ``layer(x, positions, kv_cache, l, metadata, lora_l, replay_l)``
+  with ``l`` a traced ``[] int32`` (the attention seam offsets its pages: module docstring).
+
+  Args:
+    layers: the stacked layer module (`stack_layers`; every leaf ``[L, ...]``).
+    x: ``[..., E]`` the residual stream.
+    positions: ``[..., T] int32`` the tokens' positions.
+    kv_cache: a `PagedKVCache` with stacked pages (`PagedKVCache.stacked_layers`).
+    metadata: the step's attention metadata.
+    num_layers: ``L``.
+    lora: the step's LoRA adapters (``L`` per-layer dicts), or None.
+    routed_experts: None, or ``[..., L, k]`` experts to replay at every (mixture-of-experts)
+      layer.
+    return_routed: the layer returns its ``[..., k]`` experts third; they are returned.
+
+  Returns:
+    ``(x, kv_cache, experts)``: the last layer's output, the cache, and with `return_routed`
+    the ``[..., L, k] int32`` experts of every layer (else None).
+
+  Raises:
+    ValueError: a cache whose pages are not stacked for these ``L`` layers.
+  """
+  if kv_cache.stacked_layers is None or kv_cache.num_layers != num_layers:
+    raise ValueError(
+      f"a scanned model needs a stacked KV cache of {num_layers} layers (KVCacheSpec.stacked, "
+      f"the model's kv_cache_spec), got stacked_layers={kv_cache.stacked_layers}"
+    )
+  graphdef, weights = nnx.split(layers)
+  replay = None if routed_experts is None else jnp.moveaxis(routed_experts, -2, 0)  # [L, ..., k]
+  xs = (weights, jnp.arange(num_layers, dtype=jnp.int32), _stacked_lora(lora), replay)
+
+  def body(carry, per_layer):
+    x, pages = carry
+    layer_weights, index, layer_lora, layer_replay = per_layer
+    layer = nnx.merge(graphdef, layer_weights)
+    cache = dataclasses.replace(kv_cache, pages=pages)
+    view = None if lora is None else LayerLoRA(lora.slots, layer_lora)
+    x, cache, *more = layer(x, positions, cache, index, metadata, view, layer_replay)
+    return (x, cache.pages), (more[0] if return_routed and more else None)
+
+  (x, pages), experts = jax.lax.scan(body, (x, kv_cache.pages), xs)
+  kv_cache = dataclasses.replace(kv_cache, pages=pages)
+  if experts is not None:
+    experts = jnp.moveaxis(experts, 0, -2)  # [..., L, k]
+  return x, kv_cache, experts
