@@ -34,6 +34,7 @@ from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.layer_scan import scanned_model
 from jaxengine.models.quantization import quantize_model
 from jaxengine.models.registry import hf_architecture
 from jaxengine.models.safetensors_loader import eos_token_ids, read_hf_config
@@ -188,8 +189,9 @@ def abstract_engine(
   mesh = config.mesh
   if mesh is not None:
     MeshPlacement.check(model, batch, mesh, expert_parallel=config.enable_expert_parallel)
-  if config.batch_invariant or config.quantization is not None:
-    model = cast(Model, nnx.eval_shape(lambda: _served(model, config)))
+  scan = scanned_model(model, config.scan_layers, platform) is not model  # refusals here
+  if config.batch_invariant or config.quantization is not None or scan:
+    model = cast(Model, nnx.eval_shape(lambda: _served(model, config, platform)))
   graphdef, weights = nnx.split(cast(nnx.Module, model))
   placement = None
   if mesh is not None:
@@ -225,7 +227,7 @@ def abstract_engine(
   return engine
 
 
-def _served(model: Model, config: EngineConfig) -> Model:
+def _served(model: Model, config: EngineConfig, platform: str) -> Model:
   """The module the runner serves (`worker/weight_loader.py`'s `prepare_model`, for shapes; under
   `nnx.eval_shape`, where the abstract weights become traced zeros for the quantizer to read)."""
   graphdef, state = nnx.split(cast(nnx.Module, model))
@@ -233,6 +235,7 @@ def _served(model: Model, config: EngineConfig) -> Model:
   model = cast(Model, nnx.merge(graphdef, state))
   if config.batch_invariant:
     model = batch_invariant_model(model)
+  model = cast(Model, scanned_model(model, config.scan_layers, platform))
   if config.quantization is not None:
     model = cast(Model, quantize_model(model, config.quantization).model)
   return model

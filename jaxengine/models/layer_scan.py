@@ -10,7 +10,7 @@ layer's weights out of the stack per iteration. On TPU and GPU that is the usual
 XLA:CPU a dynamic slice of a stacked weight is not fused into the dot, so each layer's weights
 are copied first (measured on 2 CPU cores, SmolLM2's MLP weights of 30 layers, batch 1 / 8 /
 32: 13.8 / 23.1 / 39.8 ms unrolled against 18.8 / 30.2 / 45.8 ms scanned), which is why the
-engine's default (`resolve_scan_layers`) scans on accelerators and not on CPU.
+engine's default (`scanned_model`) scans on accelerators and not on CPU.
 
 The KV cache of a scanned model is stacked as well (`jaxengine.models.kv_cache.KVCacheSpec.stacked`):
 one buffer per page array holding every layer's pages along the page axis, carried through the
@@ -46,9 +46,10 @@ from jaxengine.models.weights import STACKED_LAYERS
 
 __all__ = [
   "LAYERS",
+  "can_scan",
   "check_scan_layers",
-  "resolve_scan_layers",
   "scan_layers",
+  "scanned_model",
   "stack_layers",
 ]
 
@@ -68,19 +69,6 @@ def check_scan_layers(value: Any) -> bool | None:
   if value is None or isinstance(value, bool):
     return value
   raise ValueError(f"scan_layers must be None, True or False, got {value!r}")
-
-
-def resolve_scan_layers(value: bool | None, platform: str | None = None) -> bool:
-  """`value`, or for None the platform's default: scanned on TPU and GPU, unrolled elsewhere
-  (XLA:CPU copies each layer's weights out of the stack: module docstring).
-
-  Args:
-    value: `EngineConfig.scan_layers`.
-    platform: the platform the steps run on (default `jax.default_backend()`).
-  """
-  if value is not None:
-    return value
-  return (platform or jax.default_backend()) in SCAN_PLATFORMS
 
 
 def stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
@@ -104,6 +92,59 @@ def stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
     states.append(state)
   stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
   return nnx.merge(graphdef, stacked)
+
+
+def can_scan(model: Any) -> bool:
+  """Whether `model` can run its layers under a scan: a model that declares `stacked_paths`
+  (`jaxengine.models.Llama`) whose layers share one structure (not a mix of dense and
+  mixture-of-experts layers)."""
+  config = getattr(model, "config", None)
+  if not hasattr(type(model), "stacked_paths") or not hasattr(config, "scan_layers"):
+    return False
+  moe = set(getattr(config, "moe_layers", ()))
+  return moe in (set(), set(range(config.num_hidden_layers)))
+
+
+def scanned_model(model: Any, value: bool | None, platform: str | None = None) -> Any:
+  """The module an engine of ``scan_layers=value`` serves: `model` itself when its layers are
+  already as asked, else a copy whose layers are stacked (`stack_layers`; the other arrays
+  shared, the caller's module unchanged).
+
+  Args:
+    model: the engine's model (`jaxengine.models.Llama` scans; it declares `stacked_paths`).
+    value: `EngineConfig.scan_layers`: True or False, or None for the platform's default:
+      stacked on TPU and GPU when the model can (`can_scan`) or when it already is, unrolled
+      on CPU (XLA:CPU copies each layer's weights out of the stack: module docstring).
+    platform: the platform the steps run on (default `jax.default_backend()`).
+
+  Raises:
+    ValueError: True with a model that cannot scan its layers (naming its type and the
+      field), or False with a model whose layers are already stacked.
+  """
+  config = getattr(model, "config", None)
+  is_scanned = bool(getattr(config, "scan_layers", False))
+  if value is None:
+    on_accelerator = (platform or jax.default_backend()) in SCAN_PLATFORMS
+    value = is_scanned or (on_accelerator and can_scan(model))
+  scan = value
+  if is_scanned == scan:
+    return model
+  if not scan:
+    raise ValueError(
+      "scan_layers=False, but the model's layers are stacked (its config has scan_layers=True): "
+      "build it with scan_layers=False, or leave scan_layers None"
+    )
+  if not hasattr(type(model), "stacked_paths") or not hasattr(config, "scan_layers"):
+    raise ValueError(
+      f"scan_layers=True: {type(model).__name__} models cannot run their layers under a scan "
+      "yet (the Llama family can); use scan_layers=False"
+    )
+  config = dataclasses.replace(config, scan_layers=True)  # refuses mixed dense / MoE layers
+  graphdef, state = nnx.split(model)
+  copy = nnx.merge(graphdef, state)
+  copy.layers = stack_layers(list(copy.layers))
+  copy.config = config
+  return copy
 
 
 def _stacked_lora(lora: LoRAInputs | None) -> Any:

@@ -24,6 +24,7 @@ from jaxengine.batch import InputBatch
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
+from jaxengine.models.layer_scan import scanned_model
 from jaxengine.models.quantization import QuantizedLeaf, quantize_model
 from jaxengine.models.weights import (
   LeafPath,
@@ -84,6 +85,7 @@ def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -
     model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
   if config.enable_return_routed_experts:
     model = routed_experts_model(model)  # a copy, as above
+  model = scanned_model(model, config.scan_layers)  # a copy when it stacks the layers
   # Named by the float model: `load_weights` takes float tensors of the quantized matrices too.
   specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
   quantized: Mapping[LeafPath, QuantizedLeaf] = {}
