@@ -1,0 +1,154 @@
+"""Decoder layers under `jax.lax.scan` (`LlamaConfig.scan_layers`, `EngineConfig.scan_layers`,
+`jaxengine/models/layer_scan.py`): the scanned model computes what the unrolled one does, its
+weights load into the stack under their per-layer names, quantization keeps the layer axis, its
+compiled step does not grow with depth, and what cannot scan is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxengine as je
+from jaxengine.engine import EngineConfig
+from jaxengine.models import sequence_logits
+from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.gemma import Gemma
+from jaxengine.models.gemma_config import GemmaConfig
+from jaxengine.models.layer_scan import scanned_model
+from jaxengine.models.llama import forward
+from jaxengine.models.quantization import quantize_model
+from jaxengine.models.sequence_logprobs import scratch_step
+from jaxengine.models.weights import named_weights, state_leaves
+from jaxengine.testing import tiny_llama, tiny_llama_config
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, 256, (2, 13)), jnp.int32)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(0, 1))
+
+#: Llama relatives whose layers all share one structure: plain, Qwen3-style (q/k norms, biases,
+#: wider heads than E / H), Mistral's window, a mixture of experts on every layer (Mixtral).
+CASES = {
+  "llama": dict(num_hidden_layers=3),
+  "qwen": dict(qk_norm=True, attention_bias=True, head_dim=24, tie_word_embeddings=False),
+  "mistral": dict(sliding_window=5),
+  "moe": MOE,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_scanned_model_computes_the_unrolled_models_logits(case):
+  """Same seed, same draws: the scanned model holds the unrolled one's weights, stacked, and
+  its logits are the same bits on XLA:CPU."""
+  unrolled, _ = tiny_llama(1, **CASES[case])
+  scanned, config = tiny_llama(1, scan_layers=True, **CASES[case])
+  wq = state_leaves(nnx.state(scanned))[("layers", "attn", "wq")]
+  assert wq.shape == (config.num_hidden_layers, 4, config.head_dim, 64)
+  want = np.asarray(sequence_logits(unrolled, TOKENS))
+  np.testing.assert_array_equal(np.asarray(sequence_logits(scanned, TOKENS)), want)
+  converted = scanned_model(unrolled, True)  # a copy of the caller's module, stacked
+  np.testing.assert_array_equal(np.asarray(sequence_logits(converted, TOKENS)), want)
+  assert not unrolled.config.scan_layers and isinstance(unrolled.layers, nnx.List)
+
+
+def test_the_kv_cache_of_a_scanned_model_is_one_stacked_buffer():
+  model, config = tiny_llama(0, scan_layers=True)
+  _, cache = scratch_step(model, 2, 9, 4, XlaAttentionBackend())
+  assert model.kv_cache_spec.stacked and cache.stacked_layers == config.num_hidden_layers
+  (keys, values) = cache.pages[0]
+  assert len(cache.pages) == 1 and keys.shape == (2 * cache.blocks_per_layer, 4, 2, 16)
+  assert values.shape == keys.shape
+
+
+def test_named_weights_load_into_the_stack(tmp_path):
+  """`LLM.load_weights` of per-layer Hugging Face names fills the stacked leaves (an expert of
+  a stacked layer included), a subset leaving the other rows as they were; `named_weights` of
+  the scanned engine's model gives back the per-layer names and tensors."""
+  for fields in ({}, MOE):
+    llm = je.LLM(
+      tiny_llama(0, max_position_embeddings=64, **fields)[0],
+      scan_layers=True,
+      max_num_reqs=2,
+      max_model_len=64,
+    )
+    runner = llm.llm_engine.runner
+    other, _ = tiny_llama(7, max_position_embeddings=64, **fields)
+    new = {name: np.asarray(a) for name, a in named_weights(other)}
+    llm.load_weights(new)
+    got = dict(named_weights(runner.model))
+    assert got.keys() == new.keys()
+    for name, tensor in new.items():
+      np.testing.assert_array_equal(np.asarray(got[name]), tensor, err_msg=name)
+    one = "model.layers.1.self_attn.q_proj.weight"
+    llm.load_weights({one: np.zeros_like(new[one])})
+    wq = np.asarray(state_leaves(runner.weights)[("layers", "attn", "wq")])
+    assert not wq[1].any() and np.array_equal(wq[0], new["model.layers.0.self_attn.q_proj.weight"].reshape(wq[0].shape))  # fmt: skip
+
+
+def test_quantization_keeps_the_layer_axis():
+  unrolled, _ = tiny_llama(2)
+  scanned = scanned_model(unrolled, True)
+  done = quantize_model(scanned, "int8")
+  leaves = state_leaves(nnx.state(done.model))
+  assert leaves[("layers", "attn", "wq")].dtype == jnp.int8
+  assert leaves[("layers", "attn", "scales", "wq")].shape == (2, 4, 16)  # [L, H, D]
+  assert leaves[("layers", "mlp", "scales", "w_down")].shape == (2, 64)  # [L, E]
+  want = sequence_logits(quantize_model(unrolled, "int8").model, TOKENS)
+  np.testing.assert_array_equal(np.asarray(sequence_logits(done.model, TOKENS)), np.asarray(want))
+
+
+def _compiled_instructions(num_layers: int, scan: bool) -> int:
+  """HLO instructions of one compiled forward step of a tiny model of `num_layers`."""
+  model, _ = tiny_llama(0, num_hidden_layers=num_layers, scan_layers=scan)
+  metadata, cache = scratch_step(model, 2, 8, 4, XlaAttentionBackend())
+  graphdef, weights = nnx.split(model)
+  ids = TOKENS[:, :8].reshape(1, -1)
+  positions = jnp.tile(jnp.arange(8, dtype=jnp.int32), 2)[None]
+  step = jax.jit(forward, static_argnums=0)
+  compiled = step.lower(graphdef, weights, ids, positions, cache, metadata).compile()
+  return sum(" = " in line for line in compiled.as_text().splitlines())
+
+
+def test_the_compiled_step_does_not_grow_with_depth():
+  """2 and 8 scanned layers compile the same number of HLO instructions (one layer body);
+  unrolled, 8 layers compile many more."""
+  assert _compiled_instructions(8, scan=True) == _compiled_instructions(2, scan=True)
+  assert _compiled_instructions(8, scan=False) > 2 * _compiled_instructions(2, scan=False)
+
+
+def test_the_engine_default_and_the_refusals():
+  model, config = tiny_llama(0)
+  assert EngineConfig().scan_layers is None
+  assert scanned_model(model, None, platform="cpu") is model  # unrolled on CPU
+  assert scanned_model(model, None, platform="tpu").config.scan_layers  # scanned on TPU
+  with pytest.raises(ValueError, match="scan_layers must be None, True or False, got 'yes'"):
+    EngineConfig(scan_layers="yes")
+  with pytest.raises(ValueError, match=r"scan_layers=True needs layers of one structure"):
+    dataclasses.replace(config, scan_layers=True, **{**MOE, "moe_layers": (1,)})
+  mixed, _ = tiny_llama(0, **{**MOE, "moe_layers": (1,)})
+  assert scanned_model(mixed, None, platform="tpu") is mixed  # the default leaves it unrolled
+  with pytest.raises(ValueError, match=r"scan_layers=True needs layers of one structure"):
+    scanned_model(mixed, True)
+  scanned, _ = tiny_llama(0, scan_layers=True)
+  with pytest.raises(ValueError, match="scan_layers=False, but the model's layers are stacked"):
+    je.LLM(scanned, scan_layers=False, max_num_reqs=2, max_model_len=64)
+  gemma_config = GemmaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window=4,
+    max_position_embeddings=64,
+  )
+  gemma = Gemma(gemma_config, rngs=nnx.Rngs(0))
+  assert scanned_model(gemma, None, platform="tpu") is gemma
+  with pytest.raises(ValueError, match="scan_layers=True: Gemma models cannot run their layers"):
+    je.LLM(gemma, scan_layers=True, max_num_reqs=2, max_model_len=64)
+  assert tiny_llama_config().scan_layers is False
