@@ -48,6 +48,7 @@ __all__ = [
   "LAYERS",
   "can_scan",
   "check_scan_layers",
+  "scan_config",
   "scan_layers",
   "scanned_model",
   "stack_layers",
@@ -103,6 +104,30 @@ def can_scan(model: Any) -> bool:
     return False
   moe = set(getattr(config, "moe_layers", ()))
   return moe in (set(), set(range(config.num_hidden_layers)))
+
+
+def scan_config(config: Any, value: bool | None, platform: str | None = None) -> Any:
+  """A checkpoint's model config with ``scan_layers`` set as `EngineConfig.scan_layers` asks,
+  before the model is built (its weights then load into the stacked leaves, with no unrolled
+  copy): True, False, or None for the platform's default (as `scanned_model`).
+
+  Raises:
+    ValueError: True for a config without ``scan_layers`` (naming the model family and the
+      field), or for one whose layers differ in structure (`jaxengine.models.LlamaConfig`).
+  """
+  if not hasattr(config, "scan_layers"):
+    if value:
+      family = type(config).__name__.removesuffix("Config")
+      raise ValueError(
+        f"scan_layers=True: {family} models cannot run their layers under a scan yet (the "
+        "Llama family can); use scan_layers=False"
+      )
+    return config
+  if value is None:
+    moe = set(getattr(config, "moe_layers", ()))
+    uniform = moe in (set(), set(range(config.num_hidden_layers)))
+    value = uniform and (platform or jax.default_backend()) in SCAN_PLATFORMS
+  return dataclasses.replace(config, scan_layers=bool(value))
 
 
 def scanned_model(model: Any, value: bool | None, platform: str | None = None) -> Any:

@@ -349,4 +349,4 @@ def gguf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
       WeightSpec(f"blk.{i}.{suffix}", ("layers", i, *path), None, shape, rotary_heads=heads)
       for suffix, path, shape, heads in per_layer
     ]
-  return specs
+  return stacked_weight_specs(specs) if cfg.scan_layers else specs  # rows of [L, ...] leaves

@@ -19,8 +19,9 @@ from jaxengine.models import sequence_logits
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_config import GemmaConfig
-from jaxengine.models.layer_scan import scanned_model
-from jaxengine.models.llama import forward
+from jaxengine.models.gguf_loader import load_gguf
+from jaxengine.models.layer_scan import scan_config, scanned_model
+from jaxengine.models.llama import DecoderLayer, forward
 from jaxengine.models.quantization import quantize_model
 from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import named_weights, state_leaves
@@ -88,6 +89,19 @@ def test_named_weights_load_into_the_stack(tmp_path):
     assert not wq[1].any() and np.array_equal(wq[0], new["model.layers.0.self_attn.q_proj.weight"].reshape(wq[0].shape))  # fmt: skip
 
 
+def test_a_checkpoint_loads_straight_into_the_stack():
+  """``scan_layers=True`` builds the loaded model stacked (no unrolled copy first): SmolLM2's
+  GGUF file gives the unrolled load's tensors under the same names."""
+  unrolled, _ = load_gguf()
+  scanned, config = load_gguf(scan_layers=True)
+  assert config.scan_layers and isinstance(scanned.layers, DecoderLayer)
+  want = dict(named_weights(unrolled))
+  got = dict(named_weights(scanned))
+  assert got.keys() == want.keys()
+  for name in ("model.layers.29.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
 def test_quantization_keeps_the_layer_axis():
   unrolled, _ = tiny_llama(2)
   scanned = scanned_model(unrolled, True)
@@ -147,6 +161,11 @@ def test_the_engine_default_and_the_refusals():
     sliding_window=4,
     max_position_embeddings=64,
   )
+  with pytest.raises(ValueError, match="scan_layers=True: Gemma models cannot run their layers"):
+    scan_config(gemma_config, True)  # a checkpoint's config: refused before any tensor loads
+  assert scan_config(gemma_config, None, platform="tpu") is gemma_config
+  assert scan_config(config, None, platform="tpu").scan_layers
+  assert not scan_config(config, None, platform="cpu").scan_layers
   gemma = Gemma(gemma_config, rngs=nnx.Rngs(0))
   assert scanned_model(gemma, None, platform="tpu") is gemma
   with pytest.raises(ValueError, match="scan_layers=True: Gemma models cannot run their layers"):
