@@ -34,7 +34,7 @@ from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
-from jaxengine.models.layer_scan import scanned_model
+from jaxengine.models.layer_scan import scan_config
 from jaxengine.models.quantization import quantize_model
 from jaxengine.models.registry import hf_architecture
 from jaxengine.models.safetensors_loader import eos_token_ids, read_hf_config
@@ -181,7 +181,9 @@ def abstract_engine(
   """
   hf = read_hf_config(model_dir)
   architecture = hf_architecture(hf)
-  model_config = architecture.read_config(hf)
+  # Stacked layers on the target platform's default (or as `scan_layers` asks), as the runner
+  # would load them (`jaxengine.models.layer_scan.scan_config`).
+  model_config = scan_config(architecture.read_config(hf), config.scan_layers, platform)
   config = config.for_model(model_config.max_position_embeddings).data_parallel_groups()[0]
   model = cast(Model, abstract_module(architecture.module, model_config, dtype))
   eos = eos_token_ids(model_dir) or [0]
@@ -189,9 +191,8 @@ def abstract_engine(
   mesh = config.mesh
   if mesh is not None:
     MeshPlacement.check(model, batch, mesh, expert_parallel=config.enable_expert_parallel)
-  scan = scanned_model(model, config.scan_layers, platform) is not model  # refusals here
-  if config.batch_invariant or config.quantization is not None or scan:
-    model = cast(Model, nnx.eval_shape(lambda: _served(model, config, platform)))
+  if config.batch_invariant or config.quantization is not None:
+    model = cast(Model, nnx.eval_shape(lambda: _served(model, config)))
   graphdef, weights = nnx.split(cast(nnx.Module, model))
   placement = None
   if mesh is not None:
@@ -227,7 +228,7 @@ def abstract_engine(
   return engine
 
 
-def _served(model: Model, config: EngineConfig, platform: str) -> Model:
+def _served(model: Model, config: EngineConfig) -> Model:
   """The module the runner serves (`worker/weight_loader.py`'s `prepare_model`, for shapes; under
   `nnx.eval_shape`, where the abstract weights become traced zeros for the quantizer to read)."""
   graphdef, state = nnx.split(cast(nnx.Module, model))
@@ -235,7 +236,6 @@ def _served(model: Model, config: EngineConfig, platform: str) -> Model:
   model = cast(Model, nnx.merge(graphdef, state))
   if config.batch_invariant:
     model = batch_invariant_model(model)
-  model = cast(Model, scanned_model(model, config.scan_layers, platform))
   if config.quantization is not None:
     model = cast(Model, quantize_model(model, config.quantization).model)
   return model

@@ -370,8 +370,8 @@ def load_gguf(
       stacks[spec.path][spec.index] = spec.to_param(array, spec.row_shape(leaf.shape))
       continue
     arrays[spec.path] = jnp.asarray(spec.to_param(array, leaf.shape), dtype=leaf.dtype)
-  for path, stack in stacks.items():
-    arrays[path] = jnp.asarray(stack, dtype=leaves[path].dtype)
+  for stacked_path, stack in stacks.items():
+    arrays[stacked_path] = jnp.asarray(stack, dtype=leaves[stacked_path].dtype)
   unfilled = [dotted(p) for p in leaves if p not in arrays]
   if unfilled:
     raise ValueError(f"the GGUF file fills no tensor of {', '.join(unfilled[:5])}")

@@ -112,6 +112,7 @@ class PagedKVCache:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
       raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     shape = (block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    pages: tuple[KVPages, ...]
     if spec.stacked:  # one entry, every slot's pages along the page axis (module docstring)
       pages = (backend.init_pages(spec.num_layers * num_blocks, *shape),)
     else:

@@ -12,15 +12,15 @@ are copied first (measured on 2 CPU cores, SmolLM2's MLP weights of 30 layers, b
 32: 13.8 / 23.1 / 39.8 ms unrolled against 18.8 / 30.2 / 45.8 ms scanned), which is why the
 engine's default (`scanned_model`) scans on accelerators and not on CPU.
 
-The KV cache of a scanned model is stacked as well (`jaxengine.models.kv_cache.KVCacheSpec.stacked`):
-one buffer per page array holding every layer's pages along the page axis, carried through the
-scan (written in place, donatable), each layer reaching its own pages by offsetting the step's
-page ids (`jaxengine.models.kv_pages.PagedKVCache.layer_metadata`), never by slicing a layer's
-pages out.
+The KV cache of a scanned model is stacked as well
+(`jaxengine.models.kv_cache.KVCacheSpec.stacked`): one buffer per page array holding every
+layer's pages along the page axis, carried through the scan (written in place, donatable), each
+layer reaching its own pages by offsetting the step's page ids
+(`jaxengine.models.kv_pages.PagedKVCache.layer_metadata`), never by slicing a layer's pages out.
 
 Weights keep their per-layer names: a stacked leaf is ``("layers", "attn", "wq")`` of shape
 ``[L, H, D, E]``, and checkpoint tensors name a layer as before (``model.layers.3...``), filling
-row 3 of it (`jaxengine.models.weights.stacked_weight_specs`, `jaxengine.models.weights.WeightSpec.layer`). LoRA adapters
+row 3 of it (`jaxengine.models.weights.stacked_weight_specs`, `WeightSpec.layer`). LoRA adapters
 are stacked per step (`LoRAInputs.layers` to one ``[L, ...]`` tree), quantization adds the layer
 axis to the scales (`jaxengine.models.quantization.quantize_model` reads `stacked_paths`), a mesh
 leaves the layer axis unsplit (`jaxengine.parallel.weight_shardings`).
@@ -99,7 +99,7 @@ def can_scan(model: Any) -> bool:
   """Whether `model` can run its layers under a scan: a model that declares `stacked_paths`
   (`jaxengine.models.Llama`) whose layers share one structure (not a mix of dense and
   mixture-of-experts layers)."""
-  config = getattr(model, "config", None)
+  config: Any = getattr(model, "config", None)
   if not hasattr(type(model), "stacked_paths") or not hasattr(config, "scan_layers"):
     return False
   moe = set(getattr(config, "moe_layers", ()))
@@ -146,7 +146,7 @@ def scanned_model(model: Any, value: bool | None, platform: str | None = None) -
     ValueError: True with a model that cannot scan its layers (naming its type and the
       field), or False with a model whose layers are already stacked.
   """
-  config = getattr(model, "config", None)
+  config: Any = getattr(model, "config", None)
   is_scanned = bool(getattr(config, "scan_layers", False))
   if value is None:
     on_accelerator = (platform or jax.default_backend()) in SCAN_PLATFORMS

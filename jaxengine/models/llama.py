@@ -305,7 +305,7 @@ class Llama(ConfiguredDecoder, nnx.Module):
       DecoderLayer(config, dtype=dtype, rngs=rngs, index=i) for i in range(config.num_hidden_layers)
     ]
     self.layers: nnx.List | DecoderLayer = (
-      stack_layers(layers) if config.scan_layers else nnx.List(layers)
+      cast(DecoderLayer, stack_layers(layers)) if config.scan_layers else nnx.List(layers)
     )
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
     self.lm_head = (
@@ -370,7 +370,7 @@ class Llama(ConfiguredDecoder, nnx.Module):
         return_routed=self.return_routed_experts,
       )
       if self.return_routed_experts:
-        return self.final_norm(x), kv_cache, experts
+        return self.final_norm(x), kv_cache, cast(jax.Array, experts)
       return self.final_norm(x), kv_cache
     moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
 

@@ -256,7 +256,7 @@ class WeightLoader:
   ) -> None:
     """After sleep level 2 every leaf must be given whole (ValueError naming the first missing
     checkpoint tensor): there are no old values to keep."""
-    for path, leaf in leaves.items():
+    for path in leaves:
       parts = grouped.get(path, {})
       if None in parts:
         continue

@@ -86,7 +86,8 @@ def test_named_weights_load_into_the_stack(tmp_path):
     one = "model.layers.1.self_attn.q_proj.weight"
     llm.load_weights({one: np.zeros_like(new[one])})
     wq = np.asarray(state_leaves(runner.weights)[("layers", "attn", "wq")])
-    assert not wq[1].any() and np.array_equal(wq[0], new["model.layers.0.self_attn.q_proj.weight"].reshape(wq[0].shape))  # fmt: skip
+    first = new["model.layers.0.self_attn.q_proj.weight"].reshape(wq[0].shape)
+    assert not wq[1].any() and np.array_equal(wq[0], first)
 
 
 def test_a_checkpoint_loads_straight_into_the_stack():
