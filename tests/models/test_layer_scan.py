@@ -15,7 +15,7 @@ from flax import nnx
 
 import jaxengine as je
 from jaxengine.engine import EngineConfig
-from jaxengine.models import sequence_logits
+from jaxengine.models import sequence_logits, token_logprobs
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_config import GemmaConfig
@@ -53,6 +53,27 @@ def test_the_scanned_model_computes_the_unrolled_models_logits(case):
   converted = scanned_model(unrolled, True)  # a copy of the caller's module, stacked
   np.testing.assert_array_equal(np.asarray(sequence_logits(converted, TOKENS)), want)
   assert not unrolled.config.scan_layers and isinstance(unrolled.layers, nnx.List)
+
+
+def test_routed_experts_and_their_replay_through_the_scan():
+  """A mixture of experts on every layer: the scan returns each layer's experts as the unrolled
+  loop does (``[..., L, k]``), and replaying given experts gives the same logprobs."""
+  unrolled, _ = tiny_llama(1, **MOE)
+  scanned = scanned_model(unrolled, True)
+  experts = []
+  for model in (unrolled, scanned):
+    copy = nnx.merge(*nnx.split(model))
+    copy.set_attributes(return_routed_experts=True)
+    metadata, cache = scratch_step(copy, 1, 13, 4, XlaAttentionBackend())
+    positions = jnp.arange(13, dtype=jnp.int32)[None]
+    experts.append(np.asarray(copy(TOKENS[:1], positions, cache, metadata)[2]))
+  assert experts[0].shape == (1, 13, 2, 2)
+  np.testing.assert_array_equal(experts[1], experts[0])
+  replay = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 12, 2, 2)), jnp.int32)
+  want = token_logprobs(unrolled, TOKENS, routed_experts=replay)
+  got = token_logprobs(scanned, TOKENS, routed_experts=replay)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not np.array_equal(np.asarray(token_logprobs(scanned, TOKENS)), np.asarray(got))
 
 
 def test_the_kv_cache_of_a_scanned_model_is_one_stacked_buffer():
@@ -101,6 +122,33 @@ def test_a_checkpoint_loads_straight_into_the_stack():
   assert got.keys() == want.keys()
   for name in ("model.layers.29.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
+def test_fp8_pages_and_fp8_weights_give_the_unrolled_engines_outputs():
+  """The stacked cache in fp8 (bytes on XLA) and fp8 weights with their ``[L, ...]`` scales: the
+  unrolled engine's greedy tokens and logprobs."""
+  model, _ = tiny_llama(4, max_position_embeddings=64)
+  params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+  prompts = [[5, 17, 99, 3, 64, 21, 8], [2, 9, 77]]
+  outputs = []
+  for scan in (False, True):
+    llm = je.LLM(
+      model,
+      scan_layers=scan,
+      kv_cache_dtype="fp8",
+      quantization="fp8",
+      max_num_reqs=2,
+      max_model_len=64,
+      num_kv_blocks=16,
+      block_size=8,
+    )
+    assert (llm.llm_engine.runner.kv_cache.stacked_layers is not None) == scan
+    outputs.append(llm.generate(prompts, params, use_tqdm=False))
+  for a, b in zip(*outputs, strict=True):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    want = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+    got = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_quantization_keeps_the_layer_axis():
