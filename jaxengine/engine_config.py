@@ -193,12 +193,9 @@ class EngineConfig:
       each device quantizes its own shard of the placed float weights: the values keep the
       float weight's sharding, the scales are split like its output axes or replicated
       (`jaxengine.parallel`).
-    scan_layers: run the decoder layers as one `jax.lax.scan` over stacked ``[L, ...]`` weights
-      and a stacked KV cache (`jaxengine.models.layer_scan`): one compiled layer body, so a
-      step's compile time stays flat with depth. None (default): on TPU and GPU, not on CPU
-      (where XLA copies each layer's weights out of the stack: slower steps); True / False
-      force it. The Llama family only (Llama, Qwen2/3, Mistral, Qwen3-MoE, Mixtral, not a
-      model mixing dense and MoE layers); another model with True is refused (ValueError).
+    scan_layers: the decoder layers as one `jax.lax.scan` over stacked weights and a stacked KV
+      cache, compile time flat with depth (`jaxengine.models.layer_scan`; the Llama family, True
+      refused for others). None (default): on TPU and GPU, not on CPU (slower steps there).
     enable_return_routed_experts: give each finished completion the experts a
       mixture-of-experts model's router chose at every position (vLLM's name;
       `CompletionOutput.routed_experts`, `jaxengine/worker/routed_experts.py`), for RL

@@ -20,7 +20,7 @@ layer reaching its own pages by offsetting the step's page ids
 
 Weights keep their per-layer names: a stacked leaf is ``("layers", "attn", "wq")`` of shape
 ``[L, H, D, E]``, and checkpoint tensors name a layer as before (``model.layers.3...``), filling
-row 3 of it (`jaxengine.models.weights.stacked_weight_specs`, `WeightSpec.layer`). LoRA adapters
+row 3 of it (`stacked_weight_specs`, `jaxengine.models.weights.WeightSpec.layer`). LoRA adapters
 are stacked per step (`LoRAInputs.layers` to one ``[L, ...]`` tree), quantization adds the layer
 axis to the scales (`jaxengine.models.quantization.quantize_model` reads `stacked_paths`), a mesh
 leaves the layer axis unsplit (`jaxengine.parallel.weight_shardings`).
@@ -42,7 +42,7 @@ from flax import nnx
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.lora import LayerLoRA, LoRAInputs
 from jaxengine.models.paged_attention import PagedAttentionMetadata
-from jaxengine.models.weights import STACKED_LAYERS
+from jaxengine.models.weights import WeightSpec
 
 __all__ = [
   "LAYERS",
@@ -52,10 +52,11 @@ __all__ = [
   "scan_layers",
   "scanned_model",
   "stack_layers",
+  "stacked_weight_specs",
 ]
 
 #: The attribute (and state path) of a model's stacked decoder layers.
-LAYERS = STACKED_LAYERS
+LAYERS = "layers"
 
 #: Platforms whose engine scans by default (`resolve_scan_layers`).
 SCAN_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
@@ -170,6 +171,30 @@ def scanned_model(model: Any, value: bool | None, platform: str | None = None) -
   copy.layers = stack_layers(list(copy.layers))
   copy.config = config
   return copy
+
+
+def stacked_weight_specs(specs: Sequence[WeightSpec]) -> list[WeightSpec]:
+  """Per-layer specs (path ``("layers", i, ...)``) moved onto the stacked leaves: path
+  ``("layers", ...)`` and row ``i`` (``(i, j)`` for row ``j`` of a per-layer stack, an
+  expert); every other spec as it is."""
+  moved = []
+  for spec in specs:
+    path = spec.path
+    if path is None or len(path) < 2 or path[0] != LAYERS or not isinstance(path[1], int):
+      moved.append(spec)
+      continue
+    layer = (path[1], *spec.index)
+    moved.append(
+      WeightSpec(
+        spec.name,
+        (LAYERS, *path[2:]),
+        layer[0] if len(layer) == 1 else layer,
+        spec.shape,
+        spec.transpose,
+        spec.rotary_heads,
+      )
+    )
+  return moved
 
 
 def _stacked_lora(lora: LoRAInputs | None) -> Any:

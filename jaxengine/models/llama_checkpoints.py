@@ -28,8 +28,9 @@ from jaxengine.models.hf_config_fields import (
   config_optional_int,
   config_token_id,
 )
+from jaxengine.models.layer_scan import stacked_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig
-from jaxengine.models.weights import WeightSpec, stacked_weight_specs
+from jaxengine.models.weights import WeightSpec
 
 #: Rope types implemented (``rope_type`` or the older ``type`` key); None means default.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -174,34 +174,6 @@ def replace_leaves(state: nnx.State, new: Mapping[LeafPath, Any]) -> nnx.State:
 def dotted(path: LeafPath) -> str:
   """``("layers", 0, "attn", "wq")`` -> ``"layers.0.attn.wq"``."""
   return ".".join(str(p) for p in path)
-
-
-#: The state path of a model's stacked decoder layers (`stacked_weight_specs`).
-STACKED_LAYERS = "layers"
-
-
-def stacked_weight_specs(specs: Sequence[WeightSpec]) -> list[WeightSpec]:
-  """Per-layer specs (path ``("layers", i, ...)``) moved onto the stacked leaves: path
-  ``("layers", ...)`` and row ``i`` (``(i, j)`` for row ``j`` of a per-layer stack, an
-  expert); every other spec as it is."""
-  moved = []
-  for spec in specs:
-    path = spec.path
-    if path is None or len(path) < 2 or path[0] != STACKED_LAYERS or not isinstance(path[1], int):
-      moved.append(spec)
-      continue
-    layer = (path[1], *spec.index)
-    moved.append(
-      WeightSpec(
-        spec.name,
-        (STACKED_LAYERS, *path[2:]),
-        layer[0] if len(layer) == 1 else layer,
-        spec.shape,
-        spec.transpose,
-        spec.rotary_heads,
-      )
-    )
-  return moved
 
 
 def default_weight_specs(state: nnx.State) -> list[WeightSpec]:
