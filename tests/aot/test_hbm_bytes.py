@@ -168,7 +168,7 @@ SCAN = """HloModule m
   %w0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
   %i0 = s32[]{:T(128)} parameter(1)
   %zero = s32[]{:T(128)} constant(0)
-  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} dynamic-slice(%w0, %i0, %zero, %zero), dynamic_slice_sizes={1,1024,256}
+  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} dynamic-slice(%w0, %i0, %zero, %zero)
   %z = f32[]{:T(128)} constant(0)
   ROOT %r = f32[1024]{0:T(1024)S(1)} reduce(%ds, %z), dimensions={0,2}, to_apply=%add
 }
