@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 import jaxengine as je
+import jaxengine.cli.main as cli
 from jaxengine.engine import EngineConfig
+from jaxengine.engine.engine_flags import engine_options
 from jaxengine.models import sequence_logits, token_logprobs
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.gemma import Gemma
@@ -220,3 +222,7 @@ def test_the_engine_default_and_the_refusals():
   with pytest.raises(ValueError, match="scan_layers=True: Gemma models cannot run their layers"):
     je.LLM(gemma, scan_layers=True, max_num_reqs=2, max_model_len=64)
   assert tiny_llama_config().scan_layers is False
+  flags = [(["--scan-layers"], True), (["--no-scan-layers"], False), ([], None)]
+  for flag, value in flags:
+    options = engine_options(cli.build_parser().parse_args(["generate", "Hi", *flag]))
+    assert options.get("scan_layers") is value, flag
