@@ -24,7 +24,12 @@ from jaxengine.batch import InputBatch
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
-from jaxengine.models.layer_scan import scanned_model
+from jaxengine.models.layer_scan import (
+  is_unrolled_state,
+  restacked,
+  scanned_model,
+  unrolled_leaves,
+)
 from jaxengine.models.quantization import QuantizedLeaf, quantize_model
 from jaxengine.models.weights import (
   LeafPath,
@@ -160,8 +165,11 @@ class WeightLoader:
     partial: dict[LeafPath, np.ndarray] = {}
     if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
       self._refuse_quantized_state(weights)
-      given = collect_state(weights, leaves)
+      unrolled = is_unrolled_state(weights, leaves)  # a trainer's unrolled module, say
+      given = collect_state(weights, unrolled_leaves(leaves) if unrolled else leaves)
       check_finite(given.items(), self._leaf_name)
+      if unrolled:  # every layer checked: stacked now, for the scanned engine
+        given = restacked(given, leaves)
       new = {path: put(given[path], leaves[path]) for path in leaves}
       narrowed = [path for path in new if _narrows(given[path], leaves[path])]
     else:

@@ -111,6 +111,14 @@ def test_named_weights_load_into_the_stack(tmp_path):
     wq = np.asarray(state_leaves(runner.weights)[("layers", "attn", "wq")])
     first = new["model.layers.0.self_attn.q_proj.weight"].reshape(wq[0].shape)
     assert not wq[1].any() and np.array_equal(wq[0], first)
+    llm.load_weights(other)  # a trainer's own unrolled module: checked per layer, then stacked
+    got = dict(named_weights(runner.model))
+    for name, tensor in new.items():
+      np.testing.assert_array_equal(np.asarray(got[name]), tensor, err_msg=name)
+    broken = nnx.state(other)
+    broken["layers"][1]["attn"]["wq"] = nnx.Param(jnp.zeros((4, 16, 32)))
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq: expected shape \(4, 16, 64\)"):
+      llm.load_weights(broken)
 
 
 def test_a_checkpoint_loads_straight_into_the_stack():
