@@ -257,8 +257,9 @@ class _Model:
     if root is None or root.opcode != "compare" or "direction=LT" not in root.attributes:
       return 1
     counter, bound = (body.get(name) for name in root.operands)
-    is_counter = counter is not None and counter.opcode == "get-tuple-element"
-    if is_counter and "index=0" in counter.attributes and bound and bound.opcode == "constant":
+    if counter is None or bound is None or counter.opcode != "get-tuple-element":
+      return 1
+    if "index=0" in counter.attributes and bound.opcode == "constant":
       return max(bound.number, 1)
     return 1
 
