@@ -16,7 +16,7 @@ The model here, `hbm_bytes`, counts per instruction of the entry computation:
 - operands and results whose layout is in HBM (memory space 0: no ``S(n)`` in the layout);
   on-core buffers (``S(1)`` VMEM and the other spaces) cost nothing;
 - a fusion's operand by what the fused computation reads of it: a parameter read only through
-  (dynamic-)slices or gathers counts their results' bytes, one updated in place by the root's
+  (dynamic-)slices or gathers, directly or in nested fusions, counts their results' bytes, one updated in place by the root's
   dynamic-update-slice or scatter counts nothing and the result counts the update's bytes;
 - an async slice or copy (``slice-start``, ``copy-start``) its source read (the slice's bytes)
   and its destination written, each where it is in HBM; the matching ``-done`` nothing;
@@ -263,6 +263,29 @@ class _Model:
       return max(bound.number, 1)
     return 1
 
+  def partial_read(self, name: str, users: list[Instruction]) -> float | None:
+    """The bytes `users` read of a fused parameter `name` when each reads only part of it: a
+    (dynamic-)slice or gather of it, or a nested fusion that reads it so (a scan's layer
+    slice: ``dynamic-slice`` of the stacked weight inside the dot's fusion); None when some
+    user reads it whole."""
+    total = 0.0
+    for user in users:
+      if user.opcode in _READ_IN_PART and user.operands[0] == name:
+        total += shape_bytes(user.shape, hbm_only=False)
+        continue
+      if user.opcode != "fusion" or user.operands.count(name) != 1:
+        return None
+      (called,) = user.called("calls")
+      body = self.computations[called]
+      index = user.operands.index(name)
+      inner = next((i for i in body if i.opcode == "parameter" and i.number == index), None)
+      inner_users = [i for i in body if inner is not None and inner.name in i.operands]
+      part = self.partial_read(inner.name, inner_users) if inner and inner_users else None
+      if part is None:
+        return None
+      total += part
+    return total
+
   def fusion(self, op: Instruction, operands: list[str]) -> float:
     (called,) = op.called("calls")
     body = self.computations[called]
@@ -279,8 +302,9 @@ class _Model:
       users = [i for i in body if param.name in i.operands]
       if param.name in in_place:
         users = [u for u in users if u is not in_place[param.name]]
-      if users and all(u.opcode in _READ_IN_PART and u.operands[0] == param.name for u in users):
-        total += sum(shape_bytes(u.shape, hbm_only=False) for u in users)
+      part = self.partial_read(param.name, users) if users else None
+      if part is not None:
+        total += part
       elif users or param.name not in in_place:
         total += self.size(shape)
     outputs = _tuple_elements(op.shape) if op.shape.startswith("(") else [op.shape]

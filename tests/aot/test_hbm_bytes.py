@@ -205,10 +205,34 @@ ENTRY %main (weights: f32[4,1024,256]) -> (s32[], f32[4,1024,256]) {
 """
 
 
-def test_a_scan_without_a_known_trip_count_counts_every_iteration():
+#: The same loop as XLA:TPU fuses a scanned decoder's matmul: the layer's slice in a nested
+#: fusion inside the fusion that reads the stacked weight.
+SCAN_NESTED = SCAN.replace(
+  """%fused_layer (w0: f32[4,1024,256], i0: s32[]) -> f32[1024] {
+  %w0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %i0 = s32[]{:T(128)} parameter(1)
+  %zero = s32[]{:T(128)} constant(0)
+  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} dynamic-slice(%w0, %i0, %zero, %zero)""",
+  """%fused_slice (v0: f32[4,1024,256], j0: s32[]) -> f32[1,1024,256] {
+  %v0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %j0 = s32[]{:T(128)} parameter(1)
+  %zero.2 = s32[]{:T(128)} constant(0)
+  ROOT %ds.2 = f32[1,1024,256]{2,1,0:T(8,128)} dynamic-slice(%v0, %j0, %zero.2, %zero.2)
+}
+
+%fused_layer (w0: f32[4,1024,256], i0: s32[]) -> f32[1024] {
+  %w0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %i0 = s32[]{:T(128)} parameter(1)
+  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} fusion(%w0, %i0), kind=kLoop, calls=%fused_slice""",
+)
+
+
+@pytest.mark.parametrize("text", [SCAN, SCAN_NESTED], ids=["slice", "nested_slice"])
+def test_a_scan_without_a_known_trip_count_counts_every_iteration(text):
   """Each of the 4 iterations reads its layer's 1 MiB: 4 MiB in all, not the one iteration a
-  loop of unknown length counts."""
-  result = hbm_bytes(SCAN)
+  loop of unknown length counts, and not the whole stack per iteration where the slice is
+  fused one level down."""
+  result = hbm_bytes(text)
   # per iteration: the layer's rows and the slice index, the counter's add (2 operands and its
   # result), the condition's compare (2 operands, a 1-byte result)
   iteration = MIB + 4 + 3 * 4 + (2 * 4 + 1)
