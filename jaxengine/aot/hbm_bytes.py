@@ -16,8 +16,9 @@ The model here, `hbm_bytes`, counts per instruction of the entry computation:
 - operands and results whose layout is in HBM (memory space 0: no ``S(n)`` in the layout);
   on-core buffers (``S(1)`` VMEM and the other spaces) cost nothing;
 - a fusion's operand by what the fused computation reads of it: a parameter read only through
-  (dynamic-)slices or gathers, directly or in nested fusions, counts their results' bytes, one updated in place by the root's
-  dynamic-update-slice or scatter counts nothing and the result counts the update's bytes;
+  (dynamic-)slices or gathers, directly or in nested fusions, counts their results' bytes, one
+  updated in place by the root's dynamic-update-slice or scatter counts nothing and the result
+  counts the update's bytes;
 - an async slice or copy (``slice-start``, ``copy-start``) its source read (the slice's bytes)
   and its destination written, each where it is in HBM; the matching ``-done`` nothing;
 - a ``conditional`` as its costliest branch, a ``while`` as its body and condition times the
