@@ -28,12 +28,14 @@ whole unrolled state (a trainer's own module) checks it per layer, then stacks i
 (`is_unrolled_state`, `unrolled_leaves`, `restacked`).
 
 Measured (``benchmarks/bench_layer_scan.py``, SmolLM2-135M, a decode step over 64 cached
-positions, a shared 2-core CPU under load): compile 11.1 / 8.8 / 20.2 s unrolled against 2.4 /
-2.8 / 6.2 s scanned at 1 / 8 / 32 rows, while a step ran 78 / 143 / 517 ms unrolled against 135 /
-273 / 757 ms scanned. Llama-3.1-8B compiled deviceless for v6e:1x1 (``jaxengine compile``'s
-path, one ragged step of 8 rows): 49.6 s unrolled against 14.2 s scanned for 8 tokens, and XLA's
-TPU program reads each layer's weights in place (no copy: its HBM bytes per step are not
-larger).
+positions, a shared 2-core CPU at a load average of about 2.5): compile 4.6 / 4.8 / 5.1 s
+unrolled against 1.2 / 1.7 / 1.3 s scanned at 1 / 8 / 32 rows, while a step ran 37 / 110 / 187
+ms unrolled against 70 / 152 / 241 ms scanned; a fresh process's first ``LLM.generate`` (16
+tokens, no compilation cache) 15.4 to 16.9 s unrolled against 6.6 to 9.9 s scanned.
+Llama-3.1-8B compiled deviceless for v6e:1x1 (``jaxengine compile``'s path, one ragged step of 8
+rows and 8 tokens): 49.6 s unrolled against 14.2 s scanned, and XLA:TPU reads each layer's
+weights in place from the stack (15.02 GB of HBM traffic a step by `jaxengine.aot.hbm_bytes`,
+15.05 GB unrolled).
 
 What a stacked layer cannot be: layers of different structure (a model with some dense and some
 mixture-of-experts layers; Gemma's local and global layers, which would need a scan over the
