@@ -38,6 +38,7 @@ from jaxengine.engine_config_checks import (
   check_parallel,
 )
 from jaxengine.engine_config_checks import check_max_model_len as check_max_model_len
+from jaxengine.models.layer_scan import check_scan_layers
 from jaxengine.models.quantization import check_quantization
 from jaxengine.params import SEED_MAX, SEED_MIN, is_int, validate_logprobs_mode
 from jaxengine.spec_decode.config import SpeculativeConfig
@@ -192,6 +193,9 @@ class EngineConfig:
       each device quantizes its own shard of the placed float weights: the values keep the
       float weight's sharding, the scales are split like its output axes or replicated
       (`jaxengine.parallel`).
+    scan_layers: the decoder layers as one `jax.lax.scan` over stacked weights and a stacked KV
+      cache, compile time flat with depth (`jaxengine.models.layer_scan`; the Llama family, True
+      refused for others). None (default): on TPU and GPU, not on CPU (slower steps there).
     enable_return_routed_experts: give each finished completion the experts a
       mixture-of-experts model's router chose at every position (vLLM's name;
       `CompletionOutput.routed_experts`, `jaxengine/worker/routed_experts.py`), for RL
@@ -247,6 +251,7 @@ class EngineConfig:
   max_cpu_loras: int | None = None
   quantization: str | None = None
   enable_return_routed_experts: bool = False
+  scan_layers: bool | None = None
 
   def __post_init__(self) -> None:
     for name in ("max_num_reqs", "max_model_len"):
@@ -341,6 +346,7 @@ class EngineConfig:
       )
     )
     check_quantization(self.quantization)
+    check_scan_layers(self.scan_layers)
 
   def _check_async_scheduling(self) -> None:
     wanted = self.async_scheduling

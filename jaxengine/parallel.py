@@ -212,7 +212,12 @@ def weight_spec(
 
 
 def weight_shardings(
-  weights: Any, mesh: Mesh, rules: Mapping[str, str], *, expert_parallel: bool = False
+  weights: Any,
+  mesh: Mesh,
+  rules: Mapping[str, str],
+  *,
+  expert_parallel: bool = False,
+  stacked_paths: tuple[str, ...] = (),
 ) -> Any:
   """`NamedSharding`s for a model's weights (an `nnx.State` or any pytree of arrays).
 
@@ -222,6 +227,9 @@ def weight_shardings(
     rules: parameter name -> role (`jaxengine.models.registry.sharding_rules` of the model);
       each leaf is looked up by the last name of its path, and one without a rule replicated.
     expert_parallel: stacked experts split over the experts axis (see `weight_spec`).
+    stacked_paths: the top-level names whose leaves have a leading layer axis (a model's
+      ``stacked_paths``, `jaxengine.models.layer_scan`): that axis stays unsplit and the role
+      applies to the rest of the shape.
   """
   t = axis_size(mesh, MODEL)
 
@@ -230,8 +238,10 @@ def weight_shardings(
     names = [n for n in keys if isinstance(n, str) and n != "value"]
     role = rules.get(names[-1], REPLICATED) if names else REPLICATED
     scale = len(names) > 1 and names[-2] == "scales"  # a quantized matrix's scales
-    spec = weight_spec(role, tuple(leaf.shape), t, expert_parallel=expert_parallel, scale=scale)
-    return NamedSharding(mesh, spec)
+    stacked = bool(names) and names[0] in stacked_paths
+    shape = tuple(leaf.shape)[int(stacked) :]
+    spec = weight_spec(role, shape, t, expert_parallel=expert_parallel, scale=scale)
+    return NamedSharding(mesh, P(None, *spec) if stacked else spec)
 
   return jax.tree_util.tree_map_with_path(one, weights)
 

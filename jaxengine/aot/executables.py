@@ -35,6 +35,7 @@ from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.layer_scan import scan_config
 from jaxengine.models.quantization import quantize_model
 from jaxengine.models.registry import hf_architecture
 from jaxengine.models.safetensors_loader import eos_token_ids, read_hf_config
@@ -181,7 +182,9 @@ def abstract_engine(
   """
   hf = read_hf_config(model_dir)
   architecture = hf_architecture(hf)
-  model_config = architecture.read_config(hf)
+  # Stacked layers on the target platform's default (or as `scan_layers` asks), as the runner
+  # would load them (`jaxengine.models.layer_scan.scan_config`).
+  model_config = scan_config(architecture.read_config(hf), config.scan_layers, platform)
   config = config.for_model(model_config.max_position_embeddings).data_parallel_groups()[0]
   model = cast(Model, abstract_module(architecture.module, model_config, dtype))
   eos = eos_token_ids(model_dir) or [0]

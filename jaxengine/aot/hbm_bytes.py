@@ -16,13 +16,15 @@ The model here, `hbm_bytes`, counts per instruction of the entry computation:
 - operands and results whose layout is in HBM (memory space 0: no ``S(n)`` in the layout);
   on-core buffers (``S(1)`` VMEM and the other spaces) cost nothing;
 - a fusion's operand by what the fused computation reads of it: a parameter read only through
-  (dynamic-)slices or gathers counts their results' bytes, one updated in place by the root's
-  dynamic-update-slice or scatter counts nothing and the result counts the update's bytes;
+  (dynamic-)slices or gathers, directly or in nested fusions, counts their results' bytes, one
+  updated in place by the root's dynamic-update-slice or scatter counts nothing and the result
+  counts the update's bytes;
 - an async slice or copy (``slice-start``, ``copy-start``) its source read (the slice's bytes)
   and its destination written, each where it is in HBM; the matching ``-done`` nothing;
 - a ``conditional`` as its costliest branch, a ``while`` as its body and condition times the
-  trip count XLA knows (once when it knows none), a ``call`` or an async call (``call-start``,
-  ``async-start``: a scatter offloaded to the SparseCores) as its computation;
+  trip count XLA knows, or that its condition ``i < N`` shows (once otherwise:
+  `_Model.trip_count`), a ``call`` or an async call (``call-start``, ``async-start``: a scatter
+  offloaded to the SparseCores) as its computation;
 - nothing for views (``bitcast``, ``get-tuple-element``, ``tuple``, ``ConcatBitcast``) and for
   the paged attention kernel (its pages are the report's separate KV term: the kernel reads the
   context's pages, not the whole pool it is passed); other kernels (``tpu_custom_call``: Pallas
@@ -72,7 +74,8 @@ class Instruction:
     opcode: e.g. ``"fusion"``, ``"slice-start"``.
     operands: the names of its operands, in order.
     attributes: the text after its operand list (``calls=``, ``metadata=``, ...).
-    number: a parameter's number (``parameter(2)``: 2), else -1.
+    number: a parameter's number (``parameter(2)``: 2), an integer scalar constant's value
+      (``constant(32)``: 32), else -1.
   """
 
   name: str
@@ -165,7 +168,10 @@ def _parse_instruction(line: str) -> Instruction | None:
   end = _balanced_end(rest, start)
   operands = tuple(_OPERAND.findall(rest[start:end]))
   opcode = opcode_match.group(1)
-  number = int(rest[start + 1 : end - 1]) if opcode == "parameter" else -1
+  literal = rest[start + 1 : end - 1]
+  number = int(literal) if opcode == "parameter" else -1
+  if opcode == "constant" and re.fullmatch(r"-?\d+", literal):  # an integer scalar's value
+    number = int(literal)
   return Instruction(head.group(1), shape, opcode, operands, rest[end:], number)
 
 
@@ -220,9 +226,8 @@ class _Model:
       )
       return self.size(operands[0]) + max((self.computation(b) for b in branches), default=0.0)
     if code == "while":
-      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.attributes)
       loop = sum(self.computation(c) for c in op.called("body") + op.called("condition"))
-      return loop * (int(trips.group(1)) if trips else 1)
+      return loop * self.trip_count(op)
     if code == "call":
       return sum(self.computation(c) for c in op.called("to_apply"))
     if code in ("call-start", "async-start"):  # e.g. a scatter offloaded to the SparseCores
@@ -238,6 +243,49 @@ class _Model:
     if code.endswith("-start"):  # a collective's operands; its -done writes the result
       return sum(self.size(s) for s in operands)
     return sum(self.size(s) for s in operands) + self.size(op.shape)
+
+  def trip_count(self, op: Instruction) -> int:
+    """A ``while``'s iterations: XLA's ``known_trip_count``, else a condition that is ``i < N``
+    for a constant ``N`` and the loop's first tuple element ``i`` (a `jax.lax.scan`'s counter,
+    which starts at 0: the scan over a model's stacked layers, whose compiled loop XLA:TPU
+    leaves unannotated), else 1."""
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.attributes)
+    if trips:
+      return int(trips.group(1))
+    (condition,) = op.called("condition") or [""]
+    body = {i.name: i for i in self.computations.get(condition, [])}
+    root = list(body.values())[-1] if body else None
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attributes:
+      return 1
+    counter, bound = (body.get(name) for name in root.operands)
+    if counter is None or bound is None or counter.opcode != "get-tuple-element":
+      return 1
+    if "index=0" in counter.attributes and bound.opcode == "constant":
+      return max(bound.number, 1)
+    return 1
+
+  def partial_read(self, name: str, users: list[Instruction]) -> float | None:
+    """The bytes `users` read of a fused parameter `name` when each reads only part of it: a
+    (dynamic-)slice or gather of it, or a nested fusion that reads it so (a scan's layer
+    slice: ``dynamic-slice`` of the stacked weight inside the dot's fusion); None when some
+    user reads it whole."""
+    total = 0.0
+    for user in users:
+      if user.opcode in _READ_IN_PART and user.operands[0] == name:
+        total += shape_bytes(user.shape, hbm_only=False)
+        continue
+      if user.opcode != "fusion" or user.operands.count(name) != 1:
+        return None
+      (called,) = user.called("calls")
+      body = self.computations[called]
+      index = user.operands.index(name)
+      inner = next((i for i in body if i.opcode == "parameter" and i.number == index), None)
+      inner_users = [i for i in body if inner is not None and inner.name in i.operands]
+      part = self.partial_read(inner.name, inner_users) if inner and inner_users else None
+      if part is None:
+        return None
+      total += part
+    return total
 
   def fusion(self, op: Instruction, operands: list[str]) -> float:
     (called,) = op.called("calls")
@@ -255,8 +303,9 @@ class _Model:
       users = [i for i in body if param.name in i.operands]
       if param.name in in_place:
         users = [u for u in users if u is not in_place[param.name]]
-      if users and all(u.opcode in _READ_IN_PART and u.operands[0] == param.name for u in users):
-        total += sum(shape_bytes(u.shape, hbm_only=False) for u in users)
+      part = self.partial_read(param.name, users) if users else None
+      if part is not None:
+        total += part
       elif users or param.name not in in_place:
         total += self.size(shape)
     outputs = _tuple_elements(op.shape) if op.shape.startswith("(") else [op.shape]

@@ -341,6 +341,16 @@ ENGINE_FLAGS = (
     ),
   ),
   EngineFlag(
+    "scan_layers",
+    "--scan-layers",
+    dict(
+      action=argparse.BooleanOptionalAction,
+      default=None,
+      help="decoder layers as one jax.lax.scan over stacked weights: compile time flat with "
+      "depth (default: on for TPU and GPU, off on CPU; the Llama family)",
+    ),
+  ),
+  EngineFlag(
     "enable_return_routed_experts",
     "--enable-return-routed-experts",
     dict(

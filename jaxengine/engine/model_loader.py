@@ -103,6 +103,7 @@ def load_model(
     tp=t,
     max_model_len=config.max_model_len,
     routed_experts=config.enable_return_routed_experts,
+    scan_layers=config.scan_layers,
   )
   return LoadedModel(built, tokenizer, eos, defaults, cache_dir)
 
@@ -117,12 +118,15 @@ def _load_checkpoint(
   tp: int = 1,
   max_model_len: int | None = None,
   routed_experts: bool = False,
+  scan_layers: bool | None = False,
 ) -> tuple[Model, Tokenizer | None, list[int] | None, dict[str, Any]]:
   """Builds the model a path or hub id names (None: the default GGUF file).
 
   `max_model_len` above the config's `max_position_embeddings`, and `routed_experts`
   (``enable_return_routed_experts``) of a model without MoE layers, are refused from the
-  config, before any weight is read (the runner checks the model again).
+  config, before any weight is read (the runner checks the model again). `scan_layers`
+  (`EngineConfig.scan_layers`) builds the model with its layers stacked, so no unrolled copy is
+  made (`jaxengine.models.layer_scan.scan_config`).
 
   Returns:
     ``(model, tokenizer, EOS ids, sampling defaults)``: the given tokenizer or the checkpoint's
@@ -142,7 +146,7 @@ def _load_checkpoint(
     check_max_model_len(max_model_len, config.max_position_embeddings)
     if routed_experts:
       moe_shape(config)
-    model = load_resolved(resolved, dtype)
+    model = load_resolved(resolved, dtype, scan_layers)
     return model, Tokenizer.from_gguf(path) if tokenizer is None else tokenizer, None, {}
   directory = resolved.path
   config_path = os.path.join(directory, "config.json")
@@ -160,7 +164,7 @@ def _load_checkpoint(
       check_max_model_len(max_model_len, limit)
     if routed_experts:
       moe_shape(hf_config)
-  model = load_resolved(resolved, dtype)
+  model = load_resolved(resolved, dtype, scan_layers)
   if tokenizer is None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     tokenizer = Tokenizer.from_pretrained(directory)
   primary = None if tokenizer is None else tokenizer.eos_token_id

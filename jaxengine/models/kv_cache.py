@@ -31,6 +31,9 @@ class KVCacheSpec:
       the window (`jaxengine.core.kv_cache_groups`).
     soft_cap: the attention logit soft cap the model passes to the seam (Gemma 2), or None; the
       paged engine refuses a backend without one.
+    stacked: the cache keeps every layer's pages in one buffer per page array, stacked along
+      the page axis (`jaxengine.models.kv_pages.PagedKVCache`), as a model whose layers run
+      under `jax.lax.scan` needs (`jaxengine.models.layer_scan`); False: a buffer per layer.
   """
 
   num_layers: int
@@ -40,3 +43,4 @@ class KVCacheSpec:
   sliding_window: int | None = None
   sliding_window_layers: tuple[int, ...] | None = None
   soft_cap: float | None = None
+  stacked: bool = False

@@ -18,16 +18,32 @@ With KV cache groups (`jaxengine.core.kv_cache_groups`: a model with sliding-win
 holds ``group_size`` layers rather than all ``L``: the tuple has ``group_size`` entries (slots),
 and `layer_groups` says which slot each layer uses and whose block table (the metadata then
 carries one table and slot mapping per group).
+
+Stacked pages (`KVCacheSpec.stacked`, a model whose layers run under `jax.lax.scan`:
+`jaxengine.models.layer_scan`): `pages` is then one entry whose arrays hold the pages of every
+slot, ``L * N`` pages in the backend's one-layer layout (the page axis ``L`` times as long), slot
+``l``'s pages being ``l * N .. l * N + N - 1``. A scan body cannot pick a buffer of a tuple by a
+traced layer index, and slicing a layer out of an ``[L, N, ...]`` stack would copy the whole
+layer's pages every layer and step; offsetting the step's page ids instead (`layer_metadata`:
+``block_tables + l * N``, ``slot_mapping + l * N * B``) leaves the backends' write and read
+untouched, every backend's kernel takes the longer page axis as it is, the one buffer is carried
+through the scan (written in place) and stays donatable, and its head axis (the one a mesh
+splits) is where it was. Each slot keeps a null page of its own (page ``l * N``), where the
+offset sends padding.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxengine.models.attention_backends import AttentionBackend, KVPages
 from jaxengine.models.kv_cache import KVCacheSpec
+from jaxengine.models.paged_attention import PagedAttentionMetadata
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +65,9 @@ class PagedKVCache:
     layer_groups: None (one group: layer ``i`` in ``pages[i]``), or ``(group, slot)`` of each
       layer (static): layer ``i`` keeps its keys and values in ``pages[slot]`` and reads them
       through its group's block table (`PagedAttentionMetadata` with a leading group axis).
+    stacked_layers: None (one entry of `pages` per slot), or the slots ``L`` whose pages one
+      entry holds, stacked along the page axis (module docstring; static).
+    blocks_per_layer: with `stacked_layers`, the pages ``N`` of each slot (static).
   """
 
   pages: tuple[KVPages, ...]
@@ -58,6 +77,8 @@ class PagedKVCache:
   layer_groups: tuple[tuple[int, int], ...] | None = dataclasses.field(
     default=None, metadata={"static": True}
   )
+  stacked_layers: int | None = dataclasses.field(default=None, metadata={"static": True})
+  blocks_per_layer: int | None = dataclasses.field(default=None, metadata={"static": True})
 
   @classmethod
   def create(
@@ -90,16 +111,20 @@ class PagedKVCache:
       )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
       raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    pages = tuple(
-      backend.init_pages(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
-      for _ in range(spec.num_layers)
-    )
+    shape = (block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    pages: tuple[KVPages, ...]
+    if spec.stacked:  # one entry, every slot's pages along the page axis (module docstring)
+      pages = (backend.init_pages(spec.num_layers * num_blocks, *shape),)
+    else:
+      pages = tuple(backend.init_pages(num_blocks, *shape) for _ in range(spec.num_layers))
     return cls(
       pages=pages,
       backend=backend,
       block_size=block_size,
       num_kv_heads=spec.num_kv_heads,
       layer_groups=layer_groups,
+      stacked_layers=spec.num_layers if spec.stacked else None,
+      blocks_per_layer=num_blocks if spec.stacked else None,
     )
 
   def layer_view(self, layer: int) -> tuple[PagedKVCache, int]:
@@ -110,6 +135,8 @@ class PagedKVCache:
     (`jaxengine.models.layer_stack.apply_layers`) traces one body per distinct layer, not one per
     layer.
     """
+    if self.stacked_layers is not None:
+      raise ValueError("layer_view needs per-layer pages; these are stacked (a scanned model)")
     if self.layer_groups is None:
       return dataclasses.replace(self, pages=(self.pages[layer],)), layer
     group, slot = self.layer_groups[layer]
@@ -121,10 +148,44 @@ class PagedKVCache:
     pages = (*self.pages[:slot], view.pages[0], *self.pages[slot + 1 :])
     return dataclasses.replace(self, pages=pages)
 
+  def layer_metadata(
+    self, metadata: PagedAttentionMetadata, layer: jax.Array | int
+  ) -> tuple[PagedAttentionMetadata, jax.Array | int]:
+    """`(metadata, slot)` for layer `layer` (a traced int32 scalar under a scan) of stacked
+    pages: its group's slot mapping and block table (with `layer_groups`), offset to the slot's
+    pages in the one stacked entry (module docstring).
+
+    Args:
+      metadata: the step's `PagedAttentionMetadata` (``[G, T]`` slots and ``[G, R, P]`` tables
+        with `layer_groups`).
+      layer: the decoder layer.
+
+    Returns:
+      The layer's metadata (``[T]`` slots, ``[R, P]`` tables, page ids of the stacked pages)
+      and the slot it uses.
+    """
+    slot: jax.Array | int = layer
+    if self.layer_groups is not None:
+      groups, slots = (np.asarray(column, np.int32) for column in zip(*self.layer_groups))
+      group, slot = jnp.asarray(groups)[layer], jnp.asarray(slots)[layer]
+      if metadata.slot_mapping.ndim == 2:  # [G, T] slots, [G, R, P] tables
+        metadata = dataclasses.replace(
+          metadata,
+          slot_mapping=metadata.slot_mapping[group],
+          block_tables=metadata.block_tables[group],
+        )
+    first_page = slot * cast(int, self.blocks_per_layer)  # the slot's null page
+    metadata = dataclasses.replace(
+      metadata,
+      slot_mapping=metadata.slot_mapping + first_page * self.block_size,
+      block_tables=metadata.block_tables + first_page,
+    )
+    return metadata, slot
+
   @property
   def num_layers(self) -> int:
     """Page slots: decoder layers ``L`` without `layer_groups`."""
-    return len(self.pages)
+    return len(self.pages) if self.stacked_layers is None else self.stacked_layers
 
   @property
   def dtype(self) -> jax.typing.DTypeLike:

@@ -50,13 +50,14 @@ References:
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
+from jaxengine.models.layer_scan import scan_layers, stack_layers
 from jaxengine.models.layer_stack import apply_layers
 from jaxengine.models.layers import (
   ConfiguredDecoder,
@@ -259,16 +260,18 @@ class Llama(ConfiguredDecoder, nnx.Module):
 
   The decoder layers are stored one by one (``layers[i]`` owns its arrays) and applied in an
   unrolled loop (`jaxengine.models.layer_stack.apply_layers`: layers of one structure are traced
-  once). A `lax.scan` over stacked ``[L, ...]`` weights compiles one layer body, but XLA then
-  copies each layer's weights out of the stack before its matmuls (a dynamic slice is not fused
-  into a dot): at batch 1 that doubled the weight traffic of a decode step, measured 2x slower on
-  CPU for the MLP weights of SmolLM2. XLA's compile time grows with depth instead.
+  once), or, with the config's ``scan_layers``, stacked (``layers`` one `DecoderLayer` whose
+  every parameter is ``[L, ...]``) and run under `jax.lax.scan`
+  (`jaxengine.models.layer_scan`): one compiled layer body whatever the depth, while on XLA:CPU
+  each layer's weights are copied out of the stack before its matmuls (a dynamic slice is not
+  fused into a dot), so unrolled stays CPU's default and XLA's compile time grows with depth.
 
   Attributes:
     config: the model's `LlamaConfig` (static).
     dtype: compute and parameter dtype of the matrices (norm scales stay float32).
     embed: ``[V, E]`` token embedding.
-    layers: ``L`` `DecoderLayer` modules (an `nnx.List`).
+    layers: ``L`` `DecoderLayer` modules (an `nnx.List`), or with ``scan_layers`` one stacked
+      `DecoderLayer` (every leaf ``[L, ...]``).
     final_norm: RMSNorm applied to the last layer's output.
     lm_head: ``[V, E]`` output projection, or None when tied to ``embed``.
     batch_invariant: False (default), or True to compute every projection and the logits
@@ -298,11 +301,11 @@ class Llama(ConfiguredDecoder, nnx.Module):
     e, v = config.hidden_size, config.vocab_size
     self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
 
-    self.layers = nnx.List(
-      [
-        DecoderLayer(config, dtype=dtype, rngs=rngs, index=i)
-        for i in range(config.num_hidden_layers)
-      ]
+    layers = [
+      DecoderLayer(config, dtype=dtype, rngs=rngs, index=i) for i in range(config.num_hidden_layers)
+    ]
+    self.layers: nnx.List | DecoderLayer = (
+      cast(DecoderLayer, stack_layers(layers)) if config.scan_layers else nnx.List(layers)
     )
     self.final_norm = RMSNorm(e, eps=config.rms_norm_eps)
     self.lm_head = (
@@ -354,6 +357,21 @@ class Llama(ConfiguredDecoder, nnx.Module):
       each MoE layer (largest router weight first, or the replayed ones).
     """
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")  # [1, T, E]
+    if self.config.scan_layers:
+      x, kv_cache, experts = scan_layers(
+        self.layers,
+        x,
+        positions,
+        kv_cache,
+        attn_metadata,
+        num_layers=self.config.num_hidden_layers,
+        lora=lora,
+        routed_experts=routed_experts,
+        return_routed=self.return_routed_experts,
+      )
+      if self.return_routed_experts:
+        return self.final_norm(x), kv_cache, cast(jax.Array, experts)
+      return self.final_norm(x), kv_cache
     moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
 
     def layer_args(index: int) -> tuple:
@@ -364,11 +382,22 @@ class Llama(ConfiguredDecoder, nnx.Module):
 
     routed: list[jax.Array] = []
     x, kv_cache = apply_layers(
-      self.layers, x, positions, kv_cache, attn_metadata, layer_args, routed
+      cast(nnx.List, self.layers), x, positions, kv_cache, attn_metadata, layer_args, routed
     )
     if self.return_routed_experts:
       return self.final_norm(x), kv_cache, jnp.stack(routed, axis=-2)  # [..., M, k]
     return self.final_norm(x), kv_cache
+
+  @property
+  def num_layers(self) -> int:
+    """``L``, the decoder layers."""
+    return self.config.num_hidden_layers
+
+  @property
+  def stacked_paths(self) -> tuple[str, ...]:
+    """The state paths whose leaves have a leading layer axis (``("layers",)`` with
+    ``scan_layers``; quantization and the mesh shardings skip that axis)."""
+    return ("layers",) if self.config.scan_layers else ()
 
   @property
   def num_moe_layers(self) -> int:

@@ -28,6 +28,7 @@ from jaxengine.models.hf_config_fields import (
   config_optional_int,
   config_token_id,
 )
+from jaxengine.models.layer_scan import stacked_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig
 from jaxengine.models.weights import WeightSpec
 
@@ -264,7 +265,7 @@ def hf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
     ]
     if sparse:
       specs += moe_weight_specs(cfg, i)
-  return specs
+  return stacked_weight_specs(specs) if cfg.scan_layers else specs  # rows of [L, ...] leaves
 
 
 def config_from_gguf(
@@ -349,4 +350,4 @@ def gguf_weight_specs(cfg: LlamaConfig) -> list[WeightSpec]:
       WeightSpec(f"blk.{i}.{suffix}", ("layers", i, *path), None, shape, rotary_heads=heads)
       for suffix, path, shape, heads in per_layer
     ]
-  return specs
+  return stacked_weight_specs(specs) if cfg.scan_layers else specs  # rows of [L, ...] leaves

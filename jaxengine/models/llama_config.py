@@ -90,6 +90,10 @@ class LlamaConfig:
     moe_checkpoint_names: how checkpoints name the expert tensors: ``"qwen3_moe"``
       (``mlp.gate``, ``mlp.experts.{j}.{gate,up,down}_proj``) or ``"mixtral"``
       (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{j}.w1/w3/w2``).
+    scan_layers: the decoder layers are stacked (every parameter ``[L, ...]``) and run under
+      `jax.lax.scan` (`jaxengine.models.layer_scan`), with a stacked KV cache; False: one
+      module per layer, unrolled. Needs layers of one structure (``moe_layers`` empty or every
+      layer).
   """
 
   vocab_size: int
@@ -116,8 +120,17 @@ class LlamaConfig:
   norm_topk_prob: bool = True
   moe_layers: tuple[int, ...] = ()
   moe_checkpoint_names: str = "qwen3_moe"
+  scan_layers: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+    mixed = set(self.moe_layers) not in (set(), set(range(self.num_hidden_layers)))
+    if self.scan_layers and mixed:
+      raise ValueError(
+        f"scan_layers=True needs layers of one structure, got moe_layers={self.moe_layers} of "
+        f"{self.num_hidden_layers} layers (dense and mixture-of-experts layers mixed)"
+      )
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
         f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -165,6 +178,7 @@ class LlamaConfig:
       head_dim=self.head_dim,
       dtype=dtype,
       sliding_window=self.sliding_window,
+      stacked=self.scan_layers,
     )
 
 

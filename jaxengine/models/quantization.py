@@ -31,7 +31,10 @@ a mixture of experts' ``[X, in, out]`` stack ``(1,)``) and an empty
 ``scales`` `nnx.Dict`, and by passing ``layers.row_scale(self.scales, name)`` to `linear`;
 `quantize_model` fills them. The quantization is one jitted function (`quantize_rows`), compiled
 once per matrix shape, dtype and format and reused when `ModelRunner.load_weights` re-quantizes
-new float weights.
+new float weights. In a model whose layers are stacked (``stacked_paths``, a scanned model:
+`jaxengine.models.layer_scan`) every matrix under those paths has a leading layer axis: its
+input axes move one place right and its scales keep the layer axis (``[L, *out]``), each layer
+quantized as it would be alone.
 
 Speed, measured on the 210 projections of SmolLM2-135M (30 layers x 7 matrices) for one decode
 step, float32 activations, XLA:CPU on a shared 2-core machine (noisy: best of 9), in ms at 1 / 8
@@ -234,10 +237,13 @@ def quantize_model(model: Any, quantization: str) -> QuantizedModel:
     )
   graphdef, state = nnx.split(cast(nnx.Module, model))
   copy = nnx.merge(graphdef, state)
+  stacked = tuple(getattr(model, "stacked_paths", ()))
   leaves: dict[LeafPath, QuantizedLeaf] = {}
   for key_path, module in nnx.iter_modules(copy):
     path = cast(LeafPath, tuple(key_path))
-    for name, in_axes in _quantizable(module).items():
+    lead = int(bool(path) and path[0] in stacked)  # a leading layer axis (a scanned model)
+    for name, axes in _quantizable(module).items():
+      in_axes = tuple(axis + lead for axis in axes)
       w = getattr(module, name)[...]
       leaf = QuantizedLeaf((*path, "scales", name), tuple(w.shape), w.dtype, in_axes, quantization)
       rows = leaf.quantize(w)

@@ -50,6 +50,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from jaxengine.models.interface import Model
+from jaxengine.models.layer_scan import scan_config
 from jaxengine.models.registry import hf_architecture
 from jaxengine.models.weights import (
   abstract_module,
@@ -219,7 +220,9 @@ def auto_dtype(path: str | os.PathLike):
   return jnp.float32 if checkpoint_dtype(path) in ("F32", "F64") else jnp.bfloat16
 
 
-def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model, Any]:
+def load_safetensors(
+  path: str | os.PathLike, dtype=jnp.float32, scan_layers: bool | None = False
+) -> tuple[Model, Any]:
   """Loads a Hugging Face model directory into the module its registry entry names.
 
   The architecture (``config.json``'s ``architectures[0]``) picks the `ModelArchitecture` of
@@ -234,6 +237,9 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
       ``model.safetensors.index.json``).
     dtype: model dtype, ``jnp.float32`` or ``jnp.bfloat16`` (norm scales stay float32); tensors
       are cast from the checkpoint's dtype on the host.
+    scan_layers: build the model with stacked layers (`jaxengine.models.layer_scan.scan_config`:
+      True, False (default), or None for the platform's default), each layer's tensors read
+      into its row of the stack.
 
   Returns:
     ``(model, config)``.
@@ -249,7 +255,7 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
   """
   hf = read_hf_config(path)
   architecture = hf_architecture(hf)
-  config = architecture.read_config(hf)
+  config = scan_config(architecture.read_config(hf), scan_layers)
   files = weight_files(path)
   abstract = abstract_module(architecture.module, config, dtype)
   graphdef, state = nnx.split(abstract)
@@ -298,7 +304,7 @@ def load_safetensors(path: str | os.PathLike, dtype=jnp.float32) -> tuple[Model,
         continue
       if spec.path not in stacks:
         stacks[spec.path] = np.zeros(leaf.shape, leaf.dtype)
-      stacks[spec.path][spec.layer] = spec.to_param(tensor, leaf.shape[1:])
+      stacks[spec.path][spec.index] = spec.to_param(tensor, spec.row_shape(leaf.shape))
       rows_left[spec.path] -= 1
       if not rows_left[spec.path]:
         arrays[spec.path] = jnp.asarray(stacks.pop(spec.path))

@@ -39,8 +39,9 @@ class WeightSpec:
     path: the leaf in ``nnx.state(model)`` (``("layers", 0, "mlp", "w_up")``), or None for a tensor
       that is accepted and ignored (the output projection of a model with tied embeddings).
     layer: index along the leaf's leading stacked axis the tensor fills (a layer of a model that
-      stacks its layers, an expert of a mixture-of-experts block's ``[X, in, out]`` stack), or
-      None when the tensor is the whole leaf.
+      stacks its layers, an expert of a mixture-of-experts block's ``[X, in, out]`` stack), a
+      tuple of indices along its leading axes (an expert of a stacked layer, ``(layer,
+      expert)`` of an ``[L, X, in, out]`` leaf), or None when the tensor is the whole leaf.
     shape: the tensor's shape in the checkpoint.
     transpose: the checkpoint stores the transpose of the (reshaped) parameter: a 2-D
       ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape (for a
@@ -53,10 +54,22 @@ class WeightSpec:
 
   name: str
   path: LeafPath | None
-  layer: int | None
+  layer: int | tuple[int, ...] | None
   shape: tuple[int, ...]
   transpose: bool = False
   rotary_heads: int | None = None
+
+  @property
+  def index(self) -> tuple[int, ...]:
+    """`layer` as a tuple of leading indices (empty for a whole leaf)."""
+    if self.layer is None:
+      return ()
+    return self.layer if isinstance(self.layer, tuple) else (self.layer,)
+
+  def row_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the part of a leaf of `leaf_shape` this tensor fills (its leading indexed
+    axes dropped)."""
+    return tuple(leaf_shape)[len(self.index) :]
 
   def to_param(self, tensor, param_shape: tuple[int, ...]):
     """The checkpoint tensor in the parameter's layout (NumPy stays NumPy, JAX stays JAX).
@@ -215,11 +228,10 @@ def check_weight_specs(specs: Iterable[WeightSpec], state: nnx.State) -> list[We
 def _param_shape(leaf, spec: WeightSpec) -> tuple[int, ...] | None:
   """Shape the spec's tensor takes in the leaf (None if the layer index is out of range)."""
   shape = tuple(leaf.shape)
-  if spec.layer is None:
-    return shape
-  if not shape or not 0 <= spec.layer < shape[0]:
+  index = spec.index
+  if len(shape) < len(index) or not all(0 <= i < n for i, n in zip(index, shape)):
     return None
-  return shape[1:]
+  return spec.row_shape(shape)
 
 
 def _is_array(x) -> bool:
@@ -239,8 +251,8 @@ def _check_tensor(name: str, tensor, shape: tuple[int, ...], leaf_dtype) -> None
     raise ValueError(f"{name}: expected dtype {leaf_dtype}, got {tensor.dtype}")
 
 
-#: Tensors of one leaf to write: `{layer (None: the whole leaf): (spec, tensor)}`.
-LeafParts = dict[int | None, tuple[WeightSpec, Any]]
+#: Tensors of one leaf to write: `{layer or layer tuple (None: the whole leaf): (spec, tensor)}`.
+LeafParts = dict[int | tuple[int, ...] | None, tuple[WeightSpec, Any]]
 
 
 def collect_named_weights(
@@ -409,12 +421,19 @@ def assemble_leaf(old: jax.Array, parts: LeafParts) -> jax.Array:
   if None in parts:
     spec, tensor = parts[None]
     return put(spec.to_param(tensor, old.shape).astype(dtype), old)
-  layers = sorted(i for i in parts if i is not None)
-  values = [parts[i][0].to_param(parts[i][1], old.shape[1:]).astype(dtype) for i in layers]
-  if layers == list(range(old.shape[0])):
+  layers = sorted((i for i in parts if i is not None), key=lambda i: parts[i][0].index)
+  values = [
+    parts[i][0].to_param(parts[i][1], parts[i][0].row_shape(old.shape)).astype(dtype)
+    for i in layers
+  ]
+  depth = len(parts[layers[0]][0].index)
+  rows = [parts[i][0].index for i in layers]
+  if rows == list(np.ndindex(*old.shape[:depth])):  # every row, in order
     on_host = all(isinstance(v, np.ndarray) for v in values)
-    return put(np.stack(values) if on_host else jnp.stack(values), old)
-  return put(old.at[np.asarray(layers)].set(jnp.stack(values)), old)
+    stacked = np.stack(values) if on_host else jnp.stack(values)
+    return put(stacked.reshape(old.shape), old)
+  where = tuple(np.asarray(axis) for axis in zip(*rows))  # one index array per indexed axis
+  return put(old.at[where].set(jnp.stack(values)), old)
 
 
 def put(value, like: jax.Array) -> jax.Array:
@@ -455,4 +474,4 @@ def named_weights(model: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
     if spec.path is None:
       continue
     leaf = leaves[spec.path]
-    yield spec.name, spec.from_param(leaf if spec.layer is None else leaf[spec.layer])
+    yield spec.name, spec.from_param(leaf[spec.index] if spec.index else leaf)

@@ -27,11 +27,18 @@ def lora_manager(model: Model, config: EngineConfig) -> LoRAManager:
     max_loras=config.max_loras,
     max_lora_rank=config.max_lora_rank,
     max_cpu_loras=cast(int, config.max_cpu_loras),  # validated: never None
-    num_layers=len(cast(Any, model).layers),
+    num_layers=_num_layers(model),
     target_shapes=shapes(),
     dtype=cast(Any, model).dtype,
     device=_committed_device(model),
   )
+
+
+def _num_layers(model: Model) -> int:
+  """The model's decoder layers: its ``num_layers`` (a scanned model's ``layers`` is one stacked
+  module), else the length of its ``layers``."""
+  count = getattr(model, "num_layers", None)
+  return count if isinstance(count, int) else len(cast(Any, model).layers)
 
 
 def _committed_device(model: Model) -> jax.Device | None:

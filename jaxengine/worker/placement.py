@@ -36,6 +36,12 @@ def num_attention_heads(model: Any) -> int | None:
   return heads if isinstance(heads, int) else None
 
 
+def stacked_paths(model: Model) -> tuple[str, ...]:
+  """The state paths whose leaves have a leading layer axis (a scanned model's ``layers``,
+  `jaxengine.models.layer_scan`), left unsplit on a mesh; none for any other model."""
+  return tuple(getattr(model, "stacked_paths", ()))
+
+
 def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
   """A copy of `model` whose weights lie in the shardings `MeshPlacement` gives them.
 
@@ -47,7 +53,11 @@ def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> M
   """
   graphdef, state = nnx.split(cast(nnx.Module, model))
   shardings = parallel.weight_shardings(
-    state, mesh, sharding_rules(model), expert_parallel=expert_parallel
+    state,
+    mesh,
+    sharding_rules(model),
+    expert_parallel=expert_parallel,
+    stacked_paths=stacked_paths(model),
   )
   return cast(Model, nnx.merge(graphdef, jax.device_put(state, shardings)))
 
@@ -130,7 +140,11 @@ class MeshPlacement:
     self.mesh = mesh
     self.rows = d
     self.weights = parallel.weight_shardings(
-      weights, mesh, sharding_rules(model), expert_parallel=expert_parallel
+      weights,
+      mesh,
+      sharding_rules(model),
+      expert_parallel=expert_parallel,
+      stacked_paths=stacked_paths(model),
     )
     self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)

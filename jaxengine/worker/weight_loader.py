@@ -24,6 +24,12 @@ from jaxengine.batch import InputBatch
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
+from jaxengine.models.layer_scan import (
+  is_unrolled_state,
+  restacked,
+  scanned_model,
+  unrolled_leaves,
+)
 from jaxengine.models.quantization import QuantizedLeaf, quantize_model
 from jaxengine.models.weights import (
   LeafPath,
@@ -84,6 +90,7 @@ def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -
     model = batch_invariant_model(model)  # a copy: the caller's module keeps its mode
   if config.enable_return_routed_experts:
     model = routed_experts_model(model)  # a copy, as above
+  model = scanned_model(model, config.scan_layers)  # a copy when it stacks the layers
   # Named by the float model: `load_weights` takes float tensors of the quantized matrices too.
   specs = {spec.name: spec for spec in model_weight_specs(model, nnx.state(model))}
   quantized: Mapping[LeafPath, QuantizedLeaf] = {}
@@ -158,8 +165,11 @@ class WeightLoader:
     partial: dict[LeafPath, np.ndarray] = {}
     if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
       self._refuse_quantized_state(weights)
-      given = collect_state(weights, leaves)
+      unrolled = is_unrolled_state(weights, leaves)  # a trainer's unrolled module, say
+      given = collect_state(weights, unrolled_leaves(leaves) if unrolled else leaves)
       check_finite(given.items(), self._leaf_name)
+      if unrolled:  # every layer checked: stacked now, for the scanned engine
+        given = restacked(given, leaves)
       new = {path: put(given[path], leaves[path]) for path in leaves}
       narrowed = [path for path in new if _narrows(given[path], leaves[path])]
     else:
@@ -254,13 +264,13 @@ class WeightLoader:
   ) -> None:
     """After sleep level 2 every leaf must be given whole (ValueError naming the first missing
     checkpoint tensor): there are no old values to keep."""
-    for path, leaf in leaves.items():
+    for path in leaves:
       parts = grouped.get(path, {})
       if None in parts:
         continue
       specs = [s for s in self.weight_specs.values() if s.path == path]
       layers = {s.layer for s in specs}
-      if specs and None not in layers and set(range(leaf.shape[0])) <= set(parts):
+      if specs and None not in layers and layers <= set(parts):
         continue
       missing = [s.name for s in specs if s.layer not in parts] or [dotted(path)]
       raise ValueError(

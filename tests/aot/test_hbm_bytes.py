@@ -157,3 +157,83 @@ def test_a_kernel_counts_its_operands_but_the_paged_attention_kernel_its_none():
   result = hbm_bytes(KERNELS.replace(",\n    metadata", ", metadata"))
   by_name = {o.name: o.bytes for o in result.ops}
   assert by_name == {"gmm": 8 * 256 * 128 * 2 + 256 * 2 + 128 * 2}
+
+
+#: A scan over 4 stacked layers of a [4, 1024, 256] f32 weight (4 MiB): each iteration reads
+#: its layer's 1 MiB through a fused dynamic-slice; XLA:TPU left the loop without a
+#: ``known_trip_count`` (the scanned decoder's loop), its condition ``i < 4``.
+SCAN = """HloModule m
+
+%fused_layer (w0: f32[4,1024,256], i0: s32[]) -> f32[1024] {
+  %w0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %i0 = s32[]{:T(128)} parameter(1)
+  %zero = s32[]{:T(128)} constant(0)
+  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} dynamic-slice(%w0, %i0, %zero, %zero)
+  %z = f32[]{:T(128)} constant(0)
+  ROOT %r = f32[1024]{0:T(1024)S(1)} reduce(%ds, %z), dimensions={0,2}, to_apply=%add
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%body (t: (s32[], f32[4,1024,256])) -> (s32[], f32[4,1024,256]) {
+  %t = (s32[]{:T(128)}, f32[4,1024,256]{2,1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  %w = f32[4,1024,256]{2,1,0:T(8,128)} get-tuple-element(%t), index=1
+  %layer = f32[1024]{0:T(1024)S(1)} fusion(%w, %i), kind=kLoop, calls=%fused_layer
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  ROOT %out = (s32[]{:T(128)}, f32[4,1024,256]{2,1,0:T(8,128)}) tuple(%next, %w)
+}
+
+%cond (c: (s32[], f32[4,1024,256])) -> pred[] {
+  %four = s32[]{:T(128)} constant(4)
+  %c = (s32[]{:T(128)}, f32[4,1024,256]{2,1,0:T(8,128)}) parameter(0)
+  %ci = s32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%ci, %four), direction=LT
+}
+
+ENTRY %main (weights: f32[4,1024,256]) -> (s32[], f32[4,1024,256]) {
+  %weights = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %start = s32[]{:T(128)} constant(0)
+  %init = (s32[]{:T(128)}, f32[4,1024,256]{2,1,0:T(8,128)}) tuple(%start, %weights)
+  ROOT %loop = (s32[]{:T(128)}, f32[4,1024,256]{2,1,0:T(8,128)}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+#: The same loop as XLA:TPU fuses a scanned decoder's matmul: the layer's slice in a nested
+#: fusion inside the fusion that reads the stacked weight.
+SCAN_NESTED = SCAN.replace(
+  """%fused_layer (w0: f32[4,1024,256], i0: s32[]) -> f32[1024] {
+  %w0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %i0 = s32[]{:T(128)} parameter(1)
+  %zero = s32[]{:T(128)} constant(0)
+  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} dynamic-slice(%w0, %i0, %zero, %zero)""",
+  """%fused_slice (v0: f32[4,1024,256], j0: s32[]) -> f32[1,1024,256] {
+  %v0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %j0 = s32[]{:T(128)} parameter(1)
+  %zero.2 = s32[]{:T(128)} constant(0)
+  ROOT %ds.2 = f32[1,1024,256]{2,1,0:T(8,128)} dynamic-slice(%v0, %j0, %zero.2, %zero.2)
+}
+
+%fused_layer (w0: f32[4,1024,256], i0: s32[]) -> f32[1024] {
+  %w0 = f32[4,1024,256]{2,1,0:T(8,128)} parameter(0)
+  %i0 = s32[]{:T(128)} parameter(1)
+  %ds = f32[1,1024,256]{2,1,0:T(8,128)S(1)} fusion(%w0, %i0), kind=kLoop, calls=%fused_slice""",
+)
+
+
+@pytest.mark.parametrize("text", [SCAN, SCAN_NESTED], ids=["slice", "nested_slice"])
+def test_a_scan_without_a_known_trip_count_counts_every_iteration(text):
+  """Each of the 4 iterations reads its layer's 1 MiB: 4 MiB in all, not the one iteration a
+  loop of unknown length counts, and not the whole stack per iteration where the slice is
+  fused one level down."""
+  result = hbm_bytes(text)
+  # per iteration: the layer's rows and the slice index, the counter's add (2 operands and its
+  # result), the condition's compare (2 operands, a 1-byte result)
+  iteration = MIB + 4 + 3 * 4 + (2 * 4 + 1)
+  assert result.total == 4 * iteration

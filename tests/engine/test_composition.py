@@ -184,3 +184,22 @@ def test_the_full_combination_compiles_nothing_after_precompile(model, tokenizer
   _generate(engine, [workload[i] for i in (0, 1, 2, 5)])
   assert [step._cache_size() for step in steps] == before
   assert engine.spec_decode_stats.num_accepted_tokens > 0 and counts.loops_over_one_token > 0
+
+
+def test_scanned_layers_give_the_plain_engines_outputs(model, tokenizer, reference):
+  """Every feature at once on decoder layers under `jax.lax.scan` (``scan_layers=True``, a
+  stacked KV cache): chunked prefill, prefix caching, preemption, asynchronous scheduling, drafts
+  and the k-step loop give the unrolled plain engine's outputs."""
+  engine = _engine(
+    model,
+    tokenizer,
+    async_scheduling=True,
+    speculative_config=SPEC,
+    num_decode_steps=4,
+    scan_layers=True,
+  )
+  assert engine.runner.kv_cache.stacked_layers == 2 and model.config.scan_layers is False
+  counts = _Counts(engine)
+  _assert_same(_generate(engine, _workload(tokenizer)), reference)
+  assert engine.kv_cache_stats.num_preemptions > 0 and counts.loops_over_one_token > 0
+  assert engine.spec_decode_stats.num_accepted_tokens > 0

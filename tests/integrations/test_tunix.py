@@ -578,6 +578,8 @@ def test_bad_inputs_raise_value_errors(served):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), logprobs_mode="raw_logprobs")
   with pytest.raises(ValueError, match="quantization must be None or one of"):
     JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), quantization="int4")
+  with pytest.raises(ValueError, match="scan_layers=True: JaxEngineRollout's weight sync"):
+    JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), scan_layers=True)
   # Placement and memory options, refused before anything is placed.
   for options, match in [
     (dict(mesh="bogus"), "mesh must be a jax.sharding.Mesh or None, got str"),

@@ -124,6 +124,31 @@ def test_adapters_equal_transformers_with_peft(llm, checkpoints):
     assert np.max(np.abs(np.subtract(_result(adapted)[1], _result(plain)[1]))) > 1e-2
 
 
+def test_a_scanned_engine_serves_the_same_adapters(llm, checkpoints):
+  """``scan_layers=True`` (stacked layers, each step's adapters stacked per layer): the unrolled
+  engine's tokens and prompt logprobs with every adapter, one step mixing two of them."""
+  base, requests = checkpoints
+  scanned = je.LLM(
+    base,
+    enable_lora=True,
+    max_loras=2,
+    max_lora_rank=MAX_LORA_RANK,
+    max_num_reqs=4,
+    max_model_len=64,
+    num_kv_blocks=64,
+    block_size=4,
+    scan_layers=True,
+  )
+  assert scanned.llm_engine.runner.kv_cache.stacked_layers is not None
+  loras = [None, requests[1], requests[2]]
+  prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+  want = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+  got = scanned.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+  for a, b in zip(got, want, strict=True):
+    assert _result(a)[0] == _result(b)[0]
+    np.testing.assert_allclose(_result(a)[1], _result(b)[1], atol=1e-5)
+
+
 def test_shuffled_batch_of_adapters_equals_each_request_alone(llm, checkpoints):
   _, requests = checkpoints
   jobs = [(p, lora) for p in PROMPTS for lora in [None, *requests.values()]]

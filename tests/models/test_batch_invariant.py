@@ -278,6 +278,22 @@ def test_speculative_and_multi_step_decoding_keep_the_bits(model, alone, options
   _assert_same_bits(alone, _completions(llm, prompts + other_prompts, params + other_params, order))
 
 
+def test_scanned_layers_keep_the_bits(model, alone):
+  """``scan_layers=True``: the same tokens and logprob bits as the unrolled engine alone, and the
+  trainer's `token_logprobs` of the engine's scanned model equal them bit for bit too."""
+  llm = je.LLM(model, max_num_reqs=8, max_model_len=256, batch_invariant=True, scan_layers=True)
+  assert llm.llm_engine.runner.kv_cache.stacked_layers is not None
+  prompts, params = _targets()
+  other_prompts, other_params = _others(3, seed=6)
+  order = list(range(len(prompts) + 3))[::-1]
+  _assert_same_bits(alone, _completions(llm, prompts + other_prompts, params + other_params, order))
+  scanned = llm.llm_engine.runner.model
+  (target, _), (tokens, values, _) = next(iter(alone.items()))
+  sequence = jnp.asarray([prompts[target] + tokens], jnp.int32)
+  trainer = np.asarray(token_logprobs(scanned, sequence))[0]
+  np.testing.assert_array_equal(bits(trainer[len(prompts[target]) - 1 :]), bits(values))
+
+
 def test_the_trainer_logprobs_equal_the_engines_bit_for_bit(model, alone):
   prompts, _ = _targets()
   for (target, _), (tokens, values, prompt_values) in alone.items():

@@ -1,0 +1,80 @@
+"""SmolLM2-135M's forward step unrolled against under `jax.lax.scan` (`EngineConfig.scan_layers`):
+compile seconds of a decode step and its milliseconds at 1 / 8 / 32 rows.
+
+  python benchmarks/bench_layer_scan.py [--repeats 10] [--context 64]
+
+Each row decodes one token per request over `--context` cached positions (a jitted
+`jaxengine.models.llama.forward` plus the logits of the last tokens, the cache donated). The
+compile column is `jit(...).lower(...).compile()` of that step, nothing cached on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.gguf_loader import load_gguf
+from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.layer_scan import scanned_model
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+
+BLOCK = 16
+
+
+def _step(graphdef, weights, token_ids, positions, kv_cache, metadata):
+  model = nnx.merge(graphdef, weights)
+  hidden, kv_cache = model(token_ids, positions, kv_cache, metadata)
+  return model.compute_logits(hidden[0]), kv_cache
+
+
+def _decode_inputs(model, rows: int, context: int):
+  """A decode step of `rows` requests, each at position `context - 1` of its own pages."""
+  width = -(-context // BLOCK)
+  tables = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
+  position = context - 1
+  slots = tables[:, position // BLOCK] * BLOCK + position % BLOCK
+  metadata = PagedAttentionMetadata(
+    slot_mapping=jnp.asarray(slots),
+    block_tables=jnp.asarray(tables),
+    query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
+    seq_lens=jnp.full((rows,), context, jnp.int32),
+    num_reqs=jnp.asarray(rows, jnp.int32),
+  )
+  cache = PagedKVCache.create(model.kv_cache_spec, XlaAttentionBackend(), 1 + rows * width, BLOCK)
+  ids = jnp.asarray(np.arange(rows, dtype=np.int32)[None] % 100)
+  return ids, jnp.full((1, rows), position, jnp.int32), cache, metadata
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--context", type=int, default=64)
+  args = parser.parse_args()
+  unrolled, _ = load_gguf()
+  models = {"unrolled": unrolled, "scan": scanned_model(unrolled, True)}
+  print(f"{'layout':>9} {'rows':>5} {'compile s':>10} {'step ms':>8}")
+  for rows in (1, 8, 32):
+    for name, model in models.items():
+      graphdef, weights = nnx.split(model)
+      ids, positions, cache, metadata = _decode_inputs(model, rows, args.context)
+      step = jax.jit(_step, static_argnums=0, donate_argnums=4)
+      start = time.perf_counter()
+      compiled = step.lower(graphdef, weights, ids, positions, cache, metadata).compile()
+      compile_s = time.perf_counter() - start
+      times = []
+      for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        logits, cache = compiled(weights, ids, positions, cache, metadata)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - start)
+      print(f"{name:>9} {rows:>5} {compile_s:>10.2f} {1e3 * np.median(times[1:]):>8.2f}")
+
+
+if __name__ == "__main__":
+  main()
