@@ -28,6 +28,7 @@ from jaxengine.engine_config import EngineConfig
 from jaxengine.testing import TargetOnly, count_compiles, tiny_llama
 from jaxengine.tokenizer import Tokenizer
 from jaxengine.worker import device_steps
+from jaxengine.worker.buckets import sample_rows
 
 VOCAB = 512
 #: The GGUF tokenizer's size: structured outputs need a model vocabulary that holds it.
@@ -193,7 +194,12 @@ def test_precompile_covers_every_shape_and_a_second_run_compiles_nothing(plain_o
     outputs = _run(engine)
   assert compiles.count == 0  # a second run: not even the batch's own helpers
   assert runner.ragged_forward._cache_size() == _PRECOMPILE["shapes"]
-  assert runner.sample_produced._cache_size() == len(row_buckets)  # the sampler: per row bucket
+  # The sampler: per row bucket of at least MIN_SAMPLE_ROWS rows (here 2: one for both buckets).
+  assert (
+    runner.sample_produced._cache_size()
+    == len({sample_rows(r, row_buckets) for r in row_buckets})
+    == 1
+  )
   assert_same_outputs(outputs, plain_outputs)
   with pytest.raises(ValueError, match="precompile needs an empty batch"):
     engine.add_request("busy", [5, 6, 7], SP(max_tokens=2))
