@@ -68,19 +68,22 @@ def checkpoints(tmp_path_factory):
   return base, requests
 
 
+#: The LoRA engine of these tests (`llm`), and of its scanned twin.
+ENGINE_OPTIONS = dict(
+  enable_lora=True,
+  max_loras=2,
+  max_lora_rank=MAX_LORA_RANK,
+  max_num_reqs=4,
+  max_model_len=64,
+  num_kv_blocks=64,
+  block_size=4,
+)
+
+
 @pytest.fixture(scope="module")
 def llm(checkpoints):
   base, _ = checkpoints
-  return je.LLM(
-    base,
-    enable_lora=True,
-    max_loras=2,
-    max_lora_rank=MAX_LORA_RANK,
-    max_num_reqs=4,
-    max_model_len=64,
-    num_kv_blocks=64,
-    block_size=4,
-  )
+  return je.LLM(base, **ENGINE_OPTIONS)
 
 
 def _reference(base_dir, lora: je.LoRARequest | None, prompt: list[int]):
@@ -128,17 +131,7 @@ def test_a_scanned_engine_serves_the_same_adapters(llm, checkpoints):
   """``scan_layers=True`` (stacked layers, each step's adapters stacked per layer): the unrolled
   engine's tokens and prompt logprobs with every adapter, one step mixing two of them."""
   base, requests = checkpoints
-  scanned = je.LLM(
-    base,
-    enable_lora=True,
-    max_loras=2,
-    max_lora_rank=MAX_LORA_RANK,
-    max_num_reqs=4,
-    max_model_len=64,
-    num_kv_blocks=64,
-    block_size=4,
-    scan_layers=True,
-  )
+  scanned = je.LLM(base, **ENGINE_OPTIONS, scan_layers=True)
   assert scanned.llm_engine.runner.kv_cache.stacked_layers is not None
   loras = [None, requests[1], requests[2]]
   prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
