@@ -272,13 +272,14 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
     ):
       extra = f" prompt_logprobs={columns}" if prompt_logprobs else ""
       shape = f"tokens={num_tokens} rows={num_rows}"
+
+      def step_inputs(sample_rows: int) -> Any:
+        return engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
+                                            block_size=config.block_size, lora=engine.lora,
+                                            num_sample_rows=sample_rows))  # fmt: skip
+
       sample_rows = step_buckets.sample_rows(num_rows, row_buckets)
-      plain, inputs = (
-        engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
-                                     block_size=config.block_size, num_sample_rows=rows,
-                                     lora=engine.lora))
-        for rows in (sample_rows, num_rows)
-      )  # fmt: skip
+      plain = step_inputs(sample_rows)
       pl = columns if prompt_logprobs else 0
       args = (state, engine.weights, engine.kv_cache, plain)
       yield _executable(engine, "ragged_step", shape + extra, steps.ragged_forward, args,
@@ -293,6 +294,7 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
                           {"num_rows": sample_rows})  # fmt: skip
       if not k:
         continue
+      inputs = step_inputs(num_rows)  # the verify step samples its own rows, unpadded
       produces = inputs.produces
       drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
       verify_args = (state, engine.weights, engine.kv_cache, inputs, drafts)
