@@ -30,6 +30,7 @@ Shape letters as in `jaxengine.models.llama`; ``P`` the per-layer input width.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -80,9 +81,18 @@ class Gemma4Attention(nnx.Module):
     q_norm, k_norm: scaled RMSNorms over ``D`` (``k_norm`` None on a KV-shared layer).
     v_norm: the values' unscaled RMSNorm.
     layer: this layer's index (static).
-    scales: row scales of quantized projections (empty: Gemma 4 is not quantized).
+    scales: row scales of the quantized projections (`jaxengine.models.llama.Attention`).
     batch_invariant: projections computed a fixed number of rows at a time.
   """
+
+  #: The projections `quantize_model` may quantize, with their input axes (those a layer lacks,
+  #: None, are skipped).
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {
+    "wq": (2,),
+    "wk": (2,),
+    "wv": (2,),
+    "wo": (1, 2),
+  }
 
   def __init__(self, config: Gemma4Config, layer: int, *, dtype, rngs: nnx.Rngs):
     e, h = config.hidden_size, config.num_attention_heads

@@ -136,15 +136,29 @@ def _hf_greedy(model, prompt, max_tokens: int = MAX_TOKENS) -> list[int]:
   return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def checkpoint(request, tmp_path_factory):
-  directory = tmp_path_factory.mktemp(request.param)
-  return request.param, directory, _write(directory, request.param)
+@pytest.fixture(scope="module")
+def all_checkpoint(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("all")
+  return "all", directory, _write(directory, "all")
+
+
+@pytest.fixture(scope="module")
+def multimodal_checkpoint(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("multimodal")
+  return "multimodal", directory, _write(directory, "multimodal")
+
+
+@pytest.fixture(params=list(CASES))
+def checkpoint(request):
+  return request.getfixturevalue(f"{request.param}_checkpoint")
 
 
 def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
+  """Chunked prefill (8 tokens a step: the 11-token prompt in two chunks, the KV-shared layers
+  reading the first chunk's pages in the second) and decode over KV cache groups whose window
+  group frees its pages: transformers' greedy tokens and prompt logprobs."""
   _, directory, hf_model = checkpoint
-  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4)
+  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=8)
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
@@ -156,3 +170,109 @@ def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
     want = _hf_prompt_logprobs(hf_model, prompt)
     worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
   assert worst < 1e-4, worst
+
+
+def _read_config(directory: Path, family: str):
+  return config_from_hf(json.loads((directory / "config.json").read_text()), family)
+
+
+def test_config_and_cache_layout_read_from_each_checkpoint(all_checkpoint, multimodal_checkpoint):
+  """Every switch of the "all" checkpoint is read; only its first three layers own pages
+  (layer 3 reads layer 2's, layer 4 layer 1's), pages of 2 heads of 32 (the widest layer's
+  width, the most heads); the multimodal one's text model sits under its prefix."""
+  cfg = _read_config(all_checkpoint[1], "gemma4_text")
+  assert [cfg.layer_head_dim(i) for i in range(5)] == [16, 32, 16, 16, 32]
+  assert [cfg.kv_heads(i) for i in range(5)] == [2, 1, 2, 2, 1]
+  assert [cfg.kv_source(i) for i in range(5)] == [0, 1, 2, 2, 1]
+  assert [cfg.mlp_size(i) for i in range(5)] == [48, 48, 48, 96, 96]
+  assert cfg.rope_global.partial_rotary_factor == 0.25 and cfg.rope_global.theta == 500.0
+  assert cfg.rope_local.theta == 50.0 and cfg.rope_local.partial_rotary_factor == 1.0
+  assert cfg.enable_moe_block and (cfg.num_experts, cfg.top_k_experts) == (4, 2)
+  assert cfg.hidden_size_per_layer_input == 8 and cfg.final_logit_softcapping == 3.0
+  assert cfg.checkpoint_prefix == "model."
+  spec = cfg.kv_cache_spec()
+  assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (3, 2, 32)
+  assert spec.sliding_window == 4 and spec.sliding_window_layers == (0, 2)
+  freqs = cfg.rope_global.frequencies(32)  # 4 of 16 pairs rotate
+  assert np.count_nonzero(freqs) == 4 and freqs[0] == 1.0
+  text = _read_config(multimodal_checkpoint[1], "gemma4_multimodal")
+  assert text.checkpoint_prefix == "model.language_model."
+  assert text.num_cache_layers == 3 and not text.enable_moe_block
+  assert text.kv_cache_spec().head_dim == 16 and text.kv_cache_spec().num_kv_heads == 2
+
+
+@pytest.mark.parametrize(
+  "option, message",
+  [
+    (dict(scan_layers=True), "scan_layers=True: Gemma4 models cannot"),
+    (dict(enable_lora=True), "enable_lora=True: Gemma4 models do not support LoRA"),
+    (dict(enable_return_routed_experts=True), "enable_return_routed_experts=True needs"),
+  ],
+)
+def test_unsupported_engine_options_are_refused(all_checkpoint, option, message):
+  with pytest.raises(ValueError, match=message):
+    je.LLM(all_checkpoint[1], max_num_reqs=1, max_model_len=16, **option)
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(rope_parameters={FULL: {"rope_type": "yarn"}}), "rope type 'yarn'"),
+    (dict(num_kv_shared_layers=5), "num_kv_shared_layers"),
+    (dict(layer_types=[SLIDING, FULL, "chunked_attention", SLIDING, FULL]), "layer_types"),
+    (dict(num_global_key_value_heads=3), "key/value heads"),
+    (dict(top_k_experts=5), "top_k_experts=5 exceeds"),
+  ],
+)
+def test_bad_configs_are_refused_naming_the_field(tmp_path, fields, message):
+  config = json.loads(transformers.Gemma4TextConfig(**ALL).to_json_string())
+  config.update(architectures=["Gemma4ForCausalLM"], **fields)
+  (tmp_path / "config.json").write_text(json.dumps(config))  # and no weights at all
+  with pytest.raises(ValueError, match=message):
+    je.LLM(tmp_path)
+
+
+def test_model_types_without_architectures_pick_the_gemma4_entries():
+  from jaxengine.models.registry import hf_architecture
+
+  assert hf_architecture({"model_type": "gemma4_text"}).name == "Gemma4ForCausalLM"
+  assert hf_architecture({"model_type": "gemma4"}).name == "Gemma4ForConditionalGeneration"
+
+
+def test_quantization_skips_the_projections_a_layer_lacks(all_checkpoint):
+  """int8: every attention projection a layer has (not a KV-shared layer's keys and values,
+  nor a global k_eq_v layer's values) and the dense MLPs are quantized."""
+  from jaxengine.models.quantization import quantize_model
+
+  model, _ = load_safetensors(all_checkpoint[1])
+  assert isinstance(model, Gemma4)
+  quantized = {".".join(map(str, path)) for path in quantize_model(model, "int8").leaves}
+  assert {"layers.0.attn.wk", "layers.0.attn.wv", "layers.1.attn.wk", "layers.4.attn.wq"} <= (
+    quantized
+  )
+  assert "layers.4.mlp.w_down" in quantized
+  assert not {"layers.1.attn.wv", "layers.3.attn.wk", "layers.3.attn.wv"} & quantized
+
+
+MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jaxengine as je
+params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
+kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=8)
+two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(prompts, params, use_tqdm=False)
+for out in two:
+  print(list(out.outputs[0].token_ids))
+"""
+
+
+def test_two_device_mesh_gives_transformers_tokens(all_checkpoint):
+  """Tensor parallelism over 2 devices (the pages' 2 heads split, the experts split per
+  expert): transformers' greedy tokens."""
+  _, directory, hf_model = all_checkpoint
+  out = run_python(MESH_SCRIPT, os.fspath(directory), timeout=900)
+  got = [json.loads(line) for line in out.strip().splitlines()[-2:]]
+  assert got == [_hf_greedy(hf_model, prompt) for prompt in PROMPTS]
