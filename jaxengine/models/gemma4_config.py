@@ -52,9 +52,7 @@ class Gemma4Rope:
         f"rope theta and factor must be positive, got theta={self.theta}, factor={self.factor}"
       )
     if not 0.0 <= self.partial_rotary_factor <= 1.0:
-      raise ValueError(
-        f"partial_rotary_factor must be in [0, 1], got {self.partial_rotary_factor}"
-      )
+      raise ValueError(f"partial_rotary_factor must be in [0, 1], got {self.partial_rotary_factor}")
 
   def frequencies(self, head_dim: int) -> np.ndarray:
     """``[D/2] float64`` rotary angle per position of each feature pair (a host constant):

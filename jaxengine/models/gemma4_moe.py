@@ -108,4 +108,3 @@ class Gemma4MoeBlock(nnx.Module):
   def _experts(self, w: jax.Array, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """`grouped_linear` of the sorted ``[M, in]`` rows by the ``[X, in, out]`` stack `w`."""
     return grouped_linear(rows, w, group_sizes, batch_invariant=self.batch_invariant)
-
