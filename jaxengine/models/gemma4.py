@@ -30,7 +30,7 @@ Shape letters as in `jaxengine.models.llama`; ``P`` the per-layer input width.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -176,11 +176,14 @@ class Gemma4DecoderLayer(nnx.Module):
     h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
     x = x + self.post_attention_norm(h)
     h = self.mlp(self.pre_feedforward_norm(x))
-    if self.moe is not None:
-      assert self.post_feedforward_norm_1 is not None and self.pre_feedforward_norm_2 is not None
-      assert self.post_feedforward_norm_2 is not None
-      experts = self.moe(x, self.pre_feedforward_norm_2(x))
-      h = self.post_feedforward_norm_1(h) + self.post_feedforward_norm_2(experts)
+    norms = (
+      self.post_feedforward_norm_1,
+      self.pre_feedforward_norm_2,
+      self.post_feedforward_norm_2,
+    )
+    if self.moe is not None and all(norm is not None for norm in norms):
+      dense_norm, experts_in_norm, experts_norm = cast(tuple[RMSNorm, RMSNorm, RMSNorm], norms)
+      h = dense_norm(h) + experts_norm(self.moe(x, experts_in_norm(x)))
     x = x + self.post_feedforward_norm(h)
     if per_layer_input is not None and self.post_ple_norm is not None:
       gate = jax.nn.gelu(project(self, "ple_gate", x), approximate=self.approximate)

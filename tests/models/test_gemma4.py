@@ -276,3 +276,18 @@ def test_two_device_mesh_gives_transformers_tokens(all_checkpoint):
   out = run_python(MESH_SCRIPT, os.fspath(directory), timeout=900)
   got = [json.loads(line) for line in out.strip().splitlines()[-2:]]
   assert got == [_hf_greedy(hf_model, prompt) for prompt in PROMPTS]
+
+
+def test_named_weights_give_back_the_checkpoint_tensors(all_checkpoint):
+  """`named_weights` (what `LLM.load_weights` takes) returns every tensor the model read in the
+  checkpoint's layout: the experts' ``(X, 2F, E)`` / ``(X, E, F)`` stacks transposed back."""
+  import safetensors.numpy
+
+  from jaxengine.models import named_weights
+
+  model, _ = load_safetensors(all_checkpoint[1])
+  tensors = safetensors.numpy.load_file(all_checkpoint[1] / "model.safetensors")
+  named = {name: np.asarray(value) for name, value in named_weights(model)}
+  assert named.keys() == tensors.keys()
+  for name, value in named.items():
+    np.testing.assert_array_equal(value, tensors[name], err_msg=name)
