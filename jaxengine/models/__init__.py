@@ -9,7 +9,9 @@ Flax NNX (Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3, and with the sparse mi
 block of `moe` Qwen3-MoE and Mixtral) and its pure `forward`, built from the blocks in `layers`,
 with its config in `llama_config` and its checkpoint maps in `llama_checkpoints`; `gemma` the
 Gemma 2 / Gemma 3 text decoder (local and global layers, soft caps; config in `gemma_config`,
-checkpoint maps in `gemma_checkpoints`); `registry` maps architecture names (Hugging Face
+checkpoint maps in `gemma_checkpoints`); `gemma4` the Gemma 4 text decoder (its config in
+`gemma4_config`, its experts in `gemma4_moe`, its checkpoint maps in `gemma4_checkpoints`);
+`registry` maps architecture names (Hugging Face
 ``architectures[0]``, GGUF ``general.architecture``) to config reader, module, tensor names and
 sharding roles; `weights`
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
@@ -26,6 +28,7 @@ it, `token_logprobs` (a sequence's logprobs, equal to the engine's bit for bit),
 
 from jaxengine.models.attention import PagedAttentionMetadata
 from jaxengine.models.gemma import Gemma, GemmaConfig
+from jaxengine.models.gemma4 import Gemma4, Gemma4Config
 from jaxengine.models.gguf_loader import default_model_path, load_gguf
 from jaxengine.models.hub import load
 from jaxengine.models.interface import Model, check_model
@@ -39,6 +42,8 @@ from jaxengine.models.weights import WeightSpec, named_weights
 
 __all__ = [
   "Gemma",
+  "Gemma4",
+  "Gemma4Config",
   "GemmaConfig",
   "KVCacheSpec",
   "Llama",

@@ -52,8 +52,8 @@ class AttentionOutput(NamedTuple):
 
 def attention(
   q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
+  k: jax.Array | None,
+  v: jax.Array | None,
   kv_cache: PagedKVCache,
   layer: int,
   metadata: PagedAttentionMetadata,
@@ -97,8 +97,10 @@ def attention(
   Args:
     q: ``[..., H, D]`` queries after the rotary embedding, model dtype (``[T, H, D]`` or
       ``[1, T, H, D]``).
-    k: ``[..., K, D]`` keys after the rotary embedding.
-    v: ``[..., K, D]`` values.
+    k: ``[..., K, D]`` keys after the rotary embedding, or None (with `v`): nothing is written,
+      the queries read what earlier layers of this call wrote in `layer` (a layer that shares an
+      earlier layer's keys and values: Gemma 4's KV-shared layers).
+    v: ``[..., K, D]`` values, or None (with `k`).
     kv_cache: the whole `PagedKVCache`; only `layer` is read and written.
     layer: this layer's index in the cache (static), or a traced ``[] int32`` index when the
       cache's pages are stacked (`PagedKVCache.stacked_layers`, a layer scan).
@@ -145,10 +147,12 @@ def attention(
       f"{math.prod(q.shape[:-2])} tokens, slot_mapping {num_tokens}"
     )
   h, d = q.shape[-2:]
-  kv = k.shape[-2]
-  flat_k, flat_v = k.reshape(num_tokens, kv, d), v.reshape(num_tokens, kv, d)
   backend = kv_cache.backend
-  written = backend.write_kv(kv_cache.pages[layer], flat_k, flat_v, metadata.slot_mapping)
+  written = kv_cache.pages[layer]
+  if k is not None and v is not None:
+    kv = k.shape[-2]
+    flat_k, flat_v = k.reshape(num_tokens, kv, d), v.reshape(num_tokens, kv, d)
+    written = backend.write_kv(written, flat_k, flat_v, metadata.slot_mapping)
   out = backend.attention(
     q.reshape(num_tokens, h, d),
     written,

@@ -33,7 +33,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -143,8 +143,11 @@ class GemmaMLP(nnx.Module):
     ("w_gate", "w_up", "w_down"), (1,)
   )
 
-  def __init__(self, config: GemmaConfig, *, dtype, rngs: nnx.Rngs):
-    e, f = config.hidden_size, config.intermediate_size
+  def __init__(self, config: Any, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None):
+    """Args: config: a config with ``hidden_size``, ``intermediate_size`` and
+    ``hidden_activation`` (`GemmaConfig`, `jaxengine.models.gemma4_config.Gemma4Config`).
+    intermediate_size: ``F`` when not the config's (Gemma 4's double-wide layers)."""
+    e, f = config.hidden_size, intermediate_size or config.intermediate_size
     self.approximate = ACTIVATIONS[config.hidden_activation]
     self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))

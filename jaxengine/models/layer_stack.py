@@ -37,6 +37,7 @@ def apply_layers(
   metadata: PagedAttentionMetadata,
   extra: Callable[[int], tuple[Any, ...]] = lambda index: (),
   outputs: list[Any] | None = None,
+  cache_layer: Callable[[int], int] = lambda index: index,
 ) -> tuple[jax.Array, PagedKVCache]:
   """`x, kv_cache` after every layer, in order: ``x, kv_cache = layer(x, positions, kv_cache,
   index, metadata, *extra(index))``; a layer may return a third value, appended to `outputs`.
@@ -50,12 +51,14 @@ def apply_layers(
     extra: the further arguments of layer `index` (e.g. its LoRA adapters).
     outputs: None, or a list to which each layer's third result (if it returns one: a MoE
       layer's routed experts, `jaxengine.models.llama.DecoderLayer`) is appended, in order.
+    cache_layer: the cache layer whose pages layer `index` reads and writes (itself by default;
+      Gemma 4's KV-shared layers read an earlier layer's, `jaxengine.models.gemma4`).
 
   Returns:
     ``(x, kv_cache)``: the last layer's output and the cache with every layer's keys and values.
   """
   for index, layer in enumerate(layers):
-    view, slot = kv_cache.layer_view(index)
+    view, slot = kv_cache.layer_view(cache_layer(index))
     graphdef, weights = nnx.split(layer)
     x, view, *more = _layer_call(graphdef, weights, x, positions, view, metadata, *extra(index))
     if more and outputs is not None:

@@ -243,6 +243,8 @@ def quantize_model(model: Any, quantization: str) -> QuantizedModel:
     path = cast(LeafPath, tuple(key_path))
     lead = int(bool(path) and path[0] in stacked)  # a leading layer axis (a scanned model)
     for name, axes in _quantizable(module).items():
+      if getattr(module, name) is None:  # a projection this layer lacks (Gemma 4's shared K/V)
+        continue
       in_axes = tuple(axis + lead for axis in axes)
       w = getattr(module, name)[...]
       leaf = QuantizedLeaf((*path, "scales", name), tuple(w.shape), w.dtype, in_axes, quantization)

@@ -30,8 +30,9 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxengine.models import gemma_checkpoints, llama_checkpoints
+from jaxengine.models import gemma4_checkpoints, gemma_checkpoints, llama_checkpoints
 from jaxengine.models.gemma import Gemma
+from jaxengine.models.gemma4 import Gemma4
 from jaxengine.models.llama import Llama
 from jaxengine.models.weights import WeightSpec
 
@@ -133,6 +134,26 @@ def _gemma_hf(name: str, family: str) -> ModelArchitecture:
   )
 
 
+#: Gemma 4: Gemma's names, and its fused expert gate/up stack split per expert like Llama's
+#: experts (the per-layer input tables and projections are replicated).
+GEMMA4_SHARDING_RULES: Mapping[str, str] = {
+  **GEMMA_SHARDING_RULES,
+  "expert_gate_up": EXPERT_COLUMN_PARALLEL,
+}
+
+
+def _gemma4_hf(name: str, family: str) -> ModelArchitecture:
+  multimodal = family == "gemma4_multimodal"
+  return ModelArchitecture(
+    name=name,
+    module=Gemma4,
+    read_config=functools.partial(gemma4_checkpoints.config_from_hf, family=family),
+    weight_specs=gemma4_checkpoints.hf_weight_specs,
+    sharding_rules=GEMMA4_SHARDING_RULES,
+    ignored_prefixes=gemma4_checkpoints.IGNORED_PREFIXES if multimodal else (),
+  )
+
+
 #: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives, mixture-of-experts ones
 #: included, share one module; their config readers differ by family switches (see
 #: `jaxengine.models.llama`). Gemma 2 and 3 share
@@ -149,6 +170,12 @@ HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "Gemma3ForCausalLM": _gemma_hf("Gemma3ForCausalLM", "gemma3"),
   "Gemma3ForConditionalGeneration": _gemma_hf(
     "Gemma3ForConditionalGeneration", "gemma3_multimodal"
+  ),
+  # Gemma 4 (`jaxengine.models.gemma4`): the text decoder; a ForConditionalGeneration
+  # checkpoint's vision and audio towers are not read.
+  "Gemma4ForCausalLM": _gemma4_hf("Gemma4ForCausalLM", "gemma4_text"),
+  "Gemma4ForConditionalGeneration": _gemma4_hf(
+    "Gemma4ForConditionalGeneration", "gemma4_multimodal"
   ),
 }
 
@@ -174,6 +201,8 @@ _HF_MODEL_TYPES = {
   "gemma2": "Gemma2ForCausalLM",
   "gemma3_text": "Gemma3ForCausalLM",
   "gemma3": "Gemma3ForConditionalGeneration",
+  "gemma4_text": "Gemma4ForCausalLM",
+  "gemma4": "Gemma4ForConditionalGeneration",
 }
 
 

@@ -3,7 +3,8 @@
 The architecture (``config.json`` ``architectures[0]``) is looked up in
 `jaxengine.models.registry`, whose entry reads the config, names the module and maps the tensor
 names. Registered today: the Llama family (mixture-of-experts relatives included), served by one
-module with config switches, and Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
+module with config switches, Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`, Gemma 4 by
+`jaxengine.models.gemma4.Gemma4`:
 
 =================================  ==========================================================
 ``LlamaForCausalLM``               Llama 2, Llama 3 / 3.1 / 3.2 (``rope_scaling`` type
@@ -22,6 +23,11 @@ module with config switches, and Gemma 2 / 3 by `jaxengine.models.gemma.Gemma`:
 ``Gemma3ForCausalLM``              Gemma 3 text (1B): q/k norms, a local rotary base.
 ``Gemma3ForConditionalGeneration`` Gemma 3 4B+: its language model (``language_model.``);
                                    the vision tower is not read.
+``Gemma4ForCausalLM``              Gemma 4 text (`jaxengine.models.gemma4`): local/global
+                                   layers of their own head widths, per-layer inputs,
+                                   KV-shared layers, the MoE block.
+``Gemma4ForConditionalGeneration`` Gemma 4: its language model (``model.language_model.``);
+                                   the vision and audio towers are not read.
 =================================  ==========================================================
 
 Tensors are named as in the checkpoint (the entry's ``weight_specs``; for Llama the mapping of

@@ -46,7 +46,8 @@ class WeightSpec:
     transpose: the checkpoint stores the transpose of the (reshaped) parameter: a 2-D
       ``(out, in)`` tensor becomes an ``(in, out)`` kernel, then takes the leaf's shape (for a
       model whose kernels are ``(in, out)``; `jaxengine.models.Llama` keeps PyTorch's
-      ``(out, in)`` layout and transposes nothing).
+      ``(out, in)`` layout and transposes nothing). A tensor of more dimensions has its last
+      two swapped (a whole ``(X, out, in)`` expert stack becomes ``[X, in, out]``).
     rotary_heads: the checkpoint's rows form this many heads whose rotary feature pairs are
       interleaved, ``(2i, 2i+1)`` (GGUF query and key projections); they are put back into the
       model's half-split order ``(i, i + D/2)`` (`unpermute_rotary_rows`). None: rows as stored.
@@ -84,13 +85,14 @@ class WeightSpec:
     if self.rotary_heads is not None:
       tensor = unpermute_rotary_rows(tensor, self.rotary_heads)
     if self.transpose:
-      tensor = tensor.T
+      tensor = tensor.swapaxes(-1, -2)
     return tensor.reshape(param_shape)
 
   def from_param(self, value):
     """The inverse of `to_param`: a parameter (one layer's slice) in the checkpoint's layout."""
     if self.transpose:
-      value = value.reshape(self.shape[::-1]).T
+      swapped = (*self.shape[:-2], self.shape[-1], self.shape[-2])
+      value = value.reshape(swapped).swapaxes(-1, -2)
     value = value.reshape(self.shape)
     if self.rotary_heads is not None:
       rows, cols = value.shape

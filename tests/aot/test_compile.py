@@ -46,6 +46,15 @@ FAMILIES = {
     _MOE, architectures=["MixtralForCausalLM"], model_type="mixtral", num_hidden_layers=2,
     intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
   ),
+  "gemma4": dict(  # every switch: tests/models/test_gemma4.py's "all" layout
+    _TINY, architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", num_hidden_layers=5,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+    sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+    "sliding_attention", "full_attention"], vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=8, num_kv_shared_layers=2, enable_moe_block=True, num_experts=4,
+    top_k_experts=2, moe_intermediate_size=16, use_double_wide_mlp=True,
+    final_logit_softcapping=30.0,
+  ),
 }  # fmt: skip
 #: A tiny model at a head size every TPU kernel tiles (128): its whole precompile set compiles.
 WHOLE_SET = dict(_TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128)
