@@ -30,9 +30,10 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxengine.models import gemma_checkpoints, llama_checkpoints
+from jaxengine.models import gemma_checkpoints, llama_checkpoints, qwen3_5_checkpoints
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.llama import Llama
+from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.weights import WeightSpec
 
 __all__ = [
@@ -133,6 +134,21 @@ def _gemma_hf(name: str, family: str) -> ModelArchitecture:
   )
 
 
+#: Qwen3.5 hybrids run on one device (the engine refuses a mesh for them): nothing is split.
+QWEN3_5_SHARDING_RULES: Mapping[str, str] = {}
+
+
+def _qwen3_5_hf(name: str, family: str) -> ModelArchitecture:
+  return ModelArchitecture(
+    name=name,
+    module=Qwen3_5,
+    read_config=functools.partial(qwen3_5_checkpoints.config_from_hf, family=family),
+    weight_specs=qwen3_5_checkpoints.hf_weight_specs,
+    sharding_rules=QWEN3_5_SHARDING_RULES,
+    ignored_prefixes=qwen3_5_checkpoints.IGNORED_PREFIXES,
+  )
+
+
 #: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives, mixture-of-experts ones
 #: included, share one module; their config readers differ by family switches (see
 #: `jaxengine.models.llama`). Gemma 2 and 3 share
@@ -149,6 +165,12 @@ HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "Gemma3ForCausalLM": _gemma_hf("Gemma3ForCausalLM", "gemma3"),
   "Gemma3ForConditionalGeneration": _gemma_hf(
     "Gemma3ForConditionalGeneration", "gemma3_multimodal"
+  ),
+  # Qwen3.5 hybrids (Gated DeltaNet and gated attention, `jaxengine.models.qwen3_5`); the
+  # image-text checkpoint loads its text decoder (the vision tower is not read).
+  "Qwen3_5ForCausalLM": _qwen3_5_hf("Qwen3_5ForCausalLM", "qwen3_5"),
+  "Qwen3_5ForConditionalGeneration": _qwen3_5_hf(
+    "Qwen3_5ForConditionalGeneration", "qwen3_5_multimodal"
   ),
 }
 
@@ -174,6 +196,8 @@ _HF_MODEL_TYPES = {
   "gemma2": "Gemma2ForCausalLM",
   "gemma3_text": "Gemma3ForCausalLM",
   "gemma3": "Gemma3ForConditionalGeneration",
+  "qwen3_5_text": "Qwen3_5ForCausalLM",
+  "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
 
 

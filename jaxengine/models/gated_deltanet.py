@@ -1,0 +1,259 @@
+"""The Gated DeltaNet layer of Qwen3.5 and the per-request recurrent state it keeps.
+
+A linear-attention layer keeps no keys and values per position: each sequence carries a fixed-size
+state instead, updated token by token (Yang et al., 2025). For one token with input ``x``:
+
+- ``qkv = conv(in_proj_qkv(x))``: a causal depthwise convolution of width ``K`` over the last
+  ``K`` inputs of the sequence (``C = 2 Hk Dk + Hv Dv`` channels), then SiLU; split into
+  ``q [Hk, Dk]``, ``k [Hk, Dk]``, ``v [Hv, Dv]``; ``q`` and ``k`` L2-normalised, each key head
+  repeated for the ``Hv / Hk`` value heads it serves, ``q`` scaled by ``Dk ** -0.5``;
+- ``g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)`` (a log decay per value head) and
+  ``beta = sigmoid(in_proj_b(x))``;
+- the gated delta rule on the head's state ``S [Dk, Dv]``: ``S *= exp(g)``,
+  ``S += k (beta (v - k S))^T``, output ``o = q S``;
+- ``out_proj(rmsnorm(o) * w * silu(in_proj_z(x)))`` (the gated RMSNorm, a plain ``w``).
+
+The state of a sequence is therefore ``K - 1`` convolution inputs (``[K - 1, C]``) and the delta
+rule's ``[Hv, Dk, Dv]`` float32 matrices, per linear layer (`RecurrentStateSpec`). The engine keeps
+them in a pool of slots (`RecurrentState`, beside the pages of the full-attention layers in
+`jaxengine.models.kv_pages.PagedKVCache`'s ``recurrent``), one slot per running request
+(`PagedAttentionMetadata.state_slots`); slot 0 is the null slot padding tokens write to. A token
+at position 0 starts from a zero state, so a new request (or one recomputed after preemption)
+needs no host-side reset, and a later prefill chunk or decode reads what the earlier one wrote.
+
+This first version runs the recurrence one token at a time over the step's flat tokens
+(`jax.lax.scan`, each token reading and writing its own request's slot): exact, and simple, but
+sequential in the step's tokens (a chunked form per request is the faster way for long prefills).
+
+References:
+  Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", 2025.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.models.layers import normal_out_in, project
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "token_slots"]
+
+#: The state slot padding tokens read and write; no request owns it.
+NULL_STATE_SLOT = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecurrentStateSpec:
+  """What a hybrid model keeps per request and linear layer (its state's shapes, no arrays).
+
+  Attributes:
+    num_layers: linear layers (each has its own state).
+    conv_dim: ``C``, the convolution's channels.
+    conv_width: ``K - 1``, the convolution inputs kept.
+    num_heads: ``Hv``, value heads.
+    key_dim: ``Dk``.
+    value_dim: ``Dv``.
+    dtype: the convolution window's dtype (the model's); the delta rule's state is float32.
+  """
+
+  num_layers: int
+  conv_dim: int
+  conv_width: int
+  num_heads: int
+  key_dim: int
+  value_dim: int
+  dtype: Any = jnp.float32
+
+  @property
+  def bytes_per_slot(self) -> int:
+    """Device bytes of one request's state, every linear layer together."""
+    conv = self.conv_width * self.conv_dim * jnp.dtype(self.dtype).itemsize
+    delta = self.num_heads * self.key_dim * self.value_dim * 4
+    return self.num_layers * (conv + delta)
+
+  def create(self, num_slots: int) -> RecurrentState:
+    """A zero pool of `num_slots` slots (the null slot 0 included); each array its own buffer.
+
+    Raises:
+      ValueError: `num_slots < 2`.
+    """
+    if num_slots < 2:
+      raise ValueError(f"num_slots must be >= 2 (the null slot and one more), got {num_slots}")
+    conv = (num_slots, self.conv_width, self.conv_dim)
+    delta = (num_slots, self.num_heads, self.key_dim, self.value_dim)
+    return RecurrentState(
+      conv=tuple(jnp.zeros(conv, self.dtype) for _ in range(self.num_layers)),
+      delta=tuple(jnp.zeros(delta, jnp.float32) for _ in range(self.num_layers)),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecurrentState:
+  """The pool of recurrent state slots of every linear layer (``S`` slots, slot 0 the null one).
+
+  Attributes:
+    conv: per linear layer, ``[S, K - 1, C]`` the last convolution inputs of each slot's sequence.
+    delta: per linear layer, ``[S, Hv, Dk, Dv] float32`` each slot's delta-rule state.
+  """
+
+  conv: tuple[jax.Array, ...]
+  delta: tuple[jax.Array, ...]
+
+  @property
+  def num_slots(self) -> int:
+    """``S``, the null slot included."""
+    return int(self.delta[0].shape[0]) if self.delta else 0
+
+
+def token_slots(metadata: PagedAttentionMetadata, num_tokens: int) -> jax.Array:
+  """``[T] int32`` the state slot of each of the step's flat tokens: its request's
+  ``state_slots`` entry, `NULL_STATE_SLOT` for padding tokens.
+
+  Raises:
+    ValueError: (at trace time) metadata without ``state_slots``.
+  """
+  if metadata.state_slots is None:
+    raise ValueError("a hybrid model's step needs PagedAttentionMetadata.state_slots")
+  starts = metadata.query_start_loc
+  index = jnp.arange(num_tokens, dtype=jnp.int32)
+  request = jnp.searchsorted(starts[1:], index, side="right")  # starts[r] <= i < starts[r + 1]
+  request = jnp.minimum(request, metadata.state_slots.shape[0] - 1)
+  is_real = index < starts[metadata.num_reqs]
+  return jnp.where(is_real, metadata.state_slots[request], NULL_STATE_SLOT).astype(jnp.int32)
+
+
+class GatedRMSNorm(nnx.Module):
+  """``rmsnorm(x) * w * silu(z)`` over a value head's ``Dv`` features (the normalisation in
+  float32, ``w`` plain, initialised to 1)."""
+
+  def __init__(self, dim: int, *, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+    """``[..., Dv]`` `x` and gate `z` -> ``[..., Dv]`` in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    y = self.scale[...] * normed.astype(x.dtype).astype(jnp.float32)
+    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+  """One Gated DeltaNet layer (module docstring) over the step's flat tokens.
+
+  Attributes:
+    w_qkv: ``[C, E]``; w_z: ``[Hv Dv, E]``; w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
+      (``[out, in]`` layout).
+    conv: ``[C, K]`` the depthwise convolution's taps, oldest input first.
+    a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
+    norm: the `GatedRMSNorm`.
+    scales: row scales of quantized projections (none: a hybrid model is not quantized).
+    batch_invariant: projections a fixed number of rows at a time.
+  """
+
+  #: No projection is quantized (the engine refuses ``quantization`` for a hybrid model).
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+  def __init__(self, config: Any, *, dtype, rngs: nnx.Rngs):
+    e, c = config.hidden_size, config.conv_dim
+    hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    self.num_key_heads = config.linear_num_key_heads
+    self.num_value_heads = hv
+    self.key_dim = config.linear_key_head_dim
+    self.value_dim = dv
+    self.w_qkv = nnx.Param(normal_out_in(rngs, (c,), (e,), dtype))
+    self.w_z = nnx.Param(normal_out_in(rngs, (hv * dv,), (e,), dtype))
+    self.w_b = nnx.Param(normal_out_in(rngs, (hv,), (e,), dtype))
+    self.w_a = nnx.Param(normal_out_in(rngs, (hv,), (e,), dtype))
+    width = config.linear_conv_kernel_dim
+    self.conv = nnx.Param(normal_out_in(rngs, (c,), (width,), dtype))
+    decay = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)
+    self.a_log = nnx.Param(jnp.log(decay))
+    self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+    self.norm = GatedRMSNorm(dv, eps=config.rms_norm_eps)
+    self.w_out = nnx.Param(normal_out_in(rngs, (e,), (hv * dv,), dtype))
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
+    self.batch_invariant = False
+
+  def __call__(
+    self,
+    x: jax.Array,
+    conv_state: jax.Array,
+    delta_state: jax.Array,
+    slots: jax.Array,
+    reset: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the layer over the step's tokens in order, each on its own request's state slot.
+
+    Args:
+      x: ``[..., E]`` normalised hidden states of the ``T`` flat tokens.
+      conv_state: ``[S, K - 1, C]`` this layer's convolution windows (`RecurrentState.conv`).
+      delta_state: ``[S, Hv, Dk, Dv] float32`` its delta-rule states.
+      slots: ``[T] int32`` each token's slot (`token_slots`).
+      reset: ``[T] bool`` tokens that start their sequence (position 0): they read a zero state.
+
+    Returns:
+      ``([..., E] output, conv_state, delta_state)`` with each slot holding its sequence's state
+      after its last token of the step.
+    """
+    lead, e = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, e)  # [T, E]
+    hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
+    mixed = project(self, "w_qkv", flat)  # [T, C]
+    z = project(self, "w_z", flat).reshape(-1, hv, dv)
+    beta = jax.nn.sigmoid(project(self, "w_b", flat)).astype(jnp.float32)  # [T, Hv]
+    a = project(self, "w_a", flat).astype(jnp.float32)
+    g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
+    taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
+    repeat = hv // hk
+
+    def token(carry, inputs):
+      conv_pool, delta_pool = carry
+      mixed_t, g_t, beta_t, slot, fresh = inputs
+      window = jnp.where(fresh, 0, conv_pool[slot])  # [K - 1, C]
+      full = jnp.concatenate([window, mixed_t[None].astype(window.dtype)])  # [K, C]
+      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=0)).astype(x.dtype)
+      qkv = qkv.astype(jnp.float32)
+      q = _l2_normalize(qkv[: hk * dk].reshape(hk, dk))
+      k = _l2_normalize(qkv[hk * dk : 2 * hk * dk].reshape(hk, dk))
+      v = qkv[2 * hk * dk :].reshape(hv, dv)
+      q = jnp.repeat(q, repeat, axis=0) * dk**-0.5  # [Hv, Dk]
+      k = jnp.repeat(k, repeat, axis=0)
+      state = jnp.where(fresh, 0.0, delta_pool[slot]) * jnp.exp(g_t)[:, None, None]
+      remembered = jnp.einsum("hk,hkv->hv", k, state)
+      delta = (v - remembered) * beta_t[:, None]
+      state = state + k[:, :, None] * delta[:, None, :]
+      out = jnp.einsum("hk,hkv->hv", q, state)  # [Hv, Dv]
+      conv_pool = conv_pool.at[slot].set(full[1:])
+      delta_pool = delta_pool.at[slot].set(state)
+      return (conv_pool, delta_pool), out
+
+    (conv_state, delta_state), out = jax.lax.scan(
+      token, (conv_state, delta_state), (mixed, g, beta, slots, reset)
+    )
+    out = self.norm(out.astype(x.dtype), z).reshape(-1, hv * dv)
+    return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
+
+
+def state_spec(config: Any, dtype) -> RecurrentStateSpec:
+  """The `RecurrentStateSpec` of a Qwen3.5 config's linear layers in the model `dtype`."""
+  return RecurrentStateSpec(
+    num_layers=len(config.linear_layers),
+    conv_dim=config.conv_dim,
+    conv_width=config.linear_conv_kernel_dim - 1,
+    num_heads=config.linear_num_value_heads,
+    key_dim=config.linear_key_head_dim,
+    value_dim=config.linear_value_head_dim,
+    dtype=np.dtype(jnp.dtype(dtype)),
+  )
