@@ -134,9 +134,15 @@ def test_greedy_and_prompt_logprobs_match_transformers_chunked_and_preempted(che
   assert _free_state_slots(llm) == 3
 
 
-def test_seeded_samples_together_equal_one_by_one(llm):
+def test_seeded_samples_together_equal_one_by_one(checkpoint, llm):
   """Two ``n=2`` seeded requests in one batch (each sample prefilling its own state) give the
-  samples each gives alone; the slots are all free afterwards."""
+  samples each gives alone; both greedy samples (``top_k=1``) of an ``n=2`` request are transformers' tokens
+  (the second computes its own prompt: a page forked from the first would hold no state); the
+  slots are all free afterwards."""
+  greedy = je.SamplingParams(top_k=1, max_tokens=MAX_TOKENS, n=2, ignore_eos=True)  # argmax
+  (both,) = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)
+  want = _hf_greedy(checkpoint[1], PROMPTS[0])
+  assert [list(c.token_ids) for c in both.outputs] == [want, want]
   params = je.SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=11, ignore_eos=True)
   prompts = PROMPTS[:2]
   together = llm.generate(prompts, params, use_tqdm=False)
