@@ -28,6 +28,7 @@ Shape letters as in `jaxengine.models.llama`.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,7 @@ class Qwen3_5Attention(nnx.Module):
     cache_layer: this layer's index among the full-attention layers (its pages).
   """
 
-  QUANTIZABLE: dict[str, tuple[int, ...]] = {}
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
 
   def __init__(self, config: Qwen3_5Config, cache_layer: int, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
@@ -114,7 +115,7 @@ class Qwen3_5Attention(nnx.Module):
 class Qwen3_5MLP(nnx.Module):
   """``down(silu(gate(x)) * up(x))``; w_gate, w_up ``[F, E]``, w_down ``[E, F]``."""
 
-  QUANTIZABLE: dict[str, tuple[int, ...]] = {}
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
 
   def __init__(self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
     e, f = config.hidden_size, config.intermediate_size
@@ -214,15 +215,14 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       metadata = dataclasses.replace(attn_metadata, state_slots=slots)
     slots = token_slots(metadata, num_tokens)
     reset = positions.reshape(-1) == 0
-    flat_positions = positions
     conv, delta = list(pool.conv), list(pool.delta)
     for layer in self.layers:
       h = layer.input_norm(x)
-      if layer.is_linear:
+      if isinstance(layer.mixer, GatedDeltaNet):
         j = layer.kind_index
         h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], slots, reset)
       else:
-        h, kv_cache = layer.mixer(h, flat_positions, kv_cache, attn_metadata)
+        h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata)
       x = x + h
       x = x + layer.mlp(layer.post_attention_norm(x))
     if kv_cache.recurrent is not None:
