@@ -200,3 +200,18 @@ def test_config_defaults_and_refusals():
     config_from_hf(dict(TEXT, rope_parameters={"rope_type": "yarn"}), "qwen3_5")
   with pytest.raises(ValueError, match="layer_types"):
     config_from_hf(dict(TEXT, layer_types=["mamba"] * 4), "qwen3_5")
+
+
+def test_state_pool_comes_out_of_kv_cache_memory_bytes():
+  """``max_num_reqs + 1`` state slots beside the pages; their bytes leave the pages the rest of
+  ``kv_cache_memory_bytes`` (a page: 4 positions of 2 heads of 16, keys and values, float32, one
+  attention layer), and a budget that holds no page beside them is refused."""
+  model = _module()
+  pool_bytes = 3 * model.recurrent_state_spec.bytes_per_slot
+  page_bytes = 4 * 2 * 16 * 2 * 4
+  kw = dict(max_num_reqs=2, max_model_len=32, block_size=4)
+  llm = je.LLM(model, kv_cache_memory_bytes=pool_bytes + 20 * page_bytes, **kw)
+  runner = llm.llm_engine.cores[0].runner
+  assert runner.num_blocks == 20 and runner.kv_cache.recurrent.num_slots == 3
+  with pytest.raises(ValueError, match="kv_cache_memory_bytes=.*recurrent state"):
+    je.LLM(model, kv_cache_memory_bytes=pool_bytes, **kw)
