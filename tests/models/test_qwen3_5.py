@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -213,5 +214,15 @@ def test_state_pool_comes_out_of_kv_cache_memory_bytes():
   llm = je.LLM(model, kv_cache_memory_bytes=pool_bytes + 20 * page_bytes, **kw)
   runner = llm.llm_engine.cores[0].runner
   assert runner.num_blocks == 20 and runner.kv_cache.recurrent.num_slots == 3
-  with pytest.raises(ValueError, match="kv_cache_memory_bytes=.*recurrent state"):
+  with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=.*recurrent state"):
     je.LLM(model, kv_cache_memory_bytes=pool_bytes, **kw)
+
+
+def test_ahead_of_time_compilation_refuses_the_hybrid(checkpoint):
+  from jaxengine.aot.executables import abstract_engine
+  from jaxengine.engine_config import EngineConfig
+
+  with pytest.raises(ValueError, match=r"ahead-of-time compilation .* Qwen3_5"):
+    abstract_engine(
+      str(checkpoint[0]), EngineConfig(max_num_reqs=2), jax.devices(), jnp.float32, "cpu"
+    )
