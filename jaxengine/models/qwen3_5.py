@@ -12,7 +12,8 @@
   are the same on Qwen3.5's three multimodal rotary sections, so they rotate as one).
 
 Per layer ``x += mixer(input_norm(x)); x += mlp(post_attention_norm(x))``, every decoder norm
-``x / rms(x) * (1 + w)`` in float32, the MLP ``down(silu(gate(x)) * up(x))``; logits
+``x / rms(x) * (1 + w)`` in float32, the MLP ``down(silu(gate(x)) * up(x))`` (the MoE variants:
+routed experts plus a gated shared expert, `Qwen3_5SparseMoe`); logits
 ``lm_head(final_norm(x))`` (or the tied embedding).
 
 The paged cache holds only the full-attention layers (`Qwen3_5Config.kv_cache_spec`); the linear
@@ -28,7 +29,7 @@ Shape letters as in `jaxengine.models.llama`.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +46,14 @@ from jaxengine.models.gated_deltanet import (
 from jaxengine.models.layers import (
   ConfiguredDecoder,
   RMSNorm,
+  linear,
   normal_init,
   normal_out_in,
   project,
   rotary_embedding,
   vocab_logits,
 )
+from jaxengine.models.moe import SparseMoeBlock
 from jaxengine.models.qwen3_5_checkpoints import LINEAR, Qwen3_5Config, hf_weight_specs
 from jaxengine.models.weights import WeightSpec
 
@@ -113,12 +116,15 @@ class Qwen3_5Attention(nnx.Module):
 
 
 class Qwen3_5MLP(nnx.Module):
-  """``down(silu(gate(x)) * up(x))``; w_gate, w_up ``[F, E]``, w_down ``[E, F]``."""
+  """``down(silu(gate(x)) * up(x))``; w_gate, w_up ``[F, E]``, w_down ``[E, F]`` (``F`` the
+  config's ``intermediate_size`` unless given)."""
 
   QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
 
-  def __init__(self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
-    e, f = config.hidden_size, config.intermediate_size
+  def __init__(
+    self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None
+  ):
+    e, f = config.hidden_size, intermediate_size or config.intermediate_size
     self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))
@@ -128,6 +134,26 @@ class Qwen3_5MLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     hidden = jax.nn.silu(project(self, "w_gate", x)) * project(self, "w_up", x)
     return project(self, "w_down", hidden)
+
+
+class Qwen3_5SparseMoe(nnx.Module):
+  """The MoE variants' feed-forward block: ``experts(x) + sigmoid(shared_gate x) * shared(x)``,
+  the routed experts `jaxengine.models.moe.SparseMoeBlock` (softmax, top ``k``, renormalised).
+
+  Attributes:
+    experts: the routed experts; shared: the shared expert (`Qwen3_5MLP`);
+    shared_gate: ``[1, E]`` its gate.
+  """
+
+  def __init__(self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
+    self.experts = SparseMoeBlock(cast(Any, config), dtype=dtype, rngs=rngs)
+    width = config.shared_expert_intermediate_size
+    self.shared = Qwen3_5MLP(config, dtype=dtype, rngs=rngs, intermediate_size=width)
+    self.shared_gate = nnx.Param(normal_out_in(rngs, (1,), (config.hidden_size,), dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate = jax.nn.sigmoid(linear(x, self.shared_gate[...]))  # [..., 1]
+    return self.experts(x) + gate * self.shared(x)
 
 
 class Qwen3_5DecoderLayer(nnx.Module):
@@ -147,7 +173,11 @@ class Qwen3_5DecoderLayer(nnx.Module):
     else:
       self.mixer = Qwen3_5Attention(config, self.kind_index, dtype=dtype, rngs=rngs)
     self.post_attention_norm = _norm(config, e)
-    self.mlp = Qwen3_5MLP(config, dtype=dtype, rngs=rngs)
+    self.mlp: Qwen3_5MLP | Qwen3_5SparseMoe
+    if config.num_experts:
+      self.mlp = Qwen3_5SparseMoe(config, dtype=dtype, rngs=rngs)
+    else:
+      self.mlp = Qwen3_5MLP(config, dtype=dtype, rngs=rngs)
 
 
 class Qwen3_5(ConfiguredDecoder, nnx.Module):

@@ -2,7 +2,9 @@
 
 - ``config.json`` -> `Qwen3_5Config` (`config_from_hf`; family ``"qwen3_5"`` for
   ``Qwen3_5ForCausalLM``, ``"qwen3_5_multimodal"`` for the text decoder of a
-  ``Qwen3_5ForConditionalGeneration`` checkpoint, read from its ``text_config``).
+  ``Qwen3_5ForConditionalGeneration`` checkpoint, read from its ``text_config``, and
+  ``"qwen3_5_moe"`` / ``"qwen3_5_moe_multimodal"`` for the mixture-of-experts variants:
+  ``Qwen3_5MoeForCausalLM`` / ``Qwen3_5MoeForConditionalGeneration``).
 - tensor names -> leaves (`hf_weight_specs`): ``model.layers.0.linear_attn.in_proj_qkv.weight``
   -> ``layers/0/mixer/w_qkv``; the image-text checkpoint holds the same names under
   ``model.language_model.`` (its ``lm_head.weight`` stays at the top) and its vision tower
@@ -32,7 +34,7 @@ from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.weights import WeightSpec
 
 #: Families `config_from_hf` reads.
-FAMILIES = ("qwen3_5", "qwen3_5_multimodal")
+FAMILIES = ("qwen3_5", "qwen3_5_multimodal", "qwen3_5_moe", "qwen3_5_moe_multimodal")
 #: The two kinds of layer in ``layer_types``.
 LINEAR, FULL = "linear_attention", "full_attention"
 #: Tensors of a ``Qwen3_5ForConditionalGeneration`` checkpoint that are not the text decoder's
@@ -54,6 +56,11 @@ class Qwen3_5Config:
     partial_rotary_factor: the share of a full-attention head's features that rotate.
     checkpoint_prefix: the text decoder's name prefix in the checkpoint (``model.`` or
       ``model.language_model.``).
+    num_experts: ``X`` routed experts of every layer's sparse block (the MoE variants), 0 for
+      a dense MLP.
+    num_experts_per_tok: ``k`` experts per token; their routing weights are renormalised.
+    moe_intermediate_size: an expert's intermediate features.
+    shared_expert_intermediate_size: the shared expert's (gated by ``sigmoid(w x)``).
   """
 
   vocab_size: int
@@ -77,6 +84,12 @@ class Qwen3_5Config:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   checkpoint_prefix: str = "model."
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  shared_expert_intermediate_size: int = 0
+  #: The routed weights are renormalised to sum to one (`jaxengine.models.moe.route`).
+  norm_topk_prob: bool = True
 
   @property
   def linear_layers(self) -> tuple[int, ...]:
@@ -134,13 +147,27 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:
   if family not in FAMILIES:
     raise ValueError(f"unknown Qwen3.5 family {family!r}; known: {', '.join(FAMILIES)}")
   prefix = "model."
-  if family == "qwen3_5_multimodal":
+  moe = family.startswith("qwen3_5_moe")
+  if family.endswith("_multimodal"):
     text = hf.get("text_config")
     if not isinstance(text, Mapping):
       raise ValueError("a Qwen3_5ForConditionalGeneration config.json needs a 'text_config' object")
     top = {k: hf[k] for k in ("eos_token_id", "tie_word_embeddings") if hf.get(k) is not None}
     hf = {**top, **text}
     prefix = "model.language_model."
+  experts = {}
+  if moe:
+    experts = dict(
+      num_experts=config_int(hf, "num_experts"),
+      num_experts_per_tok=config_int(hf, "num_experts_per_tok"),
+      moe_intermediate_size=config_int(hf, "moe_intermediate_size"),
+      shared_expert_intermediate_size=config_int(hf, "shared_expert_intermediate_size"),
+    )
+    if not 1 <= experts["num_experts_per_tok"] <= experts["num_experts"]:
+      raise ValueError(
+        f"num_experts_per_tok={experts['num_experts_per_tok']} must be in "
+        f"[1, num_experts={experts['num_experts']}]"
+      )
   if config_bool(hf, "attention_bias", False):
     raise ValueError("attention_bias=True is not supported for Qwen3.5")
   if hf.get("hidden_act", "silu") != "silu":
@@ -163,7 +190,7 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:
   config = Qwen3_5Config(
     vocab_size=config_int(hf, "vocab_size"),
     hidden_size=config_int(hf, "hidden_size"),
-    intermediate_size=config_int(hf, "intermediate_size"),
+    intermediate_size=config_int(hf, "intermediate_size", 0 if moe else None),
     num_hidden_layers=num_layers,
     num_attention_heads=config_int(hf, "num_attention_heads"),
     num_key_value_heads=config_int(hf, "num_key_value_heads"),
@@ -184,6 +211,7 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:
     bos_token_id=config_token_id(hf, "bos_token_id"),
     eos_token_id=config_token_id(hf, "eos_token_id"),
     checkpoint_prefix=prefix,
+    **experts,
   )
   for heads, kv, what in (
     (config.num_attention_heads, config.num_key_value_heads, "num_attention_heads"),
@@ -200,7 +228,8 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
   Names (``p`` the `Qwen3_5Config.checkpoint_prefix`): ``{p}embed_tokens.weight``,
   ``{p}norm.weight``, ``lm_head.weight`` (accepted and ignored when the embeddings are tied),
   and per layer ``i`` under ``{p}layers.{i}.``: ``input_layernorm``,
-  ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj`` (each ``.weight``), then a linear
+  ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj`` (each ``.weight``; the MoE
+  variants' sparse block instead, `_moe_specs`), then a linear
   layer's ``linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj,norm}.weight``,
   ``linear_attn.conv1d.weight``, ``linear_attn.A_log``, ``linear_attn.dt_bias``, or a full
   layer's ``self_attn.{q,k,v,o}_proj.weight`` and ``self_attn.{q,k}_norm.weight``.
@@ -241,9 +270,39 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
     ("self_attn.q_norm.weight", ("mixer", "q_norm", "scale"), (d,)),
     ("self_attn.k_norm.weight", ("mixer", "k_norm", "scale"), (d,)),
   ]
+  if cfg.num_experts:
+    common = common[:2]
   for i, kind in enumerate(cfg.layer_types):
     specs += [
       WeightSpec(f"{p}layers.{i}.{suffix}", ("layers", i, *path), None, shape)
       for suffix, path, shape in common + (linear if kind == LINEAR else full)
+    ]
+    if cfg.num_experts:
+      specs += _moe_specs(cfg, i)
+  return specs
+
+
+def _moe_specs(cfg: Qwen3_5Config, layer: int) -> list[WeightSpec]:
+  """Layer `layer`'s sparse block: the router ``mlp.gate.weight`` ``(X, E)``, each expert
+  ``j``'s ``mlp.experts.{j}.{gate,up,down}_proj.weight`` (row ``j`` of the ``[X, in, out]``
+  stacks of `jaxengine.models.moe.SparseMoeBlock`, transposed), the shared expert's
+  ``mlp.shared_expert.{gate,up,down}_proj.weight`` and its gate ``mlp.shared_expert_gate.weight``
+  ``(1, E)``."""
+  e, f, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+  name = f"{cfg.checkpoint_prefix}layers.{layer}.mlp"
+  path = ("layers", layer, "mlp")
+  specs = [
+    WeightSpec(f"{name}.gate.weight", (*path, "experts", "router"), None, (cfg.num_experts, e)),
+    WeightSpec(f"{name}.shared_expert.gate_proj.weight", (*path, "shared", "w_gate"), None, (s, e)),
+    WeightSpec(f"{name}.shared_expert.up_proj.weight", (*path, "shared", "w_up"), None, (s, e)),
+    WeightSpec(f"{name}.shared_expert.down_proj.weight", (*path, "shared", "w_down"), None, (e, s)),
+    WeightSpec(f"{name}.shared_expert_gate.weight", (*path, "shared_gate"), None, (1, e)),
+  ]
+  for j in range(cfg.num_experts):
+    expert = f"{name}.experts.{j}"
+    specs += [
+      WeightSpec(f"{expert}.gate_proj.weight", (*path, "experts", "expert_gate"), j, (f, e), True),
+      WeightSpec(f"{expert}.up_proj.weight", (*path, "experts", "expert_up"), j, (f, e), True),
+      WeightSpec(f"{expert}.down_proj.weight", (*path, "experts", "expert_down"), j, (e, f), True),
     ]
   return specs

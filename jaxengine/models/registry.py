@@ -172,6 +172,10 @@ HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "Qwen3_5ForConditionalGeneration": _qwen3_5_hf(
     "Qwen3_5ForConditionalGeneration", "qwen3_5_multimodal"
   ),
+  "Qwen3_5MoeForCausalLM": _qwen3_5_hf("Qwen3_5MoeForCausalLM", "qwen3_5_moe"),
+  "Qwen3_5MoeForConditionalGeneration": _qwen3_5_hf(
+    "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_multimodal"
+  ),
 }
 
 #: GGUF ``general.architecture`` -> entry.
@@ -198,6 +202,8 @@ _HF_MODEL_TYPES = {
   "gemma3": "Gemma3ForConditionalGeneration",
   "qwen3_5_text": "Qwen3_5ForCausalLM",
   "qwen3_5": "Qwen3_5ForConditionalGeneration",
+  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 

@@ -6,7 +6,8 @@ every tensor randomised (norm offsets too). One engine with a small token budget
 prefill) and a pool of pages too small for its requests at once (preemption) must give
 transformers' greedy tokens and prompt logprobs within 1e-4; seeded ``n > 1`` requests the same
 samples together as one by one; every recurrent state slot free at the end. The image-text
-checkpoint's text decoder gives transformers' logprobs through `token_logprobs`. What the
+checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' logprobs through
+`token_logprobs`. What the
 recurrent state does not carry yet is refused. Nothing here touches the network (transformers
 takes its PyTorch fallbacks of the linear layers' kernels).
 """
@@ -163,6 +164,28 @@ def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   prompt = PROMPTS[0]
   got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
   np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+
+
+def test_moe_checkpoint_matches_transformers(tmp_path):
+  """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
+  expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
+  fields = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+  config = transformers.Qwen3_5MoeTextConfig(
+    **fields,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+  )
+  torch.manual_seed(0)
+  hf_model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+  _randomise(hf_model, 0)
+  hf_model.save_pretrained(tmp_path)
+  model, loaded = load_safetensors(tmp_path)
+  assert loaded.num_experts == 4 and loaded.shared_expert_intermediate_size == 40
+  for prompt in PROMPTS[:2]:
+    got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
+    np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
 def _module() -> Qwen3_5:
