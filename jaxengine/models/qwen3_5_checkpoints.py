@@ -155,7 +155,7 @@ def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:
     top = {k: hf[k] for k in ("eos_token_id", "tie_word_embeddings") if hf.get(k) is not None}
     hf = {**top, **text}
     prefix = "model.language_model."
-  experts = {}
+  experts: dict[str, Any] = {}
   if moe:
     experts = dict(
       num_experts=config_int(hf, "num_experts"),
