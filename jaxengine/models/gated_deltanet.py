@@ -21,9 +21,12 @@ them in a pool of slots (`RecurrentState`, beside the pages of the full-attentio
 at position 0 starts from a zero state, so a new request (or one recomputed after preemption)
 needs no host-side reset, and a later prefill chunk or decode reads what the earlier one wrote.
 
-This first version runs the recurrence one token at a time over the step's flat tokens
-(`jax.lax.scan`, each token reading and writing its own request's slot): exact, and simple, but
-sequential in the step's tokens (a chunked form per request is the faster way for long prefills).
+The recurrence runs over the step's requests side by side (`StepRows`): each request's state is
+gathered from its slot once, iteration ``j`` of a loop of as many iterations as the step's longest
+request has tokens computes the ``j``-th token of every request that has one, and the states are
+scattered back to their slots at the end. A step of decodes is one iteration over all rows; a
+prefill chunk of ``n`` tokens is ``n`` iterations (exact, but sequential in the chunk: a chunked
+form of the delta rule per request is the faster way for long prefills).
 
 References:
   Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", 2025.
@@ -32,17 +35,16 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxengine.models.layers import normal_out_in, project
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "token_slots"]
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "StepRows"]
 
 #: The state slot padding tokens read and write; no request owns it.
 NULL_STATE_SLOT = 0
@@ -112,21 +114,43 @@ class RecurrentState:
     return int(self.delta[0].shape[0]) if self.delta else 0
 
 
-def token_slots(metadata: PagedAttentionMetadata, num_tokens: int) -> jax.Array:
-  """``[T] int32`` the state slot of each of the step's flat tokens: its request's
-  ``state_slots`` entry, `NULL_STATE_SLOT` for padding tokens.
+class StepRows(NamedTuple):
+  """Where each request of a ragged step has its tokens and its state (``R`` requests).
 
-  Raises:
-    ValueError: (at trace time) metadata without ``state_slots``.
+  Attributes:
+    starts: ``[R] int32`` the flat index of each request's first token.
+    lengths: ``[R] int32`` its tokens this step (0 for padding requests).
+    slots: ``[R] int32`` its state slot (`NULL_STATE_SLOT` for padding requests).
+    fresh: ``[R] bool`` its first token is at position 0: it starts from a zero state.
+    max_length: ``[] int32`` the most tokens of any request (the loop's iterations).
   """
-  if metadata.state_slots is None:
-    raise ValueError("a hybrid model's step needs PagedAttentionMetadata.state_slots")
-  starts = metadata.query_start_loc
-  index = jnp.arange(num_tokens, dtype=jnp.int32)
-  request = jnp.searchsorted(starts[1:], index, side="right")  # starts[r] <= i < starts[r + 1]
-  request = jnp.minimum(request, metadata.state_slots.shape[0] - 1)
-  is_real = index < starts[metadata.num_reqs]
-  return jnp.where(is_real, metadata.state_slots[request], NULL_STATE_SLOT).astype(jnp.int32)
+
+  starts: jax.Array
+  lengths: jax.Array
+  slots: jax.Array
+  fresh: jax.Array
+  max_length: jax.Array
+
+  @classmethod
+  def of(cls, metadata: PagedAttentionMetadata, positions: jax.Array) -> StepRows:
+    """The rows of a step from its metadata (``state_slots`` set) and ``[..., T]`` positions.
+
+    Raises:
+      ValueError: (at trace time) metadata without ``state_slots``.
+    """
+    if metadata.state_slots is None:
+      raise ValueError("a hybrid model's step needs PagedAttentionMetadata.state_slots")
+    flat = positions.reshape(-1)
+    starts = metadata.query_start_loc[:-1]
+    lengths = metadata.query_lens
+    is_real = jnp.arange(starts.shape[0]) < metadata.num_reqs
+    return cls(
+      starts=starts,
+      lengths=lengths,
+      slots=jnp.where(is_real, metadata.state_slots, NULL_STATE_SLOT).astype(jnp.int32),
+      fresh=flat[jnp.minimum(starts, flat.shape[0] - 1)] == 0,
+      max_length=jnp.max(lengths),
+    )
 
 
 class GatedRMSNorm(nnx.Module):
@@ -187,28 +211,23 @@ class GatedDeltaNet(nnx.Module):
     self.batch_invariant = False
 
   def __call__(
-    self,
-    x: jax.Array,
-    conv_state: jax.Array,
-    delta_state: jax.Array,
-    slots: jax.Array,
-    reset: jax.Array,
+    self, x: jax.Array, conv_state: jax.Array, delta_state: jax.Array, rows: StepRows
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Runs the layer over the step's tokens in order, each on its own request's state slot.
+    """Runs the layer over the step's requests side by side, each on its own state slot.
 
     Args:
       x: ``[..., E]`` normalised hidden states of the ``T`` flat tokens.
       conv_state: ``[S, K - 1, C]`` this layer's convolution windows (`RecurrentState.conv`).
       delta_state: ``[S, Hv, Dk, Dv] float32`` its delta-rule states.
-      slots: ``[T] int32`` each token's slot (`token_slots`).
-      reset: ``[T] bool`` tokens that start their sequence (position 0): they read a zero state.
+      rows: the step's `StepRows`.
 
     Returns:
-      ``([..., E] output, conv_state, delta_state)`` with each slot holding its sequence's state
-      after its last token of the step.
+      ``([..., E] output, conv_state, delta_state)`` with each request's slot holding its
+      state after its last token of the step (zero outputs on padding tokens).
     """
     lead, e = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, e)  # [T, E]
+    num_tokens = flat.shape[0]
     hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
     mixed = project(self, "w_qkv", flat)  # [T, C]
     z = project(self, "w_z", flat).reshape(-1, hv, dv)
@@ -217,32 +236,39 @@ class GatedDeltaNet(nnx.Module):
     g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
     repeat = hv // hk
+    fresh = rows.fresh[:, None, None]
+    conv_rows = jnp.where(fresh, 0, conv_state[rows.slots])  # [R, K - 1, C]
+    delta_rows = jnp.where(fresh[..., None], 0.0, delta_state[rows.slots])  # [R, Hv, Dk, Dv]
+    out = jnp.zeros((num_tokens + 1, hv, dv), jnp.float32)  # row T: inactive rows' writes
 
-    def token(carry, inputs):
-      conv_pool, delta_pool = carry
-      mixed_t, g_t, beta_t, slot, fresh = inputs
-      window = jnp.where(fresh, 0, conv_pool[slot])  # [K - 1, C]
-      full = jnp.concatenate([window, mixed_t[None].astype(window.dtype)])  # [K, C]
-      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=0)).astype(x.dtype)
-      qkv = qkv.astype(jnp.float32)
-      q = _l2_normalize(qkv[: hk * dk].reshape(hk, dk))
-      k = _l2_normalize(qkv[hk * dk : 2 * hk * dk].reshape(hk, dk))
-      v = qkv[2 * hk * dk :].reshape(hv, dv)
-      q = jnp.repeat(q, repeat, axis=0) * dk**-0.5  # [Hv, Dk]
-      k = jnp.repeat(k, repeat, axis=0)
-      state = jnp.where(fresh, 0.0, delta_pool[slot]) * jnp.exp(g_t)[:, None, None]
-      remembered = jnp.einsum("hk,hkv->hv", k, state)
-      delta = (v - remembered) * beta_t[:, None]
-      state = state + k[:, :, None] * delta[:, None, :]
-      out = jnp.einsum("hk,hkv->hv", q, state)  # [Hv, Dv]
-      conv_pool = conv_pool.at[slot].set(full[1:])
-      delta_pool = delta_pool.at[slot].set(state)
-      return (conv_pool, delta_pool), out
+    def tokens_j(j, carry):  # the j-th token of every request that has one
+      conv_rows, delta_rows, out = carry
+      active = j < rows.lengths  # [R]
+      index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
+      full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
+      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
+      qkv = qkv.astype(jnp.float32)  # [R, C]
+      q = _l2_normalize(qkv[:, : hk * dk].reshape(-1, hk, dk))
+      k = _l2_normalize(qkv[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
+      v = qkv[:, 2 * hk * dk :].reshape(-1, hv, dv)
+      q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
+      k = jnp.repeat(k, repeat, axis=1)
+      state = delta_rows * jnp.exp(g[index])[:, :, None, None]
+      remembered = jnp.einsum("rhk,rhkv->rhv", k, state)
+      delta = (v - remembered) * beta[index][:, :, None]
+      state = state + k[..., None] * delta[..., None, :]
+      token_out = jnp.einsum("rhk,rhkv->rhv", q, state)  # [R, Hv, Dv]
+      conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
+      delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
+      out = out.at[jnp.where(active, index, num_tokens)].set(token_out)
+      return conv_rows, delta_rows, out
 
-    (conv_state, delta_state), out = jax.lax.scan(
-      token, (conv_state, delta_state), (mixed, g, beta, slots, reset)
+    conv_rows, delta_rows, out = jax.lax.fori_loop(
+      0, rows.max_length, tokens_j, (conv_rows, delta_rows, out)
     )
-    out = self.norm(out.astype(x.dtype), z).reshape(-1, hv * dv)
+    conv_state = conv_state.at[rows.slots].set(conv_rows)
+    delta_state = delta_state.at[rows.slots].set(delta_rows)
+    out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
     return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
 
 
@@ -255,5 +281,5 @@ def state_spec(config: Any, dtype) -> RecurrentStateSpec:
     num_heads=config.linear_num_value_heads,
     key_dim=config.linear_key_head_dim,
     value_dim=config.linear_value_head_dim,
-    dtype=np.dtype(jnp.dtype(dtype)),
+    dtype=jnp.dtype(dtype),
   )

@@ -40,8 +40,8 @@ from jaxengine.models.gated_deltanet import (
   GatedDeltaNet,
   RecurrentState,
   RecurrentStateSpec,
+  StepRows,
   state_spec,
-  token_slots,
 )
 from jaxengine.models.layers import (
   ConfiguredDecoder,
@@ -235,7 +235,6 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       ``(hidden [1, T, E] after the final norm, updated cache)``.
     """
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
-    num_tokens = positions.size
     pool = kv_cache.recurrent
     metadata = attn_metadata
     if pool is None:  # a scratch forward: a zero slot per request, after the null slot
@@ -243,14 +242,13 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       pool = self.recurrent_state_spec.create(num_reqs + 1)
       slots = jnp.arange(1, num_reqs + 1, dtype=jnp.int32)
       metadata = dataclasses.replace(attn_metadata, state_slots=slots)
-    slots = token_slots(metadata, num_tokens)
-    reset = positions.reshape(-1) == 0
+    rows = StepRows.of(metadata, positions)
     conv, delta = list(pool.conv), list(pool.delta)
     for layer in self.layers:
       h = layer.input_norm(x)
       if isinstance(layer.mixer, GatedDeltaNet):
         j = layer.kind_index
-        h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], slots, reset)
+        h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], rows)
       else:
         h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata)
       x = x + h
