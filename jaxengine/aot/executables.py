@@ -46,6 +46,7 @@ from jaxengine.worker.kv_cache_pool import cache_groups, choose_backend, pool_la
 from jaxengine.worker.lora_loader import lora_manager
 from jaxengine.worker.multi_step import DeviceStopRules, decode_steps_inputs
 from jaxengine.worker.placement import MeshPlacement
+from jaxengine.worker.recurrent_state import recurrent_state_spec
 from jaxengine.worker.step_inputs import ragged_inputs
 from jaxengine.worker.verify_step import ragged_drafts
 
@@ -187,6 +188,11 @@ def abstract_engine(
   model_config = scan_config(architecture.read_config(hf), config.scan_layers, platform)
   config = config.for_model(model_config.max_position_embeddings).data_parallel_groups()[0]
   model = cast(Model, abstract_module(architecture.module, model_config, dtype))
+  if recurrent_state_spec(model) is not None:  # its steps take a state pool and slots
+    raise ValueError(
+      f"ahead-of-time compilation does not support the hybrid model {type(model).__name__} "
+      "(recurrent state slots) yet; build the engine where it runs"
+    )
   eos = eos_token_ids(model_dir) or [0]
   batch = config_input_batch(config, model.vocab_size, eos)
   mesh = config.mesh

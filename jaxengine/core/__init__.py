@@ -7,5 +7,6 @@ block_pool.py         the pages: blocks, reference counts, prefix hashes, evicti
 kv_cache_groups.py    KV cache groups: which layers share a block table, each layer's page slot
 kv_cache_stats.py     `KVCacheStats`: the paged cache's occupancy, peaks and prefix-cache counters
 kv_cache_manager.py   per-request block tables (one per group), prefix hits, the stats
+state_slots.py        a hybrid model's recurrent state slots, one per running completion
 scheduler.py          `Scheduler`: token budget, chunked prefill, preemption, the queues
 """

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from jaxengine.core.request import Completion, Request
+from jaxengine.core.state_slots import StateSlots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,8 @@ class SchedulerOutput:
     num_decode_steps: for a k-step decode (`Scheduler.schedule_decode_steps`), the most
       tokens each scheduled completion may sample in the step's device loop (its pages hold
       that many positions from its last token on); empty for a single ragged step.
+    state_slots: the recurrent state slot of each scheduled completion (a hybrid model,
+      `core/state_slots.py`); empty for a model without recurrent state.
   """
 
   admitted: list[Completion]
@@ -71,6 +74,7 @@ class SchedulerOutput:
   preempted: list[str]
   spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   num_decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+  state_slots: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def total_num_scheduled_tokens(self) -> int:
@@ -94,6 +98,9 @@ class Scheduler:
     max_loras: distinct LoRA adapters that may run at once (`EngineConfig.max_loras`); a waiting
       completion of another adapter waits while later ones of running adapters (or of none)
       are admitted before it.
+    num_state_slots: a hybrid model's recurrent state slots (`core/state_slots.py`: one per
+      row), 0 for a model without recurrent state. With slots, the samples of an ``n > 1``
+      request each compute their own prompt (a forked page holds no state).
   """
 
   def __init__(
@@ -103,8 +110,11 @@ class Scheduler:
     max_num_batched_tokens: int,
     enable_chunked_prefill: bool = True,
     max_loras: int = 1,
+    num_state_slots: int = 0,
   ) -> None:
     self.max_num_reqs = max_num_reqs
+    #: The recurrent state slots of the running completions; None without recurrent state.
+    self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
     self.waiting: collections.deque[Completion] = collections.deque()
     #: Running completions in admission order.
     self.running: dict[str, Completion] = {}
@@ -161,7 +171,13 @@ class Scheduler:
       block_ids=self._changed_tables(step),
       preempted=step.preempted,
       spec_token_ids=step.spec_token_ids,
+      state_slots=self._state_slots(step),
     )
+
+  def _state_slots(self, step: _StepPlan) -> dict[str, int]:
+    """The recurrent state slot of each completion scheduled in `step` (none without state)."""
+    slots = self.state_slots
+    return {} if slots is None else {s: slots.slot(s) for s in step.num_scheduled}
 
   def _changed_tables(self, step: _StepPlan) -> dict[str, tuple[tuple[int, ...], ...]]:
     """The tables of the completions whose pages changed in `step` (`SchedulerOutput.block_ids`):
@@ -194,6 +210,8 @@ class Scheduler:
     """Frees a finished completion's row and pages."""
     del self.running[completion.seq_id]
     self.manager.free(completion.seq_id)
+    if self.state_slots is not None:
+      self.state_slots.free(completion.seq_id)
 
   # --- one step ---------------------------------------------------------------------------------
 
@@ -282,6 +300,8 @@ class Scheduler:
       self.manager.free(seq_id)  # a fork's shared pages, if any
       return False
     self.running[seq_id] = completion
+    if self.state_slots is not None:
+      self.state_slots.allocate(seq_id)
     completion.num_computed_tokens = hit.num_computed_tokens
     step.add(seq_id, count, blocks)
     return True
@@ -304,7 +324,7 @@ class Scheduler:
     """For sample `j > 0` of a request, shares the first sample's full prompt pages (written
     already or this step) by reference; False when there are none."""
     first = completion.request.completions[0].seq_id
-    if completion.index == 0 or first not in self.running:
+    if completion.index == 0 or first not in self.running or self.state_slots is not None:
       return False
     written = self.running[first].num_computed_tokens + step.num_scheduled.get(first, 0)
     shared = min(written, len(completion.request.prompt_token_ids) - 1)

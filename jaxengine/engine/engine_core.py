@@ -89,10 +89,13 @@ class EngineCore:
       self.structured = StructuredOutputs(tokenizer, model.vocab_size, eos, batch.max_num_reqs)
     #: The pages' owner (vLLM's scheduler side): the scheduler allocates through it and sends
     #: the changed block tables to the runner in each `SchedulerOutput`.
+    # A hybrid model's recurrent state is kept for running requests only: no prefix caching
+    # (an explicit True is refused by the runner, `worker/recurrent_state.py`).
+    hybrid = self.runner.num_state_slots > 0
     self.kv_cache_manager = KVCacheManager(
       self.runner.num_blocks,
       config.block_size,
-      enable_caching=config.prefix_caching,
+      enable_caching=config.prefix_caching and not hybrid,
       groups=self.runner.kv_cache_groups,
       max_num_batched_tokens=config.max_num_batched_tokens,
     )
@@ -102,6 +105,7 @@ class EngineCore:
       cast(int, config.max_num_batched_tokens),  # validated: never None
       config.enable_chunked_prefill,
       config.max_loras,
+      num_state_slots=self.runner.num_state_slots,
     )
     self.output_processor = output_processor
     #: The verify decision's cost model (`spec_decode/ngram_proposer.py`): set it high to verify

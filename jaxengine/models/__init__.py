@@ -11,7 +11,9 @@ with its config in `llama_config` and its checkpoint maps in `llama_checkpoints`
 Gemma 2 / Gemma 3 text decoder (local and global layers, soft caps; config in `gemma_config`,
 checkpoint maps in `gemma_checkpoints`); `gemma4` the Gemma 4 text decoder (its config in
 `gemma4_config`, its experts in `gemma4_moe`, its checkpoint maps in `gemma4_checkpoints`);
-`registry` maps architecture names (Hugging Face
+`qwen3_5` the Qwen3.5 hybrid decoder (Gated DeltaNet
+layers of `gated_deltanet`, with a recurrent state per request, beside gated attention;
+checkpoint maps in `qwen3_5_checkpoints`); `registry` maps architecture names (Hugging Face
 ``architectures[0]``, GGUF ``general.architecture``) to config reader, module, tensor names and
 sharding roles; `weights`
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
@@ -35,6 +37,7 @@ from jaxengine.models.interface import Model, check_model
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.llama import Llama, Llama3RopeScaling, LlamaConfig, compute_logits, forward
+from jaxengine.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxengine.models.registry import ModelArchitecture
 from jaxengine.models.safetensors_loader import config_from_hf, load_safetensors
 from jaxengine.models.sequence_logprobs import sequence_logits, token_logprobs
@@ -53,6 +56,8 @@ __all__ = [
   "ModelArchitecture",
   "PagedAttentionMetadata",
   "PagedKVCache",
+  "Qwen3_5",
+  "Qwen3_5Config",
   "WeightSpec",
   "check_model",
   "compute_logits",

@@ -35,7 +35,7 @@ offset sends padding.
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,8 @@ class PagedKVCache:
     stacked_layers: None (one entry of `pages` per slot), or the slots ``L`` whose pages one
       entry holds, stacked along the page axis (module docstring; static).
     blocks_per_layer: with `stacked_layers`, the pages ``N`` of each slot (static).
+    recurrent: None, or a hybrid model's pool of per-request recurrent state slots beside the
+      pages (`jaxengine.models.gated_deltanet.RecurrentState`), donated and updated with them.
   """
 
   pages: tuple[KVPages, ...]
@@ -79,6 +81,7 @@ class PagedKVCache:
   )
   stacked_layers: int | None = dataclasses.field(default=None, metadata={"static": True})
   blocks_per_layer: int | None = dataclasses.field(default=None, metadata={"static": True})
+  recurrent: Any = None
 
   @classmethod
   def create(

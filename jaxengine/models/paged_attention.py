@@ -138,6 +138,8 @@ class PagedAttentionMetadata:
     seq_lens: `[R] int32` context tokens of each request including this step's (`>=` its query
       tokens); 0 for padding requests.
     num_reqs: `[] int32` real requests (rows `num_reqs:` are padding).
+    state_slots: None, or (a hybrid model's step: `jaxengine.models.gated_deltanet`) `[R] int32`
+      each request's recurrent state slot (0, the null slot, for padding requests).
   """
 
   slot_mapping: jax.Array
@@ -145,6 +147,7 @@ class PagedAttentionMetadata:
   query_start_loc: jax.Array
   seq_lens: jax.Array
   num_reqs: jax.Array
+  state_slots: jax.Array | None = None
 
   @property
   def query_lens(self) -> jax.Array:

@@ -30,10 +30,16 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxengine.models import gemma4_checkpoints, gemma_checkpoints, llama_checkpoints
+from jaxengine.models import (
+  gemma4_checkpoints,
+  gemma_checkpoints,
+  llama_checkpoints,
+  qwen3_5_checkpoints,
+)
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma4 import Gemma4
 from jaxengine.models.llama import Llama
+from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.weights import WeightSpec
 
 __all__ = [
@@ -154,6 +160,21 @@ def _gemma4_hf(name: str, family: str) -> ModelArchitecture:
   )
 
 
+#: Qwen3.5 hybrids run on one device (the engine refuses a mesh for them): nothing is split.
+QWEN3_5_SHARDING_RULES: Mapping[str, str] = {}
+
+
+def _qwen3_5_hf(name: str, family: str) -> ModelArchitecture:
+  return ModelArchitecture(
+    name=name,
+    module=Qwen3_5,
+    read_config=functools.partial(qwen3_5_checkpoints.config_from_hf, family=family),
+    weight_specs=qwen3_5_checkpoints.hf_weight_specs,
+    sharding_rules=QWEN3_5_SHARDING_RULES,
+    ignored_prefixes=qwen3_5_checkpoints.IGNORED_PREFIXES,
+  )
+
+
 #: ``config.json`` ``architectures[0]`` -> entry. The Llama relatives, mixture-of-experts ones
 #: included, share one module; their config readers differ by family switches (see
 #: `jaxengine.models.llama`). Gemma 2 and 3 share
@@ -176,6 +197,16 @@ HF_ARCHITECTURES: Mapping[str, ModelArchitecture] = {
   "Gemma4ForCausalLM": _gemma4_hf("Gemma4ForCausalLM", "gemma4_text"),
   "Gemma4ForConditionalGeneration": _gemma4_hf(
     "Gemma4ForConditionalGeneration", "gemma4_multimodal"
+  ),
+  # Qwen3.5 hybrids (Gated DeltaNet and gated attention, `jaxengine.models.qwen3_5`); the
+  # image-text checkpoint loads its text decoder (the vision tower is not read).
+  "Qwen3_5ForCausalLM": _qwen3_5_hf("Qwen3_5ForCausalLM", "qwen3_5"),
+  "Qwen3_5ForConditionalGeneration": _qwen3_5_hf(
+    "Qwen3_5ForConditionalGeneration", "qwen3_5_multimodal"
+  ),
+  "Qwen3_5MoeForCausalLM": _qwen3_5_hf("Qwen3_5MoeForCausalLM", "qwen3_5_moe"),
+  "Qwen3_5MoeForConditionalGeneration": _qwen3_5_hf(
+    "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_multimodal"
   ),
 }
 
@@ -203,6 +234,10 @@ _HF_MODEL_TYPES = {
   "gemma3": "Gemma3ForConditionalGeneration",
   "gemma4_text": "Gemma4ForCausalLM",
   "gemma4": "Gemma4ForConditionalGeneration",
+  "qwen3_5_text": "Qwen3_5ForCausalLM",
+  "qwen3_5": "Qwen3_5ForConditionalGeneration",
+  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 

@@ -3,6 +3,7 @@
 buckets.py            bucket sizes of every step (rows, tokens)
 kv_cache_size.py      the default number of pages (rows, memory limit)
 kv_cache_pool.py      the pool of pages: its attention backend, size and arrays
+recurrent_state.py    a hybrid model's recurrent state pool beside the pages; what it refuses
 routed_experts.py     a MoE model's routed experts kept per KV-cache slot on the host
 weight_loader.py      the served module (batch-invariant, quantized) and load_weights
 lora_loader.py        the LoRA adapters' manager built for a model

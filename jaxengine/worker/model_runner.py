@@ -32,6 +32,7 @@ compiles nothing warm-up did not.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
@@ -52,7 +53,7 @@ from jaxengine.lora import LoRAAdapter, LoRAManager, LoRARequest
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.worker import buckets as step_buckets
-from jaxengine.worker import sleep_mode
+from jaxengine.worker import recurrent_state, sleep_mode
 from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
 from jaxengine.worker.device_steps import placed_device_steps, ragged_step, ragged_verify_step
 from jaxengine.worker.kv_cache_pool import cache_groups, create_kv_cache
@@ -92,6 +93,7 @@ class ModelRunner:
   """
 
   def __init__(self, model: Model, input_batch: InputBatch, config: EngineConfig) -> None:
+    recurrent_state.check_hybrid_config(model, config)  # before any device work
     prepared = prepare_model(model, input_batch, config)
     self.input_batch = input_batch
     self.max_num_reqs = input_batch.max_num_reqs
@@ -126,10 +128,19 @@ class ModelRunner:
         self.max_num_reqs, self.max_num_blocks_per_req, self.kv_cache_groups.num_groups
       )
     check_pages_kept(config, self.kv_cache_groups.frees_pages)  # before the pages are allocated
+    #: A hybrid model's recurrent state pool (`worker/recurrent_state.py`), allocated before
+    #: the pages so that their budget leaves it out; None without recurrent state.
+    state_spec = recurrent_state.recurrent_state_spec(model)
+    pool = None if state_spec is None else recurrent_state.state_pool(state_spec, config)
+    #: Recurrent state slots the scheduler hands out (one per row), 0 without recurrent state.
+    self.num_state_slots = 0 if pool is None else self.max_num_reqs
+    pool_config = config if pool is None else recurrent_state.without_pool_bytes(config, pool)
     #: The pool of pages and their number (the null page 0 included), `worker/kv_cache_pool.py`.
     self.kv_cache, self.num_blocks = create_kv_cache(
-      spec, config, self.kv_cache_groups, self._placement, self.max_model_len
+      spec, pool_config, self.kv_cache_groups, self._placement, self.max_model_len
     )
+    if pool is not None:  # the state slots travel (and are donated) with the pages
+      self.kv_cache = dataclasses.replace(self.kv_cache, recurrent=pool)
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
     #: `enable_return_routed_experts`.
     self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
@@ -414,6 +425,7 @@ class ModelRunner:
       num_sample_rows=None if drafted else step_buckets.sample_rows(num_rows, self.row_buckets),
       lora=self.lora,
       sharding=sharding,
+      state_slots=scheduled.state_slots if self.num_state_slots else None,
     )
     if not drafted:
       return inputs, None

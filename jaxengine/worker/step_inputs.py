@@ -15,7 +15,7 @@ every input on the device in one transfer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -203,6 +203,7 @@ def ragged_inputs(
   num_sample_rows: int | None = None,
   lora: LoRAManager | None = None,
   sharding: jax.sharding.Sharding | None = None,
+  state_slots: Mapping[str, int] | None = None,
 ) -> RaggedInputs:
   """A runner's step as `RaggedInputs`: the scheduled rows in row order, padded to the buckets.
 
@@ -219,6 +220,9 @@ def ragged_inputs(
       None for `R`.
     lora: the runner's adapters: each token's slot is an input (None: no LoRA).
     sharding: where the inputs go (one transfer), None: the default device.
+    state_slots: None (a model without recurrent state), or each scheduled completion's
+      recurrent state slot (`SchedulerOutput.state_slots`): the metadata's ``[R] int32``
+      ``state_slots`` (0, the null slot, for padding rows).
   """
   rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
   seq_ids = [batch.req_ids[row] for row in rows]
@@ -254,6 +258,10 @@ def ragged_inputs(
     logits_indices,
     produced,
   )
+  if state_slots is not None:  # each row's recurrent state slot, only for a hybrid model
+    row_slots = np.zeros(num_rows, np.int32)
+    row_slots[: len(seq_ids)] = [state_slots[s] for s in seq_ids]
+    host += (row_slots,)
   if lora is not None:  # each token's adapter slot, only for a LoRA engine
     host += (lora.token_slots(seq_ids, counts, num_tokens),)
   device = jax.device_put(host, sharding)  # one transfer for the step's inputs
@@ -266,6 +274,7 @@ def ragged_inputs(
       query_start_loc=device[4],
       seq_lens=device[5],
       num_reqs=device[6],
+      state_slots=None if state_slots is None else device[9],
     ),
     logits_indices=device[7],
     produces=device[8],

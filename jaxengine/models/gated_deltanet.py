@@ -1,0 +1,285 @@
+"""The Gated DeltaNet layer of Qwen3.5 and the per-request recurrent state it keeps.
+
+A linear-attention layer keeps no keys and values per position: each sequence carries a fixed-size
+state instead, updated token by token (Yang et al., 2025). For one token with input ``x``:
+
+- ``qkv = conv(in_proj_qkv(x))``: a causal depthwise convolution of width ``K`` over the last
+  ``K`` inputs of the sequence (``C = 2 Hk Dk + Hv Dv`` channels), then SiLU; split into
+  ``q [Hk, Dk]``, ``k [Hk, Dk]``, ``v [Hv, Dv]``; ``q`` and ``k`` L2-normalised, each key head
+  repeated for the ``Hv / Hk`` value heads it serves, ``q`` scaled by ``Dk ** -0.5``;
+- ``g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)`` (a log decay per value head) and
+  ``beta = sigmoid(in_proj_b(x))``;
+- the gated delta rule on the head's state ``S [Dk, Dv]``: ``S *= exp(g)``,
+  ``S += k (beta (v - k S))^T``, output ``o = q S``;
+- ``out_proj(rmsnorm(o) * w * silu(in_proj_z(x)))`` (the gated RMSNorm, a plain ``w``).
+
+The state of a sequence is therefore ``K - 1`` convolution inputs (``[K - 1, C]``) and the delta
+rule's ``[Hv, Dk, Dv]`` float32 matrices, per linear layer (`RecurrentStateSpec`). The engine keeps
+them in a pool of slots (`RecurrentState`, beside the pages of the full-attention layers in
+`jaxengine.models.kv_pages.PagedKVCache`'s ``recurrent``), one slot per running request
+(`PagedAttentionMetadata.state_slots`); slot 0 is the null slot padding tokens write to. A token
+at position 0 starts from a zero state, so a new request (or one recomputed after preemption)
+needs no host-side reset, and a later prefill chunk or decode reads what the earlier one wrote.
+
+The recurrence runs over the step's requests side by side (`StepRows`): each request's state is
+gathered from its slot once, iteration ``j`` of a loop of as many iterations as the step's longest
+request has tokens computes the ``j``-th token of every request that has one, and the states are
+scattered back to their slots at the end. A step of decodes is one iteration over all rows; a
+prefill chunk of ``n`` tokens is ``n`` iterations (exact, but sequential in the chunk: a chunked
+form of the delta rule per request is the faster way for long prefills).
+
+References:
+  Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", 2025.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.layers import normal_out_in, project
+from jaxengine.models.paged_attention import PagedAttentionMetadata
+
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "StepRows"]
+
+#: The state slot padding tokens read and write; no request owns it.
+NULL_STATE_SLOT = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecurrentStateSpec:
+  """What a hybrid model keeps per request and linear layer (its state's shapes, no arrays).
+
+  Attributes:
+    num_layers: linear layers (each has its own state).
+    conv_dim: ``C``, the convolution's channels.
+    conv_width: ``K - 1``, the convolution inputs kept.
+    num_heads: ``Hv``, value heads.
+    key_dim: ``Dk``.
+    value_dim: ``Dv``.
+    dtype: the convolution window's dtype (the model's); the delta rule's state is float32.
+  """
+
+  num_layers: int
+  conv_dim: int
+  conv_width: int
+  num_heads: int
+  key_dim: int
+  value_dim: int
+  dtype: Any = jnp.float32
+
+  @property
+  def bytes_per_slot(self) -> int:
+    """Device bytes of one request's state, every linear layer together."""
+    conv = self.conv_width * self.conv_dim * jnp.dtype(self.dtype).itemsize
+    delta = self.num_heads * self.key_dim * self.value_dim * 4
+    return self.num_layers * (conv + delta)
+
+  def create(self, num_slots: int) -> RecurrentState:
+    """A zero pool of `num_slots` slots (the null slot 0 included); each array its own buffer.
+
+    Raises:
+      ValueError: `num_slots < 2`.
+    """
+    if num_slots < 2:
+      raise ValueError(f"num_slots must be >= 2 (the null slot and one more), got {num_slots}")
+    conv = (num_slots, self.conv_width, self.conv_dim)
+    delta = (num_slots, self.num_heads, self.key_dim, self.value_dim)
+    return RecurrentState(
+      conv=tuple(jnp.zeros(conv, self.dtype) for _ in range(self.num_layers)),
+      delta=tuple(jnp.zeros(delta, jnp.float32) for _ in range(self.num_layers)),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecurrentState:
+  """The pool of recurrent state slots of every linear layer (``S`` slots, slot 0 the null one).
+
+  Attributes:
+    conv: per linear layer, ``[S, K - 1, C]`` the last convolution inputs of each slot's sequence.
+    delta: per linear layer, ``[S, Hv, Dk, Dv] float32`` each slot's delta-rule state.
+  """
+
+  conv: tuple[jax.Array, ...]
+  delta: tuple[jax.Array, ...]
+
+  @property
+  def num_slots(self) -> int:
+    """``S``, the null slot included."""
+    return int(self.delta[0].shape[0]) if self.delta else 0
+
+
+class StepRows(NamedTuple):
+  """Where each request of a ragged step has its tokens and its state (``R`` requests).
+
+  Attributes:
+    starts: ``[R] int32`` the flat index of each request's first token.
+    lengths: ``[R] int32`` its tokens this step (0 for padding requests).
+    slots: ``[R] int32`` its state slot (`NULL_STATE_SLOT` for padding requests).
+    fresh: ``[R] bool`` its first token is at position 0: it starts from a zero state.
+    max_length: ``[] int32`` the most tokens of any request (the loop's iterations).
+  """
+
+  starts: jax.Array
+  lengths: jax.Array
+  slots: jax.Array
+  fresh: jax.Array
+  max_length: jax.Array
+
+  @classmethod
+  def of(cls, metadata: PagedAttentionMetadata, positions: jax.Array) -> StepRows:
+    """The rows of a step from its metadata (``state_slots`` set) and ``[..., T]`` positions.
+
+    Raises:
+      ValueError: (at trace time) metadata without ``state_slots``.
+    """
+    if metadata.state_slots is None:
+      raise ValueError("a hybrid model's step needs PagedAttentionMetadata.state_slots")
+    flat = positions.reshape(-1)
+    starts = metadata.query_start_loc[:-1]
+    lengths = metadata.query_lens
+    is_real = jnp.arange(starts.shape[0]) < metadata.num_reqs
+    return cls(
+      starts=starts,
+      lengths=lengths,
+      slots=jnp.where(is_real, metadata.state_slots, NULL_STATE_SLOT).astype(jnp.int32),
+      fresh=flat[jnp.minimum(starts, flat.shape[0] - 1)] == 0,
+      max_length=jnp.max(lengths),
+    )
+
+
+class GatedRMSNorm(nnx.Module):
+  """``rmsnorm(x) * w * silu(z)`` over a value head's ``Dv`` features (the normalisation in
+  float32, ``w`` plain, initialised to 1)."""
+
+  def __init__(self, dim: int, *, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+    """``[..., Dv]`` `x` and gate `z` -> ``[..., Dv]`` in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    y = self.scale[...] * normed.astype(x.dtype).astype(jnp.float32)
+    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+  """One Gated DeltaNet layer (module docstring) over the step's flat tokens.
+
+  Attributes:
+    w_qkv: ``[C, E]``; w_z: ``[Hv Dv, E]``; w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
+      (``[out, in]`` layout).
+    conv: ``[C, K]`` the depthwise convolution's taps, oldest input first.
+    a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
+    norm: the `GatedRMSNorm`.
+    scales: row scales of quantized projections (none: a hybrid model is not quantized).
+    batch_invariant: projections a fixed number of rows at a time.
+  """
+
+  #: No projection is quantized (the engine refuses ``quantization`` for a hybrid model).
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+  def __init__(self, config: Any, *, dtype, rngs: nnx.Rngs):
+    e, c = config.hidden_size, config.conv_dim
+    hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    self.num_key_heads = config.linear_num_key_heads
+    self.num_value_heads = hv
+    self.key_dim = config.linear_key_head_dim
+    self.value_dim = dv
+    self.w_qkv = nnx.Param(normal_out_in(rngs, (c,), (e,), dtype))
+    self.w_z = nnx.Param(normal_out_in(rngs, (hv * dv,), (e,), dtype))
+    self.w_b = nnx.Param(normal_out_in(rngs, (hv,), (e,), dtype))
+    self.w_a = nnx.Param(normal_out_in(rngs, (hv,), (e,), dtype))
+    width = config.linear_conv_kernel_dim
+    self.conv = nnx.Param(normal_out_in(rngs, (c,), (width,), dtype))
+    decay = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)
+    self.a_log = nnx.Param(jnp.log(decay))
+    self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+    self.norm = GatedRMSNorm(dv, eps=config.rms_norm_eps)
+    self.w_out = nnx.Param(normal_out_in(rngs, (e,), (hv * dv,), dtype))
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
+    self.batch_invariant = False
+
+  def __call__(
+    self, x: jax.Array, conv_state: jax.Array, delta_state: jax.Array, rows: StepRows
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the layer over the step's requests side by side, each on its own state slot.
+
+    Args:
+      x: ``[..., E]`` normalised hidden states of the ``T`` flat tokens.
+      conv_state: ``[S, K - 1, C]`` this layer's convolution windows (`RecurrentState.conv`).
+      delta_state: ``[S, Hv, Dk, Dv] float32`` its delta-rule states.
+      rows: the step's `StepRows`.
+
+    Returns:
+      ``([..., E] output, conv_state, delta_state)`` with each request's slot holding its
+      state after its last token of the step (zero outputs on padding tokens).
+    """
+    lead, e = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, e)  # [T, E]
+    num_tokens = flat.shape[0]
+    hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
+    mixed = project(self, "w_qkv", flat)  # [T, C]
+    z = project(self, "w_z", flat).reshape(-1, hv, dv)
+    beta = jax.nn.sigmoid(project(self, "w_b", flat)).astype(jnp.float32)  # [T, Hv]
+    a = project(self, "w_a", flat).astype(jnp.float32)
+    g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
+    taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
+    repeat = hv // hk
+    fresh = rows.fresh[:, None, None]
+    conv_rows = jnp.where(fresh, 0, conv_state[rows.slots])  # [R, K - 1, C]
+    delta_rows = jnp.where(fresh[..., None], 0.0, delta_state[rows.slots])  # [R, Hv, Dk, Dv]
+    out = jnp.zeros((num_tokens + 1, hv, dv), jnp.float32)  # row T: inactive rows' writes
+
+    def tokens_j(j, carry):  # the j-th token of every request that has one
+      conv_rows, delta_rows, out = carry
+      active = j < rows.lengths  # [R]
+      index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
+      full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
+      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
+      qkv = qkv.astype(jnp.float32)  # [R, C]
+      q = _l2_normalize(qkv[:, : hk * dk].reshape(-1, hk, dk))
+      k = _l2_normalize(qkv[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
+      v = qkv[:, 2 * hk * dk :].reshape(-1, hv, dv)
+      q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
+      k = jnp.repeat(k, repeat, axis=1)
+      state = delta_rows * jnp.exp(g[index])[:, :, None, None]
+      remembered = jnp.einsum("rhk,rhkv->rhv", k, state)
+      delta = (v - remembered) * beta[index][:, :, None]
+      state = state + k[..., None] * delta[..., None, :]
+      token_out = jnp.einsum("rhk,rhkv->rhv", q, state)  # [R, Hv, Dv]
+      conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
+      delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
+      out = out.at[jnp.where(active, index, num_tokens)].set(token_out)
+      return conv_rows, delta_rows, out
+
+    conv_rows, delta_rows, out = jax.lax.fori_loop(
+      0, rows.max_length, tokens_j, (conv_rows, delta_rows, out)
+    )
+    conv_state = conv_state.at[rows.slots].set(conv_rows)
+    delta_state = delta_state.at[rows.slots].set(delta_rows)
+    out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
+    return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
+
+
+def state_spec(config: Any, dtype) -> RecurrentStateSpec:
+  """The `RecurrentStateSpec` of a Qwen3.5 config's linear layers in the model `dtype`."""
+  return RecurrentStateSpec(
+    num_layers=len(config.linear_layers),
+    conv_dim=config.conv_dim,
+    conv_width=config.linear_conv_kernel_dim - 1,
+    num_heads=config.linear_num_value_heads,
+    key_dim=config.linear_key_head_dim,
+    value_dim=config.linear_value_head_dim,
+    dtype=jnp.dtype(dtype),
+  )

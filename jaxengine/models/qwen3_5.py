@@ -1,0 +1,269 @@
+"""The Qwen3.5 text decoder in Flax NNX: Gated DeltaNet layers mixed with gated attention.
+
+``layer_types`` says, per layer, which token mixer it has:
+
+- ``"linear_attention"``: a Gated DeltaNet layer (`jaxengine.models.gated_deltanet`), which keeps
+  a fixed-size recurrent state per request instead of keys and values per position;
+- ``"full_attention"``: grouped-query attention through the paged seam
+  (`jaxengine.models.attention.attention`) with an output gate: ``q_proj`` gives each head its
+  query and a gate of the same width (``[H, 2D]``, query first), the output is
+  ``o_proj(attn * sigmoid(gate))``; ``(1 + w)`` RMSNorms on the query and key heads; the rotary
+  embedding turns only the first ``partial_rotary_factor * D`` features of a head (text positions
+  are the same on Qwen3.5's three multimodal rotary sections, so they rotate as one).
+
+Per layer ``x += mixer(input_norm(x)); x += mlp(post_attention_norm(x))``, every decoder norm
+``x / rms(x) * (1 + w)`` in float32, the MLP ``down(silu(gate(x)) * up(x))`` (the MoE variants:
+routed experts plus a gated shared expert, `Qwen3_5SparseMoe`); logits
+``lm_head(final_norm(x))`` (or the tied embedding).
+
+The paged cache holds only the full-attention layers (`Qwen3_5Config.kv_cache_spec`); the linear
+layers' states are a pool of slots in the cache's ``recurrent`` field, one slot per running
+request (`PagedAttentionMetadata.state_slots`), that the engine sizes from
+`Qwen3_5.recurrent_state_spec`. Called without a pool (a whole-sequence forward over scratch
+pages, `jaxengine.models.token_logprobs`, every sequence starting at position 0) the model uses a
+zero pool of its own, one slot per request.
+
+Shape letters as in `jaxengine.models.llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, cast
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
+from jaxengine.models.gated_deltanet import (
+  GatedDeltaNet,
+  RecurrentState,
+  RecurrentStateSpec,
+  StepRows,
+  state_spec,
+)
+from jaxengine.models.layers import (
+  ConfiguredDecoder,
+  RMSNorm,
+  linear,
+  normal_init,
+  normal_out_in,
+  project,
+  rotary_embedding,
+  vocab_logits,
+)
+from jaxengine.models.moe import SparseMoeBlock
+from jaxengine.models.qwen3_5_checkpoints import LINEAR, Qwen3_5Config, hf_weight_specs
+from jaxengine.models.weights import WeightSpec
+
+__all__ = ["Qwen3_5", "Qwen3_5Attention", "Qwen3_5Config", "Qwen3_5DecoderLayer"]
+
+
+def _norm(config: Qwen3_5Config, dim: int) -> RMSNorm:
+  return RMSNorm(dim, eps=config.rms_norm_eps, unit_offset=True)
+
+
+class Qwen3_5Attention(nnx.Module):
+  """Gated grouped-query attention of one full-attention layer.
+
+  Attributes:
+    wq: ``[2 H D, E]`` each head's query then its gate; wk, wv: ``[K D, E]``; wo: ``[E, H D]``.
+    q_norm, k_norm: per-head ``(1 + w)`` RMSNorms over ``D``.
+    cache_layer: this layer's index among the full-attention layers (its pages).
+  """
+
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+  def __init__(self, config: Qwen3_5Config, cache_layer: int, *, dtype, rngs: nnx.Rngs):
+    e, h, k, d = (
+      config.hidden_size,
+      config.num_attention_heads,
+      config.num_key_value_heads,
+      config.head_dim,
+    )
+    self.config = config
+    self.cache_layer = cache_layer
+    self.wq = nnx.Param(normal_out_in(rngs, (2 * h * d,), (e,), dtype))
+    self.wk = nnx.Param(normal_out_in(rngs, (k * d,), (e,), dtype))
+    self.wv = nnx.Param(normal_out_in(rngs, (k * d,), (e,), dtype))
+    self.wo = nnx.Param(normal_out_in(rngs, (e,), (h * d,), dtype))
+    self.q_norm = _norm(config, d)
+    self.k_norm = _norm(config, d)
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
+    self.batch_invariant = False
+
+  def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """The rotary embedding on the first `rotary_dim` features of ``[..., N, D]`` heads."""
+    rot = self.config.rotary_dim
+    turned = rotary_embedding(x[..., :rot], positions, self.config.inv_freq())
+    return jnp.concatenate([turned, x[..., rot:]], axis=-1)
+
+  def __call__(self, x, positions, kv_cache, metadata):
+    """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``."""
+    cfg = self.config
+    lead = x.shape[:-1]
+    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    query_gate = project(self, "wq", x).reshape(*lead, h, 2 * d)
+    q, gate = query_gate[..., :d], query_gate[..., d:]
+    k = project(self, "wk", x).reshape(*lead, kv, d)
+    v = project(self, "wv", x).reshape(*lead, kv, d)
+    q = self._rotate(self.q_norm(q), positions)
+    k = self._rotate(self.k_norm(k), positions)
+    out, kv_cache = attention(q, k, v, kv_cache, self.cache_layer, metadata, scale=d**-0.5)
+    out = out.reshape(*lead, h * d) * jax.nn.sigmoid(gate.reshape(*lead, h * d))
+    return project(self, "wo", out), kv_cache
+
+
+class Qwen3_5MLP(nnx.Module):
+  """``down(silu(gate(x)) * up(x))``; w_gate, w_up ``[F, E]``, w_down ``[E, F]`` (``F`` the
+  config's ``intermediate_size`` unless given)."""
+
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+  def __init__(
+    self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None
+  ):
+    e, f = config.hidden_size, intermediate_size or config.intermediate_size
+    self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
+    self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
+    self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))
+    self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
+    self.batch_invariant = False
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    hidden = jax.nn.silu(project(self, "w_gate", x)) * project(self, "w_up", x)
+    return project(self, "w_down", hidden)
+
+
+class Qwen3_5SparseMoe(nnx.Module):
+  """The MoE variants' feed-forward block: ``experts(x) + sigmoid(shared_gate x) * shared(x)``,
+  the routed experts `jaxengine.models.moe.SparseMoeBlock` (softmax, top ``k``, renormalised).
+
+  Attributes:
+    experts: the routed experts; shared: the shared expert (`Qwen3_5MLP`);
+    shared_gate: ``[1, E]`` its gate.
+  """
+
+  def __init__(self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
+    self.experts = SparseMoeBlock(cast(Any, config), dtype=dtype, rngs=rngs)
+    width = config.shared_expert_intermediate_size
+    self.shared = Qwen3_5MLP(config, dtype=dtype, rngs=rngs, intermediate_size=width)
+    self.shared_gate = nnx.Param(normal_out_in(rngs, (1,), (config.hidden_size,), dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate = jax.nn.sigmoid(linear(x, self.shared_gate[...]))  # [..., 1]
+    return self.experts(x) + gate * self.shared(x)
+
+
+class Qwen3_5DecoderLayer(nnx.Module):
+  """``x += mixer(input_norm(x)); x += mlp(post_attention_norm(x))``; the mixer a
+  `GatedDeltaNet` (``is_linear``) or a `Qwen3_5Attention`."""
+
+  def __init__(self, config: Qwen3_5Config, layer: int, *, dtype, rngs: nnx.Rngs):
+    e = config.hidden_size
+    self.is_linear = config.layer_types[layer] == LINEAR
+    #: The layer's index among the layers of its kind (its state slot pool or its pages).
+    kind_layers = config.linear_layers if self.is_linear else config.attention_layers
+    self.kind_index = kind_layers.index(layer)
+    self.input_norm = _norm(config, e)
+    self.mixer: GatedDeltaNet | Qwen3_5Attention
+    if self.is_linear:
+      self.mixer = GatedDeltaNet(config, dtype=dtype, rngs=rngs)
+    else:
+      self.mixer = Qwen3_5Attention(config, self.kind_index, dtype=dtype, rngs=rngs)
+    self.post_attention_norm = _norm(config, e)
+    self.mlp: Qwen3_5MLP | Qwen3_5SparseMoe
+    if config.num_experts:
+      self.mlp = Qwen3_5SparseMoe(config, dtype=dtype, rngs=rngs)
+    else:
+      self.mlp = Qwen3_5MLP(config, dtype=dtype, rngs=rngs)
+
+
+class Qwen3_5(ConfiguredDecoder, nnx.Module):
+  """Qwen3.5 text decoder over a `PagedKVCache` with a recurrent state pool; implements
+  `jaxengine.models.Model` (attributes as `jaxengine.models.Llama`: ``config``, ``dtype``,
+  ``embed``, ``layers``, ``final_norm``, ``lm_head``) and declares `recurrent_state_spec`.
+  """
+
+  def __init__(self, config: Qwen3_5Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    """Builds a model with random weights (Gaussian, std ``fan_in ** -0.5``; norm offsets 0).
+
+    Args:
+      config: hyper-parameters.
+      dtype: parameter and compute dtype (norms, the recurrence, softmax and logits in float32).
+      rngs: random streams for initialisation.
+    """
+    self.config = config
+    self.dtype = dtype
+    e, v = config.hidden_size, config.vocab_size
+    self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
+    self.layers = nnx.List(
+      [
+        Qwen3_5DecoderLayer(config, i, dtype=dtype, rngs=rngs)
+        for i in range(config.num_hidden_layers)
+      ]
+    )
+    self.final_norm = _norm(config, e)
+    self.lm_head = (
+      None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
+    )
+    self.batch_invariant = False
+
+  @property
+  def recurrent_state_spec(self) -> RecurrentStateSpec:
+    """What each request keeps per linear layer (the engine's state pool is sized by it)."""
+    return state_spec(self.config, self.dtype)
+
+  def __call__(
+    self,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv_cache: PagedKVCache,
+    attn_metadata: PagedAttentionMetadata,
+  ) -> tuple[jax.Array, PagedKVCache]:
+    """Runs the decoder over the step's flat tokens, updating the pages and the state slots.
+
+    Args:
+      token_ids: ``[1, T] int32``.
+      positions: ``[1, T] int32``; a token at position 0 starts its sequence's state afresh.
+      kv_cache: the `PagedKVCache`, its ``recurrent`` the engine's `RecurrentState` pool (then
+        `attn_metadata` carries ``state_slots``), or None (a scratch forward: module docstring).
+      attn_metadata: the step's `PagedAttentionMetadata`.
+
+    Returns:
+      ``(hidden [1, T, E] after the final norm, updated cache)``.
+    """
+    x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
+    pool = kv_cache.recurrent
+    metadata = attn_metadata
+    if pool is None:  # a scratch forward: a zero slot per request, after the null slot
+      num_reqs = attn_metadata.seq_lens.shape[0]
+      pool = self.recurrent_state_spec.create(num_reqs + 1)
+      slots = jnp.arange(1, num_reqs + 1, dtype=jnp.int32)
+      metadata = dataclasses.replace(attn_metadata, state_slots=slots)
+    rows = StepRows.of(metadata, positions)
+    conv, delta = list(pool.conv), list(pool.delta)
+    for layer in self.layers:
+      h = layer.input_norm(x)
+      if isinstance(layer.mixer, GatedDeltaNet):
+        j = layer.kind_index
+        h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], rows)
+      else:
+        h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata)
+      x = x + h
+      x = x + layer.mlp(layer.post_attention_norm(x))
+    if kv_cache.recurrent is not None:
+      state = RecurrentState(conv=tuple(conv), delta=tuple(delta))
+      kv_cache = dataclasses.replace(kv_cache, recurrent=state)
+    return self.final_norm(x), kv_cache
+
+  def weight_specs(self) -> list[WeightSpec]:
+    """Every parameter under its Hugging Face checkpoint name
+    (`jaxengine.models.qwen3_5_checkpoints.hf_weight_specs`)."""
+    return hf_weight_specs(self.config)
+
+  def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    """``[..., E]`` hidden states -> ``[..., V] float32`` logits."""
+    w = self.embed[...] if self.lm_head is None else self.lm_head[...]
+    return vocab_logits(hidden, w, batch_invariant=self.batch_invariant)

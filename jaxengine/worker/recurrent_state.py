@@ -1,0 +1,87 @@
+"""The runner's pool of recurrent state slots for a hybrid model, and what such a model refuses.
+
+A hybrid model (`jaxengine.models.qwen3_5.Qwen3_5`: Gated DeltaNet layers beside attention)
+declares a ``recurrent_state_spec`` (`jaxengine.models.gated_deltanet.RecurrentStateSpec`). The
+runner then keeps `max_num_reqs` slots of that state and the null slot 0 in the KV cache's
+``recurrent`` field, donated and updated in place with the pages; the scheduler hands one slot to
+each running completion (`jaxengine.core.state_slots`). The pool's bytes come out of the KV
+cache's budget (`kv_cache_memory_bytes`; on an accelerator the default budget, measured after
+the pool is allocated, leaves them out too).
+
+The state is kept only for a running request's own sequence, so the engine features that would
+need it anywhere else are refused when the engine is built (`check_hybrid_config`), each with a
+`ValueError` naming the feature and the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxengine.engine_config import EngineConfig
+from jaxengine.models.gated_deltanet import RecurrentState, RecurrentStateSpec
+
+__all__ = ["check_hybrid_config", "recurrent_state_spec", "state_pool", "without_pool_bytes"]
+
+
+def recurrent_state_spec(model: Any) -> RecurrentStateSpec | None:
+  """The model's `RecurrentStateSpec`, or None for a model without recurrent state."""
+  spec = getattr(model, "recurrent_state_spec", None)
+  return spec if isinstance(spec, RecurrentStateSpec) else None
+
+
+def check_hybrid_config(model: Any, config: EngineConfig) -> None:
+  """Refuses the engine features a hybrid model's recurrent state does not carry yet.
+
+  Refused (each a `ValueError` naming the feature, its value and the model's class):
+  ``enable_prefix_caching=True`` (a cached prefix's pages hold no state; None turns it off for
+  such a model), a ``speculative_config`` (rejected drafts would have advanced the state),
+  ``num_decode_steps`` > 1 (the device loop's metadata has no state slots), ``scan_layers=True``,
+  ``enable_lora``, ``quantization``, ``batch_invariant``, and a mesh (``tensor_parallel_size``
+  > 1 or a `mesh`: the pool and the linear layers' weights are not split). Nothing happens for
+  a model without recurrent state.
+  """
+  if recurrent_state_spec(model) is None:
+    return
+  name = type(model).__name__
+  refused = [
+    ("enable_prefix_caching", config.enable_prefix_caching, config.enable_prefix_caching is True),
+    ("speculative_config", config.speculative_config, config.speculative_config is not None),
+    ("num_decode_steps", config.num_decode_steps, config.num_decode_steps > 1),
+    ("scan_layers", config.scan_layers, config.scan_layers is True),
+    ("enable_lora", config.enable_lora, config.enable_lora),
+    ("quantization", config.quantization, config.quantization is not None),
+    ("batch_invariant", config.batch_invariant, config.batch_invariant),
+    ("tensor_parallel_size", config.tensor_parallel_size, config.tensor_parallel_size > 1),
+    ("mesh", config.mesh, config.mesh is not None),
+  ]
+  for field, value, is_refused in refused:
+    if is_refused:
+      raise ValueError(
+        f"{field}={value!r} is not supported with the hybrid model {name} (Gated DeltaNet "
+        "layers keep a recurrent state per running request, which this feature does not carry "
+        "yet)"
+      )
+
+
+def state_pool(spec: RecurrentStateSpec, config: EngineConfig) -> RecurrentState:
+  """A zero pool of ``max_num_reqs + 1`` slots (slot 0 the null slot of padding tokens)."""
+  return spec.create(config.max_num_reqs + 1)
+
+
+def without_pool_bytes(config: EngineConfig, pool: RecurrentState) -> EngineConfig:
+  """`config` with the pool's bytes taken out of ``kv_cache_memory_bytes`` (when given).
+
+  Raises:
+    ValueError: ``kv_cache_memory_bytes`` no larger than the pool, naming both.
+  """
+  if config.kv_cache_memory_bytes is None:
+    return config
+  pool_bytes = sum(a.nbytes for a in (*pool.conv, *pool.delta))
+  left = config.kv_cache_memory_bytes - pool_bytes
+  if left <= 0:
+    raise ValueError(
+      f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} does not hold the recurrent state "
+      f"of max_num_reqs={config.max_num_reqs} requests ({pool_bytes} bytes) and any page"
+    )
+  return dataclasses.replace(config, kv_cache_memory_bytes=left)

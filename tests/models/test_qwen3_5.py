@@ -1,0 +1,251 @@
+"""Qwen3.5 hybrid checkpoints (Gated DeltaNet and gated attention) against transformers.
+
+A tiny random ``Qwen3_5ForCausalLM`` (layers linear, linear, linear, full; 2 key and 4 value heads
+in the linear layers, a partial rotary embedding) is built and saved by transformers, float32,
+every tensor randomised (norm offsets too). One engine with a small token budget (chunked
+prefill) and a pool of pages too small for its requests at once (preemption) must give
+transformers' greedy tokens and prompt logprobs within 1e-4; seeded ``n > 1`` requests the same
+samples together as one by one; every recurrent state slot free at the end. The image-text
+checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' logprobs through
+`token_logprobs`. What the
+recurrent state does not carry yet is refused. Nothing here touches the network (transformers
+takes its PyTorch fallbacks of the linear layers' kernels).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import jaxengine as je
+from jaxengine.models import token_logprobs
+from jaxengine.models.qwen3_5 import Qwen3_5
+from jaxengine.models.qwen3_5_checkpoints import config_from_hf
+from jaxengine.models.safetensors_loader import load_safetensors
+
+TEXT = dict(
+  vocab_size=96,
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  max_position_embeddings=64,
+  linear_conv_kernel_dim=4,
+  linear_key_head_dim=8,
+  linear_value_head_dim=12,
+  linear_num_key_heads=2,
+  linear_num_value_heads=4,
+  layer_types=["linear_attention"] * 3 + ["full_attention"],
+  rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+)
+#: The longest is above the engine's token budget (chunked prefill).
+PROMPTS = [[3, 17, 45, 8, 90, 22, 5, 61, 33, 2, 7, 70, 12], [5, 6, 7, 81], list(range(9, 30))]
+MAX_TOKENS = 8
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+  """Matrices of std ``fan_in ** -0.5``, vectors (norms, decay parameters) of std 0.3."""
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for param in model.parameters():
+      noise = torch.randn(param.shape, generator=generator)
+      param.copy_(noise * (0.3 if param.ndim == 1 else param.shape[-1] ** -0.5))
+
+
+def _write(directory: Path, multimodal: bool = False) -> torch.nn.Module:
+  torch.manual_seed(0)
+  text = transformers.Qwen3_5TextConfig(**TEXT)
+  if multimodal:
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+  else:
+    model = transformers.Qwen3_5ForCausalLM(text).eval()
+  _randomise(model, 0)
+  model.save_pretrained(directory)
+  return model
+
+
+def _hf_prompt_logprobs(model, prompt) -> np.ndarray:
+  """``[T - 1]`` transformers' log-probability of each prompt token after the first."""
+  with torch.no_grad():
+    logits = model(torch.tensor([prompt])).logits[0].double()
+  logprobs = torch.log_softmax(logits, -1)
+  return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+
+
+def _hf_greedy(model, prompt) -> list[int]:
+  with torch.no_grad():
+    out = model.generate(
+      torch.tensor([prompt]),
+      max_new_tokens=MAX_TOKENS,
+      do_sample=False,
+      eos_token_id=None,
+      pad_token_id=0,
+    )
+  return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("qwen3_5")
+  return directory, _write(directory)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+  """Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together."""
+  return je.LLM(
+    checkpoint[0],
+    max_num_reqs=3,
+    max_model_len=48,
+    block_size=4,
+    num_kv_blocks=14,
+    max_num_batched_tokens=8,
+  )
+
+
+def _free_state_slots(llm) -> int:
+  slots = llm.llm_engine.cores[0].scheduler.state_slots
+  return slots.num_free
+
+
+def test_greedy_and_prompt_logprobs_match_transformers_chunked_and_preempted(checkpoint, llm):
+  _, hf_model = checkpoint
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+  )
+  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+  worst = 0.0
+  for prompt, output in zip(PROMPTS, outputs):
+    assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt)
+    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+    worst = max(worst, float(np.abs(np.asarray(got) - _hf_prompt_logprobs(hf_model, prompt)).max()))
+  assert worst < 1e-4, worst
+  stats = llm.llm_engine.kv_cache_stats
+  assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
+  assert _free_state_slots(llm) == 3
+
+
+def test_seeded_samples_together_equal_one_by_one(checkpoint, llm):
+  """Two ``n=2`` seeded requests in one batch (each sample prefilling its own state) give the
+  samples each gives alone; both greedy samples (``top_k=1``) of an ``n=2`` request are transformers' tokens
+  (the second computes its own prompt: a page forked from the first would hold no state); the
+  slots are all free afterwards."""
+  greedy = je.SamplingParams(top_k=1, max_tokens=MAX_TOKENS, n=2, ignore_eos=True)  # argmax
+  (both,) = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)
+  want = _hf_greedy(checkpoint[1], PROMPTS[0])
+  assert [list(c.token_ids) for c in both.outputs] == [want, want]
+  params = je.SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=11, ignore_eos=True)
+  prompts = PROMPTS[:2]
+  together = llm.generate(prompts, params, use_tqdm=False)
+  alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+  for a, b in zip(together, alone):
+    samples = [list(c.token_ids) for c in a.outputs]
+    assert samples == [list(c.token_ids) for c in b.outputs]
+    assert len(samples) == 2 and all(len(s) == 6 for s in samples)
+  assert _free_state_slots(llm) == 3
+
+
+def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
+  hf_model = _write(tmp_path, multimodal=True)
+  model, config = load_safetensors(tmp_path)
+  assert isinstance(model, Qwen3_5) and config.checkpoint_prefix == "model.language_model."
+  assert config.rotary_dim == 8 and config.rope_theta == 1000.0
+  prompt = PROMPTS[0]
+  got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
+  np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+
+
+def test_moe_checkpoint_matches_transformers(tmp_path):
+  """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
+  expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
+  fields = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+  config = transformers.Qwen3_5MoeTextConfig(
+    **fields,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+  )
+  torch.manual_seed(0)
+  hf_model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+  _randomise(hf_model, 0)
+  hf_model.save_pretrained(tmp_path)
+  model, loaded = load_safetensors(tmp_path)
+  assert loaded.num_experts == 4 and loaded.shared_expert_intermediate_size == 40
+  for prompt in PROMPTS[:2]:
+    got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
+    np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+
+
+def _module() -> Qwen3_5:
+  hf = transformers.Qwen3_5TextConfig(**TEXT).to_dict()
+  return Qwen3_5(config_from_hf(hf, "qwen3_5"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+  "option",
+  [
+    dict(enable_prefix_caching=True),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    dict(num_decode_steps=4),
+    dict(scan_layers=True),
+    dict(enable_lora=True),
+    dict(quantization="int8"),
+    dict(batch_invariant=True),
+  ],
+  ids=lambda option: next(iter(option)),
+)
+def test_features_the_state_does_not_carry_are_refused(option):
+  field = next(iter(option))
+  with pytest.raises(ValueError, match=f"{field}=.*Qwen3_5"):
+    je.LLM(_module(), max_num_reqs=2, max_model_len=32, **option)
+
+
+def test_config_defaults_and_refusals():
+  hf = dict(TEXT, layer_types=None, num_hidden_layers=8, rope_parameters=None)
+  config = config_from_hf(hf, "qwen3_5")
+  assert config.attention_layers == (3, 7) and config.linear_layers == (0, 1, 2, 4, 5, 6)
+  assert config.partial_rotary_factor == 0.25 and config.rope_theta == 10000.0
+  assert config.kv_cache_spec().num_layers == 2
+  with pytest.raises(ValueError, match="attention_bias"):
+    config_from_hf(dict(TEXT, attention_bias=True), "qwen3_5")
+  with pytest.raises(ValueError, match="rope type 'yarn'"):
+    config_from_hf(dict(TEXT, rope_parameters={"rope_type": "yarn"}), "qwen3_5")
+  with pytest.raises(ValueError, match="layer_types"):
+    config_from_hf(dict(TEXT, layer_types=["mamba"] * 4), "qwen3_5")
+
+
+def test_state_pool_comes_out_of_kv_cache_memory_bytes():
+  """``max_num_reqs + 1`` state slots beside the pages; their bytes leave the pages the rest of
+  ``kv_cache_memory_bytes`` (a page: 4 positions of 2 heads of 16, keys and values, float32, one
+  attention layer), and a budget that holds no page beside them is refused."""
+  model = _module()
+  pool_bytes = 3 * model.recurrent_state_spec.bytes_per_slot
+  page_bytes = 4 * 2 * 16 * 2 * 4
+  kw = dict(max_num_reqs=2, max_model_len=32, block_size=4)
+  llm = je.LLM(model, kv_cache_memory_bytes=pool_bytes + 20 * page_bytes, **kw)
+  runner = llm.llm_engine.cores[0].runner
+  assert runner.num_blocks == 20 and runner.kv_cache.recurrent.num_slots == 3
+  with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=.*recurrent state"):
+    je.LLM(model, kv_cache_memory_bytes=pool_bytes, **kw)
+
+
+def test_ahead_of_time_compilation_refuses_the_hybrid(checkpoint):
+  from jaxengine.aot.executables import abstract_engine
+  from jaxengine.engine_config import EngineConfig
+
+  with pytest.raises(ValueError, match=r"ahead-of-time compilation .* Qwen3_5"):
+    abstract_engine(
+      str(checkpoint[0]), EngineConfig(max_num_reqs=2), jax.devices(), jnp.float32, "cpu"
+    )
