@@ -607,19 +607,17 @@ def test_bfloat16_adapter_files_load_as_their_float32_values(checkpoints, tmp_pa
 
 
 def test_models_without_lora_support_are_refused_by_enable_lora():
+  """A model class without ``lora_target_shapes`` (Llama and Gemma have them) is named."""
   from flax import nnx
 
-  from jaxengine.models.gemma import Gemma
-  from jaxengine.models.gemma_checkpoints import config_from_hf
+  from jaxengine.models.llama import Llama
+  from jaxengine.testing import tiny_llama_config
 
-  text = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-    layer_types=["full_attention"], architectures=["Gemma2ForCausalLM"],
-  )  # fmt: skip
-  config = json.loads(transformers.Gemma2Config(**text).to_json_string())
-  model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="Gemma models do not support LoRA"):
+  class NoTargets(Llama):
+    lora_target_shapes = None
+
+  model = NoTargets(tiny_llama_config(vocab_size=96), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="NoTargets models do not support LoRA"):
     je.LLM(model, enable_lora=True, max_model_len=32)
 
 
