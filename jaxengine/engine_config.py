@@ -339,9 +339,6 @@ class EngineConfig:
         max_lora_rank=self.max_lora_rank,
         max_cpu_loras=self.max_cpu_loras,
         enable_lora=self.enable_lora,
-        mesh=self.mesh,
-        tensor_parallel_size=self.tensor_parallel_size,
-        data_parallel_size=self.data_parallel_size,
         batch_invariant=self.batch_invariant,
       )
     )

@@ -120,9 +120,6 @@ def check_lora(
   max_lora_rank: Any,
   max_cpu_loras: Any,
   enable_lora: bool,
-  mesh: Any,
-  tensor_parallel_size: int,
-  data_parallel_size: int,
   batch_invariant: bool,
 ) -> dict[str, int]:
   """The LoRA sizes (`max_cpu_loras` None: `max_loras`), and LoRA's refusals.
@@ -132,7 +129,7 @@ def check_lora(
 
   Raises:
     ValueError: a size that is not a positive int, `max_cpu_loras` below `max_loras`, or
-      `enable_lora` with a mesh or `batch_invariant`.
+      `enable_lora` with `batch_invariant`.
   """
   sizes: dict[str, int] = {}
   for name, value in (
@@ -149,15 +146,8 @@ def check_lora(
     raise ValueError(
       f"max_cpu_loras={sizes['max_cpu_loras']} must be >= max_loras={sizes['max_loras']}"
     )
-  if enable_lora:
-    refused = {
-      f"a mesh (tensor_parallel_size={tensor_parallel_size}, data_parallel_size="
-      f"{data_parallel_size})": mesh is not None,
-      "batch_invariant=True": batch_invariant,
-    }
-    for what, given in refused.items():
-      if given:
-        raise ValueError(f"enable_lora=True is not supported with {what}")
+  if enable_lora and batch_invariant:
+    raise ValueError("enable_lora=True is not supported with batch_invariant=True")
   return sizes
 
 

@@ -92,6 +92,43 @@ _ROLE_DIM = {
 _SCALE_DIM = {COLUMN_PARALLEL: 0, VOCAB_PARALLEL: 0, EXPERT_COLUMN_PARALLEL: 1}
 
 
+#: The role of the base projection each LoRA target adds to (`jaxengine.models.lora`).
+LORA_TARGET_ROLES = {
+  **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), COLUMN_PARALLEL),
+  **dict.fromkeys(("o_proj", "down_proj"), ROW_PARALLEL),
+}
+
+
+def lora_specs(
+  target_shapes: Mapping[str, tuple[int, int]], tensor_parallel_size: int
+) -> dict[str, tuple[P, P]]:
+  """The partition specs of each LoRA target's slot buffers ``(A [N + 1, in, R], B [N + 1, R,
+  out])`` (`jaxengine.lora.LoRAManager`), split as the target's base projection is:
+
+  - column-parallel (``q/k/v/gate/up_proj``): ``A`` replicated, ``B`` split on ``out``
+    (``P(None, None, "model")``): each device adds the update to its own output features, from
+    the whole ``A x`` it computes itself; no collective;
+  - row-parallel (``o/down_proj``): ``A`` split on ``in`` (``P(None, "model", None)``), the
+    input features the device holds, ``B`` replicated: the ``[T, N, R]`` partial products
+    ``x A`` are summed over the model axis (one small all-reduce), then every device applies
+    the whole ``B``, whose output the base projection's all-reduce leaves replicated too.
+
+  A dimension that `tensor_parallel_size` does not divide stays whole (as `weight_spec`).
+  Either way the partitioner computes the same sums as one device, up to the order of the
+  row-parallel partial sums (as for the base weights).
+  """
+  t = tensor_parallel_size
+  specs = {}
+  for target, (n_in, n_out) in target_shapes.items():
+    if t == 1:
+      specs[target] = (P(), P())
+    elif LORA_TARGET_ROLES.get(target) == ROW_PARALLEL:
+      specs[target] = (_split((1, n_in, 1), 1, MODEL, t), P())
+    else:
+      specs[target] = (P(), _split((1, 1, n_out), 2, MODEL, t))
+  return specs
+
+
 def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
   """Both sizes as ints.
 

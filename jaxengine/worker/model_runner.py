@@ -142,7 +142,9 @@ class ModelRunner:
     self.compiled_shapes = StepShapes(PROMOTE_AFTER if config.reuse_compiled_shapes else 0)
     self._prompt_logprobs = PromptLogprobs()
     #: The LoRA adapters' host copies and device slots; None without `enable_lora`.
-    self.lora: LoRAManager | None = lora_manager(model, config) if config.enable_lora else None
+    self.lora: LoRAManager | None = None
+    if config.enable_lora:  # before the steps: on a mesh they declare the slots' shardings
+      self.lora = lora_manager(model, config, self._placement)
     steps = placed_device_steps(self._graphdef, self.mesh, self._placement, model.vocab_size)
     #: The jitted steps (`DeviceSteps`' fields).
     self.ragged_forward, self.sample_produced = steps.ragged_forward, steps.sample_produced
