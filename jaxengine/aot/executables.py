@@ -203,7 +203,12 @@ def abstract_engine(
   placement = None
   if mesh is not None:
     placement = MeshPlacement(
-      model, weights, batch, mesh, expert_parallel=config.enable_expert_parallel
+      model,
+      weights,
+      batch,
+      mesh,
+      expert_parallel=config.enable_expert_parallel,
+      batch_invariant=config.batch_invariant,
     )
   spec = model.kv_cache_spec
   groups = cache_groups(spec, config)

@@ -111,9 +111,11 @@ class GemmaAttention(nnx.Module):
     cfg = self.config
     lead = x.shape[:-1]
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = add_lora(project(self, "wq", x, (h * d, e)), x, lora, "q_proj").reshape(*lead, h, d)
-    k = add_lora(project(self, "wk", x, (kv * d, e)), x, lora, "k_proj").reshape(*lead, kv, d)
-    v = add_lora(project(self, "wv", x, (kv * d, e)), x, lora, "v_proj").reshape(*lead, kv, d)
+    fixed = self.batch_invariant
+    q = add_lora(project(self, "wq", x, (h * d, e)), x, lora, "q_proj", fixed)
+    k = add_lora(project(self, "wk", x, (kv * d, e)), x, lora, "k_proj", fixed)
+    v = add_lora(project(self, "wv", x, (kv * d, e)), x, lora, "v_proj", fixed)
+    q, k, v = q.reshape(*lead, h, d), k.reshape(*lead, kv, d), v.reshape(*lead, kv, d)
     if self.q_norm is not None and self.k_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
@@ -131,7 +133,8 @@ class GemmaAttention(nnx.Module):
       soft_cap=cfg.attn_logit_softcapping,
     )
     out = out.reshape(*lead, h * d)
-    return add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj"), kv_cache
+    out = add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj", fixed)
+    return out, kv_cache
 
 
 class GemmaMLP(nnx.Module):
@@ -161,10 +164,11 @@ class GemmaMLP(nnx.Module):
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """Maps ``[..., E]`` to ``[..., E]`` in the model dtype (with this layer's LoRA adapters,
     `jaxengine.models.lora`, when given)."""
-    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj")
-    up = add_lora(project(self, "w_up", x), x, lora, "up_proj")
+    fixed = self.batch_invariant
+    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj", fixed)
+    up = add_lora(project(self, "w_up", x), x, lora, "up_proj", fixed)
     hidden = jax.nn.gelu(gate, approximate=self.approximate) * up
-    return add_lora(project(self, "w_down", hidden), hidden, lora, "down_proj")
+    return add_lora(project(self, "w_down", hidden), hidden, lora, "down_proj", fixed)
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -114,7 +114,12 @@ class ModelRunner:
     self._placement: MeshPlacement | None = None
     if mesh is not None:
       self._placement = MeshPlacement(
-        model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
+        model,
+        self.weights,
+        input_batch,
+        mesh,
+        expert_parallel=config.enable_expert_parallel,
+        batch_invariant=config.batch_invariant,
       )
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)

@@ -45,7 +45,9 @@ def stacked_paths(model: Model) -> tuple[str, ...]:
   return tuple(getattr(model, "stacked_paths", ()))
 
 
-def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
+def placed_copy(
+  model: Model, mesh: Mesh, *, expert_parallel: bool = False, batch_invariant: bool = False
+) -> Model:
   """A copy of `model` whose weights lie in the shardings `MeshPlacement` gives them.
 
   For quantization on a mesh (`jaxengine.models.quantization.quantize_model` quantizes each
@@ -61,6 +63,7 @@ def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> M
     sharding_rules(model),
     expert_parallel=expert_parallel,
     stacked_paths=stacked_paths(model),
+    batch_invariant=batch_invariant,
   )
   return cast(Model, nnx.merge(graphdef, jax.device_put(state, shardings)))
 
@@ -91,6 +94,8 @@ class MeshPlacement:
     mesh: the mesh.
     expert_parallel: split a mixture-of-experts model's experts over the model axis
       (`EngineConfig.enable_expert_parallel`; the axis must divide its ``num_experts``).
+    batch_invariant: keep every matrix's input axis whole (`EngineConfig.batch_invariant`;
+      `jaxengine.parallel.weight_spec`).
 
   Attributes:
     mesh: the mesh.
@@ -137,8 +142,10 @@ class MeshPlacement:
     mesh: Mesh,
     *,
     expert_parallel: bool = False,
+    batch_invariant: bool = False,
   ) -> None:
     self.check(model, input_batch, mesh, expert_parallel=expert_parallel)
+    self.batch_invariant = batch_invariant
     num_rows = input_batch.max_num_reqs
     d = parallel.axis_size(mesh, parallel.DATA)
     self.mesh = mesh
@@ -149,6 +156,7 @@ class MeshPlacement:
       sharding_rules(model),
       expert_parallel=expert_parallel,
       stacked_paths=stacked_paths(model),
+      batch_invariant=batch_invariant,
     )
     self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
@@ -162,7 +170,7 @@ class MeshPlacement:
     base projections (`jaxengine.parallel.lora_specs`); sets `lora`, which the steps then
     declare for their inputs' adapters."""
     t = parallel.axis_size(self.mesh, parallel.MODEL)
-    specs = parallel.lora_specs(target_shapes, t)
+    specs = parallel.lora_specs(target_shapes, t, batch_invariant=self.batch_invariant)
     named = {k: (NamedSharding(self.mesh, a), NamedSharding(self.mesh, b)) for k, (a, b) in
              specs.items()}  # fmt: skip
     self.lora = tuple(dict(named) for _ in range(num_layers))

@@ -327,7 +327,6 @@ def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
     (dict(max_loras=0), "max_loras"),
     (dict(max_lora_rank=-1), "max_lora_rank"),
     (dict(max_loras=3, max_cpu_loras=2), "max_cpu_loras"),
-    (dict(enable_lora=True, batch_invariant=True), "batch_invariant"),
     (dict(enable_lora="yes"), "enable_lora"),
   ]:
     with pytest.raises(ValueError, match=message):
