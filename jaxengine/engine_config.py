@@ -138,10 +138,15 @@ class EngineConfig:
       `ROW_TILE` rows at a time and the paged attention in a fixed order
       (`jaxengine.models.batch_invariant`); a model declares that it can with a
       ``batch_invariant`` attribute (`jaxengine.models.Llama` does). Needs the "xla" attention
-      on the CPU backend, one device per data-parallel group (other backends and
-      `tensor_parallel_size` > 1 are refused, not approximated; with `data_parallel_size` > 1
-      each group is batch invariant on its own device, so a request's bits do not depend on
-      its group either). Costs time: docs/reproducibility.md has the table.
+      on the CPU backend (other backends are refused, not approximated). With
+      `tensor_parallel_size` > 1 no matrix's input axis is split (the row-parallel weights are
+      split on their output instead, `jaxengine.parallel`), so no sum crosses devices: the bits
+      are the same alone and batched, and `token_logprobs` of the engine's own mesh-placed
+      weights (``llm.llm_engine.runner.model``) equals them (a one-device engine's bits may
+      differ in the last place). With `data_parallel_size` > 1 each group gives one group's
+      bits, so a request's bits do not depend on its group either. Composes with
+      `enable_lora` (the adapters' products are row-tiled too). Costs time:
+      docs/reproducibility.md has the table.
     async_scheduling: schedule and dispatch step t + 1 while step t's sampled tokens are still
       on the device, and do step t's host work (reading tokens, logprobs, text, stop rules)
       while t + 1 runs (vLLM's name). None (default) or True: on, with every other setting
@@ -173,9 +178,10 @@ class EngineConfig:
       with `jaxengine.LoRARequest` (vLLM's name; default False). Adapters stay unmerged: the
       base weights are untouched and each token adds its own adapter's ``scale * B (A x)``
       (`jaxengine.models.lora`), so one step mixes base and adapter requests. Needs a model
-      with ``lora_target_shapes`` (`jaxengine.models.Llama`); composes with
-      `num_decode_steps` > 1 and `speculative_config`; refused with a mesh
-      (`tensor_parallel_size` or `data_parallel_size` > 1) or `batch_invariant`.
+      with ``lora_target_shapes`` (`jaxengine.models.Llama`, `jaxengine.models.Gemma`);
+      composes with `num_decode_steps` > 1, `speculative_config`, `batch_invariant` and a mesh
+      (`tensor_parallel_size` > 1: the adapters' slots split as their base projections,
+      `jaxengine.parallel.lora_specs`; `data_parallel_size` > 1: slots in every group).
     max_loras: adapters one step may mix, each in a device slot (vLLM's name; default 1); the
       requests of other adapters wait.
     max_lora_rank: the largest adapter rank, the slots' rank (vLLM's name; default 16);
@@ -208,9 +214,8 @@ class EngineConfig:
   Raises:
     ValueError: naming the field and value, for any value above that is out of range or of the
       wrong type, or settings that do not go together (a mesh and different sizes, a
-      `data_parallel_size` that does not divide `max_num_reqs`, `batch_invariant` with
-      `tensor_parallel_size` > 1, a Pallas attention backend or a non-CPU platform); more
-      devices than there are.
+      `data_parallel_size` that does not divide `max_num_reqs`, `batch_invariant` with a
+      Pallas attention backend or a non-CPU platform); more devices than there are.
   """
 
   max_num_reqs: int = 16
@@ -310,9 +315,7 @@ class EngineConfig:
       self._set(name, bool(value))
     self._set("logits_processors", resolve_logits_processors(self.logits_processors))
     if self.batch_invariant:
-      check_batch_invariant(
-        tensor_parallel_size=self.tensor_parallel_size, attention_backend=self.attention_backend
-      )
+      check_batch_invariant(attention_backend=self.attention_backend)
     self._set_fields(
       check_kv_cache(
         gpu_memory_utilization=self.gpu_memory_utilization,
@@ -338,11 +341,6 @@ class EngineConfig:
         max_loras=self.max_loras,
         max_lora_rank=self.max_lora_rank,
         max_cpu_loras=self.max_cpu_loras,
-        enable_lora=self.enable_lora,
-        mesh=self.mesh,
-        tensor_parallel_size=self.tensor_parallel_size,
-        data_parallel_size=self.data_parallel_size,
-        batch_invariant=self.batch_invariant,
       )
     )
     check_quantization(self.quantization)

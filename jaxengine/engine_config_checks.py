@@ -1,6 +1,6 @@
 """The checks of `EngineConfig`'s groups of fields: dtype and `max_model_len`, parallelism, the
-paged KV cache and its token budget, decoding (speculative, multi-step), and the settings that do
-not go together with `batch_invariant` or LoRA.
+paged KV cache and its token budget, decoding (speculative, multi-step), the settings that do
+not go together with `batch_invariant`, and LoRA's sizes.
 
 Each check is a function of the group's values, run on the host before any model loads: it
 returns the group's normalised values by field name (`EngineConfig.__post_init__` stores them)
@@ -94,16 +94,15 @@ def check_parallel(
   return {"tensor_parallel_size": t, "data_parallel_size": d, "mesh": mesh}
 
 
-def check_batch_invariant(*, tensor_parallel_size: int, attention_backend: str | None) -> None:
-  """Refuses what `batch_invariant=True` cannot keep exact.
+def check_batch_invariant(*, attention_backend: str | None) -> None:
+  """Refuses what `batch_invariant=True` cannot keep exact (tensor parallelism it keeps: no
+  matrix's input axis is split then, `jaxengine.parallel`).
 
   Raises:
-    ValueError: tensor parallelism, a Pallas attention backend, or a platform other than CPU.
+    ValueError: a Pallas attention backend, or a platform other than CPU.
   """
   platform = jax.default_backend()
   refused = {
-    f"tensor parallelism (tensor_parallel_size={tensor_parallel_size}: a row's "
-    "reductions would be split over devices)": tensor_parallel_size > 1,
     f"attention_backend={attention_backend!r} (only 'xla' has a fixed order)": (
       attention_backend not in (None, "xla")
     ),
@@ -119,20 +118,14 @@ def check_lora(
   max_loras: Any,
   max_lora_rank: Any,
   max_cpu_loras: Any,
-  enable_lora: bool,
-  mesh: Any,
-  tensor_parallel_size: int,
-  data_parallel_size: int,
-  batch_invariant: bool,
 ) -> dict[str, int]:
-  """The LoRA sizes (`max_cpu_loras` None: `max_loras`), and LoRA's refusals.
+  """The LoRA sizes (`max_cpu_loras` None: `max_loras`).
 
   Returns:
     `max_loras`, `max_lora_rank`, `max_cpu_loras` as ints.
 
   Raises:
-    ValueError: a size that is not a positive int, `max_cpu_loras` below `max_loras`, or
-      `enable_lora` with a mesh or `batch_invariant`.
+    ValueError: a size that is not a positive int, or `max_cpu_loras` below `max_loras`.
   """
   sizes: dict[str, int] = {}
   for name, value in (
@@ -149,15 +142,6 @@ def check_lora(
     raise ValueError(
       f"max_cpu_loras={sizes['max_cpu_loras']} must be >= max_loras={sizes['max_loras']}"
     )
-  if enable_lora:
-    refused = {
-      f"a mesh (tensor_parallel_size={tensor_parallel_size}, data_parallel_size="
-      f"{data_parallel_size})": mesh is not None,
-      "batch_invariant=True": batch_invariant,
-    }
-    for what, given in refused.items():
-      if given:
-        raise ValueError(f"enable_lora=True is not supported with {what}")
   return sizes
 
 

@@ -43,11 +43,32 @@ every device, to scale the partial sums before the all-reduce or their sum after
 result: the scale is per output channel). Either way the scaling adds no collective to the
 matmul's.
 
+LoRA adapters' device slots (`jaxengine.lora.LoRAManager`, ``A [N + 1, in, R]``, ``B [N + 1, R,
+out]``) split as the projection each adds to (`lora_specs`): a column-parallel target's ``B`` on
+``out``, a row-parallel target's ``A`` on ``in``, the other half replicated.
+
 The KV cache's pages (`jaxengine.models.sharded_attention`): the backend's key/value head axis
 over ``model`` (``[N, B, K, D]`` as ``P(None, None, "model", None)``; replicated when ``t`` does
 not divide ``K``, as vLLM does for ``t > K``), the ragged step's block tables, positions and
 slot mapping replicated. `BatchState` and metadata rows ``[R, ...]``: ``P("data")``; scalars
 ``P()``.
+
+Batch-invariant mode (``LLM(..., batch_invariant=True)``, `jaxengine.models.batch_invariant`):
+a sum split over devices is reduced by a collective whose order is the implementation's (on
+GPU and TPU a ring's chunks, which move with the buffer's size, i.e. the step's tokens). So in
+this mode no matrix's input axis is split: the row-parallel roles (``wo``, ``w_down``,
+``expert_down``; their scales) split their output axis instead, as the column-parallel ones do,
+and the LoRA slots follow (`lora_specs`). The partitioner then gathers a product's input
+(copies, no arithmetic) and each output feature of each token is summed whole on one device, in
+the row-tiled product's fixed order; everything else the decoder reduces across devices is a
+maximum, an elementwise add of the fixed-order sums (`jaxengine.reductions`; the partitioner
+moves the partial sums, it does not reorder them) or a sum of one value and zeros (the
+vocabulary-parallel embedding's lookup, a value computed on one device and broadcast), all exact
+in any order: the compiled ragged step of a tiny Llama on 2 host devices holds all-gathers and
+no all-reduce of anything but such one-device values (looked at in XLA's dump, jax 0.10). The
+attention runs each key/value head on one device. So a token's bits do not depend on the rest of
+the step, and `jaxengine.models.token_logprobs` over weights placed the same way (the engine's
+own, ``llm.llm_engine.runner.model``) gives them too.
 
 With these specs XLA's SPMD partitioner inserts the collectives: one all-reduce over ``model``
 after ``wo`` and after ``w_down`` per layer, and the logits come out sharded over the vocabulary,
@@ -87,9 +108,54 @@ _ROLE_DIM = {
   EXPERT_COLUMN_PARALLEL: 2,  # [X, in, out]: out
   EXPERT_ROW_PARALLEL: 1,  # [X, in, out]: in
 }
+# Batch-invariant mode (`weight_spec`'s `batch_invariant`): the roles that split a matrix's
+# input (its contraction) split its output instead, so every product's sums stay on one device.
+_WHOLE_CONTRACTION = {ROW_PARALLEL: COLUMN_PARALLEL, EXPERT_ROW_PARALLEL: EXPERT_COLUMN_PARALLEL}
 # The dimension of a matrix's scales (its shape without the input axes) each role splits: the
 # output axis the role splits in the matrix; a role splitting an input axis is replicated.
 _SCALE_DIM = {COLUMN_PARALLEL: 0, VOCAB_PARALLEL: 0, EXPERT_COLUMN_PARALLEL: 1}
+
+
+#: The role of the base projection each LoRA target adds to (`jaxengine.models.lora`).
+LORA_TARGET_ROLES = {
+  **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), COLUMN_PARALLEL),
+  **dict.fromkeys(("o_proj", "down_proj"), ROW_PARALLEL),
+}
+
+
+def lora_specs(
+  target_shapes: Mapping[str, tuple[int, int]],
+  tensor_parallel_size: int,
+  *,
+  batch_invariant: bool = False,
+) -> dict[str, tuple[P, P]]:
+  """The partition specs of each LoRA target's slot buffers ``(A [N + 1, in, R], B [N + 1, R,
+  out])`` (`jaxengine.lora.LoRAManager`), split as the target's base projection is:
+
+  - column-parallel (``q/k/v/gate/up_proj``): ``A`` replicated, ``B`` split on ``out``
+    (``P(None, None, "model")``): each device adds the update to its own output features, from
+    the whole ``A x`` it computes itself; no collective;
+  - row-parallel (``o/down_proj``): ``A`` split on ``in`` (``P(None, "model", None)``), the
+    input features the device holds, ``B`` replicated: the ``[T, N, R]`` partial products
+    ``x A`` are summed over the model axis (one small all-reduce), then every device applies
+    the whole ``B``, whose output the base projection's all-reduce leaves replicated too.
+
+  A dimension that `tensor_parallel_size` does not divide stays whole (as `weight_spec`).
+  Either way the partitioner computes the same sums as one device, up to the order of the
+  row-parallel partial sums (as for the base weights). With `batch_invariant` every target is
+  split as a column-parallel one (its base weight's input axis is whole too: `weight_spec`), so
+  no sum crosses devices.
+  """
+  t = tensor_parallel_size
+  specs = {}
+  for target, (n_in, n_out) in target_shapes.items():
+    if t == 1:
+      specs[target] = (P(), P())
+    elif LORA_TARGET_ROLES.get(target) == ROW_PARALLEL and not batch_invariant:
+      specs[target] = (_split((1, n_in, 1), 1, MODEL, t), P())
+    else:
+      specs[target] = (P(), _split((1, 1, n_out), 2, MODEL, t))
+  return specs
 
 
 def check_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[int, int]:
@@ -187,6 +253,7 @@ def weight_spec(
   *,
   expert_parallel: bool = False,
   scale: bool = False,
+  batch_invariant: bool = False,
 ) -> P:
   """The partition spec of one parameter from its sharding role (see the module's table).
 
@@ -200,8 +267,14 @@ def weight_spec(
       ``enable_expert_parallel``).
     scale: the parameter is the float32 scales of a quantized matrix of this role (its shape
       without the input axes): split on the output axis the role splits, else replicated.
+    batch_invariant: keep every matrix's input (contraction) axis whole: the row-parallel
+      roles split their output axis as the column-parallel ones do (`_WHOLE_CONTRACTION`), so
+      that no product is summed across devices (``LLM(..., batch_invariant=True)``: the module
+      docstring's "Batch-invariant mode").
   """
   dims = _SCALE_DIM if scale else _ROLE_DIM
+  if batch_invariant:
+    role = _WHOLE_CONTRACTION.get(role, role)
   if role not in _ROLE_DIM or tensor_parallel_size == 1:
     return P()
   if expert_parallel and role in (EXPERT_COLUMN_PARALLEL, EXPERT_ROW_PARALLEL):
@@ -218,6 +291,7 @@ def weight_shardings(
   *,
   expert_parallel: bool = False,
   stacked_paths: tuple[str, ...] = (),
+  batch_invariant: bool = False,
 ) -> Any:
   """`NamedSharding`s for a model's weights (an `nnx.State` or any pytree of arrays).
 
@@ -230,6 +304,7 @@ def weight_shardings(
     stacked_paths: the top-level names whose leaves have a leading layer axis (a model's
       ``stacked_paths``, `jaxengine.models.layer_scan`): that axis stays unsplit and the role
       applies to the rest of the shape.
+    batch_invariant: every matrix's input axis whole (see `weight_spec`).
   """
   t = axis_size(mesh, MODEL)
 
@@ -240,7 +315,9 @@ def weight_shardings(
     scale = len(names) > 1 and names[-2] == "scales"  # a quantized matrix's scales
     stacked = bool(names) and names[0] in stacked_paths
     shape = tuple(leaf.shape)[int(stacked) :]
-    spec = weight_spec(role, shape, t, expert_parallel=expert_parallel, scale=scale)
+    spec = weight_spec(
+      role, shape, t, expert_parallel=expert_parallel, scale=scale, batch_invariant=batch_invariant
+    )
     return NamedSharding(mesh, P(None, *spec) if stacked else spec)
 
   return jax.tree_util.tree_map_with_path(one, weights)

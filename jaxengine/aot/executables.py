@@ -44,8 +44,9 @@ from jaxengine.worker import buckets as step_buckets
 from jaxengine.worker.device_steps import DeviceSteps, placed_device_steps
 from jaxengine.worker.kv_cache_pool import cache_groups, choose_backend, pool_layout
 from jaxengine.worker.lora_loader import lora_manager
-from jaxengine.worker.multi_step import DeviceStopRules, decode_steps_inputs
+from jaxengine.worker.multi_step import DecodeStepsInputs, DeviceStopRules, decode_steps_inputs
 from jaxengine.worker.placement import MeshPlacement
+from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.recurrent_state import recurrent_state_spec
 from jaxengine.worker.step_inputs import ragged_inputs
 from jaxengine.worker.verify_step import ragged_drafts
@@ -123,9 +124,13 @@ class AbstractEngine:
     if shardings is None:
       one = self.placement.replicated if self.placement is not None else None
       shardings = one or SingleDeviceSharding(self.device)
-    if not isinstance(shardings, jax.sharding.Sharding):
-      return jax.tree.map(_spec, tree, shardings)
+    if not isinstance(shardings, jax.sharding.Sharding):  # a tree, or a prefix of `tree`
+      return jax.tree.map(lambda s, sub: self.sharded(sub, s), shardings, tree)
     return jax.tree.map(lambda x: _spec(x, shardings), tree)
+
+  def inputs_shardings(self, inputs_type: type) -> Any:
+    """A step's inputs' shardings (None: as `sharded`'s default), the LoRA slots' on a mesh."""
+    return None if self.placement is None else self.placement.step_inputs_shardings(inputs_type)
 
   def set_num_blocks(self, num_blocks: int) -> None:
     """Sizes the pool: `num_blocks` pages (the null page included), as shapes."""
@@ -204,7 +209,12 @@ def abstract_engine(
   placement = None
   if mesh is not None:
     placement = MeshPlacement(
-      model, weights, batch, mesh, expert_parallel=config.enable_expert_parallel
+      model,
+      weights,
+      batch,
+      mesh,
+      expert_parallel=config.enable_expert_parallel,
+      batch_invariant=config.batch_invariant,
     )
   spec = model.kv_cache_spec
   groups = cache_groups(spec, config)
@@ -231,7 +241,9 @@ def abstract_engine(
   )
   engine.weights = engine.sharded(weights, placement.weights if placement else None)
   if config.enable_lora:
-    engine.lora = lora_manager(model, config)
+    engine.lora = lora = lora_manager(model, config)  # host shapes; on a mesh, the steps'
+    if placement is not None:  # shardings name the slots' (`MeshPlacement.lora_shardings`)
+      placement.lora_shardings(lora.target_shapes, lora.num_layers)
   return engine
 
 
@@ -282,7 +294,8 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
       def step_inputs(sample_rows: int) -> Any:
         return engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
                                             block_size=config.block_size, lora=engine.lora,
-                                            num_sample_rows=sample_rows))  # fmt: skip
+                                            num_sample_rows=sample_rows),
+                              engine.inputs_shardings(RaggedInputs))  # fmt: skip
 
       sample_rows = step_buckets.sample_rows(num_rows, row_buckets)
       plain = step_inputs(sample_rows)
@@ -317,7 +330,7 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
     for num_rows in row_buckets:
       inputs = engine.sharded(decode_steps_inputs(
         batch, block_table, {}, num_rows, stop_rules, {}, False, lora=engine.lora
-      ))  # fmt: skip
+      ), engine.inputs_shardings(DecodeStepsInputs))  # fmt: skip
       yield _executable(
         engine,
         "decode_steps",

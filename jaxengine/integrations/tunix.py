@@ -247,7 +247,7 @@ class JaxEngineRollout(TunixWeightSync, base_rollout.BaseRollout):
       lora_engine_options(engine_options, lora)
     elif lora_alpha is not None:
       raise ValueError(f"lora_alpha={lora_alpha!r} given, but the rollout actor has no LoRA")
-    engine_placement(self.rollout_config, mesh, self.device, engine_options, lora=bool(lora))
+    engine_placement(self.rollout_config, mesh, self.device, engine_options)
     engine_mesh = engine_options.get("mesh")
     devices = list(engine_mesh.devices.flat) if engine_mesh is not None else [self.device]
     engine_options["gpu_memory_utilization"] = process_memory_fraction(fraction, devices)

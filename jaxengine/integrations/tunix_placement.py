@@ -74,8 +74,6 @@ def engine_placement(
   mesh: jax.sharding.Mesh | None,
   device: jax.Device,
   engine_options: dict[str, Any],
-  *,
-  lora: bool,
 ) -> None:
   """Places the engine from `RolloutConfig`'s parallel sizes and the rollout mesh, in
   `engine_options` (its ``mesh``), unless the options place it themselves.
@@ -88,20 +86,19 @@ def engine_placement(
   everything is placed from the start. Otherwise a ``(data, model)`` mesh of the rollout
   mesh's first ``d * t`` devices. Engine options that place the engine (`mesh`,
   `tensor_parallel_size`, `data_parallel_size`) win, and a size `RolloutConfig` sets
-  explicitly (not -1) must equal theirs. A LoRA rollout stays on one device (the engine's LoRA
-  is not on a mesh yet): sizes above 1 are refused, -1 resolves to 1.
+  explicitly (not -1) must equal theirs. A LoRA rollout is placed the same way (the engine
+  splits its adapters' slots as their base projections, `jaxengine.parallel.lora_specs`).
 
   Args:
     config: the rollout's `RolloutConfig`.
     mesh: the rollout mesh (None or empty: `device` alone).
     device: the engine's first device (`engine_device`).
     engine_options: `EngineConfig` fields; ``mesh`` is set here when they place nothing.
-    lora: whether the rollout serves a LoRA actor.
 
   Raises:
     ValueError: (before any device work) a size that is neither -1 nor positive; a set size
       that differs from the engine options' (both named); sizes needing more devices than the
-      rollout mesh has; sizes above 1 for a LoRA actor.
+      rollout mesh has.
   """
   sizes = _rollout_sizes(config)
   given = _engine_sizes(engine_options)
@@ -117,13 +114,6 @@ def engine_placement(
     sizes = dict.fromkeys(PARALLEL_FIELDS, 1)  # one device, as the options say
     for name in PARALLEL_FIELDS:
       engine_options.pop(name, None)
-  if lora:
-    for name, value in sizes.items():
-      if value > 1:
-        raise ValueError(
-          f"RolloutConfig.{name}={value}: a LoRA rollout runs on one device (leave it -1 or 1)"
-        )
-    return
   devices = list(mesh.devices.flat) if mesh is not None and not mesh.empty else [device]
   t, d = sizes["tensor_parallel_size"], sizes["data_parallel_size"]
   n = len(devices)

@@ -50,6 +50,9 @@ class LoRAManager:
     device: the device the buffers are committed to (the weights'), so that the steps see one
       placement whether a slot was written from the host or from device arrays (a trainer's,
       committed); None: uncommitted, on the default device.
+    shardings: None, or on a mesh the buffers' shardings, per layer target -> ``(A's, B's)``
+      (`jaxengine.worker.placement.MeshPlacement.lora_shardings`: split as their base
+      projections); every write keeps them (`device` is then unused).
   """
 
   def __init__(
@@ -62,6 +65,7 @@ class LoRAManager:
     target_shapes: Mapping[str, tuple[int, int]],
     dtype,
     device: jax.Device | None = None,
+    shardings: Buffers | None = None,
   ) -> None:
     self.max_loras = max_loras
     self.max_lora_rank = max_lora_rank
@@ -76,7 +80,13 @@ class LoRAManager:
       }
       for _ in range(num_layers)
     )
-    self.buffers = buffers if device is None else jax.device_put(buffers, device)
+    #: The buffers' shardings on a mesh, else None.
+    self.shardings = shardings
+    if shardings is not None:
+      buffers = jax.device_put(buffers, shardings)
+    elif device is not None:
+      buffers = jax.device_put(buffers, device)
+    self.buffers = buffers
     #: Host copies by `lora_int_id`, least recently used first.
     self._host: collections.OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = (
       collections.OrderedDict()
@@ -246,7 +256,7 @@ class LoRAManager:
     """Compiles the slot update (writing zeros into slot 0, which stays zero), so that the
     first adapter placed compiles nothing."""
     empty = self._host_slot(LoRAAdapter(0, self.max_lora_rank, 1.0, {}))
-    self.buffers = _set_slot(self.buffers, empty, np.int32(0))
+    self._keep_shardings(_set_slot(self.buffers, empty, np.int32(0)))
 
   def _place(self, request: LoRARequest) -> int:
     free = [s for s in range(1, self.max_loras + 1) if self._users[s] == 0]
@@ -264,9 +274,16 @@ class LoRAManager:
     there (`_set_slot_pairs`, compiled once per adapter structure, rank and slot, nothing through
     the host)."""
     if any(isinstance(x, jax.Array) for pair in adapter.weights.values() for x in pair):
-      self.buffers = _set_slot_pairs(self.buffers, self._on_slot_device(adapter.weights), slot)
+      self._keep_shardings(
+        _set_slot_pairs(self.buffers, self._on_slot_device(adapter.weights), slot)
+      )
     else:
-      self.buffers = _set_slot(self.buffers, self._host_slot(adapter), np.int32(slot))
+      self._keep_shardings(_set_slot(self.buffers, self._host_slot(adapter), np.int32(slot)))
+
+  def _keep_shardings(self, buffers: Buffers) -> None:
+    """Stores updated `buffers` in `shardings` (the steps declare them; a write whose output the
+    partitioner placed otherwise is moved back, and one already there is kept as it is)."""
+    self.buffers = buffers if self.shardings is None else jax.device_put(buffers, self.shardings)
 
   def _on_slot_device(self, pairs: dict) -> dict:
     """`pairs` as plain arrays where the slot buffers live, for the jitted write.
@@ -278,7 +295,7 @@ class LoRAManager:
     then moved device to device (nothing through the host; pairs already there stay put)."""
     sharding = jax.tree.leaves(self.buffers)[0].sharding
     # The buffers are ``[N + 1, in, R]``, the pairs 2-D: whole on every device of the buffers
-    # (one device: the engine's LoRA slots are not sharded).
+    # (on a mesh the jitted write keeps each device's share of the slot).
     placement = (
       NamedSharding(sharding.mesh, PartitionSpec())
       if isinstance(sharding, NamedSharding)

@@ -23,6 +23,11 @@ _TENSOR_NAME = re.compile(
   r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
 
+#: The modules of a multimodal checkpoint (Gemma 3's vision tower and projector) that a text-only
+#: engine never runs: an adapter's tensors under them change nothing it computes, so they are
+#: left out (PEFT wraps every module of a target's name, the vision tower's ``q_proj`` too).
+_NOT_RUN = re.compile(r"\.(?:vision_tower|multi_modal_projector)\.")
+
 #: `adapter_config.json` settings this engine does not run, with the value that is fine.
 _UNSUPPORTED = {
   "use_dora": False,
@@ -240,6 +245,8 @@ def _pairs(
 ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
   """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)``.
 
+  Tensors of modules a text-only engine never runs (`_NOT_RUN`: a vision tower's) are left out.
+
   Raises:
     ValueError: a tensor of an unknown name or of a target outside `targets`; a layer beyond
       the model's or an ``in`` / ``out`` size not the model's (`other_model`: made for a
@@ -247,6 +254,8 @@ def _pairs(
   """
   halves: dict[tuple[int, str], dict[str, Any]] = {}
   for name, tensor in tensors.items():
+    if _NOT_RUN.search(name):
+      continue
     match = _TENSOR_NAME.search(name)
     if match is None or match[2] not in targets:
       raise ValueError(f"lora_path={where!r}: unexpected tensor {name!r}")

@@ -22,6 +22,10 @@ What the model computes (Gemma Team, 2024 and 2025):
 - MLP: ``down(gelu_tanh(gate(x)) * up(x))``;
 - logits: ``final_norm(x) @ embed.T`` (tied), soft-capped (``final_logit_softcapping``).
 
+LoRA adapters (`jaxengine.models.lora`) may target the seven projections by their PEFT names
+(``q_proj`` ... ``down_proj``, `Gemma.lora_target_shapes`); each update is added to its
+projection's output, before the q/k norms, as PEFT wraps the ``nn.Linear``.
+
 Shape letters as in `jaxengine.models.llama`.
 
 References:
@@ -52,6 +56,7 @@ from jaxengine.models.layers import (
   rotary_embedding,
   vocab_logits,
 )
+from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.weights import WeightSpec
 
 __all__ = ["Gemma", "GemmaAttention", "GemmaConfig", "GemmaDecoderLayer", "GemmaMLP"]
@@ -99,15 +104,18 @@ class GemmaAttention(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x, positions, kv_cache, layer, metadata):
+  def __call__(self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None):
     """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; the
-    arguments as `jaxengine.models.llama.Attention.__call__`."""
+    arguments as `jaxengine.models.llama.Attention.__call__` (LoRA updates added to the
+    projections' outputs, before the q/k norms, as PEFT wraps ``q_proj`` ...)."""
     cfg = self.config
     lead = x.shape[:-1]
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = project(self, "wq", x, (h * d, e)).reshape(*lead, h, d)
-    k = project(self, "wk", x, (kv * d, e)).reshape(*lead, kv, d)
-    v = project(self, "wv", x, (kv * d, e)).reshape(*lead, kv, d)
+    fixed = self.batch_invariant
+    q = add_lora(project(self, "wq", x, (h * d, e)), x, lora, "q_proj", fixed)
+    k = add_lora(project(self, "wk", x, (kv * d, e)), x, lora, "k_proj", fixed)
+    v = add_lora(project(self, "wv", x, (kv * d, e)), x, lora, "v_proj", fixed)
+    q, k, v = q.reshape(*lead, h, d), k.reshape(*lead, kv, d), v.reshape(*lead, kv, d)
     if self.q_norm is not None and self.k_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
@@ -124,7 +132,8 @@ class GemmaAttention(nnx.Module):
       sliding_window=cfg.window(self.layer),
       soft_cap=cfg.attn_logit_softcapping,
     )
-    out = project(self, "wo", out.reshape(*lead, h * d), (e, h * d))
+    out = out.reshape(*lead, h * d)
+    out = add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj", fixed)
     return out, kv_cache
 
 
@@ -155,12 +164,14 @@ class GemmaMLP(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Maps ``[..., E]`` to ``[..., E]`` in the model dtype."""
-    gate = project(self, "w_gate", x)
-    up = project(self, "w_up", x)
+  def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+    """Maps ``[..., E]`` to ``[..., E]`` in the model dtype (with this layer's LoRA adapters,
+    `jaxengine.models.lora`, when given)."""
+    fixed = self.batch_invariant
+    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj", fixed)
+    up = add_lora(project(self, "w_up", x), x, lora, "up_proj", fixed)
     hidden = jax.nn.gelu(gate, approximate=self.approximate) * up
-    return project(self, "w_down", hidden)
+    return add_lora(project(self, "w_down", hidden), hidden, lora, "down_proj", fixed)
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -176,13 +187,13 @@ class GemmaDecoderLayer(nnx.Module):
     self.mlp = GemmaMLP(config, dtype=dtype, rngs=rngs)
     self.post_feedforward_norm = _norm(config, e) if config.post_norms else None
 
-  def __call__(self, x, positions, kv_cache, layer, metadata):
+  def __call__(self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None):
     """Same arguments as `GemmaAttention.__call__`, ``x`` the residual stream ``[..., E]``."""
-    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
+    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
     if self.post_attention_norm is not None:
       h = self.post_attention_norm(h)
     x = x + h
-    h = self.mlp(self.pre_feedforward_norm(x))
+    h = self.mlp(self.pre_feedforward_norm(x), lora)
     if self.post_feedforward_norm is not None:
       h = self.post_feedforward_norm(h)
     return x + h, kv_cache
@@ -225,13 +236,28 @@ class Gemma(ConfiguredDecoder, nnx.Module):
     positions: jax.Array,
     kv_cache: PagedKVCache,
     attn_metadata: PagedAttentionMetadata,
+    *,
+    lora: LoRAInputs | None = None,
   ) -> tuple[jax.Array, PagedKVCache]:
-    """Runs the decoder, updating the cache; arguments and results as
-    `jaxengine.models.Llama.__call__` (``[..., E]`` hidden states after the final norm)."""
+    """Runs the decoder, updating the cache; arguments (`lora`: the step's LoRA adapters with
+    each flat token's slot, or None) and results as `jaxengine.models.Llama.__call__`
+    (``[..., E]`` hidden states after the final norm)."""
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
-    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, attn_metadata)
+    layer_args = lambda index: () if lora is None else (lora.layer(index),)
+    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, attn_metadata, layer_args)
     return self.final_norm(x), kv_cache
+
+  def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+    """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
+    module name (the same in every layer; `jaxengine.models.lora.LORA_TARGETS`)."""
+    cfg = self.config
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {
+      "q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e),
+      "gate_proj": (e, f), "up_proj": (e, f), "down_proj": (f, e),
+    }  # fmt: skip
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name

@@ -169,9 +169,9 @@ class Attention(nnx.Module):
     q = project(self, "wq", x, (h * d, e))
     k = project(self, "wk", x, (kv * d, e))
     v = project(self, "wv", x, (kv * d, e))
-    q = add_lora(q, x, lora, "q_proj").reshape(*lead, h, d)
-    k = add_lora(k, x, lora, "k_proj").reshape(*lead, kv, d)
-    v = add_lora(v, x, lora, "v_proj").reshape(*lead, kv, d)
+    q = add_lora(q, x, lora, "q_proj", self.batch_invariant).reshape(*lead, h, d)
+    k = add_lora(k, x, lora, "k_proj", self.batch_invariant).reshape(*lead, kv, d)
+    v = add_lora(v, x, lora, "v_proj", self.batch_invariant).reshape(*lead, kv, d)
     if self.bq is not None and self.bk is not None and self.bv is not None:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if self.q_norm is not None and self.k_norm is not None:
@@ -183,7 +183,7 @@ class Attention(nnx.Module):
       q, k, v, kv_cache, layer, metadata, scale=d**-0.5, sliding_window=cfg.sliding_window
     )
     out = out.reshape(*lead, h * d)
-    out = add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj")
+    out = add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj", self.batch_invariant)
     if self.bo is not None:
       out = out + self.bo[...]
     return out, kv_cache
@@ -216,11 +216,11 @@ class MLP(nnx.Module):
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """Maps ``[B, T, E]`` to ``[B, T, E]`` in the model dtype (with this layer's LoRA
     adapters, `jaxengine.models.lora`, when given)."""
-    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj")
-    up = add_lora(project(self, "w_up", x), x, lora, "up_proj")
+    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj", self.batch_invariant)
+    up = add_lora(project(self, "w_up", x), x, lora, "up_proj", self.batch_invariant)
     hidden = jax.nn.silu(gate) * up  # [B, T, F]
     down = project(self, "w_down", hidden)  # [B, T, E]
-    return add_lora(down, hidden, lora, "down_proj")
+    return add_lora(down, hidden, lora, "down_proj", self.batch_invariant)
 
 
 class DecoderLayer(nnx.Module):

@@ -11,7 +11,9 @@ The update is written densely over the slots (``x`` against every slot's ``A``, 
 of each token's slot, then every slot's ``B``): fixed shapes whatever adapters a step mixes, no
 ``[T, in, R]`` gather, and ``N`` times the flops of one rank-``R`` update (slot 0, all zeros, is
 never multiplied; small next to the projection itself for a few slots). A model without LoRA
-never calls any of this.
+never calls any of this. In batch-invariant mode both products are row-tiled
+(`jaxengine.models.batch_invariant.row_tiled_dot`); on a mesh the buffers are split as their
+base projections (`jaxengine.parallel.lora_specs`).
 
 Shape letters: ``T`` query tokens, ``N`` adapter slots (``max_loras``), ``R`` ``max_lora_rank``,
 ``L`` layers.
@@ -23,6 +25,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxengine.models.batch_invariant import row_tiled_dot
 
 __all__ = ["LORA_TARGETS", "LayerLoRA", "LoRAInputs", "add_lora"]
 
@@ -64,7 +68,13 @@ class LoRAInputs:
     return LayerLoRA(self.slots, self.layers[index])
 
 
-def add_lora(y: jax.Array, x: jax.Array, lora: LayerLoRA | None, target: str) -> jax.Array:
+def add_lora(
+  y: jax.Array,
+  x: jax.Array,
+  lora: LayerLoRA | None,
+  target: str,
+  batch_invariant: bool = False,
+) -> jax.Array:
   """``y + B[slot] (A[slot] x)`` per token for projection `target`; `y` itself without LoRA.
 
   Args:
@@ -72,6 +82,9 @@ def add_lora(y: jax.Array, x: jax.Array, lora: LayerLoRA | None, target: str) ->
     x: ``[..., in]`` the projection's input.
     lora: this layer's `LayerLoRA`, or None (then nothing is traced).
     target: the projection's module name (`LORA_TARGETS`).
+    batch_invariant: both products as `jaxengine.models.batch_invariant.row_tiled_dot`s over
+      the slots side by side (``A`` as ``[N * R, in]``, ``B`` as ``[out, N * R]``), so that a
+      token's update depends on its own input and slot only (the calling module's mode).
 
   Returns:
     ``[..., out]`` in `y`'s dtype.
@@ -80,10 +93,19 @@ def add_lora(y: jax.Array, x: jax.Array, lora: LayerLoRA | None, target: str) ->
     return y
   a, b = lora.weights[target]  # [N + 1, in, R], [N + 1, R, out]
   a, b = a[1:], b[1:]  # slot 0 (the base model) adds nothing: its tokens are masked below
-  flat = x.reshape(-1, x.shape[-1])  # [T, in]
-  xa = jnp.einsum("ti,nir->tnr", flat, a, preferred_element_type=jnp.float32)
-  adapters = jnp.arange(1, a.shape[0] + 1, dtype=lora.slots.dtype)  # [N] slots 1..N
+  n, n_in, r = a.shape
+  flat = x.reshape(-1, n_in)  # [T, in]
+  if batch_invariant:
+    a_rows = jnp.transpose(a, (0, 2, 1)).reshape(n * r, n_in)  # [N * R, in]
+    xa = row_tiled_dot(flat, a_rows, preferred_element_type=jnp.float32).reshape(-1, n, r)
+  else:
+    xa = jnp.einsum("ti,nir->tnr", flat, a, preferred_element_type=jnp.float32)
+  adapters = jnp.arange(1, n + 1, dtype=lora.slots.dtype)  # [N] slots 1..N
   mine = lora.slots[:, None] == adapters  # [T, N]
   xa = jnp.where(mine[..., None], xa, 0.0).astype(b.dtype)
-  delta = jnp.einsum("tnr,nro->to", xa, b, preferred_element_type=jnp.float32)
+  if batch_invariant:
+    b_rows = b.reshape(n * r, -1).T  # [out, N * R]
+    delta = row_tiled_dot(xa.reshape(-1, n * r), b_rows, preferred_element_type=jnp.float32)
+  else:
+    delta = jnp.einsum("tnr,nro->to", xa, b, preferred_element_type=jnp.float32)
   return y + delta.astype(y.dtype).reshape(y.shape)

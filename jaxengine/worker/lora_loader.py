@@ -11,11 +11,16 @@ from flax import nnx
 from jaxengine.engine_config import EngineConfig
 from jaxengine.lora import LoRAManager
 from jaxengine.models.interface import Model
+from jaxengine.worker.placement import MeshPlacement
 
 
-def lora_manager(model: Model, config: EngineConfig) -> LoRAManager:
+def lora_manager(
+  model: Model, config: EngineConfig, placement: MeshPlacement | None = None
+) -> LoRAManager:
   """The runner's `LoRAManager` with `enable_lora`: `max_loras` device slots of rank
-  `max_lora_rank` over the model's LoRA targets, `max_cpu_loras` host copies.
+  `max_lora_rank` over the model's LoRA targets, `max_cpu_loras` host copies; on a mesh
+  (`placement`) the slots split as their base projections (`MeshPlacement.lora_shardings`,
+  which the steps' shardings then name).
 
   Raises:
     ValueError: a model without LoRA targets (`lora_target_shapes`).
@@ -23,14 +28,19 @@ def lora_manager(model: Model, config: EngineConfig) -> LoRAManager:
   shapes = getattr(model, "lora_target_shapes", None)
   if shapes is None:
     raise ValueError(f"enable_lora=True: {type(model).__name__} models do not support LoRA")
+  target_shapes, num_layers = shapes(), _num_layers(model)
+  shardings = None
+  if placement is not None:
+    shardings = placement.lora_shardings(target_shapes, num_layers)
   return LoRAManager(
     max_loras=config.max_loras,
     max_lora_rank=config.max_lora_rank,
     max_cpu_loras=cast(int, config.max_cpu_loras),  # validated: never None
-    num_layers=_num_layers(model),
-    target_shapes=shapes(),
+    num_layers=num_layers,
+    target_shapes=target_shapes,
     dtype=cast(Any, model).dtype,
-    device=_committed_device(model),
+    device=None if placement is not None else _committed_device(model),
+    shardings=cast(Any, shardings),
   )
 
 

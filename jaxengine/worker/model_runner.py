@@ -116,7 +116,12 @@ class ModelRunner:
     self._placement: MeshPlacement | None = None
     if mesh is not None:
       self._placement = MeshPlacement(
-        model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
+        model,
+        self.weights,
+        input_batch,
+        mesh,
+        expert_parallel=config.enable_expert_parallel,
+        batch_invariant=config.batch_invariant,
       )
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)
@@ -153,7 +158,9 @@ class ModelRunner:
     self.compiled_shapes = StepShapes(PROMOTE_AFTER if config.reuse_compiled_shapes else 0)
     self._prompt_logprobs = PromptLogprobs()
     #: The LoRA adapters' host copies and device slots; None without `enable_lora`.
-    self.lora: LoRAManager | None = lora_manager(model, config) if config.enable_lora else None
+    self.lora: LoRAManager | None = None
+    if config.enable_lora:  # before the steps: on a mesh they declare the slots' shardings
+      self.lora = lora_manager(model, config, self._placement)
     steps = placed_device_steps(self._graphdef, self.mesh, self._placement, model.vocab_size)
     #: The jitted steps (`DeviceSteps`' fields).
     self.ragged_forward, self.sample_produced = steps.ragged_forward, steps.sample_produced

@@ -9,6 +9,7 @@ refused by `jax.jit` rather than silently recompiled.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, cast
@@ -24,9 +25,11 @@ from jaxengine.models.attention_backends import AttentionBackend
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.registry import sharding_rules
 from jaxengine.models.sharded_attention import HeadShardedBackend
-from jaxengine.worker.ragged_step import RaggedForward
+from jaxengine.worker.multi_step import DecodeStepsInputs
+from jaxengine.worker.ragged_step import RaggedForward, RaggedInputs
 
 
 def num_attention_heads(model: Any) -> int | None:
@@ -42,7 +45,9 @@ def stacked_paths(model: Model) -> tuple[str, ...]:
   return tuple(getattr(model, "stacked_paths", ()))
 
 
-def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> Model:
+def placed_copy(
+  model: Model, mesh: Mesh, *, expert_parallel: bool = False, batch_invariant: bool = False
+) -> Model:
   """A copy of `model` whose weights lie in the shardings `MeshPlacement` gives them.
 
   For quantization on a mesh (`jaxengine.models.quantization.quantize_model` quantizes each
@@ -58,6 +63,7 @@ def placed_copy(model: Model, mesh: Mesh, *, expert_parallel: bool = False) -> M
     sharding_rules(model),
     expert_parallel=expert_parallel,
     stacked_paths=stacked_paths(model),
+    batch_invariant=batch_invariant,
   )
   return cast(Model, nnx.merge(graphdef, jax.device_put(state, shardings)))
 
@@ -88,6 +94,8 @@ class MeshPlacement:
     mesh: the mesh.
     expert_parallel: split a mixture-of-experts model's experts over the model axis
       (`EngineConfig.enable_expert_parallel`; the axis must divide its ``num_experts``).
+    batch_invariant: keep every matrix's input axis whole (`EngineConfig.batch_invariant`;
+      `jaxengine.parallel.weight_spec`).
 
   Attributes:
     mesh: the mesh.
@@ -97,6 +105,7 @@ class MeshPlacement:
     state: `BatchState` tree of `NamedSharding` (rows over ``"data"``).
     metadata: `SamplingMetadata` tree of `NamedSharding` (rows over ``"data"``).
     kv_pages: `PagedKVCache` tree of `NamedSharding` (set by `create_kv_pages`).
+    lora: the LoRA slots' `NamedSharding`s (set by `lora_shardings`), None without LoRA.
 
   Raises:
     ValueError: the model axis does not divide the query heads (both numbers named), or the
@@ -133,8 +142,10 @@ class MeshPlacement:
     mesh: Mesh,
     *,
     expert_parallel: bool = False,
+    batch_invariant: bool = False,
   ) -> None:
     self.check(model, input_batch, mesh, expert_parallel=expert_parallel)
+    self.batch_invariant = batch_invariant
     num_rows = input_batch.max_num_reqs
     d = parallel.axis_size(mesh, parallel.DATA)
     self.mesh = mesh
@@ -145,10 +156,34 @@ class MeshPlacement:
       sharding_rules(model),
       expert_parallel=expert_parallel,
       stacked_paths=stacked_paths(model),
+      batch_invariant=batch_invariant,
     )
     self.state = parallel.row_shardings(input_batch.state, num_rows, mesh)
     self.metadata = parallel.row_shardings(input_batch.sampling_metadata, num_rows, mesh)
     self._replicated = NamedSharding(mesh, P())
+    self.lora: Any = None
+
+  def lora_shardings(
+    self, target_shapes: dict[str, tuple[int, int]], num_layers: int
+  ) -> tuple[dict[str, tuple[NamedSharding, NamedSharding]], ...]:
+    """The LoRA slots' shardings, per layer target -> ``(A's, B's)``, split as the targets'
+    base projections (`jaxengine.parallel.lora_specs`); sets `lora`, which the steps then
+    declare for their inputs' adapters."""
+    t = parallel.axis_size(self.mesh, parallel.MODEL)
+    specs = parallel.lora_specs(target_shapes, t, batch_invariant=self.batch_invariant)
+    named = {k: (NamedSharding(self.mesh, a), NamedSharding(self.mesh, b)) for k, (a, b) in
+             specs.items()}  # fmt: skip
+    self.lora = tuple(dict(named) for _ in range(num_layers))
+    return self.lora
+
+  def step_inputs_shardings(self, inputs_type: type = RaggedInputs) -> Any:
+    """The shardings of a step's `RaggedInputs` (or `DecodeStepsInputs`): replicated, but for
+    the LoRA slots (`lora`) when set."""
+    rep: Any = self._replicated  # a tree of shardings in the inputs' shape (a prefix)
+    if self.lora is None:
+      return rep
+    fields = [f.name for f in dataclasses.fields(inputs_type) if f.name != "lora"]
+    return inputs_type(**dict.fromkeys(fields, rep), lora=LoRAInputs(slots=rep, layers=self.lora))
 
   def create_kv_pages(
     self,
@@ -182,7 +217,7 @@ class MeshPlacement:
     logits as `logits_sharding`, the step's inputs and prompt logprobs replicated."""
     rep, cache = self._replicated, self.kv_pages
     return {
-      "in_shardings": (self.state, self.weights, cache, rep),
+      "in_shardings": (self.state, self.weights, cache, self.step_inputs_shardings()),
       "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
         logits=cast(Any, self.logits_sharding(vocab_size)),
         kv_cache=cache,
@@ -215,7 +250,7 @@ class MeshPlacement:
     rejection sampler reads them so)."""
     rep, cache = self._replicated, self.kv_pages
     return {
-      "in_shardings": (self.state, self.weights, cache, rep, rep),
+      "in_shardings": (self.state, self.weights, cache, self.step_inputs_shardings(), rep),
       "out_shardings": RaggedForward(  # a tree of shardings in the output's shape
         logits=cast(Any, rep),
         kv_cache=cache,
@@ -240,7 +275,13 @@ class MeshPlacement:
     None))``; the loop's inputs and its outputs replicated, the cache as created."""
     rep, cache = self._replicated, self.kv_pages
     return {
-      "in_shardings": (self.state, self.metadata, self.weights, cache, rep),
+      "in_shardings": (
+        self.state,
+        self.metadata,
+        self.weights,
+        cache,
+        self.step_inputs_shardings(DecodeStepsInputs),
+      ),
       "out_shardings": (self.state, rep, (cache, rep)),
     }
 

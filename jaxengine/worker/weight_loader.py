@@ -97,7 +97,12 @@ def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -
   if config.quantization is not None:
     if config.mesh is not None:
       mesh = parallel.check_mesh(config.mesh)
-      model = placed_copy(model, mesh, expert_parallel=config.enable_expert_parallel)
+      model = placed_copy(
+        model,
+        mesh,
+        expert_parallel=config.enable_expert_parallel,
+        batch_invariant=config.batch_invariant,
+      )
     done = quantize_model(model, config.quantization)  # a copy, as above
     model, quantized = done.model, done.leaves
   return PreparedModel(model, specs, quantized)

@@ -509,7 +509,7 @@ MESH_SCRIPT = textwrap.dedent("""
     mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), axis_types=AUTO)
     rollout_mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO, devices=jax.devices()[2:])
     options = {}
-    engine_placement(base_rollout.RolloutConfig(), mesh, jax.devices()[0], options, lora=False)
+    engine_placement(base_rollout.RolloutConfig(), mesh, jax.devices()[0], options)
     assert dict(options["mesh"].shape) == {"data": 1, "model": 4}, options["mesh"].shape
     model = build("llama3")  # 4 query heads over 2 kv heads
     greedy = rollout_config(top_p=None)

@@ -211,12 +211,13 @@ def test_lora_options_are_checked():
 
 
 # Issue 49: the actor on device 0 (a mesh with explicit axes, as Tunix's `ClusterConfig` places
-# it) and the rollout on device 1. The engine and its LoRA slots live on device 1; the adapter's
-# pairs, the LoRA-only syncs (under Tunix's transfer guards) and the full syncs arrive from
-# device 0. Rollouts equal the trainer's recomputation, as the colocated ones above do.
+# it) and the rollout on devices 1 and 2 (issue 53: tensor parallel, the RolloutConfig's sizes
+# -1). The engine and its LoRA slots (split as their base projections) live on devices 1 and 2;
+# the adapter's pairs, the LoRA-only syncs (under Tunix's transfer guards) and the full syncs
+# arrive from device 0. Rollouts equal the trainer's recomputation, as the colocated ones do.
 SPLIT_SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
     sys.path[:0] = sys.argv[1:]  # this folder (test_tunix, test_tunix_lora) and the shared helpers
     import jax
     from flax import nnx
@@ -224,15 +225,17 @@ SPLIT_SCRIPT = textwrap.dedent("""
     from test_tunix_lora import build_lora, make_rollout, max_error, random_lora
 
     actor_mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
-    rollout_mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=AUTO, devices=jax.devices()[1:])
+    rollout_mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO, devices=jax.devices()[1:])
     on_actor = jax.sharding.NamedSharding(actor_mesh, jax.sharding.PartitionSpec())
     model = build_lora("qwen3")
     nnx.update(model, jax.device_put(nnx.state(model), on_actor))
     rollout = make_rollout(model, mesh=rollout_mesh)
     config = rollout_config(seed=3)
     assert max_error(rollout, model, rollout.generate(PROMPTS, config)) < 1e-4
-    slots = jax.tree.leaves(rollout.llm.llm_engine.runner.lora.buffers)
-    assert all(x.devices() == {jax.devices()[1]} for x in slots)
+    assert rollout.llm.llm_engine.config.tensor_parallel_size == 2
+    slots = rollout.llm.llm_engine.runner.lora.buffers
+    assert all(x.devices() == set(jax.devices()[1:]) for x in jax.tree.leaves(slots))
+    assert tuple(slots[0]["q_proj"][1].sharding.spec) == (None, None, "model")
     nnx.update(model, jax.device_put(random_lora(model, 7), on_actor))
     with (
       jax.transfer_guard_host_to_device("disallow_explicit"),

@@ -6,6 +6,8 @@ Float results are compared as bits (`np.float32.view(np.uint32)`), never with a 
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from invariance import mixed_bits, random_adapter
 
 import jaxengine as je
 from jaxengine.models import token_logprobs
@@ -57,6 +60,31 @@ def test_a_tiled_product_keeps_leading_dims_and_the_requested_dtype():
   chex.assert_shape(out, (2, 3, 5))
   assert out.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out), 8.0)
+
+
+def test_a_tokens_lora_update_depends_on_that_token_only():
+  """`add_lora` in batch-invariant mode: a token's update (its own slot's ``B (A x)``) has the
+  same bits in a call of 1, 4 or 40 tokens as in one of 300 (SmolLM2's width, 3 slots of rank
+  8: XLA:CPU's plain einsums give other bits there), and the plain form's values."""
+  from jaxengine.models.lora import LayerLoRA, add_lora
+
+  rng = np.random.default_rng(0)
+  n, width, rank, num_tokens = 3, 576, 8, 300
+  a = jnp.asarray(rng.standard_normal((n + 1, width, rank), np.float32))
+  b = jnp.asarray(rng.standard_normal((n + 1, rank, width), np.float32))
+  x = jnp.asarray(rng.standard_normal((num_tokens, width), np.float32))
+  y = jnp.asarray(rng.standard_normal((num_tokens, width), np.float32))
+  slots = jnp.asarray(rng.integers(0, n + 1, num_tokens), jnp.int32)
+
+  @functools.partial(jax.jit, static_argnums=3)
+  def update(y, x, slots, fixed):
+    return add_lora(y, x, LayerLoRA(slots, {"q_proj": (a, b)}), "q_proj", fixed)
+
+  whole = np.asarray(update(y, x, slots, True))
+  for lo, hi in ((0, 1), (5, 9), (40, 80)):
+    part = update(y[lo:hi], x[lo:hi], slots[lo:hi], True)
+    np.testing.assert_array_equal(bits(part), bits(whole[lo:hi]))
+  np.testing.assert_allclose(whole, np.asarray(update(y, x, slots, False)), rtol=1e-4, atol=1e-3)
 
 
 @settings(max_examples=15, deadline=None)
@@ -362,6 +390,66 @@ def test_one_row_bucket_and_no_step_compiles_after_precompile(model):
   prompts, params = _others(9, seed=4)
   llm.generate([{"prompt_token_ids": p[:40]} for p in prompts], params, use_tqdm=False)
   assert [step._cache_size() for step in steps] == sizes
+
+
+# --- LoRA and tensor parallelism ----------------------------------------------------------------
+
+
+def test_lora_adapters_keep_the_bits_alone_and_in_a_batch(model):
+  """``batch_invariant=True`` with ``enable_lora``: the adapters' products are row-tiled too
+  (`jaxengine.models.lora.add_lora`), so an adapter's request and the base's have the same bits
+  alone and in a shuffled batch mixing both; the adapter changes them."""
+  llm = je.LLM(
+    model, max_num_reqs=8, max_model_len=128, batch_invariant=True, max_num_batched_tokens=48,
+    enable_lora=True, max_lora_rank=4,
+  )  # fmt: skip
+  lora = je.LoRARequest("trainer", 1, "in memory")
+  llm.load_lora_weights(lora, random_adapter(1))
+  _, adapted = mixed_bits(llm, lora)
+  _, plain = mixed_bits(llm)
+  assert adapted[0][2].tolist() != plain[0][2].tolist()  # target 0 ran with the adapter
+  assert np.array_equal(adapted[1][2], plain[1][2])  # target 1 without
+
+
+# On 2 host devices (set before JAX starts): with tensor_parallel_size=2 a target's bits alone
+# and in a shuffled batch, equal to `token_logprobs` of the engine's own (mesh-placed) weights;
+# with LoRA too, the same bits alone and in a batch.
+MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, sys.argv[1])  # the tests' helpers: invariance
+import jax.numpy as jnp, numpy as np
+from invariance import bits, mixed_bits, random_adapter
+import jaxengine as je
+from jaxengine.models import token_logprobs
+from jaxengine.testing import tiny_llama
+
+model, _ = tiny_llama(3, vocab_size=256)
+kw = dict(tensor_parallel_size=2, max_num_reqs=8, max_model_len=128, batch_invariant=True,
+          max_num_batched_tokens=48)
+llm = je.LLM(model, **kw)
+targets, alone = mixed_bits(llm)
+served = llm.llm_engine.runner.model  # the engine's weights, on its mesh
+wo = llm.llm_engine.runner.weights["layers"][0]["attn"]["wo"][...]
+assert wo.sharding.spec[0] == "model", wo.sharding  # its output split, its input whole
+for prompt, (tokens, sampled, prompt_bits) in zip(targets, alone):
+  values = np.asarray(token_logprobs(served, jnp.asarray([prompt + tokens], jnp.int32)))[0]
+  np.testing.assert_array_equal(bits(values[: len(prompt) - 1]), prompt_bits)
+  np.testing.assert_array_equal(bits(values[len(prompt) - 1 :]), sampled)
+print("tensor parallel ok")
+llm = je.LLM(model, enable_lora=True, max_lora_rank=4, **kw)
+lora = je.LoRARequest("trainer", 1, "in memory")
+llm.load_lora_weights(lora, random_adapter(1))
+mixed_bits(llm, lora)
+print("ok")
+"""
+
+
+def test_tensor_parallel_bits_equal_token_logprobs_on_the_mesh():
+  from subprocess_utils import HELPERS_DIR, run_python
+
+  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
+  assert out.strip().splitlines()[-2:] == ["tensor parallel ok", "ok"], out
 
 
 # --- refusals -----------------------------------------------------------------------------------

@@ -141,6 +141,55 @@ def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
   assert worst < 1e-4, worst
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _write_adapter(case: str, directory: Path, out: Path) -> torch.nn.Module:
+  """A PEFT adapter (rank 4, rsLoRA, all seven projections, random non-zero ``lora_B``) of the
+  checkpoint in `directory`, saved to `out`; returns the adapted transformers model."""
+  import peft
+
+  torch.manual_seed(5)
+  model = MODEL_CLASSES[case].from_pretrained(directory, attn_implementation="eager")
+  config = peft.LoraConfig(
+    r=4, lora_alpha=6, target_modules=LORA_TARGETS, use_rslora=True, lora_dropout=0.0
+  )
+  adapted = peft.get_peft_model(model, config)
+  with torch.no_grad():
+    for name, param in adapted.named_parameters():
+      if "lora_" in name:
+        param.normal_(0.0, 0.3)
+  adapted.save_pretrained(out)
+  return adapted.eval()
+
+
+def test_lora_adapter_matches_transformers_with_peft(checkpoint, tmp_path):
+  """A PEFT adapter on all seven projections (rank 4, rsLoRA; random non-zero ``lora_B``),
+  unmerged in a LoRA engine: transformers + peft's greedy tokens and prompt logprobs within
+  1e-4, for the adapter's request and the base model's in one step. The multimodal checkpoint's
+  adapter wraps its vision tower's ``q_proj`` ... too: those tensors are left out (the engine
+  runs text only)."""
+  case, directory, hf_model = checkpoint
+  adapted = _write_adapter(case, directory, tmp_path / "adapter")
+  llm = je.LLM(
+    directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8
+  )
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+  )
+  lora = je.LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+  outputs = llm.generate(PROMPTS, params, lora_request=[lora, None], use_tqdm=False)
+  worst = 0.0
+  for model, prompt, output in zip((adapted, hf_model), PROMPTS, outputs):
+    assert list(output.outputs[0].token_ids) == _hf_greedy(model, prompt)
+    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+    worst = max(worst, float(np.abs(np.asarray(got) - _hf_prompt_logprobs(model, prompt)).max()))
+  assert worst < 1e-4, worst
+  # The adapter changes the model (else the comparison above would prove nothing).
+  base = _hf_prompt_logprobs(hf_model, PROMPTS[0])
+  assert np.abs(_hf_prompt_logprobs(adapted, PROMPTS[0]) - base).max() > 1e-2
+
+
 def test_token_logprobs_match_transformers(checkpoint):
   _, directory, hf_model = checkpoint
   model, _ = load_safetensors(directory)
@@ -391,9 +440,11 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jaxengine as je
 params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
 prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
-kw = dict(max_num_reqs=2, max_model_len=32, block_size=4)
-one = je.LLM(sys.argv[1], **kw).generate(prompts, params, use_tqdm=False)
-two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(prompts, params, use_tqdm=False)
+kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8)
+loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
+one = je.LLM(sys.argv[1], **kw).generate(prompts, params, lora_request=loras, use_tqdm=False)
+two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(
+  prompts, params, lora_request=loras, use_tqdm=False)
 worst = 0.0
 for a, b, prompt in zip(one, two, prompts):
   assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
@@ -405,6 +456,9 @@ print("ok", worst)
 
 
 def test_two_device_mesh_gives_the_same_tokens(tmp_path):
+  """With ``tensor_parallel_size=2`` one device's tokens and prompt logprobs, for a LoRA
+  adapter's request (its slots split as their base projections) and the base model's."""
   _write(tmp_path, "gemma2")  # soft caps, windows; K = 2 heads split over the 2 devices
-  out = run_python(MESH_SCRIPT, os.fspath(tmp_path), timeout=900)
+  _write_adapter("gemma2", tmp_path, tmp_path / "adapter")
+  out = run_python(MESH_SCRIPT, os.fspath(tmp_path), os.fspath(tmp_path / "adapter"), timeout=900)
   assert out.strip().splitlines()[-1].startswith("ok")

@@ -13,7 +13,7 @@ one device each and with two (`t = 2`, pages split over key/value heads):
   pairs (read once, applied to every group) compiles nothing and keeps the tokens, and an aborted
   request leaves both groups clean (new weights on groups of several devices:
   tests/parallel/test_mesh.py);
-- `batch_invariant=True` on the groups gives one device's bits (tensor parallelism refused);
+- `batch_invariant=True` on the groups gives one device's bits;
 - every feature at once on the groups (asynchronous scheduling, n-gram speculative decoding and
   `num_decode_steps=2`): the plain engine's tokens.
 
@@ -125,17 +125,11 @@ for t in (1, 2):
   assert all(c.kv_cache_manager.stats.num_used_blocks == 0 for c in cores)
 
 # batch_invariant on the groups (one device each): one device's bits, whichever group ran a
-# request; tensor parallelism, which splits a row's reductions, is refused by name.
+# request (tensor parallelism with it: tests/models/test_batch_invariant.py).
 exact = dict(batch_invariant=True, max_model_len=32)
 alone_bits = run(one_shape(je.LLM(model, max_num_reqs=2, **exact)))
 groups_bits = run(one_shape(je.LLM(model, data_parallel_size=2, max_num_reqs=4, **exact)))
 check_same(groups_bits, alone_bits, atol=0)
-try:
-  je.LLM(model, tensor_parallel_size=2, max_num_reqs=2, **exact)
-except ValueError as e:
-  assert "batch_invariant=True" in str(e) and "tensor_parallel_size=2" in str(e), e
-else:
-  raise AssertionError("batch_invariant with tensor parallelism accepted")
 
 # Every feature at once on the groups: the plain engine's tokens.
 spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
