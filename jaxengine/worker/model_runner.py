@@ -32,7 +32,6 @@ compiles nothing warm-up did not.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
@@ -56,7 +55,7 @@ from jaxengine.worker import buckets as step_buckets
 from jaxengine.worker import recurrent_state, sleep_mode
 from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
 from jaxengine.worker.device_steps import placed_device_steps, ragged_step, ragged_verify_step
-from jaxengine.worker.kv_cache_pool import cache_groups, create_kv_cache
+from jaxengine.worker.kv_cache_pool import cache_groups
 from jaxengine.worker.lora_loader import lora_manager
 from jaxengine.worker.multi_step import DeviceStopRules, decode_steps_inputs
 from jaxengine.worker.outputs import InFlightStep, StepOutput
@@ -115,37 +114,26 @@ class ModelRunner:
     self.weights = jax.tree.map(lambda a: a, weights)
     self._placement: MeshPlacement | None = None
     if mesh is not None:
-      self._placement = MeshPlacement(
-        model,
-        self.weights,
-        input_batch,
-        mesh,
-        expert_parallel=config.enable_expert_parallel,
-        batch_invariant=config.batch_invariant,
-      )
+      self._placement = MeshPlacement(model, self.weights, input_batch, mesh,
+                                      expert_parallel=config.enable_expert_parallel,
+                                      batch_invariant=config.batch_invariant)  # fmt: skip
       self.weights = jax.device_put(self.weights, self._placement.weights)
       input_batch.place_state(self._placement.state)
-    spec = model.kv_cache_spec
     #: The KV cache groups: one for a model without windows (`core/kv_cache_groups.py`).
-    self.kv_cache_groups = cache_groups(spec, config)
+    self.kv_cache_groups = cache_groups(model.kv_cache_spec, config)
     if self.kv_cache_groups.num_groups > 1:  # one table per group and row
       input_batch.block_table = self.block_table = BlockTable(
         self.max_num_reqs, self.max_num_blocks_per_req, self.kv_cache_groups.num_groups
       )
     check_pages_kept(config, self.kv_cache_groups.frees_pages)  # before the pages are allocated
-    #: A hybrid model's recurrent state pool (`worker/recurrent_state.py`), allocated before
-    #: the pages so that their budget leaves it out; None without recurrent state.
-    state_spec = recurrent_state.recurrent_state_spec(model)
-    pool = None if state_spec is None else recurrent_state.state_pool(state_spec, config)
-    #: Recurrent state slots the scheduler hands out (one per row), 0 without recurrent state.
-    self.num_state_slots = 0 if pool is None else self.max_num_reqs
-    pool_config = config if pool is None else recurrent_state.without_pool_bytes(config, pool)
-    #: The pool of pages and their number (the null page 0 included), `worker/kv_cache_pool.py`.
-    self.kv_cache, self.num_blocks = create_kv_cache(
-      spec, pool_config, self.kv_cache_groups, self._placement, self.max_model_len
+    #: The pages (the null page 0 included) and, for a hybrid model, its recurrent state pool
+    #: (`worker/kv_cache_pool.py`, `worker/recurrent_state.py`).
+    cache = recurrent_state.create_runner_cache(
+      model, config, self.kv_cache_groups, self._placement, self.max_model_len
     )
-    if pool is not None:  # the state slots travel (and are donated) with the pages
-      self.kv_cache = dataclasses.replace(self.kv_cache, recurrent=pool)
+    self.kv_cache, self.num_blocks = cache.kv_cache, cache.num_blocks
+    #: Recurrent state slots the scheduler hands out (one per row), 0 without recurrent state.
+    self.num_state_slots = cache.num_state_slots
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
     #: `enable_return_routed_experts`.
     self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
@@ -157,16 +145,14 @@ class ModelRunner:
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
     self.compiled_shapes = StepShapes(PROMOTE_AFTER if config.reuse_compiled_shapes else 0)
     self._prompt_logprobs = PromptLogprobs()
-    #: The LoRA adapters' host copies and device slots; None without `enable_lora`.
-    self.lora: LoRAManager | None = None
-    if config.enable_lora:  # before the steps: on a mesh they declare the slots' shardings
-      self.lora = lora_manager(model, config, self._placement)
+    #: The LoRA adapters' host copies and device slots, None without `enable_lora` (made before
+    #: the steps: on a mesh they declare the slots' shardings).
+    self.lora = lora_manager(model, config, self._placement) if config.enable_lora else None
     steps = placed_device_steps(self._graphdef, self.mesh, self._placement, model.vocab_size)
     #: The jitted steps (`DeviceSteps`' fields).
     self.ragged_forward, self.sample_produced = steps.ragged_forward, steps.sample_produced
-    self.verify_forward = steps.verify_forward
+    self.verify_forward, self.decode_steps = steps.verify_forward, steps.decode_steps
     self.rejection_sample_produced = steps.rejection_sample_produced
-    self.decode_steps = steps.decode_steps
     # Where the step's host inputs go: replicated on a mesh, else the default device.
     self._input_sharding = self._placement.replicated if self._placement is not None else None
     self.num_speculative_tokens = config.num_speculative_tokens  # draft slots per row

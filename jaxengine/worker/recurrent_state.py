@@ -18,8 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxengine.core.kv_cache_groups import KVCacheGroups
 from jaxengine.engine_config import EngineConfig
 from jaxengine.models.gated_deltanet import RecurrentState, RecurrentStateSpec
+from jaxengine.models.kv_pages import PagedKVCache
+from jaxengine.worker.kv_cache_pool import create_kv_cache
+from jaxengine.worker.placement import MeshPlacement
 
 __all__ = ["check_hybrid_config", "recurrent_state_spec", "state_pool", "without_pool_bytes"]
 
@@ -85,3 +89,43 @@ def without_pool_bytes(config: EngineConfig, pool: RecurrentState) -> EngineConf
       f"of max_num_reqs={config.max_num_reqs} requests ({pool_bytes} bytes) and any page"
     )
   return dataclasses.replace(config, kv_cache_memory_bytes=left)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerCache:
+  """A runner's device cache: the pages, with a hybrid model's state pool in `recurrent`.
+
+  Attributes:
+    kv_cache: the `PagedKVCache` (`recurrent` set for a hybrid model).
+    num_blocks: its pages, the null page 0 included.
+    num_state_slots: recurrent-state slots the scheduler hands out (one per row), 0 without.
+  """
+
+  kv_cache: PagedKVCache
+  num_blocks: int
+  num_state_slots: int
+
+
+def create_runner_cache(
+  model: Any,
+  config: EngineConfig,
+  groups: KVCacheGroups,
+  placement: MeshPlacement | None,
+  max_model_len: int,
+) -> RunnerCache:
+  """The pages (`worker/kv_cache_pool.py`'s `create_kv_cache`) and, for a hybrid model, its
+  state pool, allocated first so that the pages' budget leaves it out (`without_pool_bytes`);
+  the pool travels (and is donated) with the pages.
+
+  Raises:
+    ValueError: as `create_kv_cache` and `without_pool_bytes`.
+  """
+  state_spec = recurrent_state_spec(model)
+  pool = None if state_spec is None else state_pool(state_spec, config)
+  pool_config = config if pool is None else without_pool_bytes(config, pool)
+  kv_cache, num_blocks = create_kv_cache(
+    model.kv_cache_spec, pool_config, groups, placement, max_model_len
+  )
+  if pool is None:
+    return RunnerCache(kv_cache, num_blocks, 0)
+  return RunnerCache(dataclasses.replace(kv_cache, recurrent=pool), num_blocks, config.max_num_reqs)
