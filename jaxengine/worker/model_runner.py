@@ -48,7 +48,7 @@ from jaxengine.batch.step_loop import HostMultiStepOutput, fetch_steps, run_step
 from jaxengine.core.request import Completion
 from jaxengine.core.scheduler import SchedulerOutput
 from jaxengine.engine_config import EngineConfig
-from jaxengine.lora import LoRAAdapter, LoRAManager, LoRARequest
+from jaxengine.lora import LoRAAdapter, LoRARequest
 from jaxengine.models.interface import Model
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.worker import buckets as step_buckets
