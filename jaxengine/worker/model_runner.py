@@ -111,13 +111,14 @@ class ModelRunner:
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
     self.weights = jax.tree.map(lambda a: a, weights)
-    self._placement: MeshPlacement | None = None
+    #: The weights', pages' and batch's shardings on a mesh (`worker/placement.py`), else None.
+    self.placement: MeshPlacement | None = None
     if mesh is not None:
-      self._placement = MeshPlacement(
+      self.placement = MeshPlacement(
         model, self.weights, input_batch, mesh, expert_parallel=config.enable_expert_parallel
       )
-      self.weights = jax.device_put(self.weights, self._placement.weights)
-      input_batch.place_state(self._placement.state)
+      self.weights = jax.device_put(self.weights, self.placement.weights)
+      input_batch.place_state(self.placement.state)
     spec = model.kv_cache_spec
     #: The KV cache groups: one for a model without windows (`core/kv_cache_groups.py`).
     self.kv_cache_groups = cache_groups(spec, config)
@@ -128,14 +129,14 @@ class ModelRunner:
     check_pages_kept(config, self.kv_cache_groups.frees_pages)  # before the pages are allocated
     #: The pool of pages and their number (the null page 0 included), `worker/kv_cache_pool.py`.
     self.kv_cache, self.num_blocks = create_kv_cache(
-      spec, config, self.kv_cache_groups, self._placement, self.max_model_len
+      spec, config, self.kv_cache_groups, self.placement, self.max_model_len
     )
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
     #: `enable_return_routed_experts`.
     self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
     self._sleep = sleep_mode.SleepState()
     self._stop_rules = DeviceStopRules(input_batch, self.max_model_len)
-    rows = self._placement.rows if self._placement else 1
+    rows = self.placement.rows if self.placement else 1
     self.row_buckets = step_buckets.row_buckets(self.max_num_reqs, rows, config.batch_invariant)
     self.token_buckets = buckets(cast(int, config.max_num_batched_tokens), 1)  # never None
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
@@ -143,14 +144,14 @@ class ModelRunner:
     self._prompt_logprobs = PromptLogprobs()
     #: The LoRA adapters' host copies and device slots; None without `enable_lora`.
     self.lora: LoRAManager | None = lora_manager(model, config) if config.enable_lora else None
-    steps = placed_device_steps(self._graphdef, self.mesh, self._placement, model.vocab_size)
+    steps = placed_device_steps(self._graphdef, self.mesh, self.placement, model.vocab_size)
     #: The jitted steps (`DeviceSteps`' fields).
     self.ragged_forward, self.sample_produced = steps.ragged_forward, steps.sample_produced
     self.verify_forward = steps.verify_forward
     self.rejection_sample_produced = steps.rejection_sample_produced
     self.decode_steps = steps.decode_steps
-    # Where the step's host inputs go: replicated on a mesh, else the default device.
-    self._input_sharding = self._placement.replicated if self._placement is not None else None
+    #: Where the step's host inputs go: replicated on a mesh, else None (the default device).
+    self.input_sharding = self.placement.replicated if self.placement is not None else None
     self.num_speculative_tokens = config.num_speculative_tokens  # draft slots per row
 
   @property
@@ -379,7 +380,7 @@ class ModelRunner:
       )
     extra_args = () if drafts is None else (drafts,)
     pending = self.input_batch.dispatch_step(
-      placed_step(self._placement, step),
+      placed_step(self.placement, step),
       self.weights,
       self.kv_cache,
       inputs,
@@ -402,7 +403,7 @@ class ModelRunner:
   ) -> tuple[RaggedInputs, RaggedDrafts | None]:
     """The step's `RaggedInputs` (`worker/step_inputs.py`; `produces`: `produced_rows`) and,
     when `drafted`, its drafts laid out for the verify step (`worker/verify_step.py`)."""
-    batch, sharding = self.input_batch, self._input_sharding
+    batch, sharding = self.input_batch, self.input_sharding
     inputs = ragged_inputs(
       batch,
       self.block_table,
@@ -472,11 +473,11 @@ class ModelRunner:
       running,
       end_on_first_finish,
       lora=self.lora,
-      sharding=self._input_sharding,
+      sharding=self.input_sharding,
     )
     output, kv_cache = run_steps(
       self.input_batch,
-      placed_step(self._placement, self.decode_steps),
+      placed_step(self.placement, self.decode_steps),
       self.weights,
       self.kv_cache,
       inputs,
