@@ -7,9 +7,10 @@ about 40 executables for the default model, minutes on a CPU the first time. The
 
 1. compiles the batch's own updates and LoRA's slot writes (as `precompile` does), then the
    *first set* (`first_set`): for each step variant a request needs without asking for it (the
-   plain step; with `speculative_config` the verify step too) its largest shape, which holds any
-   step of that variant, and its smallest (one request's decode), with their samplers; with
-   `num_decode_steps` > 1 the k-step loops (no larger loop runs a smaller one);
+   plain step; with `speculative_config` the verify step too) its smallest shape (one request's
+   decode), a shape of 128 tokens over every row (a chat's prompt, a batch's decodes) and its
+   largest, which holds any step of that variant, with their samplers; with `num_decode_steps`
+   > 1 the k-step loops (no larger loop runs a smaller one);
 2. listens (`/health` answers);
 3. compiles the rest on a background thread, in the order a growing batch reaches them (row
    bucket, then token bucket; the prompt-logprobs variants last).
@@ -27,8 +28,10 @@ serving compiles nothing, as after `precompile`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +46,7 @@ from jaxengine.engine.engine_core import EngineCore
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine_config import EngineConfig
 from jaxengine.lora import LoRAManager
-from jaxengine.worker.buckets import StepShape, StepShapes, sample_rows
+from jaxengine.worker.buckets import FULL_ROWS_MIN_TOKENS, StepShape, StepShapes, sample_rows
 from jaxengine.worker.device_steps import DeviceSteps
 from jaxengine.worker.placement import MeshPlacement
 
@@ -115,15 +118,26 @@ def _sampler_of(step: StepShape, row_buckets: Sequence[int]) -> tuple[str, int]:
   return "sample", sample_rows(step.num_rows, list(row_buckets))
 
 
+#: Token bucket of the first set's middle shape (at the largest row bucket): it holds a chat's
+#: prompt and any batch's decode, at a small fraction of the largest shape's cost (a padded token
+#: costs about what a real one does: SmolLM2's 2,048-token step takes seconds on a CPU).
+PROMPT_TOKENS = FULL_ROWS_MIN_TOKENS
+
+
 def first_set(executables: Sequence[Executable], row_buckets: Sequence[int]) -> list[int]:
   """Indices into `executables` of what the first requests need (see the module): per variant
-  without prompt logprobs the smallest and largest step shape, their samplers, and every k-step
-  loop; in their order in `executables`."""
+  without prompt logprobs its smallest step shape (one request's decode), the largest row
+  bucket's at `PROMPT_TOKENS` (prompts and batches of decodes) and its largest (any step), their
+  samplers, and every k-step loop; in their order in `executables`."""
   steps = [e.step for e in executables if e.step is not None]
   chosen: set[StepShape] = set()
   for variant in {s.variant for s in steps if not s.variant[0]}:  # type: ignore[index]
     of_variant = [s for s in steps if s.variant == variant]
-    chosen |= {min(of_variant, key=_size), max(of_variant, key=_size)}
+    largest = max(of_variant, key=_size)
+    prompts = [
+      s for s in of_variant if s.num_rows == largest.num_rows and s.num_tokens >= PROMPT_TOKENS
+    ]
+    chosen |= {min(of_variant, key=_size), min(prompts, key=_size, default=largest), largest}
   samplers = {_sampler_of(s, row_buckets) for s in chosen}
   return [
     i
@@ -147,6 +161,12 @@ class _CorePlan:
 
 def _compile(executable: Executable) -> None:
   executable.jitted.lower(*executable.args, **executable.kwargs).compile()
+
+
+def _compile_threads(num_executables: int) -> int:
+  """Threads compiling the first set: one per core (XLA:CPU and libtpu compile an executable
+  mostly on one), at most one per executable."""
+  return max(1, min(num_executables, os.cpu_count() or 1))
 
 
 class ServeCompile:
@@ -188,8 +208,9 @@ class ServeCompile:
     self._stop = threading.Event()
 
   def compile_first(self) -> None:
-    """Compiles the batch's updates, LoRA's slot writes and every core's first set; marks the
-    first set's shapes compiled and the rest expected (`StepShapes.expect`)."""
+    """Compiles the batch's updates, LoRA's slot writes and every core's first set (its
+    executables side by side, a thread per core of the host); marks the first set's shapes
+    compiled and the rest expected (`StepShapes.expect`)."""
     for core, plan in zip(self._engine.cores, self._plans):
       runner = core.runner
       runner.check_awake()
@@ -198,8 +219,9 @@ class ServeCompile:
       runner.input_batch.precompile_updates()
       if runner.lora is not None:
         runner.lora.precompile()
+      with concurrent.futures.ThreadPoolExecutor(_compile_threads(len(plan.first))) as pool:
+        list(pool.map(_compile, plan.first))  # XLA compiles one executable on one core
       for executable in plan.first:
-        _compile(executable)
         if executable.step is not None:
           plan.shapes.mark_compiled(executable.step)
       plan.shapes.expect(e.step for e in plan.rest if e.step is not None)
