@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from jaxengine.models.registry import hf_architecture
 from jaxengine.models.safetensors_loader import eos_token_ids, read_hf_config
 from jaxengine.models.weights import abstract_module
 from jaxengine.worker import buckets as step_buckets
+from jaxengine.worker.buckets import StepShape
 from jaxengine.worker.device_steps import DeviceSteps, placed_device_steps
 from jaxengine.worker.kv_cache_pool import cache_groups, choose_backend, pool_layout
 from jaxengine.worker.lora_loader import lora_manager
@@ -62,10 +63,12 @@ class Executable:
       decoding's two parts), ``"decode_steps"`` (the k-step decode loop).
     shape: its bucket, e.g. ``"tokens=256 rows=64"``.
     jitted: the `jax.jit` wrapper the engine calls (`worker/device_steps.py`).
-    args: pytrees of `jax.ShapeDtypeStruct` with the engine's shardings; on a mesh the static
-      arguments follow them (``jax.jit`` takes no keywords with `in_shardings`: the runner's
-      `placed_step` passes them so too).
-    kwargs: the static keyword arguments (empty on a mesh).
+    args: pytrees of `jax.ShapeDtypeStruct` with the engine's shardings, then the static
+      arguments where the runner passes them by position (a step's parts; every step on a mesh,
+      where ``jax.jit`` takes no keywords with `in_shardings`: `placed_step`).
+    kwargs: the static keyword arguments of the k-step loop off a mesh, else empty.
+    step: the runner's `StepShape` of a ``"ragged_step"`` or ``"verify_step"`` (its variant:
+      prompt logprobs, drafts), None for the others.
   """
 
   name: str
@@ -73,6 +76,27 @@ class Executable:
   jitted: Callable[..., Any]
   args: tuple
   kwargs: dict
+  step: StepShape | None = None
+
+
+class StepSource(Protocol):
+  """What `engine_executables` reads: an `AbstractEngine`, or a live runner's parts
+  (`entrypoints/background_compile.py`)."""
+
+  config: EngineConfig
+  batch: InputBatch
+  steps: DeviceSteps | None
+  placement: MeshPlacement | None
+  weights: Any
+  kv_cache: Any
+  lora: LoRAManager | None
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  def sharded(self, tree: Any, shardings: Any = None) -> Any: ...
+
+  def inputs_shardings(self, inputs_type: type) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -118,6 +142,10 @@ class AbstractEngine:
   def mesh(self) -> Mesh | None:
     return self.config.mesh
 
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
   def sharded(self, tree: Any, shardings: Any = None) -> Any:
     """`tree`'s arrays as `jax.ShapeDtypeStruct`s in `shardings` (a tree of them, or one for
     every leaf; None: replicated on a mesh, else the engine's device)."""
@@ -151,13 +179,15 @@ class AbstractEngine:
 
 
 def _executable(
-  engine: AbstractEngine, name: str, shape: str, jitted: Callable[..., Any], args: tuple,
-  static: dict[str, Any],
+  engine: StepSource, name: str, shape: str, jitted: Callable[..., Any], args: tuple,
+  static: dict[str, Any], step: StepShape | None = None,
 ) -> Executable:  # fmt: skip
-  """An `Executable` whose static arguments go as the runner passes them (see `Executable`)."""
-  if engine.placement is not None:
-    return Executable(name, shape, jitted, (*args, *static.values()), {})
-  return Executable(name, shape, jitted, args, static)
+  """An `Executable` whose static arguments go as the runner passes them (see `Executable`): by
+  position after the others for the parts of a step (`worker/device_steps.py`'s `ragged_step`
+  and `ragged_verify_step` call them so) and on a mesh, else (the k-step loop) by keyword."""
+  if engine.placement is not None or name != "decode_steps":
+    return Executable(name, shape, jitted, (*args, *static.values()), {}, step)
+  return Executable(name, shape, jitted, args, static, step)
 
 
 def _spec(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -260,12 +290,12 @@ def _served(model: Model, config: EngineConfig) -> Model:
   return model
 
 
-def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
+def engine_executables(engine: StepSource) -> Iterator[Executable]:
   """The executables `worker/precompile.py` compiles for `engine` (see the module), each
   once: the sampler's per `sample_rows` bucket and the rejection sampler's per row bucket, the
-  others per shape.
+  others per shape; a step's sampler comes right after the first step that needs it.
 
-  `engine.set_num_blocks` must have sized the pool first.
+  An `AbstractEngine`'s `set_num_blocks` must have sized the pool first.
   """
   if engine.kv_cache is None or engine.steps is None:
     raise ValueError("engine_executables needs the pool's size: call set_num_blocks first")
@@ -277,7 +307,7 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
   token_buckets = step_buckets.buckets(cast(int, config.max_num_batched_tokens), 1)
   state = engine.sharded(batch.state, placement.state if placement else None)
   metadata = engine.sharded(batch.sampling_metadata, placement.metadata if placement else None)
-  vocab = engine.model.vocab_size
+  vocab = engine.vocab_size
   logits_sharding = placement.logits_sharding(vocab) if placement else None
   empty = SchedulerOutput([], {}, {}, {}, [])
   block_table = cast(BlockTable, batch.block_table)
@@ -302,7 +332,8 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
       pl = columns if prompt_logprobs else 0
       args = (state, engine.weights, engine.kv_cache, plain)
       yield _executable(engine, "ragged_step", shape + extra, steps.ragged_forward, args,
-                        {"prompt_logprobs": pl})  # fmt: skip
+                        {"prompt_logprobs": pl},
+                        StepShape(num_tokens, num_rows, (prompt_logprobs, False)))  # fmt: skip
       if ("sample", sample_rows) not in sampled:
         sampled.add(("sample", sample_rows))
         logits = engine.sharded(
@@ -318,7 +349,8 @@ def engine_executables(engine: AbstractEngine) -> Iterator[Executable]:
       drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
       verify_args = (state, engine.weights, engine.kv_cache, inputs, drafts)
       yield _executable(engine, "verify_step", f"{shape} drafts={k}{extra}",
-                        steps.verify_forward, verify_args, {"prompt_logprobs": pl})  # fmt: skip
+                        steps.verify_forward, verify_args, {"prompt_logprobs": pl},
+                        StepShape(num_tokens, num_rows, (prompt_logprobs, True)))  # fmt: skip
       if ("rejection_sample", num_rows) not in sampled:
         sampled.add(("rejection_sample", num_rows))
         logits = engine.sharded(jax.ShapeDtypeStruct((num_rows, k + 1, vocab), jnp.float32))

@@ -25,13 +25,16 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxengine.entrypoints.async_weight_sync import AsyncWeightSync, WhenIdle
 from jaxengine.entrypoints.output_mailbox import Mailbox, OutputView, post_outputs
 from jaxengine.entrypoints.stats import FinishedRequestStats, IterationStats, StatLogger
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+  from jaxengine.entrypoints.background_compile import ServeCompile
 
 __all__ = [
   "AsyncLLM",
@@ -105,6 +108,8 @@ class AsyncLLM(AsyncWeightSync):
     num_requests_waiting: completions waiting for a row after the latest step.
     num_aborted: requests aborted so far (by `abort` or by callers that stopped reading).
     vocab_size: the model's vocabulary size `V` (token ids are in ``[0, V)``).
+    background_compile: the executables `jaxengine serve` compiles beside the engine
+      (`entrypoints/background_compile.py`'s `ServeCompile`, stopped by `shutdown`), or None.
 
   Raises:
     As `jaxengine.LLM`.
@@ -125,6 +130,7 @@ class AsyncLLM(AsyncWeightSync):
     self.num_requests_waiting = 0
     self.num_aborted = 0
     self.error: BaseException | None = None  # why the engine thread stopped, if it failed
+    self.background_compile: ServeCompile | None = None
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
     self._tracked: dict[str, _Tracked] = {}
     self._idle_waiters: list[WhenIdle] = []
@@ -257,6 +263,9 @@ class AsyncLLM(AsyncWeightSync):
   def shutdown(self, timeout: float = 30.0) -> None:
     """Stops the engine thread after the current step; running requests fail with
     `EngineDeadError`. Safe to call twice."""
+    if self.background_compile is not None:
+      self.background_compile.stop()
+      self.background_compile.wait(timeout)
     if self._thread.is_alive():
       self._commands.put(_STOP)
       self._thread.join(timeout)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
   import uvicorn
 
   from jaxengine.entrypoints.async_llm import AsyncLLM
+  from jaxengine.entrypoints.background_compile import ServeCompile
   from jaxengine.entrypoints.llm import LLM
   from jaxengine.lora import LoRAModulePath
 
@@ -79,6 +80,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     default=None,
     choices=sorted(REASONING_PARSERS),
     help="the format of the model's reasoning, returned as message.reasoning_content",
+  )
+  group.add_argument(
+    "--precompile-in-background",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="with precompile (the default): listen once the shapes the first requests need are "
+    "compiled and compile the others on a background thread while serving (their steps run in "
+    "a larger compiled shape meanwhile); --no-precompile-in-background compiles every shape "
+    "before listening",
   )
   group.add_argument(
     "--uvicorn-log-level",
@@ -191,10 +201,12 @@ def announcing_server(config: uvicorn.Config) -> uvicorn.Server:
 
 def load_engine(args: argparse.Namespace) -> AsyncLLM:
   """The server's engine: the model loaded with the engine flags, then, unless
-  `--no-precompile`, every step executable compiled (`LLMEngine.precompile`, read back from the
-  persistent compilation cache when an earlier start left them there), before the server
-  listens: once it accepts requests, none waits for a compile. Logs the compile's progress on
-  stderr.
+  `--no-precompile`, its step executables compiled (read back from the persistent compilation
+  cache when an earlier start left them there): with `--precompile-in-background` (the default)
+  those the first requests need before it returns and the others on a background thread while
+  it serves (`entrypoints/background_compile.py`), else all of them before it returns
+  (`LLMEngine.precompile`). Either way no request waits for a compile of a shape the plan
+  holds. Logs the compile's progress on stderr.
 
   Raises:
     FileNotFoundError, ValueError: as `jaxengine.LLM`.
@@ -206,9 +218,54 @@ def load_engine(args: argparse.Namespace) -> AsyncLLM:
   options = engine_flag_options(args)
   precompile = options.pop("precompile", True)  # on unless --no-precompile
   llm = LLM(args.model_tag or args.model, **options)
-  if precompile:
-    _precompile(llm, f"http://{args.host}:{args.port}")
-  return AsyncLLM(llm)
+  url = f"http://{args.host}:{args.port}"
+  staged = None
+  if precompile and getattr(args, "precompile_in_background", False):
+    staged = _compile_first(llm, url)
+  elif precompile:
+    _precompile(llm, url)
+  engine = AsyncLLM(llm)
+  if staged is not None:
+    engine.background_compile = staged
+    staged.start(on_done=_announce_background_done)
+  return engine
+
+
+def _cache_where(llm: LLM) -> str:
+  cache = llm.compilation_cache_dir
+  return f"persistent cache {os.fspath(cache)}" if cache is not None else "no persistent cache"
+
+
+def _compile_first(llm: LLM, url: str) -> ServeCompile:
+  """Plans `llm`'s staged compile and compiles what the first requests need, with a line on
+  stderr before and one after."""
+  from jaxengine.entrypoints.background_compile import ServeCompile
+
+  staged = ServeCompile(llm.llm_engine)
+  print(
+    f"jaxengine: compiling the {staged.num_first} executables the first requests need "
+    f"({_cache_where(llm)}); the server listens on {url} once they are done and compiles the "
+    f"other {staged.num_rest} in the background",
+    file=sys.stderr,
+    flush=True,
+  )
+  start = time.perf_counter()
+  staged.compile_first()
+  print(
+    f"jaxengine: compiled {staged.num_first} executables in {time.perf_counter() - start:.1f} s",
+    file=sys.stderr,
+    flush=True,
+  )
+  return staged
+
+
+def _announce_background_done(staged: ServeCompile, seconds: float) -> None:
+  print(
+    f"jaxengine: compiled the other {staged.num_done} executables in the background in "
+    f"{seconds:.1f} s: serving compiles nothing more",
+    file=sys.stderr,
+    flush=True,
+  )
 
 
 def _precompile(llm: LLM, url: str) -> None:
@@ -216,11 +273,10 @@ def _precompile(llm: LLM, url: str) -> None:
   stderr before, saying that the server listens at `url` once it is done, and one after."""
   from jaxengine.testing import count_compiles
 
-  cache = llm.compilation_cache_dir
-  where = f"persistent cache {os.fspath(cache)}" if cache is not None else "no persistent cache"
   print(
-    f"jaxengine: precompiling the step executables of every bucket ({where}); the server "
-    f"listens on {url} once they are done (minutes the first time; --no-precompile skips it)",
+    f"jaxengine: precompiling the step executables of every bucket ({_cache_where(llm)}); the "
+    f"server listens on {url} once they are done (minutes the first time; --no-precompile "
+    "skips it)",
     file=sys.stderr,
     flush=True,
   )

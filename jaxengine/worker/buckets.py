@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Hashable
+import threading
+from collections.abc import Hashable, Iterable
 
 #: Smallest token bucket of a ragged step with 8 rows or more; fewer rows start at their row
 #: bucket, so one request's decode runs the model on 1 token, not 8 (XLA:CPU takes about 1.8x as
@@ -141,6 +142,13 @@ class StepShapes:
   its own bucket, as before. A shape nothing holds compiles at once. `precompile` marks every
   shape compiled, so a precompiled engine always runs the exact bucket.
 
+  A shape another thread is compiling (`expect`: `jaxengine serve`'s background compile,
+  `entrypoints/background_compile.py`) is not compiled here too: until it is marked compiled, its
+  steps run in the smallest compiled shape that holds it, whatever the padding (only a step that
+  no compiled shape holds compiles its own). The compiled and
+  expected sets are guarded by a lock (the compiling thread marks shapes while the engine's
+  thread chooses).
+
   The choice changes only padding: padded tokens and rows compute nothing a real one reads.
   Outputs are the same up to floating-point reassociation of the model's matmuls (bitwise the same
   with ``batch_invariant=True``, whose arithmetic is per token).
@@ -153,24 +161,53 @@ class StepShapes:
     """
     self.promote_after = promote_after
     self._compiled: set[StepShape] = set()
+    self._expected: set[StepShape] = set()
     self._wanted: collections.Counter[StepShape] = collections.Counter()
+    self._lock = threading.Lock()
 
   def mark_compiled(self, shape: StepShape) -> None:
-    """Records that `shape`'s executable exists (`precompile`, or after running it)."""
-    self._compiled.add(shape)
+    """Records that `shape`'s executable exists (`precompile`, a background compile, or after
+    running it)."""
+    with self._lock:
+      self._compiled.add(shape)
+      self._expected.discard(shape)
+
+  def expect(self, shapes: Iterable[StepShape]) -> None:
+    """Records shapes another thread is compiling: steps that want one run in a compiled host
+    until it is marked compiled (see the class)."""
+    with self._lock:
+      self._expected.update(set(shapes) - self._compiled)
+
+  def cancel_expected(self) -> None:
+    """Forgets the expected shapes (their compile stopped): each compiles when first wanted."""
+    with self._lock:
+      self._expected.clear()
+
+  @property
+  def num_expected(self) -> int:
+    """Shapes expected from another thread and not compiled yet."""
+    with self._lock:
+      return len(self._expected)
 
   def choose(self, wanted: StepShape) -> StepShape:
     """The shape to run a step whose exact bucket is `wanted`; marks it compiled."""
-    if wanted not in self._compiled:
+    with self._lock:
+      if wanted in self._compiled:
+        return wanted
       self._wanted[wanted] += 1
-      host = self._host(wanted)
-      if host is not None and self._wanted[wanted] <= self.promote_after:
+      expected = wanted in self._expected
+      host = self._host(wanted, any_padding=expected)
+      if host is not None and (expected or self._wanted[wanted] <= self.promote_after):
         return host
-    self._compiled.add(wanted)
-    return wanted
+      self._compiled.add(wanted)
+      self._expected.discard(wanted)
+      return wanted
 
-  def _host(self, wanted: StepShape) -> StepShape | None:
-    """The cheapest compiled shape that holds `wanted` within the padding bounds, or None."""
+  def _host(self, wanted: StepShape, any_padding: bool = False) -> StepShape | None:
+    """The cheapest compiled shape that holds `wanted` within the padding bounds (any compiled
+    shape that holds it with `any_padding`), or None."""
     limit = max(SMALL_STEP_TOKENS, MAX_PADDING_FACTOR * wanted.num_tokens)
-    hosts = [s for s in self._compiled if s.holds(wanted) and s.num_tokens <= limit]
+    hosts = [
+      s for s in self._compiled if s.holds(wanted) and (any_padding or s.num_tokens <= limit)
+    ]
     return min(hosts, key=lambda s: (s.num_tokens, s.num_rows), default=None)

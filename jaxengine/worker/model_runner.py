@@ -62,11 +62,7 @@ from jaxengine.worker.outputs import InFlightStep, StepOutput
 from jaxengine.worker.placement import MeshPlacement, placed_step
 from jaxengine.worker.prompt_logprobs import PromptLogprobs
 from jaxengine.worker.ragged_step import RaggedInputs
-from jaxengine.worker.routed_experts import (
-  RoutedExpertsStore,
-  check_pages_kept,
-  num_readable_positions,
-)
+from jaxengine.worker.routed_experts import RoutedExpertsStore, check_pages_kept
 from jaxengine.worker.step_inputs import produced_rows, query_starts, ragged_inputs
 from jaxengine.worker.verify_step import RaggedDrafts, ragged_drafts
 from jaxengine.worker.weight_loader import WeightLoader, Weights, prepare_model
@@ -112,13 +108,14 @@ class ModelRunner:
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.
     self.weights = jax.tree.map(lambda a: a, weights)
-    self._placement: MeshPlacement | None = None
+    #: The weights', pages' and batch's shardings on a mesh (`worker/placement.py`), else None.
+    self.placement: MeshPlacement | None = None
     if mesh is not None:
-      self._placement = MeshPlacement(model, self.weights, input_batch, mesh,
-                                      expert_parallel=config.enable_expert_parallel,
-                                      batch_invariant=config.batch_invariant)  # fmt: skip
-      self.weights = jax.device_put(self.weights, self._placement.weights)
-      input_batch.place_state(self._placement.state)
+      self.placement = MeshPlacement(model, self.weights, input_batch, mesh,
+                                     expert_parallel=config.enable_expert_parallel,
+                                     batch_invariant=config.batch_invariant)  # fmt: skip
+      self.weights = jax.device_put(self.weights, self.placement.weights)
+      input_batch.place_state(self.placement.state)
     #: The KV cache groups: one for a model without windows (`core/kv_cache_groups.py`).
     self.kv_cache_groups = cache_groups(model.kv_cache_spec, config)
     if self.kv_cache_groups.num_groups > 1:  # one table per group and row
@@ -129,7 +126,7 @@ class ModelRunner:
     #: The pages (the null page 0 included) and, for a hybrid model, its recurrent state pool
     #: (`worker/kv_cache_pool.py`, `worker/recurrent_state.py`).
     cache = recurrent_state.create_runner_cache(
-      model, config, self.kv_cache_groups, self._placement, self.max_model_len
+      model, config, self.kv_cache_groups, self.placement, self.max_model_len
     )
     self.kv_cache, self.num_blocks = cache.kv_cache, cache.num_blocks
     #: Recurrent state slots the scheduler hands out (one per row), 0 without recurrent state.
@@ -139,7 +136,7 @@ class ModelRunner:
     self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
     self._sleep = sleep_mode.SleepState()
     self._stop_rules = DeviceStopRules(input_batch, self.max_model_len)
-    rows = self._placement.rows if self._placement else 1
+    rows = self.placement.rows if self.placement else 1
     self.row_buckets = step_buckets.row_buckets(self.max_num_reqs, rows, config.batch_invariant)
     self.token_buckets = buckets(cast(int, config.max_num_batched_tokens), 1)  # never None
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
@@ -147,14 +144,14 @@ class ModelRunner:
     self._prompt_logprobs = PromptLogprobs()
     #: The LoRA adapters' host copies and device slots, None without `enable_lora` (made before
     #: the steps: on a mesh they declare the slots' shardings).
-    self.lora = lora_manager(model, config, self._placement) if config.enable_lora else None
-    steps = placed_device_steps(self._graphdef, self.mesh, self._placement, model.vocab_size)
+    self.lora = lora_manager(model, config, self.placement) if config.enable_lora else None
+    steps = placed_device_steps(self._graphdef, self.mesh, self.placement, model.vocab_size)
     #: The jitted steps (`DeviceSteps`' fields).
     self.ragged_forward, self.sample_produced = steps.ragged_forward, steps.sample_produced
     self.verify_forward, self.decode_steps = steps.verify_forward, steps.decode_steps
     self.rejection_sample_produced = steps.rejection_sample_produced
-    # Where the step's host inputs go: replicated on a mesh, else the default device.
-    self._input_sharding = self._placement.replicated if self._placement is not None else None
+    #: Where the step's host inputs go: replicated on a mesh, else None (the default device).
+    self.input_sharding = self.placement.replicated if self.placement is not None else None
     self.num_speculative_tokens = config.num_speculative_tokens  # draft slots per row
 
   @property
@@ -262,8 +259,8 @@ class ModelRunner:
     if self.routed_experts is None or index is None:
       return None
     num_tokens, num_computed = completion.num_tokens, completion.num_computed_tokens
-    num_positions = num_readable_positions(num_tokens, num_computed, num_unstored)
-    return self.routed_experts.read(self.block_table.row(index), num_positions)
+    row = self.block_table.row(index)
+    return self.routed_experts.read_finishing(row, num_tokens, num_computed, num_unstored)
 
   def remove(self, seq_id: str) -> None:
     """Frees a completion's row (the scheduler frees its pages)."""
@@ -383,7 +380,7 @@ class ModelRunner:
       )
     extra_args = () if drafts is None else (drafts,)
     pending = self.input_batch.dispatch_step(
-      placed_step(self._placement, step),
+      placed_step(self.placement, step),
       self.weights,
       self.kv_cache,
       inputs,
@@ -406,7 +403,7 @@ class ModelRunner:
   ) -> tuple[RaggedInputs, RaggedDrafts | None]:
     """The step's `RaggedInputs` (`worker/step_inputs.py`; `produces`: `produced_rows`) and,
     when `drafted`, its drafts laid out for the verify step (`worker/verify_step.py`)."""
-    batch, sharding = self.input_batch, self._input_sharding
+    batch, sharding = self.input_batch, self.input_sharding
     inputs = ragged_inputs(
       batch,
       self.block_table,
@@ -477,11 +474,11 @@ class ModelRunner:
       running,
       end_on_first_finish,
       lora=self.lora,
-      sharding=self._input_sharding,
+      sharding=self.input_sharding,
     )
     output, kv_cache = run_steps(
       self.input_batch,
-      placed_step(self._placement, self.decode_steps),
+      placed_step(self.placement, self.decode_steps),
       self.weights,
       self.kv_cache,
       inputs,

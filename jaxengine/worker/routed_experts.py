@@ -187,6 +187,13 @@ class RoutedExpertsStore:
     routed, self.held = self.held, None
     self.write(routed)
 
+  def read_finishing(
+    self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, num_computed: int,
+    num_unstored: int,
+  ) -> np.ndarray | None:  # fmt: skip
+    """`read` of a finishing completion's `num_readable_positions` (its arguments)."""
+    return self.read(block_ids, num_readable_positions(num_tokens, num_computed, num_unstored))
+
   def read(self, block_ids: Sequence[int] | np.ndarray, num_positions: int) -> np.ndarray | None:
     """``[num_positions, M, k] int32`` the experts of positions ``0 ..`` of a sequence whose
     pages are `block_ids`; None when the pages do not hold them all."""

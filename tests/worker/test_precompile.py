@@ -21,6 +21,7 @@ import jaxengine as je
 import jaxengine.entrypoints.llm as llm_module
 from jaxengine.cli.main import build_parser
 from jaxengine.entrypoints import serve
+from jaxengine.entrypoints.background_compile import ServeCompile
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker import device_steps
 
@@ -90,13 +91,45 @@ def test_after_precompile_no_request_compiles_whatever_its_length_or_features(mo
   assert engine.runner.ragged_forward._cache_size() == shapes  # no new step shape
 
 
-def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing(
-  monkeypatch, capsys, model, tokenizer
+def test_before_the_background_compile_plain_steps_run_in_the_first_set_and_compile_nothing(
+  model, tokenizer
 ):
-  """`jaxengine serve` precompiles by default: when the server starts listening every step
-  shape is compiled (so `/health` is never up before), and the first requests (prompt logprobs
+  """`jaxengine serve`'s first set (`entrypoints/background_compile.py`): the largest and the
+  smallest plain shape with their samplers, compiled from the live runner's argument shapes.
+  Before the background thread compiles anything, plain requests of every length run in those
+  two shapes and compile nothing; once it is done (every other step shape, the prompt-logprobs
+  ones too), the whole mix of `_requests` compiles nothing either, as after `precompile`."""
+  device_steps.clear()
+  llm = je.LLM(model, tokenizer=tokenizer, **OPTIONS)
+  staged = ServeCompile(llm.llm_engine)
+  # (16, 2), (1, 1) and their samplers (8-row sampler for both: max_num_reqs 2 < 8 rows).
+  assert (staged.num_first, staged.num_rest) == (3, NUM_STEP_SHAPES - 2)
+  staged.compile_first()
+  shapes = llm.llm_engine.runner.compiled_shapes
+  assert shapes.num_expected == NUM_STEP_SHAPES - 2
+  plain = [(p, je.SamplingParams(max_tokens=s.max_tokens)) for p, s in _requests()]
+  with count_compiles() as compiles:
+    llm.generate([{"prompt_token_ids": p} for p, _ in plain], [s for _, s in plain])
+  assert compiles.count == 0
+  staged.start()
+  assert staged.wait(timeout=600) and staged.error is None
+  assert (staged.num_done, shapes.num_expected) == (NUM_STEP_SHAPES - 2, 0)
+  requests = _requests()
+  with count_compiles() as compiles:
+    llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests])
+  assert compiles.count == 0
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "all_first"])
+def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing(
+  monkeypatch, capsys, model, tokenizer, background
+):
+  """`jaxengine serve` compiles by default. With `--precompile-in-background` (the default) it
+  listens once the first set is compiled and compiles the rest beside the engine; with
+  `--no-precompile-in-background` every step shape is compiled before it listens (`/health` is
+  never up before). Either way, once the compile is done, the requests (prompt logprobs
   included) compile nothing. On stderr, in order: a line saying what it compiles and where the
-  server will listen, a progress bar counting the step shapes, a line when they are done, and
+  server will listen, (a progress bar counting the step shapes,) a line when they are done, and
   one once it listens (its port). `--no-precompile` skips it."""
   real_llm = llm_module.LLM
 
@@ -110,8 +143,14 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
   seen = {}
 
   def run(app, host, port, log_level):  # as `serve_app`: check the engine, serve a few requests
-    runner = app.state.serving.engine.engine.runner
-    seen["compiled"] = runner.ragged_forward._cache_size()
+    engine = app.state.serving.engine
+    staged = engine.background_compile
+    if background:
+      assert staged.wait(timeout=600) and staged.error is None
+      seen["compiled"] = staged.num_first + staged.num_done
+    else:
+      assert staged is None
+      seen["compiled"] = engine.engine.runner.ragged_forward._cache_size()
     assert (host, port) == ("127.0.0.1", 8000)  # the defaults
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None)  # keeps capsys
     server = serve.announcing_server(config)
@@ -138,19 +177,32 @@ def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing
 
   monkeypatch.setattr(serve, "serve_app", run)
   flags = ["--max-num-reqs", "2", "--max-num-batched-tokens", "16", "--served-model-name", "tiny"]
+  if not background:
+    flags.append("--no-precompile-in-background")
   assert serve.run_server(build_parser().parse_args(["serve", *flags])) == 0
   url = seen.pop("url")
-  assert seen == {"compiled": NUM_STEP_SHAPES, "health": 200, "compiles": 0}
+  # In the background: every step shape and the two samplers (1 + NUM_STEP_SHAPES executables).
+  compiled = NUM_STEP_SHAPES + 1 if background else NUM_STEP_SHAPES
+  assert seen == {"compiled": compiled, "health": 200, "compiles": 0}
   err = capsys.readouterr().err
-  before = err.index("jaxengine: precompiling the step executables of every bucket")
-  assert "the server listens on http://127.0.0.1:8000 once they are done" in err[before:]
-  bar = re.search(rf"Compiling: 100%.* {NUM_STEP_SHAPES}/{NUM_STEP_SHAPES} ", err)
-  after = err.index(f"jaxengine: precompiled {NUM_STEP_SHAPES} step shapes")
-  assert bar is not None and before < bar.start() < after
+  if background:
+    before = err.index("jaxengine: compiling the 3 executables the first requests need")
+    assert "the server listens on http://127.0.0.1:8000 once they are done" in err[before:]
+    after = err.index("jaxengine: compiled 3 executables in ")
+    assert before < after
+  else:
+    before = err.index("jaxengine: precompiling the step executables of every bucket")
+    assert "the server listens on http://127.0.0.1:8000 once they are done" in err[before:]
+    bar = re.search(rf"Compiling: 100%.* {NUM_STEP_SHAPES}/{NUM_STEP_SHAPES} ", err)
+    after = err.index(f"jaxengine: precompiled {NUM_STEP_SHAPES} step shapes")
+    assert bar is not None and before < bar.start() < after
   assert err.index(f"jaxengine: listening on {url}\n") > after
+  if background:
+    return
   device_steps.clear()
   engine = serve.load_engine(build_parser().parse_args(["serve", *flags, "--no-precompile"]))
   try:
+    assert engine.background_compile is None
     assert engine.engine.runner.ragged_forward._cache_size() == 0
   finally:
     engine.shutdown()

@@ -84,6 +84,27 @@ def test_the_smallest_holding_shape_serves_until_promotion():
   assert policy.choose(StepShape(512, 16)) == StepShape(1024, 16)
 
 
+def test_an_expected_shape_runs_in_any_compiled_host_until_marked_compiled():
+  """A shape another thread compiles (`StepShapes.expect`) is never compiled by `choose` while
+  some compiled shape holds it, whatever the padding or the uses; once marked it runs as itself.
+  A variant nothing holds still compiles at once, and `cancel_expected` restores promotion."""
+  policy = StepShapes(promote_after=0)  # a precompiling engine: no hosting of its own
+  largest, smallest = StepShape(2048, 16), StepShape(1, 1)
+  policy.mark_compiled(largest)
+  policy.mark_compiled(smallest)
+  decode, prompt = StepShape(8, 8), StepShape(32, 1)
+  policy.expect([decode, prompt, largest])  # `largest` is compiled already: not expected
+  assert policy.num_expected == 2
+  assert [policy.choose(decode) for _ in range(3 * PROMOTE_AFTER)] == [largest] * 3 * PROMOTE_AFTER
+  assert policy.choose(smallest) == smallest
+  policy.mark_compiled(decode)
+  assert policy.choose(decode) == decode and policy.num_expected == 1
+  logprobs = StepShape(16, 16, (True, False))
+  assert policy.choose(logprobs) == logprobs  # no compiled shape holds it: compiles
+  policy.cancel_expected()
+  assert policy.choose(prompt) == prompt  # promote_after=0: compiles when first wanted
+
+
 def _shrinking_batch() -> list[tuple[list[int], je.SamplingParams]]:
   """Eight requests finishing one after another: the batch walks down every row bucket."""
   return [
