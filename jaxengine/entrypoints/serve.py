@@ -3,11 +3,14 @@
 vLLM's command shape: `jaxengine serve MODEL --host 127.0.0.1 --port 8000 [--api-key KEY]` plus
 the engine flags of `jaxengine generate` (`--max-num-reqs`, `--max-model-len`, ...).
 
-Before it listens the server compiles every step executable (`--no-precompile` skips that), so
-the first requests wait for no compile; JAX's persistent compilation cache (on by default:
-`--compilation-cache DIR`, `--compilation-cache off`) makes the next start read them back
-from disk instead. On stderr: a line saying what it compiles and where it will listen, a
-progress bar over the step shapes, a line when they are done, and one once it listens.
+Before it listens the server compiles the step executables the first requests need and, once
+it listens, the others on a background thread (`entrypoints/background_compile.py`;
+`--no-precompile-in-background`: every one before it listens; `--no-precompile`: none), so no
+request waits for a compile the plan holds; JAX's persistent compilation cache (on by default:
+`--compilation-cache DIR`, `--compilation-cache off`) makes the next start read them back from
+disk instead. On stderr: a line saying what it compiles and where it will listen, a line when
+they are done (with everything first: a progress bar over the step shapes before it), one once
+it listens, and one when the background is done.
 """
 
 from __future__ import annotations
