@@ -292,8 +292,9 @@ def _served(model: Model, config: EngineConfig) -> Model:
 
 def engine_executables(engine: StepSource) -> Iterator[Executable]:
   """The executables `worker/precompile.py` compiles for `engine` (see the module), each
-  once: the sampler's per `sample_rows` bucket and the rejection sampler's per row bucket, the
-  others per shape; a step's sampler comes right after the first step that needs it.
+  once: the sampler's per `sample_rows` bucket, the others (the rejection sampler too: its
+  drafts hold the step's token ids) per shape; a step's sampler comes right after the first
+  step that needs it.
 
   An `AbstractEngine`'s `set_num_blocks` must have sized the pool first.
   """
@@ -313,7 +314,7 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
   block_table = cast(BlockTable, batch.block_table)
   k = config.num_speculative_tokens
   columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
-  sampled: set[tuple[str, int]] = set()
+  sampled: set[tuple] = set()
   for prompt_logprobs in (False, True):
     for num_tokens, num_rows in step_buckets.step_shapes(
       row_buckets, token_buckets, prompt_logprobs
@@ -351,10 +352,11 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
       yield _executable(engine, "verify_step", f"{shape} drafts={k}{extra}",
                         steps.verify_forward, verify_args, {"prompt_logprobs": pl},
                         StepShape(num_tokens, num_rows, (prompt_logprobs, True)))  # fmt: skip
-      if ("rejection_sample", num_rows) not in sampled:
-        sampled.add(("rejection_sample", num_rows))
+      # Per verify shape: its drafts' `[T]` token ids are an argument of the rejection sampler.
+      if ("rejection_sample", num_tokens, num_rows) not in sampled:
+        sampled.add(("rejection_sample", num_tokens, num_rows))
         logits = engine.sharded(jax.ShapeDtypeStruct((num_rows, k + 1, vocab), jnp.float32))
-        yield _executable(engine, "rejection_sample", f"rows={num_rows} drafts={k}",
+        yield _executable(engine, "rejection_sample", f"{shape} drafts={k}",
                           steps.rejection_sample_produced,
                           (state, metadata, logits, drafts, produces), {"num_rows": num_rows})  # fmt: skip
   if config.num_decode_steps > 1:

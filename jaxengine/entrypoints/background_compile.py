@@ -108,19 +108,9 @@ class RunnerParts:
     return x
 
 
-def _sampler_key(executable: Executable) -> tuple[str, int] | None:
-  """`(name, rows)` of a sampler executable (its logits' leading axis), None for another."""
-  if executable.name not in ("sample", "rejection_sample"):
-    return None
-  return executable.name, executable.args[2].shape[0]
-
-
-def _sampler_of(step: StepShape, row_buckets: Sequence[int]) -> tuple[str, int]:
-  """The sampler a step shape's executable runs with (`worker/buckets.py`'s `sample_rows`)."""
-  _, drafted = cast(tuple, step.variant)  # (prompt logprobs, drafted)
-  if drafted:
-    return "rejection_sample", step.num_rows
-  return "sample", sample_rows(step.num_rows, list(row_buckets))
+def _sample_rows_of(executable: Executable) -> int | None:
+  """The rows of a plain sampler executable (its logits' leading axis), None for another."""
+  return executable.args[2].shape[0] if executable.name == "sample" else None
 
 
 #: Token bucket of the first set's middle shape (at the largest row bucket): it holds a chat's
@@ -133,7 +123,8 @@ def first_set(executables: Sequence[Executable], row_buckets: Sequence[int]) -> 
   """Indices into `executables` of what the first requests need (see the module): per variant
   without prompt logprobs its smallest step shape (one request's decode), the largest row
   bucket's at `PROMPT_TOKENS` (prompts and batches of decodes) and its largest (any step), their
-  samplers, and every k-step loop; in their order in `executables`."""
+  samplers (a plain step's per `sample_rows`; a verify step's rejection sampler, which
+  `engine_executables` yields right after it), and every k-step loop; in their order."""
   steps = [e.step for e in executables if e.step is not None]
   chosen: set[StepShape] = set()
   for variant in {s.variant for s in steps if not cast(tuple, s.variant)[0]}:
@@ -143,12 +134,20 @@ def first_set(executables: Sequence[Executable], row_buckets: Sequence[int]) -> 
       s for s in of_variant if s.num_rows == largest.num_rows and s.num_tokens >= PROMPT_TOKENS
     ]
     chosen |= {min(of_variant, key=_size), min(prompts, key=_size, default=largest), largest}
-  samplers = {_sampler_of(s, row_buckets) for s in chosen}
-  return [
-    i
-    for i, e in enumerate(executables)
-    if e.step in chosen or _sampler_key(e) in samplers or e.name == "decode_steps"
-  ]
+  plain_rows = {
+    sample_rows(s.num_rows, list(row_buckets)) for s in chosen if not cast(tuple, s.variant)[1]
+  }
+  first, previous = [], None
+  for i, e in enumerate(executables):
+    if (
+      e.step in chosen
+      or e.name == "decode_steps"
+      or _sample_rows_of(e) in plain_rows
+      or (e.name == "rejection_sample" and previous in chosen)
+    ):
+      first.append(i)
+    previous = e.step if e.step is not None else previous
+  return first
 
 
 def _size(step: StepShape) -> tuple[int, int]:

@@ -120,6 +120,30 @@ def test_before_the_background_compile_plain_steps_run_in_the_first_set_and_comp
   assert compiles.count == 0
 
 
+def test_the_background_compile_covers_the_verify_steps_and_their_rejection_samplers(
+  model, tokenizer
+):
+  """With drafts the first set holds the verify step's shapes and their rejection samplers (one
+  per verify shape: its drafts carry the step's token ids); once the background is done,
+  drafted and prompt-logprobs requests compile nothing (the k-step loops, one per row bucket,
+  are all in the first set)."""
+  speculative = {"method": "ngram", "num_speculative_tokens": 2}
+  llm = je.LLM(model, tokenizer=tokenizer, max_num_reqs=2, max_num_batched_tokens=8,
+               speculative_config=speculative)  # fmt: skip
+  staged = ServeCompile(llm.llm_engine)
+  staged.compile_first()
+  staged.start()
+  assert staged.wait(timeout=600) and staged.error is None
+  prompts = [[3, 4, 5] * 4, [3, 4, 5, 3, 4], list(range(3, 30)), [7]]
+  with count_compiles() as compiles:
+    for params in (
+      je.SamplingParams(max_tokens=12),
+      je.SamplingParams(max_tokens=3, prompt_logprobs=1),
+    ):
+      llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+  assert compiles.count == 0
+
+
 @pytest.mark.parametrize("background", [True, False], ids=["background", "all_first"])
 def test_serve_compiles_before_it_listens_and_its_first_requests_compile_nothing(
   monkeypatch, capsys, model, tokenizer, background
