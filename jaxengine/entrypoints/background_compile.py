@@ -57,9 +57,9 @@ logger = logging.getLogger(__name__)
 class RunnerParts:
   """A live runner's parts as `engine_executables` reads them (its `StepSource`): the jitted steps
   the runner calls, its arrays as `jax.ShapeDtypeStruct`s in their own shardings (taken on the
-  engine's thread: a donated array may be gone by the time the compiling thread reads it; an
-  uncommitted array's without one, as the call leaves it), and host arrays as the runner passes
-  them (NumPy off a mesh, replicated on one).
+  engine's thread: a donated array may be gone by the time the compiling thread reads it), and
+  host arrays (NumPy, or uncommitted on the default device) as the runner passes them: without a
+  sharding off a mesh, replicated on one.
   """
 
   config: EngineConfig
@@ -90,21 +90,26 @@ class RunnerParts:
     return parts
 
   def sharded(self, tree: Any, shardings: Any = None) -> Any:
-    """`tree`'s leaves as the runner's call passes them, abstract (`shardings` is ignored: each
-    device array keeps its own)."""
-    return jax.tree.map(self._spec, tree)
+    """`tree`'s leaves as the runner's call passes them, abstract: a device array in its own
+    sharding, a host array as `input_sharding`, a `jax.ShapeDtypeStruct` (an output of an earlier
+    part of the step: logits) in `shardings` when that is one `Sharding`, else as
+    `input_sharding` (as `AbstractEngine.sharded`'s default)."""
+    one = shardings if isinstance(shardings, jax.sharding.Sharding) else self.input_sharding
+    return jax.tree.map(lambda x: self._spec(x, one), tree)
 
   def inputs_shardings(self, inputs_type: type) -> Any:
     """As `AbstractEngine.inputs_shardings` (`sharded` ignores it: the host arrays go as the
     runner passes them, replicated on a mesh)."""
     return None if self.placement is None else self.placement.step_inputs_shardings(inputs_type)
 
-  def _spec(self, x: Any) -> Any:
-    if isinstance(x, jax.Array):  # an uncommitted array's sharding is left to the call (none)
-      sharding = x.sharding if x.committed else None
+  def _spec(self, x: Any, shape_sharding: Any) -> Any:
+    if isinstance(x, jax.Array):  # uncommitted: a host array put on the default device
+      sharding = x.sharding if x.committed else self.input_sharding
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     if isinstance(x, np.ndarray) and self.input_sharding is not None:
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.input_sharding)
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None and shape_sharding is not None:
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shape_sharding)
     return x
 
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import uvicorn
 from byte_tokenizer import chatml_byte_tokenizer
+from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
 import jaxengine.entrypoints.llm as llm_module
@@ -142,6 +143,45 @@ def test_the_background_compile_covers_the_verify_steps_and_their_rejection_samp
     ):
       llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
   assert compiles.count == 0
+
+
+#: Run with 2 host devices: each engine's background compile finished, a mix of requests compiles
+#: nothing. Prints one line per engine.
+MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, sys.argv[1])
+from byte_tokenizer import chatml_byte_tokenizer
+from subprocess_utils import HELPERS_DIR, run_python
+import jaxengine as je
+from jaxengine.entrypoints.background_compile import ServeCompile
+from jaxengine.testing import count_compiles, tiny_llama
+
+tokenizer = chatml_byte_tokenizer()
+model, _ = tiny_llama(vocab_size=tokenizer.vocab_size, max_position_embeddings=128)
+drafts = {"method": "ngram", "num_speculative_tokens": 2}
+for options in (dict(tensor_parallel_size=2, speculative_config=drafts),):
+  llm = je.LLM(model, tokenizer=tokenizer, max_num_reqs=2, max_num_batched_tokens=8, **options)
+  staged = ServeCompile(llm.llm_engine)
+  staged.compile_first()
+  staged.start()
+  assert staged.wait(600) and staged.error is None, staged.error
+  prompts = [[3, 4, 5] * 4, [3, 4, 5, 3, 4], list(range(3, 30)), [7]]
+  sampled = je.SamplingParams(max_tokens=3, prompt_logprobs=1, n=2, seed=1, temperature=1.0)
+  with count_compiles() as compiles:
+    for params in (je.SamplingParams(max_tokens=6), sampled):
+      llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+  print(sorted(options), compiles.count)
+"""
+
+
+def test_the_background_compile_on_a_mesh_leaves_nothing_to_compile():
+  """On 2 host devices (tensor parallel, with drafts) the background compile's executables carry
+  the runner's shardings (its weights', pages' and batch's own, host inputs replicated, logits as
+  the steps declare them), so serving after it compiles nothing (before the shardings were
+  mirrored: 8 compiles without drafts; data parallelism, checked by hand, 14, now 0)."""
+  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
+  assert out.splitlines() == ["['speculative_config', 'tensor_parallel_size'] 0"]
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["background", "all_first"])
