@@ -166,7 +166,8 @@ ENGINE_FLAGS = (
       action=argparse.BooleanOptionalAction,
       default=None,
       help="compile every step bucket at start, so no request waits for a compile (default: on "
-      "for serve, off for generate and chat)",
+      "for serve, which compiles the buckets beyond its first requests' in the background: see "
+      "--precompile-in-background; off for generate and chat)",
     ),
   ),
   EngineFlag(

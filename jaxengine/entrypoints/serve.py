@@ -90,8 +90,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     default=True,
     help="with precompile (the default): listen once the shapes the first requests need are "
     "compiled and compile the others on a background thread while serving (their steps run in "
-    "a larger compiled shape meanwhile); --no-precompile-in-background compiles every shape "
-    "before listening",
+    "a larger compiled shape meanwhile, and the thread shares the host's cores); "
+    "--no-precompile-in-background compiles every shape before listening (default: on)",
   )
   group.add_argument(
     "--uvicorn-log-level",
@@ -103,7 +103,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
   """Loads the model and compiles its steps (`load_engine`), then serves it until interrupted;
-  returns the exit status (1: the model file is missing, 2: bad engine settings)."""
+  returns the exit status (1: the model file is missing, 2: bad engine settings, 130: Ctrl-C)."""
   from jaxengine.entrypoints.chat_output import ChatParserOptions
   from jaxengine.entrypoints.openai_server import build_app
 
@@ -116,6 +116,9 @@ def run_server(args: argparse.Namespace) -> int:
     return 2
   try:
     engine = load_engine(args)
+  except KeyboardInterrupt:  # Ctrl-C while loading or compiling: no traceback
+    print("jaxengine: interrupted", file=sys.stderr)
+    return 130
   except FileNotFoundError as error:
     print(f"jaxengine: {error}")
     return 1
@@ -133,6 +136,9 @@ def run_server(args: argparse.Namespace) -> int:
       print(f"jaxengine: --lora-modules: {error}")
       return 2
     serve_app(app, args.host, args.port, args.uvicorn_log_level)
+  except KeyboardInterrupt:  # Ctrl-C: uvicorn has closed the server; no traceback
+    print("jaxengine: interrupted", file=sys.stderr)
+    return 130
   finally:
     engine.shutdown()
   return 0
