@@ -21,7 +21,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -252,9 +252,7 @@ def compile_executable(
   """
   start = time.perf_counter()
   with target_device(device):
-    jitted = cast(Any, executable.jitted)  # a `jax.jit` wrapper
-    lowered = jitted.lower(*executable.args, **executable.kwargs)
-    compiled = lowered.compile()
+    compiled = executable.lower().compile()
   seconds = time.perf_counter() - start
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older JAX: one dict per program

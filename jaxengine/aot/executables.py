@@ -78,6 +78,10 @@ class Executable:
   kwargs: dict
   step: StepShape | None = None
 
+  def lower(self) -> Any:
+    """``jitted.lower(*args, **kwargs)``: the `jax.stages.Lowered`, to ``.compile()``."""
+    return cast(Any, self.jitted).lower(*self.args, **self.kwargs)
+
 
 class StepSource(Protocol):
   """What `engine_executables` reads: an `AbstractEngine`, or a live runner's parts

@@ -169,8 +169,7 @@ class _CorePlan:
 
 
 def _compile(executable: Executable) -> None:
-  jitted = cast(Any, executable.jitted)  # a `jax.jit` wrapper
-  jitted.lower(*executable.args, **executable.kwargs).compile()
+  executable.lower().compile()
 
 
 def _compile_threads(num_executables: int) -> int:
