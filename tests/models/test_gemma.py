@@ -20,6 +20,7 @@ import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
+from hf_reference import hf_greedy, hf_prompt_logprobs
 from paged_utils import slot_step
 from subprocess_utils import run_python
 
@@ -98,27 +99,6 @@ def _write(directory: Path, case: str, seed: int = 0) -> torch.nn.Module:
   return model
 
 
-def _hf_prompt_logprobs(model, prompt) -> np.ndarray:
-  """``[T - 1]`` transformers' log-probability of each prompt token after the first."""
-  with torch.no_grad():
-    logits = model(torch.tensor([prompt])).logits[0].double()
-  logprobs = torch.log_softmax(logits, -1)
-  return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
-
-
-def _hf_greedy(model, prompt) -> list[int]:
-  with torch.no_grad():
-    out = model.generate(
-      torch.tensor([prompt]),
-      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-      max_new_tokens=MAX_TOKENS,
-      do_sample=False,
-      eos_token_id=None,
-      pad_token_id=0,
-    )
-  return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
   directory = tmp_path_factory.mktemp(request.param)
@@ -134,9 +114,9 @@ def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
   outputs = llm.generate(PROMPTS, params, use_tqdm=False)
   worst = 0.0
   for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt)
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
     got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    want = _hf_prompt_logprobs(hf_model, prompt)
+    want = hf_prompt_logprobs(hf_model, prompt)
     worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
   assert worst < 1e-4, worst
 
@@ -181,13 +161,13 @@ def test_lora_adapter_matches_transformers_with_peft(checkpoint, tmp_path):
   outputs = llm.generate(PROMPTS, params, lora_request=[lora, None], use_tqdm=False)
   worst = 0.0
   for model, prompt, output in zip((adapted, hf_model), PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == _hf_greedy(model, prompt)
+    assert list(output.outputs[0].token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
     got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    worst = max(worst, float(np.abs(np.asarray(got) - _hf_prompt_logprobs(model, prompt)).max()))
+    worst = max(worst, float(np.abs(np.asarray(got) - hf_prompt_logprobs(model, prompt)).max()))
   assert worst < 1e-4, worst
   # The adapter changes the model (else the comparison above would prove nothing).
-  base = _hf_prompt_logprobs(hf_model, PROMPTS[0])
-  assert np.abs(_hf_prompt_logprobs(adapted, PROMPTS[0]) - base).max() > 1e-2
+  base = hf_prompt_logprobs(hf_model, PROMPTS[0])
+  assert np.abs(hf_prompt_logprobs(adapted, PROMPTS[0]) - base).max() > 1e-2
 
 
 def test_token_logprobs_match_transformers(checkpoint):
@@ -196,7 +176,7 @@ def test_token_logprobs_match_transformers(checkpoint):
   assert isinstance(model, Gemma)
   ids = jnp.asarray([PROMPTS[0]], jnp.int32)
   got = np.asarray(token_logprobs(model, ids))[0]
-  np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, PROMPTS[0]), atol=1e-4)
+  np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, PROMPTS[0]), atol=1e-4)
 
 
 def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_counter):
@@ -221,7 +201,7 @@ def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_cou
   llm.load_weights(text)
   after = prompt_logprobs()
   assert compile_counter.count == 0
-  np.testing.assert_allclose(after, _hf_prompt_logprobs(other, prompt), atol=1e-4)
+  np.testing.assert_allclose(after, hf_prompt_logprobs(other, prompt), atol=1e-4)
   assert np.abs(after - before).max() > 1e-2
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_reference import hf_greedy, hf_prompt_logprobs
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -115,27 +116,6 @@ def _write(directory: Path, case: str, seed: int = 0) -> torch.nn.Module:
   return model
 
 
-def _hf_prompt_logprobs(model, prompt) -> np.ndarray:
-  """``[T - 1]`` transformers' log-probability of each prompt token after the first."""
-  with torch.no_grad():
-    logits = model(torch.tensor([prompt])).logits[0].double()
-  logprobs = torch.log_softmax(logits, -1)
-  return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
-
-
-def _hf_greedy(model, prompt, max_tokens: int = MAX_TOKENS) -> list[int]:
-  with torch.no_grad():
-    out = model.generate(
-      torch.tensor([prompt]),
-      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-      max_new_tokens=max_tokens,
-      do_sample=False,
-      eos_token_id=None,
-      pad_token_id=0,
-    )
-  return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def all_checkpoint(tmp_path_factory):
   directory = tmp_path_factory.mktemp("all")
@@ -165,9 +145,9 @@ def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
   outputs = llm.generate(PROMPTS, params, use_tqdm=False)
   worst = 0.0
   for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt)
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
     got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    want = _hf_prompt_logprobs(hf_model, prompt)
+    want = hf_prompt_logprobs(hf_model, prompt)
     worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
   assert worst < 1e-4, worst
 
@@ -275,7 +255,7 @@ def test_two_device_mesh_gives_transformers_tokens(all_checkpoint):
   _, directory, hf_model = all_checkpoint
   out = run_python(MESH_SCRIPT, os.fspath(directory), timeout=900)
   got = [json.loads(line) for line in out.strip().splitlines()[-2:]]
-  assert got == [_hf_greedy(hf_model, prompt) for prompt in PROMPTS]
+  assert got == [hf_greedy(hf_model, prompt, MAX_TOKENS) for prompt in PROMPTS]
 
 
 def test_named_weights_give_back_the_checkpoint_tensors(all_checkpoint):

@@ -23,6 +23,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_reference import hf_greedy, hf_prompt_logprobs
 
 import jaxengine as je
 from jaxengine.models import token_logprobs
@@ -75,26 +76,6 @@ def _write(directory: Path, multimodal: bool = False) -> torch.nn.Module:
   return model
 
 
-def _hf_prompt_logprobs(model, prompt) -> np.ndarray:
-  """``[T - 1]`` transformers' log-probability of each prompt token after the first."""
-  with torch.no_grad():
-    logits = model(torch.tensor([prompt])).logits[0].double()
-  logprobs = torch.log_softmax(logits, -1)
-  return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
-
-
-def _hf_greedy(model, prompt) -> list[int]:
-  with torch.no_grad():
-    out = model.generate(
-      torch.tensor([prompt]),
-      max_new_tokens=MAX_TOKENS,
-      do_sample=False,
-      eos_token_id=None,
-      pad_token_id=0,
-    )
-  return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   directory = tmp_path_factory.mktemp("qwen3_5")
@@ -127,9 +108,9 @@ def test_greedy_and_prompt_logprobs_match_transformers_chunked_and_preempted(che
   outputs = llm.generate(PROMPTS, params, use_tqdm=False)
   worst = 0.0
   for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt)
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
     got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    worst = max(worst, float(np.abs(np.asarray(got) - _hf_prompt_logprobs(hf_model, prompt)).max()))
+    worst = max(worst, float(np.abs(np.asarray(got) - hf_prompt_logprobs(hf_model, prompt)).max()))
   assert worst < 1e-4, worst
   stats = llm.llm_engine.kv_cache_stats
   assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
@@ -143,7 +124,7 @@ def test_seeded_samples_together_equal_one_by_one(checkpoint, llm):
   slots are all free afterwards."""
   greedy = je.SamplingParams(top_k=1, max_tokens=MAX_TOKENS, n=2, ignore_eos=True)  # argmax
   (both,) = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)
-  want = _hf_greedy(checkpoint[1], PROMPTS[0])
+  want = hf_greedy(checkpoint[1], PROMPTS[0], MAX_TOKENS)
   assert [list(c.token_ids) for c in both.outputs] == [want, want]
   params = je.SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=11, ignore_eos=True)
   prompts = PROMPTS[:2]
@@ -163,7 +144,7 @@ def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   assert config.rotary_dim == 8 and config.rope_theta == 1000.0
   prompt = PROMPTS[0]
   got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
-  np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+  np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
 def test_moe_checkpoint_matches_transformers(tmp_path):
@@ -185,7 +166,7 @@ def test_moe_checkpoint_matches_transformers(tmp_path):
   assert loaded.num_experts == 4 and loaded.shared_expert_intermediate_size == 40
   for prompt in PROMPTS[:2]:
     got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
-    np.testing.assert_allclose(got, _hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+    np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
 def _module() -> Qwen3_5:
