@@ -196,6 +196,23 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
   return params
 
 
+class _CommandLine(argparse.ArgumentParser):
+  """The top-level parser: an unknown flag is reported with its subcommand's usage line (plain
+  argparse reports it with the top-level one, `jaxengine [-h] COMMAND ...`)."""
+
+  def __init__(self, **kwargs) -> None:
+    super().__init__(**kwargs)
+    #: Each subcommand's parser, by name (set by `build_parser`).
+    self.command_parsers: dict[str, argparse.ArgumentParser] = {}
+
+  def parse_args(self, args=None, namespace=None):
+    parsed, extra = self.parse_known_args(args, namespace)
+    if extra:
+      owner = self.command_parsers.get(getattr(parsed, "command", None) or "", self)
+      owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser of the `jaxengine` command.
 
@@ -212,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
   Returns:
     An `argparse.ArgumentParser`; a missing subcommand is a usage error.
   """
-  parser = argparse.ArgumentParser(
+  parser = _CommandLine(
     prog="jaxengine",
     description="Generate text on JAX with a Llama-family or Gemma model (GGUF file or Hugging "
     "Face checkpoint: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3).",
@@ -265,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     help="evaluate with lm-evaluation-harness (ARGS are lm-eval's; needs jaxengine[lm-eval])",
     add_help=False,
   )
+  parser.command_parsers = dict(commands.choices)
   return parser
 
 

@@ -87,7 +87,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument(
     "--precompile-in-background",
     action=argparse.BooleanOptionalAction,
-    default=True,
+    default=None,
     help="with precompile (the default): listen once the shapes the first requests need are "
     "compiled and compile the others on a background thread while serving (their steps run in "
     "a larger compiled shape meanwhile, and the thread shares the host's cores); "
@@ -111,6 +111,7 @@ def run_server(args: argparse.Namespace) -> int:
   parsers = (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
   try:
     ChatParserOptions.from_names(*parsers)  # refused before the model loads
+    _check_compile_flags(args)
   except ValueError as error:
     print(f"jaxengine: {error}")
     return 2
@@ -208,6 +209,20 @@ def announcing_server(config: uvicorn.Config) -> uvicorn.Server:
   return AnnouncingServer(config)
 
 
+def _check_compile_flags(args: argparse.Namespace) -> None:
+  """Refuses `--precompile-in-background` beside `--no-precompile` (a background compile of
+  nothing); either flag alone, or neither, is fine.
+
+  Raises:
+    ValueError: naming both flags.
+  """
+  if getattr(args, "precompile_in_background", None) and getattr(args, "precompile", None) is False:
+    raise ValueError(
+      "--precompile-in-background compiles in the background what --no-precompile skips: "
+      "give one of them"
+    )
+
+
 def load_engine(args: argparse.Namespace) -> AsyncLLM:
   """The server's engine: the model loaded with the engine flags, then, unless
   `--no-precompile`, its step executables compiled (read back from the persistent compilation
@@ -229,7 +244,7 @@ def load_engine(args: argparse.Namespace) -> AsyncLLM:
   llm = LLM(args.model_tag or args.model, **options)
   url = f"http://{args.host}:{args.port}"
   staged = None
-  if precompile and getattr(args, "precompile_in_background", False):
+  if precompile and getattr(args, "precompile_in_background", None) is not False:
     staged = _compile_first(llm, url)
   elif precompile:
     _precompile(llm, url)

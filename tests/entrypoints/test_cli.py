@@ -330,3 +330,28 @@ def test_help_of_each_command_reads_well(capsys):
     out = capsys.readouterr().out
     assert all(word in out for word in words), out
     assert all(len(line) <= 100 for line in out.splitlines())
+
+
+@pytest.mark.parametrize(
+  "command, needed",
+  [("generate", []), ("chat", []), ("serve", []), ("compile", ["--topology", "v5e:1x1"])],
+)
+def test_an_unknown_flag_is_reported_with_its_commands_usage(capsys, command, needed):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main([command, *needed, "--no-such-flag", "x"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f"jaxengine {command}: error: unrecognized arguments: --no-such-flag" in err
+  assert f"usage: jaxengine {command} " in err
+
+
+def test_serve_refuses_a_background_compile_of_nothing_before_loading(monkeypatch, capsys):
+  from jaxengine.entrypoints import serve
+
+  def no_load(args):
+    raise AssertionError("the model must not load")
+
+  monkeypatch.setattr(serve, "load_engine", no_load)
+  assert cli.main(["serve", "--no-precompile", "--precompile-in-background"]) == 2
+  out = capsys.readouterr().out
+  assert "--precompile-in-background" in out and "--no-precompile" in out
