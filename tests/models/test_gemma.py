@@ -188,11 +188,12 @@ def test_token_logprobs_match_transformers(checkpoint):
 
 def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_counter):
   """A Gemma3ForConditionalGeneration's text tensors under its own names
-  (``language_model.model.layers.0...``) replace the weights: the other checkpoint's logprobs,
-  no compile."""
+  (``language_model.model.layers.0...``) replace the weights of a scanned engine (rows of its
+  ``[L, ...]`` stacks): the other checkpoint's logprobs, no compile; a whole unrolled module
+  (a trainer's) loads into the stacks too."""
   _write(tmp_path / "a", "gemma3_multimodal", seed=0)
   other = _write(tmp_path / "b", "gemma3_multimodal", seed=1)
-  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4)
+  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4, scan_layers=True)
   params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
   prompt = PROMPTS[0]
 
@@ -210,6 +211,12 @@ def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_cou
   assert compile_counter.count == 0
   np.testing.assert_allclose(after, hf_prompt_logprobs(other, prompt), atol=1e-4)
   assert np.abs(after - before).max() > 1e-2
+  unrolled, _ = load_safetensors(tmp_path / "a")
+  llm.load_weights(unrolled)  # checked per layer, then stacked
+  np.testing.assert_array_equal(prompt_logprobs(), before)
+  got = dict(named_weights(llm.llm_engine.runner.model))
+  for name, tensor in named_weights(unrolled):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
 
 
 def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint):
@@ -430,7 +437,7 @@ prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85
 kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8)
 loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
 one = je.LLM(sys.argv[1], **kw).generate(prompts, params, lora_request=loras, use_tqdm=False)
-two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(
+two = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw).generate(
   prompts, params, lora_request=loras, use_tqdm=False)
 worst = 0.0
 for a, b, prompt in zip(one, two, prompts):
@@ -443,8 +450,9 @@ print("ok", worst)
 
 
 def test_two_device_mesh_gives_the_same_tokens(tmp_path):
-  """With ``tensor_parallel_size=2`` one device's tokens and prompt logprobs, for a LoRA
-  adapter's request (its slots split as their base projections) and the base model's."""
+  """With ``tensor_parallel_size=2`` and the layers scanned (``[L, ...]`` stacks, the layer axis
+  unsplit) one unrolled device's tokens and prompt logprobs, for a LoRA adapter's request (its
+  slots split as their base projections) and the base model's."""
   _write(tmp_path, "gemma2")  # soft caps, windows; K = 2 heads split over the 2 devices
   _write_adapter("gemma2", tmp_path, tmp_path / "adapter")
   out = run_python(MESH_SCRIPT, os.fspath(tmp_path), os.fspath(tmp_path / "adapter"), timeout=900)
