@@ -1,7 +1,11 @@
 """SmolLM2-135M's forward step unrolled against under `jax.lax.scan` (`EngineConfig.scan_layers`):
 compile seconds of a decode step and its milliseconds at 1 / 8 / 32 rows.
 
-  python benchmarks/bench_layer_scan.py [--repeats 10] [--context 64]
+  python benchmarks/bench_layer_scan.py [--repeats 10] [--context 64] [--model gemma3]
+
+``--model gemma3``: a Gemma-3-shaped model instead (Gemma 3 1B's 26 layers of five local and
+one global, a window of 512, random weights at a small width: `GEMMA3_SHAPE`), scanned over its
+groups of six (`jaxengine.models.layer_scan.scan_layer_groups`, the last two layers unrolled).
 
 Each row decodes one token per request over `--context` cached positions (a jitted
 `jaxengine.models.llama.forward` plus the logits of the last tokens, the cache donated). The
@@ -19,12 +23,24 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.gemma import Gemma
+from jaxengine.models.gemma_config import FULL, SLIDING, GemmaConfig, GemmaRope
 from jaxengine.models.gguf_loader import load_gguf
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.layer_scan import scanned_model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 
 BLOCK = 16
+
+#: Gemma 3 1B's layer layout (26 layers, five local : one global, window 512, two rotary bases)
+#: at a small width.
+GEMMA3_SHAPE = GemmaConfig(
+  vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=26,
+  num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+  layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26)), sliding_window=512,
+  rope_local=GemmaRope(theta=10000.0), rope_global=GemmaRope(theta=1e6), qk_norm=True,
+  query_pre_attn_scalar=64, max_position_embeddings=32768,
+)  # fmt: skip
 
 
 def _step(graphdef, weights, token_ids, positions, kv_cache, metadata):
@@ -55,8 +71,12 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--context", type=int, default=64)
+  parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
   args = parser.parse_args()
-  unrolled, _ = load_gguf()
+  if args.model == "gemma3":
+    unrolled = Gemma(GEMMA3_SHAPE, rngs=nnx.Rngs(0))
+  else:
+    unrolled, _ = load_gguf()
   models = {"unrolled": unrolled, "scan": scanned_model(unrolled, True)}
   print(f"{'layout':>9} {'rows':>5} {'compile s':>10} {'step ms':>8}")
   for rows in (1, 8, 32):

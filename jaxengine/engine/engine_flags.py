@@ -348,7 +348,7 @@ ENGINE_FLAGS = (
       action=argparse.BooleanOptionalAction,
       default=None,
       help="decoder layers as one jax.lax.scan over stacked weights: compile time flat with "
-      "depth (default: on for TPU and GPU, off on CPU; the Llama family)",
+      "depth (default: on for TPU and GPU, off on CPU; the Llama family, Gemma 2 and 3)",
     ),
   ),
   EngineFlag(

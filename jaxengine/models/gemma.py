@@ -22,6 +22,11 @@ What the model computes (Gemma Team, 2024 and 2025):
 - MLP: ``down(gelu_tanh(gate(x)) * up(x))``;
 - logits: ``final_norm(x) @ embed.T`` (tied), soft-capped (``final_logit_softcapping``).
 
+With ``scan_layers`` (`GemmaConfig.scan_layers`) the layers are one module whose every parameter
+is ``[L, ...]``, run as a `jax.lax.scan` over the repeating group of local and global layers
+(`jaxengine.models.layer_scan.scan_layer_groups`): a layer's kind (its window and rotary base)
+is then the call's ``kind``, static, not the module's own index.
+
 LoRA adapters (`jaxengine.models.lora`) may target the seven projections by their PEFT names
 (``q_proj`` ... ``down_proj``, `Gemma.lora_target_shapes`); each update is added to its
 projection's output, before the q/k norms, as PEFT wraps the ``nn.Linear``.
@@ -37,7 +42,8 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +52,7 @@ from flax import nnx
 from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
 from jaxengine.models.gemma_checkpoints import hf_weight_specs
 from jaxengine.models.gemma_config import ACTIVATIONS, GemmaConfig
+from jaxengine.models.layer_scan import scan_layer_groups, stack_layers
 from jaxengine.models.layer_stack import apply_layers
 from jaxengine.models.layers import (
   ConfiguredDecoder,
@@ -73,7 +80,8 @@ class GemmaAttention(nnx.Module):
     wq, wk, wv, wo: ``[H, D, E]``, ``[K, D, E]``, ``[K, D, E]``, ``[E, H, D]`` projections
       (PyTorch ``[out, in]`` layout).
     q_norm, k_norm: per-head ``(1 + w)`` RMSNorms over ``D`` (Gemma 3), or None.
-    layer: this layer's index (static): its kind picks the window and the rotary base.
+    layer: this layer's index (static): its kind picks the window and the rotary base; None
+      in a stacked module (`Gemma.stack_decoder_layers`), whose calls name the kind.
     scales: row scales of the quantized projections (`jaxengine.models.llama.Attention`).
     batch_invariant: projections computed a fixed number of rows at a time (`Gemma`).
   """
@@ -86,7 +94,7 @@ class GemmaAttention(nnx.Module):
     "wo": (1, 2),
   }
 
-  def __init__(self, config: GemmaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: GemmaConfig, layer: int | None, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
       config.hidden_size,
       config.num_attention_heads,
@@ -104,11 +112,25 @@ class GemmaAttention(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None):
+  def __call__(
+    self,
+    x,
+    positions,
+    kv_cache,
+    layer,
+    metadata,
+    lora: LayerLoRA | None = None,
+    kind: int | None = None,
+  ):
     """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; the
     arguments as `jaxengine.models.llama.Attention.__call__` (LoRA updates added to the
-    projections' outputs, before the q/k norms, as PEFT wraps ``q_proj`` ...)."""
+    projections' outputs, before the q/k norms, as PEFT wraps ``q_proj`` ...), and `kind`
+    (static): a layer whose window and rotary base this call takes, None for this module's
+    own (`layer` the attribute; a stacked module has none and must be given one)."""
     cfg = self.config
+    kind = self.layer if kind is None else kind
+    if kind is None:
+      raise ValueError("a stacked Gemma layer needs the kind of layer it runs (kind=...)")
     lead = x.shape[:-1]
     e, h, kv, d = x.shape[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     fixed = self.batch_invariant
@@ -118,7 +140,7 @@ class GemmaAttention(nnx.Module):
     q, k, v = q.reshape(*lead, h, d), k.reshape(*lead, kv, d), v.reshape(*lead, kv, d)
     if self.q_norm is not None and self.k_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
+    inv_freq = cfg.rope(kind).frequencies(d)  # [D/2] host constant
     q = rotary_embedding(q, positions, inv_freq)
     k = rotary_embedding(k, positions, inv_freq)
     out, kv_cache = attention(
@@ -129,7 +151,7 @@ class GemmaAttention(nnx.Module):
       layer,
       metadata,
       scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-      sliding_window=cfg.window(self.layer),
+      sliding_window=cfg.window(kind),
       soft_cap=cfg.attn_logit_softcapping,
     )
     out = out.reshape(*lead, h * d)
@@ -178,7 +200,7 @@ class GemmaDecoderLayer(nnx.Module):
   """``x += post_attn_norm(attn(input_norm(x))); x += post_ffw_norm(mlp(pre_ffw_norm(x)))``
   (without the two post norms when ``config.post_norms`` is False)."""
 
-  def __init__(self, config: GemmaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: GemmaConfig, layer: int | None, *, dtype, rngs: nnx.Rngs):
     e = config.hidden_size
     self.input_norm = _norm(config, e)
     self.attn = GemmaAttention(config, layer, dtype=dtype, rngs=rngs)
@@ -187,9 +209,18 @@ class GemmaDecoderLayer(nnx.Module):
     self.mlp = GemmaMLP(config, dtype=dtype, rngs=rngs)
     self.post_feedforward_norm = _norm(config, e) if config.post_norms else None
 
-  def __call__(self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None):
+  def __call__(
+    self,
+    x,
+    positions,
+    kv_cache,
+    layer,
+    metadata,
+    lora: LayerLoRA | None = None,
+    kind: int | None = None,
+  ):
     """Same arguments as `GemmaAttention.__call__`, ``x`` the residual stream ``[..., E]``."""
-    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
+    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora, kind)
     if self.post_attention_norm is not None:
       h = self.post_attention_norm(h)
     x = x + h
@@ -203,7 +234,9 @@ class Gemma(ConfiguredDecoder, nnx.Module):
   """Gemma 2 / Gemma 3 text decoder over a `PagedKVCache`;
   implements `jaxengine.models.Model` (the same interface and attributes as
   `jaxengine.models.Llama`: ``config``, ``dtype``, ``embed``, ``layers``, ``final_norm``,
-  ``lm_head``, ``batch_invariant``).
+  ``lm_head``, ``batch_invariant``). ``layers`` holds ``L`` `GemmaDecoderLayer` modules (an
+  `nnx.List`), or with the config's ``scan_layers`` one stacked `GemmaDecoderLayer` (every leaf
+  ``[L, ...]``, `stack_decoder_layers`).
   """
 
   def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -218,11 +251,11 @@ class Gemma(ConfiguredDecoder, nnx.Module):
     self.dtype = dtype
     e, v = config.hidden_size, config.vocab_size
     self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
-    self.layers = nnx.List(
-      [
-        GemmaDecoderLayer(config, i, dtype=dtype, rngs=rngs)
-        for i in range(config.num_hidden_layers)
-      ]
+    layers = [
+      GemmaDecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)
+    ]
+    self.layers: nnx.List | GemmaDecoderLayer = (
+      self.stack_decoder_layers(layers) if config.scan_layers else nnx.List(layers)
     )
     self.final_norm = _norm(config, e)
     self.lm_head = (
@@ -244,9 +277,47 @@ class Gemma(ConfiguredDecoder, nnx.Module):
     (``[..., E]`` hidden states after the final norm)."""
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
+    # Unrolled, XLA would fold the constant factor into the first layer's norm (reassociating
+    # its multiplies), which a scan's loop boundary prevents: the barrier makes both one sum.
+    x = jax.lax.optimization_barrier(x)
+    cfg = self.config
+    if cfg.scan_layers:
+      x, kv_cache = scan_layer_groups(
+        self.layers,
+        x,
+        positions,
+        kv_cache,
+        attn_metadata,
+        num_layers=cfg.num_hidden_layers,
+        period=cfg.layer_period,
+        lora=lora,
+      )
+      return self.final_norm(x), kv_cache
     layer_args = lambda index: () if lora is None else (lora.layer(index),)
-    x, kv_cache = apply_layers(self.layers, x, positions, kv_cache, attn_metadata, layer_args)
+    layers = cast(nnx.List, self.layers)
+    x, kv_cache = apply_layers(layers, x, positions, kv_cache, attn_metadata, layer_args)
     return self.final_norm(x), kv_cache
+
+  @staticmethod
+  def stack_decoder_layers(layers: Sequence[GemmaDecoderLayer]) -> GemmaDecoderLayer:
+    """One `GemmaDecoderLayer` whose every leaf stacks `layers`' on a leading ``[L]`` axis
+    (`jaxengine.models.layer_scan.stack_layers`). Each layer's own index (which makes a local
+    and a global layer differ in structure) is dropped first, in place: the scan names each
+    call's kind (`scan_layer_groups`)."""
+    for layer in layers:
+      layer.attn.layer = None
+    return cast(GemmaDecoderLayer, stack_layers(layers))
+
+  @property
+  def num_layers(self) -> int:
+    """``L``, the decoder layers."""
+    return self.config.num_hidden_layers
+
+  @property
+  def stacked_paths(self) -> tuple[str, ...]:
+    """The state paths whose leaves have a leading layer axis (``("layers",)`` with
+    ``scan_layers``; quantization and the mesh shardings skip that axis)."""
+    return ("layers",) if self.config.scan_layers else ()
 
   def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
     """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT

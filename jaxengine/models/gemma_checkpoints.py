@@ -27,6 +27,7 @@ from jaxengine.models.hf_config_fields import (
   config_optional_int,
   config_token_id,
 )
+from jaxengine.models.layer_scan import stacked_weight_specs
 from jaxengine.models.weights import WeightSpec
 
 #: Families `config_from_hf` reads.
@@ -223,7 +224,8 @@ def hf_weight_specs(cfg: GemmaConfig) -> list[WeightSpec]:
   and per layer ``i`` under ``model.layers.{i}.``: ``input_layernorm``,
   ``post_attention_layernorm``, ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``,
   ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm`` (Gemma 3), ``mlp.{gate,up,down}_proj``,
-  each ``.weight``.
+  each ``.weight``. With ``scan_layers`` the per-layer specs name rows of the stacked
+  ``[L, ...]`` leaves (`jaxengine.models.layer_scan.stacked_weight_specs`).
   """
   e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   h, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -261,4 +263,4 @@ def hf_weight_specs(cfg: GemmaConfig) -> list[WeightSpec]:
       WeightSpec(f"{p}model.layers.{i}.{suffix}", ("layers", i, *path), None, shape)
       for suffix, path, shape in per_layer
     ]
-  return specs
+  return stacked_weight_specs(specs) if cfg.scan_layers else specs  # rows of [L, ...] leaves

@@ -88,6 +88,11 @@ class GemmaConfig:
     checkpoint_prefix: prefix of every tensor name in the checkpoint (``""``; a
       ``Gemma3ForConditionalGeneration`` checkpoint keeps its text model under
       ``"language_model."``).
+    scan_layers: the decoder layers are stacked (every parameter ``[L, ...]``) and run as one
+      `jax.lax.scan` over the repeating group of `layer_types` (`layer_period` layers an
+      iteration, the layers after the last whole group unrolled:
+      `jaxengine.models.layer_scan.scan_layer_groups`), with a stacked KV cache; False: one
+      module per layer.
   """
 
   vocab_size: int
@@ -113,8 +118,11 @@ class GemmaConfig:
   bos_token_id: int | None = 2
   eos_token_id: int | None = 1
   checkpoint_prefix: str = ""
+  scan_layers: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
         f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -158,6 +166,15 @@ class GemmaConfig:
     """The rotary embedding of `layer`'s kind."""
     return self.rope_local if self.is_sliding(layer) else self.rope_global
 
+  @property
+  def layer_period(self) -> int:
+    """``P``, the length of the repeating group of `layer_types`: the smallest ``P`` with
+    ``layer_types[i] == layer_types[i - P]`` for every ``i >= P`` (2 for Gemma 2's alternating
+    layers, 6 for Gemma 3's five local and one global; ``L`` when nothing repeats). Layer ``i``
+    is of the kind of layer ``i % P``."""
+    types = self.layer_types
+    return next((p for p in range(1, len(types) + 1) if types[p:] == types[: len(types) - p]), 1)
+
   def kv_cache_spec(self, dtype=jnp.float32) -> KVCacheSpec:
     """The `KVCacheSpec` of a model with this config storing keys and values in `dtype`: the
     local layers' window (and which layers they are) and the attention soft cap."""
@@ -170,4 +187,5 @@ class GemmaConfig:
       sliding_window=self.sliding_window if local else None,
       sliding_window_layers=local or None,
       soft_cap=self.attn_logit_softcapping,
+      stacked=self.scan_layers,
     )

@@ -9,10 +9,12 @@ logprobs within 1e-4, and `token_logprobs` the same logprobs. Nothing here touch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,11 +27,16 @@ from paged_utils import slot_step
 from subprocess_utils import run_python
 
 import jaxengine as je
-from jaxengine.models import PagedKVCache, safetensors_loader, token_logprobs
+from jaxengine.models import PagedKVCache, safetensors_loader, sequence_logits, token_logprobs
 from jaxengine.models.attention_backends import XlaAttentionBackend
-from jaxengine.models.gemma import Gemma
+from jaxengine.models.gemma import Gemma, GemmaDecoderLayer
 from jaxengine.models.gemma_checkpoints import config_from_hf
+from jaxengine.models.gemma_config import FULL, SLIDING, GemmaConfig, GemmaRope
+from jaxengine.models.layer_scan import scan_config, scanned_model
+from jaxengine.models.quantization import quantize_model
 from jaxengine.models.safetensors_loader import load_safetensors
+from jaxengine.models.sequence_logprobs import scratch_step
+from jaxengine.models.weights import named_weights, state_leaves
 
 TEXT = dict(
   vocab_size=96,
@@ -181,11 +188,12 @@ def test_token_logprobs_match_transformers(checkpoint):
 
 def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_counter):
   """A Gemma3ForConditionalGeneration's text tensors under its own names
-  (``language_model.model.layers.0...``) replace the weights: the other checkpoint's logprobs,
-  no compile."""
+  (``language_model.model.layers.0...``) replace the weights of a scanned engine (rows of its
+  ``[L, ...]`` stacks): the other checkpoint's logprobs, no compile; a whole unrolled module
+  (a trainer's) loads into the stacks too."""
   _write(tmp_path / "a", "gemma3_multimodal", seed=0)
   other = _write(tmp_path / "b", "gemma3_multimodal", seed=1)
-  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4)
+  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4, scan_layers=True)
   params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
   prompt = PROMPTS[0]
 
@@ -203,6 +211,12 @@ def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_cou
   assert compile_counter.count == 0
   np.testing.assert_allclose(after, hf_prompt_logprobs(other, prompt), atol=1e-4)
   assert np.abs(after - before).max() > 1e-2
+  unrolled, _ = load_safetensors(tmp_path / "a")
+  llm.load_weights(unrolled)  # checked per layer, then stacked
+  np.testing.assert_array_equal(prompt_logprobs(), before)
+  got = dict(named_weights(llm.llm_engine.runner.model))
+  for name, tensor in named_weights(unrolled):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
 
 
 def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint):
@@ -423,7 +437,7 @@ prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85
 kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8)
 loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
 one = je.LLM(sys.argv[1], **kw).generate(prompts, params, lora_request=loras, use_tqdm=False)
-two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(
+two = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw).generate(
   prompts, params, lora_request=loras, use_tqdm=False)
 worst = 0.0
 for a, b, prompt in zip(one, two, prompts):
@@ -436,9 +450,146 @@ print("ok", worst)
 
 
 def test_two_device_mesh_gives_the_same_tokens(tmp_path):
-  """With ``tensor_parallel_size=2`` one device's tokens and prompt logprobs, for a LoRA
-  adapter's request (its slots split as their base projections) and the base model's."""
+  """With ``tensor_parallel_size=2`` and the layers scanned (``[L, ...]`` stacks, the layer axis
+  unsplit) one unrolled device's tokens and prompt logprobs, for a LoRA adapter's request (its
+  slots split as their base projections) and the base model's."""
   _write(tmp_path, "gemma2")  # soft caps, windows; K = 2 heads split over the 2 devices
   _write_adapter("gemma2", tmp_path, tmp_path / "adapter")
   out = run_python(MESH_SCRIPT, os.fspath(tmp_path), os.fspath(tmp_path / "adapter"), timeout=900)
   assert out.strip().splitlines()[-1].startswith("ok")
+
+
+#: Gemma 3's layer pattern (five local, one global), its remainder after 8 layers two local.
+GEMMA3_TYPES = ((SLIDING,) * 5 + (FULL,)) * 4
+
+
+def _tiny(num_layers: int, scan: bool = False, **fields) -> Gemma:
+  """A tiny Gemma 3-shaped model of random weights (norm offsets random too), the same weights
+  for the same fields whatever `scan` (stacked when it is)."""
+  config = GemmaConfig(**{
+    **dict(
+      vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+      layer_types=GEMMA3_TYPES[:num_layers], sliding_window=3, qk_norm=True,
+      rope_local=GemmaRope(theta=50.0), rope_global=GemmaRope(theta=500.0, factor=2.0),
+      final_logit_softcapping=3.0, max_position_embeddings=64,
+    ),
+    **fields,
+  })  # fmt: skip
+  model = Gemma(config, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  scales = {}
+  for path, leaf in nnx.to_flat_state(nnx.state(model)):
+    if path[-1] == "scale":
+      scales[path] = rng.standard_normal(leaf.shape).astype(np.float32) * 0.3
+      leaf.set_value(jnp.asarray(scales[path]))
+  if not scan:
+    return model
+  scanned = Gemma(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(0))
+  for path, leaf in nnx.to_flat_state(nnx.state(scanned)):
+    if path[-1] == "scale" and path[0] == "layers":
+      rows = [scales[("layers", i, *path[1:])] for i in range(num_layers)]
+      leaf.set_value(jnp.asarray(np.stack(rows)))
+    elif path[-1] == "scale":
+      leaf.set_value(jnp.asarray(scales[path]))
+  return scanned
+
+
+SCAN_TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 13)), jnp.int32)
+
+
+@pytest.mark.parametrize(
+  "layers, fields",
+  [(8, {}), (5, dict(layer_types=(SLIDING, FULL) * 2 + (SLIDING,), attn_logit_softcapping=2.0))],
+  ids=["gemma3_pattern_6", "gemma2_pattern_2"],
+)
+def test_scanned_layers_give_the_unrolled_bits(layers, fields):
+  """``scan_layers=True``: the 8-layer Gemma 3 pattern (one group of 6 scanned, 2 local layers
+  after it) and a 5-layer Gemma 2 pattern (two groups of 2, one layer after): the unrolled
+  model's logits bit for bit, also converted from the unrolled module (`scanned_model`, which
+  leaves the caller's module unrolled), in batch-invariant mode, and int8-quantized (the
+  scales keep the layer axis)."""
+  unrolled, scanned = _tiny(layers, **fields), _tiny(layers, scan=True, **fields)
+  config = scanned.config
+  assert config.layer_period == (6 if layers == 8 else 2) and scanned.stacked_paths == ("layers",)
+  wq = state_leaves(nnx.state(scanned))[("layers", "attn", "wq")]
+  assert wq.shape == (layers, 4, 16, 32) and scanned.kv_cache_spec.stacked
+  want = np.asarray(sequence_logits(unrolled, SCAN_TOKENS))
+  np.testing.assert_array_equal(np.asarray(sequence_logits(scanned, SCAN_TOKENS)), want)
+  converted = scanned_model(unrolled, True)
+  np.testing.assert_array_equal(np.asarray(sequence_logits(converted, SCAN_TOKENS)), want)
+  assert isinstance(unrolled.layers, nnx.List) and unrolled.layers[1].attn.layer == 1
+  assert isinstance(converted.layers, GemmaDecoderLayer) and converted.layers.attn.layer is None
+  copies = [nnx.merge(*nnx.split(model)) for model in (unrolled, scanned)]
+  for copy in copies:
+    copy.set_attributes(batch_invariant=True)
+  want = np.asarray(token_logprobs(copies[0], SCAN_TOKENS))
+  np.testing.assert_array_equal(np.asarray(token_logprobs(copies[1], SCAN_TOKENS)), want)
+  done = quantize_model(scanned, "int8")
+  leaves = state_leaves(nnx.state(done.model))
+  assert leaves[("layers", "attn", "scales", "wq")].shape == (layers, 4, 16)
+  want = np.asarray(sequence_logits(quantize_model(unrolled, "int8").model, SCAN_TOKENS))
+  np.testing.assert_array_equal(np.asarray(sequence_logits(done.model, SCAN_TOKENS)), want)
+
+
+def _compiled_instructions(num_layers: int) -> int:
+  """HLO instructions of one compiled forward step of a tiny scanned model."""
+  model = _tiny(num_layers, scan=True)
+  metadata, cache = scratch_step(model, 2, 8, 4, XlaAttentionBackend())
+  ids, positions = SCAN_TOKENS[:, :8].reshape(1, -1), jnp.tile(jnp.arange(8), 2)[None]
+  step = jax.jit(lambda m, *args: m(*args))
+  compiled = step.lower(model, ids, positions.astype(jnp.int32), cache, metadata).compile()
+  return sum(" = " in line for line in compiled.as_text().splitlines())
+
+
+def test_the_scanned_step_does_not_grow_with_the_groups():
+  """14 and 20 layers of Gemma 3's pattern (two and three groups, two layers after them)
+  compile the same number of HLO instructions (a scan of one group is inlined)."""
+  assert _compiled_instructions(20) == _compiled_instructions(14)
+
+
+def test_the_engine_scans_by_default_on_accelerators_only():
+  config = _tiny(2).config
+  assert scan_config(config, None, platform="tpu").scan_layers
+  assert not scan_config(config, None, platform="cpu").scan_layers
+  assert scanned_model(_tiny(2), None, platform="tpu").config.scan_layers
+  with pytest.raises(ValueError, match="scan_layers must be a bool, got 1"):
+    dataclasses.replace(config, scan_layers=1)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_scanned_engine_gives_the_unrolled_outputs(case, tmp_path):
+  """``LLM(dir, scan_layers=True, batch_invariant=True)`` with LoRA, prefill in chunks of 8
+  tokens and the window layers' pages freed as they slide out: the base request's greedy
+  tokens are transformers' and its prompt logprobs the unrolled model's `token_logprobs` bit
+  for bit; the adapter's request in the same steps gives transformers + peft's within 1e-4."""
+  hf_model = _write(tmp_path, case)
+  adapted = _write_adapter(case, tmp_path, tmp_path / "adapter")
+  llm = je.LLM(
+    tmp_path, scan_layers=True, batch_invariant=True, max_num_reqs=2, max_model_len=32,
+    block_size=4, max_num_batched_tokens=8, enable_lora=True, max_lora_rank=8,
+  )  # fmt: skip
+  engine = llm.llm_engine
+  runner, manager = engine.cores[0].runner, engine.cores[0].kv_cache_manager
+  assert runner.kv_cache.stacked_layers is not None and runner.model.config.scan_layers
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+  )
+  lora = je.LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+  engine.add_request("base", PROMPTS[0], params)
+  engine.add_request("adapter", PROMPTS[1], params, lora_request=lora)
+  held, outputs = [], {}
+  while engine.has_unfinished_requests():
+    held.append([manager.num_held_blocks("base", g) for g in range(3)])
+    outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+  assert any(0 < h[1] < h[0] for h in held)  # the window's pages that slid out were freed
+  base = outputs["base"]
+  assert list(base.outputs[0].token_ids) == hf_greedy(hf_model, PROMPTS[0], MAX_TOKENS)
+  model, _ = load_safetensors(tmp_path)
+  want = np.asarray(token_logprobs(model, jnp.asarray([PROMPTS[0]], jnp.int32)))[0]
+  got = [e[t].logprob for e, t in zip(base.prompt_logprobs[1:], PROMPTS[0][1:])]
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+  other = outputs["adapter"]
+  assert list(other.outputs[0].token_ids) == hf_greedy(adapted, PROMPTS[1], MAX_TOKENS)
+  got = [e[t].logprob for e, t in zip(other.prompt_logprobs[1:], PROMPTS[1][1:])]
+  np.testing.assert_allclose(got, hf_prompt_logprobs(adapted, PROMPTS[1]), atol=1e-4)

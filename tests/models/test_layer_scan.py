@@ -223,15 +223,19 @@ def test_the_engine_default_and_the_refusals():
     sliding_window=4,
     max_position_embeddings=64,
   )
-  with pytest.raises(ValueError, match="scan_layers=True: Gemma models cannot run their layers"):
-    scan_config(gemma_config, True)  # a checkpoint's config: refused before any tensor loads
-  assert scan_config(gemma_config, None, platform="tpu") is gemma_config
+  assert scan_config(gemma_config, True).scan_layers  # Gemma scans over its layer pattern
+  assert scan_config(gemma_config, None, platform="tpu").scan_layers
   assert scan_config(config, None, platform="tpu").scan_layers
   assert not scan_config(config, None, platform="cpu").scan_layers
   gemma = Gemma(gemma_config, rngs=nnx.Rngs(0))
-  assert scanned_model(gemma, None, platform="tpu") is gemma
-  with pytest.raises(ValueError, match="scan_layers=True: Gemma models cannot run their layers"):
-    je.LLM(gemma, scan_layers=True, max_num_reqs=2, max_model_len=64)
+  assert scanned_model(gemma, None, platform="tpu").config.scan_layers
+  assert scanned_model(gemma, None, platform="cpu") is gemma
+
+  class OtherConfig:  # a family without ``scan_layers`` (Gemma 4, Qwen3.5)
+    pass
+
+  with pytest.raises(ValueError, match="scan_layers=True: Other models cannot run their layers"):
+    scan_config(OtherConfig(), True)  # a checkpoint's config: refused before any tensor loads
   assert tiny_llama_config().scan_layers is False
   flags = [(["--scan-layers"], True), (["--no-scan-layers"], False), ([], None)]
   for flag, value in flags:
