@@ -123,6 +123,11 @@ class StepRows(NamedTuple):
     slots: ``[R] int32`` its state slot (`NULL_STATE_SLOT` for padding requests).
     fresh: ``[R] bool`` its first token is at position 0: it starts from a zero state.
     max_length: ``[] int32`` the most tokens of any request (the loop's iterations).
+    sources: ``[R] int32`` the slot its state is read from (`slots`, or after a prefix-cache
+      hit the hit's snapshot slot: `jaxengine.core.state_snapshots`).
+    snapshots: None (no prefix caching: nothing saved), or ``[R] int32`` the slot its state is
+      saved into after `snapshot_lens` tokens (`NULL_STATE_SLOT`: none).
+    snapshot_lens: None, or ``[R] int32`` (0: none saved).
   """
 
   starts: jax.Array
@@ -130,10 +135,16 @@ class StepRows(NamedTuple):
   slots: jax.Array
   fresh: jax.Array
   max_length: jax.Array
+  sources: jax.Array
+  snapshots: jax.Array | None = None
+  snapshot_lens: jax.Array | None = None
 
   @classmethod
   def of(cls, metadata: PagedAttentionMetadata, positions: jax.Array) -> StepRows:
     """The rows of a step from its metadata (``state_slots`` set) and ``[..., T]`` positions.
+
+    ``state_slots`` is ``[R]`` (each row's slot) or, with prefix caching, ``[R, 4]`` (its slot,
+    source, snapshot slot and snapshot length: `jaxengine.worker.step_inputs`).
 
     Raises:
       ValueError: (at trace time) metadata without ``state_slots``.
@@ -144,12 +155,19 @@ class StepRows(NamedTuple):
     starts = metadata.query_start_loc[:-1]
     lengths = metadata.query_lens
     is_real = jnp.arange(starts.shape[0]) < metadata.num_reqs
+    routes = metadata.state_slots.astype(jnp.int32)
+    routes = routes[:, None] if routes.ndim == 1 else routes
+    own = jnp.where(is_real, routes[:, 0], NULL_STATE_SLOT)
+    saves = routes.shape[1] == 4
     return cls(
       starts=starts,
       lengths=lengths,
-      slots=jnp.where(is_real, metadata.state_slots, NULL_STATE_SLOT).astype(jnp.int32),
+      slots=own,
       fresh=flat[jnp.minimum(starts, flat.shape[0] - 1)] == 0,
       max_length=jnp.max(lengths),
+      sources=jnp.where(is_real, routes[:, 1], NULL_STATE_SLOT) if saves else own,
+      snapshots=jnp.where(is_real, routes[:, 2], NULL_STATE_SLOT) if saves else None,
+      snapshot_lens=jnp.where(is_real, routes[:, 3], 0) if saves else None,
     )
 
 
@@ -237,12 +255,13 @@ class GatedDeltaNet(nnx.Module):
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
     repeat = hv // hk
     fresh = rows.fresh[:, None, None]
-    conv_rows = jnp.where(fresh, 0, conv_state[rows.slots])  # [R, K - 1, C]
-    delta_rows = jnp.where(fresh[..., None], 0.0, delta_state[rows.slots])  # [R, Hv, Dk, Dv]
+    conv_rows = jnp.where(fresh, 0, conv_state[rows.sources])  # [R, K - 1, C]
+    delta_rows = jnp.where(fresh[..., None], 0.0, delta_state[rows.sources])  # [R, Hv, Dk, Dv]
     out = jnp.zeros((num_tokens + 1, hv, dv), jnp.float32)  # row T: inactive rows' writes
+    saved = (conv_rows, delta_rows)  # with prefix caching: each row's state after snapshot_lens
 
     def tokens_j(j, carry):  # the j-th token of every request that has one
-      conv_rows, delta_rows, out = carry
+      conv_rows, delta_rows, out, saved = carry
       active = j < rows.lengths  # [R]
       index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
       full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
@@ -261,13 +280,22 @@ class GatedDeltaNet(nnx.Module):
       conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
       delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
       out = out.at[jnp.where(active, index, num_tokens)].set(token_out)
-      return conv_rows, delta_rows, out
+      if rows.snapshot_lens is not None:
+        save = (j + 1 == rows.snapshot_lens)[:, None, None]
+        saved = (
+          jnp.where(save, conv_rows, saved[0]),
+          jnp.where(save[..., None], delta_rows, saved[1]),
+        )
+      return conv_rows, delta_rows, out, saved
 
-    conv_rows, delta_rows, out = jax.lax.fori_loop(
-      0, rows.max_length, tokens_j, (conv_rows, delta_rows, out)
+    conv_rows, delta_rows, out, saved = jax.lax.fori_loop(
+      0, rows.max_length, tokens_j, (conv_rows, delta_rows, out, saved)
     )
     conv_state = conv_state.at[rows.slots].set(conv_rows)
     delta_state = delta_state.at[rows.slots].set(delta_rows)
+    if rows.snapshots is not None:  # rows saving nothing write the null slot
+      conv_state = conv_state.at[rows.snapshots].set(saved[0])
+      delta_state = delta_state.at[rows.snapshots].set(saved[1])
     out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
     return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
 

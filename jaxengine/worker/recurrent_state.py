@@ -8,8 +8,13 @@ each running completion (`jaxengine.core.state_slots`). The pool's bytes come ou
 cache's budget (`kv_cache_memory_bytes`; on an accelerator the default budget, measured after
 the pool is allocated, leaves them out too).
 
-The state is kept only for a running request's own sequence, so the engine features that would
-need it anywhere else are refused when the engine is built (`check_hybrid_config`), each with a
+With ``enable_prefix_caching=True`` the pool also holds ``max_num_reqs`` snapshot slots after
+the running requests' (`num_snapshots`), where states are saved at block boundaries so that a
+prefix-cache hit can start from one (`jaxengine.core.state_snapshots`); left at None, prefix
+caching stays off for a hybrid model (the snapshots double the pool's bytes).
+
+The state is otherwise kept only for a running request's own sequence, so the engine features that
+would need it elsewhere are refused when the engine is built (`check_hybrid_config`), each with a
 `ValueError` naming the feature and the model.
 """
 
@@ -25,7 +30,13 @@ from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.worker.kv_cache_pool import create_kv_cache
 from jaxengine.worker.placement import MeshPlacement
 
-__all__ = ["check_hybrid_config", "recurrent_state_spec", "state_pool", "without_pool_bytes"]
+__all__ = [
+  "check_hybrid_config",
+  "num_snapshots",
+  "recurrent_state_spec",
+  "state_pool",
+  "without_pool_bytes",
+]
 
 
 def recurrent_state_spec(model: Any) -> RecurrentStateSpec | None:
@@ -38,8 +49,7 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   """Refuses the engine features a hybrid model's recurrent state does not carry yet.
 
   Refused (each a `ValueError` naming the feature, its value and the model's class):
-  ``enable_prefix_caching=True`` (a cached prefix's pages hold no state; None turns it off for
-  such a model), a ``speculative_config`` (rejected drafts would have advanced the state),
+  a ``speculative_config`` (rejected drafts would have advanced the state),
   ``num_decode_steps`` > 1 (the device loop's metadata has no state slots), ``scan_layers=True``,
   ``enable_lora``, ``quantization``, ``batch_invariant``, and a mesh (``tensor_parallel_size``
   > 1 or a `mesh`: the pool and the linear layers' weights are not split). Nothing happens for
@@ -49,7 +59,6 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
     return
   name = type(model).__name__
   refused = [
-    ("enable_prefix_caching", config.enable_prefix_caching, config.enable_prefix_caching is True),
     ("speculative_config", config.speculative_config, config.speculative_config is not None),
     ("num_decode_steps", config.num_decode_steps, config.num_decode_steps > 1),
     ("scan_layers", config.scan_layers, config.scan_layers is True),
@@ -68,9 +77,16 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
       )
 
 
+def num_snapshots(config: EngineConfig) -> int:
+  """Snapshot slots of a hybrid model's pool: ``max_num_reqs`` with ``enable_prefix_caching=True``
+  (module docstring), else 0."""
+  return config.max_num_reqs if config.enable_prefix_caching is True else 0
+
+
 def state_pool(spec: RecurrentStateSpec, config: EngineConfig) -> RecurrentState:
-  """A zero pool of ``max_num_reqs + 1`` slots (slot 0 the null slot of padding tokens)."""
-  return spec.create(config.max_num_reqs + 1)
+  """A zero pool: the null slot 0 of padding tokens, ``max_num_reqs`` slots of running requests,
+  then `num_snapshots` snapshot slots."""
+  return spec.create(1 + config.max_num_reqs + num_snapshots(config))
 
 
 def without_pool_bytes(config: EngineConfig, pool: RecurrentState) -> EngineConfig:
@@ -99,11 +115,13 @@ class RunnerCache:
     kv_cache: the `PagedKVCache` (`recurrent` set for a hybrid model).
     num_blocks: its pages, the null page 0 included.
     num_state_slots: recurrent-state slots the scheduler hands out (one per row), 0 without.
+    num_snapshots: snapshot slots after them (`num_snapshots`), 0 without.
   """
 
   kv_cache: PagedKVCache
   num_blocks: int
   num_state_slots: int
+  num_snapshots: int = 0
 
 
 def create_runner_cache(
@@ -128,4 +146,5 @@ def create_runner_cache(
   )
   if pool is None:
     return RunnerCache(kv_cache, num_blocks, 0)
-  return RunnerCache(dataclasses.replace(kv_cache, recurrent=pool), num_blocks, config.max_num_reqs)
+  kv_cache = dataclasses.replace(kv_cache, recurrent=pool)
+  return RunnerCache(kv_cache, num_blocks, config.max_num_reqs, num_snapshots(config))

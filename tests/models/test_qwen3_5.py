@@ -169,6 +169,39 @@ def test_moe_checkpoint_matches_transformers(tmp_path):
     np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
+def test_prefix_cache_hits_start_from_saved_states_and_give_transformers_tokens(checkpoint):
+  """With ``enable_prefix_caching=True`` states are saved at the block boundary each prefill
+  chunk reaches (chunks of 8 tokens, blocks of 4): a repeated prompt of 21 tokens hits 20 (its
+  last full block), a prompt sharing the first 16 (a chunk's end) hits 16; each gives
+  transformers' greedy tokens and the logprobs it gives computed from scratch. After
+  `reset_prefix_cache` nothing hits."""
+  hf_model = checkpoint[1]
+  llm = je.LLM(checkpoint[0], max_num_reqs=2, max_model_len=48, block_size=4,
+               max_num_batched_tokens=8, enable_prefix_caching=True)  # fmt: skip
+  params = je.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+  prompt = PROMPTS[2]
+  sibling = [*prompt[:16], 40, 41, 42, 43, 44, 45]
+
+  def run(tokens):
+    before = llm.llm_engine.kv_cache_stats.prefix_cache_hits
+    (out,) = llm.generate([tokens], params, use_tqdm=False)
+    ids = list(out.outputs[0].token_ids)
+    logprobs = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, ids)]
+    return ids, np.asarray(logprobs), llm.llm_engine.kv_cache_stats.prefix_cache_hits - before
+
+  first, first_logprobs, hits = run(prompt)
+  assert hits == 0 and first == hf_greedy(hf_model, prompt, MAX_TOKENS)
+  again, again_logprobs, hits = run(prompt)
+  assert hits == 20 and again == first
+  np.testing.assert_allclose(again_logprobs, first_logprobs, atol=1e-5)
+  shared, _, hits = run(sibling)
+  assert hits == 16 and shared == hf_greedy(hf_model, sibling, MAX_TOKENS)
+  llm.reset_prefix_cache()
+  after_reset, _, hits = run(prompt)
+  assert hits == 0 and after_reset == first
+  assert _free_state_slots(llm) == 2
+
+
 def _module() -> Qwen3_5:
   hf = transformers.Qwen3_5TextConfig(**TEXT).to_dict()
   return Qwen3_5(config_from_hf(hf, "qwen3_5"), rngs=nnx.Rngs(0))
@@ -177,7 +210,6 @@ def _module() -> Qwen3_5:
 @pytest.mark.parametrize(
   "option",
   [
-    dict(enable_prefix_caching=True),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     dict(num_decode_steps=4),
     dict(scan_layers=True),
