@@ -40,7 +40,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DeltaRuleResult", "Rows", "by_chunk", "by_token", "causal_conv", "conv_windows"]
+__all__ = [
+  "DeltaRuleResult",
+  "Rows",
+  "by_chunk",
+  "by_token",
+  "causal_conv",
+  "conv_windows",
+  "unit_lower_inverse",
+]
 
 
 class Rows(NamedTuple):
@@ -136,6 +144,24 @@ def conv_windows(mixed: jax.Array, windows: jax.Array, rows: Rows, ends: jax.Arr
   return inputs[_window_index(rows, offsets, width, mixed.shape[0])]
 
 
+def unit_lower_inverse(strict: jax.Array) -> jax.Array:
+  """``(I + A)^-1`` of strictly lower-triangular ``A [..., n, n]`` (``n`` a power of two), by
+  halves: ``[[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]]`` with both halves'
+  inverses in one call, so ``log2(n)`` levels of matrix products (XLA:CPU's triangular solve
+  runs row by row, and a series in powers of ``A`` loses precision)."""
+  n = strict.shape[-1]
+  if n & (n - 1):
+    raise ValueError(f"the chunk must be a power of two, got {n}")
+  if n == 1:
+    return jnp.ones_like(strict)
+  h = n // 2
+  halves = unit_lower_inverse(jnp.stack([strict[..., :h, :h], strict[..., h:, h:]]))
+  upper, lower = halves[0], halves[1]
+  corner = -lower @ strict[..., h:, :h] @ upper
+  top = jnp.concatenate([upper, jnp.zeros_like(upper)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([corner, lower], axis=-1)], axis=-2)
+
+
 def by_token(
   q: jax.Array,
   k: jax.Array,
@@ -214,8 +240,7 @@ def by_chunk(
     system = jnp.where(lower, jnp.moveaxis(bc, 1, 2)[..., :, None] * decays * keys, 0.0)
     start = jnp.exp(logs)[..., None] * jnp.einsum("rthk,rhkv->rhtv", kc, state)  # e^G K S_0
     rhs = jnp.moveaxis(bc, 1, 2)[..., None] * (jnp.moveaxis(vc, 1, 2) - start)  # [R, Hv, C, Dv]
-    eye = jnp.eye(chunk, dtype=system.dtype)
-    writes = jax.scipy.linalg.solve_triangular(eye + system, rhs, lower=True, unit_diagonal=True)
+    writes = unit_lower_inverse(system) @ rhs  # (I + A)^-1 B (V - e^G K S_0)
     scores = jnp.einsum("rthk,rihk->rhti", qc, kc) * decays  # causal, decayed
     first = jnp.exp(logs)[..., None] * jnp.einsum("rthk,rhkv->rhtv", qc, state)
     outputs = first + jnp.einsum("rhti,rhiv->rhtv", scores, writes)  # [R, Hv, C, Dv]
@@ -223,7 +248,7 @@ def by_chunk(
     def state_after(t):  # [R] last token index within the chunk -> [R, Hv, Dk, Dv]
       last = jnp.take_along_axis(logs, t[:, None, None], axis=2)  # [R, Hv, 1]: G_t
       weights = jnp.where(within <= t[:, None, None], jnp.exp(last - logs), 0.0)  # [R, Hv, C]
-      grown = jnp.einsum("rihk,rhi,rhiv->rhkv", kc, weights, writes)
+      grown = jnp.einsum("rihk,rhiv->rhkv", kc, weights[..., None] * writes)
       return jnp.exp(last)[..., None] * state + grown
 
     offset = save_lens - j * chunk  # [R]: the saved state's tokens into this chunk
