@@ -13,6 +13,13 @@ state instead, updated token by token (Yang et al., 2025). For one token with in
   ``S += k (beta (v - k S))^T``, output ``o = q S``;
 - ``out_proj(rmsnorm(o) * w * silu(in_proj_z(x)))`` (the gated RMSNorm, a plain ``w``).
 
+Channel order: a checkpoint's ``in_proj_qkv`` and ``conv1d`` rows are ``[q | k | v]``; the model
+keeps them grouped by key head instead (`jaxengine.models.qwen3_5_checkpoints.KeyHeadGroups`
+reorders them on load and back on export): key head ``g``'s group is its ``Dk`` query channels,
+its ``Dk`` key channels, then the ``Hv / Hk`` value heads it serves. So on a tensor-parallel mesh
+an even split of the ``C`` channels (the projection's rows, the taps, the convolution windows) is a
+split by heads, with each key head beside its own value heads: ``t`` must divide ``Hk``.
+
 The state of a sequence is therefore ``K - 1`` convolution inputs (``[K - 1, C]``) and the delta
 rule's ``[Hv, Dk, Dv]`` float32 matrices, per linear layer (`RecurrentStateSpec`). The engine keeps
 them in a pool of slots (`RecurrentState`, beside the pages of the full-attention layers in
@@ -177,9 +184,10 @@ class GatedDeltaNet(nnx.Module):
   """One Gated DeltaNet layer (module docstring) over the step's flat tokens.
 
   Attributes:
-    w_qkv: ``[C, E]``; w_z: ``[Hv Dv, E]``; w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
+    w_qkv: ``[C, E]`` (channels grouped by key head: module docstring); w_z: ``[Hv Dv, E]``;
+      w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
       (``[out, in]`` layout).
-    conv: ``[C, K]`` the depthwise convolution's taps, oldest input first.
+    conv: ``[C, K]`` the depthwise convolution's taps (grouped as ``w_qkv``), oldest input first.
     a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
     norm: the `GatedRMSNorm`.
     scales: row scales of quantized projections (none: a hybrid model is not quantized).
@@ -210,6 +218,15 @@ class GatedDeltaNet(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
+  def split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[R, C]`` channels in the grouped order -> ``q [R, Hk, Dk]``, ``k [R, Hk, Dk]``,
+    ``v [R, Hv, Dv]`` (key head ``g``'s group: its query, its key, then its ``Hv / Hk`` value
+    heads ``g Hv / Hk ...``; the module docstring's "Channel order")."""
+    hk, dk, dv = self.num_key_heads, self.key_dim, self.value_dim
+    grouped = qkv.reshape(-1, hk, 2 * dk + self.num_value_heads // hk * dv)
+    v = grouped[..., 2 * dk :].reshape(-1, self.num_value_heads, dv)
+    return grouped[..., :dk], grouped[..., dk : 2 * dk], v
+
   def __call__(
     self, x: jax.Array, conv_state: jax.Array, delta_state: jax.Array, rows: StepRows
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -229,7 +246,7 @@ class GatedDeltaNet(nnx.Module):
     flat = x.reshape(-1, e)  # [T, E]
     num_tokens = flat.shape[0]
     hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
-    mixed = project(self, "w_qkv", flat)  # [T, C]
+    mixed = project(self, "w_qkv", flat)  # [T, C], grouped by key head (`split_qkv`)
     z = project(self, "w_z", flat).reshape(-1, hv, dv)
     beta = jax.nn.sigmoid(project(self, "w_b", flat)).astype(jnp.float32)  # [T, Hv]
     a = project(self, "w_a", flat).astype(jnp.float32)
@@ -247,10 +264,8 @@ class GatedDeltaNet(nnx.Module):
       index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
       full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
       qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
-      qkv = qkv.astype(jnp.float32)  # [R, C]
-      q = _l2_normalize(qkv[:, : hk * dk].reshape(-1, hk, dk))
-      k = _l2_normalize(qkv[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
-      v = qkv[:, 2 * hk * dk :].reshape(-1, hv, dv)
+      q, k, v = self.split_qkv(qkv.astype(jnp.float32))  # [R, C] -> per head
+      q, k = _l2_normalize(q), _l2_normalize(k)
       q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
       k = jnp.repeat(k, repeat, axis=1)
       state = delta_rows * jnp.exp(g[index])[:, :, None, None]

@@ -12,7 +12,9 @@
 
 Every matrix keeps the checkpoint's ``(out, in)`` layout; the decoder's RMSNorm weights are the
 ``w`` of ``(1 + w)``, the gated norm's the plain ``w``, both taken as stored; the depthwise
-convolution's ``[C, 1, K]`` weight becomes ``[C, K]``.
+convolution's ``[C, 1, K]`` weight becomes ``[C, K]``; the rows of those two and of
+``in_proj_qkv`` are regrouped by key head (`KeyHeadGroups`, so that a tensor-parallel split of
+them is a split by heads).
 """
 
 from __future__ import annotations
@@ -128,6 +130,37 @@ class Qwen3_5Config:
       head_dim=self.head_dim,
       dtype=dtype,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyHeadGroups(WeightSpec):
+  """A `WeightSpec` whose rows (``in_proj_qkv``'s ``[q | k | v]``, the convolution's channels)
+  are kept grouped by key head (`jaxengine.models.gated_deltanet`'s "Channel order").
+
+  Attributes:
+    sections: the rows of q, k and v in the checkpoint (``Hk Dk, Hk Dk, Hv Dv``).
+    groups: ``Hk``; each section's rows are ``groups`` equal runs, one per key head.
+  """
+
+  sections: tuple[int, ...] = ()
+  groups: int = 1
+
+  def to_param(self, tensor, param_shape: tuple[int, ...]):
+    """``[q | k | v]`` rows -> key head ``g``'s q, k and v rows together, for each ``g``."""
+    rows = tensor.reshape(sum(self.sections), -1)
+    xp = np if isinstance(rows, np.ndarray) else jnp
+    parts = xp.split(rows, np.cumsum(self.sections)[:-1], axis=0)
+    grouped = [part.reshape(self.groups, -1, rows.shape[1]) for part in parts]
+    return super().to_param(xp.concatenate(grouped, axis=1), param_shape)
+
+  def from_param(self, value):
+    """The inverse of `to_param`: grouped rows back to the checkpoint's ``[q | k | v]``."""
+    xp = np if isinstance(value, np.ndarray) else jnp
+    grouped = value.reshape(self.groups, sum(self.sections) // self.groups, -1)
+    widths = [n // self.groups for n in self.sections]
+    parts = xp.split(grouped, np.cumsum(widths)[:-1], axis=1)
+    rows = xp.concatenate([part.reshape(-1, grouped.shape[2]) for part in parts], axis=0)
+    return super().from_param(rows)
 
 
 def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:
@@ -272,11 +305,15 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
   ]
   if cfg.num_experts:
     common = common[:2]
+  key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+  grouped = dict(sections=(key_dim, key_dim, hv * dv), groups=cfg.linear_num_key_heads)
   for i, kind in enumerate(cfg.layer_types):
-    specs += [
-      WeightSpec(f"{p}layers.{i}.{suffix}", ("layers", i, *path), None, shape)
-      for suffix, path, shape in common + (linear if kind == LINEAR else full)
-    ]
+    for suffix, path, shape in common + (linear if kind == LINEAR else full):
+      name, leaf = f"{p}layers.{i}.{suffix}", ("layers", i, *path)
+      if path[-1] in ("w_qkv", "conv"):
+        specs.append(KeyHeadGroups(name, leaf, None, shape, **grouped))
+      else:
+        specs.append(WeightSpec(name, leaf, None, shape))
     if cfg.num_experts:
       specs += _moe_specs(cfg, i)
   return specs
