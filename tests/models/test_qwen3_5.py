@@ -14,6 +14,8 @@ takes its PyTorch fallbacks of the linear layers' kernels).
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import jax
@@ -24,6 +26,7 @@ import torch
 import transformers
 from flax import nnx
 from hf_reference import hf_greedy, hf_prompt_logprobs
+from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.models import token_logprobs
@@ -82,17 +85,30 @@ def checkpoint(tmp_path_factory):
   return directory, _write(directory)
 
 
+#: Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together.
+ENGINE = dict(
+  max_num_reqs=3, max_model_len=48, block_size=4, num_kv_blocks=14, max_num_batched_tokens=8
+)
+
+
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-  """Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together."""
-  return je.LLM(
-    checkpoint[0],
-    max_num_reqs=3,
-    max_model_len=48,
-    block_size=4,
-    num_kv_blocks=14,
-    max_num_batched_tokens=8,
+  return je.LLM(checkpoint[0], **ENGINE)
+
+
+def _greedy_with_prompt_logprobs(llm, prompts=PROMPTS):
+  """Each prompt's greedy tokens and its prompt tokens' logprobs (after the first)."""
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
+  outputs = llm.generate(prompts, params, use_tqdm=False)
+  return [
+    (
+      list(out.outputs[0].token_ids),
+      [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])],
+    )
+    for prompt, out in zip(prompts, outputs)
+  ]
 
 
 def _free_state_slots(llm) -> int:
@@ -102,14 +118,9 @@ def _free_state_slots(llm) -> int:
 
 def test_greedy_and_prompt_logprobs_match_transformers_chunked_and_preempted(checkpoint, llm):
   _, hf_model = checkpoint
-  params = je.SamplingParams(
-    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
-  )
-  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
   worst = 0.0
-  for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
-    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+  for prompt, (tokens, got) in zip(PROMPTS, _greedy_with_prompt_logprobs(llm)):
+    assert tokens == hf_greedy(hf_model, prompt, MAX_TOKENS)
     worst = max(worst, float(np.abs(np.asarray(got) - hf_prompt_logprobs(hf_model, prompt)).max()))
   assert worst < 1e-4, worst
   stats = llm.llm_engine.kv_cache_stats
@@ -135,6 +146,47 @@ def test_seeded_samples_together_equal_one_by_one(checkpoint, llm):
     assert samples == [list(c.token_ids) for c in b.outputs]
     assert len(samples) == 2 and all(len(s) == 6 for s in samples)
   assert _free_state_slots(llm) == 3
+
+
+MESH_SCRIPT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jaxengine as je
+prompts, engine, max_tokens = json.loads(sys.argv[2])
+llm = je.LLM(sys.argv[1], tensor_parallel_size=2, **engine)
+params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+outputs = [
+  (list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
+  for p, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False))
+]
+runner = llm.llm_engine.cores[0].runner
+shard = lambda a: list(a.addressable_shards[0].data.shape)
+mixer = runner.weights["layers"][0]["mixer"]
+pool = runner.kv_cache.recurrent
+print(json.dumps(dict(
+  w_qkv=shard(mixer["w_qkv"][...]), w_out=shard(mixer["w_out"][...]),
+  conv=shard(pool.conv[0]), delta=shard(pool.delta[0]),
+  outputs=outputs,
+  preempted=llm.llm_engine.kv_cache_stats.num_preemptions > 0,
+)))
+"""
+
+
+def test_two_device_mesh_equals_one_device(checkpoint, llm):
+  """``tensor_parallel_size=2``: the Gated DeltaNet layers split by heads (``w_qkv``'s 80
+  channels, ``w_out``'s 48 inputs and the state pool's windows and value heads in halves), the
+  gated attention and the MLP as Llama's; chunked prefill and preemption as in the one-device
+  engine: its greedy tokens, and its prompt logprobs within 1e-4."""
+  args = json.dumps([PROMPTS, ENGINE, MAX_TOKENS])
+  out = json.loads(run_python(MESH_SCRIPT, os.fspath(checkpoint[0]), args).splitlines()[-1])
+  assert out["w_qkv"] == [40, 32] and out["w_out"] == [32, 24]
+  assert out["conv"] == [4, 3, 40] and out["delta"] == [4, 2, 8, 12]
+  assert out["preempted"]
+  for (tokens, logprobs), (want_tokens, want) in zip(
+    out["outputs"], _greedy_with_prompt_logprobs(llm)
+  ):
+    assert tokens == want_tokens
+    np.testing.assert_allclose(logprobs, want, atol=1e-4)
 
 
 def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
