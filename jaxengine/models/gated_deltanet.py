@@ -190,12 +190,15 @@ class GatedDeltaNet(nnx.Module):
     conv: ``[C, K]`` the depthwise convolution's taps (grouped as ``w_qkv``), oldest input first.
     a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
     norm: the `GatedRMSNorm`.
-    scales: row scales of quantized projections (none: a hybrid model is not quantized).
+    scales: row scales of the quantized projections (`jaxengine.models.quantization`).
     batch_invariant: projections a fixed number of rows at a time.
   """
 
-  #: No projection is quantized (the engine refuses ``quantization`` for a hybrid model).
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  #: The five projections (``[out, in]``: scales per output channel); the convolution's taps,
+  #: the decay parameters and the norm stay in the model dtype.
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("w_qkv", "w_z", "w_b", "w_a", "w_out"), (1,)
+  )
 
   def __init__(self, config: Any, *, dtype, rngs: nnx.Rngs):
     e, c = config.hidden_size, config.conv_dim

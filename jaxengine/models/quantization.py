@@ -1,7 +1,7 @@
 """Weight-only quantization of a decoder's projection matrices (``EngineConfig.quantization``).
 
 Each ``[out, in]`` projection (a Llama or Gemma layer's query, key, value and output projections
-and its gate, up and down matrices; a mixture of experts' ``[X, in, out]`` gate, up and down
+and its gate, up and down matrices; a Qwen3.5 Gated DeltaNet layer's five; a mixture of experts' ``[X, in, out]`` gate, up and down
 experts, one ``[out]`` row of scales per expert) is stored as narrow values with one float32
 scale per output channel, symmetric around 0:
 

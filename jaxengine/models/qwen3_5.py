@@ -73,7 +73,7 @@ class Qwen3_5Attention(nnx.Module):
     cache_layer: this layer's index among the full-attention layers (its pages).
   """
 
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(("wq", "wk", "wv", "wo"), (1,))
 
   def __init__(self, config: Qwen3_5Config, cache_layer: int, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
@@ -119,7 +119,9 @@ class Qwen3_5MLP(nnx.Module):
   """``down(silu(gate(x)) * up(x))``; w_gate, w_up ``[F, E]``, w_down ``[E, F]`` (``F`` the
   config's ``intermediate_size`` unless given)."""
 
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("w_gate", "w_up", "w_down"), (1,)
+  )
 
   def __init__(
     self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None

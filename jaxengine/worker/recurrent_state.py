@@ -55,7 +55,7 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   ``enable_prefix_caching=True`` (a cached prefix's pages hold no state; None turns it off for
   such a model), a ``speculative_config`` (rejected drafts would have advanced the state),
   ``num_decode_steps`` > 1 (the device loop's metadata has no state slots), ``scan_layers=True``,
-  ``enable_lora``, ``quantization`` and ``batch_invariant``; on a mesh, a model axis that
+  ``enable_lora`` and ``batch_invariant``; on a mesh, a model axis that
   does not divide the linear layers' ``linear_num_key_heads`` (their heads, the pool's too, are
   split by key head: `pool_shardings`). Nothing happens for a model without recurrent state.
   """
@@ -68,7 +68,6 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
     ("num_decode_steps", config.num_decode_steps, config.num_decode_steps > 1),
     ("scan_layers", config.scan_layers, config.scan_layers is True),
     ("enable_lora", config.enable_lora, config.enable_lora),
-    ("quantization", config.quantization, config.quantization is not None),
     ("batch_invariant", config.batch_invariant, config.batch_invariant),
     ]
   for field, value, is_refused in refused:
