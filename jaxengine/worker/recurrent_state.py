@@ -69,7 +69,7 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
     ("scan_layers", config.scan_layers, config.scan_layers is True),
     ("enable_lora", config.enable_lora, config.enable_lora),
     ("batch_invariant", config.batch_invariant, config.batch_invariant),
-    ]
+  ]
   for field, value, is_refused in refused:
     if is_refused:
       raise ValueError(
