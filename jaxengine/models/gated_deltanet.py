@@ -46,12 +46,21 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxengine.models.layers import normal_out_in, project
+from jaxengine.models.lora import LayerLoRA, add_lora
 from jaxengine.models.paged_attention import PagedAttentionMetadata
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "StepRows"]
+__all__ = [
+  "GatedDeltaNet",
+  "GatedRMSNorm",
+  "RecurrentState",
+  "RecurrentStateSpec",
+  "StepRows",
+  "key_head_order",
+]
 
 #: The state slot padding tokens read and write; no request owns it.
 NULL_STATE_SLOT = 0
@@ -176,6 +185,18 @@ class GatedRMSNorm(nnx.Module):
     return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
+def key_head_order(
+  num_key_heads: int, key_dim: int, num_value_heads: int, value_dim: int
+) -> np.ndarray:
+  """``[C] int`` the checkpoint channel (``[q | k | v]``) of each of the model's channels,
+  grouped by key head (the module docstring's "Channel order")."""
+  hk = num_key_heads
+  q = np.arange(hk * key_dim).reshape(hk, key_dim)
+  k = q + hk * key_dim
+  v = 2 * hk * key_dim + np.arange(num_value_heads * value_dim).reshape(hk, -1)
+  return np.concatenate([q, k, v], axis=1).reshape(-1)
+
+
 def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -230,8 +251,24 @@ class GatedDeltaNet(nnx.Module):
     v = grouped[..., 2 * dk :].reshape(-1, self.num_value_heads, dv)
     return grouped[..., :dk], grouped[..., dk : 2 * dk], v
 
+  def _qkv(self, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+    """``[T, E]`` -> ``[T, C]`` the projection to q, k and v in the grouped channel order; a
+    LoRA update of ``in_proj_qkv`` (its ``B`` in the checkpoint's ``[q | k | v]`` order, as
+    PEFT saves it) is computed whole and reordered (`key_head_order`)."""
+    mixed = project(self, "w_qkv", x)
+    if lora is None or "in_proj_qkv" not in lora.weights:
+      return mixed
+    update = add_lora(jnp.zeros_like(mixed), x, lora, "in_proj_qkv", self.batch_invariant)
+    order = key_head_order(self.num_key_heads, self.key_dim, self.num_value_heads, self.value_dim)
+    return mixed + update[..., order]
+
   def __call__(
-    self, x: jax.Array, conv_state: jax.Array, delta_state: jax.Array, rows: StepRows
+    self,
+    x: jax.Array,
+    conv_state: jax.Array,
+    delta_state: jax.Array,
+    rows: StepRows,
+    lora: LayerLoRA | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Runs the layer over the step's requests side by side, each on its own state slot.
 
@@ -240,6 +277,8 @@ class GatedDeltaNet(nnx.Module):
       conv_state: ``[S, K - 1, C]`` this layer's convolution windows (`RecurrentState.conv`).
       delta_state: ``[S, Hv, Dk, Dv] float32`` its delta-rule states.
       rows: the step's `StepRows`.
+      lora: this layer's LoRA adapters (`jaxengine.models.lora`; PEFT's names ``in_proj_qkv``,
+        ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``), or None.
 
     Returns:
       ``([..., E] output, conv_state, delta_state)`` with each request's slot holding its
@@ -249,10 +288,12 @@ class GatedDeltaNet(nnx.Module):
     flat = x.reshape(-1, e)  # [T, E]
     num_tokens = flat.shape[0]
     hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
-    mixed = project(self, "w_qkv", flat)  # [T, C], grouped by key head (`split_qkv`)
-    z = project(self, "w_z", flat).reshape(-1, hv, dv)
-    beta = jax.nn.sigmoid(project(self, "w_b", flat)).astype(jnp.float32)  # [T, Hv]
-    a = project(self, "w_a", flat).astype(jnp.float32)
+    fixed = self.batch_invariant
+    mixed = self._qkv(flat, lora)  # [T, C], grouped by key head (`split_qkv`)
+    z = add_lora(project(self, "w_z", flat), flat, lora, "in_proj_z", fixed).reshape(-1, hv, dv)
+    b = add_lora(project(self, "w_b", flat), flat, lora, "in_proj_b", fixed)
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)  # [T, Hv]
+    a = add_lora(project(self, "w_a", flat), flat, lora, "in_proj_a", fixed).astype(jnp.float32)
     g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
     repeat = hv // hk
@@ -287,7 +328,8 @@ class GatedDeltaNet(nnx.Module):
     conv_state = conv_state.at[rows.slots].set(conv_rows)
     delta_state = delta_state.at[rows.slots].set(delta_rows)
     out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
-    return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
+    out = add_lora(project(self, "w_out", out), out, lora, "out_proj", fixed)
+    return out.reshape(*lead, e), conv_state, delta_state
 
 
 def state_spec(config: Any, dtype) -> RecurrentStateSpec:

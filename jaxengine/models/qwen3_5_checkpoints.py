@@ -32,6 +32,7 @@ from jaxengine.models.hf_config_fields import (
   config_int,
   config_token_id,
 )
+from jaxengine.models.gated_deltanet import key_head_order
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.weights import WeightSpec
 
@@ -145,22 +146,20 @@ class KeyHeadGroups(WeightSpec):
   sections: tuple[int, ...] = ()
   groups: int = 1
 
+  def _order(self) -> np.ndarray:
+    hk = self.groups
+    q, _, v = self.sections
+    return key_head_order(hk, q // hk, hk, v // hk)
+
   def to_param(self, tensor, param_shape: tuple[int, ...]):
     """``[q | k | v]`` rows -> key head ``g``'s q, k and v rows together, for each ``g``."""
     rows = tensor.reshape(sum(self.sections), -1)
-    xp = np if isinstance(rows, np.ndarray) else jnp
-    parts = xp.split(rows, np.cumsum(self.sections)[:-1], axis=0)
-    grouped = [part.reshape(self.groups, -1, rows.shape[1]) for part in parts]
-    return super().to_param(xp.concatenate(grouped, axis=1), param_shape)
+    return super().to_param(rows[self._order()], param_shape)
 
   def from_param(self, value):
     """The inverse of `to_param`: grouped rows back to the checkpoint's ``[q | k | v]``."""
-    xp = np if isinstance(value, np.ndarray) else jnp
-    grouped = value.reshape(self.groups, sum(self.sections) // self.groups, -1)
-    widths = [n // self.groups for n in self.sections]
-    parts = xp.split(grouped, np.cumsum(widths)[:-1], axis=1)
-    rows = xp.concatenate([part.reshape(-1, grouped.shape[2]) for part in parts], axis=0)
-    return super().from_param(rows)
+    rows = value.reshape(sum(self.sections), -1)
+    return super().from_param(rows[np.argsort(self._order())])
 
 
 def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:

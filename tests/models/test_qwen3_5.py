@@ -8,7 +8,8 @@ transformers' greedy tokens and prompt logprobs within 1e-4; seeded ``n > 1`` re
 samples together as one by one; every recurrent state slot free at the end. The image-text
 checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' logprobs through
 `token_logprobs`. ``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device
-engine; int8 and fp8 models compute their dequantized weights. What the recurrent state does not
+engine (with a LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT
+adapter on every projection gives transformers + peft's tokens and logprobs. What the recurrent state does not
 carry yet is refused. Nothing here touches the network (transformers
 takes its PyTorch fallbacks of the linear layers' kernels).
 """
@@ -87,10 +88,24 @@ def checkpoint(tmp_path_factory):
   return directory, _write(directory)
 
 
-#: Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together.
+#: Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together; a
+#: LoRA slot (base requests add nothing from it).
 ENGINE = dict(
-  max_num_reqs=3, max_model_len=48, block_size=4, num_kv_blocks=14, max_num_batched_tokens=8
+  max_num_reqs=3,
+  max_model_len=48,
+  block_size=4,
+  num_kv_blocks=14,
+  max_num_batched_tokens=8,
+  enable_lora=True,
+  max_loras=1,
+  max_lora_rank=4,
 )
+#: PEFT's names of every projection of Qwen3.5 (the Gated DeltaNet's five, the gated
+#: attention's four, the MLP's three).
+LORA_TARGETS = [
+  *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+  *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +113,31 @@ def llm(checkpoint):
   return je.LLM(checkpoint[0], **ENGINE)
 
 
-def _greedy_with_prompt_logprobs(llm, prompts=PROMPTS):
+@pytest.fixture(scope="module")
+def adapter(checkpoint, tmp_path_factory):
+  """A rank-4 PEFT adapter on every projection (random ``lora_B`` too: PEFT starts it at zero)
+  and transformers' model with it applied."""
+  import peft
+
+  directory = tmp_path_factory.mktemp("qwen3_5_lora")
+  torch.manual_seed(1)
+  base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32)
+  config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+  model = peft.get_peft_model(base, config)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if "lora_" in name:
+        param.normal_(0.0, 0.3)
+  model.save_pretrained(directory)
+  return je.LoRARequest("all", 1, str(directory)), model.base_model.model.eval()
+
+
+def _greedy_with_prompt_logprobs(llm, prompts=PROMPTS, lora_request=None):
   """Each prompt's greedy tokens and its prompt tokens' logprobs (after the first)."""
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
-  outputs = llm.generate(prompts, params, use_tqdm=False)
+  outputs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
   return [
     (
       list(out.outputs[0].token_ids),
@@ -154,12 +188,14 @@ MESH_SCRIPT = """
 import json, os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jaxengine as je
-prompts, engine, max_tokens = json.loads(sys.argv[2])
+prompts, engine, max_tokens, adapter = json.loads(sys.argv[2])
 llm = je.LLM(sys.argv[1], tensor_parallel_size=2, **engine)
 params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+lora = je.LoRARequest("all", 1, adapter)
 outputs = [
   (list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
-  for p, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False))
+  for request in (None, lora)
+  for p, out in zip(prompts, llm.generate(prompts, params, lora_request=request, use_tqdm=False))
 ]
 runner = llm.llm_engine.cores[0].runner
 shard = lambda a: list(a.addressable_shards[0].data.shape)
@@ -174,21 +210,36 @@ print(json.dumps(dict(
 """
 
 
-def test_two_device_mesh_equals_one_device(checkpoint, llm):
+def test_two_device_mesh_equals_one_device(checkpoint, llm, adapter):
   """``tensor_parallel_size=2``: the Gated DeltaNet layers split by heads (``w_qkv``'s 80
   channels, ``w_out``'s 48 inputs and the state pool's windows and value heads in halves), the
   gated attention and the MLP as Llama's; chunked prefill and preemption as in the one-device
-  engine: its greedy tokens, and its prompt logprobs within 1e-4."""
-  args = json.dumps([PROMPTS, ENGINE, MAX_TOKENS])
+  engine: its greedy tokens, and its prompt logprobs within 1e-4, without and with the LoRA
+  adapter (its slots split as their base projections)."""
+  args = json.dumps([PROMPTS, ENGINE, MAX_TOKENS, adapter[0].lora_path])
   out = json.loads(run_python(MESH_SCRIPT, os.fspath(checkpoint[0]), args).splitlines()[-1])
   assert out["w_qkv"] == [40, 32] and out["w_out"] == [32, 24]
   assert out["conv"] == [4, 3, 40] and out["delta"] == [4, 2, 8, 12]
   assert out["preempted"]
-  for (tokens, logprobs), (want_tokens, want) in zip(
-    out["outputs"], _greedy_with_prompt_logprobs(llm)
-  ):
+  one_device = _greedy_with_prompt_logprobs(llm)
+  one_device += _greedy_with_prompt_logprobs(llm, lora_request=adapter[0])
+  assert len(out["outputs"]) == len(one_device) == 2 * len(PROMPTS)
+  for (tokens, logprobs), (want_tokens, want) in zip(out["outputs"], one_device):
     assert tokens == want_tokens
     np.testing.assert_allclose(logprobs, want, atol=1e-4)
+
+
+def test_peft_adapter_on_every_projection_matches_transformers_with_peft(checkpoint, llm, adapter):
+  """A PEFT adapter on all twelve projections (``in_proj_qkv``'s update reordered into the
+  model's key-head groups): transformers + peft's greedy tokens and prompt logprobs within 1e-4,
+  through chunked prefill; the adapter moves the logprobs (else this would prove nothing)."""
+  request, hf_lora = adapter
+  got = _greedy_with_prompt_logprobs(llm, PROMPTS[:2], lora_request=request)
+  for prompt, (tokens, logprobs) in zip(PROMPTS[:2], got):
+    assert tokens == hf_greedy(hf_lora, prompt, MAX_TOKENS)
+    want = hf_prompt_logprobs(hf_lora, prompt)
+    np.testing.assert_allclose(logprobs, want, atol=1e-4)
+    assert np.abs(want - hf_prompt_logprobs(checkpoint[1], prompt)).max() > 0.1
 
 
 def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
@@ -289,7 +340,6 @@ def _module() -> Qwen3_5:
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     dict(num_decode_steps=4),
     dict(scan_layers=True),
-    dict(enable_lora=True),
     dict(batch_invariant=True),
   ],
   ids=lambda option: next(iter(option)),
