@@ -52,6 +52,7 @@ from flax import nnx
 from jaxengine.models.layers import normal_out_in, project
 from jaxengine.models.lora import LayerLoRA, add_lora
 from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.reductions import fixed_sum
 
 __all__ = [
   "GatedDeltaNet",
@@ -176,11 +177,18 @@ class GatedRMSNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
     self.eps = eps
+    #: The mean square summed in a fixed order (`jaxengine.reductions.fixed_sum`).
+    self.batch_invariant = False
 
   def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
     """``[..., Dv]`` `x` and gate `z` -> ``[..., Dv]`` in `x`'s dtype."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    squares = jnp.square(x32)
+    if self.batch_invariant:
+      mean_square = fixed_sum(squares, keepdims=True) / x32.shape[-1]
+    else:
+      mean_square = jnp.mean(squares, axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(mean_square + self.eps)
     y = self.scale[...] * normed.astype(x.dtype).astype(jnp.float32)
     return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
@@ -197,8 +205,8 @@ def key_head_order(
   return np.concatenate([q, k, v], axis=1).reshape(-1)
 
 
-def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+def _l2_normalize(x: jax.Array, total=jnp.sum, eps: float = 1e-6) -> jax.Array:
+  return x * jax.lax.rsqrt(total(x * x, axis=-1, keepdims=True) + eps)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -212,7 +220,10 @@ class GatedDeltaNet(nnx.Module):
     a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
     norm: the `GatedRMSNorm`.
     scales: row scales of the quantized projections (`jaxengine.models.quantization`).
-    batch_invariant: projections a fixed number of rows at a time.
+    batch_invariant: projections a fixed number of rows at a time and every sum of the
+      recurrence in a fixed order (`jaxengine.reductions.fixed_sum`: the convolution, the
+      L2 norms, the state's products with keys and queries), so a token's bits do not depend on
+      the other requests of the step nor on their number.
   """
 
   #: The five projections (``[out, in]``: scales per output channel); the convolution's taps,
@@ -296,6 +307,13 @@ class GatedDeltaNet(nnx.Module):
     a = add_lora(project(self, "w_a", flat), flat, lora, "in_proj_a", fixed).astype(jnp.float32)
     g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
+    total = fixed_sum if fixed else jnp.sum
+
+    def times_state(x: jax.Array, state: jax.Array) -> jax.Array:  # [R, Hv, Dk] x [.., Dk, Dv]
+      if fixed:
+        return fixed_sum(x[..., None] * state, axis=-2)
+      return jnp.einsum("rhk,rhkv->rhv", x, state)
+
     repeat = hv // hk
     fresh = rows.fresh[:, None, None]
     conv_rows = jnp.where(fresh, 0, conv_state[rows.slots])  # [R, K - 1, C]
@@ -307,16 +325,16 @@ class GatedDeltaNet(nnx.Module):
       active = j < rows.lengths  # [R]
       index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
       full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
-      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
+      qkv = jax.nn.silu(total(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
       q, k, v = self.split_qkv(qkv.astype(jnp.float32))  # [R, C] -> per head
-      q, k = _l2_normalize(q), _l2_normalize(k)
+      q, k = _l2_normalize(q, total), _l2_normalize(k, total)
       q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
       k = jnp.repeat(k, repeat, axis=1)
       state = delta_rows * jnp.exp(g[index])[:, :, None, None]
-      remembered = jnp.einsum("rhk,rhkv->rhv", k, state)
+      remembered = times_state(k, state)
       delta = (v - remembered) * beta[index][:, :, None]
       state = state + k[..., None] * delta[..., None, :]
-      token_out = jnp.einsum("rhk,rhkv->rhv", q, state)  # [R, Hv, Dv]
+      token_out = times_state(q, state)  # [R, Hv, Dv]
       conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
       delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
       out = out.at[jnp.where(active, index, num_tokens)].set(token_out)

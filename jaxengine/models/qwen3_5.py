@@ -159,11 +159,13 @@ class Qwen3_5SparseMoe(nnx.Module):
     width = config.shared_expert_intermediate_size
     self.shared = Qwen3_5MLP(config, dtype=dtype, rngs=rngs, intermediate_size=width)
     self.shared_gate = nnx.Param(normal_out_in(rngs, (1,), (config.hidden_size,), dtype))
+    self.batch_invariant = False
 
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """`lora` is never given (`Qwen3_5.lora_target_shapes` offers no MoE target)."""
     del lora
-    gate = jax.nn.sigmoid(linear(x, self.shared_gate[...]))  # [..., 1]
+    shared_gate = linear(x, self.shared_gate[...], batch_invariant=self.batch_invariant)
+    gate = jax.nn.sigmoid(shared_gate)  # [..., 1]
     return self.experts(x) + gate * self.shared(x)
 
 

@@ -26,13 +26,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.models.gated_deltanet import key_head_order
 from jaxengine.models.hf_config_fields import (
   config_bool,
   config_float,
   config_int,
   config_token_id,
 )
-from jaxengine.models.gated_deltanet import key_head_order
 from jaxengine.models.kv_cache import KVCacheSpec
 from jaxengine.models.weights import WeightSpec
 

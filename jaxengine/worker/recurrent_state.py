@@ -54,8 +54,8 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   Refused (each a `ValueError` naming the feature, its value and the model's class):
   ``enable_prefix_caching=True`` (a cached prefix's pages hold no state; None turns it off for
   such a model), a ``speculative_config`` (rejected drafts would have advanced the state),
-  ``num_decode_steps`` > 1 (the device loop's metadata has no state slots), ``scan_layers=True``
-  and ``batch_invariant``; on a mesh, a model axis that does not divide the linear layers'
+  ``num_decode_steps`` > 1 (the device loop's metadata has no state slots) and
+  ``scan_layers=True``; on a mesh, a model axis that does not divide the linear layers'
   ``linear_num_key_heads`` (their heads, the pool's too, are split by key head:
   `pool_shardings`). Nothing happens for a model without recurrent state.
   """
@@ -67,7 +67,6 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
     ("speculative_config", config.speculative_config, config.speculative_config is not None),
     ("num_decode_steps", config.num_decode_steps, config.num_decode_steps > 1),
     ("scan_layers", config.scan_layers, config.scan_layers is True),
-    ("batch_invariant", config.batch_invariant, config.batch_invariant),
   ]
   for field, value, is_refused in refused:
     if is_refused:

@@ -242,6 +242,82 @@ def test_peft_adapter_on_every_projection_matches_transformers_with_peft(checkpo
     assert np.abs(want - hf_prompt_logprobs(checkpoint[1], prompt)).max() > 0.1
 
 
+def _bits(values) -> np.ndarray:
+  return np.asarray(values, np.float32).view(np.uint32)
+
+
+def test_batch_invariant_bits_alone_in_a_shuffled_batch_and_in_token_logprobs(checkpoint, adapter):
+  """``batch_invariant=True`` (chunks of 8 tokens, 3 rows): three target prompts, each alone
+  and then in a shuffled batch of eight (every other request with the LoRA adapter), give the
+  same tokens and the same bits of sampled and prompt logprobs; a base target's are
+  `token_logprobs`' over the engine's weights, bit for bit."""
+  engine = je.LLM(checkpoint[0], batch_invariant=True, **ENGINE)
+  params = je.SamplingParams(
+    temperature=0, max_tokens=5, logprobs=0, prompt_logprobs=0, ignore_eos=True
+  )
+  rng = np.random.default_rng(5)
+  prompts = [
+    p.tolist() for p in (rng.integers(0, 96, size=n) for n in (3, 12, 21, 1, 9, 17, 6, 14))
+  ]
+  loras = [adapter[0] if i % 2 else None for i in range(len(prompts))]
+
+  def result(out, prompt):
+    sample = out.outputs[0]
+    sampled = [d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)]
+    prompt_values = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    return list(sample.token_ids), _bits(sampled), _bits(prompt_values)
+
+  alone = [
+    result(engine.generate([p], params, lora_request=r, use_tqdm=False)[0], p)
+    for p, r in zip(prompts[:3], loras)
+  ]
+  order = np.random.default_rng(1).permutation(len(prompts)).tolist()
+  outputs = engine.generate(
+    [prompts[i] for i in order], params, lora_request=[loras[i] for i in order], use_tqdm=False
+  )
+  mixed = dict(zip(order, outputs))
+  for i, (tokens, sampled, prompt_bits) in enumerate(alone):
+    got = result(mixed[i], prompts[i])
+    assert got[0] == tokens
+    np.testing.assert_array_equal(got[1], sampled)
+    np.testing.assert_array_equal(got[2], prompt_bits)
+  served = engine.llm_engine.runner.model
+  for i in (0, 2):  # the base requests
+    tokens, sampled, prompt_bits = alone[i]
+    trainer = token_logprobs(served, jnp.asarray([prompts[i] + tokens], jnp.int32), block_size=4)
+    np.testing.assert_array_equal(_bits(trainer[0]), np.concatenate([prompt_bits, sampled]))
+
+
+def test_gated_deltanet_row_bits_do_not_depend_on_the_number_of_rows():
+  """In batch-invariant mode a request's output and new state in a decode step are the same bits
+  among 64 requests as alone, with 128-wide key heads (where a plain sum along the last axis
+  of 64 rows differs in the last bits from one row's on XLA:CPU: the L2 norms)."""
+  from jaxengine.models.gated_deltanet import GatedDeltaNet, StepRows
+
+  hf = dict(TEXT, linear_key_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2)
+  layer = GatedDeltaNet(config_from_hf(hf, "qwen3_5"), dtype=jnp.float32, rngs=nnx.Rngs(3))
+  layer.set_attributes(batch_invariant=True)
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((64, 32)).astype(np.float32)
+  conv = rng.standard_normal((65, 3, layer.w_qkv.shape[0])).astype(np.float32)
+  delta = rng.standard_normal((65, 2, 128, 12)).astype(np.float32) * 0.1
+
+  @nnx.jit
+  def step(layer, x, conv, delta):
+    r = x.shape[0]
+    rows = StepRows(
+      starts=jnp.arange(r), lengths=jnp.ones(r, jnp.int32), slots=jnp.arange(1, r + 1),
+      fresh=jnp.zeros(r, bool), max_length=jnp.int32(1),
+    )  # fmt: skip
+    out, conv, delta = layer(x, conv, delta, rows)
+    return out[0], conv[1], delta[1]
+
+  alone = step(layer, x[:1], conv[:2], delta[:2])
+  among = step(layer, x, conv, delta)
+  for a, b in zip(alone, among):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   hf_model = _write(tmp_path, multimodal=True)
   model, config = load_safetensors(tmp_path)
@@ -340,7 +416,6 @@ def _module() -> Qwen3_5:
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     dict(num_decode_steps=4),
     dict(scan_layers=True),
-    dict(batch_invariant=True),
   ],
   ids=lambda option: next(iter(option)),
 )
