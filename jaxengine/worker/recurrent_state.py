@@ -54,8 +54,7 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   Refused (each a `ValueError` naming the feature, its value and the model's class):
   ``enable_prefix_caching=True`` (a cached prefix's pages hold no state; None turns it off for
   such a model), a ``speculative_config`` (rejected drafts would have advanced the state),
-  ``num_decode_steps`` > 1 (the device loop's metadata has no state slots) and
-  ``scan_layers=True``; on a mesh, a model axis that does not divide the linear layers'
+  and ``scan_layers=True``; on a mesh, a model axis that does not divide the linear layers'
   ``linear_num_key_heads`` (their heads, the pool's too, are split by key head:
   `pool_shardings`). Nothing happens for a model without recurrent state.
   """
@@ -65,7 +64,6 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   refused = [
     ("enable_prefix_caching", config.enable_prefix_caching, config.enable_prefix_caching is True),
     ("speculative_config", config.speculative_config, config.speculative_config is not None),
-    ("num_decode_steps", config.num_decode_steps, config.num_decode_steps > 1),
     ("scan_layers", config.scan_layers, config.scan_layers is True),
   ]
   for field, value, is_refused in refused:

@@ -247,11 +247,16 @@ def _bits(values) -> np.ndarray:
 
 
 def test_batch_invariant_bits_alone_in_a_shuffled_batch_and_in_token_logprobs(checkpoint, adapter):
-  """``batch_invariant=True`` (chunks of 8 tokens, 3 rows): three target prompts, each alone
-  and then in a shuffled batch of eight (every other request with the LoRA adapter), give the
-  same tokens and the same bits of sampled and prompt logprobs; a base target's are
-  `token_logprobs`' over the engine's weights, bit for bit."""
-  engine = je.LLM(checkpoint[0], batch_invariant=True, **ENGINE)
+  """``batch_invariant=True`` (chunks of 8 tokens, 3 rows) with the k-step decode loop
+  (``num_decode_steps=4``, each row's state slot carried through it): three target prompts,
+  each alone and then in a shuffled batch of eight (every other request with the LoRA adapter),
+  give the same tokens and the same bits of sampled and prompt logprobs; a base target's are
+  `token_logprobs`' over the engine's weights, bit for bit (so the loop's tokens continued the
+  right states)."""
+  engine = je.LLM(checkpoint[0], batch_invariant=True, num_decode_steps=4, **ENGINE)
+  runner, loops = engine.llm_engine.runner, []
+  execute = runner.execute_decode_steps
+  runner.execute_decode_steps = lambda *a, **k: loops.append(1) or execute(*a, **k)
   params = je.SamplingParams(
     temperature=0, max_tokens=5, logprobs=0, prompt_logprobs=0, ignore_eos=True
   )
@@ -281,7 +286,8 @@ def test_batch_invariant_bits_alone_in_a_shuffled_batch_and_in_token_logprobs(ch
     assert got[0] == tokens
     np.testing.assert_array_equal(got[1], sampled)
     np.testing.assert_array_equal(got[2], prompt_bits)
-  served = engine.llm_engine.runner.model
+  assert loops
+  served = runner.model
   for i in (0, 2):  # the base requests
     tokens, sampled, prompt_bits = alone[i]
     trainer = token_logprobs(served, jnp.asarray([prompts[i] + tokens], jnp.int32), block_size=4)
@@ -316,6 +322,23 @@ def test_gated_deltanet_row_bits_do_not_depend_on_the_number_of_rows():
   among = step(layer, x, conv, delta)
   for a, b in zip(alone, among):
     np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_k_step_loop_gives_a_row_that_stopped_the_null_state_slot():
+  """A row that stops inside the k-step loop (its lookahead pages used up) while others go on
+  computes into the null slot 0 from then on, so its state stays that of its last sampled
+  token for the step after the loop."""
+  from jaxengine.worker.multi_step import DecodeStepsInputs, _decode_metadata
+
+  inputs = DecodeStepsInputs(
+    block_tables=jnp.ones((3, 4), jnp.int32), num_reqs=jnp.int32(3),
+    max_num_steps=jnp.asarray([4, 1, 0]), max_output_tokens=jnp.full(3, 9),
+    stop_ids=jnp.full((3, 1), -1), end_on_first_finish=jnp.bool_(False),
+    state_slots=jnp.asarray([2, 3, 1], jnp.int32),
+  )  # fmt: skip
+  running = jnp.asarray([True, False, False])
+  metadata = _decode_metadata(inputs, jnp.asarray([5, 6, 7]), running, block_size=4)
+  assert metadata.state_slots.tolist() == [2, 0, 0]
 
 
 def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
@@ -414,7 +437,6 @@ def _module() -> Qwen3_5:
   [
     dict(enable_prefix_caching=True),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-    dict(num_decode_steps=4),
     dict(scan_layers=True),
   ],
   ids=lambda option: next(iter(option)),
