@@ -164,9 +164,17 @@ class Qwen3_5SparseMoe(nnx.Module):
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """`lora` is never given (`Qwen3_5.lora_target_shapes` offers no MoE target)."""
     del lora
+    return self.routed(x)[0]
+
+  def routed(
+    self, x: jax.Array, routed_experts: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """``([..., E] output, [..., k] int32 experts)``: the routed experts' choice (or the
+    replayed `routed_experts`, `jaxengine.models.moe.SparseMoeBlock.routed`) and the output."""
+    routed, experts = self.experts.routed(x, routed_experts)
     shared_gate = linear(x, self.shared_gate[...], batch_invariant=self.batch_invariant)
     gate = jax.nn.sigmoid(shared_gate)  # [..., 1]
-    return self.experts(x) + gate * self.shared(x)
+    return routed + gate * self.shared(x), experts
 
 
 class Qwen3_5DecoderLayer(nnx.Module):
@@ -222,6 +230,8 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
     self.batch_invariant = False
+    #: Return each token's experts too (``enable_return_routed_experts``; an MoE model).
+    self.return_routed_experts = False
 
   @property
   def recurrent_state_spec(self) -> RecurrentStateSpec:
@@ -236,7 +246,8 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
     attn_metadata: PagedAttentionMetadata,
     *,
     lora: LoRAInputs | None = None,
-  ) -> tuple[jax.Array, PagedKVCache]:
+    routed_experts: jax.Array | None = None,
+  ) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, jax.Array]:
     """Runs the decoder over the step's flat tokens, updating the pages and the state slots.
 
     Args:
@@ -247,9 +258,13 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       attn_metadata: the step's `PagedAttentionMetadata`.
       lora: the step's LoRA adapters with each flat token's slot (`lora_target_shapes`), or
         None.
+      routed_experts: None, or (an MoE model) ``[1, T, M, k]`` integer experts to route each
+        token to at each layer instead of the router's choice (replay).
 
     Returns:
-      ``(hidden [1, T, E] after the final norm, updated cache)``.
+      ``(hidden [1, T, E] after the final norm, updated cache)``; with
+      ``return_routed_experts`` (an MoE model), third, the ``[1, T, M, k] int32`` experts of
+      each token at each layer (largest router weight first, or the replayed ones).
     """
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     pool = kv_cache.recurrent
@@ -261,6 +276,7 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       metadata = dataclasses.replace(attn_metadata, state_slots=slots)
     rows = StepRows.of(metadata, positions)
     conv, delta = list(pool.conv), list(pool.delta)
+    routed: list[jax.Array] = []
     for i, layer in enumerate(self.layers):
       adapters = None if lora is None else lora.layer(i)
       h = layer.input_norm(x)
@@ -270,11 +286,24 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       else:
         h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata, adapters)
       x = x + h
-      x = x + layer.mlp(layer.post_attention_norm(x), adapters)
+      if isinstance(layer.mlp, Qwen3_5SparseMoe):
+        replay = None if routed_experts is None else routed_experts[..., i, :]
+        h, experts = layer.mlp.routed(layer.post_attention_norm(x), replay)
+        routed.append(experts)
+      else:
+        h = layer.mlp(layer.post_attention_norm(x), adapters)
+      x = x + h
     if kv_cache.recurrent is not None:
       state = RecurrentState(conv=tuple(conv), delta=tuple(delta))
       kv_cache = dataclasses.replace(kv_cache, recurrent=state)
+    if self.return_routed_experts:
+      return self.final_norm(x), kv_cache, jnp.stack(routed, axis=-2)  # [..., M, k]
     return self.final_norm(x), kv_cache
+
+  @property
+  def num_moe_layers(self) -> int:
+    """``M``: the layers with routed experts (every layer of an MoE model, else none)."""
+    return len(self.config.moe_layers)
 
   def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
     """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT

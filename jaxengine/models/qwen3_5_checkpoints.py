@@ -100,6 +100,11 @@ class Qwen3_5Config:
     return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
   @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The layers with routed experts: every layer of the MoE variants, none of a dense one."""
+    return tuple(range(self.num_hidden_layers)) if self.num_experts else ()
+
+  @property
   def attention_layers(self) -> tuple[int, ...]:
     """The full-attention layers, in order (their index is their KV cache layer's)."""
     return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)

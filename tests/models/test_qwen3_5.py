@@ -351,9 +351,8 @@ def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
-def test_moe_checkpoint_matches_transformers(tmp_path):
-  """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
-  expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
   fields = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
   config = transformers.Qwen3_5MoeTextConfig(
     **fields,
@@ -365,12 +364,46 @@ def test_moe_checkpoint_matches_transformers(tmp_path):
   torch.manual_seed(0)
   hf_model = transformers.Qwen3_5MoeForCausalLM(config).eval()
   _randomise(hf_model, 0)
-  hf_model.save_pretrained(tmp_path)
-  model, loaded = load_safetensors(tmp_path)
+  directory = tmp_path_factory.mktemp("qwen3_5_moe")
+  hf_model.save_pretrained(directory)
+  return directory, hf_model
+
+
+def test_moe_checkpoint_matches_transformers(moe_checkpoint):
+  """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
+  expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
+  directory, hf_model = moe_checkpoint
+  model, loaded = load_safetensors(directory)
   assert loaded.num_experts == 4 and loaded.shared_expert_intermediate_size == 40
   for prompt in PROMPTS[:2]:
     got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
     np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+
+
+def test_moe_routed_experts_are_transformers_router_top_k_and_replay(moe_checkpoint):
+  """``enable_return_routed_experts`` on the MoE hybrid (chunked prefill): each completion's
+  ``[T - 1, 4 layers, 2]`` experts are transformers' router top-2 at every fed position, and
+  replaying them through `token_logprobs` gives the logprobs of routing afresh."""
+  directory, hf_model = moe_checkpoint
+  engine = je.LLM(
+    directory, enable_return_routed_experts=True, max_num_reqs=2, max_model_len=32,
+    block_size=4, max_num_batched_tokens=8,
+  )  # fmt: skip
+  params = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+  model = load_safetensors(directory)[0]
+  for prompt, out in zip(PROMPTS[:2], engine.generate(PROMPTS[:2], params, use_tqdm=False)):
+    completion = out.outputs[0]
+    fed = prompt + list(completion.token_ids[:-1])
+    with torch.no_grad():
+      logits = hf_model(torch.tensor([fed]), output_router_logits=True).router_logits
+    want = np.stack([torch.topk(x.double(), 2, dim=-1).indices.numpy() for x in logits], axis=1)
+    assert completion.routed_experts.shape == (len(fed), 4, 2)
+    np.testing.assert_array_equal(completion.routed_experts, want)
+    ids = jnp.asarray([fed + [completion.token_ids[-1]]], jnp.int32)
+    replayed = token_logprobs(model, ids, routed_experts=completion.routed_experts[None])
+    np.testing.assert_allclose(replayed, token_logprobs(model, ids), atol=1e-6)
+    other = (completion.routed_experts[None] + 1) % 4
+    assert np.abs(token_logprobs(model, ids, routed_experts=other) - replayed).max() > 1e-3
 
 
 def _dequantized(model, quantization: str):
@@ -438,6 +471,7 @@ def _module() -> Qwen3_5:
     dict(enable_prefix_caching=True),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     dict(scan_layers=True),
+    dict(enable_return_routed_experts=True),  # a dense model: no MoE layers
   ],
   ids=lambda option: next(iter(option)),
 )
