@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +34,7 @@ from jaxengine.models.hf_config_fields import (
   config_token_id,
 )
 from jaxengine.models.kv_cache import KVCacheSpec
-from jaxengine.models.weights import WeightSpec
+from jaxengine.models.weights import LeafPath, WeightSpec
 
 #: Families `config_from_hf` reads.
 FAMILIES = ("qwen3_5", "qwen3_5_multimodal", "qwen3_5_moe", "qwen3_5_moe_multimodal")
@@ -310,12 +310,12 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
   if cfg.num_experts:
     common = common[:2]
   key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-  grouped = dict(sections=(key_dim, key_dim, hv * dv), groups=cfg.linear_num_key_heads)
+  sections, groups = (key_dim, key_dim, hv * dv), cfg.linear_num_key_heads
   for i, kind in enumerate(cfg.layer_types):
     for suffix, path, shape in common + (linear if kind == LINEAR else full):
-      name, leaf = f"{p}layers.{i}.{suffix}", ("layers", i, *path)
+      name, leaf = f"{p}layers.{i}.{suffix}", cast(LeafPath, ("layers", i, *path))
       if path[-1] in ("w_qkv", "conv"):
-        specs.append(KeyHeadGroups(name, leaf, None, shape, **grouped))
+        specs.append(KeyHeadGroups(name, leaf, None, shape, sections=sections, groups=groups))
       else:
         specs.append(WeightSpec(name, leaf, None, shape))
     if cfg.num_experts:

@@ -230,9 +230,7 @@ def _decode_metadata(
     query_start_loc=jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), inputs.num_reqs),
     seq_lens=jnp.where(rows < inputs.num_reqs, positions + 1, 0).astype(jnp.int32),
     num_reqs=inputs.num_reqs,
-    state_slots=(
-      None if inputs.state_slots is None else jnp.where(running, inputs.state_slots, 0)
-    ),
+    state_slots=(None if inputs.state_slots is None else jnp.where(running, inputs.state_slots, 0)),
   )
 
 

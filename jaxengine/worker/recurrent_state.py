@@ -89,7 +89,8 @@ def pool_shardings(pool: RecurrentState, mesh: Mesh) -> RecurrentState:
   heads; the slots whole on every device (`check_hybrid_config` has checked the model axis
   divides the heads)."""
   conv, delta = NamedSharding(mesh, P(None, None, MODEL)), NamedSharding(mesh, P(None, MODEL))
-  return RecurrentState(conv=(conv,) * len(pool.conv), delta=(delta,) * len(pool.delta))
+  shardings: Any = ((conv,) * len(pool.conv), (delta,) * len(pool.delta))  # the pool's tree
+  return RecurrentState(conv=shardings[0], delta=shardings[1])
 
 
 def state_pool(
