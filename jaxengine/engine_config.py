@@ -197,7 +197,8 @@ class EngineConfig:
       (`jaxengine.models.quantization`). A mixture of experts' expert matrices get one scale
       per expert and output row; its router stays in the model dtype. `load_weights`
       re-quantizes float weights on the way in. Needs a model whose modules declare
-      ``QUANTIZABLE`` projections (Llama, Gemma, their mixture-of-experts blocks). With a mesh
+      ``QUANTIZABLE`` projections (Llama, Gemma, Qwen3.5 with its Gated DeltaNet projections,
+      their mixture-of-experts blocks). With a mesh
       each device quantizes its own shard of the placed float weights: the values keep the
       float weight's sharding, the scales are split like its output axes or replicated
       (`jaxengine.parallel`).

@@ -13,6 +13,13 @@ state instead, updated token by token (Yang et al., 2025). For one token with in
   ``S += k (beta (v - k S))^T``, output ``o = q S``;
 - ``out_proj(rmsnorm(o) * w * silu(in_proj_z(x)))`` (the gated RMSNorm, a plain ``w``).
 
+Channel order: a checkpoint's ``in_proj_qkv`` and ``conv1d`` rows are ``[q | k | v]``; the model
+keeps them grouped by key head instead (`jaxengine.models.qwen3_5_checkpoints.KeyHeadGroups`
+reorders them on load and back on export): key head ``g``'s group is its ``Dk`` query channels,
+its ``Dk`` key channels, then the ``Hv / Hk`` value heads it serves. So on a tensor-parallel mesh
+an even split of the ``C`` channels (the projection's rows, the taps, the convolution windows) is a
+split by heads, with each key head beside its own value heads: ``t`` must divide ``Hk``.
+
 The state of a sequence is therefore ``K - 1`` convolution inputs (``[K - 1, C]``) and the delta
 rule's ``[Hv, Dk, Dv]`` float32 matrices, per linear layer (`RecurrentStateSpec`). The engine keeps
 them in a pool of slots (`RecurrentState`, beside the pages of the full-attention layers in
@@ -39,12 +46,22 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxengine.models.layers import normal_out_in, project
+from jaxengine.models.lora import LayerLoRA, add_lora
 from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.reductions import fixed_sum
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "StepRows"]
+__all__ = [
+  "GatedDeltaNet",
+  "GatedRMSNorm",
+  "RecurrentState",
+  "RecurrentStateSpec",
+  "StepRows",
+  "key_head_order",
+]
 
 #: The state slot padding tokens read and write; no request owns it.
 NULL_STATE_SLOT = 0
@@ -178,34 +195,60 @@ class GatedRMSNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
     self.eps = eps
+    #: The mean square summed in a fixed order (`jaxengine.reductions.fixed_sum`).
+    self.batch_invariant = False
 
   def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
     """``[..., Dv]`` `x` and gate `z` -> ``[..., Dv]`` in `x`'s dtype."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    squares = jnp.square(x32)
+    if self.batch_invariant:
+      mean_square = fixed_sum(squares, keepdims=True) / x32.shape[-1]
+    else:
+      mean_square = jnp.mean(squares, axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(mean_square + self.eps)
     y = self.scale[...] * normed.astype(x.dtype).astype(jnp.float32)
     return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
-def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+def key_head_order(
+  num_key_heads: int, key_dim: int, num_value_heads: int, value_dim: int
+) -> np.ndarray:
+  """``[C] int`` the checkpoint channel (``[q | k | v]``) of each of the model's channels,
+  grouped by key head (the module docstring's "Channel order")."""
+  hk = num_key_heads
+  q = np.arange(hk * key_dim).reshape(hk, key_dim)
+  k = q + hk * key_dim
+  v = 2 * hk * key_dim + np.arange(num_value_heads * value_dim).reshape(hk, -1)
+  return np.concatenate([q, k, v], axis=1).reshape(-1)
+
+
+def _l2_normalize(x: jax.Array, total=jnp.sum, eps: float = 1e-6) -> jax.Array:
+  return x * jax.lax.rsqrt(total(x * x, axis=-1, keepdims=True) + eps)
 
 
 class GatedDeltaNet(nnx.Module):
   """One Gated DeltaNet layer (module docstring) over the step's flat tokens.
 
   Attributes:
-    w_qkv: ``[C, E]``; w_z: ``[Hv Dv, E]``; w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
+    w_qkv: ``[C, E]`` (channels grouped by key head: module docstring); w_z: ``[Hv Dv, E]``;
+      w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
       (``[out, in]`` layout).
-    conv: ``[C, K]`` the depthwise convolution's taps, oldest input first.
+    conv: ``[C, K]`` the depthwise convolution's taps (grouped as ``w_qkv``), oldest input first.
     a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
     norm: the `GatedRMSNorm`.
-    scales: row scales of quantized projections (none: a hybrid model is not quantized).
-    batch_invariant: projections a fixed number of rows at a time.
+    scales: row scales of the quantized projections (`jaxengine.models.quantization`).
+    batch_invariant: projections a fixed number of rows at a time and every sum of the
+      recurrence in a fixed order (`jaxengine.reductions.fixed_sum`: the convolution, the
+      L2 norms, the state's products with keys and queries), so a token's bits do not depend on
+      the other requests of the step nor on their number.
   """
 
-  #: No projection is quantized (the engine refuses ``quantization`` for a hybrid model).
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  #: The five projections (``[out, in]``: scales per output channel); the convolution's taps,
+  #: the decay parameters and the norm stay in the model dtype.
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("w_qkv", "w_z", "w_b", "w_a", "w_out"), (1,)
+  )
 
   def __init__(self, config: Any, *, dtype, rngs: nnx.Rngs):
     e, c = config.hidden_size, config.conv_dim
@@ -228,8 +271,33 @@ class GatedDeltaNet(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
+  def split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[R, C]`` channels in the grouped order -> ``q [R, Hk, Dk]``, ``k [R, Hk, Dk]``,
+    ``v [R, Hv, Dv]`` (key head ``g``'s group: its query, its key, then its ``Hv / Hk`` value
+    heads ``g Hv / Hk ...``; the module docstring's "Channel order")."""
+    hk, dk, dv = self.num_key_heads, self.key_dim, self.value_dim
+    grouped = qkv.reshape(-1, hk, 2 * dk + self.num_value_heads // hk * dv)
+    v = grouped[..., 2 * dk :].reshape(-1, self.num_value_heads, dv)
+    return grouped[..., :dk], grouped[..., dk : 2 * dk], v
+
+  def _qkv(self, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+    """``[T, E]`` -> ``[T, C]`` the projection to q, k and v in the grouped channel order; a
+    LoRA update of ``in_proj_qkv`` (its ``B`` in the checkpoint's ``[q | k | v]`` order, as
+    PEFT saves it) is computed whole and reordered (`key_head_order`)."""
+    mixed = project(self, "w_qkv", x)
+    if lora is None or "in_proj_qkv" not in lora.weights:
+      return mixed
+    update = add_lora(jnp.zeros_like(mixed), x, lora, "in_proj_qkv", self.batch_invariant)
+    order = key_head_order(self.num_key_heads, self.key_dim, self.num_value_heads, self.value_dim)
+    return mixed + update[..., order]
+
   def __call__(
-    self, x: jax.Array, conv_state: jax.Array, delta_state: jax.Array, rows: StepRows
+    self,
+    x: jax.Array,
+    conv_state: jax.Array,
+    delta_state: jax.Array,
+    rows: StepRows,
+    lora: LayerLoRA | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Runs the layer over the step's requests side by side, each on its own state slot.
 
@@ -238,6 +306,8 @@ class GatedDeltaNet(nnx.Module):
       conv_state: ``[S, K - 1, C]`` this layer's convolution windows (`RecurrentState.conv`).
       delta_state: ``[S, Hv, Dk, Dv] float32`` its delta-rule states.
       rows: the step's `StepRows`.
+      lora: this layer's LoRA adapters (`jaxengine.models.lora`; PEFT's names ``in_proj_qkv``,
+        ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``), or None.
 
     Returns:
       ``([..., E] output, conv_state, delta_state)`` with each request's slot holding its
@@ -247,12 +317,21 @@ class GatedDeltaNet(nnx.Module):
     flat = x.reshape(-1, e)  # [T, E]
     num_tokens = flat.shape[0]
     hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
-    mixed = project(self, "w_qkv", flat)  # [T, C]
-    z = project(self, "w_z", flat).reshape(-1, hv, dv)
-    beta = jax.nn.sigmoid(project(self, "w_b", flat)).astype(jnp.float32)  # [T, Hv]
-    a = project(self, "w_a", flat).astype(jnp.float32)
+    fixed = self.batch_invariant
+    mixed = self._qkv(flat, lora)  # [T, C], grouped by key head (`split_qkv`)
+    z = add_lora(project(self, "w_z", flat), flat, lora, "in_proj_z", fixed).reshape(-1, hv, dv)
+    b = add_lora(project(self, "w_b", flat), flat, lora, "in_proj_b", fixed)
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)  # [T, Hv]
+    a = add_lora(project(self, "w_a", flat), flat, lora, "in_proj_a", fixed).astype(jnp.float32)
     g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
+    total = fixed_sum if fixed else jnp.sum
+
+    def times_state(x: jax.Array, state: jax.Array) -> jax.Array:  # [R, Hv, Dk] x [.., Dk, Dv]
+      if fixed:
+        return fixed_sum(x[..., None] * state, axis=-2)
+      return jnp.einsum("rhk,rhkv->rhv", x, state)
+
     repeat = hv // hk
     fresh = rows.fresh[:, None, None]
     conv_rows = jnp.where(fresh, 0, conv_state[rows.sources])  # [R, K - 1, C]
@@ -265,18 +344,16 @@ class GatedDeltaNet(nnx.Module):
       active = j < rows.lengths  # [R]
       index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
       full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
-      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
-      qkv = qkv.astype(jnp.float32)  # [R, C]
-      q = _l2_normalize(qkv[:, : hk * dk].reshape(-1, hk, dk))
-      k = _l2_normalize(qkv[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
-      v = qkv[:, 2 * hk * dk :].reshape(-1, hv, dv)
+      qkv = jax.nn.silu(total(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
+      q, k, v = self.split_qkv(qkv.astype(jnp.float32))  # [R, C] -> per head
+      q, k = _l2_normalize(q, total), _l2_normalize(k, total)
       q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
       k = jnp.repeat(k, repeat, axis=1)
       state = delta_rows * jnp.exp(g[index])[:, :, None, None]
-      remembered = jnp.einsum("rhk,rhkv->rhv", k, state)
+      remembered = times_state(k, state)
       delta = (v - remembered) * beta[index][:, :, None]
       state = state + k[..., None] * delta[..., None, :]
-      token_out = jnp.einsum("rhk,rhkv->rhv", q, state)  # [R, Hv, Dv]
+      token_out = times_state(q, state)  # [R, Hv, Dv]
       conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
       delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
       out = out.at[jnp.where(active, index, num_tokens)].set(token_out)
@@ -297,7 +374,8 @@ class GatedDeltaNet(nnx.Module):
       conv_state = conv_state.at[rows.snapshots].set(saved[0])
       delta_state = delta_state.at[rows.snapshots].set(saved[1])
     out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
-    return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
+    out = add_lora(project(self, "w_out", out), out, lora, "out_proj", fixed)
+    return out.reshape(*lead, e), conv_state, delta_state
 
 
 def state_spec(config: Any, dtype) -> RecurrentStateSpec:

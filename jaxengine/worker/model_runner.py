@@ -476,6 +476,7 @@ class ModelRunner:
       end_on_first_finish,
       lora=self.lora,
       sharding=self.input_sharding,
+      state_slots=scheduled.state_slots if self.num_state_slots else None,
     )
     output, kv_cache = run_steps(
       self.input_batch,
