@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine.models import delta_rule
 from jaxengine.models.layers import normal_out_in, project
 from jaxengine.models.lora import LayerLoRA, add_lora
 from jaxengine.models.paged_attention import PagedAttentionMetadata
@@ -140,8 +141,8 @@ class StepRows(NamedTuple):
     slots: ``[R] int32`` its state slot (`NULL_STATE_SLOT` for padding requests).
     fresh: ``[R] bool`` its first token is at position 0: it starts from a zero state.
     max_length: ``[] int32`` the most tokens of any request (the loop's iterations).
-    sources: ``[R] int32`` the slot its state is read from (`slots`, or after a prefix-cache
-      hit the hit's snapshot slot: `jaxengine.core.state_snapshots`).
+    sources: None (`slots`), or ``[R] int32`` the slot its state is read from (its slot, or
+      after a prefix-cache hit the hit's snapshot slot: `jaxengine.core.state_snapshots`).
     snapshots: None (no prefix caching: nothing saved), or ``[R] int32`` the slot its state is
       saved into after `snapshot_lens` tokens (`NULL_STATE_SLOT`: none).
     snapshot_lens: None, or ``[R] int32`` (0: none saved).
@@ -152,7 +153,7 @@ class StepRows(NamedTuple):
   slots: jax.Array
   fresh: jax.Array
   max_length: jax.Array
-  sources: jax.Array
+  sources: jax.Array | None = None
   snapshots: jax.Array | None = None
   snapshot_lens: jax.Array | None = None
 
@@ -225,6 +226,11 @@ def key_head_order(
 
 def _l2_normalize(x: jax.Array, total=jnp.sum, eps: float = 1e-6) -> jax.Array:
   return x * jax.lax.rsqrt(total(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _fixed_times_state(x: jax.Array, state: jax.Array) -> jax.Array:
+  """``[R, Hv, Dk]`` times ``[R, Hv, Dk, Dv]``, summed over ``Dk`` in a fixed order."""
+  return fixed_sum(x[..., None] * state, axis=-2)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -326,53 +332,36 @@ class GatedDeltaNet(nnx.Module):
     g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
     total = fixed_sum if fixed else jnp.sum
-
-    def times_state(x: jax.Array, state: jax.Array) -> jax.Array:  # [R, Hv, Dk] x [.., Dk, Dv]
-      if fixed:
-        return fixed_sum(x[..., None] * state, axis=-2)
-      return jnp.einsum("rhk,rhkv->rhv", x, state)
-
-    repeat = hv // hk
-    fresh = rows.fresh[:, None, None]
-    conv_rows = jnp.where(fresh, 0, conv_state[rows.sources])  # [R, K - 1, C]
-    delta_rows = jnp.where(fresh[..., None], 0.0, delta_state[rows.sources])  # [R, Hv, Dk, Dv]
-    out = jnp.zeros((num_tokens + 1, hv, dv), jnp.float32)  # row T: inactive rows' writes
-    saved = (conv_rows, delta_rows)  # with prefix caching: each row's state after snapshot_lens
-
-    def tokens_j(j, carry):  # the j-th token of every request that has one
-      conv_rows, delta_rows, out, saved = carry
-      active = j < rows.lengths  # [R]
-      index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
-      full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
-      qkv = jax.nn.silu(total(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
-      q, k, v = self.split_qkv(qkv.astype(jnp.float32))  # [R, C] -> per head
-      q, k = _l2_normalize(q, total), _l2_normalize(k, total)
-      q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
-      k = jnp.repeat(k, repeat, axis=1)
-      state = delta_rows * jnp.exp(g[index])[:, :, None, None]
-      remembered = times_state(k, state)
-      delta = (v - remembered) * beta[index][:, :, None]
-      state = state + k[..., None] * delta[..., None, :]
-      token_out = times_state(q, state)  # [R, Hv, Dv]
-      conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
-      delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
-      out = out.at[jnp.where(active, index, num_tokens)].set(token_out)
-      if rows.snapshot_lens is not None:
-        save = (j + 1 == rows.snapshot_lens)[:, None, None]
-        saved = (
-          jnp.where(save, conv_rows, saved[0]),
-          jnp.where(save[..., None], delta_rows, saved[1]),
-        )
-      return conv_rows, delta_rows, out, saved
-
-    conv_rows, delta_rows, out, saved = jax.lax.fori_loop(
-      0, rows.max_length, tokens_j, (conv_rows, delta_rows, out, saved)
+    fresh, sources = rows.fresh[:, None, None], rows.slots if rows.sources is None else rows.sources
+    windows = jnp.where(fresh, 0, conv_state[sources])  # [R, K - 1, C]
+    state = jnp.where(fresh[..., None], 0.0, delta_state[sources])  # [R, Hv, Dk, Dv]
+    steps = delta_rule.Rows(rows.starts, rows.lengths, rows.max_length)
+    token_rows = jnp.searchsorted(rows.starts, jnp.arange(num_tokens), side="right") - 1
+    conv = delta_rule.causal_conv(mixed, windows, taps, steps, token_rows, total)
+    q, k, v = self.split_qkv(jax.nn.silu(conv).astype(x.dtype).astype(jnp.float32))
+    q, k = _l2_normalize(q, total), _l2_normalize(k, total)
+    q = jnp.repeat(q, hv // hk, axis=1) * dk**-0.5  # [T, Hv, Dk]
+    k = jnp.repeat(k, hv // hk, axis=1)
+    save_lens = jnp.zeros_like(rows.lengths) if rows.snapshot_lens is None else rows.snapshot_lens
+    args = (q, k, v, g, beta, state, steps, save_lens)
+    if fixed:  # the same order of sums whatever the step holds: token by token
+      result = delta_rule.by_token(*args, times_state=_fixed_times_state)
+    else:  # chunks for prefills longer than a chunk (module docstring of `delta_rule`)
+      chunk = delta_rule.chunk_size()
+      result = jax.lax.cond(
+        rows.max_length > chunk,
+        lambda: delta_rule.by_chunk(*args, chunk),
+        lambda: delta_rule.by_token(*args),
+      )
+    conv_state = conv_state.at[rows.slots].set(
+      delta_rule.conv_windows(mixed, windows, steps, rows.lengths)
     )
-    conv_state = conv_state.at[rows.slots].set(conv_rows)
-    delta_state = delta_state.at[rows.slots].set(delta_rows)
+    delta_state = delta_state.at[rows.slots].set(result.state)
     if rows.snapshots is not None:  # rows saving nothing write the null slot
-      conv_state = conv_state.at[rows.snapshots].set(saved[0])
-      delta_state = delta_state.at[rows.snapshots].set(saved[1])
+      saved = delta_rule.conv_windows(mixed, windows, steps, save_lens)
+      conv_state = conv_state.at[rows.snapshots].set(saved)
+      delta_state = delta_state.at[rows.snapshots].set(result.saved)
+    out = result.out
     out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
     out = add_lora(project(self, "w_out", out), out, lora, "out_proj", fixed)
     return out.reshape(*lead, e), conv_state, delta_state

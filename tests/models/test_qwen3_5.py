@@ -381,34 +381,39 @@ def test_moe_checkpoint_matches_transformers(moe_checkpoint):
 
 
 def test_prefix_cache_hits_start_from_saved_states_and_give_transformers_tokens(checkpoint):
-  """With ``enable_prefix_caching=True`` states are saved at the block boundary each prefill
-  chunk reaches (chunks of 8 tokens, blocks of 4): a repeated prompt of 21 tokens hits 20 (its
-  last full block), a prompt sharing the first 16 (a chunk's end) hits 16; each gives
-  transformers' greedy tokens and the logprobs it gives computed from scratch. After
-  `reset_prefix_cache` nothing hits."""
+  """With ``enable_prefix_caching=True`` states are saved at the last block boundary each prefill
+  chunk reaches (a budget of 40 tokens, blocks of 4). A prompt of 45 tokens, its first chunk of
+  40 run in chunks of the delta rule (`jaxengine.models.delta_rule.by_chunk`), gives
+  transformers' prompt logprobs and greedy tokens; repeated, it hits 44 tokens (its last full
+  block); a prompt sharing its first 40 (the first chunk's end) hits 40; each gives transformers'
+  tokens and the logprobs computed from scratch. After `reset_prefix_cache` nothing hits."""
   hf_model = checkpoint[1]
-  llm = je.LLM(checkpoint[0], max_num_reqs=2, max_model_len=48, block_size=4,
-               max_num_batched_tokens=8, enable_prefix_caching=True)  # fmt: skip
-  params = je.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-  prompt = PROMPTS[2]
-  sibling = [*prompt[:16], 40, 41, 42, 43, 44, 45]
+  llm = je.LLM(checkpoint[0], max_num_reqs=2, max_model_len=64, block_size=4,
+               max_num_batched_tokens=40, enable_prefix_caching=True)  # fmt: skip
+  prompt = [(7 * i + 3) % TEXT["vocab_size"] for i in range(45)]
+  sibling = [*prompt[:40], 40, 41, 42, 43, 44]
 
-  def run(tokens):
+  def run(tokens, prompt_logprobs=None):
+    params = je.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
+                               prompt_logprobs=prompt_logprobs)  # fmt: skip
     before = llm.llm_engine.kv_cache_stats.prefix_cache_hits
     (out,) = llm.generate([tokens], params, use_tqdm=False)
     ids = list(out.outputs[0].token_ids)
     logprobs = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, ids)]
-    return ids, np.asarray(logprobs), llm.llm_engine.kv_cache_stats.prefix_cache_hits - before
+    hits = llm.llm_engine.kv_cache_stats.prefix_cache_hits - before
+    return out, ids, np.asarray(logprobs), hits
 
-  first, first_logprobs, hits = run(prompt)
+  out, first, first_logprobs, hits = run(prompt, prompt_logprobs=0)
   assert hits == 0 and first == hf_greedy(hf_model, prompt, MAX_TOKENS)
-  again, again_logprobs, hits = run(prompt)
-  assert hits == 20 and again == first
+  got = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])]
+  np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+  _, again, again_logprobs, hits = run(prompt)
+  assert hits == 44 and again == first
   np.testing.assert_allclose(again_logprobs, first_logprobs, atol=1e-5)
-  shared, _, hits = run(sibling)
-  assert hits == 16 and shared == hf_greedy(hf_model, sibling, MAX_TOKENS)
+  _, shared, _, hits = run(sibling)
+  assert hits == 40 and shared == hf_greedy(hf_model, sibling, MAX_TOKENS)
   llm.reset_prefix_cache()
-  after_reset, _, hits = run(prompt)
+  _, after_reset, _, hits = run(prompt)
   assert hits == 0 and after_reset == first
   assert _free_state_slots(llm) == 2
 
