@@ -28,12 +28,14 @@ them in a pool of slots (`RecurrentState`, beside the pages of the full-attentio
 at position 0 starts from a zero state, so a new request (or one recomputed after preemption)
 needs no host-side reset, and a later prefill chunk or decode reads what the earlier one wrote.
 
-The recurrence runs over the step's requests side by side (`StepRows`): each request's state is
-gathered from its slot once, iteration ``j`` of a loop of as many iterations as the step's longest
-request has tokens computes the ``j``-th token of every request that has one, and the states are
-scattered back to their slots at the end. A step of decodes is one iteration over all rows; a
-prefill chunk of ``n`` tokens is ``n`` iterations (exact, but sequential in the chunk: a chunked
-form of the delta rule per request is the faster way for long prefills).
+The step's requests run side by side (`StepRows`): each request's state is gathered from its
+slot once, the convolution of every token is computed at once (its inputs gathered from the
+request's earlier tokens or its window), and the delta rule runs in `jaxengine.models.delta_rule`:
+token by token (iteration ``j`` computes the ``j``-th token of every request; a step of decodes
+is one iteration, and a batch-invariant engine always runs this form), or, when the longest
+request of the step has more tokens than a chunk, a chunk of ``C`` tokens of every request per
+iteration (``n / C`` iterations for a prefill of ``n``); the states are scattered back to their
+slots at the end.
 
 References:
   Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", 2025.
