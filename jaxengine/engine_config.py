@@ -97,6 +97,8 @@ class EngineConfig:
       `worker/verify_step.py`).
     enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
       requests that start alike; None (default) or True: on; False: off. See `prefix_caching`.
+      A hybrid model (Qwen3.5) caches prefixes only with True, which adds snapshot slots of its
+      recurrent state (`jaxengine/core/state_snapshots.py`); None leaves it off.
     kv_cache_memory_bytes: bytes of the paged KV cache (vLLM's name): keys and values of all
       layers (on a mesh: per device, whose share of each page is its key/value heads). None
       (default): `num_kv_blocks` if given, else `jaxengine.worker.kv_cache_size`'s default:
@@ -195,7 +197,8 @@ class EngineConfig:
       (`jaxengine.models.quantization`). A mixture of experts' expert matrices get one scale
       per expert and output row; its router stays in the model dtype. `load_weights`
       re-quantizes float weights on the way in. Needs a model whose modules declare
-      ``QUANTIZABLE`` projections (Llama, Gemma, their mixture-of-experts blocks). With a mesh
+      ``QUANTIZABLE`` projections (Llama, Gemma, Qwen3.5 with its Gated DeltaNet projections,
+      their mixture-of-experts blocks). With a mesh
       each device quantizes its own shard of the placed float weights: the values keep the
       float weight's sharding, the scales are split like its output axes or replicated
       (`jaxengine.parallel`).

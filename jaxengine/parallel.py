@@ -117,9 +117,14 @@ _SCALE_DIM = {COLUMN_PARALLEL: 0, VOCAB_PARALLEL: 0, EXPERT_COLUMN_PARALLEL: 1}
 
 
 #: The role of the base projection each LoRA target adds to (`jaxengine.models.lora`).
+#: Qwen3.5's ``in_proj_qkv`` is `REPLICATED`: its ``B``'s outputs are in the checkpoint's
+#: ``[q | k | v]`` order, the base weight's rows grouped by key head, so every device computes
+#: the whole update and reorders it (`jaxengine.models.gated_deltanet.GatedDeltaNet`).
 LORA_TARGET_ROLES = {
   **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), COLUMN_PARALLEL),
-  **dict.fromkeys(("o_proj", "down_proj"), ROW_PARALLEL),
+  **dict.fromkeys(("in_proj_z", "in_proj_b", "in_proj_a"), COLUMN_PARALLEL),
+  **dict.fromkeys(("o_proj", "down_proj", "out_proj"), ROW_PARALLEL),
+  "in_proj_qkv": REPLICATED,
 }
 
 
@@ -140,7 +145,8 @@ def lora_specs(
     ``x A`` are summed over the model axis (one small all-reduce), then every device applies
     the whole ``B``, whose output the base projection's all-reduce leaves replicated too.
 
-  A dimension that `tensor_parallel_size` does not divide stays whole (as `weight_spec`).
+  A `REPLICATED` target (`LORA_TARGET_ROLES`) is whole on every device. A dimension that
+  `tensor_parallel_size` does not divide stays whole (as `weight_spec`).
   Either way the partitioner computes the same sums as one device, up to the order of the
   row-parallel partial sums (as for the base weights). With `batch_invariant` every target is
   split as a column-parallel one (its base weight's input axis is whole too: `weight_spec`), so
@@ -149,7 +155,7 @@ def lora_specs(
   t = tensor_parallel_size
   specs = {}
   for target, (n_in, n_out) in target_shapes.items():
-    if t == 1:
+    if t == 1 or LORA_TARGET_ROLES.get(target) == REPLICATED:
       specs[target] = (P(), P())
     elif LORA_TARGET_ROLES.get(target) == ROW_PARALLEL and not batch_invariant:
       specs[target] = (_split((1, n_in, 1), 1, MODEL, t), P())

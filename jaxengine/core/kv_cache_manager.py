@@ -233,6 +233,11 @@ class KVCacheManager:
     self._counts["hits"] += hit.num_computed_tokens
     return hit
 
+  def uncount_hit_tokens(self, num_tokens: int) -> None:
+    """Takes back hit tokens of `get_computed_blocks` the caller did not use (a hybrid model's
+    prefix past its last saved state, `core/state_snapshots.py`)."""
+    self._counts["hits"] -= num_tokens
+
   def first_window_block(self, group: int, num_computed_tokens: int) -> int:
     """The first block a group still needs when `num_computed_tokens` are computed: 0 for a
     full group, `(num_computed_tokens - W) // block_size` (at least 0) for a window group."""

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from jaxengine.core.request import Completion, Request
 from jaxengine.core.state_slots import StateSlots
+from jaxengine.core.state_snapshots import StateRoute, StateSnapshots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,8 @@ class SchedulerOutput:
       that many positions from its last token on); empty for a single ragged step.
     state_slots: the recurrent state slot of each scheduled completion (a hybrid model,
       `core/state_slots.py`); empty for a model without recurrent state.
+    state_routes: with a hybrid model's prefix caching, where each scheduled completion reads
+      and saves its state (`core/state_snapshots.py`); empty otherwise.
   """
 
   admitted: list[Completion]
@@ -75,6 +78,7 @@ class SchedulerOutput:
   spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   num_decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
   state_slots: dict[str, int] = dataclasses.field(default_factory=dict)
+  state_routes: dict[str, StateRoute] = dataclasses.field(default_factory=dict)
 
   @property
   def total_num_scheduled_tokens(self) -> int:
@@ -101,6 +105,8 @@ class Scheduler:
     num_state_slots: a hybrid model's recurrent state slots (`core/state_slots.py`: one per
       row), 0 for a model without recurrent state. With slots, the samples of an ``n > 1``
       request each compute their own prompt (a forked page holds no state).
+    num_state_snapshots: a hybrid model's snapshot slots for prefix caching (after the
+      running completions' slots; `core/state_snapshots.py`), 0: none.
   """
 
   def __init__(
@@ -111,10 +117,17 @@ class Scheduler:
     enable_chunked_prefill: bool = True,
     max_loras: int = 1,
     num_state_slots: int = 0,
+    num_state_snapshots: int = 0,
   ) -> None:
     self.max_num_reqs = max_num_reqs
     #: The recurrent state slots of the running completions; None without recurrent state.
     self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+    #: A hybrid model's saved states (its prefix caching: slots after the null slot and the
+    #: running completions'); None without.
+    self.state_snapshots = None
+    if num_state_snapshots:
+      first, size = num_state_slots + 1, manager.block_size
+      self.state_snapshots = StateSnapshots(first, num_state_snapshots, size, _cache_key)
     self.waiting: collections.deque[Completion] = collections.deque()
     #: Running completions in admission order.
     self.running: dict[str, Completion] = {}
@@ -172,12 +185,22 @@ class Scheduler:
       preempted=step.preempted,
       spec_token_ids=step.spec_token_ids,
       state_slots=self._state_slots(step),
+      state_routes=self.state_snapshots.routes(step.num_scheduled, self.running, self.state_slots)
+      if self.state_snapshots
+      else {},
     )
 
   def _state_slots(self, step: _StepPlan) -> dict[str, int]:
     """The recurrent state slot of each completion scheduled in `step` (none without state)."""
     slots = self.state_slots
     return {} if slots is None else {s: slots.slot(s) for s in step.num_scheduled}
+
+  def reset_prefix_cache(self) -> int:
+    """`KVCacheManager.reset_prefix_cache`, and a hybrid model's saved states forgotten;
+    returns the number of page hashes dropped."""
+    if self.state_snapshots is not None:
+      self.state_snapshots.reset(self.running)
+    return self.manager.reset_prefix_cache()
 
   def _changed_tables(self, step: _StepPlan) -> dict[str, tuple[tuple[int, ...], ...]]:
     """The tables of the completions whose pages changed in `step` (`SchedulerOutput.block_ids`):
@@ -212,6 +235,8 @@ class Scheduler:
     self.manager.free(completion.seq_id)
     if self.state_slots is not None:
       self.state_slots.free(completion.seq_id)
+    if self.state_snapshots is not None:
+      self.state_snapshots.finish(completion.seq_id)
 
   # --- one step ---------------------------------------------------------------------------------
 
@@ -318,7 +343,13 @@ class Scheduler:
     """The completion's longest cached prefix (none for one computing prompt logprobs)."""
     if wants_prompt_logprobs(completion):
       return ComputedBlocks()
-    return self.manager.get_computed_blocks(_token_ids(completion), _cache_key(completion))
+    token_ids, key = _token_ids(completion), _cache_key(completion)
+    hit = self.manager.get_computed_blocks(token_ids, key)
+    if self.state_snapshots is not None:  # a hybrid: the prefix must end in a saved state
+      shorter = self.state_snapshots.shorten_hit(completion.seq_id, hit, token_ids, key)
+      self.manager.uncount_hit_tokens(hit.num_computed_tokens - shorter.num_computed_tokens)
+      hit = shorter
+    return hit
 
   def _fork_from_first_sample(self, completion: Completion, step: _StepPlan) -> bool:
     """For sample `j > 0` of a request, shares the first sample's full prompt pages (written

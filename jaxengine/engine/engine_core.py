@@ -89,13 +89,13 @@ class EngineCore:
       self.structured = StructuredOutputs(tokenizer, model.vocab_size, eos, batch.max_num_reqs)
     #: The pages' owner (vLLM's scheduler side): the scheduler allocates through it and sends
     #: the changed block tables to the runner in each `SchedulerOutput`.
-    # A hybrid model's recurrent state is kept for running requests only: no prefix caching
-    # (an explicit True is refused by the runner, `worker/recurrent_state.py`).
+    # A hybrid model caches prefixes only with its snapshot slots, which an explicit
+    # enable_prefix_caching=True asks for (`worker/recurrent_state.py`, `core/state_snapshots.py`).
     hybrid = self.runner.num_state_slots > 0
     self.kv_cache_manager = KVCacheManager(
       self.runner.num_blocks,
       config.block_size,
-      enable_caching=config.prefix_caching and not hybrid,
+      enable_caching=config.prefix_caching and (not hybrid or self.runner.num_state_snapshots > 0),
       groups=self.runner.kv_cache_groups,
       max_num_batched_tokens=config.max_num_batched_tokens,
     )
@@ -106,6 +106,7 @@ class EngineCore:
       config.enable_chunked_prefill,
       config.max_loras,
       num_state_slots=self.runner.num_state_slots,
+      num_state_snapshots=self.runner.num_state_snapshots,
     )
     self.output_processor = output_processor
     #: The verify decision's cost model (`spec_decode/ngram_proposer.py`): set it high to verify
@@ -170,28 +171,28 @@ class EngineCore:
     """`ModelRunner.load_weights`, then the prefix cache emptied: later prompts compute their
     keys and values with the new weights (running requests keep theirs, as in vLLM)."""
     self.runner.load_weights(weights)
-    self.kv_cache_manager.reset_prefix_cache()
+    self.scheduler.reset_prefix_cache()
 
   def load_lora_weights(self, lora_request, adapter) -> None:
     """`ModelRunner.load_lora_weights`, then the prefix cache emptied (its pages were computed
     with the old values)."""
     self.runner.load_lora_weights(lora_request, adapter)
-    self.kv_cache_manager.reset_prefix_cache()
+    self.scheduler.reset_prefix_cache()
 
   def sleep(self, level: int) -> None:
     """`ModelRunner.sleep`, then the prefix cache emptied (its pages are gone)."""
     self.runner.sleep(level)
-    self.kv_cache_manager.reset_prefix_cache()
+    self.scheduler.reset_prefix_cache()
 
   def free_kv_cache(self) -> int:
     """`ModelRunner.free_kv_cache` (the device bytes freed), the prefix cache emptied."""
     freed = self.runner.free_kv_cache()
-    self.kv_cache_manager.reset_prefix_cache()
+    self.scheduler.reset_prefix_cache()
     return freed
 
   def reset_prefix_cache(self) -> bool:
     """Forgets every prefix hash (pages in use stay with their requests); returns True."""
-    self.kv_cache_manager.reset_prefix_cache()
+    self.scheduler.reset_prefix_cache()
     return True
 
   # --- the step -------------------------------------------------------------------------------

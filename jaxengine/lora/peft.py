@@ -18,9 +18,10 @@ import numpy as np
 
 from jaxengine.models.lora import LORA_TARGETS
 
-#: ``...layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight`` in PEFT's saved tensor names.
+#: ``...layers.{i}.{self_attn|linear_attn|mlp}.{target}.lora_{A|B}.weight`` in PEFT's saved
+#: tensor names (``linear_attn``: a Qwen3.5 Gated DeltaNet layer).
 _TENSOR_NAME = re.compile(
-  r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+  r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
 
 #: The modules of a multimodal checkpoint (Gemma 3's vision tower and projector) that a text-only

@@ -13,6 +13,13 @@ state instead, updated token by token (Yang et al., 2025). For one token with in
   ``S += k (beta (v - k S))^T``, output ``o = q S``;
 - ``out_proj(rmsnorm(o) * w * silu(in_proj_z(x)))`` (the gated RMSNorm, a plain ``w``).
 
+Channel order: a checkpoint's ``in_proj_qkv`` and ``conv1d`` rows are ``[q | k | v]``; the model
+keeps them grouped by key head instead (`jaxengine.models.qwen3_5_checkpoints.KeyHeadGroups`
+reorders them on load and back on export): key head ``g``'s group is its ``Dk`` query channels,
+its ``Dk`` key channels, then the ``Hv / Hk`` value heads it serves. So on a tensor-parallel mesh
+an even split of the ``C`` channels (the projection's rows, the taps, the convolution windows) is a
+split by heads, with each key head beside its own value heads: ``t`` must divide ``Hk``.
+
 The state of a sequence is therefore ``K - 1`` convolution inputs (``[K - 1, C]``) and the delta
 rule's ``[Hv, Dk, Dv]`` float32 matrices, per linear layer (`RecurrentStateSpec`). The engine keeps
 them in a pool of slots (`RecurrentState`, beside the pages of the full-attention layers in
@@ -21,12 +28,14 @@ them in a pool of slots (`RecurrentState`, beside the pages of the full-attentio
 at position 0 starts from a zero state, so a new request (or one recomputed after preemption)
 needs no host-side reset, and a later prefill chunk or decode reads what the earlier one wrote.
 
-The recurrence runs over the step's requests side by side (`StepRows`): each request's state is
-gathered from its slot once, iteration ``j`` of a loop of as many iterations as the step's longest
-request has tokens computes the ``j``-th token of every request that has one, and the states are
-scattered back to their slots at the end. A step of decodes is one iteration over all rows; a
-prefill chunk of ``n`` tokens is ``n`` iterations (exact, but sequential in the chunk: a chunked
-form of the delta rule per request is the faster way for long prefills).
+The step's requests run side by side (`StepRows`): each request's state is gathered from its
+slot once, the convolution of every token is computed at once (its inputs gathered from the
+request's earlier tokens or its window), and the delta rule runs in `jaxengine.models.delta_rule`:
+token by token (iteration ``j`` computes the ``j``-th token of every request; a step of decodes
+is one iteration, and a batch-invariant engine always runs this form), or, when the longest
+request of the step has more tokens than a chunk, a chunk of ``C`` tokens of every request per
+iteration (``n / C`` iterations for a prefill of ``n``); the states are scattered back to their
+slots at the end.
 
 References:
   Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", 2025.
@@ -39,12 +48,23 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxengine.models import delta_rule
 from jaxengine.models.layers import normal_out_in, project
+from jaxengine.models.lora import LayerLoRA, add_lora
 from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.reductions import fixed_sum
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "RecurrentState", "RecurrentStateSpec", "StepRows"]
+__all__ = [
+  "GatedDeltaNet",
+  "GatedRMSNorm",
+  "RecurrentState",
+  "RecurrentStateSpec",
+  "StepRows",
+  "key_head_order",
+]
 
 #: The state slot padding tokens read and write; no request owns it.
 NULL_STATE_SLOT = 0
@@ -123,6 +143,11 @@ class StepRows(NamedTuple):
     slots: ``[R] int32`` its state slot (`NULL_STATE_SLOT` for padding requests).
     fresh: ``[R] bool`` its first token is at position 0: it starts from a zero state.
     max_length: ``[] int32`` the most tokens of any request (the loop's iterations).
+    sources: None (`slots`), or ``[R] int32`` the slot its state is read from (its slot, or
+      after a prefix-cache hit the hit's snapshot slot: `jaxengine.core.state_snapshots`).
+    snapshots: None (no prefix caching: nothing saved), or ``[R] int32`` the slot its state is
+      saved into after `snapshot_lens` tokens (`NULL_STATE_SLOT`: none).
+    snapshot_lens: None, or ``[R] int32`` (0: none saved).
   """
 
   starts: jax.Array
@@ -130,10 +155,16 @@ class StepRows(NamedTuple):
   slots: jax.Array
   fresh: jax.Array
   max_length: jax.Array
+  sources: jax.Array | None = None
+  snapshots: jax.Array | None = None
+  snapshot_lens: jax.Array | None = None
 
   @classmethod
   def of(cls, metadata: PagedAttentionMetadata, positions: jax.Array) -> StepRows:
     """The rows of a step from its metadata (``state_slots`` set) and ``[..., T]`` positions.
+
+    ``state_slots`` is ``[R]`` (each row's slot) or, with prefix caching, ``[R, 4]`` (its slot,
+    source, snapshot slot and snapshot length: `jaxengine.worker.step_inputs`).
 
     Raises:
       ValueError: (at trace time) metadata without ``state_slots``.
@@ -144,12 +175,19 @@ class StepRows(NamedTuple):
     starts = metadata.query_start_loc[:-1]
     lengths = metadata.query_lens
     is_real = jnp.arange(starts.shape[0]) < metadata.num_reqs
+    routes = metadata.state_slots.astype(jnp.int32)
+    routes = routes[:, None] if routes.ndim == 1 else routes
+    own = jnp.where(is_real, routes[:, 0], NULL_STATE_SLOT)
+    saves = routes.shape[1] == 4
     return cls(
       starts=starts,
       lengths=lengths,
-      slots=jnp.where(is_real, metadata.state_slots, NULL_STATE_SLOT).astype(jnp.int32),
+      slots=own,
       fresh=flat[jnp.minimum(starts, flat.shape[0] - 1)] == 0,
       max_length=jnp.max(lengths),
+      sources=jnp.where(is_real, routes[:, 1], NULL_STATE_SLOT) if saves else own,
+      snapshots=jnp.where(is_real, routes[:, 2], NULL_STATE_SLOT) if saves else None,
+      snapshot_lens=jnp.where(is_real, routes[:, 3], 0) if saves else None,
     )
 
 
@@ -160,34 +198,65 @@ class GatedRMSNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
     self.eps = eps
+    #: The mean square summed in a fixed order (`jaxengine.reductions.fixed_sum`).
+    self.batch_invariant = False
 
   def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
     """``[..., Dv]`` `x` and gate `z` -> ``[..., Dv]`` in `x`'s dtype."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    squares = jnp.square(x32)
+    if self.batch_invariant:
+      mean_square = fixed_sum(squares, keepdims=True) / x32.shape[-1]
+    else:
+      mean_square = jnp.mean(squares, axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(mean_square + self.eps)
     y = self.scale[...] * normed.astype(x.dtype).astype(jnp.float32)
     return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
-def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+def key_head_order(
+  num_key_heads: int, key_dim: int, num_value_heads: int, value_dim: int
+) -> np.ndarray:
+  """``[C] int`` the checkpoint channel (``[q | k | v]``) of each of the model's channels,
+  grouped by key head (the module docstring's "Channel order")."""
+  hk = num_key_heads
+  q = np.arange(hk * key_dim).reshape(hk, key_dim)
+  k = q + hk * key_dim
+  v = 2 * hk * key_dim + np.arange(num_value_heads * value_dim).reshape(hk, -1)
+  return np.concatenate([q, k, v], axis=1).reshape(-1)
+
+
+def _l2_normalize(x: jax.Array, total=jnp.sum, eps: float = 1e-6) -> jax.Array:
+  return x * jax.lax.rsqrt(total(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _fixed_times_state(x: jax.Array, state: jax.Array) -> jax.Array:
+  """``[R, Hv, Dk]`` times ``[R, Hv, Dk, Dv]``, summed over ``Dk`` in a fixed order."""
+  return fixed_sum(x[..., None] * state, axis=-2)
 
 
 class GatedDeltaNet(nnx.Module):
   """One Gated DeltaNet layer (module docstring) over the step's flat tokens.
 
   Attributes:
-    w_qkv: ``[C, E]``; w_z: ``[Hv Dv, E]``; w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
+    w_qkv: ``[C, E]`` (channels grouped by key head: module docstring); w_z: ``[Hv Dv, E]``;
+      w_b, w_a: ``[Hv, E]``; w_out: ``[E, Hv Dv]``
       (``[out, in]`` layout).
-    conv: ``[C, K]`` the depthwise convolution's taps, oldest input first.
+    conv: ``[C, K]`` the depthwise convolution's taps (grouped as ``w_qkv``), oldest input first.
     a_log, dt_bias: ``[Hv] float32`` the decay's parameters.
     norm: the `GatedRMSNorm`.
-    scales: row scales of quantized projections (none: a hybrid model is not quantized).
-    batch_invariant: projections a fixed number of rows at a time.
+    scales: row scales of the quantized projections (`jaxengine.models.quantization`).
+    batch_invariant: projections a fixed number of rows at a time and every sum of the
+      recurrence in a fixed order (`jaxengine.reductions.fixed_sum`: the convolution, the
+      L2 norms, the state's products with keys and queries), so a token's bits do not depend on
+      the other requests of the step nor on their number.
   """
 
-  #: No projection is quantized (the engine refuses ``quantization`` for a hybrid model).
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  #: The five projections (``[out, in]``: scales per output channel); the convolution's taps,
+  #: the decay parameters and the norm stay in the model dtype.
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("w_qkv", "w_z", "w_b", "w_a", "w_out"), (1,)
+  )
 
   def __init__(self, config: Any, *, dtype, rngs: nnx.Rngs):
     e, c = config.hidden_size, config.conv_dim
@@ -210,8 +279,33 @@ class GatedDeltaNet(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
+  def split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[R, C]`` channels in the grouped order -> ``q [R, Hk, Dk]``, ``k [R, Hk, Dk]``,
+    ``v [R, Hv, Dv]`` (key head ``g``'s group: its query, its key, then its ``Hv / Hk`` value
+    heads ``g Hv / Hk ...``; the module docstring's "Channel order")."""
+    hk, dk, dv = self.num_key_heads, self.key_dim, self.value_dim
+    grouped = qkv.reshape(-1, hk, 2 * dk + self.num_value_heads // hk * dv)
+    v = grouped[..., 2 * dk :].reshape(-1, self.num_value_heads, dv)
+    return grouped[..., :dk], grouped[..., dk : 2 * dk], v
+
+  def _qkv(self, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+    """``[T, E]`` -> ``[T, C]`` the projection to q, k and v in the grouped channel order; a
+    LoRA update of ``in_proj_qkv`` (its ``B`` in the checkpoint's ``[q | k | v]`` order, as
+    PEFT saves it) is computed whole and reordered (`key_head_order`)."""
+    mixed = project(self, "w_qkv", x)
+    if lora is None or "in_proj_qkv" not in lora.weights:
+      return mixed
+    update = add_lora(jnp.zeros_like(mixed), x, lora, "in_proj_qkv", self.batch_invariant)
+    order = key_head_order(self.num_key_heads, self.key_dim, self.num_value_heads, self.value_dim)
+    return mixed + update[..., order]
+
   def __call__(
-    self, x: jax.Array, conv_state: jax.Array, delta_state: jax.Array, rows: StepRows
+    self,
+    x: jax.Array,
+    conv_state: jax.Array,
+    delta_state: jax.Array,
+    rows: StepRows,
+    lora: LayerLoRA | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Runs the layer over the step's requests side by side, each on its own state slot.
 
@@ -220,6 +314,8 @@ class GatedDeltaNet(nnx.Module):
       conv_state: ``[S, K - 1, C]`` this layer's convolution windows (`RecurrentState.conv`).
       delta_state: ``[S, Hv, Dk, Dv] float32`` its delta-rule states.
       rows: the step's `StepRows`.
+      lora: this layer's LoRA adapters (`jaxengine.models.lora`; PEFT's names ``in_proj_qkv``,
+        ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``), or None.
 
     Returns:
       ``([..., E] output, conv_state, delta_state)`` with each request's slot holding its
@@ -229,47 +325,48 @@ class GatedDeltaNet(nnx.Module):
     flat = x.reshape(-1, e)  # [T, E]
     num_tokens = flat.shape[0]
     hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
-    mixed = project(self, "w_qkv", flat)  # [T, C]
-    z = project(self, "w_z", flat).reshape(-1, hv, dv)
-    beta = jax.nn.sigmoid(project(self, "w_b", flat)).astype(jnp.float32)  # [T, Hv]
-    a = project(self, "w_a", flat).astype(jnp.float32)
+    fixed = self.batch_invariant
+    mixed = self._qkv(flat, lora)  # [T, C], grouped by key head (`split_qkv`)
+    z = add_lora(project(self, "w_z", flat), flat, lora, "in_proj_z", fixed).reshape(-1, hv, dv)
+    b = add_lora(project(self, "w_b", flat), flat, lora, "in_proj_b", fixed)
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)  # [T, Hv]
+    a = add_lora(project(self, "w_a", flat), flat, lora, "in_proj_a", fixed).astype(jnp.float32)
     g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [T, Hv]
     taps = self.conv[...].T.astype(jnp.float32)  # [K, C]
-    repeat = hv // hk
-    fresh = rows.fresh[:, None, None]
-    conv_rows = jnp.where(fresh, 0, conv_state[rows.slots])  # [R, K - 1, C]
-    delta_rows = jnp.where(fresh[..., None], 0.0, delta_state[rows.slots])  # [R, Hv, Dk, Dv]
-    out = jnp.zeros((num_tokens + 1, hv, dv), jnp.float32)  # row T: inactive rows' writes
-
-    def tokens_j(j, carry):  # the j-th token of every request that has one
-      conv_rows, delta_rows, out = carry
-      active = j < rows.lengths  # [R]
-      index = jnp.minimum(rows.starts + j, num_tokens - 1)  # [R]
-      full = jnp.concatenate([conv_rows, mixed[index][:, None].astype(conv_rows.dtype)], axis=1)
-      qkv = jax.nn.silu(jnp.sum(full.astype(jnp.float32) * taps, axis=1)).astype(x.dtype)
-      qkv = qkv.astype(jnp.float32)  # [R, C]
-      q = _l2_normalize(qkv[:, : hk * dk].reshape(-1, hk, dk))
-      k = _l2_normalize(qkv[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
-      v = qkv[:, 2 * hk * dk :].reshape(-1, hv, dv)
-      q = jnp.repeat(q, repeat, axis=1) * dk**-0.5  # [R, Hv, Dk]
-      k = jnp.repeat(k, repeat, axis=1)
-      state = delta_rows * jnp.exp(g[index])[:, :, None, None]
-      remembered = jnp.einsum("rhk,rhkv->rhv", k, state)
-      delta = (v - remembered) * beta[index][:, :, None]
-      state = state + k[..., None] * delta[..., None, :]
-      token_out = jnp.einsum("rhk,rhkv->rhv", q, state)  # [R, Hv, Dv]
-      conv_rows = jnp.where(active[:, None, None], full[:, 1:], conv_rows)
-      delta_rows = jnp.where(active[:, None, None, None], state, delta_rows)
-      out = out.at[jnp.where(active, index, num_tokens)].set(token_out)
-      return conv_rows, delta_rows, out
-
-    conv_rows, delta_rows, out = jax.lax.fori_loop(
-      0, rows.max_length, tokens_j, (conv_rows, delta_rows, out)
+    total = fixed_sum if fixed else jnp.sum
+    fresh, sources = rows.fresh[:, None, None], rows.slots if rows.sources is None else rows.sources
+    windows = jnp.where(fresh, 0, conv_state[sources])  # [R, K - 1, C]
+    state = jnp.where(fresh[..., None], 0.0, delta_state[sources])  # [R, Hv, Dk, Dv]
+    steps = delta_rule.Rows(rows.starts, rows.lengths, rows.max_length)
+    token_rows = jnp.searchsorted(rows.starts, jnp.arange(num_tokens), side="right") - 1
+    conv = delta_rule.causal_conv(mixed, windows, taps, steps, token_rows, total)
+    q, k, v = self.split_qkv(jax.nn.silu(conv).astype(x.dtype).astype(jnp.float32))
+    q, k = _l2_normalize(q, total), _l2_normalize(k, total)
+    q = jnp.repeat(q, hv // hk, axis=1) * dk**-0.5  # [T, Hv, Dk]
+    k = jnp.repeat(k, hv // hk, axis=1)
+    save_lens = jnp.zeros_like(rows.lengths) if rows.snapshot_lens is None else rows.snapshot_lens
+    args = (q, k, v, g, beta, state, steps, save_lens)
+    if fixed:  # the same order of sums whatever the step holds: token by token
+      result = delta_rule.by_token(*args, times_state=_fixed_times_state)
+    else:  # chunks for prefills longer than a chunk (module docstring of `delta_rule`)
+      chunk = delta_rule.chunk_size()
+      result = jax.lax.cond(
+        rows.max_length > chunk,
+        lambda: delta_rule.by_chunk(*args, chunk),
+        lambda: delta_rule.by_token(*args),
+      )
+    conv_state = conv_state.at[rows.slots].set(
+      delta_rule.conv_windows(mixed, windows, steps, rows.lengths)
     )
-    conv_state = conv_state.at[rows.slots].set(conv_rows)
-    delta_state = delta_state.at[rows.slots].set(delta_rows)
+    delta_state = delta_state.at[rows.slots].set(result.state)
+    if rows.snapshots is not None:  # rows saving nothing write the null slot
+      saved = delta_rule.conv_windows(mixed, windows, steps, save_lens)
+      conv_state = conv_state.at[rows.snapshots].set(saved)
+      delta_state = delta_state.at[rows.snapshots].set(result.saved)
+    out = result.out
     out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
-    return project(self, "w_out", out).reshape(*lead, e), conv_state, delta_state
+    out = add_lora(project(self, "w_out", out), out, lora, "out_proj", fixed)
+    return out.reshape(*lead, e), conv_state, delta_state
 
 
 def state_spec(config: Any, dtype) -> RecurrentStateSpec:

@@ -31,7 +31,11 @@ from jaxengine.models.batch_invariant import row_tiled_dot
 __all__ = ["LORA_TARGETS", "LayerLoRA", "LoRAInputs", "add_lora"]
 
 #: The projections an adapter may target, by their Hugging Face / PEFT module names.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: (``in_proj_*`` and ``out_proj``: a Qwen3.5 Gated DeltaNet layer's, `jaxengine.models.qwen3_5`.)
+LORA_TARGETS = (
+  *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+  *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+)
 
 
 @jax.tree_util.register_dataclass

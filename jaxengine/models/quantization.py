@@ -1,9 +1,9 @@
 """Weight-only quantization of a decoder's projection matrices (``EngineConfig.quantization``).
 
 Each ``[out, in]`` projection (a Llama or Gemma layer's query, key, value and output projections
-and its gate, up and down matrices; a mixture of experts' ``[X, in, out]`` gate, up and down
-experts, one ``[out]`` row of scales per expert) is stored as narrow values with one float32
-scale per output channel, symmetric around 0:
+and its gate, up and down matrices; a Qwen3.5 Gated DeltaNet layer's five; a mixture of
+experts' ``[X, in, out]`` gate, up and down experts, one ``[out]`` row of scales per expert) is
+stored as narrow values with one float32 scale per output channel, symmetric around 0:
 
 - ``"int8"``: ``scale = max|w| / 127`` over the channel's inputs, ``values = round(w / scale)`` in int8;
 - ``"fp8"``: ``scale = max|w| / 448`` (float8_e4m3fn's largest finite value), ``values = w /

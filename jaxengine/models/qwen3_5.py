@@ -53,6 +53,7 @@ from jaxengine.models.layers import (
   rotary_embedding,
   vocab_logits,
 )
+from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.moe import SparseMoeBlock
 from jaxengine.models.qwen3_5_checkpoints import LINEAR, Qwen3_5Config, hf_weight_specs
 from jaxengine.models.weights import WeightSpec
@@ -73,7 +74,7 @@ class Qwen3_5Attention(nnx.Module):
     cache_layer: this layer's index among the full-attention layers (its pages).
   """
 
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(("wq", "wk", "wv", "wo"), (1,))
 
   def __init__(self, config: Qwen3_5Config, cache_layer: int, *, dtype, rngs: nnx.Rngs):
     e, h, k, d = (
@@ -99,27 +100,32 @@ class Qwen3_5Attention(nnx.Module):
     turned = rotary_embedding(x[..., :rot], positions, self.config.inv_freq())
     return jnp.concatenate([turned, x[..., rot:]], axis=-1)
 
-  def __call__(self, x, positions, kv_cache, metadata):
-    """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``."""
+  def __call__(self, x, positions, kv_cache, metadata, lora: LayerLoRA | None = None):
+    """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; `lora`
+    this layer's adapters (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) or None."""
     cfg = self.config
     lead = x.shape[:-1]
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    query_gate = project(self, "wq", x).reshape(*lead, h, 2 * d)
+    fixed = self.batch_invariant
+    query_gate = add_lora(project(self, "wq", x), x, lora, "q_proj", fixed)
+    query_gate = query_gate.reshape(*lead, h, 2 * d)
     q, gate = query_gate[..., :d], query_gate[..., d:]
-    k = project(self, "wk", x).reshape(*lead, kv, d)
-    v = project(self, "wv", x).reshape(*lead, kv, d)
+    k = add_lora(project(self, "wk", x), x, lora, "k_proj", fixed).reshape(*lead, kv, d)
+    v = add_lora(project(self, "wv", x), x, lora, "v_proj", fixed).reshape(*lead, kv, d)
     q = self._rotate(self.q_norm(q), positions)
     k = self._rotate(self.k_norm(k), positions)
     out, kv_cache = attention(q, k, v, kv_cache, self.cache_layer, metadata, scale=d**-0.5)
     out = out.reshape(*lead, h * d) * jax.nn.sigmoid(gate.reshape(*lead, h * d))
-    return project(self, "wo", out), kv_cache
+    return add_lora(project(self, "wo", out), out, lora, "o_proj", fixed), kv_cache
 
 
 class Qwen3_5MLP(nnx.Module):
   """``down(silu(gate(x)) * up(x))``; w_gate, w_up ``[F, E]``, w_down ``[E, F]`` (``F`` the
   config's ``intermediate_size`` unless given)."""
 
-  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = {}
+  QUANTIZABLE: ClassVar[dict[str, tuple[int, ...]]] = dict.fromkeys(
+    ("w_gate", "w_up", "w_down"), (1,)
+  )
 
   def __init__(
     self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None
@@ -131,9 +137,12 @@ class Qwen3_5MLP(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    hidden = jax.nn.silu(project(self, "w_gate", x)) * project(self, "w_up", x)
-    return project(self, "w_down", hidden)
+  def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+    """`lora`: this layer's adapters (``gate_proj``, ``up_proj``, ``down_proj``) or None."""
+    fixed = self.batch_invariant
+    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj", fixed)
+    hidden = jax.nn.silu(gate) * add_lora(project(self, "w_up", x), x, lora, "up_proj", fixed)
+    return add_lora(project(self, "w_down", hidden), hidden, lora, "down_proj", fixed)
 
 
 class Qwen3_5SparseMoe(nnx.Module):
@@ -150,10 +159,22 @@ class Qwen3_5SparseMoe(nnx.Module):
     width = config.shared_expert_intermediate_size
     self.shared = Qwen3_5MLP(config, dtype=dtype, rngs=rngs, intermediate_size=width)
     self.shared_gate = nnx.Param(normal_out_in(rngs, (1,), (config.hidden_size,), dtype))
+    self.batch_invariant = False
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    gate = jax.nn.sigmoid(linear(x, self.shared_gate[...]))  # [..., 1]
-    return self.experts(x) + gate * self.shared(x)
+  def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+    """`lora` is never given (`Qwen3_5.lora_target_shapes` offers no MoE target)."""
+    del lora
+    return self.routed(x)[0]
+
+  def routed(
+    self, x: jax.Array, routed_experts: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """``([..., E] output, [..., k] int32 experts)``: the routed experts' choice (or the
+    replayed `routed_experts`, `jaxengine.models.moe.SparseMoeBlock.routed`) and the output."""
+    routed, experts = self.experts.routed(x, routed_experts)
+    shared_gate = linear(x, self.shared_gate[...], batch_invariant=self.batch_invariant)
+    gate = jax.nn.sigmoid(shared_gate)  # [..., 1]
+    return routed + gate * self.shared(x), experts
 
 
 class Qwen3_5DecoderLayer(nnx.Module):
@@ -209,6 +230,8 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       None if config.tie_word_embeddings else nnx.Param(normal_init(rngs, (v, e), e, dtype))
     )
     self.batch_invariant = False
+    #: Return each token's experts too (``enable_return_routed_experts``; an MoE model).
+    self.return_routed_experts = False
 
   @property
   def recurrent_state_spec(self) -> RecurrentStateSpec:
@@ -221,7 +244,10 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
     positions: jax.Array,
     kv_cache: PagedKVCache,
     attn_metadata: PagedAttentionMetadata,
-  ) -> tuple[jax.Array, PagedKVCache]:
+    *,
+    lora: LoRAInputs | None = None,
+    routed_experts: jax.Array | None = None,
+  ) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, jax.Array]:
     """Runs the decoder over the step's flat tokens, updating the pages and the state slots.
 
     Args:
@@ -230,9 +256,15 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       kv_cache: the `PagedKVCache`, its ``recurrent`` the engine's `RecurrentState` pool (then
         `attn_metadata` carries ``state_slots``), or None (a scratch forward: module docstring).
       attn_metadata: the step's `PagedAttentionMetadata`.
+      lora: the step's LoRA adapters with each flat token's slot (`lora_target_shapes`), or
+        None.
+      routed_experts: None, or (an MoE model) ``[1, T, M, k]`` integer experts to route each
+        token to at each layer instead of the router's choice (replay).
 
     Returns:
-      ``(hidden [1, T, E] after the final norm, updated cache)``.
+      ``(hidden [1, T, E] after the final norm, updated cache)``; with
+      ``return_routed_experts`` (an MoE model), third, the ``[1, T, M, k] int32`` experts of
+      each token at each layer (largest router weight first, or the replayed ones).
     """
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     pool = kv_cache.recurrent
@@ -244,19 +276,55 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       metadata = dataclasses.replace(attn_metadata, state_slots=slots)
     rows = StepRows.of(metadata, positions)
     conv, delta = list(pool.conv), list(pool.delta)
-    for layer in self.layers:
+    routed: list[jax.Array] = []
+    for i, layer in enumerate(self.layers):
+      adapters = None if lora is None else lora.layer(i)
       h = layer.input_norm(x)
       if isinstance(layer.mixer, GatedDeltaNet):
         j = layer.kind_index
-        h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], rows)
+        h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], rows, adapters)
       else:
-        h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata)
+        h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata, adapters)
       x = x + h
-      x = x + layer.mlp(layer.post_attention_norm(x))
+      if isinstance(layer.mlp, Qwen3_5SparseMoe):
+        replay = None if routed_experts is None else routed_experts[..., i, :]
+        h, experts = layer.mlp.routed(layer.post_attention_norm(x), replay)
+        routed.append(experts)
+      else:
+        h = layer.mlp(layer.post_attention_norm(x), adapters)
+      x = x + h
     if kv_cache.recurrent is not None:
       state = RecurrentState(conv=tuple(conv), delta=tuple(delta))
       kv_cache = dataclasses.replace(kv_cache, recurrent=state)
+    if self.return_routed_experts:
+      return self.final_norm(x), kv_cache, jnp.stack(routed, axis=-2)  # [..., M, k]
     return self.final_norm(x), kv_cache
+
+  @property
+  def num_moe_layers(self) -> int:
+    """``M``: the layers with routed experts (every layer of an MoE model, else none)."""
+    return len(self.config.moe_layers)
+
+  def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+    """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
+    module name: the gated attention's ``q_proj`` (its output each head's query and gate),
+    ``k_proj``, ``v_proj``, ``o_proj``; the Gated DeltaNet's ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``, ``out_proj``; a dense MLP's ``gate_proj``, ``up_proj``,
+    ``down_proj`` (a mixture of experts offers no MLP target, as `jaxengine.models.Llama`).
+    Every layer has slots for every target; a layer uses those of its own kind."""
+    cfg = self.config
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    hv = cfg.linear_num_value_heads
+    value = hv * cfg.linear_value_head_dim
+    targets = {
+      "q_proj": (e, 2 * q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e),
+      "in_proj_qkv": (e, cfg.conv_dim), "in_proj_z": (e, value), "in_proj_b": (e, hv),
+      "in_proj_a": (e, hv), "out_proj": (value, e),
+    }  # fmt: skip
+    if not cfg.num_experts:
+      targets.update(gate_proj=(e, f), up_proj=(e, f), down_proj=(f, e))
+    return targets
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name

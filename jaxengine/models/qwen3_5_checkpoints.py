@@ -12,18 +12,21 @@
 
 Every matrix keeps the checkpoint's ``(out, in)`` layout; the decoder's RMSNorm weights are the
 ``w`` of ``(1 + w)``, the gated norm's the plain ``w``, both taken as stored; the depthwise
-convolution's ``[C, 1, K]`` weight becomes ``[C, K]``.
+convolution's ``[C, 1, K]`` weight becomes ``[C, K]``; the rows of those two and of
+``in_proj_qkv`` are regrouped by key head (`KeyHeadGroups`, so that a tensor-parallel split of
+them is a split by heads).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.models.gated_deltanet import key_head_order
 from jaxengine.models.hf_config_fields import (
   config_bool,
   config_float,
@@ -31,7 +34,7 @@ from jaxengine.models.hf_config_fields import (
   config_token_id,
 )
 from jaxengine.models.kv_cache import KVCacheSpec
-from jaxengine.models.weights import WeightSpec
+from jaxengine.models.weights import LeafPath, WeightSpec
 
 #: Families `config_from_hf` reads.
 FAMILIES = ("qwen3_5", "qwen3_5_multimodal", "qwen3_5_moe", "qwen3_5_moe_multimodal")
@@ -97,6 +100,11 @@ class Qwen3_5Config:
     return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
   @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The layers with routed experts: every layer of the MoE variants, none of a dense one."""
+    return tuple(range(self.num_hidden_layers)) if self.num_experts else ()
+
+  @property
   def attention_layers(self) -> tuple[int, ...]:
     """The full-attention layers, in order (their index is their KV cache layer's)."""
     return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
@@ -128,6 +136,35 @@ class Qwen3_5Config:
       head_dim=self.head_dim,
       dtype=dtype,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyHeadGroups(WeightSpec):
+  """A `WeightSpec` whose rows (``in_proj_qkv``'s ``[q | k | v]``, the convolution's channels)
+  are kept grouped by key head (`jaxengine.models.gated_deltanet`'s "Channel order").
+
+  Attributes:
+    sections: the rows of q, k and v in the checkpoint (``Hk Dk, Hk Dk, Hv Dv``).
+    groups: ``Hk``; each section's rows are ``groups`` equal runs, one per key head.
+  """
+
+  sections: tuple[int, ...] = ()
+  groups: int = 1
+
+  def _order(self) -> np.ndarray:
+    hk = self.groups
+    q, _, v = self.sections
+    return key_head_order(hk, q // hk, hk, v // hk)
+
+  def to_param(self, tensor, param_shape: tuple[int, ...]):
+    """``[q | k | v]`` rows -> key head ``g``'s q, k and v rows together, for each ``g``."""
+    rows = tensor.reshape(sum(self.sections), -1)
+    return super().to_param(rows[self._order()], param_shape)
+
+  def from_param(self, value):
+    """The inverse of `to_param`: grouped rows back to the checkpoint's ``[q | k | v]``."""
+    rows = value.reshape(sum(self.sections), -1)
+    return super().from_param(rows[np.argsort(self._order())])
 
 
 def config_from_hf(hf: Mapping[str, Any], family: str) -> Qwen3_5Config:
@@ -272,11 +309,15 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
   ]
   if cfg.num_experts:
     common = common[:2]
+  key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+  sections, groups = (key_dim, key_dim, hv * dv), cfg.linear_num_key_heads
   for i, kind in enumerate(cfg.layer_types):
-    specs += [
-      WeightSpec(f"{p}layers.{i}.{suffix}", ("layers", i, *path), None, shape)
-      for suffix, path, shape in common + (linear if kind == LINEAR else full)
-    ]
+    for suffix, path, shape in common + (linear if kind == LINEAR else full):
+      name, leaf = f"{p}layers.{i}.{suffix}", cast(LeafPath, ("layers", i, *path))
+      if path[-1] in ("w_qkv", "conv"):
+        specs.append(KeyHeadGroups(name, leaf, None, shape, sections=sections, groups=groups))
+      else:
+        specs.append(WeightSpec(name, leaf, None, shape))
     if cfg.num_experts:
       specs += _moe_specs(cfg, i)
   return specs

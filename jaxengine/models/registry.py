@@ -160,8 +160,17 @@ def _gemma4_hf(name: str, family: str) -> ModelArchitecture:
   )
 
 
-#: Qwen3.5 hybrids run on one device (the engine refuses a mesh for them): nothing is split.
-QWEN3_5_SHARDING_RULES: Mapping[str, str] = {}
+#: Qwen3.5: Llama's names for the gated attention and the MLPs (the query projection's rows are
+#: ``[H, 2D]``, each head's query and gate together, so a row split is a head split); a Gated
+#: DeltaNet layer split by heads: its input projections, convolution taps and per-head decay
+#: parameters column-parallel (``w_qkv`` and ``conv``'s channels grouped by key head,
+#: `jaxengine.models.gated_deltanet`), ``w_out`` row-parallel. The shared expert's gate, the
+#: router and the norms are replicated.
+QWEN3_5_SHARDING_RULES: Mapping[str, str] = {
+  **LLAMA_SHARDING_RULES,
+  **dict.fromkeys(("w_qkv", "w_z", "w_b", "w_a", "conv", "a_log", "dt_bias"), COLUMN_PARALLEL),
+  "w_out": ROW_PARALLEL,
+}
 
 
 def _qwen3_5_hf(name: str, family: str) -> ModelArchitecture:

@@ -99,10 +99,9 @@ class ModelRunner:
     self.mesh = config.mesh
     mesh = None if self.mesh is None else parallel.check_mesh(self.mesh)
     model = prepared.model
-    #: The float model's checkpoint tensors by name (`load_weights` takes them).
-    self.weight_specs = prepared.weight_specs
-    #: The quantized matrices (`EngineConfig.quantization`), by leaf path; empty without.
-    self.quantized = prepared.quantized
+    #: The float model's checkpoint tensors by name (`load_weights` takes them), and the
+    #: quantized matrices (`EngineConfig.quantization`) by leaf path (empty without).
+    self.weight_specs, self.quantized = prepared.weight_specs, prepared.quantized
     self._weight_loader = WeightLoader(self.weight_specs, self.quantized)
     self._graphdef, weights = nnx.split(model)
     # The engine's own variables around the same arrays (no copy): later in-place updates of
@@ -129,8 +128,9 @@ class ModelRunner:
       model, config, self.kv_cache_groups, self.placement, self.max_model_len
     )
     self.kv_cache, self.num_blocks = cache.kv_cache, cache.num_blocks
-    #: Recurrent state slots the scheduler hands out (one per row), 0 without recurrent state.
-    self.num_state_slots = cache.num_state_slots
+    #: Recurrent state slots the scheduler hands out (one per row) and snapshot slots (prefix
+    #: caching, `core/state_snapshots.py`), 0 and 0 without recurrent state.
+    self.num_state_slots, self.num_state_snapshots = cache.num_state_slots, cache.num_snapshots
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
     #: `enable_return_routed_experts`.
     self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
@@ -416,6 +416,7 @@ class ModelRunner:
       lora=self.lora,
       sharding=sharding,
       state_slots=scheduled.state_slots if self.num_state_slots else None,
+      state_routes=scheduled.state_routes if self.num_state_snapshots else None,
     )
     if not drafted:
       return inputs, None
@@ -475,6 +476,7 @@ class ModelRunner:
       end_on_first_finish,
       lora=self.lora,
       sharding=self.input_sharding,
+      state_slots=scheduled.state_slots if self.num_state_slots else None,
     )
     output, kv_cache = run_steps(
       self.input_batch,

@@ -107,6 +107,10 @@ class DecodeStepsInputs:
     lora: None (an engine without `enable_lora`), or the LoRA adapters' device slots with each
       row's slot (`[R] int32`, 0: the base): every iteration's query token of row `r` is flat
       token `r`, so the row slots are the token slots.
+    state_slots: None (a model without recurrent state), or `[R] int32` each row's recurrent
+      state slot (`jaxengine.worker.recurrent_state`; 0, the null slot, for rows not scheduled
+      and padding rows); an iteration gives a row that no longer runs the null slot, so its
+      state stays where its last sampled token left it.
   """
 
   block_tables: jax.Array
@@ -116,6 +120,7 @@ class DecodeStepsInputs:
   stop_ids: jax.Array
   end_on_first_finish: jax.Array
   lora: LoRAInputs | None = None
+  state_slots: jax.Array | None = None
 
 
 class DeviceStopRules:
@@ -149,6 +154,7 @@ def decode_steps_inputs(
   end_on_first_finish: bool,
   lora: LoRAManager | None = None,
   sharding: jax.sharding.Sharding | None = None,
+  state_slots: Mapping[str, int] | None = None,
 ) -> DecodeStepsInputs:
   """A k-step loop's `DecodeStepsInputs` from the host, put on the device in one transfer.
 
@@ -162,6 +168,8 @@ def decode_steps_inputs(
     end_on_first_finish: end the loop once some row stops by a stop rule.
     lora: the runner's adapters (each row's slot an input), None without LoRA.
     sharding: where the inputs go, None: the default device.
+    state_slots: None (a model without recurrent state), or the recurrent state slot of each
+      scheduled row's completion by `seq_id` (`SchedulerOutput.state_slots`).
   """
   req_ids = batch.req_ids
   max_num_steps = np.zeros(num_rows, np.int32)
@@ -183,6 +191,11 @@ def decode_steps_inputs(
   )
   if lora is not None:  # row r's token is flat token r: one slot per row
     host += (lora.token_slots(req_ids, 1, num_rows),)
+  if state_slots is not None:
+    row_slots = np.zeros(num_rows, np.int32)
+    for seq_id in num_decode_steps:
+      row_slots[batch.req_id_to_index[seq_id]] = state_slots[seq_id]
+    host += (row_slots,)
   device = jax.device_put(host, sharding)  # one transfer for the loop's inputs
   return DecodeStepsInputs(
     block_tables=device[0],
@@ -191,7 +204,8 @@ def decode_steps_inputs(
     max_output_tokens=device[3],
     stop_ids=device[4],
     end_on_first_finish=device[5],
-    lora=None if lora is None else lora.inputs(device[-1]),
+    lora=None if lora is None else lora.inputs(device[6]),
+    state_slots=None if state_slots is None else device[-1],
   )
 
 
@@ -216,6 +230,7 @@ def _decode_metadata(
     query_start_loc=jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), inputs.num_reqs),
     seq_lens=jnp.where(rows < inputs.num_reqs, positions + 1, 0).astype(jnp.int32),
     num_reqs=inputs.num_reqs,
+    state_slots=(None if inputs.state_slots is None else jnp.where(running, inputs.state_slots, 0)),
   )
 
 

@@ -86,7 +86,7 @@ def moe_shape(model: Any) -> tuple[int, int]:
   if not moe_layers or not k:
     raise ValueError(
       f"enable_return_routed_experts=True needs a mixture-of-experts model (Qwen3-MoE, "
-      f"Mixtral); the model ({type(model).__name__}) has no MoE layers"
+      f"Mixtral, Qwen3.5-MoE); the model ({type(model).__name__}) has no MoE layers"
     )
   return len(moe_layers), int(k)
 

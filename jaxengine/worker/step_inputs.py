@@ -24,6 +24,7 @@ import numpy as np
 from jaxengine.batch import InputBatch
 from jaxengine.batch.block_table import BlockTable
 from jaxengine.core.scheduler import SchedulerOutput
+from jaxengine.core.state_snapshots import StateRoute
 from jaxengine.lora import LoRAManager
 from jaxengine.models.paged_attention import NULL_SLOT, PagedAttentionMetadata
 from jaxengine.worker.ragged_step import RaggedInputs
@@ -204,6 +205,7 @@ def ragged_inputs(
   lora: LoRAManager | None = None,
   sharding: jax.sharding.Sharding | None = None,
   state_slots: Mapping[str, int] | None = None,
+  state_routes: Mapping[str, StateRoute] | None = None,
 ) -> RaggedInputs:
   """A runner's step as `RaggedInputs`: the scheduled rows in row order, padded to the buckets.
 
@@ -223,6 +225,10 @@ def ragged_inputs(
     state_slots: None (a model without recurrent state), or each scheduled completion's
       recurrent state slot (`SchedulerOutput.state_slots`): the metadata's ``[R] int32``
       ``state_slots`` (0, the null slot, for padding rows).
+    state_routes: None, or with a hybrid model's prefix caching each scheduled completion's
+      `StateRoute` (`SchedulerOutput.state_routes`): the metadata's ``state_slots`` is then
+      ``[R, 4] int32``, per row its slot, source, snapshot slot and snapshot length
+      (`jaxengine.models.gated_deltanet.StepRows`).
   """
   rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
   seq_ids = [batch.req_ids[row] for row in rows]
@@ -259,8 +265,13 @@ def ragged_inputs(
     produced,
   )
   if state_slots is not None:  # each row's recurrent state slot, only for a hybrid model
-    row_slots = np.zeros(num_rows, np.int32)
-    row_slots[: len(seq_ids)] = [state_slots[s] for s in seq_ids]
+    own = [state_slots[s] for s in seq_ids]
+    if state_routes is None:
+      row_slots = np.zeros(num_rows, np.int32)
+      row_slots[: len(seq_ids)] = own
+    else:  # [R, 4]: slot, source, snapshot slot, snapshot length
+      row_slots = np.zeros((num_rows, 4), np.int32)
+      row_slots[: len(seq_ids)] = [(o, *state_routes[s]) for o, s in zip(own, seq_ids)]
     host += (row_slots,)
   if lora is not None:  # each token's adapter slot, only for a LoRA engine
     host += (lora.token_slots(seq_ids, counts, num_tokens),)

@@ -7,13 +7,17 @@ prefill) and a pool of pages too small for its requests at once (preemption) mus
 transformers' greedy tokens and prompt logprobs within 1e-4; seeded ``n > 1`` requests the same
 samples together as one by one; every recurrent state slot free at the end. The image-text
 checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' logprobs through
-`token_logprobs`. What the
-recurrent state does not carry yet is refused. Nothing here touches the network (transformers
+`token_logprobs`. ``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device
+engine (with a LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT
+adapter on every projection gives transformers + peft's tokens and logprobs. What the recurrent state does not
+carry yet is refused. Nothing here touches the network (transformers
 takes its PyTorch fallbacks of the linear layers' kernels).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import jax
@@ -24,9 +28,11 @@ import torch
 import transformers
 from flax import nnx
 from hf_reference import hf_greedy, hf_prompt_logprobs
+from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.models import token_logprobs
+from jaxengine.models.quantization import dequantize_rows, quantize_model, quantize_rows
 from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.qwen3_5_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
@@ -82,17 +88,63 @@ def checkpoint(tmp_path_factory):
   return directory, _write(directory)
 
 
+#: Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together; a
+#: LoRA slot (base requests add nothing from it).
+ENGINE = dict(
+  max_num_reqs=3,
+  max_model_len=48,
+  block_size=4,
+  num_kv_blocks=14,
+  max_num_batched_tokens=8,
+  enable_lora=True,
+  max_loras=1,
+  max_lora_rank=4,
+)
+#: PEFT's names of every projection of Qwen3.5 (the Gated DeltaNet's five, the gated
+#: attention's four, the MLP's three).
+LORA_TARGETS = [
+  *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+  *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+]
+
+
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-  """Chunks of 8 tokens; 13 usable pages of 4 positions for 3 requests needing 18 together."""
-  return je.LLM(
-    checkpoint[0],
-    max_num_reqs=3,
-    max_model_len=48,
-    block_size=4,
-    num_kv_blocks=14,
-    max_num_batched_tokens=8,
+  return je.LLM(checkpoint[0], **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint, tmp_path_factory):
+  """A rank-4 PEFT adapter on every projection (random ``lora_B`` too: PEFT starts it at zero)
+  and transformers' model with it applied."""
+  import peft
+
+  directory = tmp_path_factory.mktemp("qwen3_5_lora")
+  torch.manual_seed(1)
+  base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32)
+  config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+  model = peft.get_peft_model(base, config)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if "lora_" in name:
+        param.normal_(0.0, 0.3)
+  model.save_pretrained(directory)
+  return je.LoRARequest("all", 1, str(directory)), model.base_model.model.eval()
+
+
+def _greedy_with_prompt_logprobs(llm, prompts=PROMPTS, lora_request=None):
+  """Each prompt's greedy tokens and its prompt tokens' logprobs (after the first)."""
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
+  outputs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+  return [
+    (
+      list(out.outputs[0].token_ids),
+      [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])],
+    )
+    for prompt, out in zip(prompts, outputs)
+  ]
 
 
 def _free_state_slots(llm) -> int:
@@ -102,14 +154,9 @@ def _free_state_slots(llm) -> int:
 
 def test_greedy_and_prompt_logprobs_match_transformers_chunked_and_preempted(checkpoint, llm):
   _, hf_model = checkpoint
-  params = je.SamplingParams(
-    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
-  )
-  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
   worst = 0.0
-  for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
-    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+  for prompt, (tokens, got) in zip(PROMPTS, _greedy_with_prompt_logprobs(llm)):
+    assert tokens == hf_greedy(hf_model, prompt, MAX_TOKENS)
     worst = max(worst, float(np.abs(np.asarray(got) - hf_prompt_logprobs(hf_model, prompt)).max()))
   assert worst < 1e-4, worst
   stats = llm.llm_engine.kv_cache_stats
@@ -137,6 +184,163 @@ def test_seeded_samples_together_equal_one_by_one(checkpoint, llm):
   assert _free_state_slots(llm) == 3
 
 
+MESH_SCRIPT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jaxengine as je
+prompts, engine, max_tokens, adapter = json.loads(sys.argv[2])
+llm = je.LLM(sys.argv[1], tensor_parallel_size=2, **engine)
+params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+lora = je.LoRARequest("all", 1, adapter)
+outputs = [
+  (list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
+  for request in (None, lora)
+  for p, out in zip(prompts, llm.generate(prompts, params, lora_request=request, use_tqdm=False))
+]
+runner = llm.llm_engine.cores[0].runner
+shard = lambda a: list(a.addressable_shards[0].data.shape)
+mixer = runner.weights["layers"][0]["mixer"]
+pool = runner.kv_cache.recurrent
+print(json.dumps(dict(
+  w_qkv=shard(mixer["w_qkv"][...]), w_out=shard(mixer["w_out"][...]),
+  conv=shard(pool.conv[0]), delta=shard(pool.delta[0]),
+  outputs=outputs,
+  preempted=llm.llm_engine.kv_cache_stats.num_preemptions > 0,
+)))
+"""
+
+
+def test_two_device_mesh_equals_one_device(checkpoint, llm, adapter):
+  """``tensor_parallel_size=2``: the Gated DeltaNet layers split by heads (``w_qkv``'s 80
+  channels, ``w_out``'s 48 inputs and the state pool's windows and value heads in halves), the
+  gated attention and the MLP as Llama's; chunked prefill and preemption as in the one-device
+  engine: its greedy tokens, and its prompt logprobs within 1e-4, without and with the LoRA
+  adapter (its slots split as their base projections)."""
+  args = json.dumps([PROMPTS, ENGINE, MAX_TOKENS, adapter[0].lora_path])
+  out = json.loads(run_python(MESH_SCRIPT, os.fspath(checkpoint[0]), args).splitlines()[-1])
+  assert out["w_qkv"] == [40, 32] and out["w_out"] == [32, 24]
+  assert out["conv"] == [4, 3, 40] and out["delta"] == [4, 2, 8, 12]
+  assert out["preempted"]
+  one_device = _greedy_with_prompt_logprobs(llm)
+  one_device += _greedy_with_prompt_logprobs(llm, lora_request=adapter[0])
+  assert len(out["outputs"]) == len(one_device) == 2 * len(PROMPTS)
+  for (tokens, logprobs), (want_tokens, want) in zip(out["outputs"], one_device):
+    assert tokens == want_tokens
+    np.testing.assert_allclose(logprobs, want, atol=1e-4)
+
+
+def test_peft_adapter_on_every_projection_matches_transformers_with_peft(checkpoint, llm, adapter):
+  """A PEFT adapter on all twelve projections (``in_proj_qkv``'s update reordered into the
+  model's key-head groups): transformers + peft's greedy tokens and prompt logprobs within 1e-4,
+  through chunked prefill; the adapter moves the logprobs (else this would prove nothing)."""
+  request, hf_lora = adapter
+  got = _greedy_with_prompt_logprobs(llm, PROMPTS[:2], lora_request=request)
+  for prompt, (tokens, logprobs) in zip(PROMPTS[:2], got):
+    assert tokens == hf_greedy(hf_lora, prompt, MAX_TOKENS)
+    want = hf_prompt_logprobs(hf_lora, prompt)
+    np.testing.assert_allclose(logprobs, want, atol=1e-4)
+    assert np.abs(want - hf_prompt_logprobs(checkpoint[1], prompt)).max() > 0.1
+
+
+def _bits(values) -> np.ndarray:
+  return np.asarray(values, np.float32).view(np.uint32)
+
+
+def test_batch_invariant_bits_alone_in_a_shuffled_batch_and_in_token_logprobs(checkpoint, adapter):
+  """``batch_invariant=True`` (chunks of 8 tokens, 3 rows) with the k-step decode loop
+  (``num_decode_steps=4``, each row's state slot carried through it): three target prompts,
+  each alone and then in a shuffled batch of eight (every other request with the LoRA adapter),
+  give the same tokens and the same bits of sampled and prompt logprobs; a base target's are
+  `token_logprobs`' over the engine's weights, bit for bit (so the loop's tokens continued the
+  right states)."""
+  engine = je.LLM(checkpoint[0], batch_invariant=True, num_decode_steps=4, **ENGINE)
+  runner, loops = engine.llm_engine.runner, []
+  execute = runner.execute_decode_steps
+  runner.execute_decode_steps = lambda *a, **k: loops.append(1) or execute(*a, **k)
+  params = je.SamplingParams(
+    temperature=0, max_tokens=5, logprobs=0, prompt_logprobs=0, ignore_eos=True
+  )
+  rng = np.random.default_rng(5)
+  prompts = [
+    p.tolist() for p in (rng.integers(0, 96, size=n) for n in (3, 12, 21, 1, 9, 17, 6, 14))
+  ]
+  loras = [adapter[0] if i % 2 else None for i in range(len(prompts))]
+
+  def result(out, prompt):
+    sample = out.outputs[0]
+    sampled = [d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)]
+    prompt_values = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    return list(sample.token_ids), _bits(sampled), _bits(prompt_values)
+
+  alone = [
+    result(engine.generate([p], params, lora_request=r, use_tqdm=False)[0], p)
+    for p, r in zip(prompts[:3], loras)
+  ]
+  order = np.random.default_rng(1).permutation(len(prompts)).tolist()
+  outputs = engine.generate(
+    [prompts[i] for i in order], params, lora_request=[loras[i] for i in order], use_tqdm=False
+  )
+  mixed = dict(zip(order, outputs))
+  for i, (tokens, sampled, prompt_bits) in enumerate(alone):
+    got = result(mixed[i], prompts[i])
+    assert got[0] == tokens
+    np.testing.assert_array_equal(got[1], sampled)
+    np.testing.assert_array_equal(got[2], prompt_bits)
+  assert loops
+  served = runner.model
+  for i in (0, 2):  # the base requests
+    tokens, sampled, prompt_bits = alone[i]
+    trainer = token_logprobs(served, jnp.asarray([prompts[i] + tokens], jnp.int32), block_size=4)
+    np.testing.assert_array_equal(_bits(trainer[0]), np.concatenate([prompt_bits, sampled]))
+
+
+def test_gated_deltanet_row_bits_do_not_depend_on_the_number_of_rows():
+  """In batch-invariant mode a request's output and new state in a decode step are the same bits
+  among 64 requests as alone, with 128-wide key heads (where a plain sum along the last axis
+  of 64 rows differs in the last bits from one row's on XLA:CPU: the L2 norms)."""
+  from jaxengine.models.gated_deltanet import GatedDeltaNet, StepRows
+
+  hf = dict(TEXT, linear_key_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2)
+  layer = GatedDeltaNet(config_from_hf(hf, "qwen3_5"), dtype=jnp.float32, rngs=nnx.Rngs(3))
+  layer.set_attributes(batch_invariant=True)
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((64, 32)).astype(np.float32)
+  conv = rng.standard_normal((65, 3, layer.w_qkv.shape[0])).astype(np.float32)
+  delta = rng.standard_normal((65, 2, 128, 12)).astype(np.float32) * 0.1
+
+  @nnx.jit
+  def step(layer, x, conv, delta):
+    r = x.shape[0]
+    rows = StepRows(
+      starts=jnp.arange(r), lengths=jnp.ones(r, jnp.int32), slots=jnp.arange(1, r + 1),
+      fresh=jnp.zeros(r, bool), max_length=jnp.int32(1),
+    )  # fmt: skip
+    out, conv, delta = layer(x, conv, delta, rows)
+    return out[0], conv[1], delta[1]
+
+  alone = step(layer, x[:1], conv[:2], delta[:2])
+  among = step(layer, x, conv, delta)
+  for a, b in zip(alone, among):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_k_step_loop_gives_a_row_that_stopped_the_null_state_slot():
+  """A row that stops inside the k-step loop (its lookahead pages used up) while others go on
+  computes into the null slot 0 from then on, so its state stays that of its last sampled
+  token for the step after the loop."""
+  from jaxengine.worker.multi_step import DecodeStepsInputs, _decode_metadata
+
+  inputs = DecodeStepsInputs(
+    block_tables=jnp.ones((3, 4), jnp.int32), num_reqs=jnp.int32(3),
+    max_num_steps=jnp.asarray([4, 1, 0]), max_output_tokens=jnp.full(3, 9),
+    stop_ids=jnp.full((3, 1), -1), end_on_first_finish=jnp.bool_(False),
+    state_slots=jnp.asarray([2, 3, 1], jnp.int32),
+  )  # fmt: skip
+  running = jnp.asarray([True, False, False])
+  metadata = _decode_metadata(inputs, jnp.asarray([5, 6, 7]), running, block_size=4)
+  assert metadata.state_slots.tolist() == [2, 0, 0]
+
+
 def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   hf_model = _write(tmp_path, multimodal=True)
   model, config = load_safetensors(tmp_path)
@@ -147,9 +351,8 @@ def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
-def test_moe_checkpoint_matches_transformers(tmp_path):
-  """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
-  expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
   fields = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
   config = transformers.Qwen3_5MoeTextConfig(
     **fields,
@@ -161,12 +364,138 @@ def test_moe_checkpoint_matches_transformers(tmp_path):
   torch.manual_seed(0)
   hf_model = transformers.Qwen3_5MoeForCausalLM(config).eval()
   _randomise(hf_model, 0)
-  hf_model.save_pretrained(tmp_path)
-  model, loaded = load_safetensors(tmp_path)
+  directory = tmp_path_factory.mktemp("qwen3_5_moe")
+  hf_model.save_pretrained(directory)
+  return directory, hf_model
+
+
+def test_moe_checkpoint_matches_transformers(moe_checkpoint):
+  """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
+  expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
+  directory, hf_model = moe_checkpoint
+  model, loaded = load_safetensors(directory)
   assert loaded.num_experts == 4 and loaded.shared_expert_intermediate_size == 40
   for prompt in PROMPTS[:2]:
     got = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
     np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+
+
+def test_prefix_cache_hits_start_from_saved_states_and_give_transformers_tokens(checkpoint):
+  """With ``enable_prefix_caching=True`` states are saved at the last block boundary each prefill
+  chunk reaches (a budget of 40 tokens, blocks of 4). A prompt of 45 tokens, its first chunk of
+  40 run in chunks of the delta rule (`jaxengine.models.delta_rule.by_chunk`), gives
+  transformers' prompt logprobs and greedy tokens; repeated, it hits 44 tokens (its last full
+  block); a prompt sharing its first 40 (the first chunk's end) hits 40; each gives transformers'
+  tokens and the logprobs computed from scratch. After `reset_prefix_cache` nothing hits."""
+  hf_model = checkpoint[1]
+  llm = je.LLM(checkpoint[0], max_num_reqs=2, max_model_len=64, block_size=4,
+               max_num_batched_tokens=40, enable_prefix_caching=True)  # fmt: skip
+  prompt = [(7 * i + 3) % TEXT["vocab_size"] for i in range(45)]
+  sibling = [*prompt[:40], 40, 41, 42, 43, 44]
+
+  def run(tokens, prompt_logprobs=None):
+    params = je.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
+                               prompt_logprobs=prompt_logprobs)  # fmt: skip
+    before = llm.llm_engine.kv_cache_stats.prefix_cache_hits
+    (out,) = llm.generate([tokens], params, use_tqdm=False)
+    ids = list(out.outputs[0].token_ids)
+    logprobs = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, ids)]
+    hits = llm.llm_engine.kv_cache_stats.prefix_cache_hits - before
+    return out, ids, np.asarray(logprobs), hits
+
+  out, first, first_logprobs, hits = run(prompt, prompt_logprobs=0)
+  assert hits == 0 and first == hf_greedy(hf_model, prompt, MAX_TOKENS)
+  got = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])]
+  np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
+  _, again, again_logprobs, hits = run(prompt)
+  assert hits == 44 and again == first
+  np.testing.assert_allclose(again_logprobs, first_logprobs, atol=1e-5)
+  _, shared, _, hits = run(sibling)
+  assert hits == 40 and shared == hf_greedy(hf_model, sibling, MAX_TOKENS)
+  llm.reset_prefix_cache()
+  _, after_reset, _, hits = run(prompt)
+  assert hits == 0 and after_reset == first
+  assert _free_state_slots(llm) == 2
+
+
+def test_moe_routed_experts_are_transformers_router_top_k_and_replay(moe_checkpoint):
+  """``enable_return_routed_experts`` on the MoE hybrid (chunked prefill): each completion's
+  ``[T - 1, 4 layers, 2]`` experts are transformers' router top-2 at every fed position, and
+  replaying them through `token_logprobs` gives the logprobs of routing afresh."""
+  directory, hf_model = moe_checkpoint
+  engine = je.LLM(
+    directory, enable_return_routed_experts=True, max_num_reqs=2, max_model_len=32,
+    block_size=4, max_num_batched_tokens=8,
+  )  # fmt: skip
+  params = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+  model = load_safetensors(directory)[0]
+  for prompt, out in zip(PROMPTS[:2], engine.generate(PROMPTS[:2], params, use_tqdm=False)):
+    completion = out.outputs[0]
+    fed = prompt + list(completion.token_ids[:-1])
+    with torch.no_grad():
+      logits = hf_model(torch.tensor([fed]), output_router_logits=True).router_logits
+    want = np.stack([torch.topk(x.double(), 2, dim=-1).indices.numpy() for x in logits], axis=1)
+    assert completion.routed_experts.shape == (len(fed), 4, 2)
+    np.testing.assert_array_equal(completion.routed_experts, want)
+    ids = jnp.asarray([fed + [completion.token_ids[-1]]], jnp.int32)
+    replayed = token_logprobs(model, ids, routed_experts=completion.routed_experts[None])
+    np.testing.assert_allclose(replayed, token_logprobs(model, ids), atol=1e-6)
+    other = (completion.routed_experts[None] + 1) % 4
+    assert np.abs(token_logprobs(model, ids, routed_experts=other) - replayed).max() > 1e-3
+
+
+def _dequantized(model, quantization: str):
+  """A float copy of `model` whose ``QUANTIZABLE`` projections are their quantized values times
+  their scales: what a quantized engine computes, in float."""
+  graphdef, state = nnx.split(model)
+  copy = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+  for _, module in nnx.iter_modules(copy):
+    for name, axes in getattr(type(module), "QUANTIZABLE", {}).items():
+      w = getattr(module, name)[...]
+      rows = quantize_rows(w, quantization=quantization, in_axes=axes)
+      setattr(module, name, nnx.Param(dequantize_rows(rows).astype(w.dtype)))
+  return copy
+
+
+def test_quantized_projections_and_what_stays_float(checkpoint):
+  """``quantization``: every layer's projections (a linear layer's five, the gated attention's
+  four, the MLP's three) are quantized; the convolution taps, decay parameters, norms,
+  embedding and output head stay float32. Through `token_logprobs`, int8 and fp8 models equal
+  their dequantized float copies within 1e-4."""
+  model, _ = load_safetensors(checkpoint[0])
+  quantized = quantize_model(model, "int8")
+  names = {".".join(map(str, path[2:])) for path in quantized.leaves if path[1] in (0, 3)}
+  assert names == {
+    *(f"mixer.{w}" for w in ("w_qkv", "w_z", "w_b", "w_a", "w_out", "wq", "wk", "wv", "wo")),
+    *(f"mlp.{w}" for w in ("w_gate", "w_up", "w_down")),
+  }
+  assert len(quantized.leaves) == 3 * 8 + 7
+  prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
+  for fmt in ("int8", "fp8"):
+    got = token_logprobs(quantize_model(model, fmt).model, prompt)
+    np.testing.assert_allclose(got, token_logprobs(_dequantized(model, fmt), prompt), atol=1e-4)
+
+
+def test_int8_engine_computes_its_dequantized_weights(checkpoint, llm):
+  """An int8 engine (chunked prefill, preemption): its prompt logprobs and its greedy tokens'
+  logprobs are those of the dequantized float model (`token_logprobs` over prompt and
+  completion) within 1e-4; against the float engine its prompt logprobs stay within 0.5
+  (measured 0.26: this random model is sensitive to its weights' rounding, each MLP matrix alone
+  moving logprobs by 0.05-0.08 where the tiny Llama's whole int8 model moves them by 0.02)."""
+  engine = je.LLM(checkpoint[0], quantization="int8", **ENGINE)
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0, logprobs=0
+  )
+  reference = _dequantized(load_safetensors(checkpoint[0])[0], "int8")
+  outputs = engine.generate(PROMPTS, params, use_tqdm=False)
+  for prompt, out, (_, float_logprobs) in zip(PROMPTS, outputs, _greedy_with_prompt_logprobs(llm)):
+    tokens = list(out.outputs[0].token_ids)
+    got = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    got += [e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens)]
+    want = token_logprobs(reference, jnp.asarray([prompt + tokens], jnp.int32))[0]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert np.abs(np.asarray(got[: len(prompt) - 1]) - float_logprobs).max() < 0.5
+  assert engine.llm_engine.kv_cache_stats.num_preemptions > 0
 
 
 def _module() -> Qwen3_5:
@@ -177,13 +506,9 @@ def _module() -> Qwen3_5:
 @pytest.mark.parametrize(
   "option",
   [
-    dict(enable_prefix_caching=True),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-    dict(num_decode_steps=4),
     dict(scan_layers=True),
-    dict(enable_lora=True),
-    dict(quantization="int8"),
-    dict(batch_invariant=True),
+    dict(enable_return_routed_experts=True),  # a dense model: no MoE layers
   ],
   ids=lambda option: next(iter(option)),
 )
