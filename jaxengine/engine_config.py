@@ -97,8 +97,8 @@ class EngineConfig:
       `worker/verify_step.py`).
     enable_prefix_caching: share the pages of full `block_size`-token prompt blocks between
       requests that start alike; None (default) or True: on; False: off. See `prefix_caching`.
-      A hybrid model (Qwen3.5) caches prefixes only with True, which adds snapshot slots of its
-      recurrent state (`jaxengine/core/state_snapshots.py`); None leaves it off.
+      A hybrid model (Qwen3.5) caches prefixes only with True, with snapshot slots of its state
+      (`jaxengine/core/state_snapshots.py`).
     kv_cache_memory_bytes: bytes of the paged KV cache (vLLM's name): keys and values of all
       layers (on a mesh: per device, whose share of each page is its key/value heads). None
       (default): `num_kv_blocks` if given, else `jaxengine.worker.kv_cache_size`'s default:
@@ -198,10 +198,9 @@ class EngineConfig:
       per expert and output row; its router stays in the model dtype. `load_weights`
       re-quantizes float weights on the way in. Needs a model whose modules declare
       ``QUANTIZABLE`` projections (Llama, Gemma, Qwen3.5 with its Gated DeltaNet projections,
-      their mixture-of-experts blocks). With a mesh
-      each device quantizes its own shard of the placed float weights: the values keep the
-      float weight's sharding, the scales are split like its output axes or replicated
-      (`jaxengine.parallel`).
+      their mixture-of-experts blocks). With a mesh each device quantizes its own shard of the
+      placed float weights: the values keep the float weight's sharding, the scales are split
+      like its output axes or replicated (`jaxengine.parallel`).
     scan_layers: the decoder layers as one `jax.lax.scan` over stacked weights and a stacked KV
       cache, compile time flat with depth (`jaxengine.models.layer_scan`; the Llama family,
       Gemma 2 and 3 over their local/global group, True refused for others). None (default):

@@ -234,8 +234,7 @@ class KVCacheManager:
     return hit
 
   def uncount_hit_tokens(self, num_tokens: int) -> None:
-    """Takes back hit tokens of `get_computed_blocks` the caller did not use (a hybrid model's
-    prefix past its last saved state, `core/state_snapshots.py`)."""
+    """Takes back hit tokens the caller did not use (`core/state_snapshots.py`)."""
     self._counts["hits"] -= num_tokens
 
   def first_window_block(self, group: int, num_computed_tokens: int) -> int:

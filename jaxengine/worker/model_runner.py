@@ -128,8 +128,7 @@ class ModelRunner:
       model, config, self.kv_cache_groups, self.placement, self.max_model_len
     )
     self.kv_cache, self.num_blocks = cache.kv_cache, cache.num_blocks
-    #: Recurrent state slots the scheduler hands out (one per row) and snapshot slots (prefix
-    #: caching, `core/state_snapshots.py`), 0 and 0 without recurrent state.
+    #: Recurrent state slots given to rows and snapshot slots (`core/state_snapshots.py`), or 0.
     self.num_state_slots, self.num_state_snapshots = cache.num_state_slots, cache.num_snapshots
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
     #: `enable_return_routed_experts`.
