@@ -202,9 +202,8 @@ class EngineConfig:
       placed float weights: the values keep the float weight's sharding, the scales are split
       like its output axes or replicated (`jaxengine.parallel`).
     scan_layers: the decoder layers as one `jax.lax.scan` over stacked weights and a stacked KV
-      cache, compile time flat with depth (`jaxengine.models.layer_scan`; the Llama family,
-      Gemma 2 and 3 over their local/global group, True refused for others). None (default):
-      on TPU and GPU, not on CPU (slower steps there).
+      cache, compile time flat with depth (`jaxengine.models.layer_scan`; Llama, Gemma 2 and 3
+      by local/global group, True refused for others). None: on TPU and GPU, not on CPU.
     enable_return_routed_experts: give each finished completion the experts a
       mixture-of-experts model's router chose at every position (vLLM's name;
       `CompletionOutput.routed_experts`, `jaxengine/worker/routed_experts.py`), for RL
