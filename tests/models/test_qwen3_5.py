@@ -7,11 +7,14 @@ prefill) and a pool of pages too small for its requests at once (preemption) mus
 transformers' greedy tokens and prompt logprobs within 1e-4; seeded ``n > 1`` requests the same
 samples together as one by one; every recurrent state slot free at the end. The image-text
 checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' logprobs through
-`token_logprobs`. ``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device
-engine (with a LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT
-adapter on every projection gives transformers + peft's tokens and logprobs. What the recurrent state does not
-carry yet is refused. Nothing here touches the network (transformers
-takes its PyTorch fallbacks of the linear layers' kernels).
+`token_logprobs`, the MoE one its router's experts through ``enable_return_routed_experts``.
+``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device engine (with a
+LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT adapter on every
+projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
+k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
+What the recurrent state does not carry yet (prefix caching, speculative decoding, scanned
+layers) is refused. Nothing here touches the network (transformers takes its PyTorch fallbacks
+of the linear layers' kernels).
 """
 
 from __future__ import annotations
@@ -479,6 +482,39 @@ def test_features_the_state_does_not_carry_are_refused(option):
   field = next(iter(option))
   with pytest.raises(ValueError, match=f"{field}=.*Qwen3_5"):
     je.LLM(_module(), max_num_reqs=2, max_model_len=32, **option)
+
+
+def test_named_weights_give_back_the_checkpoint_tensors(checkpoint):
+  """`named_weights` (what `LLM.load_weights` takes) returns every tensor in the checkpoint's
+  layout: ``in_proj_qkv``'s and ``conv1d``'s rows back in ``[q | k | v]`` order from the
+  model's key-head groups (which differ from it: 2 key heads)."""
+  import safetensors.numpy
+
+  from jaxengine.models import named_weights
+
+  model, _ = load_safetensors(checkpoint[0])
+  tensors = safetensors.numpy.load_file(checkpoint[0] / "model.safetensors")
+  named = {name: np.asarray(value) for name, value in named_weights(model)}
+  assert named.keys() == tensors.keys()
+  for name, value in named.items():
+    np.testing.assert_array_equal(value, tensors[name], err_msg=name)
+  stored = np.asarray(model.layers[0].mixer.w_qkv[...])
+  assert not np.array_equal(stored, tensors["model.layers.0.linear_attn.in_proj_qkv.weight"])
+
+
+def test_a_model_axis_that_does_not_divide_the_key_heads_is_refused():
+  """The Gated DeltaNet layers split by key head: 4 devices for 2 key heads are refused before
+  anything is built (the config's other fields as the engine's defaults)."""
+  import types
+
+  from jaxengine.worker.recurrent_state import check_hybrid_config
+
+  config = types.SimpleNamespace(
+    enable_prefix_caching=None, speculative_config=None, scan_layers=False,
+    tensor_parallel_size=4, mesh=None,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .* linear_num_key_heads=2"):
+    check_hybrid_config(_module(), config)
 
 
 def test_config_defaults_and_refusals():
