@@ -546,11 +546,29 @@ def test_state_pool_comes_out_of_kv_cache_memory_bytes():
     je.LLM(model, kv_cache_memory_bytes=pool_bytes, **kw)
 
 
-def test_ahead_of_time_compilation_refuses_the_hybrid(checkpoint):
-  from jaxengine.aot.executables import abstract_engine
+def test_ahead_of_time_compilation_lowers_the_steps_with_the_state_pool(checkpoint):
+  """`jaxengine compile`'s engine (`abstract_engine`, here for this CPU): the state pool beside
+  the pages (its bytes in the memory plan), the ragged step and the k-step loop lowered with the
+  rows' state slots; what the runner refuses for a hybrid model is refused here too."""
+  from jaxengine.aot.executables import abstract_engine, engine_executables
+  from jaxengine.aot.memory_plan import memory_plan
   from jaxengine.engine_config import EngineConfig
 
-  with pytest.raises(ValueError, match=r"ahead-of-time compilation .* Qwen3_5"):
+  config = EngineConfig(max_num_reqs=2, max_num_batched_tokens=8, num_decode_steps=2)
+  engine = abstract_engine(str(checkpoint[0]), config, jax.devices(), jnp.float32, "cpu")
+  pool_bytes = 3 * load_safetensors(checkpoint[0])[0].recurrent_state_spec.bytes_per_slot
+  with_pool = memory_plan(engine, 2**30).other
+  engine.recurrent_pool = lambda: None  # the same engine's plan without a pool
+  assert with_pool == memory_plan(engine, 2**30).other + pool_bytes
+  del engine.recurrent_pool
+  engine.set_num_blocks(8)
+  assert engine.kv_cache.recurrent.delta[0].shape == (3, 4, 8, 12)
+  executables = {e.name: e for e in engine_executables(engine)}
+  for name in ("ragged_step", "decode_steps"):
+    executables[name].lower()  # the model's state slots traced: StepRows needs them
+  spec = {"method": "ngram", "num_speculative_tokens": 2}
+  with pytest.raises(ValueError, match=r"speculative_config=.* Qwen3_5"):
     abstract_engine(
-      str(checkpoint[0]), EngineConfig(max_num_reqs=2), jax.devices(), jnp.float32, "cpu"
-    )
+      str(checkpoint[0]), config.replace(speculative_config=spec), jax.devices(), jnp.float32,
+      "cpu",
+    )  # fmt: skip
