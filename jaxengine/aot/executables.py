@@ -52,6 +52,7 @@ from jaxengine.worker.recurrent_state import (
   check_hybrid_config,
   pool_shardings,
   recurrent_state_spec,
+  state_pool,
 )
 from jaxengine.worker.step_inputs import ragged_inputs
 from jaxengine.worker.verify_step import ragged_drafts
@@ -175,7 +176,7 @@ class AbstractEngine:
     spec = recurrent_state_spec(self.model)
     if spec is None:
       return None
-    pool = jax.eval_shape(lambda: spec.create(self.config.max_num_reqs + 1))
+    pool = jax.eval_shape(lambda: state_pool(spec, self.config))  # the runner's slots
     mesh = self.placement.mesh if self.placement is not None else None
     return self.sharded(pool, None if mesh is None else pool_shardings(pool, mesh))
 
