@@ -48,7 +48,12 @@ from jaxengine.worker.lora_loader import lora_manager
 from jaxengine.worker.multi_step import DecodeStepsInputs, DeviceStopRules, decode_steps_inputs
 from jaxengine.worker.placement import MeshPlacement
 from jaxengine.worker.ragged_step import RaggedInputs
-from jaxengine.worker.recurrent_state import recurrent_state_spec
+from jaxengine.worker.recurrent_state import (
+  check_hybrid_config,
+  pool_shardings,
+  recurrent_state_spec,
+  state_pool,
+)
 from jaxengine.worker.step_inputs import ragged_inputs
 from jaxengine.worker.verify_step import ragged_drafts
 
@@ -122,7 +127,8 @@ class AbstractEngine:
     steps: the jitted steps (`worker/device_steps.py`); set by `set_num_blocks` (on a mesh
       their shardings name the pool's).
     num_blocks: pages of the pool (the null page included); set by `set_num_blocks`.
-    kv_cache: the pool as shapes with their shardings; set by `set_num_blocks`.
+    kv_cache: the pool as shapes with their shardings (a hybrid model's recurrent state
+      pool in its ``recurrent``, `worker/recurrent_state.py`); set by `set_num_blocks`.
     lora: the LoRA slots with `enable_lora`, else None.
   """
 
@@ -164,18 +170,34 @@ class AbstractEngine:
     """A step's inputs' shardings (None: as `sharded`'s default), the LoRA slots' on a mesh."""
     return None if self.placement is None else self.placement.step_inputs_shardings(inputs_type)
 
+  def recurrent_pool(self) -> Any:
+    """A hybrid model's recurrent state pool (`worker/recurrent_state.py`) as shapes with the
+    runner's shardings, None for a model without recurrent state."""
+    spec = recurrent_state_spec(self.model)
+    if spec is None:
+      return None
+    pool = jax.eval_shape(lambda: state_pool(spec, self.config))  # the runner's slots
+    mesh = self.placement.mesh if self.placement is not None else None
+    return self.sharded(pool, None if mesh is None else pool_shardings(pool, mesh))
+
   def set_num_blocks(self, num_blocks: int) -> None:
-    """Sizes the pool: `num_blocks` pages (the null page included), as shapes."""
+    """Sizes the pool: `num_blocks` pages (the null page included), as shapes, and a hybrid
+    model's recurrent state pool beside them."""
     cfg = self.config
     cache = jax.eval_shape(
       lambda: PagedKVCache.create(
         self.page_spec, self.backend, num_blocks, cfg.block_size, self.layer_groups
       )
     )
+    pool = self.recurrent_pool()
     shardings = None
     if self.placement is not None:
       shardings = self.placement.kv_pages_shardings(cache, self.backend)
+      if pool is not None:
+        shardings = dataclasses.replace(shardings, recurrent=jax.tree.map(_sharding, pool))
       self.placement.kv_pages = shardings
+    if pool is not None:
+      cache = dataclasses.replace(cache, recurrent=pool)
     self.num_blocks, self.kv_cache = num_blocks, self.sharded(cache, shardings)
     self.steps = placed_device_steps(
       self.graphdef, self.mesh, self.placement, self.model.vocab_size
@@ -192,6 +214,10 @@ def _executable(
   if engine.placement is not None or name != "decode_steps":
     return Executable(name, shape, jitted, (*args, *static.values()), {}, step)
   return Executable(name, shape, jitted, args, static, step)
+
+
+def _sharding(x: jax.ShapeDtypeStruct) -> Any:
+  return x.sharding
 
 
 def _spec(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -227,11 +253,7 @@ def abstract_engine(
   model_config = scan_config(architecture.read_config(hf), config.scan_layers, platform)
   config = config.for_model(model_config.max_position_embeddings).data_parallel_groups()[0]
   model = cast(Model, abstract_module(architecture.module, model_config, dtype))
-  if recurrent_state_spec(model) is not None:  # its steps take a state pool and slots
-    raise ValueError(
-      f"ahead-of-time compilation does not support the hybrid model {type(model).__name__} "
-      "(recurrent state slots) yet; build the engine where it runs"
-    )
+  check_hybrid_config(model, config)  # what a hybrid model refuses, as the runner does
   eos = eos_token_ids(model_dir) or [0]
   batch = config_input_batch(config, model.vocab_size, eos)
   mesh = config.mesh
@@ -316,6 +338,10 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
   logits_sharding = placement.logits_sharding(vocab) if placement else None
   empty = SchedulerOutput([], {}, {}, {}, [])
   block_table = cast(BlockTable, batch.block_table)
+  # A hybrid model's steps take each row's state slot (`worker/recurrent_state.py`).
+  state_slots: dict[str, int] | None = (
+    {} if getattr(engine.kv_cache, "recurrent", None) is not None else None
+  )
   k = config.num_speculative_tokens
   columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
   sampled: set[tuple] = set()
@@ -329,7 +355,8 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
       def step_inputs(sample_rows: int) -> Any:
         return engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
                                             block_size=config.block_size, lora=engine.lora,
-                                            num_sample_rows=sample_rows),
+                                            num_sample_rows=sample_rows,
+                                            state_slots=state_slots),
                               engine.inputs_shardings(RaggedInputs))  # fmt: skip
 
       sample_rows = step_buckets.sample_rows(num_rows, row_buckets)
@@ -367,7 +394,8 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
     stop_rules = DeviceStopRules(batch, config.resolved_max_model_len)
     for num_rows in row_buckets:
       inputs = engine.sharded(decode_steps_inputs(
-        batch, block_table, {}, num_rows, stop_rules, {}, False, lora=engine.lora
+        batch, block_table, {}, num_rows, stop_rules, {}, False, lora=engine.lora,
+        state_slots=state_slots,
       ), engine.inputs_shardings(DecodeStepsInputs))  # fmt: skip
       yield _executable(
         engine,

@@ -49,7 +49,7 @@ class MemoryPlan:
 
   Attributes:
     weights: the model's weights (its shard on a mesh), LoRA slots included.
-    other: the batch's state and sampling metadata.
+    other: the batch's state and sampling metadata, and a hybrid model's recurrent state pool.
     temp: the largest temporary of the compiled executables (0: none compiled, not known).
     per_block: one page (`group_size` layers of `block_size` positions; this device's share).
     num_blocks: the pages the engine allocates (the null page included).
@@ -207,6 +207,9 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
   other += bytes_per_device(
     engine.sharded(engine.batch.sampling_metadata, placement.metadata if placement else None)
   )
+  pool = getattr(engine, "recurrent_pool", lambda: None)()  # a hybrid model's state slots
+  pool_bytes = 0 if pool is None else bytes_per_device(pool)
+  other += pool_bytes
   budget = int(config.gpu_memory_utilization * hbm) - weights - other - temp
   fit_blocks = max(budget, 0) // per_block
   per_req = engine.num_blocks_per_req
@@ -218,7 +221,7 @@ def memory_plan(engine: Any, hbm: int, temp: int = 0) -> MemoryPlan:
     num_blocks = fit_blocks = config.num_kv_blocks
     fixed_pool = f"num_kv_blocks={config.num_kv_blocks}"
   elif config.kv_cache_memory_bytes is not None:
-    num_blocks = fit_blocks = config.kv_cache_memory_bytes // per_block
+    num_blocks = fit_blocks = (config.kv_cache_memory_bytes - pool_bytes) // per_block
     fixed_pool = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
   max_model_len = config.resolved_max_model_len
   token_ids = getattr(engine.batch.state, "token_ids", None)  # [R, max_model_len]

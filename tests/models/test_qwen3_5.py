@@ -7,11 +7,14 @@ prefill) and a pool of pages too small for its requests at once (preemption) mus
 transformers' greedy tokens and prompt logprobs within 1e-4; seeded ``n > 1`` requests the same
 samples together as one by one; every recurrent state slot free at the end. The image-text
 checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' logprobs through
-`token_logprobs`. ``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device
-engine (with a LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT
-adapter on every projection gives transformers + peft's tokens and logprobs. What the recurrent state does not
-carry yet is refused. Nothing here touches the network (transformers
-takes its PyTorch fallbacks of the linear layers' kernels).
+`token_logprobs`, the MoE one its router's experts through ``enable_return_routed_experts``.
+``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device engine (with a
+LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT adapter on every
+projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
+k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
+What the recurrent state does not carry yet (prefix caching, speculative decoding, scanned
+layers) is refused. Nothing here touches the network (transformers takes its PyTorch fallbacks
+of the linear layers' kernels).
 """
 
 from __future__ import annotations
@@ -518,6 +521,39 @@ def test_features_the_state_does_not_carry_are_refused(option):
     je.LLM(_module(), max_num_reqs=2, max_model_len=32, **option)
 
 
+def test_named_weights_give_back_the_checkpoint_tensors(checkpoint):
+  """`named_weights` (what `LLM.load_weights` takes) returns every tensor in the checkpoint's
+  layout: ``in_proj_qkv``'s and ``conv1d``'s rows back in ``[q | k | v]`` order from the
+  model's key-head groups (which differ from it: 2 key heads)."""
+  import safetensors.numpy
+
+  from jaxengine.models import named_weights
+
+  model, _ = load_safetensors(checkpoint[0])
+  tensors = safetensors.numpy.load_file(checkpoint[0] / "model.safetensors")
+  named = {name: np.asarray(value) for name, value in named_weights(model)}
+  assert named.keys() == tensors.keys()
+  for name, value in named.items():
+    np.testing.assert_array_equal(value, tensors[name], err_msg=name)
+  stored = np.asarray(model.layers[0].mixer.w_qkv[...])
+  assert not np.array_equal(stored, tensors["model.layers.0.linear_attn.in_proj_qkv.weight"])
+
+
+def test_a_model_axis_that_does_not_divide_the_key_heads_is_refused():
+  """The Gated DeltaNet layers split by key head: 4 devices for 2 key heads are refused before
+  anything is built (the config's other fields as the engine's defaults)."""
+  import types
+
+  from jaxengine.worker.recurrent_state import check_hybrid_config
+
+  config = types.SimpleNamespace(
+    enable_prefix_caching=None, speculative_config=None, scan_layers=False,
+    tensor_parallel_size=4, mesh=None,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .* linear_num_key_heads=2"):
+    check_hybrid_config(_module(), config)
+
+
 def test_config_defaults_and_refusals():
   hf = dict(TEXT, layer_types=None, num_hidden_layers=8, rope_parameters=None)
   config = config_from_hf(hf, "qwen3_5")
@@ -547,11 +583,29 @@ def test_state_pool_comes_out_of_kv_cache_memory_bytes():
     je.LLM(model, kv_cache_memory_bytes=pool_bytes, **kw)
 
 
-def test_ahead_of_time_compilation_refuses_the_hybrid(checkpoint):
-  from jaxengine.aot.executables import abstract_engine
+def test_ahead_of_time_compilation_lowers_the_steps_with_the_state_pool(checkpoint):
+  """`jaxengine compile`'s engine (`abstract_engine`, here for this CPU): the state pool beside
+  the pages (its bytes in the memory plan), the ragged step and the k-step loop lowered with the
+  rows' state slots; what the runner refuses for a hybrid model is refused here too."""
+  from jaxengine.aot.executables import abstract_engine, engine_executables
+  from jaxengine.aot.memory_plan import memory_plan
   from jaxengine.engine_config import EngineConfig
 
-  with pytest.raises(ValueError, match=r"ahead-of-time compilation .* Qwen3_5"):
+  config = EngineConfig(max_num_reqs=2, max_num_batched_tokens=8, num_decode_steps=2)
+  engine = abstract_engine(str(checkpoint[0]), config, jax.devices(), jnp.float32, "cpu")
+  pool_bytes = 3 * load_safetensors(checkpoint[0])[0].recurrent_state_spec.bytes_per_slot
+  with_pool = memory_plan(engine, 2**30).other
+  engine.recurrent_pool = lambda: None  # the same engine's plan without a pool
+  assert with_pool == memory_plan(engine, 2**30).other + pool_bytes
+  del engine.recurrent_pool
+  engine.set_num_blocks(8)
+  assert engine.kv_cache.recurrent.delta[0].shape == (3, 4, 8, 12)
+  executables = {e.name: e for e in engine_executables(engine)}
+  for name in ("ragged_step", "decode_steps"):
+    executables[name].lower()  # the model's state slots traced: StepRows needs them
+  spec = {"method": "ngram", "num_speculative_tokens": 2}
+  with pytest.raises(ValueError, match=r"speculative_config=.* Qwen3_5"):
     abstract_engine(
-      str(checkpoint[0]), EngineConfig(max_num_reqs=2), jax.devices(), jnp.float32, "cpu"
-    )
+      str(checkpoint[0]), config.replace(speculative_config=spec), jax.devices(), jnp.float32,
+      "cpu",
+    )  # fmt: skip
