@@ -50,6 +50,7 @@ from jaxengine.worker.placement import MeshPlacement
 from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.recurrent_state import (
   check_hybrid_config,
+  num_snapshots,
   pool_shardings,
   recurrent_state_spec,
   state_pool,
@@ -342,6 +343,8 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
   state_slots: dict[str, int] | None = (
     {} if getattr(engine.kv_cache, "recurrent", None) is not None else None
   )
+  # With its prefix caching, also where each row reads and saves state (`core/state_snapshots.py`).
+  state_routes: dict | None = {} if state_slots is not None and num_snapshots(config) else None
   k = config.num_speculative_tokens
   columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
   sampled: set[tuple] = set()
@@ -356,7 +359,8 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
         return engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
                                             block_size=config.block_size, lora=engine.lora,
                                             num_sample_rows=sample_rows,
-                                            state_slots=state_slots),
+                                            state_slots=state_slots,
+                                            state_routes=state_routes),
                               engine.inputs_shardings(RaggedInputs))  # fmt: skip
 
       sample_rows = step_buckets.sample_rows(num_rows, row_buckets)

@@ -271,7 +271,8 @@ def ragged_inputs(
       row_slots[: len(seq_ids)] = own
     else:  # [R, 4]: slot, source, snapshot slot, snapshot length
       row_slots = np.zeros((num_rows, 4), np.int32)
-      row_slots[: len(seq_ids)] = [(o, *state_routes[s]) for o, s in zip(own, seq_ids)]
+      routes = [(o, *state_routes[s]) for o, s in zip(own, seq_ids)]
+      row_slots[: len(seq_ids)] = np.asarray(routes, np.int32).reshape(-1, 4)
     host += (row_slots,)
   if lora is not None:  # each token's adapter slot, only for a LoRA engine
     host += (lora.token_slots(seq_ids, counts, num_tokens),)

@@ -39,6 +39,7 @@ from jaxengine.models.quantization import dequantize_rows, quantize_model, quant
 from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.qwen3_5_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
+from jaxengine.testing import count_compiles
 
 TEXT = dict(
   vocab_size=96,
@@ -419,6 +420,16 @@ def test_prefix_cache_hits_start_from_saved_states_and_give_transformers_tokens(
   _, after_reset, _, hits = run(prompt)
   assert hits == 0 and after_reset == first
   assert _free_state_slots(llm) == 2
+  # The background compile's executables take the steps' inputs as the engine passes them:
+  # lowering the one-row decode step it ran compiles nothing.
+  from jaxengine.aot.executables import engine_executables
+  from jaxengine.entrypoints.background_compile import RunnerParts
+
+  parts = RunnerParts.of(llm.llm_engine.cores[0])
+  (decode,) = [e for e in engine_executables(parts) if e.shape == "tokens=1 rows=1"]
+  with count_compiles() as compiles:
+    decode.lower().compile()
+  assert compiles.count == 0
 
 
 def test_moe_routed_experts_are_transformers_router_top_k_and_replay(moe_checkpoint):
