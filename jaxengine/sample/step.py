@@ -80,6 +80,7 @@ from jaxengine.sample.processors import (
   is_allowed,
   nan_as_neg_inf,
 )
+from jaxengine.sample.selected_rows import on_selected_rows
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.thresholds import top_p_threshold
 
@@ -155,13 +156,13 @@ def sample_random_rows(
       lambda: threshold,
     )
     unresolved = nothing
+  # Only the rows drawn from the whole vocabulary pay for its pass (`on_selected_rows`).
   from_vocab = md.is_live & ~md.is_greedy & ~cut.in_candidates
-  vocab_tokens = lax.cond(
-    from_vocab.any(),
-    lambda: draw_from_vocab(
-      x, inv_temperature, row_max, threshold, u, md.top_p, unresolved, step_keys
-    ),
-    lambda: jnp.zeros((rows,), jnp.int32),
+  vocab_tokens = on_selected_rows(
+    lambda rows: draw_from_vocab(*rows),
+    from_vocab,
+    (x, inv_temperature, row_max, threshold, u, md.top_p, unresolved, step_keys),
+    x.shape[-1],
   )
   tokens = jnp.where(cut.in_candidates, candidate_tokens, vocab_tokens)
   return tokens.astype(jnp.int32), threshold, row_max
@@ -170,9 +171,7 @@ def sample_random_rows(
 def draw_tokens(x, state: BatchState, md: SamplingMetadata):
   """Stages 7-12 on `drawable_logits` `x` (no NaN): `(tokens [R] int32, threshold [R], row_max [R])`."""
   rows = state.max_num_reqs
-  greedy_tokens = lax.cond(
-    md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32)
-  )
+  greedy_tokens = on_selected_rows(blocked_argmax, md.is_greedy, x, x.shape[-1], md.any_greedy)
   random_tokens, threshold, row_max = lax.cond(
     md.any_random,
     lambda: sample_random_rows(
@@ -317,16 +316,22 @@ def _logprobs(logits, x, threshold, tokens, state: BatchState, md: SamplingMetad
   """
   config = state.config
 
+  mode = config.logprobs_mode
+  gather = lambda scores: gather_logprobs(
+    scores,
+    tokens,
+    config.num_top_logprobs,
+    normalize=mode.endswith("logprobs"),
+    fixed_order=config.batch_invariant,
+  )
+  scored = lambda: gather(logprobs_scores(logits, x, state, md, threshold, mode))
+
   def logprobs_branch():
-    mode = config.logprobs_mode
-    scores = logprobs_scores(logits, x, state, md, threshold, mode)
-    return gather_logprobs(
-      scores,
-      tokens,
-      config.num_top_logprobs,
-      normalize=mode.endswith("logprobs"),
-      fixed_order=config.batch_invariant,
-    )
+    if not mode.startswith("raw"):
+      return scored()
+    # Without a live grammar row the raw scores are the logits themselves: the passes read them
+    # without unpacking the bitmask for every element (three passes: rank, top, normaliser).
+    return lax.cond(md.any_grammar, scored, lambda: gather(logits.astype(jnp.float32)))
 
   no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)
   return lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
