@@ -113,9 +113,13 @@ FLOOR_STRIDE = 8
 FLOOR_MARGIN = 1.5
 
 
-def floored_top_k(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-  """`lax.top_k(x, width)` of `x [n, V]` (no NaN), exactly, with the tokens below a floor set to
-  `-inf` first when the vocabulary is wide enough for the floor to pay.
+def floored_top_k(
+  x: jax.Array, width: int, index: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k(x[index], width)` of `x [R, V]` (no NaN; every row when `index` is None, else
+  the `[n] int32` rows `index`), exactly, with the tokens below a floor set to `-inf` first when
+  the vocabulary is wide enough for the floor to pay. The rows are gathered inside the passes
+  that read them (the strided sample, the masking), never written out whole.
 
   XLA:CPU's top-k keeps a heap of `width` entries and pays mostly for the tokens that enter it:
   about `width * ln(V / width)` of a row in random order (1025 of 49,152: ~5,000; the same row in
@@ -126,13 +130,15 @@ def floored_top_k(x: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
   row keeping every position); otherwise, for any row, the step searches the rows unmasked.
   """
   vocab = x.shape[-1]
+  rows = (lambda a: a) if index is None else (lambda a: a[index])
   sample_rank = math.ceil(FLOOR_MARGIN * width / FLOOR_STRIDE)
   if sharded.multi_device() or vocab < 4 * sample_rank * FLOOR_STRIDE:
-    return _top_k_list(x, width)
-  floor = lax.optimization_barrier(tuple(lax.top_k(x[:, ::FLOOR_STRIDE], sample_rank)))[0][:, -1]
-  values, ids = _top_k_list(jnp.where(x >= floor[:, None], x, NEG_INF), width)
+    return _top_k_list(rows(x), width)
+  sample = rows(x[:, ::FLOOR_STRIDE])  # [n, V / FLOOR_STRIDE]
+  floor = lax.optimization_barrier(tuple(lax.top_k(sample, sample_rank)))[0][:, -1]
+  values, ids = _top_k_list(jnp.where(rows(x) >= floor[:, None], rows(x), NEG_INF), width)
   return lax.cond(
-    (values[:, -1] >= floor).all(), lambda: (values, ids), lambda: _top_k_list(x, width)
+    (values[:, -1] >= floor).all(), lambda: (values, ids), lambda: _top_k_list(rows(x), width)
   )
 
 
@@ -149,7 +155,8 @@ def rows_top_k(x: jax.Array, selected: jax.Array, width: int) -> tuple[jax.Array
   Returns:
     `(values [R, width] float32, ids [R, width] int32)`.
   """
-  return on_selected_rows(lambda rows: floored_top_k(rows, width), selected, x, x.shape[-1])
+  search = lambda x, index: floored_top_k(x, width, index)
+  return on_selected_rows(search, selected, x, x.shape[-1], gather=False)
 
 
 def _deep(x, md, row_max, threshold, u, budgets: tuple[int, ...]):

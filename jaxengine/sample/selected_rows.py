@@ -41,6 +41,8 @@ def on_selected_rows(
   operands: Any,
   vocab_size: int,
   any_selected: jax.Array | None = None,
+  *,
+  gather: bool = True,
 ) -> Any:
   """`fn(operands)` for the `selected` rows, computed on those rows only.
 
@@ -54,25 +56,35 @@ def on_selected_rows(
       into a bucket; below it every row is computed.
     any_selected: `[] bool` `selected.any()` where the caller has it already (it saves small
       steps computing it); only read when every row is computed.
+    gather: static; False calls `fn(operands, index)` with the whole operands and `index`
+      (`[n] int32` the rows to compute, or None for every row), for a function that gathers
+      them itself (fused into its first pass rather than written out).
 
   Returns:
     `fn`'s results `[R, ...]`: exactly `fn(operands)`'s on the selected rows; zeros, or what
     `fn` computed, on the others. Nothing is computed when no row is selected.
   """
   rows = selected.shape[0]
-  result = jax.eval_shape(fn, operands)
+  on_rows = (
+    (lambda index: fn(operands, index))
+    if not gather
+    else (
+      lambda index: fn(operands if index is None else jax.tree.map(lambda a: a[index], operands))
+    )
+  )
+  result = jax.eval_shape(lambda: on_rows(None))
   empty = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), result)
   if vocab_size < BUCKETED_VOCAB or sharded.current() is not None:
     flag = selected.any() if any_selected is None else any_selected
-    return lax.cond(flag, lambda: fn(operands), empty)
+    return lax.cond(flag, lambda: on_rows(None), empty)
 
   def bucket(size: int):
     if size == rows:
-      return lambda: fn(operands)
+      return lambda: on_rows(None)
 
     def gathered():
       (index,) = jnp.nonzero(selected, size=size, fill_value=jnp.argmax(selected))  # [size]
-      values = fn(jax.tree.map(lambda a: a[index], operands))
+      values = on_rows(index)
       return jax.tree.map(lambda base, v: base.at[index].set(v), empty(), values)
 
     return gathered

@@ -315,7 +315,6 @@ def _logprobs(logits, x, threshold, tokens, state: BatchState, md: SamplingMetad
     state, md: the batch state and metadata.
   """
   config = state.config
-
   mode = config.logprobs_mode
   gather = lambda scores: gather_logprobs(
     scores,
@@ -325,16 +324,15 @@ def _logprobs(logits, x, threshold, tokens, state: BatchState, md: SamplingMetad
     fixed_order=config.batch_invariant,
   )
   scored = lambda: gather(logprobs_scores(logits, x, state, md, threshold, mode))
-
-  def logprobs_branch():
-    if not mode.startswith("raw"):
-      return scored()
-    # Without a live grammar row the raw scores are the logits themselves: the passes read them
-    # without unpacking the bitmask for every element (three passes: rank, top, normaliser).
-    return lax.cond(md.any_grammar, scored, lambda: gather(logits.astype(jnp.float32)))
-
   no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)
-  return lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
+  if not mode.startswith("raw"):
+    return lax.cond(md.any_logprobs, scored, no_logprobs)
+  # Without a live grammar row the raw scores are the logits themselves: the three passes that
+  # read them (rank, top entries, normaliser) do not unpack the bitmask for every element. One
+  # `lax.switch`, not a second `lax.cond` inside the first: one conditional either way.
+  plain = lambda: gather(logits.astype(jnp.float32))
+  branch = jnp.where(md.any_logprobs, jnp.where(md.any_grammar, 2, 1), 0)
+  return lax.switch(branch, [no_logprobs, plain, scored])
 
 
 def sample(
