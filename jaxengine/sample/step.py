@@ -322,6 +322,7 @@ def _logprobs(logits, x, threshold, tokens, state: BatchState, md: SamplingMetad
     config.num_top_logprobs,
     normalize=mode.endswith("logprobs"),
     fixed_order=config.batch_invariant,
+    ranks_from_top=True,
   )
   scored = lambda: gather(logprobs_scores(logits, x, state, md, threshold, mode))
   no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)
