@@ -36,7 +36,7 @@ def row_buckets(rows: int) -> tuple[int, ...]:
 
 
 def on_selected_rows(
-  fn: Callable[[Any], Any],
+  fn: Callable[..., Any],
   selected: jax.Array,
   operands: Any,
   vocab_size: int,

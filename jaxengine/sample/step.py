@@ -26,7 +26,10 @@
 Stages 2-6 run as one fused pass (plus small scatters) only when some live row uses one of them;
 greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
 `SamplingMetadata`. So one executable serves every mix without recompiling, and a batch pays only
-for what its rows use. A batch that needs no stage 0-6 and holds no NaN draws from the logits
+for what its rows use. The greedy argmax, the draw over the vocabulary and the deep top-k lists
+run on their own rows only (`selected_rows.on_selected_rows`: gathered into a bucket of eighths of
+the batch, `lax.switch` on their count), so a batch with a few greedy or full-vocabulary rows
+pays for a few rows' passes, not `R`. A batch that needs no stage 0-6 and holds no NaN draws from the logits
 where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-12 are compiled
 twice, once on the logits in place and once on `drawable_logits` (the processed logits, NaN read
 as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that returned the
