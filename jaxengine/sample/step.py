@@ -29,12 +29,12 @@ greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
 for what its rows use. The greedy argmax, the draw over the vocabulary and the deep top-k lists
 run on their own rows only (`selected_rows.on_selected_rows`: gathered into a bucket of eighths of
 the batch, `lax.switch` on their count), so a batch with a few greedy or full-vocabulary rows
-pays for a few rows' passes, not `R`. A batch that needs no stage 0-6 and holds no NaN draws from the logits
-where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-12 are compiled
-twice, once on the logits in place and once on `drawable_logits` (the processed logits, NaN read
-as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that returned the
-logits unchanged as an `[R, V]` array would copy them every step (measured: a greedy step tripled
-at 256 x 49,152 on the CPU). Stage 13 in the raw_* modes reads only the model's logits and is
+pays for a few rows' passes, not `R`. A batch that needs no stage 0-6 and holds no NaN draws from
+the logits where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-12 are
+compiled twice, once on the logits in place and once on `drawable_logits` (the processed logits,
+NaN read as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that
+returned the logits unchanged as an `[R, V]` array would copy them every step (measured: a greedy
+step tripled at 256 x 49,152 on the CPU). Stage 13 in the raw_* modes reads only the model's logits and is
 compiled once, after the draw; every `lax.cond` inside the draw returns `[R]`- or `[R, k]`-sized
 results.
 
