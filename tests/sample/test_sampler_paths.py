@@ -323,3 +323,43 @@ def test_small_logits_compile_the_draw_once():
     outputs.append((out.sampled_token_ids, out.logprobs.logprobs))
   np.testing.assert_array_equal(outputs[0][0], outputs[1][0])
   np.testing.assert_allclose(outputs[0][1], outputs[1][1], rtol=0, atol=1e-6)
+
+
+def test_rows_computed_on_their_own_bucket_are_batch_invariant():
+  """The greedy argmax and the vocabulary draw run on their rows only, gathered into a bucket of
+  eighths of the batch (`selected_rows.on_selected_rows`): a row's token, logprobs and rank do
+  not depend on how many rows share its stage (1 to 32: a bucket of 4, 8 or every row); the
+  rank is the row's count of logits `>=` its token's."""
+  vocab = 16384
+  rows = ALWAYS_COPIED_LOGITS // vocab  # 32 rows: the shape `test_small_logits_...` compiles
+  rng = np.random.default_rng(5)
+  steps = [rng.standard_normal((rows, vocab)).astype(np.float32) * 2 for _ in range(3)]
+  subjects = [
+    je.SamplingParams(temperature=0.0, logprobs=3),
+    je.SamplingParams(temperature=1.0, seed=7, logprobs=3),  # often beyond its top 3
+    je.SamplingParams(temperature=0.6, seed=8, logprobs=3),
+  ]
+
+  def run(num_neighbours):
+    batch = je.InputBatch(rows, 64, vocab)
+    for i, params in enumerate(subjects):
+      batch.add_request(f"s{i}", [1, 2], params)
+    for i in range(num_neighbours):
+      temperature = 0.0 if i % 2 else 1.0
+      batch.add_request(f"n{i}", [1], je.SamplingParams(temperature=temperature, seed=i))
+    outs = []
+    for logits in steps:
+      out = batch.sample(logits)
+      tokens = out.sampled_token_ids[: len(subjects)]
+      ranks = out.logprobs.ranks[: len(subjects)]
+      for row, (token, rank) in enumerate(zip(tokens, ranks)):
+        assert rank == (logits[row] >= logits[row, token]).sum(), (row, token, rank)
+      outs.append((tokens.tolist(), out.logprobs.logprobs[: len(subjects)].tolist(), ranks))
+    return outs
+
+  reference = run(0)
+  assert any(rank > 4 for _, _, ranks in reference for rank in ranks)  # beyond the top 3
+  for num_neighbours in (5, rows - len(subjects)):
+    for got, want in zip(run(num_neighbours), reference):
+      assert got[0] == want[0] and got[1] == want[1]
+      np.testing.assert_array_equal(got[2], want[2])
