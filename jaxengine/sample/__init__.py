@@ -8,7 +8,6 @@ checks this index against the imports):
   state.py        BatchState (per-row arrays, static BatchConfig), RowUpdate, write_row(s), move_rows
   metadata.py     SamplingMetadata and refresh_metadata (per composition: flags, effective values)
   sharded.py      vocabulary-sharded top-k / argmax / scatters / draw under shard_map (mesh=)
-  selected_rows.py on_selected_rows: row-wise work on some rows only, gathered into a bucket
   processors.py   stages 1-6: float32, allowed ids, bad words, min_tokens, logit_bias, penalties
   blocked.py      blocked_argmax, blocked_top_k: two-stage reductions over vocabulary blocks
   thresholds.py   exact bisection thresholds: kth_largest, top_p_threshold

@@ -13,14 +13,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxengine.reductions import fixed_logsumexp
 from jaxengine.sample import sharded
 from jaxengine.sample.blocked import blocked_top_k
 from jaxengine.sample.custom import apply_grammar_bitmask
 from jaxengine.sample.metadata import SamplingMetadata, inverse_temperature
-from jaxengine.sample.selected_rows import BUCKETED_VOCAB, ROW_BUCKETS
 from jaxengine.sample.state import BatchState
 
 NEG_INF = float("-inf")
@@ -78,46 +76,6 @@ def logprobs_scores(
   return jnp.where(y >= threshold[:, None], y, NEG_INF)
 
 
-def ranks_by_count(scores: jax.Array, token_score: jax.Array, top_scores: jax.Array) -> jax.Array:
-  """`[R] int32` each row's count of scores `>=` its token's score.
-
-  Where the token's score lies above the last of the row's top entries, every score `>=` it is
-  one of them, and the count is read off them. The other rows are counted over the vocabulary,
-  `ceil(R / ROW_BUCKETS)` rows at a time in a `lax.while_loop` that runs once per such chunk
-  (none when every token is listed, as in a greedy batch): a loop, not a `lax.switch` on the
-  number of rows, so the step keeps its count of conditionals.
-
-  Args:
-    scores: `[R, V] float32`.
-    token_score: `[R, 1] float32` each row's token's score.
-    top_scores: `[R, k] float32` each row's `k >= 1` largest scores, descending.
-  """
-  rows, vocab = scores.shape
-  count = lambda s, t: (s >= t).sum(-1).astype(jnp.int32)
-  chunk = -(-rows // ROW_BUCKETS)
-  if vocab < BUCKETED_VOCAB or sharded.current() is not None or chunk == rows:
-    return count(scores, token_score)
-  if not sharded.multi_device():
-    # Read twice (here and by the caller): without the barrier XLA:CPU turns the top-k into a
-    # full sort of its rows (measured: 20 ms at 256 x 640).
-    top_scores = lax.optimization_barrier(top_scores)
-  listed = token_score[:, 0] > top_scores[:, -1]
-  unlisted = ~listed
-  (order,) = jnp.nonzero(unlisted, size=rows, fill_value=jnp.argmax(unlisted))  # [R]
-  num_unlisted = unlisted.sum()
-
-  def count_chunk(carry):
-    start, ranks = carry
-    index = lax.dynamic_slice(order, (start,), (chunk,))  # clamped: repeats rows, same counts
-    return start + chunk, ranks.at[index].set(count(scores[index], token_score[index]))
-
-  from_top = count(top_scores, token_score)
-  _, ranks = lax.while_loop(
-    lambda carry: carry[0] < num_unlisted, count_chunk, (jnp.int32(0), from_top)
-  )
-  return ranks
-
-
 def gather_logprobs(
   scores: jax.Array,
   token_ids: jax.Array,
@@ -125,7 +83,6 @@ def gather_logprobs(
   *,
   normalize: bool = True,
   fixed_order: bool = False,
-  ranks_from_top: bool = False,
 ) -> LogprobsTensors:
   """The given token's value and rank plus the top `num_logprobs` values of each row.
 
@@ -136,9 +93,6 @@ def gather_logprobs(
     normalize: report log-probabilities `scores - logsumexp(scores)` (True) or the scores.
     fixed_order: normalise with `jaxengine.reductions.fixed_logsumexp` (batch-invariant mode:
       a row's value does not depend on the number of rows; single device only).
-    ranks_from_top: static; read each rank off the top entries where they hold every value
-      `>=` the token's, and count only the other rows (`ranks_by_count`). The same ranks; for
-      the sampler's step, whose sampled tokens are mostly among the top entries.
 
   Returns:
     `LogprobsTensors`: `token_ids` and `logprobs` `[R, num_logprobs + 1]` (column 0 the given
@@ -146,11 +100,8 @@ def gather_logprobs(
     given token's value; 1 is best, ties count against it).
   """
   token_score = sharded.take_along_vocab(scores, token_ids[:, None])  # [R, 1]
+  ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
   top_scores, top_ids = blocked_top_k(scores, num_logprobs)
-  if ranks_from_top and num_logprobs > 0:
-    ranks = ranks_by_count(scores, token_score, top_scores)
-  else:
-    ranks = (scores >= token_score).sum(-1).astype(jnp.int32)
   values = jnp.concatenate([token_score, top_scores], 1)
   if normalize:
     if fixed_order:

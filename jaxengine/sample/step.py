@@ -26,15 +26,12 @@
 Stages 2-6 run as one fused pass (plus small scatters) only when some live row uses one of them;
 greedy, random and logprobs work each sit behind `lax.cond` on a traced flag of
 `SamplingMetadata`. So one executable serves every mix without recompiling, and a batch pays only
-for what its rows use. The greedy argmax, the draw over the vocabulary and the deep top-k lists
-run on their own rows only (`selected_rows.on_selected_rows`: gathered into a bucket of eighths of
-the batch, `lax.switch` on their count), so a batch with a few greedy or full-vocabulary rows
-pays for a few rows' passes, not `R`. A batch that needs no stage 0-6 and holds no NaN draws from
-the logits where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-12 are
-compiled twice, once on the logits in place and once on `drawable_logits` (the processed logits,
-NaN read as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that
-returned the logits unchanged as an `[R, V]` array would copy them every step (measured: a greedy
-step tripled at 256 x 49,152 on the CPU). Stage 13 in the raw_* modes reads only the model's logits and is
+for what its rows use. A batch that needs no stage 0-6 and holds no NaN draws from the logits
+where they are (logits of more than `ALWAYS_COPIED_LOGITS` elements): stages 7-12 are compiled
+twice, once on the logits in place and once on `drawable_logits` (the processed logits, NaN read
+as -inf), chosen by one `lax.cond` (`needs_drawable_copy`), because a branch that returned the
+logits unchanged as an `[R, V]` array would copy them every step (measured: a greedy step tripled
+at 256 x 49,152 on the CPU). Stage 13 in the raw_* modes reads only the model's logits and is
 compiled once, after the draw; every `lax.cond` inside the draw returns `[R]`- or `[R, k]`-sized
 results.
 
@@ -83,7 +80,6 @@ from jaxengine.sample.processors import (
   is_allowed,
   nan_as_neg_inf,
 )
-from jaxengine.sample.selected_rows import on_selected_rows
 from jaxengine.sample.state import BatchState
 from jaxengine.sample.thresholds import top_p_threshold
 
@@ -159,13 +155,13 @@ def sample_random_rows(
       lambda: threshold,
     )
     unresolved = nothing
-  # Only the rows drawn from the whole vocabulary pay for its pass (`on_selected_rows`).
   from_vocab = md.is_live & ~md.is_greedy & ~cut.in_candidates
-  vocab_tokens = on_selected_rows(
-    lambda rows: draw_from_vocab(*rows),
-    from_vocab,
-    (x, inv_temperature, row_max, threshold, u, md.top_p, unresolved, step_keys),
-    x.shape[-1],
+  vocab_tokens = lax.cond(
+    from_vocab.any(),
+    lambda: draw_from_vocab(
+      x, inv_temperature, row_max, threshold, u, md.top_p, unresolved, step_keys
+    ),
+    lambda: jnp.zeros((rows,), jnp.int32),
   )
   tokens = jnp.where(cut.in_candidates, candidate_tokens, vocab_tokens)
   return tokens.astype(jnp.int32), threshold, row_max
@@ -174,7 +170,9 @@ def sample_random_rows(
 def draw_tokens(x, state: BatchState, md: SamplingMetadata):
   """Stages 7-12 on `drawable_logits` `x` (no NaN): `(tokens [R] int32, threshold [R], row_max [R])`."""
   rows = state.max_num_reqs
-  greedy_tokens = on_selected_rows(blocked_argmax, md.is_greedy, x, x.shape[-1], md.any_greedy)
+  greedy_tokens = lax.cond(
+    md.any_greedy, lambda: blocked_argmax(x), lambda: jnp.zeros((rows,), jnp.int32)
+  )
   random_tokens, threshold, row_max = lax.cond(
     md.any_random,
     lambda: sample_random_rows(
@@ -318,25 +316,20 @@ def _logprobs(logits, x, threshold, tokens, state: BatchState, md: SamplingMetad
     state, md: the batch state and metadata.
   """
   config = state.config
-  mode = config.logprobs_mode
-  gather = lambda scores: gather_logprobs(
-    scores,
-    tokens,
-    config.num_top_logprobs,
-    normalize=mode.endswith("logprobs"),
-    fixed_order=config.batch_invariant,
-    ranks_from_top=True,
-  )
-  scored = lambda: gather(logprobs_scores(logits, x, state, md, threshold, mode))
+
+  def logprobs_branch():
+    mode = config.logprobs_mode
+    scores = logprobs_scores(logits, x, state, md, threshold, mode)
+    return gather_logprobs(
+      scores,
+      tokens,
+      config.num_top_logprobs,
+      normalize=mode.endswith("logprobs"),
+      fixed_order=config.batch_invariant,
+    )
+
   no_logprobs = lambda: LogprobsTensors.zeros(state.max_num_reqs, config.num_top_logprobs)
-  if not mode.startswith("raw"):
-    return lax.cond(md.any_logprobs, scored, no_logprobs)
-  # Without a live grammar row the raw scores are the logits themselves: the three passes that
-  # read them (rank, top entries, normaliser) do not unpack the bitmask for every element. One
-  # `lax.switch`, not a second `lax.cond` inside the first: one conditional either way.
-  plain = lambda: gather(logits.astype(jnp.float32))
-  branch = jnp.where(md.any_logprobs, jnp.where(md.any_grammar, 2, 1), 0)
-  return lax.switch(branch, [no_logprobs, plain, scored])
+  return lax.cond(md.any_logprobs, logprobs_branch, no_logprobs)
 
 
 def sample(
