@@ -220,9 +220,9 @@ _ROWS_TOP_K = {}  # (rows, width) -> the jitted `rows_top_k`, compiled once per 
   fraction=st.floats(0.0, 1.0),
 )
 def test_deep_list_of_some_rows_is_lax_top_k_of_those_rows(rows, width, seed, fraction):
-  """`rows_top_k` (the deep lists, built on a bucket of gathered rows) gives every selected row
+  """`rows_top_k` (the deep lists, built on gathered rows, chunk by chunk) gives every selected row
   exactly `lax.top_k`'s values and ids: ties, -0.0 against +0.0, infinities, any selection (none,
-  a few, a whole bucket, every row)."""
+  a few, a whole chunk, every row)."""
   import jax
   from jax import lax
 
