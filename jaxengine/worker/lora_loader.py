@@ -41,7 +41,15 @@ def lora_manager(
     dtype=cast(Any, model).dtype,
     device=None if placement is not None else _committed_device(model),
     shardings=cast(Any, shardings),
+    target_layers=_target_layers(model),
   )
+
+
+def _target_layers(model: Model) -> dict[str, tuple[int, ...]] | None:
+  """The model's `lora_target_layers` (the layers of each target found only in some), else
+  None (every target in every layer)."""
+  layers = getattr(model, "lora_target_layers", None)
+  return None if layers is None else layers()
 
 
 def _num_layers(model: Model) -> int:
