@@ -59,6 +59,9 @@ class LoRAManager:
       `lora_target_layers`: a mixture of experts' dense MLP targets only on its dense layers,
       its expert targets only on its sparse ones); a target not named is in every layer. An
       adapter with a pair on a layer without its target is refused, not half applied.
+    layer_shapes: None, or ``(layer, target)`` -> that layer's shape where it is narrower than
+      `target_shapes` (the model's `lora_layer_shapes`: Gemma 4's layers differ in width); its
+      pair fills the first rows of ``A`` and columns of ``B`` of the slot.
   """
 
   def __init__(
@@ -73,6 +76,7 @@ class LoRAManager:
     device: jax.Device | None = None,
     shardings: Buffers | None = None,
     target_layers: Mapping[str, Sequence[int]] | None = None,
+    layer_shapes: Mapping[tuple[int, str], tuple[int, ...]] | None = None,
   ) -> None:
     self.max_loras = max_loras
     self.max_lora_rank = max_lora_rank
@@ -80,6 +84,7 @@ class LoRAManager:
     self.num_layers = num_layers
     self.target_shapes = dict(target_shapes)
     self.target_layers = {t: frozenset(v) for t, v in (target_layers or {}).items()}
+    self.layer_shapes = dict(layer_shapes or {})
     n, r = max_loras + 1, max_lora_rank
     buffers: Buffers = tuple(
       {
@@ -137,6 +142,7 @@ class LoRAManager:
       max_lora_rank=self.max_lora_rank,
       num_layers=self.num_layers,
       target_shapes=self.target_shapes,
+      layer_shapes=self.layer_shapes,
     )
     self._check_layers(adapter, f"lora_path={path!r}")
     self._remember(request, adapter)
@@ -187,7 +193,7 @@ class LoRAManager:
         )
       if not 0 <= layer < self.num_layers:
         raise ValueError(f"{who}: layer {layer} is out of range (num_layers={self.num_layers})")
-      *lead, n_in, n_out = self.target_shapes[target]
+      *lead, n_in, n_out = self.layer_shapes.get((layer, target), self.target_shapes[target])
       want_a, want_b = (*lead, n_in, adapter.rank), (*lead, adapter.rank, n_out)
       if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
         raise ValueError(
@@ -340,8 +346,9 @@ class LoRAManager:
       for target, (*lead, n_in, n_out) in self.target_shapes.items():
         a, b = np.zeros((*lead, n_in, r), np.float32), np.zeros((*lead, r, n_out), np.float32)
         found = adapter.weights.get((layer, target))
-        if found is not None:
-          a[..., : adapter.rank], b[..., : adapter.rank, :] = found
+        if found is not None:  # a narrower layer's pair: the first rows and columns
+          n_in, n_out = found[0].shape[-2], found[1].shape[-1]
+          a[..., :n_in, : adapter.rank], b[..., : adapter.rank, :n_out] = found
         entry[target] = (a, b)
       layers.append(entry)
     return tuple(layers)
@@ -379,9 +386,9 @@ def _set_slot_pairs(
       pair = pairs.get((layer, target))
       a, b = jnp.zeros(a_buf.shape[1:], a_buf.dtype), jnp.zeros(b_buf.shape[1:], b_buf.dtype)
       if pair is not None:
-        r = pair[0].shape[-1]
-        a = a.at[..., :r].set(pair[0].astype(a.dtype))
-        b = b.at[..., :r, :].set(pair[1].astype(b.dtype))
+        (n_in, r), n_out = pair[0].shape[-2:], pair[1].shape[-1]
+        a = a.at[..., :n_in, :r].set(pair[0].astype(a.dtype))
+        b = b.at[..., :r, :n_out].set(pair[1].astype(b.dtype))
       new[target] = (a_buf.at[slot].set(a), b_buf.at[slot].set(b))
     layers.append(new)
   return tuple(layers)

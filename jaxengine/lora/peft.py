@@ -34,10 +34,13 @@ _TENSOR_NAME = re.compile(
   r"(?:\.\w+)?\.weight$"
 )
 
-#: The modules of a multimodal checkpoint (Gemma 3's vision tower and projector) that a text-only
+#: The modules of a multimodal checkpoint (Gemma 3's vision tower and projector, Gemma 4's vision
+#: and audio towers and their embedders) that a text-only
 #: engine never runs: an adapter's tensors under them change nothing it computes, so they are
 #: left out (PEFT wraps every module of a target's name, the vision tower's ``q_proj`` too).
-_NOT_RUN = re.compile(r"\.(?:vision_tower|multi_modal_projector)\.")
+_NOT_RUN = re.compile(
+  r"\.(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+)
 
 #: `adapter_config.json` settings this engine does not run, with the value that is fine.
 _UNSUPPORTED = {
@@ -73,6 +76,7 @@ def load_peft_adapter(
   max_lora_rank: int,
   num_layers: int,
   target_shapes: Mapping[str, tuple[int, ...]],
+  layer_shapes: Mapping[tuple[int, str], tuple[int, ...]] | None = None,
 ) -> LoRAAdapter:
   """Reads and checks a PEFT LoRA directory.
 
@@ -82,6 +86,8 @@ def load_peft_adapter(
     max_lora_rank: the largest rank the engine's slots hold.
     num_layers: the base model's decoder layers.
     target_shapes: ``(in, out)`` of every projection the model lets adapters target.
+    layer_shapes: None, or ``(layer, target)`` -> its ``(in, out)`` where a layer's differs
+      from `target_shapes` (Gemma 4's).
 
   Raises:
     ValueError: (naming the path and the field; raised while reading the files, before anything
@@ -119,7 +125,8 @@ def load_peft_adapter(
   tensors = {k: t for k, t in _read_tensors(where).items() if not _NOT_RUN.search(k)}
   experts = {k: t for k, t in tensors.items() if is_expert_tensor(k)}
   others = {k: t for k, t in tensors.items() if k not in experts}
-  weights = _pairs(where, others, other_model, targets, ranks, num_layers, target_shapes)
+  shapes_of = lambda layer, target: (layer_shapes or {}).get((layer, target), target_shapes[target])
+  weights = _pairs(where, others, other_model, targets, ranks, num_layers, target_shapes, shapes_of)
   if experts:
     shapes = target_shapes
     weights.update(expert_pairs(where, experts, other_model, ranks, num_layers, shapes))
@@ -336,6 +343,7 @@ def _pairs(
   ranks: _Ranks,
   num_layers: int,
   target_shapes: Mapping[str, tuple[int, ...]],
+  shapes_of: Any,
 ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
   """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)`` (``r`` and
   ``scale`` each module's, `_Ranks`).
@@ -367,7 +375,7 @@ def _pairs(
     pair[match[3]], pair["module"] = tensor, module_name(name)
   weights = {}
   for (layer, target), pair in halves.items():
-    n_in, n_out = target_shapes[target]
+    n_in, n_out = shapes_of(layer, target)
     rank, scale = ranks.rank(pair["module"]), ranks.module_scale(pair["module"])
     a, b = pair.get("A"), pair.get("B")
     if (

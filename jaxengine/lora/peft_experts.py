@@ -14,6 +14,8 @@ PEFT saves them in one of two forms:
   gate, as transformers splits it), ``(F, E)`` ``down_proj`` (they never agree: that would need
   ``E == F == 2F``). ``gate_up_proj`` gives both ``experts.gate_proj`` and ``experts.up_proj``
   its ``A`` and half of its ``B``;
+  Gemma 4's experts sit beside its MLP (``layers.{i}.experts``), the others' in it
+  (``mlp.experts``; Mixtral's ``block_sparse_moe.experts`` in earlier checkpoints);
 - per expert (earlier transformers' expert modules, ``target_modules`` ``gate_proj`` ...;
   Mixtral's ``w1`` / ``w3`` / ``w2``): ``mlp.experts.{e}.gate_proj.lora_A.weight`` (Mixtral:
   ``block_sparse_moe.experts.{e}.w1``), every expert's pair stacked.
@@ -35,7 +37,7 @@ __all__ = [
   "parameter_targets",
 ]
 
-_BLOCK = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+_BLOCK = r"layers\.(\d+)\.(?:(?:mlp|block_sparse_moe)\.)?experts\."
 #: A fused wrapper's tensor: layer, nesting (``base_layer.`` repeated), half.
 _FUSED = re.compile(_BLOCK + r"((?:base_layer\.)*)lora_([AB])(?:\.\w+)?\.weight$")
 #: A per-expert module's tensor: layer, expert, module, half.

@@ -94,7 +94,9 @@ def add_lora(
 
   Args:
     y: ``[..., out]`` the base projection of `x` (its leading dimensions flatten to ``T``).
-    x: ``[..., in]`` the projection's input.
+    x: ``[..., in]`` the projection's input. The buffers may be wider (``in`` and ``out`` the
+      widest layer's, `jaxengine.lora.LoRAManager`'s ``layer_shapes``): the first ``in`` rows
+      of ``A`` and ``out`` columns of ``B`` are this layer's.
     lora: this layer's `LayerLoRA`, or None (then nothing is traced).
     target: the projection's module name (`LORA_TARGETS`).
     batch_invariant: both products as `jaxengine.models.batch_invariant.row_tiled_dot`s over
@@ -107,7 +109,9 @@ def add_lora(
   if lora is None or target not in lora.weights:
     return y
   a, b = lora.weights[target]  # [N + 1, in, R], [N + 1, R, out]
-  a, b = a[1:], b[1:]  # slot 0 (the base model) adds nothing: its tokens are masked below
+  # Slot 0 (the base model) adds nothing: its tokens are masked below. Buffers wider than this
+  # layer's projection (a model whose layers differ in width: Gemma 4) hold its pair first.
+  a, b = a[1:, : x.shape[-1]], b[1:, :, : y.shape[-1]]
   n, n_in, r = a.shape
   flat = x.reshape(-1, n_in)  # [T, in]
   if batch_invariant:
