@@ -57,9 +57,7 @@ __all__ = [
 LORA_MARK = "_lora_"
 
 #: ``layers.{i}.{attn|mlp}.{module}.{w|kernel}_lora_{a|b}``.
-_LORA_NAME = re.compile(
-  r"layers\.(\d+)\.(attn|mlp)\.(\w+_proj|\w+_einsum)\.(w|kernel)_lora_([ab])"
-)
+_LORA_NAME = re.compile(r"layers\.(\d+)\.(attn|mlp)\.(\w+_proj|\w+_einsum)\.(w|kernel)_lora_([ab])")
 #: Each Tunix module qwix wraps: (block, weight name), and the engine targets its pair gives.
 _SOURCES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
   "q_proj": (("attn", "w"), ("q_proj",)),
@@ -175,7 +173,9 @@ def lora_adapter_from_tunix(
   pairs = {}
   for (layer, module), half in sorted(halves.items()):
     if set(half) != {"a", "b"}:
-      raise ValueError(f"LoRA on layer {layer} {module} lacks lora_{({'a', 'b'} - set(half)).pop()}")
+      raise ValueError(
+        f"LoRA on layer {layer} {module} lacks lora_{({'a', 'b'} - set(half)).pop()}"
+      )
     try:
       module_pairs = _pairs(module, half["a"], half["b"])
     except ValueError as error:

@@ -360,11 +360,7 @@ def _pairs(
     if _NOT_RUN.search(name):
       continue
     match = _TENSOR_NAME.search(name)
-    if (
-      match is None
-      or match[2].rsplit(".", 1)[-1] not in targets
-      or match[2] not in target_shapes
-    ):
+    if match is None or match[2].rsplit(".", 1)[-1] not in targets or match[2] not in target_shapes:
       raise ValueError(f"lora_path={where!r}: unexpected tensor {name!r}")
     if int(match[1]) >= num_layers:
       raise ValueError(

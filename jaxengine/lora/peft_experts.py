@@ -114,8 +114,9 @@ def expert_pairs(
   if "experts.gate_proj" not in target_shapes:
     raise ValueError(f"{other_model}: tensor {next(iter(tensors))!r} is of routed experts")
   num_experts, e, f = target_shapes["experts.gate_proj"]
-  fused: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-  per_expert: dict[tuple[int, str], dict[int, dict[str, np.ndarray]]] = {}
+  # Each half by "A" / "B", and its module's dotted name by "module".
+  fused: dict[tuple[int, str], dict[str, Any]] = {}
+  per_expert: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
   for name, tensor in tensors.items():
     match = _FUSED.search(name)
     if match is not None:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models import gemma4_lora
 from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
 from jaxengine.models.gemma import GemmaMLP
 from jaxengine.models.gemma4_checkpoints import hf_weight_specs
@@ -43,7 +44,6 @@ from jaxengine.models.gemma4_config import Gemma4Config
 from jaxengine.models.gemma4_moe import Gemma4MoeBlock, UnscaledRMSNorm
 from jaxengine.models.gemma_config import ACTIVATIONS
 from jaxengine.models.layer_stack import apply_layers
-from jaxengine.models import gemma4_lora
 from jaxengine.models.layers import (
   ConfiguredDecoder,
   RMSNorm,

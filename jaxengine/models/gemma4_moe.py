@@ -76,9 +76,7 @@ class Gemma4MoeBlock(nnx.Module):
     self.approximate = ACTIVATIONS[config.hidden_activation]
     self.batch_invariant = False
 
-  def __call__(
-    self, residual: jax.Array, x: jax.Array, lora: LayerLoRA | None = None
-  ) -> jax.Array:
+  def __call__(self, residual: jax.Array, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """The experts' weighted sum.
 
     Args:

@@ -336,7 +336,7 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     hv = cfg.linear_num_value_heads
     value = hv * cfg.linear_value_head_dim
-    targets = {
+    targets: dict[str, tuple[int, ...]] = {
       "q_proj": (e, 2 * q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e),
       "in_proj_qkv": (e, cfg.conv_dim), "in_proj_z": (e, value), "in_proj_b": (e, hv),
       "in_proj_a": (e, hv), "out_proj": (value, e),

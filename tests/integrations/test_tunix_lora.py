@@ -302,8 +302,8 @@ def test_gemma_lora_actors_equal_their_merged_weights(name):
   adapter moves them by far more."""
   model = build_lora(name)
   leaves = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))["layers"][0]["attn"]
-  assert {"qkv_einsum"} <= set(leaves) if name == "gemma1" else {"q_einsum", "kv_einsum"} <= set(
-    leaves
+  assert (
+    {"qkv_einsum"} <= set(leaves) if name == "gemma1" else {"q_einsum", "kv_einsum"} <= set(leaves)
   )
   rollout = make_rollout(model)
   rng = np.random.default_rng(0)
