@@ -28,8 +28,8 @@ each, exact):
     layers.i.mlp.{gate,up,down}_proj.kernel_lora_{a,b}           -> as for Llama
 
 The pairs go onto the engine's LoRA slots unmerged (the base weights stay the actor's base
-weights). A mixture-of-experts Qwen3 takes LoRA on its attention only (Tunix's experts are
-plain ``[X, in, out]`` parameters qwix does not wrap).
+weights). A mixture-of-experts Qwen3 takes LoRA on its attention only here (a LoRA leaf on its
+``[X, in, out]`` expert parameters is refused by name).
 
 A rollout serving a LoRA actor scales every pair by ``lora_alpha / rank``
 (`actor_lora_scales`: qwix keeps its rules private, so the alpha is given) and turns LoRA on in

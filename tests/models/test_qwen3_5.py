@@ -410,7 +410,7 @@ def test_moe_peft_adapter_on_experts_shared_expert_and_mixers(moe_checkpoint, tm
   manager = llm.llm_engine.runner.lora
   pairs = manager.load(request).weights
   assert {(0, "experts.down_proj"), (0, "shared_expert.up_proj")} <= set(pairs)
-  (tokens, logprobs), = _greedy_with_prompt_logprobs(llm, PROMPTS[:1], lora_request=request)
+  ((tokens, logprobs),) = _greedy_with_prompt_logprobs(llm, PROMPTS[:1], lora_request=request)
   assert tokens == hf_greedy(adapted, PROMPTS[0], MAX_TOKENS)
   want = hf_prompt_logprobs(adapted, PROMPTS[0])
   np.testing.assert_allclose(logprobs, want, atol=1e-4)
