@@ -180,7 +180,8 @@ class EngineConfig:
       with `jaxengine.LoRARequest` (vLLM's name; default False). Adapters stay unmerged: the
       base weights are untouched and each token adds its own adapter's ``scale * B (A x)``
       (`jaxengine.models.lora`), so one step mixes base and adapter requests. Needs a model
-      with ``lora_target_shapes`` (`jaxengine.models.Llama`, `jaxengine.models.Gemma`);
+      with ``lora_target_shapes`` (`jaxengine.models.Llama` with its mixtures of experts,
+      `jaxengine.models.Gemma`, Gemma 4, Qwen3.5);
       composes with `num_decode_steps` > 1, `speculative_config`, `batch_invariant` and a mesh
       (`tensor_parallel_size` > 1: the adapters' slots split as their base projections,
       `jaxengine.parallel.lora_specs`; `data_parallel_size` > 1: slots in every group).

@@ -86,6 +86,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxengine.models.lora import EXPERT_LORA_TARGETS
 from jaxengine.models.registry import (
   COLUMN_PARALLEL,
   EXPERT_COLUMN_PARALLEL,
@@ -125,11 +126,16 @@ LORA_TARGET_ROLES = {
   **dict.fromkeys(("in_proj_z", "in_proj_b", "in_proj_a"), COLUMN_PARALLEL),
   **dict.fromkeys(("o_proj", "down_proj", "out_proj"), ROW_PARALLEL),
   "in_proj_qkv": REPLICATED,
+  # The experts' pairs ``[N + 1, X, in, R]`` and the shared expert's: whole on every device.
+  **dict.fromkeys(EXPERT_LORA_TARGETS, REPLICATED),
+  **dict.fromkeys(
+    ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"), REPLICATED
+  ),
 }
 
 
 def lora_specs(
-  target_shapes: Mapping[str, tuple[int, int]],
+  target_shapes: Mapping[str, tuple[int, ...]],
   tensor_parallel_size: int,
   *,
   batch_invariant: bool = False,
@@ -154,7 +160,7 @@ def lora_specs(
   """
   t = tensor_parallel_size
   specs = {}
-  for target, (n_in, n_out) in target_shapes.items():
+  for target, (*_, n_in, n_out) in target_shapes.items():
     if t == 1 or LORA_TARGET_ROLES.get(target) == REPLICATED:
       specs[target] = (P(), P())
     elif LORA_TARGET_ROLES.get(target) == ROW_PARALLEL and not batch_invariant:

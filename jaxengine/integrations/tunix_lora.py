@@ -1,4 +1,4 @@
-"""qwix LoRA on Tunix's Llama 3, Qwen2 and Qwen3 as an engine LoRA adapter.
+"""qwix LoRA on Tunix's Llama 3, Qwen2, Qwen3, Gemma and Gemma 3 as an engine LoRA adapter.
 
 Tunix trains LoRA with qwix (``qwix.apply_lora_to_model(model, qwix.LoraProvider(...))``),
 which gives each matched projection two `nnx.LoRAParam` leaves next to its weight,
@@ -16,7 +16,20 @@ query/key-value heads, ``D`` head dim, ``R`` rank), Tunix -> engine target:
     layers.i.attn.o_proj.w_lora_b   [R, E]        -> o_proj B [R, E]
     layers.i.mlp.{gate,up,down}_proj.kernel_lora_{a,b} [in, R], [R, out] -> as they are
 
-A mixture-of-experts Qwen3 takes LoRA on its attention only; Gemma's modules take none here.
+Gemma and Gemma 3 (``N`` query heads; Tunix's einsum projections, their fused key/value (and
+query) weights' pairs sharing one ``A``, each engine target taking its part of ``B``, rank ``R``
+each, exact):
+
+    layers.i.attn.q_einsum.w_lora_a [E, R], _lora_b [R, N, D]   -> q_proj  [E, R], [R, N*D]
+    layers.i.attn.kv_einsum.w_lora_a [E, R], _lora_b [R, 2, K, D] -> k_proj, v_proj [E, R],
+                                                                     B[:, 0], B[:, 1] [R, K*D]
+    layers.i.attn.qkv_einsum.w_lora_b [R, 3, N, D]  (N == K)     -> q_proj, k_proj, v_proj
+    layers.i.attn.attn_vec_einsum.w_lora_a [N, D, R], _lora_b [R, E] -> o_proj [N*D, R], [R, E]
+    layers.i.mlp.{gate,up,down}_proj.kernel_lora_{a,b}           -> as for Llama
+
+The pairs go onto the engine's LoRA slots unmerged (the base weights stay the actor's base
+weights). A mixture-of-experts Qwen3 takes LoRA on its attention only here (a LoRA leaf on its
+``[X, in, out]`` expert parameters is refused by name).
 
 A rollout serving a LoRA actor scales every pair by ``lora_alpha / rank``
 (`actor_lora_scales`: qwix keeps its rules private, so the alpha is given) and turns LoRA on in
@@ -43,17 +56,22 @@ __all__ = [
 #: In a Tunix parameter name, what marks a qwix LoRA leaf.
 LORA_MARK = "_lora_"
 
-#: ``layers.{i}.{attn|mlp}.{target}.{w|kernel}_lora_{a|b}``.
-_LORA_NAME = re.compile(r"layers\.(\d+)\.(attn|mlp)\.(\w+_proj)\.(w|kernel)_lora_([ab])")
-#: Where each engine target's pair lives: (block, weight name).
-_SOURCES = {
-  "q_proj": ("attn", "w"),
-  "k_proj": ("attn", "w"),
-  "v_proj": ("attn", "w"),
-  "o_proj": ("attn", "w"),
-  "gate_proj": ("mlp", "kernel"),
-  "up_proj": ("mlp", "kernel"),
-  "down_proj": ("mlp", "kernel"),
+#: ``layers.{i}.{attn|mlp}.{module}.{w|kernel}_lora_{a|b}``.
+_LORA_NAME = re.compile(r"layers\.(\d+)\.(attn|mlp)\.(\w+_proj|\w+_einsum)\.(w|kernel)_lora_([ab])")
+#: Each Tunix module qwix wraps: (block, weight name), and the engine targets its pair gives.
+_SOURCES: dict[str, tuple[tuple[str, str], tuple[str, ...]]] = {
+  "q_proj": (("attn", "w"), ("q_proj",)),
+  "k_proj": (("attn", "w"), ("k_proj",)),
+  "v_proj": (("attn", "w"), ("v_proj",)),
+  "o_proj": (("attn", "w"), ("o_proj",)),
+  "gate_proj": (("mlp", "kernel"), ("gate_proj",)),
+  "up_proj": (("mlp", "kernel"), ("up_proj",)),
+  "down_proj": (("mlp", "kernel"), ("down_proj",)),
+  # Gemma and Gemma 3's einsum projections.
+  "q_einsum": (("attn", "w"), ("q_proj",)),
+  "kv_einsum": (("attn", "w"), ("k_proj", "v_proj")),
+  "qkv_einsum": (("attn", "w"), ("q_proj", "k_proj", "v_proj")),
+  "attn_vec_einsum": (("attn", "w"), ("o_proj",)),
 }
 
 
@@ -87,17 +105,27 @@ def lora_scales(
     rank = int(value.shape[-1])
     if rule[1] != rank:
       raise ValueError(f"{name!r} has rank {rank}, its LoraRule {rule[0]!r} rank={rule[1]}")
-    scales[int(match[1]), match[3]] = rule[2] / rule[1]
+    for target in _SOURCES.get(match[3], (None, (match[3],)))[1]:
+      scales[int(match[1]), target] = rule[2] / rule[1]
   return scales
 
 
-def _pair(target: str, a: Any, b: Any) -> tuple[Any, Any]:
-  """qwix's ``(A, B)`` of `target` as ``(A [in, R], B [R, out])``."""
-  if target == "o_proj":  # A [H, D, R]
-    return a.reshape(-1, a.shape[-1]), b
-  if target in ("q_proj", "k_proj", "v_proj"):  # B [R, H, D]
-    return a, b.reshape(b.shape[0], -1)
-  return a, b
+def _pairs(module: str, a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+  """qwix's ``(A, B)`` of Tunix module `module` as engine target -> ``(A [in, R], B [R,
+  out])`` (module docstring)."""
+  r = b.shape[0]
+  if module in ("o_proj", "attn_vec_einsum"):  # A [H, D, R]
+    return {"o_proj": (a.reshape(-1, a.shape[-1]), b)}
+  if module in ("q_proj", "k_proj", "v_proj"):  # B [R, H, D]
+    return {module: (a, b.reshape(r, -1))}
+  if module == "q_einsum":  # B [R, N, D]
+    return {"q_proj": (a, b.reshape(r, -1))}
+  if module in ("kv_einsum", "qkv_einsum"):  # B [R, 2 or 3, K, D]: one A, B's parts
+    targets = _SOURCES[module][1]
+    if b.ndim != 4 or b.shape[1] != len(targets):
+      raise ValueError(f"{module} lora_b of shape {b.shape} is not [R, {len(targets)}, K, D]")
+    return {t: (a, b[:, i].reshape(r, -1)) for i, t in enumerate(targets)}
+  return {module: (a, b)}
 
 
 def lora_adapter_from_tunix(
@@ -106,7 +134,7 @@ def lora_adapter_from_tunix(
   lora_int_id: int,
   num_layers: int,
   scales: Mapping[tuple[int, str], float],
-  targets: Mapping[str, tuple[int, int]],
+  targets: Mapping[str, tuple[int, ...]],
 ) -> LoRAAdapter:
   """The engine adapter of a Tunix model's qwix LoRA leaves.
 
@@ -115,7 +143,7 @@ def lora_adapter_from_tunix(
     lora_int_id: the adapter's id in the engine.
     num_layers: the model's decoder layers.
     scales: ``(layer, target)`` -> ``alpha / rank`` (`lora_scales`).
-    targets: the engine model's `lora_target_shapes` (a MoE model's has no MLP targets).
+    targets: the engine model's `lora_target_shapes`.
 
   Returns:
     A `LoRAAdapter` (host float32 copies, the scales folded into ``B``).
@@ -127,31 +155,41 @@ def lora_adapter_from_tunix(
   halves: dict[tuple[int, str], dict[str, Any]] = {}
   for name, value in lora.items():
     match = _LORA_NAME.fullmatch(name)
-    target = None if match is None else match[3]
+    module = None if match is None else match[3]
+    source = _SOURCES.get(str(module))
     if (
       match is None
-      or target not in targets
-      or _SOURCES.get(str(target)) != (match[2], match[4])
+      or source is None
+      or source[0] != (match[2], match[4])
+      or any(t not in targets for t in source[1])
       or int(match[1]) >= num_layers
     ):
       raise ValueError(
-        f"unsupported LoRA parameter {name!r} (LoRA on layers.<i>.attn.{{q,k,v,o}}_proj.w and "
-        f"the MLP's *_proj.kernel; targets here: {sorted(targets)})"
+        f"unsupported LoRA parameter {name!r} (LoRA on layers.<i>.attn.{{q,k,v,o}}_proj.w, "
+        "Gemma's attn.{q,kv,qkv,attn_vec}_einsum.w and the MLP's *_proj.kernel; targets here: "
+        f"{sorted(targets)})"
       )
-    halves.setdefault((int(match[1]), str(target)), {})[match[5]] = value
+    halves.setdefault((int(match[1]), str(module)), {})[match[5]] = value
   pairs = {}
-  for key, half in sorted(halves.items()):
-    if set(half) != {"a", "b"} or key not in scales:
-      missing = "its scale" if set(half) == {"a", "b"} else f"lora_{({'a', 'b'} - set(half)).pop()}"
-      raise ValueError(f"LoRA on layer {key[0]} {key[1]} lacks {missing}")
-    a, b = _pair(key[1], half["a"], half["b"])
-    n_in, n_out = targets[key[1]]
-    if a.shape[0] != n_in or b.shape[-1] != n_out or a.ndim != 2 or b.ndim != 2:
+  for (layer, module), half in sorted(halves.items()):
+    if set(half) != {"a", "b"}:
       raise ValueError(
-        f"LoRA on layer {key[0]} {key[1]}: lora_a, lora_b of shapes {half['a'].shape}, "
-        f"{half['b'].shape} do not give [{n_in}, r], [r, {n_out}]"
+        f"LoRA on layer {layer} {module} lacks lora_{({'a', 'b'} - set(half)).pop()}"
       )
-    pairs[key] = (a, b)
+    try:
+      module_pairs = _pairs(module, half["a"], half["b"])
+    except ValueError as error:
+      raise ValueError(f"LoRA on layer {layer}: {error}") from None
+    for target, (a, b) in module_pairs.items():
+      if (layer, target) not in scales:
+        raise ValueError(f"LoRA on layer {layer} {target} lacks its scale")
+      n_in, n_out = targets[target][-2:]
+      if a.ndim != 2 or b.ndim != 2 or a.shape[0] != n_in or b.shape[-1] != n_out:
+        raise ValueError(
+          f"LoRA on layer {layer} {module}: lora_a, lora_b of shapes {half['a'].shape}, "
+          f"{half['b'].shape} do not give {target}'s [{n_in}, r], [r, {n_out}]"
+        )
+      pairs[layer, target] = (a, b)
   return lora_adapter_from_arrays(lora_int_id, pairs, scale=dict(scales))
 
 

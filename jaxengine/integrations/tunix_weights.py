@@ -57,6 +57,12 @@ Gemma (``tunix.models.gemma``: Gemma 1 and 2) and Gemma 3 (``tunix.models.gemma3
 
 Tunix Gemma 3's vision encoder and projector (``vision_encoder.*``, ``embedder.mm_*``) are left
 unread.
+
+A qwix LoRA actor's LoRA leaves (``..._lora_a``, ``..._lora_b``, on every family here, Gemma's
+einsum projections included) are not base weights: `JaxEngineRollout` splits them off
+(`jaxengine.integrations.tunix_lora.split_lora_leaves`) and maps them onto the engine's LoRA slots
+unmerged (`jaxengine.integrations.tunix_lora.lora_adapter_from_tunix`); given here they are
+refused by name, pointing there.
 """
 
 from __future__ import annotations
@@ -288,7 +294,8 @@ def check_tunix_params(params: Mapping[str, Any], config: EngineConfig) -> list[
   (on the host).
 
   Raises:
-    ValueError: naming the first missing or unexpected parameter.
+    ValueError: naming the first missing or unexpected parameter (a qwix LoRA leaf: where it
+      goes instead).
   """
   expected = sorted({name for name, _ in leaf_rules(config).values()})
   missing = [name for name in expected if name not in params]
@@ -297,7 +304,13 @@ def check_tunix_params(params: Mapping[str, Any], config: EngineConfig) -> list[
   known = set(expected)
   extra = [n for n in params if n not in known and not n.startswith(IGNORED_PREFIXES)]
   if extra:
-    raise ValueError(f"unexpected Tunix parameter {extra[0]!r} (LoRA is not supported)")
+    if "_lora_" in extra[0]:
+      raise ValueError(
+        f"unexpected Tunix parameter {extra[0]!r}: a qwix LoRA leaf is no base weight (split "
+        "it off with jaxengine.integrations.tunix_lora.split_lora_leaves; JaxEngineRollout "
+        "serves it on the engine's LoRA slots)"
+      )
+    raise ValueError(f"unexpected Tunix parameter {extra[0]!r}")
   return expected
 
 

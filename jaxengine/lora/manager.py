@@ -32,7 +32,8 @@ from jaxengine.lora.request import LoRARequest, check_lora_request
 from jaxengine.models.lora import LoRAInputs
 from jaxengine.models.weights import check_finite
 
-#: Device buffers: per layer, target -> ``(A [N + 1, in, R], B [N + 1, R, out])``.
+#: Device buffers: per layer, target -> ``(A [N + 1, in, R], B [N + 1, R, out])`` (an expert
+#: target's ``(A [N + 1, X, in, R], B [N + 1, X, R, out])``).
 Buffers = tuple[dict[str, tuple[jax.Array, jax.Array]], ...]
 
 
@@ -45,7 +46,8 @@ class LoRAManager:
     max_cpu_loras: host copies kept (least recently used dropped first), >= `max_loras`.
     num_layers: the model's decoder layers.
     target_shapes: ``(in, out)`` of every projection adapters may target (the model's
-      `lora_target_shapes`).
+      `lora_target_shapes`; ``(X, in, out)`` for a mixture of experts' expert targets, one
+      pair per expert: `jaxengine.models.moe_lora`).
     dtype: the model's dtype (the buffers').
     device: the device the buffers are committed to (the weights'), so that the steps see one
       placement whether a slot was written from the host or from device arrays (a trainer's,
@@ -53,6 +55,13 @@ class LoRAManager:
     shardings: None, or on a mesh the buffers' shardings, per layer target -> ``(A's, B's)``
       (`jaxengine.worker.placement.MeshPlacement.lora_shardings`: split as their base
       projections); every write keeps them (`device` is then unused).
+    target_layers: None, or the layers that have each target (the model's
+      `lora_target_layers`: a mixture of experts' dense MLP targets only on its dense layers,
+      its expert targets only on its sparse ones); a target not named is in every layer. An
+      adapter with a pair on a layer without its target is refused, not half applied.
+    layer_shapes: None, or ``(layer, target)`` -> that layer's shape where it is narrower than
+      `target_shapes` (the model's `lora_layer_shapes`: Gemma 4's layers differ in width); its
+      pair fills the first rows of ``A`` and columns of ``B`` of the slot.
   """
 
   def __init__(
@@ -62,21 +71,25 @@ class LoRAManager:
     max_lora_rank: int,
     max_cpu_loras: int,
     num_layers: int,
-    target_shapes: Mapping[str, tuple[int, int]],
+    target_shapes: Mapping[str, tuple[int, ...]],
     dtype,
     device: jax.Device | None = None,
     shardings: Buffers | None = None,
+    target_layers: Mapping[str, Sequence[int]] | None = None,
+    layer_shapes: Mapping[tuple[int, str], tuple[int, ...]] | None = None,
   ) -> None:
     self.max_loras = max_loras
     self.max_lora_rank = max_lora_rank
     self.max_cpu_loras = max_cpu_loras
     self.num_layers = num_layers
     self.target_shapes = dict(target_shapes)
+    self.target_layers = {t: frozenset(v) for t, v in (target_layers or {}).items()}
+    self.layer_shapes = dict(layer_shapes or {})
     n, r = max_loras + 1, max_lora_rank
     buffers: Buffers = tuple(
       {
-        t: (jnp.zeros((n, i, r), dtype), jnp.zeros((n, r, o), dtype))
-        for t, (i, o) in self.target_shapes.items()
+        t: (jnp.zeros((n, *lead, i, r), dtype), jnp.zeros((n, *lead, r, o), dtype))
+        for t, (*lead, i, o) in self.target_shapes.items()
       }
       for _ in range(num_layers)
     )
@@ -129,7 +142,9 @@ class LoRAManager:
       max_lora_rank=self.max_lora_rank,
       num_layers=self.num_layers,
       target_shapes=self.target_shapes,
+      layer_shapes=self.layer_shapes,
     )
+    self._check_layers(adapter, f"lora_path={path!r}")
     self._remember(request, adapter)
     return adapter
 
@@ -178,18 +193,31 @@ class LoRAManager:
         )
       if not 0 <= layer < self.num_layers:
         raise ValueError(f"{who}: layer {layer} is out of range (num_layers={self.num_layers})")
-      n_in, n_out = self.target_shapes[target]
-      if a.shape != (n_in, adapter.rank) or b.shape != (adapter.rank, n_out):
+      *lead, n_in, n_out = self.layer_shapes.get((layer, target), self.target_shapes[target])
+      want_a, want_b = (*lead, n_in, adapter.rank), (*lead, adapter.rank, n_out)
+      if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
         raise ValueError(
           f"{who}: layer {layer} {target} has A, B of shapes {a.shape}, {b.shape}, expected "
-          f"{(n_in, adapter.rank)}, {(adapter.rank, n_out)}"
+          f"{want_a}, {want_b}"
         )
+    self._check_layers(adapter, who)
     halves = (
       (f"{who} layer {layer} {target} {half}", array)
       for (layer, target), pair in adapter.weights.items()
       for half, array in zip("AB", pair)
     )
     check_finite(halves)
+
+  def _check_layers(self, adapter: LoRAAdapter, who: str) -> None:
+    """Refuses (ValueError naming the pair) a pair on a layer without its target
+    (`target_layers`)."""
+    for layer, target in adapter.weights:
+      layers = self.target_layers.get(target)
+      if layers is not None and layer not in layers:
+        raise ValueError(
+          f"{who}: layer {layer} has no {target} (this model's {target} is on layers "
+          f"{sorted(layers)}), so its adapter pair there cannot be applied"
+        )
 
   def _remember(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
     """Keeps `adapter` as the most recently used host copy, dropping the least recently used
@@ -308,17 +336,19 @@ class LoRAManager:
   def _host_slot(
     self, adapter: LoRAAdapter
   ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], ...]:
-    """The adapter as one slot of every buffer: per layer, target -> ``([in, R], [R, out])``,
-    zero-padded (zeros for projections it leaves alone)."""
+    """The adapter as one slot of every buffer: per layer, target -> ``([in, R], [R, out])``
+    (``[X, in, R]``, ``[X, R, out]`` for an expert target), zero-padded (zeros for projections
+    it leaves alone)."""
     r = self.max_lora_rank
     layers = []
     for layer in range(self.num_layers):
       entry = {}
-      for target, (n_in, n_out) in self.target_shapes.items():
-        a, b = np.zeros((n_in, r), np.float32), np.zeros((r, n_out), np.float32)
+      for target, (*lead, n_in, n_out) in self.target_shapes.items():
+        a, b = np.zeros((*lead, n_in, r), np.float32), np.zeros((*lead, r, n_out), np.float32)
         found = adapter.weights.get((layer, target))
-        if found is not None:
-          a[:, : adapter.rank], b[: adapter.rank] = found
+        if found is not None:  # a narrower layer's pair: the first rows and columns
+          n_in, n_out = found[0].shape[-2], found[1].shape[-1]
+          a[..., :n_in, : adapter.rank], b[..., : adapter.rank, :n_out] = found
         entry[target] = (a, b)
       layers.append(entry)
     return tuple(layers)
@@ -356,8 +386,9 @@ def _set_slot_pairs(
       pair = pairs.get((layer, target))
       a, b = jnp.zeros(a_buf.shape[1:], a_buf.dtype), jnp.zeros(b_buf.shape[1:], b_buf.dtype)
       if pair is not None:
-        r = pair[0].shape[1]
-        a, b = a.at[:, :r].set(pair[0].astype(a.dtype)), b.at[:r].set(pair[1].astype(b.dtype))
+        (n_in, r), n_out = pair[0].shape[-2:], pair[1].shape[-1]
+        a = a.at[..., :n_in, :r].set(pair[0].astype(a.dtype))
+        b = b.at[..., :r, :n_out].set(pair[1].astype(b.dtype))
       new[target] = (a_buf.at[slot].set(a), b_buf.at[slot].set(b))
     layers.append(new)
   return tuple(layers)

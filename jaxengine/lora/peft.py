@@ -16,25 +16,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.lora.peft_experts import (
+  LEGACY_EXPERT_MODULES,
+  expert_pairs,
+  is_expert_tensor,
+  module_name,
+  parameter_targets,
+)
 from jaxengine.models.lora import LORA_TARGETS
 
 #: ``...layers.{i}.{self_attn|linear_attn|mlp}.{target}.lora_{A|B}.weight`` in PEFT's saved
-#: tensor names (``linear_attn``: a Qwen3.5 Gated DeltaNet layer).
+#: tensor names (``linear_attn``: a Qwen3.5 Gated DeltaNet layer; ``mlp.shared_expert.{target}``:
+#: a Qwen3.5 mixture of experts' shared expert). The routed experts' tensors are read by
+#: `jaxengine.lora.peft_experts`.
 _TENSOR_NAME = re.compile(
-  r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+  r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.((?:shared_expert\.)?\w+)\.lora_([AB])"
+  r"(?:\.\w+)?\.weight$"
 )
 
-#: The modules of a multimodal checkpoint (Gemma 3's vision tower and projector) that a text-only
+#: The modules of a multimodal checkpoint (Gemma 3's vision tower and projector, Gemma 4's vision
+#: and audio towers and their embedders) that a text-only
 #: engine never runs: an adapter's tensors under them change nothing it computes, so they are
 #: left out (PEFT wraps every module of a target's name, the vision tower's ``q_proj`` too).
-_NOT_RUN = re.compile(r"\.(?:vision_tower|multi_modal_projector)\.")
+_NOT_RUN = re.compile(
+  r"\.(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+)
 
 #: `adapter_config.json` settings this engine does not run, with the value that is fine.
 _UNSUPPORTED = {
   "use_dora": False,
   "bias": "none",
-  "rank_pattern": {},
-  "alpha_pattern": {},
   "modules_to_save": None,
 }
 
@@ -64,7 +75,8 @@ def load_peft_adapter(
   *,
   max_lora_rank: int,
   num_layers: int,
-  target_shapes: Mapping[str, tuple[int, int]],
+  target_shapes: Mapping[str, tuple[int, ...]],
+  layer_shapes: Mapping[tuple[int, str], tuple[int, ...]] | None = None,
 ) -> LoRAAdapter:
   """Reads and checks a PEFT LoRA directory.
 
@@ -74,6 +86,8 @@ def load_peft_adapter(
     max_lora_rank: the largest rank the engine's slots hold.
     num_layers: the base model's decoder layers.
     target_shapes: ``(in, out)`` of every projection the model lets adapters target.
+    layer_shapes: None, or ``(layer, target)`` -> its ``(in, out)`` where a layer's differs
+      from `target_shapes` (Gemma 4's).
 
   Raises:
     ValueError: (naming the path and the field; raised while reading the files, before anything
@@ -102,11 +116,82 @@ def load_peft_adapter(
     if value != fine and not (fine == {} and not value):
       raise ValueError(f"lora_path={where!r}: {name}={value!r} is not supported")
   other_model = _other_model(where, config.get("base_model_name_or_path"))
-  targets = _target_modules(config.get("target_modules"), where, other_model, target_shapes)
-  scale = float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
-  tensors = _read_tensors(where)
-  weights = _pairs(where, tensors, other_model, targets, rank, scale, num_layers, target_shapes)
-  return LoRAAdapter(int(lora_int_id), rank, scale, weights)
+  parameters = parameter_targets(config.get("target_parameters"), where, target_shapes)
+  targets = _target_modules(
+    config.get("target_modules"), where, other_model, target_shapes, bool(parameters)
+  )
+  ranks = _Ranks(where, rank, alpha, bool(config.get("use_rslora")), config)
+  scale = ranks.scale(rank, alpha)
+  tensors = {k: t for k, t in _read_tensors(where).items() if not _NOT_RUN.search(k)}
+  experts = {k: t for k, t in tensors.items() if is_expert_tensor(k)}
+  others = {k: t for k, t in tensors.items() if k not in experts}
+  shapes_of = lambda layer, target: (layer_shapes or {}).get((layer, target), target_shapes[target])
+  weights = _pairs(where, others, other_model, targets, ranks, num_layers, target_shapes, shapes_of)
+  if experts:
+    shapes = target_shapes
+    weights.update(expert_pairs(where, experts, other_model, ranks, num_layers, shapes))
+  largest = max([rank, *(a.shape[-1] for a, _ in weights.values())])
+  if largest > max_lora_rank:
+    raise ValueError(
+      f"lora_path={where!r}: rank {largest} (r={rank}, rank_pattern "
+      f"{config.get('rank_pattern') or {}}) exceeds max_lora_rank={max_lora_rank}"
+    )
+  return LoRAAdapter(int(lora_int_id), largest, scale, _padded(weights, largest))
+
+
+class _Ranks:
+  """Each module's rank and scale by PEFT's rules: ``rank_pattern`` / ``alpha_pattern`` keys
+  are regular expressions, the first that matches the end of a module's dotted name after a
+  dot (or all of it) gives its value, else ``r`` / ``lora_alpha``; the scale ``alpha / rank``
+  (``alpha / sqrt(rank)`` with ``use_rslora``).
+
+  Raises (`rank`):
+    ValueError: a pattern's value that is not a positive int (a rank) or a number (an alpha).
+  """
+
+  def __init__(self, where: str, rank: int, alpha, rslora: bool, config: Mapping[str, Any]):
+    self.where, self.r, self.alpha, self.rslora = where, rank, alpha, rslora
+    self.rank_pattern = dict(config.get("rank_pattern") or {})
+    self.alpha_pattern = dict(config.get("alpha_pattern") or {})
+    for name, patterns, valid in (
+      ("rank_pattern", self.rank_pattern, lambda v: isinstance(v, int) and v >= 1),
+      ("alpha_pattern", self.alpha_pattern, lambda v: isinstance(v, (int, float))),
+    ):
+      for key, value in patterns.items():
+        if isinstance(value, bool) or not valid(value):
+          raise ValueError(f"lora_path={where!r}: {name}[{key!r}]={value!r} is not valid")
+
+  @staticmethod
+  def _find(patterns: Mapping[str, Any], module: str, default):
+    for key, value in patterns.items():
+      if re.match(rf"(.*\.)?({key})$", module):
+        return value
+    return default
+
+  def rank(self, module: str) -> int:
+    """The rank of `module` (its dotted name in the base model, ``model.layers.0...``)."""
+    return self._find(self.rank_pattern, module, self.r)
+
+  def module_scale(self, module: str) -> float:
+    """The scale of `module`'s update."""
+    return self.scale(self.rank(module), self._find(self.alpha_pattern, module, self.alpha))
+
+  def scale(self, rank: int, alpha) -> float:
+    """``alpha / rank``, or ``alpha / sqrt(rank)`` with ``use_rslora``."""
+    return float(alpha) / (math.sqrt(rank) if self.rslora else rank)
+
+
+def _padded(weights: dict, rank: int) -> dict:
+  """Every ``(A [..., in, r], B [..., r, out])`` pair zero-padded to `rank` (exact: the added
+  rank dimensions multiply zeros)."""
+  out = {}
+  for key, (a, b) in weights.items():
+    extra = rank - a.shape[-1]
+    if extra:
+      a = np.concatenate([a, np.zeros((*a.shape[:-1], extra), a.dtype)], axis=-1)
+      b = np.concatenate([b, np.zeros((*b.shape[:-2], extra, b.shape[-1]), b.dtype)], axis=-2)
+    out[key] = (a, b)
+  return out
 
 
 def lora_adapter_from_arrays(
@@ -196,21 +281,37 @@ def _other_model(where: str, base_model: Any) -> str:
 
 
 def _target_modules(
-  value, where: str, other_model: str, target_shapes: Mapping[str, tuple[int, int]]
+  value,
+  where: str,
+  other_model: str,
+  target_shapes: Mapping[str, tuple[int, ...]],
+  has_parameters: bool = False,
 ) -> list[str]:
   """The adapter's target module names, each one the model supports (ValueError otherwise:
-  an adapter none of whose modules this model family has is one of another base model)."""
+  an adapter none of whose modules this model family has is one of another base model).
+
+  A name the model has under a shared expert (``shared_expert.gate_proj``) or its routed
+  experts' modules (``gate_proj``, Mixtral's ``w1``: `jaxengine.lora.peft_experts`) counts as
+  the model's. With `has_parameters` (``target_parameters`` given) the list may be empty."""
   names = [value] if isinstance(value, str) else list(value or [])
   if not names:
+    if has_parameters:
+      return []
     raise ValueError(f"lora_path={where!r}: target_modules is empty")
+  experts = "experts.gate_proj" in target_shapes
   known = ", ".join(t for t in LORA_TARGETS if t in target_shapes)
-  if not any(name in LORA_TARGETS for name in names):
+  ours = lambda name: (
+    name in target_shapes
+    or f"shared_expert.{name}" in target_shapes
+    or (experts and name in LEGACY_EXPERT_MODULES)
+  )
+  if not any(name in LORA_TARGETS or name in LEGACY_EXPERT_MODULES for name in names):
     raise ValueError(
       f"{other_model}: none of its target_modules {names} is a module of this model (unknown "
       f"target modules; this model's: {known})"
     )
   for name in names:
-    if name not in target_shapes:
+    if not ours(name):
       raise ValueError(f"lora_path={where!r}: unknown target module {name!r} (supported: {known})")
   return names
 
@@ -239,12 +340,13 @@ def _pairs(
   tensors: Mapping[str, np.ndarray],
   other_model: str,
   targets: list[str],
-  rank: int,
-  scale: float,
+  ranks: _Ranks,
   num_layers: int,
-  target_shapes: Mapping[str, tuple[int, int]],
+  target_shapes: Mapping[str, tuple[int, ...]],
+  shapes_of: Any,
 ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-  """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)``.
+  """The adapter's ``(A [in, r], scale * B [r, out])`` pairs by ``(layer, target)`` (``r`` and
+  ``scale`` each module's, `_Ranks`).
 
   Tensors of modules a text-only engine never runs (`_NOT_RUN`: a vision tower's) are left out.
 
@@ -258,17 +360,19 @@ def _pairs(
     if _NOT_RUN.search(name):
       continue
     match = _TENSOR_NAME.search(name)
-    if match is None or match[2] not in targets:
+    if match is None or match[2].rsplit(".", 1)[-1] not in targets or match[2] not in target_shapes:
       raise ValueError(f"lora_path={where!r}: unexpected tensor {name!r}")
     if int(match[1]) >= num_layers:
       raise ValueError(
         f"{other_model}: tensor {name!r} is for layer {match[1]}, this model has {num_layers} "
         f"layers (0..{num_layers - 1})"
       )
-    halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
+    pair = halves.setdefault((int(match[1]), match[2]), {})
+    pair[match[3]], pair["module"] = tensor, module_name(name)
   weights = {}
   for (layer, target), pair in halves.items():
-    n_in, n_out = target_shapes[target]
+    n_in, n_out = shapes_of(layer, target)
+    rank, scale = ranks.rank(pair["module"]), ranks.module_scale(pair["module"])
     a, b = pair.get("A"), pair.get("B")
     if (
       a is not None and b is not None and a.ndim == 2 and (a.shape[1], b.shape[0]) != (n_in, n_out)

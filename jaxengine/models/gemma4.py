@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models import gemma4_lora
 from jaxengine.models.attention import PagedAttentionMetadata, PagedKVCache, attention
 from jaxengine.models.gemma import GemmaMLP
 from jaxengine.models.gemma4_checkpoints import hf_weight_specs
@@ -52,6 +53,7 @@ from jaxengine.models.layers import (
   rotary_embedding,
   vocab_logits,
 )
+from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.weights import WeightSpec
 
 __all__ = ["Gemma4", "Gemma4Attention", "Gemma4Config", "Gemma4DecoderLayer"]
@@ -114,29 +116,38 @@ class Gemma4Attention(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x, positions, kv_cache, layer, metadata):
+  def __call__(self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None):
     """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; the
     arguments as `jaxengine.models.llama.Attention.__call__` (`layer`: the cache layer this
-    layer reads, its own or, KV-shared, its source's)."""
+    layer reads, its own or, KV-shared, its source's; `lora`: this layer's adapters, its
+    ``k_proj`` update also the values' with ``attention_k_eq_v``, as transformers' values are
+    the key projection's output)."""
     cfg = self.config
     lead = x.shape[:-1]
     e, h = x.shape[-1], cfg.num_attention_heads
     kv, d = cfg.kv_heads(self.layer), cfg.layer_head_dim(self.layer)
     page_heads, page_width = cfg.page_kv_heads, cfg.page_head_dim
     inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
-    q = self.q_norm(project(self, "wq", x, (h * d, e)).reshape(*lead, h, d))
+    fixed = self.batch_invariant
+    q = add_lora(project(self, "wq", x, (h * d, e)), x, lora, "q_proj", fixed)
+    q = self.q_norm(q.reshape(*lead, h, d))
     q = _to_page(rotary_embedding(q, positions, inv_freq), h, page_width)
     k = v = None
     if self.k_norm is not None:  # a layer with keys and values of its own
-      k = project(self, "wk", x, (kv * d, e)).reshape(*lead, kv, d)
-      v = k if self.wv is None else project(self, "wv", x, (kv * d, e)).reshape(*lead, kv, d)
+      k = add_lora(project(self, "wk", x, (kv * d, e)), x, lora, "k_proj", fixed)
+      k = k.reshape(*lead, kv, d)
+      if self.wv is None:
+        v = k
+      else:
+        v = add_lora(project(self, "wv", x, (kv * d, e)), x, lora, "v_proj", fixed)
+        v = v.reshape(*lead, kv, d)
       k = rotary_embedding(self.k_norm(k), positions, inv_freq)
       k, v = _to_page(k, page_heads, page_width), _to_page(self.v_norm(v), page_heads, page_width)
     out, kv_cache = attention(
       q, k, v, kv_cache, layer, metadata, scale=1.0, sliding_window=cfg.window(self.layer)
     )
-    out = project(self, "wo", out[..., :d].reshape(*lead, h * d), (e, h * d))
-    return out, kv_cache
+    out = out[..., :d].reshape(*lead, h * d)
+    return add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj", fixed), kv_cache
 
 
 class Gemma4DecoderLayer(nnx.Module):
@@ -170,12 +181,13 @@ class Gemma4DecoderLayer(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x, positions, kv_cache, layer, metadata, per_layer_input=None):
-    """Same arguments as `Gemma4Attention.__call__`, ``x`` the residual stream ``[..., E]``, and
-    this layer's ``[..., P]`` per-layer input (None without)."""
-    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata)
+  def __call__(self, x, positions, kv_cache, layer, metadata, per_layer_input=None, lora=None):
+    """Same arguments as `Gemma4Attention.__call__`, ``x`` the residual stream ``[..., E]``,
+    this layer's ``[..., P]`` per-layer input (None without) and its LoRA adapters (None
+    without; the attention's, the dense MLP's and the experts')."""
+    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
     x = x + self.post_attention_norm(h)
-    h = self.mlp(self.pre_feedforward_norm(x))
+    h = self.mlp(self.pre_feedforward_norm(x), lora)
     norms = (
       self.post_feedforward_norm_1,
       self.pre_feedforward_norm_2,
@@ -183,7 +195,7 @@ class Gemma4DecoderLayer(nnx.Module):
     )
     if self.moe is not None and all(norm is not None for norm in norms):
       dense_norm, experts_in_norm, experts_norm = cast(tuple[RMSNorm, RMSNorm, RMSNorm], norms)
-      h = dense_norm(h) + experts_norm(self.moe(x, experts_in_norm(x)))
+      h = dense_norm(h) + experts_norm(self.moe(x, experts_in_norm(x), lora))
     x = x + self.post_feedforward_norm(h)
     if per_layer_input is not None and self.post_ple_norm is not None:
       gate = jax.nn.gelu(project(self, "ple_gate", x), approximate=self.approximate)
@@ -239,9 +251,12 @@ class Gemma4(ConfiguredDecoder, nnx.Module):
     positions: jax.Array,
     kv_cache: PagedKVCache,
     attn_metadata: PagedAttentionMetadata,
+    *,
+    lora: LoRAInputs | None = None,
   ) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder, updating the cache; arguments and results as
-    `jaxengine.models.Llama.__call__` (``[..., E]`` hidden states after the final norm)."""
+    `jaxengine.models.Llama.__call__` (``[..., E]`` hidden states after the final norm;
+    `lora`: the step's adapters, `lora_target_shapes`)."""
     cfg = self.config
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
@@ -252,7 +267,10 @@ class Gemma4(ConfiguredDecoder, nnx.Module):
       positions,
       kv_cache,
       attn_metadata,
-      (lambda i: ()) if per_layer is None else (lambda i: (per_layer[..., i, :],)),
+      lambda i: (
+        None if per_layer is None else per_layer[..., i, :],
+        None if lora is None else lora.layer(i),
+      ),
       cache_layer=cfg.kv_source,
     )
     return self.final_norm(x), kv_cache
@@ -271,6 +289,23 @@ class Gemma4(ConfiguredDecoder, nnx.Module):
     )
     projected = self.ple_norm(projected.reshape(*lead, cfg.num_hidden_layers, p))
     return (projected + table) * jnp.asarray(2.0**-0.5, x.dtype)
+
+  def lora_target_shapes(self) -> dict[str, tuple[int, ...]]:
+    """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
+    module name, the widest layer's (global layers' heads may be wider, KV-shared layers' MLPs
+    double-wide: `gemma4_lora.layer_shapes` gives each layer's); the experts' as ``(X, in,
+    out)`` with ``enable_moe_block``."""
+    return gemma4_lora.target_shapes(self.config)
+
+  def lora_target_layers(self) -> dict[str, tuple[int, ...]]:
+    """The layers of ``k_proj`` (not the KV-shared ones) and ``v_proj`` (nor the global
+    layers of ``attention_k_eq_v``)."""
+    return gemma4_lora.target_layers(self.config)
+
+  def lora_layer_shapes(self) -> dict[tuple[int, str], tuple[int, ...]]:
+    """Each layer's ``(in, out)`` of each target it has (`jaxengine.lora.LoRAManager`'s
+    ``layer_shapes``)."""
+    return gemma4_lora.layer_shapes(self.config)
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name

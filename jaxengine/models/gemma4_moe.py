@@ -10,7 +10,9 @@ experts, and reuses that module's routing (`jaxengine.models.moe.route`) and gro
   learned ``per_expert_scale``;
 - experts: GeGLU (the config's GELU) over ``pre_feedforward_layernorm_2(x)``, the gate and up
   projections fused in one ``[X, E, 2F]`` stack (the checkpoint's ``gate_up_proj``, ``(X, 2F, E)``,
-  transposed on loading) whose output's first ``F`` columns are the gate.
+  transposed on loading) whose output's first ``F`` columns are the gate. LoRA adapters on the
+  experts (`jaxengine.models.moe_lora`) are added to the gate and up halves and the down
+  projection.
 
 Shape letters as `jaxengine.models.moe`: ``T`` tokens, ``E`` hidden size, ``X`` experts, ``k``
 experts per token, ``F`` ``moe_intermediate_size``, ``M = T * k``.
@@ -25,7 +27,9 @@ from flax import nnx
 from jaxengine.models.gemma4_config import Gemma4Config
 from jaxengine.models.gemma_config import ACTIVATIONS
 from jaxengine.models.layers import linear, normal_init, normal_out_in
+from jaxengine.models.lora import LayerLoRA
 from jaxengine.models.moe import grouped_linear, route
+from jaxengine.models.moe_lora import add_expert_lora
 from jaxengine.reductions import fixed_sum
 
 
@@ -72,12 +76,14 @@ class Gemma4MoeBlock(nnx.Module):
     self.approximate = ACTIVATIONS[config.hidden_activation]
     self.batch_invariant = False
 
-  def __call__(self, residual: jax.Array, x: jax.Array) -> jax.Array:
+  def __call__(self, residual: jax.Array, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
     """The experts' weighted sum.
 
     Args:
       residual: ``[..., E]`` the router's input (the layer's residual stream before its MLP).
       x: ``[..., E]`` the experts' input (``pre_feedforward_layernorm_2(residual)``).
+      lora: this layer's adapters (the expert targets, added to the gate and up halves and the
+        down projection: `jaxengine.models.moe_lora.add_expert_lora`), or None.
 
     Returns:
       ``[..., E]`` in ``x.dtype``.
@@ -94,11 +100,17 @@ class Gemma4MoeBlock(nnx.Module):
     assigned = routing.experts.reshape(-1)  # [M], token t's j-th expert at t * k + j
     order = jnp.argsort(assigned, stable=True)  # [M] assignment of each sorted row
     group_sizes = jnp.bincount(assigned, length=num_experts).astype(jnp.int32)  # [X]
-    rows = tokens[order // k]  # [M, E]
+    row_tokens = order // k  # [M] the token of each sorted row
+    rows = tokens[row_tokens]  # [M, E]
+    adapt = lambda y, inputs, target: add_expert_lora(
+      y, inputs, lora, target, row_tokens, group_sizes, batch_invariant=fixed
+    )
     gate_up = self._experts(self.expert_gate_up[...], rows, group_sizes)  # [M, 2F]
     gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate, up = adapt(gate, rows, "experts.gate_proj"), adapt(up, rows, "experts.up_proj")
     hidden = jax.nn.gelu(gate, approximate=self.approximate) * up  # [M, F]
     out = self._experts(self.expert_down[...], hidden, group_sizes)  # [M, E]
+    out = adapt(out, hidden, "experts.down_proj")
     per_choice = out[jnp.argsort(order)].reshape(-1, k, width).astype(jnp.float32)  # [T, k, E]
     combined = per_choice[:, 0] * weights[:, 0, None]
     for j in range(1, k):  # a fixed order of the k terms

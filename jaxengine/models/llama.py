@@ -70,8 +70,9 @@ from jaxengine.models.layers import (
 )
 from jaxengine.models.llama_checkpoints import hf_weight_specs
 from jaxengine.models.llama_config import Llama3RopeScaling, LlamaConfig, rope_frequencies
-from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
+from jaxengine.models.lora import EXPERT_LORA_TARGETS, LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.moe import SparseMoeBlock
+from jaxengine.models.moe_lora import expert_lora_shapes
 from jaxengine.models.weights import WeightSpec
 
 __all__ = [
@@ -246,8 +247,8 @@ class DecoderLayer(nnx.Module):
     h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
     x = x + h
     mlp, mlp_in = self.mlp, self.post_attention_norm(x)
-    if isinstance(mlp, SparseMoeBlock):  # no LoRA on a MoE block
-      out, experts = mlp.routed(mlp_in, routed_experts)
+    if isinstance(mlp, SparseMoeBlock):
+      out, experts = mlp.routed(mlp_in, routed_experts, lora)
       if self.return_routed_experts:
         return x + out, kv_cache, experts
       return x + out, kv_cache
@@ -404,18 +405,36 @@ class Llama(ConfiguredDecoder, nnx.Module):
     """``M``, the layers whose MLP is a mixture of experts (0 for a dense model)."""
     return len(self.config.moe_layers)
 
-  def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+  def lora_target_shapes(self) -> dict[str, tuple[int, ...]]:
     """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
     module name (the same in every layer; `jaxengine.models.lora.LORA_TARGETS`). A mixture of
-    experts offers the attention projections only: its expert MLPs take no adapter, so an
-    adapter that targets them is refused rather than half applied."""
+    experts offers its routed experts as ``(X, in, out)``
+    (`jaxengine.models.lora.EXPERT_LORA_TARGETS`), and the dense MLP's projections only when
+    some layer is dense (Qwen3-MoE's ``mlp_only_layers``)."""
     cfg = self.config
     e, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attention = {"q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e)}
+    targets: dict[str, tuple[int, ...]] = {
+      "q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e),
+    }  # fmt: skip
+    if len(cfg.moe_layers) < cfg.num_hidden_layers:
+      targets.update(gate_proj=(e, f), up_proj=(e, f), down_proj=(f, e))
     if cfg.moe_layers:
-      return attention
-    return {**attention, "gate_proj": (e, f), "up_proj": (e, f), "down_proj": (f, e)}
+      targets.update(expert_lora_shapes(cfg.num_experts, e, cfg.moe_intermediate_size))
+    return targets
+
+  def lora_target_layers(self) -> dict[str, tuple[int, ...]]:
+    """The layers of each LoRA target found only in some (a mixture of experts' dense MLP and
+    expert targets; `jaxengine.lora.LoRAManager`'s ``target_layers``)."""
+    cfg = self.config
+    if not cfg.moe_layers:
+      return {}
+    sparse = tuple(cfg.moe_layers)
+    dense = tuple(i for i in range(cfg.num_hidden_layers) if i not in sparse)
+    return {
+      **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), dense),
+      **dict.fromkeys(EXPERT_LORA_TARGETS, sparse),
+    }
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name (one spec per layer and matrix).

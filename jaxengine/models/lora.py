@@ -28,13 +28,24 @@ import jax.numpy as jnp
 
 from jaxengine.models.batch_invariant import row_tiled_dot
 
-__all__ = ["LORA_TARGETS", "LayerLoRA", "LoRAInputs", "add_lora"]
+__all__ = ["EXPERT_LORA_TARGETS", "LORA_TARGETS", "LayerLoRA", "LoRAInputs", "add_lora"]
+
+#: The routed experts' projections of a mixture of experts (`jaxengine.models.moe`), by the
+#: per-expert module names of PEFT's earlier adapters (``mlp.experts.{e}.gate_proj``): one pair
+#: per expert, ``(A [N + 1, X, in, R], B [N + 1, X, R, out])`` (`jaxengine.models.moe_lora`).
+#: PEFT's adapters of transformers' fused experts (``target_parameters`` ``gate_up_proj``,
+#: ``down_proj``) are read onto them (`jaxengine.lora.peft_experts`).
+EXPERT_LORA_TARGETS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
 #: The projections an adapter may target, by their Hugging Face / PEFT module names.
-#: (``in_proj_*`` and ``out_proj``: a Qwen3.5 Gated DeltaNet layer's, `jaxengine.models.qwen3_5`.)
+#: (``in_proj_*`` and ``out_proj``: a Qwen3.5 Gated DeltaNet layer's, `jaxengine.models.qwen3_5`;
+#: ``shared_expert.*``: the shared expert of a Qwen3.5 mixture of experts, PEFT's ``gate_proj``
+#: ... under ``mlp.shared_expert``.)
 LORA_TARGETS = (
   *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
   *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+  *EXPERT_LORA_TARGETS,
+  *("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"),
 )
 
 
@@ -46,7 +57,7 @@ class LayerLoRA:
   Attributes:
     slots: ``[T] int32`` each token's adapter slot (0: none).
     weights: target name -> ``(A [N + 1, in, R], B [N + 1, R, out])`` (targets of no adapter may
-      be absent).
+      be absent; an expert target's ``(A [N + 1, X, in, R], B [N + 1, X, R, out])``).
   """
 
   slots: jax.Array
@@ -83,7 +94,9 @@ def add_lora(
 
   Args:
     y: ``[..., out]`` the base projection of `x` (its leading dimensions flatten to ``T``).
-    x: ``[..., in]`` the projection's input.
+    x: ``[..., in]`` the projection's input. The buffers may be wider (``in`` and ``out`` the
+      widest layer's, `jaxengine.lora.LoRAManager`'s ``layer_shapes``): the first ``in`` rows
+      of ``A`` and ``out`` columns of ``B`` are this layer's.
     lora: this layer's `LayerLoRA`, or None (then nothing is traced).
     target: the projection's module name (`LORA_TARGETS`).
     batch_invariant: both products as `jaxengine.models.batch_invariant.row_tiled_dot`s over
@@ -96,7 +109,9 @@ def add_lora(
   if lora is None or target not in lora.weights:
     return y
   a, b = lora.weights[target]  # [N + 1, in, R], [N + 1, R, out]
-  a, b = a[1:], b[1:]  # slot 0 (the base model) adds nothing: its tokens are masked below
+  # Slot 0 (the base model) adds nothing: its tokens are masked below. Buffers wider than this
+  # layer's projection (a model whose layers differ in width: Gemma 4) hold its pair first.
+  a, b = a[1:, : x.shape[-1]], b[1:, :, : y.shape[-1]]
   n, n_in, r = a.shape
   flat = x.reshape(-1, n_in)  # [T, in]
   if batch_invariant:

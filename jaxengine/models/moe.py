@@ -15,6 +15,9 @@ SwiGLU experts and sums their outputs weighted by the router:
 4. combine: the rows put back in assignment order and each token's ``k`` outputs summed,
    weighted by its routing weights (in float32, then cast to the model dtype).
 
+LoRA adapters on the experts (`jaxengine.models.moe_lora`) add each row's update inside step 3,
+as grouped matmuls over the same sorted rows.
+
 Expert weights are stacked per block as ``[X, in, out]``: each expert's matrix is the
 transpose of PyTorch's ``nn.Linear`` ``(out, in)`` layout the checkpoints store, transposed on
 the host as it is loaded (`jaxengine.models.llama_checkpoints.hf_weight_specs`: a per-expert
@@ -108,6 +111,8 @@ from flax import nnx
 from jaxengine.models.batch_invariant import ROW_TILE
 from jaxengine.models.layers import linear, normal_init, normal_out_in
 from jaxengine.models.llama_config import LlamaConfig
+from jaxengine.models.lora import LayerLoRA
+from jaxengine.models.moe_lora import EXPERT_TARGET_OF, add_expert_lora
 from jaxengine.models.target_device import target_platform
 from jaxengine.reductions import fixed_sum
 
@@ -333,12 +338,20 @@ class SparseMoeBlock(nnx.Module):
     self.norm_topk_prob = config.norm_topk_prob
     self.batch_invariant = False
 
-  def __call__(self, x: jax.Array, routed_experts: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    routed_experts: jax.Array | None = None,
+    lora: LayerLoRA | None = None,
+  ) -> jax.Array:
     """Maps ``[..., E]`` to ``[..., E]`` in the model dtype (`routed`'s output alone)."""
-    return self.routed(x, routed_experts)[0]
+    return self.routed(x, routed_experts, lora)[0]
 
   def routed(
-    self, x: jax.Array, routed_experts: jax.Array | None = None
+    self,
+    x: jax.Array,
+    routed_experts: jax.Array | None = None,
+    lora: LayerLoRA | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """The block's output and the experts each token went to.
 
@@ -346,6 +359,8 @@ class SparseMoeBlock(nnx.Module):
       x: ``[..., E]`` the block's input.
       routed_experts: None (the router's top ``k``), or ``[..., k]`` integer experts to route
         each token to instead (replay; `route`'s ``experts``).
+      lora: this layer's LoRA adapters (its expert targets,
+        `jaxengine.models.moe_lora.add_expert_lora`; ``slots`` one per token of `x`), or None.
 
     Returns:
       ``([..., E] output in the model dtype, [..., k] int32 experts)``: the experts largest
@@ -361,20 +376,32 @@ class SparseMoeBlock(nnx.Module):
     assigned = routing.experts.reshape(-1)  # [M], token t's j-th expert at t * k + j
     order = jnp.argsort(assigned, stable=True)  # [M] assignment of each sorted row
     group_sizes = jnp.bincount(assigned, length=num_experts).astype(jnp.int32)  # [X]
-    rows = tokens[order // k]  # [M, E]
-    gate = self._experts("expert_gate", rows, group_sizes)  # [M, F]
-    up = self._experts("expert_up", rows, group_sizes)  # [M, F]
+    row_tokens = order // k  # [M] the token of each sorted row
+    rows = tokens[row_tokens]  # [M, E]
+    experts = lambda name, inputs: self._experts(name, inputs, group_sizes, lora, row_tokens)
+    gate = experts("expert_gate", rows)  # [M, F]
+    up = experts("expert_up", rows)  # [M, F]
     hidden = jax.nn.silu(gate) * up  # [M, F]
-    out = self._experts("expert_down", hidden, group_sizes)  # [M, E]
+    out = experts("expert_down", hidden)  # [M, E]
     per_choice = out[jnp.argsort(order)].reshape(-1, k, width).astype(jnp.float32)  # [T, k, E]
     combined = per_choice[:, 0] * routing.weights[:, 0, None]
     for j in range(1, k):  # a fixed order of the k terms
       combined = combined + per_choice[:, j] * routing.weights[:, j, None]
     return combined.astype(x.dtype).reshape(*lead, width), routing.experts.reshape(*lead, k)
 
-  def _experts(self, name: str, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  def _experts(
+    self,
+    name: str,
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    lora: LayerLoRA | None,
+    row_tokens: jax.Array,
+  ) -> jax.Array:
     """`grouped_linear` of the sorted ``[M, in]`` `rows` by expert matrix `name`, with its
-    ``[X, out]`` scales when quantized."""
+    ``[X, out]`` scales when quantized, plus its LoRA update (`add_expert_lora`)."""
     scale = self.scales[name][...] if name in self.scales else None
     w = getattr(self, name)[...]
-    return grouped_linear(rows, w, group_sizes, scale=scale, batch_invariant=self.batch_invariant)
+    fixed = self.batch_invariant
+    y = grouped_linear(rows, w, group_sizes, scale=scale, batch_invariant=fixed)
+    target = EXPERT_TARGET_OF[name]
+    return add_expert_lora(y, rows, lora, target, row_tokens, group_sizes, batch_invariant=fixed)

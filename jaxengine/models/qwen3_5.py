@@ -55,6 +55,7 @@ from jaxengine.models.layers import (
 )
 from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.moe import SparseMoeBlock
+from jaxengine.models.moe_lora import expert_lora_shapes
 from jaxengine.models.qwen3_5_checkpoints import LINEAR, Qwen3_5Config, hf_weight_specs
 from jaxengine.models.weights import WeightSpec
 
@@ -128,9 +129,17 @@ class Qwen3_5MLP(nnx.Module):
   )
 
   def __init__(
-    self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None
+    self,
+    config: Qwen3_5Config,
+    *,
+    dtype,
+    rngs: nnx.Rngs,
+    intermediate_size: int | None = None,
+    lora_prefix: str = "",
   ):
     e, f = config.hidden_size, intermediate_size or config.intermediate_size
+    #: Before its LoRA targets' names (``"shared_expert."``: an MoE block's shared expert).
+    self.lora_prefix = lora_prefix
     self.w_gate = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_up = nnx.Param(normal_out_in(rngs, (f,), (e,), dtype))
     self.w_down = nnx.Param(normal_out_in(rngs, (e,), (f,), dtype))
@@ -138,11 +147,13 @@ class Qwen3_5MLP(nnx.Module):
     self.batch_invariant = False
 
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
-    """`lora`: this layer's adapters (``gate_proj``, ``up_proj``, ``down_proj``) or None."""
-    fixed = self.batch_invariant
-    gate = add_lora(project(self, "w_gate", x), x, lora, "gate_proj", fixed)
-    hidden = jax.nn.silu(gate) * add_lora(project(self, "w_up", x), x, lora, "up_proj", fixed)
-    return add_lora(project(self, "w_down", hidden), hidden, lora, "down_proj", fixed)
+    """`lora`: this layer's adapters (``gate_proj``, ``up_proj``, ``down_proj`` after
+    `lora_prefix`) or None."""
+    fixed, pre = self.batch_invariant, self.lora_prefix
+    gate = add_lora(project(self, "w_gate", x), x, lora, f"{pre}gate_proj", fixed)
+    up = add_lora(project(self, "w_up", x), x, lora, f"{pre}up_proj", fixed)
+    hidden = jax.nn.silu(gate) * up
+    return add_lora(project(self, "w_down", hidden), hidden, lora, f"{pre}down_proj", fixed)
 
 
 class Qwen3_5SparseMoe(nnx.Module):
@@ -157,24 +168,30 @@ class Qwen3_5SparseMoe(nnx.Module):
   def __init__(self, config: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
     self.experts = SparseMoeBlock(cast(Any, config), dtype=dtype, rngs=rngs)
     width = config.shared_expert_intermediate_size
-    self.shared = Qwen3_5MLP(config, dtype=dtype, rngs=rngs, intermediate_size=width)
+    self.shared = Qwen3_5MLP(
+      config, dtype=dtype, rngs=rngs, intermediate_size=width, lora_prefix="shared_expert."
+    )
     self.shared_gate = nnx.Param(normal_out_in(rngs, (1,), (config.hidden_size,), dtype))
     self.batch_invariant = False
 
   def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
-    """`lora` is never given (`Qwen3_5.lora_target_shapes` offers no MoE target)."""
-    del lora
-    return self.routed(x)[0]
+    """`routed`'s output alone."""
+    return self.routed(x, None, lora)[0]
 
   def routed(
-    self, x: jax.Array, routed_experts: jax.Array | None = None
+    self,
+    x: jax.Array,
+    routed_experts: jax.Array | None = None,
+    lora: LayerLoRA | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """``([..., E] output, [..., k] int32 experts)``: the routed experts' choice (or the
-    replayed `routed_experts`, `jaxengine.models.moe.SparseMoeBlock.routed`) and the output."""
-    routed, experts = self.experts.routed(x, routed_experts)
+    replayed `routed_experts`, `jaxengine.models.moe.SparseMoeBlock.routed`) and the output;
+    `lora`: this layer's adapters (the routed experts' ``experts.*`` targets, the shared
+    expert's ``shared_expert.*``) or None."""
+    routed, experts = self.experts.routed(x, routed_experts, lora)
     shared_gate = linear(x, self.shared_gate[...], batch_invariant=self.batch_invariant)
     gate = jax.nn.sigmoid(shared_gate)  # [..., 1]
-    return routed + gate * self.shared(x), experts
+    return routed + gate * self.shared(x, lora), experts
 
 
 class Qwen3_5DecoderLayer(nnx.Module):
@@ -288,7 +305,7 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       x = x + h
       if isinstance(layer.mlp, Qwen3_5SparseMoe):
         replay = None if routed_experts is None else routed_experts[..., i, :]
-        h, experts = layer.mlp.routed(layer.post_attention_norm(x), replay)
+        h, experts = layer.mlp.routed(layer.post_attention_norm(x), replay, adapters)
         routed.append(experts)
       else:
         h = layer.mlp(layer.post_attention_norm(x), adapters)
@@ -305,26 +322,46 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
     """``M``: the layers with routed experts (every layer of an MoE model, else none)."""
     return len(self.config.moe_layers)
 
-  def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+  def lora_target_shapes(self) -> dict[str, tuple[int, ...]]:
     """The ``(in, out)`` features of each projection a LoRA adapter may target, by its PEFT
     module name: the gated attention's ``q_proj`` (its output each head's query and gate),
     ``k_proj``, ``v_proj``, ``o_proj``; the Gated DeltaNet's ``in_proj_qkv``, ``in_proj_z``,
     ``in_proj_b``, ``in_proj_a``, ``out_proj``; a dense MLP's ``gate_proj``, ``up_proj``,
-    ``down_proj`` (a mixture of experts offers no MLP target, as `jaxengine.models.Llama`).
-    Every layer has slots for every target; a layer uses those of its own kind."""
+    ``down_proj``; a mixture of experts' routed experts as ``(X, in, out)``
+    (`jaxengine.models.lora.EXPERT_LORA_TARGETS`) and its shared expert's ``gate_proj``,
+    ``up_proj``, ``down_proj`` as ``shared_expert.*``. Every layer has slots for every target;
+    a layer uses those of its own kind."""
     cfg = self.config
     e, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     hv = cfg.linear_num_value_heads
     value = hv * cfg.linear_value_head_dim
-    targets = {
+    targets: dict[str, tuple[int, ...]] = {
       "q_proj": (e, 2 * q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e),
       "in_proj_qkv": (e, cfg.conv_dim), "in_proj_z": (e, value), "in_proj_b": (e, hv),
       "in_proj_a": (e, hv), "out_proj": (value, e),
     }  # fmt: skip
     if not cfg.num_experts:
       targets.update(gate_proj=(e, f), up_proj=(e, f), down_proj=(f, e))
+      return targets
+    shared = cfg.shared_expert_intermediate_size
+    targets.update(expert_lora_shapes(cfg.num_experts, e, cfg.moe_intermediate_size))
+    targets.update({
+      "shared_expert.gate_proj": (e, shared), "shared_expert.up_proj": (e, shared),
+      "shared_expert.down_proj": (shared, e),
+    })  # fmt: skip
     return targets
+
+  def lora_target_layers(self) -> dict[str, tuple[int, ...]]:
+    """The layers of each LoRA target (`jaxengine.lora.LoRAManager`'s ``target_layers``): the
+    gated attention's on the full-attention layers, the Gated DeltaNet's on the linear ones."""
+    cfg = self.config
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    linear = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    return {
+      **dict.fromkeys(attention, tuple(cfg.attention_layers)),
+      **dict.fromkeys(linear, tuple(cfg.linear_layers)),
+    }
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name

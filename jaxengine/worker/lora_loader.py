@@ -41,7 +41,16 @@ def lora_manager(
     dtype=cast(Any, model).dtype,
     device=None if placement is not None else _committed_device(model),
     shardings=cast(Any, shardings),
+    target_layers=_optional(model, "lora_target_layers"),
+    layer_shapes=_optional(model, "lora_layer_shapes"),
   )
+
+
+def _optional(model: Model, method: str) -> Any:
+  """The model's `method`() where it has one (`lora_target_layers`: the layers of each target
+  found only in some; `lora_layer_shapes`: layers narrower than the slots), else None."""
+  found = getattr(model, method, None)
+  return None if found is None else found()
 
 
 def _num_layers(model: Model) -> int:

@@ -164,7 +164,7 @@ class MeshPlacement:
     self.lora: Any = None
 
   def lora_shardings(
-    self, target_shapes: dict[str, tuple[int, int]], num_layers: int
+    self, target_shapes: dict[str, tuple[int, ...]], num_layers: int
   ) -> tuple[dict[str, tuple[NamedSharding, NamedSharding]], ...]:
     """The LoRA slots' shardings, per layer target -> ``(A's, B's)``, split as the targets'
     base projections (`jaxengine.parallel.lora_specs`); sets `lora`, which the steps then

@@ -34,6 +34,9 @@ from jaxengine.testing import count_compiles
 
 RANK, ALPHA = 4, 8.0
 MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+#: Gemma's attention projections are einsums (``q_einsum``, ``kv_einsum`` or ``qkv_einsum``,
+#: ``attn_vec_einsum``).
+GEMMA_MODULES = ".*_einsum|.*gate_proj|.*up_proj|.*down_proj"
 
 
 def random_lora(model: nnx.Module, seed: int) -> nnx.State:
@@ -45,7 +48,8 @@ def random_lora(model: nnx.Module, seed: int) -> nnx.State:
 
 def build_lora(name: str, seed: int = 0) -> nnx.Module:
   model = build(name, seed)
-  provider = qwix.LoraProvider(module_path=MODULES, rank=RANK, alpha=ALPHA)
+  modules = GEMMA_MODULES if name.startswith("gemma") else MODULES
+  provider = qwix.LoraProvider(module_path=modules, rank=RANK, alpha=ALPHA)
   lora_model = qwix.apply_lora_to_model(
     model, provider, **model.get_model_input(), rngs=nnx.Rngs(1)
   )
@@ -254,3 +258,81 @@ SPLIT_SCRIPT = textwrap.dedent("""
 def test_a_lora_rollout_on_another_device_than_the_actor():
   out = run_python(SPLIT_SCRIPT, os.path.dirname(__file__), HELPERS_DIR)
   assert out.strip().endswith("ok")
+
+
+#: ``W + scale * delta(A, B)`` of each qwix-wrapped Tunix weight, in its own layout.
+_DELTAS = {
+  "q_einsum.w": "er,rnd->ned",  # [N, E, D]
+  "kv_einsum.w": "er,rckd->cked",  # [2, K, E, D]
+  "qkv_einsum.w": "er,rckd->cked",  # [3, N, E, D]
+  "attn_vec_einsum.w": "ndr,re->nde",  # [N, D, E]
+  "kernel": "ir,ro->io",  # [in, out]
+}
+
+
+def merged(name: str, lora_model: nnx.Module) -> nnx.Module:
+  """A plain Tunix `name` model whose weights are `lora_model`'s with every qwix pair merged
+  in (``W + alpha / rank * A B``): the reference without any LoRA code."""
+  from jaxengine.integrations.tunix_weights import tunix_param_leaves
+  from jaxengine.models.weights import dotted, leaf_path
+
+  leaves = tunix_param_leaves(nnx.state(lora_model, nnx.Param))
+  plain = build(name)
+  state = nnx.state(plain, nnx.Param)
+  flat, tree = jax.tree_util.tree_flatten_with_path(state)
+  values = []
+  for path, value in flat:
+    name = dotted(leaf_path(path))
+    value = leaves[name]
+    if f"{name}_lora_a" in leaves:
+      rule = next(r for suffix, r in _DELTAS.items() if name.endswith(suffix))
+      a, b = leaves[f"{name}_lora_a"], leaves[f"{name}_lora_b"]
+      value = value + ALPHA / RANK * jnp.einsum(rule, a, b)
+    values.append(value)
+  nnx.update(plain, jax.tree_util.tree_unflatten(tree, values))
+  return plain
+
+
+@pytest.mark.parametrize("name", ["gemma1", "gemma3"])
+def test_gemma_lora_actors_equal_their_merged_weights(name):
+  """qwix LoRA on Tunix's Gemma (``qkv_einsum``: fused query/key/value) and Gemma 3
+  (``q_einsum``, ``kv_einsum``), every attention einsum and MLP projection: the rollout's
+  teacher-forced logprobs (the pairs unmerged on the engine's LoRA slots) equal Tunix's own
+  computation on a plain model with the pairs merged into its weights, within 1e-4; the
+  adapter moves them by far more."""
+  model = build_lora(name)
+  leaves = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))["layers"][0]["attn"]
+  assert (
+    {"qkv_einsum"} <= set(leaves) if name == "gemma1" else {"q_einsum", "kv_einsum"} <= set(leaves)
+  )
+  rollout = make_rollout(model)
+  rng = np.random.default_rng(0)
+  prompts = np.full((2, 8), PAD, np.int32)
+  prompts[0, 3:], prompts[1, :] = rng.integers(3, 200, 5), rng.integers(3, 200, 8)
+  completions = rng.integers(3, 200, (2, 6)).astype(np.int32)
+  got = np.asarray(rollout.get_per_token_logps(prompts, completions))
+  want = trainer_logprobs(merged(name, model), prompts, completions, 0.7)
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  assert np.abs(got - trainer_logprobs(build(name), prompts, completions, 0.7)).max() > 1e-2
+
+
+def test_lora_leaves_given_as_base_weights_say_where_they_go():
+  """`tunix_weights.engine_leaves` reads base weights only: a Gemma qwix LoRA leaf among them is
+  named with where it goes (`split_lora_leaves`, the rollout's LoRA slots); split off, the rest
+  is what a plain Gemma's check reads."""
+  from jaxengine.integrations.tunix_lora import split_lora_leaves
+  from jaxengine.integrations.tunix_weights import (
+    check_tunix_params,
+    config_from_tunix,
+    tunix_param_leaves,
+  )
+
+  model = build_lora("gemma3")
+  params = tunix_param_leaves(nnx.state(model, nnx.Param))
+  config = config_from_tunix(model, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+  with pytest.raises(ValueError, match=r"_einsum\.w_lora_a'.*split_lora_leaves"):
+    check_tunix_params(params, config)
+  base, lora = split_lora_leaves(params)
+  assert lora and check_tunix_params(base, config) == check_tunix_params(
+    tunix_param_leaves(build("gemma3")), config
+  )

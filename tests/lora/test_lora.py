@@ -620,11 +620,13 @@ def test_models_without_lora_support_are_refused_by_enable_lora():
     je.LLM(model, enable_lora=True, max_model_len=32)
 
 
-def test_a_mixture_of_experts_offers_attention_targets_only(checkpoints):
-  """Its expert MLPs take no adapter: one that targets them is refused, not half applied."""
+def test_a_mixture_of_experts_refuses_a_dense_mlp_pair_on_its_sparse_layer(checkpoints):
+  """Layer 0 dense, layer 1 sparse: the dense MLP targets are layer 0's only, so adapter 2 (a
+  Llama adapter on every projection of both layers) is refused, not half applied; adapter 1
+  (attention only) loads."""
   from flax import nnx
 
-  from jaxengine.lora import load_peft_adapter
+  from jaxengine.lora import LoRAManager
   from jaxengine.models.llama import Llama
   from jaxengine.models.llama_config import LlamaConfig
 
@@ -633,13 +635,17 @@ def test_a_mixture_of_experts_offers_attention_targets_only(checkpoints):
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(1,),
   )  # fmt: skip
-  shapes = Llama(config, rngs=nnx.Rngs(0)).lora_target_shapes()
-  assert sorted(shapes) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+  model = Llama(config, rngs=nnx.Rngs(0))
+  shapes = model.lora_target_shapes()
+  assert shapes["experts.gate_proj"] == (4, 64, 32) and shapes["gate_proj"] == (64, 96)
+  manager = LoRAManager(
+    max_loras=1, max_lora_rank=8, max_cpu_loras=2, num_layers=2, target_shapes=shapes,
+    dtype=np.float32, target_layers=model.lora_target_layers(),
+  )  # fmt: skip
   _, requests = checkpoints
-  with pytest.raises(ValueError, match="unknown target module"):  # adapter 2 targets the MLP too
-    load_peft_adapter(requests[2].lora_path, 2, max_lora_rank=8, num_layers=2, target_shapes=shapes)
-  assert load_peft_adapter(requests[1].lora_path, 1, max_lora_rank=8, num_layers=2,
-                           target_shapes=shapes).weights  # fmt: skip
+  with pytest.raises(ValueError, match=r"layer 1 has no (gate|up|down)_proj"):
+    manager.load(requests[2])
+  assert manager.load(requests[1]).weights and manager.cached_ids == [1]
 
 
 def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoints):

@@ -185,7 +185,6 @@ def test_config_and_cache_layout_read_from_each_checkpoint(all_checkpoint, multi
   "option, message",
   [
     (dict(scan_layers=True), "scan_layers=True: Gemma4 models cannot"),
-    (dict(enable_lora=True), "enable_lora=True: Gemma4 models do not support LoRA"),
     (dict(enable_return_routed_experts=True), "enable_return_routed_experts=True needs"),
   ],
 )
@@ -271,3 +270,54 @@ def test_named_weights_give_back_the_checkpoint_tensors(all_checkpoint):
   assert named.keys() == tensors.keys()
   for name, value in named.items():
     np.testing.assert_array_equal(value, tensors[name], err_msg=name)
+
+
+def test_lora_adapter_matches_transformers_with_peft(all_checkpoint, tmp_path):
+  """A PEFT adapter (rank 4; random non-zero ``lora_B``) on the seven projections of every
+  layer that has them (wider global heads, ``attention_k_eq_v``'s missing ``v_proj``, the
+  KV-shared layers' query and output only, the double-wide MLPs) and on the experts' fused
+  ``gate_up_proj`` / ``down_proj``: transformers + peft's greedy tokens and prompt logprobs
+  within 1e-4 for the adapter's request, transformers' for the base request of the same step."""
+  import peft
+
+  from jaxengine.lora import load_peft_adapter
+
+  _, directory, hf_model = all_checkpoint
+  model = transformers.Gemma4ForCausalLM.from_pretrained(directory, attn_implementation="eager")
+  config = peft.LoraConfig(
+    r=4, lora_alpha=6, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+    target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+  )  # fmt: skip
+  adapted = peft.get_peft_model(model, config)
+  torch.manual_seed(5)
+  with torch.no_grad():
+    for name, param in adapted.named_parameters():
+      if "lora_" in name:
+        param.normal_(0.0, 0.3)
+  adapted.save_pretrained(tmp_path / "adapter")
+  adapted.eval()
+  llm = je.LLM(
+    directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=4
+  )
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+  )
+  lora = je.LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+  outputs = llm.generate(PROMPTS, params, lora_request=[lora, None], use_tqdm=False)
+  for reference, prompt, output in zip((adapted, hf_model), PROMPTS, outputs):
+    assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, MAX_TOKENS)
+    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+    np.testing.assert_allclose(got, hf_prompt_logprobs(reference, prompt), atol=1e-4, rtol=0)
+  base = hf_prompt_logprobs(hf_model, PROMPTS[0])
+  assert np.abs(hf_prompt_logprobs(adapted, PROMPTS[0]) - base).max() > 1e-2
+  manager = llm.llm_engine.runner.lora
+  shapes = dict(max_lora_rank=4, num_layers=5, target_shapes=manager.target_shapes)
+  pairs = load_peft_adapter(tmp_path / "adapter", 1, **shapes, layer_shapes=manager.layer_shapes)
+  assert (1, "v_proj") not in pairs.weights and (4, "k_proj") not in pairs.weights
+  assert pairs.weights[1, "q_proj"][1].shape == (4, 4 * 32)
+  assert manager.target_shapes["q_proj"] == (32, 4 * 32)
+  assert pairs.weights[0, "q_proj"][1].shape == (4, 4 * 16)
+  assert pairs.weights[0, "experts.gate_proj"][0].shape == (4, 32, 4)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

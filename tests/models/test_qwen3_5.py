@@ -384,6 +384,39 @@ def test_moe_checkpoint_matches_transformers(moe_checkpoint):
     np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
+def test_moe_peft_adapter_on_experts_shared_expert_and_mixers(moe_checkpoint, tmp_path):
+  """A rank-4 PEFT adapter on the routed experts (``target_parameters``), the shared expert
+  (``gate_proj`` ... under ``mlp.shared_expert``) and both mixers: transformers + peft's greedy
+  tokens and prompt logprobs within 1e-4."""
+  import peft
+
+  directory, hf_model = moe_checkpoint
+  base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+  config = peft.LoraConfig(
+    r=4, lora_alpha=8, lora_dropout=0.0,
+    target_modules=["q_proj", "o_proj", "in_proj_qkv", "gate_proj", "up_proj", "down_proj"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+  )  # fmt: skip
+  adapted = peft.get_peft_model(base, config)
+  torch.manual_seed(2)
+  with torch.no_grad():
+    for name, param in adapted.named_parameters():
+      if "lora_" in name:
+        param.normal_(0.0, 0.3)
+  adapted.save_pretrained(tmp_path / "adapter")
+  adapted.eval()
+  llm = je.LLM(directory, **{**ENGINE, "max_num_reqs": 2})
+  request = je.LoRARequest("moe", 1, str(tmp_path / "adapter"))
+  manager = llm.llm_engine.runner.lora
+  pairs = manager.load(request).weights
+  assert {(0, "experts.down_proj"), (0, "shared_expert.up_proj")} <= set(pairs)
+  ((tokens, logprobs),) = _greedy_with_prompt_logprobs(llm, PROMPTS[:1], lora_request=request)
+  assert tokens == hf_greedy(adapted, PROMPTS[0], MAX_TOKENS)
+  want = hf_prompt_logprobs(adapted, PROMPTS[0])
+  np.testing.assert_allclose(logprobs, want, atol=1e-4)
+  assert np.abs(want - hf_prompt_logprobs(hf_model, PROMPTS[0])).max() > 0.1
+
+
 def test_prefix_cache_hits_start_from_saved_states_and_give_transformers_tokens(checkpoint):
   """With ``enable_prefix_caching=True`` states are saved at the last block boundary each prefill
   chunk reaches (a budget of 40 tokens, blocks of 4). A prompt of 45 tokens, its first chunk of
