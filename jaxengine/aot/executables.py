@@ -50,6 +50,7 @@ from jaxengine.worker.placement import MeshPlacement
 from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.recurrent_state import (
   check_hybrid_config,
+  num_draft_states,
   num_snapshots,
   pool_shardings,
   recurrent_state_spec,
@@ -343,9 +344,11 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
   state_slots: dict[str, int] | None = (
     {} if getattr(engine.kv_cache, "recurrent", None) is not None else None
   )
-  # With its prefix caching, also where each row reads and saves state (`core/state_snapshots.py`).
-  state_routes: dict | None = {} if state_slots is not None and num_snapshots(config) else None
   k = config.num_speculative_tokens
+  # With its prefix caching or speculative decoding, also where each row reads and saves state
+  # (`core/state_snapshots.py`, `core/state_slots.py`).
+  routes = state_slots is not None and bool(num_snapshots(config) or k)
+  state_routes: dict | None = {} if routes else None
   columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
   sampled: set[tuple] = set()
   for prompt_logprobs in (False, True):
@@ -360,7 +363,8 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
                                             block_size=config.block_size, lora=engine.lora,
                                             num_sample_rows=sample_rows,
                                             state_slots=state_slots,
-                                            state_routes=state_routes),
+                                            state_routes=state_routes,
+                                            num_draft_states=num_draft_states(config)),
                               engine.inputs_shardings(RaggedInputs))  # fmt: skip
 
       sample_rows = step_buckets.sample_rows(num_rows, row_buckets)
