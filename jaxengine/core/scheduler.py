@@ -65,12 +65,9 @@ class SchedulerOutput:
       tokens each scheduled completion may sample in the step's device loop (its pages hold
       that many positions from its last token on); empty for a single ragged step.
     state_slots: the recurrent state slot each scheduled completion's state is written into (a
-      hybrid model, `core/state_slots.py`): its current slot, or in a verify step the slot of
-      its group that holds its state after all its tokens; empty for a model without recurrent
-      state.
+      hybrid model, `core/state_slots.py`); empty for a model without recurrent state.
     state_routes: with a hybrid model's prefix caching or speculative decoding, where each
-      scheduled completion reads and saves its state (`core/state_snapshots.py`); empty
-      otherwise.
+      scheduled completion reads and saves its state (`core/state_snapshots.py`); else empty.
   """
 
   admitted: list[Completion]
@@ -110,9 +107,8 @@ class Scheduler:
       request each compute their own prompt (a forked page holds no state).
     num_state_snapshots: a hybrid model's snapshot slots for prefix caching (after the
       running completions' slots; `core/state_snapshots.py`), 0: none.
-    num_draft_states: with a hybrid model's speculative decoding, the slots each completion
-      holds beside its own for its states after each draft (`core/state_slots.py`:
-      `num_state_slots` then counts ``1 + num_draft_states`` per row), 0: none.
+    num_draft_states: with a hybrid model's speculative decoding, `k` (`core/state_slots.py`:
+      ``k + 1`` of `num_state_slots` per row), 0: none.
   """
 
   def __init__(
@@ -128,9 +124,9 @@ class Scheduler:
   ) -> None:
     self.max_num_reqs = max_num_reqs
     #: The recurrent state slots of the running completions; None without recurrent state.
-    self.state_slots = None
-    if num_state_slots:
-      self.state_slots = StateSlots(num_state_slots, 1 + num_draft_states)
+    self.state_slots = (
+      StateSlots(num_state_slots, 1 + num_draft_states) if num_state_slots else None
+    )
     #: A hybrid model's saved states (its prefix caching: slots after the null slot and the
     #: running completions'); None without.
     self.state_snapshots = None
@@ -199,25 +195,16 @@ class Scheduler:
     )
 
   def _state_routes(self, step: _StepPlan) -> tuple[dict[str, int], dict[str, StateRoute]]:
-    """`SchedulerOutput.state_slots` and `state_routes` of the completions scheduled in
-    `step` (both empty without recurrent state). A drafted completion (speculative decoding)
-    reads its current slot and writes its group's slots: its state after ``j + 1`` tokens into
-    the ``j``-th (`core/state_slots.py`)."""
+    """`SchedulerOutput.state_slots` and `state_routes` of `step` (`core/state_slots.py`)."""
     slots = self.state_slots
     if slots is None:
       return {}, {}
-    own = {s: slots.slot(s) for s in step.num_scheduled}
+    own, drafts = slots.step_slots(step.num_scheduled, step.spec_token_ids)
     routes = {}
     if self.state_snapshots is not None:
       routes = self.state_snapshots.routes(step.num_scheduled, self.running, slots)
-    if slots.group_size > 1:
-      for seq_id in step.num_scheduled:
-        route = routes.get(seq_id, StateRoute(own[seq_id]))
-        num_drafts = len(step.spec_token_ids.get(seq_id, ()))
-        if num_drafts:
-          group = slots.group(seq_id)
-          own[seq_id], route = group[num_drafts], route._replace(drafts=group[:num_drafts])
-        routes[seq_id] = route
+    if slots.group_size > 1:  # speculative decoding: every row routed (its draft slots)
+      routes = {s: routes.get(s, StateRoute(slots.slot(s)))._replace(drafts=drafts[s]) for s in own}
     return own, routes
 
   def reset_prefix_cache(self) -> int:
@@ -244,8 +231,7 @@ class Scheduler:
       output: the step's plan.
       num_accepted: drafts the rejection sampler accepted, by `seq_id` (rows with drafts): the
         rejected ones are not computed (their keys and values lie past the computed length and
-        are overwritten later; a hybrid model's state after the accepted ones becomes the
-        current one, `core/state_slots.py`).
+        are overwritten later; a hybrid model's state after the accepted ones is kept).
     """
     num_accepted = num_accepted or {}
     slots = self.state_slots

@@ -24,6 +24,8 @@ slot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 __all__ = ["StateSlots"]
 
 
@@ -76,6 +78,21 @@ class StateSlots:
     """The `group_size` slots `seq_id` holds (KeyError when none)."""
     first = self._held[seq_id][0]
     return tuple(range(first, first + self.group_size))
+
+  def step_slots(
+    self, num_scheduled: Mapping[str, int], spec_token_ids: Mapping[str, Sequence[int]]
+  ) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """Where a step writes each scheduled completion's state: the slot of its state after all
+    its tokens (its current slot; a drafted one's ``d``-th slot of its group, ``d`` its drafts),
+    and its draft slots (the first ``d`` of its group, the ``j``-th its state after ``j + 1``
+    tokens; none undrafted). It reads its current slot (`slot`)."""
+    own, drafts = {}, {}
+    for seq_id in num_scheduled:
+      num_drafts = len(spec_token_ids.get(seq_id, ()))
+      group = self.group(seq_id) if num_drafts else ()
+      own[seq_id] = group[num_drafts] if num_drafts else self.slot(seq_id)
+      drafts[seq_id] = group[:num_drafts]
+    return own, drafts
 
   def use(self, seq_id: str, index: int) -> None:
     """Makes the `index`-th slot of the completion's group its current one (a verify step wrote

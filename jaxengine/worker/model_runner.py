@@ -128,8 +128,8 @@ class ModelRunner:
       model, config, self.kv_cache_groups, self.placement, self.max_model_len
     )
     self.kv_cache, self.num_blocks = cache.kv_cache, cache.num_blocks
-    #: Recurrent state slots given to rows and snapshot slots (`core/state_snapshots.py`), or 0;
-    #: the slots of a row's group beside its own with speculative decoding (`core/state_slots.py`).
+    #: Recurrent state slots given to rows, snapshot slots (`core/state_snapshots.py`), and `k`
+    #: with speculative decoding (`core/state_slots.py`), or 0.
     self.num_state_slots, self.num_state_snapshots = cache.num_state_slots, cache.num_snapshots
     self.num_draft_states = cache.num_draft_states
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
@@ -417,7 +417,9 @@ class ModelRunner:
       lora=self.lora,
       sharding=sharding,
       state_slots=scheduled.state_slots if self.num_state_slots else None,
-      state_routes=scheduled.state_routes if self.routes_states else None,
+      state_routes=scheduled.state_routes  # prefix caching's snapshots, drafts' states
+      if self.num_state_snapshots or self.num_draft_states
+      else None,
       num_draft_states=self.num_draft_states,
     )
     if not drafted:
@@ -425,12 +427,6 @@ class ModelRunner:
     rows = {seq_id: batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens}
     starts, k = query_starts(batch, scheduled), self.num_speculative_tokens
     return inputs, ragged_drafts(scheduled, rows, starts, num_tokens, num_rows, k, sharding)
-
-  @property
-  def routes_states(self) -> bool:
-    """Whether a hybrid model's steps take each row's `StateRoute` (prefix caching's snapshots,
-    speculative decoding's draft states), not its slot alone."""
-    return bool(self.num_state_slots and (self.num_state_snapshots or self.num_draft_states))
 
   def step_shapes(self, prompt_logprobs: bool = False) -> list[tuple[int, int]]:
     """The `(token bucket, row bucket)` pairs a ragged step can reach (`step_buckets`)."""

@@ -13,8 +13,8 @@ LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT
 projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
 k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
 What the recurrent state does not carry yet (scanned layers) is refused; speculative decoding
-is checked in tests/spec_decode/test_speculative_hybrid.py. Nothing here touches the network (transformers takes its PyTorch fallbacks
-of the linear layers' kernels).
+is checked in tests/spec_decode/test_speculative_hybrid.py. Nothing here touches the network
+(transformers takes its PyTorch fallbacks of the linear layers' kernels).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ routes of a drafted row are checked alone, beside a prefix-cache snapshot.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
