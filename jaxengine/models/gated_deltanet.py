@@ -166,10 +166,10 @@ class StepRows(NamedTuple):
   def of(cls, metadata: PagedAttentionMetadata, positions: jax.Array) -> StepRows:
     """The rows of a step from its metadata (``state_slots`` set) and ``[..., T]`` positions.
 
-    ``state_slots`` is ``[R]`` (each row's slot) or, with prefix caching or speculative
-    decoding, ``[R, 4 + k]`` (`jaxengine.worker.step_inputs`): its slot, source, snapshot slot
-    and snapshot length, then ``k`` draft slots, the ``j``-th saving its state after ``j + 1``
-    tokens of the step (0: none).
+    ``state_slots`` is ``[R]`` (each row's slot) or, with prefix caching or in a verify step,
+    ``[R, 4 + k]`` (`jaxengine.worker.step_inputs`): its slot, source, snapshot slot and
+    snapshot length, then ``k`` draft slots (none outside a verify step), the ``j``-th saving
+    its state after ``j + 1`` tokens of the step (0: none).
 
     Raises:
       ValueError: (at trace time) metadata without ``state_slots``.

@@ -418,9 +418,9 @@ class ModelRunner:
       sharding=sharding,
       state_slots=scheduled.state_slots if self.num_state_slots else None,
       state_routes=scheduled.state_routes  # prefix caching's snapshots, drafts' states
-      if self.num_state_snapshots or self.num_draft_states
+      if self.num_state_snapshots or (drafted and self.num_draft_states)
       else None,
-      num_draft_states=self.num_draft_states,
+      num_draft_states=self.num_draft_states if drafted else 0,
     )
     if not drafted:
       return inputs, None

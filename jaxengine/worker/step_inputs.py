@@ -231,7 +231,7 @@ def ragged_inputs(
       ``state_slots`` is then ``[R, 4 + num_draft_states] int32``, per row its slot, source,
       snapshot slot and snapshot length, then its draft slots (0 past its drafts;
       `jaxengine.models.gated_deltanet.StepRows`).
-    num_draft_states: `k` with speculative decoding (`core/state_slots.py`), else 0.
+    num_draft_states: `k` in a verify step of a hybrid model (`core/state_slots.py`), else 0.
   """
   rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
   seq_ids = [batch.req_ids[row] for row in rows]
