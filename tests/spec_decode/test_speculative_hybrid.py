@@ -6,11 +6,11 @@ state slots, and the slot after the accepted drafts becomes the row's current on
 fall into loops (so drafts are both accepted and rejected) gives, with n-gram and with suffix
 drafts, a plain engine's tokens (greedy with its logprobs, seeded ``n = 2`` samples) through
 chunked prefill, and with the k-step decode loop between verify steps and ``batch_invariant``
-(then greedy logprobs are `token_logprobs`' bits: the verify step's states are those of a
-forward pass); a rerun compiles nothing; every slot is free at the end. Each engine has one
-row bucket and one token bucket, so that few shapes compile (the n-gram and suffix engines share
-their executables). The scheduler's routes of a drafted row are checked alone, beside a
-prefix-cache snapshot.
+(then the chunked prompt's greedy logprobs are `token_logprobs`' bits: the verify step's states
+are those of a forward pass); a rerun compiles nothing; every slot is free at the end. Each
+engine has one row bucket and one token bucket, so that few shapes compile (the n-gram and
+suffix engines share their executables). The scheduler's routes of a drafted row are checked
+alone, beside a prefix-cache snapshot.
 """
 
 from __future__ import annotations
@@ -110,10 +110,10 @@ def test_outputs_equal_plain_decoding_with_drafts_accepted_and_rejected(
     for got, want in zip(got_logprobs, want_logprobs):
       np.testing.assert_allclose(got, want, atol=atol)
     if options.get("batch_invariant") and params is GREEDY:  # the forward pass's bits
-      for prompt, [tokens], got in zip(PROMPTS, got_tokens, got_logprobs):
-        ids = jnp.asarray([prompt + tokens], jnp.int32)
-        want = np.asarray(token_logprobs(runner.model, ids, block_size=4))[0, len(prompt) - 1 :]
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+      prompt, [tokens], got = PROMPTS[-1], got_tokens[-1], got_logprobs[-1]  # chunked, looping
+      ids = jnp.asarray([prompt + tokens], jnp.int32)
+      want = np.asarray(token_logprobs(runner.model, ids, block_size=4))[0, len(prompt) - 1 :]
+      np.testing.assert_array_equal(_bits(got), _bits(want))
   assert stats.num_accepted_tokens > 0  # drafts accepted ...
   assert stats.num_draft_tokens > stats.num_accepted_tokens  # ... and rejected
   assert bool(loops) == ("num_decode_steps" in options)
