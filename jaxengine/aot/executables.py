@@ -50,6 +50,7 @@ from jaxengine.worker.placement import MeshPlacement
 from jaxengine.worker.ragged_step import RaggedInputs
 from jaxengine.worker.recurrent_state import (
   check_hybrid_config,
+  num_draft_states,
   num_snapshots,
   pool_shardings,
   recurrent_state_spec,
@@ -343,8 +344,6 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
   state_slots: dict[str, int] | None = (
     {} if getattr(engine.kv_cache, "recurrent", None) is not None else None
   )
-  # With its prefix caching, also where each row reads and saves state (`core/state_snapshots.py`).
-  state_routes: dict | None = {} if state_slots is not None and num_snapshots(config) else None
   k = config.num_speculative_tokens
   columns = batch.state.num_top_logprobs + 1  # `precompile`'s prompt logprobs
   sampled: set[tuple] = set()
@@ -355,12 +354,17 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
       extra = f" prompt_logprobs={columns}" if prompt_logprobs else ""
       shape = f"tokens={num_tokens} rows={num_rows}"
 
-      def step_inputs(sample_rows: int) -> Any:
+      def step_inputs(sample_rows: int, drafted: bool = False) -> Any:
+        # With its prefix caching, or in a verify step, also where each row reads and saves
+        # state (`core/state_snapshots.py`, `core/state_slots.py`).
+        drafts = num_draft_states(config) if drafted else 0
+        routes = state_slots is not None and bool(num_snapshots(config) or drafts)
         return engine.sharded(ragged_inputs(batch, block_table, empty, num_tokens, num_rows,
                                             block_size=config.block_size, lora=engine.lora,
                                             num_sample_rows=sample_rows,
                                             state_slots=state_slots,
-                                            state_routes=state_routes),
+                                            state_routes={} if routes else None,
+                                            num_draft_states=drafts),
                               engine.inputs_shardings(RaggedInputs))  # fmt: skip
 
       sample_rows = step_buckets.sample_rows(num_rows, row_buckets)
@@ -380,7 +384,7 @@ def engine_executables(engine: StepSource) -> Iterator[Executable]:
                           {"num_rows": sample_rows})  # fmt: skip
       if not k:
         continue
-      inputs = step_inputs(num_rows)  # the verify step samples its own rows, unpadded
+      inputs = step_inputs(num_rows, drafted=True)  # the verify step: its own rows, unpadded
       produces = inputs.produces
       drafts = engine.sharded(ragged_drafts(empty, {}, {}, num_tokens, num_rows, k))
       verify_args = (state, engine.weights, engine.kv_cache, inputs, drafts)

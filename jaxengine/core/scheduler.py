@@ -64,10 +64,10 @@ class SchedulerOutput:
     num_decode_steps: for a k-step decode (`Scheduler.schedule_decode_steps`), the most
       tokens each scheduled completion may sample in the step's device loop (its pages hold
       that many positions from its last token on); empty for a single ragged step.
-    state_slots: the recurrent state slot of each scheduled completion (a hybrid model,
-      `core/state_slots.py`); empty for a model without recurrent state.
-    state_routes: with a hybrid model's prefix caching, where each scheduled completion reads
-      and saves its state (`core/state_snapshots.py`); empty otherwise.
+    state_slots: the recurrent state slot each scheduled completion's state is written into (a
+      hybrid model, `core/state_slots.py`); empty for a model without recurrent state.
+    state_routes: with a hybrid model's prefix caching or speculative decoding, where each
+      scheduled completion reads and saves its state (`core/state_snapshots.py`); else empty.
   """
 
   admitted: list[Completion]
@@ -107,6 +107,8 @@ class Scheduler:
       request each compute their own prompt (a forked page holds no state).
     num_state_snapshots: a hybrid model's snapshot slots for prefix caching (after the
       running completions' slots; `core/state_snapshots.py`), 0: none.
+    num_draft_states: with a hybrid model's speculative decoding, `k` (`core/state_slots.py`:
+      ``k + 1`` of `num_state_slots` per row), 0: none.
   """
 
   def __init__(
@@ -118,10 +120,13 @@ class Scheduler:
     max_loras: int = 1,
     num_state_slots: int = 0,
     num_state_snapshots: int = 0,
+    num_draft_states: int = 0,
   ) -> None:
     self.max_num_reqs = max_num_reqs
     #: The recurrent state slots of the running completions; None without recurrent state.
-    self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+    self.state_slots = (
+      StateSlots(num_state_slots, 1 + num_draft_states) if num_state_slots else None
+    )
     #: A hybrid model's saved states (its prefix caching: slots after the null slot and the
     #: running completions'); None without.
     self.state_snapshots = None
@@ -177,6 +182,7 @@ class Scheduler:
         break
       step.admitted.append(self.waiting.popleft())
     self.waiting.extendleft(reversed(skipped))
+    state_slots, state_routes = self._state_routes(step)
     return SchedulerOutput(
       admitted=step.admitted,
       num_scheduled_tokens=step.num_scheduled,
@@ -184,16 +190,22 @@ class Scheduler:
       block_ids=self._changed_tables(step),
       preempted=step.preempted,
       spec_token_ids=step.spec_token_ids,
-      state_slots=self._state_slots(step),
-      state_routes=self.state_snapshots.routes(step.num_scheduled, self.running, self.state_slots)
-      if self.state_snapshots
-      else {},
+      state_slots=state_slots,
+      state_routes=state_routes,
     )
 
-  def _state_slots(self, step: _StepPlan) -> dict[str, int]:
-    """The recurrent state slot of each completion scheduled in `step` (none without state)."""
+  def _state_routes(self, step: _StepPlan) -> tuple[dict[str, int], dict[str, StateRoute]]:
+    """`SchedulerOutput.state_slots` and `state_routes` of `step` (`core/state_slots.py`)."""
     slots = self.state_slots
-    return {} if slots is None else {s: slots.slot(s) for s in step.num_scheduled}
+    if slots is None:
+      return {}, {}
+    own, drafts = slots.step_slots(step.num_scheduled, step.spec_token_ids)
+    routes = {}
+    if self.state_snapshots is not None:
+      routes = self.state_snapshots.routes(step.num_scheduled, self.running, slots)
+    if slots.group_size > 1:  # speculative decoding: every row routed (its draft slots)
+      routes = {s: routes.get(s, StateRoute(slots.slot(s)))._replace(drafts=drafts[s]) for s in own}
+    return own, routes
 
   def reset_prefix_cache(self) -> int:
     """`KVCacheManager.reset_prefix_cache`, and a hybrid model's saved states forgotten;
@@ -219,15 +231,18 @@ class Scheduler:
       output: the step's plan.
       num_accepted: drafts the rejection sampler accepted, by `seq_id` (rows with drafts): the
         rejected ones are not computed (their keys and values lie past the computed length and
-        are overwritten later).
+        are overwritten later; a hybrid model's state after the accepted ones is kept).
     """
     num_accepted = num_accepted or {}
+    slots = self.state_slots
     for seq_id, count in output.num_scheduled_tokens.items():
       completion = self.running.get(seq_id)
       if completion is not None:
         drafts = output.spec_token_ids.get(seq_id, ())
-        rejected = len(drafts) - min(num_accepted.get(seq_id, 0), len(drafts))
-        completion.num_computed_tokens += count - rejected
+        accepted = min(num_accepted.get(seq_id, 0), len(drafts))
+        completion.num_computed_tokens += count - (len(drafts) - accepted)
+        if drafts and slots is not None and slots.group_size > 1:
+          slots.use(seq_id, accepted)
 
   def finish(self, completion: Completion) -> None:
     """Frees a finished completion's row and pages."""

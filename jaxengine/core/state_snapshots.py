@@ -45,11 +45,15 @@ class StateRoute(NamedTuple):
     snapshot: the slot its state is saved into after `snapshot_len` tokens (0, the null slot:
       none saved).
     snapshot_len: tokens of the step after which the state is saved (0: none).
+    drafts: in a verify step (speculative decoding), the slots its state is saved into after
+      each of its tokens but the last (the ``j``-th after ``j + 1`` tokens: one per draft, of
+      its group of slots, `jaxengine.core.state_slots`); empty otherwise.
   """
 
   source: int
   snapshot: int = 0
   snapshot_len: int = 0
+  drafts: tuple[int, ...] = ()
 
 
 class StateSnapshots:

@@ -107,6 +107,7 @@ class EngineCore:
       config.max_loras,
       num_state_slots=self.runner.num_state_slots,
       num_state_snapshots=self.runner.num_state_snapshots,
+      num_draft_states=self.runner.num_draft_states,
     )
     self.output_processor = output_processor
     #: The verify decision's cost model (`spec_decode/ngram_proposer.py`): set it high to verify

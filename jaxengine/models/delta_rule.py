@@ -23,8 +23,10 @@ requests (``R``, each a contiguous run of tokens: `Rows`):
   sums in another order) and its chunks start where the step starts, so a batch-invariant
   engine keeps `by_token`.
 
-Both also return each request's state after a chosen number of its tokens (`save_lens`: the
-states a hybrid model's prefix caching saves, `jaxengine.core.state_snapshots`).
+Both also return each request's states after chosen numbers of its tokens (`save_lens`, several
+per request: the state a hybrid model's prefix caching saves, `jaxengine.core.state_snapshots`,
+and the states after each draft token of a verify step, of which the one after the accepted
+drafts is kept, `jaxengine.core.state_slots`).
 
 References:
   Yang, Wang, Zhang, Shen, Kim, "Parallelizing Linear Transformers with the Delta Rule over
@@ -85,8 +87,8 @@ class DeltaRuleResult(NamedTuple):
   Attributes:
     out: ``[T, Hv, Dv] float32`` each token's output (zero on tokens of no request).
     state: ``[R, Hv, Dk, Dv] float32`` each request's state after its last token.
-    saved: ``[R, Hv, Dk, Dv] float32`` its state after ``save_lens`` tokens (the state before
-      the step where ``save_lens`` is 0).
+    saved: ``[R, M, Hv, Dk, Dv] float32`` its states after ``save_lens [R, M]`` tokens (its
+      state before the step where a length is 0).
   """
 
   out: jax.Array
@@ -150,10 +152,10 @@ def causal_conv(
 
 
 def conv_windows(mixed: jax.Array, windows: jax.Array, rows: Rows, ends: jax.Array) -> jax.Array:
-  """``[R, K - 1, C]`` each request's last ``K - 1`` inputs before its token ``ends`` (its
-  window after ``ends`` tokens of the step; ``ends = 0``: the window before it)."""
+  """``[R, ..., K - 1, C]`` each request's last ``K - 1`` inputs before its token ``ends [R,
+  ...]`` (its window after ``ends`` tokens of the step; ``ends = 0``: the window before it)."""
   width = windows.shape[1]
-  offsets = ends[:, None] + jnp.arange(-width, 0)  # [R, K - 1]
+  offsets = ends[..., None] + jnp.arange(-width, 0)  # [R, ..., K - 1]
   inputs = jnp.concatenate([windows.reshape(-1, windows.shape[-1]), mixed.astype(windows.dtype)])
   return inputs[_window_index(rows, offsets, width, mixed.shape[0])]
 
@@ -195,7 +197,8 @@ def by_token(
     g: ``[T, Hv] float32`` log decays (``<= 0``); beta: ``[T, Hv] float32``.
     state: ``[R, Hv, Dk, Dv] float32`` each request's state before the step.
     rows: the step's `Rows`.
-    save_lens: ``[R] int32`` tokens after which `DeltaRuleResult.saved` is taken.
+    save_lens: ``[R, M] int32`` tokens after which each of `DeltaRuleResult.saved` is taken,
+      at most the request's tokens (0: none, the entry is its state before the step).
     times_state: the state's product with a key or query.
   """
   num_tokens = q.shape[0]
@@ -209,11 +212,17 @@ def by_token(
     write = (v[index] - times_state(k[index], decayed)) * beta[index][:, :, None]
     new = decayed + k[index][..., None] * write[..., None, :]
     state = jnp.where(active[:, None, None, None], new, state)
-    saved = jnp.where((j + 1 == save_lens)[:, None, None, None], state, saved)
+    saves = j + 1 == save_lens  # [R, M]
+    saved = jax.lax.cond(  # most tokens save nothing: skip the [R, M] states' select
+      jnp.any(saves),
+      lambda: jnp.where(saves[..., None, None, None], state[:, None], saved),
+      lambda: saved,
+    )
     out = out.at[jnp.where(active, index, num_tokens)].set(times_state(q[index], new))
     return state, saved, out
 
-  state, saved, out = jax.lax.fori_loop(0, rows.max_length, token_j, (state, state, out))
+  saved = jnp.broadcast_to(state[:, None], (*save_lens.shape, *state.shape[1:]))
+  state, saved, out = jax.lax.fori_loop(0, rows.max_length, token_j, (state, saved, out))
   return DeltaRuleResult(out[:num_tokens], state, saved)
 
 
@@ -265,14 +274,23 @@ def by_chunk(
       grown = jnp.einsum("rihk,rhiv->rhkv", kc, weights[..., None] * writes)
       return jnp.exp(last)[..., None] * state + grown
 
-    offset = save_lens - j * chunk  # [R]: the saved state's tokens into this chunk
+    offset = save_lens - j * chunk  # [R, M]: the saved states' tokens into this chunk
     in_chunk = (offset >= 1) & (offset <= chunk)
-    saved = jnp.where(in_chunk[:, None, None, None], state_after(jnp.clip(offset - 1, 0)), saved)
+    saved = jax.lax.cond(  # most chunks save nothing: skip the [R, M] states
+      jnp.any(in_chunk),
+      lambda: jnp.where(
+        in_chunk[..., None, None, None],
+        jax.vmap(state_after, in_axes=1, out_axes=1)(jnp.clip(offset - 1, 0, chunk - 1)),
+        saved,
+      ),
+      lambda: saved,
+    )
     state = state_after(jnp.full(state.shape[:1], chunk - 1))  # padding tokens change nothing
     flat_out = jnp.moveaxis(outputs, 1, 2)  # [R, C, Hv, Dv]
     out = out.at[jnp.where(valid, index, num_tokens)].set(flat_out)
     return state, saved, out
 
   num_chunks = (rows.max_length + chunk - 1) // chunk
-  state, saved, out = jax.lax.fori_loop(0, num_chunks, chunk_j, (state, state, out))
+  saved = jnp.broadcast_to(state[:, None], (*save_lens.shape, *state.shape[1:]))
+  state, saved, out = jax.lax.fori_loop(0, num_chunks, chunk_j, (state, saved, out))
   return DeltaRuleResult(out[:num_tokens], state, saved)

@@ -144,10 +144,13 @@ class StepRows(NamedTuple):
     fresh: ``[R] bool`` its first token is at position 0: it starts from a zero state.
     max_length: ``[] int32`` the most tokens of any request (the loop's iterations).
     sources: None (`slots`), or ``[R] int32`` the slot its state is read from (its slot, or
-      after a prefix-cache hit the hit's snapshot slot: `jaxengine.core.state_snapshots`).
-    snapshots: None (no prefix caching: nothing saved), or ``[R] int32`` the slot its state is
-      saved into after `snapshot_lens` tokens (`NULL_STATE_SLOT`: none).
-    snapshot_lens: None, or ``[R] int32`` (0: none saved).
+      after a prefix-cache hit the hit's snapshot slot: `jaxengine.core.state_snapshots`; in a
+      verify step the slot that holds its state after its accepted tokens,
+      `jaxengine.core.state_slots`).
+    snapshots: None (nothing saved), or ``[R, M] int32`` slots its state is also saved into,
+      each after as many tokens as `snapshot_lens` says (`NULL_STATE_SLOT`: none): a prefix
+      cache snapshot, then a verify step's state after each of its tokens but the last.
+    snapshot_lens: None, or ``[R, M] int32`` (0: none saved).
   """
 
   starts: jax.Array
@@ -163,8 +166,10 @@ class StepRows(NamedTuple):
   def of(cls, metadata: PagedAttentionMetadata, positions: jax.Array) -> StepRows:
     """The rows of a step from its metadata (``state_slots`` set) and ``[..., T]`` positions.
 
-    ``state_slots`` is ``[R]`` (each row's slot) or, with prefix caching, ``[R, 4]`` (its slot,
-    source, snapshot slot and snapshot length: `jaxengine.worker.step_inputs`).
+    ``state_slots`` is ``[R]`` (each row's slot) or, with prefix caching or in a verify step,
+    ``[R, 4 + k]`` (`jaxengine.worker.step_inputs`): its slot, source, snapshot slot and
+    snapshot length, then ``k`` draft slots (none outside a verify step), the ``j``-th saving
+    its state after ``j + 1`` tokens of the step (0: none).
 
     Raises:
       ValueError: (at trace time) metadata without ``state_slots``.
@@ -178,16 +183,24 @@ class StepRows(NamedTuple):
     routes = metadata.state_slots.astype(jnp.int32)
     routes = routes[:, None] if routes.ndim == 1 else routes
     own = jnp.where(is_real, routes[:, 0], NULL_STATE_SLOT)
-    saves = routes.shape[1] == 4
-    return cls(
+    rows = cls(
       starts=starts,
       lengths=lengths,
       slots=own,
       fresh=flat[jnp.minimum(starts, flat.shape[0] - 1)] == 0,
       max_length=jnp.max(lengths),
-      sources=jnp.where(is_real, routes[:, 1], NULL_STATE_SLOT) if saves else own,
-      snapshots=jnp.where(is_real, routes[:, 2], NULL_STATE_SLOT) if saves else None,
-      snapshot_lens=jnp.where(is_real, routes[:, 3], 0) if saves else None,
+      sources=own,
+    )
+    if routes.shape[1] == 1:
+      return rows
+    drafts = routes[:, 4:]  # [R, k]: the j-th saves the state after j + 1 tokens
+    after = jnp.where(drafts != NULL_STATE_SLOT, jnp.arange(1, drafts.shape[1] + 1), 0)
+    snapshots = jnp.concatenate([routes[:, 2:3], drafts], axis=1)  # [R, 1 + k]
+    lens = jnp.concatenate([routes[:, 3:4], after], axis=1)
+    return rows._replace(
+      sources=jnp.where(is_real, routes[:, 1], NULL_STATE_SLOT),
+      snapshots=jnp.where(is_real[:, None], snapshots, NULL_STATE_SLOT),
+      snapshot_lens=jnp.where(is_real[:, None], lens, 0),
     )
 
 
@@ -344,7 +357,9 @@ class GatedDeltaNet(nnx.Module):
     q, k = _l2_normalize(q, total), _l2_normalize(k, total)
     q = jnp.repeat(q, hv // hk, axis=1) * dk**-0.5  # [T, Hv, Dk]
     k = jnp.repeat(k, hv // hk, axis=1)
-    save_lens = jnp.zeros_like(rows.lengths) if rows.snapshot_lens is None else rows.snapshot_lens
+    save_lens = rows.snapshot_lens
+    if save_lens is None:  # nothing saved: one length 0
+      save_lens = jnp.zeros_like(rows.lengths)[:, None]
     args = (q, k, v, g, beta, state, steps, save_lens)
     if fixed:  # the same order of sums whatever the step holds: token by token
       result = delta_rule.by_token(*args, times_state=_fixed_times_state)
@@ -360,9 +375,10 @@ class GatedDeltaNet(nnx.Module):
     )
     delta_state = delta_state.at[rows.slots].set(result.state)
     if rows.snapshots is not None:  # rows saving nothing write the null slot
-      saved = delta_rule.conv_windows(mixed, windows, steps, save_lens)
-      conv_state = conv_state.at[rows.snapshots].set(saved)
-      delta_state = delta_state.at[rows.snapshots].set(result.saved)
+      saved = delta_rule.conv_windows(mixed, windows, steps, save_lens)  # [R, M, K - 1, C]
+      into = rows.snapshots.reshape(-1)
+      conv_state = conv_state.at[into].set(saved.reshape(-1, *saved.shape[2:]))
+      delta_state = delta_state.at[into].set(result.saved.reshape(-1, *result.saved.shape[2:]))
     out = result.out
     out = self.norm(out[:num_tokens].astype(x.dtype), z).reshape(-1, hv * dv)
     out = add_lora(project(self, "w_out", out), out, lora, "out_proj", fixed)

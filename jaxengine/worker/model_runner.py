@@ -128,8 +128,10 @@ class ModelRunner:
       model, config, self.kv_cache_groups, self.placement, self.max_model_len
     )
     self.kv_cache, self.num_blocks = cache.kv_cache, cache.num_blocks
-    #: Recurrent state slots given to rows and snapshot slots (`core/state_snapshots.py`), or 0.
+    #: Recurrent state slots given to rows, snapshot slots (`core/state_snapshots.py`), and `k`
+    #: with speculative decoding (`core/state_slots.py`), or 0.
     self.num_state_slots, self.num_state_snapshots = cache.num_state_slots, cache.num_snapshots
+    self.num_draft_states = cache.num_draft_states
     #: The routed experts of every slot (`worker/routed_experts.py`); None without
     #: `enable_return_routed_experts`.
     self.routed_experts = RoutedExpertsStore.create(config, model, self.num_blocks, self.block_size)
@@ -415,7 +417,10 @@ class ModelRunner:
       lora=self.lora,
       sharding=sharding,
       state_slots=scheduled.state_slots if self.num_state_slots else None,
-      state_routes=scheduled.state_routes if self.num_state_snapshots else None,
+      state_routes=scheduled.state_routes  # prefix caching's snapshots, drafts' states
+      if self.num_state_snapshots or (drafted and self.num_draft_states)
+      else None,
+      num_draft_states=self.num_draft_states if drafted else 0,
     )
     if not drafted:
       return inputs, None

@@ -15,6 +15,12 @@ the running requests' (`num_snapshots`), where states are saved at block boundar
 prefix-cache hit can start from one (`jaxengine.core.state_snapshots`); left at None, prefix
 caching stays off for a hybrid model (the snapshots double the pool's bytes).
 
+With a ``speculative_config`` each running request holds ``k + 1`` slots (``k`` the
+``num_speculative_tokens``, `num_draft_states`): a verify step writes the row's state after each
+of its tokens into one of them, and the one after the accepted drafts becomes the request's
+current slot (`jaxengine.core.state_slots`), so a rejected draft never advances the state the
+next step reads. The pool's running slots grow ``k + 1``-fold, out of the pages' budget as above.
+
 The state is otherwise kept only for a running request's own sequence, so the engine features that
 would need it elsewhere are refused when the engine is built (`check_hybrid_config`), each with a
 `ValueError` naming the feature and the model.
@@ -40,6 +46,7 @@ from jaxengine.worker.placement import MeshPlacement
 
 __all__ = [
   "check_hybrid_config",
+  "num_draft_states",
   "num_snapshots",
   "pool_shardings",
   "recurrent_state_spec",
@@ -58,16 +65,16 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   """Refuses the engine features a hybrid model's recurrent state does not carry yet.
 
   Refused (each a `ValueError` naming the feature, its value and the model's class):
-  a ``speculative_config`` (rejected drafts would have advanced the state) and
   ``scan_layers=True``; on a mesh, a model axis that does not divide the linear layers'
   ``linear_num_key_heads`` (their heads, the pool's too, are split by key head:
-  `pool_shardings`). Nothing happens for a model without recurrent state.
+  `pool_shardings`). Nothing happens for a model without recurrent state. Every
+  ``speculative_config`` method (``"ngram"``, ``"suffix"``: both draft without a model) is
+  served: the state after the accepted drafts is kept (module docstring).
   """
   if recurrent_state_spec(model) is None:
     return
   name = type(model).__name__
   refused = [
-    ("speculative_config", config.speculative_config, config.speculative_config is not None),
     ("scan_layers", config.scan_layers, config.scan_layers is True),
   ]
   for field, value, is_refused in refused:
@@ -84,6 +91,13 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
       f"tensor_parallel_size={t} must divide the linear layers' linear_num_key_heads="
       f"{key_heads} of the hybrid model {name} (its Gated DeltaNet heads are split by key head)"
     )
+
+
+def num_draft_states(config: EngineConfig) -> int:
+  """Slots each running request of a hybrid model holds beside its own for its states after a
+  verify step's drafts: ``num_speculative_tokens`` with a ``speculative_config`` (module
+  docstring), else 0."""
+  return config.num_speculative_tokens
 
 
 def num_snapshots(config: EngineConfig) -> int:
@@ -106,9 +120,11 @@ def pool_shardings(pool: RecurrentState, mesh: Mesh) -> RecurrentState:
 def state_pool(
   spec: RecurrentStateSpec, config: EngineConfig, placement: MeshPlacement | None = None
 ) -> RecurrentState:
-  """A zero pool: the null slot 0 of padding tokens, ``max_num_reqs`` slots of running requests,
-  then `num_snapshots` snapshot slots; on a mesh allocated in its shards (`pool_shardings`)."""
-  create = functools.partial(spec.create, 1 + config.max_num_reqs + num_snapshots(config))
+  """A zero pool: the null slot 0 of padding tokens, ``1 + num_draft_states`` slots per running
+  request (``max_num_reqs``), then `num_snapshots` snapshot slots; on a mesh allocated in its
+  shards (`pool_shardings`)."""
+  running = config.max_num_reqs * (1 + num_draft_states(config))
+  create = functools.partial(spec.create, 1 + running + num_snapshots(config))
   if placement is None:
     return create()
   shardings = pool_shardings(jax.eval_shape(create), placement.mesh)
@@ -141,14 +157,17 @@ class RunnerCache:
   Attributes:
     kv_cache: the `PagedKVCache` (`recurrent` set for a hybrid model).
     num_blocks: its pages, the null page 0 included.
-    num_state_slots: recurrent-state slots the scheduler hands out (one per row), 0 without.
+    num_state_slots: recurrent-state slots the scheduler hands out (``1 + num_draft_states``
+      per row), 0 without.
     num_snapshots: snapshot slots after them (`num_snapshots`), 0 without.
+    num_draft_states: the slots of each row's group beside its own (`num_draft_states`).
   """
 
   kv_cache: PagedKVCache
   num_blocks: int
   num_state_slots: int
   num_snapshots: int = 0
+  num_draft_states: int = 0
 
 
 def create_runner_cache(
@@ -177,4 +196,6 @@ def create_runner_cache(
     shardings = pool_shardings(pool, placement.mesh)
     placement.kv_pages = dataclasses.replace(placement.kv_pages, recurrent=shardings)
   kv_cache = dataclasses.replace(kv_cache, recurrent=pool)
-  return RunnerCache(kv_cache, num_blocks, config.max_num_reqs, num_snapshots(config))
+  drafts = num_draft_states(config)
+  num_slots = config.max_num_reqs * (1 + drafts)
+  return RunnerCache(kv_cache, num_blocks, num_slots, num_snapshots(config), drafts)

@@ -206,6 +206,7 @@ def ragged_inputs(
   sharding: jax.sharding.Sharding | None = None,
   state_slots: Mapping[str, int] | None = None,
   state_routes: Mapping[str, StateRoute] | None = None,
+  num_draft_states: int = 0,
 ) -> RaggedInputs:
   """A runner's step as `RaggedInputs`: the scheduled rows in row order, padded to the buckets.
 
@@ -225,10 +226,12 @@ def ragged_inputs(
     state_slots: None (a model without recurrent state), or each scheduled completion's
       recurrent state slot (`SchedulerOutput.state_slots`): the metadata's ``[R] int32``
       ``state_slots`` (0, the null slot, for padding rows).
-    state_routes: None, or with a hybrid model's prefix caching each scheduled completion's
-      `StateRoute` (`SchedulerOutput.state_routes`): the metadata's ``state_slots`` is then
-      ``[R, 4] int32``, per row its slot, source, snapshot slot and snapshot length
-      (`jaxengine.models.gated_deltanet.StepRows`).
+    state_routes: None, or with a hybrid model's prefix caching or speculative decoding each
+      scheduled completion's `StateRoute` (`SchedulerOutput.state_routes`): the metadata's
+      ``state_slots`` is then ``[R, 4 + num_draft_states] int32``, per row its slot, source,
+      snapshot slot and snapshot length, then its draft slots (0 past its drafts;
+      `jaxengine.models.gated_deltanet.StepRows`).
+    num_draft_states: `k` in a verify step of a hybrid model (`core/state_slots.py`), else 0.
   """
   rows = sorted(batch.req_id_to_index[seq_id] for seq_id in scheduled.num_scheduled_tokens)
   seq_ids = [batch.req_ids[row] for row in rows]
@@ -269,10 +272,12 @@ def ragged_inputs(
     if state_routes is None:
       row_slots = np.zeros(num_rows, np.int32)
       row_slots[: len(seq_ids)] = own
-    else:  # [R, 4]: slot, source, snapshot slot, snapshot length
-      row_slots = np.zeros((num_rows, 4), np.int32)
-      routes = [(o, *state_routes[s]) for o, s in zip(own, seq_ids)]
-      row_slots[: len(seq_ids)] = np.asarray(routes, np.int32).reshape(-1, 4)
+    else:  # [R, 4 + k]: slot, source, snapshot slot, snapshot length, draft slots
+      row_slots = np.zeros((num_rows, 4 + num_draft_states), np.int32)
+      for i, (slot, seq_id) in enumerate(zip(own, seq_ids)):
+        route = state_routes[seq_id]
+        row_slots[i, :4] = (slot, route.source, route.snapshot, route.snapshot_len)
+        row_slots[i, 4 : 4 + len(route.drafts)] = route.drafts
     host += (row_slots,)
   if lora is not None:  # each token's adapter slot, only for a LoRA engine
     host += (lora.token_slots(seq_ids, counts, num_tokens),)

@@ -1,5 +1,7 @@
 """The gated delta rule's two forms (`jaxengine.models.delta_rule`) against a per-request NumPy
-recurrence, over ragged rows: requests of many tokens, one, none, and saved states mid-step."""
+recurrence, over ragged rows: requests of many tokens, one, none, and several saved states
+mid-step (in one chunk and across chunks, as a prefix-cache snapshot and a verify step's draft
+states are)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ H, DK, DV, CONV, K = 3, 8, 6, 5, 4
 LENGTHS = np.array([13, 1, 0, 21], np.int32)
 STARTS = np.array([0, 13, 14, 14], np.int32)
 NUM_TOKENS = 40  # 5 padding tokens after the requests'
-SAVE_LENS = np.array([8, 1, 0, 16], np.int32)
+#: Per request, the tokens after which states are saved (0: none).
+SAVE_LENS = np.array([[8, 1, 3], [1, 0, 1], [0, 0, 0], [16, 2, 21]], np.int32)
 
 
 def _inputs(seed: int):
@@ -30,8 +33,8 @@ def _inputs(seed: int):
 
 def _reference(q, k, v, g, beta, state):
   """Each request token by token in float64: outputs, final and saved states."""
-  out, final, saved = np.zeros(v.shape), state.astype(np.float64).copy(), state.astype(np.float64)
-  saved = saved.copy()
+  out, final = np.zeros(v.shape), state.astype(np.float64).copy()
+  saved = np.repeat(state.astype(np.float64)[:, None], SAVE_LENS.shape[1], axis=1)
   for r, (start, length) in enumerate(zip(STARTS, LENGTHS)):
     s = final[r]
     for t in range(start, start + length):
@@ -39,8 +42,7 @@ def _reference(q, k, v, g, beta, state):
       write = (v[t] - np.einsum("hk,hkv->hv", k[t], s)) * beta[t][:, None]
       s = s + k[t][:, :, None] * write[:, None, :]
       out[t] = np.einsum("hk,hkv->hv", q[t], s)
-      if t - start + 1 == SAVE_LENS[r]:
-        saved[r] = s
+      saved[r, t - start + 1 == SAVE_LENS[r]] = s
     final[r] = s
   return out, final, saved
 
@@ -68,11 +70,12 @@ def test_the_convolution_and_windows_follow_each_requests_inputs():
   for r, (start, length) in enumerate(zip(STARTS, LENGTHS)):
     token_rows[start : start + length] = r
   conv = np.asarray(delta_rule.causal_conv(mixed, windows, taps, ROWS, jnp.asarray(token_rows)))
-  ends = np.array([13, 1, 0, 5], np.int32)
+  ends = np.array([[13, 2], [1, 0], [0, 0], [5, 21]], np.int32)
   after = np.asarray(delta_rule.conv_windows(mixed, windows, ROWS, jnp.asarray(ends)))
   for r, (start, length) in enumerate(zip(STARTS, LENGTHS)):
     inputs = np.concatenate([np.asarray(windows)[r], np.asarray(mixed)[start : start + length]])
     for p in range(length):
       want = (inputs[p : p + K] * np.asarray(taps)).sum(0)
       np.testing.assert_allclose(conv[start + p], want, atol=1e-5)
-    np.testing.assert_array_equal(after[r], inputs[ends[r] : ends[r] + K - 1])
+    for m, end in enumerate(ends[r]):
+      np.testing.assert_array_equal(after[r, m], inputs[end : end + K - 1])

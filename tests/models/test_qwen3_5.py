@@ -12,9 +12,9 @@ checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' log
 LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT adapter on every
 projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
 k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
-What the recurrent state does not carry yet (prefix caching, speculative decoding, scanned
-layers) is refused. Nothing here touches the network (transformers takes its PyTorch fallbacks
-of the linear layers' kernels).
+What the recurrent state does not carry yet (scanned layers) is refused; speculative decoding
+is checked in tests/spec_decode/test_speculative_hybrid.py. Nothing here touches the network
+(transformers takes its PyTorch fallbacks of the linear layers' kernels).
 """
 
 from __future__ import annotations
@@ -553,7 +553,6 @@ def _module() -> Qwen3_5:
 @pytest.mark.parametrize(
   "option",
   [
-    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     dict(scan_layers=True),
     dict(enable_return_routed_experts=True),  # a dense model: no MoE layers
   ],
@@ -630,7 +629,8 @@ def test_state_pool_comes_out_of_kv_cache_memory_bytes():
 def test_ahead_of_time_compilation_lowers_the_steps_with_the_state_pool(checkpoint):
   """`jaxengine compile`'s engine (`abstract_engine`, here for this CPU): the state pool beside
   the pages (its bytes in the memory plan), the ragged step and the k-step loop lowered with the
-  rows' state slots; what the runner refuses for a hybrid model is refused here too."""
+  rows' state slots; with speculative decoding ``k + 1`` slots per row and the verify step
+  lowered with the rows' routes (draft slots)."""
   from jaxengine.aot.executables import abstract_engine, engine_executables
   from jaxengine.aot.memory_plan import memory_plan
   from jaxengine.engine_config import EngineConfig
@@ -648,8 +648,10 @@ def test_ahead_of_time_compilation_lowers_the_steps_with_the_state_pool(checkpoi
   for name in ("ragged_step", "decode_steps"):
     executables[name].lower()  # the model's state slots traced: StepRows needs them
   spec = {"method": "ngram", "num_speculative_tokens": 2}
-  with pytest.raises(ValueError, match=r"speculative_config=.* Qwen3_5"):
-    abstract_engine(
-      str(checkpoint[0]), config.replace(speculative_config=spec), jax.devices(), jnp.float32,
-      "cpu",
-    )  # fmt: skip
+  engine = abstract_engine(
+    str(checkpoint[0]), config.replace(speculative_config=spec), jax.devices(), jnp.float32, "cpu"
+  )
+  engine.set_num_blocks(8)
+  assert engine.kv_cache.recurrent.delta[0].shape == (7, 4, 8, 12)  # 1 + 2 rows x 3 slots
+  verify = next(e for e in engine_executables(engine) if e.name == "verify_step")
+  verify.lower()
