@@ -76,6 +76,28 @@ class Completion:
     plans with."""
     return self.num_tokens + self.num_output_placeholders
 
+  @property
+  def all_token_ids(self) -> list[int]:
+    """Its known tokens: the prompt, then its output so far (vLLM's name)."""
+    return [*self.request.prompt_token_ids, *self.token_ids]
+
+  @property
+  def lora_id(self) -> int:
+    """The `lora_int_id` of its request's adapter, 0 for the base model."""
+    lora = self.request.lora_request
+    return 0 if lora is None else int(lora.lora_int_id)
+
+  @property
+  def cache_key(self) -> bytes:
+    """The prefix-cache key of its pages: its LoRA adapter's (`b""`: the base model's)."""
+    return f"lora:{self.lora_id}".encode() if self.lora_id else b""
+
+  @property
+  def wants_prompt_logprobs(self) -> bool:
+    """Whether it computes its request's prompt logprobs (the first sample of a request asking
+    for them): its prompt is computed from position 0, never taken from shared pages."""
+    return self.index == 0 and self.params.prompt_logprobs is not None
+
   def output(self) -> CompletionOutput:
     """A snapshot as vLLM's `CompletionOutput`."""
     return CompletionOutput(

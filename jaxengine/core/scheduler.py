@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from jaxengine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from jaxengine.core.request import Completion, Request
 from jaxengine.core.state_slots import StateSlots
-from jaxengine.core.state_snapshots import StateRoute, StateSnapshots
+from jaxengine.core.state_snapshots import StateRoute, StateSnapshots, StepStates, step_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Scheduler:
     self.state_snapshots = None
     if num_state_snapshots:
       first, size = num_state_slots + 1, manager.block_size
-      self.state_snapshots = StateSnapshots(first, num_state_snapshots, size, _cache_key)
+      self.state_snapshots = StateSnapshots(first, num_state_snapshots, size)
     self.waiting: collections.deque[Completion] = collections.deque()
     #: Running completions in admission order.
     self.running: dict[str, Completion] = {}
@@ -182,7 +182,15 @@ class Scheduler:
         break
       step.admitted.append(self.waiting.popleft())
     self.waiting.extendleft(reversed(skipped))
-    state_slots, state_routes = self._state_routes(step)
+    states = StepStates({}, {})
+    if self.state_slots is not None:
+      states = step_states(
+        self.state_slots,
+        self.state_snapshots,
+        step.num_scheduled,
+        step.spec_token_ids,
+        self.running,
+      )
     return SchedulerOutput(
       admitted=step.admitted,
       num_scheduled_tokens=step.num_scheduled,
@@ -190,22 +198,9 @@ class Scheduler:
       block_ids=self._changed_tables(step),
       preempted=step.preempted,
       spec_token_ids=step.spec_token_ids,
-      state_slots=state_slots,
-      state_routes=state_routes,
+      state_slots=states.slots,
+      state_routes=states.routes,
     )
-
-  def _state_routes(self, step: _StepPlan) -> tuple[dict[str, int], dict[str, StateRoute]]:
-    """`SchedulerOutput.state_slots` and `state_routes` of `step` (`core/state_slots.py`)."""
-    slots = self.state_slots
-    if slots is None:
-      return {}, {}
-    own, drafts = slots.step_slots(step.num_scheduled, step.spec_token_ids)
-    routes = {}
-    if self.state_snapshots is not None:
-      routes = self.state_snapshots.routes(step.num_scheduled, self.running, slots)
-    if slots.group_size > 1:  # speculative decoding: every row routed (its draft slots)
-      routes = {s: routes.get(s, StateRoute(slots.slot(s)))._replace(drafts=drafts[s]) for s in own}
-    return own, routes
 
   def reset_prefix_cache(self) -> int:
     """`KVCacheManager.reset_prefix_cache`, and a hybrid model's saved states forgotten;
@@ -275,9 +270,9 @@ class Scheduler:
         seq_id,
         count,
         num_computed_tokens=computed,
-        token_ids=_token_ids(completion),
+        token_ids=completion.all_token_ids,
         new_computed_blocks=hit,
-        cache_key=_cache_key(completion),
+        cache_key=completion.cache_key,
       )
       if blocks is not None or not self.manager.get_block_ids(seq_id):
         break  # one holding no pages (being recomputed) waits for pages, as a new one does
@@ -301,7 +296,10 @@ class Scheduler:
       if computed + 1 != completion.num_tokens:  # not a decode
         continue
       blocks = self.manager.allocate_slots(
-        seq_id, count, num_computed_tokens=computed + 1, token_ids=_token_ids(self.running[seq_id])
+        seq_id,
+        count,
+        num_computed_tokens=computed + 1,
+        token_ids=self.running[seq_id].all_token_ids,
       )
       if blocks is None:
         continue
@@ -313,7 +311,7 @@ class Scheduler:
   def _admit(self, step: _StepPlan, completion: Completion) -> bool:
     """Gives a waiting completion its first chunk's pages; False (nothing changed) if none."""
     seq_id = completion.seq_id
-    token_ids = _token_ids(completion)
+    token_ids = completion.all_token_ids
     hit = self._cached_prefix(completion)
     forked = not hit.block_ids and self._fork_from_first_sample(completion, step)
     if forked:
@@ -334,7 +332,7 @@ class Scheduler:
         count,
         token_ids=token_ids,
         new_computed_blocks=hit,
-        cache_key=_cache_key(completion),
+        cache_key=completion.cache_key,
       )
     if blocks is None:
       self.manager.free(seq_id)  # a fork's shared pages, if any
@@ -348,17 +346,17 @@ class Scheduler:
 
   def _lora_waits(self, completion: Completion) -> bool:
     """Whether a waiting completion's LoRA adapter is not running and `max_loras` others are."""
-    lora_id = _lora_id(completion)
+    lora_id = completion.lora_id
     if not lora_id:
       return False
-    running = {_lora_id(c) for c in self.running.values()} - {0}
+    running = {c.lora_id for c in self.running.values()} - {0}
     return lora_id not in running and len(running) >= self.max_loras
 
   def _cached_prefix(self, completion: Completion) -> ComputedBlocks:
     """The completion's longest cached prefix (none for one computing prompt logprobs)."""
-    if wants_prompt_logprobs(completion):
+    if completion.wants_prompt_logprobs:
       return ComputedBlocks()
-    token_ids, key = _token_ids(completion), _cache_key(completion)
+    token_ids, key = completion.all_token_ids, completion.cache_key
     hit = self.manager.get_computed_blocks(token_ids, key)
     if self.state_snapshots is not None:  # a hybrid: the prefix must end in a saved state
       shorter = self.state_snapshots.shorten_hit(completion.seq_id, hit, token_ids, key)
@@ -450,7 +448,7 @@ class Scheduler:
     many as its own pages and the free pages hold (never preempting); returns the positions
     reserved and the pages appended."""
     computed = self.running[seq_id].num_computed_tokens + 1  # this step's token included
-    token_ids = _token_ids(self.running[seq_id])
+    token_ids = self.running[seq_id].all_token_ids
     blocks = self.manager.allocate_slots(
       seq_id, 0, num_computed_tokens=computed, token_ids=token_ids, num_lookahead_tokens=lookahead
     )
@@ -489,26 +487,3 @@ class _StepPlan:
     self.num_scheduled[seq_id] = count
     self.new_block_ids[seq_id] = list(block_ids)
     self.budget -= count
-
-
-def wants_prompt_logprobs(completion: Completion) -> bool:
-  """Whether a completion computes its request's prompt logprobs (the first sample of a request
-  asking for them): its prompt is computed from position 0, never taken from shared pages."""
-  return completion.index == 0 and completion.params.prompt_logprobs is not None
-
-
-def _lora_id(completion: Completion) -> int:
-  """The `lora_int_id` of a completion's adapter, 0 for the base model."""
-  lora = completion.request.lora_request
-  return 0 if lora is None else int(lora.lora_int_id)
-
-
-def _cache_key(completion: Completion) -> bytes:
-  """The prefix-cache key of a completion's pages: its LoRA adapter's (`b""`: the base)."""
-  lora_id = _lora_id(completion)
-  return f"lora:{lora_id}".encode() if lora_id else b""
-
-
-def _token_ids(completion: Completion) -> list[int]:
-  """A completion's known tokens: its prompt, then its output so far."""
-  return [*completion.request.prompt_token_ids, *completion.token_ids]

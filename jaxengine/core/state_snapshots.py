@@ -25,7 +25,7 @@ after it (the device writes it before their reads: the pool passes from step to 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from jaxengine.core.block_pool import extend_block_hashes
@@ -33,7 +33,7 @@ from jaxengine.core.kv_cache_manager import ComputedBlocks
 from jaxengine.core.request import Completion
 from jaxengine.core.state_slots import StateSlots
 
-__all__ = ["StateRoute", "StateSnapshots"]
+__all__ = ["StateRoute", "StateSnapshots", "StepStates", "step_states"]
 
 
 class StateRoute(NamedTuple):
@@ -64,7 +64,6 @@ class StateSnapshots:
     first_slot: the pool's first snapshot slot (after the null slot and the running requests').
     num_slots: snapshot slots (`>= 1`).
     block_size: tokens per block.
-    cache_key: a completion's prefix-cache key (its LoRA adapter's; the scheduler's).
 
   Raises:
     ValueError: `num_slots < 1`.
@@ -75,12 +74,10 @@ class StateSnapshots:
     first_slot: int,
     num_slots: int,
     block_size: int,
-    cache_key: Callable[[Completion], bytes],
   ) -> None:
     if num_slots < 1:
       raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     self.block_size = block_size
-    self._cache_key = cache_key
     self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
     self._saved: collections.OrderedDict[bytes, int] = collections.OrderedDict()
     self._sources: dict[str, int] = {}  # this step's hits: seq_id -> the slot read first
@@ -154,7 +151,7 @@ class StateSnapshots:
     boundary -= boundary % self.block_size
     if boundary <= computed:
       return 0, 0
-    key = self._cache_key(completion)
+    key = completion.cache_key
     block_hash = extend_block_hashes([], token_ids[:boundary], self.block_size, key)[-1]
     if block_hash in self._saved:
       self._saved.move_to_end(block_hash)
@@ -172,3 +169,34 @@ class StateSnapshots:
         del self._saved[block_hash]
         return slot
     return 0
+
+
+class StepStates(NamedTuple):
+  """Where a step writes and reads each scheduled request's recurrent state (a hybrid model).
+
+  Attributes:
+    slots: by `seq_id`, the slot its state after all its tokens is written into.
+    routes: by `seq_id`, its `StateRoute` (prefix caching's sources and snapshots, speculative
+      decoding's draft slots); empty when the engine has neither.
+  """
+
+  slots: dict[str, int]
+  routes: dict[str, StateRoute]
+
+
+def step_states(
+  slots: StateSlots,
+  snapshots: StateSnapshots | None,
+  num_scheduled: Mapping[str, int],
+  spec_token_ids: Mapping[str, Sequence[int]],
+  running: Mapping[str, Completion],
+) -> StepStates:
+  """The `StepStates` of a step that schedules `num_scheduled` tokens (with `spec_token_ids`
+  drafts) of the `running` completions: `StateSlots.step_slots`, and the routes of the
+  snapshots (`StateSnapshots.routes`) with, under speculative decoding, every row's draft
+  slots."""
+  own, drafts = slots.step_slots(num_scheduled, spec_token_ids)
+  routes = {} if snapshots is None else snapshots.routes(num_scheduled, running, slots)
+  if slots.group_size > 1:  # speculative decoding: every row routed (its draft slots)
+    routes = {s: routes.get(s, StateRoute(slots.slot(s)))._replace(drafts=drafts[s]) for s in own}
+  return StepStates(own, routes)

@@ -230,11 +230,6 @@ class ModelRunner:
     """Whether sleep level 1 holds the weights in host memory (until `wake_up` of the weights)."""
     return self._sleep.host_weights is not None
 
-  @property
-  def weights_discarded(self) -> bool:
-    """Whether sleep level 2 discarded the weights and `load_weights` has not refilled them."""
-    return self._sleep.weights_discarded
-
   def check_awake(self) -> None:
     """Refuses to run steps while asleep or without weights (RuntimeError, on the host)."""
     self._sleep.check_awake()

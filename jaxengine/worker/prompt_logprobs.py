@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxengine.batch.host_output import LogprobsArrays
 from jaxengine.core.request import Completion
-from jaxengine.core.scheduler import SchedulerOutput, wants_prompt_logprobs
+from jaxengine.core.scheduler import SchedulerOutput
 from jaxengine.sample import LogprobsTensors
 
 
@@ -39,8 +39,8 @@ class PromptLogprobs:
     self._pending: dict[str, _Pending] = {}
 
   def add(self, completion: Completion) -> None:
-    """Notes `completion`'s prompt when its logprobs are wanted (`wants_prompt_logprobs`)."""
-    if wants_prompt_logprobs(completion):
+    """Notes `completion`'s prompt when its logprobs are wanted (`Completion.wants_prompt_logprobs`)."""
+    if completion.wants_prompt_logprobs:
       self._pending[completion.seq_id] = _Pending(completion)
 
   def remove(self, seq_id: str) -> None:
