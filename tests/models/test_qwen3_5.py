@@ -545,6 +545,120 @@ def test_int8_engine_computes_its_dequantized_weights(checkpoint, llm):
   assert engine.llm_engine.kv_cache_stats.num_preemptions > 0
 
 
+def test_fp8_pages_beside_a_float32_state_pool_stay_close(checkpoint, llm):
+  """``kv_cache_dtype="fp8"``: the attention layer's pages are float8 (stored as bytes), the
+  state pool stays float32; chunked prefill and preemption give the float32 pages' greedy tokens
+  and prompt logprobs within the tiny models' fp8 bound (0.2, `tests/models/test_kv_cache_dtype.py`;
+  measured 0.02). `jaxengine compile`'s memory plan counts both: a page a quarter of float32's,
+  the pool's bytes unchanged."""
+  from jaxengine.aot.executables import abstract_engine
+  from jaxengine.aot.memory_plan import memory_plan
+  from jaxengine.engine_config import EngineConfig
+  from jaxengine.models.paged_attention import FP8_KV_STORAGE
+
+  no_lora = {k: v for k, v in ENGINE.items() if "lora" not in k}
+  engine = je.LLM(checkpoint[0], kv_cache_dtype="fp8", **no_lora)
+  cache = engine.llm_engine.cores[0].runner.kv_cache
+  assert {page.dtype for layer in cache.pages for page in layer} == {np.dtype(FP8_KV_STORAGE)}
+  assert {a.dtype for a in (*cache.recurrent.conv, *cache.recurrent.delta)} == {np.dtype(np.float32)}
+  gaps = []
+  for (tokens, got), (want_tokens, want) in zip(
+    _greedy_with_prompt_logprobs(engine), _greedy_with_prompt_logprobs(llm)
+  ):
+    assert tokens == want_tokens
+    gaps.append(np.abs(np.asarray(got) - np.asarray(want)).max())
+  assert 0 < max(gaps) < 0.2, gaps
+  assert engine.llm_engine.kv_cache_stats.num_preemptions > 0 and _free_state_slots(engine) == 3
+  plans = {
+    dtype: memory_plan(
+      abstract_engine(str(checkpoint[0]), EngineConfig(max_num_reqs=2, kv_cache_dtype=dtype),
+                      jax.devices(), jnp.float32, "cpu"),
+      2**30,
+    )  # fmt: skip
+    for dtype in ("auto", "fp8")
+  }
+  assert plans["auto"].per_block == 4 * plans["fp8"].per_block
+  assert plans["auto"].other == plans["fp8"].other  # the batch's state and the state pool
+
+
+def _step_to_end(engine, outputs: dict) -> None:
+  while engine.has_unfinished_requests():
+    outputs.update((o.request_id, o) for o in engine.step())
+
+
+def test_pause_load_weights_resume_continues_each_request_state(checkpoint, llm):
+  """A "keep" pause with requests in flight (decoding, and in a chunked prefill), `load_weights`
+  while paused (nothing compiles), resume. The same weights: transformers' greedy tokens, as if
+  never paused (each row's state slot kept and continued). New weights (the output head
+  negated): the tokens read before the pause are the old model's, the rest the new model's
+  greedy continuation of them; the state, like the pages, is kept as the old weights wrote it
+  (here the layers that write it are unchanged, so kept and recomputed states agree)."""
+  import copy
+
+  from jaxengine.models import named_weights
+
+  engine = llm.llm_engine
+  params = je.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+  weights = {name: np.asarray(value) for name, value in named_weights(engine.cores[0].runner.model)}
+  flipped = copy.deepcopy(checkpoint[1])
+  with torch.no_grad():
+    flipped.lm_head.weight.neg_()
+  runs = [(weights, checkpoint[1]), ({"lm_head.weight": -weights["lm_head.weight"]}, flipped)]
+  try:
+    for run, (new_weights, hf_model) in enumerate(runs):
+      outputs: dict = {}
+      for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"pause{run}-{i}", prompt, params)
+      for _ in range(4):
+        outputs.update((o.request_id, o) for o in engine.step())
+      outputs.update((o.request_id, o) for o in engine.pause_generation("keep"))
+      old_version = engine.weight_version
+      with count_compiles() as compiles:
+        engine.load_weights(new_weights)
+      assert compiles.count == 0
+      engine.resume_generation()
+      _step_to_end(engine, outputs)
+      num_kept = []
+      for i, prompt in enumerate(PROMPTS):
+        out = outputs[f"pause{run}-{i}"].outputs[0]
+        tokens, kept = list(out.token_ids), list(out.weight_versions).count(old_version)
+        old = hf_greedy(checkpoint[1], prompt, MAX_TOKENS)
+        assert tokens[:kept] == old[:kept]
+        assert tokens[kept:] == hf_greedy(hf_model, prompt + tokens[:kept], MAX_TOKENS - kept)
+        num_kept.append(kept)
+      assert 0 in num_kept and any(0 < k < MAX_TOKENS for k in num_kept), num_kept
+    assert _free_state_slots(llm) == 3
+  finally:
+    engine.load_weights(weights)
+
+
+def test_sleep_frees_the_state_pool_and_wake_up_gives_the_same_tokens(llm):
+  """``sleep(level=1)`` and ``sleep(level=2)`` (then `load_weights`): the state pool's buffers are
+  freed with the pages, `wake_up` rebuilds it (zero, the same shapes) and nothing compiles; the
+  greedy tokens and prompt logprobs are those of before the sleep, every slot free."""
+  from jaxengine.models import named_weights
+
+  runner = llm.llm_engine.cores[0].runner
+  weights = [(name, np.asarray(value)) for name, value in named_weights(runner.model)]
+  want = _greedy_with_prompt_logprobs(llm, PROMPTS[:2])
+  for level in (1, 2):
+    pool = runner.kv_cache.recurrent
+    shapes = [a.shape for a in (*pool.conv, *pool.delta)]
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in pool.delta)  # the requests' states
+    llm.sleep(level=level)
+    assert all(a.is_deleted() for a in (*pool.conv, *pool.delta))
+    with count_compiles() as compiles:
+      llm.wake_up()
+      if level == 2:
+        llm.load_weights(weights)
+      woken = runner.kv_cache.recurrent
+      assert [a.shape for a in (*woken.conv, *woken.delta)] == shapes
+      assert not any(np.asarray(a).any() for a in (*woken.conv, *woken.delta))
+      assert _greedy_with_prompt_logprobs(llm, PROMPTS[:2]) == want
+    assert compiles.count == 0, level
+  assert _free_state_slots(llm) == 3
+
+
 def _module() -> Qwen3_5:
   hf = transformers.Qwen3_5TextConfig(**TEXT).to_dict()
   return Qwen3_5(config_from_hf(hf, "qwen3_5"), rngs=nnx.Rngs(0))
