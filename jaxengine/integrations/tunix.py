@@ -174,12 +174,12 @@ class JaxEngineRollout(TunixWeightSync, base_rollout.BaseRollout):
       chunks), and `model()` is None.
 
   Raises:
-    ValueError: an unsupported model (a Qwen3.5 hybrid named as such), a `mesh` that is not a `jax.sharding.Mesh`, `logprobs_mode`
-      among the options, invalid options (an unknown `quantization`, a memory fraction outside
-      (0, 1], a `reshard_chunk_bytes` that is not a positive int, parallel sizes that conflict
-      or do not fit the rollout mesh: `engine_placement`), or a LoRA actor whose LoRA is
-      unsupported (named), whose scale is unknown, or whose rank exceeds a given
-      `max_lora_rank`.
+    ValueError: an unsupported model (a Qwen3.5 hybrid named as such), a `mesh` that is not a
+      `jax.sharding.Mesh`, `logprobs_mode` among the options, invalid options (an unknown
+      `quantization`, a memory fraction outside (0, 1], a `reshard_chunk_bytes` that is not a
+      positive int, parallel sizes that conflict or do not fit the rollout mesh:
+      `engine_placement`), or a LoRA actor whose LoRA is unsupported (named), whose scale is
+      unknown, or whose rank exceeds a given `max_lora_rank`.
   """
 
   def __init__(

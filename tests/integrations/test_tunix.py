@@ -754,5 +754,5 @@ def test_a_qwen3_5_hybrid_actor_is_refused_by_name():
     layer_types=["linear_attention", "full_attention"],
   )  # fmt: skip
   actor = abstract_module(Qwen3_5, config_from_hf(text, "qwen3_5"), jnp.float32)
-  with pytest.raises(ValueError, match=r"rollout_actor Qwen3_5 is a Qwen3\.5 hybrid .* no Qwen3\.5"):
+  with pytest.raises(ValueError, match=r"Qwen3_5 is a Qwen3\.5 hybrid .* no Qwen3\.5"):
     JaxEngineRollout(rollout_actor=actor, tokenizer=ByteTokenizer())

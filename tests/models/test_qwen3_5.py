@@ -563,7 +563,8 @@ def test_fp8_pages_beside_a_float32_state_pool_stay_close(checkpoint, llm):
   engine = je.LLM(checkpoint[0], kv_cache_dtype="fp8", **no_lora)
   cache = engine.llm_engine.cores[0].runner.kv_cache
   assert {page.dtype for layer in cache.pages for page in layer} == {np.dtype(FP8_KV_STORAGE)}
-  assert {a.dtype for a in (*cache.recurrent.conv, *cache.recurrent.delta)} == {np.dtype(np.float32)}
+  pool = (*cache.recurrent.conv, *cache.recurrent.delta)
+  assert {a.dtype for a in pool} == {np.dtype(np.float32)}
   gaps = []
   for (tokens, got), (want_tokens, want) in zip(
     _greedy_with_prompt_logprobs(engine), _greedy_with_prompt_logprobs(llm)
@@ -572,14 +573,11 @@ def test_fp8_pages_beside_a_float32_state_pool_stay_close(checkpoint, llm):
     gaps.append(np.abs(np.asarray(got) - np.asarray(want)).max())
   assert 0 < max(gaps) < 0.2, gaps
   assert engine.llm_engine.kv_cache_stats.num_preemptions > 0 and _free_state_slots(engine) == 3
-  plans = {
-    dtype: memory_plan(
-      abstract_engine(str(checkpoint[0]), EngineConfig(max_num_reqs=2, kv_cache_dtype=dtype),
-                      jax.devices(), jnp.float32, "cpu"),
-      2**30,
-    )  # fmt: skip
-    for dtype in ("auto", "fp8")
-  }
+  plans = {}
+  for dtype in ("auto", "fp8"):
+    config = EngineConfig(max_num_reqs=2, kv_cache_dtype=dtype)
+    abstract = abstract_engine(str(checkpoint[0]), config, jax.devices(), jnp.float32, "cpu")
+    plans[dtype] = memory_plan(abstract, 2**30)
   assert plans["auto"].per_block == 4 * plans["fp8"].per_block
   assert plans["auto"].other == plans["fp8"].other  # the batch's state and the state pool
 
