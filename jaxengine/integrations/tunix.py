@@ -130,6 +130,7 @@ class JaxEngineRollout(TunixWeightSync, base_rollout.BaseRollout):
   Args:
     rollout_actor: the Tunix `Llama3`, `Qwen2`, `Qwen3`, `Gemma` or `Gemma3` module to serve (its weights are
       copied into the engine's layout; later changes reach the engine through `update_params`).
+      Tunix has no Qwen3.5 class: a Qwen3.5 hybrid is refused (`tunix_config.check_not_hybrid`).
     tokenizer: a Tunix `TokenizerAdapter` or anything it wraps (HF, SentencePiece, or an object
       with encode/decode/bos_id/eos_id/pad_id).
     mesh: the rollout mesh Tunix assigns. The engine goes on its devices as `RolloutConfig`'s
@@ -173,12 +174,12 @@ class JaxEngineRollout(TunixWeightSync, base_rollout.BaseRollout):
       chunks), and `model()` is None.
 
   Raises:
-    ValueError: an unsupported model, a `mesh` that is not a `jax.sharding.Mesh`, `logprobs_mode`
-      among the options, invalid options (an unknown `quantization`, a memory fraction outside
-      (0, 1], a `reshard_chunk_bytes` that is not a positive int, parallel sizes that conflict
-      or do not fit the rollout mesh: `engine_placement`), or a LoRA actor whose LoRA is
-      unsupported (named), whose scale is unknown, or whose rank exceeds a given
-      `max_lora_rank`.
+    ValueError: an unsupported model (a Qwen3.5 hybrid named as such), a `mesh` that is not a
+      `jax.sharding.Mesh`, `logprobs_mode` among the options, invalid options (an unknown
+      `quantization`, a memory fraction outside (0, 1], a `reshard_chunk_bytes` that is not a
+      positive int, parallel sizes that conflict or do not fit the rollout mesh:
+      `engine_placement`), or a LoRA actor whose LoRA is unsupported (named), whose scale is
+      unknown, or whose rank exceeds a given `max_lora_rank`.
   """
 
   def __init__(

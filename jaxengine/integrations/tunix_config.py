@@ -40,6 +40,7 @@ __all__ = [
   "LLAMA_MODELS",
   "SUPPORTED_MODELS",
   "EngineConfig",
+  "check_not_hybrid",
   "config_from_tunix",
   "effective_rope_theta",
   "engine_module",
@@ -199,12 +200,40 @@ def gemma_config_from_tunix(
   )
 
 
+def check_not_hybrid(model: Any) -> None:
+  """Refuses a Qwen3.5 hybrid (Gated DeltaNet layers beside attention) as the rollout actor.
+
+  Tunix (google-tunix 0.1.7, the version this integration is built on) has no Qwen3.5 model class,
+  so no trainer module exists to map weights from; jaxengine's own `Qwen3_5` (any module with a
+  ``recurrent_state_spec``) is served by `jaxengine.LLM`, not by the rollout, which maps a Tunix
+  module's parameters.
+
+  Raises:
+    ValueError: such a model, naming its class and the installed google-tunix version.
+  """
+  if not hasattr(model, "recurrent_state_spec"):
+    return
+  from importlib import metadata
+
+  try:
+    version = metadata.version("google-tunix")
+  except metadata.PackageNotFoundError:  # Tunix imported from a source tree
+    version = "(installed)"
+  raise ValueError(
+    f"rollout_actor {type(model).__name__} is a Qwen3.5 hybrid model: google-tunix {version} "
+    "has no Qwen3.5 model class, so JaxEngineRollout cannot serve it (serve a Qwen3.5 "
+    "checkpoint with jaxengine.LLM)"
+  )
+
+
 def config_from_tunix(model: Any, **fields: Any) -> EngineConfig:
   """`llama_config_from_tunix` or `gemma_config_from_tunix`, by the model's class.
 
   Raises:
-    ValueError: a class outside `SUPPORTED_MODELS` (the supported ones named).
+    ValueError: a Qwen3.5 hybrid (`check_not_hybrid`), or another class outside
+      `SUPPORTED_MODELS` (the supported ones named).
   """
+  check_not_hybrid(model)
   if isinstance(model, GEMMA_MODELS):
     return gemma_config_from_tunix(model, **fields)
   if not isinstance(model, LLAMA_MODELS):

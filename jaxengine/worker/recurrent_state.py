@@ -21,6 +21,14 @@ of its tokens into one of them, and the one after the accepted drafts becomes th
 current slot (`jaxengine.core.state_slots`), so a rejected draft never advances the state the
 next step reads. The pool's running slots grow ``k + 1``-fold, out of the pages' budget as above.
 
+The pool is part of the KV cache for the engine's other features too: a "keep" pause keeps
+each request's slot as it keeps its pages, and `load_weights` while paused leaves both as the old
+weights wrote them (later tokens are fed through the new weights; a request preempted afterwards
+recomputes its pages and its state through them); `sleep` frees the pool's buffers with the
+pages and `wake_up` puts back a zero pool of the same shapes and shardings (a slot's state is
+written from position 0 on, so a zero pool needs no reset); fp8 pages
+(``kv_cache_dtype="fp8"``) leave the pool in the model's dtype.
+
 The state is otherwise kept only for a running request's own sequence, so the engine features that
 would need it elsewhere are refused when the engine is built (`check_hybrid_config`), each with a
 `ValueError` naming the feature and the model.

@@ -738,3 +738,21 @@ def test_pause_update_resume_from_another_thread(served):
     engine.step = real_step
     rollout.max_staleness = None
   assert not engine.has_unfinished_requests()
+
+
+def test_a_qwen3_5_hybrid_actor_is_refused_by_name():
+  """google-tunix has no Qwen3.5 model class: jaxengine's own `Qwen3_5` (Gated DeltaNet layers
+  with a recurrent state) given as the actor is refused by name, before anything is placed."""
+  from jaxengine.models.qwen3_5 import Qwen3_5
+  from jaxengine.models.qwen3_5_checkpoints import config_from_hf
+  from jaxengine.models.weights import abstract_module
+
+  text = dict(
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+    layer_types=["linear_attention", "full_attention"],
+  )  # fmt: skip
+  actor = abstract_module(Qwen3_5, config_from_hf(text, "qwen3_5"), jnp.float32)
+  with pytest.raises(ValueError, match=r"Qwen3_5 is a Qwen3\.5 hybrid .* no Qwen3\.5"):
+    JaxEngineRollout(rollout_actor=actor, tokenizer=ByteTokenizer())

@@ -11,7 +11,10 @@ checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' log
 ``tensor_parallel_size=2`` (a subprocess on 2 host devices) equals the one-device engine (with a
 LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT adapter on every
 projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
-k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
+k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`;
+fp8 pages beside the float32 state pool stay close to float32 pages; a "keep" pause with
+`load_weights` keeps each request's state as its pages (transformers' continuation of the old
+weights' cache through the new ones); sleep and wake free and rebuild the pool, same tokens.
 What the recurrent state does not carry yet (scanned layers) is refused; speculative decoding
 is checked in tests/spec_decode/test_speculative_hybrid.py. Nothing here touches the network
 (transformers takes its PyTorch fallbacks of the linear layers' kernels).
@@ -34,7 +37,7 @@ from hf_reference import hf_greedy, hf_prompt_logprobs
 from subprocess_utils import run_python
 
 import jaxengine as je
-from jaxengine.models import token_logprobs
+from jaxengine.models import named_weights, token_logprobs
 from jaxengine.models.quantization import dequantize_rows, quantize_model, quantize_rows
 from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.qwen3_5_checkpoints import config_from_hf
@@ -543,6 +546,132 @@ def test_int8_engine_computes_its_dequantized_weights(checkpoint, llm):
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert np.abs(np.asarray(got[: len(prompt) - 1]) - float_logprobs).max() < 0.5
   assert engine.llm_engine.kv_cache_stats.num_preemptions > 0
+
+
+def test_fp8_pages_beside_a_float32_state_pool_stay_close(checkpoint, llm):
+  """``kv_cache_dtype="fp8"``: the attention layer's pages are float8 (stored as bytes), the
+  state pool stays float32; chunked prefill and preemption give the float32 pages' greedy tokens
+  and prompt logprobs within the tiny models' fp8 bound (0.2, `tests/models/test_kv_cache_dtype.py`;
+  measured 0.02). `jaxengine compile`'s memory plan counts both: a page a quarter of float32's,
+  the pool's bytes unchanged."""
+  from jaxengine.aot.executables import abstract_engine
+  from jaxengine.aot.memory_plan import memory_plan
+  from jaxengine.engine_config import EngineConfig
+  from jaxengine.models.paged_attention import FP8_KV_STORAGE
+
+  no_lora = {k: v for k, v in ENGINE.items() if "lora" not in k}
+  engine = je.LLM(checkpoint[0], kv_cache_dtype="fp8", **no_lora)
+  cache = engine.llm_engine.cores[0].runner.kv_cache
+  assert {page.dtype for layer in cache.pages for page in layer} == {np.dtype(FP8_KV_STORAGE)}
+  pool = (*cache.recurrent.conv, *cache.recurrent.delta)
+  assert {a.dtype for a in pool} == {np.dtype(np.float32)}
+  gaps = []
+  for (tokens, got), (want_tokens, want) in zip(
+    _greedy_with_prompt_logprobs(engine), _greedy_with_prompt_logprobs(llm)
+  ):
+    assert tokens == want_tokens
+    gaps.append(np.abs(np.asarray(got) - np.asarray(want)).max())
+  assert 0 < max(gaps) < 0.2, gaps
+  assert engine.llm_engine.kv_cache_stats.num_preemptions > 0 and _free_state_slots(engine) == 3
+  plans = {}
+  for dtype in ("auto", "fp8"):
+    config = EngineConfig(max_num_reqs=2, kv_cache_dtype=dtype)
+    abstract = abstract_engine(str(checkpoint[0]), config, jax.devices(), jnp.float32, "cpu")
+    plans[dtype] = memory_plan(abstract, 2**30)
+  assert plans["auto"].per_block == 4 * plans["fp8"].per_block
+  assert plans["auto"].other == plans["fp8"].other  # the batch's state and the state pool
+
+
+def _step_to_end(engine, outputs: dict) -> None:
+  while engine.has_unfinished_requests():
+    outputs.update((o.request_id, o) for o in engine.step())
+
+
+def _hf_continue(old, new, fed: list[int], pending: list[int], n: int) -> list[int]:
+  """transformers' `n` greedy tokens from a cache `old` wrote for `fed`, `new` feeding `pending`
+  (the tokens not fed yet) one by one and then its own tokens."""
+  if not fed:
+    return hf_greedy(new, pending, n)
+  pending, out = list(pending), []
+  with torch.no_grad():
+    cache = old(torch.tensor([fed]), use_cache=True).past_key_values
+    for _ in range(len(pending) + n - 1):
+      token = pending.pop(0) if pending else out[-1]
+      logits = new(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+      if not pending:
+        out.append(int(logits[0, -1].argmax()))
+  return out
+
+
+def test_pause_load_weights_resume_keeps_each_request_state(checkpoint, llm):
+  """A "keep" pause with requests in flight (one decoding, one in a chunked prefill; pages for
+  both: no preemption), `load_weights` while paused (nothing compiles), resume. Each request's
+  state slot is kept as its pages are: the tokens after the pause are transformers' greedy
+  continuation through the new weights of the cache the old weights wrote for the tokens fed
+  before it (the same weights: transformers' tokens, as if never paused; other random weights:
+  that mixed continuation, which a state recomputed or reset would miss). A request preempted
+  after the pause would recompute its pages and state through the new weights."""
+  engine = llm.llm_engine
+  params = je.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+  weights = {name: np.asarray(value) for name, value in named_weights(engine.cores[0].runner.model)}
+  other = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)).eval()
+  _randomise(other, 1)
+  other_weights = {name: value.numpy() for name, value in other.state_dict().items()}
+  prompts, preemptions = PROMPTS[1:], engine.kv_cache_stats.num_preemptions
+  try:
+    for run, (new_weights, hf_new) in enumerate([(weights, checkpoint[1]), (other_weights, other)]):
+      outputs: dict = {}
+      ids = [f"pause{run}-{i}" for i in range(len(prompts))]
+      for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+      while ids[0] not in outputs:  # the short prompt's first token: pause
+        outputs.update((o.request_id, o) for o in engine.step())
+      outputs.update((o.request_id, o) for o in engine.pause_generation("keep"))
+      read = {i: list(outputs[i].outputs[0].token_ids) if i in outputs else [] for i in ids}
+      fed = {i: engine._requests[i].completions[0].num_computed_tokens for i in ids}
+      with count_compiles() as compiles:
+        engine.load_weights(new_weights)
+      assert compiles.count == 0
+      engine.resume_generation()
+      _step_to_end(engine, outputs)
+      for request_id, prompt in zip(ids, prompts):
+        tokens, kept = list(outputs[request_id].outputs[0].token_ids), len(read[request_id])
+        assert tokens[:kept] == read[request_id]
+        seq, c = prompt + read[request_id], fed[request_id]
+        want = _hf_continue(checkpoint[1], hf_new, seq[:c], seq[c:], MAX_TOKENS - kept)
+        assert tokens[kept:] == want, (run, request_id, kept, c)
+        if run:  # a state recomputed through the new weights would give other tokens
+          assert want != _hf_continue(hf_new, hf_new, seq[:c], seq[c:], MAX_TOKENS - kept)
+      kinds = sorted((len(read[i]) > 0) + (fed[i] > 0) for i in ids)  # 2: decoding, 1: prefilling
+      assert kinds == [1, 2], (read, fed)
+    assert engine.kv_cache_stats.num_preemptions == preemptions and _free_state_slots(llm) == 3
+  finally:
+    engine.load_weights(weights)
+
+
+def test_sleep_frees_the_state_pool_and_wake_up_gives_the_same_tokens(llm):
+  """``sleep(level=1)`` and ``sleep(level=2)`` (then `load_weights`): the state pool's buffers are
+  freed with the pages, `wake_up` rebuilds it (zero, the same shapes) and nothing compiles; the
+  greedy tokens and prompt logprobs are those of before the sleep, every slot free."""
+  runner = llm.llm_engine.cores[0].runner
+  weights = [(name, np.asarray(value)) for name, value in named_weights(runner.model)]
+  want = _greedy_with_prompt_logprobs(llm, PROMPTS[:2])
+  for level in (1, 2):
+    pool = runner.kv_cache.recurrent
+    shapes = [a.shape for a in (*pool.conv, *pool.delta)]
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in pool.delta)  # the requests' states
+    llm.sleep(level=level)
+    assert all(a.is_deleted() for a in (*pool.conv, *pool.delta))
+    with count_compiles() as compiles:
+      llm.wake_up()
+      if level == 2:
+        llm.load_weights(weights)
+      woken = runner.kv_cache.recurrent
+      assert [a.shape for a in (*woken.conv, *woken.delta)] == shapes
+      assert not any(np.asarray(a).any() for a in (*woken.conv, *woken.delta))
+      assert _greedy_with_prompt_logprobs(llm, PROMPTS[:2]) == want
+    assert compiles.count == 0, level
+  assert _free_state_slots(llm) == 3
 
 
 def _module() -> Qwen3_5:
