@@ -31,6 +31,8 @@ ignored (the header is read again).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -333,6 +335,26 @@ def _dequantize(tensor) -> np.ndarray:
   return np.asarray(rows, dtype=np.float32).reshape(shape)
 
 
+#: Tensors dequantized ahead of the one being placed (`_dequantize_ahead`).
+DEQUANTIZE_AHEAD = 4
+
+
+def _dequantize_ahead(tensors: list[Any]) -> Iterator[np.ndarray]:
+  """`_dequantize` of each tensor, in order, the next `DEQUANTIZE_AHEAD` computed on threads
+  while the caller places the current one (NumPy's array work leaves the interpreter lock):
+  a loaded machine's cores share the work, and at most that many extra float32 copies are
+  alive at once."""
+  workers = min(DEQUANTIZE_AHEAD, os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dequantize") as pool:
+    pending = collections.deque(pool.submit(_dequantize, t) for t in tensors[:DEQUANTIZE_AHEAD])
+    for t in tensors[DEQUANTIZE_AHEAD:]:
+      array = pending.popleft().result()
+      pending.append(pool.submit(_dequantize, t))
+      yield array
+    while pending:
+      yield pending.popleft().result()
+
+
 def load_gguf(
   path: str | os.PathLike | None = None, dtype=jnp.float32, scan_layers: bool | None = False
 ) -> tuple[Model, Any]:
@@ -373,10 +395,9 @@ def load_gguf(
     raise ValueError(f"the GGUF file lacks {', '.join(repr(n) for n in missing[:5])}")
   arrays = {}
   stacks: dict[Any, np.ndarray] = {}
-  for spec in specs:
-    if spec.path is None:
-      continue
-    array = _dequantize(tensors[spec.name])
+  specs = [spec for spec in specs if spec.path is not None]
+  dequantized = _dequantize_ahead([tensors[spec.name] for spec in specs])
+  for spec, array in zip(specs, dequantized, strict=True):
     if array.shape != spec.shape:
       raise ValueError(f"{spec.name}: expected shape {spec.shape}, file gives {array.shape}")
     leaf = leaves[spec.path]
