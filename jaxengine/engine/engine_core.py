@@ -51,7 +51,6 @@ from jaxengine.spec_decode.ngram_proposer import (
 from jaxengine.spec_decode.policy import SpeculativePolicy
 from jaxengine.spec_decode.speculation import Speculation
 from jaxengine.tokenizer import Tokenizer
-from jaxengine.worker.compile_ahead import CompileAhead
 from jaxengine.worker.model_runner import ModelRunner
 from jaxengine.worker.outputs import InFlightStep
 
@@ -126,11 +125,6 @@ class EngineCore:
     self.paused = False
     #: Stamped on the tokens of each step dispatched (`CompletionOutput.weight_versions`).
     self.weight_version = 0
-    #: Compiles a prompt's decode shape beside the prompt's step (`worker/compile_ahead.py`);
-    #: None where decodes run other executables (drafts, k-step loops).
-    self.compile_ahead: CompileAhead | None = None
-    if self._speculation is None and self.num_decode_steps == 1:
-      self.runner.compile_ahead = self.compile_ahead = CompileAhead(self)
 
   # --- requests -------------------------------------------------------------------------------
 
@@ -236,8 +230,6 @@ class EngineCore:
         )
         if steps is not None:
           return latest_outputs(outputs + self._decode_steps(steps))
-      if self.compile_ahead is not None:
-        self.compile_ahead.start(scheduled, scheduler.running)
       step = runner.dispatch(scheduled, bitmask)
       current = _Dispatched(step, dict(scheduler.running), self.weight_version)
       if current.step.num_new_tokens is not None:  # known now: plan the next step with them

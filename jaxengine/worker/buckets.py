@@ -183,11 +183,6 @@ class StepShapes:
     with self._lock:
       self._expected.clear()
 
-  def knows(self, shape: StepShape) -> bool:
-    """Whether `shape` is compiled or expected from another thread."""
-    with self._lock:
-      return shape in self._compiled or shape in self._expected
-
   @property
   def num_expected(self) -> int:
     """Shapes expected from another thread and not compiled yet."""

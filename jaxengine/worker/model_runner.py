@@ -54,7 +54,6 @@ from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.worker import buckets as step_buckets
 from jaxengine.worker import recurrent_state, sleep_mode
 from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
-from jaxengine.worker.compile_ahead import CompileAhead
 from jaxengine.worker.device_steps import placed_device_steps, ragged_step, ragged_verify_step
 from jaxengine.worker.kv_cache_pool import cache_groups
 from jaxengine.worker.lora_loader import lora_manager
@@ -141,8 +140,6 @@ class ModelRunner:
     self.token_buckets = buckets(cast(int, config.max_num_batched_tokens), 1)  # never None
     #: The step shapes compiled so far; a short job runs in them (`worker/buckets.py`).
     self.compiled_shapes = StepShapes(PROMOTE_AFTER if config.reuse_compiled_shapes else 0)
-    #: The engine core's compiles ahead of the steps (`worker/compile_ahead.py`), or None.
-    self.compile_ahead: CompileAhead | None = None
     self._prompt_logprobs = PromptLogprobs()
     #: The LoRA adapters' host copies and device slots, None without `enable_lora` (made before
     #: the steps: on a mesh they declare the slots' shardings).
@@ -309,8 +306,6 @@ class ModelRunner:
       scheduled.total_num_scheduled_tokens, batch.num_reqs, prompt_logprobs=bool(wanted)
     )
     variant = (bool(wanted), drafted := bool(scheduled.spec_token_ids))
-    if self.compile_ahead is not None:  # its shape may be compiling on the thread: no twice
-      self.compile_ahead.wait(StepShape(num_tokens, num_rows, variant))
     shape = self.compiled_shapes.choose(StepShape(num_tokens, num_rows, variant))
     num_tokens, num_rows = shape.num_tokens, shape.num_rows
     produces = produced_rows(batch, scheduled)
