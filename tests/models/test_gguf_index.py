@@ -185,3 +185,16 @@ def test_off_writes_no_index(tmp_path, monkeypatch):
   monkeypatch.delenv(gguf_loader.INDEX_DIR_ENV)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   assert gguf_loader.index_dir() == tmp_path / "jaxengine" / "gguf"
+
+
+def test_tensors_are_dequantized_in_order_and_at_most_a_few_ahead(monkeypatch):
+  """`load_gguf` places each tensor while the next ones dequantize on threads: the arrays come
+  in the tensors' order, and no more than `DEQUANTIZE_AHEAD` are done or under way beyond the
+  one the caller holds (a large model's float32 copies are not all alive at once)."""
+  started: list[int] = []
+  monkeypatch.setattr(gguf_loader, "_dequantize", lambda i: started.append(i) or np.full(2, i))
+  taken = []
+  for array in gguf_loader._dequantize_ahead(list(range(10))):
+    taken.append(int(array[0]))
+    assert len(started) <= len(taken) + gguf_loader.DEQUANTIZE_AHEAD
+  assert taken == list(range(10)) and sorted(started) == taken
