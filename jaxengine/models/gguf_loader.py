@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -233,17 +234,17 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
     index = read_index(target, path)
     if index is not None:
       return index
+  header: dict[str, Any]
   try:
-    index = scan_gguf(path)
+    header = scan_gguf(path)
   except UnsupportedHeader:  # another version or byte order, or junk: the reader judges it
-    reader = gguf.GGUFReader(path)
-    index = reader_index(reader)
+    header = reader_index(gguf.GGUFReader(path))
   if target is not None:
     try:
-      write_index(index, target)
+      write_index(header, target)
     except (OSError, TypeError, ValueError):  # unwritable directory, or a value JSON cannot hold
       pass
-  return index_file(index, path)
+  return index_file(header, path)
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -393,11 +394,12 @@ def load_gguf(
   missing = [s.name for s in specs if s.path is not None and s.name not in tensors]
   if missing:
     raise ValueError(f"the GGUF file lacks {', '.join(repr(n) for n in missing[:5])}")
-  arrays = {}
+  arrays: dict[Any, jax.Array] = {}
   stacks: dict[Any, np.ndarray] = {}
   specs = [spec for spec in specs if spec.path is not None]
   dequantized = _dequantize_ahead([tensors[spec.name] for spec in specs])
   for spec, array in zip(specs, dequantized, strict=True):
+    assert spec.path is not None  # filtered above
     if array.shape != spec.shape:
       raise ValueError(f"{spec.name}: expected shape {spec.shape}, file gives {array.shape}")
     leaf = leaves[spec.path]
