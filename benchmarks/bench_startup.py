@@ -1,7 +1,9 @@
 """A user's first minute: a fresh process from its first import to a first output, then a second
 batch shape, for jaxengine (empty caches and warm caches), Hugging Face transformers and vLLM.
 
-Each engine runs in a fresh interpreter of its own and reports four phases, wall seconds:
+Each engine runs in a fresh interpreter of its own and reports four phases, wall seconds and, in
+parentheses, the process's CPU seconds (every thread's: XLA's compile threads, torch's and
+vLLM's workers in the process), which a machine loaded by other work changes less than wall:
 
 * ``import``: importing the library (``import jaxengine``; ``import torch, transformers``;
   ``import vllm``);
@@ -40,57 +42,69 @@ BATCH = 8
 PHASES = ("import", "load", "first", "second")
 
 #: The child script of each engine: prints one JSON line of phase seconds.
+#: Each child's clock: wall seconds and the process's CPU seconds (every thread's, XLA's
+#: compile threads included), read at each phase's end.
+CLOCK = """
+import json, resource, time
+def clock():
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return time.perf_counter(), usage.ru_utime + usage.ru_stime
+def report(marks):
+  phases = {phases!r}
+  wall = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+  cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+  print(json.dumps(dict(zip(phases, wall)) | {{p + " cpu": c for p, c in zip(phases, cpu)}}))
+"""
+
 JAXENGINE = """
-import json, time
-t0 = time.perf_counter()
+marks = [clock()]
 import jaxengine as je
-t1 = time.perf_counter()
+marks.append(clock())
 llm = je.LLM(max_num_reqs=8{options})
-t2 = time.perf_counter()
+marks.append(clock())
 params = je.SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 llm.generate([{prompt!r}], params, use_tqdm=False)
-t3 = time.perf_counter()
+marks.append(clock())
 llm.generate([{prompt!r}] * {batch}, params, use_tqdm=False)
-t4 = time.perf_counter()
-print(json.dumps(dict(zip({phases!r}, [t1 - t0, t2 - t1, t3 - t2, t4 - t3]))))
+marks.append(clock())
+report(marks)
 """
 
 TRANSFORMERS = """
-import json, time
-t0 = time.perf_counter()
+marks = [clock()]
 import torch, transformers
-t1 = time.perf_counter()
+marks.append(clock())
 tok = transformers.AutoTokenizer.from_pretrained({model!r}, padding_side="left")
 model = transformers.AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32).eval()
-t2 = time.perf_counter()
+marks.append(clock())
 def run(prompts):
   batch = tok(prompts, return_tensors="pt", padding=True)
   with torch.inference_mode():
     model.generate(**batch, max_new_tokens={max_tokens}, min_new_tokens={max_tokens},
                    do_sample=False, pad_token_id=tok.eos_token_id)
 run([{prompt!r}])
-t3 = time.perf_counter()
+marks.append(clock())
 run([{prompt!r}] * {batch})
-t4 = time.perf_counter()
-print(json.dumps(dict(zip({phases!r}, [t1 - t0, t2 - t1, t3 - t2, t4 - t3]))))
+marks.append(clock())
+report(marks)
 """
 
 VLLM = """
-import json, os, time
+import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{{os.cpu_count() - 1}}")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-t0 = time.perf_counter()
+marks = [clock()]
 import vllm
-t1 = time.perf_counter()
+marks.append(clock())
 llm = vllm.LLM({model!r}, dtype="float32", max_model_len=2048, max_num_seqs=8)
-t2 = time.perf_counter()
+marks.append(clock())
 params = vllm.SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 llm.generate([{prompt!r}], params, use_tqdm=False)
-t3 = time.perf_counter()
+marks.append(clock())
 llm.generate([{prompt!r}] * {batch}, params, use_tqdm=False)
-t4 = time.perf_counter()
-print(json.dumps(dict(zip({phases!r}, [t1 - t0, t2 - t1, t3 - t2, t4 - t3]))))
+marks.append(clock())
+report(marks)
 """
 
 
@@ -105,7 +119,8 @@ def run_child(python: str, script: str, env: dict[str, str]) -> dict[str, float]
 
 
 def fill(template: str, **values: str) -> str:
-  return template.format(prompt=PROMPT, max_tokens=MAX_TOKENS, batch=BATCH, phases=PHASES, **values)
+  script = CLOCK + template
+  return script.format(prompt=PROMPT, max_tokens=MAX_TOKENS, batch=BATCH, phases=PHASES, **values)
 
 
 def main() -> None:
@@ -155,15 +170,16 @@ def main() -> None:
       samples.setdefault("vLLM", []).append(run_child(args.vllm_python, script, base))
     print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
+  keys = [*PHASES, *(f"{p} cpu" for p in PHASES)]
   medians = {
-    name: {p: statistics.median(s[p] for s in runs) for p in PHASES}
-    for name, runs in samples.items()
+    name: {k: statistics.median(s[k] for s in runs) for k in keys} for name, runs in samples.items()
   }
   print(f"| engine | {' | '.join(PHASES)} | total s |")
   print("|---|" + "---|" * (len(PHASES) + 1))
-  for name, phases in medians.items():
-    cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
-    print(f"| {name} | {cells} | {sum(phases.values()):.1f} |")
+  for name, phases in medians.items():  # wall (CPU) seconds
+    cells = " | ".join(f"{phases[p]:.1f} ({phases[p + ' cpu']:.1f})" for p in PHASES)
+    wall, cpu = sum(phases[p] for p in PHASES), sum(phases[p + " cpu"] for p in PHASES)
+    print(f"| {name} | {cells} | {wall:.1f} ({cpu:.1f}) |")
   if args.json:
     args.json.write_text(json.dumps(medians, indent=1))
   shutil.rmtree(work, ignore_errors=True)

@@ -9,9 +9,10 @@ Why not ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``: in transformers 
 reads the GGUF metadata through ``transformers.integrations.gguf.reader``, which imports torch,
 and jaxengine does not depend on torch. Its converter also ignores SmolLM's pre-tokenizer (digits
 split one by one, ``tokenizer.ggml.pre = "smollm"``). So we read the vocabulary, merges, token
-types, special ids and chat template with `gguf.GGUFReader` and build the byte-level BPE with the
-``tokenizers`` library, then wrap it in transformers' `PreTrainedTokenizerFast` so decoding and
-`apply_chat_template` behave exactly as transformers does (offline, no torch).
+types, special ids and chat template from the GGUF file (`jaxengine.models.gguf_loader.open_gguf`)
+and build the byte-level BPE with the ``tokenizers`` library, then wrap it in transformers'
+`PreTrainedTokenizerFast` so decoding and `apply_chat_template` behave exactly as transformers
+does (offline, no torch).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Build a model from a GGUF file (metadata + dequantized tensors), as its registry entry says.
 
 Named ``gguf_loader`` rather than ``gguf`` so it never shadows the ``gguf`` package it uses.
-`gguf.GGUFReader` memory-maps the file and `gguf.quants.dequantize` expands every tensor type it
+`jaxengine.models.gguf_header` reads the file's header (`gguf.GGUFReader` where it cannot), the
+tensors are memory-mapped, and `gguf.quants.dequantize` expands every tensor type it
 supports (Q4_0/Q4_1/Q5_x/Q8_0, k-quants, F16, BF16, F32, ...) to float32 with vectorised numpy.
 
 Two GGUF conventions matter here:
@@ -19,17 +20,19 @@ entry reads the config from the metadata and names each tensor's leaf and layout
 never transposed).
 
 `gguf.GGUFReader` parses every metadata value into NumPy views, which for a 49k-token vocabulary
-and its merges takes about 4 s (most of a warm `jaxengine generate`'s start-up). So the first
-open of a file also writes its **index** (`GGUFIndex`): the metadata values and each tensor's
-type, shape and byte offset, as JSON in `index_dir()` (``$JAXENGINE_GGUF_INDEX_DIR``, else
-``$XDG_CACHE_HOME/jaxengine/gguf`` or ``~/.cache/jaxengine/gguf``; an `OFF` spelling of the
-variable disables it). Later opens of the same file (path, size and modification time) read the
-index and memory-map the tensors themselves: about 0.1 s. An index that cannot be read or
-written is ignored (the reader is used).
+and its merges takes about 4 s; `gguf_header.scan_gguf` reads the same header in about 0.2 s.
+The first open of a file also writes its **index** (`GGUFIndex`): the metadata values and each
+tensor's type, shape and byte offset, as JSON in `index_dir()` (``$JAXENGINE_GGUF_INDEX_DIR``,
+else ``$XDG_CACHE_HOME/jaxengine/gguf`` or ``~/.cache/jaxengine/gguf``; an `OFF` spelling of
+the variable disables it). Later opens of the same file (path, size and modification time) read
+the index and memory-map the tensors themselves. An index that cannot be read or written is
+ignored (the header is read again).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -42,12 +45,14 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gguf.quants import dequantize
 
 from jaxengine.compilation_cache import is_off
+from jaxengine.models.gguf_header import UnsupportedHeader, scan_gguf
 from jaxengine.models.interface import Model
 from jaxengine.models.layer_scan import scan_config
 from jaxengine.models.registry import ModelArchitecture, gguf_architecture
@@ -159,11 +164,9 @@ def _json_value(value: Any) -> Any:
   return value.item() if isinstance(value, np.generic) else value
 
 
-def write_index(reader: gguf.GGUFReader, target: Path) -> None:
-  """Writes `reader`'s metadata values and tensor table to `target` (atomically: a temporary
-  file renamed into place, so a concurrent reader never sees half an index)."""
-  index = {
-    "version": INDEX_VERSION,
+def reader_index(reader: gguf.GGUFReader) -> dict[str, Any]:
+  """`reader`'s metadata values and tensor table, as `gguf_header.scan_gguf` gives them."""
+  return {
     "fields": {key: field.contents() for key, field in reader.fields.items()},
     "tensors": [
       {
@@ -177,9 +180,14 @@ def write_index(reader: gguf.GGUFReader, target: Path) -> None:
       for t in reader.tensors
     ],
   }
+
+
+def write_index(index: dict[str, Any], target: Path) -> None:
+  """Writes a file's metadata values and tensor table (`scan_gguf`'s) to `target` (atomically: a
+  temporary file renamed into place, so a concurrent reader never sees half an index)."""
   target.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as f:
-    json.dump(index, f, default=_json_value)
+    json.dump({"version": INDEX_VERSION, **index}, f, default=_json_value)
   os.replace(f.name, target)
 
 
@@ -192,6 +200,12 @@ def read_index(source: Path, path: str) -> GGUFIndex | None:
     return None
   if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
     return None
+  return index_file(index, path)
+
+
+def index_file(index: dict[str, Any], path: str) -> GGUFIndex:
+  """The `GGUFIndex` of the GGUF file `path` whose header is `index` (`scan_gguf`'s): its
+  values, and its tensors memory-mapped."""
   data = np.memmap(path, mode="r")
   tensors = []
   for t in index["tensors"]:
@@ -212,25 +226,30 @@ def read_index(source: Path, path: str) -> GGUFIndex | None:
 
 @functools.lru_cache(maxsize=2)
 def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
-  """The file's index when there is one, else the reader (writing the index for next time)."""
+  """The file's index when there is one, else its header read now (`scan_gguf`, or the reader
+  for a file it does not read), written as the index for next time."""
   directory = index_dir()
   target = _index_path(directory, path, mtime_ns, size) if directory is not None else None
   if target is not None and target.is_file():
     index = read_index(target, path)
     if index is not None:
       return index
-  reader = gguf.GGUFReader(path)
+  header: dict[str, Any]
+  try:
+    header = scan_gguf(path)
+  except UnsupportedHeader:  # another version or byte order, or junk: the reader judges it
+    header = reader_index(gguf.GGUFReader(path))
   if target is not None:
     try:
-      write_index(reader, target)
+      write_index(header, target)
     except (OSError, TypeError, ValueError):  # unwritable directory, or a value JSON cannot hold
       pass
-  return reader
+  return index_file(header, path)
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-  """Opens a GGUF file (its index, or a `gguf.GGUFReader` memory-mapping it), reusing the one of
-  a recent call on the same file.
+  """Opens a GGUF file (its `GGUFIndex`: metadata values, tensors memory-mapped), reusing the one
+  of a recent call on the same file.
 
   Parsing the metadata of a 49k-token vocabulary takes seconds, and both the model and the
   tokenizer need it, so the last two opened files are kept in memory, and each file's index on
@@ -317,6 +336,26 @@ def _dequantize(tensor) -> np.ndarray:
   return np.asarray(rows, dtype=np.float32).reshape(shape)
 
 
+#: Tensors dequantized ahead of the one being placed (`_dequantize_ahead`).
+DEQUANTIZE_AHEAD = 4
+
+
+def _dequantize_ahead(tensors: list[Any]) -> Iterator[np.ndarray]:
+  """`_dequantize` of each tensor, in order, the next `DEQUANTIZE_AHEAD` computed on threads
+  while the caller places the current one (NumPy's array work leaves the interpreter lock):
+  a loaded machine's cores share the work, and at most that many extra float32 copies are
+  alive at once."""
+  workers = min(DEQUANTIZE_AHEAD, os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dequantize") as pool:
+    pending = collections.deque(pool.submit(_dequantize, t) for t in tensors[:DEQUANTIZE_AHEAD])
+    for t in tensors[DEQUANTIZE_AHEAD:]:
+      array = pending.popleft().result()
+      pending.append(pool.submit(_dequantize, t))
+      yield array
+    while pending:
+      yield pending.popleft().result()
+
+
 def load_gguf(
   path: str | os.PathLike | None = None, dtype=jnp.float32, scan_layers: bool | None = False
 ) -> tuple[Model, Any]:
@@ -355,12 +394,12 @@ def load_gguf(
   missing = [s.name for s in specs if s.path is not None and s.name not in tensors]
   if missing:
     raise ValueError(f"the GGUF file lacks {', '.join(repr(n) for n in missing[:5])}")
-  arrays = {}
+  arrays: dict[Any, jax.Array] = {}
   stacks: dict[Any, np.ndarray] = {}
-  for spec in specs:
-    if spec.path is None:
-      continue
-    array = _dequantize(tensors[spec.name])
+  specs = [spec for spec in specs if spec.path is not None]
+  dequantized = _dequantize_ahead([tensors[spec.name] for spec in specs])
+  for spec, array in zip(specs, dequantized, strict=True):
+    assert spec.path is not None  # filtered above
     if array.shape != spec.shape:
       raise ValueError(f"{spec.name}: expected shape {spec.shape}, file gives {array.shape}")
     leaf = leaves[spec.path]
