@@ -82,6 +82,7 @@ __all__ = [
   "can_scan",
   "check_scan_layers",
   "is_unrolled_state",
+  "layer_rows",
   "restacked",
   "scan_config",
   "scan_layer_groups",
@@ -214,25 +215,38 @@ def scanned_model(model: Any, value: bool | None, platform: str | None = None) -
   return copy
 
 
-def stacked_weight_specs(specs: Sequence[WeightSpec]) -> list[WeightSpec]:
+#: Per unrolled layer ``i``, where a stacked model keeps it: ``(sub, row)``, its leaves under
+#: ``("layers", *sub, ...)`` at row ``row`` (a hybrid's stacks by kind,
+#: `jaxengine.models.qwen3_5_checkpoints.Qwen3_5Config.layer_rows`); None: ``((), i)``.
+LayerRows = Sequence[tuple[tuple[str, ...], int]]
+
+
+def layer_rows(model: Any) -> LayerRows | None:
+  """The `LayerRows` of a scanned `model` (its config's ``layer_rows``), None for one stack."""
+  config: Any = getattr(model, "config", None)
+  if not getattr(config, "scan_layers", False):
+    return None
+  return getattr(config, "layer_rows", None)
+
+
+def stacked_weight_specs(
+  specs: Sequence[WeightSpec], rows: LayerRows | None = None
+) -> list[WeightSpec]:
   """Per-layer specs (path ``("layers", i, ...)``) moved onto the stacked leaves: path
   ``("layers", ...)`` and row ``i`` (``(i, j)`` for row ``j`` of a per-layer stack, an
-  expert); every other spec as it is."""
+  expert), or with `rows` path ``("layers", *sub, ...)`` and row ``r`` for ``rows[i] == (sub,
+  r)``; every other spec as it is (its class kept)."""
   moved = []
   for spec in specs:
     path = spec.path
     if path is None or len(path) < 2 or path[0] != LAYERS or not isinstance(path[1], int):
       moved.append(spec)
       continue
-    layer = (path[1], *spec.index)
+    sub, row = ((), path[1]) if rows is None else rows[path[1]]
+    layer = (row, *spec.index)
     moved.append(
-      WeightSpec(
-        spec.name,
-        (LAYERS, *path[2:]),
-        layer[0] if len(layer) == 1 else layer,
-        spec.shape,
-        spec.transpose,
-        spec.rotary_heads,
+      dataclasses.replace(
+        spec, path=(LAYERS, *sub, *path[2:]), layer=layer[0] if len(layer) == 1 else layer
       )
     )
   return moved
@@ -253,28 +267,40 @@ def is_unrolled_state(state: Any, leaves: Mapping[LeafPath, Any]) -> bool:
   return any(_is_layer_path(path) for path in given)
 
 
-def unrolled_leaves(leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, Any]:
+def _stack_layers(path: LeafPath, num_rows: int, rows: LayerRows | None) -> list[LeafPath]:
+  """The unrolled leaves, row by row, that the stacked leaf `path` of `num_rows` rows holds."""
+  if rows is None:
+    return [(LAYERS, i, *path[1:]) for i in range(num_rows)]
+  held = sorted((r, i, len(sub)) for i, (sub, r) in enumerate(rows) if path[1 : 1 + len(sub)] == sub)
+  return [(LAYERS, i, *path[1 + depth :]) for _, i, depth in held]
+
+
+def unrolled_leaves(
+  leaves: Mapping[LeafPath, Any], rows: LayerRows | None = None
+) -> dict[LeafPath, Any]:
   """`leaves` with each stacked ``("layers", ...)`` leaf ``[L, ...]`` as its ``L`` per-layer
-  leaves ``("layers", i, ...)`` (shape and dtype structs): what an unrolled state is checked
-  against."""
+  leaves ``("layers", i, ...)`` (shape and dtype structs; `rows`: where each layer is, as
+  `stacked_weight_specs`): what an unrolled state is checked against."""
   unrolled: dict[LeafPath, Any] = {}
   for path, leaf in leaves.items():
     if path[:1] != (LAYERS,) or _is_layer_path(path):
       unrolled[path] = leaf
       continue
     row = jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype)
-    unrolled.update({(LAYERS, i, *path[1:]): row for i in range(leaf.shape[0])})
+    unrolled.update(dict.fromkeys(_stack_layers(path, leaf.shape[0], rows), row))
   return unrolled
 
 
-def restacked(given: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, Any]:
+def restacked(
+  given: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any], rows: LayerRows | None = None
+) -> dict[LeafPath, Any]:
   """Checked per-layer tensors (`unrolled_leaves`' paths) stacked into the stacked leaves of
   `leaves` (NumPy on the host, JAX arrays where they are); the other tensors as they are."""
   result = {path: tensor for path, tensor in given.items() if not _is_layer_path(path)}
   for path, leaf in leaves.items():
     if path in result:
       continue
-    values = [given[(LAYERS, i, *path[1:])] for i in range(leaf.shape[0])]
+    values = [given[layer] for layer in _stack_layers(path, leaf.shape[0], rows)]
     on_host = all(isinstance(v, np.ndarray) for v in values)
     result[path] = np.stack(values) if on_host else jnp.stack(values)
   return result

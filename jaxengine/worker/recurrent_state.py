@@ -58,8 +58,7 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   """Refuses the engine features a hybrid model's recurrent state does not carry yet.
 
   Refused (each a `ValueError` naming the feature, its value and the model's class):
-  a ``speculative_config`` (rejected drafts would have advanced the state) and
-  ``scan_layers=True``; on a mesh, a model axis that does not divide the linear layers'
+  a ``speculative_config`` (rejected drafts would have advanced the state); on a mesh, a model axis that does not divide the linear layers'
   ``linear_num_key_heads`` (their heads, the pool's too, are split by key head:
   `pool_shardings`). Nothing happens for a model without recurrent state.
   """
@@ -68,7 +67,6 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   name = type(model).__name__
   refused = [
     ("speculative_config", config.speculative_config, config.speculative_config is not None),
-    ("scan_layers", config.scan_layers, config.scan_layers is True),
   ]
   for field, value, is_refused in refused:
     if is_refused:
@@ -96,9 +94,11 @@ def pool_shardings(pool: RecurrentState, mesh: Mesh) -> RecurrentState:
   """The pool's `NamedSharding`s on `mesh`, split by heads as the layers' weights are: each
   convolution window ``[S, K - 1, C]`` on its channels (grouped by key head,
   `jaxengine.models.gated_deltanet`), each delta-rule state ``[S, Hv, Dk, Dv]`` on its value
-  heads; the slots whole on every device (`check_hybrid_config` has checked the model axis
-  divides the heads)."""
-  conv, delta = NamedSharding(mesh, P(None, None, MODEL)), NamedSharding(mesh, P(None, MODEL))
+  heads; the slots (and a stacked pool's layers) whole on every device (`check_hybrid_config`
+  has checked the model axis divides the heads)."""
+  lead = (None,) if pool.is_stacked else ()  # a stacked pool's [Ll, ...] layer axis
+  conv = NamedSharding(mesh, P(*lead, None, None, MODEL))
+  delta = NamedSharding(mesh, P(*lead, None, MODEL))
   shardings: Any = ((conv,) * len(pool.conv), (delta,) * len(pool.delta))  # the pool's tree
   return RecurrentState(conv=shardings[0], delta=shardings[1])
 
