@@ -12,8 +12,8 @@ checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' log
 LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT adapter on every
 projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
 k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
-What the recurrent state does not carry yet (prefix caching, speculative decoding, scanned
-layers) is refused. Nothing here touches the network (transformers takes its PyTorch fallbacks
+What the recurrent state does not carry yet (speculative decoding) is refused; the tensor-parallel
+engine runs its layers scanned (`jaxengine.models.qwen3_5_scan`, tests/models/test_qwen3_5_scan.py). Nothing here touches the network (transformers takes its PyTorch fallbacks
 of the linear layers' kernels).
 """
 
@@ -193,7 +193,7 @@ import json, os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jaxengine as je
 prompts, engine, max_tokens, adapter = json.loads(sys.argv[2])
-llm = je.LLM(sys.argv[1], tensor_parallel_size=2, **engine)
+llm = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **engine)
 params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
 lora = je.LoRARequest("all", 1, adapter)
 outputs = [
@@ -203,7 +203,7 @@ outputs = [
 ]
 runner = llm.llm_engine.cores[0].runner
 shard = lambda a: list(a.addressable_shards[0].data.shape)
-mixer = runner.weights["layers"][0]["mixer"]
+mixer = runner.weights["layers"]["linear"]["mixer"]  # scanned: [Ll, ...] stacks
 pool = runner.kv_cache.recurrent
 print(json.dumps(dict(
   w_qkv=shard(mixer["w_qkv"][...]), w_out=shard(mixer["w_out"][...]),
@@ -215,15 +215,16 @@ print(json.dumps(dict(
 
 
 def test_two_device_mesh_equals_one_device(checkpoint, llm, adapter):
-  """``tensor_parallel_size=2``: the Gated DeltaNet layers split by heads (``w_qkv``'s 80
-  channels, ``w_out``'s 48 inputs and the state pool's windows and value heads in halves), the
-  gated attention and the MLP as Llama's; chunked prefill and preemption as in the one-device
-  engine: its greedy tokens, and its prompt logprobs within 1e-4, without and with the LoRA
-  adapter (its slots split as their base projections)."""
+  """``tensor_parallel_size=2`` with the layers scanned (``scan_layers=True``: a stack per kind,
+  the state pool ``[Ll, S, ...]``, their layer axis unsplit): the Gated DeltaNet layers split by
+  heads (``w_qkv``'s 80 channels, ``w_out``'s 48 inputs and the state pool's windows and value
+  heads in halves), the gated attention and the MLP as Llama's; chunked prefill and preemption
+  as in the one-device (unrolled) engine: its greedy tokens, and its prompt logprobs within
+  1e-4, without and with the LoRA adapter (its slots split as their base projections)."""
   args = json.dumps([PROMPTS, ENGINE, MAX_TOKENS, adapter[0].lora_path])
   out = json.loads(run_python(MESH_SCRIPT, os.fspath(checkpoint[0]), args).splitlines()[-1])
-  assert out["w_qkv"] == [40, 32] and out["w_out"] == [32, 24]
-  assert out["conv"] == [4, 3, 40] and out["delta"] == [4, 2, 8, 12]
+  assert out["w_qkv"] == [3, 40, 32] and out["w_out"] == [3, 32, 24]
+  assert out["conv"] == [3, 4, 3, 40] and out["delta"] == [3, 4, 2, 8, 12]
   assert out["preempted"]
   one_device = _greedy_with_prompt_logprobs(llm)
   one_device += _greedy_with_prompt_logprobs(llm, lora_request=adapter[0])
@@ -521,7 +522,6 @@ def _module() -> Qwen3_5:
   "option",
   [
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-    dict(scan_layers=True),
     dict(enable_return_routed_experts=True),  # a dense model: no MoE layers
   ],
   ids=lambda option: next(iter(option)),

@@ -1,0 +1,232 @@
+"""Qwen3.5's layers under `jax.lax.scan` (``scan_layers=True``, `jaxengine/models/qwen3_5_scan.py`):
+a stack per kind of layer, the scan over the repeating group (three Gated DeltaNet layers, one
+full-attention layer), the layers after the last whole group unrolled, stacked pages and a
+stacked recurrent state pool. The scanned model computes the unrolled one's bits (dense and MoE,
+int8, prefills in chunks of the delta rule); an engine gives the unrolled engine's tokens and
+logprob bits with batch invariance, chunked prefill, prefix-cache hits and a LoRA adapter, and
+compiles nothing after warm-up; its weights load under their per-layer names and from an
+unrolled module; its compiled step does not grow with depth. Models are built here (no
+checkpoint, no transformers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxengine as je
+from jaxengine.models import sequence_logits, token_logprobs
+from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.layer_scan import scan_config, scanned_model
+from jaxengine.models.quantization import quantize_model
+from jaxengine.models.qwen3_5 import Qwen3_5
+from jaxengine.models.qwen3_5_checkpoints import FULL, LINEAR, Qwen3_5Config
+from jaxengine.models.qwen3_5_scan import HybridStacks
+from jaxengine.models.sequence_logprobs import scratch_step
+from jaxengine.models.weights import named_weights, state_leaves
+from jaxengine.testing import count_compiles
+
+#: Three linear layers and a full one, repeated: 10 layers are two scanned groups and two linear
+#: layers unrolled after them.
+GROUP = (LINEAR, LINEAR, LINEAR, FULL)
+CONFIG = dict(
+  vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, linear_key_head_dim=8,
+  linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+  partial_rotary_factor=0.5, rope_theta=1000.0,
+)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+           shared_expert_intermediate_size=40)  # fmt: skip
+#: 40 tokens a row: longer than a chunk of the delta rule on CPU (32), so prefills run by chunk.
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 40)), jnp.int32)
+
+
+def _config(num_layers: int, **fields) -> Qwen3_5Config:
+  types = (GROUP * (num_layers // 4 + 1))[:num_layers]
+  return Qwen3_5Config(num_hidden_layers=num_layers, layer_types=types, **CONFIG, **fields)
+
+
+def _model(num_layers: int = 10, seed: int = 0, **fields) -> Qwen3_5:
+  return Qwen3_5(_config(num_layers, **fields), rngs=nnx.Rngs(seed))
+
+
+def _bits(values) -> np.ndarray:
+  return np.asarray(values, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("fields", [{}, MOE], ids=["dense", "moe"])
+def test_scanned_layers_give_the_unrolled_bits(fields):
+  """10 layers (two groups of four scanned, two linear layers after them): the stacks hold 8
+  linear and 2 full layers; logits over 40-token sequences (the delta rule by chunk) are the
+  unrolled model's bits, int8 too (scales ``[Ll, ...]``); `named_weights` gives the same
+  checkpoint tensors; a model built stacked has its config's stacked pages and state pool. MoE:
+  each layer's experts (``[..., L, k]``) and their replay are the unrolled loop's."""
+  unrolled = _model(**fields)
+  scanned = scanned_model(unrolled, True)
+  assert isinstance(scanned.layers, HybridStacks) and scanned.config.layer_period == 4
+  leaves = state_leaves(nnx.state(scanned))
+  assert leaves[("layers", "linear", "mixer", "w_qkv")].shape == (8, 80, 32)
+  assert leaves[("layers", "full", "mixer", "wq")].shape == (2, 128, 32)
+  want = np.asarray(sequence_logits(unrolled, TOKENS))
+  np.testing.assert_array_equal(np.asarray(sequence_logits(scanned, TOKENS)), want)
+  got, expected = dict(named_weights(scanned)), dict(named_weights(unrolled))
+  assert got.keys() == expected.keys()
+  for name in (
+    "model.layers.9.linear_attn.in_proj_qkv.weight",
+    "model.layers.7.self_attn.q_proj.weight",
+  ):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]), err_msg=name)
+  if not fields:
+    done = quantize_model(scanned, "int8")
+    scales = state_leaves(nnx.state(done.model))[("layers", "linear", "mixer", "scales", "w_qkv")]
+    assert scales.shape == (8, 80)
+    want = sequence_logits(quantize_model(unrolled, "int8").model, TOKENS)
+    got_int8 = sequence_logits(done.model, TOKENS)
+    np.testing.assert_array_equal(np.asarray(got_int8), np.asarray(want))
+    built = Qwen3_5(dataclasses.replace(unrolled.config, scan_layers=True), rngs=nnx.Rngs(0))
+    assert built.kv_cache_spec.stacked and built.recurrent_state_spec.stacked
+    pool = built.recurrent_state_spec.create(3)
+    assert pool.is_stacked and pool.num_slots == 3 and pool.delta[0].shape == (8, 3, 4, 8, 12)
+    return
+  experts = []
+  for model in (unrolled, scanned):
+    copy = nnx.merge(*nnx.split(model))
+    copy.set_attributes(return_routed_experts=True)
+    metadata, cache = scratch_step(copy, 1, 13, 4, XlaAttentionBackend())
+    positions = jnp.arange(13, dtype=jnp.int32)[None]
+    experts.append(np.asarray(copy(TOKENS[:1, :13], positions, cache, metadata)[2]))
+  assert experts[0].shape == (1, 13, 10, 2)
+  np.testing.assert_array_equal(experts[1], experts[0])
+  replay = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 39, 10, 2)), jnp.int32)
+  want = token_logprobs(unrolled, TOKENS, routed_experts=replay)
+  got_replayed = token_logprobs(scanned, TOKENS, routed_experts=replay)
+  np.testing.assert_array_equal(np.asarray(got_replayed), np.asarray(want))
+
+
+def _compiled_instructions(num_layers: int) -> int:
+  """HLO instructions of one compiled forward step of a tiny scanned model."""
+  model = _model(num_layers, scan_layers=True)
+  metadata, cache = scratch_step(model, 2, 8, 4, XlaAttentionBackend())
+  ids = TOKENS[:, :8].reshape(1, -1)
+  positions = jnp.tile(jnp.arange(8, dtype=jnp.int32), 2)[None]
+  step = nnx.jit(lambda model, *args: model(*args))
+  compiled = step.lower(model, ids, positions, cache, metadata).compile()
+  return sum(" = " in line for line in compiled.as_text().splitlines())
+
+
+def test_the_scanned_step_does_not_grow_with_the_groups():
+  """8 and 16 scanned layers (two and four groups, no remainder) compile as many HLO
+  instructions, give or take a constant (one body per position of the group; unrolled, 16
+  layers would be twice 8's)."""
+  assert abs(_compiled_instructions(16) - _compiled_instructions(8)) <= 10
+
+
+def _adapter():
+  """A random rank-4 adapter on a linear layer's, the full layer's and the MLP's projections of
+  every layer (a layer uses the targets of its kind), made in memory."""
+  from jaxengine.lora import lora_adapter_from_arrays
+
+  rng = np.random.default_rng(1)
+  shapes = {
+    "in_proj_qkv": (32, 80), "out_proj": (48, 32), "q_proj": (32, 128), "down_proj": (48, 32),
+  }  # fmt: skip
+  pairs = {
+    (layer, target): (
+      rng.standard_normal((n_in, 4)).astype(np.float32) * 0.3,
+      rng.standard_normal((4, n_out)).astype(np.float32) * 0.3,
+    )
+    for layer in range(10)
+    for target, (n_in, n_out) in shapes.items()
+  }
+  return lora_adapter_from_arrays(1, pairs)
+
+
+#: Batch invariance (the delta rule by token), chunks of 16 tokens, prefix caching (states
+#: saved at block boundaries), a LoRA slot.
+ENGINE = dict(
+  max_num_reqs=2, max_model_len=64, block_size=4, max_num_batched_tokens=16,
+  enable_prefix_caching=True, batch_invariant=True, enable_lora=True, max_loras=1,
+  max_lora_rank=4,
+)  # fmt: skip
+
+
+def test_scanned_engine_gives_the_unrolled_engines_bits():
+  """``LLM(model, scan_layers=True)`` beside ``scan_layers=False``, both batch-invariant with
+  prefix caching, chunked prefill and a LoRA adapter: a 37-token prompt, the same prompt again
+  (a prefix-cache hit, its state from a snapshot slot of the stacked pool) and a sibling with
+  the adapter give the same tokens, prompt and sampled logprob bits and hits; after warm-up the
+  scanned engine compiles nothing; `load_weights` of named tensors and of an unrolled module
+  fill the stacks (checked per layer: a wrong shape is refused by its unrolled name)."""
+  model = _model()
+  prompt = [(7 * i + 3) % 96 for i in range(37)]
+  sibling = [*prompt[:32], 1, 2, 3]
+  params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+  scored = dataclasses.replace(params, prompt_logprobs=0)  # (a request that is never a hit)
+  lora = je.LoRARequest("trainer", 1, "in memory")
+  results, engines = [], []
+  for scan in (False, True):
+    llm = je.LLM(model, scan_layers=scan, **ENGINE)
+    llm.load_lora_weights(lora, _adapter())
+    runner = llm.llm_engine.runner
+    assert (runner.kv_cache.stacked_layers is not None) == scan
+    assert runner.kv_cache.recurrent.is_stacked == scan
+    # the steps in their largest shape only: one step to compile per engine and mode
+    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
+    got = []
+    requests = [(prompt, scored, None), (prompt, params, None), (sibling, params, None),
+                (sibling, scored, lora), (sibling, params, lora)]  # fmt: skip
+    for tokens, sampling, request in requests:
+      before = llm.llm_engine.kv_cache_stats.prefix_cache_hits
+      (out,) = llm.generate([tokens], sampling, lora_request=request, use_tqdm=False)
+      sample = out.outputs[0]
+      got.append((
+        list(sample.token_ids),
+        _bits([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)]),
+        _bits([d[t].logprob for d, t in zip((out.prompt_logprobs or [])[1:], tokens[1:])]),
+        llm.llm_engine.kv_cache_stats.prefix_cache_hits - before,
+      ))  # fmt: skip
+    results.append(got)
+    engines.append(llm)
+  assert [r[3] for r in results[1]] == [0, 36, 32, 0, 32]
+  assert results[1][3][1].tolist() != results[1][2][1].tolist()  # the adapter moved the bits
+  for (tokens, sampled, prompt_bits, hits), want in zip(results[1], results[0]):
+    assert tokens == want[0] and hits == want[3]
+    np.testing.assert_array_equal(sampled, want[1])
+    np.testing.assert_array_equal(prompt_bits, want[2])
+  llm = engines[1]
+  with count_compiles() as compiles:
+    llm.generate([sibling], params, lora_request=lora, use_tqdm=False)
+  assert compiles.count == 0
+  other = _model(seed=7)
+  new = {name: np.asarray(a) for name, a in named_weights(other)}
+  llm.load_weights(new)
+  got = dict(named_weights(llm.llm_engine.runner.model))
+  assert got.keys() == new.keys()
+  for name, tensor in new.items():
+    np.testing.assert_array_equal(np.asarray(got[name]), tensor, err_msg=name)
+  trainer = _model(seed=3)
+  llm.load_weights(trainer)  # a trainer's unrolled module: checked per layer, then stacked
+  got = dict(named_weights(llm.llm_engine.runner.model))
+  for name, tensor in named_weights(trainer):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
+  broken = nnx.state(other)
+  broken["layers"][5]["mixer"]["w_qkv"] = nnx.Param(jnp.zeros((80, 16)))
+  with pytest.raises(ValueError, match=r"layers\.5\.mixer\.w_qkv: expected shape \(80, 32\)"):
+    llm.load_weights(broken)
+  assert engines[0].generate([prompt], params, use_tqdm=False)  # the unrolled one untouched
+
+
+def test_the_platform_default_and_refusals():
+  """Qwen3.5 scans by default on accelerators (unrolled on CPU); a non-bool ``scan_layers`` is
+  refused by the config."""
+  config = _config(4)
+  assert scan_config(config, None, platform="tpu").scan_layers
+  assert not scan_config(config, None, platform="cpu").scan_layers
+  assert scanned_model(_model(4), None, platform="tpu").config.scan_layers
+  with pytest.raises(ValueError, match="scan_layers must be a bool, got 1"):
+    dataclasses.replace(config, scan_layers=1)
+  assert jax.default_backend() == "cpu"
