@@ -214,7 +214,7 @@ class StepRows(NamedTuple):
     its null slot ``l S`` takes the padding rows)."""
     move = lambda slots: None if slots is None else slots + first_slot
     return self._replace(
-      slots=move(self.slots), sources=move(self.sources), snapshots=move(self.snapshots)
+      slots=self.slots + first_slot, sources=move(self.sources), snapshots=move(self.snapshots)
     )
 
 

@@ -271,7 +271,9 @@ def _stack_layers(path: LeafPath, num_rows: int, rows: LayerRows | None) -> list
   """The unrolled leaves, row by row, that the stacked leaf `path` of `num_rows` rows holds."""
   if rows is None:
     return [(LAYERS, i, *path[1:]) for i in range(num_rows)]
-  held = sorted((r, i, len(sub)) for i, (sub, r) in enumerate(rows) if path[1 : 1 + len(sub)] == sub)
+  held = sorted(
+    (r, i, len(sub)) for i, (sub, r) in enumerate(rows) if path[1 : 1 + len(sub)] == sub
+  )
   return [(LAYERS, i, *path[1 + depth :]) for _, i, depth in held]
 
 

@@ -227,6 +227,7 @@ class Qwen3_5DecoderLayer(nnx.Module):
     `Qwen3_5Attention.__call__`."""
     h = self.input_norm(x)
     if isinstance(self.mixer, GatedDeltaNet):
+      assert conv is not None and delta is not None  # a linear layer's state slots
       h, conv, delta = self.mixer(h, conv, delta, rows, lora)
     else:
       h, kv_cache = self.mixer(h, positions, kv_cache, metadata, lora, cache_layer)

@@ -162,7 +162,9 @@ def scan_hybrid_layers(
     layer = nnx.merge(graphdefs[kind], layer_weights)
     view = None
     if lora is not None:
-      layer_lora = lora.layers[index] if isinstance(index, int) else jax.tree.map(row_of, stacked_lora)
+      layer_lora = (
+        lora.layers[index] if isinstance(index, int) else jax.tree.map(row_of, stacked_lora)
+      )
       view = LayerLoRA(lora.slots, layer_lora)
     cache = dataclasses.replace(kv_cache, pages=pages)
     layer_rows = rows.offset(row * slots) if is_linear[j] else rows

@@ -58,9 +58,11 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   """Refuses the engine features a hybrid model's recurrent state does not carry yet.
 
   Refused (each a `ValueError` naming the feature, its value and the model's class):
-  a ``speculative_config`` (rejected drafts would have advanced the state); on a mesh, a model axis that does not divide the linear layers'
-  ``linear_num_key_heads`` (their heads, the pool's too, are split by key head:
-  `pool_shardings`). Nothing happens for a model without recurrent state.
+  a ``speculative_config`` (rejected drafts would have advanced the state); on a mesh, a model
+  axis that does not divide the linear layers' ``linear_num_key_heads`` (their heads, the
+  pool's too, are split by key head: `pool_shardings`). Nothing happens for a model without
+  recurrent state. ``scan_layers`` is carried: a scanned hybrid's pool is stacked per linear
+  layer (`jaxengine.models.qwen3_5_scan`).
   """
   if recurrent_state_spec(model) is None:
     return

@@ -12,9 +12,10 @@ checkpoint's text decoder and a ``Qwen3_5MoeForCausalLM`` give transformers' log
 LoRA adapter too); int8 and fp8 models compute their dequantized weights; a PEFT adapter on every
 projection gives transformers + peft's tokens and logprobs; ``batch_invariant=True`` with the
 k-step loop gives a request the same bits alone, in a shuffled batch and in `token_logprobs`.
-What the recurrent state does not carry yet (speculative decoding) is refused; the tensor-parallel
-engine runs its layers scanned (`jaxengine.models.qwen3_5_scan`, tests/models/test_qwen3_5_scan.py). Nothing here touches the network (transformers takes its PyTorch fallbacks
-of the linear layers' kernels).
+What the recurrent state does not carry yet (speculative decoding) is refused; the
+tensor-parallel engine runs its layers scanned (`jaxengine.models.qwen3_5_scan`; more in
+tests/models/test_qwen3_5_scan.py). Nothing here touches the network (transformers takes its
+PyTorch fallbacks of the linear layers' kernels).
 """
 
 from __future__ import annotations
