@@ -55,10 +55,16 @@ and lowering fell from 1.3-1.9 s to 0.3-0.7 s, while XLA's compile stayed within
 (4.9 / 6.7 / 9.7 s unrolled against 4.8 / 9.1 / 7.6 s scanned at 1 / 8 / 32 rows) and steps ran
 slower (11.5 / 26.4 / 48.3 ms against 34.6 / 51.0 / 63.5 ms): CPU's default stays unrolled.
 
-What a stacked layer cannot be: layers of different structure (a model with some dense and some
-mixture-of-experts layers; Gemma 4's and Qwen3.5's mixed layers, not done yet): `can_scan` says
-no, `scan_config` and `scanned_model` refuse ``scan_layers=True`` for them (ValueError naming the
-field) and leave them unrolled by default.
+Layers of more than one structure stack by kind, one stack each, and the scan over the
+repeating group reads each layer's weights from its kind's stack: Qwen3.5's Gated DeltaNet and
+full-attention layers (`jaxengine.models.qwen3_5_scan`, its recurrent state pool stacked per
+linear layer too) and Gemma 4's local, global and KV-shared layers
+(`jaxengine.models.gemma4_scan`). Their checkpoint names, `load_weights` of an unrolled state
+and LoRA follow each layer to its row (`LayerRows`, the config's ``layer_rows``).
+
+What a stacked layer cannot be: a Llama whose layers mix dense and mixture-of-experts MLPs:
+`can_scan` says no, `scan_config` and `scanned_model` refuse ``scan_layers=True`` for it
+(ValueError naming the field) and leave it unrolled by default.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from jaxengine.models.weights import LeafPath, WeightSpec, state_leaves
 
 __all__ = [
   "LAYERS",
+  "LayerRows",
   "can_scan",
   "check_scan_layers",
   "is_unrolled_state",
@@ -99,7 +106,7 @@ LAYERS = "layers"
 #: Platforms whose engine scans by default (`resolve_scan_layers`).
 SCAN_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 #: The model families that scan, as the refusals name them.
-SCANNING_FAMILIES = "the Llama family, Gemma 2 and Gemma 3"
+SCANNING_FAMILIES = "the Llama family, Gemma 2, 3 and 4, and Qwen3.5"
 
 
 def check_scan_layers(value: Any) -> bool | None:

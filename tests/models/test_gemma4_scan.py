@@ -1,0 +1,145 @@
+"""Gemma 4's layers under `jax.lax.scan` (``scan_layers=True``, `jaxengine/models/gemma4_scan.py`):
+a stack per kind of layer (local, global with wider heads and values from the keys, and the
+KV-shared ones with double-wide MLPs), the layers with keys and values scanned over their
+repeating group, the KV-shared ones a scan of their own, per-layer inputs read by index. The
+scanned model computes the unrolled one's logprobs (bit for bit in batch-invariant mode; within
+1e-5 otherwise, XLA:CPU summing a norm's squares in another order across the loop boundary); an
+engine gives the unrolled engine's tokens and logprob bits (batch-invariant, chunked prefill,
+window pages freed) and compiles nothing after warm-up; its weights load under their per-layer
+names and from an unrolled module. Models are built here (no checkpoint, no transformers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxengine as je
+from jaxengine.models import sequence_logits, token_logprobs
+from jaxengine.models.batch_invariant import batch_invariant_model
+from jaxengine.models.gemma4 import Gemma4
+from jaxengine.models.gemma4_config import Gemma4Config, Gemma4Rope
+from jaxengine.models.gemma4_scan import Gemma4Stacks
+from jaxengine.models.layer_scan import scan_config, scanned_model
+from jaxengine.models.quantization import quantize_model
+from jaxengine.models.weights import named_weights, state_leaves
+from jaxengine.testing import count_compiles
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+#: Every feature of tests/models/test_gemma4.py's "all" checkpoint, over 13 layers of two local
+#: and one global: 8 with keys and values (two groups scanned, two layers after them), the last
+#: 5 KV-shared (one group scanned, two after it).
+CONFIG = Gemma4Config(
+  vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=13,
+  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+  num_global_key_value_heads=1, attention_k_eq_v=True, max_position_embeddings=64,
+  sliding_window=4, layer_types=((SLIDING, SLIDING, FULL) * 5)[:13],
+  vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, num_kv_shared_layers=5,
+  enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+  use_double_wide_mlp=True, final_logit_softcapping=3.0, rope_local=Gemma4Rope(theta=50.0),
+  rope_global=Gemma4Rope(theta=500.0, partial_rotary_factor=0.25),
+)  # fmt: skip
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 13)), jnp.int32)
+
+
+def _model(seed: int = 0) -> Gemma4:
+  """`CONFIG`'s model, its layer scalars away from 1 (as a checkpoint's are)."""
+  model = Gemma4(CONFIG, rngs=nnx.Rngs(seed))
+  for i, layer in enumerate(model.layers):
+    layer.layer_scalar[...] = jnp.full((1,), 0.5 + 0.1 * i, jnp.float32)
+  return model
+
+
+def test_scanned_layers_compute_the_unrolled_models_logprobs():
+  """The four stacks hold 6 local, 2 global, 3 KV-shared local and 2 KV-shared global layers;
+  the logprobs are the unrolled model's within 1e-5 and its bits in batch-invariant mode;
+  `named_weights` gives the same checkpoint tensors; int8 keeps the layer axis in the scales."""
+  unrolled = _model()
+  scanned = scanned_model(unrolled, True)
+  assert isinstance(scanned.layers, Gemma4Stacks) and scanned.stacked_paths == ("layers",)
+  leaves = state_leaves(nnx.state(scanned))
+  assert leaves[("layers", "sliding", "attn", "wq")].shape == (6, 4, 16, 32)
+  assert leaves[("layers", "full", "attn", "wq")].shape == (2, 4, 32, 32)
+  assert ("layers", "full", "attn", "wv") not in leaves  # values from the keys
+  assert leaves[("layers", "shared_sliding", "mlp", "w_up")].shape == (3, 96, 32)
+  assert leaves[("layers", "shared_full", "attn", "wq")].shape == (2, 4, 32, 32)
+  assert scanned.kv_cache_spec.stacked
+  want = np.asarray(token_logprobs(unrolled, TOKENS))
+  np.testing.assert_allclose(np.asarray(token_logprobs(scanned, TOKENS)), want, atol=1e-5)
+  fixed = batch_invariant_model(unrolled)
+  want_bits = np.asarray(sequence_logits(fixed, TOKENS))
+  got_bits = np.asarray(sequence_logits(scanned_model(fixed, True), TOKENS))
+  np.testing.assert_array_equal(got_bits, want_bits)
+  got, expected = dict(named_weights(scanned)), dict(named_weights(unrolled))
+  assert got.keys() == expected.keys()
+  for name, tensor in expected.items():
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
+  done = quantize_model(scanned, "int8")
+  scales = state_leaves(nnx.state(done.model))[("layers", "sliding", "attn", "scales", "wq")]
+  assert scales.shape == (6, 4, 16)
+  want = token_logprobs(quantize_model(unrolled, "int8").model, TOKENS)
+  np.testing.assert_allclose(np.asarray(token_logprobs(done.model, TOKENS)), want, atol=1e-5)
+
+
+def test_scanned_engine_gives_the_unrolled_engines_bits():
+  """``LLM(model, scan_layers=True, batch_invariant=True)`` beside the unrolled engine: prompts
+  of 11 and 21 tokens in chunks of 8 (the window's pages freed as they slide out) give the same
+  tokens and prompt and sampled logprob bits; after warm-up the scanned engine compiles nothing;
+  `load_weights` of named tensors and of an unrolled module fill the stacks."""
+  model = _model()
+  prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [(5 * i + 2) % 96 for i in range(21)]]
+  params = je.SamplingParams(
+    temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0
+  )
+  options = dict(max_num_reqs=2, max_model_len=48, block_size=4, max_num_batched_tokens=8,
+                 batch_invariant=True)  # fmt: skip
+  results, engines = [], []
+  for scan in (False, True):
+    llm = je.LLM(model, scan_layers=scan, **options)
+    runner = llm.llm_engine.runner
+    assert (runner.kv_cache.stacked_layers is not None) == scan
+    # the steps in their largest shape only: one step to compile per engine
+    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
+    got = []
+    for out, prompt in zip(llm.generate(prompts, params, use_tqdm=False), prompts):
+      sample = out.outputs[0]
+      got.append((
+        list(sample.token_ids),
+        [d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)],
+        [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])],
+      ))  # fmt: skip
+    results.append(got)
+    engines.append(llm)
+  for (tokens, sampled, prompt_logprobs), want in zip(results[1], results[0]):
+    assert tokens == want[0]
+    np.testing.assert_array_equal(np.float32(sampled), np.float32(want[1]))
+    np.testing.assert_array_equal(np.float32(prompt_logprobs), np.float32(want[2]))
+  llm = engines[1]
+  with count_compiles() as compiles:
+    llm.generate(prompts, params, use_tqdm=False)
+  assert compiles.count == 0
+  other = _model(seed=7)
+  new = {name: np.asarray(a) for name, a in named_weights(other)}
+  llm.load_weights(new)
+  got = dict(named_weights(llm.llm_engine.runner.model))
+  for name, tensor in new.items():
+    np.testing.assert_array_equal(np.asarray(got[name]), tensor, err_msg=name)
+  trainer = _model(seed=3)
+  llm.load_weights(trainer)  # a trainer's unrolled module: checked per layer, then stacked
+  got = dict(named_weights(llm.llm_engine.runner.model))
+  for name, tensor in named_weights(trainer):
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
+  broken = nnx.state(other)
+  broken["layers"][11]["attn"]["wq"] = nnx.Param(jnp.zeros((4, 16, 32)))  # KV-shared global
+  with pytest.raises(ValueError, match=r"layers\.11\.attn\.wq: expected shape \(4, 32, 32\)"):
+    llm.load_weights(broken)
+
+
+def test_the_platform_default():
+  assert scan_config(CONFIG, None, platform="tpu").scan_layers
+  assert not scan_config(CONFIG, None, platform="cpu").scan_layers
+  with pytest.raises(ValueError, match="scan_layers must be a bool, got 1"):
+    dataclasses.replace(CONFIG, scan_layers=1)
