@@ -142,7 +142,7 @@ def _scan_segment(
       lambda leaf: jax.lax.dynamic_index_in_dim(leaf, row, keepdims=False), weights[kinds[j]]
     )
     layer = nnx.merge(graphdefs[kinds[j]], layer_weights)
-    extra = ()
+    extra: tuple[jax.Array, ...] = ()
     if per_layer is not None:
       axis = per_layer.ndim - 2
       extra = (jax.lax.dynamic_index_in_dim(per_layer, index, axis, keepdims=False),)
