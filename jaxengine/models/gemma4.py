@@ -22,7 +22,10 @@ What the model computes (transformers' ``Gemma4TextModel``; every norm a plain R
   without a write), so they own no pages;
 - logits: ``final_norm(x) @ embed.T``, soft-capped (``final_logit_softcapping``).
 
-The pages' one shape and how narrower layers fit it: `jaxengine.models.gemma4_config`.
+The pages' one shape and how narrower layers fit it: `jaxengine.models.gemma4_config`. With
+``scan_layers`` the layers are a stack per kind run under `jax.lax.scan`
+(`jaxengine.models.gemma4_scan`); the embedding's scale sits behind an optimization barrier in
+both layouts, so that XLA folds it into neither.
 
 Shape letters as in `jaxengine.models.llama`; ``P`` the per-layer input width.
 """

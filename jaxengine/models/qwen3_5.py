@@ -23,6 +23,10 @@ request (`PagedAttentionMetadata.state_slots`), that the engine sizes from
 pages, `jaxengine.models.token_logprobs`, every sequence starting at position 0) the model uses a
 zero pool of its own, one slot per request.
 
+With ``scan_layers`` the layers are a stack per kind (``layers/linear``, ``layers/full``) run as
+one `jax.lax.scan` over the repeating group of `layer_types`, the pool stacked per linear layer
+(`jaxengine.models.qwen3_5_scan`).
+
 Shape letters as in `jaxengine.models.llama`.
 """
 

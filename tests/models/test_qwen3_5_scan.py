@@ -220,6 +220,34 @@ def test_scanned_engine_gives_the_unrolled_engines_bits():
   assert engines[0].generate([prompt], params, use_tqdm=False)  # the unrolled one untouched
 
 
+def test_ahead_of_time_compilation_lowers_the_scanned_steps(tmp_path):
+  """`jaxengine compile`'s engine with ``scan_layers`` (the default it takes for a TPU): the
+  stacked pages and the stacked state pool (``[Ll, S, ...]``, snapshot slots with prefix
+  caching) beside them; the ragged step and the k-step loop lower with the rows' state slots
+  (`StepRows` offsets per linear layer)."""
+  import json
+
+  from jaxengine.aot.executables import abstract_engine, engine_executables
+  from jaxengine.engine_config import EngineConfig
+
+  hf = dict(
+    CONFIG, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
+    num_hidden_layers=10, layer_types=list(_config(10).layer_types),
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+  )  # fmt: skip
+  del hf["rope_theta"], hf["partial_rotary_factor"]
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  config = EngineConfig(max_num_reqs=2, max_num_batched_tokens=8, num_decode_steps=2,
+                        enable_prefix_caching=True, scan_layers=True)  # fmt: skip
+  engine = abstract_engine(str(tmp_path), config, jax.devices(), jnp.float32, "cpu")
+  engine.set_num_blocks(8)
+  assert engine.kv_cache.stacked_layers == 2
+  assert engine.kv_cache.recurrent.delta[0].shape == (8, 5, 4, 8, 12)  # 1 + 2 + 2 snapshots
+  executables = {e.name: e for e in engine_executables(engine)}
+  for name in ("ragged_step", "decode_steps"):
+    executables[name].lower()
+
+
 def test_the_platform_default_and_refusals():
   """Qwen3.5 scans by default on accelerators (unrolled on CPU); a non-bool ``scan_layers`` is
   refused by the config."""
