@@ -29,15 +29,15 @@ from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-#: Every feature of tests/models/test_gemma4.py's "all" checkpoint, over 13 layers of two local
-#: and one global: 8 with keys and values (two groups scanned, two layers after them), the last
-#: 5 KV-shared (one group scanned, two after it).
+#: Every feature of tests/models/test_gemma4.py's "all" checkpoint, over 10 layers of two local
+#: and one global: 7 with keys and values (two groups scanned, one layer after them), the last
+#: 3 KV-shared (local, global, local: one group of two scanned, one after it).
 CONFIG = Gemma4Config(
-  vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=13,
+  vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=10,
   num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
   num_global_key_value_heads=1, attention_k_eq_v=True, max_position_embeddings=64,
-  sliding_window=4, layer_types=((SLIDING, SLIDING, FULL) * 5)[:13],
-  vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, num_kv_shared_layers=5,
+  sliding_window=4, layer_types=((SLIDING, SLIDING, FULL) * 4)[:10],
+  vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, num_kv_shared_layers=3,
   enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
   use_double_wide_mlp=True, final_logit_softcapping=3.0, rope_local=Gemma4Rope(theta=50.0),
   rope_global=Gemma4Rope(theta=500.0, partial_rotary_factor=0.25),
@@ -54,18 +54,18 @@ def _model(seed: int = 0) -> Gemma4:
 
 
 def test_scanned_layers_compute_the_unrolled_models_logprobs():
-  """The four stacks hold 6 local, 2 global, 3 KV-shared local and 2 KV-shared global layers;
+  """The four stacks hold 5 local, 2 global, 2 KV-shared local and 1 KV-shared global layers;
   the logprobs are the unrolled model's within 1e-5 and its bits in batch-invariant mode;
   `named_weights` gives the same checkpoint tensors; int8 keeps the layer axis in the scales."""
   unrolled = _model()
   scanned = scanned_model(unrolled, True)
   assert isinstance(scanned.layers, Gemma4Stacks) and scanned.stacked_paths == ("layers",)
   leaves = state_leaves(nnx.state(scanned))
-  assert leaves[("layers", "sliding", "attn", "wq")].shape == (6, 4, 16, 32)
+  assert leaves[("layers", "sliding", "attn", "wq")].shape == (5, 4, 16, 32)
   assert leaves[("layers", "full", "attn", "wq")].shape == (2, 4, 32, 32)
   assert ("layers", "full", "attn", "wv") not in leaves  # values from the keys
-  assert leaves[("layers", "shared_sliding", "mlp", "w_up")].shape == (3, 96, 32)
-  assert leaves[("layers", "shared_full", "attn", "wq")].shape == (2, 4, 32, 32)
+  assert leaves[("layers", "shared_sliding", "mlp", "w_up")].shape == (2, 96, 32)
+  assert leaves[("layers", "shared_full", "attn", "wq")].shape == (1, 4, 32, 32)
   assert scanned.kv_cache_spec.stacked
   want = np.asarray(token_logprobs(unrolled, TOKENS))
   np.testing.assert_allclose(np.asarray(token_logprobs(scanned, TOKENS)), want, atol=1e-5)
@@ -78,7 +78,7 @@ def test_scanned_layers_compute_the_unrolled_models_logprobs():
   for name, tensor in expected.items():
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
   quantized = state_leaves(nnx.state(quantize_model(scanned, "int8").model))
-  assert quantized[("layers", "sliding", "attn", "scales", "wq")].shape == (6, 4, 16)
+  assert quantized[("layers", "sliding", "attn", "scales", "wq")].shape == (5, 4, 16)
   assert quantized[("layers", "shared_full", "attn", "wq")].dtype == jnp.int8
 
 
@@ -131,8 +131,8 @@ def test_scanned_engine_gives_the_unrolled_engines_bits():
   for name, tensor in named_weights(trainer):
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
   broken = nnx.state(other)
-  broken["layers"][11]["attn"]["wq"] = nnx.Param(jnp.zeros((4, 16, 32)))  # KV-shared global
-  with pytest.raises(ValueError, match=r"layers\.11\.attn\.wq: expected shape \(4, 32, 32\)"):
+  broken["layers"][8]["attn"]["wq"] = nnx.Param(jnp.zeros((4, 16, 32)))  # KV-shared global
+  with pytest.raises(ValueError, match=r"layers\.8\.attn\.wq: expected shape \(4, 32, 32\)"):
     llm.load_weights(broken)
 
 

@@ -2,11 +2,11 @@
 a stack per kind of layer, the scan over the repeating group (three Gated DeltaNet layers, one
 full-attention layer), the layers after the last whole group unrolled, stacked pages and a
 stacked recurrent state pool. The scanned model computes the unrolled one's bits (dense and MoE,
-int8, prefills in chunks of the delta rule); an engine gives the unrolled engine's tokens and
-logprob bits with batch invariance, chunked prefill, prefix-cache hits and a LoRA adapter, and
-compiles nothing after warm-up; its weights load under their per-layer names and from an
-unrolled module; its compiled step does not grow with depth. Models are built here (no
-checkpoint, no transformers)."""
+int8, prefills in chunks of the delta rule); a batch-invariant engine gives the unrolled model's
+tokens and logprob bits (`token_logprobs`) through chunked prefill and prefix-cache hits, with a
+LoRA adapter beside, and compiles nothing after warm-up; its weights load under their per-layer
+names and from an unrolled module; its compiled step does not grow with depth; `jaxengine
+compile`'s engine lowers it. Models are built here (no checkpoint, no transformers)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from flax import nnx
 import jaxengine as je
 from jaxengine.models import sequence_logits, token_logprobs
 from jaxengine.models.attention_backends import XlaAttentionBackend
+from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.layer_scan import scan_config, scanned_model
 from jaxengine.models.quantization import quantize_model
 from jaxengine.models.qwen3_5 import Qwen3_5
@@ -58,19 +59,24 @@ def _bits(values) -> np.ndarray:
   return np.asarray(values, np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("fields", [{}, MOE], ids=["dense", "moe"])
-def test_scanned_layers_give_the_unrolled_bits(fields):
+@pytest.mark.parametrize("num_layers, fields", [(10, {}), (6, MOE)], ids=["dense", "moe"])
+def test_scanned_layers_give_the_unrolled_bits(num_layers, fields):
   """10 layers (two groups of four scanned, two linear layers after them): the stacks hold 8
   linear and 2 full layers; logits over 40-token sequences (the delta rule by chunk) are the
   unrolled model's bits, int8 too (scales ``[Ll, ...]``); `named_weights` gives the same
-  checkpoint tensors; a model built stacked has its config's stacked pages and state pool. MoE:
-  each layer's experts (``[..., L, k]``) and their replay are the unrolled loop's."""
-  unrolled = _model(**fields)
+  checkpoint tensors; a model built stacked has its config's stacked pages and state pool. MoE
+  (6 layers: one group, two after it): each layer's experts (``[..., L, k]``) and their replay
+  are the unrolled loop's."""
+  unrolled = _model(num_layers, **fields)
   scanned = scanned_model(unrolled, True)
   assert isinstance(scanned.layers, HybridStacks) and scanned.config.layer_period == 4
   leaves = state_leaves(nnx.state(scanned))
-  assert leaves[("layers", "linear", "mixer", "w_qkv")].shape == (8, 80, 32)
-  assert leaves[("layers", "full", "mixer", "wq")].shape == (2, 128, 32)
+  linear, full = (num_layers * 3 + 3) // 4, num_layers // 4
+  assert leaves[("layers", "linear", "mixer", "w_qkv")].shape == (linear, 80, 32)
+  assert leaves[("layers", "full", "mixer", "wq")].shape == (full, 128, 32)
+  if fields:
+    _check_routed_experts(unrolled, scanned)
+    return
   want = np.asarray(sequence_logits(unrolled, TOKENS))
   np.testing.assert_array_equal(np.asarray(sequence_logits(scanned, TOKENS)), want)
   got, expected = dict(named_weights(scanned)), dict(named_weights(unrolled))
@@ -80,18 +86,21 @@ def test_scanned_layers_give_the_unrolled_bits(fields):
     "model.layers.7.self_attn.q_proj.weight",
   ):
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]), err_msg=name)
-  if not fields:
-    done = quantize_model(scanned, "int8")
-    scales = state_leaves(nnx.state(done.model))[("layers", "linear", "mixer", "scales", "w_qkv")]
-    assert scales.shape == (8, 80)
-    want = sequence_logits(quantize_model(unrolled, "int8").model, TOKENS)
-    got_int8 = sequence_logits(done.model, TOKENS)
-    np.testing.assert_array_equal(np.asarray(got_int8), np.asarray(want))
-    built = Qwen3_5(dataclasses.replace(unrolled.config, scan_layers=True), rngs=nnx.Rngs(0))
-    assert built.kv_cache_spec.stacked and built.recurrent_state_spec.stacked
-    pool = built.recurrent_state_spec.create(3)
-    assert pool.is_stacked and pool.num_slots == 3 and pool.delta[0].shape == (8, 3, 4, 8, 12)
-    return
+  done = quantize_model(scanned, "int8")
+  scales = state_leaves(nnx.state(done.model))[("layers", "linear", "mixer", "scales", "w_qkv")]
+  assert scales.shape == (8, 80)
+  want = sequence_logits(quantize_model(unrolled, "int8").model, TOKENS)
+  got_int8 = sequence_logits(done.model, TOKENS)
+  np.testing.assert_array_equal(np.asarray(got_int8), np.asarray(want))
+  built = Qwen3_5(dataclasses.replace(unrolled.config, scan_layers=True), rngs=nnx.Rngs(0))
+  assert built.kv_cache_spec.stacked and built.recurrent_state_spec.stacked
+  pool = built.recurrent_state_spec.create(3)
+  assert pool.is_stacked and pool.num_slots == 3 and pool.delta[0].shape == (8, 3, 4, 8, 12)
+
+
+def _check_routed_experts(unrolled: Qwen3_5, scanned: Qwen3_5) -> None:
+  """Each layer's experts over a 13-token prompt, and logprobs replaying given experts, are
+  the unrolled model's bits."""
   experts = []
   for model in (unrolled, scanned):
     copy = nnx.merge(*nnx.split(model))
@@ -99,12 +108,12 @@ def test_scanned_layers_give_the_unrolled_bits(fields):
     metadata, cache = scratch_step(copy, 1, 13, 4, XlaAttentionBackend())
     positions = jnp.arange(13, dtype=jnp.int32)[None]
     experts.append(np.asarray(copy(TOKENS[:1, :13], positions, cache, metadata)[2]))
-  assert experts[0].shape == (1, 13, 10, 2)
+  assert experts[0].shape == (1, 13, 6, 2)
   np.testing.assert_array_equal(experts[1], experts[0])
-  replay = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 39, 10, 2)), jnp.int32)
-  want = token_logprobs(unrolled, TOKENS, routed_experts=replay)
-  got_replayed = token_logprobs(scanned, TOKENS, routed_experts=replay)
-  np.testing.assert_array_equal(np.asarray(got_replayed), np.asarray(want))
+  replay = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 12, 6, 2)), jnp.int32)
+  want = token_logprobs(unrolled, TOKENS[:, :13], routed_experts=replay)
+  got = token_logprobs(scanned, TOKENS[:, :13], routed_experts=replay)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _compiled_instructions(num_layers: int) -> int:
@@ -154,50 +163,48 @@ ENGINE = dict(
 )  # fmt: skip
 
 
-def test_scanned_engine_gives_the_unrolled_engines_bits():
-  """``LLM(model, scan_layers=True)`` beside ``scan_layers=False``, both batch-invariant with
-  prefix caching, chunked prefill and a LoRA adapter: a 37-token prompt, the same prompt again
-  (a prefix-cache hit, its state from a snapshot slot of the stacked pool) and a sibling with
-  the adapter give the same tokens, prompt and sampled logprob bits and hits; after warm-up the
-  scanned engine compiles nothing; `load_weights` of named tensors and of an unrolled module
-  fill the stacks (checked per layer: a wrong shape is refused by its unrolled name)."""
+def test_scanned_engine_gives_the_unrolled_models_bits():
+  """``LLM(model, scan_layers=True, batch_invariant=True)`` with prefix caching, chunked prefill
+  and a LoRA slot: a 37-token prompt, the same prompt again (a prefix-cache hit, its state read
+  from a snapshot slot of the stacked pool) and a sibling sharing its first 32 tokens give the
+  tokens and the prompt and sampled logprob bits of `token_logprobs` over the unrolled
+  batch-invariant model; the sibling with an adapter, twice, moves the bits and then hits the
+  adapter's own prefix; after warm-up nothing compiles; `load_weights` of named tensors and of an unrolled
+  module fill the stacks (checked per layer: a wrong shape is refused by its unrolled name)."""
   model = _model()
   prompt = [(7 * i + 3) % 96 for i in range(37)]
-  sibling = [*prompt[:32], 1, 2, 3]
+  sibling = [*prompt[:32], 1, 2, 3, 4, 5]
   params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
   scored = dataclasses.replace(params, prompt_logprobs=0)  # (a request that is never a hit)
   lora = je.LoRARequest("trainer", 1, "in memory")
-  results, engines = [], []
-  for scan in (False, True):
-    llm = je.LLM(model, scan_layers=scan, **ENGINE)
-    llm.load_lora_weights(lora, _adapter())
-    runner = llm.llm_engine.runner
-    assert (runner.kv_cache.stacked_layers is not None) == scan
-    assert runner.kv_cache.recurrent.is_stacked == scan
-    # the steps in their largest shape only: one step to compile per engine and mode
-    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-    got = []
-    requests = [(prompt, scored, None), (prompt, params, None), (sibling, params, None),
-                (sibling, scored, lora), (sibling, params, lora)]  # fmt: skip
-    for tokens, sampling, request in requests:
-      before = llm.llm_engine.kv_cache_stats.prefix_cache_hits
-      (out,) = llm.generate([tokens], sampling, lora_request=request, use_tqdm=False)
-      sample = out.outputs[0]
-      got.append((
-        list(sample.token_ids),
-        _bits([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)]),
-        _bits([d[t].logprob for d, t in zip((out.prompt_logprobs or [])[1:], tokens[1:])]),
-        llm.llm_engine.kv_cache_stats.prefix_cache_hits - before,
-      ))  # fmt: skip
-    results.append(got)
-    engines.append(llm)
-  assert [r[3] for r in results[1]] == [0, 36, 32, 0, 32]
-  assert results[1][3][1].tolist() != results[1][2][1].tolist()  # the adapter moved the bits
-  for (tokens, sampled, prompt_bits, hits), want in zip(results[1], results[0]):
-    assert tokens == want[0] and hits == want[3]
-    np.testing.assert_array_equal(sampled, want[1])
-    np.testing.assert_array_equal(prompt_bits, want[2])
-  llm = engines[1]
+  llm = je.LLM(model, scan_layers=True, **ENGINE)
+  llm.load_lora_weights(lora, _adapter())
+  runner = llm.llm_engine.runner
+  assert runner.kv_cache.stacked_layers == 2 and runner.kv_cache.recurrent.is_stacked
+  # the steps in their largest shape only: one step to compile per mode
+  runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
+  got = []
+  requests = [(prompt, scored, None), (prompt, params, None), (sibling, params, None),
+              (sibling, scored, lora), (sibling, params, lora)]  # fmt: skip
+  for tokens, sampling, request in requests:
+    before = llm.llm_engine.kv_cache_stats.prefix_cache_hits
+    (out,) = llm.generate([tokens], sampling, lora_request=request, use_tqdm=False)
+    sample = out.outputs[0]
+    got.append((
+      list(sample.token_ids),
+      _bits([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)]),
+      _bits([d[t].logprob for d, t in zip((out.prompt_logprobs or [])[1:], tokens[1:])]),
+      llm.llm_engine.kv_cache_stats.prefix_cache_hits - before,
+    ))  # fmt: skip
+  assert [r[3] for r in got] == [0, 36, 32, 0, 36], [r[3] for r in got]
+  assert got[3][1].tolist() != got[2][1].tolist()  # the adapter moved the bits
+  assert got[4][0] == got[3][0] and got[4][1].tolist() == got[3][1].tolist()
+  sequences = [p + r[0] for p, r in zip((prompt, prompt, sibling), got)]
+  want = token_logprobs(batch_invariant_model(model), jnp.asarray(sequences), block_size=4)
+  want = _bits(want)  # [3, 42]: every token's after the first
+  np.testing.assert_array_equal(np.concatenate([got[0][2], got[0][1]]), want[0])
+  for i in (1, 2):
+    np.testing.assert_array_equal(got[i][1], want[i][-6:])
   with count_compiles() as compiles:
     llm.generate([sibling], params, lora_request=lora, use_tqdm=False)
   assert compiles.count == 0
@@ -217,7 +224,6 @@ def test_scanned_engine_gives_the_unrolled_engines_bits():
   broken["layers"][5]["mixer"]["w_qkv"] = nnx.Param(jnp.zeros((80, 16)))
   with pytest.raises(ValueError, match=r"layers\.5\.mixer\.w_qkv: expected shape \(80, 32\)"):
     llm.load_weights(broken)
-  assert engines[0].generate([prompt], params, use_tqdm=False)  # the unrolled one untouched
 
 
 def test_ahead_of_time_compilation_lowers_the_scanned_steps(tmp_path):
