@@ -20,6 +20,11 @@ its pages in the stacked cache (`jaxengine.models.kv_pages.PagedKVCache.layer_me
 layer with keys and values writes its own, a KV-shared layer reads those of the last earlier
 layer of its kind, a constant of its kind), and its kind's head width, rotary embedding and
 window (static: the ``kind`` layer of `jaxengine.models.gemma4.Gemma4Attention.__call__`).
+
+Measured (docs/performance.md): a 35-layer Gemma-4-shaped config (four local : one global, the
+last 20 KV-shared, per-layer inputs, bfloat16) compiled deviceless for v6e:1x1, one ragged step
+of 8 rows and 8 tokens, in 69.4 / 63.5 s unrolled against 19.5 / 15.9 s scanned on a shared
+2-core CPU VM.
 """
 
 from __future__ import annotations

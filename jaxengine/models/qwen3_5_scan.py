@@ -23,10 +23,11 @@ l S + S - 1``: its step rows' slots (own, source, snapshot) are moved by ``l S``
 its own slots only, never a copy of its part of the pool. Prefix caching's snapshot slots
 are slots of the same pool and move with them.
 
-Measured on a shared 2-core CPU VM at a load average of 6 to 8, two fresh processes each: a
+Measured on a shared 2-core CPU VM with other jobs running, a fresh process each: a
 Qwen3.5-0.8B-shaped config (24 layers, hidden 1,024, bfloat16) compiled deviceless for v6e:1x1
-(``jaxengine compile``'s path, one ragged step of 8 rows and 8 tokens) in 167.9 / 144.7 s
-unrolled against 76.2 / 68.4 s scanned; on XLA:CPU (``benchmarks/bench_layer_scan.py --model
+(``jaxengine compile``'s path, one ragged step of 8 rows and 8 tokens) in 167.9 / 144.7 / 62.6
+s unrolled against 76.2 / 68.4 / 40.8 s scanned (load averages 6 / 8 / 4.5:
+docs/performance.md); on XLA:CPU (``benchmarks/bench_layer_scan.py --model
 qwen3_5``: 24 layers at width 256, a decode step) lowering and compiling took 25.9 / 24.7 / 20.5
 s unrolled against 15.3 / 13.2 / 11.6 s scanned at 1 / 8 / 32 rows, while steps ran slower
 (31.8 / 57.1 / 109.9 ms against 58.2 / 59.7 / 122.8 ms): CPU's default stays unrolled.
