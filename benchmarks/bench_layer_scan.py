@@ -1,11 +1,15 @@
 """SmolLM2-135M's forward step unrolled against under `jax.lax.scan` (`EngineConfig.scan_layers`):
 compile seconds of a decode step and its milliseconds at 1 / 8 / 32 rows.
 
-  python benchmarks/bench_layer_scan.py [--repeats 10] [--context 64] [--model gemma3]
+  python benchmarks/bench_layer_scan.py [--repeats 10] [--context 64] [--model gemma3|qwen3_5]
 
 ``--model gemma3``: a Gemma-3-shaped model instead (Gemma 3 1B's 26 layers of five local and
 one global, a window of 512, random weights at a small width: `GEMMA3_SHAPE`), scanned over its
 groups of six (`jaxengine.models.layer_scan.scan_layer_groups`, the last two layers unrolled).
+``--model qwen3_5``: a Qwen3.5 hybrid of Qwen3.5 0.8B's layout (24 layers, three Gated DeltaNet
+layers to one gated attention layer, random weights at a small width: `QWEN3_5_SHAPE`), scanned
+over its groups of four with a stack per kind (`jaxengine.models.qwen3_5_scan`); each step runs
+on a zero recurrent state pool of its own (the model's scratch pool).
 
 Each row decodes one token per request over `--context` cached positions (a jitted
 `jaxengine.models.llama.forward` plus the logits of the last tokens, the cache donated). The
@@ -29,6 +33,9 @@ from jaxengine.models.gguf_loader import load_gguf
 from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.models.layer_scan import scanned_model
 from jaxengine.models.paged_attention import PagedAttentionMetadata
+from jaxengine.models.qwen3_5 import Qwen3_5
+from jaxengine.models.qwen3_5_checkpoints import FULL as QWEN_FULL
+from jaxengine.models.qwen3_5_checkpoints import LINEAR, Qwen3_5Config
 
 BLOCK = 16
 
@@ -40,6 +47,16 @@ GEMMA3_SHAPE = GemmaConfig(
   layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26)), sliding_window=512,
   rope_local=GemmaRope(theta=10000.0), rope_global=GemmaRope(theta=1e6), qk_norm=True,
   query_pre_attn_scalar=64, max_position_embeddings=32768,
+)  # fmt: skip
+
+
+#: Qwen3.5 0.8B's layer layout (24 layers, three linear : one full) at a small width.
+QWEN3_5_SHAPE = Qwen3_5Config(
+  vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=24,
+  num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+  layer_types=tuple(QWEN_FULL if (i + 1) % 4 == 0 else LINEAR for i in range(24)),
+  linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+  linear_num_value_heads=4, max_position_embeddings=32768,
 )  # fmt: skip
 
 
@@ -71,10 +88,12 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--context", type=int, default=64)
-  parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+  parser.add_argument("--model", choices=("smollm2", "gemma3", "qwen3_5"), default="smollm2")
   args = parser.parse_args()
   if args.model == "gemma3":
     unrolled = Gemma(GEMMA3_SHAPE, rngs=nnx.Rngs(0))
+  elif args.model == "qwen3_5":
+    unrolled = Qwen3_5(QWEN3_5_SHAPE, rngs=nnx.Rngs(0))
   else:
     unrolled, _ = load_gguf()
   models = {"unrolled": unrolled, "scan": scanned_model(unrolled, True)}

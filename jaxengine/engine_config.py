@@ -204,7 +204,8 @@ class EngineConfig:
       like its output axes or replicated (`jaxengine.parallel`).
     scan_layers: the decoder layers as one `jax.lax.scan` over stacked weights and a stacked KV
       cache, compile time flat with depth (`jaxengine.models.layer_scan`; Llama, Gemma 2 and 3
-      by local/global group, True refused for others). None: on TPU and GPU, not on CPU.
+      by local/global group, Gemma 4 and Qwen3.5 with a stack per kind of layer, True refused
+      for others). None: on TPU and GPU, not on CPU.
     enable_return_routed_experts: give each finished completion the experts a
       mixture-of-experts model's router chose at every position (vLLM's name;
       `CompletionOutput.routed_experts`, `jaxengine/worker/routed_experts.py`), for RL

@@ -348,7 +348,8 @@ ENGINE_FLAGS = (
       action=argparse.BooleanOptionalAction,
       default=None,
       help="decoder layers as one jax.lax.scan over stacked weights: compile time flat with "
-      "depth (default: on for TPU and GPU, off on CPU; the Llama family, Gemma 2 and 3)",
+      "depth (default: on for TPU and GPU, off on CPU; the Llama family, Gemma 2, 3 and 4, "
+      "Qwen3.5)",
     ),
   ),
   EngineFlag(

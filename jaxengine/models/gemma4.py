@@ -22,7 +22,10 @@ What the model computes (transformers' ``Gemma4TextModel``; every norm a plain R
   without a write), so they own no pages;
 - logits: ``final_norm(x) @ embed.T``, soft-capped (``final_logit_softcapping``).
 
-The pages' one shape and how narrower layers fit it: `jaxengine.models.gemma4_config`.
+The pages' one shape and how narrower layers fit it: `jaxengine.models.gemma4_config`. With
+``scan_layers`` the layers are a stack per kind run under `jax.lax.scan`
+(`jaxengine.models.gemma4_scan`); the embedding's scale sits behind an optimization barrier in
+both layouts, so that XLA folds it into neither.
 
 Shape letters as in `jaxengine.models.llama`; ``P`` the per-layer input width.
 """
@@ -30,6 +33,7 @@ Shape letters as in `jaxengine.models.llama`; ``P`` the per-layer input width.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar, cast
 
 import jax
@@ -42,6 +46,7 @@ from jaxengine.models.gemma import GemmaMLP
 from jaxengine.models.gemma4_checkpoints import hf_weight_specs
 from jaxengine.models.gemma4_config import Gemma4Config
 from jaxengine.models.gemma4_moe import Gemma4MoeBlock, UnscaledRMSNorm
+from jaxengine.models.gemma4_scan import Gemma4Stacks, scan_gemma4_layers, stack_gemma4_layers
 from jaxengine.models.gemma_config import ACTIVATIONS
 from jaxengine.models.layer_stack import apply_layers
 from jaxengine.models.layers import (
@@ -82,7 +87,8 @@ class Gemma4Attention(nnx.Module):
       ``attention_k_eq_v`` on a global layer.
     q_norm, k_norm: scaled RMSNorms over ``D`` (``k_norm`` None on a KV-shared layer).
     v_norm: the values' unscaled RMSNorm.
-    layer: this layer's index (static).
+    layer: this layer's index (static); None in a stacked module
+      (`jaxengine.models.gemma4_scan`), whose calls name a layer of its kind.
     scales: row scales of the quantized projections (`jaxengine.models.llama.Attention`).
     batch_invariant: projections computed a fixed number of rows at a time.
   """
@@ -116,18 +122,25 @@ class Gemma4Attention(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None):
+  def __call__(
+    self, x, positions, kv_cache, layer, metadata, lora: LayerLoRA | None = None, kind=None
+  ):
     """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; the
     arguments as `jaxengine.models.llama.Attention.__call__` (`layer`: the cache layer this
-    layer reads, its own or, KV-shared, its source's; `lora`: this layer's adapters, its
-    ``k_proj`` update also the values' with ``attention_k_eq_v``, as transformers' values are
-    the key projection's output)."""
+    layer reads, its own or, KV-shared, its source's; ``[] int32`` in a scan; `lora`: this
+    layer's adapters, its ``k_proj`` update also the values' with ``attention_k_eq_v``, as
+    transformers' values are the key projection's output), and `kind` (static): a layer whose
+    head width, rotary embedding and window this call takes, None for this module's own (a
+    stacked module has none and must be given one)."""
     cfg = self.config
+    kind = self.layer if kind is None else kind
+    if kind is None:
+      raise ValueError("a stacked Gemma 4 layer needs the kind of layer it runs (kind=...)")
     lead = x.shape[:-1]
     e, h = x.shape[-1], cfg.num_attention_heads
-    kv, d = cfg.kv_heads(self.layer), cfg.layer_head_dim(self.layer)
+    kv, d = cfg.kv_heads(kind), cfg.layer_head_dim(kind)
     page_heads, page_width = cfg.page_kv_heads, cfg.page_head_dim
-    inv_freq = cfg.rope(self.layer).frequencies(d)  # [D/2] host constant
+    inv_freq = cfg.rope(kind).frequencies(d)  # [D/2] host constant
     fixed = self.batch_invariant
     q = add_lora(project(self, "wq", x, (h * d, e)), x, lora, "q_proj", fixed)
     q = self.q_norm(q.reshape(*lead, h, d))
@@ -144,7 +157,7 @@ class Gemma4Attention(nnx.Module):
       k = rotary_embedding(self.k_norm(k), positions, inv_freq)
       k, v = _to_page(k, page_heads, page_width), _to_page(self.v_norm(v), page_heads, page_width)
     out, kv_cache = attention(
-      q, k, v, kv_cache, layer, metadata, scale=1.0, sliding_window=cfg.window(self.layer)
+      q, k, v, kv_cache, layer, metadata, scale=1.0, sliding_window=cfg.window(kind)
     )
     out = out[..., :d].reshape(*lead, h * d)
     return add_lora(project(self, "wo", out, (e, h * d)), out, lora, "o_proj", fixed), kv_cache
@@ -181,11 +194,15 @@ class Gemma4DecoderLayer(nnx.Module):
     self.scales: nnx.Dict[nnx.Param] = nnx.Dict()
     self.batch_invariant = False
 
-  def __call__(self, x, positions, kv_cache, layer, metadata, per_layer_input=None, lora=None):
+  def __call__(
+    self, x, positions, kv_cache, layer, metadata, per_layer_input=None, lora=None, kind=None
+  ):
     """Same arguments as `Gemma4Attention.__call__`, ``x`` the residual stream ``[..., E]``,
     this layer's ``[..., P]`` per-layer input (None without) and its LoRA adapters (None
     without; the attention's, the dense MLP's and the experts')."""
-    h, kv_cache = self.attn(self.input_norm(x), positions, kv_cache, layer, metadata, lora)
+    h, kv_cache = self.attn(
+      self.input_norm(x), positions, kv_cache, layer, metadata, lora=lora, kind=kind
+    )
     x = x + self.post_attention_norm(h)
     h = self.mlp(self.pre_feedforward_norm(x), lora)
     norms = (
@@ -235,8 +252,9 @@ class Gemma4(ConfiguredDecoder, nnx.Module):
       nnx.Param(normal_out_in(rngs, (num_layers * p,), (e,), dtype)) if p else None
     )
     self.ple_norm = _norm(config, p) if p else None
-    self.layers = nnx.List(
-      [Gemma4DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(num_layers)]
+    layers = [Gemma4DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(num_layers)]
+    self.layers: nnx.List | Gemma4Stacks = (
+      self.stack_decoder_layers(layers) if config.scan_layers else nnx.List(layers)
     )
     self.final_norm = _norm(config, e)
     self.lm_head = (
@@ -260,9 +278,18 @@ class Gemma4(ConfiguredDecoder, nnx.Module):
     cfg = self.config
     x = jnp.take(self.embed[...], token_ids, axis=0, mode="clip")
     x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    # Unrolled, XLA would fold the constant factor into the first layer's norm (reassociating
+    # its multiplies), which a scan's loop boundary prevents: the barrier makes both one sum.
+    x = jax.lax.optimization_barrier(x)
     per_layer = self._per_layer_inputs(token_ids, x)  # [..., L, P] or None
+    if cfg.scan_layers:
+      layers = cast(Gemma4Stacks, self.layers)
+      x, kv_cache = scan_gemma4_layers(
+        layers, x, positions, kv_cache, attn_metadata, per_layer, cfg, lora
+      )
+      return self.final_norm(x), kv_cache
     x, kv_cache = apply_layers(
-      self.layers,
+      cast(nnx.List, self.layers),
       x,
       positions,
       kv_cache,
@@ -306,6 +333,22 @@ class Gemma4(ConfiguredDecoder, nnx.Module):
     """Each layer's ``(in, out)`` of each target it has (`jaxengine.lora.LoRAManager`'s
     ``layer_shapes``)."""
     return gemma4_lora.layer_shapes(self.config)
+
+  def stack_decoder_layers(self, layers: Sequence[Gemma4DecoderLayer]) -> Gemma4Stacks:
+    """The layers as one stack per kind (`jaxengine.models.gemma4_scan.stack_gemma4_layers`;
+    each layer's own index dropped, in place)."""
+    return stack_gemma4_layers(layers, self.config)
+
+  @property
+  def num_layers(self) -> int:
+    """``L``, the decoder layers."""
+    return self.config.num_hidden_layers
+
+  @property
+  def stacked_paths(self) -> tuple[str, ...]:
+    """The state paths whose leaves have a leading layer axis (``("layers",)`` with
+    ``scan_layers``: every kind's stack; quantization and the mesh shardings skip that axis)."""
+    return ("layers",) if self.config.scan_layers else ()
 
   def weight_specs(self) -> list[WeightSpec]:
     """Every parameter under its Hugging Face checkpoint name

@@ -26,6 +26,7 @@ from jaxengine.models.hf_config_fields import (
   config_optional_int,
   config_token_id,
 )
+from jaxengine.models.layer_scan import stacked_weight_specs
 from jaxengine.models.weights import WeightSpec
 
 #: Families `config_from_hf` reads (one per registry entry).
@@ -257,4 +258,6 @@ def hf_weight_specs(cfg: Gemma4Config) -> list[WeightSpec]:
       )
       for suffix, path, shape, transpose in entries
     ]
+  if cfg.scan_layers:  # rows of the stacked leaves of each kind
+    return stacked_weight_specs(specs, cfg.layer_rows)
   return specs

@@ -29,6 +29,9 @@ import numpy as np
 from jaxengine.models.gemma_config import ACTIVATIONS, FULL, SLIDING
 from jaxengine.models.kv_cache import KVCacheSpec
 
+#: The kinds of layer a scanned model stacks apart (`Gemma4Config.layer_kind`).
+KINDS = ("sliding", "full", "shared_sliding", "shared_full")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Gemma4Rope:
@@ -100,6 +103,10 @@ class Gemma4Config:
     use_double_wide_mlp: KV-shared layers' dense MLP is ``2 F`` wide.
     checkpoint_prefix: prefix of every tensor name (``"model.language_model."`` in a
       ``Gemma4ForConditionalGeneration`` checkpoint, ``"model."`` otherwise).
+    scan_layers: the layers of each kind (`layer_kind`) are stacked (every parameter ``[n,
+      ...]``) and run as a `jax.lax.scan` over the repeating group of `layer_types`, the
+      KV-shared layers a scan of their own (`jaxengine.models.gemma4_scan`), with stacked
+      pages; False: one module per layer.
   """
 
   vocab_size: int
@@ -132,8 +139,11 @@ class Gemma4Config:
   moe_intermediate_size: int = 0
   use_double_wide_mlp: bool = False
   checkpoint_prefix: str = "model."
+  scan_layers: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
     num_layers = self.num_hidden_layers
     if len(self.layer_types) != num_layers:
       raise ValueError(
@@ -251,6 +261,20 @@ class Gemma4Config:
       )
     return earlier[-1]
 
+  def layer_kind(self, layer: int) -> str:
+    """`layer`'s structure, one of `KINDS`: ``"sliding"`` or ``"full"``, prefixed ``"shared_"``
+    for a KV-shared layer (a scanned model stacks each kind apart)."""
+    kind = "sliding" if self.is_sliding(layer) else "full"
+    return f"shared_{kind}" if self.is_kv_shared(layer) else kind
+
+  @property
+  def layer_rows(self) -> tuple[tuple[tuple[str], int], ...]:
+    """Per layer, where a scanned model (`scan_layers`) keeps its weights: ``((kind,), j)``,
+    row ``j`` of ``layers/{kind}``'s leaves for the ``j``-th layer of its `layer_kind`
+    (`jaxengine.models.layer_scan.stacked_weight_specs`)."""
+    kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
+    return tuple(((kind,), kinds[:i].count(kind)) for i, kind in enumerate(kinds))
+
   def mlp_size(self, layer: int) -> int:
     """The dense MLP's width on `layer` (doubled on KV-shared layers with
     `use_double_wide_mlp`)."""
@@ -278,4 +302,5 @@ class Gemma4Config:
       dtype=dtype,
       sliding_window=self.sliding_window if local else None,
       sliding_window_layers=local or None,
+      stacked=self.scan_layers,
     )

@@ -55,10 +55,16 @@ and lowering fell from 1.3-1.9 s to 0.3-0.7 s, while XLA's compile stayed within
 (4.9 / 6.7 / 9.7 s unrolled against 4.8 / 9.1 / 7.6 s scanned at 1 / 8 / 32 rows) and steps ran
 slower (11.5 / 26.4 / 48.3 ms against 34.6 / 51.0 / 63.5 ms): CPU's default stays unrolled.
 
-What a stacked layer cannot be: layers of different structure (a model with some dense and some
-mixture-of-experts layers; Gemma 4's and Qwen3.5's mixed layers, not done yet): `can_scan` says
-no, `scan_config` and `scanned_model` refuse ``scan_layers=True`` for them (ValueError naming the
-field) and leave them unrolled by default.
+Layers of more than one structure stack by kind, one stack each, and the scan over the
+repeating group reads each layer's weights from its kind's stack: Qwen3.5's Gated DeltaNet and
+full-attention layers (`jaxengine.models.qwen3_5_scan`, its recurrent state pool stacked per
+linear layer too) and Gemma 4's local, global and KV-shared layers
+(`jaxengine.models.gemma4_scan`). Their checkpoint names, `load_weights` of an unrolled state
+and LoRA follow each layer to its row (`LayerRows`, the config's ``layer_rows``).
+
+What a stacked layer cannot be: a Llama whose layers mix dense and mixture-of-experts MLPs:
+`can_scan` says no, `scan_config` and `scanned_model` refuse ``scan_layers=True`` for it
+(ValueError naming the field) and leave it unrolled by default.
 """
 
 from __future__ import annotations
@@ -79,15 +85,18 @@ from jaxengine.models.weights import LeafPath, WeightSpec, state_leaves
 
 __all__ = [
   "LAYERS",
+  "LayerRows",
   "can_scan",
   "check_scan_layers",
   "is_unrolled_state",
+  "layer_rows",
   "restacked",
   "scan_config",
   "scan_layer_groups",
   "scan_layers",
   "scanned_model",
   "stack_layers",
+  "stacked_lora",
   "stacked_weight_specs",
   "unrolled_leaves",
 ]
@@ -98,7 +107,7 @@ LAYERS = "layers"
 #: Platforms whose engine scans by default (`resolve_scan_layers`).
 SCAN_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 #: The model families that scan, as the refusals name them.
-SCANNING_FAMILIES = "the Llama family, Gemma 2 and Gemma 3"
+SCANNING_FAMILIES = "the Llama family, Gemma 2, 3 and 4, and Qwen3.5"
 
 
 def check_scan_layers(value: Any) -> bool | None:
@@ -214,25 +223,38 @@ def scanned_model(model: Any, value: bool | None, platform: str | None = None) -
   return copy
 
 
-def stacked_weight_specs(specs: Sequence[WeightSpec]) -> list[WeightSpec]:
+#: Per unrolled layer ``i``, where a stacked model keeps it: ``(sub, row)``, its leaves under
+#: ``("layers", *sub, ...)`` at row ``row`` (a hybrid's stacks by kind,
+#: `jaxengine.models.qwen3_5_checkpoints.Qwen3_5Config.layer_rows`); None: ``((), i)``.
+LayerRows = Sequence[tuple[tuple[str, ...], int]]
+
+
+def layer_rows(model: Any) -> LayerRows | None:
+  """The `LayerRows` of a scanned `model` (its config's ``layer_rows``), None for one stack."""
+  config: Any = getattr(model, "config", None)
+  if not getattr(config, "scan_layers", False):
+    return None
+  return getattr(config, "layer_rows", None)
+
+
+def stacked_weight_specs(
+  specs: Sequence[WeightSpec], rows: LayerRows | None = None
+) -> list[WeightSpec]:
   """Per-layer specs (path ``("layers", i, ...)``) moved onto the stacked leaves: path
   ``("layers", ...)`` and row ``i`` (``(i, j)`` for row ``j`` of a per-layer stack, an
-  expert); every other spec as it is."""
+  expert), or with `rows` path ``("layers", *sub, ...)`` and row ``r`` for ``rows[i] == (sub,
+  r)``; every other spec as it is (its class kept)."""
   moved = []
   for spec in specs:
     path = spec.path
     if path is None or len(path) < 2 or path[0] != LAYERS or not isinstance(path[1], int):
       moved.append(spec)
       continue
-    layer = (path[1], *spec.index)
+    sub, row = ((), path[1]) if rows is None else rows[path[1]]
+    layer = (row, *spec.index)
     moved.append(
-      WeightSpec(
-        spec.name,
-        (LAYERS, *path[2:]),
-        layer[0] if len(layer) == 1 else layer,
-        spec.shape,
-        spec.transpose,
-        spec.rotary_heads,
+      dataclasses.replace(
+        spec, path=(LAYERS, *sub, *path[2:]), layer=layer[0] if len(layer) == 1 else layer
       )
     )
   return moved
@@ -253,34 +275,48 @@ def is_unrolled_state(state: Any, leaves: Mapping[LeafPath, Any]) -> bool:
   return any(_is_layer_path(path) for path in given)
 
 
-def unrolled_leaves(leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, Any]:
+def _stack_layers(path: LeafPath, num_rows: int, rows: LayerRows | None) -> list[LeafPath]:
+  """The unrolled leaves, row by row, that the stacked leaf `path` of `num_rows` rows holds."""
+  if rows is None:
+    return [(LAYERS, i, *path[1:]) for i in range(num_rows)]
+  held = sorted(
+    (r, i, len(sub)) for i, (sub, r) in enumerate(rows) if path[1 : 1 + len(sub)] == sub
+  )
+  return [(LAYERS, i, *path[1 + depth :]) for _, i, depth in held]
+
+
+def unrolled_leaves(
+  leaves: Mapping[LeafPath, Any], rows: LayerRows | None = None
+) -> dict[LeafPath, Any]:
   """`leaves` with each stacked ``("layers", ...)`` leaf ``[L, ...]`` as its ``L`` per-layer
-  leaves ``("layers", i, ...)`` (shape and dtype structs): what an unrolled state is checked
-  against."""
+  leaves ``("layers", i, ...)`` (shape and dtype structs; `rows`: where each layer is, as
+  `stacked_weight_specs`): what an unrolled state is checked against."""
   unrolled: dict[LeafPath, Any] = {}
   for path, leaf in leaves.items():
     if path[:1] != (LAYERS,) or _is_layer_path(path):
       unrolled[path] = leaf
       continue
     row = jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype)
-    unrolled.update({(LAYERS, i, *path[1:]): row for i in range(leaf.shape[0])})
+    unrolled.update(dict.fromkeys(_stack_layers(path, leaf.shape[0], rows), row))
   return unrolled
 
 
-def restacked(given: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any]) -> dict[LeafPath, Any]:
+def restacked(
+  given: Mapping[LeafPath, Any], leaves: Mapping[LeafPath, Any], rows: LayerRows | None = None
+) -> dict[LeafPath, Any]:
   """Checked per-layer tensors (`unrolled_leaves`' paths) stacked into the stacked leaves of
   `leaves` (NumPy on the host, JAX arrays where they are); the other tensors as they are."""
   result = {path: tensor for path, tensor in given.items() if not _is_layer_path(path)}
   for path, leaf in leaves.items():
     if path in result:
       continue
-    values = [given[(LAYERS, i, *path[1:])] for i in range(leaf.shape[0])]
+    values = [given[layer] for layer in _stack_layers(path, leaf.shape[0], rows)]
     on_host = all(isinstance(v, np.ndarray) for v in values)
     result[path] = np.stack(values) if on_host else jnp.stack(values)
   return result
 
 
-def _stacked_lora(lora: LoRAInputs | None) -> Any:
+def stacked_lora(lora: LoRAInputs | None) -> Any:
   """The adapters of every layer as one ``{target: (A [L, N + 1, in, R], B [L, ...])}`` tree
   (a copy per step: the adapters are small next to the layers' weights), or None."""
   if lora is None:
@@ -331,7 +367,7 @@ def scan_layers(
     )
   graphdef, weights = nnx.split(layers)
   replay = None if routed_experts is None else jnp.moveaxis(routed_experts, -2, 0)  # [L, ..., k]
-  xs = (weights, jnp.arange(num_layers, dtype=jnp.int32), _stacked_lora(lora), replay)
+  xs = (weights, jnp.arange(num_layers, dtype=jnp.int32), stacked_lora(lora), replay)
 
   def body(carry, per_layer):
     x, pages = carry
@@ -401,14 +437,14 @@ def scan_layer_groups(
     raise ValueError(f"period must be between 1 and num_layers={num_layers}, got {period}")
   graphdef, weights = nnx.split(layers)
   groups, rest = divmod(num_layers, period)
-  stacked_lora = None if lora is None else _stacked_lora(lora)
+  all_lora = stacked_lora(lora)
 
   def run(x, pages, index, kind):
     row = lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
     layer = nnx.merge(graphdef, jax.tree.map(row, weights))
     view = None
     if lora is not None:
-      layer_lora = lora.layers[index] if isinstance(index, int) else jax.tree.map(row, stacked_lora)
+      layer_lora = lora.layers[index] if isinstance(index, int) else jax.tree.map(row, all_lora)
       view = LayerLoRA(lora.slots, layer_lora)
     cache = dataclasses.replace(kv_cache, pages=pages)
     x, cache = layer(x, positions, cache, index, metadata, view, kind=kind)

@@ -23,12 +23,17 @@ request (`PagedAttentionMetadata.state_slots`), that the engine sizes from
 pages, `jaxengine.models.token_logprobs`, every sequence starting at position 0) the model uses a
 zero pool of its own, one slot per request.
 
+With ``scan_layers`` the layers are a stack per kind (``layers/linear``, ``layers/full``) run as
+one `jax.lax.scan` over the repeating group of `layer_types`, the pool stacked per linear layer
+(`jaxengine.models.qwen3_5_scan`).
+
 Shape letters as in `jaxengine.models.llama`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar, cast
 
 import jax
@@ -57,6 +62,7 @@ from jaxengine.models.lora import LayerLoRA, LoRAInputs, add_lora
 from jaxengine.models.moe import SparseMoeBlock
 from jaxengine.models.moe_lora import expert_lora_shapes
 from jaxengine.models.qwen3_5_checkpoints import LINEAR, Qwen3_5Config, hf_weight_specs
+from jaxengine.models.qwen3_5_scan import HybridStacks, scan_hybrid_layers, stack_hybrid_layers
 from jaxengine.models.weights import WeightSpec
 
 __all__ = ["Qwen3_5", "Qwen3_5Attention", "Qwen3_5Config", "Qwen3_5DecoderLayer"]
@@ -101,10 +107,14 @@ class Qwen3_5Attention(nnx.Module):
     turned = rotary_embedding(x[..., :rot], positions, self.config.inv_freq())
     return jnp.concatenate([turned, x[..., rot:]], axis=-1)
 
-  def __call__(self, x, positions, kv_cache, metadata, lora: LayerLoRA | None = None):
+  def __call__(
+    self, x, positions, kv_cache, metadata, lora: LayerLoRA | None = None, cache_layer=None
+  ):
     """``[..., E]`` normalised hidden states -> ``([..., E] output, updated cache)``; `lora`
-    this layer's adapters (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) or None."""
+    this layer's adapters (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) or None;
+    `cache_layer` the pages' layer (``[] int32`` in a scan), None for `cache_layer`'s own."""
     cfg = self.config
+    cache_layer = self.cache_layer if cache_layer is None else cache_layer
     lead = x.shape[:-1]
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     fixed = self.batch_invariant
@@ -115,7 +125,7 @@ class Qwen3_5Attention(nnx.Module):
     v = add_lora(project(self, "wv", x), x, lora, "v_proj", fixed).reshape(*lead, kv, d)
     q = self._rotate(self.q_norm(q), positions)
     k = self._rotate(self.k_norm(k), positions)
-    out, kv_cache = attention(q, k, v, kv_cache, self.cache_layer, metadata, scale=d**-0.5)
+    out, kv_cache = attention(q, k, v, kv_cache, cache_layer, metadata, scale=d**-0.5)
     out = out.reshape(*lead, h * d) * jax.nn.sigmoid(gate.reshape(*lead, h * d))
     return add_lora(project(self, "wo", out), out, lora, "o_proj", fixed), kv_cache
 
@@ -217,6 +227,39 @@ class Qwen3_5DecoderLayer(nnx.Module):
     else:
       self.mlp = Qwen3_5MLP(config, dtype=dtype, rngs=rngs)
 
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    kv_cache: PagedKVCache,
+    metadata: PagedAttentionMetadata,
+    rows: StepRows,
+    conv: jax.Array | None,
+    delta: jax.Array | None,
+    lora: LayerLoRA | None = None,
+    replay: jax.Array | None = None,
+    *,
+    cache_layer: Any = None,
+  ) -> tuple[jax.Array, PagedKVCache, Any, Any, jax.Array | None]:
+    """The residual stream ``[..., E]`` after this layer: ``(x, kv_cache, conv, delta,
+    experts)``, `conv` and `delta` the linear mixer's state slots (`GatedDeltaNet.__call__`,
+    passed through by a full layer), `experts` the MoE block's ``[..., k]`` choice (None for a
+    dense MLP); `replay` the experts to route to instead, `cache_layer` as
+    `Qwen3_5Attention.__call__`."""
+    h = self.input_norm(x)
+    if isinstance(self.mixer, GatedDeltaNet):
+      assert conv is not None and delta is not None  # a linear layer's state slots
+      h, conv, delta = self.mixer(h, conv, delta, rows, lora)
+    else:
+      h, kv_cache = self.mixer(h, positions, kv_cache, metadata, lora, cache_layer)
+    x = x + h
+    experts = None
+    if isinstance(self.mlp, Qwen3_5SparseMoe):
+      h, experts = self.mlp.routed(self.post_attention_norm(x), replay, lora)
+    else:
+      h = self.mlp(self.post_attention_norm(x), lora)
+    return x + h, kv_cache, conv, delta, experts
+
 
 class Qwen3_5(ConfiguredDecoder, nnx.Module):
   """Qwen3.5 text decoder over a `PagedKVCache` with a recurrent state pool; implements
@@ -236,11 +279,12 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
     self.dtype = dtype
     e, v = config.hidden_size, config.vocab_size
     self.embed = nnx.Param(normal_init(rngs, (v, e), e, dtype))
-    self.layers = nnx.List(
-      [
-        Qwen3_5DecoderLayer(config, i, dtype=dtype, rngs=rngs)
-        for i in range(config.num_hidden_layers)
-      ]
+    layers = [
+      Qwen3_5DecoderLayer(config, i, dtype=dtype, rngs=rngs)
+      for i in range(config.num_hidden_layers)
+    ]
+    self.layers: nnx.List | HybridStacks = (
+      self.stack_decoder_layers(layers) if config.scan_layers else nnx.List(layers)
     )
     self.final_norm = _norm(config, e)
     self.lm_head = (
@@ -292,30 +336,60 @@ class Qwen3_5(ConfiguredDecoder, nnx.Module):
       slots = jnp.arange(1, num_reqs + 1, dtype=jnp.int32)
       metadata = dataclasses.replace(attn_metadata, state_slots=slots)
     rows = StepRows.of(metadata, positions)
+    cfg = self.config
+    if cfg.scan_layers:
+      x, kv_cache, pool, experts = scan_hybrid_layers(
+        cast(HybridStacks, self.layers), x, positions, kv_cache, attn_metadata, rows, pool,
+        layer_types=cfg.layer_types, period=cfg.layer_period, lora=lora,
+        routed_experts=routed_experts,
+      )  # fmt: skip
+    else:
+      x, kv_cache, pool, experts = self._unrolled(
+        x, positions, kv_cache, attn_metadata, rows, pool, lora, routed_experts
+      )
+    if kv_cache.recurrent is not None:
+      kv_cache = dataclasses.replace(kv_cache, recurrent=pool)
+    if self.return_routed_experts:
+      return self.final_norm(x), kv_cache, cast(jax.Array, experts)  # [..., M, k]
+    return self.final_norm(x), kv_cache
+
+  def _unrolled(self, x, positions, kv_cache, metadata, rows, pool, lora, routed_experts):
+    """The layers one by one (`__call__`'s loop without ``scan_layers``): ``(x, kv_cache,
+    pool, experts [..., M, k] or None)``."""
     conv, delta = list(pool.conv), list(pool.delta)
     routed: list[jax.Array] = []
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(cast(nnx.List, self.layers)):
       adapters = None if lora is None else lora.layer(i)
-      h = layer.input_norm(x)
-      if isinstance(layer.mixer, GatedDeltaNet):
-        j = layer.kind_index
-        h, conv[j], delta[j] = layer.mixer(h, conv[j], delta[j], rows, adapters)
+      replay = None if routed_experts is None else routed_experts[..., i, :]
+      j = layer.kind_index
+      if layer.is_linear:
+        x, kv_cache, conv[j], delta[j], experts = layer(
+          x, positions, kv_cache, metadata, rows, conv[j], delta[j], adapters, replay
+        )
       else:
-        h, kv_cache = layer.mixer(h, positions, kv_cache, attn_metadata, adapters)
-      x = x + h
-      if isinstance(layer.mlp, Qwen3_5SparseMoe):
-        replay = None if routed_experts is None else routed_experts[..., i, :]
-        h, experts = layer.mlp.routed(layer.post_attention_norm(x), replay, adapters)
+        x, kv_cache, _, _, experts = layer(
+          x, positions, kv_cache, metadata, rows, None, None, adapters, replay
+        )
+      if experts is not None:
         routed.append(experts)
-      else:
-        h = layer.mlp(layer.post_attention_norm(x), adapters)
-      x = x + h
-    if kv_cache.recurrent is not None:
-      state = RecurrentState(conv=tuple(conv), delta=tuple(delta))
-      kv_cache = dataclasses.replace(kv_cache, recurrent=state)
-    if self.return_routed_experts:
-      return self.final_norm(x), kv_cache, jnp.stack(routed, axis=-2)  # [..., M, k]
-    return self.final_norm(x), kv_cache
+    state = RecurrentState(conv=tuple(conv), delta=tuple(delta))
+    return x, kv_cache, state, (jnp.stack(routed, axis=-2) if routed else None)
+
+  def stack_decoder_layers(self, layers: Sequence[Qwen3_5DecoderLayer]) -> HybridStacks:
+    """The layers as one stack per kind (`jaxengine.models.qwen3_5_scan.stack_hybrid_layers`;
+    each layer's own index among its kind dropped, in place)."""
+    return stack_hybrid_layers(layers, self.config.layer_types)
+
+  @property
+  def num_layers(self) -> int:
+    """``L``, the decoder layers."""
+    return self.config.num_hidden_layers
+
+  @property
+  def stacked_paths(self) -> tuple[str, ...]:
+    """The state paths whose leaves have a leading layer axis (``("layers",)`` with
+    ``scan_layers``: both kinds' stacks; quantization and the mesh shardings skip that axis)."""
+    return ("layers",) if self.config.scan_layers else ()
 
   @property
   def num_moe_layers(self) -> int:

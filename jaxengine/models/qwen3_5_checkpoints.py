@@ -34,6 +34,7 @@ from jaxengine.models.hf_config_fields import (
   config_token_id,
 )
 from jaxengine.models.kv_cache import KVCacheSpec
+from jaxengine.models.layer_scan import stacked_weight_specs
 from jaxengine.models.weights import LeafPath, WeightSpec
 
 #: Families `config_from_hf` reads.
@@ -64,6 +65,11 @@ class Qwen3_5Config:
     num_experts_per_tok: ``k`` experts per token; their routing weights are renormalised.
     moe_intermediate_size: an expert's intermediate features.
     shared_expert_intermediate_size: the shared expert's (gated by ``sigmoid(w x)``).
+    scan_layers: the layers of each kind are stacked (every parameter ``[Ll, ...]`` for the
+      linear layers, ``[La, ...]`` for the full ones) and run as one `jax.lax.scan` over the
+      repeating group of `layer_types` (`layer_period` layers an iteration, the layers after
+      the last whole group unrolled: `jaxengine.models.qwen3_5_scan`), with stacked pages and
+      a stacked state pool; False: one module per layer.
   """
 
   vocab_size: int
@@ -93,6 +99,19 @@ class Qwen3_5Config:
   shared_expert_intermediate_size: int = 0
   #: The routed weights are renormalised to sum to one (`jaxengine.models.moe.route`).
   norm_topk_prob: bool = True
+  scan_layers: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+
+  @property
+  def layer_period(self) -> int:
+    """``P``, the length of the repeating group of `layer_types` (4 for Qwen3.5's three linear
+    layers and one full one; ``L`` when nothing repeats): layer ``i`` is of layer ``i % P``'s
+    kind."""
+    types = self.layer_types
+    return next((p for p in range(1, len(types) + 1) if types[p:] == types[: len(types) - p]), 1)
 
   @property
   def linear_layers(self) -> tuple[int, ...]:
@@ -108,6 +127,18 @@ class Qwen3_5Config:
   def attention_layers(self) -> tuple[int, ...]:
     """The full-attention layers, in order (their index is their KV cache layer's)."""
     return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+  @property
+  def layer_rows(self) -> tuple[tuple[tuple[str], int], ...]:
+    """Per layer, where a scanned model (`scan_layers`) keeps its weights: ``(("linear",), j)``
+    for the ``j``-th linear layer (row ``j`` of ``layers/linear``'s ``[Ll, ...]`` leaves) or
+    ``(("full",), j)`` for the ``j``-th full one
+    (`jaxengine.models.layer_scan.stacked_weight_specs`)."""
+    linear, full = self.linear_layers, self.attention_layers
+    return tuple(
+      (("linear",), linear.index(i)) if kind == LINEAR else (("full",), full.index(i))
+      for i, kind in enumerate(self.layer_types)
+    )
 
   @property
   def conv_dim(self) -> int:
@@ -135,6 +166,7 @@ class Qwen3_5Config:
       num_kv_heads=self.num_key_value_heads,
       head_dim=self.head_dim,
       dtype=dtype,
+      stacked=self.scan_layers,
     )
 
 
@@ -269,7 +301,9 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
   variants' sparse block instead, `_moe_specs`), then a linear
   layer's ``linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj,norm}.weight``,
   ``linear_attn.conv1d.weight``, ``linear_attn.A_log``, ``linear_attn.dt_bias``, or a full
-  layer's ``self_attn.{q,k,v,o}_proj.weight`` and ``self_attn.{q,k}_norm.weight``.
+  layer's ``self_attn.{q,k,v,o}_proj.weight`` and ``self_attn.{q,k}_norm.weight``. With
+  ``scan_layers`` the per-layer specs name rows of the stacked leaves (`Qwen3_5Config.
+  layer_rows`).
   """
   e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   h, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -320,6 +354,8 @@ def hf_weight_specs(cfg: Qwen3_5Config) -> list[WeightSpec]:
         specs.append(WeightSpec(name, leaf, None, shape))
     if cfg.num_experts:
       specs += _moe_specs(cfg, i)
+  if cfg.scan_layers:  # rows of the stacked [Ll, ...] and [La, ...] leaves
+    return stacked_weight_specs(specs, cfg.layer_rows)
   return specs
 
 

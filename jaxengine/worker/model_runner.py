@@ -102,7 +102,7 @@ class ModelRunner:
     #: The float model's checkpoint tensors by name (`load_weights` takes them), and the
     #: quantized matrices (`EngineConfig.quantization`) by leaf path (empty without).
     self.weight_specs, self.quantized = prepared.weight_specs, prepared.quantized
-    self._weight_loader = WeightLoader(self.weight_specs, self.quantized)
+    self._weight_loader = WeightLoader(self.weight_specs, self.quantized, prepared.layer_rows)
     self._graphdef, weights = nnx.split(model)
     # The engine's own variables around the same arrays (no copy): later in-place updates of
     # `model` (an optimizer step) do not reach the engine; `load_weights` does.

@@ -29,9 +29,8 @@ pages and `wake_up` puts back a zero pool of the same shapes and shardings (a sl
 written from position 0 on, so a zero pool needs no reset); fp8 pages
 (``kv_cache_dtype="fp8"``) leave the pool in the model's dtype.
 
-The state is otherwise kept only for a running request's own sequence, so the engine features that
-would need it elsewhere are refused when the engine is built (`check_hybrid_config`), each with a
-`ValueError` naming the feature and the model.
+Every engine feature carries the state; a mesh whose model axis does not divide the linear
+layers' key heads is refused when the engine is built (`check_hybrid_config`).
 """
 
 from __future__ import annotations
@@ -70,28 +69,19 @@ def recurrent_state_spec(model: Any) -> RecurrentStateSpec | None:
 
 
 def check_hybrid_config(model: Any, config: EngineConfig) -> None:
-  """Refuses the engine features a hybrid model's recurrent state does not carry yet.
+  """Refuses a mesh a hybrid model's recurrent state cannot be split over.
 
-  Refused (each a `ValueError` naming the feature, its value and the model's class):
-  ``scan_layers=True``; on a mesh, a model axis that does not divide the linear layers'
-  ``linear_num_key_heads`` (their heads, the pool's too, are split by key head:
-  `pool_shardings`). Nothing happens for a model without recurrent state. Every
-  ``speculative_config`` method (``"ngram"``, ``"suffix"``: both draft without a model) is
-  served: the state after the accepted drafts is kept (module docstring).
+  Refused (a `ValueError` naming the size and the model's class): a model axis that does not
+  divide the linear layers' ``linear_num_key_heads`` (their heads, the pool's too, are split by
+  key head: `pool_shardings`). Nothing happens for a model without recurrent state. Every other
+  engine feature carries the state: every ``speculative_config`` method (``"ngram"``,
+  ``"suffix"``: both draft without a model; the state after the accepted drafts is kept, module
+  docstring) and ``scan_layers`` (a scanned hybrid's pool is stacked per linear layer,
+  `jaxengine.models.qwen3_5_scan`).
   """
   if recurrent_state_spec(model) is None:
     return
   name = type(model).__name__
-  refused = [
-    ("scan_layers", config.scan_layers, config.scan_layers is True),
-  ]
-  for field, value, is_refused in refused:
-    if is_refused:
-      raise ValueError(
-        f"{field}={value!r} is not supported with the hybrid model {name} (Gated DeltaNet "
-        "layers keep a recurrent state per running request, which this feature does not carry "
-        "yet)"
-      )
   t = config.tensor_parallel_size if config.mesh is None else axis_size(config.mesh, MODEL)
   key_heads = model.config.linear_num_key_heads
   if key_heads % t:
@@ -118,9 +108,11 @@ def pool_shardings(pool: RecurrentState, mesh: Mesh) -> RecurrentState:
   """The pool's `NamedSharding`s on `mesh`, split by heads as the layers' weights are: each
   convolution window ``[S, K - 1, C]`` on its channels (grouped by key head,
   `jaxengine.models.gated_deltanet`), each delta-rule state ``[S, Hv, Dk, Dv]`` on its value
-  heads; the slots whole on every device (`check_hybrid_config` has checked the model axis
-  divides the heads)."""
-  conv, delta = NamedSharding(mesh, P(None, None, MODEL)), NamedSharding(mesh, P(None, MODEL))
+  heads; the slots (and a stacked pool's layers) whole on every device (`check_hybrid_config`
+  has checked the model axis divides the heads)."""
+  lead = (None,) if pool.is_stacked else ()  # a stacked pool's [Ll, ...] layer axis
+  conv = NamedSharding(mesh, P(*lead, None, None, MODEL))
+  delta = NamedSharding(mesh, P(*lead, None, MODEL))
   shardings: Any = ((conv,) * len(pool.conv), (delta,) * len(pool.delta))  # the pool's tree
   return RecurrentState(conv=shardings[0], delta=shardings[1])
 

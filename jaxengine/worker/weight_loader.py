@@ -25,7 +25,9 @@ from jaxengine.engine_config import EngineConfig
 from jaxengine.models.batch_invariant import batch_invariant_model
 from jaxengine.models.interface import Model, check_model
 from jaxengine.models.layer_scan import (
+  LayerRows,
   is_unrolled_state,
+  layer_rows,
   restacked,
   scanned_model,
   unrolled_leaves,
@@ -61,11 +63,14 @@ class PreparedModel:
     weight_specs: the float model's checkpoint tensors by name (`load_weights` takes float
       tensors of the quantized matrices too).
     quantized: the quantized matrices by leaf path; empty without `EngineConfig.quantization`.
+    layer_rows: where a scanned hybrid keeps each layer (`jaxengine.models.layer_scan.
+      layer_rows`), None for one stack or unrolled layers.
   """
 
   model: Model
   weight_specs: dict[str, WeightSpec]
   quantized: Mapping[LeafPath, QuantizedLeaf]
+  layer_rows: LayerRows | None = None
 
 
 def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -> PreparedModel:
@@ -105,7 +110,7 @@ def prepare_model(model: Model, input_batch: InputBatch, config: EngineConfig) -
       )
     done = quantize_model(model, config.quantization)  # a copy, as above
     model, quantized = done.model, done.leaves
-  return PreparedModel(model, specs, quantized)
+  return PreparedModel(model, specs, quantized, layer_rows(model))
 
 
 class WeightLoader:
@@ -114,13 +119,18 @@ class WeightLoader:
   Args:
     weight_specs: the float model's checkpoint tensors by name (`PreparedModel.weight_specs`).
     quantized: the quantized matrices by leaf path (`PreparedModel.quantized`).
+    rows: where each layer of a scanned hybrid is (`PreparedModel.layer_rows`), or None.
   """
 
   def __init__(
-    self, weight_specs: Mapping[str, WeightSpec], quantized: Mapping[LeafPath, QuantizedLeaf]
+    self,
+    weight_specs: Mapping[str, WeightSpec],
+    quantized: Mapping[LeafPath, QuantizedLeaf],
+    rows: LayerRows | None = None,
   ) -> None:
     self.weight_specs = weight_specs
     self.quantized = quantized
+    self.rows = rows
 
   def load(self, engine_weights: nnx.State, weights: Weights, *, complete: bool) -> nnx.State:
     """`engine_weights` with the leaves `weights` gives replaced; `engine_weights` is not
@@ -171,10 +181,10 @@ class WeightLoader:
     if isinstance(weights, (nnx.State, nnx.Module)) or is_pure_dict:
       self._refuse_quantized_state(weights)
       unrolled = is_unrolled_state(weights, leaves)  # a trainer's unrolled module, say
-      given = collect_state(weights, unrolled_leaves(leaves) if unrolled else leaves)
+      given = collect_state(weights, unrolled_leaves(leaves, self.rows) if unrolled else leaves)
       check_finite(given.items(), self._leaf_name)
       if unrolled:  # every layer checked: stacked now, for the scanned engine
-        given = restacked(given, leaves)
+        given = restacked(given, leaves, self.rows)
       new = {path: put(given[path], leaves[path]) for path in leaves}
       narrowed = [path for path in new if _narrows(given[path], leaves[path])]
     else:

@@ -55,6 +55,11 @@ FAMILIES = {
     top_k_experts=2, moe_intermediate_size=16, use_double_wide_mlp=True,
     final_logit_softcapping=30.0,
   ),
+  "qwen3_5": dict(  # the hybrid, 6 layers: one group of three linear and one full, two after
+    _TINY, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", num_hidden_layers=6,
+    head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
+    linear_num_value_heads=4, full_attention_interval=4,
+  ),
 }  # fmt: skip
 #: A tiny model at a head size every TPU kernel tiles (128): its whole precompile set compiles.
 WHOLE_SET = dict(_TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128)
@@ -160,7 +165,8 @@ def reports(tmp_path_factory) -> dict:
 def test_every_family_compiles_for_v5e_with_the_tpu_kernels(reports, name, topology):
   """The decode step of each family's tiny config and SmolLM2's (head sizes 8, 16, 64) compiles
   for one v5e chip and for four with tensor parallelism (SmolLM2's 9 heads over three), with the
-  Pallas attention kernel."""
+  Pallas attention kernel; the layers scanned, the default on TPU (Gemma 4 and the Qwen3.5 hybrid
+  with a stack per kind of layer, the hybrid's state pool stacked too)."""
   report = reports[f"{name}/{topology}"]
   assert report["error"] is None, report["error"]
   assert report["fits"] and report["device_kind"] == "TPU v5 lite"

@@ -184,7 +184,6 @@ def test_config_and_cache_layout_read_from_each_checkpoint(all_checkpoint, multi
 @pytest.mark.parametrize(
   "option, message",
   [
-    (dict(scan_layers=True), "scan_layers=True: Gemma4 models cannot"),
     (dict(enable_return_routed_experts=True), "enable_return_routed_experts=True needs"),
   ],
 )
@@ -242,7 +241,8 @@ import jaxengine as je
 params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
 prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
 kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=8)
-two = je.LLM(sys.argv[1], tensor_parallel_size=2, **kw).generate(prompts, params, use_tqdm=False)
+two = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw)
+two = two.generate(prompts, params, use_tqdm=False)
 for out in two:
   print(list(out.outputs[0].token_ids))
 """
@@ -250,7 +250,8 @@ for out in two:
 
 def test_two_device_mesh_gives_transformers_tokens(all_checkpoint):
   """Tensor parallelism over 2 devices (the pages' 2 heads split, the experts split per
-  expert): transformers' greedy tokens."""
+  expert) with the layers scanned (``scan_layers=True``: a stack per kind, the layer axis
+  unsplit): transformers' greedy tokens."""
   _, directory, hf_model = all_checkpoint
   out = run_python(MESH_SCRIPT, os.fspath(directory), timeout=900)
   got = [json.loads(line) for line in out.strip().splitlines()[-2:]]

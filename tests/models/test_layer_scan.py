@@ -231,7 +231,7 @@ def test_the_engine_default_and_the_refusals():
   assert scanned_model(gemma, None, platform="tpu").config.scan_layers
   assert scanned_model(gemma, None, platform="cpu") is gemma
 
-  class OtherConfig:  # a family without ``scan_layers`` (Gemma 4, Qwen3.5)
+  class OtherConfig:  # a family without ``scan_layers``
     pass
 
   with pytest.raises(ValueError, match="scan_layers=True: Other models cannot run their layers"):

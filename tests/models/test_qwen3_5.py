@@ -15,9 +15,10 @@ k-step loop gives a request the same bits alone, in a shuffled batch and in `tok
 fp8 pages beside the float32 state pool stay close to float32 pages; a "keep" pause with
 `load_weights` keeps each request's state as its pages (transformers' continuation of the old
 weights' cache through the new ones); sleep and wake free and rebuild the pool, same tokens.
-What the recurrent state does not carry yet (scanned layers) is refused; speculative decoding
-is checked in tests/spec_decode/test_speculative_hybrid.py. Nothing here touches the network
-(transformers takes its PyTorch fallbacks of the linear layers' kernels).
+The tensor-parallel engine runs its layers scanned (`jaxengine.models.qwen3_5_scan`; more in
+tests/models/test_qwen3_5_scan.py); speculative decoding is checked in
+tests/spec_decode/test_speculative_hybrid.py. Nothing here touches the network (transformers
+takes its PyTorch fallbacks of the linear layers' kernels).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ import json, os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jaxengine as je
 prompts, engine, max_tokens, adapter = json.loads(sys.argv[2])
-llm = je.LLM(sys.argv[1], tensor_parallel_size=2, **engine)
+llm = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **engine)
 params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
 lora = je.LoRARequest("all", 1, adapter)
 outputs = [
@@ -206,7 +207,7 @@ outputs = [
 ]
 runner = llm.llm_engine.cores[0].runner
 shard = lambda a: list(a.addressable_shards[0].data.shape)
-mixer = runner.weights["layers"][0]["mixer"]
+mixer = runner.weights["layers"]["linear"]["mixer"]  # scanned: [Ll, ...] stacks
 pool = runner.kv_cache.recurrent
 print(json.dumps(dict(
   w_qkv=shard(mixer["w_qkv"][...]), w_out=shard(mixer["w_out"][...]),
@@ -218,15 +219,16 @@ print(json.dumps(dict(
 
 
 def test_two_device_mesh_equals_one_device(checkpoint, llm, adapter):
-  """``tensor_parallel_size=2``: the Gated DeltaNet layers split by heads (``w_qkv``'s 80
-  channels, ``w_out``'s 48 inputs and the state pool's windows and value heads in halves), the
-  gated attention and the MLP as Llama's; chunked prefill and preemption as in the one-device
-  engine: its greedy tokens, and its prompt logprobs within 1e-4, without and with the LoRA
-  adapter (its slots split as their base projections)."""
+  """``tensor_parallel_size=2`` with the layers scanned (``scan_layers=True``: a stack per kind,
+  the state pool ``[Ll, S, ...]``, their layer axis unsplit): the Gated DeltaNet layers split by
+  heads (``w_qkv``'s 80 channels, ``w_out``'s 48 inputs and the state pool's windows and value
+  heads in halves), the gated attention and the MLP as Llama's; chunked prefill and preemption
+  as in the one-device (unrolled) engine: its greedy tokens, and its prompt logprobs within
+  1e-4, without and with the LoRA adapter (its slots split as their base projections)."""
   args = json.dumps([PROMPTS, ENGINE, MAX_TOKENS, adapter[0].lora_path])
   out = json.loads(run_python(MESH_SCRIPT, os.fspath(checkpoint[0]), args).splitlines()[-1])
-  assert out["w_qkv"] == [40, 32] and out["w_out"] == [32, 24]
-  assert out["conv"] == [4, 3, 40] and out["delta"] == [4, 2, 8, 12]
+  assert out["w_qkv"] == [3, 40, 32] and out["w_out"] == [3, 32, 24]
+  assert out["conv"] == [3, 4, 3, 40] and out["delta"] == [3, 4, 2, 8, 12]
   assert out["preempted"]
   one_device = _greedy_with_prompt_logprobs(llm)
   one_device += _greedy_with_prompt_logprobs(llm, lora_request=adapter[0])
@@ -679,18 +681,11 @@ def _module() -> Qwen3_5:
   return Qwen3_5(config_from_hf(hf, "qwen3_5"), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize(
-  "option",
-  [
-    dict(scan_layers=True),
-    dict(enable_return_routed_experts=True),  # a dense model: no MoE layers
-  ],
-  ids=lambda option: next(iter(option)),
-)
-def test_features_the_state_does_not_carry_are_refused(option):
-  field = next(iter(option))
-  with pytest.raises(ValueError, match=f"{field}=.*Qwen3_5"):
-    je.LLM(_module(), max_num_reqs=2, max_model_len=32, **option)
+def test_routed_experts_of_a_dense_hybrid_are_refused():
+  """A dense Qwen3.5 has no MoE layers whose experts `enable_return_routed_experts` could
+  return: refused by name."""
+  with pytest.raises(ValueError, match=r"enable_return_routed_experts=.*Qwen3_5"):
+    je.LLM(_module(), max_num_reqs=2, max_model_len=32, enable_return_routed_experts=True)
 
 
 def test_named_weights_give_back_the_checkpoint_tensors(checkpoint):
