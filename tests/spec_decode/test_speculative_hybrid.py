@@ -88,9 +88,9 @@ def _run(llm, params):
   [
     ("ngram", {}),
     ("suffix", {}),
-    ("ngram", {"num_decode_steps": 2, "batch_invariant": True}),
+    ("ngram", {"num_decode_steps": 2, "batch_invariant": True, "scan_layers": True}),
   ],
-  ids=["ngram", "suffix", "ngram-k-step-loop-batch-invariant"],
+  ids=["ngram", "suffix", "ngram-k-step-loop-batch-invariant-scanned"],
 )
 def test_outputs_equal_plain_decoding_with_drafts_accepted_and_rejected(
   model, plain, method, options
@@ -98,6 +98,7 @@ def test_outputs_equal_plain_decoding_with_drafts_accepted_and_rejected(
   llm = _llm(model, speculative_config=SPECS[method], **options)
   runner, scheduler = llm.llm_engine.runner, llm.llm_engine.cores[0].scheduler
   assert runner.kv_cache.recurrent.num_slots == 1 + ROWS * (K + 1)  # k + 1 slots per row
+  assert runner.model.config.scan_layers == options.get("scan_layers", False)
   loops = []
   execute = runner.execute_decode_steps
   runner.execute_decode_steps = lambda *a, **k: loops.append(1) or execute(*a, **k)
