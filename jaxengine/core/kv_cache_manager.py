@@ -176,10 +176,18 @@ class KVCacheManager:
     """
     needed = self.num_blocks_needed(num_tokens)
     if needed > self.block_pool.num_usable_blocks:
+      groups = ""
+      if self.num_groups > 1:  # each group of layers (full, each window) holds its own pages
+        per_group = [
+          max_group_blocks(w, num_tokens, self.block_size, self.max_num_batched_tokens)
+          for w in self.windows
+        ]
+        groups = f" ({' + '.join(map(str, per_group))} for its {self.num_groups} layer groups)"
       raise ValueError(
         f"a request of up to {num_tokens} tokens needs {needed} KV cache blocks of "
-        f"{self.block_size} tokens, but the pool has {self.block_pool.num_usable_blocks}; "
-        "raise kv_cache_memory_bytes / num_kv_blocks or lower max_tokens"
+        f"{self.block_size} tokens{groups}, but the pool has "
+        f"{self.block_pool.num_usable_blocks}; raise kv_cache_memory_bytes / num_kv_blocks or "
+        "lower max_tokens"
       )
 
   def get_block_ids(self, req_id: str) -> tuple[int, ...]:

@@ -69,10 +69,12 @@ def recurrent_state_spec(model: Any) -> RecurrentStateSpec | None:
 
 
 def check_hybrid_config(model: Any, config: EngineConfig) -> None:
-  """Refuses a mesh a hybrid model's recurrent state cannot be split over.
+  """Refuses a hybrid model without attention layers, and a mesh its recurrent state cannot be
+  split over.
 
-  Refused (a `ValueError` naming the size and the model's class): a model axis that does not
-  divide the linear layers' ``linear_num_key_heads`` (their heads, the pool's too, are split by
+  Refused (a `ValueError` naming the field and the model's class): ``layer_types`` without a
+  full-attention layer (the engine needs pages); a model axis that does not divide the linear
+  layers' ``linear_num_key_heads`` (their heads, the pool's too, are split by
   key head: `pool_shardings`). Nothing happens for a model without recurrent state. Every other
   engine feature carries the state: every ``speculative_config`` method (``"ngram"``,
   ``"suffix"``: both draft without a model; the state after the accepted drafts is kept, module
@@ -82,6 +84,11 @@ def check_hybrid_config(model: Any, config: EngineConfig) -> None:
   if recurrent_state_spec(model) is None:
     return
   name = type(model).__name__
+  if not model.config.attention_layers:
+    raise ValueError(
+      f"layer_types={list(model.config.layer_types)!r}: the hybrid model {name} needs at least "
+      "one full-attention layer (the engine keeps its tokens' keys and values in pages)"
+    )
   t = config.tensor_parallel_size if config.mesh is None else axis_size(config.mesh, MODEL)
   key_heads = model.config.linear_num_key_heads
   if key_heads % t:
@@ -143,9 +150,13 @@ def without_pool_bytes(config: EngineConfig, pool: RecurrentState) -> EngineConf
   pool_bytes = sum(a.addressable_shards[0].data.nbytes for a in (*pool.conv, *pool.delta))
   left = config.kv_cache_memory_bytes - pool_bytes
   if left <= 0:
+    drafts, snapshots = num_draft_states(config), num_snapshots(config)
+    parts = [f"{1 + drafts} a request (speculative decoding's draft states)"] if drafts else []
+    parts += [f"{snapshots} prefix-cache snapshots"] if snapshots else []
     raise ValueError(
       f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} does not hold the recurrent state "
-      f"of max_num_reqs={config.max_num_reqs} requests ({pool_bytes} bytes) and any page"
+      f"pool of max_num_reqs={config.max_num_reqs} requests ({pool.num_slots} slots with the "
+      f"null slot{': ' + ', '.join(parts) if parts else ''}; {pool_bytes} bytes) and any page"
     )
   return dataclasses.replace(config, kv_cache_memory_bytes=left)
 

@@ -91,6 +91,12 @@ def test_check_fits_names_the_numbers():
   manager.check_fits(16)
   with pytest.raises(ValueError, match=r"17 tokens needs 5 KV cache blocks of 4 tokens.*has 4"):
     manager.check_fits(17)
+  # Each group of layers (here three) holds pages of its own: the message adds them up.
+  grouped = KVCacheManager(9, block_size=BS, groups=kv_cache_groups(3, 4, (0, 2)))
+  with pytest.raises(
+    ValueError, match=r"needs 15 KV cache blocks of 4 tokens \(5 \+ 5 \+ 5 for its 3 "
+  ):
+    grouped.check_fits(17)
 
 
 def test_prefix_hit_shares_blocks_and_keeps_the_last_token_to_compute():
