@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from hf_checkpoints import config_dict, hf_config, random_tensors, write_checkpoint
+from hf_reference import random_peft_adapter
 
 import jaxengine as je
 from jaxengine.testing import count_compiles
@@ -46,12 +47,7 @@ def _write_adapter(base_dir, out_dir, seed: int, rank, alpha, targets, rslora) -
   config = peft.LoraConfig(
     r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0
   )
-  model = peft.get_peft_model(_base_model(base_dir), config)
-  with torch.no_grad():
-    for name, param in model.named_parameters():
-      if "lora_" in name:
-        param.normal_(0.0, 0.3)
-  model.save_pretrained(out_dir)
+  random_peft_adapter(_base_model(base_dir), config, out_dir)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import peft
 import pytest
 import safetensors.numpy
 import torch
+from hf_reference import random_peft_adapter
 from moe_checkpoints import hf_moe_model
 
 import jaxengine as je
@@ -41,13 +42,7 @@ def _adapter(model, directory, targets, parameters, seed: int) -> None:
     target_parameters=parameters or None,
     lora_dropout=0.0,
   )
-  wrapped = peft.get_peft_model(model, config)
-  torch.manual_seed(seed)
-  with torch.no_grad():
-    for name, param in wrapped.named_parameters():
-      if "lora_" in name:
-        param.normal_(0.0, 0.3)
-  wrapped.save_pretrained(directory)
+  random_peft_adapter(model, config, directory, seed)
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))

@@ -22,7 +22,7 @@ import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
-from hf_reference import hf_greedy, hf_prompt_logprobs
+from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from paged_utils import slot_step
 from subprocess_utils import run_python
 
@@ -141,13 +141,7 @@ def _write_adapter(case: str, directory: Path, out: Path) -> torch.nn.Module:
   config = peft.LoraConfig(
     r=4, lora_alpha=6, target_modules=LORA_TARGETS, use_rslora=True, lora_dropout=0.0
   )
-  adapted = peft.get_peft_model(model, config)
-  with torch.no_grad():
-    for name, param in adapted.named_parameters():
-      if "lora_" in name:
-        param.normal_(0.0, 0.3)
-  adapted.save_pretrained(out)
-  return adapted.eval()
+  return random_peft_adapter(model, config, out)
 
 
 def test_lora_adapter_matches_transformers_with_peft(checkpoint, tmp_path):

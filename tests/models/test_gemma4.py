@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hf_reference import hf_greedy, hf_prompt_logprobs
+from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -289,14 +289,7 @@ def test_lora_adapter_matches_transformers_with_peft(all_checkpoint, tmp_path):
     r=4, lora_alpha=6, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
     target_parameters=["experts.gate_up_proj", "experts.down_proj"],
   )  # fmt: skip
-  adapted = peft.get_peft_model(model, config)
-  torch.manual_seed(5)
-  with torch.no_grad():
-    for name, param in adapted.named_parameters():
-      if "lora_" in name:
-        param.normal_(0.0, 0.3)
-  adapted.save_pretrained(tmp_path / "adapter")
-  adapted.eval()
+  adapted = random_peft_adapter(model, config, tmp_path / "adapter", seed=5)
   llm = je.LLM(
     directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=4
   )

@@ -34,7 +34,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_reference import hf_greedy, hf_prompt_logprobs
+from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -131,13 +131,8 @@ def adapter(checkpoint, tmp_path_factory):
   torch.manual_seed(1)
   base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32)
   config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
-  model = peft.get_peft_model(base, config)
-  with torch.no_grad():
-    for name, param in model.named_parameters():
-      if "lora_" in name:
-        param.normal_(0.0, 0.3)
-  model.save_pretrained(directory)
-  return je.LoRARequest("all", 1, str(directory)), model.base_model.model.eval()
+  model = random_peft_adapter(base, config, directory)
+  return je.LoRARequest("all", 1, str(directory)), model.base_model.model
 
 
 def _greedy_with_prompt_logprobs(llm, prompts=PROMPTS, lora_request=None):
@@ -402,14 +397,7 @@ def test_moe_peft_adapter_on_experts_shared_expert_and_mixers(moe_checkpoint, tm
     target_modules=["q_proj", "o_proj", "in_proj_qkv", "gate_proj", "up_proj", "down_proj"],
     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
   )  # fmt: skip
-  adapted = peft.get_peft_model(base, config)
-  torch.manual_seed(2)
-  with torch.no_grad():
-    for name, param in adapted.named_parameters():
-      if "lora_" in name:
-        param.normal_(0.0, 0.3)
-  adapted.save_pretrained(tmp_path / "adapter")
-  adapted.eval()
+  adapted = random_peft_adapter(base, config, tmp_path / "adapter", seed=2)
   llm = je.LLM(directory, **{**ENGINE, "max_num_reqs": 2})
   request = je.LoRARequest("moe", 1, str(tmp_path / "adapter"))
   manager = llm.llm_engine.runner.lora
@@ -676,9 +664,30 @@ def test_sleep_frees_the_state_pool_and_wake_up_gives_the_same_tokens(llm):
   assert _free_state_slots(llm) == 3
 
 
-def _module() -> Qwen3_5:
-  hf = transformers.Qwen3_5TextConfig(**TEXT).to_dict()
+def _module(**fields) -> Qwen3_5:
+  hf = transformers.Qwen3_5TextConfig(**{**TEXT, **fields}).to_dict()
   return Qwen3_5(config_from_hf(hf, "qwen3_5"), rngs=nnx.Rngs(0))
+
+
+def test_a_hybrid_without_attention_layers_is_refused_by_name():
+  """Pages hold the attention layers' keys and values: a model of linear layers only is refused
+  naming its ``layer_types``."""
+  model = _module(num_hidden_layers=3, layer_types=["linear_attention"] * 3)
+  with pytest.raises(ValueError, match=r"layer_types=.*needs at least one full-attention layer"):
+    je.LLM(model, max_num_reqs=2, max_model_len=32, block_size=4)
+
+
+def test_a_memory_too_small_for_the_state_pool_names_its_slots():
+  """With prefix caching and drafts, the pool's slots (the null slot, ``k + 1`` a request, the
+  snapshots) are named where the memory is too small for them."""
+  spec = {"method": "ngram", "num_speculative_tokens": 3}
+  with pytest.raises(
+    ValueError,
+    match=r"\(21 slots with the null slot: 4 a request .*"
+    r"speculative decoding's draft states\), 4 prefix-cache snapshots; ",
+  ):
+    je.LLM(_module(), max_num_reqs=4, max_model_len=32, block_size=4, kv_cache_memory_bytes=4096,
+           enable_prefix_caching=True, speculative_config=spec)  # fmt: skip
 
 
 def test_routed_experts_of_a_dense_hybrid_are_refused():
