@@ -273,8 +273,7 @@ def test_mixed_steps_compile_nothing_after_warm_up(spec):
     je.SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=s, logprobs=lp)
     for t, m, s, lp in ((0, 20, None, None), (1.0, 9, 3, 1), (0.5, 30, None, None))
   ]
-  spec.generate(PROMPTS, params, use_tqdm=False)  # warm-up: three rows, then fewer
-  spec.generate(PROMPTS[:1], params[1:2], use_tqdm=False)  # and a prompt alone
+  spec.generate(PROMPTS, params, use_tqdm=False)
   steps = spec.llm_engine.spec_decode_stats.num_spec_steps
   with count_compiles() as compiles:
     spec.generate(PROMPTS[::-1], params, use_tqdm=False)
