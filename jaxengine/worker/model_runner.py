@@ -18,16 +18,11 @@ buildable without device arrays), each step's inputs (`worker/step_inputs.py`, `
 (`worker/buckets.py`) and sleep (`worker/sleep_mode.py`: buffers freed and put back with the same
 shapes, shardings and commitment, so waking compiles nothing).
 
-Compiles are bounded by the buckets: one model step (`ragged_forward`) per (token bucket, row
-bucket) reached (`step_buckets`; with prompt logprobs another executable), one sampler step per row
-bucket of 8 rows or more (`sample_rows`), with `speculative_config` one verify step per (token
-bucket, row bucket), with `num_decode_steps` k > 1 one k-step decode loop per row bucket;
-`worker/precompile.py` runs them all. With `reuse_compiled_shapes`, a step whose bucket has not
-compiled yet runs in a larger compiled one for its first few uses (`StepShapes`). The block-table
-width is fixed at `ceil(max_model_len / block_size)` pages (the XLA attention loops only over the
-pages the step's longest context needs). On a mesh (`EngineConfig.mesh`) weights, pages and batch
-state are placed once (`worker/placement.py`) and every step declares those shardings, so serving
-compiles nothing warm-up did not.
+Compiles are bounded by the buckets (`worker/buckets.py`): a model step per (token bucket, row
+bucket) reached (and one with prompt logprobs), a sampler per row bucket of 8 rows or more, a
+verify step per (token, row) bucket with `speculative_config`, a k-step loop per row bucket with
+`num_decode_steps` > 1; `worker/precompile.py` runs them all. On a mesh, weights, pages and
+batch state are placed once (`worker/placement.py`) with the shardings every step declares.
 """
 
 from __future__ import annotations
@@ -229,6 +224,11 @@ class ModelRunner:
   def weights_on_host(self) -> bool:
     """Whether sleep level 1 holds the weights in host memory (until `wake_up` of the weights)."""
     return self._sleep.host_weights is not None
+
+  @property
+  def weights_discarded(self) -> bool:
+    """Whether sleep level 2 discarded the weights and `load_weights` has not refilled them."""
+    return self._sleep.weights_discarded
 
   def check_awake(self) -> None:
     """Refuses to run steps while asleep or without weights (RuntimeError, on the host)."""
