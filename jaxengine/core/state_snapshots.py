@@ -198,5 +198,6 @@ def step_states(
   own, drafts = slots.step_slots(num_scheduled, spec_token_ids)
   routes = {} if snapshots is None else snapshots.routes(num_scheduled, running, slots)
   if slots.group_size > 1:  # speculative decoding: every row routed (its draft slots)
-    routes = {s: routes.get(s, StateRoute(slots.slot(s)))._replace(drafts=drafts[s]) for s in own}
+    plain = {s: routes.get(s, StateRoute(slots.slot(s))) for s in own}
+    routes = {s: StateRoute(*route[:3], drafts=drafts[s]) for s, route in plain.items()}
   return StepStates(own, routes)

@@ -215,7 +215,8 @@ class StepRows(NamedTuple):
     after = jnp.where(drafts != NULL_STATE_SLOT, jnp.arange(1, drafts.shape[1] + 1), 0)
     snapshots = jnp.concatenate([routes[:, 2:3], drafts], axis=1)  # [R, 1 + k]
     lens = jnp.concatenate([routes[:, 3:4], after], axis=1)
-    return rows._replace(
+    return cls(
+      *rows[:5],
       sources=jnp.where(is_real, routes[:, 1], NULL_STATE_SLOT),
       snapshots=jnp.where(is_real[:, None], snapshots, NULL_STATE_SLOT),
       snapshot_lens=jnp.where(is_real[:, None], lens, 0),

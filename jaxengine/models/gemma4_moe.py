@@ -2,7 +2,7 @@
 
 It differs from `jaxengine.models.moe.SparseMoeBlock` (Qwen3-MoE, Mixtral) in its router and its
 experts, and reuses that module's routing (`jaxengine.models.moe.route`) and grouped matmuls
-(`jaxengine.models.moe.grouped_linear`):
+(`jaxengine.models.grouped_matmul.grouped_linear`):
 
 - router: the block's input ``x`` (the layer's residual stream before its MLP) normalised
   without a scale, times a learned ``[E]`` scale and ``E ** -0.5``, projected to ``[X]`` logits;
@@ -26,9 +26,10 @@ from flax import nnx
 
 from jaxengine.models.gemma4_config import Gemma4Config
 from jaxengine.models.gemma_config import ACTIVATIONS
+from jaxengine.models.grouped_matmul import grouped_linear
 from jaxengine.models.layers import linear, normal_init, normal_out_in
 from jaxengine.models.lora import LayerLoRA
-from jaxengine.models.moe import grouped_linear, route
+from jaxengine.models.moe import route
 from jaxengine.models.moe_lora import add_expert_lora
 from jaxengine.reductions import fixed_sum
 

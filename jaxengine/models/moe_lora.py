@@ -9,7 +9,7 @@ what PEFT computes for the fused experts of transformers (``target_parameters``)
 expert's matrix becomes ``W_e + scale * B_e A_e``.
 
 Both products are grouped matmuls over the same sorted rows and group sizes as the experts
-themselves (`jaxengine.models.moe.grouped_linear`: one ragged dot on GPU and TPU), with the
+themselves (`jaxengine.models.grouped_matmul.grouped_linear`: one ragged dot on GPU and TPU), with the
 slots side by side: ``A`` as ``[X, in, N * R]`` (each row against its expert's ``A`` of every
 slot), a mask keeping the row's own slot, then ``B`` as ``[X, N * R, out]``. The products run in
 the rows' dtype (the model's), as the experts do.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.grouped_matmul import grouped_linear
 from jaxengine.models.lora import LayerLoRA
 
 __all__ = ["EXPERT_TARGET_OF", "add_expert_lora", "expert_lora_shapes"]
@@ -65,13 +66,11 @@ def add_expert_lora(
     target: the expert target (`jaxengine.models.lora.EXPERT_LORA_TARGETS`).
     row_tokens: ``[M] int`` the token of each sorted row (its index into ``lora.slots``).
     group_sizes: ``[X] int32`` rows per expert.
-    batch_invariant: row-tiled grouped products (`jaxengine.models.moe.grouped_linear`).
+    batch_invariant: row-tiled grouped products (`jaxengine.models.grouped_matmul.grouped_linear`).
 
   Returns:
     ``[M, out]`` in `y`'s dtype.
   """
-  from jaxengine.models.moe import grouped_linear  # moe imports this module
-
   if lora is None or target not in lora.weights:
     return y
   a, b = lora.weights[target]  # [N + 1, X, in, R], [N + 1, X, R, out]

@@ -13,7 +13,7 @@ A channel of zeros gets scale 0 and values 0. The activations stay in the model 
 multiplies them with the values cast to that dtype, then the ``[out]`` result by the channel's scale
 (`jaxengine.models.layers.linear`): exact per output channel, ``x @ (s * q).T == (x @ q.T) * s``.
 The experts' grouped product does the same with each sorted row's own expert's ``[out]`` scales
-(`jaxengine.models.moe.grouped_linear`). The token embedding, the output head, the norms, the
+(`jaxengine.models.grouped_matmul.grouped_linear`). The token embedding, the output head, the norms, the
 biases and a mixture of experts' router stay in the model dtype.
 
 On a mesh `ModelRunner` places the float weights first (`jaxengine.worker.placement.placed_copy`)

@@ -25,10 +25,11 @@ from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.engine import EngineConfig
-from jaxengine.models import load_safetensors, moe, token_logprobs
+from jaxengine.models import grouped_matmul, load_safetensors, token_logprobs
 from jaxengine.models.batch_invariant import ROW_TILE
+from jaxengine.models.grouped_matmul import grouped_linear
 from jaxengine.models.llama_checkpoints import config_from_gguf
-from jaxengine.models.moe import grouped_linear, route
+from jaxengine.models.moe import route
 from jaxengine.parallel import check_experts
 
 PROMPT = [5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41, 12, 60, 2, 19, 44, 81, 9, 26]  # 19 tokens
@@ -184,13 +185,13 @@ def test_both_grouped_products_agree(product, monkeypatch):
   """The GPU/TPU form (`ragged_dot_general`, lowered densely on CPU) and the CPU form, whole or
   8 rows at a time (19 rows here: three chunks, the last one padded)."""
   if product == "chunked":
-    monkeypatch.setattr(moe, "CPU_PRODUCT_BYTES", 1)
+    monkeypatch.setattr(grouped_matmul, "CPU_PRODUCT_BYTES", 1)
     product = "_every_group_then_pick"
   rng = np.random.default_rng(1)
   sizes = np.array([0, 4, 1, 0, 7, 2], np.int32)
   x = rng.standard_normal((19, 12)).astype(np.float32)
   w = rng.standard_normal((len(sizes), 12, 5)).astype(np.float32)
-  got = np.asarray(jax.jit(getattr(moe, product))(x, w, sizes))
+  got = np.asarray(jax.jit(getattr(grouped_matmul, product))(x, w, sizes))
   np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
 
 

@@ -34,7 +34,7 @@ from moe_checkpoints import hf_moe_model
 import jaxengine as je
 from jaxengine.engine.engine_flags import add_engine_flags, engine_flag_options
 from jaxengine.engine_config import EngineConfig
-from jaxengine.models import moe, token_logprobs
+from jaxengine.models import grouped_matmul, token_logprobs
 from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_checkpoints import config_from_hf
 from jaxengine.models.quantization import FORMATS, dequantize_rows, quantize_model, quantize_rows
@@ -274,7 +274,7 @@ def test_grouped_linear_with_scales_equals_the_dequantized_product(
   dequantized experts, in either grouped product (the GPU/TPU ragged dot, lowered densely on
   CPU, or the CPU form), rows past the groups zero."""
   if product == "ragged":
-    monkeypatch.setattr(moe, "_every_group_then_pick", moe._ragged)
+    monkeypatch.setattr(grouped_matmul, "_every_group_then_pick", grouped_matmul._ragged)
   rng = np.random.default_rng(0)
   sizes = jnp.asarray([3, 0, 6, 4], jnp.int32)  # an empty expert; 13 + 2 rows past the groups
   x = jnp.asarray(rng.standard_normal((15, 24)), jnp.float32)
@@ -284,8 +284,9 @@ def test_grouped_linear_with_scales_equals_the_dequantized_product(
   np.testing.assert_allclose(
     rows.scale, np.abs(np.asarray(w)).max(1) / FORMATS[quantization].max_value, rtol=1e-6
   )
-  got = moe.grouped_linear(x, rows.values, sizes, scale=rows.scale, batch_invariant=batch_invariant)
-  want = moe.grouped_linear(x, dequantize_rows(rows), sizes, batch_invariant=batch_invariant)
+  grouped = grouped_matmul.grouped_linear
+  got = grouped(x, rows.values, sizes, scale=rows.scale, batch_invariant=batch_invariant)
+  want = grouped(x, dequantize_rows(rows), sizes, batch_invariant=batch_invariant)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert not np.asarray(got[13:]).any()

@@ -132,22 +132,23 @@ def test_the_scanned_step_does_not_grow_with_the_groups():
   assert abs(_compiled_instructions(16) - _compiled_instructions(8)) <= 10
 
 
-def _adapter():
-  """A random rank-4 adapter on a linear layer's, the full layer's and the MLP's projections of
-  every layer (a layer uses the targets of its kind), made in memory."""
+def _adapter(model):
+  """A random rank-4 adapter on a linear layer's, the full layer's and the MLP's projections,
+  each on the layers that have it (`Qwen3_5.lora_target_layers`), made in memory."""
   from jaxengine.lora import lora_adapter_from_arrays
 
   rng = np.random.default_rng(1)
   shapes = {
     "in_proj_qkv": (32, 80), "out_proj": (48, 32), "q_proj": (32, 128), "down_proj": (48, 32),
   }  # fmt: skip
+  layers = {**model.lora_target_layers(), "down_proj": tuple(range(10))}
   pairs = {
     (layer, target): (
       rng.standard_normal((n_in, 4)).astype(np.float32) * 0.3,
       rng.standard_normal((4, n_out)).astype(np.float32) * 0.3,
     )
-    for layer in range(10)
     for target, (n_in, n_out) in shapes.items()
+    for layer in layers[target]
   }
   return lora_adapter_from_arrays(1, pairs)
 
@@ -176,7 +177,7 @@ def test_scanned_engine_gives_the_unrolled_models_bits():
   scored = dataclasses.replace(params, prompt_logprobs=0)  # (a request that is never a hit)
   lora = je.LoRARequest("trainer", 1, "in memory")
   llm = je.LLM(model, scan_layers=True, **ENGINE)
-  llm.load_lora_weights(lora, _adapter())
+  llm.load_lora_weights(lora, _adapter(model))
   runner = llm.llm_engine.runner
   assert runner.kv_cache.stacked_layers == 2 and runner.kv_cache.recurrent.is_stacked
   # the steps in their largest shape only: one step to compile per mode

@@ -34,7 +34,7 @@ from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 from jaxengine.models.attention_backends import PallasTpuAttentionBackend
 from jaxengine.models.kv_cache import KVCacheSpec
-from jaxengine.models.moe import grouped_linear
+from jaxengine.models.grouped_matmul import grouped_linear
 from jaxengine.models.paged_attention import FP8_KV_DTYPE, PagedAttentionMetadata
 
 topology = topologies.get_topology_desc(
