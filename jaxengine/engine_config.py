@@ -180,8 +180,7 @@ class EngineConfig:
       with `jaxengine.LoRARequest` (vLLM's name; default False). Adapters stay unmerged: the
       base weights are untouched and each token adds its own adapter's ``scale * B (A x)``
       (`jaxengine.models.lora`), so one step mixes base and adapter requests. Needs a model
-      with ``lora_target_shapes`` (`jaxengine.models.Llama` with its mixtures of experts,
-      `jaxengine.models.Gemma`, Gemma 4, Qwen3.5);
+      with ``lora_target_shapes`` (every built-in family, mixtures of experts' experts too);
       composes with `num_decode_steps` > 1, `speculative_config`, `batch_invariant` and a mesh
       (`tensor_parallel_size` > 1: the adapters' slots split as their base projections,
       `jaxengine.parallel.lora_specs`; `data_parallel_size` > 1: slots in every group).
@@ -203,9 +202,8 @@ class EngineConfig:
       placed float weights: the values keep the float weight's sharding, the scales are split
       like its output axes or replicated (`jaxengine.parallel`).
     scan_layers: the decoder layers as one `jax.lax.scan` over stacked weights and a stacked KV
-      cache, compile time flat with depth (`jaxengine.models.layer_scan`; Llama, Gemma 2 and 3
-      by local/global group, Gemma 4 and Qwen3.5 with a stack per kind of layer, True refused
-      for others). None: on TPU and GPU, not on CPU.
+      cache, compile time flat with depth (`jaxengine.models.layer_scan`: a stack per kind of
+      layer; not a Llama mixing dense and MoE layers). None: on TPU and GPU, not on CPU.
     enable_return_routed_experts: give each finished completion the experts a
       mixture-of-experts model's router chose at every position (vLLM's name;
       `CompletionOutput.routed_experts`, `jaxengine/worker/routed_experts.py`), for RL

@@ -13,9 +13,7 @@ The scheduler asks this manager three things each step, for each request it sche
 
 Full blocks of known tokens are registered under their hash-chain digests as they are allocated,
 so requests admitted later share them by reference (`block_pool.BlockPool`). The `n` samples of
-one request share the prompt's full blocks through `fork`.
-
-Shapes and sizes are host integers; nothing here touches the device.
+one request share the prompt's full blocks through `fork`. Host integers: no device work here.
 """
 
 from __future__ import annotations
@@ -172,22 +170,15 @@ class KVCacheManager:
       num_tokens: the most tokens the request can hold (prompt plus `max_tokens`).
 
     Raises:
-      ValueError: naming the tokens, the blocks they need and the blocks the pool has.
+      ValueError: naming the tokens, the blocks they need (in all groups) and the pool's.
     """
     needed = self.num_blocks_needed(num_tokens)
     if needed > self.block_pool.num_usable_blocks:
-      groups = ""
-      if self.num_groups > 1:  # each group of layers (full, each window) holds its own pages
-        per_group = [
-          max_group_blocks(w, num_tokens, self.block_size, self.max_num_batched_tokens)
-          for w in self.windows
-        ]
-        groups = f" ({' + '.join(map(str, per_group))} for its {self.num_groups} layer groups)"
+      groups = f" in all of its {self.num_groups} layer groups" if self.num_groups > 1 else ""
       raise ValueError(
         f"a request of up to {num_tokens} tokens needs {needed} KV cache blocks of "
-        f"{self.block_size} tokens{groups}, but the pool has "
-        f"{self.block_pool.num_usable_blocks}; raise kv_cache_memory_bytes / num_kv_blocks or "
-        "lower max_tokens"
+        f"{self.block_size} tokens{groups}, but the pool has {self.block_pool.num_usable_blocks}; "
+        "raise kv_cache_memory_bytes / num_kv_blocks or lower max_tokens"
       )
 
   def get_block_ids(self, req_id: str) -> tuple[int, ...]:
