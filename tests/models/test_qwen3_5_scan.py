@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from weight_checks import assert_load_weights_fill_the_stacks
 
 import jaxengine as je
 from jaxengine.models import sequence_logits, token_logprobs
@@ -208,17 +209,7 @@ def test_scanned_engine_gives_the_unrolled_models_bits():
     llm.generate([sibling], params, lora_request=lora, use_tqdm=False)
   assert compiles.count == 0
   other = _model(seed=7)
-  new = {name: np.asarray(a) for name, a in named_weights(other)}
-  llm.load_weights(new)
-  got = dict(named_weights(llm.llm_engine.runner.model))
-  assert got.keys() == new.keys()
-  for name, tensor in new.items():
-    np.testing.assert_array_equal(np.asarray(got[name]), tensor, err_msg=name)
-  trainer = _model(seed=3)
-  llm.load_weights(trainer)  # a trainer's unrolled module: checked per layer, then stacked
-  got = dict(named_weights(llm.llm_engine.runner.model))
-  for name, tensor in named_weights(trainer):
-    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
+  assert_load_weights_fill_the_stacks(llm, other, _model(seed=3))  # a trainer's unrolled module
   broken = nnx.state(other)
   broken["layers"][5]["mixer"]["w_qkv"] = nnx.Param(jnp.zeros((80, 16)))
   with pytest.raises(ValueError, match=r"layers\.5\.mixer\.w_qkv: expected shape \(80, 32\)"):
