@@ -12,6 +12,7 @@ from byte_tokenizer import byte_tokenizer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.batch.step_queue import MAX_PENDING_STEPS
@@ -117,8 +118,9 @@ def _assert_same_logprobs(got, want, atol: float = 1e-5) -> None:
 def test_async_outputs_equal_synchronous_outputs(model, tokenizer, options):
   """Greedy and seeded requests with every per-request feature produce the same tokens, text,
   finish reasons and logprobs whether steps overlap or not."""
-  synchronous = _engine(model, tokenizer, False, **options)
-  overlapped = _engine(model, tokenizer, None, **options)
+  # Both in one step shape: overlap, not bucket choice, is the point (they pad alike).
+  synchronous = one_shape(_engine(model, tokenizer, False, **options))
+  overlapped = one_shape(_engine(model, tokenizer, None, **options))
   assert overlapped.config.scheduling_overlaps and not synchronous.config.scheduling_overlaps
   requests = _mix()
   want = _generate(synchronous, requests)
@@ -134,14 +136,15 @@ def test_speculative_decoding_reads_the_step_in_flight_before_drafting(model, to
   scheduling is on by default and each step reads the one in flight before drafting; the
   outputs are the plain engine's and drafts are accepted."""
   spec = {"method": "ngram", "num_speculative_tokens": 3}
-  engine = _engine(model, tokenizer, None, speculative_config=spec)
+  engine = one_shape(_engine(model, tokenizer, None, speculative_config=spec))
   assert engine.config.scheduling_overlaps
   engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
   requests = [
     ("ab ab ab ab ab ab", je.SamplingParams(temperature=0, max_tokens=24)),
     ("cd cd cd cd", je.SamplingParams(temperature=0.8, seed=4, max_tokens=16, logprobs=1)),
   ]
-  _assert_same(_generate(engine, requests), _generate(_engine(model, tokenizer, None), requests))
+  plain = one_shape(_engine(model, tokenizer, None))
+  _assert_same(_generate(engine, requests), _generate(plain, requests))
   assert engine.spec_decode_stats.num_accepted_tokens > 0
 
 
@@ -150,7 +153,7 @@ def test_a_step_is_read_while_the_next_runs(model, tokenizer):
   token of the step before. The step that reaches the length limit is read before anything more
   is scheduled (the request never runs a step past it), in the next call rather than with the
   step before it: one token per call, so that a stream gets one chunk per token, the last too."""
-  engine = _engine(model, tokenizer, None)
+  engine = one_shape(_engine(model, tokenizer, None))
   engine.add_request("a", "hi", je.SamplingParams(temperature=0, max_tokens=3))
   assert engine.step() == []
   assert engine.has_unfinished_requests()
@@ -189,7 +192,7 @@ def test_precompiled_async_engine_compiles_no_step_more(model, tokenizer):
   """The compile bound is unchanged: after `precompile`, a mixed workload adds no executable of
   the model or sampler steps (prompt logprobs, whose variant precompile does not build, left
   out)."""
-  engine = _engine(model, tokenizer, None, max_num_batched_tokens=64)
+  engine = _engine(model, tokenizer, None, max_num_batched_tokens=16)
   assert engine.precompile(use_tqdm=False)
   runner = engine.runner
   steps = (runner.ragged_forward, runner.sample_produced)
@@ -264,10 +267,12 @@ class AsyncEngineMachine(RuleBasedStateMachine):
   def __init__(self) -> None:
     super().__init__()
     model = tiny_llama(vocab_size=64, max_position_embeddings=64)[0]
-    if AsyncEngineMachine.engines is None:
+    if AsyncEngineMachine.engines is None:  # in one step shape each: they pad alike
       AsyncEngineMachine.engines = (
-        LLMEngine(model, None, max_num_reqs=3, max_model_len=40, num_kv_blocks=10, block_size=4),
-        LLMEngine(model, None, max_num_reqs=3, max_model_len=40, async_scheduling=False),
+        one_shape(
+          LLMEngine(model, None, max_num_reqs=3, max_model_len=40, num_kv_blocks=10, block_size=4)
+        ),
+        one_shape(LLMEngine(model, None, max_num_reqs=3, max_model_len=40, async_scheduling=False)),
       )
     self.engine, self.reference = AsyncEngineMachine.engines
     self.requests: dict[str, tuple[list[int], je.SamplingParams]] = {}
@@ -418,7 +423,7 @@ def test_a_kept_pause_equals_an_uninterrupted_run(model, tokenizer, options):
   chunk) loses nothing: greedy and seeded outputs (tokens, text, logprobs) are those of an
   uninterrupted run on the same engine, and a request added while paused starts after resume
   with the output it gets on its own."""
-  engine = _engine(model, tokenizer, None, max_num_batched_tokens=16, **options)
+  engine = one_shape(_engine(model, tokenizer, None, max_num_batched_tokens=16, **options))
   engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
   want = _generate(engine, _PAUSED_MIX)
   want_held = _generate(engine, _PAUSED_MIX[:1])["0"]
@@ -435,7 +440,7 @@ def test_wait_and_abort_pauses_and_bad_modes(model, tokenizer):
   """ "wait" returns once the requests in the engine have finished (their outputs returned);
   "abort" ends them now with finish reason "abort" and the tokens and logprobs they had, freeing
   their rows and pages; a bad mode is refused and changes nothing."""
-  engine = _engine(model, tokenizer, None)
+  engine = one_shape(_engine(model, tokenizer, None))
   for bad in ("stop", None, 1):
     with pytest.raises(
       ValueError, match=f"mode must be one of 'keep', 'wait', 'abort', got {bad!r}"
@@ -484,7 +489,7 @@ def test_weight_versions_are_stamped_across_a_load_while_paused(model, tokenizer
 
   from jaxengine.testing import count_compiles
 
-  engine = _engine(model, tokenizer, None)
+  engine = one_shape(_engine(model, tokenizer, None))
   weights = nnx.state(model)
   engine.add_request("a", "ab ab ab", je.SamplingParams(temperature=0, max_tokens=12))
   engine.add_request("b", "cd", je.SamplingParams(temperature=0.8, seed=1, max_tokens=12, n=2))

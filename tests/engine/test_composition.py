@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 from byte_tokenizer import byte_tokenizer
+from step_shapes import one_shape
 from test_async_scheduling import _assert_same as assert_same_outputs
 from test_async_scheduling import _generate
 
@@ -88,9 +89,11 @@ class _Counts:
 
 
 def _engine(model, tokenizer, **options) -> LLMEngine:
+  """An engine over SMALL whose steps run in one shape (4 rows, 16 tokens): the features'
+  composition is the point here, and the engines compared pad alike (`one_shape`)."""
   engine = LLMEngine(model, tokenizer, **SMALL, logits_processors=[TargetOnly], **options)
   engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
-  return engine
+  return one_shape(engine)
 
 
 def _assert_same(got: dict[str, je.RequestOutput], want: dict[str, je.RequestOutput]) -> None:

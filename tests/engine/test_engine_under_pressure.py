@@ -19,6 +19,7 @@ import re
 import numpy as np
 import pytest
 from cacheless import assert_greedy_is_argmax, assert_logprobs_match
+from step_shapes import one_shape
 from test_rollout import assert_same_outputs, run_engine
 
 import jaxengine as je
@@ -95,16 +96,19 @@ _PRECOMPILE: dict[str, int] = {}
 
 @functools.cache
 def _engine(name: str) -> LLMEngine:
+  """The engine `name`; all but the precompiled one run their steps in one shape (`one_shape`):
+  paging, preemption and chunks are the point here, and the precompiled engine, in every bucket,
+  still compares with the plain one."""
   model, tokenizer = _model_and_tokenizer()
   if name == "plain":
-    return LLMEngine(model, tokenizer, **COMMON, **PLAIN)
-  if name == PRECOMPILED:
-    device_steps.clear()  # its executables alone: no other engine of this module shares them
+    return one_shape(LLMEngine(model, tokenizer, **COMMON, **PLAIN))
+  if name != PRECOMPILED:
+    return one_shape(LLMEngine(model, tokenizer, **COMMON, **PAGED[name]))
+  device_steps.clear()  # its executables alone: no other engine of this module shares them
   engine = LLMEngine(model, tokenizer, **COMMON, **PAGED[name])
-  if name == PRECOMPILED:
-    with count_compiles() as compiles:
-      _PRECOMPILE["shapes"] = engine.precompile(use_tqdm=False)
-    _PRECOMPILE["compiles"] = compiles.count
+  with count_compiles() as compiles:
+    _PRECOMPILE["shapes"] = engine.precompile(use_tqdm=False)
+  _PRECOMPILE["compiles"] = compiles.count
   return engine
 
 
@@ -261,9 +265,9 @@ def test_structured_outputs_and_a_logits_processor_hold_under_preemption_and_chu
     ([8, 9], SP(temperature=0.9, seed=2, max_tokens=8, structured_outputs=so(regex="[ab]{2,5}"))),
     ([10, 11, 12], SP(temperature=0.5, seed=6, max_tokens=4, extra_args={"target_token": 17})),
   ]
-  plain = LLMEngine(model, tokenizer, **options, **PLAIN)
-  paged = LLMEngine(
-    model, tokenizer, **options, block_size=4, num_kv_blocks=5, max_num_batched_tokens=8
+  plain = one_shape(LLMEngine(model, tokenizer, **options, **PLAIN))
+  paged = one_shape(
+    LLMEngine(model, tokenizer, **options, block_size=4, num_kv_blocks=5, max_num_batched_tokens=8)
   )
   expected = _run(plain, requests)
   assert expected[0].outputs[0].text in CHOICES
@@ -337,7 +341,9 @@ def test_sliding_window_on_pages_equals_an_engine_free_forward_pass():
   prompts = [rng.integers(4, 64, n).tolist() for n in (13, 19, 10)]
   params = SP(temperature=0, ignore_eos=True, max_tokens=6, logprobs=2)
   options = {"max_num_reqs": 2, "max_model_len": 32}
-  paged = LLMEngine(model, **options, block_size=4, num_kv_blocks=8, max_num_batched_tokens=8)
+  paged = one_shape(
+    LLMEngine(model, **options, block_size=4, num_kv_blocks=8, max_num_batched_tokens=8)
+  )
   got = run_engine(paged, prompts, [params], arrive_while_running=True)
   assert [len(o.outputs[0].token_ids) for o in got] == [6, 6, 6]
   assert assert_greedy_is_argmax(model, got, 32) == 18

@@ -13,6 +13,7 @@ compiles no step.
 from __future__ import annotations
 
 import pytest
+from step_shapes import one_shape
 from test_engine_under_pressure import REQUESTS, SP, VOCAB, _model_and_tokenizer, _run
 from test_rollout import assert_same_outputs
 
@@ -45,6 +46,11 @@ WORKLOAD = [
 def _engine(options: dict, k: int) -> LLMEngine:
   model, tokenizer = _model_and_tokenizer()
   return LLMEngine(model, tokenizer, **options, num_decode_steps=k)
+
+
+def _one_shape_engine(options: dict, k: int) -> LLMEngine:
+  """`_engine` with its steps in one shape (`one_shape`): k = 1 against k > 1 is the point."""
+  return one_shape(_engine(options, k))
 
 
 class _StepCounter:
@@ -129,7 +135,7 @@ def test_a_step_where_no_row_can_take_a_second_token_is_not_a_k_step_decode():
 def expected():
   """The workload on the tight pool at k = 1 (the paged engine's outputs do not depend on the
   pool, the budget or the rows: `test_engine_under_pressure`)."""
-  return _run(_engine(TIGHT, 1), WORKLOAD)
+  return _run(_one_shape_engine(TIGHT, 1), WORKLOAD)
 
 
 def test_the_workload_stops_every_way(expected):
@@ -144,7 +150,7 @@ def test_the_workload_stops_every_way(expected):
 
 
 def test_k_step_decode_with_preemption_and_waiting_requests_equals_one_step(expected):
-  engine = _engine(TIGHT, 4)
+  engine = _one_shape_engine(TIGHT, 4)
   counter = _StepCounter(engine.scheduler)
   assert_same_outputs(_run(engine, WORKLOAD), expected)
   assert counter.num_multi > 0 and counter.most_steps == 4  # k-step loops ran
@@ -189,8 +195,8 @@ def test_a_structured_output_request_runs_one_step_at_a_time_beside_k_step_rows(
     ([13, 14], SP(temperature=0, max_tokens=9, min_tokens=3)),
   ]  # fmt: skip
   paged = {"block_size": 4, "num_kv_blocks": 16}
-  single = _run(LLMEngine(model, tokenizer, **options, **paged), requests)
-  engine = LLMEngine(model, tokenizer, **options, **paged, num_decode_steps=4)
+  single = _run(one_shape(LLMEngine(model, tokenizer, **options, **paged)), requests)
+  engine = one_shape(LLMEngine(model, tokenizer, **options, **paged, num_decode_steps=4))
   counter = _StepCounter(engine.scheduler)
   outputs = _run(engine, requests)
   assert outputs[1].outputs[0].text in ("yes", "no")
