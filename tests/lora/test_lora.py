@@ -690,9 +690,11 @@ def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoi
 TWO_DEVICE_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je
+from step_shapes import one_shape
 from jaxengine.lora import LoRAManager, LoRARequest, load_peft_adapter, lora_adapter_from_arrays
 
 devices = jax.devices()
@@ -717,7 +719,7 @@ for got, want in zip(jax.tree.leaves(manager.buffers), jax.tree.leaves(host.buff
 assert np.any(np.asarray(manager.buffers[1]["q_proj"][1][1]))
 print("other device ok")
 
-base, paths = sys.argv[1], sys.argv[2:]
+base, paths = sys.argv[2], sys.argv[3:]
 requests = [LoRARequest(f"adapter{i + 1}", i + 1, path) for i, path in enumerate(paths)]
 kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_reqs=4, max_model_len=64,
           num_kv_blocks=64, block_size=4)
@@ -733,8 +735,8 @@ def check_same(got, want, what):
   for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
     assert tokens == want_tokens, (what, tokens, want_tokens)
     assert np.abs(np.subtract(logprobs, want_logprobs)).max() < 1e-4, what
-want = run(je.LLM(base, **kw))
-tp = je.LLM(base, tensor_parallel_size=2, num_decode_steps=3, **kw)
+want = run(one_shape(je.LLM(base, **kw)))
+tp = one_shape(je.LLM(base, tensor_parallel_size=2, num_decode_steps=3, **kw))
 check_same(run(tp), want, "tensor_parallel_size=2")
 runner = tp.llm_engine.runner
 assert runner.decode_steps._cache_size() > 0  # the k-step loop ran the adapters too
@@ -749,15 +751,15 @@ tp.load_lora_weights(in_memory, lora_adapter_from_arrays(9, on_device))
 check_same(run(tp, [in_memory], prompts[:1]), want[:1], "in memory")
 assert runner.lora.buffers[1]["q_proj"][1].sharding.spec == P(None, None, "model")
 print("tensor parallel ok")
-check_same(run(je.LLM(base, data_parallel_size=2, **kw)), want, "data_parallel_size=2")
+check_same(run(one_shape(je.LLM(base, data_parallel_size=2, **kw))), want, "data_parallel_size=2")
 print("ok")
 """
 
 
 def test_lora_on_two_devices(checkpoints):
-  from subprocess_utils import run_python
+  from subprocess_utils import HELPERS_DIR, run_python
 
   base, requests = checkpoints
   paths = [requests[1].lora_path, requests[2].lora_path]
-  out = run_python(TWO_DEVICE_SCRIPT, str(base), *paths, timeout=900)
+  out = run_python(TWO_DEVICE_SCRIPT, HELPERS_DIR, str(base), *paths, timeout=900)
   assert out.strip().splitlines()[-1] == "ok", out
