@@ -24,6 +24,7 @@ import transformers
 from flax import nnx
 from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from paged_utils import slot_step
+from step_shapes import one_shape
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -114,7 +115,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
   _, directory, hf_model = checkpoint
-  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4)
+  llm = one_shape(je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4))
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
@@ -155,6 +156,7 @@ def test_lora_adapter_matches_transformers_with_peft(checkpoint, tmp_path):
   llm = je.LLM(
     directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8
   )
+  one_shape(llm)
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
@@ -239,6 +241,7 @@ def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(tmp_path):
     enable_prefix_caching=True,
     speculative_config={"method": "ngram", "num_speculative_tokens": 3},
   )
+  one_shape(llm)
   repeating = [5, 17, 90, 3, 64, 5, 17, 90, 3, 64, 5, 17, 90]  # n-grams the drafter proposes
   params = je.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
   for _ in range(2):  # the second run reads the first's cached pages
@@ -263,6 +266,7 @@ def test_window_layers_free_their_pages_with_prefix_hits_and_preemption(tmp_path
     tmp_path, max_num_reqs=2, max_model_len=64, block_size=block, num_kv_blocks=22,
     max_num_batched_tokens=chunk,
   )  # fmt: skip
+  one_shape(llm)
   engine = llm.llm_engine
   runner = engine.cores[0].runner
   manager = engine.cores[0].kv_cache_manager
@@ -416,7 +420,7 @@ def test_platform_default_without_a_window_gives_way_to_xla(monkeypatch):
   assert attention_backends.attention_backend(None).name == "pallas_gpu"
   config = json.loads(CASES["gemma2"]().to_json_string())
   model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
-  llm = je.LLM(model, max_num_reqs=1, max_model_len=16)
+  llm = one_shape(je.LLM(model, max_num_reqs=1, max_model_len=16))
   assert llm.llm_engine.runner.kv_cache.backend.name == "xla"
   (out,) = llm.generate([[1, 2, 3]], je.SamplingParams(max_tokens=2), use_tqdm=False)
   assert len(out.outputs[0].token_ids) == 2
@@ -430,8 +434,17 @@ params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_
 prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
 kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8)
 loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
-one = je.LLM(sys.argv[1], **kw).generate(prompts, params, lora_request=loras, use_tqdm=False)
-two = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw).generate(
+
+
+def one_shape(llm):  # the steps in their largest shape: the mesh, not buckets, is the point
+  runner = llm.llm_engine.cores[0].runner
+  runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
+  return llm
+
+
+one = one_shape(je.LLM(sys.argv[1], **kw)).generate(
+  prompts, params, lora_request=loras, use_tqdm=False)
+two = one_shape(je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw)).generate(
   prompts, params, lora_request=loras, use_tqdm=False)
 worst = 0.0
 for a, b, prompt in zip(one, two, prompts):
@@ -563,6 +576,7 @@ def test_scanned_engine_gives_the_unrolled_outputs(case, tmp_path):
     tmp_path, scan_layers=True, batch_invariant=True, max_num_reqs=2, max_model_len=32,
     block_size=4, max_num_batched_tokens=8, enable_lora=True, max_lora_rank=8,
   )  # fmt: skip
+  one_shape(llm)  # its bits are compared with the trainer's, not across buckets
   engine = llm.llm_engine
   runner, manager = engine.cores[0].runner, engine.cores[0].kv_cache_manager
   assert runner.kv_cache.stacked_layers is not None and runner.model.config.scan_layers

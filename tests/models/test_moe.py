@@ -21,6 +21,7 @@ import pytest
 import safetensors.numpy
 import torch
 from moe_checkpoints import CASES, VOCAB, hf_moe_model
+from step_shapes import one_shape
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -53,13 +54,14 @@ def _hf_greedy(model, prompt, num_tokens) -> list[int]:
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
   """``(case, transformers model, directory, engine)``: one engine per architecture, returning
-  its routed experts (the tests of its tokens and logprobs check that the flag changes none)."""
+  its routed experts (the tests of its tokens and logprobs check that the flag changes none),
+  its steps in one shape (`one_shape`: compared with transformers, buckets are not the point)."""
   case = request.param
   model = hf_moe_model(case)
   directory = tmp_path_factory.mktemp(case)
   model.save_pretrained(directory)
   llm = je.LLM(directory, max_num_reqs=4, max_model_len=64, enable_return_routed_experts=True)
-  return case, model, directory, llm
+  return case, model, directory, one_shape(llm)
 
 
 def _prompt_logprobs(output, prompt) -> list[float]:
@@ -460,6 +462,7 @@ def test_routed_experts_through_chunks_prefix_hits_preemption_drafts_and_loops(t
     speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
     enable_return_routed_experts=True,
   )
+  one_shape(llm)  # the paths a position's routing takes, not the buckets, are the point
   engine = llm.llm_engine
   engine.cores[0].spec_crossover_tokens = 10**9  # verify whenever a row has drafts
   loops = []

@@ -35,6 +35,7 @@ import torch
 import transformers
 from flax import nnx
 from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
+from step_shapes import one_shape
 from subprocess_utils import run_python
 
 import jaxengine as je
@@ -118,7 +119,9 @@ LORA_TARGETS = [
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-  return je.LLM(checkpoint[0], **ENGINE)
+  """The engine most tests share, its steps in one shape (`one_shape`): chunks, preemption and
+  the comparisons against transformers and other engines are the point here, not buckets."""
+  return one_shape(je.LLM(checkpoint[0], **ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +196,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jaxengine as je
 prompts, engine, max_tokens, adapter = json.loads(sys.argv[2])
 llm = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **engine)
+runner = llm.llm_engine.cores[0].runner  # one step shape, as the engine it is compared with
+runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
 params = je.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
 lora = je.LoRARequest("all", 1, adapter)
 outputs = [
@@ -200,7 +205,6 @@ outputs = [
   for request in (None, lora)
   for p, out in zip(prompts, llm.generate(prompts, params, lora_request=request, use_tqdm=False))
 ]
-runner = llm.llm_engine.cores[0].runner
 shard = lambda a: list(a.addressable_shards[0].data.shape)
 mixer = runner.weights["layers"]["linear"]["mixer"]  # scanned: [Ll, ...] stacks
 pool = runner.kv_cache.recurrent
@@ -373,6 +377,14 @@ def moe_checkpoint(tmp_path_factory):
   return directory, hf_model
 
 
+@pytest.fixture(scope="module")
+def moe_llm(moe_checkpoint):
+  """One MoE engine (chunks of 8 tokens, a LoRA slot, the routed experts returned) for the
+  adapter and routing tests, its steps in one shape (`one_shape`)."""
+  options = {**ENGINE, "max_num_reqs": 2}
+  return one_shape(je.LLM(moe_checkpoint[0], enable_return_routed_experts=True, **options))
+
+
 def test_moe_checkpoint_matches_transformers(moe_checkpoint):
   """``Qwen3_5MoeForCausalLM``: 4 routed experts (2 per token, renormalised) and a gated shared
   expert on every layer, per-expert checkpoint tensors; transformers' logprobs."""
@@ -384,7 +396,7 @@ def test_moe_checkpoint_matches_transformers(moe_checkpoint):
     np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
-def test_moe_peft_adapter_on_experts_shared_expert_and_mixers(moe_checkpoint, tmp_path):
+def test_moe_peft_adapter_on_experts_shared_expert_and_mixers(moe_checkpoint, moe_llm, tmp_path):
   """A rank-4 PEFT adapter on the routed experts (``target_parameters``), the shared expert
   (``gate_proj`` ... under ``mlp.shared_expert``) and both mixers: transformers + peft's greedy
   tokens and prompt logprobs within 1e-4."""
@@ -398,7 +410,7 @@ def test_moe_peft_adapter_on_experts_shared_expert_and_mixers(moe_checkpoint, tm
     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
   )  # fmt: skip
   adapted = random_peft_adapter(base, config, tmp_path / "adapter", seed=2)
-  llm = je.LLM(directory, **{**ENGINE, "max_num_reqs": 2})
+  llm = moe_llm
   request = je.LoRARequest("moe", 1, str(tmp_path / "adapter"))
   manager = llm.llm_engine.runner.lora
   pairs = manager.load(request).weights
@@ -458,15 +470,12 @@ def test_prefix_cache_hits_start_from_saved_states_and_give_transformers_tokens(
   assert compiles.count == 0
 
 
-def test_moe_routed_experts_are_transformers_router_top_k_and_replay(moe_checkpoint):
+def test_moe_routed_experts_are_transformers_router_top_k_and_replay(moe_checkpoint, moe_llm):
   """``enable_return_routed_experts`` on the MoE hybrid (chunked prefill): each completion's
   ``[T - 1, 4 layers, 2]`` experts are transformers' router top-2 at every fed position, and
   replaying them through `token_logprobs` gives the logprobs of routing afresh."""
   directory, hf_model = moe_checkpoint
-  engine = je.LLM(
-    directory, enable_return_routed_experts=True, max_num_reqs=2, max_model_len=32,
-    block_size=4, max_num_batched_tokens=8,
-  )  # fmt: skip
+  engine = moe_llm
   params = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
   model = load_safetensors(directory)[0]
   for prompt, out in zip(PROMPTS[:2], engine.generate(PROMPTS[:2], params, use_tqdm=False)):
@@ -522,7 +531,7 @@ def test_int8_engine_computes_its_dequantized_weights(checkpoint, llm):
   completion) within 1e-4; against the float engine its prompt logprobs stay within 0.5
   (measured 0.26: this random model is sensitive to its weights' rounding, each MLP matrix alone
   moving logprobs by 0.05-0.08 where the tiny Llama's whole int8 model moves them by 0.02)."""
-  engine = je.LLM(checkpoint[0], quantization="int8", **ENGINE)
+  engine = one_shape(je.LLM(checkpoint[0], quantization="int8", **ENGINE))
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0, logprobs=0
   )
@@ -550,7 +559,7 @@ def test_fp8_pages_beside_a_float32_state_pool_stay_close(checkpoint, llm):
   from jaxengine.models.paged_attention import FP8_KV_STORAGE
 
   no_lora = {k: v for k, v in ENGINE.items() if "lora" not in k}
-  engine = je.LLM(checkpoint[0], kv_cache_dtype="fp8", **no_lora)
+  engine = one_shape(je.LLM(checkpoint[0], kv_cache_dtype="fp8", **no_lora))
   cache = engine.llm_engine.cores[0].runner.kv_cache
   assert {page.dtype for layer in cache.pages for page in layer} == {np.dtype(FP8_KV_STORAGE)}
   pool = (*cache.recurrent.conv, *cache.recurrent.delta)
