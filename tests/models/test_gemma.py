@@ -25,7 +25,7 @@ from flax import nnx
 from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from paged_utils import slot_step
 from step_shapes import one_shape
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
 from jaxengine.models import PagedKVCache, safetensors_loader, sequence_logits, token_logprobs
@@ -434,13 +434,8 @@ params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_
 prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
 kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8)
 loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
-
-
-def one_shape(llm):  # the steps in their largest shape: the mesh, not buckets, is the point
-  runner = llm.llm_engine.cores[0].runner
-  runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-  return llm
-
+sys.path.insert(0, sys.argv[3])  # the tests' helpers
+from step_shapes import one_shape  # the steps in their largest shape: the mesh is the point
 
 one = one_shape(je.LLM(sys.argv[1], **kw)).generate(
   prompts, params, lora_request=loras, use_tqdm=False)
@@ -462,7 +457,9 @@ def test_two_device_mesh_gives_the_same_tokens(tmp_path):
   slots split as their base projections) and the base model's."""
   _write(tmp_path, "gemma2")  # soft caps, windows; K = 2 heads split over the 2 devices
   _write_adapter("gemma2", tmp_path, tmp_path / "adapter")
-  out = run_python(MESH_SCRIPT, os.fspath(tmp_path), os.fspath(tmp_path / "adapter"), timeout=900)
+  out = run_python(
+    MESH_SCRIPT, os.fspath(tmp_path), os.fspath(tmp_path / "adapter"), HELPERS_DIR, timeout=900
+  )
   assert out.strip().splitlines()[-1].startswith("ok")
 
 
