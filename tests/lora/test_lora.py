@@ -314,7 +314,9 @@ def test_an_adapter_of_another_base_model_says_so(checkpoints, tmp_path):
 
 def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
   base, requests = checkpoints
-  plain = one_shape(je.LLM(base, max_num_reqs=2, max_model_len=32, num_kv_blocks=16))
+  # The LoRA engine's sizes without LoRA: its sampler's executable, read back from the cache.
+  sizes = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=64, block_size=4)
+  plain = one_shape(je.LLM(base, **sizes))
   with pytest.raises(ValueError, match="enable_lora=True"):
     plain.generate([PROMPTS[0]], GREEDY, lora_request=requests[1], use_tqdm=False)
   (out,) = plain.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
