@@ -18,12 +18,14 @@ import jax
 import numpy as np
 import pytest
 from cacheless import assert_logprobs_match
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.compilation_cache import ENV_VAR, resolve_cache_dir
 from jaxengine.engine import LLMEngine
 from jaxengine.testing import tiny_llama
 from jaxengine.tokenizer import Tokenizer
+from jaxengine.worker import device_steps
 
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [4], [20, 21, 22, 23], [30] * 17, [40, 41]]
@@ -134,9 +136,10 @@ def test_stop_strings_and_min_tokens_are_checked_on_the_host_after_the_loop():
     )
   ]
   prompts = [[100, 200, 300], [400, 401], [50, 60, 70, 80]]
+  # Both engines' steps in their largest shape (they pad alike): the loop, not bucket choice.
   outputs = [
     run_engine(
-      LLMEngine(model, tokenizer, max_num_reqs=2, max_model_len=32, num_decode_steps=k),
+      one_shape(LLMEngine(model, tokenizer, max_num_reqs=2, max_model_len=32, num_decode_steps=k)),
       prompts,
       mixes,
     )
@@ -156,7 +159,9 @@ def test_the_samples_of_a_request_share_one_prefill_of_its_prompt(tiny_model):
     je.SamplingParams(temperature=0.9, n=3, max_tokens=7, top_k=8),  # unseeded: engine key
   ]
   prompts = [list(range(5, 25)), [8, 9, 10], [11, 12, 13, 14]]
-  engine = LLMEngine(tiny_model, max_num_reqs=4, max_model_len=32, enable_prefix_caching=False)
+  engine = one_shape(
+    LLMEngine(tiny_model, max_num_reqs=4, max_model_len=32, enable_prefix_caching=False)
+  )  # checked against a forward pass: its steps in one shape
   scheduled: list[int] = []
   schedule = engine.scheduler.schedule
 
@@ -177,9 +182,15 @@ def test_the_samples_of_a_request_share_one_prefill_of_its_prompt(tiny_model):
 
 
 def test_precompile_leaves_nothing_to_compile_for_plain_requests(tiny_model, compile_counter):
-  engine = LLMEngine(tiny_model, max_num_reqs=2, max_model_len=32, num_decode_steps=2)
+  # The first test's k-step engine, its executables jitted afresh (`device_steps.clear`): only
+  # `precompile` can have compiled what the requests below run (the shapes that engine compiled
+  # too are read back from the run's persistent cache, not compiled again).
+  device_steps.clear()
+  engine = LLMEngine(
+    tiny_model, max_num_reqs=2, max_model_len=32, eos_token_id=EOS, num_decode_steps=4
+  )
   # The ragged step per reachable (token bucket, row bucket): token buckets 1..64, from 2 tokens
-  # with 2 rows (13); its prompt-logprobs variant in the largest row bucket (6); the 2-step loop
+  # with 2 rows (13); its prompt-logprobs variant in the largest row bucket (6); the 4-step loop
   # per row bucket (2).
   assert engine.precompile(use_tqdm=False) == 13 + 6 + 2
   compile_counter.reset()

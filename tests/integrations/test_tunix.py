@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from step_shapes import one_shape
 from subprocess_utils import HELPERS_DIR, run_python
 from tunix.models.gemma import model as gemma
 from tunix.models.gemma3 import model as gemma3
@@ -221,8 +222,18 @@ def padded_completions(tokens) -> np.ndarray:
   return out
 
 
+class OneShapeRollout(JaxEngineRollout):
+  """`JaxEngineRollout` whose engine runs each step in its largest shape only (`one_shape`): the
+  tests compare its rollouts and logprobs with Tunix's and with one another's, not bucket choice
+  (tests/worker/test_step_shapes.py), and every rollout here is limited alike."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    one_shape(self.llm)
+
+
 def make_rollout(model: nnx.Module, **options) -> JaxEngineRollout:
-  return JaxEngineRollout(
+  return OneShapeRollout(
     rollout_actor=model,
     tokenizer=ByteTokenizer(),
     rollout_config=rollout_config(),
@@ -502,6 +513,7 @@ MESH_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     from tunix.rl.rollout import base_rollout
+    from step_shapes import one_shape
     from test_tunix import AUTO, PROMPTS, ByteTokenizer, build, rollout_config
     from jaxengine.integrations.tunix import JaxEngineRollout, engine_placement
     from jaxengine.testing import count_compiles
@@ -514,11 +526,13 @@ MESH_SCRIPT = textwrap.dedent("""
     model = build("llama3")  # 4 query heads over 2 kv heads
     greedy = rollout_config(top_p=None)
     one = JaxEngineRollout(rollout_actor=model, tokenizer=ByteTokenizer(), max_num_reqs=4)
+    one_shape(one.llm)  # both engines' steps in their largest shape: they pad alike
     sharded = JaxEngineRollout(
       rollout_actor=model, tokenizer=ByteTokenizer(), mesh=rollout_mesh, max_num_reqs=4,
       rollout_config=rollout_config(tensor_parallel_size=2, data_parallel_size=-1),
       reshard_chunk_bytes=1, free_kv_cache_during_sync=True,
     )
+    one_shape(sharded.llm)
     assert dict(sharded.llm.config.mesh.shape) == {"data": 1, "model": 2}
     assert set(sharded.llm.config.mesh.devices.flat) == set(jax.devices()[2:])
     tokens = lambda out: [t.tolist() for t in out.tokens]
@@ -632,7 +646,7 @@ def test_grpo_trains_through_the_rollout(colocated):
     tokenizer=ByteTokenizer(),
     cluster_config=rl_cluster_lib.ClusterConfig(
       role_to_mesh={Role.ACTOR: mesh, Role.REFERENCE: mesh, Role.ROLLOUT: rollout_mesh},
-      rollout_engine=functools.partial(JaxEngineRollout, max_num_reqs=4),
+      rollout_engine=functools.partial(OneShapeRollout, max_num_reqs=4),
       rollout_config=rollout_config(return_logprobs=False),
       training_config=rl_cluster_lib.RLTrainingConfig(
         actor_optimizer=optax.sgd(0.5), eval_every_n_steps=100, max_steps=4

@@ -23,13 +23,13 @@ from test_tunix import (
   PAD,
   PROMPTS,
   ByteTokenizer,
+  OneShapeRollout,
   build,
   padded_completions,
   rollout_config,
   trainer_logprobs,
 )
 
-from jaxengine.integrations.tunix import JaxEngineRollout
 from jaxengine.testing import count_compiles
 
 RANK, ALPHA = 4, 8.0
@@ -57,8 +57,9 @@ def build_lora(name: str, seed: int = 0) -> nnx.Module:
   return lora_model
 
 
-def make_rollout(model: nnx.Module, **options) -> JaxEngineRollout:
-  return JaxEngineRollout(
+def make_rollout(model: nnx.Module, **options) -> OneShapeRollout:
+  """A LoRA rollout of `model`, its steps in their largest shape only (as test_tunix's)."""
+  return OneShapeRollout(
     rollout_actor=model,
     tokenizer=ByteTokenizer(),
     rollout_config=rollout_config(),

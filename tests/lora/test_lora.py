@@ -2,7 +2,9 @@
 
 The adapters are made here with `peft` on a tiny Llama checkpoint (random non-zero ``lora_B``:
 PEFT starts it at zero), and the reference is transformers + peft computing the same prompts.
-Nothing touches the network.
+Nothing touches the network. Every engine runs its steps in its largest shape only (`one_shape`):
+the tests compare engines with the reference and with one another (all limited alike), not bucket
+choice (tests/worker/test_step_shapes.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import transformers
 from hf_checkpoints import config_dict, hf_config, random_tensors, write_checkpoint
 from hf_reference import random_peft_adapter
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.testing import count_compiles
@@ -79,7 +82,7 @@ ENGINE_OPTIONS = dict(
 @pytest.fixture(scope="module")
 def llm(checkpoints):
   base, _ = checkpoints
-  return je.LLM(base, **ENGINE_OPTIONS)
+  return one_shape(je.LLM(base, **ENGINE_OPTIONS))
 
 
 def _reference(base_dir, lora: je.LoRARequest | None, prompt: list[int]):
@@ -127,7 +130,7 @@ def test_a_scanned_engine_serves_the_same_adapters(llm, checkpoints):
   """``scan_layers=True`` (stacked layers, each step's adapters stacked per layer): the unrolled
   engine's tokens and prompt logprobs with every adapter, one step mixing two of them."""
   base, requests = checkpoints
-  scanned = je.LLM(base, **ENGINE_OPTIONS, scan_layers=True)
+  scanned = one_shape(je.LLM(base, **ENGINE_OPTIONS, scan_layers=True))
   assert scanned.llm_engine.runner.kv_cache.stacked_layers is not None
   loras = [None, requests[1], requests[2]]
   prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
@@ -166,10 +169,7 @@ def test_shuffled_batch_of_adapters_equals_each_request_alone(llm, checkpoints):
 def test_adapters_compose_with_k_steps_and_ngram_drafts(llm, checkpoints, options):
   """The device loop and the verify step run each row's adapter: the plain engine's tokens."""
   base, requests = checkpoints
-  other = je.LLM(
-    base, enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK, max_num_reqs=4,
-    max_model_len=64, num_kv_blocks=64, block_size=4, **options,
-  )  # fmt: skip
+  other = one_shape(je.LLM(base, **ENGINE_OPTIONS, **options))
   repetitive = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]  # n-gram drafts find matches
   params = je.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
   prompts = [repetitive, PROMPTS[0], repetitive, PROMPTS[1]]
@@ -314,7 +314,9 @@ def test_an_adapter_of_another_base_model_says_so(checkpoints, tmp_path):
 
 def test_lora_request_needs_enable_lora_and_options_are_checked(checkpoints):
   base, requests = checkpoints
-  plain = je.LLM(base, max_num_reqs=2, max_model_len=32, num_kv_blocks=16)
+  # The LoRA engine's sizes without LoRA: its sampler's executable, read back from the cache.
+  sizes = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=64, block_size=4)
+  plain = one_shape(je.LLM(base, **sizes))
   with pytest.raises(ValueError, match="enable_lora=True"):
     plain.generate([PROMPTS[0]], GREEDY, lora_request=requests[1], use_tqdm=False)
   (out,) = plain.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
@@ -391,8 +393,10 @@ def lora_server(tmp_path_factory):
   for name, (lora_id, targets) in {"a": (1, ["q_proj", "v_proj"]), "b": (2, ["up_proj"])}.items():
     paths[name] = str(root / name)
     _write_adapter(base, paths[name], 10 + lora_id, 4, 8, targets, False)
-  llm = je.LLM(
-    base, tokenizer=tokenizer, enable_lora=True, max_loras=1, max_num_reqs=4, max_model_len=64
+  llm = one_shape(
+    je.LLM(
+      base, tokenizer=tokenizer, enable_lora=True, max_loras=1, max_num_reqs=4, max_model_len=64
+    )
   )
   params = je.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
   refs = {

@@ -33,11 +33,12 @@ import jaxengine as je
 SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, sys.argv[1])  # the tests folder: output_utils
+sys.path.insert(0, sys.argv[1])  # the tests' helpers: output_utils, step_shapes
 import jax, numpy as np
 import jaxengine as je
 from jaxengine.models.weights import named_weights
 from output_utils import assert_same_generations, generations
+from step_shapes import one_shape
 from jaxengine.testing import count_compiles, tiny_llama
 
 SP = je.SamplingParams
@@ -74,15 +75,9 @@ group = dict(max_model_len=24, block_size=4, num_kv_blocks=7, max_num_batched_to
 def run(llm):
   return generations(llm, prompts, params)
 
-def one_shape(llm):
-  # Each group's steps in its largest shape only (its rows, its token budget): groups, not bucket
-  # choice, are the point here (buckets: tests/worker/test_step_shapes.py), and the engines
-  # compared pad alike, so their tokens compare as with every bucket (half the compile time).
-  for core in llm.llm_engine.cores:
-    runner = core.runner
-    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-  return llm
-
+# `one_shape`: each group's steps in its largest shape only (its rows, its token budget): groups,
+# not bucket choice, are the point here (buckets: tests/worker/test_step_shapes.py), and the
+# engines compared pad alike, so their tokens compare as with every bucket (half the compile time).
 check_same = assert_same_generations
 
 one = one_shape(je.LLM(model, max_num_reqs=2, **group))

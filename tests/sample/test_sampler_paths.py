@@ -24,6 +24,13 @@ from jaxengine.sample.step import ALWAYS_COPIED_LOGITS
 
 V = 48
 R = 16
+#: The deep lists of the draw tests (`_assert_draws_match_exact`) and of the batch-invariance
+#: tests: top-p alone never reads them (`jaxengine.sample.budgets`), so the rejection tests share
+#: the deep-list tests' sampler executable instead of compiling one of their own.
+DRAW_DEEP = (8, 24)
+INVARIANCE_DEEP = (4, 8, 20)
+#: `max_model_len` of the draw tests' batches: one shape for all of them.
+DRAW_MAX_MODEL_LEN = 64
 
 
 def _batch(num_topk_candidates: int, mode: str = "processed_logprobs", deep=()) -> je.InputBatch:
@@ -86,7 +93,8 @@ def _assert_draws_match_exact(row_logits, params, rows, steps, **batch_kwargs):
   with the reference distribution: nothing outside it, and a chi-square with (kept - 1) degrees of
   freedom below dof + 5 sqrt(2 dof) (beyond its 99.9th percentile)."""
   vocab = len(row_logits)
-  batch = je.InputBatch(rows, steps + 2, vocab, **batch_kwargs)
+  assert steps + 1 <= DRAW_MAX_MODEL_LEN  # the prompt's token and the sampled ones
+  batch = je.InputBatch(rows, DRAW_MAX_MODEL_LEN, vocab, **batch_kwargs)
   for i in range(rows):
     batch.add_request(f"r{i}", [0], params.replace(seed=i))
   logits = np.tile(row_logits, (rows, 1))
@@ -103,7 +111,8 @@ def _assert_draws_match_exact(row_logits, params, rows, steps, **batch_kwargs):
 
 
 def test_rejection_top_p_draw_matches_exact_probabilities():
-  """Raw mode with a 2-token budget: every top-p row is drawn by rejection."""
+  """Raw mode with a 2-token budget: every top-p row is drawn by rejection (the deep lists are
+  for top-k rows only)."""
   row_logits = np.random.default_rng(7).normal(size=V).astype(np.float32) * 1.5
   _assert_draws_match_exact(
     row_logits,
@@ -111,6 +120,7 @@ def test_rejection_top_p_draw_matches_exact_probabilities():
     rows=256,
     steps=24,
     num_topk_candidates=2,
+    deep_candidate_budgets=DRAW_DEEP,
   )
 
 
@@ -125,7 +135,7 @@ def test_deep_list_draw_matches_exact_probabilities(top_k, top_p):
     rows=256,
     steps=12,
     num_topk_candidates=2,
-    deep_candidate_budgets=(8, 24),
+    deep_candidate_budgets=DRAW_DEEP,
   )
 
 
@@ -139,7 +149,7 @@ def test_deep_list_rows_are_batch_invariant(top_k):
   steps = [rng.choice(np.linspace(-1, 1, 5), size=(8, V)).astype(np.float32) for _ in range(12)]
 
   def stream(neighbour_top_k):
-    batch = je.InputBatch(8, 32, V, num_topk_candidates=2, deep_candidate_budgets=(4, 8, 20))
+    batch = je.InputBatch(8, 32, V, num_topk_candidates=2, deep_candidate_budgets=INVARIANCE_DEEP)
     batch.add_request("seeded", [0], params)
     for i in range(5):
       neighbour = je.SamplingParams(temperature=0.7, top_k=neighbour_top_k)
@@ -151,12 +161,14 @@ def test_deep_list_rows_are_batch_invariant(top_k):
 
 
 def test_rejection_draw_is_batch_invariant():
+  """A seeded top-p row drawn by rejection (its nucleus beyond the 2-token list; top-p alone
+  reads no deep list) draws the same tokens whatever its row and neighbours."""
   params = je.SamplingParams(temperature=1.0, top_p=0.9, seed=123)
   rng = np.random.default_rng(3)
   row_logits = rng.normal(size=V).astype(np.float32)
 
   def stream(position, neighbours):
-    batch = je.InputBatch(8, 32, V, num_topk_candidates=2)
+    batch = je.InputBatch(8, 32, V, num_topk_candidates=2, deep_candidate_budgets=INVARIANCE_DEEP)
     for i in range(8):
       if i == position:
         batch.add_request("seeded", [0], params)
