@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from output_utils import step_to_end
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
 from jaxengine.entrypoints.async_llm import AsyncLLM
@@ -330,11 +330,13 @@ def test_async_llm_sleeps_and_wakes_at_a_step_boundary(warm):
 
 
 MESH_SCRIPT = """
-import os
+import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
 import jax
 import numpy as np
 import jaxengine as je
+from step_shapes import one_shape
 from jaxengine.models.weights import named_weights
 from jaxengine.testing import count_compiles, tiny_llama
 from jaxengine.worker import sleep_mode
@@ -355,7 +357,10 @@ def held(llm):
 for sizes in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
   model, _ = tiny_llama(max_position_embeddings=64)
   weights = {name: np.array(a, copy=True) for name, a in named_weights(model)}
-  llm = je.LLM(model, max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8, **sizes)
+  # Each step in its largest shape: the engine is compared with itself across sleep and wake.
+  llm = one_shape(
+    je.LLM(model, max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8, **sizes)
+  )
   before = tokens(llm)
   assert tokens(llm) == before
   where, awake = placements(llm), held(llm)
@@ -377,6 +382,6 @@ print("ok")
 
 
 def test_mesh_engines_sleep_and_wake_every_core_in_place():
-  out = run_python(MESH_SCRIPT, timeout=900)
+  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
   assert out.strip().endswith("ok")
   assert out.count("ok") == 3
