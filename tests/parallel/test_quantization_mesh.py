@@ -41,7 +41,9 @@ sys.path.insert(0, sys.argv[2])  # the tests' helpers
 from step_shapes import one_shape  # each group's steps in its largest shape: one sampler, not two
 
 bound = float(sys.argv[1])
-options = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8)
+# A budget of 16 tokens (both prompts' 12): one_shape's steps of 16 tokens, not the default 256.
+options = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8,
+               max_num_batched_tokens=16)
 prompts = [[1, 5, 9, 33, 70, 100], [200, 100, 50, 25, 12, 6]]  # one per data shard
 greedy = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0,
                            prompt_logprobs=0)
