@@ -26,7 +26,8 @@ import pytest
 import torch
 import transformers
 from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
-from subprocess_utils import run_python
+from step_shapes import one_shape
+from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
 from jaxengine.models.gemma4 import Gemma4
@@ -133,21 +134,42 @@ def checkpoint(request):
   return request.getfixturevalue(f"{request.param}_checkpoint")
 
 
-def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
+@pytest.fixture(scope="module")
+def hf_outputs():
+  """transformers' greedy tokens and prompt logprobs of each prompt, computed once per model
+  (keyed by the checkpoint's case): `hf_outputs(checkpoint)` gives a list, per prompt, of
+  ``(tokens, logprobs)``."""
+  done = {}
+
+  def outputs(checkpoint):
+    case, _, model = checkpoint
+    if case not in done:
+      done[case] = [
+        (hf_greedy(model, prompt, MAX_TOKENS), hf_prompt_logprobs(model, prompt))
+        for prompt in PROMPTS
+      ]
+    return done[case]
+
+  return outputs
+
+
+def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint, hf_outputs):
   """Chunked prefill (8 tokens a step: the 11-token prompt in two chunks, the KV-shared layers
   reading the first chunk's pages in the second) and decode over KV cache groups whose window
-  group frees its pages: transformers' greedy tokens and prompt logprobs."""
-  _, directory, hf_model = checkpoint
-  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=8)
+  group frees its pages: transformers' greedy tokens and prompt logprobs. The steps run in their
+  largest shape (`one_shape`: what they compute against transformers is the point here)."""
+  _, directory, _ = checkpoint
+  llm = one_shape(
+    je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=8)
+  )
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
   outputs = llm.generate(PROMPTS, params, use_tqdm=False)
   worst = 0.0
-  for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
+  for prompt, output, (tokens, want) in zip(PROMPTS, outputs, hf_outputs(checkpoint)):
+    assert list(output.outputs[0].token_ids) == tokens
     got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    want = hf_prompt_logprobs(hf_model, prompt)
     worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
   assert worst < 1e-4, worst
 
@@ -237,25 +259,27 @@ def test_quantization_skips_the_projections_a_layer_lacks(all_checkpoint):
 MESH_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, sys.argv[2])  # the tests' helpers: step_shapes
 import jaxengine as je
+from step_shapes import one_shape
 params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
 prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
 kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=8)
-two = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw)
+two = one_shape(je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw))
 two = two.generate(prompts, params, use_tqdm=False)
 for out in two:
   print(list(out.outputs[0].token_ids))
 """
 
 
-def test_two_device_mesh_gives_transformers_tokens(all_checkpoint):
+def test_two_device_mesh_gives_transformers_tokens(all_checkpoint, hf_outputs):
   """Tensor parallelism over 2 devices (the pages' 2 heads split, the experts split per
   expert) with the layers scanned (``scan_layers=True``: a stack per kind, the layer axis
-  unsplit): transformers' greedy tokens."""
-  _, directory, hf_model = all_checkpoint
-  out = run_python(MESH_SCRIPT, os.fspath(directory), timeout=900)
+  unsplit), the steps in their largest shape: transformers' greedy tokens."""
+  directory = all_checkpoint[1]
+  out = run_python(MESH_SCRIPT, os.fspath(directory), HELPERS_DIR, timeout=900)
   got = [json.loads(line) for line in out.strip().splitlines()[-2:]]
-  assert got == [hf_greedy(hf_model, prompt, MAX_TOKENS) for prompt in PROMPTS]
+  assert got == [tokens for tokens, _ in hf_outputs(all_checkpoint)]
 
 
 def test_named_weights_give_back_the_checkpoint_tensors(all_checkpoint):
@@ -273,37 +297,42 @@ def test_named_weights_give_back_the_checkpoint_tensors(all_checkpoint):
     np.testing.assert_array_equal(value, tensors[name], err_msg=name)
 
 
-def test_lora_adapter_matches_transformers_with_peft(all_checkpoint, tmp_path):
+def test_lora_adapter_matches_transformers_with_peft(all_checkpoint, hf_outputs, tmp_path):
   """A PEFT adapter (rank 4; random non-zero ``lora_B``) on the seven projections of every
   layer that has them (wider global heads, ``attention_k_eq_v``'s missing ``v_proj``, the
   KV-shared layers' query and output only, the double-wide MLPs) and on the experts' fused
   ``gate_up_proj`` / ``down_proj``: transformers + peft's greedy tokens and prompt logprobs
-  within 1e-4 for the adapter's request, transformers' for the base request of the same step."""
+  within 1e-4 for the adapter's request, transformers' for the base request of the same step
+  (the steps in their largest shape)."""
   import peft
 
   from jaxengine.lora import load_peft_adapter
 
-  _, directory, hf_model = all_checkpoint
+  directory = all_checkpoint[1]
   model = transformers.Gemma4ForCausalLM.from_pretrained(directory, attn_implementation="eager")
   config = peft.LoraConfig(
     r=4, lora_alpha=6, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
     target_parameters=["experts.gate_up_proj", "experts.down_proj"],
   )  # fmt: skip
   adapted = random_peft_adapter(model, config, tmp_path / "adapter", seed=5)
-  llm = je.LLM(
-    directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=4
+  llm = one_shape(
+    je.LLM(
+      directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=4
+    )
   )
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
   lora = je.LoRARequest("adapter", 1, str(tmp_path / "adapter"))
   outputs = llm.generate(PROMPTS, params, lora_request=[lora, None], use_tqdm=False)
-  for reference, prompt, output in zip((adapted, hf_model), PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, MAX_TOKENS)
+  base = hf_outputs(all_checkpoint)
+  wants = [(hf_greedy(adapted, PROMPTS[0], MAX_TOKENS), hf_prompt_logprobs(adapted, PROMPTS[0]))]
+  wants.append(base[1])
+  for (tokens, logprobs), prompt, output in zip(wants, PROMPTS, outputs):
+    assert list(output.outputs[0].token_ids) == tokens
     got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    np.testing.assert_allclose(got, hf_prompt_logprobs(reference, prompt), atol=1e-4, rtol=0)
-  base = hf_prompt_logprobs(hf_model, PROMPTS[0])
-  assert np.abs(hf_prompt_logprobs(adapted, PROMPTS[0]) - base).max() > 1e-2
+    np.testing.assert_allclose(got, logprobs, atol=1e-4, rtol=0)
+  assert np.abs(wants[0][1] - base[0][1]).max() > 1e-2
   manager = llm.llm_engine.runner.lora
   shapes = dict(max_lora_rank=4, num_layers=5, target_shapes=manager.target_shapes)
   pairs = load_peft_adapter(tmp_path / "adapter", 1, **shapes, layer_shapes=manager.layer_shapes)

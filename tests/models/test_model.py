@@ -168,10 +168,10 @@ def test_tiny_forward_matches_float64_reference(tie_word_embeddings):
   model, cfg = tiny_llama(seed=1, tie_word_embeddings=tie_word_embeddings)
   assert (model.lm_head is None) == tie_word_embeddings
   graphdef, weights = nnx.split(model)
-  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 10)  # the shape of the tests below
   cache = _cache(cfg)
-  logits, _ = _run(graphdef, weights, cache, ids[None], np.arange(11)[None], [1])
-  chex.assert_shape(logits, (1, 11, cfg.vocab_size))
+  logits, _ = _run(graphdef, weights, cache, ids[None], np.arange(10)[None], [1])
+  chex.assert_shape(logits, (1, 10, cfg.vocab_size))
   np.testing.assert_allclose(logits[0], reference_logits(model, ids), atol=2e-4, rtol=1e-4)
 
 
@@ -196,15 +196,17 @@ def test_sequence_logits_of_whole_sequences_match_the_reference(tiny):
 
 def test_prefill_then_decode_matches_full_forward(tiny):
   _model, cfg, graphdef, weights = tiny
-  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
-  full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(12)[None], [2])
+  # 10 tokens, 6 of them prefilled (shapes of test_chunked_prefill_matches_full_forward's),
+  # then decode steps across a page boundary.
+  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 10)
+  full, _ = _run(graphdef, weights, _cache(cfg), ids[None], np.arange(10)[None], [2])
 
-  n = 7
+  n = 6
   cache = _cache(cfg)
   run = lambda cache, ids, positions: _run(graphdef, weights, cache, ids, positions, [2])
   prefill, cache = run(cache, ids[None, :n], np.arange(n)[None])
   steps = [prefill[0]]
-  for pos in range(n, 12):
+  for pos in range(n, 10):
     step, cache = run(cache, ids[None, pos : pos + 1], [[pos]])
     steps.append(step[0])
   np.testing.assert_allclose(np.concatenate(steps), full[0], atol=1e-5, rtol=1e-5)
@@ -276,7 +278,7 @@ def test_rows_in_different_slots_do_not_interfere(tiny):
 def test_padding_tokens_write_only_the_null_page(tiny):
   _model, cfg, graphdef, weights = tiny
   cache = _cache(cfg)
-  _, cache = _run(graphdef, weights, cache, [[5, 6, 7]], [[0, 1, 2]], [0])
+  _, cache = _run(graphdef, weights, cache, [[5, 6, 7]], [[0, 1, 2]], [0], num_tokens=4)
   before = jax.tree.map(np.asarray, cache)
   # Slot 1 writes its position 0; the step's three padding tokens go to the null page 0.
   _, cache = _run(graphdef, weights, cache, [[10]], [[0]], [1], num_tokens=4)

@@ -1,17 +1,20 @@
 """The batch and the engine under a `jax.sharding.Mesh` (README, "Many devices"), on 8 host CPU devices.
 
-Each test runs in a subprocess because the device count must be set before JAX starts.
+The checks run in a subprocess because the device count must be set before JAX starts: one
+subprocess for both tests (module-scoped `outputs`, one import of JAX and jaxengine), each
+test's part run on its own (`PARTS`; a part that fails prints its traceback and the next runs),
+and each test reads its own part's output.
 """
 
 from __future__ import annotations
 
 import textwrap
 
-from subprocess_utils import run_python
+import pytest
+from subprocess_utils import HELPERS_DIR, run_python
 
-SCRIPT = textwrap.dedent("""
+SAMPLER_SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxengine as je
@@ -66,10 +69,11 @@ SCRIPT = textwrap.dedent("""
 # precompiled, speculation on a mesh.)
 ENGINE_SCRIPT = """
 import os
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je
+from step_shapes import one_shape  # each group's steps in its largest shape: the placement, not
+# bucket choice, is the point here (tests/worker/test_step_shapes.py)
 from jaxengine.models.weights import named_weights
 from jaxengine.testing import count_compiles, tiny_llama
 
@@ -87,11 +91,6 @@ def run(llm):
 def logprobs(entries):
   ranks = [(t, v.rank) for e in entries if e for t, v in e.items()]
   return ranks, [v.logprob for e in entries if e for v in e.values()]
-def one_shape(llm):  # each group's steps in its largest shape: the placement, not bucket
-  for core in llm.llm_engine.cores:  # choice, is the point here (tests/worker/test_step_shapes.py)
-    runner = core.runner
-    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-  return llm
 kw = dict(max_num_reqs=2, max_model_len=16)
 want = run(one_shape(je.LLM(model, async_scheduling=False, **kw)))
 for t, d in [(2, 1), (4, 2)]:
@@ -145,12 +144,39 @@ else:
 print("ok")
 """
 
+PARTS = {"sampler": SAMPLER_SCRIPT, "engine": ENGINE_SCRIPT}
+#: Runs each of PARTS (given as its `repr`) in a namespace of its own, after the 8 devices are set.
+RUNNER = """
+import os, sys, traceback
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
+for name, part in PARTS.items():
+  print("BEGIN", name, flush=True)
+  try:
+    exec(part, {"__name__": "__main__"})
+  except BaseException:
+    print("FAILED", name, traceback.format_exc(), flush=True)
+  print("END", name, flush=True)
+"""
 
-def test_sample_step_under_a_mesh_matches_one_device():
-  assert run_python(SCRIPT).strip().endswith("ok")
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, str]:
+  """Each part's printed output (its traceback after ``FAILED`` where it failed)."""
+  out = run_python(f"PARTS = {PARTS!r}\n{RUNNER}", HELPERS_DIR)
+  parts = {}
+  for name in PARTS:
+    assert f"END {name}" in out, out[-3000:]
+    parts[name] = out.split(f"BEGIN {name}\n", 1)[1].split(f"END {name}\n", 1)[0]
+  return parts
 
 
-def test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up():
-  out = run_python(ENGINE_SCRIPT)
-  assert out.strip().endswith("ok")
+def test_sample_step_under_a_mesh_matches_one_device(outputs):
+  out = outputs["sampler"]
+  assert "FAILED" not in out and out.strip().endswith("ok"), out
+
+
+def test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up(outputs):
+  out = outputs["engine"]
+  assert "FAILED" not in out and out.strip().endswith("ok"), out
   assert out.count("P(") >= 10  # one line of specs per configuration

@@ -15,25 +15,27 @@ import socket
 import subprocess
 import sys
 
+from subprocess_utils import HELPERS_DIR
+
 WORKER = """
 import os, sys
 process_id, port = int(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, sys.argv[3])  # the tests' helpers: step_shapes
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
 import jaxengine as je
 from jaxengine.testing import tiny_llama
+from step_shapes import one_shape
 
 assert jax.device_count() == 4 and jax.local_device_count() == 2
 model, _ = tiny_llama(vocab_size=256)
 prompts = [[5, 6, 7], [8, 9]]
 params = [je.SamplingParams(temperature=0, max_tokens=4),
           je.SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=4)]
-def tokens(llm):
-  runner = llm.llm_engine.runner  # the steps in their largest shape only: half the compiles
-  runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-  return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+def tokens(llm):  # the steps in their largest shape only: half the compiles
+  return [o.outputs[0].token_ids for o in one_shape(llm).generate(prompts, params, use_tqdm=False)]
 mesh = tokens(je.LLM(model, max_num_reqs=2, max_model_len=16, tensor_parallel_size=4))
 print("MESH", mesh, flush=True)
 # The reference, in both processes (so both reach the shutdown barrier alike): one device (the
@@ -53,7 +55,7 @@ def test_two_processes_form_one_mesh_and_generate_one_devices_tokens():
   port = str(_free_port())
   workers = [
     subprocess.Popen(
-      [sys.executable, "-c", WORKER, str(i), port],
+      [sys.executable, "-c", WORKER, str(i), port, HELPERS_DIR],
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

@@ -22,7 +22,7 @@ tests/worker/test_step_shapes.py): the sampler, most of the compile time, compil
 
 from __future__ import annotations
 
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 #: Measured max |logprob difference| against one device (a sum split over the model axis adds
 #: in another order; 2-core CPU): dense 1.9e-6 (tensor parallel) and 9.5e-7 (data parallel),
@@ -37,9 +37,13 @@ import jaxengine as je
 from jaxengine.models import token_logprobs
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles, tiny_llama
+sys.path.insert(0, sys.argv[2])  # the tests' helpers
+from step_shapes import one_shape  # each group's steps in its largest shape: one sampler, not two
 
 bound = float(sys.argv[1])
-options = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8)
+# A budget of 16 tokens (both prompts' 12): one_shape's steps of 16 tokens, not the default 256.
+options = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8,
+               max_num_batched_tokens=16)
 prompts = [[1, 5, 9, 33, 70, 100], [200, 100, 50, 25, 12, 6]]  # one per data shard
 greedy = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0,
                            prompt_logprobs=0)
@@ -58,11 +62,6 @@ def same(got, want, what):
   assert worst[what] < bound, (what, worst[what])
 def spec(leaves, *path):
   return tuple(leaves[path].sharding.spec)
-def one_shape(llm):  # each group's steps in its largest shape: one sampler to compile, not two
-  for core in llm.llm_engine.cores:
-    runner = core.runner
-    runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-  return llm
 
 new_weights = {name: np.array(a, copy=True) for name, a in named_weights(model(1))}
 one = one_shape(je.LLM(model(), quantization="int8", **options))
@@ -144,6 +143,6 @@ print("ok")
 
 
 def test_quantized_engines_on_a_mesh_match_one_device():
-  out = run_python(SCRIPT, str(LOGPROB_BOUND), timeout=600)
+  out = run_python(SCRIPT, str(LOGPROB_BOUND), HELPERS_DIR, timeout=600)
   assert out.strip().endswith("ok"), out
   assert "sleep ok" in out and out.count(" ok") == 3, out

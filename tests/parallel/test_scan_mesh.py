@@ -13,7 +13,7 @@ be set before JAX starts):
 
 from __future__ import annotations
 
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 #: A sum split over the model axis adds in another order (as tests/parallel/test_quantization_mesh.py).
 LOGPROB_BOUND = 1e-5
@@ -25,9 +25,14 @@ import jax, jax.numpy as jnp, numpy as np
 import jaxengine as je
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles, tiny_llama
+sys.path.insert(0, sys.argv[2])  # the tests' helpers
+from step_shapes import one_shape  # the steps in their largest shape: one sampler, not two
 
 bound = float(sys.argv[1])
-options = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8, quantization="int8")
+# tests/parallel/test_quantization_mesh.py's sizes (its one-device engine's executables shared):
+# steps of 16 tokens (both prompts' 12).
+options = dict(max_num_reqs=4, max_model_len=64, num_kv_blocks=32, block_size=8,
+               max_num_batched_tokens=16, quantization="int8")
 prompts = [[1, 5, 9, 33, 70, 100], [200, 100, 50, 25, 12, 6]]
 greedy = je.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0,
                            prompt_logprobs=0)
@@ -39,10 +44,6 @@ def run(llm):
   logprobs = [e[t].logprob for o in outs for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
   logprobs += [e[t].logprob for o in outs for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
   return tokens, np.asarray(logprobs)
-def one_shape(llm):  # the steps in their largest shape: one sampler to compile, not two
-  runner = llm.llm_engine.runner
-  runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
-  return llm
 
 new_weights = {name: np.array(a, copy=True) for name, a in named_weights(model(1))}
 one = one_shape(je.LLM(model(), **options))
@@ -84,5 +85,5 @@ print("ok")
 
 
 def test_a_scanned_engine_on_a_mesh_matches_one_device():
-  out = run_python(SCRIPT, str(LOGPROB_BOUND), timeout=600)
+  out = run_python(SCRIPT, str(LOGPROB_BOUND), HELPERS_DIR, timeout=600)
   assert out.strip().endswith("ok"), out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import textwrap
 
-from subprocess_utils import run_python
+from subprocess_utils import HELPERS_DIR, run_python
 
 # Random batches using every feature on a 2 x 2 (data, model) mesh, rows and vocabulary both
 # split: greedy, seeded random, top-k (shallow, both deep lists, beyond them: bisection), top-p,
@@ -91,14 +91,20 @@ def test_vocabulary_sharded_sampler_matches_one_device():
 
 
 # SmolLM2 (9 query heads, 3 kv heads, vocabulary 49152 = 3 x 64 blocks of 256) under t = 3 on 3
-# devices, as a user would write it: each row gives the fixture's greedy tokens (an independent
-# PyTorch implementation's). Seeded rows against one device are the sampler test's above.
+# devices, the default model as a user would load it: each row gives the fixture's greedy tokens
+# (an independent PyTorch implementation's). The steps run in one shape (`one_shape`: one compile
+# of the 30-layer step instead of a prefill's and a decode's). Seeded rows against one device are
+# the sampler test's above.
 SMOLLM2_SCRIPT = textwrap.dedent("""
     import os, json, sys
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
+    sys.path.insert(0, sys.argv[2])  # the tests' helpers
     import jaxengine as je
+    from step_shapes import one_shape
     fixture = json.load(open(sys.argv[1]))
-    llm = je.LLM(max_num_reqs=2, max_model_len=32, tensor_parallel_size=3)
+    # Every step in one shape (16 tokens of 2 rows: the prompts' 10 tokens): one compile.
+    llm = one_shape(je.LLM(max_num_reqs=2, max_model_len=32, max_num_batched_tokens=16,
+                           tensor_parallel_size=3))
     outs = llm.generate([fixture["prompt"]] * 2, je.SamplingParams(temperature=0, max_tokens=20),
                         use_tqdm=False)
     for out in outs:
@@ -115,4 +121,4 @@ def test_smollm2_under_tensor_parallel_3_gives_the_fixture_greedy_tokens():
   fixture = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "smollm2_greedy.json"
   )
-  assert run_python(SMOLLM2_SCRIPT, fixture).strip().endswith("ok")
+  assert run_python(SMOLLM2_SCRIPT, fixture, HELPERS_DIR).strip().endswith("ok")
