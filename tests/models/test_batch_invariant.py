@@ -166,6 +166,11 @@ def test_fixed_order_attention_of_a_request_ignores_the_rest_of_the_step(sliding
 # --- the engine ---------------------------------------------------------------------------------
 
 
+#: The engines' size where a test needs no other (the crowded one has 32 rows): their steps and
+#: sampler (`max_num_reqs` rows, `max_model_len` tokens of history) compile once for all of them.
+ENGINE = dict(max_num_reqs=8, max_model_len=256, batch_invariant=True)
+
+
 @pytest.fixture(scope="module")
 def model():
   return tiny_llama(3, vocab_size=VOCAB)[0]
@@ -247,9 +252,7 @@ def _assert_same_bits(expected, actual):
 @pytest.fixture(scope="module")
 def alone(model):
   """The targets, one at a time, on an engine without prefix caching or chunked prefill."""
-  llm = je.LLM(
-    model, max_num_reqs=8, max_model_len=256, batch_invariant=True, enable_prefix_caching=False
-  )
+  llm = je.LLM(model, **ENGINE, enable_prefix_caching=False)
   prompts, params = _targets()
   result = {}
   for i in range(len(prompts)):
@@ -299,7 +302,7 @@ def test_tokens_and_logprob_bits_do_not_depend_on_the_other_requests(
 def test_speculative_and_multi_step_decoding_keep_the_bits(model, alone, options):
   """Draft tokens are query tokens like any other, and a device loop of decode steps runs the
   same per-token arithmetic: the targets' tokens and logprobs stay those of plain decoding."""
-  llm = je.LLM(model, max_num_reqs=8, max_model_len=256, batch_invariant=True, **options)
+  llm = je.LLM(model, **ENGINE, **options)
   prompts, params = _targets()
   other_prompts, other_params = _others(3, seed=5)
   order = list(range(len(prompts) + 3))
@@ -309,7 +312,7 @@ def test_speculative_and_multi_step_decoding_keep_the_bits(model, alone, options
 def test_scanned_layers_keep_the_bits(model, alone):
   """``scan_layers=True``: the same tokens and logprob bits as the unrolled engine alone, and the
   trainer's `token_logprobs` of the engine's scanned model equal them bit for bit too."""
-  llm = je.LLM(model, max_num_reqs=8, max_model_len=256, batch_invariant=True, scan_layers=True)
+  llm = je.LLM(model, **ENGINE, scan_layers=True)
   assert llm.llm_engine.runner.kv_cache.stacked_layers is not None
   prompts, params = _targets()
   other_prompts, other_params = _others(3, seed=6)
@@ -338,8 +341,9 @@ def test_trainer_parity_holds_after_load_weights_and_under_grad(model):
   """A policy update: the trainer's module changes, `load_weights` gives the engine the same
   weights; the engine's logprobs equal the trainer's (inside its jitted gradient) again."""
   trainer_model = tiny_llama(3, vocab_size=VOCAB)[0]
-  llm = je.LLM(trainer_model, max_num_reqs=4, max_model_len=128, batch_invariant=True)
-  prompt = np.random.default_rng(2).integers(3, VOCAB, size=20).tolist()
+  llm = je.LLM(trainer_model, **ENGINE)
+  # 40 tokens: the 64-token step the `alone` engine's 37-token prompt compiled
+  prompt = np.random.default_rng(2).integers(3, VOCAB, size=40).tolist()
   params = je.SamplingParams(temperature=1.0, seed=1, max_tokens=12, logprobs=0, ignore_eos=True)
 
   @nnx.jit
@@ -381,9 +385,9 @@ def test_one_row_bucket_and_no_step_compiles_after_precompile(model):
   model step per token bucket (with and without prompt logprobs) and one sampler, and a mix of
   requests adds none."""
   device_steps.clear()  # this engine's executables alone
-  llm = je.LLM(model, max_num_reqs=4, max_model_len=64, batch_invariant=True, precompile=True)
+  llm = je.LLM(model, **ENGINE, max_num_batched_tokens=64, precompile=True)
   runner = llm.llm_engine.runner
-  assert runner.row_buckets == [4]
+  assert runner.row_buckets == [8] and runner.token_buckets[-1] == 64
   steps = [runner.ragged_forward, runner.sample_produced]
   sizes = [step._cache_size() for step in steps]
   assert sizes[1] == 1 and 1 <= sizes[0] <= 2 * len(runner.token_buckets)
@@ -399,10 +403,7 @@ def test_lora_adapters_keep_the_bits_alone_and_in_a_batch(model):
   """``batch_invariant=True`` with ``enable_lora``: the adapters' products are row-tiled too
   (`jaxengine.models.lora.add_lora`), so an adapter's request and the base's have the same bits
   alone and in a shuffled batch mixing both; the adapter changes them."""
-  llm = je.LLM(
-    model, max_num_reqs=8, max_model_len=128, batch_invariant=True, max_num_batched_tokens=48,
-    enable_lora=True, max_lora_rank=4,
-  )  # fmt: skip
+  llm = je.LLM(model, **ENGINE, max_num_batched_tokens=48, enable_lora=True, max_lora_rank=4)
   lora = je.LoRARequest("trainer", 1, "in memory")
   llm.load_lora_weights(lora, random_adapter(1))
   _, adapted = mixed_bits(llm, lora)

@@ -31,6 +31,7 @@ from hf_checkpoints import (
   reference_logits,
   write_checkpoint,
 )
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.models import (
@@ -106,7 +107,7 @@ def test_checkpoint_matches_float64_reference(tmp_path, case):
   assert rel < 1e-4
   np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
 
-  llm = je.LLM(tmp_path, max_num_reqs=2, max_model_len=32)
+  llm = one_shape(je.LLM(tmp_path, max_num_reqs=2, max_model_len=32))
   (out,) = llm.generate(PROMPT, GREEDY, use_tqdm=False)
   assert _tokens(out) == reference_greedy(c, tensors, PROMPT, GREEDY.max_tokens)
   assert llm.get_tokenizer() is None  # no tokenizer.json: token-id prompts
@@ -239,7 +240,7 @@ def test_a_tokenizer_path_and_bad_tokenizer_or_config_files(tmp_path):
   model_dir = write_checkpoint(tmp_path / "model", config, random_tensors(config_dict(config)))
   tokenizer_dir = tmp_path / "tokenizer"
   chatml_byte_tokenizer().hf_tokenizer.save_pretrained(tokenizer_dir)
-  llm = je.LLM(model_dir, tokenizer=str(tokenizer_dir), max_num_reqs=1, max_model_len=32)
+  llm = one_shape(je.LLM(model_dir, tokenizer=str(tokenizer_dir), max_num_reqs=1, max_model_len=32))
   assert llm.get_tokenizer().vocab_size == chatml_byte_tokenizer().vocab_size
   (out,) = llm.generate("Hi", je.SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
   assert out.prompt_token_ids == llm.get_tokenizer().encode("Hi") and out.outputs[0].text
@@ -278,7 +279,7 @@ def test_float16_weights_load_and_generate_on_cpu(tmp_path):
   """vLLM's dtype="float16": weights and KV cache in float16, computed on the CPU too; the
   greedy tokens are the float64 reference's on the float16-rounded weights."""
   c, tensors = _checkpoint(tmp_path, "qwen2_tied")
-  llm = je.LLM(tmp_path, dtype="float16", max_num_reqs=2, max_model_len=32)
+  llm = one_shape(je.LLM(tmp_path, dtype="float16", max_num_reqs=2, max_model_len=32))
   model = llm.llm_engine.runner.model
   assert model.layers[0].attn.wq[...].dtype == jnp.float16
   assert model.final_norm.scale[...].dtype == jnp.float32  # norms stay float32
@@ -315,7 +316,7 @@ def test_generation_config_eos_ids_stop_like_vllm(tmp_path):
   fields = dict(CASES["qwen2_tied"])
   config = hf_config(fields.pop("architecture"), **fields)
   write_checkpoint(tmp_path / "eos", config, tensors, generation_eos=[127, stop])
-  llm = je.LLM(tmp_path / "eos", max_num_reqs=2, max_model_len=32)
+  llm = one_shape(je.LLM(tmp_path / "eos", max_num_reqs=2, max_model_len=32))
   params = je.SamplingParams(temperature=0, max_tokens=6)
   stopped, ignored, deferred = llm.generate(
     [PROMPT] * 3,
@@ -356,11 +357,13 @@ def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, no_network):
   (repo / "refs").mkdir()
   (repo / "refs" / "main").write_text(commit)
 
-  llm = je.LLM("tiny-org/tiny-qwen3", download_dir=str(tmp_path / "hub"), max_model_len=32)
+  # the engine of test_checkpoint_matches_float64_reference[qwen3_head_dim]: its compiles again
+  hub = str(tmp_path / "hub")
+  llm = one_shape(je.LLM("tiny-org/tiny-qwen3", download_dir=hub, max_num_reqs=2, max_model_len=32))
   (out,) = llm.generate(PROMPT, GREEDY, use_tqdm=False)
   assert _tokens(out) == reference_greedy(c, tensors, PROMPT, GREEDY.max_tokens)
   with pytest.raises(FileNotFoundError, match=r"'tiny-org/absent'.*neither in the local cache"):
-    je.LLM("tiny-org/absent", download_dir=str(tmp_path / "hub"))
+    je.LLM("tiny-org/absent", download_dir=hub)
 
 
 # --------------------------------------------------------------------------- load_weights
@@ -370,7 +373,8 @@ def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, no_network):
 def qwen2_llm(tmp_path_factory):
   directory = tmp_path_factory.mktemp("qwen2")
   _, tensors = _checkpoint(directory, "qwen2_tied", seed=5)
-  llm = je.LLM(directory, max_num_reqs=4, max_model_len=32)
+  # test_checkpoint_matches_float64_reference[qwen2_tied]'s engine: its compiles again
+  llm = one_shape(je.LLM(directory, max_num_reqs=2, max_model_len=32))
   return llm, directory, tensors
 
 
@@ -496,7 +500,7 @@ def test_load_weights_takes_a_whole_nnx_state(qwen2_llm):
   halved = _run(llm)
   assert halved[1] != baseline[1]
   assert halved[0] == _tokens(
-    je.LLM(trainer_model, max_num_reqs=1, max_model_len=32).generate(
+    one_shape(je.LLM(trainer_model, max_num_reqs=2, max_model_len=32)).generate(  # qwen2_llm's
       PROMPT, LOGPROBS, use_tqdm=False
     )[0]
   )
@@ -560,7 +564,7 @@ def test_your_own_nnx_model_generates_and_takes_weights():
   expected = list(prompt)
   for _ in range(6):
     expected.append(int(np.argmax(embed[expected].mean(0) @ out)))
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  llm = one_shape(je.LLM(model, max_num_reqs=2, max_model_len=16))
   params = je.SamplingParams(temperature=0, max_tokens=6)
   first, second = llm.generate([prompt, [5, 5]], params, use_tqdm=False)
   assert _tokens(first) == expected[len(prompt) :]
@@ -582,7 +586,7 @@ def test_your_own_nnx_model_generates_and_takes_weights():
 def test_numpy_weights_of_new_shapes_compile_nothing(compile_counter):
   # Shapes no other test uses, so no staging executable of an earlier test hides a compile.
   model, other = (MeanOfEmbeddings(37, 8, rngs=nnx.Rngs(seed)) for seed in (0, 1))
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  llm = one_shape(je.LLM(model, max_num_reqs=2, max_model_len=16))
   params = je.SamplingParams(temperature=0, max_tokens=4)
   generate = lambda: _tokens(llm.generate([3, 9, 27], params, use_tqdm=False)[0])
   before = generate()
@@ -628,7 +632,7 @@ def test_your_own_weight_specs_fill_layers_of_a_stacked_leaf():
   model = MixedMeanOfEmbeddings(32, 8, rngs=nnx.Rngs(1))
   other = MixedMeanOfEmbeddings(32, 8, rngs=nnx.Rngs(2))
   prompt, params = [3, 9, 27, 1], je.SamplingParams(temperature=0, max_tokens=6)
-  llm = je.LLM(model, max_num_reqs=2, max_model_len=16)
+  llm = one_shape(je.LLM(model, max_num_reqs=2, max_model_len=16))
   generate = lambda: _tokens(llm.generate(prompt, params, use_tqdm=False)[0])
   assert generate() == _mixed_greedy(model, prompt, 6)
 
@@ -660,7 +664,7 @@ def _teacher_forced_log_softmax(model, token_ids) -> np.ndarray:
 
 def test_raw_logprobs_equal_teacher_forced_log_softmax():
   model, _ = tiny_llama(seed=4, vocab_size=96)
-  llm = je.LLM(model, max_num_reqs=4, max_model_len=32)
+  llm = one_shape(je.LLM(model, max_num_reqs=4, max_model_len=32))
   prompt = [11, 5, 42, 7, 60]
   params = je.SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, logprobs=0)
   (out,) = llm.generate(prompt, params, use_tqdm=False)
@@ -676,7 +680,9 @@ def test_raw_logprobs_equal_teacher_forced_log_softmax():
 
 def test_processed_logprobs_are_those_of_the_distribution_sampled_from():
   model, _ = tiny_llama(seed=4, vocab_size=96)
-  llm = je.LLM(model, max_num_reqs=4, max_model_len=32, logprobs_mode="processed_logprobs")
+  llm = one_shape(
+    je.LLM(model, max_num_reqs=4, max_model_len=32, logprobs_mode="processed_logprobs")
+  )
   prompt, temperature, top_k = [11, 5, 42, 7, 60], 0.7, 5
   params = je.SamplingParams(
     n=2, temperature=temperature, top_k=top_k, seed=9, max_tokens=6, logprobs=top_k

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from step_shapes import one_shape
 from weight_checks import assert_load_weights_fill_the_stacks
 
 import jaxengine as je
@@ -98,10 +99,8 @@ def test_scanned_engine_gives_the_unrolled_models_bits():
   )
   llm = je.LLM(model, scan_layers=True, max_num_reqs=2, max_model_len=48, block_size=4,
                max_num_batched_tokens=8, batch_invariant=True)  # fmt: skip
-  runner = llm.llm_engine.runner
+  runner = one_shape(llm).llm_engine.runner  # the steps in their largest shape only
   assert runner.kv_cache.stacked_layers is not None and runner.model.config.scan_layers
-  # the steps in their largest shape only: one step to compile
-  runner.row_buckets, runner.token_buckets = runner.row_buckets[-1:], runner.token_buckets[-1:]
   outputs = llm.generate(prompts, params, use_tqdm=False)
   sequences = jnp.asarray([p + list(out.outputs[0].token_ids) for p, out in zip(prompts, outputs)])
   want = np.asarray(token_logprobs(batch_invariant_model(model), sequences, block_size=4))
@@ -150,8 +149,10 @@ def test_scanned_engine_serves_lora_adapters_as_the_unrolled_one():
   params = je.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
   results = {}
   for scan in (True, False):
-    llm = je.LLM(model, scan_layers=scan, max_num_reqs=1, max_model_len=32, block_size=4,
-                 enable_lora=True, max_loras=1, max_lora_rank=4)  # fmt: skip
+    llm = one_shape(  # the prefill and the decode steps in one shape: one compile per engine
+      je.LLM(model, scan_layers=scan, max_num_reqs=1, max_model_len=32, block_size=4,
+             enable_lora=True, max_loras=1, max_lora_rank=4)
+    )  # fmt: skip
     llm.load_lora_weights(lora, adapter)
     for request in (lora, None):
       (out,) = llm.generate([prompt], params, lora_request=request, use_tqdm=False)

@@ -101,12 +101,13 @@ def _check_routed_experts(unrolled: Qwen3_5, scanned: Qwen3_5) -> None:
   """Each layer's experts over a 13-token prompt, and logprobs replaying given experts, are
   the unrolled model's bits."""
   experts = []
+  step = nnx.jit(lambda model, *args: model(*args)[2])  # one compile, not one per operation
   for model in (unrolled, scanned):
     copy = nnx.merge(*nnx.split(model))
     copy.set_attributes(return_routed_experts=True)
     metadata, cache = scratch_step(copy, 1, 13, 4, XlaAttentionBackend())
     positions = jnp.arange(13, dtype=jnp.int32)[None]
-    experts.append(np.asarray(copy(TOKENS[:1, :13], positions, cache, metadata)[2]))
+    experts.append(np.asarray(step(copy, TOKENS[:1, :13], positions, cache, metadata)))
   assert experts[0].shape == (1, 13, 6, 2)
   np.testing.assert_array_equal(experts[1], experts[0])
   replay = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 12, 6, 2)), jnp.int32)
