@@ -287,11 +287,19 @@ def test_floored_top_k_is_lax_top_k(seed, sampled_high, ties):
 
 
 def test_top_p_after_rejection_gives_up_is_unbiased():
-  """A nearly flat row with a small top_p: about 18% of draws exhaust the rejection attempts and
+  """A nearly flat row with a small top_p (its nucleus beyond the draw tests' 2-token list, and
+  their executable): about 18% of draws exhaust the rejection attempts and
   take the exact cut, which must draw a fresh uniform (reusing the first one, known to have
   landed outside the nucleus, under-samples the lowest ids)."""
-  row_logits = np.linspace(0.0, -0.1, 64).astype(np.float32)
-  _assert_draws_match_exact(row_logits, je.SamplingParams(top_p=0.1), rows=256, steps=40)
+  row_logits = np.linspace(0.0, -0.1, V).astype(np.float32)
+  _assert_draws_match_exact(
+    row_logits,
+    je.SamplingParams(top_p=0.1),
+    rows=256,
+    steps=40,
+    num_topk_candidates=2,
+    deep_candidate_budgets=DRAW_DEEP,
+  )
 
 
 def _lowered_sampler(rows: int, vocab: int):
