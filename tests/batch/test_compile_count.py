@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from batch_utils import MML, R, V, make_batch
+from batch_utils import MML, PROCESSED, RAW, SMALL_BUDGETS, R, V, make_batch
 
 import jaxengine as je
 
@@ -50,13 +50,13 @@ def _add_random(b, rng, rid):
 
 
 @pytest.mark.parametrize(
-  "budgets",
-  [{}, dict(num_topk_candidates=3, deep_candidate_budgets=(7, 13))],
+  "config",
+  [RAW, {**PROCESSED, **SMALL_BUDGETS}],  # the standard executables of tests/helpers/batch_utils
   ids=["default budgets", "small budgets: every candidate level and the bisection"],
 )
-def test_steady_state_compiles_nothing(compile_counter, budgets):
+def test_steady_state_compiles_nothing(compile_counter, config):
   rng = np.random.default_rng(0)
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20, **budgets)
+  b = make_batch(**config)
   serial = 0
 
   def add():

@@ -8,6 +8,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from batch_utils import MML, PROCESSED_LOGITS, R, V
 
 import jaxengine as je
 from jaxengine.sample import BatchState, RowUpdate
@@ -70,14 +71,18 @@ def test_derived_static_sizes():
 
 
 def test_input_batch_builds_its_config_and_from_config_matches_it():
-  kwargs = dict(max_num_logprobs=5, logprobs_mode="processed_logits", max_num_bad_words=3)
-  a = je.InputBatch(*BASE.values(), **kwargs, eos_token_ids=[2], seed=4)
-  config = je.BatchConfig(**BASE, **kwargs)
+  # Fields off their defaults, in one of the standard sampler executables (tests/helpers/batch_utils:
+  # max_spec_len is no part of the sampler's).
+  capacities = dict(max_num_reqs=R, max_model_len=MML, vocab_size=V)
+  kwargs = dict(**PROCESSED_LOGITS, max_spec_len=2)
+  a = je.InputBatch(*capacities.values(), **kwargs, eos_token_ids=[2], seed=4)
+  config = je.BatchConfig(**capacities, **kwargs)
   assert a.config == config and a.state.config == config
   b = je.InputBatch.from_config(config, eos_token_ids=[2], seed=4)
-  assert (b.max_num_reqs, b.vocab_size, b.max_model_len) == (4, 40, 16)
+  assert (b.max_num_reqs, b.vocab_size, b.max_model_len) == (R, V, MML)
   assert b.eos_token_ids == (2,) and b.logprobs_mode == "processed_logits"
-  logits = np.random.default_rng(0).normal(size=(4, 40)).astype(np.float32)
+  assert b.config.max_num_logprobs == -1 and b.config.max_spec_len == 2
+  logits = np.random.default_rng(0).normal(size=(R, V)).astype(np.float32)
   for batch in (a, b):
     batch.add_request("x", [1], je.SamplingParams(min_tokens=2, top_p=0.8, logprobs=5))
     batch.add_request("y", [3], je.SamplingParams(temperature=0.5))

@@ -14,6 +14,11 @@ import pytest
 from batch_utils import (
   EOS,
   MML,
+  PROCESSED,
+  PROCESSED_LOGITS,
+  RAW,
+  RAW_LOGITS_ALL,
+  V_WIDE,
   R,
   V,
   check_row,
@@ -40,7 +45,8 @@ def one_hot_logits(token, vocab_size=V, hi=5.0, lo=0.0):
 
 
 # --------------------------------------------------------------------------------------------------
-# §1.10 golden example (V = 8)
+# §1.10 golden example (V = 8), in the standard batch: the other tokens' logits are -inf, which
+# leaves every softmax, rank and cut of the example as it is (and each of them -inf).
 
 GV = 8
 GOLD_LOGITS = np.array([2.0, -1.0, 0.5, 1.5, 0.0, -0.5, 1.2, 0.8], dtype=np.float32)
@@ -61,10 +67,23 @@ GOLD_PROCESSED = np.array([-0.46437, NEG, NEG, NEG, NEG, NEG, -1.46437, -1.96437
 GOLD_AFTER_PENALTIES = np.array([2.0, -1.2, 0.01667, 0.55, 0.5, -0.5, 1.2, 0.8])
 
 
-def golden_batch(mode, max_num_logprobs):
-  return make_batch(
-    vocab_size=GV, max_num_logprobs=max_num_logprobs, logprobs_mode=mode, eos_token_ids=()
-  )
+def golden_batch(config):
+  return make_batch(**config, eos_token_ids=())
+
+
+def golden_logits():
+  """The golden row in every row of the standard batch, -inf past the example's 8 tokens."""
+  logits = np.full((R, V), NEG, dtype=np.float32)
+  logits[:, :GV] = GOLD_LOGITS
+  return logits
+
+
+def golden_rows(out, n):
+  """The first `n` rows' whole-vocabulary vectors, cut to the example's 8 tokens (the others must
+  be -inf)."""
+  rows = full_rows(out)[:n]
+  assert np.isneginf(rows[:, GV:]).all(), rows
+  return rows[:, :GV]
 
 
 def add_golden(b, n, **overrides):
@@ -74,9 +93,9 @@ def add_golden(b, n, **overrides):
 
 
 def test_golden_raw_logprobs_top2():
-  b = golden_batch("raw_logprobs", 20)
+  b = golden_batch(RAW)
   add_golden(b, R, logprobs=2)
-  out = b.sample(np.tile(GOLD_LOGITS, (R, 1)))
+  out = b.sample(golden_logits())
   lp = out.logprobs
   assert lp.token_ids.shape == (R, 3) and lp.logprobs.shape == (R, 3) and lp.ranks.shape == (R,)
   assert (
@@ -94,10 +113,10 @@ def test_golden_raw_logprobs_top2():
 
 
 def test_golden_processed_logprobs_full_row():
-  b = golden_batch("processed_logprobs", -1)
+  b = golden_batch(PROCESSED)
   add_golden(b, R, logprobs=-1)
-  out = b.sample(np.tile(GOLD_LOGITS, (R, 1)))
-  rows = full_rows(out, GV)
+  out = b.sample(golden_logits())
+  rows = golden_rows(out, R)
   for i in range(R):
     tok = int(out.sampled_token_ids[i])
     assert tok in (0, 6, 7)
@@ -110,9 +129,9 @@ def test_golden_processed_logprobs_full_row():
 
 
 def test_golden_processed_logprobs_top2():
-  b = golden_batch("processed_logprobs", -1)
+  b = golden_batch(PROCESSED)
   add_golden(b, 4, logprobs=2)
-  out = b.sample(np.tile(GOLD_LOGITS, (R, 1)))
+  out = b.sample(golden_logits())
   lp = out.logprobs
   assert lp.token_ids.shape == (4, 3)
   for i in range(4):
@@ -123,30 +142,30 @@ def test_golden_processed_logprobs_top2():
 
 
 def test_golden_greedy_processed_is_post_penalty():
-  b = golden_batch("processed_logprobs", -1)
+  b = golden_batch(PROCESSED)
   add_golden(b, 2, temperature=0.0, logprobs=-1)
-  out = b.sample(np.tile(GOLD_LOGITS, (R, 1)))
+  out = b.sample(golden_logits())
   assert out.sampled_token_ids.tolist() == [0, 0]
-  rows = full_rows(out, GV)
+  rows = golden_rows(out, 2)
   want = log_softmax(GOLD_AFTER_PENALTIES)
   for i in range(2):
     np.testing.assert_allclose(rows[i], want, atol=2e-4)
 
 
 def test_golden_processed_logits_and_raw_logits():
-  b = golden_batch("processed_logits", -1)
+  b = golden_batch(PROCESSED_LOGITS)
   add_golden(b, 2, logprobs=-1)
-  out = b.sample(np.tile(GOLD_LOGITS, (R, 1)))
-  rows = full_rows(out, GV)
+  out = b.sample(golden_logits())
+  rows = golden_rows(out, 2)
   want = np.array([2.5, NEG, NEG, NEG, NEG, NEG, 1.5, 1.0])
   for i in range(2):
     assert np.array_equal(np.isneginf(rows[i]), np.isneginf(want))
     np.testing.assert_allclose(rows[i][np.isfinite(want)], want[np.isfinite(want)], atol=1e-4)
 
-  b = golden_batch("raw_logits", -1)
+  b = golden_batch(RAW_LOGITS_ALL)
   add_golden(b, 2, logprobs=-1)
-  out = b.sample(np.tile(GOLD_LOGITS, (R, 1)))
-  rows = full_rows(out, GV)
+  out = b.sample(golden_logits())
+  rows = golden_rows(out, 2)
   for i in range(2):
     np.testing.assert_allclose(rows[i], GOLD_LOGITS, atol=1e-6)
     assert int(out.logprobs.ranks[i]) == rank_of(GOLD_LOGITS, int(out.sampled_token_ids[i]))
@@ -209,7 +228,7 @@ def test_sampling_metadata_in_input_batch(batch_size):
 
 
 def test_metadata_identity_follows_composition_changes():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   for rid in "ABC":
     add(b, rid, temperature=0.0)
   logits = np.zeros((R, V), dtype=np.float32)
@@ -252,7 +271,7 @@ def test_metadata_identity_follows_composition_changes():
 
 def test_condense_example_from_spec():
   """[A,B,C,D,E], remove B and D -> E moves to row 1 -> [A,E,C]."""
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   for n, rid in enumerate("ABCDE"):
     assert add(b, rid, temperature=0.0, allowed_token_ids=[n]) == n
   assert b.remove_request("B") == 1
@@ -265,7 +284,7 @@ def test_condense_example_from_spec():
 
 
 def test_sample_condenses_holes_first():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   for n, rid in enumerate("ABCD"):
     add(b, rid, temperature=0.0, allowed_token_ids=[10 + n])
   b.remove_request("A")
@@ -275,7 +294,7 @@ def test_sample_condenses_holes_first():
 
 
 def test_add_fills_lowest_hole_first():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   for rid in "ABCDE":
     add(b, rid, temperature=0.0)
   assert b.remove_request("D") == 3
@@ -292,7 +311,7 @@ def test_add_fills_lowest_hole_first():
 
 
 def test_worked_scenario_no_stale_state_and_swap():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   assert add(b, "A", temperature=1.0, seed=1234) == 0
   assert add(b, "B", temperature=0.0) == 1
   assert add(b, "C", temperature=0.0, bad_words_token_ids=[[7]]) == 2
@@ -342,7 +361,7 @@ def test_worked_scenario_no_stale_state_and_swap():
 
 
 def processed_logits_batch():
-  return make_batch(logprobs_mode="processed_logits", max_num_logprobs=-1)
+  return make_batch(**PROCESSED_LOGITS)
 
 
 @pytest.mark.parametrize("penalty", [2.0, -2.0])
@@ -557,7 +576,7 @@ def test_min_tokens_masks_stop_ids_and_eos():
 
 
 def test_min_tokens_counts_steps_and_initial_outputs():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   eos = EOS[0]
   logits_row = np.zeros(V, dtype=np.float32)
   logits_row[[eos, 5, 7]] = [3.0, 2.0, 1.0]
@@ -577,7 +596,7 @@ def test_min_tokens_counts_steps_and_initial_outputs():
 
 
 def test_frequency_penalty_counts_sampled_tokens():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   add(b, "f", temperature=0.0, frequency_penalty=2.0)
   add(b, "r", [3], temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0)
   row = np.zeros(V, dtype=np.float32)
@@ -716,7 +735,7 @@ def test_tiny_temperature_is_random_not_greedy():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_fully_masked_row_stays_inside_allowlist(temperature):
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   # Constraints that ban everything whatever the output are refused when the request is added...
   for kw in (
     dict(allowed_token_ids=[4], bad_words_token_ids=[[4]]),
@@ -749,7 +768,7 @@ def test_fully_masked_row_stays_inside_allowlist(temperature):
 
 
 def test_padding_rows_are_ignored():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   for i in range(3):
     add(b, f"r{i}", temperature=0.0, logprobs=2, presence_penalty=1.0)
   logits = np.full((R, V), np.nan, dtype=np.float32)
@@ -766,7 +785,7 @@ def test_num_reqs_shaped_logits_match_padded():
   logits = rng.uniform(-2, 2, size=(R, V)).astype(np.float32)
   results = []
   for shape in ("padded", "exact"):
-    b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+    b = make_batch(**RAW)
     for i in range(3):
       add(b, f"r{i}", temperature=0.0 if i != 1 else 0.9, seed=11, logprobs=3)
     out = b.sample(logits if shape == "padded" else logits[:3])
@@ -779,7 +798,7 @@ def test_num_reqs_shaped_logits_match_padded():
 
 
 def test_logprob_format_and_ranks_with_ties():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   add(b, "zero", temperature=0.0, logprobs=0)
   add(b, "none", temperature=0.0)
   add(b, "three", temperature=1.0, logprobs=3)
@@ -818,7 +837,7 @@ def test_logprob_format_and_ranks_with_ties():
 
 
 def test_logprobs_zero_gives_one_column_and_none_when_unrequested():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   add(b, "zero", temperature=0.0, logprobs=0)
   add(b, "none", temperature=0.0)
   logits = np.zeros((R, V), dtype=np.float32)
@@ -838,7 +857,7 @@ def test_logprobs_zero_gives_one_column_and_none_when_unrequested():
 
 
 def test_sampled_token_ids_dtype_and_output_lists():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   add(b, "a", [1, 2], [3], temperature=0.0)
   add(b, "b", [1], temperature=0.0)
   out = b.sample(np.tile(one_hot_logits(6), (R, 1)))
@@ -850,7 +869,7 @@ def test_sampled_token_ids_dtype_and_output_lists():
 # --------------------------------------------------------------------------------------------------
 # deep top-k / top-p cuts on a vocabulary wider than the default candidate budget (64)
 
-VW = 160
+VW = V_WIDE
 
 
 def test_deep_topk_topp_cuts_wide_vocab():
@@ -898,7 +917,7 @@ def test_sample_step_matches_input_batch_and_runs_in_scan():
   import jax.numpy as jnp
 
   def build():
-    b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+    b = make_batch(**RAW)
     add(b, "g", [1, 2], temperature=0.0, frequency_penalty=1.0)
     add(b, "s", [3], temperature=0.8, seed=9, top_k=5, logprobs=2)
     add(b, "t", [4], temperature=1.2, seed=10, min_p=0.1, bad_words_token_ids=[[7]])
@@ -1002,7 +1021,7 @@ def test_min_p_one_keeps_only_ties_with_max():
 def test_bfloat16_logits_are_accepted():
   import jax.numpy as jnp
 
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   add(b, "g", temperature=0.0, logprobs=3)
   add(b, "r", temperature=0.7, seed=1, logprobs=3)
   rng = np.random.default_rng(14)
@@ -1017,7 +1036,7 @@ def test_bfloat16_logits_are_accepted():
 
 
 def test_empty_batch_samples_zero_rows_and_ids_can_be_reused():
-  b = make_batch(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+  b = make_batch(**RAW)
   logits = np.tile(one_hot_logits(3), (R, 1))
   out = b.sample(logits)
   assert out.sampled_token_ids.shape == (0,) and b.num_reqs == 0 and b.req_ids == []

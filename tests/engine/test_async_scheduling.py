@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from batch_utils import MML, RAW, R, V, make_batch
 from byte_tokenizer import byte_tokenizer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -205,7 +206,7 @@ def test_precompiled_async_engine_compiles_no_step_more(model, tokenizer):
 
 
 def _batch(seed_offset: int = 0) -> je.InputBatch:
-  batch = je.InputBatch(4, 32, 64, max_num_logprobs=3)
+  batch = make_batch(**RAW)  # a standard sampler executable (tests/helpers/batch_utils)
   for i in range(3):
     params = je.SamplingParams(temperature=1.0, seed=seed_offset + i, logprobs=i)
     batch.add_request(str(i), [1 + i, 2, 3], params)
@@ -216,7 +217,7 @@ def test_lazy_sample_appends_what_an_eager_read_does():
   """Tokens join the outputs when read (in order, however many steps were left unread); counts
   include the unread ones; a request removed meanwhile drops its unread tokens."""
   rng = np.random.default_rng(0)
-  logits = [rng.normal(size=(4, 64)).astype(np.float32) for _ in range(MAX_PENDING_STEPS + 3)]
+  logits = [rng.normal(size=(R, V)).astype(np.float32) for _ in range(MAX_PENDING_STEPS + 3)]
   eager, lazy = _batch(), _batch()
   eager_tokens = [eager.sample(step).sampled_token_ids for step in logits[:2]]
   results = [lazy.sample(step) for step in logits[:2]]
@@ -240,11 +241,11 @@ def test_lazy_sample_appends_what_an_eager_read_does():
 
 
 def test_lazy_sample_still_refuses_a_full_request_before_any_device_work():
-  batch = je.InputBatch(2, 5, 16)
-  batch.add_request("a", [1, 2, 3], je.SamplingParams(temperature=0))
-  logits = np.zeros((2, 16), np.float32)
+  batch = make_batch(**RAW)
+  batch.add_request("a", [1] * (MML - 2), je.SamplingParams(temperature=0))
+  logits = np.zeros((R, V), np.float32)
   batch.sample(logits)
-  batch.sample(logits)  # unread: 5 tokens counted
+  batch.sample(logits)  # unread: max_model_len tokens counted
   with pytest.raises(ValueError, match="max_model_len"):
     batch.sample(logits)
   assert len(batch.output_token_ids("a")) == 2

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from batch_utils import RAW, R, V, make_batch
 
 import jaxengine as je
 from jaxengine.testing import tiny_llama
@@ -14,7 +15,7 @@ from jaxengine.testing import tiny_llama
 
 @pytest.fixture
 def batch():
-  b = je.InputBatch(4, 16, 10, eos_token_ids=[2])
+  b = make_batch(**RAW, eos_token_ids=[2])  # a standard sampler executable (batch_utils)
   b.add_request("a", [1, 2], je.SamplingParams())
   return b
 
@@ -39,7 +40,7 @@ def batch():
     (
       "x",
       [1],
-      je.SamplingParams(bad_words_token_ids=[[t] for t in range(10)]),
+      je.SamplingParams(bad_words_token_ids=[[t] for t in range(V)]),
       "bad_words_token_ids",
     ),
     (
@@ -98,7 +99,7 @@ def test_satisfiable_allowlists_are_accepted(batch):
     "b", [1], je.SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[4, 5]])
   )
   batch.add_request("c", [1], je.SamplingParams(allowed_token_ids=[2, 5], min_tokens=1))
-  assert batch.sample(np.zeros((4, 10), np.float32)).sampled_token_ids.tolist()[1:] == [5, 5]
+  assert batch.sample(np.zeros((R, V), np.float32)).sampled_token_ids.tolist()[1:] == [5, 5]
 
 
 @pytest.mark.parametrize(
@@ -159,17 +160,17 @@ def test_engine_seed_must_be_a_64_bit_int(seed):
 
 
 def test_engine_seeds_past_32_bits_give_distinct_keys():
-  a, b = (je.InputBatch(2, 16, 10, seed=s) for s in (5, 5 + 2**32))
+  a, b = (make_batch(**RAW, seed=s) for s in (5, 5 + 2**32))
   for batch in (a, b):
     batch.add_request("r", [1], je.SamplingParams())
-  logits = np.zeros((2, 10), np.float32)
+  logits = np.zeros((R, V), np.float32)
   draws = [[x.sample(logits).sampled_token_ids[0] for _ in range(8)] for x in (a, b)]
   assert draws[0] != draws[1]
 
 
 def test_integer_logits_are_rejected(batch):
   with pytest.raises(ValueError, match="float"):
-    batch.sample(np.zeros((4, 10), np.int32))
+    batch.sample(np.zeros((R, V), np.int32))
   assert batch.req_output_token_ids == [[]]
 
 

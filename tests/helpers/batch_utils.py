@@ -15,6 +15,29 @@ V = 32  # vocab_size
 MML = 64  # max_model_len
 EOS = (V - 1,)  # eos_token_ids of the standard batch
 
+# Standard sampler configurations. Each (capacities, vocabulary, logprobs mode and count, candidate
+# budgets, processors, logits dtype) is an executable of its own, which the run's persistent
+# compilation cache shares between modules: a test that needs no particular setting uses one of
+# these (`make_batch(**RAW)`), and a test that needs a special one (to reach a code path) shares
+# it with the others that need the same. The batch's seed and EOS ids are data, not part of it.
+#: make_batch's default: `processed_logprobs` over the whole vocabulary (logprobs=-1 reads a row).
+PROCESSED = dict(logprobs_mode="processed_logprobs", max_num_logprobs=-1)
+#: `processed_logits` over the whole vocabulary: a greedy row reads its post-penalty logits.
+PROCESSED_LOGITS = dict(logprobs_mode="processed_logits", max_num_logprobs=-1)
+#: vLLM's default mode and a top-20 limit (no full sort of the rows).
+RAW = dict(logprobs_mode="raw_logprobs", max_num_logprobs=20)
+#: `raw_logprobs` over the whole vocabulary.
+RAW_ALL = dict(logprobs_mode="raw_logprobs", max_num_logprobs=-1)
+#: `raw_logits` over the whole vocabulary.
+RAW_LOGITS_ALL = dict(logprobs_mode="raw_logits", max_num_logprobs=-1)
+#: Small candidate budgets over the standard vocabulary: the shallow list (3), two deep lists (7
+#: and 13) and, beyond them, the bisection; top-p nuclei deeper than 3 candidates are drawn by
+#: rejection.
+SMALL_BUDGETS = dict(num_topk_candidates=3, deep_candidate_budgets=(7, 13))
+#: A vocabulary wider than the default shallow candidate budget (64): deep top-k cuts read the deep
+#: list (the default deep budgets clip to it), deep top-p nuclei are drawn by rejection.
+V_WIDE = 160
+
 
 def make_batch(
   *,

@@ -10,7 +10,7 @@ import pytest
 import jaxengine as je
 from jaxengine.testing import TargetOnly, count_compiles
 
-V, R, S = 40, 8, 64
+V, R, S = 40, 8, 64  # V above 32: a grammar bitmask of two words
 P_SPEC = 4  # the batch's default max_spec_len
 
 
@@ -48,6 +48,18 @@ class KeepTop1(je.LogitsProcessor):
     return jnp.where(active[:, None] & ~keep, -jnp.inf, logits)
 
 
+def _targets() -> list:
+  """`TargetOnly` as a class, an instance and a spec string: equal processors, so one executable
+  for every batch built with them (and applying it three times is applying it once)."""
+  return [TargetOnly, TargetOnly(), "jaxengine.testing:TargetOnly"]
+
+
+#: The module's other batch with processors (processed_logprobs: its logprobs see `KeepTop1`, an
+#: argmax-invariant processor). With the plain batch `je.InputBatch(R, S, V)` and `_targets()`,
+#: the module's three sampler executables.
+COUNTDOWN = dict(logprobs_mode="processed_logprobs", logits_processors=[Countdown, KeepTop1])
+
+
 def _logits(step: int) -> np.ndarray:
   return np.random.default_rng(step).normal(size=(R, V)).astype(np.float32) * 3
 
@@ -60,7 +72,7 @@ def _params(i: int, target: bool) -> je.SamplingParams:
 
 
 def test_target_rows_emit_their_target_and_other_rows_are_unchanged():
-  with_lp = je.InputBatch(R, S, V, logits_processors=[TargetOnly])
+  with_lp = je.InputBatch(R, S, V, logits_processors=_targets())
   without = je.InputBatch(R, S, V)
   for i in range(6):
     with_lp.add_request(f"r{i}", [1, 2, 3], _params(i, target=i % 2 == 0))
@@ -76,7 +88,7 @@ def test_target_rows_emit_their_target_and_other_rows_are_unchanged():
 
 
 def test_processor_state_follows_requests_through_add_remove_condense_swap():
-  batch = je.InputBatch(R, S, V, logits_processors=[TargetOnly(), "jaxengine.testing:TargetOnly"])
+  batch = je.InputBatch(R, S, V, logits_processors=_targets())
   rng = np.random.default_rng(0)
   targets: dict[str, int | None] = {}
   greedy_plain: set[str] = set()
@@ -114,7 +126,7 @@ def test_processor_state_follows_requests_through_add_remove_condense_swap():
 
 
 def test_update_state_moves_with_its_row_and_one_executable_serves_every_mix():
-  batch = je.InputBatch(R, S, V, logits_processors=[Countdown, KeepTop1])
+  batch = je.InputBatch(R, S, V, **COUNTDOWN)
   batch.add_request("a", [1], je.SamplingParams(extra_args={"start": 5}))
   batch.add_request("plain", [1], je.SamplingParams(temperature=0))
   batch.add_request("b", [1], je.SamplingParams(extra_args={"start": 30}))
@@ -136,7 +148,7 @@ def test_update_state_moves_with_its_row_and_one_executable_serves_every_mix():
 
 
 def test_refused_request_leaves_the_batch_unchanged():
-  batch = je.InputBatch(R, S, V, logits_processors=[TargetOnly])
+  batch = je.InputBatch(R, S, V, logits_processors=_targets())
   batch.add_request("a", [1], je.SamplingParams(extra_args={"target_token": 3}))
   before = jax.tree.map(np.asarray, batch.state)
   with pytest.raises(ValueError, match="target_token"):
@@ -153,15 +165,15 @@ def test_bad_processor_specs_are_refused(spec):
 
 
 def test_grammar_bitmask_masks_only_grammar_rows():
-  batch = je.InputBatch(4, S, V)
+  batch = je.InputBatch(R, S, V)
   so = je.StructuredOutputsParams(regex="a")
   batch.add_request("g", [1], je.SamplingParams(temperature=0, structured_outputs=so))
   batch.add_request("p", [1], je.SamplingParams(temperature=0))
-  bitmask = np.zeros((4, -(-V // 32)), np.int32)
+  bitmask = np.zeros((R, -(-V // 32)), np.int32)
   bitmask[0, 33 // 32] = 1 << (33 % 32)  # only token 33 for the grammar row
   bitmask[1] = 0  # read nowhere: the plain row has no grammar
   batch.set_grammar_bitmask(bitmask)
-  logits = _logits(3)[:4]
+  logits = _logits(3)
   out = batch.sample(logits).sampled_token_ids
   assert out.tolist() == [33, int(np.argmax(logits[1]))]
 
@@ -178,17 +190,17 @@ def test_raw_logprobs_see_the_grammar_bitmask_and_nothing_else(speculative):
   log-softmax over the allowed tokens of the model's logits (penalties, temperature and
   logit_bias come after). Plain rows keep the model's log-softmax. Same in the rejection
   sampler (where grammar rows ignore their drafts)."""
-  batch = je.InputBatch(4, S, V, max_num_logprobs=3)
+  batch = je.InputBatch(R, S, V)  # requests ask for 3 logprobs, within the default limit (20)
   allowed = [5, 33, 38]
   so = je.StructuredOutputsParams(regex="a")
   extra = dict(logprobs=3, logit_bias={33: 4.0})
   batch.add_request("g", [1], je.SamplingParams(temperature=0, structured_outputs=so, **extra))
   batch.add_request("p", [1], je.SamplingParams(temperature=0.7, seed=3, **extra))
-  bitmask = np.zeros((4, -(-V // 32)), np.int32)
+  bitmask = np.zeros((R, -(-V // 32)), np.int32)
   for t in allowed:
     bitmask[0, t // 32] |= 1 << (t % 32)
   batch.set_grammar_bitmask(bitmask)
-  logits = _logits(5)[:4]
+  logits = _logits(5)
   logits[0, 0] = logits[0].max() + 10  # the model's favourite is forbidden
   logits[0, allowed] = [2.0, 1.0, -1.0]  # 33 is second by raw logit, first after its bias
   if speculative:
@@ -229,7 +241,7 @@ def test_processed_logprobs_include_argmax_invariant_processors():
   """vLLM applies argmax-invariant processors before its top-k / top-p sampler, so processed_*
   logprobs see them: a random row that keeps only its top token has logprob 0 for it, and every
   other token is -inf; a greedy row is untouched by them."""
-  batch = je.InputBatch(R, S, V, logprobs_mode="processed_logprobs", logits_processors=[KeepTop1])
+  batch = je.InputBatch(R, S, V, **COUNTDOWN)  # Countdown leaves rows without "start" alone
   batch.add_request("random", [1, 2], je.SamplingParams(seed=1, logprobs=3, extra_args={"top1": 1}))
   batch.add_request("greedy", [1, 2], je.SamplingParams(temperature=0, logprobs=3))
   logits = _logits(0)

@@ -11,6 +11,9 @@ import pytest
 
 import jaxengine as je
 
+#: Rows of every batch here: each vocabulary's sampler compiles once for the module.
+ROWS = 4
+
 PARAMS = {
   "greedy": dict(temperature=0.0),
   "random": dict(temperature=1.0),
@@ -23,11 +26,12 @@ PARAMS = {
 
 
 def _sample(vocab, params, row, allowed=None):
-  """The token one seeded request draws from `row` (in a 2-row batch, next to a greedy row)."""
-  batch = je.InputBatch(2, 16, vocab)
+  """The token one seeded request draws from `row` (next to a greedy row; two rows empty)."""
+  batch = je.InputBatch(ROWS, 16, vocab)
   batch.add_request("r", [1], je.SamplingParams(seed=7, allowed_token_ids=allowed, **params))
   batch.add_request("g", [1], je.SamplingParams(temperature=0.0))
-  logits = np.stack([row, np.zeros(vocab, np.float32)])
+  logits = np.zeros((ROWS, vocab), np.float32)
+  logits[0] = row
   return int(batch.sample(logits).sampled_token_ids[0])
 
 
@@ -73,11 +77,11 @@ def test_nan_rows_do_not_change_their_neighbours():
   vocab = 1000
   params = je.SamplingParams(temperature=1.0, top_p=0.9, seed=3)
   rng = np.random.default_rng(1)
-  logits = rng.normal(size=(4, vocab)).astype(np.float32)
+  logits = rng.normal(size=(ROWS, vocab)).astype(np.float32)
 
   def tokens(poison):
-    batch = je.InputBatch(4, 16, vocab)
-    for i in range(4):
+    batch = je.InputBatch(ROWS, 16, vocab)
+    for i in range(ROWS):
       batch.add_request(f"r{i}", [1], params.replace(seed=i))
     x = logits.copy()
     if poison:
@@ -95,8 +99,9 @@ def test_nans_behind_the_best_token_count_as_minus_inf(temperature):
   """Each row's best token (10.0) is followed in its block of 256 by NaN at strides 8 to 64, and
   a runner-up (6.0) sits in another block: the token is the one drawn with those NaN at -inf. A
   vectorised max that restarts its lane after a NaN (XLA:CPU's does) sees the best token's block
-  top out near 3 and would pick the runner-up, a token no NaN check on the result can catch."""
-  rows, vocab = 16, 4096
+  top out near 3 and would pick the runner-up, a token no NaN check on the result can catch.
+  Sixteen rows, sampled `ROWS` at a time."""
+  rows, vocab = 16, 1024
   rng = np.random.default_rng(5)
   logits = rng.normal(size=(rows, vocab)).astype(np.float32)
   best = 256 * rng.integers(0, vocab // 256, rows) + rng.integers(0, 128, rows)
@@ -107,10 +112,13 @@ def test_nans_behind_the_best_token_count_as_minus_inf(temperature):
     logits[everyone, best + stride] = np.nan
 
   def tokens(x):
-    batch = je.InputBatch(rows, 16, vocab)
-    for i in range(rows):
-      batch.add_request(f"r{i}", [1], je.SamplingParams(temperature=temperature, seed=i))
-    return batch.sample(x).sampled_token_ids
+    out = []
+    for first in range(0, rows, ROWS):
+      batch = je.InputBatch(ROWS, 16, vocab)
+      for i in range(first, first + ROWS):
+        batch.add_request(f"r{i}", [1], je.SamplingParams(temperature=temperature, seed=i))
+      out.extend(batch.sample(x[first : first + ROWS]).sampled_token_ids)
+    return np.array(out)
 
   with_neg_inf = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)
   expected = tokens(with_neg_inf)

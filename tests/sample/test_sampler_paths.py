@@ -31,6 +31,9 @@ DRAW_DEEP = (8, 24)
 INVARIANCE_DEEP = (4, 8, 20)
 #: `max_model_len` of the draw tests' batches: one shape for all of them.
 DRAW_MAX_MODEL_LEN = 64
+#: The second deep-list case of the processed-rows tests, shared by the top-k cut tests (one
+#: executable per budget pair).
+PROCESSED_DEEP = (2, (4, 21, 30))
 
 
 def _batch(num_topk_candidates: int, mode: str = "processed_logprobs", deep=()) -> je.InputBatch:
@@ -64,7 +67,7 @@ def _params(rng: np.random.Generator) -> je.SamplingParams:
 
 
 @pytest.mark.parametrize(
-  "num_topk_candidates, deep", [(1, ()), (2, ()), (5, ()), (1, (3, 9)), (2, (4, 21, 30))]
+  "num_topk_candidates, deep", [(1, ()), (2, ()), (5, ()), (1, (3, 9)), PROCESSED_DEEP]
 )
 def test_small_candidate_budget_gives_the_same_processed_rows(num_topk_candidates, deep):
   rng = np.random.default_rng(num_topk_candidates + len(deep))
@@ -185,12 +188,13 @@ def test_rejection_draw_is_batch_invariant():
   assert stream(0, 0) == stream(5, 8) == stream(3, 4)
 
 
-@pytest.mark.parametrize("deep", [(), (6, 16), (5, 9, 13, 30, 46)])
+@pytest.mark.parametrize("deep", [(), PROCESSED_DEEP[1], (5, 9, 13, 30, 46)])
 def test_top_k_beyond_the_budget_is_exact(deep):
-  """Ties at every cut; the cut is read off a deep list where one holds it, else bisected."""
+  """Ties at every cut; the cut is read off a deep list where one holds it, else bisected. (A
+  2-token shallow list: the first two cases share the executables of the processed-rows test.)"""
   rng = np.random.default_rng(11)
   logits = rng.choice(np.linspace(-2, 2, 7), size=(R, V)).astype(np.float32)
-  batch = _batch(4, mode="processed_logits", deep=deep)
+  batch = _batch(PROCESSED_DEEP[0], deep=deep)
   ks = [5, 6, 9, 13, 20, 30, 47, 1, 2, 3, 4, 8, 10, 16, 24, 40]
   for i, k in enumerate(ks):
     batch.add_request(f"r{i}", [1], je.SamplingParams(top_k=k, logprobs=-1))
@@ -283,11 +287,19 @@ def test_floored_top_k_is_lax_top_k(seed, sampled_high, ties):
 
 
 def test_top_p_after_rejection_gives_up_is_unbiased():
-  """A nearly flat row with a small top_p: about 18% of draws exhaust the rejection attempts and
+  """A nearly flat row with a small top_p (its nucleus beyond the draw tests' 2-token list, and
+  their executable): about 18% of draws exhaust the rejection attempts and
   take the exact cut, which must draw a fresh uniform (reusing the first one, known to have
   landed outside the nucleus, under-samples the lowest ids)."""
-  row_logits = np.linspace(0.0, -0.1, 64).astype(np.float32)
-  _assert_draws_match_exact(row_logits, je.SamplingParams(top_p=0.1), rows=256, steps=40)
+  row_logits = np.linspace(0.0, -0.1, V).astype(np.float32)
+  _assert_draws_match_exact(
+    row_logits,
+    je.SamplingParams(top_p=0.1),
+    rows=256,
+    steps=40,
+    num_topk_candidates=2,
+    deep_candidate_budgets=DRAW_DEEP,
+  )
 
 
 def _lowered_sampler(rows: int, vocab: int):

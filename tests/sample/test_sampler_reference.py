@@ -16,7 +16,17 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from batch_utils import R, V, check_row, full_rows, make_batch, padded_logits
+from batch_utils import (
+  RAW_ALL,
+  SMALL_BUDGETS,
+  V_WIDE,
+  R,
+  V,
+  check_row,
+  full_rows,
+  make_batch,
+  padded_logits,
+)
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from reference import reference_row
@@ -202,10 +212,9 @@ def test_raw_mode_tokens_respect_reference(case):
   _run_case(case, "raw_logprobs")
 
 
-# A vocabulary wider than the sampler's default top-k candidate budget (64), so that deep top-k
-# cuts (flat discrete logits, large k) go through the deep list (the default deep budgets clip to
-# V = 160) and deep top-p cuts (p near 1) through the rejection draw.
-V_WIDE = 160
+# V_WIDE: a vocabulary wider than the sampler's default top-k candidate budget (64), so that deep
+# top-k cuts (flat discrete logits, large k) go through the deep list (the default deep budgets
+# clip to V_WIDE) and deep top-p cuts (p near 1) through the rejection draw.
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -214,9 +223,8 @@ def test_processed_logprobs_match_reference_wide_vocab(case):
   _run_case(case, "processed_logprobs")
 
 
-# Small budgets over the standard vocabulary: the shallow list (3), two deep lists (7 and 13) and,
-# beyond them, the bisection; top-p nuclei deeper than 3 candidates are drawn by rejection.
-SMALL_BUDGETS = dict(num_topk_candidates=3, deep_candidate_budgets=(7, 13))
+# SMALL_BUDGETS: the shallow list (3), two deep lists (7 and 13) and, beyond them, the bisection;
+# top-p nuclei deeper than 3 candidates are drawn by rejection.
 
 
 @settings(max_examples=30, **SETTINGS)
@@ -236,7 +244,7 @@ def test_raw_logprobs_are_log_softmax_of_input():
 
   import jaxengine as je
 
-  b = make_batch(logprobs_mode="raw_logprobs")
+  b = make_batch(**RAW_ALL)
   rng = np.random.default_rng(5)
   params = [
     dict(temperature=0.0, repetition_penalty=2.0, logit_bias={3: 2.0}),
