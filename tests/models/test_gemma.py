@@ -39,6 +39,8 @@ from jaxengine.models.safetensors_loader import load_safetensors
 from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import named_weights, state_leaves
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 TEXT = dict(
   vocab_size=96,
   hidden_size=32,

@@ -46,6 +46,8 @@ from jaxengine.models.qwen3_5_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
 from jaxengine.testing import count_compiles
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 TEXT = dict(
   vocab_size=96,
   hidden_size=32,
