@@ -55,12 +55,13 @@ def _hf_greedy(model, prompt, num_tokens) -> list[int]:
 def checkpoint(request, tmp_path_factory):
   """``(case, transformers model, directory, engine)``: one engine per architecture, returning
   its routed experts (the tests of its tokens and logprobs check that the flag changes none),
-  its steps in one shape (`one_shape`: compared with transformers, buckets are not the point)."""
+  its steps in one shape (`one_shape`: compared with transformers, buckets are not the point),
+  in the size of the module's other engines (2 rows, 64 positions: one sampler compile)."""
   case = request.param
   model = hf_moe_model(case)
   directory = tmp_path_factory.mktemp(case)
   model.save_pretrained(directory)
-  llm = je.LLM(directory, max_num_reqs=4, max_model_len=64, enable_return_routed_experts=True)
+  llm = je.LLM(directory, max_num_reqs=2, max_model_len=64, enable_return_routed_experts=True)
   return case, model, directory, one_shape(llm)
 
 
