@@ -9,12 +9,10 @@ logprobs within 1e-4, and `token_logprobs` the same logprobs. Nothing here touch
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,16 +26,12 @@ from step_shapes import one_shape
 from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
-from jaxengine.models import PagedKVCache, safetensors_loader, sequence_logits, token_logprobs
+from jaxengine.models import PagedKVCache, safetensors_loader, token_logprobs
 from jaxengine.models.attention_backends import XlaAttentionBackend
-from jaxengine.models.gemma import Gemma, GemmaDecoderLayer
+from jaxengine.models.gemma import Gemma
 from jaxengine.models.gemma_checkpoints import config_from_hf
-from jaxengine.models.gemma_config import FULL, SLIDING, GemmaConfig, GemmaRope
-from jaxengine.models.layer_scan import scan_config, scanned_model
-from jaxengine.models.quantization import quantize_model
 from jaxengine.models.safetensors_loader import load_safetensors
-from jaxengine.models.sequence_logprobs import scratch_step
-from jaxengine.models.weights import named_weights, state_leaves
+from jaxengine.models.weights import named_weights
 
 pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
 
@@ -86,6 +80,9 @@ MODEL_CLASSES = {
 }
 PROMPTS = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
 MAX_TOKENS = 6
+#: The engines' sizes (the prefix-cache and window tests' 51 tokens fit): engines of one model
+#: share their steps' executables, and every engine the sampler's.
+ENGINE = dict(max_num_reqs=2, max_model_len=64, block_size=4)
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -109,28 +106,6 @@ def _write(directory: Path, case: str, seed: int = 0) -> torch.nn.Module:
   return model
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def checkpoint(request, tmp_path_factory):
-  directory = tmp_path_factory.mktemp(request.param)
-  return request.param, directory, _write(directory, request.param)
-
-
-def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
-  _, directory, hf_model = checkpoint
-  llm = one_shape(je.LLM(directory, max_num_reqs=2, max_model_len=32, block_size=4))
-  params = je.SamplingParams(
-    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
-  )
-  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-  worst = 0.0
-  for prompt, output in zip(PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
-    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-    want = hf_prompt_logprobs(hf_model, prompt)
-    worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
-  assert worst < 1e-4, worst
-
-
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -147,27 +122,107 @@ def _write_adapter(case: str, directory: Path, out: Path) -> torch.nn.Module:
   return random_peft_adapter(model, config, out)
 
 
-def test_lora_adapter_matches_transformers_with_peft(checkpoint, tmp_path):
+def _greedy_and_prompt_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
+  """Each output's greedy tokens and its prompt tokens' logprobs (after the first)."""
+  return [
+    (list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
+    for p, out in zip(PROMPTS, outputs)
+  ]
+
+
+class Shared:
+  """Each case's checkpoint (seed 0), PEFT adapter, trainer-side logprobs and LoRA engine
+  outputs, made on first use and shared by the module's tests: one write, one transformers
+  load and one compile each."""
+
+  def __init__(self, root: Path):
+    self.root, self._made = root, {}
+
+  def _once(self, key: tuple, make):
+    if key not in self._made:
+      self._made[key] = make()
+    return self._made[key]
+
+  def checkpoint(self, case: str) -> tuple[Path, torch.nn.Module]:
+    """The checkpoint's directory and transformers' model of it."""
+    return self._once(
+      ("checkpoint", case), lambda: (self.root / case, _write(self.root / case, case))
+    )
+
+  def adapter(self, case: str) -> tuple[Path, torch.nn.Module]:
+    """The adapter's directory and transformers + peft's model with it."""
+    out = self.root / f"{case}_adapter"
+    return self._once(
+      ("adapter", case), lambda: (out, _write_adapter(case, self.checkpoint(case)[0], out))
+    )
+
+  def trainer_logprobs(self, case: str) -> list[np.ndarray]:
+    """`token_logprobs` of each prompt over the checkpoint: one ``[2, 11]`` call (the shorter
+    prompt padded at the end, its tail left out), one compile per model."""
+
+    def make():
+      model, _ = load_safetensors(self.checkpoint(case)[0])
+      length = max(map(len, PROMPTS))
+      ids = jnp.asarray([p + [0] * (length - len(p)) for p in PROMPTS], jnp.int32)
+      rows = np.asarray(token_logprobs(model, ids))
+      return [row[: len(p) - 1] for row, p in zip(rows, PROMPTS)]
+
+    return self._once(("trainer", case), make)
+
+  def lora_outputs(self, case: str) -> list[tuple[list[int], list[float]]]:
+    """A LoRA engine's greedy tokens and prompt logprobs (`_greedy_and_prompt_logprobs`) of the
+    adapter's request (the first prompt) and the base model's in one step."""
+
+    def make():
+      llm = one_shape(je.LLM(self.checkpoint(case)[0], enable_lora=True, max_lora_rank=8, **ENGINE))
+      params = je.SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+      )
+      lora = je.LoRARequest("adapter", 1, str(self.adapter(case)[0]))
+      return _greedy_and_prompt_logprobs(
+        llm.generate(PROMPTS, params, lora_request=[lora, None], use_tqdm=False)
+      )
+
+    return self._once(("lora", case), make)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+  return Shared(tmp_path_factory.mktemp("gemma"))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, shared):
+  return request.param, *shared.checkpoint(request.param)
+
+
+def test_llm_matches_transformers_greedy_and_prompt_logprobs(checkpoint):
+  _, directory, hf_model = checkpoint
+  llm = one_shape(je.LLM(directory, **ENGINE))
+  params = je.SamplingParams(
+    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
+  )
+  outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+  worst = 0.0
+  for prompt, output in zip(PROMPTS, outputs):
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
+    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+    want = hf_prompt_logprobs(hf_model, prompt)
+    worst = max(worst, float(np.abs(np.asarray(got) - want).max()))
+  assert worst < 1e-4, worst
+
+
+def test_lora_adapter_matches_transformers_with_peft(checkpoint, shared):
   """A PEFT adapter on all seven projections (rank 4, rsLoRA; random non-zero ``lora_B``),
   unmerged in a LoRA engine: transformers + peft's greedy tokens and prompt logprobs within
   1e-4, for the adapter's request and the base model's in one step. The multimodal checkpoint's
   adapter wraps its vision tower's ``q_proj`` ... too: those tensors are left out (the engine
   runs text only)."""
-  case, directory, hf_model = checkpoint
-  adapted = _write_adapter(case, directory, tmp_path / "adapter")
-  llm = je.LLM(
-    directory, max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8
-  )
-  one_shape(llm)
-  params = je.SamplingParams(
-    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
-  )
-  lora = je.LoRARequest("adapter", 1, str(tmp_path / "adapter"))
-  outputs = llm.generate(PROMPTS, params, lora_request=[lora, None], use_tqdm=False)
+  case, _, hf_model = checkpoint
+  adapted = shared.adapter(case)[1]
   worst = 0.0
-  for model, prompt, output in zip((adapted, hf_model), PROMPTS, outputs):
-    assert list(output.outputs[0].token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
-    got = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+  for model, prompt, (tokens, got) in zip((adapted, hf_model), PROMPTS, shared.lora_outputs(case)):
+    assert tokens == hf_greedy(model, prompt, MAX_TOKENS)
     worst = max(worst, float(np.abs(np.asarray(got) - hf_prompt_logprobs(model, prompt)).max()))
   assert worst < 1e-4, worst
   # The adapter changes the model (else the comparison above would prove nothing).
@@ -175,23 +230,22 @@ def test_lora_adapter_matches_transformers_with_peft(checkpoint, tmp_path):
   assert np.abs(hf_prompt_logprobs(adapted, PROMPTS[0]) - base).max() > 1e-2
 
 
-def test_token_logprobs_match_transformers(checkpoint):
-  _, directory, hf_model = checkpoint
+def test_token_logprobs_match_transformers(checkpoint, shared):
+  case, directory, hf_model = checkpoint
   model, _ = load_safetensors(directory)
   assert isinstance(model, Gemma)
-  ids = jnp.asarray([PROMPTS[0]], jnp.int32)
-  got = np.asarray(token_logprobs(model, ids))[0]
-  np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, PROMPTS[0]), atol=1e-4)
+  for prompt, got in zip(PROMPTS, shared.trainer_logprobs(case)):
+    np.testing.assert_allclose(got, hf_prompt_logprobs(hf_model, prompt), atol=1e-4)
 
 
-def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_counter):
+def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, shared, compile_counter):
   """A Gemma3ForConditionalGeneration's text tensors under its own names
   (``language_model.model.layers.0...``) replace the weights of a scanned engine (rows of its
   ``[L, ...]`` stacks): the other checkpoint's logprobs, no compile; a whole unrolled module
   (a trainer's) loads into the stacks too."""
-  _write(tmp_path / "a", "gemma3_multimodal", seed=0)
+  directory = shared.checkpoint("gemma3_multimodal")[0]  # seed 0
   other = _write(tmp_path / "b", "gemma3_multimodal", seed=1)
-  llm = je.LLM(tmp_path / "a", max_num_reqs=1, max_model_len=32, block_size=4, scan_layers=True)
+  llm = je.LLM(directory, scan_layers=True, **ENGINE)
   params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
   prompt = PROMPTS[0]
 
@@ -209,7 +263,7 @@ def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_cou
   assert compile_counter.count == 0
   np.testing.assert_allclose(after, hf_prompt_logprobs(other, prompt), atol=1e-4)
   assert np.abs(after - before).max() > 1e-2
-  unrolled, _ = load_safetensors(tmp_path / "a")
+  unrolled, _ = load_safetensors(directory)
   llm.load_weights(unrolled)  # checked per layer, then stacked
   np.testing.assert_array_equal(prompt_logprobs(), before)
   got = dict(named_weights(llm.llm_engine.runner.model))
@@ -217,31 +271,28 @@ def test_load_weights_by_checkpoint_names_compiles_nothing(tmp_path, compile_cou
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tensor), err_msg=name)
 
 
-def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint):
+def test_batch_invariant_engine_equals_token_logprobs_bit_for_bit(checkpoint, shared):
   """``LLM(..., batch_invariant=True)``'s prompt logprobs are `token_logprobs`' bits (windows
   and soft caps in the fixed-order XLA path too)."""
-  _, directory, _ = checkpoint
-  llm = je.LLM(directory, max_num_reqs=2, max_model_len=32, batch_invariant=True)
+  case, directory, _ = checkpoint
+  sizes = {**ENGINE, "block_size": 16}  # the engine's default, as `token_logprobs`' own
+  llm = je.LLM(directory, batch_invariant=True, **sizes)
   params = je.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
   outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-  model, _ = load_safetensors(directory)
-  for prompt, output in zip(PROMPTS, outputs):
-    want = np.asarray(token_logprobs(model, jnp.asarray([prompt], jnp.int32)))[0]
+  for prompt, output, want in zip(PROMPTS, outputs, shared.trainer_logprobs(case)):
     got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:])]
     np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
-def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(tmp_path):
+def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(shared):
   """A repeated prompt (a prefix-cache hit, the rest prefilled past the window) and n-gram
   drafts verified over windowed, soft-capped layers: transformers' greedy tokens."""
-  hf_model = _write(tmp_path, "gemma2")
+  directory, hf_model = shared.checkpoint("gemma2")
   llm = je.LLM(
-    tmp_path,
-    max_num_reqs=2,
-    max_model_len=48,
-    block_size=4,
+    directory,
     enable_prefix_caching=True,
     speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    **ENGINE,
   )
   one_shape(llm)
   repeating = [5, 17, 90, 3, 64, 5, 17, 90, 3, 64, 5, 17, 90]  # n-grams the drafter proposes
@@ -257,17 +308,14 @@ def test_prefix_cache_and_ngram_drafts_keep_transformers_tokens(tmp_path):
   assert llm.llm_engine.spec_decode_stats.num_draft_tokens > 0
 
 
-def test_window_layers_free_their_pages_with_prefix_hits_and_preemption(tmp_path):
+def test_window_layers_free_their_pages_with_prefix_hits_and_preemption(shared):
   """Gemma 3's window layers (KV cache groups, on by default) free the pages that slid out of
   the window: a 51-token request's window groups hold at most ``ceil((W + chunk) / B) + 1``
   pages at every step (2 once decoding), the full group all of them; tokens stay
   transformers' through a prefix hit and through preemptions in a pool too small for two."""
-  hf_model = _write(tmp_path, "gemma3")
-  chunk, window, block = 8, 4, 4
-  llm = je.LLM(
-    tmp_path, max_num_reqs=2, max_model_len=64, block_size=block, num_kv_blocks=22,
-    max_num_batched_tokens=chunk,
-  )  # fmt: skip
+  directory, hf_model = shared.checkpoint("gemma3")
+  chunk, window, block = 8, 4, ENGINE["block_size"]
+  llm = je.LLM(directory, num_kv_blocks=22, max_num_batched_tokens=chunk, **ENGINE)
   one_shape(llm)
   engine = llm.llm_engine
   runner = engine.cores[0].runner
@@ -336,83 +384,6 @@ def test_config_switches_read_from_each_checkpoint(checkpoint):
     assert config.rope_global.theta == 1e6  # transformers' default for Gemma 3
 
 
-def _released_gemma3_4b_style(hf: dict) -> dict:
-  """A transformers 4 ``config.json`` as the Gemma 3 checkpoints were released: a sparse
-  ``text_config`` (defaults omitted), ``rope_theta``/``rope_local_base_freq``/``rope_scaling``
-  and ``sliding_window_pattern`` instead of ``rope_parameters`` and ``layer_types``."""
-  return {
-    "architectures": ["Gemma3ForConditionalGeneration"],
-    "model_type": "gemma3",
-    "eos_token_id": [1, 106],
-    "text_config": {
-      "model_type": "gemma3_text",
-      "hidden_size": 2560,
-      "intermediate_size": 10240,
-      "num_hidden_layers": 34,
-      "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-      "sliding_window": 1024,
-    },
-    "vision_config": hf.get("vision_config", {}),
-  }
-
-
-def test_released_config_style_takes_transformers_defaults():
-  config = config_from_hf(_released_gemma3_4b_style({}), "gemma3_multimodal")
-  assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
-  assert config.vocab_size == 262208 and config.query_pre_attn_scalar == 256
-  assert config.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
-  assert config.layer_types.count("full_attention") == 5  # layers 5, 11, 17, 23, 29
-  assert config.rope_global.theta == 1e6 and config.rope_global.factor == 8.0
-  assert config.rope_local.theta == 10000.0 and config.rope_local.factor == 1.0
-  assert config.eos_token_id == 1 and config.hidden_activation == "gelu_pytorch_tanh"
-  gemma2 = config_from_hf({"model_type": "gemma2", "num_hidden_layers": 4}, "gemma2")
-  assert gemma2.layer_types == ("sliding_attention", "full_attention") * 2
-  assert gemma2.attn_logit_softcapping == 50.0 and gemma2.final_logit_softcapping == 30.0
-
-
-@pytest.mark.parametrize(
-  "fields, message",
-  [
-    (dict(hidden_activation="relu"), "hidden_activation 'relu'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope type 'yarn'"),
-    (dict(rope_parameters={"rope_type": "linear"}), "'linear' needs 'factor'"),
-    (dict(layer_types=["chunked_attention"] * 3), "layer_types"),
-    (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
-    (dict(sliding_window=None), "sliding_window"),
-    (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
-    (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
-  ],
-)
-def test_bad_configs_are_refused_naming_the_field(tmp_path, fields, message):
-  config = json.loads(CASES["gemma2"]().to_json_string())
-  config.update(architectures=["Gemma2ForCausalLM"], **fields)
-  (tmp_path / "config.json").write_text(json.dumps(config))  # and no weights at all
-  with pytest.raises(ValueError, match=message):
-    je.LLM(tmp_path)
-
-
-def test_model_types_without_architectures_pick_the_gemma_entries():
-  from jaxengine.models.registry import hf_architecture
-
-  for model_type, name in [
-    ("gemma2", "Gemma2ForCausalLM"),
-    ("gemma3_text", "Gemma3ForCausalLM"),
-    ("gemma3", "Gemma3ForConditionalGeneration"),
-  ]:
-    assert hf_architecture({"model_type": model_type}).name == name
-
-
-def test_gpu_backend_refuses_the_soft_cap_before_device_work(tmp_path):
-  config = json.loads(CASES["gemma2"]().to_json_string())
-  config.update(architectures=["Gemma2ForCausalLM"], layer_types=["full_attention"] * 3)
-  model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))  # global layers only
-  assert model.kv_cache_spec.sliding_window is None and model.kv_cache_spec.soft_cap == 2.0
-  with pytest.raises(ValueError, match="'pallas_gpu' has no attention logit soft-capping"):
-    je.LLM(model, attention_backend="pallas_gpu", max_model_len=32)
-
-
 def test_platform_default_without_a_window_gives_way_to_xla(monkeypatch):
   """With ``attention_backend=None`` a platform default that lacks the model's window and soft cap
   (GPU's Pallas decode kernel) is replaced by XLA; named explicitly, it is refused (above)."""
@@ -422,158 +393,62 @@ def test_platform_default_without_a_window_gives_way_to_xla(monkeypatch):
   assert attention_backends.attention_backend(None).name == "pallas_gpu"
   config = json.loads(CASES["gemma2"]().to_json_string())
   model = Gemma(config_from_hf(config, "gemma2"), rngs=nnx.Rngs(0))
-  llm = one_shape(je.LLM(model, max_num_reqs=1, max_model_len=16))
+  llm = one_shape(je.LLM(model, **ENGINE))  # gemma2's engine sizes: its steps
   assert llm.llm_engine.runner.kv_cache.backend.name == "xla"
   (out,) = llm.generate([[1, 2, 3]], je.SamplingParams(max_tokens=2), use_tqdm=False)
   assert len(out.outputs[0].token_ids) == 2
 
 
 MESH_SCRIPT = """
-import os, sys
+import json, os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jaxengine as je
+prompts, engine = json.loads(sys.argv[3])
 params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-prompts = [[5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41], [2, 9, 60, 11, 4, 4, 31, 85, 12]]
-kw = dict(max_num_reqs=2, max_model_len=32, block_size=4, enable_lora=True, max_lora_rank=8)
 loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
-sys.path.insert(0, sys.argv[3])  # the tests' helpers
+sys.path.insert(0, sys.argv[4])  # the tests' helpers
 from step_shapes import one_shape  # the steps in their largest shape: the mesh is the point
 
-one = one_shape(je.LLM(sys.argv[1], **kw)).generate(
-  prompts, params, lora_request=loras, use_tqdm=False)
-two = one_shape(je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, **kw)).generate(
-  prompts, params, lora_request=loras, use_tqdm=False)
-worst = 0.0
-for a, b, prompt in zip(one, two, prompts):
-  assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-  for x, y, token in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], prompt[1:]):
-    worst = max(worst, abs(x[token].logprob - y[token].logprob))
-assert worst < 1e-4, worst
-print("ok", worst)
+llm = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, enable_lora=True,
+             max_lora_rank=8, **engine)
+two = one_shape(llm).generate(prompts, params, lora_request=loras, use_tqdm=False)
+print(json.dumps([
+  (list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
+  for p, out in zip(prompts, two)
+]))
 """
 
 
-def test_two_device_mesh_gives_the_same_tokens(tmp_path):
+def test_two_device_mesh_gives_the_same_tokens(shared):
   """With ``tensor_parallel_size=2`` and the layers scanned (``[L, ...]`` stacks, the layer axis
-  unsplit) one unrolled device's tokens and prompt logprobs, for a LoRA adapter's request (its
+  unsplit) one unrolled device's tokens and prompt logprobs (the LoRA engine of
+  `test_lora_adapter_matches_transformers_with_peft`), for a LoRA adapter's request (its
   slots split as their base projections) and the base model's."""
-  _write(tmp_path, "gemma2")  # soft caps, windows; K = 2 heads split over the 2 devices
-  _write_adapter("gemma2", tmp_path, tmp_path / "adapter")
+  directory = shared.checkpoint("gemma2")[0]  # soft caps, windows; K = 2 heads over 2 devices
+  adapter = shared.adapter("gemma2")[0]
+  args = json.dumps([PROMPTS, ENGINE])
   out = run_python(
-    MESH_SCRIPT, os.fspath(tmp_path), os.fspath(tmp_path / "adapter"), HELPERS_DIR, timeout=900
+    MESH_SCRIPT, os.fspath(directory), os.fspath(adapter), args, HELPERS_DIR, timeout=900
   )
-  assert out.strip().splitlines()[-1].startswith("ok")
-
-
-#: Gemma 3's layer pattern (five local, one global), its remainder after 8 layers two local.
-GEMMA3_TYPES = ((SLIDING,) * 5 + (FULL,)) * 4
-
-
-def _tiny(num_layers: int, scan: bool = False, **fields) -> Gemma:
-  """A tiny Gemma 3-shaped model of random weights (norm offsets random too), the same weights
-  for the same fields whatever `scan` (stacked when it is)."""
-  config = GemmaConfig(**{
-    **dict(
-      vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-      layer_types=GEMMA3_TYPES[:num_layers], sliding_window=3, qk_norm=True,
-      rope_local=GemmaRope(theta=50.0), rope_global=GemmaRope(theta=500.0, factor=2.0),
-      final_logit_softcapping=3.0, max_position_embeddings=64,
-    ),
-    **fields,
-  })  # fmt: skip
-  model = Gemma(config, rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(1)
-  scales = {}
-  for path, leaf in nnx.to_flat_state(nnx.state(model)):
-    if path[-1] == "scale":
-      scales[path] = rng.standard_normal(leaf.shape).astype(np.float32) * 0.3
-      leaf.set_value(jnp.asarray(scales[path]))
-  if not scan:
-    return model
-  scanned = Gemma(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(0))
-  for path, leaf in nnx.to_flat_state(nnx.state(scanned)):
-    if path[-1] == "scale" and path[0] == "layers":
-      rows = [scales[("layers", i, *path[1:])] for i in range(num_layers)]
-      leaf.set_value(jnp.asarray(np.stack(rows)))
-    elif path[-1] == "scale":
-      leaf.set_value(jnp.asarray(scales[path]))
-  return scanned
-
-
-SCAN_TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 13)), jnp.int32)
-
-
-@pytest.mark.parametrize(
-  "layers, fields",
-  [(8, {}), (5, dict(layer_types=(SLIDING, FULL) * 2 + (SLIDING,), attn_logit_softcapping=2.0))],
-  ids=["gemma3_pattern_6", "gemma2_pattern_2"],
-)
-def test_scanned_layers_give_the_unrolled_bits(layers, fields):
-  """``scan_layers=True``: the 8-layer Gemma 3 pattern (one group of 6 scanned, 2 local layers
-  after it) and a 5-layer Gemma 2 pattern (two groups of 2, one layer after): the unrolled
-  model's logits bit for bit, also converted from the unrolled module (`scanned_model`, which
-  leaves the caller's module unrolled), in batch-invariant mode, and int8-quantized (the
-  scales keep the layer axis)."""
-  unrolled, scanned = _tiny(layers, **fields), _tiny(layers, scan=True, **fields)
-  config = scanned.config
-  assert config.layer_period == (6 if layers == 8 else 2) and scanned.stacked_paths == ("layers",)
-  wq = state_leaves(nnx.state(scanned))[("layers", "attn", "wq")]
-  assert wq.shape == (layers, 4, 16, 32) and scanned.kv_cache_spec.stacked
-  want = np.asarray(sequence_logits(unrolled, SCAN_TOKENS))
-  np.testing.assert_array_equal(np.asarray(sequence_logits(scanned, SCAN_TOKENS)), want)
-  converted = scanned_model(unrolled, True)
-  np.testing.assert_array_equal(np.asarray(sequence_logits(converted, SCAN_TOKENS)), want)
-  assert isinstance(unrolled.layers, nnx.List) and unrolled.layers[1].attn.layer == 1
-  assert isinstance(converted.layers, GemmaDecoderLayer) and converted.layers.attn.layer is None
-  copies = [nnx.merge(*nnx.split(model)) for model in (unrolled, scanned)]
-  for copy in copies:
-    copy.set_attributes(batch_invariant=True)
-  want = np.asarray(token_logprobs(copies[0], SCAN_TOKENS))
-  np.testing.assert_array_equal(np.asarray(token_logprobs(copies[1], SCAN_TOKENS)), want)
-  done = quantize_model(scanned, "int8")
-  leaves = state_leaves(nnx.state(done.model))
-  assert leaves[("layers", "attn", "scales", "wq")].shape == (layers, 4, 16)
-  want = np.asarray(sequence_logits(quantize_model(unrolled, "int8").model, SCAN_TOKENS))
-  np.testing.assert_array_equal(np.asarray(sequence_logits(done.model, SCAN_TOKENS)), want)
-
-
-def _compiled_instructions(num_layers: int) -> int:
-  """HLO instructions of one compiled forward step of a tiny scanned model."""
-  model = _tiny(num_layers, scan=True)
-  metadata, cache = scratch_step(model, 2, 8, 4, XlaAttentionBackend())
-  ids, positions = SCAN_TOKENS[:, :8].reshape(1, -1), jnp.tile(jnp.arange(8), 2)[None]
-  step = jax.jit(lambda m, *args: m(*args))
-  compiled = step.lower(model, ids, positions.astype(jnp.int32), cache, metadata).compile()
-  return sum(" = " in line for line in compiled.as_text().splitlines())
-
-
-def test_the_scanned_step_does_not_grow_with_the_groups():
-  """14 and 20 layers of Gemma 3's pattern (two and three groups, two layers after them)
-  compile the same number of HLO instructions (a scan of one group is inlined)."""
-  assert _compiled_instructions(20) == _compiled_instructions(14)
-
-
-def test_the_engine_scans_by_default_on_accelerators_only():
-  config = _tiny(2).config
-  assert scan_config(config, None, platform="tpu").scan_layers
-  assert not scan_config(config, None, platform="cpu").scan_layers
-  assert scanned_model(_tiny(2), None, platform="tpu").config.scan_layers
-  with pytest.raises(ValueError, match="scan_layers must be a bool, got 1"):
-    dataclasses.replace(config, scan_layers=1)
+  two, one = json.loads(out.strip().splitlines()[-1]), shared.lora_outputs("gemma2")
+  assert len(two) == len(one) == len(PROMPTS)
+  worst = 0.0
+  for (tokens, logprobs), (want_tokens, want) in zip(two, one):
+    assert tokens == want_tokens
+    worst = max(worst, float(np.abs(np.asarray(logprobs) - np.asarray(want)).max()))
+  assert worst < 1e-4, worst
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3"])
-def test_scanned_engine_gives_the_unrolled_outputs(case, tmp_path):
+def test_scanned_engine_gives_the_unrolled_outputs(case, shared):
   """``LLM(dir, scan_layers=True, batch_invariant=True)`` with LoRA, prefill in chunks of 8
   tokens and the window layers' pages freed as they slide out: the base request's greedy
   tokens are transformers' and its prompt logprobs the unrolled model's `token_logprobs` bit
   for bit; the adapter's request in the same steps gives transformers + peft's within 1e-4."""
-  hf_model = _write(tmp_path, case)
-  adapted = _write_adapter(case, tmp_path, tmp_path / "adapter")
+  (directory, hf_model), (adapter, adapted) = shared.checkpoint(case), shared.adapter(case)
   llm = je.LLM(
-    tmp_path, scan_layers=True, batch_invariant=True, max_num_reqs=2, max_model_len=32,
-    block_size=4, max_num_batched_tokens=8, enable_lora=True, max_lora_rank=8,
+    directory, scan_layers=True, batch_invariant=True, max_num_batched_tokens=8,
+    enable_lora=True, max_lora_rank=8, **ENGINE,
   )  # fmt: skip
   one_shape(llm)  # its bits are compared with the trainer's, not across buckets
   engine = llm.llm_engine
@@ -582,7 +457,7 @@ def test_scanned_engine_gives_the_unrolled_outputs(case, tmp_path):
   params = je.SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0
   )
-  lora = je.LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+  lora = je.LoRARequest("adapter", 1, str(adapter))
   engine.add_request("base", PROMPTS[0], params)
   engine.add_request("adapter", PROMPTS[1], params, lora_request=lora)
   held, outputs = [], {}
@@ -592,8 +467,7 @@ def test_scanned_engine_gives_the_unrolled_outputs(case, tmp_path):
   assert any(0 < h[1] < h[0] for h in held)  # the window's pages that slid out were freed
   base = outputs["base"]
   assert list(base.outputs[0].token_ids) == hf_greedy(hf_model, PROMPTS[0], MAX_TOKENS)
-  model, _ = load_safetensors(tmp_path)
-  want = np.asarray(token_logprobs(model, jnp.asarray([PROMPTS[0]], jnp.int32)))[0]
+  want = shared.trainer_logprobs(case)[0]  # the unrolled model's
   got = [e[t].logprob for e, t in zip(base.prompt_logprobs[1:], PROMPTS[0][1:])]
   np.testing.assert_array_equal(np.asarray(got, np.float32), want)
   other = outputs["adapter"]
