@@ -1,9 +1,9 @@
 """The OpenAI-compatible server and `AsyncLLM`, through the official `openai` client.
 
 One uvicorn server per module on 127.0.0.1 (an ephemeral port, in a thread) serves a random tiny
-Llama with a byte-level ChatML tokenizer; 4 rows and max_model_len 128 (one attention bucket),
-so that few executables compile. The reference outputs come from `LLM.generate` /
-`LLM.chat` on the same `LLM` before the server takes its engine over.
+Llama with a byte-level ChatML tokenizer; 4 rows and max_model_len 128, every step in one shape
+(4 rows, 16 tokens: `one_shape`), so that few executables compile. The reference outputs come
+from `LLM.generate` / `LLM.chat` on the same `LLM` before the server takes its engine over.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from byte_tokenizer import chatml_byte_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
@@ -45,7 +46,10 @@ def server():
   """The running server: its base URL, `AsyncLLM` and the reference outputs."""
   tokenizer = chatml_byte_tokenizer()
   model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
-  llm = je.LLM(model, tokenizer=tokenizer, max_num_reqs=4, max_model_len=128)
+  llm = je.LLM(
+    model, tokenizer=tokenizer, max_num_reqs=4, max_model_len=128, max_num_batched_tokens=16
+  )
+  one_shape(llm)  # the server's behaviour, not bucket choice, is the point here
   refs = {}
   for name, kwargs in (("greedy", GREEDY), ("seeded", SEEDED)):
     params = je.SamplingParams(**kwargs)
@@ -923,8 +927,11 @@ def test_metrics_of_a_paged_engine_report_cache_usage_preemptions_and_prefix_hit
   from jaxengine.engine import LLMEngine
   from jaxengine.entrypoints.metrics import ServerMetrics
 
-  model, _ = tiny_llama()
-  engine = LLMEngine(model, max_num_reqs=4, max_model_len=64, num_kv_blocks=12, block_size=4)
+  # The server's model and rows (its sampler's executable), a pool of its own, one step shape.
+  model, _ = tiny_llama(vocab_size=chatml_byte_tokenizer().vocab_size)
+  engine = one_shape(
+    LLMEngine(model, max_num_reqs=4, max_model_len=128, num_kv_blocks=12, block_size=4)
+  )
   prompt = {"prompt_token_ids": list(range(3, 15))}
   params = je.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
   engine.add_requests([(None, prompt, params) for _ in range(3)])
