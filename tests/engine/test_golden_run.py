@@ -101,7 +101,8 @@ TINY_ENGINES = {
 #: token) bucket (`one_shape`): the bucket a step takes changes no token, and each engine
 #: compiles its model step once (tests/worker/test_step_shapes.py checks the buckets). The
 #: multi-step and speculative runs use the recorded options; the speculative one verifies
-#: whenever a row has a draft (its drafts must be accepted).
+#: whenever a row has a draft (its drafts must be accepted). The SmolLM2 replay's sizes are also
+#: tests/models/test_kv_cache_dtype.py's float32 engine's (the run's cache serves its steps).
 REPLAYS = {
   "smollm2_paged": (
     "smollm2",
