@@ -25,14 +25,15 @@ from jaxengine.testing import TargetOnly, tiny_llama
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 
-#: A pool of 20 pages of 4 tokens for 4 rows of up to 96 tokens, and 16 tokens a step: the rows
-#: preempt one another and prompts are computed in chunks.
+#: A pool of 14 pages of 4 tokens for 2 rows of up to 96 tokens, and 4 tokens a step: the rows
+#: preempt one another and prompts are computed in chunks. The precompile test's sizes too: the
+#: one-shape engines' steps (2 rows, 4 tokens) are among those it compiles.
 SMALL = {
-  "max_num_reqs": 4,
+  "max_num_reqs": 2,
   "max_model_len": 96,
   "block_size": 4,
-  "num_kv_blocks": 20,
-  "max_num_batched_tokens": 16,
+  "num_kv_blocks": 14,
+  "max_num_batched_tokens": 4,
   "enable_prefix_caching": True,
 }
 
@@ -89,7 +90,7 @@ class _Counts:
 
 
 def _engine(model, tokenizer, **options) -> LLMEngine:
-  """An engine over SMALL whose steps run in one shape (4 rows, 16 tokens): the features'
+  """An engine over SMALL whose steps run in one shape (2 rows, 4 tokens): the features'
   composition is the point here, and the engines compared pad alike (`one_shape`)."""
   engine = LLMEngine(model, tokenizer, **SMALL, logits_processors=[TargetOnly], **options)
   engine.spec_crossover_tokens = 10**9  # verify whenever a row has a draft
@@ -161,11 +162,10 @@ def test_the_full_combination_compiles_nothing_after_precompile(model, tokenizer
   """Asynchronous scheduling, drafts and the k-step loop at once (two rows, 4 tokens a step:
   few shapes): after `precompile`, a mixed workload adds no executable of the plain step, the
   verify step or the k-step loop."""
-  small = {"max_num_reqs": 2, "max_num_batched_tokens": 4, "num_kv_blocks": 24}
   engine = LLMEngine(
     model,
     tokenizer,
-    **{**SMALL, **small},
+    **SMALL,
     logits_processors=[TargetOnly],
     async_scheduling=True,
     speculative_config=SPEC,

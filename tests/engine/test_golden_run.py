@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.testing import tiny_llama
@@ -96,8 +97,12 @@ TINY_ENGINES = {
 #: so prompts are split over steps; the tiny model's pool holds one of its longer requests but not
 #: two, so requests are preempted and recomputed (asserted). At most 4 requests run at once (the
 #: recorded runs had 8 rows; tokens do not depend on batch mates): each (row bucket, token bucket)
-#: reached compiles a ragged step, about 10 s of CPU for the tiny model, so few buckets keep this
-#: short. The multi-step and speculative runs use the recorded options.
+#: reached would compile a ragged step, so each replay runs every step in its largest (row,
+#: token) bucket (`one_shape`): the bucket a step takes changes no token, and each engine
+#: compiles its model step once (tests/worker/test_step_shapes.py checks the buckets). The
+#: multi-step and speculative runs use the recorded options; the speculative one verifies
+#: whenever a row has a draft (its drafts must be accepted). The SmolLM2 replay's sizes are also
+#: tests/models/test_kv_cache_dtype.py's float32 engine's (the run's cache serves its steps).
 REPLAYS = {
   "smollm2_paged": (
     "smollm2",
@@ -217,6 +222,10 @@ def golden() -> dict:
 def test_outputs_match_the_recorded_run(golden, name):
   recorded, options = REPLAYS[name]
   llm = _smollm2_llm(**options) if recorded == "smollm2" else _tiny_llm(recorded, **options)
+  one_shape(llm)
+  speculative = "speculative_config" in TINY_ENGINES.get(recorded, {})
+  if speculative:  # verify whenever a row has a draft (8 rows always: the cost model says no)
+    llm.llm_engine.spec_crossover_tokens = 10**9
   # Through JSON, as recorded: float values round-trip exactly.
   got = json.loads(json.dumps(_generate(llm, recorded)))
   bitwise = os.environ.get("JAXENGINE_GOLDEN_BITWISE") == "1"
@@ -226,6 +235,8 @@ def test_outputs_match_the_recorded_run(golden, name):
   if "max_num_reqs" in options:  # the paged runs' fewer rows all fill
     assert stats.peak_running_reqs == options["max_num_reqs"]
   assert (stats.num_preemptions > 0) == (name in PREEMPTING), stats
+  if speculative:
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
 
 
 if __name__ == "__main__":

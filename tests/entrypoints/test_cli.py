@@ -10,6 +10,7 @@ import hf_checkpoints
 import jax.numpy as jnp
 import pytest
 from byte_tokenizer import chatml_byte_tokenizer
+from step_shapes import one_shape
 
 import jaxengine.cli.main as cli
 import jaxengine.entrypoints.llm as llm_module
@@ -20,51 +21,32 @@ from jaxengine.models import gguf_loader
 from jaxengine.testing import tiny_llama
 
 
-def test_generate_streams_a_continuation_naming_paris(capsys):
-  assert (
-    cli.main(
-      [
-        "generate",
-        "The capital of France is",
-        "--max-tokens",
-        "8",
-        "--max-model-len",
-        "64",
-        "--max-num-reqs",
-        "2",
-      ]
-    )
-    == 0
+@pytest.fixture
+def one_shape_llm(monkeypatch):
+  """Makes `cli.main`'s `LLM` run each step in one shape (`one_shape`): the tests of the real
+  model check what the command prints, not bucket choice; with `ONE_SHAPE` (2 rows, 8 tokens a
+  step) SmolLM2's model step compiles once for them all."""
+  real_llm = llm_module.LLM
+  monkeypatch.setattr(
+    llm_module, "LLM", lambda *args, **kwargs: one_shape(real_llm(*args, **kwargs))
   )
+
+
+#: The sizes of the SmolLM2 engines that generate (one step shape: `one_shape_llm`).
+ONE_SHAPE = ["--max-model-len", "64", "--max-num-reqs", "2", "--max-num-batched-tokens", "8"]
+
+
+def test_generate_streams_a_continuation_naming_paris(capsys, one_shape_llm):
+  argv = ["generate", "The capital of France is", "--max-tokens", "8", *ONE_SHAPE]
+  assert cli.main(argv) == 0
   out = capsys.readouterr().out
   assert out.startswith("The capital of France is Paris")
 
 
-def test_generate_several_prompts_with_logprobs(capsys):
-  assert (
-    cli.main(
-      [
-        "generate",
-        "The capital of France is",
-        "Water boils at",
-        "--max-tokens",
-        "4",
-        "--temperature",
-        "0.7",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "1",
-        "--logprobs",
-        "2",
-        "--max-model-len",
-        "64",
-        "--max-num-reqs",
-        "2",
-      ]
-    )
-    == 0
-  )
+def test_generate_several_prompts_with_logprobs(capsys, one_shape_llm):
+  prompts = ["The capital of France is", "Water boils at"]
+  sampling = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1", "--logprobs", "2"]
+  assert cli.main(["generate", *prompts, "--max-tokens", "4", *sampling, *ONE_SHAPE]) == 0
   out = capsys.readouterr().out
   assert out.count("--- [") == 2 and out.count("logprobs of [") == 2
 
@@ -102,7 +84,8 @@ def test_python_dash_m_help_is_fast_and_lists_sampling_flags():
 
 @pytest.fixture
 def tiny_llm(monkeypatch):
-  """Makes `cli.main` build its `LLM` on a random tiny model; yields the `--model` values seen."""
+  """Makes `cli.main` build its `LLM` on a random tiny model, each step in one shape (the
+  chats' engines in `TINY_CHAT`'s sizes); yields the `--model` values seen."""
   tokenizer = chatml_byte_tokenizer()
   model, _ = tiny_llama(vocab_size=tokenizer.vocab_size)
   real_llm = llm_module.LLM
@@ -110,10 +93,14 @@ def tiny_llm(monkeypatch):
 
   def make_llm(model_path, **kwargs):
     models_asked.append(model_path)
-    return real_llm(model, tokenizer=tokenizer, **kwargs)
+    return one_shape(real_llm(model, tokenizer=tokenizer, **kwargs))
 
   monkeypatch.setattr(llm_module, "LLM", make_llm)
   return models_asked
+
+
+#: The sizes of the tiny chats' engines: one step shape (2 rows, 16 tokens) for them all.
+TINY_CHAT = ["--max-model-len", "96", "--max-num-reqs", "2", "--max-num-batched-tokens", "16"]
 
 
 def _no_model_load(monkeypatch):
@@ -138,14 +125,14 @@ class _Terminal(io.StringIO):
 
 def test_interactive_chat_reads_past_blank_lines(monkeypatch, capsys, tiny_llm):
   monkeypatch.setattr(sys, "stdin", _Terminal("\n" * 3000 + "hi\n/quit\nnever read\n"))
-  assert cli.main(["chat", "--max-tokens", "3", "--ignore-eos", "--max-model-len", "64"]) == 0
+  assert cli.main(["chat", "--max-tokens", "3", "--ignore-eos", *TINY_CHAT]) == 0
   assert capsys.readouterr().out.count(">>> ") == 3002
 
 
 def test_piped_chat_prints_no_prompts_and_labels_samples_by_index(monkeypatch, capsys, tiny_llm):
   monkeypatch.setattr(sys, "stdin", io.StringIO("Name a river.\n"))
   argv = ["chat", "--n", "2", "--temperature", "1", "--max-tokens", "3", "--ignore-eos"]
-  assert cli.main([*argv, "--max-model-len", "64"]) == 0
+  assert cli.main([*argv, *TINY_CHAT]) == 0
   out = capsys.readouterr().out
   assert ">>>" not in out and "im_start" not in out
   assert "--- sample 1 of 2\n" in out and "--- sample 2 of 2\n" in out
@@ -235,7 +222,7 @@ def test_interactive_chat_outgrowing_max_model_len_drops_oldest_turns(
   lines = ["first question", "second question", "x" * 200, "third question", "fourth question"]
   monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
   argv = ["chat", "--system", "Be brief.", "--max-tokens", "16", "--ignore-eos"]
-  assert cli.main([*argv, "--max-model-len", "96", "--max-num-reqs", "1"]) == 0
+  assert cli.main([*argv, *TINY_CHAT]) == 0
   captured = capsys.readouterr()
   assert ">>>" not in captured.out  # piped input: no prompts
   notices = captured.err.splitlines()

@@ -1,8 +1,10 @@
 """`kv_cache_dtype="fp8"`: float8_e4m3fn pages, four times the pages of float32 in the same bytes.
 
-SmolLM2-135M (float32) with float32 pages against fp8 pages (XLA), the same 16 MiB pool. The bounds
-are those measured on four short prompts (prompt logprobs at most 0.67 apart, 0.09 on the first
-prompt, whose 24 greedy tokens were equal), with room for another machine's float sums.
+SmolLM2-135M (float32) with float32 pages against fp8 pages (XLA), the same 45 MiB pool (64 float32
+pages of 16 tokens: the float32 engine is tests/engine/test_golden_run.py's SmolLM2 engine, whose
+executables the run's compilation cache then serves). The bounds are those measured on four short
+prompts (prompt logprobs at most 0.67 apart, 0.09 on the first prompt, whose 24 greedy tokens were
+equal), with room for another machine's float sums.
 
 A tiny Llama in an engine with fp8 pages on each backend (XLA; the GPU kernel in interpret mode;
 the TPU layout with a traceable stand-in for its kernel) against float32 pages: the same greedy
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from output_utils import step_to_end
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
@@ -46,13 +49,21 @@ PROMPTS = [
 PARAMS = je.SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)
 
 
+#: The float32 pool's pages: those of tests/engine/test_golden_run.py's SmolLM2 engine.
+NUM_FLOAT32_PAGES = 64
+
+
 def _engine(kv_cache_dtype: str) -> je.LLM:
-  return je.LLM(
+  """SmolLM2 in test_golden_run.py's sizes (4 rows, 16 tokens a step, each step in that one
+  shape: `one_shape`), its pool `NUM_FLOAT32_PAGES` float32 pages of 16 tokens."""
+  llm = je.LLM(
     max_model_len=128,
     max_num_reqs=4,
-    kv_cache_memory_bytes=16 * 2**20,
+    max_num_batched_tokens=16,
+    kv_cache_memory_bytes=45 * 2**20,
     kv_cache_dtype=kv_cache_dtype,
   )
+  return one_shape(llm)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +91,7 @@ def test_fp8_pages_hold_four_times_the_blocks_in_the_same_bytes(engines):
     for name in engines
   }
   assert bytes_per_block["auto"] == 4 * bytes_per_block["fp8"]
+  assert auto.num_blocks == NUM_FLOAT32_PAGES
   assert fp8.num_blocks - 1 >= 4 * (auto.num_blocks - 1)  # page 0 is the null page
 
 

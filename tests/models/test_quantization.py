@@ -30,6 +30,7 @@ import safetensors.numpy
 import transformers
 from flax import nnx
 from moe_checkpoints import hf_moe_model
+from step_shapes import one_shape
 
 import jaxengine as je
 from jaxengine.engine.engine_flags import add_engine_flags, engine_flag_options
@@ -328,12 +329,16 @@ MOE_LOGPROB_BOUNDS = {"int8": 0.1, "fp8": 1.0}
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe_runs(request, tmp_path_factory):
-  """``{quantization or None: (outputs, runner)}`` of one tiny checkpoint's engines."""
+  """``{quantization or None: (outputs, runner)}`` of one tiny checkpoint's engines, each step
+  in one shape (`one_shape`: they pad alike). The float engine is tests/models/test_moe.py's
+  engine of the checkpoint (its routed experts returned, which change no output), whose
+  executables the run's compilation cache then serves."""
   directory = tmp_path_factory.mktemp(request.param)
   hf_moe_model(request.param).save_pretrained(directory)
   runs = {}
   for quantization in (None, "int8", "fp8"):
-    llm = je.LLM(directory, quantization=quantization, **MOE_OPTIONS)
+    options = {"quantization": quantization, "enable_return_routed_experts": not quantization}
+    llm = one_shape(je.LLM(directory, **options, **MOE_OPTIONS))
     runs[quantization] = (llm.generate(MOE_PROMPTS, MOE_GREEDY, use_tqdm=False), llm)
   return runs
 
@@ -387,7 +392,7 @@ def test_load_weights_requantizes_moe_experts_whole_or_in_part(tmp_path):
   a partial update of a float stack does)."""
   hf_moe_model("mixtral").save_pretrained(tmp_path)
   tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
-  llm = je.LLM(tmp_path, quantization="int8", **MOE_OPTIONS)
+  llm = one_shape(je.LLM(tmp_path, quantization="int8", **MOE_OPTIONS))  # as `moe_runs`' engine
   runner = llm.llm_engine.runner
   before = llm.generate(MOE_PROMPTS, GREEDY, use_tqdm=False)
   up = "model.layers.0.block_sparse_moe.experts.{}.w3.weight"
