@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest
+from jax._src import compiler as jax_compiler
 
 from jaxengine.compilation_cache import is_off
 from jaxengine.models import gguf_loader
@@ -25,24 +26,35 @@ from jaxengine.testing import count_compiles
 from jaxengine.worker import device_steps
 
 #: Added to XLA_FLAGS for the whole run (workers and subprocesses inherit it; the mesh scripts add
-#: their device counts to it): XLA:CPU's LLVM backend at optimization level 0. The tests compile
-#: far more than they compute (small models, many step shapes), and the matrix products run in
-#: XLA's runtime library whatever the level; tests/engine/test_engine.py took 88 s instead of 102 s.
-#: Numerics stay IEEE (no fast math at any level): the fixtures and recorded runs still match. The
-#: last bits are not the default level's, though (SmolLM2's logits up to 1e-4 apart at one row,
-#: 1e-2 at eight: level 2 contracts multiplies and adds), so the bit-for-bit tests compare
-#: programs compiled alike at level 0. Rerun at the default level (2026-12-07): the batch-invariant
-#: Llama tests (tests/models/test_batch_invariant.py) and the Qwen3.5 and MoE scan and invariance
-#: tests keep their bits; four do not (docs/reproducibility.md, "At XLA:CPU's default level").
-#: (XLA:CPU's older elemental emitters, `--xla_cpu_use_fusion_emitters=false`, compiled about a
-#: fifth faster, but emitted one of a mixture of experts' batch-invariant decode steps 1 ulp away
-#: from the trainer's forward pass, which the default emitters keep bit for bit: the suite checks
-#: what users run.)
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+#: their device counts to it): XLA:CPU's LLVM backend at optimization level 0, and its elemental
+#: emitters instead of the default fusion emitters. The tests compile far more than they compute
+#: (small models, many step shapes), and the matrix products run in XLA's runtime library whatever
+#: the level; tests/engine/test_engine.py took 88 s instead of 102 s at level 0, and the elemental
+#: emitters halve a sampler's compile at level 0 (the 255 kernels of SmolLM2's vocabulary: 2.7 ->
+#: 1.2 CPU s; measured 2026-12-07: six engine modules 302 -> 248 CPU s, the sampler paths and MoE
+#: modules 145 -> 83). Numerics stay IEEE (no fast math at any level): the fixtures and recorded
+#: runs still match. The last bits are not the default's, though (SmolLM2's logits up to 1e-4 apart
+#: at one row, 1e-2 at eight: level 2 contracts multiplies and adds; and the elemental emitters
+#: kept a mixture of experts' batch-invariant decode step 1 ulp away from the trainer's forward
+#: pass, which the fusion emitters keep bit for bit). So the modules that compare bits between
+#: differently compiled programs (batch invariance, trainer parity, scanned against unrolled layers)
+#: carry `pytestmark = pytest.mark.bitwise`: their programs, and their subprocesses', compile with
+#: the fusion emitters users get (`_bitwise_modules_compile_as_users_do`), at level 0. Rerun at the
+#: default level (2026-12-07): the batch-invariant Llama tests (tests/models/test_batch_invariant.py)
+#: and the Qwen3.5 and MoE scan and invariance tests keep their bits; four do not
+#: (docs/reproducibility.md, "At XLA:CPU's default level").
+LEVEL_FLAG = "--xla_backend_optimization_level=0"
+EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+#: Whether a module's compiles can be switched back to the fusion emitters: through the compile
+#: options JAX builds for every executable (`jax._src.compiler.get_compile_options`, wrapped below).
+#: Without that function (another JAX) the whole run keeps the fusion emitters: slower, as correct.
+EMITTERS_SWITCHABLE = callable(getattr(jax_compiler, "get_compile_options", None))
+TEST_XLA_FLAGS = f"{LEVEL_FLAG} {EMITTERS_FLAG}" if EMITTERS_SWITCHABLE else LEVEL_FLAG
 # JAX reads XLA_FLAGS when its backend starts (at the first array or device query), not at import:
 # the imports above start none.
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+for _flag in TEST_XLA_FLAGS.split():
+  if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 # libtpu (the `tpu` extra, which the test extra installs) takes a lockfile when a process loads
 # it, and a second process then fails ("Internal error when accessing libtpu multi-process
 # lockfile"). The tests only compile for TPU topologies without a TPU (`jax.experimental.
@@ -108,50 +120,58 @@ _share_a_compilation_cache_for_the_run()
 # is left alone with a long one at the end.
 
 #: Modules whose tests share nothing costly: each test is a unit of its own.
-INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py", "test_mesh.py"})
+INDEPENDENT = frozenset({"test_golden_run.py", "test_notebooks.py"})
 
 #: Rough seconds of the heaviest units under `-n 2` (a module file, or one test of an INDEPENDENT
 #: module by its name); only their order matters, units not named come after them as collected.
 WEIGHTS = {
-  "test_engine.py": 410,
-  "test_docs.py": 300,
-  "test_structured_outputs.py": 300,
-  "test_engine_under_pressure.py": 300,
-  "test_checkpoints.py": 250,
-  "test_speculative_pages.py": 250,
-  "test_multi_step.py": 220,
-  "test_engine_mesh.py": 150,
-  "test_engine_lifecycle.py": 245,
-  "test_async_scheduling.py": 240,
-  "test_cli.py": 200,
-  "test_rollout.py": 180,
-  "test_composition.py": 170,
-  "test_precompile.py": 120,
-  "test_serve.py": 160,
-  "test_tunix.py": 140,
-  "test_lm_eval.py": 120,
-  "test_sharded_sampler.py": 110,
-  "test_speculative.py": 100,
-  "test_multihost.py": 80,
-  "test_lora.py": 110,
-  "test_gemma.py": 80,
-  "test_quantization.py": 100,
-  "test_quantization_mesh.py": 45,
-  "test_data_parallel.py": 70,
-  "test_moe.py": 60,
-  "test_sleep.py": 60,
-  "test_kv_cache_dtype.py": 50,
-  "test_tunix_lora.py": 50,
-  "test_outputs_match_the_recorded_run[smollm2_paged]": 200,
-  "test_outputs_match_the_recorded_run[tiny_paged]": 150,
-  "test_outputs_match_the_recorded_run[tiny_speculative]": 90,
-  "test_outputs_match_the_recorded_run[tiny_paged_no_prefix_cache]": 60,
-  "test_outputs_match_the_recorded_run[tiny_multi_step]": 55,
-  "test_engine_on_a_mesh_matches_one_device_and_compiles_nothing_after_warm_up": 150,
-  "test_sample_step_under_a_mesh_matches_one_device": 80,
-  "test_notebook_runs[06_structured_outputs]": 145,
-  "test_notebook_runs[01_quickstart]": 140,
-  "test_notebook_runs[03_sampling_distributions]": 85,
+  "test_docs.py": 230,
+  "test_notebook_runs[06_structured_outputs]": 115,
+  "test_notebook_runs[01_quickstart]": 110,
+  "test_batch_invariant.py": 90,
+  "test_tunix.py": 90,
+  "test_gemma4_scan.py": 70,
+  "test_notebook_runs[03_sampling_distributions]": 65,
+  "test_qwen3_5.py": 65,
+  "test_gemma.py": 65,
+  "test_structured_outputs.py": 60,
+  "test_qwen3_5_scan.py": 55,
+  "test_engine.py": 50,
+  "test_precompile.py": 50,
+  "test_data_parallel.py": 50,
+  "test_checkpoints.py": 45,
+  "test_mesh.py": 30,
+  "test_moe.py": 40,
+  "test_tunix_lora.py": 40,
+  "test_compile.py": 35,
+  "test_lora.py": 35,
+  "test_sleep.py": 30,
+  "test_engine_mesh.py": 30,
+  "test_layer_scan.py": 30,
+  "test_speculative_hybrid.py": 30,
+  "test_async_scheduling.py": 30,
+  "test_gemma_scan.py": 30,
+  "test_rollout.py": 30,
+  "test_model.py": 30,
+  "test_composition.py": 25,
+  "test_cli.py": 25,
+  "test_kv_cache_dtype.py": 25,
+  "test_gemma4.py": 25,
+  "test_engine_under_pressure.py": 25,
+  "test_sampler_paths.py": 25,
+  "test_quantization.py": 20,
+  "test_sharded_sampler.py": 20,
+  "test_multi_step.py": 20,
+  "test_qwen3_5_moe.py": 20,
+  "test_speculative_pages.py": 20,
+  "test_stop_rules.py": 20,
+  "test_serve.py": 15,
+  "test_serve_control.py": 15,
+  "test_outputs_match_the_recorded_run[smollm2_paged]": 13,
+  "test_outputs_match_the_recorded_run[tiny_paged]": 9,
+  "test_outputs_match_the_recorded_run[tiny_speculative]": 6,
+  "test_outputs_match_the_recorded_run[tiny_paged_no_prefix_cache]": 4,
+  "test_outputs_match_the_recorded_run[tiny_multi_step]": 3,
 }
 
 
@@ -162,7 +182,13 @@ def _weight(item: pytest.Item) -> int:
 
 
 def pytest_configure(config):
-  """Removes the run's compilation cache when the run ends (in the process that made it)."""
+  """Registers the `bitwise` marker; removes the run's compilation cache when the run ends (in the
+  process that made it)."""
+  config.addinivalue_line(
+    "markers",
+    "bitwise: the module compares bits between differently compiled programs; they compile with "
+    "XLA:CPU's fusion emitters, as users' do (tests/conftest.py, TEST_XLA_FLAGS)",
+  )
   cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
   if _OWN_RUN_CACHE and cache:
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
@@ -259,6 +285,54 @@ def _profile_module(request):
     f.write(json.dumps(record) + "\n")
 
 
+#: True while a `bitwise` module runs: the executables it compiles use XLA:CPU's fusion emitters.
+_fusion_emitters = False
+
+
+def _compile_options(*args, **kwargs):
+  """JAX's compile options for an executable, with the fusion emitters switched back on while a
+  `bitwise` module runs (an override that JAX's persistent cache keys on: the two kinds of
+  executable never serve each other)."""
+  options = _jax_compile_options(*args, **kwargs)
+  if _fusion_emitters:
+    options.env_option_overrides = [
+      *options.env_option_overrides,
+      ("xla_cpu_use_fusion_emitters", True),
+    ]
+  return options
+
+
+if EMITTERS_SWITCHABLE:
+  _jax_compile_options = jax_compiler.get_compile_options
+  jax_compiler.get_compile_options = _compile_options
+
+
+def _forget_compiled_code() -> None:
+  device_steps.clear()
+  jax.clear_caches()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bitwise_modules_compile_as_users_do(request):
+  """In a module marked `bitwise`, every executable compiles with XLA:CPU's fusion emitters, its
+  own and its subprocesses' (TEST_XLA_FLAGS' emitter flag is dropped from their XLA_FLAGS); what
+  was compiled before, with the other emitters, is forgotten first and after."""
+  global _fusion_emitters
+  if not EMITTERS_SWITCHABLE or request.node.get_closest_marker("bitwise") is None:
+    yield
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = " ".join(flag for flag in flags.split() if flag != EMITTERS_FLAG)
+  _fusion_emitters = True
+  _forget_compiled_code()
+  try:
+    yield
+  finally:
+    _forget_compiled_code()
+    _fusion_emitters = False
+    os.environ["XLA_FLAGS"] = flags
+
+
 @pytest.fixture
 def compile_counter():
   """Yields a running `jaxengine.testing.CompileCounter`; `.count` is the compiles seen so far."""
@@ -276,6 +350,5 @@ def _release_compiled_code(request):
   for value in vars(request.module).values():
     if callable(getattr(value, "cache_clear", None)):
       value.cache_clear()
-  device_steps.clear()
-  jax.clear_caches()
+  _forget_compiled_code()
   gc.collect()

@@ -42,6 +42,8 @@ from jaxengine.models.weights import state_leaves
 from jaxengine.testing import count_compiles
 from jaxengine.worker import sleep_mode
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 264  # 3 special ids + 256 bytes + 5 never produced by text
 PROMPTS = ["hello there", "a", "the quick brown fox jumps", "xyz"]

@@ -26,6 +26,8 @@ from jaxengine.reductions import fixed_logsumexp, fixed_sum
 from jaxengine.testing import tiny_llama
 from jaxengine.worker import device_steps
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 VOCAB = 256
 
 

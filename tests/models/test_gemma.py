@@ -33,6 +33,8 @@ from jaxengine.models.gemma_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
 from jaxengine.models.weights import named_weights
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 TEXT = dict(
   vocab_size=96,
   hidden_size=32,

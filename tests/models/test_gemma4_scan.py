@@ -32,6 +32,8 @@ from jaxengine.models.quantization import quantize_model
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 #: Every feature of tests/models/test_gemma4.py's "all" checkpoint, over 10 layers of two local
 #: and one global: 7 with keys and values (two groups scanned, one layer after them), the last

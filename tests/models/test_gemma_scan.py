@@ -23,6 +23,8 @@ from jaxengine.models.quantization import quantize_model
 from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import state_leaves
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 #: Gemma 3's layer pattern (five local, one global), its remainder after 8 layers two local.
 GEMMA3_TYPES = ((SLIDING,) * 5 + (FULL,)) * 4
 

@@ -29,6 +29,8 @@ from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import tiny_llama, tiny_llama_config
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, 256, (2, 13)), jnp.int32)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(0, 1))
 

@@ -28,6 +28,8 @@ from jaxengine.engine import EngineConfig
 from jaxengine.models import load_safetensors, token_logprobs
 from jaxengine.parallel import check_experts
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 PROMPT = [5, 17, 90, 3, 64, 21, 8, 77, 33, 7, 41, 12, 60, 2, 19, 44, 81, 9, 26]  # 19 tokens
 GREEDY = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
 

@@ -19,6 +19,8 @@ from jaxengine.models.grouped_matmul import grouped_linear
 from jaxengine.models.llama_checkpoints import config_from_gguf
 from jaxengine.models.moe import route
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 
 def _grouped_reference(x, w, sizes):
   group = np.repeat(np.arange(len(sizes)), sizes)

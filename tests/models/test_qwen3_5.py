@@ -41,6 +41,8 @@ from jaxengine.models.quantization import dequantize_rows, quantize_rows
 from jaxengine.models.safetensors_loader import load_safetensors
 from jaxengine.testing import count_compiles
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 TEXT = dict(
   vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,

@@ -31,6 +31,8 @@ from jaxengine.models import token_logprobs
 from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.safetensors_loader import load_safetensors
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 
 def test_image_text_checkpoint_text_decoder_matches_transformers(tmp_path):
   hf_model = _write(tmp_path, multimodal=True)

@@ -32,6 +32,8 @@ from jaxengine.models.sequence_logprobs import scratch_step
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 #: Three linear layers and a full one, repeated: 10 layers are two scanned groups and two linear
 #: layers unrolled after them.
 GROUP = (LINEAR, LINEAR, LINEAR, FULL)

@@ -22,6 +22,8 @@ from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.qwen3_5_checkpoints import config_from_hf
 from jaxengine.models.safetensors_loader import load_safetensors
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

@@ -30,6 +30,8 @@ from subprocess_utils import HELPERS_DIR, run_python
 
 import jaxengine as je
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -40,6 +42,7 @@ from jaxengine.models.weights import named_weights
 from output_utils import assert_same_generations, generations
 from step_shapes import one_shape
 from jaxengine.testing import count_compiles, tiny_llama
+
 
 SP = je.SamplingParams
 # The token budget is each group's: checked and defaulted against one group's rows.

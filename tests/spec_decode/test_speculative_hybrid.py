@@ -26,6 +26,8 @@ from jaxengine.models.qwen3_5 import Qwen3_5
 from jaxengine.models.qwen3_5_checkpoints import config_from_hf
 from jaxengine.testing import count_compiles
 
+pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/conftest.py
+
 #: tests/models/test_qwen3_5.py's layers: three Gated DeltaNet layers, then an attention layer.
 TEXT = dict(
   vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
