@@ -694,7 +694,6 @@ def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoi
 TWO_DEVICE_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je
@@ -723,7 +722,7 @@ for got, want in zip(jax.tree.leaves(manager.buffers), jax.tree.leaves(host.buff
 assert np.any(np.asarray(manager.buffers[1]["q_proj"][1][1]))
 print("other device ok")
 
-base, paths = sys.argv[2], sys.argv[3:]
+base, paths = sys.argv[1], sys.argv[2:]
 requests = [LoRARequest(f"adapter{i + 1}", i + 1, path) for i, path in enumerate(paths)]
 kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_reqs=4, max_model_len=64,
           num_kv_blocks=64, block_size=4)
@@ -761,9 +760,9 @@ print("ok")
 
 
 def test_lora_on_two_devices(checkpoints):
-  from subprocess_utils import HELPERS_DIR, run_python
+  from subprocess_utils import run_python
 
   base, requests = checkpoints
   paths = [requests[1].lora_path, requests[2].lora_path]
-  out = run_python(TWO_DEVICE_SCRIPT, HELPERS_DIR, str(base), *paths, timeout=900)
+  out = run_python(TWO_DEVICE_SCRIPT, str(base), *paths, timeout=900)
   assert out.strip().splitlines()[-1] == "ok", out
