@@ -426,9 +426,7 @@ def test_two_device_mesh_gives_the_same_tokens(shared):
   directory = shared.checkpoint("gemma2")[0]  # soft caps, windows; K = 2 heads over 2 devices
   adapter = shared.adapter("gemma2")[0]
   args = json.dumps([PROMPTS, ENGINE])
-  out = run_python(
-    MESH_SCRIPT, os.fspath(directory), os.fspath(adapter), args, timeout=900
-  )
+  out = run_python(MESH_SCRIPT, os.fspath(directory), os.fspath(adapter), args, timeout=900)
   two, one = json.loads(out.strip().splitlines()[-1]), shared.lora_outputs("gemma2")
   assert len(two) == len(one) == len(PROMPTS)
   worst = 0.0
