@@ -376,11 +376,8 @@ def test_llm_engine_add_request_takes_a_lora_request(llm, checkpoints):
 def lora_server(tmp_path_factory):
   """A server of a tiny Llama (the byte tokenizer's vocabulary) with adapter "a" from the start;
   adapter "b" is loaded by the tests. References from `LLM.generate` before the server starts."""
-  import threading
-  import time
-
-  import uvicorn
   from byte_tokenizer import chatml_byte_tokenizer
+  from serve_server import served
 
   from jaxengine.entrypoints.async_llm import AsyncLLM
   from jaxengine.entrypoints.openai_server import build_app
@@ -413,20 +410,8 @@ def lora_server(tmp_path_factory):
     refs["chat-" + name] = refs["chat-" + name].outputs[0].text
   assert refs["chat-a"] != refs["chat-base"]
   engine = AsyncLLM(llm)
-  app = build_app(engine, "base", lora_modules={"a": paths["a"]})
-  uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-  thread = threading.Thread(target=uv.run, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not uv.started:
-    assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-    time.sleep(0.05)
-  port = uv.servers[0].sockets[0].getsockname()[1]
-  yield {
-    "url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root, "engine": engine
-  }  # fmt: skip
-  uv.should_exit = True
-  thread.join(30)
+  with served(build_app(engine, "base", lora_modules={"a": paths["a"]})) as url:
+    yield {"url": url, "refs": refs, "paths": paths, "root": root, "engine": engine}
   engine.shutdown()
 
 
