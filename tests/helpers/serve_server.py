@@ -1,5 +1,6 @@
 """The OpenAI-compatible server of the serve tests (tests/entrypoints/test_serve*.py): its
-requests' constants, `running_server` (which tests/entrypoints/conftest.py's module fixture
+requests' constants, `served` (an app under uvicorn in a thread; also the LoRA server's of
+tests/lora/test_lora.py), `running_server` (which tests/entrypoints/conftest.py's module fixture
 `server` yields from) and the chat client helpers of the tool tests.
 
 One uvicorn server per module on 127.0.0.1 (an ephemeral port, in a thread) serves a random tiny
@@ -12,6 +13,7 @@ them back from the run's compilation cache). The reference outputs come from `LL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +45,25 @@ def client_prompt(i: int) -> str:
   return f"client {i}"
 
 
+@contextlib.contextmanager
+def served(app) -> Iterator[str]:
+  """Runs the ASGI `app` with uvicorn on 127.0.0.1 (an ephemeral port) in a thread; yields its
+  base URL, then stops it."""
+  uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+  thread = threading.Thread(target=uv.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not uv.started:
+    assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+    time.sleep(0.05)
+  port = uv.servers[0].sockets[0].getsockname()[1]
+  try:
+    yield f"http://127.0.0.1:{port}"
+  finally:
+    uv.should_exit = True
+    thread.join(30)
+
+
 def running_server() -> Iterator[dict]:
   """Yields the running server: its base URL, `AsyncLLM` and the reference outputs; then stops
   it and checks the engine is shut down."""
@@ -64,19 +85,8 @@ def running_server() -> Iterator[dict]:
   )
   refs["streams"] = [o.outputs[0].text for o in streams]
   engine = AsyncLLM(llm)
-  uv = uvicorn.Server(
-    uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=0, log_level="warning")
-  )
-  thread = threading.Thread(target=uv.run, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not uv.started:
-    assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-    time.sleep(0.05)
-  port = uv.servers[0].sockets[0].getsockname()[1]
-  yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "refs": refs}
-  uv.should_exit = True
-  thread.join(30)
+  with served(build_app(engine, MODEL)) as url:
+    yield {"url": url, "engine": engine, "refs": refs}
   engine.shutdown()
   assert not engine.is_running
   with pytest.raises(EngineDeadError):

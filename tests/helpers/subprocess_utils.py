@@ -7,9 +7,18 @@ import os
 import subprocess
 import sys
 
-#: The tests' shared helpers (this folder): a script run by `run_python` that imports them
-#: puts it on `sys.path` (its first argument).
+#: The tests' shared helpers (this folder): on a subprocess's PYTHONPATH (`child_env`), so its
+#: script imports them by name (`from step_shapes import one_shape`), as the tests do.
 HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_env() -> dict[str, str]:
+  """The environment of a test's subprocess: this process's, on the CPU backend, with
+  `HELPERS_DIR` first on its PYTHONPATH."""
+  path = os.environ.get("PYTHONPATH")
+  return dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [HELPERS_DIR, path]))
+  )
 
 
 def run_python(script: str, *args: str, timeout: float = 600) -> str:
@@ -17,9 +26,12 @@ def run_python(script: str, *args: str, timeout: float = 600) -> str:
 
   Fails the calling test with the end of stderr when the script exits non-zero.
   """
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run(
-    [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env
+    [sys.executable, "-c", script, *args],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=child_env(),
   )
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout

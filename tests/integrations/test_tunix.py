@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 from step_shapes import one_shape
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 from tunix.models.gemma import model as gemma
 from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
@@ -511,7 +511,7 @@ def test_quantized_chunked_sync_with_the_kv_cache_freed_equals_the_whole_sync(qu
 MESH_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    sys.path[:0] = sys.argv[1:]  # this folder (test_tunix) and the shared helpers
+    sys.path.insert(0, sys.argv[1])  # this folder: test_tunix
     import jax, numpy as np
     from flax import nnx
     from tunix.rl.rollout import base_rollout
@@ -556,7 +556,7 @@ MESH_SCRIPT = textwrap.dedent("""
 
 
 def test_rollout_mesh_and_parallel_sizes_place_the_engine():
-  out = run_python(MESH_SCRIPT, os.path.dirname(__file__), HELPERS_DIR, timeout=900)
+  out = run_python(MESH_SCRIPT, os.path.dirname(__file__), timeout=900)
   assert out.strip().endswith("ok")
 
 

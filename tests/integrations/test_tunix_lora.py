@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import qwix
 from flax import nnx
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 from test_tunix import (
   PAD,
   PROMPTS,
@@ -223,7 +223,7 @@ def test_lora_options_are_checked():
 SPLIT_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
-    sys.path[:0] = sys.argv[1:]  # this folder (test_tunix, test_tunix_lora) and the shared helpers
+    sys.path.insert(0, sys.argv[1])  # this folder: test_tunix, test_tunix_lora
     import jax
     from flax import nnx
     from test_tunix import AUTO, PROMPTS, rollout_config
@@ -257,7 +257,7 @@ SPLIT_SCRIPT = textwrap.dedent("""
 
 
 def test_a_lora_rollout_on_another_device_than_the_actor():
-  out = run_python(SPLIT_SCRIPT, os.path.dirname(__file__), HELPERS_DIR)
+  out = run_python(SPLIT_SCRIPT, os.path.dirname(__file__))
   assert out.strip().endswith("ok")
 
 

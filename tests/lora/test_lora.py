@@ -376,11 +376,8 @@ def test_llm_engine_add_request_takes_a_lora_request(llm, checkpoints):
 def lora_server(tmp_path_factory):
   """A server of a tiny Llama (the byte tokenizer's vocabulary) with adapter "a" from the start;
   adapter "b" is loaded by the tests. References from `LLM.generate` before the server starts."""
-  import threading
-  import time
-
-  import uvicorn
   from byte_tokenizer import chatml_byte_tokenizer
+  from serve_server import served
 
   from jaxengine.entrypoints.async_llm import AsyncLLM
   from jaxengine.entrypoints.openai_server import build_app
@@ -413,20 +410,8 @@ def lora_server(tmp_path_factory):
     refs["chat-" + name] = refs["chat-" + name].outputs[0].text
   assert refs["chat-a"] != refs["chat-base"]
   engine = AsyncLLM(llm)
-  app = build_app(engine, "base", lora_modules={"a": paths["a"]})
-  uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-  thread = threading.Thread(target=uv.run, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not uv.started:
-    assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-    time.sleep(0.05)
-  port = uv.servers[0].sockets[0].getsockname()[1]
-  yield {
-    "url": f"http://127.0.0.1:{port}", "refs": refs, "paths": paths, "root": root, "engine": engine
-  }  # fmt: skip
-  uv.should_exit = True
-  thread.join(30)
+  with served(build_app(engine, "base", lora_modules={"a": paths["a"]})) as url:
+    yield {"url": url, "refs": refs, "paths": paths, "root": root, "engine": engine}
   engine.shutdown()
 
 
@@ -694,7 +679,6 @@ def test_load_lora_weights_gives_an_adapter_new_values_from_memory(llm, checkpoi
 TWO_DEVICE_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxengine as je
@@ -723,7 +707,7 @@ for got, want in zip(jax.tree.leaves(manager.buffers), jax.tree.leaves(host.buff
 assert np.any(np.asarray(manager.buffers[1]["q_proj"][1][1]))
 print("other device ok")
 
-base, paths = sys.argv[2], sys.argv[3:]
+base, paths = sys.argv[1], sys.argv[2:]
 requests = [LoRARequest(f"adapter{i + 1}", i + 1, path) for i, path in enumerate(paths)]
 kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_reqs=4, max_model_len=64,
           num_kv_blocks=64, block_size=4)
@@ -761,9 +745,9 @@ print("ok")
 
 
 def test_lora_on_two_devices(checkpoints):
-  from subprocess_utils import HELPERS_DIR, run_python
+  from subprocess_utils import run_python
 
   base, requests = checkpoints
   paths = [requests[1].lora_path, requests[2].lora_path]
-  out = run_python(TWO_DEVICE_SCRIPT, HELPERS_DIR, str(base), *paths, timeout=900)
+  out = run_python(TWO_DEVICE_SCRIPT, str(base), *paths, timeout=900)
   assert out.strip().splitlines()[-1] == "ok", out

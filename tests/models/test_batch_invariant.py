@@ -420,7 +420,6 @@ def test_lora_adapters_keep_the_bits_alone_and_in_a_batch(model):
 MESH_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])  # the tests' helpers: invariance
 import jax.numpy as jnp, numpy as np
 from invariance import bits, mixed_bits, random_adapter
 import jaxengine as je
@@ -449,9 +448,9 @@ print("ok")
 
 
 def test_tensor_parallel_bits_equal_token_logprobs_on_the_mesh():
-  from subprocess_utils import HELPERS_DIR, run_python
+  from subprocess_utils import run_python
 
-  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
+  out = run_python(MESH_SCRIPT, timeout=900)
   assert out.strip().splitlines()[-2:] == ["tensor parallel ok", "ok"], out
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from paged_utils import slot_step
 from step_shapes import one_shape
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.models import PagedKVCache, safetensors_loader, token_logprobs
@@ -406,7 +406,6 @@ import jaxengine as je
 prompts, engine = json.loads(sys.argv[3])
 params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
 loras = [je.LoRARequest("adapter", 1, sys.argv[2]), None]  # a LoRA request and the base's
-sys.path.insert(0, sys.argv[4])  # the tests' helpers
 from step_shapes import one_shape  # the steps in their largest shape: the mesh is the point
 
 llm = je.LLM(sys.argv[1], tensor_parallel_size=2, scan_layers=True, enable_lora=True,
@@ -427,9 +426,7 @@ def test_two_device_mesh_gives_the_same_tokens(shared):
   directory = shared.checkpoint("gemma2")[0]  # soft caps, windows; K = 2 heads over 2 devices
   adapter = shared.adapter("gemma2")[0]
   args = json.dumps([PROMPTS, ENGINE])
-  out = run_python(
-    MESH_SCRIPT, os.fspath(directory), os.fspath(adapter), args, HELPERS_DIR, timeout=900
-  )
+  out = run_python(MESH_SCRIPT, os.fspath(directory), os.fspath(adapter), args, timeout=900)
   two, one = json.loads(out.strip().splitlines()[-1]), shared.lora_outputs("gemma2")
   assert len(two) == len(one) == len(PROMPTS)
   worst = 0.0

@@ -27,7 +27,7 @@ import torch
 import transformers
 from hf_reference import hf_greedy, hf_prompt_logprobs, random_peft_adapter
 from step_shapes import one_shape
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.models.gemma4 import Gemma4
@@ -259,7 +259,6 @@ def test_quantization_skips_the_projections_a_layer_lacks(all_checkpoint):
 MESH_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[2])  # the tests' helpers: step_shapes
 import jaxengine as je
 from step_shapes import one_shape
 params = je.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
@@ -277,7 +276,7 @@ def test_two_device_mesh_gives_transformers_tokens(all_checkpoint, hf_outputs):
   expert) with the layers scanned (``scan_layers=True``: a stack per kind, the layer axis
   unsplit), the steps in their largest shape: transformers' greedy tokens."""
   directory = all_checkpoint[1]
-  out = run_python(MESH_SCRIPT, os.fspath(directory), HELPERS_DIR, timeout=900)
+  out = run_python(MESH_SCRIPT, os.fspath(directory), timeout=900)
   got = [json.loads(line) for line in out.strip().splitlines()[-2:]]
   assert got == [tokens for tokens, _ in hf_outputs(all_checkpoint)]
 

@@ -26,7 +26,7 @@ divisibility rule, named, and that one group is the config itself.
 from __future__ import annotations
 
 import pytest
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 import jaxengine as je
 
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.bitwise  # compares bits between programs: tests/confte
 SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, sys.argv[1])  # the tests' helpers: output_utils, step_shapes
 import jax, numpy as np
 import jaxengine as je
 from jaxengine.models.weights import named_weights
@@ -143,7 +142,7 @@ print("ok")
 
 
 def test_data_parallel_groups_match_one_device():
-  out = run_python(SCRIPT, HELPERS_DIR, timeout=1200)
+  out = run_python(SCRIPT, timeout=1200)
   assert out.strip().endswith("ok")
   assert out.count("groups") == 2
 

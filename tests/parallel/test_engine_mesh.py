@@ -20,12 +20,11 @@ One subprocess (the device count must be set before JAX starts) runs every check
 
 from __future__ import annotations
 
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])  # the tests folder: paged_utils, output_utils
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
 from output_utils import assert_same_generations, generations
@@ -228,7 +227,7 @@ print("ok")
 
 
 def test_paged_engine_on_a_mesh_matches_one_device():
-  out = run_python(SCRIPT, HELPERS_DIR, timeout=1500)
+  out = run_python(SCRIPT, timeout=1500)
   assert out.strip().endswith("ok")
   assert out.count("backend") == 5  # three layouts, replicated pages, fp8 pages of the GPU layout
   assert "speculative" in out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 SAMPLER_SCRIPT = textwrap.dedent("""
     import os
@@ -149,7 +149,6 @@ PARTS = {"sampler": SAMPLER_SCRIPT, "engine": ENGINE_SCRIPT}
 RUNNER = """
 import os, sys, traceback
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
 for name, part in PARTS.items():
   print("BEGIN", name, flush=True)
   try:
@@ -163,7 +162,7 @@ for name, part in PARTS.items():
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, str]:
   """Each part's printed output (its traceback after ``FAILED`` where it failed)."""
-  out = run_python(f"PARTS = {PARTS!r}\n{RUNNER}", HELPERS_DIR)
+  out = run_python(f"PARTS = {PARTS!r}\n{RUNNER}")
   parts = {}
   for name in PARTS:
     assert f"END {name}" in out, out[-3000:]

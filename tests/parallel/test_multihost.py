@@ -10,17 +10,15 @@ both check them against one device of their own (no mesh).
 from __future__ import annotations
 
 import ast
-import os
 import socket
 import subprocess
 import sys
 
-from subprocess_utils import HELPERS_DIR
+from subprocess_utils import child_env
 
 WORKER = """
 import os, sys
 process_id, port = int(sys.argv[1]), sys.argv[2]
-sys.path.insert(0, sys.argv[3])  # the tests' helpers: step_shapes
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -51,11 +49,11 @@ def _free_port() -> int:
 
 
 def test_two_processes_form_one_mesh_and_generate_one_devices_tokens():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = child_env()
   port = str(_free_port())
   workers = [
     subprocess.Popen(
-      [sys.executable, "-c", WORKER, str(i), port, HELPERS_DIR],
+      [sys.executable, "-c", WORKER, str(i), port],
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

@@ -22,7 +22,7 @@ tests/worker/test_step_shapes.py): the sampler, most of the compile time, compil
 
 from __future__ import annotations
 
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 #: Measured max |logprob difference| against one device (a sum split over the model axis adds
 #: in another order; 2-core CPU): dense 1.9e-6 (tensor parallel) and 9.5e-7 (data parallel),
@@ -37,7 +37,6 @@ import jaxengine as je
 from jaxengine.models import token_logprobs
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles, tiny_llama
-sys.path.insert(0, sys.argv[2])  # the tests' helpers
 from step_shapes import one_shape  # each group's steps in its largest shape: one sampler, not two
 
 bound = float(sys.argv[1])
@@ -143,6 +142,6 @@ print("ok")
 
 
 def test_quantized_engines_on_a_mesh_match_one_device():
-  out = run_python(SCRIPT, str(LOGPROB_BOUND), HELPERS_DIR, timeout=600)
+  out = run_python(SCRIPT, str(LOGPROB_BOUND), timeout=600)
   assert out.strip().endswith("ok"), out
   assert "sleep ok" in out and out.count(" ok") == 3, out

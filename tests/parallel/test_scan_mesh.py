@@ -13,7 +13,7 @@ be set before JAX starts):
 
 from __future__ import annotations
 
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 #: A sum split over the model axis adds in another order (as tests/parallel/test_quantization_mesh.py).
 LOGPROB_BOUND = 1e-5
@@ -25,7 +25,6 @@ import jax, jax.numpy as jnp, numpy as np
 import jaxengine as je
 from jaxengine.models.weights import named_weights, state_leaves
 from jaxengine.testing import count_compiles, tiny_llama
-sys.path.insert(0, sys.argv[2])  # the tests' helpers
 from step_shapes import one_shape  # the steps in their largest shape: one sampler, not two
 
 bound = float(sys.argv[1])
@@ -85,5 +84,5 @@ print("ok")
 
 
 def test_a_scanned_engine_on_a_mesh_matches_one_device():
-  out = run_python(SCRIPT, str(LOGPROB_BOUND), HELPERS_DIR, timeout=600)
+  out = run_python(SCRIPT, str(LOGPROB_BOUND), timeout=600)
   assert out.strip().endswith("ok"), out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import textwrap
 
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 # Random batches using every feature on a 2 x 2 (data, model) mesh, rows and vocabulary both
 # split: greedy, seeded random, top-k (shallow, both deep lists, beyond them: bisection), top-p,
@@ -98,7 +98,6 @@ def test_vocabulary_sharded_sampler_matches_one_device():
 SMOLLM2_SCRIPT = textwrap.dedent("""
     import os, json, sys
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
-    sys.path.insert(0, sys.argv[2])  # the tests' helpers
     import jaxengine as je
     from step_shapes import one_shape
     fixture = json.load(open(sys.argv[1]))
@@ -121,4 +120,4 @@ def test_smollm2_under_tensor_parallel_3_gives_the_fixture_greedy_tokens():
   fixture = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "smollm2_greedy.json"
   )
-  assert run_python(SMOLLM2_SCRIPT, fixture, HELPERS_DIR).strip().endswith("ok")
+  assert run_python(SMOLLM2_SCRIPT, fixture).strip().endswith("ok")

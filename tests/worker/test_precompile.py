@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 from byte_tokenizer import chatml_byte_tokenizer
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 import jaxengine as je
 import jaxengine.entrypoints.llm as llm_module
@@ -150,9 +150,7 @@ def test_the_background_compile_covers_the_verify_steps_and_their_rejection_samp
 MESH_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])
 from byte_tokenizer import chatml_byte_tokenizer
-from subprocess_utils import HELPERS_DIR, run_python
 import jaxengine as je
 from jaxengine.entrypoints.background_compile import ServeCompile
 from jaxengine.testing import count_compiles, tiny_llama
@@ -180,7 +178,7 @@ def test_the_background_compile_on_a_mesh_leaves_nothing_to_compile():
   the runner's shardings (its weights', pages' and batch's own, host inputs replicated, logits as
   the steps declare them), so serving after it compiles nothing (before the shardings were
   mirrored: 8 compiles without drafts; data parallelism, checked by hand, 14, now 0)."""
-  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
+  out = run_python(MESH_SCRIPT, timeout=900)
   assert out.splitlines() == ["['speculative_config', 'tensor_parallel_size'] 0"]
 
 

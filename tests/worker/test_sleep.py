@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from output_utils import step_to_end
-from subprocess_utils import HELPERS_DIR, run_python
+from subprocess_utils import run_python
 
 import jaxengine as je
 from jaxengine.entrypoints.async_llm import AsyncLLM
@@ -332,7 +332,6 @@ def test_async_llm_sleeps_and_wakes_at_a_step_boundary(warm):
 MESH_SCRIPT = """
 import os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, sys.argv[1])  # the tests' helpers: step_shapes
 import jax
 import numpy as np
 import jaxengine as je
@@ -382,6 +381,6 @@ print("ok")
 
 
 def test_mesh_engines_sleep_and_wake_every_core_in_place():
-  out = run_python(MESH_SCRIPT, HELPERS_DIR, timeout=900)
+  out = run_python(MESH_SCRIPT, timeout=900)
   assert out.strip().endswith("ok")
   assert out.count("ok") == 3
