@@ -284,16 +284,10 @@ def test_two_device_mesh_gives_transformers_tokens(all_checkpoint, hf_outputs):
 def test_named_weights_give_back_the_checkpoint_tensors(all_checkpoint):
   """`named_weights` (what `LLM.load_weights` takes) returns every tensor the model read in the
   checkpoint's layout: the experts' ``(X, 2F, E)`` / ``(X, E, F)`` stacks transposed back."""
-  import safetensors.numpy
-
-  from jaxengine.models import named_weights
+  from weight_checks import assert_named_weights_are_the_checkpoint
 
   model, _ = load_safetensors(all_checkpoint[1])
-  tensors = safetensors.numpy.load_file(all_checkpoint[1] / "model.safetensors")
-  named = {name: np.asarray(value) for name, value in named_weights(model)}
-  assert named.keys() == tensors.keys()
-  for name, value in named.items():
-    np.testing.assert_array_equal(value, tensors[name], err_msg=name)
+  assert_named_weights_are_the_checkpoint(model, all_checkpoint[1])
 
 
 def test_lora_adapter_matches_transformers_with_peft(all_checkpoint, hf_outputs, tmp_path):

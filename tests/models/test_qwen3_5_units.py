@@ -135,15 +135,11 @@ def test_named_weights_give_back_the_checkpoint_tensors(checkpoint):
   layout: ``in_proj_qkv``'s and ``conv1d``'s rows back in ``[q | k | v]`` order from the
   model's key-head groups (which differ from it: 2 key heads)."""
   import safetensors.numpy
-
-  from jaxengine.models import named_weights
+  from weight_checks import assert_named_weights_are_the_checkpoint
 
   model, _ = load_safetensors(checkpoint[0])
+  assert_named_weights_are_the_checkpoint(model, checkpoint[0])
   tensors = safetensors.numpy.load_file(checkpoint[0] / "model.safetensors")
-  named = {name: np.asarray(value) for name, value in named_weights(model)}
-  assert named.keys() == tensors.keys()
-  for name, value in named.items():
-    np.testing.assert_array_equal(value, tensors[name], err_msg=name)
   stored = np.asarray(model.layers[0].mixer.w_qkv[...])
   assert not np.array_equal(stored, tensors["model.layers.0.linear_attn.in_proj_qkv.weight"])
 
