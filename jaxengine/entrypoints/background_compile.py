@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
-import numpy as np
 
 from jaxengine.aot.executables import Executable, engine_executables
 from jaxengine.batch import InputBatch
@@ -47,6 +46,7 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine_config import EngineConfig
 from jaxengine.lora import LoRAManager
 from jaxengine.worker.buckets import FULL_ROWS_MIN_TOKENS, StepShape, StepShapes, sample_rows
+from jaxengine.worker.compile_beside import abstract
 from jaxengine.worker.device_steps import DeviceSteps
 from jaxengine.worker.placement import MeshPlacement
 
@@ -103,14 +103,9 @@ class RunnerParts:
     return None if self.placement is None else self.placement.step_inputs_shardings(inputs_type)
 
   def _spec(self, x: Any, shape_sharding: Any) -> Any:
-    if isinstance(x, jax.Array):  # uncommitted: a host array put on the default device
-      sharding = x.sharding if x.committed else self.input_sharding
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-    if isinstance(x, np.ndarray) and self.input_sharding is not None:
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.input_sharding)
     if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None and shape_sharding is not None:
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shape_sharding)
-    return x
+    return abstract(x, self.input_sharding)  # an array as the runner passes it
 
 
 def _sample_rows_of(executable: Executable) -> int | None:

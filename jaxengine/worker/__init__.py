@@ -15,6 +15,7 @@ multi_step.py         k ragged decode steps in one device loop (num_decode_steps
                       on the device
 verify_step.py        speculative decoding on the device: drafts as query tokens, the verify step
 device_steps.py       the steps jitted once per model structure and placement, shared by runners
+compile_beside.py     a new row bucket's sampler compiled on a thread beside its step's model part
 sleep_mode.py         sleep and wake: freeing the pages, weights to host memory and back
 outputs.py            `StepOutput` (a step on the host), `InFlightStep` (dispatched, not read)
 model_runner.py       `ModelRunner`: the model, pages and jitted steps; a `SchedulerOutput` in,

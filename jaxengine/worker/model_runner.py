@@ -8,15 +8,14 @@ all of them, then the sampler on the rows whose last known token was computed). 
 scheduler's `KVCacheManager` hands them out; each `SchedulerOutput` carries the tables that
 changed, which the batch's `BlockTable` keeps for the rows: the step's inputs read it).
 
-Each job around the step lives in a module of its own, which the runner wires together: the
-served module and `load_weights` (`worker/weight_loader.py`), the LoRA manager
-(`worker/lora_loader.py`), the pool's backend and size (`worker/kv_cache_pool.py`), the jitted
-steps (`worker/device_steps.py`: pure functions of model structure, shapes and shardings,
-buildable without device arrays), each step's inputs (`worker/step_inputs.py`, `multi_step.py`,
-`verify_step.py`), prompt logprobs (`worker/prompt_logprobs.py`), routed experts
-(`worker/routed_experts.py`), precompiling (`worker/precompile.py`), the buckets
-(`worker/buckets.py`) and sleep (`worker/sleep_mode.py`: buffers freed and put back with the same
-shapes, shardings and commitment, so waking compiles nothing).
+Each job around the step lives in a module of its own, which the runner wires together (in
+`worker/`): the served module and `load_weights` (`weight_loader.py`), the LoRA manager
+(`lora_loader.py`), the pool's backend and size (`kv_cache_pool.py`), the jitted steps
+(`device_steps.py`: pure functions of structure, shapes and shardings), each step's inputs
+(`step_inputs.py`, `multi_step.py`, `verify_step.py`), prompt logprobs (`prompt_logprobs.py`),
+routed experts (`routed_experts.py`), precompiling (`precompile.py`), a new sampler compiled
+beside the model (`compile_beside.py`), the buckets (`buckets.py`) and sleep (`sleep_mode.py`:
+buffers freed and put back with the same shapes, shardings and commitment: waking compiles none).
 
 Compiles are bounded by the buckets (`worker/buckets.py`): a model step per (token bucket, row
 bucket) reached (and one with prompt logprobs), a sampler per row bucket of 8 rows or more, a
@@ -49,7 +48,8 @@ from jaxengine.models.kv_pages import PagedKVCache
 from jaxengine.worker import buckets as step_buckets
 from jaxengine.worker import recurrent_state, sleep_mode
 from jaxengine.worker.buckets import PROMOTE_AFTER, StepShape, StepShapes, bucket, buckets
-from jaxengine.worker.device_steps import placed_device_steps, ragged_step, ragged_verify_step
+from jaxengine.worker.compile_beside import SamplerBeside
+from jaxengine.worker.device_steps import placed_device_steps, ragged_verify_step
 from jaxengine.worker.kv_cache_pool import cache_groups
 from jaxengine.worker.lora_loader import lora_manager
 from jaxengine.worker.multi_step import DeviceStopRules, decode_steps_inputs
@@ -148,6 +148,7 @@ class ModelRunner:
     self.rejection_sample_produced = steps.rejection_sample_produced
     #: Where the step's host inputs go: replicated on a mesh, else None (the default device).
     self.input_sharding = self.placement.replicated if self.placement is not None else None
+    self._beside = SamplerBeside.of(model.vocab_size, self.placement)
     self.num_speculative_tokens = config.num_speculative_tokens  # draft slots per row
 
   @property
@@ -368,9 +369,8 @@ class ModelRunner:
     `InputBatch.dispatch_step`, the one call site of `dispatch` and `worker/precompile.py`; keeps
     the new cache. The pending step's `extra` is `(kv_cache, prompt LogprobsTensors or None)`."""
     # The runner's attributes, read now: a test may wrap one (`tests/test_engine.py`).
-    if drafts is None:
-      step = functools.partial(ragged_step, self.ragged_forward, self.sample_produced)
-    else:
+    step = self._beside.ragged_step(self.ragged_forward, self.sample_produced)
+    if drafts is not None:
       step = functools.partial(
         ragged_verify_step, self.verify_forward, self.rejection_sample_produced
       )

@@ -1,0 +1,98 @@
+"""A new row bucket's sampler compiles beside the model part of its step
+(`jaxengine/worker/compile_beside.py`): once, on the compiling thread, and the sampler's own call
+then compiles nothing; a compile that fails there is left to the call; the tokens are the same.
+
+A tiny Llama with a vocabulary no other module's sampler has, so every sampler compile here is
+this module's own (JAX's in-memory caches are per process).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import pytest
+from output_utils import step_to_end
+
+import jaxengine as je
+from jaxengine.engine import LLMEngine
+from jaxengine.testing import BACKEND_COMPILE_EVENT, tiny_llama
+from jaxengine.worker import compile_beside
+from jaxengine.worker.buckets import MIN_SAMPLE_ROWS
+
+VOCAB = 203
+BESIDE = "jaxengine-beside_0"  # `ThreadPoolExecutor` numbers its one thread
+
+
+class _Compiles:
+  """Every backend compile while active: `(function name, thread name)`."""
+
+  def __init__(self) -> None:
+    self.seen: list[tuple[str, str]] = []
+
+  def _listen(self, event: str, duration: float, fun_name: str = "", **kwargs) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+      self.seen.append((fun_name, threading.current_thread().name))
+
+  def of(self, fun_name: str) -> list[str]:
+    """The threads that compiled `fun_name`, in order."""
+    return [thread for name, thread in self.seen if name == fun_name]
+
+  def __enter__(self) -> _Compiles:
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def _run(engine: LLMEngine, num_requests: int, first: int = 0) -> list[list[int]]:
+  params = je.SamplingParams(temperature=0.8, seed=7, max_tokens=3, ignore_eos=True)
+  for i in range(first, first + num_requests):
+    engine.add_request(f"r{i}", [5 + i, 6, 7], params)
+  return [list(o.outputs[0].token_ids) for o in sorted(step_to_end(engine), key=_index)]
+
+
+def _index(output) -> int:
+  return int(output.request_id[1:])
+
+
+def _engine(max_model_len: int) -> LLMEngine:
+  model, _ = tiny_llama(vocab_size=VOCAB)
+  return LLMEngine(model, None, max_num_reqs=16, max_model_len=max_model_len)
+
+
+def test_each_new_sampler_bucket_compiles_once_on_the_compiling_thread():
+  engine = _engine(max_model_len=64)
+  with _Compiles() as compiles:
+    _run(engine, 1)  # the first sampler bucket (MIN_SAMPLE_ROWS rows)
+    assert compiles.of("jit(sample_produced)") == [BESIDE]
+    assert BESIDE not in compiles.of("jit(ragged_forward)")  # the model: the engine's thread
+    _run(engine, 1, first=1)  # the same bucket: nothing more
+    assert compiles.of("jit(sample_produced)") == [BESIDE]
+    _run(engine, MIN_SAMPLE_ROWS + 1, first=2)  # a larger bucket: its own, once
+    assert compiles.of("jit(sample_produced)") == [BESIDE, BESIDE]
+  # The calls found what the thread compiled: one entry in the jitted sampler's cache a bucket.
+  assert engine.runner.sample_produced._cache_size() == 2
+
+
+def test_a_compile_that_fails_on_the_thread_is_left_to_the_call(monkeypatch):
+  expected = _run(_engine(max_model_len=96), MIN_SAMPLE_ROWS + 2)
+
+  def fail(jitted, *args):
+    raise RuntimeError("the compiling thread failed")
+
+  monkeypatch.setattr(compile_beside, "_compile", fail)
+  jax.clear_caches()  # the sampler compiles again, now on the engine's thread
+  engine = _engine(max_model_len=96)
+  with _Compiles() as compiles:
+    assert _run(engine, MIN_SAMPLE_ROWS + 2) == expected
+  assert compiles.of("jit(sample_produced)") == ["MainThread"]
+
+
+@pytest.mark.parametrize("rows", [1, MIN_SAMPLE_ROWS + 1])
+def test_the_tokens_are_those_of_a_sampler_compiled_on_the_engine_thread(monkeypatch, rows):
+  beside = _run(_engine(max_model_len=128), rows)
+  monkeypatch.setattr(compile_beside.SamplerBeside, "_started", lambda self, sample, *a: sample)
+  jax.clear_caches()
+  assert _run(_engine(max_model_len=128), rows) == beside
