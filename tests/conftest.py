@@ -15,6 +15,11 @@ import time
 # every test process would try to start a TPU backend first. Set before any backend starts (the
 # imports below start none); a run that wants a TPU sets JAX_PLATFORMS itself.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The run's two workers keep both cores busy: a sampler compiled on a thread beside the model's
+# compile would only contend with it (`jaxengine/worker/compile_beside.py`; its own tests turn it
+# on). Measured with it on: the same compiles, module for module, the engine modules 10-40%
+# slower.
+os.environ.setdefault("JAXENGINE_COMPILE_BESIDE", "off")
 
 import jax
 import pytest

@@ -19,6 +19,13 @@ of its own while the engine's thread compiles the model, the two side by side:
 
 Every step with a new sampler bucket takes this path (`worker/precompile.py`'s too). With the
 persistent compilation cache warm, the two are each a trace and a cache read, side by side too.
+
+It pays where a core is idle while XLA compiles: a fresh process's first `generate` on a quiet
+2-core CPU host took about a second less (`docs/performance.md`, "The sampler beside the model").
+Where every core is already busy (several engine processes on a small host, as the test suite's
+two workers on two cores) the two compiles only contend, each slower: set
+``JAXENGINE_COMPILE_BESIDE=off`` (read when a runner is built) to compile the sampler on the
+engine's thread, as before.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,8 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.compilation_cache import is_off
 from jaxengine.worker.device_steps import ragged_step
 from jaxengine.worker.placement import MeshPlacement
+
+#: The environment variable that turns compiling beside off (``off``, ``0``, ``false``, ``no``).
+ENV_VAR = "JAXENGINE_COMPILE_BESIDE"
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -79,19 +91,22 @@ class SamplerBeside:
     vocab_size: the logits' last axis (`V`).
     logits_sharding: the model part's logits' sharding on a mesh, else None (one device).
     input_sharding: where the runner's host inputs go (replicated on a mesh, else None).
+    enabled: False: every sampler compiles on the engine's thread, when its call meets it.
   """
 
   vocab_size: int
   logits_sharding: Any = None
   input_sharding: Any = None
+  enabled: bool = True
   _rows: set[int] = dataclasses.field(default_factory=set)
 
   @classmethod
   def of(cls, vocab_size: int, placement: MeshPlacement | None) -> SamplerBeside:
-    """A runner's, on `placement`'s mesh (None: one device)."""
+    """A runner's, on `placement`'s mesh (None: one device); off where `ENV_VAR` says so."""
+    enabled = not is_off(os.environ.get(ENV_VAR, "on"))
     if placement is None:
-      return cls(vocab_size)
-    return cls(vocab_size, placement.logits_sharding(vocab_size), placement.replicated)
+      return cls(vocab_size, enabled=enabled)
+    return cls(vocab_size, placement.logits_sharding(vocab_size), placement.replicated, enabled)
 
   def ragged_step(self, forward: Callable[..., Any], sample: Callable[..., Any]) -> Callable:
     """`device_steps.ragged_step` with `forward` and `sample` bound, whose sampler, on a new
@@ -101,7 +116,7 @@ class SamplerBeside:
   def _step(
     self, forward, sample, state, metadata, weights, kv_cache, inputs, num_rows, prompt_logprobs
   ):
-    if num_rows not in self._rows and hasattr(sample, "lower"):  # a jitted sampler
+    if self.enabled and num_rows not in self._rows and hasattr(sample, "lower"):  # jitted
       self._rows.add(num_rows)
       sample = self._started(sample, state, metadata, inputs.produces, num_rows)
     return ragged_step(

@@ -1,6 +1,7 @@
 """A new row bucket's sampler compiles beside the model part of its step
 (`jaxengine/worker/compile_beside.py`): once, on the compiling thread, and the sampler's own call
-then compiles nothing; a compile that fails there is left to the call; the tokens are the same.
+then compiles nothing; a compile that fails there is left to the call; the tokens are the same;
+``JAXENGINE_COMPILE_BESIDE=off`` compiles on the engine's thread.
 
 A tiny Llama with a vocabulary no other module's sampler has, so every sampler compile here is
 this module's own (JAX's in-memory caches are per process).
@@ -57,6 +58,12 @@ def _index(output) -> int:
   return int(output.request_id[1:])
 
 
+@pytest.fixture(autouse=True)
+def _beside(monkeypatch):
+  """On for this module (the suite turns it off: `tests/conftest.py`)."""
+  monkeypatch.setenv(compile_beside.ENV_VAR, "on")
+
+
 def _engine(max_model_len: int) -> LLMEngine:
   model, _ = tiny_llama(vocab_size=VOCAB)
   return LLMEngine(model, None, max_num_reqs=16, max_model_len=max_model_len)
@@ -87,6 +94,14 @@ def test_a_compile_that_fails_on_the_thread_is_left_to_the_call(monkeypatch):
   engine = _engine(max_model_len=96)
   with _Compiles() as compiles:
     assert _run(engine, MIN_SAMPLE_ROWS + 2) == expected
+  assert compiles.of("jit(sample_produced)") == ["MainThread"]
+
+
+def test_the_switch_off_compiles_the_sampler_on_the_engine_thread(monkeypatch):
+  monkeypatch.setenv(compile_beside.ENV_VAR, "off")
+  engine = _engine(max_model_len=80)
+  with _Compiles() as compiles:
+    _run(engine, 1)
   assert compiles.of("jit(sample_produced)") == ["MainThread"]
 
 
