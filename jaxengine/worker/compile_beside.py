@@ -5,8 +5,8 @@ A plain step is two executables dispatched back to back (`worker/device_steps.py
 `sample_rows`. The first step of a new shape compiles both on the engine's thread, one after the
 other, and in a fresh process most of the first `generate` is those compiles (SmolLM2-135M on a
 2-core CPU host: about 2.5 s of XLA for each model shape and 3 s for the sampler). XLA compiles
-one executable on about one core, so `SamplerBeside` compiles a row bucket's sampler on a thread
-of its own while the engine's thread compiles the model, the two side by side:
+one executable on few of a host's cores (about 1.4 of a 2-core VM's), so `SamplerBeside` compiles
+a row bucket's sampler on a thread of its own while the engine's thread compiles the model:
 
 - the sampler's compile starts when the step is called, lowered from the very arguments the
   sampler gets (`abstract`: shapes, dtypes, weak types, shardings; the logits as the model part
