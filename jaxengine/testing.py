@@ -12,6 +12,7 @@ light import.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import TYPE_CHECKING, Any
 
 import jax.monitoring
@@ -36,17 +37,22 @@ class CompileCounter:
   Attributes:
     count: compiles seen while active.
     seconds: their total backend compile time.
+    compiled: each of them as `(function name, thread name)` (e.g. ``("jit(sample_produced)",
+      "MainThread")``), in the order they ended.
   """
 
   def __init__(self) -> None:
     self.count = 0
     self.seconds = 0.0
+    self.compiled: list[tuple[str, str]] = []
     self._active = False
 
-  def _listen(self, event: str, duration_secs: float, **kwargs) -> None:
+  def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
     if self._active and event == BACKEND_COMPILE_EVENT:
       self.count += 1
       self.seconds += duration_secs
+      name = str(kwargs.get("fun_name", ""))  # JAX names the jitted function
+      self.compiled.append((name, threading.current_thread().name))
 
   def start(self) -> CompileCounter:
     """Starts counting (registers a `jax.monitoring` listener); returns self."""
@@ -62,8 +68,9 @@ class CompileCounter:
       jax.monitoring.unregister_event_duration_listener(self._listen)
 
   def reset(self) -> None:
-    """Sets the count and time back to zero."""
+    """Sets the count and time back to zero and forgets the compiles seen."""
     self.count, self.seconds = 0, 0.0
+    self.compiled.clear()
 
   def __enter__(self) -> CompileCounter:
     return self.start()

@@ -8,7 +8,6 @@ reference.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
@@ -27,11 +26,10 @@ from paged_utils import slot_step
 from jaxengine.models import PagedKVCache, gguf_loader, llama, sequence_logits
 from jaxengine.models.attention_backends import XlaAttentionBackend
 from jaxengine.models.weights import WeightSpec, unpermute_rotary_rows
-from jaxengine.testing import tiny_llama, tiny_llama_config
+from jaxengine.testing import count_compiles, tiny_llama, tiny_llama_config
 
 # Reference outputs of an independent PyTorch implementation (see tests/fixtures/README.md).
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # Jitted once per session; graphdef is static, so each model structure compiles its own executable.
 forward_jit = jax.jit(llama.forward, static_argnums=0)
@@ -51,23 +49,6 @@ def _model_path() -> str:
     return gguf_loader.default_model_path()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-
-
-@contextlib.contextmanager
-def count_compiles():
-  """Counts XLA backend compiles inside the block: ``with count_compiles() as n: ...; n[0]``."""
-  count = [0]
-
-  def listener(event: str, duration_secs: float, **kwargs):
-    del duration_secs, kwargs
-    if event == BACKEND_COMPILE_EVENT:
-      count[0] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield count
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def i32(x) -> jax.Array:
@@ -320,7 +301,7 @@ def test_decode_steps_do_not_recompile(tiny):
     for pos in range(1, 6):
       cache = step(cache, pos + 10, pos)
     jax.block_until_ready(cache)
-  assert num_compiles[0] == 0
+  assert num_compiles.count == 0
 
 
 def test_bfloat16_tiny_model_dtypes():

@@ -9,42 +9,28 @@ this module's own (JAX's in-memory caches are per process).
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import pytest
 from output_utils import step_to_end
 
 import jaxengine as je
 from jaxengine.engine import LLMEngine
-from jaxengine.testing import BACKEND_COMPILE_EVENT, tiny_llama
+from jaxengine.testing import CompileCounter, count_compiles, tiny_llama
 from jaxengine.worker import compile_beside
 from jaxengine.worker.buckets import MIN_SAMPLE_ROWS
 
 VOCAB = 203
-BESIDE = "jaxengine-beside_0"  # `ThreadPoolExecutor` numbers its one thread
+BESIDE = "beside"  # the compiling thread (`ThreadPoolExecutor` names it "jaxengine-beside_0")
 
 
-class _Compiles:
-  """Every backend compile while active: `(function name, thread name)`."""
-
-  def __init__(self) -> None:
-    self.seen: list[tuple[str, str]] = []
-
-  def _listen(self, event: str, duration: float, fun_name: str = "", **kwargs) -> None:
-    if event == BACKEND_COMPILE_EVENT:
-      self.seen.append((fun_name, threading.current_thread().name))
-
-  def of(self, fun_name: str) -> list[str]:
-    """The threads that compiled `fun_name`, in order."""
-    return [thread for name, thread in self.seen if name == fun_name]
-
-  def __enter__(self) -> _Compiles:
-    jax.monitoring.register_event_duration_secs_listener(self._listen)
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    jax.monitoring.unregister_event_duration_listener(self._listen)
+def _threads(compiles: CompileCounter, fun_name: str) -> list[str]:
+  """The threads that compiled `fun_name`, in the order the compiles ended (the compiling
+  thread as `BESIDE`)."""
+  return [
+    BESIDE if thread.startswith("jaxengine-beside") else thread
+    for name, thread in compiles.compiled
+    if name == fun_name
+  ]
 
 
 def _run(engine: LLMEngine, num_requests: int, first: int = 0) -> list[list[int]]:
@@ -71,14 +57,14 @@ def _engine(max_model_len: int) -> LLMEngine:
 
 def test_each_new_sampler_bucket_compiles_once_on_the_compiling_thread():
   engine = _engine(max_model_len=64)
-  with _Compiles() as compiles:
+  with count_compiles() as compiles:
     _run(engine, 1)  # the first sampler bucket (MIN_SAMPLE_ROWS rows)
-    assert compiles.of("jit(sample_produced)") == [BESIDE]
-    assert BESIDE not in compiles.of("jit(ragged_forward)")  # the model: the engine's thread
+    assert _threads(compiles, "jit(sample_produced)") == [BESIDE]
+    assert BESIDE not in _threads(compiles, "jit(ragged_forward)")  # the model: the engine's thread
     _run(engine, 1, first=1)  # the same bucket: nothing more
-    assert compiles.of("jit(sample_produced)") == [BESIDE]
+    assert _threads(compiles, "jit(sample_produced)") == [BESIDE]
     _run(engine, MIN_SAMPLE_ROWS + 1, first=2)  # a larger bucket: its own, once
-    assert compiles.of("jit(sample_produced)") == [BESIDE, BESIDE]
+    assert _threads(compiles, "jit(sample_produced)") == [BESIDE, BESIDE]
   # The calls found what the thread compiled: one entry in the jitted sampler's cache a bucket.
   assert engine.runner.sample_produced._cache_size() == 2
 
@@ -92,17 +78,17 @@ def test_a_compile_that_fails_on_the_thread_is_left_to_the_call(monkeypatch):
   monkeypatch.setattr(compile_beside, "_compile", fail)
   jax.clear_caches()  # the sampler compiles again, now on the engine's thread
   engine = _engine(max_model_len=96)
-  with _Compiles() as compiles:
+  with count_compiles() as compiles:
     assert _run(engine, MIN_SAMPLE_ROWS + 2) == expected
-  assert compiles.of("jit(sample_produced)") == ["MainThread"]
+  assert _threads(compiles, "jit(sample_produced)") == ["MainThread"]
 
 
 def test_the_switch_off_compiles_the_sampler_on_the_engine_thread(monkeypatch):
   monkeypatch.setenv(compile_beside.ENV_VAR, "off")
   engine = _engine(max_model_len=80)
-  with _Compiles() as compiles:
+  with count_compiles() as compiles:
     _run(engine, 1)
-  assert compiles.of("jit(sample_produced)") == ["MainThread"]
+  assert _threads(compiles, "jit(sample_produced)") == ["MainThread"]
 
 
 @pytest.mark.parametrize("rows", [1, MIN_SAMPLE_ROWS + 1])
